@@ -1,0 +1,67 @@
+"""The queue engine: queues inside PostgreSQL (and SQL Server), without Airflow.
+
+>>> from airflow_dbqueue.engine import DbQueue
+>>> with DbQueue("postgresql://localhost/app") as dbq:          # doctest: +SKIP
+...     dbq.install()
+...     q = dbq.create_queue("orders")
+...     q.push({"order": 1})
+...     [m] = q.pop(semantics="at-least-once")
+...     q.ack([m])
+"""
+
+from airflow_dbqueue.engine.client import DSN_ENV, DbQueue
+from airflow_dbqueue.engine.errors import (
+    ConfigurationError,
+    DatabaseError,
+    DatabaseUnavailableError,
+    DbQueueError,
+    InvalidNameError,
+    LeaseExpiredError,
+    PayloadError,
+    PayloadTooLargeError,
+    PayloadTypeError,
+    QueueExistsError,
+    QueueFullError,
+    QueueNotFoundError,
+    SchemaError,
+    TransactionRequiredError,
+)
+from airflow_dbqueue.engine.models import (
+    Design,
+    FailedMessage,
+    Message,
+    NotifyMode,
+    PayloadType,
+    QueueSettings,
+    QueueStats,
+    Semantics,
+)
+from airflow_dbqueue.engine.queue import Queue
+
+__all__ = [
+    "DSN_ENV",
+    "ConfigurationError",
+    "DatabaseError",
+    "DatabaseUnavailableError",
+    "DbQueue",
+    "DbQueueError",
+    "Design",
+    "FailedMessage",
+    "InvalidNameError",
+    "LeaseExpiredError",
+    "Message",
+    "NotifyMode",
+    "PayloadError",
+    "PayloadTooLargeError",
+    "PayloadType",
+    "PayloadTypeError",
+    "Queue",
+    "QueueExistsError",
+    "QueueFullError",
+    "QueueNotFoundError",
+    "QueueSettings",
+    "QueueStats",
+    "SchemaError",
+    "Semantics",
+    "TransactionRequiredError",
+]

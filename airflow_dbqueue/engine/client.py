@@ -1,0 +1,232 @@
+"""``DbQueue``: the engine's entry point. Creates, opens and drops queues in one schema."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
+from airflow_dbqueue.engine.errors import ConfigurationError, QueueExistsError, QueueNotFoundError
+from airflow_dbqueue.engine.models import Design, NotifyMode, PayloadType, QueueSettings
+from airflow_dbqueue.engine.names import validate_queue_name
+from airflow_dbqueue.engine.table import TableQueue
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    import psycopg
+
+    from airflow_dbqueue.engine.queue import Queue
+
+DSN_ENV = "DBQUEUE_DSN"
+MAX_PAYLOAD_LIMIT = 256 * 1024 * 1024
+
+_SETTINGS_COLUMNS = (
+    "queue_id",
+    "name",
+    "design",
+    "payload_type",
+    "max_payload_bytes",
+    "max_attempts",
+    "visibility_timeout_s",
+    "retry_backoff_s",
+    "retry_backoff_max_s",
+    "notify",
+    "archive",
+)
+
+
+def _settings_from_row(row: tuple[Any, ...]) -> QueueSettings:
+    d = dict(zip(_SETTINGS_COLUMNS, row, strict=True))
+    return QueueSettings(
+        name=d["name"],
+        queue_id=d["queue_id"],
+        design=Design(d["design"]),
+        payload_type=PayloadType(d["payload_type"]),
+        max_payload_bytes=d["max_payload_bytes"],
+        max_attempts=d["max_attempts"],
+        visibility_timeout_s=d["visibility_timeout_s"],
+        retry_backoff_s=d["retry_backoff_s"],
+        retry_backoff_max_s=d["retry_backoff_max_s"],
+        notify=NotifyMode(d["notify"]),
+        archive=d["archive"],
+    )
+
+
+class DbQueue:
+    """Queues in one schema of one database.
+
+    Constructing it does no I/O; the connection pool opens on first use. Use it as a context
+    manager, or call :meth:`close`.
+
+    :param dsn: connection string (libpq keyword/value or URI). Defaults to ``$DBQUEUE_DSN``.
+    :param schema: schema holding the queue tables.
+    :param pool_size: most connections the pool opens.
+    :param connect_timeout: seconds before an unreachable database raises DatabaseUnavailableError.
+    """
+
+    def __init__(
+        self,
+        dsn: str | None = None,
+        *,
+        schema: str = "dbqueue",
+        pool_size: int = 10,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        dsn = dsn or os.environ.get(DSN_ENV)
+        if not dsn:
+            raise ConfigurationError(
+                f"no database given: pass a DSN or set ${DSN_ENV} (or use airflow_dbqueue.engine.embedded)"
+            )
+        self.db = PostgresDatabase(
+            dsn, schema=schema, min_size=1, max_size=pool_size, connect_timeout=connect_timeout
+        )
+        self.schema = self.db.schema
+        self._queues: dict[str, Queue] = {}
+
+    def __enter__(self) -> DbQueue:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self.db.close()
+
+    # -- schema ------------------------------------------------------------------------------------
+
+    def install(self) -> int:
+        """Create or migrate the queue schema (idempotent, safe to run concurrently); return its version."""
+        return self.db.install()
+
+    def uninstall(self) -> None:
+        """Drop the schema with every queue and message in it."""
+        self.db.drop_schema()
+        self._queues.clear()
+
+    # -- queues ------------------------------------------------------------------------------------
+
+    def create_queue(
+        self,
+        name: str,
+        *,
+        design: Design | str = Design.TABLE,
+        payload_type: PayloadType | str = PayloadType.JSON,
+        max_payload_bytes: int = 1024 * 1024,
+        max_attempts: int = 5,
+        visibility_timeout: float = 30.0,
+        retry_backoff: float = 1.0,
+        retry_backoff_max: float = 300.0,
+        notify: NotifyMode | str = NotifyMode.AUTO,
+        archive: bool = True,
+        exist_ok: bool = True,
+    ) -> Queue:
+        """Create a queue (idempotently) and return it.
+
+        With ``exist_ok`` (the default) an existing queue with the same settings is returned; one
+        with different settings raises :class:`QueueExistsError`, so a DAG cannot silently run
+        against a queue configured differently from what it declares.
+        """
+        name = validate_queue_name(name)
+        try:
+            wanted = QueueSettings(
+                name=name,
+                queue_id=0,
+                design=Design(design),
+                payload_type=PayloadType(payload_type),
+                max_payload_bytes=int(max_payload_bytes),
+                max_attempts=int(max_attempts),
+                visibility_timeout_s=float(visibility_timeout),
+                retry_backoff_s=float(retry_backoff),
+                retry_backoff_max_s=float(retry_backoff_max),
+                notify=NotifyMode(notify),
+                archive=bool(archive),
+            )
+        except ValueError as exc:
+            raise ConfigurationError(f"queue {name!r}: {exc}") from None
+        if wanted.design is not Design.TABLE:
+            raise ConfigurationError(f"queue {name!r}: design {wanted.design.value!r} is not available yet")
+        if not 0 < wanted.max_payload_bytes <= MAX_PAYLOAD_LIMIT:
+            raise ConfigurationError(
+                f"queue {name!r}: max_payload_bytes must be in 1..{MAX_PAYLOAD_LIMIT}, "
+                f"got {max_payload_bytes}"
+            )
+        if wanted.max_attempts < 1 or wanted.visibility_timeout_s <= 0 or wanted.retry_backoff_s < 0:
+            raise ConfigurationError(
+                f"queue {name!r}: need max_attempts >= 1, visibility_timeout > 0 and retry_backoff >= 0"
+            )
+        if wanted.retry_backoff_max_s < wanted.retry_backoff_s:
+            raise ConfigurationError(f"queue {name!r}: retry_backoff_max must be >= retry_backoff")
+        params = {f.name: getattr(wanted, f.name) for f in dataclasses.fields(wanted)}
+        params["design"] = wanted.design.value
+        params["payload_type"] = wanted.payload_type.value
+        params["notify"] = wanted.notify.value
+        created = self.db.fetchone("create_queue", params)
+        self._queues.pop(name, None)
+        queue = self.queue(name)
+        if created is None:
+            existing = dataclasses.replace(queue.settings, queue_id=0)
+            if existing != wanted:
+                if not exist_ok:
+                    raise QueueExistsError(f"queue {name!r} already exists in schema {self.schema!r}")
+                diff = {
+                    f.name: (getattr(existing, f.name), getattr(wanted, f.name))
+                    for f in dataclasses.fields(wanted)
+                    if getattr(existing, f.name) != getattr(wanted, f.name)
+                }
+                raise QueueExistsError(
+                    f"queue {name!r} exists in schema {self.schema!r} with other settings "
+                    f"(existing, requested): {diff}"
+                )
+            if not exist_ok:
+                raise QueueExistsError(f"queue {name!r} already exists in schema {self.schema!r}")
+        else:
+            self.db.execute("analyze")
+        return queue
+
+    def queue(self, name: str) -> Queue:
+        """Return the named queue (settings loaded once); raise :class:`QueueNotFoundError` if missing."""
+        q = self._queues.get(name)
+        if q is None:
+            row = self.db.fetchone("get_queue", {"name": validate_queue_name(name)})
+            if row is None:
+                raise QueueNotFoundError(name, self.schema)
+            q = self._open(_settings_from_row(row))
+            self._queues[name] = q
+        return q
+
+    def _open(self, settings: QueueSettings) -> Queue:
+        return TableQueue(self.db, settings)
+
+    def list_queues(self) -> list[QueueSettings]:
+        """Return the settings of every queue in the schema."""
+        return [_settings_from_row(r) for r in self.db.fetchall("list_queues")]
+
+    def drop_queue(self, name: str, *, missing_ok: bool = False) -> bool:
+        """Drop a queue with all its messages (ready, in flight, failed, finished and archived)."""
+        try:
+            q = self.queue(name)
+        except QueueNotFoundError:
+            if missing_ok:
+                return False
+            raise
+        self._queues.pop(name, None)
+        return self.db.fetchone("drop_queue", {"queue_id": q.settings.queue_id}) is not None
+
+    # -- exactly-once ------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[psycopg.Connection[Any]]:
+        """Yield a connection in a transaction for exactly-once work.
+
+        Pop with ``semantics="exactly-once", conn=conn`` and write your results with the same
+        ``conn``: both commit together when the block ends, or roll back together on an exception.
+        """
+        with self.db.transaction() as conn:
+            yield conn

@@ -1,0 +1,1 @@
+"""Database dialects: each holds all of one database's SQL (in ``.sql`` files) and its driver."""

@@ -1,0 +1,319 @@
+"""PostgreSQL through psycopg 3: connection pool, named queries, error translation, LISTEN/NOTIFY.
+
+Every statement the engine runs on PostgreSQL is a named block in ``queries.sql`` or ``schema.sql``
+beside this file; this module only composes (schema name quoted by psycopg) and executes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import threading
+from collections.abc import Iterator, Mapping
+from importlib import resources
+from typing import Any
+
+import psycopg
+import psycopg.errors
+from psycopg import sql
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from airflow_dbqueue.engine.errors import (
+    DatabaseError,
+    DatabaseUnavailableError,
+    DbQueueError,
+    SchemaError,
+)
+from airflow_dbqueue.engine.names import validate_schema_name
+from airflow_dbqueue.engine.sqlfile import load_queries, parse_named_queries, read_text
+
+log = logging.getLogger(__name__)
+
+_PKG = __package__ or "airflow_dbqueue.engine.dialects.postgres"
+_MIGRATION_FILE = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
+
+
+def migrations() -> list[tuple[int, str]]:
+    """Return ``[(version, sql)]`` of every migration file, in order."""
+    found = []
+    for entry in resources.files(_PKG).joinpath("migrations").iterdir():
+        m = _MIGRATION_FILE.match(entry.name)
+        if m:
+            found.append((int(m.group(1)), parse_named_queries(entry.read_text(encoding="utf-8"))["migrate"]))
+    found.sort()
+    versions = [v for v, _ in found]
+    if versions != list(range(1, len(versions) + 1)):
+        raise SchemaError(f"migration files are not numbered 1..n without gaps: {versions}")
+    return found
+
+
+def schema_sql() -> tuple[int, str]:
+    """Return ``(version, sql)`` of the current full schema."""
+    text = read_text(_PKG, "schema.sql")
+    m = re.search(r"SCHEMA_VERSION:\s*(\d+)", text)
+    if not m:
+        raise SchemaError("schema.sql does not declare its SCHEMA_VERSION")
+    return int(m.group(1)), parse_named_queries(text)["schema"]
+
+
+def describe_dsn(dsn: str) -> str:
+    """Return ``host:port/dbname`` of a DSN or URI, without credentials, for error messages."""
+    try:
+        info = psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.Error:
+        return "<unparsable connection string>"
+    host = info.get("host") or info.get("hostaddr") or "localhost"
+    return f"{host}:{info.get('port') or 5432}/{info.get('dbname') or info.get('user') or ''}"
+
+
+class PostgresDatabase:
+    """A dbqueue schema on one PostgreSQL database.
+
+    The pool is created closed and opened on first use: constructing this object does no I/O.
+
+    :param dsn: libpq connection string or URI.
+    :param schema: the schema that holds the queue tables (validated identifier).
+    :param min_size: connections the pool keeps open.
+    :param max_size: connections the pool may open.
+    :param connect_timeout: seconds to wait for a connection before raising
+        :class:`DatabaseUnavailableError`.
+    """
+
+    dialect_name = "postgresql"
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        schema: str = "dbqueue",
+        min_size: int = 1,
+        max_size: int = 10,
+        connect_timeout: float = 10.0,
+        application_name: str = "airflow-dbqueue",
+    ) -> None:
+        self.dsn = dsn
+        self.schema = validate_schema_name(schema)
+        self.where = describe_dsn(dsn)
+        self._min_size = min_size
+        self._max_size = max(min_size, max_size)
+        self._connect_timeout = connect_timeout
+        self._application_name = application_name
+        self._pool: ConnectionPool | None = None
+        self._lock = threading.Lock()
+        self._composed: dict[str, bytes] = {}
+
+    # -- connections ---------------------------------------------------------------------------
+
+    def _get_pool(self) -> ConnectionPool:
+        pool = self._pool
+        if pool is not None:
+            return pool
+        with self._lock:
+            if self._pool is None:
+                pool = ConnectionPool(
+                    self.dsn,
+                    min_size=self._min_size,
+                    max_size=self._max_size,
+                    open=False,
+                    timeout=self._connect_timeout,
+                    name=f"dbqueue-{self.schema}",
+                    kwargs={
+                        "autocommit": True,
+                        "application_name": self._application_name,
+                        "connect_timeout": max(1, int(self._connect_timeout)),
+                    },
+                )
+                try:
+                    pool.open(wait=True, timeout=self._connect_timeout)
+                except PoolTimeout as exc:
+                    pool.close(timeout=0)
+                    raise DatabaseUnavailableError(
+                        f"cannot connect to PostgreSQL at {self.where} within {self._connect_timeout:g}s: "
+                        f"{self._last_connect_error() or exc}"
+                    ) from None
+                self._pool = pool
+            return self._pool
+
+    def _last_connect_error(self) -> str | None:
+        try:
+            with psycopg.connect(self.dsn, connect_timeout=2):
+                return None
+        except psycopg.Error as exc:
+            return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+    @contextlib.contextmanager
+    def connection(self, conn: psycopg.Connection[Any] | None = None) -> Iterator[psycopg.Connection[Any]]:
+        """Yield ``conn`` when the caller gives one (its transaction is joined), else a pooled one."""
+        if conn is not None:
+            with self.translate_errors():
+                yield conn
+            return
+        pool = self._get_pool()
+        try:
+            with self.translate_errors(), pool.connection() as pooled:
+                yield pooled
+        except DatabaseUnavailableError:
+            # The server may have restarted: drop every dead idle connection now rather than
+            # failing once per pooled connection.
+            with contextlib.suppress(Exception):
+                pool.check()
+            raise
+
+    @contextlib.contextmanager
+    def transaction(self, conn: psycopg.Connection[Any] | None = None) -> Iterator[psycopg.Connection[Any]]:
+        """Yield a connection inside a transaction that commits on success and rolls back on error."""
+        with self.connection(conn) as c, self.translate_errors(), c.transaction():
+            yield c
+
+    @contextlib.contextmanager
+    def translate_errors(self) -> Iterator[None]:
+        """Translate psycopg and pool exceptions into the engine's exception family."""
+        try:
+            yield
+        except DbQueueError:
+            raise
+        except PoolTimeout as exc:
+            raise DatabaseUnavailableError(
+                f"no connection to PostgreSQL at {self.where} within {self._connect_timeout:g}s: {exc}"
+            ) from exc
+        except psycopg.errors.UndefinedTable as exc:
+            raise SchemaError(
+                f"the dbqueue schema {self.schema!r} is not installed at {self.where} "
+                f"(run install(), or `dbqueue init`): {exc.diag.message_primary}"
+            ) from exc
+        except psycopg.OperationalError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DatabaseUnavailableError(f"PostgreSQL at {self.where} is unreachable: {first}") from exc
+        except psycopg.Error as exc:
+            raise DatabaseError(f"PostgreSQL error at {self.where}: {exc}".strip()) from exc
+
+    def close(self) -> None:
+        """Close the pool (it is reopened on next use)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    # -- named queries ---------------------------------------------------------------------------
+
+    def query(self, name: str) -> bytes:
+        """Return the named query composed for this schema (cached)."""
+        q = self._composed.get(name)
+        if q is None:
+            body = load_queries(_PKG, "queries.sql")[name]
+            q = self.compose(body)
+            self._composed[name] = q
+        return q
+
+    def compose(self, body: str) -> bytes:
+        """Replace ``{schema}`` in ``body`` by the quoted schema name."""
+        # Only {schema} is substituted; literal braces are not used in our SQL.
+        return sql.SQL(body).format(schema=sql.Identifier(self.schema)).as_string(None).encode()
+
+    def fetchall(
+        self, name: str, params: Mapping[str, Any] | None = None, conn: psycopg.Connection[Any] | None = None
+    ) -> list[tuple[Any, ...]]:
+        """Run a named query and return all its rows."""
+        with self.connection(conn) as c, self.translate_errors():
+            cur = c.execute(self.query(name), params)
+            return cur.fetchall() if cur.description is not None else []
+
+    def fetchone(
+        self, name: str, params: Mapping[str, Any] | None = None, conn: psycopg.Connection[Any] | None = None
+    ) -> tuple[Any, ...] | None:
+        """Run a named query and return its first row (or None)."""
+        with self.connection(conn) as c, self.translate_errors():
+            return c.execute(self.query(name), params).fetchone()
+
+    def execute(
+        self, name: str, params: Mapping[str, Any] | None = None, conn: psycopg.Connection[Any] | None = None
+    ) -> int:
+        """Run a named statement and return its row count."""
+        with self.connection(conn) as c, self.translate_errors():
+            return c.execute(self.query(name), params).rowcount
+
+    # -- LISTEN/NOTIFY -----------------------------------------------------------------------------
+
+    def channel(self, queue_id: int) -> str:
+        """Return the NOTIFY channel of a queue (at most 63 bytes: schema names are at most 40)."""
+        return f"dbq.{self.schema}.{queue_id}"
+
+    @contextlib.contextmanager
+    def listening(self, channel: str) -> Iterator[Listener]:
+        """Yield a :class:`Listener` on ``channel``, holding one pooled connection until exit."""
+        with self.connection() as c:
+            c.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            try:
+                yield Listener(c, self)
+            finally:
+                with contextlib.suppress(psycopg.Error):
+                    c.execute("UNLISTEN *")
+
+    # -- schema ------------------------------------------------------------------------------------
+
+    def install(self) -> int:
+        """Create or migrate the schema, idempotently and safely when run concurrently.
+
+        :return: the schema version now installed.
+        """
+        latest, full = schema_sql()
+        steps = migrations()
+        if steps[-1][0] != latest:
+            raise SchemaError(
+                f"schema.sql declares version {latest} but the last migration is {steps[-1][0]}"
+            )
+        with self.transaction() as c:
+            c.execute(self.query("install_lock"), {"schema": self.schema})
+            installed = c.execute(self.query("schema_installed"), {"schema": self.schema}).fetchone()
+            current = 0
+            if installed and installed[0]:
+                row = c.execute(self.query("schema_version")).fetchone()
+                current = int(row[0]) if row else 0
+            if current > latest:
+                raise SchemaError(
+                    f"schema {self.schema!r} at {self.where} is at version {current}, newer than this "
+                    f"code's {latest}; upgrade airflow-dbqueue"
+                )
+            if current == 0:
+                c.execute(self.compose(full))
+                c.execute(self.query("record_version"), {"version": latest})
+                log.info("installed dbqueue schema %s at version %s", self.schema, latest)
+            else:
+                for version, body in steps:
+                    if version > current:
+                        c.execute(self.compose(body))
+                        c.execute(self.query("record_version"), {"version": version})
+                        log.info("migrated dbqueue schema %s to version %s", self.schema, version)
+        return latest
+
+    def migrate_to(self, version: int) -> None:
+        """Apply migrations 1..version to a schema that does not exist yet (for tests and upgrades)."""
+        with self.transaction() as c:
+            c.execute(self.query("install_lock"), {"schema": self.schema})
+            for v, body in migrations():
+                if v <= version:
+                    c.execute(self.compose(body))
+                    c.execute(self.query("record_version"), {"version": v})
+
+    def drop_schema(self) -> None:
+        """Drop the whole schema and every queue in it."""
+        self.execute("drop_schema")
+
+
+class Listener:
+    """A connection that LISTENs on one channel; :meth:`wait` returns when a notification arrives."""
+
+    def __init__(self, conn: psycopg.Connection[Any], db: PostgresDatabase) -> None:
+        self._conn = conn
+        self._db = db
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds; return True if a notification arrived."""
+        if timeout <= 0:
+            return False
+        with self._db.translate_errors():
+            got = False
+            for _ in self._conn.notifies(timeout=timeout, stop_after=1):
+                got = True
+            return got

@@ -1,0 +1,101 @@
+-- Migration 1: the first version of the schema.
+
+-- name: migrate
+CREATE SCHEMA IF NOT EXISTS {schema};
+
+CREATE TABLE {schema}.schema_version (
+    version integer NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT schema_version_pkey PRIMARY KEY (version)
+);
+
+-- One row a queue: its settings. Many queues share the tables below.
+CREATE TABLE {schema}.queues (
+    queue_id integer GENERATED ALWAYS AS IDENTITY,
+    name text NOT NULL,
+    design text NOT NULL,
+    payload_type text NOT NULL,
+    max_payload_bytes integer NOT NULL,
+    max_attempts integer NOT NULL,
+    visibility_timeout_s double precision NOT NULL,
+    retry_backoff_s double precision NOT NULL,
+    retry_backoff_max_s double precision NOT NULL,
+    notify text NOT NULL,
+    archive boolean NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT queues_pkey PRIMARY KEY (queue_id),
+    CONSTRAINT queues_name_key UNIQUE (name),
+    CONSTRAINT queues_name_valid CHECK (name ~ '^[a-z_][a-z0-9_]*$' AND length(name) <= 48),
+    CONSTRAINT queues_design_valid CHECK (design IN ('table', 'ring')),
+    CONSTRAINT queues_payload_type_valid CHECK (payload_type IN ('json', 'text', 'bytes')),
+    CONSTRAINT queues_notify_valid CHECK (notify IN ('auto', 'always', 'never')),
+    CONSTRAINT queues_limits_valid CHECK (
+        max_payload_bytes > 0 AND max_attempts > 0 AND visibility_timeout_s > 0
+        AND retry_backoff_s >= 0 AND retry_backoff_max_s >= retry_backoff_s)
+);
+
+CREATE SEQUENCE {schema}.message_id_seq AS bigint;
+
+-- The table design's meta table: small rows, the only table the dequeue path searches.
+-- state: 0 ready (or delayed, by process_at), 1 leased (in flight), 2 failed.
+-- No foreign key to queues: an FK check would take a KEY SHARE lock on the queue's row for every push.
+CREATE TABLE {schema}.meta (
+    id bigint NOT NULL,
+    queue_id integer NOT NULL,
+    state smallint NOT NULL DEFAULT 0,
+    priority smallint NOT NULL DEFAULT 0,
+    attempts integer NOT NULL DEFAULT 0,
+    process_at timestamptz NOT NULL,
+    enqueued_at timestamptz NOT NULL,
+    lease_until timestamptz,
+    consumer text,
+    last_error text,
+    CONSTRAINT meta_pkey PRIMARY KEY (id),
+    CONSTRAINT meta_state_valid CHECK (state IN (0, 1, 2)),
+    CONSTRAINT meta_lease_valid CHECK ((state = 1) = (lease_until IS NOT NULL))
+) WITH (fillfactor = 90, autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
+        autovacuum_vacuum_insert_scale_factor = 0.05, autovacuum_analyze_scale_factor = 0.05);
+
+-- Shaped exactly like the claim: WHERE queue_id = ? AND state = 0 ORDER BY priority DESC, process_at, id.
+CREATE INDEX meta_ready_idx ON {schema}.meta (queue_id, priority DESC, process_at, id) WHERE state = 0;
+-- Lease reclaim walks expired leases in expiry order.
+CREATE INDEX meta_leased_idx ON {schema}.meta (queue_id, lease_until) WHERE state = 1;
+-- Failed-message admin.
+CREATE INDEX meta_failed_idx ON {schema}.meta (queue_id, id) WHERE state = 2;
+
+-- Payloads, apart from the dequeue path; joined only after a claim.
+CREATE TABLE {schema}.data (
+    id bigint NOT NULL,
+    payload bytea NOT NULL,
+    CONSTRAINT data_pkey PRIMARY KEY (id)
+) WITH (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
+        autovacuum_vacuum_insert_scale_factor = 0.05);
+
+-- Finished messages waiting to be archived (queues with archive = true); append-only.
+-- outcome: 1 finished (popped at most once, or acked), 2 discarded from the failed state.
+CREATE TABLE {schema}.done (
+    id bigint NOT NULL,
+    queue_id integer NOT NULL,
+    priority smallint NOT NULL,
+    attempts integer NOT NULL,
+    enqueued_at timestamptz NOT NULL,
+    finished_at timestamptz NOT NULL DEFAULT now(),
+    outcome smallint NOT NULL,
+    CONSTRAINT done_outcome_valid CHECK (outcome IN (1, 2))
+) WITH (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000);
+CREATE INDEX done_finished_brin ON {schema}.done USING brin (finished_at);
+
+-- Archived messages with their payloads, moved out of done/data by the archiver.
+CREATE TABLE {schema}.archive (
+    id bigint NOT NULL,
+    queue_id integer NOT NULL,
+    priority smallint NOT NULL,
+    attempts integer NOT NULL,
+    enqueued_at timestamptz NOT NULL,
+    finished_at timestamptz NOT NULL,
+    archived_at timestamptz NOT NULL DEFAULT now(),
+    outcome smallint NOT NULL,
+    payload bytea NOT NULL,
+    CONSTRAINT archive_pkey PRIMARY KEY (id)
+);
+CREATE INDEX archive_archived_brin ON {schema}.archive USING brin (archived_at);

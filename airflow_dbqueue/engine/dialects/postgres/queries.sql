@@ -1,0 +1,220 @@
+-- Named queries of the PostgreSQL dialect. {schema} is the quoted schema name; every value is a
+-- bound parameter (%(name)s). The SQL Server dialect keeps the same names.
+
+-- name: install_lock
+SELECT pg_advisory_xact_lock(hashtext('dbqueue.install.' || %(schema)s))
+
+-- name: schema_installed
+SELECT EXISTS (
+    SELECT 1 FROM pg_catalog.pg_tables WHERE schemaname = %(schema)s AND tablename = 'schema_version')
+
+-- name: schema_version
+SELECT coalesce(max(version), 0) FROM {schema}.schema_version
+
+-- name: record_version
+INSERT INTO {schema}.schema_version (version) VALUES (%(version)s) ON CONFLICT DO NOTHING
+
+-- name: drop_schema
+DROP SCHEMA IF EXISTS {schema} CASCADE
+
+-- name: create_queue
+INSERT INTO {schema}.queues (
+    name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
+    retry_backoff_s, retry_backoff_max_s, notify, archive)
+VALUES (
+    %(name)s, %(design)s, %(payload_type)s, %(max_payload_bytes)s, %(max_attempts)s,
+    %(visibility_timeout_s)s, %(retry_backoff_s)s, %(retry_backoff_max_s)s, %(notify)s, %(archive)s)
+ON CONFLICT (name) DO NOTHING
+RETURNING queue_id
+
+-- name: get_queue
+SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
+       retry_backoff_s, retry_backoff_max_s, notify, archive
+FROM {schema}.queues WHERE name = %(name)s
+
+-- name: list_queues
+SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
+       retry_backoff_s, retry_backoff_max_s, notify, archive
+FROM {schema}.queues ORDER BY name
+
+-- name: drop_queue
+WITH m AS (DELETE FROM {schema}.meta WHERE queue_id = %(queue_id)s RETURNING id),
+     f AS (DELETE FROM {schema}.done WHERE queue_id = %(queue_id)s RETURNING id),
+     d AS (DELETE FROM {schema}.data WHERE id IN (SELECT id FROM m UNION ALL SELECT id FROM f)),
+     a AS (DELETE FROM {schema}.archive WHERE queue_id = %(queue_id)s)
+DELETE FROM {schema}.queues WHERE queue_id = %(queue_id)s RETURNING queue_id
+
+-- name: analyze
+ANALYZE {schema}.meta, {schema}.data, {schema}.done
+
+-- name: push
+-- One round trip a batch: ids come from the sequence in payload order, meta and data rows are written
+-- by one statement.
+WITH input AS MATERIALIZED (
+    SELECT nextval('{schema}.message_id_seq') AS id, p.payload, p.ord
+    FROM unnest(%(payloads)s::bytea[]) WITH ORDINALITY AS p(payload, ord)
+), m AS (
+    INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at)
+    SELECT id, %(queue_id)s, %(priority)s, now() + make_interval(secs => %(delay_s)s), now() FROM input
+), d AS (
+    INSERT INTO {schema}.data (id, payload) SELECT id, payload FROM input
+)
+SELECT id FROM input ORDER BY ord
+
+-- name: push_notify
+-- push, plus a NOTIFY when the queue had no ready message before it (or always, with always = true).
+-- All parts of the statement share one snapshot, so the EXISTS does not see this push's own rows.
+WITH input AS MATERIALIZED (
+    SELECT nextval('{schema}.message_id_seq') AS id, p.payload, p.ord
+    FROM unnest(%(payloads)s::bytea[]) WITH ORDINALITY AS p(payload, ord)
+), m AS (
+    INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at)
+    SELECT id, %(queue_id)s, %(priority)s, now() + make_interval(secs => %(delay_s)s), now() FROM input
+), d AS (
+    INSERT INTO {schema}.data (id, payload) SELECT id, payload FROM input
+), n AS (
+    SELECT pg_notify(%(channel)s, '') AS sent
+    WHERE %(always)s OR NOT EXISTS (
+        SELECT 1 FROM {schema}.meta
+        WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now())
+)
+SELECT i.id FROM input i LEFT JOIN (SELECT count(*) AS c FROM n) x ON true ORDER BY i.ord
+
+-- name: pop_lease
+-- at-least-once: claim up to n ready messages (skipping rows other consumers hold) and lease them.
+WITH claimed AS (
+    UPDATE {schema}.meta m
+    SET state = 1, attempts = m.attempts + 1, consumer = %(consumer)s,
+        lease_until = now() + make_interval(secs => %(visibility_timeout_s)s)
+    WHERE m.ctid = ANY (ARRAY(
+        SELECT ctid FROM {schema}.meta
+        WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
+        ORDER BY priority DESC, process_at, id
+        LIMIT %(n)s
+        FOR UPDATE SKIP LOCKED))
+    RETURNING m.id, m.priority, m.attempts, m.process_at, m.enqueued_at, m.lease_until
+)
+SELECT c.id, c.priority, c.attempts, c.enqueued_at, c.lease_until, d.payload
+FROM claimed c JOIN {schema}.data d ON d.id = c.id
+ORDER BY c.priority DESC, c.process_at, c.id
+
+-- name: pop_take
+-- at-most-once and exactly-once: claim up to n ready messages and finish them in the same statement
+-- (kept in done for the archiver, or deleted with their payloads when the queue does not archive).
+WITH taken AS (
+    DELETE FROM {schema}.meta m
+    WHERE m.ctid = ANY (ARRAY(
+        SELECT ctid FROM {schema}.meta
+        WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
+        ORDER BY priority DESC, process_at, id
+        LIMIT %(n)s
+        FOR UPDATE SKIP LOCKED))
+    RETURNING m.id, m.queue_id, m.priority, m.attempts + 1 AS attempts, m.process_at, m.enqueued_at
+), kept AS (
+    INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome)
+    SELECT id, queue_id, priority, attempts, enqueued_at, 1 FROM taken WHERE %(archive)s
+), dropped AS (
+    DELETE FROM {schema}.data d USING taken t WHERE d.id = t.id AND NOT %(archive)s
+)
+SELECT t.id, t.priority, t.attempts, t.enqueued_at, NULL::timestamptz AS lease_until, d.payload
+FROM taken t JOIN {schema}.data d ON d.id = t.id
+ORDER BY t.priority DESC, t.process_at, t.id
+
+-- name: ack
+-- Finish leased messages; a receipt (id, attempts) whose lease expired or moved on matches nothing.
+WITH acked AS (
+    DELETE FROM {schema}.meta m
+    USING unnest(%(ids)s::bigint[], %(attempts)s::integer[]) AS r(id, attempts)
+    WHERE m.id = r.id AND m.attempts = r.attempts AND m.queue_id = %(queue_id)s
+      AND m.state = 1 AND m.lease_until > now()
+    RETURNING m.id, m.queue_id, m.priority, m.attempts, m.enqueued_at
+), kept AS (
+    INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome)
+    SELECT id, queue_id, priority, attempts, enqueued_at, 1 FROM acked WHERE %(archive)s
+), dropped AS (
+    DELETE FROM {schema}.data d USING acked a WHERE d.id = a.id AND NOT %(archive)s
+)
+SELECT id FROM acked
+
+-- name: nack
+-- Return leased messages for another try after a delay, or to the failed state after max_attempts.
+UPDATE {schema}.meta m
+SET state = CASE WHEN m.attempts >= %(max_attempts)s THEN 2 ELSE 0 END,
+    process_at = CASE WHEN m.attempts >= %(max_attempts)s THEN m.process_at
+                      ELSE now() + make_interval(secs => r.delay_s) END,
+    lease_until = NULL, consumer = NULL, last_error = %(error)s
+FROM unnest(%(ids)s::bigint[], %(attempts)s::integer[], %(delays)s::float8[]) AS r(id, attempts, delay_s)
+WHERE m.id = r.id AND m.attempts = r.attempts AND m.queue_id = %(queue_id)s
+  AND m.state = 1 AND m.lease_until > now()
+RETURNING m.id, m.state
+
+-- name: reclaim_expired
+-- Expired leases go back to ready, keeping their place (process_at), or to failed after max_attempts.
+UPDATE {schema}.meta m
+SET state = CASE WHEN m.attempts >= %(max_attempts)s THEN 2 ELSE 0 END,
+    lease_until = NULL, consumer = NULL,
+    last_error = 'lease expired (held by ' || coalesce(m.consumer, '?') || ')'
+WHERE m.ctid = ANY (ARRAY(
+    SELECT ctid FROM {schema}.meta
+    WHERE queue_id = %(queue_id)s AND state = 1 AND lease_until <= now()
+    ORDER BY lease_until
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED))
+RETURNING m.id, m.state
+
+-- name: peek
+SELECT m.id, m.priority, m.attempts, m.enqueued_at, m.lease_until, d.payload
+FROM {schema}.meta m JOIN {schema}.data d ON d.id = m.id
+WHERE m.queue_id = %(queue_id)s AND m.state = 0 AND m.process_at <= now()
+ORDER BY m.priority DESC, m.process_at, m.id
+LIMIT %(n)s
+
+-- name: count_ready
+-- Ready messages of at least min_priority, counted up to a cap (a sensor needs "at least k", not a total).
+SELECT count(*) FROM (
+    SELECT 1 FROM {schema}.meta
+    WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now() AND priority >= %(min_priority)s
+    LIMIT %(cap)s) s
+
+-- name: next_due
+-- Seconds until the earliest delayed message becomes ready (NULL when none is delayed).
+SELECT extract(epoch FROM min(process_at) - now())::float8 FROM {schema}.meta
+WHERE queue_id = %(queue_id)s AND state = 0 AND process_at > now()
+
+-- name: stats
+SELECT
+    (SELECT count(*) FROM {schema}.meta
+      WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()) AS ready,
+    (SELECT count(*) FROM {schema}.meta
+      WHERE queue_id = %(queue_id)s AND state = 0 AND process_at > now()) AS delayed,
+    (SELECT count(*) FROM {schema}.meta WHERE queue_id = %(queue_id)s AND state = 1) AS in_flight,
+    (SELECT count(*) FROM {schema}.meta WHERE queue_id = %(queue_id)s AND state = 2) AS failed,
+    (SELECT count(*) FROM {schema}.done WHERE queue_id = %(queue_id)s) AS finished,
+    (SELECT extract(epoch FROM now() - min(enqueued_at))::float8 FROM {schema}.meta
+      WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()) AS oldest_ready_age_s
+
+-- name: list_failed
+SELECT m.id, m.priority, m.attempts, m.enqueued_at, m.last_error, d.payload
+FROM {schema}.meta m JOIN {schema}.data d ON d.id = m.id
+WHERE m.queue_id = %(queue_id)s AND m.state = 2 AND m.id > %(after_id)s
+ORDER BY m.id
+LIMIT %(limit)s
+
+-- name: requeue_failed
+UPDATE {schema}.meta
+SET state = 0, attempts = 0, process_at = now(), last_error = NULL
+WHERE queue_id = %(queue_id)s AND state = 2 AND (%(all)s OR id = ANY (%(ids)s::bigint[]))
+RETURNING id
+
+-- name: delete_failed
+WITH gone AS (
+    DELETE FROM {schema}.meta
+    WHERE queue_id = %(queue_id)s AND state = 2 AND (%(all)s OR id = ANY (%(ids)s::bigint[]))
+    RETURNING id, queue_id, priority, attempts, enqueued_at
+), kept AS (
+    INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome)
+    SELECT id, queue_id, priority, attempts, enqueued_at, 2 FROM gone WHERE %(archive)s
+), dropped AS (
+    DELETE FROM {schema}.data d USING gone g WHERE d.id = g.id AND NOT %(archive)s
+)
+SELECT id FROM gone

@@ -1,0 +1,82 @@
+"""One exception family for the engine: everything it raises derives from :class:`DbQueueError`.
+
+Driver exceptions are translated at the dialect boundary, so callers never need to import psycopg
+(or pyodbc) to handle a queue failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class DbQueueError(Exception):
+    """Base class of every error the engine raises."""
+
+
+class InvalidNameError(DbQueueError, ValueError):
+    """A queue or schema name is not a valid identifier."""
+
+
+class ConfigurationError(DbQueueError, ValueError):
+    """An argument or setting is out of range or inconsistent."""
+
+
+class QueueNotFoundError(DbQueueError, LookupError):
+    """The named queue does not exist in the schema."""
+
+    def __init__(self, queue: str, schema: str) -> None:
+        super().__init__(f"queue {queue!r} does not exist in schema {schema!r}; create it first")
+        self.queue = queue
+        self.schema = schema
+
+
+class QueueExistsError(DbQueueError):
+    """A queue of that name exists with settings that differ from the requested ones."""
+
+
+class SchemaError(DbQueueError):
+    """The queue schema is missing, or newer than this version of the code understands."""
+
+
+class PayloadError(DbQueueError, ValueError):
+    """A payload cannot be pushed; nothing of the batch it belonged to was written."""
+
+
+class PayloadTypeError(PayloadError, TypeError):
+    """A payload's Python type does not match the queue's payload type."""
+
+
+class PayloadTooLargeError(PayloadError):
+    """A payload is larger than the queue's ``max_payload_bytes``."""
+
+
+class LeaseExpiredError(DbQueueError):
+    """An ack or nack named messages whose lease has expired (or that were never leased).
+
+    The whole call was rolled back: no message of the call was acknowledged.
+    """
+
+    def __init__(self, queue: str, ids: Sequence[int]) -> None:
+        shown = ", ".join(str(i) for i in list(ids)[:10]) + (" ..." if len(ids) > 10 else "")
+        super().__init__(
+            f"queue {queue!r}: lease expired or not held for {len(ids)} message(s) [{shown}]; "
+            "they will be (or were) delivered again; nothing in this call was acknowledged"
+        )
+        self.queue = queue
+        self.ids = list(ids)
+
+
+class QueueFullError(DbQueueError):
+    """A bounded queue (ring) stayed full for longer than the push timeout."""
+
+
+class TransactionRequiredError(DbQueueError):
+    """Exactly-once pop was asked for without a caller's transaction to run in."""
+
+
+class DatabaseUnavailableError(DbQueueError, ConnectionError):
+    """The database could not be reached, or the connection broke during the call."""
+
+
+class DatabaseError(DbQueueError):
+    """Any other database failure, translated from the driver's exception."""

@@ -1,0 +1,195 @@
+"""Frozen dataclasses the engine returns, and the small enums of its vocabulary."""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from airflow_dbqueue.engine.errors import ConfigurationError, PayloadTooLargeError, PayloadTypeError
+
+
+class Semantics(enum.StrEnum):
+    """Delivery semantics of a pop (seed 004's three)."""
+
+    AT_MOST_ONCE = "at-most-once"
+    """Popped means gone: the message is finished by the pop itself and never redelivered."""
+    AT_LEAST_ONCE = "at-least-once"
+    """The pop leases the message; ``ack`` finishes it, ``nack`` or lease expiry delivers it again."""
+    EXACTLY_ONCE = "exactly-once"
+    """The pop runs in the caller's transaction and finishes the message when that transaction commits."""
+
+    @classmethod
+    def parse(cls, value: str | Semantics) -> Semantics:
+        """Accept the enum or its string value (``at_most_once`` spelled with underscores too)."""
+        if isinstance(value, Semantics):
+            return value
+        try:
+            return cls(str(value).replace("_", "-").lower())
+        except ValueError:
+            choices = ", ".join(s.value for s in cls)
+            raise ConfigurationError(f"unknown semantics {value!r}; choose one of {choices}") from None
+
+
+class Design(enum.StrEnum):
+    """How a queue is stored."""
+
+    TABLE = "table"
+    """Unbounded meta/data tables (seeds 002/004)."""
+    RING = "ring"
+    """Preallocated ring buffer of slots (seeds 000/001)."""
+
+
+class PayloadType(enum.StrEnum):
+    """What a queue's payloads are, and how they are encoded to bytes in the data table."""
+
+    JSON = "json"
+    """Any JSON-serialisable value (dict, list, str, number, bool, None), stored as UTF-8 JSON."""
+    TEXT = "text"
+    """``str``, stored as UTF-8."""
+    BYTES = "bytes"
+    """``bytes``/``bytearray``/``memoryview``, stored as is."""
+
+
+class NotifyMode(enum.StrEnum):
+    """When a push sends a NOTIFY to wake waiting consumers."""
+
+    AUTO = "auto"
+    """Only when the queue had no ready message before the push: waiting consumers only wait on an
+    empty queue, and a busy queue never pays NOTIFY's commit-time global lock."""
+    ALWAYS = "always"
+    NEVER = "never"
+    """Waiting pops poll only."""
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSettings:
+    """A queue's stored settings (one row of the ``queues`` table)."""
+
+    name: str
+    queue_id: int
+    design: Design = Design.TABLE
+    payload_type: PayloadType = PayloadType.JSON
+    max_payload_bytes: int = 1024 * 1024
+    max_attempts: int = 5
+    visibility_timeout_s: float = 30.0
+    retry_backoff_s: float = 1.0
+    retry_backoff_max_s: float = 300.0
+    notify: NotifyMode = NotifyMode.AUTO
+    archive: bool = True
+
+    def encode(self, payload: Any, index: int = 0) -> bytes:
+        """Encode one payload for storage, checking its type and size against the settings."""
+        kind = self.payload_type
+        if kind is PayloadType.BYTES:
+            if not isinstance(payload, bytes | bytearray | memoryview):
+                raise PayloadTypeError(
+                    f"queue {self.name!r} takes bytes payloads; payload #{index} is {type(payload).__name__}"
+                )
+            data = bytes(payload)
+        elif kind is PayloadType.TEXT:
+            if not isinstance(payload, str):
+                raise PayloadTypeError(
+                    f"queue {self.name!r} takes text payloads; payload #{index} is {type(payload).__name__}"
+                )
+            data = payload.encode("utf-8")
+        else:
+            if isinstance(payload, bytes | bytearray | memoryview):
+                raise PayloadTypeError(
+                    f"queue {self.name!r} takes JSON payloads; payload #{index} is bytes "
+                    "(create the queue with payload_type='bytes' for raw bytes)"
+                )
+            try:
+                data = json.dumps(
+                    payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+                ).encode()
+            except (TypeError, ValueError) as exc:
+                raise PayloadTypeError(
+                    f"queue {self.name!r}: payload #{index} is not JSON-serialisable: {exc}"
+                ) from None
+        if len(data) > self.max_payload_bytes:
+            raise PayloadTooLargeError(
+                f"queue {self.name!r}: payload #{index} is {len(data)} bytes encoded; "
+                f"the queue's limit (max_payload_bytes) is {self.max_payload_bytes}"
+            )
+        return data
+
+    def decode(self, data: bytes) -> Any:
+        """Decode a stored payload back to the Python value that was pushed."""
+        if self.payload_type is PayloadType.BYTES:
+            return bytes(data)
+        if self.payload_type is PayloadType.TEXT:
+            return bytes(data).decode("utf-8")
+        return json.loads(data)
+
+    def backoff(self, attempts: int) -> float:
+        """Seconds to wait before redelivering a message nacked after ``attempts`` deliveries."""
+        return float(min(self.retry_backoff_max_s, self.retry_backoff_s * 2 ** max(0, attempts - 1)))
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A message returned by pop.
+
+    ``attempts`` counts deliveries including this one; together with ``id`` it is the receipt that
+    ``ack``/``nack`` check, so an ack from a consumer whose lease expired and was handed to another
+    consumer cannot finish the other consumer's delivery.
+    """
+
+    id: int
+    queue: str
+    payload: Any
+    priority: int
+    attempts: int
+    enqueued_at: dt.datetime
+    lease_until: dt.datetime | None = None
+
+    @property
+    def receipt(self) -> tuple[int, int]:
+        """``(id, attempts)``: what ack and nack use to recognise this delivery."""
+        return (self.id, self.attempts)
+
+
+@dataclass(frozen=True, slots=True)
+class FailedMessage:
+    """A message in the failed (dead-letter) state."""
+
+    id: int
+    queue: str
+    payload: Any
+    priority: int
+    attempts: int
+    enqueued_at: dt.datetime
+    last_error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    """A snapshot of one queue's depth by state."""
+
+    queue: str
+    ready: int
+    delayed: int
+    in_flight: int
+    failed: int
+    finished: int
+    """Finished messages kept for archiving (zero when the queue does not archive)."""
+    oldest_ready_age_s: float | None
+    """Seconds since the oldest ready message was pushed; ``None`` when nothing is ready."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return a JSON-safe dict (for logs, XCom and the CLI)."""
+        out: dict[str, Any] = {
+            "queue": self.queue,
+            "ready": self.ready,
+            "delayed": self.delayed,
+            "in_flight": self.in_flight,
+            "failed": self.failed,
+            "finished": self.finished,
+            "oldest_ready_age_s": self.oldest_ready_age_s,
+        }
+        out.update(self.extra)
+        return out

@@ -1,0 +1,198 @@
+"""The queue interface that every design (table, ring) implements, and the parts they share."""
+
+from __future__ import annotations
+
+import abc
+import os
+import socket
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from airflow_dbqueue.engine.errors import ConfigurationError
+from airflow_dbqueue.engine.models import (
+    FailedMessage,
+    Message,
+    NotifyMode,
+    QueueSettings,
+    QueueStats,
+    Semantics,
+)
+
+if TYPE_CHECKING:
+    import psycopg
+
+    from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
+
+DEFAULT_CONSUMER = f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _check_batch_size(n: int) -> int:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1 or n > 100_000:
+        raise ConfigurationError(f"batch size must be an integer from 1 to 100000, got {n!r}")
+    return n
+
+
+class Queue(abc.ABC):
+    """One named queue. Obtain it from :meth:`DbQueue.queue` or :meth:`DbQueue.create_queue`.
+
+    Every method that touches the database takes an optional ``conn``: a psycopg connection whose
+    open transaction the call joins (exactly-once work). Without it, each call is its own transaction.
+    """
+
+    def __init__(self, db: PostgresDatabase, settings: QueueSettings) -> None:
+        self._db = db
+        self.settings = settings
+        self.name = settings.name
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._db.schema}.{self.name} ({self.settings.design})>"
+
+    # -- push --------------------------------------------------------------------------------------
+
+    def push(
+        self,
+        payload: Any,
+        *,
+        priority: int = 0,
+        delay: float = 0.0,
+        conn: psycopg.Connection[Any] | None = None,
+    ) -> int:
+        """Push one message and return its id."""
+        return self.push_batch([payload], priority=priority, delay=delay, conn=conn)[0]
+
+    @abc.abstractmethod
+    def push_batch(
+        self,
+        payloads: Iterable[Any],
+        *,
+        priority: int = 0,
+        delay: float = 0.0,
+        conn: psycopg.Connection[Any] | None = None,
+    ) -> list[int]:
+        """Push many messages in one round trip; return their ids in payload order.
+
+        Every payload is encoded and checked before anything is sent: one bad payload fails the
+        whole batch and nothing of it is written.
+        """
+
+    # -- pop ---------------------------------------------------------------------------------------
+
+    def pop(
+        self,
+        n: int = 1,
+        *,
+        semantics: Semantics | str = Semantics.AT_MOST_ONCE,
+        visibility_timeout: float | None = None,
+        wait: float = 0.0,
+        poll_interval: float = 1.0,
+        consumer: str | None = None,
+        conn: psycopg.Connection[Any] | None = None,
+    ) -> list[Message]:
+        """Pop up to ``n`` messages; wait up to ``wait`` seconds for at least one.
+
+        :param semantics: ``at-most-once`` (popped means finished), ``at-least-once`` (leased for
+            ``visibility_timeout`` seconds until ``ack``/``nack``), or ``exactly-once`` (finished when
+            the caller's transaction ``conn`` commits; required).
+        :param wait: seconds to wait for a message when the queue is empty; woken by NOTIFY where
+            the queue notifies, polling every ``poll_interval`` seconds otherwise (and as a fallback).
+        """
+        sem = Semantics.parse(semantics)
+        n = _check_batch_size(n)
+        if sem is Semantics.EXACTLY_ONCE:
+            self._require_transaction(conn)
+        vt = self.settings.visibility_timeout_s if visibility_timeout is None else float(visibility_timeout)
+        if vt <= 0:
+            raise ConfigurationError(f"queue {self.name!r}: visibility_timeout must be > 0, got {vt}")
+        who = consumer or DEFAULT_CONSUMER
+        msgs = self._pop_once(n, sem, vt, who, conn)
+        if msgs or wait <= 0:
+            return msgs
+        deadline = time.monotonic() + wait
+        poll = max(0.01, poll_interval)
+        if conn is not None or self.settings.notify is NotifyMode.NEVER:
+            while not msgs and (left := deadline - time.monotonic()) > 0:
+                time.sleep(min(poll, left))
+                msgs = self._pop_once(n, sem, vt, who, conn)
+            return msgs
+        with self._db.listening(self._db.channel(self.settings.queue_id)) as listener:
+            # LISTEN is in place before this check, so a push committed after it wakes us.
+            msgs = self._pop_once(n, sem, vt, who, conn)
+            while not msgs and (left := deadline - time.monotonic()) > 0:
+                listener.wait(min(poll, left, self._until_due(poll)))
+                msgs = self._pop_once(n, sem, vt, who, conn)
+        return msgs
+
+    def _until_due(self, default: float) -> float:
+        """Seconds until the next delayed message is due (``default`` when none is delayed)."""
+        return default
+
+    @staticmethod
+    def _require_transaction(conn: psycopg.Connection[Any] | None) -> None:
+        from airflow_dbqueue.engine.errors import TransactionRequiredError
+
+        if conn is None:
+            raise TransactionRequiredError(
+                "exactly-once pop needs the caller's transaction: pass conn= from DbQueue.transaction()"
+            )
+        if conn.autocommit and conn.info.transaction_status.name == "IDLE":
+            raise TransactionRequiredError(
+                "exactly-once pop needs an open transaction on conn (use DbQueue.transaction())"
+            )
+
+    @abc.abstractmethod
+    def _pop_once(
+        self, n: int, semantics: Semantics, vt: float, consumer: str, conn: psycopg.Connection[Any] | None
+    ) -> list[Message]:
+        """Claim up to n messages without waiting."""
+
+    # -- finish ------------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def ack(self, messages: Sequence[Message], *, conn: psycopg.Connection[Any] | None = None) -> int:
+        """Finish leased messages. All or nothing: raise :class:`LeaseExpiredError` if any lease is lost."""
+
+    @abc.abstractmethod
+    def nack(
+        self,
+        messages: Sequence[Message],
+        *,
+        delay: float | None = None,
+        error: str | None = None,
+        conn: psycopg.Connection[Any] | None = None,
+    ) -> int:
+        """Return leased messages for another try after ``delay`` seconds (default: the queue's backoff).
+
+        A message that has used ``max_attempts`` deliveries goes to the failed state instead.
+        All or nothing, like :meth:`ack`.
+        """
+
+    @abc.abstractmethod
+    def reclaim_expired(self, limit: int = 10_000) -> int:
+        """Return messages whose lease expired to ready (or failed); return how many moved."""
+
+    # -- inspect and administer --------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def peek(self, n: int = 10) -> list[Message]:
+        """Return up to n ready messages without claiming them."""
+
+    @abc.abstractmethod
+    def count_ready(self, min_priority: int | None = None, cap: int = 1_000_000) -> int:
+        """Count ready messages (of at least ``min_priority``), stopping at ``cap``."""
+
+    @abc.abstractmethod
+    def stats(self) -> QueueStats:
+        """Return the queue's depth by state and the age of its oldest ready message."""
+
+    @abc.abstractmethod
+    def list_failed(self, limit: int = 100, after_id: int = 0) -> list[FailedMessage]:
+        """List failed messages by id, ``limit`` at a time after ``after_id``."""
+
+    @abc.abstractmethod
+    def requeue_failed(self, ids: Sequence[int] | None = None) -> int:
+        """Make failed messages ready again with a fresh attempt count (all when ``ids`` is None)."""
+
+    @abc.abstractmethod
+    def delete_failed(self, ids: Sequence[int] | None = None) -> int:
+        """Discard failed messages (all when ``ids`` is None); archived when the queue archives."""

@@ -1,0 +1,70 @@
+"""Shared fixtures: a real PostgreSQL for the whole test session.
+
+``$DBQUEUE_TEST_DSN`` names a server to use; otherwise the session starts a throwaway embedded
+server on a free port and stops it at the end. Every test gets its own schema, dropped afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from airflow_dbqueue.engine import DbQueue
+from airflow_dbqueue.engine.embedded import EmbeddedPostgres
+
+TEST_DSN_ENV = "DBQUEUE_TEST_DSN"
+
+
+@pytest.fixture(scope="session")
+def pg_dsn() -> Iterator[str]:
+    """DSN of the session's PostgreSQL server."""
+    dsn = os.environ.get(TEST_DSN_ENV)
+    if dsn:
+        yield dsn
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="dbqueue-test-pg-"))
+    server = EmbeddedPostgres(tmp / "data")
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def schema_name() -> str:
+    """A fresh schema name for one test."""
+    return f"t_{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def dbq(pg_dsn: str, schema_name: str) -> Iterator[DbQueue]:
+    """A DbQueue on a fresh, installed schema; the schema is dropped after the test."""
+    q = DbQueue(pg_dsn, schema=schema_name, pool_size=8)
+    q.install()
+    try:
+        yield q
+    finally:
+        try:
+            q.uninstall()
+        finally:
+            q.close()
+
+
+@pytest.fixture
+def embedded_server() -> Iterator[EmbeddedPostgres]:
+    """A private embedded server for tests that kill and restart it."""
+    tmp = Path(tempfile.mkdtemp(prefix="dbqueue-crash-pg-"))
+    server = EmbeddedPostgres(tmp / "data")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop(mode="immediate")
+        shutil.rmtree(tmp, ignore_errors=True)
