@@ -13,8 +13,9 @@ def get_provider_info() -> dict[str, Any]:
         "package-name": "airflow-dbqueue",
         "name": "DB Queue",
         "description": (
-            "Durable message queues inside PostgreSQL (and SQL Server): ring-buffer and meta/data "
-            "table designs, at-most-once / at-least-once / exactly-once delivery, maintenance and Spark."
+            "Durable message queues inside the PostgreSQL database you already run: a meta/data table "
+            "design with priorities, delayed messages, retries, a failed state, and at-most-once / "
+            "at-least-once / exactly-once delivery."
         ),
         "versions": [__version__],
         "integrations": [

@@ -124,11 +124,19 @@ class TableQueue(Queue):
         if not ids:
             return 0
         params = {"ids": ids, "attempts": attempts, "queue_id": self._qid, "archive": self.settings.archive}
-        with self._db.transaction(conn) as c:
-            done = {r[0] for r in self._db.fetchall("ack", params, c)}
-            if len(done) != len(ids):
-                raise LeaseExpiredError(self.name, [i for i in ids if i not in done])
+        done = self._db.fetchall("ack", params, conn)
+        if len(done) != len(ids):
+            self._raise_lost(ids, attempts, conn)
         return len(done)
+
+    def _raise_lost(self, ids: list[int], attempts: list[int], conn: psycopg.Connection[Any] | None) -> None:
+        held = {
+            r[0]
+            for r in self._db.fetchall(
+                "held_receipts", {"ids": ids, "attempts": attempts, "queue_id": self._qid}, conn
+            )
+        }
+        raise LeaseExpiredError(self.name, [i for i in ids if i not in held])
 
     def nack(
         self,
@@ -152,10 +160,9 @@ class TableQueue(Queue):
             "max_attempts": self.settings.max_attempts,
             "error": error,
         }
-        with self._db.transaction(conn) as c:
-            done = {r[0] for r in self._db.fetchall("nack", params, c)}
-            if len(done) != len(ids):
-                raise LeaseExpiredError(self.name, [i for i in ids if i not in done])
+        done = self._db.fetchall("nack", params, conn)
+        if len(done) != len(ids):
+            self._raise_lost(ids, attempts, conn)
         return len(done)
 
     def reclaim_expired(self, limit: int = 10_000) -> int:

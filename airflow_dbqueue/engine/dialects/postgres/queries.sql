@@ -78,7 +78,8 @@ WITH input AS MATERIALIZED (
         SELECT 1 FROM {schema}.meta
         WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now())
 )
-SELECT i.id FROM input i LEFT JOIN (SELECT count(*) AS c FROM n) x ON true ORDER BY i.ord
+-- (an inner join: the planner would remove an unused LEFT JOIN, and with it the NOTIFY)
+SELECT i.id FROM input i CROSS JOIN (SELECT count(*) AS c FROM n) x ORDER BY i.ord
 
 -- name: pop_lease
 -- at-least-once: claim up to n ready messages (skipping rows other consumers hold) and lease them.
@@ -121,12 +122,20 @@ FROM taken t JOIN {schema}.data d ON d.id = t.id
 ORDER BY t.priority DESC, t.process_at, t.id
 
 -- name: ack
--- Finish leased messages; a receipt (id, attempts) whose lease expired or moved on matches nothing.
-WITH acked AS (
+-- Finish leased messages, all or nothing, in one statement: `held` locks the receipts (id, attempts)
+-- whose lease is still valid (FOR UPDATE waits for a concurrent reclaim and rechecks the row), and
+-- rows are deleted only when every receipt is held. A lost lease makes the statement return no row.
+WITH held AS (
+    SELECT m.ctid AS tid
+    FROM {schema}.meta m
+    JOIN unnest(%(ids)s::bigint[], %(attempts)s::integer[]) AS r(id, attempts)
+      ON m.id = r.id AND m.attempts = r.attempts
+    WHERE m.queue_id = %(queue_id)s AND m.state = 1 AND m.lease_until > now()
+    FOR UPDATE OF m
+), acked AS (
     DELETE FROM {schema}.meta m
-    USING unnest(%(ids)s::bigint[], %(attempts)s::integer[]) AS r(id, attempts)
-    WHERE m.id = r.id AND m.attempts = r.attempts AND m.queue_id = %(queue_id)s
-      AND m.state = 1 AND m.lease_until > now()
+    WHERE m.ctid = ANY (ARRAY(SELECT tid FROM held))
+      AND (SELECT count(*) FROM held) = cardinality(%(ids)s::bigint[])
     RETURNING m.id, m.queue_id, m.priority, m.attempts, m.enqueued_at
 ), kept AS (
     INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome)
@@ -137,16 +146,32 @@ WITH acked AS (
 SELECT id FROM acked
 
 -- name: nack
--- Return leased messages for another try after a delay, or to the failed state after max_attempts.
+-- Return leased messages for another try after a delay, or to the failed state after max_attempts;
+-- all or nothing, like ack.
+WITH held AS (
+    SELECT m.ctid AS tid, r.delay_s
+    FROM {schema}.meta m
+    JOIN unnest(%(ids)s::bigint[], %(attempts)s::integer[], %(delays)s::float8[]) AS r(id, attempts, delay_s)
+      ON m.id = r.id AND m.attempts = r.attempts
+    WHERE m.queue_id = %(queue_id)s AND m.state = 1 AND m.lease_until > now()
+    FOR UPDATE OF m
+)
 UPDATE {schema}.meta m
 SET state = CASE WHEN m.attempts >= %(max_attempts)s THEN 2 ELSE 0 END,
     process_at = CASE WHEN m.attempts >= %(max_attempts)s THEN m.process_at
-                      ELSE now() + make_interval(secs => r.delay_s) END,
+                      ELSE now() + make_interval(secs => h.delay_s) END,
     lease_until = NULL, consumer = NULL, last_error = %(error)s
-FROM unnest(%(ids)s::bigint[], %(attempts)s::integer[], %(delays)s::float8[]) AS r(id, attempts, delay_s)
-WHERE m.id = r.id AND m.attempts = r.attempts AND m.queue_id = %(queue_id)s
-  AND m.state = 1 AND m.lease_until > now()
+FROM held h
+WHERE m.ctid = h.tid AND (SELECT count(*) FROM held) = cardinality(%(ids)s::bigint[])
 RETURNING m.id, m.state
+
+-- name: held_receipts
+-- Which of the receipts still hold a valid lease (to name the lost ones in an error).
+SELECT m.id
+FROM {schema}.meta m
+JOIN unnest(%(ids)s::bigint[], %(attempts)s::integer[]) AS r(id, attempts)
+  ON m.id = r.id AND m.attempts = r.attempts
+WHERE m.queue_id = %(queue_id)s AND m.state = 1 AND m.lease_until > now()
 
 -- name: reclaim_expired
 -- Expired leases go back to ready, keeping their place (process_at), or to failed after max_attempts.

@@ -1,0 +1,294 @@
+"""``dbqueue``: the command line of the engine (no Airflow needed).
+
+    dbqueue [--dsn DSN] [--schema S] init
+    dbqueue create QUEUE [--payload-type json|text|bytes] [--max-attempts N] [--visibility-timeout S]
+    dbqueue push QUEUE JSON [JSON ...] [--priority P] [--delay S]
+    dbqueue pop QUEUE [-n N] [--semantics at-most-once|at-least-once] [--wait S]
+    dbqueue stats [QUEUE ...]
+    dbqueue failed QUEUE [--requeue | --delete]
+    dbqueue demo [--messages N]
+
+Without ``--dsn`` or ``$DBQUEUE_DSN`` the embedded PostgreSQL is started on demand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+from airflow_dbqueue.engine import DSN_ENV, DbQueue, DbQueueError, Message
+
+
+@contextlib.contextmanager
+def _database(args: argparse.Namespace) -> Iterator[DbQueue]:
+    dsn = args.dsn or os.environ.get(DSN_ENV)
+    server = None
+    if not dsn:
+        from airflow_dbqueue.engine.embedded import EmbeddedPostgres
+
+        server = EmbeddedPostgres()
+        t0 = time.monotonic()
+        dsn = server.start()
+        _say(f"embedded PostgreSQL at {dsn} ({server.data_dir}), ready in {time.monotonic() - t0:.1f}s")
+    dbq = DbQueue(dsn, schema=args.schema, pool_size=8)
+    try:
+        yield dbq
+    finally:
+        dbq.close()
+        if server is not None and not args.keep_server:
+            server.stop()
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _cmd_init(dbq: DbQueue, args: argparse.Namespace) -> int:
+    _say(f"schema {dbq.schema!r} at version {dbq.install()}")
+    return 0
+
+
+def _cmd_create(dbq: DbQueue, args: argparse.Namespace) -> int:
+    dbq.install()
+    q = dbq.create_queue(
+        args.queue,
+        payload_type=args.payload_type,
+        max_attempts=args.max_attempts,
+        visibility_timeout=args.visibility_timeout,
+    )
+    _say(json.dumps({"queue": q.name, "settings": str(q.settings)}))
+    return 0
+
+
+def _cmd_push(dbq: DbQueue, args: argparse.Namespace) -> int:
+    q = dbq.queue(args.queue)
+    payloads = [json.loads(p) for p in args.payloads]
+    _say(json.dumps({"ids": q.push_batch(payloads, priority=args.priority, delay=args.delay)}))
+    return 0
+
+
+def _cmd_pop(dbq: DbQueue, args: argparse.Namespace) -> int:
+    q = dbq.queue(args.queue)
+    for m in q.pop(args.n, semantics=args.semantics, wait=args.wait):
+        _say(json.dumps({"id": m.id, "attempts": m.attempts, "priority": m.priority, "payload": m.payload}))
+    return 0
+
+
+def _cmd_stats(dbq: DbQueue, args: argparse.Namespace) -> int:
+    names = args.queues or [s.name for s in dbq.list_queues()]
+    for name in names:
+        _say(json.dumps(dbq.queue(name).stats().as_dict()))
+    return 0
+
+
+def _cmd_failed(dbq: DbQueue, args: argparse.Namespace) -> int:
+    q = dbq.queue(args.queue)
+    if args.requeue:
+        _say(json.dumps({"requeued": q.requeue_failed()}))
+    elif args.delete:
+        _say(json.dumps({"deleted": q.delete_failed()}))
+    else:
+        for f in q.list_failed(limit=1000):
+            _say(json.dumps({"id": f.id, "attempts": f.attempts, "error": f.last_error, "payload": f.payload}))
+    return 0
+
+
+# -- the demo: a queue-driven pipeline on the engine alone ------------------------------------------
+
+PRODUCTS = {"espresso": 2.5, "latte": 3.8, "croissant": 2.9, "bagel": 3.1, "granola": 5.4, "tea": 2.2}
+
+
+def _orders(n: int, seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    products = list(PRODUCTS)
+    out = []
+    for i in range(n):
+        product = rng.choice(products)
+        qty = rng.randint(1, 4)
+        out.append(
+            {
+                "order_id": f"o-{seed}-{i:06d}",
+                "customer": f"c{rng.randint(1, 250):04d}",
+                "product": product,
+                "qty": qty,
+                "amount_cents": round(PRODUCTS[product] * 100) * qty,
+                "ts": 1_763_700_000 + i,
+            }
+        )
+    return out
+
+
+def _cmd_demo(dbq: DbQueue, args: argparse.Namespace) -> int:
+    """Producers push order events; consumers lease batches, aggregate them and ack; poison messages
+    are retried and end up failed; totals are checked against what was pushed."""
+    t_start = time.monotonic()
+    dbq.install()
+    dbq.drop_queue("demo_orders", missing_ok=True)
+    q = dbq.create_queue("demo_orders", max_attempts=3, retry_backoff=0.05, retry_backoff_max=0.2)
+    n = args.messages
+    producers, consumers, batch = 2, 2, 250
+    orders = [_orders(n // producers + (1 if p < n % producers else 0), seed=p) for p in range(producers)]
+    poison = {o["order_id"] for o in orders[0][:: max(1, n // 5)]}
+    for o in orders[0]:
+        if o["order_id"] in poison:
+            o["poison"] = True
+    pushed_cents = sum(o["amount_cents"] for part in orders for o in part)
+    _say(f"pushing {n} order events with {producers} producers in batches of {batch} ...")
+
+    lock = threading.Lock()
+    done_pushing = threading.Event()
+    revenue: dict[str, int] = defaultdict(int)
+    per_product: Counter[str] = Counter()
+    processed: set[str] = set()
+    batches = 0
+    errors: list[BaseException] = []
+
+    def produce(part: list[dict[str, Any]]) -> None:
+        try:
+            for i in range(0, len(part), batch):
+                q.push_batch(part[i : i + batch])
+        except BaseException as exc:
+            errors.append(exc)
+
+    def handle(msgs: list[Message]) -> None:
+        nonlocal batches
+        good = [m for m in msgs if not m.payload.get("poison")]
+        bad = [m for m in msgs if m.payload.get("poison")]
+        with lock:
+            for m in good:
+                if m.payload["order_id"] not in processed:  # at least once: drop redeliveries
+                    processed.add(m.payload["order_id"])
+                    revenue[m.payload["customer"]] += m.payload["amount_cents"]
+                    per_product[m.payload["product"]] += m.payload["qty"]
+            batches += 1
+        if good:
+            q.ack(good)
+        if bad:
+            q.nack(bad, error="poison order: validation failed")
+
+    def consume() -> None:
+        try:
+            while True:
+                msgs = q.pop(batch, semantics="at-least-once", wait=0.5, poll_interval=0.1)
+                if msgs:
+                    handle(msgs)
+                elif done_pushing.is_set():
+                    s = q.stats()
+                    if s.ready == 0 and s.in_flight == 0 and s.delayed == 0:
+                        return
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=produce, args=(part,)) for part in orders]
+    threads += [threading.Thread(target=consume) for _ in range(consumers)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads[:producers]:
+        t.join()
+    done_pushing.set()
+    t_push = time.monotonic() - t0
+    _say(f"pushed {n} in {t_push:.2f}s ({n / t_push:,.0f} msg/s); consumers draining ...")
+    last = time.monotonic()
+    while any(t.is_alive() for t in threads[producers:]):
+        time.sleep(0.2)
+        if time.monotonic() - last > 2:
+            last = time.monotonic()
+            with lock:
+                _say(f"  ... processed {len(processed)} of {n - len(poison)}")
+    t_all = time.monotonic() - t0
+    if errors:
+        raise errors[0]
+
+    s = q.stats()
+    failed = q.list_failed(limit=1000)
+    processed_cents = sum(revenue.values())
+    failed_cents = sum(f.payload["amount_cents"] for f in failed)
+    _say("")
+    _say(f"pushed      {n} messages ({pushed_cents / 100:,.2f} in orders)")
+    _say(f"processed   {len(processed)} messages in {batches} batches ({processed_cents / 100:,.2f})")
+    _say(f"failed      {len(failed)} poison messages after {q.settings.max_attempts} attempts each")
+    _say(f"throughput  {len(processed) / t_all:,.0f} msg/s end to end ({t_all:.2f}s)")
+    _say(f"queue stats {json.dumps(s.as_dict())}")
+    _say("top customers by revenue:")
+    for cust, cents in sorted(revenue.items(), key=lambda kv: -kv[1])[:5]:
+        _say(f"  {cust}  {cents / 100:>10,.2f}")
+    _say("units by product: " + ", ".join(f"{p}={u}" for p, u in per_product.most_common()))
+    ok = (
+        len(processed) + len(failed) == n
+        and processed_cents + failed_cents == pushed_cents
+        and {f.payload["order_id"] for f in failed} == poison
+        and s.ready == s.in_flight == 0
+    )
+    _say(f"check       {'OK' if ok else 'MISMATCH'}: processed + failed == pushed (count and amount)")
+    _say(f"total time  {time.monotonic() - t_start:.1f}s")
+    return 0 if ok else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dbqueue", description="Message queues inside PostgreSQL.")
+    p.add_argument("--dsn", help=f"database connection string (default: ${DSN_ENV}, else embedded)")
+    p.add_argument("--schema", default="dbqueue", help="schema holding the queue tables")
+    p.add_argument("--keep-server", action="store_true", help="leave the embedded server running")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("init", help="create or migrate the schema")
+    c = sub.add_parser("create", help="create a queue")
+    c.add_argument("queue")
+    c.add_argument("--payload-type", default="json", choices=["json", "text", "bytes"])
+    c.add_argument("--max-attempts", type=int, default=5)
+    c.add_argument("--visibility-timeout", type=float, default=30.0)
+    c = sub.add_parser("push", help="push JSON payloads")
+    c.add_argument("queue")
+    c.add_argument("payloads", nargs="+", metavar="JSON")
+    c.add_argument("--priority", type=int, default=0)
+    c.add_argument("--delay", type=float, default=0.0)
+    c = sub.add_parser("pop", help="pop messages (printed as JSON lines)")
+    c.add_argument("queue")
+    c.add_argument("-n", type=int, default=1)
+    c.add_argument("--semantics", default="at-most-once", choices=["at-most-once", "at-least-once"])
+    c.add_argument("--wait", type=float, default=0.0)
+    c = sub.add_parser("stats", help="queue depth by state")
+    c.add_argument("queues", nargs="*")
+    c = sub.add_parser("failed", help="list, requeue or delete failed messages")
+    c.add_argument("queue")
+    g = c.add_mutually_exclusive_group()
+    g.add_argument("--requeue", action="store_true")
+    g.add_argument("--delete", action="store_true")
+    c = sub.add_parser("demo", help="run the demo pipeline (the README's main job)")
+    c.add_argument("--messages", type=int, default=20_000)
+    return p
+
+
+COMMANDS = {
+    "init": _cmd_init,
+    "create": _cmd_create,
+    "push": _cmd_push,
+    "pop": _cmd_pop,
+    "stats": _cmd_stats,
+    "failed": _cmd_failed,
+    "demo": _cmd_demo,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``dbqueue`` command."""
+    args = build_parser().parse_args(argv)
+    try:
+        with _database(args) as dbq:
+            return COMMANDS[args.command](dbq, args)
+    except DbQueueError as exc:
+        print(f"dbqueue: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
