@@ -98,7 +98,8 @@ def _cmd_failed(dbq: DbQueue, args: argparse.Namespace) -> int:
         _say(json.dumps({"deleted": q.delete_failed()}))
     else:
         for f in q.list_failed(limit=1000):
-            _say(json.dumps({"id": f.id, "attempts": f.attempts, "error": f.last_error, "payload": f.payload}))
+            row = {"id": f.id, "attempts": f.attempts, "error": f.last_error, "payload": f.payload}
+            _say(json.dumps(row))
     return 0
 
 

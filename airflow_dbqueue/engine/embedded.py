@@ -261,14 +261,16 @@ class EmbeddedPostgres:
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            # Backends notice the postmaster's death and exit; wait for the shared memory to go.
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and _pids_on(self.data_dir):
-                time.sleep(0.1)
         if self.process is not None:
+            # our own child: reap it, or it lingers as a zombie that still "exists" for kill(pid, 0)
             with contextlib.suppress(Exception):
                 self.process.wait(timeout=10)
             self.process = None
+        # Backends notice the postmaster's death and exit; a restart must wait for them, since
+        # they still hold the old shared memory.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _processes_in(self.data_dir):
+            time.sleep(0.05)
 
     def stop(self, mode: str = "fast", timeout: float = 60.0) -> None:
         """Stop the server: ``fast`` (SIGINT), ``smart`` (SIGTERM) or ``immediate`` (SIGQUIT)."""
@@ -303,14 +305,21 @@ class EmbeddedPostgres:
         self.stop()
 
 
-def _pids_on(data_dir: Path) -> bool:
-    """True while any process still has the data directory's postmaster.pid alive."""
-    pidfile = data_dir / "postmaster.pid"
-    if not pidfile.exists():
-        return False
-    try:
-        pid = int(pidfile.read_text().splitlines()[0])
-        os.kill(pid, 0)
-        return True
-    except (OSError, ValueError, IndexError):
-        return False
+def _processes_in(data_dir: Path) -> list[int]:
+    """PIDs of live processes whose working directory is ``data_dir`` (PostgreSQL's all are).
+
+    Linux only (reads /proc); elsewhere returns [] and callers do not wait.
+    """
+    target = os.path.realpath(data_dir)
+    found = []
+    for entry in glob.glob("/proc/[0-9]*"):
+        try:
+            if os.readlink(f"{entry}/cwd") != target:
+                continue
+            with open(f"{entry}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # zombie: already dead
+                    continue
+            found.append(int(entry.rsplit("/", 1)[1]))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found

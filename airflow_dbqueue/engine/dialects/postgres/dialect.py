@@ -154,11 +154,21 @@ class PostgresDatabase:
             with self.translate_errors(), pool.connection() as pooled:
                 yield pooled
         except DatabaseUnavailableError:
-            # The server may have restarted: drop every dead idle connection now rather than
-            # failing once per pooled connection.
-            with contextlib.suppress(Exception):
-                pool.check()
+            self._discard_pool(pool)
             raise
+
+    def _discard_pool(self, pool: ConnectionPool) -> None:
+        """Replace a pool after a connection failure: the server may have restarted.
+
+        Its idle connections are likely dead, and psycopg_pool's reconnect backoff doubles without a
+        cap (1, 2, 4 ... s), so a fresh pool on the next call recovers faster than the old one would.
+        """
+        with self._lock:
+            if self._pool is not pool:
+                return
+            self._pool = None
+        with contextlib.suppress(Exception):
+            pool.close(timeout=0)
 
     @contextlib.contextmanager
     def transaction(self, conn: psycopg.Connection[Any] | None = None) -> Iterator[psycopg.Connection[Any]]:

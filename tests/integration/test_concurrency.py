@@ -1,0 +1,306 @@
+"""Many producer and consumer processes on one queue: nothing lost, nothing delivered twice.
+
+Four producer processes and four consumer processes move 100,000 messages through one queue, once
+for each delivery semantics. Every payload carries a unique ``(producer, seq)`` and a random value;
+producers report the ids they got back and a checksum of what they pushed, consumers report what
+they received (exactly-once consumers write it into a results table in the pop's own transaction),
+and the test compares counts, checksums and identities, then checks the queue is empty.
+
+The children are started with the ``spawn`` context: each builds its own :class:`DbQueue` from the
+DSN and schema, so no connection crosses a ``fork``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import time
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from airflow_dbqueue.engine import DbQueue
+
+if TYPE_CHECKING:
+    from multiprocessing.context import SpawnProcess
+    from multiprocessing.synchronize import Barrier, Event
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PRODUCERS = 4
+CONSUMERS = 4
+PER_PRODUCER = 25_000
+PUSH_BATCH = 100
+POP_BATCH = 100
+RUN_LIMIT_S = 300.0
+"""Upper bound of one run: a hang fails the test instead of waiting for pytest-timeout."""
+
+QUEUE = "conc"
+RESULTS_TABLE = "eo_results"
+
+
+def payload_hash(payload: dict[str, Any]) -> int:
+    """A stable 56-bit hash of one payload (fits a bigint, so PostgreSQL can sum it)."""
+    text = f"{payload['p']}:{payload['s']}:{payload['v']}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
+
+
+# -- child processes (module level: spawn imports this module to find them) -----------------------
+
+
+def _producer(
+    *,
+    dsn: str,
+    schema: str,
+    idx: int,
+    count: int,
+    batch: int,
+    results: mp.Queue[Any],
+    start: Barrier,
+    deadline: float,
+) -> None:
+    try:
+        with DbQueue(dsn, schema=schema, pool_size=1) as dbq:
+            q = dbq.queue(QUEUE)
+            # Every child has its connection before the first push, so the run is concurrent.
+            start.wait(timeout=120)
+            ids: list[int] = []
+            checksum = 0
+            for first in range(0, count, batch):
+                if time.time() > deadline:
+                    raise TimeoutError(f"producer {idx} passed the run's deadline")
+                payloads = [
+                    {"p": idx, "s": s, "v": os.urandom(6).hex()}
+                    for s in range(first, min(count, first + batch))
+                ]
+                got = q.push_batch(payloads)
+                if len(got) != len(payloads):
+                    raise AssertionError(f"push_batch returned {len(got)} ids for {len(payloads)} payloads")
+                ids.extend(got)
+                checksum += sum(payload_hash(p) for p in payloads)
+            results.put(("producer", idx, {"ids": ids, "checksum": checksum}))
+    except BaseException:
+        results.put(("error", f"producer {idx}", traceback.format_exc()))
+
+
+def _drained(q: Any) -> bool:
+    st = q.stats()
+    return bool(st.ready == 0 and st.delayed == 0 and st.in_flight == 0)
+
+
+def _consumer(
+    *,
+    dsn: str,
+    schema: str,
+    idx: int,
+    semantics: str,
+    batch: int,
+    producers_done: Event,
+    results: mp.Queue[Any],
+    start: Barrier,
+    deadline: float,
+) -> None:
+    try:
+        with DbQueue(dsn, schema=schema, pool_size=2) as dbq:
+            q = dbq.queue(QUEUE)
+            start.wait(timeout=120)
+            got: list[tuple[int, int, int, int]] = []  # (id, producer, seq, payload hash)
+            attempts_seen: set[int] = set()
+            popped = 0
+            insert = sql.SQL("COPY {}.{} (consumer, msg_id, p, s, h) FROM STDIN").format(
+                sql.Identifier(schema), sql.Identifier(RESULTS_TABLE)
+            )
+            while True:
+                if time.time() > deadline:
+                    raise TimeoutError(f"consumer {idx} passed the run's deadline")
+                if semantics == "exactly-once":
+                    with dbq.transaction() as conn:
+                        msgs = q.pop(batch, semantics="exactly-once", conn=conn)
+                        if msgs:
+                            with conn.cursor().copy(insert) as copy:
+                                for m in msgs:
+                                    p = m.payload
+                                    copy.write_row((idx, m.id, p["p"], p["s"], payload_hash(p)))
+                else:
+                    msgs = q.pop(batch, semantics=semantics)
+                    if msgs and semantics == "at-least-once":
+                        q.ack(msgs)
+                if msgs:
+                    popped += len(msgs)
+                    attempts_seen.update(m.attempts for m in msgs)
+                    if semantics != "exactly-once":
+                        got.extend(
+                            (m.id, m.payload["p"], m.payload["s"], payload_hash(m.payload)) for m in msgs
+                        )
+                    continue
+                # Empty pop: finished once every producer is done and nothing is ready, delayed or
+                # leased (an uncommitted exactly-once pop still counts as ready to the others).
+                if producers_done.is_set() and _drained(q):
+                    break
+                time.sleep(0.05)
+            results.put(("consumer", idx, {"got": got, "popped": popped, "attempts": sorted(attempts_seen)}))
+    except BaseException:
+        results.put(("error", f"consumer {idx}", traceback.format_exc()))
+
+
+# -- the test -----------------------------------------------------------------------------------------
+
+
+def _collect(
+    results: mp.Queue[Any], procs: list[SpawnProcess], kind: str, want: int, deadline: float
+) -> dict[int, Any]:
+    """Gather ``want`` reports of ``kind`` from the children; fail on a child's error or death."""
+    out: dict[int, Any] = {}
+    while len(out) < want:
+        if time.time() > deadline:
+            raise AssertionError(f"only {len(out)} of {want} {kind} reports before the deadline")
+        try:
+            msg = results.get(timeout=0.5)
+        except queue_mod.Empty:
+            dead = [p.name for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise AssertionError(f"child processes died without reporting: {dead}") from None
+            continue
+        if msg[0] == "error":
+            raise AssertionError(f"{msg[1]} failed:\n{msg[2]}")
+        if msg[0] != kind:
+            raise AssertionError(f"unexpected {msg[0]} report while waiting for {kind} reports")
+        out[msg[1]] = msg[2]
+    return out
+
+
+@pytest.mark.parametrize("semantics", ["at-most-once", "at-least-once", "exactly-once"])
+def test_many_processes_move_100k_messages_once(dbq: DbQueue, semantics: str) -> None:
+    q = dbq.create_queue(QUEUE, payload_type="json", visibility_timeout=120.0)
+    if semantics == "exactly-once":
+        with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+            c.execute(
+                sql.SQL(
+                    "CREATE TABLE {}.{} (consumer integer NOT NULL, msg_id bigint NOT NULL, "
+                    "p integer NOT NULL, s integer NOT NULL, h bigint NOT NULL)"
+                ).format(sql.Identifier(dbq.schema), sql.Identifier(RESULTS_TABLE))
+            )
+    dsn, schema = dbq.db.dsn, dbq.schema
+    total = PRODUCERS * PER_PRODUCER
+    ctx = mp.get_context("spawn")
+    results: mp.Queue[Any] = ctx.Queue()
+    producers_done = ctx.Event()
+    start = ctx.Barrier(PRODUCERS + CONSUMERS)
+    deadline = time.time() + RUN_LIMIT_S
+    consumers = [
+        ctx.Process(
+            target=_consumer,
+            kwargs={
+                "dsn": dsn,
+                "schema": schema,
+                "idx": i,
+                "semantics": semantics,
+                "batch": POP_BATCH,
+                "producers_done": producers_done,
+                "results": results,
+                "start": start,
+                "deadline": deadline,
+            },
+            name=f"consumer-{i}",
+        )
+        for i in range(CONSUMERS)
+    ]
+    producers = [
+        ctx.Process(
+            target=_producer,
+            kwargs={
+                "dsn": dsn,
+                "schema": schema,
+                "idx": i,
+                "count": PER_PRODUCER,
+                "batch": PUSH_BATCH,
+                "results": results,
+                "start": start,
+                "deadline": deadline,
+            },
+            name=f"producer-{i}",
+        )
+        for i in range(PRODUCERS)
+    ]
+    procs = consumers + producers
+    try:
+        for p in procs:
+            p.start()
+        pushed = _collect(results, procs, "producer", PRODUCERS, deadline + 10)
+        producers_done.set()
+        received = _collect(results, procs, "consumer", CONSUMERS, deadline + 10)
+        for p in procs:
+            p.join(timeout=30)
+            assert p.exitcode == 0, f"{p.name} exited with {p.exitcode}"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        results.close()
+
+    # What went in: every producer pushed its share, and every id is distinct.
+    id_to_key: dict[int, tuple[int, int]] = {}
+    for idx, rep in pushed.items():
+        assert len(rep["ids"]) == PER_PRODUCER
+        for seq, mid in enumerate(rep["ids"]):
+            assert mid not in id_to_key, f"id {mid} returned to two pushes"
+            id_to_key[mid] = (idx, seq)
+    assert len(id_to_key) == total
+    pushed_checksum = sum(rep["checksum"] for rep in pushed.values())
+
+    # What came out.
+    popped = sum(rep["popped"] for rep in received.values())
+    assert popped == total, f"consumers popped {popped} messages, {total} were pushed"
+    assert all(rep["attempts"] in ([], [1]) for rep in received.values()), "a message was delivered twice"
+    if semantics == "exactly-once":
+        assert all(rep["got"] == [] for rep in received.values())
+        with psycopg.connect(dsn) as c:
+            row = c.execute(
+                sql.SQL(
+                    "SELECT count(*), count(DISTINCT msg_id), count(DISTINCT (p, s)), "
+                    "coalesce(sum(h), 0) FROM {}.{}"
+                ).format(sql.Identifier(schema), sql.Identifier(RESULTS_TABLE))
+            ).fetchone()
+            assert row is not None
+            rows, distinct_ids, distinct_payloads, checksum = row
+            per_consumer: dict[int, int] = dict(
+                c.execute(
+                    sql.SQL("SELECT consumer, count(*) FROM {}.{} GROUP BY consumer").format(
+                        sql.Identifier(schema), sql.Identifier(RESULTS_TABLE)
+                    )
+                ).fetchall()
+            )
+            keys = c.execute(
+                sql.SQL("SELECT msg_id, p, s FROM {}.{}").format(
+                    sql.Identifier(schema), sql.Identifier(RESULTS_TABLE)
+                )
+            ).fetchall()
+        got_keys = {mid: (p, s) for mid, p, s in keys}
+        assert {k: per_consumer.get(k, 0) for k in received} == {
+            k: rep["popped"] for k, rep in received.items()
+        }, "a consumer's committed results differ from what its pops returned"
+    else:
+        rows = sum(len(rep["got"]) for rep in received.values())
+        all_ids = [g[0] for rep in received.values() for g in rep["got"]]
+        distinct_ids = len(set(all_ids))
+        distinct_payloads = len({(g[1], g[2]) for rep in received.values() for g in rep["got"]})
+        checksum = sum(g[3] for rep in received.values() for g in rep["got"])
+        got_keys = {g[0]: (g[1], g[2]) for rep in received.values() for g in rep["got"]}
+
+    assert rows == total, f"{rows} deliveries for {total} pushed messages"
+    assert distinct_ids == total, f"{rows - distinct_ids} ids delivered twice"
+    assert distinct_payloads == total, f"{rows - distinct_payloads} payloads delivered twice"
+    assert checksum == pushed_checksum, "the delivered payloads differ from the pushed ones"
+    assert got_keys == id_to_key, "a message id came back with another message's payload"
+
+    # The queue ends empty.
+    st = q.stats()
+    assert (st.ready, st.delayed, st.in_flight, st.failed) == (0, 0, 0, 0), st
+    assert st.finished == total, st  # the queue archives: every finished message waits in done
+    assert q.pop(10, semantics="at-most-once") == []
