@@ -1,0 +1,476 @@
+"""The queue schema: install, migrations, version checks, and the named queries.
+
+The migration test compares a normalized description of the catalog (tables, columns, constraints,
+indexes, sequences, functions, triggers, ...) of a fresh install with one built by applying the
+migrations from each older version; it keeps working as migrations are added.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.pq import ExecStatus
+
+import airflow_dbqueue.engine as engine_pkg
+from airflow_dbqueue.engine import DbQueue, SchemaError
+from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
+from airflow_dbqueue.engine.dialects.postgres.dialect import migrations, schema_sql
+from airflow_dbqueue.engine.sqlfile import load_queries
+
+pytestmark = pytest.mark.integration
+
+POSTGRES_PKG = "airflow_dbqueue.engine.dialects.postgres"
+LATEST = schema_sql()[0]
+MIGRATION_VERSIONS = [v for v, _ in migrations()]
+
+# -- a normalized description of one schema's catalog ------------------------------------------------
+
+# Each query takes the schema name as %(schema)s and returns rows in a stable order. Object names stay
+# (they are part of the schema: queries and error messages name constraints), oids never appear, and
+# the schema's own name is replaced by <schema> everywhere (see describe_schema).
+_CATALOG: dict[str, str] = {
+    "schema": """
+        SELECT pg_get_userbyid(n.nspowner), n.nspacl::text, obj_description(n.oid, 'pg_namespace')
+        FROM pg_namespace n WHERE n.nspname = %(schema)s""",
+    "relations": """
+        SELECT c.relname, c.relkind::text, c.relpersistence::text, am.amname,
+               ARRAY(SELECT o FROM unnest(c.reloptions) AS o ORDER BY o),
+               c.relreplident::text, c.relrowsecurity, c.relforcerowsecurity, c.relispartition,
+               pg_get_partkeydef(c.oid), pg_get_userbyid(c.relowner), c.relacl::text,
+               obj_description(c.oid, 'pg_class')
+        FROM pg_class c
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        LEFT JOIN pg_am am ON am.oid = c.relam
+        WHERE n.nspname = %(schema)s
+        ORDER BY c.relname""",
+    # Column order is part of the schema (INSERT without a column list, SELECT *): position counts
+    # live columns only, so a dropped column leaves no trace.
+    "columns": """
+        SELECT c.relname,
+               row_number() OVER (PARTITION BY c.oid ORDER BY a.attnum) AS position,
+               a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull,
+               pg_get_expr(d.adbin, d.adrelid), a.attidentity::text, a.attgenerated::text,
+               CASE WHEN a.attcollation <> t.typcollation THEN co.collname END,
+               col_description(c.oid, a.attnum)
+        FROM pg_attribute a
+        JOIN pg_class c ON c.oid = a.attrelid
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        JOIN pg_type t ON t.oid = a.atttypid
+        LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+        LEFT JOIN pg_collation co ON co.oid = a.attcollation
+        WHERE n.nspname = %(schema)s AND c.relkind IN ('r', 'p', 'v', 'm', 'f', 'c')
+          AND a.attnum > 0 AND NOT a.attisdropped
+        ORDER BY c.relname, a.attnum""",
+    "constraints": """
+        SELECT coalesce(c.relname, ty.typname), con.conname, con.contype::text,
+               pg_get_constraintdef(con.oid, true), con.condeferrable, con.condeferred,
+               con.convalidated, con.connoinherit
+        FROM pg_constraint con
+        JOIN pg_namespace n ON n.oid = con.connamespace
+        LEFT JOIN pg_class c ON c.oid = con.conrelid
+        LEFT JOIN pg_type ty ON ty.oid = con.contypid
+        WHERE n.nspname = %(schema)s
+        ORDER BY 1, 2""",
+    "indexes": """
+        SELECT t.relname, ic.relname, pg_get_indexdef(i.indexrelid), i.indisclustered,
+               i.indisreplident, i.indisvalid
+        FROM pg_index i
+        JOIN pg_class ic ON ic.oid = i.indexrelid
+        JOIN pg_class t ON t.oid = i.indrelid
+        JOIN pg_namespace n ON n.oid = t.relnamespace
+        WHERE n.nspname = %(schema)s
+        ORDER BY t.relname, ic.relname""",
+    "sequences": """
+        SELECT c.relname, format_type(s.seqtypid, NULL), s.seqstart, s.seqincrement, s.seqmax,
+               s.seqmin, s.seqcache, s.seqcycle, tc.relname AS owned_by_table,
+               ta.attname AS owned_by_column, d.deptype::text
+        FROM pg_sequence s
+        JOIN pg_class c ON c.oid = s.seqrelid
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        LEFT JOIN pg_depend d ON d.classid = 'pg_class'::regclass AND d.objid = c.oid
+             AND d.refclassid = 'pg_class'::regclass AND d.deptype IN ('a', 'i')
+        LEFT JOIN pg_class tc ON tc.oid = d.refobjid
+        LEFT JOIN pg_attribute ta ON ta.attrelid = d.refobjid AND ta.attnum = d.refobjsubid
+        WHERE n.nspname = %(schema)s
+        ORDER BY c.relname""",
+    "views": """
+        SELECT c.relname, pg_get_viewdef(c.oid, true)
+        FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = %(schema)s AND c.relkind IN ('v', 'm')
+        ORDER BY c.relname""",
+    "functions": """
+        SELECT p.proname, pg_get_function_identity_arguments(p.oid), p.prokind::text,
+               CASE WHEN p.prokind IN ('f', 'p') THEN pg_get_functiondef(p.oid) END,
+               pg_get_userbyid(p.proowner), p.proacl::text
+        FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+        WHERE n.nspname = %(schema)s
+        ORDER BY 1, 2""",
+    "triggers": """
+        SELECT c.relname, tg.tgname, pg_get_triggerdef(tg.oid, true), tg.tgenabled::text
+        FROM pg_trigger tg
+        JOIN pg_class c ON c.oid = tg.tgrelid
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = %(schema)s AND NOT tg.tgisinternal
+        ORDER BY 1, 2""",
+    "rules": """
+        SELECT r.tablename, r.rulename, r.definition
+        FROM pg_rules r WHERE r.schemaname = %(schema)s
+        ORDER BY 1, 2""",
+    "policies": """
+        SELECT p.tablename, p.policyname, p.permissive, p.roles::text, p.cmd, p.qual, p.with_check
+        FROM pg_policies p WHERE p.schemaname = %(schema)s
+        ORDER BY 1, 2""",
+    # Types defined on their own (enums, domains, ranges, composite types), not tables' row types
+    # nor the array types PostgreSQL adds for every type.
+    "types": """
+        SELECT t.typname, t.typtype::text, format_type(t.typbasetype, t.typtypmod), t.typnotnull,
+               t.typdefault,
+               ARRAY(SELECT e.enumlabel::text FROM pg_enum e WHERE e.enumtypid = t.oid
+                     ORDER BY e.enumsortorder)
+        FROM pg_type t
+        JOIN pg_namespace n ON n.oid = t.typnamespace
+        LEFT JOIN pg_class c ON c.oid = t.typrelid
+        WHERE n.nspname = %(schema)s AND (t.typrelid = 0 OR c.relkind = 'c')
+          AND NOT (t.typcategory = 'A' AND t.typelem <> 0)
+        ORDER BY t.typname""",
+    "statistics": """
+        SELECT s.stxname, pg_get_statisticsobjdef(s.oid)
+        FROM pg_statistic_ext s JOIN pg_namespace n ON n.oid = s.stxnamespace
+        WHERE n.nspname = %(schema)s
+        ORDER BY 1""",
+}
+
+
+def _normalize(value: Any, schema: str) -> Any:
+    if isinstance(value, str):
+        return value.replace(f'"{schema}"', "<schema>").replace(schema, "<schema>")
+    if isinstance(value, list | tuple):
+        return tuple(_normalize(v, schema) for v in value)
+    return value
+
+
+def describe_schema(dsn: str, schema: str) -> dict[str, list[tuple[Any, ...]]]:
+    """Return a normalized, comparable description of everything defined in ``schema``."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return {
+            section: [_normalize(row, schema) for row in conn.execute(query, {"schema": schema})]
+            for section, query in _CATALOG.items()
+        }
+
+
+def schema_differences(a: dict[str, list[tuple[Any, ...]]], b: dict[str, list[tuple[Any, ...]]]) -> list[str]:
+    """Human-readable differences between two descriptions (empty when they are equal)."""
+    out = []
+    for section in sorted(a.keys() | b.keys()):
+        rows_a, rows_b = a.get(section, []), b.get(section, [])
+        if rows_a == rows_b:
+            continue
+        only_a = [r for r in rows_a if r not in rows_b]
+        only_b = [r for r in rows_b if r not in rows_a]
+        if not only_a and not only_b:
+            out.append(f"{section}: same rows in another order")
+        for r in only_a:
+            out.append(f"{section}: only in the first: {r}")
+        for r in only_b:
+            out.append(f"{section}: only in the second: {r}")
+    return out
+
+
+def recorded_versions(dsn: str, schema: str) -> list[int]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        q = sql.SQL("SELECT version FROM {}.schema_version ORDER BY version").format(sql.Identifier(schema))
+        return [r[0] for r in conn.execute(q)]
+
+
+def run_sql(dsn: str, statement: str, params: Any = None) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(statement, params)
+
+
+@pytest.fixture
+def new_schema(pg_dsn: str) -> Iterator[Callable[[], str]]:
+    """Hand out fresh schema names; every schema of those names is dropped after the test."""
+    names: list[str] = []
+
+    def make() -> str:
+        names.append(f"t_{uuid.uuid4().hex[:12]}")
+        return names[-1]
+
+    yield make
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for name in names:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+
+
+def fresh_install(dsn: str, schema: str) -> int:
+    db = PostgresDatabase(dsn, schema=schema)
+    try:
+        return db.install()
+    finally:
+        db.close()
+
+
+# -- install -----------------------------------------------------------------------------------------
+
+
+def test_install_twice_is_idempotent(dbq: DbQueue, pg_dsn: str) -> None:
+    q = dbq.create_queue("kept")
+    q.push({"n": 1})
+    before = describe_schema(pg_dsn, dbq.schema)
+    versions = recorded_versions(pg_dsn, dbq.schema)
+    assert versions == [LATEST]
+
+    assert dbq.install() == LATEST
+    assert dbq.install() == LATEST
+
+    assert recorded_versions(pg_dsn, dbq.schema) == versions
+    assert schema_differences(before, describe_schema(pg_dsn, dbq.schema)) == []
+    [m] = dbq.queue("kept").pop()
+    assert m.payload == {"n": 1}
+
+
+def install_concurrently(dsn: str, schema: str, n: int) -> list[Any]:
+    """Run install() from ``n`` threads at once, each with its own client; return versions or errors."""
+    clients = [DbQueue(dsn, schema=schema, pool_size=1) for _ in range(n)]
+    barrier = threading.Barrier(n)
+    results: list[Any] = [None] * n
+
+    def install(i: int) -> None:
+        try:
+            barrier.wait(timeout=30)
+            results[i] = clients[i].install()
+        except BaseException as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=install, args=(i,)) for i in range(n)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        for c in clients:
+            c.close()
+    return results
+
+
+def test_concurrent_install_on_a_fresh_schema(pg_dsn: str, new_schema: Callable[[], str]) -> None:
+    reference = new_schema()
+    fresh_install(pg_dsn, reference)
+    expected = describe_schema(pg_dsn, reference)
+
+    for _ in range(3):  # a few rounds: the race differs from run to run
+        name = new_schema()
+        assert install_concurrently(pg_dsn, name, 4) == [LATEST] * 4
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            row = conn.execute("SELECT count(*) FROM pg_namespace WHERE nspname = %s", [name]).fetchone()
+        assert row == (1,)
+        assert recorded_versions(pg_dsn, name) == [LATEST]
+        assert schema_differences(expected, describe_schema(pg_dsn, name)) == []
+
+
+# -- migrations --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("start", MIGRATION_VERSIONS)
+def test_migrating_from_an_old_version_gives_the_fresh_schema(
+    pg_dsn: str, new_schema: Callable[[], str], start: int
+) -> None:
+    fresh, migrated = new_schema(), new_schema()
+    assert fresh_install(pg_dsn, fresh) == LATEST  # runs schema.sql
+
+    db = PostgresDatabase(pg_dsn, schema=migrated)
+    try:
+        db.migrate_to(start)
+        assert recorded_versions(pg_dsn, migrated) == list(range(1, start + 1))
+        assert db.install() == LATEST  # applies the migrations after `start`
+    finally:
+        db.close()
+
+    assert recorded_versions(pg_dsn, migrated) == list(range(1, LATEST + 1))
+    assert recorded_versions(pg_dsn, fresh) == [LATEST]
+    diff = schema_differences(describe_schema(pg_dsn, fresh), describe_schema(pg_dsn, migrated))
+    assert diff == [], "schema.sql and the migrations disagree:\n" + "\n".join(diff)
+
+
+_MUTATIONS = {
+    "added column": "ALTER TABLE {s}.meta ADD COLUMN extra integer",
+    "column default": "ALTER TABLE {s}.meta ALTER COLUMN state SET DEFAULT 1",
+    "nullability": "ALTER TABLE {s}.done ALTER COLUMN outcome DROP NOT NULL",
+    "column type": "ALTER TABLE {s}.meta ALTER COLUMN priority TYPE integer",
+    "column order": (
+        "ALTER TABLE {s}.meta DROP COLUMN consumer; ALTER TABLE {s}.meta ADD COLUMN consumer text"
+    ),
+    "check constraint": (
+        "ALTER TABLE {s}.meta DROP CONSTRAINT meta_state_valid, "
+        "ADD CONSTRAINT meta_state_valid CHECK (state IN (0, 1, 2, 3))"
+    ),
+    "index definition": (
+        "DROP INDEX {s}.meta_failed_idx; "
+        "CREATE INDEX meta_failed_idx ON {s}.meta (queue_id, id) WHERE state = 1"
+    ),
+    "table storage option": "ALTER TABLE {s}.meta SET (fillfactor = 80)",
+    "sequence option": "ALTER SEQUENCE {s}.message_id_seq INCREMENT BY 2",
+    "extra table": "CREATE TABLE {s}.extra (id integer)",
+    "function": "CREATE FUNCTION {s}.f() RETURNS integer LANGUAGE sql AS 'SELECT 1'",
+}
+
+
+@pytest.mark.parametrize("mutation", list(_MUTATIONS), ids=list(_MUTATIONS))
+def test_schema_comparison_detects_differences(
+    pg_dsn: str, new_schema: Callable[[], str], mutation: str
+) -> None:
+    a, b = new_schema(), new_schema()
+    fresh_install(pg_dsn, a)
+    fresh_install(pg_dsn, b)
+    assert schema_differences(describe_schema(pg_dsn, a), describe_schema(pg_dsn, b)) == []
+
+    run_sql(pg_dsn, _MUTATIONS[mutation].format(s=sql.Identifier(b).as_string(None)))
+
+    assert schema_differences(describe_schema(pg_dsn, a), describe_schema(pg_dsn, b)) != []
+
+
+# -- version checks ----------------------------------------------------------------------------------
+
+
+def test_schema_newer_than_the_code_is_refused(dbq: DbQueue, pg_dsn: str) -> None:
+    newer = LATEST + 41
+    run_sql(
+        pg_dsn,
+        sql.SQL("INSERT INTO {}.schema_version (version) VALUES (%s)").format(sql.Identifier(dbq.schema)),
+        [newer],
+    )
+    with pytest.raises(SchemaError) as info:
+        dbq.install()
+    message = str(info.value).replace(dbq.db.where, "<where>")
+    assert re.search(rf"\b{newer}\b", message), message
+    assert re.search(rf"\b{LATEST}\b", message), message
+    assert dbq.schema in message
+    assert recorded_versions(pg_dsn, dbq.schema) == [LATEST, newer]  # left alone
+
+
+_CLIENT_CALLS: dict[str, Callable[[DbQueue], Any]] = {
+    "create_queue": lambda d: d.create_queue("q"),
+    "queue": lambda d: d.queue("q"),
+    "list_queues": lambda d: d.list_queues(),
+    "drop_queue": lambda d: d.drop_queue("q", missing_ok=True),
+}
+
+
+@pytest.mark.parametrize("call", list(_CLIENT_CALLS), ids=list(_CLIENT_CALLS))
+@pytest.mark.parametrize("schema_exists", [False, True], ids=["no-schema", "empty-schema"])
+def test_schema_never_installed(pg_dsn: str, schema_name: str, call: str, schema_exists: bool) -> None:
+    if schema_exists:
+        run_sql(pg_dsn, sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema_name)))
+    dbq = DbQueue(pg_dsn, schema=schema_name)
+    try:
+        with pytest.raises(SchemaError, match=r"install") as info:
+            _CLIENT_CALLS[call](dbq)
+        assert not isinstance(info.value, psycopg.Error)
+        assert schema_name in str(info.value)
+    finally:
+        run_sql(pg_dsn, sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema_name)))
+        dbq.close()
+
+
+_QUEUE_CALLS: dict[str, Callable[[Any], Any]] = {
+    "push": lambda q: q.push(1),
+    "push_delayed": lambda q: q.push(1, delay=5),
+    "pop": lambda q: q.pop(),
+    "pop_at_least_once": lambda q: q.pop(semantics="at-least-once"),
+    "stats": lambda q: q.stats(),
+    "peek": lambda q: q.peek(),
+    "count_ready": lambda q: q.count_ready(),
+    "reclaim_expired": lambda q: q.reclaim_expired(),
+    "list_failed": lambda q: q.list_failed(),
+    "requeue_failed": lambda q: q.requeue_failed(),
+    "delete_failed": lambda q: q.delete_failed(),
+}
+
+
+@pytest.mark.parametrize("call", list(_QUEUE_CALLS), ids=list(_QUEUE_CALLS))
+def test_schema_dropped_under_an_open_queue(dbq: DbQueue, call: str) -> None:
+    q = dbq.create_queue("q")
+    dbq.uninstall()
+    with pytest.raises(SchemaError, match=r"install"):
+        _QUEUE_CALLS[call](q)
+
+
+# -- named queries -----------------------------------------------------------------------------------
+
+
+def _query_names() -> list[str]:
+    return list(load_queries(POSTGRES_PKG, "queries.sql"))
+
+
+def test_every_named_query_composes() -> None:
+    raw = load_queries(POSTGRES_PKG, "queries.sql")
+    assert raw, "queries.sql holds no named query"
+    db = PostgresDatabase("host=unused.invalid", schema="sample_schema")  # composing does no I/O
+    for name, body in raw.items():
+        text = db.query(name).decode()
+        assert "{schema}" not in text, name
+        assert ("{schema}" in body) == ('"sample_schema"' in text), name
+        assert text.strip(), name
+
+
+def _server_placeholders(text: str) -> tuple[str, dict[str, int]]:
+    """Turn psycopg's %(name)s placeholders into PostgreSQL's $n, numbering each name once."""
+    numbers: dict[str, int] = {}
+
+    def number(m: re.Match[str]) -> str:
+        return f"${numbers.setdefault(m.group(1), len(numbers) + 1)}"
+
+    return re.sub(r"%\((\w+)\)s", number, text).replace("%%", "%"), numbers
+
+
+def test_every_named_query_parses_and_plans_on_the_server(dbq: DbQueue, pg_dsn: str) -> None:
+    """PREPARE every query against an installed schema: catches unknown columns and type errors."""
+    failures = []
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        for i, name in enumerate(_query_names()):
+            text, _ = _server_placeholders(dbq.db.query(name).decode())
+            res = conn.pgconn.prepare(f"dbq_check_{i}".encode(), text.encode())
+            if res.status != ExecStatus.COMMAND_OK:
+                failures.append(f"{name}: {(res.error_message or b'').decode().strip()}")
+        # The check itself must be able to fail.
+        bad = conn.pgconn.prepare(
+            b"dbq_check_bad", f'SELECT no_such_column FROM "{dbq.schema}".meta'.encode()
+        )
+        assert bad.status != ExecStatus.COMMAND_OK
+    assert failures == []
+
+
+def _engine_source() -> str:
+    root = Path(engine_pkg.__file__).parent
+    return "\n".join(p.read_text(encoding="utf-8") for p in sorted(root.rglob("*.py")))
+
+
+def _is_used(name: str, source: str) -> bool:
+    """Whether ``name`` appears as a string literal in ``source``."""
+    return re.search(rf"""["']{re.escape(name)}["']""", source) is not None
+
+
+def test_every_named_query_is_used_by_the_engine() -> None:
+    source = _engine_source()
+    assert not _is_used("no_such_query_name", source)  # the check can fail
+    unused = [n for n in _query_names() if not _is_used(n, source)]
+    assert unused == [], f"named queries in queries.sql that no engine module uses: {unused}"
+
+
+def test_every_query_the_engine_names_exists() -> None:
+    called = set(
+        re.findall(
+            r"""\.(?:query|fetchall|fetchone|execute)\(\s*["']([a-z_][a-z0-9_]*)["']""", _engine_source()
+        )
+    )
+    assert called, "found no named-query call in the engine: the pattern is out of date"
+    assert sorted(called - set(_query_names())) == []
