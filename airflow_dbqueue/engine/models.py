@@ -124,18 +124,15 @@ class QueueSettings:
             return bytes(data).decode("utf-8")
         return json.loads(data)
 
-    def backoff(self, attempts: int) -> float:
-        """Seconds to wait before redelivering a message nacked after ``attempts`` deliveries."""
-        return float(min(self.retry_backoff_max_s, self.retry_backoff_s * 2 ** max(0, attempts - 1)))
-
 
 @dataclass(frozen=True, slots=True)
 class Message:
     """A message returned by pop.
 
-    ``attempts`` counts deliveries including this one; together with ``id`` it is the receipt that
-    ``ack``/``nack`` check, so an ack from a consumer whose lease expired and was handed to another
-    consumer cannot finish the other consumer's delivery.
+    ``attempts`` counts deliveries towards ``max_attempts``, including this one (``requeue_failed``
+    resets it). ``delivery`` counts every hand-out of the message and never resets: ``(id, delivery)``
+    is the receipt that ``ack``/``nack`` check, so an ack from a consumer whose lease expired and was
+    handed to another consumer cannot finish the other consumer's delivery.
     """
 
     id: int
@@ -143,13 +140,14 @@ class Message:
     payload: Any
     priority: int
     attempts: int
+    delivery: int
     enqueued_at: dt.datetime
     lease_until: dt.datetime | None = None
 
     @property
     def receipt(self) -> tuple[int, int]:
-        """``(id, attempts)``: what ack and nack use to recognise this delivery."""
-        return (self.id, self.attempts)
+        """``(id, delivery)``: what ack and nack use to recognise this delivery."""
+        return (self.id, self.delivery)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import datetime as dt
 import os
 import socket
 import time
@@ -196,3 +197,68 @@ class Queue(abc.ABC):
     @abc.abstractmethod
     def delete_failed(self, ids: Sequence[int] | None = None) -> int:
         """Discard failed messages (all when ``ids`` is None); archived when the queue archives."""
+
+    # -- observers and receipts (the Airflow face hands work on between tasks by receipt) ------------
+
+    def readiness(
+        self, min_priority: int | None = None, cap: int = 1_000_000
+    ) -> tuple[int, tuple[int, int] | None]:
+        """Return ``(ready, head)``: ready messages (of at least ``min_priority``, counted up to ``cap``)
+        and the ``(id, delivery)`` of the message a pop would take first (``None`` when none is ready).
+
+        Observers (a sensor, a trigger) use the head to tell a queue that was consumed (or whose head
+        was nacked back) from one that nobody touched. Designs may override this with one statement.
+        """
+        ready = self.count_ready(min_priority, cap)
+        head = self.peek(1)
+        return ready, (head[0].receipt if head else None)
+
+    async def areadiness(
+        self, aconn: psycopg.AsyncConnection[Any], min_priority: int | None = None, cap: int = 1_000_000
+    ) -> tuple[int, tuple[int, int] | None]:
+        """:meth:`readiness` on the caller's async connection (for async observers such as triggers)."""
+        raise NotImplementedError(f"{self.settings.design} queues do not support async observation yet")
+
+    async def alisten(self, aconn: psycopg.AsyncConnection[Any]) -> None:
+        """LISTEN on this queue's NOTIFY channel on the caller's async connection."""
+        raise NotImplementedError(f"{self.settings.design} queues do not support async observation yet")
+
+    def leased(self, receipts: Sequence[tuple[int, int]]) -> list[Message]:
+        """Return the messages of ``receipts`` (``(id, delivery)``) whose lease is still held, with payloads.
+
+        A task handed only receipts (a large batch left claimed by another task) reads its batch here;
+        receipts whose lease was lost are missing from the result.
+        """
+        raise NotImplementedError(f"{self.settings.design} queues do not support leased() yet")
+
+    def ack_receipts(
+        self, receipts: Sequence[tuple[int, int]], *, conn: psycopg.Connection[Any] | None = None
+    ) -> int:
+        """:meth:`ack` deliveries known only by their receipts ``(id, delivery)``; all or nothing."""
+        return self.ack(self._receipt_messages(receipts), conn=conn)
+
+    def nack_receipts(
+        self,
+        receipts: Sequence[tuple[int, int]],
+        *,
+        delay: float | None = None,
+        error: str | None = None,
+        conn: psycopg.Connection[Any] | None = None,
+    ) -> int:
+        """:meth:`nack` deliveries known only by their receipts ``(id, delivery)``; all or nothing."""
+        return self.nack(self._receipt_messages(receipts), delay=delay, error=error, conn=conn)
+
+    def _receipt_messages(self, receipts: Sequence[tuple[int, int]]) -> list[Message]:
+        out = []
+        for r in receipts:
+            try:
+                mid, delivery = r
+            except (TypeError, ValueError):
+                raise ConfigurationError(f"a receipt is a pair (id, delivery), got {r!r}") from None
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (mid, delivery)):
+                raise ConfigurationError(f"a receipt is a pair of integers (id, delivery), got {r!r}")
+            out.append(Message(mid, self.name, None, 0, 0, delivery, _NO_TIME))
+        return out
+
+
+_NO_TIME = dt.datetime.min.replace(tzinfo=dt.UTC)

@@ -97,9 +97,10 @@ class TableQueue(Queue):
                 queue=name,
                 priority=r[1],
                 attempts=r[2],
-                enqueued_at=r[3],
-                lease_until=r[4],
-                payload=decode(r[5]),
+                delivery=r[3],
+                enqueued_at=r[4],
+                lease_until=r[5],
+                payload=decode(r[6]),
             )
             for r in rows
         ]
@@ -114,29 +115,36 @@ class TableQueue(Queue):
 
     @staticmethod
     def _receipts(messages: Sequence[Message]) -> tuple[list[int], list[int]]:
-        seen: dict[int, int] = {}
-        for m in messages:
-            seen[m.id] = m.attempts
-        return list(seen), list(seen.values())
+        """Distinct receipts as (ids, deliveries); two receipts of one id stay two (one is stale)."""
+        receipts = list(dict.fromkeys(m.receipt for m in messages))
+        return [r[0] for r in receipts], [r[1] for r in receipts]
 
     def ack(self, messages: Sequence[Message], *, conn: psycopg.Connection[Any] | None = None) -> int:
-        ids, attempts = self._receipts(messages)
+        ids, deliveries = self._receipts(messages)
         if not ids:
             return 0
-        params = {"ids": ids, "attempts": attempts, "queue_id": self._qid, "archive": self.settings.archive}
+        params = {
+            "ids": ids,
+            "deliveries": deliveries,
+            "queue_id": self._qid,
+            "archive": self.settings.archive,
+        }
         done = self._db.fetchall("ack", params, conn)
         if len(done) != len(ids):
-            self._raise_lost(ids, attempts, conn)
+            self._raise_lost(ids, deliveries, conn)
         return len(done)
 
-    def _raise_lost(self, ids: list[int], attempts: list[int], conn: psycopg.Connection[Any] | None) -> None:
-        held = {
-            r[0]
-            for r in self._db.fetchall(
-                "held_receipts", {"ids": ids, "attempts": attempts, "queue_id": self._qid}, conn
+    def _raise_lost(
+        self, ids: list[int], deliveries: list[int], conn: psycopg.Connection[Any] | None
+    ) -> None:
+        held = set(
+            self._db.fetchall(
+                "held_receipts", {"ids": ids, "deliveries": deliveries, "queue_id": self._qid}, conn
             )
-        }
-        raise LeaseExpiredError(self.name, [i for i in ids if i not in held])
+        )
+        raise LeaseExpiredError(
+            self.name, [i for i, d in zip(ids, deliveries, strict=True) if (i, d) not in held]
+        )
 
     def nack(
         self,
@@ -146,23 +154,24 @@ class TableQueue(Queue):
         error: str | None = None,
         conn: psycopg.Connection[Any] | None = None,
     ) -> int:
-        ids, attempts = self._receipts(messages)
-        if not ids:
-            return 0
         if delay is not None and delay < 0:
             raise ConfigurationError(f"queue {self.name!r}: nack delay must be >= 0 seconds, got {delay}")
-        delays = [float(delay) if delay is not None else self.settings.backoff(a) for a in attempts]
+        ids, deliveries = self._receipts(messages)
+        if not ids:
+            return 0
         params = {
             "ids": ids,
-            "attempts": attempts,
-            "delays": delays,
+            "deliveries": deliveries,
+            "delay_s": None if delay is None else float(delay),
+            "backoff_s": self.settings.retry_backoff_s,
+            "backoff_max_s": self.settings.retry_backoff_max_s,
             "queue_id": self._qid,
             "max_attempts": self.settings.max_attempts,
             "error": error,
         }
         done = self._db.fetchall("nack", params, conn)
         if len(done) != len(ids):
-            self._raise_lost(ids, attempts, conn)
+            self._raise_lost(ids, deliveries, conn)
         return len(done)
 
     def reclaim_expired(self, limit: int = 10_000) -> int:
@@ -188,6 +197,45 @@ class TableQueue(Queue):
             },
         )
         return int(row[0]) if row else 0
+
+    def _readiness_params(self, min_priority: int | None, cap: int) -> dict[str, Any]:
+        return {
+            "queue_id": self._qid,
+            "min_priority": _PRIORITY_MIN if min_priority is None else min_priority,
+            "cap": cap,
+        }
+
+    @staticmethod
+    def _readiness_row(row: tuple[Any, ...] | None) -> tuple[int, tuple[int, int] | None]:
+        if row is None:
+            return 0, None
+        return int(row[0]), (None if row[1] is None else (int(row[1]), int(row[2])))
+
+    def readiness(
+        self, min_priority: int | None = None, cap: int = 1_000_000
+    ) -> tuple[int, tuple[int, int] | None]:
+        return self._readiness_row(self._db.fetchone("ready_head", self._readiness_params(min_priority, cap)))
+
+    async def areadiness(
+        self, aconn: psycopg.AsyncConnection[Any], min_priority: int | None = None, cap: int = 1_000_000
+    ) -> tuple[int, tuple[int, int] | None]:
+        with self._db.translate_errors():
+            cur = await aconn.execute(self._db.query("ready_head"), self._readiness_params(min_priority, cap))
+            return self._readiness_row(await cur.fetchone())
+
+    async def alisten(self, aconn: psycopg.AsyncConnection[Any]) -> None:
+        from psycopg import sql
+
+        with self._db.translate_errors():
+            await aconn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+
+    def leased(self, receipts: Sequence[tuple[int, int]]) -> list[Message]:
+        stubs = self._receipt_messages(receipts)
+        if not stubs:
+            return []
+        ids, deliveries = self._receipts(stubs)
+        rows = self._db.fetchall("leased", {"ids": ids, "deliveries": deliveries, "queue_id": self._qid})
+        return self._messages(rows)
 
     def stats(self) -> QueueStats:
         row = self._db.fetchone("stats", {"queue_id": self._qid})

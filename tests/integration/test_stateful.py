@@ -277,14 +277,9 @@ class QueueMachine(RuleBasedStateMachine):
         assert self.queue.reclaim_expired() == expected
 
     def _stale_candidates(self) -> list[Message]:
-        """Receipts that must be refused: old deliveries, and current ones whose lease ran out.
-
-        Left out: an old receipt whose (id, attempts) equals the message's current live lease, which
-        happens after requeue_failed resets attempts. The engine accepts it (a known engine bug, see
-        test_receipt_from_before_requeue_is_refused below), so the machine does not exercise it.
-        """
-        live = {e.id: e.lease.attempts for e in self.live_leases() if e.lease is not None}
-        out = [m for m in self.stale if live.get(m.id) != m.attempts]
+        """Receipts that must be refused: old deliveries (also those from before a requeue_failed,
+        which resets attempts but not the delivery count), and current ones whose lease ran out."""
+        out = list(self.stale)
         out += [e.lease for e in self._in(HELD) if e.expired and e.lease is not None]
         return out
 
@@ -416,11 +411,6 @@ def test_table_queue_matches_model(dbq: DbQueue, pg_dsn: str) -> None:
             del QueueMachine.dbq, QueueMachine.admin
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: requeue_failed resets attempts to 0, so a receipt (id, attempts) from a delivery "
-    "before the message failed matches its next delivery again, and a stale ack finishes it",
-)
 def test_receipt_from_before_requeue_is_refused(dbq: DbQueue) -> None:
     q = dbq.create_queue("requeued", max_attempts=1, retry_backoff=0.0, retry_backoff_max=0.0)
     q.push("x")

@@ -67,11 +67,6 @@ def test_bytes_and_text_codecs() -> None:
         t.encode(b"x")
 
 
-def test_backoff_grows_and_is_capped() -> None:
-    s = QueueSettings(name="q", queue_id=1, retry_backoff_s=2.0, retry_backoff_max_s=10.0)
-    assert [s.backoff(a) for a in (1, 2, 3, 4, 5)] == [2.0, 4.0, 8.0, 10.0, 10.0]
-
-
 def test_semantics_parse_rejects_unknown() -> None:
     with pytest.raises(ConfigurationError, match="at-most-once, at-least-once, exactly-once"):
         Semantics.parse("twice")

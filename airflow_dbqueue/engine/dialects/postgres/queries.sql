@@ -85,7 +85,7 @@ SELECT i.id FROM input i CROSS JOIN (SELECT count(*) AS c FROM n) x ORDER BY i.o
 -- at-least-once: claim up to n ready messages (skipping rows other consumers hold) and lease them.
 WITH claimed AS (
     UPDATE {schema}.meta m
-    SET state = 1, attempts = m.attempts + 1, consumer = %(consumer)s,
+    SET state = 1, attempts = m.attempts + 1, deliveries = m.deliveries + 1, consumer = %(consumer)s,
         lease_until = now() + make_interval(secs => %(visibility_timeout_s)s)
     WHERE m.ctid = ANY (ARRAY(
         SELECT ctid FROM {schema}.meta
@@ -93,9 +93,9 @@ WITH claimed AS (
         ORDER BY priority DESC, process_at, id
         LIMIT %(n)s
         FOR UPDATE SKIP LOCKED))
-    RETURNING m.id, m.priority, m.attempts, m.process_at, m.enqueued_at, m.lease_until
+    RETURNING m.id, m.priority, m.attempts, m.deliveries, m.process_at, m.enqueued_at, m.lease_until
 )
-SELECT c.id, c.priority, c.attempts, c.enqueued_at, c.lease_until, d.payload
+SELECT c.id, c.priority, c.attempts, c.deliveries, c.enqueued_at, c.lease_until, d.payload
 FROM claimed c JOIN {schema}.data d ON d.id = c.id
 ORDER BY c.priority DESC, c.process_at, c.id
 
@@ -110,26 +110,28 @@ WITH taken AS (
         ORDER BY priority DESC, process_at, id
         LIMIT %(n)s
         FOR UPDATE SKIP LOCKED))
-    RETURNING m.id, m.queue_id, m.priority, m.attempts + 1 AS attempts, m.process_at, m.enqueued_at
+    RETURNING m.id, m.queue_id, m.priority, m.attempts + 1 AS attempts, m.deliveries + 1 AS deliveries,
+              m.process_at, m.enqueued_at
 ), kept AS (
     INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome)
     SELECT id, queue_id, priority, attempts, enqueued_at, 1 FROM taken WHERE %(archive)s
 ), dropped AS (
     DELETE FROM {schema}.data d USING taken t WHERE d.id = t.id AND NOT %(archive)s
 )
-SELECT t.id, t.priority, t.attempts, t.enqueued_at, NULL::timestamptz AS lease_until, d.payload
+SELECT t.id, t.priority, t.attempts, t.deliveries, t.enqueued_at, NULL::timestamptz AS lease_until,
+       d.payload
 FROM taken t JOIN {schema}.data d ON d.id = t.id
 ORDER BY t.priority DESC, t.process_at, t.id
 
 -- name: ack
--- Finish leased messages, all or nothing, in one statement: `held` locks the receipts (id, attempts)
+-- Finish leased messages, all or nothing, in one statement: `held` locks the receipts (id, delivery)
 -- whose lease is still valid (FOR UPDATE waits for a concurrent reclaim and rechecks the row), and
 -- rows are deleted only when every receipt is held. A lost lease makes the statement return no row.
 WITH held AS (
     SELECT m.ctid AS tid
     FROM {schema}.meta m
-    JOIN unnest(%(ids)s::bigint[], %(attempts)s::integer[]) AS r(id, attempts)
-      ON m.id = r.id AND m.attempts = r.attempts
+    JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
+      ON m.id = r.id AND m.deliveries = r.delivery
     WHERE m.queue_id = %(queue_id)s AND m.state = 1 AND m.lease_until > now()
     FOR UPDATE OF m
 ), acked AS (
@@ -146,31 +148,35 @@ WITH held AS (
 SELECT id FROM acked
 
 -- name: nack
--- Return leased messages for another try after a delay, or to the failed state after max_attempts;
+-- Return leased messages for another try after delay_s (NULL: the queue's exponential backoff,
+-- backoff_s * 2^(attempts - 1) capped at backoff_max_s), or to the failed state after max_attempts;
 -- all or nothing, like ack.
 WITH held AS (
-    SELECT m.ctid AS tid, r.delay_s
+    SELECT m.ctid AS tid
     FROM {schema}.meta m
-    JOIN unnest(%(ids)s::bigint[], %(attempts)s::integer[], %(delays)s::float8[]) AS r(id, attempts, delay_s)
-      ON m.id = r.id AND m.attempts = r.attempts
+    JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
+      ON m.id = r.id AND m.deliveries = r.delivery
     WHERE m.queue_id = %(queue_id)s AND m.state = 1 AND m.lease_until > now()
     FOR UPDATE OF m
 )
 UPDATE {schema}.meta m
 SET state = CASE WHEN m.attempts >= %(max_attempts)s THEN 2 ELSE 0 END,
     process_at = CASE WHEN m.attempts >= %(max_attempts)s THEN m.process_at
-                      ELSE now() + make_interval(secs => h.delay_s) END,
+                      ELSE now() + make_interval(secs => coalesce(%(delay_s)s::float8, least(
+                          %(backoff_max_s)s::float8,
+                          %(backoff_s)s::float8 * power(2, greatest(m.attempts - 1, 0)))))
+                      END,
     lease_until = NULL, consumer = NULL, last_error = %(error)s
-FROM held h
-WHERE m.ctid = h.tid AND (SELECT count(*) FROM held) = cardinality(%(ids)s::bigint[])
+WHERE m.ctid = ANY (ARRAY(SELECT tid FROM held))
+  AND (SELECT count(*) FROM held) = cardinality(%(ids)s::bigint[])
 RETURNING m.id, m.state
 
 -- name: held_receipts
 -- Which of the receipts still hold a valid lease (to name the lost ones in an error).
-SELECT m.id
+SELECT m.id, m.deliveries
 FROM {schema}.meta m
-JOIN unnest(%(ids)s::bigint[], %(attempts)s::integer[]) AS r(id, attempts)
-  ON m.id = r.id AND m.attempts = r.attempts
+JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
+  ON m.id = r.id AND m.deliveries = r.delivery
 WHERE m.queue_id = %(queue_id)s AND m.state = 1 AND m.lease_until > now()
 
 -- name: reclaim_expired
@@ -188,7 +194,7 @@ WHERE m.ctid = ANY (ARRAY(
 RETURNING m.id, m.state
 
 -- name: peek
-SELECT m.id, m.priority, m.attempts, m.enqueued_at, m.lease_until, d.payload
+SELECT m.id, m.priority, m.attempts, m.deliveries, m.enqueued_at, m.lease_until, d.payload
 FROM {schema}.meta m JOIN {schema}.data d ON d.id = m.id
 WHERE m.queue_id = %(queue_id)s AND m.state = 0 AND m.process_at <= now()
 ORDER BY m.priority DESC, m.process_at, m.id
@@ -243,3 +249,29 @@ WITH gone AS (
     DELETE FROM {schema}.data d USING gone g WHERE d.id = g.id AND NOT %(archive)s
 )
 SELECT id FROM gone
+
+-- name: ready_head
+-- For observers (sensor, trigger): ready messages of at least min_priority counted up to a cap, and the
+-- (id, deliveries) of the message a pop would take first (the head: it changes when the queue is consumed,
+-- and a message returned by nack comes back with one more delivery). head_id is NULL when nothing is ready.
+SELECT r.ready, h.id AS head_id, h.deliveries AS head_deliveries
+FROM (SELECT count(*) AS ready FROM (
+        SELECT 1 FROM {schema}.meta
+        WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now() AND priority >= %(min_priority)s
+        LIMIT %(cap)s) s) r
+LEFT JOIN LATERAL (
+    SELECT id, deliveries FROM {schema}.meta
+    WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
+    ORDER BY priority DESC, process_at, id
+    LIMIT 1) h ON true
+
+-- name: leased
+-- The leased messages of the given receipts (id, delivery) whose lease is still held, with payloads:
+-- a task that was handed only receipts (through XCom) reads its batch here.
+SELECT m.id, m.priority, m.attempts, m.deliveries, m.enqueued_at, m.lease_until, d.payload
+FROM {schema}.meta m
+JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
+  ON m.id = r.id AND m.deliveries = r.delivery
+JOIN {schema}.data d ON d.id = m.id
+WHERE m.queue_id = %(queue_id)s AND m.state = 1 AND m.lease_until > now()
+ORDER BY m.priority DESC, m.process_at, m.id

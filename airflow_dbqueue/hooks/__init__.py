@@ -1,0 +1,1 @@
+"""Hooks of the airflow-dbqueue provider."""

@@ -1,0 +1,405 @@
+"""``DbQueueHook``: the queue engine behind an Airflow connection of an existing database type."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseHook
+
+from airflow_dbqueue.engine import (
+    ConfigurationError,
+    DbQueue,
+    FailedMessage,
+    Message,
+    PayloadType,
+    QueueSettings,
+    Semantics,
+)
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    import psycopg
+    from airflow.sdk import Connection
+
+    from airflow_dbqueue.engine import Queue
+
+DEFAULT_SCHEMA = "dbqueue"
+SCHEMA_EXTRA = "dbqueue_schema"
+"""Connection extra naming the schema that holds the queue tables (default ``dbqueue``)."""
+
+# Connection types that select a dialect, and those whose dialect has not landed yet.
+_DIALECTS = {"postgres": "postgresql", "postgresql": "postgresql"}
+_PLANNED = {"mssql": "SQL Server", "odbc": "SQL Server (ODBC)"}
+# libpq parameters a connection's extras may carry through to the driver.
+_LIBPQ_EXTRAS = frozenset(
+    {
+        "sslmode",
+        "sslcert",
+        "sslkey",
+        "sslrootcert",
+        "sslcrl",
+        "sslpassword",
+        "application_name",
+        "connect_timeout",
+        "options",
+        "target_session_attrs",
+        "keepalives",
+        "keepalives_idle",
+        "keepalives_interval",
+        "keepalives_count",
+        "gssencmode",
+        "channel_binding",
+    }
+)
+
+
+def connection_dsn(conn: Connection) -> tuple[str, str]:
+    """Return ``(dsn, queue_schema)`` for an Airflow connection, checking that its type has a dialect.
+
+    Shared by the hook (sync) and the trigger (which looks the connection up asynchronously).
+    """
+    from psycopg.conninfo import make_conninfo
+
+    conn_type = (conn.conn_type or "").lower()
+    if conn_type in _PLANNED:
+        raise ConfigurationError(
+            f"connection {conn.conn_id!r} is of type {conn_type!r}: the {_PLANNED[conn_type]} dialect of "
+            "airflow-dbqueue is not supported yet; use a 'postgres' connection"
+        )
+    if conn_type not in _DIALECTS:
+        raise ConfigurationError(
+            f"connection {conn.conn_id!r} is of type {conn_type or '<none>'!r}; DbQueueHook needs a "
+            f"database connection of type 'postgres' (later also {', '.join(map(repr, _PLANNED))})"
+        )
+    extra = conn.extra_dejson or {}
+    schema = extra.get(SCHEMA_EXTRA) or DEFAULT_SCHEMA
+    params: dict[str, Any] = {
+        "host": conn.host or None,
+        "port": conn.port or None,
+        "user": conn.login or None,
+        "password": conn.password or None,
+        "dbname": conn.schema or None,
+    }
+    params.update({k: v for k, v in extra.items() if k in _LIBPQ_EXTRAS})
+    dsn = make_conninfo("", **{k: v for k, v in params.items() if v is not None})
+    return dsn, str(schema)
+
+
+def message_to_xcom(msg: Message, payload_type: PayloadType) -> dict[str, Any]:
+    """Return a JSON-safe dict of a message (bytes payloads as base64, flagged by ``payload_encoding``)."""
+    out: dict[str, Any] = {
+        "id": msg.id,
+        "attempts": msg.attempts,
+        "delivery": msg.delivery,
+        "priority": msg.priority,
+        "enqueued_at": msg.enqueued_at.isoformat(),
+        "payload": msg.payload,
+    }
+    if payload_type is PayloadType.BYTES:
+        out["payload"] = base64.b64encode(msg.payload).decode("ascii")
+        out["payload_encoding"] = "base64"
+    return out
+
+
+class DbQueueHook(BaseHook):  # type: ignore[misc]
+    """Interact with airflow-dbqueue queues through an Airflow database connection.
+
+    The dialect follows the connection type (``postgres``; ``mssql`` and ``odbc`` once the SQL Server
+    dialect lands). The schema holding the queue tables comes from the connection extra
+    ``dbqueue_schema`` (default ``dbqueue``) unless ``dbqueue_schema`` is passed here. Constructing the
+    hook does no I/O; the engine and its connection pool are made on first use and closed by
+    :meth:`close` (or by leaving the hook's ``with`` block).
+
+    :param dbqueue_conn_id: the Airflow connection to the database.
+    :param dbqueue_schema: schema holding the queue tables; overrides the connection extra.
+    :param pool_size: most database connections the hook opens at once.
+    :param connect_timeout: seconds before an unreachable database raises ``DatabaseUnavailableError``.
+    """
+
+    conn_name_attr = "dbqueue_conn_id"
+    default_conn_name = "dbqueue_default"
+    conn_type = "postgres"
+    hook_name = "DB Queue"
+
+    def __init__(
+        self,
+        dbqueue_conn_id: str = default_conn_name,
+        *,
+        dbqueue_schema: str | None = None,
+        pool_size: int = 2,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        super().__init__()
+        self.dbqueue_conn_id = dbqueue_conn_id
+        self.dbqueue_schema = dbqueue_schema
+        self.pool_size = pool_size
+        self.connect_timeout = connect_timeout
+        self._dbq: DbQueue | None = None
+
+    # -- the engine --------------------------------------------------------------------------------
+
+    def get_conn(self) -> DbQueue:
+        """Return the engine for the connection (made on first call; does no I/O itself)."""
+        if self._dbq is None:
+            dsn, schema = connection_dsn(self.get_connection(self.dbqueue_conn_id))
+            self._dbq = DbQueue(
+                dsn,
+                schema=self.dbqueue_schema or schema,
+                pool_size=self.pool_size,
+                connect_timeout=self.connect_timeout,
+            )
+        return self._dbq
+
+    @property
+    def dbqueue(self) -> DbQueue:
+        """The engine (see :meth:`get_conn`)."""
+        return self.get_conn()
+
+    def close(self) -> None:
+        """Close the engine's connection pool, if one was opened."""
+        dbq, self._dbq = self._dbq, None
+        if dbq is not None:
+            dbq.close()
+
+    def __enter__(self) -> DbQueueHook:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def test_connection(self) -> tuple[bool, str]:
+        """Connect, check the queue schema, and report; never raises."""
+        try:
+            dbq = self.get_conn()
+            names = [q.name for q in dbq.list_queues()]
+        except Exception as exc:
+            return False, str(exc)
+        finally:
+            self.close()
+        return True, f"connected; {len(names)} queue(s) in schema {dbq.schema!r}"
+
+    # -- schema and queues -------------------------------------------------------------------------
+
+    def install(self) -> int:
+        """Create or migrate the queue schema, idempotently; return its version."""
+        return self.get_conn().install()
+
+    def create_queue(self, queue_name: str, *, install: bool = True, **settings: Any) -> QueueSettings:
+        """Create a queue (idempotently; installing the schema first by default) and return its settings.
+
+        ``settings`` are those of :meth:`DbQueue.create_queue` (``design``, ``payload_type``,
+        ``max_attempts``, ``visibility_timeout``, ``notify``, ``archive``, ...). An existing queue with
+        other settings raises ``QueueExistsError``.
+        """
+        if install:
+            self.install()
+        return self.get_conn().create_queue(queue_name, **settings).settings
+
+    def drop_queue(self, queue_name: str, *, missing_ok: bool = True) -> bool:
+        """Drop a queue with all its messages; return whether it existed."""
+        return self.get_conn().drop_queue(queue_name, missing_ok=missing_ok)
+
+    def list_queues(self) -> list[QueueSettings]:
+        """Return the settings of every queue in the schema."""
+        return self.get_conn().list_queues()
+
+    def get_queue(self, queue_name: str) -> Queue:
+        """Return the engine's queue object (raises ``QueueNotFoundError`` when it does not exist)."""
+        return self.get_conn().queue(queue_name)
+
+    # -- messages ----------------------------------------------------------------------------------
+
+    def push(
+        self,
+        queue_name: str,
+        payloads: Iterable[Any],
+        *,
+        priority: int = 0,
+        delay: float = 0.0,
+        conn: psycopg.Connection[Any] | None = None,
+    ) -> list[int]:
+        """Push a batch in one statement (all or nothing); return the ids in payload order."""
+        return self.get_queue(queue_name).push_batch(payloads, priority=priority, delay=delay, conn=conn)
+
+    def pop(
+        self,
+        queue_name: str,
+        n: int = 1,
+        *,
+        semantics: Semantics | str = Semantics.AT_LEAST_ONCE,
+        visibility_timeout: float | None = None,
+        wait: float = 0.0,
+        consumer: str | None = None,
+        conn: psycopg.Connection[Any] | None = None,
+    ) -> list[Message]:
+        """Pop up to ``n`` messages (leased by default: at-least-once). See :meth:`Queue.pop`."""
+        return self.get_queue(queue_name).pop(
+            n,
+            semantics=semantics,
+            visibility_timeout=visibility_timeout,
+            wait=wait,
+            consumer=consumer,
+            conn=conn,
+        )
+
+    def ack(
+        self, queue_name: str, messages: Sequence[Message], *, conn: psycopg.Connection[Any] | None = None
+    ) -> int:
+        """Finish leased messages; all or nothing (``LeaseExpiredError`` if a lease was lost)."""
+        return self.get_queue(queue_name).ack(messages, conn=conn)
+
+    def nack(
+        self,
+        queue_name: str,
+        messages: Sequence[Message],
+        *,
+        delay: float | None = None,
+        error: str | None = None,
+    ) -> int:
+        """Return leased messages for another try (or to the failed state after ``max_attempts``)."""
+        return self.get_queue(queue_name).nack(messages, delay=delay, error=error)
+
+    def ack_receipts(self, queue_name: str, receipts: Sequence[Sequence[int]]) -> int:
+        """Finish deliveries known by their receipts ``[id, delivery]`` (e.g. from XCom)."""
+        return self.get_queue(queue_name).ack_receipts([_receipt(r) for r in receipts])
+
+    def nack_receipts(
+        self,
+        queue_name: str,
+        receipts: Sequence[Sequence[int]],
+        *,
+        delay: float | None = None,
+        error: str | None = None,
+    ) -> int:
+        """Release deliveries known by their receipts ``[id, delivery]`` for another try."""
+        return self.get_queue(queue_name).nack_receipts(
+            [_receipt(r) for r in receipts], delay=delay, error=error
+        )
+
+    def leased(self, queue_name: str, receipts: Sequence[Sequence[int]]) -> list[Message]:
+        """Return the still-leased messages of ``receipts``, with payloads."""
+        return self.get_queue(queue_name).leased([_receipt(r) for r in receipts])
+
+    # -- claims: what the pop operator and the claiming sensor hand to the next task ---------------
+
+    def claim(
+        self,
+        queue_name: str,
+        n: int,
+        *,
+        semantics: Semantics | str = Semantics.AT_LEAST_ONCE,
+        visibility_timeout: float | None = None,
+        wait: float = 0.0,
+        xcom_max_messages: int = 100,
+        consumer: str | None = None,
+    ) -> dict[str, Any]:
+        """Pop up to ``n`` messages and describe them as a JSON-safe *claim* for XCom.
+
+        A claim is ``{"queue_name", "semantics", "count", "receipts", "messages"}``. ``receipts`` are
+        ``[id, delivery]`` pairs of leased messages (at-least-once; empty for at-most-once).
+        ``messages`` holds the messages with their payloads when there are at most
+        ``xcom_max_messages`` of them; a larger leased batch stays claimed in the database and
+        ``messages`` is ``None``: the next task reads it with :meth:`claimed_messages`. At-most-once
+        pops finish the messages, so their payloads must fit in XCom: more than ``xcom_max_messages``
+        is refused before anything is popped.
+        """
+        sem = Semantics.parse(semantics)
+        if sem is Semantics.EXACTLY_ONCE:
+            raise ConfigurationError(
+                "exactly-once needs the processing to run in the pop's transaction, which XCom cannot "
+                "carry: pop with DbQueueHook.transaction() inside the task that writes the results"
+            )
+        if sem is Semantics.AT_MOST_ONCE and n > xcom_max_messages:
+            raise ConfigurationError(
+                f"an at-most-once pop of up to {n} messages cannot hand them on: popped messages are "
+                f"finished, and more than xcom_max_messages={xcom_max_messages} payloads would flood XCom; "
+                "use at-least-once (the batch stays claimed) or a smaller batch"
+            )
+        queue = self.get_queue(queue_name)
+        msgs = queue.pop(
+            n, semantics=sem, visibility_timeout=visibility_timeout, wait=wait, consumer=consumer
+        )
+        leased = sem is Semantics.AT_LEAST_ONCE
+        inline = len(msgs) <= xcom_max_messages
+        return {
+            "queue_name": queue_name,
+            "semantics": sem.value,
+            "count": len(msgs),
+            "receipts": [list(m.receipt) for m in msgs] if leased else [],
+            "messages": [message_to_xcom(m, queue.settings.payload_type) for m in msgs] if inline else None,
+        }
+
+    def claimed_messages(self, claim: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Return the messages of a claim as JSON-safe dicts, reading them from the database if needed.
+
+        Messages whose lease was lost since the claim are left out (they will be delivered again).
+        """
+        if claim.get("messages") is not None:
+            return list(claim["messages"])
+        queue = self.get_queue(claim["queue_name"])
+        msgs = queue.leased([_receipt(r) for r in claim.get("receipts") or []])
+        return [message_to_xcom(m, queue.settings.payload_type) for m in msgs]
+
+    def ack_claim(self, claim: Mapping[str, Any]) -> int:
+        """Finish every leased message of a claim; all or nothing. A no-op for at-most-once claims."""
+        receipts = claim.get("receipts") or []
+        return self.ack_receipts(claim["queue_name"], receipts) if receipts else 0
+
+    def nack_claim(
+        self, claim: Mapping[str, Any], *, delay: float | None = None, error: str | None = None
+    ) -> int:
+        """Release every leased message of a claim for another try."""
+        receipts = claim.get("receipts") or []
+        if not receipts:
+            return 0
+        return self.nack_receipts(claim["queue_name"], receipts, delay=delay, error=error)
+
+    # -- inspection and failed-message admin -------------------------------------------------------
+
+    def stats(self, queue_name: str) -> dict[str, Any]:
+        """Return the queue's depth by state as a JSON-safe dict."""
+        return self.get_queue(queue_name).stats().as_dict()
+
+    def peek(self, queue_name: str, n: int = 10) -> list[Message]:
+        """Return up to ``n`` ready messages without claiming them."""
+        return self.get_queue(queue_name).peek(n)
+
+    def count_ready(self, queue_name: str, min_priority: int | None = None, cap: int = 1_000_000) -> int:
+        """Count ready messages of at least ``min_priority``, stopping at ``cap``."""
+        return self.get_queue(queue_name).count_ready(min_priority, cap)
+
+    def list_failed(self, queue_name: str, limit: int = 100, after_id: int = 0) -> list[FailedMessage]:
+        """List failed (dead-letter) messages by id."""
+        return self.get_queue(queue_name).list_failed(limit, after_id)
+
+    def requeue_failed(self, queue_name: str, ids: Sequence[int] | None = None) -> int:
+        """Make failed messages ready again (all when ``ids`` is None)."""
+        return self.get_queue(queue_name).requeue_failed(ids)
+
+    def delete_failed(self, queue_name: str, ids: Sequence[int] | None = None) -> int:
+        """Discard failed messages (all when ``ids`` is None)."""
+        return self.get_queue(queue_name).delete_failed(ids)
+
+    def reclaim_expired(self, queue_name: str) -> int:
+        """Return expired leases to ready (or failed); return how many moved."""
+        return self.get_queue(queue_name).reclaim_expired()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[psycopg.Connection[Any]]:
+        """Yield a connection in a transaction for exactly-once work (pop and write with ``conn=``)."""
+        with self.get_conn().transaction() as conn:
+            yield conn
+
+
+def _receipt(r: Sequence[int]) -> tuple[int, int]:
+    try:
+        mid, delivery = r
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"a receipt is a pair [id, delivery], got {r!r}") from None
+    return mid, delivery

@@ -1,0 +1,1 @@
+"""Operators of the airflow-dbqueue provider: push and pop batches."""

@@ -1,0 +1,1 @@
+"""The common-messaging queue provider (scheme ``dbqueue``) for MessageQueueTrigger and AssetWatcher."""

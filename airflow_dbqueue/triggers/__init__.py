@@ -1,0 +1,1 @@
+"""Triggers of the airflow-dbqueue provider (deferrable sensor and event-driven scheduling)."""

@@ -1,0 +1,95 @@
+"""Fixtures for the Airflow face: a throwaway AIRFLOW_HOME, and Airflow connections to the test database.
+
+AIRFLOW_HOME is set when this file is imported, before any test module imports Airflow, so the
+in-process Airflow (hooks, operators, triggers) never touches a real home. Tests that run the
+``airflow`` command get their own homes (see :func:`airflow_env`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import psycopg.conninfo
+import pytest
+
+from airflow_dbqueue.engine import DbQueue
+
+_HOME = tempfile.mkdtemp(prefix="dbqueue-airflow-home-")
+os.environ["AIRFLOW_HOME"] = _HOME
+os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
+
+REPO = Path(__file__).resolve().parents[2]
+AIRFLOW = Path(sys.executable).with_name("airflow")
+CONN_ID = "dbqueue_default"
+
+
+def conn_json(pg_dsn: str, schema: str, **extra: Any) -> str:
+    """An Airflow connection (JSON form) of type postgres for a libpq DSN, queues in ``schema``."""
+    info = psycopg.conninfo.conninfo_to_dict(pg_dsn)
+    return json.dumps(
+        {
+            "conn_type": "postgres",
+            "host": info.get("host", "127.0.0.1"),
+            "port": int(info.get("port", 5432)),
+            "login": info.get("user"),
+            "password": info.get("password"),
+            "schema": info.get("dbname"),
+            "extra": {"dbqueue_schema": schema, **extra},
+        }
+    )
+
+
+def checksum(payloads: Iterable[Any]) -> str:
+    """Order-independent checksum of JSON payloads (the same as the example DAG's)."""
+    return hashlib.sha256(
+        "\n".join(sorted(json.dumps(p, sort_keys=True) for p in payloads)).encode()
+    ).hexdigest()
+
+
+def trigger_is_waiting(dsn: str) -> bool:
+    """Whether a DbQueueTrigger's connection sits idle after its readiness check (so it is waiting)."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        row = c.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s AND state = 'idle' "
+            "AND query LIKE %s",
+            ("airflow-dbqueue-trigger", "%head_deliveries%"),
+        ).fetchone()
+    return bool(row and row[0])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _airflow_home() -> Iterator[str]:
+    yield _HOME
+    shutil.rmtree(_HOME, ignore_errors=True)
+
+
+@pytest.fixture
+def airflow_conn(pg_dsn: str, dbq: DbQueue, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``dbqueue_default``: an Airflow postgres connection to the test database, on ``dbq``'s schema."""
+    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN_ID.upper()}", conn_json(pg_dsn, dbq.schema))
+    return CONN_ID
+
+
+@pytest.fixture(scope="module")
+def airflow_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Environment of a migrated throwaway AIRFLOW_HOME (SQLite) whose DAGs folder is the repo's dags/."""
+    home = tmp_path_factory.mktemp("airflow-home")
+    env = dict(
+        os.environ,
+        AIRFLOW_HOME=str(home),
+        AIRFLOW__CORE__LOAD_EXAMPLES="False",
+        AIRFLOW__CORE__DAGS_FOLDER=str(REPO / "dags"),
+        AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION="False",
+    )
+    subprocess.run([str(AIRFLOW), "db", "migrate"], env=env, check=True, capture_output=True, timeout=300)
+    return env

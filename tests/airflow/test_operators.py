@@ -1,0 +1,144 @@
+"""DbQueuePushOperator and DbQueuePopOperator: templating, batches, claims, bad input.
+
+The operators run their real ``execute`` against a real PostgreSQL; templates are rendered with the
+operator's own ``render_template_fields``. Their runs inside a DAG are in test_dags.py.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+import pytest
+from airflow.sdk.exceptions import AirflowNotFoundException
+
+from airflow_dbqueue.engine import ConfigurationError, DbQueue, PayloadTypeError, QueueNotFoundError
+from airflow_dbqueue.hooks.dbqueue import DbQueueHook
+from airflow_dbqueue.operators.dbqueue import DbQueuePopOperator, DbQueuePushOperator
+from tests.airflow.conftest import checksum
+
+pytestmark = pytest.mark.integration
+
+
+def run(op: Any, **context: Any) -> Any:
+    """Render the operator's templates with ``context`` and execute it."""
+    op.render_template_fields(context)
+    return op.execute(context)
+
+
+def test_push_list_template_callable_and_pop(airflow_conn: str, dbq: DbQueue) -> None:
+    dbq.create_queue("orders")
+    batch = [{"order": i, "note": "é"} for i in range(300)]
+    ids = run(DbQueuePushOperator(task_id="p1", queue_name="orders", payloads=batch[:100]))
+    assert len(ids) == 100
+    ids += run(
+        DbQueuePushOperator(
+            task_id="p2", queue_name="{{ params.q }}", payloads="{{ params.batch | tojson }}"
+        ),
+        params={"q": "orders", "batch": batch[100:200]},
+    )
+    ids += run(
+        DbQueuePushOperator(
+            task_id="p3",
+            queue_name="orders",
+            payloads_callable=lambda ctx: iter(batch[200 + ctx["params"]["skip"] :]),
+            priority="{{ params.prio }}",
+        ),
+        params={"skip": 0, "prio": 3},
+    )
+    assert len(set(ids)) == 300
+
+    pop = DbQueuePopOperator(
+        task_id="pop", queue_name="orders", max_messages="{{ params.n }}", xcom_max_messages=50
+    )
+    claim = run(pop, params={"n": 250})
+    assert claim["count"] == 250 and claim["messages"] is None and claim["semantics"] == "at-least-once"
+    assert [m["payload"] for m in DbQueueHook(airflow_conn).claimed_messages(claim)][:100] == batch[200:]
+    small = run(
+        DbQueuePopOperator(task_id="pop2", queue_name="orders", semantics="at-most-once", max_messages=100)
+    )
+    assert small["count"] == 50 and len(small["messages"]) == 50
+    assert json.loads(json.dumps(small)) == small
+    assert dt.datetime.fromisoformat(small["messages"][0]["enqueued_at"]).tzinfo is not None
+    with DbQueueHook(airflow_conn) as hook:
+        out = [m["payload"] for m in hook.claimed_messages(claim) + small["messages"]]
+        assert checksum(out) == checksum(batch)
+        assert hook.ack_claim(claim) == 250
+        assert hook.stats("orders")["finished"] == 300
+
+
+def test_pop_bytes_payloads_are_base64(airflow_conn: str, dbq: DbQueue) -> None:
+    dbq.create_queue("blobs", payload_type="bytes").push_batch([b"\x00\xff", b"abc"])
+    claim = run(DbQueuePopOperator(task_id="pop", queue_name="blobs", max_messages=10))
+    assert [(m["payload"], m["payload_encoding"]) for m in claim["messages"]] == [
+        ("AP8=", "base64"),
+        ("YWJj", "base64"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        (
+            {"payloads": "{{ params.x }}"},
+            {"params": {"x": [1, "a"]}},
+            PayloadTypeError,
+            r"not JSON.*\[1, 'a'\]",
+        ),
+        (
+            {"payloads": "{{ params.x | tojson }}"},
+            {"params": {"x": {"a": 1}}},
+            PayloadTypeError,
+            "must be a list",
+        ),
+        ({"payloads_callable": lambda ctx: [1, {2, 3}]}, {}, PayloadTypeError, "payload #1"),
+        ({"payloads_callable": lambda ctx: [1, dt.datetime.now()]}, {}, PayloadTypeError, "not JSON"),
+        ({"payloads_callable": lambda ctx: "abc"}, {}, PayloadTypeError, "iterable of payloads"),
+        ({"payloads": [1, float("nan")]}, {}, PayloadTypeError, "payload #1"),
+    ],
+)
+def test_push_bad_payloads_push_nothing(
+    airflow_conn: str, dbq: DbQueue, case: tuple[dict[str, Any], dict[str, Any], type[Exception], str]
+) -> None:
+    kwargs, context, error, match = case
+    q = dbq.create_queue("orders")
+    with pytest.raises(error, match=match):
+        run(DbQueuePushOperator(task_id="p", queue_name="orders", **kwargs), **context)
+    assert q.stats().as_dict() | {"oldest_ready_age_s": None} == {
+        "queue": "orders",
+        "ready": 0,
+        "delayed": 0,
+        "in_flight": 0,
+        "failed": 0,
+        "finished": 0,
+        "oldest_ready_age_s": None,
+    }
+
+
+def test_bad_arguments_fail_at_parse_time() -> None:
+    with pytest.raises(ValueError, match="exactly one of payloads and payloads_callable"):
+        DbQueuePushOperator(task_id="p", queue_name="q")
+    with pytest.raises(ValueError, match="exactly one"):
+        DbQueuePushOperator(task_id="p", queue_name="q", payloads=[1], payloads_callable=lambda ctx: [])
+    with pytest.raises(ConfigurationError, match="exactly-once"):
+        DbQueuePopOperator(task_id="p", queue_name="q", semantics="exactly-once")
+    with pytest.raises(ConfigurationError, match="unknown semantics"):
+        DbQueuePopOperator(task_id="p", queue_name="q", semantics="twice")
+
+
+def test_missing_queue_unknown_and_wrong_connection(
+    airflow_conn: str, dbq: DbQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(QueueNotFoundError, match="'absent' does not exist"):
+        run(DbQueuePushOperator(task_id="p", queue_name="absent", payloads=[1]))
+    with pytest.raises(QueueNotFoundError):
+        run(DbQueuePopOperator(task_id="pop", queue_name="absent"))
+    with pytest.raises(AirflowNotFoundException, match="nowhere"):
+        run(DbQueuePushOperator(task_id="p", queue_name="q", payloads=[1], dbqueue_conn_id="nowhere"))
+    monkeypatch.setenv("AIRFLOW_CONN_WEB", "http://example.com")
+    with pytest.raises(ConfigurationError, match="type 'http'"):
+        run(DbQueuePopOperator(task_id="pop", queue_name="q", dbqueue_conn_id="web"))
+    dbq.create_queue("q")
+    with pytest.raises(ConfigurationError, match="xcom_max_messages"):
+        run(DbQueuePopOperator(task_id="pop", queue_name="q", semantics="at-most-once", max_messages=1000))

@@ -1,0 +1,234 @@
+"""DbQueueTrigger (run in an asyncio loop here) and DbQueueSensor (poke, deferral, claim)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from airflow.providers.common.messaging.triggers.msg_queue import MessageQueueTrigger
+from airflow.sdk.exceptions import AirflowSensorTimeout, TaskDeferred
+
+from airflow_dbqueue.engine import DbQueue, QueueNotFoundError
+from airflow_dbqueue.hooks.dbqueue import DbQueueHook
+from airflow_dbqueue.sensors.dbqueue import DbQueueSensor
+from airflow_dbqueue.triggers.dbqueue import DbQueueTrigger
+from tests.airflow.conftest import checksum, trigger_is_waiting
+
+pytestmark = pytest.mark.integration
+
+TRIGGER_PATH = "airflow_dbqueue.triggers.dbqueue.DbQueueTrigger"
+
+
+class Runner:
+    """Run a trigger's ``run()`` on an event loop in a thread; collect its events with arrival times."""
+
+    def __init__(self, trigger: DbQueueTrigger) -> None:
+        self.events: list[tuple[float, dict[str, Any]]] = []
+        self.error: BaseException | None = None
+        self._loop = asyncio.new_event_loop()
+        self._task: asyncio.Task[None] | None = None
+        self._trigger = trigger
+        self._thread = threading.Thread(target=self._main, daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        async def consume() -> None:
+            gen: AsyncIterator[Any] = self._trigger.run()
+            async for ev in gen:
+                self.events.append((time.monotonic(), ev.payload))
+
+        self._task = self._loop.create_task(consume())
+        try:
+            self._loop.run_until_complete(self._task)
+        except asyncio.CancelledError:
+            pass
+        except BaseException as exc:
+            self.error = exc
+
+    def wait_events(self, n: int, timeout: float) -> list[tuple[float, dict[str, Any]]]:
+        deadline = time.monotonic() + timeout
+        while len(self.events) < n and self.error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self.error is not None:
+            raise self.error
+        return self.events
+
+    def stop(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._loop.call_soon_threadsafe(self._task.cancel)
+        self._thread.join(10)
+
+
+def wait_until_waiting(dsn: str, timeout: float = 20.0) -> None:
+    """Block until the trigger sits in its wait (LISTEN or sleep) after its first check."""
+    deadline = time.monotonic() + timeout
+    while not trigger_is_waiting(dsn):
+        assert time.monotonic() < deadline, "the trigger never reached its wait"
+        time.sleep(0.02)
+
+
+def test_serialize_round_trips() -> None:
+    t = DbQueueTrigger(queue_name="q", min_messages=3, min_priority=2, poll_interval=0.5, rearm=False)
+    path, kwargs = t.serialize()
+    assert path == TRIGGER_PATH
+    assert DbQueueTrigger(**kwargs).serialize() == (path, kwargs)
+    assert all(isinstance(v, str | int | float | bool | type(None)) for v in kwargs.values())
+    # through common-messaging: MessageQueueTrigger(scheme="dbqueue") is a DbQueueTrigger
+    mq = MessageQueueTrigger(
+        scheme="dbqueue", queue_name="q", min_messages=3, min_priority=2, poll_interval=0.5
+    )
+    mq_path, mq_kwargs = mq.serialize()
+    assert mq_path == TRIGGER_PATH and mq_kwargs == {**kwargs, "rearm": True}
+    assert DbQueueTrigger(**mq_kwargs).serialize() == (mq_path, mq_kwargs)
+    with pytest.raises(ValueError, match="min_messages"):
+        DbQueueTrigger(queue_name="q", min_messages=0)
+
+
+def test_fires_within_1s_of_a_push_on_notify(airflow_conn: str, dbq: DbQueue) -> None:
+    q = dbq.create_queue("wake")  # notify="auto": a push into an empty queue notifies
+    # A poll interval of 30 s: only the NOTIFY can explain a wake-up within a second.
+    runner = Runner(DbQueueTrigger(queue_name="wake", poll_interval=30.0, rearm=False))
+    try:
+        wait_until_waiting(dbq.db.dsn)
+        pushed_at = time.monotonic()
+        [mid] = q.push_batch([{"x": 1}])
+        [(fired_at, event)] = runner.wait_events(1, timeout=10)
+        latency = fired_at - pushed_at
+        print(f"NOTIFY wake-up latency: {latency * 1000:.1f} ms")
+        assert latency < 1.0
+        assert event == {
+            "status": "success",
+            "queue_name": "wake",
+            "ready": 1,
+            "head": [mid, 0],
+            "min_messages": 1,
+            "min_priority": None,
+        }
+        assert q.stats().ready == 1  # the trigger only observed
+    finally:
+        runner.stop()
+
+
+def test_fires_by_polling_when_notify_is_off(airflow_conn: str, dbq: DbQueue) -> None:
+    q = dbq.create_queue("quiet", notify="never")
+    runner = Runner(DbQueueTrigger(queue_name="quiet", poll_interval=1.0, rearm=False))
+    try:
+        wait_until_waiting(dbq.db.dsn)
+        pushed_at = time.monotonic()
+        q.push_batch([1, 2])
+        [(fired_at, event)] = runner.wait_events(1, timeout=10)
+        print(f"polling wake-up latency: {(fired_at - pushed_at) * 1000:.1f} ms (poll_interval 1 s)")
+        assert fired_at - pushed_at <= 1.0 + 0.5  # within its poll interval (plus a check's time)
+        assert event["ready"] == 1 and q.stats().ready == 2
+    finally:
+        runner.stop()
+
+
+def test_rearmed_trigger_fires_again_only_when_the_head_moves(airflow_conn: str, dbq: DbQueue) -> None:
+    q = dbq.create_queue("events", retry_backoff=0)
+    ids = q.push_batch([{"n": i} for i in range(4)])
+    q.push({"low": True}, priority=-1)
+    runner = Runner(DbQueueTrigger(queue_name="events", min_messages=2, min_priority=0, poll_interval=0.1))
+    try:
+        assert [e["head"] for _, e in runner.wait_events(1, timeout=10)] == [[ids[0], 0]]
+        time.sleep(0.5)  # five polls of an untouched queue: no new event
+        assert len(runner.events) == 1
+        [m] = q.pop(1, semantics="at-least-once")
+        q.ack([m])  # consumed: the head moves on
+        assert runner.wait_events(2, timeout=10)[1][1]["head"] == [ids[1], 0]
+        q.pop(2)  # one message of priority >= 0 left: below min_messages, nothing fires
+        seen = len(runner.events)
+        time.sleep(0.5)
+        assert len(runner.events) == seen
+        assert q.stats().ready == 2  # {"n": 3} and the low-priority message
+    finally:
+        runner.stop()
+
+
+def test_rearmed_trigger_fires_again_for_a_nacked_head(airflow_conn: str, dbq: DbQueue) -> None:
+    q = dbq.create_queue("single", retry_backoff=0)
+    mid = q.push("only")
+    runner = Runner(DbQueueTrigger(queue_name="single", poll_interval=0.1))
+    try:
+        assert runner.wait_events(1, timeout=10)[0][1]["head"] == [mid, 0]
+        [m] = q.pop(1, semantics="at-least-once")
+        q.nack([m], delay=0)  # the same message, one delivery later: it fires again
+        assert runner.wait_events(2, timeout=10)[1][1]["head"] == [mid, 1]
+        assert [m.payload for m in q.pop(5)] == ["only"]
+    finally:
+        runner.stop()
+
+
+def test_trigger_missing_queue_raises(airflow_conn: str, dbq: DbQueue) -> None:
+    runner = Runner(DbQueueTrigger(queue_name="absent", poll_interval=0.1))
+    with pytest.raises(QueueNotFoundError, match="absent"):
+        runner.wait_events(1, timeout=20)
+    runner.stop()
+
+
+def test_sensor_observes_by_default(airflow_conn: str, dbq: DbQueue) -> None:
+    q = dbq.create_queue("obs")
+    pushed = [{"i": i} for i in range(5)]
+    q.push_batch(pushed)
+    sensor = DbQueueSensor(task_id="s", queue_name="obs", min_messages=5, poke_interval=0.05, timeout=5)
+    assert sensor.execute({}) == {"queue_name": "obs", "ready": 5}
+    assert checksum(m.payload for m in q.peek(10)) == checksum(pushed)  # nothing taken
+    too_many = DbQueueSensor(task_id="s2", queue_name="obs", min_messages=6, poke_interval=0.05, timeout=0.2)
+    with pytest.raises(AirflowSensorTimeout):
+        too_many.execute({})
+    hi = DbQueueSensor(task_id="s3", queue_name="obs", min_priority=1, poke_interval=0.05, timeout=0.2)
+    with pytest.raises(AirflowSensorTimeout):
+        hi.execute({})
+    assert q.stats().ready == 5
+
+
+def test_sensor_claims_at_least_once(airflow_conn: str, dbq: DbQueue) -> None:
+    q = dbq.create_queue("claims")
+    pushed = [{"i": i} for i in range(30)]
+    q.push_batch(pushed)
+    sensor = DbQueueSensor(
+        task_id="s", queue_name="claims", min_messages=10, claim=True, max_messages=20, xcom_max_messages=5
+    )
+    claim = sensor.execute({})
+    assert claim["count"] == 20 and claim["messages"] is None and len(claim["receipts"]) == 20
+    stats = q.stats()
+    assert (stats.ready, stats.in_flight) == (10, 20)  # leased, not gone: a failed consumer loses nothing
+    with DbQueueHook(airflow_conn) as hook:
+        got = [m["payload"] for m in hook.claimed_messages(claim)]
+        assert hook.nack_claim(claim, delay=0) == 20  # downstream failed: all back
+        got_again = [m.payload for m in q.pop(30)]
+    assert checksum(got_again) == checksum(pushed) and len(got) == 20
+
+
+def test_deferrable_sensor_defers_and_completes(airflow_conn: str, dbq: DbQueue) -> None:
+    q = dbq.create_queue("later")
+    sensor = DbQueueSensor(
+        task_id="s", queue_name="later", min_messages=2, claim=True, deferrable=True, poll_interval=0.2
+    )
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor.execute({})
+    trigger = deferred.value.trigger
+    assert deferred.value.method_name == "execute_complete"
+    path, kwargs = trigger.serialize()
+    assert path == TRIGGER_PATH and kwargs["rearm"] is False and kwargs["min_messages"] == 2
+    q.push_batch([{"a": 1}, {"a": 2}])
+
+    async def first_event() -> dict[str, Any]:
+        async for ev in DbQueueTrigger(**kwargs).run():
+            return dict(ev.payload)
+        raise AssertionError("no event")
+
+    event = asyncio.run(asyncio.wait_for(first_event(), 20))
+    claim = sensor.execute_complete({}, event)
+    assert claim["count"] == 2 and checksum(m["payload"] for m in claim["messages"]) == checksum(
+        [{"a": 1}, {"a": 2}]
+    )
+    # Raced: another consumer emptied the queue between the event and the claim: defer again.
+    with pytest.raises(TaskDeferred):
+        sensor.execute_complete({}, event)
+    with pytest.raises(Exception, match="unexpected trigger event"):
+        sensor.execute_complete({}, {"status": "error"})
