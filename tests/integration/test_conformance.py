@@ -451,3 +451,24 @@ def test_auto_notify_only_when_the_queue_was_empty(make_queue: Callable[..., Que
     assert _notifications(dbq, always, lambda: always.push("y")) == 1
     never = make_queue(notify="never")
     assert _notifications(dbq, never, lambda: never.push("z")) == 0
+
+
+def test_nack_backoff_doubles_and_is_capped(dbq: DbQueue) -> None:
+    """The default nack delay is retry_backoff * 2^(attempts-1), capped at retry_backoff_max."""
+    q = dbq.create_queue(
+        "backoff", design="table", max_attempts=10, retry_backoff=100.0, retry_backoff_max=350.0
+    )
+    [mid] = q.push_batch(["x"])
+    delays = []
+    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+        for _ in range(4):
+            with c.transaction():  # make the message due again, as if its backoff had passed
+                c.execute(f'UPDATE "{dbq.schema}".meta SET process_at = now() WHERE id = %s', [mid])
+            [m] = q.pop(1, semantics="at-least-once")
+            q.nack([m])
+            row = c.execute(
+                f'SELECT extract(epoch FROM process_at - now()) FROM "{dbq.schema}".meta WHERE id = %s', [mid]
+            ).fetchone()
+            assert row is not None
+            delays.append(round(float(row[0]) / 10) * 10)  # seconds, to the nearest 10
+    assert delays == [100, 200, 350, 350]
