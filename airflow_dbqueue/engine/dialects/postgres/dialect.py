@@ -118,6 +118,7 @@ class PostgresDatabase:
                     open=False,
                     timeout=self._connect_timeout,
                     name=f"dbqueue-{self.schema}",
+                    configure=_configure_connection,
                     kwargs={
                         "autocommit": True,
                         "application_name": self._application_name,
@@ -309,6 +310,17 @@ class PostgresDatabase:
     def drop_schema(self) -> None:
         """Drop the whole schema and every queue in it."""
         self.execute("drop_schema")
+
+
+def _configure_connection(conn: psycopg.Connection[Any]) -> None:
+    """Session settings of every pooled connection.
+
+    psycopg prepares a statement after a few runs, and PostgreSQL may then switch it to a generic
+    plan. A consumer whose first pops find the queue empty gets a generic plan built for empty tables
+    (sequential scans of meta and data) and keeps it: pops ran ~60x slower (345 ms against 5.7 ms for
+    1,000 messages). Custom plans cost a little planning on every call and never get stuck.
+    """
+    conn.execute("SET plan_cache_mode = force_custom_plan")
 
 
 class Listener:

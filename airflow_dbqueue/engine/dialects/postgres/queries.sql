@@ -124,6 +124,10 @@ FROM taken t JOIN {schema}.data d ON d.id = t.id
 ORDER BY t.priority DESC, t.process_at, t.id
 
 -- name: ack
+-- Receipt lookups (ack, nack, held_receipts, leased) say "lease_until > now()" and not "state = 1":
+-- meta_lease_valid makes them equivalent, and leaving state = 1 out keeps the planner from walking
+-- every lease through meta_leased_idx (it did, with statistics from when the queue was empty);
+-- id = ANY(...) probes meta_pkey once per receipt.
 -- Finish leased messages, all or nothing, in one statement: `held` locks the receipts (id, delivery)
 -- whose lease is still valid (FOR UPDATE waits for a concurrent reclaim and rechecks the row), and
 -- rows are deleted only when every receipt is held. A lost lease makes the statement return no row.
@@ -132,7 +136,7 @@ WITH held AS (
     FROM {schema}.meta m
     JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
       ON m.id = r.id AND m.deliveries = r.delivery
-    WHERE m.queue_id = %(queue_id)s AND m.state = 1 AND m.lease_until > now()
+    WHERE m.id = ANY (%(ids)s::bigint[]) AND m.queue_id = %(queue_id)s AND m.lease_until > now()
     FOR UPDATE OF m
 ), acked AS (
     DELETE FROM {schema}.meta m
@@ -156,7 +160,7 @@ WITH held AS (
     FROM {schema}.meta m
     JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
       ON m.id = r.id AND m.deliveries = r.delivery
-    WHERE m.queue_id = %(queue_id)s AND m.state = 1 AND m.lease_until > now()
+    WHERE m.id = ANY (%(ids)s::bigint[]) AND m.queue_id = %(queue_id)s AND m.lease_until > now()
     FOR UPDATE OF m
 )
 UPDATE {schema}.meta m
@@ -177,7 +181,7 @@ SELECT m.id, m.deliveries
 FROM {schema}.meta m
 JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
   ON m.id = r.id AND m.deliveries = r.delivery
-WHERE m.queue_id = %(queue_id)s AND m.state = 1 AND m.lease_until > now()
+WHERE m.id = ANY (%(ids)s::bigint[]) AND m.queue_id = %(queue_id)s AND m.lease_until > now()
 
 -- name: reclaim_expired
 -- Expired leases go back to ready, keeping their place (process_at), or to failed after max_attempts.
@@ -273,5 +277,5 @@ FROM {schema}.meta m
 JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
   ON m.id = r.id AND m.deliveries = r.delivery
 JOIN {schema}.data d ON d.id = m.id
-WHERE m.queue_id = %(queue_id)s AND m.state = 1 AND m.lease_until > now()
+WHERE m.id = ANY (%(ids)s::bigint[]) AND m.queue_id = %(queue_id)s AND m.lease_until > now()
 ORDER BY m.priority DESC, m.process_at, m.id

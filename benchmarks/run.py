@@ -1,0 +1,887 @@
+#!/usr/bin/env python
+"""Benchmark: full push-then-pop cycles per second of a queue design, against the naive baseline.
+
+    python benchmarks/run.py --design {table,ring,naive} --producers P --consumers C --batch N \
+        --seconds S [--json] [--semantics {at-most-once,at-least-once}] [--payload-bytes 300]
+
+With none of --producers/--consumers/--batch it sweeps P x C in 1x1, 2x2, 4x4, 8x8 and batch in
+1, 100, 1000. Every point measures the chosen design and, in the same run, the naive baseline (one
+table, INSERT to push, DELETE ... FOR UPDATE SKIP LOCKED ... RETURNING to pop) at the same P x C x
+batch, each on a fresh schema that is dropped afterwards. Producers and consumers are separate
+processes with a connection each. Every run checks that no message was lost or delivered twice.
+See benchmarks/README.md for what the columns mean.
+
+The database is ``--dsn``, else ``$DBQUEUE_TEST_DSN``, else a throwaway embedded PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import shutil
+import struct
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import psycopg
+from psycopg import sql
+
+from airflow_dbqueue.engine import DbQueue, DbQueueError, LeaseExpiredError
+
+TEST_DSN_ENV = "DBQUEUE_TEST_DSN"
+BASELINE = "naive"
+# Designs the engine implements, measured through DbQueue. The ring design joins this tuple once the
+# engine has it; nothing else here needs to change.
+ENGINE_DESIGNS: tuple[str, ...] = ("table",)
+ALL_DESIGNS = ("table", "ring", BASELINE)
+SEMANTICS = ("at-most-once", "at-least-once")
+QUEUE_NAME = "bench_q"
+
+SWEEP_PAIRS = ((1, 1), (2, 2), (4, 4), (8, 8))
+SWEEP_BATCHES = (1, 100, 1000)
+
+# A payload starts with (producer index, sequence number); the rest is a fixed per-producer pattern.
+HEADER = struct.Struct(">IQ")
+
+# Run phases, in a shared integer that the parent advances.
+WAIT, RUN, STOP_PRODUCERS, STOP = 0, 1, 2, 3
+
+
+class BenchError(Exception):
+    """The benchmark could not measure a point (a worker failed, a timeout, a bad argument)."""
+
+
+class DesignNotAvailable(BenchError):
+    """The requested design is not implemented yet."""
+
+
+def check_design(design: str) -> None:
+    """Raise :class:`DesignNotAvailable` unless ``design`` can be measured."""
+    if design == BASELINE or design in ENGINE_DESIGNS:
+        return
+    raise DesignNotAvailable(
+        f"the {design} design is not available yet: the engine implements only the "
+        f"{' and '.join(ENGINE_DESIGNS)} design so far; run with --design table (or --design naive)"
+    )
+
+
+# -- what the workers connect to ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One design's queue on one fresh schema; picklable, handed to every worker."""
+
+    design: str
+    dsn: str
+    schema: str
+    semantics: str
+    archive: bool
+    notify: str
+
+    @property
+    def lease(self) -> bool:
+        return self.semantics == "at-least-once"
+
+
+def setup_target(target: Target) -> None:
+    """Create the target's schema and queue."""
+    if target.design == BASELINE:
+        with psycopg.connect(target.dsn, autocommit=True) as conn:
+            s = sql.Identifier(target.schema)
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(s))
+            conn.execute(
+                sql.SQL("CREATE TABLE {}.t (id bigserial PRIMARY KEY, payload bytea NOT NULL)").format(s)
+            )
+        return
+    with DbQueue(target.dsn, schema=target.schema, pool_size=1) as dbq:
+        dbq.install()
+        dbq.create_queue(
+            QUEUE_NAME,
+            design=target.design,
+            payload_type="bytes",
+            notify=target.notify,
+            archive=target.archive,
+        )
+
+
+def left_in_queue(target: Target, conn: psycopg.Connection[Any]) -> int:
+    """Messages still in the queue (ready, delayed, leased or failed)."""
+    if target.design == BASELINE:
+        row = conn.execute(
+            sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(target.schema, "t"))
+        ).fetchone()
+        return int(row[0]) if row else 0
+    with DbQueue(target.dsn, schema=target.schema, pool_size=1) as dbq:
+        st = dbq.queue(QUEUE_NAME).stats()
+        return st.ready + st.delayed + st.in_flight + st.failed
+
+
+def teardown_target(target: Target) -> None:
+    """Drop the target's schema with everything in it."""
+    if target.design == BASELINE:
+        with psycopg.connect(target.dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(target.schema)))
+        return
+    with DbQueue(target.dsn, schema=target.schema, pool_size=1) as dbq:
+        dbq.uninstall()
+
+
+class Backend(Protocol):
+    """What a worker does to one design's queue."""
+
+    def push(self, payloads: list[bytes]) -> None: ...
+
+    def pop(self, n: int) -> tuple[list[bytes], Any]:
+        """Pop up to n messages; return their payloads and a token for :meth:`ack`."""
+        ...
+
+    def ack(self, token: Any) -> None:
+        """Finish what pop returned (a no-op for at-most-once)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class EngineBackend:
+    """A queue of an engine design, through the public API."""
+
+    def __init__(self, target: Target) -> None:
+        self.dbq = DbQueue(target.dsn, schema=target.schema, pool_size=1)
+        self.queue = self.dbq.queue(QUEUE_NAME)
+        self.semantics = target.semantics
+        self.lease = target.lease
+
+    def push(self, payloads: list[bytes]) -> None:
+        self.queue.push_batch(payloads)
+
+    def pop(self, n: int) -> tuple[list[bytes], Any]:
+        msgs = self.queue.pop(n, semantics=self.semantics)
+        return [m.payload for m in msgs], msgs
+
+    def ack(self, token: Any) -> None:
+        if self.lease and token:
+            self.queue.ack(token)
+
+    def close(self) -> None:
+        self.dbq.close()
+
+
+class NaiveBackend:
+    """The naive baseline (seed 004's hasql-queue): one table, INSERT to push, DELETE to pop.
+
+    At-most-once pops are autocommit DELETE ... RETURNING. At-least-once pops run the same DELETE in
+    a transaction that commits after the consumer has recorded the messages: the commit is the ack,
+    the row locks are the lease, and a consumer dying before commit gives the messages back.
+    """
+
+    def __init__(self, target: Target, role: str) -> None:
+        self.lease = target.lease and role == "consumer"
+        self.conn = psycopg.connect(target.dsn, autocommit=not self.lease, application_name="dbqueue-bench")
+        t = sql.Identifier(target.schema, "t")
+        self.push_sql = sql.SQL("INSERT INTO {t} (payload) SELECT unnest(%s::bytea[])").format(t=t)
+        self.pop_sql = sql.SQL(
+            "DELETE FROM {t} WHERE id IN (SELECT id FROM {t} ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED) "
+            "RETURNING id, payload"
+        ).format(t=t)
+
+    def push(self, payloads: list[bytes]) -> None:
+        self.conn.execute(self.push_sql, (payloads,))
+
+    def pop(self, n: int) -> tuple[list[bytes], Any]:
+        rows = self.conn.execute(self.pop_sql, (n,)).fetchall()
+        if not rows and self.lease:
+            self.conn.rollback()
+        return [r[1] for r in rows], None
+
+    def ack(self, token: Any) -> None:
+        if self.lease:
+            self.conn.commit()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def open_backend(target: Target, role: str) -> Backend:
+    if target.design == BASELINE:
+        return NaiveBackend(target, role)
+    return EngineBackend(target)
+
+
+# -- workers ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    target: Target
+    producers: int
+    consumers: int
+    batch: int
+    payload_bytes: int
+    backlog_cap: int
+
+
+@dataclasses.dataclass
+class Shared:
+    """State shared by the parent and the workers (each counter slot has one writer)."""
+
+    phase: Any  # RawValue('i')
+    ready: Any  # Value('i'), with its lock
+    failed: Any  # RawValue('i')
+    pushed: Any  # RawArray('q', producers): messages each producer has pushed
+    popped: Any  # RawArray('q', consumers): messages each consumer has popped (and acked)
+    results: Any  # Queue of the workers' final reports
+
+
+def padding(producer: int, payload_bytes: int) -> bytes:
+    """The fixed tail of every payload of one producer."""
+    n = payload_bytes - HEADER.size
+    seed = hashlib.sha256(f"dbqueue-bench-{producer}".encode()).digest()
+    return (seed * (n // len(seed) + 1))[:n]
+
+
+def _produce(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[str, Any]:
+    pad = padding(idx, cfg.payload_bytes)
+    pack = HEADER.pack
+    n, cap = cfg.batch, cfg.backlog_cap
+    pushed, popped, phase = shm.pushed, shm.popped, shm.phase
+    seq = 0
+    throttled = calls = 0
+    busy = 0.0
+    clock = time.perf_counter
+    while phase.value == RUN:
+        if sum(pushed) - sum(popped) > cap:
+            throttled += 1
+            time.sleep(0.0005)
+            continue
+        payloads = [pack(idx, s) + pad for s in range(seq, seq + n)]
+        t = clock()
+        backend.push(payloads)
+        busy += clock() - t
+        calls += 1
+        seq += n
+        pushed[idx] = seq
+    return {
+        "role": "producer",
+        "idx": idx,
+        "pushed": seq,
+        "throttled": throttled,
+        "push_calls": calls,
+        "push_s": busy,
+    }
+
+
+def _consume(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[str, Any]:
+    pads = [padding(p, cfg.payload_bytes) for p in range(cfg.producers)]
+    bitmaps = [bytearray(1024) for _ in range(cfg.producers)]
+    size, hs, unpack = cfg.payload_bytes, HEADER.size, HEADER.unpack_from
+    n_producers = cfg.producers
+    dups = corrupt = ack_failures = empty = 0
+    count = pop_calls = ack_calls = 0
+    pop_s = ack_s = 0.0
+    clock = time.perf_counter
+    popped, phase = shm.popped, shm.phase
+    while phase.value != STOP:
+        t = clock()
+        payloads, token = backend.pop(cfg.batch)
+        pop_s += clock() - t
+        pop_calls += 1
+        if not payloads:
+            empty += 1
+            time.sleep(0.001)
+            continue
+        for data in payloads:
+            if len(data) != size:
+                corrupt += 1
+                continue
+            p, s = unpack(data)
+            if p >= n_producers or data[hs:] != pads[p]:
+                corrupt += 1
+                continue
+            bm = bitmaps[p]
+            byte, bit = s >> 3, 1 << (s & 7)
+            if byte >= len(bm):
+                bm.extend(bytes(max(byte + 1, 2 * len(bm)) - len(bm)))
+            if bm[byte] & bit:
+                dups += 1
+            else:
+                bm[byte] |= bit
+        t = clock()
+        try:
+            backend.ack(token)
+        except LeaseExpiredError:
+            ack_failures += 1
+            continue
+        finally:
+            ack_s += clock() - t
+            ack_calls += 1
+        count += len(payloads)
+        popped[idx] = count
+    return {
+        "role": "consumer",
+        "idx": idx,
+        "popped": count,
+        "bitmaps": [bytes(b) for b in bitmaps],
+        "local_dups": dups,
+        "corrupt": corrupt,
+        "ack_failures": ack_failures,
+        "empty_pops": empty,
+        "pop_calls": pop_calls,
+        "pop_s": pop_s,
+        "ack_calls": ack_calls,
+        "ack_s": ack_s,
+    }
+
+
+def _worker(role: str, idx: int, cfg: RunConfig, shm: Shared) -> None:
+    """Entry point of a producer or consumer process."""
+    try:
+        backend = open_backend(cfg.target, role)
+        try:
+            with shm.ready.get_lock():
+                shm.ready.value += 1
+            while shm.phase.value == WAIT:
+                time.sleep(0.002)
+            if role == "producer":
+                result = _produce(backend, idx, cfg, shm)
+            else:
+                result = _consume(backend, idx, cfg, shm)
+        finally:
+            backend.close()
+        shm.results.put(result)
+    except BaseException:
+        shm.failed.value = 1
+        shm.results.put({"role": role, "idx": idx, "error": traceback.format_exc()})
+
+
+# -- one run of one design -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RunResult:
+    design: str
+    seconds: float
+    cycles_per_s: float
+    pushed_per_s: float
+    pushed: int
+    popped: int
+    lost: int
+    duplicated: int
+    corrupt: int
+    ack_failures: int
+    left_in_queue: int
+    backlog_at_end: int
+    table_bytes: int
+    dead_tuples: int
+    hot_update_ratio: float | None
+    wal_bytes_per_msg: float | None
+    push_ms: float | None
+    pop_ms: float | None
+    ack_ms: float | None
+    empty_pops: int
+
+    @property
+    def valid(self) -> bool:
+        """Nothing lost, duplicated or corrupted, every ack accepted and the queue drained."""
+        return (self.lost, self.duplicated, self.corrupt, self.ack_failures, self.left_in_queue) == (0,) * 5
+
+
+def parse_lsn(lsn: str) -> int:
+    hi, lo = lsn.split("/")
+    return (int(hi, 16) << 32) + int(lo, 16)
+
+
+def wal_lsn(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+    assert row is not None
+    return parse_lsn(row[0])
+
+
+def table_stats(conn: psycopg.Connection[Any], schema: str) -> tuple[int, int, float | None]:
+    """(total bytes of the schema's tables with indexes and TOAST, dead tuples, HOT update ratio)."""
+    row = conn.execute(
+        "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relkind = 'r'",
+        (schema,),
+    ).fetchone()
+    size = int(row[0]) if row else 0
+    row = conn.execute(
+        "SELECT coalesce(sum(n_dead_tup), 0), coalesce(sum(n_tup_upd), 0), coalesce(sum(n_tup_hot_upd), 0) "
+        "FROM pg_stat_user_tables WHERE schemaname = %s",
+        (schema,),
+    ).fetchone()
+    dead, upd, hot = (int(x) for x in row) if row else (0, 0, 0)
+    return size, dead, (hot / upd if upd else None)
+
+
+def run_design(
+    target: Target,
+    *,
+    producers: int,
+    consumers: int,
+    batch: int,
+    payload_bytes: int,
+    seconds: float,
+    warmup: float,
+    backlog_cap: int,
+    drain_timeout: float,
+    log: Callable[[str], None],
+) -> RunResult:
+    """Measure one design at one point on a fresh schema (created here and dropped afterwards)."""
+    setup_target(target)
+    try:
+        with psycopg.connect(target.dsn, autocommit=True) as conn:
+            with contextlib.suppress(psycopg.Error):
+                conn.execute("CHECKPOINT")
+            cfg = RunConfig(target, producers, consumers, batch, payload_bytes, backlog_cap)
+            return _measure(cfg, conn, seconds=seconds, warmup=warmup, drain_timeout=drain_timeout, log=log)
+    finally:
+        teardown_target(target)
+
+
+def _measure(
+    cfg: RunConfig,
+    conn: psycopg.Connection[Any],
+    *,
+    seconds: float,
+    warmup: float,
+    drain_timeout: float,
+    log: Callable[[str], None],
+) -> RunResult:
+    ctx = mp.get_context("spawn")
+    shm = Shared(
+        phase=ctx.RawValue("i", WAIT),
+        ready=ctx.Value("i", 0),
+        failed=ctx.RawValue("i", 0),
+        pushed=ctx.RawArray("q", cfg.producers),
+        popped=ctx.RawArray("q", cfg.consumers),
+        results=ctx.Queue(),
+    )
+    procs = [
+        ctx.Process(target=_worker, args=(role, i, cfg, shm), name=f"bench-{role}-{i}", daemon=True)
+        for role, count in (("producer", cfg.producers), ("consumer", cfg.consumers))
+        for i in range(count)
+    ]
+    results: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def collect(timeout: float) -> None:
+        """Take the workers' reports that arrive within ``timeout``; raise if a worker failed."""
+        try:
+            while True:
+                r = shm.results.get(timeout=timeout)
+                if "error" in r:
+                    raise BenchError(f"{cfg.target.design} {r['role']} {r['idx']} failed:\n{r['error']}")
+                results[(r["role"], r["idx"])] = r
+                timeout = 0
+        except queue_mod.Empty:
+            pass
+        for p in procs:
+            role, _, i = p.name.removeprefix("bench-").partition("-")
+            if p.exitcode not in (None, 0) and (role, int(i)) not in results:
+                raise BenchError(f"{p.name} of the {cfg.target.design} run died with exit code {p.exitcode}")
+
+    def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                raise BenchError(f"{cfg.target.design}: timed out after {timeout:g}s waiting for {what}")
+            collect(0.01)
+
+    def sleep_watching(duration: float) -> None:
+        end = time.monotonic() + duration
+        while (left := end - time.monotonic()) > 0:
+            if shm.failed.value:
+                collect(1.0)
+            time.sleep(min(0.05, left))
+
+    def have(role: str, count: int) -> Callable[[], bool]:
+        return lambda: all((role, i) in results for i in range(count))
+
+    try:
+        for p in procs:
+            p.start()
+        wait_for(lambda: shm.ready.value == len(procs), 120, "the workers to connect")
+        shm.phase.value = RUN
+        sleep_watching(warmup)
+        lsn0, t0 = wal_lsn(conn), time.monotonic()
+        popped0, pushed0 = sum(shm.popped), sum(shm.pushed)
+        sleep_watching(seconds)
+        popped1, pushed1 = sum(shm.popped), sum(shm.pushed)
+        t1, lsn1 = time.monotonic(), wal_lsn(conn)
+        backlog = pushed1 - popped1
+        shm.phase.value = STOP_PRODUCERS
+        wait_for(have("producer", cfg.producers), 120, "the producers to stop")
+        pushed_total = sum(results[("producer", i)]["pushed"] for i in range(cfg.producers))
+        # Drain: consumers go on until everything pushed is popped, or nothing moves for a while.
+        deadline = time.monotonic() + drain_timeout
+        last, last_change = -1, time.monotonic()
+        while (now_popped := sum(shm.popped)) < pushed_total and time.monotonic() < deadline:
+            if now_popped != last:
+                last, last_change = now_popped, time.monotonic()
+            elif time.monotonic() - last_change > 5.0:
+                log(f"  {cfg.target.design}: drain stalled at {now_popped} of {pushed_total} messages")
+                break
+            collect(0.01)
+        shm.phase.value = STOP
+        wait_for(have("consumer", cfg.consumers), 120, "the consumers to stop")
+        for p in procs:
+            p.join(30)
+    finally:
+        shm.phase.value = STOP
+        for p in procs:
+            if p.is_alive():
+                p.join(5)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+    time.sleep(0.5)  # let the workers' backends flush their table statistics on exit
+
+    cons = [results[("consumer", i)] for i in range(cfg.consumers)]
+    prods = [results[("producer", i)] for i in range(cfg.producers)]
+    lost = dups = corrupt = 0
+    for pi, prod in enumerate(prods):
+        n = prod["pushed"]
+        union, delivered = 0, 0
+        for c in cons:
+            bm = int.from_bytes(c["bitmaps"][pi], "little")
+            delivered += bm.bit_count()
+            union |= bm
+        dups += delivered - union.bit_count()
+        lost += n - (union & ((1 << n) - 1)).bit_count()
+        corrupt += (union >> n).bit_count()
+    dups += sum(c["local_dups"] for c in cons)
+    corrupt += sum(c["corrupt"] for c in cons)
+    window = t1 - t0
+    msgs = popped1 - popped0
+    size, dead, hot = table_stats(conn, cfg.target.schema)
+    return RunResult(
+        design=cfg.target.design,
+        seconds=round(window, 3),
+        cycles_per_s=msgs / window,
+        pushed_per_s=(pushed1 - pushed0) / window,
+        pushed=pushed_total,
+        popped=sum(c["popped"] for c in cons),
+        lost=lost,
+        duplicated=dups,
+        corrupt=corrupt,
+        ack_failures=sum(c["ack_failures"] for c in cons),
+        left_in_queue=left_in_queue(cfg.target, conn),
+        backlog_at_end=backlog,
+        table_bytes=size,
+        dead_tuples=dead,
+        hot_update_ratio=hot,
+        wal_bytes_per_msg=(lsn1 - lsn0) / msgs if msgs else None,
+        push_ms=_mean_ms(prods, "push"),
+        pop_ms=_mean_ms(cons, "pop"),
+        ack_ms=_mean_ms(cons, "ack") if cfg.target.lease else None,
+        empty_pops=sum(c["empty_pops"] for c in cons),
+    )
+
+
+def _mean_ms(reports: list[dict[str, Any]], op: str) -> float | None:
+    """Mean milliseconds of one call of ``op`` over the workers' reports."""
+    calls = sum(r[f"{op}_calls"] for r in reports)
+    return 1000 * sum(r[f"{op}_s"] for r in reports) / calls if calls else None
+
+
+# -- points, output, main --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    producers: int
+    consumers: int
+    batch: int
+
+
+def plan(producers: int | None, consumers: int | None, batch: int | None) -> list[Point]:
+    """The points to measure: every dimension not given on the command line is swept."""
+    if producers is None and consumers is None:
+        pairs: list[tuple[int, int]] = list(SWEEP_PAIRS)
+    else:
+        p = producers or consumers
+        c = consumers or producers
+        assert p is not None and c is not None
+        pairs = [(p, c)]
+    batches = list(SWEEP_BATCHES) if batch is None else [batch]
+    return [Point(p, c, b) for p, c in pairs for b in batches]
+
+
+def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: float) -> dict[str, Any]:
+    """Measure the design and the naive baseline at one point; return the point's report."""
+
+    def log(msg: str) -> None:
+        if not args.quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    cap = args.backlog_cap or max(1000, 50 * point.batch * point.consumers)
+    designs = [args.design] if args.design == BASELINE else [args.design, BASELINE]
+    runs: dict[str, list[RunResult]] = {d: [] for d in designs}
+    for attempt in range(args.repeat):
+        for design in designs:
+            target = Target(
+                design=design,
+                dsn=dsn,
+                schema=f"bench_{design}_{uuid.uuid4().hex[:10]}",
+                semantics=args.semantics,
+                archive=args.archive,
+                notify=args.notify,
+            )
+            which = f" (run {attempt + 1} of {args.repeat})" if args.repeat > 1 else ""
+            log(
+                f"measuring {design} {args.semantics} {point.producers}x{point.consumers} "
+                f"batch {point.batch} for {seconds:g}s{which}"
+            )
+            run = run_design(
+                target,
+                producers=point.producers,
+                consumers=point.consumers,
+                batch=point.batch,
+                payload_bytes=args.payload_bytes,
+                seconds=seconds,
+                warmup=args.warmup,
+                backlog_cap=cap,
+                drain_timeout=args.drain_timeout,
+                log=log,
+            )
+            runs[design].append(run)
+            log(
+                f"  {design}: {run.cycles_per_s:,.0f} cycles/s, lost {run.lost}, "
+                f"duplicated {run.duplicated}, corrupt {run.corrupt}"
+            )
+    main_run, base = combine(runs[args.design]), combine(runs[BASELINE])
+    out: dict[str, Any] = {
+        "design": args.design,
+        "semantics": args.semantics,
+        "producers": point.producers,
+        "consumers": point.consumers,
+        "batch": point.batch,
+        "payload_bytes": args.payload_bytes,
+        "seconds": main_run.seconds,
+        "cycles_per_s": round(main_run.cycles_per_s, 1),
+        "baseline_cycles_per_s": round(base.cycles_per_s, 1),
+        "ratio": round(main_run.cycles_per_s / base.cycles_per_s, 3) if base.cycles_per_s else None,
+        "lost": main_run.lost,
+        "duplicated": main_run.duplicated,
+        "table_bytes": main_run.table_bytes,
+        "dead_tuples": main_run.dead_tuples,
+        "hot_update_ratio": _round(main_run.hot_update_ratio, 3),
+        "wal_bytes_per_msg": _round(main_run.wal_bytes_per_msg, 1),
+        "pushed_per_s": round(main_run.pushed_per_s, 1),
+        "pushed": main_run.pushed,
+        "popped": main_run.popped,
+        "corrupt": main_run.corrupt,
+        "ack_failures": main_run.ack_failures,
+        "left_in_queue": main_run.left_in_queue,
+        "backlog_at_end": main_run.backlog_at_end,
+        "push_ms": _round(main_run.push_ms, 3),
+        "pop_ms": _round(main_run.pop_ms, 3),
+        "ack_ms": _round(main_run.ack_ms, 3),
+        "empty_pops": main_run.empty_pops,
+        "backlog_cap": cap,
+        "warmup_s": args.warmup,
+        "archive": args.archive if args.design != BASELINE else None,
+        "notify": args.notify if args.design != BASELINE else None,
+    }
+    for key in (
+        "lost",
+        "duplicated",
+        "corrupt",
+        "table_bytes",
+        "dead_tuples",
+        "wal_bytes_per_msg",
+        "left_in_queue",
+        "push_ms",
+        "pop_ms",
+        "ack_ms",
+    ):
+        out[f"baseline_{key}"] = _round(getattr(base, key), 3)
+    if args.repeat > 1:
+        out["cycles_per_s_runs"] = [round(r.cycles_per_s, 1) for r in runs[args.design]]
+        out["baseline_cycles_per_s_runs"] = [round(r.cycles_per_s, 1) for r in runs[BASELINE]]
+    out["valid"] = main_run.valid and base.valid
+    return out
+
+
+def combine(runs: list[RunResult]) -> RunResult:
+    """The run with the median cycles/s, with the correctness counts of all runs added up."""
+    ordered = sorted(runs, key=lambda r: r.cycles_per_s)
+    return dataclasses.replace(
+        ordered[(len(ordered) - 1) // 2],
+        lost=sum(r.lost for r in runs),
+        duplicated=sum(r.duplicated for r in runs),
+        corrupt=sum(r.corrupt for r in runs),
+        ack_failures=sum(r.ack_failures for r in runs),
+        left_in_queue=sum(r.left_in_queue for r in runs),
+    )
+
+
+def _round(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits) if isinstance(x, float) else x
+
+
+COLUMNS: tuple[tuple[str, int, Callable[[dict[str, Any]], str]], ...] = (
+    ("design", 6, lambda r: r["design"]),
+    ("P", 2, lambda r: str(r["producers"])),
+    ("C", 2, lambda r: str(r["consumers"])),
+    ("batch", 5, lambda r: str(r["batch"])),
+    ("cycles/s", 9, lambda r: f"{r['cycles_per_s']:,.0f}"),
+    ("naive/s", 9, lambda r: f"{r['baseline_cycles_per_s']:,.0f}"),
+    ("ratio", 6, lambda r: "-" if r["ratio"] is None else f"{r['ratio']:.2f}"),
+    ("lost", 4, lambda r: str(r["lost"] + r["baseline_lost"])),
+    ("dup", 4, lambda r: str(r["duplicated"] + r["baseline_duplicated"])),
+    ("table MB", 8, lambda r: f"{r['table_bytes'] / 1e6:.1f}"),
+    ("dead tup", 8, lambda r: str(r["dead_tuples"])),
+    ("HOT", 4, lambda r: "-" if r["hot_update_ratio"] is None else f"{r['hot_update_ratio']:.0%}"),
+    ("WAL B/msg", 9, lambda r: _fmt_opt(r["wal_bytes_per_msg"])),
+    ("naive WAL", 9, lambda r: _fmt_opt(r["baseline_wal_bytes_per_msg"])),
+    ("ok", 7, lambda r: "ok" if r["valid"] else "INVALID"),
+)
+
+
+def _fmt_opt(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}"
+
+
+def table_header() -> str:
+    return "  ".join(name.rjust(w) if i else name.ljust(w) for i, (name, w, _) in enumerate(COLUMNS))
+
+
+def table_row(r: dict[str, Any]) -> str:
+    return "  ".join(f(r).rjust(w) if i else f(r).ljust(w) for i, (_, w, f) in enumerate(COLUMNS))
+
+
+@contextlib.contextmanager
+def database(dsn: str | None) -> Iterator[tuple[str, str]]:
+    """Yield ``(dsn, where)``: the given server, or a throwaway embedded one stopped on exit."""
+    dsn = dsn or os.environ.get(TEST_DSN_ENV)
+    if dsn:
+        yield dsn, "given"
+        return
+    from airflow_dbqueue.engine.embedded import EmbeddedPostgres
+
+    tmp = Path(tempfile.mkdtemp(prefix="dbqueue-bench-pg-"))
+    server = EmbeddedPostgres(tmp / "data")
+    try:
+        yield server.start(), "embedded, throwaway"
+    finally:
+        server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def server_info(dsn: str) -> dict[str, str]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        names = ("server_version", "shared_buffers", "synchronous_commit", "fsync", "max_wal_size")
+        return {n: str(conn.execute(f"SHOW {n}").fetchone()[0]) for n in names}  # type: ignore[index]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description="Full push-then-pop cycles/s of a queue design against the naive baseline.",
+        epilog="Without --producers/--consumers/--batch: sweeps P x C in 1x1..8x8, batch in 1, 100, 1000.",
+    )
+    ap.add_argument("--design", choices=ALL_DESIGNS, default="table")
+    ap.add_argument("--producers", type=int, help="producer processes (default: swept)")
+    ap.add_argument("--consumers", type=int, help="consumer processes (default: swept)")
+    ap.add_argument("--batch", type=int, help="messages per push and per pop (default: swept)")
+    ap.add_argument("--seconds", type=float, default=10.0, help="measured window per run (default 10)")
+    ap.add_argument("--sweep-seconds", type=float, help="window per run in a sweep (default: --seconds)")
+    ap.add_argument("--warmup", type=float, default=1.0, help="seconds of warm-up before the window")
+    ap.add_argument("--semantics", choices=SEMANTICS, default="at-most-once")
+    ap.add_argument("--payload-bytes", type=int, default=300)
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs per design and point, alternating with the baseline; reports the median (default 1)",
+    )
+    ap.add_argument("--json", action="store_true", help="print one JSON object per point")
+    ap.add_argument("--dsn", help=f"database (default ${TEST_DSN_ENV}, else a throwaway embedded server)")
+    ap.add_argument(
+        "--archive",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="engine queue keeps finished messages for the archiver (engine default: on)",
+    )
+    ap.add_argument("--notify", choices=("never", "auto", "always"), default="never")
+    ap.add_argument("--backlog-cap", type=int, help="pause producers above this backlog (50 x batch x C)")
+    ap.add_argument("--drain-timeout", type=float, default=120.0)
+    ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    args = ap.parse_args(argv)
+    for name in ("producers", "consumers"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            ap.error(f"--{name} must be >= 1")
+    if args.batch is not None and not 1 <= args.batch <= 100_000:
+        ap.error("--batch must be in 1..100000")
+    if args.seconds <= 0 or (args.sweep_seconds is not None and args.sweep_seconds <= 0) or args.warmup < 0:
+        ap.error("--seconds and --sweep-seconds must be > 0, --warmup >= 0")
+    if args.repeat < 1:
+        ap.error("--repeat must be >= 1")
+    if args.payload_bytes < HEADER.size:
+        ap.error(f"--payload-bytes must be >= {HEADER.size} (the (producer, seq) header)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        check_design(args.design)
+    except DesignNotAvailable as exc:
+        print(f"run.py: {exc}", file=sys.stderr)
+        return 2
+    points = plan(args.producers, args.consumers, args.batch)
+    sweep = None in (args.producers, args.consumers, args.batch)
+    seconds = args.sweep_seconds if sweep and args.sweep_seconds else args.seconds
+    cores = os.cpu_count() or 0
+    all_valid = True
+    try:
+        with database(args.dsn) as (dsn, where):
+            info = server_info(dsn)
+            if not args.json:
+                print(
+                    f"PostgreSQL {info['server_version']} ({where}; shared_buffers={info['shared_buffers']}, "
+                    f"synchronous_commit={info['synchronous_commit']}, fsync={info['fsync']}) | "
+                    f"machine: {cores} cores, load average {os.getloadavg()[0]:.1f}"
+                )
+                print(
+                    f"design {args.design} vs naive | {args.semantics} | payload {args.payload_bytes} B | "
+                    f"{seconds:g} s per run after {args.warmup:g} s warm-up"
+                    + (f", median of {args.repeat}" if args.repeat > 1 else "")
+                    + (
+                        f" | archive={'on' if args.archive else 'off'} notify={args.notify}"
+                        if args.design != BASELINE
+                        else ""
+                    )
+                )
+                print(table_header(), flush=True)
+            for point in points:
+                row = measure_point(args, dsn, point, seconds)
+                row["pg_version"] = info["server_version"]
+                row["cores"] = cores
+                row["load_avg_1m"] = round(os.getloadavg()[0], 2)
+                all_valid &= row["valid"]
+                print(json.dumps(row) if args.json else table_row(row), flush=True)
+    except (BenchError, DbQueueError, psycopg.Error) as exc:
+        print(f"run.py: {exc}", file=sys.stderr)
+        return 1
+    if not all_valid:
+        print("run.py: INVALID run: messages were lost, duplicated or corrupted", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Query plans that keep the hot path fast. These check plan shapes and settings, never timings.
+
+Both guard regressions that the benchmark found: pops stuck on a generic plan built while the queue
+was empty (sequential scans of meta and data), and acks that walked every leased message.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from airflow_dbqueue.engine import DbQueue
+
+pytestmark = pytest.mark.integration
+
+
+def plan_nodes(plan: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """(node type, index name) of every node of an EXPLAIN (FORMAT JSON) plan."""
+    out = [(plan["Node Type"], plan.get("Index Name"))]
+    for child in plan.get("Plans", []):
+        out += plan_nodes(child)
+    return out
+
+
+def test_pooled_connections_never_use_generic_plans(dbq: DbQueue) -> None:
+    q = dbq.create_queue("empty_first")
+    with dbq.db.connection() as c:
+        for _ in range(8):  # more than psycopg's prepare threshold, on an empty queue
+            assert q.pop(100, conn=c) == []
+        assert c.execute("SHOW plan_cache_mode").fetchone() == ("force_custom_plan",)
+        q.push_batch(list(range(5000)))
+        c.execute(f'ANALYZE "{dbq.schema}".meta')
+        row = c.execute(
+            b"EXPLAIN (FORMAT JSON) " + dbq.db.query("pop_take"),
+            {"queue_id": q.settings.queue_id, "n": 100, "archive": True},
+        ).fetchone()
+    assert row is not None
+    nodes = plan_nodes(row[0][0]["Plan"] if isinstance(row[0], list) else json.loads(row[0])[0]["Plan"])
+    assert ("Seq Scan", None) not in nodes, nodes
+    assert ("Index Scan", "meta_ready_idx") in nodes, nodes
+
+
+def test_ack_probes_receipts_by_id_not_every_lease(dbq: DbQueue) -> None:
+    q = dbq.create_queue("many_leases")
+    q.push_batch(list(range(20000)))
+    leased = q.pop(20000, semantics="at-least-once")
+    # no ANALYZE here: statistics from when the queue was empty are what a busy queue often has
+    with dbq.db.connection() as c:
+        params = {
+            "ids": [leased[0].id],
+            "deliveries": [leased[0].delivery],
+            "queue_id": q.settings.queue_id,
+            "archive": True,
+        }
+        row = c.execute(b"EXPLAIN (FORMAT JSON) " + dbq.db.query("ack"), params).fetchone()
+    assert row is not None
+    nodes = plan_nodes(row[0][0]["Plan"])
+    assert ("Index Scan", "meta_pkey") in nodes or ("Bitmap Index Scan", "meta_pkey") in nodes, nodes
+    assert all(name != "meta_leased_idx" for _, name in nodes), nodes
+    assert q.ack(leased[:1]) == 1
+    assert q.ack(leased[1:]) == 19999
