@@ -70,17 +70,34 @@ def test_push_queues_a_run_of_the_asset_watched_dag(
         assert sql(env, "SELECT target_dag_id FROM asset_dag_run_queue") == [(DAG_ID,)]
         assert q.stats().ready == 3  # the trigger only observed
     finally:
-        os.killpg(triggerer.pid, signal.SIGTERM)
-        try:
-            triggerer.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(triggerer.pid, signal.SIGKILL)
-            triggerer.wait(10)
+        _stop(triggerer)
         log.close()
 
-    # One scheduler loop turns the queued asset event into a run.
-    subprocess.run(
-        [str(AIRFLOW), "scheduler", "--num-runs", "1"], env=env, check=True, capture_output=True, timeout=300
+    # The scheduler turns the queued asset event into a run. It runs until the run exists and is then
+    # stopped: `scheduler --num-runs 1` sometimes never exits, because one of LocalExecutor's workers
+    # misses its shutdown message and the scheduler waits for it forever (seen on Airflow 3.3.2).
+    sched_log = (tmp_path / "scheduler.log").open("w")
+    scheduler = subprocess.Popen(
+        [str(AIRFLOW), "scheduler"],
+        env=env,
+        stdout=sched_log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
-    runs = sql(env, f"SELECT run_type FROM dag_run WHERE dag_id = '{DAG_ID}'")
-    assert runs == [("asset_triggered",)], (tmp_path / "triggerer.log").read_text()[-3000:]
+    try:
+        query = f"SELECT run_type FROM dag_run WHERE dag_id = '{DAG_ID}'"
+        runs = wait_for("the asset-triggered run", lambda: sql(env, query), 120)
+    finally:
+        _stop(scheduler)
+        sched_log.close()
+    assert runs == [("asset_triggered",)], (tmp_path / "scheduler.log").read_text()[-3000:]
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop an Airflow component and everything it started."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
