@@ -477,26 +477,26 @@ def _producer_step(queue_tag: str, idx: int) -> Callable[[ClientLog, Queue], Non
     return step
 
 
-def _at_most_once_step(log: ClientLog, q: Queue) -> None:
+def _pop(log: ClientLog, q: Queue, semantics: str) -> list[Message]:
+    """Pop a batch and record it; a pop that raised has an unknown outcome and is counted as such."""
     try:
-        msgs = q.pop(CRASH_POP_BATCH, semantics="at-most-once")
+        msgs = q.pop(CRASH_POP_BATCH, semantics=semantics)
     except DbQueueError:
         log.unknown_pops += 1
         raise
     log.received += [(m.id, m.attempts, m.payload) for m in msgs]
     if not msgs:
         time.sleep(0.02)
+    return msgs
+
+
+def _at_most_once_step(log: ClientLog, q: Queue) -> None:
+    _pop(log, q, "at-most-once")
 
 
 def _at_least_once_step(log: ClientLog, q: Queue) -> None:
-    try:
-        msgs = q.pop(CRASH_POP_BATCH, semantics="at-least-once")
-    except DbQueueError:
-        log.unknown_pops += 1
-        raise
-    log.received += [(m.id, m.attempts, m.payload) for m in msgs]
+    msgs = _pop(log, q, "at-least-once")
     if not msgs:
-        time.sleep(0.02)
         return
     try:
         q.ack(msgs)
