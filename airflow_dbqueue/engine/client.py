@@ -186,8 +186,6 @@ class DbQueue:
                 )
             if not exist_ok:
                 raise QueueExistsError(f"queue {name!r} already exists in schema {self.schema!r}")
-        else:
-            self.db.execute("analyze")
         return queue
 
     def queue(self, name: str) -> Queue:

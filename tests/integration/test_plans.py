@@ -62,3 +62,37 @@ def test_ack_probes_receipts_by_id_not_every_lease(dbq: DbQueue) -> None:
     assert all(name != "meta_leased_idx" for _, name in nodes), nodes
     assert q.ack(leased[:1]) == 1
     assert q.ack(leased[1:]) == 19999
+
+
+def _walks_data(plan: dict[str, Any]) -> list[str]:
+    """Plan nodes that read the data table without probing it by key."""
+    bad = []
+    keyed = "Index Cond" in plan or "Tid Cond" in plan
+    if plan.get("Relation Name") == "data" and (
+        plan["Node Type"] == "Seq Scan" or ("Index" in plan["Node Type"] and not keyed)
+    ):
+        bad.append(f"{plan['Node Type']} {plan.get('Index Name')}")
+    for child in plan.get("Plans", []):
+        bad += _walks_data(child)
+    return bad
+
+
+def test_payloads_are_probed_by_id_even_with_empty_table_statistics(dbq: DbQueue) -> None:
+    """A drained queue analyzed while empty (as autovacuum does) must not make pops walk data."""
+    q = dbq.create_queue("drained", archive=False)
+    q.push_batch(list(range(2000)))
+    while q.pop(500):
+        pass
+    with dbq.db.connection() as c:
+        c.execute(f'ANALYZE "{dbq.schema}".meta, "{dbq.schema}".data, "{dbq.schema}".done')
+        q.push_batch(list(range(20000)))
+        qid = q.settings.queue_id
+        cases = {
+            "pop_lease": {"queue_id": qid, "n": 250, "visibility_timeout_s": 30.0, "consumer": "t"},
+            "pop_take": {"queue_id": qid, "n": 250, "archive": False},
+            "drop_queue": {"queue_id": qid},
+        }
+        for name, params in cases.items():
+            row = c.execute(b"EXPLAIN (FORMAT JSON) " + dbq.db.query(name), params).fetchone()
+            assert row is not None
+            assert _walks_data(row[0][0]["Plan"]) == [], name

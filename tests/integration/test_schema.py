@@ -474,3 +474,43 @@ def test_every_query_the_engine_names_exists() -> None:
     )
     assert called, "found no named-query call in the engine: the pattern is out of date"
     assert sorted(called - set(_query_names())) == []
+
+
+def test_version_1_data_survives_the_migration_and_old_receipts_still_ack(
+    pg_dsn: str, new_schema: Callable[[], str]
+) -> None:
+    """Rows written under schema version 1 (receipts were (id, attempts)) work after migrating."""
+    schema = new_schema()
+    db = PostgresDatabase(pg_dsn, schema=schema)
+    try:
+        db.migrate_to(1)
+        ident = sql.Identifier(schema)
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            c.execute(
+                sql.SQL(
+                    "INSERT INTO {s}.queues (name, design, payload_type, max_payload_bytes, max_attempts, "
+                    "visibility_timeout_s, retry_backoff_s, retry_backoff_max_s, notify, archive) "
+                    "VALUES ('old', 'table', 'json', 1000, 5, 30, 1, 10, 'auto', true)"
+                ).format(s=ident)
+            )
+            # one message leased on its 2nd attempt by version-1 code, one ready
+            c.execute(
+                sql.SQL(
+                    "INSERT INTO {s}.meta "
+                    "(id, queue_id, state, attempts, process_at, enqueued_at, lease_until) "
+                    "VALUES (1, 1, 1, 2, now(), now(), now() + interval '1 hour'), "
+                    "(2, 1, 0, 0, now(), now(), NULL)"
+                ).format(s=ident)
+            )
+            c.execute(sql.SQL("""INSERT INTO {s}.data VALUES (1, '"a"'), (2, '"b"')""").format(s=ident))
+        with DbQueue(pg_dsn, schema=schema) as dbq:
+            assert dbq.install() == schema_sql()[0]
+            q = dbq.queue("old")
+            assert q.ack_receipts([(1, 2)]) == 1  # the receipt version-1 code handed out
+            [m] = q.pop(1, semantics="at-least-once")
+            assert (m.id, m.payload, m.attempts, m.delivery) == (2, "b", 1, 1)
+            assert q.ack([m]) == 1
+            assert q.stats().finished == 2
+    finally:
+        db.drop_schema()
+        db.close()

@@ -1,7 +1,7 @@
 -- The whole current schema of a dbqueue schema on PostgreSQL, for a fresh install.
 -- {schema} is replaced by the quoted schema name. Keep in step with migrations/: a test checks that
 -- applying every migration from the first gives exactly this schema.
--- SCHEMA_VERSION: 1
+-- SCHEMA_VERSION: 2
 
 -- name: schema
 CREATE SCHEMA IF NOT EXISTS {schema};
@@ -50,12 +50,12 @@ CREATE TABLE {schema}.meta (
     state smallint NOT NULL DEFAULT 0,
     priority smallint NOT NULL DEFAULT 0,
     attempts integer NOT NULL DEFAULT 0,
-    deliveries integer NOT NULL DEFAULT 0,
     process_at timestamptz NOT NULL,
     enqueued_at timestamptz NOT NULL,
     lease_until timestamptz,
     consumer text,
     last_error text,
+    deliveries integer NOT NULL DEFAULT 0,
     CONSTRAINT meta_pkey PRIMARY KEY (id),
     CONSTRAINT meta_state_valid CHECK (state IN (0, 1, 2)),
     CONSTRAINT meta_lease_valid CHECK ((state = 1) = (lease_until IS NOT NULL))

@@ -38,8 +38,6 @@ CREATE SEQUENCE {schema}.message_id_seq AS bigint;
 
 -- The table design's meta table: small rows, the only table the dequeue path searches.
 -- state: 0 ready (or delayed, by process_at), 1 leased (in flight), 2 failed.
--- attempts counts deliveries towards max_attempts (requeue_failed resets it); deliveries counts every
--- hand-out and never resets, so (id, deliveries) names one delivery: the receipt ack and nack check.
 -- No foreign key to queues: an FK check would take a KEY SHARE lock on the queue's row for every push.
 CREATE TABLE {schema}.meta (
     id bigint NOT NULL,
@@ -47,7 +45,6 @@ CREATE TABLE {schema}.meta (
     state smallint NOT NULL DEFAULT 0,
     priority smallint NOT NULL DEFAULT 0,
     attempts integer NOT NULL DEFAULT 0,
-    deliveries integer NOT NULL DEFAULT 0,
     process_at timestamptz NOT NULL,
     enqueued_at timestamptz NOT NULL,
     lease_until timestamptz,
