@@ -171,10 +171,10 @@ class DbQueue:
         self._queues.pop(name, None)
         queue = self.queue(name)
         if created is None:
+            if not exist_ok:
+                raise QueueExistsError(f"queue {name!r} already exists in schema {self.schema!r}")
             existing = dataclasses.replace(queue.settings, queue_id=0)
             if existing != wanted:
-                if not exist_ok:
-                    raise QueueExistsError(f"queue {name!r} already exists in schema {self.schema!r}")
                 diff = {
                     f.name: (getattr(existing, f.name), getattr(wanted, f.name))
                     for f in dataclasses.fields(wanted)
@@ -184,8 +184,6 @@ class DbQueue:
                     f"queue {name!r} exists in schema {self.schema!r} with other settings "
                     f"(existing, requested): {diff}"
                 )
-            if not exist_ok:
-                raise QueueExistsError(f"queue {name!r} already exists in schema {self.schema!r}")
         return queue
 
     def queue(self, name: str) -> Queue:

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from airflow_dbqueue.engine.errors import ConfigurationError
+from airflow_dbqueue.engine.errors import ConfigurationError, TransactionRequiredError
 from airflow_dbqueue.engine.models import (
     FailedMessage,
     Message,
@@ -130,8 +130,6 @@ class Queue(abc.ABC):
 
     @staticmethod
     def _require_transaction(conn: psycopg.Connection[Any] | None) -> None:
-        from airflow_dbqueue.engine.errors import TransactionRequiredError
-
         if conn is None:
             raise TransactionRequiredError(
                 "exactly-once pop needs the caller's transaction: pass conn= from DbQueue.transaction()"

@@ -188,14 +188,7 @@ class TableQueue(Queue):
         return self._messages(rows)
 
     def count_ready(self, min_priority: int | None = None, cap: int = 1_000_000) -> int:
-        row = self._db.fetchone(
-            "count_ready",
-            {
-                "queue_id": self._qid,
-                "min_priority": _PRIORITY_MIN if min_priority is None else min_priority,
-                "cap": cap,
-            },
-        )
+        row = self._db.fetchone("count_ready", self._readiness_params(min_priority, cap))
         return int(row[0]) if row else 0
 
     def _readiness_params(self, min_priority: int | None, cap: int) -> dict[str, Any]:

@@ -114,7 +114,7 @@ class DbQueuePopOperator(BaseOperator):  # type: ignore[misc]
     - exactly-once needs the processing in the pop's own transaction, which a hand-over through XCom
       cannot give: use :meth:`DbQueueHook.transaction` inside the task that writes the results.
 
-    Batches of at most ``xcom_max_messages`` carry their messages (id, attempts, priority, payload,
+    Batches of at most ``xcom_max_messages`` carry their messages (id, attempts, delivery, priority, payload,
     enqueued_at) in the claim. Larger ones stay claimed in the database and the claim holds only the
     receipts; the next task reads the payloads with :meth:`DbQueueHook.claimed_messages`.
 
