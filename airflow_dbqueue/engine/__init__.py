@@ -11,6 +11,8 @@
 
 from airflow_dbqueue.engine.client import DSN_ENV, DbQueue
 from airflow_dbqueue.engine.errors import (
+    BatchNotFoundError,
+    BatchStateError,
     ConfigurationError,
     DatabaseError,
     DatabaseUnavailableError,
@@ -27,6 +29,8 @@ from airflow_dbqueue.engine.errors import (
     TransactionRequiredError,
 )
 from airflow_dbqueue.engine.models import (
+    Batch,
+    BatchState,
     Design,
     FailedMessage,
     Message,
@@ -40,6 +44,10 @@ from airflow_dbqueue.engine.queue import Queue
 
 __all__ = [
     "DSN_ENV",
+    "Batch",
+    "BatchNotFoundError",
+    "BatchState",
+    "BatchStateError",
     "ConfigurationError",
     "DatabaseError",
     "DatabaseUnavailableError",

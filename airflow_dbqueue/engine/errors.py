@@ -66,6 +66,19 @@ class LeaseExpiredError(DbQueueError):
         self.ids = list(ids)
 
 
+class BatchNotFoundError(DbQueueError, LookupError):
+    """No batch with this id was claimed from this queue."""
+
+    def __init__(self, queue: str, batch_id: str) -> None:
+        super().__init__(f"queue {queue!r}: no batch {batch_id!r} was claimed from it")
+        self.queue = queue
+        self.batch_id = batch_id
+
+
+class BatchStateError(DbQueueError):
+    """A batch was asked to do what its state forbids (ack a released batch, extend a finished one)."""
+
+
 class QueueFullError(DbQueueError):
     """A bounded queue (ring) stayed full for longer than the push timeout."""
 

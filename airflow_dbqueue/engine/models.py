@@ -150,6 +150,61 @@ class Message:
         return (self.id, self.delivery)
 
 
+class BatchState(enum.StrEnum):
+    """Where a claimed batch stands: claimed (leased), acked, or released for another try."""
+
+    CLAIMED = "claimed"
+    ACKED = "acked"
+    RELEASED = "released"
+
+    @classmethod
+    def from_code(cls, code: int) -> BatchState:
+        return (cls.CLAIMED, cls.ACKED, cls.RELEASED)[code]
+
+    @property
+    def code(self) -> int:
+        return (BatchState.CLAIMED, BatchState.ACKED, BatchState.RELEASED).index(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Messages claimed together under one lease and one id (see :meth:`Queue.claim_batch`).
+
+    The payloads stay in the database: a reader in another process (a Spark job) fetches them by
+    ``batch_id``. ``receipts`` are the ``(id, delivery)`` of each message, in claim order.
+    """
+
+    batch_id: str
+    queue: str
+    state: BatchState
+    receipts: tuple[tuple[int, int], ...]
+    claimed_at: dt.datetime
+    lease_until: dt.datetime
+    consumer: str | None = None
+    finished_at: dt.datetime | None = None
+    last_error: str | None = None
+
+    @property
+    def size(self) -> int:
+        """How many messages the batch holds."""
+        return len(self.receipts)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-safe summary (for logs and XCom); receipts are left out, being possibly many."""
+        return {
+            "batch_id": self.batch_id,
+            "queue": self.queue,
+            "state": self.state.value,
+            "size": self.size,
+            "first_id": self.receipts[0][0] if self.receipts else None,
+            "claimed_at": self.claimed_at.isoformat(),
+            "lease_until": self.lease_until.isoformat(),
+            "finished_at": self.finished_at.isoformat() if self.finished_at else None,
+            "consumer": self.consumer,
+            "last_error": self.last_error,
+        }
+
+
 @dataclass(frozen=True, slots=True)
 class FailedMessage:
     """A message in the failed (dead-letter) state."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_dbqueue.engine.errors import ConfigurationError, TransactionRequiredError
 from airflow_dbqueue.engine.models import (
+    Batch,
     FailedMessage,
     Message,
     NotifyMode,
@@ -245,6 +246,68 @@ class Queue(abc.ABC):
     ) -> int:
         """:meth:`nack` deliveries known only by their receipts ``(id, delivery)``; all or nothing."""
         return self.nack(self._receipt_messages(receipts), delay=delay, error=error, conn=conn)
+
+    # -- batches: claimed together, read elsewhere by id (a Spark job), acked or released whole ------
+
+    def claim_batch(
+        self,
+        n: int,
+        *,
+        visibility_timeout: float | None = None,
+        consumer: str | None = None,
+        conn: psycopg.Connection[Any] | None = None,
+    ) -> Batch | None:
+        """Claim up to ``n`` ready messages at least once, under one lease and a new batch id.
+
+        No payload leaves the database: a reader elsewhere fetches the batch with :meth:`batch_query`.
+        Finish it with :meth:`ack_batch` or :meth:`release_batch`; a batch neither acked nor released
+        (its claimer died) comes back when its lease expires. Returns None when nothing is ready.
+        """
+        raise NotImplementedError(f"{self.settings.design} queues do not support batches yet")
+
+    def get_batch(self, batch_id: str) -> Batch:
+        """Return the batch with this id (any state); raise :class:`BatchNotFoundError` if unknown."""
+        raise NotImplementedError(f"{self.settings.design} queues do not support batches yet")
+
+    def open_batches(self, limit: int = 100) -> list[Batch]:
+        """Return claimed batches not yet acked or released, oldest first (a claimer may have died)."""
+        raise NotImplementedError(f"{self.settings.design} queues do not support batches yet")
+
+    def batch_query(self, batch_id: str) -> str:
+        """SQL text (parameters bound) returning the batch's ``ord, id, delivery, payload`` rows,
+        ``ord`` numbering them 1..size: for readers that take a query string, such as Spark's JDBC
+        source (which can partition its reads on ``ord``)."""
+        raise NotImplementedError(f"{self.settings.design} queues do not support batches yet")
+
+    def ack_batch(self, batch_id: str, *, conn: psycopg.Connection[Any] | None = None) -> int:
+        """Finish every message of a claimed batch; all or nothing, like :meth:`ack`.
+
+        Pass the ``conn`` of a transaction that also writes the batch's results, and results and ack
+        commit together (exactly once). Acking an acked batch again returns 0; acking a released one,
+        or one whose lease was lost, raises and acknowledges nothing.
+        """
+        raise NotImplementedError(f"{self.settings.design} queues do not support batches yet")
+
+    def release_batch(
+        self,
+        batch_id: str,
+        *,
+        delay: float | None = None,
+        error: str | None = None,
+        conn: psycopg.Connection[Any] | None = None,
+    ) -> int:
+        """Give a claimed batch's messages back for another try (:meth:`nack` of those still held).
+
+        Returns how many were released; releasing a finished batch again returns 0.
+        """
+        raise NotImplementedError(f"{self.settings.design} queues do not support batches yet")
+
+    def extend_batch(self, batch_id: str, visibility_timeout: float) -> dt.datetime:
+        """Push the lease of a claimed batch out to ``visibility_timeout`` seconds from now; return it.
+
+        Raises :class:`LeaseExpiredError` (changing nothing) when any of its leases was already lost.
+        """
+        raise NotImplementedError(f"{self.settings.design} queues do not support batches yet")
 
     def _receipt_messages(self, receipts: Sequence[tuple[int, int]]) -> list[Message]:
         out = []

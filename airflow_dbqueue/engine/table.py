@@ -5,13 +5,28 @@ Each operation is one named statement of the dialect; a batch is one round trip.
 
 from __future__ import annotations
 
+import datetime as dt
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from airflow_dbqueue.engine.errors import ConfigurationError, LeaseExpiredError
-from airflow_dbqueue.engine.models import FailedMessage, Message, NotifyMode, QueueStats, Semantics
-from airflow_dbqueue.engine.queue import Queue, _check_batch_size
+from airflow_dbqueue.engine.errors import (
+    BatchNotFoundError,
+    BatchStateError,
+    ConfigurationError,
+    LeaseExpiredError,
+)
+from airflow_dbqueue.engine.models import (
+    Batch,
+    BatchState,
+    FailedMessage,
+    Message,
+    NotifyMode,
+    QueueStats,
+    Semantics,
+)
+from airflow_dbqueue.engine.queue import DEFAULT_CONSUMER, Queue, _check_batch_size
 
 if TYPE_CHECKING:
     import psycopg
@@ -74,10 +89,7 @@ class TableQueue(Queue):
         self, n: int, semantics: Semantics, vt: float, consumer: str, conn: psycopg.Connection[Any] | None
     ) -> list[Message]:
         if semantics is Semantics.AT_LEAST_ONCE:
-            now = time.monotonic()
-            if now - self._last_reclaim >= self.reclaim_every_s:
-                self._last_reclaim = now
-                self.reclaim_expired()
+            self._maybe_reclaim()
             rows = self._db.fetchall(
                 "pop_lease",
                 {"queue_id": self._qid, "n": n, "visibility_timeout_s": vt, "consumer": consumer},
@@ -88,6 +100,12 @@ class TableQueue(Queue):
                 "pop_take", {"queue_id": self._qid, "n": n, "archive": self.settings.archive}, conn
             )
         return self._messages(rows)
+
+    def _maybe_reclaim(self) -> None:
+        now = time.monotonic()
+        if now - self._last_reclaim >= self.reclaim_every_s:
+            self._last_reclaim = now
+            self.reclaim_expired()
 
     def _messages(self, rows: list[tuple[Any, ...]]) -> list[Message]:
         decode, name = self.settings.decode, self.name
@@ -271,3 +289,138 @@ class TableQueue(Queue):
             "archive": self.settings.archive,
         }
         return len(self._db.fetchall("delete_failed", params))
+
+    # -- batches -----------------------------------------------------------------------------------
+
+    def _batch(self, row: tuple[Any, ...]) -> Batch:
+        batch_id, state, ids, deliveries, consumer, claimed_at, lease_until, finished_at, error = row
+        return Batch(
+            batch_id=str(batch_id),
+            queue=self.name,
+            state=BatchState.from_code(state),
+            receipts=tuple(zip(ids, deliveries, strict=True)),
+            claimed_at=claimed_at,
+            lease_until=lease_until,
+            consumer=consumer,
+            finished_at=finished_at,
+            last_error=error,
+        )
+
+    def _batch_key(self, batch_id: str) -> dict[str, Any]:
+        try:
+            key = uuid.UUID(str(batch_id))
+        except ValueError:
+            raise ConfigurationError(f"queue {self.name!r}: a batch id is a UUID, got {batch_id!r}") from None
+        return {"batch_id": key, "queue_id": self._qid}
+
+    def claim_batch(
+        self,
+        n: int,
+        *,
+        visibility_timeout: float | None = None,
+        consumer: str | None = None,
+        conn: psycopg.Connection[Any] | None = None,
+    ) -> Batch | None:
+        vt = self.settings.visibility_timeout_s if visibility_timeout is None else float(visibility_timeout)
+        if vt <= 0:
+            raise ConfigurationError(f"queue {self.name!r}: visibility_timeout must be > 0, got {vt}")
+        self._maybe_reclaim()
+        params = {
+            "batch_id": uuid.uuid4(),
+            "queue_id": self._qid,
+            "n": _check_batch_size(n),
+            "visibility_timeout_s": vt,
+            "consumer": consumer or DEFAULT_CONSUMER,
+        }
+        row = self._db.fetchone("claim_batch", params, conn)
+        return None if row is None else self._batch(row)
+
+    def get_batch(self, batch_id: str) -> Batch:
+        row = self._db.fetchone("get_batch", self._batch_key(batch_id))
+        if row is None:
+            raise BatchNotFoundError(self.name, str(batch_id))
+        return self._batch(row)
+
+    def open_batches(self, limit: int = 100) -> list[Batch]:
+        rows = self._db.fetchall("open_batches", {"queue_id": self._qid, "limit": _check_batch_size(limit)})
+        return [self._batch(r) for r in rows]
+
+    def batch_query(self, batch_id: str) -> str:
+        return self._db.render("batch_rows", self._batch_key(batch_id))
+
+    def _locked_batch(self, batch_id: str, conn: psycopg.Connection[Any]) -> Batch:
+        row = self._db.fetchone("lock_batch", self._batch_key(batch_id), conn)
+        if row is None:
+            raise BatchNotFoundError(self.name, str(batch_id))
+        return self._batch(row)
+
+    def _set_batch_state(
+        self,
+        batch: Batch,
+        state: BatchState,
+        conn: psycopg.Connection[Any],
+        *,
+        lease_until: dt.datetime | None = None,
+        error: str | None = None,
+    ) -> None:
+        params = {**self._batch_key(batch.batch_id), "state": state.code, "lease_until": lease_until}
+        self._db.execute("finish_batch", {**params, "error": error}, conn)
+
+    def ack_batch(self, batch_id: str, *, conn: psycopg.Connection[Any] | None = None) -> int:
+        with self._db.transaction(conn) as c:
+            batch = self._locked_batch(batch_id, c)
+            if batch.state is BatchState.ACKED:
+                return 0
+            if batch.state is BatchState.RELEASED:
+                raise BatchStateError(
+                    f"queue {self.name!r}: batch {batch.batch_id} was released ({batch.last_error}); "
+                    "its messages are delivered again, so it cannot be acked"
+                )
+            done = self.ack_receipts(batch.receipts, conn=c)
+            self._set_batch_state(batch, BatchState.ACKED, c)
+            return done
+
+    def release_batch(
+        self,
+        batch_id: str,
+        *,
+        delay: float | None = None,
+        error: str | None = None,
+        conn: psycopg.Connection[Any] | None = None,
+    ) -> int:
+        with self._db.transaction(conn) as c:
+            batch = self._locked_batch(batch_id, c)
+            if batch.state is not BatchState.CLAIMED:
+                return 0
+            ids = [r[0] for r in batch.receipts]
+            deliveries = [r[1] for r in batch.receipts]
+            held = self._db.fetchall(
+                "held_receipts", {"ids": ids, "deliveries": deliveries, "queue_id": self._qid}, c
+            )
+            # Receipts locked by nack below; one reclaimed between these statements would make
+            # nack raise, so only what is held now is released, and the rest was already returned.
+            released = self.nack_receipts(held, delay=delay, error=error, conn=c) if held else 0
+            self._set_batch_state(batch, BatchState.RELEASED, c, error=error)
+            return released
+
+    def extend_batch(self, batch_id: str, visibility_timeout: float) -> dt.datetime:
+        if visibility_timeout <= 0:
+            raise ConfigurationError(
+                f"queue {self.name!r}: visibility_timeout must be > 0, got {visibility_timeout}"
+            )
+        with self._db.transaction() as c:
+            batch = self._locked_batch(batch_id, c)
+            if batch.state is not BatchState.CLAIMED:
+                raise BatchStateError(
+                    f"queue {self.name!r}: batch {batch.batch_id} is {batch.state.value}; only a "
+                    "claimed batch can be extended"
+                )
+            ids = [r[0] for r in batch.receipts]
+            deliveries = [r[1] for r in batch.receipts]
+            params = {"ids": ids, "deliveries": deliveries, "queue_id": self._qid}
+            rows = self._db.fetchall("extend_leases", {**params, "secs": float(visibility_timeout)}, c)
+            if len(rows) != len(ids):
+                self._raise_lost(ids, deliveries, c)
+            until: dt.datetime = rows[0][1]
+            self._set_batch_state(batch, BatchState.CLAIMED, c, lease_until=until)
+            return until

@@ -237,6 +237,12 @@ class PostgresDatabase:
         with self.connection(conn) as c, self.translate_errors():
             return c.execute(self.query(name), params).fetchone()
 
+    def render(self, name: str, params: Mapping[str, Any]) -> str:
+        """Return the named query as text with its parameters bound client-side, for a reader that
+        cannot bind parameters itself (a Spark JDBC source takes a query string)."""
+        with self.connection() as c, self.translate_errors():
+            return psycopg.ClientCursor(c).mogrify(self.query(name), params)
+
     def execute(
         self, name: str, params: Mapping[str, Any] | None = None, conn: psycopg.Connection[Any] | None = None
     ) -> int:

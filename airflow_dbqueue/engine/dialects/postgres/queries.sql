@@ -43,7 +43,8 @@ FROM {schema}.queues ORDER BY name
 WITH m AS (DELETE FROM {schema}.meta WHERE queue_id = %(queue_id)s RETURNING id),
      f AS (DELETE FROM {schema}.done WHERE queue_id = %(queue_id)s RETURNING id),
      d AS (DELETE FROM {schema}.data WHERE id = ANY (ARRAY(SELECT id FROM m UNION ALL SELECT id FROM f))),
-     a AS (DELETE FROM {schema}.archive WHERE queue_id = %(queue_id)s)
+     a AS (DELETE FROM {schema}.archive WHERE queue_id = %(queue_id)s),
+     b AS (DELETE FROM {schema}.batches WHERE queue_id = %(queue_id)s)
 DELETE FROM {schema}.queues WHERE queue_id = %(queue_id)s RETURNING queue_id
 
 -- name: push
@@ -285,3 +286,78 @@ JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
   ON m.id = r.id AND m.deliveries = r.delivery
 WHERE m.id = ANY (%(ids)s::bigint[]) AND m.queue_id = %(queue_id)s AND m.lease_until > now()
 ORDER BY m.priority DESC, m.process_at, m.id
+
+-- name: extend_leases
+-- Push the lease of held receipts out to now() + secs (a long job keeps its claim); all or nothing.
+WITH held AS (
+    SELECT m.ctid AS tid
+    FROM {schema}.meta m
+    JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
+      ON m.id = r.id AND m.deliveries = r.delivery
+    WHERE m.id = ANY (%(ids)s::bigint[]) AND m.queue_id = %(queue_id)s AND m.lease_until > now()
+    FOR UPDATE OF m
+)
+UPDATE {schema}.meta m
+SET lease_until = now() + make_interval(secs => %(secs)s)
+WHERE m.ctid = ANY (ARRAY(SELECT tid FROM held))
+  AND (SELECT count(*) FROM held) = cardinality(%(ids)s::bigint[])
+RETURNING m.id, m.lease_until
+
+-- name: claim_batch
+-- at-least-once claim of up to n ready messages under one lease, recorded in the batch ledger in the
+-- same statement; no payload leaves the database (the batch's reader fetches them by batch id).
+WITH claimed AS (
+    UPDATE {schema}.meta m
+    SET state = 1, attempts = m.attempts + 1, deliveries = m.deliveries + 1, consumer = %(consumer)s,
+        lease_until = now() + make_interval(secs => %(visibility_timeout_s)s)
+    WHERE m.ctid = ANY (ARRAY(
+        SELECT ctid FROM {schema}.meta
+        WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
+        ORDER BY priority DESC, process_at, id
+        LIMIT %(n)s
+        FOR UPDATE SKIP LOCKED))
+    RETURNING m.id, m.deliveries, m.priority, m.process_at
+)
+INSERT INTO {schema}.batches (batch_id, queue_id, ids, deliveries, consumer, lease_until)
+SELECT %(batch_id)s, %(queue_id)s,
+       array_agg(c.id ORDER BY c.priority DESC, c.process_at, c.id),
+       array_agg(c.deliveries ORDER BY c.priority DESC, c.process_at, c.id),
+       %(consumer)s, now() + make_interval(secs => %(visibility_timeout_s)s)
+FROM claimed c
+HAVING count(*) > 0
+RETURNING batch_id, state, ids, deliveries, consumer, claimed_at, lease_until, finished_at, last_error
+
+-- name: get_batch
+SELECT batch_id, state, ids, deliveries, consumer, claimed_at, lease_until, finished_at, last_error
+FROM {schema}.batches
+WHERE batch_id = %(batch_id)s AND queue_id = %(queue_id)s
+
+-- name: lock_batch
+-- The batch's ledger row, locked so that a concurrent ack and release of one batch serialize.
+SELECT batch_id, state, ids, deliveries, consumer, claimed_at, lease_until, finished_at, last_error
+FROM {schema}.batches
+WHERE batch_id = %(batch_id)s AND queue_id = %(queue_id)s
+FOR UPDATE
+
+-- name: finish_batch
+UPDATE {schema}.batches
+SET state = %(state)s::smallint,
+    finished_at = CASE WHEN %(state)s::smallint = 0 THEN NULL ELSE now() END,
+    lease_until = coalesce(%(lease_until)s, lease_until), last_error = coalesce(%(error)s, last_error)
+WHERE batch_id = %(batch_id)s AND queue_id = %(queue_id)s
+
+-- name: open_batches
+-- Batches still claimed, oldest first (for operators of the platform and for cleanup).
+SELECT batch_id, state, ids, deliveries, consumer, claimed_at, lease_until, finished_at, last_error
+FROM {schema}.batches
+WHERE queue_id = %(queue_id)s AND state = 0
+ORDER BY claimed_at
+LIMIT %(limit)s
+
+-- name: batch_rows
+-- The messages of one batch with their payloads, numbered 1..n in claim order (ord: a Spark JDBC
+-- reader partitions on it). Rendered to text with its parameters for readers in other processes.
+SELECT r.ord, r.id, r.delivery, (SELECT d.payload FROM {schema}.data d WHERE d.id = r.id) AS payload
+FROM {schema}.batches b
+CROSS JOIN LATERAL unnest(b.ids, b.deliveries) WITH ORDINALITY AS r(id, delivery, ord)
+WHERE b.batch_id = %(batch_id)s AND b.queue_id = %(queue_id)s

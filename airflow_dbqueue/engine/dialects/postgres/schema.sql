@@ -1,7 +1,7 @@
 -- The whole current schema of a dbqueue schema on PostgreSQL, for a fresh install.
 -- {schema} is replaced by the quoted schema name. Keep in step with migrations/: a test checks that
 -- applying every migration from the first gives exactly this schema.
--- SCHEMA_VERSION: 2
+-- SCHEMA_VERSION: 3
 
 -- name: schema
 CREATE SCHEMA IF NOT EXISTS {schema};
@@ -105,3 +105,23 @@ CREATE TABLE {schema}.archive (
     CONSTRAINT archive_pkey PRIMARY KEY (id)
 );
 CREATE INDEX archive_archived_brin ON {schema}.archive USING brin (archived_at);
+
+-- Batches: messages claimed together under one lease and one id (the table design's claim_batch),
+-- so a job elsewhere (a Spark application) can read exactly that set by id, and the claimer acks or
+-- releases it whole. state: 0 claimed, 1 acked, 2 released. ids[i] was handed out as deliveries[i].
+CREATE TABLE {schema}.batches (
+    batch_id uuid NOT NULL,
+    queue_id integer NOT NULL,
+    state smallint NOT NULL DEFAULT 0,
+    ids bigint[] NOT NULL,
+    deliveries integer[] NOT NULL,
+    consumer text,
+    claimed_at timestamptz NOT NULL DEFAULT now(),
+    lease_until timestamptz NOT NULL,
+    finished_at timestamptz,
+    last_error text,
+    CONSTRAINT batches_pkey PRIMARY KEY (batch_id),
+    CONSTRAINT batches_state_valid CHECK (state IN (0, 1, 2)),
+    CONSTRAINT batches_receipts_valid CHECK (cardinality(ids) = cardinality(deliveries) AND cardinality(ids) > 0)
+);
+CREATE INDEX batches_open_idx ON {schema}.batches (queue_id, claimed_at) WHERE state = 0;

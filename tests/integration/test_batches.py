@@ -1,0 +1,181 @@
+"""Batches: claimed together under one lease and one id, read by id elsewhere, acked or released whole."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+
+from airflow_dbqueue.engine import (
+    BatchNotFoundError,
+    BatchState,
+    BatchStateError,
+    ConfigurationError,
+    DbQueue,
+    LeaseExpiredError,
+    Semantics,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def _digest(payloads: list[Any]) -> str:
+    return hashlib.sha256(
+        "\n".join(sorted(json.dumps(p, sort_keys=True) for p in payloads)).encode()
+    ).hexdigest()
+
+
+def _read(pg_dsn: str, query: str) -> list[tuple[Any, ...]]:
+    """Run a batch query the way a foreign reader (Spark's JDBC source) does: as plain text."""
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        return c.execute(query.encode()).fetchall()
+
+
+def test_claim_read_ack(dbq: DbQueue, pg_dsn: str) -> None:
+    q = dbq.create_queue("orders")
+    sent = [{"order": i, "amount": i * 3} for i in range(250)]
+    q.push_batch(sent)
+    batch = q.claim_batch(100, visibility_timeout=60)
+    assert batch is not None and batch.size == 100 and batch.state is BatchState.CLAIMED
+    assert q.stats().in_flight == 100 and q.stats().ready == 150
+    rows = _read(pg_dsn, q.batch_query(batch.batch_id))
+    assert [r[0] for r in rows] == list(range(1, 101))  # ord numbers the claim order
+    assert [(r[1], r[2]) for r in rows] == list(batch.receipts)
+    got = [json.loads(bytes(r[3])) for r in rows]
+    assert got == sent[:100]  # FIFO within one priority
+    assert q.ack_batch(batch.batch_id) == 100
+    assert q.ack_batch(batch.batch_id) == 0  # idempotent
+    assert q.get_batch(batch.batch_id).state is BatchState.ACKED
+    st = q.stats()
+    assert (st.in_flight, st.ready, st.finished) == (0, 150, 100)
+
+
+def test_every_message_once_across_batches(dbq: DbQueue, pg_dsn: str) -> None:
+    """Four threads claim batches concurrently; reading every batch by id yields each message once."""
+    q = dbq.create_queue("orders")
+    sent = [{"order": i} for i in range(2000)]
+    q.push_batch(sent)
+    read: list[Any] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while (b := q.claim_batch(97)) is not None:
+            rows = _read(pg_dsn, q.batch_query(b.batch_id))
+            with lock:
+                read.extend(json.loads(bytes(r[3])) for r in rows)
+            q.ack_batch(b.batch_id)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(read) == len(sent) and _digest(read) == _digest(sent)
+    assert q.stats().finished == len(sent)
+
+
+def test_release_gives_the_batch_back_and_counts_attempts(dbq: DbQueue) -> None:
+    q = dbq.create_queue("orders", max_attempts=2)
+    q.push_batch([{"n": i} for i in range(10)])
+    b1 = q.claim_batch(10)
+    assert b1 is not None
+    assert q.release_batch(b1.batch_id, delay=0, error="spark exit 1") == 10
+    assert q.release_batch(b1.batch_id) == 0  # idempotent
+    rel = q.get_batch(b1.batch_id)
+    assert rel.state is BatchState.RELEASED and rel.last_error == "spark exit 1"
+    with pytest.raises(BatchStateError, match="released"):
+        q.ack_batch(b1.batch_id)
+    assert q.open_batches() == []
+    b2 = q.claim_batch(10)
+    assert b2 is not None and b2.batch_id != b1.batch_id
+    assert [b.batch_id for b in q.open_batches()] == [b2.batch_id]
+    assert sorted(i for i, _ in b2.receipts) == sorted(i for i, _ in b1.receipts)
+    assert all(d == 2 for _, d in b2.receipts)
+    q.release_batch(b2.batch_id, delay=0)  # second attempt of max 2: failed
+    st = q.stats()
+    assert (st.ready, st.failed) == (0, 10)
+
+
+def test_ack_with_a_lost_lease_acks_nothing(dbq: DbQueue) -> None:
+    q = dbq.create_queue("orders", visibility_timeout=0.3)
+    q.push_batch([{"n": i} for i in range(5)])
+    b = q.claim_batch(5)
+    assert b is not None
+    time.sleep(0.5)
+    assert q.reclaim_expired() == 5
+    [again] = q.pop(1, semantics=Semantics.AT_LEAST_ONCE)  # someone else has one of them now
+    with pytest.raises(LeaseExpiredError):
+        q.ack_batch(b.batch_id)
+    assert q.get_batch(b.batch_id).state is BatchState.CLAIMED
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.finished) == (4, 1, 0)
+    # releasing it afterwards gives back nothing it no longer holds
+    assert q.release_batch(b.batch_id, delay=0) == 0
+    assert q.ack([again]) == 1
+
+
+def test_ack_in_the_callers_transaction_rolls_back_with_it(dbq: DbQueue) -> None:
+    q = dbq.create_queue("orders")
+    q.push_batch([{"n": i} for i in range(3)])
+    b = q.claim_batch(3)
+    assert b is not None
+    with pytest.raises(RuntimeError), dbq.transaction() as conn:
+        assert q.ack_batch(b.batch_id, conn=conn) == 3
+        raise RuntimeError("results failed to commit")
+    assert q.get_batch(b.batch_id).state is BatchState.CLAIMED
+    assert q.stats().in_flight == 3
+    with dbq.transaction() as conn:
+        q.ack_batch(b.batch_id, conn=conn)
+    assert q.stats().finished == 3
+
+
+def test_extend_keeps_the_claim(dbq: DbQueue) -> None:
+    q = dbq.create_queue("orders", visibility_timeout=0.4)
+    q.push_batch([{"n": i} for i in range(4)])
+    b = q.claim_batch(4)
+    assert b is not None
+    until = q.extend_batch(b.batch_id, 30)
+    assert until > b.lease_until and q.get_batch(b.batch_id).lease_until == until
+    time.sleep(0.6)
+    assert q.reclaim_expired() == 0
+    assert q.ack_batch(b.batch_id) == 4
+    with pytest.raises(BatchStateError, match="acked"):
+        q.extend_batch(b.batch_id, 30)
+
+
+def test_extend_after_expiry_raises(dbq: DbQueue) -> None:
+    q = dbq.create_queue("orders", visibility_timeout=0.2)
+    q.push_batch([{"n": 1}])
+    b = q.claim_batch(1)
+    assert b is not None
+    time.sleep(0.4)
+    with pytest.raises(LeaseExpiredError):
+        q.extend_batch(b.batch_id, 30)
+
+
+def test_empty_queue_claims_nothing_and_bad_ids_are_named(dbq: DbQueue) -> None:
+    q = dbq.create_queue("orders")
+    assert q.claim_batch(10) is None
+    with pytest.raises(BatchNotFoundError, match="orders"):
+        q.get_batch(str(uuid.uuid4()))
+    with pytest.raises(ConfigurationError, match="UUID"):
+        q.batch_query("1; DROP TABLE x")
+    with pytest.raises(ConfigurationError, match="batch size"):
+        q.claim_batch(0)
+
+
+def test_drop_queue_drops_its_batches(dbq: DbQueue, pg_dsn: str) -> None:
+    q = dbq.create_queue("orders")
+    q.push_batch([{"n": 1}, {"n": 2}])
+    b = q.claim_batch(2)
+    assert b is not None
+    dbq.drop_queue("orders")
+    with psycopg.connect(pg_dsn) as c:
+        n = c.execute(f'SELECT count(*) FROM "{dbq.schema}".batches').fetchone()
+    assert n == (0,)
