@@ -7,6 +7,7 @@
     dbqueue stats [QUEUE ...]
     dbqueue failed QUEUE [--requeue | --delete]
     dbqueue demo [--messages N]
+    dbqueue pipeline [--messages N] [--batch N] [--airflow-home DIR]
 
 Without ``--dsn`` or ``$DBQUEUE_DSN`` the embedded PostgreSQL is started on demand.
 """
@@ -235,6 +236,15 @@ def _cmd_demo(dbq: DbQueue, args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _cmd_pipeline(dbq: DbQueue, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from airflow_dbqueue.spark import demo
+
+    home = Path(args.airflow_home) if args.airflow_home else None
+    return demo.run(dbq.db.dsn, messages=args.messages, batch=args.batch, airflow_home=home)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dbqueue", description="Message queues inside PostgreSQL.")
     p.add_argument("--dsn", help=f"database connection string (default: ${DSN_ENV}, else embedded)")
@@ -264,8 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = c.add_mutually_exclusive_group()
     g.add_argument("--requeue", action="store_true")
     g.add_argument("--delete", action="store_true")
-    c = sub.add_parser("demo", help="run the demo pipeline (the README's main job)")
+    c = sub.add_parser("demo", help="an engine-only order pipeline (no Airflow, no Spark)")
     c.add_argument("--messages", type=int, default=20_000)
+    c = sub.add_parser("pipeline", help="the Spark pipeline DAG end to end (the README's main job)")
+    c.add_argument("--messages", type=int, default=20_000)
+    c.add_argument("--batch", type=int, default=5_000, help="most messages per Spark batch")
+    c.add_argument("--airflow-home", help="Airflow home to use (default: next to the embedded data)")
     return p
 
 
@@ -277,6 +291,7 @@ COMMANDS = {
     "stats": _cmd_stats,
     "failed": _cmd_failed,
     "demo": _cmd_demo,
+    "pipeline": _cmd_pipeline,
 }
 
 

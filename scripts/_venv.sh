@@ -1,4 +1,5 @@
-# Sourced by scripts/*: create .venv (or $DBQUEUE_VENV) and install the project with the given extras.
+# Sourced by scripts/*: create .venv (or $DBQUEUE_VENV) and install the project with the given extras;
+# install the system packages the Spark pipeline needs (a Java runtime, PostgreSQL's JDBC driver).
 VENV="${DBQUEUE_VENV:-$PWD/.venv}"
 ensure_venv() {
   local extras="$1" stamp
@@ -13,4 +14,16 @@ ensure_venv() {
     "$VENV/bin/python" -m pip install -q -e ".[$extras]"
     touch "$stamp"
   fi
+}
+ensure_spark_system() {
+  # Spark needs Java 17+; the jobs read the queue database through PostgreSQL's JDBC driver.
+  local want=()
+  command -v java >/dev/null 2>&1 || want+=(openjdk-17-jre-headless)
+  [ -n "${DBQUEUE_JDBC_JAR:-}" ] || [ -f /usr/share/java/postgresql.jar ] || want+=(libpostgresql-jdbc-java)
+  [ ${#want[@]} -eq 0 ] && return 0
+  echo "== installing ${want[*]} (apt)"
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get install -y -q "${want[@]}" >/dev/null 2>&1 \
+    || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q "${want[@]}" >/dev/null; }
 }

@@ -390,6 +390,20 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
         """Return expired leases to ready (or failed); return how many moved."""
         return self.get_queue(queue_name).reclaim_expired()
 
+    def jdbc(self) -> tuple[str, str | None, str | None]:
+        """Return ``(url, user, password)`` for a JDBC reader of the same database (a Spark job).
+
+        The URL carries the host, port, database and ``sslmode``; credentials are returned apart so
+        that they can travel in the environment, not on a command line.
+        """
+        conn = self.get_connection(self.dbqueue_conn_id)
+        connection_dsn(conn)  # the same type checks as the hook's own connection
+        extra = conn.extra_dejson or {}
+        url = f"jdbc:postgresql://{conn.host or 'localhost'}:{conn.port or 5432}/{conn.schema or 'postgres'}"
+        if extra.get("sslmode"):
+            url += f"?sslmode={extra['sslmode']}"
+        return url, conn.login or None, conn.password or None
+
     @contextlib.contextmanager
     def transaction(self) -> Iterator[psycopg.Connection[Any]]:
         """Yield a connection in a transaction for exactly-once work (pop and write with ``conn=``)."""

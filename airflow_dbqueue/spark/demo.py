@@ -1,0 +1,230 @@
+"""``dbqueue pipeline``: the README's main job. Push order events, run the Spark pipeline DAG, check.
+
+It drives Airflow through its command line (``airflow db migrate``, ``airflow dags test``), so this
+module imports no Airflow itself. Airflow's metadata database is its default SQLite one in a home of
+its own (kept between runs, so only the first run migrates it); the queues live in the database
+given (else the embedded PostgreSQL); Spark runs ``local[*]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from decimal import Decimal
+from pathlib import Path
+
+import psycopg
+import psycopg.conninfo
+
+from airflow_dbqueue.engine import DbQueue
+from airflow_dbqueue.engine.embedded import default_data_dir
+from airflow_dbqueue.spark import JDBC_HINT, find_jdbc_jar
+from airflow_dbqueue.spark.orders import OrderRollup, expected_totals, sample_orders
+
+DAG_ID = "dbqueue_order_pipeline"
+QUEUE = "orders"
+#: The demo's own schemas: it drops and recreates them on every run, and touches nothing else.
+QUEUE_SCHEMA = "dbqueue_demo"
+RESULTS_SCHEMA = "order_results_demo"
+
+# Lines of the DAG run worth showing while it runs (the full log goes to a file).
+_PROGRESS = re.compile(
+    r"(\[DAG TEST\] (starting|end task)|claimed batch|results published|released \(|REJECTED|"
+    r"Pausing task as DEFERRED|order_rollup: batch|\[error|Marking run)",
+    re.IGNORECASE,
+)
+
+
+# Airflow's task log lines: "<time> [<level>] <message> [<logger>] loc=<file>:<line>".
+_LOG_LINE = re.compile(r"^\S+ \[\w+\s*\] (.*?)\s+\[[\w.]+\]")
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _airflow() -> str:
+    exe = Path(sys.executable).with_name("airflow")
+    return str(exe) if exe.exists() else (shutil.which("airflow") or "airflow")
+
+
+def _dags_folder() -> Path:
+    folder = Path(__file__).resolve().parents[2] / "dags"
+    if not (folder / f"{DAG_ID}.py").exists():
+        raise SystemExit(f"dbqueue pipeline: the DAG {DAG_ID}.py is not in {folder}; run it from a checkout")
+    return folder
+
+
+def _conn_json(dsn: str, schema: str) -> str:
+    info = psycopg.conninfo.conninfo_to_dict(dsn)
+    return json.dumps(
+        {
+            "conn_type": "postgres",
+            "host": info.get("host", "127.0.0.1"),
+            "port": int(info.get("port") or 5432),
+            "login": info.get("user"),
+            "password": info.get("password"),
+            "schema": info.get("dbname"),
+            "extra": {"dbqueue_schema": schema},
+        }
+    )
+
+
+class _Ticker:
+    """Print '... still <what> (Ns)' every ``every`` seconds while a long step runs."""
+
+    def __init__(self, what: str, every: float = 10.0) -> None:
+        self.what, self.every = what, every
+        self._stop = threading.Event()
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            _say(f"   ... still {self.what} ({time.monotonic() - self._t0:.0f}s)")
+
+    def __enter__(self) -> _Ticker:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+
+
+def airflow_env(dsn: str, schema: str, home: Path) -> dict[str, str]:
+    """The environment of the Airflow commands: their home, the DAGs, and the two connections."""
+    here = str(Path(sys.executable).parent)
+    return dict(
+        os.environ,
+        PATH=f"{here}{os.pathsep}{os.environ.get('PATH', '')}",
+        AIRFLOW_HOME=str(home),
+        AIRFLOW__CORE__LOAD_EXAMPLES="False",
+        AIRFLOW__CORE__DAGS_FOLDER=str(_dags_folder()),
+        AIRFLOW__LOGGING__LOGGING_LEVEL="INFO",
+        AIRFLOW_CONN_DBQUEUE_DEFAULT=_conn_json(dsn, schema),
+        AIRFLOW_CONN_SPARK_DEFAULT=json.dumps({"conn_type": "spark", "host": "local[*]"}),
+        DBQUEUE_RESULTS_SCHEMA=RESULTS_SCHEMA,
+        SPARK_LOCAL_IP=os.environ.get("SPARK_LOCAL_IP", "127.0.0.1"),
+    )
+
+
+def run(dsn: str, *, messages: int, batch: int, airflow_home: Path | None) -> int:
+    """Run the demo; return the process exit code (0 when the results match what was pushed)."""
+    with DbQueue(dsn, schema=QUEUE_SCHEMA, pool_size=4) as dbq:
+        return _run(dbq, messages=messages, batch=batch, airflow_home=airflow_home)
+
+
+def _run(dbq: DbQueue, *, messages: int, batch: int, airflow_home: Path | None) -> int:
+    t_start = time.monotonic()
+    if messages < 1 or batch < 1:
+        _say("dbqueue pipeline: --messages and --batch must be positive")
+        return 2
+    if find_jdbc_jar() is None:
+        _say(f"dbqueue pipeline: {JDBC_HINT}")
+        return 2
+    home = airflow_home or default_data_dir().parent / "airflow-home"
+    home.mkdir(parents=True, exist_ok=True)
+    env = airflow_env(dbq.db.dsn, dbq.schema, home)
+
+    _say(f"1/4 Airflow metadata database (SQLite) in {home}")
+    t0 = time.monotonic()
+    with _Ticker("migrating Airflow's database (the first run takes a minute)"):
+        proc = subprocess.run(
+            [_airflow(), "db", "migrate"], check=False, env=env, capture_output=True, text=True
+        )
+    if proc.returncode != 0:
+        _say(proc.stdout[-3000:] + proc.stderr[-3000:])
+        return 1
+    _say(f"   ready in {time.monotonic() - t0:.1f}s")
+
+    _say(f"2/4 pushing {messages:,} order events to queue {QUEUE!r} (schema {dbq.schema!r})")
+    t0 = time.monotonic()
+    dbq.uninstall()  # a fresh demo schema each run, so the check below is about this run only
+    dbq.install()
+    q = dbq.create_queue(QUEUE)
+    results = OrderRollup(RESULTS_SCHEMA)
+    with psycopg.connect(dbq.db.dsn, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA IF EXISTS "{RESULTS_SCHEMA}" CASCADE')
+    orders = list(sample_orders(messages))
+    chunk = 5000
+    for i in range(0, len(orders), chunk):
+        q.push_batch(orders[i : i + chunk])
+        _say(f"   pushed {min(i + chunk, len(orders)):>8,} / {len(orders):,}")
+    push_s = time.monotonic() - t0
+    _say(f"   {len(orders):,} pushed in {push_s:.1f}s ({len(orders) / push_s:,.0f} msg/s)")
+
+    batches = -(-messages // batch)
+    _say(
+        f"3/4 airflow dags test {DAG_ID}: sensor, then Spark local[*] on {batches} batch(es) of up to "
+        f"{batch:,} (one spark-submit each)"
+    )
+    log = home / "last-pipeline-run.log"
+    conf = {"queue_name": QUEUE, "max_messages": batch, "max_batches": batches + 1}
+    t0 = time.monotonic()
+    with log.open("w") as out, _Ticker("running the DAG", every=15):
+        p = subprocess.Popen(
+            [_airflow(), "dags", "test", DAG_ID, "-c", json.dumps(conf)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        assert p.stdout is not None
+        succeeded = False
+        for line in p.stdout:
+            out.write(line)
+            succeeded = succeeded or "state=success" in line
+            if _PROGRESS.search(line):
+                m = _LOG_LINE.match(line.strip())
+                _say(f"   [{time.monotonic() - t0:4.0f}s] {(m.group(1) if m else line.strip())[:160]}")
+        rc = p.wait()
+    dag_s = time.monotonic() - t0
+    ok_run = rc == 0 and succeeded
+    _say(f"   DAG run {'succeeded' if ok_run else 'FAILED'} in {dag_s:.1f}s (full log: {log})")
+
+    _say("4/4 results")
+    with psycopg.connect(dbq.db.dsn) as conn:
+        totals = results.totals(conn) if ok_run else None
+        top = results.top(conn, 5) if ok_run else []
+    stats = q.stats()
+    want_orders, want_qty, want_amount = expected_totals(orders)
+    _say(
+        f"   queue     ready={stats.ready} in_flight={stats.in_flight} failed={stats.failed} "
+        f"finished={stats.finished}"
+    )
+    if totals is not None:
+        _say(f"   batches   {totals.batches} published, {totals.messages:,} messages")
+        _say(
+            f"   results   {totals.orders:,} orders, {totals.quantity:,} units, EUR {totals.amount_eur:,.2f} "
+            f"in {totals.groups:,} customer/product/hour groups"
+        )
+        _say(f"   expected  {want_orders:,} orders, {want_qty:,} units, EUR {want_amount:,.2f}")
+        _say("   largest groups:")
+        for g in top:
+            _say(
+                f"     {g['customer_id']}  {g['product_id']}  {g['window_start'][:16]}  "
+                f"{g['orders']:>4} orders  EUR {Decimal(g['amount_eur']):>10,.2f}"
+            )
+    ok = (
+        ok_run
+        and totals is not None
+        and (totals.messages, totals.orders, totals.quantity, totals.amount_eur)
+        == (messages, want_orders, want_qty, want_amount)
+        and (stats.ready, stats.in_flight, stats.failed, stats.finished) == (0, 0, 0, messages)
+    )
+    _say(
+        f"   check     {'OK' if ok else 'MISMATCH'}: every pushed order counted exactly once "
+        "(count, units and EUR amount), queue drained"
+    )
+    total = time.monotonic() - t_start
+    _say(
+        f"   time      {total:.1f}s in total (push {push_s:.1f}s, DAG {dag_s:.1f}s); "
+        f"{messages / dag_s:,.0f} orders/s through Spark"
+    )
+    return 0 if ok else 1

@@ -1,0 +1,203 @@
+"""PySpark job: roll one batch of order events up per customer, product and time window.
+
+Launched by ``spark-submit`` (``DbQueueSparkSubmitOperator`` appends the batch arguments). It reads
+the batch straight from the queue database through JDBC, by batch id, so no payload passes through
+Airflow; it validates every event, converts amounts to EUR with the rates in ``<results>.fx_rates``,
+and writes its aggregates and a one-row summary into staging tables keyed by batch id. Publishing
+them into the results (and acking the batch) is the operator's job, in one database transaction, so
+a batch's results count exactly once whatever fails where.
+
+The job imports only PySpark and the standard library, so any Spark cluster can run it as one file.
+
+Arguments (the operator adds the ``--batch-*`` ones)::
+
+    --batch-id UUID --batch-size N --batch-query SQL     which messages, and how to read them
+    --results-schema NAME                                 where fx_rates and the staging tables are
+    --window-minutes M                                    the tumbling window (default 60)
+    --partitions P                                        parallel JDBC reads of the batch
+
+JDBC connection: ``DBQUEUE_JDBC_URL``, ``DBQUEUE_JDBC_USER`` and ``DBQUEUE_JDBC_PASSWORD`` in the
+environment (never on the command line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from typing import Any
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+ORDER_SCHEMA = T.StructType(
+    [
+        T.StructField("order_id", T.StringType()),
+        T.StructField("customer_id", T.StringType()),
+        T.StructField("product_id", T.StringType()),
+        T.StructField("quantity", T.IntegerType()),
+        T.StructField("unit_price", T.DecimalType(12, 2)),
+        T.StructField("currency", T.StringType()),
+        T.StructField("ordered_at", T.TimestampType()),
+    ]
+)
+REQUIRED = ["order_id", "customer_id", "product_id", "quantity", "unit_price", "currency", "ordered_at"]
+_IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+class BatchRejected(Exception):
+    """The batch holds events this job must not roll up (the batch is released, not acked)."""
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="order_rollup")
+    p.add_argument("--batch-id", required=True)
+    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--batch-query", required=True)
+    p.add_argument("--results-schema", default="order_results")
+    p.add_argument("--window-minutes", type=int, default=60)
+    p.add_argument("--partitions", type=int, default=2)
+    args = p.parse_args(argv)
+    if not _IDENT.match(args.results_schema):
+        p.error(f"--results-schema must be a plain lower-case identifier, got {args.results_schema!r}")
+    if args.window_minutes < 1 or args.partitions < 1 or args.batch_size < 1:
+        p.error("--window-minutes, --partitions and --batch-size must be positive")
+    return args
+
+
+def jdbc_options() -> dict[str, str]:
+    try:
+        url = os.environ["DBQUEUE_JDBC_URL"]
+    except KeyError:
+        raise SystemExit("order_rollup: DBQUEUE_JDBC_URL is not set") from None
+    opts = {"url": url, "driver": "org.postgresql.Driver"}
+    if os.environ.get("DBQUEUE_JDBC_USER"):
+        opts["user"] = os.environ["DBQUEUE_JDBC_USER"]
+    if os.environ.get("DBQUEUE_JDBC_PASSWORD"):
+        opts["password"] = os.environ["DBQUEUE_JDBC_PASSWORD"]
+    return opts
+
+
+def read_batch(spark: SparkSession, jdbc: dict[str, str], args: argparse.Namespace) -> DataFrame:
+    """The batch's messages, read in ``--partitions`` parallel JDBC queries split on ``ord``."""
+    return (
+        spark.read.format("jdbc")
+        .options(**jdbc)
+        .option("dbtable", f"({args.batch_query}) AS batch")
+        .option("partitionColumn", "ord")
+        .option("lowerBound", "1")
+        .option("upperBound", str(args.batch_size + 1))
+        .option("numPartitions", str(max(1, min(args.partitions, args.batch_size))))
+        .option("fetchsize", "5000")
+        .load()
+    )
+
+
+def validate(events: DataFrame, rates: DataFrame, batch_id: str) -> DataFrame:
+    """Return the events joined to their EUR rate; raise :class:`BatchRejected` naming bad messages."""
+    missing = F.lit(False)
+    for col in REQUIRED:
+        missing = missing | F.col(col).isNull()
+    checked = events.join(F.broadcast(rates), on="currency", how="left").withColumn(
+        "problem",
+        F.when(missing, F.lit("not an order event (missing or mistyped fields)"))
+        .when(F.col("quantity") <= 0, F.lit("quantity must be positive"))
+        .when(F.col("unit_price") < 0, F.lit("unit_price must not be negative"))
+        .when(F.col("rate_to_eur").isNull(), F.concat(F.lit("no FX rate for currency "), F.col("currency"))),
+    )
+    checked = checked.cache()
+    bad = (
+        checked.where(F.col("problem").isNotNull()).select("id", "problem").orderBy("id").limit(11).collect()
+    )
+    if bad:
+        shown = "; ".join(f"message {r['id']}: {r['problem']}" for r in bad[:10])
+        more = " (and more)" if len(bad) > 10 else ""
+        raise BatchRejected(f"batch {batch_id}: {shown}{more}")
+    return checked
+
+
+def roll_up(checked: DataFrame, window_minutes: int, batch_id: str) -> DataFrame:
+    amount = (F.col("quantity") * F.col("unit_price") * F.col("rate_to_eur")).cast(T.DecimalType(20, 4))
+    return (
+        checked.withColumn("amount_eur", amount)
+        .groupBy("customer_id", "product_id", F.window("ordered_at", f"{window_minutes} minutes"))
+        .agg(
+            F.count("*").cast("long").alias("orders"),
+            F.sum("quantity").cast("long").alias("quantity"),
+            F.sum("amount_eur").cast(T.DecimalType(20, 4)).alias("amount_eur"),
+            F.min("ordered_at").alias("first_order_at"),
+            F.max("ordered_at").alias("last_order_at"),
+        )
+        .select(
+            F.lit(batch_id).alias("batch_id"),
+            "customer_id",
+            "product_id",
+            F.col("window.start").alias("window_start"),
+            "orders",
+            "quantity",
+            "amount_eur",
+            "first_order_at",
+            "last_order_at",
+        )
+    )
+
+
+def write(df: DataFrame, jdbc: dict[str, str], table: str) -> None:
+    # stringtype=unspecified lets the batch id (a string here) land in a uuid column.
+    url = jdbc["url"] + ("&" if "?" in jdbc["url"] else "?") + "stringtype=unspecified"
+    df.write.format("jdbc").options(**{**jdbc, "url": url}).option("dbtable", table).mode("append").save()
+
+
+def run(spark: SparkSession, args: argparse.Namespace) -> dict[str, Any]:
+    jdbc = jdbc_options()
+    schema = args.results_schema
+    raw = read_batch(spark, jdbc, args)
+    events = raw.select("id", F.from_json(F.col("payload").cast("string"), ORDER_SCHEMA).alias("e"))
+    flat = events.select("id", *[F.col(f"e.{c}").alias(c) for c in REQUIRED])
+    rates = (
+        spark.read.format("jdbc")
+        .options(**jdbc)
+        .option("dbtable", f"{schema}.fx_rates")
+        .load()
+        .select("currency", F.col("rate_to_eur").cast(T.DecimalType(18, 8)))
+    )
+    checked = validate(flat, rates, args.batch_id)
+    n = checked.count()
+    if n != args.batch_size:
+        raise BatchRejected(f"batch {args.batch_id}: read {n} messages, the batch holds {args.batch_size}")
+    rollup = roll_up(checked, args.window_minutes, args.batch_id).cache()
+    write(rollup, jdbc, f"{schema}.rollup_staging")
+    totals = rollup.agg(F.sum("orders").alias("orders"), F.sum("amount_eur").alias("amount_eur")).first()
+    assert totals is not None  # an aggregate without grouping has one row
+    summary = spark.createDataFrame(
+        [(args.batch_id, n, int(totals["orders"]), totals["amount_eur"], rollup.count())],
+        "batch_id string, messages long, orders long, amount_eur decimal(20,4), groups long",
+    )
+    # Written last: the publisher takes a summary as proof that every aggregate row is there.
+    write(summary.coalesce(1), jdbc, f"{schema}.batch_staging")
+    return {"messages": n, "orders": int(totals["orders"]), "amount_eur": str(totals["amount_eur"])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    spark = (
+        SparkSession.builder.appName(f"order_rollup {args.batch_id}")
+        .config("spark.sql.session.timeZone", "UTC")  # windows and timestamps in UTC, wherever it runs
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("WARN")
+    try:
+        result = run(spark, args)
+    except BatchRejected as exc:
+        print(f"order_rollup: REJECTED {exc}", file=sys.stderr, flush=True)
+        return 3
+    finally:
+        spark.stop()
+    print(f"order_rollup: batch {args.batch_id} done: {result}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

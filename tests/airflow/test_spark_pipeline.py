@@ -1,0 +1,165 @@
+"""The order pipeline DAG with ``airflow dags test``: a real PostgreSQL, a real ``spark-submit`` (local[*]).
+
+Checked against what was pushed: every order lands in the results exactly once (per customer, product
+and hour: orders, units and EUR amount), and the queue is drained. A poison batch (an order in a
+currency without an FX rate) is released untouched; once the rate is added, the next run publishes
+every order once.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from collections import defaultdict
+from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from airflow_dbqueue.engine import DbQueue
+from airflow_dbqueue.spark import find_jdbc_jar
+from airflow_dbqueue.spark.orders import SAMPLE_RATES, OrderRollup, expected_totals, sample_orders
+from tests.airflow.conftest import AIRFLOW, CONN_ID, conn_json
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        find_jdbc_jar() is None, reason="PostgreSQL JDBC driver missing (scripts/test installs it)"
+    ),
+]
+
+DAG_ID = "dbqueue_order_pipeline"
+
+
+@pytest.fixture
+def results_schema(pg_dsn: str) -> Any:
+    name = f"r_{uuid.uuid4().hex[:10]}"
+    yield OrderRollup(name)
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+
+
+def run_pipeline(
+    env: dict[str, str], pg_dsn: str, dbq: DbQueue, results: OrderRollup, conf: dict[str, Any]
+) -> tuple[bool, str]:
+    run_env = dict(
+        env,
+        **{
+            f"AIRFLOW_CONN_{CONN_ID.upper()}": conn_json(pg_dsn, dbq.schema),
+            "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "local[*]"}),
+            "DBQUEUE_RESULTS_SCHEMA": results.schema,
+            "DBQUEUE_PIPELINE_RETRIES": "0",
+            "SPARK_LOCAL_IP": "127.0.0.1",
+            "PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '')}",
+        },
+    )
+    proc = subprocess.run(
+        [str(AIRFLOW), "dags", "test", DAG_ID, "-c", json.dumps(conf)],
+        env=run_env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    return proc.returncode == 0 and "state=success" in out, out
+
+
+def expected_rollup(orders: list[dict[str, Any]], rates: dict[str, str]) -> dict[tuple[str, str, str], tuple]:
+    """(customer, product, hour) -> (orders, units, EUR amount), computed the job's way in Python."""
+    out: dict[tuple[str, str, str], list[Any]] = defaultdict(lambda: [0, 0, Decimal(0)])
+    for o in orders:
+        hour = o["ordered_at"][:13]  # the sample data is in UTC: the hour is the prefix
+        g = out[(o["customer_id"], o["product_id"], hour)]
+        g[0] += 1
+        g[1] += o["quantity"]
+        g[2] += (o["quantity"] * Decimal(o["unit_price"]) * Decimal(rates[o["currency"]])).quantize(
+            Decimal("0.0001"), ROUND_HALF_UP
+        )
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def rollup_rows(pg_dsn: str, results: OrderRollup) -> dict[tuple[str, str, str], tuple]:
+    with psycopg.connect(pg_dsn, options="-c timezone=UTC") as c:
+        rows = c.execute(
+            sql.SQL(
+                "SELECT customer_id, product_id, to_char(window_start, 'YYYY-MM-DD\"T\"HH24'), "
+                "orders, quantity, amount_eur FROM {}.rollup"
+            ).format(sql.Identifier(results.schema))
+        ).fetchall()
+    return {(r[0], r[1], r[2]): (r[3], r[4], r[5]) for r in rows}
+
+
+def count(pg_dsn: str, table: sql.Composable) -> int:
+    with psycopg.connect(pg_dsn) as c:
+        row = c.execute(sql.SQL("SELECT count(*) FROM {}").format(table)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_pipeline_rolls_up_every_order_once(
+    airflow_env: dict[str, str], pg_dsn: str, dbq: DbQueue, results_schema: OrderRollup
+) -> None:
+    orders = list(sample_orders(1500, seed=11, customers=30, products=12))
+    dbq.create_queue("orders").push_batch(orders)
+    ok, out = run_pipeline(
+        airflow_env,
+        pg_dsn,
+        dbq,
+        results_schema,
+        {"queue_name": "orders", "max_messages": 600, "max_batches": 5},
+    )
+    assert ok, out[-6000:]
+    assert expected_rollup(orders, SAMPLE_RATES) == rollup_rows(pg_dsn, results_schema)
+    with psycopg.connect(pg_dsn) as c:
+        totals = results_schema.totals(c)
+    assert (totals.batches, totals.messages) == (3, 1500)  # 600 + 600 + 300
+    assert (totals.orders, totals.quantity, totals.amount_eur) == expected_totals(orders)
+    st = dbq.queue("orders").stats()
+    assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 1500)
+    for staging in ("rollup_staging", "batch_staging"):
+        assert count(pg_dsn, sql.Identifier(results_schema.schema, staging)) == 0
+    assert "results published and batch acked" in out
+
+
+def test_poison_batch_is_released_then_published_once_fixed(
+    airflow_env: dict[str, str], pg_dsn: str, dbq: DbQueue, results_schema: OrderRollup
+) -> None:
+    orders = list(sample_orders(400, seed=5, customers=20, products=8))
+    orders[123] = {**orders[123], "currency": "NOK"}  # no FX rate for NOK yet: the job rejects the batch
+    q = dbq.create_queue("orders")
+    ids = q.push_batch(orders)
+    conf = {"queue_name": "orders", "max_messages": 1000, "max_batches": 3}
+
+    ok, out = run_pipeline(airflow_env, pg_dsn, dbq, results_schema, conf)
+    assert not ok, out[-4000:]
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.failed, st.finished) == (400, 0, 0, 0)  # released, not lost
+    assert [m.attempts for m in q.peek(400)] == [1] * 400
+    with psycopg.connect(pg_dsn) as c:
+        row = c.execute(
+            sql.SQL("SELECT state, last_error FROM {}.batches").format(sql.Identifier(dbq.schema))
+        ).fetchone()
+    assert row is not None and row[0] == 2, row  # released
+    assert "no FX rate for currency NOK" in row[1] and f"message {ids[123]}" in row[1], row[1]
+    assert rollup_rows(pg_dsn, results_schema) == {}
+    for staging in ("rollup_staging", "batch_staging"):
+        assert count(pg_dsn, sql.Identifier(results_schema.schema, staging)) == 0
+
+    rates = {**SAMPLE_RATES, "NOK": "0.085"}
+    with psycopg.connect(pg_dsn) as c:
+        results_schema.set_rate(c, "NOK", rates["NOK"])
+    ok, out = run_pipeline(airflow_env, pg_dsn, dbq, results_schema, conf)
+    assert ok, out[-6000:]
+    assert expected_rollup(orders, rates) == rollup_rows(pg_dsn, results_schema)
+    with psycopg.connect(pg_dsn) as c:
+        totals = results_schema.totals(c)
+    assert (totals.batches, totals.messages) == (1, 400)
+    assert (totals.orders, totals.quantity, totals.amount_eur) == expected_totals(orders, rates)
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 400)
