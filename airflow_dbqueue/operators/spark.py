@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import re
 import shutil
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -280,7 +282,9 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
         )
         beat.start()
         try:
-            spark.submit(self.application)
+            # A session of its own: a kill reaches spark-submit's whole process group (the JVM and
+            # the Python driver it starts), not only the process we started.
+            spark.submit(self.application, start_new_session=True)
         except Exception as exc:
             why = " | ".join(spark.error_lines) or str(exc).splitlines()[-1][:500]
             raise SparkBatchError(
@@ -288,6 +292,9 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
             ) from exc
         finally:
             stop.set()
+            proc = getattr(spark, "_submit_sp", None)
+            if proc is not None and proc.poll() is None:  # interrupted: a timeout, a kill
+                self._kill_job()
             beat.join()
             self._spark = None
         if lost:
@@ -312,11 +319,16 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
 
     def _kill_job(self) -> None:
         spark = self._spark
-        if spark is not None:
-            try:
-                spark.on_kill()
-            except Exception:  # the process may be gone already
-                self.log.exception("could not kill the Spark job")
+        if spark is None:
+            return
+        try:
+            spark.on_kill()  # also stops a driver on a cluster (YARN, Kubernetes, standalone)
+        except Exception:  # the process may be gone already
+            self.log.exception("could not kill the Spark job")
+        proc = getattr(spark, "_submit_sp", None)
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)  # what spark-submit started locally
 
     def _release(self, queue: Queue, batch: Batch, error: str) -> None:
         hook = self._hook
