@@ -45,7 +45,10 @@ def get_provider_info() -> dict[str, Any]:
         ],
         "hooks": [{"integration-name": INTEGRATION, "python-modules": ["airflow_dbqueue.hooks.dbqueue"]}],
         "operators": [
-            {"integration-name": INTEGRATION, "python-modules": ["airflow_dbqueue.operators.dbqueue"]}
+            {
+                "integration-name": INTEGRATION,
+                "python-modules": ["airflow_dbqueue.operators.dbqueue", "airflow_dbqueue.operators.spark"],
+            }
         ],
         "sensors": [{"integration-name": INTEGRATION, "python-modules": ["airflow_dbqueue.sensors.dbqueue"]}],
         "triggers": [

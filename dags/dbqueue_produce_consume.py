@@ -1,10 +1,13 @@
 """Produce and consume: push a batch of orders, wait for them, pop them leased, process, ack.
 
-    airflow dags test dbqueue_produce_consume -c '{"orders": 500}'
+    airflow dags test dbqueue_produce_consume -c '{"orders": 500, "delay": 3}'
 
 The consumer acks its claim only after its results are computed; if it fails, the leases expire and
 the orders are delivered again. A batch larger than ``xcom_max_messages`` stays claimed in the database
-and the consumer reads the payloads from there (only receipts travel through XCom).
+and the consumer reads the payloads from there (only receipts travel through XCom). With ``delay``, the
+orders become ready only that many seconds after the push, so the sensor (reschedule mode) gives its
+worker slot back and pokes again later. ``release_on_failure`` nacks the claim when processing fails
+(try ``fail_processing``), so the orders come back at once instead of when their leases expire.
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ import hashlib
 import json
 from typing import Any
 
+from airflow.providers.standard.operators.empty import EmptyOperator
 from airflow.sdk import DAG, Param, task
 
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
-from airflow_dbqueue.operators.dbqueue import DbQueuePopOperator, DbQueuePushOperator
+from airflow_dbqueue.operators.dbqueue import DbQueueAckOperator, DbQueuePopOperator, DbQueuePushOperator
 from airflow_dbqueue.sensors.dbqueue import DbQueueSensor
 
 QUEUE = "example_orders"
@@ -43,6 +47,8 @@ with DAG(
         "orders": Param(200, type="integer", minimum=1, maximum=100_000),
         "batch": Param(1000, type="integer", minimum=1, maximum=100_000),
         "xcom_max_messages": Param(100, type="integer", minimum=0),
+        "delay": Param(0, type="number", minimum=0),
+        "fail_processing": Param(False, type="boolean"),
     },
     tags=["dbqueue", "example"],
 ):
@@ -54,7 +60,9 @@ with DAG(
             hook.create_queue(QUEUE, max_attempts=3, visibility_timeout=300)
             return hook.stats(QUEUE)
 
-    push = DbQueuePushOperator(task_id="push_orders", queue_name=QUEUE, payloads_callable=make_orders)
+    push = DbQueuePushOperator(
+        task_id="push_orders", queue_name=QUEUE, payloads_callable=make_orders, delay="{{ params.delay }}"
+    )
 
     wait = DbQueueSensor(
         task_id="wait_for_orders",
@@ -74,10 +82,12 @@ with DAG(
     )
 
     @task
-    def process(claim: dict[str, Any]) -> dict[str, Any]:
+    def process(claim: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
         """Total the orders per customer, then ack the claim (only after the results exist)."""
         with DbQueueHook() as hook:
             messages = hook.claimed_messages(claim)
+            if params["fail_processing"]:
+                raise RuntimeError(f"processing {len(messages)} orders failed (fail_processing is set)")
             totals: dict[str, int] = {}
             for m in messages:
                 key = str(m["payload"]["customer"])
@@ -92,5 +102,18 @@ with DAG(
             "totals": totals,
         }
 
+    release = DbQueueAckOperator(
+        task_id="release_on_failure",
+        claim=pop.output,
+        action="nack",
+        delay=0,
+        error="processing failed",
+        trigger_rule="one_failed",
+    )
+
+    # A leaf that fails with the processing: without it the run would end green, its only other leaf
+    # being release_on_failure, which succeeds exactly when processing fails.
+    done = EmptyOperator(task_id="done")
+
     create_queue() >> push >> wait >> pop
-    process(pop.output)
+    process(pop.output) >> [release, done]

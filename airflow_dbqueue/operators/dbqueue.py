@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
 
-from airflow_dbqueue.engine import ConfigurationError, PayloadTypeError, Semantics
+from airflow_dbqueue.engine import ConfigurationError, LeaseExpiredError, PayloadTypeError, Semantics
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
 
 if TYPE_CHECKING:
@@ -190,6 +190,88 @@ class DbQueuePopOperator(BaseOperator):  # type: ignore[misc]
             "" if claim["messages"] is not None else "; payloads left in the database",
         )
         return claim
+
+
+class DbQueueAckOperator(BaseOperator):  # type: ignore[misc]
+    """Finish a claim handed on by :class:`DbQueuePopOperator` or a claiming :class:`DbQueueSensor`.
+
+    ``action="ack"`` acks every leased message of the claim, all or nothing (raising, with nothing
+    acked, when a lease was lost: those messages are being delivered again). ``action="nack"`` gives
+    the still-held messages back for another try after ``delay`` seconds (default: the queue's
+    backoff); it is meant for a failure path, e.g. ``trigger_rule="one_failed"``, and releases what it
+    can. At-most-once claims have nothing left to finish (a no-op). Returns how many were finished.
+
+    :param claim: the claim (templated), e.g. ``pop.output``, or its JSON text.
+    :param action: ``"ack"`` or ``"nack"``.
+    :param delay: seconds before nacked messages are ready again (``None``: the queue's backoff).
+    :param error: note stored with nacked messages (templated).
+    :param dbqueue_conn_id: the Airflow connection to the queue's database.
+    :param dbqueue_schema: schema of the queue tables; overrides the connection extra.
+    """
+
+    template_fields: Sequence[str] = ("claim", "delay", "error")
+
+    def __init__(
+        self,
+        *,
+        claim: Any,
+        action: str = "ack",
+        delay: float | None = None,
+        error: str | None = None,
+        dbqueue_conn_id: str = DbQueueHook.default_conn_name,
+        dbqueue_schema: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if action not in ("ack", "nack"):
+            raise ValueError(
+                f"{type(self).__name__} {kwargs.get('task_id')!r}: action is 'ack' or 'nack', got {action!r}"
+            )
+        self.claim = claim
+        self.action = action
+        self.delay = delay
+        self.error = error
+        self.dbqueue_conn_id = dbqueue_conn_id
+        self.dbqueue_schema = dbqueue_schema
+
+    def _claim(self) -> dict[str, Any]:
+        claim = self.claim
+        if isinstance(claim, str):
+            try:
+                claim = json.loads(claim)
+            except ValueError:
+                raise ConfigurationError(f"{self.task_id}: the claim is not JSON: {claim[:200]!r}") from None
+        if not isinstance(claim, dict) or "queue_name" not in claim or "receipts" not in claim:
+            raise ConfigurationError(
+                f"{self.task_id}: expected a claim (a dict with queue_name and receipts, as "
+                f"DbQueuePopOperator returns), got {str(claim)[:200]!r}"
+            )
+        return claim
+
+    def execute(self, context: Context) -> int:
+        claim = self._claim()
+        with DbQueueHook(self.dbqueue_conn_id, dbqueue_schema=self.dbqueue_schema) as hook:
+            if self.action == "ack":
+                n = hook.ack_claim(claim)
+            else:
+                delay = _optional_float(self.delay)
+                try:
+                    n = hook.nack_claim(claim, delay=delay, error=self.error)
+                except LeaseExpiredError as exc:
+                    held = hook.leased(claim["queue_name"], claim.get("receipts") or [])
+                    self.log.warning("%s; releasing the %d still held", exc, len(held))
+                    n = (
+                        hook.nack_receipts(
+                            claim["queue_name"],
+                            [list(m.receipt) for m in held],
+                            delay=delay,
+                            error=self.error,
+                        )
+                        if held
+                        else 0
+                    )
+        self.log.info("%sed %d message(s) of queue %s", self.action, n, claim["queue_name"])
+        return n
 
 
 def _optional_float(value: object) -> float | None:

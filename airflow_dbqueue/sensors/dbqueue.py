@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from airflow.configuration import conf
 from airflow.sdk import BaseSensorOperator, PokeReturnValue
-from airflow.sdk.exceptions import AirflowException
+from airflow.sdk.exceptions import AirflowException, AirflowSensorTimeout
 
 from airflow_dbqueue.engine import ConfigurationError
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
@@ -30,7 +31,8 @@ class DbQueueSensor(BaseSensorOperator):  # type: ignore[misc]
     ``visibility_timeout`` seconds, and returns the claim (see :meth:`DbQueueHook.claim`) for the next
     task to process and ack; messages whose task fails come back when their lease expires. The claim
     always happens in the worker, never in the trigger. If other consumers took the messages between
-    the check and the claim, the sensor keeps waiting.
+    the check and the claim, the sensor keeps waiting, within the same ``timeout``: a deferrable
+    sensor that resumes and defers again keeps its original deadline.
 
     Modes: ``poke``, ``reschedule``, and ``deferrable=True`` (default from ``[operators]
     default_deferrable``), which waits in the triggerer on LISTEN/NOTIFY with polling every
@@ -141,9 +143,17 @@ class DbQueueSensor(BaseSensorOperator):  # type: ignore[misc]
         result = self.poke(context)
         if result.is_done:
             return result.xcom_value
-        self._defer()
+        self._defer(time.time() + float(self.timeout))
 
-    def _defer(self) -> None:
+    def _defer(self, deadline: float) -> None:
+        """Wait in the triggerer until ``deadline`` (epoch seconds): one timeout for the whole wait,
+        however many times the sensor resumes and defers again."""
+        remaining = deadline - time.time()
+        if remaining <= 0:
+            raise AirflowSensorTimeout(
+                f"queue {self.queue_name!r}: fewer than {self._min()} ready message(s) could be had "
+                f"within the sensor's timeout of {self.timeout}s"
+            )
         self.defer(
             trigger=DbQueueTrigger(
                 queue_name=self.queue_name,
@@ -156,15 +166,18 @@ class DbQueueSensor(BaseSensorOperator):  # type: ignore[misc]
                 dbqueue_schema=self.dbqueue_schema,
             ),
             method_name="execute_complete",
-            timeout=timedelta(seconds=self.timeout),
+            kwargs={"deadline": deadline},
+            timeout=timedelta(seconds=remaining),
         )
 
-    def execute_complete(self, context: Context, event: dict[str, Any] | None = None) -> Any:
+    def execute_complete(
+        self, context: Context, event: dict[str, Any] | None = None, deadline: float | None = None
+    ) -> Any:
         """Resume after the trigger fired: check (and claim) in the worker, or wait again if raced."""
         if not event or event.get("status") != "success" or event.get("queue_name") != self.queue_name:
             raise AirflowException(f"DbQueueSensor got an unexpected trigger event: {event!r}")
         result = self.poke(context)
         if result.is_done:
             return result.xcom_value
-        self._defer()
+        self._defer(time.time() + float(self.timeout) if deadline is None else deadline)
         return None

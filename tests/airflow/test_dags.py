@@ -20,7 +20,9 @@ from tests.airflow.conftest import AIRFLOW, CONN_ID, checksum, conn_json
 pytestmark = pytest.mark.integration
 
 
-def dags_test(env: dict[str, str], pg_dsn: str, schema: str, dag_id: str, conf: dict[str, Any]) -> str:
+def dags_test(
+    env: dict[str, str], pg_dsn: str, schema: str, dag_id: str, conf: dict[str, Any], *, succeed: bool = True
+) -> str:
     run_env = dict(env, **{f"AIRFLOW_CONN_{CONN_ID.upper()}": conn_json(pg_dsn, schema)})
     proc = subprocess.run(
         [str(AIRFLOW), "dags", "test", dag_id, "-c", json.dumps(conf)],
@@ -31,7 +33,8 @@ def dags_test(env: dict[str, str], pg_dsn: str, schema: str, dag_id: str, conf: 
         timeout=300,
     )
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "state=success" in out, out[-4000:]
+    ok = proc.returncode == 0 and "state=success" in out
+    assert ok == succeed, out[-4000:]
     return out
 
 
@@ -48,9 +51,15 @@ def xcom(env: dict[str, str], dag_id: str, task_id: str, key: str = "return_valu
 
 def test_produce_consume(airflow_env: dict[str, str], pg_dsn: str, dbq: DbQueue) -> None:
     n = 750  # larger than xcom_max_messages: the batch stays claimed, only receipts go through XCom
-    dags_test(
-        airflow_env, pg_dsn, dbq.schema, "dbqueue_produce_consume", {"orders": n, "xcom_max_messages": 100}
+    out = dags_test(
+        airflow_env,
+        pg_dsn,
+        dbq.schema,
+        "dbqueue_produce_consume",
+        {"orders": n, "xcom_max_messages": 100, "delay": 3},
     )
+    # the orders were not ready at the first poke: the sensor gave its slot back and poked again
+    assert out.count("marking task as UP_FOR_RESCHEDULE") >= 1
     pushed = [{"order": i, "customer": i % 7, "amount": (i * 37) % 101} for i in range(n)]
     result = xcom(airflow_env, "dbqueue_produce_consume", "process")
     assert result["count"] == result["acked"] == n and result["inline"] is False
@@ -64,6 +73,28 @@ def test_produce_consume(airflow_env: dict[str, str], pg_dsn: str, dbq: DbQueue)
     }
     stats = dbq.queue("example_orders").stats()
     assert (stats.ready, stats.in_flight, stats.failed, stats.finished) == (0, 0, 0, n)
+
+
+def test_failed_processing_releases_the_claim(airflow_env: dict[str, str], pg_dsn: str, dbq: DbQueue) -> None:
+    n = 60
+    out = dags_test(
+        airflow_env,
+        pg_dsn,
+        dbq.schema,
+        "dbqueue_produce_consume",
+        {"orders": n, "fail_processing": True},
+        succeed=False,
+    )
+    assert "processing 60 orders failed" in out
+    q = dbq.queue("example_orders")
+    stats = q.stats()
+    # release_on_failure nacked the claim: all back and ready now, not after the 300 s lease
+    assert (stats.ready, stats.in_flight, stats.finished) == (n, 0, 0)
+    again = q.pop(n)
+    assert checksum(m.payload for m in again) == checksum(
+        [{"order": i, "customer": i % 7, "amount": (i * 37) % 101} for i in range(n)]
+    )
+    assert all(m.attempts == 2 for m in again)
 
 
 def test_deferrable_sensor(airflow_env: dict[str, str], pg_dsn: str, dbq: DbQueue) -> None:

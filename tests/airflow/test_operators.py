@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import time
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from airflow.sdk.exceptions import AirflowNotFoundException
 
 from airflow_dbqueue.engine import ConfigurationError, DbQueue, PayloadTypeError, QueueNotFoundError
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
-from airflow_dbqueue.operators.dbqueue import DbQueuePopOperator, DbQueuePushOperator
+from airflow_dbqueue.operators.dbqueue import DbQueueAckOperator, DbQueuePopOperator, DbQueuePushOperator
 from tests.airflow.conftest import checksum
 
 pytestmark = pytest.mark.integration
@@ -142,3 +143,47 @@ def test_missing_queue_unknown_and_wrong_connection(
     dbq.create_queue("q")
     with pytest.raises(ConfigurationError, match="xcom_max_messages"):
         run(DbQueuePopOperator(task_id="pop", queue_name="q", semantics="at-most-once", max_messages=1000))
+
+
+def test_ack_and_nack_operators_finish_a_claim(airflow_conn: str, dbq: DbQueue) -> None:
+    q = dbq.create_queue("work", visibility_timeout=0.5)
+    sent = [{"job": i} for i in range(30)]
+    q.push_batch(sent)
+    pop = DbQueuePopOperator(task_id="pop", queue_name="work", max_messages=20, xcom_max_messages=5)
+    claim = run(pop)
+    assert claim["count"] == 20 and claim["messages"] is None
+    # nack on the failure path: back to ready at once, with the note kept
+    nack = DbQueueAckOperator(
+        task_id="nack", claim="{{ params.claim | tojson }}", action="nack", delay=0, error="{{ params.why }}"
+    )
+    assert run(nack, params={"claim": claim, "why": "downstream failed"}) == 20
+    assert q.stats().ready == 30
+    # ack on the success path (the claim as a native value, as pop.output resolves)
+    claim = run(DbQueuePopOperator(task_id="pop2", queue_name="work", max_messages=30))
+    assert run(DbQueueAckOperator(task_id="ack", claim=claim)) == 30
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.finished) == (0, 0, 30)
+    assert run(DbQueueAckOperator(task_id="ack2", claim=claim, action="nack")) == 0  # nothing held
+
+
+def test_nack_operator_releases_what_is_still_held(airflow_conn: str, dbq: DbQueue) -> None:
+    q = dbq.create_queue("work", visibility_timeout=0.4)
+    q.push_batch([{"job": i} for i in range(4)])
+    claim = run(DbQueuePopOperator(task_id="pop", queue_name="work", max_messages=2))
+    held = q.pop(2, semantics="at-least-once", visibility_timeout=60)  # the other two, held longer
+    time.sleep(0.6)
+    q.reclaim_expired()
+    [again] = q.pop(1, semantics="at-least-once", visibility_timeout=60)  # one of ours, redelivered
+    with pytest.raises(Exception, match="lease"):
+        run(DbQueueAckOperator(task_id="ack", claim=claim))  # all or nothing
+    assert run(DbQueueAckOperator(task_id="nack", claim=claim, action="nack", delay=0)) == 0
+    assert q.ack([*held, again]) == 3
+
+
+def test_ack_operator_refuses_what_is_not_a_claim(airflow_conn: str, dbq: DbQueue) -> None:
+    with pytest.raises(ConfigurationError, match="not JSON"):
+        run(DbQueueAckOperator(task_id="a", claim="{{ params.x }}"), params={"x": "nonsense"})
+    with pytest.raises(ConfigurationError, match="expected a claim"):
+        run(DbQueueAckOperator(task_id="b", claim=[1, 2]))
+    with pytest.raises(ValueError, match="'ack' or 'nack'"):
+        DbQueueAckOperator(task_id="c", claim={}, action="delete")

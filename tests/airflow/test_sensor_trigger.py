@@ -232,3 +232,23 @@ def test_deferrable_sensor_defers_and_completes(airflow_conn: str, dbq: DbQueue)
         sensor.execute_complete({}, event)
     with pytest.raises(Exception, match="unexpected trigger event"):
         sensor.execute_complete({}, {"status": "error"})
+
+
+def test_deferrable_sensor_keeps_one_deadline_across_defers(airflow_conn: str, dbq: DbQueue) -> None:
+    """A sensor raced out of its batch defers again with what is left of its timeout, not a fresh one."""
+    dbq.create_queue("raced")
+    sensor = DbQueueSensor(
+        task_id="s", queue_name="raced", min_messages=1, claim=True, deferrable=True, timeout=60
+    )
+    t0 = time.time()
+    with pytest.raises(TaskDeferred) as first:
+        sensor.execute({})
+    deadline = first.value.kwargs["deadline"]
+    assert t0 + 59 <= deadline <= time.time() + 60
+    event = {"status": "success", "queue_name": "raced", "ready": 1}
+    with pytest.raises(TaskDeferred) as again:
+        sensor.execute_complete({}, event, deadline=deadline - 45)  # as if 45 s had passed
+    assert again.value.kwargs["deadline"] == deadline - 45
+    assert again.value.timeout.total_seconds() <= 15.5
+    with pytest.raises(AirflowSensorTimeout, match="raced"):
+        sensor.execute_complete({}, event, deadline=time.time() - 1)
