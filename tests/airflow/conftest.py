@@ -80,16 +80,53 @@ def airflow_conn(pg_dsn: str, dbq: DbQueue, monkeypatch: pytest.MonkeyPatch) -> 
     return CONN_ID
 
 
-@pytest.fixture(scope="module")
-def airflow_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Environment of a migrated throwaway AIRFLOW_HOME (SQLite) whose DAGs folder is the repo's dags/."""
-    home = tmp_path_factory.mktemp("airflow-home")
+def migrated_airflow_env(home: Path, dags_folder: Path, **extra: str) -> dict[str, str]:
+    """Environment of a throwaway AIRFLOW_HOME (SQLite, migrated here) with DAGs from ``dags_folder``."""
     env = dict(
         os.environ,
         AIRFLOW_HOME=str(home),
         AIRFLOW__CORE__LOAD_EXAMPLES="False",
-        AIRFLOW__CORE__DAGS_FOLDER=str(REPO / "dags"),
+        AIRFLOW__CORE__DAGS_FOLDER=str(dags_folder),
         AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION="False",
+        **extra,
     )
     subprocess.run([str(AIRFLOW), "db", "migrate"], env=env, check=True, capture_output=True, timeout=300)
     return env
+
+
+def spark_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` plus what the Spark tasks need: a local[*] spark_default and this venv's spark-submit."""
+    return dict(
+        env,
+        AIRFLOW_CONN_SPARK_DEFAULT=json.dumps({"conn_type": "spark", "host": "local[*]"}),
+        SPARK_LOCAL_IP="127.0.0.1",
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+    )
+
+
+def dags_test(
+    env: dict[str, str],
+    pg_dsn: str,
+    schema: str,
+    dag_id: str,
+    conf: dict[str, Any] | None = None,
+    **extra: str,
+) -> tuple[bool, str]:
+    """Run ``airflow dags test`` with ``dbqueue_default`` on ``schema``; return (succeeded, output)."""
+    run_env = dict(env, **{f"AIRFLOW_CONN_{CONN_ID.upper()}": conn_json(pg_dsn, schema)}, **extra)
+    proc = subprocess.run(
+        [str(AIRFLOW), "dags", "test", dag_id, "-c", json.dumps(conf or {})],
+        env=run_env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    return proc.returncode == 0 and "state=success" in out, out
+
+
+@pytest.fixture(scope="module")
+def airflow_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Environment of a migrated throwaway AIRFLOW_HOME (SQLite) whose DAGs folder is the repo's dags/."""
+    return migrated_airflow_env(tmp_path_factory.mktemp("airflow-home"), REPO / "dags")

@@ -8,32 +8,21 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from airflow_dbqueue.engine import DbQueue
-from tests.airflow.conftest import AIRFLOW, CONN_ID, checksum, conn_json
+from tests.airflow.conftest import checksum, dags_test
 
 pytestmark = pytest.mark.integration
 
 
-def dags_test(
+def run_dag(
     env: dict[str, str], pg_dsn: str, schema: str, dag_id: str, conf: dict[str, Any], *, succeed: bool = True
 ) -> str:
-    run_env = dict(env, **{f"AIRFLOW_CONN_{CONN_ID.upper()}": conn_json(pg_dsn, schema)})
-    proc = subprocess.run(
-        [str(AIRFLOW), "dags", "test", dag_id, "-c", json.dumps(conf)],
-        env=run_env,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    out = proc.stdout + proc.stderr
-    ok = proc.returncode == 0 and "state=success" in out
+    ok, out = dags_test(env, pg_dsn, schema, dag_id, conf)
     assert ok == succeed, out[-4000:]
     return out
 
@@ -51,7 +40,7 @@ def xcom(env: dict[str, str], dag_id: str, task_id: str, key: str = "return_valu
 
 def test_produce_consume(airflow_env: dict[str, str], pg_dsn: str, dbq: DbQueue) -> None:
     n = 750  # larger than xcom_max_messages: the batch stays claimed, only receipts go through XCom
-    out = dags_test(
+    out = run_dag(
         airflow_env,
         pg_dsn,
         dbq.schema,
@@ -77,7 +66,7 @@ def test_produce_consume(airflow_env: dict[str, str], pg_dsn: str, dbq: DbQueue)
 
 def test_failed_processing_releases_the_claim(airflow_env: dict[str, str], pg_dsn: str, dbq: DbQueue) -> None:
     n = 60
-    out = dags_test(
+    out = run_dag(
         airflow_env,
         pg_dsn,
         dbq.schema,
@@ -99,7 +88,7 @@ def test_failed_processing_releases_the_claim(airflow_env: dict[str, str], pg_ds
 
 def test_deferrable_sensor(airflow_env: dict[str, str], pg_dsn: str, dbq: DbQueue) -> None:
     n = 40
-    out = dags_test(airflow_env, pg_dsn, dbq.schema, "dbqueue_deferrable_sensor", {"events": n, "delay": 4})
+    out = run_dag(airflow_env, pg_dsn, dbq.schema, "dbqueue_deferrable_sensor", {"events": n, "delay": 4})
     assert "Pausing task as DEFERRED" in out and "running trigger in line" in out  # it did defer
     result = xcom(airflow_env, "dbqueue_deferrable_sensor", "process")
     assert result["count"] == result["acked"] == n and result["events"] == list(range(n))
@@ -115,7 +104,7 @@ def test_asset_triggered_dag(airflow_env: dict[str, str], pg_dsn: str, dbq: DbQu
     q = dbq.create_queue("example_inbox")
     pushed = [{"mail": i, "to": f"user{i % 5}"} for i in range(120)]
     q.push_batch(pushed)
-    dags_test(airflow_env, pg_dsn, dbq.schema, "dbqueue_asset_triggered", {})
+    run_dag(airflow_env, pg_dsn, dbq.schema, "dbqueue_asset_triggered", {})
     result = xcom(airflow_env, "dbqueue_asset_triggered", "process")
     assert result["count"] == result["acked"] == 120 and checksum(result["items"]) == checksum(pushed)
     stats = q.stats()

@@ -3,10 +3,7 @@ long job's batch, and a task timeout kills the job and releases the batch with n
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +12,7 @@ import pytest
 from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue
-from tests.airflow.conftest import AIRFLOW, CONN_ID, checksum, conn_json
+from tests.airflow.conftest import checksum, dags_test, migrated_airflow_env, spark_env
 
 pytestmark = pytest.mark.integration
 
@@ -23,33 +20,8 @@ DAGS = Path(__file__).with_name("spark_dags")
 
 
 @pytest.fixture(scope="module")
-def spark_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    home = tmp_path_factory.mktemp("airflow-home-spark")
-    env = dict(
-        os.environ,
-        AIRFLOW_HOME=str(home),
-        AIRFLOW__CORE__LOAD_EXAMPLES="False",
-        AIRFLOW__CORE__DAGS_FOLDER=str(DAGS),
-        AIRFLOW_CONN_SPARK_DEFAULT=json.dumps({"conn_type": "spark", "host": "local[*]"}),
-        SPARK_LOCAL_IP="127.0.0.1",
-        PATH=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-    )
-    subprocess.run([str(AIRFLOW), "db", "migrate"], env=env, check=True, capture_output=True, timeout=300)
-    return env
-
-
-def dags_test(env: dict[str, str], pg_dsn: str, schema: str, dag_id: str) -> tuple[bool, str]:
-    run_env = dict(env, **{f"AIRFLOW_CONN_{CONN_ID.upper()}": conn_json(pg_dsn, schema)})
-    proc = subprocess.run(
-        [str(AIRFLOW), "dags", "test", dag_id],
-        env=run_env,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    out = proc.stdout + proc.stderr
-    return proc.returncode == 0 and "state=success" in out, out
+def lifecycle_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return spark_env(migrated_airflow_env(tmp_path_factory.mktemp("airflow-home-spark"), DAGS))
 
 
 def batch_rows(pg_dsn: str, schema: str) -> list[tuple[int, int, str | None]]:
@@ -66,11 +38,11 @@ def sleepy_jobs_running() -> list[str]:
     return [line for line in out.splitlines() if "sleepy_job.py" in line and "ps -eo" not in line]
 
 
-def test_heartbeat_keeps_a_long_jobs_batch(spark_env: dict[str, str], pg_dsn: str, dbq: DbQueue) -> None:
+def test_heartbeat_keeps_a_long_jobs_batch(lifecycle_env: dict[str, str], pg_dsn: str, dbq: DbQueue) -> None:
     q = dbq.create_queue("jobs")
     sent = [{"job": i} for i in range(30)]
     q.push_batch(sent)
-    ok, out = dags_test(spark_env, pg_dsn, dbq.schema, "dbqueue_test_spark_heartbeat")
+    ok, out = dags_test(lifecycle_env, pg_dsn, dbq.schema, "dbqueue_test_spark_heartbeat")
     assert ok, out[-5000:]
     # the job slept 12 s on a 3 s lease; the ack succeeded, so the lease was extended throughout
     assert batch_rows(pg_dsn, dbq.schema) == [(1, 30, None)]
@@ -84,13 +56,13 @@ def test_heartbeat_keeps_a_long_jobs_batch(spark_env: dict[str, str], pg_dsn: st
 
 
 def test_timeout_kills_the_job_and_releases_the_batch(
-    spark_env: dict[str, str], pg_dsn: str, dbq: DbQueue
+    lifecycle_env: dict[str, str], pg_dsn: str, dbq: DbQueue
 ) -> None:
     q = dbq.create_queue("jobs")
     sent = [{"job": i, "blob": "x" * (i % 7)} for i in range(40)]
     q.push_batch(sent)
     t0 = time.monotonic()
-    ok, out = dags_test(spark_env, pg_dsn, dbq.schema, "dbqueue_test_spark_timeout")
+    ok, out = dags_test(lifecycle_env, pg_dsn, dbq.schema, "dbqueue_test_spark_timeout")
     assert not ok and time.monotonic() - t0 < 300, out[-5000:]  # the 600 s job did not run out
     [(state, size, error)] = batch_rows(pg_dsn, dbq.schema)
     assert (state, size) == (2, 40) and error is not None and "Timeout" in error, error

@@ -8,13 +8,9 @@ every order once.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import uuid
 from collections import defaultdict
 from decimal import ROUND_HALF_UP, Decimal
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -24,7 +20,7 @@ from psycopg import sql
 from airflow_dbqueue.engine import DbQueue
 from airflow_dbqueue.spark import find_jdbc_jar
 from airflow_dbqueue.spark.orders import SAMPLE_RATES, OrderRollup, expected_totals, sample_orders
-from tests.airflow.conftest import AIRFLOW, CONN_ID, conn_json
+from tests.airflow.conftest import dags_test, spark_env
 
 pytestmark = [
     pytest.mark.integration,
@@ -47,27 +43,15 @@ def results_schema(pg_dsn: str) -> Any:
 def run_pipeline(
     env: dict[str, str], pg_dsn: str, dbq: DbQueue, results: OrderRollup, conf: dict[str, Any]
 ) -> tuple[bool, str]:
-    run_env = dict(
-        env,
-        **{
-            f"AIRFLOW_CONN_{CONN_ID.upper()}": conn_json(pg_dsn, dbq.schema),
-            "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "local[*]"}),
-            "DBQUEUE_RESULTS_SCHEMA": results.schema,
-            "DBQUEUE_PIPELINE_RETRIES": "0",
-            "SPARK_LOCAL_IP": "127.0.0.1",
-            "PATH": f"{Path(sys.executable).parent}:{env.get('PATH', '')}",
-        },
+    return dags_test(
+        spark_env(env),
+        pg_dsn,
+        dbq.schema,
+        DAG_ID,
+        conf,
+        DBQUEUE_RESULTS_SCHEMA=results.schema,
+        DBQUEUE_PIPELINE_RETRIES="0",
     )
-    proc = subprocess.run(
-        [str(AIRFLOW), "dags", "test", DAG_ID, "-c", json.dumps(conf)],
-        env=run_env,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    out = proc.stdout + proc.stderr
-    return proc.returncode == 0 and "state=success" in out, out
 
 
 def expected_rollup(orders: list[dict[str, Any]], rates: dict[str, str]) -> dict[tuple[str, str, str], tuple]:
