@@ -26,6 +26,7 @@ from airflow_dbqueue.engine.errors import (
     SchemaError,
     TransactionRequiredError,
 )
+from airflow_dbqueue.engine.maintenance import Maintenance, MaintenanceConfig
 from airflow_dbqueue.engine.models import (
     Design,
     FailedMessage,
@@ -49,6 +50,8 @@ __all__ = [
     "FailedMessage",
     "InvalidNameError",
     "LeaseExpiredError",
+    "Maintenance",
+    "MaintenanceConfig",
     "Message",
     "NotifyMode",
     "PayloadError",
