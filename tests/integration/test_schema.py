@@ -437,6 +437,14 @@ def test_every_named_query_composes() -> None:
         assert text.strip(), name
 
 
+def test_only_utility_statements_take_identifier_placeholders() -> None:
+    """{table} and {index} belong to VACUUM, ANALYZE, REINDEX and DROP INDEX; anywhere else (say, in a
+    comment that ended up in the block before it) they would break the query at run time."""
+    raw = load_queries(POSTGRES_PKG, "queries.sql")
+    with_idents = sorted(name for name, body in raw.items() if _identifiers(body))
+    assert with_idents == ["analyze_table", "drop_index_concurrently", "reindex_concurrently", "vacuum_table"]
+
+
 def test_identifier_placeholders_are_validated() -> None:
     db = PostgresDatabase("host=unused.invalid", schema="sample_schema")
     with pytest.raises(InvalidNameError):

@@ -286,11 +286,8 @@ JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
 WHERE m.id = ANY (%(ids)s::bigint[]) AND m.queue_id = %(queue_id)s AND m.lease_until > now()
 ORDER BY m.priority DESC, m.process_at, m.id
 
--- ------------------------------------------------------------------------------------------------
--- Maintenance (engine/maintenance.py). {table} and {index} are identifiers from the schema or the
--- catalog, validated and quoted like {schema}: VACUUM and REINDEX take no bound parameters.
-
 -- name: maintenance_try_lock
+-- Maintenance (engine/maintenance.py) from here on.
 -- One maintenance run a schema at a time: a session-level advisory lock on the run's own connection.
 SELECT pg_try_advisory_lock(hashtext('dbqueue.maintenance'), hashtext(%(schema)s))
 
@@ -359,6 +356,8 @@ WITH gone AS (
 SELECT count(*) FROM gone
 
 -- name: vacuum_table
+-- This and the next three take a table or index name as an identifier placeholder, composed and quoted
+-- like the schema's (after validation): utility statements take no bound parameters.
 VACUUM (ANALYZE, SKIP_LOCKED) {schema}.{table}
 
 -- name: analyze_table
