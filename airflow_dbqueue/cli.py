@@ -6,6 +6,11 @@
     dbqueue pop QUEUE [-n N] [--semantics at-most-once|at-least-once] [--wait S]
     dbqueue stats [QUEUE ...]
     dbqueue failed QUEUE [--requeue | --delete]
+    dbqueue archive [--older-than S] [--retention S] [--batch-size N] [--pause S] [--time-budget S]
+                    [--queue Q ...] [--lock-wait S]
+    dbqueue maintain [the archive options] [--no-vacuum] [--no-reindex] [--bloat-ratio R]
+                     [--min-bloat-bytes B] [--reindex-timeout S]
+    dbqueue metrics [QUEUE ...] [--window S]
     dbqueue demo [--messages N]
     dbqueue pipeline [--messages N] [--batch N] [--airflow-home DIR]
 
@@ -26,7 +31,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-from airflow_dbqueue.engine import DSN_ENV, DbQueue, DbQueueError, Message
+from airflow_dbqueue.engine import DSN_ENV, DbQueue, DbQueueError, MaintenanceConfig, Message
 
 
 @contextlib.contextmanager
@@ -102,6 +107,63 @@ def _cmd_failed(dbq: DbQueue, args: argparse.Namespace) -> int:
             row = {"id": f.id, "attempts": f.attempts, "error": f.last_error, "payload": f.payload}
             _say(json.dumps(row))
     return 0
+
+
+def _cmd_archive(dbq: DbQueue, args: argparse.Namespace) -> int:
+    m = dbq.maintenance()
+    batch = {
+        "batch_size": args.batch_size,
+        "pause_s": args.pause,
+        "time_budget_s": args.time_budget,
+        "queues": args.queue or None,
+        "lock_wait_s": args.lock_wait,
+    }
+    result = m.archive(older_than_s=args.older_than, **batch)
+    _say(json.dumps(result.as_dict()))
+    if args.retention is not None and result.skipped is None:
+        _say(json.dumps(m.purge_archive(older_than_s=args.retention, **batch).as_dict()))
+    return 0
+
+
+def _cmd_maintain(dbq: DbQueue, args: argparse.Namespace) -> int:
+    config = MaintenanceConfig(
+        queues=tuple(args.queue) if args.queue else None,
+        archive_after_s=args.older_than,
+        archive_retention_s=args.retention,
+        batch_size=args.batch_size,
+        pause_s=args.pause,
+        time_budget_s=args.time_budget,
+        vacuum=args.vacuum,
+        reindex=args.reindex,
+        reindex_bloat_ratio=args.bloat_ratio,
+        reindex_min_bytes=args.min_bloat_bytes,
+        reindex_timeout_s=args.reindex_timeout,
+        lock_wait_s=args.lock_wait,
+    )
+    report = dbq.maintain(config)
+    if report["skipped"]:
+        print(f"dbqueue: maintenance skipped: {report['skipped']}", file=sys.stderr)
+    _say(json.dumps(report, indent=2))
+    return 0
+
+
+def _cmd_metrics(dbq: DbQueue, args: argparse.Namespace) -> int:
+    _say(json.dumps(dbq.maintenance().metrics(args.queues or None, rate_window_s=args.window), indent=2))
+    return 0
+
+
+def _batch_options(c: argparse.ArgumentParser) -> None:
+    c.add_argument(
+        "--older-than", type=float, default=300.0, help="archive finished messages older than S seconds"
+    )
+    c.add_argument(
+        "--retention", type=float, help="delete archived messages archived more than S seconds ago"
+    )
+    c.add_argument("--batch-size", type=int, default=1000, help="rows per batch statement")
+    c.add_argument("--pause", type=float, default=0.05, help="seconds between batches")
+    c.add_argument("--time-budget", type=float, default=60.0, help="seconds a batched step may run")
+    c.add_argument("--queue", action="append", help="only this queue (repeatable; default: every queue)")
+    c.add_argument("--lock-wait", type=float, default=0.0, help="seconds to wait for another maintenance run")
 
 
 # -- the demo: a queue-driven pipeline on the engine alone ------------------------------------------
@@ -274,6 +336,18 @@ def build_parser() -> argparse.ArgumentParser:
     g = c.add_mutually_exclusive_group()
     g.add_argument("--requeue", action="store_true")
     g.add_argument("--delete", action="store_true")
+    c = sub.add_parser("archive", help="archive finished messages in batches (and apply a retention)")
+    _batch_options(c)
+    c = sub.add_parser("maintain", help="run every maintenance step once (archive, VACUUM, reindex, ...)")
+    _batch_options(c)
+    c.add_argument("--no-vacuum", dest="vacuum", action="store_false", help="skip VACUUM (ANALYZE)")
+    c.add_argument("--no-reindex", dest="reindex", action="store_false", help="skip index rebuilds")
+    c.add_argument("--bloat-ratio", type=float, default=2.0, help="rebuild indexes this many times too big")
+    c.add_argument("--min-bloat-bytes", type=int, default=1024 * 1024, help="... and this many bytes too big")
+    c.add_argument("--reindex-timeout", type=float, default=600.0, help="seconds one rebuild may take")
+    c = sub.add_parser("metrics", help="queue depth, age, rates, table sizes and index bloat as JSON")
+    c.add_argument("queues", nargs="*")
+    c.add_argument("--window", type=float, default=300.0, help="seconds over which rates are counted")
     c = sub.add_parser("demo", help="an engine-only order pipeline (no Airflow, no Spark)")
     c.add_argument("--messages", type=int, default=20_000)
     c = sub.add_parser("pipeline", help="the Spark pipeline DAG end to end (the README's main job)")
@@ -290,6 +364,9 @@ COMMANDS = {
     "pop": _cmd_pop,
     "stats": _cmd_stats,
     "failed": _cmd_failed,
+    "archive": _cmd_archive,
+    "maintain": _cmd_maintain,
+    "metrics": _cmd_metrics,
     "demo": _cmd_demo,
     "pipeline": _cmd_pipeline,
 }

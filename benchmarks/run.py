@@ -4,12 +4,16 @@
     python benchmarks/run.py --design {table,ring,naive} --producers P --consumers C --batch N \
         --seconds S [--json] [--semantics {at-most-once,at-least-once}] [--payload-bytes 300]
 
+    python benchmarks/run.py --maintenance [--producers P --consumers C --batch N --seconds S]
+
 With none of --producers/--consumers/--batch it sweeps P x C in 1x1, 2x2, 4x4, 8x8 and batch in
 1, 100, 1000. Every point measures the chosen design and, in the same run, the naive baseline (one
 table, INSERT to push, DELETE ... FOR UPDATE SKIP LOCKED ... RETURNING to pop) at the same P x C x
 batch, each on a fresh schema that is dropped afterwards. Producers and consumers are separate
 processes with a connection each. Every run checks that no message was lost or delivered twice.
-See benchmarks/README.md for what the columns mean.
+With ``--maintenance`` it measures the engine design at one point twice in the same run, without and with
+a maintenance process looping (archiving, VACUUM, online index rebuilds), and prints push/pop/ack latency
+percentiles (p50/p95/p99) of both with their ratios. See benchmarks/README.md for what the columns mean.
 
 The database is ``--dsn``, else ``$DBQUEUE_TEST_DSN``, else a throwaway embedded PostgreSQL.
 """
@@ -21,10 +25,12 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import multiprocessing as mp
 import os
 import queue as queue_mod
 import shutil
+import statistics
 import struct
 import sys
 import tempfile
@@ -38,7 +44,7 @@ from typing import Any, Protocol
 import psycopg
 from psycopg import sql
 
-from airflow_dbqueue.engine import DbQueue, DbQueueError, LeaseExpiredError
+from airflow_dbqueue.engine import DbQueue, DbQueueError, LeaseExpiredError, MaintenanceConfig
 
 TEST_DSN_ENV = "DBQUEUE_TEST_DSN"
 BASELINE = "naive"
@@ -231,6 +237,8 @@ class RunConfig:
     batch: int
     payload_bytes: int
     backlog_cap: int
+    latencies: bool = False
+    """Record (start, seconds) of every call, for latency percentiles."""
 
 
 @dataclasses.dataclass
@@ -261,6 +269,7 @@ def _produce(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
     throttled = calls = 0
     busy = 0.0
     clock = time.perf_counter
+    lat: list[tuple[float, float]] | None = [] if cfg.latencies else None
     while phase.value == RUN:
         if sum(pushed) - sum(popped) > cap:
             throttled += 1
@@ -269,7 +278,10 @@ def _produce(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
         payloads = [pack(idx, s) + pad for s in range(seq, seq + n)]
         t = clock()
         backend.push(payloads)
-        busy += clock() - t
+        took = clock() - t
+        busy += took
+        if lat is not None:
+            lat.append((time.monotonic() - took, took))
         calls += 1
         seq += n
         pushed[idx] = seq
@@ -280,6 +292,7 @@ def _produce(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
         "throttled": throttled,
         "push_calls": calls,
         "push_s": busy,
+        "push_lat": lat,
     }
 
 
@@ -293,11 +306,16 @@ def _consume(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
     pop_s = ack_s = 0.0
     clock = time.perf_counter
     popped, phase = shm.popped, shm.phase
+    pop_lat: list[tuple[float, float]] | None = [] if cfg.latencies else None
+    ack_lat: list[tuple[float, float]] | None = [] if cfg.latencies else None
     while phase.value != STOP:
         t = clock()
         payloads, token = backend.pop(cfg.batch)
-        pop_s += clock() - t
+        took = clock() - t
+        pop_s += took
         pop_calls += 1
+        if pop_lat is not None and payloads:  # an empty pop measures nothing
+            pop_lat.append((time.monotonic() - took, took))
         if not payloads:
             empty += 1
             time.sleep(0.001)
@@ -325,8 +343,11 @@ def _consume(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
             ack_failures += 1
             continue
         finally:
-            ack_s += clock() - t
+            took = clock() - t
+            ack_s += took
             ack_calls += 1
+            if ack_lat is not None and cfg.target.lease:
+                ack_lat.append((time.monotonic() - took, took))
         count += len(payloads)
         popped[idx] = count
     return {
@@ -342,6 +363,8 @@ def _consume(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
         "pop_s": pop_s,
         "ack_calls": ack_calls,
         "ack_s": ack_s,
+        "pop_lat": pop_lat,
+        "ack_lat": ack_lat,
     }
 
 
@@ -391,6 +414,12 @@ class RunResult:
     pop_ms: float | None
     ack_ms: float | None
     empty_pops: int
+    latencies: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    """Seconds of each push, pop (that returned messages) and ack in the window (``--maintenance``)."""
+    maintenance: dict[str, Any] | None = None
+    """What the maintenance process did during the run (``--maintenance``)."""
+    hot_bytes: int | None = None
+    """Size of meta, data and done with indexes after the drain (engine designs)."""
 
     @property
     def valid(self) -> bool:
@@ -438,17 +467,55 @@ def run_design(
     backlog_cap: int,
     drain_timeout: float,
     log: Callable[[str], None],
+    latencies: bool = False,
+    maintenance: MaintenanceConfig | None = None,
+    maintenance_interval: float = 1.0,
 ) -> RunResult:
-    """Measure one design at one point on a fresh schema (created here and dropped afterwards)."""
+    """Measure one design at one point on a fresh schema (created here and dropped afterwards).
+
+    With ``maintenance``, a maintenance process runs ``DbQueue.maintain`` in a loop (every
+    ``maintenance_interval`` seconds) from the start of the window until the producers stop.
+    """
     setup_target(target)
     try:
         with psycopg.connect(target.dsn, autocommit=True) as conn:
             with contextlib.suppress(psycopg.Error):
                 conn.execute("CHECKPOINT")
-            cfg = RunConfig(target, producers, consumers, batch, payload_bytes, backlog_cap)
-            return _measure(cfg, conn, seconds=seconds, warmup=warmup, drain_timeout=drain_timeout, log=log)
+            cfg = RunConfig(target, producers, consumers, batch, payload_bytes, backlog_cap, latencies)
+            return _measure(
+                cfg,
+                conn,
+                seconds=seconds,
+                warmup=warmup,
+                drain_timeout=drain_timeout,
+                log=log,
+                maintenance=maintenance,
+                maintenance_interval=maintenance_interval,
+            )
     finally:
         teardown_target(target)
+
+
+def _maintainer(target: Target, config: MaintenanceConfig, interval: float, stop: Any, out: Any) -> None:
+    """Entry point of the maintenance process: ``maintain()`` every ``interval`` seconds until ``stop``."""
+    report: dict[str, Any] = {"runs": 0, "archived": 0, "reindexed": 0, "failed_reindexes": 0, "busy_s": 0.0}
+    try:
+        with DbQueue(target.dsn, schema=target.schema, pool_size=2) as dbq:
+            while not stop.value:
+                t = time.monotonic()
+                r = dbq.maintain(config)
+                report["busy_s"] += time.monotonic() - t
+                report["runs"] += 1
+                report["archived"] += r.get("archive", {}).get("rows", 0)
+                actions = r.get("indexes", {}).get("actions", [])
+                report["reindexed"] += sum(1 for a in actions if a["ok"])
+                report["failed_reindexes"] += sum(1 for a in actions if not a["ok"])
+                end = time.monotonic() + interval
+                while not stop.value and time.monotonic() < end:
+                    time.sleep(0.02)
+        out.put(report)
+    except BaseException:
+        out.put({"error": traceback.format_exc()})
 
 
 def _measure(
@@ -459,8 +526,22 @@ def _measure(
     warmup: float,
     drain_timeout: float,
     log: Callable[[str], None],
+    maintenance: MaintenanceConfig | None = None,
+    maintenance_interval: float = 1.0,
 ) -> RunResult:
     ctx = mp.get_context("spawn")
+    m_stop, m_out = ctx.RawValue("i", 0), ctx.Queue()
+    m_proc = (
+        ctx.Process(
+            target=_maintainer,
+            args=(cfg.target, maintenance, maintenance_interval, m_stop, m_out),
+            name="bench-maintenance",
+            daemon=True,
+        )
+        if maintenance is not None
+        else None
+    )
+    m_report: dict[str, Any] | None = None
     shm = Shared(
         phase=ctx.RawValue("i", WAIT),
         ready=ctx.Value("i", 0),
@@ -515,6 +596,8 @@ def _measure(
         wait_for(lambda: shm.ready.value == len(procs), 120, "the workers to connect")
         shm.phase.value = RUN
         sleep_watching(warmup)
+        if m_proc is not None:
+            m_proc.start()
         lsn0, t0 = wal_lsn(conn), time.monotonic()
         popped0, pushed0 = sum(shm.popped), sum(shm.pushed)
         sleep_watching(seconds)
@@ -522,6 +605,15 @@ def _measure(
         t1, lsn1 = time.monotonic(), wal_lsn(conn)
         backlog = pushed1 - popped1
         shm.phase.value = STOP_PRODUCERS
+        if m_proc is not None:
+            m_stop.value = 1
+            try:
+                m_report = m_out.get(timeout=drain_timeout)
+            except queue_mod.Empty:
+                raise BenchError("the maintenance process did not report") from None
+            if "error" in m_report:
+                raise BenchError(f"the maintenance process failed:\n{m_report['error']}")
+            m_proc.join(30)
         wait_for(have("producer", cfg.producers), 120, "the producers to stop")
         pushed_total = sum(results[("producer", i)]["pushed"] for i in range(cfg.producers))
         # Drain: consumers go on until everything pushed is popped, or nothing moves for a while.
@@ -540,6 +632,11 @@ def _measure(
             p.join(30)
     finally:
         shm.phase.value = STOP
+        m_stop.value = 1
+        if m_proc is not None and m_proc.is_alive():
+            m_proc.join(10)
+            if m_proc.is_alive():
+                m_proc.terminate()
         for p in procs:
             if p.is_alive():
                 p.join(5)
@@ -566,6 +663,10 @@ def _measure(
     window = t1 - t0
     msgs = popped1 - popped0
     size, dead, hot = table_stats(conn, cfg.target.schema)
+    lat: dict[str, list[float]] = {}
+    if cfg.latencies:
+        for op, reports in (("push", prods), ("pop", cons), ("ack", cons)):
+            lat[op] = [d for r in reports for start, d in (r[f"{op}_lat"] or []) if t0 <= start <= t1]
     return RunResult(
         design=cfg.target.design,
         seconds=round(window, 3),
@@ -587,7 +688,21 @@ def _measure(
         pop_ms=_mean_ms(cons, "pop"),
         ack_ms=_mean_ms(cons, "ack") if cfg.target.lease else None,
         empty_pops=sum(c["empty_pops"] for c in cons),
+        latencies=lat,
+        maintenance=m_report,
+        hot_bytes=hot_table_bytes(conn, cfg.target) if cfg.target.design != BASELINE else None,
     )
+
+
+def hot_table_bytes(conn: psycopg.Connection[Any], target: Target) -> int:
+    """Size of the tables on the push/pop path (meta, data, done) with their indexes and TOAST."""
+    row = conn.execute(
+        "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %s AND c.relkind = 'r' AND c.relname IN ('meta', 'data', 'done')",
+        (target.schema,),
+    ).fetchone()
+    return int(row[0]) if row else 0
 
 
 def _mean_ms(reports: list[dict[str, Any]], op: str) -> float | None:
@@ -715,6 +830,164 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
     return out
 
 
+def percentile(values: list[float], p: float) -> float | None:
+    """The ``p``-th percentile (nearest rank) of ``values``; ``None`` when there are none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+PERCENTILES = (50, 95, 99)
+LATENCY_OPS = ("push", "pop", "ack")
+
+
+def maintenance_config(args: argparse.Namespace) -> MaintenanceConfig:
+    """What the maintenance process runs in a loop: archive everything finished, VACUUM, rebuild bloated
+    indexes (from 256 KiB of bloat, so rebuilds happen within a short window)."""
+    return MaintenanceConfig(
+        archive_after_s=args.archive_after,
+        archive_retention_s=None,
+        batch_size=1000,
+        pause_s=0.05,
+        time_budget_s=max(1.0, args.maintenance_interval),
+        vacuum=True,
+        reindex=True,
+        reindex_bloat_ratio=2.0,
+        reindex_min_bytes=256 * 1024,
+        reindex_timeout_s=60.0,
+    )
+
+
+def measure_maintenance_point(
+    args: argparse.Namespace, dsn: str, point: Point, seconds: float
+) -> dict[str, Any]:
+    """Measure the engine design at one point without and with maintenance running, in turn."""
+
+    def log(msg: str) -> None:
+        if not args.quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    cap = args.backlog_cap or max(1000, 50 * point.batch * point.consumers)
+    config = maintenance_config(args)
+    runs: dict[str, list[RunResult]] = {"off": [], "on": []}
+    for attempt in range(args.repeat):
+        for mode in ("off", "on"):
+            target = Target(
+                design=args.design,
+                dsn=dsn,
+                schema=f"bench_{args.design}_{uuid.uuid4().hex[:10]}",
+                semantics=args.semantics,
+                archive=args.archive,
+                notify=args.notify,
+            )
+            which = f" (run {attempt + 1} of {args.repeat})" if args.repeat > 1 else ""
+            log(
+                f"measuring {args.design} {args.semantics} {point.producers}x{point.consumers} "
+                f"batch {point.batch} for {seconds:g}s, maintenance {mode}{which}"
+            )
+            run = run_design(
+                target,
+                producers=point.producers,
+                consumers=point.consumers,
+                batch=point.batch,
+                payload_bytes=args.payload_bytes,
+                seconds=seconds,
+                warmup=args.warmup,
+                backlog_cap=cap,
+                drain_timeout=args.drain_timeout,
+                log=log,
+                latencies=True,
+                maintenance=config if mode == "on" else None,
+                maintenance_interval=args.maintenance_interval,
+            )
+            runs[mode].append(run)
+            log(f"  {mode}: {run.cycles_per_s:,.0f} cycles/s, lost {run.lost}, duplicated {run.duplicated}")
+    out: dict[str, Any] = {
+        "mode": "maintenance",
+        "design": args.design,
+        "semantics": args.semantics,
+        "producers": point.producers,
+        "consumers": point.consumers,
+        "batch": point.batch,
+        "payload_bytes": args.payload_bytes,
+        "seconds": seconds,
+        "runs_per_mode": args.repeat,
+        "maintenance_interval_s": args.maintenance_interval,
+        "maintenance_config": dataclasses.asdict(config),
+    }
+    for mode, rs in runs.items():
+        out[f"cycles_per_s_{mode}"] = round(statistics.median(r.cycles_per_s for r in rs), 1)
+        out[f"hot_bytes_{mode}"] = max(r.hot_bytes or 0 for r in rs)
+        out[f"table_bytes_{mode}"] = max(r.table_bytes for r in rs)
+        for op in LATENCY_OPS:
+            values = [v for r in rs for v in r.latencies.get(op, [])]
+            out[f"{op}_calls_{mode}"] = len(values)
+            for pct in PERCENTILES:
+                v = percentile(values, pct)
+                out[f"{op}_p{pct}_ms_{mode}"] = None if v is None else round(1000 * v, 3)
+    for op in LATENCY_OPS:
+        for pct in PERCENTILES:
+            off, on = out[f"{op}_p{pct}_ms_off"], out[f"{op}_p{pct}_ms_on"]
+            out[f"{op}_p{pct}_ratio"] = round(on / off, 3) if off and on is not None else None
+    off_cps = out["cycles_per_s_off"]
+    out["cycles_ratio"] = round(out["cycles_per_s_on"] / off_cps, 3) if off_cps else None
+    totals: dict[str, Any] = {}
+    for r in runs["on"]:
+        for k, v in (r.maintenance or {}).items():
+            totals[k] = totals.get(k, 0) + v
+    out["maintenance"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in totals.items()}
+    all_runs = runs["off"] + runs["on"]
+    out["lost"] = sum(r.lost for r in all_runs)
+    out["duplicated"] = sum(r.duplicated for r in all_runs)
+    out["valid"] = all(r.valid for r in all_runs)
+    return out
+
+
+def maintenance_table(r: dict[str, Any]) -> str:
+    """The latency comparison of :func:`measure_maintenance_point` as a text table."""
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    def ratio(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    head = ["op", "calls off/on"]
+    for pct in PERCENTILES:
+        head += [f"p{pct} off", f"p{pct} on", "ratio"]
+    rows = [head]
+    for op in LATENCY_OPS:
+        if not r[f"{op}_calls_off"] and not r[f"{op}_calls_on"]:
+            continue
+        row = [f"{op} ms", f"{r[f'{op}_calls_off']}/{r[f'{op}_calls_on']}"]
+        for pct in PERCENTILES:
+            row += [ms(r[f"{op}_p{pct}_ms_off"]), ms(r[f"{op}_p{pct}_ms_on"]), ratio(r[f"{op}_p{pct}_ratio"])]
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        for row in rows
+    ]
+    m = r["maintenance"]
+    lines.append(
+        f"cycles/s: off {r['cycles_per_s_off']:,.0f}, on {r['cycles_per_s_on']:,.0f} "
+        f"(ratio {ratio(r['cycles_ratio'])})"
+    )
+    lines.append(
+        f"hot tables (meta, data, done) after the drain: off {r['hot_bytes_off'] / 1e6:.1f} MB, "
+        f"on {r['hot_bytes_on'] / 1e6:.1f} MB; all tables: off {r['table_bytes_off'] / 1e6:.1f} MB, "
+        f"on {r['table_bytes_on'] / 1e6:.1f} MB"
+    )
+    lines.append(
+        f"maintenance: {m.get('runs', 0)} runs, {m.get('archived', 0):,} messages archived, "
+        f"{m.get('reindexed', 0)} indexes rebuilt online ({m.get('failed_reindexes', 0)} failed), "
+        f"busy {m.get('busy_s', 0):.1f}s | lost {r['lost']}, duplicated {r['duplicated']}, "
+        f"{'ok' if r['valid'] else 'INVALID'}"
+    )
+    return "\n".join(lines)
+
+
 def combine(runs: list[RunResult]) -> RunResult:
     """The run with the median cycles/s, with the correctness counts of all runs added up."""
     ordered = sorted(runs, key=lambda r: r.cycles_per_s)
@@ -819,6 +1092,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--backlog-cap", type=int, help="pause producers above this backlog (50 x batch x C)")
     ap.add_argument("--drain-timeout", type=float, default=120.0)
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    ap.add_argument(
+        "--maintenance",
+        action="store_true",
+        help="latency percentiles without and with maintenance running (one point; default 2x2, batch 100)",
+    )
+    ap.add_argument(
+        "--maintenance-interval", type=float, default=1.0, help="seconds between maintenance runs"
+    )
+    ap.add_argument(
+        "--archive-after",
+        type=float,
+        default=0.0,
+        help="maintenance archives messages finished this long ago",
+    )
     args = ap.parse_args(argv)
     for name in ("producers", "consumers"):
         v = getattr(args, name)
@@ -842,6 +1129,14 @@ def main(argv: list[str] | None = None) -> int:
     except DesignNotAvailable as exc:
         print(f"run.py: {exc}", file=sys.stderr)
         return 2
+    if args.maintenance:
+        if args.design not in ENGINE_DESIGNS:
+            print(
+                f"run.py: --maintenance measures an engine design ({', '.join(ENGINE_DESIGNS)})",
+                file=sys.stderr,
+            )
+            return 2
+        return main_maintenance(args)
     points = plan(args.producers, args.consumers, args.batch)
     sweep = None in (args.producers, args.consumers, args.batch)
     seconds = args.sweep_seconds if sweep and args.sweep_seconds else args.seconds
@@ -878,6 +1173,42 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run.py: {exc}", file=sys.stderr)
         return 1
     if not all_valid:
+        print("run.py: INVALID run: messages were lost, duplicated or corrupted", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main_maintenance(args: argparse.Namespace) -> int:
+    """``--maintenance``: one point, without and with maintenance running, latency percentiles."""
+    p = args.producers or args.consumers or 2
+    point = Point(p, args.consumers or p, args.batch or 100)
+    cores = os.cpu_count() or 0
+    try:
+        with database(args.dsn) as (dsn, where):
+            info = server_info(dsn)
+            row = measure_maintenance_point(args, dsn, point, args.seconds)
+            row["pg_version"] = info["server_version"]
+            row["cores"] = cores
+            row["load_avg_1m"] = round(os.getloadavg()[0], 2)
+            if args.json:
+                print(json.dumps(row), flush=True)
+            else:
+                print(
+                    f"PostgreSQL {info['server_version']} ({where}; synchronous_commit="
+                    f"{info['synchronous_commit']}, fsync={info['fsync']}) | machine: {cores} cores, "
+                    f"load average {row['load_avg_1m']:.1f}"
+                )
+                print(
+                    f"design {args.design} | {args.semantics} | {point.producers}x{point.consumers} batch "
+                    f"{point.batch} | payload {args.payload_bytes} B | {args.seconds:g} s per run, "
+                    f"maintenance off then on, {args.repeat} run(s) each | maintenance every "
+                    f"{args.maintenance_interval:g}s: archive after {args.archive_after:g}s, VACUUM, reindex"
+                )
+                print(maintenance_table(row), flush=True)
+    except (BenchError, DbQueueError, psycopg.Error) as exc:
+        print(f"run.py: {exc}", file=sys.stderr)
+        return 1
+    if not row["valid"]:
         print("run.py: INVALID run: messages were lost, duplicated or corrupted", file=sys.stderr)
         return 1
     return 0

@@ -28,6 +28,7 @@ from airflow_dbqueue.engine.errors import (
     SchemaError,
     TransactionRequiredError,
 )
+from airflow_dbqueue.engine.maintenance import Maintenance, MaintenanceConfig
 from airflow_dbqueue.engine.models import (
     Batch,
     BatchState,
@@ -57,6 +58,8 @@ __all__ = [
     "FailedMessage",
     "InvalidNameError",
     "LeaseExpiredError",
+    "Maintenance",
+    "MaintenanceConfig",
     "Message",
     "NotifyMode",
     "PayloadError",

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     import psycopg
 
+    from airflow_dbqueue.engine.maintenance import Maintenance, MaintenanceConfig
     from airflow_dbqueue.engine.queue import Queue
 
 DSN_ENV = "DBQUEUE_DSN"
@@ -214,6 +215,18 @@ class DbQueue:
             raise
         self._queues.pop(name, None)
         return self.db.fetchone("drop_queue", {"queue_id": q.settings.queue_id}) is not None
+
+    # -- maintenance -------------------------------------------------------------------------------
+
+    def maintenance(self) -> Maintenance:
+        """Return the maintenance steps of this schema (archiving, upkeep, VACUUM, reindex, metrics)."""
+        from airflow_dbqueue.engine.maintenance import Maintenance
+
+        return Maintenance(self)
+
+    def maintain(self, config: MaintenanceConfig | None = None) -> dict[str, Any]:
+        """Run every maintenance step once (see :meth:`Maintenance.run`); return the JSON-safe report."""
+        return self.maintenance().run(config)
 
     # -- exactly-once ------------------------------------------------------------------------------
 

@@ -40,3 +40,12 @@ def validate_queue_name(name: object) -> str:
 def validate_schema_name(name: object) -> str:
     """Return ``name`` if it is a valid schema name, else raise :class:`InvalidNameError`."""
     return _check("schema", name, SCHEMA_NAME_MAX)
+
+
+def validate_identifier(name: object) -> str:
+    """Return ``name`` if it is a valid name of a table or index the engine made, else raise.
+
+    Such names (``meta``, ``meta_ready_idx``, ``meta_ready_idx_ccnew``) come from the schema or the
+    catalog and are quoted by the driver; this check keeps anything else out of utility statements.
+    """
+    return _check("identifier", name, 63)

@@ -171,6 +171,16 @@ class Queue(abc.ABC):
     def reclaim_expired(self, limit: int = 10_000) -> int:
         """Return messages whose lease expired to ready (or failed); return how many moved."""
 
+    def maintain(self, *, limit: int = 10_000) -> dict[str, int]:
+        """Run this design's upkeep (the maintenance DAG calls it for every queue); return what it did.
+
+        The table design returns expired leases to ready or failed (``{"reclaimed": n}``). A design
+        with repairs of its own adds them here: the ring design recovers its gaps (slots whose push
+        rolled back after taking a sequence number, or whose consumer died holding one), so maintenance
+        runs them without knowing the design. Safe to run while producers and consumers run.
+        """
+        return {"reclaimed": self.reclaim_expired(limit)}
+
     # -- inspect and administer --------------------------------------------------------------------
 
     @abc.abstractmethod

@@ -341,6 +341,15 @@ class TableQueue(Queue):
             raise BatchNotFoundError(self.name, str(batch_id))
         return self._batch(row)
 
+    #: Seconds a finished batch stays in the ledger before the upkeep deletes it.
+    batch_retention_s = 7 * 24 * 3600.0
+
+    def maintain(self, *, limit: int = 10_000) -> dict[str, int]:
+        """Reclaim expired leases, and forget batches finished more than ``batch_retention_s`` ago."""
+        params = {"queue_id": self._qid, "older_than_s": self.batch_retention_s, "n": limit}
+        purged = len(self._db.fetchall("purge_batches", params))
+        return {"reclaimed": self.reclaim_expired(limit), "batches_purged": purged}
+
     def open_batches(self, limit: int = 100) -> list[Batch]:
         rows = self._db.fetchall("open_batches", {"queue_id": self._qid, "limit": _check_batch_size(limit)})
         return [self._batch(r) for r in rows]

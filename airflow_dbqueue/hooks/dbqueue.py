@@ -13,6 +13,7 @@ from airflow_dbqueue.engine import (
     ConfigurationError,
     DbQueue,
     FailedMessage,
+    MaintenanceConfig,
     Message,
     PayloadType,
     QueueSettings,
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     import psycopg
     from airflow.sdk import Connection
 
-    from airflow_dbqueue.engine import Queue
+    from airflow_dbqueue.engine import Maintenance, Queue
 
 DEFAULT_SCHEMA = "dbqueue"
 SCHEMA_EXTRA = "dbqueue_schema"
@@ -87,6 +88,57 @@ def connection_dsn(conn: Connection) -> tuple[str, str]:
     params.update({k: v for k, v in extra.items() if k in _LIBPQ_EXTRAS})
     dsn = make_conninfo("", **{k: v for k, v in params.items() if v is not None})
     return dsn, str(schema)
+
+
+_QUEUE_GAUGES = (
+    "ready",
+    "delayed",
+    "in_flight",
+    "failed",
+    "finished",
+    "oldest_ready_age_s",
+    "pushed_per_s",
+    "finished_per_s",
+)
+_TABLE_GAUGES = ("total_bytes", "table_bytes", "index_bytes", "live_tuples", "dead_tuples", "dead_ratio")
+_INDEX_GAUGES = ("size_bytes", "bloat_ratio", "bloat_bytes")
+
+
+def emit_metrics(metrics: Mapping[str, Any], *, prefix: str = "dbqueue") -> int:
+    """Send the gauges of a metrics dict (:meth:`DbQueueHook.queue_metrics`) through Airflow's metrics.
+
+    Names are ``<prefix>.<schema>.<queue>.<gauge>`` for queues (``ready``, ``delayed``, ``in_flight``,
+    ``failed``, ``finished``, ``oldest_ready_age_s``, ``pushed_per_s``, ``finished_per_s``),
+    ``<prefix>.<schema>.table.<table>.<gauge>`` (sizes, live and dead rows),
+    ``<prefix>.<schema>.index.<index>.<gauge>`` (size and bloat) and ``<prefix>.<schema>.xmin_holders``,
+    each also tagged with ``schema`` (and ``queue``, ``table`` or ``index``) for tagging backends.
+    Schema and queue names are identifiers, so every name is a valid stat name.
+
+    :return: how many gauges were sent (values that are ``None`` are left out).
+    """
+    from airflow.sdk.observability.stats import Stats
+
+    schema = metrics["schema"]
+    sent = 0
+
+    def gauge(name: str, value: Any, tags: dict[str, str]) -> None:
+        nonlocal sent
+        if value is None:
+            return
+        Stats.gauge(f"{prefix}.{schema}.{name}", float(value), tags={"schema": schema, **tags})
+        sent += 1
+
+    for queue, values in metrics.get("queues", {}).items():
+        for key in _QUEUE_GAUGES:
+            gauge(f"{queue}.{key}", values.get(key), {"queue": queue})
+    for table, values in metrics.get("tables", {}).items():
+        for key in _TABLE_GAUGES:
+            gauge(f"table.{table}.{key}", values.get(key), {"table": table})
+    for index, values in metrics.get("indexes", {}).items():
+        for key in _INDEX_GAUGES:
+            gauge(f"index.{index}.{key}", values.get(key), {"index": index})
+    gauge("xmin_holders", len(metrics.get("xmin_holders", [])), {})
+    return sent
 
 
 def message_to_xcom(msg: Message, payload_type: PayloadType) -> dict[str, Any]:
@@ -403,6 +455,132 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
         if extra.get("sslmode"):
             url += f"?sslmode={extra['sslmode']}"
         return url, conn.login or None, conn.password or None
+
+    # -- maintenance (the maintenance DAG's steps; see airflow_dbqueue.engine.maintenance) ---------------
+
+    def maintenance(self) -> Maintenance:
+        """Return the engine's maintenance steps for this schema."""
+        return self.get_conn().maintenance()
+
+    def archive(
+        self,
+        *,
+        older_than_s: float = 300.0,
+        batch_size: int = 1000,
+        pause_s: float = 0.05,
+        time_budget_s: float = 60.0,
+        queues: Sequence[str] | None = None,
+        lock_wait_s: float = 0.0,
+    ) -> dict[str, Any]:
+        """Move finished messages older than ``older_than_s`` into the archive in bounded batches.
+
+        See :meth:`Maintenance.archive`. Returns a JSON-safe dict; ``skipped`` says why when another
+        maintenance run held the schema's lock for longer than ``lock_wait_s``.
+        """
+        return (
+            self.maintenance()
+            .archive(
+                older_than_s=older_than_s,
+                batch_size=batch_size,
+                pause_s=pause_s,
+                time_budget_s=time_budget_s,
+                queues=queues,
+                lock_wait_s=lock_wait_s,
+            )
+            .as_dict()
+        )
+
+    def purge_archive(
+        self,
+        *,
+        older_than_s: float,
+        batch_size: int = 1000,
+        pause_s: float = 0.05,
+        time_budget_s: float = 60.0,
+        queues: Sequence[str] | None = None,
+        lock_wait_s: float = 0.0,
+    ) -> dict[str, Any]:
+        """Delete archived messages older than ``older_than_s`` in bounded batches (the archive retention)."""
+        return (
+            self.maintenance()
+            .purge_archive(
+                older_than_s=older_than_s,
+                batch_size=batch_size,
+                pause_s=pause_s,
+                time_budget_s=time_budget_s,
+                queues=queues,
+                lock_wait_s=lock_wait_s,
+            )
+            .as_dict()
+        )
+
+    def recover(
+        self, queues: Sequence[str] | None = None, *, limit: int = 10_000
+    ) -> dict[str, dict[str, int]]:
+        """Run each queue's design upkeep: reclaim expired leases (and, for ring queues, recover gaps)."""
+        return self.maintenance().recover(queues, limit=limit)
+
+    def vacuum(self, *, lock_wait_s: float = 0.0) -> dict[str, Any]:
+        """VACUUM (ANALYZE) the schema's tables, skipping any that another session has locked."""
+        return self.maintenance().vacuum(lock_wait_s=lock_wait_s)
+
+    def rebuild_indexes(
+        self,
+        *,
+        bloat_ratio: float = 2.0,
+        min_bloat_bytes: int = 1024 * 1024,
+        timeout_s: float = 600.0,
+        lock_wait_s: float = 0.0,
+    ) -> dict[str, Any]:
+        """Rebuild bloated indexes with REINDEX CONCURRENTLY and drop INVALID leftovers of failed rebuilds."""
+        return self.maintenance().rebuild_indexes(
+            bloat_ratio=bloat_ratio,
+            min_bloat_bytes=min_bloat_bytes,
+            timeout_s=timeout_s,
+            lock_wait_s=lock_wait_s,
+        )
+
+    def check_horizon(
+        self, *, min_age_s: float = 300.0, min_xid_age: int = 1_000_000
+    ) -> list[dict[str, Any]]:
+        """Return (and log a warning for) whatever holds back the xmin horizon, as JSON-safe dicts."""
+        holders = self.maintenance().xmin_holders(min_age_s=min_age_s, min_xid_age=min_xid_age)
+        for h in holders:
+            self.log.warning(
+                "The xmin horizon is held back (VACUUM cannot remove dead rows): %s", h.describe()
+            )
+        return [h.as_dict() for h in holders]
+
+    def queue_metrics(
+        self, queues: Sequence[str] | None = None, *, rate_window_s: float = 300.0, emit: bool = True
+    ) -> dict[str, Any]:
+        """Return the schema's queue metrics as a JSON-safe dict, and send them through Airflow's metrics.
+
+        See :meth:`Maintenance.metrics` for the dict and :func:`emit_metrics` for the metric names.
+        """
+        metrics = self.maintenance().metrics(queues, rate_window_s=rate_window_s)
+        if emit:
+            sent = emit_metrics(metrics)
+            self.log.info("Sent %d dbqueue gauges for schema %s", sent, metrics["schema"])
+        return metrics
+
+    def maintain(
+        self, config: MaintenanceConfig | Mapping[str, Any] | None = None, *, emit: bool = True
+    ) -> dict[str, Any]:
+        """Run every maintenance step once under the schema's lock; return the JSON-safe report.
+
+        ``config`` is a :class:`MaintenanceConfig` or a mapping of its fields (``None`` values keep
+        the defaults). The report's ``metrics`` are also sent through Airflow's metrics unless ``emit``
+        is false.
+        """
+        if config is None or isinstance(config, Mapping):
+            config = MaintenanceConfig.from_mapping(config or {})
+        report = self.maintenance().run(config)
+        if report["skipped"]:
+            self.log.warning("dbqueue maintenance skipped: %s", report["skipped"])
+        if emit:
+            emit_metrics(report["metrics"])
+        return report
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[psycopg.Connection[Any]]:

@@ -179,3 +179,19 @@ def test_drop_queue_drops_its_batches(dbq: DbQueue, pg_dsn: str) -> None:
     with psycopg.connect(pg_dsn) as c:
         n = c.execute(f'SELECT count(*) FROM "{dbq.schema}".batches').fetchone()
     assert n == (0,)
+
+
+def test_upkeep_forgets_old_finished_batches_only(dbq: DbQueue) -> None:
+    q = dbq.create_queue("orders")
+    q.push_batch([{"n": i} for i in range(6)])
+    acked, released, still_open = q.claim_batch(2), q.claim_batch(2), q.claim_batch(2)
+    assert acked is not None and released is not None and still_open is not None
+    q.ack_batch(acked.batch_id)
+    q.release_batch(released.batch_id, delay=60)
+    assert q.maintain() == {"reclaimed": 0, "batches_purged": 0}  # a week's retention by default
+    q.batch_retention_s = 0  # type: ignore[attr-defined]
+    time.sleep(0.01)
+    assert q.maintain() == {"reclaimed": 0, "batches_purged": 2}
+    assert [b.batch_id for b in q.open_batches()] == [still_open.batch_id]
+    with pytest.raises(BatchNotFoundError):
+        q.get_batch(acked.batch_id)

@@ -76,3 +76,33 @@ def test_ring_design_is_not_available_yet(pg_dsn: str) -> None:
     assert proc.returncode != 0
     assert "ring design is not available yet" in proc.stderr
     assert proc.stdout == ""
+
+
+def test_maintenance_mode_reports_latency_percentiles_with_and_without(pg_dsn: str) -> None:
+    proc = _run(
+        pg_dsn,
+        "--maintenance",
+        "--producers",
+        "1",
+        "--batch",
+        "100",
+        "--seconds",
+        "1.5",
+        "--warmup",
+        "0.5",
+        "--semantics",
+        "at-least-once",
+        "--json",
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    [line] = [line for line in proc.stdout.splitlines() if line.strip()]
+    point: dict[str, Any] = json.loads(line)
+    assert point["mode"] == "maintenance" and point["valid"] is True
+    assert (point["lost"], point["duplicated"]) == (0, 0)
+    for op in ("push", "pop", "ack"):
+        assert point[f"{op}_calls_off"] > 0 and point[f"{op}_calls_on"] > 0
+        for pct in (50, 95, 99):
+            assert point[f"{op}_p{pct}_ms_off"] > 0 and point[f"{op}_p{pct}_ms_on"] > 0
+            assert point[f"{op}_p{pct}_ratio"] is not None
+    assert point["maintenance"]["runs"] >= 1 and point["maintenance"]["archived"] > 0

@@ -20,7 +20,7 @@ from psycopg import sql
 from psycopg.pq import ExecStatus
 
 import airflow_dbqueue.engine as engine_pkg
-from airflow_dbqueue.engine import DbQueue, SchemaError
+from airflow_dbqueue.engine import DbQueue, InvalidNameError, SchemaError
 from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
 from airflow_dbqueue.engine.dialects.postgres.dialect import migrations, schema_sql
 from airflow_dbqueue.engine.sqlfile import load_queries
@@ -411,15 +411,45 @@ def _query_names() -> list[str]:
     return list(load_queries(POSTGRES_PKG, "queries.sql"))
 
 
+def _identifiers(body: str) -> dict[str, str]:
+    """Sample values of a query's identifier placeholders other than {schema} ({table}, {index})."""
+    return {k: f"sample_{k}" for k in re.findall(r"\{([a-z_]+)\}", body) if k != "schema"}
+
+
+def _sample_identifiers(name: str) -> dict[str, str]:
+    """Real names for the identifier placeholders of a query, to plan it against an installed schema."""
+    body = load_queries(POSTGRES_PKG, "queries.sql")[name]
+    real = {"table": "meta", "index": "meta_ready_idx"}
+    return {k: real[k] for k in _identifiers(body)}
+
+
 def test_every_named_query_composes() -> None:
     raw = load_queries(POSTGRES_PKG, "queries.sql")
     assert raw, "queries.sql holds no named query"
     db = PostgresDatabase("host=unused.invalid", schema="sample_schema")  # composing does no I/O
     for name, body in raw.items():
-        text = db.query(name).decode()
-        assert "{schema}" not in text, name
+        idents = _identifiers(body)
+        text = db.query(name, idents).decode()
+        assert "{" not in text, name
         assert ("{schema}" in body) == ('"sample_schema"' in text), name
+        for value in idents.values():
+            assert f'"{value}"' in text, name
         assert text.strip(), name
+
+
+def test_only_utility_statements_take_identifier_placeholders() -> None:
+    """{table} and {index} belong to VACUUM, ANALYZE, REINDEX and DROP INDEX; anywhere else (say, in a
+    comment that ended up in the block before it) they would break the query at run time."""
+    raw = load_queries(POSTGRES_PKG, "queries.sql")
+    with_idents = sorted(name for name, body in raw.items() if _identifiers(body))
+    assert with_idents == ["analyze_table", "drop_index_concurrently", "reindex_concurrently", "vacuum_table"]
+
+
+def test_identifier_placeholders_are_validated() -> None:
+    db = PostgresDatabase("host=unused.invalid", schema="sample_schema")
+    with pytest.raises(InvalidNameError):
+        db.query("vacuum_table", {"table": 'meta"; DROP TABLE x; --'})
+    assert db.query("vacuum_table", {"table": "meta"}).decode().endswith('"sample_schema"."meta"')
 
 
 def _server_placeholders(text: str) -> tuple[str, dict[str, int]]:
@@ -437,7 +467,7 @@ def test_every_named_query_parses_and_plans_on_the_server(dbq: DbQueue, pg_dsn: 
     failures = []
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         for i, name in enumerate(_query_names()):
-            text, _ = _server_placeholders(dbq.db.query(name).decode())
+            text, _ = _server_placeholders(dbq.db.query(name, _sample_identifiers(name)).decode())
             res = conn.pgconn.prepare(f"dbq_check_{i}".encode(), text.encode())
             if res.status != ExecStatus.COMMAND_OK:
                 failures.append(f"{name}: {(res.error_message or b'').decode().strip()}")

@@ -25,7 +25,7 @@ from airflow_dbqueue.engine.errors import (
     DbQueueError,
     SchemaError,
 )
-from airflow_dbqueue.engine.names import validate_schema_name
+from airflow_dbqueue.engine.names import validate_identifier, validate_schema_name
 from airflow_dbqueue.engine.sqlfile import load_queries, parse_named_queries, read_text
 
 log = logging.getLogger(__name__)
@@ -158,6 +158,29 @@ class PostgresDatabase:
             self._discard_pool(pool)
             raise
 
+    @contextlib.contextmanager
+    def dedicated_connection(self, application_name: str) -> Iterator[psycopg.Connection[Any]]:
+        """Yield a connection of its own (not pooled, autocommit), closed on exit.
+
+        Maintenance holds a session-level advisory lock on it for a whole run, and runs statements
+        that cannot run in a transaction block (VACUUM, REINDEX CONCURRENTLY): closing it releases
+        the lock whatever happened, and no pooled connection is handed back with a lock or a setting.
+        """
+        with self.translate_errors():
+            conn = psycopg.connect(
+                self.dsn,
+                autocommit=True,
+                application_name=application_name,
+                connect_timeout=max(1, int(self._connect_timeout)),
+                prepare_threshold=None,
+            )
+        try:
+            _configure_connection(conn)
+            yield conn
+        finally:
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
+
     def _discard_pool(self, pool: ConnectionPool) -> None:
         """Replace a pool after a connection failure: the server may have restarted.
 
@@ -208,34 +231,52 @@ class PostgresDatabase:
 
     # -- named queries ---------------------------------------------------------------------------
 
-    def query(self, name: str) -> bytes:
-        """Return the named query composed for this schema (cached)."""
-        q = self._composed.get(name)
+    def query(self, name: str, identifiers: Mapping[str, str] | None = None) -> bytes:
+        """Return the named query composed for this schema (cached).
+
+        :param identifiers: values of the query's other identifier placeholders (``{table}``,
+            ``{index}``: utility statements such as VACUUM and REINDEX cannot take bound parameters).
+            Each must be a valid identifier; it is quoted by psycopg, never pasted in.
+        """
+        key = name if not identifiers else f"{name}:{sorted(identifiers.items())}"
+        q = self._composed.get(key)
         if q is None:
             body = load_queries(_PKG, "queries.sql")[name]
-            q = self.compose(body)
-            self._composed[name] = q
+            q = self.compose(body, identifiers)
+            if not identifiers:
+                self._composed[key] = q
         return q
 
-    def compose(self, body: str) -> bytes:
-        """Replace ``{schema}`` in ``body`` by the quoted schema name."""
-        # Only {schema} is substituted; literal braces are not used in our SQL.
-        return sql.SQL(body).format(schema=sql.Identifier(self.schema)).as_string(None).encode()
+    def compose(self, body: str, identifiers: Mapping[str, str] | None = None) -> bytes:
+        """Replace ``{schema}`` (and the given ``identifiers``) in ``body`` by quoted identifiers."""
+        # Only identifier placeholders are substituted; literal braces are not used in our SQL.
+        idents = {k: sql.Identifier(validate_identifier(v)) for k, v in (identifiers or {}).items()}
+        return sql.SQL(body).format(schema=sql.Identifier(self.schema), **idents).as_string(None).encode()
 
     def fetchall(
-        self, name: str, params: Mapping[str, Any] | None = None, conn: psycopg.Connection[Any] | None = None
+        self,
+        name: str,
+        params: Mapping[str, Any] | None = None,
+        conn: psycopg.Connection[Any] | None = None,
+        *,
+        identifiers: Mapping[str, str] | None = None,
     ) -> list[tuple[Any, ...]]:
         """Run a named query and return all its rows."""
         with self.connection(conn) as c, self.translate_errors():
-            cur = c.execute(self.query(name), params)
+            cur = c.execute(self.query(name, identifiers), params)
             return cur.fetchall() if cur.description is not None else []
 
     def fetchone(
-        self, name: str, params: Mapping[str, Any] | None = None, conn: psycopg.Connection[Any] | None = None
+        self,
+        name: str,
+        params: Mapping[str, Any] | None = None,
+        conn: psycopg.Connection[Any] | None = None,
+        *,
+        identifiers: Mapping[str, str] | None = None,
     ) -> tuple[Any, ...] | None:
         """Run a named query and return its first row (or None)."""
         with self.connection(conn) as c, self.translate_errors():
-            return c.execute(self.query(name), params).fetchone()
+            return c.execute(self.query(name, identifiers), params).fetchone()
 
     def render(self, name: str, params: Mapping[str, Any]) -> str:
         """Return the named query as text with its parameters bound client-side, for a reader that
@@ -244,11 +285,16 @@ class PostgresDatabase:
             return psycopg.ClientCursor(c).mogrify(self.query(name), params)
 
     def execute(
-        self, name: str, params: Mapping[str, Any] | None = None, conn: psycopg.Connection[Any] | None = None
+        self,
+        name: str,
+        params: Mapping[str, Any] | None = None,
+        conn: psycopg.Connection[Any] | None = None,
+        *,
+        identifiers: Mapping[str, str] | None = None,
     ) -> int:
         """Run a named statement and return its row count."""
         with self.connection(conn) as c, self.translate_errors():
-            return c.execute(self.query(name), params).rowcount
+            return c.execute(self.query(name, identifiers), params).rowcount
 
     # -- LISTEN/NOTIFY -----------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 -- The whole current schema of a dbqueue schema on PostgreSQL, for a fresh install.
 -- {schema} is replaced by the quoted schema name. Keep in step with migrations/: a test checks that
 -- applying every migration from the first gives exactly this schema.
--- SCHEMA_VERSION: 3
+-- SCHEMA_VERSION: 4
 
 -- name: schema
 CREATE SCHEMA IF NOT EXISTS {schema};
@@ -60,7 +60,8 @@ CREATE TABLE {schema}.meta (
     CONSTRAINT meta_state_valid CHECK (state IN (0, 1, 2)),
     CONSTRAINT meta_lease_valid CHECK ((state = 1) = (lease_until IS NOT NULL))
 ) WITH (fillfactor = 90, autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
-        autovacuum_vacuum_insert_scale_factor = 0.05, autovacuum_analyze_scale_factor = 0.05);
+        autovacuum_vacuum_insert_scale_factor = 0.05, autovacuum_analyze_scale_factor = 0.05,
+        autovacuum_vacuum_cost_delay = 0);
 
 -- Shaped exactly like the claim: WHERE queue_id = ? AND state = 0 ORDER BY priority DESC, process_at, id.
 CREATE INDEX meta_ready_idx ON {schema}.meta (queue_id, priority DESC, process_at, id) WHERE state = 0;
@@ -77,7 +78,8 @@ CREATE TABLE {schema}.data (
 ) WITH (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
         autovacuum_vacuum_insert_scale_factor = 0.05);
 
--- Finished messages waiting to be archived (queues with archive = true); append-only.
+-- Finished messages waiting to be archived (queues with archive = true): appended by pop and ack, and
+-- moved to archive in small batches by the archiver (maintenance).
 -- outcome: 1 finished (popped at most once, or acked), 2 discarded from the failed state.
 CREATE TABLE {schema}.done (
     id bigint NOT NULL,
@@ -88,10 +90,13 @@ CREATE TABLE {schema}.done (
     finished_at timestamptz NOT NULL DEFAULT now(),
     outcome smallint NOT NULL,
     CONSTRAINT done_outcome_valid CHECK (outcome IN (1, 2))
-) WITH (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000);
+) WITH (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
+        autovacuum_vacuum_cost_delay = 0, autovacuum_vacuum_insert_scale_factor = 0.05,
+        autovacuum_analyze_scale_factor = 0.05);
 CREATE INDEX done_finished_brin ON {schema}.done USING brin (finished_at);
 
--- Archived messages with their payloads, moved out of done/data by the archiver.
+-- Archived messages with their payloads, moved out of done/data by the archiver; an archive retention
+-- deletes them again after a while.
 CREATE TABLE {schema}.archive (
     id bigint NOT NULL,
     queue_id integer NOT NULL,
@@ -103,7 +108,8 @@ CREATE TABLE {schema}.archive (
     outcome smallint NOT NULL,
     payload bytea NOT NULL,
     CONSTRAINT archive_pkey PRIMARY KEY (id)
-);
+) WITH (autovacuum_vacuum_scale_factor = 0.05, autovacuum_vacuum_threshold = 1000,
+        autovacuum_vacuum_insert_scale_factor = 0.1, autovacuum_analyze_scale_factor = 0.05);
 CREATE INDEX archive_archived_brin ON {schema}.archive USING brin (archived_at);
 
 -- Batches: messages claimed together under one lease and one id (the table design's claim_batch),

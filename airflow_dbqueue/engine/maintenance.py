@@ -1,0 +1,859 @@
+"""Maintenance of a queue schema, around the clock and without a maintenance window (seed 002).
+
+Queue tables die of bloat: every message leaves dead rows and dead index entries behind, and a
+queue's indexes see inserts at one end and deletes at the other. :class:`Maintenance` keeps a
+schema small and fast while producers and consumers run:
+
+- **continuous archiving**: finished messages older than a retention move from ``done`` (and their
+  payloads from ``data``) into ``archive``, in bounded batches of one statement each, with a pause
+  between batches and a time budget per run; an archive retention deletes archived rows later, the
+  same way. Each batch skips rows other sessions hold and holds its own row locks for one short
+  statement, so push, pop and ack never wait for it.
+- **design upkeep**: :meth:`Queue.maintain` of every queue (expired leases back to ready or failed
+  for the table design; the ring design adds the recovery of its gaps there).
+- **VACUUM / ANALYZE** of the schema's tables (``SKIP_LOCKED``), and a warning naming whatever holds
+  back the xmin horizon (a long transaction, a replication slot, a prepared transaction), which
+  keeps any VACUUM from removing dead rows.
+- **online index rebuild**: ``REINDEX INDEX CONCURRENTLY`` of B-tree indexes whose size is well past
+  what their entries need, and clean-up of the INVALID index a failed concurrent rebuild leaves.
+- **metrics**: depth by state, age of the oldest ready message, push and finish rates, table sizes,
+  dead rows and index bloat, as one JSON-safe dict.
+
+Steps that change things hold the schema's maintenance lock (a session-level advisory lock on a
+connection of their own), so two runs never fight: the second waits up to ``lock_wait_s`` and then
+skips, saying which session holds the lock. A :class:`Maintenance` object is not thread-safe; use
+one per thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import logging
+import math
+import re
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from airflow_dbqueue.engine.errors import ConfigurationError, DbQueueError
+
+if TYPE_CHECKING:
+    import psycopg
+
+    from airflow_dbqueue.engine.client import DbQueue
+
+log = logging.getLogger(__name__)
+
+APPLICATION_NAME = "airflow-dbqueue-maintenance"
+"""``application_name`` of the connection a maintenance step runs on (and holds its lock with)."""
+TABLES = ("meta", "data", "done", "archive", "queues", "batches")
+"""The schema's tables, in the order VACUUM visits them (the dequeue path first)."""
+_LEFTOVER = re.compile(r"_cc(new|old)\d*$")
+"""Suffixes PostgreSQL gives the indexes of a REINDEX CONCURRENTLY in progress (or one that failed)."""
+MiB = 1024 * 1024
+
+
+def _iso(value: Any) -> Any:
+    return value.isoformat() if isinstance(value, dt.datetime) else value
+
+
+def _ms(seconds: float) -> str:
+    return str(max(0, int(seconds * 1000)))
+
+
+# -- results ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BatchResult:
+    """What a batched step (archiving, archive retention) did in one run."""
+
+    schema: str
+    step: str
+    """``archive`` or ``purge_archive``."""
+    rows: int
+    """Messages moved to the archive (``archive``) or deleted from it (``purge_archive``)."""
+    batches: int
+    seconds: float
+    stopped: str
+    """Why the run ended: ``drained`` (a short batch: nothing old enough is left), ``time budget`` or
+    ``skipped`` (another run holds the lock; see ``skipped``)."""
+    skipped: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return a JSON-safe dict (for logs, XCom and the CLI)."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class IndexHealth:
+    """One index of the schema, with an estimate of the size its entries need."""
+
+    index: str
+    table: str
+    method: str
+    valid: bool
+    size_bytes: int
+    entries: int | None
+    """Entries counted by the last VACUUM or ANALYZE (``None`` when never counted)."""
+    expected_bytes: int | None
+    """Size a freshly built B-tree of ``entries`` entries would have (``None`` for other methods, or
+    when ``entries`` is unknown)."""
+    build_running: bool
+    """An index build (CREATE INDEX or REINDEX CONCURRENTLY) is running on the table right now."""
+
+    @property
+    def bloat_ratio(self) -> float | None:
+        """``size_bytes / expected_bytes``: about 1 for a fresh index, more as it bloats."""
+        if not self.expected_bytes:
+            return None
+        return self.size_bytes / self.expected_bytes
+
+    @property
+    def bloat_bytes(self) -> int | None:
+        """Bytes beyond the expected size (0 when there are none)."""
+        if self.expected_bytes is None:
+            return None
+        return max(0, self.size_bytes - self.expected_bytes)
+
+    @property
+    def leftover(self) -> bool:
+        """An INVALID index left by a failed concurrent rebuild (``<name>_ccnew``, ``<name>_ccold``)."""
+        return not self.valid and _LEFTOVER.search(self.index) is not None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return a JSON-safe dict."""
+        out = dataclasses.asdict(self)
+        ratio = self.bloat_ratio
+        out["bloat_ratio"] = None if ratio is None else round(ratio, 3)
+        out["bloat_bytes"] = self.bloat_bytes
+        return out
+
+
+def expected_btree_bytes(entries: float, key_width: int, fillfactor: int, block_size: int) -> int:
+    """Estimate the size of a freshly built B-tree index of ``entries`` entries.
+
+    Each leaf entry is an 8-byte index tuple header plus the key columns, MAXALIGNed, plus a 4-byte
+    line pointer; leaf pages are filled to ``fillfactor`` percent of what the page header (24 bytes) and
+    the B-tree special space (16 bytes) leave. Inner pages hold one downlink a leaf page (none when a
+    single leaf is the root), and the metapage is one more. Deduplication makes some indexes smaller
+    than this: the estimate errs towards "not bloated".
+    """
+    tuple_bytes = 4 + 8 * math.ceil((8 + max(0, key_width)) / 8)
+    usable = (block_size - 24 - 16) * max(10, min(100, fillfactor)) / 100
+    leaf = max(1, math.ceil(max(0.0, entries) * tuple_bytes / usable))
+    inner = math.ceil(leaf * tuple_bytes / usable) if leaf > 1 else 0
+    return (1 + leaf + inner) * block_size
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class IndexAction:
+    """One thing :meth:`Maintenance.rebuild_indexes` did (or tried) to an index."""
+
+    index: str
+    action: str
+    """``reindex`` (bloated), ``rebuild invalid`` (an INVALID index of the schema), ``drop leftover``
+    (the INVALID index of a failed concurrent rebuild), or ``skip`` (a build runs on its table)."""
+    ok: bool
+    seconds: float
+    size_before: int | None = None
+    size_after: int | None = None
+    reason: str | None = None
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return a JSON-safe dict."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class XminHolder:
+    """Something that holds back the xmin horizon, so VACUUM cannot remove dead rows."""
+
+    kind: str
+    """``transaction``, ``replication slot`` or ``prepared transaction``."""
+    pid: int | None
+    name: str
+    """The application name (transactions), slot name or prepared transaction's gid."""
+    user: str | None
+    state: str | None
+    age_s: float | None
+    xid_age: int | None
+    xact_start: str | None
+    query_start: str | None
+    query: str | None
+    """The session's current or last statement (transactions), or the slot type."""
+
+    def describe(self) -> str:
+        """One line for a log."""
+        age = f"{self.age_s:.0f}s" if self.age_s is not None else "?"
+        bits = [f"{self.kind} {self.name!r}"]
+        if self.pid is not None:
+            bits.append(f"pid {self.pid}")
+        if self.user:
+            bits.append(f"user {self.user}")
+        if self.state:
+            bits.append(f"state {self.state}")
+        bits.append(f"age {age}, {self.xid_age} transactions")
+        if self.query_start:
+            bits.append(f"query started {self.query_start}")
+        if self.query:
+            bits.append(f"query {self.query[:120]!r}")
+        return ", ".join(bits)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return a JSON-safe dict."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MaintenanceConfig:
+    """Settings of a full maintenance run (:meth:`Maintenance.run`). Times are in seconds.
+
+    :param queues: the queues to maintain (archiving, upkeep, metrics); ``None``: every queue.
+    :param archive_after_s: finished messages older than this are archived (0: all finished ones).
+    :param archive_retention_s: archived messages older than this are deleted; ``None`` keeps them.
+    :param batch_size: rows a batch statement moves or deletes.
+    :param pause_s: pause between batches.
+    :param time_budget_s: the most a batched step (archiving, retention) runs in one call.
+    :param vacuum: run VACUUM (ANALYZE) on the schema's tables.
+    :param reindex: rebuild bloated B-tree indexes online and clean up INVALID ones.
+    :param reindex_bloat_ratio: rebuild an index when its size is at least this many times the estimate.
+    :param reindex_min_bytes: ... and at least this many bytes above it.
+    :param reindex_timeout_s: statement and lock timeout of one REINDEX or DROP INDEX CONCURRENTLY.
+    :param lock_wait_s: how long to wait for another run's lock before skipping.
+    :param horizon_min_age_s: report transactions (and prepared ones) older than this holding the xmin.
+    :param horizon_min_xid_age: report replication slots holding an xmin older than this many transactions.
+    :param rate_window_s: window of the push and finish rates.
+    :param reclaim_limit: most expired leases a queue's upkeep returns in one call.
+    """
+
+    queues: tuple[str, ...] | None = None
+    archive_after_s: float = 300.0
+    archive_retention_s: float | None = 7 * 24 * 3600.0
+    batch_size: int = 1000
+    pause_s: float = 0.05
+    time_budget_s: float = 60.0
+    vacuum: bool = True
+    reindex: bool = True
+    reindex_bloat_ratio: float = 2.0
+    reindex_min_bytes: int = MiB
+    reindex_timeout_s: float = 600.0
+    lock_wait_s: float = 0.0
+    horizon_min_age_s: float = 300.0
+    horizon_min_xid_age: int = 1_000_000
+    rate_window_s: float = 300.0
+    reclaim_limit: int = 10_000
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.batch_size <= 100_000:
+            raise ConfigurationError(f"maintenance batch_size must be in 1..100000, got {self.batch_size}")
+        for name in ("archive_after_s", "pause_s", "time_budget_s", "lock_wait_s", "horizon_min_age_s"):
+            if getattr(self, name) < 0:
+                raise ConfigurationError(f"maintenance {name} must be >= 0, got {getattr(self, name)}")
+        if self.archive_retention_s is not None and self.archive_retention_s < 0:
+            raise ConfigurationError(
+                f"archive_retention_s must be >= 0 or None, got {self.archive_retention_s}"
+            )
+        if self.reindex_bloat_ratio < 1 or self.reindex_min_bytes < 0 or self.reindex_timeout_s <= 0:
+            raise ConfigurationError(
+                "need reindex_bloat_ratio >= 1, reindex_min_bytes >= 0 and reindex_timeout_s > 0"
+            )
+        if self.rate_window_s <= 0 or self.reclaim_limit < 1:
+            raise ConfigurationError("need rate_window_s > 0 and reclaim_limit >= 1")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> MaintenanceConfig:
+        """Build a config from a mapping (DAG params, an Airflow Variable); ``None`` values keep defaults.
+
+        Unknown keys raise :class:`ConfigurationError`, so a misspelt setting is not silently ignored.
+        """
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - fields)
+        if unknown:
+            raise ConfigurationError(f"unknown maintenance settings {unknown}; known: {sorted(fields)}")
+        kwargs = {k: v for k, v in values.items() if v is not None}
+        if "queues" in kwargs:
+            kwargs["queues"] = tuple(kwargs["queues"]) or None
+        # archive_retention_s may be given as a negative number or "" to mean "keep forever".
+        if "archive_retention_s" in values and values["archive_retention_s"] in ("", -1):
+            kwargs["archive_retention_s"] = None
+        try:
+            return cls(**kwargs)
+        except TypeError as exc:
+            raise ConfigurationError(f"bad maintenance settings: {exc}") from None
+
+
+# -- maintenance -----------------------------------------------------------------------------------
+
+
+class Maintenance:
+    """The maintenance steps of one schema. Obtain it with :meth:`DbQueue.maintenance`.
+
+    Every step can run while producers and consumers run at full speed. Steps that change things
+    take the schema's maintenance lock for their duration (unless a :meth:`lock` block holds it
+    already); read-only steps (:meth:`index_health`, :meth:`xmin_holders`, :meth:`metrics`) do not.
+    """
+
+    def __init__(self, dbq: DbQueue) -> None:
+        self._dbq = dbq
+        self._db = dbq.db
+        self.schema = dbq.schema
+        self._held: psycopg.Connection[Any] | None = None
+        self._skip_reason: str | None = None
+
+    # -- the lock ------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def lock(self, wait_s: float = 0.0) -> Iterator[bool]:
+        """Hold the schema's maintenance lock for the block; yield whether it was obtained.
+
+        Waits up to ``wait_s`` seconds for another run to finish; when it does not, logs which
+        session holds the lock and yields ``False`` (the caller skips its work). Nested blocks reuse
+        the lock held by the outer one.
+        """
+        if self._held is not None:
+            yield True
+            return
+        params = {"schema": self.schema}
+        with self._db.dedicated_connection(APPLICATION_NAME) as conn:
+            deadline = time.monotonic() + max(0.0, wait_s)
+            announced = False
+            while True:
+                row = self._db.fetchone("maintenance_try_lock", params, conn)
+                if row and row[0]:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._skip_reason = (
+                        f"another maintenance run holds the lock of schema {self.schema!r} "
+                        f"({self._describe_holder(conn)})" + (f"; waited {wait_s:g}s" if wait_s > 0 else "")
+                    )
+                    log.warning("dbqueue maintenance skipped: %s", self._skip_reason)
+                    yield False
+                    return
+                if not announced:
+                    log.info(
+                        "dbqueue maintenance: waiting up to %gs for the lock of schema %r, held by %s",
+                        wait_s,
+                        self.schema,
+                        self._describe_holder(conn),
+                    )
+                    announced = True
+                time.sleep(min(0.25, left))
+            self._held = conn
+            self._skip_reason = None
+            try:
+                yield True
+            finally:
+                self._held = None
+                with contextlib.suppress(DbQueueError):
+                    self._db.fetchone("maintenance_unlock", params, conn)
+
+    def _describe_holder(self, conn: psycopg.Connection[Any]) -> str:
+        try:
+            row = self._db.fetchone("maintenance_lock_holder", {"schema": self.schema}, conn)
+        except DbQueueError as exc:
+            return f"holder unknown: {exc}"
+        if row is None:
+            return "holder gone since"
+        pid, app, addr, connected_s, state = row
+        return (
+            f"pid {pid}, application {app!r}, client {addr or 'local'}, connected {connected_s:.0f}s, {state}"
+        )
+
+    def _conn(self) -> psycopg.Connection[Any]:
+        assert self._held is not None, "a maintenance step ran outside its lock"
+        return self._held
+
+    # -- archiving -----------------------------------------------------------------------------------
+
+    def _queue_filter(self, queues: Sequence[str] | None) -> dict[str, Any]:
+        if queues is None:
+            return {"all_queues": True, "queue_ids": []}
+        return {"all_queues": False, "queue_ids": [self._dbq.queue(q).settings.queue_id for q in queues]}
+
+    def archive(
+        self,
+        *,
+        older_than_s: float = 300.0,
+        batch_size: int = 1000,
+        pause_s: float = 0.05,
+        time_budget_s: float = 60.0,
+        queues: Sequence[str] | None = None,
+        lock_wait_s: float = 0.0,
+        statement_timeout_s: float = 30.0,
+    ) -> BatchResult:
+        """Move finished messages older than ``older_than_s`` into the archive, in bounded batches.
+
+        One statement a batch of at most ``batch_size`` messages, ``pause_s`` between batches, and
+        no new batch once ``time_budget_s`` is spent. Stops early at a short batch (nothing old
+        enough is left). Each batch is its own transaction with a ``statement_timeout``, and a
+        ``lock_timeout`` of one second: it never waits long for a lock (and skips locked rows).
+        """
+        return self._batches(
+            "archive_batch",
+            "archive",
+            older_than_s=older_than_s,
+            batch_size=batch_size,
+            pause_s=pause_s,
+            time_budget_s=time_budget_s,
+            queues=queues,
+            lock_wait_s=lock_wait_s,
+            statement_timeout_s=statement_timeout_s,
+        )
+
+    def purge_archive(
+        self,
+        *,
+        older_than_s: float,
+        batch_size: int = 1000,
+        pause_s: float = 0.05,
+        time_budget_s: float = 60.0,
+        queues: Sequence[str] | None = None,
+        lock_wait_s: float = 0.0,
+        statement_timeout_s: float = 30.0,
+    ) -> BatchResult:
+        """Delete archived messages archived more than ``older_than_s`` ago, in bounded batches."""
+        return self._batches(
+            "purge_archive_batch",
+            "purge_archive",
+            older_than_s=older_than_s,
+            batch_size=batch_size,
+            pause_s=pause_s,
+            time_budget_s=time_budget_s,
+            queues=queues,
+            lock_wait_s=lock_wait_s,
+            statement_timeout_s=statement_timeout_s,
+        )
+
+    def _batches(
+        self,
+        query: str,
+        step: str,
+        *,
+        older_than_s: float,
+        batch_size: int,
+        pause_s: float,
+        time_budget_s: float,
+        queues: Sequence[str] | None,
+        lock_wait_s: float,
+        statement_timeout_s: float,
+    ) -> BatchResult:
+        if not isinstance(batch_size, int) or not 1 <= batch_size <= 100_000:
+            raise ConfigurationError(
+                f"{step}: batch_size must be an integer in 1..100000, got {batch_size!r}"
+            )
+        if older_than_s < 0 or pause_s < 0 or time_budget_s < 0 or statement_timeout_s <= 0:
+            raise ConfigurationError(
+                f"{step}: need older_than_s, pause_s, time_budget_s >= 0 and statement_timeout_s > 0"
+            )
+        started = time.monotonic()
+        params = {"older_than_s": float(older_than_s), "n": batch_size, **self._queue_filter(queues)}
+        timeouts = {"statement_ms": _ms(statement_timeout_s), "lock_ms": _ms(1.0), "local": True}
+        with self.lock(lock_wait_s) as got:
+            if not got:
+                return BatchResult(self.schema, step, 0, 0, 0.0, "skipped", self._skip_reason)
+            conn = self._conn()
+            rows = batches = 0
+            while True:
+                with self._db.transaction(conn) as c:
+                    self._db.fetchone("set_timeouts", timeouts, c)
+                    row = self._db.fetchone(query, params, c)
+                n = int(row[0]) if row else 0
+                rows += n
+                batches += 1
+                if n < batch_size:
+                    stopped = "drained"
+                    break
+                if time.monotonic() - started + pause_s >= time_budget_s:
+                    stopped = "time budget"
+                    break
+                time.sleep(pause_s)
+        result = BatchResult(self.schema, step, rows, batches, round(time.monotonic() - started, 3), stopped)
+        log.info(
+            "dbqueue %s of schema %r: %d rows in %d batches, %.2fs (%s)",
+            step,
+            self.schema,
+            rows,
+            batches,
+            result.seconds,
+            stopped,
+        )
+        return result
+
+    # -- per-design upkeep -----------------------------------------------------------------------------
+
+    def recover(
+        self, queues: Sequence[str] | None = None, *, limit: int = 10_000
+    ) -> dict[str, dict[str, int]]:
+        """Run every queue's design upkeep (:meth:`Queue.maintain`); return what it did, by queue.
+
+        The table design returns expired leases to ready (or failed); the ring design recovers its
+        gaps here too. Safe to run alongside consumers (claims skip locked rows), so it takes no lock.
+        """
+        names = list(queues) if queues is not None else [s.name for s in self._dbq.list_queues()]
+        out: dict[str, dict[str, int]] = {}
+        for name in names:
+            out[name] = self._dbq.queue(name).maintain(limit=limit)
+            if any(out[name].values()):
+                log.info("dbqueue upkeep of queue %r in schema %r: %s", name, self.schema, out[name])
+        return out
+
+    # -- VACUUM, ANALYZE and the xmin horizon ------------------------------------------------------------
+
+    def vacuum(
+        self, tables: Sequence[str] = TABLES, *, analyze_only: bool = False, lock_wait_s: float = 0.0
+    ) -> dict[str, Any]:
+        """Run ``VACUUM (ANALYZE, SKIP_LOCKED)`` (or only ``ANALYZE``) on the schema's tables.
+
+        :return: ``{"tables": {table: {"seconds", "dead_before", "dead_after"}}}``, or ``{"skipped": ...}``.
+        """
+        for t in tables:
+            if t not in TABLES:
+                raise ConfigurationError(f"{t!r} is not a table of the dbqueue schema; choose from {TABLES}")
+        with self.lock(lock_wait_s) as got:
+            if not got:
+                return {"skipped": self._skip_reason}
+            conn = self._conn()
+            before = {r["table"]: r["dead_tuples"] for r in self.table_health()}
+            done: dict[str, Any] = {}
+            for t in tables:
+                t0 = time.monotonic()
+                self._db.execute(
+                    "analyze_table" if analyze_only else "vacuum_table", None, conn, identifiers={"table": t}
+                )
+                done[t] = {"seconds": round(time.monotonic() - t0, 3), "dead_before": before.get(t)}
+            after = {r["table"]: r["dead_tuples"] for r in self.table_health()}
+            for t in tables:
+                done[t]["dead_after"] = after.get(t)
+        log.info("dbqueue %s of schema %r: %s", "ANALYZE" if analyze_only else "VACUUM", self.schema, done)
+        return {"tables": done}
+
+    def xmin_holders(self, *, min_age_s: float = 300.0, min_xid_age: int = 1_000_000) -> list[XminHolder]:
+        """Return what holds back the xmin horizon: old transactions (and prepared ones), and slots.
+
+        While one of them holds it, VACUUM (auto or not) cannot remove the dead rows of any table, and
+        queue tables bloat whatever maintenance does.
+        """
+        rows = self._db.fetchall("xmin_holders", {"min_age_s": float(min_age_s), "min_xid_age": min_xid_age})
+        return [
+            XminHolder(
+                kind=r[0],
+                pid=r[1],
+                name=r[2],
+                user=r[3],
+                state=r[4],
+                age_s=None if r[5] is None else round(float(r[5]), 1),
+                xid_age=r[6],
+                xact_start=_iso(r[7]),
+                query_start=_iso(r[8]),
+                query=r[9],
+            )
+            for r in rows
+        ]
+
+    def check_horizon(self, *, min_age_s: float = 300.0, min_xid_age: int = 1_000_000) -> list[XminHolder]:
+        """:meth:`xmin_holders`, with a warning logged for each."""
+        holders = self.xmin_holders(min_age_s=min_age_s, min_xid_age=min_xid_age)
+        for h in holders:
+            log.warning(
+                "dbqueue: the xmin horizon is held back (VACUUM cannot remove dead rows): %s", h.describe()
+            )
+        return holders
+
+    # -- indexes -------------------------------------------------------------------------------------
+
+    def index_health(self) -> list[IndexHealth]:
+        """Return every index of the schema with its size and a bloat estimate (B-tree indexes).
+
+        Entry counts come from the last VACUUM or ANALYZE; :meth:`rebuild_indexes` analyzes first.
+        """
+        out = []
+        for (
+            name,
+            table,
+            method,
+            valid,
+            size,
+            reltuples,
+            key_width,
+            fillfactor,
+            block_size,
+            running,
+        ) in self._db.fetchall("index_health", {"schema": self.schema}):
+            entries = None if reltuples is None or reltuples < 0 else int(reltuples)
+            expected = (
+                expected_btree_bytes(entries, key_width, fillfactor, block_size)
+                if method == "btree" and entries is not None
+                else None
+            )
+            out.append(IndexHealth(name, table, method, valid, int(size), entries, expected, running))
+        return out
+
+    def rebuild_indexes(
+        self,
+        *,
+        bloat_ratio: float = 2.0,
+        min_bloat_bytes: int = MiB,
+        timeout_s: float = 600.0,
+        analyze: bool = True,
+        only: Sequence[str] | None = None,
+        lock_wait_s: float = 0.0,
+    ) -> dict[str, Any]:
+        """Rebuild bloated indexes online and clean up INVALID ones; return what was done.
+
+        First the INVALID indexes: one left by a failed ``REINDEX CONCURRENTLY`` (``<name>_ccnew``,
+        ``<name>_ccold``) is dropped with ``DROP INDEX CONCURRENTLY``; an INVALID index of the schema
+        itself is rebuilt. Then every valid B-tree index at least ``bloat_ratio`` times its estimated
+        size and ``min_bloat_bytes`` above it is rebuilt with ``REINDEX INDEX CONCURRENTLY``, which
+        blocks neither reads nor writes. Indexes of a table on which an index build is running are
+        left alone. A rebuild that fails (``timeout_s`` passed, or it was cancelled) is reported, and
+        the INVALID index it left is dropped at once (or by the next run).
+
+        :param analyze: ANALYZE the tables first, so the entry counts behind the estimate are fresh.
+        :param only: rebuild exactly these indexes of the schema (by name), bloated or not; INVALID
+            leftovers of failed rebuilds are dropped all the same.
+        """
+        if bloat_ratio < 1 or min_bloat_bytes < 0 or timeout_s <= 0:
+            raise ConfigurationError("need bloat_ratio >= 1, min_bloat_bytes >= 0 and timeout_s > 0")
+        with self.lock(lock_wait_s) as got:
+            if not got:
+                return {"skipped": self._skip_reason, "actions": []}
+            if analyze:
+                self.vacuum(("meta", "data", "done", "archive"), analyze_only=True)
+            actions: list[IndexAction] = []
+            health = self.index_health()
+            wanted = set(only) if only is not None else None
+            unknown = sorted((wanted or set()) - {h.index for h in health})
+            if unknown:
+                raise ConfigurationError(f"no index {unknown} in schema {self.schema!r}")
+            for h in health:
+                if h.valid or (wanted is not None and h.index not in wanted and not h.leftover):
+                    continue
+                if h.build_running:
+                    actions.append(
+                        IndexAction(h.index, "skip", True, 0.0, h.size_bytes, reason="an index build runs")
+                    )
+                elif h.leftover:
+                    actions.append(self._drop_leftover(h, timeout_s))
+                else:
+                    actions.append(self._reindex(h, "rebuild invalid", "INVALID", timeout_s))
+            for h in health:
+                if not h.valid or h.method != "btree" or h.build_running:
+                    continue
+                if wanted is not None and h.index not in wanted:
+                    continue
+                ratio, extra = h.bloat_ratio, h.bloat_bytes
+                estimate = f"{h.size_bytes} bytes for about {h.expected_bytes} needed"
+                if wanted is not None:
+                    reason = f"asked for ({estimate})"
+                elif ratio is None or extra is None or ratio < bloat_ratio or extra < min_bloat_bytes:
+                    continue
+                else:
+                    reason = f"{estimate} (x{ratio:.1f})"
+                actions.append(self._reindex(h, "reindex", reason, timeout_s))
+        return {"actions": [a.as_dict() for a in actions]}
+
+    def _with_timeouts(self, timeout_s: float) -> None:
+        ms = _ms(timeout_s)
+        self._db.fetchone("set_timeouts", {"statement_ms": ms, "lock_ms": ms, "local": False}, self._conn())
+
+    def _reindex(self, h: IndexHealth, action: str, reason: str, timeout_s: float) -> IndexAction:
+        conn = self._conn()
+        t0 = time.monotonic()
+        log.info("dbqueue: REINDEX INDEX CONCURRENTLY %s.%s (%s)", self.schema, h.index, reason)
+        try:
+            self._with_timeouts(timeout_s)
+            try:
+                self._db.execute("reindex_concurrently", None, conn, identifiers={"index": h.index})
+            finally:
+                self._db.fetchall("reset_timeouts", None, conn)
+        except DbQueueError as exc:
+            error = self._describe_failure(
+                f"REINDEX INDEX CONCURRENTLY {self.schema}.{h.index}", exc, timeout_s
+            )
+            log.warning("dbqueue: %s; dropping what it left", error)
+            for left in self.index_health():
+                if left.leftover and left.index.startswith(f"{h.index}_cc") and not left.build_running:
+                    self._drop_leftover(left, timeout_s)
+            return IndexAction(
+                h.index,
+                action,
+                False,
+                round(time.monotonic() - t0, 3),
+                h.size_bytes,
+                reason=reason,
+                error=error,
+            )
+        after = next((x.size_bytes for x in self.index_health() if x.index == h.index), None)
+        log.info("dbqueue: rebuilt %s.%s: %s -> %s bytes", self.schema, h.index, h.size_bytes, after)
+        return IndexAction(
+            h.index, action, True, round(time.monotonic() - t0, 3), h.size_bytes, after, reason
+        )
+
+    def _drop_leftover(self, h: IndexHealth, timeout_s: float) -> IndexAction:
+        conn = self._conn()
+        t0 = time.monotonic()
+        reason = "INVALID index left by a failed concurrent rebuild"
+        log.info("dbqueue: DROP INDEX CONCURRENTLY %s.%s (%s)", self.schema, h.index, reason)
+        try:
+            self._with_timeouts(timeout_s)
+            try:
+                self._db.execute("drop_index_concurrently", None, conn, identifiers={"index": h.index})
+            finally:
+                self._db.fetchall("reset_timeouts", None, conn)
+        except DbQueueError as exc:
+            error = self._describe_failure(f"DROP INDEX CONCURRENTLY {self.schema}.{h.index}", exc, timeout_s)
+            log.warning("dbqueue: %s; the next run tries again", error)
+            return IndexAction(
+                h.index,
+                "drop leftover",
+                False,
+                round(time.monotonic() - t0, 3),
+                h.size_bytes,
+                None,
+                reason,
+                error,
+            )
+        return IndexAction(
+            h.index, "drop leftover", True, round(time.monotonic() - t0, 3), h.size_bytes, 0, reason
+        )
+
+    @staticmethod
+    def _describe_failure(what: str, exc: DbQueueError, timeout_s: float) -> str:
+        import psycopg.errors
+
+        cause = exc.__cause__
+        if isinstance(cause, psycopg.errors.QueryCanceled):
+            return f"{what} was cancelled (statement timeout of {timeout_s:g}s, or pg_cancel_backend)"
+        if isinstance(cause, psycopg.errors.LockNotAvailable):
+            return f"{what} gave up waiting for a lock after {timeout_s:g}s"
+        return f"{what} failed: {exc}"
+
+    # -- metrics -------------------------------------------------------------------------------------
+
+    def table_health(self) -> list[dict[str, Any]]:
+        """Size and vacuum state of the schema's tables (JSON-safe dicts)."""
+        out = []
+        for name, heap, idx, total, live, dead, vacuumed, analyzed, autovacuums, vacuums in self._db.fetchall(
+            "table_health", {"schema": self.schema}
+        ):
+            out.append(
+                {
+                    "table": name,
+                    "table_bytes": int(heap),
+                    "index_bytes": int(idx),
+                    "total_bytes": int(total),
+                    "live_tuples": int(live),
+                    "dead_tuples": int(dead),
+                    "dead_ratio": round(dead / (live + dead), 4) if live + dead else 0.0,
+                    "last_vacuum": _iso(vacuumed),
+                    "last_analyze": _iso(analyzed),
+                    "autovacuum_count": int(autovacuums),
+                    "vacuum_count": int(vacuums),
+                }
+            )
+        return out
+
+    def metrics(
+        self,
+        queues: Sequence[str] | None = None,
+        *,
+        rate_window_s: float = 300.0,
+        horizon_min_age_s: float = 300.0,
+        horizon_min_xid_age: int = 1_000_000,
+    ) -> dict[str, Any]:
+        """Return the schema's queue metrics as a JSON-safe dict (for logs, XCom and a metrics system).
+
+        ``queues``: by queue, depth by state (``ready``, ``delayed``, ``in_flight``, ``failed``,
+        ``finished`` waiting for the archiver), ``oldest_ready_age_s``, and ``pushed_per_s`` and
+        ``finished_per_s`` over the last ``rate_window_s`` seconds. ``tables``: sizes, live and dead
+        rows. ``indexes``: sizes and bloat estimates. ``xmin_holders``: what holds back VACUUM.
+        """
+        if rate_window_s <= 0:
+            raise ConfigurationError(f"rate_window_s must be > 0, got {rate_window_s}")
+        names = list(queues) if queues is not None else [s.name for s in self._dbq.list_queues()]
+        per_queue: dict[str, Any] = {}
+        for name in names:
+            q = self._dbq.queue(name)
+            stats = q.stats().as_dict()
+            row = self._db.fetchone(
+                "queue_rates", {"queue_id": q.settings.queue_id, "window_s": float(rate_window_s)}
+            )
+            pushed, finished = (int(row[0]), int(row[1])) if row else (0, 0)
+            stats["design"] = q.settings.design.value
+            stats["pushed_per_s"] = round(pushed / rate_window_s, 3)
+            stats["finished_per_s"] = round(finished / rate_window_s, 3) if q.settings.archive else None
+            per_queue[name] = stats
+        return {
+            "schema": self.schema,
+            "at": dt.datetime.now(dt.UTC).isoformat(),
+            "rate_window_s": rate_window_s,
+            "queues": per_queue,
+            "tables": {t.pop("table"): t for t in self.table_health()},
+            "indexes": {i.index: i.as_dict() for i in self.index_health()},
+            "xmin_holders": [
+                h.as_dict()
+                for h in self.xmin_holders(min_age_s=horizon_min_age_s, min_xid_age=horizon_min_xid_age)
+            ],
+        }
+
+    # -- everything --------------------------------------------------------------------------------------
+
+    def run(self, config: MaintenanceConfig | None = None) -> dict[str, Any]:
+        """Run every step under one hold of the lock; return a JSON-safe report of each.
+
+        Order: the xmin-horizon check, each queue's upkeep (lease reclaim; ring gaps), archiving,
+        archive retention, VACUUM (ANALYZE), index rebuilds, metrics. When another run holds the
+        lock past ``lock_wait_s``, only the metrics are collected and ``skipped`` says why.
+        """
+        cfg = config or MaintenanceConfig()
+        started = time.monotonic()
+        report: dict[str, Any] = {"schema": self.schema, "skipped": None}
+        queues = list(cfg.queues) if cfg.queues is not None else None
+        with self.lock(cfg.lock_wait_s) as got:
+            if not got:
+                report["skipped"] = self._skip_reason
+            else:
+                report["xmin_holders"] = [
+                    h.as_dict()
+                    for h in self.check_horizon(
+                        min_age_s=cfg.horizon_min_age_s, min_xid_age=cfg.horizon_min_xid_age
+                    )
+                ]
+                report["upkeep"] = self.recover(queues, limit=cfg.reclaim_limit)
+                report["archive"] = self.archive(
+                    older_than_s=cfg.archive_after_s,
+                    batch_size=cfg.batch_size,
+                    pause_s=cfg.pause_s,
+                    time_budget_s=cfg.time_budget_s,
+                    queues=queues,
+                ).as_dict()
+                if cfg.archive_retention_s is not None:
+                    report["purge_archive"] = self.purge_archive(
+                        older_than_s=cfg.archive_retention_s,
+                        batch_size=cfg.batch_size,
+                        pause_s=cfg.pause_s,
+                        time_budget_s=cfg.time_budget_s,
+                        queues=queues,
+                    ).as_dict()
+                if cfg.vacuum:
+                    report["vacuum"] = self.vacuum()
+                if cfg.reindex:
+                    report["indexes"] = self.rebuild_indexes(
+                        bloat_ratio=cfg.reindex_bloat_ratio,
+                        min_bloat_bytes=cfg.reindex_min_bytes,
+                        timeout_s=cfg.reindex_timeout_s,
+                        analyze=not cfg.vacuum,
+                    )
+        report["metrics"] = self.metrics(
+            queues,
+            rate_window_s=cfg.rate_window_s,
+            horizon_min_age_s=cfg.horizon_min_age_s,
+            horizon_min_xid_age=cfg.horizon_min_xid_age,
+        )
+        report["seconds"] = round(time.monotonic() - started, 3)
+        return report

@@ -1,0 +1,166 @@
+"""Maintenance of a queue schema, every five minutes, while producers and consumers run.
+
+    airflow dags test dbqueue_maintenance -c '{"archive_after_s": 0}'
+
+Steps (each a task, each returning a JSON-safe report for XCom):
+
+1. ``check_horizon``: warn about whatever holds back the xmin horizon (a long transaction, a replication
+   slot, a prepared transaction), naming its pid, application, age and query start.
+2. ``upkeep``: each queue's design upkeep: expired leases back to ready or failed (and, for ring queues
+   once the ring design lands, the recovery of ring gaps).
+3. ``archive``: finished messages older than ``archive_after_s`` move to the archive in bounded batches
+   with pauses and a time budget; archived messages older than ``archive_retention_s`` are deleted.
+4. ``vacuum``: VACUUM (ANALYZE, SKIP_LOCKED) of the schema's tables.
+5. ``rebuild_indexes``: REINDEX INDEX CONCURRENTLY of bloated B-tree indexes; INVALID leftovers of a
+   failed rebuild are dropped.
+6. ``metrics``: depth by state, oldest ready age, rates, table sizes and index bloat, sent as gauges
+   through Airflow's metrics (``dbqueue.<schema>.<queue>.ready``, ...) and returned. It runs even when
+   an earlier step failed.
+
+Steps that change things take the schema's maintenance lock (a PostgreSQL advisory lock), so a second
+run at the same time (another deployment, ``dbqueue maintain`` from a shell) never fights this one: it
+waits up to ``lock_wait_s`` and then skips the step, saying in the log which session holds the lock.
+
+Settings, from lowest to highest precedence: the defaults of ``MaintenanceConfig``; the Airflow
+Variable ``dbqueue_maintenance`` (a JSON object, e.g. ``{"schema": "orders", "archive_after_s": 3600}``);
+the run's params (``-c`` / "Trigger DAG w/ config"). ``conn_id`` (default ``dbqueue_default``) names the
+Airflow connection and ``schema`` the queue schema (default: the connection's ``dbqueue_schema`` extra);
+``queues`` limits archiving, upkeep and metrics to some queues (default: every queue of the schema).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from typing import Any
+
+from airflow.sdk import DAG, Param, Variable, get_current_context, task
+
+from airflow_dbqueue.engine import MaintenanceConfig
+from airflow_dbqueue.hooks.dbqueue import DbQueueHook
+
+VARIABLE = "dbqueue_maintenance"
+DEFAULT_CONN_ID = "dbqueue_default"
+
+log = logging.getLogger(__name__)
+
+
+def _optional(kind: str, description: str) -> Param:
+    return Param(None, type=["null", kind], description=description)
+
+
+def settings() -> tuple[str, str | None, MaintenanceConfig]:
+    """Return ``(conn_id, schema, config)``: the run's params over the Variable over the defaults."""
+    merged: dict[str, Any] = dict(Variable.get(VARIABLE, default=None, deserialize_json=True) or {})
+    params = get_current_context()["params"]
+    merged.update({k: v for k, v in params.items() if v is not None})
+    conn_id = merged.pop("conn_id", None) or DEFAULT_CONN_ID
+    schema = merged.pop("schema", None) or None
+    return conn_id, schema, MaintenanceConfig.from_mapping(merged)
+
+
+def hook(conn_id: str, schema: str | None) -> DbQueueHook:
+    return DbQueueHook(conn_id, dbqueue_schema=schema)
+
+
+with DAG(
+    dag_id="dbqueue_maintenance",
+    schedule=dt.timedelta(minutes=5),
+    start_date=dt.datetime(2025, 1, 1, tzinfo=dt.UTC),
+    catchup=False,
+    max_active_runs=1,
+    params={
+        "conn_id": _optional("string", f"Airflow connection (default {DEFAULT_CONN_ID})"),
+        "schema": _optional("string", "queue schema (default: the connection's dbqueue_schema extra)"),
+        "queues": _optional("array", "queues to maintain (default: all)"),
+        "archive_after_s": _optional("number", "archive finished messages older than this (300)"),
+        "archive_retention_s": _optional("number", "delete archived messages older than this (7 days)"),
+        "batch_size": _optional("integer", "rows per batch statement (1000)"),
+        "pause_s": _optional("number", "pause between batches (0.05)"),
+        "time_budget_s": _optional("number", "most seconds a batched step runs (60)"),
+        "vacuum": _optional("boolean", "VACUUM (ANALYZE) the tables (true)"),
+        "reindex": _optional("boolean", "rebuild bloated indexes online (true)"),
+        "reindex_bloat_ratio": _optional("number", "rebuild an index this many times its size (2)"),
+        "reindex_min_bytes": _optional("integer", "... and this many bytes above it (1 MiB)"),
+        "lock_wait_s": _optional("number", "wait this long for another run's lock, then skip (0)"),
+    },
+    tags=["dbqueue", "maintenance"],
+    doc_md=__doc__,
+):
+
+    @task
+    def check_horizon() -> dict[str, Any]:
+        """Warn about whatever holds back the xmin horizon."""
+        conn_id, schema, cfg = settings()
+        with hook(conn_id, schema) as h:
+            holders = h.check_horizon(min_age_s=cfg.horizon_min_age_s, min_xid_age=cfg.horizon_min_xid_age)
+        return {"xmin_holders": holders}
+
+    @task
+    def upkeep() -> dict[str, Any]:
+        """Each queue's design upkeep: reclaim expired leases (ring queues: recover gaps)."""
+        conn_id, schema, cfg = settings()
+        with hook(conn_id, schema) as h:
+            queues = list(cfg.queues) if cfg.queues else None
+            return {"queues": h.recover(queues, limit=cfg.reclaim_limit)}
+
+    @task
+    def archive() -> dict[str, Any]:
+        """Archive finished messages in bounded batches, then apply the archive retention."""
+        conn_id, schema, cfg = settings()
+        batch = {
+            "batch_size": cfg.batch_size,
+            "pause_s": cfg.pause_s,
+            "time_budget_s": cfg.time_budget_s,
+            "queues": list(cfg.queues) if cfg.queues else None,
+            "lock_wait_s": cfg.lock_wait_s,
+        }
+        with hook(conn_id, schema) as h:
+            out = {"archive": h.archive(older_than_s=cfg.archive_after_s, **batch), "purge_archive": None}
+            if out["archive"]["skipped"]:
+                log.warning("Archiving skipped: %s", out["archive"]["skipped"])
+            elif cfg.archive_retention_s is not None:
+                out["purge_archive"] = h.purge_archive(older_than_s=cfg.archive_retention_s, **batch)
+        log.info("Archived %s finished messages", out["archive"]["rows"])
+        return out
+
+    @task
+    def vacuum() -> dict[str, Any]:
+        """VACUUM (ANALYZE) the schema's tables."""
+        conn_id, schema, cfg = settings()
+        if not cfg.vacuum:
+            return {"skipped": "vacuum is off"}
+        with hook(conn_id, schema) as h:
+            out = h.vacuum(lock_wait_s=cfg.lock_wait_s)
+        if out.get("skipped"):
+            log.warning("VACUUM skipped: %s", out["skipped"])
+        return out
+
+    @task
+    def rebuild_indexes() -> dict[str, Any]:
+        """Rebuild bloated indexes online; drop INVALID leftovers of failed rebuilds."""
+        conn_id, schema, cfg = settings()
+        if not cfg.reindex:
+            return {"skipped": "reindex is off", "actions": []}
+        with hook(conn_id, schema) as h:
+            out = h.rebuild_indexes(
+                bloat_ratio=cfg.reindex_bloat_ratio,
+                min_bloat_bytes=cfg.reindex_min_bytes,
+                timeout_s=cfg.reindex_timeout_s,
+                lock_wait_s=cfg.lock_wait_s,
+            )
+        if out.get("skipped"):
+            log.warning("Index rebuilds skipped: %s", out["skipped"])
+        for action in out["actions"]:
+            (log.info if action["ok"] else log.warning)("Index %s: %s", action["index"], action)
+        return out
+
+    @task(trigger_rule="all_done")
+    def metrics() -> dict[str, Any]:
+        """Collect the queue metrics, send them through Airflow's metrics, and return them."""
+        conn_id, schema, cfg = settings()
+        with hook(conn_id, schema) as h:
+            queues = list(cfg.queues) if cfg.queues else None
+            return h.queue_metrics(queues, rate_window_s=cfg.rate_window_s)
+
+    check_horizon() >> upkeep() >> archive() >> vacuum() >> rebuild_indexes() >> metrics()

@@ -1,0 +1,114 @@
+"""The maintenance DAG under ``airflow dags test`` against a real PostgreSQL, and the hook's maintenance.
+
+The DAG run is configured both ways a deployment would: an Airflow Variable (``dbqueue_maintenance``)
+and the run's params; the effects are read back from the queue schema and from the XComs.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from airflow_dbqueue.engine import DbQueue
+from airflow_dbqueue.hooks.dbqueue import DbQueueHook, emit_metrics
+from tests.airflow.test_dags import run_dag, xcom
+
+pytestmark = pytest.mark.integration
+
+DAG_ID = "dbqueue_maintenance"
+
+
+def archive_count(pg_dsn: str, schema: str) -> int:
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        row = c.execute(sql.SQL("SELECT count(*) FROM {}.archive").format(sql.Identifier(schema))).fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_maintenance_dag(airflow_env: dict[str, str], pg_dsn: str, dbq: DbQueue) -> None:
+    orders = dbq.create_queue("orders", visibility_timeout=0.5)
+    audit = dbq.create_queue("audit")
+    orders.push_batch([{"order": i} for i in range(500)])
+    orders.pop(300)  # finished at once
+    leased = orders.pop(150, semantics="at-least-once")
+    orders.ack(leased[:100])  # finished; 50 leases left to expire
+    audit.push_batch(list(range(20)))
+    audit.pop(20)
+    # The Variable sets the batch size; the run's params set the rest (params win over the Variable).
+    env = dict(airflow_env, AIRFLOW_VAR_DBQUEUE_MAINTENANCE=json.dumps({"batch_size": 150, "pause_s": 1}))
+    out = run_dag(
+        env,
+        pg_dsn,
+        dbq.schema,
+        DAG_ID,
+        {"archive_after_s": 0, "pause_s": 0, "queues": ["orders"], "reindex_min_bytes": 0},
+    )
+
+    archived = xcom(airflow_env, DAG_ID, "archive")
+    assert archived["archive"]["rows"] == 400 and archived["archive"]["batches"] == 3  # 150, 150, 100
+    assert archived["archive"]["stopped"] == "drained" and archived["purge_archive"]["rows"] == 0
+    assert archive_count(pg_dsn, dbq.schema) == 400  # the audit queue was not in "queues"
+    assert xcom(airflow_env, DAG_ID, "upkeep") == {
+        "queues": {"orders": {"reclaimed": 50, "batches_purged": 0}}
+    }
+    assert "meta" in xcom(airflow_env, DAG_ID, "vacuum")["tables"]
+    assert all(a["ok"] for a in xcom(airflow_env, DAG_ID, "rebuild_indexes")["actions"])
+    assert xcom(airflow_env, DAG_ID, "check_horizon") == {"xmin_holders": []}
+
+    metrics = xcom(airflow_env, DAG_ID, "metrics")
+    assert metrics["schema"] == dbq.schema and list(metrics["queues"]) == ["orders"]
+    m = metrics["queues"]["orders"]
+    assert (m["ready"], m["in_flight"], m["finished"]) == (100, 0, 0)  # 50 never popped + 50 reclaimed
+    assert m["pushed_per_s"] > 0 and m["finished_per_s"] > 0
+    assert "Sent " in out and "dbqueue gauges" in out
+    stats = orders.stats()
+    assert (stats.ready, stats.in_flight, stats.finished) == (100, 0, 0)
+
+
+def test_maintenance_dag_skips_while_another_run_holds_the_lock(
+    airflow_env: dict[str, str], pg_dsn: str, dbq: DbQueue
+) -> None:
+    q = dbq.create_queue("orders")
+    q.push_batch(list(range(30)))
+    q.pop(30)
+    with dbq.maintenance().lock():  # another run, e.g. `dbqueue maintain` from a shell
+        out = run_dag(airflow_env, pg_dsn, dbq.schema, DAG_ID, {"archive_after_s": 0})
+    assert "another maintenance run holds the lock of schema" in out and "airflow-dbqueue-maintenance" in out
+    archived = xcom(airflow_env, DAG_ID, "archive")
+    assert archived["archive"]["stopped"] == "skipped" and archived["purge_archive"] is None
+    assert xcom(airflow_env, DAG_ID, "vacuum")["skipped"]
+    assert xcom(airflow_env, DAG_ID, "rebuild_indexes")["skipped"]
+    assert xcom(airflow_env, DAG_ID, "metrics")["queues"]["orders"]["finished"] == 30  # still measured
+    assert archive_count(pg_dsn, dbq.schema) == 0
+
+
+def test_hook_maintenance_and_metrics(
+    airflow_conn: str, dbq: DbQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from airflow.sdk.observability.stats import Stats
+
+    sent: list[tuple[str, float, dict[str, Any]]] = []
+    monkeypatch.setattr(
+        Stats, "gauge", lambda stat, value, *a, tags=None, **k: sent.append((stat, value, tags or {}))
+    )
+    q = dbq.create_queue("jobs")
+    q.push_batch(list(range(40)))
+    q.pop(25)
+    with DbQueueHook(airflow_conn) as hook:
+        report = hook.maintain({"archive_after_s": 0, "reindex": False})
+        assert report["skipped"] is None and report["archive"]["rows"] == 25
+        assert json.loads(json.dumps(report)) == report
+        # A second run while the first holds the lock skips and says so.
+        with hook.maintenance().lock(), DbQueueHook(airflow_conn) as other:
+            skipped = other.archive(older_than_s=0)
+        assert skipped["stopped"] == "skipped" and "airflow-dbqueue-maintenance" in skipped["skipped"]
+    gauges = {name: value for name, value, _ in sent}
+    assert gauges[f"dbqueue.{dbq.schema}.jobs.ready"] == 15.0
+    assert gauges[f"dbqueue.{dbq.schema}.jobs.finished"] == 0.0
+    assert f"dbqueue.{dbq.schema}.table.meta.dead_tuples" in gauges
+    assert f"dbqueue.{dbq.schema}.index.meta_ready_idx.bloat_ratio" in gauges
+    assert ("queue", "jobs") in next(t for n, _, t in sent if n.endswith("jobs.ready")).items()
+    assert emit_metrics({"schema": "s", "queues": {"q": {"ready": 1, "oldest_ready_age_s": None}}}) == 2
