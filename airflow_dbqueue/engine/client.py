@@ -12,7 +12,13 @@ from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
 from airflow_dbqueue.engine.errors import ConfigurationError, QueueExistsError, QueueNotFoundError
 from airflow_dbqueue.engine.models import Design, NotifyMode, PayloadType, QueueSettings
 from airflow_dbqueue.engine.names import validate_queue_name
-from airflow_dbqueue.engine.ring import RING_DEFAULT_CAPACITY, RING_MAX_CAPACITY, RING_MAX_PAYLOAD, RingQueue
+from airflow_dbqueue.engine.ring import (
+    RING_DEFAULT_CAPACITY,
+    RING_DEFAULT_PAYLOAD,
+    RING_MAX_CAPACITY,
+    RING_MAX_PAYLOAD,
+    RingQueue,
+)
 from airflow_dbqueue.engine.table import TableQueue
 
 if TYPE_CHECKING:
@@ -140,8 +146,9 @@ class DbQueue:
 
         ``design="ring"`` creates a ring of ``capacity`` preallocated slots (default
         ``RING_DEFAULT_CAPACITY``). A ring keeps payloads inline in its slots, so ``max_payload_bytes``
-        is at most ``RING_MAX_PAYLOAD`` (and that is its default), and it does not archive. The table
-        design's defaults are a 1 MiB payload limit and ``archive=True``.
+        is at most ``RING_MAX_PAYLOAD`` (default ``RING_DEFAULT_PAYLOAD``); its pages are laid out for
+        payloads of that size, so set it to about your largest payload. A ring does not archive. The
+        table design's defaults are a 1 MiB payload limit and ``archive=True``.
         """
         name = validate_queue_name(name)
         try:
@@ -171,7 +178,7 @@ class DbQueue:
         elif capacity is not None:
             raise ConfigurationError(f"queue {name!r}: capacity applies to ring queues only")
         if max_payload_bytes is None:
-            max_payload_bytes = RING_MAX_PAYLOAD if ring else DEFAULT_MAX_PAYLOAD
+            max_payload_bytes = RING_DEFAULT_PAYLOAD if ring else DEFAULT_MAX_PAYLOAD
         try:
             wanted = QueueSettings(
                 name=name,
@@ -209,7 +216,12 @@ class DbQueue:
             if created is not None and ring:
                 self.db.execute(
                     "ring_create",
-                    {"schema": self.schema, "queue_id": created[0], "capacity": wanted.capacity},
+                    {
+                        "schema": self.schema,
+                        "queue_id": created[0],
+                        "capacity": wanted.capacity,
+                        "slot_bytes": wanted.max_payload_bytes,
+                    },
                     conn,
                 )
         self._queues.pop(name, None)

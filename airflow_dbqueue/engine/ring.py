@@ -50,6 +50,10 @@ if TYPE_CHECKING:
 RING_MAX_PAYLOAD = 4000
 """Largest payload a ring slot holds (inline: about half a page, so a row and its next version share a
 page and updates stay HOT). Larger payloads belong in the table design."""
+RING_DEFAULT_PAYLOAD = 512
+"""A ring's default ``max_payload_bytes``. The slots' pages are laid out for payloads of the queue's
+``max_payload_bytes`` (a page holds about half a page of full slots), so a larger limit spreads the ring
+over more pages."""
 RING_DEFAULT_CAPACITY = 16384
 RING_MAX_CAPACITY = 16_777_216
 _NOTIFY_CODE = {NotifyMode.NEVER: 0, NotifyMode.AUTO: 1, NotifyMode.ALWAYS: 2}

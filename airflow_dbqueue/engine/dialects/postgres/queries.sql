@@ -292,7 +292,7 @@ ORDER BY m.priority DESC, m.process_at, m.id
 -- The ring design. Push and pop are server-side functions (schema.sql: ring_push, ring_pop); the
 -- statements below are the slower paths. Number x of a ring lives in slot x mod capacity: receipts
 -- (id, delivery) find their slot without an index on seq.
-SELECT {schema}.ring_create(%(schema)s, %(queue_id)s::integer, %(capacity)s::integer)
+SELECT {schema}.ring_create(%(schema)s, %(queue_id)s::integer, %(capacity)s::integer, %(slot_bytes)s::integer)
 
 -- name: ring_drop
 SELECT {schema}.ring_drop(%(queue_id)s::integer)

@@ -158,9 +158,12 @@ CREATE TABLE {schema}.ring_failed (
 );
 
 -- Create a ring: its push sequence (CACHE 1: a cached number is invisible to the gap proof below),
--- its header row and capacity free slots. Slot j starts as if it held the last number <= 0 that maps
--- to it, finished, so number j + k * capacity finds its predecessor done.
-CREATE FUNCTION {schema}.ring_create(p_schema text, p_queue_id integer, p_capacity integer)
+-- its gap counter, its header row and capacity free slots. Slot j starts as if it held the last number
+-- <= 0 that maps to it, finished, so number j + k * capacity finds its predecessor done. The slots are
+-- first written with a p_slot_bytes filler and then emptied: that fixes how many slots share a page
+-- (about half a page of full slots at fillfactor 50), so that every slot of a page can take a full
+-- new version beside its current one and updates stay HOT.
+CREATE FUNCTION {schema}.ring_create(p_schema text, p_queue_id integer, p_capacity integer, p_slot_bytes integer)
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
     v_seq text := format('%I.%I', p_schema, 'ring_' || p_queue_id || '_seq');
@@ -170,9 +173,11 @@ BEGIN
     EXECUTE format('CREATE SEQUENCE %s AS bigint MINVALUE 1 CACHE 1', v_gaps);
     INSERT INTO {schema}.rings (queue_id, capacity, push_seq, gap_seq)
     VALUES (p_queue_id, p_capacity, v_seq::regclass, v_gaps::regclass);
-    INSERT INTO {schema}.ring_slots (queue_id, slot, seq, state)
-    SELECT p_queue_id, g, CASE WHEN g = 0 THEN 0 ELSE g - p_capacity END, 0
+    INSERT INTO {schema}.ring_slots (queue_id, slot, seq, state, payload)
+    SELECT p_queue_id, g, CASE WHEN g = 0 THEN 0 ELSE g - p_capacity END, 0,
+           decode(repeat('00', p_slot_bytes), 'hex')
     FROM generate_series(0, p_capacity - 1) AS g;
+    UPDATE {schema}.ring_slots SET payload = NULL WHERE queue_id = p_queue_id;
 END
 $$;
 
