@@ -198,6 +198,10 @@ class RingQueue(Queue):
             meta = rows[-1]
             msgs += self._messages(rows[:-1])
             next_lo, gap_n = int(meta[6]), meta[7]
+            if conn is not None:
+                # The caller's transaction may still roll back what this or an earlier pop in it took:
+                # its bound is not kept, and one call is made (a second would not see the first's take).
+                break
             with self._lock:
                 self._lo = max(self._lo or 0, next_lo)
                 if gap_n is None:
