@@ -362,6 +362,9 @@ $$;
 -- gone: a push takes an xid before its numbers) or when p_force is set (the caller's gap timeout).
 -- p_own: the pop runs in the caller's transaction, which may roll back, so the bound never passes the
 -- messages it took.
+-- Plans are generic (the ring's table never changes size, so its statistics never mislead) and never
+-- bitmap scans: the claim must walk the primary key in slot order and stop after n rows, where a
+-- bitmap scan reads the whole window and sorts it.
 CREATE FUNCTION {schema}.ring_pop(
     p_queue_id integer, p_cap integer, p_lo bigint, p_n integer, p_lease boolean,
     p_vt double precision, p_consumer text, p_own boolean,
@@ -369,7 +372,7 @@ CREATE FUNCTION {schema}.ring_pop(
 RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz,
                r_lease_until timestamptz, r_payload bytea, r_next_lo bigint, r_gap bigint,
                r_issued bigint, r_snap pg_snapshot)
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_bitmapscan = off AS $$
 DECLARE
     v_a integer := (p_lo % p_cap)::integer;
     v_from integer;
