@@ -311,5 +311,8 @@ def test_many_processes_move_100k_messages_once(dbq: DbQueue, semantics: str, de
     # a table queue archives (every finished message waits in done); a ring reuses finished slots
     assert st.finished == (total if q.settings.archive else 0), st
     if design == "ring":
-        assert (st.extra["push_position"], st.extra["pop_position"]) == (total, total + 1), st
+        # Every number was delivered or skipped as a gap: a push is retried with new numbers when its
+        # first ones were given up (after the gap timeout, under heavy load), so numbers may exceed ids.
+        push_pos, pop_pos, gaps = (st.extra[k] for k in ("push_position", "pop_position", "gaps_skipped"))
+        assert (push_pos, pop_pos) == (total + gaps, push_pos + 1), st
     assert q.pop(10, semantics="at-most-once") == []

@@ -387,18 +387,27 @@ DECLARE
     v_seqrel regclass;
     v_issued bigint;
     v_gap bigint;
+    v_span integer := 0;
 BEGIN
     -- 1. Skip abandoned numbers (gaps) that the caller saw at the head of its last pop: the numbers
     --    from p_gap up to p_gap_issued (at most 4096) still unwritten, whose predecessor is finished
     --    and that nobody holds locked.
+    --    Without the proof (p_force: the caller's gap timeout ran out) only the head number itself is
+    --    given up: a holder alive but slow has written (and locks) its first numbers, while the rest of
+    --    the range may belong to pushes still writing.
     IF p_gap IS NOT NULL AND NOT p_own AND EXISTS (
             SELECT 1 FROM {schema}.ring_slots t
-            WHERE t.queue_id = p_queue_id AND t.slot = (p_gap % p_cap)::integer AND t.seq < p_gap)
-       AND (p_force OR NOT EXISTS (
-            SELECT 1 FROM pg_snapshot_xip(p_gap_snap) AS x(xid)
-            WHERE pg_xact_status(x.xid) = 'in progress')) THEN
+            WHERE t.queue_id = p_queue_id AND t.slot = (p_gap % p_cap)::integer AND t.seq < p_gap) THEN
+        v_span := CASE
+            WHEN NOT EXISTS (
+                SELECT 1 FROM pg_snapshot_xip(p_gap_snap) AS x(xid)
+                WHERE pg_xact_status(x.xid) = 'in progress') THEN least(p_gap_issued - p_gap + 1, 4096, p_cap)
+            WHEN p_force THEN 1
+            ELSE 0 END;
+    END IF;
+    IF v_span > 0 THEN
         FOR part IN 1 .. 2 LOOP
-            v_k := least(p_gap_issued - p_gap + 1, 4096, p_cap)::integer;
+            v_k := v_span;
             IF part = 1 THEN
                 v_from := (p_gap % p_cap)::integer; v_to := least(p_cap, v_from + v_k);
                 v_base := p_gap - v_from;
