@@ -48,9 +48,8 @@ from airflow_dbqueue.engine import DbQueue, DbQueueError, LeaseExpiredError, Mai
 
 TEST_DSN_ENV = "DBQUEUE_TEST_DSN"
 BASELINE = "naive"
-# Designs the engine implements, measured through DbQueue. The ring design joins this tuple once the
-# engine has it; nothing else here needs to change.
-ENGINE_DESIGNS: tuple[str, ...] = ("table",)
+# Designs the engine implements, measured through DbQueue.
+ENGINE_DESIGNS: tuple[str, ...] = ("table", "ring")
 ALL_DESIGNS = ("table", "ring", BASELINE)
 SEMANTICS = ("at-most-once", "at-least-once")
 QUEUE_NAME = "bench_q"
@@ -96,6 +95,9 @@ class Target:
     semantics: str
     archive: bool
     notify: str
+    capacity: int | None = None
+    """Slots of a ring (ring design only)."""
+    payload_bytes: int = 300
 
     @property
     def lease(self) -> bool:
@@ -114,6 +116,16 @@ def setup_target(target: Target) -> None:
         return
     with DbQueue(target.dsn, schema=target.schema, pool_size=1) as dbq:
         dbq.install()
+        if target.design == "ring":  # pages laid out for the payload size; a ring does not archive
+            dbq.create_queue(
+                QUEUE_NAME,
+                design="ring",
+                payload_type="bytes",
+                notify=target.notify,
+                capacity=target.capacity,
+                max_payload_bytes=target.payload_bytes,
+            )
+            return
         dbq.create_queue(
             QUEUE_NAME,
             design=target.design,
@@ -742,6 +754,9 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
             print(msg, file=sys.stderr, flush=True)
 
     cap = args.backlog_cap or max(1000, 50 * point.batch * point.consumers)
+    # A ring big enough for the backlog and every batch in flight: the bench measures flow, not a full
+    # ring pushing back (--capacity makes it smaller to measure that).
+    capacity = args.capacity or cap + (point.producers + point.consumers + 2) * point.batch
     designs = [args.design] if args.design == BASELINE else [args.design, BASELINE]
     runs: dict[str, list[RunResult]] = {d: [] for d in designs}
     for attempt in range(args.repeat):
@@ -753,6 +768,8 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
                 semantics=args.semantics,
                 archive=args.archive,
                 notify=args.notify,
+                capacity=capacity if design == "ring" else None,
+                payload_bytes=args.payload_bytes,
             )
             which = f" (run {attempt + 1} of {args.repeat})" if args.repeat > 1 else ""
             log(
@@ -807,7 +824,8 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
         "empty_pops": main_run.empty_pops,
         "backlog_cap": cap,
         "warmup_s": args.warmup,
-        "archive": args.archive if args.design != BASELINE else None,
+        "archive": args.archive if args.design == "table" else None,
+        "capacity": capacity if args.design == "ring" else None,
         "notify": args.notify if args.design != BASELINE else None,
     }
     for key in (
@@ -1089,6 +1107,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="engine queue keeps finished messages for the archiver (engine default: on)",
     )
     ap.add_argument("--notify", choices=("never", "auto", "always"), default="never")
+    ap.add_argument("--capacity", type=int, help="ring slots (default: backlog cap + batches in flight)")
     ap.add_argument("--backlog-cap", type=int, help="pause producers above this backlog (50 x batch x C)")
     ap.add_argument("--drain-timeout", type=float, default=120.0)
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -1157,7 +1176,9 @@ def main(argv: list[str] | None = None) -> int:
                     + (f", median of {args.repeat}" if args.repeat > 1 else "")
                     + (
                         f" | archive={'on' if args.archive else 'off'} notify={args.notify}"
-                        if args.design != BASELINE
+                        if args.design == "table"
+                        else f" | notify={args.notify}"
+                        if args.design == "ring"
                         else ""
                     )
                 )

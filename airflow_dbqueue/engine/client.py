@@ -12,6 +12,13 @@ from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
 from airflow_dbqueue.engine.errors import ConfigurationError, QueueExistsError, QueueNotFoundError
 from airflow_dbqueue.engine.models import Design, NotifyMode, PayloadType, QueueSettings
 from airflow_dbqueue.engine.names import validate_queue_name
+from airflow_dbqueue.engine.ring import (
+    RING_DEFAULT_CAPACITY,
+    RING_DEFAULT_PAYLOAD,
+    RING_MAX_CAPACITY,
+    RING_MAX_PAYLOAD,
+    RingQueue,
+)
 from airflow_dbqueue.engine.table import TableQueue
 
 if TYPE_CHECKING:
@@ -24,6 +31,7 @@ if TYPE_CHECKING:
 
 DSN_ENV = "DBQUEUE_DSN"
 MAX_PAYLOAD_LIMIT = 256 * 1024 * 1024
+DEFAULT_MAX_PAYLOAD = 1024 * 1024
 
 _SETTINGS_COLUMNS = (
     "queue_id",
@@ -37,6 +45,7 @@ _SETTINGS_COLUMNS = (
     "retry_backoff_max_s",
     "notify",
     "archive",
+    "capacity",
 )
 
 
@@ -54,6 +63,7 @@ def _settings_from_row(row: tuple[Any, ...]) -> QueueSettings:
         retry_backoff_max_s=d["retry_backoff_max_s"],
         notify=NotifyMode(d["notify"]),
         archive=d["archive"],
+        capacity=d["capacity"],
     )
 
 
@@ -119,13 +129,14 @@ class DbQueue:
         *,
         design: Design | str = Design.TABLE,
         payload_type: PayloadType | str = PayloadType.JSON,
-        max_payload_bytes: int = 1024 * 1024,
+        max_payload_bytes: int | None = None,
         max_attempts: int = 5,
         visibility_timeout: float = 30.0,
         retry_backoff: float = 1.0,
         retry_backoff_max: float = 300.0,
         notify: NotifyMode | str = NotifyMode.AUTO,
-        archive: bool = True,
+        archive: bool | None = None,
+        capacity: int | None = None,
         exist_ok: bool = True,
     ) -> Queue:
         """Create a queue (idempotently) and return it.
@@ -133,13 +144,47 @@ class DbQueue:
         With ``exist_ok`` (the default) an existing queue with the same settings is returned; one
         with different settings raises :class:`QueueExistsError`, so a DAG cannot silently run
         against a queue configured differently from what it declares.
+
+        ``design="ring"`` creates a ring of ``capacity`` preallocated slots (default
+        ``RING_DEFAULT_CAPACITY``). A ring keeps payloads inline in its slots, so ``max_payload_bytes``
+        is at most ``RING_MAX_PAYLOAD`` (default ``RING_DEFAULT_PAYLOAD``); its pages are laid out for
+        payloads of that size, so set it to about your largest payload. A ring does not archive. The
+        table design's defaults are a 1 MiB payload limit and ``archive=True``.
         """
         name = validate_queue_name(name)
+        try:
+            kind = Design(design)
+        except ValueError as exc:
+            raise ConfigurationError(f"queue {name!r}: {exc}") from None
+        ring = kind is Design.RING
+        if ring:
+            if archive:
+                raise ConfigurationError(
+                    f"queue {name!r}: ring queues do not archive (a finished slot is reused); "
+                    "leave archive unset or False, or use the table design"
+                )
+            capacity = RING_DEFAULT_CAPACITY if capacity is None else capacity
+            if not isinstance(capacity, int) or isinstance(capacity, bool):
+                raise ConfigurationError(f"queue {name!r}: capacity must be an integer, got {capacity!r}")
+            if not 1 <= capacity <= RING_MAX_CAPACITY:
+                raise ConfigurationError(
+                    f"queue {name!r}: a ring's capacity must be in 1..{RING_MAX_CAPACITY}, got {capacity}"
+                )
+            if max_payload_bytes is not None and max_payload_bytes > RING_MAX_PAYLOAD:
+                raise ConfigurationError(
+                    f"queue {name!r}: ring slots hold payloads inline, up to {RING_MAX_PAYLOAD} bytes "
+                    f"(about half a page); got max_payload_bytes={max_payload_bytes}. Use the table "
+                    "design for larger payloads"
+                )
+        elif capacity is not None:
+            raise ConfigurationError(f"queue {name!r}: capacity applies to ring queues only")
+        if max_payload_bytes is None:
+            max_payload_bytes = RING_DEFAULT_PAYLOAD if ring else DEFAULT_MAX_PAYLOAD
         try:
             wanted = QueueSettings(
                 name=name,
                 queue_id=0,
-                design=Design(design),
+                design=kind,
                 payload_type=PayloadType(payload_type),
                 max_payload_bytes=int(max_payload_bytes),
                 max_attempts=int(max_attempts),
@@ -147,12 +192,11 @@ class DbQueue:
                 retry_backoff_s=float(retry_backoff),
                 retry_backoff_max_s=float(retry_backoff_max),
                 notify=NotifyMode(notify),
-                archive=bool(archive),
+                archive=(not ring) if archive is None else bool(archive),
+                capacity=capacity if ring else None,
             )
         except ValueError as exc:
             raise ConfigurationError(f"queue {name!r}: {exc}") from None
-        if wanted.design is not Design.TABLE:
-            raise ConfigurationError(f"queue {name!r}: design {wanted.design.value!r} is not available yet")
         if not 0 < wanted.max_payload_bytes <= MAX_PAYLOAD_LIMIT:
             raise ConfigurationError(
                 f"queue {name!r}: max_payload_bytes must be in 1..{MAX_PAYLOAD_LIMIT}, "
@@ -168,7 +212,19 @@ class DbQueue:
         params["design"] = wanted.design.value
         params["payload_type"] = wanted.payload_type.value
         params["notify"] = wanted.notify.value
-        created = self.db.fetchone("create_queue", params)
+        with self.db.transaction() as conn:  # a ring's slots are created with its row, or neither
+            created = self.db.fetchone("create_queue", params, conn)
+            if created is not None and ring:
+                self.db.execute(
+                    "ring_create",
+                    {
+                        "schema": self.schema,
+                        "queue_id": created[0],
+                        "capacity": wanted.capacity,
+                        "slot_bytes": wanted.max_payload_bytes,
+                    },
+                    conn,
+                )
         self._queues.pop(name, None)
         queue = self.queue(name)
         if created is None:
@@ -199,6 +255,8 @@ class DbQueue:
         return q
 
     def _open(self, settings: QueueSettings) -> Queue:
+        if settings.design is Design.RING:
+            return RingQueue(self.db, settings)
         return TableQueue(self.db, settings)
 
     def list_queues(self) -> list[QueueSettings]:
@@ -214,7 +272,10 @@ class DbQueue:
                 return False
             raise
         self._queues.pop(name, None)
-        return self.db.fetchone("drop_queue", {"queue_id": q.settings.queue_id}) is not None
+        with self.db.transaction() as conn:
+            if q.settings.design is Design.RING:
+                self.db.execute("ring_drop", {"queue_id": q.settings.queue_id}, conn)
+            return self.db.fetchone("drop_queue", {"queue_id": q.settings.queue_id}, conn) is not None
 
     # -- maintenance -------------------------------------------------------------------------------
 

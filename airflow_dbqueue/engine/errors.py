@@ -80,7 +80,14 @@ class BatchStateError(DbQueueError):
 
 
 class QueueFullError(DbQueueError):
-    """A bounded queue (ring) stayed full for longer than the push timeout."""
+    """A bounded queue (ring) stayed full for longer than the push timeout; nothing was pushed."""
+
+
+class RingNumbersSkippedError(DbQueueError):
+    """Consumers gave a ring push's numbers up as gaps before it wrote them; nothing was pushed.
+
+    The ring retries such a push with new numbers itself; callers see this only if that keeps failing.
+    """
 
 
 class TransactionRequiredError(DbQueueError):

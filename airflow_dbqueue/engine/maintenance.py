@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 APPLICATION_NAME = "airflow-dbqueue-maintenance"
 """``application_name`` of the connection a maintenance step runs on (and holds its lock with)."""
-TABLES = ("meta", "data", "done", "archive", "queues", "batches")
+TABLES = ("meta", "data", "done", "archive", "queues", "batches", "ring_slots", "ring_failed")
 """The schema's tables, in the order VACUUM visits them (the dequeue path first)."""
 _LEFTOVER = re.compile(r"_cc(new|old)\d*$")
 """Suffixes PostgreSQL gives the indexes of a REINDEX CONCURRENTLY in progress (or one that failed)."""

@@ -79,6 +79,8 @@ class QueueSettings:
     retry_backoff_max_s: float = 300.0
     notify: NotifyMode = NotifyMode.AUTO
     archive: bool = True
+    capacity: int | None = None
+    """Slots of a ring queue (``None`` for the table design)."""
 
     def encode(self, payload: Any, index: int = 0) -> bytes:
         """Encode one payload for storage, checking its type and size against the settings."""

@@ -69,12 +69,25 @@ def test_short_run_is_valid(pg_dsn: str, semantics: str) -> None:
         assert key in point
 
 
-def test_ring_design_is_not_available_yet(pg_dsn: str) -> None:
+def test_short_ring_run_is_valid(pg_dsn: str) -> None:
     proc = _run(
-        pg_dsn, "--design", "ring", "--producers", "1", "--consumers", "1", "--batch", "100", "--seconds", "2"
+        pg_dsn,
+        *("--design", "ring", "--producers", "1", "--consumers", "1", "--batch", "100"),
+        *("--seconds", "1", "--warmup", "0.5", "--json", "--capacity", "2000"),
     )
-    assert proc.returncode != 0
-    assert "ring design is not available yet" in proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    [line] = [line for line in proc.stdout.splitlines() if line.strip()]
+    point: dict[str, Any] = json.loads(line)
+    assert (point["design"], point["capacity"], point["valid"]) == ("ring", 2000, True)
+    assert (point["lost"], point["duplicated"], point["left_in_queue"]) == (0, 0, 0)
+    assert point["cycles_per_s"] > 0
+    assert point["hot_update_ratio"] is not None
+
+
+def test_unknown_design_is_refused(pg_dsn: str) -> None:
+    proc = _run(pg_dsn, "--design", "heap", "--producers", "1", "--seconds", "1")
+    assert proc.returncode == 2
+    assert "invalid choice" in proc.stderr
     assert proc.stdout == ""
 
 

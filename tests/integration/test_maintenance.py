@@ -206,7 +206,16 @@ def test_vacuum_and_metrics(dbq: DbQueue) -> None:
     q.push_batch(list(range(7)))
     q.push_batch([0], delay=60)
     m = dbq.maintenance()
-    assert set(m.vacuum()["tables"]) == {"meta", "data", "done", "archive", "queues", "batches"}
+    assert set(m.vacuum()["tables"]) == {
+        "meta",
+        "data",
+        "done",
+        "archive",
+        "queues",
+        "batches",
+        "ring_slots",
+        "ring_failed",
+    }
     metrics = m.metrics(rate_window_s=60)
     assert json.loads(json.dumps(metrics)) == metrics  # JSON-safe
     qm = metrics["queues"]["q"]

@@ -20,9 +20,12 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from airflow_dbqueue.engine.errors import (
+    ConfigurationError,
     DatabaseError,
     DatabaseUnavailableError,
     DbQueueError,
+    QueueFullError,
+    RingNumbersSkippedError,
     SchemaError,
 )
 from airflow_dbqueue.engine.names import validate_identifier, validate_schema_name
@@ -32,6 +35,12 @@ log = logging.getLogger(__name__)
 
 _PKG = __package__ or "airflow_dbqueue.engine.dialects.postgres"
 _MIGRATION_FILE = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
+# SQLSTATEs that the server-side functions of schema.sql raise on purpose (class DQ is ours).
+_RAISED_BY_FUNCTIONS: dict[str, type[DbQueueError]] = {
+    "DQ001": QueueFullError,
+    "DQ002": RingNumbersSkippedError,
+    "DQ003": ConfigurationError,
+}
 
 
 def migrations() -> list[tuple[int, str]]:
@@ -220,6 +229,9 @@ class PostgresDatabase:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise DatabaseUnavailableError(f"PostgreSQL at {self.where} is unreachable: {first}") from exc
         except psycopg.Error as exc:
+            own = _RAISED_BY_FUNCTIONS.get(exc.sqlstate or "")
+            if own is not None:  # raised on purpose by the ring's server-side functions
+                raise own(exc.diag.message_primary or str(exc)) from exc
             raise DatabaseError(f"PostgreSQL error at {self.where}: {exc}".strip()) from exc
 
     def close(self) -> None:

@@ -29,13 +29,15 @@ RETURNING queue_id
 
 -- name: get_queue
 SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
-       retry_backoff_s, retry_backoff_max_s, notify, archive
-FROM {schema}.queues WHERE name = %(name)s
+       retry_backoff_s, retry_backoff_max_s, notify, archive,
+       (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity
+FROM {schema}.queues q WHERE name = %(name)s
 
 -- name: list_queues
 SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
-       retry_backoff_s, retry_backoff_max_s, notify, archive
-FROM {schema}.queues ORDER BY name
+       retry_backoff_s, retry_backoff_max_s, notify, archive,
+       (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity
+FROM {schema}.queues q ORDER BY name
 
 -- name: drop_queue
 -- Payload deletes here and below match ids with = ANY (ARRAY(...)), not a join: with the statistics of
@@ -529,3 +531,172 @@ SELECT
     + (SELECT count(*) FROM {schema}.archive, w
         WHERE queue_id = %(queue_id)s AND archived_at > w.since AND finished_at > w.since AND outcome = 1)
       AS finished
+
+-- name: ring_create
+-- The ring design. Push and pop are server-side functions (schema.sql: ring_push, ring_pop); the
+-- statements below are the slower paths. Number x of a ring lives in slot x mod capacity: receipts
+-- (id, delivery) find their slot without an index on seq.
+SELECT {schema}.ring_create(%(schema)s, %(queue_id)s::integer, %(capacity)s::integer, %(slot_bytes)s::integer)
+
+-- name: ring_drop
+SELECT {schema}.ring_drop(%(queue_id)s::integer)
+
+-- name: ring_push
+SELECT {schema}.ring_push(
+    %(queue_id)s::integer, %(payloads)s::bytea[], %(timeout_s)s::float8, %(notify)s::integer, %(channel)s)
+
+-- name: ring_pop
+SELECT * FROM {schema}.ring_pop(
+    %(queue_id)s::integer, %(capacity)s::integer, %(lo)s::bigint, %(n)s::integer, %(lease)s::boolean,
+    %(visibility_timeout_s)s::float8, %(consumer)s::text, %(own)s::boolean,
+    %(gap)s::bigint, %(gap_issued)s::bigint, %(gap_snap)s::pg_snapshot, %(force)s::boolean)
+
+-- name: ring_head
+SELECT {schema}.ring_head(%(queue_id)s::integer)
+
+-- name: ring_ack
+-- All or nothing, as in the table design: held locks the receipts whose lease is still valid, and slots
+-- are freed only when every receipt is held.
+WITH held AS (
+    SELECT s.ctid AS tid
+    FROM {schema}.ring_slots s
+    JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
+      ON s.seq = r.id AND s.deliveries = r.delivery
+    WHERE s.queue_id = %(queue_id)s AND s.slot = ANY (%(slots)s::integer[])
+      AND s.state = 2 AND s.due_at > now()
+    FOR UPDATE OF s
+)
+UPDATE {schema}.ring_slots s
+SET state = 0, payload = NULL, consumer = NULL, last_error = NULL
+WHERE s.ctid = ANY (ARRAY(SELECT tid FROM held))
+  AND (SELECT count(*) FROM held) = cardinality(%(ids)s::bigint[])
+RETURNING s.seq
+
+-- name: ring_nack
+-- Back to ready in place (the message keeps its id and its place) after delay_s or the backoff, or out
+-- of the ring into ring_failed after max_attempts (its slot is freed). All or nothing, like ring_ack.
+WITH held AS (
+    SELECT s.ctid AS tid, s.seq, s.attempts, s.enqueued_at, s.payload
+    FROM {schema}.ring_slots s
+    JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
+      ON s.seq = r.id AND s.deliveries = r.delivery
+    WHERE s.queue_id = %(queue_id)s AND s.slot = ANY (%(slots)s::integer[])
+      AND s.state = 2 AND s.due_at > now()
+    FOR UPDATE OF s
+), whole AS (
+    SELECT (SELECT count(*) FROM held) = cardinality(%(ids)s::bigint[]) AS ok
+), failed AS (
+    INSERT INTO {schema}.ring_failed (queue_id, id, attempts, enqueued_at, last_error, payload)
+    SELECT %(queue_id)s, h.seq, h.attempts, h.enqueued_at, %(error)s, h.payload
+    FROM held h WHERE (SELECT ok FROM whole) AND h.attempts >= %(max_attempts)s
+)
+UPDATE {schema}.ring_slots s
+SET state = CASE WHEN s.attempts >= %(max_attempts)s THEN 0 ELSE 1 END,
+    due_at = CASE WHEN s.attempts >= %(max_attempts)s THEN s.due_at
+                  ELSE now() + make_interval(secs => coalesce(%(delay_s)s::float8, least(
+                      %(backoff_max_s)s::float8,
+                      %(backoff_s)s::float8 * power(2, greatest(s.attempts - 1, 0)))))
+                  END,
+    payload = CASE WHEN s.attempts >= %(max_attempts)s THEN NULL ELSE s.payload END,
+    consumer = NULL, last_error = %(error)s
+WHERE s.ctid = ANY (ARRAY(SELECT tid FROM held)) AND (SELECT ok FROM whole)
+RETURNING s.seq, s.state
+
+-- name: ring_held_receipts
+SELECT s.seq, s.deliveries
+FROM {schema}.ring_slots s
+JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
+  ON s.seq = r.id AND s.deliveries = r.delivery
+WHERE s.queue_id = %(queue_id)s AND s.slot = ANY (%(slots)s::integer[]) AND s.state = 2 AND s.due_at > now()
+
+-- name: ring_reclaim_expired
+-- Expired leases go back to ready in place (keeping their id, so their place) or, after max_attempts,
+-- to ring_failed. Scans the ring's slots: pops run it at most once a second.
+WITH expired AS (
+    SELECT s.ctid AS tid, s.seq, s.attempts, s.enqueued_at, s.payload, s.consumer
+    FROM {schema}.ring_slots s
+    WHERE s.queue_id = %(queue_id)s AND s.state = 2 AND s.due_at <= now()
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), failed AS (
+    INSERT INTO {schema}.ring_failed (queue_id, id, attempts, enqueued_at, last_error, payload)
+    SELECT %(queue_id)s, e.seq, e.attempts, e.enqueued_at,
+           'lease expired (held by ' || coalesce(e.consumer, '?') || ')', e.payload
+    FROM expired e WHERE e.attempts >= %(max_attempts)s
+)
+UPDATE {schema}.ring_slots s
+SET state = CASE WHEN s.attempts >= %(max_attempts)s THEN 0 ELSE 1 END,
+    due_at = now(),
+    payload = CASE WHEN s.attempts >= %(max_attempts)s THEN NULL ELSE s.payload END,
+    consumer = NULL, last_error = 'lease expired (held by ' || coalesce(s.consumer, '?') || ')'
+WHERE s.ctid = ANY (ARRAY(SELECT tid FROM expired))
+RETURNING s.seq, s.state
+
+-- name: ring_peek
+SELECT s.seq, s.attempts, s.deliveries, s.enqueued_at, NULL::timestamptz AS lease_until, s.payload
+FROM {schema}.ring_slots s
+WHERE s.queue_id = %(queue_id)s AND s.state = 1 AND s.due_at <= now()
+ORDER BY s.seq
+LIMIT %(n)s
+
+-- name: ring_count_ready
+SELECT count(*) FROM (
+    SELECT 1 FROM {schema}.ring_slots
+    WHERE queue_id = %(queue_id)s AND state = 1 AND due_at <= now()
+    LIMIT %(cap)s) s
+
+-- name: ring_ready_head
+SELECT r.ready, h.seq AS head_id, h.deliveries AS head_deliveries
+FROM (SELECT count(*) AS ready FROM (
+        SELECT 1 FROM {schema}.ring_slots
+        WHERE queue_id = %(queue_id)s AND state = 1 AND due_at <= now()
+        LIMIT %(cap)s) s) r
+LEFT JOIN LATERAL (
+    SELECT seq, deliveries FROM {schema}.ring_slots
+    WHERE queue_id = %(queue_id)s AND state = 1 AND due_at <= now()
+    ORDER BY seq
+    LIMIT 1) h ON true
+
+-- name: ring_stats
+-- Depth by state, plus the ring's own figures: the push position (last number issued), the pop
+-- position (lowest unfinished number), numbers skipped as gaps, and slots holding a skipped number.
+SELECT count(*) FILTER (WHERE s.state = 1 AND s.due_at <= now()) AS ready,
+       count(*) FILTER (WHERE s.state = 1 AND s.due_at > now()) AS delayed,
+       count(*) FILTER (WHERE s.state = 2) AS in_flight,
+       (SELECT count(*) FROM {schema}.ring_failed f WHERE f.queue_id = %(queue_id)s) AS failed,
+       extract(epoch FROM now() - min(s.enqueued_at) FILTER (WHERE s.state = 1 AND s.due_at <= now()))::float8
+           AS oldest_ready_age_s,
+       (SELECT coalesce(pg_sequence_last_value(r.push_seq), 0) FROM {schema}.rings r
+         WHERE r.queue_id = %(queue_id)s) AS push_position,
+       {schema}.ring_head(%(queue_id)s::integer) AS pop_position,
+       (SELECT coalesce(pg_sequence_last_value(r.gap_seq), 0) FROM {schema}.rings r
+         WHERE r.queue_id = %(queue_id)s) AS gaps_skipped
+FROM {schema}.ring_slots s
+WHERE s.queue_id = %(queue_id)s
+
+-- name: ring_list_failed
+SELECT id, attempts, enqueued_at, last_error, payload
+FROM {schema}.ring_failed
+WHERE queue_id = %(queue_id)s AND id > %(after_id)s
+ORDER BY id
+LIMIT %(limit)s
+
+-- name: ring_take_failed
+-- requeue_failed: the failed messages leave ring_failed and are pushed again (new ids) in the same
+-- transaction.
+DELETE FROM {schema}.ring_failed
+WHERE queue_id = %(queue_id)s AND (%(all)s OR id = ANY (%(ids)s::bigint[]))
+RETURNING id, payload
+
+-- name: ring_delete_failed
+DELETE FROM {schema}.ring_failed
+WHERE queue_id = %(queue_id)s AND (%(all)s OR id = ANY (%(ids)s::bigint[]))
+RETURNING id
+
+-- name: ring_leased
+SELECT s.seq, s.attempts, s.deliveries, s.enqueued_at, s.due_at, s.payload
+FROM {schema}.ring_slots s
+JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
+  ON s.seq = r.id AND s.deliveries = r.delivery
+WHERE s.queue_id = %(queue_id)s AND s.slot = ANY (%(slots)s::integer[]) AND s.state = 2 AND s.due_at > now()
+ORDER BY s.seq

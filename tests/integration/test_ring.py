@@ -1,0 +1,356 @@
+"""The ring design's own behaviour: a full ring pushing back, gaps, late pushes, dead holders, no growth.
+
+The conformance suite covers what the ring shares with the table design; these tests cover the
+boundary conditions of seed 001. Every test counts and checksums what went in and came out.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from airflow_dbqueue.engine import ConfigurationError, DbQueue, LeaseExpiredError, QueueFullError
+
+if TYPE_CHECKING:
+    from airflow_dbqueue.engine import Message, Queue
+    from airflow_dbqueue.engine.ring import RingQueue
+
+pytestmark = pytest.mark.integration
+
+
+def ring(dbq: DbQueue, name: str, capacity: int, **settings: Any) -> RingQueue:
+    q = dbq.create_queue(name, design="ring", capacity=capacity, **settings)
+    return q  # type: ignore[return-value]
+
+
+def drain(q: Queue, semantics: str = "at-most-once", n: int = 100) -> list[Message]:
+    out: list[Message] = []
+    while batch := q.pop(n, semantics=semantics):
+        out.extend(batch)
+        if semantics == "at-least-once":
+            q.ack(batch)
+    return out
+
+
+def slot_rows(dbq: DbQueue, q: Queue) -> list[tuple[int, int, int]]:
+    """(slot, seq, state) of every slot of a ring."""
+    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+        return c.execute(
+            sql.SQL("SELECT slot, seq, state FROM {}.ring_slots WHERE queue_id = %s ORDER BY slot").format(
+                sql.Identifier(dbq.schema)
+            ),
+            [q.settings.queue_id],
+        ).fetchall()
+
+
+# -- settings --------------------------------------------------------------------------------------
+
+
+def test_ring_settings_are_checked(dbq: DbQueue) -> None:
+    q = ring(dbq, "r", 10)
+    assert (q.settings.capacity, q.settings.archive, q.settings.max_payload_bytes) == (10, False, 512)
+    assert dbq.create_queue("r", design="ring", capacity=10).settings == q.settings
+    assert len(slot_rows(dbq, q)) == 10
+    with pytest.raises(ConfigurationError, match="do not archive"):
+        dbq.create_queue("r2", design="ring", archive=True)
+    with pytest.raises(ConfigurationError, match="up to 4000 bytes"):
+        dbq.create_queue("r2", design="ring", max_payload_bytes=5000)
+    with pytest.raises(ConfigurationError, match="capacity must be in"):
+        dbq.create_queue("r2", design="ring", capacity=0)
+    with pytest.raises(ConfigurationError, match="ring queues only"):
+        dbq.create_queue("t2", capacity=5)
+    with pytest.raises(ConfigurationError, match="at most the capacity"):
+        q.push_batch(list(range(11)))
+    assert [s.name for s in dbq.list_queues()] == ["r"]
+
+
+def test_drop_ring_removes_its_slots_and_sequences(dbq: DbQueue) -> None:
+    q = ring(dbq, "gone", 16)
+    q.push_batch([1, 2, 3])
+    assert dbq.drop_queue("gone")
+    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+        seqs = c.execute(
+            "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = %s AND c.relkind = 'S' AND c.relname LIKE 'ring%%'",
+            [dbq.schema],
+        ).fetchone()
+        rows = c.execute(
+            sql.SQL("SELECT (SELECT count(*) FROM {s}.ring_slots), (SELECT count(*) FROM {s}.rings)").format(
+                s=sql.Identifier(dbq.schema)
+            )
+        ).fetchone()
+    row = (seqs[0] if seqs else None, *(rows or ()))
+    assert row == (0, 0, 0)
+
+
+# -- a full ring -----------------------------------------------------------------------------------
+
+
+def test_full_ring_pushes_back_then_raises_a_clear_error(dbq: DbQueue) -> None:
+    q = ring(dbq, "full", 4)
+    q.push_timeout = 0.3
+    assert q.push_batch(["a", "b", "c", "d"]) == [1, 2, 3, 4]
+    t0 = time.monotonic()
+    with pytest.raises(QueueFullError, match=r"'full'.*capacity 4.*0.3s; nothing of the batch was pushed"):
+        q.push_batch(["e", "f"])
+    assert time.monotonic() - t0 >= 0.3
+    assert q.stats().ready == 4
+    # a pusher that waits is let through by a pop; the numbers of the failed push are gaps, skipped
+    q.push_timeout = 30.0
+    got: list[list[int]] = []
+    pusher = threading.Thread(target=lambda: got.append(q.push_batch(["e", "f"])))
+    pusher.start()
+    time.sleep(0.3)
+    assert pusher.is_alive(), "the push should wait for a full ring"
+    assert [m.payload for m in q.pop(4)] == ["a", "b", "c", "d"]
+    pusher.join(timeout=30)
+    assert not pusher.is_alive()
+    assert [m.payload for m in drain(q)] == ["e", "f"]
+    st = q.stats()
+    assert (st.ready, st.extra["gaps_skipped"], st.extra["ring_used"]) == (0, 2, 0), st
+    assert [m.id for m in drain(q)] == []
+    assert got == [[7, 8]]
+
+
+# -- gaps ------------------------------------------------------------------------------------------
+
+
+class _Rollback(Exception):
+    pass
+
+
+def test_rolled_back_pushes_leave_gaps_that_pops_skip(dbq: DbQueue) -> None:
+    q = ring(dbq, "gaps", 8)
+    for _ in range(3):  # three rolled-back pushes of 2 messages: numbers taken, nothing written
+        with pytest.raises(_Rollback), dbq.transaction() as conn:
+            q.push_batch(["lost", "lost"], conn=conn)
+            raise _Rollback
+    sent = [f"m{i}" for i in range(20)]
+    got: list[Message] = []
+    for first in range(0, 20, 4):  # the ring wraps over the gaps twice
+        q.push_batch(sent[first : first + 4])
+        got += q.pop(4)
+    assert [m.payload for m in got] == sent
+    assert [m.id for m in got] == list(range(7, 27))
+    st = q.stats()
+    assert (st.ready, st.extra["gaps_skipped"], st.extra["pop_position"], st.extra["push_position"]) == (
+        0,
+        6,
+        27,
+        26,
+    )
+
+
+def test_a_live_holder_is_waited_for_and_a_dead_one_skipped_at_once(dbq: DbQueue) -> None:
+    q = ring(dbq, "holder", 8)
+    with psycopg.connect(dbq.db.dsn) as holder:  # takes number 1 as a push would, and stalls
+        holder.execute("SELECT pg_current_xact_id()")
+        holder.execute(
+            sql.SQL("SELECT nextval(push_seq) FROM {}.rings WHERE queue_id = %s").format(
+                sql.Identifier(dbq.schema)
+            ),
+            [q.settings.queue_id],
+        )
+        q.push_batch(["two", "three"])
+        assert [m.payload for m in q.pop(5)] == ["two", "three"]
+        for _ in range(3):
+            assert q.pop(5) == []
+        st = q.stats()
+        assert (st.extra["pop_position"], st.extra["gaps_skipped"]) == (1, 0), "a live holder is waited for"
+        holder.rollback()  # the holder is gone: its number is skipped by the next pops, no timeout
+        assert q.pop(5) == []
+        assert q.pop(5) == []
+        st = q.stats()
+        assert (st.extra["pop_position"], st.extra["gaps_skipped"]) == (4, 1), st
+
+
+def test_a_stuck_live_holder_is_skipped_after_the_gap_timeout(dbq: DbQueue) -> None:
+    q = ring(dbq, "stuck", 8)
+    q.gap_timeout = 0.3
+    with psycopg.connect(dbq.db.dsn) as holder:
+        holder.execute("SELECT pg_current_xact_id()")
+        holder.execute(
+            sql.SQL("SELECT nextval(push_seq) FROM {}.rings WHERE queue_id = %s").format(
+                sql.Identifier(dbq.schema)
+            ),
+            [q.settings.queue_id],
+        )
+        q.push_batch(["two"])
+        assert [m.payload for m in q.pop(5)] == ["two"]  # messages past the gap are not held back
+        assert q.stats().extra["gaps_skipped"] == 0
+        time.sleep(0.4)
+        assert q.pop(1) == []
+        assert q.pop(1) == []
+        st = q.stats()
+        assert (st.extra["gaps_skipped"], st.extra["pop_position"]) == (1, 3), st
+
+
+def test_a_late_push_of_a_skipped_number_is_pushed_again_whole(dbq: DbQueue) -> None:
+    q = ring(dbq, "late", 8)
+    q.push_batch(["a", "b"])
+    # Consumers gave numbers 3 and 4 up while their (slow) holder had not written them yet: the slots
+    # already say skipped. The push that takes 3 and 4 finds that, fails whole, and takes 5 and 6.
+    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+        c.execute(
+            sql.SQL(
+                "UPDATE {}.ring_slots SET seq = seq + 8, state = 3 WHERE queue_id = %s AND slot IN (3, 4)"
+            ).format(sql.Identifier(dbq.schema)),
+            [q.settings.queue_id],
+        )
+    assert q.push_batch(["c", "d"]) == [5, 6]
+    assert [(m.id, m.payload) for m in drain(q)] == [(1, "a"), (2, "b"), (5, "c"), (6, "d")]
+
+
+# -- dead holders ----------------------------------------------------------------------------------
+
+
+def _push_and_hang(*, dsn: str, schema: str, queue: str, payloads: list[str], report: Any) -> None:
+    """Push a batch inside a transaction that never commits, report, and wait to be killed."""
+    try:
+        with DbQueue(dsn, schema=schema, pool_size=1) as dbq:
+            q = dbq.queue(queue)
+            with dbq.transaction() as conn:
+                ids = q.push_batch(payloads, conn=conn)
+                report.put(("pushed", ids))
+                time.sleep(300)
+    except BaseException:
+        report.put(("error", traceback.format_exc()))
+
+
+def _lease_and_hang(*, dsn: str, schema: str, queue: str, n: int, report: Any) -> None:
+    try:
+        with DbQueue(dsn, schema=schema, pool_size=1) as dbq:
+            msgs = dbq.queue(queue).pop(n, semantics="at-least-once", visibility_timeout=1.0)
+            report.put(("held", [m.receipt for m in msgs]))
+            time.sleep(300)
+    except BaseException:
+        report.put(("error", traceback.format_exc()))
+
+
+def _run_and_kill(target: Any, **kwargs: Any) -> Any:
+    ctx = mp.get_context("spawn")
+    report = ctx.Queue()
+    child = ctx.Process(target=target, kwargs={**kwargs, "report": report})
+    child.start()
+    try:
+        kind, value = report.get(timeout=120)
+        assert kind != "error", value
+        os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        child.join(timeout=30)
+        assert child.exitcode == -signal.SIGKILL
+    finally:
+        if child.is_alive():
+            child.kill()
+            child.join(timeout=10)
+        report.close()
+    return value
+
+
+@pytest.mark.slow
+def test_producer_sigkilled_between_taking_numbers_and_committing(dbq: DbQueue) -> None:
+    q = ring(dbq, "killed", 16)
+    q.push_batch(["before"])
+    dead_ids = _run_and_kill(
+        _push_and_hang, dsn=dbq.db.dsn, schema=dbq.schema, queue="killed", payloads=["dead"] * 5
+    )
+    assert dead_ids == [2, 3, 4, 5, 6]
+    # The ring keeps flowing: 10 laps of it, pushed and popped in step, over the dead push's numbers.
+    sent = [f"m{i}" for i in range(160)]
+    got = [m.payload for m in q.pop(10)]
+    for first in range(0, 160, 8):
+        q.push_batch(sent[first : first + 8])
+        got += [m.payload for m in q.pop(8)]
+    got += [m.payload for m in drain(q)]
+    assert got == ["before", *sent]
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.extra["gaps_skipped"]) == (0, 0, 5), st
+    assert all(state in (0, 3) for _, _, state in slot_rows(dbq, q)), "a slot stayed taken"
+
+
+@pytest.mark.slow
+def test_consumer_sigkilled_holding_leases_frees_its_slots_on_expiry(dbq: DbQueue) -> None:
+    q = ring(dbq, "leases", 10, max_attempts=3)
+    q.push_timeout = 20.0
+    sent = [f"m{i}" for i in range(10)]
+    ids = q.push_batch(sent)
+    held = _run_and_kill(_lease_and_hang, dsn=dbq.db.dsn, schema=dbq.schema, queue="leases", n=4)
+    assert held == [(i, 1) for i in ids[:4]]
+    rest = q.pop(10, semantics="at-least-once")
+    assert [m.id for m in rest] == ids[4:]
+    q.ack(rest)
+    # The dead consumer's 4 slots stay taken until its leases expire: a push of 10 waits for them.
+    more = [f"n{i}" for i in range(10)]
+    t0 = time.monotonic()
+    pusher_ids: list[list[int]] = []
+    pusher = threading.Thread(target=lambda: pusher_ids.append(q.push_batch(more)))
+    pusher.start()
+    again: list[Message] = []
+    deadline = time.monotonic() + 30
+    while len(again) < 14 and time.monotonic() < deadline:
+        got = q.pop(20, semantics="at-least-once", wait=1.0, poll_interval=0.1)
+        q.ack(got)
+        again += got
+    pusher.join(timeout=30)
+    assert time.monotonic() - t0 >= 0.5, "the leases held the ring for about their 1 s"
+    assert [m.id for m in again[:4]] == ids[:4] and all(m.attempts == 2 for m in again[:4])
+    assert [m.payload for m in again] == sent[:4] + more
+    assert [m.id for m in again[4:]] == pusher_ids[0] == list(range(11, 21))
+    with pytest.raises(LeaseExpiredError):  # the dead consumer's receipts are stale
+        q.ack_receipts(held)
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.failed, st.extra["ring_used"]) == (0, 0, 0, 0), st
+
+
+# -- the table never grows -------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_ring_table_never_grows_and_updates_are_hot(pg_dsn: str, dbq: DbQueue) -> None:
+    with DbQueue(pg_dsn, schema=dbq.schema, pool_size=1) as one:
+        q = one.create_queue("hot", design="ring", capacity=500, payload_type="bytes", max_payload_bytes=300)
+        payload = os.urandom(300)
+
+        def cycle(n: int, semantics: str) -> None:
+            for _ in range(n // 100):
+                q.push_batch([payload] * 100)
+                got = q.pop(100, semantics=semantics)
+                assert len(got) == 100
+                if semantics == "at-least-once":
+                    q.ack(got)
+
+        def size() -> int:
+            with psycopg.connect(pg_dsn, autocommit=True) as c:
+                row = c.execute(
+                    "SELECT pg_total_relation_size(format('%%I.ring_slots', %s::text)::regclass)",
+                    [dbq.schema],
+                ).fetchone()
+            assert row is not None
+            return int(row[0])
+
+        cycle(2000, "at-most-once")
+        first = size()
+        cycle(20_000, "at-most-once")
+        cycle(10_000, "at-least-once")
+        assert size() == first, "the ring's table grew"
+        with one.db.connection() as c:
+            c.execute("SELECT pg_stat_force_next_flush()")
+            c.execute("SELECT 1")
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            row = c.execute(
+                "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables "
+                "WHERE schemaname = %s AND relname = 'ring_slots'",
+                [dbq.schema],
+            ).fetchone()
+        assert row is not None
+        upd, hot = row
+        assert upd >= 2 * 32_000
+        assert hot / upd > 0.95, f"only {hot} of {upd} updates were HOT"
