@@ -1,5 +1,6 @@
 # Sourced by scripts/*: create .venv (or $DBQUEUE_VENV) and install the project with the given extras;
-# install the system packages the Spark pipeline needs (a Java runtime, PostgreSQL's JDBC driver).
+# install the system packages the Spark pipeline needs (a Java runtime, PostgreSQL's JDBC driver) and
+# the ODBC driver manager the SQL Server dialect loads Microsoft's driver through (unixODBC).
 VENV="${DBQUEUE_VENV:-$PWD/.venv}"
 ensure_venv() {
   local extras="$1" stamp
@@ -26,4 +27,13 @@ ensure_spark_system() {
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
   $sudo apt-get install -y -q "${want[@]}" >/dev/null 2>&1 \
     || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q "${want[@]}" >/dev/null; }
+}
+ensure_odbc_system() {
+  # pyodbc links against unixODBC's libodbc; the mssql extra's wheel ships ODBC Driver 18 itself.
+  ldconfig -p 2>/dev/null | grep -q 'libodbc.so.2 ' && return 0
+  echo "== installing unixodbc (apt)"
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get install -y -q unixodbc >/dev/null 2>&1 \
+    || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q unixodbc >/dev/null; }
 }

@@ -19,6 +19,8 @@ from airflow_dbqueue.engine import DbQueue
 from airflow_dbqueue.engine.embedded import EmbeddedPostgres
 
 TEST_DSN_ENV = "DBQUEUE_TEST_DSN"
+MSSQL_DSN_ENV = "DBQUEUE_TEST_MSSQL_DSN"
+"""A SQL Server to run the suites against too (``mssql://user:pw@host:1433/db?Encrypt=no``)."""
 
 
 @pytest.fixture(scope="session")
@@ -35,6 +37,15 @@ def pg_dsn() -> Iterator[str]:
     finally:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def mssql_dsn() -> str:
+    """DSN of a SQL Server from ``$DBQUEUE_TEST_MSSQL_DSN``; tests that need one are skipped without it."""
+    dsn = os.environ.get(MSSQL_DSN_ENV)
+    if not dsn:
+        pytest.skip(f"no SQL Server: set ${MSSQL_DSN_ENV} to run this against one")
+    return dsn
 
 
 @pytest.fixture

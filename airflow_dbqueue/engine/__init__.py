@@ -17,8 +17,10 @@ from airflow_dbqueue.engine.errors import (
     DatabaseError,
     DatabaseUnavailableError,
     DbQueueError,
+    DeadlockError,
     InvalidNameError,
     LeaseExpiredError,
+    LockTimeoutError,
     PayloadError,
     PayloadTooLargeError,
     PayloadTypeError,
@@ -27,6 +29,7 @@ from airflow_dbqueue.engine.errors import (
     QueueNotFoundError,
     SchemaError,
     TransactionRequiredError,
+    TransientDatabaseError,
 )
 from airflow_dbqueue.engine.maintenance import Maintenance, MaintenanceConfig
 from airflow_dbqueue.engine.models import (
@@ -54,10 +57,12 @@ __all__ = [
     "DatabaseUnavailableError",
     "DbQueue",
     "DbQueueError",
+    "DeadlockError",
     "Design",
     "FailedMessage",
     "InvalidNameError",
     "LeaseExpiredError",
+    "LockTimeoutError",
     "Maintenance",
     "MaintenanceConfig",
     "Message",
@@ -75,4 +80,5 @@ __all__ = [
     "SchemaError",
     "Semantics",
     "TransactionRequiredError",
+    "TransientDatabaseError",
 ]

@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
+from airflow_dbqueue.engine.dialects.base import Database, DbConnection, make_database
 from airflow_dbqueue.engine.errors import ConfigurationError, QueueExistsError, QueueNotFoundError
 from airflow_dbqueue.engine.models import Design, NotifyMode, PayloadType, QueueSettings
 from airflow_dbqueue.engine.names import validate_queue_name
@@ -23,8 +23,6 @@ from airflow_dbqueue.engine.table import TableQueue
 
 if TYPE_CHECKING:
     from types import TracebackType
-
-    import psycopg
 
     from airflow_dbqueue.engine.maintenance import Maintenance, MaintenanceConfig
     from airflow_dbqueue.engine.queue import Queue
@@ -77,6 +75,8 @@ class DbQueue:
     :param schema: schema holding the queue tables.
     :param pool_size: most connections the pool opens.
     :param connect_timeout: seconds before an unreachable database raises DatabaseUnavailableError.
+    :param dialect: ``postgresql`` or ``mssql``; by default read from the DSN (an ``mssql://`` URL or an
+        ODBC connection string selects SQL Server, anything else is PostgreSQL).
     """
 
     def __init__(
@@ -86,15 +86,17 @@ class DbQueue:
         schema: str = "dbqueue",
         pool_size: int = 10,
         connect_timeout: float = 10.0,
+        dialect: str | None = None,
     ) -> None:
         dsn = dsn or os.environ.get(DSN_ENV)
         if not dsn:
             raise ConfigurationError(
                 f"no database given: pass a DSN or set ${DSN_ENV} (or use airflow_dbqueue.engine.embedded)"
             )
-        self.db = PostgresDatabase(
-            dsn, schema=schema, min_size=1, max_size=pool_size, connect_timeout=connect_timeout
+        self.db: Database = make_database(
+            dsn, dialect=dialect, schema=schema, pool_size=pool_size, connect_timeout=connect_timeout
         )
+        self.dialect = self.db.dialect_name
         self.schema = self.db.schema
         self._queues: dict[str, Queue] = {}
 
@@ -157,6 +159,11 @@ class DbQueue:
         except ValueError as exc:
             raise ConfigurationError(f"queue {name!r}: {exc}") from None
         ring = kind is Design.RING
+        if ring and self.dialect != "postgresql":
+            raise ConfigurationError(
+                f"queue {name!r}: the ring design runs on PostgreSQL only so far "
+                f"({self.dialect} is not ported)"
+            )
         if ring:
             if archive:
                 raise ConfigurationError(
@@ -256,6 +263,13 @@ class DbQueue:
 
     def _open(self, settings: QueueSettings) -> Queue:
         if settings.design is Design.RING:
+            from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
+
+            if not isinstance(self.db, PostgresDatabase):
+                raise ConfigurationError(
+                    f"queue {settings.name!r} is a ring, which runs on PostgreSQL only so far, "
+                    f"not {self.dialect}"
+                )
             return RingQueue(self.db, settings)
         return TableQueue(self.db, settings)
 
@@ -292,7 +306,7 @@ class DbQueue:
     # -- exactly-once ------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def transaction(self) -> Iterator[psycopg.Connection[Any]]:
+    def transaction(self) -> Iterator[DbConnection]:
         """Yield a connection in a transaction for exactly-once work.
 
         Pop with ``semantics="exactly-once", conn=conn`` and write your results with the same

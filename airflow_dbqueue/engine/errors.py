@@ -100,3 +100,19 @@ class DatabaseUnavailableError(DbQueueError, ConnectionError):
 
 class DatabaseError(DbQueueError):
     """Any other database failure, translated from the driver's exception."""
+
+
+class TransientDatabaseError(DatabaseError):
+    """The database rolled the transaction back for a reason that may pass (deadlock, lock timeout).
+
+    The engine runs its own statements again a few times; inside the caller's transaction it raises
+    this, and the caller may run its whole transaction again.
+    """
+
+
+class DeadlockError(TransientDatabaseError):
+    """The transaction was chosen as a deadlock victim and rolled back."""
+
+
+class LockTimeoutError(TransientDatabaseError):
+    """A lock was not granted within the session's lock timeout."""

@@ -298,8 +298,14 @@ class Maintenance:
     """
 
     def __init__(self, dbq: DbQueue) -> None:
+        from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
+
+        if not isinstance(dbq.db, PostgresDatabase):
+            # The SQL Server statements exist (dialects/mssql/queries.sql); the steps that drive them
+            # (sp_getapplock, REBUILD/REORGANIZE chosen by edition) are the next step of issue 7.
+            raise NotImplementedError(f"maintenance is not available on {dbq.db.dialect_name} yet")
         self._dbq = dbq
-        self._db = dbq.db
+        self._db: PostgresDatabase = dbq.db
         self.schema = dbq.schema
         self._held: psycopg.Connection[Any] | None = None
         self._skip_reason: str | None = None

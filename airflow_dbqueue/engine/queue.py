@@ -7,7 +7,7 @@ import datetime as dt
 import os
 import socket
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow_dbqueue.engine.errors import ConfigurationError, TransactionRequiredError
@@ -24,9 +24,22 @@ from airflow_dbqueue.engine.models import (
 if TYPE_CHECKING:
     import psycopg
 
-    from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
+    from airflow_dbqueue.engine.dialects.base import Database, DbConnection
 
 DEFAULT_CONSUMER = f"{socket.gethostname()}:{os.getpid()}"
+
+
+SPIN_PAUSES = (0.0, 0.001, 0.002, 0.005)
+"""The first pauses of a polling wait: a short spin, for a message pushed a moment later."""
+
+
+def poll_pauses(poll_interval: float) -> Iterator[float]:
+    """Yield the pauses of a polling wait: :data:`SPIN_PAUSES`, then 10 ms doubling to ``poll_interval``."""
+    yield from (min(p, poll_interval) for p in SPIN_PAUSES)
+    pause = 0.01
+    while True:
+        yield min(pause, poll_interval)
+        pause *= 2
 
 
 def _check_batch_size(n: int) -> int:
@@ -38,11 +51,12 @@ def _check_batch_size(n: int) -> int:
 class Queue(abc.ABC):
     """One named queue. Obtain it from :meth:`DbQueue.queue` or :meth:`DbQueue.create_queue`.
 
-    Every method that touches the database takes an optional ``conn``: a psycopg connection whose
-    open transaction the call joins (exactly-once work). Without it, each call is its own transaction.
+    Every method that touches the database takes an optional ``conn``: a driver connection (psycopg
+    or pyodbc, from :meth:`DbQueue.transaction`) whose open transaction the call joins (exactly-once
+    work). Without it, each call is its own transaction.
     """
 
-    def __init__(self, db: PostgresDatabase, settings: QueueSettings) -> None:
+    def __init__(self, db: Database, settings: QueueSettings) -> None:
         self._db = db
         self.settings = settings
         self.name = settings.name
@@ -58,7 +72,7 @@ class Queue(abc.ABC):
         *,
         priority: int = 0,
         delay: float = 0.0,
-        conn: psycopg.Connection[Any] | None = None,
+        conn: DbConnection | None = None,
     ) -> int:
         """Push one message and return its id."""
         return self.push_batch([payload], priority=priority, delay=delay, conn=conn)[0]
@@ -70,7 +84,7 @@ class Queue(abc.ABC):
         *,
         priority: int = 0,
         delay: float = 0.0,
-        conn: psycopg.Connection[Any] | None = None,
+        conn: DbConnection | None = None,
     ) -> list[int]:
         """Push many messages in one round trip; return their ids in payload order.
 
@@ -89,7 +103,7 @@ class Queue(abc.ABC):
         wait: float = 0.0,
         poll_interval: float = 1.0,
         consumer: str | None = None,
-        conn: psycopg.Connection[Any] | None = None,
+        conn: DbConnection | None = None,
     ) -> list[Message]:
         """Pop up to ``n`` messages; wait up to ``wait`` seconds for at least one.
 
@@ -112,6 +126,17 @@ class Queue(abc.ABC):
             return msgs
         deadline = time.monotonic() + wait
         poll = max(0.01, poll_interval)
+        if not self._db.supports_notify:
+            # No wake-ups on this database (SQL Server): seed 000's advice, a short spin, then
+            # sleeps that grow up to poll_interval.
+            for pause in poll_pauses(poll):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                time.sleep(min(pause, left))
+                if msgs := self._pop_once(n, sem, vt, who, conn):
+                    break
+            return msgs
         if conn is not None or self.settings.notify is NotifyMode.NEVER:
             while not msgs and (left := deadline - time.monotonic()) > 0:
                 time.sleep(min(poll, left))
@@ -129,27 +154,26 @@ class Queue(abc.ABC):
         """Seconds until the next delayed message is due (``default`` when none is delayed)."""
         return default
 
-    @staticmethod
-    def _require_transaction(conn: psycopg.Connection[Any] | None) -> None:
+    def _require_transaction(self, conn: DbConnection | None) -> None:
         if conn is None:
             raise TransactionRequiredError(
                 "exactly-once pop needs the caller's transaction: pass conn= from DbQueue.transaction()"
             )
-        if conn.autocommit and conn.info.transaction_status.name == "IDLE":
+        if not self._db.in_transaction(conn):
             raise TransactionRequiredError(
                 "exactly-once pop needs an open transaction on conn (use DbQueue.transaction())"
             )
 
     @abc.abstractmethod
     def _pop_once(
-        self, n: int, semantics: Semantics, vt: float, consumer: str, conn: psycopg.Connection[Any] | None
+        self, n: int, semantics: Semantics, vt: float, consumer: str, conn: DbConnection | None
     ) -> list[Message]:
         """Claim up to n messages without waiting."""
 
     # -- finish ------------------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def ack(self, messages: Sequence[Message], *, conn: psycopg.Connection[Any] | None = None) -> int:
+    def ack(self, messages: Sequence[Message], *, conn: DbConnection | None = None) -> int:
         """Finish leased messages. All or nothing: raise :class:`LeaseExpiredError` if any lease is lost."""
 
     @abc.abstractmethod
@@ -159,7 +183,7 @@ class Queue(abc.ABC):
         *,
         delay: float | None = None,
         error: str | None = None,
-        conn: psycopg.Connection[Any] | None = None,
+        conn: DbConnection | None = None,
     ) -> int:
         """Return leased messages for another try after ``delay`` seconds (default: the queue's backoff).
 
@@ -240,9 +264,7 @@ class Queue(abc.ABC):
         """
         raise NotImplementedError(f"{self.settings.design} queues do not support leased() yet")
 
-    def ack_receipts(
-        self, receipts: Sequence[tuple[int, int]], *, conn: psycopg.Connection[Any] | None = None
-    ) -> int:
+    def ack_receipts(self, receipts: Sequence[tuple[int, int]], *, conn: DbConnection | None = None) -> int:
         """:meth:`ack` deliveries known only by their receipts ``(id, delivery)``; all or nothing."""
         return self.ack(self._receipt_messages(receipts), conn=conn)
 
@@ -252,7 +274,7 @@ class Queue(abc.ABC):
         *,
         delay: float | None = None,
         error: str | None = None,
-        conn: psycopg.Connection[Any] | None = None,
+        conn: DbConnection | None = None,
     ) -> int:
         """:meth:`nack` deliveries known only by their receipts ``(id, delivery)``; all or nothing."""
         return self.nack(self._receipt_messages(receipts), delay=delay, error=error, conn=conn)
@@ -265,7 +287,7 @@ class Queue(abc.ABC):
         *,
         visibility_timeout: float | None = None,
         consumer: str | None = None,
-        conn: psycopg.Connection[Any] | None = None,
+        conn: DbConnection | None = None,
     ) -> Batch | None:
         """Claim up to ``n`` ready messages at least once, under one lease and a new batch id.
 
@@ -289,7 +311,7 @@ class Queue(abc.ABC):
         source (which can partition its reads on ``ord``)."""
         raise NotImplementedError(f"{self.settings.design} queues do not support batches yet")
 
-    def ack_batch(self, batch_id: str, *, conn: psycopg.Connection[Any] | None = None) -> int:
+    def ack_batch(self, batch_id: str, *, conn: DbConnection | None = None) -> int:
         """Finish every message of a claimed batch; all or nothing, like :meth:`ack`.
 
         Pass the ``conn`` of a transaction that also writes the batch's results, and results and ack
@@ -304,7 +326,7 @@ class Queue(abc.ABC):
         *,
         delay: float | None = None,
         error: str | None = None,
-        conn: psycopg.Connection[Any] | None = None,
+        conn: DbConnection | None = None,
     ) -> int:
         """Give a claimed batch's messages back for another try (:meth:`nack` of those still held).
 

@@ -74,6 +74,7 @@ class RingQueue(Queue):
 
     def __init__(self, db: PostgresDatabase, settings: QueueSettings) -> None:
         super().__init__(db, settings)
+        self._pg = db  # the ring is PostgreSQL-only: its async observers need the dialect's own API
         if settings.capacity is None:
             raise ConfigurationError(f"queue {settings.name!r} is a ring without a capacity")
         self._qid = settings.queue_id
@@ -321,7 +322,7 @@ class RingQueue(Queue):
         self, aconn: psycopg.AsyncConnection[Any], min_priority: int | None = None, cap: int = 1_000_000
     ) -> tuple[int, tuple[int, int] | None]:
         with self._db.translate_errors():
-            cur = await aconn.execute(self._db.query("ring_ready_head"), {"queue_id": self._qid, "cap": cap})
+            cur = await aconn.execute(self._pg.query("ring_ready_head"), {"queue_id": self._qid, "cap": cap})
             return self._readiness_row(await cur.fetchone(), min_priority)
 
     async def alisten(self, aconn: psycopg.AsyncConnection[Any]) -> None:

@@ -31,6 +31,7 @@ from airflow_dbqueue.engine.queue import DEFAULT_CONSUMER, Queue, _check_batch_s
 if TYPE_CHECKING:
     import psycopg
 
+    from airflow_dbqueue.engine.dialects.base import Database, DbConnection
     from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
     from airflow_dbqueue.engine.models import QueueSettings
 
@@ -40,7 +41,7 @@ _PRIORITY_MIN, _PRIORITY_MAX = -32768, 32767
 class TableQueue(Queue):
     """A queue of the table design."""
 
-    def __init__(self, db: PostgresDatabase, settings: QueueSettings) -> None:
+    def __init__(self, db: Database, settings: QueueSettings) -> None:
         super().__init__(db, settings)
         self._qid = settings.queue_id
         self._channel = db.channel(settings.queue_id)
@@ -57,7 +58,7 @@ class TableQueue(Queue):
         *,
         priority: int = 0,
         delay: float = 0.0,
-        conn: psycopg.Connection[Any] | None = None,
+        conn: DbConnection | None = None,
     ) -> list[int]:
         items = list(payloads)
         if not items:
@@ -86,7 +87,7 @@ class TableQueue(Queue):
     # -- pop ---------------------------------------------------------------------------------------
 
     def _pop_once(
-        self, n: int, semantics: Semantics, vt: float, consumer: str, conn: psycopg.Connection[Any] | None
+        self, n: int, semantics: Semantics, vt: float, consumer: str, conn: DbConnection | None
     ) -> list[Message]:
         if semantics is Semantics.AT_LEAST_ONCE:
             self._maybe_reclaim()
@@ -137,7 +138,7 @@ class TableQueue(Queue):
         receipts = list(dict.fromkeys(m.receipt for m in messages))
         return [r[0] for r in receipts], [r[1] for r in receipts]
 
-    def ack(self, messages: Sequence[Message], *, conn: psycopg.Connection[Any] | None = None) -> int:
+    def ack(self, messages: Sequence[Message], *, conn: DbConnection | None = None) -> int:
         ids, deliveries = self._receipts(messages)
         if not ids:
             return 0
@@ -152,9 +153,7 @@ class TableQueue(Queue):
             self._raise_lost(ids, deliveries, conn)
         return len(done)
 
-    def _raise_lost(
-        self, ids: list[int], deliveries: list[int], conn: psycopg.Connection[Any] | None
-    ) -> None:
+    def _raise_lost(self, ids: list[int], deliveries: list[int], conn: DbConnection | None) -> None:
         held = set(
             self._db.fetchall(
                 "held_receipts", {"ids": ids, "deliveries": deliveries, "queue_id": self._qid}, conn
@@ -170,7 +169,7 @@ class TableQueue(Queue):
         *,
         delay: float | None = None,
         error: str | None = None,
-        conn: psycopg.Connection[Any] | None = None,
+        conn: DbConnection | None = None,
     ) -> int:
         if delay is not None and delay < 0:
             raise ConfigurationError(f"queue {self.name!r}: nack delay must be >= 0 seconds, got {delay}")
@@ -230,15 +229,27 @@ class TableQueue(Queue):
     async def areadiness(
         self, aconn: psycopg.AsyncConnection[Any], min_priority: int | None = None, cap: int = 1_000_000
     ) -> tuple[int, tuple[int, int] | None]:
-        with self._db.translate_errors():
-            cur = await aconn.execute(self._db.query("ready_head"), self._readiness_params(min_priority, cap))
+        db = self._postgres()
+        with db.translate_errors():
+            cur = await aconn.execute(db.query("ready_head"), self._readiness_params(min_priority, cap))
             return self._readiness_row(await cur.fetchone())
 
     async def alisten(self, aconn: psycopg.AsyncConnection[Any]) -> None:
         from psycopg import sql
 
-        with self._db.translate_errors():
+        with self._postgres().translate_errors():
             await aconn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+
+    def _postgres(self) -> PostgresDatabase:
+        """The PostgreSQL dialect, for the async observers (they run on a psycopg async connection)."""
+        from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
+
+        if not isinstance(self._db, PostgresDatabase):
+            raise NotImplementedError(
+                f"async observation of a queue needs PostgreSQL; on {self._db.dialect_name} observe "
+                "with readiness() (polling)"
+            )
+        return self._db
 
     def leased(self, receipts: Sequence[tuple[int, int]]) -> list[Message]:
         stubs = self._receipt_messages(receipts)
@@ -319,7 +330,7 @@ class TableQueue(Queue):
         *,
         visibility_timeout: float | None = None,
         consumer: str | None = None,
-        conn: psycopg.Connection[Any] | None = None,
+        conn: DbConnection | None = None,
     ) -> Batch | None:
         vt = self.settings.visibility_timeout_s if visibility_timeout is None else float(visibility_timeout)
         if vt <= 0:
@@ -357,7 +368,7 @@ class TableQueue(Queue):
     def batch_query(self, batch_id: str) -> str:
         return self._db.render("batch_rows", self._batch_key(batch_id))
 
-    def _locked_batch(self, batch_id: str, conn: psycopg.Connection[Any]) -> Batch:
+    def _locked_batch(self, batch_id: str, conn: DbConnection) -> Batch:
         row = self._db.fetchone("lock_batch", self._batch_key(batch_id), conn)
         if row is None:
             raise BatchNotFoundError(self.name, str(batch_id))
@@ -367,7 +378,7 @@ class TableQueue(Queue):
         self,
         batch: Batch,
         state: BatchState,
-        conn: psycopg.Connection[Any],
+        conn: DbConnection,
         *,
         lease_until: dt.datetime | None = None,
         error: str | None = None,
@@ -375,7 +386,7 @@ class TableQueue(Queue):
         params = {**self._batch_key(batch.batch_id), "state": state.code, "lease_until": lease_until}
         self._db.execute("finish_batch", {**params, "error": error}, conn)
 
-    def ack_batch(self, batch_id: str, *, conn: psycopg.Connection[Any] | None = None) -> int:
+    def ack_batch(self, batch_id: str, *, conn: DbConnection | None = None) -> int:
         with self._db.transaction(conn) as c:
             batch = self._locked_batch(batch_id, c)
             if batch.state is BatchState.ACKED:
@@ -395,7 +406,7 @@ class TableQueue(Queue):
         *,
         delay: float | None = None,
         error: str | None = None,
-        conn: psycopg.Connection[Any] | None = None,
+        conn: DbConnection | None = None,
     ) -> int:
         with self._db.transaction(conn) as c:
             batch = self._locked_batch(batch_id, c)

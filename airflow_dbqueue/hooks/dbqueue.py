@@ -32,9 +32,10 @@ DEFAULT_SCHEMA = "dbqueue"
 SCHEMA_EXTRA = "dbqueue_schema"
 """Connection extra naming the schema that holds the queue tables (default ``dbqueue``)."""
 
-# Connection types that select a dialect, and those whose dialect has not landed yet.
-_DIALECTS = {"postgres": "postgresql", "postgresql": "postgresql"}
-_PLANNED = {"mssql": "SQL Server", "odbc": "SQL Server (ODBC)"}
+# Connection types that select a dialect.
+_DIALECTS = {"postgres": "postgresql", "postgresql": "postgresql", "mssql": "mssql", "odbc": "mssql"}
+# Extras of mssql and odbc connections that are not ODBC attributes (Airflow's own, and ours).
+_NOT_ODBC_EXTRAS = frozenset({SCHEMA_EXTRA, "connect_kwargs", "sqlalchemy_scheme", "sqlalchemy_query"})
 # libpq parameters a connection's extras may carry through to the driver.
 _LIBPQ_EXTRAS = frozenset(
     {
@@ -66,18 +67,15 @@ def connection_dsn(conn: Connection) -> tuple[str, str]:
     from psycopg.conninfo import make_conninfo
 
     conn_type = (conn.conn_type or "").lower()
-    if conn_type in _PLANNED:
-        raise ConfigurationError(
-            f"connection {conn.conn_id!r} is of type {conn_type!r}: the {_PLANNED[conn_type]} dialect of "
-            "airflow-dbqueue is not supported yet; use a 'postgres' connection"
-        )
     if conn_type not in _DIALECTS:
         raise ConfigurationError(
             f"connection {conn.conn_id!r} is of type {conn_type or '<none>'!r}; DbQueueHook needs a "
-            f"database connection of type 'postgres' (later also {', '.join(map(repr, _PLANNED))})"
+            "database connection of type 'postgres', 'mssql' or 'odbc' (SQL Server)"
         )
     extra = conn.extra_dejson or {}
     schema = extra.get(SCHEMA_EXTRA) or DEFAULT_SCHEMA
+    if _DIALECTS[conn_type] == "mssql":
+        return mssql_url(conn, extra), str(schema)
     params: dict[str, Any] = {
         "host": conn.host or None,
         "port": conn.port or None,
@@ -88,6 +86,26 @@ def connection_dsn(conn: Connection) -> tuple[str, str]:
     params.update({k: v for k, v in extra.items() if k in _LIBPQ_EXTRAS})
     dsn = make_conninfo("", **{k: v for k, v in params.items() if v is not None})
     return dsn, str(schema)
+
+
+def mssql_url(conn: Connection, extra: Mapping[str, Any]) -> str:
+    """Return the ``mssql://`` URL of an Airflow ``mssql`` or ``odbc`` connection.
+
+    Host, port, login, password and schema (the database) make the URL; the extras that are ODBC
+    attributes (``Driver``, ``Encrypt``, ``TrustServerCertificate`` ...) go as its query.
+    """
+    from urllib.parse import quote, urlencode
+
+    cred = ""
+    if conn.login:
+        cred = (
+            quote(conn.login, safe="") + (f":{quote(conn.password, safe='')}" if conn.password else "") + "@"
+        )
+    host = conn.host or "localhost"
+    port = f":{int(conn.port)}" if conn.port else ""
+    attrs = {k: str(v) for k, v in extra.items() if k not in _NOT_ODBC_EXTRAS and not isinstance(v, dict)}
+    query = f"?{urlencode(attrs)}" if attrs else ""
+    return f"mssql://{cred}{host}{port}/{quote(conn.schema or '', safe='')}{query}"
 
 
 _QUEUE_GAUGES = (
@@ -160,11 +178,11 @@ def message_to_xcom(msg: Message, payload_type: PayloadType) -> dict[str, Any]:
 class DbQueueHook(BaseHook):  # type: ignore[misc]
     """Interact with airflow-dbqueue queues through an Airflow database connection.
 
-    The dialect follows the connection type (``postgres``; ``mssql`` and ``odbc`` once the SQL Server
-    dialect lands). The schema holding the queue tables comes from the connection extra
-    ``dbqueue_schema`` (default ``dbqueue``) unless ``dbqueue_schema`` is passed here. Constructing the
-    hook does no I/O; the engine and its connection pool are made on first use and closed by
-    :meth:`close` (or by leaving the hook's ``with`` block).
+    The dialect follows the connection type (``postgres``; ``mssql`` and ``odbc`` for SQL Server, through
+    pyodbc: ``pip install 'airflow-dbqueue[mssql]'``). The schema holding the queue tables comes from
+    the connection extra ``dbqueue_schema`` (default ``dbqueue``) unless ``dbqueue_schema`` is passed
+    here. Constructing the hook does no I/O; the engine and its connection pool are made on first use
+    and closed by :meth:`close` (or by leaving the hook's ``with`` block).
 
     :param dbqueue_conn_id: the Airflow connection to the database.
     :param dbqueue_schema: schema holding the queue tables; overrides the connection extra.

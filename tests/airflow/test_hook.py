@@ -42,8 +42,8 @@ def test_no_io_in_constructor_and_unknown_connection() -> None:
 @pytest.mark.parametrize(
     ("conn_type", "match"),
     [
-        ("http", r"type 'http'.*needs a database connection of type 'postgres'"),
-        ("mssql", "not supported yet"),
+        ("http", r"type 'http'.*needs a database connection of type 'postgres', 'mssql' or 'odbc'"),
+        ("sqlite", r"type 'sqlite'"),
     ],
 )
 def test_wrong_connection_type(conn_type: str, match: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -52,6 +52,33 @@ def test_wrong_connection_type(conn_type: str, match: str, monkeypatch: pytest.M
     )
     with pytest.raises(ConfigurationError, match=match):
         DbQueueHook("wrong").get_conn()
+
+
+@pytest.mark.parametrize("conn_type", ["mssql", "odbc"])
+def test_mssql_and_odbc_connections_select_the_sql_server_dialect(
+    conn_type: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_MS",
+        json.dumps(
+            {
+                "conn_type": conn_type,
+                "host": "sql.internal",
+                "port": 1434,
+                "login": "app",
+                "password": "p@ss;word",
+                "schema": "appdb",
+                "extra": {"dbqueue_schema": "queues", "Encrypt": "no", "TrustServerCertificate": "yes"},
+            }
+        ),
+    )
+    dbq = DbQueueHook("ms").get_conn()  # no I/O
+    assert dbq.dialect == "mssql" and dbq.schema == "queues"
+    assert dbq.db.where == "sql.internal:1434/appdb"
+    attrs = dbq.db._attrs  # type: ignore[attr-defined]
+    assert attrs["PWD"] == "p@ss;word" and attrs["UID"] == "app"
+    assert attrs["ENCRYPT"] == "no" and attrs["TrustServerCertificate"] == "yes"
+    assert "dbqueue_schema" not in attrs
 
 
 def test_dsn_and_schema_from_connection(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -90,6 +90,7 @@ class PostgresDatabase:
     """
 
     dialect_name = "postgresql"
+    supports_notify = True
 
     def __init__(
         self,
@@ -208,6 +209,11 @@ class PostgresDatabase:
         """Yield a connection inside a transaction that commits on success and rolls back on error."""
         with self.connection(conn) as c, self.translate_errors(), c.transaction():
             yield c
+
+    @staticmethod
+    def in_transaction(conn: psycopg.Connection[Any]) -> bool:
+        """Return whether ``conn`` has a transaction open (exactly-once pops need one)."""
+        return not (conn.autocommit and conn.info.transaction_status.name == "IDLE")
 
     @contextlib.contextmanager
     def translate_errors(self) -> Iterator[None]:

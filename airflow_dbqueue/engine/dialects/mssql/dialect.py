@@ -1,0 +1,604 @@
+"""SQL Server through pyodbc: connections, named queries, parameters, error translation, retries.
+
+Every statement the engine runs on SQL Server is a named block in ``queries.sql`` or ``schema.sql``
+beside this file, under the names of the PostgreSQL dialect. This module composes them (schema name
+bracket-quoted after validation), binds their parameters and runs each as one transaction.
+
+- Parameters: the blocks are written with ``%(name)s`` like PostgreSQL's; :func:`to_positional` turns
+  them into pyodbc's ``?`` with the values in order.
+- Lists: T-SQL has no arrays. A list parameter (receipt ids, deliveries, payloads) goes as one JSON
+  array read with ``OPENJSON`` (SQL Server 2016+), bytes as hex strings (``CONVERT(varbinary, x, 2)``).
+  Table-valued parameters would need a user-defined table type in the schema per shape, which pyodbc
+  binds by type name and which must be dropped before the schema can be: JSON needs no catalog object.
+- Errors: :meth:`MssqlDatabase.translate_errors` maps pyodbc's exceptions by SQLSTATE and native error
+  number into the engine's family. A deadlock victim (1205) or a lock timeout (1222) of a statement
+  whose transaction the dialect owns is retried (XACT_ABORT ON rolled all of it back); in the caller's
+  transaction it is raised, since only the caller can redo its part.
+- No LISTEN/NOTIFY: waiting pops poll (see ``Queue.pop``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import glob
+import json
+import logging
+import os
+import random
+import re
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+from airflow_dbqueue.engine.errors import (
+    ConfigurationError,
+    DatabaseError,
+    DatabaseUnavailableError,
+    DbQueueError,
+    DeadlockError,
+    LockTimeoutError,
+    SchemaError,
+    TransientDatabaseError,
+)
+from airflow_dbqueue.engine.names import validate_identifier, validate_schema_name
+from airflow_dbqueue.engine.sqlfile import load_queries, parse_named_queries, read_text
+
+log = logging.getLogger(__name__)
+
+_PKG = __package__ or "airflow_dbqueue.engine.dialects.mssql"
+DEFAULT_DRIVER = "ODBC Driver 18 for SQL Server"
+
+NOT_YET_PORTED: dict[str, str] = {
+    # Maintenance (engine/maintenance.py drives PostgreSQL only so far): the next step of issue 7.
+    "maintenance_try_lock": "maintenance: sp_getapplock @LockOwner = 'Session' on a dedicated connection",
+    "maintenance_unlock": "maintenance: sp_releaseapplock",
+    "maintenance_lock_holder": "maintenance: sys.dm_tran_locks joined to sys.dm_exec_sessions",
+    "set_timeouts": "maintenance: SET LOCK_TIMEOUT takes no variable; needs dynamic SQL or a fixed text",
+    "reset_timeouts": "maintenance: SET LOCK_TIMEOUT -1",
+    "archive_batch": "maintenance: DELETE TOP (n) ... OUTPUT INTO archive with READPAST",
+    "purge_archive_batch": "maintenance: DELETE TOP (n) with READPAST",
+    "vacuum_table": "no VACUUM on SQL Server: UPDATE STATISTICS (analyze_table) and ghost cleanup",
+    "analyze_table": "maintenance: UPDATE STATISTICS {schema}.{table}",
+    "drop_index_concurrently": "PostgreSQL leaves invalid _ccnew indexes; SQL Server's rebuild does not",
+    "index_health": "maintenance: sys.dm_db_index_physical_stats (avg_fragmentation_in_percent)",
+    "table_health": "maintenance: sys.dm_db_partition_stats",
+    "xmin_holders": "maintenance: long transactions from sys.dm_tran_active_transactions",
+    "queue_rates": "maintenance metrics: the same three counts with DATEADD",
+    # The ring design (PostgreSQL server functions today): sequences with CACHE, sp_sequence_get_range
+    # for batch ranges, READPAST claims over the slot window; create_queue refuses rings here meanwhile.
+    "ring_ack": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
+    "ring_count_ready": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
+    "ring_create": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
+    "ring_delete_failed": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
+    "ring_drop": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
+    "ring_head": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
+    "ring_held_receipts": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
+    "ring_leased": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
+    "ring_list_failed": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
+    "ring_nack": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
+    "ring_peek": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
+    "ring_pop": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
+    "ring_push": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
+    "ring_ready_head": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
+    "ring_reclaim_expired": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
+    "ring_stats": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
+    "ring_take_failed": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
+}
+"""Named queries of the PostgreSQL dialect that this dialect does not have yet, with what they need.
+
+The parity test checks that the PostgreSQL names are exactly this dialect's names plus these, so a new
+PostgreSQL query fails the test until it is ported or listed here.
+"""
+
+# -- parameters ------------------------------------------------------------------------------------
+
+_NAMED = re.compile(r"%\(([a-z_][a-z0-9_]*)\)s")
+
+
+def adapt_value(value: Any) -> Any:
+    """Return ``value`` as pyodbc should bind it.
+
+    Lists and tuples become one JSON array (bytes items as hex strings, for ``CONVERT(..., 2)``); UUIDs
+    become text; aware datetimes become naive UTC (every time column is UTC ``datetime2``).
+    """
+    if isinstance(value, list | tuple):
+        return json.dumps([v.hex() if isinstance(v, bytes | bytearray | memoryview) else v for v in value])
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, dt.datetime) and value.tzinfo is not None:
+        return value.astimezone(dt.UTC).replace(tzinfo=None)
+    return value
+
+
+def to_positional(sql: str, params: Mapping[str, Any] | None) -> tuple[str, list[Any]]:
+    """Turn ``%(name)s`` placeholders into ``?`` and return the values in placeholder order.
+
+    A name used twice is bound twice. A placeholder without a value raises :class:`ConfigurationError`;
+    values that no placeholder names are ignored (a query may not need every value the design passes).
+    """
+    values: list[Any] = []
+    given = params or {}
+
+    def repl(m: re.Match[str]) -> str:
+        name = m.group(1)
+        if name not in given:
+            raise ConfigurationError(f"no value for the query parameter {name!r}")
+        values.append(adapt_value(given[name]))
+        return "?"
+
+    return _NAMED.sub(repl, sql), values
+
+
+def sql_literal(value: Any) -> str:  # noqa: PLR0911
+    """Return ``value`` as a T-SQL literal (for :meth:`MssqlDatabase.render`; never for user input)."""
+    value = adapt_value(value)
+    if value is None:
+        return "NULL"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, bytes | bytearray):
+        return "0x" + bytes(value).hex()
+    if isinstance(value, dt.datetime):
+        return f"CAST('{value.isoformat(sep=' ')}' AS datetime2(6))"
+    if isinstance(value, str):
+        return "N'" + value.replace("'", "''") + "'"
+    raise ConfigurationError(f"cannot render a {type(value).__name__} as a T-SQL literal")
+
+
+def render_named(sql: str, params: Mapping[str, Any]) -> str:
+    """Replace ``%(name)s`` placeholders by T-SQL literals of ``params``."""
+
+    def repl(m: re.Match[str]) -> str:
+        if m.group(1) not in params:
+            raise ConfigurationError(f"no value for the query parameter {m.group(1)!r}")
+        return sql_literal(params[m.group(1)])
+
+    return _NAMED.sub(repl, sql)
+
+
+def quote_identifier(name: str) -> str:
+    """Return ``name`` bracket-quoted (``]`` doubled), as T-SQL's QUOTENAME does."""
+    return "[" + name.replace("]", "]]") + "]"
+
+
+# -- results ---------------------------------------------------------------------------------------
+
+# Queries whose rows carry receipt lists as JSON text (columns 2 and 3: ids, deliveries).
+_JSON_LIST_COLUMNS: dict[str, tuple[int, ...]] = {
+    "claim_batch": (2, 3),
+    "get_batch": (2, 3),
+    "lock_batch": (2, 3),
+    "open_batches": (2, 3),
+}
+
+
+def adapt_row(name: str, row: Sequence[Any]) -> tuple[Any, ...]:
+    """Return a pyodbc row as the engine expects it: naive datetimes as aware UTC (every time column
+    is UTC), and the JSON lists of :data:`_JSON_LIST_COLUMNS` as lists."""
+    out: list[Any] = [
+        v.replace(tzinfo=dt.UTC) if isinstance(v, dt.datetime) and v.tzinfo is None else v for v in row
+    ]
+    for i in _JSON_LIST_COLUMNS.get(name, ()):
+        out[i] = json.loads(out[i]) if out[i] is not None else []
+    return tuple(out)
+
+
+# -- connection strings ----------------------------------------------------------------------------
+
+
+def bundled_driver() -> str | None:
+    """Return the path of the ODBC Driver 18 shipped by the ``mssql-python-odbc`` wheel, if installed."""
+    try:
+        import mssql_python_odbc  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None
+    libs = mssql_python_odbc.get_libs_dir()
+    arch = os.uname().machine
+    arch = {"aarch64": "arm64"}.get(arch, arch)
+    for distro in ("debian_ubuntu", "rhel", "suse", "alpine"):
+        found = sorted(glob.glob(os.path.join(libs, "linux", distro, arch, "lib", "libmsodbcsql-*.so*")))
+        if found:
+            return found[-1]
+    return None
+
+
+def default_driver() -> str:
+    """The ODBC driver to name when a DSN names none: Driver 18 if registered, else the bundled one."""
+    import pyodbc
+
+    if DEFAULT_DRIVER in pyodbc.drivers():
+        return DEFAULT_DRIVER
+    return bundled_driver() or DEFAULT_DRIVER
+
+
+def parse_dsn(dsn: str) -> tuple[dict[str, str], str]:
+    """Return ``(odbc_attributes, where)`` of an ``mssql://`` URL or an ODBC connection string.
+
+    ``where`` is ``host:port/database`` without credentials, for error messages. A URL's query
+    parameters pass through as ODBC attributes (``?Encrypt=no&TrustServerCertificate=yes``).
+    """
+    text = dsn.strip().removeprefix("odbc:")
+    attrs: dict[str, str] = {}
+    if "://" in text:
+        url = urlsplit(text)
+        attrs["SERVER"] = f"tcp:{url.hostname or 'localhost'},{url.port or 1433}"
+        if url.path.strip("/"):
+            attrs["DATABASE"] = unquote(url.path.strip("/"))
+        if url.username:
+            attrs["UID"] = unquote(url.username)
+        if url.password:
+            attrs["PWD"] = unquote(url.password)
+        for k, v in parse_qsl(url.query):
+            attrs[k.upper() if k.lower() in ("driver", "encrypt") else k] = v
+    else:
+        for part in _split_odbc(text):
+            key, _, value = part.partition("=")
+            if key.strip():
+                attrs[key.strip().upper()] = value.strip()
+    server = attrs.get("SERVER", "localhost").removeprefix("tcp:")
+    host, _, port = server.partition(",")
+    where = f"{host or 'localhost'}:{port or 1433}/{attrs.get('DATABASE', '')}"
+    return attrs, where
+
+
+def _split_odbc(text: str) -> list[str]:
+    """Split an ODBC connection string on ``;`` outside ``{...}`` values."""
+    parts, cur, depth = [], "", 0
+    for ch in text:
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth = max(0, depth - 1)
+        if ch == ";" and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    return parts
+
+
+def odbc_connection_string(attrs: Mapping[str, str], connect_timeout: float) -> str:
+    """Return an ODBC connection string for ``attrs`` (driver defaulted, values braced when needed)."""
+    out = dict(attrs)
+    out.setdefault("DRIVER", default_driver())
+    out.setdefault("LoginTimeout", str(max(1, int(connect_timeout))))
+    out.setdefault("APP", "airflow-dbqueue")
+
+    def value(v: str) -> str:
+        if v.startswith("{") or not any(c in v for c in ";{}= "):
+            return v
+        return "{" + v.replace("}", "}}") + "}"
+
+    return ";".join(f"{k}={value(str(v))}" for k, v in out.items())
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+_NATIVE = re.compile(r"\((\d+)\)\s*\(SQL\w+\)\s*$")
+_UNAVAILABLE_STATES = frozenset({"08001", "08S01", "08004", "08007", "HYT00", "HYT01", "28000", "IM002"})
+_UNINSTALLED = 208  # Invalid object name
+
+
+def native_error(exc: BaseException) -> int | None:
+    """Return SQL Server's native error number of a pyodbc exception (from its message), if any."""
+    msg = str(exc.args[1]) if len(exc.args) > 1 else str(exc)
+    m = _NATIVE.search(msg.strip())
+    return int(m.group(1)) if m else None
+
+
+def sqlstate(exc: BaseException) -> str:
+    """Return the SQLSTATE of a pyodbc exception (its first argument)."""
+    return str(exc.args[0]) if exc.args else ""
+
+
+def translate(exc: Exception, *, where: str, schema: str, connecting: bool = False) -> DbQueueError:
+    """Return the engine's exception for a pyodbc exception.
+
+    :param connecting: the error came while opening a connection (a timeout then is a login timeout).
+    """
+    state, number = sqlstate(exc), native_error(exc)
+    message = (str(exc.args[1]) if len(exc.args) > 1 else str(exc)).strip().splitlines()[0]
+    if number == 1205 or state == "40001":
+        return DeadlockError(f"SQL Server at {where}: deadlock victim, transaction rolled back: {message}")
+    if number == 1222:
+        return LockTimeoutError(f"SQL Server at {where}: lock request timed out: {message}")
+    if number == _UNINSTALLED:
+        return SchemaError(
+            f"the dbqueue schema {schema!r} is not installed at {where} (run install(), or `dbqueue init`): "
+            f"{message}"
+        )
+    if connecting or state in _UNAVAILABLE_STATES or state.startswith("08"):
+        what = "login timeout" if state == "HYT00" and connecting else "unreachable"
+        return DatabaseUnavailableError(f"SQL Server at {where} is {what}: {message}")
+    return DatabaseError(f"SQL Server error at {where}: [{state}] {message}")
+
+
+# -- the database ----------------------------------------------------------------------------------
+
+
+def schema_sql() -> tuple[int, str]:
+    """Return ``(version, sql)`` of the current full schema."""
+    text = read_text(_PKG, "schema.sql")
+    m = re.search(r"SCHEMA_VERSION:\s*(\d+)", text)
+    if not m:
+        raise SchemaError("schema.sql does not declare its SCHEMA_VERSION")
+    return int(m.group(1)), parse_named_queries(text)["schema"]
+
+
+class MssqlDatabase:
+    """A dbqueue schema on one SQL Server database, through pyodbc.
+
+    Constructing it does no I/O: connections are opened on first use and kept in a small pool.
+
+    :param dsn: ``mssql://user:password@host:port/database?Encrypt=no`` or an ODBC connection string.
+    :param schema: the schema that holds the queue tables (validated identifier).
+    :param max_size: connections the pool may open.
+    :param connect_timeout: seconds to wait for a connection before raising
+        :class:`DatabaseUnavailableError`.
+    :param retries: how often a deadlock victim or a lock timeout is run again (own transactions only).
+    """
+
+    dialect_name = "mssql"
+    supports_notify = False
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        schema: str = "dbqueue",
+        max_size: int = 10,
+        connect_timeout: float = 10.0,
+        retries: int = 3,
+    ) -> None:
+        self.dsn = dsn
+        self.schema = validate_schema_name(schema)
+        self._attrs, self.where = parse_dsn(dsn)
+        self._max_size = max(1, max_size)
+        self._connect_timeout = connect_timeout
+        self.retries = retries
+        self._idle: list[Any] = []
+        self._slots = threading.BoundedSemaphore(self._max_size)
+        self._lock = threading.Lock()
+
+    # -- connections -------------------------------------------------------------------------------
+
+    def connect(self) -> Any:
+        """Open a new connection (autocommit off, XACT_ABORT on); raise the engine's errors."""
+        try:
+            import pyodbc
+        except ImportError:
+            raise ConfigurationError(
+                "the SQL Server dialect needs pyodbc: pip install 'airflow-dbqueue[mssql]'"
+            ) from None
+        text = odbc_connection_string(self._attrs, self._connect_timeout)
+        try:
+            conn = pyodbc.connect(text, autocommit=False, timeout=max(1, int(self._connect_timeout)))
+        except pyodbc.Error as exc:
+            raise translate(exc, where=self.where, schema=self.schema, connecting=True) from exc
+        conn.timeout = 0
+        cur = conn.cursor()
+        cur.execute("SET XACT_ABORT ON; SET TRANSACTION ISOLATION LEVEL READ COMMITTED;")
+        cur.close()
+        conn.commit()
+        return conn
+
+    def _acquire(self) -> Any:
+        if not self._slots.acquire(timeout=self._connect_timeout):
+            raise DatabaseUnavailableError(
+                f"no connection to SQL Server at {self.where} within {self._connect_timeout:g}s: "
+                f"all {self._max_size} are in use"
+            )
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is not None:
+            return conn
+        try:
+            return self.connect()
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def _release(self, conn: Any, *, broken: bool) -> None:
+        try:
+            if broken:
+                with contextlib.suppress(Exception):
+                    conn.close()
+            else:
+                with self._lock:
+                    self._idle.append(conn)
+        finally:
+            self._slots.release()
+
+    def close(self) -> None:
+        """Close the idle connections (the pool reopens on next use)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    @staticmethod
+    def in_transaction(conn: Any) -> bool:
+        """pyodbc connections without autocommit are always in a transaction."""
+        return not conn.autocommit
+
+    @contextlib.contextmanager
+    def transaction(self, conn: Any | None = None) -> Iterator[Any]:
+        """Yield a connection in a transaction: ``conn`` joined as it is, or a pooled one that commits
+        on success and rolls back on error."""
+        if conn is not None:
+            with self.translate_errors():
+                yield conn
+            return
+        pooled = self._acquire()
+        broken = False
+        try:
+            with self.translate_errors():
+                try:
+                    yield pooled
+                    pooled.commit()
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        pooled.rollback()
+                    raise
+        except DatabaseUnavailableError:
+            broken = True
+            raise
+        finally:
+            self._release(pooled, broken=broken)
+
+    @contextlib.contextmanager
+    def translate_errors(self) -> Iterator[None]:
+        """Translate pyodbc exceptions into the engine's exception family."""
+        try:
+            yield
+        except DbQueueError:
+            raise
+        except Exception as exc:
+            if type(exc).__module__ != "pyodbc":
+                raise
+            raise translate(exc, where=self.where, schema=self.schema) from exc
+
+    # -- named queries -----------------------------------------------------------------------------
+
+    def query(self, name: str, identifiers: Mapping[str, str] | None = None) -> str:
+        """Return the named query with ``{schema}`` (and ``identifiers``) bracket-quoted."""
+        return self.compose(load_queries(_PKG, "queries.sql")[name], identifiers)
+
+    def compose(self, body: str, identifiers: Mapping[str, str] | None = None) -> str:
+        """Replace ``{schema}`` and the given ``identifiers`` in ``body`` by quoted identifiers."""
+        idents = {k: quote_identifier(validate_identifier(v)) for k, v in (identifiers or {}).items()}
+        return body.format(schema=quote_identifier(self.schema), **idents)
+
+    def _run(
+        self,
+        name: str,
+        params: Mapping[str, Any] | None,
+        conn: Any | None,
+        identifiers: Mapping[str, str] | None,
+        want: str,
+    ) -> Any:
+        text, values = to_positional(self.query(name, identifiers), params)
+        attempt = 0
+        while True:
+            try:
+                with self.transaction(conn) as c:
+                    cur = c.cursor()
+                    try:
+                        cur.execute(text, values)
+                        return self._result(name, cur, want)
+                    finally:
+                        cur.close()
+            except TransientDatabaseError as exc:
+                attempt += 1
+                if conn is not None or attempt > self.retries:
+                    raise
+                pause = min(1.0, 0.05 * 2**attempt) * (0.5 + random.random())
+                log.info("retrying %s on SQL Server (%s) in %.2fs", name, type(exc).__name__, pause)
+                time.sleep(pause)
+
+    @staticmethod
+    def _result(name: str, cur: Any, want: str) -> Any:
+        if want == "rowcount":
+            return int(cur.rowcount)
+        # Skip what statements before the last SELECT left (row counts), to the first result set.
+        while cur.description is None:
+            if not cur.nextset():
+                return [] if want == "all" else None
+        if want == "one":
+            row = cur.fetchone()
+            return None if row is None else adapt_row(name, row)
+        return [adapt_row(name, r) for r in cur.fetchall()]
+
+    def fetchall(
+        self,
+        name: str,
+        params: Mapping[str, Any] | None = None,
+        conn: Any | None = None,
+        *,
+        identifiers: Mapping[str, str] | None = None,
+    ) -> list[tuple[Any, ...]]:
+        """Run a named query and return all its rows."""
+        rows: list[tuple[Any, ...]] = self._run(name, params, conn, identifiers, "all")
+        return rows
+
+    def fetchone(
+        self,
+        name: str,
+        params: Mapping[str, Any] | None = None,
+        conn: Any | None = None,
+        *,
+        identifiers: Mapping[str, str] | None = None,
+    ) -> tuple[Any, ...] | None:
+        """Run a named query and return its first row (or None)."""
+        row: tuple[Any, ...] | None = self._run(name, params, conn, identifiers, "one")
+        return row
+
+    def execute(
+        self,
+        name: str,
+        params: Mapping[str, Any] | None = None,
+        conn: Any | None = None,
+        *,
+        identifiers: Mapping[str, str] | None = None,
+    ) -> int:
+        """Run a named statement and return its row count (-1 for a batch that SET NOCOUNT ON)."""
+        count: int = self._run(name, params, conn, identifiers, "rowcount")
+        return count
+
+    def render(self, name: str, params: Mapping[str, Any]) -> str:
+        """Return the named query as text with its parameters as literals (for a Spark JDBC source)."""
+        return render_named(self.query(name), params)
+
+    # -- no LISTEN/NOTIFY --------------------------------------------------------------------------
+
+    def channel(self, queue_id: int) -> str:
+        """A name for the queue's wake-ups; SQL Server has none, so waiting pops poll."""
+        return f"dbq.{self.schema}.{queue_id}"
+
+    def listening(self, channel: str) -> contextlib.AbstractContextManager[Any]:
+        """SQL Server has no LISTEN/NOTIFY: waiting pops poll instead."""
+        raise NotImplementedError("SQL Server has no LISTEN/NOTIFY; waiting pops poll")
+
+    # -- schema ------------------------------------------------------------------------------------
+
+    def install(self) -> int:
+        """Create the schema if it is missing (idempotent; concurrent installs serialize on an app lock).
+
+        :return: the schema version now installed.
+        """
+        latest, full = schema_sql()
+        with self.transaction() as c:
+            cur = c.cursor()
+            for name in ("install_lock",):
+                cur.execute(*to_positional(self.query(name), {"schema": self.schema}))
+            row = cur.execute(
+                *to_positional(self.query("schema_installed"), {"schema": self.schema})
+            ).fetchone()
+            current = 0
+            if row and row[0]:
+                got = cur.execute(self.query("schema_version")).fetchone()
+                current = int(got[0]) if got else 0
+            if current > latest:
+                raise SchemaError(
+                    f"schema {self.schema!r} at {self.where} is at version {current}, newer than this "
+                    f"code's {latest}; upgrade airflow-dbqueue"
+                )
+            if current == 0:
+                cur.execute(self.compose(full))
+                cur.execute(*to_positional(self.query("record_version"), {"version": latest}))
+                log.info("installed dbqueue schema %s at version %s on SQL Server", self.schema, latest)
+        return latest
+
+    def drop_schema(self) -> None:
+        """Drop the whole schema and every queue in it."""
+        self.execute("drop_schema", {"schema": self.schema})

@@ -1,0 +1,394 @@
+"""The SQL Server dialect without a SQL Server: parity of query names, a T-SQL parse of every statement,
+parameter conversion, error translation with real pyodbc exceptions, and a real pyodbc connect through
+unixODBC and Microsoft's ODBC Driver 18 to a closed port. Tests that stand a fake in for the server say
+``fake`` in their name."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import socket
+import time
+import uuid
+from typing import Any
+
+import pytest
+import sqlglot
+from sqlglot import exp
+
+from airflow_dbqueue.engine import (
+    ConfigurationError,
+    DatabaseError,
+    DatabaseUnavailableError,
+    DbQueue,
+    DeadlockError,
+    LockTimeoutError,
+    SchemaError,
+)
+from airflow_dbqueue.engine.dialects.base import dialect_of_dsn
+from airflow_dbqueue.engine.dialects.mssql import dialect as ms
+from airflow_dbqueue.engine.dialects.mssql.dialect import (
+    NOT_YET_PORTED,
+    MssqlDatabase,
+    adapt_row,
+    parse_dsn,
+    render_named,
+    to_positional,
+    translate,
+)
+from airflow_dbqueue.engine.queue import poll_pauses
+from airflow_dbqueue.engine.sqlfile import load_queries
+
+pyodbc = pytest.importorskip("pyodbc", reason="pyodbc (the mssql extra) and unixODBC are not installed")
+
+PG = "airflow_dbqueue.engine.dialects.postgres"
+MS = "airflow_dbqueue.engine.dialects.mssql"
+
+
+def tsql_statements(text: str) -> list[exp.Expression]:
+    """Parse ``text`` as T-SQL with placeholders as ``?``; raise on a parse error or a vacuous parse."""
+    text = re.sub(r"%\([a-z_]+\)s", "?", text)
+    parsed = sqlglot.parse(text, read="tsql", error_level=sqlglot.ErrorLevel.RAISE)
+    stmts = [s for s in parsed if s is not None]
+    fallbacks = [s.sql() for s in stmts if isinstance(s, exp.Command)]
+    if fallbacks:
+        raise sqlglot.ParseError(f"parsed only as an opaque command: {fallbacks[0][:80]}")
+    return stmts
+
+
+def mssql_sql(name: str) -> str:
+    db = MssqlDatabase("mssql://u:p@localhost/db", schema="dbq")
+    body = load_queries(MS, "queries.sql")[name]
+    return db.compose(body, {"index": "meta_ready_idx"} if "{index}" in body else None)
+
+
+# -- parity and parse ------------------------------------------------------------------------------
+
+
+def test_every_postgresql_query_name_is_ported_or_listed_as_not_yet_ported() -> None:
+    pg = set(load_queries(PG, "queries.sql"))
+    mssql = set(load_queries(MS, "queries.sql"))
+    assert mssql <= pg, f"SQL Server queries without a PostgreSQL twin: {sorted(mssql - pg)}"
+    missing = pg - mssql
+    assert missing == set(NOT_YET_PORTED), (
+        f"not ported and not listed: {sorted(missing - set(NOT_YET_PORTED))}; "
+        f"listed but ported or gone: {sorted(set(NOT_YET_PORTED) - missing)}"
+    )
+
+
+def test_the_table_design_is_fully_ported() -> None:
+    """Every query the table design and the client run exists on SQL Server (maintenance and the ring
+    design wait)."""
+    assert all(
+        reason.startswith(("maintenance", "no VACUUM", "PostgreSQL", "ring design"))
+        for reason in NOT_YET_PORTED.values()
+    )
+    used = {"push", "push_notify", "pop_lease", "pop_take", "ack", "nack", "held_receipts", "reclaim_expired"}
+    used |= {"claim_batch", "get_batch", "lock_batch", "finish_batch", "purge_batches", "batch_rows"}
+    assert used <= set(load_queries(MS, "queries.sql"))
+
+
+@pytest.mark.parametrize("name", sorted(load_queries(MS, "queries.sql")))
+def test_every_tsql_query_parses_as_tsql(name: str) -> None:
+    stmts = tsql_statements(mssql_sql(name))
+    assert stmts
+
+
+def test_the_schema_parses_as_tsql() -> None:
+    version, body = ms.schema_sql()
+    stmts = tsql_statements(MssqlDatabase("mssql://h/db", schema="dbq").compose(body))
+    assert version == 1
+    created = [s for s in stmts if isinstance(s, exp.Create)]
+    assert len(created) >= 12  # tables, sequence, indexes
+
+
+def test_the_claim_reads_past_locked_rows_and_updates_through_a_top_n_cte() -> None:
+    for name in ("pop_lease", "pop_take", "claim_batch", "reclaim_expired"):
+        text = mssql_sql(name)
+        assert "WITH (ROWLOCK, READPAST, UPDLOCK)" in text, name
+        assert "OUTPUT inserted." in text or "OUTPUT deleted." in text, name
+        assert re.search(r"SELECT TOP \(\?\)", re.sub(r"%\([a-z_]+\)s", "?", text)), name
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        "SELEC id FROM [dbq].meta",
+        "SELECT id FROM WHERE state = 0",
+        "UPDATE [dbq].meta SET state = WHERE id = 1",
+        "DECLARE @x TABLE (id bigint PRIMARY KEY; SELECT 1",
+    ],
+)
+def test_the_tsql_parse_is_not_vacuous_broken_statements_are_rejected(broken: str) -> None:
+    with pytest.raises(sqlglot.ParseError):
+        tsql_statements(broken)
+
+
+@pytest.mark.parametrize("name", ["pop_lease", "pop_take", "ack", "nack", "claim_batch", "lock_batch"])
+def test_the_tsql_parse_is_not_vacuous_postgresql_statements_are_rejected(name: str) -> None:
+    body = load_queries(PG, "queries.sql")[name].replace("{schema}", "[dbq]")
+    with pytest.raises(sqlglot.ParseError):
+        tsql_statements(body)
+
+
+# -- parameters ------------------------------------------------------------------------------------
+
+
+def test_named_parameters_become_positional_in_order_with_repeats() -> None:
+    sql, values = to_positional(
+        "SELECT %(a)s, %(b)s, %(a)s WHERE x LIKE '%[^a]%'", {"a": 1, "b": "two", "unused": 3}
+    )
+    assert sql == "SELECT ?, ?, ? WHERE x LIKE '%[^a]%'"
+    assert values == [1, "two", 1]
+
+
+def test_a_missing_parameter_is_named() -> None:
+    with pytest.raises(ConfigurationError, match="'n'"):
+        to_positional("SELECT TOP (%(n)s) 1", {})
+
+
+def test_lists_go_as_json_arrays_and_bytes_as_hex() -> None:
+    key = uuid.uuid4()
+    when = dt.datetime(2026, 1, 2, 3, 4, 5, 6, tzinfo=dt.timezone(dt.timedelta(hours=2)))
+    _, values = to_positional(
+        "%(ids)s %(payloads)s %(key)s %(when)s %(none)s %(flag)s",
+        {
+            "ids": [1, 2],
+            "payloads": [b"\x00\xff", b"{}"],
+            "key": key,
+            "when": when,
+            "none": None,
+            "flag": True,
+        },
+    )
+    assert values[0] == "[1, 2]"
+    assert json.loads(values[1]) == ["00ff", "7b7d"]
+    assert values[2] == str(key)
+    assert values[3] == dt.datetime(2026, 1, 2, 1, 4, 5, 6)
+    assert values[4:] == [None, True]
+
+
+def test_render_binds_literals_and_quotes_strings() -> None:
+    key = uuid.UUID(int=1)
+    text = render_named("WHERE b = %(b)s AND q = %(q)s AND s = %(s)s", {"b": key, "q": 7, "s": "it's"})
+    assert text == f"WHERE b = N'{key}' AND q = 7 AND s = N'it''s'"
+    tsql_statements("SELECT 1 FROM t " + text)
+
+
+def test_rows_get_utc_times_and_receipt_lists() -> None:
+    row = adapt_row("get_batch", ("id", 0, "[3,4]", "[1,2]", None, dt.datetime(2026, 1, 1), None))
+    assert row[2:4] == ([3, 4], [1, 2])
+    assert row[5] == dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+
+# -- connection strings and dialect choice ---------------------------------------------------------
+
+
+def test_urls_and_odbc_strings_parse_without_leaking_credentials() -> None:
+    attrs, where = parse_dsn("mssql://sa:p%40ss@db.example:1434/app?Encrypt=no&TrustServerCertificate=yes")
+    assert attrs["SERVER"] == "tcp:db.example,1434" and attrs["PWD"] == "p@ss" and attrs["ENCRYPT"] == "no"
+    assert where == "db.example:1434/app"
+    attrs, where = parse_dsn("DRIVER={ODBC Driver 18 for SQL Server};SERVER=tcp:h,1433;DATABASE=q;PWD={a;b}")
+    assert attrs["PWD"] == "{a;b}" and where == "h:1433/q"
+    text = ms.odbc_connection_string({"SERVER": "h", "PWD": "a;b"}, 5)
+    assert "PWD={a;b}" in text and "LoginTimeout=5" in text
+
+
+@pytest.mark.parametrize(
+    ("dsn", "dialect"),
+    [
+        ("postgresql://u@h/db", "postgresql"),
+        ("host=h dbname=d", "postgresql"),
+        ("mssql://u:p@h:1433/db", "mssql"),
+        ("mssql+pyodbc://u:p@h/db", "mssql"),
+        ("DRIVER={ODBC Driver 18 for SQL Server};SERVER=h;DATABASE=d", "mssql"),
+        ("odbc:DSN=queues;UID=u", "mssql"),
+    ],
+)
+def test_the_dsn_chooses_the_dialect(dsn: str, dialect: str) -> None:
+    assert dialect_of_dsn(dsn) == dialect
+    assert DbQueue(dsn).dialect == dialect  # no I/O
+
+
+def test_polling_spins_then_sleeps_grow_to_the_interval() -> None:
+    gen = poll_pauses(0.5)
+    pauses = [next(gen) for _ in range(12)]
+    assert pauses[:4] == [0.0, 0.001, 0.002, 0.005]
+    assert pauses[4:8] == [0.01, 0.02, 0.04, 0.08]
+    assert pauses[-1] == 0.5 and pauses == sorted(pauses)
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+DRIVER = "[Microsoft][ODBC Driver 18 for SQL Server]"
+
+
+@pytest.mark.parametrize(
+    ("exc", "connecting", "kind", "words"),
+    [
+        (
+            pyodbc.OperationalError("HYT00", f"[HYT00] {DRIVER}Login timeout expired (0) (SQLDriverConnect)"),
+            True,
+            DatabaseUnavailableError,
+            "login timeout",
+        ),
+        (
+            pyodbc.OperationalError(
+                "08S01", f"[08S01] {DRIVER}Communication link failure (10054) (SQLExecDirectW)"
+            ),
+            False,
+            DatabaseUnavailableError,
+            "unreachable",
+        ),
+        (
+            pyodbc.Error(
+                "40001",
+                f"[40001] {DRIVER}[SQL Server]Transaction (Process ID 57) was deadlocked on lock "
+                "resources with another process and has been chosen as the deadlock victim. Rerun the "
+                "transaction. (1205) (SQLExecDirectW)",
+            ),
+            False,
+            DeadlockError,
+            "deadlock victim",
+        ),
+        (
+            pyodbc.Error(
+                "HY000",
+                f"[HY000] {DRIVER}[SQL Server]Lock request time out period exceeded. (1222) (SQLExecDirectW)",
+            ),
+            False,
+            LockTimeoutError,
+            "lock request timed out",
+        ),
+        (
+            pyodbc.ProgrammingError(
+                "42S02", f"[42S02] {DRIVER}[SQL Server]Invalid object name 'dbq.meta'. (208) (SQLExecDirectW)"
+            ),
+            False,
+            SchemaError,
+            "not installed",
+        ),
+        (
+            pyodbc.IntegrityError(
+                "23000",
+                f"[23000] {DRIVER}[SQL Server]Violation of PRIMARY KEY constraint "
+                "'meta_pkey'. (2627) (SQLExecDirectW)",
+            ),
+            False,
+            DatabaseError,
+            "[23000]",
+        ),
+    ],
+)
+def test_pyodbc_errors_are_translated(exc: Exception, connecting: bool, kind: type, words: str) -> None:
+    got = translate(exc, where="h:1433/db", schema="dbq", connecting=connecting)
+    assert type(got) is kind
+    assert words in str(got) and "h:1433/db" in str(got)
+
+
+class _FakeCursor:
+    def __init__(self, script: list[Any]) -> None:
+        self._script = script
+        self.description: Any = None
+
+    def execute(self, sql: str, values: Any = ()) -> _FakeCursor:
+        step = self._script.pop(0)
+        if isinstance(step, Exception):
+            raise step
+        self.description = [("id",)]
+        self._rows = step
+        return self
+
+    def nextset(self) -> bool:
+        return False
+
+    def fetchall(self) -> list[tuple[Any, ...]]:
+        return list(self._rows)
+
+    def fetchone(self) -> tuple[Any, ...] | None:
+        return self._rows[0] if self._rows else None
+
+    def close(self) -> None:
+        pass
+
+
+class _FakeConnection:
+    autocommit = False
+
+    def __init__(self, script: list[Any]) -> None:
+        self.script = script
+        self.commits = self.rollbacks = 0
+
+    def cursor(self) -> _FakeCursor:
+        return _FakeCursor(self.script)
+
+    def commit(self) -> None:
+        self.commits += 1
+
+    def rollback(self) -> None:
+        self.rollbacks += 1
+
+    def close(self) -> None:
+        pass
+
+
+DEADLOCK = pyodbc.Error(
+    "40001", f"[40001] {DRIVER}[SQL Server]chosen as the deadlock victim. (1205) (SQLExecDirectW)"
+)
+
+
+def test_a_deadlock_victim_is_run_again_on_a_fake_sql_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakeConnection([DEADLOCK, DEADLOCK, [(1,), (2,)]])
+    db = MssqlDatabase("mssql://u:p@h/db", schema="dbq")
+    monkeypatch.setattr(db, "connect", lambda: fake)
+    monkeypatch.setattr(ms.time, "sleep", lambda s: None)
+    assert db.fetchall("peek", {"queue_id": 1, "n": 2}) == [(1,), (2,)]
+    assert (fake.rollbacks, fake.commits) == (2, 1)
+
+
+def test_a_deadlock_in_the_callers_transaction_is_raised_on_a_fake_sql_server() -> None:
+    fake = _FakeConnection([DEADLOCK, [(1,)]])
+    db = MssqlDatabase("mssql://u:p@h/db", schema="dbq")
+    with pytest.raises(DeadlockError):
+        db.fetchall("peek", {"queue_id": 1, "n": 2}, fake)
+    assert fake.script == [[(1,)]]  # not run again: only the caller can redo its transaction
+
+
+def test_retries_give_up_after_the_limit_on_a_fake_sql_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _FakeConnection([DEADLOCK] * 5)
+    db = MssqlDatabase("mssql://u:p@h/db", schema="dbq", retries=3)
+    monkeypatch.setattr(db, "connect", lambda: fake)
+    monkeypatch.setattr(ms.time, "sleep", lambda s: None)
+    with pytest.raises(DeadlockError):
+        db.fetchall("peek", {"queue_id": 1, "n": 2})
+    assert fake.script == [DEADLOCK]  # 1 try + 3 retries
+
+
+# -- a real driver ---------------------------------------------------------------------------------
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+def test_odbc_driver_18_is_loaded_and_a_closed_port_raises_database_unavailable() -> None:
+    """A real connect: pyodbc -> unixODBC -> Microsoft ODBC Driver 18 -> 127.0.0.1:<closed port>."""
+    driver = ms.default_driver()
+    assert (
+        driver == ms.DEFAULT_DRIVER
+        or driver.endswith(tuple(f".so.{i}" for i in range(1, 9)))
+        or ".so" in driver
+    )
+    port = _closed_port()
+    dbq = DbQueue(f"mssql://sa:secret@127.0.0.1:{port}/queues?Encrypt=no", schema="dbq", connect_timeout=2)
+    start = time.monotonic()
+    with pytest.raises(DatabaseUnavailableError) as info:
+        dbq.install()
+    assert f"127.0.0.1:{port}" in str(info.value)
+    assert "ODBC Driver 18 for SQL Server" in str(info.value.__cause__)  # the real driver answered
+    assert "secret" not in str(info.value)
+    assert time.monotonic() - start < 30
