@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.sdk import BaseHook, BaseOperator
+from airflow.sdk.exceptions import AirflowSkipException
 
 from airflow_dbqueue.engine import Batch, ConfigurationError, DbQueueError, LeaseExpiredError
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
@@ -171,44 +172,50 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
             raise ConfigurationError(f"{self.task_id}: max_batches must be >= 1, got {max_batches}")
         ti = context["ti"]
         consumer = f"{ti.dag_id}.{ti.task_id}.{ti.run_id}.{ti.map_index}.try{ti.try_number}"
-        done: list[dict[str, Any]] = []
         with DbQueueHook(self.dbqueue_conn_id, dbqueue_schema=self.dbqueue_schema) as hook:
             self._hook = hook
-            queue = hook.get_queue(self.queue_name)
-            env = self._job_env(hook)
-            jars = self._jars()
-            for _ in range(max_batches):
-                batch = queue.claim_batch(
-                    max_messages, visibility_timeout=self.lease_timeout, consumer=consumer
-                )
-                if batch is None:
-                    break
-                self._batch = batch
-                self.log.info(
-                    "claimed batch %s: %d message(s) of queue %r, lease until %s",
-                    batch.batch_id,
-                    batch.size,
-                    self.queue_name,
-                    batch.lease_until.isoformat(),
-                )
-                try:
-                    self._run_job(queue, batch, env, jars)
-                    with hook.transaction() as conn:
-                        if self.publish is not None:
-                            self.publish(conn, batch)
-                        queue.ack_batch(batch.batch_id, conn=conn)
-                except BaseException as exc:
-                    self._kill_job()
-                    self._release(queue, batch, f"{type(exc).__name__}: {exc}"[:2000])
-                    raise
-                finally:
-                    self._batch = None
-                self.log.info("batch %s: job succeeded; results published and batch acked", batch.batch_id)
-                done.append(queue.get_batch(batch.batch_id).as_dict())
-        self._hook = None
+            try:
+                done = self._process(hook, consumer, max_messages, max_batches)
+            finally:
+                self._hook = None
         if not done:
             self._on_empty()
         return {"queue": self.queue_name, "batches": done, "messages": sum(b["size"] for b in done)}
+
+    def _process(
+        self, hook: DbQueueHook, consumer: str, max_messages: int, max_batches: int
+    ) -> list[dict[str, Any]]:
+        """Claim, run, publish and ack up to ``max_batches`` batches; return their summaries."""
+        done: list[dict[str, Any]] = []
+        queue = hook.get_queue(self.queue_name)
+        env = self._job_env(hook)
+        jars = self._jars()
+        for _ in range(max_batches):
+            batch = queue.claim_batch(max_messages, visibility_timeout=self.lease_timeout, consumer=consumer)
+            if batch is None:
+                break
+            self._batch = batch
+            self.log.info(
+                "claimed batch %s: %d message(s) of queue %r, lease until %s",
+                batch.batch_id,
+                batch.size,
+                self.queue_name,
+                batch.lease_until.isoformat(),
+            )
+            try:
+                self._run_job(queue, batch, env, jars)
+                with hook.transaction() as conn:
+                    if self.publish is not None:
+                        self.publish(conn, batch)
+                    queue.ack_batch(batch.batch_id, conn=conn)
+            except BaseException as exc:  # _run_job has already stopped the job if it was running
+                self._release(queue, batch, f"{type(exc).__name__}: {exc}"[:2000])
+                raise
+            finally:
+                self._batch = None
+            self.log.info("batch %s: job succeeded; results published and batch acked", batch.batch_id)
+            done.append(queue.get_batch(batch.batch_id).as_dict())
+        return done
 
     def _on_empty(self) -> None:
         msg = f"queue {self.queue_name!r} has no ready message to claim"
@@ -216,8 +223,6 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
             raise SparkBatchError(msg)
         self.log.info(msg)
         if self.if_empty == "skip":
-            from airflow.exceptions import AirflowSkipException
-
             raise AirflowSkipException(msg)
 
     def _jars(self) -> str | None:
