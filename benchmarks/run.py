@@ -746,31 +746,50 @@ def plan(producers: int | None, consumers: int | None, batch: int | None) -> lis
     return [Point(p, c, b) for p, c in pairs for b in batches]
 
 
-def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: float) -> dict[str, Any]:
-    """Measure the design and the naive baseline at one point; return the point's report."""
-
+def _logger(args: argparse.Namespace) -> Callable[[str], None]:
     def log(msg: str) -> None:
         if not args.quiet:
             print(msg, file=sys.stderr, flush=True)
 
-    cap = args.backlog_cap or max(1000, 50 * point.batch * point.consumers)
-    # A ring big enough for the backlog and every batch in flight: the bench measures flow, not a full
-    # ring pushing back (--capacity makes it smaller to measure that).
-    capacity = args.capacity or cap + (point.producers + point.consumers + 2) * point.batch
+    return log
+
+
+def backlog_cap(args: argparse.Namespace, point: Point) -> int:
+    """Messages queued at most before producers pause (``--backlog-cap``, else from the point)."""
+    return int(args.backlog_cap or max(1000, 50 * point.batch * point.consumers))
+
+
+def ring_capacity(args: argparse.Namespace, point: Point, cap: int) -> int:
+    """``--capacity``, else a ring big enough for the backlog and every batch in flight: the bench
+    measures flow, not a full ring pushing back (--capacity makes it smaller to measure that)."""
+    return int(args.capacity or cap + (point.producers + point.consumers + 2) * point.batch)
+
+
+def make_target(args: argparse.Namespace, dsn: str, design: str, point: Point, cap: int) -> Target:
+    """A fresh schema's queue of ``design`` for one run at ``point``."""
+    capacity = ring_capacity(args, point, cap)
+    return Target(
+        design=design,
+        dsn=dsn,
+        schema=f"bench_{design}_{uuid.uuid4().hex[:10]}",
+        semantics=args.semantics,
+        archive=args.archive,
+        notify=args.notify,
+        capacity=capacity if design == "ring" else None,
+        payload_bytes=args.payload_bytes,
+    )
+
+
+def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: float) -> dict[str, Any]:
+    """Measure the design and the naive baseline at one point; return the point's report."""
+
+    log = _logger(args)
+    cap = backlog_cap(args, point)
     designs = [args.design] if args.design == BASELINE else [args.design, BASELINE]
     runs: dict[str, list[RunResult]] = {d: [] for d in designs}
     for attempt in range(args.repeat):
         for design in designs:
-            target = Target(
-                design=design,
-                dsn=dsn,
-                schema=f"bench_{design}_{uuid.uuid4().hex[:10]}",
-                semantics=args.semantics,
-                archive=args.archive,
-                notify=args.notify,
-                capacity=capacity if design == "ring" else None,
-                payload_bytes=args.payload_bytes,
-            )
+            target = make_target(args, dsn, design, point, cap)
             which = f" (run {attempt + 1} of {args.repeat})" if args.repeat > 1 else ""
             log(
                 f"measuring {design} {args.semantics} {point.producers}x{point.consumers} "
@@ -825,7 +844,7 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
         "backlog_cap": cap,
         "warmup_s": args.warmup,
         "archive": args.archive if args.design == "table" else None,
-        "capacity": capacity if args.design == "ring" else None,
+        "capacity": ring_capacity(args, point, cap) if args.design == "ring" else None,
         "notify": args.notify if args.design != BASELINE else None,
     }
     for key in (
@@ -882,23 +901,13 @@ def measure_maintenance_point(
 ) -> dict[str, Any]:
     """Measure the engine design at one point without and with maintenance running, in turn."""
 
-    def log(msg: str) -> None:
-        if not args.quiet:
-            print(msg, file=sys.stderr, flush=True)
-
-    cap = args.backlog_cap or max(1000, 50 * point.batch * point.consumers)
+    log = _logger(args)
+    cap = backlog_cap(args, point)
     config = maintenance_config(args)
     runs: dict[str, list[RunResult]] = {"off": [], "on": []}
     for attempt in range(args.repeat):
         for mode in ("off", "on"):
-            target = Target(
-                design=args.design,
-                dsn=dsn,
-                schema=f"bench_{args.design}_{uuid.uuid4().hex[:10]}",
-                semantics=args.semantics,
-                archive=args.archive,
-                notify=args.notify,
-            )
+            target = make_target(args, dsn, args.design, point, cap)
             which = f" (run {attempt + 1} of {args.repeat})" if args.repeat > 1 else ""
             log(
                 f"measuring {args.design} {args.semantics} {point.producers}x{point.consumers} "

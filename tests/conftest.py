@@ -6,6 +6,7 @@ server on a free port and stops it at the end. Every test gets its own schema, d
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -54,10 +55,10 @@ def schema_name() -> str:
     return f"t_{uuid.uuid4().hex[:12]}"
 
 
-@pytest.fixture
-def dbq(pg_dsn: str, schema_name: str) -> Iterator[DbQueue]:
-    """A DbQueue on a fresh, installed schema; the schema is dropped after the test."""
-    q = DbQueue(pg_dsn, schema=schema_name, pool_size=8)
+@contextlib.contextmanager
+def installed_dbq(dsn: str, schema: str, dialect: str | None = None) -> Iterator[DbQueue]:
+    """A DbQueue on ``schema``, installed; the schema is dropped afterwards."""
+    q = DbQueue(dsn, schema=schema, pool_size=8, dialect=dialect)
     q.install()
     try:
         yield q
@@ -66,6 +67,13 @@ def dbq(pg_dsn: str, schema_name: str) -> Iterator[DbQueue]:
             q.uninstall()
         finally:
             q.close()
+
+
+@pytest.fixture
+def dbq(pg_dsn: str, schema_name: str) -> Iterator[DbQueue]:
+    """A DbQueue on a fresh, installed schema; the schema is dropped after the test."""
+    with installed_dbq(pg_dsn, schema_name) as q:
+        yield q
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ from airflow_dbqueue.engine import (
     Semantics,
     TransactionRequiredError,
 )
+from tests.conftest import installed_dbq
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator
@@ -46,18 +47,9 @@ DIALECTS = ["postgresql", "mssql"]
 @pytest.fixture(params=DIALECTS)
 def dbq(request: pytest.FixtureRequest, schema_name: str) -> Iterator[DbQueue]:
     """A DbQueue on a fresh, installed schema of each dialect; dropped after the test."""
-    from airflow_dbqueue.engine import DbQueue
-
     dsn = request.getfixturevalue("pg_dsn" if request.param == "postgresql" else "mssql_dsn")
-    q = DbQueue(dsn, schema=schema_name, pool_size=8, dialect=request.param)
-    q.install()
-    try:
+    with installed_dbq(dsn, schema_name, dialect=request.param) as q:
         yield q
-    finally:
-        try:
-            q.uninstall()
-        finally:
-            q.close()
 
 
 def postgres_only(dbq: DbQueue, why: str) -> None:

@@ -19,6 +19,7 @@ import pytest
 from psycopg import sql
 
 from airflow_dbqueue.engine import ConfigurationError, DbQueue, LeaseExpiredError, QueueFullError
+from tests.integration.test_conformance import drain
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine import Message, Queue
@@ -30,15 +31,6 @@ pytestmark = pytest.mark.integration
 def ring(dbq: DbQueue, name: str, capacity: int, **settings: Any) -> RingQueue:
     q = dbq.create_queue(name, design="ring", capacity=capacity, **settings)
     return q  # type: ignore[return-value]
-
-
-def drain(q: Queue, semantics: str = "at-most-once", n: int = 100) -> list[Message]:
-    out: list[Message] = []
-    while batch := q.pop(n, semantics=semantics):
-        out.extend(batch)
-        if semantics == "at-least-once":
-            q.ack(batch)
-    return out
 
 
 def slot_rows(dbq: DbQueue, q: Queue) -> list[tuple[int, int, int]]:

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 from urllib.parse import urlsplit
 
-from airflow_dbqueue.engine.errors import ConfigurationError
+from airflow_dbqueue.engine.errors import ConfigurationError, SchemaError
 
 DbConnection: TypeAlias = Any
 """A driver connection of the dialect in use (psycopg or pyodbc), with a transaction open."""
@@ -87,6 +87,16 @@ class Database(Protocol):
     def channel(self, queue_id: int) -> str: ...
 
     def listening(self, channel: str) -> contextlib.AbstractContextManager[Any]: ...
+
+
+def refuse_newer_schema(schema: str, where: str, current: int, latest: int) -> None:
+    """Raise :class:`SchemaError` when an installed schema is newer than this code knows (installs
+    and migrations never downgrade or touch it)."""
+    if current > latest:
+        raise SchemaError(
+            f"schema {schema!r} at {where} is at version {current}, newer than this code's {latest}; "
+            "upgrade airflow-dbqueue"
+        )
 
 
 def dialect_of_dsn(dsn: str) -> str:

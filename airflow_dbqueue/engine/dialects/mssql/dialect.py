@@ -34,6 +34,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from airflow_dbqueue.engine.dialects.base import refuse_newer_schema
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     DatabaseError,
@@ -588,11 +589,7 @@ class MssqlDatabase:
             if row and row[0]:
                 got = cur.execute(self.query("schema_version")).fetchone()
                 current = int(got[0]) if got else 0
-            if current > latest:
-                raise SchemaError(
-                    f"schema {self.schema!r} at {self.where} is at version {current}, newer than this "
-                    f"code's {latest}; upgrade airflow-dbqueue"
-                )
+            refuse_newer_schema(self.schema, self.where, current, latest)
             if current == 0:
                 cur.execute(self.compose(full))
                 cur.execute(*to_positional(self.query("record_version"), {"version": latest}))

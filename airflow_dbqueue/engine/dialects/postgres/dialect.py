@@ -19,6 +19,7 @@ import psycopg.errors
 from psycopg import sql
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from airflow_dbqueue.engine.dialects.base import refuse_newer_schema
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     DatabaseError,
@@ -351,11 +352,7 @@ class PostgresDatabase:
             if installed and installed[0]:
                 row = c.execute(self.query("schema_version")).fetchone()
                 current = int(row[0]) if row else 0
-            if current > latest:
-                raise SchemaError(
-                    f"schema {self.schema!r} at {self.where} is at version {current}, newer than this "
-                    f"code's {latest}; upgrade airflow-dbqueue"
-                )
+            refuse_newer_schema(self.schema, self.where, current, latest)
             if current == 0:
                 c.execute(self.compose(full))
                 c.execute(self.query("record_version"), {"version": latest})
