@@ -3,6 +3,7 @@ long job's batch, and a task timeout kills the job and releases the batch with n
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -48,11 +49,14 @@ def test_heartbeat_keeps_a_long_jobs_batch(lifecycle_env: dict[str, str], pg_dsn
     assert batch_rows(pg_dsn, dbq.schema) == [(1, 30, None)]
     st = q.stats()
     assert (st.ready, st.in_flight, st.finished) == (0, 0, 30)
+    # the finished messages are exactly the ones pushed (kept with their payloads for the archiver)
     with psycopg.connect(pg_dsn) as c:
-        done = c.execute(
-            sql.SQL("SELECT count(*) FROM {}.done").format(sql.Identifier(dbq.schema))
-        ).fetchone()
-    assert done == (30,)
+        rows = c.execute(
+            sql.SQL("SELECT d.payload FROM {s}.done f JOIN {s}.data d ON d.id = f.id").format(
+                s=sql.Identifier(dbq.schema)
+            )
+        ).fetchall()
+    assert checksum(json.loads(bytes(r[0])) for r in rows) == checksum(sent)
 
 
 def test_timeout_kills_the_job_and_releases_the_batch(
