@@ -453,13 +453,13 @@ def test_identifier_placeholders_are_validated() -> None:
 
 
 def _server_placeholders(text: str) -> tuple[str, dict[str, int]]:
-    """Turn psycopg's %(name)s placeholders into PostgreSQL's $n, numbering each name once."""
+    """Turn psycopg's %(name)s and %(name)b placeholders into PostgreSQL's $n, numbering each name once."""
     numbers: dict[str, int] = {}
 
     def number(m: re.Match[str]) -> str:
         return f"${numbers.setdefault(m.group(1), len(numbers) + 1)}"
 
-    return re.sub(r"%\((\w+)\)s", number, text).replace("%%", "%"), numbers
+    return re.sub(r"%\((\w+)\)[sb]", number, text).replace("%%", "%"), numbers
 
 
 def test_every_named_query_parses_and_plans_on_the_server(dbq: DbQueue, pg_dsn: str) -> None:

@@ -282,7 +282,7 @@ class PostgresDatabase:
     ) -> list[tuple[Any, ...]]:
         """Run a named query and return all its rows."""
         with self.connection(conn) as c, self.translate_errors():
-            cur = c.execute(self.query(name, identifiers), params)
+            cur = c.execute(self.query(name, identifiers), params, binary=name in BINARY_RESULTS)
             return cur.fetchall() if cur.description is not None else []
 
     def fetchone(
@@ -377,6 +377,13 @@ class PostgresDatabase:
     def drop_schema(self) -> None:
         """Drop the whole schema and every queue in it."""
         self.execute("drop_schema")
+
+
+BINARY_RESULTS = frozenset({"push", "push_notify", "pop_lease", "pop_take", "ack", "nack", "leased", "peek"})
+"""Hot queries whose rows come back in binary format: payloads arrive as raw bytes rather than hex
+text, and timestamps without text parsing (client CPU per message at batch 100: see issue 2's note).
+Their columns are integers, timestamps and bytea only. Their array parameters are sent in binary too
+(``%(name)b`` in queries.sql), which skips psycopg's per-element quoting of text arrays."""
 
 
 def _configure_connection(conn: psycopg.Connection[Any]) -> None:

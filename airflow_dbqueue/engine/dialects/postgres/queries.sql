@@ -54,7 +54,7 @@ DELETE FROM {schema}.queues WHERE queue_id = %(queue_id)s RETURNING queue_id
 -- by one statement.
 WITH input AS MATERIALIZED (
     SELECT nextval('{schema}.message_id_seq') AS id, p.payload, p.ord
-    FROM unnest(%(payloads)s::bytea[]) WITH ORDINALITY AS p(payload, ord)
+    FROM unnest(%(payloads)b::bytea[]) WITH ORDINALITY AS p(payload, ord)
 ), m AS (
     INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at)
     SELECT id, %(queue_id)s, %(priority)s, now() + make_interval(secs => %(delay_s)s), now() FROM input
@@ -68,7 +68,7 @@ SELECT id FROM input ORDER BY ord
 -- All parts of the statement share one snapshot, so the EXISTS does not see this push's own rows.
 WITH input AS MATERIALIZED (
     SELECT nextval('{schema}.message_id_seq') AS id, p.payload, p.ord
-    FROM unnest(%(payloads)s::bytea[]) WITH ORDINALITY AS p(payload, ord)
+    FROM unnest(%(payloads)b::bytea[]) WITH ORDINALITY AS p(payload, ord)
 ), m AS (
     INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at)
     SELECT id, %(queue_id)s, %(priority)s, now() + make_interval(secs => %(delay_s)s), now() FROM input
@@ -131,24 +131,27 @@ FROM taken t
 ORDER BY t.priority DESC, t.process_at, t.id
 
 -- name: ack
--- Receipt lookups (ack, nack, held_receipts, leased) say "lease_until > now()" and not "state = 1":
--- meta_lease_valid makes them equivalent, and leaving state = 1 out keeps the planner from walking
--- every lease through meta_leased_idx (it did, with statistics from when the queue was empty);
--- id = ANY(...) probes meta_pkey once per receipt.
+-- Receipt lookups (ack, nack, held_receipts, leased, extend_leases) say "lease_until > now()" and not
+-- "state = 1": meta_lease_valid makes them equivalent, and leaving state = 1 out keeps the planner from
+-- walking every lease through meta_leased_idx (it did, with statistics from when the queue was empty).
+-- Each receipt probes meta_pkey once, from a LATERAL subquery the planner cannot flatten (FOR UPDATE or
+-- OFFSET 0): a plain join of meta to the receipts became, under the statistics of a fresh queue, a
+-- nested loop that compared every row with every receipt (n^2: 1.4 of 1.5 ms of an ack of 100).
 -- Finish leased messages, all or nothing, in one statement: `held` locks the receipts (id, delivery)
 -- whose lease is still valid (FOR UPDATE waits for a concurrent reclaim and rechecks the row), and
 -- rows are deleted only when every receipt is held. A lost lease makes the statement return no row.
 WITH held AS (
-    SELECT m.ctid AS tid
-    FROM {schema}.meta m
-    JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
-      ON m.id = r.id AND m.deliveries = r.delivery
-    WHERE m.id = ANY (%(ids)s::bigint[]) AND m.queue_id = %(queue_id)s AND m.lease_until > now()
-    FOR UPDATE OF m
+    SELECT h.tid
+    FROM unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS r(id, delivery)
+    CROSS JOIN LATERAL (
+        SELECT m.ctid AS tid FROM {schema}.meta m
+        WHERE m.id = r.id AND m.deliveries = r.delivery AND m.queue_id = %(queue_id)s
+          AND m.lease_until > now()
+        FOR UPDATE) h
 ), acked AS (
     DELETE FROM {schema}.meta m
     WHERE m.ctid = ANY (ARRAY(SELECT tid FROM held))
-      AND (SELECT count(*) FROM held) = cardinality(%(ids)s::bigint[])
+      AND (SELECT count(*) FROM held) = cardinality(%(ids)b::bigint[])
     RETURNING m.id, m.queue_id, m.priority, m.attempts, m.enqueued_at
 ), kept AS (
     INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome)
@@ -163,12 +166,13 @@ SELECT id FROM acked
 -- backoff_s * 2^(attempts - 1) capped at backoff_max_s), or to the failed state after max_attempts;
 -- all or nothing, like ack.
 WITH held AS (
-    SELECT m.ctid AS tid
-    FROM {schema}.meta m
-    JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
-      ON m.id = r.id AND m.deliveries = r.delivery
-    WHERE m.id = ANY (%(ids)s::bigint[]) AND m.queue_id = %(queue_id)s AND m.lease_until > now()
-    FOR UPDATE OF m
+    SELECT h.tid
+    FROM unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS r(id, delivery)
+    CROSS JOIN LATERAL (
+        SELECT m.ctid AS tid FROM {schema}.meta m
+        WHERE m.id = r.id AND m.deliveries = r.delivery AND m.queue_id = %(queue_id)s
+          AND m.lease_until > now()
+        FOR UPDATE) h
 )
 UPDATE {schema}.meta m
 SET state = CASE WHEN m.attempts >= %(max_attempts)s THEN 2 ELSE 0 END,
@@ -179,16 +183,17 @@ SET state = CASE WHEN m.attempts >= %(max_attempts)s THEN 2 ELSE 0 END,
                       END,
     lease_until = NULL, consumer = NULL, last_error = %(error)s
 WHERE m.ctid = ANY (ARRAY(SELECT tid FROM held))
-  AND (SELECT count(*) FROM held) = cardinality(%(ids)s::bigint[])
+  AND (SELECT count(*) FROM held) = cardinality(%(ids)b::bigint[])
 RETURNING m.id, m.state
 
 -- name: held_receipts
 -- Which of the receipts still hold a valid lease (to name the lost ones in an error).
 SELECT m.id, m.deliveries
-FROM {schema}.meta m
-JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
-  ON m.id = r.id AND m.deliveries = r.delivery
-WHERE m.id = ANY (%(ids)s::bigint[]) AND m.queue_id = %(queue_id)s AND m.lease_until > now()
+FROM unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS r(id, delivery)
+CROSS JOIN LATERAL (
+    SELECT * FROM {schema}.meta m
+    WHERE m.id = r.id AND m.deliveries = r.delivery AND m.queue_id = %(queue_id)s AND m.lease_until > now()
+    OFFSET 0) m
 
 -- name: reclaim_expired
 -- Expired leases go back to ready, keeping their place (process_at), or to failed after max_attempts.
@@ -283,26 +288,28 @@ LEFT JOIN LATERAL (
 -- a task that was handed only receipts (through XCom) reads its batch here.
 SELECT m.id, m.priority, m.attempts, m.deliveries, m.enqueued_at, m.lease_until,
        (SELECT d.payload FROM {schema}.data d WHERE d.id = m.id) AS payload
-FROM {schema}.meta m
-JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
-  ON m.id = r.id AND m.deliveries = r.delivery
-WHERE m.id = ANY (%(ids)s::bigint[]) AND m.queue_id = %(queue_id)s AND m.lease_until > now()
+FROM unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS r(id, delivery)
+CROSS JOIN LATERAL (
+    SELECT * FROM {schema}.meta m
+    WHERE m.id = r.id AND m.deliveries = r.delivery AND m.queue_id = %(queue_id)s AND m.lease_until > now()
+    OFFSET 0) m
 ORDER BY m.priority DESC, m.process_at, m.id
 
 -- name: extend_leases
 -- Push the lease of held receipts out to now() + secs (a long job keeps its claim); all or nothing.
 WITH held AS (
-    SELECT m.ctid AS tid
-    FROM {schema}.meta m
-    JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
-      ON m.id = r.id AND m.deliveries = r.delivery
-    WHERE m.id = ANY (%(ids)s::bigint[]) AND m.queue_id = %(queue_id)s AND m.lease_until > now()
-    FOR UPDATE OF m
+    SELECT h.tid
+    FROM unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS r(id, delivery)
+    CROSS JOIN LATERAL (
+        SELECT m.ctid AS tid FROM {schema}.meta m
+        WHERE m.id = r.id AND m.deliveries = r.delivery AND m.queue_id = %(queue_id)s
+          AND m.lease_until > now()
+        FOR UPDATE) h
 )
 UPDATE {schema}.meta m
 SET lease_until = now() + make_interval(secs => %(secs)s)
 WHERE m.ctid = ANY (ARRAY(SELECT tid FROM held))
-  AND (SELECT count(*) FROM held) = cardinality(%(ids)s::bigint[])
+  AND (SELECT count(*) FROM held) = cardinality(%(ids)b::bigint[])
 RETURNING m.id, m.lease_until
 
 -- name: claim_batch
