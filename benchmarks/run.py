@@ -48,9 +48,13 @@ from airflow_dbqueue.engine import DbQueue, DbQueueError, LeaseExpiredError, Mai
 
 TEST_DSN_ENV = "DBQUEUE_TEST_DSN"
 BASELINE = "naive"
+# A second reference: PGMQ's SQL (read = a visibility-time UPDATE, then delete or archive), measured
+# like the baseline with plain psycopg, for the at-least-once comparison (--pgmq).
+PGMQ = "pgmq"
+REFERENCES = (BASELINE, PGMQ)
 # Designs the engine implements, measured through DbQueue.
 ENGINE_DESIGNS: tuple[str, ...] = ("table", "ring")
-ALL_DESIGNS = ("table", "ring", BASELINE)
+ALL_DESIGNS = ("table", "ring", BASELINE, PGMQ)
 SEMANTICS = ("at-most-once", "at-least-once")
 QUEUE_NAME = "bench_q"
 
@@ -74,7 +78,7 @@ class DesignNotAvailable(BenchError):
 
 def check_design(design: str) -> None:
     """Raise :class:`DesignNotAvailable` unless ``design`` can be measured."""
-    if design == BASELINE or design in ENGINE_DESIGNS:
+    if design in REFERENCES or design in ENGINE_DESIGNS:
         return
     raise DesignNotAvailable(
         f"the {design} design is not available yet: the engine implements only the "
@@ -114,6 +118,11 @@ def setup_target(target: Target) -> None:
                 sql.SQL("CREATE TABLE {}.t (id bigserial PRIMARY KEY, payload bytea NOT NULL)").format(s)
             )
         return
+    if target.design == PGMQ:
+        with psycopg.connect(target.dsn, autocommit=True) as conn:
+            for stmt in PGMQ_SCHEMA:
+                conn.execute(sql.SQL(stmt).format(s=sql.Identifier(target.schema)))
+        return
     with DbQueue(target.dsn, schema=target.schema, pool_size=1) as dbq:
         dbq.install()
         if target.design == "ring":  # pages laid out for the payload size; a ring does not archive
@@ -137,9 +146,10 @@ def setup_target(target: Target) -> None:
 
 def left_in_queue(target: Target, conn: psycopg.Connection[Any]) -> int:
     """Messages still in the queue (ready, delayed, leased or failed)."""
-    if target.design == BASELINE:
+    if target.design in REFERENCES:
+        table = "t" if target.design == BASELINE else "q"
         row = conn.execute(
-            sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(target.schema, "t"))
+            sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(target.schema, table))
         ).fetchone()
         return int(row[0]) if row else 0
     with DbQueue(target.dsn, schema=target.schema, pool_size=1) as dbq:
@@ -149,7 +159,7 @@ def left_in_queue(target: Target, conn: psycopg.Connection[Any]) -> int:
 
 def teardown_target(target: Target) -> None:
     """Drop the target's schema with everything in it."""
-    if target.design == BASELINE:
+    if target.design in REFERENCES:
         with psycopg.connect(target.dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(target.schema)))
         return
@@ -232,9 +242,87 @@ class NaiveBackend:
         self.conn.close()
 
 
+PGMQ_SCHEMA = (
+    # As pgmq.create() lays out a queue (pgmq 1.x): q_<name> and a_<name>, msg_id from an identity,
+    # an index on vt. The message column is bytea here (pgmq's is jsonb), the same bytes as the others.
+    "CREATE SCHEMA {s}",
+    "CREATE TABLE {s}.q (msg_id bigint PRIMARY KEY GENERATED ALWAYS AS IDENTITY, "
+    "read_ct integer NOT NULL DEFAULT 0, enqueued_at timestamptz NOT NULL DEFAULT now(), "
+    "vt timestamptz NOT NULL, message bytea)",
+    "CREATE INDEX q_vt_idx ON {s}.q (vt ASC)",
+    "CREATE TABLE {s}.a (msg_id bigint PRIMARY KEY, read_ct integer NOT NULL DEFAULT 0, "
+    "enqueued_at timestamptz NOT NULL DEFAULT now(), archived_at timestamptz NOT NULL DEFAULT now(), "
+    "vt timestamptz NOT NULL, message bytea)",
+    "CREATE INDEX a_archived_at_idx ON {s}.a (archived_at)",
+)
+
+
+class PgmqBackend:
+    """PGMQ's statements (pgmq 1.x ``send_batch``, ``read``, ``delete``/``archive``, ``pop``).
+
+    At-least-once: ``read`` sets the visibility time of up to n visible messages (SKIP LOCKED), then the
+    consumer deletes them by id, or archives them (one DELETE ... RETURNING feeding an INSERT) when the
+    run archives. At-most-once: ``pop``, a DELETE ... RETURNING of visible messages. Every statement is
+    autocommit, as pgmq's client runs them.
+    """
+
+    VT_S = 30
+
+    def __init__(self, target: Target) -> None:
+        self.lease = target.lease
+        self.conn = psycopg.connect(target.dsn, autocommit=True, application_name="dbqueue-bench")
+        q, a = sql.Identifier(target.schema, "q"), sql.Identifier(target.schema, "a")
+        self.push_sql = sql.SQL(
+            "INSERT INTO {q} (vt, message) SELECT clock_timestamp(), unnest(%s::bytea[]) RETURNING msg_id"
+        ).format(q=q)
+        self.read_sql = sql.SQL(
+            "WITH cte AS (SELECT msg_id FROM {q} WHERE vt <= clock_timestamp() ORDER BY msg_id ASC "
+            "LIMIT %s FOR UPDATE SKIP LOCKED) "
+            "UPDATE {q} m SET vt = clock_timestamp() + make_interval(secs => %s), read_ct = read_ct + 1 "
+            "FROM cte WHERE m.msg_id = cte.msg_id "
+            "RETURNING m.msg_id, m.read_ct, m.enqueued_at, m.vt, m.message"
+        ).format(q=q)
+        self.pop_sql = sql.SQL(
+            "WITH cte AS (SELECT msg_id FROM {q} WHERE vt <= clock_timestamp() ORDER BY msg_id ASC "
+            "LIMIT %s FOR UPDATE SKIP LOCKED) "
+            "DELETE FROM {q} WHERE msg_id = ANY (SELECT msg_id FROM cte) "
+            "RETURNING msg_id, read_ct, enqueued_at, vt, message"
+        ).format(q=q)
+        if target.archive:
+            self.ack_sql = sql.SQL(
+                "WITH archived AS (DELETE FROM {q} WHERE msg_id = ANY (%s) "
+                "RETURNING msg_id, vt, read_ct, enqueued_at, message) "
+                "INSERT INTO {a} (msg_id, vt, read_ct, enqueued_at, message) "
+                "SELECT msg_id, vt, read_ct, enqueued_at, message FROM archived RETURNING msg_id"
+            ).format(q=q, a=a)
+        else:
+            self.ack_sql = sql.SQL("DELETE FROM {q} WHERE msg_id = ANY (%s) RETURNING msg_id").format(q=q)
+
+    def push(self, payloads: list[bytes]) -> None:
+        self.conn.execute(self.push_sql, (payloads,)).fetchall()
+
+    def pop(self, n: int) -> tuple[list[bytes], Any]:
+        if not self.lease:
+            rows = self.conn.execute(self.pop_sql, (n,)).fetchall()
+            return [r[4] for r in rows], None
+        rows = self.conn.execute(self.read_sql, (n, self.VT_S)).fetchall()
+        return [r[4] for r in rows], [r[0] for r in rows]
+
+    def ack(self, token: Any) -> None:
+        if self.lease and token:
+            done = self.conn.execute(self.ack_sql, (token,)).fetchall()
+            if len(done) != len(token):
+                raise LeaseExpiredError(f"pgmq: {len(token) - len(done)} of {len(token)} messages were gone")
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 def open_backend(target: Target, role: str) -> Backend:
     if target.design == BASELINE:
         return NaiveBackend(target, role)
+    if target.design == PGMQ:
+        return PgmqBackend(target)
     return EngineBackend(target)
 
 
@@ -702,7 +790,7 @@ def _measure(
         empty_pops=sum(c["empty_pops"] for c in cons),
         latencies=lat,
         maintenance=m_report,
-        hot_bytes=hot_table_bytes(conn, cfg.target) if cfg.target.design != BASELINE else None,
+        hot_bytes=hot_table_bytes(conn, cfg.target) if cfg.target.design not in REFERENCES else None,
     )
 
 
@@ -786,6 +874,8 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
     log = _logger(args)
     cap = backlog_cap(args, point)
     designs = [args.design] if args.design == BASELINE else [args.design, BASELINE]
+    if args.pgmq and args.design not in REFERENCES:
+        designs.append(PGMQ)
     runs: dict[str, list[RunResult]] = {d: [] for d in designs}
     for attempt in range(args.repeat):
         for design in designs:
@@ -845,8 +935,16 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
         "warmup_s": args.warmup,
         "archive": args.archive if args.design == "table" else None,
         "capacity": ring_capacity(args, point, cap) if args.design == "ring" else None,
-        "notify": args.notify if args.design != BASELINE else None,
+        "notify": args.notify if args.design not in REFERENCES else None,
     }
+    if PGMQ in designs and args.design != PGMQ:
+        pgmq = combine(runs[PGMQ])
+        out["pgmq_cycles_per_s"] = round(pgmq.cycles_per_s, 1)
+        out["pgmq_ratio"] = round(main_run.cycles_per_s / pgmq.cycles_per_s, 3) if pgmq.cycles_per_s else None
+        out["pgmq_lost"], out["pgmq_duplicated"] = pgmq.lost, pgmq.duplicated
+        out["pgmq_wal_bytes_per_msg"] = _round(pgmq.wal_bytes_per_msg, 1)
+        if args.repeat > 1:
+            out["pgmq_cycles_per_s_runs"] = [round(r.cycles_per_s, 1) for r in runs[PGMQ]]
     for key in (
         "lost",
         "duplicated",
@@ -863,7 +961,7 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
     if args.repeat > 1:
         out["cycles_per_s_runs"] = [round(r.cycles_per_s, 1) for r in runs[args.design]]
         out["baseline_cycles_per_s_runs"] = [round(r.cycles_per_s, 1) for r in runs[BASELINE]]
-    out["valid"] = main_run.valid and base.valid
+    out["valid"] = all(combine(rs).valid for rs in runs.values())
     return out
 
 
@@ -1040,8 +1138,10 @@ COLUMNS: tuple[tuple[str, int, Callable[[dict[str, Any]], str]], ...] = (
     ("cycles/s", 9, lambda r: f"{r['cycles_per_s']:,.0f}"),
     ("naive/s", 9, lambda r: f"{r['baseline_cycles_per_s']:,.0f}"),
     ("ratio", 6, lambda r: "-" if r["ratio"] is None else f"{r['ratio']:.2f}"),
-    ("lost", 4, lambda r: str(r["lost"] + r["baseline_lost"])),
-    ("dup", 4, lambda r: str(r["duplicated"] + r["baseline_duplicated"])),
+    ("pgmq/s", 9, lambda r: _fmt_opt(r.get("pgmq_cycles_per_s"))),
+    ("vs pgmq", 7, lambda r: "-" if r.get("pgmq_ratio") is None else f"{r['pgmq_ratio']:.2f}"),
+    ("lost", 4, lambda r: str(r["lost"] + r["baseline_lost"] + r.get("pgmq_lost", 0))),
+    ("dup", 4, lambda r: str(r["duplicated"] + r["baseline_duplicated"] + r.get("pgmq_duplicated", 0))),
     ("table MB", 8, lambda r: f"{r['table_bytes'] / 1e6:.1f}"),
     ("dead tup", 8, lambda r: str(r["dead_tuples"])),
     ("HOT", 4, lambda r: "-" if r["hot_update_ratio"] is None else f"{r['hot_update_ratio']:.0%}"),
@@ -1116,6 +1216,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="engine queue keeps finished messages for the archiver (engine default: on)",
     )
     ap.add_argument("--notify", choices=("never", "auto", "always"), default="never")
+    ap.add_argument(
+        "--pgmq",
+        action="store_true",
+        help="also measure PGMQ's statements (read with a visibility time, then delete; archive with "
+        "--archive) in the same run, as a second reference",
+    )
     ap.add_argument("--capacity", type=int, help="ring slots (default: backlog cap + batches in flight)")
     ap.add_argument("--backlog-cap", type=int, help="pause producers above this backlog (50 x batch x C)")
     ap.add_argument("--drain-timeout", type=float, default=120.0)
