@@ -237,6 +237,19 @@ def test_install_twice_is_idempotent(dbq: DbQueue, pg_dsn: str) -> None:
     assert m.payload == {"n": 1}
 
 
+def test_vacuum_never_truncates_the_churning_tables(dbq: DbQueue, pg_dsn: str) -> None:
+    """VACUUM's truncation takes an ACCESS EXCLUSIVE lock that would stall every push and pop."""
+    with psycopg.connect(pg_dsn) as conn:
+        rows = conn.execute(
+            "SELECT c.relname, coalesce(c.reloptions, '{}') FROM pg_class c "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relkind = 'r'",
+            (dbq.schema,),
+        ).fetchall()
+    options = {name: set(opts) for name, opts in rows}
+    for table in ("meta", "data", "done"):
+        assert "vacuum_truncate=false" in options[table], (table, options[table])
+
+
 def install_concurrently(dsn: str, schema: str, n: int) -> list[Any]:
     """Run install() from ``n`` threads at once, each with its own client; return versions or errors."""
     clients = [DbQueue(dsn, schema=schema, pool_size=1) for _ in range(n)]

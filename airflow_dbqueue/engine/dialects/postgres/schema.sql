@@ -1,7 +1,7 @@
 -- The whole current schema of a dbqueue schema on PostgreSQL, for a fresh install.
 -- {schema} is replaced by the quoted schema name. Keep in step with migrations/: a test checks that
 -- applying every migration from the first gives exactly this schema.
--- SCHEMA_VERSION: 5
+-- SCHEMA_VERSION: 6
 
 -- name: schema
 CREATE SCHEMA IF NOT EXISTS {schema};
@@ -44,6 +44,8 @@ CREATE SEQUENCE {schema}.message_id_seq AS bigint;
 -- attempts counts deliveries towards max_attempts (requeue_failed resets it); deliveries counts every
 -- hand-out and never resets, so (id, deliveries) names one delivery: the receipt ack and nack check.
 -- No foreign key to queues: an FK check would take a KEY SHARE lock on the queue's row for every push.
+-- meta, data and done are never truncated by VACUUM (vacuum_truncate = false): truncation takes an
+-- ACCESS EXCLUSIVE lock that stalls every push and pop, and a queue table reuses its freed pages.
 CREATE TABLE {schema}.meta (
     id bigint NOT NULL,
     queue_id integer NOT NULL,
@@ -61,7 +63,7 @@ CREATE TABLE {schema}.meta (
     CONSTRAINT meta_lease_valid CHECK ((state = 1) = (lease_until IS NOT NULL))
 ) WITH (fillfactor = 90, autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
         autovacuum_vacuum_insert_scale_factor = 0.05, autovacuum_analyze_scale_factor = 0.05,
-        autovacuum_vacuum_cost_delay = 0);
+        autovacuum_vacuum_cost_delay = 0, vacuum_truncate = false);
 
 -- Shaped exactly like the claim: WHERE queue_id = ? AND state = 0 ORDER BY priority DESC, process_at, id.
 CREATE INDEX meta_ready_idx ON {schema}.meta (queue_id, priority DESC, process_at, id) WHERE state = 0;
@@ -76,7 +78,7 @@ CREATE TABLE {schema}.data (
     payload bytea NOT NULL,
     CONSTRAINT data_pkey PRIMARY KEY (id)
 ) WITH (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
-        autovacuum_vacuum_insert_scale_factor = 0.05);
+        autovacuum_vacuum_insert_scale_factor = 0.05, vacuum_truncate = false);
 
 -- Finished messages waiting to be archived (queues with archive = true): appended by pop and ack, and
 -- moved to archive in small batches by the archiver (maintenance).
@@ -92,7 +94,7 @@ CREATE TABLE {schema}.done (
     CONSTRAINT done_outcome_valid CHECK (outcome IN (1, 2))
 ) WITH (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
         autovacuum_vacuum_cost_delay = 0, autovacuum_vacuum_insert_scale_factor = 0.05,
-        autovacuum_analyze_scale_factor = 0.05);
+        autovacuum_analyze_scale_factor = 0.05, vacuum_truncate = false);
 CREATE INDEX done_finished_brin ON {schema}.done USING brin (finished_at);
 
 -- Archived messages with their payloads, moved out of done/data by the archiver; an archive retention
