@@ -25,9 +25,12 @@ from airflow_dbqueue.engine.errors import (
     DatabaseError,
     DatabaseUnavailableError,
     DbQueueError,
+    DeadlockError,
+    LockTimeoutError,
     QueueFullError,
     RingNumbersSkippedError,
     SchemaError,
+    TransientDatabaseError,
 )
 from airflow_dbqueue.engine.names import validate_identifier, validate_schema_name
 from airflow_dbqueue.engine.sqlfile import load_queries, parse_named_queries, read_text
@@ -232,6 +235,21 @@ class PostgresDatabase:
                 f"the dbqueue schema {self.schema!r} is not installed at {self.where} "
                 f"(run install(), or `dbqueue init`): {exc.diag.message_primary}"
             ) from exc
+        # Deadlocks, lock and statement timeouts are OperationalErrors to psycopg, but the server is
+        # fine: they must not read as "unreachable" (nor make connection() discard the pool).
+        except psycopg.errors.DeadlockDetected as exc:
+            raise DeadlockError(
+                f"PostgreSQL at {self.where}: deadlock, this transaction was rolled back: {_primary(exc)}"
+            ) from exc
+        except psycopg.errors.LockNotAvailable as exc:
+            raise LockTimeoutError(
+                f"PostgreSQL at {self.where}: a lock was not granted in time (lock_timeout): {_primary(exc)}"
+            ) from exc
+        except (psycopg.errors.QueryCanceled, psycopg.errors.SerializationFailure) as exc:
+            raise TransientDatabaseError(
+                f"PostgreSQL at {self.where}: the statement was cancelled or its transaction rolled back "
+                f"(statement_timeout, pg_cancel_backend, or a serialization failure): {_primary(exc)}"
+            ) from exc
         except psycopg.OperationalError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise DatabaseUnavailableError(f"PostgreSQL at {self.where} is unreachable: {first}") from exc
@@ -384,6 +402,10 @@ BINARY_RESULTS = frozenset({"push", "push_notify", "pop_lease", "pop_take", "ack
 text, and timestamps without text parsing (client CPU per message at batch 100: see issue 2's note).
 Their columns are integers, timestamps and bytea only. Their array parameters are sent in binary too
 (``%(name)b`` in queries.sql), which skips psycopg's per-element quoting of text arrays."""
+
+
+def _primary(exc: psycopg.Error) -> str:
+    return exc.diag.message_primary or str(exc).strip() or type(exc).__name__
 
 
 def _configure_connection(conn: psycopg.Connection[Any]) -> None:
