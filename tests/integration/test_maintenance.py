@@ -433,11 +433,13 @@ def test_bloat_is_bounded_with_maintenance_and_grows_without(pg_dsn: str) -> Non
     """The same churn (push, lease, ack) on two schemas; one gets a maintenance run after each round.
 
     Stated bound: with maintenance, the hot tables (meta, data, done with indexes) stay under
-    1 MiB, whatever the number of rounds, for a workload that has at most 500 messages (about 100 KiB
-    of payload) in the queue at any time. Without it they grow with every round (the finished
-    messages and their payloads pile up, and the dead rows and index entries stay).
+    2 MiB, whatever the number of rounds. A round leaves 2,000 finished messages (about 450 KiB of
+    payload) in done and data for the archiver, and since schema 6 VACUUM never truncates those
+    tables, so they keep the pages of that peak (about 1.4 MiB measured) and reuse them round after
+    round. Without maintenance they grow with every round (the finished messages and their payloads
+    pile up, and the dead rows and index entries stay).
     """
-    rounds, batch, bound = 10, 500, 1024 * 1024
+    rounds, batch, bound = 10, 500, 2 * 1024 * 1024
     sizes: dict[bool, list[int]] = {True: [], False: []}
     config = MaintenanceConfig(
         archive_after_s=0, archive_retention_s=0, pause_s=0, reindex_min_bytes=64 * 1024
