@@ -66,6 +66,14 @@ class LeaseExpiredError(DbQueueError):
         self.ids = list(ids)
 
 
+class ReceiptsNotHeldError(DbQueueError):
+    """The database refused a statement because some of its receipts no longer hold their lease.
+
+    Raised by a dialect whose ack checks this inside the statement (PostgreSQL); the statement changed
+    nothing. The queue turns it into a :class:`LeaseExpiredError` that names the messages.
+    """
+
+
 class BatchNotFoundError(DbQueueError, LookupError):
     """No batch with this id was claimed from this queue."""
 

@@ -16,6 +16,7 @@ from airflow_dbqueue.engine.errors import (
     BatchStateError,
     ConfigurationError,
     LeaseExpiredError,
+    ReceiptsNotHeldError,
 )
 from airflow_dbqueue.engine.models import (
     Batch,
@@ -138,7 +139,11 @@ class TableQueue(Queue):
             "queue_id": self._qid,
             "archive": self.settings.archive,
         }
-        done = self._db.fetchall("ack", params, conn)
+        try:  # guarded: a lost lease must leave the caller's transaction usable
+            with self._db.guarded(conn) as c:
+                done = self._db.fetchall("ack", params, c)
+        except ReceiptsNotHeldError:  # the statement changed nothing
+            done = []
         if len(done) != len(ids):
             self._raise_lost(ids, deliveries, conn)
         return len(done)

@@ -293,6 +293,52 @@ def test_ack_of_expired_lease_is_refused_and_changes_nothing(
     assert q.ack([leased[1]]) == 1
 
 
+def test_refused_ack_in_a_callers_transaction_leaves_it_usable(
+    make_queue: Callable[..., Queue], dbq: DbQueue
+) -> None:
+    """A lost lease refuses the ack and changes nothing, and the caller's transaction goes on."""
+    q = make_queue()
+    payloads = ["a", "b", "c"]
+    q.push_batch(payloads)
+    leased = q.pop(3, semantics="at-least-once")
+    expire_leases(dbq, [leased[0].id], q)
+    with dbq.transaction() as conn:
+        with pytest.raises(LeaseExpiredError) as refused:
+            q.ack(leased, conn=conn)
+        assert refused.value.ids == [leased[0].id]
+        assert q.ack([leased[1]], conn=conn) == 1  # the same transaction goes on
+    with pytest.raises(RuntimeError), dbq.transaction() as conn:  # and a rollback undoes an ack
+        assert q.ack([leased[2]], conn=conn) == 1
+        raise RuntimeError("the caller's work failed")
+    assert q.ack([leased[2]]) == 1
+    assert q.reclaim_expired() == 1
+    again = q.pop(3, semantics="at-least-once")
+    assert [m.id for m in again] == [leased[0].id]
+    assert q.ack(again) == 1
+    finished = [leased[1], leased[2], *again]
+    assert checksum(m.payload for m in finished) == checksum(payloads)
+    s = q.stats()
+    assert (s.ready, s.in_flight, s.finished) == (0, 0, kept(q, 3))
+
+
+def test_refused_ack_on_an_idle_connection_leaves_it_usable(
+    make_queue: Callable[..., Queue], dbq: DbQueue, pg_dsn: str
+) -> None:
+    """An ack on a caller's idle connection without autocommit: refused whole, connection usable."""
+    postgres_only(dbq, "a psycopg connection of the caller's")
+    q = make_queue()
+    q.push_batch(["a", "b"])
+    leased = q.pop(2, semantics="at-least-once")
+    expire_leases(dbq, [leased[1].id], q)
+    with psycopg.connect(pg_dsn) as conn:
+        with pytest.raises(LeaseExpiredError):
+            q.ack(leased, conn=conn)
+        assert q.ack([leased[0]], conn=conn) == 1
+        conn.commit()
+    s = q.stats()
+    assert (s.in_flight, s.finished) == (1, kept(q, 1))
+
+
 def test_expired_leases_reclaimed_by_pop_itself(make_queue: Callable[..., Queue]) -> None:
     q = make_queue(visibility_timeout=0.2)
     q.push("x")

@@ -433,6 +433,12 @@ class MssqlDatabase:
         return not conn.autocommit
 
     @contextlib.contextmanager
+    def guarded(self, conn: Any | None) -> Iterator[Any | None]:
+        """Yield ``conn`` as it is: no statement of this dialect fails on purpose inside a caller's
+        transaction, so none needs a savepoint here (and None keeps the retries of pooled calls)."""
+        yield conn
+
+    @contextlib.contextmanager
     def transaction(self, conn: Any | None = None) -> Iterator[Any]:
         """Yield a connection in a transaction: ``conn`` joined as it is, or a pooled one that commits
         on success and rolls back on error."""

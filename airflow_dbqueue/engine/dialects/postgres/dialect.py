@@ -17,6 +17,7 @@ from typing import Any
 import psycopg
 import psycopg.errors
 from psycopg import sql
+from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool, PoolTimeout
 
 from airflow_dbqueue.engine.dialects.base import refuse_newer_schema
@@ -28,6 +29,7 @@ from airflow_dbqueue.engine.errors import (
     DeadlockError,
     LockTimeoutError,
     QueueFullError,
+    ReceiptsNotHeldError,
     RingNumbersSkippedError,
     SchemaError,
     TransientDatabaseError,
@@ -44,6 +46,7 @@ _RAISED_BY_FUNCTIONS: dict[str, type[DbQueueError]] = {
     "DQ001": QueueFullError,
     "DQ002": RingNumbersSkippedError,
     "DQ003": ConfigurationError,
+    "DQ005": ReceiptsNotHeldError,
 }
 
 
@@ -220,6 +223,30 @@ class PostgresDatabase:
         return not (conn.autocommit and conn.info.transaction_status.name == "IDLE")
 
     @contextlib.contextmanager
+    def guarded(self, conn: psycopg.Connection[Any] | None) -> Iterator[psycopg.Connection[Any] | None]:
+        """Yield what to pass as ``conn`` so that a failing statement leaves its transaction as it was.
+
+        None (a pooled autocommit connection) and autocommit connections need nothing: a failed
+        statement is its own transaction. A transaction in progress gets a savepoint. An idle
+        connection without autocommit is rolled back on error, which undoes only the implicit
+        transaction that the failed statement opened.
+        """
+        if conn is None or (conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE):
+            yield conn
+            return
+        with self.translate_errors():
+            if conn.info.transaction_status == TransactionStatus.INTRANS:
+                with conn.transaction():
+                    yield conn
+                return
+            try:
+                yield conn
+            except BaseException:
+                if conn.info.transaction_status == TransactionStatus.INERROR:
+                    conn.rollback()
+                raise
+
+    @contextlib.contextmanager
     def translate_errors(self) -> Iterator[None]:
         """Translate psycopg and pool exceptions into the engine's exception family."""
         try:
@@ -255,7 +282,7 @@ class PostgresDatabase:
             raise DatabaseUnavailableError(f"PostgreSQL at {self.where} is unreachable: {first}") from exc
         except psycopg.Error as exc:
             own = _RAISED_BY_FUNCTIONS.get(exc.sqlstate or "")
-            if own is not None:  # raised on purpose by the ring's server-side functions
+            if own is not None:  # raised on purpose by the server-side functions of schema.sql
                 raise own(exc.diag.message_primary or str(exc)) from exc
             raise DatabaseError(f"PostgreSQL error at {self.where}: {exc}".strip()) from exc
 

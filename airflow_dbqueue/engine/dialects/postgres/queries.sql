@@ -137,29 +137,34 @@ ORDER BY t.priority DESC, t.process_at, t.id
 -- Each receipt probes meta_pkey once, from a LATERAL subquery the planner cannot flatten (FOR UPDATE or
 -- OFFSET 0): a plain join of meta to the receipts became, under the statistics of a fresh queue, a
 -- nested loop that compared every row with every receipt (n^2: 1.4 of 1.5 ms of an ack of 100).
--- Finish leased messages, all or nothing, in one statement: `held` locks the receipts (id, delivery)
--- whose lease is still valid (FOR UPDATE waits for a concurrent reclaim and rechecks the row), and
--- rows are deleted only when every receipt is held. A lost lease makes the statement return no row.
-WITH held AS (
-    SELECT h.tid
-    FROM unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS r(id, delivery)
-    CROSS JOIN LATERAL (
-        SELECT m.ctid AS tid FROM {schema}.meta m
-        WHERE m.id = r.id AND m.deliveries = r.delivery AND m.queue_id = %(queue_id)s
-          AND m.lease_until > now()
-        FOR UPDATE) h
-), acked AS (
+-- Finish leased messages, all or nothing, in one statement, without locking them first: the receipts
+-- (id, delivery) whose lease is valid name row versions by ctid, and the DELETE takes exactly those. A
+-- version that a concurrent reclaim or nack replaced is not deleted (the DELETE waits for it, and the
+-- new version has another ctid), so a lost lease leaves fewer rows than receipts, and then
+-- receipts_not_held() raises, which rolls the whole statement back. (Locking with FOR UPDATE first
+-- cost a row lock and a WAL record per message: an ack of 1000 took 12.5 ms against 7.5 ms without.)
+WITH acked AS (
     DELETE FROM {schema}.meta m
-    WHERE m.ctid = ANY (ARRAY(SELECT tid FROM held))
-      AND (SELECT count(*) FROM held) = cardinality(%(ids)b::bigint[])
+    WHERE m.ctid = ANY (ARRAY(
+        SELECT h.tid
+        FROM unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS r(id, delivery)
+        CROSS JOIN LATERAL (
+            SELECT m.ctid AS tid FROM {schema}.meta m
+            WHERE m.id = r.id AND m.deliveries = r.delivery AND m.queue_id = %(queue_id)s
+              AND m.lease_until > now()
+            OFFSET 0) h))
     RETURNING m.id, m.queue_id, m.priority, m.attempts, m.enqueued_at
 ), kept AS (
     INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome)
     SELECT id, queue_id, priority, attempts, enqueued_at, 1 FROM acked WHERE %(archive)s
 ), dropped AS (
     DELETE FROM {schema}.data d WHERE NOT %(archive)s AND d.id = ANY (ARRAY(SELECT id FROM acked))
+), checked AS (
+    SELECT CASE WHEN count(*) = cardinality(%(ids)b::bigint[]) THEN count(*)
+                ELSE {schema}.receipts_not_held(cardinality(%(ids)b::bigint[]), count(*)) END AS n
+    FROM acked
 )
-SELECT id FROM acked
+SELECT a.id FROM acked a CROSS JOIN checked c
 
 -- name: nack
 -- Return leased messages for another try after delay_s (NULL: the queue's exponential backoff,

@@ -1,7 +1,7 @@
 -- The whole current schema of a dbqueue schema on PostgreSQL, for a fresh install.
 -- {schema} is replaced by the quoted schema name. Keep in step with migrations/: a test checks that
 -- applying every migration from the first gives exactly this schema.
--- SCHEMA_VERSION: 6
+-- SCHEMA_VERSION: 7
 
 -- name: schema
 CREATE SCHEMA IF NOT EXISTS {schema};
@@ -96,6 +96,16 @@ CREATE TABLE {schema}.done (
         autovacuum_vacuum_cost_delay = 0, autovacuum_vacuum_insert_scale_factor = 0.05,
         autovacuum_analyze_scale_factor = 0.05, vacuum_truncate = false);
 CREATE INDEX done_finished_brin ON {schema}.done USING brin (finished_at);
+
+-- Raised by ack when some of its receipts no longer hold their lease: the error rolls the whole
+-- statement back, so an ack finishes every message it names or none, without locking them first.
+CREATE FUNCTION {schema}.receipts_not_held(p_wanted integer, p_held bigint) RETURNS bigint
+LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION '% of % receipts do not hold their lease', p_wanted - p_held, p_wanted
+        USING ERRCODE = 'DQ005';
+END
+$$;
 
 -- Archived messages with their payloads, moved out of done/data by the archiver; an archive retention
 -- deletes them again after a while.
