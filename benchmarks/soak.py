@@ -1,0 +1,306 @@
+#!/usr/bin/env python
+"""Soak: push and pop millions of messages through one queue and watch its tables' size over time.
+
+    python benchmarks/soak.py --design ring --messages 10000000 --capacity 10000 --batch 1000
+    python benchmarks/soak.py --design table --messages 2000000 --maintain-every 5
+
+Issue 3 asks that a ring's table "is the same size after 10 million messages as after the first
+thousand", with HOT updates. This runs P producer and C consumer processes (at-most-once) until
+``--messages`` went through, samples the queue's tables every ``--report-every`` messages, and prints
+a table of heap and total bytes, their ratio to the sample taken after the first ``--baseline``
+messages (the reference of the same run), the HOT-update ratio and dead tuples. For the table design
+the main process runs the engine's maintenance (archive, VACUUM, online reindex) every
+``--maintain-every`` seconds, as the maintenance DAG would.
+
+Nothing is lost: producers report the count and a checksum of what they pushed, consumers of what
+they popped, and the run fails (exit 1) unless both agree. The database is ``--dsn``, else
+``$DBQUEUE_TEST_DSN``, else a throwaway embedded PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import multiprocessing as mp
+import queue as queue_mod
+import struct
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from run import database, server_info  # benchmarks/ is a folder of scripts
+
+from airflow_dbqueue.engine import DbQueue, MaintenanceConfig
+
+QUEUE = "soak_q"
+MASK = (1 << 64) - 1
+# The tables on the queue's push/pop path, by design.
+TABLES = {"ring": ("ring_slots",), "table": ("meta", "data", "done")}
+
+
+def digest(payload: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "big")
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    dsn: str
+    schema: str
+    batch: int
+    payload_bytes: int
+    messages: int
+
+
+def producer(job: Job, index: int, share: int, out: Any, errors: Any) -> None:
+    """Push ``share`` messages in batches; report (count, checksum) of what was pushed."""
+    count = total = 0
+    batch, pad = job.batch, b"p" * max(0, job.payload_bytes - 16)
+    try:
+        with DbQueue(job.dsn, schema=job.schema, pool_size=1) as dbq:
+            q = dbq.queue(QUEUE)
+            while count < share:
+                n = min(batch, share - count)
+                payloads = [struct.pack(">QQ", index, count + i) + pad for i in range(n)]
+                q.push_batch(payloads)
+                count += n
+                total = (total + sum(digest(p) for p in payloads)) & MASK
+    except Exception as exc:
+        errors.put(f"producer {index}: {type(exc).__name__}: {exc}")
+    out.put(("pushed", count, total))
+
+
+def consumer(job: Job, popped: Any, done_pushing: Any, out: Any, errors: Any) -> None:
+    """Pop until every message went through; report (count, checksum) of what was popped."""
+    count = total = empty = 0
+    try:  # a waiting pop LISTENs on a connection of its own
+        with DbQueue(job.dsn, schema=job.schema, pool_size=2) as dbq:
+            q = dbq.queue(QUEUE)
+            while True:
+                msgs = q.pop(job.batch, wait=0.5)
+                if msgs:
+                    empty = 0
+                    count += len(msgs)
+                    total = (total + sum(digest(m.payload) for m in msgs)) & MASK
+                    with popped.get_lock():
+                        popped.value += len(msgs)
+                elif done_pushing.is_set():
+                    empty += 1  # all pushed: stop once all came through, or the queue stays empty 3 s
+                    if popped.value >= job.messages or empty >= 6:
+                        break
+    except Exception as exc:
+        errors.put(f"consumer: {type(exc).__name__}: {exc}")
+    out.put(("popped", count, total))
+
+
+def sample(dsn: str, schema: str, tables: tuple[str, ...]) -> dict[str, Any]:
+    """Heap and total (indexes, TOAST) bytes of ``tables``, their HOT-update ratio and dead tuples."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(
+            "SELECT sum(pg_relation_size(c.oid)), sum(pg_total_relation_size(c.oid)), "
+            "sum(s.n_tup_upd), sum(s.n_tup_hot_upd), sum(s.n_dead_tup) "
+            "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "JOIN pg_stat_user_tables s ON s.relid = c.oid "
+            "WHERE n.nspname = %s AND c.relname = ANY (%s)",
+            (schema, list(tables)),
+        ).fetchone()
+    heap, total, upd, hot, dead = (int(x or 0) for x in row) if row else (0, 0, 0, 0, 0)
+    return {"heap_bytes": heap, "total_bytes": total, "hot_ratio": hot / upd if upd else None, "dead": dead}
+
+
+def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:
+    schema = f"soak_{uuid.uuid4().hex[:10]}"
+    tables = TABLES[args.design]
+    with DbQueue(dsn, schema=schema, pool_size=1) as dbq:
+        dbq.install()
+        if args.design == "ring":
+            dbq.create_queue(
+                QUEUE,
+                design="ring",
+                capacity=args.capacity,
+                payload_type="bytes",
+                max_payload_bytes=args.payload_bytes,
+                notify="auto",
+            )
+        else:
+            dbq.create_queue(QUEUE, payload_type="bytes", notify="auto")
+        ctx = mp.get_context("spawn")
+        popped, done_pushing = ctx.Value("q", 0), ctx.Event()
+        out, errors = ctx.Queue(), ctx.Queue()
+        job = Job(dsn, schema, args.batch, args.payload_bytes, args.messages)
+        share, extra = divmod(args.messages, args.producers)
+        producers = [
+            ctx.Process(target=producer, args=(job, i, share + (i < extra), out, errors))
+            for i in range(args.producers)
+        ]
+        consumers = [
+            ctx.Process(target=consumer, args=(job, popped, done_pushing, out, errors))
+            for _ in range(args.consumers)
+        ]
+        config = MaintenanceConfig(archive_after_s=0, archive_retention_s=0, pause_s=0)
+        samples: list[dict[str, Any]] = []
+        baseline: dict[str, Any] | None = None
+        next_report = args.report_every
+        start = last_maintenance = time.monotonic()
+        for p in [*producers, *consumers]:
+            p.start()
+        try:
+            while True:
+                time.sleep(0.2)
+                n = popped.value
+                if not done_pushing.is_set() and not any(p.is_alive() for p in producers):
+                    done_pushing.set()
+                if baseline is None and n >= args.baseline:
+                    baseline = {"messages": n, **sample(dsn, schema, tables)}
+                if args.design == "table" and time.monotonic() - last_maintenance >= args.maintain_every:
+                    dbq.maintain(config)
+                    last_maintenance = time.monotonic()
+                finished = not any(c.is_alive() for c in consumers)
+                if n >= next_report or finished:
+                    s = {
+                        "messages": n,
+                        "seconds": round(time.monotonic() - start, 1),
+                        **sample(dsn, schema, tables),
+                    }
+                    samples.append(s)
+                    print(report_row(s, baseline), file=sys.stderr, flush=True)
+                    while next_report <= n:
+                        next_report += args.report_every
+                if finished:
+                    break
+        finally:
+            for p in [*producers, *consumers]:
+                p.join(5)
+                if p.is_alive():
+                    p.kill()
+        results, problems = [], []
+        for _ in range(args.producers + args.consumers):
+            try:
+                results.append(out.get(timeout=5))
+            except queue_mod.Empty:
+                problems.append("a producer or consumer process died without reporting")
+                break
+        while not errors.empty():
+            problems.append(errors.get())
+        pushed = [r for r in results if r[0] == "pushed"]
+        got = [r for r in results if r[0] == "popped"]
+        n_in, n_out = sum(r[1] for r in pushed), sum(r[1] for r in got)
+        sum_in = sum(r[2] for r in pushed) & MASK
+        sum_out = sum(r[2] for r in got) & MASK
+        stats = dbq.queue(QUEUE).stats()
+        left = stats.ready + stats.delayed + stats.in_flight + stats.failed
+        dbq.uninstall()
+    elapsed = samples[-1]["seconds"] if samples else 0.0
+    return {
+        "design": args.design,
+        "capacity": args.capacity if args.design == "ring" else None,
+        "producers": args.producers,
+        "consumers": args.consumers,
+        "batch": args.batch,
+        "payload_bytes": args.payload_bytes,
+        "messages": args.messages,
+        "pushed": n_in,
+        "popped": n_out,
+        "left_in_queue": left,
+        "checksum_ok": sum_in == sum_out and n_in == n_out,
+        "lost": max(0, n_in - n_out - left),
+        "duplicated": max(0, n_out - n_in),
+        "errors": problems,
+        "seconds": elapsed,
+        "cycles_per_s": round(n_out / elapsed, 1) if elapsed else None,
+        "baseline": baseline,
+        "samples": samples,
+        "final_size_ratio": (
+            round(samples[-1]["total_bytes"] / baseline["total_bytes"], 3)
+            if samples and baseline and baseline["total_bytes"]
+            else None
+        ),
+    }
+
+
+def report_row(s: dict[str, Any], baseline: dict[str, Any] | None) -> str:
+    ratio = (
+        f"{s['total_bytes'] / baseline['total_bytes']:.2f}" if baseline and baseline["total_bytes"] else "-"
+    )
+    hot = "-" if s["hot_ratio"] is None else f"{s['hot_ratio']:.1%}"
+    rate = f"{s['messages'] / s['seconds']:,.0f}" if s["seconds"] else "-"
+    return (
+        f"{s['messages']:>12,}  {s['seconds']:>8.1f}  {rate:>9}  {s['heap_bytes'] / 1e6:>9.2f}  "
+        f"{s['total_bytes'] / 1e6:>9.2f}  {ratio:>6}  {hot:>6}  {s['dead']:>9,}"
+    )
+
+
+HEADER = (
+    f"{'messages':>12}  {'seconds':>8}  {'msg/s':>9}  {'heap MB':>9}  {'total MB':>9}  {'ratio':>6}  "
+    f"{'HOT':>6}  {'dead tup':>9}"
+)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="Soak a queue with millions of messages; watch its size.")
+    ap.add_argument("--design", choices=sorted(TABLES), default="ring")
+    ap.add_argument("--messages", type=int, default=10_000_000)
+    ap.add_argument("--capacity", type=int, default=10_000, help="ring slots (ring design)")
+    ap.add_argument("--producers", type=int, default=2)
+    ap.add_argument("--consumers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=1000)
+    ap.add_argument("--payload-bytes", type=int, default=300)
+    ap.add_argument("--baseline", type=int, default=1000, help="the reference sample: after this many")
+    ap.add_argument("--report-every", type=int, default=1_000_000)
+    ap.add_argument("--maintain-every", type=float, default=5.0, help="seconds (table design)")
+    ap.add_argument("--dsn")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = ap.parse_args(argv)
+    if min(args.messages, args.producers, args.consumers, args.batch, args.report_every) < 1:
+        ap.error("--messages, --producers, --consumers, --batch and --report-every must be >= 1")
+    if args.payload_bytes < 16:
+        ap.error("--payload-bytes must be >= 16 (a payload carries its producer and number)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with database(args.dsn) as (dsn, where):
+        info = server_info(dsn)
+        print(
+            f"PostgreSQL {info['server_version']} ({where}) | {args.design}"
+            + (f" of {args.capacity} slots" if args.design == "ring" else "")
+            + f" | {args.producers}x{args.consumers} batch {args.batch} | {args.payload_bytes} B payloads"
+            + f" | {args.messages:,} messages",
+            file=sys.stderr,
+        )
+        print(HEADER, file=sys.stderr)
+        result = run(args, dsn)
+    ok = (
+        result["checksum_ok"]
+        and not result["errors"]
+        and result["pushed"] == args.messages
+        and result["left_in_queue"] == 0
+    )
+    if args.json:
+        print(json.dumps(result))
+    else:
+        b = result["baseline"]
+        print(
+            f"{result['popped']:,} of {result['pushed']:,} pushed messages popped in {result['seconds']} s "
+            f"({result['cycles_per_s'] or 0:,.0f}/s); "
+            f"checksum {'equal' if result['checksum_ok'] else 'DIFFERENT'}; "
+            f"lost {result['lost']}, duplicated {result['duplicated']}; "
+            f"size after {b['messages'] if b else '-'} messages {b['total_bytes'] / 1e6 if b else 0:.2f} MB, "
+            f"at the end x{result['final_size_ratio']}"
+        )
+        for e in result["errors"]:
+            print(f"error: {e}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
