@@ -218,20 +218,10 @@ class RingQueue(Queue):
         return msgs
 
     def _messages(self, rows: Sequence[tuple[Any, ...]]) -> list[Message]:
+        # Positional (id, queue, payload, priority, attempts, delivery, enqueued_at, lease_until):
+        # keywords cost a third more per message in pops of thousands.
         decode, name = self.settings.decode, self.name
-        return [
-            Message(
-                id=r[0],
-                queue=name,
-                priority=0,
-                attempts=r[1],
-                delivery=r[2],
-                enqueued_at=r[3],
-                lease_until=r[4],
-                payload=decode(r[5]),
-            )
-            for r in rows
-        ]
+        return [Message(r[0], name, decode(r[5]), 0, r[1], r[2], r[3], r[4]) for r in rows]
 
     # -- finish ------------------------------------------------------------------------------------
 

@@ -550,10 +550,13 @@ SELECT {schema}.ring_drop(%(queue_id)s::integer)
 
 -- name: ring_push
 SELECT {schema}.ring_push(
-    %(queue_id)s::integer, %(payloads)s::bytea[], %(timeout_s)s::float8, %(notify)s::integer, %(channel)s)
+    %(queue_id)s::integer, %(payloads)b::bytea[], %(timeout_s)s::float8, %(notify)s::integer, %(channel)s)
 
 -- name: ring_pop
-SELECT * FROM {schema}.ring_pop(
+-- Rows come back in binary (dialect.BINARY_RESULTS): the snapshot as text, which has a binary form.
+SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, r_lease_until, r_payload, r_next_lo, r_gap, r_issued,
+       r_snap::text
+FROM {schema}.ring_pop(
     %(queue_id)s::integer, %(capacity)s::integer, %(lo)s::bigint, %(n)s::integer, %(lease)s::boolean,
     %(visibility_timeout_s)s::float8, %(consumer)s::text, %(own)s::boolean,
     %(gap)s::bigint, %(gap_issued)s::bigint, %(gap_snap)s::pg_snapshot, %(force)s::boolean)
@@ -567,16 +570,16 @@ SELECT {schema}.ring_head(%(queue_id)s::integer)
 WITH held AS (
     SELECT s.ctid AS tid
     FROM {schema}.ring_slots s
-    JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
+    JOIN unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS r(id, delivery)
       ON s.seq = r.id AND s.deliveries = r.delivery
-    WHERE s.queue_id = %(queue_id)s AND s.slot = ANY (%(slots)s::integer[])
+    WHERE s.queue_id = %(queue_id)s AND s.slot = ANY (%(slots)b::integer[])
       AND s.state = 2 AND s.due_at > now()
     FOR UPDATE OF s
 )
 UPDATE {schema}.ring_slots s
 SET state = 0, payload = NULL, consumer = NULL, last_error = NULL
 WHERE s.ctid = ANY (ARRAY(SELECT tid FROM held))
-  AND (SELECT count(*) FROM held) = cardinality(%(ids)s::bigint[])
+  AND (SELECT count(*) FROM held) = cardinality(%(ids)b::bigint[])
 RETURNING s.seq
 
 -- name: ring_nack
@@ -585,13 +588,13 @@ RETURNING s.seq
 WITH held AS (
     SELECT s.ctid AS tid, s.seq, s.attempts, s.enqueued_at, s.payload
     FROM {schema}.ring_slots s
-    JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
+    JOIN unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS r(id, delivery)
       ON s.seq = r.id AND s.deliveries = r.delivery
-    WHERE s.queue_id = %(queue_id)s AND s.slot = ANY (%(slots)s::integer[])
+    WHERE s.queue_id = %(queue_id)s AND s.slot = ANY (%(slots)b::integer[])
       AND s.state = 2 AND s.due_at > now()
     FOR UPDATE OF s
 ), whole AS (
-    SELECT (SELECT count(*) FROM held) = cardinality(%(ids)s::bigint[]) AS ok
+    SELECT (SELECT count(*) FROM held) = cardinality(%(ids)b::bigint[]) AS ok
 ), failed AS (
     INSERT INTO {schema}.ring_failed (queue_id, id, attempts, enqueued_at, last_error, payload)
     SELECT %(queue_id)s, h.seq, h.attempts, h.enqueued_at, %(error)s, h.payload
@@ -612,9 +615,9 @@ RETURNING s.seq, s.state
 -- name: ring_held_receipts
 SELECT s.seq, s.deliveries
 FROM {schema}.ring_slots s
-JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
+JOIN unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS r(id, delivery)
   ON s.seq = r.id AND s.deliveries = r.delivery
-WHERE s.queue_id = %(queue_id)s AND s.slot = ANY (%(slots)s::integer[]) AND s.state = 2 AND s.due_at > now()
+WHERE s.queue_id = %(queue_id)s AND s.slot = ANY (%(slots)b::integer[]) AND s.state = 2 AND s.due_at > now()
 
 -- name: ring_reclaim_expired
 -- Expired leases go back to ready in place (keeping their id, so their place) or, after max_attempts,
@@ -703,7 +706,7 @@ RETURNING id
 -- name: ring_leased
 SELECT s.seq, s.attempts, s.deliveries, s.enqueued_at, s.due_at, s.payload
 FROM {schema}.ring_slots s
-JOIN unnest(%(ids)s::bigint[], %(deliveries)s::integer[]) AS r(id, delivery)
+JOIN unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS r(id, delivery)
   ON s.seq = r.id AND s.deliveries = r.delivery
-WHERE s.queue_id = %(queue_id)s AND s.slot = ANY (%(slots)s::integer[]) AND s.state = 2 AND s.due_at > now()
+WHERE s.queue_id = %(queue_id)s AND s.slot = ANY (%(slots)b::integer[]) AND s.state = 2 AND s.due_at > now()
 ORDER BY s.seq
