@@ -30,6 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 from airflow_dbqueue.engine.errors import (
@@ -58,6 +59,7 @@ RING_DEFAULT_CAPACITY = 16384
 RING_MAX_CAPACITY = 16_777_216
 _NOTIFY_CODE = {NotifyMode.NEVER: 0, NotifyMode.AUTO: 1, NotifyMode.ALWAYS: 2}
 _PUSH_ATTEMPTS = 20
+_first = itemgetter(0)
 
 
 class RingQueue(Queue):
@@ -196,8 +198,9 @@ class RingQueue(Queue):
                 },
                 conn,
             )
-            meta = rows[-1]
-            msgs += self._messages(rows[:-1])
+            meta = rows.pop()
+            rows.sort(key=_first)  # in slot order within each part of the window, so nearly always sorted
+            msgs += self._messages(rows)
             next_lo, gap_n = int(meta[6]), meta[7]
             if conn is not None:
                 # The caller's transaction may still roll back what this or an earlier pop in it took:

@@ -264,13 +264,14 @@ BEGIN
     -- Give this transaction an xid before it holds any number: the gap proof in ring_pop relies on it.
     PERFORM pg_current_xact_id();
     -- n contiguous numbers: a batch never spans more than the capacity, so it never waits on itself,
-    -- and every wait points at lower numbers (no cycle). The session lock is held only for the
-    -- nextval calls and released on error too.
+    -- and every wait points at lower numbers (no cycle). Every push takes its numbers under this
+    -- session lock, so nextval then setval to the batch's last number is a range of its own; the lock
+    -- is held only for those two calls and released on error too.
     PERFORM pg_advisory_lock(1685221713, (v_seq::oid::bigint - 2147483648)::integer);
     BEGIN
         v_first := nextval(v_seq);
         IF v_n > 1 THEN
-            PERFORM nextval(v_seq) FROM generate_series(2, v_n);
+            PERFORM setval(v_seq, v_first + v_n - 1);
         END IF;
     EXCEPTION WHEN OTHERS THEN
         PERFORM pg_advisory_unlock(1685221713, (v_seq::oid::bigint - 2147483648)::integer);
@@ -471,9 +472,6 @@ DECLARE
     v_got integer := 0;
     v_issued bigint;
     v_span integer;
-    v_lo bigint;
-    v_unwritten boolean;
-    v_gap bigint;
 BEGIN
     -- 1. Skip abandoned numbers (gaps) that the caller saw at the head of its last pop: the numbers
     --    from p_gap up to p_gap_issued (at most 4096) still unwritten, whose predecessor is finished
@@ -494,7 +492,7 @@ BEGIN
     -- 3. Claim: the window is slots v_a .. capacity - 1, then 0 .. v_a - 1; within each part slot order
     --    is id order, so the primary key serves the scan, without a sort. One statement locks the
     --    lowest ready rows (SKIP LOCKED: other consumers' claims are passed over), updates them and
-    --    returns their payloads.
+    --    returns their payloads, in slot order (the caller sorts them by id all the same).
     FOR part IN 1 .. 2 LOOP
         EXIT WHEN v_got >= p_n;
         IF part = 1 THEN
@@ -504,28 +502,23 @@ BEGIN
         END IF;
         CONTINUE WHEN v_to <= v_from;
         RETURN QUERY
-        WITH claimed AS (
-            UPDATE {schema}.ring_slots s
-            SET state = CASE WHEN p_lease THEN 2 ELSE 0 END,
-                attempts = s.attempts + 1, deliveries = s.deliveries + 1,
-                due_at = CASE WHEN p_lease THEN now() + make_interval(secs => p_vt) ELSE s.due_at END,
-                consumer = CASE WHEN p_lease THEN p_consumer END,
-                payload = CASE WHEN p_lease THEN s.payload END
-            FROM (
-                SELECT t.ctid AS tid, t.payload
-                FROM {schema}.ring_slots t
-                WHERE t.queue_id = p_queue_id AND t.slot >= v_from AND t.slot < v_to
-                  AND t.seq = v_base + t.slot AND t.state = 1 AND t.due_at <= now()
-                ORDER BY t.slot
-                LIMIT p_n - v_got
-                FOR UPDATE SKIP LOCKED) q
-            WHERE s.ctid = q.tid
-            RETURNING s.seq, s.attempts, s.deliveries, s.enqueued_at, s.due_at, q.payload
-        )
-        SELECT c.seq, c.attempts, c.deliveries, c.enqueued_at, CASE WHEN p_lease THEN c.due_at END, c.payload,
-               NULL::bigint, NULL::bigint, NULL::bigint, NULL::pg_snapshot
-        FROM claimed c
-        ORDER BY c.seq;
+        UPDATE {schema}.ring_slots s
+        SET state = CASE WHEN p_lease THEN 2 ELSE 0 END,
+            attempts = s.attempts + 1, deliveries = s.deliveries + 1,
+            due_at = CASE WHEN p_lease THEN now() + make_interval(secs => p_vt) ELSE s.due_at END,
+            consumer = CASE WHEN p_lease THEN p_consumer END,
+            payload = CASE WHEN p_lease THEN s.payload END
+        FROM (
+            SELECT t.ctid AS tid, t.payload
+            FROM {schema}.ring_slots t
+            WHERE t.queue_id = p_queue_id AND t.slot >= v_from AND t.slot < v_to
+              AND t.seq = v_base + t.slot AND t.state = 1 AND t.due_at <= now()
+            ORDER BY t.slot
+            LIMIT p_n - v_got
+            FOR UPDATE SKIP LOCKED) q
+        WHERE s.ctid = q.tid
+        RETURNING s.seq, s.attempts, s.deliveries, s.enqueued_at, CASE WHEN p_lease THEN s.due_at END, q.payload,
+            NULL::bigint, NULL::bigint, NULL::bigint, NULL::pg_snapshot;
         GET DIAGNOSTICS v_k = ROW_COUNT;
         v_got := v_got + v_k;
     END LOOP;
@@ -536,31 +529,33 @@ BEGIN
     END IF;
 
     -- 4. The next lower bound: the first issued number of the window not finished (unwritten, ready or
-    --    leased); past the issued ones when all of them are.
-    FOR part IN 1 .. 2 LOOP
-        IF part = 1 THEN
-            v_from := v_a; v_to := least(p_cap, v_a + v_span); v_base := p_lo - v_a;
-        ELSE
-            v_from := 0; v_to := v_a + v_span - p_cap; v_base := p_lo + p_cap - v_a;
-        END IF;
-        CONTINUE WHEN v_to <= v_from;
-        SELECT v_base + t.slot, t.seq < v_base + t.slot INTO v_lo, v_unwritten
-        FROM {schema}.ring_slots t
-        WHERE t.queue_id = p_queue_id AND t.slot >= v_from AND t.slot < v_to
-          AND (t.seq < v_base + t.slot OR (t.seq = v_base + t.slot AND t.state IN (1, 2)))
-        ORDER BY t.slot
-        LIMIT 1;
-        EXIT WHEN v_lo IS NOT NULL;
-    END LOOP;
-
-    -- 5. Is the head issued but unwritten (a push in progress, or a gap)? Then report it with the
-    --    issued position and a snapshot taken after that position was read.
-    IF v_lo IS NULL THEN
-        v_lo := p_lo + v_span;
-    ELSIF v_unwritten THEN
-        v_gap := v_lo;
-    END IF;
-    RETURN QUERY SELECT NULL::bigint, NULL::integer, NULL::integer, NULL::timestamptz, NULL::timestamptz,
-        NULL::bytea, v_lo, v_gap, v_issued, CASE WHEN v_gap IS NOT NULL THEN pg_current_snapshot() END;
+    --    leased); past the issued ones when all of them are. When that number is issued but unwritten
+    --    (a push in progress, or a gap), it is reported with the issued position and a snapshot taken
+    --    after that position was read. Each part's scan stops at its first row, and the lower number
+    --    of the two parts is the head.
+    RETURN QUERY
+    SELECT NULL::bigint, NULL::integer, NULL::integer, NULL::timestamptz, NULL::timestamptz, NULL::bytea,
+           coalesce(h.num, p_lo + v_span), CASE WHEN h.unwritten THEN h.num END, v_issued,
+           CASE WHEN h.unwritten THEN pg_current_snapshot() END
+    FROM (SELECT 1) AS one
+    LEFT JOIN LATERAL (
+        SELECT * FROM (
+            SELECT p_lo - v_a + t.slot AS num, t.seq < p_lo - v_a + t.slot AS unwritten
+            FROM {schema}.ring_slots t
+            WHERE t.queue_id = p_queue_id AND t.slot >= v_a AND t.slot < least(p_cap, v_a + v_span)
+              AND (t.seq < p_lo - v_a + t.slot OR (t.seq = p_lo - v_a + t.slot AND t.state IN (1, 2)))
+            ORDER BY t.slot
+            LIMIT 1) h1
+        UNION ALL
+        SELECT * FROM (
+            SELECT p_lo + p_cap - v_a + t.slot, t.seq < p_lo + p_cap - v_a + t.slot
+            FROM {schema}.ring_slots t
+            WHERE t.queue_id = p_queue_id AND t.slot < v_a + v_span - p_cap
+              AND (t.seq < p_lo + p_cap - v_a + t.slot
+                   OR (t.seq = p_lo + p_cap - v_a + t.slot AND t.state IN (1, 2)))
+            ORDER BY t.slot
+            LIMIT 1) h2
+        ORDER BY 1
+        LIMIT 1) h ON true;
 END
 $$;
