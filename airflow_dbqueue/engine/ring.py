@@ -284,6 +284,45 @@ class RingQueue(Queue):
         )
         return len(rows)
 
+    def recover_gaps(self, *, wait: float = 2.0) -> int:
+        """Give up every number that a push took and will never write; return how many.
+
+        Sequences are not transactional: a push that rolled back or whose process died leaves its
+        numbers unwritten. Pops skip such a gap when it reaches the head of the ring; this finds them
+        wherever they are, so a ring nobody pops recovers too (the maintenance DAG calls it through
+        :meth:`maintain`). It reads the push position, then takes a snapshot, and gives up the numbers
+        up to that position still unwritten once every transaction of the snapshot has finished (a
+        push takes an xid before its numbers, so their holders were among them). It waits for that up
+        to ``wait`` seconds, and otherwise gives nothing up: a holder alive but stuck keeps its numbers
+        (pops give the head number up after :attr:`gap_timeout`). Numbers of pushes in progress are
+        never touched: their holders are still running, or have written and lock their slots.
+        """
+        params: dict[str, Any] = {"queue_id": self._qid}
+        row = self._db.fetchone("ring_unwritten", params)
+        if row is None or not row[1]:
+            return 0
+        params["issued"] = int(row[0])
+        snap = self._db.fetchone("ring_snapshot")  # a later statement: taken after the position was read
+        assert snap is not None
+        params["snap"] = snap[0]
+        deadline = time.monotonic() + wait
+        pause = 0.002
+        while True:
+            got = self._db.fetchone("ring_skip_abandoned", params)
+            skipped = int(got[0]) if got else 0
+            if skipped >= 0:
+                return skipped
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return 0  # some transaction of the snapshot is still running: the next run tries again
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.1)
+
+    def maintain(self, *, limit: int = 10_000) -> dict[str, int]:
+        """Reclaim expired leases, and give up the numbers of pushes that rolled back or died
+        (:meth:`recover_gaps`): ``{"reclaimed": n, "gaps_skipped": m}``."""
+        return {"reclaimed": self.reclaim_expired(limit), "gaps_skipped": self.recover_gaps()}
+
     # -- inspect and administer --------------------------------------------------------------------
 
     def peek(self, n: int = 10) -> list[Message]:

@@ -561,6 +561,23 @@ FROM {schema}.ring_pop(
     %(visibility_timeout_s)s::float8, %(consumer)s::text, %(own)s::boolean,
     %(gap)s::bigint, %(gap_issued)s::bigint, %(gap_snap)s::pg_snapshot, %(force)s::boolean)
 
+-- name: ring_unwritten
+-- Maintenance's gap recovery, first step: the push position, and whether any number up to it is issued
+-- but unwritten (its slot still holds the number a capacity before it, finished). A full scan of the
+-- ring's slots. The snapshot (ring_snapshot) is taken by a later statement.
+SELECT i.issued, EXISTS (
+    SELECT 1 FROM {schema}.ring_slots t
+    WHERE t.queue_id = r.queue_id AND t.state IN (0, 3) AND t.seq + r.capacity <= i.issued)
+FROM {schema}.rings r
+CROSS JOIN LATERAL (SELECT coalesce(pg_sequence_last_value(r.push_seq), 0) AS issued) i
+WHERE r.queue_id = %(queue_id)s
+
+-- name: ring_snapshot
+SELECT pg_current_snapshot()::text
+
+-- name: ring_skip_abandoned
+SELECT {schema}.ring_skip_abandoned(%(queue_id)s::integer, %(issued)s::bigint, %(snap)s::pg_snapshot)
+
 -- name: ring_head
 SELECT {schema}.ring_head(%(queue_id)s::integer)
 

@@ -2,9 +2,51 @@
 -- same lock) instead of n nextvals. A pop scans its window only up to the push position, so an empty or
 -- short pop reads what was pushed rather than every slot of the ring, claims its rows with one UPDATE
 -- that returns their payloads, and finds the next bound and the head gap with one more statement.
--- Skipping gaps moves to ring_skip_gap. Signatures are unchanged.
+-- Skipping gaps moves to ring_skip_gap. Signatures are unchanged. Maintenance gives up the numbers that
+-- pushes took and will never write (ring_skip_abandoned), so a ring nobody pops recovers its gaps too.
 
 -- name: migrate
+-- Maintenance's gap recovery: give up every number of a ring up to p_issued that a push took and never
+-- wrote, wherever it lies (the head or past it), once every transaction of p_snap has finished. p_snap
+-- must be taken after p_issued was read: each such number was taken by a transaction that had an xid
+-- before it (ring_push takes one first), so its holder was finished then or listed in p_snap, and is
+-- gone now. A number x is unwritten while its slot holds x - capacity, finished; slots locked by a push
+-- writing them are passed over. Returns how many numbers were given up, or -1 while some transaction
+-- of p_snap is still in progress (the caller waits and asks again).
+CREATE FUNCTION {schema}.ring_skip_abandoned(p_queue_id integer, p_issued bigint, p_snap pg_snapshot)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE
+    v_cap integer;
+    v_gaps regclass;
+    v_k integer;
+    v_total integer := 0;
+BEGIN
+    IF EXISTS (
+            SELECT 1 FROM pg_snapshot_xip(p_snap) AS x(xid)
+            WHERE pg_xact_status(x.xid) = 'in progress') THEN
+        RETURN -1;
+    END IF;
+    SELECT capacity, gap_seq INTO v_cap, v_gaps FROM {schema}.rings WHERE queue_id = p_queue_id;
+    IF NOT FOUND THEN
+        RETURN 0;
+    END IF;
+    LOOP  -- a slot can hold more than one such number: x, and x + capacity behind it
+        UPDATE {schema}.ring_slots s
+        SET seq = s.seq + v_cap, state = 3, payload = NULL, enqueued_at = NULL, consumer = NULL,
+            last_error = NULL
+        WHERE s.ctid = ANY (ARRAY(
+            SELECT t.ctid FROM {schema}.ring_slots t
+            WHERE t.queue_id = p_queue_id AND t.state IN (0, 3) AND t.seq + v_cap <= p_issued
+            FOR UPDATE SKIP LOCKED));
+        GET DIAGNOSTICS v_k = ROW_COUNT;
+        EXIT WHEN v_k = 0;
+        PERFORM nextval(v_gaps) FROM generate_series(1, v_k);
+        v_total := v_total + v_k;
+    END LOOP;
+    RETURN v_total;
+END
+$$;
+
 -- Give up abandoned numbers (gaps) of a ring, as pops and maintenance do: the numbers from p_gap up to
 -- p_issued (at most 4096) still unwritten, whose predecessor is finished and that nobody holds locked,
 -- once every transaction of p_snap has finished (p_snap was taken after those numbers were issued, and
