@@ -234,7 +234,7 @@ class RingQueue(Queue):
         return {
             "ids": ids,
             "deliveries": [r[1] for r in receipts],
-            "slots": sorted({i % self.capacity for i in ids}),
+            "capacity": self.capacity,
             "queue_id": self._qid,
         }
 
