@@ -6,8 +6,8 @@ Steps (each a task, each returning a JSON-safe report for XCom):
 
 1. ``check_horizon``: warn about whatever holds back the xmin horizon (a long transaction, a replication
    slot, a prepared transaction), naming its pid, application, age and query start.
-2. ``upkeep``: each queue's design upkeep: expired leases back to ready or failed (and, for ring queues
-   once the ring design lands, the recovery of ring gaps).
+2. ``upkeep``: each queue's design upkeep: expired leases back to ready or failed, and, for ring queues,
+   the numbers of pushes that rolled back or died given up as gaps (so a ring nobody pops recovers).
 3. ``archive``: finished messages older than ``archive_after_s`` move to the archive in bounded batches
    with pauses and a time budget; archived messages older than ``archive_retention_s`` are deleted.
 4. ``vacuum``: VACUUM (ANALYZE, SKIP_LOCKED) of the schema's tables.

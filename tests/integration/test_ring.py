@@ -6,6 +6,8 @@ boundary conditions of seed 001. Every test counts and checksums what went in an
 
 from __future__ import annotations
 
+import hashlib
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -298,6 +300,104 @@ def test_consumer_sigkilled_holding_leases_frees_its_slots_on_expiry(dbq: DbQueu
     assert [m.id for m in again[4:]] == pusher_ids[0] == list(range(11, 21))
     with pytest.raises(LeaseExpiredError):  # the dead consumer's receipts are stale
         q.ack_receipts(held)
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.failed, st.extra["ring_used"]) == (0, 0, 0, 0), st
+
+
+# -- maintenance -----------------------------------------------------------------------------------
+
+
+def _checksum(payloads: list[Any]) -> str:
+    return hashlib.sha256(json.dumps(payloads).encode()).hexdigest()
+
+
+@pytest.mark.slow
+def test_maintenance_alone_skips_the_gaps_of_rolled_back_and_killed_pushers(dbq: DbQueue) -> None:
+    """A ring nobody pops: maintenance gives up the numbers of rolled-back pushes and of a SIGKILLed
+    producer, at the head and past it, and what was pushed around them is delivered whole, in order."""
+    q = ring(dbq, "unpopped", 16)
+    with pytest.raises(_Rollback), dbq.transaction() as conn:  # numbers 1..3, at the head
+        q.push_batch(["lost"] * 3, conn=conn)
+        raise _Rollback
+    dead = _run_and_kill(
+        _push_and_hang, dsn=dbq.db.dsn, schema=dbq.schema, queue="unpopped", payloads=["x"] * 2
+    )
+    assert dead == [4, 5]
+    sent = [f"m{i}" for i in range(6)]
+    assert q.push_batch(sent[:3]) == [6, 7, 8]
+    with pytest.raises(_Rollback), dbq.transaction() as conn:  # numbers 9 and 10, past the head
+        q.push_batch(["lost"] * 2, conn=conn)
+        raise _Rollback
+    assert q.push_batch(sent[3:]) == [11, 12, 13]
+    st = q.stats()
+    assert (st.ready, st.extra["pop_position"], st.extra["gaps_skipped"]) == (6, 1, 0), st
+
+    assert dbq.maintenance().recover(["unpopped"]) == {"unpopped": {"reclaimed": 0, "gaps_skipped": 7}}
+    st = q.stats()
+    assert (st.ready, st.extra["pop_position"], st.extra["gaps_skipped"], st.extra["push_position"]) == (
+        6,
+        6,
+        7,
+        13,
+    ), st
+    slots = {slot: (seq, state) for slot, seq, state in slot_rows(dbq, q)}
+    assert [slots[n % 16] for n in (1, 2, 3, 4, 5, 9, 10)] == [(n, 3) for n in (1, 2, 3, 4, 5, 9, 10)]
+    assert dbq.maintenance().recover(["unpopped"]) == {"unpopped": {"reclaimed": 0, "gaps_skipped": 0}}
+
+    # A consumer that comes later starts at the first message; the ring then laps twice over the
+    # skipped numbers' slots. Counts and checksums of everything pushed against everything popped.
+    got = drain(dbq.queue("unpopped"))
+    assert [m.id for m in got] == [6, 7, 8, 11, 12, 13]
+    more = [f"n{i}" for i in range(32)]
+    for first in range(0, 32, 8):
+        q.push_batch(more[first : first + 8])
+        got += drain(q)
+    assert len(got) == len(sent) + len(more)
+    assert _checksum([m.payload for m in got]) == _checksum(sent + more)
+    assert [m.id for m in got][6:] == list(range(14, 46))
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.extra["gaps_skipped"], st.extra["ring_used"]) == (0, 0, 7, 0), st
+
+
+def test_maintenance_leaves_the_numbers_of_a_live_push_alone(dbq: DbQueue) -> None:
+    q = ring(dbq, "live", 8)
+    with psycopg.connect(dbq.db.dsn) as holder:  # takes number 1 as a push would, and stalls
+        holder.execute("SELECT pg_current_xact_id()")
+        holder.execute(
+            sql.SQL("SELECT nextval(push_seq) FROM {}.rings WHERE queue_id = %s").format(
+                sql.Identifier(dbq.schema)
+            ),
+            [q.settings.queue_id],
+        )
+        q.push_batch(["two", "three"])
+        t0 = time.monotonic()
+        assert q.recover_gaps(wait=0.3) == 0  # the holder may still write number 1
+        assert time.monotonic() - t0 >= 0.3
+        assert q.maintain() == {"reclaimed": 0, "gaps_skipped": 0}
+        assert (q.stats().extra["pop_position"], q.stats().extra["gaps_skipped"]) == (1, 0)
+        holder.rollback()  # gone: its number is given up by maintenance, at once
+    assert q.maintain() == {"reclaimed": 0, "gaps_skipped": 1}
+    st = q.stats()
+    assert (st.ready, st.extra["pop_position"], st.extra["gaps_skipped"]) == (2, 2, 1), st
+    assert [(m.id, m.payload) for m in drain(dbq.queue("live"))] == [(2, "two"), (3, "three")]
+
+
+def test_maintenance_reclaims_expired_ring_leases(dbq: DbQueue) -> None:
+    q = ring(dbq, "leased", 8, visibility_timeout=0.2, max_attempts=2)
+    sent = ["a", "b", "c"]
+    ids = q.push_batch(sent)
+    q.reclaim_every_s = 3600.0  # only maintenance reclaims here
+    held = q.pop(3, semantics="at-least-once")
+    assert [m.id for m in held] == ids
+    time.sleep(0.3)
+    assert dbq.maintenance().recover(["leased"]) == {"leased": {"reclaimed": 3, "gaps_skipped": 0}}
+    again = q.pop(3, semantics="at-least-once")
+    assert [(m.id, m.payload, m.attempts) for m in again] == [
+        (i, p, 2) for i, p in zip(ids, sent, strict=True)
+    ]
+    with pytest.raises(LeaseExpiredError):
+        q.ack(held)
+    assert q.ack(again) == 3
     st = q.stats()
     assert (st.ready, st.in_flight, st.failed, st.extra["ring_used"]) == (0, 0, 0, 0), st
 

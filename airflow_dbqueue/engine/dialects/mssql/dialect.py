@@ -86,8 +86,11 @@ NOT_YET_PORTED: dict[str, str] = {
     "ring_push": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
     "ring_ready_head": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
     "ring_reclaim_expired": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
+    "ring_skip_abandoned": "ring design: not ported (maintenance's gap recovery over the whole ring)",
+    "ring_snapshot": "ring design: not ported (the gap proof needs a snapshot's in-progress transactions)",
     "ring_stats": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
     "ring_take_failed": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
+    "ring_unwritten": "ring design: not ported (maintenance's gap recovery over the whole ring)",
 }
 """Named queries of the PostgreSQL dialect that this dialect does not have yet, with what they need.
 

@@ -424,10 +424,26 @@ class PostgresDatabase:
         self.execute("drop_schema")
 
 
-BINARY_RESULTS = frozenset({"push", "push_notify", "pop_lease", "pop_take", "ack", "nack", "leased", "peek"})
+BINARY_RESULTS = frozenset(
+    {
+        "push",
+        "push_notify",
+        "pop_lease",
+        "pop_take",
+        "ack",
+        "nack",
+        "leased",
+        "peek",
+        "ring_pop",
+        "ring_ack",
+        "ring_nack",
+        "ring_leased",
+        "ring_peek",
+    }
+)
 """Hot queries whose rows come back in binary format: payloads arrive as raw bytes rather than hex
 text, and timestamps without text parsing (client CPU per message at batch 100: see issue 2's note).
-Their columns are integers, timestamps and bytea only. Their array parameters are sent in binary too
+Their columns are integers, timestamps, bytea and text only. Their array parameters are sent in binary too
 (``%(name)b`` in queries.sql), which skips psycopg's per-element quoting of text arrays."""
 
 

@@ -1,7 +1,7 @@
 -- The whole current schema of a dbqueue schema on PostgreSQL, for a fresh install.
 -- {schema} is replaced by the quoted schema name. Keep in step with migrations/: a test checks that
 -- applying every migration from the first gives exactly this schema.
--- SCHEMA_VERSION: 7
+-- SCHEMA_VERSION: 8
 
 -- name: schema
 CREATE SCHEMA IF NOT EXISTS {schema};
@@ -274,13 +274,14 @@ BEGIN
     -- Give this transaction an xid before it holds any number: the gap proof in ring_pop relies on it.
     PERFORM pg_current_xact_id();
     -- n contiguous numbers: a batch never spans more than the capacity, so it never waits on itself,
-    -- and every wait points at lower numbers (no cycle). The session lock is held only for the
-    -- nextval calls and released on error too.
+    -- and every wait points at lower numbers (no cycle). Every push takes its numbers under this
+    -- session lock, so nextval then setval to the batch's last number is a range of its own; the lock
+    -- is held only for those two calls and released on error too.
     PERFORM pg_advisory_lock(1685221713, (v_seq::oid::bigint - 2147483648)::integer);
     BEGIN
         v_first := nextval(v_seq);
         IF v_n > 1 THEN
-            PERFORM nextval(v_seq) FROM generate_series(2, v_n);
+            PERFORM setval(v_seq, v_first + v_n - 1);
         END IF;
     EXCEPTION WHEN OTHERS THEN
         PERFORM pg_advisory_unlock(1685221713, (v_seq::oid::bigint - 2147483648)::integer);
@@ -391,6 +392,106 @@ BEGIN
 END
 $$;
 
+-- Give up abandoned numbers (gaps) of a ring, as pops and maintenance do: the numbers from p_gap up to
+-- p_issued (at most 4096) still unwritten, whose predecessor is finished and that nobody holds locked,
+-- once every transaction of p_snap has finished (p_snap was taken after those numbers were issued, and
+-- a push takes an xid before its numbers, so their holders were among its transactions: they are gone).
+-- Without that proof, p_force (a gap timeout ran out) gives up the number p_gap alone: a holder alive
+-- but slow has written (and locks) its first numbers, while the rest of the range may belong to pushes
+-- still writing. Nothing happens unless p_gap is still unwritten. Returns how many numbers it gave up.
+CREATE FUNCTION {schema}.ring_skip_gap(
+    p_queue_id integer, p_cap integer, p_gap bigint, p_issued bigint, p_snap pg_snapshot, p_force boolean)
+RETURNS integer LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_bitmapscan = off AS $$
+DECLARE
+    v_span integer := 0;
+    v_from integer;
+    v_to integer;
+    v_base bigint;
+    v_k integer;
+    v_skipped integer := 0;
+BEGIN
+    IF EXISTS (
+            SELECT 1 FROM {schema}.ring_slots t
+            WHERE t.queue_id = p_queue_id AND t.slot = (p_gap % p_cap)::integer AND t.seq < p_gap) THEN
+        v_span := CASE
+            WHEN p_snap IS NOT NULL AND p_issued IS NOT NULL AND NOT EXISTS (
+                SELECT 1 FROM pg_snapshot_xip(p_snap) AS x(xid)
+                WHERE pg_xact_status(x.xid) = 'in progress') THEN least(p_issued - p_gap + 1, 4096, p_cap)
+            WHEN p_force THEN 1
+            ELSE 0 END;
+    END IF;
+    IF v_span <= 0 THEN
+        RETURN 0;
+    END IF;
+    FOR part IN 1 .. 2 LOOP
+        IF part = 1 THEN
+            v_from := (p_gap % p_cap)::integer; v_to := least(p_cap, v_from + v_span);
+            v_base := p_gap - v_from;
+        ELSE
+            v_from := 0; v_to := greatest(0, (p_gap % p_cap)::integer + v_span - p_cap);
+            v_base := p_gap + p_cap - (p_gap % p_cap)::integer;
+        END IF;
+        CONTINUE WHEN v_to <= v_from;
+        UPDATE {schema}.ring_slots s
+        SET seq = v_base + s.slot, state = 3, payload = NULL, enqueued_at = NULL, consumer = NULL,
+            last_error = NULL
+        WHERE s.ctid = ANY (ARRAY(
+            SELECT t.ctid FROM {schema}.ring_slots t
+            WHERE t.queue_id = p_queue_id AND t.slot >= v_from AND t.slot < v_to
+              AND t.seq = v_base + t.slot - p_cap AND t.state IN (0, 3)
+            FOR UPDATE SKIP LOCKED));
+        GET DIAGNOSTICS v_k = ROW_COUNT;
+        IF v_k > 0 THEN
+            PERFORM nextval(r.gap_seq) FROM {schema}.rings r, generate_series(1, v_k)
+            WHERE r.queue_id = p_queue_id;
+            v_skipped := v_skipped + v_k;
+        END IF;
+    END LOOP;
+    RETURN v_skipped;
+END
+$$;
+
+-- Maintenance's gap recovery: give up every number of a ring up to p_issued that a push took and never
+-- wrote, wherever it lies (the head or past it), once every transaction of p_snap has finished. p_snap
+-- must be taken after p_issued was read: each such number was taken by a transaction that had an xid
+-- before it (ring_push takes one first), so its holder was finished then or listed in p_snap, and is
+-- gone now. A number x is unwritten while its slot holds x - capacity, finished; slots locked by a push
+-- writing them are passed over. Returns how many numbers were given up, or -1 while some transaction
+-- of p_snap is still in progress (the caller waits and asks again).
+CREATE FUNCTION {schema}.ring_skip_abandoned(p_queue_id integer, p_issued bigint, p_snap pg_snapshot)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE
+    v_cap integer;
+    v_gaps regclass;
+    v_k integer;
+    v_total integer := 0;
+BEGIN
+    IF EXISTS (
+            SELECT 1 FROM pg_snapshot_xip(p_snap) AS x(xid)
+            WHERE pg_xact_status(x.xid) = 'in progress') THEN
+        RETURN -1;
+    END IF;
+    SELECT capacity, gap_seq INTO v_cap, v_gaps FROM {schema}.rings WHERE queue_id = p_queue_id;
+    IF NOT FOUND THEN
+        RETURN 0;
+    END IF;
+    LOOP  -- a slot can hold more than one such number: x, and x + capacity behind it
+        UPDATE {schema}.ring_slots s
+        SET seq = s.seq + v_cap, state = 3, payload = NULL, enqueued_at = NULL, consumer = NULL,
+            last_error = NULL
+        WHERE s.ctid = ANY (ARRAY(
+            SELECT t.ctid FROM {schema}.ring_slots t
+            WHERE t.queue_id = p_queue_id AND t.state IN (0, 3) AND t.seq + v_cap <= p_issued
+            FOR UPDATE SKIP LOCKED));
+        GET DIAGNOSTICS v_k = ROW_COUNT;
+        EXIT WHEN v_k = 0;
+        PERFORM nextval(v_gaps) FROM generate_series(1, v_k);
+        v_total := v_total + v_k;
+    END LOOP;
+    RETURN v_total;
+END
+$$;
+
 -- Pop up to p_n ready messages in id order from the window of numbers [p_lo, p_lo + capacity), where
 -- p_lo is the caller's lower bound of the lowest unfinished number. Take (state 0) or lease (state 2)
 -- them. Rows: the messages, then one last row (r_id NULL) with the next lower bound and, when the
@@ -398,8 +499,10 @@ $$;
 -- snapshot: the caller passes them back (p_gap...) on its next pop, which skips every number up to that
 -- position still unwritten once every transaction of that snapshot has finished (their holders are
 -- gone: a push takes an xid before its numbers) or when p_force is set (the caller's gap timeout).
--- p_own: the pop runs in the caller's transaction, which may roll back, so the bound never passes the
--- messages it took.
+-- Only numbers up to the issued position (read first) can be ready, so the claim and the bound scan
+-- the window only that far: an empty or short pop reads what was pushed, not the whole ring.
+-- p_own: the pop runs in the caller's transaction, which may roll back: the caller keeps no bound and
+-- skips no gap then, so the last row carries p_lo unchanged and nothing else.
 -- Plans are generic (the ring's table never changes size, so its statistics never mislead) and never
 -- bitmap scans: the claim must walk the primary key in slot order and stop after n rows, where a
 -- bitmap scan reads the whole window and sorts it.
@@ -417,15 +520,9 @@ DECLARE
     v_to integer;
     v_base bigint;
     v_k integer := 0;
-    v_tids tid[];
-    v_seqs bigint[];
-    v_pls bytea[];
-    v_taken bigint[] := ARRAY[]::bigint[];
-    v_lo bigint;
-    v_seqrel regclass;
+    v_got integer := 0;
     v_issued bigint;
-    v_gap bigint;
-    v_span integer := 0;
+    v_span integer;
 BEGIN
     -- 1. Skip abandoned numbers (gaps) that the caller saw at the head of its last pop: the numbers
     --    from p_gap up to p_gap_issued (at most 4096) still unwritten, whose predecessor is finished
@@ -433,117 +530,83 @@ BEGIN
     --    Without the proof (p_force: the caller's gap timeout ran out) only the head number itself is
     --    given up: a holder alive but slow has written (and locks) its first numbers, while the rest of
     --    the range may belong to pushes still writing.
-    IF p_gap IS NOT NULL AND NOT p_own AND EXISTS (
-            SELECT 1 FROM {schema}.ring_slots t
-            WHERE t.queue_id = p_queue_id AND t.slot = (p_gap % p_cap)::integer AND t.seq < p_gap) THEN
-        v_span := CASE
-            WHEN NOT EXISTS (
-                SELECT 1 FROM pg_snapshot_xip(p_gap_snap) AS x(xid)
-                WHERE pg_xact_status(x.xid) = 'in progress') THEN least(p_gap_issued - p_gap + 1, 4096, p_cap)
-            WHEN p_force THEN 1
-            ELSE 0 END;
-    END IF;
-    IF v_span > 0 THEN
-        FOR part IN 1 .. 2 LOOP
-            v_k := v_span;
-            IF part = 1 THEN
-                v_from := (p_gap % p_cap)::integer; v_to := least(p_cap, v_from + v_k);
-                v_base := p_gap - v_from;
-            ELSE
-                v_from := 0; v_to := greatest(0, (p_gap % p_cap)::integer + v_k - p_cap);
-                v_base := p_gap + p_cap - (p_gap % p_cap)::integer;
-            END IF;
-            CONTINUE WHEN v_to <= v_from;
-            UPDATE {schema}.ring_slots s
-            SET seq = v_base + s.slot, state = 3, payload = NULL, enqueued_at = NULL, consumer = NULL,
-                last_error = NULL
-            WHERE s.ctid = ANY (ARRAY(
-                SELECT t.ctid FROM {schema}.ring_slots t
-                WHERE t.queue_id = p_queue_id AND t.slot >= v_from AND t.slot < v_to
-                  AND t.seq = v_base + t.slot - p_cap AND t.state IN (0, 3)
-                FOR UPDATE SKIP LOCKED));
-            GET DIAGNOSTICS v_k = ROW_COUNT;
-            IF v_k > 0 THEN
-                PERFORM nextval(r.gap_seq) FROM {schema}.rings r, generate_series(1, v_k)
-                WHERE r.queue_id = p_queue_id;
-            END IF;
-        END LOOP;
+    IF p_gap IS NOT NULL AND NOT p_own THEN
+        PERFORM {schema}.ring_skip_gap(p_queue_id, p_cap, p_gap, p_gap_issued, p_gap_snap, p_force);
     END IF;
 
-    -- 2. Claim: the window [p_lo, p_lo + capacity) is slots v_a .. capacity - 1, then 0 .. v_a - 1;
-    --    within each part slot order is id order, so the primary key serves the scan, without a sort.
+    -- 2. The window's issued numbers: [p_lo, p_lo + v_span). The issued position is read before any
+    --    snapshot below, so every number up to it was taken by a transaction older than them.
+    SELECT coalesce(pg_sequence_last_value(r.push_seq), 0) INTO v_issued
+    FROM {schema}.rings r WHERE r.queue_id = p_queue_id;
+    v_span := greatest(0, least(p_cap::bigint, v_issued - p_lo + 1))::integer;
+
+    -- 3. Claim: the window is slots v_a .. capacity - 1, then 0 .. v_a - 1; within each part slot order
+    --    is id order, so the primary key serves the scan, without a sort. One statement locks the
+    --    lowest ready rows (SKIP LOCKED: other consumers' claims are passed over), updates them and
+    --    returns their payloads, in slot order (the caller sorts them by id all the same).
     FOR part IN 1 .. 2 LOOP
-        EXIT WHEN cardinality(v_taken) >= p_n;
+        EXIT WHEN v_got >= p_n;
         IF part = 1 THEN
-            v_from := v_a; v_to := p_cap; v_base := p_lo - v_a;
+            v_from := v_a; v_to := least(p_cap, v_a + v_span); v_base := p_lo - v_a;
         ELSE
-            v_from := 0; v_to := v_a; v_base := p_lo + p_cap - v_a;
+            v_from := 0; v_to := v_a + v_span - p_cap; v_base := p_lo + p_cap - v_a;
         END IF;
         CONTINUE WHEN v_to <= v_from;
-        SELECT array_agg(q.tid), array_agg(q.seq), array_agg(q.payload)
-        INTO v_tids, v_seqs, v_pls
+        RETURN QUERY
+        UPDATE {schema}.ring_slots s
+        SET state = CASE WHEN p_lease THEN 2 ELSE 0 END,
+            attempts = s.attempts + 1, deliveries = s.deliveries + 1,
+            due_at = CASE WHEN p_lease THEN now() + make_interval(secs => p_vt) ELSE s.due_at END,
+            consumer = CASE WHEN p_lease THEN p_consumer END,
+            payload = CASE WHEN p_lease THEN s.payload END
         FROM (
-            SELECT t.ctid AS tid, t.seq, t.payload
+            SELECT t.ctid AS tid, t.payload
             FROM {schema}.ring_slots t
             WHERE t.queue_id = p_queue_id AND t.slot >= v_from AND t.slot < v_to
               AND t.seq = v_base + t.slot AND t.state = 1 AND t.due_at <= now()
             ORDER BY t.slot
-            LIMIT p_n - cardinality(v_taken)
-            FOR UPDATE SKIP LOCKED) q;
-        CONTINUE WHEN v_tids IS NULL;
-        RETURN QUERY
-        WITH claimed AS (
-            UPDATE {schema}.ring_slots s
-            SET state = CASE WHEN p_lease THEN 2 ELSE 0 END,
-                attempts = s.attempts + 1, deliveries = s.deliveries + 1,
-                due_at = CASE WHEN p_lease THEN now() + make_interval(secs => p_vt) ELSE s.due_at END,
-                consumer = CASE WHEN p_lease THEN p_consumer END,
-                payload = CASE WHEN p_lease THEN s.payload END
-            WHERE s.ctid = ANY (v_tids)
-            RETURNING s.seq, s.attempts, s.deliveries, s.enqueued_at, s.due_at
-        )
-        SELECT c.seq, c.attempts, c.deliveries, c.enqueued_at,
-               CASE WHEN p_lease THEN c.due_at END, u.pl,
-               NULL::bigint, NULL::bigint, NULL::bigint, NULL::pg_snapshot
-        FROM claimed c JOIN unnest(v_seqs, v_pls) AS u(seq, pl) ON u.seq = c.seq
-        ORDER BY c.seq;
-        v_taken := v_taken || v_seqs;
+            LIMIT p_n - v_got
+            FOR UPDATE SKIP LOCKED) q
+        WHERE s.ctid = q.tid
+        RETURNING s.seq, s.attempts, s.deliveries, s.enqueued_at, CASE WHEN p_lease THEN s.due_at END, q.payload,
+            NULL::bigint, NULL::bigint, NULL::bigint, NULL::pg_snapshot;
+        GET DIAGNOSTICS v_k = ROW_COUNT;
+        v_got := v_got + v_k;
     END LOOP;
-
-    -- 3. The next lower bound: the first number of the window not finished (unwritten, ready or
-    --    leased; and, in the caller's transaction, taken by this pop).
-    FOR part IN 1 .. 2 LOOP
-        IF part = 1 THEN
-            v_from := v_a; v_to := p_cap; v_base := p_lo - v_a;
-        ELSE
-            v_from := 0; v_to := v_a; v_base := p_lo + p_cap - v_a;
-        END IF;
-        CONTINUE WHEN v_to <= v_from;
-        SELECT v_base + t.slot INTO v_lo
-        FROM {schema}.ring_slots t
-        WHERE t.queue_id = p_queue_id AND t.slot >= v_from AND t.slot < v_to
-          AND (t.seq < v_base + t.slot
-               OR (t.seq = v_base + t.slot AND (t.state IN (1, 2) OR (p_own AND t.seq = ANY (v_taken)))))
-        ORDER BY t.slot
-        LIMIT 1;
-        EXIT WHEN v_lo IS NOT NULL;
-    END LOOP;
-    IF v_lo IS NULL THEN
-        v_lo := {schema}.ring_head(p_queue_id);  -- every number of the window was finished
+    IF p_own THEN
+        RETURN QUERY SELECT NULL::bigint, NULL::integer, NULL::integer, NULL::timestamptz,
+            NULL::timestamptz, NULL::bytea, p_lo, NULL::bigint, NULL::bigint, NULL::pg_snapshot;
+        RETURN;
     END IF;
 
-    -- 4. Is the head issued but unwritten (a push in progress, or a gap)? The issued position is read
-    --    before the snapshot, so every number up to it was taken by a transaction older than it.
-    IF EXISTS (
-            SELECT 1 FROM {schema}.ring_slots t
-            WHERE t.queue_id = p_queue_id AND t.slot = (v_lo % p_cap)::integer AND t.seq < v_lo) THEN
-        SELECT push_seq INTO v_seqrel FROM {schema}.rings WHERE queue_id = p_queue_id;
-        v_issued := coalesce(pg_sequence_last_value(v_seqrel), 0);
-        IF v_lo <= v_issued THEN
-            v_gap := v_lo;
-        END IF;
-    END IF;
-    RETURN QUERY SELECT NULL::bigint, NULL::integer, NULL::integer, NULL::timestamptz, NULL::timestamptz,
-        NULL::bytea, v_lo, v_gap, v_issued, CASE WHEN v_gap IS NOT NULL THEN pg_current_snapshot() END;
+    -- 4. The next lower bound: the first issued number of the window not finished (unwritten, ready or
+    --    leased); past the issued ones when all of them are. When that number is issued but unwritten
+    --    (a push in progress, or a gap), it is reported with the issued position and a snapshot taken
+    --    after that position was read. Each part's scan stops at its first row, and the lower number
+    --    of the two parts is the head.
+    RETURN QUERY
+    SELECT NULL::bigint, NULL::integer, NULL::integer, NULL::timestamptz, NULL::timestamptz, NULL::bytea,
+           coalesce(h.num, p_lo + v_span), CASE WHEN h.unwritten THEN h.num END, v_issued,
+           CASE WHEN h.unwritten THEN pg_current_snapshot() END
+    FROM (SELECT 1) AS one
+    LEFT JOIN LATERAL (
+        SELECT * FROM (
+            SELECT p_lo - v_a + t.slot AS num, t.seq < p_lo - v_a + t.slot AS unwritten
+            FROM {schema}.ring_slots t
+            WHERE t.queue_id = p_queue_id AND t.slot >= v_a AND t.slot < least(p_cap, v_a + v_span)
+              AND (t.seq < p_lo - v_a + t.slot OR (t.seq = p_lo - v_a + t.slot AND t.state IN (1, 2)))
+            ORDER BY t.slot
+            LIMIT 1) h1
+        UNION ALL
+        SELECT * FROM (
+            SELECT p_lo + p_cap - v_a + t.slot, t.seq < p_lo + p_cap - v_a + t.slot
+            FROM {schema}.ring_slots t
+            WHERE t.queue_id = p_queue_id AND t.slot < v_a + v_span - p_cap
+              AND (t.seq < p_lo + p_cap - v_a + t.slot
+                   OR (t.seq = p_lo + p_cap - v_a + t.slot AND t.state IN (1, 2)))
+            ORDER BY t.slot
+            LIMIT 1) h2
+        ORDER BY 1
+        LIMIT 1) h ON true;
 END
 $$;
