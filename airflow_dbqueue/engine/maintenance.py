@@ -126,7 +126,8 @@ class IndexHealth:
     """Entries counted by the last VACUUM or ANALYZE (``None`` when never counted)."""
     expected_bytes: int | None
     """Size a freshly built B-tree of ``entries`` entries would have (``None`` for other methods, or
-    when ``entries`` is unknown)."""
+    when ``entries`` is unknown). SQL Server: the size with the leaf pages filled to the fill factor
+    (:func:`mssql_expected_bytes`)."""
     build_running: bool
     """An index build (CREATE INDEX or REINDEX CONCURRENTLY) is running on the table right now (on SQL
     Server: an index operation runs in the database, or a resumable one is paused on the table)."""
@@ -157,8 +158,11 @@ class IndexHealth:
         return not self.valid and _LEFTOVER.search(self.index) is not None
 
     def as_dict(self) -> dict[str, Any]:
-        """Return a JSON-safe dict."""
+        """Return a JSON-safe dict (without the SQL Server measures on PostgreSQL)."""
         out = dataclasses.asdict(self)
+        if self.fill_factor is None:
+            for key in ("fragmentation_pct", "page_density_pct", "fill_factor"):
+                del out[key]
         ratio = self.bloat_ratio
         out["bloat_ratio"] = None if ratio is None else round(ratio, 3)
         out["bloat_bytes"] = self.bloat_bytes

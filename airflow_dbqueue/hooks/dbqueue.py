@@ -119,7 +119,7 @@ _QUEUE_GAUGES = (
     "finished_per_s",
 )
 _TABLE_GAUGES = ("total_bytes", "table_bytes", "index_bytes", "live_tuples", "dead_tuples", "dead_ratio")
-_INDEX_GAUGES = ("size_bytes", "bloat_ratio", "bloat_bytes")
+_INDEX_GAUGES = ("size_bytes", "bloat_ratio", "bloat_bytes", "fragmentation_pct", "page_density_pct")
 
 
 def emit_metrics(metrics: Mapping[str, Any], *, prefix: str = "dbqueue") -> int:
@@ -128,7 +128,8 @@ def emit_metrics(metrics: Mapping[str, Any], *, prefix: str = "dbqueue") -> int:
     Names are ``<prefix>.<schema>.<queue>.<gauge>`` for queues (``ready``, ``delayed``, ``in_flight``,
     ``failed``, ``finished``, ``oldest_ready_age_s``, ``pushed_per_s``, ``finished_per_s``),
     ``<prefix>.<schema>.table.<table>.<gauge>`` (sizes, live and dead rows),
-    ``<prefix>.<schema>.index.<index>.<gauge>`` (size and bloat) and ``<prefix>.<schema>.xmin_holders``,
+    ``<prefix>.<schema>.index.<index>.<gauge>`` (size and bloat; on SQL Server also fragmentation and
+    page density) and ``<prefix>.<schema>.xmin_holders``,
     each also tagged with ``schema`` (and ``queue``, ``table`` or ``index``) for tagging backends.
     Schema and queue names are identifiers, so every name is a valid stat name.
 

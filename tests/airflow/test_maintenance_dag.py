@@ -112,3 +112,9 @@ def test_hook_maintenance_and_metrics(
     assert f"dbqueue.{dbq.schema}.index.meta_ready_idx.bloat_ratio" in gauges
     assert ("queue", "jobs") in next(t for n, _, t in sent if n.endswith("jobs.ready")).items()
     assert emit_metrics({"schema": "s", "queues": {"q": {"ready": 1, "oldest_ready_age_s": None}}}) == 2
+    assert f"dbqueue.{dbq.schema}.index.meta_ready_idx.page_density_pct" not in gauges  # PostgreSQL
+    # SQL Server's index measures (IndexHealth.as_dict there) go out as gauges too.
+    sent.clear()
+    index = {"size_bytes": 8192, "bloat_ratio": 1.1, "fragmentation_pct": 12.5, "page_density_pct": 81.0}
+    assert emit_metrics({"schema": "s", "indexes": {"meta_pkey": index}}) == 5  # and xmin_holders
+    assert ("dbqueue.s.index.meta_pkey.page_density_pct", 81.0) in [(n, v) for n, v, _ in sent]

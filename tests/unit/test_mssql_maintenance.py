@@ -165,6 +165,13 @@ def test_an_unmeasured_index_has_no_estimate() -> None:
     assert disabled.expected_bytes is None and disabled.bloat_ratio is None
 
 
+def test_the_sql_server_measures_are_reported_on_sql_server_only() -> None:
+    ms_dict = health(pages=1010, leaf_pages=1000, density=45.0, fill_factor=90).as_dict()
+    assert (ms_dict["page_density_pct"], ms_dict["fill_factor"], ms_dict["bloat_ratio"]) == (45.0, 90, 1.98)
+    pg_dict = IndexHealth("meta_pkey", "meta", "btree", True, 16384, 0, 16384, False).as_dict()
+    assert not {"fragmentation_pct", "page_density_pct", "fill_factor"} & set(pg_dict)
+
+
 def test_a_bloated_index_is_rebuilt_when_big_enough() -> None:
     opts = {"bloat_ratio": 2.0, "min_bloat_bytes": MiB, "fragmentation_pct": 30.0}
     big = health(pages=1024, leaf_pages=1000, density=20.0)  # needs 200 leaf pages of 1000
