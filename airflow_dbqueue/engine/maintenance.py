@@ -68,6 +68,8 @@ TABLES = ("meta", "data", "done", "archive", "queues", "batches", "ring_slots", 
 """The schema's tables, in the order VACUUM visits them (the dequeue path first)."""
 MSSQL_TABLES = ("meta", "data", "done", "archive", "queues", "batches", "batch_items")
 """The tables of a schema on SQL Server (no ring yet; the batch ledger's items have a table of their own)."""
+MSSQL_ESCALATION_ROWS = 5000
+"""Rows one statement may lock on SQL Server before lock escalation may turn them into a table lock."""
 MSSQL_NO_VACUUM = (
     "SQL Server has no VACUUM: the rows a DELETE leaves (ghost records) are removed by the server's ghost "
     "cleanup task; this step ran UPDATE STATISTICS"
@@ -548,6 +550,14 @@ class Maintenance:
         if older_than_s < 0 or pause_s < 0 or time_budget_s < 0 or statement_timeout_s <= 0:
             raise ConfigurationError(
                 f"{step}: need older_than_s, pause_s, time_budget_s >= 0 and statement_timeout_s > 0"
+            )
+        if self._ms is not None and batch_size > MSSQL_ESCALATION_ROWS:
+            log.warning(
+                "dbqueue %s: batch_size %d is above about %d rows, where SQL Server may escalate a "
+                "statement's row locks to a table lock that stalls pushes and pops; keep it lower",
+                step,
+                batch_size,
+                MSSQL_ESCALATION_ROWS,
             )
         started = time.monotonic()
         params = {"older_than_s": float(older_than_s), "n": batch_size, **self._queue_filter(queues)}

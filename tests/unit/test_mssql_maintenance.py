@@ -8,6 +8,7 @@ $DBQUEUE_TEST_MSSQL_DSN)."""
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -435,3 +436,16 @@ def test_a_second_run_skips_naming_the_holder_on_a_fake_sql_server(fake: FakeSql
 
 def test_ms_module_exports_the_online_editions() -> None:
     assert set(ms.ONLINE_REBUILD_EDITIONS) == {3, 5, 8}
+
+
+def test_a_batch_above_the_lock_escalation_threshold_is_warned_about_on_a_fake_sql_server(
+    fake: FakeSqlServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake.archive_counts = [0, 0]
+    m = DbQueue(DSN, schema="dbq").maintenance()
+    with caplog.at_level(logging.WARNING, logger="airflow_dbqueue.engine.maintenance"):
+        m.archive(older_than_s=0, batch_size=5000)
+        assert not [r for r in caplog.records if "escalate" in r.getMessage()]
+        m.archive(older_than_s=0, batch_size=6000)
+    [warned] = [r.getMessage() for r in caplog.records if "escalate" in r.getMessage()]
+    assert "batch_size 6000" in warned
