@@ -503,8 +503,8 @@ WHERE l.resource_type = N'APPLICATION' AND l.resource_database_id = DB_ID()
 
 -- name: set_timeouts
 -- SET LOCK_TIMEOUT takes a constant: neither a variable nor a bound parameter. And a SET run inside
--- dynamic SQL (sp_executesql, which is also how a batch with parameters reaches the server) is undone
--- when that batch returns. So the dialect writes lock_ms into this text as an integer it has validated
+-- dynamic SQL (sp_executesql) is undone when that batch returns, and a batch with parameters reaches
+-- the server the same way (sp_executesql or a prepared statement). So the dialect writes lock_ms into this text as an integer it has validated
 -- (MssqlDatabase.statement, never a caller's string), and the text goes as a plain batch without
 -- parameters: the setting then holds for the rest of the session, the maintenance run's own connection. The statement timeout is the driver's query timeout
 -- (SQL_ATTR_QUERY_TIMEOUT, whole seconds), set on the connection by MssqlDatabase.set_timeouts.
