@@ -208,6 +208,7 @@ class FakeSqlServer:
         self.lock_free = lock_free
         self.index_rows: list[list[tuple[Any, ...]]] = []
         self.archive_counts: list[Any] = []
+        self.holders: list[tuple[Any, ...]] = []
         self.connections: list[FakeConnection] = []
         self.log: list[dict[str, Any]] = []
 
@@ -229,6 +230,16 @@ class FakeSqlServer:
             return None
         if "DECLARE @online bit" in text:  # reindex_concurrently
             return [("ALTER INDEX ...",)]
+        if text.startswith("-- SQL Server has no VACUUM") or "UPDATE STATISTICS" in text.splitlines()[-1]:
+            return None
+        if "FROM sys.dm_tran_session_transactions" in text:  # xmin_holders
+            return self.holders
+        if "JOIN sys.dm_db_partition_stats p ON p.object_id = t.object_id" in text:  # table_health
+            return [(t, 8192, 0, 8192, 3, None, None, None, None, None) for t in MSSQL_TABLES]
+        if "FROM [dbq].queues ORDER BY name" in text:  # list_queues
+            return []
+        if "DELETE FROM old;" in text:  # purge_archive_batch
+            return [(0,)]
         if "INTO @batch" in text:
             step = self.archive_counts.pop(0)
             if isinstance(step, Exception):
@@ -449,3 +460,44 @@ def test_a_batch_above_the_lock_escalation_threshold_is_warned_about_on_a_fake_s
         m.archive(older_than_s=0, batch_size=6000)
     [warned] = [r.getMessage() for r in caplog.records if "escalate" in r.getMessage()]
     assert "batch_size 6000" in warned
+
+
+def test_a_full_run_on_a_fake_sql_server(fake: FakeSqlServer) -> None:
+    """Every step of Maintenance.run reads the rows of its SQL Server queries into the same report."""
+    import datetime as dt
+    import json
+
+    started = dt.datetime(2026, 1, 1, 12, 0)
+    fake.holders = [
+        ("transaction", 61, "long-report", "app", "sleeping", 420.5, None, started, started, "UPDATE x")
+    ]
+    fake.archive_counts = [2]
+    fake.index_rows = [schema_indexes(2), schema_indexes(2, rebuilt=True), schema_indexes(2, rebuilt=True)]
+    report = DbQueue(DSN, schema="dbq").maintain()
+    assert json.loads(json.dumps(report)) == report and report["skipped"] is None
+    [holder] = report["xmin_holders"]
+    assert (holder["kind"], holder["pid"], holder["xid_age"]) == ("transaction", 61, None)
+    assert holder["xact_start"] == "2026-01-01T12:00:00+00:00"  # UTC, as the query converts it
+    assert report["upkeep"] == {} and report["archive"]["rows"] == 2 and report["purge_archive"]["rows"] == 0
+    assert report["vacuum"]["statement"] == "UPDATE STATISTICS"
+    assert set(report["vacuum"]["tables"]) == set(MSSQL_TABLES)
+    assert report["indexes"]["mode"] == "reorganize"
+    assert report["metrics"]["tables"]["meta"] == {
+        "table_bytes": 8192,
+        "index_bytes": 0,
+        "total_bytes": 8192,
+        "live_tuples": 3,
+        "dead_tuples": None,
+        "dead_ratio": None,
+        "last_vacuum": None,
+        "last_analyze": None,
+        "autovacuum_count": None,
+        "vacuum_count": None,
+    }
+    ready = report["metrics"]["indexes"]["meta_ready_idx"]
+    assert (ready["page_density_pct"], ready["fill_factor"], ready["bloat_ratio"]) == (
+        99.0,
+        100,
+        1.009,
+    )  # 224 pages where 222 would do
+    assert len(fake.statements("UPDATE STATISTICS")) == len(MSSQL_TABLES)
