@@ -9,7 +9,7 @@
     dbqueue archive [--older-than S] [--retention S] [--batch-size N] [--pause S] [--time-budget S]
                     [--queue Q ...] [--lock-wait S]
     dbqueue maintain [the archive options] [--no-vacuum] [--no-reindex] [--bloat-ratio R]
-                     [--min-bloat-bytes B] [--reindex-timeout S]
+                     [--min-bloat-bytes B] [--fragmentation-pct P] [--reindex-timeout S]
     dbqueue metrics [QUEUE ...] [--window S]
     dbqueue demo [--messages N]
     dbqueue pipeline [--messages N] [--batch N] [--airflow-home DIR]
@@ -137,6 +137,7 @@ def _cmd_maintain(dbq: DbQueue, args: argparse.Namespace) -> int:
         reindex=args.reindex,
         reindex_bloat_ratio=args.bloat_ratio,
         reindex_min_bytes=args.min_bloat_bytes,
+        reindex_fragmentation_pct=args.fragmentation_pct,
         reindex_timeout_s=args.reindex_timeout,
         lock_wait_s=args.lock_wait,
     )
@@ -340,10 +341,18 @@ def build_parser() -> argparse.ArgumentParser:
     _batch_options(c)
     c = sub.add_parser("maintain", help="run every maintenance step once (archive, VACUUM, reindex, ...)")
     _batch_options(c)
-    c.add_argument("--no-vacuum", dest="vacuum", action="store_false", help="skip VACUUM (ANALYZE)")
+    c.add_argument(
+        "--no-vacuum",
+        dest="vacuum",
+        action="store_false",
+        help="skip VACUUM (UPDATE STATISTICS on SQL Server)",
+    )
     c.add_argument("--no-reindex", dest="reindex", action="store_false", help="skip index rebuilds")
     c.add_argument("--bloat-ratio", type=float, default=2.0, help="rebuild indexes this many times too big")
     c.add_argument("--min-bloat-bytes", type=int, default=1024 * 1024, help="... and this many bytes too big")
+    c.add_argument(
+        "--fragmentation-pct", type=float, default=30.0, help="SQL Server: also rebuild this fragmented (%%)"
+    )
     c.add_argument("--reindex-timeout", type=float, default=600.0, help="seconds one rebuild may take")
     c = sub.add_parser("metrics", help="queue depth, age, rates, table sizes and index bloat as JSON")
     c.add_argument("queues", nargs="*")

@@ -5,21 +5,26 @@
 Steps (each a task, each returning a JSON-safe report for XCom):
 
 1. ``check_horizon``: warn about whatever holds back the xmin horizon (a long transaction, a replication
-   slot, a prepared transaction), naming its pid, application, age and query start.
+   slot, a prepared transaction), naming its pid, application, age and query start. On SQL Server: long
+   transactions of the database and snapshot transactions, which hold back log and version cleanup.
 2. ``upkeep``: each queue's design upkeep: expired leases back to ready or failed, and, for ring queues,
    the numbers of pushes that rolled back or died given up as gaps (so a ring nobody pops recovers).
 3. ``archive``: finished messages older than ``archive_after_s`` move to the archive in bounded batches
    with pauses and a time budget; archived messages older than ``archive_retention_s`` are deleted.
-4. ``vacuum``: VACUUM (ANALYZE, SKIP_LOCKED) of the schema's tables.
+4. ``vacuum``: VACUUM (ANALYZE, SKIP_LOCKED) of the schema's tables. SQL Server has no VACUUM (its ghost
+   cleanup task removes deleted rows): there it runs UPDATE STATISTICS, and its result says so.
 5. ``rebuild_indexes``: REINDEX INDEX CONCURRENTLY of bloated B-tree indexes; INVALID leftovers of a
-   failed rebuild are dropped.
+   failed rebuild are dropped. On SQL Server: ALTER INDEX ... REBUILD WITH (ONLINE = ON) of bloated or
+   fragmented indexes where the engine edition allows it, REORGANIZE otherwise, decided at run time;
+   the result names the mode and the edition.
 6. ``metrics``: depth by state, oldest ready age, rates, table sizes and index bloat, sent as gauges
    through Airflow's metrics (``dbqueue.<schema>.<queue>.ready``, ...) and returned. It runs even when
    an earlier step failed.
 
-Steps that change things take the schema's maintenance lock (a PostgreSQL advisory lock), so a second
-run at the same time (another deployment, ``dbqueue maintain`` from a shell) never fights this one: it
-waits up to ``lock_wait_s`` and then skips the step, saying in the log which session holds the lock.
+Steps that change things take the schema's maintenance lock (a PostgreSQL advisory lock; on SQL Server
+an application lock owned by the session, ``sp_getapplock``), so a second run at the same time (another
+deployment, ``dbqueue maintain`` from a shell) never fights this one: it waits up to ``lock_wait_s`` and
+then skips the step, saying in the log which session holds the lock.
 
 Settings, from lowest to highest precedence: the defaults of ``MaintenanceConfig``; the Airflow
 Variable ``dbqueue_maintenance`` (a JSON object, e.g. ``{"schema": "orders", "archive_after_s": 3600}``);
@@ -82,6 +87,9 @@ with DAG(
         "reindex": _optional("boolean", "rebuild bloated indexes online (true)"),
         "reindex_bloat_ratio": _optional("number", "rebuild an index this many times its size (2)"),
         "reindex_min_bytes": _optional("integer", "... and this many bytes above it (1 MiB)"),
+        "reindex_fragmentation_pct": _optional(
+            "number", "SQL Server: also rebuild indexes this many percent fragmented (30)"
+        ),
         "lock_wait_s": _optional("number", "wait this long for another run's lock, then skip (0)"),
     },
     tags=["dbqueue", "maintenance"],
@@ -126,7 +134,7 @@ with DAG(
 
     @task
     def vacuum() -> dict[str, Any]:
-        """VACUUM (ANALYZE) the schema's tables."""
+        """VACUUM (ANALYZE) the schema's tables (UPDATE STATISTICS on SQL Server)."""
         conn_id, schema, cfg = settings()
         if not cfg.vacuum:
             return {"skipped": "vacuum is off"}
@@ -138,7 +146,7 @@ with DAG(
 
     @task
     def rebuild_indexes() -> dict[str, Any]:
-        """Rebuild bloated indexes online; drop INVALID leftovers of failed rebuilds."""
+        """Rebuild bloated indexes online; drop INVALID leftovers of failed rebuilds (PostgreSQL)."""
         conn_id, schema, cfg = settings()
         if not cfg.reindex:
             return {"skipped": "reindex is off", "actions": []}
@@ -148,6 +156,7 @@ with DAG(
                 min_bloat_bytes=cfg.reindex_min_bytes,
                 timeout_s=cfg.reindex_timeout_s,
                 lock_wait_s=cfg.lock_wait_s,
+                fragmentation_pct=cfg.reindex_fragmentation_pct,
             )
         if out.get("skipped"):
             log.warning("Index rebuilds skipped: %s", out["skipped"])

@@ -23,6 +23,17 @@ Steps that change things hold the schema's maintenance lock (a session-level adv
 connection of their own), so two runs never fight: the second waits up to ``lock_wait_s`` and then
 skips, saying which session holds the lock. A :class:`Maintenance` object is not thread-safe; use
 one per thread.
+
+**SQL Server** runs the same steps through the same named queries (``dialects/mssql/queries.sql``),
+with its own meaning where PostgreSQL's has none: the lock is ``sp_getapplock`` owned by the session of
+the run's own connection; archiving is ``DELETE TOP (n)`` with ``READPAST`` in one short transaction a
+batch; there is no VACUUM (ghost records are the server's cleanup task's), so that step runs ``UPDATE
+STATISTICS``; bloat is read from ``sys.dm_db_index_physical_stats`` (page density against the fill
+factor, and fragmentation), and a bloated index is rebuilt with ``ALTER INDEX ... REBUILD WITH (ONLINE =
+ON)`` where the engine edition has online index operations, ``REORGANIZE`` where it does not, decided
+when the step runs and reported; a failed rebuild rolls back and leaves nothing to clean up; the
+horizon check names long transactions (and snapshot transactions), which hold back log truncation and
+version cleanup. None of it has run against a SQL Server yet (none can run where it was written).
 """
 
 from __future__ import annotations
@@ -37,12 +48,17 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from airflow_dbqueue.engine.errors import ConfigurationError, DbQueueError
+from airflow_dbqueue.engine.errors import (
+    ConfigurationError,
+    DbQueueError,
+    LockTimeoutError,
+    TransientDatabaseError,
+)
 
 if TYPE_CHECKING:
-    import psycopg
-
     from airflow_dbqueue.engine.client import DbQueue
+    from airflow_dbqueue.engine.dialects.mssql import MssqlDatabase
+    from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +66,18 @@ APPLICATION_NAME = "airflow-dbqueue-maintenance"
 """``application_name`` of the connection a maintenance step runs on (and holds its lock with)."""
 TABLES = ("meta", "data", "done", "archive", "queues", "batches", "ring_slots", "ring_failed")
 """The schema's tables, in the order VACUUM visits them (the dequeue path first)."""
+MSSQL_TABLES = ("meta", "data", "done", "archive", "queues", "batches", "batch_items")
+"""The tables of a schema on SQL Server (no ring yet; the batch ledger's items have a table of their own)."""
+MSSQL_ESCALATION_ROWS = 5000
+"""Rows one statement may lock on SQL Server before lock escalation may turn them into a table lock."""
+MSSQL_NO_VACUUM = (
+    "SQL Server has no VACUUM: the rows a DELETE leaves (ghost records) are removed by the server's ghost "
+    "cleanup task; this step ran UPDATE STATISTICS"
+)
+MSSQL_NO_LEFTOVERS = (
+    "nothing to clean up on SQL Server: a failed ALTER INDEX ... REBUILD rolls back and leaves no "
+    "half-built index (PostgreSQL's REINDEX CONCURRENTLY can leave an INVALID one)"
+)
 _LEFTOVER = re.compile(r"_cc(new|old)\d*$")
 """Suffixes PostgreSQL gives the indexes of a REINDEX CONCURRENTLY in progress (or one that failed)."""
 MiB = 1024 * 1024
@@ -100,9 +128,17 @@ class IndexHealth:
     """Entries counted by the last VACUUM or ANALYZE (``None`` when never counted)."""
     expected_bytes: int | None
     """Size a freshly built B-tree of ``entries`` entries would have (``None`` for other methods, or
-    when ``entries`` is unknown)."""
+    when ``entries`` is unknown). SQL Server: the size with the leaf pages filled to the fill factor
+    (:func:`mssql_expected_bytes`)."""
     build_running: bool
-    """An index build (CREATE INDEX or REINDEX CONCURRENTLY) is running on the table right now."""
+    """An index build (CREATE INDEX or REINDEX CONCURRENTLY) is running on the table right now (on SQL
+    Server: an index operation runs in the database, or a resumable one is paused on the table)."""
+    fragmentation_pct: float | None = None
+    """SQL Server: logical fragmentation of the leaf level, in percent (``None`` on PostgreSQL)."""
+    page_density_pct: float | None = None
+    """SQL Server: how full the leaf pages are on average, in percent (``None`` on PostgreSQL)."""
+    fill_factor: int | None = None
+    """SQL Server: the index's fill factor (100 for the default 0; ``None`` on PostgreSQL)."""
 
     @property
     def bloat_ratio(self) -> float | None:
@@ -124,8 +160,11 @@ class IndexHealth:
         return not self.valid and _LEFTOVER.search(self.index) is not None
 
     def as_dict(self) -> dict[str, Any]:
-        """Return a JSON-safe dict."""
+        """Return a JSON-safe dict (without the SQL Server measures on PostgreSQL)."""
         out = dataclasses.asdict(self)
+        if self.fill_factor is None:
+            for key in ("fragmentation_pct", "page_density_pct", "fill_factor"):
+                del out[key]
         ratio = self.bloat_ratio
         out["bloat_ratio"] = None if ratio is None else round(ratio, 3)
         out["bloat_bytes"] = self.bloat_bytes
@@ -148,6 +187,45 @@ def expected_btree_bytes(entries: float, key_width: int, fillfactor: int, block_
     return (1 + leaf + inner) * block_size
 
 
+def mssql_expected_bytes(
+    size_bytes: int, leaf_pages: int | None, page_density_pct: float | None, fill_factor: int
+) -> int | None:
+    """Estimate the size a SQL Server index would have with its leaf pages filled to its fill factor.
+
+    The leaf level holds ``leaf_pages`` pages, ``page_density_pct`` percent full on average; rebuilt,
+    it would need ``leaf_pages * density / fill_factor`` pages. The rest of ``size_bytes`` (upper
+    levels, LOB pages) is taken as it is. ``None`` when the leaf level was not measured (a disabled
+    index, or no ``VIEW DATABASE STATE``).
+    """
+    if leaf_pages is None or page_density_pct is None:
+        return None
+    leaf_bytes = leaf_pages * 8192
+    needed = math.ceil(leaf_pages * page_density_pct / max(1, min(100, fill_factor))) if leaf_pages else 0
+    return max(8192, size_bytes - leaf_bytes + needed * 8192)
+
+
+def mssql_rebuild_reason(
+    h: IndexHealth, *, bloat_ratio: float, min_bloat_bytes: int, fragmentation_pct: float
+) -> str | None:
+    """Return why a SQL Server index should be rebuilt (or reorganized), or ``None`` to leave it.
+
+    Bloated: at least ``bloat_ratio`` times the size its leaf pages would have at the fill factor, and
+    ``min_bloat_bytes`` above it. Fragmented: at least ``fragmentation_pct`` percent logical
+    fragmentation, in an index of at least ``min_bloat_bytes`` (small indexes gain nothing from order).
+    """
+    ratio, extra = h.bloat_ratio, h.bloat_bytes
+    density = f"{h.page_density_pct:.0f}%" if h.page_density_pct is not None else "?"
+    if ratio is not None and extra is not None and ratio >= bloat_ratio and extra >= min_bloat_bytes:
+        return (
+            f"{h.size_bytes} bytes for about {h.expected_bytes} needed (x{ratio:.1f}): leaf pages "
+            f"{density} full, fill factor {h.fill_factor}"
+        )
+    frag = h.fragmentation_pct
+    if frag is not None and frag >= fragmentation_pct and h.size_bytes >= min_bloat_bytes:
+        return f"{frag:.0f}% fragmented ({h.size_bytes} bytes, leaf pages {density} full)"
+    return None
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class IndexAction:
     """One thing :meth:`Maintenance.rebuild_indexes` did (or tried) to an index."""
@@ -155,7 +233,9 @@ class IndexAction:
     index: str
     action: str
     """``reindex`` (bloated), ``rebuild invalid`` (an INVALID index of the schema), ``drop leftover``
-    (the INVALID index of a failed concurrent rebuild), or ``skip`` (a build runs on its table)."""
+    (the INVALID index of a failed concurrent rebuild), or ``skip`` (a build runs on its table). On
+    SQL Server: ``online rebuild`` or ``reorganize`` (see :func:`rebuild_mode`), or ``skip`` (an index
+    operation runs, or the index is disabled)."""
     ok: bool
     seconds: float
     size_before: int | None = None
@@ -166,6 +246,10 @@ class IndexAction:
     def as_dict(self) -> dict[str, Any]:
         """Return a JSON-safe dict."""
         return dataclasses.asdict(self)
+
+
+_MssqlAction = tuple[IndexHealth, str, bool, float, str, str | None]
+"""What one SQL Server index step did: (index, action, ok, seconds, reason, error)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -196,7 +280,7 @@ class XminHolder:
             bits.append(f"user {self.user}")
         if self.state:
             bits.append(f"state {self.state}")
-        bits.append(f"age {age}, {self.xid_age} transactions")
+        bits.append(f"age {age}, {self.xid_age} transactions" if self.xid_age is not None else f"age {age}")
         if self.query_start:
             bits.append(f"query started {self.query_start}")
         if self.query:
@@ -222,6 +306,8 @@ class MaintenanceConfig:
     :param reindex: rebuild bloated B-tree indexes online and clean up INVALID ones.
     :param reindex_bloat_ratio: rebuild an index when its size is at least this many times the estimate.
     :param reindex_min_bytes: ... and at least this many bytes above it.
+    :param reindex_fragmentation_pct: SQL Server only: also rebuild an index of at least
+        ``reindex_min_bytes`` whose leaf level is at least this many percent fragmented.
     :param reindex_timeout_s: statement and lock timeout of one REINDEX or DROP INDEX CONCURRENTLY.
     :param lock_wait_s: how long to wait for another run's lock before skipping.
     :param horizon_min_age_s: report transactions (and prepared ones) older than this holding the xmin.
@@ -240,6 +326,7 @@ class MaintenanceConfig:
     reindex: bool = True
     reindex_bloat_ratio: float = 2.0
     reindex_min_bytes: int = MiB
+    reindex_fragmentation_pct: float = 30.0
     reindex_timeout_s: float = 600.0
     lock_wait_s: float = 0.0
     horizon_min_age_s: float = 300.0
@@ -260,6 +347,10 @@ class MaintenanceConfig:
         if self.reindex_bloat_ratio < 1 or self.reindex_min_bytes < 0 or self.reindex_timeout_s <= 0:
             raise ConfigurationError(
                 "need reindex_bloat_ratio >= 1, reindex_min_bytes >= 0 and reindex_timeout_s > 0"
+            )
+        if not 0 <= self.reindex_fragmentation_pct <= 100:
+            raise ConfigurationError(
+                f"reindex_fragmentation_pct must be in 0..100, got {self.reindex_fragmentation_pct}"
             )
         if self.rate_window_s <= 0 or self.reclaim_limit < 1:
             raise ConfigurationError("need rate_window_s > 0 and reclaim_limit >= 1")
@@ -298,16 +389,20 @@ class Maintenance:
     """
 
     def __init__(self, dbq: DbQueue) -> None:
+        from airflow_dbqueue.engine.dialects.mssql import MssqlDatabase
         from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
 
-        if not isinstance(dbq.db, PostgresDatabase):
-            # The SQL Server statements exist (dialects/mssql/queries.sql); the steps that drive them
-            # (sp_getapplock, REBUILD/REORGANIZE chosen by edition) are the next step of issue 7.
-            raise NotImplementedError(f"maintenance is not available on {dbq.db.dialect_name} yet")
+        db = dbq.db
+        if not isinstance(db, PostgresDatabase | MssqlDatabase):
+            raise NotImplementedError(f"maintenance is not available on {db.dialect_name}")
         self._dbq = dbq
-        self._db: PostgresDatabase = dbq.db
+        self._db: PostgresDatabase | MssqlDatabase = db
+        self._ms: MssqlDatabase | None = db if isinstance(db, MssqlDatabase) else None
+        self.dialect = db.dialect_name
+        self.tables = MSSQL_TABLES if self._ms is not None else TABLES
+        """The schema's tables on this dialect, in the order :meth:`vacuum` visits them."""
         self.schema = dbq.schema
-        self._held: psycopg.Connection[Any] | None = None
+        self._held: Any = None
         self._skip_reason: str | None = None
 
     # -- the lock ------------------------------------------------------------------------------------
@@ -358,7 +453,7 @@ class Maintenance:
                 with contextlib.suppress(DbQueueError):
                     self._db.fetchone("maintenance_unlock", params, conn)
 
-    def _describe_holder(self, conn: psycopg.Connection[Any]) -> str:
+    def _describe_holder(self, conn: Any) -> str:
         try:
             row = self._db.fetchone("maintenance_lock_holder", {"schema": self.schema}, conn)
         except DbQueueError as exc:
@@ -370,7 +465,7 @@ class Maintenance:
             f"pid {pid}, application {app!r}, client {addr or 'local'}, connected {connected_s:.0f}s, {state}"
         )
 
-    def _conn(self) -> psycopg.Connection[Any]:
+    def _conn(self) -> Any:
         assert self._held is not None, "a maintenance step ran outside its lock"
         return self._held
 
@@ -456,6 +551,14 @@ class Maintenance:
             raise ConfigurationError(
                 f"{step}: need older_than_s, pause_s, time_budget_s >= 0 and statement_timeout_s > 0"
             )
+        if self._ms is not None and batch_size > MSSQL_ESCALATION_ROWS:
+            log.warning(
+                "dbqueue %s: batch_size %d is above about %d rows, where SQL Server may escalate a "
+                "statement's row locks to a table lock that stalls pushes and pops; keep it lower",
+                step,
+                batch_size,
+                MSSQL_ESCALATION_ROWS,
+            )
         started = time.monotonic()
         params = {"older_than_s": float(older_than_s), "n": batch_size, **self._queue_filter(queues)}
         timeouts = {"statement_ms": _ms(statement_timeout_s), "lock_ms": _ms(1.0), "local": True}
@@ -464,20 +567,22 @@ class Maintenance:
                 return BatchResult(self.schema, step, 0, 0, 0.0, "skipped", self._skip_reason)
             conn = self._conn()
             rows = batches = 0
-            while True:
-                with self._db.transaction(conn) as c:
-                    self._db.fetchone("set_timeouts", timeouts, c)
-                    row = self._db.fetchone(query, params, c)
-                n = int(row[0]) if row else 0
-                rows += n
-                batches += 1
-                if n < batch_size:
-                    stopped = "drained"
-                    break
-                if time.monotonic() - started + pause_s >= time_budget_s:
-                    stopped = "time budget"
-                    break
-                time.sleep(pause_s)
+            with self._session_timeouts(conn, statement_timeout_s, 1.0):
+                while True:
+                    with self._db.transaction(conn) as c:
+                        if self._ms is None:  # PostgreSQL: for this transaction only
+                            self._db.fetchone("set_timeouts", timeouts, c)
+                        row = self._db.fetchone(query, params, c)
+                    n = int(row[0]) if row else 0
+                    rows += n
+                    batches += 1
+                    if n < batch_size:
+                        stopped = "drained"
+                        break
+                    if time.monotonic() - started + pause_s >= time_budget_s:
+                        stopped = "time budget"
+                        break
+                    time.sleep(pause_s)
         result = BatchResult(self.schema, step, rows, batches, round(time.monotonic() - started, 3), stopped)
         log.info(
             "dbqueue %s of schema %r: %d rows in %d batches, %.2fs (%s)",
@@ -489,6 +594,20 @@ class Maintenance:
             stopped,
         )
         return result
+
+    @contextlib.contextmanager
+    def _session_timeouts(self, conn: Any, statement_s: float, lock_s: float) -> Iterator[None]:
+        """SQL Server: the lock and query timeouts of the run's connection for the block (a T-SQL
+        ``SET`` lasts for the session, not a transaction). PostgreSQL sets them per transaction."""
+        if self._ms is None:
+            yield
+            return
+        self._ms.set_timeouts(conn, statement_s=statement_s, lock_s=lock_s)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(DbQueueError):
+                self._ms.reset_timeouts(conn)
 
     # -- per-design upkeep -----------------------------------------------------------------------------
 
@@ -511,15 +630,23 @@ class Maintenance:
     # -- VACUUM, ANALYZE and the xmin horizon ------------------------------------------------------------
 
     def vacuum(
-        self, tables: Sequence[str] = TABLES, *, analyze_only: bool = False, lock_wait_s: float = 0.0
+        self, tables: Sequence[str] | None = None, *, analyze_only: bool = False, lock_wait_s: float = 0.0
     ) -> dict[str, Any]:
         """Run ``VACUUM (ANALYZE, SKIP_LOCKED)`` (or only ``ANALYZE``) on the schema's tables.
 
+        SQL Server has no VACUUM (its ghost cleanup task removes deleted rows on its own): both run
+        ``UPDATE STATISTICS`` there, and the result says so (``statement``, ``note``); its dead-row
+        counts are ``None`` (SQL Server keeps none).
+
+        :param tables: the tables to visit (default: all of :attr:`tables`).
         :return: ``{"tables": {table: {"seconds", "dead_before", "dead_after"}}}``, or ``{"skipped": ...}``.
         """
+        tables = self.tables if tables is None else tables
         for t in tables:
-            if t not in TABLES:
-                raise ConfigurationError(f"{t!r} is not a table of the dbqueue schema; choose from {TABLES}")
+            if t not in self.tables:
+                raise ConfigurationError(
+                    f"{t!r} is not a table of the dbqueue schema on {self.dialect}; choose from {self.tables}"
+                )
         with self.lock(lock_wait_s) as got:
             if not got:
                 return {"skipped": self._skip_reason}
@@ -535,6 +662,9 @@ class Maintenance:
             after = {r["table"]: r["dead_tuples"] for r in self.table_health()}
             for t in tables:
                 done[t]["dead_after"] = after.get(t)
+        if self._ms is not None:
+            log.info("dbqueue UPDATE STATISTICS of schema %r: %s (%s)", self.schema, done, MSSQL_NO_VACUUM)
+            return {"tables": done, "statement": "UPDATE STATISTICS", "note": MSSQL_NO_VACUUM}
         log.info("dbqueue %s of schema %r: %s", "ANALYZE" if analyze_only else "VACUUM", self.schema, done)
         return {"tables": done}
 
@@ -542,7 +672,9 @@ class Maintenance:
         """Return what holds back the xmin horizon: old transactions (and prepared ones), and slots.
 
         While one of them holds it, VACUUM (auto or not) cannot remove the dead rows of any table, and
-        queue tables bloat whatever maintenance does.
+        queue tables bloat whatever maintenance does. On SQL Server (no xmin horizon): transactions of
+        this database open longer than ``min_age_s`` (they hold back log truncation) and snapshot
+        transactions (they hold back row-version and ghost cleanup); ``min_xid_age`` is not used there.
         """
         rows = self._db.fetchall("xmin_holders", {"min_age_s": float(min_age_s), "min_xid_age": min_xid_age})
         return [
@@ -564,10 +696,14 @@ class Maintenance:
     def check_horizon(self, *, min_age_s: float = 300.0, min_xid_age: int = 1_000_000) -> list[XminHolder]:
         """:meth:`xmin_holders`, with a warning logged for each."""
         holders = self.xmin_holders(min_age_s=min_age_s, min_xid_age=min_xid_age)
+        what = (
+            "cleanup is held back (the log cannot be truncated past it; under snapshot isolation row "
+            "versions and ghost records stay)"
+            if self._ms is not None
+            else "the xmin horizon is held back (VACUUM cannot remove dead rows)"
+        )
         for h in holders:
-            log.warning(
-                "dbqueue: the xmin horizon is held back (VACUUM cannot remove dead rows): %s", h.describe()
-            )
+            log.warning("dbqueue: %s: %s", what, h.describe())
         return holders
 
     # -- indexes -------------------------------------------------------------------------------------
@@ -575,8 +711,12 @@ class Maintenance:
     def index_health(self) -> list[IndexHealth]:
         """Return every index of the schema with its size and a bloat estimate (B-tree indexes).
 
-        Entry counts come from the last VACUUM or ANALYZE; :meth:`rebuild_indexes` analyzes first.
+        Entry counts come from the last VACUUM or ANALYZE; :meth:`rebuild_indexes` analyzes first. On
+        SQL Server, sizes, entries, page density and fragmentation are read from the indexes themselves
+        (``sys.dm_db_index_physical_stats``, SAMPLED), and the estimate is the size at the fill factor.
         """
+        if self._ms is not None:
+            return self._mssql_index_health()[0]
         out = []
         for (
             name,
@@ -599,6 +739,48 @@ class Maintenance:
             out.append(IndexHealth(name, table, method, valid, int(size), entries, expected, running))
         return out
 
+    def _mssql_index_health(self) -> tuple[list[IndexHealth], int | None]:
+        """SQL Server: every index of the schema, and the server's engine edition."""
+        out, edition = [], None
+        for (
+            name,
+            table,
+            method,
+            valid,
+            size,
+            entries,
+            leaf_pages,
+            fragmentation,
+            density,
+            fill_factor,
+            engine_edition,
+            running,
+        ) in self._db.fetchall("index_health", {"schema": self.schema}):
+            edition = None if engine_edition is None else int(engine_edition)
+            size_bytes = int(size)
+            expected = mssql_expected_bytes(
+                size_bytes,
+                None if leaf_pages is None else int(leaf_pages),
+                None if density is None else float(density),
+                int(fill_factor),
+            )
+            out.append(
+                IndexHealth(
+                    name,
+                    table,
+                    method,
+                    bool(valid),
+                    size_bytes,
+                    None if entries is None else int(entries),
+                    expected,
+                    bool(running),
+                    None if fragmentation is None else round(float(fragmentation), 2),
+                    None if density is None else round(float(density), 2),
+                    int(fill_factor),
+                )
+            )
+        return out, edition
+
     def rebuild_indexes(
         self,
         *,
@@ -608,6 +790,7 @@ class Maintenance:
         analyze: bool = True,
         only: Sequence[str] | None = None,
         lock_wait_s: float = 0.0,
+        fragmentation_pct: float = 30.0,
     ) -> dict[str, Any]:
         """Rebuild bloated indexes online and clean up INVALID ones; return what was done.
 
@@ -619,12 +802,32 @@ class Maintenance:
         left alone. A rebuild that fails (``timeout_s`` passed, or it was cancelled) is reported, and
         the INVALID index it left is dropped at once (or by the next run).
 
-        :param analyze: ANALYZE the tables first, so the entry counts behind the estimate are fresh.
+        On SQL Server the step reads page density and fragmentation (:func:`mssql_rebuild_reason`) and
+        runs ``ALTER INDEX ... REBUILD WITH (ONLINE = ON)`` where the engine edition has online index
+        operations, ``REORGANIZE`` otherwise (:func:`rebuild_mode`, decided from the edition the server
+        reports now); the result names the ``mode`` and the ``edition``. A failed rebuild rolls back and
+        leaves nothing to clean up (``leftovers`` says so); a disabled index is reported and left alone.
+
+        :param analyze: ANALYZE the tables first, so the entry counts behind the estimate are fresh
+            (PostgreSQL; SQL Server reads its indexes directly).
         :param only: rebuild exactly these indexes of the schema (by name), bloated or not; INVALID
             leftovers of failed rebuilds are dropped all the same.
+        :param fragmentation_pct: SQL Server only: also rebuild indexes of at least ``min_bloat_bytes``
+            whose leaf level is at least this many percent fragmented.
         """
         if bloat_ratio < 1 or min_bloat_bytes < 0 or timeout_s <= 0:
             raise ConfigurationError("need bloat_ratio >= 1, min_bloat_bytes >= 0 and timeout_s > 0")
+        if not 0 <= fragmentation_pct <= 100:
+            raise ConfigurationError(f"fragmentation_pct must be in 0..100, got {fragmentation_pct}")
+        if self._ms is not None:
+            return self._mssql_rebuild_indexes(
+                bloat_ratio=bloat_ratio,
+                min_bloat_bytes=min_bloat_bytes,
+                fragmentation_pct=fragmentation_pct,
+                timeout_s=timeout_s,
+                only=only,
+                lock_wait_s=lock_wait_s,
+            )
         with self.lock(lock_wait_s) as got:
             if not got:
                 return {"skipped": self._skip_reason, "actions": []}
@@ -662,6 +865,114 @@ class Maintenance:
                     reason = f"{estimate} (x{ratio:.1f})"
                 actions.append(self._reindex(h, "reindex", reason, timeout_s))
         return {"actions": [a.as_dict() for a in actions]}
+
+    def _mssql_rebuild_indexes(
+        self,
+        *,
+        bloat_ratio: float,
+        min_bloat_bytes: int,
+        fragmentation_pct: float,
+        timeout_s: float,
+        only: Sequence[str] | None,
+        lock_wait_s: float,
+    ) -> dict[str, Any]:
+        from airflow_dbqueue.engine.dialects.mssql.dialect import edition_name, rebuild_mode
+
+        with self.lock(lock_wait_s) as got:
+            if not got:
+                return {"skipped": self._skip_reason, "actions": []}
+            health, edition = self._mssql_index_health()
+            mode = rebuild_mode(edition)
+            why = f"{edition_name(edition)} " + (
+                "rebuilds indexes online"
+                if mode == "online rebuild"
+                else "has no online index rebuild, so REORGANIZE (online in every edition)"
+            )
+            wanted = set(only) if only is not None else None
+            unknown = sorted((wanted or set()) - {h.index for h in health})
+            if unknown:
+                raise ConfigurationError(f"no index {unknown} in schema {self.schema!r}")
+            done: list[_MssqlAction] = []
+            for h in health:
+                if wanted is not None and h.index not in wanted:
+                    continue
+                if not h.valid:
+                    done.append(
+                        (h, "skip", True, 0.0, "disabled (ALTER INDEX ... DISABLE): left to its owner", None)
+                    )
+                    continue
+                if h.build_running:
+                    reason = (
+                        "an index operation runs in this database, or a resumable one is paused on its table"
+                    )
+                    done.append((h, "skip", True, 0.0, reason, None))
+                    continue
+                if wanted is not None:
+                    density = f"{h.page_density_pct:.0f}%" if h.page_density_pct is not None else "?"
+                    found: str | None = f"asked for ({h.size_bytes} bytes, leaf pages {density} full)"
+                else:
+                    found = mssql_rebuild_reason(
+                        h,
+                        bloat_ratio=bloat_ratio,
+                        min_bloat_bytes=min_bloat_bytes,
+                        fragmentation_pct=fragmentation_pct,
+                    )
+                if found is not None:
+                    done.append(self._mssql_rebuild(h, mode, found, timeout_s))
+            after = (
+                {x.index: x.size_bytes for x in self._mssql_index_health()[0]}
+                if any(ok and action != "skip" for _, action, ok, *_ in done)
+                else {}
+            )
+        actions = [
+            IndexAction(
+                h.index,
+                action,
+                ok,
+                seconds,
+                h.size_bytes,
+                after.get(h.index) if ok and action != "skip" else None,
+                reason,
+                error,
+            )
+            for h, action, ok, seconds, reason, error in done
+        ]
+        return {
+            "actions": [a.as_dict() for a in actions],
+            "mode": mode,
+            "engine_edition": edition,
+            "edition": edition_name(edition),
+            "why": why,
+            "leftovers": MSSQL_NO_LEFTOVERS,
+        }
+
+    def _mssql_rebuild(self, h: IndexHealth, mode: str, reason: str, timeout_s: float) -> _MssqlAction:
+        """SQL Server: rebuild (or reorganize) one index on the run's connection, within ``timeout_s``."""
+        assert self._ms is not None
+        conn = self._conn()
+        t0 = time.monotonic()
+        what = f"ALTER INDEX {h.index} ON {self.schema}.{h.table} " + (
+            "REBUILD WITH (ONLINE = ON)" if mode == "online rebuild" else "REORGANIZE"
+        )
+        log.info("dbqueue: %s (%s)", what, reason)
+        params = {"online": mode == "online rebuild", "max_duration_min": max(1, math.ceil(timeout_s / 60))}
+        try:
+            self._ms.set_timeouts(conn, statement_s=timeout_s, lock_s=timeout_s)
+            try:
+                row = self._ms.fetchone(
+                    "reindex_concurrently", params, conn, identifiers={"index": h.index, "table": h.table}
+                )
+            finally:
+                with contextlib.suppress(DbQueueError):
+                    self._ms.reset_timeouts(conn)
+        except DbQueueError as exc:
+            error = self._describe_failure(what, exc, timeout_s)
+            log.warning("dbqueue: %s; %s", error, MSSQL_NO_LEFTOVERS)
+            return h, mode, False, round(time.monotonic() - t0, 3), reason, error
+        if row is None or row[0] is None:
+            error = f"index {h.index} is no longer on {self.schema}.{h.table}; nothing was run"
+            return h, mode, False, round(time.monotonic() - t0, 3), reason, error
+        return h, mode, True, round(time.monotonic() - t0, 3), reason, None
 
     def _with_timeouts(self, timeout_s: float) -> None:
         ms = _ms(timeout_s)
@@ -728,8 +1039,15 @@ class Maintenance:
             h.index, "drop leftover", True, round(time.monotonic() - t0, 3), h.size_bytes, 0, reason
         )
 
-    @staticmethod
-    def _describe_failure(what: str, exc: DbQueueError, timeout_s: float) -> str:
+    def _describe_failure(self, what: str, exc: DbQueueError, timeout_s: float) -> str:
+        if self._ms is not None:
+            from airflow_dbqueue.engine.dialects.mssql.dialect import query_timeout_s
+
+            if isinstance(exc, LockTimeoutError):
+                return f"{what} gave up waiting for a lock after {timeout_s:g}s"
+            if isinstance(exc, TransientDatabaseError) and "query timeout" in str(exc):
+                return f"{what} was cancelled (query timeout of {query_timeout_s(timeout_s)}s)"
+            return f"{what} failed: {exc}"
         import psycopg.errors
 
         cause = exc.__cause__
@@ -742,7 +1060,11 @@ class Maintenance:
     # -- metrics -------------------------------------------------------------------------------------
 
     def table_health(self) -> list[dict[str, Any]]:
-        """Size and vacuum state of the schema's tables (JSON-safe dicts)."""
+        """Size and vacuum state of the schema's tables (JSON-safe dicts).
+
+        On SQL Server the dead-row and vacuum columns are ``None``: it counts no dead rows and has no
+        VACUUM; ``last_analyze`` is the newest statistics update.
+        """
         out = []
         for name, heap, idx, total, live, dead, vacuumed, analyzed, autovacuums, vacuums in self._db.fetchall(
             "table_health", {"schema": self.schema}
@@ -754,12 +1076,16 @@ class Maintenance:
                     "index_bytes": int(idx),
                     "total_bytes": int(total),
                     "live_tuples": int(live),
-                    "dead_tuples": int(dead),
-                    "dead_ratio": round(dead / (live + dead), 4) if live + dead else 0.0,
+                    "dead_tuples": None if dead is None else int(dead),
+                    "dead_ratio": None
+                    if dead is None
+                    else round(dead / (live + dead), 4)
+                    if live + dead
+                    else 0.0,
                     "last_vacuum": _iso(vacuumed),
                     "last_analyze": _iso(analyzed),
-                    "autovacuum_count": int(autovacuums),
-                    "vacuum_count": int(vacuums),
+                    "autovacuum_count": None if autovacuums is None else int(autovacuums),
+                    "vacuum_count": None if vacuums is None else int(vacuums),
                 }
             )
         return out
@@ -854,6 +1180,7 @@ class Maintenance:
                         min_bloat_bytes=cfg.reindex_min_bytes,
                         timeout_s=cfg.reindex_timeout_s,
                         analyze=not cfg.vacuum,
+                        fragmentation_pct=cfg.reindex_fragmentation_pct,
                     )
         report["metrics"] = self.metrics(
             queues,

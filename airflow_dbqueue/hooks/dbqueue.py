@@ -119,7 +119,7 @@ _QUEUE_GAUGES = (
     "finished_per_s",
 )
 _TABLE_GAUGES = ("total_bytes", "table_bytes", "index_bytes", "live_tuples", "dead_tuples", "dead_ratio")
-_INDEX_GAUGES = ("size_bytes", "bloat_ratio", "bloat_bytes")
+_INDEX_GAUGES = ("size_bytes", "bloat_ratio", "bloat_bytes", "fragmentation_pct", "page_density_pct")
 
 
 def emit_metrics(metrics: Mapping[str, Any], *, prefix: str = "dbqueue") -> int:
@@ -128,7 +128,8 @@ def emit_metrics(metrics: Mapping[str, Any], *, prefix: str = "dbqueue") -> int:
     Names are ``<prefix>.<schema>.<queue>.<gauge>`` for queues (``ready``, ``delayed``, ``in_flight``,
     ``failed``, ``finished``, ``oldest_ready_age_s``, ``pushed_per_s``, ``finished_per_s``),
     ``<prefix>.<schema>.table.<table>.<gauge>`` (sizes, live and dead rows),
-    ``<prefix>.<schema>.index.<index>.<gauge>`` (size and bloat) and ``<prefix>.<schema>.xmin_holders``,
+    ``<prefix>.<schema>.index.<index>.<gauge>`` (size and bloat; on SQL Server also fragmentation and
+    page density) and ``<prefix>.<schema>.xmin_holders``,
     each also tagged with ``schema`` (and ``queue``, ``table`` or ``index``) for tagging backends.
     Schema and queue names are identifiers, so every name is a valid stat name.
 
@@ -539,7 +540,11 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
         return self.maintenance().recover(queues, limit=limit)
 
     def vacuum(self, *, lock_wait_s: float = 0.0) -> dict[str, Any]:
-        """VACUUM (ANALYZE) the schema's tables, skipping any that another session has locked."""
+        """VACUUM (ANALYZE) the schema's tables, skipping any that another session has locked.
+
+        SQL Server has no VACUUM (its ghost cleanup task removes deleted rows): there the step runs
+        UPDATE STATISTICS, and the result says so.
+        """
         return self.maintenance().vacuum(lock_wait_s=lock_wait_s)
 
     def rebuild_indexes(
@@ -549,24 +554,40 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
         min_bloat_bytes: int = 1024 * 1024,
         timeout_s: float = 600.0,
         lock_wait_s: float = 0.0,
+        fragmentation_pct: float = 30.0,
     ) -> dict[str, Any]:
-        """Rebuild bloated indexes with REINDEX CONCURRENTLY and drop INVALID leftovers of failed rebuilds."""
+        """Rebuild bloated indexes online; see :meth:`Maintenance.rebuild_indexes`.
+
+        PostgreSQL: REINDEX INDEX CONCURRENTLY, and INVALID leftovers of failed rebuilds are dropped.
+        SQL Server: ALTER INDEX ... REBUILD WITH (ONLINE = ON) where the engine edition allows it,
+        REORGANIZE otherwise (the result's ``mode`` and ``edition`` say which); ``fragmentation_pct``
+        applies there only.
+        """
         return self.maintenance().rebuild_indexes(
             bloat_ratio=bloat_ratio,
             min_bloat_bytes=min_bloat_bytes,
             timeout_s=timeout_s,
             lock_wait_s=lock_wait_s,
+            fragmentation_pct=fragmentation_pct,
         )
 
     def check_horizon(
         self, *, min_age_s: float = 300.0, min_xid_age: int = 1_000_000
     ) -> list[dict[str, Any]]:
-        """Return (and log a warning for) whatever holds back the xmin horizon, as JSON-safe dicts."""
-        holders = self.maintenance().xmin_holders(min_age_s=min_age_s, min_xid_age=min_xid_age)
+        """Return (and log a warning for) whatever holds back cleanup, as JSON-safe dicts.
+
+        PostgreSQL: the xmin horizon (VACUUM cannot remove dead rows). SQL Server: long transactions of
+        the database and snapshot transactions (log truncation, row-version and ghost cleanup).
+        """
+        m = self.maintenance()
+        holders = m.xmin_holders(min_age_s=min_age_s, min_xid_age=min_xid_age)
+        what = (
+            "Cleanup is held back (log truncation, row versions and ghost records)"
+            if m.dialect == "mssql"
+            else "The xmin horizon is held back (VACUUM cannot remove dead rows)"
+        )
         for h in holders:
-            self.log.warning(
-                "The xmin horizon is held back (VACUUM cannot remove dead rows): %s", h.describe()
-            )
+            self.log.warning("%s: %s", what, h.describe())
         return [h.as_dict() for h in holders]
 
     def queue_metrics(

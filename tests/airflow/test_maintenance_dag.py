@@ -112,3 +112,59 @@ def test_hook_maintenance_and_metrics(
     assert f"dbqueue.{dbq.schema}.index.meta_ready_idx.bloat_ratio" in gauges
     assert ("queue", "jobs") in next(t for n, _, t in sent if n.endswith("jobs.ready")).items()
     assert emit_metrics({"schema": "s", "queues": {"q": {"ready": 1, "oldest_ready_age_s": None}}}) == 2
+    assert f"dbqueue.{dbq.schema}.index.meta_ready_idx.page_density_pct" not in gauges  # PostgreSQL
+    # SQL Server's index measures (IndexHealth.as_dict there) go out as gauges too.
+    sent.clear()
+    index = {"size_bytes": 8192, "bloat_ratio": 1.1, "fragmentation_pct": 12.5, "page_density_pct": 81.0}
+    assert emit_metrics({"schema": "s", "indexes": {"meta_pkey": index}}) == 5  # and xmin_holders
+    assert ("dbqueue.s.index.meta_pkey.page_density_pct", 81.0) in [(n, v) for n, v, _ in sent]
+
+
+def mssql_conn_json(mssql_dsn: str, schema: str) -> str:
+    """An Airflow connection (JSON form) of type mssql for an ``mssql://`` URL, queues in ``schema``."""
+    from urllib.parse import parse_qsl, unquote, urlsplit
+
+    url = urlsplit(mssql_dsn)
+    return json.dumps(
+        {
+            "conn_type": "mssql",
+            "host": url.hostname,
+            "port": url.port or 1433,
+            "login": unquote(url.username or ""),
+            "password": unquote(url.password or ""),
+            "schema": unquote(url.path.strip("/")),
+            "extra": {"dbqueue_schema": schema, **dict(parse_qsl(url.query))},
+        }
+    )
+
+
+def test_hook_maintenance_on_sql_server(
+    mssql_dsn: str, schema_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hook's maintenance through an Airflow connection of type mssql (skipped without
+    $DBQUEUE_TEST_MSSQL_DSN; never run yet): the report, the gauges, and a second run that skips."""
+    from airflow.sdk.observability.stats import Stats
+
+    from tests.conftest import installed_dbq
+
+    sent: list[tuple[str, float]] = []
+    monkeypatch.setattr(Stats, "gauge", lambda stat, value, *a, **k: sent.append((stat, value)))
+    monkeypatch.setenv("AIRFLOW_CONN_DBQUEUE_MSSQL", mssql_conn_json(mssql_dsn, schema_name))
+    with installed_dbq(mssql_dsn, schema_name, dialect="mssql") as dbq:
+        q = dbq.create_queue("jobs")
+        q.push_batch(list(range(40)))
+        q.pop(25)
+        with DbQueueHook("dbqueue_mssql") as hook:
+            assert hook.get_conn().dialect == "mssql"
+            report = hook.maintain({"archive_after_s": 0})
+            assert report["skipped"] is None and report["archive"]["rows"] == 25
+            assert report["vacuum"]["statement"] == "UPDATE STATISTICS"
+            assert report["indexes"]["mode"] in ("online rebuild", "reorganize")
+            assert json.loads(json.dumps(report)) == report
+            with hook.maintenance().lock(), DbQueueHook("dbqueue_mssql") as other:
+                skipped = other.archive(older_than_s=0)
+            assert skipped["stopped"] == "skipped" and "airflow-dbqueue-maintenance" in skipped["skipped"]
+        assert [m.payload for m in q.pop(15)] == list(range(25, 40))  # untouched
+    gauges = dict(sent)
+    assert gauges[f"dbqueue.{schema_name}.jobs.ready"] == 15.0
+    assert f"dbqueue.{schema_name}.index.meta_ready_idx.page_density_pct" in gauges

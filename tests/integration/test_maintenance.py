@@ -5,6 +5,11 @@ and online index rebuilds run, and proves by ids and payload checksums that noth
 the archive (plus what still waits in ``done``) holds exactly the finished messages. The bloat test
 runs the same churn with and without maintenance and compares sizes (the long version is
 ``benchmarks/run.py --maintenance``).
+
+Each test that takes ``dbq`` runs on PostgreSQL, and on SQL Server when ``$DBQUEUE_TEST_MSSQL_DSN`` names
+one (reported as skipped otherwise). Tests of PostgreSQL-only behaviour (REINDEX CONCURRENTLY's INVALID
+leftovers, xids, the bloat bound measured here) skip themselves on SQL Server, saying why, and SQL
+Server has twins of its own where its behaviour differs (the horizon, a blocked rebuild).
 """
 
 from __future__ import annotations
@@ -24,9 +29,41 @@ from psycopg import sql
 
 from airflow_dbqueue import cli
 from airflow_dbqueue.engine import ConfigurationError, DbQueue, MaintenanceConfig
-from airflow_dbqueue.engine.maintenance import APPLICATION_NAME, expected_btree_bytes
+from airflow_dbqueue.engine.maintenance import APPLICATION_NAME, MSSQL_NO_LEFTOVERS, expected_btree_bytes
+from tests.conftest import installed_dbq
 
 pytestmark = pytest.mark.integration
+
+DIALECTS = ["postgresql", "mssql"]
+
+
+@pytest.fixture(params=DIALECTS)
+def dbq(request: pytest.FixtureRequest, schema_name: str) -> Iterator[DbQueue]:
+    """A DbQueue on a fresh, installed schema of each dialect; dropped after the test."""
+    dsn = request.getfixturevalue("pg_dsn" if request.param == "postgresql" else "mssql_dsn")
+    with installed_dbq(dsn, schema_name, dialect=request.param) as q:
+        yield q
+
+
+def postgres_only(dbq: DbQueue, why: str) -> None:
+    if dbq.dialect != "postgresql":
+        pytest.skip(f"PostgreSQL only on {dbq.dialect}: {why}")
+
+
+def mssql_only(dbq: DbQueue, why: str) -> None:
+    if dbq.dialect != "mssql":
+        pytest.skip(f"SQL Server only on {dbq.dialect}: {why}")
+
+
+def rows(dbq: DbQueue, query: str) -> list[tuple[Any, ...]]:
+    """Run a read-only statement on either dialect; ``{s}`` is the quoted schema."""
+    if dbq.dialect == "mssql":
+        with dbq.transaction() as conn:
+            cur = conn.cursor()
+            cur.execute(query.format(s=f"[{dbq.schema}]"))
+            return [tuple(r) for r in cur.fetchall()]
+    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+        return c.execute(query.format(s=f'"{dbq.schema}"')).fetchall()
 
 
 def checksum(payloads: Iterable[Any]) -> str:
@@ -36,20 +73,15 @@ def checksum(payloads: Iterable[Any]) -> str:
     ).hexdigest()
 
 
-def archived(pg_dsn: str, schema: str) -> dict[int, Any]:
+def archived(dbq: DbQueue) -> dict[int, Any]:
     """``{id: payload}`` of every archived message."""
-    with psycopg.connect(pg_dsn, autocommit=True) as c:
-        q = sql.SQL("SELECT id, payload FROM {}.archive").format(sql.Identifier(schema))
-        return {r[0]: json.loads(r[1]) for r in c.execute(q)}
+    return {r[0]: json.loads(r[1]) for r in rows(dbq, "SELECT id, payload FROM {s}.archive")}
 
 
-def waiting_in_done(pg_dsn: str, schema: str) -> dict[int, Any]:
+def waiting_in_done(dbq: DbQueue) -> dict[int, Any]:
     """``{id: payload}`` of every finished message not archived yet (done, with its payload in data)."""
-    with psycopg.connect(pg_dsn, autocommit=True) as c:
-        q = sql.SQL("SELECT f.id, d.payload FROM {s}.done f LEFT JOIN {s}.data d ON d.id = f.id").format(
-            s=sql.Identifier(schema)
-        )
-        return {r[0]: None if r[1] is None else json.loads(r[1]) for r in c.execute(q)}
+    got = rows(dbq, "SELECT f.id, d.payload FROM {s}.done f LEFT JOIN {s}.data d ON d.id = f.id")
+    return {r[0]: None if r[1] is None else json.loads(r[1]) for r in got}
 
 
 def invalid_indexes(pg_dsn: str, schema: str) -> list[str]:
@@ -73,7 +105,7 @@ def churn(q: Any, rounds: int, batch: int) -> None:
 # -- archiving -------------------------------------------------------------------------------------
 
 
-def test_archive_moves_exactly_the_finished_messages_in_batches(dbq: DbQueue, pg_dsn: str) -> None:
+def test_archive_moves_exactly_the_finished_messages_in_batches(dbq: DbQueue) -> None:
     q = dbq.create_queue("orders")
     other = dbq.create_queue("other")
     ids = q.push_batch([{"n": i} for i in range(2500)])
@@ -89,8 +121,8 @@ def test_archive_moves_exactly_the_finished_messages_in_batches(dbq: DbQueue, pg
     assert m.archive(older_than_s=3600).rows == 0  # nothing is that old yet
     result = m.archive(older_than_s=0, batch_size=400, pause_s=0, queues=["orders"])
     assert (result.rows, result.batches, result.stopped, result.skipped) == (1700, 5, "drained", None)
-    assert archived(pg_dsn, dbq.schema) == finished
-    assert set(waiting_in_done(pg_dsn, dbq.schema)) == set(range(ids[-1] + 1, ids[-1] + 51))  # other's
+    assert archived(dbq) == finished
+    assert set(waiting_in_done(dbq)) == set(range(ids[-1] + 1, ids[-1] + 51))  # other's
     stats = q.stats()
     assert (stats.ready, stats.delayed, stats.finished) == (500, 300, 0)
     # The payloads of messages still queued are untouched.
@@ -108,7 +140,7 @@ def test_archive_stops_at_its_time_budget(dbq: DbQueue) -> None:
     assert result.rows + rest.rows == 300 and rest.stopped == "drained"
 
 
-def test_archive_retention_deletes_old_archived_messages(dbq: DbQueue, pg_dsn: str) -> None:
+def test_archive_retention_deletes_old_archived_messages(dbq: DbQueue) -> None:
     q = dbq.create_queue("q")
     q.push_batch(list(range(120)))
     q.pop(120)
@@ -117,7 +149,7 @@ def test_archive_retention_deletes_old_archived_messages(dbq: DbQueue, pg_dsn: s
     assert m.purge_archive(older_than_s=3600).rows == 0
     purged = m.purge_archive(older_than_s=0, batch_size=50, pause_s=0)
     assert (purged.rows, purged.batches, purged.stopped) == (120, 3, "drained")
-    assert archived(pg_dsn, dbq.schema) == {}
+    assert archived(dbq) == {}
 
 
 def test_batch_settings_are_checked(dbq: DbQueue) -> None:
@@ -187,8 +219,9 @@ def test_recover_reclaims_expired_leases(dbq: DbQueue) -> None:
     assert (q.stats().failed, r.stats().ready) == (3, 2)
 
 
-def test_xmin_holder_is_named(dbq: DbQueue, pg_dsn: str) -> None:
-    with psycopg.connect(pg_dsn, application_name="long-report") as other:
+def test_xmin_holder_is_named(dbq: DbQueue) -> None:
+    postgres_only(dbq, "xids and the xmin horizon (test_a_long_transaction_is_named is SQL Server's)")
+    with psycopg.connect(dbq.db.dsn, application_name="long-report") as other:
         other.execute("SELECT txid_current()")  # an open transaction with an xid
         time.sleep(0.05)
         holders = dbq.maintenance().check_horizon(min_age_s=0)
@@ -200,36 +233,79 @@ def test_xmin_holder_is_named(dbq: DbQueue, pg_dsn: str) -> None:
     assert all(h.pid != pid for h in dbq.maintenance().xmin_holders(min_age_s=0))
 
 
+def test_a_long_transaction_is_named_on_sql_server(dbq: DbQueue) -> None:
+    mssql_only(dbq, "PostgreSQL names xmin holders (test_xmin_holder_is_named)")
+    dbq.create_queue("q")
+    other = dbq.db.connect(application_name="long-report")
+    try:
+        other.cursor().execute(f"UPDATE [{dbq.schema}].queues SET archive = archive WHERE name = N'q'")
+        time.sleep(0.05)
+        holders = dbq.maintenance().check_horizon(min_age_s=0)
+        [mine] = [h for h in holders if h.name == "long-report"]
+    finally:
+        other.rollback()
+    try:
+        assert mine.kind in ("transaction", "snapshot transaction") and mine.pid is not None
+        assert mine.age_s is not None and mine.xid_age is None and mine.xact_start
+        assert "UPDATE" in (mine.query or "")
+        assert "long-report" in mine.describe() and f"pid {mine.pid}" in mine.describe()
+        assert all(h.name != "long-report" for h in dbq.maintenance().xmin_holders(min_age_s=0))
+    finally:
+        other.close()
+
+
 def test_vacuum_and_metrics(dbq: DbQueue) -> None:
     q = dbq.create_queue("q")
     churn(q, 4, 250)
     q.push_batch(list(range(7)))
     q.push_batch([0], delay=60)
     m = dbq.maintenance()
-    assert set(m.vacuum()["tables"]) == {
-        "meta",
-        "data",
-        "done",
-        "archive",
-        "queues",
-        "batches",
-        "ring_slots",
-        "ring_failed",
-    }
+    vacuumed = m.vacuum()
+    if dbq.dialect == "mssql":  # no VACUUM there, and no ring yet
+        assert set(vacuumed["tables"]) == {
+            "meta",
+            "data",
+            "done",
+            "archive",
+            "queues",
+            "batches",
+            "batch_items",
+        }
+        assert vacuumed["statement"] == "UPDATE STATISTICS" and "ghost cleanup" in vacuumed["note"]
+    else:
+        assert set(vacuumed["tables"]) == {
+            "meta",
+            "data",
+            "done",
+            "archive",
+            "queues",
+            "batches",
+            "ring_slots",
+            "ring_failed",
+        }
     metrics = m.metrics(rate_window_s=60)
     assert json.loads(json.dumps(metrics)) == metrics  # JSON-safe
     qm = metrics["queues"]["q"]
     assert (qm["ready"], qm["delayed"], qm["finished"], qm["design"]) == (7, 1, 1000, "table")
     assert qm["pushed_per_s"] == round(1008 / 60, 3) and qm["finished_per_s"] == round(1000 / 60, 3)
     assert qm["oldest_ready_age_s"] is not None
-    assert metrics["tables"]["meta"]["live_tuples"] == 8 and metrics["tables"]["meta"]["dead_tuples"] == 0
-    assert metrics["indexes"]["meta_ready_idx"]["entries"] == 8
+    assert metrics["tables"]["meta"]["live_tuples"] == 8
+    if dbq.dialect == "mssql":  # no dead-row counts; leaf pages measured directly
+        assert metrics["tables"]["meta"]["dead_tuples"] is None
+        ready = metrics["indexes"]["meta_ready_idx"]
+        assert (
+            ready["entries"] is not None and ready["entries"] >= 8 and ready["page_density_pct"] is not None
+        )
+    else:
+        assert metrics["tables"]["meta"]["dead_tuples"] == 0
+        assert metrics["indexes"]["meta_ready_idx"]["entries"] == 8
 
 
-def test_bloat_estimate_of_a_fresh_index_is_about_its_size(dbq: DbQueue, pg_dsn: str) -> None:
+def test_bloat_estimate_of_a_fresh_index_is_about_its_size(dbq: DbQueue) -> None:
+    postgres_only(dbq, "REINDEX TABLE and reltuples (SQL Server's twin follows)")
     q = dbq.create_queue("q")
     q.push_batch(list(range(20_000)))
-    with psycopg.connect(pg_dsn, autocommit=True) as c:
+    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
         c.execute(sql.SQL("REINDEX TABLE {}.meta").format(sql.Identifier(dbq.schema)))
         c.execute(sql.SQL("ANALYZE {}.meta").format(sql.Identifier(dbq.schema)))
     health = {h.index: h for h in dbq.maintenance().index_health()}
@@ -239,12 +315,31 @@ def test_bloat_estimate_of_a_fresh_index_is_about_its_size(dbq: DbQueue, pg_dsn:
     assert expected_btree_bytes(0, 8, 90, 8192) == 2 * 8192  # the metapage and one leaf
 
 
+def test_bloat_estimate_of_a_rebuilt_index_is_about_its_size_on_sql_server(dbq: DbQueue) -> None:
+    mssql_only(dbq, "PostgreSQL's twin is the test above")
+    q = dbq.create_queue("q")
+    q.push_batch(list(range(20_000)))
+    m = dbq.maintenance()
+    report = m.rebuild_indexes(only=["meta_pkey", "meta_ready_idx"])
+    assert report["mode"] in ("online rebuild", "reorganize") and report["leftovers"] == MSSQL_NO_LEFTOVERS
+    assert [(a["index"], a["action"], a["ok"]) for a in report["actions"]] == [
+        ("meta_pkey", report["mode"], True),
+        ("meta_ready_idx", report["mode"], True),
+    ]
+    health = {h.index: h for h in m.index_health()}
+    for name in ("meta_pkey", "meta_ready_idx"):
+        ratio = health[name].bloat_ratio
+        assert ratio is not None and 0.8 < ratio < 1.25, (name, health[name])
+    assert health["meta_pkey"].fill_factor == 90
+    assert checksum(m.payload for m in q.pop(20_000)) == checksum(range(20_000))
+
+
 # -- online index rebuilds -------------------------------------------------------------------------
 
 
-def test_a_cancelled_concurrent_reindex_leaves_no_invalid_index_after_maintenance(
-    dbq: DbQueue, pg_dsn: str
-) -> None:
+def test_a_cancelled_concurrent_reindex_leaves_no_invalid_index_after_maintenance(dbq: DbQueue) -> None:
+    postgres_only(dbq, "REINDEX CONCURRENTLY's INVALID leftovers (SQL Server's rebuild rolls back whole)")
+    pg_dsn = dbq.db.dsn
     q = dbq.create_queue("q")
     q.push_batch(list(range(100)))
     ident = sql.Identifier(dbq.schema)
@@ -280,7 +375,9 @@ def test_a_cancelled_concurrent_reindex_leaves_no_invalid_index_after_maintenanc
     assert len(q.pop(100)) == 100
 
 
-def test_a_rebuild_that_times_out_is_cleaned_up_by_the_next_run(dbq: DbQueue, pg_dsn: str) -> None:
+def test_a_rebuild_that_times_out_is_cleaned_up_by_the_next_run(dbq: DbQueue) -> None:
+    postgres_only(dbq, "REINDEX CONCURRENTLY's INVALID leftovers (SQL Server's twin follows)")
+    pg_dsn = dbq.db.dsn
     q = dbq.create_queue("q")
     q.push_batch(list(range(100)))
     ident = sql.Identifier(dbq.schema)
@@ -304,12 +401,42 @@ def test_a_rebuild_that_times_out_is_cleaned_up_by_the_next_run(dbq: DbQueue, pg
         dbq.maintenance().rebuild_indexes(only=["no_such_idx"])
 
 
+def test_a_blocked_online_rebuild_fails_alone_and_the_next_run_rebuilds_on_sql_server(dbq: DbQueue) -> None:
+    """An open writing transaction keeps an online rebuild from its table lock; the rebuild gives up
+    within its timeout, leaves nothing behind and the queue as it was, and the next run succeeds."""
+    mssql_only(dbq, "PostgreSQL's twin is the test above")
+    q = dbq.create_queue("q")
+    payloads = [{"n": i} for i in range(100)]
+    q.push_batch(payloads)
+    first = dbq.maintenance().rebuild_indexes(only=["meta_ready_idx"])
+    assert [a["ok"] for a in first["actions"]] == [True]
+    if first["mode"] != "online rebuild":
+        pytest.skip(f"{first['edition']} reorganizes (page locks, one at a time): nothing to block here")
+    writer = dbq.db.connect(application_name="writer")
+    try:
+        writer.cursor().execute(f"UPDATE [{dbq.schema}].meta SET priority = 0 WHERE id = {q.peek(1)[0].id}")
+        started = time.monotonic()
+        blocked = dbq.maintenance().rebuild_indexes(only=["meta_ready_idx"], timeout_s=1)
+        waited = time.monotonic() - started
+    finally:
+        writer.rollback()
+        writer.close()
+    [failed] = blocked["actions"]
+    assert failed["ok"] is False and "meta_ready_idx" in failed["error"] and waited < 30
+    assert blocked["leftovers"] == MSSQL_NO_LEFTOVERS
+    again = dbq.maintenance().rebuild_indexes(only=["meta_ready_idx"])
+    assert [(a["index"], a["action"], a["ok"]) for a in again["actions"]] == [
+        ("meta_ready_idx", "online rebuild", True)
+    ]
+    assert checksum(m.payload for m in q.pop(100)) == checksum(payloads)
+
+
 # -- under load ------------------------------------------------------------------------------------
 
 
 @pytest.fixture
-def load_clients(pg_dsn: str, dbq: DbQueue) -> Iterator[list[DbQueue]]:
-    clients = [DbQueue(pg_dsn, schema=dbq.schema, pool_size=2) for _ in range(6)]
+def load_clients(dbq: DbQueue) -> Iterator[list[DbQueue]]:
+    clients = [DbQueue(dbq.db.dsn, schema=dbq.schema, pool_size=2, dialect=dbq.dialect) for _ in range(6)]
     try:
         yield clients
     finally:
@@ -318,7 +445,7 @@ def load_clients(pg_dsn: str, dbq: DbQueue) -> Iterator[list[DbQueue]]:
 
 
 def test_maintenance_during_load_loses_nothing_and_archives_exactly_the_finished(
-    dbq: DbQueue, pg_dsn: str, load_clients: list[DbQueue]
+    dbq: DbQueue, load_clients: list[DbQueue]
 ) -> None:
     """2 producers, 2 leasing consumers and 1 at-most-once consumer run while archiving and online
     index rebuilds of meta_ready_idx and meta_pkey run in a loop; then everything is accounted for."""
@@ -401,13 +528,14 @@ def test_maintenance_during_load_loses_nothing_and_archives_exactly_the_finished
     assert finished == pushed
     # The archive plus what still waits in done hold exactly the finished messages, with their payloads.
     dbq.maintenance().archive(older_than_s=3600)  # a no-op: nothing is that old
-    arch, waiting = archived(pg_dsn, dbq.schema), waiting_in_done(pg_dsn, dbq.schema)
+    arch, waiting = archived(dbq), waiting_in_done(dbq)
     assert not set(arch) & set(waiting)
     assert set(arch) | set(waiting) == set(finished)
     assert checksum([*arch.values(), *waiting.values()]) == checksum(finished.values())
     assert dbq.maintenance().archive(older_than_s=0).rows == len(waiting)
-    assert archived(pg_dsn, dbq.schema) == finished
-    assert invalid_indexes(pg_dsn, dbq.schema) == []
+    assert archived(dbq) == finished
+    if dbq.dialect == "postgresql":
+        assert invalid_indexes(dbq.db.dsn, dbq.schema) == []
     stats = dbq.queue("load").stats()
     assert (stats.ready, stats.in_flight, stats.finished) == (0, 0, 0)
 
@@ -431,6 +559,9 @@ def hot_bytes(pg_dsn: str, schema: str) -> int:
 
 def test_bloat_is_bounded_with_maintenance_and_grows_without(pg_dsn: str) -> None:
     """The same churn (push, lease, ack) on two schemas; one gets a maintenance run after each round.
+
+    PostgreSQL only: the bound below was measured here. SQL Server removes deleted rows by its own ghost
+    cleanup task, on its own schedule, and no bound has been measured on one.
 
     Stated bound: with maintenance, the hot tables (meta, data, done with indexes) stay under
     2 MiB, whatever the number of rounds. A round leaves 2,000 finished messages (about 450 KiB of
@@ -467,13 +598,11 @@ def test_bloat_is_bounded_with_maintenance_and_grows_without(pg_dsn: str) -> Non
 # -- the CLI ---------------------------------------------------------------------------------------
 
 
-def test_cli_archive_maintain_and_metrics(
-    dbq: DbQueue, pg_dsn: str, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_cli_archive_maintain_and_metrics(dbq: DbQueue, capsys: pytest.CaptureFixture[str]) -> None:
     q = dbq.create_queue("q")
     q.push_batch(list(range(30)))
     q.pop(30)
-    base = ["--dsn", pg_dsn, "--schema", dbq.schema]
+    base = ["--dsn", dbq.db.dsn, "--schema", dbq.schema]
     assert cli.main([*base, "archive", "--older-than", "0", "--batch-size", "20", "--retention", "3600"]) == 0
     archive, purge = (json.loads(line) for line in capsys.readouterr().out.splitlines())
     assert (archive["rows"], archive["batches"], purge["rows"]) == (30, 2, 0)

@@ -15,6 +15,11 @@ bracket-quoted after validation), binds their parameters and runs each as one tr
   whose transaction the dialect owns is retried (XACT_ABORT ON rolled all of it back); in the caller's
   transaction it is raised, since only the caller can redo its part.
 - No LISTEN/NOTIFY: waiting pops poll (see ``Queue.pop``).
+- Maintenance (``engine/maintenance.py``) runs on a connection of its own in autocommit mode
+  (:meth:`MssqlDatabase.dedicated_connection`), like PostgreSQL's: the statements of
+  :data:`OUTSIDE_TRANSACTION` run there as they are, everything else in a transaction of its own.
+  Timeouts are the session's ``SET LOCK_TIMEOUT`` and the driver's query timeout
+  (:meth:`MssqlDatabase.set_timeouts`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import datetime as dt
 import glob
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -54,21 +60,6 @@ _PKG = __package__ or "airflow_dbqueue.engine.dialects.mssql"
 DEFAULT_DRIVER = "ODBC Driver 18 for SQL Server"
 
 NOT_YET_PORTED: dict[str, str] = {
-    # Maintenance (engine/maintenance.py drives PostgreSQL only so far): the next step of issue 7.
-    "maintenance_try_lock": "maintenance: sp_getapplock @LockOwner = 'Session' on a dedicated connection",
-    "maintenance_unlock": "maintenance: sp_releaseapplock",
-    "maintenance_lock_holder": "maintenance: sys.dm_tran_locks joined to sys.dm_exec_sessions",
-    "set_timeouts": "maintenance: SET LOCK_TIMEOUT takes no variable; needs dynamic SQL or a fixed text",
-    "reset_timeouts": "maintenance: SET LOCK_TIMEOUT -1",
-    "archive_batch": "maintenance: DELETE TOP (n) ... OUTPUT INTO archive with READPAST",
-    "purge_archive_batch": "maintenance: DELETE TOP (n) with READPAST",
-    "vacuum_table": "no VACUUM on SQL Server: UPDATE STATISTICS (analyze_table) and ghost cleanup",
-    "analyze_table": "maintenance: UPDATE STATISTICS {schema}.{table}",
-    "drop_index_concurrently": "PostgreSQL leaves invalid _ccnew indexes; SQL Server's rebuild does not",
-    "index_health": "maintenance: sys.dm_db_index_physical_stats (avg_fragmentation_in_percent)",
-    "table_health": "maintenance: sys.dm_db_partition_stats",
-    "xmin_holders": "maintenance: long transactions from sys.dm_tran_active_transactions",
-    "queue_rates": "maintenance metrics: the same three counts with DATEADD",
     # The ring design (PostgreSQL server functions today): sequences with CACHE, sp_sequence_get_range
     # for batch ranges, READPAST claims over the slot window; create_queue refuses rings here meanwhile.
     "ring_ack": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
@@ -97,6 +88,122 @@ NOT_YET_PORTED: dict[str, str] = {
 The parity test checks that the PostgreSQL names are exactly this dialect's names plus these, so a new
 PostgreSQL query fails the test until it is ported or listed here.
 """
+
+OUTSIDE_TRANSACTION = frozenset(
+    {
+        "maintenance_try_lock",
+        "maintenance_unlock",
+        "set_timeouts",
+        "reset_timeouts",
+        "vacuum_table",
+        "analyze_table",
+        "reindex_concurrently",
+        "drop_index_concurrently",
+    }
+)
+"""Statements that run as they are on an autocommit connection (maintenance's own), as PostgreSQL runs
+VACUUM and REINDEX CONCURRENTLY outside a transaction block: an online rebuild inside a transaction would
+hold its final schema lock until the commit, and the session's lock and settings need none. Any other
+named query on an autocommit connection runs in a transaction of its own (a T-SQL batch of several
+statements must commit or roll back whole)."""
+
+INLINE_INT_PARAMS: dict[str, dict[str, tuple[int, int]]] = {"set_timeouts": {"lock_ms": (-1, 2**31 - 1)}}
+"""Parameters that T-SQL does not accept as parameters (``SET LOCK_TIMEOUT`` takes a constant), by query:
+written into the text as integers after :func:`int_literal` checked them against the range given."""
+
+ONLINE_REBUILD_EDITIONS: dict[int, str] = {
+    3: "Enterprise, Developer or Evaluation",
+    5: "Azure SQL Database",
+    8: "Azure SQL Managed Instance",
+}
+"""``SERVERPROPERTY('EngineEdition')`` values whose engine rebuilds indexes with ``ONLINE = ON``."""
+
+ENGINE_EDITIONS: dict[int, str] = {
+    1: "Personal or Desktop Engine",
+    2: "Standard (or Web, Business Intelligence)",
+    4: "Express",
+    6: "Azure Synapse dedicated SQL pool",
+    9: "Azure SQL Edge",
+    11: "Azure Synapse serverless SQL pool",
+    **ONLINE_REBUILD_EDITIONS,
+}
+"""Names of the ``SERVERPROPERTY('EngineEdition')`` values, for reports."""
+
+
+def edition_name(edition: int | None) -> str:
+    """Return a readable name of an engine edition number (``"EngineEdition 12"`` when unknown)."""
+    if edition is None:
+        return "an unknown edition"
+    return f"{ENGINE_EDITIONS.get(edition, 'EngineEdition')} ({edition})"
+
+
+def rebuild_mode(edition: int | None) -> str:
+    """Return how an index of a server of this engine edition is rebuilt without blocking the queue.
+
+    ``"online rebuild"`` (``ALTER INDEX ... REBUILD WITH (ONLINE = ON)``) where the edition has online
+    index operations (:data:`ONLINE_REBUILD_EDITIONS`), ``"reorganize"`` (``ALTER INDEX ... REORGANIZE``,
+    online in every edition) otherwise, and for an edition this code does not know: an offline rebuild
+    would lock the table for its whole duration, so it is never chosen.
+    """
+    return "online rebuild" if edition in ONLINE_REBUILD_EDITIONS else "reorganize"
+
+
+def int_literal(value: Any, *, name: str, low: int, high: int) -> str:
+    """Return ``value`` as the text of an integer in ``low..high`` for a T-SQL statement that takes a
+    constant; raise :class:`ConfigurationError` for anything else (booleans, fractions, other text)."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ConfigurationError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    text = value.strip() if isinstance(value, str) else str(value)
+    if not re.fullmatch(r"-?[0-9]{1,10}", text) or not low <= int(text) <= high:
+        raise ConfigurationError(f"{name} must be an integer in {low}..{high}, got {value!r}")
+    return str(int(text))
+
+
+def lock_timeout_ms(seconds: float | None) -> int:
+    """Return the ``SET LOCK_TIMEOUT`` value for ``seconds`` (``None``: wait without limit, -1).
+
+    Rounded up to whole milliseconds and capped at 2**31 - 1; negative, NaN or infinite seconds raise
+    :class:`ConfigurationError`.
+    """
+    if seconds is None:
+        return -1
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not math.isfinite(seconds):
+        raise ConfigurationError(f"a lock timeout must be a finite number of seconds, got {seconds!r}")
+    if seconds < 0:
+        raise ConfigurationError(f"a lock timeout must be >= 0 seconds, got {seconds!r}")
+    return min(2**31 - 1, math.ceil(seconds * 1000))
+
+
+def query_timeout_s(seconds: float | None) -> int:
+    """Return the driver's query timeout for ``seconds``: whole seconds, rounded up (0.2 s waits 1 s),
+    at least 1 for any positive value; 0 (no timeout) for ``None`` or 0."""
+    if seconds is None:
+        return 0
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not math.isfinite(seconds):
+        raise ConfigurationError(f"a statement timeout must be a finite number of seconds, got {seconds!r}")
+    if seconds < 0:
+        raise ConfigurationError(f"a statement timeout must be >= 0 seconds, got {seconds!r}")
+    return min(2**31 - 1, math.ceil(seconds))
+
+
+def inline_int_params(name: str, sql: str, params: Mapping[str, Any] | None) -> str:
+    """Write the :data:`INLINE_INT_PARAMS` of query ``name`` into ``sql`` as checked integer literals."""
+    ranges = INLINE_INT_PARAMS.get(name)
+    if not ranges:
+        return sql
+    given = params or {}
+
+    def repl(m: re.Match[str]) -> str:
+        key = m.group(1)
+        if key not in ranges:
+            return m.group(0)
+        if key not in given:
+            raise ConfigurationError(f"no value for the query parameter {key!r}")
+        low, high = ranges[key]
+        return int_literal(given[key], name=key, low=low, high=high)
+
+    return _NAMED.sub(repl, sql)
+
 
 # -- parameters ------------------------------------------------------------------------------------
 
@@ -320,6 +427,10 @@ def translate(exc: Exception, *, where: str, schema: str, connecting: bool = Fal
             f"the dbqueue schema {schema!r} is not installed at {where} (run install(), or `dbqueue init`): "
             f"{message}"
         )
+    if state == "HYT00" and not connecting:
+        return TransientDatabaseError(
+            f"SQL Server at {where}: the statement was cancelled, its query timeout expired: {message}"
+        )
     if connecting or state in _UNAVAILABLE_STATES or state.startswith("08"):
         what = "login timeout" if state == "HYT00" and connecting else "unreachable"
         return DatabaseUnavailableError(f"SQL Server at {where} is {what}: {message}")
@@ -327,6 +438,15 @@ def translate(exc: Exception, *, where: str, schema: str, connecting: bool = Fal
 
 
 # -- the database ----------------------------------------------------------------------------------
+
+
+def _execute(cur: Any, text: str, values: Sequence[Any]) -> None:
+    """Run ``text`` on a pyodbc cursor; without values, as a plain batch (no parameters at all), so that
+    a SET in it holds for the session rather than for a parameterized batch only."""
+    if values:
+        cur.execute(text, values)
+    else:
+        cur.execute(text)
 
 
 def schema_sql() -> tuple[int, str]:
@@ -375,17 +495,21 @@ class MssqlDatabase:
 
     # -- connections -------------------------------------------------------------------------------
 
-    def connect(self) -> Any:
-        """Open a new connection (autocommit off, XACT_ABORT on); raise the engine's errors."""
+    def connect(self, *, application_name: str | None = None, autocommit: bool = False) -> Any:
+        """Open a new connection (XACT_ABORT on; autocommit off unless asked); raise the engine's errors.
+
+        :param application_name: the connection's ``APP`` (``program_name`` in ``sys.dm_exec_sessions``).
+        """
         try:
             import pyodbc
         except ImportError:
             raise ConfigurationError(
                 "the SQL Server dialect needs pyodbc: pip install 'airflow-dbqueue[mssql]'"
             ) from None
-        text = odbc_connection_string(self._attrs, self._connect_timeout)
+        attrs = dict(self._attrs, APP=application_name) if application_name else self._attrs
+        text = odbc_connection_string(attrs, self._connect_timeout)
         try:
-            conn = pyodbc.connect(text, autocommit=False, timeout=max(1, int(self._connect_timeout)))
+            conn = pyodbc.connect(text, autocommit=autocommit, timeout=max(1, int(self._connect_timeout)))
         except pyodbc.Error as exc:
             raise translate(exc, where=self.where, schema=self.schema, connecting=True) from exc
         conn.timeout = 0
@@ -430,6 +554,37 @@ class MssqlDatabase:
             with contextlib.suppress(Exception):
                 conn.close()
 
+    @contextlib.contextmanager
+    def dedicated_connection(self, application_name: str) -> Iterator[Any]:
+        """Yield a connection of its own (not pooled, autocommit), closed on exit.
+
+        Maintenance holds a session-owned application lock on it for a whole run and changes session
+        settings (lock and query timeouts): closing it releases both whatever happened, and no pooled
+        connection is handed back with a lock or a setting.
+        """
+        conn = self.connect(application_name=application_name, autocommit=True)
+        try:
+            yield conn
+        finally:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+    def set_timeouts(self, conn: Any, *, statement_s: float | None, lock_s: float | None) -> None:
+        """Set the session's lock timeout and the driver's query timeout of ``conn`` (maintenance's own).
+
+        SQL Server has no statement timeout of its own: the driver cancels a statement that runs past
+        its query timeout (whole seconds, rounded up), and the statement's transaction rolls back
+        (XACT_ABORT is on). ``None`` means no limit.
+        """
+        lock_ms = lock_timeout_ms(lock_s)
+        conn.timeout = query_timeout_s(statement_s)
+        self.execute("set_timeouts", {"lock_ms": lock_ms}, conn)
+
+    def reset_timeouts(self, conn: Any) -> None:
+        """Undo :meth:`set_timeouts`: wait for locks without limit, and no query timeout."""
+        conn.timeout = 0
+        self.execute("reset_timeouts", None, conn)
+
     @staticmethod
     def in_transaction(conn: Any) -> bool:
         """pyodbc connections without autocommit are always in a transaction."""
@@ -444,7 +599,26 @@ class MssqlDatabase:
     @contextlib.contextmanager
     def transaction(self, conn: Any | None = None) -> Iterator[Any]:
         """Yield a connection in a transaction: ``conn`` joined as it is, or a pooled one that commits
-        on success and rolls back on error."""
+        on success and rolls back on error.
+
+        An autocommit ``conn`` (maintenance's own) gets a transaction of its own for the block, which
+        commits on success and rolls back on error, as PostgreSQL's ``conn.transaction()`` does.
+        """
+        if conn is not None and conn.autocommit:
+            conn.autocommit = False
+            try:
+                with self.translate_errors():
+                    try:
+                        yield conn
+                        conn.commit()
+                    except BaseException:
+                        with contextlib.suppress(Exception):
+                            conn.rollback()
+                        raise
+            finally:
+                with contextlib.suppress(Exception):
+                    conn.autocommit = True
+            return
         if conn is not None:
             with self.translate_errors():
                 yield conn
@@ -489,6 +663,12 @@ class MssqlDatabase:
         idents = {k: quote_identifier(validate_identifier(v)) for k, v in (identifiers or {}).items()}
         return body.format(schema=quote_identifier(self.schema), **idents)
 
+    def statement(
+        self, name: str, params: Mapping[str, Any] | None = None, identifiers: Mapping[str, str] | None = None
+    ) -> tuple[str, list[Any]]:
+        """Return the text and the positional values that running the named query sends to the server."""
+        return to_positional(inline_int_params(name, self.query(name, identifiers), params), params)
+
     def _run(
         self,
         name: str,
@@ -497,14 +677,22 @@ class MssqlDatabase:
         identifiers: Mapping[str, str] | None,
         want: str,
     ) -> Any:
-        text, values = to_positional(self.query(name, identifiers), params)
+        text, values = self.statement(name, params, identifiers)
+        if conn is not None and conn.autocommit and name in OUTSIDE_TRANSACTION:
+            with self.translate_errors():
+                cur = conn.cursor()
+                try:
+                    _execute(cur, text, values)
+                    return self._result(name, cur, want)
+                finally:
+                    cur.close()
         attempt = 0
         while True:
             try:
                 with self.transaction(conn) as c:
                     cur = c.cursor()
                     try:
-                        cur.execute(text, values)
+                        _execute(cur, text, values)
                         return self._result(name, cur, want)
                     finally:
                         cur.close()
