@@ -368,7 +368,7 @@ class MaintenanceConfig:
         kwargs = {k: v for k, v in values.items() if v is not None}
         if "queues" in kwargs:
             kwargs["queues"] = tuple(kwargs["queues"]) or None
-        # archive_retention_s may be given as a negative number or "" to mean "keep forever".
+        # archive_retention_s may be given as -1 or "" to mean "keep forever".
         if "archive_retention_s" in values and values["archive_retention_s"] in ("", -1):
             kwargs["archive_retention_s"] = None
         try:
