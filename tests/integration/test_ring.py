@@ -46,6 +46,17 @@ def slot_rows(dbq: DbQueue, q: Queue) -> list[tuple[int, int, int]]:
         ).fetchall()
 
 
+def take_number(holder: psycopg.Connection[Any], dbq: DbQueue, q: Queue) -> None:
+    """Take the ring's next number on ``holder`` as a push would (an xid first), and write nothing."""
+    holder.execute("SELECT pg_current_xact_id()")
+    holder.execute(
+        sql.SQL("SELECT nextval(push_seq) FROM {}.rings WHERE queue_id = %s").format(
+            sql.Identifier(dbq.schema)
+        ),
+        [q.settings.queue_id],
+    )
+
+
 # -- settings --------------------------------------------------------------------------------------
 
 
@@ -147,13 +158,7 @@ def test_rolled_back_pushes_leave_gaps_that_pops_skip(dbq: DbQueue) -> None:
 def test_a_live_holder_is_waited_for_and_a_dead_one_skipped_at_once(dbq: DbQueue) -> None:
     q = ring(dbq, "holder", 8)
     with psycopg.connect(dbq.db.dsn) as holder:  # takes number 1 as a push would, and stalls
-        holder.execute("SELECT pg_current_xact_id()")
-        holder.execute(
-            sql.SQL("SELECT nextval(push_seq) FROM {}.rings WHERE queue_id = %s").format(
-                sql.Identifier(dbq.schema)
-            ),
-            [q.settings.queue_id],
-        )
+        take_number(holder, dbq, q)
         q.push_batch(["two", "three"])
         assert [m.payload for m in q.pop(5)] == ["two", "three"]
         for _ in range(3):
@@ -171,13 +176,7 @@ def test_a_stuck_live_holder_is_skipped_after_the_gap_timeout(dbq: DbQueue) -> N
     q = ring(dbq, "stuck", 8)
     q.gap_timeout = 0.3
     with psycopg.connect(dbq.db.dsn) as holder:
-        holder.execute("SELECT pg_current_xact_id()")
-        holder.execute(
-            sql.SQL("SELECT nextval(push_seq) FROM {}.rings WHERE queue_id = %s").format(
-                sql.Identifier(dbq.schema)
-            ),
-            [q.settings.queue_id],
-        )
+        take_number(holder, dbq, q)
         q.push_batch(["two"])
         assert [m.payload for m in q.pop(5)] == ["two"]  # messages past the gap are not held back
         assert q.stats().extra["gaps_skipped"] == 0
@@ -362,13 +361,7 @@ def test_maintenance_alone_skips_the_gaps_of_rolled_back_and_killed_pushers(dbq:
 def test_maintenance_leaves_the_numbers_of_a_live_push_alone(dbq: DbQueue) -> None:
     q = ring(dbq, "live", 8)
     with psycopg.connect(dbq.db.dsn) as holder:  # takes number 1 as a push would, and stalls
-        holder.execute("SELECT pg_current_xact_id()")
-        holder.execute(
-            sql.SQL("SELECT nextval(push_seq) FROM {}.rings WHERE queue_id = %s").format(
-                sql.Identifier(dbq.schema)
-            ),
-            [q.settings.queue_id],
-        )
+        take_number(holder, dbq, q)
         q.push_batch(["two", "three"])
         t0 = time.monotonic()
         assert q.recover_gaps(wait=0.3) == 0  # the holder may still write number 1
