@@ -1,7 +1,7 @@
 -- The whole current schema of a dbqueue schema on PostgreSQL, for a fresh install.
 -- {schema} is replaced by the quoted schema name. Keep in step with migrations/: a test checks that
 -- applying every migration from the first gives exactly this schema.
--- SCHEMA_VERSION: 8
+-- SCHEMA_VERSION: 9
 
 -- name: schema
 CREATE SCHEMA IF NOT EXISTS {schema};
@@ -241,6 +241,13 @@ $$;
 -- is visible before commit). If a consumer gave one of our numbers up as a gap (only when it proved
 -- every transaction that could hold it finished, or after its gap timeout), SQLSTATE DQ002: the
 -- statement fails whole and the caller retries with new numbers.
+-- The slots are written by a plain UPDATE that matches their committed version (free, holding the
+-- number a capacity before ours), without a SELECT ... FOR UPDATE first: that lock cost a WAL record
+-- and a dirtied tuple per message. Besides our push, only gap skips write a free slot; they lock with
+-- SKIP LOCKED and commit at once, so our UPDATE waits on nothing else, and after such a wait it finds
+-- the number given up (DQ002). Another push's numbers are other slots, or ours a capacity later,
+-- matching only a version we have not committed; a ready or leased slot does not match at all: so
+-- pushes never wait on each other or on consumers.
 -- p_notify: 0 never, 1 when the message before ours is no longer ready (consumers caught up), 2 always.
 CREATE FUNCTION {schema}.ring_push(
     p_queue_id integer, p_payloads bytea[], p_timeout_s double precision, p_notify integer, p_channel text)
@@ -304,11 +311,8 @@ BEGIN
             SET seq = v_base + s.slot, state = 1, attempts = 0, deliveries = 0,
                 enqueued_at = now(), due_at = now(), consumer = NULL, last_error = NULL,
                 payload = p_payloads[(v_base + s.slot - v_first + 1)::integer]
-            WHERE s.ctid = ANY (ARRAY(
-                SELECT t.ctid FROM {schema}.ring_slots t
-                WHERE t.queue_id = p_queue_id AND t.slot >= v_from AND t.slot < v_to
-                  AND t.seq = v_base + t.slot - v_cap AND t.state IN (0, 3)
-                FOR UPDATE SKIP LOCKED));
+            WHERE s.queue_id = p_queue_id AND s.slot >= v_from AND s.slot < v_to
+              AND s.seq = v_base + s.slot - v_cap AND s.state IN (0, 3);
             GET DIAGNOSTICS v_k = ROW_COUNT;
             v_written := v_written + v_k;
         END LOOP;
