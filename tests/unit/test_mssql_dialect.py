@@ -560,3 +560,86 @@ def test_odbc_driver_18_is_loaded_and_a_closed_port_raises_database_unavailable(
     assert "ODBC Driver 18 for SQL Server" in str(info.value.__cause__)  # the real driver answered
     assert "secret" not in str(info.value)
     assert time.monotonic() - start < 30
+
+
+# -- the ring on a fake SQL Server: the engine's decisions around the procedures' errors -------------
+
+
+def _raised(code: str, text: str) -> Exception:
+    """What pyodbc raises for a RAISERROR of the ring's procedures (native error 50000)."""
+    return pyodbc.ProgrammingError(
+        "42000", f"[42000] {DRIVER}[SQL Server][{code}] {text} (50000) (SQLExecDirectW)"
+    )
+
+
+def _ring_on_fake_sql_server(monkeypatch: pytest.MonkeyPatch, script: list[Any]) -> tuple[Any, Any]:
+    from airflow_dbqueue.engine.models import Design, QueueSettings
+    from airflow_dbqueue.engine.ring import RingQueue
+
+    fake = _FakeConnection(script)
+    db = MssqlDatabase("mssql://u:p@h/db", schema="dbq")
+    monkeypatch.setattr(db, "connect", lambda: fake)
+    settings = QueueSettings(name="r", queue_id=1, design=Design.RING, max_payload_bytes=512, capacity=8)
+    return RingQueue(db, settings), fake
+
+
+def test_the_procedures_errors_are_translated_by_their_code() -> None:
+    got = translate(
+        _raised("DQ001", "ring 1 stayed full for 300 ms (capacity 8)"), where="h:1433/db", schema="dbq"
+    )
+    assert type(got).__name__ == "QueueFullError"
+    assert str(got) == "SQL Server at h:1433/db: ring 1 stayed full for 300 ms (capacity 8)"
+    skipped = translate(_raised("DQ002", "ring 1: numbers 3 .. 4 were given up"), where="h", schema="dbq")
+    assert type(skipped).__name__ == "RingNumbersSkippedError"
+    bad = translate(_raised("DQ003", "a ring batch holds 1 to 8"), where="h", schema="dbq")
+    assert type(bad) is ConfigurationError
+    missing = translate(_raised("DQ004", "ring 9 does not exist"), where="h", schema="dbq")
+    assert type(missing) is DatabaseError  # as on PostgreSQL
+    other = translate(_raised("XX999", "someone else's RAISERROR"), where="h", schema="dbq")
+    assert type(other) is DatabaseError
+
+
+def test_a_ring_push_whose_numbers_were_skipped_is_retried_whole_on_a_fake_sql_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The procedure raised DQ002 (its numbers 3 and 4 were given up): the engine rolls that transaction
+    back and pushes again, and the second call's first number is the batch's."""
+    q, fake = _ring_on_fake_sql_server(
+        monkeypatch, [_raised("DQ002", "numbers 3 .. 4 were given up"), [(5,)]]
+    )
+    assert q.push_batch(["c", "d"]) == [5, 6]
+    assert (fake.rollbacks, fake.commits) == (1, 1)
+    assert fake.script == []
+
+
+def test_a_full_ring_on_a_fake_sql_server_raises_queue_full_naming_the_ring(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    q, fake = _ring_on_fake_sql_server(
+        monkeypatch, [_raised("DQ001", "ring 1 stayed full for 300 ms (capacity 8)")]
+    )
+    q.push_timeout = 0.3
+    with pytest.raises(
+        Exception, match=r"'r': the ring \(capacity 8\) stayed full for 0.3s; nothing of the batch"
+    ):
+        q.push_batch(["a"])
+    assert (fake.rollbacks, fake.commits) == (1, 0)
+
+
+def test_gap_recovery_waits_on_the_lanes_still_locked_on_a_fake_sql_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """recover_gaps: position 9 with unwritten numbers, lanes [3,7] held; the first proof finds lane 7
+    still locked and hands back [7], which the next try is asked about; then 2 numbers are given up."""
+    q, fake = _ring_on_fake_sql_server(monkeypatch, [[(9, 1)], [("[3,7]",)], [(-1, "[7]")], [(2, None)]])
+    sent: list[list[Any]] = []
+    real = _FakeCursor.execute
+
+    def spy(self: _FakeCursor, sql: str, values: Any = ()) -> _FakeCursor:
+        sent.append(list(values))
+        return real(self, sql, values)
+
+    monkeypatch.setattr(_FakeCursor, "execute", spy)
+    assert q.recover_gaps(wait=5.0) == 2
+    assert sent[2] == [1, 9, "[3,7]"] and sent[3] == [1, 9, "[7]"]
+    assert fake.script == []
