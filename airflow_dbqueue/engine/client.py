@@ -159,11 +159,6 @@ class DbQueue:
         except ValueError as exc:
             raise ConfigurationError(f"queue {name!r}: {exc}") from None
         ring = kind is Design.RING
-        if ring and self.dialect != "postgresql":
-            raise ConfigurationError(
-                f"queue {name!r}: the ring design runs on PostgreSQL only so far "
-                f"({self.dialect} is not ported)"
-            )
         if ring:
             if archive:
                 raise ConfigurationError(
@@ -263,13 +258,6 @@ class DbQueue:
 
     def _open(self, settings: QueueSettings) -> Queue:
         if settings.design is Design.RING:
-            from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
-
-            if not isinstance(self.db, PostgresDatabase):
-                raise ConfigurationError(
-                    f"queue {settings.name!r} is a ring, which runs on PostgreSQL only so far, "
-                    f"not {self.dialect}"
-                )
             return RingQueue(self.db, settings)
         return TableQueue(self.db, settings)
 

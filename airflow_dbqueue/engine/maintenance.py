@@ -66,8 +66,18 @@ APPLICATION_NAME = "airflow-dbqueue-maintenance"
 """``application_name`` of the connection a maintenance step runs on (and holds its lock with)."""
 TABLES = ("meta", "data", "done", "archive", "queues", "batches", "ring_slots", "ring_failed")
 """The schema's tables, in the order VACUUM visits them (the dequeue path first)."""
-MSSQL_TABLES = ("meta", "data", "done", "archive", "queues", "batches", "batch_items")
-"""The tables of a schema on SQL Server (no ring yet; the batch ledger's items have a table of their own)."""
+MSSQL_TABLES = (
+    "meta",
+    "data",
+    "done",
+    "archive",
+    "queues",
+    "batches",
+    "batch_items",
+    "ring_slots",
+    "ring_failed",
+)
+"""The tables of a schema on SQL Server (the batch ledger's items have a table of their own)."""
 MSSQL_ESCALATION_ROWS = 5000
 """Rows one statement may lock on SQL Server before lock escalation may turn them into a table lock."""
 MSSQL_NO_VACUUM = (

@@ -18,11 +18,21 @@ number, and whatever it took but did not commit is ready again for the next pop.
 Gaps: a push that rolled back (or whose process died) after taking its numbers leaves them unwritten,
 because sequences are not transactional. A pop that finds the lowest unfinished number issued but
 unwritten reports it with the issued position and a snapshot; its next pop gives every such number up
-(state skipped, seq set to the number) once every transaction of that snapshot has finished - a push
-takes an xid before its numbers, so its holder was one of them - or after ``gap_timeout`` seconds as
-a fallback (a holder alive but stuck). Skipping is always safe: a late push of a skipped number finds
-the slot's seq moved on, fails whole and is retried with new numbers, so it is neither lost nor
-delivered out of order with itself.
+(state skipped, seq set to the number) once every holder the snapshot could name is gone, or after
+``gap_timeout`` seconds as a fallback (a holder alive but stuck). Skipping is always safe: a late push
+of a skipped number finds the slot's seq moved on, fails whole and is retried with new numbers, so it
+is neither lost nor delivered out of order with itself.
+
+The snapshot is the dialect's. On PostgreSQL it is ``pg_current_snapshot()``: a push takes an xid
+before its numbers, so its holder is one of the snapshot's transactions, and the proof is that all of
+them have finished. On SQL Server, which has no such function for an ordinary user, a push locks one
+of the ring's lanes (a row of ``ring_lanes``, until its transaction ends) before it takes its numbers;
+the snapshot is the list of lanes other transactions held, and the proof is that each has been seen
+unlocked since (``docs/sqlserver.md``). Either way the position is read before the snapshot is taken.
+
+The same class runs on both dialects: every statement is a named query of the dialect. Only the async
+observers (:meth:`RingQueue.areadiness`, :meth:`RingQueue.alisten`) are PostgreSQL's alone (psycopg's
+async connections and LISTEN).
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ from airflow_dbqueue.engine.queue import Queue, _check_batch_size
 if TYPE_CHECKING:
     import psycopg
 
+    from airflow_dbqueue.engine.dialects.base import Database, DbConnection
     from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
     from airflow_dbqueue.engine.models import QueueSettings
 
@@ -74,9 +85,8 @@ class RingQueue(Queue):
         even without proof that its holder is gone (a holder alive but stuck that long).
     """
 
-    def __init__(self, db: PostgresDatabase, settings: QueueSettings) -> None:
+    def __init__(self, db: Database, settings: QueueSettings) -> None:
         super().__init__(db, settings)
-        self._pg = db  # the ring is PostgreSQL-only: its async observers need the dialect's own API
         if settings.capacity is None:
             raise ConfigurationError(f"queue {settings.name!r} is a ring without a capacity")
         self._qid = settings.queue_id
@@ -99,7 +109,7 @@ class RingQueue(Queue):
         *,
         priority: int = 0,
         delay: float = 0.0,
-        conn: psycopg.Connection[Any] | None = None,
+        conn: DbConnection | None = None,
     ) -> list[int]:
         items = list(payloads)
         if priority != 0:
@@ -124,7 +134,7 @@ class RingQueue(Queue):
         first = self._push_encoded(encoded, conn)
         return list(range(first, first + len(encoded)))
 
-    def _push_encoded(self, encoded: list[bytes], conn: psycopg.Connection[Any] | None) -> int:
+    def _push_encoded(self, encoded: list[bytes], conn: DbConnection | None) -> int:
         params = {
             "queue_id": self._qid,
             "payloads": encoded,
@@ -159,7 +169,7 @@ class RingQueue(Queue):
         return int(row[0]) if row and row[0] is not None else 1
 
     def _pop_once(
-        self, n: int, semantics: Semantics, vt: float, consumer: str, conn: psycopg.Connection[Any] | None
+        self, n: int, semantics: Semantics, vt: float, consumer: str, conn: DbConnection | None
     ) -> list[Message]:
         lease = semantics is Semantics.AT_LEAST_ONCE
         if lease:
@@ -238,12 +248,12 @@ class RingQueue(Queue):
             "queue_id": self._qid,
         }
 
-    def _raise_lost(self, params: dict[str, Any], conn: psycopg.Connection[Any] | None) -> None:
+    def _raise_lost(self, params: dict[str, Any], conn: DbConnection | None) -> None:
         held = set(self._db.fetchall("ring_held_receipts", params, conn))
         lost = [i for i, d in zip(params["ids"], params["deliveries"], strict=True) if (i, d) not in held]
         raise LeaseExpiredError(self.name, lost)
 
-    def ack(self, messages: Sequence[Message], *, conn: psycopg.Connection[Any] | None = None) -> int:
+    def ack(self, messages: Sequence[Message], *, conn: DbConnection | None = None) -> int:
         params = self._receipt_params(messages)
         if not params["ids"]:
             return 0
@@ -258,7 +268,7 @@ class RingQueue(Queue):
         *,
         delay: float | None = None,
         error: str | None = None,
-        conn: psycopg.Connection[Any] | None = None,
+        conn: DbConnection | None = None,
     ) -> int:
         if delay is not None and delay < 0:
             raise ConfigurationError(f"queue {self.name!r}: nack delay must be >= 0 seconds, got {delay}")
@@ -291,8 +301,9 @@ class RingQueue(Queue):
         numbers unwritten. Pops skip such a gap when it reaches the head of the ring; this finds them
         wherever they are, so a ring nobody pops recovers too (the maintenance DAG calls it through
         :meth:`maintain`). It reads the push position, then takes a snapshot, and gives up the numbers
-        up to that position still unwritten once every transaction of the snapshot has finished (a
-        push takes an xid before its numbers, so their holders were among them). It waits for that up
+        up to that position still unwritten once every holder the snapshot names is gone (PostgreSQL:
+        its transactions have finished, a push taking an xid before its numbers; SQL Server: its lanes
+        have each been seen unlocked, a push locking a lane before its numbers). It waits for that up
         to ``wait`` seconds, and otherwise gives nothing up: a holder alive but stuck keeps its numbers
         (pops give the head number up after :attr:`gap_timeout`). Numbers of pushes in progress are
         never touched: their holders are still running, or have written and lock their slots.
@@ -302,7 +313,7 @@ class RingQueue(Queue):
         if row is None or not row[1]:
             return 0
         params["issued"] = int(row[0])
-        snap = self._db.fetchone("ring_snapshot")  # a later statement: taken after the position was read
+        snap = self._db.fetchone("ring_snapshot", params)  # a later statement: after the position was read
         assert snap is not None
         params["snap"] = snap[0]
         deadline = time.monotonic() + wait
@@ -312,6 +323,8 @@ class RingQueue(Queue):
             skipped = int(got[0]) if got else 0
             if skipped >= 0:
                 return skipped
+            if got is not None and len(got) > 1 and got[1] is not None:
+                params["snap"] = got[1]  # SQL Server: the lanes still to be seen unlocked
             left = deadline - time.monotonic()
             if left <= 0:
                 return 0  # some transaction of the snapshot is still running: the next run tries again
@@ -350,16 +363,28 @@ class RingQueue(Queue):
         ready = 0 if min_priority is not None and min_priority > 0 else int(row[0])
         return ready, (int(row[1]), int(row[2]))
 
+    def _postgres(self) -> PostgresDatabase:
+        from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
+
+        if not isinstance(self._db, PostgresDatabase):
+            raise NotImplementedError(
+                f"queue {self.name!r}: async observation (a trigger, a deferrable sensor) needs PostgreSQL; "
+                f"on {self._db.dialect_name} use the synchronous readiness() (poke or reschedule mode)"
+            )
+        return self._db
+
     async def areadiness(
         self, aconn: psycopg.AsyncConnection[Any], min_priority: int | None = None, cap: int = 1_000_000
     ) -> tuple[int, tuple[int, int] | None]:
-        with self._db.translate_errors():
-            cur = await aconn.execute(self._pg.query("ring_ready_head"), {"queue_id": self._qid, "cap": cap})
+        pg = self._postgres()  # PostgreSQL only: psycopg's async connections
+        with pg.translate_errors():
+            cur = await aconn.execute(pg.query("ring_ready_head"), {"queue_id": self._qid, "cap": cap})
             return self._readiness_row(await cur.fetchone(), min_priority)
 
     async def alisten(self, aconn: psycopg.AsyncConnection[Any]) -> None:
         from psycopg import sql
 
+        self._postgres()  # PostgreSQL only: LISTEN
         with self._db.translate_errors():
             await aconn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
 

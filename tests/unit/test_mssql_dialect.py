@@ -40,7 +40,7 @@ from airflow_dbqueue.engine.dialects.mssql.dialect import (
     translate,
 )
 from airflow_dbqueue.engine.queue import poll_pauses
-from airflow_dbqueue.engine.sqlfile import load_queries
+from airflow_dbqueue.engine.sqlfile import load_queries, parse_named_queries, read_text
 
 pyodbc = pytest.importorskip("pyodbc", reason="pyodbc (the mssql extra) and unixODBC are not installed")
 
@@ -89,11 +89,12 @@ def test_every_postgresql_query_name_is_ported_or_listed_as_not_yet_ported() -> 
     )
 
 
-def test_the_table_design_and_maintenance_are_fully_ported() -> None:
-    """Every query the table design, the client and maintenance run exists on SQL Server (the ring
-    design waits)."""
-    assert all(name.startswith("ring_") for name in NOT_YET_PORTED)
-    assert all(reason.startswith("ring design") for reason in NOT_YET_PORTED.values())
+def test_the_table_design_maintenance_and_the_ring_are_fully_ported() -> None:
+    """Every query the table design, the ring design, the client and maintenance run exists on SQL
+    Server."""
+    assert NOT_YET_PORTED == {}
+    ring = {n for n in load_queries(PG, "queries.sql") if n.startswith("ring_")}
+    assert len(ring) == 20 and ring <= set(load_queries(MS, "queries.sql"))
     used = {"push", "push_notify", "pop_lease", "pop_take", "ack", "nack", "held_receipts", "reclaim_expired"}
     used |= {"claim_batch", "get_batch", "lock_batch", "finish_batch", "purge_batches", "batch_rows"}
     used |= {"maintenance_try_lock", "maintenance_unlock", "maintenance_lock_holder", "set_timeouts"}
@@ -119,9 +120,149 @@ def test_every_tsql_query_parses_as_tsql(name: str) -> None:
 def test_the_schema_parses_as_tsql() -> None:
     version, body = ms.schema_sql()
     stmts = tsql_statements(MssqlDatabase("mssql://h/db", schema="dbq").compose(body))
-    assert version == 1
+    assert version == 2
     created = [s for s in stmts if isinstance(s, exp.Create)]
     assert len(created) >= 12  # tables, sequence, indexes
+
+
+def schema_blocks() -> dict[str, str]:
+    """The blocks of the SQL Server schema.sql, composed for schema ``dbq``."""
+    db = MssqlDatabase("mssql://h/db", schema="dbq")
+    return {k: db.compose(v) for k, v in parse_named_queries(read_text(MS, "schema.sql")).items()}
+
+
+OPAQUE_PROCEDURE_STATEMENTS = (re.compile(r"WAITFOR DELAY @[a-z_]+;"),)
+"""Procedure statements sqlglot has no T-SQL grammar for, each checked against its exact form instead."""
+_CONTROL = re.compile(r"^(IF|WHILE) (.*)$", re.DOTALL)
+
+
+def procedure_statements(text: str) -> tuple[exp.Create, list[exp.Expression], list[str]]:
+    """Check a CREATE OR ALTER PROCEDURE of schema.sql statement by statement.
+
+    The whole procedure must parse as one ``CREATE PROCEDURE`` (after its opaque statements, see
+    :data:`OPAQUE_PROCEDURE_STATEMENTS`, are replaced by a no-op), and then every statement of its body
+    is parsed alone as T-SQL (no opaque command accepted), because sqlglot is lenient inside a
+    procedure's body. The body's layout makes that split exact: a statement ends with ``;`` at the end
+    of a line; ``IF <condition>`` and ``WHILE <condition>`` run up to a line ``BEGIN``, and their
+    condition is parsed as ``SELECT 1 WHERE <condition>``; blocks end with a line ``END;``; ``BREAK;``,
+    ``CONTINUE;`` and ``RETURN;`` stand alone. Returns the procedure, the parsed statements and the opaque
+    ones.
+    """
+    text = "\n".join(ln for ln in text.splitlines() if not ln.strip().startswith("--"))
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    start = lines.index("BEGIN") + 1
+    assert lines[start - 2].endswith("AS") or lines[start - 2] == "AS", lines[: start + 1]
+    assert lines[-1] == "END", lines[-1]
+    parsed: list[exp.Expression] = []
+    opaque: list[str] = []
+    depth, buf = 0, ""
+    for line in lines[start:-1]:
+        if not buf and line == "BEGIN":
+            raise AssertionError("a BEGIN without IF or WHILE")
+        if not buf and line == "END;":
+            depth -= 1
+            assert depth >= 0, "END; without BEGIN"
+            continue
+        if not buf and line in ("BREAK;", "CONTINUE;", "RETURN;"):
+            continue
+        if line == "BEGIN":
+            control = _CONTROL.match(buf)
+            assert control, f"BEGIN after {buf!r}"
+            [cond] = tsql_statements(f"SELECT 1 WHERE {control.group(2)}")
+            parsed.append(cond)
+            depth, buf = depth + 1, ""
+            continue
+        buf = f"{buf} {line}".strip()
+        if buf.endswith(";") and not _CONTROL.match(buf):
+            if any(p.fullmatch(buf) for p in OPAQUE_PROCEDURE_STATEMENTS):
+                opaque.append(buf)
+            else:
+                got = tsql_statements(buf)
+                assert len(got) == 1, (buf, got)
+                parsed.extend(got)
+            buf = ""
+    assert depth == 0 and not buf, (depth, buf)
+    whole = text
+    for statement in opaque:
+        whole = whole.replace(statement.split(";")[0] + ";", "SET NOCOUNT ON;")
+    [proc] = tsql_statements(whole)
+    assert isinstance(proc, exp.Create) and proc.args.get("kind") == "PROCEDURE", type(proc)
+    return proc, parsed, opaque
+
+
+PROCEDURES = sorted(k for k, v in schema_blocks().items() if "\nCREATE OR ALTER PROCEDURE" in f"\n{v}")
+
+
+def test_the_schema_steps_are_versions_one_to_latest() -> None:
+    latest, steps = ms.schema_steps()
+    assert latest == 2 and [v for v, _ in steps] == [1, 2]
+    assert steps[0][1] == [ms.schema_sql()[1]]
+    blocks = schema_blocks()
+    assert set(blocks) == {"schema", "v2_ring_tables", *PROCEDURES}
+    assert len(steps[1][1]) == len(blocks) - 1  # every v2_ block, one batch each
+    for name in ("rings", "ring_slots", "ring_failed", "ring_lanes"):
+        assert f"CREATE TABLE [dbq].{name} (" in blocks["v2_ring_tables"]
+    tsql_statements(blocks["v2_ring_tables"])
+
+
+def test_every_ring_procedure_parses_statement_by_statement() -> None:
+    assert PROCEDURES == [
+        "v2_ring_create",
+        "v2_ring_drop",
+        "v2_ring_first_unfinished",
+        "v2_ring_lanes_held",
+        "v2_ring_pop",
+        "v2_ring_push",
+        "v2_ring_skip_abandoned",
+        "v2_ring_skip_gap",
+    ]
+    counts = {}
+    for name in PROCEDURES:
+        proc, parsed, opaque = procedure_statements(schema_blocks()[name])
+        assert proc.this.this.name == name.removeprefix("v2_")
+        counts[name] = (len(parsed), len(opaque))
+    assert counts["v2_ring_push"][1] == 1  # the full ring's WAITFOR DELAY, its only opaque statement
+    assert all(o == 0 for n, (_, o) in counts.items() if n != "v2_ring_push")
+    assert all(p >= 2 for p, _ in counts.values()), counts
+
+
+@pytest.mark.parametrize(
+    ("good", "bad"),
+    [
+        ("SET @got = @@ROWCOUNT;", "SET @got = @@ROWCOUNT +;"),
+        ("DECLARE @k int;", "DECLARE @k int int;"),
+        ("IF @to1 > @a", "IF @to1 > @a AND"),
+        ("WAITFOR DELAY @wait;", "WAITFOR DELAY '00:00:01' + 1;"),
+        ("SET @remaining = NULL;", "SET @remaining = NULL"),
+        ("    END;\n    SELECT @first;", "    SELECT @first;"),
+    ],
+)
+def test_the_procedure_check_is_not_vacuous_broken_bodies_are_rejected(good: str, bad: str) -> None:
+    name = next(n for n in PROCEDURES if good in schema_blocks()[n])
+    broken = schema_blocks()[name].replace(good, bad, 1)
+    assert broken != schema_blocks()[name]
+    with pytest.raises((sqlglot.ParseError, AssertionError)):
+        procedure_statements(broken)
+
+
+def test_the_ring_claims_read_past_locked_slots_in_slot_order() -> None:
+    pop = schema_blocks()["v2_ring_pop"]
+    claims = re.findall(r"WITH c AS \(.*?OUTPUT inserted\.", pop, flags=re.DOTALL)
+    assert len(claims) == 2  # one per part of the window
+    for claim in claims:
+        assert "SELECT TOP (@n" in claim and "WITH (ROWLOCK, READPAST, UPDLOCK)" in claim
+        assert "ORDER BY s.slot)" in claim and "UPDATE c" in claim
+    push = schema_blocks()["v2_ring_push"]
+    assert "EXEC sys.sp_sequence_get_range @sequence_name = @seq, @range_size = @n" in push
+    assert push.index("FROM [dbq].ring_lanes WITH (ROWLOCK, READPAST)") < push.index("@range_size = @n")
+    assert "CACHE 1000" in schema_blocks()["v2_ring_create"]
+
+
+def test_every_error_the_procedures_raise_is_translated() -> None:
+    text = read_text(MS, "schema.sql")
+    codes = set(re.findall(r"RAISERROR \(N'\[(DQ\d{3})\]", text))
+    assert codes == {"DQ001", "DQ002", "DQ003", "DQ004"}
+    assert codes - {"DQ004"} <= set(ms.RAISED_BY_PROCEDURES)
 
 
 def test_the_claim_reads_past_locked_rows_and_updates_through_a_top_n_cte() -> None:
@@ -419,3 +560,86 @@ def test_odbc_driver_18_is_loaded_and_a_closed_port_raises_database_unavailable(
     assert "ODBC Driver 18 for SQL Server" in str(info.value.__cause__)  # the real driver answered
     assert "secret" not in str(info.value)
     assert time.monotonic() - start < 30
+
+
+# -- the ring on a fake SQL Server: the engine's decisions around the procedures' errors -------------
+
+
+def _raised(code: str, text: str) -> Exception:
+    """What pyodbc raises for a RAISERROR of the ring's procedures (native error 50000)."""
+    return pyodbc.ProgrammingError(
+        "42000", f"[42000] {DRIVER}[SQL Server][{code}] {text} (50000) (SQLExecDirectW)"
+    )
+
+
+def _ring_on_fake_sql_server(monkeypatch: pytest.MonkeyPatch, script: list[Any]) -> tuple[Any, Any]:
+    from airflow_dbqueue.engine.models import Design, QueueSettings
+    from airflow_dbqueue.engine.ring import RingQueue
+
+    fake = _FakeConnection(script)
+    db = MssqlDatabase("mssql://u:p@h/db", schema="dbq")
+    monkeypatch.setattr(db, "connect", lambda: fake)
+    settings = QueueSettings(name="r", queue_id=1, design=Design.RING, max_payload_bytes=512, capacity=8)
+    return RingQueue(db, settings), fake
+
+
+def test_the_procedures_errors_are_translated_by_their_code() -> None:
+    got = translate(
+        _raised("DQ001", "ring 1 stayed full for 300 ms (capacity 8)"), where="h:1433/db", schema="dbq"
+    )
+    assert type(got).__name__ == "QueueFullError"
+    assert str(got) == "SQL Server at h:1433/db: ring 1 stayed full for 300 ms (capacity 8)"
+    skipped = translate(_raised("DQ002", "ring 1: numbers 3 .. 4 were given up"), where="h", schema="dbq")
+    assert type(skipped).__name__ == "RingNumbersSkippedError"
+    bad = translate(_raised("DQ003", "a ring batch holds 1 to 8"), where="h", schema="dbq")
+    assert type(bad) is ConfigurationError
+    missing = translate(_raised("DQ004", "ring 9 does not exist"), where="h", schema="dbq")
+    assert type(missing) is DatabaseError  # as on PostgreSQL
+    other = translate(_raised("XX999", "someone else's RAISERROR"), where="h", schema="dbq")
+    assert type(other) is DatabaseError
+
+
+def test_a_ring_push_whose_numbers_were_skipped_is_retried_whole_on_a_fake_sql_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The procedure raised DQ002 (its numbers 3 and 4 were given up): the engine rolls that transaction
+    back and pushes again, and the second call's first number is the batch's."""
+    q, fake = _ring_on_fake_sql_server(
+        monkeypatch, [_raised("DQ002", "numbers 3 .. 4 were given up"), [(5,)]]
+    )
+    assert q.push_batch(["c", "d"]) == [5, 6]
+    assert (fake.rollbacks, fake.commits) == (1, 1)
+    assert fake.script == []
+
+
+def test_a_full_ring_on_a_fake_sql_server_raises_queue_full_naming_the_ring(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    q, fake = _ring_on_fake_sql_server(
+        monkeypatch, [_raised("DQ001", "ring 1 stayed full for 300 ms (capacity 8)")]
+    )
+    q.push_timeout = 0.3
+    with pytest.raises(
+        Exception, match=r"'r': the ring \(capacity 8\) stayed full for 0.3s; nothing of the batch"
+    ):
+        q.push_batch(["a"])
+    assert (fake.rollbacks, fake.commits) == (1, 0)
+
+
+def test_gap_recovery_waits_on_the_lanes_still_locked_on_a_fake_sql_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """recover_gaps: position 9 with unwritten numbers, lanes [3,7] held; the first proof finds lane 7
+    still locked and hands back [7], which the next try is asked about; then 2 numbers are given up."""
+    q, fake = _ring_on_fake_sql_server(monkeypatch, [[(9, 1)], [("[3,7]",)], [(-1, "[7]")], [(2, None)]])
+    sent: list[list[Any]] = []
+    real = _FakeCursor.execute
+
+    def spy(self: _FakeCursor, sql: str, values: Any = ()) -> _FakeCursor:
+        sent.append(list(values))
+        return real(self, sql, values)
+
+    monkeypatch.setattr(_FakeCursor, "execute", spy)
+    assert q.recover_gaps(wait=5.0) == 2
+    assert sent[2] == [1, 9, "[3,7]"] and sent[3] == [1, 9, "[7]"]
+    assert fake.script == []

@@ -374,8 +374,8 @@ def schema_indexes(edition: int, *, rebuilt: bool = False) -> list[tuple[Any, ..
 def test_maintenance_takes_a_sql_server_without_io() -> None:
     m = DbQueue(DSN, schema="dbq").maintenance()  # no connection is opened: the host does not exist
     assert (m.dialect, m.tables) == ("mssql", MSSQL_TABLES)
-    with pytest.raises(ConfigurationError, match="ring_slots"):
-        m.vacuum(["ring_slots"])
+    with pytest.raises(ConfigurationError, match="ring_lanes"):
+        m.vacuum(["ring_lanes"])
     with pytest.raises(ConfigurationError, match="fragmentation_pct"):
         m.rebuild_indexes(fragmentation_pct=101)
 

@@ -15,6 +15,9 @@ bracket-quoted after validation), binds their parameters and runs each as one tr
   whose transaction the dialect owns is retried (XACT_ABORT ON rolled all of it back); in the caller's
   transaction it is raised, since only the caller can redo its part.
 - No LISTEN/NOTIFY: waiting pops poll (see ``Queue.pop``).
+- The ring design's push, pop and gap recovery are stored procedures (``schema.sql``), which raise
+  error 50000 with ``[DQ00n]`` at the start of the message where PostgreSQL's functions raise SQLSTATE
+  ``DQ00n``; :func:`translate` maps both the same way.
 - Maintenance (``engine/maintenance.py``) runs on a connection of its own in autocommit mode
   (:meth:`MssqlDatabase.dedicated_connection`), like PostgreSQL's: the statements of
   :data:`OUTSIDE_TRANSACTION` run there as they are, everything else in a transaction of its own.
@@ -48,6 +51,9 @@ from airflow_dbqueue.engine.errors import (
     DbQueueError,
     DeadlockError,
     LockTimeoutError,
+    QueueFullError,
+    ReceiptsNotHeldError,
+    RingNumbersSkippedError,
     SchemaError,
     TransientDatabaseError,
 )
@@ -59,34 +65,12 @@ log = logging.getLogger(__name__)
 _PKG = __package__ or "airflow_dbqueue.engine.dialects.mssql"
 DEFAULT_DRIVER = "ODBC Driver 18 for SQL Server"
 
-NOT_YET_PORTED: dict[str, str] = {
-    # The ring design (PostgreSQL server functions today): sequences with CACHE, sp_sequence_get_range
-    # for batch ranges, READPAST claims over the slot window; create_queue refuses rings here meanwhile.
-    "ring_ack": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
-    "ring_count_ready": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
-    "ring_create": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
-    "ring_delete_failed": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
-    "ring_drop": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
-    "ring_head": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
-    "ring_held_receipts": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
-    "ring_leased": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
-    "ring_list_failed": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
-    "ring_nack": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
-    "ring_peek": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
-    "ring_pop": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
-    "ring_push": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
-    "ring_ready_head": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
-    "ring_reclaim_expired": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
-    "ring_skip_abandoned": "ring design: not ported (maintenance's gap recovery over the whole ring)",
-    "ring_snapshot": "ring design: not ported (the gap proof needs a snapshot's in-progress transactions)",
-    "ring_stats": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
-    "ring_take_failed": "ring design: not ported (T-SQL ring with sp_sequence_get_range)",
-    "ring_unwritten": "ring design: not ported (maintenance's gap recovery over the whole ring)",
-}
+NOT_YET_PORTED: dict[str, str] = {}
 """Named queries of the PostgreSQL dialect that this dialect does not have yet, with what they need.
 
 The parity test checks that the PostgreSQL names are exactly this dialect's names plus these, so a new
-PostgreSQL query fails the test until it is ported or listed here.
+PostgreSQL query fails the test until it is ported or listed here. Empty: the table design, maintenance
+and the ring design are all ported (the ring since issue 7).
 """
 
 OUTSIDE_TRANSACTION = frozenset(
@@ -397,6 +381,17 @@ def odbc_connection_string(attrs: Mapping[str, str], connect_timeout: float) -> 
 _NATIVE = re.compile(r"\((\d+)\)\s*\(SQL\w+\)\s*$")
 _UNAVAILABLE_STATES = frozenset({"08001", "08S01", "08004", "08007", "HYT00", "HYT01", "28000", "IM002"})
 _UNINSTALLED = 208  # Invalid object name
+_RAISED = 50000  # RAISERROR with a message text (the ring's procedures)
+_RAISED_CODE = re.compile(r"\[(DQ\d{3})\]")
+RAISED_BY_PROCEDURES: dict[str, type[DbQueueError]] = {
+    "DQ001": QueueFullError,
+    "DQ002": RingNumbersSkippedError,
+    "DQ003": ConfigurationError,
+    "DQ005": ReceiptsNotHeldError,
+}
+"""What the ring's stored procedures raise on purpose (``RAISERROR`` with ``[DQ00n]`` in the message), as
+PostgreSQL's functions raise SQLSTATE ``DQ00n``. DQ004 (a ring that does not exist) stays a
+:class:`DatabaseError`, as on PostgreSQL."""
 
 
 def native_error(exc: BaseException) -> int | None:
@@ -411,13 +406,16 @@ def sqlstate(exc: BaseException) -> str:
     return str(exc.args[0]) if exc.args else ""
 
 
-def translate(exc: Exception, *, where: str, schema: str, connecting: bool = False) -> DbQueueError:
+def translate(exc: Exception, *, where: str, schema: str, connecting: bool = False) -> DbQueueError:  # noqa: PLR0911
     """Return the engine's exception for a pyodbc exception.
 
     :param connecting: the error came while opening a connection (a timeout then is a login timeout).
     """
     state, number = sqlstate(exc), native_error(exc)
     message = (str(exc.args[1]) if len(exc.args) > 1 else str(exc)).strip().splitlines()[0]
+    if number == _RAISED and (code := _RAISED_CODE.search(message)) and code.group(1) in RAISED_BY_PROCEDURES:
+        text = _NATIVE.sub("", message[code.end() :]).strip()
+        return RAISED_BY_PROCEDURES[code.group(1)](f"SQL Server at {where}: {text}")
     if number == 1205 or state == "40001":
         return DeadlockError(f"SQL Server at {where}: deadlock victim, transaction rolled back: {message}")
     if number == 1222:
@@ -449,13 +447,41 @@ def _execute(cur: Any, text: str, values: Sequence[Any]) -> None:
         cur.execute(text)
 
 
-def schema_sql() -> tuple[int, str]:
-    """Return ``(version, sql)`` of the current full schema."""
+_STEP_BLOCK = re.compile(r"v([0-9]+)_[a-z0-9_]+")
+
+
+def schema_steps() -> tuple[int, list[tuple[int, list[str]]]]:
+    """Return ``(latest, [(version, [batch, ...])])`` of ``schema.sql``, versions 1..latest in order.
+
+    Block ``schema`` is version 1; a block named ``vN_<what>`` belongs to version N (one batch each: a
+    CREATE PROCEDURE must be alone in its batch). A fresh install runs every step; an install at version
+    k runs the steps after k. Both run the same text, so a migrated schema is the fresh one.
+    """
     text = read_text(_PKG, "schema.sql")
     m = re.search(r"SCHEMA_VERSION:\s*(\d+)", text)
     if not m:
         raise SchemaError("schema.sql does not declare its SCHEMA_VERSION")
-    return int(m.group(1)), parse_named_queries(text)["schema"]
+    latest = int(m.group(1))
+    steps: dict[int, list[str]] = {}
+    for name, body in parse_named_queries(text).items():
+        step = _STEP_BLOCK.fullmatch(name)
+        if name == "schema":
+            steps.setdefault(1, []).append(body)
+        elif step:
+            steps.setdefault(int(step.group(1)), []).append(body)
+        else:
+            raise SchemaError(f"schema.sql block {name!r} is neither 'schema' nor named vN_<what>")
+    if sorted(steps) != list(range(1, latest + 1)):
+        raise SchemaError(f"schema.sql has steps {sorted(steps)}, not 1..{latest} (its SCHEMA_VERSION)")
+    return latest, sorted(steps.items())
+
+
+def schema_sql() -> tuple[int, str]:
+    """Return ``(latest version, sql)`` with the first version's tables (block ``schema``).
+
+    The later versions' blocks are in :func:`schema_steps`."""
+    latest, steps = schema_steps()
+    return latest, steps[0][1][0]
 
 
 class MssqlDatabase:
@@ -774,7 +800,7 @@ class MssqlDatabase:
 
         :return: the schema version now installed.
         """
-        latest, full = schema_sql()
+        latest, steps = schema_steps()
         with self.transaction() as c:
             cur = c.cursor()
             for name in ("install_lock",):
@@ -787,10 +813,19 @@ class MssqlDatabase:
                 got = cur.execute(self.query("schema_version")).fetchone()
                 current = int(got[0]) if got else 0
             refuse_newer_schema(self.schema, self.where, current, latest)
-            if current == 0:
-                cur.execute(self.compose(full))
-                cur.execute(*to_positional(self.query("record_version"), {"version": latest}))
-                log.info("installed dbqueue schema %s at version %s on SQL Server", self.schema, latest)
+            for version, batches in steps:
+                if version <= current:
+                    continue
+                for batch in batches:
+                    cur.execute(self.compose(batch))
+                cur.execute(*to_positional(self.query("record_version"), {"version": version}))
+            if current < latest:
+                log.info(
+                    "%s dbqueue schema %s at version %s on SQL Server",
+                    "installed" if current == 0 else f"migrated from version {current}:",
+                    self.schema,
+                    latest,
+                )
         return latest
 
     def drop_schema(self) -> None:

@@ -1,5 +1,5 @@
 -- Named queries of the SQL Server dialect, under the names of the PostgreSQL dialect (a test checks the
--- parity; dialect.NOT_YET_PORTED names the ones still missing). {schema} is the bracket-quoted schema
+-- parity; dialect.NOT_YET_PORTED would name any still missing: none). {schema} is the bracket-quoted schema
 -- name; values are bound parameters, written %(name)s as on PostgreSQL and sent to pyodbc as ? in order.
 -- Each named query runs as one transaction (or inside the caller's), with XACT_ABORT ON: an error rolls
 -- all of it back. A batch of several statements starts with SET NOCOUNT ON so that only its last
@@ -21,10 +21,12 @@ INSERT INTO {schema}.schema_version (version)
 SELECT %(version)s WHERE NOT EXISTS (SELECT 1 FROM {schema}.schema_version WHERE version = %(version)s)
 
 -- name: drop_schema
--- No DROP SCHEMA ... CASCADE in T-SQL: drop the schema's tables and sequences, then the schema.
+-- No DROP SCHEMA ... CASCADE in T-SQL: drop the schema's procedures, tables and sequences, then the schema.
 SET NOCOUNT ON;
 DECLARE @schema sysname = %(schema)s;
 DECLARE @sql nvarchar(max) = N'';
+SELECT @sql = @sql + N'DROP PROCEDURE ' + QUOTENAME(@schema) + N'.' + QUOTENAME(p.name) + N'; '
+FROM sys.procedures p WHERE p.schema_id = SCHEMA_ID(@schema);
 SELECT @sql = @sql + N'DROP TABLE ' + QUOTENAME(@schema) + N'.' + QUOTENAME(t.name) + N'; '
 FROM sys.tables t WHERE t.schema_id = SCHEMA_ID(@schema);
 SELECT @sql = @sql + N'DROP SEQUENCE ' + QUOTENAME(@schema) + N'.' + QUOTENAME(s.name) + N'; '
@@ -722,3 +724,260 @@ SELECT
     + (SELECT count_big(*) FROM {schema}.archive
         WHERE queue_id = @queue_id AND archived_at > @since AND finished_at > @since AND outcome = 1)
       AS finished
+
+-- name: ring_create
+-- The ring design. Push, pop and the gap recovery are stored procedures (schema.sql: ring_push,
+-- ring_pop, ring_skip_abandoned, and their helpers); the statements below are the slower paths.
+-- Receipts (id, delivery) find their slot as id % capacity: one primary-key probe each.
+EXEC {schema}.ring_create @queue_id = %(queue_id)s, @capacity = %(capacity)s, @slot_bytes = %(slot_bytes)s
+
+-- name: ring_drop
+EXEC {schema}.ring_drop @queue_id = %(queue_id)s
+
+-- name: ring_push
+-- payloads: a JSON array of hex strings. The channel is not used (no NOTIFY on SQL Server).
+EXEC {schema}.ring_push @queue_id = %(queue_id)s, @payloads = %(payloads)s, @timeout_s = %(timeout_s)s,
+    @notify = %(notify)s
+
+-- name: ring_pop
+EXEC {schema}.ring_pop @queue_id = %(queue_id)s, @cap = %(capacity)s, @lo = %(lo)s, @n = %(n)s,
+    @lease = %(lease)s, @vt = %(visibility_timeout_s)s, @consumer = %(consumer)s, @own = %(own)s,
+    @gap = %(gap)s, @gap_issued = %(gap_issued)s, @gap_snap = %(gap_snap)s, @force = %(force)s
+
+-- name: ring_unwritten
+-- Maintenance's gap recovery, first step: the push position, and whether any number up to it is issued
+-- but unwritten (its slot still holds the number a capacity before it, finished; locked slots are read
+-- past). The lanes (ring_snapshot) are listed by a later statement.
+SELECT i.issued,
+       CASE WHEN EXISTS (
+           SELECT 1 FROM {schema}.ring_slots t WITH (READCOMMITTEDLOCK, READPAST)
+           WHERE t.queue_id = r.queue_id AND t.state IN (0, 3) AND t.seq + r.capacity <= i.issued) THEN 1 ELSE 0 END
+FROM {schema}.rings r
+CROSS APPLY (SELECT CAST(q.current_value AS bigint) AS issued FROM sys.sequences q WHERE q.object_id = r.push_seq_id) i
+WHERE r.queue_id = %(queue_id)s
+
+-- name: ring_snapshot
+-- The gap proof's snapshot on SQL Server: the ring's lanes that other transactions hold locked now, as
+-- a JSON array (PostgreSQL's is pg_current_snapshot()).
+SET NOCOUNT ON;
+DECLARE @held nvarchar(max);
+EXEC {schema}.ring_lanes_held @queue_id = %(queue_id)s, @of = NULL, @held = @held OUTPUT;
+SELECT @held
+
+-- name: ring_skip_abandoned
+EXEC {schema}.ring_skip_abandoned @queue_id = %(queue_id)s, @issued = %(issued)s, @snap = %(snap)s
+
+-- name: ring_head
+-- The lowest number that is not finished, from a full scan of the ring: committed rows read past
+-- locks; a slot locked by another transaction counts as unfinished at the number read without locks
+-- (never more than its committed number's successor), so the result is a safe lower bound.
+SET NOCOUNT ON;
+DECLARE @queue_id int = %(queue_id)s;
+DECLARE @cap int;
+DECLARE @issued bigint;
+SELECT @cap = r.capacity, @issued = CAST(q.current_value AS bigint)
+FROM {schema}.rings r JOIN sys.sequences q ON q.object_id = r.push_seq_id
+WHERE r.queue_id = @queue_id;
+SELECT CASE WHEN @cap IS NULL THEN NULL ELSE coalesce((
+    SELECT min(CASE WHEN c.slot IS NULL THEN n.seq
+                    WHEN c.state IN (1, 2) THEN c.seq
+                    WHEN c.seq + @cap <= @issued THEN c.seq + @cap END)
+    FROM {schema}.ring_slots n WITH (NOLOCK)
+    LEFT JOIN {schema}.ring_slots c WITH (READCOMMITTEDLOCK, READPAST) ON c.queue_id = n.queue_id AND c.slot = n.slot
+    WHERE n.queue_id = @queue_id), @issued + 1) END
+
+-- name: ring_ack
+-- All or nothing, as in the table design: the receipts whose lease is still valid are locked (UPDLOCK
+-- until commit), and slots are freed only when every receipt is held.
+SET NOCOUNT ON;
+DECLARE @now datetime2(6) = SYSUTCDATETIME();
+DECLARE @queue_id int = %(queue_id)s;
+DECLARE @cap int = %(capacity)s;
+DECLARE @receipts TABLE (id bigint NOT NULL, delivery int NOT NULL, PRIMARY KEY (id, delivery));
+INSERT INTO @receipts (id, delivery)
+SELECT CAST(i.[value] AS bigint), CAST(d.[value] AS int)
+FROM OPENJSON(%(ids)s) i JOIN OPENJSON(%(deliveries)s) d ON d.[key] = i.[key];
+DECLARE @held TABLE (slot int PRIMARY KEY, seq bigint NOT NULL);
+INSERT INTO @held (slot, seq)
+SELECT s.slot, s.seq FROM {schema}.ring_slots s WITH (UPDLOCK, ROWLOCK)
+JOIN @receipts r ON s.slot = r.id % @cap AND s.seq = r.id AND s.deliveries = r.delivery
+WHERE s.queue_id = @queue_id AND s.state = 2 AND s.due_at > @now;
+DECLARE @done TABLE (seq bigint PRIMARY KEY);
+DECLARE @wanted int = (SELECT count(*) FROM @receipts);
+DECLARE @got int = (SELECT count(*) FROM @held);
+IF @got = @wanted
+    UPDATE s SET state = 0, payload = NULL, consumer = NULL, last_error = NULL
+    OUTPUT inserted.seq INTO @done
+    FROM {schema}.ring_slots s JOIN @held h ON s.slot = h.slot
+    WHERE s.queue_id = @queue_id;
+SELECT seq FROM @done
+
+-- name: ring_nack
+-- Back to ready in place (the message keeps its id and its place) after delay_s or the backoff
+-- (backoff_s * 2^(attempts-1), at most backoff_max_s), or out of the ring into ring_failed after
+-- max_attempts (its slot is freed). All or nothing, like ring_ack.
+SET NOCOUNT ON;
+DECLARE @now datetime2(6) = SYSUTCDATETIME();
+DECLARE @queue_id int = %(queue_id)s;
+DECLARE @cap int = %(capacity)s;
+DECLARE @max_attempts int = %(max_attempts)s;
+DECLARE @delay_s float = %(delay_s)s;
+DECLARE @backoff_s float = %(backoff_s)s;
+DECLARE @backoff_max_s float = %(backoff_max_s)s;
+DECLARE @error nvarchar(1000) = LEFT(%(error)s, 1000);
+DECLARE @receipts TABLE (id bigint NOT NULL, delivery int NOT NULL, PRIMARY KEY (id, delivery));
+INSERT INTO @receipts (id, delivery)
+SELECT CAST(i.[value] AS bigint), CAST(d.[value] AS int)
+FROM OPENJSON(%(ids)s) i JOIN OPENJSON(%(deliveries)s) d ON d.[key] = i.[key];
+DECLARE @held TABLE (
+    slot int PRIMARY KEY, seq bigint NOT NULL, attempts int NOT NULL, enqueued_at datetime2(6), payload varbinary(4000),
+    wait_s float NOT NULL);
+INSERT INTO @held (slot, seq, attempts, enqueued_at, payload, wait_s)
+SELECT s.slot, s.seq, s.attempts, s.enqueued_at, s.payload,
+       coalesce(@delay_s, CASE WHEN @backoff_s * POWER(2e0, CASE WHEN s.attempts > 1 THEN s.attempts - 1 ELSE 0 END)
+                                    > @backoff_max_s THEN @backoff_max_s
+                               ELSE @backoff_s * POWER(2e0, CASE WHEN s.attempts > 1 THEN s.attempts - 1 ELSE 0 END) END)
+FROM {schema}.ring_slots s WITH (UPDLOCK, ROWLOCK)
+JOIN @receipts r ON s.slot = r.id % @cap AND s.seq = r.id AND s.deliveries = r.delivery
+WHERE s.queue_id = @queue_id AND s.state = 2 AND s.due_at > @now;
+DECLARE @done TABLE (seq bigint PRIMARY KEY, state tinyint);
+DECLARE @wanted int = (SELECT count(*) FROM @receipts);
+DECLARE @got int = (SELECT count(*) FROM @held);
+IF @got = @wanted
+BEGIN
+    INSERT INTO {schema}.ring_failed (queue_id, id, attempts, enqueued_at, last_error, payload)
+    SELECT @queue_id, h.seq, h.attempts, h.enqueued_at, @error, coalesce(h.payload, 0x)
+    FROM @held h WHERE h.attempts >= @max_attempts;
+    UPDATE s
+    SET state = CASE WHEN s.attempts >= @max_attempts THEN 0 ELSE 1 END,
+        due_at = CASE WHEN s.attempts >= @max_attempts THEN s.due_at
+                      ELSE DATEADD(microsecond, CAST(1e6 * (h.wait_s - FLOOR(h.wait_s)) AS int),
+                                   DATEADD(second, CAST(FLOOR(h.wait_s) AS int), @now)) END,
+        payload = CASE WHEN s.attempts >= @max_attempts THEN NULL ELSE s.payload END,
+        consumer = NULL, last_error = @error
+    OUTPUT inserted.seq, inserted.state INTO @done
+    FROM {schema}.ring_slots s JOIN @held h ON s.slot = h.slot
+    WHERE s.queue_id = @queue_id;
+END;
+SELECT seq, state FROM @done
+
+-- name: ring_held_receipts
+SELECT s.seq, s.deliveries
+FROM {schema}.ring_slots s
+JOIN (SELECT CAST(i.[value] AS bigint) AS id, CAST(d.[value] AS int) AS delivery
+      FROM OPENJSON(%(ids)s) i JOIN OPENJSON(%(deliveries)s) d ON d.[key] = i.[key]) r
+  ON s.slot = r.id % %(capacity)s AND s.seq = r.id AND s.deliveries = r.delivery
+WHERE s.queue_id = %(queue_id)s AND s.state = 2 AND s.due_at > SYSUTCDATETIME()
+
+-- name: ring_reclaim_expired
+-- Expired leases go back to ready in place (keeping their id, so their place) or, after max_attempts,
+-- to ring_failed. Scans the ring's slots, passing over rows other sessions hold: pops run it at most
+-- once a second.
+SET NOCOUNT ON;
+DECLARE @now datetime2(6) = SYSUTCDATETIME();
+DECLARE @queue_id int = %(queue_id)s;
+DECLARE @max_attempts int = %(max_attempts)s;
+DECLARE @expired TABLE (
+    slot int PRIMARY KEY, seq bigint NOT NULL, attempts int NOT NULL, enqueued_at datetime2(6),
+    payload varbinary(4000), error nvarchar(1000));
+INSERT INTO @expired (slot, seq, attempts, enqueued_at, payload, error)
+SELECT TOP (%(limit)s) s.slot, s.seq, s.attempts, s.enqueued_at, s.payload,
+       N'lease expired (held by ' + coalesce(s.consumer, N'?') + N')'
+FROM {schema}.ring_slots s WITH (ROWLOCK, READPAST, UPDLOCK)
+WHERE s.queue_id = @queue_id AND s.state = 2 AND s.due_at <= @now;
+INSERT INTO {schema}.ring_failed (queue_id, id, attempts, enqueued_at, last_error, payload)
+SELECT @queue_id, e.seq, e.attempts, e.enqueued_at, e.error, coalesce(e.payload, 0x)
+FROM @expired e WHERE e.attempts >= @max_attempts;
+DECLARE @done TABLE (seq bigint PRIMARY KEY, state tinyint);
+UPDATE s
+SET state = CASE WHEN s.attempts >= @max_attempts THEN 0 ELSE 1 END,
+    due_at = @now,
+    payload = CASE WHEN s.attempts >= @max_attempts THEN NULL ELSE s.payload END,
+    consumer = NULL, last_error = e.error
+OUTPUT inserted.seq, inserted.state INTO @done
+FROM {schema}.ring_slots s JOIN @expired e ON s.slot = e.slot
+WHERE s.queue_id = @queue_id;
+SELECT seq, state FROM @done
+
+-- name: ring_peek
+SELECT TOP (%(n)s) s.seq, s.attempts, s.deliveries, s.enqueued_at, CAST(NULL AS datetime2(6)) AS lease_until, s.payload
+FROM {schema}.ring_slots s
+WHERE s.queue_id = %(queue_id)s AND s.state = 1 AND s.due_at <= SYSUTCDATETIME()
+ORDER BY s.seq
+
+-- name: ring_count_ready
+SELECT count(*) FROM (
+    SELECT TOP (%(cap)s) 1 AS one FROM {schema}.ring_slots
+    WHERE queue_id = %(queue_id)s AND state = 1 AND due_at <= SYSUTCDATETIME()) s
+
+-- name: ring_ready_head
+SELECT r.ready, h.seq AS head_id, h.deliveries AS head_deliveries
+FROM (SELECT count(*) AS ready FROM (
+        SELECT TOP (%(cap)s) 1 AS one FROM {schema}.ring_slots
+        WHERE queue_id = %(queue_id)s AND state = 1 AND due_at <= SYSUTCDATETIME()) s) r
+OUTER APPLY (
+    SELECT TOP (1) seq, deliveries FROM {schema}.ring_slots
+    WHERE queue_id = %(queue_id)s AND state = 1 AND due_at <= SYSUTCDATETIME()
+    ORDER BY seq) h
+
+-- name: ring_stats
+-- Depth by state, plus the ring's own figures: the push position (last number issued), the pop
+-- position (lowest unfinished number, as ring_head computes it) and the numbers skipped as gaps.
+SET NOCOUNT ON;
+DECLARE @now datetime2(6) = SYSUTCDATETIME();
+DECLARE @queue_id int = %(queue_id)s;
+DECLARE @cap int;
+DECLARE @issued bigint;
+DECLARE @gaps bigint;
+SELECT @cap = r.capacity, @issued = CAST(q.current_value AS bigint), @gaps = CAST(g.current_value AS bigint)
+FROM {schema}.rings r
+JOIN sys.sequences q ON q.object_id = r.push_seq_id
+JOIN sys.sequences g ON g.object_id = r.gap_seq_id
+WHERE r.queue_id = @queue_id;
+SELECT
+    (SELECT count(*) FROM {schema}.ring_slots WHERE queue_id = @queue_id AND state = 1 AND due_at <= @now) AS ready,
+    (SELECT count(*) FROM {schema}.ring_slots WHERE queue_id = @queue_id AND state = 1 AND due_at > @now) AS delayed,
+    (SELECT count(*) FROM {schema}.ring_slots WHERE queue_id = @queue_id AND state = 2) AS in_flight,
+    (SELECT count(*) FROM {schema}.ring_failed WHERE queue_id = @queue_id) AS failed,
+    (SELECT DATEDIFF_BIG(microsecond, min(enqueued_at), @now) / 1e6 FROM {schema}.ring_slots
+      WHERE queue_id = @queue_id AND state = 1 AND due_at <= @now) AS oldest_ready_age_s,
+    coalesce(@issued, 0) AS push_position,
+    coalesce((
+        SELECT min(CASE WHEN c.slot IS NULL THEN n.seq
+                        WHEN c.state IN (1, 2) THEN c.seq
+                        WHEN c.seq + @cap <= @issued THEN c.seq + @cap END)
+        FROM {schema}.ring_slots n WITH (NOLOCK)
+        LEFT JOIN {schema}.ring_slots c WITH (READCOMMITTEDLOCK, READPAST) ON c.queue_id = n.queue_id AND c.slot = n.slot
+        WHERE n.queue_id = @queue_id), @issued + 1) AS pop_position,
+    coalesce(@gaps, 0) AS gaps_skipped
+
+-- name: ring_list_failed
+SELECT TOP (%(limit)s) id, attempts, enqueued_at, last_error, payload
+FROM {schema}.ring_failed
+WHERE queue_id = %(queue_id)s AND id > %(after_id)s
+ORDER BY id
+
+-- name: ring_take_failed
+-- requeue_failed: the failed messages leave ring_failed and are pushed again (new ids) in the same
+-- transaction.
+DELETE f
+OUTPUT deleted.id, deleted.payload
+FROM {schema}.ring_failed f
+WHERE f.queue_id = %(queue_id)s
+  AND (%(all)s = 1 OR f.id IN (SELECT CAST([value] AS bigint) FROM OPENJSON(%(ids)s)))
+
+-- name: ring_delete_failed
+DELETE f
+OUTPUT deleted.id
+FROM {schema}.ring_failed f
+WHERE f.queue_id = %(queue_id)s
+  AND (%(all)s = 1 OR f.id IN (SELECT CAST([value] AS bigint) FROM OPENJSON(%(ids)s)))
+
+-- name: ring_leased
+SELECT s.seq, s.attempts, s.deliveries, s.enqueued_at, s.due_at, s.payload
+FROM {schema}.ring_slots s
+JOIN (SELECT CAST(i.[value] AS bigint) AS id, CAST(d.[value] AS int) AS delivery
+      FROM OPENJSON(%(ids)s) i JOIN OPENJSON(%(deliveries)s) d ON d.[key] = i.[key]) r
+  ON s.slot = r.id % %(capacity)s AND s.seq = r.id AND s.deliveries = r.delivery
+WHERE s.queue_id = %(queue_id)s AND s.state = 2 AND s.due_at > SYSUTCDATETIME()
+ORDER BY s.seq
