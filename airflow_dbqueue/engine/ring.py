@@ -17,18 +17,20 @@ number, and whatever it took but did not commit is ready again for the next pop.
 
 Gaps: a push that rolled back (or whose process died) after taking its numbers leaves them unwritten,
 because sequences are not transactional. A pop that finds the lowest unfinished number issued but
-unwritten reports it with the issued position and a snapshot; its next pop gives every such number up
-(state skipped, seq set to the number) once every holder the snapshot could name is gone, or after
-``gap_timeout`` seconds as a fallback (a holder alive but stuck). Skipping is always safe: a late push
-of a skipped number finds the slot's seq moved on, fails whole and is retried with new numbers, so it
-is neither lost nor delivered out of order with itself.
+unwritten reports it with the issued position and, when it stays, a list of the possible holders;
+a later pop gives every such number up (state skipped, seq set to the number) once every holder listed
+is gone, or, after ``gap_timeout`` seconds as a fallback (a holder alive but stuck, or other
+transactions that keep the proof from holding, such as pushers waiting on a full ring), the run of
+unwritten numbers at the head. Skipping is always safe: a late push of a skipped number finds the
+slot's seq moved on, fails whole and is retried with new numbers, so it is neither lost nor delivered
+out of order with itself.
 
-The snapshot is the dialect's. On PostgreSQL it is ``pg_current_snapshot()``: a push takes an xid
-before its numbers, so its holder is one of the snapshot's transactions, and the proof is that all of
-them have finished. On SQL Server, which has no such function for an ordinary user, a push locks one
-of the ring's lanes (a row of ``ring_lanes``, until its transaction ends) before it takes its numbers;
-the snapshot is the list of lanes other transactions held, and the proof is that each has been seen
-unlocked since (``docs/sqlserver.md``). Either way the position is read before the snapshot is taken.
+The list of holders (``snap`` below) is the dialect's. On PostgreSQL it is the transactions holding
+their transactionid lock (``pg_locks``): a push takes an xid before its numbers, and the proof is that
+none of them holds it any more. On SQL Server, which has no such view for an ordinary user, a push
+locks one of the ring's lanes (a row of ``ring_lanes``, until its transaction ends) before it takes
+its numbers; the list is the lanes other transactions held, and the proof is that each has been seen
+unlocked since (``docs/sqlserver.md``). Either way the position is read before the list is taken.
 
 The same class runs on both dialects: every statement is a named query of the dialect. Only the async
 observers (:meth:`RingQueue.areadiness`, :meth:`RingQueue.alisten`) are PostgreSQL's alone (psycopg's
@@ -94,7 +96,7 @@ class RingQueue(Queue):
         self._channel = db.channel(settings.queue_id)
         self._lock = threading.Lock()
         self._lo: int | None = None
-        self._gap: tuple[int, int, str] | None = None  # (number, issued position, snapshot)
+        self._gap: tuple[int, int, str | None] | None = None  # (number, issued position, holders)
         self._gap_since: tuple[int, float] | None = None
         self._last_reclaim = 0.0
         self.push_timeout = 30.0
@@ -221,12 +223,16 @@ class RingQueue(Queue):
                 if gap_n is None:
                     self._gap = self._gap_since = None
                 else:
-                    self._gap = (int(gap_n), int(meta[8]), str(meta[9]))
+                    self._gap = (int(gap_n), int(meta[8]), None if meta[9] is None else str(meta[9]))
                     if self._gap_since is None or self._gap_since[0] != gap_n:
                         self._gap_since = (int(gap_n), time.monotonic())
-            # Go on only when the window moved a lot (a bound that was stale), or a gap at the head
-            # can be skipped at once (next pop) and the batch is not full.
-            if len(msgs) >= n or not (next_lo >= lo + self.capacity // 2 or (gap_n is not None and not gap)):
+            # Go on only when the window moved a lot (a bound that was stale), or the gap at the head
+            # moved on towards being skipped (newly seen, or now with its holders listed), and the batch
+            # is not full.
+            advanced = gap_n is not None and (
+                not gap or gap[0] != gap_n or (gap[2] is None and meta[9] is not None)
+            )
+            if len(msgs) >= n or not (next_lo >= lo + self.capacity // 2 or advanced):
                 break
         return msgs
 

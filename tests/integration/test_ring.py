@@ -242,6 +242,39 @@ def test_a_stuck_live_holder_is_skipped_after_the_gap_timeout(dbq: DbQueue) -> N
         assert (st.extra["gaps_skipped"], st.extra["pop_position"]) == (1, 3), st
 
 
+def test_after_the_gap_timeout_a_whole_abandoned_run_is_skipped_at_once(dbq: DbQueue) -> None:
+    """A rolled-back batch leaves a run of numbers at the head while a live holder blocks the proof.
+
+    The live holder stands for pushers that wait on a full ring: they are in progress, so no snapshot
+    proves the run abandoned. Giving up one number per gap timeout stalled a 10M soak for 30 s (the
+    waiting pushers timed out, leaving new gaps). After the timeout the whole unwritten run at the head
+    goes at once; the live holder's number, past a written one, is left alone.
+    """
+    q = ring(dbq, "run", 8)
+    q.gap_timeout = 0.3
+    with pytest.raises(_Rollback), dbq.transaction() as conn:  # numbers 1 .. 5 taken, nothing written
+        q.push_batch(["lost"] * 5, conn=conn)
+        raise _Rollback
+    q.push_batch(["six"])
+    with holder_connection(dbq) as holder:
+        take_number(holder, dbq, q)  # number 7, alive, never written while the test runs
+        assert [m.payload for m in q.pop(5)] == ["six"]
+        assert q.stats().extra["gaps_skipped"] == 0, "a live transaction blocks the proof"
+        time.sleep(0.4)
+        assert q.pop(1) == []
+        st = q.stats()
+        assert (st.extra["gaps_skipped"], st.extra["pop_position"]) == (5, 7), st
+        q.push_batch(["eight"])
+        assert [(m.id, m.payload) for m in q.pop(5)] == [(8, "eight")]
+        st = q.stats()
+        assert (st.extra["gaps_skipped"], st.extra["pop_position"]) == (5, 7), "7 is alive: kept"
+        holder.rollback()
+    for _ in range(3):
+        assert q.pop(5) == []
+    st = q.stats()
+    assert (st.extra["gaps_skipped"], st.extra["pop_position"]) == (6, 9), st
+
+
 def test_a_late_push_of_a_skipped_number_is_pushed_again_whole(dbq: DbQueue) -> None:
     q = ring(dbq, "late", 8)
     q.push_batch(["a", "b"])

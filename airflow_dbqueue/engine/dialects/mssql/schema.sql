@@ -477,8 +477,10 @@ END
 -- Give up abandoned numbers (gaps) as pops do: the numbers from @gap up to @issued (at most 4096)
 -- still unwritten, whose predecessor is finished and that nobody holds locked, once every lane of
 -- @snap (the lanes other transactions held after @issued was read) has been seen unlocked; without
--- that proof, @force (the caller's gap timeout ran out) gives up @gap alone. Nothing happens unless
--- @gap is still unwritten. @remaining: the lanes of @snap still locked now ("[]": the proof holds).
+-- that proof, @force (the caller's gap timeout ran out) gives up the run of unwritten numbers from @gap
+-- up to the first written one (as on PostgreSQL: their predecessors are finished, so a live push would
+-- have written them already). Nothing happens unless @gap is still unwritten. @remaining: the lanes of
+-- @snap still locked now ("[]": the proof holds).
 CREATE OR ALTER PROCEDURE {schema}.ring_skip_gap
     @queue_id int, @cap int, @gap bigint, @issued bigint, @snap nvarchar(max), @force bit,
     @remaining nvarchar(max) OUTPUT
@@ -497,9 +499,22 @@ BEGIN
         BEGIN
             EXEC {schema}.ring_lanes_held @queue_id = @queue_id, @of = @snap, @held = @remaining OUTPUT;
         END;
-        SET @span = CASE WHEN @remaining = N'[]' THEN @issued - @gap + 1 WHEN @force = 1 THEN 1 ELSE 0 END;
-        SET @span = CASE WHEN @span > 4096 THEN 4096 ELSE @span END;
-        SET @span = CASE WHEN @span > @cap THEN @cap ELSE @span END;
+        DECLARE @max bigint = CASE WHEN @issued IS NULL OR @issued < @gap THEN 1 ELSE @issued - @gap + 1 END;
+        SET @max = CASE WHEN @max > 4096 THEN 4096 ELSE @max END;
+        SET @max = CASE WHEN @max > @cap THEN @cap ELSE @max END;
+        SET @span = CASE WHEN @remaining = N'[]' THEN @max ELSE 0 END;
+        IF @span = 0 AND @force = 1
+        BEGIN
+            DECLARE @a int = @gap % @cap;
+            SELECT @span = coalesce(min(w.num) - @gap, @max) FROM (
+                SELECT @gap - @a + t.slot AS num FROM {schema}.ring_slots t WITH (READCOMMITTEDLOCK, READPAST)
+                WHERE t.queue_id = @queue_id AND t.slot >= @a AND t.slot < @a + @max
+                  AND t.seq >= @gap - @a + t.slot
+                UNION ALL
+                SELECT @gap + @cap - @a + t.slot AS num FROM {schema}.ring_slots t WITH (READCOMMITTEDLOCK, READPAST)
+                WHERE t.queue_id = @queue_id AND t.slot < @a + @max - @cap
+                  AND t.seq >= @gap + @cap - @a + t.slot) AS w;
+        END;
     END;
     IF @span <= 0 OR @gaps IS NULL
     BEGIN

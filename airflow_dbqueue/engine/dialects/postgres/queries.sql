@@ -561,18 +561,18 @@ SELECT {schema}.ring_push(
     %(queue_id)s::integer, %(payloads)b::bytea[], %(timeout_s)s::float8, %(notify)s::integer, %(channel)s)
 
 -- name: ring_pop
--- Rows come back in binary (dialect.BINARY_RESULTS): the snapshot as text, which has a binary form.
+-- Rows come back in binary (dialect.BINARY_RESULTS): the holders (xid[]) as text.
 SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, r_lease_until, r_payload, r_next_lo, r_gap, r_issued,
        r_snap::text
 FROM {schema}.ring_pop(
     %(queue_id)s::integer, %(capacity)s::integer, %(lo)s::bigint, %(n)s::integer, %(lease)s::boolean,
     %(visibility_timeout_s)s::float8, %(consumer)s::text, %(own)s::boolean,
-    %(gap)s::bigint, %(gap_issued)s::bigint, %(gap_snap)s::pg_snapshot, %(force)s::boolean)
+    %(gap)s::bigint, %(gap_issued)s::bigint, %(gap_snap)s::xid[], %(force)s::boolean)
 
 -- name: ring_unwritten
 -- Maintenance's gap recovery, first step: the push position, and whether any number up to it is issued
 -- but unwritten (its slot still holds the number a capacity before it, finished). A full scan of the
--- ring's slots. The snapshot (ring_snapshot) is taken by a later statement.
+-- ring's slots. The holders (ring_snapshot) are listed by a later statement.
 SELECT i.issued, EXISTS (
     SELECT 1 FROM {schema}.ring_slots t
     WHERE t.queue_id = r.queue_id AND t.state IN (0, 3) AND t.seq + r.capacity <= i.issued)
@@ -581,10 +581,10 @@ CROSS JOIN LATERAL (SELECT coalesce(pg_sequence_last_value(r.push_seq), 0) AS is
 WHERE r.queue_id = %(queue_id)s
 
 -- name: ring_snapshot
-SELECT pg_current_snapshot()::text
+SELECT {schema}.ring_holders()::text
 
 -- name: ring_skip_abandoned
-SELECT {schema}.ring_skip_abandoned(%(queue_id)s::integer, %(issued)s::bigint, %(snap)s::pg_snapshot)
+SELECT {schema}.ring_skip_abandoned(%(queue_id)s::integer, %(issued)s::bigint, %(snap)s::xid[])
 
 -- name: ring_head
 SELECT {schema}.ring_head(%(queue_id)s::integer)

@@ -1,7 +1,7 @@
 -- The whole current schema of a dbqueue schema on PostgreSQL, for a fresh install.
 -- {schema} is replaced by the quoted schema name. Keep in step with migrations/: a test checks that
 -- applying every migration from the first gives exactly this schema.
--- SCHEMA_VERSION: 9
+-- SCHEMA_VERSION: 10
 
 -- name: schema
 CREATE SCHEMA IF NOT EXISTS {schema};
@@ -234,6 +234,28 @@ BEGIN
 END
 $$;
 
+-- The gap proof. A push takes an xid before its numbers, and every transaction with an xid holds the
+-- lock on its own transactionid until it ends. So the transactions listed by ring_holders() after a
+-- push position was read include every live holder of a number up to that position, and once
+-- ring_holders_gone() says none of them holds its lock any more, nobody can still write such a number.
+-- (A snapshot's in-progress list cannot serve: it names only xids below its xmax, one past the latest
+-- completed xid, so a newer transaction still running is missing from it.) The caller's own xid is
+-- left out: it is not a holder it waits for. pg_locks is readable by every role.
+CREATE FUNCTION {schema}.ring_holders() RETURNS xid[]
+LANGUAGE sql VOLATILE AS $$
+    SELECT coalesce(array_agg(l.transactionid), ARRAY[]::xid[])
+    FROM pg_locks l
+    WHERE l.locktype = 'transactionid' AND l.granted
+      AND l.transactionid IS DISTINCT FROM pg_current_xact_id_if_assigned()::xid
+$$;
+
+CREATE FUNCTION {schema}.ring_holders_gone(p_holders xid[]) RETURNS boolean
+LANGUAGE sql VOLATILE AS $$
+    SELECT NOT EXISTS (
+        SELECT 1 FROM pg_locks l
+        WHERE l.locktype = 'transactionid' AND l.granted AND l.transactionid = ANY (p_holders))
+$$;
+
 -- Push a batch: take n contiguous numbers and write them into their slots, all or nothing, in the
 -- caller's transaction. Returns the first number (the ids are first .. first + n - 1).
 -- A slot whose previous occupant is not finished yet (the ring is full there) is waited for with
@@ -268,7 +290,7 @@ DECLARE
     v_deadline timestamptz;
     v_pause double precision := 0.0005;
     v_gaps regclass;
-    v_snap pg_snapshot;
+    v_holders xid[];
 BEGIN
     SELECT capacity, push_seq, gap_seq INTO v_cap, v_seq, v_gaps FROM {schema}.rings WHERE queue_id = p_queue_id;
     IF NOT FOUND THEN
@@ -329,12 +351,11 @@ BEGIN
                 p_queue_id, v_first, v_first + v_n - 1 USING ERRCODE = 'DQ002';
         END IF;
         -- Help: a slot still holding the number before its predecessor (num - 2 capacity) waits on a
-        -- predecessor that was issued (it is lower than ours) and is unwritten. Once every transaction
-        -- of the snapshot taken after our numbers were issued has finished, nobody can write it:
-        -- give it up as a gap, as ring_pop would, so that a ring nobody pops keeps taking pushes.
-        IF v_snap IS NOT NULL AND NOT EXISTS (
-                SELECT 1 FROM pg_snapshot_xip(v_snap) AS x(xid)
-                WHERE x.xid <> pg_current_xact_id() AND pg_xact_status(x.xid) = 'in progress') THEN
+        -- predecessor that was issued (it is lower than ours) and is unwritten. Once every holder
+        -- listed after our numbers were issued is gone, nobody can write it: give it up as a gap, as
+        -- ring_pop would, so that a ring nobody pops keeps taking pushes. The list is kept from the
+        -- first wait on: a list taken anew each time would name new transactions under load for ever.
+        IF v_holders IS NOT NULL AND {schema}.ring_holders_gone(v_holders) THEN
             FOR part IN 1 .. 2 LOOP
                 IF part = 1 THEN
                     v_from := v_a; v_to := v_b1; v_base := v_first - v_a;
@@ -356,7 +377,9 @@ BEGIN
                 END IF;
             END LOOP;
         END IF;
-        v_snap := pg_current_snapshot();
+        IF v_holders IS NULL THEN
+            v_holders := {schema}.ring_holders();
+        END IF;
         IF clock_timestamp() >= v_deadline THEN
             RAISE EXCEPTION 'ring % stayed full for % s (capacity %)', p_queue_id, p_timeout_s, v_cap
                 USING ERRCODE = 'DQ001';
@@ -398,15 +421,22 @@ $$;
 
 -- Give up abandoned numbers (gaps) of a ring, as pops and maintenance do: the numbers from p_gap up to
 -- p_issued (at most 4096) still unwritten, whose predecessor is finished and that nobody holds locked,
--- once every transaction of p_snap has finished (p_snap was taken after those numbers were issued, and
--- a push takes an xid before its numbers, so their holders were among its transactions: they are gone).
--- Without that proof, p_force (a gap timeout ran out) gives up the number p_gap alone: a holder alive
--- but slow has written (and locks) its first numbers, while the rest of the range may belong to pushes
--- still writing. Nothing happens unless p_gap is still unwritten. Returns how many numbers it gave up.
+-- once every holder in p_holders is gone (listed by ring_holders() after p_issued was read).
+-- Without that proof, p_force (a gap timeout ran out: some transaction listed is still running) gives
+-- up the run of unwritten numbers that starts at p_gap, up to the first written one. Those numbers'
+-- predecessors are finished (p_gap is the head), so a live push would have written them the moment it
+-- took them: they belong to pushes that rolled back or died, or to one stalled that long between taking
+-- its numbers and writing them, which then fails with DQ002 and pushes again. Giving up one number per
+-- gap timeout instead stalled pushes behind a rolled-back batch for as many timeouts as it had numbers,
+-- while pushers waiting on the full ring kept the proof from holding. Numbers past the run (a live
+-- holder beyond a written number) are kept. Nothing happens unless p_gap is still unwritten.
+-- Returns how many numbers it gave up.
 CREATE FUNCTION {schema}.ring_skip_gap(
-    p_queue_id integer, p_cap integer, p_gap bigint, p_issued bigint, p_snap pg_snapshot, p_force boolean)
+    p_queue_id integer, p_cap integer, p_gap bigint, p_issued bigint, p_holders xid[], p_force boolean)
 RETURNS integer LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_bitmapscan = off AS $$
 DECLARE
+    v_a integer := (p_gap % p_cap)::integer;
+    v_max integer := least(greatest(coalesce(p_issued, p_gap), p_gap) - p_gap + 1, 4096, p_cap)::integer;
     v_span integer := 0;
     v_from integer;
     v_to integer;
@@ -417,23 +447,29 @@ BEGIN
     IF EXISTS (
             SELECT 1 FROM {schema}.ring_slots t
             WHERE t.queue_id = p_queue_id AND t.slot = (p_gap % p_cap)::integer AND t.seq < p_gap) THEN
-        v_span := CASE
-            WHEN p_snap IS NOT NULL AND p_issued IS NOT NULL AND NOT EXISTS (
-                SELECT 1 FROM pg_snapshot_xip(p_snap) AS x(xid)
-                WHERE pg_xact_status(x.xid) = 'in progress') THEN least(p_issued - p_gap + 1, 4096, p_cap)
-            WHEN p_force THEN 1
-            ELSE 0 END;
+        IF p_holders IS NOT NULL AND p_issued IS NOT NULL AND {schema}.ring_holders_gone(p_holders) THEN
+            v_span := v_max;
+        ELSIF p_force THEN  -- the run: up to the first number of [p_gap, p_gap + v_max) that is written
+            SELECT coalesce(min(w.num) - p_gap, v_max) INTO v_span FROM (
+                (SELECT p_gap - v_a + t.slot AS num FROM {schema}.ring_slots t
+                 WHERE t.queue_id = p_queue_id AND t.slot >= v_a AND t.slot < least(p_cap, v_a + v_max)
+                   AND t.seq >= p_gap - v_a + t.slot
+                 ORDER BY t.slot LIMIT 1)
+                UNION ALL
+                (SELECT p_gap + p_cap - v_a + t.slot FROM {schema}.ring_slots t
+                 WHERE t.queue_id = p_queue_id AND t.slot < v_a + v_max - p_cap
+                   AND t.seq >= p_gap + p_cap - v_a + t.slot
+                 ORDER BY t.slot LIMIT 1)) AS w;
+        END IF;
     END IF;
     IF v_span <= 0 THEN
         RETURN 0;
     END IF;
     FOR part IN 1 .. 2 LOOP
         IF part = 1 THEN
-            v_from := (p_gap % p_cap)::integer; v_to := least(p_cap, v_from + v_span);
-            v_base := p_gap - v_from;
+            v_from := v_a; v_to := least(p_cap, v_a + v_span); v_base := p_gap - v_a;
         ELSE
-            v_from := 0; v_to := greatest(0, (p_gap % p_cap)::integer + v_span - p_cap);
-            v_base := p_gap + p_cap - (p_gap % p_cap)::integer;
+            v_from := 0; v_to := greatest(0, v_a + v_span - p_cap); v_base := p_gap + p_cap - v_a;
         END IF;
         CONTINUE WHEN v_to <= v_from;
         UPDATE {schema}.ring_slots s
@@ -456,13 +492,13 @@ END
 $$;
 
 -- Maintenance's gap recovery: give up every number of a ring up to p_issued that a push took and never
--- wrote, wherever it lies (the head or past it), once every transaction of p_snap has finished. p_snap
--- must be taken after p_issued was read: each such number was taken by a transaction that had an xid
--- before it (ring_push takes one first), so its holder was finished then or listed in p_snap, and is
--- gone now. A number x is unwritten while its slot holds x - capacity, finished; slots locked by a push
--- writing them are passed over. Returns how many numbers were given up, or -1 while some transaction
--- of p_snap is still in progress (the caller waits and asks again).
-CREATE FUNCTION {schema}.ring_skip_abandoned(p_queue_id integer, p_issued bigint, p_snap pg_snapshot)
+-- wrote, wherever it lies (the head or past it), once every holder in p_holders is gone. p_holders
+-- must be listed (ring_holders) after p_issued was read: each such number was taken by a transaction
+-- that had an xid before it (ring_push takes one first), so its holder was finished then or is listed,
+-- and is gone now. A number x is unwritten while its slot holds x - capacity, finished; slots locked by
+-- a push writing them are passed over. Returns how many numbers were given up, or -1 while some holder
+-- is still running (the caller waits and asks again).
+CREATE FUNCTION {schema}.ring_skip_abandoned(p_queue_id integer, p_issued bigint, p_holders xid[])
 RETURNS integer LANGUAGE plpgsql AS $$
 DECLARE
     v_cap integer;
@@ -470,9 +506,7 @@ DECLARE
     v_k integer;
     v_total integer := 0;
 BEGIN
-    IF EXISTS (
-            SELECT 1 FROM pg_snapshot_xip(p_snap) AS x(xid)
-            WHERE pg_xact_status(x.xid) = 'in progress') THEN
+    IF NOT {schema}.ring_holders_gone(p_holders) THEN
         RETURN -1;
     END IF;
     SELECT capacity, gap_seq INTO v_cap, v_gaps FROM {schema}.rings WHERE queue_id = p_queue_id;
@@ -499,10 +533,13 @@ $$;
 -- Pop up to p_n ready messages in id order from the window of numbers [p_lo, p_lo + capacity), where
 -- p_lo is the caller's lower bound of the lowest unfinished number. Take (state 0) or lease (state 2)
 -- them. Rows: the messages, then one last row (r_id NULL) with the next lower bound and, when the
--- lowest unfinished number is issued but not written, that number, the issued position and a
--- snapshot: the caller passes them back (p_gap...) on its next pop, which skips every number up to that
--- position still unwritten once every transaction of that snapshot has finished (their holders are
--- gone: a push takes an xid before its numbers) or when p_force is set (the caller's gap timeout).
+-- lowest unfinished number is issued but not written, that number, the issued position and, from its
+-- second sighting on, the holders (ring_holders) listed after that position was read: the caller passes
+-- them back (p_gap...) on its next pop, which skips every number up to that position still unwritten
+-- once those holders are gone (a push takes an xid before its numbers), or the run at the head when
+-- p_force is set (the caller's gap timeout). A head unwritten for one pop only is nearly always a push
+-- writing it, so pg_locks is read only when it stays; once listed, the same holders and position are
+-- passed on until the proof holds (a new list would name new transactions for ever under load).
 -- Only numbers up to the issued position (read first) can be ready, so the claim and the bound scan
 -- the window only that far: an empty or short pop reads what was pushed, not the whole ring.
 -- p_own: the pop runs in the caller's transaction, which may roll back: the caller keeps no bound and
@@ -513,10 +550,10 @@ $$;
 CREATE FUNCTION {schema}.ring_pop(
     p_queue_id integer, p_cap integer, p_lo bigint, p_n integer, p_lease boolean,
     p_vt double precision, p_consumer text, p_own boolean,
-    p_gap bigint, p_gap_issued bigint, p_gap_snap pg_snapshot, p_force boolean)
+    p_gap bigint, p_gap_issued bigint, p_gap_snap xid[], p_force boolean)
 RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz,
                r_lease_until timestamptz, r_payload bytea, r_next_lo bigint, r_gap bigint,
-               r_issued bigint, r_snap pg_snapshot)
+               r_issued bigint, r_snap xid[])
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_bitmapscan = off AS $$
 DECLARE
     v_a integer := (p_lo % p_cap)::integer;
@@ -573,25 +610,29 @@ BEGIN
             FOR UPDATE SKIP LOCKED) q
         WHERE s.ctid = q.tid
         RETURNING s.seq, s.attempts, s.deliveries, s.enqueued_at, CASE WHEN p_lease THEN s.due_at END, q.payload,
-            NULL::bigint, NULL::bigint, NULL::bigint, NULL::pg_snapshot;
+            NULL::bigint, NULL::bigint, NULL::bigint, NULL::xid[];
         GET DIAGNOSTICS v_k = ROW_COUNT;
         v_got := v_got + v_k;
     END LOOP;
     IF p_own THEN
         RETURN QUERY SELECT NULL::bigint, NULL::integer, NULL::integer, NULL::timestamptz,
-            NULL::timestamptz, NULL::bytea, p_lo, NULL::bigint, NULL::bigint, NULL::pg_snapshot;
+            NULL::timestamptz, NULL::bytea, p_lo, NULL::bigint, NULL::bigint, NULL::xid[];
         RETURN;
     END IF;
 
     -- 4. The next lower bound: the first issued number of the window not finished (unwritten, ready or
     --    leased); past the issued ones when all of them are. When that number is issued but unwritten
-    --    (a push in progress, or a gap), it is reported with the issued position and a snapshot taken
-    --    after that position was read. Each part's scan stops at its first row, and the lower number
-    --    of the two parts is the head.
+    --    (a push in progress, or a gap), it is reported with the issued position and, when the caller
+    --    saw it too, the holders listed after that position was read (or the ones it passed, kept with
+    --    their position). Each part's scan stops at its first row, and the lower number of the two parts
+    --    is the head.
     RETURN QUERY
     SELECT NULL::bigint, NULL::integer, NULL::integer, NULL::timestamptz, NULL::timestamptz, NULL::bytea,
-           coalesce(h.num, p_lo + v_span), CASE WHEN h.unwritten THEN h.num END, v_issued,
-           CASE WHEN h.unwritten THEN pg_current_snapshot() END
+           coalesce(h.num, p_lo + v_span), CASE WHEN h.unwritten THEN h.num END,
+           CASE WHEN h.num = p_gap AND p_gap_snap IS NOT NULL THEN p_gap_issued ELSE v_issued END,
+           CASE WHEN NOT h.unwritten OR h.num IS DISTINCT FROM p_gap THEN NULL
+                WHEN p_gap_snap IS NOT NULL THEN p_gap_snap
+                ELSE {schema}.ring_holders() END
     FROM (SELECT 1) AS one
     LEFT JOIN LATERAL (
         SELECT * FROM (
