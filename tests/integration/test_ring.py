@@ -275,6 +275,33 @@ def test_after_the_gap_timeout_a_whole_abandoned_run_is_skipped_at_once(dbq: DbQ
     assert (st.extra["gaps_skipped"], st.extra["pop_position"]) == (6, 9), st
 
 
+def test_the_gap_timeout_skips_nothing_behind_a_head_written_by_a_live_transaction(dbq: DbQueue) -> None:
+    """A push inside a caller's open transaction has written the head: it is a live push, not a gap.
+
+    The run that a gap timeout gives up stops at the first locked number, so nothing behind it goes
+    (pushes behind such a head may be waiting on the ring, and their numbers are theirs).
+    """
+    q = ring(dbq, "livehead", 8)
+    q.gap_timeout = 0.3
+    with dbq.transaction() as writer:
+        assert q.push_batch(["one"], conn=writer) == [1]
+        with pytest.raises(_Rollback), dbq.transaction() as conn:  # numbers 2 and 3: abandoned
+            q.push_batch(["lost", "lost"], conn=conn)
+            raise _Rollback
+        assert q.push_batch(["four"]) == [4]
+        assert [m.payload for m in q.pop(5)] == ["four"]
+        time.sleep(0.4)
+        for _ in range(2):
+            assert q.pop(5) == []
+        st = q.stats()
+        assert (st.extra["gaps_skipped"], st.extra["pop_position"]) == (0, 1), st
+    assert [(m.id, m.payload) for m in drain(q)] == [(1, "one")]
+    for _ in range(3):
+        q.pop(5)
+    st = q.stats()
+    assert (st.ready, st.extra["gaps_skipped"], st.extra["pop_position"]) == (0, 2, 5), st
+
+
 def test_a_late_push_of_a_skipped_number_is_pushed_again_whole(dbq: DbQueue) -> None:
     q = ring(dbq, "late", 8)
     q.push_batch(["a", "b"])

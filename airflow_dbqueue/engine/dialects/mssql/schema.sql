@@ -478,8 +478,8 @@ END
 -- still unwritten, whose predecessor is finished and that nobody holds locked, once every lane of
 -- @snap (the lanes other transactions held after @issued was read) has been seen unlocked; without
 -- that proof, @force (the caller's gap timeout ran out) gives up the run of unwritten numbers from @gap
--- up to the first written one (as on PostgreSQL: their predecessors are finished, so a live push would
--- have written them already). Nothing happens unless @gap is still unwritten. @remaining: the lanes of
+-- up to the first written or locked one (as on PostgreSQL: their predecessors are finished, so a live
+-- push would have written them already; a locked one is a push writing it). Nothing happens unless @gap is still unwritten. @remaining: the lanes of
 -- @snap still locked now ("[]": the proof holds).
 CREATE OR ALTER PROCEDURE {schema}.ring_skip_gap
     @queue_id int, @cap int, @gap bigint, @issued bigint, @snap nvarchar(max), @force bit,
@@ -506,14 +506,16 @@ BEGIN
         IF @span = 0 AND @force = 1
         BEGIN
             DECLARE @a int = @gap % @cap;
-            SELECT @span = coalesce(min(w.num) - @gap, @max) FROM (
-                SELECT @gap - @a + t.slot AS num FROM {schema}.ring_slots t WITH (READCOMMITTEDLOCK, READPAST)
-                WHERE t.queue_id = @queue_id AND t.slot >= @a AND t.slot < @a + @max
-                  AND t.seq >= @gap - @a + t.slot
-                UNION ALL
-                SELECT @gap + @cap - @a + t.slot AS num FROM {schema}.ring_slots t WITH (READCOMMITTEDLOCK, READPAST)
-                WHERE t.queue_id = @queue_id AND t.slot < @a + @max - @cap
-                  AND t.seq >= @gap + @cap - @a + t.slot) AS w;
+            SELECT @span = count(*) FROM (
+                SELECT u.num, row_number() OVER (ORDER BY u.num) AS rn FROM (
+                    SELECT @gap - @a + t.slot AS num FROM {schema}.ring_slots t WITH (READCOMMITTEDLOCK, READPAST)
+                    WHERE t.queue_id = @queue_id AND t.slot >= @a AND t.slot < @a + @max
+                      AND t.seq = @gap - @a + t.slot - @cap AND t.state IN (0, 3)
+                    UNION ALL
+                    SELECT @gap + @cap - @a + t.slot AS num FROM {schema}.ring_slots t WITH (READCOMMITTEDLOCK, READPAST)
+                    WHERE t.queue_id = @queue_id AND t.slot < @a + @max - @cap
+                      AND t.seq = @gap + @cap - @a + t.slot - @cap AND t.state IN (0, 3)) AS u) AS w
+            WHERE w.num = @gap + w.rn - 1;
         END;
     END;
     IF @span <= 0 OR @gaps IS NULL

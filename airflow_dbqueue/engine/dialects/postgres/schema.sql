@@ -423,10 +423,10 @@ $$;
 -- p_issued (at most 4096) still unwritten, whose predecessor is finished and that nobody holds locked,
 -- once every holder in p_holders is gone (listed by ring_holders() after p_issued was read).
 -- Without that proof, p_force (a gap timeout ran out: some transaction listed is still running) gives
--- up the run of unwritten numbers that starts at p_gap, up to the first written one. Those numbers'
--- predecessors are finished (p_gap is the head), so a live push would have written them the moment it
--- took them: they belong to pushes that rolled back or died, or to one stalled that long between taking
--- its numbers and writing them, which then fails with DQ002 and pushes again. Giving up one number per
+-- up the run of unwritten numbers that starts at p_gap, up to the first written or locked one. Those
+-- numbers' predecessors are finished (p_gap is the head), so a live push would have written them the
+-- moment it took them: they belong to pushes that rolled back or died, or to one stalled that long
+-- between taking its numbers and writing them, which then fails with DQ002 and pushes again. Giving up one number per
 -- gap timeout instead stalled pushes behind a rolled-back batch for as many timeouts as it had numbers,
 -- while pushers waiting on the full ring kept the proof from holding. Numbers past the run (a live
 -- holder beyond a written number) are kept. Nothing happens unless p_gap is still unwritten.
@@ -449,17 +449,24 @@ BEGIN
             WHERE t.queue_id = p_queue_id AND t.slot = (p_gap % p_cap)::integer AND t.seq < p_gap) THEN
         IF p_holders IS NOT NULL AND p_issued IS NOT NULL AND {schema}.ring_holders_gone(p_holders) THEN
             v_span := v_max;
-        ELSIF p_force THEN  -- the run: up to the first number of [p_gap, p_gap + v_max) that is written
-            SELECT coalesce(min(w.num) - p_gap, v_max) INTO v_span FROM (
-                (SELECT p_gap - v_a + t.slot AS num FROM {schema}.ring_slots t
-                 WHERE t.queue_id = p_queue_id AND t.slot >= v_a AND t.slot < least(p_cap, v_a + v_max)
-                   AND t.seq >= p_gap - v_a + t.slot
-                 ORDER BY t.slot LIMIT 1)
-                UNION ALL
-                (SELECT p_gap + p_cap - v_a + t.slot FROM {schema}.ring_slots t
-                 WHERE t.queue_id = p_queue_id AND t.slot < v_a + v_max - p_cap
-                   AND t.seq >= p_gap + p_cap - v_a + t.slot
-                 ORDER BY t.slot LIMIT 1)) AS w;
+        ELSIF p_force THEN
+            -- The run: the numbers from p_gap on that are unwritten and that nobody holds locked, up to
+            -- the first that is written or locked (a push writing it, perhaps in a long transaction of
+            -- its caller: the pushes behind it may be waiting, and their numbers are kept).
+            SELECT count(*) INTO v_span FROM (
+                SELECT u.num, row_number() OVER (ORDER BY u.num) AS rn FROM (
+                    SELECT p_gap - v_a + a.slot AS num FROM (
+                        SELECT t.slot FROM {schema}.ring_slots t
+                        WHERE t.queue_id = p_queue_id AND t.slot >= v_a AND t.slot < least(p_cap, v_a + v_max)
+                          AND t.seq = p_gap - v_a + t.slot - p_cap AND t.state IN (0, 3)
+                        FOR UPDATE SKIP LOCKED) AS a
+                    UNION ALL
+                    SELECT p_gap + p_cap - v_a + b.slot FROM (
+                        SELECT t.slot FROM {schema}.ring_slots t
+                        WHERE t.queue_id = p_queue_id AND t.slot < v_a + v_max - p_cap
+                          AND t.seq = p_gap + p_cap - v_a + t.slot - p_cap AND t.state IN (0, 3)
+                        FOR UPDATE SKIP LOCKED) AS b) AS u) AS w
+            WHERE w.num = p_gap + w.rn - 1;
         END IF;
     END IF;
     IF v_span <= 0 THEN

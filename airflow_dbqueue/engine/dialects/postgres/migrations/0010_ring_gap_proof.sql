@@ -174,17 +174,24 @@ BEGIN
             WHERE t.queue_id = p_queue_id AND t.slot = (p_gap % p_cap)::integer AND t.seq < p_gap) THEN
         IF p_holders IS NOT NULL AND p_issued IS NOT NULL AND {schema}.ring_holders_gone(p_holders) THEN
             v_span := v_max;
-        ELSIF p_force THEN  -- the run: up to the first number of [p_gap, p_gap + v_max) that is written
-            SELECT coalesce(min(w.num) - p_gap, v_max) INTO v_span FROM (
-                (SELECT p_gap - v_a + t.slot AS num FROM {schema}.ring_slots t
-                 WHERE t.queue_id = p_queue_id AND t.slot >= v_a AND t.slot < least(p_cap, v_a + v_max)
-                   AND t.seq >= p_gap - v_a + t.slot
-                 ORDER BY t.slot LIMIT 1)
-                UNION ALL
-                (SELECT p_gap + p_cap - v_a + t.slot FROM {schema}.ring_slots t
-                 WHERE t.queue_id = p_queue_id AND t.slot < v_a + v_max - p_cap
-                   AND t.seq >= p_gap + p_cap - v_a + t.slot
-                 ORDER BY t.slot LIMIT 1)) AS w;
+        ELSIF p_force THEN
+            -- The run: the numbers from p_gap on that are unwritten and that nobody holds locked, up to
+            -- the first that is written or locked (a push writing it, perhaps in a long transaction of
+            -- its caller: the pushes behind it may be waiting, and their numbers are kept).
+            SELECT count(*) INTO v_span FROM (
+                SELECT u.num, row_number() OVER (ORDER BY u.num) AS rn FROM (
+                    SELECT p_gap - v_a + a.slot AS num FROM (
+                        SELECT t.slot FROM {schema}.ring_slots t
+                        WHERE t.queue_id = p_queue_id AND t.slot >= v_a AND t.slot < least(p_cap, v_a + v_max)
+                          AND t.seq = p_gap - v_a + t.slot - p_cap AND t.state IN (0, 3)
+                        FOR UPDATE SKIP LOCKED) AS a
+                    UNION ALL
+                    SELECT p_gap + p_cap - v_a + b.slot FROM (
+                        SELECT t.slot FROM {schema}.ring_slots t
+                        WHERE t.queue_id = p_queue_id AND t.slot < v_a + v_max - p_cap
+                          AND t.seq = p_gap + p_cap - v_a + t.slot - p_cap AND t.state IN (0, 3)
+                        FOR UPDATE SKIP LOCKED) AS b) AS u) AS w
+            WHERE w.num = p_gap + w.rn - 1;
         END IF;
     END IF;
     IF v_span <= 0 THEN
