@@ -139,6 +139,7 @@ class RingQueue(Queue):
     def _push_encoded(self, encoded: list[bytes], conn: DbConnection | None) -> int:
         params = {
             "queue_id": self._qid,
+            "capacity": self.capacity,
             "payloads": encoded,
             "timeout_s": float(self.push_timeout),
             "notify": _NOTIFY_CODE[self.settings.notify],

@@ -558,7 +558,8 @@ SELECT {schema}.ring_drop(%(queue_id)s::integer)
 
 -- name: ring_push
 SELECT {schema}.ring_push(
-    %(queue_id)s::integer, %(payloads)b::bytea[], %(timeout_s)s::float8, %(notify)s::integer, %(channel)s)
+    %(queue_id)s::integer, %(capacity)s::integer, %(payloads)b::bytea[], %(timeout_s)s::float8,
+    %(notify)s::integer, %(channel)s)
 
 -- name: ring_pop
 -- Rows come back in binary (dialect.BINARY_RESULTS): the holders (xid[]) as text.

@@ -271,13 +271,17 @@ $$;
 -- matching only a version we have not committed; a ready or leased slot does not match at all: so
 -- pushes never wait on each other or on consumers.
 -- p_notify: 0 never, 1 when the message before ours is no longer ready (consumers caught up), 2 always.
+-- p_cap is the ring's capacity, which the caller read with the queue (it never changes); the sequences
+-- are found by name. Every step but the UPDATE is an assignment, which PL/pgSQL evaluates without the
+-- executor: a PERFORM or SELECT INTO is a query of its own, about 25 us each at a push of one message.
 CREATE FUNCTION {schema}.ring_push(
-    p_queue_id integer, p_payloads bytea[], p_timeout_s double precision, p_notify integer, p_channel text)
-RETURNS bigint LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+    p_queue_id integer, p_cap integer, p_payloads bytea[], p_timeout_s double precision, p_notify integer,
+    p_channel text)
+RETURNS bigint LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_bitmapscan = off AS $$
 DECLARE
     v_n integer := coalesce(cardinality(p_payloads), 0);
-    v_cap integer;
-    v_seq regclass;
+    v_cap integer := p_cap;
+    v_seq regclass := to_regclass('{schema}.ring_' || p_queue_id || '_seq');
     v_first bigint;
     v_a integer;
     v_b1 integer;
@@ -289,11 +293,12 @@ DECLARE
     v_k integer;
     v_deadline timestamptz;
     v_pause double precision := 0.0005;
-    v_gaps regclass;
+    v_gaps regclass := to_regclass('{schema}.ring_' || p_queue_id || '_gaps');
     v_holders xid[];
+    v_xid xid8;
+    v_ok boolean;
 BEGIN
-    SELECT capacity, push_seq, gap_seq INTO v_cap, v_seq, v_gaps FROM {schema}.rings WHERE queue_id = p_queue_id;
-    IF NOT FOUND THEN
+    IF v_seq IS NULL OR v_gaps IS NULL THEN
         RAISE EXCEPTION 'ring % does not exist', p_queue_id USING ERRCODE = 'DQ004';
     END IF;
     IF v_n < 1 OR v_n > v_cap THEN
@@ -301,22 +306,22 @@ BEGIN
             USING ERRCODE = 'DQ003';
     END IF;
     -- Give this transaction an xid before it holds any number: the gap proof in ring_pop relies on it.
-    PERFORM pg_current_xact_id();
+    v_xid := pg_current_xact_id();
     -- n contiguous numbers: a batch never spans more than the capacity, so it never waits on itself,
     -- and every wait points at lower numbers (no cycle). Every push takes its numbers under this
     -- session lock, so nextval then setval to the batch's last number is a range of its own; the lock
     -- is held only for those two calls and released on error too.
-    PERFORM pg_advisory_lock(1685221713, (v_seq::oid::bigint - 2147483648)::integer);
+    v_ok := pg_advisory_lock(1685221713, (v_seq::oid::bigint - 2147483648)::integer) IS NULL;
     BEGIN
         v_first := nextval(v_seq);
         IF v_n > 1 THEN
-            PERFORM setval(v_seq, v_first + v_n - 1);
+            v_ok := setval(v_seq, v_first + v_n - 1) > 0;
         END IF;
     EXCEPTION WHEN OTHERS THEN
-        PERFORM pg_advisory_unlock(1685221713, (v_seq::oid::bigint - 2147483648)::integer);
+        v_ok := pg_advisory_unlock(1685221713, (v_seq::oid::bigint - 2147483648)::integer);
         RAISE;
     END;
-    PERFORM pg_advisory_unlock(1685221713, (v_seq::oid::bigint - 2147483648)::integer);
+    v_ok := pg_advisory_unlock(1685221713, (v_seq::oid::bigint - 2147483648)::integer);
     v_a := (v_first % v_cap)::integer;
     v_b1 := least(v_cap, v_a + v_n);
     v_b2 := greatest(0, v_a + v_n - v_cap);
@@ -584,8 +589,7 @@ BEGIN
 
     -- 2. The window's issued numbers: [p_lo, p_lo + v_span). The issued position is read before any
     --    snapshot below, so every number up to it was taken by a transaction older than them.
-    SELECT coalesce(pg_sequence_last_value(r.push_seq), 0) INTO v_issued
-    FROM {schema}.rings r WHERE r.queue_id = p_queue_id;
+    v_issued := coalesce(pg_sequence_last_value(to_regclass('{schema}.ring_' || p_queue_id || '_seq')), 0);
     v_span := greatest(0, least(p_cap::bigint, v_issued - p_lo + 1))::integer;
 
     -- 3. Claim: the window is slots v_a .. capacity - 1, then 0 .. v_a - 1; within each part slot order
