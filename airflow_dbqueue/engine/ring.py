@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     LeaseExpiredError,
+    LockTimeoutError,
     QueueFullError,
     RingNumbersSkippedError,
 )
@@ -193,24 +194,29 @@ class RingQueue(Queue):
                 and since[0] == gap[0]
                 and time.monotonic() - since[1] >= self.gap_timeout
             )
-            rows = self._db.fetchall(
-                "ring_pop",
-                {
-                    "queue_id": self._qid,
-                    "capacity": self.capacity,
-                    "lo": lo,
-                    "n": n - len(msgs),
-                    "lease": lease,
-                    "visibility_timeout_s": vt,
-                    "consumer": consumer,
-                    "own": conn is not None,
-                    "gap": gap[0] if gap else None,
-                    "gap_issued": gap[1] if gap else None,
-                    "gap_snap": gap[2] if gap else None,
-                    "force": force,
-                },
-                conn,
-            )
+            try:
+                rows = self._db.fetchall(
+                    "ring_pop",
+                    {
+                        "queue_id": self._qid,
+                        "capacity": self.capacity,
+                        "lo": lo,
+                        "n": n - len(msgs),
+                        "lease": lease,
+                        "visibility_timeout_s": vt,
+                        "consumer": consumer,
+                        "own": conn is not None,
+                        "gap": gap[0] if gap else None,
+                        "gap_issued": gap[1] if gap else None,
+                        "gap_snap": gap[2] if gap else None,
+                        "force": force,
+                    },
+                    conn,
+                )
+            except LockTimeoutError:
+                if conn is not None:
+                    raise  # the caller's transaction failed with it: only the caller can redo its part
+                break  # see ring_pop: a claim that followed an update chain onto a push in progress
             meta = rows.pop()
             rows.sort(key=_first)  # in slot order within each part of the window, so nearly always sorted
             msgs += self._messages(rows)

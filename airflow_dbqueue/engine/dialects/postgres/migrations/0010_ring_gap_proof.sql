@@ -11,6 +11,10 @@
 -- where they had pg_snapshot. ring_push takes the ring's capacity, finds its sequences by name and
 -- runs every step but the UPDATE as an assignment (no query of its own), and ring_pop reads the push
 -- position the same way: each query they no longer run cost about 25 us at a push or pop of one.
+-- ring_pop waits at most 200 ms for a row lock (lock_timeout): SKIP LOCKED does not cover the update
+-- chain, and a claim that followed one onto a push in progress could wait for a push that waited for it.
+-- ring_create lays a new ring's slots out with fillers of 5/4 of the payload limit, so that the heap does
+-- not grow in the first wraps (existing rings keep their layout).
 
 -- name: migrate
 DROP FUNCTION {schema}.ring_push(integer, bytea[], double precision, integer, text);
@@ -268,7 +272,8 @@ CREATE FUNCTION {schema}.ring_pop(
 RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz,
                r_lease_until timestamptz, r_payload bytea, r_next_lo bigint, r_gap bigint,
                r_issued bigint, r_snap xid[])
-LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_bitmapscan = off AS $$
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_bitmapscan = off SET lock_timeout = 200
+AS $$
 DECLARE
     v_a integer := (p_lo % p_cap)::integer;
     v_from integer;
@@ -366,5 +371,23 @@ BEGIN
             LIMIT 1) h2
         ORDER BY 1
         LIMIT 1) h ON true;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION {schema}.ring_create(p_schema text, p_queue_id integer, p_capacity integer, p_slot_bytes integer)
+RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    v_seq text := format('%I.%I', p_schema, 'ring_' || p_queue_id || '_seq');
+    v_gaps text := format('%I.%I', p_schema, 'ring_' || p_queue_id || '_gaps');
+BEGIN
+    EXECUTE format('CREATE SEQUENCE %s AS bigint MINVALUE 1 CACHE 1', v_seq);
+    EXECUTE format('CREATE SEQUENCE %s AS bigint MINVALUE 1 CACHE 1', v_gaps);
+    INSERT INTO {schema}.rings (queue_id, capacity, push_seq, gap_seq)
+    VALUES (p_queue_id, p_capacity, v_seq::regclass, v_gaps::regclass);
+    INSERT INTO {schema}.ring_slots (queue_id, slot, seq, state, payload)
+    SELECT p_queue_id, g, CASE WHEN g = 0 THEN 0 ELSE g - p_capacity END, 0,
+           decode(repeat('00', p_slot_bytes * 5 / 4), 'hex')
+    FROM generate_series(0, p_capacity - 1) AS g;
+    UPDATE {schema}.ring_slots SET payload = NULL WHERE queue_id = p_queue_id;
 END
 $$;
