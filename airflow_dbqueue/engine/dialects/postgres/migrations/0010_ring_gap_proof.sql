@@ -13,8 +13,8 @@
 -- position the same way: each query they no longer run cost about 25 us at a push or pop of one.
 -- ring_pop waits at most 200 ms for a row lock (lock_timeout): SKIP LOCKED does not cover the update
 -- chain, and a claim that followed one onto a push in progress could wait for a push that waited for it.
--- ring_create lays a new ring's slots out with fillers of 5/4 of the payload limit, so that the heap does
--- not grow in the first wraps (existing rings keep their layout).
+-- ring_create lays a new ring's slots out with fillers of 5/4 of the payload limit, so that a new ring
+-- starts at about the size the old layout grew to in its first wraps (existing rings keep theirs).
 
 -- name: migrate
 DROP FUNCTION {schema}.ring_push(integer, bytea[], double precision, integer, text);
