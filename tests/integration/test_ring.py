@@ -302,6 +302,30 @@ def test_the_gap_timeout_skips_nothing_behind_a_head_written_by_a_live_transacti
     assert (st.ready, st.extra["gaps_skipped"], st.extra["pop_position"]) == (0, 2, 5), st
 
 
+def test_a_pop_lists_holders_only_for_a_gap_that_stays(dbq: DbQueue) -> None:
+    """pg_locks is read only when the same unwritten head is seen twice, never for a caught-up ring."""
+    postgres_only(dbq, "the holders come from PostgreSQL's pg_locks")
+    q = ring(dbq, "holders", 8)
+    q.push_batch(["a", "b"])
+
+    def meta(lo: int, gap: int | None) -> tuple[Any, ...]:
+        params = {
+            "queue_id": q.settings.queue_id, "capacity": 8, "lo": lo, "n": 10, "lease": False,
+            "visibility_timeout_s": 30.0, "consumer": "t", "own": False, "gap": gap,
+            "gap_issued": None, "gap_snap": None, "force": False,
+        }  # fmt: skip
+        return dbq.db.fetchall("ring_pop", params)[-1]
+
+    assert meta(1, None)[6:] == (3, None, 2, None)  # both taken, nothing unfinished: no list
+    assert meta(3, 7)[6:] == (3, None, 2, None)  # a gap the caller saw is gone: no list either
+    with holder_connection(dbq) as holder:
+        take_number(holder, dbq, q)  # number 3, alive and unwritten
+        assert meta(3, None)[6:] == (3, 3, 3, None)  # first sighting: no list yet
+        listed = meta(3, 3)
+        assert listed[6:9] == (3, 3, 3) and listed[9] is not None  # it stays: the holders are listed
+        holder.rollback()
+
+
 def test_a_late_push_of_a_skipped_number_is_pushed_again_whole(dbq: DbQueue) -> None:
     q = ring(dbq, "late", 8)
     q.push_batch(["a", "b"])

@@ -348,7 +348,7 @@ BEGIN
     SELECT NULL::bigint, NULL::integer, NULL::integer, NULL::timestamptz, NULL::timestamptz, NULL::bytea,
            coalesce(h.num, p_lo + v_span), CASE WHEN h.unwritten THEN h.num END,
            CASE WHEN h.num = p_gap AND p_gap_snap IS NOT NULL THEN p_gap_issued ELSE v_issued END,
-           CASE WHEN NOT h.unwritten OR h.num IS DISTINCT FROM p_gap THEN NULL
+           CASE WHEN h.num IS NULL OR NOT h.unwritten OR h.num IS DISTINCT FROM p_gap THEN NULL
                 WHEN p_gap_snap IS NOT NULL THEN p_gap_snap
                 ELSE {schema}.ring_holders() END
     FROM (SELECT 1) AS one
