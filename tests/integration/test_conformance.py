@@ -29,10 +29,10 @@ from airflow_dbqueue.engine import (
     Semantics,
     TransactionRequiredError,
 )
-from tests.conftest import installed_dbq
+from tests.dialects import dialect_dbq, postgres_only  # noqa: F401 - dialect_dbq is the fixture "dbq"
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Iterator
+    from collections.abc import Callable, Iterable
 
     from airflow_dbqueue.engine import DbQueue, Message, Queue
 
@@ -41,20 +41,6 @@ pytestmark = pytest.mark.integration
 DESIGNS = ["table", "ring"]
 """A feature a design does not offer (the ring's priorities and delayed pushes) is checked to raise
 :class:`ConfigurationError` rather than skipped."""
-DIALECTS = ["postgresql", "mssql"]
-
-
-@pytest.fixture(params=DIALECTS)
-def dbq(request: pytest.FixtureRequest, schema_name: str) -> Iterator[DbQueue]:
-    """A DbQueue on a fresh, installed schema of each dialect; dropped after the test."""
-    dsn = request.getfixturevalue("pg_dsn" if request.param == "postgresql" else "mssql_dsn")
-    with installed_dbq(dsn, schema_name, dialect=request.param) as q:
-        yield q
-
-
-def postgres_only(dbq: DbQueue, why: str) -> None:
-    if dbq.dialect != "postgresql":
-        pytest.skip(f"PostgreSQL only on {dbq.dialect}: {why}")
 
 
 def checksum(payloads: Iterable[Any]) -> tuple[int, str]:

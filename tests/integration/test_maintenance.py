@@ -30,29 +30,9 @@ from psycopg import sql
 from airflow_dbqueue import cli
 from airflow_dbqueue.engine import ConfigurationError, DbQueue, MaintenanceConfig
 from airflow_dbqueue.engine.maintenance import APPLICATION_NAME, MSSQL_NO_LEFTOVERS, expected_btree_bytes
-from tests.conftest import installed_dbq
+from tests.dialects import dialect_dbq, mssql_only, postgres_only  # noqa: F401 - dialect_dbq is the fixture "dbq"
 
 pytestmark = pytest.mark.integration
-
-DIALECTS = ["postgresql", "mssql"]
-
-
-@pytest.fixture(params=DIALECTS)
-def dbq(request: pytest.FixtureRequest, schema_name: str) -> Iterator[DbQueue]:
-    """A DbQueue on a fresh, installed schema of each dialect; dropped after the test."""
-    dsn = request.getfixturevalue("pg_dsn" if request.param == "postgresql" else "mssql_dsn")
-    with installed_dbq(dsn, schema_name, dialect=request.param) as q:
-        yield q
-
-
-def postgres_only(dbq: DbQueue, why: str) -> None:
-    if dbq.dialect != "postgresql":
-        pytest.skip(f"PostgreSQL only on {dbq.dialect}: {why}")
-
-
-def mssql_only(dbq: DbQueue, why: str) -> None:
-    if dbq.dialect != "mssql":
-        pytest.skip(f"SQL Server only on {dbq.dialect}: {why}")
 
 
 def rows(dbq: DbQueue, query: str) -> list[tuple[Any, ...]]:

@@ -26,8 +26,8 @@ import pytest
 from psycopg import sql
 
 from airflow_dbqueue.engine import ConfigurationError, DbQueue, LeaseExpiredError, QueueFullError
-from tests.conftest import installed_dbq
-from tests.integration.test_conformance import drain, postgres_only
+from tests.dialects import dialect_dbq, postgres_only  # noqa: F401 - dialect_dbq is the fixture "dbq"
+from tests.integration.test_conformance import drain
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -36,14 +36,6 @@ if TYPE_CHECKING:
     from airflow_dbqueue.engine.ring import RingQueue
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(params=["postgresql", "mssql"])
-def dbq(request: pytest.FixtureRequest, schema_name: str) -> Iterator[DbQueue]:
-    """A DbQueue on a fresh, installed schema of each dialect; dropped after the test."""
-    dsn = request.getfixturevalue("pg_dsn" if request.param == "postgresql" else "mssql_dsn")
-    with installed_dbq(dsn, schema_name, dialect=request.param) as q:
-        yield q
 
 
 def ring(dbq: DbQueue, name: str, capacity: int, **settings: Any) -> RingQueue:
