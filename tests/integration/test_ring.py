@@ -300,15 +300,20 @@ def test_a_pop_lists_holders_only_for_a_gap_that_stays(dbq: DbQueue) -> None:
     q = ring(dbq, "holders", 8)
     q.push_batch(["a", "b"])
 
+    taken: list[tuple[int, str]] = []
+
     def meta(lo: int, gap: int | None) -> tuple[Any, ...]:
         params = {
             "queue_id": q.settings.queue_id, "capacity": 8, "lo": lo, "n": 10, "lease": False,
             "visibility_timeout_s": 30.0, "consumer": "t", "own": False, "gap": gap,
             "gap_issued": None, "gap_snap": None, "force": False,
         }  # fmt: skip
-        return dbq.db.fetchall("ring_pop", params)[-1]
+        rows = dbq.db.fetchall("ring_pop", params)
+        taken.extend((int(r[0]), q.settings.decode(r[5])) for r in rows[:-1])
+        return rows[-1]
 
     assert meta(1, None)[6:] == (3, None, 2, None)  # both taken, nothing unfinished: no list
+    assert taken == [(1, "a"), (2, "b")], "each pushed message came back once, with its payload"
     assert meta(3, 7)[6:] == (3, None, 2, None)  # a gap the caller saw is gone: no list either
     with holder_connection(dbq) as holder:
         take_number(holder, dbq, q)  # number 3, alive and unwritten
@@ -316,6 +321,7 @@ def test_a_pop_lists_holders_only_for_a_gap_that_stays(dbq: DbQueue) -> None:
         listed = meta(3, 3)
         assert listed[6:9] == (3, 3, 3) and listed[9] is not None  # it stays: the holders are listed
         holder.rollback()
+    assert taken == [(1, "a"), (2, "b")], "nothing more was taken"
 
 
 def test_a_late_push_of_a_skipped_number_is_pushed_again_whole(dbq: DbQueue) -> None:
