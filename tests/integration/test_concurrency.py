@@ -7,7 +7,9 @@ they received (exactly-once consumers write it into a results table in the pop's
 and the test compares counts, checksums and identities, then checks the queue is empty.
 
 The children are started with the ``spawn`` context: each builds its own :class:`DbQueue` from the
-DSN and schema, so no connection crosses a ``fork``.
+DSN, schema and dialect, so no connection crosses a ``fork``. Each case runs on PostgreSQL, and on SQL
+Server when ``$DBQUEUE_TEST_MSSQL_DSN`` names one (skipped otherwise): the results table is written
+and read through the engine's connections with SQL valid on both (``tests/dialects.py``).
 """
 
 from __future__ import annotations
@@ -20,15 +22,16 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
-import psycopg
 import pytest
-from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue
+from tests.dialects import dialect_dbq, insert_rows, run_sql  # noqa: F401 - dialect_dbq is the fixture "dbq"
 
 if TYPE_CHECKING:
     from multiprocessing.context import SpawnProcess
     from multiprocessing.synchronize import Barrier, Event
+
+    from airflow_dbqueue.engine import Message
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -46,12 +49,39 @@ RING_CAPACITY = 1000
 
 QUEUE = "conc"
 RESULTS_TABLE = "eo_results"
+RESULTS_COLUMNS = ("consumer", "msg_id", "p", "s", "h")
 
 
 def payload_hash(payload: dict[str, Any]) -> int:
-    """A stable 56-bit hash of one payload (fits a bigint, so PostgreSQL can sum it)."""
+    """A stable 56-bit hash of one payload (fits a bigint column on both dialects)."""
     text = f"{payload['p']}:{payload['s']}:{payload['v']}"
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
+
+
+# -- the exactly-once results table (SQL valid on both dialects) ----------------------------------
+
+
+def create_results_table(dbq: DbQueue) -> None:
+    run_sql(
+        dbq,
+        "CREATE TABLE {schema}.{table} (consumer integer NOT NULL, msg_id bigint NOT NULL, "
+        "p integer NOT NULL, s integer NOT NULL, h bigint NOT NULL)",
+        identifiers={"table": RESULTS_TABLE},
+    )
+
+
+def write_results(dbq: DbQueue, conn: Any, consumer: int, msgs: list[Message]) -> None:
+    """Record what ``consumer`` popped, on ``conn``: in the pop's own transaction."""
+    rows = [(consumer, m.id, m.payload["p"], m.payload["s"], payload_hash(m.payload)) for m in msgs]
+    insert_rows(dbq, RESULTS_TABLE, RESULTS_COLUMNS, rows, conn)
+
+
+def read_results(dbq: DbQueue) -> list[tuple[int, int, int, int, int]]:
+    """``(consumer, msg_id, p, s, h)`` of every committed result."""
+    rows = run_sql(
+        dbq, "SELECT consumer, msg_id, p, s, h FROM {schema}.{table}", identifiers={"table": RESULTS_TABLE}
+    )
+    return [(int(c), int(i), int(p), int(s), int(h)) for c, i, p, s, h in rows]
 
 
 # -- child processes (module level: spawn imports this module to find them) -----------------------
@@ -61,6 +91,7 @@ def _producer(
     *,
     dsn: str,
     schema: str,
+    dialect: str,
     idx: int,
     count: int,
     batch: int,
@@ -69,7 +100,7 @@ def _producer(
     deadline: float,
 ) -> None:
     try:
-        with DbQueue(dsn, schema=schema, pool_size=1) as dbq:
+        with DbQueue(dsn, schema=schema, pool_size=1, dialect=dialect) as dbq:
             q = dbq.queue(QUEUE)
             # Every child has its connection before the first push, so the run is concurrent.
             start.wait(timeout=120)
@@ -101,6 +132,7 @@ def _consumer(
     *,
     dsn: str,
     schema: str,
+    dialect: str,
     idx: int,
     semantics: str,
     batch: int,
@@ -110,26 +142,19 @@ def _consumer(
     deadline: float,
 ) -> None:
     try:
-        with DbQueue(dsn, schema=schema, pool_size=2) as dbq:
+        with DbQueue(dsn, schema=schema, pool_size=2, dialect=dialect) as dbq:
             q = dbq.queue(QUEUE)
             start.wait(timeout=120)
             got: list[tuple[int, int, int, int]] = []  # (id, producer, seq, payload hash)
             attempts_seen: set[int] = set()
             popped = 0
-            insert = sql.SQL("COPY {}.{} (consumer, msg_id, p, s, h) FROM STDIN").format(
-                sql.Identifier(schema), sql.Identifier(RESULTS_TABLE)
-            )
             while True:
                 if time.time() > deadline:
                     raise TimeoutError(f"consumer {idx} passed the run's deadline")
                 if semantics == "exactly-once":
                     with dbq.transaction() as conn:
                         msgs = q.pop(batch, semantics="exactly-once", conn=conn)
-                        if msgs:
-                            with conn.cursor().copy(insert) as copy:
-                                for m in msgs:
-                                    p = m.payload
-                                    copy.write_row((idx, m.id, p["p"], p["s"], payload_hash(p)))
+                        write_results(dbq, conn, idx, msgs)  # both commit, or neither
                 else:
                     msgs = q.pop(batch, semantics=semantics)
                     if msgs and semantics == "at-least-once":
@@ -184,14 +209,8 @@ def test_many_processes_move_100k_messages_once(dbq: DbQueue, semantics: str, de
     ring = {"capacity": RING_CAPACITY} if design == "ring" else {}
     q = dbq.create_queue(QUEUE, design=design, payload_type="json", visibility_timeout=120.0, **ring)
     if semantics == "exactly-once":
-        with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
-            c.execute(
-                sql.SQL(
-                    "CREATE TABLE {}.{} (consumer integer NOT NULL, msg_id bigint NOT NULL, "
-                    "p integer NOT NULL, s integer NOT NULL, h bigint NOT NULL)"
-                ).format(sql.Identifier(dbq.schema), sql.Identifier(RESULTS_TABLE))
-            )
-    dsn, schema = dbq.db.dsn, dbq.schema
+        create_results_table(dbq)
+    dsn, schema, dialect = dbq.db.dsn, dbq.schema, dbq.dialect
     total = PRODUCERS * PER_PRODUCER
     ctx = mp.get_context("spawn")
     results: mp.Queue[Any] = ctx.Queue()
@@ -204,6 +223,7 @@ def test_many_processes_move_100k_messages_once(dbq: DbQueue, semantics: str, de
             kwargs={
                 "dsn": dsn,
                 "schema": schema,
+                "dialect": dialect,
                 "idx": i,
                 "semantics": semantics,
                 "batch": POP_BATCH,
@@ -222,6 +242,7 @@ def test_many_processes_move_100k_messages_once(dbq: DbQueue, semantics: str, de
             kwargs={
                 "dsn": dsn,
                 "schema": schema,
+                "dialect": dialect,
                 "idx": i,
                 "count": PER_PRODUCER,
                 "batch": PUSH_BATCH,
@@ -265,39 +286,23 @@ def test_many_processes_move_100k_messages_once(dbq: DbQueue, semantics: str, de
     assert popped == total, f"consumers popped {popped} messages, {total} were pushed"
     assert all(rep["attempts"] in ([], [1]) for rep in received.values()), "a message was delivered twice"
     if semantics == "exactly-once":
+        # Exactly-once consumers report only counts: what they got is what their transactions committed.
         assert all(rep["got"] == [] for rep in received.values())
-        with psycopg.connect(dsn) as c:
-            row = c.execute(
-                sql.SQL(
-                    "SELECT count(*), count(DISTINCT msg_id), count(DISTINCT (p, s)), "
-                    "coalesce(sum(h), 0) FROM {}.{}"
-                ).format(sql.Identifier(schema), sql.Identifier(RESULTS_TABLE))
-            ).fetchone()
-            assert row is not None
-            rows, distinct_ids, distinct_payloads, checksum = row
-            per_consumer: dict[int, int] = dict(
-                c.execute(
-                    sql.SQL("SELECT consumer, count(*) FROM {}.{} GROUP BY consumer").format(
-                        sql.Identifier(schema), sql.Identifier(RESULTS_TABLE)
-                    )
-                ).fetchall()
-            )
-            keys = c.execute(
-                sql.SQL("SELECT msg_id, p, s FROM {}.{}").format(
-                    sql.Identifier(schema), sql.Identifier(RESULTS_TABLE)
-                )
-            ).fetchall()
-        got_keys = {mid: (p, s) for mid, p, s in keys}
-        assert {k: per_consumer.get(k, 0) for k in received} == {
+        got_by_consumer: dict[int, list[tuple[int, int, int, int]]] = {k: [] for k in received}
+        for consumer, mid, p, s, h in read_results(dbq):
+            assert consumer in got_by_consumer, f"a result row of an unknown consumer {consumer}"
+            got_by_consumer[consumer].append((mid, p, s, h))
+        assert {k: len(v) for k, v in got_by_consumer.items()} == {
             k: rep["popped"] for k, rep in received.items()
         }, "a consumer's committed results differ from what its pops returned"
     else:
-        rows = sum(len(rep["got"]) for rep in received.values())
-        all_ids = [g[0] for rep in received.values() for g in rep["got"]]
-        distinct_ids = len(set(all_ids))
-        distinct_payloads = len({(g[1], g[2]) for rep in received.values() for g in rep["got"]})
-        checksum = sum(g[3] for rep in received.values() for g in rep["got"])
-        got_keys = {g[0]: (g[1], g[2]) for rep in received.values() for g in rep["got"]}
+        got_by_consumer = {k: rep["got"] for k, rep in received.items()}
+    deliveries = [g for got in got_by_consumer.values() for g in got]
+    rows = len(deliveries)
+    distinct_ids = len({g[0] for g in deliveries})
+    distinct_payloads = len({(g[1], g[2]) for g in deliveries})
+    checksum = sum(g[3] for g in deliveries)
+    got_keys = {g[0]: (g[1], g[2]) for g in deliveries}
 
     assert rows == total, f"{rows} deliveries for {total} pushed messages"
     assert distinct_ids == total, f"{rows - distinct_ids} ids delivered twice"

@@ -4,6 +4,11 @@ What a commit promises: a push that returned its ids is in the queue, whatever c
 message popped at most once never comes back; a lease held by a dead consumer expires and its
 messages are delivered again, to someone else, exactly once more. A call that raised has an
 unknown outcome: it may or may not have happened, but never twice and never by halves.
+
+The consumer tests run on PostgreSQL, and on SQL Server when ``$DBQUEUE_TEST_MSSQL_DSN`` names one
+(skipped otherwise): their children get the dialect, and the finished rows are read with SQL valid on
+both (``tests/dialects.py``). The server test kills the embedded PostgreSQL server, so it is
+PostgreSQL's by nature.
 """
 
 from __future__ import annotations
@@ -22,11 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import psycopg
 import pytest
-from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue, DbQueueError, LeaseExpiredError
+from tests.dialects import dialect_dbq, run_sql  # noqa: F401 - dialect_dbq is the fixture "dbq"
 
 if TYPE_CHECKING:
     from multiprocessing.context import SpawnProcess
@@ -57,27 +61,22 @@ def _drained(q: Queue) -> bool:
     return bool(st.ready == 0 and st.delayed == 0 and st.in_flight == 0)
 
 
-def _done_rows(dsn: str, schema: str, queue_id: int) -> list[tuple[int, int, int, Any]]:
+def _done_rows(dbq: DbQueue, queue_id: int) -> list[tuple[int, int, int, Any]]:
     """``(id, attempts, outcome, payload)`` of every finished message of a queue (it archives)."""
-    with psycopg.connect(dsn) as c:
-        rows = c.execute(
-            sql.SQL(
-                "SELECT d.id, d.attempts, d.outcome, x.payload "
-                "FROM {s}.done d JOIN {s}.data x ON x.id = d.id WHERE d.queue_id = %s"
-            ).format(s=sql.Identifier(schema)),
-            [queue_id],
-        ).fetchall()
+    rows = run_sql(
+        dbq,
+        "SELECT d.id, d.attempts, d.outcome, x.payload "
+        "FROM {schema}.done d JOIN {schema}.data x ON x.id = d.id WHERE d.queue_id = %(queue_id)s",
+        {"queue_id": queue_id},
+    )
     return [(r[0], r[1], r[2], json.loads(bytes(r[3]))) for r in rows]
 
 
-def _meta_count(dsn: str, schema: str, queue_id: int) -> int:
-    with psycopg.connect(dsn) as c:
-        row = c.execute(
-            sql.SQL("SELECT count(*) FROM {}.meta WHERE queue_id = %s").format(sql.Identifier(schema)),
-            [queue_id],
-        ).fetchone()
-    assert row is not None
-    return int(row[0])
+def _meta_count(dbq: DbQueue, queue_id: int) -> int:
+    rows = run_sql(
+        dbq, "SELECT count(*) FROM {schema}.meta WHERE queue_id = %(queue_id)s", {"queue_id": queue_id}
+    )
+    return int(rows[0][0])
 
 
 def _stop(procs: list[SpawnProcess]) -> None:
@@ -92,11 +91,18 @@ def _stop(procs: list[SpawnProcess]) -> None:
 
 
 def _hold_leases(
-    *, dsn: str, schema: str, queue: str, n: int, visibility_timeout: float, report: mp.Queue[Any]
+    *,
+    dsn: str,
+    schema: str,
+    dialect: str,
+    queue: str,
+    n: int,
+    visibility_timeout: float,
+    report: mp.Queue[Any],
 ) -> None:
     """Pop ``n`` messages under at-least-once, report them, and sleep until killed."""
     try:
-        with DbQueue(dsn, schema=schema, pool_size=1) as dbq:
+        with DbQueue(dsn, schema=schema, pool_size=1, dialect=dialect) as dbq:
             msgs = dbq.queue(queue).pop(n, semantics="at-least-once", visibility_timeout=visibility_timeout)
             report.put(("held", msgs))
             time.sleep(300)
@@ -122,6 +128,7 @@ def test_sigkilled_consumer_leases_are_delivered_again_once(dbq: DbQueue) -> Non
         kwargs={
             "dsn": dbq.db.dsn,
             "schema": dbq.schema,
+            "dialect": dbq.dialect,
             "queue": q.name,
             "n": hold,
             "visibility_timeout": 2.0,
@@ -171,7 +178,7 @@ def test_sigkilled_consumer_leases_are_delivered_again_once(dbq: DbQueue) -> Non
         q.ack(held)
     st = q.stats()
     assert (st.ready, st.delayed, st.in_flight, st.failed, st.finished) == (0, 0, 0, 0, total), st
-    attempts = {i: a for i, a, _, _ in _done_rows(dbq.db.dsn, dbq.schema, q.settings.queue_id)}
+    attempts = {i: a for i, a, _, _ in _done_rows(dbq, q.settings.queue_id)}
     assert attempts == {i: 2 if i in held_ids else 1 for i in ids}
 
 
@@ -216,11 +223,11 @@ def _rows(msgs: list[Message]) -> list[list[Any]]:
 
 
 def _traffic_producer(
-    *, dsn: str, schema: str, idx: int, log_path: str, stop: Event, deadline: float
+    *, dsn: str, schema: str, dialect: str, idx: int, log_path: str, stop: Event, deadline: float
 ) -> None:
     log = _Log(Path(log_path))
     try:
-        with DbQueue(dsn, schema=schema, pool_size=1) as dbq:
+        with DbQueue(dsn, schema=schema, pool_size=1, dialect=dialect) as dbq:
             q = dbq.queue(TRAFFIC_QUEUE)
             seq = 0
             while not stop.is_set() and seq < TRAFFIC_MAX_PER_PRODUCER:
@@ -244,6 +251,7 @@ def _traffic_consumer(
     *,
     dsn: str,
     schema: str,
+    dialect: str,
     log_path: str,
     producers_done: Event,
     deadline: float,
@@ -257,7 +265,7 @@ def _traffic_consumer(
     """
     log = _Log(Path(log_path))
     try:
-        with DbQueue(dsn, schema=schema, pool_size=1) as dbq:
+        with DbQueue(dsn, schema=schema, pool_size=1, dialect=dialect) as dbq:
             q = dbq.queue(TRAFFIC_QUEUE)
             batches = 0
             while True:
@@ -296,11 +304,10 @@ def _join_all(procs: list[SpawnProcess], deadline: float) -> None:
 
 def test_consumer_sigkilled_repeatedly_under_traffic(dbq: DbQueue, tmp_path: Path) -> None:
     q = dbq.create_queue(TRAFFIC_QUEUE, visibility_timeout=60.0, max_attempts=50)
-    dsn, schema = dbq.db.dsn, dbq.schema
     ctx = mp.get_context("spawn")
     stop_producing, producers_done = ctx.Event(), ctx.Event()
     deadline = time.time() + RUN_LIMIT_S
-    common = {"dsn": dsn, "schema": schema, "deadline": deadline}
+    common = {"dsn": dbq.db.dsn, "schema": dbq.schema, "dialect": dbq.dialect, "deadline": deadline}
 
     def consumer(name: str, **kw: Any) -> SpawnProcess:
         return ctx.Process(
@@ -409,7 +416,7 @@ def test_consumer_sigkilled_repeatedly_under_traffic(dbq: DbQueue, tmp_path: Pat
 
     st = q.stats()
     assert (st.ready, st.delayed, st.in_flight, st.failed, st.finished) == (0, 0, 0, 0, len(pushed)), st
-    done = _done_rows(dsn, schema, q.settings.queue_id)
+    done = _done_rows(dbq, q.settings.queue_id)
     assert len(done) == len(pushed)
     assert {i: a for i, a, _, _ in done} == {i: len(a) for i, a in deliveries.items()}
 
@@ -596,11 +603,11 @@ def test_server_sigkill_loses_no_acknowledged_message(embedded_server: EmbeddedP
         for q in (amo, alo):
             st = q.stats()
             assert (st.ready, st.delayed, st.in_flight, st.failed) == (0, 0, 0, 0), st
-        assert _meta_count(dsn, CRASH_SCHEMA, amo_id) == 0
-        assert _meta_count(dsn, CRASH_SCHEMA, alo_id) == 0
+        assert _meta_count(admin, amo_id) == 0
+        assert _meta_count(admin, alo_id) == 0
 
-        done_amo = _done_rows(dsn, CRASH_SCHEMA, amo_id)
-        done_alo = _done_rows(dsn, CRASH_SCHEMA, alo_id)
+        done_amo = _done_rows(admin, amo_id)
+        done_alo = _done_rows(admin, alo_id)
         assert amo.stats().finished == len(done_amo) and alo.stats().finished == len(done_alo)
 
         _check_pushes("amo", by_role["amo-producer"], done_amo)

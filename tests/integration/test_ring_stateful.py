@@ -9,15 +9,18 @@ returns the lowest ready ids, in order, with their payloads, never a finished on
 model says fits (every predecessor a capacity back is finished) succeeds, and one that may not fit
 either succeeds or raises QueueFullError having pushed nothing; depth by state always matches; and a
 drain after every lease is settled delivers every ready message, so nothing is lost behind a gap.
+
+It runs on PostgreSQL, and on SQL Server when ``$DBQUEUE_TEST_MSSQL_DSN`` names one (skipped
+otherwise): the clock jump rewrites the leases' due times with each dialect's SQL (the conformance
+suite's ``expire_leases``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import psycopg
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -29,9 +32,10 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from psycopg import sql
 
 from airflow_dbqueue.engine import QueueFullError
+from tests.dialects import dialect_dbq  # noqa: F401 - dialect_dbq is the fixture "dbq"
+from tests.integration.test_conformance import expire_leases
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine import DbQueue, Message
@@ -61,7 +65,6 @@ class _Rollback(Exception):
 
 class RingMachine(RuleBasedStateMachine):
     dbq: ClassVar[DbQueue]
-    admin: ClassVar[psycopg.Connection[Any]]
     _names = itertools.count()
 
     def __init__(self) -> None:
@@ -187,13 +190,7 @@ class RingMachine(RuleBasedStateMachine):
         elif op == "nack":
             assert self.queue.nack(msgs, delay=0) == len(chosen)
         else:
-            self.admin.execute(
-                sql.SQL(
-                    "UPDATE {}.ring_slots SET due_at = now() - interval '1 second' "
-                    "WHERE queue_id = %s AND state = 2 AND seq = ANY(%s)"
-                ).format(sql.Identifier(self.dbq.schema)),
-                [self.queue.settings.queue_id, [e.id for e in chosen]],
-            )
+            expire_leases(self.dbq, [e.id for e in chosen], self.queue)
             assert self.queue.reclaim_expired() == len(chosen)
         for e in chosen:
             e.lease = None
@@ -242,10 +239,9 @@ class RingMachine(RuleBasedStateMachine):
         ]
 
 
-def test_ring_matches_model(dbq: DbQueue, pg_dsn: str) -> None:
-    with psycopg.connect(pg_dsn, autocommit=True) as admin:
-        RingMachine.dbq, RingMachine.admin = dbq, admin
-        try:
-            run_state_machine_as_test(RingMachine, settings=SETTINGS)
-        finally:
-            del RingMachine.dbq, RingMachine.admin
+def test_ring_matches_model(dbq: DbQueue) -> None:
+    RingMachine.dbq = dbq
+    try:
+        run_state_machine_as_test(RingMachine, settings=SETTINGS)
+    finally:
+        del RingMachine.dbq

@@ -456,11 +456,14 @@ def test_pyodbc_errors_are_translated(exc: Exception, connecting: bool, kind: ty
 
 
 class _FakeCursor:
-    def __init__(self, script: list[Any]) -> None:
+    def __init__(self, script: list[Any], executed: list[tuple[str, list[Any]]] | None = None) -> None:
         self._script = script
+        self._executed = executed
         self.description: Any = None
 
     def execute(self, sql: str, values: Any = ()) -> _FakeCursor:
+        if self._executed is not None:
+            self._executed.append((sql, list(values)))
         step = self._script.pop(0)
         if isinstance(step, Exception):
             raise step
@@ -487,9 +490,11 @@ class _FakeConnection:
     def __init__(self, script: list[Any]) -> None:
         self.script = script
         self.commits = self.rollbacks = 0
+        self.executed: list[tuple[str, list[Any]]] = []
+        """``(text, values)`` of every statement run, in order."""
 
     def cursor(self) -> _FakeCursor:
-        return _FakeCursor(self.script)
+        return _FakeCursor(self.script, self.executed)
 
     def commit(self) -> None:
         self.commits += 1
@@ -560,6 +565,79 @@ def test_odbc_driver_18_is_loaded_and_a_closed_port_raises_database_unavailable(
     assert "ODBC Driver 18 for SQL Server" in str(info.value.__cause__)  # the real driver answered
     assert "secret" not in str(info.value)
     assert time.monotonic() - start < 30
+
+
+# -- the integration suites' own SQL on SQL Server (tests/dialects.py) -------------------------------
+# The concurrency and crash suites write and read their own tables through run_sql/insert_rows, with
+# SQL meant for both dialects; on SQL Server they have never run. Here: what they send to pyodbc.
+
+
+def _suites_dbq(monkeypatch: pytest.MonkeyPatch, script: list[Any]) -> tuple[DbQueue, _FakeConnection]:
+    fake = _FakeConnection(script)
+    dbq = DbQueue("mssql://u:p@h/db", schema="dbq")
+    monkeypatch.setattr(dbq.db, "connect", lambda: fake)
+    return dbq, fake
+
+
+def _check_sent(fake: _FakeConnection) -> None:
+    """Every statement sent parses as T-SQL and binds one value per ``?``."""
+    for text, values in fake.executed:
+        assert text.count("?") == len(values), text
+        tsql_statements(text)
+
+
+def test_the_concurrency_suites_results_table_on_a_fake_sql_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    from airflow_dbqueue.engine import Message
+    from tests.integration.test_concurrency import (
+        create_results_table,
+        payload_hash,
+        read_results,
+        write_results,
+    )
+
+    committed = [(2, 10, 0, 1, 99), (3, 11, 1, 0, 7)]
+    dbq, fake = _suites_dbq(monkeypatch, [[], [], committed])
+    now = dt.datetime(2024, 1, 1, tzinfo=dt.UTC)
+    msgs = [Message(10 + i, "conc", {"p": i, "s": 1 - i, "v": "ab"}, 0, 1, 1, now) for i in range(2)]
+    create_results_table(dbq)
+    with dbq.transaction() as conn:
+        write_results(dbq, conn, 2, msgs)
+        write_results(dbq, conn, 2, [])  # an empty pop sends nothing
+    assert read_results(dbq) == committed
+    (ddl, _), (insert, values), (select, _) = fake.executed
+    assert ddl.startswith("CREATE TABLE [dbq].[eo_results] (consumer integer NOT NULL")
+    assert insert == (
+        "INSERT INTO [dbq].[eo_results] ([consumer], [msg_id], [p], [s], [h]) "
+        "VALUES (?, ?, ?, ?, ?), (?, ?, ?, ?, ?)"
+    )
+    assert values == [2, 10, 0, 1, payload_hash(msgs[0].payload), 2, 11, 1, 0, payload_hash(msgs[1].payload)]
+    assert select == "SELECT consumer, msg_id, p, s, h FROM [dbq].[eo_results]"
+    assert (fake.commits, fake.rollbacks) == (3, 0)
+    _check_sent(fake)
+
+
+def test_the_crash_suites_reads_on_a_fake_sql_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.integration.test_crash import _done_rows, _meta_count
+
+    payload = {"p": 0, "s": 3, "v": "ff"}
+    dbq, fake = _suites_dbq(monkeypatch, [[(7, 2, 1, json.dumps(payload).encode())], [(0,)]])
+    assert _done_rows(dbq, 5) == [(7, 2, 1, payload)]
+    assert _meta_count(dbq, 5) == 0
+    (done, done_values), (meta, meta_values) = fake.executed
+    assert "FROM [dbq].done d JOIN [dbq].data x ON x.id = d.id WHERE d.queue_id = ?" in done
+    assert meta == "SELECT count(*) FROM [dbq].meta WHERE queue_id = ?"
+    assert done_values == meta_values == [5]
+    _check_sent(fake)
+
+
+def test_the_suites_sql_on_a_closed_port_raises_database_unavailable() -> None:
+    """run_sql goes through the dialect's own connect and error translation (real pyodbc and driver)."""
+    from tests.dialects import run_sql
+
+    port = _closed_port()
+    dbq = DbQueue(f"mssql://sa:secret@127.0.0.1:{port}/queues?Encrypt=no", schema="dbq", connect_timeout=1)
+    with pytest.raises(DatabaseUnavailableError, match=f"127.0.0.1:{port}"):
+        run_sql(dbq, "SELECT 1")
 
 
 # -- the ring on a fake SQL Server: the engine's decisions around the procedures' errors -------------
