@@ -42,7 +42,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any
 
 from airflow_dbqueue.engine.errors import (
@@ -73,7 +73,11 @@ RING_DEFAULT_CAPACITY = 16384
 RING_MAX_CAPACITY = 16_777_216
 _NOTIFY_CODE = {NotifyMode.NEVER: 0, NotifyMode.AUTO: 1, NotifyMode.ALWAYS: 2}
 _PUSH_ATTEMPTS = 20
+_STALE_BOUND = 256
+"""A claim whose first message lies more than this (or the batch size) past the consumer's bound makes
+the next pop a ``ring_pop``, which moves the bound on."""
 _first = itemgetter(0)
+_id = attrgetter("id")
 
 
 class RingQueue(Queue):
@@ -100,6 +104,7 @@ class RingQueue(Queue):
         self._gap: tuple[int, int, str | None] | None = None  # (number, issued position, holders)
         self._gap_since: tuple[int, float] | None = None
         self._last_reclaim = 0.0
+        self._fast = False  # the last pop came back full: the next one tries ring_claim first
         self.push_timeout = 30.0
         self.gap_timeout = 5.0
         self.reclaim_every_s = min(1.0, settings.visibility_timeout_s / 2)
@@ -145,9 +150,22 @@ class RingQueue(Queue):
             "timeout_s": float(self.push_timeout),
             "notify": _NOTIFY_CODE[self.settings.notify],
             "channel": self._channel,
+            "first": None,
         }
+        one = conn is None and len(encoded) == 1
         for attempt in range(_PUSH_ATTEMPTS):
             try:
+                if one:
+                    # One message outside a caller's transaction: one statement (ring_push_one), which
+                    # writes its number's slot if it is free. Otherwise the number is written by
+                    # ring_push, which waits for the slot (params["first"]). Once: a retry after a
+                    # number given up as a gap goes through ring_push.
+                    one = False
+                    row = self._db.fetchone("ring_push_one", {**params, "payload": encoded[0]})
+                    if row is not None and row[0] is not None:
+                        if len(row) < 2 or row[1]:  # SQL Server's row is the first number, always written
+                            return int(row[0])
+                        params["first"] = int(row[0])
                 if conn is None:
                     row = self._db.fetchone("ring_push", params)
                 else:  # a savepoint: a failed attempt leaves the caller's transaction usable
@@ -156,6 +174,7 @@ class RingQueue(Queue):
             except RingNumbersSkippedError:
                 if attempt == _PUSH_ATTEMPTS - 1:
                     raise
+                params["first"] = None
                 continue  # our numbers were given up as gaps: nothing was written; new numbers
             except QueueFullError:
                 raise QueueFullError(
@@ -181,7 +200,10 @@ class RingQueue(Queue):
             if now - self._last_reclaim >= self.reclaim_every_s:
                 self._last_reclaim = now
                 self.reclaim_expired()
-        msgs: list[Message] = []
+        msgs: list[Message] = [] if conn is not None else self._claim(n, lease, vt, consumer)
+        if len(msgs) >= n:
+            return msgs
+        parts = 1 if msgs else 0
         for _ in range(3):
             with self._lock:
                 lo = self._lo
@@ -220,6 +242,7 @@ class RingQueue(Queue):
             meta = rows.pop()
             rows.sort(key=_first)  # in slot order within each part of the window, so nearly always sorted
             msgs += self._messages(rows)
+            parts += 1 if rows else 0
             next_lo, gap_n = int(meta[6]), meta[7]
             if conn is not None:
                 # The caller's transaction may still roll back what this or an earlier pop in it took:
@@ -241,7 +264,51 @@ class RingQueue(Queue):
             )
             if len(msgs) >= n or not (next_lo >= lo + self.capacity // 2 or advanced):
                 break
+        if conn is None:
+            with self._lock:
+                self._fast = len(msgs) >= n  # see _claim
+        if parts > 1:
+            # Each statement returns its messages in id order, but a later one may find a lower number
+            # that committed in between: the batch is handed over in id order.
+            msgs.sort(key=_id)
         return msgs
+
+    def _claim(self, n: int, lease: bool, vt: float, consumer: str) -> list[Message]:
+        """The fast path of a pop outside a caller's transaction: one statement (``ring_claim``) that
+        claims the lowest ready messages from the consumer's bound to the end of the ring's slots.
+
+        Used while the last pop came back full and no gap waits at the head; a short claim hands the
+        rest to ``ring_pop`` (which moves the bound on, claims past the wrap and skips gaps), and so
+        does the pop after a claim that found its first message far past the bound: the claim scans
+        from the bound, so a stale bound costs a longer scan.
+        """
+        with self._lock:
+            lo = self._lo
+            fast = self._fast and self._gap is None
+        if not fast or lo is None:
+            return []
+        try:
+            rows = self._db.fetchall(
+                "ring_claim",
+                {
+                    "queue_id": self._qid,
+                    "capacity": self.capacity,
+                    "lo": lo,
+                    "n": n,
+                    "lease": lease,
+                    "visibility_timeout_s": vt,
+                    "consumer": consumer,
+                },
+            )
+        except LockTimeoutError:
+            rows = []  # as in ring_pop: the claim's locks are released; ring_pop goes on
+        if rows and rows[-1][0] is None:
+            rows.pop()  # SQL Server: ring_pop's last row (the bound), without an id
+        rows.sort(key=_first)
+        if len(rows) < n or rows[0][0] - lo > max(_STALE_BOUND, n):
+            with self._lock:
+                self._fast = False
+        return self._messages(rows)
 
     def _messages(self, rows: Sequence[tuple[Any, ...]]) -> list[Message]:
         # Positional (id, queue, payload, priority, attempts, delivery, enqueued_at, lease_until):

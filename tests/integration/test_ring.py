@@ -173,6 +173,113 @@ def test_full_ring_pushes_back_then_raises_a_clear_error(dbq: DbQueue) -> None:
     assert got == [[7, 8]]
 
 
+def test_a_push_of_one_into_a_full_ring_waits_with_its_number(dbq: DbQueue) -> None:
+    """A push of one outside a transaction takes its number in one statement (ring_push_one); when the
+    slot is not free it writes that number waiting (ring_push), so the full ring leaves no gap."""
+    q = ring(dbq, "full1", 4)
+    assert [q.push(p) for p in ("a", "b", "c", "d")] == [1, 2, 3, 4]
+    got: list[int] = []
+    pusher = threading.Thread(target=lambda: got.append(q.push("e")))
+    pusher.start()
+    time.sleep(0.3)
+    assert pusher.is_alive(), "the push should wait for a full ring"
+    assert [m.payload for m in q.pop(1)] == ["a"]
+    pusher.join(timeout=30)
+    assert not pusher.is_alive()
+    assert got == [5]
+    assert [(m.id, m.payload) for m in drain(q)] == [(2, "b"), (3, "c"), (4, "d"), (5, "e")]
+    st = q.stats()
+    assert (st.ready, st.extra["gaps_skipped"], st.extra["push_position"], st.extra["ring_used"]) == (
+        0,
+        0,
+        5,
+        0,
+    )
+
+
+def test_pushes_of_one_never_take_a_number_of_a_batch(dbq: DbQueue) -> None:
+    """Four threads pushing one at a time (ring_push_one) beside one pushing batches of 16 (ring_push)
+    into a ring of 64 that wraps: every message is delivered once, each batch with contiguous ids.
+    (The window this guards, between a batch's first number and its range, is too short for threads to
+    hit reliably: the next test holds the push lock itself.)"""
+    q = ring(dbq, "mixed", 64)
+    q.push_timeout = 5.0
+    singles, batches, size = 4, 40, 16
+    per_single = 150
+    total = singles * per_single + batches * size
+    errors: list[BaseException] = []
+    batch_ids: list[list[int]] = []
+    single_ids: list[int] = []
+
+    def push_singles(k: int) -> None:
+        try:
+            for i in range(per_single):
+                single_ids.append(q.push(f"s{k}-{i}"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    def push_batches() -> None:
+        try:
+            for b in range(batches):
+                batch_ids.append(q.push_batch([f"b{b}-{i}" for i in range(size)]))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=push_singles, args=(k,)) for k in range(singles)]
+    threads.append(threading.Thread(target=push_batches))
+    for t in threads:
+        t.start()
+    got: list[Message] = []
+    deadline = time.monotonic() + 120
+    while len(got) < total and time.monotonic() < deadline and not errors:
+        batch = q.pop(32, wait=0.2, poll_interval=0.05)
+        # in id order within a pop (across pops, a lower number may commit later)
+        assert [m.id for m in batch] == sorted(m.id for m in batch)
+        got += batch
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors
+    assert all(ids == list(range(ids[0], ids[0] + size)) for ids in batch_ids), batch_ids
+    pushed_ids = single_ids + [i for ids in batch_ids for i in ids]
+    assert len(pushed_ids) == len(set(pushed_ids)) == total
+    sent = [f"s{k}-{i}" for k in range(singles) for i in range(per_single)]
+    sent += [f"b{b}-{i}" for b in range(batches) for i in range(size)]
+    assert sorted(m.id for m in got) == sorted(pushed_ids)
+    assert _checksum(sorted(m.payload for m in got)) == _checksum(sorted(sent))
+    st = q.stats()
+    assert st.extra["push_position"] == total + st.extra["gaps_skipped"], st
+    assert q.pop(10) == []
+
+
+def test_a_push_of_one_waits_while_a_batch_takes_its_range(dbq: DbQueue) -> None:
+    """A batch takes its range (nextval, then setval to its last number) under the ring's push lock;
+    a push of one takes its number under the same lock, shared, so it never lands inside a range being
+    taken. Here a session holds the lock as a batch does in that instant: the push of one waits for it,
+    then takes the next number."""
+    postgres_only(dbq, "the push lock is a PostgreSQL advisory lock (SQL Server pushes of one run ring_push)")
+    q = ring(dbq, "pushlock", 8)
+    assert q.push("a") == 1
+    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+        seq = f"{dbq.schema}.ring_{q.settings.queue_id}_seq"
+        key = c.execute("SELECT (%s::regclass::oid::bigint - 2147483648)::integer", [seq]).fetchone()
+        assert key is not None
+        c.execute("SELECT pg_advisory_lock(1685221713, %s)", [key[0]])
+        got: list[int] = []
+        pusher = threading.Thread(target=lambda: got.append(q.push("b")))
+        pusher.start()
+        time.sleep(0.5)
+        assert pusher.is_alive(), "a push of one must wait for the push lock"
+        assert got == [] and q.stats().extra["push_position"] == 1
+        c.execute("SELECT setval(%s::regclass, 5)", [seq])  # as a batch of 4 would: numbers 2..5
+        c.execute("SELECT pg_advisory_unlock(1685221713, %s)", [key[0]])
+        pusher.join(timeout=30)
+    assert got == [6]
+    st = q.stats()
+    assert st.extra["push_position"] == 6, st
+    assert q.recover_gaps(wait=5.0) == 4  # 2..5, taken and never written
+    assert [(m.id, m.payload) for m in drain(q)] == [(1, "a"), (6, "b")]
+
+
 # -- gaps ------------------------------------------------------------------------------------------
 
 

@@ -739,6 +739,21 @@ EXEC {schema}.ring_drop @queue_id = %(queue_id)s
 EXEC {schema}.ring_push @queue_id = %(queue_id)s, @payloads = %(payloads)s, @timeout_s = %(timeout_s)s,
     @notify = %(notify)s
 
+-- name: ring_push_one
+-- PostgreSQL's one-statement push of one message; here the push of a batch of one, which always writes
+-- (waiting for a full ring itself): its row is the first number alone, which the caller reads as
+-- written. The numbers a PostgreSQL ring_push can be given (first) are never given here.
+EXEC {schema}.ring_push @queue_id = %(queue_id)s, @payloads = %(payloads)s, @timeout_s = %(timeout_s)s,
+    @notify = %(notify)s
+
+-- name: ring_claim
+-- PostgreSQL's one-statement claim; here ring_pop in the mode of a pop in the caller's transaction (no
+-- gap skipped, the bound left as it is): its messages, then the last row without an id, which the
+-- caller drops.
+EXEC {schema}.ring_pop @queue_id = %(queue_id)s, @cap = %(capacity)s, @lo = %(lo)s, @n = %(n)s,
+    @lease = %(lease)s, @vt = %(visibility_timeout_s)s, @consumer = %(consumer)s, @own = 1,
+    @gap = NULL, @gap_issued = NULL, @gap_snap = NULL, @force = 0
+
 -- name: ring_pop
 EXEC {schema}.ring_pop @queue_id = %(queue_id)s, @cap = %(capacity)s, @lo = %(lo)s, @n = %(n)s,
     @lease = %(lease)s, @vt = %(visibility_timeout_s)s, @consumer = %(consumer)s, @own = %(own)s,

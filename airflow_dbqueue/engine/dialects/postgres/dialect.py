@@ -441,6 +441,8 @@ BINARY_RESULTS = frozenset(
         "leased",
         "peek",
         "ring_pop",
+        "ring_claim",
+        "ring_push_one",
         "ring_ack",
         "ring_nack",
         "ring_leased",

@@ -559,7 +559,19 @@ SELECT {schema}.ring_drop(%(queue_id)s::integer)
 -- name: ring_push
 SELECT {schema}.ring_push(
     %(queue_id)s::integer, %(capacity)s::integer, %(payloads)b::bytea[], %(timeout_s)s::float8,
-    %(notify)s::integer, %(channel)s)
+    %(notify)s::integer, %(channel)s, %(first)s::bigint)
+
+-- name: ring_push_one
+-- (number, written): see schema.sql. SQL Server runs ring_push, which always writes.
+SELECT r_num, r_written FROM {schema}.ring_push_one(
+    %(queue_id)s::integer, %(capacity)s::integer, %(payload)b::bytea, %(notify)s::integer, %(channel)s)
+
+-- name: ring_claim
+-- The rows of ring_pop's messages (see schema.sql), and nothing else.
+SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, r_lease_until, r_payload
+FROM {schema}.ring_claim(
+    %(queue_id)s::integer, %(capacity)s::integer, %(lo)s::bigint, %(n)s::integer, %(lease)s::boolean,
+    %(visibility_timeout_s)s::float8, %(consumer)s::text)
 
 -- name: ring_pop
 -- Rows come back in binary (dialect.BINARY_RESULTS): the holders (xid[]) as text.
