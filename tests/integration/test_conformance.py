@@ -2,12 +2,15 @@
 
 Every design and every dialect must pass it: add a design to ``DESIGNS`` and the whole suite runs
 against it. Each test runs on PostgreSQL, and on SQL Server when ``$DBQUEUE_TEST_MSSQL_DSN`` names one
-(skipped otherwise); tests that check PostgreSQL-only behaviour (NOTIFY) or still use a psycopg helper
-skip themselves on SQL Server, saying so. Each test counts and checksums what goes in and what comes out.
+(skipped otherwise); the one test of PostgreSQL-only behaviour (NOTIFY) skips itself on SQL Server, saying
+so. A test's own SQL (a results table, a row count, a clock jump) goes through ``tests/dialects.py``'s
+:func:`run_sql`/:func:`insert_rows`, one text for both dialects or one per dialect where they differ.
+Each test counts and checksums what goes in and what comes out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
@@ -29,10 +32,16 @@ from airflow_dbqueue.engine import (
     Semantics,
     TransactionRequiredError,
 )
-from tests.dialects import dialect_dbq, postgres_only  # noqa: F401 - dialect_dbq is the fixture "dbq"
+from airflow_dbqueue.engine.dialects.mssql import MssqlDatabase
+from tests.dialects import (  # noqa: F401 - dialect_dbq is the fixture "dbq"
+    dialect_dbq,
+    insert_rows,
+    postgres_only,
+    run_sql,
+)
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Iterator
 
     from airflow_dbqueue.engine import DbQueue, Message, Queue
 
@@ -91,6 +100,76 @@ def expire_leases(dbq: DbQueue, ids: Iterable[int], q: Queue | None = None) -> N
             f"UPDATE \"{dbq.schema}\".meta SET lease_until = now() - interval '1 second' WHERE id = ANY(%s)",
             [list(ids)],
         )
+
+
+@contextlib.contextmanager
+def callers_connection(dbq: DbQueue) -> Iterator[Any]:
+    """A connection of the caller's own: not pooled, autocommit off, nothing run on it yet; closed on exit.
+
+    psycopg's is idle (no transaction until its first statement); pyodbc's, the dialect's ``connect()``
+    (XACT_ABORT on, so a server error would doom its transaction), is always in one.
+    """
+    conn = dbq.db.connect() if isinstance(dbq.db, MssqlDatabase) else psycopg.connect(dbq.db.dsn)
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+RESULTS_TABLE = "eo_results"
+"""The exactly-once test's own table (in the queue schema, dropped with it)."""
+
+
+def create_results_table(dbq: DbQueue) -> None:
+    run_sql(
+        dbq,
+        "CREATE TABLE {schema}.{table} (n integer NOT NULL PRIMARY KEY)",
+        identifiers={"table": RESULTS_TABLE},
+    )
+
+
+def write_results(dbq: DbQueue, conn: Any, msgs: list[Message]) -> None:
+    """Write the popped messages' ``n`` in the caller's transaction ``conn`` (a duplicate breaks the key)."""
+    insert_rows(dbq, RESULTS_TABLE, ["n"], [[m.payload["n"]] for m in msgs], conn)
+
+
+def read_results(dbq: DbQueue) -> list[int]:
+    rows = run_sql(dbq, "SELECT n FROM {schema}.{table} ORDER BY n", identifiers={"table": RESULTS_TABLE})
+    return [int(n) for (n,) in rows]
+
+
+def count_rows(dbq: DbQueue, table: str, queue_id: int | None = None) -> int:
+    """Rows of ``{schema}.table``, of one queue only when ``queue_id`` is given."""
+    body, params = "SELECT count(*) FROM {schema}.{table}", None
+    if queue_id is not None:
+        body, params = body + " WHERE queue_id = %(queue_id)s", {"queue_id": queue_id}
+    rows = run_sql(dbq, body, params, identifiers={"table": table})
+    return int(rows[0][0])
+
+
+CLOCK_SQL = {
+    "postgresql": {
+        "due_now": "UPDATE {schema}.meta SET process_at = now() WHERE id = %(id)s",
+        "due_in": "SELECT extract(epoch FROM process_at - now()) FROM {schema}.meta WHERE id = %(id)s",
+    },
+    "mssql": {
+        "due_now": "UPDATE {schema}.meta SET process_at = SYSUTCDATETIME() WHERE id = %(id)s",
+        "due_in": "SELECT DATEDIFF_BIG(millisecond, SYSUTCDATETIME(), process_at) / 1000.0 "
+        "FROM {schema}.meta WHERE id = %(id)s",
+    },
+}
+"""The backoff test's clock, one text per dialect (process_at is timestamptz, or datetime2 in UTC)."""
+
+
+def make_due_now(dbq: DbQueue, msg_id: int) -> None:
+    """Make a table-design message due now, as if its backoff had passed (tests only)."""
+    run_sql(dbq, CLOCK_SQL[dbq.dialect]["due_now"], {"id": msg_id})
+
+
+def due_in(dbq: DbQueue, msg_id: int) -> float:
+    """Seconds until a table-design message is due, by the server's clock."""
+    [(seconds,)] = run_sql(dbq, CLOCK_SQL[dbq.dialect]["due_in"], {"id": msg_id})
+    return float(seconds)
 
 
 def kept(q: Queue, n: int) -> int:
@@ -315,21 +394,29 @@ def test_refused_ack_in_a_callers_transaction_leaves_it_usable(
 
 
 def test_refused_ack_on_an_idle_connection_leaves_it_usable(
-    make_queue: Callable[..., Queue], dbq: DbQueue, pg_dsn: str
+    make_queue: Callable[..., Queue], dbq: DbQueue
 ) -> None:
-    """An ack on a caller's idle connection without autocommit: refused whole, connection usable."""
-    postgres_only(dbq, "a psycopg connection of the caller's")
+    """An ack on a caller's own fresh connection without autocommit: refused whole, connection usable."""
     q = make_queue()
-    q.push_batch(["a", "b"])
+    payloads = ["a", "b"]
+    q.push_batch(payloads)
     leased = q.pop(2, semantics="at-least-once")
     expire_leases(dbq, [leased[1].id], q)
-    with psycopg.connect(pg_dsn) as conn:
-        with pytest.raises(LeaseExpiredError):
+    with callers_connection(dbq) as conn:
+        with pytest.raises(LeaseExpiredError) as refused:
             q.ack(leased, conn=conn)
+        assert refused.value.ids == [leased[1].id]
         assert q.ack([leased[0]], conn=conn) == 1
         conn.commit()
     s = q.stats()
     assert (s.in_flight, s.finished) == (1, kept(q, 1))
+    assert q.reclaim_expired() == 1
+    again = q.pop(2, semantics="at-least-once")
+    assert [(m.id, m.attempts) for m in again] == [(leased[1].id, 2)]
+    assert q.ack(again) == 1
+    assert checksum(m.payload for m in [leased[0], *again]) == checksum(payloads)
+    s = q.stats()
+    assert (s.ready, s.in_flight, s.finished) == (0, 0, kept(q, 2))
 
 
 def test_expired_leases_reclaimed_by_pop_itself(make_queue: Callable[..., Queue]) -> None:
@@ -363,36 +450,30 @@ def test_lease_expiry_after_max_attempts_fails_the_message(
 def test_exactly_once_commits_or_rolls_back_with_the_callers_work(
     make_queue: Callable[..., Queue], dbq: DbQueue
 ) -> None:
-    postgres_only(dbq, "the test writes its results table with psycopg")
     q = make_queue()
     sent = [{"n": i} for i in range(10)]
     q.push_batch(sent)
-    with dbq.transaction() as conn:
-        conn.execute(f'CREATE TABLE "{dbq.schema}".results (n int PRIMARY KEY)')
+    create_results_table(dbq)
 
     class Boom(Exception):
         pass
 
     with pytest.raises(Boom), dbq.transaction() as conn:
         got = q.pop(4, semantics="exactly-once", conn=conn)
-        conn.execute(
-            f'INSERT INTO "{dbq.schema}".results SELECT unnest(%s::int[])', [[m.payload["n"] for m in got]]
-        )
+        assert len(got) == 4
+        write_results(dbq, conn, got)
         raise Boom
     assert q.stats().ready == 10  # rolled back: still queued, and nothing written
+    assert read_results(dbq) == []
 
     while True:
         with dbq.transaction() as conn:
             got = q.pop(3, semantics="exactly-once", conn=conn)
             if not got:
                 break
-            conn.execute(
-                f'INSERT INTO "{dbq.schema}".results SELECT unnest(%s::int[])',
-                [[m.payload["n"] for m in got]],
-            )
-    with dbq.transaction() as conn:
-        rows = conn.execute(f'SELECT n FROM "{dbq.schema}".results ORDER BY n').fetchall()
-    assert checksum({"n": r[0]} for r in rows) == checksum(sent)
+            write_results(dbq, conn, got)
+    results = read_results(dbq)
+    assert checksum({"n": n} for n in results) == checksum(sent)
     assert q.stats().ready == 0
 
 
@@ -484,17 +565,27 @@ def test_create_queue_is_idempotent_and_checks_settings(dbq: DbQueue) -> None:
 
 
 def test_drop_queue_removes_everything(dbq: DbQueue) -> None:
-    postgres_only(dbq, "the test counts rows with psycopg")
+    """Every row of the dropped queue goes (its payloads too); another queue's stay, whole."""
     q = dbq.create_queue("tmp")
+    other = dbq.create_queue("other")
+    kept_payloads = ["k1", "k2"]
+    other.push_batch(kept_payloads)
     q.push_batch([1, 2, 3])
-    q.pop(1)
+    assert [m.payload for m in q.pop(1)] == [1]
+    [late] = q.pop(1, semantics="at-least-once")
+    q.ack([late])  # one popped, one finished (kept for the archiver), one still queued
+    queue_id = q.settings.queue_id
+    assert count_rows(dbq, "meta", queue_id) == 1
+    assert count_rows(dbq, "done", queue_id) == kept(q, 2)
+    assert count_rows(dbq, "data") == 2 + 1 + kept(q, 2)
     assert dbq.drop_queue("tmp")
     with pytest.raises(QueueNotFoundError):
         dbq.queue("tmp")
     assert dbq.drop_queue("tmp", missing_ok=True) is False
-    with psycopg.connect(dbq.db.dsn) as c:
-        for table in ("meta", "data", "done"):
-            assert c.execute(f'SELECT count(*) FROM "{dbq.schema}".{table}').fetchone() == (0,)
+    for table in ("meta", "done", "archive", "batches"):
+        assert count_rows(dbq, table, queue_id) == 0, table
+    assert count_rows(dbq, "data") == 2  # the other queue's payloads only
+    assert checksum(m.payload for m in drain(other)) == checksum(kept_payloads)
 
 
 def test_unknown_queue_is_named(dbq: DbQueue) -> None:
@@ -568,21 +659,17 @@ def test_auto_notify_only_when_the_queue_was_empty(make_queue: Callable[..., Que
 
 def test_nack_backoff_doubles_and_is_capped(dbq: DbQueue) -> None:
     """The default nack delay is retry_backoff * 2^(attempts-1), capped at retry_backoff_max."""
-    postgres_only(dbq, "the test moves the clock with psycopg")
     q = dbq.create_queue(
         "backoff", design="table", max_attempts=10, retry_backoff=100.0, retry_backoff_max=350.0
     )
     [mid] = q.push_batch(["x"])
     delays = []
-    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
-        for _ in range(4):
-            with c.transaction():  # make the message due again, as if its backoff had passed
-                c.execute(f'UPDATE "{dbq.schema}".meta SET process_at = now() WHERE id = %s', [mid])
-            [m] = q.pop(1, semantics="at-least-once")
-            q.nack([m])
-            row = c.execute(
-                f'SELECT extract(epoch FROM process_at - now()) FROM "{dbq.schema}".meta WHERE id = %s', [mid]
-            ).fetchone()
-            assert row is not None
-            delays.append(round(float(row[0]) / 10) * 10)  # seconds, to the nearest 10
+    for attempt in range(1, 5):
+        make_due_now(dbq, mid)  # as if its backoff had passed
+        [m] = q.pop(1, semantics="at-least-once")
+        assert (m.id, m.attempts, m.payload) == (mid, attempt, "x")
+        q.nack([m])
+        delays.append(round(due_in(dbq, mid) / 10) * 10)  # seconds, to the nearest 10
     assert delays == [100, 200, 350, 350]
+    s = q.stats()
+    assert (s.ready, s.delayed, s.in_flight) == (0, 1, 0)

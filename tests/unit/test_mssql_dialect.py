@@ -11,6 +11,7 @@ import re
 import socket
 import time
 import uuid
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -627,6 +628,52 @@ def test_the_crash_suites_reads_on_a_fake_sql_server(monkeypatch: pytest.MonkeyP
     assert "FROM [dbq].done d JOIN [dbq].data x ON x.id = d.id WHERE d.queue_id = ?" in done
     assert meta == "SELECT count(*) FROM [dbq].meta WHERE queue_id = ?"
     assert done_values == meta_values == [5]
+    _check_sent(fake)
+
+
+def test_the_conformance_suites_own_sql_on_a_fake_sql_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exactly-once results table, the row counts, the backoff test's clock and the caller's own
+    connection of tests/integration/test_conformance.py, as they go to pyodbc."""
+    from airflow_dbqueue.engine import Message
+    from tests.integration.test_conformance import (
+        callers_connection,
+        count_rows,
+        create_results_table,
+        due_in,
+        make_due_now,
+        read_results,
+        write_results,
+    )
+
+    script: list[Any] = [[], [], [(0,), (1,)], [(3,)], [(0,)], [], [(Decimal("199.998"),)]]
+    dbq, fake = _suites_dbq(monkeypatch, script)
+    now = dt.datetime(2024, 1, 1, tzinfo=dt.UTC)
+    msgs = [Message(10 + i, "eo", {"n": i}, 0, 1, 1, now) for i in range(2)]
+    create_results_table(dbq)
+    with dbq.transaction() as conn:
+        write_results(dbq, conn, msgs)
+        write_results(dbq, conn, [])  # an empty pop sends nothing
+    assert read_results(dbq) == [0, 1]
+    assert count_rows(dbq, "meta", 5) == 3
+    assert count_rows(dbq, "data") == 0
+    make_due_now(dbq, 42)
+    assert due_in(dbq, 42) == pytest.approx(199.998)
+    with callers_connection(dbq) as own:
+        assert own is fake
+    assert fake.script == []
+    sent = [text for text, _ in fake.executed]
+    assert sent == [
+        "CREATE TABLE [dbq].[eo_results] (n integer NOT NULL PRIMARY KEY)",
+        "INSERT INTO [dbq].[eo_results] ([n]) VALUES (?), (?)",
+        "SELECT n FROM [dbq].[eo_results] ORDER BY n",
+        "SELECT count(*) FROM [dbq].[meta] WHERE queue_id = ?",
+        "SELECT count(*) FROM [dbq].[data]",
+        "UPDATE [dbq].meta SET process_at = SYSUTCDATETIME() WHERE id = ?",
+        "SELECT DATEDIFF_BIG(millisecond, SYSUTCDATETIME(), process_at) / 1000.0 "
+        "FROM [dbq].meta WHERE id = ?",
+    ]
+    assert [values for _, values in fake.executed] == [[], [0, 1], [], [5], [], [42], [42]]
+    assert (fake.commits, fake.rollbacks) == (7, 0)
     _check_sent(fake)
 
 
