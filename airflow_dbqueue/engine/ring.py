@@ -153,7 +153,10 @@ class RingQueue(Queue):
             "first": None,
         }
         one = conn is None and len(encoded) == 1
-        for attempt in range(_PUSH_ATTEMPTS):
+        deadline: float | None = None
+        pause = 0.0005
+        attempt = 0
+        while True:
             try:
                 if one:
                     # One message outside a caller's transaction: one statement (ring_push_one), which
@@ -172,18 +175,33 @@ class RingQueue(Queue):
                     with self._db.transaction(conn):
                         row = self._db.fetchone("ring_push", params, conn)
             except RingNumbersSkippedError:
-                if attempt == _PUSH_ATTEMPTS - 1:
+                attempt += 1
+                if attempt == _PUSH_ATTEMPTS:
                     raise
                 params["first"] = None
                 continue  # our numbers were given up as gaps: nothing was written; new numbers
             except QueueFullError:
-                raise QueueFullError(
-                    f"queue {self.name!r}: the ring (capacity {self.capacity}) stayed full for "
-                    f"{self.push_timeout:g}s; nothing of the batch was pushed"
-                ) from None
+                raise self._full_error() from None
             assert row is not None
-            return int(row[0])
-        raise AssertionError("unreachable")
+            if row[0] is not None:
+                return int(row[0])
+            # The ring is full for the batch and nothing was taken (PostgreSQL's ring_push checks before
+            # its transaction takes an xid, which would hold back the pruning of the ring's old row
+            # versions while it waited): wait here, between transactions, and ask again.
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.push_timeout
+            if now >= deadline:
+                raise self._full_error()
+            time.sleep(min(pause, deadline - now))
+            pause = min(pause * 2, 0.05)
+            params["timeout_s"] = max(0.0, deadline - time.monotonic())
+
+    def _full_error(self) -> QueueFullError:
+        return QueueFullError(
+            f"queue {self.name!r}: the ring (capacity {self.capacity}) stayed full for "
+            f"{self.push_timeout:g}s; nothing of the batch was pushed"
+        )
 
     # -- pop ---------------------------------------------------------------------------------------
 

@@ -39,6 +39,22 @@ BEGIN
         RAISE EXCEPTION 'a ring batch holds 1 to % (the capacity) messages, got %', v_cap, v_n
             USING ERRCODE = 'DQ003';
     END IF;
+    -- Room first, before this transaction has an xid or any number: when the slot of the highest number
+    -- this batch would take holds a message not finished yet (ready or leased: the ring is full there),
+    -- return NULL, having taken nothing; the caller waits and calls again. A transaction with an xid
+    -- holds back the pruning of every row version newer than it, so a push that waited here for
+    -- consumers kept the ring's old versions from being pruned while it waited, and the heap grew
+    -- (a 10M-message soak grew 1.16x in one step while a push and a pop ran 170-220 ms). A slot holding
+    -- an older, unwritten number (a gap) is not a full ring: the loop below waits for it and helps.
+    IF p_first IS NULL THEN
+        v_first := coalesce(pg_sequence_last_value(v_seq), 0) + v_n;
+        IF EXISTS (
+                SELECT 1 FROM {schema}.ring_slots t
+                WHERE t.queue_id = p_queue_id AND t.slot = (v_first % v_cap)::integer
+                  AND t.seq = v_first - v_cap AND t.state IN (1, 2)) THEN
+            RETURN NULL;
+        END IF;
+    END IF;
     -- Give this transaction an xid before it holds any number: the gap proof in ring_pop relies on it.
     v_xid := pg_current_xact_id();
     -- n contiguous numbers: a batch never spans more than the capacity, so it never waits on itself,
