@@ -174,6 +174,37 @@ def test_full_ring_pushes_back_then_raises_a_clear_error(dbq: DbQueue) -> None:
     assert got == [[5, 6]]
 
 
+def test_a_push_in_a_callers_transaction_waits_for_a_full_ring_and_commits_with_it(dbq: DbQueue) -> None:
+    """A batch that finds the ring full inside the caller's transaction waits (between calls, each in a
+    savepoint) until a pop frees its slots; the caller's transaction stays usable and its commit
+    delivers the batch, whole and in order."""
+    q = ring(dbq, "fullconn", 4)
+    q.push_timeout = 30.0
+    assert q.push_batch(["a", "b", "c", "d"]) == [1, 2, 3, 4]
+    got: list[list[int]] = []
+    errors: list[BaseException] = []
+
+    def push_in_transaction() -> None:
+        try:
+            with dbq.transaction() as conn:
+                got.append(q.push_batch(["e", "f"], conn=conn))
+                got.append(q.push_batch(["g"], conn=conn))  # the transaction goes on after the wait
+        except BaseException as exc:
+            errors.append(exc)
+
+    pusher = threading.Thread(target=push_in_transaction)
+    pusher.start()
+    time.sleep(0.3)
+    assert pusher.is_alive(), "the push should wait for a full ring"
+    assert [m.payload for m in q.pop(3)] == ["a", "b", "c"]
+    pusher.join(timeout=30)
+    assert not pusher.is_alive() and not errors, errors
+    assert got == [[5, 6], [7]]
+    assert [(m.id, m.payload) for m in drain(q)] == [(4, "d"), (5, "e"), (6, "f"), (7, "g")]
+    st = q.stats()
+    assert (st.ready, st.extra["gaps_skipped"], st.extra["ring_used"]) == (0, 0, 0), st
+
+
 def test_a_push_of_one_into_a_full_ring_waits_with_its_number(dbq: DbQueue) -> None:
     """A push of one outside a transaction takes its number in one statement (ring_push_one); when the
     slot is not free it writes that number waiting (ring_push), so the full ring leaves no gap."""
