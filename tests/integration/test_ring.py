@@ -26,7 +26,7 @@ import pytest
 from psycopg import sql
 
 from airflow_dbqueue.engine import ConfigurationError, DbQueue, LeaseExpiredError, QueueFullError
-from tests.dialects import dialect_dbq, postgres_only  # noqa: F401 - dialect_dbq is the fixture "dbq"
+from tests.dialects import dialect_dbq, postgres_only, run_sql  # noqa: F401 - dialect_dbq is the fixture "dbq"
 from tests.integration.test_conformance import drain
 
 if TYPE_CHECKING:
@@ -45,20 +45,12 @@ def ring(dbq: DbQueue, name: str, capacity: int, **settings: Any) -> RingQueue:
 
 def slot_rows(dbq: DbQueue, q: Queue) -> list[tuple[int, int, int]]:
     """(slot, seq, state) of every slot of a ring."""
-    if dbq.dialect == "mssql":
-        with dbq.transaction() as conn:
-            rows = conn.cursor().execute(
-                f"SELECT slot, seq, state FROM [{dbq.schema}].ring_slots WHERE queue_id = ? ORDER BY slot",
-                q.settings.queue_id,
-            )
-            return [tuple(r) for r in rows.fetchall()]
-    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
-        return c.execute(
-            sql.SQL("SELECT slot, seq, state FROM {}.ring_slots WHERE queue_id = %s ORDER BY slot").format(
-                sql.Identifier(dbq.schema)
-            ),
-            [q.settings.queue_id],
-        ).fetchall()
+    rows = run_sql(
+        dbq,
+        "SELECT slot, seq, state FROM {schema}.ring_slots WHERE queue_id = %(q)s ORDER BY slot",
+        {"q": q.settings.queue_id},
+    )
+    return [(int(a), int(b), int(c)) for a, b, c in rows]
 
 
 @contextlib.contextmanager
@@ -468,27 +460,13 @@ def test_a_late_push_of_a_skipped_number_is_pushed_again_whole(dbq: DbQueue) -> 
     q.push_batch(["a", "b"])
     # Consumers gave numbers 3 and 4 up while their (slow) holder had not written them yet: the slots
     # already say skipped. The push that takes 3 and 4 finds that, fails whole, and takes 5 and 6.
-    if dbq.dialect == "mssql":
-        with dbq.transaction() as conn:
-            conn.cursor().execute(
-                f"UPDATE [{dbq.schema}].ring_slots SET seq = seq + 8, state = 3 "
-                "WHERE queue_id = ? AND slot IN (3, 4)",
-                q.settings.queue_id,
-            )
-    else:
-        _skip_slots_3_and_4_pg(dbq, q)
+    run_sql(
+        dbq,
+        "UPDATE {schema}.ring_slots SET seq = seq + 8, state = 3 WHERE queue_id = %(q)s AND slot IN (3, 4)",
+        {"q": q.settings.queue_id},
+    )
     assert q.push_batch(["c", "d"]) == [5, 6]
     assert [(m.id, m.payload) for m in drain(q)] == [(1, "a"), (2, "b"), (5, "c"), (6, "d")]
-
-
-def _skip_slots_3_and_4_pg(dbq: DbQueue, q: Queue) -> None:
-    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
-        c.execute(
-            sql.SQL(
-                "UPDATE {}.ring_slots SET seq = seq + 8, state = 3 WHERE queue_id = %s AND slot IN (3, 4)"
-            ).format(sql.Identifier(dbq.schema)),
-            [q.settings.queue_id],
-        )
 
 
 # -- dead holders ----------------------------------------------------------------------------------
