@@ -442,7 +442,6 @@ BINARY_RESULTS = frozenset(
         "peek",
         "ring_pop",
         "ring_claim",
-        "ring_push_one",
         "ring_ack",
         "ring_nack",
         "ring_leased",
