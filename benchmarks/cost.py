@@ -40,7 +40,7 @@ from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run import database, server_info  # benchmarks/ is a folder of scripts
+from run import database, naive_statements, server_info  # benchmarks/ is a folder of scripts
 
 from airflow_dbqueue.engine import DbQueue
 
@@ -138,15 +138,9 @@ def engine_round(dbq: DbQueue, meter: Meter, args: argparse.Namespace, r: int) -
 
 
 def naive_round(
-    conn: psycopg.Connection[Any], meter: Meter, args: argparse.Namespace, r: int
+    conn: psycopg.Connection[Any], meter: Meter, args: argparse.Namespace, r: int, schema: str
 ) -> dict[str, Any]:
-    # The statements of run.py's NaiveBackend (push in binary, rows in binary), prepared at once.
-    t = sql.Identifier("cost_naive", "t")
-    push_sql = sql.SQL("INSERT INTO {t} (payload) SELECT unnest(%b::bytea[])").format(t=t)
-    pop_sql = sql.SQL(
-        "DELETE FROM {t} WHERE id = ANY (ARRAY("
-        "SELECT id FROM {t} ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED)) RETURNING id, payload"
-    ).format(t=t)
+    push_sql, pop_sql = naive_statements(schema)  # run.py's, in binary
     sent = [payloads(args.batch, args.payload_bytes, r, k) for k in range(args.batches)]
     got: list[bytes] = []
     n: int = args.batch * args.batches
@@ -186,33 +180,34 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:
         psycopg.connect(dsn, autocommit=True) as conn,
     ):
         dbq.install()
-        if args.design == "ring":
-            capacity = max(args.batch * args.batches, 1024)
-            dbq.create_queue(
-                QUEUE,
-                design="ring",
-                capacity=capacity,
-                payload_type="bytes",
-                max_payload_bytes=max(args.payload_bytes, 16),
-                notify="never",
-            )
-        else:
-            dbq.create_queue(QUEUE, payload_type="bytes", notify="never", archive=False)
-        conn.execute("DROP SCHEMA IF EXISTS cost_naive CASCADE")
-        conn.execute("CREATE SCHEMA cost_naive")
-        conn.execute("CREATE TABLE cost_naive.t (id bigserial PRIMARY KEY, payload bytea NOT NULL)")
-        meter = Meter(conn)
-        engine: list[dict[str, Any]] = []
-        naive: list[dict[str, Any]] = []
+        naive_schema = sql.Identifier(f"{schema}_naive")
         try:
+            if args.design == "ring":
+                capacity = max(args.batch * args.batches, 1024)
+                dbq.create_queue(
+                    QUEUE,
+                    design="ring",
+                    capacity=capacity,
+                    payload_type="bytes",
+                    max_payload_bytes=max(args.payload_bytes, 16),
+                    notify="never",
+                )
+            else:
+                dbq.create_queue(QUEUE, payload_type="bytes", notify="never", archive=False)
+            conn.execute(sql.SQL("CREATE SCHEMA {}").format(naive_schema))
+            table = sql.SQL("CREATE TABLE {}.t (id bigserial PRIMARY KEY, payload bytea NOT NULL)")
+            conn.execute(table.format(naive_schema))
+            meter = Meter(conn)
+            engine: list[dict[str, Any]] = []
+            naive: list[dict[str, Any]] = []
             engine_round(dbq, meter, args, -1)  # warm-up: plans, caches, the ring's first lap
-            naive_round(conn, meter, args, -1)
+            naive_round(conn, meter, args, -1, f"{schema}_naive")
             for r in range(args.rounds):
                 engine.append(engine_round(dbq, meter, args, r))
-                naive.append(naive_round(conn, meter, args, r))
+                naive.append(naive_round(conn, meter, args, r, f"{schema}_naive"))
         finally:
             dbq.uninstall()
-            conn.execute("DROP SCHEMA IF EXISTS cost_naive CASCADE")
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(naive_schema))
     result: dict[str, Any] = {
         "design": args.design,
         "batch": args.batch,

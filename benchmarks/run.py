@@ -207,6 +207,18 @@ class EngineBackend:
         self.dbq.close()
 
 
+def naive_statements(schema: str) -> tuple[sql.Composed, sql.Composed]:
+    """The naive baseline's push (payloads as a binary ``bytea[]``, ``%b``) and pop (a batch size), on
+    the table ``schema.t (id bigserial primary key, payload bytea)``. Used by cost.py too."""
+    t = sql.Identifier(schema, "t")
+    push = sql.SQL("INSERT INTO {t} (payload) SELECT unnest(%b::bytea[])").format(t=t)
+    pop = sql.SQL(
+        "DELETE FROM {t} WHERE id = ANY (ARRAY("
+        "SELECT id FROM {t} ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED)) RETURNING id, payload"
+    ).format(t=t)
+    return push, pop
+
+
 class NaiveBackend:
     """The naive baseline (seed 004's hasql-queue): one table, INSERT to push, DELETE to pop.
 
@@ -228,12 +240,7 @@ class NaiveBackend:
         # batch 1000 against 156,622 in binary, in runs minutes apart. The comparison is of queue designs,
         # not of wire formats.
         self.conn = psycopg.connect(target.dsn, autocommit=not self.lease, application_name="dbqueue-bench")
-        t = sql.Identifier(target.schema, "t")
-        self.push_sql = sql.SQL("INSERT INTO {t} (payload) SELECT unnest(%b::bytea[])").format(t=t)
-        self.pop_sql = sql.SQL(
-            "DELETE FROM {t} WHERE id = ANY (ARRAY("
-            "SELECT id FROM {t} ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED)) RETURNING id, payload"
-        ).format(t=t)
+        self.push_sql, self.pop_sql = naive_statements(target.schema)
 
     def push(self, payloads: list[bytes]) -> None:
         self.conn.execute(self.push_sql, (payloads,))
