@@ -23,7 +23,6 @@ The database is ``--dsn``, else ``$DBQUEUE_TEST_DSN``, else a throwaway embedded
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import statistics
@@ -41,12 +40,13 @@ from psycopg import sql
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from run import database, naive_statements, server_info  # benchmarks/ is a folder of scripts
+from soak import MASK
+from soak import digest as payload_digest
 
 from airflow_dbqueue.engine import DbQueue
 
 QUEUE = "cost_q"
 SIDES = ("push", "pop")
-MASK = (1 << 64) - 1
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -81,8 +81,8 @@ def server_cpu_reader(conn: psycopg.Connection[Any]) -> Callable[[], float] | No
 
 
 def digest(payloads: list[bytes]) -> int:
-    """A checksum of a multiset of payloads (the order of pops does not matter)."""
-    return sum(int.from_bytes(hashlib.blake2b(p, digest_size=8).digest(), "big") for p in payloads) & MASK
+    """A checksum of a multiset of payloads (the order of pops does not matter), as soak.py sums them."""
+    return sum(map(payload_digest, payloads)) & MASK
 
 
 class Meter:
@@ -180,7 +180,8 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:
         psycopg.connect(dsn, autocommit=True) as conn,
     ):
         dbq.install()
-        naive_schema = sql.Identifier(f"{schema}_naive")
+        naive_name = f"{schema}_naive"
+        naive_schema = sql.Identifier(naive_name)
         try:
             if args.design == "ring":
                 capacity = max(args.batch * args.batches, 1024)
@@ -201,10 +202,10 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:
             engine: list[dict[str, Any]] = []
             naive: list[dict[str, Any]] = []
             engine_round(dbq, meter, args, -1)  # warm-up: plans, caches, the ring's first lap
-            naive_round(conn, meter, args, -1, f"{schema}_naive")
+            naive_round(conn, meter, args, -1, naive_name)
             for r in range(args.rounds):
                 engine.append(engine_round(dbq, meter, args, r))
-                naive.append(naive_round(conn, meter, args, r, f"{schema}_naive"))
+                naive.append(naive_round(conn, meter, args, r, naive_name))
         finally:
             dbq.uninstall()
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(naive_schema))
