@@ -39,6 +39,7 @@ from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from payloads import fillers, make
 from run import database, naive_statements, server_info  # benchmarks/ is a folder of scripts
 from soak import MASK
 from soak import digest as payload_digest
@@ -108,9 +109,12 @@ class Meter:
         }
 
 
+HEADER = struct.Struct(">qQ")  # (round, number), then a random filler (payloads.py)
+
+
 def payloads(batch: int, size: int, round_no: int, k: int) -> list[bytes]:
-    pad = b"c" * max(0, size - 16)
-    return [struct.pack(">qQ", round_no, k * batch + i) + pad for i in range(batch)]
+    pool = fillers(size, HEADER.size)
+    return [make(HEADER, pool, round_no, k * batch + i) for i in range(batch)]
 
 
 def engine_round(dbq: DbQueue, meter: Meter, args: argparse.Namespace, r: int) -> dict[str, Any]:

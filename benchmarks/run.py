@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
 import json
 import math
 import multiprocessing as mp
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import psycopg
+from payloads import Fillers  # benchmarks/ is a folder of scripts
 from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue, DbQueueError, LeaseExpiredError, MaintenanceConfig
@@ -61,7 +61,8 @@ QUEUE_NAME = "bench_q"
 SWEEP_PAIRS = ((1, 1), (2, 2), (4, 4), (8, 8))
 SWEEP_BATCHES = (1, 100, 1000)
 
-# A payload starts with (producer index, sequence number); the rest is a fixed per-producer pattern.
+# A payload starts with (producer index, sequence number); the rest is a filler from a pool of random
+# ones (payloads.py): payloads differ in every byte position, as real ones do.
 HEADER = struct.Struct(">IQ")
 
 # Run phases, in a shared integer that the parent advances.
@@ -370,15 +371,8 @@ class Shared:
     results: Any  # Queue of the workers' final reports
 
 
-def padding(producer: int, payload_bytes: int) -> bytes:
-    """The fixed tail of every payload of one producer."""
-    n = payload_bytes - HEADER.size
-    seed = hashlib.sha256(f"dbqueue-bench-{producer}".encode()).digest()
-    return (seed * (n // len(seed) + 1))[:n]
-
-
 def _produce(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[str, Any]:
-    pad = padding(idx, cfg.payload_bytes)
+    pick = Fillers(cfg.payload_bytes, HEADER.size).pick
     pack = HEADER.pack
     n, cap = cfg.batch, cfg.backlog_cap
     pushed, popped, phase = shm.pushed, shm.popped, shm.phase
@@ -392,7 +386,7 @@ def _produce(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
             throttled += 1
             time.sleep(0.0005)
             continue
-        payloads = [pack(idx, s) + pad for s in range(seq, seq + n)]
+        payloads = [pack(idx, s) + pick(idx, s) for s in range(seq, seq + n)]
         t = clock()
         backend.push(payloads)
         took = clock() - t
@@ -414,7 +408,7 @@ def _produce(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
 
 
 def _consume(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[str, Any]:
-    pads = [padding(p, cfg.payload_bytes) for p in range(cfg.producers)]
+    pick = Fillers(cfg.payload_bytes, HEADER.size).pick
     bitmaps = [bytearray(1024) for _ in range(cfg.producers)]
     size, hs, unpack = cfg.payload_bytes, HEADER.size, HEADER.unpack_from
     n_producers = cfg.producers
@@ -442,7 +436,7 @@ def _consume(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
                 corrupt += 1
                 continue
             p, s = unpack(data)
-            if p >= n_producers or data[hs:] != pads[p]:
+            if p >= n_producers or data[hs:] != pick(p, s):
                 corrupt += 1
                 continue
             bm = bitmaps[p]

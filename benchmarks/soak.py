@@ -36,12 +36,14 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from payloads import Fillers, make
 from run import database, server_info  # benchmarks/ is a folder of scripts
 
 from airflow_dbqueue.engine import DbQueue, MaintenanceConfig
 
 QUEUE = "soak_q"
 MASK = (1 << 64) - 1
+HEADER = struct.Struct(">QQ")  # (producer, number), then a random filler (payloads.py)
 # The tables on the queue's push/pop path, by design.
 TABLES = {"ring": ("ring_slots",), "table": ("meta", "data", "done")}
 
@@ -62,13 +64,13 @@ class Job:
 def producer(job: Job, index: int, share: int, out: Any, errors: Any) -> None:
     """Push ``share`` messages in batches; report (count, checksum) of what was pushed."""
     count = total = 0
-    batch, pad = job.batch, b"p" * max(0, job.payload_bytes - 16)
+    batch, fillers = job.batch, Fillers(job.payload_bytes, HEADER.size)
     try:
         with DbQueue(job.dsn, schema=job.schema, pool_size=1) as dbq:
             q = dbq.queue(QUEUE)
             while count < share:
                 n = min(batch, share - count)
-                payloads = [struct.pack(">QQ", index, count + i) + pad for i in range(n)]
+                payloads = [make(HEADER, fillers, index, count + i) for i in range(n)]
                 q.push_batch(payloads)
                 count += n
                 total = (total + sum(digest(p) for p in payloads)) & MASK
