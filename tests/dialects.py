@@ -4,13 +4,15 @@ A suite takes it by importing ``dialect_dbq`` (it registers under the name ``dbq
 PostgreSQL-only one of ``tests/conftest.py`` in that module only).
 
 :func:`run_sql` and :func:`insert_rows` run a test's own SQL (a results table, a look at the queue's
-tables) on either dialect, through the engine's connections and error translation.
+tables) on either dialect, through the engine's connections and error translation. The suites' own
+writes built on them live here too, once: :func:`expire_leases` (a clock jump past leases) and
+:class:`ResultsTable` (the exactly-once tests' table of what consumers wrote).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -19,6 +21,9 @@ from airflow_dbqueue.engine.dialects.mssql import MssqlDatabase
 from airflow_dbqueue.engine.dialects.mssql.dialect import to_positional
 from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
 from tests.conftest import installed_dbq
+
+if TYPE_CHECKING:
+    from airflow_dbqueue.engine import Queue
 
 DIALECTS = ["postgresql", "mssql"]
 
@@ -103,3 +108,63 @@ def insert_rows(
         conn,
         identifiers={"table": table, **names},
     )
+
+
+EXPIRE_SQL = {
+    ("postgresql", "table"): "UPDATE {schema}.meta SET lease_until = now() - interval '1 second' "
+    "WHERE id = ANY(%(ids)s)",
+    ("postgresql", "ring"): "UPDATE {schema}.ring_slots SET due_at = now() - interval '1 second' "
+    "WHERE queue_id = %(queue_id)s AND state = 2 AND seq = ANY(%(ids)s)",
+    ("mssql", "table"): "UPDATE {schema}.meta SET lease_until = DATEADD(second, -1, SYSUTCDATETIME()) "
+    "WHERE id IN (SELECT CAST([value] AS bigint) FROM OPENJSON(%(ids)s))",
+    ("mssql", "ring"): "UPDATE {schema}.ring_slots SET due_at = DATEADD(second, -1, SYSUTCDATETIME()) "
+    "WHERE queue_id = %(queue_id)s AND state = 2 "
+    "AND seq IN (SELECT CAST([value] AS bigint) FROM OPENJSON(%(ids)s))",
+}
+"""The clock jump of :func:`expire_leases`, by dialect and design (a list goes to SQL Server as a JSON
+array; lease_until and due_at are timestamptz, or datetime2 in UTC)."""
+
+
+def expire_leases(dbq: DbQueue, ids: Iterable[int], q: Queue | None = None) -> None:
+    """Move the clock past the leases of ``ids`` (tests only): rewrite their lease_until, or for a ring
+    ``q`` the due_at of its leased slots. Without ``q``, the ids are table-design messages."""
+    design = "ring" if q is not None and q.settings.design == "ring" else "table"
+    params: dict[str, Any] = {"ids": list(ids)}
+    if design == "ring":
+        assert q is not None
+        params["queue_id"] = q.settings.queue_id
+    run_sql(dbq, EXPIRE_SQL[dbq.dialect, design], params)
+
+
+class ResultsTable:
+    """A table of the exactly-once tests' own in the queue schema (dropped with it): consumers write
+    what they popped into it in the pop's own transaction, and the test reads back what committed.
+
+    :param columns: ``(name, SQL type)`` of each column, every one NOT NULL; the same types on both
+        dialects (``integer``, ``bigint``).
+    :param key: the columns of its primary key, if any (a duplicate write then breaks the key).
+    """
+
+    def __init__(self, columns: Sequence[tuple[str, str]], key: Sequence[str] = (), name: str = "eo_results"):
+        self.columns = [c for c, _ in columns]
+        self.types = [t for _, t in columns]
+        self.key = list(key)
+        self.name = name
+        self._idents = {"table": name, **{f"c{i}": c for i, c in enumerate(self.columns)}}
+
+    def create(self, dbq: DbQueue) -> None:
+        cols = ", ".join(f"{{c{i}}} {t} NOT NULL" for i, t in enumerate(self.types))
+        if self.key:
+            cols += ", PRIMARY KEY (" + ", ".join(f"{{c{self.columns.index(k)}}}" for k in self.key) + ")"
+        run_sql(dbq, f"CREATE TABLE {{schema}}.{{table}} ({cols})", identifiers=self._idents)
+
+    def write(self, dbq: DbQueue, conn: Any, rows: Sequence[Sequence[Any]]) -> None:
+        """Insert ``rows`` on ``conn``: in the caller's (the pop's) transaction; no rows send nothing."""
+        insert_rows(dbq, self.name, self.columns, rows, conn)
+
+    def read(self, dbq: DbQueue) -> list[tuple[Any, ...]]:
+        """Every committed row, sorted by its columns in order."""
+        names = ", ".join(f"{{c{i}}}" for i in range(len(self.columns)))
+        return run_sql(
+            dbq, f"SELECT {names} FROM {{schema}}.{{table}} ORDER BY {names}", identifiers=self._idents
+        )

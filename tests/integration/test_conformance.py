@@ -2,7 +2,7 @@
 
 Every design and every dialect must pass it: add a design to ``DESIGNS`` and the whole suite runs
 against it. Each test runs on PostgreSQL, and on SQL Server when ``$DBQUEUE_TEST_MSSQL_DSN`` names one
-(skipped otherwise); the one test of PostgreSQL-only behaviour (NOTIFY) skips itself on SQL Server, saying
+(skipped otherwise); the tests of PostgreSQL-only behaviour (NOTIFY) skip themselves on SQL Server, saying
 so. A test's own SQL (a results table, a row count, a clock jump) goes through ``tests/dialects.py``'s
 :func:`run_sql`/:func:`insert_rows`, one text for both dialects or one per dialect where they differ.
 Each test counts and checksums what goes in and what comes out.
@@ -11,10 +11,9 @@ Each test counts and checksums what goes in and what comes out.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import threading
 import time
+import traceback
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -34,14 +33,16 @@ from airflow_dbqueue.engine import (
 )
 from airflow_dbqueue.engine.dialects.mssql import MssqlDatabase
 from tests.dialects import (  # noqa: F401 - dialect_dbq is the fixture "dbq"
+    ResultsTable,
     dialect_dbq,
-    insert_rows,
+    expire_leases,
     postgres_only,
     run_sql,
 )
+from tests.helpers import checksum
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Iterator
+    from collections.abc import Callable, Iterator
 
     from airflow_dbqueue.engine import DbQueue, Message, Queue
 
@@ -52,12 +53,6 @@ DESIGNS = ["table", "ring"]
 :class:`ConfigurationError` rather than skipped."""
 
 
-def checksum(payloads: Iterable[Any]) -> tuple[int, str]:
-    """Order-independent (count, digest) of payloads."""
-    digests = sorted(hashlib.sha256(repr(p).encode()).hexdigest() for p in payloads)
-    return len(digests), hashlib.sha256("".join(digests).encode()).hexdigest()
-
-
 @pytest.fixture(params=DESIGNS)
 def make_queue(request: pytest.FixtureRequest, dbq: DbQueue) -> Callable[..., Queue]:
     counter = iter(range(1000))
@@ -66,40 +61,6 @@ def make_queue(request: pytest.FixtureRequest, dbq: DbQueue) -> Callable[..., Qu
         return dbq.create_queue(f"q{next(counter)}", design=request.param, **settings)
 
     return make
-
-
-def expire_leases(dbq: DbQueue, ids: Iterable[int], q: Queue | None = None) -> None:
-    """Move the clock past the leases of ``ids`` (tests only: rewrites lease_until, or a ring's due_at)."""
-    if dbq.dialect == "mssql" and q is not None and q.settings.design == "ring":
-        with dbq.transaction() as conn:
-            conn.cursor().execute(
-                f"UPDATE [{dbq.schema}].ring_slots SET due_at = DATEADD(second, -1, SYSUTCDATETIME()) "
-                "WHERE queue_id = ? AND state = 2 "
-                "AND seq IN (SELECT CAST([value] AS bigint) FROM OPENJSON(?))",
-                q.settings.queue_id,
-                json.dumps(list(ids)),
-            )
-        return
-    if dbq.dialect == "mssql":
-        with dbq.transaction() as conn:
-            conn.cursor().execute(
-                f"UPDATE [{dbq.schema}].meta SET lease_until = DATEADD(second, -1, SYSUTCDATETIME()) "
-                "WHERE id IN (SELECT CAST([value] AS bigint) FROM OPENJSON(?))",
-                json.dumps(list(ids)),
-            )
-        return
-    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
-        if q is not None and q.settings.design == "ring":
-            c.execute(
-                f"UPDATE \"{dbq.schema}\".ring_slots SET due_at = now() - interval '1 second' "
-                "WHERE queue_id = %s AND state = 2 AND seq = ANY(%s)",
-                [q.settings.queue_id, list(ids)],
-            )
-            return
-        c.execute(
-            f"UPDATE \"{dbq.schema}\".meta SET lease_until = now() - interval '1 second' WHERE id = ANY(%s)",
-            [list(ids)],
-        )
 
 
 @contextlib.contextmanager
@@ -116,26 +77,17 @@ def callers_connection(dbq: DbQueue) -> Iterator[Any]:
         conn.close()
 
 
-RESULTS_TABLE = "eo_results"
-"""The exactly-once test's own table (in the queue schema, dropped with it)."""
-
-
-def create_results_table(dbq: DbQueue) -> None:
-    run_sql(
-        dbq,
-        "CREATE TABLE {schema}.{table} (n integer NOT NULL PRIMARY KEY)",
-        identifiers={"table": RESULTS_TABLE},
-    )
+RESULTS = ResultsTable([("n", "integer")], key=["n"])
+"""The exactly-once test's own table: the popped messages' ``n`` (a duplicate breaks the key)."""
 
 
 def write_results(dbq: DbQueue, conn: Any, msgs: list[Message]) -> None:
-    """Write the popped messages' ``n`` in the caller's transaction ``conn`` (a duplicate breaks the key)."""
-    insert_rows(dbq, RESULTS_TABLE, ["n"], [[m.payload["n"]] for m in msgs], conn)
+    """Write the popped messages' ``n`` in the caller's transaction ``conn``."""
+    RESULTS.write(dbq, conn, [[m.payload["n"]] for m in msgs])
 
 
 def read_results(dbq: DbQueue) -> list[int]:
-    rows = run_sql(dbq, "SELECT n FROM {schema}.{table} ORDER BY n", identifiers={"table": RESULTS_TABLE})
-    return [int(n) for (n,) in rows]
+    return [int(n) for (n,) in RESULTS.read(dbq)]
 
 
 def count_rows(dbq: DbQueue, table: str, queue_id: int | None = None) -> int:
@@ -453,7 +405,7 @@ def test_exactly_once_commits_or_rolls_back_with_the_callers_work(
     q = make_queue()
     sent = [{"n": i} for i in range(10)]
     q.push_batch(sent)
-    create_results_table(dbq)
+    RESULTS.create(dbq)
 
     class Boom(Exception):
         pass
@@ -489,50 +441,124 @@ def test_exactly_once_requires_a_transaction(make_queue: Callable[..., Queue]) -
 
 
 def test_concurrent_consumers_never_share_a_message(make_queue: Callable[..., Queue]) -> None:
+    """Four threads pop one queue, two at most once and two at least once (acking every batch): each
+    message reaches exactly one of them, is counted only once its pop (or its ack) returned, no thread
+    fails or hangs, and the queue ends with nothing ready, delayed, in flight or failed."""
     q = make_queue()
     sent = list(range(3000))
-    q.push_batch(sent)
-    got: list[list[int]] = [[] for _ in range(4)]
+    ids = q.push_batch(sent)
+    got: list[list[Message]] = [[] for _ in range(4)]
+    errors: list[str] = []
 
     def consume(k: int) -> None:
-        while batch := q.pop(25, semantics="at-least-once" if k % 2 else "at-most-once"):
-            got[k].extend(m.payload for m in batch)
-            if k % 2:
-                q.ack(batch)
+        try:
+            while batch := q.pop(25, semantics="at-least-once" if k % 2 else "at-most-once"):
+                if k % 2:
+                    assert q.ack(batch) == len(batch)
+                got[k].extend(batch)  # finished: popped at most once, or acknowledged
+        except BaseException:
+            errors.append(traceback.format_exc())
 
-    threads = [threading.Thread(target=consume, args=(k,)) for k in range(4)]
+    threads = [threading.Thread(target=consume, args=(k,), daemon=True) for k in range(4)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 120
     for t in threads:
-        t.join(timeout=120)
-    allgot = [p for g in got for p in g]
-    assert len(allgot) == len(set(allgot)) == len(sent)
-    assert checksum(allgot) == checksum(sent)
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    assert not [t.name for t in threads if t.is_alive()], "a consumer was still popping after 120 s"
+    assert not errors, errors[0]
+    allgot = [m for g in got for m in g]
+    assert sorted(m.id for m in allgot) == sorted(ids)  # every message, and none twice
+    assert checksum(m.payload for m in allgot) == checksum(sent)
+    s = q.stats()
+    assert (s.ready, s.delayed, s.in_flight, s.failed) == (0, 0, 0, 0), s
 
 
 # -- waiting pop ----------------------------------------------------------------------------------
 
+WAKE_WAIT_S = 20.0
+"""How long a waiting pop of the NOTIFY tests waits. Its poll interval is three times that, so without a
+NOTIFY it would claim again only when its wait runs out; a wake-up within half of it is the NOTIFY's."""
 
-@pytest.mark.parametrize("notify", ["auto", "always", "never"])
-def test_waiting_pop_wakes_on_push(make_queue: Callable[..., Queue], notify: str) -> None:
-    q = make_queue(notify=notify)
+
+def record_claims(q: Queue, monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, int]]:
+    """Record ``(monotonic time it returned, messages claimed)`` of every claim ``q`` makes while a pop
+    waits (the engine's ``_pop_once``, called through unchanged)."""
+    claims: list[tuple[float, int]] = []
+    claim = q._pop_once
+
+    def recorded(*args: Any, **kwargs: Any) -> list[Message]:
+        msgs = claim(*args, **kwargs)
+        claims.append((time.monotonic(), len(msgs)))
+        return msgs
+
+    monkeypatch.setattr(q, "_pop_once", recorded)
+    return claims
+
+
+def start_waiting_pop(q: Queue, **kwargs: Any) -> tuple[threading.Thread, list[Message], list[str]]:
+    """Start ``q.pop(1, **kwargs)`` in a thread; return it, what the pop returns, and its errors."""
     result: list[Message] = []
-    started = threading.Event()
+    errors: list[str] = []
 
     def waiter() -> None:
-        started.set()
-        result.extend(q.pop(1, wait=30.0, poll_interval=0.2 if notify == "never" else 30.0))
+        try:
+            result.extend(q.pop(1, **kwargs))
+        except BaseException:
+            errors.append(traceback.format_exc())
 
-    t = threading.Thread(target=waiter)
+    t = threading.Thread(target=waiter, daemon=True)
     t.start()
-    started.wait()
-    time.sleep(0.3)
+    return t, result, errors
+
+
+def wait_for_claims(claims: list[tuple[float, int]], n: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(claims) < n:
+        assert time.monotonic() < deadline, f"the waiting pop made {len(claims)} claims, not {n}"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("notify", ["auto", "always"])
+def test_waiting_pop_is_woken_by_notify(
+    make_queue: Callable[..., Queue], dbq: DbQueue, notify: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pop claims, LISTENs, claims again and then waits; the push comes after both claims came back
+    empty, so only a claim after the wait can find it, and only a NOTIFY ends that wait early."""
+    postgres_only(dbq, "SQL Server has no NOTIFY (the polling test below runs there)")
+    q = make_queue(notify=notify)
+    claims = record_claims(q, monkeypatch)
+    t, result, errors = start_waiting_pop(q, wait=WAKE_WAIT_S, poll_interval=3 * WAKE_WAIT_S)
+    wait_for_claims(claims, 2)
+    pushed_at = time.monotonic()
     pushed = q.push({"wake": notify})
-    t.join(timeout=40)
-    assert not t.is_alive()
-    # with NOTIFY (auto/always) the waiter polls only every 30 s, so returning at all within
-    # the join timeout shows the notification woke it; with "never" it found the message by polling.
+    t.join(timeout=WAKE_WAIT_S + 10)
+    assert not t.is_alive() and not errors, errors
     assert [m.id for m in result] == [pushed]
+    [(_, before), (_, listening), (woke_at, found)] = claims
+    assert (before, listening, found) == (0, 0, 1)
+    assert woke_at - pushed_at < WAKE_WAIT_S / 2, (
+        f"the pop found the message {woke_at - pushed_at:.1f} s after the push: its wait ran out, "
+        "no NOTIFY woke it"
+    )
+    s = q.stats()
+    assert (s.ready, s.in_flight) == (0, 0)
+
+
+def test_waiting_pop_finds_a_push_by_polling(
+    make_queue: Callable[..., Queue], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without NOTIFY (notify="never", and SQL Server) a waiting pop finds a later push by claiming again."""
+    q = make_queue(notify="never")
+    claims = record_claims(q, monkeypatch)
+    t, result, errors = start_waiting_pop(q, wait=30.0, poll_interval=0.2)
+    wait_for_claims(claims, 1)
+    pushed = q.push({"wake": "poll"})
+    t.join(timeout=40)
+    assert not t.is_alive() and not errors, errors
+    assert [m.id for m in result] == [pushed]
+    assert claims[0][1] == 0 and claims[-1][1] == 1 and len(claims) >= 2  # found by a later claim
+    assert q.stats().ready == 0
 
 
 def test_waiting_pop_times_out_empty(make_queue: Callable[..., Queue]) -> None:

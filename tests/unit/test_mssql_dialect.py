@@ -636,9 +636,9 @@ def test_the_conformance_suites_own_sql_on_a_fake_sql_server(monkeypatch: pytest
     connection of tests/integration/test_conformance.py, as they go to pyodbc."""
     from airflow_dbqueue.engine import Message
     from tests.integration.test_conformance import (
+        RESULTS,
         callers_connection,
         count_rows,
-        create_results_table,
         due_in,
         make_due_now,
         read_results,
@@ -649,7 +649,7 @@ def test_the_conformance_suites_own_sql_on_a_fake_sql_server(monkeypatch: pytest
     dbq, fake = _suites_dbq(monkeypatch, script)
     now = dt.datetime(2024, 1, 1, tzinfo=dt.UTC)
     msgs = [Message(10 + i, "eo", {"n": i}, 0, 1, 1, now) for i in range(2)]
-    create_results_table(dbq)
+    RESULTS.create(dbq)
     with dbq.transaction() as conn:
         write_results(dbq, conn, msgs)
         write_results(dbq, conn, [])  # an empty pop sends nothing
@@ -663,9 +663,9 @@ def test_the_conformance_suites_own_sql_on_a_fake_sql_server(monkeypatch: pytest
     assert fake.script == []
     sent = [text for text, _ in fake.executed]
     assert sent == [
-        "CREATE TABLE [dbq].[eo_results] (n integer NOT NULL PRIMARY KEY)",
+        "CREATE TABLE [dbq].[eo_results] ([n] integer NOT NULL, PRIMARY KEY ([n]))",
         "INSERT INTO [dbq].[eo_results] ([n]) VALUES (?), (?)",
-        "SELECT n FROM [dbq].[eo_results] ORDER BY n",
+        "SELECT [n] FROM [dbq].[eo_results] ORDER BY [n]",
         "SELECT count(*) FROM [dbq].[meta] WHERE queue_id = ?",
         "SELECT count(*) FROM [dbq].[data]",
         "UPDATE [dbq].meta SET process_at = SYSUTCDATETIME() WHERE id = ?",

@@ -1,0 +1,62 @@
+"""Checks shared by the test suites, defined once so that they cannot drift apart.
+
+:func:`checksum` is the order-independent digest of a multiset of JSON payloads (the example DAG
+``dbqueue_produce_consume`` computes the same one, so a test can compare its result with this).
+:func:`payload_hash` is a per-payload hash for checks that add up what many processes report.
+:func:`drained` says whether a queue has nothing left to deliver. :func:`require` turns a missing
+system requirement into a skip, or into a failure under ``scripts/test``, which installs them all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from airflow_dbqueue.engine import Queue
+
+STRICT_ENV = "DBQUEUE_TEST_STRICT"
+"""Set by ``scripts/test``: every system requirement of the suite was installed, so a missing one is a
+failure rather than a skip."""
+
+
+def checksum(payloads: Iterable[Any]) -> str:
+    """Order-independent checksum of a multiset of JSON payloads: a lost, extra, duplicated or changed
+    payload changes it (the JSON texts hold no newline, so the joined text names the multiset)."""
+    return hashlib.sha256(
+        "\n".join(sorted(json.dumps(p, sort_keys=True) for p in payloads)).encode()
+    ).hexdigest()
+
+
+def payload_hash(payload: Any) -> int:
+    """A stable 56-bit hash of one JSON payload: it fits a bigint column on both dialects, and the sum of
+    many can be reported by each process and added up."""
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
+
+
+def drained(q: Queue) -> bool:
+    """Whether ``q`` has nothing ready, delayed or in flight."""
+    st = q.stats()
+    return bool(st.ready == 0 and st.delayed == 0 and st.in_flight == 0)
+
+
+def strict() -> bool:
+    """Whether the suite runs under ``scripts/test`` (see :data:`STRICT_ENV`)."""
+    return os.environ.get(STRICT_ENV, "") not in ("", "0")
+
+
+def require(missing: str | None, hint: str) -> None:
+    """Stop a test whose system requirement is ``missing`` (None: nothing is): fail under
+    ``scripts/test``, which installs every requirement, else skip; ``hint`` says how to install it."""
+    if missing is None:
+        return
+    message = f"{missing} ({hint})"
+    if strict():
+        pytest.fail(f"{message}; ${STRICT_ENV} is set, so this fails instead of skipping", pytrace=False)
+    pytest.skip(message)
