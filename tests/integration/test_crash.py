@@ -14,7 +14,6 @@ PostgreSQL's by nature.
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -29,8 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from airflow_dbqueue.engine import DbQueue, DbQueueError, LeaseExpiredError
+from airflow_dbqueue.engine import (
+    DatabaseUnavailableError,
+    DbQueue,
+    LeaseExpiredError,
+    TransientDatabaseError,
+)
 from tests.dialects import dialect_dbq, run_sql  # noqa: F401 - dialect_dbq is the fixture "dbq"
+from tests.helpers import drained, payload_hash
 
 if TYPE_CHECKING:
     from multiprocessing.context import SpawnProcess
@@ -45,20 +50,9 @@ RUN_LIMIT_S = 150.0
 """Upper bound of one test's traffic: a hang fails the test instead of waiting for pytest-timeout."""
 
 
-def payload_hash(payload: Any) -> int:
-    """A stable hash of one JSON payload."""
-    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
-
-
 def payload_key(payload: dict[str, Any]) -> tuple[Any, ...]:
     """The unique identity every test payload carries: (queue, producer, seq)."""
     return (payload.get("q"), payload["p"], payload["s"])
-
-
-def _drained(q: Queue) -> bool:
-    st = q.stats()
-    return bool(st.ready == 0 and st.delayed == 0 and st.in_flight == 0)
 
 
 def _done_rows(dbq: DbQueue, queue_id: int) -> list[tuple[int, int, int, Any]]:
@@ -161,7 +155,7 @@ def test_sigkilled_consumer_leases_are_delivered_again_once(dbq: DbQueue) -> Non
         if msgs:
             assert q.ack(msgs) == len(msgs)
             delivered += msgs
-        elif _drained(q):
+        elif drained(q):
             break
         else:
             time.sleep(0.1)
@@ -288,7 +282,7 @@ def _traffic_consumer(
                     log("ack", [m.id for m in msgs])
                     batches += 1
                     continue
-                if producers_done.is_set() and _drained(q):
+                if producers_done.is_set() and drained(q):
                     break
                 time.sleep(0.02)
         log("end", [])
@@ -446,16 +440,23 @@ class ClientLog:
     """Server generation (restarts so far) when the latest successful call started."""
 
 
+OUTAGE_ERRORS = (DatabaseUnavailableError, TransientDatabaseError)
+"""What a client may meet while the server crashes and restarts: the server unreachable or the connection
+broken, or a transaction rolled back by the server. Any other error (a SchemaError, a ConfigurationError,
+a DatabaseError) is no outage: it stops the client and fails the test."""
+
+
 def _client_thread(
     log: ClientLog, q: Queue, step: Callable[[ClientLog, Queue], None], stop: threading.Event, gen: list[int]
 ) -> None:
-    """Run ``step`` until stopped; a DbQueueError is an unknown outcome: note it, pause, go on."""
+    """Run ``step`` until stopped. An outage error is an unknown outcome: note it, pause, go on; anything
+    else is recorded as unexpected and ends the client."""
     try:
         while not stop.is_set():
             g = gen[0]
             try:
                 step(log, q)
-            except DbQueueError as exc:
+            except OUTAGE_ERRORS as exc:
                 log.errors[type(exc).__name__] += 1
                 time.sleep(0.2)
                 continue
@@ -475,7 +476,7 @@ def _producer_step(queue_tag: str, idx: int) -> Callable[[ClientLog, Queue], Non
         ]
         try:
             ids = q.push_batch(payloads)
-        except DbQueueError:
+        except OUTAGE_ERRORS:
             log.unknown_pushes.append(payloads)
             raise
         log.ok_pushes.append((ids, payloads))
@@ -488,7 +489,7 @@ def _pop(log: ClientLog, q: Queue, semantics: str) -> list[Message]:
     """Pop a batch and record it; a pop that raised has an unknown outcome and is counted as such."""
     try:
         msgs = q.pop(CRASH_POP_BATCH, semantics=semantics)
-    except DbQueueError:
+    except OUTAGE_ERRORS:
         log.unknown_pops += 1
         raise
     log.received += [(m.id, m.attempts, m.payload) for m in msgs]
@@ -575,6 +576,7 @@ def test_server_sigkill_loses_no_acknowledged_message(embedded_server: EmbeddedP
     unexpected = [u for lg in logs for u in lg.unexpected]
     assert not unexpected, unexpected[0]
     errors = sum((lg.errors for lg in logs), collections.Counter[str]())
+    print(f"outage errors the clients met: {dict(errors)}")
     assert errors["DatabaseUnavailableError"] > 0, f"the clients never noticed the crashes: {errors}"
 
     by_role: dict[str, list[ClientLog]] = collections.defaultdict(list)
@@ -596,7 +598,7 @@ def test_server_sigkill_loses_no_acknowledged_message(embedded_server: EmbeddedP
                 alo.ack(msgs)
                 drained_alo += [(m.id, m.attempts, m.payload) for m in msgs]
                 acked_alo += [m.receipt for m in msgs]
-            elif _drained(alo):
+            elif drained(alo):
                 break
             else:
                 time.sleep(0.2)
