@@ -14,7 +14,6 @@ and read through the engine's connections with SQL valid on both (``tests/dialec
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -25,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from airflow_dbqueue.engine import DbQueue
-from tests.dialects import dialect_dbq, insert_rows, run_sql  # noqa: F401 - dialect_dbq is the fixture "dbq"
+from tests.dialects import ResultsTable, dialect_dbq  # noqa: F401 - dialect_dbq is the fixture "dbq"
+from tests.helpers import drained, payload_hash
 
 if TYPE_CHECKING:
     from multiprocessing.context import SpawnProcess
@@ -48,40 +48,22 @@ RING_CAPACITY = 1000
 100 times and fills, so pushes wait for pops."""
 
 QUEUE = "conc"
-RESULTS_TABLE = "eo_results"
-RESULTS_COLUMNS = ("consumer", "msg_id", "p", "s", "h")
-
-
-def payload_hash(payload: dict[str, Any]) -> int:
-    """A stable 56-bit hash of one payload (fits a bigint column on both dialects)."""
-    text = f"{payload['p']}:{payload['s']}:{payload['v']}"
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=7).digest(), "big")
-
-
-# -- the exactly-once results table (SQL valid on both dialects) ----------------------------------
-
-
-def create_results_table(dbq: DbQueue) -> None:
-    run_sql(
-        dbq,
-        "CREATE TABLE {schema}.{table} (consumer integer NOT NULL, msg_id bigint NOT NULL, "
-        "p integer NOT NULL, s integer NOT NULL, h bigint NOT NULL)",
-        identifiers={"table": RESULTS_TABLE},
-    )
+RESULTS = ResultsTable(
+    [("consumer", "integer"), ("msg_id", "bigint"), ("p", "integer"), ("s", "integer"), ("h", "bigint")]
+)
+"""The exactly-once consumers' table: what each popped, written in the pop's own transaction."""
 
 
 def write_results(dbq: DbQueue, conn: Any, consumer: int, msgs: list[Message]) -> None:
     """Record what ``consumer`` popped, on ``conn``: in the pop's own transaction."""
-    rows = [(consumer, m.id, m.payload["p"], m.payload["s"], payload_hash(m.payload)) for m in msgs]
-    insert_rows(dbq, RESULTS_TABLE, RESULTS_COLUMNS, rows, conn)
+    RESULTS.write(
+        dbq, conn, [(consumer, m.id, m.payload["p"], m.payload["s"], payload_hash(m.payload)) for m in msgs]
+    )
 
 
 def read_results(dbq: DbQueue) -> list[tuple[int, int, int, int, int]]:
     """``(consumer, msg_id, p, s, h)`` of every committed result."""
-    rows = run_sql(
-        dbq, "SELECT consumer, msg_id, p, s, h FROM {schema}.{table}", identifiers={"table": RESULTS_TABLE}
-    )
-    return [(int(c), int(i), int(p), int(s), int(h)) for c, i, p, s, h in rows]
+    return [(int(c), int(i), int(p), int(s), int(h)) for c, i, p, s, h in RESULTS.read(dbq)]
 
 
 # -- child processes (module level: spawn imports this module to find them) -----------------------
@@ -121,11 +103,6 @@ def _producer(
             results.put(("producer", idx, {"ids": ids, "checksum": checksum}))
     except BaseException:
         results.put(("error", f"producer {idx}", traceback.format_exc()))
-
-
-def _drained(q: Any) -> bool:
-    st = q.stats()
-    return bool(st.ready == 0 and st.delayed == 0 and st.in_flight == 0)
 
 
 def _consumer(
@@ -169,7 +146,7 @@ def _consumer(
                     continue
                 # Empty pop: finished once every producer is done and nothing is ready, delayed or
                 # leased (an uncommitted exactly-once pop still counts as ready to the others).
-                if producers_done.is_set() and _drained(q):
+                if producers_done.is_set() and drained(q):
                     break
                 time.sleep(0.05)
             results.put(("consumer", idx, {"got": got, "popped": popped, "attempts": sorted(attempts_seen)}))
@@ -209,7 +186,7 @@ def test_many_processes_move_100k_messages_once(dbq: DbQueue, semantics: str, de
     ring = {"capacity": RING_CAPACITY} if design == "ring" else {}
     q = dbq.create_queue(QUEUE, design=design, payload_type="json", visibility_timeout=120.0, **ring)
     if semantics == "exactly-once":
-        create_results_table(dbq)
+        RESULTS.create(dbq)
     dsn, schema, dialect = dbq.db.dsn, dbq.schema, dbq.dialect
     total = PRODUCERS * PER_PRODUCER
     ctx = mp.get_context("spawn")

@@ -589,30 +589,32 @@ def _check_sent(fake: _FakeConnection) -> None:
 
 def test_the_concurrency_suites_results_table_on_a_fake_sql_server(monkeypatch: pytest.MonkeyPatch) -> None:
     from airflow_dbqueue.engine import Message
-    from tests.integration.test_concurrency import (
-        create_results_table,
-        payload_hash,
-        read_results,
-        write_results,
-    )
+    from tests.helpers import payload_hash
+    from tests.integration.test_concurrency import RESULTS, read_results, write_results
 
     committed = [(2, 10, 0, 1, 99), (3, 11, 1, 0, 7)]
     dbq, fake = _suites_dbq(monkeypatch, [[], [], committed])
     now = dt.datetime(2024, 1, 1, tzinfo=dt.UTC)
     msgs = [Message(10 + i, "conc", {"p": i, "s": 1 - i, "v": "ab"}, 0, 1, 1, now) for i in range(2)]
-    create_results_table(dbq)
+    RESULTS.create(dbq)
     with dbq.transaction() as conn:
         write_results(dbq, conn, 2, msgs)
         write_results(dbq, conn, 2, [])  # an empty pop sends nothing
     assert read_results(dbq) == committed
     (ddl, _), (insert, values), (select, _) = fake.executed
-    assert ddl.startswith("CREATE TABLE [dbq].[eo_results] (consumer integer NOT NULL")
+    assert ddl == (
+        "CREATE TABLE [dbq].[eo_results] ([consumer] integer NOT NULL, [msg_id] bigint NOT NULL, "
+        "[p] integer NOT NULL, [s] integer NOT NULL, [h] bigint NOT NULL)"
+    )
     assert insert == (
         "INSERT INTO [dbq].[eo_results] ([consumer], [msg_id], [p], [s], [h]) "
         "VALUES (?, ?, ?, ?, ?), (?, ?, ?, ?, ?)"
     )
     assert values == [2, 10, 0, 1, payload_hash(msgs[0].payload), 2, 11, 1, 0, payload_hash(msgs[1].payload)]
-    assert select == "SELECT consumer, msg_id, p, s, h FROM [dbq].[eo_results]"
+    assert select == (
+        "SELECT [consumer], [msg_id], [p], [s], [h] FROM [dbq].[eo_results] "
+        "ORDER BY [consumer], [msg_id], [p], [s], [h]"
+    )
     assert (fake.commits, fake.rollbacks) == (3, 0)
     _check_sent(fake)
 
