@@ -14,13 +14,12 @@ Server has twins of its own where its behaviour differs (the horizon, a blocked 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -30,37 +29,25 @@ from psycopg import sql
 from airflow_dbqueue import cli
 from airflow_dbqueue.engine import ConfigurationError, DbQueue, MaintenanceConfig
 from airflow_dbqueue.engine.maintenance import APPLICATION_NAME, MSSQL_NO_LEFTOVERS, expected_btree_bytes
-from tests.dialects import dialect_dbq, mssql_only, postgres_only  # noqa: F401 - dialect_dbq is the fixture "dbq"
+from tests.dialects import (  # noqa: F401 - dialect_dbq is the fixture "dbq"
+    dialect_dbq,
+    mssql_only,
+    postgres_only,
+    run_sql,
+)
+from tests.helpers import checksum, drained
 
 pytestmark = pytest.mark.integration
 
 
-def rows(dbq: DbQueue, query: str) -> list[tuple[Any, ...]]:
-    """Run a read-only statement on either dialect; ``{s}`` is the quoted schema."""
-    if dbq.dialect == "mssql":
-        with dbq.transaction() as conn:
-            cur = conn.cursor()
-            cur.execute(query.format(s=f"[{dbq.schema}]"))
-            return [tuple(r) for r in cur.fetchall()]
-    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
-        return c.execute(query.format(s=f'"{dbq.schema}"')).fetchall()
-
-
-def checksum(payloads: Iterable[Any]) -> str:
-    """Order-independent checksum of JSON payloads."""
-    return hashlib.sha256(
-        "\n".join(sorted(json.dumps(p, sort_keys=True) for p in payloads)).encode()
-    ).hexdigest()
-
-
 def archived(dbq: DbQueue) -> dict[int, Any]:
     """``{id: payload}`` of every archived message."""
-    return {r[0]: json.loads(r[1]) for r in rows(dbq, "SELECT id, payload FROM {s}.archive")}
+    return {r[0]: json.loads(r[1]) for r in run_sql(dbq, "SELECT id, payload FROM {schema}.archive")}
 
 
 def waiting_in_done(dbq: DbQueue) -> dict[int, Any]:
     """``{id: payload}`` of every finished message not archived yet (done, with its payload in data)."""
-    got = rows(dbq, "SELECT f.id, d.payload FROM {s}.done f LEFT JOIN {s}.data d ON d.id = f.id")
+    got = run_sql(dbq, "SELECT f.id, d.payload FROM {schema}.done f LEFT JOIN {schema}.data d ON d.id = f.id")
     return {r[0]: None if r[1] is None else json.loads(r[1]) for r in got}
 
 
@@ -80,6 +67,22 @@ def churn(q: Any, rounds: int, batch: int) -> None:
         q.push_batch([{"r": r, "i": i, "pad": "x" * 200} for i in range(batch)])
         msgs = q.pop(batch, semantics="at-least-once")
         q.ack(msgs)
+
+
+def unique_payloads(n: int) -> list[dict[str, Any]]:
+    """``n`` payloads that differ from each other and from any other test's."""
+    return [{"n": i, "v": uuid.uuid4().hex} for i in range(n)]
+
+
+def pop_everything_once(q: Any, ids: list[int], sent: list[Any]) -> None:
+    """Pop the queue empty in one call: exactly the pushed ``ids`` in push order (one priority), with
+    their payloads, and nothing ready, delayed, in flight or failed afterwards."""
+    got = q.pop(len(sent) + 10)
+    assert [m.id for m in got] == ids
+    assert [m.payload for m in got] == sent
+    assert checksum(m.payload for m in got) == checksum(sent)
+    assert drained(q) and q.stats().failed == 0
+    assert q.pop(10) == []
 
 
 # -- archiving -------------------------------------------------------------------------------------
@@ -321,11 +324,12 @@ def test_a_cancelled_concurrent_reindex_leaves_no_invalid_index_after_maintenanc
     postgres_only(dbq, "REINDEX CONCURRENTLY's INVALID leftovers (SQL Server's rebuild rolls back whole)")
     pg_dsn = dbq.db.dsn
     q = dbq.create_queue("q")
-    q.push_batch(list(range(100)))
+    sent = unique_payloads(100)
+    ids = q.push_batch(sent)
     ident = sql.Identifier(dbq.schema)
     with psycopg.connect(pg_dsn) as writer, psycopg.connect(pg_dsn, autocommit=True) as rebuilder:
         # An open writing transaction makes REINDEX CONCURRENTLY wait after it has made its new index.
-        writer.execute(sql.SQL("UPDATE {}.meta SET priority = 0 WHERE id = 1").format(ident))
+        writer.execute(sql.SQL("UPDATE {}.meta SET priority = 0 WHERE id = %s").format(ident), [ids[0]])
         pid = rebuilder.info.backend_pid
         failure: list[BaseException] = []
 
@@ -352,17 +356,18 @@ def test_a_cancelled_concurrent_reindex_leaves_no_invalid_index_after_maintenanc
         {k: a[k] for k in ("index", "action", "ok")} for a in result["actions"]
     ]
     assert invalid_indexes(pg_dsn, dbq.schema) == []
-    assert len(q.pop(100)) == 100
+    pop_everything_once(q, ids, sent)
 
 
 def test_a_rebuild_that_times_out_is_cleaned_up_by_the_next_run(dbq: DbQueue) -> None:
     postgres_only(dbq, "REINDEX CONCURRENTLY's INVALID leftovers (SQL Server's twin follows)")
     pg_dsn = dbq.db.dsn
     q = dbq.create_queue("q")
-    q.push_batch(list(range(100)))
+    sent = unique_payloads(100)
+    ids = q.push_batch(sent)
     ident = sql.Identifier(dbq.schema)
     with psycopg.connect(pg_dsn) as writer:
-        writer.execute(sql.SQL("UPDATE {}.meta SET priority = 0 WHERE id = 1").format(ident))
+        writer.execute(sql.SQL("UPDATE {}.meta SET priority = 0 WHERE id = %s").format(ident), [ids[0]])
         result = dbq.maintenance().rebuild_indexes(only=["meta_ready_idx"], timeout_s=0.5)
         # The drop of what the rebuild left waits for the same writer, and times out too.
         assert invalid_indexes(pg_dsn, dbq.schema) == ["meta_ready_idx_ccnew"]
@@ -376,7 +381,7 @@ def test_a_rebuild_that_times_out_is_cleaned_up_by_the_next_run(dbq: DbQueue) ->
         ("meta_ready_idx", "reindex", True),
     ]
     assert invalid_indexes(pg_dsn, dbq.schema) == []
-    assert len(q.pop(100)) == 100
+    pop_everything_once(q, ids, sent)
     with pytest.raises(ConfigurationError, match="no index"):
         dbq.maintenance().rebuild_indexes(only=["no_such_idx"])
 
@@ -386,15 +391,15 @@ def test_a_blocked_online_rebuild_fails_alone_and_the_next_run_rebuilds_on_sql_s
     within its timeout, leaves nothing behind and the queue as it was, and the next run succeeds."""
     mssql_only(dbq, "PostgreSQL's twin is the test above")
     q = dbq.create_queue("q")
-    payloads = [{"n": i} for i in range(100)]
-    q.push_batch(payloads)
+    payloads = unique_payloads(100)
+    ids = q.push_batch(payloads)
     first = dbq.maintenance().rebuild_indexes(only=["meta_ready_idx"])
     assert [a["ok"] for a in first["actions"]] == [True]
     if first["mode"] != "online rebuild":
         pytest.skip(f"{first['edition']} reorganizes (page locks, one at a time): nothing to block here")
     writer = dbq.db.connect(application_name="writer")
     try:
-        writer.cursor().execute(f"UPDATE [{dbq.schema}].meta SET priority = 0 WHERE id = {q.peek(1)[0].id}")
+        run_sql(dbq, "UPDATE {schema}.meta SET priority = 0 WHERE id = %(id)s", {"id": ids[0]}, writer)
         started = time.monotonic()
         blocked = dbq.maintenance().rebuild_indexes(only=["meta_ready_idx"], timeout_s=1)
         waited = time.monotonic() - started
@@ -408,7 +413,7 @@ def test_a_blocked_online_rebuild_fails_alone_and_the_next_run_rebuilds_on_sql_s
     assert [(a["index"], a["action"], a["ok"]) for a in again["actions"]] == [
         ("meta_ready_idx", "online rebuild", True)
     ]
-    assert checksum(m.payload for m in q.pop(100)) == checksum(payloads)
+    pop_everything_once(q, ids, payloads)
 
 
 # -- under load ------------------------------------------------------------------------------------
