@@ -7,14 +7,13 @@ in-process Airflow (hooks, operators, triggers) never touches a real home. Tests
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +46,6 @@ def conn_json(pg_dsn: str, schema: str, **extra: Any) -> str:
             "extra": {"dbqueue_schema": schema, **extra},
         }
     )
-
-
-def checksum(payloads: Iterable[Any]) -> str:
-    """Order-independent checksum of JSON payloads (the same as the example DAG's)."""
-    return hashlib.sha256(
-        "\n".join(sorted(json.dumps(p, sort_keys=True) for p in payloads)).encode()
-    ).hexdigest()
 
 
 def trigger_is_waiting(dsn: str) -> bool:

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from airflow_dbqueue.engine import DbQueue
-from tests.airflow.conftest import checksum, dags_test
+from tests.airflow.conftest import dags_test
+from tests.helpers import checksum
 
 pytestmark = pytest.mark.integration
 

@@ -16,9 +16,10 @@ import pytest
 from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue
-from tests.airflow.conftest import checksum, dags_test, migrated_airflow_env
+from tests.airflow.conftest import dags_test, migrated_airflow_env
 from tests.airflow.test_dags import xcom
 from tests.docs_examples import Example, all_examples
+from tests.helpers import checksum
 
 pytestmark = pytest.mark.integration
 

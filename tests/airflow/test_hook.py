@@ -21,7 +21,8 @@ from airflow_dbqueue.engine import (
 )
 from airflow_dbqueue.get_provider_info import get_provider_info
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
-from tests.airflow.conftest import AIRFLOW, checksum, conn_json
+from tests.airflow.conftest import AIRFLOW, conn_json
+from tests.helpers import checksum
 
 pytestmark = pytest.mark.integration
 

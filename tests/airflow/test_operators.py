@@ -17,7 +17,7 @@ from airflow.sdk.exceptions import AirflowNotFoundException
 from airflow_dbqueue.engine import ConfigurationError, DbQueue, PayloadTypeError, QueueNotFoundError
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
 from airflow_dbqueue.operators.dbqueue import DbQueueAckOperator, DbQueuePopOperator, DbQueuePushOperator
-from tests.airflow.conftest import checksum
+from tests.helpers import checksum
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,8 @@ from airflow_dbqueue.engine import DbQueue, QueueNotFoundError
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
 from airflow_dbqueue.sensors.dbqueue import DbQueueSensor
 from airflow_dbqueue.triggers.dbqueue import DbQueueTrigger
-from tests.airflow.conftest import checksum, trigger_is_waiting
+from tests.airflow.conftest import trigger_is_waiting
+from tests.helpers import checksum
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,8 @@ import pytest
 from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue
-from tests.airflow.conftest import checksum, dags_test, migrated_airflow_env, spark_env
+from tests.airflow.conftest import dags_test, migrated_airflow_env, spark_env
+from tests.helpers import checksum
 
 pytestmark = pytest.mark.integration
 

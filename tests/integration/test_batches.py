@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 import time
@@ -21,14 +20,9 @@ from airflow_dbqueue.engine import (
     LeaseExpiredError,
     Semantics,
 )
+from tests.helpers import checksum
 
 pytestmark = pytest.mark.integration
-
-
-def _digest(payloads: list[Any]) -> str:
-    return hashlib.sha256(
-        "\n".join(sorted(json.dumps(p, sort_keys=True) for p in payloads)).encode()
-    ).hexdigest()
 
 
 def _read(pg_dsn: str, query: str) -> list[tuple[Any, ...]]:
@@ -76,7 +70,7 @@ def test_every_message_once_across_batches(dbq: DbQueue, pg_dsn: str) -> None:
         t.start()
     for t in threads:
         t.join()
-    assert len(read) == len(sent) and _digest(read) == _digest(sent)
+    assert len(read) == len(sent) and checksum(read) == checksum(sent)
     assert q.stats().finished == len(sent)
 
 

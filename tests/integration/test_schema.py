@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from airflow_dbqueue.engine import DbQueue, InvalidNameError, SchemaError
 from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
 from airflow_dbqueue.engine.dialects.postgres.dialect import migrations, schema_sql
 from airflow_dbqueue.engine.sqlfile import load_queries
+from tests.dialects import run_sql
 
 pytestmark = pytest.mark.integration
 
@@ -190,9 +191,11 @@ def recorded_versions(dsn: str, schema: str) -> list[int]:
         return [r[0] for r in conn.execute(q)]
 
 
-def run_sql(dsn: str, statement: str, params: Any = None) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(statement, params)
+def run_on_schema(dsn: str, schema: str, body: str, params: Mapping[str, Any] | None = None) -> None:
+    """Run ``body`` (``{schema}`` is the quoted ``schema``) with tests/dialects.py's run_sql, through a
+    DbQueue of its own (nothing of it installed or checked)."""
+    with DbQueue(dsn, schema=schema, pool_size=1) as admin:
+        run_sql(admin, body, params)
 
 
 @pytest.fixture
@@ -315,25 +318,25 @@ def test_migrating_from_an_old_version_gives_the_fresh_schema(
 
 
 _MUTATIONS = {
-    "added column": "ALTER TABLE {s}.meta ADD COLUMN extra integer",
-    "column default": "ALTER TABLE {s}.meta ALTER COLUMN state SET DEFAULT 1",
-    "nullability": "ALTER TABLE {s}.done ALTER COLUMN outcome DROP NOT NULL",
-    "column type": "ALTER TABLE {s}.meta ALTER COLUMN priority TYPE integer",
+    "added column": "ALTER TABLE {schema}.meta ADD COLUMN extra integer",
+    "column default": "ALTER TABLE {schema}.meta ALTER COLUMN state SET DEFAULT 1",
+    "nullability": "ALTER TABLE {schema}.done ALTER COLUMN outcome DROP NOT NULL",
+    "column type": "ALTER TABLE {schema}.meta ALTER COLUMN priority TYPE integer",
     "column order": (
-        "ALTER TABLE {s}.meta DROP COLUMN consumer; ALTER TABLE {s}.meta ADD COLUMN consumer text"
+        "ALTER TABLE {schema}.meta DROP COLUMN consumer; ALTER TABLE {schema}.meta ADD COLUMN consumer text"
     ),
     "check constraint": (
-        "ALTER TABLE {s}.meta DROP CONSTRAINT meta_state_valid, "
+        "ALTER TABLE {schema}.meta DROP CONSTRAINT meta_state_valid, "
         "ADD CONSTRAINT meta_state_valid CHECK (state IN (0, 1, 2, 3))"
     ),
     "index definition": (
-        "DROP INDEX {s}.meta_failed_idx; "
-        "CREATE INDEX meta_failed_idx ON {s}.meta (queue_id, id) WHERE state = 1"
+        "DROP INDEX {schema}.meta_failed_idx; "
+        "CREATE INDEX meta_failed_idx ON {schema}.meta (queue_id, id) WHERE state = 1"
     ),
-    "table storage option": "ALTER TABLE {s}.meta SET (fillfactor = 80)",
-    "sequence option": "ALTER SEQUENCE {s}.message_id_seq INCREMENT BY 2",
-    "extra table": "CREATE TABLE {s}.extra (id integer)",
-    "function": "CREATE FUNCTION {s}.f() RETURNS integer LANGUAGE sql AS 'SELECT 1'",
+    "table storage option": "ALTER TABLE {schema}.meta SET (fillfactor = 80)",
+    "sequence option": "ALTER SEQUENCE {schema}.message_id_seq INCREMENT BY 2",
+    "extra table": "CREATE TABLE {schema}.extra (id integer)",
+    "function": "CREATE FUNCTION {schema}.f() RETURNS integer LANGUAGE sql AS 'SELECT 1'",
 }
 
 
@@ -346,7 +349,7 @@ def test_schema_comparison_detects_differences(
     fresh_install(pg_dsn, b)
     assert schema_differences(describe_schema(pg_dsn, a), describe_schema(pg_dsn, b)) == []
 
-    run_sql(pg_dsn, _MUTATIONS[mutation].format(s=sql.Identifier(b).as_string(None)))
+    run_on_schema(pg_dsn, b, _MUTATIONS[mutation])
 
     assert schema_differences(describe_schema(pg_dsn, a), describe_schema(pg_dsn, b)) != []
 
@@ -356,11 +359,7 @@ def test_schema_comparison_detects_differences(
 
 def test_schema_newer_than_the_code_is_refused(dbq: DbQueue, pg_dsn: str) -> None:
     newer = LATEST + 41
-    run_sql(
-        pg_dsn,
-        sql.SQL("INSERT INTO {}.schema_version (version) VALUES (%s)").format(sql.Identifier(dbq.schema)),
-        [newer],
-    )
+    run_sql(dbq, "INSERT INTO {schema}.schema_version (version) VALUES (%(v)s)", {"v": newer})
     with pytest.raises(SchemaError) as info:
         dbq.install()
     message = str(info.value).replace(dbq.db.where, "<where>")
@@ -382,7 +381,7 @@ _CLIENT_CALLS: dict[str, Callable[[DbQueue], Any]] = {
 @pytest.mark.parametrize("schema_exists", [False, True], ids=["no-schema", "empty-schema"])
 def test_schema_never_installed(pg_dsn: str, schema_name: str, call: str, schema_exists: bool) -> None:
     if schema_exists:
-        run_sql(pg_dsn, sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema_name)))
+        run_on_schema(pg_dsn, schema_name, "CREATE SCHEMA {schema}")
     dbq = DbQueue(pg_dsn, schema=schema_name)
     try:
         with pytest.raises(SchemaError, match=r"install") as info:
@@ -390,7 +389,7 @@ def test_schema_never_installed(pg_dsn: str, schema_name: str, call: str, schema
         assert not isinstance(info.value, psycopg.Error)
         assert schema_name in str(info.value)
     finally:
-        run_sql(pg_dsn, sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema_name)))
+        run_on_schema(pg_dsn, schema_name, "DROP SCHEMA IF EXISTS {schema} CASCADE")
         dbq.close()
 
 

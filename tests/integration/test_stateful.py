@@ -34,6 +34,7 @@ from hypothesis.stateful import (
 from psycopg import sql
 
 from airflow_dbqueue.engine import LeaseExpiredError, TransactionRequiredError
+from tests.dialects import expire_leases
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine import DbQueue, Message, Queue
@@ -53,16 +54,6 @@ SETTINGS = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-
-
-def expire_leases(admin: psycopg.Connection[Any], schema: str, ids: list[int]) -> None:
-    """Clock jump for tests: put the leases of ``ids`` one second in the past."""
-    admin.execute(
-        sql.SQL("UPDATE {}.meta SET lease_until = now() - interval '1 second' WHERE id = ANY(%s)").format(
-            sql.Identifier(schema)
-        ),
-        [ids],
-    )
 
 
 @dataclasses.dataclass
@@ -264,7 +255,7 @@ class QueueMachine(RuleBasedStateMachine):
     @rule(data=st.data(), reclaim=st.booleans())
     def expire_leases(self, data: st.DataObject, reclaim: bool) -> None:
         chosen = self._pick_live(data)
-        expire_leases(self.admin, self.dbq.schema, [e.id for e in chosen])
+        expire_leases(self.dbq, [e.id for e in chosen])
         for e in chosen:
             e.expired = True
         if reclaim:
