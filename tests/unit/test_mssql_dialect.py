@@ -1,7 +1,9 @@
 """The SQL Server dialect without a SQL Server: parity of query names, a T-SQL parse of every statement,
 parameter conversion, error translation with real pyodbc exceptions, and a real pyodbc connect through
 unixODBC and Microsoft's ODBC Driver 18 to a closed port. Tests that stand a fake in for the server say
-``fake`` in their name."""
+``fake`` in their name (tests/fake_mssql.py). Only the tests that build pyodbc's exceptions or connect
+through the driver import pyodbc (:func:`tests.fake_mssql.import_pyodbc`): the rest are pure Python and
+run without it."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from airflow_dbqueue.engine import (
     DbQueue,
     DeadlockError,
     LockTimeoutError,
+    QueueFullError,
     SchemaError,
     TransientDatabaseError,
 )
@@ -42,8 +45,7 @@ from airflow_dbqueue.engine.dialects.mssql.dialect import (
 )
 from airflow_dbqueue.engine.queue import poll_pauses
 from airflow_dbqueue.engine.sqlfile import load_queries, parse_named_queries, read_text
-
-pyodbc = pytest.importorskip("pyodbc", reason="pyodbc (the mssql extra) and unixODBC are not installed")
+from tests.fake_mssql import FakeSqlServer, import_pyodbc
 
 PG = "airflow_dbqueue.engine.dialects.postgres"
 MS = "airflow_dbqueue.engine.dialects.mssql"
@@ -388,30 +390,33 @@ DRIVER = "[Microsoft][ODBC Driver 18 for SQL Server]"
 
 
 @pytest.mark.parametrize(
-    ("exc", "connecting", "kind", "words"),
+    ("error", "connecting", "kind", "words"),
     [
         (
-            pyodbc.OperationalError("HYT00", f"[HYT00] {DRIVER}Login timeout expired (0) (SQLDriverConnect)"),
+            ("OperationalError", "HYT00", f"[HYT00] {DRIVER}Login timeout expired (0) (SQLDriverConnect)"),
             True,
             DatabaseUnavailableError,
             "login timeout",
         ),
         (
-            pyodbc.OperationalError("HYT00", f"[HYT00] {DRIVER}Query timeout expired (0) (SQLExecDirectW)"),
+            ("OperationalError", "HYT00", f"[HYT00] {DRIVER}Query timeout expired (0) (SQLExecDirectW)"),
             False,
             TransientDatabaseError,
             "query timeout expired",
         ),
         (
-            pyodbc.OperationalError(
-                "08S01", f"[08S01] {DRIVER}Communication link failure (10054) (SQLExecDirectW)"
+            (
+                "OperationalError",
+                "08S01",
+                f"[08S01] {DRIVER}Communication link failure (10054) (SQLExecDirectW)",
             ),
             False,
             DatabaseUnavailableError,
             "unreachable",
         ),
         (
-            pyodbc.Error(
+            (
+                "Error",
                 "40001",
                 f"[40001] {DRIVER}[SQL Server]Transaction (Process ID 57) was deadlocked on lock "
                 "resources with another process and has been chosen as the deadlock victim. Rerun the "
@@ -422,7 +427,8 @@ DRIVER = "[Microsoft][ODBC Driver 18 for SQL Server]"
             "deadlock victim",
         ),
         (
-            pyodbc.Error(
+            (
+                "Error",
                 "HY000",
                 f"[HY000] {DRIVER}[SQL Server]Lock request time out period exceeded. (1222) (SQLExecDirectW)",
             ),
@@ -431,15 +437,18 @@ DRIVER = "[Microsoft][ODBC Driver 18 for SQL Server]"
             "lock request timed out",
         ),
         (
-            pyodbc.ProgrammingError(
-                "42S02", f"[42S02] {DRIVER}[SQL Server]Invalid object name 'dbq.meta'. (208) (SQLExecDirectW)"
+            (
+                "ProgrammingError",
+                "42S02",
+                f"[42S02] {DRIVER}[SQL Server]Invalid object name 'dbq.meta'. (208) (SQLExecDirectW)",
             ),
             False,
             SchemaError,
             "not installed",
         ),
         (
-            pyodbc.IntegrityError(
+            (
+                "IntegrityError",
                 "23000",
                 f"[23000] {DRIVER}[SQL Server]Violation of PRIMARY KEY constraint "
                 "'meta_pkey'. (2627) (SQLExecDirectW)",
@@ -450,93 +459,46 @@ DRIVER = "[Microsoft][ODBC Driver 18 for SQL Server]"
         ),
     ],
 )
-def test_pyodbc_errors_are_translated(exc: Exception, connecting: bool, kind: type, words: str) -> None:
+def test_pyodbc_errors_are_translated(
+    error: tuple[str, str, str], connecting: bool, kind: type, words: str
+) -> None:
+    name, state, text = error
+    exc = getattr(import_pyodbc(), name)(state, text)
     got = translate(exc, where="h:1433/db", schema="dbq", connecting=connecting)
     assert type(got) is kind
     assert words in str(got) and "h:1433/db" in str(got)
 
 
-class _FakeCursor:
-    def __init__(self, script: list[Any], executed: list[tuple[str, list[Any]]] | None = None) -> None:
-        self._script = script
-        self._executed = executed
-        self.description: Any = None
-
-    def execute(self, sql: str, values: Any = ()) -> _FakeCursor:
-        if self._executed is not None:
-            self._executed.append((sql, list(values)))
-        step = self._script.pop(0)
-        if isinstance(step, Exception):
-            raise step
-        self.description = [("id",)]
-        self._rows = step
-        return self
-
-    def nextset(self) -> bool:
-        return False
-
-    def fetchall(self) -> list[tuple[Any, ...]]:
-        return list(self._rows)
-
-    def fetchone(self) -> tuple[Any, ...] | None:
-        return self._rows[0] if self._rows else None
-
-    def close(self) -> None:
-        pass
-
-
-class _FakeConnection:
-    autocommit = False
-
-    def __init__(self, script: list[Any]) -> None:
-        self.script = script
-        self.commits = self.rollbacks = 0
-        self.executed: list[tuple[str, list[Any]]] = []
-        """``(text, values)`` of every statement run, in order."""
-
-    def cursor(self) -> _FakeCursor:
-        return _FakeCursor(self.script, self.executed)
-
-    def commit(self) -> None:
-        self.commits += 1
-
-    def rollback(self) -> None:
-        self.rollbacks += 1
-
-    def close(self) -> None:
-        pass
-
-
-DEADLOCK = pyodbc.Error(
-    "40001", f"[40001] {DRIVER}[SQL Server]chosen as the deadlock victim. (1205) (SQLExecDirectW)"
-)
+def deadlock() -> Exception:
+    """What pyodbc raises for a deadlock victim (SQLSTATE 40001, native error 1205)."""
+    return import_pyodbc().Error(
+        "40001", f"[40001] {DRIVER}[SQL Server]chosen as the deadlock victim. (1205) (SQLExecDirectW)"
+    )
 
 
 def test_a_deadlock_victim_is_run_again_on_a_fake_sql_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = _FakeConnection([DEADLOCK, DEADLOCK, [(1,), (2,)]])
     db = MssqlDatabase("mssql://u:p@h/db", schema="dbq")
-    monkeypatch.setattr(db, "connect", lambda: fake)
+    fake = FakeSqlServer([deadlock(), deadlock(), [(1,), (2,)]]).attach(monkeypatch, db)
     monkeypatch.setattr(ms.time, "sleep", lambda s: None)
     assert db.fetchall("peek", {"queue_id": 1, "n": 2}) == [(1,), (2,)]
     assert (fake.rollbacks, fake.commits) == (2, 1)
 
 
 def test_a_deadlock_in_the_callers_transaction_is_raised_on_a_fake_sql_server() -> None:
-    fake = _FakeConnection([DEADLOCK, [(1,)]])
+    fake = FakeSqlServer([deadlock(), [(1,)]])
     db = MssqlDatabase("mssql://u:p@h/db", schema="dbq")
     with pytest.raises(DeadlockError):
-        db.fetchall("peek", {"queue_id": 1, "n": 2}, fake)
+        db.fetchall("peek", {"queue_id": 1, "n": 2}, fake.connect())
     assert fake.script == [[(1,)]]  # not run again: only the caller can redo its transaction
 
 
 def test_retries_give_up_after_the_limit_on_a_fake_sql_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = _FakeConnection([DEADLOCK] * 5)
     db = MssqlDatabase("mssql://u:p@h/db", schema="dbq", retries=3)
-    monkeypatch.setattr(db, "connect", lambda: fake)
+    fake = FakeSqlServer([deadlock() for _ in range(5)]).attach(monkeypatch, db)
     monkeypatch.setattr(ms.time, "sleep", lambda s: None)
     with pytest.raises(DeadlockError):
         db.fetchall("peek", {"queue_id": 1, "n": 2})
-    assert fake.script == [DEADLOCK]  # 1 try + 3 retries
+    assert len(fake.script) == 1  # 1 try + 3 retries
 
 
 # -- a real driver ---------------------------------------------------------------------------------
@@ -551,6 +513,7 @@ def _closed_port() -> int:
 
 def test_odbc_driver_18_is_loaded_and_a_closed_port_raises_database_unavailable() -> None:
     """A real connect: pyodbc -> unixODBC -> Microsoft ODBC Driver 18 -> 127.0.0.1:<closed port>."""
+    import_pyodbc()
     driver = ms.default_driver()
     assert (
         driver == ms.DEFAULT_DRIVER
@@ -573,14 +536,13 @@ def test_odbc_driver_18_is_loaded_and_a_closed_port_raises_database_unavailable(
 # SQL meant for both dialects; on SQL Server they have never run. Here: what they send to pyodbc.
 
 
-def _suites_dbq(monkeypatch: pytest.MonkeyPatch, script: list[Any]) -> tuple[DbQueue, _FakeConnection]:
-    fake = _FakeConnection(script)
+def _suites_dbq(monkeypatch: pytest.MonkeyPatch, script: list[Any]) -> tuple[DbQueue, FakeSqlServer]:
     dbq = DbQueue("mssql://u:p@h/db", schema="dbq")
-    monkeypatch.setattr(dbq.db, "connect", lambda: fake)
-    return dbq, fake
+    assert isinstance(dbq.db, MssqlDatabase)
+    return dbq, FakeSqlServer(script).attach(monkeypatch, dbq.db)
 
 
-def _check_sent(fake: _FakeConnection) -> None:
+def _check_sent(fake: FakeSqlServer) -> None:
     """Every statement sent parses as T-SQL and binds one value per ``?``."""
     for text, values in fake.executed:
         assert text.count("?") == len(values), text
@@ -661,7 +623,7 @@ def test_the_conformance_suites_own_sql_on_a_fake_sql_server(monkeypatch: pytest
     make_due_now(dbq, 42)
     assert due_in(dbq, 42) == pytest.approx(199.998)
     with callers_connection(dbq) as own:
-        assert own is fake
+        assert own is fake.connections[-1] and own.closed is False
     assert fake.script == []
     sent = [text for text, _ in fake.executed]
     assert sent == [
@@ -679,10 +641,33 @@ def test_the_conformance_suites_own_sql_on_a_fake_sql_server(monkeypatch: pytest
     _check_sent(fake)
 
 
+def test_the_shared_clock_jump_on_a_fake_sql_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/dialects.expire_leases, as the conformance and stateful suites send it to pyodbc: the ids as
+    one JSON array, and for a ring its queue id first."""
+    from airflow_dbqueue.engine.models import Design, QueueSettings
+    from airflow_dbqueue.engine.ring import RingQueue
+    from tests.dialects import expire_leases
+
+    dbq, fake = _suites_dbq(monkeypatch, [None, None])
+    ring = RingQueue(
+        dbq.db, QueueSettings(name="r", queue_id=4, design=Design.RING, max_payload_bytes=512, capacity=8)
+    )
+    expire_leases(dbq, [7, 9])
+    expire_leases(dbq, [3], ring)
+    (table_text, table_values), (ring_text, ring_values) = fake.executed
+    assert table_text.startswith("UPDATE [dbq].meta SET lease_until = DATEADD(second, -1, SYSUTCDATETIME())")
+    assert table_values == ["[7, 9]"]
+    assert ring_text.startswith("UPDATE [dbq].ring_slots SET due_at = DATEADD(second, -1, SYSUTCDATETIME())")
+    assert ring_values == [4, "[3]"]
+    assert (fake.commits, fake.rollbacks) == (2, 0)
+    _check_sent(fake)
+
+
 def test_the_suites_sql_on_a_closed_port_raises_database_unavailable() -> None:
     """run_sql goes through the dialect's own connect and error translation (real pyodbc and driver)."""
     from tests.dialects import run_sql
 
+    import_pyodbc()
     port = _closed_port()
     dbq = DbQueue(f"mssql://sa:secret@127.0.0.1:{port}/queues?Encrypt=no", schema="dbq", connect_timeout=1)
     with pytest.raises(DatabaseUnavailableError, match=f"127.0.0.1:{port}"):
@@ -694,7 +679,7 @@ def test_the_suites_sql_on_a_closed_port_raises_database_unavailable() -> None:
 
 def _raised(code: str, text: str) -> Exception:
     """What pyodbc raises for a RAISERROR of the ring's procedures (native error 50000)."""
-    return pyodbc.ProgrammingError(
+    return import_pyodbc().ProgrammingError(
         "42000", f"[42000] {DRIVER}[SQL Server][{code}] {text} (50000) (SQLExecDirectW)"
     )
 
@@ -703,9 +688,8 @@ def _ring_on_fake_sql_server(monkeypatch: pytest.MonkeyPatch, script: list[Any])
     from airflow_dbqueue.engine.models import Design, QueueSettings
     from airflow_dbqueue.engine.ring import RingQueue
 
-    fake = _FakeConnection(script)
     db = MssqlDatabase("mssql://u:p@h/db", schema="dbq")
-    monkeypatch.setattr(db, "connect", lambda: fake)
+    fake = FakeSqlServer(script).attach(monkeypatch, db)
     settings = QueueSettings(name="r", queue_id=1, design=Design.RING, max_payload_bytes=512, capacity=8)
     return RingQueue(db, settings), fake
 
@@ -747,7 +731,7 @@ def test_a_full_ring_on_a_fake_sql_server_raises_queue_full_naming_the_ring(
     )
     q.push_timeout = 0.3
     with pytest.raises(
-        Exception, match=r"'r': the ring \(capacity 8\) stayed full for 0.3s; nothing of the batch"
+        QueueFullError, match=r"'r': the ring \(capacity 8\) stayed full for 0.3s; nothing of the batch"
     ):
         q.push_batch(["a"])
     assert (fake.rollbacks, fake.commits) == (1, 0)
@@ -759,14 +743,7 @@ def test_gap_recovery_waits_on_the_lanes_still_locked_on_a_fake_sql_server(
     """recover_gaps: position 9 with unwritten numbers, lanes [3,7] held; the first proof finds lane 7
     still locked and hands back [7], which the next try is asked about; then 2 numbers are given up."""
     q, fake = _ring_on_fake_sql_server(monkeypatch, [[(9, 1)], [("[3,7]",)], [(-1, "[7]")], [(2, None)]])
-    sent: list[list[Any]] = []
-    real = _FakeCursor.execute
-
-    def spy(self: _FakeCursor, sql: str, values: Any = ()) -> _FakeCursor:
-        sent.append(list(values))
-        return real(self, sql, values)
-
-    monkeypatch.setattr(_FakeCursor, "execute", spy)
     assert q.recover_gaps(wait=5.0) == 2
+    sent = [values for _, values in fake.executed]
     assert sent[2] == [1, 9, "[3,7]"] and sent[3] == [1, 9, "[7]"]
     assert fake.script == []

@@ -1,10 +1,11 @@
 """Maintenance on SQL Server without a SQL Server: the decisions that need no server, run on the real
 code (engine edition to ONLINE rebuild or REORGANIZE, the lock and query timeouts and the text that
 carries them, bloat from page density, when to rebuild), and the maintenance steps driven through a
-fake pyodbc connection that answers by what a statement contains. Tests that use the fake say ``fake``
-in their name: they check what the Python side sends and how it reads the answers, never that the
-T-SQL does what it should on a server (tests/integration/test_maintenance.py does, given
-$DBQUEUE_TEST_MSSQL_DSN)."""
+fake pyodbc connection (tests/fake_mssql.py) that answers by what a statement contains. Tests that use
+the fake say ``fake`` in their name: they check what the Python side sends and how it reads the
+answers, never that the T-SQL does what it should on a server (tests/integration/test_maintenance.py
+does, given $DBQUEUE_TEST_MSSQL_DSN). Only the deadlock test builds a pyodbc exception: the rest run
+without the driver."""
 
 from __future__ import annotations
 
@@ -33,8 +34,7 @@ from airflow_dbqueue.engine.maintenance import (
     mssql_expected_bytes,
     mssql_rebuild_reason,
 )
-
-pyodbc = pytest.importorskip("pyodbc", reason="pyodbc (the mssql extra) and unixODBC are not installed")
+from tests.fake_mssql import FakeSqlServer, import_pyodbc
 
 DSN = "mssql://u:p@sqlserver.invalid:1433/queues"
 MiB = 1024 * 1024
@@ -200,22 +200,16 @@ def test_a_fragmented_index_is_rebuilt_when_big_enough() -> None:
 # -- the steps through a fake pyodbc connection ----------------------------------------------------
 
 
-class FakeSqlServer:
-    """Answers the maintenance's statements by what they contain, and records every one of them."""
+class MaintenanceServer(FakeSqlServer):
+    """Answers the maintenance's statements by what they contain (tests/fake_mssql.py records them)."""
 
     def __init__(self, *, edition: int = 2, lock_free: bool = True) -> None:
+        super().__init__()
         self.edition = edition
         self.lock_free = lock_free
         self.index_rows: list[list[tuple[Any, ...]]] = []
         self.archive_counts: list[Any] = []
         self.holders: list[tuple[Any, ...]] = []
-        self.connections: list[FakeConnection] = []
-        self.log: list[dict[str, Any]] = []
-
-    def connect(self, *, application_name: str | None = None, autocommit: bool = False) -> FakeConnection:
-        conn = FakeConnection(self, application_name, autocommit)
-        self.connections.append(conn)
-        return conn
 
     def answer(self, text: str) -> list[tuple[Any, ...]] | None:  # noqa: PLR0911
         if "sp_getapplock" in text:
@@ -247,72 +241,11 @@ class FakeSqlServer:
             return [(step,)]
         raise AssertionError(f"the fake has no answer for: {text[:120]}")
 
-    def statements(self, needle: str) -> list[dict[str, Any]]:
-        return [e for e in self.log if needle in e["text"]]
-
-
-class FakeCursor:
-    def __init__(self, conn: FakeConnection) -> None:
-        self.conn = conn
-        self.description: Any = None
-        self.rowcount = -1
-        self._rows: list[tuple[Any, ...]] = []
-
-    def execute(self, text: str, *values: Any) -> FakeCursor:
-        c = self.conn
-        c.server.log.append(
-            {
-                "text": text,
-                "values": list(values[0]) if values else None,
-                "app": c.application_name,
-                "autocommit": c.autocommit,
-                "timeout": c.timeout,
-            }
-        )
-        rows = c.server.answer(text)
-        self.description = None if rows is None else [("c",)]
-        self._rows = rows or []
-        return self
-
-    def nextset(self) -> bool:
-        return False
-
-    def fetchone(self) -> tuple[Any, ...] | None:
-        return self._rows[0] if self._rows else None
-
-    def fetchall(self) -> list[tuple[Any, ...]]:
-        return list(self._rows)
-
-    def close(self) -> None:
-        pass
-
-
-class FakeConnection:
-    def __init__(self, server: FakeSqlServer, application_name: str | None, autocommit: bool) -> None:
-        self.server = server
-        self.application_name = application_name
-        self.autocommit = autocommit
-        self.timeout = 0
-        self.commits = self.rollbacks = 0
-        self.closed = False
-
-    def cursor(self) -> FakeCursor:
-        return FakeCursor(self)
-
-    def commit(self) -> None:
-        self.commits += 1
-
-    def rollback(self) -> None:
-        self.rollbacks += 1
-
-    def close(self) -> None:
-        self.closed = True
-
 
 @pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> FakeSqlServer:
-    server = FakeSqlServer()
-    monkeypatch.setattr(MssqlDatabase, "connect", lambda self, **kw: server.connect(**kw))
+def fake(monkeypatch: pytest.MonkeyPatch) -> MaintenanceServer:
+    server = MaintenanceServer()
+    server.attach(monkeypatch)
     return server
 
 
@@ -384,7 +317,7 @@ def test_maintenance_takes_a_sql_server_without_io() -> None:
     ("edition", "online", "action"), [(2, False, "reorganize"), (3, True, "online rebuild")]
 )
 def test_rebuild_indexes_on_a_fake_sql_server(
-    fake: FakeSqlServer, edition: int, online: bool, action: str
+    fake: MaintenanceServer, edition: int, online: bool, action: str
 ) -> None:
     fake.index_rows = [schema_indexes(edition), schema_indexes(edition, rebuilt=True)]
     report = DbQueue(DSN, schema="dbq").maintenance().rebuild_indexes(timeout_s=600)
@@ -401,34 +334,36 @@ def test_rebuild_indexes_on_a_fake_sql_server(
     assert (ready["size_before"], ready["size_after"]) == (1024 * 8192, 224 * 8192)
 
     rebuilds = fake.statements("DECLARE @online bit")
-    assert [r["values"] for r in rebuilds] == [[online, 10], [online, 10]]  # 600 s: at most 10 minutes' wait
+    assert [r.values for r in rebuilds] == [[online, 10], [online, 10]]  # 600 s: at most 10 minutes' wait
     assert (
-        "PARSENAME(N'[meta_ready_idx]', 1)" in rebuilds[1]["text"]
-        and "PARSENAME(N'[meta]', 1)" in rebuilds[1]["text"]
+        "PARSENAME(N'[meta_ready_idx]', 1)" in rebuilds[1].text
+        and "PARSENAME(N'[meta]', 1)" in rebuilds[1].text
     )
     for r in rebuilds:  # on the run's own connection, outside a transaction, with the query timeout set
-        assert (r["app"], r["autocommit"], r["timeout"]) == (APPLICATION_NAME, True, 600)
-    sets = [(e["text"].splitlines()[-1], e["values"]) for e in fake.statements("SET LOCK_TIMEOUT")]
+        assert (r.app, r.autocommit, r.timeout) == (APPLICATION_NAME, True, 600)
+    sets = [(e.text.splitlines()[-1], e.values) for e in fake.statements("SET LOCK_TIMEOUT")]
     assert sets == [("SET LOCK_TIMEOUT 600000", None), ("SET LOCK_TIMEOUT -1", None)] * 2
     [own] = [c for c in fake.connections if c.application_name == APPLICATION_NAME]
     assert own.closed and own.timeout == 0 and fake.statements("sp_releaseapplock")
 
 
-def test_archive_on_a_fake_sql_server_runs_one_transaction_a_batch(fake: FakeSqlServer) -> None:
+def test_archive_on_a_fake_sql_server_runs_one_transaction_a_batch(fake: MaintenanceServer) -> None:
     fake.archive_counts = [3, 3, 1]
     result = DbQueue(DSN, schema="dbq").maintenance().archive(older_than_s=0, batch_size=3, pause_s=0)
     assert (result.rows, result.batches, result.stopped) == (7, 3, "drained")
     batches = fake.statements("INTO @batch")
-    assert [b["values"] for b in batches] == [[0.0, 0.0, True, "[]", 3]] * 3
-    assert all((b["autocommit"], b["timeout"]) == (False, 30) for b in batches)  # in a transaction
+    assert [b.values for b in batches] == [[0.0, 0.0, True, "[]", 3]] * 3
+    assert all((b.autocommit, b.timeout) == (False, 30) for b in batches)  # in a transaction
     [own] = [c for c in fake.connections if c.application_name == APPLICATION_NAME]
     assert (own.commits, own.rollbacks, own.autocommit, own.closed) == (3, 0, True, True)
-    sets = [e["text"].splitlines()[-1] for e in fake.statements("SET LOCK_TIMEOUT")]
+    sets = [e.text.splitlines()[-1] for e in fake.statements("SET LOCK_TIMEOUT")]
     assert sets == ["SET LOCK_TIMEOUT 1000", "SET LOCK_TIMEOUT -1"]  # the archiver waits 1 s for a lock
 
 
-def test_a_failed_archive_batch_rolls_back_alone_on_a_fake_sql_server(fake: FakeSqlServer) -> None:
-    deadlock = pyodbc.Error("40001", "[40001] chosen as the deadlock victim. (1205) (SQLExecDirectW)")
+def test_a_failed_archive_batch_rolls_back_alone_on_a_fake_sql_server(fake: MaintenanceServer) -> None:
+    deadlock = import_pyodbc().Error(
+        "40001", "[40001] chosen as the deadlock victim. (1205) (SQLExecDirectW)"
+    )
     fake.archive_counts = [3, deadlock]
     with pytest.raises(DeadlockError):
         DbQueue(DSN, schema="dbq").maintenance().archive(older_than_s=0, batch_size=3, pause_s=0)
@@ -437,7 +372,7 @@ def test_a_failed_archive_batch_rolls_back_alone_on_a_fake_sql_server(fake: Fake
     assert fake.statements("SET LOCK_TIMEOUT -1") and fake.statements("sp_releaseapplock")
 
 
-def test_a_second_run_skips_naming_the_holder_on_a_fake_sql_server(fake: FakeSqlServer) -> None:
+def test_a_second_run_skips_naming_the_holder_on_a_fake_sql_server(fake: MaintenanceServer) -> None:
     fake.lock_free = False
     result = DbQueue(DSN, schema="dbq").maintenance().archive(older_than_s=0)
     assert result.stopped == "skipped" and result.rows == 0
@@ -450,7 +385,7 @@ def test_ms_module_exports_the_online_editions() -> None:
 
 
 def test_a_batch_above_the_lock_escalation_threshold_is_warned_about_on_a_fake_sql_server(
-    fake: FakeSqlServer, caplog: pytest.LogCaptureFixture
+    fake: MaintenanceServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake.archive_counts = [0, 0]
     m = DbQueue(DSN, schema="dbq").maintenance()
@@ -462,7 +397,7 @@ def test_a_batch_above_the_lock_escalation_threshold_is_warned_about_on_a_fake_s
     assert "batch_size 6000" in warned
 
 
-def test_a_full_run_on_a_fake_sql_server(fake: FakeSqlServer) -> None:
+def test_a_full_run_on_a_fake_sql_server(fake: MaintenanceServer) -> None:
     """Every step of Maintenance.run reads the rows of its SQL Server queries into the same report."""
     import datetime as dt
     import json

@@ -306,9 +306,15 @@ def bundled_driver() -> str | None:
 
 
 def default_driver() -> str:
-    """The ODBC driver to name when a DSN names none: Driver 18 if registered, else the bundled one."""
-    import pyodbc
+    """The ODBC driver to name when a DSN names none: Driver 18 if registered, else the bundled one.
 
+    Without pyodbc nothing can connect (:meth:`MssqlDatabase.connect` says what to install), but a
+    connection string can still be built: it names the bundled driver, or Driver 18.
+    """
+    try:
+        import pyodbc
+    except ImportError:
+        return bundled_driver() or DEFAULT_DRIVER
     if DEFAULT_DRIVER in pyodbc.drivers():
         return DEFAULT_DRIVER
     return bundled_driver() or DEFAULT_DRIVER
