@@ -407,12 +407,60 @@ def _produce(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
     }
 
 
+class Received:
+    """What one consumer received: per producer, a bitmap of the sequence numbers seen; and how many
+    payloads came again to this consumer, or were no producer's (wrong size, producer or filler)."""
+
+    def __init__(self, producers: int, payload_bytes: int) -> None:
+        self.pick = Fillers(payload_bytes, HEADER.size).pick
+        self.bitmaps = [bytearray(1024) for _ in range(producers)]
+        self.size = payload_bytes
+        self.dups = self.corrupt = 0
+
+    def add(self, payloads: list[bytes]) -> None:
+        size, hs, unpack = self.size, HEADER.size, HEADER.unpack_from
+        pick, bitmaps, n_producers = self.pick, self.bitmaps, len(self.bitmaps)
+        for data in payloads:
+            if len(data) != size:
+                self.corrupt += 1
+                continue
+            p, s = unpack(data)
+            if p >= n_producers or data[hs:] != pick(p, s):
+                self.corrupt += 1
+                continue
+            bm = bitmaps[p]
+            byte, bit = s >> 3, 1 << (s & 7)
+            if byte >= len(bm):
+                bm.extend(bytes(max(byte + 1, 2 * len(bm)) - len(bm)))
+            if bm[byte] & bit:
+                self.dups += 1
+            else:
+                bm[byte] |= bit
+
+
+def count_deliveries(pushed: list[int], consumers: list[dict[str, Any]]) -> tuple[int, int, int]:
+    """Return ``(lost, duplicated, corrupt)`` of a run: ``pushed[p]`` messages of each producer ``p``
+    (sequence numbers 0 .. pushed[p]-1) against the consumers' reports (:class:`Received`'s bitmaps,
+    ``local_dups`` and ``corrupt``). A number nobody received is lost; one received by several
+    consumers, or twice by one, is duplicated; a number past what its producer pushed is corrupt."""
+    lost = dups = corrupt = 0
+    for pi, n in enumerate(pushed):
+        union, delivered = 0, 0
+        for c in consumers:
+            bm = int.from_bytes(c["bitmaps"][pi], "little")
+            delivered += bm.bit_count()
+            union |= bm
+        dups += delivered - union.bit_count()
+        lost += n - (union & ((1 << n) - 1)).bit_count()
+        corrupt += (union >> n).bit_count()
+    dups += sum(c["local_dups"] for c in consumers)
+    corrupt += sum(c["corrupt"] for c in consumers)
+    return lost, dups, corrupt
+
+
 def _consume(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[str, Any]:
-    pick = Fillers(cfg.payload_bytes, HEADER.size).pick
-    bitmaps = [bytearray(1024) for _ in range(cfg.producers)]
-    size, hs, unpack = cfg.payload_bytes, HEADER.size, HEADER.unpack_from
-    n_producers = cfg.producers
-    dups = corrupt = ack_failures = empty = 0
+    got = Received(cfg.producers, cfg.payload_bytes)
+    ack_failures = empty = 0
     count = pop_calls = ack_calls = 0
     pop_s = ack_s = 0.0
     clock = time.perf_counter
@@ -431,22 +479,7 @@ def _consume(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
             empty += 1
             time.sleep(0.001)
             continue
-        for data in payloads:
-            if len(data) != size:
-                corrupt += 1
-                continue
-            p, s = unpack(data)
-            if p >= n_producers or data[hs:] != pick(p, s):
-                corrupt += 1
-                continue
-            bm = bitmaps[p]
-            byte, bit = s >> 3, 1 << (s & 7)
-            if byte >= len(bm):
-                bm.extend(bytes(max(byte + 1, 2 * len(bm)) - len(bm)))
-            if bm[byte] & bit:
-                dups += 1
-            else:
-                bm[byte] |= bit
+        got.add(payloads)
         t = clock()
         try:
             backend.ack(token)
@@ -465,9 +498,9 @@ def _consume(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
         "role": "consumer",
         "idx": idx,
         "popped": count,
-        "bitmaps": [bytes(b) for b in bitmaps],
-        "local_dups": dups,
-        "corrupt": corrupt,
+        "bitmaps": [bytes(b) for b in got.bitmaps],
+        "local_dups": got.dups,
+        "corrupt": got.corrupt,
         "ack_failures": ack_failures,
         "empty_pops": empty,
         "pop_calls": pop_calls,
@@ -758,19 +791,7 @@ def _measure(
 
     cons = [results[("consumer", i)] for i in range(cfg.consumers)]
     prods = [results[("producer", i)] for i in range(cfg.producers)]
-    lost = dups = corrupt = 0
-    for pi, prod in enumerate(prods):
-        n = prod["pushed"]
-        union, delivered = 0, 0
-        for c in cons:
-            bm = int.from_bytes(c["bitmaps"][pi], "little")
-            delivered += bm.bit_count()
-            union |= bm
-        dups += delivered - union.bit_count()
-        lost += n - (union & ((1 << n) - 1)).bit_count()
-        corrupt += (union >> n).bit_count()
-    dups += sum(c["local_dups"] for c in cons)
-    corrupt += sum(c["corrupt"] for c in cons)
+    lost, dups, corrupt = count_deliveries([prod["pushed"] for prod in prods], cons)
     window = t1 - t0
     msgs = popped1 - popped0
     size, dead, hot = table_stats(conn, cfg.target.schema)

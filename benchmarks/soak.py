@@ -29,6 +29,7 @@ import struct
 import sys
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +44,45 @@ from airflow_dbqueue.engine import DbQueue, MaintenanceConfig
 
 QUEUE = "soak_q"
 MASK = (1 << 64) - 1
-HEADER = struct.Struct(">QQ")  # (producer, number), then a random filler (payloads.py)
+PAYLOAD_HEADER = struct.Struct(">QQ")  # (producer, number), then a random filler (payloads.py)
 # The tables on the queue's push/pop path, by design.
 TABLES = {"ring": ("ring_slots",), "table": ("meta", "data", "done")}
 
 
 def digest(payload: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "big")
+
+
+def add_digests(total: int, payloads: Iterable[bytes]) -> int:
+    """``total`` plus the digests of ``payloads``: the checksum producers and consumers keep."""
+    return (total + sum(digest(p) for p in payloads)) & MASK
+
+
+def tally(pushed: list[tuple[int, int]], popped: list[tuple[int, int]], left: int) -> dict[str, Any]:
+    """Compare the producers' ``(count, checksum)`` reports with the consumers', ``left`` messages still
+    in the queue: ``checksum_ok`` only when counts and checksums agree. ``lost`` and ``duplicated`` come
+    from the counts alone, so a lost message and a duplicated one cancel there; the checksum tells."""
+    n_in, n_out = sum(n for n, _ in pushed), sum(n for n, _ in popped)
+    sum_in = sum(c for _, c in pushed) & MASK
+    sum_out = sum(c for _, c in popped) & MASK
+    return {
+        "pushed": n_in,
+        "popped": n_out,
+        "checksum_ok": sum_in == sum_out and n_in == n_out,
+        "lost": max(0, n_in - n_out - left),
+        "duplicated": max(0, n_out - n_in),
+    }
+
+
+def valid(result: dict[str, Any], messages: int) -> bool:
+    """Whether a soak of ``messages`` went right: every message pushed, popped once (counts and
+    checksums agree), nothing left in the queue, and no process reported an error."""
+    return bool(
+        result["checksum_ok"]
+        and not result["errors"]
+        and result["pushed"] == messages
+        and result["left_in_queue"] == 0
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,16 +97,16 @@ class Job:
 def producer(job: Job, index: int, share: int, out: Any, errors: Any) -> None:
     """Push ``share`` messages in batches; report (count, checksum) of what was pushed."""
     count = total = 0
-    batch, fillers = job.batch, Fillers(job.payload_bytes, HEADER.size)
+    batch, fillers = job.batch, Fillers(job.payload_bytes, PAYLOAD_HEADER.size)
     try:
         with DbQueue(job.dsn, schema=job.schema, pool_size=1) as dbq:
             q = dbq.queue(QUEUE)
             while count < share:
                 n = min(batch, share - count)
-                payloads = [make(HEADER, fillers, index, count + i) for i in range(n)]
+                payloads = [make(PAYLOAD_HEADER, fillers, index, count + i) for i in range(n)]
                 q.push_batch(payloads)
                 count += n
-                total = (total + sum(digest(p) for p in payloads)) & MASK
+                total = add_digests(total, payloads)
     except Exception as exc:
         errors.put(f"producer {index}: {type(exc).__name__}: {exc}")
     out.put(("pushed", count, total))
@@ -90,7 +123,7 @@ def consumer(job: Job, popped: Any, done_pushing: Any, out: Any, errors: Any) ->
                 if msgs:
                     empty = 0
                     count += len(msgs)
-                    total = (total + sum(digest(m.payload) for m in msgs)) & MASK
+                    total = add_digests(total, (m.payload for m in msgs))
                     with popped.get_lock():
                         popped.value += len(msgs)
                 elif done_pushing.is_set():
@@ -192,15 +225,13 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:
                 break
         while not errors.empty():
             problems.append(errors.get())
-        pushed = [r for r in results if r[0] == "pushed"]
-        got = [r for r in results if r[0] == "popped"]
-        n_in, n_out = sum(r[1] for r in pushed), sum(r[1] for r in got)
-        sum_in = sum(r[2] for r in pushed) & MASK
-        sum_out = sum(r[2] for r in got) & MASK
+        pushed = [(r[1], r[2]) for r in results if r[0] == "pushed"]
+        got = [(r[1], r[2]) for r in results if r[0] == "popped"]
         stats = dbq.queue(QUEUE).stats()
         left = stats.ready + stats.delayed + stats.in_flight + stats.failed
         dbq.uninstall()
     elapsed = samples[-1]["seconds"] if samples else 0.0
+    counted = tally(pushed, got, left)
     return {
         "design": args.design,
         "capacity": args.capacity if args.design == "ring" else None,
@@ -209,15 +240,11 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:
         "batch": args.batch,
         "payload_bytes": args.payload_bytes,
         "messages": args.messages,
-        "pushed": n_in,
-        "popped": n_out,
+        **counted,
         "left_in_queue": left,
-        "checksum_ok": sum_in == sum_out and n_in == n_out,
-        "lost": max(0, n_in - n_out - left),
-        "duplicated": max(0, n_out - n_in),
         "errors": problems,
         "seconds": elapsed,
-        "cycles_per_s": round(n_out / elapsed, 1) if elapsed else None,
+        "cycles_per_s": round(counted["popped"] / elapsed, 1) if elapsed else None,
         "baseline": baseline,
         "samples": samples,
         "final_size_ratio": (
@@ -281,12 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(HEADER, file=sys.stderr)
         result = run(args, dsn)
-    ok = (
-        result["checksum_ok"]
-        and not result["errors"]
-        and result["pushed"] == args.messages
-        and result["left_in_queue"] == 0
-    )
+    ok = valid(result, args.messages)
     if args.json:
         print(json.dumps(result))
     else:

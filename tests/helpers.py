@@ -5,20 +5,27 @@
 :func:`payload_hash` is a per-payload hash for checks that add up what many processes report.
 :func:`drained` says whether a queue has nothing left to deliver. :func:`require` turns a missing
 system requirement into a skip, or into a failure under ``scripts/test``, which installs them all.
+:func:`load_benchmark` imports a script of benchmarks/ to test its own checks.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
+import sys
 from collections.abc import Iterable
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine import Queue
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 STRICT_ENV = "DBQUEUE_TEST_STRICT"
 """Set by ``scripts/test``: every system requirement of the suite was installed, so a missing one is a
@@ -60,3 +67,17 @@ def require(missing: str | None, hint: str) -> None:
     if strict():
         pytest.fail(f"{message}; ${STRICT_ENV} is set, so this fails instead of skipping", pytrace=False)
     pytest.skip(message)
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """Import ``benchmarks/<name>.py`` (a folder of scripts that import each other by bare name)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up while it runs
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCHMARKS))

@@ -1,19 +1,24 @@
 """Smoke test of benchmarks/run.py: a short run per semantics is valid and measures something.
 
 No speed is asserted: only that the benchmark runs, checks its own correctness (nothing lost or
-duplicated) and reports both the design's and the naive baseline's cycles per second.
+duplicated) and reports both the design's and the naive baseline's cycles per second; and that the
+check it reports fails when a message is missing, duplicated or changed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
+
+from tests.helpers import load_benchmark
 
 pytestmark = pytest.mark.integration
 
@@ -119,3 +124,51 @@ def test_maintenance_mode_reports_latency_percentiles_with_and_without(pg_dsn: s
             assert point[f"{op}_p{pct}_ms_off"] > 0 and point[f"{op}_p{pct}_ms_on"] > 0
             assert point[f"{op}_p{pct}_ratio"] is not None
     assert point["maintenance"]["runs"] >= 1 and point["maintenance"]["archived"] > 0
+
+
+def _payload(run: ModuleType, producer: int, seq: int, size: int = 300) -> bytes:
+    """A payload as run.py's producers make it: (producer, seq), then its filler from the pool."""
+    return bytes(run.HEADER.pack(producer, seq) + run.Fillers(size, run.HEADER.size).pick(producer, seq))
+
+
+def _report(run: ModuleType, *batches: list[bytes], producers: int = 2) -> dict[str, Any]:
+    """A consumer's report after popping ``batches``, through run.py's own Received."""
+    got = run.Received(producers, 300)
+    for batch in batches:
+        got.add(batch)
+    return {"bitmaps": [bytes(b) for b in got.bitmaps], "local_dups": got.dups, "corrupt": got.corrupt}
+
+
+def _result(run: ModuleType, **counts: int) -> Any:
+    """A RunResult whose correctness counts are ``counts`` (zero otherwise)."""
+    fields = dataclasses.fields(run.RunResult)
+    base = {f.name: 0 for f in fields if f.default is dataclasses.MISSING}
+    return run.RunResult(**{**base, "design": "table", "hot_update_ratio": None, **counts})
+
+
+def test_run_check_counts_a_lost_a_duplicated_and_a_corrupt_message() -> None:
+    """run.py's own accounting (what test_short_run_is_valid trusts): fed a missing, a duplicated and a
+    changed message, it counts each, and the run is not valid."""
+    run = load_benchmark("run")
+    p0 = [_payload(run, 0, s) for s in range(6)]
+    p1 = [_payload(run, 1, s) for s in range(4)]
+    whole = [_report(run, p0[:3], p1), _report(run, p0[3:])]
+    assert run.count_deliveries([6, 4], whole) == (0, 0, 0)
+    assert _result(run).valid
+
+    missing = [_report(run, p0[:3], p1), _report(run, p0[3:5])]  # producer 0's seq 5 never came
+    assert run.count_deliveries([6, 4], missing) == (1, 0, 0)
+    twice_across = [_report(run, p0[:4], p1), _report(run, p0[3:])]  # seq 3 to both consumers
+    assert run.count_deliveries([6, 4], twice_across) == (0, 1, 0)
+    twice_here = [_report(run, p0[:3], p1, [p1[2]]), _report(run, p0[3:])]  # one consumer got it twice
+    assert run.count_deliveries([6, 4], twice_here) == (0, 1, 0)
+    changed = bytearray(p0[4])
+    changed[-1] ^= 1
+    corrupt = [_report(run, p0[:4], [bytes(changed)], p0[5:], p1), _report(run)]
+    assert run.count_deliveries([6, 4], corrupt) == (1, 0, 1)  # seq 4 not received, and one corrupt
+    unpushed = [_report(run, p0, p1, [_payload(run, 1, 9)])]  # a number producer 1 never pushed
+    assert run.count_deliveries([6, 4], unpushed) == (0, 0, 1)
+
+    for counts in ({"lost": 1}, {"duplicated": 1}, {"corrupt": 1}, {"left_in_queue": 1}):
+        assert not _result(run, **counts).valid, counts
+        assert not run.combine([_result(run), _result(run, **counts)]).valid, counts

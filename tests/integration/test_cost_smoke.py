@@ -5,31 +5,19 @@ what went in and came out passes, and that the check fails when a message is mis
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from tests.helpers import load_benchmark
 
 pytestmark = pytest.mark.integration
 
 COST_PY = Path(__file__).resolve().parents[2] / "benchmarks" / "cost.py"
-
-
-def _load() -> ModuleType:
-    sys.path.insert(0, str(COST_PY.parent))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_cost", COST_PY)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(COST_PY.parent))
 
 
 @pytest.mark.parametrize(("design", "batch"), [("ring", 100), ("ring", 1), ("table", 100)])
@@ -69,7 +57,7 @@ def test_short_cost_run_measures_every_side(pg_dsn: str, design: str, batch: int
 
 
 def test_cost_check_refuses_a_lost_or_changed_message() -> None:
-    cost = _load()
+    cost = load_benchmark("cost")
     sent = [[b"a" * 20, b"b" * 20], [b"c" * 20]]
     cost.check(sent, [b"c" * 20, b"a" * 20, b"b" * 20], "ring")  # order does not matter
     with pytest.raises(SystemExit, match="popped 2"):

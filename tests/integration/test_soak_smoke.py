@@ -1,5 +1,6 @@
 """Short versions of benchmarks/soak.py (the long soaks live there): every message comes through once,
-counted and checksummed, and a ring's table stays within a stated bound."""
+counted and checksummed, and a ring's table stays within a stated bound; and soak.py's check fails
+when a message is missing or duplicated."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.helpers import load_benchmark
 
 pytestmark = pytest.mark.integration
 
@@ -71,3 +74,29 @@ def test_table_soak_short_with_maintenance(pg_dsn: str) -> None:
         "10000",
     )
     assert r["samples"][-1]["messages"] == 20000
+
+
+def test_soak_check_refuses_a_lost_or_duplicated_message() -> None:
+    """soak.py's own check (what the tests above trust): producers' and consumers' (count, checksum)
+    reports, made with its own digests, disagree when a message is missing, duplicated, or one of each."""
+    soak_py = load_benchmark("soak")
+    fillers = soak_py.Fillers(300, soak_py.PAYLOAD_HEADER.size)
+    sent = [soak_py.make(soak_py.PAYLOAD_HEADER, fillers, 0, s) for s in range(5)]  # as producers do
+
+    def report(payloads: list[bytes]) -> tuple[int, int]:
+        return len(payloads), int(soak_py.add_digests(0, payloads))
+
+    pushed = [report(sent[:3]), report(sent[3:])]  # two producers
+
+    def verdict(*popped: list[bytes], left: int = 0) -> tuple[bool, int, int, bool]:
+        """(checksum_ok, lost, duplicated, valid) of a soak whose consumers popped ``popped``."""
+        result = soak_py.tally(pushed, [report(p) for p in popped], left)
+        assert (result["pushed"], result["popped"]) == (5, sum(map(len, popped)))
+        ok = soak_py.valid({**result, "errors": [], "left_in_queue": left}, len(sent))
+        return result["checksum_ok"], result["lost"], result["duplicated"], ok
+
+    assert verdict(sent[3:], sent[:3]) == (True, 0, 0, True)  # order and consumers do not matter
+    assert verdict(sent[:2], sent[3:]) == (False, 1, 0, False)  # sent[2] missing
+    assert verdict(sent, [sent[2]]) == (False, 0, 1, False)  # sent[2] twice
+    assert verdict(sent[:4], [sent[0]]) == (False, 0, 0, False)  # one lost, one twice: counts agree
+    assert verdict(sent[:4], left=1) == (False, 0, 0, False)  # still queued: not lost, not done
