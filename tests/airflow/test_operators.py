@@ -14,7 +14,13 @@ from typing import Any
 import pytest
 from airflow.sdk.exceptions import AirflowNotFoundException
 
-from airflow_dbqueue.engine import ConfigurationError, DbQueue, PayloadTypeError, QueueNotFoundError
+from airflow_dbqueue.engine import (
+    ConfigurationError,
+    DbQueue,
+    LeaseExpiredError,
+    PayloadTypeError,
+    QueueNotFoundError,
+)
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
 from airflow_dbqueue.operators.dbqueue import DbQueueAckOperator, DbQueuePopOperator, DbQueuePushOperator
 from tests.helpers import checksum
@@ -174,7 +180,7 @@ def test_nack_operator_releases_what_is_still_held(airflow_conn: str, dbq: DbQue
     time.sleep(0.6)
     q.reclaim_expired()
     [again] = q.pop(1, semantics="at-least-once", visibility_timeout=60)  # one of ours, redelivered
-    with pytest.raises(Exception, match="lease"):
+    with pytest.raises(LeaseExpiredError, match="lease"):
         run(DbQueueAckOperator(task_id="ack", claim=claim))  # all or nothing
     assert run(DbQueueAckOperator(task_id="nack", claim=claim, action="nack", delay=0)) == 0
     assert q.ack([*held, again]) == 3

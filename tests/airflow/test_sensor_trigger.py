@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from airflow.providers.common.messaging.triggers.msg_queue import MessageQueueTrigger
-from airflow.sdk.exceptions import AirflowSensorTimeout, TaskDeferred
+from airflow.sdk.exceptions import AirflowException, AirflowSensorTimeout, TaskDeferred
 
 from airflow_dbqueue.engine import DbQueue, QueueNotFoundError
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
@@ -89,18 +89,28 @@ def test_serialize_round_trips() -> None:
         DbQueueTrigger(queue_name="q", min_messages=0)
 
 
-def test_fires_within_1s_of_a_push_on_notify(airflow_conn: str, dbq: DbQueue) -> None:
+NOTIFY_POLL_S = 60.0
+"""The NOTIFY test's poll interval. It waits for the event a third of that after the push: only the
+NOTIFY can fire the trigger in time, and a loaded machine has twenty seconds to deliver it."""
+
+POLL_S = 1.0
+"""The polling test's poll interval; its event must come within ten of them."""
+
+
+def test_notify_wakes_the_trigger_long_before_its_poll(airflow_conn: str, dbq: DbQueue) -> None:
     q = dbq.create_queue("wake")  # notify="auto": a push into an empty queue notifies
-    # A poll interval of 30 s: only the NOTIFY can explain a wake-up within a second.
-    runner = Runner(DbQueueTrigger(queue_name="wake", poll_interval=30.0, rearm=False))
+    runner = Runner(DbQueueTrigger(queue_name="wake", poll_interval=NOTIFY_POLL_S, rearm=False))
     try:
-        wait_until_waiting(dbq.db.dsn)
+        wait_until_waiting(dbq.db.dsn)  # its first check found the queue empty
         pushed_at = time.monotonic()
         [mid] = q.push_batch([{"x": 1}])
-        [(fired_at, event)] = runner.wait_events(1, timeout=10)
-        latency = fired_at - pushed_at
-        print(f"NOTIFY wake-up latency: {latency * 1000:.1f} ms")
-        assert latency < 1.0
+        events = runner.wait_events(1, timeout=NOTIFY_POLL_S / 3)
+        assert events, (
+            f"no event within {NOTIFY_POLL_S / 3:g} s of the push: no NOTIFY woke the trigger "
+            f"(it polls every {NOTIFY_POLL_S:g} s)"
+        )
+        [(fired_at, event)] = events
+        print(f"NOTIFY wake-up latency: {(fired_at - pushed_at) * 1000:.1f} ms")
         assert event == {
             "status": "success",
             "queue_name": "wake",
@@ -116,14 +126,15 @@ def test_fires_within_1s_of_a_push_on_notify(airflow_conn: str, dbq: DbQueue) ->
 
 def test_fires_by_polling_when_notify_is_off(airflow_conn: str, dbq: DbQueue) -> None:
     q = dbq.create_queue("quiet", notify="never")
-    runner = Runner(DbQueueTrigger(queue_name="quiet", poll_interval=1.0, rearm=False))
+    runner = Runner(DbQueueTrigger(queue_name="quiet", poll_interval=POLL_S, rearm=False))
     try:
         wait_until_waiting(dbq.db.dsn)
         pushed_at = time.monotonic()
         q.push_batch([1, 2])
-        [(fired_at, event)] = runner.wait_events(1, timeout=10)
-        print(f"polling wake-up latency: {(fired_at - pushed_at) * 1000:.1f} ms (poll_interval 1 s)")
-        assert fired_at - pushed_at <= 1.0 + 0.5  # within its poll interval (plus a check's time)
+        events = runner.wait_events(1, timeout=10 * POLL_S)
+        assert events, f"no event within ten poll intervals ({10 * POLL_S:g} s) of the push"
+        [(fired_at, event)] = events
+        print(f"polling wake-up latency: {(fired_at - pushed_at) * 1000:.1f} ms (poll_interval {POLL_S:g} s)")
         assert event["ready"] == 1 and q.stats().ready == 2
     finally:
         runner.stop()
@@ -231,7 +242,7 @@ def test_deferrable_sensor_defers_and_completes(airflow_conn: str, dbq: DbQueue)
     # Raced: another consumer emptied the queue between the event and the claim: defer again.
     with pytest.raises(TaskDeferred):
         sensor.execute_complete({}, event)
-    with pytest.raises(Exception, match="unexpected trigger event"):
+    with pytest.raises(AirflowException, match="unexpected trigger event"):
         sensor.execute_complete({}, {"status": "error"})
 
 

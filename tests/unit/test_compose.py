@@ -403,7 +403,10 @@ def test_every_variable_is_documented_in_env_example() -> None:
         if var in documented and default:
             assert documented[var] == default, f".env.example shows {var}'s default as in docker-compose.yml"
     assert ".env" in (ROOT / ".gitignore").read_text().split(), "a real .env is never committed"
-    assert not (ROOT / ".env").exists() or ".env" in (ROOT / ".gitignore").read_text().split()
+    tracked = subprocess.run(
+        ["git", "ls-files", "--", ".env"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    assert tracked == "", "a .env is committed (git ls-files): it would hold real passwords"
 
 
 @pytest.mark.parametrize("port", ["POSTGRES_PORT", "AIRFLOW_PORT", "SPARK_MASTER_UI_PORT", "MSSQL_PORT"])
