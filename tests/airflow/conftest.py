@@ -22,6 +22,8 @@ import psycopg.conninfo
 import pytest
 
 from airflow_dbqueue.engine import DbQueue
+from airflow_dbqueue.spark import DEBIAN_JDBC_JAR, JDBC_JAR_ENV, find_jdbc_jar
+from tests.helpers import require
 
 _HOME = tempfile.mkdtemp(prefix="dbqueue-airflow-home-")
 os.environ["AIRFLOW_HOME"] = _HOME
@@ -45,6 +47,37 @@ def conn_json(pg_dsn: str, schema: str, **extra: Any) -> str:
             "schema": info.get("dbname"),
             "extra": {"dbqueue_schema": schema, **extra},
         }
+    )
+
+
+def find_java() -> str | None:
+    """The Java runtime spark-submit would start: ``$JAVA_HOME/bin/java``, else ``java`` on PATH."""
+    home = os.environ.get("JAVA_HOME")
+    if home:
+        java = Path(home) / "bin" / "java"
+        return str(java) if java.is_file() and os.access(java, os.X_OK) else None
+    return shutil.which("java")
+
+
+@pytest.fixture
+def java_runtime() -> None:
+    """Java, which spark-submit starts: a test without it skips, or fails under scripts/test, which
+    installs it."""
+    require(
+        None if find_java() else "no Java runtime ($JAVA_HOME/bin/java, or java on PATH)",
+        "apt-get install openjdk-17-jre-headless; scripts/test installs it",
+    )
+
+
+@pytest.fixture
+def spark_system(java_runtime: None) -> None:
+    """Java and PostgreSQL's JDBC driver, which the pipeline's Spark job reads the queue through: a test
+    without them skips, or fails under scripts/test, which installs both."""
+    jar = find_jdbc_jar()
+    found = jar is not None and Path(jar).is_file()
+    require(
+        None if found else f"PostgreSQL's JDBC driver is missing ({jar or DEBIAN_JDBC_JAR})",
+        f"apt-get install libpostgresql-jdbc-java, or set ${JDBC_JAR_ENV}; scripts/test installs it",
     )
 
 

@@ -16,7 +16,7 @@ from airflow_dbqueue.engine import DbQueue
 from tests.airflow.conftest import dags_test, migrated_airflow_env, spark_env
 from tests.helpers import checksum
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("java_runtime")]
 
 DAGS = Path(__file__).with_name("spark_dags")
 

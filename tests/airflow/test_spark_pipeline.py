@@ -18,16 +18,10 @@ import pytest
 from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue
-from airflow_dbqueue.spark import find_jdbc_jar
 from airflow_dbqueue.spark.orders import SAMPLE_RATES, OrderRollup, expected_totals, sample_orders
 from tests.airflow.conftest import dags_test, spark_env
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(
-        find_jdbc_jar() is None, reason="PostgreSQL JDBC driver missing (scripts/test installs it)"
-    ),
-]
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("spark_system")]
 
 DAG_ID = "dbqueue_order_pipeline"
 
