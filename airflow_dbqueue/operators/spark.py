@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import collections
+import ast
 import contextlib
+import dataclasses
+import json
 import os
 import re
 import shutil
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,22 +35,103 @@ BatchCallback = Callable[["psycopg.Connection[Any]", Batch], None]
 # Lines of a job's output that say why it failed: our jobs' "REJECTED" verdicts, Python exceptions.
 _JOB_ERROR = re.compile(r"REJECTED|^\s*(?:[\w.]+\.)?\w*(?:Error|Exception)\b:?")
 
+JDBC_PASSWORD_ENV = "DBQUEUE_JDBC_PASSWORD"
+JDBC_PASSWORD_FILE_ENV = "DBQUEUE_JDBC_PASSWORD_FILE"
 
-class _SparkSubmit(SparkSubmitHook):  # type: ignore[misc]
-    """SparkSubmitHook that also keeps the job's error lines, to say why a batch was released."""
+# SparkSubmitHook arguments that make submit() return while the job still runs (the hook then
+# expects its caller to poll the cluster), so the batch would be published and acked early.
+_EARLY_RETURN_KWARGS = ("track_driver_via_k8s_api", "yarn_track_via_rm_api")
+# Spark settings that make spark-submit exit once the application is submitted, for the same reason.
+_EARLY_RETURN_CONF = ("spark.yarn.submit.waitAppCompletion", "spark.kubernetes.submission.waitAppCompletion")
+# SparkSubmitHook arguments the operator sets itself, each from one of its own parameters.
+_OWN_KWARGS = {
+    "conf": "spark_conf",
+    "conn_id": "spark_conn_id",
+    "application_args": "application_args",
+    "env_vars": "env_vars",
+}
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.error_lines: collections.deque[str] = collections.deque(maxlen=6)
 
-    def _process_spark_submit_log(self, itr: Iterator[Any]) -> None:
-        def tee() -> Iterator[Any]:
-            for line in itr:
-                if _JOB_ERROR.search(line):
-                    self.error_lines.append(line.strip()[:500])
-                yield line
+def _refuse_early_return(task_id: str, kwargs: Mapping[str, Any], conf: object) -> None:
+    """Raise when ``spark_submit_kwargs`` or ``spark_conf`` would let ``submit()`` return before the job
+    has ended: the operator publishes and acks the batch as soon as it returns."""
+    for key in _EARLY_RETURN_KWARGS:
+        if kwargs.get(key):
+            raise ConfigurationError(
+                f"{task_id}: spark_submit_kwargs {key}=True makes spark-submit return once the job is "
+                "submitted, and the batch would be acked before the job ends; leave it out (spark-submit "
+                "then waits for the application, and the lease heartbeat holds the batch meanwhile)"
+            )
+    for key, param in _OWN_KWARGS.items():
+        if key in kwargs:
+            raise ConfigurationError(
+                f"{task_id}: spark_submit_kwargs must not set {key!r}: use the operator's {param}="
+            )
+    if isinstance(conf, Mapping):
+        for key in _EARLY_RETURN_CONF:
+            if str(conf.get(key, "")).strip().lower() == "false":
+                raise ConfigurationError(
+                    f"{task_id}: spark_conf {key}=false makes spark-submit return once the job is "
+                    "submitted, and the batch would be acked before the job ends; leave it out"
+                )
 
-        super()._process_spark_submit_log(tee())
+
+def _as_list(task_id: str, name: str, value: object) -> list[str]:
+    """A rendered list argument: a list or tuple as it is, or the text of one (JSON, or the Python
+    literal Jinja prints for a list); each item becomes one argument."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        text = value.strip()
+        parsed: object = None
+        with contextlib.suppress(ValueError):
+            parsed = json.loads(text)
+        if not isinstance(parsed, list):
+            with contextlib.suppress(ValueError, SyntaxError, MemoryError, RecursionError):
+                parsed = ast.literal_eval(text)
+        if not isinstance(parsed, list | tuple):
+            raise ConfigurationError(
+                f"{task_id}: {name} rendered to {value[:200]!r}, which is not a list of arguments; pass a "
+                "list (items may be templates), an XComArg of a list, or a template that renders one"
+            )
+        value = parsed
+    if not isinstance(value, list | tuple):
+        raise ConfigurationError(
+            f"{task_id}: {name} must be a list of arguments, got {type(value).__name__}: {value!r:.200}"
+        )
+    out = []
+    for item in value:
+        if isinstance(item, dict | list | tuple | set) or item is None:
+            raise ConfigurationError(
+                f"{task_id}: each of {name} must be a string or a number, got {item!r:.200}"
+            )
+        out.append(str(item))
+    return out
+
+
+def _as_conf(task_id: str, value: object) -> dict[str, str]:
+    """The rendered ``spark_conf``: a mapping, or the JSON text of one."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            value = None
+    if not isinstance(value, Mapping):
+        raise ConfigurationError(f"{task_id}: spark_conf must be a mapping of Spark settings")
+    return {str(k): str(v) for k, v in value.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class _JobSetup:
+    """What every batch of one task run is submitted with."""
+
+    env: dict[str, str]  # the job's environment, without the password
+    password: str | None  # None: none, or the job reads it from jdbc_password_file
+    jars: str | None
+    master: str
+    cluster: bool  # the driver runs on the cluster
 
 
 class SparkBatchError(DbQueueError):
@@ -65,9 +148,8 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
     2. run ``spark-submit`` through the Spark provider's ``SparkSubmitHook`` with ``application`` and
        ``application_args`` followed by ``--batch-id ID --batch-size N --batch-query SQL``: the job
        reads the batch's ``ord, id, delivery, payload`` rows with Spark's JDBC source (partitioned on
-       ``ord``), connecting with ``$DBQUEUE_JDBC_URL``, ``$DBQUEUE_JDBC_USER`` and
-       ``$DBQUEUE_JDBC_PASSWORD`` (set from the queue's Airflow connection, never on the command line).
-       While it runs, the batch's lease is extended every third of ``lease_timeout``;
+       ``ord``), connecting with ``$DBQUEUE_JDBC_URL``, ``$DBQUEUE_JDBC_USER`` and the password (see
+       below). While it runs, the batch's lease is extended every third of ``lease_timeout``;
     3. on success, in one database transaction: ``publish(conn, batch)`` (move what the job wrote into
        the results) and ack the batch. Results and ack commit together, so a batch counts once.
     4. on any failure (non-zero exit, ``publish`` refusing, a lost lease, a timeout, ``on_kill``):
@@ -75,13 +157,22 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
        the task (Airflow's retries take it from there; the messages' attempts count towards the
        queue's ``max_attempts``, after which they go to the failed state).
 
-    The Spark master comes from the Spark connection alone (``local[*]``, ``spark://``, YARN,
-    Kubernetes). For local masters the operator runs the job with this interpreter
-    (``PYSPARK_PYTHON``) and binds Spark to 127.0.0.1 unless ``SPARK_LOCAL_IP`` is set.
+    The Spark master and deploy mode come from the Spark connection (``local[*]``, ``spark://``,
+    YARN, Kubernetes). No credential is ever put on spark-submit's command line. In client mode
+    (the driver runs here, a child of spark-submit) the job's environment, ``$DBQUEUE_JDBC_PASSWORD``
+    included, is spark-submit's own process environment. In cluster mode the driver runs on the
+    cluster: the non-secret variables go the way Spark takes them there, and the password only as a
+    file the driver reads, ``jdbc_password_file`` (``$DBQUEUE_JDBC_PASSWORD_FILE``); without one, a
+    connection with a password is refused. ``submit`` returns only when the job has ended: in
+    standalone cluster mode the operator follows the driver with the provider's status tracking, and
+    settings that make spark-submit return early are refused. For local masters the operator runs
+    the job with this interpreter (``PYSPARK_PYTHON``) and binds Spark to 127.0.0.1 unless
+    ``SPARK_LOCAL_IP`` is set.
 
     :param queue_name: the queue to take batches from.
     :param application: the PySpark file (or jar) to submit.
-    :param application_args: arguments before the batch arguments (templated).
+    :param application_args: arguments before the batch arguments (templated): a list, an ``XComArg``
+        of a list, or a template that renders one (JSON, or the Python literal Jinja prints).
     :param max_messages: most messages in one batch.
     :param max_batches: most batches one task run processes (it stops early when the queue is empty).
     :param lease_timeout: seconds the batch stays claimed without a heartbeat.
@@ -90,10 +181,13 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
     :param release_delay: seconds before a released batch is ready again (None: the queue's backoff).
     :param if_empty: when no message is ready: ``"skip"`` (the task is skipped), ``"success"``, ``"fail"``.
     :param jdbc_jar: the JDBC driver jar for the job (default: ``$DBQUEUE_JDBC_JAR`` or Debian's).
+    :param jdbc_password_file: a file holding the queue database's password, readable where the
+        driver runs; needed in cluster mode when the connection has a password (templated).
     :param spark_conn_id: the Spark connection (master, deploy mode, ...).
     :param spark_conf: extra ``--conf`` settings (templated).
     :param spark_submit_kwargs: further ``SparkSubmitHook`` arguments (``driver_memory``, ``packages``...).
-    :param env_vars: extra environment for the job.
+    :param env_vars: extra environment for the job (templated); never put secrets here in cluster
+        mode on YARN or Kubernetes, where Spark takes them as ``--conf`` settings.
     :param dbqueue_conn_id: the Airflow connection to the queue's database.
     :param dbqueue_schema: schema of the queue tables; overrides the connection extra.
     """
@@ -103,6 +197,8 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
         "application",
         "application_args",
         "spark_conf",
+        "env_vars",
+        "jdbc_password_file",
         "max_messages",
         "max_batches",
     )
@@ -113,7 +209,7 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
         *,
         queue_name: str,
         application: str,
-        application_args: Sequence[Any] | None = None,
+        application_args: Any = None,
         max_messages: int | str = 10_000,
         max_batches: int | str = 1,
         lease_timeout: float = 1800.0,
@@ -122,10 +218,11 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
         release_delay: float | None = 0.0,
         if_empty: str = "skip",
         jdbc_jar: str | None = None,
+        jdbc_password_file: str | None = None,
         spark_conn_id: str = "spark_default",
-        spark_conf: dict[str, Any] | None = None,
+        spark_conf: Any = None,
         spark_submit_kwargs: dict[str, Any] | None = None,
-        env_vars: dict[str, str] | None = None,
+        env_vars: Any = None,
         dbqueue_conn_id: str = DbQueueHook.default_conn_name,
         dbqueue_schema: str | None = None,
         **kwargs: Any,
@@ -137,9 +234,11 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
             )
         if lease_timeout <= 0:
             raise ValueError(f"{type(self).__name__}: lease_timeout must be > 0, got {lease_timeout}")
+        # Templated fields are kept as given (a Jinja string, an XComArg, a list) and read in execute,
+        # once Airflow has rendered them.
         self.queue_name = queue_name
         self.application = application
-        self.application_args = list(application_args or [])
+        self.application_args = application_args
         self.max_messages = max_messages
         self.max_batches = max_batches
         self.lease_timeout = lease_timeout
@@ -148,12 +247,14 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
         self.release_delay = release_delay
         self.if_empty = if_empty
         self.jdbc_jar = jdbc_jar
+        self.jdbc_password_file = jdbc_password_file
         self.spark_conn_id = spark_conn_id
-        self.spark_conf = dict(spark_conf or {})
+        self.spark_conf = spark_conf
         self.spark_submit_kwargs = dict(spark_submit_kwargs or {})
-        self.env_vars = dict(env_vars or {})
+        self.env_vars = env_vars
         self.dbqueue_conn_id = dbqueue_conn_id
         self.dbqueue_schema = dbqueue_schema
+        _refuse_early_return(self.task_id, self.spark_submit_kwargs, spark_conf)
         self._spark: SparkSubmitHook | None = None
         self._hook: DbQueueHook | None = None
         self._batch: Batch | None = None
@@ -170,6 +271,9 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
             ) from None
         if max_batches < 1:
             raise ConfigurationError(f"{self.task_id}: max_batches must be >= 1, got {max_batches}")
+        # Checked again as rendered, before anything is claimed.
+        _refuse_early_return(self.task_id, self.spark_submit_kwargs, _as_conf(self.task_id, self.spark_conf))
+        _as_list(self.task_id, "application_args", self.application_args)
         ti = context["ti"]
         consumer = f"{ti.dag_id}.{ti.task_id}.{ti.run_id}.{ti.map_index}.try{ti.try_number}"
         with DbQueueHook(self.dbqueue_conn_id, dbqueue_schema=self.dbqueue_schema) as hook:
@@ -188,8 +292,10 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
         """Claim, run, publish and ack up to ``max_batches`` batches; return their summaries."""
         done: list[dict[str, Any]] = []
         queue = hook.get_queue(self.queue_name)
-        env = self._job_env(hook)
+        env, password = self._job_env(hook)
         jars = self._jars()
+        master, cluster = self._spark_target(password)
+        setup = _JobSetup(env, password, jars, master, cluster)
         for _ in range(max_batches):
             batch = queue.claim_batch(max_messages, visibility_timeout=self.lease_timeout, consumer=consumer)
             if batch is None:
@@ -203,7 +309,7 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
                 batch.lease_until.isoformat(),
             )
             try:
-                self._run_job(queue, batch, env, jars)
+                self._run_job(queue, batch, setup)
                 with hook.transaction() as conn:
                     if self.publish is not None:
                         self.publish(conn, batch)
@@ -241,13 +347,30 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
             raise ConfigurationError(f"{self.task_id}: the JDBC driver jar {jar!r} does not exist")
         return ",".join(j for j in (jar, extra) if j) or None
 
-    def _job_env(self, hook: DbQueueHook) -> dict[str, str]:
+    def _job_env(self, hook: DbQueueHook) -> tuple[dict[str, str], str | None]:
+        """Return the job's environment without the password, and the password (None: none, or
+        ``jdbc_password_file`` names where the driver finds it)."""
         url, user, password = hook.jdbc()
-        env = {"DBQUEUE_JDBC_URL": url, **self.env_vars}
+        extra = self.env_vars if self.env_vars is not None else {}
+        if isinstance(extra, str):
+            with contextlib.suppress(ValueError):
+                extra = json.loads(extra)
+        if not isinstance(extra, Mapping):
+            raise ConfigurationError(
+                f"{self.task_id}: env_vars must be a mapping of variable names to values"
+            )
+        for reserved in (JDBC_PASSWORD_ENV, JDBC_PASSWORD_FILE_ENV):
+            if reserved in extra:
+                raise ConfigurationError(
+                    f"{self.task_id}: env_vars must not set {reserved}: the operator delivers the password "
+                    "from the queue's connection (jdbc_password_file= names a file for cluster mode)"
+                )
+        env = {"DBQUEUE_JDBC_URL": url, **{str(k): str(v) for k, v in extra.items()}}
         if user:
             env["DBQUEUE_JDBC_USER"] = user
-        if password:
-            env["DBQUEUE_JDBC_PASSWORD"] = password
+        if self.jdbc_password_file:
+            env[JDBC_PASSWORD_FILE_ENV] = str(self.jdbc_password_file)
+            password = None
         master = (BaseHook.get_connection(self.spark_conn_id).host or "").strip()
         if master.startswith("local"):
             # The job runs where we run: with this interpreter (it has pyspark), this PATH's
@@ -258,28 +381,64 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
                 env.setdefault("PATH", f"{here}{os.pathsep}{os.environ.get('PATH', '')}")
             if "SPARK_LOCAL_IP" not in os.environ:
                 env.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        return env
+        return env, password or None
 
-    def _run_job(self, queue: Queue, batch: Batch, env: dict[str, str], jars: str | None) -> None:
+    def _spark_target(self, password: str | None) -> tuple[str, bool]:
+        """Return the master and whether the driver runs on the cluster, as the Spark provider resolves
+        them; refuse, before anything is claimed, a password that cannot reach such a driver."""
+        kwargs = {k: v for k, v in self.spark_submit_kwargs.items() if k in ("deploy_mode", "spark_binary")}
+        target = SparkSubmitHook(conn_id=self.spark_conn_id, **kwargs)._connection
+        master, cluster = str(target["master"]), target.get("deploy_mode") == "cluster"
+        if cluster and password:
+            raise ConfigurationError(
+                f"{self.task_id}: the Spark connection {self.spark_conn_id!r} runs the driver on the cluster "
+                f"({master}, deploy mode cluster), where spark-submit's environment does not reach it, and "
+                "the JDBC password is never put on spark-submit's command line: set jdbc_password_file to "
+                "a file holding it that the driver can read (for example a Kubernetes secret mounted with "
+                "spark.kubernetes.driver.secrets.*, or a file on the YARN nodes), or use client mode"
+            )
+        return master, cluster
+
+    def _submit_hook(
+        self, batch: Batch, setup: _JobSetup, query: str
+    ) -> tuple[SparkSubmitHook, dict[str, str]]:
+        """Return the ``SparkSubmitHook`` for a batch and the environment of the spark-submit process.
+
+        In client mode the driver is a child of spark-submit and inherits that environment, the
+        password included. The hook's ``env_vars`` become ``--conf`` settings on YARN and Kubernetes, so
+        they are used only where a cluster-mode driver needs them that way, and never hold a secret.
+        """
         args = [
-            *map(str, self.application_args),
+            *_as_list(self.task_id, "application_args", self.application_args),
             "--batch-id",
             batch.batch_id,
             "--batch-size",
             str(batch.size),
             "--batch-query",
-            queue.batch_query(batch.batch_id),
+            query,
         ]
         kwargs = {k: v for k, v in self.spark_submit_kwargs.items() if k != "jars"}
         kwargs.setdefault("name", f"dbqueue-{self.queue_name}-{batch.batch_id[:8]}")
-        self._spark = spark = _SparkSubmit(
-            conf=self.spark_conf,
+        master, cluster, env = setup.master, setup.cluster, setup.env
+        process_env = {**os.environ, **env}
+        if setup.password and not cluster:
+            process_env[JDBC_PASSWORD_ENV] = setup.password
+        spark = SparkSubmitHook(
+            conf=_as_conf(self.task_id, self.spark_conf),
             conn_id=self.spark_conn_id,
-            jars=jars,
+            jars=setup.jars,
             application_args=args,
-            env_vars=env,
+            # On YARN and Kubernetes a cluster-mode driver gets its variables as Spark settings. The
+            # provider takes no env_vars in standalone cluster mode: there they stay in
+            # spark-submit's environment.
+            env_vars=env if cluster and ("yarn" in master or "k8s" in master) else None,
             **kwargs,
         )
+        return spark, process_env
+
+    def _run_job(self, queue: Queue, batch: Batch, setup: _JobSetup) -> None:
+        spark, process_env = self._submit_hook(batch, setup, queue.batch_query(batch.batch_id))
+        self._spark = spark
         stop = threading.Event()
         lost: list[BaseException] = []
         beat = threading.Thread(
@@ -289,16 +448,32 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
         try:
             # A session of its own: a kill reaches spark-submit's whole process group (the JVM and
             # the Python driver it starts), not only the process we started.
-            spark.submit(self.application, start_new_session=True)
+            spark.submit(self.application, start_new_session=True, env=process_env)
+            if spark._should_track_driver_status:
+                # Standalone cluster mode: spark-submit has returned once the driver was submitted;
+                # follow it with the provider's own status tracking until it has ended.
+                spark._start_driver_status_tracking()
+                if spark._driver_status != "FINISHED":
+                    raise SparkBatchError(
+                        f"batch {batch.batch_id} of queue {self.queue_name!r}: the Spark driver "
+                        f"{spark._driver_id} ended in state {spark._driver_status}"
+                    )
+        except SparkBatchError:
+            raise
         except Exception as exc:
-            why = " | ".join(spark.error_lines) or str(exc).splitlines()[-1][:500]
             raise SparkBatchError(
-                f"batch {batch.batch_id} of queue {self.queue_name!r}: the Spark job failed: {why}"
+                f"batch {batch.batch_id} of queue {self.queue_name!r}: the Spark job failed: {_why(exc)}"
             ) from exc
         finally:
             stop.set()
             proc = getattr(spark, "_submit_sp", None)
-            if proc is not None and proc.poll() is None:  # interrupted: a timeout, a kill
+            running = proc is not None and proc.poll() is None
+            driver_open = (
+                spark._should_track_driver_status
+                and spark._driver_id is not None
+                and spark._driver_status not in _DRIVER_ENDED
+            )
+            if running or driver_open:  # interrupted: a timeout, a kill, a lost lease
                 self._kill_job()
             beat.join()
             self._spark = None
@@ -360,3 +535,17 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
         batch, hook = self._batch, self._hook
         if batch is not None and hook is not None:
             self._release(hook.get_queue(self.queue_name), batch, "task killed")
+
+
+# Standalone driver states after which the driver is no longer running.
+_DRIVER_ENDED = frozenset({"FINISHED", "KILLED", "FAILED", "ERROR"})
+
+
+def _why(exc: BaseException) -> str:
+    """What a failed submit says about its cause: the job's error lines from the tail of spark-submit's
+    output that the provider's exception quotes, else its last line."""
+    lines = str(exc).splitlines()
+    errors = [line.strip()[:500] for line in lines if _JOB_ERROR.search(line)]
+    if errors:
+        return " | ".join(errors[-6:])
+    return (lines[-1] if lines else type(exc).__name__)[:500]

@@ -17,7 +17,8 @@ Arguments (the operator adds the ``--batch-*`` ones)::
     --partitions P                                        parallel JDBC reads of the batch
 
 JDBC connection: ``DBQUEUE_JDBC_URL``, ``DBQUEUE_JDBC_USER`` and ``DBQUEUE_JDBC_PASSWORD`` in the
-environment (never on the command line).
+environment, or instead of the password ``DBQUEUE_JDBC_PASSWORD_FILE``, a file holding it (cluster
+mode); never on the command line.
 """
 
 from __future__ import annotations
@@ -77,6 +78,14 @@ def jdbc_options() -> dict[str, str]:
         opts["user"] = os.environ["DBQUEUE_JDBC_USER"]
     if os.environ.get("DBQUEUE_JDBC_PASSWORD"):
         opts["password"] = os.environ["DBQUEUE_JDBC_PASSWORD"]
+    elif os.environ.get("DBQUEUE_JDBC_PASSWORD_FILE"):  # cluster mode: a file where the driver runs
+        path = os.environ["DBQUEUE_JDBC_PASSWORD_FILE"]
+        why = "order_rollup: cannot read DBQUEUE_JDBC_PASSWORD_FILE"
+        try:
+            with open(path, encoding="utf-8") as f:
+                opts["password"] = f.read().rstrip("\r\n")
+        except OSError as exc:
+            raise SystemExit(f"{why} {path!r}: {exc}") from None
     return opts
 
 

@@ -70,15 +70,21 @@ def java_runtime() -> None:
 
 
 @pytest.fixture
-def spark_system(java_runtime: None) -> None:
-    """Java and PostgreSQL's JDBC driver, which the pipeline's Spark job reads the queue through: a test
-    without them skips, or fails under scripts/test, which installs both."""
+def jdbc_driver() -> None:
+    """PostgreSQL's JDBC driver, which the Spark operator hands every spark-submit (``--jars``): a test
+    without it skips, or fails under scripts/test, which installs it."""
     jar = find_jdbc_jar()
     found = jar is not None and Path(jar).is_file()
     require(
         None if found else f"PostgreSQL's JDBC driver is missing ({jar or DEBIAN_JDBC_JAR})",
         f"apt-get install libpostgresql-jdbc-java, or set ${JDBC_JAR_ENV}; scripts/test installs it",
     )
+
+
+@pytest.fixture
+def spark_system(java_runtime: None, jdbc_driver: None) -> None:
+    """Java and PostgreSQL's JDBC driver, which the pipeline's Spark job reads the queue through: a test
+    without them skips, or fails under scripts/test, which installs both."""
 
 
 def trigger_is_waiting(dsn: str) -> bool:
@@ -137,8 +143,10 @@ def dags_test(
     conf: dict[str, Any] | None = None,
     **extra: str,
 ) -> tuple[bool, str]:
-    """Run ``airflow dags test`` with ``dbqueue_default`` on ``schema``; return (succeeded, output)."""
-    run_env = dict(env, **{f"AIRFLOW_CONN_{CONN_ID.upper()}": conn_json(pg_dsn, schema)}, **extra)
+    """Run ``airflow dags test`` with ``dbqueue_default`` on ``schema``; return (succeeded, output).
+
+    ``extra`` adds environment variables, and may replace ``dbqueue_default`` itself."""
+    run_env = {**env, f"AIRFLOW_CONN_{CONN_ID.upper()}": conn_json(pg_dsn, schema), **extra}
     proc = subprocess.run(
         [str(AIRFLOW), "dags", "test", dag_id, "-c", json.dumps(conf or {})],
         env=run_env,
