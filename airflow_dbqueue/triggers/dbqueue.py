@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
+import inspect
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 
-from airflow_dbqueue.engine import NotifyMode
+from airflow_dbqueue.engine import ConfigurationError, NotifyMode
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook, connection_dsn
 
 if TYPE_CHECKING:
@@ -25,6 +27,23 @@ def _open_queue(dsn: str, schema: str, queue_name: str) -> Queue:
         return dbq.queue(queue_name)
     finally:
         dbq.close()
+
+
+def _unknown_arguments(cls: type, given: dict[str, Any]) -> str:
+    """The error for keyword arguments ``cls`` does not take, with the nearest names it does."""
+    known = [
+        name
+        for name, p in inspect.signature(cls).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    parts = []
+    for name in sorted(given):
+        near = difflib.get_close_matches(name, known, n=1)
+        parts.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    return (
+        f"{cls.__name__} got unknown argument(s) {', '.join(parts)}; it takes {', '.join(known)} "
+        "(MessageQueueTrigger(scheme='dbqueue', ...) passes its other keywords on to it)"
+    )
 
 
 class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
@@ -50,6 +69,9 @@ class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
     :param use_notify: wait on LISTEN/NOTIFY (when the queue notifies); ``False`` polls only.
     :param rearm: keep watching after an event (see above).
     :param dbqueue_schema: schema of the queue tables; overrides the connection extra.
+
+    Any other keyword raises ``ConfigurationError`` naming it (and the nearest argument it may mean),
+    rather than being dropped.
     """
 
     def __init__(
@@ -65,7 +87,9 @@ class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
         dbqueue_schema: str | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        if kwargs:
+            raise ConfigurationError(_unknown_arguments(type(self), kwargs))
+        super().__init__()
         self.queue_name = queue_name
         self.dbqueue_conn_id = dbqueue_conn_id
         self.min_messages = int(min_messages)
@@ -75,9 +99,9 @@ class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
         self.rearm = bool(rearm)
         self.dbqueue_schema = dbqueue_schema
         if self.min_messages < 1:
-            raise ValueError(f"min_messages must be >= 1, got {min_messages!r}")
+            raise ConfigurationError(f"min_messages must be >= 1, got {min_messages!r}")
         if self.poll_interval <= 0:
-            raise ValueError(f"poll_interval must be > 0 seconds, got {poll_interval!r}")
+            raise ConfigurationError(f"poll_interval must be > 0 seconds, got {poll_interval!r}")
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         """Return the class path and the JSON-typed keyword arguments that rebuild this trigger."""

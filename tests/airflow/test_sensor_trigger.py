@@ -12,7 +12,7 @@ import pytest
 from airflow.providers.common.messaging.triggers.msg_queue import MessageQueueTrigger
 from airflow.sdk.exceptions import AirflowException, AirflowSensorTimeout, TaskDeferred
 
-from airflow_dbqueue.engine import DbQueue, QueueNotFoundError
+from airflow_dbqueue.engine import ConfigurationError, DbQueue, QueueNotFoundError
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
 from airflow_dbqueue.sensors.dbqueue import DbQueueSensor
 from airflow_dbqueue.triggers.dbqueue import DbQueueTrigger
@@ -85,7 +85,25 @@ def test_serialize_round_trips() -> None:
     mq_path, mq_kwargs = mq.serialize()
     assert mq_path == TRIGGER_PATH and mq_kwargs == {**kwargs, "rearm": True}
     assert DbQueueTrigger(**mq_kwargs).serialize() == (mq_path, mq_kwargs)
-    with pytest.raises(ValueError, match="min_messages"):
+    with pytest.raises(ConfigurationError, match="min_messages"):
+        DbQueueTrigger(queue_name="q", min_messages=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"min_message": 50}, r"unknown argument\(s\) 'min_message' \(did you mean 'min_messages'\?\)"),
+        ({"max_wait": 30, "batch_size": 500}, r"'batch_size', 'max_wait'"),
+    ],
+)
+def test_unknown_trigger_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigurationError, match=match):
+        DbQueueTrigger(queue_name="q", **kwargs)
+    # MessageQueueTrigger hands its other keywords on when it builds (and serializes) the trigger
+    mq = MessageQueueTrigger(scheme="dbqueue", queue_name="q", **kwargs)
+    with pytest.raises(ConfigurationError, match=match):
+        mq.serialize()
+    with pytest.raises(ConfigurationError, match="min_messages must be >= 1"):
         DbQueueTrigger(queue_name="q", min_messages=0)
 
 
