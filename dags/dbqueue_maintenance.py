@@ -18,8 +18,8 @@ Steps (each a task, each returning a JSON-safe report for XCom):
    fragmented indexes where the engine edition allows it, REORGANIZE otherwise, decided at run time;
    the result names the mode and the edition.
 6. ``metrics``: depth by state, oldest ready age, rates, table sizes and index bloat, sent as gauges
-   through Airflow's metrics (``dbqueue.<schema>.<queue>.ready``, ...) and returned. It runs even when
-   an earlier step failed.
+   through Airflow's metrics (``dbqueue.queue.ready`` tagged with schema and queue, ...) and
+   returned. It runs even when an earlier step failed.
 
 Steps that change things take the schema's maintenance lock (a PostgreSQL advisory lock; on SQL Server
 an application lock owned by the session, ``sp_getapplock``), so a second run at the same time (another

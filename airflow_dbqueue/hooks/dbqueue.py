@@ -125,13 +125,13 @@ _INDEX_GAUGES = ("size_bytes", "bloat_ratio", "bloat_bytes", "fragmentation_pct"
 def emit_metrics(metrics: Mapping[str, Any], *, prefix: str = "dbqueue") -> int:
     """Send the gauges of a metrics dict (:meth:`DbQueueHook.queue_metrics`) through Airflow's metrics.
 
-    Names are ``<prefix>.<schema>.<queue>.<gauge>`` for queues (``ready``, ``delayed``, ``in_flight``,
-    ``failed``, ``finished``, ``oldest_ready_age_s``, ``pushed_per_s``, ``finished_per_s``),
-    ``<prefix>.<schema>.table.<table>.<gauge>`` (sizes, live and dead rows),
-    ``<prefix>.<schema>.index.<index>.<gauge>`` (size and bloat; on SQL Server also fragmentation and
-    page density) and ``<prefix>.<schema>.xmin_holders``,
-    each also tagged with ``schema`` (and ``queue``, ``table`` or ``index``) for tagging backends.
-    Schema and queue names are identifiers, so every name is a valid stat name.
+    Names are stable and carry no schema, queue, table or index name; those travel as tags, as
+    Airflow's own metrics do since 3.2: ``<prefix>.queue.<gauge>`` tagged ``schema`` and ``queue``
+    (``ready``, ``delayed``, ``in_flight``, ``failed``, ``finished``, ``oldest_ready_age_s``,
+    ``pushed_per_s``, ``finished_per_s``), ``<prefix>.table.<gauge>`` tagged ``schema`` and ``table``
+    (sizes, live and dead rows), ``<prefix>.index.<gauge>`` tagged ``schema`` and ``index`` (size and
+    bloat; on SQL Server also fragmentation and page density) and ``<prefix>.xmin_holders`` tagged
+    ``schema``.
 
     :return: how many gauges were sent (values that are ``None`` are left out).
     """
@@ -144,18 +144,18 @@ def emit_metrics(metrics: Mapping[str, Any], *, prefix: str = "dbqueue") -> int:
         nonlocal sent
         if value is None:
             return
-        Stats.gauge(f"{prefix}.{schema}.{name}", float(value), tags={"schema": schema, **tags})
+        Stats.gauge(f"{prefix}.{name}", float(value), tags={"schema": schema, **tags})
         sent += 1
 
     for queue, values in metrics.get("queues", {}).items():
         for key in _QUEUE_GAUGES:
-            gauge(f"{queue}.{key}", values.get(key), {"queue": queue})
+            gauge(f"queue.{key}", values.get(key), {"queue": queue})
     for table, values in metrics.get("tables", {}).items():
         for key in _TABLE_GAUGES:
-            gauge(f"table.{table}.{key}", values.get(key), {"table": table})
+            gauge(f"table.{key}", values.get(key), {"table": table})
     for index, values in metrics.get("indexes", {}).items():
         for key in _INDEX_GAUGES:
-            gauge(f"index.{index}.{key}", values.get(key), {"index": index})
+            gauge(f"index.{key}", values.get(key), {"index": index})
     gauge("xmin_holders", len(metrics.get("xmin_holders", [])), {})
     return sent
 

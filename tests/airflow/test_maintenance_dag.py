@@ -14,7 +14,13 @@ import pytest
 from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue
-from airflow_dbqueue.hooks.dbqueue import DbQueueHook, emit_metrics
+from airflow_dbqueue.hooks.dbqueue import (
+    _INDEX_GAUGES,
+    _QUEUE_GAUGES,
+    _TABLE_GAUGES,
+    DbQueueHook,
+    emit_metrics,
+)
 from tests.airflow.test_dags import run_dag, xcom
 
 pytestmark = pytest.mark.integration
@@ -105,19 +111,29 @@ def test_hook_maintenance_and_metrics(
         with hook.maintenance().lock(), DbQueueHook(airflow_conn) as other:
             skipped = other.archive(older_than_s=0)
         assert skipped["stopped"] == "skipped" and "airflow-dbqueue-maintenance" in skipped["skipped"]
-    gauges = {name: value for name, value, _ in sent}
-    assert gauges[f"dbqueue.{dbq.schema}.jobs.ready"] == 15.0
-    assert gauges[f"dbqueue.{dbq.schema}.jobs.finished"] == 0.0
-    assert f"dbqueue.{dbq.schema}.table.meta.dead_tuples" in gauges
-    assert f"dbqueue.{dbq.schema}.index.meta_ready_idx.bloat_ratio" in gauges
-    assert ("queue", "jobs") in next(t for n, _, t in sent if n.endswith("jobs.ready")).items()
+    # Stable names; the schema and the queue, table or index are tags.
+    gauges = {(name, tuple(sorted(tags.items()))): value for name, value, tags in sent}
+    schema = ("schema", dbq.schema)
+    assert gauges[("dbqueue.queue.ready", (("queue", "jobs"), schema))] == 15.0
+    assert gauges[("dbqueue.queue.finished", (("queue", "jobs"), schema))] == 0.0
+    assert ("dbqueue.table.dead_tuples", (schema, ("table", "meta"))) in gauges
+    assert ("dbqueue.index.bloat_ratio", (("index", "meta_ready_idx"), schema)) in gauges
+    assert ("dbqueue.xmin_holders", (schema,)) in gauges
+    names = {name for name, _, _ in sent}
+    assert names <= {
+        *(f"dbqueue.queue.{g}" for g in _QUEUE_GAUGES),
+        *(f"dbqueue.table.{g}" for g in _TABLE_GAUGES),
+        *(f"dbqueue.index.{g}" for g in _INDEX_GAUGES),
+        "dbqueue.xmin_holders",
+    }, names
+    assert not [n for n in names if dbq.schema in n or "jobs" in n or "meta" in n]
     assert emit_metrics({"schema": "s", "queues": {"q": {"ready": 1, "oldest_ready_age_s": None}}}) == 2
-    assert f"dbqueue.{dbq.schema}.index.meta_ready_idx.page_density_pct" not in gauges  # PostgreSQL
+    assert "dbqueue.index.page_density_pct" not in names  # PostgreSQL
     # SQL Server's index measures (IndexHealth.as_dict there) go out as gauges too.
     sent.clear()
     index = {"size_bytes": 8192, "bloat_ratio": 1.1, "fragmentation_pct": 12.5, "page_density_pct": 81.0}
     assert emit_metrics({"schema": "s", "indexes": {"meta_pkey": index}}) == 5  # and xmin_holders
-    assert ("dbqueue.s.index.meta_pkey.page_density_pct", 81.0) in [(n, v) for n, v, _ in sent]
+    assert ("dbqueue.index.page_density_pct", 81.0, {"schema": "s", "index": "meta_pkey"}) in sent
 
 
 def mssql_conn_json(mssql_dsn: str, schema: str) -> str:
@@ -147,8 +163,10 @@ def test_hook_maintenance_on_sql_server(
 
     from tests.conftest import installed_dbq
 
-    sent: list[tuple[str, float]] = []
-    monkeypatch.setattr(Stats, "gauge", lambda stat, value, *a, **k: sent.append((stat, value)))
+    sent: list[tuple[str, float, dict[str, Any]]] = []
+    monkeypatch.setattr(
+        Stats, "gauge", lambda stat, value, *a, tags=None, **k: sent.append((stat, value, tags or {}))
+    )
     monkeypatch.setenv("AIRFLOW_CONN_DBQUEUE_MSSQL", mssql_conn_json(mssql_dsn, schema_name))
     with installed_dbq(mssql_dsn, schema_name, dialect="mssql") as dbq:
         q = dbq.create_queue("jobs")
@@ -165,6 +183,8 @@ def test_hook_maintenance_on_sql_server(
                 skipped = other.archive(older_than_s=0)
             assert skipped["stopped"] == "skipped" and "airflow-dbqueue-maintenance" in skipped["skipped"]
         assert [m.payload for m in q.pop(15)] == list(range(25, 40))  # untouched
-    gauges = dict(sent)
-    assert gauges[f"dbqueue.{schema_name}.jobs.ready"] == 15.0
-    assert f"dbqueue.{schema_name}.index.meta_ready_idx.page_density_pct" in gauges
+    assert ("dbqueue.queue.ready", 15.0, {"schema": schema_name, "queue": "jobs"}) in sent
+    assert any(
+        n == "dbqueue.index.page_density_pct" and t == {"schema": schema_name, "index": "meta_ready_idx"}
+        for n, _, t in sent
+    )
