@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 from airflow_dbqueue import __version__
@@ -10,22 +9,13 @@ from airflow_dbqueue import __version__
 INTEGRATION = "DB Queue"
 
 
-def _postgres_provider_installed() -> bool:
-    try:
-        return importlib.util.find_spec("airflow.providers.postgres") is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def get_provider_info() -> dict[str, Any]:
     """Return the provider description Airflow validates against its provider_info schema.
 
-    DbQueueHook works on connections of the existing ``postgres`` type. That type belongs to the
-    postgres provider when it is installed, and two providers claiming one connection type make
-    Airflow pick one of them by discovery order; so the hook is registered as the ``postgres``
-    connection type (which gives the UI a form for it, and lists the hook in ``airflow providers
-    hooks``) only when the postgres provider is absent. Either way the hook reads any ``postgres``
-    connection.
+    The connection type ``dbqueue`` is the provider's own: its form (declared here, so the API server
+    builds it without importing the hook) names the dialect and the queue schema, and its Test button
+    runs :meth:`DbQueueHook.test_connection`. The hook also reads connections of the existing types
+    ``postgres``, ``mssql`` and ``odbc``, which belong to their own providers.
     """
     info: dict[str, Any] = {
         "package-name": "airflow-dbqueue",
@@ -56,12 +46,33 @@ def get_provider_info() -> dict[str, Any]:
         ],
         "queues": ["airflow_dbqueue.queues.dbqueue.DbQueueMessageQueueProvider"],
     }
-    if not _postgres_provider_installed():
-        info["connection-types"] = [
-            {
-                "connection-type": "postgres",
-                "hook-class-name": "airflow_dbqueue.hooks.dbqueue.DbQueueHook",
-                "hook-name": "DB Queue (PostgreSQL)",
-            }
-        ]
+    info["connection-types"] = [
+        {
+            "connection-type": "dbqueue",
+            "hook-class-name": "airflow_dbqueue.hooks.dbqueue.DbQueueHook",
+            "hook-name": "DB Queue",
+            "ui-field-behaviour": {
+                "hidden-fields": [],
+                "relabeling": {"schema": "Database"},
+                "placeholders": {
+                    "host": "the database server",
+                    "port": "5432 (PostgreSQL) or 1433 (SQL Server)",
+                    "schema": "the database that holds the queue schema",
+                    "extra": '{"sslmode": "require"} (libpq settings, or ODBC attributes for SQL Server)',
+                },
+            },
+            "conn-fields": {
+                "dialect": {
+                    "label": "Dialect",
+                    "description": "postgresql, or mssql for SQL Server (written, not yet run against one)",
+                    "schema": {"type": "string", "enum": ["postgresql", "mssql"], "default": "postgresql"},
+                },
+                "dbqueue_schema": {
+                    "label": "Queue schema",
+                    "description": "The schema of the queue tables in that database",
+                    "schema": {"type": ["string", "null"], "default": "dbqueue"},
+                },
+            },
+        }
+    ]
     return info

@@ -32,10 +32,28 @@ DEFAULT_SCHEMA = "dbqueue"
 SCHEMA_EXTRA = "dbqueue_schema"
 """Connection extra naming the schema that holds the queue tables (default ``dbqueue``)."""
 
-# Connection types that select a dialect.
+CONN_TYPE = "dbqueue"
+"""The provider's own connection type: its form picks the dialect (extra ``dialect``) and the schema."""
+DIALECT_EXTRA = "dialect"
+DIALECTS = ("postgresql", "mssql")
+
+# Connection types that select a dialect (a dbqueue connection names its dialect in its extra).
 _DIALECTS = {"postgres": "postgresql", "postgresql": "postgresql", "mssql": "mssql", "odbc": "mssql"}
-# Extras of mssql and odbc connections that are not ODBC attributes (Airflow's own, and ours).
-_NOT_ODBC_EXTRAS = frozenset({SCHEMA_EXTRA, "connect_kwargs", "sqlalchemy_scheme", "sqlalchemy_query"})
+# Extras of SQL Server connections that are not ODBC attributes (Airflow's own, and ours).
+_NOT_ODBC_EXTRAS = frozenset(
+    {
+        SCHEMA_EXTRA,
+        DIALECT_EXTRA,
+        f"extra__{CONN_TYPE}__{SCHEMA_EXTRA}",
+        f"extra__{CONN_TYPE}__{DIALECT_EXTRA}",
+        "connect_kwargs",
+        "sqlalchemy_scheme",
+        "sqlalchemy_query",
+        "allow_driver_in_extra",
+    }
+)
+# Token authentication the postgres provider builds (extra -> PostgresHook's method).
+_TOKEN_EXTRAS = {"iam": "get_iam_token", "azure": "get_azure_iam_token"}
 # libpq parameters a connection's extras may carry through to the driver.
 _LIBPQ_EXTRAS = frozenset(
     {
@@ -59,6 +77,32 @@ _LIBPQ_EXTRAS = frozenset(
 )
 
 
+def _extra(extra: Mapping[str, Any], name: str) -> Any:
+    """An extra of a dbqueue connection, written plain or with the ``extra__dbqueue__`` prefix."""
+    value = extra.get(name)
+    return value if value not in (None, "") else extra.get(f"extra__{CONN_TYPE}__{name}")
+
+
+def connection_dialect(conn: Connection) -> str:
+    """Return the dialect a connection selects (``postgresql`` or ``mssql``), checking its type."""
+    conn_type = (conn.conn_type or "").lower()
+    if conn_type == CONN_TYPE:
+        dialect = str(_extra(conn.extra_dejson or {}, DIALECT_EXTRA) or "postgresql").lower()
+        if dialect not in DIALECTS:
+            raise ConfigurationError(
+                f"connection {conn.conn_id!r} names the dialect {dialect!r}; a dbqueue connection's "
+                f"dialect is one of {', '.join(DIALECTS)}"
+            )
+        return dialect
+    if conn_type not in _DIALECTS:
+        raise ConfigurationError(
+            f"connection {conn.conn_id!r} is of type {conn_type or '<none>'!r}; DbQueueHook needs a "
+            f"connection of type {CONN_TYPE!r}, or a database connection of type 'postgres', 'mssql' or "
+            "'odbc' (SQL Server)"
+        )
+    return _DIALECTS[conn_type]
+
+
 def connection_dsn(conn: Connection) -> tuple[str, str]:
     """Return ``(dsn, queue_schema)`` for an Airflow connection, checking that its type has a dialect.
 
@@ -66,26 +110,40 @@ def connection_dsn(conn: Connection) -> tuple[str, str]:
     """
     from psycopg.conninfo import make_conninfo
 
-    conn_type = (conn.conn_type or "").lower()
-    if conn_type not in _DIALECTS:
-        raise ConfigurationError(
-            f"connection {conn.conn_id!r} is of type {conn_type or '<none>'!r}; DbQueueHook needs a "
-            "database connection of type 'postgres', 'mssql' or 'odbc' (SQL Server)"
-        )
+    dialect = connection_dialect(conn)
     extra = conn.extra_dejson or {}
-    schema = extra.get(SCHEMA_EXTRA) or DEFAULT_SCHEMA
-    if _DIALECTS[conn_type] == "mssql":
+    schema = _extra(extra, SCHEMA_EXTRA) or DEFAULT_SCHEMA
+    if dialect == "mssql":
         return mssql_url(conn, extra), str(schema)
+    login, password, port = conn.login, conn.password, conn.port
+    tokens = [key for key in _TOKEN_EXTRAS if str(extra.get(key, "")).lower() in ("true", "1", "yes")]
+    if tokens:
+        login, password, port = _token_login(conn, tokens[0])
     params: dict[str, Any] = {
         "host": conn.host or None,
-        "port": conn.port or None,
-        "user": conn.login or None,
-        "password": conn.password or None,
+        "port": port or None,
+        "user": login or None,
+        "password": password or None,
         "dbname": conn.schema or None,
     }
     params.update({k: v for k, v in extra.items() if k in _LIBPQ_EXTRAS})
     dsn = make_conninfo("", **{k: v for k, v in params.items() if v is not None})
     return dsn, str(schema)
+
+
+def _token_login(conn: Connection, key: str) -> tuple[str, str, int]:
+    """Login, token and port for a connection whose extra asks for token authentication (``iam`` for
+    AWS, ``azure`` for Azure), built by the postgres provider's PostgresHook as it does for itself."""
+    try:
+        from airflow.providers.postgres.hooks.postgres import PostgresHook
+    except ImportError:
+        raise ConfigurationError(
+            f"connection {conn.conn_id!r} asks for {key!r} token authentication, which the postgres "
+            "provider builds: pip install 'apache-airflow-providers-postgres[amazon]' (or [azure])"
+        ) from None
+    hook = PostgresHook(postgres_conn_id=conn.conn_id)
+    login, token, port = getattr(hook, _TOKEN_EXTRAS[key])(conn)
+    return str(login), str(token), int(port or 5432)
 
 
 def mssql_url(conn: Connection, extra: Mapping[str, Any]) -> str:
@@ -104,8 +162,23 @@ def mssql_url(conn: Connection, extra: Mapping[str, Any]) -> str:
     host = conn.host or "localhost"
     port = f":{int(conn.port)}" if conn.port else ""
     attrs = {k: str(v) for k, v in extra.items() if k not in _NOT_ODBC_EXTRAS and not isinstance(v, dict)}
+    named = [k for k in attrs if k.lower() == "driver"]
+    if named and not _driver_in_extra_allowed():
+        # OdbcHook's guard: a driver named in a connection's extra loads that library into the
+        # worker, so an extra may name one only where the deployment allows it.
+        raise ConfigurationError(
+            f"connection {conn.conn_id!r} names an ODBC driver in its extra ({named[0]}), which "
+            "[providers.odbc] allow_driver_in_extra does not allow (as for OdbcHook); set it to True in "
+            "Airflow's configuration, or leave Driver out to use ODBC Driver 18 for SQL Server"
+        )
     query = f"?{urlencode(attrs)}" if attrs else ""
     return f"mssql://{cred}{host}{port}/{quote(conn.schema or '', safe='')}{query}"
+
+
+def _driver_in_extra_allowed() -> bool:
+    from airflow.configuration import conf
+
+    return bool(conf.getboolean("providers.odbc", "allow_driver_in_extra", fallback=False))
 
 
 _QUEUE_GAUGES = (
@@ -179,11 +252,13 @@ def message_to_xcom(msg: Message, payload_type: PayloadType) -> dict[str, Any]:
 class DbQueueHook(BaseHook):  # type: ignore[misc]
     """Interact with airflow-dbqueue queues through an Airflow database connection.
 
-    The dialect follows the connection type (``postgres``; ``mssql`` and ``odbc`` for SQL Server, through
-    pyodbc: ``pip install 'airflow-dbqueue[mssql]'``). The schema holding the queue tables comes from
-    the connection extra ``dbqueue_schema`` (default ``dbqueue``) unless ``dbqueue_schema`` is passed
-    here. Constructing the hook does no I/O; the engine and its connection pool are made on first use
-    and closed by :meth:`close` (or by leaving the hook's ``with`` block).
+    The connection is of the provider's own type ``dbqueue``, whose form names the dialect
+    (``postgresql`` or ``mssql``) and the queue schema, or of an existing database type: ``postgres``;
+    ``mssql`` and ``odbc`` for SQL Server, through pyodbc (``pip install 'airflow-dbqueue[mssql]'``).
+    The schema holding the queue tables comes from the connection extra ``dbqueue_schema`` (default
+    ``dbqueue``) unless ``dbqueue_schema`` is passed here. Constructing the hook does no I/O; the
+    engine and its connection pool are made on first use and closed by :meth:`close` (or by leaving
+    the hook's ``with`` block).
 
     :param dbqueue_conn_id: the Airflow connection to the database.
     :param dbqueue_schema: schema holding the queue tables; overrides the connection extra.
@@ -193,7 +268,7 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
 
     conn_name_attr = "dbqueue_conn_id"
     default_conn_name = "dbqueue_default"
-    conn_type = "postgres"
+    conn_type = CONN_TYPE
     hook_name = "DB Queue"
 
     def __init__(
@@ -245,15 +320,19 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
         self.close()
 
     def test_connection(self) -> tuple[bool, str]:
-        """Connect, check the queue schema, and report; never raises."""
+        """Connect, read the queue schema, and report; never raises (Airflow's Test button calls it)."""
         try:
             dbq = self.get_conn()
             names = [q.name for q in dbq.list_queues()]
         except Exception as exc:
-            return False, str(exc)
+            return False, f"{type(exc).__name__}: {exc}"
         finally:
             self.close()
-        return True, f"connected; {len(names)} queue(s) in schema {dbq.schema!r}"
+        shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
+        return True, (
+            f"connected ({dbq.dialect}); schema {dbq.schema!r} holds {len(names)} queue(s)"
+            + (f": {shown}" if names else "")
+        )
 
     # -- schema and queues -------------------------------------------------------------------------
 
@@ -467,13 +546,23 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
         The URL carries the host, port, database and ``sslmode``; credentials are returned apart so
         that they can travel in the environment, not on a command line.
         """
+        from psycopg.conninfo import conninfo_to_dict
+
         conn = self.get_connection(self.dbqueue_conn_id)
-        connection_dsn(conn)  # the same type checks as the hook's own connection
-        extra = conn.extra_dejson or {}
-        url = f"jdbc:postgresql://{conn.host or 'localhost'}:{conn.port or 5432}/{conn.schema or 'postgres'}"
-        if extra.get("sslmode"):
-            url += f"?sslmode={extra['sslmode']}"
-        return url, conn.login or None, conn.password or None
+        if connection_dialect(conn) != "postgresql":
+            raise ConfigurationError(
+                f"connection {conn.conn_id!r} is a SQL Server connection; Spark jobs read batches over "
+                "PostgreSQL's JDBC driver, from a PostgreSQL queue database"
+            )
+        info = conninfo_to_dict(connection_dsn(conn)[0])  # the same login (or token) as the hook's
+        url = (
+            f"jdbc:postgresql://{info.get('host') or 'localhost'}:{info.get('port') or 5432}/"
+            f"{info.get('dbname') or 'postgres'}"
+        )
+        if info.get("sslmode"):
+            url += f"?sslmode={info['sslmode']}"
+        user, password = info.get("user"), info.get("password")
+        return url, str(user) if user else None, str(password) if password else None
 
     # -- maintenance (the maintenance DAG's steps; see airflow_dbqueue.engine.maintenance) ---------------
 

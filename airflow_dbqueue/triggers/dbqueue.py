@@ -136,7 +136,7 @@ class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
         import psycopg
 
         conn = await DbQueueHook.aget_connection(self.dbqueue_conn_id)
-        dsn, schema = connection_dsn(conn)
+        dsn, schema = await asyncio.to_thread(connection_dsn, conn)  # a token login may do I/O
         schema = self.dbqueue_schema or schema
         queue = await asyncio.to_thread(_open_queue, dsn, schema, self.queue_name)
         listen = self.use_notify and queue.settings.notify is not NotifyMode.NEVER

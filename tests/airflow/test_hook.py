@@ -43,7 +43,11 @@ def test_no_io_in_constructor_and_unknown_connection() -> None:
 @pytest.mark.parametrize(
     ("conn_type", "match"),
     [
-        ("http", r"type 'http'.*needs a database connection of type 'postgres', 'mssql' or 'odbc'"),
+        (
+            "http",
+            r"type 'http'.*needs a connection of type 'dbqueue', or a database connection of type "
+            r"'postgres', 'mssql' or 'odbc'",
+        ),
         ("sqlite", r"type 'sqlite'"),
     ],
 )
@@ -270,7 +274,7 @@ def test_provider_is_discovered(tmp_path: object) -> None:
         assert p.returncode == 0, stderr[-2000:]
         out[what] = json.loads(stdout)
     assert {
-        "connection_type": "postgres",
+        "connection_type": "dbqueue",
         "class": "airflow_dbqueue.hooks.dbqueue.DbQueueHook",
         "conn_id_attribute_name": "dbqueue_conn_id",
         "package_name": "airflow-dbqueue",
