@@ -338,26 +338,89 @@ def test_the_spark_driver_advertises_the_service_that_runs_the_tasks() -> None:
     assert conf["spark.driver.bindAddress"].strip() == "0.0.0.0"
 
 
+def _init_sql() -> str:
+    init = DOCKERFILE_DIR / "postgres-init" / "10-airflow-database.sh"
+    assert os.access(init, os.X_OK)
+    return init.read_text()
+
+
 def test_the_queue_connection_points_at_the_postgres_service() -> None:
     services = _services()
     pg = services["postgres"]
     pg_env = _env(pg)
     for name in AIRFLOW_SERVICES:
-        conn = json.loads(_resolve(_env(services[name])["AIRFLOW_CONN_DBQUEUE_DEFAULT"]))
-        assert conn["conn_type"] == "postgres"
+        env = _env(services[name])
+        conn = json.loads(_resolve(env["AIRFLOW_CONN_DBQUEUE_DEFAULT"]))
+        assert conn["conn_type"] == "dbqueue", "the provider's own type, whose Test button runs our hook"
+        assert conn["extra"] == {"dialect": "postgresql", "dbqueue_schema": "dbqueue"}
         assert conn["host"] in services and services[conn["host"]]["image"].startswith("postgres:")
         assert conn["port"] == 5432
-        assert conn["login"] == pg_env["POSTGRES_USER"]
-        assert conn["schema"] == pg_env["POSTGRES_DB"]
-        assert conn["password"] == _resolve(pg_env["POSTGRES_PASSWORD"])
-        assert conn["extra"]["dbqueue_schema"] == "dbqueue"
-        metadata = _resolve(_env(services[name])["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"])
-        password = _resolve(pg_env["AIRFLOW_DB_PASSWORD"])
-        assert metadata == f"postgresql+psycopg2://airflow:{password}@postgres:5432/airflow"
-    init = DOCKERFILE_DIR / "postgres-init" / "10-airflow-database.sh"
-    assert os.access(init, os.X_OK)
-    assert _volume_sources(pg).get("/docker-entrypoint-initdb.d") == str(init.parent)
-    assert "CREATE DATABASE airflow OWNER airflow" in init.read_text()
+        assert (conn["login"], conn["schema"]) == ("dbqueue", "dbqueue")
+        assert conn["password"] == _resolve(pg_env["DBQUEUE_DB_PASSWORD"])
+        dsn = dict(kv.split("=", 1) for kv in _resolve(env["DBQUEUE_DSN"]).split())
+        assert dsn == {
+            "host": "postgres",
+            "port": "5432",
+            "user": "dbqueue",
+            "password": conn["password"],
+            "dbname": "dbqueue",
+        }
+    init = DOCKERFILE_DIR / "postgres-init"
+    assert _volume_sources(pg).get("/docker-entrypoint-initdb.d") == str(init)
+    sql = _init_sql()
+    assert "CREATE DATABASE dbqueue OWNER dbqueue" in sql
+    assert "CREATE DATABASE airflow OWNER airflow" in sql
+
+
+def test_the_metadata_database_uses_psycopg_3_sync_and_async() -> None:
+    services = _services()
+    password = _resolve(_env(services["postgres"])["AIRFLOW_DB_PASSWORD"])
+    for name in AIRFLOW_SERVICES:
+        env = {k: _resolve(v) for k, v in _env(services[name]).items()}
+        # psycopg2 is not installed: psycopg 3 needs its own driver names, and an async URL as well.
+        assert env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] == (
+            f"postgresql+psycopg://airflow:{password}@postgres:5432/airflow"
+        )
+        assert env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN_ASYNC"] == (
+            f"postgresql+psycopg_async://airflow:{password}@postgres:5432/airflow"
+        )
+        assert env["AIRFLOW__CORE__TEST_CONNECTION"] == "Enabled", "the Test button is off by default"
+        if "fab" in env.get("AIRFLOW__CORE__AUTH_MANAGER", ""):
+            assert "apache-airflow-providers-fab" in (DOCKERFILE_DIR / "Dockerfile").read_text(), (
+                "the FAB auth manager comes from the FAB provider, which the image must install"
+            )
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert any(d.startswith("psycopg[") for d in pyproject["project"]["dependencies"])
+
+
+def test_no_service_logs_in_as_the_superuser_and_the_databases_are_apart() -> None:
+    services = _services()
+    pg_env = _env(services["postgres"])
+    superuser = pg_env["POSTGRES_USER"]
+    assert superuser == "postgres" and pg_env["POSTGRES_DB"] == "postgres"
+    sql = _init_sql()
+    for role in ("dbqueue", "airflow"):
+        assert re.search(rf"CREATE ROLE {role} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE", sql), role
+        assert f"GRANT CONNECT, TEMPORARY ON DATABASE {role} TO {role};" in sql
+        assert f"REVOKE CONNECT, TEMPORARY ON DATABASE {role} FROM PUBLIC;" in sql
+    for name in AIRFLOW_SERVICES:
+        env = {k: _resolve(v) for k, v in _env(services[name]).items()}
+        assert json.loads(env["AIRFLOW_CONN_DBQUEUE_DEFAULT"])["login"] != superuser
+        assert f"://{superuser}:" not in env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+        assert f"user={superuser} " not in env["DBQUEUE_DSN"]
+
+
+def test_default_passwords_are_no_word_that_logs_hold() -> None:
+    """Airflow masks a connection's password wherever it appears in task logs: a default such as
+    "dbqueue" or "airflow" would blank out every mention of the package or of Airflow."""
+    words = set(re.findall(r"[A-Za-z0-9_]+", COMPOSE.read_text())) | {"airflow_dbqueue", "order_results"}
+    defaults = {var: default for var, default in _INTERP.findall(COMPOSE.read_text()) if "PASSWORD" in var}
+    assert {"DBQUEUE_DB_PASSWORD", "AIRFLOW_DB_PASSWORD", "POSTGRES_SUPERUSER_PASSWORD"} <= set(defaults)
+    for var, default in defaults.items():
+        if var == "AIRFLOW_ADMIN_PASSWORD":
+            continue  # the UI login, not a connection's password
+        assert len(default) >= 12, var
+        assert not [w for w in words if default.lower() in w.lower()], f"{var}'s default {default!r}"
 
 
 def test_sql_server_is_optional_and_unused() -> None:
