@@ -9,7 +9,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from airflow_dbqueue.engine.dialects.base import Database, DbConnection, make_database
-from airflow_dbqueue.engine.errors import ConfigurationError, QueueExistsError, QueueNotFoundError
+from airflow_dbqueue.engine.errors import (
+    ConfigurationError,
+    QueueExistsError,
+    QueueNotFoundError,
+)
 from airflow_dbqueue.engine.models import Design, NotifyMode, PayloadType, QueueSettings
 from airflow_dbqueue.engine.names import validate_queue_name
 from airflow_dbqueue.engine.ring import (
@@ -115,11 +119,22 @@ class DbQueue:
     # -- schema ------------------------------------------------------------------------------------
 
     def install(self) -> int:
-        """Create or migrate the queue schema (idempotent, safe to run concurrently); return its version."""
+        """Create or migrate the queue schema (idempotent, safe to run concurrently); return its version.
+
+        The schema is created when it does not exist. An existing schema without an install must be
+        empty: one that holds anything raises :class:`ForeignObjectsError`, naming what it holds, and
+        nothing is installed. What the install creates is recorded in the schema's catalogue
+        (``owned_objects``), which :meth:`uninstall` reads.
+        """
         return self.db.install()
 
     def uninstall(self) -> None:
-        """Drop the schema with every queue and message in it."""
+        """Drop every queue and message: the objects the engine created in the schema, and the schema.
+
+        Only what the engine's catalogue lists is dropped; the schema goes too when the engine created
+        it and nothing else is left in it. An object that is not the engine's but depends on one of its
+        own (a view over its tables) makes this raise :class:`ForeignObjectsError`, dropping nothing.
+        """
         self.db.drop_schema()
         self._queues.clear()
 

@@ -38,6 +38,15 @@ class SchemaError(DbQueueError):
     """The queue schema is missing, or newer than this version of the code understands."""
 
 
+class ForeignObjectsError(SchemaError):
+    """The schema holds (or the engine's objects are used by) database objects the engine did not
+    create; the call changed nothing. ``objects`` describes each of them."""
+
+    def __init__(self, message: str, objects: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.objects = list(objects)
+
+
 class PayloadError(DbQueueError, ValueError):
     """A payload cannot be pushed; nothing of the batch it belonged to was written."""
 

@@ -14,6 +14,29 @@ _NAME = re.compile(r"[a-z_][a-z0-9_]*")
 QUEUE_NAME_MAX = 48
 SCHEMA_NAME_MAX = 40
 
+POSTGRESQL_RESERVED_SCHEMAS = frozenset({"public", "information_schema"})
+"""Schemas of PostgreSQL that hold objects not the engine's (``public``) or the system's own; every
+``pg_*`` schema is refused as well, by the reserved prefix."""
+MSSQL_RESERVED_SCHEMAS = frozenset(
+    {
+        "dbo",
+        "sys",
+        "information_schema",
+        "guest",
+        "db_owner",
+        "db_accessadmin",
+        "db_securityadmin",
+        "db_ddladmin",
+        "db_backupoperator",
+        "db_datareader",
+        "db_datawriter",
+        "db_denydatareader",
+        "db_denydatawriter",
+    }
+)
+"""Schemas of SQL Server that hold objects not the engine's (``dbo``), the system's own, or the fixed
+database roles' (compared without regard to case, as SQL Server's default collations do)."""
+
 
 def _check(kind: str, name: object, max_len: int) -> str:
     if not isinstance(name, str):
@@ -37,9 +60,21 @@ def validate_queue_name(name: object) -> str:
     return _check("queue", name, QUEUE_NAME_MAX)
 
 
-def validate_schema_name(name: object) -> str:
-    """Return ``name`` if it is a valid schema name, else raise :class:`InvalidNameError`."""
-    return _check("schema", name, SCHEMA_NAME_MAX)
+def validate_schema_name(name: object, reserved: frozenset[str] = frozenset()) -> str:
+    """Return ``name`` if it is a valid schema name, else raise :class:`InvalidNameError`.
+
+    :param reserved: names of the database's own schemas (:data:`POSTGRESQL_RESERVED_SCHEMAS`,
+        :data:`MSSQL_RESERVED_SCHEMAS`), refused because they hold objects the engine did not create:
+        its tables there would live among them, and no uninstall could tell them apart by schema.
+    """
+    name = _check("schema", name, SCHEMA_NAME_MAX)
+    if name.lower() in reserved:
+        raise InvalidNameError(
+            f"schema name {name!r} is not valid: it is a reserved schema of the database, which holds "
+            "objects that are not the engine's; give the queues a schema of their own (the default is "
+            "'dbqueue')"
+        )
+    return name
 
 
 def validate_identifier(name: object) -> str:

@@ -15,6 +15,7 @@ from airflow_dbqueue.engine import (
     ConfigurationError,
     DatabaseUnavailableError,
     DbQueue,
+    InvalidNameError,
     LeaseExpiredError,
     QueueExistsError,
     QueueNotFoundError,
@@ -116,6 +117,27 @@ def test_dsn_and_schema_from_connection(monkeypatch: pytest.MonkeyPatch) -> None
     # postgresql:// URIs give conn_type postgres too
     monkeypatch.setenv("AIRFLOW_CONN_C2", "postgresql://u@h:1/d")
     assert DbQueueHook("c2").get_conn().schema == "dbqueue"
+
+
+@pytest.mark.parametrize("schema", ["public", "information_schema"])
+def test_a_reserved_queue_schema_is_refused_before_any_io(
+    schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hook builds its DbQueue as the engine and the CLI do: the same refusal, with no I/O (the host
+    does not resolve)."""
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_RESERVED",
+        json.dumps({"conn_type": "postgres", "host": "db.invalid", "extra": {"dbqueue_schema": schema}}),
+    )
+    with pytest.raises(InvalidNameError, match=rf"schema name '{schema}' is not valid: it is a reserved"):
+        DbQueueHook("reserved").get_conn()
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_FINE",
+        json.dumps({"conn_type": "postgres", "host": "db.invalid", "extra": {"dbqueue_schema": "queues"}}),
+    )
+    assert DbQueueHook("fine").get_conn().schema == "queues"
+    with pytest.raises(InvalidNameError, match="reserved"):
+        DbQueueHook("fine", dbqueue_schema=schema).get_conn()
 
 
 def test_round_trip_with_claims(airflow_conn: str, dbq: DbQueue) -> None:

@@ -367,6 +367,10 @@ def test_schema_newer_than_the_code_is_refused(dbq: DbQueue, pg_dsn: str) -> Non
     assert re.search(rf"\b{LATEST}\b", message), message
     assert dbq.schema in message
     assert recorded_versions(pg_dsn, dbq.schema) == [LATEST, newer]  # left alone
+    with pytest.raises(SchemaError, match=rf"version {newer}, newer"):
+        dbq.uninstall()  # nor dropped: this code cannot know what a newer version created
+    assert recorded_versions(pg_dsn, dbq.schema) == [LATEST, newer]
+    run_sql(dbq, "DELETE FROM {schema}.schema_version WHERE version = %(v)s", {"v": newer})
 
 
 _CLIENT_CALLS: dict[str, Callable[[DbQueue], Any]] = {
@@ -431,7 +435,12 @@ def _identifiers(body: str) -> dict[str, str]:
 def _sample_identifiers(name: str) -> dict[str, str]:
     """Real names for the identifier placeholders of a query, to plan it against an installed schema."""
     body = load_queries(POSTGRES_PKG, "queries.sql")[name]
-    real = {"table": "meta", "index": "meta_ready_idx"}
+    real = {
+        "table": "meta",
+        "index": "meta_ready_idx",
+        "sequence": "message_id_seq",
+        "routine": "ring_holders",
+    }
     return {k: real[k] for k in _identifiers(body)}
 
 
@@ -450,11 +459,20 @@ def test_every_named_query_composes() -> None:
 
 
 def test_only_utility_statements_take_identifier_placeholders() -> None:
-    """{table} and {index} belong to VACUUM, ANALYZE, REINDEX and DROP INDEX; anywhere else (say, in a
-    comment that ended up in the block before it) they would break the query at run time."""
+    """{table}, {index}, {sequence} and {routine} belong to VACUUM, ANALYZE, REINDEX, DROP INDEX and
+    uninstall's drops; anywhere else (say, in a comment that ended up in the block before it) they would
+    break the query at run time."""
     raw = load_queries(POSTGRES_PKG, "queries.sql")
     with_idents = sorted(name for name, body in raw.items() if _identifiers(body))
-    assert with_idents == ["analyze_table", "drop_index_concurrently", "reindex_concurrently", "vacuum_table"]
+    assert with_idents == [
+        "analyze_table",
+        "drop_index_concurrently",
+        "drop_owned_routine",
+        "drop_owned_sequence",
+        "drop_owned_table",
+        "reindex_concurrently",
+        "vacuum_table",
+    ]
 
 
 def test_identifier_placeholders_are_validated() -> None:

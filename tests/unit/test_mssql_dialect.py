@@ -66,7 +66,13 @@ def mssql_sql(name: str) -> str:
     """The text of a named query as the dialect sends it (identifiers composed, integers inlined)."""
     db = MssqlDatabase("mssql://u:p@localhost/db", schema="dbq")
     body = load_queries(MS, "queries.sql")[name]
-    idents = {k: v for k, v in (("index", "meta_ready_idx"), ("table", "meta")) if "{" + k + "}" in body}
+    names = (
+        ("index", "meta_ready_idx"),
+        ("table", "meta"),
+        ("sequence", "message_id_seq"),
+        ("routine", "ring_push"),
+    )
+    idents = {k: v for k, v in names if "{" + k + "}" in body}
     return inline_int_params(name, db.compose(body, idents or None), {"lock_ms": 1500})
 
 
@@ -123,9 +129,14 @@ def test_every_tsql_query_parses_as_tsql(name: str) -> None:
 def test_the_schema_parses_as_tsql() -> None:
     version, body = ms.schema_sql()
     stmts = tsql_statements(MssqlDatabase("mssql://h/db", schema="dbq").compose(body))
-    assert version == 2
+    assert version == 3
     created = [s for s in stmts if isinstance(s, exp.Create)]
     assert len(created) >= 12  # tables, sequence, indexes
+
+
+def read_blocks() -> dict[str, str]:
+    """The blocks of the SQL Server schema.sql as written."""
+    return parse_named_queries(read_text(MS, "schema.sql"))
 
 
 def schema_blocks() -> dict[str, str]:
@@ -198,11 +209,14 @@ PROCEDURES = sorted(k for k, v in schema_blocks().items() if "\nCREATE OR ALTER 
 
 def test_the_schema_steps_are_versions_one_to_latest() -> None:
     latest, steps = ms.schema_steps()
-    assert latest == 2 and [v for v, _ in steps] == [1, 2]
+    assert latest == 3 and [v for v, _ in steps] == [1, 2, 3]
     assert steps[0][1] == [ms.schema_sql()[1]]
     blocks = schema_blocks()
-    assert set(blocks) == {"schema", "v2_ring_tables", *PROCEDURES}
-    assert len(steps[1][1]) == len(blocks) - 1  # every v2_ block, one batch each
+    assert set(blocks) == {"schema", "v2_ring_tables", *PROCEDURES, "v3_owned_objects"}
+    assert len(steps[1][1]) == len(blocks) - 2  # every v2_ block, one batch each
+    assert steps[2][1] == [read_blocks()["v3_owned_objects"]]
+    assert "CREATE TABLE [dbq].owned_objects (" in blocks["v3_owned_objects"]
+    assert "CREATE SCHEMA" not in blocks["schema"]  # install() creates it, only when it is missing
     for name in ("rings", "ring_slots", "ring_failed", "ring_lanes"):
         assert f"CREATE TABLE [dbq].{name} (" in blocks["v2_ring_tables"]
     tsql_statements(blocks["v2_ring_tables"])

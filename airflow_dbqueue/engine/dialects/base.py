@@ -12,11 +12,13 @@ back what :meth:`Database.transaction` gave them (exactly-once work), so they ar
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 from urllib.parse import urlsplit
 
-from airflow_dbqueue.engine.errors import ConfigurationError, SchemaError
+from airflow_dbqueue.engine.errors import ConfigurationError, ForeignObjectsError, SchemaError
 
 DbConnection: TypeAlias = Any
 """A driver connection of the dialect in use (psycopg or pyodbc), with a transaction open."""
@@ -47,7 +49,10 @@ class Database(Protocol):
 
     def install(self) -> int: ...
 
-    def drop_schema(self) -> None: ...
+    def drop_schema(self) -> None:
+        """Drop what the engine created in the schema (its own catalogue ``owned_objects`` says what),
+        and the schema itself when the engine created it and nothing else is left in it."""
+        ...
 
     def fetchall(
         self,
@@ -92,6 +97,86 @@ class Database(Protocol):
     def channel(self, queue_id: int) -> str: ...
 
     def listening(self, channel: str) -> contextlib.AbstractContextManager[Any]: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SchemaObject:
+    """One object of a schema as the database's catalog lists it; ``kind`` and ``name`` are its key."""
+
+    kind: str
+    """``table``, ``sequence``, ``function``, ``procedure``, ``view`` ... as the dialect names it."""
+    name: str
+    identity: str = dataclasses.field(default="", compare=False)
+    """How the database describes it (schema-qualified, with a function's arguments), for messages."""
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.kind, self.name)
+
+
+OWNED_TABLE = ("table", "owned_objects")
+"""The engine's catalogue of what it created in a schema: a table of the schema itself."""
+
+_CREATES = re.compile(
+    r"^\s*CREATE\s+(?:OR\s+(?:REPLACE|ALTER)\s+)?(TABLE|SEQUENCE|FUNCTION|PROCEDURE)\s+\{schema\}\.(\w+)",
+    re.IGNORECASE | re.MULTILINE,
+)
+
+
+def engine_objects(schema_text: str) -> frozenset[tuple[str, str]]:
+    """Return the ``(kind, name)`` of every table, sequence, function and procedure that a schema file
+    creates: what an install made by an older version (before the engine kept its catalogue) can hold
+    of the engine's own. Objects the engine creates later (a ring's sequences) are listed elsewhere
+    (the ``rings`` table)."""
+    return frozenset((kind.lower(), name) for kind, name in _CREATES.findall(schema_text))
+
+
+def describe_objects(objects: Iterable[SchemaObject], limit: int = 20) -> str:
+    """One line naming up to ``limit`` objects (``kind identity``), for an error message."""
+    items = [f"{o.kind} {o.identity or o.name}" for o in objects]
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def refuse_foreign_objects(schema: str, where: str, found: list[SchemaObject]) -> None:
+    """Raise :class:`ForeignObjectsError` when a schema that holds no dbqueue install holds anything:
+    a fresh install goes only into a schema of its own, or an empty one."""
+    if found:
+        raise ForeignObjectsError(
+            f"schema {schema!r} at {where} already holds {len(found)} object(s) that are not the "
+            f"engine's: {describe_objects(found)}. Nothing was installed: give the queues a schema of "
+            "their own (one that does not exist yet, or an empty one)",
+            [f"{o.kind} {o.identity or o.name}" for o in found],
+        )
+
+
+def ownership(
+    before: list[SchemaObject],
+    after: list[SchemaObject],
+    *,
+    fresh: bool,
+    created_schema: bool,
+    engine_names: frozenset[tuple[str, str]],
+    ring_sequences: Iterable[str],
+) -> tuple[set[tuple[str, str]], bool]:
+    """Return what an install should record in the engine's catalogue: ``(keys, schema_is_ours)``.
+
+    Every object the install created (in ``after`` but not in ``before``) is the engine's. The schema
+    is the engine's when this install created it. An install made before the engine kept a catalogue
+    (``before`` holds no ``owned_objects`` table) was made by ``CREATE SCHEMA IF NOT EXISTS``: its
+    objects are recognised by the names the engine's schema file creates (``engine_names``), and its
+    schema counts as the engine's when it holds nothing else (but the rings' own sequences).
+    """
+    before_keys = {o.key for o in before}
+    own = {o.key for o in after if o.key not in before_keys}
+    if fresh:
+        return own, created_schema
+    if OWNED_TABLE in before_keys:
+        return own, False
+    rings = {("sequence", name) for name in ring_sequences}
+    own |= {o.key for o in after if o.key in before_keys and o.key in engine_names}
+    foreign = [o for o in before if o.key not in engine_names and o.key not in rings]
+    return own, not foreign
 
 
 def refuse_newer_schema(schema: str, where: str, current: int, latest: int) -> None:

@@ -43,13 +43,21 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from airflow_dbqueue.engine.dialects.base import refuse_newer_schema
+from airflow_dbqueue.engine.dialects.base import (
+    SchemaObject,
+    describe_objects,
+    engine_objects,
+    ownership,
+    refuse_foreign_objects,
+    refuse_newer_schema,
+)
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     DatabaseError,
     DatabaseUnavailableError,
     DbQueueError,
     DeadlockError,
+    ForeignObjectsError,
     LockTimeoutError,
     QueueFullError,
     ReceiptsNotHeldError,
@@ -57,7 +65,7 @@ from airflow_dbqueue.engine.errors import (
     SchemaError,
     TransientDatabaseError,
 )
-from airflow_dbqueue.engine.names import validate_identifier, validate_schema_name
+from airflow_dbqueue.engine.names import MSSQL_RESERVED_SCHEMAS, validate_identifier, validate_schema_name
 from airflow_dbqueue.engine.sqlfile import load_queries, parse_named_queries, read_text
 
 log = logging.getLogger(__name__)
@@ -394,10 +402,12 @@ RAISED_BY_PROCEDURES: dict[str, type[DbQueueError]] = {
     "DQ002": RingNumbersSkippedError,
     "DQ003": ConfigurationError,
     "DQ005": ReceiptsNotHeldError,
+    "DQ006": ForeignObjectsError,
 }
-"""What the ring's stored procedures raise on purpose (``RAISERROR`` with ``[DQ00n]`` in the message), as
-PostgreSQL's functions raise SQLSTATE ``DQ00n``. DQ004 (a ring that does not exist) stays a
-:class:`DatabaseError`, as on PostgreSQL."""
+"""What the ring's stored procedures (and ``drop_owned_table``) raise on purpose (``RAISERROR`` with
+``[DQ00n]`` in the message), as PostgreSQL's functions raise SQLSTATE ``DQ00n``. DQ004 (a ring that does
+not exist) stays a :class:`DatabaseError`, as on PostgreSQL. DQ006: an object that is not the engine's
+refers to a table of the engine, so the uninstall dropped nothing."""
 
 
 def native_error(exc: BaseException) -> int | None:
@@ -516,7 +526,7 @@ class MssqlDatabase:
         retries: int = 3,
     ) -> None:
         self.dsn = dsn
-        self.schema = validate_schema_name(schema)
+        self.schema = validate_schema_name(schema, MSSQL_RESERVED_SCHEMAS)
         self._attrs, self.where = parse_dsn(dsn)
         self._max_size = max(1, max_size)
         self._connect_timeout = connect_timeout
@@ -802,38 +812,136 @@ class MssqlDatabase:
     # -- schema ------------------------------------------------------------------------------------
 
     def install(self) -> int:
-        """Create the schema if it is missing (idempotent; concurrent installs serialize on an app lock).
+        """Create or migrate the schema (idempotent; concurrent installs serialize on an app lock).
+
+        A schema that does not exist is created (and recorded as the engine's); an existing one that
+        holds no install must be empty, or :class:`ForeignObjectsError` names what it holds and nothing
+        is done. Everything the install creates is recorded in ``owned_objects``.
 
         :return: the schema version now installed.
         """
         latest, steps = schema_steps()
         with self.transaction() as c:
             cur = c.cursor()
-            for name in ("install_lock",):
-                cur.execute(*to_positional(self.query(name), {"schema": self.schema}))
-            row = cur.execute(
-                *to_positional(self.query("schema_installed"), {"schema": self.schema})
-            ).fetchone()
-            current = 0
-            if row and row[0]:
-                got = cur.execute(self.query("schema_version")).fetchone()
-                current = int(got[0]) if got else 0
-            refuse_newer_schema(self.schema, self.where, current, latest)
-            for version, batches in steps:
-                if version <= current:
-                    continue
-                for batch in batches:
-                    cur.execute(self.compose(batch))
-                cur.execute(*to_positional(self.query("record_version"), {"version": version}))
-            if current < latest:
-                log.info(
-                    "%s dbqueue schema %s at version %s on SQL Server",
-                    "installed" if current == 0 else f"migrated from version {current}:",
-                    self.schema,
-                    latest,
+            try:
+                cur.execute(*to_positional(self.query("install_lock"), {"schema": self.schema}))
+                current = self._installed_version(cur)
+                refuse_newer_schema(self.schema, self.where, current, latest)
+                if current == latest:
+                    return latest
+                before = self._objects(cur)
+                created_schema = False
+                if current == 0:
+                    if self._scalar(cur, "schema_exists"):
+                        refuse_foreign_objects(self.schema, self.where, before)
+                    else:
+                        cur.execute(self.query("create_schema"))
+                        created_schema = True
+                for version, batches in steps:
+                    if version <= current:
+                        continue
+                    for batch in batches:
+                        cur.execute(self.compose(batch))
+                    cur.execute(*to_positional(self.query("record_version"), {"version": version}))
+                rings = [
+                    r[0]
+                    for r in cur.execute(
+                        *to_positional(self.query("owned_ring_sequences"), {"schema": self.schema})
+                    ).fetchall()
+                ]
+                own, schema_is_ours = ownership(
+                    before,
+                    self._objects(cur),
+                    fresh=current == 0,
+                    created_schema=created_schema,
+                    engine_names=engine_objects(read_text(_PKG, "schema.sql")),
+                    ring_sequences=rings,
                 )
+                if schema_is_ours:
+                    own.add(("schema", self.schema))
+                params = {"kinds": [k for k, _ in sorted(own)], "names": [n for _, n in sorted(own)]}
+                cur.execute(*to_positional(self.query("record_owned"), params))
+            finally:
+                cur.close()
+            log.info(
+                "%s dbqueue schema %s at version %s on SQL Server",
+                "installed" if current == 0 else f"migrated from version {current}:",
+                self.schema,
+                latest,
+            )
         return latest
 
+    def _scalar(self, cur: Any, name: str) -> Any:
+        row = cur.execute(*to_positional(self.query(name), {"schema": self.schema})).fetchone()
+        return row[0] if row else None
+
+    def _installed_version(self, cur: Any) -> int:
+        """The version of the install in the schema (0: none), read on ``cur``'s transaction."""
+        if not self._scalar(cur, "schema_installed"):
+            return 0
+        got = cur.execute(self.query("schema_version")).fetchone()
+        return int(got[0]) if got else 0
+
+    def _objects(self, cur: Any) -> list[SchemaObject]:
+        rows = cur.execute(*to_positional(self.query("schema_objects"), {"schema": self.schema})).fetchall()
+        return [SchemaObject(str(kind), str(name), str(identity)) for kind, name, identity in rows]
+
     def drop_schema(self) -> None:
-        """Drop the whole schema and every queue in it."""
-        self.execute("drop_schema", {"schema": self.schema})
+        """Drop what the engine created in the schema, and the schema when it is the engine's and empty.
+
+        What is dropped is what ``owned_objects`` lists (and the rings' sequences, which ``rings``
+        lists); an install of an older version is migrated first, which records it. Objects that are
+        not the engine's stay, and so does the schema that holds them. When an object that is not the
+        engine's refers to one of its tables (a view, a foreign key), :class:`ForeignObjectsError` names
+        it and nothing is dropped. A schema without an install is left alone.
+        """
+        with self.transaction() as c:
+            cur = c.cursor()
+            try:
+                cur.execute(*to_positional(self.query("install_lock"), {"schema": self.schema}))
+                current = self._installed_version(cur) if self._scalar(cur, "schema_exists") else 0
+            finally:
+                cur.close()
+        if current == 0:
+            log.info(
+                "dbqueue schema %s holds no install at %s: nothing to uninstall", self.schema, self.where
+            )
+            return
+        latest = schema_steps()[0]
+        if current < latest:
+            self.install()  # records what the engine owns, as it does for any older install
+        with self.transaction() as c:
+            cur = c.cursor()
+            try:
+                cur.execute(*to_positional(self.query("install_lock"), {"schema": self.schema}))
+                refuse_newer_schema(self.schema, self.where, self._installed_version(cur), latest)
+                owned = {(str(k), str(n)) for k, n in cur.execute(self.query("owned_objects")).fetchall()}
+                rings = cur.execute(
+                    *to_positional(self.query("owned_ring_sequences"), {"schema": self.schema})
+                ).fetchall()
+                for (name,) in rings:
+                    cur.execute(self.query("drop_owned_sequence", {"sequence": str(name)}))
+                present = [o for o in self._objects(cur) if o.key in owned]
+                for kind, query, ident in (
+                    ("procedure", "drop_owned_routine", "routine"),
+                    ("table", "drop_owned_table", "table"),
+                    ("sequence", "drop_owned_sequence", "sequence"),
+                ):
+                    for o in present:
+                        if o.kind == kind and o.name != "owned_objects":
+                            cur.execute(self.query(query, {ident: o.name}))
+                if ("table", "owned_objects") in {o.key for o in present}:
+                    cur.execute(self.query("drop_owned_table", {"table": "owned_objects"}))
+                left = self._objects(cur)
+                if ("schema", self.schema) in owned and not left:
+                    cur.execute(self.query("drop_owned_schema"))
+                    log.info("uninstalled dbqueue schema %s at %s", self.schema, self.where)
+                else:
+                    log.info(
+                        "uninstalled dbqueue from schema %s at %s; the schema stays (%s)",
+                        self.schema,
+                        self.where,
+                        f"it holds {describe_objects(left)}" if left else "the engine did not create it",
+                    )
+            finally:
+                cur.close()

@@ -20,19 +20,82 @@ SELECT coalesce(max(version), 0) FROM {schema}.schema_version
 INSERT INTO {schema}.schema_version (version)
 SELECT %(version)s WHERE NOT EXISTS (SELECT 1 FROM {schema}.schema_version WHERE version = %(version)s)
 
--- name: drop_schema
--- No DROP SCHEMA ... CASCADE in T-SQL: drop the schema's procedures, tables and sequences, then the schema.
+-- name: schema_exists
+SELECT CASE WHEN SCHEMA_ID(%(schema)s) IS NULL THEN 0 ELSE 1 END
+
+-- name: create_schema
+-- CREATE SCHEMA must be alone in its batch, hence sp_executesql.
+EXEC sys.sp_executesql N'CREATE SCHEMA {schema}'
+
+-- name: schema_objects
+-- Everything in the schema that DROP SCHEMA would refuse to leave: objects with no parent (constraints
+-- and triggers belong to their table), user-defined types and XML schema collections. kind is 'table',
+-- 'sequence', 'procedure', 'function', 'view', or SQL Server's own description in lower case.
+SELECT CASE o.type WHEN 'U' THEN 'table' WHEN 'SO' THEN 'sequence' WHEN 'P' THEN 'procedure'
+                   WHEN 'FN' THEN 'function' WHEN 'IF' THEN 'function' WHEN 'TF' THEN 'function'
+                   WHEN 'V' THEN 'view' ELSE lower(o.type_desc) END AS kind,
+       o.name, QUOTENAME(s.name) + N'.' + QUOTENAME(o.name) AS identity
+FROM sys.objects o JOIN sys.schemas s ON s.schema_id = o.schema_id
+WHERE s.name = %(schema)s AND o.parent_object_id = 0
+UNION ALL
+SELECT 'type', t.name, QUOTENAME(s.name) + N'.' + QUOTENAME(t.name)
+FROM sys.types t JOIN sys.schemas s ON s.schema_id = t.schema_id
+WHERE s.name = %(schema)s AND t.is_user_defined = 1 AND t.is_table_type = 0
+UNION ALL
+SELECT 'xml schema collection', x.name, QUOTENAME(s.name) + N'.' + QUOTENAME(x.name)
+FROM sys.xml_schema_collections x JOIN sys.schemas s ON s.schema_id = x.schema_id
+WHERE s.name = %(schema)s
+ORDER BY 1, 2
+
+-- name: owned_ring_sequences
+-- The sequences of the schema's rings (ring_create makes two a ring), by name.
+SELECT o.name
+FROM {schema}.rings r
+JOIN sys.objects o ON o.object_id IN (r.push_seq_id, r.gap_seq_id)
+WHERE o.schema_id = SCHEMA_ID(%(schema)s)
+ORDER BY 1
+
+-- name: owned_objects
+SELECT kind, name FROM {schema}.owned_objects ORDER BY kind, name
+
+-- name: record_owned
+INSERT INTO {schema}.owned_objects (kind, name)
+SELECT k.[value], n.[value]
+FROM OPENJSON(%(kinds)s) k
+JOIN OPENJSON(%(names)s) n ON n.[key] = k.[key]
+WHERE NOT EXISTS (SELECT 1 FROM {schema}.owned_objects w WHERE w.kind = k.[value] AND w.name = n.[value])
+
+-- name: drop_owned_table
+-- This and the next three drop one object the engine's catalogue lists. SQL Server drops a table under
+-- a view or function that refers to it without schema binding, so those (and foreign keys from other
+-- tables) are looked for first: if anything outside the engine's own objects refers to the table, the
+-- statement raises [DQ006] and the uninstall fails whole, dropping nothing. The engine's procedures are
+-- dropped before its tables.
 SET NOCOUNT ON;
-DECLARE @schema sysname = %(schema)s;
-DECLARE @sql nvarchar(max) = N'';
-SELECT @sql = @sql + N'DROP PROCEDURE ' + QUOTENAME(@schema) + N'.' + QUOTENAME(p.name) + N'; '
-FROM sys.procedures p WHERE p.schema_id = SCHEMA_ID(@schema);
-SELECT @sql = @sql + N'DROP TABLE ' + QUOTENAME(@schema) + N'.' + QUOTENAME(t.name) + N'; '
-FROM sys.tables t WHERE t.schema_id = SCHEMA_ID(@schema);
-SELECT @sql = @sql + N'DROP SEQUENCE ' + QUOTENAME(@schema) + N'.' + QUOTENAME(s.name) + N'; '
-FROM sys.sequences s WHERE s.schema_id = SCHEMA_ID(@schema);
-IF SCHEMA_ID(@schema) IS NOT NULL SET @sql = @sql + N'DROP SCHEMA ' + QUOTENAME(@schema) + N';';
-EXEC sys.sp_executesql @sql
+DECLARE @found nvarchar(max) = N'';
+SELECT @found = @found + N'; ' + QUOTENAME(OBJECT_SCHEMA_NAME(d.referencing_id)) + N'.'
+    + QUOTENAME(OBJECT_NAME(d.referencing_id))
+FROM sys.sql_expression_dependencies d
+WHERE d.referenced_id = OBJECT_ID(N'{schema}.{table}') AND d.referencing_id <> d.referenced_id;
+SELECT @found = @found + N'; ' + QUOTENAME(OBJECT_SCHEMA_NAME(f.parent_object_id)) + N'.'
+    + QUOTENAME(OBJECT_NAME(f.parent_object_id)) + N' (foreign key ' + QUOTENAME(f.name) + N')'
+FROM sys.foreign_keys f
+WHERE f.referenced_object_id = OBJECT_ID(N'{schema}.{table}') AND f.parent_object_id <> f.referenced_object_id;
+IF @found = N''
+    DROP TABLE {schema}.{table};
+ELSE
+    RAISERROR (N'[DQ006] objects that are not the engine''s refer to %s: %s; nothing was dropped', 16, 1,
+        N'{schema}.{table}', @found);
+
+-- name: drop_owned_sequence
+DROP SEQUENCE IF EXISTS {schema}.{sequence}
+
+-- name: drop_owned_routine
+DROP PROCEDURE {schema}.{routine}
+
+-- name: drop_owned_schema
+-- DROP SCHEMA refuses a schema that still holds anything.
+DROP SCHEMA {schema}
 
 -- name: create_queue
 -- UPDLOCK, HOLDLOCK on the name: two concurrent creates of one queue serialize instead of failing.

@@ -4,13 +4,11 @@
 -- Blocks: "schema" is version 1; a block named vN_<what> belongs to version N. A fresh install runs
 -- "schema" and then every vN_ block in file order; an install at version k runs the vN_ blocks with
 -- N > k (so a migrated schema is the fresh one by construction). Each block is one batch: a CREATE
--- PROCEDURE must be alone in its batch.
--- SCHEMA_VERSION: 2
+-- PROCEDURE must be alone in its batch. The schema itself is created by install() (only when it does not
+-- exist; an existing one must be empty), not here.
+-- SCHEMA_VERSION: 3
 
 -- name: schema
--- CREATE SCHEMA must be alone in its batch, hence sp_executesql.
-EXEC sys.sp_executesql N'CREATE SCHEMA {schema}';
-
 CREATE TABLE {schema}.schema_version (
     version int NOT NULL,
     applied_at datetime2(6) NOT NULL CONSTRAINT schema_version_applied_df DEFAULT SYSUTCDATETIME(),
@@ -708,3 +706,15 @@ BEGIN
     SELECT NULL, NULL, NULL, NULL, NULL, NULL, @next_lo, @report_gap, @report_issued, @snap, 1
     ORDER BY is_meta, id;
 END
+
+-- name: v3_owned_objects
+-- The engine's catalogue of what it created here: uninstall drops exactly these objects (and the rings'
+-- sequences, which the rings table lists), and the schema only when a row (kind 'schema') says the
+-- engine created it. install() fills it with what it created, in its own transaction; for an install
+-- made before this version, with the objects of this file found in the schema (by kind and name), and
+-- with the schema when nothing else is in it.
+CREATE TABLE {schema}.owned_objects (
+    kind varchar(32) NOT NULL,
+    name nvarchar(128) NOT NULL,
+    CONSTRAINT owned_objects_pkey PRIMARY KEY (kind, name)
+);

@@ -20,13 +20,21 @@ from psycopg import sql
 from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from airflow_dbqueue.engine.dialects.base import refuse_newer_schema
+from airflow_dbqueue.engine.dialects.base import (
+    SchemaObject,
+    describe_objects,
+    engine_objects,
+    ownership,
+    refuse_foreign_objects,
+    refuse_newer_schema,
+)
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     DatabaseError,
     DatabaseUnavailableError,
     DbQueueError,
     DeadlockError,
+    ForeignObjectsError,
     LockTimeoutError,
     QueueFullError,
     ReceiptsNotHeldError,
@@ -34,7 +42,11 @@ from airflow_dbqueue.engine.errors import (
     SchemaError,
     TransientDatabaseError,
 )
-from airflow_dbqueue.engine.names import validate_identifier, validate_schema_name
+from airflow_dbqueue.engine.names import (
+    POSTGRESQL_RESERVED_SCHEMAS,
+    validate_identifier,
+    validate_schema_name,
+)
 from airflow_dbqueue.engine.sqlfile import load_queries, parse_named_queries, read_text
 
 log = logging.getLogger(__name__)
@@ -113,7 +125,7 @@ class PostgresDatabase:
         application_name: str = "airflow-dbqueue",
     ) -> None:
         self.dsn = dsn
-        self.schema = validate_schema_name(schema)
+        self.schema = validate_schema_name(schema, POSTGRESQL_RESERVED_SCHEMAS)
         self.where = describe_dsn(dsn)
         self._min_size = min_size
         self._max_size = max(min_size, max_size)
@@ -388,6 +400,10 @@ class PostgresDatabase:
     def install(self) -> int:
         """Create or migrate the schema, idempotently and safely when run concurrently.
 
+        A schema that does not exist is created (and recorded as the engine's); an existing one that
+        holds no install must be empty, or :class:`ForeignObjectsError` names what it holds and
+        nothing is done. Everything the install creates is recorded in ``owned_objects``.
+
         :return: the schema version now installed.
         """
         latest, full = schema_sql()
@@ -398,13 +414,18 @@ class PostgresDatabase:
             )
         with self.transaction() as c:
             c.execute(self.query("install_lock"), {"schema": self.schema})
-            installed = c.execute(self.query("schema_installed"), {"schema": self.schema}).fetchone()
-            current = 0
-            if installed and installed[0]:
-                row = c.execute(self.query("schema_version")).fetchone()
-                current = int(row[0]) if row else 0
+            current = self._installed_version(c)
             refuse_newer_schema(self.schema, self.where, current, latest)
+            if current == latest:
+                return latest
+            before = self._objects(c)
+            created_schema = False
             if current == 0:
+                if self._fetch_one(c, "schema_exists"):
+                    refuse_foreign_objects(self.schema, self.where, before)
+                else:
+                    c.execute(self.query("create_schema"))
+                    created_schema = True
                 c.execute(self.compose(full))
                 c.execute(self.query("record_version"), {"version": latest})
                 log.info("installed dbqueue schema %s at version %s", self.schema, latest)
@@ -414,7 +435,35 @@ class PostgresDatabase:
                         c.execute(self.compose(body))
                         c.execute(self.query("record_version"), {"version": version})
                         log.info("migrated dbqueue schema %s to version %s", self.schema, version)
+            rings = [r[0] for r in c.execute(self.query("owned_ring_sequences"), {"schema": self.schema})]
+            own, schema_is_ours = ownership(
+                before,
+                self._objects(c),
+                fresh=current == 0,
+                created_schema=created_schema,
+                engine_names=_engine_names(),
+                ring_sequences=rings,
+            )
+            if schema_is_ours:
+                own.add(("schema", self.schema))
+            kinds, names = [k for k, _ in sorted(own)], [n for _, n in sorted(own)]
+            c.execute(self.query("record_owned"), {"kinds": kinds, "names": names})
         return latest
+
+    def _fetch_one(self, c: psycopg.Connection[Any], name: str) -> Any:
+        row = c.execute(self.query(name), {"schema": self.schema}).fetchone()
+        return row[0] if row else None
+
+    def _installed_version(self, c: psycopg.Connection[Any]) -> int:
+        """The version of the install in the schema (0: none), read in ``c``'s transaction."""
+        if not self._fetch_one(c, "schema_installed"):
+            return 0
+        row = c.execute(self.query("schema_version")).fetchone()
+        return int(row[0]) if row else 0
+
+    def _objects(self, c: psycopg.Connection[Any]) -> list[SchemaObject]:
+        rows = c.execute(self.query("schema_objects"), {"schema": self.schema}).fetchall()
+        return [SchemaObject(kind, name, identity) for kind, name, identity in rows]
 
     def migrate_to(self, version: int) -> None:
         """Apply migrations 1..version to a schema that does not exist yet (for tests and upgrades)."""
@@ -426,8 +475,76 @@ class PostgresDatabase:
                     c.execute(self.query("record_version"), {"version": v})
 
     def drop_schema(self) -> None:
-        """Drop the whole schema and every queue in it."""
-        self.execute("drop_schema")
+        """Drop what the engine created in the schema, and the schema when it is the engine's and empty.
+
+        What is dropped is what ``owned_objects`` lists (and the rings' sequences, which ``rings``
+        lists); an install of an older version is migrated first, which records it. Objects that are
+        not the engine's stay, and so does the schema that holds them. When an object that is not the
+        engine's depends on one of its objects (a view over ``meta``), :class:`ForeignObjectsError`
+        names it and nothing is dropped. A schema without an install is left alone.
+        """
+        with self.transaction() as c:
+            c.execute(self.query("install_lock"), {"schema": self.schema})
+            current = self._installed_version(c) if self._fetch_one(c, "schema_exists") else 0
+        if current == 0:
+            log.info(
+                "dbqueue schema %s holds no install at %s: nothing to uninstall", self.schema, self.where
+            )
+            return
+        latest = schema_sql()[0]
+        if current < latest:
+            self.install()  # records what the engine owns, as it does for any older install
+        try:
+            with self.transaction() as c:
+                c.execute(self.query("install_lock"), {"schema": self.schema})
+                refuse_newer_schema(self.schema, self.where, self._installed_version(c), latest)
+                owned = {(k, n) for k, n in c.execute(self.query("owned_objects"))}
+                for name in [
+                    r[0] for r in c.execute(self.query("owned_ring_sequences"), {"schema": self.schema})
+                ]:
+                    c.execute(self.query("drop_owned_sequence", {"sequence": name}))
+                present = [o for o in self._objects(c) if o.key in owned]
+                for kind, query, ident in (
+                    ("function", "drop_owned_routine", "routine"),
+                    ("table", "drop_owned_table", "table"),
+                    ("sequence", "drop_owned_sequence", "sequence"),
+                ):
+                    for o in present:
+                        if o.kind == kind:
+                            c.execute(self.query(query, {ident: o.name}))
+                left = self._objects(c)
+                if ("schema", self.schema) in owned and not left:
+                    c.execute(self.query("drop_owned_schema"))
+                    log.info("uninstalled dbqueue schema %s at %s", self.schema, self.where)
+                else:
+                    log.info(
+                        "uninstalled dbqueue from schema %s at %s; the schema stays (%s)",
+                        self.schema,
+                        self.where,
+                        f"it holds {describe_objects(left)}" if left else "the engine did not create it",
+                    )
+        except DatabaseError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, psycopg.errors.DependentObjectsStillExist):
+                found = (cause.diag.message_detail or _primary(cause)).splitlines()
+                raise ForeignObjectsError(
+                    f"uninstall of schema {self.schema!r} at {self.where} refused: objects that are not "
+                    f"the engine's depend on its own ({'; '.join(found)}). Nothing was dropped: drop "
+                    "or move them first",
+                    found,
+                ) from exc
+            raise
+
+
+def _engine_names() -> frozenset[tuple[str, str]]:
+    """The tables, sequences and functions that the schema file and the migrations create."""
+    texts = [read_text(_PKG, "schema.sql")]
+    texts += [
+        e.read_text(encoding="utf-8")
+        for e in resources.files(_PKG).joinpath("migrations").iterdir()
+        if _MIGRATION_FILE.match(e.name)
+    ]
+    return frozenset().union(*(engine_objects(t) for t in texts))
 
 
 BINARY_RESULTS = frozenset(

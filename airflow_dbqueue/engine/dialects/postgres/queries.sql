@@ -14,8 +14,61 @@ SELECT coalesce(max(version), 0) FROM {schema}.schema_version
 -- name: record_version
 INSERT INTO {schema}.schema_version (version) VALUES (%(version)s) ON CONFLICT DO NOTHING
 
--- name: drop_schema
-DROP SCHEMA IF EXISTS {schema} CASCADE
+-- name: schema_exists
+SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = %(schema)s)
+
+-- name: create_schema
+CREATE SCHEMA {schema}
+
+-- name: schema_objects
+-- Everything in the schema, as DROP SCHEMA ... CASCADE would find it: each object that a schema holds
+-- depends on it (deptype 'n'). Objects that belong to another one go with their owner and are left out
+-- (an identity column's sequence, a table's row type; indexes and constraints never depend on the
+-- schema). kind is pg_identify_object's type ('table', 'sequence', 'function', 'view' ...).
+SELECT i.type, a.object_names[array_upper(a.object_names, 1)], i.identity
+FROM pg_catalog.pg_depend d
+CROSS JOIN LATERAL pg_catalog.pg_identify_object(d.classid, d.objid, d.objsubid) i
+CROSS JOIN LATERAL pg_catalog.pg_identify_object_as_address(d.classid, d.objid, d.objsubid) a
+WHERE d.refclassid = 'pg_catalog.pg_namespace'::regclass AND d.deptype = 'n'
+  AND d.refobjid = (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = %(schema)s)
+  AND NOT EXISTS (
+      SELECT 1 FROM pg_catalog.pg_depend o
+      WHERE o.classid = d.classid AND o.objid = d.objid AND o.deptype IN ('a', 'i')
+        AND o.refclassid = 'pg_catalog.pg_class'::regclass)
+ORDER BY 1, 2
+
+-- name: owned_ring_sequences
+-- The sequences of the schema's rings (ring_create makes two a ring), by name.
+SELECT c.relname
+FROM {schema}.rings r
+JOIN pg_catalog.pg_class c ON c.oid IN (r.push_seq, r.gap_seq)
+WHERE c.relnamespace = (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = %(schema)s)
+ORDER BY 1
+
+-- name: owned_objects
+SELECT kind, name FROM {schema}.owned_objects ORDER BY kind, name
+
+-- name: record_owned
+INSERT INTO {schema}.owned_objects (kind, name)
+SELECT k, n FROM unnest(%(kinds)s::text[], %(names)s::text[]) AS o(k, n)
+ON CONFLICT DO NOTHING
+
+-- name: drop_owned_table
+-- This and the next three drop one object the engine's catalogue lists, without CASCADE: when an object
+-- that is not the engine's depends on it (a view over meta, a foreign key to queues), the statement
+-- fails and the uninstall with it, dropping nothing.
+DROP TABLE {schema}.{table}
+
+-- name: drop_owned_sequence
+DROP SEQUENCE IF EXISTS {schema}.{sequence}
+
+-- name: drop_owned_routine
+-- By name alone: if someone else added a function of the same name, the name is not unique and this
+-- fails rather than choose.
+DROP FUNCTION {schema}.{routine}
+
+-- name: drop_owned_schema
+DROP SCHEMA {schema}
 
 -- name: create_queue
 INSERT INTO {schema}.queues (

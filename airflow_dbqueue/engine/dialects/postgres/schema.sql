@@ -1,15 +1,23 @@
 -- The whole current schema of a dbqueue schema on PostgreSQL, for a fresh install.
 -- {schema} is replaced by the quoted schema name. Keep in step with migrations/: a test checks that
--- applying every migration from the first gives exactly this schema.
--- SCHEMA_VERSION: 11
+-- applying every migration from the first gives exactly this schema. The schema itself is created by
+-- install() (only when it does not exist; an existing one must be empty), not here.
+-- SCHEMA_VERSION: 12
 
 -- name: schema
-CREATE SCHEMA IF NOT EXISTS {schema};
-
 CREATE TABLE {schema}.schema_version (
     version integer NOT NULL,
     applied_at timestamptz NOT NULL DEFAULT now(),
     CONSTRAINT schema_version_pkey PRIMARY KEY (version)
+);
+
+-- The engine's catalogue of what it created here: uninstall drops exactly these objects (and the rings'
+-- sequences, which the rings table lists), and the schema only when a row (kind 'schema') says the
+-- engine created it. install() fills it with what it created, in its own transaction.
+CREATE TABLE {schema}.owned_objects (
+    kind text NOT NULL,
+    name text NOT NULL,
+    CONSTRAINT owned_objects_pkey PRIMARY KEY (kind, name)
 );
 
 -- One row a queue: its settings. Many queues share the tables below.

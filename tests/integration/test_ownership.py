@@ -1,0 +1,292 @@
+"""The engine touches only what it created: reserved schemas are refused, an install goes only into a
+schema of its own (or an empty one), and uninstall drops what the engine's catalogue lists and nothing
+else, on a real PostgreSQL. The SQL Server twins run given ``$DBQUEUE_TEST_MSSQL_DSN`` (in
+``tests/integration/test_ownership_mssql.py``); the dialect's decisions without a server are in
+``tests/unit/test_mssql_ownership.py``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from airflow_dbqueue.engine import DbQueue, ForeignObjectsError, InvalidNameError
+from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
+from airflow_dbqueue.engine.dialects.postgres.dialect import schema_sql
+from airflow_dbqueue.engine.embedded import free_port
+
+pytestmark = pytest.mark.integration
+
+LATEST = schema_sql()[0]
+ENGINE_TABLES = {"schema_version", "queues", "meta", "data", "done", "archive", "batches", "rings"}
+
+
+def run(dsn: str, statement: str | sql.Composable, params: Any = None) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cur = conn.execute(statement, params)
+        return cur.fetchall() if cur.description else []
+
+
+def relations(dsn: str, schema: str) -> set[str]:
+    """Names of the tables and sequences in ``schema``."""
+    rows = run(
+        dsn,
+        "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %s AND c.relkind IN ('r', 'S', 'v')",
+        [schema],
+    )
+    return {r[0] for r in rows}
+
+
+def functions(dsn: str, schema: str) -> set[str]:
+    rows = run(
+        dsn,
+        "SELECT p.proname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = %s",
+        [schema],
+    )
+    return {r[0] for r in rows}
+
+
+def schema_exists(dsn: str, schema: str) -> bool:
+    return bool(run(dsn, "SELECT 1 FROM pg_namespace WHERE nspname = %s", [schema]))
+
+
+@pytest.fixture
+def new_schema(pg_dsn: str) -> Iterator[Callable[[], str]]:
+    """Fresh schema names; every schema of those names is dropped (CASCADE) after the test."""
+    names: list[str] = []
+
+    def make() -> str:
+        names.append(f"t_{uuid.uuid4().hex[:12]}")
+        return names[-1]
+
+    yield make
+    for name in names:
+        run(pg_dsn, sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+
+
+def user_table(dsn: str, schema: str, name: str = "customers") -> None:
+    """Someone else's table with a row in it, in ``schema``."""
+    ident = sql.Identifier(schema, name)
+    run(dsn, sql.SQL("CREATE TABLE {} (id integer PRIMARY KEY, who text)").format(ident))
+    run(dsn, sql.SQL("INSERT INTO {} VALUES (1, 'ada')").format(ident))
+
+
+def user_rows(dsn: str, schema: str, name: str = "customers") -> list[tuple[Any, ...]]:
+    return run(dsn, sql.SQL("SELECT * FROM {}").format(sql.Identifier(schema, name)))
+
+
+# -- reserved schemas: refused at construction, before any I/O ---------------------------------------
+
+
+@pytest.mark.parametrize("schema", ["public", "information_schema", "pg_catalog", "pg_toast", "pg_temp_1"])
+def test_reserved_schemas_are_refused_at_construction_without_io(schema: str) -> None:
+    port = free_port()  # nothing listens there: a refusal that needed the server could not come at once
+    with pytest.raises(InvalidNameError, match=rf"schema name '{schema}' is not valid"):
+        DbQueue(f"host=127.0.0.1 port={port} user=postgres dbname=app", schema=schema)
+
+
+def test_public_stays_untouched(pg_dsn: str, new_schema: Callable[[], str]) -> None:
+    """What the issue saw: DbQueue(schema="public") put its tables among the user's, and uninstall
+    dropped public with them. Now nothing can be done through such a handle."""
+    mine = new_schema()
+    run(pg_dsn, sql.SQL("CREATE TABLE public.{} (id integer)").format(sql.Identifier(mine)))
+    try:
+        with pytest.raises(InvalidNameError, match="reserved"):
+            DbQueue(pg_dsn, schema="public")
+        assert schema_exists(pg_dsn, "public")
+        assert mine in relations(pg_dsn, "public")
+        assert "meta" not in relations(pg_dsn, "public")
+    finally:
+        run(pg_dsn, sql.SQL("DROP TABLE public.{}").format(sql.Identifier(mine)))
+
+
+def test_the_cli_refuses_a_reserved_schema(pg_dsn: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "airflow_dbqueue.cli", "--dsn", pg_dsn, "--schema", "public", "init"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("dbqueue: error: schema name 'public' is not valid"), proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# -- install: only into a schema of its own -----------------------------------------------------------
+
+
+def test_install_refuses_a_schema_that_holds_other_objects(
+    pg_dsn: str, new_schema: Callable[[], str]
+) -> None:
+    schema = new_schema()
+    run(pg_dsn, sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+    user_table(pg_dsn, schema)
+    run(pg_dsn, sql.SQL("CREATE VIEW {} AS SELECT 1 AS one").format(sql.Identifier(schema, "report")))
+    with DbQueue(pg_dsn, schema=schema) as dbq, pytest.raises(ForeignObjectsError) as info:
+        dbq.install()
+    message = str(info.value)
+    assert f"table {schema}.customers" in message and f"view {schema}.report" in message, message
+    assert "Nothing was installed" in message
+    assert sorted(info.value.objects) == [f"table {schema}.customers", f"view {schema}.report"]
+    assert relations(pg_dsn, schema) == {"customers", "report"}  # nothing of the engine's was created
+    assert user_rows(pg_dsn, schema) == [(1, "ada")]
+
+
+def test_an_empty_existing_schema_is_used_and_kept(pg_dsn: str, new_schema: Callable[[], str]) -> None:
+    schema = new_schema()
+    run(pg_dsn, sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+    with DbQueue(pg_dsn, schema=schema) as dbq:
+        assert dbq.install() == LATEST
+        q = dbq.create_queue("orders")
+        q.push_batch([{"n": i} for i in range(5)])
+        dbq.create_queue("stream", design="ring", capacity=16).push(1)
+        dbq.uninstall()
+    assert schema_exists(pg_dsn, schema)  # the engine did not create it: it stays, empty
+    assert relations(pg_dsn, schema) == set() and functions(pg_dsn, schema) == set()
+
+
+def test_a_fresh_install_records_what_it_created_and_uninstall_drops_it_all(
+    pg_dsn: str, new_schema: Callable[[], str]
+) -> None:
+    schema = new_schema()
+    with DbQueue(pg_dsn, schema=schema) as dbq:
+        dbq.install()
+        dbq.install()  # idempotent: records nothing twice
+        owned = {
+            r
+            for r in run(
+                pg_dsn, sql.SQL("SELECT kind, name FROM {}").format(sql.Identifier(schema, "owned_objects"))
+            )
+        }
+        assert ("schema", schema) in owned
+        assert {("table", t) for t in ENGINE_TABLES} <= owned
+        assert {("function", f) for f in functions(pg_dsn, schema)} <= owned
+        dbq.create_queue("stream", design="ring", capacity=16).push(1)
+        assert {"ring_1_seq", "ring_1_gaps"} <= relations(pg_dsn, schema)
+        dbq.uninstall()
+        dbq.uninstall()  # nothing left to do: no error
+    assert not schema_exists(pg_dsn, schema)
+
+
+# -- uninstall: only what the engine created -----------------------------------------------------------
+
+
+def test_uninstall_leaves_other_objects_and_their_schema(pg_dsn: str, new_schema: Callable[[], str]) -> None:
+    """Someone put a table of theirs (and a function) into the engine's schema after the install."""
+    schema = new_schema()
+    with DbQueue(pg_dsn, schema=schema) as dbq:
+        dbq.install()
+        dbq.create_queue("orders").push_batch([1, 2, 3])
+        dbq.create_queue("stream", design="ring", capacity=8).push(1)
+        user_table(pg_dsn, schema)
+        run(
+            pg_dsn,
+            sql.SQL("CREATE FUNCTION {}() RETURNS int LANGUAGE sql AS 'SELECT 7'").format(
+                sql.Identifier(schema, "helper")
+            ),
+        )
+        dbq.uninstall()
+    assert schema_exists(pg_dsn, schema)
+    assert relations(pg_dsn, schema) == {"customers"}
+    assert functions(pg_dsn, schema) == {"helper"}
+    assert user_rows(pg_dsn, schema) == [(1, "ada")]
+
+
+def test_uninstall_refuses_while_someone_elses_view_uses_a_queue_table(
+    pg_dsn: str, new_schema: Callable[[], str]
+) -> None:
+    schema, other = new_schema(), new_schema()
+    with DbQueue(pg_dsn, schema=schema) as dbq:
+        dbq.install()
+        q = dbq.create_queue("orders")
+        ids = q.push_batch([{"n": i} for i in range(3)])
+        run(pg_dsn, sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(other)))
+        run(
+            pg_dsn,
+            sql.SQL("CREATE VIEW {} AS SELECT id FROM {}").format(
+                sql.Identifier(other, "depth"), sql.Identifier(schema, "meta")
+            ),
+        )
+        with pytest.raises(
+            ForeignObjectsError, match=rf"view {other}\.depth depends on table {schema}\.meta"
+        ):
+            dbq.uninstall()
+        # nothing was dropped: the queue still works, with its messages
+        assert [m.id for m in dbq.queue("orders").pop(10)] == ids
+        assert relations(pg_dsn, schema) >= ENGINE_TABLES
+        run(pg_dsn, sql.SQL("DROP VIEW {}").format(sql.Identifier(other, "depth")))
+        dbq.uninstall()
+    assert not schema_exists(pg_dsn, schema)
+
+
+def test_uninstall_of_a_schema_without_an_install_touches_nothing(
+    pg_dsn: str, new_schema: Callable[[], str]
+) -> None:
+    schema = new_schema()
+    with DbQueue(pg_dsn, schema=schema) as dbq:
+        dbq.uninstall()  # no schema at all
+        run(pg_dsn, sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+        user_table(pg_dsn, schema)
+        dbq.uninstall()  # someone else's schema of that name
+    assert relations(pg_dsn, schema) == {"customers"}
+    assert user_rows(pg_dsn, schema) == [(1, "ada")]
+
+
+# -- installs made before the catalogue ------------------------------------------------------------------
+
+
+def old_install(dsn: str, schema: str, version: int) -> None:
+    """An install as the code of ``version`` made it (CREATE SCHEMA IF NOT EXISTS, no catalogue)."""
+    db = PostgresDatabase(dsn, schema=schema)
+    try:
+        db.migrate_to(version)
+    finally:
+        db.close()
+
+
+def test_an_older_install_in_a_shared_schema_is_recognised_by_name(
+    pg_dsn: str, new_schema: Callable[[], str]
+) -> None:
+    """Older versions installed with CREATE SCHEMA IF NOT EXISTS, also into a schema that held other
+    things. After the upgrade, the engine's objects are known by the names its schema files create;
+    the rest is not the engine's, and neither is the schema."""
+    schema = new_schema()
+    run(pg_dsn, sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+    user_table(pg_dsn, schema)
+    old_install(pg_dsn, schema, LATEST - 1)
+    with DbQueue(pg_dsn, schema=schema) as dbq:
+        dbq.create_queue("stream", design="ring", capacity=8).push(1)  # a ring: sequences of its own
+        dbq.create_queue("orders").push(1)
+        dbq.uninstall()  # migrates first, then drops what it recognised
+    assert relations(pg_dsn, schema) == {"customers"}
+    assert functions(pg_dsn, schema) == set()
+    assert user_rows(pg_dsn, schema) == [(1, "ada")]
+
+
+@pytest.mark.parametrize("start", [1, 5, LATEST - 1])
+def test_an_older_install_alone_in_its_schema_is_the_engines_whole(
+    pg_dsn: str, new_schema: Callable[[], str], start: int
+) -> None:
+    schema, fresh = new_schema(), new_schema()
+    old_install(pg_dsn, schema, start)
+    with DbQueue(pg_dsn, schema=schema) as dbq:
+        assert dbq.install() == LATEST
+    with DbQueue(pg_dsn, schema=fresh) as dbq:
+        dbq.install()
+    owned = sql.SQL("SELECT kind, name FROM {}.owned_objects ORDER BY 1, 2")
+    migrated = [(k, n) for k, n in run(pg_dsn, owned.format(sql.Identifier(schema)))]
+    created = [(k, n) for k, n in run(pg_dsn, owned.format(sql.Identifier(fresh)))]
+    assert [r if r != ("schema", schema) else ("schema", "<s>") for r in migrated] == [
+        r if r != ("schema", fresh) else ("schema", "<s>") for r in created
+    ]
+    with DbQueue(pg_dsn, schema=schema) as dbq:
+        dbq.uninstall()
+    assert not schema_exists(pg_dsn, schema)

@@ -1,0 +1,284 @@
+"""What the engine may create and drop on SQL Server, without a SQL Server: reserved schemas refused at
+construction, and install and uninstall driven through a fake pyodbc connection that keeps a model of
+one database's catalog (schemas and the objects in them) and answers the dialect's statements by what
+they contain. Tests that use the fake say ``fake`` in their name: they check the Python side's
+decisions (what it creates, records, drops and refuses), and that every statement it sends parses as
+T-SQL; that the T-SQL does the same on a server is tests/integration/test_ownership_mssql.py's, given
+$DBQUEUE_TEST_MSSQL_DSN."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pytest
+
+from airflow_dbqueue.engine import DbQueue, ForeignObjectsError, InvalidNameError
+from airflow_dbqueue.engine.dialects.base import engine_objects
+from airflow_dbqueue.engine.dialects.mssql.dialect import MssqlDatabase, schema_steps, translate
+from airflow_dbqueue.engine.sqlfile import read_text
+from tests.unit.test_mssql_dialect import DRIVER, tsql_statements
+
+pyodbc = pytest.importorskip("pyodbc", reason="pyodbc (the mssql extra) and unixODBC are not installed")
+
+DSN = "mssql://u:p@sqlserver.invalid:1433/queues"
+LATEST = schema_steps()[0]
+
+
+@pytest.mark.parametrize(
+    "schema", ["dbo", "sys", "information_schema", "guest", "db_owner", "db_datareader", "db_ddladmin"]
+)
+def test_reserved_schemas_are_refused_at_construction(schema: str) -> None:
+    """No I/O: the host does not even resolve."""
+    with pytest.raises(InvalidNameError, match=rf"schema name '{schema}' is not valid: it is a reserved"):
+        DbQueue(DSN, schema=schema)
+
+
+class FakeCatalog:
+    """One database's schemas and their objects, as the dialect's statements see and change them."""
+
+    def __init__(self) -> None:
+        self.schemas: dict[str, dict[tuple[str, str], str]] = {}
+        """schema -> {(kind, name): identity}"""
+        self.versions: dict[str, list[int]] = {}
+        self.owned: dict[str, set[tuple[str, str]]] = {}
+        self.rings: dict[str, list[str]] = {}
+        self.referrers: dict[tuple[str, str], str] = {}
+        """(schema, table) -> what refers to it from outside the engine"""
+        self.sent: list[str] = []
+        self.commits = self.rollbacks = 0
+
+    def add(self, schema: str, kind: str, name: str) -> None:
+        self.schemas.setdefault(schema, {})[(kind, name)] = f"[{schema}].[{name}]"
+
+    def answer(self, text: str, values: list[Any]) -> list[tuple[Any, ...]] | None:  # noqa: PLR0911
+        self.sent.append(text)
+        m = re.search(r"\[(\w+)\]\.", text)
+        schema = m.group(1) if m else (values[0] if values else "")
+        objects = self.schemas.get(schema, {})
+        if "sp_getapplock" in text:
+            return None
+        if text.startswith("SELECT CASE WHEN OBJECT_ID(QUOTENAME"):  # schema_installed
+            return [(int(("table", "schema_version") in self.schemas.get(values[0], {})),)]
+        if text.startswith("SELECT coalesce(max(version)"):
+            return [(max(self.versions.get(schema, [0])),)]
+        if text.startswith("SELECT CASE WHEN SCHEMA_ID"):  # schema_exists
+            return [(int(values[0] in self.schemas),)]
+        if "CREATE SCHEMA" in text:
+            self.schemas[schema] = {}
+            return None
+        if "FROM sys.objects o JOIN sys.schemas s" in text:  # schema_objects
+            return sorted((k, n, ident) for (k, n), ident in self.schemas.get(values[0], {}).items())
+        if "INSERT INTO" in text and ".schema_version" in text:
+            self.versions.setdefault(schema, []).append(values[0])
+            return None
+        if "JOIN sys.objects o ON o.object_id IN (r.push_seq_id" in text:  # owned_ring_sequences
+            return [(n,) for n in self.rings.get(schema, [])]
+        if text.startswith("INSERT INTO") and ".owned_objects" in text:
+            pairs = zip(json.loads(values[0]), json.loads(values[1]), strict=True)
+            self.owned.setdefault(schema, set()).update(pairs)
+            return None
+        if text.startswith("SELECT kind, name FROM"):
+            return sorted(self.owned.get(schema, set()))
+        if m := re.search(
+            r"DROP (TABLE|SEQUENCE IF EXISTS|PROCEDURE|SCHEMA) \[(\w+)\](?:\.\[(\w+)\])?", text
+        ):
+            what, schema, name = m.group(1), m.group(2), m.group(3)
+            objects = self.schemas.get(schema, {})
+            if what == "SCHEMA":
+                assert not objects, f"DROP SCHEMA of a schema that holds {objects}"
+                del self.schemas[schema]
+                return None
+            if what == "TABLE" and (schema, name) in self.referrers:
+                raise pyodbc.ProgrammingError(
+                    "42000",
+                    f"[42000] {DRIVER}[SQL Server][DQ006] objects that are not the engine's refer to "
+                    f"[{schema}].[{name}]: {self.referrers[(schema, name)]}; nothing was dropped (50000) "
+                    "(SQLExecDirectW)",
+                )
+            kind = {"TABLE": "table", "SEQUENCE IF EXISTS": "sequence", "PROCEDURE": "procedure"}[what]
+            objects.pop((kind, name), None)
+            if name in self.rings.get(schema, []):
+                self.rings[schema].remove(name)
+            return None
+        created = engine_objects(text.replace(f"[{schema}].", "{schema}."))
+        if created:  # a block of schema.sql
+            for kind, name in created:
+                self.add(schema, kind, name)
+            return None
+        raise AssertionError(f"the fake has no answer for: {text[:160]}")
+
+
+class FakeCursor:
+    def __init__(self, conn: FakeConnection) -> None:
+        self.conn = conn
+        self.description: Any = None
+        self._rows: list[tuple[Any, ...]] = []
+
+    def execute(self, text: str, *values: Any) -> FakeCursor:
+        rows = self.conn.catalog.answer(text, list(values[0]) if values else [])
+        self.description = None if rows is None else [("c",)]
+        self._rows = rows or []
+        return self
+
+    def fetchone(self) -> tuple[Any, ...] | None:
+        return self._rows[0] if self._rows else None
+
+    def fetchall(self) -> list[tuple[Any, ...]]:
+        return list(self._rows)
+
+    def nextset(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+class FakeConnection:
+    """Every change is kept only on commit: the catalog is copied at the first statement and put back
+    on rollback, as a transaction of a real server would."""
+
+    autocommit = False
+
+    def __init__(self, catalog: FakeCatalog) -> None:
+        self.catalog = catalog
+        self._saved: Any = None
+
+    def cursor(self) -> FakeCursor:
+        if self._saved is None:
+            c = self.catalog
+            self._saved = (
+                {s: dict(o) for s, o in c.schemas.items()},
+                {s: list(v) for s, v in c.versions.items()},
+                {s: set(o) for s, o in c.owned.items()},
+                {s: list(r) for s, r in c.rings.items()},
+            )
+        return FakeCursor(self)
+
+    def commit(self) -> None:
+        self.catalog.commits += 1
+        self._saved = None
+
+    def rollback(self) -> None:
+        self.catalog.rollbacks += 1
+        if self._saved is not None:
+            c = self.catalog
+            c.schemas, c.versions, c.owned, c.rings = self._saved
+            self._saved = None
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def catalog(monkeypatch: pytest.MonkeyPatch) -> FakeCatalog:
+    cat = FakeCatalog()
+    monkeypatch.setattr(MssqlDatabase, "connect", lambda self, **kw: FakeConnection(cat))
+    return cat
+
+
+ENGINE = engine_objects(read_text("airflow_dbqueue.engine.dialects.mssql", "schema.sql"))
+"""What schema.sql creates (with the catalogue, owned_objects)."""
+VERSION_2 = ENGINE - {("table", "owned_objects")}
+"""What an install of version 2 holds: everything but the catalogue."""
+
+
+def test_a_fresh_install_creates_its_schema_and_records_all_it_made_on_a_fake_sql_server(
+    catalog: FakeCatalog,
+) -> None:
+    db = MssqlDatabase(DSN, schema="dbq")
+    assert db.install() == LATEST
+    assert set(catalog.schemas["dbq"]) == ENGINE
+    assert catalog.owned["dbq"] == ENGINE | {("schema", "dbq")}
+    assert catalog.versions["dbq"] == list(range(1, LATEST + 1))
+    sent = len(catalog.sent)
+    assert db.install() == LATEST  # idempotent: nothing is created or recorded again
+    assert not any("CREATE" in t or "INSERT" in t for t in catalog.sent[sent:])
+    catalog.rings["dbq"] = ["ring_1_seq", "ring_1_gaps"]
+    for name in catalog.rings["dbq"]:
+        catalog.add("dbq", "sequence", name)
+    db.drop_schema()
+    assert "dbq" not in catalog.schemas
+    for text in catalog.sent:  # the queries (schema.sql's blocks are parsed by test_mssql_dialect)
+        if not engine_objects(text.replace("[dbq].", "{schema}.")):
+            tsql_statements(text)
+
+
+def test_install_refuses_a_schema_holding_other_objects_on_a_fake_sql_server(catalog: FakeCatalog) -> None:
+    catalog.add("dbq", "table", "customers")
+    catalog.add("dbq", "view", "report")
+    with pytest.raises(ForeignObjectsError) as info:
+        MssqlDatabase(DSN, schema="dbq").install()
+    assert sorted(info.value.objects) == ["table [dbq].[customers]", "view [dbq].[report]"]
+    assert "Nothing was installed" in str(info.value)
+    assert set(catalog.schemas["dbq"]) == {("table", "customers"), ("view", "report")}
+    assert catalog.rollbacks == 1 and "dbq" not in catalog.versions
+
+
+def test_an_empty_schema_is_used_and_kept_on_a_fake_sql_server(catalog: FakeCatalog) -> None:
+    catalog.schemas["dbq"] = {}
+    db = MssqlDatabase(DSN, schema="dbq")
+    db.install()
+    assert not any("CREATE SCHEMA" in t for t in catalog.sent)
+    assert ("schema", "dbq") not in catalog.owned["dbq"]
+    db.drop_schema()
+    assert catalog.schemas["dbq"] == {}  # the engine's objects are gone; the schema was not its own
+
+
+def test_uninstall_drops_only_what_the_catalogue_lists_on_a_fake_sql_server(catalog: FakeCatalog) -> None:
+    db = MssqlDatabase(DSN, schema="dbq")
+    db.install()
+    catalog.add("dbq", "table", "customers")  # someone else's, put there after the install
+    catalog.add("dbq", "procedure", "helper")
+    db.drop_schema()
+    assert set(catalog.schemas["dbq"]) == {("table", "customers"), ("procedure", "helper")}
+    assert not any("[customers]" in t or "[helper]" in t for t in catalog.sent)
+
+
+def test_uninstall_refused_by_a_referrer_drops_nothing_on_a_fake_sql_server(catalog: FakeCatalog) -> None:
+    db = MssqlDatabase(DSN, schema="dbq")
+    db.install()
+    before = dict(catalog.schemas["dbq"])
+    catalog.referrers[("dbq", "meta")] = "[reports].[depth]"
+    with pytest.raises(ForeignObjectsError, match=r"\[reports\]\.\[depth\]"):
+        db.drop_schema()
+    assert catalog.schemas["dbq"] == before  # rolled back whole
+
+
+def test_an_older_install_is_recognised_by_name_on_a_fake_sql_server(catalog: FakeCatalog) -> None:
+    """Version 2 created its schema with CREATE SCHEMA and kept no catalogue: its objects are known by
+    the names schema.sql creates; with a table of someone else's beside them, the schema is not the
+    engine's."""
+    for kind, name in VERSION_2:
+        catalog.add("dbq", kind, name)
+    catalog.add("dbq", "sequence", "ring_3_seq")
+    catalog.add("dbq", "sequence", "ring_3_gaps")
+    catalog.rings["dbq"] = ["ring_3_seq", "ring_3_gaps"]
+    catalog.add("dbq", "table", "customers")
+    catalog.versions["dbq"] = [1, 2]
+    db = MssqlDatabase(DSN, schema="dbq")
+    db.drop_schema()  # migrates to the catalogue first, then drops what it lists
+    assert catalog.versions["dbq"] == [1, 2, 3]
+    assert catalog.owned["dbq"] == ENGINE
+    assert set(catalog.schemas["dbq"]) == {("table", "customers")}
+
+
+def test_an_older_install_alone_in_its_schema_is_the_engines_whole_on_a_fake_sql_server(
+    catalog: FakeCatalog,
+) -> None:
+    for kind, name in VERSION_2:
+        catalog.add("dbq", kind, name)
+    catalog.versions["dbq"] = [1, 2]
+    MssqlDatabase(DSN, schema="dbq").drop_schema()
+    assert "dbq" not in catalog.schemas
+
+
+def test_the_refusal_code_is_translated_to_foreign_objects() -> None:
+    exc = pyodbc.ProgrammingError(
+        "42000",
+        f"[42000] {DRIVER}[SQL Server][DQ006] objects that are not the engine's refer to [dbq].[meta]: "
+        "[r].[v]; nothing was dropped (50000) (SQLExecDirectW)",
+    )
+    got = translate(exc, where="h:1433/db", schema="dbq")
+    assert isinstance(got, ForeignObjectsError) and "[r].[v]" in str(got)
