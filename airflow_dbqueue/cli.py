@@ -31,7 +31,14 @@ from collections import Counter, defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-from airflow_dbqueue.engine import DSN_ENV, DbQueue, DbQueueError, MaintenanceConfig, Message
+from airflow_dbqueue.engine import (
+    DSN_ENV,
+    ConfigurationError,
+    DbQueue,
+    DbQueueError,
+    MaintenanceConfig,
+    Message,
+)
 
 
 @contextlib.contextmanager
@@ -76,8 +83,15 @@ def _cmd_create(dbq: DbQueue, args: argparse.Namespace) -> int:
 
 
 def _cmd_push(dbq: DbQueue, args: argparse.Namespace) -> int:
+    payloads = []
+    for i, text in enumerate(args.payloads):
+        try:
+            payloads.append(json.loads(text))
+        except json.JSONDecodeError as exc:
+            raise ConfigurationError(
+                f"payload #{i} is not JSON ({exc}): {text[:80]!r}; nothing was pushed"
+            ) from None
     q = dbq.queue(args.queue)
-    payloads = [json.loads(p) for p in args.payloads]
     _say(json.dumps({"ids": q.push_batch(payloads, priority=args.priority, delay=args.delay)}))
     return 0
 

@@ -16,6 +16,7 @@ from airflow_dbqueue.engine.errors import (
 )
 from airflow_dbqueue.engine.models import Design, NotifyMode, PayloadType, QueueSettings
 from airflow_dbqueue.engine.names import validate_queue_name
+from airflow_dbqueue.engine.queue import check_seconds
 from airflow_dbqueue.engine.ring import (
     RING_DEFAULT_CAPACITY,
     RING_DEFAULT_PAYLOAD,
@@ -97,6 +98,9 @@ class DbQueue:
             raise ConfigurationError(
                 f"no database given: pass a DSN or set ${DSN_ENV} (or use airflow_dbqueue.engine.embedded)"
             )
+        connect_timeout = check_seconds("connect_timeout", connect_timeout, positive=True)
+        if not isinstance(pool_size, int) or isinstance(pool_size, bool) or pool_size < 1:
+            raise ConfigurationError(f"pool_size must be an integer >= 1, got {pool_size!r}")
         self.db: Database = make_database(
             dsn, dialect=dialect, schema=schema, pool_size=pool_size, connect_timeout=connect_timeout
         )
@@ -197,6 +201,11 @@ class DbQueue:
             raise ConfigurationError(f"queue {name!r}: capacity applies to ring queues only")
         if max_payload_bytes is None:
             max_payload_bytes = RING_DEFAULT_PAYLOAD if ring else DEFAULT_MAX_PAYLOAD
+        visibility_timeout = check_seconds(
+            f"queue {name!r}: visibility_timeout", visibility_timeout, positive=True
+        )
+        retry_backoff = check_seconds(f"queue {name!r}: retry_backoff", retry_backoff)
+        retry_backoff_max = check_seconds(f"queue {name!r}: retry_backoff_max", retry_backoff_max)
         try:
             wanted = QueueSettings(
                 name=name,
@@ -271,6 +280,17 @@ class DbQueue:
             self._queues[name] = q
         return q
 
+    def _refresh_if_dropped(self, name: str, queue_id: int) -> bool:
+        """Return whether queue ``name`` with ``queue_id`` was dropped (by anyone: the database is
+        asked, not this object's cache); if so, forget the cached handle."""
+        row = self.db.fetchone("get_queue", {"name": validate_queue_name(name)})
+        gone = row is None or row[0] != queue_id
+        if gone:
+            cached = self._queues.get(name)
+            if cached is not None and cached.settings.queue_id == queue_id:
+                del self._queues[name]
+        return gone
+
     def _open(self, settings: QueueSettings) -> Queue:
         if settings.design is Design.RING:
             return RingQueue(self.db, settings)
@@ -281,7 +301,12 @@ class DbQueue:
         return [_settings_from_row(r) for r in self.db.fetchall("list_queues")]
 
     def drop_queue(self, name: str, *, missing_ok: bool = False) -> bool:
-        """Drop a queue with all its messages (ready, in flight, failed, finished and archived)."""
+        """Drop a queue with all its messages (ready, in flight, failed, finished and archived).
+
+        One transaction. It first waits for the pushes to the queue in progress (a push holds the
+        queue's push lock, shared, until its transaction ends) and keeps new ones out until it commits;
+        a push after it, through any handle, raises :class:`QueueNotFoundError` and writes nothing.
+        """
         try:
             q = self.queue(name)
         except QueueNotFoundError:
@@ -289,10 +314,16 @@ class DbQueue:
                 return False
             raise
         self._queues.pop(name, None)
+        params = {"queue_id": q.settings.queue_id}
         with self.db.transaction() as conn:
+            self.db.execute("drop_queue_lock", params, conn)
             if q.settings.design is Design.RING:
-                self.db.execute("ring_drop", {"queue_id": q.settings.queue_id}, conn)
-            return self.db.fetchone("drop_queue", {"queue_id": q.settings.queue_id}, conn) is not None
+                self.db.execute("ring_drop", params, conn)
+            # Separate statements, in this order: each one's snapshot comes after what the one before
+            # waited for (see queries.sql), so nothing written meanwhile is left behind.
+            self.db.execute("drop_queue_messages", params, conn)
+            self.db.execute("drop_queue_finished", params, conn)
+            return self.db.fetchone("drop_queue", params, conn) is not None
 
     # -- maintenance -------------------------------------------------------------------------------
 

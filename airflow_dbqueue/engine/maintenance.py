@@ -52,13 +52,16 @@ from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     DbQueueError,
     LockTimeoutError,
+    QueueNotFoundError,
     TransientDatabaseError,
 )
+from airflow_dbqueue.engine.queue import check_seconds
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine.client import DbQueue
     from airflow_dbqueue.engine.dialects.mssql import MssqlDatabase
     from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
+    from airflow_dbqueue.engine.queue import Queue
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +122,11 @@ class BatchResult:
     """Why the run ended: ``drained`` (a short batch: nothing old enough is left), ``time budget`` or
     ``skipped`` (another run holds the lock; see ``skipped``)."""
     skipped: str | None = None
+    discarded: int = 0
+    """``archive``: finished messages of queues dropped meanwhile, deleted with their payloads instead
+    of archived (nothing is archived for a queue that no longer exists)."""
+    notes: tuple[str, ...] = ()
+    """Queues named for the step that no longer exist, skipped."""
 
     def as_dict(self) -> dict[str, Any]:
         """Return a JSON-safe dict (for logs, XCom and the CLI)."""
@@ -348,11 +356,14 @@ class MaintenanceConfig:
         if not 1 <= self.batch_size <= 100_000:
             raise ConfigurationError(f"maintenance batch_size must be in 1..100000, got {self.batch_size}")
         for name in ("archive_after_s", "pause_s", "time_budget_s", "lock_wait_s", "horizon_min_age_s"):
-            if getattr(self, name) < 0:
-                raise ConfigurationError(f"maintenance {name} must be >= 0, got {getattr(self, name)}")
-        if self.archive_retention_s is not None and self.archive_retention_s < 0:
+            check_seconds(f"maintenance {name}", getattr(self, name))
+        if self.archive_retention_s is not None:
+            check_seconds("maintenance archive_retention_s (or None)", self.archive_retention_s)
+        check_seconds("maintenance reindex_timeout_s", self.reindex_timeout_s, positive=True)
+        check_seconds("maintenance rate_window_s", self.rate_window_s, positive=True)
+        if not math.isfinite(self.reindex_bloat_ratio):
             raise ConfigurationError(
-                f"archive_retention_s must be >= 0 or None, got {self.archive_retention_s}"
+                f"reindex_bloat_ratio must be a finite number, got {self.reindex_bloat_ratio}"
             )
         if self.reindex_bloat_ratio < 1 or self.reindex_min_bytes < 0 or self.reindex_timeout_s <= 0:
             raise ConfigurationError(
@@ -481,10 +492,37 @@ class Maintenance:
 
     # -- archiving -----------------------------------------------------------------------------------
 
-    def _queue_filter(self, queues: Sequence[str] | None) -> dict[str, Any]:
+    def _queue_filter(self, queues: Sequence[str] | None, notes: list[str]) -> dict[str, Any]:
         if queues is None:
             return {"all_queues": True, "queue_ids": []}
-        return {"all_queues": False, "queue_ids": [self._dbq.queue(q).settings.queue_id for q in queues]}
+        ids = []
+        for name in queues:
+            q = self._current(name)
+            if q is None:
+                notes.append(self._vanished_note(name, "skipped"))
+            else:
+                ids.append(q.settings.queue_id)
+        return {"all_queues": False, "queue_ids": ids}
+
+    def _current(self, name: str) -> Queue | None:
+        """The queue of that name as the database has it now (not a handle of a queue dropped since it
+        was cached), or None when there is none."""
+        try:
+            q = self._dbq.queue(name)
+            if self._gone(name, q.settings.queue_id):
+                q = self._dbq.queue(name)  # created again under the name since, or QueueNotFoundError
+        except QueueNotFoundError:
+            return None
+        return q
+
+    def _vanished_note(self, name: str, what: str) -> str:
+        note = f"queue {name!r} no longer exists in schema {self.schema!r} (dropped meanwhile): {what}"
+        log.info("dbqueue maintenance: %s", note)
+        return note
+
+    def _gone(self, name: str, queue_id: int) -> bool:
+        """Whether queue ``name`` (as ``queue_id``) was dropped: asked of the database, not the cache."""
+        return self._dbq._refresh_if_dropped(name, queue_id)
 
     def archive(
         self,
@@ -557,10 +595,12 @@ class Maintenance:
             raise ConfigurationError(
                 f"{step}: batch_size must be an integer in 1..100000, got {batch_size!r}"
             )
-        if older_than_s < 0 or pause_s < 0 or time_budget_s < 0 or statement_timeout_s <= 0:
-            raise ConfigurationError(
-                f"{step}: need older_than_s, pause_s, time_budget_s >= 0 and statement_timeout_s > 0"
-            )
+        older_than_s = check_seconds(f"{step}: older_than_s", older_than_s)
+        pause_s = check_seconds(f"{step}: pause_s", pause_s)
+        time_budget_s = check_seconds(f"{step}: time_budget_s", time_budget_s)
+        statement_timeout_s = check_seconds(
+            f"{step}: statement_timeout_s", statement_timeout_s, positive=True
+        )
         if self._ms is not None and batch_size > MSSQL_ESCALATION_ROWS:
             log.warning(
                 "dbqueue %s: batch_size %d is above about %d rows, where SQL Server may escalate a "
@@ -570,21 +610,26 @@ class Maintenance:
                 MSSQL_ESCALATION_ROWS,
             )
         started = time.monotonic()
-        params = {"older_than_s": float(older_than_s), "n": batch_size, **self._queue_filter(queues)}
+        notes: list[str] = []
+        params = {"older_than_s": float(older_than_s), "n": batch_size, **self._queue_filter(queues, notes)}
         timeouts = {"statement_ms": _ms(statement_timeout_s), "lock_ms": _ms(1.0), "local": True}
         with self.lock(lock_wait_s) as got:
             if not got:
                 return BatchResult(self.schema, step, 0, 0, 0.0, "skipped", self._skip_reason)
             conn = self._conn()
-            rows = batches = 0
+            rows = batches = discarded = 0
             with self._session_timeouts(conn, statement_timeout_s, 1.0):
                 while True:
                     with self._db.transaction(conn) as c:
                         if self._ms is None:  # PostgreSQL: for this transaction only
                             self._db.fetchone("set_timeouts", timeouts, c)
                         row = self._db.fetchone(query, params, c)
+                    # (rows the batch took, rows it moved): archive_batch deletes the finished rows of
+                    # a dropped queue without archiving them; purge_archive_batch moves what it takes.
                     n = int(row[0]) if row else 0
-                    rows += n
+                    moved = int(row[1]) if row and len(row) > 1 else n
+                    rows += moved
+                    discarded += n - moved
                     batches += 1
                     if n < batch_size:
                         stopped = "drained"
@@ -593,7 +638,16 @@ class Maintenance:
                         stopped = "time budget"
                         break
                     time.sleep(pause_s)
-        result = BatchResult(self.schema, step, rows, batches, round(time.monotonic() - started, 3), stopped)
+        result = BatchResult(
+            self.schema,
+            step,
+            rows,
+            batches,
+            round(time.monotonic() - started, 3),
+            stopped,
+            discarded=discarded,
+            notes=tuple(notes),
+        )
         log.info(
             "dbqueue %s of schema %r: %d rows in %d batches, %.2fs (%s)",
             step,
@@ -629,13 +683,36 @@ class Maintenance:
         The table design returns expired leases to ready (or failed); the ring design recovers its
         gaps here too. Safe to run alongside consumers (claims skip locked rows), so it takes no lock.
         """
-        names = list(queues) if queues is not None else [s.name for s in self._dbq.list_queues()]
+        return self._recover(queues, limit=limit, notes=[])
+
+    def _recover(
+        self, queues: Sequence[str] | None, *, limit: int, notes: list[str]
+    ) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
-        for name in names:
-            out[name] = self._dbq.queue(name).maintain(limit=limit)
+        for name, q in self._each_queue(queues, notes, "its upkeep was skipped"):
+            try:
+                out[name] = q.maintain(limit=limit)
+            except Exception:
+                if not self._gone(name, q.settings.queue_id):
+                    raise
+                notes.append(self._vanished_note(name, "its upkeep was skipped"))
+                continue
             if any(out[name].values()):
                 log.info("dbqueue upkeep of queue %r in schema %r: %s", name, self.schema, out[name])
         return out
+
+    def _each_queue(
+        self, queues: Sequence[str] | None, notes: list[str], what: str
+    ) -> Iterator[tuple[str, Queue]]:
+        """Yield ``(name, queue)`` for the named queues (or every queue), noting those that no longer
+        exist: a queue may be dropped while maintenance runs, which is no failure of the run."""
+        names = list(queues) if queues is not None else [s.name for s in self._dbq.list_queues()]
+        for name in names:
+            q = self._current(name)
+            if q is None:
+                notes.append(self._vanished_note(name, what))
+                continue
+            yield name, q
 
     # -- VACUUM, ANALYZE and the xmin horizon ------------------------------------------------------------
 
@@ -1115,16 +1192,21 @@ class Maintenance:
         ``finished_per_s`` over the last ``rate_window_s`` seconds. ``tables``: sizes, live and dead
         rows. ``indexes``: sizes and bloat estimates. ``xmin_holders``: what holds back VACUUM.
         """
-        if rate_window_s <= 0:
-            raise ConfigurationError(f"rate_window_s must be > 0, got {rate_window_s}")
-        names = list(queues) if queues is not None else [s.name for s in self._dbq.list_queues()]
+        if not math.isfinite(rate_window_s) or rate_window_s <= 0:
+            raise ConfigurationError(f"rate_window_s must be a finite number > 0, got {rate_window_s}")
+        notes: list[str] = []
         per_queue: dict[str, Any] = {}
-        for name in names:
-            q = self._dbq.queue(name)
-            stats = q.stats().as_dict()
-            row = self._db.fetchone(
-                "queue_rates", {"queue_id": q.settings.queue_id, "window_s": float(rate_window_s)}
-            )
+        for name, q in self._each_queue(queues, notes, "left out of the metrics"):
+            try:
+                stats = q.stats().as_dict()
+                row = self._db.fetchone(
+                    "queue_rates", {"queue_id": q.settings.queue_id, "window_s": float(rate_window_s)}
+                )
+            except Exception:
+                if not self._gone(name, q.settings.queue_id):
+                    raise
+                notes.append(self._vanished_note(name, "left out of the metrics"))
+                continue
             pushed, finished = (int(row[0]), int(row[1])) if row else (0, 0)
             stats["design"] = q.settings.design.value
             stats["pushed_per_s"] = round(pushed / rate_window_s, 3)
@@ -1141,6 +1223,7 @@ class Maintenance:
                 h.as_dict()
                 for h in self.xmin_holders(min_age_s=horizon_min_age_s, min_xid_age=horizon_min_xid_age)
             ],
+            "notes": notes,
         }
 
     # -- everything --------------------------------------------------------------------------------------
@@ -1151,11 +1234,15 @@ class Maintenance:
         Order: the xmin-horizon check, each queue's upkeep (lease reclaim; ring gaps), archiving,
         archive retention, VACUUM (ANALYZE), index rebuilds, metrics. When another run holds the
         lock past ``lock_wait_s``, only the metrics are collected and ``skipped`` says why.
+
+        A queue dropped while the run goes on is no failure: its steps are skipped, and ``notes`` says
+        so (as does a queue named in ``queues`` that does not exist).
         """
         cfg = config or MaintenanceConfig()
         started = time.monotonic()
         report: dict[str, Any] = {"schema": self.schema, "skipped": None}
         queues = list(cfg.queues) if cfg.queues is not None else None
+        notes: list[str] = []
         with self.lock(cfg.lock_wait_s) as got:
             if not got:
                 report["skipped"] = self._skip_reason
@@ -1166,14 +1253,16 @@ class Maintenance:
                         min_age_s=cfg.horizon_min_age_s, min_xid_age=cfg.horizon_min_xid_age
                     )
                 ]
-                report["upkeep"] = self.recover(queues, limit=cfg.reclaim_limit)
-                report["archive"] = self.archive(
+                report["upkeep"] = self._recover(queues, limit=cfg.reclaim_limit, notes=notes)
+                archived = self.archive(
                     older_than_s=cfg.archive_after_s,
                     batch_size=cfg.batch_size,
                     pause_s=cfg.pause_s,
                     time_budget_s=cfg.time_budget_s,
                     queues=queues,
-                ).as_dict()
+                )
+                notes += archived.notes
+                report["archive"] = archived.as_dict()
                 if cfg.archive_retention_s is not None:
                     report["purge_archive"] = self.purge_archive(
                         older_than_s=cfg.archive_retention_s,
@@ -1198,5 +1287,7 @@ class Maintenance:
             horizon_min_age_s=cfg.horizon_min_age_s,
             horizon_min_xid_age=cfg.horizon_min_xid_age,
         )
+        notes += report["metrics"]["notes"]
+        report["notes"] = list(dict.fromkeys(notes))
         report["seconds"] = round(time.monotonic() - started, 3)
         return report

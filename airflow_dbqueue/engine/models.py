@@ -97,7 +97,13 @@ class QueueSettings:
                 raise PayloadTypeError(
                     f"queue {self.name!r} takes text payloads; payload #{index} is {type(payload).__name__}"
                 )
-            data = payload.encode("utf-8")
+            try:
+                data = payload.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"): no UTF-8 for it
+                raise PayloadTypeError(
+                    f"queue {self.name!r}: payload #{index} is not valid text: {exc.reason} at position "
+                    f"{exc.start}"
+                ) from None
         else:
             if isinstance(payload, bytes | bytearray | memoryview):
                 raise PayloadTypeError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import datetime as dt
+import math
 import os
 import socket
 import time
@@ -40,6 +41,20 @@ def poll_pauses(poll_interval: float) -> Iterator[float]:
     while True:
         yield min(pause, poll_interval)
         pause *= 2
+
+
+def check_seconds(what: str, value: object, *, positive: bool = False) -> float:
+    """Return ``value`` as seconds (a float), or raise :class:`ConfigurationError` naming ``what`` when it
+    is not a finite number, is negative, or (with ``positive``) is zero: a NaN or an infinity would
+    otherwise reach the database, or make a wait never end."""
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"{what} must be a number of seconds, got {value!r}") from None
+    if not math.isfinite(seconds) or seconds < 0 or (positive and seconds == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ConfigurationError(f"{what} must be a finite number of seconds {bound}, got {value!r}")
+    return seconds
 
 
 def _check_batch_size(n: int) -> int:
@@ -115,11 +130,15 @@ class Queue(abc.ABC):
         """
         sem = Semantics.parse(semantics)
         n = _check_batch_size(n)
+        wait = check_seconds(f"queue {self.name!r}: pop's wait", wait)
+        poll_interval = check_seconds(f"queue {self.name!r}: pop's poll_interval", poll_interval)
         if sem is Semantics.EXACTLY_ONCE:
             self._require_transaction(conn)
-        vt = self.settings.visibility_timeout_s if visibility_timeout is None else float(visibility_timeout)
-        if vt <= 0:
-            raise ConfigurationError(f"queue {self.name!r}: visibility_timeout must be > 0, got {vt}")
+        vt = (
+            self.settings.visibility_timeout_s
+            if visibility_timeout is None
+            else check_seconds(f"queue {self.name!r}: visibility_timeout", visibility_timeout, positive=True)
+        )
         who = consumer or DEFAULT_CONSUMER
         msgs = self._pop_once(n, sem, vt, who, conn)
         if msgs or wait <= 0:

@@ -16,6 +16,7 @@ from airflow_dbqueue.engine.errors import (
     BatchStateError,
     ConfigurationError,
     LeaseExpiredError,
+    QueueNotFoundError,
     ReceiptsNotHeldError,
 )
 from airflow_dbqueue.engine.models import (
@@ -28,7 +29,7 @@ from airflow_dbqueue.engine.models import (
     Semantics,
     message_maker,
 )
-from airflow_dbqueue.engine.queue import DEFAULT_CONSUMER, Queue, _check_batch_size
+from airflow_dbqueue.engine.queue import DEFAULT_CONSUMER, Queue, _check_batch_size, check_seconds
 
 if TYPE_CHECKING:
     import psycopg
@@ -68,23 +69,22 @@ class TableQueue(Queue):
             return []
         if not isinstance(priority, int) or not _PRIORITY_MIN <= priority <= _PRIORITY_MAX:
             raise ConfigurationError(f"queue {self.name!r}: priority must be an integer in -32768..32767")
-        if delay < 0:
-            raise ConfigurationError(f"queue {self.name!r}: delay must be >= 0 seconds, got {delay}")
+        delay = check_seconds(f"queue {self.name!r}: delay", delay)
         encode = self.settings.encode
         encoded = [encode(p, i) for i, p in enumerate(items)]
+        mode = self.settings.notify
         params: dict[str, Any] = {
             "payloads": encoded,
             "queue_id": self._qid,
             "priority": priority,
             "delay_s": float(delay),
+            # Delayed pushes never notify: a waiting pop wakes when the next delayed message is due.
+            "notify": 0 if mode is NotifyMode.NEVER or delay > 0 else 2 if mode is NotifyMode.ALWAYS else 1,
+            "channel": self._channel,
         }
-        mode = self.settings.notify
-        if mode is NotifyMode.NEVER or delay > 0:
-            rows = self._db.fetchall("push", params, conn)
-        else:
-            params["channel"] = self._channel
-            params["always"] = mode is NotifyMode.ALWAYS
-            rows = self._db.fetchall("push_notify", params, conn)
+        rows = self._db.fetchall("push", params, conn)
+        if len(rows) != len(encoded):  # nothing was written: the queue was dropped
+            raise QueueNotFoundError(self.name, self._db.schema)
         return [r[0] for r in rows]
 
     # -- pop ---------------------------------------------------------------------------------------
@@ -168,8 +168,8 @@ class TableQueue(Queue):
         error: str | None = None,
         conn: DbConnection | None = None,
     ) -> int:
-        if delay is not None and delay < 0:
-            raise ConfigurationError(f"queue {self.name!r}: nack delay must be >= 0 seconds, got {delay}")
+        if delay is not None:
+            delay = check_seconds(f"queue {self.name!r}: nack delay", delay)
         ids, deliveries = self._receipts(messages)
         if not ids:
             return 0
@@ -329,9 +329,11 @@ class TableQueue(Queue):
         consumer: str | None = None,
         conn: DbConnection | None = None,
     ) -> Batch | None:
-        vt = self.settings.visibility_timeout_s if visibility_timeout is None else float(visibility_timeout)
-        if vt <= 0:
-            raise ConfigurationError(f"queue {self.name!r}: visibility_timeout must be > 0, got {vt}")
+        vt = (
+            self.settings.visibility_timeout_s
+            if visibility_timeout is None
+            else check_seconds(f"queue {self.name!r}: visibility_timeout", visibility_timeout, positive=True)
+        )
         self._maybe_reclaim()
         params = {
             "batch_id": uuid.uuid4(),
@@ -421,10 +423,9 @@ class TableQueue(Queue):
             return released
 
     def extend_batch(self, batch_id: str, visibility_timeout: float) -> dt.datetime:
-        if visibility_timeout <= 0:
-            raise ConfigurationError(
-                f"queue {self.name!r}: visibility_timeout must be > 0, got {visibility_timeout}"
-            )
+        visibility_timeout = check_seconds(
+            f"queue {self.name!r}: visibility_timeout", visibility_timeout, positive=True
+        )
         with self._db.transaction() as c:
             batch = self._locked_batch(batch_id, c)
             if batch.state is not BatchState.CLAIMED:

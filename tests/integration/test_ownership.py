@@ -262,9 +262,10 @@ def test_an_older_install_in_a_shared_schema_is_recognised_by_name(
     run(pg_dsn, sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
     user_table(pg_dsn, schema)
     old_install(pg_dsn, schema, LATEST - 1)
+    with DbQueue(pg_dsn, schema=schema) as old:  # what the older version did with it
+        old.create_queue("stream", design="ring", capacity=8)  # a ring: sequences of its own
+        old.create_queue("orders")
     with DbQueue(pg_dsn, schema=schema) as dbq:
-        dbq.create_queue("stream", design="ring", capacity=8).push(1)  # a ring: sequences of its own
-        dbq.create_queue("orders").push(1)
         dbq.uninstall()  # migrates first, then drops what it recognised
     assert relations(pg_dsn, schema) == {"customers"}
     assert functions(pg_dsn, schema) == set()

@@ -104,7 +104,7 @@ def test_the_table_design_maintenance_and_the_ring_are_fully_ported() -> None:
     assert NOT_YET_PORTED == {}
     ring = {n for n in load_queries(PG, "queries.sql") if n.startswith("ring_")}
     assert len(ring) == 22 and ring <= set(load_queries(MS, "queries.sql"))
-    used = {"push", "push_notify", "pop_lease", "pop_take", "ack", "nack", "held_receipts", "reclaim_expired"}
+    used = {"push", "pop_lease", "pop_take", "ack", "nack", "held_receipts", "reclaim_expired"}
     used |= {"claim_batch", "get_batch", "lock_batch", "finish_batch", "purge_batches", "batch_rows"}
     used |= {"maintenance_try_lock", "maintenance_unlock", "maintenance_lock_holder", "set_timeouts"}
     used |= {"reset_timeouts", "archive_batch", "purge_archive_batch", "vacuum_table", "analyze_table"}

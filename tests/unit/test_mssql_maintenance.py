@@ -238,7 +238,7 @@ class MaintenanceServer(FakeSqlServer):
             step = self.archive_counts.pop(0)
             if isinstance(step, Exception):
                 raise step
-            return [(step,)]
+            return [(step, step)]
         raise AssertionError(f"the fake has no answer for: {text[:120]}")
 
 

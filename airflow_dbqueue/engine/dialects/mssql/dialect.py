@@ -338,7 +338,13 @@ def parse_dsn(dsn: str) -> tuple[dict[str, str], str]:
     attrs: dict[str, str] = {}
     if "://" in text:
         url = urlsplit(text)
-        attrs["SERVER"] = f"tcp:{url.hostname or 'localhost'},{url.port or 1433}"
+        try:
+            url_port = url.port
+        except ValueError:
+            raise ConfigurationError(
+                "the SQL Server connection URL is not valid: its port is not a port number (1..65535)"
+            ) from None
+        attrs["SERVER"] = f"tcp:{url.hostname or 'localhost'},{url_port or 1433}"
         if url.path.strip("/"):
             attrs["DATABASE"] = unquote(url.path.strip("/"))
         if url.username:

@@ -117,13 +117,31 @@ SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, vi
        retry_backoff_s, retry_backoff_max_s, notify, archive
 FROM {schema}.queues ORDER BY name
 
--- name: drop_queue
+-- name: drop_queue_lock
+-- A drop runs in one transaction, in four statements, as on PostgreSQL: first the queue's push lock,
+-- exclusively (a push takes it shared), so it waits for the pushes in progress and keeps new ones out
+-- until it commits.
+DECLARE @resource nvarchar(255) = N'dbqueue.queue.{schema}.' + CAST(%(queue_id)s AS nvarchar(11));
+EXEC sys.sp_getapplock @Resource = @resource, @LockMode = 'Exclusive', @LockOwner = 'Transaction',
+    @LockTimeout = -1
+
+-- name: drop_queue_messages
+-- Then the queue's messages with their payloads (rows a pop, ack, nack or claim holds are waited for).
 SET NOCOUNT ON;
 DECLARE @queue_id int = %(queue_id)s;
 DELETE d FROM {schema}.data d WHERE d.id IN (SELECT id FROM {schema}.meta WHERE queue_id = @queue_id);
+DELETE FROM {schema}.meta WHERE queue_id = @queue_id
+
+-- name: drop_queue_finished
+-- Then its finished messages and their payloads (an archiver batch holding some is waited for).
+SET NOCOUNT ON;
+DECLARE @queue_id int = %(queue_id)s;
 DELETE d FROM {schema}.data d WHERE d.id IN (SELECT id FROM {schema}.done WHERE queue_id = @queue_id);
-DELETE FROM {schema}.meta WHERE queue_id = @queue_id;
-DELETE FROM {schema}.done WHERE queue_id = @queue_id;
+DELETE FROM {schema}.done WHERE queue_id = @queue_id
+
+-- name: drop_queue
+SET NOCOUNT ON;
+DECLARE @queue_id int = %(queue_id)s;
 DELETE FROM {schema}.archive WHERE queue_id = @queue_id;
 DELETE i FROM {schema}.batch_items i
 WHERE i.batch_id IN (SELECT batch_id FROM {schema}.batches WHERE queue_id = @queue_id);
@@ -132,33 +150,24 @@ DELETE q OUTPUT deleted.queue_id FROM {schema}.queues q WHERE q.queue_id = @queu
 
 -- name: push
 -- One round trip a batch. payloads is a JSON array of hex strings (CONVERT style 2 turns one into
--- varbinary); ids come from the sequence in payload order.
+-- varbinary); ids come from the sequence in payload order. The queue's push lock, shared and held to
+-- the end of the transaction, makes a push and a drop of its queue serialize (drop_queue_lock); the
+-- queue is then read by a later statement (under read committed snapshot too, with a snapshot taken
+-- after the lock), so a push that waited for a drop finds it gone and writes nothing. Under SNAPSHOT
+-- isolation in a caller's transaction the read is the transaction's snapshot, which may predate the drop.
+-- notify and channel are not used: SQL Server has no NOTIFY (waiting pops poll).
 SET NOCOUNT ON;
 DECLARE @now datetime2(6) = SYSUTCDATETIME();
 DECLARE @delay_s float = %(delay_s)s;
+DECLARE @resource nvarchar(255) = N'dbqueue.queue.{schema}.' + CAST(%(queue_id)s AS nvarchar(11));
+EXEC sys.sp_getapplock @Resource = @resource, @LockMode = 'Shared', @LockOwner = 'Transaction',
+    @LockTimeout = -1;
 DECLARE @input TABLE (ord int PRIMARY KEY, id bigint NOT NULL, payload varbinary(max) NOT NULL);
 INSERT INTO @input (ord, id, payload)
 SELECT CAST(p.[key] AS int), NEXT VALUE FOR {schema}.message_id_seq OVER (ORDER BY CAST(p.[key] AS int)),
        CONVERT(varbinary(max), p.[value], 2)
-FROM OPENJSON(%(payloads)s) p;
-INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at)
-SELECT id, %(queue_id)s, %(priority)s,
-       DATEADD(microsecond, CAST(1e6 * (@delay_s - FLOOR(@delay_s)) AS int),
-               DATEADD(second, CAST(FLOOR(@delay_s) AS int), @now)), @now
-FROM @input;
-INSERT INTO {schema}.data (id, payload) SELECT id, payload FROM @input;
-SELECT id FROM @input ORDER BY ord
-
--- name: push_notify
--- SQL Server has no NOTIFY: waiting pops poll (a short spin, then growing sleeps), so this is push.
-SET NOCOUNT ON;
-DECLARE @now datetime2(6) = SYSUTCDATETIME();
-DECLARE @delay_s float = %(delay_s)s;
-DECLARE @input TABLE (ord int PRIMARY KEY, id bigint NOT NULL, payload varbinary(max) NOT NULL);
-INSERT INTO @input (ord, id, payload)
-SELECT CAST(p.[key] AS int), NEXT VALUE FOR {schema}.message_id_seq OVER (ORDER BY CAST(p.[key] AS int)),
-       CONVERT(varbinary(max), p.[value], 2)
-FROM OPENJSON(%(payloads)s) p;
+FROM OPENJSON(%(payloads)s) p
+WHERE EXISTS (SELECT 1 FROM {schema}.queues WHERE queue_id = %(queue_id)s);
 INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at)
 SELECT id, %(queue_id)s, %(priority)s,
        DATEADD(microsecond, CAST(1e6 * (@delay_s - FLOOR(@delay_s)) AS int),
@@ -584,7 +593,8 @@ SET LOCK_TIMEOUT -1
 -- finished messages older than older_than_s leave done (oldest first: done is clustered on finished_at)
 -- with ROWLOCK, READPAST, UPDLOCK, so rows other sessions hold are skipped and never waited for, and the
 -- rows push, pop and ack write are the newest ones, at the other end. Their payloads move from data into
--- archive with them; a done row whose payload is missing is archived with an empty one rather than lost.
+-- archive with them; a done row whose payload is missing is archived with an empty one rather than lost,
+-- and one of a queue that no longer exists is deleted, not archived. Returns (rows taken, rows archived).
 -- (T-SQL could write DELETE ... OUTPUT ... INTO {schema}.archive (...) straight from data, but the
 -- offline check cannot parse a schema-qualified OUTPUT INTO target, so the rows go through @batch.)
 -- older_than_s is capped at 6e10 s (1,900 years, older than any row) so that DATEADD cannot overflow.
@@ -611,9 +621,11 @@ OUTPUT deleted.id, deleted.queue_id, deleted.priority, deleted.attempts, deleted
 INTO @batch;
 INSERT INTO {schema}.archive (id, queue_id, priority, attempts, enqueued_at, finished_at, outcome, payload)
 SELECT b.id, b.queue_id, b.priority, b.attempts, b.enqueued_at, b.finished_at, b.outcome, coalesce(x.payload, 0x)
-FROM @batch b LEFT JOIN {schema}.data x ON x.id = b.id;
+FROM @batch b LEFT JOIN {schema}.data x ON x.id = b.id
+WHERE EXISTS (SELECT 1 FROM {schema}.queues q WHERE q.queue_id = b.queue_id);
+DECLARE @archived int = @@ROWCOUNT;
 DELETE x FROM {schema}.data x WHERE x.id IN (SELECT id FROM @batch);
-SELECT count(*) FROM @batch
+SELECT count(*), @archived FROM @batch
 
 -- name: purge_archive_batch
 -- Archive retention, one bounded batch a round trip: delete up to n archived messages older than

@@ -88,6 +88,49 @@ def schema_sql() -> tuple[int, str]:
 _TUPLES_OK = ExecStatus.TUPLES_OK
 
 
+_INTEGER_OPTIONS = (
+    "connect_timeout",
+    "keepalives",
+    "keepalives_idle",
+    "keepalives_interval",
+    "keepalives_count",
+    "tcp_user_timeout",
+)
+_SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+
+
+def check_dsn(dsn: str) -> None:
+    """Raise :class:`ConfigurationError` for a connection string that libpq cannot use, without any I/O.
+
+    libpq checks a string's syntax and option names when it parses it, but a port or a timeout that is
+    not a number only when it connects: the pool then retried it until its timeout and reported the
+    database as unreachable. Values are never echoed (a password may be among them).
+    """
+    try:
+        info = psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.Error as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigurationError(f"the PostgreSQL connection string is not valid: {first}") from None
+    for port in str(info.get("port") or "").split(","):
+        if port.strip() and not (port.strip().isdigit() and 1 <= int(port) <= 65535):
+            raise ConfigurationError(
+                f"the PostgreSQL connection string is not valid: port {port.strip()!r} is not a port "
+                "number (1..65535)"
+            )
+    for name in _INTEGER_OPTIONS:
+        value = str(info.get(name) or "").strip()
+        if value and not value.lstrip("-").isdigit():
+            raise ConfigurationError(
+                f"the PostgreSQL connection string is not valid: {name} {value!r} is not an integer"
+            )
+    sslmode = info.get("sslmode")
+    if sslmode and sslmode not in _SSLMODES:
+        raise ConfigurationError(
+            f"the PostgreSQL connection string is not valid: sslmode {sslmode!r} is not one of "
+            f"{', '.join(_SSLMODES)}"
+        )
+
+
 def describe_dsn(dsn: str) -> str:
     """Return ``host:port/dbname`` of a DSN or URI, without credentials, for error messages."""
     try:
@@ -124,6 +167,7 @@ class PostgresDatabase:
         connect_timeout: float = 10.0,
         application_name: str = "airflow-dbqueue",
     ) -> None:
+        check_dsn(dsn)
         self.dsn = dsn
         self.schema = validate_schema_name(schema, POSTGRESQL_RESERVED_SCHEMAS)
         self.where = describe_dsn(dsn)
@@ -271,6 +315,15 @@ class PostgresDatabase:
         except PoolTimeout as exc:
             raise DatabaseUnavailableError(
                 f"no connection to PostgreSQL at {self.where} within {self._connect_timeout:g}s: {exc}"
+            ) from exc
+        except (psycopg.errors.UndefinedFunction, psycopg.errors.InvalidSchemaName) as exc:
+            # One of the schema's own functions (table_push, ring_push...) is gone with its schema.
+            message = exc.diag.message_primary or ""
+            if f"{self.schema}." not in message and f'schema "{self.schema}"' not in message:
+                raise DatabaseError(f"PostgreSQL error at {self.where}: {exc}".strip()) from exc
+            raise SchemaError(
+                f"the dbqueue schema {self.schema!r} is not installed at {self.where} "
+                f"(run install(), or `dbqueue init`): {exc.diag.message_primary}"
             ) from exc
         except psycopg.errors.UndefinedTable as exc:
             raise SchemaError(
@@ -550,7 +603,6 @@ def _engine_names() -> frozenset[tuple[str, str]]:
 BINARY_RESULTS = frozenset(
     {
         "push",
-        "push_notify",
         "pop_lease",
         "pop_take",
         "ack",

@@ -92,49 +92,38 @@ SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, vi
        (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity
 FROM {schema}.queues q ORDER BY name
 
--- name: drop_queue
+-- name: drop_queue_lock
+-- A drop runs in one transaction, in four statements, each with a snapshot taken after the one before
+-- finished: first the queue's push lock, exclusively (table_push() takes it shared), so it waits for the
+-- pushes in progress and keeps new ones out until it commits.
+SELECT pg_advisory_xact_lock(hashtext('dbqueue.queue.' || '{schema}'), %(queue_id)s)
+
+-- name: drop_queue_messages
+-- Then the queue's messages with their payloads. Rows a pop, ack, nack or claim holds are waited for,
+-- so when this statement ends every transaction that finished one of them (writing a done row or a
+-- batch) has committed, and the next statement sees what it wrote.
 -- Payload deletes here and below match ids with = ANY (ARRAY(...)), not a join: with the statistics of
 -- an empty table the planner made the join a nested loop over all of data_pkey (O(n^2): 14 s for 20k).
-WITH m AS (DELETE FROM {schema}.meta WHERE queue_id = %(queue_id)s RETURNING id),
-     f AS (DELETE FROM {schema}.done WHERE queue_id = %(queue_id)s RETURNING id),
-     d AS (DELETE FROM {schema}.data WHERE id = ANY (ARRAY(SELECT id FROM m UNION ALL SELECT id FROM f))),
-     a AS (DELETE FROM {schema}.archive WHERE queue_id = %(queue_id)s),
+WITH m AS (DELETE FROM {schema}.meta WHERE queue_id = %(queue_id)s RETURNING id)
+DELETE FROM {schema}.data WHERE id = ANY (ARRAY(SELECT id FROM m))
+
+-- name: drop_queue_finished
+-- Then its finished messages and their payloads. An archiver batch that holds some of them is waited
+-- for, so its archive rows are committed before the last statement reads archive.
+WITH f AS (DELETE FROM {schema}.done WHERE queue_id = %(queue_id)s RETURNING id)
+DELETE FROM {schema}.data WHERE id = ANY (ARRAY(SELECT id FROM f))
+
+-- name: drop_queue
+WITH a AS (DELETE FROM {schema}.archive WHERE queue_id = %(queue_id)s),
      b AS (DELETE FROM {schema}.batches WHERE queue_id = %(queue_id)s)
 DELETE FROM {schema}.queues WHERE queue_id = %(queue_id)s RETURNING queue_id
 
 -- name: push
--- One round trip a batch: ids come from the sequence in payload order, meta and data rows are written
--- by one statement.
-WITH input AS MATERIALIZED (
-    SELECT nextval('{schema}.message_id_seq') AS id, p.payload, p.ord
-    FROM unnest(%(payloads)b::bytea[]) WITH ORDINALITY AS p(payload, ord)
-), m AS (
-    INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at)
-    SELECT id, %(queue_id)s, %(priority)s, now() + make_interval(secs => %(delay_s)s), now() FROM input
-), d AS (
-    INSERT INTO {schema}.data (id, payload) SELECT id, payload FROM input
-)
-SELECT id FROM input ORDER BY ord
-
--- name: push_notify
--- push, plus a NOTIFY when the queue had no ready message before it (or always, with always = true).
--- All parts of the statement share one snapshot, so the EXISTS does not see this push's own rows.
-WITH input AS MATERIALIZED (
-    SELECT nextval('{schema}.message_id_seq') AS id, p.payload, p.ord
-    FROM unnest(%(payloads)b::bytea[]) WITH ORDINALITY AS p(payload, ord)
-), m AS (
-    INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at)
-    SELECT id, %(queue_id)s, %(priority)s, now() + make_interval(secs => %(delay_s)s), now() FROM input
-), d AS (
-    INSERT INTO {schema}.data (id, payload) SELECT id, payload FROM input
-), n AS (
-    SELECT pg_notify(%(channel)s, '') AS sent
-    WHERE %(always)s OR NOT EXISTS (
-        SELECT 1 FROM {schema}.meta
-        WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now())
-)
--- (an inner join: the planner would remove an unused LEFT JOIN, and with it the NOTIFY)
-SELECT i.id FROM input i CROSS JOIN (SELECT count(*) AS c FROM n) x ORDER BY i.ord
+-- One round trip a batch, through table_push() (schema.sql): no row and no id when the queue was
+-- dropped. notify: 0 never, 1 when the queue had no ready message before, 2 always.
+SELECT * FROM {schema}.table_push(
+    %(queue_id)s::integer, %(payloads)b::bytea[], %(priority)s::smallint, %(delay_s)s::double precision,
+    %(notify)s::integer, %(channel)s::text)
 
 -- name: pop_lease
 -- Payloads are fetched by a scalar subquery keyed on id, never by a join: a queue's statistics are
@@ -470,7 +459,10 @@ SELECT set_config(name, reset_val, false) FROM pg_settings WHERE name IN ('state
 -- older_than_s move from done (their payloads from data) into archive. Rows another session holds are
 -- skipped, so the statement never waits on a row, and it touches no row that push, pop or ack use.
 -- Payloads are matched by id = ANY (ARRAY(...)), not a join (see drop_queue); a done row whose payload
--- is missing is archived with an empty payload rather than lost.
+-- is missing is archived with an empty payload rather than lost. A done row of a queue that no longer
+-- exists is deleted with its payload, not archived: nothing is archived for a dropped queue. (drop_queue
+-- waits for a batch holding its queue's rows, and deletes its archive rows after; such rows come only
+-- from older versions.) Returns (rows taken, rows archived).
 WITH batch AS (
     DELETE FROM {schema}.done d
     WHERE d.ctid = ANY (ARRAY(
@@ -488,9 +480,10 @@ WITH batch AS (
     SELECT b.id, b.queue_id, b.priority, b.attempts, b.enqueued_at, b.finished_at, b.outcome,
            coalesce(p.payload, '\x'::bytea)
     FROM batch b LEFT JOIN payloads p ON p.id = b.id
+    WHERE EXISTS (SELECT 1 FROM {schema}.queues q WHERE q.queue_id = b.queue_id)
     RETURNING id
 )
-SELECT count(*) FROM moved
+SELECT (SELECT count(*) FROM batch), (SELECT count(*) FROM moved)
 
 -- name: purge_archive_batch
 -- Archive retention, one bounded batch a statement: delete up to n archived messages older than
