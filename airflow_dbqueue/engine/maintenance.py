@@ -130,7 +130,7 @@ class BatchResult:
 
     def as_dict(self) -> dict[str, Any]:
         """Return a JSON-safe dict (for logs, XCom and the CLI)."""
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "notes": list(self.notes)}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

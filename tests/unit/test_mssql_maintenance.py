@@ -230,7 +230,7 @@ class MaintenanceServer(FakeSqlServer):
             return self.holders
         if "JOIN sys.dm_db_partition_stats p ON p.object_id = t.object_id" in text:  # table_health
             return [(t, 8192, 0, 8192, 3, None, None, None, None, None) for t in MSSQL_TABLES]
-        if "FROM [dbq].queues ORDER BY name" in text:  # list_queues
+        if "FROM [dbq].queues q ORDER BY name" in text:  # list_queues
             return []
         if "DELETE FROM old;" in text:  # purge_archive_batch
             return [(0,)]

@@ -18,6 +18,7 @@ from airflow_dbqueue.engine import DbQueue, ForeignObjectsError, InvalidNameErro
 from airflow_dbqueue.engine.dialects.base import engine_objects
 from airflow_dbqueue.engine.dialects.mssql.dialect import MssqlDatabase, schema_steps, translate
 from airflow_dbqueue.engine.sqlfile import read_text
+from tests.fake_mssql import FakeSqlServer
 from tests.unit.test_mssql_dialect import DRIVER, tsql_statements
 
 pyodbc = pytest.importorskip("pyodbc", reason="pyodbc (the mssql extra) and unixODBC are not installed")
@@ -282,3 +283,64 @@ def test_the_refusal_code_is_translated_to_foreign_objects() -> None:
     )
     got = translate(exc, where="h:1433/db", schema="dbq")
     assert isinstance(got, ForeignObjectsError) and "[r].[v]" in str(got)
+
+
+# -- queue handles on SQL Server: settings, and a push or drop as the dialect sends it ---------------
+
+
+@pytest.mark.parametrize("name", ["get_queue", "list_queues"])
+@pytest.mark.parametrize("pkg", ["postgres", "mssql"])
+def test_the_settings_queries_select_every_settings_column(name: str, pkg: str) -> None:
+    """DbQueue reads a queue's settings by position (client._SETTINGS_COLUMNS); on SQL Server the
+    queries once lacked the ring's capacity, so no queue could be opened there."""
+    import sqlglot
+
+    from airflow_dbqueue.engine.client import _SETTINGS_COLUMNS
+    from airflow_dbqueue.engine.sqlfile import load_queries
+
+    body = load_queries(f"airflow_dbqueue.engine.dialects.{pkg}", "queries.sql")[name]
+    text = re.sub(r"%\(\w+\)s", "1", body.replace("{schema}", "dbq"))
+    select = sqlglot.parse_one(text, read="tsql" if pkg == "mssql" else "postgres")
+    assert [e.alias_or_name for e in select.expressions] == list(_SETTINGS_COLUMNS)
+
+
+def _fake_dbq(monkeypatch: pytest.MonkeyPatch, script: list[Any]) -> tuple[DbQueue, FakeSqlServer]:
+    dbq = DbQueue(DSN, schema="dbq")
+    assert isinstance(dbq.db, MssqlDatabase)
+    return dbq, FakeSqlServer(script).attach(monkeypatch, dbq.db)
+
+
+ORDERS = (7, "orders", "table", "json", 1024, 5, 30.0, 1.0, 300.0, "auto", True, None)
+
+
+def test_a_push_to_a_dropped_queue_raises_on_a_fake_sql_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The push's batch takes the queue's push lock shared and inserts only while the queue exists; a
+    batch that returns no id means the queue is gone, and nothing was written."""
+    from airflow_dbqueue.engine import QueueNotFoundError
+
+    dbq, fake = _fake_dbq(monkeypatch, [[ORDERS], [(101,), (102,)], []])
+    q = dbq.queue("orders")
+    assert q.push_batch([{"n": 1}, {"n": 2}]) == [101, 102]
+    with pytest.raises(QueueNotFoundError, match="queue 'orders' does not exist in schema 'dbq'"):
+        q.push({"n": 3})
+    (_, _), (push, values), _ = fake.executed
+    assert "EXEC sys.sp_getapplock @Resource = @resource, @LockMode = 'Shared'" in push
+    assert "WHERE EXISTS (SELECT 1 FROM [dbq].queues WHERE queue_id = ?)" in push
+    assert values[:2] == [0.0, 7]  # the delay, then the queue id of the lock's resource
+    tsql_statements(push)
+
+
+def test_a_drop_locks_the_queue_then_deletes_in_order_on_a_fake_sql_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dbq, fake = _fake_dbq(monkeypatch, [[ORDERS], [], [], [], [(7,)]])
+    assert dbq.drop_queue("orders")
+    sent = [text for text, _ in fake.executed[1:]]
+    assert "@LockMode = 'Exclusive'" in sent[0]
+    assert "DELETE FROM [dbq].meta WHERE queue_id = @queue_id" in sent[1]
+    assert "DELETE FROM [dbq].done WHERE queue_id = @queue_id" in sent[2]
+    assert "DELETE FROM [dbq].archive" in sent[3] and "OUTPUT deleted.queue_id" in sent[3]
+    assert [values for _, values in fake.executed[1:]] == [[7]] * 4
+    assert (fake.commits, fake.rollbacks) == (2, 0)  # the lookup, then the drop: one transaction
+    for text in sent:
+        tsql_statements(text)

@@ -108,14 +108,17 @@ SELECT %(name)s, %(design)s, %(payload_type)s, %(max_payload_bytes)s, %(max_atte
 WHERE NOT EXISTS (SELECT 1 FROM {schema}.queues WITH (UPDLOCK, HOLDLOCK) WHERE name = %(name)s)
 
 -- name: get_queue
+-- The columns of client._SETTINGS_COLUMNS, in order (a unit test checks both dialects).
 SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
-       retry_backoff_s, retry_backoff_max_s, notify, archive
-FROM {schema}.queues WHERE name = %(name)s
+       retry_backoff_s, retry_backoff_max_s, notify, archive,
+       (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity
+FROM {schema}.queues q WHERE name = %(name)s
 
 -- name: list_queues
 SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
-       retry_backoff_s, retry_backoff_max_s, notify, archive
-FROM {schema}.queues ORDER BY name
+       retry_backoff_s, retry_backoff_max_s, notify, archive,
+       (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity
+FROM {schema}.queues q ORDER BY name
 
 -- name: drop_queue_lock
 -- A drop runs in one transaction, in four statements, as on PostgreSQL: first the queue's push lock,
