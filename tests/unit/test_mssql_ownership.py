@@ -344,3 +344,76 @@ def test_a_drop_locks_the_queue_then_deletes_in_order_on_a_fake_sql_server(
     assert (fake.commits, fake.rollbacks) == (2, 0)  # the lookup, then the drop: one transaction
     for text in sent:
         tsql_statements(text)
+
+
+class _Conn:
+    """A pooled pyodbc connection of the fake: ``dead`` ones fail every statement as a closed link."""
+
+    autocommit = False
+
+    def __init__(self, name: str, log: list[str], dead: bool = False) -> None:
+        self.name, self.log, self.dead, self.closed = name, log, dead, False
+
+    def cursor(self) -> Any:
+        conn = self
+
+        class Cursor:
+            description: Any = [("c",)]
+            rowcount = 1
+
+            def execute(self, text: str, *values: Any) -> Any:
+                conn.log.append(f"{conn.name}: {text.splitlines()[-1][:40]}")
+                if conn.dead:
+                    raise pyodbc.OperationalError(
+                        "08S01", f"[08S01] {DRIVER}Communication link failure (10054) (SQLExecDirectW)"
+                    )
+                return self
+
+            def fetchall(self) -> list[tuple[Any, ...]]:
+                return [(1,)]
+
+            def fetchone(self) -> tuple[Any, ...]:
+                return (1,)
+
+            def nextset(self) -> bool:
+                return False
+
+            def close(self) -> None:
+                pass
+
+        return Cursor()
+
+    def commit(self) -> None:
+        pass
+
+    def rollback(self) -> None:
+        if self.dead:
+            raise pyodbc.OperationalError("08S01", "[08S01] Communication link failure (SQLEndTran)")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_connections_dead_after_an_idle_spell_are_replaced_on_a_fake_sql_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three pooled connections whose server went away while they idled: the first call checks the one
+    it takes (SELECT 1), finds it dead, closes every idle one and runs on a new connection; nothing
+    fails. Connections in steady use are not checked."""
+    log: list[str] = []
+    opened: list[_Conn] = []
+
+    def connect(**kw: Any) -> _Conn:
+        opened.append(_Conn(f"new{len(opened)}", log))
+        return opened[-1]
+
+    db = MssqlDatabase(DSN, schema="dbq")
+    monkeypatch.setattr(db, "connect", connect)
+    stale = [_Conn(f"old{i}", log, dead=True) for i in range(3)]
+    db._idle = [(c, 0.0) for c in stale]  # idle since long ago
+    assert db.fetchone("count_ready", {"queue_id": 1, "min_priority": 0, "cap": 10}) == (1,)
+    assert all(c.closed for c in stale) and len(opened) == 1
+    assert log[0] == "old2: SELECT 1" and log[1].startswith("new0: ")
+    log.clear()
+    assert db.fetchone("count_ready", {"queue_id": 1, "min_priority": 0, "cap": 10}) == (1,)
+    assert len(log) == 1 and log[0].startswith("new0: ")  # just used: taken without a check

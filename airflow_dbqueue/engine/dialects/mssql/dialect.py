@@ -460,6 +460,22 @@ def translate(exc: Exception, *, where: str, schema: str, connecting: bool = Fal
 # -- the database ----------------------------------------------------------------------------------
 
 
+def _answers(conn: Any) -> bool:
+    """Whether a pooled connection still answers a round trip (``SELECT 1``); pyodbc offers no cheaper
+    way to tell a connection whose server went away."""
+    try:
+        cur = conn.cursor()
+        try:
+            cur.execute("SELECT 1")
+            cur.fetchall()
+        finally:
+            cur.close()
+        conn.rollback()
+    except Exception:  # any failure means the connection cannot be used
+        return False
+    return True
+
+
 def _execute(cur: Any, text: str, values: Sequence[Any]) -> None:
     """Run ``text`` on a pyodbc cursor; without values, as a plain batch (no parameters at all), so that
     a SET in it holds for the session rather than for a parameterized batch only."""
@@ -537,7 +553,8 @@ class MssqlDatabase:
         self._max_size = max(1, max_size)
         self._connect_timeout = connect_timeout
         self.retries = retries
-        self._idle: list[Any] = []
+        self._idle: list[tuple[Any, float]] = []
+        """Idle pooled connections, with the monotonic time each was handed back."""
         self._slots = threading.BoundedSemaphore(self._max_size)
         self._lock = threading.Lock()
 
@@ -567,18 +584,31 @@ class MssqlDatabase:
         conn.commit()
         return conn
 
+    #: Seconds a pooled connection may sit idle before it is checked with a round trip when taken:
+    #: a server restart takes longer than this, so a connection that was idle across one is checked,
+    #: while connections in steady use are never.
+    stale_after_s = 1.0
+
     def _acquire(self) -> Any:
         if not self._slots.acquire(timeout=self._connect_timeout):
             raise DatabaseUnavailableError(
                 f"no connection to SQL Server at {self.where} within {self._connect_timeout:g}s: "
                 f"all {self._max_size} are in use"
             )
-        with self._lock:
-            conn = self._idle.pop() if self._idle else None
-        if conn is not None:
-            return conn
         try:
-            return self.connect()
+            while True:
+                with self._lock:
+                    conn, since = self._idle.pop() if self._idle else (None, 0.0)
+                if conn is None:
+                    return self.connect()
+                if time.monotonic() - since < self.stale_after_s or _answers(conn):
+                    return conn
+                # Dead after an idle spell (the server restarted?): so are the others that idled as
+                # long, which would each fail a call; close them all, and open a new one.
+                log.info("a pooled connection to SQL Server at %s is stale: closing idle ones", self.where)
+                with contextlib.suppress(Exception):
+                    conn.close()
+                self.close()
         except BaseException:
             self._slots.release()
             raise
@@ -590,7 +620,7 @@ class MssqlDatabase:
                     conn.close()
             else:
                 with self._lock:
-                    self._idle.append(conn)
+                    self._idle.append((conn, time.monotonic()))
         finally:
             self._slots.release()
 
@@ -598,7 +628,7 @@ class MssqlDatabase:
         """Close the idle connections (the pool reopens on next use)."""
         with self._lock:
             idle, self._idle = self._idle, []
-        for conn in idle:
+        for conn, _ in idle:
             with contextlib.suppress(Exception):
                 conn.close()
 

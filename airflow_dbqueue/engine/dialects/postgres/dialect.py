@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import select
 import threading
 from collections.abc import Iterator, Mapping
 from importlib import resources
@@ -18,7 +19,7 @@ import psycopg
 import psycopg.errors
 from psycopg import sql
 from psycopg.pq import ExecStatus, TransactionStatus
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from airflow_dbqueue.engine.dialects.base import (
     SchemaObject,
@@ -226,13 +227,43 @@ class PostgresDatabase:
             with self.translate_errors():
                 yield conn
             return
-        pool = self._get_pool()
+        with self.translate_errors():
+            pool, pooled = self._checkout()
         try:
-            with self.translate_errors(), pool.connection() as pooled:
+            with self.translate_errors(), pooled:  # commits, or rolls back on an error
                 yield pooled
         except DatabaseUnavailableError:
+            pooled.close()  # not handed back: the pool it came from is replaced
             self._discard_pool(pool)
             raise
+        except BaseException:
+            pool.putconn(pooled)
+            raise
+        pool.putconn(pooled)
+
+    def _checkout(self) -> tuple[ConnectionPool, psycopg.Connection[Any]]:
+        """Take a pooled connection that is sound, for a call; replace the pool when one is stale.
+
+        A connection that sat in the pool while the server restarted is dead, and its socket says so:
+        the server sent its end (an error message, then EOF) to an idle connection, which otherwise
+        receives nothing (a notification on a connection that listened is the exception, and a round
+        trip tells the two apart). One readiness check of the socket (no round trip) finds it; then
+        every idle connection of the pool is as stale, so the pool is replaced and the call gets a new
+        connection, waiting up to the connect timeout while the server is not back yet.
+        """
+        for _ in range(3):
+            pool = self._get_pool()
+            try:
+                conn = pool.getconn()
+            except PoolClosed:
+                continue  # replaced by another thread meanwhile: take the new one
+            if _sound(conn):
+                return pool, conn
+            log.info("a pooled connection to %s is stale (the server restarted?): new pool", self.where)
+            conn.close()
+            self._discard_pool(pool)
+        pool = self._get_pool()
+        return pool, pool.getconn()
 
     @contextlib.contextmanager
     def dedicated_connection(self, application_name: str) -> Iterator[psycopg.Connection[Any]]:
@@ -262,13 +293,21 @@ class PostgresDatabase:
 
         Its idle connections are likely dead, and psycopg_pool's reconnect backoff doubles without a
         cap (1, 2, 4 ... s), so a fresh pool on the next call recovers faster than the old one would.
+        The old pool is closed in a thread of its own, given the time its workers may need to finish a
+        connection attempt (the connect timeout): the call does not wait for it, and the pool has no
+        reason to complain that a worker did not stop in time.
         """
         with self._lock:
             if self._pool is not pool:
                 return
             self._pool = None
-        with contextlib.suppress(Exception):
-            pool.close(timeout=0)
+        grace = self._connect_timeout + 5
+
+        def close() -> None:
+            with contextlib.suppress(Exception):
+                pool.close(timeout=grace)
+
+        threading.Thread(target=close, name=f"dbqueue-close-{pool.name}", daemon=True).start()
 
     @contextlib.contextmanager
     def transaction(self, conn: psycopg.Connection[Any] | None = None) -> Iterator[psycopg.Connection[Any]]:
@@ -621,6 +660,24 @@ BINARY_RESULTS = frozenset(
 text, and timestamps without text parsing (client CPU per message at batch 100: see issue 2's note).
 Their columns are integers, timestamps, bytea and text only. Their array parameters are sent in binary too
 (``%(name)b`` in queries.sql), which skips psycopg's per-element quoting of text arrays."""
+
+
+def _sound(conn: psycopg.Connection[Any]) -> bool:
+    """Whether an idle pooled connection can take a statement: not closed, and its socket has nothing
+    to read (a dead server's connection has its error and EOF waiting), or else a round trip works."""
+    if conn.closed or conn.broken:
+        return False
+    try:
+        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+    except (OSError, ValueError, psycopg.Error):
+        return False
+    if not readable:
+        return True
+    try:
+        conn.execute("")
+    except psycopg.Error:
+        return False
+    return True
 
 
 def _primary(exc: psycopg.Error) -> str:
