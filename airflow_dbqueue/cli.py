@@ -10,6 +10,7 @@
                     [--queue Q ...] [--lock-wait S]
     dbqueue maintain [the archive options] [--no-vacuum] [--no-reindex] [--bloat-ratio R]
                      [--min-bloat-bytes B] [--fragmentation-pct P] [--reindex-timeout S]
+                     [--horizon-min-age S] [--horizon-min-xid-age N]
     dbqueue metrics [QUEUE ...] [--window S]
     dbqueue demo [--messages N]
     dbqueue pipeline [--messages N] [--batch N] [--airflow-home DIR]
@@ -154,12 +155,19 @@ def _cmd_maintain(dbq: DbQueue, args: argparse.Namespace) -> int:
         reindex_fragmentation_pct=args.fragmentation_pct,
         reindex_timeout_s=args.reindex_timeout,
         lock_wait_s=args.lock_wait,
+        horizon_min_age_s=args.horizon_min_age,
+        horizon_min_xid_age=args.horizon_min_xid_age,
     )
     report = dbq.maintain(config)
     if report["skipped"]:
         print(f"dbqueue: maintenance skipped: {report['skipped']}", file=sys.stderr)
     _say(json.dumps(report, indent=2))
-    return 0
+    for step in report["incomplete"]:
+        print(
+            f"dbqueue: maintenance did not complete: {step['action']} {step['index']}: {step['why']}",
+            file=sys.stderr,
+        )
+    return 1 if report["incomplete"] else 0
 
 
 def _cmd_metrics(dbq: DbQueue, args: argparse.Namespace) -> int:
@@ -368,6 +376,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--fragmentation-pct", type=float, default=30.0, help="SQL Server: also rebuild this fragmented (%%)"
     )
     c.add_argument("--reindex-timeout", type=float, default=600.0, help="seconds one rebuild may take")
+    c.add_argument(
+        "--horizon-min-age",
+        type=float,
+        default=300.0,
+        help="warn of transactions open longer than S seconds, and skip online rebuilds while there are any",
+    )
+    c.add_argument(
+        "--horizon-min-xid-age",
+        type=int,
+        default=1_000_000,
+        help="warn of replication slots holding an xmin older than N transactions",
+    )
     c = sub.add_parser("metrics", help="queue depth, age, rates, table sizes and index bloat as JSON")
     c.add_argument("queues", nargs="*")
     c.add_argument("--window", type=float, default=300.0, help="seconds over which rates are counted")

@@ -91,6 +91,9 @@ with DAG(
             "number", "SQL Server: also rebuild indexes this many percent fragmented (30)"
         ),
         "lock_wait_s": _optional("number", "wait this long for another run's lock, then skip (0)"),
+        "horizon_min_age_s": _optional(
+            "number", "warn of transactions open longer than this, and rebuild no index while one is (300)"
+        ),
     },
     tags=["dbqueue", "maintenance"],
     doc_md=__doc__,
@@ -157,6 +160,7 @@ with DAG(
                 timeout_s=cfg.reindex_timeout_s,
                 lock_wait_s=cfg.lock_wait_s,
                 fragmentation_pct=cfg.reindex_fragmentation_pct,
+                horizon_min_age_s=cfg.horizon_min_age_s,
             )
         if out.get("skipped"):
             log.warning("Index rebuilds skipped: %s", out["skipped"])

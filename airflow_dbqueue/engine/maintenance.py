@@ -94,6 +94,8 @@ MSSQL_NO_LEFTOVERS = (
 _LEFTOVER = re.compile(r"_cc(new|old)\d*$")
 """Suffixes PostgreSQL gives the indexes of a REINDEX CONCURRENTLY in progress (or one that failed)."""
 MiB = 1024 * 1024
+REBUILD_WAITS_FOR = ("transaction", "prepared transaction", "snapshot transaction")
+"""The kinds of :class:`XminHolder` an online index rebuild waits for (not a replication slot)."""
 
 
 def _iso(value: Any) -> Any:
@@ -425,6 +427,7 @@ class Maintenance:
         self.schema = dbq.schema
         self._held: Any = None
         self._skip_reason: str | None = None
+        self._horizon_age: float | None = None
 
     # -- the lock ------------------------------------------------------------------------------------
 
@@ -878,6 +881,7 @@ class Maintenance:
         only: Sequence[str] | None = None,
         lock_wait_s: float = 0.0,
         fragmentation_pct: float = 30.0,
+        horizon_min_age_s: float | None = None,
     ) -> dict[str, Any]:
         """Rebuild bloated indexes online and clean up INVALID ones; return what was done.
 
@@ -901,11 +905,61 @@ class Maintenance:
             leftovers of failed rebuilds are dropped all the same.
         :param fragmentation_pct: SQL Server only: also rebuild indexes of at least ``min_bloat_bytes``
             whose leaf level is at least this many percent fragmented.
+        :param horizon_min_age_s: before each online operation, look for transactions open longer than
+            this (:meth:`xmin_holders`; replication slots aside, which it does not wait for): an online
+            rebuild waits for every transaction older than itself, so while there is one it would queue
+            behind it until ``timeout_s``. The operation is then not run, and its action says so
+            (``skip``, ``ok`` false, with the holders in ``error``); the next run tries again. ``None``
+            (the default when called alone) does not look.
         """
         if bloat_ratio < 1 or min_bloat_bytes < 0 or timeout_s <= 0:
             raise ConfigurationError("need bloat_ratio >= 1, min_bloat_bytes >= 0 and timeout_s > 0")
         if not 0 <= fragmentation_pct <= 100:
             raise ConfigurationError(f"fragmentation_pct must be in 0..100, got {fragmentation_pct}")
+        if horizon_min_age_s is not None:
+            horizon_min_age_s = check_seconds("horizon_min_age_s", horizon_min_age_s)
+        self._horizon_age = horizon_min_age_s
+        try:
+            return self._rebuild_indexes(
+                bloat_ratio=bloat_ratio,
+                min_bloat_bytes=min_bloat_bytes,
+                timeout_s=timeout_s,
+                analyze=analyze,
+                only=only,
+                lock_wait_s=lock_wait_s,
+                fragmentation_pct=fragmentation_pct,
+            )
+        finally:
+            self._horizon_age = None
+
+    def _held_back(self, what: str) -> tuple[str, list[XminHolder]] | None:
+        """``(error, holders)`` when transactions open longer than the rebuild's horizon age are there
+        (an online rebuild would wait for them), else None."""
+        age = self._horizon_age
+        if age is None:
+            return None
+        holders = [h for h in self.xmin_holders(min_age_s=age) if h.kind in REBUILD_WAITS_FOR]
+        if not holders:
+            return None
+        named = "; ".join(h.describe() for h in holders[:3]) + (" ..." if len(holders) > 3 else "")
+        error = (
+            f"{what} not run: {len(holders)} transaction(s) open longer than {age:g}s, and an online "
+            f"rebuild waits for every transaction older than itself ({named}); the next run tries again"
+        )
+        log.warning("dbqueue: %s", error)
+        return error, holders
+
+    def _rebuild_indexes(
+        self,
+        *,
+        bloat_ratio: float,
+        min_bloat_bytes: int,
+        timeout_s: float,
+        analyze: bool,
+        only: Sequence[str] | None,
+        lock_wait_s: float,
+        fragmentation_pct: float,
+    ) -> dict[str, Any]:
         if self._ms is not None:
             return self._mssql_rebuild_indexes(
                 bloat_ratio=bloat_ratio,
@@ -1036,6 +1090,9 @@ class Maintenance:
     def _mssql_rebuild(self, h: IndexHealth, mode: str, reason: str, timeout_s: float) -> _MssqlAction:
         """SQL Server: rebuild (or reorganize) one index on the run's connection, within ``timeout_s``."""
         assert self._ms is not None
+        held = self._held_back(f"ALTER INDEX {h.index} ON {self.schema}.{h.table} ({mode})")
+        if held is not None:
+            return h, "skip", False, 0.0, reason, held[0]
         conn = self._conn()
         t0 = time.monotonic()
         what = f"ALTER INDEX {h.index} ON {self.schema}.{h.table} " + (
@@ -1066,6 +1123,9 @@ class Maintenance:
         self._db.fetchone("set_timeouts", {"statement_ms": ms, "lock_ms": ms, "local": False}, self._conn())
 
     def _reindex(self, h: IndexHealth, action: str, reason: str, timeout_s: float) -> IndexAction:
+        held = self._held_back(f"REINDEX INDEX CONCURRENTLY {self.schema}.{h.index}")
+        if held is not None:
+            return IndexAction(h.index, "skip", False, 0.0, h.size_bytes, reason=reason, error=held[0])
         conn = self._conn()
         t0 = time.monotonic()
         log.info("dbqueue: REINDEX INDEX CONCURRENTLY %s.%s (%s)", self.schema, h.index, reason)
@@ -1099,9 +1159,12 @@ class Maintenance:
         )
 
     def _drop_leftover(self, h: IndexHealth, timeout_s: float) -> IndexAction:
+        reason = "INVALID index left by a failed concurrent rebuild"
+        held = self._held_back(f"DROP INDEX CONCURRENTLY {self.schema}.{h.index}")
+        if held is not None:
+            return IndexAction(h.index, "skip", False, 0.0, h.size_bytes, reason=reason, error=held[0])
         conn = self._conn()
         t0 = time.monotonic()
-        reason = "INVALID index left by a failed concurrent rebuild"
         log.info("dbqueue: DROP INDEX CONCURRENTLY %s.%s (%s)", self.schema, h.index, reason)
         try:
             self._with_timeouts(timeout_s)
@@ -1236,7 +1299,10 @@ class Maintenance:
         lock past ``lock_wait_s``, only the metrics are collected and ``skipped`` says why.
 
         A queue dropped while the run goes on is no failure: its steps are skipped, and ``notes`` says
-        so (as does a queue named in ``queues`` that does not exist).
+        so (as does a queue named in ``queues`` that does not exist). ``incomplete`` lists the steps
+        that did not do their work: index rebuilds that failed (a timeout, a cancel) or were not run
+        because transactions older than ``horizon_min_age_s`` would have held them up. ``dbqueue
+        maintain`` exits with status 1 when it is not empty.
         """
         cfg = config or MaintenanceConfig()
         started = time.monotonic()
@@ -1280,6 +1346,7 @@ class Maintenance:
                         timeout_s=cfg.reindex_timeout_s,
                         analyze=not cfg.vacuum,
                         fragmentation_pct=cfg.reindex_fragmentation_pct,
+                        horizon_min_age_s=cfg.horizon_min_age_s,
                     )
         report["metrics"] = self.metrics(
             queues,
@@ -1289,5 +1356,17 @@ class Maintenance:
         )
         notes += report["metrics"]["notes"]
         report["notes"] = list(dict.fromkeys(notes))
+        report["incomplete"] = [
+            {"step": "indexes", "index": a["index"], "action": a["action"], "why": a["error"] or a["reason"]}
+            for a in report.get("indexes", {}).get("actions", [])
+            if not a["ok"]
+        ]
+        if report["incomplete"]:
+            log.warning(
+                "dbqueue maintenance of schema %r: %d step(s) did not complete: %s",
+                self.schema,
+                len(report["incomplete"]),
+                "; ".join(f"{i['action']} {i['index']}: {i['why']}" for i in report["incomplete"]),
+            )
         report["seconds"] = round(time.monotonic() - started, 3)
         return report

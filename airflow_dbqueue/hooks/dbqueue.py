@@ -644,13 +644,15 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
         timeout_s: float = 600.0,
         lock_wait_s: float = 0.0,
         fragmentation_pct: float = 30.0,
+        horizon_min_age_s: float | None = None,
     ) -> dict[str, Any]:
         """Rebuild bloated indexes online; see :meth:`Maintenance.rebuild_indexes`.
 
         PostgreSQL: REINDEX INDEX CONCURRENTLY, and INVALID leftovers of failed rebuilds are dropped.
         SQL Server: ALTER INDEX ... REBUILD WITH (ONLINE = ON) where the engine edition allows it,
         REORGANIZE otherwise (the result's ``mode`` and ``edition`` say which); ``fragmentation_pct``
-        applies there only.
+        applies there only. With ``horizon_min_age_s``, a rebuild is not run while a transaction open
+        longer than that would hold it up (its action is ``skip`` with ``ok`` false).
         """
         return self.maintenance().rebuild_indexes(
             bloat_ratio=bloat_ratio,
@@ -658,6 +660,7 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
             timeout_s=timeout_s,
             lock_wait_s=lock_wait_s,
             fragmentation_pct=fragmentation_pct,
+            horizon_min_age_s=horizon_min_age_s,
         )
 
     def check_horizon(

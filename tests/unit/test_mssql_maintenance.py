@@ -436,3 +436,24 @@ def test_a_full_run_on_a_fake_sql_server(fake: MaintenanceServer) -> None:
         1.009,
     )  # 224 pages where 222 would do
     assert len(fake.statements("UPDATE STATISTICS")) == len(MSSQL_TABLES)
+
+
+def test_no_rebuild_runs_while_a_long_transaction_is_open_on_a_fake_sql_server(
+    fake: MaintenanceServer,
+) -> None:
+    """A transaction open longer than horizon_min_age_s: each rebuild is not run (an online rebuild
+    would wait for it), reported as a skip that did not complete, naming the session."""
+    fake.index_rows = [schema_indexes(3)]
+    fake.holders = [("transaction", 61, "report-job", "sa", "sleeping", 900.0, None, None, None, "SELECT 1")]
+    report = DbQueue(DSN, schema="dbq").maintenance().rebuild_indexes(timeout_s=600, horizon_min_age_s=60)
+    got = [(a["index"], a["action"], a["ok"]) for a in report["actions"]]
+    assert got == [
+        ("archive_pkey", "skip", False),
+        ("done_pkey", "skip", True),
+        ("meta_ready_idx", "skip", False),
+    ]
+    skipped = next(a for a in report["actions"] if a["index"] == "meta_ready_idx")
+    assert "open longer than 60s" in skipped["error"] and "pid 61" in skipped["error"]
+    assert not fake.statements("DECLARE @online bit")  # no rebuild was sent
+    [values] = [e.values for e in fake.statements("FROM sys.dm_tran_session_transactions")][:1]
+    assert values is not None and values[0] == 60
