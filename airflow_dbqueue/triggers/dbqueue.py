@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 
 from airflow_dbqueue.engine import ConfigurationError, NotifyMode
+from airflow_dbqueue.engine.queue import check_seconds
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook, connection_dsn
 
 if TYPE_CHECKING:
@@ -94,14 +95,12 @@ class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
         self.dbqueue_conn_id = dbqueue_conn_id
         self.min_messages = int(min_messages)
         self.min_priority = None if min_priority is None else int(min_priority)
-        self.poll_interval = float(poll_interval)
+        self.poll_interval = check_seconds("poll_interval", poll_interval, positive=True)
         self.use_notify = bool(use_notify)
         self.rearm = bool(rearm)
         self.dbqueue_schema = dbqueue_schema
         if self.min_messages < 1:
             raise ConfigurationError(f"min_messages must be >= 1, got {min_messages!r}")
-        if self.poll_interval <= 0:
-            raise ConfigurationError(f"poll_interval must be > 0 seconds, got {poll_interval!r}")
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         """Return the class path and the JSON-typed keyword arguments that rebuild this trigger."""

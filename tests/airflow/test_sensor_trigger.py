@@ -107,6 +107,12 @@ def test_unknown_trigger_arguments_are_refused(kwargs: dict[str, Any], match: st
         DbQueueTrigger(queue_name="q", min_messages=0)
 
 
+@pytest.mark.parametrize("poll_interval", [0, -1, float("nan"), float("inf"), "soon"])
+def test_a_poll_interval_that_is_not_a_positive_finite_number_is_refused(poll_interval: Any) -> None:
+    with pytest.raises(ConfigurationError, match="poll_interval must be a"):
+        DbQueueTrigger(queue_name="q", poll_interval=poll_interval)
+
+
 NOTIFY_POLL_S = 60.0
 """The NOTIFY test's poll interval. It waits for the event a third of that after the push: only the
 NOTIFY can fire the trigger in time, and a loaded machine has twenty seconds to deliver it."""
