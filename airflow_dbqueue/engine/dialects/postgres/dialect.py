@@ -668,7 +668,10 @@ def _sound(conn: psycopg.Connection[Any]) -> bool:
     if conn.closed or conn.broken:
         return False
     try:
-        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+        # poll(), not select(): a worker process may hold more than FD_SETSIZE (1024) descriptors.
+        poller = select.poll()
+        poller.register(conn.fileno(), select.POLLIN)
+        readable = bool(poller.poll(0))
     except (OSError, ValueError, psycopg.Error):
         return False
     if not readable:
