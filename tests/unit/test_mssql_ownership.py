@@ -275,6 +275,17 @@ def test_an_older_install_alone_in_its_schema_is_the_engines_whole_on_a_fake_sql
     assert "dbq" not in catalog.schemas
 
 
+def test_a_refused_queue_lock_is_a_deadlock_retried_by_the_dialect() -> None:
+    from airflow_dbqueue.engine import DeadlockError
+
+    exc = pyodbc.ProgrammingError(
+        "42000",
+        f"[42000] {DRIVER}[SQL Server][DQ007] the push lock of queue dbqueue.queue.[dbq].7 was not "
+        "granted (sp_getapplock returned -3: a deadlock victim) (50000) (SQLExecDirectW)",
+    )
+    assert isinstance(translate(exc, where="h:1433/db", schema="dbq"), DeadlockError)
+
+
 def test_the_refusal_code_is_translated_to_foreign_objects() -> None:
     exc = pyodbc.ProgrammingError(
         "42000",
@@ -324,8 +335,9 @@ def test_a_push_to_a_dropped_queue_raises_on_a_fake_sql_server(monkeypatch: pyte
     with pytest.raises(QueueNotFoundError, match="queue 'orders' does not exist in schema 'dbq'"):
         q.push({"n": 3})
     (_, _), (push, values), _ = fake.executed
-    assert "EXEC sys.sp_getapplock @Resource = @resource, @LockMode = 'Shared'" in push
-    assert "WHERE EXISTS (SELECT 1 FROM [dbq].queues WHERE queue_id = ?)" in push
+    assert "EXEC @locked = sys.sp_getapplock @Resource = @resource, @LockMode = 'Shared'" in push
+    assert "IF @locked < 0\n    RAISERROR (N'[DQ007]" in push  # a refused lock fails the batch
+    assert "WHERE @locked >= 0 AND EXISTS (SELECT 1 FROM [dbq].queues WHERE queue_id = ?)" in push
     assert values[:2] == [0.0, 7]  # the delay, then the queue id of the lock's resource
     tsql_statements(push)
 
@@ -336,7 +348,7 @@ def test_a_drop_locks_the_queue_then_deletes_in_order_on_a_fake_sql_server(
     dbq, fake = _fake_dbq(monkeypatch, [[ORDERS], [], [], [], [(7,)]])
     assert dbq.drop_queue("orders")
     sent = [text for text, _ in fake.executed[1:]]
-    assert "@LockMode = 'Exclusive'" in sent[0]
+    assert "@LockMode = 'Exclusive'" in sent[0] and "RAISERROR (N'[DQ007]" in sent[0]
     assert "DELETE FROM [dbq].meta WHERE queue_id = @queue_id" in sent[1]
     assert "DELETE FROM [dbq].done WHERE queue_id = @queue_id" in sent[2]
     assert "DELETE FROM [dbq].archive" in sent[3] and "OUTPUT deleted.queue_id" in sent[3]

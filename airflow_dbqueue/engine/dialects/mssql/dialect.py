@@ -409,11 +409,13 @@ RAISED_BY_PROCEDURES: dict[str, type[DbQueueError]] = {
     "DQ003": ConfigurationError,
     "DQ005": ReceiptsNotHeldError,
     "DQ006": ForeignObjectsError,
+    "DQ007": DeadlockError,
 }
 """What the ring's stored procedures (and ``drop_owned_table``) raise on purpose (``RAISERROR`` with
 ``[DQ00n]`` in the message), as PostgreSQL's functions raise SQLSTATE ``DQ00n``. DQ004 (a ring that does
 not exist) stays a :class:`DatabaseError`, as on PostgreSQL. DQ006: an object that is not the engine's
-refers to a table of the engine, so the uninstall dropped nothing."""
+refers to a table of the engine, so the uninstall dropped nothing. DQ007: a push's or a drop's queue lock
+(``sp_getapplock``) was refused as a deadlock victim; the dialect runs its own statement again."""
 
 
 def native_error(exc: BaseException) -> int | None:

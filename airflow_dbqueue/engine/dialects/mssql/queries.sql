@@ -124,9 +124,14 @@ FROM {schema}.queues q ORDER BY name
 -- A drop runs in one transaction, in four statements, as on PostgreSQL: first the queue's push lock,
 -- exclusively (a push takes it shared), so it waits for the pushes in progress and keeps new ones out
 -- until it commits.
+SET NOCOUNT ON;
 DECLARE @resource nvarchar(255) = N'dbqueue.queue.{schema}.' + CAST(%(queue_id)s AS nvarchar(11));
-EXEC sys.sp_getapplock @Resource = @resource, @LockMode = 'Exclusive', @LockOwner = 'Transaction',
-    @LockTimeout = -1
+DECLARE @locked int;
+EXEC @locked = sys.sp_getapplock @Resource = @resource, @LockMode = 'Exclusive', @LockOwner = 'Transaction',
+    @LockTimeout = -1;
+IF @locked < 0
+    RAISERROR (N'[DQ007] the push lock of queue %s was not granted (sp_getapplock returned %d: a deadlock victim)',
+        16, 1, @resource, @locked)
 
 -- name: drop_queue_messages
 -- Then the queue's messages with their payloads (rows a pop, ack, nack or claim holds are waited for).
@@ -163,14 +168,18 @@ SET NOCOUNT ON;
 DECLARE @now datetime2(6) = SYSUTCDATETIME();
 DECLARE @delay_s float = %(delay_s)s;
 DECLARE @resource nvarchar(255) = N'dbqueue.queue.{schema}.' + CAST(%(queue_id)s AS nvarchar(11));
-EXEC sys.sp_getapplock @Resource = @resource, @LockMode = 'Shared', @LockOwner = 'Transaction',
+DECLARE @locked int;
+EXEC @locked = sys.sp_getapplock @Resource = @resource, @LockMode = 'Shared', @LockOwner = 'Transaction',
     @LockTimeout = -1;
+IF @locked < 0
+    RAISERROR (N'[DQ007] the push lock of queue %s was not granted (sp_getapplock returned %d: a deadlock victim)',
+        16, 1, @resource, @locked);
 DECLARE @input TABLE (ord int PRIMARY KEY, id bigint NOT NULL, payload varbinary(max) NOT NULL);
 INSERT INTO @input (ord, id, payload)
 SELECT CAST(p.[key] AS int), NEXT VALUE FOR {schema}.message_id_seq OVER (ORDER BY CAST(p.[key] AS int)),
        CONVERT(varbinary(max), p.[value], 2)
 FROM OPENJSON(%(payloads)s) p
-WHERE EXISTS (SELECT 1 FROM {schema}.queues WHERE queue_id = %(queue_id)s);
+WHERE @locked >= 0 AND EXISTS (SELECT 1 FROM {schema}.queues WHERE queue_id = %(queue_id)s);
 INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at)
 SELECT id, %(queue_id)s, %(priority)s,
        DATEADD(microsecond, CAST(1e6 * (@delay_s - FLOOR(@delay_s)) AS int),
