@@ -8,7 +8,6 @@ otherwise; never run yet), but for the one that holds an archiver batch open by 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import threading
 import time
@@ -19,6 +18,7 @@ import pytest
 
 from airflow_dbqueue.engine import DbQueue, MaintenanceConfig, QueueNotFoundError
 from tests.dialects import dialect_dbq, postgres_only, run_sql  # noqa: F401 - dialect_dbq is the fixture "dbq"
+from tests.helpers import checksum
 
 pytestmark = pytest.mark.integration
 
@@ -50,12 +50,6 @@ def orphans(dbq: DbQueue) -> dict[str, int]:
 
 
 NO_ORPHANS = dict.fromkeys((*TABLES, "data"), 0)
-
-
-def digest(payloads: list[Any]) -> str:
-    return hashlib.sha256(
-        "\n".join(sorted(json.dumps(p, sort_keys=True) for p in payloads)).encode()
-    ).hexdigest()
 
 
 def test_queues_dropped_under_a_maintenance_client_are_skipped_with_a_note(dbq: DbQueue) -> None:
@@ -160,7 +154,7 @@ def test_maintenance_beside_a_loop_creating_using_and_dropping_queues(dbq: DbQue
     )
     archived = [json.loads(bytes(r[0])) for r in rows]
     assert len(archived) == len(sent) == 1000
-    assert digest(archived) == digest(sent)
+    assert checksum(archived) == checksum(sent)
     assert main.stats().ready == main.stats().in_flight == main.stats().finished == 0
 
 

@@ -12,14 +12,13 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import psycopg
 import pytest
-from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue, ForeignObjectsError, InvalidNameError
 from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
 from airflow_dbqueue.engine.dialects.postgres.dialect import schema_sql
 from airflow_dbqueue.engine.embedded import free_port
+from tests.dialects import run_sql
 
 pytestmark = pytest.mark.integration
 
@@ -27,19 +26,28 @@ LATEST = schema_sql()[0]
 ENGINE_TABLES = {"schema_version", "queues", "meta", "data", "done", "archive", "batches", "rings"}
 
 
-def run(dsn: str, statement: str | sql.Composable, params: Any = None) -> list[tuple[Any, ...]]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        cur = conn.execute(statement, params)
-        return cur.fetchall() if cur.description else []
+def run(
+    dsn: str, schema: str, body: str, params: dict[str, Any] | None = None, **identifiers: str
+) -> list[tuple[Any, ...]]:
+    """Run ``body`` with tests/dialects.py's run_sql through a DbQueue of ``schema`` of its own (nothing
+    of it installed or checked): ``{schema}`` and the ``identifiers``' placeholders are quoted."""
+    with DbQueue(dsn, schema=schema, pool_size=1) as admin:
+        return run_sql(admin, body, params, identifiers=identifiers)
+
+
+READER = "catalog_reader"
+"""The schema of the DbQueue that reads the catalog (``relations`` and the like, which also look at
+schemas no DbQueue may take, such as public): its statements name no object of it."""
 
 
 def relations(dsn: str, schema: str) -> set[str]:
     """Names of the tables and sequences in ``schema``."""
     rows = run(
         dsn,
+        READER,
         "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-        "WHERE n.nspname = %s AND c.relkind IN ('r', 'S', 'v')",
-        [schema],
+        "WHERE n.nspname = %(s)s AND c.relkind IN ('r', 'S', 'v')",
+        {"s": schema},
     )
     return {r[0] for r in rows}
 
@@ -47,14 +55,16 @@ def relations(dsn: str, schema: str) -> set[str]:
 def functions(dsn: str, schema: str) -> set[str]:
     rows = run(
         dsn,
-        "SELECT p.proname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = %s",
-        [schema],
+        READER,
+        "SELECT p.proname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
+        "WHERE n.nspname = %(s)s",
+        {"s": schema},
     )
     return {r[0] for r in rows}
 
 
 def schema_exists(dsn: str, schema: str) -> bool:
-    return bool(run(dsn, "SELECT 1 FROM pg_namespace WHERE nspname = %s", [schema]))
+    return bool(run(dsn, READER, "SELECT 1 FROM pg_namespace WHERE nspname = %(s)s", {"s": schema}))
 
 
 @pytest.fixture
@@ -68,18 +78,17 @@ def new_schema(pg_dsn: str) -> Iterator[Callable[[], str]]:
 
     yield make
     for name in names:
-        run(pg_dsn, sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+        run(pg_dsn, name, "DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
 def user_table(dsn: str, schema: str, name: str = "customers") -> None:
     """Someone else's table with a row in it, in ``schema``."""
-    ident = sql.Identifier(schema, name)
-    run(dsn, sql.SQL("CREATE TABLE {} (id integer PRIMARY KEY, who text)").format(ident))
-    run(dsn, sql.SQL("INSERT INTO {} VALUES (1, 'ada')").format(ident))
+    run(dsn, schema, "CREATE TABLE {schema}.{t} (id integer PRIMARY KEY, who text)", t=name)
+    run(dsn, schema, "INSERT INTO {schema}.{t} VALUES (1, 'ada')", t=name)
 
 
 def user_rows(dsn: str, schema: str, name: str = "customers") -> list[tuple[Any, ...]]:
-    return run(dsn, sql.SQL("SELECT * FROM {}").format(sql.Identifier(schema, name)))
+    return run(dsn, schema, "SELECT * FROM {schema}.{t}", t=name)
 
 
 # -- reserved schemas: refused at construction, before any I/O ---------------------------------------
@@ -96,7 +105,7 @@ def test_public_stays_untouched(pg_dsn: str, new_schema: Callable[[], str]) -> N
     """What the issue saw: DbQueue(schema="public") put its tables among the user's, and uninstall
     dropped public with them. Now nothing can be done through such a handle."""
     mine = new_schema()
-    run(pg_dsn, sql.SQL("CREATE TABLE public.{} (id integer)").format(sql.Identifier(mine)))
+    run(pg_dsn, mine, "CREATE TABLE public.{t} (id integer)", t=mine)
     try:
         with pytest.raises(InvalidNameError, match="reserved"):
             DbQueue(pg_dsn, schema="public")
@@ -104,7 +113,7 @@ def test_public_stays_untouched(pg_dsn: str, new_schema: Callable[[], str]) -> N
         assert mine in relations(pg_dsn, "public")
         assert "meta" not in relations(pg_dsn, "public")
     finally:
-        run(pg_dsn, sql.SQL("DROP TABLE public.{}").format(sql.Identifier(mine)))
+        run(pg_dsn, mine, "DROP TABLE public.{t}", t=mine)
 
 
 def test_the_cli_refuses_a_reserved_schema(pg_dsn: str) -> None:
@@ -127,9 +136,9 @@ def test_install_refuses_a_schema_that_holds_other_objects(
     pg_dsn: str, new_schema: Callable[[], str]
 ) -> None:
     schema = new_schema()
-    run(pg_dsn, sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+    run(pg_dsn, schema, "CREATE SCHEMA {schema}")
     user_table(pg_dsn, schema)
-    run(pg_dsn, sql.SQL("CREATE VIEW {} AS SELECT 1 AS one").format(sql.Identifier(schema, "report")))
+    run(pg_dsn, schema, "CREATE VIEW {schema}.report AS SELECT 1 AS one")
     with DbQueue(pg_dsn, schema=schema) as dbq, pytest.raises(ForeignObjectsError) as info:
         dbq.install()
     message = str(info.value)
@@ -142,7 +151,7 @@ def test_install_refuses_a_schema_that_holds_other_objects(
 
 def test_an_empty_existing_schema_is_used_and_kept(pg_dsn: str, new_schema: Callable[[], str]) -> None:
     schema = new_schema()
-    run(pg_dsn, sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+    run(pg_dsn, schema, "CREATE SCHEMA {schema}")
     with DbQueue(pg_dsn, schema=schema) as dbq:
         assert dbq.install() == LATEST
         q = dbq.create_queue("orders")
@@ -160,12 +169,7 @@ def test_a_fresh_install_records_what_it_created_and_uninstall_drops_it_all(
     with DbQueue(pg_dsn, schema=schema) as dbq:
         dbq.install()
         dbq.install()  # idempotent: records nothing twice
-        owned = {
-            r
-            for r in run(
-                pg_dsn, sql.SQL("SELECT kind, name FROM {}").format(sql.Identifier(schema, "owned_objects"))
-            )
-        }
+        owned = set(run(pg_dsn, schema, "SELECT kind, name FROM {schema}.owned_objects"))
         assert ("schema", schema) in owned
         assert {("table", t) for t in ENGINE_TABLES} <= owned
         assert {("function", f) for f in functions(pg_dsn, schema)} <= owned
@@ -187,12 +191,7 @@ def test_uninstall_leaves_other_objects_and_their_schema(pg_dsn: str, new_schema
         dbq.create_queue("orders").push_batch([1, 2, 3])
         dbq.create_queue("stream", design="ring", capacity=8).push(1)
         user_table(pg_dsn, schema)
-        run(
-            pg_dsn,
-            sql.SQL("CREATE FUNCTION {}() RETURNS int LANGUAGE sql AS 'SELECT 7'").format(
-                sql.Identifier(schema, "helper")
-            ),
-        )
+        run(pg_dsn, schema, "CREATE FUNCTION {schema}.helper() RETURNS int LANGUAGE sql AS 'SELECT 7'")
         dbq.uninstall()
     assert schema_exists(pg_dsn, schema)
     assert relations(pg_dsn, schema) == {"customers"}
@@ -208,13 +207,8 @@ def test_uninstall_refuses_while_someone_elses_view_uses_a_queue_table(
         dbq.install()
         q = dbq.create_queue("orders")
         ids = q.push_batch([{"n": i} for i in range(3)])
-        run(pg_dsn, sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(other)))
-        run(
-            pg_dsn,
-            sql.SQL("CREATE VIEW {} AS SELECT id FROM {}").format(
-                sql.Identifier(other, "depth"), sql.Identifier(schema, "meta")
-            ),
-        )
+        run(pg_dsn, other, "CREATE SCHEMA {schema}")
+        run(pg_dsn, other, "CREATE VIEW {schema}.depth AS SELECT id FROM {queues}.meta", queues=schema)
         with pytest.raises(
             ForeignObjectsError, match=rf"view {other}\.depth depends on table {schema}\.meta"
         ):
@@ -222,7 +216,7 @@ def test_uninstall_refuses_while_someone_elses_view_uses_a_queue_table(
         # nothing was dropped: the queue still works, with its messages
         assert [m.id for m in dbq.queue("orders").pop(10)] == ids
         assert relations(pg_dsn, schema) >= ENGINE_TABLES
-        run(pg_dsn, sql.SQL("DROP VIEW {}").format(sql.Identifier(other, "depth")))
+        run(pg_dsn, other, "DROP VIEW {schema}.depth")
         dbq.uninstall()
     assert not schema_exists(pg_dsn, schema)
 
@@ -233,7 +227,7 @@ def test_uninstall_of_a_schema_without_an_install_touches_nothing(
     schema = new_schema()
     with DbQueue(pg_dsn, schema=schema) as dbq:
         dbq.uninstall()  # no schema at all
-        run(pg_dsn, sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+        run(pg_dsn, schema, "CREATE SCHEMA {schema}")
         user_table(pg_dsn, schema)
         dbq.uninstall()  # someone else's schema of that name
     assert relations(pg_dsn, schema) == {"customers"}
@@ -259,7 +253,7 @@ def test_an_older_install_in_a_shared_schema_is_recognised_by_name(
     things. After the upgrade, the engine's objects are known by the names its schema files create;
     the rest is not the engine's, and neither is the schema."""
     schema = new_schema()
-    run(pg_dsn, sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+    run(pg_dsn, schema, "CREATE SCHEMA {schema}")
     user_table(pg_dsn, schema)
     old_install(pg_dsn, schema, LATEST - 1)
     with DbQueue(pg_dsn, schema=schema) as old:  # what the older version did with it
@@ -282,9 +276,9 @@ def test_an_older_install_alone_in_its_schema_is_the_engines_whole(
         assert dbq.install() == LATEST
     with DbQueue(pg_dsn, schema=fresh) as dbq:
         dbq.install()
-    owned = sql.SQL("SELECT kind, name FROM {}.owned_objects ORDER BY 1, 2")
-    migrated = [(k, n) for k, n in run(pg_dsn, owned.format(sql.Identifier(schema)))]
-    created = [(k, n) for k, n in run(pg_dsn, owned.format(sql.Identifier(fresh)))]
+    owned = "SELECT kind, name FROM {schema}.owned_objects ORDER BY 1, 2"
+    migrated = [(k, n) for k, n in run(pg_dsn, schema, owned)]
+    created = [(k, n) for k, n in run(pg_dsn, fresh, owned)]
     assert [r if r != ("schema", schema) else ("schema", "<s>") for r in migrated] == [
         r if r != ("schema", fresh) else ("schema", "<s>") for r in created
     ]

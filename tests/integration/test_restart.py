@@ -5,26 +5,20 @@ and checksummed across the restarts."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 
 from airflow_dbqueue.engine import DatabaseUnavailableError, DbQueue
 from tests.dialects import run_sql
+from tests.helpers import checksum
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine.embedded import EmbeddedPostgres
 
 pytestmark = pytest.mark.integration
-
-
-def digest(payloads: list[Any]) -> str:
-    text = "\n".join(sorted(json.dumps(p, sort_keys=True) for p in payloads))
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def fill_the_pool(dbq: DbQueue, n: int) -> None:
@@ -75,7 +69,7 @@ def test_a_restart_that_completed_before_the_call_is_invisible(
             assert not errors, errors
             fill_the_pool(dbq, 6)
         got = [m.payload for m in q.pop(100)]
-    assert len(got) == 9 and digest(got) == digest(sent[:9])
+    assert len(got) == 9 and checksum(got) == checksum(sent[:9])
     err = capfd.readouterr().err
     assert "couldn't stop thread" not in err and err == "", err
 
@@ -123,4 +117,4 @@ def test_pooled_connections_killed_while_idle_are_replaced_on_sql_server(
         time.sleep(dbq.db.stale_after_s + 0.5)  # type: ignore[attr-defined]
         q.push_batch(sent[3:])
         got = [m.payload for m in q.pop(10)]
-    assert len(got) == 6 and digest(got) == digest(sent)
+    assert len(got) == 6 and checksum(got) == checksum(sent)

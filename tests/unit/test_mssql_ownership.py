@@ -1,10 +1,11 @@
 """What the engine may create and drop on SQL Server, without a SQL Server: reserved schemas refused at
-construction, and install and uninstall driven through a fake pyodbc connection that keeps a model of
-one database's catalog (schemas and the objects in them) and answers the dialect's statements by what
-they contain. Tests that use the fake say ``fake`` in their name: they check the Python side's
-decisions (what it creates, records, drops and refuses), and that every statement it sends parses as
-T-SQL; that the T-SQL does the same on a server is tests/integration/test_ownership_mssql.py's, given
-$DBQUEUE_TEST_MSSQL_DSN."""
+construction, and install and uninstall driven through the fake SQL Server of tests/fake_mssql.py, here
+keeping a model of one database's catalog (schemas and the objects in them) and answering the dialect's
+statements by what they contain. Tests that use the fake say ``fake`` in their name: they check the
+Python side's decisions (what it creates, records, drops and refuses), and that every statement it
+sends parses as T-SQL; that the T-SQL does the same on a server is
+tests/integration/test_ownership_mssql.py's, given $DBQUEUE_TEST_MSSQL_DSN. Only the tests that build
+pyodbc's exceptions import pyodbc (:func:`tests.fake_mssql.import_pyodbc`): the rest run without it."""
 
 from __future__ import annotations
 
@@ -18,10 +19,8 @@ from airflow_dbqueue.engine import DbQueue, ForeignObjectsError, InvalidNameErro
 from airflow_dbqueue.engine.dialects.base import engine_objects
 from airflow_dbqueue.engine.dialects.mssql.dialect import MssqlDatabase, schema_steps, translate
 from airflow_dbqueue.engine.sqlfile import read_text
-from tests.fake_mssql import FakeSqlServer
+from tests.fake_mssql import FakeConnection, FakeCursor, FakeSqlServer, Rows, import_pyodbc
 from tests.unit.test_mssql_dialect import DRIVER, tsql_statements
-
-pyodbc = pytest.importorskip("pyodbc", reason="pyodbc (the mssql extra) and unixODBC are not installed")
 
 DSN = "mssql://u:p@sqlserver.invalid:1433/queues"
 LATEST = schema_steps()[0]
@@ -36,10 +35,12 @@ def test_reserved_schemas_are_refused_at_construction(schema: str) -> None:
         DbQueue(DSN, schema=schema)
 
 
-class FakeCatalog:
-    """One database's schemas and their objects, as the dialect's statements see and change them."""
+class FakeCatalog(FakeSqlServer):
+    """One database's schemas and their objects, as the dialect's statements see and change them; a
+    change is kept only when its transaction commits (:class:`TransactionalConnection`)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.schemas: dict[str, dict[tuple[str, str], str]] = {}
         """schema -> {(kind, name): identity}"""
         self.versions: dict[str, list[int]] = {}
@@ -47,14 +48,22 @@ class FakeCatalog:
         self.rings: dict[str, list[str]] = {}
         self.referrers: dict[tuple[str, str], str] = {}
         """(schema, table) -> what refers to it from outside the engine"""
-        self.sent: list[str] = []
-        self.commits = self.rollbacks = 0
+
+    def connect(self, *, application_name: str | None = None, autocommit: bool = False) -> FakeConnection:
+        conn = TransactionalConnection(self, application_name, autocommit)
+        self.connections.append(conn)
+        return conn
+
+    @property
+    def sent(self) -> list[str]:
+        """The text of every statement sent, in order."""
+        return [e.text for e in self.log]
 
     def add(self, schema: str, kind: str, name: str) -> None:
         self.schemas.setdefault(schema, {})[(kind, name)] = f"[{schema}].[{name}]"
 
-    def answer(self, text: str, values: list[Any]) -> list[tuple[Any, ...]] | None:  # noqa: PLR0911
-        self.sent.append(text)
+    def answer(self, text: str) -> Rows | None:  # noqa: PLR0911
+        values = self.log[-1].values or []  # those bound to this statement (FakeCursor logs it first)
         m = re.search(r"\[(\w+)\]\.", text)
         schema = m.group(1) if m else (values[0] if values else "")
         objects = self.schemas.get(schema, {})
@@ -92,7 +101,7 @@ class FakeCatalog:
                 del self.schemas[schema]
                 return None
             if what == "TABLE" and (schema, name) in self.referrers:
-                raise pyodbc.ProgrammingError(
+                raise import_pyodbc().ProgrammingError(
                     "42000",
                     f"[42000] {DRIVER}[SQL Server][DQ006] objects that are not the engine's refer to "
                     f"[{schema}].[{name}]: {self.referrers[(schema, name)]}; nothing was dropped (50000) "
@@ -111,71 +120,43 @@ class FakeCatalog:
         raise AssertionError(f"the fake has no answer for: {text[:160]}")
 
 
-class FakeCursor:
-    def __init__(self, conn: FakeConnection) -> None:
-        self.conn = conn
-        self.description: Any = None
-        self._rows: list[tuple[Any, ...]] = []
-
-    def execute(self, text: str, *values: Any) -> FakeCursor:
-        rows = self.conn.catalog.answer(text, list(values[0]) if values else [])
-        self.description = None if rows is None else [("c",)]
-        self._rows = rows or []
-        return self
-
-    def fetchone(self) -> tuple[Any, ...] | None:
-        return self._rows[0] if self._rows else None
-
-    def fetchall(self) -> list[tuple[Any, ...]]:
-        return list(self._rows)
-
-    def nextset(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        pass
-
-
-class FakeConnection:
+class TransactionalConnection(FakeConnection):
     """Every change is kept only on commit: the catalog is copied at the first statement and put back
     on rollback, as a transaction of a real server would."""
 
-    autocommit = False
+    server: FakeCatalog
 
-    def __init__(self, catalog: FakeCatalog) -> None:
-        self.catalog = catalog
+    def __init__(self, server: FakeCatalog, application_name: str | None, autocommit: bool) -> None:
+        super().__init__(server, application_name, autocommit)
         self._saved: Any = None
 
     def cursor(self) -> FakeCursor:
         if self._saved is None:
-            c = self.catalog
+            c = self.server
             self._saved = (
                 {s: dict(o) for s, o in c.schemas.items()},
                 {s: list(v) for s, v in c.versions.items()},
                 {s: set(o) for s, o in c.owned.items()},
                 {s: list(r) for s, r in c.rings.items()},
             )
-        return FakeCursor(self)
+        return super().cursor()
 
     def commit(self) -> None:
-        self.catalog.commits += 1
+        super().commit()
         self._saved = None
 
     def rollback(self) -> None:
-        self.catalog.rollbacks += 1
+        super().rollback()
         if self._saved is not None:
-            c = self.catalog
+            c = self.server
             c.schemas, c.versions, c.owned, c.rings = self._saved
             self._saved = None
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.fixture
 def catalog(monkeypatch: pytest.MonkeyPatch) -> FakeCatalog:
     cat = FakeCatalog()
-    monkeypatch.setattr(MssqlDatabase, "connect", lambda self, **kw: FakeConnection(cat))
+    cat.attach(monkeypatch)
     return cat
 
 
@@ -238,6 +219,7 @@ def test_uninstall_drops_only_what_the_catalogue_lists_on_a_fake_sql_server(cata
 
 
 def test_uninstall_refused_by_a_referrer_drops_nothing_on_a_fake_sql_server(catalog: FakeCatalog) -> None:
+    import_pyodbc()  # the fake refuses the drop as pyodbc reports the procedure's error
     db = MssqlDatabase(DSN, schema="dbq")
     db.install()
     before = dict(catalog.schemas["dbq"])
@@ -278,7 +260,7 @@ def test_an_older_install_alone_in_its_schema_is_the_engines_whole_on_a_fake_sql
 def test_a_refused_queue_lock_is_a_deadlock_retried_by_the_dialect() -> None:
     from airflow_dbqueue.engine import DeadlockError
 
-    exc = pyodbc.ProgrammingError(
+    exc = import_pyodbc().ProgrammingError(
         "42000",
         f"[42000] {DRIVER}[SQL Server][DQ007] the push lock of queue dbqueue.queue.[dbq].7 was not "
         "granted (sp_getapplock returned -3: a deadlock victim) (50000) (SQLExecDirectW)",
@@ -287,7 +269,7 @@ def test_a_refused_queue_lock_is_a_deadlock_retried_by_the_dialect() -> None:
 
 
 def test_the_refusal_code_is_translated_to_foreign_objects() -> None:
-    exc = pyodbc.ProgrammingError(
+    exc = import_pyodbc().ProgrammingError(
         "42000",
         f"[42000] {DRIVER}[SQL Server][DQ006] objects that are not the engine's refer to [dbq].[meta]: "
         "[r].[v]; nothing was dropped (50000) (SQLExecDirectW)",
@@ -358,52 +340,29 @@ def test_a_drop_locks_the_queue_then_deletes_in_order_on_a_fake_sql_server(
         tsql_statements(text)
 
 
-class _Conn:
-    """A pooled pyodbc connection of the fake: ``dead`` ones fail every statement as a closed link."""
+def link_failure(call: str = "SQLExecDirectW") -> Exception:
+    """What pyodbc raises on a connection whose server went away (SQLSTATE 08S01)."""
+    return import_pyodbc().OperationalError(
+        "08S01", f"[08S01] {DRIVER}Communication link failure (10054) ({call})"
+    )
 
-    autocommit = False
 
-    def __init__(self, name: str, log: list[str], dead: bool = False) -> None:
-        self.name, self.log, self.dead, self.closed = name, log, dead, False
+class RestartedServer(FakeSqlServer):
+    """Answers every statement with the row ``(1,)``, but on the connections named ``old...``: those
+    idled across a restart, so every statement on them fails as a closed link does."""
 
-    def cursor(self) -> Any:
-        conn = self
+    def answer(self, text: str) -> Rows | None:
+        if (self.log[-1].app or "").startswith("old"):
+            raise link_failure()
+        return [(1,)]
 
-        class Cursor:
-            description: Any = [("c",)]
-            rowcount = 1
 
-            def execute(self, text: str, *values: Any) -> Any:
-                conn.log.append(f"{conn.name}: {text.splitlines()[-1][:40]}")
-                if conn.dead:
-                    raise pyodbc.OperationalError(
-                        "08S01", f"[08S01] {DRIVER}Communication link failure (10054) (SQLExecDirectW)"
-                    )
-                return self
-
-            def fetchall(self) -> list[tuple[Any, ...]]:
-                return [(1,)]
-
-            def fetchone(self) -> tuple[Any, ...]:
-                return (1,)
-
-            def nextset(self) -> bool:
-                return False
-
-            def close(self) -> None:
-                pass
-
-        return Cursor()
-
-    def commit(self) -> None:
-        pass
+class StaleConnection(FakeConnection):
+    """A pooled connection of :class:`RestartedServer` from before its restart: its rollback fails too."""
 
     def rollback(self) -> None:
-        if self.dead:
-            raise pyodbc.OperationalError("08S01", "[08S01] Communication link failure (SQLEndTran)")
-
-    def close(self) -> None:
-        self.closed = True
+        super().rollback()
+        raise link_failure("SQLEndTran")
 
 
 def test_connections_dead_after_an_idle_spell_are_replaced_on_a_fake_sql_server(
@@ -412,20 +371,15 @@ def test_connections_dead_after_an_idle_spell_are_replaced_on_a_fake_sql_server(
     """Three pooled connections whose server went away while they idled: the first call checks the one
     it takes (SELECT 1), finds it dead, closes every idle one and runs on a new connection; nothing
     fails. Connections in steady use are not checked."""
-    log: list[str] = []
-    opened: list[_Conn] = []
-
-    def connect(**kw: Any) -> _Conn:
-        opened.append(_Conn(f"new{len(opened)}", log))
-        return opened[-1]
-
     db = MssqlDatabase(DSN, schema="dbq")
-    monkeypatch.setattr(db, "connect", connect)
-    stale = [_Conn(f"old{i}", log, dead=True) for i in range(3)]
+    fake = RestartedServer().attach(monkeypatch, db)
+    stale = [StaleConnection(fake, f"old{i}", autocommit=False) for i in range(3)]
     db._idle = [(c, 0.0) for c in stale]  # idle since long ago
     assert db.fetchone("count_ready", {"queue_id": 1, "min_priority": 0, "cap": 10}) == (1,)
-    assert all(c.closed for c in stale) and len(opened) == 1
-    assert log[0] == "old2: SELECT 1" and log[1].startswith("new0: ")
-    log.clear()
+    assert all(c.closed for c in stale) and len(fake.connections) == 1  # one new connection opened
+    [new] = fake.connections
+    assert (fake.log[0].app, fake.log[0].text) == ("old2", "SELECT 1")  # the one taken was checked
+    assert [e.app for e in fake.log[1:]] == [None] and not new.closed  # the call ran on the new one
     assert db.fetchone("count_ready", {"queue_id": 1, "min_priority": 0, "cap": 10}) == (1,)
-    assert len(log) == 1 and log[0].startswith("new0: ")  # just used: taken without a check
+    assert len(fake.log) == 3 and fake.log[2].app is None and len(fake.connections) == 1
+    assert fake.log[2].text == fake.log[1].text  # just used: taken without a check

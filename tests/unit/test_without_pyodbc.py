@@ -31,6 +31,8 @@ PURE = [
     "test_mssql_dialect.py::test_gap_recovery_waits_on_the_lanes_still_locked_on_a_fake_sql_server",
     "test_mssql_maintenance.py::test_a_full_run_on_a_fake_sql_server",
     "test_mssql_maintenance.py::test_rebuild_indexes_on_a_fake_sql_server",
+    "test_mssql_ownership.py::test_a_fresh_install_creates_its_schema_and_records_all_it_made_on_a_fake_sql_server",
+    "test_mssql_ownership.py::test_a_push_to_a_dropped_queue_raises_on_a_fake_sql_server",
 ]
 """Tests of each kind (T-SQL parses, DSN parsing, the fake server) that must pass without the driver."""
 
@@ -44,6 +46,7 @@ def test_the_sql_server_unit_tests_run_without_pyodbc() -> None:
             RUN_WITHOUT_PYODBC,
             "tests/unit/test_mssql_dialect.py",
             "tests/unit/test_mssql_maintenance.py",
+            "tests/unit/test_mssql_ownership.py",
             "-rA",
             "-p",
             "no:cacheprovider",
