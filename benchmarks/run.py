@@ -564,6 +564,8 @@ class RunResult:
     """What the maintenance process did during the run (``--maintenance``)."""
     hot_bytes: int | None = None
     """Size of meta, data and done with indexes after the drain (engine designs)."""
+    table_bytes_start: int = 0
+    """Size of the schema's tables with indexes when the run started (a ring's slots are preallocated)."""
 
     @property
     def valid(self) -> bool:
@@ -623,10 +625,11 @@ def run_design(
     setup_target(target)
     try:
         with psycopg.connect(target.dsn, autocommit=True) as conn:
+            start_bytes = table_stats(conn, target.schema)[0]
             with contextlib.suppress(psycopg.Error):
                 conn.execute("CHECKPOINT")
             cfg = RunConfig(target, producers, consumers, batch, payload_bytes, backlog_cap, latencies)
-            return _measure(
+            result = _measure(
                 cfg,
                 conn,
                 seconds=seconds,
@@ -636,6 +639,7 @@ def run_design(
                 maintenance=maintenance,
                 maintenance_interval=maintenance_interval,
             )
+            return dataclasses.replace(result, table_bytes_start=start_bytes)
     finally:
         teardown_target(target)
 
@@ -949,6 +953,7 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
         "lost": main_run.lost,
         "duplicated": main_run.duplicated,
         "table_bytes": main_run.table_bytes,
+        "table_bytes_start": main_run.table_bytes_start,
         "dead_tuples": main_run.dead_tuples,
         "hot_update_ratio": _round(main_run.hot_update_ratio, 3),
         "wal_bytes_per_msg": _round(main_run.wal_bytes_per_msg, 1),
@@ -1174,7 +1179,8 @@ COLUMNS: tuple[tuple[str, int, Callable[[dict[str, Any]], str]], ...] = (
     ("vs pgmq", 7, lambda r: "-" if r.get("pgmq_ratio") is None else f"{r['pgmq_ratio']:.2f}"),
     ("lost", 4, lambda r: str(r["lost"] + r["baseline_lost"] + r.get("pgmq_lost", 0))),
     ("dup", 4, lambda r: str(r["duplicated"] + r["baseline_duplicated"] + r.get("pgmq_duplicated", 0))),
-    ("table MB", 8, lambda r: f"{r['table_bytes'] / 1e6:.1f}"),
+    ("table MB", 11, lambda r: f"{r['table_bytes_start'] / 1e6:.0f}>{r['table_bytes'] / 1e6:.0f}"),
+    ("naive MB", 8, lambda r: f"{(r['baseline_table_bytes'] or 0) / 1e6:.0f}"),
     ("dead tup", 8, lambda r: str(r["dead_tuples"])),
     ("HOT", 4, lambda r: "-" if r["hot_update_ratio"] is None else f"{r['hot_update_ratio']:.0%}"),
     ("WAL B/msg", 9, lambda r: _fmt_opt(r["wal_bytes_per_msg"])),
