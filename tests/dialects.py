@@ -113,26 +113,45 @@ def insert_rows(
 EXPIRE_SQL = {
     ("postgresql", "table"): "UPDATE {schema}.meta SET lease_until = now() - interval '1 second' "
     "WHERE id = ANY(%(ids)s)",
-    ("postgresql", "ring"): "UPDATE {schema}.ring_slots SET due_at = now() - interval '1 second' "
-    "WHERE queue_id = %(queue_id)s AND state = 2 AND seq = ANY(%(ids)s)",
+    ("postgresql", "ring"): "UPDATE {schema}.ring_retry SET due_at = now() - interval '1 second' "
+    "WHERE queue_id = %(queue_id)s AND state = 2 AND id = ANY(%(ids)s)",
     ("mssql", "table"): "UPDATE {schema}.meta SET lease_until = DATEADD(second, -1, SYSUTCDATETIME()) "
     "WHERE id IN (SELECT CAST([value] AS bigint) FROM OPENJSON(%(ids)s))",
-    ("mssql", "ring"): "UPDATE {schema}.ring_slots SET due_at = DATEADD(second, -1, SYSUTCDATETIME()) "
+    ("mssql", "ring"): "UPDATE {schema}.ring_retry SET due_at = DATEADD(second, -1, SYSUTCDATETIME()) "
     "WHERE queue_id = %(queue_id)s AND state = 2 "
-    "AND seq IN (SELECT CAST([value] AS bigint) FROM OPENJSON(%(ids)s))",
+    "AND id IN (SELECT CAST([value] AS bigint) FROM OPENJSON(%(ids)s))",
 }
 """The clock jump of :func:`expire_leases`, by dialect and design (a list goes to SQL Server as a JSON
 array; lease_until and due_at are timestamptz, or datetime2 in UTC)."""
 
+SPLIT_SQL = {
+    "postgresql": "SELECT {schema}.ring_split_leases(%(queue_id)s, %(capacity)s, %(lanes)s, ARRAY("
+    "SELECT e.lo FROM {schema}.ring_leases e WHERE e.queue_id = %(queue_id)s AND EXISTS ("
+    "SELECT 1 FROM unnest(%(ids)s::bigint[]) AS i(id) "
+    "WHERE i.id BETWEEN e.lo AND e.hi AND e.starts[mod(i.id, %(lanes)s)::integer + 1] <= i.id)), NULL)",
+    "mssql": "SET NOCOUNT ON; DECLARE @los nvarchar(max) = ("
+    "SELECT N'[' + STRING_AGG(CAST(e.lo AS nvarchar(max)), N',') + N']' "
+    "FROM {schema}.ring_leases e WHERE e.queue_id = %(queue_id)s AND EXISTS ("
+    "SELECT 1 FROM OPENJSON(%(ids)s) i CROSS APPLY OPENJSON(e.starts) j "
+    "WHERE CAST(i.[value] AS bigint) BETWEEN e.lo AND e.hi "
+    "AND j.[key] = CAST(CAST(i.[value] AS bigint) % %(lanes)s AS nvarchar(11)) "
+    "AND CAST(j.[value] AS bigint) <= CAST(i.[value] AS bigint))); "
+    "EXEC {schema}.ring_split_leases @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = %(lanes)s, "
+    "@los = @los, @error = NULL",
+}
+"""A ring leases a pop's messages as one row: the rows holding any of the ids are first split into one
+leased retry row a message (as a partial ack would), so that only those ids expire."""
+
 
 def expire_leases(dbq: DbQueue, ids: Iterable[int], q: Queue | None = None) -> None:
     """Move the clock past the leases of ``ids`` (tests only): rewrite their lease_until, or for a ring
-    ``q`` the due_at of its leased slots. Without ``q``, the ids are table-design messages."""
+    ``q`` the due time of their leased retry rows. Without ``q``, the ids are table-design messages."""
     design = "ring" if q is not None and q.settings.design == "ring" else "table"
     params: dict[str, Any] = {"ids": list(ids)}
     if design == "ring":
         assert q is not None
-        params["queue_id"] = q.settings.queue_id
+        params.update(queue_id=q.settings.queue_id, capacity=q.settings.capacity, lanes=q.settings.lanes)
+        run_sql(dbq, SPLIT_SQL[dbq.dialect], params)
     run_sql(dbq, EXPIRE_SQL[dbq.dialect, design], params)
 
 

@@ -19,8 +19,10 @@ from airflow_dbqueue.engine.names import validate_queue_name
 from airflow_dbqueue.engine.queue import check_seconds
 from airflow_dbqueue.engine.ring import (
     RING_DEFAULT_CAPACITY,
+    RING_DEFAULT_LANES,
     RING_DEFAULT_PAYLOAD,
     RING_MAX_CAPACITY,
+    RING_MAX_LANES,
     RING_MAX_PAYLOAD,
     RingQueue,
 )
@@ -49,6 +51,7 @@ _SETTINGS_COLUMNS = (
     "notify",
     "archive",
     "capacity",
+    "lanes",
 )
 
 
@@ -67,6 +70,7 @@ def _settings_from_row(row: tuple[Any, ...]) -> QueueSettings:
         notify=NotifyMode(d["notify"]),
         archive=d["archive"],
         capacity=d["capacity"],
+        lanes=d["lanes"],
     )
 
 
@@ -158,6 +162,7 @@ class DbQueue:
         notify: NotifyMode | str = NotifyMode.AUTO,
         archive: bool | None = None,
         capacity: int | None = None,
+        lanes: int | None = None,
         exist_ok: bool = True,
     ) -> Queue:
         """Create a queue (idempotently) and return it.
@@ -169,8 +174,12 @@ class DbQueue:
         ``design="ring"`` creates a ring of ``capacity`` preallocated slots (default
         ``RING_DEFAULT_CAPACITY``). A ring keeps payloads inline in its slots, so ``max_payload_bytes``
         is at most ``RING_MAX_PAYLOAD`` (default ``RING_DEFAULT_PAYLOAD``); its pages are laid out for
-        payloads of that size, so set it to about your largest payload. A ring does not archive. The
-        table design's defaults are a 1 MiB payload limit and ``archive=True``.
+        payloads of that size, so set it to about your largest payload. A ring does not archive.
+        ``lanes`` (ring only, default ``min(RING_DEFAULT_LANES, capacity)``, at most the capacity and
+        ``RING_MAX_LANES``) is how many consumers can take messages at the same moment: the ring's
+        numbers are dealt to lanes, and concurrent pops take from different lanes. Set it to about the
+        number of consumers that pop a message at a time. The table design's defaults are a 1 MiB
+        payload limit and ``archive=True``.
         """
         name = validate_queue_name(name)
         try:
@@ -191,14 +200,23 @@ class DbQueue:
                 raise ConfigurationError(
                     f"queue {name!r}: a ring's capacity must be in 1..{RING_MAX_CAPACITY}, got {capacity}"
                 )
+            lanes = min(RING_DEFAULT_LANES, capacity) if lanes is None else lanes
+            if not isinstance(lanes, int) or isinstance(lanes, bool):
+                raise ConfigurationError(f"queue {name!r}: lanes must be an integer, got {lanes!r}")
+            if not 1 <= lanes <= min(capacity, RING_MAX_LANES):
+                raise ConfigurationError(
+                    f"queue {name!r}: a ring's lanes must be in 1..{min(capacity, RING_MAX_LANES)} "
+                    f"(at most its capacity and {RING_MAX_LANES}), got {lanes}"
+                )
             if max_payload_bytes is not None and max_payload_bytes > RING_MAX_PAYLOAD:
                 raise ConfigurationError(
                     f"queue {name!r}: ring slots hold payloads inline, up to {RING_MAX_PAYLOAD} bytes "
                     f"(about half a page); got max_payload_bytes={max_payload_bytes}. Use the table "
                     "design for larger payloads"
                 )
-        elif capacity is not None:
-            raise ConfigurationError(f"queue {name!r}: capacity applies to ring queues only")
+        elif capacity is not None or lanes is not None:
+            which = "capacity" if capacity is not None else "lanes"
+            raise ConfigurationError(f"queue {name!r}: {which} applies to ring queues only")
         if max_payload_bytes is None:
             max_payload_bytes = RING_DEFAULT_PAYLOAD if ring else DEFAULT_MAX_PAYLOAD
         visibility_timeout = check_seconds(
@@ -220,6 +238,7 @@ class DbQueue:
                 notify=NotifyMode(notify),
                 archive=(not ring) if archive is None else bool(archive),
                 capacity=capacity if ring else None,
+                lanes=lanes if ring else None,
             )
         except ValueError as exc:
             raise ConfigurationError(f"queue {name!r}: {exc}") from None
@@ -248,6 +267,7 @@ class DbQueue:
                         "queue_id": created[0],
                         "capacity": wanted.capacity,
                         "slot_bytes": wanted.max_payload_bytes,
+                        "lanes": wanted.lanes,
                     },
                     conn,
                 )

@@ -1,36 +1,44 @@
-"""The ring design (seeds 000/001): a preallocated table of slots driven by a push and a pop position.
+"""The ring design: a preallocated table of slots that only pushes write, and consumers' positions.
 
-A ring of capacity C holds C rows in ``ring_slots`` for ever: pushes and pops are UPDATEs of them
-(HOT: no indexed column changes), so the table never grows. Message ids are the numbers of the
-ring's push sequence; number x lives in slot ``x % C``, and a push of x may only overwrite a slot
-whose previous occupant ``x - C`` is finished.
+After Kejser's "Implementing Message Queues in Relational Databases" and the LMAX Disruptor. A ring of
+capacity C holds C rows in ``ring_slots`` for ever: a push is an UPDATE of a slot (HOT: no indexed
+column changes), so the table never grows. Message ids are the numbers of the ring's push sequence;
+number x lives in slot ``x % C``.
 
-Pushing (server-side ``ring_push``): take n contiguous numbers, write their slots, all in the caller's
-transaction. A slot whose previous occupant is not finished is the ring pushing back: the push waits
-with backoff up to ``push_timeout`` seconds, then raises :class:`QueueFullError` (nothing pushed).
+Consumers never write to the slots. As in the Disruptor, they advance positions of their own
+(``ring_lanes``: the numbers are dealt to ``lanes`` lanes by ``x % lanes``, and each lane's position is
+its next number no pop has taken), and producers are gated on the slowest of them: a push of x may
+overwrite its slot only when x - C lies below the ring's *floor*, the lowest number that a consumer
+may still need (a lane's position, an open lease, a message to deliver again).
 
-Popping (server-side ``ring_pop``): each consumer keeps a lower bound ``lo`` of the lowest unfinished
-number (finished numbers never become unfinished again, so any bound from a committed snapshot stays
-valid) and claims the lowest ready messages of the window ``[lo, lo + C)`` with ``FOR UPDATE SKIP
-LOCKED``, in id order. There is no pop sequence: a consumer that dies, gives up or rolls back holds no
-number, and whatever it took but did not commit is ready again for the next pop.
+Pushing (server-side ``ring_push``, ``ring_push_one``): take n contiguous numbers and write their
+slots, in the caller's transaction. A slot not free yet is the ring pushing back: the push waits with
+backoff up to ``push_timeout`` seconds, then raises :class:`QueueFullError` (nothing pushed).
+
+Popping (``ring_take``, the fast path, and ``ring_pop``): a pop locks the lanes it takes from (SKIP
+LOCKED, so concurrent pops take different lanes), reads the messages past their positions in id order,
+stops at a number issued but not written yet, and moves the positions on: per message it only reads.
+At most once, the take is the whole pop. At least once, the pop also writes one lease row for what it
+took (``ring_leases``); ``ack`` of a whole lease deletes that row, and anything else (part of a lease,
+``nack``, an expired lease) turns the messages concerned into rows of ``ring_retry``, which pops serve
+first; after ``max_attempts`` a message is copied to ``ring_failed`` and its slot is free. Exactly once,
+the take runs in the caller's transaction and the positions move when it commits.
 
 Gaps: a push that rolled back (or whose process died) after taking its numbers leaves them unwritten,
-because sequences are not transactional. A pop that finds the lowest unfinished number issued but
-unwritten reports it with the issued position and, when it stays, a list of the possible holders;
-a later pop gives every such number up (state skipped, seq set to the number) once every holder listed
-is gone, or, after ``gap_timeout`` seconds as a fallback (a holder alive but stuck, or other
-transactions that keep the proof from holding, such as pushers waiting on a full ring), the run of
-unwritten numbers at the head. Skipping is always safe: a late push of a skipped number finds the
-slot's seq moved on, fails whole and is retried with new numbers, so it is neither lost nor delivered
-out of order with itself.
+because sequences are not transactional, and a lane's position stops at such a number. ``ring_pop``
+reports the lowest one with the issued position and, when it stays, a list of the possible holders; a
+later pop gives every such number up (its slot then holds it with no payload, and positions pass over
+it) once every holder listed is gone, or, after ``gap_timeout`` seconds as a fallback (a holder alive
+but stuck, or other transactions that keep the proof from holding), the run of unwritten numbers at the
+head. Giving up is always safe: a late push of a given-up number finds the slot's seq moved on, fails
+whole and is retried with new numbers, so it is neither lost nor delivered out of order with itself.
 
 The list of holders (``snap`` below) is the dialect's. On PostgreSQL it is the transactions holding
 their transactionid lock (``pg_locks``): a push takes an xid before its numbers, and the proof is that
 none of them holds it any more. On SQL Server, which has no such view for an ordinary user, a push
-locks one of the ring's lanes (a row of ``ring_lanes``, until its transaction ends) before it takes
-its numbers; the list is the lanes other transactions held, and the proof is that each has been seen
-unlocked since (``docs/sqlserver.md``). Either way the position is read before the list is taken.
+locks one of the ring's push lanes (a row of ``ring_push_lanes``, until its transaction ends) before it
+takes its numbers; the list is the lanes other transactions held, and the proof is that each has been
+seen unlocked since (``docs/sqlserver.md``). Either way the position is read before the list is taken.
 
 The same class runs on both dialects: every statement is a named query of the dialect. Only the async
 observers (:meth:`RingQueue.areadiness`, :meth:`RingQueue.alisten`) are PostgreSQL's alone (psycopg's
@@ -47,15 +55,18 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
+    DatabaseError,
     LeaseExpiredError,
     LockTimeoutError,
     QueueFullError,
+    QueueNotFoundError,
     RingNumbersSkippedError,
 )
 from airflow_dbqueue.engine.models import (
     FailedMessage,
     Message,
     NotifyMode,
+    PayloadType,
     QueueStats,
     Semantics,
     message_maker,
@@ -78,12 +89,20 @@ RING_DEFAULT_PAYLOAD = 512
 over more pages."""
 RING_DEFAULT_CAPACITY = 16384
 RING_MAX_CAPACITY = 16_777_216
+RING_DEFAULT_LANES = 8
+"""A ring's default lanes (at most its capacity): up to this many consumers take messages at once."""
+RING_MAX_LANES = 256
 _NOTIFY_CODE = {NotifyMode.NEVER: 0, NotifyMode.AUTO: 1, NotifyMode.ALWAYS: 2}
 _PUSH_ATTEMPTS = 20
-_STALE_BOUND = 256
-"""A claim whose first message lies more than this (or the batch size) past the consumer's bound makes
-the next pop a ``ring_pop``, which moves the bound on."""
 _first = itemgetter(0)
+_SETTLE_ACK = {
+    "nack": False,
+    "delay_s": None,
+    "backoff_s": 0.0,
+    "backoff_max_s": 0.0,
+    "max_attempts": 1,
+    "error": None,
+}
 _make_message = message_maker()
 _id = attrgetter("id")
 
@@ -92,8 +111,8 @@ class RingQueue(Queue):
     """A queue of the ring design.
 
     FIFO by id, without priorities or delayed pushes (both raise :class:`ConfigurationError`). Under
-    at-least-once a leased message keeps its slot until it is acked, nacked or its lease expires: the
-    ring cannot reuse that slot meanwhile, so pushes a whole ring ahead of it wait.
+    at-least-once a leased message keeps the ring's floor at or below it until it is acked, nacked or
+    its lease expires: the ring cannot reuse its slot meanwhile, so pushes a whole ring ahead of it wait.
 
     :attr push_timeout: seconds a push waits for a full ring before :class:`QueueFullError`.
     :attr gap_timeout: seconds after which a pop gives up a number that stays issued but unwritten
@@ -106,13 +125,21 @@ class RingQueue(Queue):
             raise ConfigurationError(f"queue {settings.name!r} is a ring without a capacity")
         self._qid = settings.queue_id
         self.capacity = settings.capacity
+        self.lanes = settings.lanes or 1
         self._channel = db.channel(settings.queue_id)
         self._lock = threading.Lock()
-        self._lo: int | None = None
         self._gap: tuple[int, int, str | None] | None = None  # (number, issued position, holders)
         self._gap_since: tuple[int, float] | None = None
         self._last_reclaim = 0.0
-        self._fast = False  # the last pop came back full: the next one tries ring_claim first
+        self._fast = False  # the last pop came back full: the next one tries ring_take first
+        self._help_params: dict[str, Any] = {
+            "queue_id": self._qid,
+            "capacity": self.capacity,
+            "lanes": self.lanes,
+            "lease": False,
+            "visibility_timeout_s": settings.visibility_timeout_s,
+            "consumer": "push",
+        }
         self.push_timeout = 30.0
         self.gap_timeout = 5.0
         self.reclaim_every_s = min(1.0, settings.visibility_timeout_s / 2)
@@ -145,10 +172,20 @@ class RingQueue(Queue):
                 f"queue {self.name!r}: a ring batch holds at most the capacity ({self.capacity}) messages, "
                 f"got {len(items)}"
             )
-        encode = self.settings.encode
-        encoded = [encode(p, i) for i, p in enumerate(items)]
-        first = self._push_encoded(encoded, conn)
+        encoded = self.settings.encode_all(items)
+        try:
+            first = self._push_encoded(encoded, conn)
+        except DatabaseError:
+            self._raise_if_gone()
+            raise
         return list(range(first, first + len(encoded)))
+
+    def _raise_if_gone(self) -> None:
+        """Raise :class:`QueueNotFoundError` when this handle's ring was dropped (its queue row is gone,
+        or names another queue now): a ring's statements find no ring then, and fail or write nothing."""
+        row = self._db.fetchone("get_queue", {"name": self.name})
+        if row is None or row[0] != self._qid:
+            raise QueueNotFoundError(self.name, self._db.schema) from None
 
     def _push_encoded(self, encoded: list[bytes], conn: DbConnection | None) -> int:
         params = {
@@ -201,7 +238,10 @@ class RingQueue(Queue):
                 deadline = now + self.push_timeout
             if now >= deadline:
                 raise self._full_error()
-            time.sleep(min(pause, deadline - now))
+            # A lane stopped at a gap holds the floor down as a message would: help to give it up (a
+            # pop of none, in a transaction of its own), so that gaps alone never keep a ring full.
+            self._pop_slow(self._help_params, 0, None)
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * 2, 0.05)
             params["timeout_s"] = max(0.0, deadline - time.monotonic())
 
@@ -213,11 +253,16 @@ class RingQueue(Queue):
 
     # -- pop ---------------------------------------------------------------------------------------
 
-    def _head(self) -> int:
-        row = self._db.fetchone("ring_head", {"queue_id": self._qid})
-        return int(row[0]) if row and row[0] is not None else 1
-
     def _pop_once(
+        self, n: int, semantics: Semantics, vt: float, consumer: str, conn: DbConnection | None
+    ) -> list[Message]:
+        try:
+            return self._take(n, semantics, vt, consumer, conn)
+        except DatabaseError:
+            self._raise_if_gone()  # on a pooled connection: a caller's failed transaction stays as it is
+            raise
+
+    def _take(
         self, n: int, semantics: Semantics, vt: float, consumer: str, conn: DbConnection | None
     ) -> list[Message]:
         lease = semantics is Semantics.AT_LEAST_ONCE
@@ -226,16 +271,55 @@ class RingQueue(Queue):
             if now - self._last_reclaim >= self.reclaim_every_s:
                 self._last_reclaim = now
                 self.reclaim_expired()
-        msgs: list[Message] = [] if conn is not None else self._claim(n, lease, vt, consumer)
-        if len(msgs) >= n:
-            return msgs
-        parts = 1 if msgs else 0
+        params: dict[str, Any] = {
+            "queue_id": self._qid,
+            "capacity": self.capacity,
+            "lanes": self.lanes,
+            "n": n,
+            "lease": lease,
+            "visibility_timeout_s": vt,
+            "consumer": consumer,
+        }
+        with self._lock:
+            fast = self._fast and self._gap is None
+        msgs: list[Message] = []
+        if fast:
+            # The fast path: one statement that takes from the lanes (ring_take), waiting for lanes that
+            # other pops hold (not in a caller's transaction). A short take hands the rest to ring_pop,
+            # which serves messages due again, reports a gap at the head and gives it up.
+            try:
+                msgs = self._messages(self._db.fetchall("ring_take", {**params, "wait": conn is None}, conn))
+            except LockTimeoutError:
+                if conn is not None:
+                    raise
+                return []  # every lane stayed held by other pops for lock_timeout
+            if len(msgs) >= n:
+                return msgs
+        got = self._pop_slow(params, n - len(msgs), conn)
+        if msgs and got:
+            # Each statement returns its messages in id order, but a later one may find a lower number
+            # that committed in between: the batch is handed over in id order.
+            msgs += got
+            msgs.sort(key=_id)
+        else:
+            msgs = msgs or got
+        with self._lock:
+            self._fast = len(msgs) >= n
+        return msgs
+
+    def _pop_slow(self, params: dict[str, Any], n: int, conn: DbConnection | None) -> list[Message]:
+        """Pop up to ``n`` messages through ``ring_pop`` (``n`` may be 0: only the gap's handling).
+
+        ``ring_pop`` reports the lowest lane position whose number is issued and not written; this keeps
+        it with the time it was first seen and passes it back, so that a later call gives it up once
+        its holders are gone, or after :attr:`gap_timeout`. It calls again at once (three calls at
+        most) while the gap moves on towards being given up and the batch is not full.
+        """
+        msgs: list[Message] = []
+        parts = 0
         for _ in range(3):
             with self._lock:
-                lo = self._lo
                 gap, since = self._gap, self._gap_since
-            if lo is None:
-                lo = self._head()
             force = (
                 gap is not None
                 and since is not None
@@ -246,13 +330,8 @@ class RingQueue(Queue):
                 rows = self._db.fetchall(
                     "ring_pop",
                     {
-                        "queue_id": self._qid,
-                        "capacity": self.capacity,
-                        "lo": lo,
+                        **params,
                         "n": n - len(msgs),
-                        "lease": lease,
-                        "visibility_timeout_s": vt,
-                        "consumer": consumer,
                         "own": conn is not None,
                         "gap": gap[0] if gap else None,
                         "gap_issued": gap[1] if gap else None,
@@ -264,93 +343,49 @@ class RingQueue(Queue):
             except LockTimeoutError:
                 if conn is not None:
                     raise  # the caller's transaction failed with it: only the caller can redo its part
-                break  # see ring_pop: a claim that followed an update chain onto a push in progress
+                break  # every lane stayed held by other pops (perhaps a caller's long transaction)
             meta = rows.pop()
-            rows.sort(key=_first)  # in slot order within each part of the window, so nearly always sorted
-            msgs += self._messages(rows)
-            parts += 1 if rows else 0
-            next_lo, gap_n = int(meta[6]), meta[7]
+            rows.sort(key=_first)  # messages due again first, then the lanes': nearly always sorted
+            got = self._messages(rows)
+            msgs += got
+            parts += 1 if got else 0
             if conn is not None:
-                # The caller's transaction may still roll back what this or an earlier pop in it took:
-                # its bound is not kept, and one call is made (a second would not see the first's take).
-                break
+                break  # in the caller's transaction: no gap is reported or given up
+            gap_n = meta[6]
             with self._lock:
-                self._lo = max(self._lo or 0, next_lo)
                 if gap_n is None:
                     self._gap = self._gap_since = None
                 else:
-                    self._gap = (int(gap_n), int(meta[8]), None if meta[9] is None else str(meta[9]))
+                    self._gap = (int(gap_n), int(meta[7]), None if meta[8] is None else str(meta[8]))
                     if self._gap_since is None or self._gap_since[0] != gap_n:
                         self._gap_since = (int(gap_n), time.monotonic())
-            # Go on only when the window moved a lot (a bound that was stale), or the gap at the head
-            # moved on towards being skipped (newly seen, or now with its holders listed), and the batch
-            # is not full.
             advanced = gap_n is not None and (
-                not gap or gap[0] != gap_n or (gap[2] is None and meta[9] is not None)
+                not gap or gap[0] != gap_n or (gap[2] is None and meta[8] is not None)
             )
-            if len(msgs) >= n or not (next_lo >= lo + self.capacity // 2 or advanced):
+            if len(msgs) >= n or not advanced:
                 break
-        if conn is None:
-            with self._lock:
-                self._fast = len(msgs) >= n  # see _claim
         if parts > 1:
-            # Each statement returns its messages in id order, but a later one may find a lower number
-            # that committed in between: the batch is handed over in id order.
             msgs.sort(key=_id)
         return msgs
-
-    def _claim(self, n: int, lease: bool, vt: float, consumer: str) -> list[Message]:
-        """The fast path of a pop outside a caller's transaction: one statement (``ring_claim``) that
-        claims the lowest ready messages from the consumer's bound to the end of the ring's slots.
-
-        Used while the last pop came back full and no gap waits at the head; a short claim hands the
-        rest to ``ring_pop`` (which moves the bound on, claims past the wrap and skips gaps), and so
-        does the pop after a claim that found its first message far past the bound: the claim scans
-        from the bound, so a stale bound costs a longer scan.
-        """
-        with self._lock:
-            lo = self._lo
-            fast = self._fast and self._gap is None
-        if not fast or lo is None:
-            return []
-        try:
-            rows = self._db.fetchall(
-                "ring_claim",
-                {
-                    "queue_id": self._qid,
-                    "capacity": self.capacity,
-                    "lo": lo,
-                    "n": n,
-                    "lease": lease,
-                    "visibility_timeout_s": vt,
-                    "consumer": consumer,
-                },
-            )
-        except LockTimeoutError:
-            rows = []  # as in ring_pop: the claim's locks are released; ring_pop goes on
-        if rows and rows[-1][0] is None:
-            rows.pop()  # SQL Server: ring_pop's last row (the bound), without an id
-        rows.sort(key=_first)
-        if len(rows) < n or rows[0][0] - lo > max(_STALE_BOUND, n):
-            with self._lock:
-                self._fast = False
-        return self._messages(rows)
 
     def _messages(self, rows: Sequence[tuple[Any, ...]]) -> list[Message]:
         # Positional (id, queue, payload, priority, attempts, delivery, enqueued_at, lease_until), through
         # message_maker: half the client CPU of Message(...) a message, in pops of thousands.
-        decode, name, make = self.settings.decode, self.name, _make_message
+        name, make = self.name, _make_message
+        if self.settings.payload_type is PayloadType.BYTES:  # rows read in binary: bytea is bytes
+            return [make(r[0], name, r[5], 0, r[1], r[2], r[3], r[4]) for r in rows]
+        decode = self.settings.decode
         return [make(r[0], name, decode(r[5]), 0, r[1], r[2], r[3], r[4]) for r in rows]
 
     # -- finish ------------------------------------------------------------------------------------
 
     def _receipt_params(self, messages: Sequence[Message]) -> dict[str, Any]:
         receipts = list(dict.fromkeys(m.receipt for m in messages))
-        ids = [r[0] for r in receipts]
         return {
-            "ids": ids,
+            "ids": [r[0] for r in receipts],
             "deliveries": [r[1] for r in receipts],
             "capacity": self.capacity,
+            "lanes": self.lanes,
             "queue_id": self._qid,
         }
 
@@ -359,14 +394,21 @@ class RingQueue(Queue):
         lost = [i for i, d in zip(params["ids"], params["deliveries"], strict=True) if (i, d) not in held]
         raise LeaseExpiredError(self.name, lost)
 
+    def _settle(self, params: dict[str, Any], conn: DbConnection | None) -> int:
+        done = self._db.fetchall("ring_settle", params, conn)
+        if len(done) != len(params["ids"]):
+            self._raise_lost(params, conn)
+        return len(done)
+
     def ack(self, messages: Sequence[Message], *, conn: DbConnection | None = None) -> int:
         params = self._receipt_params(messages)
         if not params["ids"]:
             return 0
-        done = self._db.fetchall("ring_ack", params, conn)
-        if len(done) != len(params["ids"]):
-            self._raise_lost(params, conn)
-        return len(done)
+        # The usual ack names a whole lease (the messages of one pop): one statement deletes it.
+        whole = self._db.fetchall("ring_ack", params, conn)
+        if whole and whole[0][0] == len(params["ids"]):
+            return len(params["ids"])
+        return self._settle({**params, **_SETTLE_ACK}, conn)
 
     def nack(
         self,
@@ -382,21 +424,25 @@ class RingQueue(Queue):
         if not params["ids"]:
             return 0
         params.update(
+            nack=True,
             delay_s=None if delay is None else float(delay),
             backoff_s=self.settings.retry_backoff_s,
             backoff_max_s=self.settings.retry_backoff_max_s,
             max_attempts=self.settings.max_attempts,
             error=error,
         )
-        done = self._db.fetchall("ring_nack", params, conn)
-        if len(done) != len(params["ids"]):
-            self._raise_lost(params, conn)
-        return len(done)
+        return self._settle(params, conn)
 
     def reclaim_expired(self, limit: int = 10_000) -> int:
         rows = self._db.fetchall(
             "ring_reclaim_expired",
-            {"queue_id": self._qid, "max_attempts": self.settings.max_attempts, "limit": limit},
+            {
+                "queue_id": self._qid,
+                "capacity": self.capacity,
+                "lanes": self.lanes,
+                "max_attempts": self.settings.max_attempts,
+                "limit": limit,
+            },
         )
         return len(rows)
 
@@ -412,8 +458,18 @@ class RingQueue(Queue):
         have each been seen unlocked, a push locking a lane before its numbers). It waits for that up
         to ``wait`` seconds, and otherwise gives nothing up: a holder alive but stuck keeps its numbers
         (pops give the head number up after :attr:`gap_timeout`). Numbers of pushes in progress are
-        never touched: their holders are still running, or have written and lock their slots.
+        never touched: their holders are still running, or have written and lock their slots. Then the
+        lanes stopped at given-up numbers move over them (``ring_pass``), so that the floor moves on.
         """
+        skipped = self._skip_abandoned(wait)
+        # Lanes stopped at given-up numbers move on over them, whoever gave them up: until a pop or
+        # this passes them they keep the ring's floor down, so a ring nobody pops would stay full.
+        self._db.fetchone(
+            "ring_pass", {"queue_id": self._qid, "capacity": self.capacity, "lanes": self.lanes}
+        )
+        return skipped
+
+    def _skip_abandoned(self, wait: float) -> int:
         params: dict[str, Any] = {"queue_id": self._qid}
         row = self._db.fetchone("ring_unwritten", params)
         if row is None or not row[1]:
@@ -502,9 +558,12 @@ class RingQueue(Queue):
 
     def stats(self) -> QueueStats:
         row = self._db.fetchone("ring_stats", {"queue_id": self._qid})
-        assert row is not None
-        push_pos, pop_pos = int(row[5]), int(row[6])
-        used = max(0, push_pos - pop_pos + 1)
+        if row is None:
+            raise QueueNotFoundError(self.name, self._db.schema)
+        push_pos, pop_pos, floor = int(row[5]), int(row[6]), int(row[7])
+        # The numbers from the floor to the push position hold slots (or wait for them: a push of one
+        # takes its number before it finds the ring full), so the ring's fill is at most 1.
+        used = min(self.capacity, max(0, push_pos - floor + 1))
         return QueueStats(
             queue=self.name,
             ready=row[0],
@@ -515,11 +574,13 @@ class RingQueue(Queue):
             oldest_ready_age_s=row[4],
             extra={
                 "capacity": self.capacity,
+                "lanes": int(row[9]),
                 "push_position": push_pos,
                 "pop_position": pop_pos,
+                "floor": floor,
                 "ring_used": used,
                 "ring_fill": round(used / self.capacity, 4),
-                "gaps_skipped": int(row[7]),
+                "gaps_skipped": int(row[8]),
             },
         )
 

@@ -70,8 +70,7 @@ class TableQueue(Queue):
         if not isinstance(priority, int) or not _PRIORITY_MIN <= priority <= _PRIORITY_MAX:
             raise ConfigurationError(f"queue {self.name!r}: priority must be an integer in -32768..32767")
         delay = check_seconds(f"queue {self.name!r}: delay", delay)
-        encode = self.settings.encode
-        encoded = [encode(p, i) for i, p in enumerate(items)]
+        encoded = self.settings.encode_all(items)
         mode = self.settings.notify
         params: dict[str, Any] = {
             "payloads": encoded,

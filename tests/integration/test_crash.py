@@ -14,6 +14,7 @@ PostgreSQL's by nature.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psycopg
 import pytest
 
 from airflow_dbqueue.engine import (
@@ -35,7 +37,7 @@ from airflow_dbqueue.engine import (
     TransientDatabaseError,
 )
 from tests.dialects import dialect_dbq, run_sql  # noqa: F401 - dialect_dbq is the fixture "dbq"
-from tests.helpers import drained, payload_hash
+from tests.helpers import checksum, drained, payload_hash
 
 if TYPE_CHECKING:
     from multiprocessing.context import SpawnProcess
@@ -709,3 +711,54 @@ def _check_at_least_once(
     # (a) Every acknowledged push was delivered and finished.
     acknowledged = {i for lg in producers for ids_, _ in lg.ok_pushes for i in ids_}
     assert acknowledged <= set(stored)
+
+
+# -- the ring: the server killed between a pop's statement and its commit -----------------------------
+
+
+def test_ring_server_sigkill_between_a_pop_and_its_commit(embedded_server: EmbeddedPostgres) -> None:
+    """A ring pop's work is moving its lanes' positions (and, at least once, writing a lease row), in
+    the pop's transaction: the server killed after the pop's statement and before its commit loses
+    that work, so the messages are delivered again and nothing twice. Each round pops in a caller's
+    transaction under each semantics, kills the server with SIGKILL, restarts it, and pops again;
+    at the end every message pushed came out of a committed pop once, with its payload."""
+    dsn = embedded_server.dsn
+    with DbQueue(dsn, schema="ringcrash", pool_size=2) as admin:
+        admin.install()
+        q = admin.create_queue("r", design="ring", capacity=128, max_attempts=100)
+        sent = [{"i": i, "v": os.urandom(6).hex()} for i in range(120)]
+        ids = q.push_batch(sent[:60]) + q.push_batch(sent[60:])
+    committed: list[Message] = []
+    for semantics in ("at-most-once", "at-least-once", "exactly-once", "at-most-once"):
+        with DbQueue(dsn, schema="ringcrash", pool_size=2) as dbq:
+            q = dbq.queue("r")
+            conn = psycopg.connect(dsn)  # a transaction of the caller's
+            try:
+                lost = q.pop(10, semantics=semantics, conn=conn)
+                assert len(lost) == 10, lost
+                embedded_server.kill()  # the pop ran; its transaction never commits
+            finally:
+                with contextlib.suppress(psycopg.Error):
+                    conn.close()
+            embedded_server.start()
+        with DbQueue(dsn, schema="ringcrash", pool_size=2) as dbq:
+            q = dbq.queue("r")
+            again = q.pop(10, semantics="at-least-once")
+            # the same messages, first in line again: the killed pop moved nothing
+            assert [(m.id, m.payload, m.attempts) for m in again] == [(m.id, m.payload, 1) for m in lost]
+            assert q.ack(again) == 10
+            committed += again
+    with DbQueue(dsn, schema="ringcrash", pool_size=2) as dbq:
+        q = dbq.queue("r")
+        committed += drained_ring(q)
+        st = q.stats()
+        assert (st.ready, st.in_flight, st.failed, st.extra["ring_used"]) == (0, 0, 0, 0), st
+    assert [m.id for m in committed] == ids, "every message once, in order"
+    assert checksum([m.payload for m in committed]) == checksum(sent)
+
+
+def drained_ring(q: Queue) -> list[Message]:
+    out: list[Message] = []
+    while msgs := q.pop(50):
+        out += msgs
+    return out

@@ -25,7 +25,13 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from airflow_dbqueue.engine import ConfigurationError, DbQueue, LeaseExpiredError, QueueFullError
+from airflow_dbqueue.engine import (
+    ConfigurationError,
+    DbQueue,
+    LeaseExpiredError,
+    QueueFullError,
+    QueueNotFoundError,
+)
 from tests.dialects import dialect_dbq, postgres_only, run_sql  # noqa: F401 - dialect_dbq is the fixture "dbq"
 from tests.integration.test_conformance import drain
 
@@ -43,14 +49,15 @@ def ring(dbq: DbQueue, name: str, capacity: int, **settings: Any) -> RingQueue:
     return q  # type: ignore[return-value]
 
 
-def slot_rows(dbq: DbQueue, q: Queue) -> list[tuple[int, int, int]]:
-    """(slot, seq, state) of every slot of a ring."""
+def slot_rows(dbq: DbQueue, q: Queue) -> list[tuple[int, int, bool]]:
+    """(slot, seq, whether it holds a payload) of every slot of a ring."""
     rows = run_sql(
         dbq,
-        "SELECT slot, seq, state FROM {schema}.ring_slots WHERE queue_id = %(q)s ORDER BY slot",
+        "SELECT slot, seq, CASE WHEN payload IS NULL THEN 0 ELSE 1 END FROM {schema}.ring_slots "
+        "WHERE queue_id = %(q)s ORDER BY slot",
         {"q": q.settings.queue_id},
     )
-    return [(int(a), int(b), int(c)) for a, b, c in rows]
+    return [(int(a), int(b), bool(c)) for a, b, c in rows]
 
 
 @contextlib.contextmanager
@@ -433,24 +440,26 @@ def test_a_pop_lists_holders_only_for_a_gap_that_stays(dbq: DbQueue) -> None:
 
     taken: list[tuple[int, str]] = []
 
-    def meta(lo: int, gap: int | None) -> tuple[Any, ...]:
+    def meta(gap: int | None) -> tuple[Any, ...]:
+        """The last row of a ring_pop of up to 10 (gap, issued position, holders), after passing back
+        ``gap`` as seen once (no holders listed yet)."""
         params = {
-            "queue_id": q.settings.queue_id, "capacity": 8, "lo": lo, "n": 10, "lease": False,
-            "visibility_timeout_s": 30.0, "consumer": "t", "own": False, "gap": gap,
+            "queue_id": q.settings.queue_id, "capacity": 8, "lanes": q.settings.lanes, "n": 10,
+            "lease": False, "visibility_timeout_s": 30.0, "consumer": "t", "own": False, "gap": gap,
             "gap_issued": None, "gap_snap": None, "force": False,
         }  # fmt: skip
         rows = dbq.db.fetchall("ring_pop", params)
         taken.extend((int(r[0]), q.settings.decode(r[5])) for r in rows[:-1])
         return rows[-1]
 
-    assert meta(1, None)[6:] == (3, None, 2, None)  # both taken, nothing unfinished: no list
+    assert meta(None)[6:] == (None, 2, None)  # both taken, nothing unfinished: no list
     assert taken == [(1, "a"), (2, "b")], "each pushed message came back once, with its payload"
-    assert meta(3, 7)[6:] == (3, None, 2, None)  # a gap the caller saw is gone: no list either
+    assert meta(7)[6:] == (None, 2, None)  # a gap the caller saw is gone: no list either
     with holder_connection(dbq) as holder:
         take_number(holder, dbq, q)  # number 3, alive and unwritten
-        assert meta(3, None)[6:] == (3, 3, 3, None)  # first sighting: no list yet
-        listed = meta(3, 3)
-        assert listed[6:9] == (3, 3, 3) and listed[9] is not None  # it stays: the holders are listed
+        assert meta(None)[6:] == (3, 3, None)  # first sighting: no list yet
+        listed = meta(3)
+        assert listed[6:8] == (3, 3) and listed[8] is not None  # it stays: the holders are listed
         holder.rollback()
     assert taken == [(1, "a"), (2, "b")], "nothing more was taken"
 
@@ -459,10 +468,12 @@ def test_a_late_push_of_a_skipped_number_is_pushed_again_whole(dbq: DbQueue) -> 
     q = ring(dbq, "late", 8)
     q.push_batch(["a", "b"])
     # Consumers gave numbers 3 and 4 up while their (slow) holder had not written them yet: the slots
-    # already say skipped. The push that takes 3 and 4 finds that, fails whole, and takes 5 and 6.
+    # already hold them without a payload. The push that takes 3 and 4 finds that, fails whole, and
+    # takes 5 and 6.
     run_sql(
         dbq,
-        "UPDATE {schema}.ring_slots SET seq = seq + 8, state = 3 WHERE queue_id = %(q)s AND slot IN (3, 4)",
+        "UPDATE {schema}.ring_slots SET seq = seq + 8, payload = NULL "
+        "WHERE queue_id = %(q)s AND slot IN (3, 4)",
         {"q": q.settings.queue_id},
     )
     assert q.push_batch(["c", "d"]) == [5, 6]
@@ -532,7 +543,8 @@ def test_producer_sigkilled_between_taking_numbers_and_committing(dbq: DbQueue) 
     assert got == ["before", *sent]
     st = q.stats()
     assert (st.ready, st.in_flight, st.extra["gaps_skipped"]) == (0, 0, 5), st
-    assert all(state in (0, 3) for _, _, state in slot_rows(dbq, q)), "a slot stayed taken"
+    # every number pushed is below the floor: no slot stays taken
+    assert st.extra["floor"] > st.extra["push_position"] and st.extra["ring_used"] == 0, st
 
 
 @pytest.mark.slow
@@ -605,8 +617,8 @@ def test_maintenance_alone_skips_the_gaps_of_rolled_back_and_killed_pushers(dbq:
         7,
         13,
     ), st
-    slots = {slot: (seq, state) for slot, seq, state in slot_rows(dbq, q)}
-    assert [slots[n % 16] for n in (1, 2, 3, 4, 5, 9, 10)] == [(n, 3) for n in (1, 2, 3, 4, 5, 9, 10)]
+    slots = {slot: (seq, written) for slot, seq, written in slot_rows(dbq, q)}
+    assert [slots[n % 16] for n in (1, 2, 3, 4, 5, 9, 10)] == [(n, False) for n in (1, 2, 3, 4, 5, 9, 10)]
     assert dbq.maintenance().recover(["unpopped"]) == {"unpopped": {"reclaimed": 0, "gaps_skipped": 0}}
 
     # A consumer that comes later starts at the first message; the ring then laps twice over the
@@ -666,43 +678,80 @@ def test_maintenance_reclaims_expired_ring_leases(dbq: DbQueue) -> None:
 
 @pytest.mark.slow
 def test_ring_table_never_grows_and_updates_are_hot(pg_dsn: str, dbq: DbQueue) -> None:
+    """32,000 unique messages through 500 slots, at most and at least once: the slots' table and the
+    lanes' keep their size, only pushes write slots (pops read them), those writes are HOT, and every
+    message comes out once with its payload."""
     postgres_only(dbq, "HOT updates and pg_total_relation_size are PostgreSQL's")
     with DbQueue(pg_dsn, schema=dbq.schema, pool_size=1) as one:
         q = one.create_queue("hot", design="ring", capacity=500, payload_type="bytes", max_payload_bytes=300)
-        payload = os.urandom(300)
+        sent: list[bytes] = []
+        got: list[Message] = []
 
         def cycle(n: int, semantics: str) -> None:
             for _ in range(n // 100):
-                q.push_batch([payload] * 100)
-                got = q.pop(100, semantics=semantics)
-                assert len(got) == 100
+                batch = [len(sent).to_bytes(8, "big") + os.urandom(292) for _ in range(100)]
+                ids = q.push_batch(batch)
+                sent.extend(batch)
+                msgs = q.pop(100, semantics=semantics)
+                assert [m.id for m in msgs] == ids
                 if semantics == "at-least-once":
-                    q.ack(got)
+                    assert q.ack(msgs) == 100
+                got.extend(msgs)
 
-        def size() -> int:
+        def sizes() -> tuple[int, int]:
             with psycopg.connect(pg_dsn, autocommit=True) as c:
                 row = c.execute(
-                    "SELECT pg_total_relation_size(format('%%I.ring_slots', %s::text)::regclass)",
+                    "SELECT pg_total_relation_size(format('%%I.ring_slots', %s::text)::regclass), "
+                    "pg_total_relation_size(format('%%I.ring_lanes', %s::text)::regclass)",
+                    [dbq.schema, dbq.schema],
+                ).fetchone()
+            assert row is not None
+            return int(row[0]), int(row[1])
+
+        def updates() -> tuple[int, int]:
+            with one.db.connection() as c:
+                c.execute("SELECT pg_stat_force_next_flush()")
+            with psycopg.connect(pg_dsn, autocommit=True) as c:
+                row = c.execute(
+                    "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables "
+                    "WHERE schemaname = %s AND relname = 'ring_slots'",
                     [dbq.schema],
                 ).fetchone()
             assert row is not None
-            return int(row[0])
+            return int(row[0]), int(row[1])
 
         cycle(2000, "at-most-once")
-        first = size()
+        first, upd0 = sizes(), updates()
         cycle(20_000, "at-most-once")
         cycle(10_000, "at-least-once")
-        assert size() == first, "the ring's table grew"
-        with one.db.connection() as c:
-            c.execute("SELECT pg_stat_force_next_flush()")
-            c.execute("SELECT 1")
-        with psycopg.connect(pg_dsn, autocommit=True) as c:
-            row = c.execute(
-                "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables "
-                "WHERE schemaname = %s AND relname = 'ring_slots'",
-                [dbq.schema],
-            ).fetchone()
-        assert row is not None
-        upd, hot = row
-        assert upd >= 2 * 32_000
+        assert sizes() == first, "the ring's tables grew"
+        upd, hot = (a - b for a, b in zip(updates(), upd0, strict=True))
+        assert upd == 30_000, f"{upd} slot updates for 30,000 pushes: pops must not write slots"
         assert hot / upd > 0.95, f"only {hot} of {upd} updates were HOT"
+        assert len(got) == len(sent) == 32_000
+        assert [m.id for m in got] == list(range(1, 32_001))
+        assert _checksum([m.payload.hex() for m in got]) == _checksum([p.hex() for p in sent])
+        st = q.stats()
+        assert (st.ready, st.in_flight, st.extra["ring_used"]) == (0, 0, 0), st
+        assert q.pop(10) == []
+
+
+def test_a_handle_of_a_dropped_ring_raises_queue_not_found_and_writes_nothing(dbq: DbQueue) -> None:
+    """After drop_queue, an earlier handle's push and pop raise QueueNotFoundError at once (no wait for
+    a full ring), and a new ring of the same name is untouched by them."""
+    old = ring(dbq, "gone2", 8)
+    old.push_timeout = 30.0
+    assert old.push_batch(["a"]) == [1]
+    assert dbq.drop_queue("gone2")
+    new = ring(dbq, "gone2", 8)
+    t0 = time.monotonic()
+    for push in (lambda: old.push("x"), lambda: old.push_batch(["x", "y"])):
+        with pytest.raises(QueueNotFoundError, match="'gone2'"):
+            push()
+    with pytest.raises(QueueNotFoundError, match="'gone2'"):
+        old.pop(5)
+    assert time.monotonic() - t0 < 10, "a push to a dropped ring waited"
+    st = new.stats()
+    assert (st.ready, st.extra["push_position"]) == (0, 0), st
+    assert new.push_batch(["b"]) == [1]
+    assert [(m.id, m.payload) for m in drain(new)] == [(1, "b")]

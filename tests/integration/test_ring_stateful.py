@@ -5,10 +5,13 @@ all three semantics (exactly-once committed or rolled back), acks, nacks, lease 
 and drains, on rings of 2 to 6 slots, so that nearly every step wraps the ring or finds it full.
 
 What must hold: ids are the push numbers in order (a rolled-back push spends its numbers); a pop
-returns the lowest ready ids, in order, with their payloads, never a finished one; a push that the
-model says fits (every predecessor a capacity back is finished) succeeds, and one that may not fit
-either succeeds or raises QueueFullError having pushed nothing; depth by state always matches; and a
-drain after every lease is settled delivers every ready message, so nothing is lost behind a gap.
+returns the lowest ready ids, in order, with their payloads, never a finished one; a push that fits
+(every predecessor a capacity back is finished in the model, and below the ring's floor) succeeds,
+and any push either succeeds or raises QueueFullError having pushed nothing (a push that took its
+numbers leaves them as gaps); depth by state always matches; the floor is never above a message that
+is ready or leased, and the slot of every such message still holds it (no push ever overwrote a
+message a consumer still needs); and a drain after every lease is settled delivers every ready
+message, so nothing is lost behind a gap.
 
 It runs on PostgreSQL, and on SQL Server when ``$DBQUEUE_TEST_MSSQL_DSN`` names one (skipped
 otherwise): the clock jump rewrites the leases' due times with each dialect's SQL (the conformance
@@ -34,8 +37,7 @@ from hypothesis.stateful import (
 )
 
 from airflow_dbqueue.engine import QueueFullError
-from tests.dialects import dialect_dbq  # noqa: F401 - dialect_dbq is the fixture "dbq"
-from tests.integration.test_conformance import expire_leases
+from tests.dialects import dialect_dbq, expire_leases, run_sql  # noqa: F401 - dialect_dbq is the fixture "dbq"
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine import DbQueue, Message
@@ -104,10 +106,14 @@ class RingMachine(RuleBasedStateMachine):
     # -- push --------------------------------------------------------------------------------------
 
     def _fits(self, k: int) -> bool:
-        """Whether every predecessor (a capacity back) of the next k numbers is finished for sure."""
+        """Whether every predecessor (a capacity back) of the next k numbers is finished in the model
+        and below the ring's floor: then the push must find room."""
+        floor = self.queue.stats().extra["floor"]
         for x in range(self.next_number, self.next_number + k):
             prev = x - self.cap
             if prev >= 1 and not (prev in self.entries and self.entries[prev].state in (DONE, FAILED)):
+                return False
+            if prev >= floor:
                 return False
         return True
 
@@ -118,20 +124,17 @@ class RingMachine(RuleBasedStateMachine):
         payloads = [next(self.payloads) for _ in range(k)]
         fits = self._fits(k)
         numbers = list(range(self.next_number, self.next_number + k))
-        # On PostgreSQL a batch finds the ring full before it takes numbers when the slot of its highest
-        # number holds a message not finished; a push of one (ring_push_one) and SQL Server's push take
-        # their numbers first, and a full ring leaves them as gaps.
-        prev = self.entries.get(numbers[-1] - self.cap)
-        takes_first = (
-            k == 1 or self.dbq.dialect != "postgresql" or prev is None or prev.state in (DONE, FAILED)
-        )
         try:
             ids = self.queue.push_batch(payloads)
         except QueueFullError:
             assert not fits, "a push that fits raised QueueFullError"
-            if takes_first:
-                self.gaps.update(numbers)
-                self.next_number += k
+            # A batch that finds the ring full before taking numbers takes none; a push of one takes
+            # its number first, and a full ring leaves it a gap. Either all of the batch's numbers were
+            # taken or none, and nothing was written.
+            taken = self.queue.stats().extra["push_position"] - (self.next_number - 1)
+            assert taken in (0, k), f"a failed push of {k} took {taken} numbers"
+            self.gaps.update(numbers[:taken])
+            self.next_number += taken
             return
         self.next_number += k
         assert ids == numbers, (ids, numbers)
@@ -240,12 +243,29 @@ class RingMachine(RuleBasedStateMachine):
             len(self._in(FAILED)),
         )
         assert s.extra["push_position"] == self.next_number - 1
-        assert s.extra["pop_position"] <= min(
-            (e.id for e in self._in(READY) + self._in(HELD)), default=10**18
-        )
+        needed = self._in(READY) + self._in(HELD)
+        assert s.extra["floor"] <= min((e.id for e in needed), default=10**18)
         assert [(f.id, f.payload) for f in self.q.list_failed(limit=1000)] == [
             (e.id, e.payload) for e in self._in(FAILED)
         ]
+
+    @invariant()
+    def needed_messages_keep_their_slots(self) -> None:
+        """No push overwrote a message that is ready or leased: its slot still holds it, payload too."""
+        if self.q is None:
+            return
+        needed = self._in(READY) + self._in(HELD)
+        if not needed:
+            return
+        rows = run_sql(
+            self.dbq,
+            "SELECT seq, payload FROM {schema}.ring_slots WHERE queue_id = %(q)s",
+            {"q": self.q.settings.queue_id},
+        )
+        held = {int(seq): payload for seq, payload in rows}
+        for e in needed:
+            assert e.id in held, f"message {e.id} ({e.state}) was overwritten"
+            assert self.q.settings.decode(bytes(held[e.id])) == e.payload, f"message {e.id}'s payload changed"
 
 
 def test_ring_matches_model(dbq: DbQueue) -> None:

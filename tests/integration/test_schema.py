@@ -25,6 +25,7 @@ from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
 from airflow_dbqueue.engine.dialects.postgres.dialect import migrations, schema_sql
 from airflow_dbqueue.engine.sqlfile import load_queries
 from tests.dialects import run_sql
+from tests.integration.test_conformance import drain
 
 pytestmark = pytest.mark.integration
 
@@ -571,6 +572,63 @@ def test_version_1_data_survives_the_migration_and_old_receipts_still_ack(
             assert (m.id, m.payload, m.attempts, m.delivery) == (2, "b", 1, 1)
             assert q.ack([m]) == 1
             assert q.stats().finished == 2
+    finally:
+        db.drop_schema()
+        db.close()
+
+
+def test_version_11_rings_keep_their_messages_through_the_migration(
+    pg_dsn: str, new_schema: Callable[[], str]
+) -> None:
+    """A ring written under schema version 11 (consumers wrote the slots: finished, leased, nacked
+    messages each had a state there) migrates with its messages: each one not finished is delivered
+    once, with its payload; finished ones and a gap are not; and the ring goes on wrapping."""
+    schema = new_schema()
+    db = PostgresDatabase(pg_dsn, schema=schema)
+    try:
+        db.migrate_to(11)
+        ident = sql.Identifier(schema)
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            qid = c.execute(
+                sql.SQL(
+                    "INSERT INTO {s}.queues (name, design, payload_type, max_payload_bytes, max_attempts, "
+                    "visibility_timeout_s, retry_backoff_s, retry_backoff_max_s, notify, archive) "
+                    "VALUES ('old', 'ring', 'json', 100, 5, 30, 1, 10, 'never', false) RETURNING queue_id"
+                ).format(s=ident)
+            ).fetchone()[0]  # type: ignore[index]
+            c.execute(sql.SQL("SELECT {s}.ring_create(%s, %s, 8, 100)").format(s=ident), [schema, qid])
+            push = sql.SQL("SELECT {s}.ring_push(%s, 8, %s::bytea[], 5, 0, 'ch', NULL)").format(s=ident)
+            payloads = [f'"m{i}"'.encode() for i in range(1, 7)]
+            assert c.execute(push, [qid, payloads]).fetchone() == (1,)
+            # as version-11 consumers left them: 1 popped at most once, 2 leased, 3 nacked for later,
+            # 4 acked; 5 and 6 ready. Number 7 taken by a push that died, 8 pushed.
+            for stmt in (
+                "UPDATE {s}.ring_slots SET state = 0, payload = NULL, attempts = 1, deliveries = 1 "
+                "WHERE queue_id = %(q)s AND seq IN (1, 4)",
+                "UPDATE {s}.ring_slots SET state = 2, attempts = 1, deliveries = 1, consumer = 'c', "
+                "due_at = now() + interval '1 hour' WHERE queue_id = %(q)s AND seq = 2",
+                "UPDATE {s}.ring_slots SET attempts = 1, deliveries = 1, "
+                "due_at = now() + interval '1 hour' WHERE queue_id = %(q)s AND seq = 3",
+            ):
+                c.execute(sql.SQL(stmt).format(s=ident), {"q": qid})
+            c.execute(sql.SQL("SELECT nextval(push_seq) FROM {s}.rings").format(s=ident))
+            assert c.execute(push, [qid, [b'"m8"']]).fetchone() == (8,)
+        with DbQueue(pg_dsn, schema=schema) as dbq:
+            assert dbq.install() == schema_sql()[0]
+            q = dbq.queue("old")
+            assert (q.settings.capacity, q.settings.lanes) == (8, 8)
+            st = q.stats()
+            assert (st.ready, st.in_flight, st.extra["push_position"], st.extra["floor"]) == (5, 0, 8, 2), st
+            got = drain(q)
+            assert [(m.id, m.payload) for m in got] == [(2, "m2"), (3, "m3"), (5, "m5"), (6, "m6"), (8, "m8")]
+            more = [f"n{i}" for i in range(20)]
+            for first in range(0, 20, 4):  # the ring wraps over the migrated slots and the gap
+                q.push_batch(more[first : first + 4])
+                got += drain(q)
+            assert [m.payload for m in got[5:]] == more
+            assert [m.id for m in got[5:]] == list(range(9, 29))
+            st = q.stats()
+            assert (st.ready, st.in_flight, st.extra["gaps_skipped"], st.extra["ring_used"]) == (0, 0, 1, 0)
     finally:
         db.drop_schema()
         db.close()

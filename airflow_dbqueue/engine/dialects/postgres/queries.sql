@@ -83,13 +83,15 @@ RETURNING queue_id
 -- name: get_queue
 SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
        retry_backoff_s, retry_backoff_max_s, notify, archive,
-       (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity
+       (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity,
+       (SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS lanes
 FROM {schema}.queues q WHERE name = %(name)s
 
 -- name: list_queues
 SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
        retry_backoff_s, retry_backoff_max_s, notify, archive,
-       (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity
+       (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity,
+       (SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS lanes
 FROM {schema}.queues q ORDER BY name
 
 -- name: drop_queue_lock
@@ -591,13 +593,11 @@ SELECT
       AS finished
 
 -- name: ring_create
--- The ring design. Push and pop are server-side functions (schema.sql: ring_push, ring_pop); the
--- statements below are the slower paths. Number x of a ring lives in slot x mod capacity: receipts
--- (id, delivery) find their slot without an index on seq: one primary-key probe per receipt, from a
--- LATERAL subquery kept apart from the join (OFFSET 0), as in the table design. A plain join let the
--- planner compare every receipt with every leased row (1,000,000 comparisons, 190 ms an ack of 1,000)
--- or hash the whole ring (50 ms on 106,000 slots).
-SELECT {schema}.ring_create(%(schema)s, %(queue_id)s::integer, %(capacity)s::integer, %(slot_bytes)s::integer)
+-- The ring design. Push and pop are server-side functions (schema.sql); the statements below call them
+-- or are the slower paths. Number x of a ring lives in slot x mod capacity, so a receipt finds its slot
+-- without an index on seq.
+SELECT {schema}.ring_create(
+    %(schema)s, %(queue_id)s::integer, %(capacity)s::integer, %(slot_bytes)s::integer, %(lanes)s::integer)
 
 -- name: ring_drop
 SELECT {schema}.ring_drop(%(queue_id)s::integer)
@@ -612,29 +612,30 @@ SELECT {schema}.ring_push(
 SELECT r_num, r_written FROM {schema}.ring_push_one(
     %(queue_id)s::integer, %(capacity)s::integer, %(payload)b::bytea, %(notify)s::integer, %(channel)s)
 
--- name: ring_claim
--- The rows of ring_pop's messages (see schema.sql), and nothing else.
+-- name: ring_take
+-- The fast path of a pop (schema.sql): messages from the lanes, nothing when messages to deliver again
+-- are due (ring_pop serves those first). Its rows are ring_pop's messages. wait: when other pops hold
+-- every lane, wait for them (not in a caller's transaction).
 SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, r_lease_until, r_payload
-FROM {schema}.ring_claim(
-    %(queue_id)s::integer, %(capacity)s::integer, %(lo)s::bigint, %(n)s::integer, %(lease)s::boolean,
-    %(visibility_timeout_s)s::float8, %(consumer)s::text)
+FROM {schema}.ring_take(
+    %(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer, %(n)s::integer, %(lease)s::boolean,
+    %(visibility_timeout_s)s::float8, %(consumer)s::text, true, %(wait)s::boolean)
 
 -- name: ring_pop
 -- Rows come back in binary (dialect.BINARY_RESULTS): the holders (xid[]) as text.
-SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, r_lease_until, r_payload, r_next_lo, r_gap, r_issued,
-       r_snap::text
+SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, r_lease_until, r_payload, r_gap, r_issued, r_snap::text
 FROM {schema}.ring_pop(
-    %(queue_id)s::integer, %(capacity)s::integer, %(lo)s::bigint, %(n)s::integer, %(lease)s::boolean,
+    %(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer, %(n)s::integer, %(lease)s::boolean,
     %(visibility_timeout_s)s::float8, %(consumer)s::text, %(own)s::boolean,
     %(gap)s::bigint, %(gap_issued)s::bigint, %(gap_snap)s::xid[], %(force)s::boolean)
 
 -- name: ring_unwritten
 -- Maintenance's gap recovery, first step: the push position, and whether any number up to it is issued
--- but unwritten (its slot still holds the number a capacity before it, finished). A full scan of the
--- ring's slots. The holders (ring_snapshot) are listed by a later statement.
+-- but unwritten while its slot is free for it (the slot holds the number a capacity before it, below the
+-- floor). A full scan of the ring's slots. The holders (ring_snapshot) are listed by a later statement.
 SELECT i.issued, EXISTS (
     SELECT 1 FROM {schema}.ring_slots t
-    WHERE t.queue_id = r.queue_id AND t.state IN (0, 3) AND t.seq + r.capacity <= i.issued)
+    WHERE t.queue_id = r.queue_id AND t.seq + r.capacity <= i.issued AND t.seq < {schema}.ring_floor(r.queue_id))
 FROM {schema}.rings r
 CROSS JOIN LATERAL (SELECT coalesce(pg_sequence_last_value(r.push_seq), 0) AS issued) i
 WHERE r.queue_id = %(queue_id)s
@@ -645,132 +646,93 @@ SELECT {schema}.ring_holders()::text
 -- name: ring_skip_abandoned
 SELECT {schema}.ring_skip_abandoned(%(queue_id)s::integer, %(issued)s::bigint, %(snap)s::xid[])
 
--- name: ring_head
-SELECT {schema}.ring_head(%(queue_id)s::integer)
+-- name: ring_pass
+-- Lanes moved over given-up numbers at their heads (schema.sql), after maintenance gave gaps up.
+SELECT {schema}.ring_pass(%(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer)
 
 -- name: ring_ack
--- All or nothing, as in the table design: held locks the receipts whose lease is still valid, and slots
--- are freed only when every receipt is held.
-WITH held AS (
-    SELECT h.tid
-    FROM unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS r(id, delivery)
-    CROSS JOIN LATERAL (
-        SELECT s.ctid AS tid FROM {schema}.ring_slots s
-        WHERE s.queue_id = %(queue_id)s AND s.slot = mod(r.id, %(capacity)s)::integer
-          AND s.seq = r.id AND s.deliveries = r.delivery AND s.state = 2 AND s.due_at > now()
-        OFFSET 0
-        FOR UPDATE) h
+-- The ack of a whole lease, the usual one: receipts naming every message of one ring_leases row (first
+-- deliveries, within its range and lanes, as many as it holds, its lowest and highest among them) delete
+-- that row, in one statement. Anything else (part of a lease, messages delivered again, several leases)
+-- returns no row, and the caller settles it with ring_settle.
+WITH r AS (
+    SELECT min(u.id) AS lo, max(u.id) AS hi, count(*)::integer AS n, bool_and(u.d = 1) AS first
+    FROM unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS u(id, d)
 )
-UPDATE {schema}.ring_slots s
-SET state = 0, payload = NULL, consumer = NULL, last_error = NULL
-WHERE s.ctid = ANY (ARRAY(SELECT tid FROM held))
-  AND (SELECT count(*) FROM held) = cardinality(%(ids)b::bigint[])
-RETURNING s.seq
+DELETE FROM {schema}.ring_leases e USING r
+WHERE e.queue_id = %(queue_id)s AND e.lo = r.lo AND e.hi = r.hi AND e.n = r.n AND r.first
+  AND e.lease_until > now()
+  AND NOT EXISTS (
+      SELECT 1 FROM unnest(%(ids)b::bigint[]) AS i(id)
+      WHERE NOT coalesce(e.starts[mod(i.id, %(lanes)s)::integer + 1] <= i.id, false))
+RETURNING e.n
 
--- name: ring_nack
--- Back to ready in place (the message keeps its id and its place) after delay_s or the backoff, or out
--- of the ring into ring_failed after max_attempts (its slot is freed). All or nothing, like ring_ack.
-WITH held AS (
-    SELECT h.tid, h.seq, h.attempts, h.enqueued_at, h.payload
-    FROM unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS r(id, delivery)
-    CROSS JOIN LATERAL (
-        SELECT s.ctid AS tid, s.seq, s.attempts, s.enqueued_at, s.payload FROM {schema}.ring_slots s
-        WHERE s.queue_id = %(queue_id)s AND s.slot = mod(r.id, %(capacity)s)::integer
-          AND s.seq = r.id AND s.deliveries = r.delivery AND s.state = 2 AND s.due_at > now()
-        OFFSET 0
-        FOR UPDATE) h
-), whole AS (
-    SELECT (SELECT count(*) FROM held) = cardinality(%(ids)b::bigint[]) AS ok
-), failed AS (
-    INSERT INTO {schema}.ring_failed (queue_id, id, attempts, enqueued_at, last_error, payload)
-    SELECT %(queue_id)s, h.seq, h.attempts, h.enqueued_at, %(error)s, h.payload
-    FROM held h WHERE (SELECT ok FROM whole) AND h.attempts >= %(max_attempts)s
-)
-UPDATE {schema}.ring_slots s
-SET state = CASE WHEN s.attempts >= %(max_attempts)s THEN 0 ELSE 1 END,
-    due_at = CASE WHEN s.attempts >= %(max_attempts)s THEN s.due_at
-                  ELSE now() + make_interval(secs => coalesce(%(delay_s)s::float8, least(
-                      %(backoff_max_s)s::float8,
-                      %(backoff_s)s::float8 * power(2, greatest(s.attempts - 1, 0)))))
-                  END,
-    payload = CASE WHEN s.attempts >= %(max_attempts)s THEN NULL ELSE s.payload END,
-    consumer = NULL, last_error = %(error)s
-WHERE s.ctid = ANY (ARRAY(SELECT tid FROM held)) AND (SELECT ok FROM whole)
-RETURNING s.seq, s.state
+-- name: ring_settle
+-- Ack (nack false) or nack receipts, all or nothing (schema.sql): (id, state) of each, none when some
+-- receipt no longer holds its lease.
+SELECT r_id, r_state FROM {schema}.ring_settle(
+    %(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer, %(ids)b::bigint[],
+    %(deliveries)b::integer[], %(nack)s::boolean, %(delay_s)s::float8, %(backoff_s)s::float8,
+    %(backoff_max_s)s::float8, %(max_attempts)s::integer, %(error)s::text)
 
 -- name: ring_held_receipts
-SELECT h.seq, h.deliveries
-FROM unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS r(id, delivery)
-CROSS JOIN LATERAL (
-    SELECT s.seq, s.deliveries FROM {schema}.ring_slots s
-    WHERE s.queue_id = %(queue_id)s AND s.slot = mod(r.id, %(capacity)s)::integer
-      AND s.seq = r.id AND s.deliveries = r.delivery AND s.state = 2 AND s.due_at > now()
-    OFFSET 0) h
+SELECT r_id, r_delivery
+FROM {schema}.ring_held(%(queue_id)s::integer, %(lanes)s::integer, %(ids)b::bigint[], %(deliveries)b::integer[])
 
 -- name: ring_reclaim_expired
--- Expired leases go back to ready in place (keeping their id, so their place) or, after max_attempts,
--- to ring_failed. Scans the ring's slots: pops run it at most once a second.
-WITH expired AS (
-    SELECT s.ctid AS tid, s.seq, s.attempts, s.enqueued_at, s.payload, s.consumer
-    FROM {schema}.ring_slots s
-    WHERE s.queue_id = %(queue_id)s AND s.state = 2 AND s.due_at <= now()
-    LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
-), failed AS (
-    INSERT INTO {schema}.ring_failed (queue_id, id, attempts, enqueued_at, last_error, payload)
-    SELECT %(queue_id)s, e.seq, e.attempts, e.enqueued_at,
-           'lease expired (held by ' || coalesce(e.consumer, '?') || ')', e.payload
-    FROM expired e WHERE e.attempts >= %(max_attempts)s
-)
-UPDATE {schema}.ring_slots s
-SET state = CASE WHEN s.attempts >= %(max_attempts)s THEN 0 ELSE 1 END,
-    due_at = now(),
-    payload = CASE WHEN s.attempts >= %(max_attempts)s THEN NULL ELSE s.payload END,
-    consumer = NULL, last_error = 'lease expired (held by ' || coalesce(s.consumer, '?') || ')'
-WHERE s.ctid = ANY (ARRAY(SELECT tid FROM expired))
-RETURNING s.seq, s.state
+-- Expired leases go back to ready in place (keeping their id) or, after max_attempts, to ring_failed.
+-- Pops run it at most once a second.
+SELECT r_id, r_state FROM {schema}.ring_reclaim_expired(
+    %(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer, %(max_attempts)s::integer,
+    %(limit)s::integer)
 
 -- name: ring_peek
-SELECT s.seq, s.attempts, s.deliveries, s.enqueued_at, NULL::timestamptz AS lease_until, s.payload
-FROM {schema}.ring_slots s
-WHERE s.queue_id = %(queue_id)s AND s.state = 1 AND s.due_at <= now()
-ORDER BY s.seq
+-- What pops would take first: the messages due again, then the lanes', each in id order.
+SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, NULL::timestamptz AS lease_until, r_payload
+FROM {schema}.ring_ready(%(queue_id)s::integer)
+WHERE r_due <= now()
+ORDER BY r_attempts = 0, r_id
 LIMIT %(n)s
 
 -- name: ring_count_ready
 SELECT count(*) FROM (
-    SELECT 1 FROM {schema}.ring_slots
-    WHERE queue_id = %(queue_id)s AND state = 1 AND due_at <= now()
-    LIMIT %(cap)s) s
+    SELECT 1 FROM {schema}.ring_ready(%(queue_id)s::integer) WHERE r_due <= now() LIMIT %(cap)s) s
 
 -- name: ring_ready_head
-SELECT r.ready, h.seq AS head_id, h.deliveries AS head_deliveries
+SELECT r.ready, h.r_id AS head_id, h.r_deliveries AS head_deliveries
 FROM (SELECT count(*) AS ready FROM (
-        SELECT 1 FROM {schema}.ring_slots
-        WHERE queue_id = %(queue_id)s AND state = 1 AND due_at <= now()
-        LIMIT %(cap)s) s) r
+        SELECT 1 FROM {schema}.ring_ready(%(queue_id)s::integer) WHERE r_due <= now() LIMIT %(cap)s) s) r
 LEFT JOIN LATERAL (
-    SELECT seq, deliveries FROM {schema}.ring_slots
-    WHERE queue_id = %(queue_id)s AND state = 1 AND due_at <= now()
-    ORDER BY seq
+    SELECT r_id, r_deliveries FROM {schema}.ring_ready(%(queue_id)s::integer)
+    WHERE r_due <= now()
+    ORDER BY r_attempts = 0, r_id
     LIMIT 1) h ON true
 
 -- name: ring_stats
 -- Depth by state, plus the ring's own figures: the push position (last number issued), the pop
--- position (lowest unfinished number), numbers skipped as gaps, and slots holding a skipped number.
-SELECT count(*) FILTER (WHERE s.state = 1 AND s.due_at <= now()) AS ready,
-       count(*) FILTER (WHERE s.state = 1 AND s.due_at > now()) AS delayed,
-       count(*) FILTER (WHERE s.state = 2) AS in_flight,
+-- position (the lowest lane position: the next number no pop has taken), the floor (the lowest number
+-- a consumer may still need), its lanes, and the numbers given up as gaps.
+WITH rd AS MATERIALIZED (
+    SELECT r_enqueued_at, r_due FROM {schema}.ring_ready(%(queue_id)s::integer)
+), g AS (
+    SELECT r.lanes, coalesce(pg_sequence_last_value(r.push_seq), 0) AS issued,
+           coalesce(pg_sequence_last_value(r.gap_seq), 0) AS gaps
+    FROM {schema}.rings r WHERE r.queue_id = %(queue_id)s
+)
+SELECT (SELECT count(*) FROM rd WHERE r_due <= now()) AS ready,
+       (SELECT count(*) FROM rd WHERE r_due > now()) AS delayed,
+       (SELECT coalesce(sum(e.n), 0) FROM {schema}.ring_leases e WHERE e.queue_id = %(queue_id)s)
+       + (SELECT count(*) FROM {schema}.ring_retry t WHERE t.queue_id = %(queue_id)s AND t.state = 2)
+           AS in_flight,
        (SELECT count(*) FROM {schema}.ring_failed f WHERE f.queue_id = %(queue_id)s) AS failed,
-       extract(epoch FROM now() - min(s.enqueued_at) FILTER (WHERE s.state = 1 AND s.due_at <= now()))::float8
+       extract(epoch FROM now() - (SELECT min(r_enqueued_at) FROM rd WHERE r_due <= now()))::float8
            AS oldest_ready_age_s,
-       (SELECT coalesce(pg_sequence_last_value(r.push_seq), 0) FROM {schema}.rings r
-         WHERE r.queue_id = %(queue_id)s) AS push_position,
-       {schema}.ring_head(%(queue_id)s::integer) AS pop_position,
-       (SELECT coalesce(pg_sequence_last_value(r.gap_seq), 0) FROM {schema}.rings r
-         WHERE r.queue_id = %(queue_id)s) AS gaps_skipped
-FROM {schema}.ring_slots s
-WHERE s.queue_id = %(queue_id)s
+       g.issued AS push_position,
+       (SELECT min(l.pos) FROM {schema}.ring_lanes l WHERE l.queue_id = %(queue_id)s) AS pop_position,
+       {schema}.ring_floor(%(queue_id)s::integer) AS floor,
+       g.gaps AS gaps_skipped,
+       g.lanes
+FROM g
 
 -- name: ring_list_failed
 SELECT id, attempts, enqueued_at, last_error, payload
@@ -792,11 +754,9 @@ WHERE queue_id = %(queue_id)s AND (%(all)s OR id = ANY (%(ids)s::bigint[]))
 RETURNING id
 
 -- name: ring_leased
-SELECT h.seq, h.attempts, h.deliveries, h.enqueued_at, h.due_at, h.payload
-FROM unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS r(id, delivery)
-CROSS JOIN LATERAL (
-    SELECT s.seq, s.attempts, s.deliveries, s.enqueued_at, s.due_at, s.payload FROM {schema}.ring_slots s
-    WHERE s.queue_id = %(queue_id)s AND s.slot = mod(r.id, %(capacity)s)::integer
-      AND s.seq = r.id AND s.deliveries = r.delivery AND s.state = 2 AND s.due_at > now()
-    OFFSET 0) h
-ORDER BY h.seq
+-- The held receipts' messages with their payloads, in id order.
+SELECT h.r_id, coalesce(t.attempts, 1), h.r_delivery, s.enqueued_at, h.r_until, s.payload
+FROM {schema}.ring_held(%(queue_id)s::integer, %(lanes)s::integer, %(ids)b::bigint[], %(deliveries)b::integer[]) h
+JOIN {schema}.ring_slots s ON s.queue_id = %(queue_id)s AND s.slot = mod(h.r_id, %(capacity)s)::integer
+LEFT JOIN {schema}.ring_retry t ON t.queue_id = %(queue_id)s AND t.id = h.r_id
+ORDER BY h.r_id
