@@ -285,24 +285,22 @@ class RingQueue(Queue):
         msgs: list[Message] = []
         if fast:
             # The fast path: one statement that takes from the lanes (ring_take), waiting for lanes that
-            # other pops hold (not in a caller's transaction). A short take hands the rest to ring_pop,
-            # which serves messages due again, reports a gap at the head and gives it up.
+            # other pops hold (not in a caller's transaction). An empty take goes on to ring_pop, which
+            # serves messages due again, reports a gap at the head and gives it up.
             try:
                 msgs = self._messages(self._db.fetchall("ring_take", {**params, "wait": conn is None}, conn))
             except LockTimeoutError:
                 if conn is not None:
                     raise
                 return []  # every lane stayed held by other pops for lock_timeout
-            if len(msgs) >= n:
+            if msgs:
+                # A short take is handed over as it is, and the next pop goes through ring_pop: a pop
+                # of one call writes one lease row, which its ack deletes in one statement.
+                if len(msgs) < n:
+                    with self._lock:
+                        self._fast = False
                 return msgs
-        got = self._pop_slow(params, n - len(msgs), conn)
-        if msgs and got:
-            # Each statement returns its messages in id order, but a later one may find a lower number
-            # that committed in between: the batch is handed over in id order.
-            msgs += got
-            msgs.sort(key=_id)
-        else:
-            msgs = msgs or got
+        msgs = self._pop_slow(params, n, conn)
         with self._lock:
             self._fast = len(msgs) >= n
         return msgs
@@ -404,9 +402,9 @@ class RingQueue(Queue):
         params = self._receipt_params(messages)
         if not params["ids"]:
             return 0
-        # The usual ack names a whole lease (the messages of one pop): one statement deletes it.
+        # The usual ack names whole leases (the messages of one pop): one statement deletes them.
         whole = self._db.fetchall("ring_ack", params, conn)
-        if whole and whole[0][0] == len(params["ids"]):
+        if whole and sum(r[0] for r in whole) == len(params["ids"]):
             return len(params["ids"])
         return self._settle({**params, **_SETTLE_ACK}, conn)
 

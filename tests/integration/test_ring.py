@@ -755,3 +755,37 @@ def test_a_handle_of_a_dropped_ring_raises_queue_not_found_and_writes_nothing(db
     assert (st.ready, st.extra["push_position"]) == (0, 0), st
     assert new.push_batch(["b"]) == [1]
     assert [(m.id, m.payload) for m in drain(new)] == [(1, "b")]
+
+
+def test_an_ack_of_a_pop_past_the_end_of_the_slots_deletes_its_two_leases_at_once(dbq: DbQueue) -> None:
+    """A batch pop that runs past the end of the ring's slots writes two lease rows; acking its
+    messages deletes both in the one statement of a whole ack (no message becomes a retry row), and
+    the ack of only part of them is refused by that statement and settled message by message."""
+    postgres_only(dbq, "the test counts the ring's rows with PostgreSQL's statistics")
+    q = ring(dbq, "wrapack", 8, lanes=2)
+    assert q.push_batch(list(range(6))) == list(range(1, 7))
+    assert [m.id for m in q.pop(6)] == list(range(1, 7))  # positions now at 7 and 8
+    sent = [f"m{i}" for i in range(6)]
+    assert q.push_batch(sent) == list(range(7, 13))  # numbers 7..12: slots 7, 0, 1, 2, 3, 4
+    got = q.pop(6, semantics="at-least-once")
+    assert [(m.id, m.payload) for m in got] == list(zip(range(7, 13), sent, strict=True))
+    leases = run_sql(
+        dbq, "SELECT count(*) FROM {schema}.ring_leases WHERE queue_id = %(q)s", {"q": q.settings.queue_id}
+    )
+    assert leases == [(2,)], "the take ran past the end of the slots: two lease rows"
+    # the engine's whole-lease ack, as q.ack runs it first: both rows go in one statement
+    deleted = dbq.db.fetchall("ring_ack", q._receipt_params(got))
+    assert sorted(r[0] for r in deleted) == [1, 5], deleted  # slot 7, then slots 0..4
+    with pytest.raises(LeaseExpiredError):  # acked already: the receipts hold nothing now
+        q.ack(got)
+    rows = run_sql(
+        dbq, "SELECT (SELECT count(*) FROM {schema}.ring_leases), (SELECT count(*) FROM {schema}.ring_retry)"
+    )
+    assert rows == [(0, 0)]
+    more = q.push_batch(["a", "b", "c"])
+    part = q.pop(3, semantics="at-least-once")
+    assert [m.id for m in part] == more
+    assert q.ack(part[:1]) == 1  # part of a lease: settled, the rest stay leased
+    assert q.ack(part[1:]) == 2
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.extra["ring_used"]) == (0, 0, 0), st

@@ -651,20 +651,26 @@ SELECT {schema}.ring_skip_abandoned(%(queue_id)s::integer, %(issued)s::bigint, %
 SELECT {schema}.ring_pass(%(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer)
 
 -- name: ring_ack
--- The ack of a whole lease, the usual one: receipts naming every message of one ring_leases row (first
--- deliveries, within its range and lanes, as many as it holds, its lowest and highest among them) delete
--- that row, in one statement. Anything else (part of a lease, messages delivered again, several leases)
--- returns no row, and the caller settles it with ring_settle.
+-- The ack of whole leases, the usual one: receipts naming every message of one ring_leases row or
+-- more (first deliveries; a pop writes one row, or two when it ran past the end of the ring's slots),
+-- in one statement. A candidate lease lies within the receipts' range and is whole when as many
+-- receipts fall in its range and lanes as it holds messages; the leases are deleted only when the
+-- whole ones hold every receipt (each message is in one lease at most). Rows: the n of each lease
+-- deleted, none otherwise (the caller settles the receipts with ring_settle).
 WITH r AS (
-    SELECT min(u.id) AS lo, max(u.id) AS hi, count(*)::integer AS n, bool_and(u.d = 1) AS first
+    SELECT min(u.id) AS lo, max(u.id) AS hi, count(*) AS n, bool_and(u.d = 1) AS first
     FROM unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS u(id, d)
+), c AS (
+    SELECT e.ctid AS tid, e.n
+    FROM {schema}.ring_leases e, r
+    WHERE e.queue_id = %(queue_id)s AND e.lo >= r.lo AND e.lo <= r.hi AND e.hi <= r.hi AND r.first
+      AND e.lease_until > now()
+      AND (SELECT count(*) FROM unnest(%(ids)b::bigint[]) AS i(id)
+           WHERE i.id BETWEEN e.lo AND e.hi AND e.starts[mod(i.id, %(lanes)s)::integer + 1] <= i.id) = e.n
+    FOR UPDATE OF e
 )
-DELETE FROM {schema}.ring_leases e USING r
-WHERE e.queue_id = %(queue_id)s AND e.lo = r.lo AND e.hi = r.hi AND e.n = r.n AND r.first
-  AND e.lease_until > now()
-  AND NOT EXISTS (
-      SELECT 1 FROM unnest(%(ids)b::bigint[]) AS i(id)
-      WHERE NOT coalesce(e.starts[mod(i.id, %(lanes)s)::integer + 1] <= i.id, false))
+DELETE FROM {schema}.ring_leases e
+WHERE e.ctid = ANY (ARRAY(SELECT tid FROM c)) AND (SELECT sum(n) FROM c) = (SELECT n FROM r)
 RETURNING e.n
 
 -- name: ring_settle
