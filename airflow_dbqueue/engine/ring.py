@@ -71,7 +71,7 @@ from airflow_dbqueue.engine.models import (
     Semantics,
     message_maker,
 )
-from airflow_dbqueue.engine.queue import Queue, _check_batch_size
+from airflow_dbqueue.engine.queue import Queue, _check_batch_size, check_seconds
 
 if TYPE_CHECKING:
     import psycopg
@@ -416,8 +416,8 @@ class RingQueue(Queue):
         error: str | None = None,
         conn: DbConnection | None = None,
     ) -> int:
-        if delay is not None and delay < 0:
-            raise ConfigurationError(f"queue {self.name!r}: nack delay must be >= 0 seconds, got {delay}")
+        if delay is not None:
+            delay = check_seconds(f"queue {self.name!r}: nack delay", delay)
         params = self._receipt_params(messages)
         if not params["ids"]:
             return 0

@@ -789,3 +789,27 @@ def test_an_ack_of_a_pop_past_the_end_of_the_slots_deletes_its_two_leases_at_onc
     assert q.ack(part[1:]) == 2
     st = q.stats()
     assert (st.ready, st.in_flight, st.extra["ring_used"]) == (0, 0, 0), st
+
+
+def test_the_rings_fill_counts_the_numbers_from_its_floor(dbq: DbQueue) -> None:
+    """ring_used is the numbers from the floor (the lowest one a consumer may still need) to the push
+    position, so ring_fill never passes 1: here against states known by construction."""
+    q = ring(dbq, "fill", 500, max_attempts=3)
+    assert q.push_batch([{"i": i} for i in range(255)]) == list(range(1, 256))
+    st = q.stats()
+    assert (st.ready, st.extra["ring_used"], st.extra["ring_fill"], st.extra["floor"]) == (255, 255, 0.51, 1)
+    held = q.pop(100, semantics="at-least-once")  # 1..100 leased: the floor stays at 1
+    assert [m.id for m in held] == list(range(1, 101))
+    done = q.pop(100)  # 101..200 finished
+    assert [m.id for m in done] == list(range(101, 201))
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.extra["ring_used"], st.extra["floor"]) == (55, 100, 255, 1), st
+    assert q.ack(held) == 100  # the floor moves past everything finished: 201
+    st = q.stats()
+    assert (st.ready, st.extra["ring_used"], st.extra["ring_fill"], st.extra["floor"]) == (55, 55, 0.11, 201)
+    assert q.push_batch([{"i": i} for i in range(445)]) == list(range(256, 701))  # full: 500 numbers
+    st = q.stats()
+    assert (st.ready, st.extra["ring_used"], st.extra["ring_fill"]) == (500, 500, 1.0), st
+    assert len(drain(q)) == 500
+    with pytest.raises(ConfigurationError, match="nack delay"):
+        q.nack(held, delay=float("nan"))
