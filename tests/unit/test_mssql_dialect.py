@@ -43,7 +43,7 @@ from airflow_dbqueue.engine.dialects.mssql.dialect import (
     to_positional,
     translate,
 )
-from airflow_dbqueue.engine.queue import poll_pauses
+from airflow_dbqueue.engine.queue import DEFAULT_CONSUMER, poll_pauses
 from airflow_dbqueue.engine.sqlfile import load_queries, parse_named_queries, read_text
 from tests.fake_mssql import FakeSqlServer, import_pyodbc
 
@@ -145,8 +145,15 @@ def schema_blocks() -> dict[str, str]:
     return {k: db.compose(v) for k, v in parse_named_queries(read_text(MS, "schema.sql")).items()}
 
 
-OPAQUE_PROCEDURE_STATEMENTS = (re.compile(r"WAITFOR DELAY @[a-z_]+;"),)
-"""Procedure statements sqlglot has no T-SQL grammar for, each checked against its exact form instead."""
+OPAQUE_PROCEDURE_STATEMENTS = (
+    re.compile(r"WAITFOR DELAY @[a-z_]+;"),
+    re.compile(
+        r"INSERT INTO @out \((?:[a-z_]+, )*[a-z_]+\) EXEC \[dbq\]\.ring_take "
+        r"(?:@[a-z_]+ = @?[a-z0-9_]+, )*@[a-z_]+ = @?[a-z0-9_]+;"
+    ),
+)
+"""Procedure statements sqlglot has no T-SQL grammar for, each checked against its exact form instead
+(``WAITFOR DELAY``, and ``INSERT ... EXEC``, which collects a procedure's result set into a table)."""
 _CONTROL = re.compile(r"^(IF|WHILE) (.*)$", re.DOTALL)
 
 
@@ -197,14 +204,17 @@ def procedure_statements(text: str) -> tuple[exp.Create, list[exp.Expression], l
             buf = ""
     assert depth == 0 and not buf, (depth, buf)
     whole = text
-    for statement in opaque:
-        whole = whole.replace(statement.split(";")[0] + ";", "SET NOCOUNT ON;")
+    for statement in opaque:  # it may span lines: matched token by token
+        pattern = r"\s+".join(re.escape(token) for token in statement.split())
+        whole, replaced = re.subn(pattern, "SET NOCOUNT ON;", whole, count=1)
+        assert replaced == 1, statement
     [proc] = tsql_statements(whole)
     assert isinstance(proc, exp.Create) and proc.args.get("kind") == "PROCEDURE", type(proc)
     return proc, parsed, opaque
 
 
 PROCEDURES = sorted(k for k, v in schema_blocks().items() if "\nCREATE OR ALTER PROCEDURE" in f"\n{v}")
+FUNCTIONS = sorted(k for k, v in schema_blocks().items() if "\nCREATE OR ALTER FUNCTION" in f"\n{v}")
 
 
 def test_the_schema_steps_are_versions_one_to_latest() -> None:
@@ -212,14 +222,21 @@ def test_the_schema_steps_are_versions_one_to_latest() -> None:
     assert latest == 3 and [v for v, _ in steps] == [1, 2, 3]
     assert steps[0][1] == [ms.schema_sql()[1]]
     blocks = schema_blocks()
-    assert set(blocks) == {"schema", "v2_ring_tables", *PROCEDURES, "v3_owned_objects"}
-    assert len(steps[1][1]) == len(blocks) - 2  # every v2_ block, one batch each
-    assert steps[2][1] == [read_blocks()["v3_owned_objects"]]
+    v2 = [k for k in blocks if k.startswith("v2_")]
+    v3 = [k for k in blocks if k.startswith("v3_")]
+    assert list(blocks) == ["schema", *v2, *v3]  # a step's blocks run in file order, after the earlier steps'
+    compose = MssqlDatabase("mssql://h/db", schema="dbq").compose
+    assert [compose(b) for b in steps[1][1]] == [blocks[k] for k in v2]  # one batch a block
+    assert [compose(b) for b in steps[2][1]] == [blocks[k] for k in v3]
     assert "CREATE TABLE [dbq].owned_objects (" in blocks["v3_owned_objects"]
     assert "CREATE SCHEMA" not in blocks["schema"]  # install() creates it, only when it is missing
     for name in ("rings", "ring_slots", "ring_failed", "ring_lanes"):
         assert f"CREATE TABLE [dbq].{name} (" in blocks["v2_ring_tables"]
-    tsql_statements(blocks["v2_ring_tables"])
+    for name in ("ring_push_lanes", "ring_leases", "ring_retry"):
+        assert f"CREATE TABLE [dbq].{name} (" in blocks["v3_ring_tables"]
+    assert "CREATE TABLE [dbq].ring_lanes (" in blocks["v3_ring_convert"]
+    for name in ("v2_ring_tables", "v3_ring_tables", "v3_ring_convert"):
+        tsql_statements(blocks[name])
 
 
 def test_every_ring_procedure_parses_statement_by_statement() -> None:
@@ -232,15 +249,46 @@ def test_every_ring_procedure_parses_statement_by_statement() -> None:
         "v2_ring_push",
         "v2_ring_skip_abandoned",
         "v2_ring_skip_gap",
+        "v3_ring_create",
+        "v3_ring_drop",
+        "v3_ring_floor",
+        "v3_ring_pop",
+        "v3_ring_push",
+        "v3_ring_push_lanes_held",
+        "v3_ring_reclaim_expired",
+        "v3_ring_settle",
+        "v3_ring_skip_abandoned",
+        "v3_ring_skip_gap",
+        "v3_ring_split_leases",
+        "v3_ring_take",
     ]
     counts = {}
     for name in PROCEDURES:
         proc, parsed, opaque = procedure_statements(schema_blocks()[name])
-        assert proc.this.this.name == name.removeprefix("v2_")
-        counts[name] = (len(parsed), len(opaque))
-    assert counts["v2_ring_push"][1] == 1  # the full ring's WAITFOR DELAY, its only opaque statement
-    assert all(o == 0 for n, (_, o) in counts.items() if n != "v2_ring_push")
+        assert proc.this.this.name == name[3:]
+        counts[name] = (len(parsed), opaque)
+    for push in ("v2_ring_push", "v3_ring_push"):  # the full ring's WAITFOR DELAY, its only opaque statement
+        assert counts[push][1] == ["WAITFOR DELAY @wait;"]
+    [collect] = counts["v3_ring_pop"][1]  # the take's messages, collected with INSERT ... EXEC
+    assert collect.startswith(
+        "INSERT INTO @out (id, attempts, deliveries, enqueued_at, lease_until, payload) EXEC"
+    )
+    assert all(
+        not o for n, (_, o) in counts.items() if n not in ("v2_ring_push", "v3_ring_push", "v3_ring_pop")
+    )
     assert all(p >= 2 for p, _ in counts.values()), counts
+
+
+def test_every_ring_function_is_one_inline_select() -> None:
+    assert FUNCTIONS == ["v3_ring_held", "v3_ring_ready", "v3_ring_series"]
+    for name in FUNCTIONS:
+        [create] = tsql_statements(schema_blocks()[name])
+        assert isinstance(create, exp.Create) and create.args.get("kind") == "FUNCTION", name
+        assert create.this.this.name == name[3:]
+        assert "RETURNS TABLE\nAS\nRETURN (" in schema_blocks()[name]  # inline: expanded where it is used
+        assert isinstance(create.expression, exp.Return), name
+        body = create.expression.this
+        assert isinstance(body, exp.Select | exp.Union | exp.Subquery), (name, type(body))
 
 
 @pytest.mark.parametrize(
@@ -252,6 +300,9 @@ def test_every_ring_procedure_parses_statement_by_statement() -> None:
         ("WAITFOR DELAY @wait;", "WAITFOR DELAY '00:00:01' + 1;"),
         ("SET @remaining = NULL;", "SET @remaining = NULL"),
         ("    END;\n    SELECT @first;", "    SELECT @first;"),
+        ("SET @held = (SELECT count(*) FROM @h);", "SET @held = (SELECT count(*) FROM @h;"),
+        ("@retries = 0, @wait = @wait;", "@retries = 0, @wait = @wait + 1;"),
+        ("SET @count = (SELECT count(*) FROM @held);", "SET @count = (SELECT count(*) FROM @held WHERE);"),
     ],
 )
 def test_the_procedure_check_is_not_vacuous_broken_bodies_are_rejected(good: str, bad: str) -> None:
@@ -262,17 +313,416 @@ def test_the_procedure_check_is_not_vacuous_broken_bodies_are_rejected(good: str
         procedure_statements(broken)
 
 
-def test_the_ring_claims_read_past_locked_slots_in_slot_order() -> None:
-    pop = schema_blocks()["v2_ring_pop"]
-    claims = re.findall(r"WITH c AS \(.*?OUTPUT inserted\.", pop, flags=re.DOTALL)
-    assert len(claims) == 2  # one per part of the window
-    for claim in claims:
-        assert "SELECT TOP (@n" in claim and "WITH (ROWLOCK, READPAST, UPDLOCK)" in claim
-        assert "ORDER BY s.slot)" in claim and "UPDATE c" in claim
-    push = schema_blocks()["v2_ring_push"]
-    assert "EXEC sys.sp_sequence_get_range @sequence_name = @seq, @range_size = @n" in push
-    assert push.index("FROM [dbq].ring_lanes WITH (ROWLOCK, READPAST)") < push.index("@range_size = @n")
-    assert "CACHE 1000" in schema_blocks()["v2_ring_create"]
+_EVENT = re.compile(
+    r"(?P<create>CREATE (?:OR ALTER )?(?P<ckind>PROCEDURE|FUNCTION|TABLE) \[dbq\]\.(?P<cname>[a-z_]+))"
+    r"|(?P<drop>DROP (?P<dkind>PROCEDURE|TABLE) (?:IF EXISTS )?\[dbq\]\.(?P<dname>[a-z_]+))"
+    r"|(?P<call>(?:EXEC \[dbq\]\.(?P<proc>[a-z_]+))|\[dbq\]\.(?P<func>[a-z_]+)\()"
+)
+_REFERENCE = re.compile(r"\[dbq\]\.([a-z_]+)")
+
+
+def test_each_block_uses_only_what_earlier_blocks_made_and_the_last_one_leaves_nothing_dangling() -> None:
+    """The install runs the blocks in file order: a procedure or function is created before a block that
+    calls it, and after the last block every procedure and function names only objects that exist
+    (version 3 replaces each procedure of version 2 that called what it drops)."""
+    made: dict[str, str] = {}
+    bodies: dict[str, str] = {}
+    for name, block in schema_blocks().items():
+        code = "\n".join(ln for ln in block.splitlines() if not ln.strip().startswith("--"))
+        own = None
+        for m in _EVENT.finditer(code):
+            if m.group("create"):
+                own = m.group("cname")
+                made[own] = m.group("ckind")
+                bodies[own] = code
+            elif m.group("drop"):
+                assert made.pop(m.group("dname"), None) == m.group("dkind"), (name, m.group(0))
+                bodies.pop(m.group("dname"), None)
+            else:
+                callee = m.group("proc") or m.group("func")
+                assert callee == own or made.get(callee) in ("PROCEDURE", "FUNCTION"), (
+                    f"{name} calls {callee}"
+                )
+    routines = {o for o, k in made.items() if k in ("PROCEDURE", "FUNCTION")}
+    assert routines == {
+        "ring_create",
+        "ring_drop",
+        "ring_floor",
+        "ring_held",
+        "ring_pop",
+        "ring_push",
+        "ring_push_lanes_held",
+        "ring_ready",
+        "ring_reclaim_expired",
+        "ring_series",
+        "ring_settle",
+        "ring_skip_abandoned",
+        "ring_skip_gap",
+        "ring_split_leases",
+        "ring_take",
+    }
+    tables = {o for o, k in made.items() if k == "TABLE"}
+    assert {
+        "rings",
+        "ring_slots",
+        "ring_lanes",
+        "ring_push_lanes",
+        "ring_leases",
+        "ring_retry",
+        "ring_failed",
+    } <= tables
+    for obj in routines:
+        dangling = set(_REFERENCE.findall(bodies[obj])) - set(made)
+        assert not dangling, f"{obj} names {dangling}, which the last version no longer has"
+
+
+def _final_tables() -> dict[str, list[str]]:
+    """The columns of each table after every block of schema.sql, in order (CREATE, ALTER ... ADD and
+    DROP COLUMN, DROP TABLE), read from sqlglot's parse."""
+    tables: dict[str, list[str]] = {}
+    for block in schema_blocks().values():
+        if "\nCREATE OR ALTER " in f"\n{block}":
+            continue
+        for stmt in tsql_statements(block):
+            if isinstance(stmt, exp.Create) and stmt.args.get("kind") == "TABLE":
+                schema = stmt.this
+                tables[schema.this.name] = [
+                    c.name for c in schema.expressions if isinstance(c, exp.ColumnDef)
+                ]
+            elif isinstance(stmt, exp.Drop) and stmt.args.get("kind") == "TABLE":
+                for t in stmt.args["tables"]:
+                    del tables[t.name]
+            elif isinstance(stmt, exp.Alter):
+                cols = tables[stmt.this.name]
+                for action in stmt.args.get("actions") or []:
+                    if isinstance(action, exp.ColumnDef):
+                        cols.append(action.name)
+                    elif isinstance(action, exp.Drop) and action.args.get("kind") == "COLUMN":
+                        for c in action.args["tables"]:
+                            cols.remove(c.name)
+    return tables
+
+
+def _postgres_tables() -> dict[str, list[str]]:
+    text = read_text(PG, "schema.sql")
+    out = {}
+    for name, body in re.findall(r"CREATE TABLE \{schema\}\.([a-z_]+) \((.*?)\n\)", text, flags=re.DOTALL):
+        create = sqlglot.parse_one(f"CREATE TABLE {name} ({body})", read="postgres")
+        out[name] = [c.name for c in create.this.expressions if isinstance(c, exp.ColumnDef)]
+    return out
+
+
+MSSQL_ONLY_RING_COLUMNS = {
+    "rings": ["push_seq_id", "gap_seq_id", "push_lanes"],  # sys.sequences ids; the gap proof's lanes
+}
+"""Columns the SQL Server ring tables have beyond PostgreSQL's, and why."""
+
+
+def test_the_ring_tables_end_with_postgresqls_columns() -> None:
+    """A fresh install and a version-2 schema migrated by the same blocks end with the ring tables of
+    PostgreSQL's schema.sql, column for column (and ring_push_lanes, the gap proof's own)."""
+    ours, theirs = _final_tables(), _postgres_tables()
+    ring = sorted(t for t in theirs if t == "rings" or t.startswith("ring_"))
+    assert ring == ["ring_failed", "ring_lanes", "ring_leases", "ring_retry", "ring_slots", "rings"]
+    for table in ring:
+        extra = MSSQL_ONLY_RING_COLUMNS.get(table, [])
+        assert [c for c in ours[table] if c not in extra] == theirs[table], table
+        assert set(extra) <= set(ours[table])
+    assert ours["ring_push_lanes"] == ["queue_id", "lane", "pushes"]
+    assert ours["ring_slots"] == ["queue_id", "slot", "seq", "enqueued_at", "payload"]
+
+
+# -- the conversion's arithmetic, evaluated from the parsed T-SQL ---------------------------------------
+
+
+def _tsql_mod(a: int, b: int) -> int:
+    """T-SQL's % on integers: the sign of the dividend (C's truncating remainder), not Python's."""
+    r = abs(a) % abs(b)
+    return -r if a < 0 else r
+
+
+def tsql_eval(node: exp.Expression, env: dict[str, Any]) -> Any:  # noqa: PLR0911
+    """Evaluate a T-SQL scalar expression of integers (columns and @variables from ``env``, NULL as None)
+    with T-SQL's semantics: NULL propagates, % and / truncate toward zero, CASE takes the first true WHEN."""
+    if isinstance(node, exp.Paren | exp.Cast):
+        return tsql_eval(node.this, env)
+    if isinstance(node, exp.Column):
+        return env[node.sql(dialect="tsql")]
+    if isinstance(node, exp.Parameter):
+        return env["@" + node.name]
+    if isinstance(node, exp.Null):
+        return None
+    if isinstance(node, exp.Literal):
+        return int(node.this)
+    if isinstance(node, exp.Neg):
+        v = tsql_eval(node.this, env)
+        return None if v is None else -v
+    if isinstance(node, exp.Coalesce):
+        for arg in [node.this, *node.expressions]:
+            v = tsql_eval(arg, env)
+            if v is not None:
+                return v
+        return None
+    if isinstance(node, exp.Case):
+        for branch in node.args["ifs"]:
+            if tsql_eval(branch.this, env) is True:
+                return tsql_eval(branch.args["true"], env)
+        default = node.args.get("default")
+        return None if default is None else tsql_eval(default, env)
+    if isinstance(node, exp.In):
+        v = tsql_eval(node.this, env)
+        return None if v is None else v in [tsql_eval(e, env) for e in node.expressions]
+    if isinstance(node, exp.And | exp.Or):
+        a, b = tsql_eval(node.this, env), tsql_eval(node.expression, env)
+        if isinstance(node, exp.And):
+            return False if False in (a, b) else (None if None in (a, b) else True)
+        return True if True in (a, b) else (None if None in (a, b) else False)
+    binary = {
+        exp.Add: lambda a, b: a + b,
+        exp.Sub: lambda a, b: a - b,
+        exp.Mul: lambda a, b: a * b,
+        exp.Div: lambda a, b: int(a / b) if a * b >= 0 else -(abs(a) // abs(b)),
+        exp.Mod: _tsql_mod,
+        exp.EQ: lambda a, b: a == b,
+        exp.NEQ: lambda a, b: a != b,
+        exp.LT: lambda a, b: a < b,
+        exp.LTE: lambda a, b: a <= b,
+        exp.GT: lambda a, b: a > b,
+        exp.GTE: lambda a, b: a >= b,
+    }
+    for kind, op in binary.items():
+        if isinstance(node, kind):
+            a, b = tsql_eval(node.this, env), tsql_eval(node.expression, env)
+            return None if a is None or b is None else op(a, b)
+    raise NotImplementedError(node.sql(dialect="tsql"))
+
+
+def test_the_evaluator_is_t_sqls_not_pythons() -> None:
+    e = sqlglot.parse_one(
+        "SELECT -7 % 3, 7 % -3, -7 / 2, CASE WHEN @x IN (1, 2) THEN 1 END, coalesce(@y, 4)", read="tsql"
+    )
+    got = [tsql_eval(x, {"@x": None, "@y": None}) for x in e.expressions]
+    assert got == [-1, 1, -3, None, 4]
+
+
+def _conversion() -> exp.Insert:
+    [insert] = [
+        s
+        for s in tsql_statements(schema_blocks()["v3_ring_convert"])
+        if isinstance(s, exp.Insert) and s.this.this.name == "ring_lanes"
+    ]
+    return insert
+
+
+def test_the_conversion_starts_each_lane_at_its_first_number_from_the_head() -> None:
+    select = _conversion().expression
+    assert [c.sql(dialect="tsql") for c in select.expressions[:2]] == ["h.queue_id", "g.k"]
+    pos = select.expressions[2]
+    for lanes in range(1, 10):
+        for head in range(1, 60):
+            got = [tsql_eval(pos, {"h.head": head, "h.lanes": lanes, "g.k": k}) for k in range(lanes)]
+            want = [next(x for x in range(head, head + lanes) if x % lanes == k) for k in range(lanes)]
+            assert got == want, (head, lanes)
+
+
+def _v2_head_parts() -> tuple[exp.Expression, exp.Expression]:
+    """The conversion's head: coalesce((SELECT min(<per slot>) FROM ring_slots s ...), <none>)."""
+    head = next(a for a in _conversion().expression.find_all(exp.Alias) if a.alias == "head").this
+    assert isinstance(head, exp.Coalesce)
+    sub = head.this.this if isinstance(head.this, exp.Subquery) else head.this
+    [agg] = sub.expressions
+    assert isinstance(agg, exp.Min)
+    [fallback] = head.expressions
+    return agg.this, fallback
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_conversion_heads_each_ring_at_its_lowest_unfinished_number(seed: int) -> None:
+    """A version-2 ring, made at random: each slot holds its last number written or given up, in a
+    state (0 finished, 1 ready, 2 leased, 3 given up); numbers of a slot above it up to the issued position
+    are unwritten. The head is the lowest number that is ready, leased or unwritten, else the number after
+    the issued position: computed here number by number, and by the T-SQL slot by slot."""
+    import random
+
+    rng = random.Random(seed)
+    cap = rng.randint(1, 9)
+    issued = rng.randint(0, 4 * cap)
+    slots = []
+    for j in range(cap):
+        numbers = [x for x in range(j - cap if j else 0, issued + 1, cap) if x <= issued]
+        seq = rng.choice(numbers[-3:])
+        state = rng.choice([0, 3]) if seq <= 0 else rng.choice([0, 1, 2, 3])
+        slots.append((j, seq, state))
+    per_slot, fallback = _v2_head_parts()
+    values = [
+        tsql_eval(per_slot, {"s.state": state, "s.seq": seq, "r.capacity": cap, "i.issued": issued})
+        for _, seq, state in slots
+    ]
+    present = [v for v in values if v is not None]
+    got = min(present) if present else tsql_eval(fallback, {"i.issued": issued})
+
+    def unfinished(x: int) -> bool:
+        _, seq, state = slots[x % cap]
+        return x > seq or (x == seq and state in (1, 2))
+
+    want = next((x for x in range(1, issued + 1) if unfinished(x)), issued + 1)
+    assert got == want, (cap, issued, slots)
+
+
+def test_a_take_moves_each_lane_it_held_past_the_last_number_taken() -> None:
+    """ring_take's new position of a lane it held: its first number after the last one taken (@top),
+    unless the lane is already past it."""
+    take = schema_blocks()["v3_ring_take"]
+    [update] = [
+        s
+        for s in procedure_statements(take)[1]
+        if isinstance(s, exp.Update) and "@top" in s.sql(dialect="tsql")
+    ]
+    [assignment] = update.expressions
+    assert assignment.this.name == "pos"
+    for lanes in range(1, 9):
+        for top in range(0, 40):
+            for lane in range(lanes):
+                for pos in (lane, top + 1 + lanes * 3 + lane):
+                    got = tsql_eval(
+                        assignment.expression, {"@top": top, "@lanes": lanes, "l.lane": lane, "l.pos": pos}
+                    )
+                    first = next(x for x in range(top + 1, top + 1 + lanes) if x % lanes == lane)
+                    assert got == max(pos, first), (lanes, top, lane, pos)
+
+
+# -- parity of the ring's queries: parameters and result columns -------------------------------------
+
+_PLACEHOLDER = re.compile(r"%\(([a-z_]+)\)[sb]")
+
+RING_PARAMETERS_POSTGRESQL_ONLY = {
+    "ring_create": {"schema"},  # a procedure knows its own schema (OBJECT_SCHEMA_NAME(@@PROCID))
+    "ring_push": {"notify", "channel"},  # SQL Server has no NOTIFY: waiting pops poll
+    "ring_push_one": {"notify", "channel"},
+}
+RING_PARAMETERS_MSSQL_ONLY = {
+    "ring_snapshot": {"queue_id"},  # the gap proof's list is the ring's push lanes, not the server's xids
+}
+
+
+def test_the_ring_queries_take_postgresqls_parameters() -> None:
+    """Each ring query binds the parameters of its PostgreSQL twin (RingQueue passes one dict to both),
+    but for the few listed with their reason."""
+    pg, mssql = load_queries(PG, "queries.sql"), load_queries(MS, "queries.sql")
+    for name in sorted(n for n in pg if n.startswith("ring_") or n in ("get_queue", "list_queues")):
+        theirs, ours = set(_PLACEHOLDER.findall(pg[name])), set(_PLACEHOLDER.findall(mssql[name]))
+        assert theirs - ours == RING_PARAMETERS_POSTGRESQL_ONLY.get(name, set()), name
+        assert ours - theirs == RING_PARAMETERS_MSSQL_ONLY.get(name, set()), name
+
+
+def _result_width(stmt: exp.Expression) -> int | None:
+    """How many columns a statement returns (None: no result set)."""
+    if isinstance(stmt, exp.Union):
+        return _result_width(stmt.left)
+    if isinstance(stmt, exp.Select):
+        if all(isinstance(e, exp.EQ) and isinstance(e.this, exp.Parameter) for e in stmt.expressions):
+            return None  # SELECT @x = ...: an assignment
+        if (
+            stmt.args.get("from") is None
+            and stmt.args.get("where") is not None
+            and stmt.sql().startswith("SELECT 1 ")
+        ):
+            return None  # an IF or WHILE condition, as procedure_statements parses it
+        return len(stmt.expressions)
+    returning = stmt.args.get("returning")
+    if returning is not None and not returning.args.get("into"):
+        return len(returning.expressions)
+    return None
+
+
+def _postgres_width(name: str) -> int | None:
+    text = _PLACEHOLDER.sub("NULL", load_queries(PG, "queries.sql")[name]).replace("{schema}", "dbq")
+    return _result_width([s for s in sqlglot.parse(text, read="postgres") if s is not None][-1])
+
+
+def _mssql_widths(name: str) -> set[int]:
+    """The widths of every result set a SQL Server query can return: its last statement's, or, for an EXEC
+    of a ring procedure, those of the procedure's result sets."""
+    last = tsql_statements(mssql_sql(name))[-1]
+    if isinstance(last, exp.Execute):
+        proc = last.this.name
+        statements = procedure_statements(schema_blocks()[f"v3_{proc}"])[1]
+        return {w for w in map(_result_width, statements) if w is not None}
+    width = _result_width(last)
+    return set() if width is None else {width}
+
+
+RING_RESULTS_DIFFERENT = {
+    "ring_create": (1, set()),  # PostgreSQL's SELECT of a void function; the procedure returns no rows
+    "ring_drop": (1, set()),
+    "ring_skip_abandoned": (
+        1,
+        {2},
+    ),  # and the push lanes still to be seen unlocked, which recover_gaps passes back
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    sorted(
+        n
+        for n in load_queries(PG, "queries.sql")
+        if n.startswith("ring_") or n in ("get_queue", "list_queues")
+    ),
+)
+def test_the_ring_queries_return_postgresqls_columns(name: str) -> None:
+    want = _postgres_width(name)
+    assert want is not None, name
+    got = _mssql_widths(name)
+    assert (want, got) == RING_RESULTS_DIFFERENT.get(name, (want, {want})), name
+
+
+def test_the_result_width_check_is_not_vacuous() -> None:
+    assert _result_width(sqlglot.parse_one("SELECT @a = 1, @b = 2", read="tsql")) is None
+    assert _result_width(sqlglot.parse_one("SELECT @a = 1, 2", read="tsql")) == 2
+    assert _mssql_widths("ring_take") == {6} and _mssql_widths("ring_pop") == {9}
+    assert _mssql_widths("ring_peek") == {6} and _postgres_width("ring_stats") == 10
+
+
+# -- how the ring's procedures lock ------------------------------------------------------------------
+
+
+def test_the_ring_reads_and_takes_past_locks_as_skip_locked_does() -> None:
+    """The take locks lanes lowest position first past those other pops hold and reads slots past the
+    locks of pushes in progress; the pop serves retry rows past those other pops hold; the push writes
+    its slots past locks, gated on the floor, after it locked a push lane and before its numbers."""
+    take = schema_blocks()["v3_ring_take"]
+    lanes = re.findall(r"FROM \[dbq\]\.ring_lanes t WITH \(([A-Z, ]+)\)", take)
+    assert lanes == [
+        "ROWLOCK, UPDLOCK, READPAST",
+        "ROWLOCK, UPDLOCK, READPAST",
+        "ROWLOCK, UPDLOCK",
+        "ROWLOCK, UPDLOCK",
+    ]
+    assert (
+        "CREATE INDEX ring_lanes_pos_idx ON [dbq].ring_lanes (queue_id, pos);"
+        in schema_blocks()["v3_ring_convert"]
+    )
+    assert take.count("ORDER BY t.pos") == 3 and "ORDER BY t.lane;" in take  # waiters lock in lane order
+    slot_reads = re.findall(r"\[dbq\]\.ring_slots s(?: WITH \(([A-Z, ]+)\))?", take)
+    assert slot_reads.count("READCOMMITTEDLOCK, READPAST") == 3 and slot_reads.count("") == 1
+    pop = schema_blocks()["v3_ring_pop"]
+    assert pop.count("FROM [dbq].ring_retry t WITH (ROWLOCK, UPDLOCK, READPAST)") == 2
+    assert "SET LOCK_TIMEOUT 1000;" in pop
+    push = schema_blocks()["v3_ring_push"]
+    writes = re.findall(r"UPDATE s SET seq = @base[12] \+ s\.slot.*?;", push, flags=re.DOTALL)
+    assert len(writes) == 2
+    for write in writes:
+        assert "WITH (ROWLOCK, READPAST)" in write and "s.seq < @floor" in write and "state" not in write
+    lane = push.index("FROM [dbq].ring_push_lanes WITH (ROWLOCK, READPAST)")
+    assert push.index("EXEC [dbq].ring_floor") < lane < push.index("@range_size = @n")
+    assert "CACHE 1000" in schema_blocks()["v3_ring_create"]
+    floor = procedure_statements(schema_blocks()["v3_ring_floor"])[1]
+    reads = [
+        s.sql(dialect="tsql") for s in floor if isinstance(s, exp.Set) and "SELECT" in s.sql(dialect="tsql")
+    ]
+    assert ["ring_lanes" in reads[0], "ring_leases" in reads[1], "ring_retry" in reads[2]] == [True] * 3
+    assert not any("READPAST" in r or "NOLOCK" in r for r in reads)  # committed rows, never skipped
 
 
 def test_every_error_the_procedures_raise_is_translated() -> None:
@@ -704,8 +1154,16 @@ def _ring_on_fake_sql_server(monkeypatch: pytest.MonkeyPatch, script: list[Any])
 
     db = MssqlDatabase("mssql://u:p@h/db", schema="dbq")
     fake = FakeSqlServer(script).attach(monkeypatch, db)
-    settings = QueueSettings(name="r", queue_id=1, design=Design.RING, max_payload_bytes=512, capacity=8)
+    monkeypatch.setattr(ms.time, "sleep", lambda s: None)
+    settings = QueueSettings(
+        name="r", queue_id=1, design=Design.RING, max_payload_bytes=512, capacity=8, lanes=4
+    )
     return RingQueue(db, settings), fake
+
+
+def _sent(fake: FakeSqlServer, procedure: str) -> list[list[Any]]:
+    """The values bound to each statement that ran ``procedure`` (or the named query's text)."""
+    return [values for text, values in fake.executed if f"[dbq].{procedure} " in text]
 
 
 def test_the_procedures_errors_are_translated_by_their_code() -> None:
@@ -761,3 +1219,204 @@ def test_gap_recovery_waits_on_the_lanes_still_locked_on_a_fake_sql_server(
     sent = [values for _, values in fake.executed]
     assert sent[2] == [1, 9, "[3,7]"] and sent[3] == [1, 9, "[7]"]
     assert fake.script == []
+
+
+def _message_row(msg_id: int, payload: bytes = b'"x"') -> tuple[Any, ...]:
+    """A message row of ring_pop as the procedure returns it (nine columns, the last three NULL)."""
+    when = dt.datetime(2026, 1, 1)
+    return (msg_id, 1, 1, when, None, payload, None, None, None)
+
+
+def _meta_row(gap: int | None = None, issued: int | None = None, snap: str | None = None) -> tuple[Any, ...]:
+    return (None, None, None, None, None, None, gap, issued, snap)
+
+
+def test_a_push_of_one_whose_slot_is_not_free_is_written_by_ring_push_on_a_fake_sql_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ring_push_one took number 5 and found its slot not free (written 0): the engine writes that number
+    with ring_push (first = 5), which waits for the slot, and nothing else is taken."""
+    q, fake = _ring_on_fake_sql_server(monkeypatch, [[(5, False)], [(5,)]])
+    assert q.push_batch(["a"]) == [5]
+    [one] = _sent(fake, "ring_push")[:1]
+    assert one == [1, 8, b'"a"']  # queue_id, capacity, the payload as varbinary
+    assert "@once = 1" in fake.executed[0][0] and "@once = 0" in fake.executed[1][0]
+    assert fake.executed[1][1] == [1, 8, json.dumps([b'"a"'.hex()]), 30.0, 5]
+    assert (fake.commits, fake.rollbacks) == (2, 0)
+    _check_sent(fake)
+
+
+def test_a_full_ring_pushes_back_between_transactions_on_a_fake_sql_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ring was full before anything was taken (ring_push_one and ring_push return no number): the
+    engine waits between transactions and asks again, with a new number each time only once it is let in."""
+    from airflow_dbqueue.engine import ring
+
+    monkeypatch.setattr(ring.time, "sleep", lambda s: None)
+    q, fake = _ring_on_fake_sql_server(monkeypatch, [[(None, None)], [(None,)], [(None,)], [(7,)]])
+    assert q.push_batch(["a"]) == [7]
+    assert [values[-1] for _, values in fake.executed[1:]] == [None, None, None]  # first: none taken before
+    assert (fake.commits, fake.rollbacks) == (4, 0)
+    _check_sent(fake)
+
+
+def test_a_pop_reports_a_gap_lists_the_push_lanes_and_passes_them_back_on_a_fake_sql_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first ring_pop took 3 and saw number 5 unwritten at the head; the second, told about 5, found
+    it still there and listed the push lanes held ([2]); the third passes number, position and lanes back
+    (for ring_skip_gap's proof), and takes 6 once 5 is given up. The batch comes back in id order."""
+    script: list[Any] = [
+        [_message_row(3), _meta_row(5, 9)],
+        [_meta_row(5, 9, "[2]")],
+        [_message_row(6), _meta_row()],
+    ]
+    q, fake = _ring_on_fake_sql_server(monkeypatch, script)
+    got = q.pop(2)
+    assert [m.id for m in got] == [3, 6] and got[0].payload == "x"
+    pops = _sent(fake, "ring_pop")
+    common = [1, 8, 4, None, False, 30.0, DEFAULT_CONSUMER, False]
+    assert [p[:3] + p[4:8] for p in pops] == [common[:3] + common[4:]] * 3
+    assert [p[3] for p in pops] == [2, 1, 1]  # what is left of the batch
+    assert [p[8:] for p in pops] == [
+        [None, None, None, False],
+        [5, 9, None, False],
+        [5, 9, "[2]", False],
+    ]
+    assert q._gap is None  # the last pop saw no gap
+    _check_sent(fake)
+
+
+def test_a_full_pop_takes_the_fast_path_next_on_a_fake_sql_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pop that came back full makes the next one start with ring_take (no retries due, no gap): one
+    statement, with the parameters of the take."""
+    script: list[Any] = [[_message_row(1), _meta_row()], [_message_row(2)[:6]]]
+    q, fake = _ring_on_fake_sql_server(monkeypatch, script)
+    assert [m.id for m in q.pop(1)] == [1]
+    assert [m.id for m in q.pop(1)] == [2]
+    [take] = _sent(fake, "ring_take")
+    assert take == [1, 8, 4, 1, False, 30.0, DEFAULT_CONSUMER]
+    _check_sent(fake)
+
+
+def test_a_pop_whose_lanes_stay_locked_returns_empty_on_a_fake_sql_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ring_pop's lanes stayed held past its LOCK_TIMEOUT (error 1222, which rolls its transaction back):
+    the dialect runs it again up to its retries, then the engine returns nothing for this pop; in the
+    caller's transaction the error is raised at once."""
+    timeout = import_pyodbc().Error(
+        "HY000", f"[HY000] {DRIVER}[SQL Server]Lock request time out period exceeded. (1222) (SQLExecDirectW)"
+    )
+    q, fake = _ring_on_fake_sql_server(monkeypatch, [timeout] * 4)
+    assert q.pop(3) == []
+    assert (fake.commits, fake.rollbacks) == (0, 4) and fake.script == []
+    q2, fake2 = _ring_on_fake_sql_server(monkeypatch, [timeout, [(1,)]])
+    with pytest.raises(LockTimeoutError):
+        q2.pop(3, semantics="exactly-once", conn=fake2)
+    assert fake2.script == [[(1,)]]
+
+
+def test_acks_delete_a_whole_lease_or_settle_the_rest_on_a_fake_sql_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An ack naming a whole lease is ring_ack alone; anything else goes to ring_settle (ack: nack 0);
+    receipts that lost their lease are named from ring_held_receipts, and nothing was acked."""
+    from airflow_dbqueue.engine import LeaseExpiredError, Message
+
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    msgs = [Message(i, "r", "x", 0, 1, 1, now, now) for i in (3, 4)]
+    script: list[Any] = [[(2,)], [], [(3, 0), (4, 0)], [], [(3, 0)], [(3, 1)]]
+    q, fake = _ring_on_fake_sql_server(monkeypatch, script)
+    assert q.ack(msgs) == 2
+    assert q.ack(msgs) == 2
+    with pytest.raises(LeaseExpiredError) as info:
+        q.ack(msgs)
+    assert info.value.ids == [4]
+    acks = [v for t, v in fake.executed if "DELETE e OUTPUT deleted.n" in t]
+    assert acks == [[1, 4, "[3, 4]", "[1, 1]"]] * 3  # queue_id, lanes, ids, deliveries
+    settles = _sent(fake, "ring_settle")
+    assert settles == [[1, 8, 4, "[3, 4]", "[1, 1]", False, None, 0.0, 0.0, 1, None]] * 2
+    [held] = [v for t, v in fake.executed if "[dbq].ring_held(" in t]
+    assert held == [1, 4, "[3, 4]", "[1, 1]"]
+    _check_sent(fake)
+
+
+def test_a_nack_sends_the_queues_backoff_and_attempts_on_a_fake_sql_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from airflow_dbqueue.engine import Message
+
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    q, fake = _ring_on_fake_sql_server(monkeypatch, [[(3, 1)]])
+    assert q.nack([Message(3, "r", "x", 0, 2, 2, now, now)], delay=1.5, error="boom") == 1
+    [settle] = _sent(fake, "ring_settle")
+    s = q.settings
+    assert settle == [
+        1,
+        8,
+        4,
+        "[3]",
+        "[2]",
+        True,
+        1.5,
+        s.retry_backoff_s,
+        s.retry_backoff_max_s,
+        s.max_attempts,
+        "boom",
+    ]
+    _check_sent(fake)
+
+
+def test_maintenance_of_a_ring_reclaims_and_recovers_gaps_on_a_fake_sql_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """maintain(): expired leases (ring_reclaim_expired, with the ring's capacity and lanes), then the gap
+    recovery: position 9 with unwritten numbers, no push lane held, 2 numbers given up."""
+    q, fake = _ring_on_fake_sql_server(monkeypatch, [[(3, 1), (4, 2)], [(9, 1)], [("[]",)], [(2, None)]])
+    assert q.maintain(limit=50) == {"reclaimed": 2, "gaps_skipped": 2}
+    assert _sent(fake, "ring_reclaim_expired") == [[1, 8, 4, q.settings.max_attempts, 50]]
+    assert fake.executed[1][1] == [1] and "EXEC [dbq].ring_floor" in fake.executed[1][0]
+    assert _sent(fake, "ring_skip_abandoned") == [[1, 9, "[]"]]
+    _check_sent(fake)
+
+
+def test_the_queue_row_carries_a_rings_capacity_and_lanes_on_a_fake_sql_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """get_queue's row ends with the ring's capacity and lanes (NULL for the table design), which
+    RingQueue runs on."""
+    row = (3, "r", "ring", "json", 512, 5, 30.0, 1.0, 60.0, "auto", False, 1024, 8)
+    dbq, fake = _suites_dbq(monkeypatch, [[row]])
+    q = dbq.queue("r")
+    assert (q.settings.capacity, q.settings.lanes, type(q).__name__) == (1024, 8, "RingQueue")
+    [(text, values)] = fake.executed
+    assert (
+        values == ["r"]
+        and "(SELECT r.lanes FROM [dbq].rings r WHERE r.queue_id = q.queue_id) AS lanes" in text
+    )
+    _check_sent(fake)
+
+
+def test_the_conformance_suites_lease_expiry_on_a_fake_sql_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """expire_leases on a ring (tests/integration/test_conformance.py): the leases holding the ids are split
+    into retry rows (ring_split_leases), whose leases then end, as on PostgreSQL."""
+    from airflow_dbqueue.engine.models import Design, QueueSettings
+    from airflow_dbqueue.engine.ring import RingQueue
+    from tests.integration.test_conformance import expire_leases
+
+    dbq, fake = _suites_dbq(monkeypatch, [[]])
+    settings = QueueSettings(
+        name="r", queue_id=7, design=Design.RING, max_payload_bytes=512, capacity=16, lanes=4
+    )
+    expire_leases(dbq, [3, 4], RingQueue(dbq.db, settings))
+    [(text, values)] = fake.executed
+    assert values == [7, "[3, 4]", 4, 7, 16, 4, 7, "[3, 4]"]
+    assert (
+        "EXEC [dbq].ring_split_leases @queue_id = ?, @cap = ?, @lanes = ?, @los = @los, @error = NULL;"
+        in text
+    )
+    assert "UPDATE [dbq].ring_retry SET due_at = DATEADD(second, -1, SYSUTCDATETIME())" in text
+    assert fake.commits == 1
+    _check_sent(fake)

@@ -210,6 +210,10 @@ class MaintenanceServer(FakeSqlServer):
         self.index_rows: list[list[tuple[Any, ...]]] = []
         self.archive_counts: list[Any] = []
         self.holders: list[tuple[Any, ...]] = []
+        self.queues: list[tuple[Any, ...]] = []
+        """Rows of list_queues and get_queue (the queues table with a ring's capacity and lanes)."""
+        self.ring: dict[str, list[tuple[Any, ...]]] = {}
+        """Answers of the ring's statements, by procedure (ring_reclaim_expired, ...), each used once."""
 
     def answer(self, text: str) -> list[tuple[Any, ...]] | None:  # noqa: PLR0911
         if "sp_getapplock" in text:
@@ -231,7 +235,17 @@ class MaintenanceServer(FakeSqlServer):
         if "JOIN sys.dm_db_partition_stats p ON p.object_id = t.object_id" in text:  # table_health
             return [(t, 8192, 0, 8192, 3, None, None, None, None, None) for t in MSSQL_TABLES]
         if "FROM [dbq].queues q ORDER BY name" in text:  # list_queues
-            return []
+            return self.queues
+        if "FROM [dbq].queues q WHERE name = ?" in text:  # get_queue
+            return self.queues[:1]
+        for procedure in (
+            "ring_reclaim_expired",
+            "ring_floor",
+            "ring_push_lanes_held",
+            "ring_skip_abandoned",
+        ):
+            if f"EXEC [dbq].{procedure} " in text:
+                return self.ring.pop(procedure)
         if "DELETE FROM old;" in text:  # purge_archive_batch
             return [(0,)]
         if "INTO @batch" in text:
@@ -457,3 +471,23 @@ def test_no_rebuild_runs_while_a_long_transaction_is_open_on_a_fake_sql_server(
     assert not fake.statements("DECLARE @online bit")  # no rebuild was sent
     [values] = [e.values for e in fake.statements("FROM sys.dm_tran_session_transactions")][:1]
     assert values is not None and values[0] == 60
+
+
+def test_a_rings_upkeep_on_a_fake_sql_server(fake: MaintenanceServer) -> None:
+    """recover(): a ring queue's upkeep (lease reclaim, then gap recovery), with the ring's capacity and
+    lanes from its row, on the pooled connections (consumers run alongside; no maintenance lock)."""
+    fake.queues = [(4, "events", "ring", "json", 512, 3, 30.0, 1.0, 60.0, "auto", False, 1024, 8)]
+    fake.ring = {
+        "ring_reclaim_expired": [(11, 1), (12, 1), (13, 2)],
+        "ring_floor": [(40, 1)],  # ring_unwritten: position 40, a number up to it unwritten
+        "ring_push_lanes_held": [("[5]",)],  # ring_snapshot: push lane 5 was held
+        "ring_skip_abandoned": [(4, None)],
+    }
+    report = DbQueue(DSN, schema="dbq").maintenance().recover()
+    assert report == {"events": {"reclaimed": 3, "gaps_skipped": 4}}
+    [reclaim] = fake.statements("EXEC [dbq].ring_reclaim_expired ")
+    assert reclaim.values == [4, 1024, 8, 3, 10_000]  # queue_id, capacity, lanes, max_attempts, limit
+    [skip] = fake.statements("EXEC [dbq].ring_skip_abandoned ")
+    assert skip.values == [4, 40, "[5]"]
+    assert fake.ring == {}  # every answer was asked for
+    assert not fake.statements("sp_getapplock")

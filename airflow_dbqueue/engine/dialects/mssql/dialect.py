@@ -8,6 +8,8 @@ bracket-quoted after validation), binds their parameters and runs each as one tr
   them into pyodbc's ``?`` with the values in order.
 - Lists: T-SQL has no arrays. A list parameter (receipt ids, deliveries, payloads) goes as one JSON
   array read with ``OPENJSON`` (SQL Server 2016+), bytes as hex strings (``CONVERT(varbinary, x, 2)``).
+  Arrays the ring keeps in its tables (a lease's per-lane starts) and passes between its procedures
+  (leases to split, push lanes still held) are JSON arrays too.
   Table-valued parameters would need a user-defined table type in the schema per shape, which pyodbc
   binds by type name and which must be dropped before the schema can be: JSON needs no catalog object.
 - Errors: :meth:`MssqlDatabase.translate_errors` maps pyodbc's exceptions by SQLSTATE and native error
@@ -78,7 +80,7 @@ NOT_YET_PORTED: dict[str, str] = {}
 
 The parity test checks that the PostgreSQL names are exactly this dialect's names plus these, so a new
 PostgreSQL query fails the test until it is ported or listed here. Empty: the table design, maintenance
-and the ring design are all ported (the ring since issue 7).
+and the ring design are all ported.
 """
 
 OUTSIDE_TRANSACTION = frozenset(

@@ -111,13 +111,15 @@ WHERE NOT EXISTS (SELECT 1 FROM {schema}.queues WITH (UPDLOCK, HOLDLOCK) WHERE n
 -- The columns of client._SETTINGS_COLUMNS, in order (a unit test checks both dialects).
 SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
        retry_backoff_s, retry_backoff_max_s, notify, archive,
-       (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity
+       (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity,
+       (SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS lanes
 FROM {schema}.queues q WHERE name = %(name)s
 
 -- name: list_queues
 SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
        retry_backoff_s, retry_backoff_max_s, notify, archive,
-       (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity
+       (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity,
+       (SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS lanes
 FROM {schema}.queues q ORDER BY name
 
 -- name: drop_queue_lock
@@ -812,246 +814,176 @@ SELECT
         WHERE queue_id = @queue_id AND archived_at > @since AND finished_at > @since AND outcome = 1)
       AS finished
 
+
 -- name: ring_create
--- The ring design. Push, pop and the gap recovery are stored procedures (schema.sql: ring_push,
--- ring_pop, ring_skip_abandoned, and their helpers); the statements below are the slower paths.
--- Receipts (id, delivery) find their slot as id % capacity: one primary-key probe each.
-EXEC {schema}.ring_create @queue_id = %(queue_id)s, @capacity = %(capacity)s, @slot_bytes = %(slot_bytes)s
+-- The ring design (schema.sql states its invariants). Push, take, pop, settle, reclaim and the gap
+-- recovery are stored procedures, the receipts' leases and the observers' view inline functions
+-- (ring_held, ring_ready); the statements below call them. Number x of a ring lives in slot x % capacity,
+-- so a receipt finds its slot with one primary-key probe. The schema name is the procedure's own
+-- (PostgreSQL's ring_create is given it).
+EXEC {schema}.ring_create @queue_id = %(queue_id)s, @capacity = %(capacity)s, @slot_bytes = %(slot_bytes)s,
+    @lanes = %(lanes)s
 
 -- name: ring_drop
 EXEC {schema}.ring_drop @queue_id = %(queue_id)s
 
 -- name: ring_push
--- payloads: a JSON array of hex strings. The channel is not used (no NOTIFY on SQL Server).
-EXEC {schema}.ring_push @queue_id = %(queue_id)s, @payloads = %(payloads)s, @timeout_s = %(timeout_s)s,
-    @notify = %(notify)s
+-- payloads: a JSON array of hex strings. The first number, or NULL when the ring is full for the batch
+-- before anything was taken. SQL Server has no NOTIFY: notify and channel are not used.
+SET NOCOUNT ON;
+DECLARE @num bigint;
+DECLARE @written bit;
+EXEC {schema}.ring_push @queue_id = %(queue_id)s, @cap = %(capacity)s, @payloads = %(payloads)s, @payload = NULL,
+    @timeout_s = %(timeout_s)s, @first = %(first)s, @once = 0, @num = @num OUTPUT, @written = @written OUTPUT;
+SELECT @num
 
 -- name: ring_push_one
--- PostgreSQL's one-statement push of one message; here the push of a batch of one, which always writes
--- (waiting for a full ring itself): its row is the first number alone, which the caller reads as
--- written. The numbers a PostgreSQL ring_push can be given (first) are never given here.
-EXEC {schema}.ring_push @queue_id = %(queue_id)s, @payloads = %(payloads)s, @timeout_s = %(timeout_s)s,
-    @notify = %(notify)s
+-- (number, written), as on PostgreSQL: a push of one that takes its number and tries its slot once; when
+-- the slot is not free yet, the number stays issued and unwritten and the caller writes it with ring_push
+-- (first), which waits.
+SET NOCOUNT ON;
+DECLARE @num bigint;
+DECLARE @written bit;
+EXEC {schema}.ring_push @queue_id = %(queue_id)s, @cap = %(capacity)s, @payloads = NULL, @payload = %(payload)s,
+    @timeout_s = 0, @first = NULL, @once = 1, @num = @num OUTPUT, @written = @written OUTPUT;
+SELECT @num AS r_num, @written AS r_written
 
--- name: ring_claim
--- PostgreSQL's one-statement claim; here ring_pop in the mode of a pop in the caller's transaction (no
--- gap skipped, the bound left as it is): its messages, then the last row without an id, which the
--- caller drops.
-EXEC {schema}.ring_pop @queue_id = %(queue_id)s, @cap = %(capacity)s, @lo = %(lo)s, @n = %(n)s,
-    @lease = %(lease)s, @vt = %(visibility_timeout_s)s, @consumer = %(consumer)s, @own = 1,
-    @gap = NULL, @gap_issued = NULL, @gap_snap = NULL, @force = 0
+-- name: ring_take
+-- The fast path of a pop (schema.sql): messages from the lanes, nothing when messages to deliver again
+-- are due (ring_pop serves those first). Its rows are ring_pop's messages.
+EXEC {schema}.ring_take @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = %(lanes)s, @n = %(n)s,
+    @lease = %(lease)s, @vt = %(visibility_timeout_s)s, @consumer = %(consumer)s, @retries = 1, @wait = 0
 
 -- name: ring_pop
-EXEC {schema}.ring_pop @queue_id = %(queue_id)s, @cap = %(capacity)s, @lo = %(lo)s, @n = %(n)s,
+-- The messages, then the last row (r_id NULL): the gap at the head, the issued position and the push
+-- lanes still to be seen unlocked (a JSON array).
+EXEC {schema}.ring_pop @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = %(lanes)s, @n = %(n)s,
     @lease = %(lease)s, @vt = %(visibility_timeout_s)s, @consumer = %(consumer)s, @own = %(own)s,
     @gap = %(gap)s, @gap_issued = %(gap_issued)s, @gap_snap = %(gap_snap)s, @force = %(force)s
 
 -- name: ring_unwritten
 -- Maintenance's gap recovery, first step: the push position, and whether any number up to it is issued
--- but unwritten (its slot still holds the number a capacity before it, finished; locked slots are read
--- past). The lanes (ring_snapshot) are listed by a later statement.
+-- but unwritten while its slot is free for it (the slot holds the number a capacity before it, below the
+-- floor; slots a push holds are read past). A full scan of the ring's slots. The push lanes
+-- (ring_snapshot) are listed by a later statement.
+SET NOCOUNT ON;
+DECLARE @queue_id int = %(queue_id)s;
+DECLARE @floor bigint;
+EXEC {schema}.ring_floor @queue_id = @queue_id, @floor = @floor OUTPUT;
 SELECT i.issued,
        CASE WHEN EXISTS (
            SELECT 1 FROM {schema}.ring_slots t WITH (READCOMMITTEDLOCK, READPAST)
-           WHERE t.queue_id = r.queue_id AND t.state IN (0, 3) AND t.seq + r.capacity <= i.issued) THEN 1 ELSE 0 END
+           WHERE t.queue_id = r.queue_id AND t.seq + r.capacity <= i.issued AND t.seq < @floor) THEN 1 ELSE 0 END
 FROM {schema}.rings r
-CROSS APPLY (SELECT CAST(q.current_value AS bigint) AS issued FROM sys.sequences q WHERE q.object_id = r.push_seq_id) i
-WHERE r.queue_id = %(queue_id)s
+CROSS APPLY (
+    SELECT coalesce((
+        SELECT CAST(q.current_value AS bigint) FROM sys.sequences q WHERE q.object_id = r.push_seq_id), 0) AS issued
+) i
+WHERE r.queue_id = @queue_id
 
 -- name: ring_snapshot
--- The gap proof's snapshot on SQL Server: the ring's lanes that other transactions hold locked now, as
--- a JSON array (PostgreSQL's is pg_current_snapshot()).
+-- The gap proof's snapshot on SQL Server: the ring's push lanes that other transactions hold locked now,
+-- as a JSON array (PostgreSQL's lists the transactions holding their transactionid lock).
 SET NOCOUNT ON;
 DECLARE @held nvarchar(max);
-EXEC {schema}.ring_lanes_held @queue_id = %(queue_id)s, @of = NULL, @held = @held OUTPUT;
+EXEC {schema}.ring_push_lanes_held @queue_id = %(queue_id)s, @of = NULL, @held = @held OUTPUT;
 SELECT @held
 
 -- name: ring_skip_abandoned
 EXEC {schema}.ring_skip_abandoned @queue_id = %(queue_id)s, @issued = %(issued)s, @snap = %(snap)s
 
--- name: ring_head
--- The lowest number that is not finished, from a full scan of the ring: committed rows read past
--- locks; a slot locked by another transaction counts as unfinished at the number read without locks
--- (never more than its committed number's successor), so the result is a safe lower bound.
-SET NOCOUNT ON;
-DECLARE @queue_id int = %(queue_id)s;
-DECLARE @cap int;
-DECLARE @issued bigint;
-SELECT @cap = r.capacity, @issued = CAST(q.current_value AS bigint)
-FROM {schema}.rings r JOIN sys.sequences q ON q.object_id = r.push_seq_id
-WHERE r.queue_id = @queue_id;
-SELECT CASE WHEN @cap IS NULL THEN NULL ELSE coalesce((
-    SELECT min(CASE WHEN c.slot IS NULL THEN n.seq
-                    WHEN c.state IN (1, 2) THEN c.seq
-                    WHEN c.seq + @cap <= @issued THEN c.seq + @cap END)
-    FROM {schema}.ring_slots n WITH (NOLOCK)
-    LEFT JOIN {schema}.ring_slots c WITH (READCOMMITTEDLOCK, READPAST) ON c.queue_id = n.queue_id AND c.slot = n.slot
-    WHERE n.queue_id = @queue_id), @issued + 1) END
-
 -- name: ring_ack
--- All or nothing, as in the table design: the receipts whose lease is still valid are locked (UPDLOCK
--- until commit), and slots are freed only when every receipt is held.
+-- The ack of a whole lease, the usual one: receipts naming every message of one ring_leases row (first
+-- deliveries, within its range and lanes, as many as it holds, its lowest and highest among them) delete
+-- that row, in one statement. Anything else (part of a lease, messages delivered again, several leases)
+-- returns no row, and the caller settles it with ring_settle.
 SET NOCOUNT ON;
-DECLARE @now datetime2(6) = SYSUTCDATETIME();
 DECLARE @queue_id int = %(queue_id)s;
-DECLARE @cap int = %(capacity)s;
-DECLARE @receipts TABLE (id bigint NOT NULL, delivery int NOT NULL, PRIMARY KEY (id, delivery));
-INSERT INTO @receipts (id, delivery)
-SELECT CAST(i.[value] AS bigint), CAST(d.[value] AS int)
+DECLARE @lanes int = %(lanes)s;
+DECLARE @r TABLE (ord int PRIMARY KEY, id bigint NOT NULL, d int NOT NULL);
+DECLARE @lo bigint;
+DECLARE @hi bigint;
+DECLARE @n int;
+DECLARE @first int;
+DECLARE @done TABLE (n int NOT NULL);
+INSERT INTO @r (ord, id, d)
+SELECT CAST(i.[key] AS int), CAST(i.[value] AS bigint), CAST(d.[value] AS int)
 FROM OPENJSON(%(ids)s) i JOIN OPENJSON(%(deliveries)s) d ON d.[key] = i.[key];
-DECLARE @held TABLE (slot int PRIMARY KEY, seq bigint NOT NULL);
-INSERT INTO @held (slot, seq)
-SELECT s.slot, s.seq FROM {schema}.ring_slots s WITH (UPDLOCK, ROWLOCK)
-JOIN @receipts r ON s.slot = r.id % @cap AND s.seq = r.id AND s.deliveries = r.delivery
-WHERE s.queue_id = @queue_id AND s.state = 2 AND s.due_at > @now;
-DECLARE @done TABLE (seq bigint PRIMARY KEY);
-DECLARE @wanted int = (SELECT count(*) FROM @receipts);
-DECLARE @got int = (SELECT count(*) FROM @held);
-IF @got = @wanted
-    UPDATE s SET state = 0, payload = NULL, consumer = NULL, last_error = NULL
-    OUTPUT inserted.seq INTO @done
-    FROM {schema}.ring_slots s JOIN @held h ON s.slot = h.slot
-    WHERE s.queue_id = @queue_id;
-SELECT seq FROM @done
+SELECT @lo = min(id), @hi = max(id), @n = count(*), @first = min(CASE WHEN d = 1 THEN 1 ELSE 0 END) FROM @r;
+DELETE e OUTPUT deleted.n INTO @done
+FROM {schema}.ring_leases e
+WHERE e.queue_id = @queue_id AND e.lo = @lo AND e.hi = @hi AND e.n = @n AND @first = 1
+  AND e.lease_until > SYSUTCDATETIME()
+  AND NOT EXISTS (
+      SELECT 1 FROM @r i
+      WHERE NOT EXISTS (
+          SELECT 1 FROM OPENJSON(e.starts) j
+          WHERE j.[key] = CAST(i.id % @lanes AS nvarchar(11)) AND CAST(j.[value] AS bigint) <= i.id));
+SELECT n FROM @done
 
--- name: ring_nack
--- Back to ready in place (the message keeps its id and its place) after delay_s or the backoff
--- (backoff_s * 2^(attempts-1), at most backoff_max_s), or out of the ring into ring_failed after
--- max_attempts (its slot is freed). All or nothing, like ring_ack.
-SET NOCOUNT ON;
-DECLARE @now datetime2(6) = SYSUTCDATETIME();
-DECLARE @queue_id int = %(queue_id)s;
-DECLARE @cap int = %(capacity)s;
-DECLARE @max_attempts int = %(max_attempts)s;
-DECLARE @delay_s float = %(delay_s)s;
-DECLARE @backoff_s float = %(backoff_s)s;
-DECLARE @backoff_max_s float = %(backoff_max_s)s;
-DECLARE @error nvarchar(1000) = LEFT(%(error)s, 1000);
-DECLARE @receipts TABLE (id bigint NOT NULL, delivery int NOT NULL, PRIMARY KEY (id, delivery));
-INSERT INTO @receipts (id, delivery)
-SELECT CAST(i.[value] AS bigint), CAST(d.[value] AS int)
-FROM OPENJSON(%(ids)s) i JOIN OPENJSON(%(deliveries)s) d ON d.[key] = i.[key];
-DECLARE @held TABLE (
-    slot int PRIMARY KEY, seq bigint NOT NULL, attempts int NOT NULL, enqueued_at datetime2(6), payload varbinary(4000),
-    wait_s float NOT NULL);
-INSERT INTO @held (slot, seq, attempts, enqueued_at, payload, wait_s)
-SELECT s.slot, s.seq, s.attempts, s.enqueued_at, s.payload,
-       coalesce(@delay_s, CASE WHEN @backoff_s * POWER(2e0, CASE WHEN s.attempts > 1 THEN s.attempts - 1 ELSE 0 END)
-                                    > @backoff_max_s THEN @backoff_max_s
-                               ELSE @backoff_s * POWER(2e0, CASE WHEN s.attempts > 1 THEN s.attempts - 1 ELSE 0 END) END)
-FROM {schema}.ring_slots s WITH (UPDLOCK, ROWLOCK)
-JOIN @receipts r ON s.slot = r.id % @cap AND s.seq = r.id AND s.deliveries = r.delivery
-WHERE s.queue_id = @queue_id AND s.state = 2 AND s.due_at > @now;
-DECLARE @done TABLE (seq bigint PRIMARY KEY, state tinyint);
-DECLARE @wanted int = (SELECT count(*) FROM @receipts);
-DECLARE @got int = (SELECT count(*) FROM @held);
-IF @got = @wanted
-BEGIN
-    INSERT INTO {schema}.ring_failed (queue_id, id, attempts, enqueued_at, last_error, payload)
-    SELECT @queue_id, h.seq, h.attempts, h.enqueued_at, @error, coalesce(h.payload, 0x)
-    FROM @held h WHERE h.attempts >= @max_attempts;
-    UPDATE s
-    SET state = CASE WHEN s.attempts >= @max_attempts THEN 0 ELSE 1 END,
-        due_at = CASE WHEN s.attempts >= @max_attempts THEN s.due_at
-                      ELSE DATEADD(microsecond, CAST(1e6 * (h.wait_s - FLOOR(h.wait_s)) AS int),
-                                   DATEADD(second, CAST(FLOOR(h.wait_s) AS int), @now)) END,
-        payload = CASE WHEN s.attempts >= @max_attempts THEN NULL ELSE s.payload END,
-        consumer = NULL, last_error = @error
-    OUTPUT inserted.seq, inserted.state INTO @done
-    FROM {schema}.ring_slots s JOIN @held h ON s.slot = h.slot
-    WHERE s.queue_id = @queue_id;
-END;
-SELECT seq, state FROM @done
+-- name: ring_settle
+-- Ack (nack false) or nack receipts, all or nothing (schema.sql): (id, state) of each, none when some
+-- receipt no longer holds its lease. The error is cut to 1000 characters (the column's size).
+EXEC {schema}.ring_settle @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = %(lanes)s, @ids = %(ids)s,
+    @deliveries = %(deliveries)s, @nack = %(nack)s, @delay_s = %(delay_s)s, @backoff_s = %(backoff_s)s,
+    @backoff_max_s = %(backoff_max_s)s, @max_attempts = %(max_attempts)s, @error = %(error)s
 
 -- name: ring_held_receipts
-SELECT s.seq, s.deliveries
-FROM {schema}.ring_slots s
-JOIN (SELECT CAST(i.[value] AS bigint) AS id, CAST(d.[value] AS int) AS delivery
-      FROM OPENJSON(%(ids)s) i JOIN OPENJSON(%(deliveries)s) d ON d.[key] = i.[key]) r
-  ON s.slot = r.id % %(capacity)s AND s.seq = r.id AND s.deliveries = r.delivery
-WHERE s.queue_id = %(queue_id)s AND s.state = 2 AND s.due_at > SYSUTCDATETIME()
+SELECT r_id, r_delivery FROM {schema}.ring_held(%(queue_id)s, %(lanes)s, %(ids)s, %(deliveries)s)
 
 -- name: ring_reclaim_expired
--- Expired leases go back to ready in place (keeping their id, so their place) or, after max_attempts,
--- to ring_failed. Scans the ring's slots, passing over rows other sessions hold: pops run it at most
--- once a second.
-SET NOCOUNT ON;
-DECLARE @now datetime2(6) = SYSUTCDATETIME();
-DECLARE @queue_id int = %(queue_id)s;
-DECLARE @max_attempts int = %(max_attempts)s;
-DECLARE @expired TABLE (
-    slot int PRIMARY KEY, seq bigint NOT NULL, attempts int NOT NULL, enqueued_at datetime2(6),
-    payload varbinary(4000), error nvarchar(1000));
-INSERT INTO @expired (slot, seq, attempts, enqueued_at, payload, error)
-SELECT TOP (%(limit)s) s.slot, s.seq, s.attempts, s.enqueued_at, s.payload,
-       N'lease expired (held by ' + coalesce(s.consumer, N'?') + N')'
-FROM {schema}.ring_slots s WITH (ROWLOCK, READPAST, UPDLOCK)
-WHERE s.queue_id = @queue_id AND s.state = 2 AND s.due_at <= @now;
-INSERT INTO {schema}.ring_failed (queue_id, id, attempts, enqueued_at, last_error, payload)
-SELECT @queue_id, e.seq, e.attempts, e.enqueued_at, e.error, coalesce(e.payload, 0x)
-FROM @expired e WHERE e.attempts >= @max_attempts;
-DECLARE @done TABLE (seq bigint PRIMARY KEY, state tinyint);
-UPDATE s
-SET state = CASE WHEN s.attempts >= @max_attempts THEN 0 ELSE 1 END,
-    due_at = @now,
-    payload = CASE WHEN s.attempts >= @max_attempts THEN NULL ELSE s.payload END,
-    consumer = NULL, last_error = e.error
-OUTPUT inserted.seq, inserted.state INTO @done
-FROM {schema}.ring_slots s JOIN @expired e ON s.slot = e.slot
-WHERE s.queue_id = @queue_id;
-SELECT seq, state FROM @done
+-- Expired leases go back to ready (keeping their id) or, after max_attempts, to ring_failed. Pops run it
+-- at most once a second.
+EXEC {schema}.ring_reclaim_expired @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = %(lanes)s,
+    @max_attempts = %(max_attempts)s, @limit = %(limit)s
 
 -- name: ring_peek
-SELECT TOP (%(n)s) s.seq, s.attempts, s.deliveries, s.enqueued_at, CAST(NULL AS datetime2(6)) AS lease_until, s.payload
-FROM {schema}.ring_slots s
-WHERE s.queue_id = %(queue_id)s AND s.state = 1 AND s.due_at <= SYSUTCDATETIME()
-ORDER BY s.seq
+-- What pops would take first: the messages due again, then the lanes', each in id order.
+SELECT TOP (%(n)s) r_id, r_attempts, r_deliveries, r_enqueued_at, CAST(NULL AS datetime2(6)) AS lease_until, r_payload
+FROM {schema}.ring_ready(%(queue_id)s)
+WHERE r_due <= SYSUTCDATETIME()
+ORDER BY CASE WHEN r_attempts = 0 THEN 1 ELSE 0 END, r_id
 
 -- name: ring_count_ready
 SELECT count(*) FROM (
-    SELECT TOP (%(cap)s) 1 AS one FROM {schema}.ring_slots
-    WHERE queue_id = %(queue_id)s AND state = 1 AND due_at <= SYSUTCDATETIME()) s
+    SELECT TOP (%(cap)s) 1 AS one FROM {schema}.ring_ready(%(queue_id)s) WHERE r_due <= SYSUTCDATETIME()) s
 
 -- name: ring_ready_head
-SELECT r.ready, h.seq AS head_id, h.deliveries AS head_deliveries
+SELECT r.ready, h.r_id AS head_id, h.r_deliveries AS head_deliveries
 FROM (SELECT count(*) AS ready FROM (
-        SELECT TOP (%(cap)s) 1 AS one FROM {schema}.ring_slots
-        WHERE queue_id = %(queue_id)s AND state = 1 AND due_at <= SYSUTCDATETIME()) s) r
+        SELECT TOP (%(cap)s) 1 AS one FROM {schema}.ring_ready(%(queue_id)s) WHERE r_due <= SYSUTCDATETIME()) s) r
 OUTER APPLY (
-    SELECT TOP (1) seq, deliveries FROM {schema}.ring_slots
-    WHERE queue_id = %(queue_id)s AND state = 1 AND due_at <= SYSUTCDATETIME()
-    ORDER BY seq) h
+    SELECT TOP (1) r_id, r_deliveries FROM {schema}.ring_ready(%(queue_id)s)
+    WHERE r_due <= SYSUTCDATETIME()
+    ORDER BY CASE WHEN r_attempts = 0 THEN 1 ELSE 0 END, r_id) h
 
 -- name: ring_stats
--- Depth by state, plus the ring's own figures: the push position (last number issued), the pop
--- position (lowest unfinished number, as ring_head computes it) and the numbers skipped as gaps.
+-- Depth by state, plus the ring's own figures: the push position (last number issued), the pop position
+-- (the lowest lane position: the next number no pop has taken), the floor (the lowest number a consumer
+-- may still need), the numbers given up as gaps, and its lanes. No row when the ring does not exist.
 SET NOCOUNT ON;
 DECLARE @now datetime2(6) = SYSUTCDATETIME();
 DECLARE @queue_id int = %(queue_id)s;
-DECLARE @cap int;
-DECLARE @issued bigint;
-DECLARE @gaps bigint;
-SELECT @cap = r.capacity, @issued = CAST(q.current_value AS bigint), @gaps = CAST(g.current_value AS bigint)
-FROM {schema}.rings r
-JOIN sys.sequences q ON q.object_id = r.push_seq_id
-JOIN sys.sequences g ON g.object_id = r.gap_seq_id
-WHERE r.queue_id = @queue_id;
+DECLARE @floor bigint;
+DECLARE @rd TABLE (enqueued_at datetime2(6), due datetime2(6));
+EXEC {schema}.ring_floor @queue_id = @queue_id, @floor = @floor OUTPUT;
+INSERT INTO @rd (enqueued_at, due) SELECT r_enqueued_at, r_due FROM {schema}.ring_ready(@queue_id);
 SELECT
-    (SELECT count(*) FROM {schema}.ring_slots WHERE queue_id = @queue_id AND state = 1 AND due_at <= @now) AS ready,
-    (SELECT count(*) FROM {schema}.ring_slots WHERE queue_id = @queue_id AND state = 1 AND due_at > @now) AS delayed,
-    (SELECT count(*) FROM {schema}.ring_slots WHERE queue_id = @queue_id AND state = 2) AS in_flight,
-    (SELECT count(*) FROM {schema}.ring_failed WHERE queue_id = @queue_id) AS failed,
-    (SELECT DATEDIFF_BIG(microsecond, min(enqueued_at), @now) / 1e6 FROM {schema}.ring_slots
-      WHERE queue_id = @queue_id AND state = 1 AND due_at <= @now) AS oldest_ready_age_s,
-    coalesce(@issued, 0) AS push_position,
-    coalesce((
-        SELECT min(CASE WHEN c.slot IS NULL THEN n.seq
-                        WHEN c.state IN (1, 2) THEN c.seq
-                        WHEN c.seq + @cap <= @issued THEN c.seq + @cap END)
-        FROM {schema}.ring_slots n WITH (NOLOCK)
-        LEFT JOIN {schema}.ring_slots c WITH (READCOMMITTEDLOCK, READPAST) ON c.queue_id = n.queue_id AND c.slot = n.slot
-        WHERE n.queue_id = @queue_id), @issued + 1) AS pop_position,
-    coalesce(@gaps, 0) AS gaps_skipped
+    (SELECT count(*) FROM @rd WHERE due <= @now) AS ready,
+    (SELECT count(*) FROM @rd WHERE due > @now) AS delayed,
+    (SELECT coalesce(sum(e.n), 0) FROM {schema}.ring_leases e WHERE e.queue_id = @queue_id)
+    + (SELECT count(*) FROM {schema}.ring_retry t WHERE t.queue_id = @queue_id AND t.state = 2) AS in_flight,
+    (SELECT count(*) FROM {schema}.ring_failed f WHERE f.queue_id = @queue_id) AS failed,
+    (SELECT DATEDIFF_BIG(microsecond, min(enqueued_at), @now) / 1e6 FROM @rd WHERE due <= @now) AS oldest_ready_age_s,
+    coalesce(CAST(q.current_value AS bigint), 0) AS push_position,
+    (SELECT min(l.pos) FROM {schema}.ring_lanes l WHERE l.queue_id = @queue_id) AS pop_position,
+    @floor AS floor,
+    coalesce(CAST(gq.current_value AS bigint), 0) AS gaps_skipped,
+    r.lanes
+FROM {schema}.rings r
+LEFT JOIN sys.sequences q ON q.object_id = r.push_seq_id
+LEFT JOIN sys.sequences gq ON gq.object_id = r.gap_seq_id
+WHERE r.queue_id = @queue_id
 
 -- name: ring_list_failed
 SELECT TOP (%(limit)s) id, attempts, enqueued_at, last_error, payload
@@ -1076,10 +1008,9 @@ WHERE f.queue_id = %(queue_id)s
   AND (%(all)s = 1 OR f.id IN (SELECT CAST([value] AS bigint) FROM OPENJSON(%(ids)s)))
 
 -- name: ring_leased
-SELECT s.seq, s.attempts, s.deliveries, s.enqueued_at, s.due_at, s.payload
-FROM {schema}.ring_slots s
-JOIN (SELECT CAST(i.[value] AS bigint) AS id, CAST(d.[value] AS int) AS delivery
-      FROM OPENJSON(%(ids)s) i JOIN OPENJSON(%(deliveries)s) d ON d.[key] = i.[key]) r
-  ON s.slot = r.id % %(capacity)s AND s.seq = r.id AND s.deliveries = r.delivery
-WHERE s.queue_id = %(queue_id)s AND s.state = 2 AND s.due_at > SYSUTCDATETIME()
-ORDER BY s.seq
+-- The held receipts' messages with their payloads, in id order.
+SELECT h.r_id, coalesce(t.attempts, 1), h.r_delivery, s.enqueued_at, h.r_until, s.payload
+FROM {schema}.ring_held(%(queue_id)s, %(lanes)s, %(ids)s, %(deliveries)s) h
+JOIN {schema}.ring_slots s ON s.queue_id = %(queue_id)s AND s.slot = h.r_id % %(capacity)s
+LEFT JOIN {schema}.ring_retry t ON t.queue_id = %(queue_id)s AND t.id = h.r_id
+ORDER BY h.r_id
