@@ -166,8 +166,9 @@ def procedure_statements(text: str) -> tuple[exp.Create, list[exp.Expression], l
     procedure's body. The body's layout makes that split exact: a statement ends with ``;`` at the end
     of a line; ``IF <condition>`` and ``WHILE <condition>`` run up to a line ``BEGIN``, and their
     condition is parsed as ``SELECT 1 WHERE <condition>``; blocks end with a line ``END;``; ``BREAK;``,
-    ``CONTINUE;`` and ``RETURN;`` stand alone. Returns the procedure, the parsed statements and the opaque
-    ones.
+    ``CONTINUE;`` and ``RETURN;`` stand alone; ``BEGIN TRY`` ... ``END TRY`` is followed by ``BEGIN CATCH``
+    ... ``END CATCH;``, each on a line of its own, and ``THROW;`` stands alone in a CATCH block. Returns the
+    procedure, the parsed statements and the opaque ones.
     """
     text = "\n".join(ln for ln in text.splitlines() if not ln.strip().startswith("--"))
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
@@ -176,22 +177,33 @@ def procedure_statements(text: str) -> tuple[exp.Create, list[exp.Expression], l
     assert lines[-1] == "END", lines[-1]
     parsed: list[exp.Expression] = []
     opaque: list[str] = []
-    depth, buf = 0, ""
+    blocks: list[str] = []  # the open blocks: BEGIN (of an IF or WHILE), TRY, CATCH
+    buf, after_try = "", False
     for line in lines[start:-1]:
+        assert not after_try or line == "BEGIN CATCH", f"END TRY, then {line!r}"
+        after_try = False
         if not buf and line == "BEGIN":
             raise AssertionError("a BEGIN without IF or WHILE")
-        if not buf and line == "END;":
-            depth -= 1
-            assert depth >= 0, "END; without BEGIN"
+        if not buf and line in ("BEGIN TRY", "BEGIN CATCH"):
+            blocks.append(line.split()[1])
+            continue
+        if not buf and line in ("END;", "END TRY", "END CATCH;"):
+            want = {"END;": "BEGIN", "END TRY": "TRY", "END CATCH;": "CATCH"}[line]
+            assert blocks and blocks.pop() == want, f"{line} without its BEGIN"
+            after_try = line == "END TRY"
             continue
         if not buf and line in ("BREAK;", "CONTINUE;", "RETURN;"):
+            continue
+        if not buf and line == "THROW;":
+            assert "CATCH" in blocks, "THROW; outside a CATCH block"
             continue
         if line == "BEGIN":
             control = _CONTROL.match(buf)
             assert control, f"BEGIN after {buf!r}"
             [cond] = tsql_statements(f"SELECT 1 WHERE {control.group(2)}")
             parsed.append(cond)
-            depth, buf = depth + 1, ""
+            blocks.append("BEGIN")
+            buf = ""
             continue
         buf = f"{buf} {line}".strip()
         if buf.endswith(";") and not _CONTROL.match(buf):
@@ -202,7 +214,7 @@ def procedure_statements(text: str) -> tuple[exp.Create, list[exp.Expression], l
                 assert len(got) == 1, (buf, got)
                 parsed.extend(got)
             buf = ""
-    assert depth == 0 and not buf, (depth, buf)
+    assert not blocks and not buf and not after_try, (blocks, buf)
     whole = text
     for statement in opaque:  # it may span lines: matched token by token
         pattern = r"\s+".join(re.escape(token) for token in statement.split())
@@ -252,6 +264,7 @@ def test_every_ring_procedure_parses_statement_by_statement() -> None:
         "v3_ring_create",
         "v3_ring_drop",
         "v3_ring_floor",
+        "v3_ring_floor_try",
         "v3_ring_pop",
         "v3_ring_push",
         "v3_ring_push_lanes_held",
@@ -303,6 +316,12 @@ def test_every_ring_function_is_one_inline_select() -> None:
         ("SET @held = (SELECT count(*) FROM @h);", "SET @held = (SELECT count(*) FROM @h;"),
         ("@retries = 0, @wait = @wait;", "@retries = 0, @wait = @wait + 1;"),
         ("SET @count = (SELECT count(*) FROM @held);", "SET @count = (SELECT count(*) FROM @held WHERE);"),
+        ("    END CATCH;\n", ""),
+        ("    END TRY\n    BEGIN CATCH\n", "    END TRY\n    SET @floor = 0;\n    BEGIN CATCH\n"),
+        (
+            "        SET @floor = NULL;\n        IF ERROR_NUMBER()",
+            "        SET @floor = NULL +;\n        IF ERROR_NUMBER()",
+        ),
     ],
 )
 def test_the_procedure_check_is_not_vacuous_broken_bodies_are_rejected(good: str, bad: str) -> None:
@@ -348,6 +367,7 @@ def test_each_block_uses_only_what_earlier_blocks_made_and_the_last_one_leaves_n
         "ring_create",
         "ring_drop",
         "ring_floor",
+        "ring_floor_try",
         "ring_held",
         "ring_pop",
         "ring_push",
@@ -715,7 +735,16 @@ def test_the_ring_reads_and_takes_past_locks_as_skip_locked_does() -> None:
     for write in writes:
         assert "WITH (ROWLOCK, READPAST)" in write and "s.seq < @floor" in write and "state" not in write
     lane = push.index("FROM [dbq].ring_push_lanes WITH (ROWLOCK, READPAST)")
-    assert push.index("EXEC [dbq].ring_floor") < lane < push.index("@range_size = @n")
+    assert push.index("EXEC [dbq].ring_floor_try") < lane < push.index("@range_size = @n")
+    # Pushes and the pops' gap skips read the floor waiting 100 ms at most; the rest waits as it must.
+    for name in ("v3_ring_push", "v3_ring_skip_gap"):
+        assert (
+            "EXEC [dbq].ring_floor_try " in schema_blocks()[name]
+            and "ring_floor " not in schema_blocks()[name]
+        )
+    bounded = schema_blocks()["v3_ring_floor_try"]
+    assert "SET XACT_ABORT OFF;\n    SET LOCK_TIMEOUT 100;\n    BEGIN TRY\n" in bounded
+    assert "BEGIN CATCH\n        SET @floor = NULL;\n        IF ERROR_NUMBER() <> 1222\n" in bounded
     assert "CACHE 1000" in schema_blocks()["v3_ring_create"]
     floor = procedure_statements(schema_blocks()["v3_ring_floor"])[1]
     reads = [

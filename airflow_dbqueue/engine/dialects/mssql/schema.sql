@@ -954,6 +954,32 @@ BEGIN
     END;
 END
 
+-- name: v3_ring_floor_try
+-- ring_floor for the pushes and for the pops' gap skips, which must not wait on a transaction of unknown
+-- length (a caller's transaction that popped exactly once holds its lanes until it ends): when a row it
+-- reads stays locked for more than 100 ms, the floor is unknown (NULL). No slot is then free for a push
+-- (it waits and looks again, up to its timeout), and a pop gives no gap up this time. The lock timeout
+-- (error 1222) cancels that statement alone: XACT_ABORT is off in this procedure (SET options return to
+-- the caller's when it returns), so the caller's transaction goes on. Any other error is raised again.
+CREATE OR ALTER PROCEDURE {schema}.ring_floor_try
+    @queue_id int, @floor bigint OUTPUT
+AS
+BEGIN
+    SET NOCOUNT ON;
+    SET XACT_ABORT OFF;
+    SET LOCK_TIMEOUT 100;
+    BEGIN TRY
+        EXEC {schema}.ring_floor @queue_id = @queue_id, @floor = @floor OUTPUT;
+    END TRY
+    BEGIN CATCH
+        SET @floor = NULL;
+        IF ERROR_NUMBER() <> 1222
+        BEGIN
+            THROW;
+        END;
+    END CATCH;
+END
+
 -- name: v3_ring_create
 -- Create a ring: its push sequence and gap counter (CACHE 1000; each starts at 0 and hands 0 out at
 -- once, so current_value is the last number issued: 0 = none), its header row, its lanes, its push lanes
@@ -1029,7 +1055,7 @@ END
 -- below the floor, where nothing reads a slot), which leaves a caller's transaction usable after the
 -- error (RAISERROR does not abort it, even with XACT_ABORT ON). Slots are written past locks (READPAST:
 -- a locked slot is another writer's, and is not free for us yet), so pushes never wait on each other or
--- on consumers' slots; the floor is read committed (ring_floor).
+-- on consumers' slots; the floor is read committed, waiting 100 ms at most (ring_floor_try).
 -- @first: the numbers were taken already, from @first on (ring_push_one took one and found its slot not
 -- free yet): they are written, waiting as above, instead of new ones taken. @once (ring_push_one): take
 -- the numbers and try once, without waiting; when they are not all written, put back what was written
@@ -1070,11 +1096,13 @@ BEGIN
     END;
     DECLARE @floor bigint;
     -- Room first, before any lane or number is taken: when the number a capacity before the highest this
-    -- batch would take is not below the floor (the ring is full there), return with @num NULL.
+    -- batch would take is not below the floor (the ring is full there, or the floor is not known now),
+    -- return with @num NULL.
     IF @first IS NULL AND @once = 0
     BEGIN
-        EXEC {schema}.ring_floor @queue_id = @queue_id, @floor = @floor OUTPUT;
-        IF coalesce((SELECT CAST(q.current_value AS bigint) FROM sys.sequences q WHERE q.object_id = @seq_id), 0)
+        EXEC {schema}.ring_floor_try @queue_id = @queue_id, @floor = @floor OUTPUT;
+        IF @floor IS NULL OR coalesce((
+                SELECT CAST(q.current_value AS bigint) FROM sys.sequences q WHERE q.object_id = @seq_id), 0)
             + @n - @cap >= @floor
         BEGIN
             RETURN;
@@ -1122,7 +1150,7 @@ BEGIN
     DECLARE @fail int = 0;
     WHILE 1 = 1
     BEGIN
-        EXEC {schema}.ring_floor @queue_id = @queue_id, @floor = @floor OUTPUT;
+        EXEC {schema}.ring_floor_try @queue_id = @queue_id, @floor = @floor OUTPUT;
         SET @now = SYSUTCDATETIME();
         UPDATE s SET seq = @base1 + s.slot, enqueued_at = @now, payload = i.payload
         FROM {schema}.ring_slots s WITH (ROWLOCK, READPAST)
@@ -1362,7 +1390,7 @@ END
 -- moment it took them: they belong to pushes that rolled back or died, or to one stalled that long
 -- between taking its numbers and writing them, which then fails with DQ002 and pushes again. Nothing
 -- happens unless @gap is still unwritten (a slot another transaction holds counts as written: its writer
--- is alive). A given-up number's slot holds it with no payload. @remaining: the lanes of @snap still
+-- is alive) and the floor is known (ring_floor_try). A given-up number's slot holds it with no payload. @remaining: the lanes of @snap still
 -- locked now ("[]": the proof holds; NULL: not asked).
 CREATE OR ALTER PROCEDURE {schema}.ring_skip_gap
     @queue_id int, @cap int, @gap bigint, @issued bigint, @snap nvarchar(max), @force bit,
@@ -1384,7 +1412,7 @@ BEGIN
     DECLARE @v sql_variant;
     SET @max = CASE WHEN @max > 4096 THEN 4096 ELSE @max END;
     SET @max = CASE WHEN @max > @cap THEN @cap ELSE @max END;
-    EXEC {schema}.ring_floor @queue_id = @queue_id, @floor = @floor OUTPUT;
+    EXEC {schema}.ring_floor_try @queue_id = @queue_id, @floor = @floor OUTPUT;
     IF EXISTS (
         SELECT 1 FROM {schema}.ring_slots t WITH (READCOMMITTEDLOCK, READPAST)
         WHERE t.queue_id = @queue_id AND t.slot = @a AND t.seq = @gap - @cap AND t.seq < @floor)
