@@ -265,6 +265,7 @@ def test_every_ring_procedure_parses_statement_by_statement() -> None:
         "v3_ring_drop",
         "v3_ring_floor",
         "v3_ring_floor_try",
+        "v3_ring_pass",
         "v3_ring_pop",
         "v3_ring_push",
         "v3_ring_push_lanes_held",
@@ -369,6 +370,7 @@ def test_each_block_uses_only_what_earlier_blocks_made_and_the_last_one_leaves_n
         "ring_floor",
         "ring_floor_try",
         "ring_held",
+        "ring_pass",
         "ring_pop",
         "ring_push",
         "ring_push_lanes_held",
@@ -709,23 +711,37 @@ def test_the_result_width_check_is_not_vacuous() -> None:
 
 def test_the_ring_reads_and_takes_past_locks_as_skip_locked_does() -> None:
     """The take locks lanes lowest position first past those other pops hold and reads slots past the
-    locks of pushes in progress; the pop serves retry rows past those other pops hold; the push writes
-    its slots past locks, gated on the floor, after it locked a push lane and before its numbers."""
+    locks of pushes in progress; ring_pass locks the lanes it can and reads slots past locks; the pop
+    serves retry rows past those other pops hold; the push writes its slots past locks, gated on the
+    floor, after it locked a push lane and before its numbers, and reads the floor again only after a
+    wait."""
     take = schema_blocks()["v3_ring_take"]
     lanes = re.findall(r"FROM \[dbq\]\.ring_lanes t WITH \(([A-Z, ]+)\)", take)
     assert lanes == [
-        "ROWLOCK, UPDLOCK, READPAST",
-        "ROWLOCK, UPDLOCK, READPAST",
-        "ROWLOCK, UPDLOCK",
-        "ROWLOCK, UPDLOCK",
+        "ROWLOCK, UPDLOCK, READPAST",  # a pop of one
+        "ROWLOCK, UPDLOCK, READPAST",  # a batch
+        "ROWLOCK, UPDLOCK, READPAST",  # is every lane held by another pop?
+        "ROWLOCK, UPDLOCK",  # then wait: the lowest, at a pop of one
+        "ROWLOCK, UPDLOCK",  # or all of them, in lane order
     ]
     assert (
         "CREATE INDEX ring_lanes_pos_idx ON [dbq].ring_lanes (queue_id, pos);"
         in schema_blocks()["v3_ring_convert"]
     )
     assert take.count("ORDER BY t.pos") == 3 and "ORDER BY t.lane;" in take  # waiters lock in lane order
+    # A pop of one and a batch lock only lanes whose next number is written.
+    locked_if_written = "WITH (ROWLOCK, UPDLOCK, READPAST)\n{}WHERE t.queue_id = @queue_id AND EXISTS ("
+    assert take.count(locked_if_written.format(" " * 12)) == 1  # a pop of one
+    assert take.count(locked_if_written.format(" " * 4)) == 1  # a batch
     slot_reads = re.findall(r"\[dbq\]\.ring_slots s(?: WITH \(([A-Z, ]+)\))?", take)
-    assert slot_reads.count("READCOMMITTEDLOCK, READPAST") == 3 and slot_reads.count("") == 1
+    # The written checks of a pop of one, of a batch and of the lanes waited for, the window's numbers, and
+    # the payloads of a batch read past locks; a pop of one reads its one slot, known written, plainly.
+    assert slot_reads.count("READCOMMITTEDLOCK, READPAST") == 5 and slot_reads.count("") == 1
+    passing = schema_blocks()["v3_ring_pass"]
+    passing_lanes = re.findall(r"FROM \[dbq\]\.ring_lanes t WITH \(([A-Z, ]+)\)", passing)
+    passing_slots = re.findall(r"\[dbq\]\.ring_slots s(?: WITH \(([A-Z, ]+)\))?", passing)
+    assert passing_lanes == ["ROWLOCK, UPDLOCK, READPAST"]
+    assert passing_slots == ["READCOMMITTEDLOCK, READPAST"]
     pop = schema_blocks()["v3_ring_pop"]
     assert pop.count("FROM [dbq].ring_retry t WITH (ROWLOCK, UPDLOCK, READPAST)") == 2
     assert "SET LOCK_TIMEOUT 1000;" in pop
@@ -736,6 +752,12 @@ def test_the_ring_reads_and_takes_past_locks_as_skip_locked_does() -> None:
         assert "WITH (ROWLOCK, READPAST)" in write and "s.seq < @floor" in write and "state" not in write
     lane = push.index("FROM [dbq].ring_push_lanes WITH (ROWLOCK, READPAST)")
     assert push.index("EXEC [dbq].ring_floor_try") < lane < push.index("@range_size = @n")
+    # The floor of the room check serves the first write; each attempt after a wait reads it again.
+    loop = push[push.index("    WHILE 1 = 1\n") :]
+    assert loop.count("EXEC [dbq].ring_floor_try ") == 1
+    assert "BEGIN\n        IF @floor IS NULL\n        BEGIN\n            EXEC [dbq].ring_floor_try " in loop
+    assert "WAITFOR DELAY @wait;\n        SET @pause = " in loop
+    assert "\n        SET @floor = NULL;\n    END;" in loop
     # Pushes and the pops' gap skips read the floor waiting 100 ms at most; the rest waits as it must.
     for name in ("v3_ring_push", "v3_ring_skip_gap"):
         assert (
@@ -1136,23 +1158,31 @@ def test_the_conformance_suites_own_sql_on_a_fake_sql_server(monkeypatch: pytest
 
 def test_the_shared_clock_jump_on_a_fake_sql_server(monkeypatch: pytest.MonkeyPatch) -> None:
     """tests/dialects.expire_leases, as the conformance and stateful suites send it to pyodbc: the ids as
-    one JSON array, and for a ring its queue id first."""
+    one JSON array; for a ring, the leases holding them are split into retry rows first
+    (ring_split_leases, with the ring's queue id, capacity and lanes), whose due times then pass."""
     from airflow_dbqueue.engine.models import Design, QueueSettings
     from airflow_dbqueue.engine.ring import RingQueue
     from tests.dialects import expire_leases
 
-    dbq, fake = _suites_dbq(monkeypatch, [None, None])
+    dbq, fake = _suites_dbq(monkeypatch, [None, None, None])
     ring = RingQueue(
-        dbq.db, QueueSettings(name="r", queue_id=4, design=Design.RING, max_payload_bytes=512, capacity=8)
+        dbq.db,
+        QueueSettings(name="r", queue_id=4, design=Design.RING, max_payload_bytes=512, capacity=8, lanes=2),
     )
     expire_leases(dbq, [7, 9])
     expire_leases(dbq, [3], ring)
-    (table_text, table_values), (ring_text, ring_values) = fake.executed
+    (table_text, table_values), (split_text, split_values), (ring_text, ring_values) = fake.executed
     assert table_text.startswith("UPDATE [dbq].meta SET lease_until = DATEADD(second, -1, SYSUTCDATETIME())")
     assert table_values == ["[7, 9]"]
-    assert ring_text.startswith("UPDATE [dbq].ring_slots SET due_at = DATEADD(second, -1, SYSUTCDATETIME())")
+    assert split_text.startswith("SET NOCOUNT ON; DECLARE @los nvarchar(max) = (")
+    assert split_text.endswith(
+        "EXEC [dbq].ring_split_leases @queue_id = ?, @cap = ?, @lanes = ?, @los = @los, @error = NULL"
+    )
+    assert split_values == [4, "[3]", 2, 4, 8, 2]  # queue_id, ids, lanes; then queue_id, capacity, lanes
+    assert ring_text.startswith("UPDATE [dbq].ring_retry SET due_at = DATEADD(second, -1, SYSUTCDATETIME())")
+    assert "AND state = 2 AND id IN (SELECT CAST([value] AS bigint) FROM OPENJSON(?))" in ring_text
     assert ring_values == [4, "[3]"]
-    assert (fake.commits, fake.rollbacks) == (2, 0)
+    assert (fake.commits, fake.rollbacks) == (3, 0)
     _check_sent(fake)
 
 
@@ -1242,12 +1272,18 @@ def test_gap_recovery_waits_on_the_lanes_still_locked_on_a_fake_sql_server(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """recover_gaps: position 9 with unwritten numbers, lanes [3,7] held; the first proof finds lane 7
-    still locked and hands back [7], which the next try is asked about; then 2 numbers are given up."""
-    q, fake = _ring_on_fake_sql_server(monkeypatch, [[(9, 1)], [("[3,7]",)], [(-1, "[7]")], [(2, None)]])
+    still locked and hands back [7], which the next try is asked about; then 2 numbers are given up, and
+    the lanes stopped at them move on (ring_pass, with the ring's capacity and lanes)."""
+    q, fake = _ring_on_fake_sql_server(
+        monkeypatch, [[(9, 1)], [("[3,7]",)], [(-1, "[7]")], [(2, None)], [(3,)]]
+    )
     assert q.recover_gaps(wait=5.0) == 2
     sent = [values for _, values in fake.executed]
     assert sent[2] == [1, 9, "[3,7]"] and sent[3] == [1, 9, "[7]"]
+    assert _sent(fake, "ring_pass") == [[1, 8, 4]]  # queue_id, capacity, lanes
+    assert "@moved = @moved OUTPUT;\nSELECT @moved" in fake.executed[-1][0]
     assert fake.script == []
+    _check_sent(fake)
 
 
 def _message_row(msg_id: int, payload: bytes = b'"x"') -> tuple[Any, ...]:
@@ -1279,14 +1315,27 @@ def test_a_full_ring_pushes_back_between_transactions_on_a_fake_sql_server(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The ring was full before anything was taken (ring_push_one and ring_push return no number): the
-    engine waits between transactions and asks again, with a new number each time only once it is let in."""
+    engine waits between transactions and asks again, with a new number each time only once it is let in.
+    Between its calls it pops none (ring_pop of 0, in a transaction of its own), so that a gap holding the
+    floor down is given up: the first such pop saw number 5 unwritten at the head, and the next one passes
+    it back."""
     from airflow_dbqueue.engine import ring
 
     monkeypatch.setattr(ring.time, "sleep", lambda s: None)
-    q, fake = _ring_on_fake_sql_server(monkeypatch, [[(None, None)], [(None,)], [(None,)], [(7,)]])
+    script: list[Any] = [[(None, None)], [(None,)], [_meta_row(5, 9)], [(None,)], [_meta_row()], [(7,)]]
+    q, fake = _ring_on_fake_sql_server(monkeypatch, script)
     assert q.push_batch(["a"]) == [7]
-    assert [values[-1] for _, values in fake.executed[1:]] == [None, None, None]  # first: none taken before
-    assert (fake.commits, fake.rollbacks) == (4, 0)
+    pushes = _sent(fake, "ring_push")
+    assert len(pushes) == 4
+    assert [values[-1] for values in pushes[1:]] == [None, None, None]  # first: no number taken before
+    pops = _sent(fake, "ring_pop")
+    # queue_id, capacity, lanes, n, lease, visibility timeout, consumer, own; gap, its issued position,
+    # its push lanes, force
+    assert pops == [
+        [1, 8, 4, 0, False, 30.0, "push", False, None, None, None, False],
+        [1, 8, 4, 0, False, 30.0, "push", False, 5, 9, None, False],
+    ]
+    assert (fake.commits, fake.rollbacks) == (6, 0) and fake.script == []  # a transaction each
     _check_sent(fake)
 
 
@@ -1343,8 +1392,10 @@ def test_a_pop_whose_lanes_stay_locked_returns_empty_on_a_fake_sql_server(
     assert (fake.commits, fake.rollbacks) == (0, 4) and fake.script == []
     q2, fake2 = _ring_on_fake_sql_server(monkeypatch, [timeout, [(1,)]])
     with pytest.raises(LockTimeoutError):
-        q2.pop(3, semantics="exactly-once", conn=fake2)
+        q2.pop(3, semantics="exactly-once", conn=fake2.connect())
     assert fake2.script == [[(1,)]]
+    [own] = _sent(fake2, "ring_pop")
+    assert own[7] is True  # own: in the caller's transaction
 
 
 def test_acks_delete_a_whole_lease_or_settle_the_rest_on_a_fake_sql_server(
@@ -1402,12 +1453,16 @@ def test_maintenance_of_a_ring_reclaims_and_recovers_gaps_on_a_fake_sql_server(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """maintain(): expired leases (ring_reclaim_expired, with the ring's capacity and lanes), then the gap
-    recovery: position 9 with unwritten numbers, no push lane held, 2 numbers given up."""
-    q, fake = _ring_on_fake_sql_server(monkeypatch, [[(3, 1), (4, 2)], [(9, 1)], [("[]",)], [(2, None)]])
+    recovery: position 9 with unwritten numbers, no push lane held, 2 numbers given up, and the lanes moved
+    over given-up numbers."""
+    q, fake = _ring_on_fake_sql_server(
+        monkeypatch, [[(3, 1), (4, 2)], [(9, 1)], [("[]",)], [(2, None)], [(1,)]]
+    )
     assert q.maintain(limit=50) == {"reclaimed": 2, "gaps_skipped": 2}
     assert _sent(fake, "ring_reclaim_expired") == [[1, 8, 4, q.settings.max_attempts, 50]]
     assert fake.executed[1][1] == [1] and "EXEC [dbq].ring_floor" in fake.executed[1][0]
     assert _sent(fake, "ring_skip_abandoned") == [[1, 9, "[]"]]
+    assert _sent(fake, "ring_pass") == [[1, 8, 4]] and fake.script == []
     _check_sent(fake)
 
 
@@ -1435,17 +1490,16 @@ def test_the_conformance_suites_lease_expiry_on_a_fake_sql_server(monkeypatch: p
     from airflow_dbqueue.engine.ring import RingQueue
     from tests.integration.test_conformance import expire_leases
 
-    dbq, fake = _suites_dbq(monkeypatch, [[]])
+    dbq, fake = _suites_dbq(monkeypatch, [[], []])
     settings = QueueSettings(
         name="r", queue_id=7, design=Design.RING, max_payload_bytes=512, capacity=16, lanes=4
     )
     expire_leases(dbq, [3, 4], RingQueue(dbq.db, settings))
-    [(text, values)] = fake.executed
-    assert values == [7, "[3, 4]", 4, 7, 16, 4, 7, "[3, 4]"]
-    assert (
-        "EXEC [dbq].ring_split_leases @queue_id = ?, @cap = ?, @lanes = ?, @los = @los, @error = NULL;"
-        in text
+    (split, split_values), (expire, expire_values) = fake.executed
+    assert split_values == [7, "[3, 4]", 4, 7, 16, 4] and expire_values == [7, "[3, 4]"]
+    assert split.endswith(
+        "EXEC [dbq].ring_split_leases @queue_id = ?, @cap = ?, @lanes = ?, @los = @los, @error = NULL"
     )
-    assert "UPDATE [dbq].ring_retry SET due_at = DATEADD(second, -1, SYSUTCDATETIME())" in text
-    assert fake.commits == 1
+    assert expire.startswith("UPDATE [dbq].ring_retry SET due_at = DATEADD(second, -1, SYSUTCDATETIME())")
+    assert fake.commits == 2
     _check_sent(fake)

@@ -243,6 +243,7 @@ class MaintenanceServer(FakeSqlServer):
             "ring_floor",
             "ring_push_lanes_held",
             "ring_skip_abandoned",
+            "ring_pass",
         ):
             if f"EXEC [dbq].{procedure} " in text:
                 return self.ring.pop(procedure)
@@ -482,6 +483,7 @@ def test_a_rings_upkeep_on_a_fake_sql_server(fake: MaintenanceServer) -> None:
         "ring_floor": [(40, 1)],  # ring_unwritten: position 40, a number up to it unwritten
         "ring_push_lanes_held": [("[5]",)],  # ring_snapshot: push lane 5 was held
         "ring_skip_abandoned": [(4, None)],
+        "ring_pass": [(2,)],  # two lanes moved over given-up numbers
     }
     report = DbQueue(DSN, schema="dbq").maintenance().recover()
     assert report == {"events": {"reclaimed": 3, "gaps_skipped": 4}}
@@ -489,5 +491,7 @@ def test_a_rings_upkeep_on_a_fake_sql_server(fake: MaintenanceServer) -> None:
     assert reclaim.values == [4, 1024, 8, 3, 10_000]  # queue_id, capacity, lanes, max_attempts, limit
     [skip] = fake.statements("EXEC [dbq].ring_skip_abandoned ")
     assert skip.values == [4, 40, "[5]"]
+    [passing] = fake.statements("EXEC [dbq].ring_pass ")
+    assert passing.values == [4, 1024, 8]  # queue_id, capacity, lanes
     assert fake.ring == {}  # every answer was asked for
     assert not fake.statements("sp_getapplock")

@@ -892,6 +892,13 @@ SELECT @held
 -- name: ring_skip_abandoned
 EXEC {schema}.ring_skip_abandoned @queue_id = %(queue_id)s, @issued = %(issued)s, @snap = %(snap)s
 
+-- name: ring_pass
+-- Lanes moved over given-up numbers at their heads (schema.sql), after maintenance gave gaps up: how many.
+SET NOCOUNT ON;
+DECLARE @moved int;
+EXEC {schema}.ring_pass @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = %(lanes)s, @moved = @moved OUTPUT;
+SELECT @moved
+
 -- name: ring_ack
 -- The ack of a whole lease, the usual one: receipts naming every message of one ring_leases row (first
 -- deliveries, within its range and lanes, as many as it holds, its lowest and highest among them) delete

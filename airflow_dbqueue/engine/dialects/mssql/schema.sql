@@ -1055,7 +1055,10 @@ END
 -- below the floor, where nothing reads a slot), which leaves a caller's transaction usable after the
 -- error (RAISERROR does not abort it, even with XACT_ABORT ON). Slots are written past locks (READPAST:
 -- a locked slot is another writer's, and is not free for us yet), so pushes never wait on each other or
--- on consumers' slots; the floor is read committed, waiting 100 ms at most (ring_floor_try).
+-- on consumers' slots; the floor is read committed, waiting 100 ms at most (ring_floor_try). The floor
+-- read for the room check serves the first write too (a floor never goes down); each later attempt reads
+-- it again. A lane stopped at a gap (a number issued and never written) holds the floor down too: the
+-- caller helps to give it up between its calls (ring_pop of none), outside this transaction.
 -- @first: the numbers were taken already, from @first on (ring_push_one took one and found its slot not
 -- free yet): they are written, waiting as above, instead of new ones taken. @once (ring_push_one): take
 -- the numbers and try once, without waiting; when they are not all written, put back what was written
@@ -1150,7 +1153,10 @@ BEGIN
     DECLARE @fail int = 0;
     WHILE 1 = 1
     BEGIN
-        EXEC {schema}.ring_floor_try @queue_id = @queue_id, @floor = @floor OUTPUT;
+        IF @floor IS NULL
+        BEGIN
+            EXEC {schema}.ring_floor_try @queue_id = @queue_id, @floor = @floor OUTPUT;
+        END;
         SET @now = SYSUTCDATETIME();
         UPDATE s SET seq = @base1 + s.slot, enqueued_at = @now, payload = i.payload
         FROM {schema}.ring_slots s WITH (ROWLOCK, READPAST)
@@ -1190,6 +1196,7 @@ BEGIN
         SET @wait = DATEADD(millisecond, @pause, CAST(0 AS datetime));
         WAITFOR DELAY @wait;
         SET @pause = CASE WHEN @pause >= 25 THEN 50 ELSE 2 * @pause END;
+        SET @floor = NULL;
     END;
     IF @fail > 0
     BEGIN
@@ -1227,18 +1234,19 @@ END
 -- lanes it holds, a pop takes the numbers from their positions on, in id order, up to the first number
 -- that is issued but not written yet (a push in progress, or a gap): positions never pass a number
 -- nobody has seen, so every message is delivered. A lane whose next number is not written is left alone
--- for this pop. The window is the ring's slots from the lowest position to the end of the slots (no
--- wrap: the next pop goes on from slot 0), no further than the issued position and about @n numbers of
--- the lanes held; its numbers come from ring_series, and its slots are read past locks (READCOMMITTEDLOCK,
--- READPAST): a slot another transaction holds (a push writing it) is unwritten for this pop, as its
--- committed version is on PostgreSQL. Numbers given up as gaps (no payload) are passed over and not
--- returned. The positions move past the last number taken; with @lease the messages are leased as one
--- ring_leases row, otherwise they are finished when the transaction commits.
+-- for this pop (it is not even locked). The window is at most a capacity of numbers from the lowest
+-- position held, no further than the issued position and about @n messages of the lanes held; its
+-- numbers come from ring_series, and its slots are read past locks (READCOMMITTEDLOCK, READPAST): a slot
+-- another transaction holds (a push writing it) is unwritten for this pop, as its committed version is
+-- on PostgreSQL. Numbers given up as gaps (no payload) are passed over and not returned. The positions
+-- move past the last number taken; with @lease the messages are leased as one ring_leases row a part
+-- (below), otherwise they are finished when the transaction commits.
 -- @retries: first check whether messages to deliver again are ready (past those other pops hold), and
 -- take nothing if so (ring_pop serves them first). @wait: when every lane is locked by other pops, wait
 -- for them (for the lowest, at a pop of one; otherwise for all, in lane order, as every waiting pop does,
 -- so that waiting pops never deadlock); the caller's LOCK_TIMEOUT bounds the wait.
--- One result set at most: the messages (id, attempts, deliveries, enqueued_at, lease_until, payload).
+-- One result set at most: the messages (id, attempts, deliveries, enqueued_at, lease_until, payload), in
+-- id order.
 CREATE OR ALTER PROCEDURE {schema}.ring_take
     @queue_id int, @cap int, @lanes int, @n int, @lease bit, @vt float, @consumer nvarchar(200), @retries bit,
     @wait bit
@@ -1251,15 +1259,24 @@ BEGIN
     DECLARE @one TABLE (lane int NOT NULL, pos bigint NOT NULL);
     DECLARE @m TABLE (lane int NOT NULL, seq bigint NOT NULL, enqueued_at datetime2(6), payload varbinary(4000));
     DECLARE @held TABLE (lane int PRIMARY KEY, pos bigint NOT NULL);
-    DECLARE @t TABLE (x bigint PRIMARY KEY, enqueued_at datetime2(6), payload varbinary(4000));
-    DECLARE @k int = CASE WHEN @n < @lanes THEN @n ELSE @lanes END;
+    -- The parts taken (at most two): slots a .. b, holding the numbers base + slot, of the lanes held from
+    -- their positions at the part (@starts).
+    DECLARE @parts TABLE (part int PRIMARY KEY, a int NOT NULL, b int NOT NULL, base bigint NOT NULL);
+    DECLARE @starts TABLE (part int NOT NULL, lane int NOT NULL, pos bigint NOT NULL, PRIMARY KEY (part, lane));
+    DECLARE @most int = CASE WHEN @n < @lanes THEN @n ELSE @lanes END;
     DECLARE @lo bigint;
     DECLARE @count int;
     DECLARE @issued bigint;
     DECLARE @a int;
     DECLARE @span bigint;
-    DECLARE @starts nvarchar(max);
+    DECLARE @width bigint;
+    DECLARE @part int = 0;
+    DECLARE @got int = 0;
     DECLARE @top bigint;
+    DECLARE @first bigint;
+    DECLARE @last bigint;
+    DECLARE @k int;
+    DECLARE @from nvarchar(max);
     IF @retries = 1 AND EXISTS (
         SELECT 1 FROM {schema}.ring_retry r WITH (READCOMMITTEDLOCK, READPAST)
         WHERE r.queue_id = @queue_id AND r.state = 1 AND r.due_at <= @now)
@@ -1301,30 +1318,44 @@ BEGIN
             RETURN;
         END;
     END;
+    -- A batch: the lanes whose next number is written, lowest first, as many as the batch could use.
     INSERT INTO @held (lane, pos)
-    SELECT TOP (@k) t.lane, t.pos FROM {schema}.ring_lanes t WITH (ROWLOCK, UPDLOCK, READPAST)
-    WHERE t.queue_id = @queue_id
-    ORDER BY t.pos;
-    IF @wait = 1 AND @n = 1 AND NOT EXISTS (SELECT 1 FROM @held)
-    BEGIN
-        INSERT INTO @held (lane, pos)
-        SELECT TOP (1) t.lane, t.pos FROM {schema}.ring_lanes t WITH (ROWLOCK, UPDLOCK)
-        WHERE t.queue_id = @queue_id
-        ORDER BY t.pos;
-    END;
-    IF @wait = 1 AND @n > 1 AND NOT EXISTS (SELECT 1 FROM @held)
-    BEGIN
-        INSERT INTO @held (lane, pos)
-        SELECT t.lane, t.pos FROM {schema}.ring_lanes t WITH (ROWLOCK, UPDLOCK)
-        WHERE t.queue_id = @queue_id
-        ORDER BY t.lane;
-    END;
-    -- Only the lanes whose next number is written: a lane stopped at a push in progress or a gap gives
-    -- nothing now, and must not stop the others (a push in a caller's long transaction would stall them).
-    DELETE h FROM @held h
-    WHERE NOT EXISTS (
+    SELECT TOP (@most) t.lane, t.pos FROM {schema}.ring_lanes t WITH (ROWLOCK, UPDLOCK, READPAST)
+    WHERE t.queue_id = @queue_id AND EXISTS (
         SELECT 1 FROM {schema}.ring_slots s WITH (READCOMMITTEDLOCK, READPAST)
-        WHERE s.queue_id = @queue_id AND s.slot = h.pos % @cap AND s.seq = h.pos);
+        WHERE s.queue_id = @queue_id AND s.slot = t.pos % @cap AND s.seq = t.pos)
+    ORDER BY t.pos;
+    -- None, when waiting: is every lane held by another pop? (A separate statement: T-SQL does not promise
+    -- to evaluate an AND in order, and this look locks the lane it finds, as PostgreSQL's does.)
+    IF @wait = 1 AND NOT EXISTS (SELECT 1 FROM @held)
+    BEGIN
+        IF NOT EXISTS (
+            SELECT 1 FROM {schema}.ring_lanes t WITH (ROWLOCK, UPDLOCK, READPAST) WHERE t.queue_id = @queue_id)
+        BEGIN
+            -- Every lane is held by another pop: wait for them, in lane order as every waiting pop does (no
+            -- deadlock between them), or for the lowest one at a pop of one.
+            IF @n = 1
+            BEGIN
+                INSERT INTO @held (lane, pos)
+                SELECT TOP (1) t.lane, t.pos FROM {schema}.ring_lanes t WITH (ROWLOCK, UPDLOCK)
+                WHERE t.queue_id = @queue_id
+                ORDER BY t.pos;
+            END;
+            IF @n > 1
+            BEGIN
+                INSERT INTO @held (lane, pos)
+                SELECT t.lane, t.pos FROM {schema}.ring_lanes t WITH (ROWLOCK, UPDLOCK)
+                WHERE t.queue_id = @queue_id
+                ORDER BY t.lane;
+            END;
+            -- Only those whose next number is written: a lane stopped at a push in progress or a gap gives
+            -- nothing now, and must not stop the others.
+            DELETE h FROM @held h
+            WHERE NOT EXISTS (
+                SELECT 1 FROM {schema}.ring_slots s WITH (READCOMMITTEDLOCK, READPAST)
+                WHERE s.queue_id = @queue_id AND s.slot = h.pos % @cap AND s.seq = h.pos);
+        END;
+    END;
     SET @lo = (SELECT min(h.pos) FROM @held h);
     IF @lo IS NULL
     BEGIN
@@ -1333,50 +1364,116 @@ BEGIN
     SET @issued = coalesce((
         SELECT CAST(q.current_value AS bigint) FROM {schema}.rings r JOIN sys.sequences q ON q.object_id = r.push_seq_id
         WHERE r.queue_id = @queue_id), 0);
-    SET @a = @lo % @cap;
-    SET @span = @cap - @a;
-    SET @span = CASE WHEN @issued - @lo + 1 < @span THEN @issued - @lo + 1 ELSE @span END;
     SET @count = (SELECT count(*) FROM @held);
+    SET @span = CASE WHEN @issued - @lo + 1 < @cap THEN @issued - @lo + 1 ELSE @cap END;
     SET @span = CASE WHEN CAST(@n AS bigint) * @lanes / @count + @lanes < @span
                      THEN CAST(@n AS bigint) * @lanes / @count + @lanes ELSE @span END;
-    IF @span <= 0
+    -- The window's numbers of the lanes held, past their positions, in slot order, which is id order up to
+    -- the end of the slots: "bad" counts the unwritten numbers so far and "before" the messages, so the
+    -- numbers before the first unwritten one, up to the @n-th message, are taken. One lease row holds what
+    -- a part took: every number of a held lane from its position up to the last one taken. A window that
+    -- runs past the end of the slots is taken in two parts (two lease rows), the second from slot 0 once
+    -- the first took everything to the end.
+    WHILE @part < 2 AND @span > 0 AND @got < @n
     BEGIN
-        RETURN;
-    END;
-    SET @starts = (
-        SELECT N'[' + STRING_AGG(coalesce(CAST(h.pos AS nvarchar(max)), CAST(N'null' AS nvarchar(max))), N',')
-                      WITHIN GROUP (ORDER BY g.k) + N']'
-        FROM {schema}.ring_series(@lanes) g LEFT JOIN @held h ON h.lane = g.k);
-    -- The window's numbers of the lanes held, past their positions, in slot order (which is id order);
-    -- "bad" counts the unwritten numbers so far, so the rows before the first one are taken.
-    INSERT INTO @t (x, enqueued_at, payload)
-    SELECT w.x, w.enqueued_at, w.payload FROM (
-        SELECT r.x, r.enqueued_at, r.payload, sum(r.bad) OVER (ORDER BY r.k ROWS UNBOUNDED PRECEDING) AS bad
+        SET @part = @part + 1;
+        SET @a = @lo % @cap;
+        SET @width = CASE WHEN @cap - @a < @span THEN @cap - @a ELSE @span END;
+        -- Where the part ends, from the slots' numbers alone (no payload is read): the last number before
+        -- the first unwritten one, up to the (@n - @got)-th message; and its messages.
+        SELECT @top = max(w.x), @first = min(CASE WHEN w.msg = 1 THEN w.x END),
+               @last = max(CASE WHEN w.msg = 1 THEN w.x END), @k = count(CASE WHEN w.msg = 1 THEN 1 END)
         FROM (
-            SELECT TOP (@n) g.k, @lo - @a + g.k AS x, s.enqueued_at, s.payload,
-                   CASE WHEN s.seq = @lo - @a + g.k THEN 0 ELSE 1 END AS bad
-            FROM {schema}.ring_series(@span) g
-            JOIN @held h ON h.lane = (@lo - @a + g.k) % @lanes AND h.pos <= @lo - @a + g.k
-            LEFT JOIN {schema}.ring_slots s WITH (READCOMMITTEDLOCK, READPAST)
-              ON s.queue_id = @queue_id AND s.slot = @a + g.k
-            ORDER BY g.k) AS r) AS w
-    WHERE w.bad = 0;
-    SET @top = (SELECT max(t.x) FROM @t t);
-    IF @top IS NOT NULL
-    BEGIN
+            SELECT r.x, r.msg,
+                   sum(r.bad) OVER (ORDER BY r.k ROWS UNBOUNDED PRECEDING) AS bad,
+                   sum(r.msg) OVER (ORDER BY r.k ROWS UNBOUNDED PRECEDING) - r.msg AS before
+            FROM (
+                SELECT g.k, @lo - @a + g.k AS x, CASE WHEN s.seq = @lo - @a + g.k THEN 0 ELSE 1 END AS bad,
+                       CASE WHEN s.payload IS NOT NULL THEN 1 ELSE 0 END AS msg
+                FROM {schema}.ring_series(@width) g
+                JOIN @held h ON h.lane = (@lo - @a + g.k) % @lanes AND h.pos <= @lo - @a + g.k
+                LEFT JOIN {schema}.ring_slots s WITH (READCOMMITTEDLOCK, READPAST)
+                  ON s.queue_id = @queue_id AND s.slot = @a + g.k) AS r) AS w
+        WHERE w.bad = 0 AND w.before < @n - @got;
+        IF @top IS NULL
+        BEGIN
+            BREAK;
+        END;
         UPDATE l
         SET pos = CASE WHEN l.pos > @top + 1 + ((l.lane - (@top + 1) % @lanes + @lanes) % @lanes) THEN l.pos
                        ELSE @top + 1 + ((l.lane - (@top + 1) % @lanes + @lanes) % @lanes) END
         FROM {schema}.ring_lanes l JOIN @held h ON h.lane = l.lane
         WHERE l.queue_id = @queue_id;
+        IF @lease = 1 AND @k > 0
+        BEGIN
+            SET @from = (
+                SELECT N'[' + STRING_AGG(coalesce(CAST(h.pos AS nvarchar(max)), CAST(N'null' AS nvarchar(max))), N',')
+                              WITHIN GROUP (ORDER BY g.k) + N']'
+                FROM {schema}.ring_series(@lanes) g LEFT JOIN @held h ON h.lane = g.k);
+            INSERT INTO {schema}.ring_leases (queue_id, lo, hi, starts, n, lease_until, consumer)
+            VALUES (@queue_id, @first, @last, @from, @k, @until, @consumer);
+        END;
+        INSERT INTO @parts (part, a, b, base) VALUES (@part, @a, @top - @lo + @a, @lo - @a);
+        INSERT INTO @starts (part, lane, pos) SELECT @part, h.lane, h.pos FROM @held h;
+        SET @got = @got + @k;
+        IF @a + @span <= @cap OR @got >= @n
+        BEGIN
+            BREAK;
+        END;
+        -- Past the end of the slots: go on from slot 0 only if the held lanes took everything up to it.
+        UPDATE h SET pos = l.pos
+        FROM @held h JOIN {schema}.ring_lanes l ON l.queue_id = @queue_id AND l.lane = h.lane;
+        IF EXISTS (SELECT 1 FROM @held h WHERE h.pos < @lo - @a + @cap)
+        BEGIN
+            BREAK;
+        END;
+        SET @span = @span - (@cap - @a);
+        SET @lo = @lo - @a + @cap;
     END;
-    IF @lease = 1 AND EXISTS (SELECT 1 FROM @t t WHERE t.payload IS NOT NULL)
+    -- The messages taken, their payloads read in one range a part (past locks: a slot of a lane not held
+    -- may be a push writing it; the numbers taken are written and nobody writes them before this commits).
+    SELECT p.base + s.slot, 1, 1, s.enqueued_at, @until, s.payload
+    FROM @parts p
+    JOIN {schema}.ring_slots s WITH (READCOMMITTEDLOCK, READPAST)
+      ON s.queue_id = @queue_id AND s.slot >= p.a AND s.slot <= p.b
+    JOIN @starts h ON h.part = p.part AND h.lane = (p.base + s.slot) % @lanes AND h.pos <= p.base + s.slot
+    WHERE s.payload IS NOT NULL
+    ORDER BY p.part, s.slot;
+END
+
+-- name: v3_ring_pass
+-- Move lanes on over numbers given up as gaps at their heads (a slot holding the number with no payload).
+-- Nothing is delivered by that, so whoever can lock a lane may do it: pops pass such numbers as they take,
+-- and pushes waiting for the floor and maintenance pass them too, so that a ring whose consumers are away
+-- does not stay full of given-up numbers. Lanes held by pops are left to them (ROWLOCK, UPDLOCK, READPAST,
+-- as SKIP LOCKED). Slots are read past locks (READCOMMITTEDLOCK, READPAST): a slot another transaction
+-- holds is being written and stops its lane, as its committed version does on PostgreSQL. Each round moves
+-- every lane whose head is a given-up number one number of its lane on. @moved: how many lanes moved.
+CREATE OR ALTER PROCEDURE {schema}.ring_pass
+    @queue_id int, @cap int, @lanes int, @moved int = NULL OUTPUT
+AS
+BEGIN
+    SET NOCOUNT ON;
+    DECLARE @l TABLE (lane int PRIMARY KEY, pos bigint NOT NULL, start bigint NOT NULL);
+    INSERT INTO @l (lane, pos, start)
+    SELECT t.lane, t.pos, t.pos FROM {schema}.ring_lanes t WITH (ROWLOCK, UPDLOCK, READPAST)
+    WHERE t.queue_id = @queue_id;
+    WHILE 1 = 1
     BEGIN
-        INSERT INTO {schema}.ring_leases (queue_id, lo, hi, starts, n, lease_until, consumer)
-        SELECT @queue_id, min(t.x), max(t.x), @starts, count(*), @until, @consumer
-        FROM @t t WHERE t.payload IS NOT NULL;
+        UPDATE l SET pos = l.pos + @lanes
+        FROM @l l
+        WHERE EXISTS (
+            SELECT 1 FROM {schema}.ring_slots s WITH (READCOMMITTEDLOCK, READPAST)
+            WHERE s.queue_id = @queue_id AND s.slot = l.pos % @cap AND s.seq = l.pos AND s.payload IS NULL);
+        IF @@ROWCOUNT = 0
+        BEGIN
+            BREAK;
+        END;
     END;
-    SELECT t.x, 1, 1, t.enqueued_at, @until, t.payload FROM @t t WHERE t.payload IS NOT NULL ORDER BY t.x;
+    UPDATE t SET pos = l.pos
+    FROM {schema}.ring_lanes t JOIN @l l ON l.lane = t.lane
+    WHERE t.queue_id = @queue_id AND l.pos > l.start;
+    SET @moved = @@ROWCOUNT;
 END
 
 -- name: v3_ring_skip_gap
@@ -1390,15 +1487,17 @@ END
 -- moment it took them: they belong to pushes that rolled back or died, or to one stalled that long
 -- between taking its numbers and writing them, which then fails with DQ002 and pushes again. Nothing
 -- happens unless @gap is still unwritten (a slot another transaction holds counts as written: its writer
--- is alive) and the floor is known (ring_floor_try). A given-up number's slot holds it with no payload. @remaining: the lanes of @snap still
--- locked now ("[]": the proof holds; NULL: not asked).
+-- is alive) and the floor is known (ring_floor_try). A given-up number's slot holds it with no payload.
+-- @remaining: the lanes of @snap still locked now ("[]": the proof holds; NULL: not asked). @skipped: how
+-- many numbers it gave up.
 CREATE OR ALTER PROCEDURE {schema}.ring_skip_gap
     @queue_id int, @cap int, @gap bigint, @issued bigint, @snap nvarchar(max), @force bit,
-    @remaining nvarchar(max) OUTPUT
+    @remaining nvarchar(max) OUTPUT, @skipped int = NULL OUTPUT
 AS
 BEGIN
     SET NOCOUNT ON;
     SET @remaining = NULL;
+    SET @skipped = 0;
     DECLARE @a int = @gap % @cap;
     DECLARE @max bigint = CASE WHEN @issued > @gap THEN @issued - @gap + 1 ELSE 1 END;
     DECLARE @floor bigint;
@@ -1457,6 +1556,7 @@ BEGIN
     WHERE s.queue_id = @queue_id AND s.slot < @to2
       AND s.seq = @base2 + s.slot - @cap AND s.seq < @floor;
     SET @k = @k + @@ROWCOUNT;
+    SET @skipped = @k;
     IF @k > 0
     BEGIN
         EXEC sys.sp_sequence_get_range @sequence_name = @gaps, @range_size = @k, @range_first_value = @v OUTPUT;
@@ -1543,10 +1643,13 @@ END
 -- name: v3_ring_pop
 -- Pop: the path of a pop that the fast one (ring_take alone) did not fill. In order: (1) give up the gap
 -- the caller saw at the head of its last pop (ring_skip_gap: with the lane proof, or @force after the
--- caller's gap timeout); (2) serve the messages to deliver again that are due, lowest id first, past
--- those other pops hold (a lease makes each a retry row leased until now + @vt, with one more attempt;
--- otherwise it is finished); (3) take the rest from the lanes (ring_take), waiting for a lane when other
--- pops hold every one, unless the pop runs in the caller's transaction. One result set: the messages,
+-- caller's gap timeout) and, when it gave something up, move every lane it can lock over given-up numbers
+-- (ring_pass); (2) serve the messages to deliver again that are due, lowest id first, past those other
+-- pops hold (a lease makes each a retry row leased until now + @vt, with one more attempt; otherwise it
+-- is finished); (3) take the rest from the lanes (ring_take), waiting for a lane when other pops hold
+-- every one, unless the pop runs in the caller's transaction. A pop of none (@n 0) does only (1) and the
+-- report below: a push that finds the ring full calls it between its attempts, so that gaps alone never
+-- keep a ring full. One result set: the messages,
 -- then one last row (r_id NULL) that reports the lowest lane position when its number is issued but not
 -- written (a push in progress, or a gap), with the issued position and, from its second sighting on, the
 -- push lanes held (ring_push_lanes_held) after that position was read: the caller passes them back
@@ -1567,6 +1670,8 @@ BEGIN
     SET NOCOUNT ON;
     SET LOCK_TIMEOUT 1000;
     DECLARE @remaining nvarchar(max) = NULL;
+    DECLARE @skipped int = 0;
+    DECLARE @moved int;
     DECLARE @issued bigint;
     DECLARE @now datetime2(6);
     DECLARE @until datetime2(6);
@@ -1583,7 +1688,13 @@ BEGIN
     IF @gap IS NOT NULL AND @own = 0
     BEGIN
         EXEC {schema}.ring_skip_gap @queue_id = @queue_id, @cap = @cap, @gap = @gap, @issued = @gap_issued,
-            @snap = @gap_snap, @force = @force, @remaining = @remaining OUTPUT;
+            @snap = @gap_snap, @force = @force, @remaining = @remaining OUTPUT, @skipped = @skipped OUTPUT;
+    END;
+    IF @skipped > 0
+    BEGIN
+        -- The lanes stopped at the numbers given up move over them now, even those this pop does not take
+        -- from: until they do, those numbers keep the ring's floor down.
+        EXEC {schema}.ring_pass @queue_id = @queue_id, @cap = @cap, @lanes = @lanes, @moved = @moved OUTPUT;
     END;
     -- The issued position, read before any list of push lanes below.
     SET @issued = coalesce((
