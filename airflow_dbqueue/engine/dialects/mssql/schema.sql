@@ -1388,10 +1388,10 @@ BEGIN
                    sum(r.bad) OVER (ORDER BY r.k ROWS UNBOUNDED PRECEDING) AS bad,
                    sum(r.msg) OVER (ORDER BY r.k ROWS UNBOUNDED PRECEDING) - r.msg AS before
             FROM (
-                SELECT g.k, @lo - @a + g.k AS x, CASE WHEN s.seq = @lo - @a + g.k THEN 0 ELSE 1 END AS bad,
+                SELECT g.k, @lo + g.k AS x, CASE WHEN s.seq = @lo + g.k THEN 0 ELSE 1 END AS bad,
                        CASE WHEN s.payload IS NOT NULL THEN 1 ELSE 0 END AS msg
                 FROM {schema}.ring_series(@width) g
-                JOIN @held h ON h.lane = (@lo - @a + g.k) % @lanes AND h.pos <= @lo - @a + g.k
+                JOIN @held h ON h.lane = (@lo + g.k) % @lanes AND h.pos <= @lo + g.k
                 LEFT JOIN {schema}.ring_slots s WITH (READCOMMITTEDLOCK, READPAST)
                   ON s.queue_id = @queue_id AND s.slot = @a + g.k) AS r) AS w
         WHERE w.bad = 0 AND w.before < @n - @got;
