@@ -33,6 +33,7 @@ PURE = [
     "test_mssql_maintenance.py::test_rebuild_indexes_on_a_fake_sql_server",
     "test_mssql_ownership.py::test_a_fresh_install_creates_its_schema_and_records_all_it_made_on_a_fake_sql_server",
     "test_mssql_ownership.py::test_a_push_to_a_dropped_queue_raises_on_a_fake_sql_server",
+    "test_mssql_ring_procedures.py::test_a_pop_of_none_only_gives_the_gap_up_and_reports_the_head",
 ]
 """Tests of each kind (T-SQL parses, DSN parsing, the fake server) that must pass without the driver."""
 
@@ -47,6 +48,7 @@ def test_the_sql_server_unit_tests_run_without_pyodbc() -> None:
             "tests/unit/test_mssql_dialect.py",
             "tests/unit/test_mssql_maintenance.py",
             "tests/unit/test_mssql_ownership.py",
+            "tests/unit/test_mssql_ring_procedures.py",
             "-rA",
             "-p",
             "no:cacheprovider",

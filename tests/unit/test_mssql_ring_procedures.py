@@ -1,0 +1,384 @@
+"""The SQL Server ring's stored procedures run offline, on the T-SQL interpreter of tests/tsql.py.
+
+No SQL Server can run here. These tests run ``ring_create``, ``ring_push``, ``ring_take``, ``ring_pop``,
+``ring_pass``, ``ring_skip_gap``, ``ring_skip_abandoned`` and ``ring_settle`` as the SQL Server
+``schema.sql`` writes them, on tables held in memory, and check what they do against what PostgreSQL's
+functions of the same names do (their comments in ``postgres/schema.sql``): lanes moved over given-up
+numbers, a take that runs past the end of the slots taken in two parts, a pop of none. The last tests
+break the T-SQL on purpose, one change at a time, and check that the scenarios then fail.
+
+What the interpreter leaves out is said in tests/tsql.py: no transactions, no concurrency (other
+transactions are rows they hold locked), and ``ring_series`` computed directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+
+from airflow_dbqueue.engine.dialects.mssql import MssqlDatabase
+from airflow_dbqueue.engine.sqlfile import parse_named_queries, read_text
+from tests import tsql
+
+MS = "airflow_dbqueue.engine.dialects.mssql"
+Make = Callable[..., tsql.Ring]
+
+
+@functools.cache
+def blocks() -> dict[str, str]:
+    """The blocks of the SQL Server schema.sql, composed for schema ``dbq``, in install order."""
+    db = MssqlDatabase("mssql://h/db", schema="dbq")
+    return {k: db.compose(v) for k, v in parse_named_queries(read_text(MS, "schema.sql")).items()}
+
+
+def maker(text: Mapping[str, str] | None = None) -> Make:
+    """Rings on a fresh server with the routines of ``text`` (the schema's blocks unless given)."""
+
+    def make(**kw: Any) -> tsql.Ring:
+        return tsql.Ring(tsql.ring_server(text or blocks()), **kw)
+
+    return make
+
+
+def ids(rows: list[tuple[Any, ...]]) -> list[int]:
+    return [int(r[0]) for r in rows]
+
+
+# -- the interpreter -------------------------------------------------------------------------------
+
+PROBE = """-- name: v9_probe
+CREATE OR ALTER PROCEDURE [dbq].probe
+    @lane int, @err int = NULL OUTPUT
+AS
+BEGIN
+    SET NOCOUNT ON;
+    DECLARE @t TABLE (k int PRIMARY KEY, a int NULL, b int NULL);
+    DECLARE @x int = 5;
+    DECLARE @swapped int;
+    DECLARE @locked int = -1;
+    DECLARE @past int;
+    DECLARE @unknown int = 0;
+    INSERT INTO @t (k, a, b) VALUES (1, 1, 2), (2, NULL, 4);
+    UPDATE t SET a = t.b, b = t.a FROM @t t;
+    SET @swapped = @@ROWCOUNT;
+    SELECT @x = t.k FROM @t t WHERE t.k > 5;
+    IF NULL = NULL OR NOT (NULL <> 1)
+    BEGIN
+        SET @unknown = 1;
+    END;
+    SELECT @past = count(*) FROM [dbq].ring_lanes l WITH (READCOMMITTEDLOCK, READPAST) WHERE l.lane >= @lane;
+    BEGIN TRY
+        SET LOCK_TIMEOUT 100;
+        SELECT @locked = count(*) FROM [dbq].ring_lanes l WHERE l.lane >= @lane;
+    END TRY
+    BEGIN CATCH
+        SET @err = ERROR_NUMBER();
+    END CATCH;
+    SELECT -7 / 2, -7 % 3, 7 % -3, @x, @swapped, @unknown, @past, @locked, (SELECT sum(t.a) FROM @t t),
+        (SELECT min(t.k) FROM @t t WHERE t.k > 5);
+END
+"""
+
+
+def test_the_interpreter_follows_t_sqls_rules_not_pythons() -> None:
+    """Integer division and % truncate toward zero; a comparison with NULL is unknown; SELECT @x = over no
+    row leaves @x; every SET of an UPDATE reads the row as it was; an aggregate over no row is NULL; a
+    row another transaction holds is read past with READPAST and, without, makes a statement under a lock
+    timeout fail with error 1222, which CATCH sees; a scalar subquery of two rows is an error."""
+    ring = maker()(capacity=8, lanes=4)
+    server = ring.server
+    procedures, _ = tsql.load_routines(PROBE)
+    server.procedures.update(procedures)
+    server.lock("ring_lanes", (1, 3), "X")
+    [[row]], out = server.call("probe", lane=2)
+    assert row == (-3, -1, 1, 5, 2, 0, 1, -1, 6, None)
+    assert out == {"err": 1222}
+    with pytest.raises(tsql.Blocked):  # no lock timeout: it would wait for ever
+        server.call("ring_floor", queue_id=1, floor=None)
+    server.others.clear()
+    with pytest.raises(tsql.TsqlError, match="more than 1 value"):
+        server.query("SELECT (SELECT l.pos FROM [dbq].ring_lanes l)")
+    with pytest.raises(tsql.TsqlError, match="CHECK constraint ring_leases_range_valid"):
+        server.query(
+            "INSERT INTO [dbq].ring_leases (queue_id, lo, hi, starts, n, lease_until) "
+            "VALUES (1, 5, 4, N'[]', 1, SYSUTCDATETIME())"
+        )
+
+
+def test_a_ring_is_made_as_ring_create_writes_it() -> None:
+    """ring_create: lane k at its first number (k, or the lanes' count for lane 0), slot j holding the last
+    number <= 0 that maps to it with no payload, 64 push lanes, and the push sequence's 0 handed out."""
+    ring = maker()(capacity=8, lanes=3)
+    assert ring.positions() == [3, 1, 2]
+    assert [ring.slot_of(j) for j in range(8)] == [(0, None)] + [(j - 8, None) for j in range(1, 8)]
+    assert len(ring.server.tables["ring_push_lanes"].rows) == 64
+    assert ring.issued == 0
+    assert ring.push(b"a", b"b") == [1, 2]
+    assert ring.issued == 2 and ring.slot_of(2) == (2, b"b")
+
+
+# -- ring_pass -------------------------------------------------------------------------------------
+
+
+def check_pass(make: Make) -> None:
+    """Lanes at given-up numbers move over every given-up number at their heads, to the first number of
+    their lane that is not one (a message, or a number not written); a lane another pop holds is left to
+    it; a second pass, once it is free, moves it. Then pops take every message."""
+    ring = make(capacity=16, lanes=4)
+    assert ring.push(b"1", b"2", b"3") == [1, 2, 3]
+    assert ring.abandon(4) == [4, 5, 6, 7]  # a push that died holding them
+    assert ring.push(b"8", b"9", b"10") == [8, 9, 10]
+    assert ring.abandon(1) == [11]
+    assert ring.push(b"12") == [12]
+    assert ids(ring.take(3)) == [1, 2, 3]
+    assert ring.positions() == [4, 5, 6, 7]  # every lane stopped at an unwritten number
+    assert ring.skip_abandoned() == 5  # 4 .. 7 and 11 given up
+    assert ring.positions() == [4, 5, 6, 7]
+    assert [ring.slot_of(x) for x in (4, 11)] == [(4, None), (11, None)]
+    ring.server.lock("ring_lanes", (1, 2), "U")  # another pop holds lane 2
+    ring.server.mine.clear()
+    assert ring.pass_lanes() == 3
+    assert ring.positions() == [8, 9, 6, 15]  # lane 3: 7 and 11 given up, 15 not written
+    assert {k for k in ring.server.mine if k[0] == "ring_lanes"} == {
+        ("ring_lanes", (1, 0)),
+        ("ring_lanes", (1, 1)),
+        ("ring_lanes", (1, 3)),
+    }
+    ring.server.others.clear()
+    assert ring.pass_lanes() == 1 and ring.positions() == [8, 9, 10, 15]
+    assert ring.pass_lanes() == 0
+    assert ids(ring.take(10)) == [8, 9, 10, 12]
+
+
+def test_ring_pass_moves_lanes_over_given_up_numbers_and_leaves_held_lanes() -> None:
+    check_pass(maker())
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_ring_pass_walks_each_lane_as_postgresqls_does(seed: int) -> None:
+    """A ring in a random state (pushes, numbers abandoned, takes, gaps given up, lanes and slots other
+    transactions hold): each lane it can lock moves, number by number of its lane, while its slot holds
+    the number with no payload (PostgreSQL's ring_pass, whose slot reads see committed versions: a slot
+    being written stops the lane); the count is the lanes that moved."""
+    rng = random.Random(seed)
+    capacity = rng.randint(4, 16)
+    ring = maker()(capacity=capacity, lanes=rng.randint(1, min(capacity, 5)))
+    for _ in range(rng.randint(1, 12)):
+        step = rng.random()
+        if step < 0.45:
+            try:
+                ring.push(*[b"m"] * rng.randint(1, 3))
+            except tsql.TsqlError as exc:  # the ring is full there
+                assert "[DQ001]" in exc.message
+        elif step < 0.7:
+            ring.abandon(rng.randint(1, 3))
+        elif step < 0.9:
+            ring.take(rng.randint(1, 6))
+        else:
+            ring.skip_abandoned()
+    ring.skip_abandoned()
+    server = ring.server
+    held = {lane for lane in range(ring.lanes) if rng.random() < 0.3}
+    for lane in held:
+        server.lock("ring_lanes", (1, lane), rng.choice("UX"))
+    for slot in range(capacity):
+        if rng.random() < 0.1:
+            server.lock("ring_slots", (1, slot), "X")
+    before = ring.positions()
+
+    def given_up(number: int) -> bool:  # and its slot not being written by another transaction
+        free = ("ring_slots", (1, number % capacity)) not in server.others
+        return free and ring.slot_of(number) == (number, None)
+
+    want = []
+    for lane, start in enumerate(before):
+        pos = start
+        while lane not in held and given_up(pos):
+            pos += ring.lanes
+        want.append(pos)
+    moved = ring.pass_lanes()
+    assert ring.positions() == want, (before, held)
+    assert moved == sum(a != b for a, b in zip(before, want, strict=True))
+
+
+# -- the take's two parts --------------------------------------------------------------------------
+
+
+def check_two_parts(make: Make) -> None:
+    """A take whose window runs past the end of the slots: the first part up to the last slot, then, the
+    held lanes having taken everything up to it, the second from slot 0; one lease row a part (its lowest
+    and highest message, each held lane's position at the part, its messages); the ids in order; and the
+    batch's size counted across both parts."""
+    ring = make(capacity=8, lanes=2)
+    assert ids(ring.take(6)) == [] and ring.push(*[b"a"] * 6) == [1, 2, 3, 4, 5, 6]
+    assert ids(ring.take(6)) == [1, 2, 3, 4, 5, 6]
+    assert ring.positions() == [8, 7]
+    assert ring.push(*[b"b"] * 6) == [7, 8, 9, 10, 11, 12]  # slots 7, 0, 1, 2, 3, 4
+    rows = ring.take(6, lease=True)
+    assert ids(rows) == [7, 8, 9, 10, 11, 12]
+    assert all(r[1:3] == (1, 1) and r[4] is not None and r[5] == b"b" for r in rows)
+    assert ring.leases() == [(7, 7, [8, 7], 1), (8, 12, [8, 9], 5)]
+    assert ring.positions() == [14, 13]
+    # The batch's size holds across the parts.
+    other = make(capacity=8, lanes=2)
+    other.push(*[b"a"] * 6)
+    other.take(6)
+    other.push(*[b"b"] * 6)
+    assert ids(other.take(3)) == [7, 8, 9]
+    assert other.positions() == [10, 11]
+
+
+def check_second_part_refused(make: Make) -> None:
+    """When a held lane stopped before the end of the slots (at a number not written yet), the take ends
+    with the first part even though the other lane could go on from slot 0: positions never pass a number
+    nobody has seen, and the second part needs every held lane at the end. The next take, without the
+    stopped lane, goes on; that lane is not even locked."""
+    ring = make(capacity=8, lanes=2)
+    ring.push(*[b"a"] * 4)
+    assert ids(ring.take(4)) == [1, 2, 3, 4]
+    assert ring.push(b"5", b"6") == [5, 6]
+    assert ring.abandon(1) == [7]  # a push in progress, say
+    assert ring.push(*[b"c"] * 5) == [8, 9, 10, 11, 12]  # slots 0 .. 4
+    assert ids(ring.take(10)) == [5, 6]
+    assert ring.positions() == [8, 7]
+    ring.server.mine.clear()
+    assert ids(ring.take(10)) == [8, 10, 12]  # lane 0 only: lane 1 waits at 7
+    assert ring.positions() == [14, 7]
+    assert ("ring_lanes", (1, 1)) not in ring.server.mine and ("ring_lanes", (1, 0)) in ring.server.mine
+
+
+def test_a_take_past_the_end_of_the_slots_is_taken_in_two_parts() -> None:
+    check_two_parts(maker())
+
+
+def test_the_second_part_is_taken_only_when_the_held_lanes_took_everything_to_the_end() -> None:
+    check_second_part_refused(maker())
+
+
+def test_a_batch_reads_past_a_slot_being_written_and_stops_there() -> None:
+    """A slot another transaction holds (a push writing it) is unwritten for a take, as its committed
+    version is on PostgreSQL: the take stops before it, and its lane is not locked."""
+    ring = maker()(capacity=8, lanes=2)
+    ring.push(*[b"a"] * 5)
+    ring.server.lock("ring_slots", (1, 4), "X")
+    assert ids(ring.take(10)) == [1, 2, 3]
+    assert ring.positions() == [4, 5]
+    ring.server.others.clear()
+    assert ids(ring.take(10)) == [4, 5]
+
+
+# -- a pop of none ---------------------------------------------------------------------------------
+
+
+def check_pop_of_none(make: Make) -> None:
+    """A pop of none (n 0, what a push that finds the ring full runs between its attempts) gives up the
+    gap it is told about once the push lanes listed are all seen unlocked, moves the lanes over the
+    numbers given up (ring_pass), and reports the head: it serves no message due again, takes nothing,
+    and leases nothing."""
+    ring = make(capacity=16, lanes=4)
+    assert ring.push(b"1", b"2", b"3") == [1, 2, 3]
+    assert ring.abandon(1) == [4]
+    assert ring.push(*[b"m"] * 5) == [5, 6, 7, 8, 9]
+    [due] = ring.take(1, lease=True)
+    assert ring.nack([due[0]], [1]) == [(due[0], 1)]  # ready again now
+    retry = ring.retry()
+    positions = ring.positions()
+    assert positions[0] == 4  # lane 0 stopped at the unwritten 4
+
+    def pop_of_none(**gap: Any) -> tuple[Any, ...]:
+        rows, meta = ring.pop(0, consumer="push", **gap)
+        assert rows == []
+        assert ring.retry() == retry and ring.leases() == []
+        return meta
+
+    assert pop_of_none() == (4, 9, None)  # first sighting: no push lanes listed yet
+    assert ring.positions() == positions
+    ring.server.lock("ring_push_lanes", (1, 3), "X")  # a push in progress holds push lane 3
+    assert pop_of_none(gap=4, issued=9) == (4, 9, "[3]")  # second sighting: the lanes held
+    assert pop_of_none(gap=4, issued=9, snap="[3]") == (4, 9, "[3]")  # lane 3 still held: no proof
+    assert ring.positions() == positions and ring.slot_of(4) == (4 - 16, None)
+    ring.server.others.clear()  # that push ended
+    ring.server.calls.clear()
+    assert pop_of_none(gap=4, issued=9, snap="[3]") == (None, None, None)
+    assert ring.slot_of(4) == (4, None) and ring.gaps_skipped() == 1
+    assert ring.positions() == [8, *positions[1:]]  # lane 0 moved over 4; the others were at messages
+    assert "ring_pass" in ring.server.calls and "ring_take" not in ring.server.calls
+    # A pop of some takes the message due again first, then the lanes'.
+    rows, meta = ring.pop(10)
+    assert sorted(ids(rows)) == [1, 2, 3, 5, 6, 7, 8, 9] and meta == (None, None, None)
+    assert ring.retry() == []
+
+
+def test_a_pop_of_none_only_gives_the_gap_up_and_reports_the_head() -> None:
+    check_pop_of_none(maker())
+
+
+def test_a_pop_of_none_without_a_gap_changes_nothing() -> None:
+    ring = maker()(capacity=8, lanes=2)
+    ring.push(b"a", b"b", b"c")
+    before = (ring.positions(), [dict(r) for r in ring.server.tables["ring_slots"].scan()])
+    rows, meta = ring.pop(0)
+    assert rows == [] and meta == (None, None, None)
+    assert (ring.positions(), [dict(r) for r in ring.server.tables["ring_slots"].scan()]) == before
+
+
+# -- the checks fail when the T-SQL is broken ------------------------------------------------------
+
+
+def mutated(block: str, good: str, bad: str) -> dict[str, str]:
+    text = dict(blocks())
+    assert text[block].count(good) == 1, (block, good)
+    text[block] = text[block].replace(good, bad)
+    return text
+
+
+MUTATIONS = [
+    # ring_pass
+    ("v3_ring_pass", "AND s.seq = l.pos AND s.payload IS NULL);", "AND s.seq = l.pos);", check_pass),
+    ("v3_ring_pass", "UPDATE l SET pos = l.pos + @lanes", "UPDATE l SET pos = l.pos + 1", check_pass),
+    ("v3_ring_pass", "t WITH (ROWLOCK, UPDLOCK, READPAST)", "t WITH (ROWLOCK, UPDLOCK)", check_pass),
+    ("v3_ring_pass", "AND l.pos > l.start;", "AND l.pos >= l.start;", check_pass),
+    # the take's two parts
+    ("v3_ring_take", "WHILE @part < 2 AND", "WHILE @part < 1 AND", check_two_parts),
+    ("v3_ring_take", "ORDER BY p.part, s.slot;", "ORDER BY s.slot;", check_two_parts),
+    ("v3_ring_take", "AND w.before < @n - @got;", "AND w.before < @n;", check_two_parts),
+    ("v3_ring_take", "SET @lo = @lo - @a + @cap;", "SET @lo = @lo + @cap;", check_two_parts),
+    ("v3_ring_take", "h.pos < @lo - @a + @cap)", "h.pos < @lo - @a)", check_second_part_refused),
+    (
+        "v3_ring_take",
+        "FROM @held h JOIN [dbq].ring_lanes l ON l.queue_id = @queue_id AND l.lane = h.lane;",
+        "FROM @held h JOIN [dbq].ring_lanes l ON l.queue_id = @queue_id AND l.lane = h.lane WHERE 1 = 0;",
+        check_two_parts,
+    ),
+    (
+        "v3_ring_take",
+        "WHERE t.queue_id = @queue_id AND EXISTS (\n        SELECT 1",
+        "WHERE t.queue_id = @queue_id AND 1 = 1 OR EXISTS (\n        SELECT 1",
+        check_second_part_refused,
+    ),
+    # a pop of none
+    ("v3_ring_pop", "IF @skipped > 0", "IF @skipped > 1000", check_pop_of_none),
+    ("v3_ring_skip_gap", "SET @skipped = @k;", "SET @skipped = 0;", check_pop_of_none),
+    (
+        "v3_ring_pop",
+        "SELECT TOP (@n) t.id, t.attempts",
+        "SELECT TOP (@n + 1) t.id, t.attempts",
+        check_pop_of_none,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("block", "good", "bad", "check"), MUTATIONS, ids=[f"{m[0]}:{m[2][:40]}" for m in MUTATIONS]
+)
+def test_the_checks_fail_on_broken_tsql(
+    block: str, good: str, bad: str, check: Callable[[Make], None]
+) -> None:
+    """Each scenario above fails once one line of the T-SQL it runs is broken."""
+    check(maker())  # whole, it passes
+    with pytest.raises((AssertionError, tsql.TsqlError, tsql.Blocked)):
+        check(maker(mutated(block, good, bad)))
