@@ -42,6 +42,8 @@ from typing import Any
 import sqlglot
 from sqlglot import exp
 
+from tests.fake_mssql import FakeConnection, FakeCursor, FakeSqlServer
+
 Row = dict[str, Any]
 Ctx = dict[str, Row | None]
 
@@ -393,6 +395,25 @@ class Server:
         outputs = frame.call(name, {k: (v, False) for k, v in args.items()})
         return frame.results, outputs
 
+    def batch(self, text: str, values: Sequence[Any] = ()) -> list[list[tuple[Any, ...]]]:
+        """Run a batch as a client sends it (``?`` placeholders bound to ``values`` in order): the rows of
+        each result set it returned."""
+        frame = Frame(self, lock_timeout=-1)
+        bound = iter(values)
+        # ? outside quoted strings and identifiers is a placeholder.
+        text = re.sub(
+            r"N?'(?:[^']|'')*'|\[[^\]]*\]|--[^\n]*|\?",
+            lambda m: _literal(next(bound)) if m.group(0) == "?" else m.group(0),
+            text,
+        )
+        assert next(bound, None) is None, "more values than placeholders"
+        for stmt in sqlglot.parse(text, read="tsql", error_level=sqlglot.ErrorLevel.RAISE):
+            if stmt is not None:
+                if isinstance(stmt, exp.Command):
+                    raise NotImplementedError(stmt.sql(dialect="tsql")[:100])
+                frame.execute(stmt)
+        return frame.results
+
     def query(self, text: str, **params: Any) -> list[tuple[Any, ...]]:
         """Run one statement with ``%(name)s`` parameters and return the rows of its result sets."""
         frame = Frame(self, lock_timeout=-1)
@@ -409,6 +430,10 @@ def _literal(value: Any) -> str:
         return repr(value)
     if isinstance(value, str):
         return "N'" + value.replace("'", "''") + "'"
+    if isinstance(value, bytes | bytearray | memoryview):
+        return "0x" + bytes(value).hex()
+    if isinstance(value, dt.datetime):
+        return f"CAST('{value.isoformat(sep=' ')}' AS datetime2(6))"
     raise NotImplementedError(type(value))
 
 
@@ -511,6 +536,8 @@ def _cast(value: Any, to: exp.DataType, style: int | None = None) -> Any:  # noq
             return bytes.fromhex(value) if style == 2 else value.encode()
         raise NotImplementedError(f"CAST({value!r} AS varbinary)")
     if kind in (T.DATETIME2, T.DATETIME):
+        if isinstance(value, str):
+            return dt.datetime.fromisoformat(value)
         return _DAY_ZERO + dt.timedelta(days=value) if isinstance(value, int) else value
     raise NotImplementedError(f"CAST AS {to.sql(dialect='tsql')}")
 
@@ -540,7 +567,6 @@ class Frame:
         self.rowcount = 0
         self.lock_timeout = lock_timeout
         self.error: TsqlError | None = None
-        self.blocked: set[int] = set()
 
     # -- calls
 
@@ -790,7 +816,7 @@ class Frame:
             self.check(table, made[-1])
             if table.name in self.server.tables:
                 self.server.mine[(table.name, table.key_of(made[-1]))] = "X"
-        self.output(insert, [(None, r) for r in made])
+        self.output(insert, [(None, r, Env(self)) for r in made])
         return len(made)
 
     def check(self, table: Table, row: Row) -> None:
@@ -798,20 +824,25 @@ class Frame:
             if self.eval(cond, Env(self, {table.name: row}, {table.name: table.columns})) is False:
                 raise TsqlError(547, f"the row {row} of {table.name} breaks its CHECK constraint {name}")
 
-    def output(self, stmt: exp.Expression, changes: Sequence[tuple[Row | None, Row | None]]) -> None:
+    def output(self, stmt: exp.Expression, changes: Sequence[tuple[Row | None, Row | None, Env]]) -> None:
+        """OUTPUT: each change's deleted and inserted rows, and the rows of the statement's FROM it was found
+        with (``env``)."""
         returning = stmt.args.get("returning")
         if returning is None:
             return
         into = returning.args.get("into")
-        if into is None:
-            raise NotImplementedError("OUTPUT without INTO")
-        table = self.tables[into.name.lower()]
-        for old, new in changes:
+        rows = []
+        for old, new, found in changes:
             ctx: Ctx = {"deleted": old, "inserted": new}
             cols = {"deleted": list((old or new or {}).keys()), "inserted": list((new or old or {}).keys())}
-            env = Env(self).child(ctx, cols)
-            values = [self.eval(e, env) for e in returning.expressions]
-            table.insert(dict(zip(table.columns, values, strict=True)))
+            env = found.child(ctx, cols)
+            rows.append(tuple(self.eval(e, env) for e in returning.expressions))
+        if not isinstance(into, exp.Expression):  # OUTPUT without INTO: a result set
+            self.results.append(rows)
+            return
+        table = self.tables[into.name.lower()]
+        for row in rows:
+            table.insert(dict(zip(table.columns, row, strict=True)))
 
     def target_rows(self, stmt: exp.Update | exp.Delete, alias: str) -> tuple[Table, list[tuple[Row, Env]]]:
         """The rows an UPDATE or DELETE changes (each once, with the sources' row it was found with)."""
@@ -855,7 +886,7 @@ class Frame:
         target = stmt.this
         alias = target.alias_or_name.lower()
         table, rows = self.target_rows(stmt, alias)
-        changes: list[tuple[Row | None, Row | None]] = []
+        changes: list[tuple[Row | None, Row | None, Env]] = []
         planned = []
         for row, env in rows:
             new: dict[str, Any] = {}
@@ -870,8 +901,8 @@ class Frame:
                     if column not in table.columns:
                         raise TsqlError(207, f"invalid column name {column}")
                     new[column] = value
-            planned.append((row, new))
-        for row, new in planned:
+            planned.append((row, new, env))
+        for row, new, env in planned:
             old = dict(row)
             row.update(new)
             for c in table.not_null:
@@ -882,7 +913,7 @@ class Frame:
             self.check(table, row)
             if table.name in self.server.tables:
                 self.server.mine[(table.name, table.key_of(row))] = "X"
-            changes.append((old, dict(row)))
+            changes.append((old, dict(row), env))
         self.output(stmt, changes)
         return len(planned)
 
@@ -890,11 +921,13 @@ class Frame:
         tables = stmt.args.get("tables") or []
         alias = (tables[0] if tables else stmt.this).alias_or_name.lower()
         table, rows = self.target_rows(stmt, alias)
-        for row, _ in rows:
+        changes: list[tuple[Row | None, Row | None, Env]] = []
+        for row, env in rows:
             table.rows.remove(row)
             if table.name in self.server.tables:
                 self.server.mine[(table.name, table.key_of(row))] = "X"
-        self.output(stmt, [(dict(row), None) for row, _ in rows])
+            changes.append((dict(row), None, env))
+        self.output(stmt, changes)
         return len(rows)
 
     # -- queries
@@ -1274,6 +1307,20 @@ class Frame:
         if isinstance(node, exp.DateAdd):
             unit = node.args["unit"].name
             return _date_add(unit, self.eval(node.expression, env), self.eval(node.this, env))
+        if isinstance(node, exp.HexString):
+            return bytes.fromhex(str(node.this))
+        if isinstance(node, exp.TimeStrToTime):
+            v = self.eval(node.this, env)
+            return dt.datetime.fromisoformat(v) if isinstance(v, str) else v
+        if isinstance(node, exp.DateDiff):
+            end, start = self.eval(node.this, env), self.eval(node.expression, env)
+            if end is None or start is None:
+                return None
+            unit = node.args["unit"].name.upper()
+            step = {"MICROSECOND": dt.timedelta(microseconds=1), "MILLISECOND": dt.timedelta(milliseconds=1)}[
+                unit
+            ]
+            return (end - start) // step
         if isinstance(node, exp.Uuid):
             return self.server.rng.getrandbits(64)
         if isinstance(node, exp.Repeat):
@@ -1406,6 +1453,17 @@ RING_TABLES = (
     "ring_failed",
     "ring_push_lanes",
 )
+
+
+@functools.cache
+def schema_blocks() -> dict[str, str]:
+    """The blocks of the SQL Server ``schema.sql``, composed for schema ``dbq``, in install order."""
+    from airflow_dbqueue.engine.dialects.mssql import MssqlDatabase
+    from airflow_dbqueue.engine.sqlfile import parse_named_queries, read_text
+
+    db = MssqlDatabase("mssql://h/db", schema="dbq")
+    text = read_text("airflow_dbqueue.engine.dialects.mssql", "schema.sql")
+    return {name: db.compose(body) for name, body in parse_named_queries(text).items()}
 
 
 def ring_server(blocks: Mapping[str, str]) -> Server:
@@ -1590,3 +1648,93 @@ class Ring:
 
     def gaps_skipped(self) -> int:
         return self.server.sequence(f"[dbq].[ring_{self.queue_id}_gaps]")["current_value"]
+
+
+# -- the engine on the interpreter -------------------------------------------------------------------
+
+
+class InterpretedSqlServer(FakeSqlServer):
+    """The fake pyodbc server of tests/fake_mssql.py, answering every batch the dialect sends by running it
+    on a :class:`Server`: the engine's named queries, as the SQL Server dialect binds them, run on the
+    interpreted procedures. A batch may return one result set at most (the dialect reads one). A T-SQL
+    error is raised as pyodbc raises SQL Server's (so the dialect translates it); a rollback puts the
+    tables back as the connection's transaction found them (sequences stay where they are, as on SQL
+    Server). Transactions are not isolated from each other: use one at a time."""
+
+    def __init__(self, server: Server) -> None:
+        super().__init__()
+        self.tsql = server
+
+    def connect(self, *, application_name: str | None = None, autocommit: bool = False) -> FakeConnection:
+        conn = _Connection(self, application_name, autocommit)
+        self.connections.append(conn)
+        return conn
+
+    def answer(self, text: str) -> list[tuple[Any, ...]] | None:
+        values = self.log[-1].values or []
+        try:
+            results = self.tsql.batch(text, values)
+        except TsqlError as exc:
+            raise _pyodbc_error(exc) from None
+        assert len(results) <= 1, f"{len(results)} result sets from: {text[:200]}"
+        return results[0] if results else None
+
+
+def _pyodbc_error(exc: TsqlError) -> Exception:
+    """What pyodbc raises for SQL Server's error ``exc`` (SQLSTATE, then the driver's message)."""
+    from tests.fake_mssql import import_pyodbc
+
+    pyodbc = import_pyodbc()
+    driver = "[Microsoft][ODBC Driver 18 for SQL Server][SQL Server]"
+    text = f"{driver}{exc.message} ({exc.number}) (SQLExecDirectW)"
+    if exc.number == 1205:
+        return pyodbc.Error("40001", f"[40001] {text}")
+    if exc.number == 1222:
+        return pyodbc.Error("HY000", f"[HY000] {text}")
+    return pyodbc.ProgrammingError("42000", f"[42000] {text}")
+
+
+class _Cursor(FakeCursor):
+    def execute(self, text: str, *params: Any) -> FakeCursor:
+        conn = self.conn
+        assert isinstance(conn, _Connection)
+        conn.begin()
+        try:
+            return super().execute(text, *params)
+        except Exception:
+            if conn.autocommit:
+                conn.restore()
+            raise
+        finally:
+            if conn.autocommit:
+                conn.saved = None
+
+
+class _Connection(FakeConnection):
+    saved: dict[str, list[Row]] | None = None
+
+    def cursor(self) -> FakeCursor:
+        return _Cursor(self)
+
+    @property
+    def tsql(self) -> Server:
+        assert isinstance(self.server, InterpretedSqlServer)
+        return self.server.tsql
+
+    def begin(self) -> None:
+        if self.saved is None:
+            self.saved = {name: [dict(r) for r in t.rows] for name, t in self.tsql.tables.items()}
+
+    def restore(self) -> None:
+        if self.saved is not None:
+            for name, rows in self.saved.items():
+                self.tsql.tables[name].rows = rows
+        self.saved = None
+
+    def commit(self) -> None:
+        super().commit()
+        self.saved = None
+
+    def rollback(self) -> None:
+        super().rollback()
+        self.restore()

@@ -13,26 +13,20 @@ transactions are rows they hold locked), and ``ring_series`` computed directly.
 
 from __future__ import annotations
 
-import functools
 import random
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
 
-from airflow_dbqueue.engine.dialects.mssql import MssqlDatabase
-from airflow_dbqueue.engine.sqlfile import parse_named_queries, read_text
 from tests import tsql
 
-MS = "airflow_dbqueue.engine.dialects.mssql"
 Make = Callable[..., tsql.Ring]
 
 
-@functools.cache
 def blocks() -> dict[str, str]:
-    """The blocks of the SQL Server schema.sql, composed for schema ``dbq``, in install order."""
-    db = MssqlDatabase("mssql://h/db", schema="dbq")
-    return {k: db.compose(v) for k, v in parse_named_queries(read_text(MS, "schema.sql")).items()}
+    return tsql.schema_blocks()
 
 
 def maker(text: Mapping[str, str] | None = None) -> Make:
@@ -382,3 +376,52 @@ def test_the_checks_fail_on_broken_tsql(
     check(maker())  # whole, it passes
     with pytest.raises((AssertionError, tsql.TsqlError, tsql.Blocked)):
         check(maker(mutated(block, good, bad)))
+
+
+# -- the engine on the interpreted procedures ------------------------------------------------------
+
+
+def test_a_push_to_a_ring_kept_full_by_a_gap_pops_none_and_gets_in_on_interpreted_sql_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RingQueue on the SQL Server dialect, its named queries run on the interpreter: a ring whose floor
+    is held down only by a number a push took and never wrote. A push finds no room, pops none (the gap is
+    seen, its push lanes listed, then given up and the lane moved over it) and is let in at its next try.
+    Every message pushed comes out once."""
+    from airflow_dbqueue.engine import DbQueue, ring
+    from airflow_dbqueue.engine.models import Design, QueueSettings
+    from tests.helpers import checksum
+
+    server = tsql.ring_server(blocks())
+    dbq = DbQueue("mssql://u:p@h/db", schema="dbq")
+    fake = tsql.InterpretedSqlServer(server).attach(monkeypatch, dbq.db)
+    monkeypatch.setattr(ring.time, "sleep", lambda s: None)
+    dbq.db.execute("ring_create", {"queue_id": 1, "capacity": 4, "slot_bytes": 64, "lanes": 2})
+    q = ring.RingQueue(
+        dbq.db,
+        QueueSettings(name="r", queue_id=1, design=Design.RING, max_payload_bytes=64, capacity=4, lanes=2),
+    )
+    q.push_timeout = 2.0
+    numbers = tsql.Ring.__new__(tsql.Ring)  # the ring made above, for a push that dies holding a number
+    numbers.server, numbers.seq = server, "[dbq].[ring_1_seq]"
+    pushed = [{"n": i} for i in range(7)]
+    assert q.push_batch(pushed[:2]) == [1, 2]
+    assert numbers.abandon(1) == [3]
+    assert q.push_batch(pushed[2:3]) == [4]
+    got = q.pop(3)
+    assert [m.id for m in got] == [1, 2, 4]  # lane 1 stops at 3, seen twice: its push lanes listed
+    assert q.push_batch(pushed[3:5]) == [5, 6]
+    before = len(fake.log)
+    assert q.push_batch(pushed[5:7]) == [7, 8]  # 7's slot held 3, given up on the way
+    sent = fake.log[before:]
+    assert [m.group(1) for s in sent if (m := re.search(r"EXEC \[dbq\]\.(ring_[a-z_]+)", s.text))] == [
+        "ring_push",  # no room: nothing taken
+        "ring_pop",  # a pop of none, with the gap and its push lanes: 3 is given up
+        "ring_push",
+    ]
+    [help_pop] = [s.values for s in sent if "EXEC [dbq].ring_pop " in s.text]
+    assert help_pop == [1, 4, 2, 0, False, 30.0, "push", False, 3, 4, "[]", False]
+    assert q.stats().extra["gaps_skipped"] == 1
+    got += q.pop(10)
+    assert [m.id for m in got] == [1, 2, 4, 5, 6, 7, 8]
+    assert checksum(m.payload for m in got) == checksum(pushed)

@@ -1,0 +1,232 @@
+"""The SQL Server ring against PostgreSQL's, step by step, without a SQL Server.
+
+The same random steps (pushes of batches and of one, numbers a push took and never wrote, pops in the
+three semantics, acks and nacks of whole leases and of parts, leases expired and reclaimed, gap recovery,
+failed messages requeued) go through ``RingQueue`` twice: on PostgreSQL (its real functions), and on the
+SQL Server dialect, whose named queries run on the T-SQL interpreter of tests/tsql.py (the procedures of
+the SQL Server ``schema.sql`` as written). After each step both must have answered the same (messages
+with their payloads, attempts and deliveries, counts, errors) and hold the same ring: every slot's number
+and payload, every lane's position, every lease (range, lanes' starts, messages), retry row and failed
+message, and the same stats. What the interpreter leaves out is said in tests/tsql.py (one session, no
+concurrency). Only what is the dialect's by design differs: the gap proof's list (transactions on
+PostgreSQL, push lanes on SQL Server) and times.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from airflow_dbqueue.engine import DbQueue, DbQueueError, FailedMessage, Message
+from airflow_dbqueue.engine.models import QueueSettings
+from airflow_dbqueue.engine.ring import RingQueue
+from tests import tsql
+from tests.dialects import expire_leases, run_sql
+from tests.helpers import checksum
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+pytestmark = pytest.mark.integration
+
+STATE = {
+    "slots": "SELECT slot, seq, payload FROM {schema}.ring_slots WHERE queue_id = %(q)s ORDER BY slot",
+    "lanes": "SELECT lane, pos FROM {schema}.ring_lanes WHERE queue_id = %(q)s ORDER BY lane",
+    "leases": "SELECT lo, hi, n, starts FROM {schema}.ring_leases WHERE queue_id = %(q)s ORDER BY lo",
+    "retry": "SELECT id, state, attempts, deliveries FROM {schema}.ring_retry WHERE queue_id = %(q)s "
+    "ORDER BY id",
+    "failed": "SELECT id, attempts, payload FROM {schema}.ring_failed WHERE queue_id = %(q)s ORDER BY id",
+}
+
+
+class Side:
+    """One dialect's ring, and what its consumers hold leased."""
+
+    def __init__(self, dbq: DbQueue, q: RingQueue) -> None:
+        self.dbq, self.q = dbq, q
+        self.leased: list[Message] = []
+        q.push_timeout = 0.0  # a full ring answers at once: both sides see it full at the same step
+        q.reclaim_every_s = 0.0  # every pop at least once reclaims first, on both sides
+
+    def state(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, text in STATE.items():
+            rows = [list(r) for r in run_sql(self.dbq, text, {"q": self.q.settings.queue_id})]
+            if name == "leases":  # starts: a bigint[] on PostgreSQL, a JSON array on SQL Server
+                for r in rows:
+                    r[3] = json.loads(r[3]) if isinstance(r[3], str) else list(r[3])
+            if name in ("slots", "failed"):
+                for r in rows:
+                    r[-1] = None if r[-1] is None else bytes(r[-1])
+            out[name] = rows
+        stats = self.q.stats()
+        out["stats"] = (stats.ready, stats.delayed, stats.in_flight, stats.failed, stats.extra)
+        return out
+
+    def abandon(self, n: int) -> None:
+        """Numbers a push took and never wrote (it rolled back, or died, after taking them)."""
+        if self.dbq.dialect == "postgresql":
+            run_sql(
+                self.dbq,
+                "SELECT nextval(push_seq) FROM {schema}.rings, generate_series(1, %(n)s) "
+                "WHERE queue_id = %(q)s",
+                {"n": n, "q": self.q.settings.queue_id},
+            )
+        else:
+            run_sql(
+                self.dbq,
+                "DECLARE @seq nvarchar(300) = (SELECT push_seq FROM {schema}.rings WHERE queue_id = %(q)s); "
+                "DECLARE @v sql_variant; "
+                "EXEC sys.sp_sequence_get_range @sequence_name = @seq, @range_size = %(n)s, "
+                "@range_first_value = @v OUTPUT",
+                {"n": n, "q": self.q.settings.queue_id},
+            )
+
+
+def msg(m: Message) -> tuple[Any, ...]:
+    return (m.id, m.payload, m.attempts, m.delivery)
+
+
+def failed(f: FailedMessage) -> tuple[Any, ...]:
+    return (f.id, f.payload, f.attempts, f.last_error)
+
+
+def outcome(call: Callable[[], Any]) -> Any:
+    """What a call answered, or the engine's error it raised (by type)."""
+    try:
+        got = call()
+    except DbQueueError as exc:
+        return type(exc).__name__
+    if isinstance(got, list) and got and isinstance(got[0], Message):
+        return [msg(m) for m in got]
+    return got
+
+
+@pytest.fixture
+def sides(
+    dbq: DbQueue, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Callable[[int, int, int], tuple[Side, Side]]]:
+    """Rings of the same settings on PostgreSQL and on the interpreted SQL Server."""
+
+    def make(seed: int, capacity: int, lanes: int) -> tuple[Side, Side]:
+        pg = dbq.create_queue(
+            f"r{seed}", design="ring", capacity=capacity, lanes=lanes, max_attempts=3, visibility_timeout=3600
+        )
+        assert isinstance(pg, RingQueue)
+        settings: QueueSettings = pg.settings
+        fake = tsql.InterpretedSqlServer(tsql.ring_server(tsql.schema_blocks()))
+        ms = DbQueue("mssql://u:p@h/db", schema="dbq")
+        fake.attach(monkeypatch, ms.db)
+        ms.db.execute(
+            "ring_create",
+            {
+                "schema": "dbq",
+                "queue_id": settings.queue_id,
+                "capacity": capacity,
+                "slot_bytes": settings.max_payload_bytes,
+                "lanes": lanes,
+            },
+        )
+        return Side(dbq, pg), Side(ms, RingQueue(ms.db, settings))
+
+    yield make
+
+
+STEPS = ["push", "push", "push_one", "abandon", "pop", "pop", "pop_lease", "pop_lease", "pop_own"]
+STEPS += ["ack", "ack_part", "nack", "expire", "recover", "peek", "requeue"]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_steps_answer_and_leave_the_same_ring_on_both_dialects(
+    seed: int, sides: Callable[[int, int, int], tuple[Side, Side]]
+) -> None:
+    """Nothing is lost either: every payload pushed was finished once (popped at most or exactly once, or
+    acked), or is failed, or comes out of the ring when it is drained at the end."""
+    rng = random.Random(seed)
+    capacity = rng.choice([4, 6, 8, 12])
+    pg, ms = sides(seed, capacity, rng.randint(1, min(capacity, 4)))
+    gap_timeout = rng.choice([0.0, 1e9])  # forced at the second sighting, or only with the proof
+    for side in (pg, ms):
+        side.q.gap_timeout = gap_timeout
+    pushed: list[Any] = []
+    finished: list[Any] = []
+    log: list[str] = []
+
+    def same(answers: list[Any]) -> Any:
+        assert answers[0] == answers[1], "\n".join(log)
+        return answers[0]
+
+    for _ in range(45):
+        step = rng.choice(STEPS)
+        log.append(step)
+        if step in ("push", "push_one"):
+            size = 1 if step == "push_one" else rng.randint(1, 4)
+            payloads = [{"n": len(pushed) + i, "s": "x" * rng.randint(0, 30)} for i in range(size)]
+            got = same([outcome(lambda s=s, p=payloads: s.q.push_batch(p)) for s in (pg, ms)])
+            if isinstance(got, list):
+                pushed += payloads
+        elif step == "abandon":
+            k = rng.randint(1, 2)
+            for s in (pg, ms):
+                s.abandon(k)
+        elif step.startswith("pop"):
+            n = rng.randint(1, 6)
+            semantics = {"pop": "at-most-once", "pop_lease": "at-least-once", "pop_own": "exactly-once"}[step]
+            answers = []
+            for s in (pg, ms):
+                if semantics == "exactly-once":
+                    with s.dbq.transaction() as conn:
+                        got = s.q.pop(n, semantics=semantics, conn=conn)
+                else:
+                    got = s.q.pop(n, semantics=semantics)
+                if semantics == "at-least-once":
+                    s.leased += got
+                answers.append([msg(m) for m in got])
+            got = same(answers)
+            if semantics != "at-least-once":
+                finished += [m[1] for m in got]
+        elif step in ("ack", "ack_part", "nack", "expire") and pg.leased:
+            k = len(pg.leased) if step == "ack" else rng.randint(1, len(pg.leased))
+            chosen = set(rng.sample(range(len(pg.leased)), k))
+            answers = []
+            for s in (pg, ms):
+                these = [m for i, m in enumerate(s.leased) if i in chosen]
+                s.leased = [m for i, m in enumerate(s.leased) if i not in chosen]
+                if step.startswith("ack"):
+                    answers.append(outcome(lambda s=s, these=these: s.q.ack(these)))
+                elif step == "nack":
+                    answers.append(outcome(lambda s=s, these=these: s.q.nack(these, delay=0, error="no")))
+                else:
+                    expire_leases(s.dbq, [m.id for m in these], s.q)
+                    answers.append(outcome(s.q.reclaim_expired))
+            if same(answers) == len(these) and step.startswith("ack"):
+                finished += [m.payload for m in these]
+        elif step == "recover":
+            same([outcome(lambda s=s: s.q.recover_gaps(wait=0.5)) for s in (pg, ms)])
+        elif step == "peek":
+            same(
+                [(outcome(lambda s=s: s.q.peek(4)), s.q.count_ready(), s.q.readiness()[0]) for s in (pg, ms)]
+            )
+        elif step == "requeue":
+            same([([failed(f) for f in s.q.list_failed()], outcome(s.q.requeue_failed)) for s in (pg, ms)])
+        log[-1] += f": {pg.state()['stats']}"
+        assert pg.state() == ms.state(), "\n".join(log)
+    # The leases still open end; then both rings are drained, handing out the same messages.
+    for s in (pg, ms):
+        if s.leased:
+            expire_leases(s.dbq, [m.id for m in s.leased], s.q)
+            s.leased.clear()
+    same([outcome(s.q.reclaim_expired) for s in (pg, ms)])
+    failures = same([[failed(f) for f in s.q.list_failed(capacity * 4)] for s in (pg, ms)])
+    for _ in range(4 * capacity):
+        got = same([outcome(lambda s=s: s.q.pop(capacity)) for s in (pg, ms)])
+        if not got:
+            break
+        finished += [m[1] for m in got]
+    assert pg.state() == ms.state()
+    assert pg.q.stats().ready == 0 and pg.q.stats().in_flight == 0
+    assert len(finished) + len(failures) == len(pushed)
+    assert checksum(finished + [f[1] for f in failures]) == checksum(pushed)
