@@ -1276,7 +1276,7 @@ BEGIN
     DECLARE @first bigint;
     DECLARE @last bigint;
     DECLARE @k int;
-    DECLARE @from nvarchar(max);
+    DECLARE @lease_starts nvarchar(max);
     IF @retries = 1 AND EXISTS (
         SELECT 1 FROM {schema}.ring_retry r WITH (READCOMMITTEDLOCK, READPAST)
         WHERE r.queue_id = @queue_id AND r.state = 1 AND r.due_at <= @now)
@@ -1406,12 +1406,12 @@ BEGIN
         WHERE l.queue_id = @queue_id;
         IF @lease = 1 AND @k > 0
         BEGIN
-            SET @from = (
+            SET @lease_starts = (
                 SELECT N'[' + STRING_AGG(coalesce(CAST(h.pos AS nvarchar(max)), CAST(N'null' AS nvarchar(max))), N',')
                               WITHIN GROUP (ORDER BY g.k) + N']'
                 FROM {schema}.ring_series(@lanes) g LEFT JOIN @held h ON h.lane = g.k);
             INSERT INTO {schema}.ring_leases (queue_id, lo, hi, starts, n, lease_until, consumer)
-            VALUES (@queue_id, @first, @last, @from, @k, @until, @consumer);
+            VALUES (@queue_id, @first, @last, @lease_starts, @k, @until, @consumer);
         END;
         INSERT INTO @parts (part, a, b, base) VALUES (@part, @a, @top - @lo + @a, @lo - @a);
         INSERT INTO @starts (part, lane, pos) SELECT @part, h.lane, h.pos FROM @held h;
