@@ -129,7 +129,7 @@ def test_every_tsql_query_parses_as_tsql(name: str) -> None:
 def test_the_schema_parses_as_tsql() -> None:
     version, body = ms.schema_sql()
     stmts = tsql_statements(MssqlDatabase("mssql://h/db", schema="dbq").compose(body))
-    assert version == 3
+    assert version == 4
     created = [s for s in stmts if isinstance(s, exp.Create)]
     assert len(created) >= 12  # tables, sequence, indexes
 
@@ -231,23 +231,27 @@ FUNCTIONS = sorted(k for k, v in schema_blocks().items() if "\nCREATE OR ALTER F
 
 def test_the_schema_steps_are_versions_one_to_latest() -> None:
     latest, steps = ms.schema_steps()
-    assert latest == 3 and [v for v, _ in steps] == [1, 2, 3]
+    assert latest == 4 and [v for v, _ in steps] == [1, 2, 3, 4]
     assert steps[0][1] == [ms.schema_sql()[1]]
     blocks = schema_blocks()
     v2 = [k for k in blocks if k.startswith("v2_")]
     v3 = [k for k in blocks if k.startswith("v3_")]
-    assert list(blocks) == ["schema", *v2, *v3]  # a step's blocks run in file order, after the earlier steps'
+    v4 = [k for k in blocks if k.startswith("v4_")]
+    assert v3 == ["v3_owned_objects"]  # the catalogue; the ring's new storage is version 4
+    # A step's blocks run in file order, after the earlier steps'.
+    assert list(blocks) == ["schema", *v2, *v3, *v4]
     compose = MssqlDatabase("mssql://h/db", schema="dbq").compose
     assert [compose(b) for b in steps[1][1]] == [blocks[k] for k in v2]  # one batch a block
     assert [compose(b) for b in steps[2][1]] == [blocks[k] for k in v3]
+    assert [compose(b) for b in steps[3][1]] == [blocks[k] for k in v4]
     assert "CREATE TABLE [dbq].owned_objects (" in blocks["v3_owned_objects"]
     assert "CREATE SCHEMA" not in blocks["schema"]  # install() creates it, only when it is missing
     for name in ("rings", "ring_slots", "ring_failed", "ring_lanes"):
         assert f"CREATE TABLE [dbq].{name} (" in blocks["v2_ring_tables"]
     for name in ("ring_push_lanes", "ring_leases", "ring_retry"):
-        assert f"CREATE TABLE [dbq].{name} (" in blocks["v3_ring_tables"]
-    assert "CREATE TABLE [dbq].ring_lanes (" in blocks["v3_ring_convert"]
-    for name in ("v2_ring_tables", "v3_ring_tables", "v3_ring_convert"):
+        assert f"CREATE TABLE [dbq].{name} (" in blocks["v4_ring_tables"]
+    assert "CREATE TABLE [dbq].ring_lanes (" in blocks["v4_ring_convert"]
+    for name in ("v2_ring_tables", "v4_ring_tables", "v4_ring_convert"):
         tsql_statements(blocks[name])
 
 
@@ -261,40 +265,40 @@ def test_every_ring_procedure_parses_statement_by_statement() -> None:
         "v2_ring_push",
         "v2_ring_skip_abandoned",
         "v2_ring_skip_gap",
-        "v3_ring_create",
-        "v3_ring_drop",
-        "v3_ring_floor",
-        "v3_ring_floor_try",
-        "v3_ring_pass",
-        "v3_ring_pop",
-        "v3_ring_push",
-        "v3_ring_push_lanes_held",
-        "v3_ring_reclaim_expired",
-        "v3_ring_settle",
-        "v3_ring_skip_abandoned",
-        "v3_ring_skip_gap",
-        "v3_ring_split_leases",
-        "v3_ring_take",
+        "v4_ring_create",
+        "v4_ring_drop",
+        "v4_ring_floor",
+        "v4_ring_floor_try",
+        "v4_ring_pass",
+        "v4_ring_pop",
+        "v4_ring_push",
+        "v4_ring_push_lanes_held",
+        "v4_ring_reclaim_expired",
+        "v4_ring_settle",
+        "v4_ring_skip_abandoned",
+        "v4_ring_skip_gap",
+        "v4_ring_split_leases",
+        "v4_ring_take",
     ]
     counts = {}
     for name in PROCEDURES:
         proc, parsed, opaque = procedure_statements(schema_blocks()[name])
         assert proc.this.this.name == name[3:]
         counts[name] = (len(parsed), opaque)
-    for push in ("v2_ring_push", "v3_ring_push"):  # the full ring's WAITFOR DELAY, its only opaque statement
+    for push in ("v2_ring_push", "v4_ring_push"):  # the full ring's WAITFOR DELAY, its only opaque statement
         assert counts[push][1] == ["WAITFOR DELAY @wait;"]
-    [collect] = counts["v3_ring_pop"][1]  # the take's messages, collected with INSERT ... EXEC
+    [collect] = counts["v4_ring_pop"][1]  # the take's messages, collected with INSERT ... EXEC
     assert collect.startswith(
         "INSERT INTO @out (id, attempts, deliveries, enqueued_at, lease_until, payload) EXEC"
     )
     assert all(
-        not o for n, (_, o) in counts.items() if n not in ("v2_ring_push", "v3_ring_push", "v3_ring_pop")
+        not o for n, (_, o) in counts.items() if n not in ("v2_ring_push", "v4_ring_push", "v4_ring_pop")
     )
     assert all(p >= 2 for p, _ in counts.values()), counts
 
 
 def test_every_ring_function_is_one_inline_select() -> None:
-    assert FUNCTIONS == ["v3_ring_held", "v3_ring_ready", "v3_ring_series"]
+    assert FUNCTIONS == ["v4_ring_held", "v4_ring_ready", "v4_ring_series"]
     for name in FUNCTIONS:
         [create] = tsql_statements(schema_blocks()[name])
         assert isinstance(create, exp.Create) and create.args.get("kind") == "FUNCTION", name
@@ -344,7 +348,7 @@ _REFERENCE = re.compile(r"\[dbq\]\.([a-z_]+)")
 def test_each_block_uses_only_what_earlier_blocks_made_and_the_last_one_leaves_nothing_dangling() -> None:
     """The install runs the blocks in file order: a procedure or function is created before a block that
     calls it, and after the last block every procedure and function names only objects that exist
-    (version 3 replaces each procedure of version 2 that called what it drops)."""
+    (version 4 replaces each procedure of version 2 that called what it drops)."""
     made: dict[str, str] = {}
     bodies: dict[str, str] = {}
     for name, block in schema_blocks().items():
@@ -530,7 +534,7 @@ def test_the_evaluator_is_t_sqls_not_pythons() -> None:
 def _conversion() -> exp.Insert:
     [insert] = [
         s
-        for s in tsql_statements(schema_blocks()["v3_ring_convert"])
+        for s in tsql_statements(schema_blocks()["v4_ring_convert"])
         if isinstance(s, exp.Insert) and s.this.this.name == "ring_lanes"
     ]
     return insert
@@ -594,7 +598,7 @@ def test_the_conversion_heads_each_ring_at_its_lowest_unfinished_number(seed: in
 def test_a_take_moves_each_lane_it_held_past_the_last_number_taken() -> None:
     """ring_take's new position of a lane it held: its first number after the last one taken (@top),
     unless the lane is already past it."""
-    take = schema_blocks()["v3_ring_take"]
+    take = schema_blocks()["v4_ring_take"]
     [update] = [
         s
         for s in procedure_statements(take)[1]
@@ -621,6 +625,7 @@ RING_PARAMETERS_POSTGRESQL_ONLY = {
     "ring_create": {"schema"},  # a procedure knows its own schema (OBJECT_SCHEMA_NAME(@@PROCID))
     "ring_push": {"notify", "channel"},  # SQL Server has no NOTIFY: waiting pops poll
     "ring_push_one": {"notify", "channel"},
+    "ring_take": {"wait"},  # the fast path never waits here: a take short of lanes goes to ring_pop
 }
 RING_PARAMETERS_MSSQL_ONLY = {
     "ring_snapshot": {"queue_id"},  # the gap proof's list is the ring's push lanes, not the server's xids
@@ -668,7 +673,7 @@ def _mssql_widths(name: str) -> set[int]:
     last = tsql_statements(mssql_sql(name))[-1]
     if isinstance(last, exp.Execute):
         proc = last.this.name
-        statements = procedure_statements(schema_blocks()[f"v3_{proc}"])[1]
+        statements = procedure_statements(schema_blocks()[f"v4_{proc}"])[1]
         return {w for w in map(_result_width, statements) if w is not None}
     width = _result_width(last)
     return set() if width is None else {width}
@@ -715,7 +720,7 @@ def test_the_ring_reads_and_takes_past_locks_as_skip_locked_does() -> None:
     serves retry rows past those other pops hold; the push writes its slots past locks, gated on the
     floor, after it locked a push lane and before its numbers, and reads the floor again only after a
     wait."""
-    take = schema_blocks()["v3_ring_take"]
+    take = schema_blocks()["v4_ring_take"]
     lanes = re.findall(r"FROM \[dbq\]\.ring_lanes t WITH \(([A-Z, ]+)\)", take)
     assert lanes == [
         "ROWLOCK, UPDLOCK, READPAST",  # a pop of one
@@ -726,7 +731,7 @@ def test_the_ring_reads_and_takes_past_locks_as_skip_locked_does() -> None:
     ]
     assert (
         "CREATE INDEX ring_lanes_pos_idx ON [dbq].ring_lanes (queue_id, pos);"
-        in schema_blocks()["v3_ring_convert"]
+        in schema_blocks()["v4_ring_convert"]
     )
     assert take.count("ORDER BY t.pos") == 3 and "ORDER BY t.lane;" in take  # waiters lock in lane order
     # A pop of one and a batch lock only lanes whose next number is written.
@@ -737,15 +742,15 @@ def test_the_ring_reads_and_takes_past_locks_as_skip_locked_does() -> None:
     # The written checks of a pop of one, of a batch and of the lanes waited for, the window's numbers, and
     # the payloads of a batch read past locks; a pop of one reads its one slot, known written, plainly.
     assert slot_reads.count("READCOMMITTEDLOCK, READPAST") == 5 and slot_reads.count("") == 1
-    passing = schema_blocks()["v3_ring_pass"]
+    passing = schema_blocks()["v4_ring_pass"]
     passing_lanes = re.findall(r"FROM \[dbq\]\.ring_lanes t WITH \(([A-Z, ]+)\)", passing)
     passing_slots = re.findall(r"\[dbq\]\.ring_slots s(?: WITH \(([A-Z, ]+)\))?", passing)
     assert passing_lanes == ["ROWLOCK, UPDLOCK, READPAST"]
     assert passing_slots == ["READCOMMITTEDLOCK, READPAST"]
-    pop = schema_blocks()["v3_ring_pop"]
+    pop = schema_blocks()["v4_ring_pop"]
     assert pop.count("FROM [dbq].ring_retry t WITH (ROWLOCK, UPDLOCK, READPAST)") == 2
     assert "SET LOCK_TIMEOUT 1000;" in pop
-    push = schema_blocks()["v3_ring_push"]
+    push = schema_blocks()["v4_ring_push"]
     writes = re.findall(r"UPDATE s SET seq = @base[12] \+ s\.slot.*?;", push, flags=re.DOTALL)
     assert len(writes) == 2
     for write in writes:
@@ -759,16 +764,16 @@ def test_the_ring_reads_and_takes_past_locks_as_skip_locked_does() -> None:
     assert "WAITFOR DELAY @wait;\n        SET @pause = " in loop
     assert "\n        SET @floor = NULL;\n    END;" in loop
     # Pushes and the pops' gap skips read the floor waiting 100 ms at most; the rest waits as it must.
-    for name in ("v3_ring_push", "v3_ring_skip_gap"):
+    for name in ("v4_ring_push", "v4_ring_skip_gap"):
         assert (
             "EXEC [dbq].ring_floor_try " in schema_blocks()[name]
             and "ring_floor " not in schema_blocks()[name]
         )
-    bounded = schema_blocks()["v3_ring_floor_try"]
+    bounded = schema_blocks()["v4_ring_floor_try"]
     assert "SET XACT_ABORT OFF;\n    SET LOCK_TIMEOUT 100;\n    BEGIN TRY\n" in bounded
     assert "BEGIN CATCH\n        SET @floor = NULL;\n        IF ERROR_NUMBER() <> 1222\n" in bounded
-    assert "CACHE 1000" in schema_blocks()["v3_ring_create"]
-    floor = procedure_statements(schema_blocks()["v3_ring_floor"])[1]
+    assert "CACHE 1000" in schema_blocks()["v4_ring_create"]
+    floor = procedure_statements(schema_blocks()["v4_ring_floor"])[1]
     reads = [
         s.sql(dialect="tsql") for s in floor if isinstance(s, exp.Set) and "SELECT" in s.sql(dialect="tsql")
     ]
@@ -1383,7 +1388,8 @@ def test_a_pop_whose_lanes_stay_locked_returns_empty_on_a_fake_sql_server(
 ) -> None:
     """ring_pop's lanes stayed held past its LOCK_TIMEOUT (error 1222, which rolls its transaction back):
     the dialect runs it again up to its retries, then the engine returns nothing for this pop; in the
-    caller's transaction the error is raised at once."""
+    caller's transaction the error is raised at once, once the queue is found still there (a pooled
+    lookup: the caller's transaction is left as it is)."""
     timeout = import_pyodbc().Error(
         "HY000", f"[HY000] {DRIVER}[SQL Server]Lock request time out period exceeded. (1222) (SQLExecDirectW)"
     )
@@ -1391,11 +1397,15 @@ def test_a_pop_whose_lanes_stay_locked_returns_empty_on_a_fake_sql_server(
     assert q.pop(3) == []
     assert (fake.commits, fake.rollbacks) == (0, 4) and fake.script == []
     q2, fake2 = _ring_on_fake_sql_server(monkeypatch, [timeout, [(1,)]])
+    caller = fake2.connect()
     with pytest.raises(LockTimeoutError):
-        q2.pop(3, semantics="exactly-once", conn=fake2.connect())
-    assert fake2.script == [[(1,)]]
-    [own] = _sent(fake2, "ring_pop")
+        q2.pop(3, semantics="exactly-once", conn=caller)
+    assert fake2.script == []
+    [own] = _sent(fake2, "ring_pop")  # not run again: only the caller can redo its transaction
     assert own[7] is True  # own: in the caller's transaction
+    [lookup] = [e for e in fake2.log if "FROM [dbq].queues q WHERE name = ?" in e.text]
+    assert lookup.values == ["r"] and fake2.log[-1] is lookup
+    assert (caller.commits, caller.rollbacks) == (0, 0)
 
 
 def test_acks_delete_a_whole_lease_or_settle_the_rest_on_a_fake_sql_server(

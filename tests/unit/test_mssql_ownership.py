@@ -18,7 +18,6 @@ import pytest
 from airflow_dbqueue.engine import DbQueue, ForeignObjectsError, InvalidNameError
 from airflow_dbqueue.engine.dialects.base import engine_objects
 from airflow_dbqueue.engine.dialects.mssql.dialect import MssqlDatabase, schema_steps, translate
-from airflow_dbqueue.engine.sqlfile import read_text
 from tests.fake_mssql import FakeConnection, FakeCursor, FakeSqlServer, Rows, import_pyodbc
 from tests.unit.test_mssql_dialect import DRIVER, tsql_statements
 
@@ -33,6 +32,12 @@ def test_reserved_schemas_are_refused_at_construction(schema: str) -> None:
     """No I/O: the host does not even resolve."""
     with pytest.raises(InvalidNameError, match=rf"schema name '{schema}' is not valid: it is a reserved"):
         DbQueue(DSN, schema=schema)
+
+
+BLOCKS = frozenset(
+    MssqlDatabase(DSN, schema="dbq").compose(batch) for _, batches in schema_steps()[1] for batch in batches
+)
+"""The blocks of schema.sql as an install sends them to schema dbq."""
 
 
 class FakeCatalog(FakeSqlServer):
@@ -91,6 +96,27 @@ class FakeCatalog(FakeSqlServer):
             return None
         if text.startswith("SELECT kind, name FROM"):
             return sorted(self.owned.get(schema, set()))
+        if text in BLOCKS:  # a block of schema.sql: what it creates, then what it drops
+            for kind, name in engine_objects(text.replace(f"[{schema}].", "{schema}.")):
+                self.add(schema, kind, name)
+            for kind, name in re.findall(
+                rf"DROP (TABLE|PROCEDURE) (?:IF EXISTS )?\[{schema}\]\.(\w+);", text
+            ):
+                del objects[(kind.lower(), name)]
+            if m := re.search(
+                r"DELETE FROM \[\w+\]\.owned_objects\nWHERE kind = '(\w+)' AND name IN \((.*?)\)", text
+            ):
+                for name in re.findall(r"N'(\w+)'", m.group(2)):
+                    self.owned.get(schema, set()).discard((m.group(1), name))
+            return None
+        if m := re.search(
+            r"^IF OBJECT_ID\(N'\[(\w+)\]\.\[(\w+)\]', N'P'\) IS NOT NULL\n", text, re.MULTILINE
+        ):
+            # drop_owned_routine: the procedure of that name, else the function
+            objects = self.schemas[m.group(1)]
+            kind = "procedure" if ("procedure", m.group(2)) in objects else "function"
+            del objects[(kind, m.group(2))]
+            return None
         if m := re.search(
             r"DROP (TABLE|SEQUENCE IF EXISTS|PROCEDURE|SCHEMA) \[(\w+)\](?:\.\[(\w+)\])?", text
         ):
@@ -111,11 +137,6 @@ class FakeCatalog(FakeSqlServer):
             objects.pop((kind, name), None)
             if name in self.rings.get(schema, []):
                 self.rings[schema].remove(name)
-            return None
-        created = engine_objects(text.replace(f"[{schema}].", "{schema}."))
-        if created:  # a block of schema.sql
-            for kind, name in created:
-                self.add(schema, kind, name)
             return None
         raise AssertionError(f"the fake has no answer for: {text[:160]}")
 
@@ -160,10 +181,27 @@ def catalog(monkeypatch: pytest.MonkeyPatch) -> FakeCatalog:
     return cat
 
 
-ENGINE = engine_objects(read_text("airflow_dbqueue.engine.dialects.mssql", "schema.sql"))
-"""What schema.sql creates (with the catalogue, owned_objects)."""
-VERSION_2 = ENGINE - {("table", "owned_objects")}
-"""What an install of version 2 holds: everything but the catalogue."""
+def _left_by(up_to: int) -> frozenset[tuple[str, str]]:
+    """What the blocks of schema.sql up to version ``up_to`` leave in a schema: what they create, less what
+    a later block drops (version 4 drops ring_lanes and creates it anew, and drops two procedures)."""
+    left: set[tuple[str, str]] = set()
+    for version, batches in schema_steps()[1]:
+        for batch in batches:
+            if version <= up_to:
+                left |= engine_objects(batch)
+                for kind, name in re.findall(
+                    r"DROP (TABLE|PROCEDURE) (?:IF EXISTS )?\{schema\}\.(\w+);", batch
+                ):
+                    left.discard((kind.lower(), name))
+    return frozenset(left)
+
+
+ENGINE = _left_by(LATEST)
+"""What a fresh install holds (with the catalogue, owned_objects)."""
+VERSION_2 = _left_by(2)
+"""What an install of version 2 holds: the old ring design, and no catalogue."""
+VERSION_3 = _left_by(3)
+"""What an install of version 3 holds: version 2's objects and the catalogue."""
 
 
 def test_a_fresh_install_creates_its_schema_and_records_all_it_made_on_a_fake_sql_server(
@@ -242,9 +280,52 @@ def test_an_older_install_is_recognised_by_name_on_a_fake_sql_server(catalog: Fa
     catalog.versions["dbq"] = [1, 2]
     db = MssqlDatabase(DSN, schema="dbq")
     db.drop_schema()  # migrates to the catalogue first, then drops what it lists
-    assert catalog.versions["dbq"] == [1, 2, 3]
+    assert catalog.versions["dbq"] == [1, 2, 3, 4]
     assert catalog.owned["dbq"] == ENGINE
     assert set(catalog.schemas["dbq"]) == {("table", "customers")}
+
+
+def test_an_install_of_version_3_is_migrated_and_its_catalogue_follows_on_a_fake_sql_server(
+    catalog: FakeCatalog,
+) -> None:
+    """Version 3 kept the catalogue and the old ring design. Version 4 (the ring's new storage) creates
+    tables, procedures and inline functions, drops two procedures and makes ring_lanes anew: the catalogue
+    then lists exactly what the schema holds of the engine's, the dropped procedures no longer; and
+    uninstall drops it all (the functions after the procedures that call them, before the tables they
+    read), and the schema the engine created."""
+    assert VERSION_2 | {("table", "owned_objects")} == VERSION_3
+    new = ENGINE - VERSION_3
+    assert {("table", "ring_leases"), ("table", "ring_retry"), ("table", "ring_push_lanes")} <= new
+    assert {("function", "ring_held"), ("function", "ring_ready"), ("function", "ring_series")} <= new
+    assert {("procedure", "ring_take"), ("procedure", "ring_settle"), ("procedure", "ring_floor_try")} <= new
+    gone = VERSION_3 - ENGINE
+    assert gone == {("procedure", "ring_first_unfinished"), ("procedure", "ring_lanes_held")}
+    for kind, name in VERSION_3:
+        catalog.add("dbq", kind, name)
+    catalog.versions["dbq"] = [1, 2, 3]
+    catalog.owned["dbq"] = set(VERSION_3) | {("schema", "dbq")}
+    db = MssqlDatabase(DSN, schema="dbq")
+    assert db.install() == LATEST == 4
+    assert catalog.versions["dbq"] == [1, 2, 3, 4]
+    assert set(catalog.schemas["dbq"]) == ENGINE
+    assert catalog.owned["dbq"] == ENGINE | {("schema", "dbq")}
+    sent = len(catalog.sent)
+    db.drop_schema()
+    assert "dbq" not in catalog.schemas
+    code = ["\n".join(ln for ln in t.splitlines() if not ln.startswith("--")) for t in catalog.sent[sent:]]
+    drops = [t for t in code if t.startswith(("DROP ", "IF OBJECT_ID(", "SET NOCOUNT ON;\nDECLARE @found"))]
+    kinds: list[str] = []  # the kinds dropped, in order, each run of one kind once
+    for text in drops:
+        names = re.findall(r"\[dbq\]\.\[(\w+)\]", text)
+        kind = next(k for k, n in ENGINE if n == names[0]) if names else "schema"
+        if not kinds or kinds[-1] != kind:
+            kinds.append(kind)
+    # The catalogue's own table goes last of the tables: uninstall reads it until then.
+    assert kinds == ["procedure", "function", "table", "sequence", "table", "schema"]
+    routines = [t for t in drops if t.startswith("IF OBJECT_ID(")]
+    assert len(routines) == len([k for k, _ in ENGINE if k in ("procedure", "function")])
+    for text in drops:
+        tsql_statements(text)
 
 
 def test_an_older_install_alone_in_its_schema_is_the_engines_whole_on_a_fake_sql_server(
@@ -303,7 +384,7 @@ def _fake_dbq(monkeypatch: pytest.MonkeyPatch, script: list[Any]) -> tuple[DbQue
     return dbq, FakeSqlServer(script).attach(monkeypatch, dbq.db)
 
 
-ORDERS = (7, "orders", "table", "json", 1024, 5, 30.0, 1.0, 300.0, "auto", True, None)
+ORDERS = (7, "orders", "table", "json", 1024, 5, 30.0, 1.0, 300.0, "auto", True, None, None)
 
 
 def test_a_push_to_a_dropped_queue_raises_on_a_fake_sql_server(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -332,33 +332,33 @@ def mutated(block: str, good: str, bad: str) -> dict[str, str]:
 
 MUTATIONS = [
     # ring_pass
-    ("v3_ring_pass", "AND s.seq = l.pos AND s.payload IS NULL);", "AND s.seq = l.pos);", check_pass),
-    ("v3_ring_pass", "UPDATE l SET pos = l.pos + @lanes", "UPDATE l SET pos = l.pos + 1", check_pass),
-    ("v3_ring_pass", "t WITH (ROWLOCK, UPDLOCK, READPAST)", "t WITH (ROWLOCK, UPDLOCK)", check_pass),
-    ("v3_ring_pass", "AND l.pos > l.start;", "AND l.pos >= l.start;", check_pass),
+    ("v4_ring_pass", "AND s.seq = l.pos AND s.payload IS NULL);", "AND s.seq = l.pos);", check_pass),
+    ("v4_ring_pass", "UPDATE l SET pos = l.pos + @lanes", "UPDATE l SET pos = l.pos + 1", check_pass),
+    ("v4_ring_pass", "t WITH (ROWLOCK, UPDLOCK, READPAST)", "t WITH (ROWLOCK, UPDLOCK)", check_pass),
+    ("v4_ring_pass", "AND l.pos > l.start;", "AND l.pos >= l.start;", check_pass),
     # the take's two parts
-    ("v3_ring_take", "WHILE @part < 2 AND", "WHILE @part < 1 AND", check_two_parts),
-    ("v3_ring_take", "ORDER BY p.part, s.slot;", "ORDER BY s.slot;", check_two_parts),
-    ("v3_ring_take", "AND w.before < @n - @got;", "AND w.before < @n;", check_two_parts),
-    ("v3_ring_take", "SET @lo = @lo - @a + @cap;", "SET @lo = @lo + @cap;", check_two_parts),
-    ("v3_ring_take", "h.pos < @lo - @a + @cap)", "h.pos < @lo - @a)", check_second_part_refused),
+    ("v4_ring_take", "WHILE @part < 2 AND", "WHILE @part < 1 AND", check_two_parts),
+    ("v4_ring_take", "ORDER BY p.part, s.slot;", "ORDER BY s.slot;", check_two_parts),
+    ("v4_ring_take", "AND w.before < @n - @got;", "AND w.before < @n;", check_two_parts),
+    ("v4_ring_take", "SET @lo = @lo - @a + @cap;", "SET @lo = @lo + @cap;", check_two_parts),
+    ("v4_ring_take", "h.pos < @lo - @a + @cap)", "h.pos < @lo - @a)", check_second_part_refused),
     (
-        "v3_ring_take",
+        "v4_ring_take",
         "FROM @held h JOIN [dbq].ring_lanes l ON l.queue_id = @queue_id AND l.lane = h.lane;",
         "FROM @held h JOIN [dbq].ring_lanes l ON l.queue_id = @queue_id AND l.lane = h.lane WHERE 1 = 0;",
         check_two_parts,
     ),
     (
-        "v3_ring_take",
+        "v4_ring_take",
         "WHERE t.queue_id = @queue_id AND EXISTS (\n        SELECT 1",
         "WHERE t.queue_id = @queue_id AND 1 = 1 OR EXISTS (\n        SELECT 1",
         check_second_part_refused,
     ),
     # a pop of none
-    ("v3_ring_pop", "IF @skipped > 0", "IF @skipped > 1000", check_pop_of_none),
-    ("v3_ring_skip_gap", "SET @skipped = @k;", "SET @skipped = 0;", check_pop_of_none),
+    ("v4_ring_pop", "IF @skipped > 0", "IF @skipped > 1000", check_pop_of_none),
+    ("v4_ring_skip_gap", "SET @skipped = @k;", "SET @skipped = 0;", check_pop_of_none),
     (
-        "v3_ring_pop",
+        "v4_ring_pop",
         "SELECT TOP (@n) t.id, t.attempts",
         "SELECT TOP (@n + 1) t.id, t.attempts",
         check_pop_of_none,

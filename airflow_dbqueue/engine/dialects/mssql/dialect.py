@@ -964,6 +964,7 @@ class MssqlDatabase:
                 present = [o for o in self._objects(cur) if o.key in owned]
                 for kind, query, ident in (
                     ("procedure", "drop_owned_routine", "routine"),
+                    ("function", "drop_owned_routine", "routine"),  # they refer to tables: before them
                     ("table", "drop_owned_table", "table"),
                     ("sequence", "drop_owned_sequence", "sequence"),
                 ):

@@ -69,8 +69,8 @@ WHERE NOT EXISTS (SELECT 1 FROM {schema}.owned_objects w WHERE w.kind = k.[value
 -- This and the next three drop one object the engine's catalogue lists. SQL Server drops a table under
 -- a view or function that refers to it without schema binding, so those (and foreign keys from other
 -- tables) are looked for first: if anything outside the engine's own objects refers to the table, the
--- statement raises [DQ006] and the uninstall fails whole, dropping nothing. The engine's procedures are
--- dropped before its tables.
+-- statement raises [DQ006] and the uninstall fails whole, dropping nothing. The engine's procedures and
+-- functions are dropped before its tables.
 SET NOCOUNT ON;
 DECLARE @found nvarchar(max) = N'';
 SELECT @found = @found + N'; ' + QUOTENAME(OBJECT_SCHEMA_NAME(d.referencing_id)) + N'.'
@@ -91,7 +91,11 @@ ELSE
 DROP SEQUENCE IF EXISTS {schema}.{sequence}
 
 -- name: drop_owned_routine
-DROP PROCEDURE {schema}.{routine}
+-- A stored procedure, or a function (the ring's inline table-valued functions), by what it is.
+IF OBJECT_ID(N'{schema}.{routine}', N'P') IS NOT NULL
+    DROP PROCEDURE {schema}.{routine};
+ELSE
+    DROP FUNCTION {schema}.{routine};
 
 -- name: drop_owned_schema
 -- DROP SCHEMA refuses a schema that still holds anything.

@@ -8,9 +8,9 @@
 -- when it compiles a batch, so a column or table is added in one block and used from the next one on.
 -- The schema itself is created by install() (only when it does not exist; an existing one must be
 -- empty), not here. Version 2 is the ring design whose pops wrote the slots; version 3 the engine's
--- catalogue (owned_objects) and the ring's new storage (v3_ring blocks), as on PostgreSQL since its
+-- catalogue (owned_objects); version 4 the ring's new storage (v4_ blocks), as on PostgreSQL since its
 -- migration 13: consumers advance positions of their own and never write a slot.
--- SCHEMA_VERSION: 3
+-- SCHEMA_VERSION: 4
 
 -- name: schema
 CREATE TABLE {schema}.schema_version (
@@ -723,16 +723,16 @@ CREATE TABLE {schema}.owned_objects (
     CONSTRAINT owned_objects_pkey PRIMARY KEY (kind, name)
 );
 
--- name: v3_ring_tables
--- The ring design's new storage (version 3), as on PostgreSQL (its schema.sql states the invariants):
+-- name: v4_ring_tables
+-- The ring design's new storage (version 4), as on PostgreSQL (its schema.sql states the invariants):
 -- consumers never write the slots. They advance positions of their own (ring_lanes: a ring's numbers are
 -- dealt to its lanes by x % lanes), a pop at least once leases what it took as one row (ring_leases),
 -- messages delivered again are rows of ring_retry, and a push of x may overwrite its slot only when
 -- x - capacity lies below the ring's floor (ring_floor). Version 2's ring_lanes were the push lanes of the
 -- gap proof: their rows move to ring_push_lanes, and rings.lanes, which counted them, counts the
--- consumers' lanes from v3_ring_convert on (push_lanes counts the push lanes). The first statements lock
--- the ring's tables until the install commits, so that no push, pop or ack of version 2 runs while a
--- ring's messages are converted.
+-- consumers' lanes from v4_ring_convert on (push_lanes counts the push lanes). The first statements lock
+-- the ring's tables until the install commits, so that no push, pop or ack of the old design (versions 2
+-- and 3) runs while a ring's messages are converted.
 SET NOCOUNT ON;
 DECLARE @locked int = (SELECT count(*) FROM {schema}.rings WITH (TABLOCKX, HOLDLOCK));
 SET @locked = (SELECT count(*) FROM {schema}.ring_lanes WITH (TABLOCKX, HOLDLOCK));
@@ -790,7 +790,7 @@ CREATE TABLE {schema}.ring_retry (
 );
 CREATE INDEX ring_retry_ready_idx ON {schema}.ring_retry (queue_id, due_at, id) WHERE state = 1;
 
--- name: v3_ring_series
+-- name: v4_ring_series
 -- The numbers 0 .. @n - 1 (k), from a cross join of constants: up to 16^6 = 16,777,216, a ring's largest
 -- capacity. An inline function: its body is expanded where it is used.
 CREATE OR ALTER FUNCTION {schema}.ring_series(@n bigint)
@@ -804,15 +804,16 @@ RETURN (
     FROM d AS d1 CROSS JOIN d AS d2 CROSS JOIN d AS d3 CROSS JOIN d AS d4 CROSS JOIN d AS d5 CROSS JOIN d AS d6
 )
 
--- name: v3_ring_convert
--- Every ring keeps its messages, as PostgreSQL's migration 12 converts them: the lanes (8, or the
+-- name: v4_ring_convert
+-- Every ring keeps its messages, as PostgreSQL's migration 13 converts them: the lanes (8, or the
 -- capacity when smaller) start at the ring's lowest unfinished number (version 2's ring_head: the lowest
 -- ready or leased number, or the number after a finished slot's that is issued and unwritten, else the
 -- number after the issued position), each lane at its first number from there; finished and given-up
 -- slots (states 0 and 3) lose their payload, so consumers pass over them; ready and leased messages stay
 -- in their slots and are delivered again from the lanes (a lease open when the install runs ends: its
 -- receipt no longer acks, and its message is delivered once more). Then the slots drop what only pops
--- wrote (state, attempts, deliveries, due_at, consumer, last_error), and version 2's helpers go.
+-- wrote (state, attempts, deliveries, due_at, consumer, last_error), and version 2's helpers go, from the
+-- schema and from the engine's catalogue (owned_objects, version 3), which lists what uninstall drops.
 SET NOCOUNT ON;
 UPDATE {schema}.rings SET push_lanes = lanes, lanes = CASE WHEN capacity < 8 THEN capacity ELSE 8 END;
 ALTER TABLE {schema}.rings ALTER COLUMN push_lanes int NOT NULL;
@@ -852,8 +853,10 @@ ALTER TABLE {schema}.ring_slots DROP CONSTRAINT ring_slots_deliveries_df;
 ALTER TABLE {schema}.ring_slots DROP COLUMN state, attempts, deliveries, due_at, consumer, last_error;
 DROP PROCEDURE IF EXISTS {schema}.ring_first_unfinished;
 DROP PROCEDURE IF EXISTS {schema}.ring_lanes_held;
+DELETE FROM {schema}.owned_objects
+WHERE kind = 'procedure' AND name IN (N'ring_first_unfinished', N'ring_lanes_held');
 
--- name: v3_ring_held
+-- name: v4_ring_held
 -- The receipts (id, delivery) of a ring that still hold their lease, from the JSON arrays @ids and
 -- @deliveries: a first delivery (delivery 1) inside an open lease of its range and lanes, or a retry row
 -- leased as that delivery. r_lease names the lease row (its lo), NULL for a retry row. A message is in
@@ -882,7 +885,7 @@ RETURN (
     WHERE r.state = 2 AND r.deliveries = u.d AND r.due_at > SYSUTCDATETIME()
 )
 
--- name: v3_ring_ready
+-- name: v4_ring_ready
 -- The messages of a ring that a pop could take now or later, without taking them: those of the lanes
 -- past their positions (attempts 0), and those to deliver again (r_due: when they are due). A full scan
 -- of the ring's slots: for observers (peek, counts, stats), not for pops.
@@ -904,7 +907,7 @@ RETURN (
     WHERE g.queue_id = @queue_id AND r.state = 1
 )
 
--- name: v3_ring_push_lanes_held
+-- name: v4_ring_push_lanes_held
 -- The push lanes of a ring (all of them, or those of the JSON array @of) that another transaction holds
 -- locked now, as a JSON array ("[]": none). A lane row never changes but for its counter, so the list of
 -- lanes is read without locks; READCOMMITTEDLOCK, READPAST reads past exactly the locked ones (a locking
@@ -924,7 +927,7 @@ BEGIN
         WHERE u.queue_id = l.queue_id AND u.lane = l.lane);
 END
 
--- name: v3_ring_floor
+-- name: v4_ring_floor
 -- The floor of a ring: the lowest number that some consumer may still need, below which a slot's message
 -- may be overwritten: the lowest of the lanes' positions (numbers not taken yet), of the open leases
 -- (taken at least once, not acked) and of the messages to deliver again. A committed floor never goes
@@ -954,7 +957,7 @@ BEGIN
     END;
 END
 
--- name: v3_ring_floor_try
+-- name: v4_ring_floor_try
 -- ring_floor for the pushes and for the pops' gap skips, which must not wait on a transaction of unknown
 -- length (a caller's transaction that popped exactly once holds its lanes until it ends): when a row it
 -- reads stays locked for more than 100 ms, the floor is unknown (NULL). No slot is then free for a push
@@ -980,7 +983,7 @@ BEGIN
     END CATCH;
 END
 
--- name: v3_ring_create
+-- name: v4_ring_create
 -- Create a ring: its push sequence and gap counter (CACHE 1000; each starts at 0 and hands 0 out at
 -- once, so current_value is the last number issued: 0 = none), its header row, its lanes, its push lanes
 -- (64) and capacity empty slots. Slot j starts as if it held the last number <= 0 that maps to it, so
@@ -1016,7 +1019,7 @@ BEGIN
     SELECT @queue_id, g.k FROM {schema}.ring_series(64) g;
 END
 
--- name: v3_ring_drop
+-- name: v4_ring_drop
 CREATE OR ALTER PROCEDURE {schema}.ring_drop
     @queue_id int
 AS
@@ -1040,7 +1043,7 @@ BEGIN
     END;
 END
 
--- name: v3_ring_push
+-- name: v4_ring_push
 -- Push a batch: take n contiguous numbers (sp_sequence_get_range) and write them into their slots, all or
 -- nothing, in the caller's transaction. @num: the first number (the ids are @num .. @num + n - 1), or NULL
 -- when the ring is full for the batch before anything was taken (the caller waits and calls again);
@@ -1226,7 +1229,7 @@ BEGIN
     SET @written = CASE WHEN @fail = 0 THEN 1 ELSE 0 END;
 END
 
--- name: v3_ring_take
+-- name: v4_ring_take
 -- Take up to @n messages from the lanes: the fast path of every pop (the ring_take query), and the last
 -- step of ring_pop, which inserts its rows. Lanes are locked lowest position first, passing over those
 -- other pops hold (ROWLOCK, UPDLOCK, READPAST on ring_lanes_pos_idx, as SKIP LOCKED): a pop of one takes
@@ -1441,7 +1444,7 @@ BEGIN
     ORDER BY p.part, s.slot;
 END
 
--- name: v3_ring_pass
+-- name: v4_ring_pass
 -- Move lanes on over numbers given up as gaps at their heads (a slot holding the number with no payload).
 -- Nothing is delivered by that, so whoever can lock a lane may do it: pops pass such numbers as they take,
 -- and pushes waiting for the floor and maintenance pass them too, so that a ring whose consumers are away
@@ -1476,7 +1479,7 @@ BEGIN
     SET @moved = @@ROWCOUNT;
 END
 
--- name: v3_ring_skip_gap
+-- name: v4_ring_skip_gap
 -- Give up abandoned numbers (gaps) of a ring, as pops do: the numbers from @gap up to @issued (at most
 -- 4096) still unwritten, whose slot holds the number a capacity before them below the floor and that
 -- nobody holds locked, once every push lane of @snap (the lanes other transactions held after @issued
@@ -1563,7 +1566,7 @@ BEGIN
     END;
 END
 
--- name: v3_ring_skip_abandoned
+-- name: v4_ring_skip_abandoned
 -- Maintenance's gap recovery: give up every number of a ring up to @issued that a push took and never
 -- wrote, wherever it lies, once every push lane of @snap (taken after @issued was read) has been seen
 -- unlocked. A number x is unwritten while its slot holds x - capacity; it is given up when that number is
@@ -1603,7 +1606,7 @@ BEGIN
     SELECT @k AS skipped, CAST(NULL AS nvarchar(max)) AS remaining;
 END
 
--- name: v3_ring_split_leases
+-- name: v4_ring_split_leases
 -- Turn whole leases (the JSON array @los of their lo) into retry rows leased as before, one a message:
 -- before some of their messages are acked, nacked or reclaimed alone. The caller holds the leases locked.
 -- @made: the rows made.
@@ -1640,7 +1643,7 @@ BEGIN
     SET @made = @@ROWCOUNT;
 END
 
--- name: v3_ring_pop
+-- name: v4_ring_pop
 -- Pop: the path of a pop that the fast one (ring_take alone) did not fill. In order: (1) give up the gap
 -- the caller saw at the head of its last pop (ring_skip_gap: with the lane proof, or @force after the
 -- caller's gap timeout) and, when it gave something up, move every lane it can lock over given-up numbers
@@ -1768,7 +1771,7 @@ BEGIN
     ORDER BY x.is_meta, x.r_id;
 END
 
--- name: v3_ring_settle
+-- name: v4_ring_settle
 -- Ack (@nack 0) or nack the deliveries named by receipts (the JSON arrays @ids and @deliveries), all or
 -- nothing: when any receipt does not hold its lease, nothing changes and no row comes back (the caller
 -- asks ring_held which did). Leases are split into retry rows first (ring_split_leases), so every receipt
@@ -1846,7 +1849,7 @@ BEGIN
     SELECT d.id AS r_id, d.state AS r_state FROM @done d;
 END
 
--- name: v3_ring_reclaim_expired
+-- name: v4_ring_reclaim_expired
 -- Expired leases go back to ready as retry rows (keeping their ids) or, after @max_attempts, to
 -- ring_failed: whole ring_leases rows and leased retry rows alike, up to @limit of each, past those
 -- other transactions hold. Rows: (id, state) of each message moved, 1 ready again, 2 failed.
