@@ -14,10 +14,14 @@ a scalar subquery of more than one row is an error. Anything outside that subset
 Locks: a test says which rows *other* transactions hold (:attr:`Server.others`: ``S``, ``U`` or ``X``).
 A statement that reads a row with an incompatible lock request (a plain or ``READCOMMITTEDLOCK`` read asks
 for ``S``, ``UPDLOCK`` and the rows an ``UPDATE`` or ``DELETE`` writes for ``U`` then ``X``) passes over
-it with ``READPAST``; without, it would wait, and here the holder never lets go: under ``SET
-LOCK_TIMEOUT`` that is error 1222 (which ``TRY ... CATCH`` can catch), otherwise :class:`Blocked`. A row
-counts only if it qualifies for the statement (its joins and ``WHERE``), as with the index seeks the
-procedures are written for. ``NOLOCK`` reads anything. The locks this session takes (``U`` and ``X``) are
+it with ``READPAST``; without, it waits. A row counts only if it qualifies for the statement (its joins
+and ``WHERE``), and a ``TOP`` read stops at its limit (in the order of its ``ORDER BY``), as with the
+index seeks the procedures are written for: a ``TOP (1)`` read waits only for the first row it reaches.
+A wait is where the interpreter stops being a server, since nothing else runs: a test may say what the
+holders do then (:attr:`Server.on_wait`: they finish, perhaps after writing, and let go), and the
+statement runs again; otherwise the holder never lets go, and under ``SET LOCK_TIMEOUT`` that is error
+1222 (which ``TRY ... CATCH`` can catch), or else :class:`Blocked`. Every wait is recorded
+(:attr:`Server.lock_waits`). ``NOLOCK`` reads anything. The locks this session takes (``U`` and ``X``) are
 kept in :attr:`Server.mine`. Transactions are not modelled: what a statement did stays done.
 
 Left out on purpose: ``ring_series`` (the numbers 0 .. n - 1 from a cross join of 16^6 rows) is computed
@@ -71,6 +75,10 @@ class _Break(Exception):
 
 class _Return(Exception):
     pass
+
+
+class _Again(Exception):
+    """The holders of the locks a statement waited for let go: the statement runs again."""
 
 
 # -- tables ------------------------------------------------------------------------------------------
@@ -364,6 +372,10 @@ class Server:
         self.sequences: dict[str, dict[str, int]] = {}  # name -> {object_id, current_value}
         self.others: dict[tuple[str, tuple[Any, ...]], str] = {}
         self.mine: dict[tuple[str, tuple[Any, ...]], str] = {}
+        self.on_wait: Callable[[Server, list[tuple[str, tuple[Any, ...]]]], bool] | None = None
+        """What the other transactions do when a statement waits for rows they hold (``(table, key)`` of
+        each): return True once they let go (the statement then runs again), False to keep holding."""
+        self.lock_waits: list[list[tuple[str, tuple[Any, ...]]]] = []
         self.now = dt.datetime(2026, 1, 1, 12, 0, 0)
         self.waits = 0
         self.calls: list[str] = []
@@ -630,11 +642,25 @@ class Frame:
                 raise NotImplementedError(kind)
 
     def truth(self, cond: exp.Expression) -> bool:
-        return self.eval(cond, Env(self)) is True
+        while True:
+            try:
+                return self.eval(cond, Env(self)) is True
+            except _Again:
+                continue
 
     # -- statements
 
-    def execute(self, stmt: exp.Expression) -> None:  # noqa: PLR0911
+    def execute(self, stmt: exp.Expression) -> None:
+        """Run one statement; again from its start when the locks it waited for were let go (it has
+        changed nothing before a wait: every statement reads what it changes first)."""
+        while True:
+            try:
+                self._execute(stmt)
+                return
+            except _Again:
+                continue
+
+    def _execute(self, stmt: exp.Expression) -> None:  # noqa: PLR0911
         if isinstance(stmt, exp.Set):
             for item in stmt.expressions:
                 self.set_item(item.this)
@@ -950,7 +976,7 @@ class Frame:
         from_ = sel.args.get("from_")
         columns: dict[str, list[str]] = {}
         ctxs: list[Ctx] = [{}]
-        blocked: set[int] = set()
+        blocked: dict[int, tuple[str, tuple[Any, ...]]] = {}  # rows another transaction holds: (table, key)
         updating: dict[str, Table] = {}  # the sources read with update locks, by alias
         if from_ is not None:
             joins = list(from_.this.args.get("joins") or []) + list(sel.args.get("joins") or [])
@@ -960,11 +986,12 @@ class Frame:
         where = sel.args.get("where")
         if where is not None:
             ctxs = [c for c in ctxs if self.eval(where.this, env.child(c, columns)) is True]
-        for c in ctxs:
-            if any(row is not None and id(row) in blocked for row in c.values()):
-                self.wait_for_lock(c)
         group = sel.args.get("group")
         aggregated = group is not None or any(_has_aggregate(e) for e in sel.expressions)
+        # A TOP read stops at its limit: it waits only for the rows up to it, in its order (below).
+        stops = sel.args.get("limit") is not None and not aggregated
+        if not stops:
+            self.wait_for_locks(ctxs, blocked)
         if aggregated:
             self.take_update_locks(ctxs, updating)
         windows = self.windows(sel, ctxs, env, columns)
@@ -1008,6 +1035,8 @@ class Frame:
         if limit is not None:
             n = self.eval(limit.expression, env)
             out = out[: max(0, int(n))]
+        if stops:
+            self.wait_for_locks([c for _, c, _ in out], blocked)
         if not aggregated:
             self.take_update_locks([c for _, c, _ in out], updating)
         return Rel(names, [v for v, _, _ in out], [c for _, c, _ in out] if keep else [], columns)
@@ -1020,17 +1049,31 @@ class Frame:
                 if row is not None:
                     self.server.mine.setdefault((table.name, table.key_of(row)), "U")
 
-    def wait_for_lock(self, ctx: Ctx) -> None:
+    def wait_for_locks(self, ctxs: Iterable[Ctx], blocked: Mapping[int, tuple[str, tuple[Any, ...]]]) -> None:
+        """Wait for the rows of ``ctxs`` that other transactions hold, if any: the statement runs again
+        when :attr:`Server.on_wait` says they let go; otherwise error 1222 under a lock timeout, or
+        :class:`Blocked`."""
+        held = list(
+            dict.fromkeys(
+                blocked[id(r)] for c in ctxs for r in c.values() if r is not None and id(r) in blocked
+            )
+        )
+        if not held:
+            return
+        self.server.lock_waits.append(held)
+        on_wait = self.server.on_wait
+        if on_wait is not None and on_wait(self.server, held):
+            raise _Again
         if self.lock_timeout >= 0:
             raise TsqlError(1222, "Lock request time out period exceeded.")
-        raise Blocked(f"a statement would wait for ever for a row another transaction holds: {ctx}")
+        raise Blocked(f"a statement would wait for ever for rows another transaction holds: {held}")
 
     def source(
         self,
         node: exp.Expression,
         env: Env,
         target: str | None,
-        blocked: set[int],
+        blocked: dict[int, tuple[str, tuple[Any, ...]]],
         updating: dict[str, Table],
     ) -> tuple[list[Ctx], dict[str, list[str]]]:
         alias = node.alias_or_name.lower() if not isinstance(node, exp.Subquery) else node.alias.lower()
@@ -1057,7 +1100,7 @@ class Frame:
             if mode is not None and held in _CONFLICTS[mode]:
                 if "READPAST" in hints:
                     continue
-                blocked.add(id(row))
+                blocked[id(row)] = (table.name, table.key_of(row))
             rows.append(row)
         if mode == "U" and table.name in self.server.tables:
             updating[alias] = table
@@ -1088,7 +1131,7 @@ class Frame:
         join: exp.Join,
         env: Env,
         target: str | None,
-        blocked: set[int],
+        blocked: dict[int, tuple[str, tuple[Any, ...]]],
         updating: dict[str, Table],
     ) -> tuple[list[Ctx], dict[str, list[str]]]:
         node = join.this
@@ -1444,16 +1487,6 @@ def _openjson(text: Any) -> Rel:
 
 # -- a ring on the interpreter -----------------------------------------------------------------------
 
-RING_TABLES = (
-    "rings",
-    "ring_slots",
-    "ring_lanes",
-    "ring_leases",
-    "ring_retry",
-    "ring_failed",
-    "ring_push_lanes",
-)
-
 
 @functools.cache
 def schema_blocks() -> dict[str, str]:
@@ -1467,12 +1500,14 @@ def schema_blocks() -> dict[str, str]:
 
 
 def ring_server(blocks: Mapping[str, str]) -> Server:
-    """A server holding the ring's tables and routines as the blocks of the SQL Server ``schema.sql``
+    """A server holding the tables and the ring's routines as the blocks of the SQL Server ``schema.sql``
     (composed for schema ``dbq``, in install order) leave them."""
     procedures, functions, ddl = _parsed_schema(tuple(blocks.items()))
     server = Server(procedures, functions)
-    tables = schema_tables(server, ddl)
-    server.tables = {name: tables[name] for name in RING_TABLES}
+    server.tables = schema_tables(server, ddl)
+    # The queues' CHECK constraints test names with LIKE and COLLATE, which the interpreter does not
+    # evaluate; the rows tests write there are the engine's, whose names it validated.
+    server.tables["queues"].checks.clear()
     return server
 
 
@@ -1651,6 +1686,18 @@ class Ring:
 
 
 # -- the engine on the interpreter -------------------------------------------------------------------
+
+
+def drop_queue(db: Any, queue_id: int) -> None:
+    """Drop a ring queue as ``DbQueue.drop_queue`` does on SQL Server, in one transaction, but for its
+    first statement: the queue's push lock (``sp_getapplock`` in a batch with ``IF``) is outside the
+    interpreter's subset, and nothing else runs here to wait for."""
+    params = {"queue_id": queue_id}
+    with db.transaction() as conn:
+        db.execute("ring_drop", params, conn)
+        db.execute("drop_queue_messages", params, conn)
+        db.execute("drop_queue_finished", params, conn)
+        assert db.fetchone("drop_queue", params, conn) is not None
 
 
 class InterpretedSqlServer(FakeSqlServer):

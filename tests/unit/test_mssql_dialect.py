@@ -625,7 +625,6 @@ RING_PARAMETERS_POSTGRESQL_ONLY = {
     "ring_create": {"schema"},  # a procedure knows its own schema (OBJECT_SCHEMA_NAME(@@PROCID))
     "ring_push": {"notify", "channel"},  # SQL Server has no NOTIFY: waiting pops poll
     "ring_push_one": {"notify", "channel"},
-    "ring_take": {"wait"},  # the fast path never waits here: a take short of lanes goes to ring_pop
 }
 RING_PARAMETERS_MSSQL_ONLY = {
     "ring_snapshot": {"queue_id"},  # the gap proof's list is the ring's push lanes, not the server's xids
@@ -726,22 +725,28 @@ def test_the_ring_reads_and_takes_past_locks_as_skip_locked_does() -> None:
         "ROWLOCK, UPDLOCK, READPAST",  # a pop of one
         "ROWLOCK, UPDLOCK, READPAST",  # a batch
         "ROWLOCK, UPDLOCK, READPAST",  # is every lane held by another pop?
-        "ROWLOCK, UPDLOCK",  # then wait: the lowest, at a pop of one
-        "ROWLOCK, UPDLOCK",  # or all of them, in lane order
+        "ROWLOCK, UPDLOCK",  # then wait for the lowest one
+        "ROWLOCK, UPDLOCK, READPAST",  # and take free ones, up to half the lanes
     ]
     assert (
         "CREATE INDEX ring_lanes_pos_idx ON [dbq].ring_lanes (queue_id, pos);"
         in schema_blocks()["v4_ring_convert"]
     )
-    assert take.count("ORDER BY t.pos") == 3 and "ORDER BY t.lane;" in take  # waiters lock in lane order
+    assert take.count("ORDER BY t.pos") == 4 and "ORDER BY t.lane" not in take  # lowest positions first
+    assert "BEGIN\n    SET NOCOUNT ON;\n    SET LOCK_TIMEOUT 1000;\n" in take  # a wait lasts 1 s at most
+    # Messages due again are looked for by the statements that lock lanes, and once more before a wait.
+    retry = "FROM [dbq].ring_retry r WITH (READCOMMITTEDLOCK, READPAST)"
+    assert take.count(retry) == 3
+    assert take.count("AND NOT (@retries = 1 AND EXISTS (") == 2
     # A pop of one and a batch lock only lanes whose next number is written.
     locked_if_written = "WITH (ROWLOCK, UPDLOCK, READPAST)\n{}WHERE t.queue_id = @queue_id AND EXISTS ("
     assert take.count(locked_if_written.format(" " * 12)) == 1  # a pop of one
     assert take.count(locked_if_written.format(" " * 4)) == 1  # a batch
     slot_reads = re.findall(r"\[dbq\]\.ring_slots s(?: WITH \(([A-Z, ]+)\))?", take)
-    # The written checks of a pop of one, of a batch and of the lanes waited for, the window's numbers, and
-    # the payloads of a batch read past locks; a pop of one reads its one slot, known written, plainly.
-    assert slot_reads.count("READCOMMITTEDLOCK, READPAST") == 5 and slot_reads.count("") == 1
+    # The written checks of a pop of one, of a batch and of the lanes waited for, the window's numbers (its
+    # plain aggregate, and the window scan), and the payloads of a batch read past locks; a pop of one
+    # reads its one slot, known written, plainly.
+    assert slot_reads.count("READCOMMITTEDLOCK, READPAST") == 6 and slot_reads.count("") == 1
     passing = schema_blocks()["v4_ring_pass"]
     passing_lanes = re.findall(r"FROM \[dbq\]\.ring_lanes t WITH \(([A-Z, ]+)\)", passing)
     passing_slots = re.findall(r"\[dbq\]\.ring_slots s(?: WITH \(([A-Z, ]+)\))?", passing)
@@ -770,7 +775,7 @@ def test_the_ring_reads_and_takes_past_locks_as_skip_locked_does() -> None:
             and "ring_floor " not in schema_blocks()[name]
         )
     bounded = schema_blocks()["v4_ring_floor_try"]
-    assert "SET XACT_ABORT OFF;\n    SET LOCK_TIMEOUT 100;\n    BEGIN TRY\n" in bounded
+    assert "SET XACT_ABORT OFF;\n    SET LOCK_TIMEOUT 100;\n    SET @gone = 0;\n    BEGIN TRY\n" in bounded
     assert "BEGIN CATCH\n        SET @floor = NULL;\n        IF ERROR_NUMBER() <> 1222\n" in bounded
     assert "CACHE 1000" in schema_blocks()["v4_ring_create"]
     floor = procedure_statements(schema_blocks()["v4_ring_floor"])[1]
@@ -1379,7 +1384,7 @@ def test_a_full_pop_takes_the_fast_path_next_on_a_fake_sql_server(monkeypatch: p
     assert [m.id for m in q.pop(1)] == [1]
     assert [m.id for m in q.pop(1)] == [2]
     [take] = _sent(fake, "ring_take")
-    assert take == [1, 8, 4, 1, False, 30.0, DEFAULT_CONSUMER]
+    assert take == [1, 8, 4, 1, False, 30.0, DEFAULT_CONSUMER, True]  # wait: not in a caller's transaction
     _check_sent(fake)
 
 

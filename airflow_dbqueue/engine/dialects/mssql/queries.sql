@@ -854,9 +854,11 @@ SELECT @num AS r_num, @written AS r_written
 
 -- name: ring_take
 -- The fast path of a pop (schema.sql): messages from the lanes, nothing when messages to deliver again
--- are due (ring_pop serves those first). Its rows are ring_pop's messages.
+-- are due (ring_pop serves those first). Its rows are ring_pop's messages. wait: when other pops hold
+-- every lane, wait for them (not in a caller's transaction), 1 s at most (then error 1222).
 EXEC {schema}.ring_take @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = %(lanes)s, @n = %(n)s,
-    @lease = %(lease)s, @vt = %(visibility_timeout_s)s, @consumer = %(consumer)s, @retries = 1, @wait = 0
+    @lease = %(lease)s, @vt = %(visibility_timeout_s)s, @consumer = %(consumer)s, @retries = 1,
+    @wait = %(wait)s
 
 -- name: ring_pop
 -- The messages, then the last row (r_id NULL): the gap at the head, the issued position and the push

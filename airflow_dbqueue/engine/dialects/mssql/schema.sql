@@ -964,15 +964,22 @@ END
 -- (it waits and looks again, up to its timeout), and a pop gives no gap up this time. The lock timeout
 -- (error 1222) cancels that statement alone: XACT_ABORT is off in this procedure (SET options return to
 -- the caller's when it returns), so the caller's transaction goes on. Any other error is raised again.
+-- @gone: 1 when the floor was read and is NULL: the ring has no lanes, so it was dropped (a drop deletes
+-- its lanes, leases and retry rows in one transaction), as PostgreSQL's ring_push reads a NULL floor.
 CREATE OR ALTER PROCEDURE {schema}.ring_floor_try
-    @queue_id int, @floor bigint OUTPUT
+    @queue_id int, @floor bigint OUTPUT, @gone bit = NULL OUTPUT
 AS
 BEGIN
     SET NOCOUNT ON;
     SET XACT_ABORT OFF;
     SET LOCK_TIMEOUT 100;
+    SET @gone = 0;
     BEGIN TRY
         EXEC {schema}.ring_floor @queue_id = @queue_id, @floor = @floor OUTPUT;
+        IF @floor IS NULL
+        BEGIN
+            SET @gone = 1;
+        END;
     END TRY
     BEGIN CATCH
         SET @floor = NULL;
@@ -1067,6 +1074,8 @@ END
 -- the numbers and try once, without waiting; when they are not all written, put back what was written
 -- and return @num with @written 0, the numbers issued and unwritten. A push locks one of the ring's push
 -- lanes before it takes its numbers (the gap proof). SQL Server has no NOTIFY: waiting pops poll.
+-- A ring that does not exist, or was dropped meanwhile (its floor is read as NULL: it has no lanes), is
+-- error '[DQ004] ...', as on PostgreSQL; the slots this push wrote are put back first.
 CREATE OR ALTER PROCEDURE {schema}.ring_push
     @queue_id int, @cap int, @payloads nvarchar(max), @payload varbinary(4000), @timeout_s float, @first bigint,
     @once bit, @num bigint OUTPUT, @written bit OUTPUT
@@ -1101,12 +1110,18 @@ BEGIN
         RETURN;
     END;
     DECLARE @floor bigint;
+    DECLARE @gone bit = 0;
     -- Room first, before any lane or number is taken: when the number a capacity before the highest this
     -- batch would take is not below the floor (the ring is full there, or the floor is not known now),
-    -- return with @num NULL.
+    -- return with @num NULL. A floor read as NULL (no lanes) is a ring dropped since its row was read.
     IF @first IS NULL AND @once = 0
     BEGIN
-        EXEC {schema}.ring_floor_try @queue_id = @queue_id, @floor = @floor OUTPUT;
+        EXEC {schema}.ring_floor_try @queue_id = @queue_id, @floor = @floor OUTPUT, @gone = @gone OUTPUT;
+        IF @gone = 1
+        BEGIN
+            RAISERROR (N'[DQ004] ring %d does not exist', 16, 1, @queue_id);
+            RETURN;
+        END;
         IF @floor IS NULL OR coalesce((
                 SELECT CAST(q.current_value AS bigint) FROM sys.sequences q WHERE q.object_id = @seq_id), 0)
             + @n - @cap >= @floor
@@ -1158,7 +1173,12 @@ BEGIN
     BEGIN
         IF @floor IS NULL
         BEGIN
-            EXEC {schema}.ring_floor_try @queue_id = @queue_id, @floor = @floor OUTPUT;
+            EXEC {schema}.ring_floor_try @queue_id = @queue_id, @floor = @floor OUTPUT, @gone = @gone OUTPUT;
+            IF @gone = 1
+            BEGIN
+                SET @fail = 4;
+                BREAK;
+            END;
         END;
         SET @now = SYSUTCDATETIME();
         UPDATE s SET seq = @base1 + s.slot, enqueued_at = @now, payload = i.payload
@@ -1225,6 +1245,11 @@ BEGIN
             16, 1, @queue_id, @first, @last);
         RETURN;
     END;
+    IF @fail = 4
+    BEGIN
+        RAISERROR (N'[DQ004] ring %d does not exist', 16, 1, @queue_id);
+        RETURN;
+    END;
     SET @num = @first;
     SET @written = CASE WHEN @fail = 0 THEN 1 ELSE 0 END;
 END
@@ -1244,10 +1269,12 @@ END
 -- on PostgreSQL. Numbers given up as gaps (no payload) are passed over and not returned. The positions
 -- move past the last number taken; with @lease the messages are leased as one ring_leases row a part
 -- (below), otherwise they are finished when the transaction commits.
--- @retries: first check whether messages to deliver again are ready (past those other pops hold), and
--- take nothing if so (ring_pop serves them first). @wait: when every lane is locked by other pops, wait
--- for them (for the lowest, at a pop of one; otherwise for all, in lane order, as every waiting pop does,
--- so that waiting pops never deadlock); the caller's LOCK_TIMEOUT bounds the wait.
+-- @retries: take nothing while messages to deliver again are ready (past those other pops hold): ring_pop
+-- serves them first. The check is part of the statements that lock the lanes, and it is made again
+-- before a wait, so that a pop never waits for lanes while such messages are due. @wait: when every lane
+-- is locked by other pops, wait for them (for one lane, the lowest, at a pop of one) instead of returning
+-- nothing, at most LOCK_TIMEOUT (1 s, set here; error 1222 after it): batch consumers then take turns
+-- with all the lanes, each pop one short transaction, instead of finding nothing and calling again.
 -- One result set at most: the messages (id, attempts, deliveries, enqueued_at, lease_until, payload), in
 -- id order.
 CREATE OR ALTER PROCEDURE {schema}.ring_take
@@ -1256,6 +1283,7 @@ CREATE OR ALTER PROCEDURE {schema}.ring_take
 AS
 BEGIN
     SET NOCOUNT ON;
+    SET LOCK_TIMEOUT 1000;
     DECLARE @now datetime2(6) = SYSUTCDATETIME();
     DECLARE @until datetime2(6) = CASE WHEN @lease = 1 THEN DATEADD(microsecond, CAST(1e6 * (@vt - FLOOR(@vt)) AS int),
                                                                     DATEADD(second, CAST(FLOOR(@vt) AS int), @now)) END;
@@ -1279,21 +1307,21 @@ BEGIN
     DECLARE @first bigint;
     DECLARE @last bigint;
     DECLARE @k int;
+    DECLARE @whole int;
+    DECLARE @more int;
     DECLARE @lease_starts nvarchar(max);
-    IF @retries = 1 AND EXISTS (
-        SELECT 1 FROM {schema}.ring_retry r WITH (READCOMMITTEDLOCK, READPAST)
-        WHERE r.queue_id = @queue_id AND r.state = 1 AND r.due_at <= @now)
-    BEGIN
-        RETURN;
-    END;
     IF @n = 1
     BEGIN
-        -- One message: the lowest lane whose next number is written, one row locked and moved on.
+        -- One message: the lowest lane whose next number is written, one row locked and moved on, and
+        -- nothing when messages to deliver again are due (checked by the same statement).
         WITH l AS (
             SELECT TOP (1) t.lane, t.pos FROM {schema}.ring_lanes t WITH (ROWLOCK, UPDLOCK, READPAST)
             WHERE t.queue_id = @queue_id AND EXISTS (
                 SELECT 1 FROM {schema}.ring_slots s WITH (READCOMMITTEDLOCK, READPAST)
                 WHERE s.queue_id = @queue_id AND s.slot = t.pos % @cap AND s.seq = t.pos)
+              AND NOT (@retries = 1 AND EXISTS (
+                SELECT 1 FROM {schema}.ring_retry r WITH (READCOMMITTEDLOCK, READPAST)
+                WHERE r.queue_id = @queue_id AND r.state = 1 AND r.due_at <= @now))
             ORDER BY t.pos)
         UPDATE l SET pos = pos + @lanes
         OUTPUT deleted.lane, deleted.pos INTO @one;
@@ -1321,35 +1349,50 @@ BEGIN
             RETURN;
         END;
     END;
-    -- A batch: the lanes whose next number is written, lowest first, as many as the batch could use.
+    -- A batch: the lanes whose next number is written, lowest first, as many as the batch could use;
+    -- none while messages to deliver again are due.
     INSERT INTO @held (lane, pos)
     SELECT TOP (@most) t.lane, t.pos FROM {schema}.ring_lanes t WITH (ROWLOCK, UPDLOCK, READPAST)
     WHERE t.queue_id = @queue_id AND EXISTS (
         SELECT 1 FROM {schema}.ring_slots s WITH (READCOMMITTEDLOCK, READPAST)
         WHERE s.queue_id = @queue_id AND s.slot = t.pos % @cap AND s.seq = t.pos)
+      AND NOT (@retries = 1 AND EXISTS (
+        SELECT 1 FROM {schema}.ring_retry r WITH (READCOMMITTEDLOCK, READPAST)
+        WHERE r.queue_id = @queue_id AND r.state = 1 AND r.due_at <= @now))
     ORDER BY t.pos;
-    -- None, when waiting: is every lane held by another pop? (A separate statement: T-SQL does not promise
-    -- to evaluate an AND in order, and this look locks the lane it finds, as PostgreSQL's does.)
+    -- None: because messages to deliver again are due (then nothing is taken and nothing waited for), or,
+    -- when waiting, because every lane is held by another pop? (Separate statements: T-SQL does not
+    -- promise to evaluate an AND in order, and the second look locks the lane it finds, as PostgreSQL's
+    -- does.)
+    IF @retries = 1 AND NOT EXISTS (SELECT 1 FROM @held)
+    BEGIN
+        IF EXISTS (
+            SELECT 1 FROM {schema}.ring_retry r WITH (READCOMMITTEDLOCK, READPAST)
+            WHERE r.queue_id = @queue_id AND r.state = 1 AND r.due_at <= @now)
+        BEGIN
+            RETURN;
+        END;
+    END;
     IF @wait = 1 AND NOT EXISTS (SELECT 1 FROM @held)
     BEGIN
         IF NOT EXISTS (
             SELECT 1 FROM {schema}.ring_lanes t WITH (ROWLOCK, UPDLOCK, READPAST) WHERE t.queue_id = @queue_id)
         BEGIN
-            -- Every lane is held by another pop: wait for them, in lane order as every waiting pop does (no
-            -- deadlock between them), or for the lowest one at a pop of one.
-            IF @n = 1
+            -- Every lane is held by other pops: wait for the lowest one, then take free ones up to half the
+            -- lanes. A pop that finds the lanes free takes all it can use (one consumer alone sees ids in
+            -- order); consumers popping at the same time then share the lanes, each its part, instead of
+            -- taking turns with all of them (as on PostgreSQL, whose ring_take says what that was worth).
+            INSERT INTO @held (lane, pos)
+            SELECT TOP (1) t.lane, t.pos FROM {schema}.ring_lanes t WITH (ROWLOCK, UPDLOCK)
+            WHERE t.queue_id = @queue_id
+            ORDER BY t.pos;
+            IF @n > 1 AND @lanes > 2
             BEGIN
+                SET @more = CASE WHEN @n < @lanes / 2 THEN @n ELSE @lanes / 2 END - 1;
                 INSERT INTO @held (lane, pos)
-                SELECT TOP (1) t.lane, t.pos FROM {schema}.ring_lanes t WITH (ROWLOCK, UPDLOCK)
-                WHERE t.queue_id = @queue_id
+                SELECT TOP (@more) t.lane, t.pos FROM {schema}.ring_lanes t WITH (ROWLOCK, UPDLOCK, READPAST)
+                WHERE t.queue_id = @queue_id AND t.lane NOT IN (SELECT h.lane FROM @held h)
                 ORDER BY t.pos;
-            END;
-            IF @n > 1
-            BEGIN
-                INSERT INTO @held (lane, pos)
-                SELECT t.lane, t.pos FROM {schema}.ring_lanes t WITH (ROWLOCK, UPDLOCK)
-                WHERE t.queue_id = @queue_id
-                ORDER BY t.lane;
             END;
             -- Only those whose next number is written: a lane stopped at a push in progress or a gap gives
             -- nothing now, and must not stop the others.
@@ -1382,22 +1425,38 @@ BEGIN
         SET @part = @part + 1;
         SET @a = @lo % @cap;
         SET @width = CASE WHEN @cap - @a < @span THEN @cap - @a ELSE @span END;
-        -- Where the part ends, from the slots' numbers alone (no payload is read): the last number before
-        -- the first unwritten one, up to the (@n - @got)-th message; and its messages.
-        SELECT @top = max(w.x), @first = min(CASE WHEN w.msg = 1 THEN w.x END),
-               @last = max(CASE WHEN w.msg = 1 THEN w.x END), @k = count(CASE WHEN w.msg = 1 THEN 1 END)
+        -- Where the part ends, from the slots' numbers alone (no payload is read). Usually every number of
+        -- the first @n - @got rows is written: the part ends at the last of them (one plain aggregate).
+        -- Otherwise it ends before the first one unwritten, up to the (@n - @got)-th message ("bad" counts
+        -- the unwritten numbers so far and "before" the messages).
+        SELECT @top = max(r.x), @first = min(CASE WHEN r.msg = 1 THEN r.x END),
+               @last = max(CASE WHEN r.msg = 1 THEN r.x END), @k = count(CASE WHEN r.msg = 1 THEN 1 END),
+               @whole = min(r.ok)
         FROM (
-            SELECT r.x, r.msg,
-                   sum(r.bad) OVER (ORDER BY r.k ROWS UNBOUNDED PRECEDING) AS bad,
-                   sum(r.msg) OVER (ORDER BY r.k ROWS UNBOUNDED PRECEDING) - r.msg AS before
+            SELECT TOP (@n - @got) @lo + g.k AS x, CASE WHEN s.seq = @lo + g.k THEN 1 ELSE 0 END AS ok,
+                   CASE WHEN s.payload IS NOT NULL THEN 1 ELSE 0 END AS msg
+            FROM {schema}.ring_series(@width) g
+            JOIN @held h ON h.lane = (@lo + g.k) % @lanes AND h.pos <= @lo + g.k
+            LEFT JOIN {schema}.ring_slots s WITH (READCOMMITTEDLOCK, READPAST)
+              ON s.queue_id = @queue_id AND s.slot = @a + g.k
+            ORDER BY g.k) AS r;
+        IF @whole = 0
+        BEGIN
+            SELECT @top = max(w.x), @first = min(CASE WHEN w.msg = 1 THEN w.x END),
+                   @last = max(CASE WHEN w.msg = 1 THEN w.x END), @k = count(CASE WHEN w.msg = 1 THEN 1 END)
             FROM (
-                SELECT g.k, @lo + g.k AS x, CASE WHEN s.seq = @lo + g.k THEN 0 ELSE 1 END AS bad,
-                       CASE WHEN s.payload IS NOT NULL THEN 1 ELSE 0 END AS msg
-                FROM {schema}.ring_series(@width) g
-                JOIN @held h ON h.lane = (@lo + g.k) % @lanes AND h.pos <= @lo + g.k
-                LEFT JOIN {schema}.ring_slots s WITH (READCOMMITTEDLOCK, READPAST)
-                  ON s.queue_id = @queue_id AND s.slot = @a + g.k) AS r) AS w
-        WHERE w.bad = 0 AND w.before < @n - @got;
+                SELECT r.x, r.msg,
+                       sum(r.bad) OVER (ORDER BY r.k ROWS UNBOUNDED PRECEDING) AS bad,
+                       sum(r.msg) OVER (ORDER BY r.k ROWS UNBOUNDED PRECEDING) - r.msg AS before
+                FROM (
+                    SELECT g.k, @lo + g.k AS x, CASE WHEN s.seq = @lo + g.k THEN 0 ELSE 1 END AS bad,
+                           CASE WHEN s.payload IS NOT NULL THEN 1 ELSE 0 END AS msg
+                    FROM {schema}.ring_series(@width) g
+                    JOIN @held h ON h.lane = (@lo + g.k) % @lanes AND h.pos <= @lo + g.k
+                    LEFT JOIN {schema}.ring_slots s WITH (READCOMMITTEDLOCK, READPAST)
+                      ON s.queue_id = @queue_id AND s.slot = @a + g.k) AS r) AS w
+            WHERE w.bad = 0 AND w.before < @n - @got;
+        END;
         IF @top IS NULL
         BEGIN
             BREAK;
@@ -1664,7 +1723,8 @@ END
 -- and reports none. LOCK_TIMEOUT (1 s, for this procedure and those it calls) bounds the wait for lanes
 -- held by other pops (a caller's long transaction may hold them): the pop then fails with error 1222,
 -- and the caller pops again. Lanes and slots of the head are read past locks: a lane another pop is
--- moving is that pop's to report, and a slot a push holds is unwritten.
+-- moving is that pop's to report, and a slot a push holds is unwritten. A pop not in the caller's
+-- transaction of a ring whose row is gone (it was dropped) is error '[DQ004] ...', as on PostgreSQL.
 CREATE OR ALTER PROCEDURE {schema}.ring_pop
     @queue_id int, @cap int, @lanes int, @n int, @lease bit, @vt float, @consumer nvarchar(200), @own bit,
     @gap bigint, @gap_issued bigint, @gap_snap nvarchar(max), @force bit
@@ -1738,6 +1798,13 @@ BEGIN
     END;
     IF @own = 0
     BEGIN
+        -- A ring whose row is gone was dropped: '[DQ004] ...', as on PostgreSQL (the caller then finds its
+        -- queue gone).
+        IF NOT EXISTS (SELECT 1 FROM {schema}.rings g WHERE g.queue_id = @queue_id)
+        BEGIN
+            RAISERROR (N'[DQ004] ring %d does not exist', 16, 1, @queue_id);
+            RETURN;
+        END;
         -- The head: the lowest lane position whose number is issued and not written.
         SELECT TOP (1) @head = l.pos
         FROM {schema}.ring_lanes l WITH (READCOMMITTEDLOCK, READPAST)
