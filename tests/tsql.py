@@ -705,7 +705,68 @@ class Frame:
         if isinstance(stmt, exp.Anonymous) and stmt.name.upper() == "RAISERROR":
             self.raiserror(stmt)
             return
+        if isinstance(stmt, exp.Create | exp.Drop | exp.Alter):
+            self.ddl(stmt)
+            return
         raise NotImplementedError(stmt.sql(dialect="tsql")[:100])
+
+    def ddl(self, stmt: exp.Create | exp.Drop | exp.Alter) -> None:
+        """The DDL of schema.sql's blocks on tables that hold rows (an upgrade): CREATE TABLE, DROP TABLE
+        and DROP PROCEDURE, ALTER TABLE ADD (a new column is NULL in every row), ALTER COLUMN ... NOT NULL
+        and ADD CONSTRAINT (checked against every row), DROP COLUMN and DROP CONSTRAINT; an index is not
+        modelled, nor a table's options (SET)."""
+        tables = self.server.tables
+        kind = stmt.args.get("kind")
+        if isinstance(stmt, exp.Create) and kind == "INDEX":
+            return
+        if isinstance(stmt, exp.Create) and kind == "TABLE":
+            table = _table_from_schema(self.server, stmt.this.this.name.lower(), stmt.this)
+            if table.name in tables:
+                raise TsqlError(2714, f"there is already an object named {table.name}")
+            tables[table.name] = table
+            return
+        if isinstance(stmt, exp.Drop) and kind in ("TABLE", "PROCEDURE"):
+            for t in stmt.args["tables"]:
+                name = t.name.lower()
+                gone = tables.pop(name, None) if kind == "TABLE" else self.server.procedures.pop(name, None)
+                if gone is None and not stmt.args.get("exists"):
+                    raise TsqlError(3701, f"cannot drop {kind.lower()} {name}: it does not exist")
+            return
+        if not isinstance(stmt, exp.Alter) or kind != "TABLE":
+            raise NotImplementedError(stmt.sql(dialect="tsql")[:100])
+        table = self.table(stmt.this)
+        for action in stmt.args.get("actions") or []:
+            if isinstance(action, exp.ColumnDef):
+                _add_column(self.server, table, action)
+                name = table.columns[-1]
+                if name in table.not_null and name not in table.defaults and table.rows:
+                    raise TsqlError(4901, f"ALTER TABLE {table.name} ADD {name} NOT NULL without a default")
+                for row in table.rows:
+                    row[name] = table.defaults[name]() if name in table.defaults else None
+            elif isinstance(action, exp.AlterColumn):
+                name = action.name.lower()
+                if action.args.get("allow_null") is False:
+                    if any(row[name] is None for row in table.rows):
+                        raise TsqlError(515, f"column {name} of {table.name} holds NULL")
+                    table.not_null.add(name)
+            elif isinstance(action, exp.Drop) and action.args.get("kind") == "COLUMN":
+                for c in action.args["tables"]:
+                    name = c.name.lower()
+                    table.columns.remove(name)
+                    table.not_null.discard(name)
+                    table.defaults.pop(name, None)
+                    for row in table.rows:
+                        del row[name]
+            elif isinstance(action, exp.Drop) and action.args.get("kind") == "CONSTRAINT":
+                for c in action.args["tables"]:
+                    table.checks.pop(c.name.lower(), None)
+            elif isinstance(action, exp.AddConstraint):
+                for c in action.expressions:
+                    _add_constraint(table, c)
+                for row in table.rows:
+                    self.check(table, row)
+            elif not isinstance(action, exp.AlterSet):
+                raise NotImplementedError(action.sql(dialect="tsql"))
 
     def assign(self, name: str, value: Any) -> Any:
         kind = self.types.get(name, "")
@@ -1686,6 +1747,24 @@ class Ring:
 
 
 # -- the engine on the interpreter -------------------------------------------------------------------
+
+
+def upgrade(server: Server, blocks: Mapping[str, str]) -> None:
+    """Run schema.sql's ``blocks`` (composed, in install order) on ``server`` as an install that migrates
+    it does: each routine block replaces the routine of its name; every other block runs statement by
+    statement, on the rows the server holds."""
+    for name, body in blocks.items():
+        procedures, functions, _ = _parsed_block(name, body)
+        if procedures or functions:
+            server.procedures.update(procedures)
+            server.functions.update(functions)
+            continue
+        frame = Frame(server, lock_timeout=-1)
+        for stmt in sqlglot.parse(body, read="tsql", error_level=sqlglot.ErrorLevel.RAISE):
+            if stmt is not None:
+                if isinstance(stmt, exp.Command):
+                    raise NotImplementedError(stmt.sql(dialect="tsql")[:100])
+                frame.execute(stmt)
 
 
 def drop_queue(db: Any, queue_id: int) -> None:
