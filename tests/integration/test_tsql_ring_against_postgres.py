@@ -1,15 +1,18 @@
 """The SQL Server ring against PostgreSQL's, step by step, without a SQL Server.
 
 The same random steps (pushes of batches and of one, numbers a push took and never wrote, pops in the
-three semantics, acks and nacks of whole leases and of parts, leases expired and reclaimed, gap recovery,
-failed messages requeued) go through ``RingQueue`` twice: on PostgreSQL (its real functions), and on the
-SQL Server dialect, whose named queries run on the T-SQL interpreter of tests/tsql.py (the procedures of
-the SQL Server ``schema.sql`` as written). After each step both must have answered the same (messages
-with their payloads, attempts and deliveries, counts, errors) and hold the same ring: every slot's number
-and payload, every lane's position, every lease (range, lanes' starts, messages), retry row and failed
-message, and the same stats. What the interpreter leaves out is said in tests/tsql.py (one session, no
-concurrency). Only what is the dialect's by design differs: the gap proof's list (transactions on
-PostgreSQL, push lanes on SQL Server) and times.
+three semantics, pops while another transaction holds some or all of the lanes, acks and nacks of whole
+leases and of parts, leases expired and reclaimed, gap recovery, failed messages requeued) go through
+``RingQueue`` twice: on PostgreSQL (its real functions), and on the SQL Server dialect, whose named
+queries run on the T-SQL interpreter of tests/tsql.py (the procedures of the SQL Server ``schema.sql`` as
+written). After each step both must have answered the same (messages with their payloads, attempts and
+deliveries, counts, errors) and hold the same ring: every slot's number and payload, every lane's
+position, every lease (range, lanes' starts, messages), retry row and failed message, and the same stats.
+At the end both queues are dropped, and their handles must fail alike. What the interpreter leaves out is
+said in tests/tsql.py (one session, no concurrency: lanes another transaction holds are rows it says are
+locked, and that transaction never lets go, so a pop that waits for them times out on both sides). Only
+what is the dialect's by design differs: the gap proof's list (transactions on PostgreSQL, push lanes on
+SQL Server) and times.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import json
 import random
 from typing import TYPE_CHECKING, Any
 
+import psycopg
 import pytest
+from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue, DbQueueError, FailedMessage, Message
 from airflow_dbqueue.engine.models import QueueSettings
@@ -45,8 +50,8 @@ STATE = {
 class Side:
     """One dialect's ring, and what its consumers hold leased."""
 
-    def __init__(self, dbq: DbQueue, q: RingQueue) -> None:
-        self.dbq, self.q = dbq, q
+    def __init__(self, dbq: DbQueue, q: RingQueue, server: tsql.Server | None = None) -> None:
+        self.dbq, self.q, self.server = dbq, q, server
         self.leased: list[Message] = []
         q.push_timeout = 0.0  # a full ring answers at once: both sides see it full at the same step
         q.reclaim_every_s = 0.0  # every pop at least once reclaims first, on both sides
@@ -65,6 +70,32 @@ class Side:
         stats = self.q.stats()
         out["stats"] = (stats.ready, stats.delayed, stats.in_flight, stats.failed, stats.extra)
         return out
+
+    def hold(self, lanes: list[int], pg_dsn: str) -> Callable[[], None]:
+        """Another transaction holds ``lanes`` (as a pop between its take and its commit); return what
+        ends it."""
+        qid = self.q.settings.queue_id
+        if self.dbq.dialect == "postgresql":
+            conn = psycopg.connect(pg_dsn)
+            conn.execute(
+                sql.SQL(
+                    "SELECT lane FROM {}.ring_lanes WHERE queue_id = %s AND lane = ANY(%s) FOR UPDATE"
+                ).format(sql.Identifier(self.dbq.schema)),
+                (qid, lanes),
+            )
+            return conn.close  # a rollback
+        server = self.server
+        assert server is not None
+        for lane in lanes:
+            server.lock("ring_lanes", (qid, lane), "U")
+        return server.others.clear
+
+    def drop(self) -> None:
+        """Drop the queue (on SQL Server, but for the drop's lock: see tsql.drop_queue)."""
+        if self.dbq.dialect == "postgresql":
+            assert self.dbq.drop_queue(self.q.name)
+        else:
+            tsql.drop_queue(self.dbq.db, self.q.settings.queue_id)
 
     def abandon(self, n: int) -> None:
         """Numbers a push took and never wrote (it rolled back, or died, after taking them)."""
@@ -109,39 +140,51 @@ def outcome(call: Callable[[], Any]) -> Any:
 def sides(
     dbq: DbQueue, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Callable[[int, int, int], tuple[Side, Side]]]:
-    """Rings of the same settings on PostgreSQL and on the interpreted SQL Server."""
+    """Rings of the same settings, made by create_queue, on PostgreSQL and on the interpreted SQL
+    Server."""
 
     def make(seed: int, capacity: int, lanes: int) -> tuple[Side, Side]:
-        pg = dbq.create_queue(
-            f"r{seed}", design="ring", capacity=capacity, lanes=lanes, max_attempts=3, visibility_timeout=3600
-        )
-        assert isinstance(pg, RingQueue)
-        settings: QueueSettings = pg.settings
-        fake = tsql.InterpretedSqlServer(tsql.ring_server(tsql.schema_blocks()))
-        ms = DbQueue("mssql://u:p@h/db", schema="dbq")
-        fake.attach(monkeypatch, ms.db)
-        ms.db.execute(
-            "ring_create",
-            {
-                "schema": "dbq",
-                "queue_id": settings.queue_id,
-                "capacity": capacity,
-                "slot_bytes": settings.max_payload_bytes,
-                "lanes": lanes,
-            },
-        )
-        return Side(dbq, pg), Side(ms, RingQueue(ms.db, settings))
+        made = []
+        for side in (dbq, DbQueue("mssql://u:p@h/db", schema="dbq")):
+            server = None
+            if side.dialect == "mssql":
+                server = tsql.ring_server(tsql.schema_blocks())
+                tsql.InterpretedSqlServer(server).attach(monkeypatch, side.db)
+            q = side.create_queue(
+                f"r{seed}",
+                design="ring",
+                capacity=capacity,
+                lanes=lanes,
+                max_attempts=3,
+                visibility_timeout=3600,
+            )
+            assert isinstance(q, RingQueue)
+            made.append(Side(side, q, server))
+        pg, ms = made
+        settings: QueueSettings = pg.q.settings
+        assert ms.q.settings == settings  # the same queue id too: each is the first of its schema
+        return pg, ms
 
     yield make
 
 
 STEPS = ["push", "push", "push_one", "abandon", "pop", "pop", "pop_lease", "pop_lease", "pop_own"]
-STEPS += ["ack", "ack_part", "nack", "expire", "recover", "peek", "requeue"]
+STEPS += ["ack", "ack_part", "nack", "expire", "recover", "peek", "requeue", "held"]
+SEMANTICS = {"pop": "at-most-once", "pop_lease": "at-least-once", "pop_own": "exactly-once"}
+
+
+def no_unwritten_numbers(state: dict[str, Any], capacity: int) -> bool:
+    """Whether every number from the lowest lane position to the push position is written (or given
+    up): then no pop meets a gap, so none lists the holders of the gap proof, which differ by design
+    while another transaction holds lanes (its transaction on PostgreSQL, no push lane on SQL Server)."""
+    seq = {slot: number for slot, number, _ in state["slots"]}
+    low = min(pos for _, pos in state["lanes"])
+    return all(seq[x % capacity] >= x for x in range(low, state["stats"][4]["push_position"] + 1))
 
 
 @pytest.mark.parametrize("seed", range(12))
 def test_random_steps_answer_and_leave_the_same_ring_on_both_dialects(
-    seed: int, sides: Callable[[int, int, int], tuple[Side, Side]]
+    seed: int, sides: Callable[[int, int, int], tuple[Side, Side]], pg_dsn: str
 ) -> None:
     """Nothing is lost either: every payload pushed was finished once (popped at most or exactly once, or
     acked), or is failed, or comes out of the ring when it is drained at the end."""
@@ -172,16 +215,29 @@ def test_random_steps_answer_and_leave_the_same_ring_on_both_dialects(
             k = rng.randint(1, 2)
             for s in (pg, ms):
                 s.abandon(k)
-        elif step.startswith("pop"):
+        elif step.startswith("pop") or step == "held":
             n = rng.randint(1, 6)
-            semantics = {"pop": "at-most-once", "pop_lease": "at-least-once", "pop_own": "exactly-once"}[step]
+            semantics = SEMANTICS[step if step != "held" else rng.choice(list(SEMANTICS))]
+            held: list[int] = []
+            if step == "held":
+                if not no_unwritten_numbers(pg.state(), capacity):
+                    continue
+                lanes = pg.q.lanes
+                # Some lanes, or every one (a pop that may wait then waits 1 s, and times out).
+                held = rng.sample(range(lanes), lanes if rng.random() < 0.3 else rng.randint(1, lanes))
+                log[-1] += f" {held} {semantics} {n}"
             answers = []
             for s in (pg, ms):
-                if semantics == "exactly-once":
-                    with s.dbq.transaction() as conn:
-                        got = s.q.pop(n, semantics=semantics, conn=conn)
-                else:
-                    got = s.q.pop(n, semantics=semantics)
+                end = s.hold(held, pg_dsn) if held else None
+                try:
+                    if semantics == "exactly-once":
+                        with s.dbq.transaction() as conn:
+                            got = s.q.pop(n, semantics=semantics, conn=conn)
+                    else:
+                        got = s.q.pop(n, semantics=semantics)
+                finally:
+                    if end is not None:
+                        end()
                 if semantics == "at-least-once":
                     s.leased += got
                 answers.append([msg(m) for m in got])
@@ -230,3 +286,16 @@ def test_random_steps_answer_and_leave_the_same_ring_on_both_dialects(
     assert pg.q.stats().ready == 0 and pg.q.stats().in_flight == 0
     assert len(finished) + len(failures) == len(pushed)
     assert checksum(finished + [f[1] for f in failures]) == checksum(pushed)
+    # Dropped: a push and a pop through the old handles find the queue gone (the procedures' DQ004 on
+    # SQL Server, the functions' on PostgreSQL), a pop in the caller's transaction takes nothing.
+    for s in (pg, ms):
+        s.drop()
+    assert same([outcome(lambda s=s: s.q.push({"late": 1})) for s in (pg, ms)]) == "QueueNotFoundError"
+    assert same([outcome(lambda s=s: s.q.push_batch([1, 2])) for s in (pg, ms)]) == "QueueNotFoundError"
+    assert same([outcome(lambda s=s: s.q.pop(3)) for s in (pg, ms)]) == "QueueNotFoundError"
+
+    def own(s: Side) -> Any:
+        with s.dbq.transaction() as conn:
+            return outcome(lambda: s.q.pop(3, semantics="exactly-once", conn=conn))
+
+    assert same([own(s) for s in (pg, ms)]) == []
