@@ -803,3 +803,43 @@ def test_a_dropped_rings_handle_raises_queue_not_found_on_interpreted_sql_server
         assert q.pop(5, semantics="exactly-once", conn=conn) == []
     assert {name: t.rows for name, t in server.tables.items() if t.rows} == {}
     assert server.sequences == {}  # the ring's two, dropped with it
+
+
+def test_an_ack_of_a_pop_past_the_end_of_the_slots_deletes_both_leases_on_interpreted_sql_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pop past the end of the ring's slots writes two lease rows; the engine's ack of its messages
+    deletes both in the one ring_ack batch (no ring_settle, no retry row), and an ack of part of a lease
+    is refused by that batch and settled message by message."""
+    from airflow_dbqueue.engine import DbQueue
+    from tests.helpers import checksum
+
+    server = tsql.ring_server(blocks())
+    dbq = DbQueue("mssql://u:p@h/db", schema="dbq")
+    fake = tsql.InterpretedSqlServer(server).attach(monkeypatch, dbq.db)
+    q = dbq.create_queue("wrapack", design="ring", capacity=8, lanes=2)
+    assert q.push_batch(list(range(6))) == list(range(1, 7))
+    assert [m.id for m in q.pop(6)] == list(range(1, 7))
+    sent = [f"m{i}" for i in range(6)]
+    assert q.push_batch(sent) == list(range(7, 13))  # slots 7, 0, 1, 2, 3, 4
+    got = q.pop(6, semantics="at-least-once")
+    assert [(m.id, m.payload) for m in got] == list(zip(range(7, 13), sent, strict=True))
+    assert len(list(server.tables["ring_leases"].scan())) == 2, "two parts: two lease rows"
+
+    def procedures(since: int) -> list[str]:
+        found = (
+            re.findall(r"name: (ring_[a-z_]+)|EXEC \[dbq\]\.(ring_[a-z_]+)", s.text) for s in fake.log[since:]
+        )
+        return [a or b for hits in found for a, b in hits]
+
+    before = len(fake.log)
+    assert q.ack(got) == 6
+    assert "ring_settle" not in procedures(before), procedures(before)
+    assert list(server.tables["ring_leases"].scan()) == [] and list(server.tables["ring_retry"].scan()) == []
+    more = q.push_batch(["a", "b", "c"])
+    part = q.pop(3, semantics="at-least-once")
+    assert [m.id for m in part] == more
+    assert q.ack(part[:1]) == 1  # part of a lease: settled, the rest stay leased
+    assert q.ack(part[1:]) == 2
+    assert list(server.tables["ring_leases"].scan()) == [] and list(server.tables["ring_retry"].scan()) == []
+    assert checksum(m.payload for m in got + part) == checksum([*sent, "a", "b", "c"])

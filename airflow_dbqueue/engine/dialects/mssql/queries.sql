@@ -906,10 +906,12 @@ EXEC {schema}.ring_pass @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = 
 SELECT @moved
 
 -- name: ring_ack
--- The ack of a whole lease, the usual one: receipts naming every message of one ring_leases row (first
--- deliveries, within its range and lanes, as many as it holds, its lowest and highest among them) delete
--- that row, in one statement. Anything else (part of a lease, messages delivered again, several leases)
--- returns no row, and the caller settles it with ring_settle.
+-- The ack of whole leases, the usual one: receipts naming every message of one ring_leases row or more
+-- (first deliveries; a pop writes one row, or two when it ran past the end of the ring's slots), in one
+-- batch. A candidate lease lies within the receipts' range and is whole when as many receipts fall in
+-- its range and lanes as it holds messages; the candidates are locked (UPDLOCK) and deleted only when
+-- the whole ones hold every receipt (each message is in one lease at most). Rows: the n of each lease
+-- deleted, none otherwise (the caller settles the receipts with ring_settle).
 SET NOCOUNT ON;
 DECLARE @queue_id int = %(queue_id)s;
 DECLARE @lanes int = %(lanes)s;
@@ -918,20 +920,24 @@ DECLARE @lo bigint;
 DECLARE @hi bigint;
 DECLARE @n int;
 DECLARE @first int;
+DECLARE @c TABLE (lo bigint PRIMARY KEY, n int NOT NULL);
 DECLARE @done TABLE (n int NOT NULL);
 INSERT INTO @r (ord, id, d)
 SELECT CAST(i.[key] AS int), CAST(i.[value] AS bigint), CAST(d.[value] AS int)
 FROM OPENJSON(%(ids)s) i JOIN OPENJSON(%(deliveries)s) d ON d.[key] = i.[key];
 SELECT @lo = min(id), @hi = max(id), @n = count(*), @first = min(CASE WHEN d = 1 THEN 1 ELSE 0 END) FROM @r;
+INSERT INTO @c (lo, n)
+SELECT e.lo, e.n
+FROM {schema}.ring_leases e WITH (ROWLOCK, UPDLOCK)
+WHERE e.queue_id = @queue_id AND e.lo >= @lo AND e.lo <= @hi AND e.hi <= @hi AND @first = 1
+  AND e.lease_until > SYSUTCDATETIME()
+  AND (SELECT count(*) FROM @r i
+       WHERE i.id BETWEEN e.lo AND e.hi AND EXISTS (
+           SELECT 1 FROM OPENJSON(e.starts) j
+           WHERE j.[key] = CAST(i.id % @lanes AS nvarchar(11)) AND CAST(j.[value] AS bigint) <= i.id)) = e.n;
 DELETE e OUTPUT deleted.n INTO @done
 FROM {schema}.ring_leases e
-WHERE e.queue_id = @queue_id AND e.lo = @lo AND e.hi = @hi AND e.n = @n AND @first = 1
-  AND e.lease_until > SYSUTCDATETIME()
-  AND NOT EXISTS (
-      SELECT 1 FROM @r i
-      WHERE NOT EXISTS (
-          SELECT 1 FROM OPENJSON(e.starts) j
-          WHERE j.[key] = CAST(i.id % @lanes AS nvarchar(11)) AND CAST(j.[value] AS bigint) <= i.id));
+WHERE e.queue_id = @queue_id AND e.lo IN (SELECT c.lo FROM @c c) AND (SELECT sum(c.n) FROM @c c) = @n;
 SELECT n FROM @done
 
 -- name: ring_settle
