@@ -67,8 +67,21 @@ log = logging.getLogger(__name__)
 
 APPLICATION_NAME = "airflow-dbqueue-maintenance"
 """``application_name`` of the connection a maintenance step runs on (and holds its lock with)."""
-TABLES = ("meta", "data", "done", "archive", "queues", "batches", "ring_slots", "ring_failed")
-"""The schema's tables, in the order VACUUM visits them (the dequeue path first)."""
+TABLES = (
+    "meta",
+    "data",
+    "done",
+    "archive",
+    "queues",
+    "batches",
+    "ring_lanes",
+    "ring_leases",
+    "ring_retry",
+    "ring_slots",
+    "ring_failed",
+)
+"""The schema's tables, in the order VACUUM visits them (the dequeue paths first: a ring's pops update
+``ring_lanes`` and write ``ring_leases``; its slots are overwritten in place by pushes)."""
 MSSQL_TABLES = (
     "meta",
     "data",
@@ -77,6 +90,10 @@ MSSQL_TABLES = (
     "queues",
     "batches",
     "batch_items",
+    "ring_lanes",
+    "ring_leases",
+    "ring_retry",
+    "ring_push_lanes",
     "ring_slots",
     "ring_failed",
 )

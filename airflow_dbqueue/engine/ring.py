@@ -211,7 +211,7 @@ class RingQueue(Queue):
                     one = False
                     row = self._db.fetchone("ring_push_one", {**params, "payload": encoded[0]})
                     if row is not None and row[0] is not None:
-                        if len(row) < 2 or row[1]:  # SQL Server's row is the first number, always written
+                        if row[1]:  # (number, written) on both dialects
                             return int(row[0])
                         params["first"] = int(row[0])
                 if conn is None:

@@ -608,7 +608,7 @@ SELECT {schema}.ring_push(
     %(notify)s::integer, %(channel)s, %(first)s::bigint)
 
 -- name: ring_push_one
--- (number, written): see schema.sql. SQL Server runs ring_push, which always writes.
+-- (number, written): see schema.sql; SQL Server's ring_push_one returns the same pair.
 SELECT r_num, r_written FROM {schema}.ring_push_one(
     %(queue_id)s::integer, %(capacity)s::integer, %(payload)b::bytea, %(notify)s::integer, %(channel)s)
 
