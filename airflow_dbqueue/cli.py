@@ -8,7 +8,7 @@
     dbqueue failed QUEUE [--requeue | --delete]
     dbqueue archive [--older-than S] [--retention S] [--batch-size N] [--pause S] [--time-budget S]
                     [--queue Q ...] [--lock-wait S]
-    dbqueue maintain [the archive options] [--no-vacuum] [--no-reindex] [--bloat-ratio R]
+    dbqueue maintain [the archive options] [--no-vacuum] [--no-reindex] [--no-compact] [--bloat-ratio R]
                      [--min-bloat-bytes B] [--fragmentation-pct P] [--reindex-timeout S]
                      [--horizon-min-age S] [--horizon-min-xid-age N]
     dbqueue metrics [QUEUE ...] [--window S]
@@ -154,6 +154,9 @@ def _cmd_maintain(dbq: DbQueue, args: argparse.Namespace) -> int:
         reindex_min_bytes=args.min_bloat_bytes,
         reindex_fragmentation_pct=args.fragmentation_pct,
         reindex_timeout_s=args.reindex_timeout,
+        compact_rings=args.compact,
+        compact_bloat_ratio=args.compact_ratio,
+        compact_lock_timeout_s=args.compact_lock_timeout,
         lock_wait_s=args.lock_wait,
         horizon_min_age_s=args.horizon_min_age,
         horizon_min_xid_age=args.horizon_min_xid_age,
@@ -164,7 +167,7 @@ def _cmd_maintain(dbq: DbQueue, args: argparse.Namespace) -> int:
     _say(json.dumps(report, indent=2))
     for step in report["incomplete"]:
         print(
-            f"dbqueue: maintenance did not complete: {step['action']} {step['index']}: {step['why']}",
+            f"dbqueue: maintenance did not complete: {step['action']} {step['object']}: {step['why']}",
             file=sys.stderr,
         )
     return 1 if report["incomplete"] else 0
@@ -376,6 +379,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--fragmentation-pct", type=float, default=30.0, help="SQL Server: also rebuild this fragmented (%%)"
     )
     c.add_argument("--reindex-timeout", type=float, default=600.0, help="seconds one rebuild may take")
+    c.add_argument(
+        "--no-compact",
+        dest="compact",
+        action="store_false",
+        help="skip rewriting ring tables that outgrew their size",
+    )
+    c.add_argument(
+        "--compact-ratio",
+        type=float,
+        default=1.5,
+        help="rewrite a ring table this many times its laid-out size",
+    )
+    c.add_argument(
+        "--compact-lock-timeout",
+        type=float,
+        default=2.0,
+        help="seconds a rewrite waits for its exclusive lock (pushes and pops wait behind it)",
+    )
     c.add_argument(
         "--horizon-min-age",
         type=float,

@@ -13,11 +13,15 @@ Steps (each a task, each returning a JSON-safe report for XCom):
    with pauses and a time budget; archived messages older than ``archive_retention_s`` are deleted.
 4. ``vacuum``: VACUUM (ANALYZE, SKIP_LOCKED) of the schema's tables. SQL Server has no VACUUM (its ghost
    cleanup task removes deleted rows): there it runs UPDATE STATISTICS, and its result says so.
-5. ``rebuild_indexes``: REINDEX INDEX CONCURRENTLY of bloated B-tree indexes; INVALID leftovers of a
+5. ``compact_rings``: a ring table that outgrew its laid-out size (row versions kept while a long
+   transaction held the xmin horizon) is rewritten with VACUUM FULL, which blocks the schema's ring
+   pushes and pops while it runs (under a second for a 500 MB table here); not while a transaction
+   older than ``min(horizon_min_age_s, 10)`` seconds still holds the horizon. Skipped on SQL Server.
+6. ``rebuild_indexes``: REINDEX INDEX CONCURRENTLY of bloated B-tree indexes; INVALID leftovers of a
    failed rebuild are dropped. On SQL Server: ALTER INDEX ... REBUILD WITH (ONLINE = ON) of bloated or
    fragmented indexes where the engine edition allows it, REORGANIZE otherwise, decided at run time;
    the result names the mode and the edition.
-6. ``metrics``: depth by state, oldest ready age, rates, table sizes and index bloat, sent as gauges
+7. ``metrics``: depth by state, oldest ready age, rates, table sizes and index bloat, sent as gauges
    through Airflow's metrics (``dbqueue.queue.ready`` tagged with schema and queue, ...) and
    returned. It runs even when an earlier step failed.
 
@@ -90,6 +94,8 @@ with DAG(
         "reindex_fragmentation_pct": _optional(
             "number", "SQL Server: also rebuild indexes this many percent fragmented (30)"
         ),
+        "compact_rings": _optional("boolean", "rewrite ring tables that outgrew their laid-out size (true)"),
+        "compact_bloat_ratio": _optional("number", "... when this many times that size (1.5)"),
         "lock_wait_s": _optional("number", "wait this long for another run's lock, then skip (0)"),
         "horizon_min_age_s": _optional(
             "number", "warn of transactions open longer than this, and rebuild no index while one is (300)"
@@ -148,6 +154,26 @@ with DAG(
         return out
 
     @task
+    def compact_rings() -> dict[str, Any]:
+        """Rewrite ring tables that outgrew their laid-out size (PostgreSQL: VACUUM FULL, short)."""
+        conn_id, schema, cfg = settings()
+        if not cfg.compact_rings:
+            return {"skipped": "compact_rings is off", "actions": []}
+        with hook(conn_id, schema) as h:
+            out = h.compact_rings(
+                bloat_ratio=cfg.compact_bloat_ratio,
+                min_bloat_bytes=cfg.compact_min_bytes,
+                lock_timeout_s=cfg.compact_lock_timeout_s,
+                lock_wait_s=cfg.lock_wait_s,
+                horizon_min_age_s=min(cfg.horizon_min_age_s, 10.0),
+            )
+        if out.get("skipped"):
+            log.warning("Ring compaction skipped: %s", out["skipped"])
+        for action in out.get("actions", []):
+            (log.info if action["ok"] else log.warning)("Ring table %s: %s", action["table"], action)
+        return out
+
+    @task
     def rebuild_indexes() -> dict[str, Any]:
         """Rebuild bloated indexes online; drop INVALID leftovers of failed rebuilds (PostgreSQL)."""
         conn_id, schema, cfg = settings()
@@ -176,4 +202,4 @@ with DAG(
             queues = list(cfg.queues) if cfg.queues else None
             return h.queue_metrics(queues, rate_window_s=cfg.rate_window_s)
 
-    check_horizon() >> upkeep() >> archive() >> vacuum() >> rebuild_indexes() >> metrics()
+    check_horizon() >> upkeep() >> archive() >> vacuum() >> compact_rings() >> rebuild_indexes() >> metrics()

@@ -112,6 +112,8 @@ _LEFTOVER = re.compile(r"_cc(new|old)\d*$")
 """Suffixes PostgreSQL gives the indexes of a REINDEX CONCURRENTLY in progress (or one that failed)."""
 MiB = 1024 * 1024
 REBUILD_WAITS_FOR = ("transaction", "prepared transaction", "snapshot transaction")
+RING_TABLES = ("ring_slots", "ring_lanes", "ring_leases", "ring_retry")
+"""The tables :meth:`Maintenance.compact_rings` rewrites when they outgrew their size."""
 """The kinds of :class:`XminHolder` an online index rebuild waits for (not a replication slot)."""
 
 
@@ -222,6 +224,19 @@ def expected_btree_bytes(entries: float, key_width: int, fillfactor: int, block_
     leaf = max(1, math.ceil(max(0.0, entries) * tuple_bytes / usable))
     inner = math.ceil(leaf * tuple_bytes / usable) if leaf > 1 else 0
     return (1 + leaf + inner) * block_size
+
+
+def ring_slots_laid_out_bytes(capacity: int, slot_bytes: int, block_size: int = 8192) -> int:
+    """The heap size ``ring_create`` lays a PostgreSQL ring's slots out in.
+
+    It writes every slot with a filler of ``5/4 slot_bytes`` at fillfactor 50 and then empties it, so
+    a page holds as many slots as fit that filler row (24 bytes of tuple header, 20 of columns, the
+    filler; 8-byte aligned; a 4-byte line pointer each) in the half page the fillfactor leaves, plus
+    the one placed when the page crosses it. Checked against the size of rings made by create_queue.
+    """
+    row = -(-(24 + 20 + slot_bytes * 5 // 4) // 8) * 8
+    per_page = max(1, (block_size - 24 - 4 - block_size // 2 - row) // (row + 4) + 1)
+    return -(-capacity // per_page) * block_size
 
 
 def mssql_expected_bytes(
@@ -346,6 +361,12 @@ class MaintenanceConfig:
     :param reindex_fragmentation_pct: SQL Server only: also rebuild an index of at least
         ``reindex_min_bytes`` whose leaf level is at least this many percent fragmented.
     :param reindex_timeout_s: statement and lock timeout of one REINDEX or DROP INDEX CONCURRENTLY.
+    :param compact_rings: rewrite ring tables that outgrew their laid-out size (PostgreSQL,
+        :meth:`Maintenance.compact_rings`).
+    :param compact_bloat_ratio: ... when at least this many times that size,
+    :param compact_min_bytes: ... and at least this many bytes above it.
+    :param compact_lock_timeout_s: the most a rewrite waits for its exclusive lock (pushes and pops
+        queue behind it meanwhile).
     :param lock_wait_s: how long to wait for another run's lock before skipping.
     :param horizon_min_age_s: report transactions (and prepared ones) older than this holding the xmin.
     :param horizon_min_xid_age: report replication slots holding an xmin older than this many transactions.
@@ -365,6 +386,10 @@ class MaintenanceConfig:
     reindex_min_bytes: int = MiB
     reindex_fragmentation_pct: float = 30.0
     reindex_timeout_s: float = 600.0
+    compact_rings: bool = True
+    compact_bloat_ratio: float = 1.5
+    compact_min_bytes: int = 8 * MiB
+    compact_lock_timeout_s: float = 2.0
     lock_wait_s: float = 0.0
     horizon_min_age_s: float = 300.0
     horizon_min_xid_age: int = 1_000_000
@@ -380,6 +405,16 @@ class MaintenanceConfig:
             check_seconds("maintenance archive_retention_s (or None)", self.archive_retention_s)
         check_seconds("maintenance reindex_timeout_s", self.reindex_timeout_s, positive=True)
         check_seconds("maintenance rate_window_s", self.rate_window_s, positive=True)
+        check_seconds("maintenance compact_lock_timeout_s", self.compact_lock_timeout_s, positive=True)
+        if (
+            not math.isfinite(self.compact_bloat_ratio)
+            or self.compact_bloat_ratio < 1
+            or self.compact_min_bytes < 0
+        ):
+            raise ConfigurationError(
+                "need a finite compact_bloat_ratio >= 1 and compact_min_bytes >= 0, got "
+                f"{self.compact_bloat_ratio} and {self.compact_min_bytes}"
+            )
         if not math.isfinite(self.reindex_bloat_ratio):
             raise ConfigurationError(
                 f"reindex_bloat_ratio must be a finite number, got {self.reindex_bloat_ratio}"
@@ -1224,6 +1259,170 @@ class Maintenance:
             return f"{what} gave up waiting for a lock after {timeout_s:g}s"
         return f"{what} failed: {exc}"
 
+    # -- ring tables ---------------------------------------------------------------------------------
+
+    def compact_rings(
+        self,
+        *,
+        bloat_ratio: float = 1.5,
+        min_bloat_bytes: int = 8 * MiB,
+        lock_timeout_s: float = 2.0,
+        timeout_s: float = 600.0,
+        lock_wait_s: float = 0.0,
+        horizon_min_age_s: float = 10.0,
+        only: Sequence[str] | None = None,
+    ) -> dict[str, Any]:
+        """Rewrite the ring's tables that outgrew their size back to it (PostgreSQL): ``VACUUM FULL``.
+
+        A ring's slots are overwritten in place (HOT updates into the room each page keeps), so the
+        table keeps the size ``ring_create`` laid it out in (:func:`ring_slots_laid_out_bytes`) as long
+        as VACUUM can remove old row versions. While a transaction holds back the xmin horizon it
+        cannot; new versions then go to new pages, and the table stays that size after the horizon
+        moves on (VACUUM frees the pages for reuse, it does not give them back). This step rewrites
+        ``ring_slots`` when it is at least ``bloat_ratio`` times its laid-out size and
+        ``min_bloat_bytes`` above it; and ``ring_lanes``, ``ring_leases`` and ``ring_retry`` on the same
+        rule against their live rows at their fillfactor. The rewrite packs the slots as they are
+        (the slots of smaller payloads share pages); pushes of larger payloads then grow it a little.
+
+        ``VACUUM FULL`` holds an ACCESS EXCLUSIVE lock for its whole run: every push and pop of every
+        ring of the schema waits for it (a pop that waits past its 1 s lock timeout returns nothing).
+        It waits at most ``lock_timeout_s`` for the lock (queued behind it, pushes and pops wait
+        too), then gives up and the next run tries again; ``timeout_s`` bounds the rewrite. It is not
+        run while a transaction open longer than ``horizon_min_age_s`` holds the horizon: the rewrite
+        would keep every row version that transaction may still see (:meth:`xmin_holders`).
+
+        :param only: rewrite exactly these tables (of :data:`RING_TABLES`), grown or not.
+        :return: ``{"actions": [{"table", "action", "ok", "seconds", "bytes_before", "bytes_after",
+            "expected_bytes", "reason", "error"}]}``, or ``{"skipped": ...}``.
+        """
+        if not math.isfinite(bloat_ratio) or bloat_ratio < 1 or min_bloat_bytes < 0:
+            raise ConfigurationError(
+                "need a finite bloat_ratio >= 1 and min_bloat_bytes >= 0, "
+                f"got {bloat_ratio} and {min_bloat_bytes}"
+            )
+        check_seconds("lock_timeout_s", lock_timeout_s, positive=True)
+        check_seconds("timeout_s", timeout_s, positive=True)
+        check_seconds("horizon_min_age_s", horizon_min_age_s)
+        wanted = tuple(only) if only is not None else None
+        unknown = sorted(set(wanted or ()) - set(RING_TABLES))
+        if unknown:
+            raise ConfigurationError(f"{unknown} are not ring tables; choose from {RING_TABLES}")
+        if self._ms is not None:
+            return {
+                "skipped": "SQL Server keeps no old row versions in a table (they go to tempdb's version "
+                "store), so a held transaction does not grow the ring's tables; rebuild_indexes rebuilds "
+                "their clustered indexes when they are fragmented"
+            }
+        with self.lock(lock_wait_s) as got:
+            if not got:
+                return {"skipped": self._skip_reason, "actions": []}
+            conn = self._conn()
+            laid_out = sum(
+                ring_slots_laid_out_bytes(int(capacity), int(slot_bytes))
+                for _, capacity, slot_bytes in self._db.fetchall("ring_layouts", None, conn)
+            )
+            actions: list[dict[str, Any]] = []
+            for table, size, fillfactor, live in self._db.fetchall(
+                "ring_tables_size", {"schema": self.schema}, conn
+            ):
+                if wanted is not None and table not in wanted:
+                    continue
+                expected = laid_out if live is None else -(-int(live) * 100 // int(fillfactor))
+                expected = max(expected, 8192)
+                estimate = f"{size} bytes for about {expected} expected"
+                if wanted is not None:
+                    reason = f"asked for ({estimate})"
+                elif size < bloat_ratio * expected or size - expected < min_bloat_bytes:
+                    continue
+                else:
+                    reason = f"{estimate} (x{size / expected:.1f})"
+                actions.append(
+                    self._compact(
+                        table=table,
+                        size=int(size),
+                        expected=expected,
+                        reason=reason,
+                        lock_s=lock_timeout_s,
+                        timeout_s=timeout_s,
+                        horizon_s=horizon_min_age_s,
+                    )
+                )
+        return {"actions": actions}
+
+    def _compact(
+        self,
+        *,
+        table: str,
+        size: int,
+        expected: int,
+        reason: str,
+        lock_s: float,
+        timeout_s: float,
+        horizon_s: float,
+    ) -> dict[str, Any]:
+        what = f"VACUUM FULL {self.schema}.{table}"
+        action = {
+            "table": table,
+            "action": "compact",
+            "ok": False,
+            "seconds": 0.0,
+            "bytes_before": size,
+            "bytes_after": None,
+            "expected_bytes": expected,
+            "reason": reason,
+            "error": None,
+        }
+        holders = [h for h in self.xmin_holders(min_age_s=horizon_s) if h.kind in REBUILD_WAITS_FOR]
+        if holders:
+            named = "; ".join(h.describe() for h in holders[:3]) + (" ..." if len(holders) > 3 else "")
+            action["action"] = "skip"
+            action["error"] = (
+                f"{what} not run: {len(holders)} transaction(s) open longer than {horizon_s:g}s hold the "
+                f"xmin horizon, and the rewrite would keep every row version they may see ({named}); "
+                "the next run tries again"
+            )
+            log.warning("dbqueue: %s", action["error"])
+            return action
+        conn = self._conn()
+        log.info("dbqueue: %s (%s)", what, reason)
+        t0 = time.monotonic()
+        try:
+            self._db.fetchone(
+                "set_timeouts", {"statement_ms": _ms(timeout_s), "lock_ms": _ms(lock_s), "local": False}, conn
+            )
+            try:
+                self._db.execute("vacuum_full_table", None, conn, identifiers={"table": table})
+            finally:
+                self._db.fetchall("reset_timeouts", None, conn)
+        except DbQueueError as exc:
+            import psycopg.errors
+
+            cause = exc.__cause__
+            if isinstance(cause, psycopg.errors.LockNotAvailable):
+                action["error"] = f"{what} gave up waiting {lock_s:g}s for its lock; the next run tries again"
+            elif isinstance(cause, psycopg.errors.QueryCanceled):
+                action["error"] = (
+                    f"{what} was cancelled (statement timeout of {timeout_s:g}s, or pg_cancel_backend)"
+                )
+            else:
+                action["error"] = f"{what} failed: {exc}"
+            log.warning("dbqueue: %s", action["error"])
+            action["seconds"] = round(time.monotonic() - t0, 3)
+            return action
+        action["seconds"] = round(time.monotonic() - t0, 3)
+        row = self._db.fetchone("relation_size", {"schema": self.schema, "table": table}, conn)
+        action["bytes_after"] = None if row is None else int(row[0])
+        action["ok"] = True
+        log.info(
+            "dbqueue: compacted %s.%s in %ss: %s -> %s bytes",
+            self.schema,
+            table,
+            action["seconds"],
+            size,
+            action["bytes_after"],
+        )
+        return action
+
     # -- metrics -------------------------------------------------------------------------------------
 
     def table_health(self) -> list[dict[str, Any]]:
@@ -1312,12 +1511,14 @@ class Maintenance:
         """Run every step under one hold of the lock; return a JSON-safe report of each.
 
         Order: the xmin-horizon check, each queue's upkeep (lease reclaim; ring gaps), archiving,
-        archive retention, VACUUM (ANALYZE), index rebuilds, metrics. When another run holds the
+        archive retention, VACUUM (ANALYZE), ring compaction (not while a transaction older than
+        ``min(horizon_min_age_s, 10)`` holds the horizon), index rebuilds, metrics. When another run holds the
         lock past ``lock_wait_s``, only the metrics are collected and ``skipped`` says why.
 
         A queue dropped while the run goes on is no failure: its steps are skipped, and ``notes`` says
         so (as does a queue named in ``queues`` that does not exist). ``incomplete`` lists the steps
-        that did not do their work: index rebuilds that failed (a timeout, a cancel) or were not run
+        that did not do their work (``step``, ``object``, ``action``, ``why``): ring compactions that
+        gave up or were not run, index rebuilds that failed (a timeout, a cancel) or were not run
         because transactions older than ``horizon_min_age_s`` would have held them up. ``dbqueue
         maintain`` exits with status 1 when it is not empty.
         """
@@ -1356,6 +1557,13 @@ class Maintenance:
                     ).as_dict()
                 if cfg.vacuum:
                     report["vacuum"] = self.vacuum()
+                if cfg.compact_rings:
+                    report["compact"] = self.compact_rings(
+                        bloat_ratio=cfg.compact_bloat_ratio,
+                        min_bloat_bytes=cfg.compact_min_bytes,
+                        lock_timeout_s=cfg.compact_lock_timeout_s,
+                        horizon_min_age_s=min(cfg.horizon_min_age_s, 10.0),
+                    )
                 if cfg.reindex:
                     report["indexes"] = self.rebuild_indexes(
                         bloat_ratio=cfg.reindex_bloat_ratio,
@@ -1374,7 +1582,11 @@ class Maintenance:
         notes += report["metrics"]["notes"]
         report["notes"] = list(dict.fromkeys(notes))
         report["incomplete"] = [
-            {"step": "indexes", "index": a["index"], "action": a["action"], "why": a["error"] or a["reason"]}
+            {"step": "compact", "object": a["table"], "action": a["action"], "why": a["error"]}
+            for a in report.get("compact", {}).get("actions", [])
+            if not a["ok"]
+        ] + [
+            {"step": "indexes", "object": a["index"], "action": a["action"], "why": a["error"] or a["reason"]}
             for a in report.get("indexes", {}).get("actions", [])
             if not a["ok"]
         ]
@@ -1383,7 +1595,7 @@ class Maintenance:
                 "dbqueue maintenance of schema %r: %d step(s) did not complete: %s",
                 self.schema,
                 len(report["incomplete"]),
-                "; ".join(f"{i['action']} {i['index']}: {i['why']}" for i in report["incomplete"]),
+                "; ".join(f"{i['action']} {i['object']}: {i['why']}" for i in report["incomplete"]),
             )
         report["seconds"] = round(time.monotonic() - started, 3)
         return report

@@ -636,6 +636,25 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
         """
         return self.maintenance().vacuum(lock_wait_s=lock_wait_s)
 
+    def compact_rings(
+        self,
+        *,
+        bloat_ratio: float = 1.5,
+        min_bloat_bytes: int = 8 * 1024 * 1024,
+        lock_timeout_s: float = 2.0,
+        lock_wait_s: float = 0.0,
+        horizon_min_age_s: float = 10.0,
+    ) -> dict[str, Any]:
+        """Rewrite ring tables that outgrew their laid-out size; see :meth:`Maintenance.compact_rings`
+        (PostgreSQL; skipped on SQL Server, whose tables keep no old row versions)."""
+        return self.maintenance().compact_rings(
+            bloat_ratio=bloat_ratio,
+            min_bloat_bytes=min_bloat_bytes,
+            lock_timeout_s=lock_timeout_s,
+            lock_wait_s=lock_wait_s,
+            horizon_min_age_s=horizon_min_age_s,
+        )
+
     def rebuild_indexes(
         self,
         *,

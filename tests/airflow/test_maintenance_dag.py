@@ -61,6 +61,7 @@ def test_maintenance_dag(airflow_env: dict[str, str], pg_dsn: str, dbq: DbQueue)
         "queues": {"orders": {"reclaimed": 50, "batches_purged": 0}}
     }
     assert "meta" in xcom(airflow_env, DAG_ID, "vacuum")["tables"]
+    assert xcom(airflow_env, DAG_ID, "compact_rings") == {"actions": []}  # no ring table grew
     assert all(a["ok"] for a in xcom(airflow_env, DAG_ID, "rebuild_indexes")["actions"])
     assert xcom(airflow_env, DAG_ID, "check_horizon") == {"xmin_holders": []}
 

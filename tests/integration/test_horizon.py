@@ -50,7 +50,7 @@ def test_a_run_rebuilds_no_index_behind_a_held_horizon(dbq: DbQueue, pg_dsn: str
     actions = report["indexes"]["actions"]
     assert actions and all(a["action"] == "skip" and not a["ok"] for a in actions), actions
     assert all(f"pid {pid}" in a["error"] and "report-job" in a["error"] for a in actions)
-    assert [i["index"] for i in report["incomplete"]] == [a["index"] for a in actions]
+    assert [i["object"] for i in report["incomplete"]] == [a["index"] for a in actions]
     assert report["archive"]["rows"] == 200  # the other steps did their work
     after = dbq.maintain(config)  # the transaction ended: the rebuilds run
     assert after["incomplete"] == [] and after["indexes"]["actions"]

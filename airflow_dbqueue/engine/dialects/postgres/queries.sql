@@ -510,6 +510,34 @@ VACUUM (ANALYZE, SKIP_LOCKED) {schema}.{table}
 -- name: analyze_table
 ANALYZE (SKIP_LOCKED) {schema}.{table}
 
+-- name: vacuum_full_table
+-- A rewrite of the table into new files holding only its live rows, under an ACCESS EXCLUSIVE lock
+-- for its whole run (Maintenance.compact_rings).
+VACUUM (FULL, ANALYZE) {schema}.{table}
+
+-- name: relation_size
+SELECT pg_relation_size(c.oid) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE n.nspname = %(schema)s AND c.relname = %(table)s
+
+-- name: ring_layouts
+-- Each ring's capacity and the payload size its slots were laid out for (its queue's max_payload_bytes).
+SELECT r.queue_id, r.capacity, q.max_payload_bytes
+FROM {schema}.rings r JOIN {schema}.queues q ON q.queue_id = r.queue_id
+
+-- name: ring_tables_size
+-- The heap size, fillfactor and live bytes (each live row's size plus its page line pointer and header
+-- overhead) of the ring's tables.
+SELECT t.name, pg_relation_size(c.oid),
+       coalesce((SELECT substring(o from 'fillfactor=([0-9]+)')::integer FROM unnest(c.reloptions) AS o
+                 WHERE o LIKE 'fillfactor=%%'), 100),
+       t.live
+FROM (SELECT 'ring_slots' AS name, NULL::bigint AS live
+      UNION ALL SELECT 'ring_lanes', (SELECT coalesce(sum(pg_column_size(x.*) + 28), 0) FROM {schema}.ring_lanes x)
+      UNION ALL SELECT 'ring_leases', (SELECT coalesce(sum(pg_column_size(x.*) + 28), 0) FROM {schema}.ring_leases x)
+      UNION ALL SELECT 'ring_retry', (SELECT coalesce(sum(pg_column_size(x.*) + 28), 0) FROM {schema}.ring_retry x)) t
+JOIN pg_class c ON c.relname = t.name AND c.relkind = 'r'
+JOIN pg_namespace n ON n.oid = c.relnamespace AND n.nspname = %(schema)s
+
 -- name: reindex_concurrently
 REINDEX INDEX CONCURRENTLY {schema}.{index}
 
