@@ -1319,11 +1319,11 @@ class Maintenance:
             conn = self._conn()
             laid_out = sum(
                 ring_slots_laid_out_bytes(int(capacity), int(slot_bytes))
-                for _, capacity, slot_bytes in self._db.fetchall("ring_layouts", None, conn)
+                for _, capacity, slot_bytes in self._db.fetchall("compact_ring_layouts", None, conn)
             )
             actions: list[dict[str, Any]] = []
             for table, size, fillfactor, live in self._db.fetchall(
-                "ring_tables_size", {"schema": self.schema}, conn
+                "compact_ring_tables", {"schema": self.schema}, conn
             ):
                 if wanted is not None and table not in wanted:
                     continue
@@ -1410,7 +1410,7 @@ class Maintenance:
             action["seconds"] = round(time.monotonic() - t0, 3)
             return action
         action["seconds"] = round(time.monotonic() - t0, 3)
-        row = self._db.fetchone("relation_size", {"schema": self.schema, "table": table}, conn)
+        row = self._db.fetchone("compact_relation_size", {"schema": self.schema, "table": table}, conn)
         action["bytes_after"] = None if row is None else int(row[0])
         action["ok"] = True
         log.info(

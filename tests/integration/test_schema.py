@@ -472,6 +472,7 @@ def test_only_utility_statements_take_identifier_placeholders() -> None:
         "drop_owned_sequence",
         "drop_owned_table",
         "reindex_concurrently",
+        "vacuum_full_table",
         "vacuum_table",
     ]
 

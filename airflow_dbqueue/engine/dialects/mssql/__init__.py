@@ -1,5 +1,5 @@
 """The SQL Server dialect (pyodbc)."""
 
-from airflow_dbqueue.engine.dialects.mssql.dialect import NOT_YET_PORTED, MssqlDatabase
+from airflow_dbqueue.engine.dialects.mssql.dialect import NOT_YET_PORTED, POSTGRES_ONLY, MssqlDatabase
 
-__all__ = ["NOT_YET_PORTED", "MssqlDatabase"]
+__all__ = ["NOT_YET_PORTED", "POSTGRES_ONLY", "MssqlDatabase"]

@@ -515,16 +515,16 @@ ANALYZE (SKIP_LOCKED) {schema}.{table}
 -- for its whole run (Maintenance.compact_rings).
 VACUUM (FULL, ANALYZE) {schema}.{table}
 
--- name: relation_size
+-- name: compact_relation_size
 SELECT pg_relation_size(c.oid) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE n.nspname = %(schema)s AND c.relname = %(table)s
 
--- name: ring_layouts
+-- name: compact_ring_layouts
 -- Each ring's capacity and the payload size its slots were laid out for (its queue's max_payload_bytes).
 SELECT r.queue_id, r.capacity, q.max_payload_bytes
 FROM {schema}.rings r JOIN {schema}.queues q ON q.queue_id = r.queue_id
 
--- name: ring_tables_size
+-- name: compact_ring_tables
 -- The heap size, fillfactor and live bytes (each live row's size plus its page line pointer and header
 -- overhead) of the ring's tables.
 SELECT t.name, pg_relation_size(c.oid),
