@@ -85,7 +85,7 @@ def take_number(holder: Any, dbq: DbQueue, q: Queue) -> None:
     if dbq.dialect == "mssql":
         holder.cursor().execute(
             f"SET NOCOUNT ON; DECLARE @seq nvarchar(300), @v sql_variant;"
-            f" UPDATE [{dbq.schema}].ring_lanes SET pushes = pushes + 1 WHERE queue_id = ? AND lane = 0;"
+            f" UPDATE [{dbq.schema}].ring_push_lanes SET pushes = pushes + 1 WHERE queue_id = ? AND lane = 0;"
             f" SELECT @seq = push_seq FROM [{dbq.schema}].rings WHERE queue_id = ?;"
             " EXEC sys.sp_sequence_get_range @sequence_name = @seq, @range_size = 1,"
             " @range_first_value = @v OUTPUT;",
@@ -432,36 +432,44 @@ def test_the_gap_timeout_skips_nothing_behind_a_head_written_by_a_live_transacti
     assert (st.ready, st.extra["gaps_skipped"], st.extra["pop_position"]) == (0, 2, 5), st
 
 
-def test_a_pop_lists_holders_only_for_a_gap_that_stays(dbq: DbQueue) -> None:
-    """pg_locks is read only when the same unwritten head is seen twice, never for a caught-up ring."""
+def test_a_pop_lists_holders_only_for_a_gap_that_stays(dbq: DbQueue, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pg_locks is read only when the same unwritten head is seen twice, never for a caught-up ring:
+    the engine's own pops, with the gap each ring_pop was given and the (gap, issued position,
+    holders) it reported recorded on the way."""
     postgres_only(dbq, "the holders come from PostgreSQL's pg_locks")
     q = ring(dbq, "holders", 8)
     q.push_batch(["a", "b"])
+    calls: list[tuple[Any, ...]] = []
+    fetchall = dbq.db.fetchall
 
-    taken: list[tuple[int, str]] = []
+    def spy(name: str, params: Any = None, conn: Any = None, **kw: Any) -> Any:
+        rows = fetchall(name, params, conn, **kw)
+        if name == "ring_pop":
+            meta = rows[-1]
+            calls.append((params["gap"], meta[6], meta[7], meta[8] is not None))
+        return rows
 
-    def meta(gap: int | None) -> tuple[Any, ...]:
-        """The last row of a ring_pop of up to 10 (gap, issued position, holders), after passing back
-        ``gap`` as seen once (no holders listed yet)."""
-        params = {
-            "queue_id": q.settings.queue_id, "capacity": 8, "lanes": q.settings.lanes, "n": 10,
-            "lease": False, "visibility_timeout_s": 30.0, "consumer": "t", "own": False, "gap": gap,
-            "gap_issued": None, "gap_snap": None, "force": False,
-        }  # fmt: skip
-        rows = dbq.db.fetchall("ring_pop", params)
-        taken.extend((int(r[0]), q.settings.decode(r[5])) for r in rows[:-1])
-        return rows[-1]
-
-    assert meta(None)[6:] == (None, 2, None)  # both taken, nothing unfinished: no list
-    assert taken == [(1, "a"), (2, "b")], "each pushed message came back once, with its payload"
-    assert meta(7)[6:] == (None, 2, None)  # a gap the caller saw is gone: no list either
+    monkeypatch.setattr(dbq.db, "fetchall", spy)
+    got = [(m.id, m.payload) for m in q.pop(10)]
+    assert got == [(1, "a"), (2, "b")], "each pushed message came back once, with its payload"
+    assert q.pop(10) == []
+    assert calls and set(calls) == {(None, None, 2, False)}, "caught up: no gap, no list"
     with holder_connection(dbq) as holder:
         take_number(holder, dbq, q)  # number 3, alive and unwritten
-        assert meta(None)[6:] == (3, 3, None)  # first sighting: no list yet
-        listed = meta(3)
-        assert listed[6:8] == (3, 3) and listed[8] is not None  # it stays: the holders are listed
+        calls.clear()
+        assert q.pop(10) == []
+        # First sighting: no list. Passed back: the holders are listed; they stay, so the pop ends.
+        assert calls == [(None, 3, 3, False), (3, 3, 3, True), (3, 3, 3, True)], calls
+        calls.clear()
+        assert q.pop(10) == []
+        assert calls == [(3, 3, 3, True)], "seen again: listed again, nothing given up"
         holder.rollback()
-    assert taken == [(1, "a"), (2, "b")], "nothing more was taken"
+    calls.clear()
+    assert q.pop(10) == []
+    assert calls == [(3, None, 3, False)], "the holder gone: 3 given up at once, and no gap left"
+    assert q.stats().extra["gaps_skipped"] == 1
+    q.push_batch(["c"])
+    assert [(m.id, m.payload) for m in q.pop(10)] == [(4, "c")], "nothing more was taken"
 
 
 def test_a_late_push_of_a_skipped_number_is_pushed_again_whole(dbq: DbQueue) -> None:
