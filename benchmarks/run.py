@@ -221,7 +221,7 @@ def naive_statements(schema: str) -> tuple[sql.Composed, sql.Composed]:
 
 
 class NaiveBackend:
-    """The naive baseline (seed 004's hasql-queue): one table, INSERT to push, DELETE to pop.
+    """The naive baseline (as in hasql-queue): one table, INSERT to push, DELETE to pop.
 
     At-most-once pops are autocommit DELETE ... RETURNING. At-least-once pops run the same DELETE in
     a transaction that commits after the consumer has recorded the messages: the commit is the ack,

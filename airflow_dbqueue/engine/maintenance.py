@@ -1,4 +1,5 @@
-"""Maintenance of a queue schema, around the clock and without a maintenance window (seed 002).
+"""Maintenance of a queue schema, around the clock and without a maintenance window (as Al Zabir's
+"Building High Performance Queue in Database" asks of a queue of orders and tasks).
 
 Queue tables die of bloat: every message leaves dead rows and dead index entries behind, and a
 queue's indexes see inserts at one end and deletes at the other. :class:`Maintenance` keeps a

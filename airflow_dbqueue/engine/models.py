@@ -13,7 +13,7 @@ from airflow_dbqueue.engine.errors import ConfigurationError, PayloadTooLargeErr
 
 
 class Semantics(enum.StrEnum):
-    """Delivery semantics of a pop (seed 004's three)."""
+    """Delivery semantics of a pop (the three of hasql-queue)."""
 
     AT_MOST_ONCE = "at-most-once"
     """Popped means gone: the message is finished by the pop itself and never redelivered."""
@@ -38,9 +38,9 @@ class Design(enum.StrEnum):
     """How a queue is stored."""
 
     TABLE = "table"
-    """Unbounded meta/data tables (seeds 002/004)."""
+    """Unbounded meta/data tables (after Al Zabir's meta/data queue)."""
     RING = "ring"
-    """Preallocated ring buffer of slots (seeds 000/001)."""
+    """Preallocated ring buffer of slots (after Kejser's ring buffer in a table)."""
 
 
 class PayloadType(enum.StrEnum):

@@ -146,7 +146,7 @@ class Queue(abc.ABC):
         deadline = time.monotonic() + wait
         poll = max(0.01, poll_interval)
         if not self._db.supports_notify:
-            # No wake-ups on this database (SQL Server): seed 000's advice, a short spin, then
+            # No wake-ups on this database (SQL Server): Kejser's advice for a table queue, a short spin, then
             # sleeps that grow up to poll_interval.
             for pause in poll_pauses(poll):
                 left = deadline - time.monotonic()

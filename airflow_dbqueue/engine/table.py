@@ -1,4 +1,5 @@
-"""The table design (seeds 002 and 004): an unbounded queue of meta rows with payloads apart.
+"""The table design (after Al Zabir's meta/data queue and hasql-queue): an unbounded queue of meta
+rows with payloads apart.
 
 Each operation is one named statement of the dialect; a batch is one round trip.
 """

@@ -1,7 +1,7 @@
 """The ring design's own behaviour: a full ring pushing back, gaps, late pushes, dead holders, no growth.
 
 The conformance suite covers what the ring shares with the table design; these tests cover the
-boundary conditions of seed 001. Every test counts and checksums what went in and came out.
+boundary conditions of a ring buffer in a table. Every test counts and checksums what went in and came out.
 
 Each test runs on PostgreSQL, and on SQL Server when ``$DBQUEUE_TEST_MSSQL_DSN`` names one (skipped
 otherwise). The helpers that look at slots or hold a number speak each dialect; the tests that measure

@@ -196,7 +196,7 @@ SELECT id FROM @input ORDER BY ord
 
 -- name: pop_lease
 -- at-least-once: claim up to n ready messages and lease them. The CTE takes the head of the ready index
--- with ROWLOCK, READPAST, UPDLOCK (rows other consumers hold are skipped, never waited for: seed 002),
+-- with ROWLOCK, READPAST, UPDLOCK (rows other consumers hold are skipped, never waited for, as in Al Zabir's queue),
 -- and the UPDATE through it claims exactly those rows. Payloads are read after the claim, by id.
 SET NOCOUNT ON;
 DECLARE @now datetime2(6) = SYSUTCDATETIME();

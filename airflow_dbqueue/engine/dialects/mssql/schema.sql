@@ -45,10 +45,11 @@ CREATE TABLE {schema}.queues (
         AND retry_backoff_s >= 0 AND retry_backoff_max_s >= retry_backoff_s)
 );
 
--- Seed 001: a sequence with a large cache hands out ids without a hot row.
+-- A sequence with a large cache hands out ids without a hot row (Kejser, "Implementing Message Queues
+-- in Relational Databases").
 CREATE SEQUENCE {schema}.message_id_seq AS bigint START WITH 1 INCREMENT BY 1 CACHE 1000;
 
--- The table design's meta table (seed 002's QueueMeta): small rows without LOB columns, the only table
+-- The table design's meta table (QueueMeta in Al Zabir's "Building High Performance Queue in Database"): small rows without LOB columns, the only table
 -- the dequeue path searches, so its indexes can be rebuilt online. States and counters as on PostgreSQL:
 -- state 0 ready (or delayed, by process_at), 1 leased, 2 failed; deliveries never resets. Times are UTC.
 CREATE TABLE {schema}.meta (
@@ -75,7 +76,7 @@ CREATE INDEX meta_leased_idx ON {schema}.meta (queue_id, lease_until) WHERE stat
 -- Failed-message admin.
 CREATE INDEX meta_failed_idx ON {schema}.meta (queue_id, id) WHERE state = 2;
 
--- Payloads (seed 002's QueueData), apart from the dequeue path; read only after a claim.
+-- Payloads (Al Zabir's QueueData), apart from the dequeue path; read only after a claim.
 CREATE TABLE {schema}.data (
     id bigint NOT NULL,
     payload varbinary(max) NOT NULL,
@@ -137,7 +138,7 @@ CREATE TABLE {schema}.batch_items (
 );
 
 -- name: v2_ring_tables
--- The ring design (seeds 000/001) on SQL Server: a preallocated table of slots per ring, UPDATE only.
+-- The ring design (after Kejser's ring buffer in a table) on SQL Server: a preallocated table of slots per ring, UPDATE only.
 -- Number x of a ring lives in slot x % capacity; a push of x may only overwrite a slot whose previous
 -- occupant x - capacity is finished. Numbers come from a sequence per ring with CACHE (ring_<id>_seq),
 -- a batch's n contiguous numbers from one sp_sequence_get_range call. gap_seq counts numbers given up

@@ -1,4 +1,4 @@
--- Migration 4: storage settings for continuous maintenance (seed 002: no maintenance window).
+-- Migration 4: storage settings for continuous maintenance (no maintenance window, as in Al Zabir's queue for orders and tasks).
 -- meta and done are small and hot: their autovacuum runs unthrottled (cost delay 0), so it finishes
 -- before the next wave of dead rows. done now shrinks too (the archiver deletes from it), and archive
 -- takes a steady stream of inserts and, with an archive retention, of deletes: both get thresholds

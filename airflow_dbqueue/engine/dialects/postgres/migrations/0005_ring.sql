@@ -1,8 +1,8 @@
--- Migration 5: the ring design (seeds 000/001): rings, ring_slots, ring_failed and the ring's
+-- Migration 5: the ring design (after Kejser's ring buffer in a table): rings, ring_slots, ring_failed and the ring's
 -- server-side functions. Self-contained: it touches no table of the earlier versions.
 
 -- name: migrate
--- The ring design (seeds 000/001): a preallocated table of slots per ring, UPDATE only.
+-- The ring design (Kejser, "Implementing Message Queues in Relational Databases"): a preallocated table of slots per ring, UPDATE only.
 -- A ring's message ids are the numbers of its own push sequence; number x lives in slot x % capacity,
 -- and a push of x may only overwrite a slot whose previous occupant x - capacity is finished.
 -- gap_seq counts numbers given up as gaps (a push rolled back or died after taking them): a sequence,
