@@ -271,6 +271,11 @@ class Queue(abc.ABC):
         """:meth:`readiness` on the caller's async connection (for async observers such as triggers)."""
         raise NotImplementedError(f"{self.settings.design} queues do not support async observation yet")
 
+    @property
+    def channel(self) -> str:
+        """The name of this queue's NOTIFY channel: pushes notify it, :meth:`alisten` LISTENs on it."""
+        return self._db.channel(self.settings.queue_id)
+
     async def alisten(self, aconn: psycopg.AsyncConnection[Any]) -> None:
         """LISTEN on this queue's NOTIFY channel on the caller's async connection."""
         raise NotImplementedError(f"{self.settings.design} queues do not support async observation yet")
