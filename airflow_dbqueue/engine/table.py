@@ -368,8 +368,11 @@ class TableQueue(Queue):
         purged = len(self._db.fetchall("purge_batches", params))
         return {"reclaimed": self.reclaim_expired(limit), "batches_purged": purged}
 
-    def open_batches(self, limit: int = 100) -> list[Batch]:
-        rows = self._db.fetchall("open_batches", {"queue_id": self._qid, "limit": _check_batch_size(limit)})
+    def open_batches(self, limit: int = 100, *, consumer_prefix: str | None = None) -> list[Batch]:
+        rows = self._db.fetchall(
+            "open_batches",
+            {"queue_id": self._qid, "limit": _check_batch_size(limit), "consumer_prefix": consumer_prefix},
+        )
         return [self._batch(r) for r in rows]
 
     def batch_query(self, batch_id: str) -> str:

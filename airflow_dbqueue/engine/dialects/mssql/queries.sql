@@ -560,7 +560,9 @@ DELETE i FROM {schema}.batch_items i JOIN @gone g ON g.batch_id = i.batch_id;
 SELECT batch_id FROM @gone
 
 -- name: open_batches
--- Batches still claimed, oldest first (for operators of the platform and for cleanup).
+-- Batches still claimed, oldest first (for operators of the platform and for cleanup), of every
+-- consumer or of those whose consumer starts with consumer_prefix (a task's earlier tries; the length
+-- of the prefix with an x added, less one, counts trailing spaces, which LEN drops).
 SELECT TOP (%(limit)s) b.batch_id, b.state,
        N'[' + (SELECT STRING_AGG(CAST(i.id AS nvarchar(max)), N',') WITHIN GROUP (ORDER BY i.ord)
                FROM {schema}.batch_items i WHERE i.batch_id = b.batch_id) + N']' AS ids,
@@ -569,6 +571,8 @@ SELECT TOP (%(limit)s) b.batch_id, b.state,
        b.consumer, b.claimed_at, b.lease_until, b.finished_at, b.last_error
 FROM {schema}.batches b
 WHERE b.queue_id = %(queue_id)s AND b.state = 0
+  AND (%(consumer_prefix)s IS NULL
+       OR LEFT(b.consumer, LEN(%(consumer_prefix)s + N'x') - 1) = %(consumer_prefix)s)
 ORDER BY b.claimed_at
 
 -- name: batch_rows

@@ -441,10 +441,13 @@ WHERE b.ctid = ANY (ARRAY(
 RETURNING b.batch_id
 
 -- name: open_batches
--- Batches still claimed, oldest first (for operators of the platform and for cleanup).
+-- Batches still claimed, oldest first (for operators of the platform and for cleanup), of every
+-- consumer or of those whose consumer starts with consumer_prefix (a task's earlier tries).
 SELECT batch_id, state, ids, deliveries, consumer, claimed_at, lease_until, finished_at, last_error
 FROM {schema}.batches
 WHERE queue_id = %(queue_id)s AND state = 0
+  AND (%(consumer_prefix)s::text IS NULL
+       OR left(consumer, length(%(consumer_prefix)s::text)) = %(consumer_prefix)s::text)
 ORDER BY claimed_at
 LIMIT %(limit)s
 
