@@ -79,3 +79,94 @@ def test_timeout_kills_the_job_and_releases_the_batch(
     while sleepy_jobs_running() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert sleepy_jobs_running() == []  # the job was killed with the task
+
+
+def staging_jobs_running(batch_id: str) -> list[str]:
+    out = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if "staging_job.py" in line and batch_id in line]
+
+
+def drill_env(tmp_path: Path, pg_dsn: str, dbq: DbQueue) -> dict[str, str]:
+    """The staging directory and the results table of the drill DAGs (in the queue schema, dropped
+    with it); what they need in the environment."""
+    (tmp_path / "staging").mkdir()
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(
+            sql.SQL("CREATE TABLE {}.drill_results (id bigint PRIMARY KEY, batch_id text NOT NULL)").format(
+                sql.Identifier(dbq.schema)
+            )
+        )
+    return {"DBQUEUE_TEST_STAGING": str(tmp_path / "staging"), "DBQUEUE_TEST_SCHEMA": dbq.schema}
+
+
+def results(pg_dsn: str, schema: str) -> list[tuple[int, str, bytes]]:
+    """The drill's results with each message's payload: (id, batch id, payload)."""
+    with psycopg.connect(pg_dsn) as c:
+        return c.execute(
+            sql.SQL(
+                "SELECT r.id, r.batch_id, d.payload FROM {s}.drill_results r JOIN {s}.data d ON d.id = r.id"
+            ).format(s=sql.Identifier(schema))
+        ).fetchall()
+
+
+def test_a_try_finds_the_batch_a_killed_try_left_and_releases_it_at_once(
+    lifecycle_env: dict[str, str], pg_dsn: str, dbq: DbQueue, tmp_path: Path
+) -> None:
+    """What a try killed mid-batch leaves (its batch claimed with a 600 s lease, part of its staging,
+    its orphaned job still running and writing staging) is cleaned up by the next try of the task:
+    the orphan is stopped, the staging discarded and the batch released at once, and the try then
+    claims those messages with the rest. Every message is published exactly once, the queue is
+    drained, no batch is left open and no staging is left.
+
+    ``airflow dags test`` runs the task in its own process, which a test cannot SIGKILL without
+    ending the run, so an upstream task plays the killed try: it claims under the consumer name of an
+    earlier try of ``process`` and starts the orphan (see the DAG)."""
+    q = dbq.create_queue("jobs")
+    sent = [{"job": i, "blob": "y" * (i % 5)} for i in range(30)]
+    q.push_batch(sent)
+    env = drill_env(tmp_path, pg_dsn, dbq)
+    ok, out = dags_test(lifecycle_env, pg_dsn, dbq.schema, "dbqueue_test_spark_killed_try", **env)
+    assert ok, out[-5000:]
+    rows = batch_rows(pg_dsn, dbq.schema)
+    assert [(state, size) for state, size, _ in rows] == [(2, 10), (1, 30)], rows
+    error = rows[0][2]
+    assert error is not None and error.startswith("released by dbqueue_test_spark_killed_try.process.")
+    assert "try1: " in error and "try0 ended without acking or releasing it" in error, error
+    got = results(pg_dsn, dbq.schema)
+    assert len(got) == 30 and checksum(json.loads(bytes(p)) for _, _, p in got) == checksum(sent)
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 30)
+    assert q.open_batches() == []
+    assert list((tmp_path / "staging").iterdir()) == []  # the orphan's staging discarded, and not rewritten
+    assert staging_jobs_running(str(_first_batch(pg_dsn, dbq.schema))) == []  # the orphan was stopped
+
+
+def _first_batch(pg_dsn: str, schema: str) -> str:
+    with psycopg.connect(pg_dsn) as c:
+        query = sql.SQL("SELECT batch_id FROM {}.batches ORDER BY claimed_at LIMIT 1")
+        row = c.execute(query.format(sql.Identifier(schema))).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def test_a_try_does_not_end_green_while_a_batch_of_its_task_is_still_claimed(
+    lifecycle_env: dict[str, str], pg_dsn: str, dbq: DbQueue, tmp_path: Path
+) -> None:
+    """While the first try ran, an earlier try still running (a zombie) claimed a batch of the same
+    queue. The first try published its own batch, then found that one still claimed and failed, so
+    the run did not end green with it stranded; its retry released it and processed it. Every message
+    is published exactly once, and no batch is left open."""
+    q = dbq.create_queue("jobs")
+    sent = [{"job": i} for i in range(25)]
+    q.push_batch(sent)
+    env = drill_env(tmp_path, pg_dsn, dbq)
+    ok, out = dags_test(lifecycle_env, pg_dsn, dbq.schema, "dbqueue_test_spark_zombie_claims", **env)
+    assert ok, out[-5000:]
+    assert "are still claimed (an earlier try still running claimed them)" in out
+    rows = batch_rows(pg_dsn, dbq.schema)
+    assert [(state, size) for state, size, _ in rows] == [(1, 20), (2, 5), (1, 5)], rows
+    got = results(pg_dsn, dbq.schema)
+    assert len(got) == 25 and checksum(json.loads(bytes(p)) for _, _, p in got) == checksum(sent)
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 25)
+    assert q.open_batches() == [] and list((tmp_path / "staging").iterdir()) == []
