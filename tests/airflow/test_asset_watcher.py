@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sqlite3
 import subprocess
 import time
@@ -21,7 +20,15 @@ import psycopg
 import pytest
 
 from airflow_dbqueue.engine import DbQueue
-from tests.airflow.conftest import AIRFLOW, CONN_ID, conn_json, migrated_airflow_env, trigger_is_waiting
+from tests.airflow.conftest import (
+    AIRFLOW,
+    CONN_ID,
+    conn_json,
+    deployment,
+    deployment_env,
+    log_tails,
+    trigger_is_waiting,
+)
 from tests.helpers import checksum
 
 pytestmark = pytest.mark.integration
@@ -136,12 +143,6 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(10)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_a_run_that_fails_before_it_claims_is_followed_by_another(
     pg_dsn: str, dbq: DbQueue, tmp_path_factory: pytest.TempPathFactory
@@ -151,39 +152,15 @@ def test_a_run_that_fails_before_it_claims_is_followed_by_another(
     the run it starts fails before it claims anything, so the queue's head never moves. The watcher
     fires again after max_wait, and the scheduler starts a second run; without max_wait there would be
     one event and one run until a triggerer restart. The messages stay in the queue, all of them."""
-    port = free_port()
-    env = migrated_airflow_env(
-        tmp_path_factory.mktemp("airflow-home-refire"),
-        Path(__file__).with_name("watcher_dags"),
-        AIRFLOW__CORE__EXECUTOR="LocalExecutor",
-        AIRFLOW__CORE__EXECUTION_API_SERVER_URL=f"http://127.0.0.1:{port}/execution/",
-        AIRFLOW__API_AUTH__JWT_SECRET="test-only-jwt-secret",
+    env = deployment_env(
+        tmp_path_factory.mktemp("airflow-home-refire"), Path(__file__).with_name("watcher_dags")
     )
     env[f"AIRFLOW_CONN_{CONN_ID.upper()}"] = conn_json(pg_dsn, dbq.schema)
     logs = tmp_path_factory.mktemp("refire-logs")
     q = dbq.create_queue("refire")
     for args in (["dags", "reserialize"], ["dags", "unpause", "dbqueue_test_refire"]):
         subprocess.run([str(AIRFLOW), *args], env=env, check=True, capture_output=True, timeout=300)
-    procs = []
-    try:
-        for name, args in (
-            ("api-server", ["api-server", "--apps", "execution", "-p", str(port), "-H", "127.0.0.1"]),
-            ("triggerer", ["triggerer"]),
-            ("scheduler", ["scheduler"]),
-        ):
-            out = (logs / f"{name}.log").open("w")
-            procs.append(
-                (
-                    subprocess.Popen(
-                        [str(AIRFLOW), *args],
-                        env=env,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    ),
-                    out,
-                )
-            )
+    with deployment(env, logs, "api-server", "triggerer", "scheduler"):
         wait_for("the triggerer to run the trigger", lambda: trigger_is_waiting(dbq.db.dsn), 120)
         pushed = [{"mail": i} for i in range(3)]
         ids = q.push_batch(pushed)
@@ -196,8 +173,7 @@ def test_a_run_that_fails_before_it_claims_is_followed_by_another(
         try:
             got = wait_for("a second run after the first failed", second_run, 240)
         except AssertionError:
-            tails = {p.name: p.read_text()[-3000:] for p in logs.iterdir()}
-            raise AssertionError(f"runs: {sql(env, runs)}; logs: {tails}") from None
+            raise AssertionError(f"runs: {sql(env, runs)}\n{log_tails(logs)}") from None
         # the first run's task ran (it has a start date) and failed: it failed before claiming
         [(state, started)] = sql(
             env, f"SELECT state, start_date FROM task_instance WHERE run_id = '{got[0][0]}'"
@@ -208,9 +184,5 @@ def test_a_run_that_fails_before_it_claims_is_followed_by_another(
         assert all(e["head"] == [ids[0], 0] for e in events)  # the head never moved
         st = q.stats()
         assert (st.ready, st.in_flight) == (3, 0)  # nothing claimed, nothing lost
-    finally:
-        for proc, out in reversed(procs):
-            _stop(proc)
-            out.close()
     got_msgs = q.pop(10, semantics="at-least-once")
     assert q.ack(got_msgs) == 3 and checksum(m.payload for m in got_msgs) == checksum(pushed)

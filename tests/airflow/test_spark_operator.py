@@ -4,16 +4,28 @@ long job's batch, and a task timeout kills the job and releases the batch with n
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue
-from tests.airflow.conftest import dags_test, migrated_airflow_env, spark_env
+from tests.airflow.conftest import (
+    AIRFLOW,
+    CONN_ID,
+    conn_json,
+    dags_test,
+    deployment,
+    deployment_env,
+    log_tails,
+    migrated_airflow_env,
+    spark_env,
+)
 from tests.helpers import checksum
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("java_runtime")]
@@ -170,3 +182,62 @@ def test_a_try_does_not_end_green_while_a_batch_of_its_task_is_still_claimed(
     st = q.stats()
     assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 25)
     assert q.open_batches() == [] and list((tmp_path / "staging").iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_task_sigkilled_mid_batch_under_a_real_scheduler_leaves_nothing_behind(
+    pg_dsn: str, dbq: DbQueue, tmp_path: Path
+) -> None:
+    """The drill of a real deployment: api-server (execution API), scheduler with LocalExecutor as
+    separate processes, and a real spark-submit. The first try's job SIGKILLs its task process (the
+    LocalExecutor's child, parent of spark-submit) mid-batch, with its 30 messages claimed under a
+    600 s lease, and goes on running as an orphan that writes staging. The retry stops the orphan,
+    discards its staging and releases the batch at once, then processes the messages. The run ends
+    green only with every message published exactly once: no batch open, no lease stranded, no
+    staging left, no orphan running."""
+    env = spark_env(deployment_env(tmp_path / "home", DAGS))
+    env.update(
+        drill_env(tmp_path, pg_dsn, dbq), **{f"AIRFLOW_CONN_{CONN_ID.upper()}": conn_json(pg_dsn, dbq.schema)}
+    )
+    q = dbq.create_queue("jobs")
+    sent = [{"job": i, "blob": "z" * (i % 3)} for i in range(30)]
+    q.push_batch(sent)
+    dag_id = "dbqueue_test_spark_sigkill"
+    subprocess.run(
+        [str(AIRFLOW), "dags", "reserialize"], env=env, check=True, capture_output=True, timeout=300
+    )
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    home = Path(env["AIRFLOW_HOME"])
+
+    def meta(query: str) -> list[tuple[Any, ...]]:
+        with sqlite3.connect(home / "airflow.db") as c:
+            return c.execute(query).fetchall()
+
+    with deployment(env, logs, "api-server", "scheduler"):
+        subprocess.run(
+            [str(AIRFLOW), "dags", "trigger", dag_id], env=env, check=True, capture_output=True, timeout=300
+        )
+        deadline = time.monotonic() + 420
+        while meta(f"SELECT state FROM dag_run WHERE dag_id = '{dag_id}'") not in (
+            [("success",)],
+            [("failed",)],
+        ):
+            assert time.monotonic() < deadline, log_tails(logs)
+            time.sleep(1)
+        [(run_state,)] = meta(f"SELECT state FROM dag_run WHERE dag_id = '{dag_id}'")
+        tries = meta(f"SELECT try_number, state FROM task_instance WHERE dag_id = '{dag_id}'")
+        history = meta(f"SELECT try_number, state FROM task_instance_history WHERE dag_id = '{dag_id}'")
+    assert run_state == "success", (tries, history, log_tails(logs))
+    assert tries == [(2, "success")] and history == [(1, "failed")], (tries, history)
+    killed = (tmp_path / "killed-once").read_text()  # "pid cmdline" of the task process the job killed
+    assert killed.split()[1] == "airflow", killed
+    rows = batch_rows(pg_dsn, dbq.schema)
+    assert [(state, size) for state, size, _ in rows] == [(2, 30), (1, 30)], rows
+    assert rows[0][2] is not None and "try1 ended without acking or releasing it" in rows[0][2], rows
+    got = results(pg_dsn, dbq.schema)
+    assert len(got) == 30 and checksum(json.loads(bytes(p)) for _, _, p in got) == checksum(sent)
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 30), killed
+    assert q.open_batches() == [] and list((tmp_path / "staging").iterdir()) == []
+    assert staging_jobs_running(_first_batch(pg_dsn, dbq.schema)) == []

@@ -133,3 +133,21 @@ with DAG(dag_id="dbqueue_test_spark_zombie_claims", schedule=None, catchup=False
         retries=1,
         retry_delay=dt.timedelta(seconds=0),
     )
+
+
+with DAG(dag_id="dbqueue_test_spark_sigkill", schedule=None, catchup=False):
+    # Run by a real scheduler (test_spark_operator.py): the job of the first try SIGKILLs the task
+    # process mid-batch and goes on running as its orphan; the retry must clean up after it.
+    DbQueueSparkSubmitOperator(
+        task_id="process",
+        queue_name="jobs",
+        application=STAGING_JOB,
+        application_args=[str(STAGING), "--kill-task-once"],
+        max_messages=50,
+        max_batches=2,
+        lease_timeout=600,
+        publish=_publish,
+        discard=_discard,
+        retries=1,
+        retry_delay=dt.timedelta(seconds=0),
+    )
