@@ -271,6 +271,11 @@ class Queue(abc.ABC):
         """:meth:`readiness` on the caller's async connection (for async observers such as triggers)."""
         raise NotImplementedError(f"{self.settings.design} queues do not support async observation yet")
 
+    @property
+    def channel(self) -> str:
+        """The name of this queue's NOTIFY channel: pushes notify it, :meth:`alisten` LISTENs on it."""
+        return self._db.channel(self.settings.queue_id)
+
     async def alisten(self, aconn: psycopg.AsyncConnection[Any]) -> None:
         """LISTEN on this queue's NOTIFY channel on the caller's async connection."""
         raise NotImplementedError(f"{self.settings.design} queues do not support async observation yet")
@@ -320,8 +325,9 @@ class Queue(abc.ABC):
         """Return the batch with this id (any state); raise :class:`BatchNotFoundError` if unknown."""
         raise NotImplementedError(f"{self.settings.design} queues do not support batches yet")
 
-    def open_batches(self, limit: int = 100) -> list[Batch]:
-        """Return claimed batches not yet acked or released, oldest first (a claimer may have died)."""
+    def open_batches(self, limit: int = 100, *, consumer_prefix: str | None = None) -> list[Batch]:
+        """Return claimed batches not yet acked or released, oldest first (a claimer may have died);
+        with ``consumer_prefix``, only those whose consumer starts with it."""
         raise NotImplementedError(f"{self.settings.design} queues do not support batches yet")
 
     def batch_query(self, batch_id: str) -> str:

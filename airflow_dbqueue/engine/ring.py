@@ -266,11 +266,12 @@ class RingQueue(Queue):
         self, n: int, semantics: Semantics, vt: float, consumer: str, conn: DbConnection | None
     ) -> list[Message]:
         lease = semantics is Semantics.AT_LEAST_ONCE
-        if lease:
-            now = time.monotonic()
-            if now - self._last_reclaim >= self.reclaim_every_s:
-                self._last_reclaim = now
-                self.reclaim_expired()
+        # Every pop reclaims expired leases first (at most every reclaim_every_s): readiness counts
+        # them as a pop would get them. In the caller's transaction (conn), the reclaim joins it.
+        now = time.monotonic()
+        if now - self._last_reclaim >= self.reclaim_every_s:
+            self._last_reclaim = now
+            self._reclaim(10_000, conn)
         params: dict[str, Any] = {
             "queue_id": self._qid,
             "capacity": self.capacity,
@@ -432,6 +433,9 @@ class RingQueue(Queue):
         return self._settle(params, conn)
 
     def reclaim_expired(self, limit: int = 10_000) -> int:
+        return self._reclaim(limit, None)
+
+    def _reclaim(self, limit: int, conn: DbConnection | None) -> int:
         rows = self._db.fetchall(
             "ring_reclaim_expired",
             {
@@ -441,6 +445,7 @@ class RingQueue(Queue):
                 "max_attempts": self.settings.max_attempts,
                 "limit": limit,
             },
+            conn,
         )
         return len(rows)
 
@@ -505,13 +510,16 @@ class RingQueue(Queue):
     def count_ready(self, min_priority: int | None = None, cap: int = 1_000_000) -> int:
         if min_priority is not None and min_priority > 0:
             return 0  # every ring message has priority 0
-        row = self._db.fetchone("ring_count_ready", {"queue_id": self._qid, "cap": cap})
+        row = self._db.fetchone("ring_count_ready", self._readiness_params(cap))
         return int(row[0]) if row else 0
+
+    def _readiness_params(self, cap: int) -> dict[str, Any]:
+        return {"queue_id": self._qid, "cap": cap, "max_attempts": self.settings.max_attempts}
 
     def readiness(
         self, min_priority: int | None = None, cap: int = 1_000_000
     ) -> tuple[int, tuple[int, int] | None]:
-        row = self._db.fetchone("ring_ready_head", {"queue_id": self._qid, "cap": cap})
+        row = self._db.fetchone("ring_ready_head", self._readiness_params(cap))
         return self._readiness_row(row, min_priority)
 
     @staticmethod
@@ -538,7 +546,7 @@ class RingQueue(Queue):
     ) -> tuple[int, tuple[int, int] | None]:
         pg = self._postgres()  # PostgreSQL only: psycopg's async connections
         with pg.translate_errors():
-            cur = await aconn.execute(pg.query("ring_ready_head"), {"queue_id": self._qid, "cap": cap})
+            cur = await aconn.execute(pg.query("ring_ready_head"), self._readiness_params(cap))
             return self._readiness_row(await cur.fetchone(), min_priority)
 
     async def alisten(self, aconn: psycopg.AsyncConnection[Any]) -> None:

@@ -51,8 +51,9 @@ class TableQueue(Queue):
         self._qid = settings.queue_id
         self._channel = db.channel(settings.queue_id)
         self._last_reclaim = 0.0
-        # Expired leases are reclaimed by the maintenance DAG; lease-taking pops also reclaim at
-        # most this often, so a queue without maintenance still redelivers.
+        # Expired leases are reclaimed by the maintenance DAG; every pop (and claim) also reclaims at
+        # most this often, so a queue without maintenance still redelivers, and what readiness counts
+        # (expired leases included) is what a pop gets.
         self.reclaim_every_s = min(1.0, settings.visibility_timeout_s / 2)
 
     # -- push --------------------------------------------------------------------------------------
@@ -92,8 +93,11 @@ class TableQueue(Queue):
     def _pop_once(
         self, n: int, semantics: Semantics, vt: float, consumer: str, conn: DbConnection | None
     ) -> list[Message]:
+        # Every pop reclaims expired leases first (at most every reclaim_every_s): readiness counts
+        # them as a pop would get them, so an observer that saw them ready is not followed by a pop of
+        # none. In the caller's transaction (conn), the reclaim joins it.
+        self._maybe_reclaim(conn)
         if semantics is Semantics.AT_LEAST_ONCE:
-            self._maybe_reclaim()
             rows = self._db.fetchall(
                 "pop_lease",
                 {"queue_id": self._qid, "n": n, "visibility_timeout_s": vt, "consumer": consumer},
@@ -105,11 +109,11 @@ class TableQueue(Queue):
             )
         return self._messages(rows)
 
-    def _maybe_reclaim(self) -> None:
+    def _maybe_reclaim(self, conn: DbConnection | None = None) -> None:
         now = time.monotonic()
         if now - self._last_reclaim >= self.reclaim_every_s:
             self._last_reclaim = now
-            self.reclaim_expired()
+            self._reclaim(10_000, conn)
 
     def _messages(self, rows: list[tuple[Any, ...]]) -> list[Message]:
         # Positional (id, queue, payload, priority, attempts, delivery, enqueued_at, lease_until), through
@@ -189,9 +193,13 @@ class TableQueue(Queue):
         return len(done)
 
     def reclaim_expired(self, limit: int = 10_000) -> int:
+        return self._reclaim(limit, None)
+
+    def _reclaim(self, limit: int, conn: DbConnection | None) -> int:
         rows = self._db.fetchall(
             "reclaim_expired",
             {"queue_id": self._qid, "max_attempts": self.settings.max_attempts, "limit": limit},
+            conn,
         )
         return len(rows)
 
@@ -210,6 +218,7 @@ class TableQueue(Queue):
             "queue_id": self._qid,
             "min_priority": _PRIORITY_MIN if min_priority is None else min_priority,
             "cap": cap,
+            "max_attempts": self.settings.max_attempts,
         }
 
     @staticmethod
@@ -334,7 +343,7 @@ class TableQueue(Queue):
             if visibility_timeout is None
             else check_seconds(f"queue {self.name!r}: visibility_timeout", visibility_timeout, positive=True)
         )
-        self._maybe_reclaim()
+        self._maybe_reclaim(conn)
         params = {
             "batch_id": uuid.uuid4(),
             "queue_id": self._qid,
@@ -360,8 +369,11 @@ class TableQueue(Queue):
         purged = len(self._db.fetchall("purge_batches", params))
         return {"reclaimed": self.reclaim_expired(limit), "batches_purged": purged}
 
-    def open_batches(self, limit: int = 100) -> list[Batch]:
-        rows = self._db.fetchall("open_batches", {"queue_id": self._qid, "limit": _check_batch_size(limit)})
+    def open_batches(self, limit: int = 100, *, consumer_prefix: str | None = None) -> list[Batch]:
+        rows = self._db.fetchall(
+            "open_batches",
+            {"queue_id": self._qid, "limit": _check_batch_size(limit), "consumer_prefix": consumer_prefix},
+        )
         return [self._batch(r) for r in rows]
 
     def batch_query(self, batch_id: str) -> str:

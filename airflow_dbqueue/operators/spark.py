@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -20,7 +21,7 @@ from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.sdk import BaseHook, BaseOperator
 from airflow.sdk.exceptions import AirflowSkipException
 
-from airflow_dbqueue.engine import Batch, ConfigurationError, DbQueueError, LeaseExpiredError
+from airflow_dbqueue.engine import Batch, BatchStateError, ConfigurationError, DbQueueError, LeaseExpiredError
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
 from airflow_dbqueue.spark import JDBC_HINT, find_jdbc_jar
 
@@ -157,6 +158,17 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
        the task (Airflow's retries take it from there; the messages' attempts count towards the
        queue's ``max_attempts``, after which they go to the failed state).
 
+    A try killed outright (SIGKILL, a lost worker) cannot release its batch. Before it claims, every
+    try looks for batches that earlier tries of the same task instance (same DAG, run, task and map
+    index) left claimed: it stops their jobs still running on this machine (spark-submit and the
+    driver of a local or client-mode job, found by the batch id on their command line), runs
+    ``discard`` and releases the batch at once, so its messages are claimed again now rather than
+    when the lease runs out. A batch released that way can no longer be acked, so a job of the killed
+    try that is still running elsewhere (a cluster-mode driver) can never publish. Before it reports
+    success, a try checks that no batch of its task instance is still claimed, and fails if one is
+    (an earlier try still running claimed it meanwhile), so a run never ends green with messages
+    neither acked nor released.
+
     The Spark master and deploy mode come from the Spark connection (``local[*]``, ``spark://``,
     YARN, Kubernetes). No credential is ever put on spark-submit's command line. In client mode
     (the driver runs here, a child of spark-submit) the job's environment, ``$DBQUEUE_JDBC_PASSWORD``
@@ -275,11 +287,15 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
         _refuse_early_return(self.task_id, self.spark_submit_kwargs, _as_conf(self.task_id, self.spark_conf))
         _as_list(self.task_id, "application_args", self.application_args)
         ti = context["ti"]
-        consumer = f"{ti.dag_id}.{ti.task_id}.{ti.run_id}.{ti.map_index}.try{ti.try_number}"
+        tries = f"{ti.dag_id}.{ti.task_id}.{ti.run_id}.{ti.map_index}.try"  # every try of this instance
+        consumer = f"{tries}{ti.try_number}"
         with DbQueueHook(self.dbqueue_conn_id, dbqueue_schema=self.dbqueue_schema) as hook:
             self._hook = hook
             try:
+                queue = hook.get_queue(self.queue_name)
+                self._release_earlier_tries(queue, tries, consumer)
                 done = self._process(hook, consumer, max_messages, max_batches)
+                self._check_nothing_left(queue, tries)
             finally:
                 self._hook = None
         if not done:
@@ -322,6 +338,40 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
             self.log.info("batch %s: job succeeded; results published and batch acked", batch.batch_id)
             done.append(queue.get_batch(batch.batch_id).as_dict())
         return done
+
+    def _release_earlier_tries(self, queue: Queue, tries: str, consumer: str) -> None:
+        """Stop, discard and release at once the batches earlier tries of this task instance left
+        claimed (a try killed before it could release); raise if one cannot be released."""
+        for batch in queue.open_batches(_MAX_OPEN_BATCHES, consumer_prefix=tries):
+            if batch.consumer == consumer:
+                continue
+            stopped = _stop_local_jobs(batch.batch_id)
+            error = f"released by {consumer}: {batch.consumer} ended without acking or releasing it"
+            assert self._hook is not None
+            with self._hook.transaction() as conn:
+                if self.discard is not None:
+                    self.discard(conn, batch)
+                n = queue.release_batch(batch.batch_id, delay=0, error=error, conn=conn)
+            self.log.warning(
+                "batch %s of an earlier try (%s) was still claimed: %d job process(es) stopped here, "
+                "staging discarded, %d message(s) released at once",
+                batch.batch_id,
+                batch.consumer,
+                stopped,
+                n,
+            )
+
+    def _check_nothing_left(self, queue: Queue, tries: str) -> None:
+        """Fail when a batch of this task instance is still claimed: its messages are neither acked nor
+        released, and a run that ended green would leave them stranded until the lease runs out."""
+        left = queue.open_batches(_MAX_OPEN_BATCHES, consumer_prefix=tries)
+        if left:
+            raise BatchStateError(
+                f"queue {self.queue_name!r}: batch(es) "
+                + ", ".join(f"{b.batch_id} ({b.consumer})" for b in left)
+                + " of this task instance are still claimed (an earlier try still running claimed "
+                "them); failing so that the next try releases them"
+            )
 
     def _on_empty(self) -> None:
         msg = f"queue {self.queue_name!r} has no ready message to claim"
@@ -535,6 +585,39 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
         batch, hook = self._batch, self._hook
         if batch is not None and hook is not None:
             self._release(hook.get_queue(self.queue_name), batch, "task killed")
+
+
+_MAX_OPEN_BATCHES = 1000
+"""The most batches of one task instance looked at (a task claims max_batches at most per try)."""
+
+
+def _stop_local_jobs(batch_id: str) -> int:
+    """SIGKILL the processes on this machine whose command line carries ``--batch-id batch_id`` (the
+    spark-submit and local driver of a killed try's job, with their process groups when they lead
+    one); return how many were found. Only Linux's /proc is read; elsewhere nothing is stopped."""
+    found = 0
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return 0
+    own_group = os.getpgrp()
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone, or not ours to read
+            continue
+        if not any(a == b"--batch-id" and b == batch_id.encode() for a, b in itertools.pairwise(argv)):
+            continue
+        pid = int(entry.name)
+        found += 1
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            group = os.getpgid(pid)
+            if group == pid and group != own_group:
+                os.killpg(group, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+    return found
 
 
 # Standalone driver states after which the driver is no longer running.

@@ -1,4 +1,11 @@
-"""``DbQueueTrigger``: wait, asynchronously, until a queue can pop enough messages."""
+"""``DbQueueTrigger``: wait, asynchronously, until a queue can pop enough messages.
+
+In the triggerer, every DbQueueTrigger on one Airflow connection and queue schema shares one stream
+(Airflow's shared streams, ``shared_stream_key``): a single PostgreSQL connection LISTENs on the
+channels of every queue watched there and runs each trigger's readiness check, at the trigger's own
+pace or when its queue notifies, and each trigger decides from its own results whether to fire. Run
+alone (``run()``), a trigger has a stream of its own.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +13,26 @@ import asyncio
 import contextlib
 import difflib
 import inspect
-from collections.abc import AsyncIterator
+import itertools
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Hashable
 from typing import TYPE_CHECKING, Any
 
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 
-from airflow_dbqueue.engine import ConfigurationError, NotifyMode
+from airflow_dbqueue.engine import ConfigurationError, DbQueueError, NotifyMode
 from airflow_dbqueue.engine.queue import check_seconds
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook, connection_dsn
 
 if TYPE_CHECKING:
+    import psycopg
+
     from airflow_dbqueue.engine import Queue
+
+APPLICATION_NAME = "airflow-dbqueue-trigger"
+"""The ``application_name`` of a stream's connection (one a connection and schema in a triggerer)."""
+
+_Readiness = tuple[int, tuple[int, int] | None]
 
 
 def _open_queue(dsn: str, schema: str, queue_name: str) -> Queue:
@@ -47,29 +63,244 @@ def _unknown_arguments(cls: type, given: dict[str, Any]) -> str:
     )
 
 
-class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
-    """Fire when a queue can pop at least ``min_messages`` (of at least ``min_priority``).
+_watch_ids = itertools.count(1)
 
-    The trigger only observes: it counts ready messages and never claims one, so running it twice (a
+
+class _Watch:
+    """One trigger's observation of one queue on a stream: what to check, and when next."""
+
+    def __init__(
+        self, queue_name: str, min_priority: int | None, cap: int, poll_interval: float, use_notify: bool
+    ) -> None:
+        self.id = next(_watch_ids)
+        self.queue_name = queue_name
+        self.min_priority = min_priority
+        self.cap = cap
+        self.poll_interval = poll_interval
+        self.use_notify = use_notify
+        self.due = 0.0  # monotonic time of the next check; 0: at once
+        self.notified = False
+        self.queue: Queue | None = None
+        self.error: BaseException | None = None
+        self.channel: str | None = None  # the NOTIFY channel it wakes on, once LISTENed
+
+
+class _Stream:
+    """The observation of the queues of one database schema: one connection, its LISTENs, and every
+    watch's readiness check, each at its watch's own pace or when its queue notifies.
+
+    :meth:`run` yields ``{watch id: (ready, head) or an exception}`` for the watches it checked; each
+    subscriber reads its own entry. A watch's error (its queue does not exist, or cannot be observed
+    asynchronously) goes to that watch alone; a failure of the connection ends the stream for all.
+    """
+
+    def __init__(self) -> None:
+        self.watches: dict[int, _Watch] = {}
+        self._changed = asyncio.Event()
+
+    def add(self, watch: _Watch) -> None:
+        self.watches[watch.id] = watch
+        self._changed.set()
+
+    def remove(self, watch: _Watch) -> None:
+        self.watches.pop(watch.id, None)
+
+    def wake(self) -> None:
+        """Make the stream look at its watches again (a watch's next check moved earlier)."""
+        self._changed.set()
+
+    async def run(self, conn_id: str, schema: str | None) -> AsyncGenerator[dict[int, Any], None]:
+        import psycopg
+
+        conn = await DbQueueHook.aget_connection(conn_id)
+        dsn, conn_schema = await asyncio.to_thread(connection_dsn, conn)  # a token login may do I/O
+        schema = schema or conn_schema
+        aconn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, application_name=APPLICATION_NAME)
+        listening: set[str] = set()
+        try:
+            while True:
+                self._changed.clear()
+                for w in list(self.watches.values()):
+                    if w.queue is None and w.error is None:
+                        await self._load(w, dsn, schema, aconn, listening)
+                results: dict[int, Any] = {}
+                for w in list(self.watches.values()):
+                    if w.error is not None:
+                        results[w.id] = w.error
+                    elif w.queue is not None and (w.notified or w.due <= time.monotonic()):
+                        w.notified = False
+                        w.due = time.monotonic() + w.poll_interval
+                        try:
+                            results[w.id] = await w.queue.areadiness(aconn, w.min_priority, cap=w.cap)
+                        except NotImplementedError as exc:  # not PostgreSQL: this watch cannot go on
+                            w.error = results[w.id] = exc
+                if results:
+                    yield results
+                if self._changed.is_set():
+                    continue
+                due = [w.due for w in self.watches.values() if w.error is None]
+                timeout = max(0.0, min(due) - time.monotonic()) if due else None
+                for channel in await self._wait(aconn, timeout, bool(listening)):
+                    for w in self.watches.values():
+                        if w.channel == channel:
+                            w.notified = True
+        finally:
+            with contextlib.suppress(Exception):
+                await aconn.close()
+
+    async def _load(
+        self,
+        w: _Watch,
+        dsn: str,
+        schema: str,
+        aconn: psycopg.AsyncConnection[Any],
+        listening: set[str],
+    ) -> None:
+        """Load a new watch's queue and LISTEN on its channel before its first check, so that a push
+        committed after that check wakes it."""
+        try:
+            w.queue = await asyncio.to_thread(_open_queue, dsn, schema, w.queue_name)
+        except DbQueueError as exc:
+            w.error = exc
+            return
+        if w.use_notify and w.queue.settings.notify is not NotifyMode.NEVER:
+            try:
+                if w.queue.channel not in listening:
+                    await w.queue.alisten(aconn)
+            except NotImplementedError as exc:  # not PostgreSQL
+                w.error = exc
+                return
+            w.channel = w.queue.channel
+            listening.add(w.channel)
+
+    async def _wait(
+        self, aconn: psycopg.AsyncConnection[Any], timeout: float | None, listen: bool
+    ) -> set[str]:
+        """Wait up to ``timeout`` seconds (None: until woken) for a NOTIFY or :meth:`wake`; return the
+        channels that notified."""
+        changed = asyncio.ensure_future(self._changed.wait())
+        heard = asyncio.ensure_future(_next_notifies(aconn, timeout)) if listen else None
+        waiting: set[asyncio.Future[Any]] = {changed} if heard is None else {changed, heard}
+        try:
+            await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in waiting:
+                t.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
+        if heard is not None and heard.done() and not heard.cancelled():
+            return heard.result()  # raises the connection's error, if it failed
+        return set()
+
+
+async def _next_notifies(aconn: psycopg.AsyncConnection[Any], timeout: float | None) -> set[str]:
+    """The channels of the next NOTIFY (and any that arrived with it), or none after ``timeout``."""
+    channels: set[str] = set()
+    async for n in aconn.notifies(timeout=timeout, stop_after=1):
+        channels.add(n.channel)
+    return channels
+
+
+_STREAMS: dict[tuple[int, Hashable], _Stream] = {}
+"""The shared streams of this process, by event loop and ``shared_stream_key``: the triggerer runs the
+producer (``open_shared_stream``) and the subscribers (``filter_shared_stream``) of one key in one
+loop, and they meet here."""
+
+
+def _stream_key(conn_id: str, schema: str | None) -> tuple[str, str, str]:
+    """The shared stream of a connection and queue schema: the triggerer groups triggers by it, and the
+    producer and its subscribers meet under it in :data:`_STREAMS`."""
+    return ("airflow_dbqueue", conn_id, schema or "")
+
+
+def _shared(key: Hashable) -> tuple[tuple[int, Hashable], _Stream]:
+    at = (id(asyncio.get_running_loop()), key)
+    stream = _STREAMS.get(at)
+    if stream is None:
+        stream = _STREAMS[at] = _Stream()
+    return at, stream
+
+
+class _Firing:
+    """When a trigger fires, from what each readiness check finds.
+
+    It fires when at least ``threshold`` messages are ready and the head (the message a pop takes first)
+    is not the one it last fired for. With ``max_wait``, it also fires when at least ``floor`` messages
+    have been ready for ``max_wait`` seconds since it first saw them or since it last fired: a batch
+    that stays below the threshold is flushed, and a queue whose triggered run failed before it
+    claimed anything (so its head never moved) fires again instead of stalling.
+    """
+
+    def __init__(
+        self, floor: int, threshold: int, max_wait: float | None, last_head: tuple[int, int] | None
+    ) -> None:
+        self.floor = floor
+        self.threshold = threshold
+        self.max_wait = max_wait
+        self.last_head = last_head
+        self.since: float | None = None
+
+    def step(self, ready: int, head: tuple[int, int] | None, now: float) -> str | None:
+        """Return why to fire now (``"ready"`` or ``"max_wait"``), or None."""
+        if ready < self.floor or head is None:
+            self.last_head = None  # drained below the floor: the next fill fires again
+            self.since = None
+            return None
+        if self.since is None:
+            self.since = now
+        if ready >= self.threshold and head != self.last_head:
+            reason = "ready"
+        elif self.max_wait is not None and now - self.since >= self.max_wait:
+            reason = "max_wait"
+        else:
+            return None
+        self.last_head, self.since = head, now
+        return reason
+
+    def deadline(self) -> float | None:
+        """When ``max_wait`` would fire next (monotonic), if the queue stays as it is."""
+        if self.max_wait is None or self.since is None:
+            return None
+        return self.since + self.max_wait
+
+
+class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
+    """Fire when a queue can pop at least ``batch_size`` messages (of at least ``min_priority``), or at
+    least ``min_messages`` of them have waited ``max_wait`` seconds.
+
+    The trigger only observes: it counts what a pop could take (ready messages, and expired leases
+    with attempts left, which a pop reclaims first) and never claims one, so running it twice (a
     triggerer restart, two triggerers) loses and duplicates nothing; whoever acts on the event pops.
-    It waits on the queue's LISTEN/NOTIFY channel through psycopg's async connection and re-checks
-    every ``poll_interval`` seconds as a fallback (delayed messages becoming due, ``notify='never'``
-    queues, ``min_messages`` > 1 on ``notify='auto'`` queues, which notify only when they were empty).
+    It waits on the queue's LISTEN/NOTIFY channel and re-checks every ``poll_interval`` seconds as a
+    fallback (delayed messages becoming due, leases running out, ``notify='never'`` queues, more than
+    one message wanted on ``notify='auto'`` queues, which notify only when they were empty). In the
+    triggerer, the triggers on one connection and queue schema share one database connection.
 
     With ``rearm=False`` (the deferrable sensor) it fires once and ends. With ``rearm=True`` (the
-    default, for ``AssetWatcher``) it keeps running and fires again only once the queue's head has
-    moved (the message a pop would take first is another one, or the same one delivered again after a
-    nack) or after the queue fell below ``min_messages``: a queue that nobody consumes fires once, not
-    once per poll.
+    default, for ``AssetWatcher``) it keeps running and fires again once the queue's head has moved
+    (the message a pop would take first is another one, or the same one delivered again after a nack
+    or an expired lease) or after the queue fell below ``min_messages``: a queue that nobody consumes
+    fires once, not once per poll. A watcher keeps the head it last fired for in Airflow's asset state
+    store, so a restarted triggerer does not fire again for a queue that has not changed.
+
+    ``max_wait`` bounds how long ready messages wait for an event: with ``batch_size`` above
+    ``min_messages``, a smaller batch fires once it has waited that long (the batching of
+    ``MessageQueueTrigger``'s ``batch_size``), and a queue whose head has not moved for ``max_wait``
+    seconds since the last event fires again, so that a triggered run that failed before it took
+    anything does not leave the queue stalled. Set it above the time a run takes to claim its batch.
 
     :param queue_name: the queue to watch.
     :param dbqueue_conn_id: the Airflow connection to its database.
-    :param min_messages: fire when at least this many messages are ready.
+    :param min_messages: the fewest ready messages an event is fired for.
     :param min_priority: count only messages of at least this priority.
     :param poll_interval: seconds between checks when no NOTIFY arrives.
     :param use_notify: wait on LISTEN/NOTIFY (when the queue notifies); ``False`` polls only.
     :param rearm: keep watching after an event (see above).
     :param dbqueue_schema: schema of the queue tables; overrides the connection extra.
+    :param batch_size: fire at once when this many are ready (at least ``min_messages``; default:
+        ``min_messages``).
+    :param max_wait: seconds after which at least ``min_messages`` ready messages fire even below
+        ``batch_size``, and fire again when the head has not moved since the last event (None: never).
+        Checked at each poll, so it fires up to ``poll_interval`` late.
 
     Any other keyword raises ``ConfigurationError`` naming it (and the nearest argument it may mean),
     rather than being dropped.
@@ -86,6 +317,8 @@ class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
         use_notify: bool = True,
         rearm: bool = True,
         dbqueue_schema: str | None = None,
+        batch_size: int | None = None,
+        max_wait: float | None = None,
         **kwargs: Any,
     ) -> None:
         if kwargs:
@@ -93,14 +326,18 @@ class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
         super().__init__()
         self.queue_name = queue_name
         self.dbqueue_conn_id = dbqueue_conn_id
-        self.min_messages = int(min_messages)
+        self.min_messages = _count("min_messages", min_messages)
         self.min_priority = None if min_priority is None else int(min_priority)
         self.poll_interval = check_seconds("poll_interval", poll_interval, positive=True)
         self.use_notify = bool(use_notify)
         self.rearm = bool(rearm)
         self.dbqueue_schema = dbqueue_schema
-        if self.min_messages < 1:
-            raise ConfigurationError(f"min_messages must be >= 1, got {min_messages!r}")
+        self.batch_size = None if batch_size is None else _count("batch_size", batch_size)
+        if self.batch_size is not None and self.batch_size < self.min_messages:
+            raise ConfigurationError(
+                f"batch_size ({self.batch_size}) must be at least min_messages ({self.min_messages})"
+            )
+        self.max_wait = None if max_wait is None else check_seconds("max_wait", max_wait, positive=True)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         """Return the class path and the JSON-typed keyword arguments that rebuild this trigger."""
@@ -115,10 +352,79 @@ class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
                 "use_notify": self.use_notify,
                 "rearm": self.rearm,
                 "dbqueue_schema": self.dbqueue_schema,
+                "batch_size": self.batch_size,
+                "max_wait": self.max_wait,
             },
         )
 
-    def _event(self, ready: int, head: tuple[int, int] | None) -> TriggerEvent:
+    # -- the shared stream (Airflow's triggerer) ---------------------------------------------------
+
+    def shared_stream_key(self) -> Hashable:
+        """Triggers on one connection and queue schema share one stream (one database connection)."""
+        return _stream_key(self.dbqueue_conn_id, self.dbqueue_schema)
+
+    @classmethod
+    async def open_shared_stream(cls, kwargs: dict[str, Any]) -> AsyncIterator[Any]:
+        """Run the stream of a connection and schema: readiness results of every trigger on it."""
+        conn_id = kwargs.get("dbqueue_conn_id") or DbQueueHook.default_conn_name
+        schema = kwargs.get("dbqueue_schema")
+        at, stream = _shared(_stream_key(conn_id, schema))
+        try:
+            async for results in stream.run(conn_id, schema):
+                yield results
+        finally:
+            if _STREAMS.get(at) is stream:
+                del _STREAMS[at]
+
+    async def filter_shared_stream(self, shared_stream: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
+        """This trigger's events, from the results of its own checks on the shared stream."""
+        _, stream = _shared(self.shared_stream_key())
+        async for event in self._observe(stream, shared_stream):
+            yield event
+
+    # -- alone ---------------------------------------------------------------------------------------
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        """Observe the queue on a stream of its own until it can pop enough; yield an event (again, when
+        rearmed)."""
+        stream = _Stream()
+        results = stream.run(self.dbqueue_conn_id, self.dbqueue_schema)
+        try:
+            async for event in self._observe(stream, results):
+                yield event
+        finally:
+            await results.aclose()
+
+    # -- what both do --------------------------------------------------------------------------------
+
+    async def _observe(self, stream: _Stream, results: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
+        threshold = self.batch_size or self.min_messages
+        watch = _Watch(self.queue_name, self.min_priority, threshold, self.poll_interval, self.use_notify)
+        firing = _Firing(self.min_messages, threshold, self.max_wait, await self._stored_head())
+        stream.add(watch)
+        try:
+            async for checked in results:
+                got = checked.get(watch.id)
+                if got is None:
+                    continue
+                if isinstance(got, BaseException):
+                    raise got
+                ready, head = got
+                reason = firing.step(ready, head, time.monotonic())
+                if reason is not None:
+                    self.log.info("queue %s has %s ready message(s) (%s)", self.queue_name, ready, reason)
+                    yield self._event(ready, head, reason)
+                    if not self.rearm:
+                        return
+                    await self._store_head(head)
+                deadline = firing.deadline()
+                if deadline is not None and deadline < watch.due:
+                    watch.due = deadline
+                    stream.wake()
+        finally:
+            stream.remove(watch)
+
+    def _event(self, ready: int, head: tuple[int, int] | None, reason: str) -> TriggerEvent:
         return TriggerEvent(
             {
                 "status": "success",
@@ -127,41 +433,52 @@ class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
                 "head": list(head) if head else None,
                 "min_messages": self.min_messages,
                 "min_priority": self.min_priority,
+                "reason": reason,
             }
         )
 
-    async def run(self) -> AsyncIterator[TriggerEvent]:
-        """Observe the queue until it can pop ``min_messages``; yield an event (again, when rearmed)."""
-        import psycopg
+    # -- the asset state store (watchers) ------------------------------------------------------------
 
-        conn = await DbQueueHook.aget_connection(self.dbqueue_conn_id)
-        dsn, schema = await asyncio.to_thread(connection_dsn, conn)  # a token login may do I/O
-        schema = self.dbqueue_schema or schema
-        queue = await asyncio.to_thread(_open_queue, dsn, schema, self.queue_name)
-        listen = self.use_notify and queue.settings.notify is not NotifyMode.NEVER
-        aconn = await psycopg.AsyncConnection.connect(
-            dsn, autocommit=True, application_name="airflow-dbqueue-trigger"
-        )
+    def _state_key(self) -> str:
+        schema = self.dbqueue_schema or ""
+        where = f"{self.dbqueue_conn_id}:{schema}:{self.queue_name}:{self.min_priority}"
+        return f"airflow_dbqueue.last_head:{where}"
+
+    async def _stored_head(self) -> tuple[int, int] | None:
+        """The head this watcher last fired for, from the asset state store (None when there is none:
+        not a watcher, nothing stored, or a store that cannot be read)."""
+        store = getattr(self, "asset_state_store", None)
+        if store is None or not self.rearm:
+            return None
         try:
-            if listen:
-                # LISTEN before the first check: a push committed after the check wakes us.
-                await queue.alisten(aconn)
-            last_head: tuple[int, int] | None = None
-            while True:
-                ready, head = await queue.areadiness(aconn, self.min_priority, cap=self.min_messages)
-                if ready < self.min_messages:
-                    last_head = None  # drained below the threshold: the next fill fires again
-                elif head != last_head:
-                    self.log.info("queue %s has %s ready message(s)", self.queue_name, ready)
-                    yield self._event(ready, head)
-                    if not self.rearm:
-                        return
-                    last_head = head
-                if listen:
-                    async for _ in aconn.notifies(timeout=self.poll_interval, stop_after=1):
-                        pass
-                else:
-                    await asyncio.sleep(self.poll_interval)
-        finally:
-            with contextlib.suppress(Exception):
-                await aconn.close()
+            value = await store.aget(self._state_key())
+        except Exception as exc:  # several assets on one trigger, or the store failing: fire as if new
+            self.log.warning("queue %s: no last head from the asset state store: %s", self.queue_name, exc)
+            return None
+        if (
+            isinstance(value, list)
+            and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        ):
+            return int(value[0]), int(value[1])
+        return None
+
+    async def _store_head(self, head: tuple[int, int] | None) -> None:
+        store = getattr(self, "asset_state_store", None)
+        if store is None or head is None:
+            return
+        try:
+            await store.aset(self._state_key(), list(head))
+        except Exception as exc:  # the event is out already; a restart may fire it once more
+            self.log.warning("queue %s: could not keep the last head: %s", self.queue_name, exc)
+
+
+def _count(name: str, value: object) -> int:
+    """A number of messages, at least 1, or ConfigurationError naming ``name``."""
+    try:
+        n: int = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"{name} must be a whole number >= 1, got {value!r}") from None
+    if n < 1:
+        raise ConfigurationError(f"{name} must be >= 1, got {value!r}")
+    return n

@@ -7,9 +7,12 @@ in-process Airflow (hooks, operators, triggers) never touches a real home. Tests
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -163,3 +166,65 @@ def dags_test(
 def airflow_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Environment of a migrated throwaway AIRFLOW_HOME (SQLite) whose DAGs folder is the repo's dags/."""
     return migrated_airflow_env(tmp_path_factory.mktemp("airflow-home"), REPO / "dags")
+
+
+def deployment_env(home: Path, dags_folder: Path) -> dict[str, str]:
+    """A migrated AIRFLOW_HOME for Airflow as separate processes (see :func:`deployment`): LocalExecutor,
+    and the execution API of an api-server on a free local port, with a JWT secret they share."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    return migrated_airflow_env(
+        home,
+        dags_folder,
+        AIRFLOW__CORE__EXECUTOR="LocalExecutor",
+        AIRFLOW__CORE__EXECUTION_API_SERVER_URL=f"http://127.0.0.1:{port}/execution/",
+        AIRFLOW__API_AUTH__JWT_SECRET="test-only-jwt-secret",
+        DBQUEUE_TEST_API_PORT=str(port),
+    )
+
+
+@contextlib.contextmanager
+def deployment(env: dict[str, str], logs: Path, *components: str) -> Iterator[None]:
+    """Run Airflow's ``components`` (``api-server``: its execution API only; ``scheduler``,
+    ``triggerer``...) as separate processes with ``env``, each logging to ``logs/<name>.log``; stop
+    them and everything they started at the end."""
+    procs: list[tuple[subprocess.Popen[bytes], Any]] = []
+    try:
+        for name in components:
+            args = [name]
+            if name == "api-server":
+                args += ["--apps", "execution", "-H", "127.0.0.1", "-p", env["DBQUEUE_TEST_API_PORT"]]
+            out = (logs / f"{name}.log").open("w")
+            procs.append(
+                (
+                    subprocess.Popen(
+                        [str(AIRFLOW), *args],
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    ),
+                    out,
+                )
+            )
+        yield
+    finally:
+        for proc, out in reversed(procs):
+            stop_process_group(proc)
+            out.close()
+
+
+def stop_process_group(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a process started in a session of its own, and everything it started."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def log_tails(logs: Path) -> str:
+    """The last lines of each log in ``logs``, for a failure message."""
+    return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(logs.iterdir()))

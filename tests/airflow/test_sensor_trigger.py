@@ -17,7 +17,8 @@ from airflow_dbqueue.hooks.dbqueue import DbQueueHook
 from airflow_dbqueue.sensors.dbqueue import DbQueueSensor
 from airflow_dbqueue.triggers.dbqueue import DbQueueTrigger
 from tests.airflow.conftest import trigger_is_waiting
-from tests.helpers import checksum
+from tests.dialects import expire_leases, run_sql
+from tests.helpers import checksum, drained
 
 pytestmark = pytest.mark.integration
 
@@ -93,7 +94,10 @@ def test_serialize_round_trips() -> None:
     ("kwargs", "match"),
     [
         ({"min_message": 50}, r"unknown argument\(s\) 'min_message' \(did you mean 'min_messages'\?\)"),
-        ({"max_wait": 30, "batch_size": 500}, r"'batch_size', 'max_wait'"),
+        (
+            {"max_messages": 500, "wait_time": 30},
+            r"'max_messages' \(did you mean 'min_messages'\?\), 'wait_time'",
+        ),
     ],
 )
 def test_unknown_trigger_arguments_are_refused(kwargs: dict[str, Any], match: str) -> None:
@@ -142,6 +146,7 @@ def test_notify_wakes_the_trigger_long_before_its_poll(airflow_conn: str, dbq: D
             "head": [mid, 0],
             "min_messages": 1,
             "min_priority": None,
+            "reason": "ready",
         }
         assert q.stats().ready == 1  # the trigger only observed
     finally:
@@ -288,3 +293,180 @@ def test_deferrable_sensor_keeps_one_deadline_across_defers(airflow_conn: str, d
     assert again.value.timeout.total_seconds() <= 15.5
     with pytest.raises(AirflowSensorTimeout, match="raced"):
         sensor.execute_complete({}, event, deadline=time.time() - 1)
+
+
+def _expire_whole_ring_leases(dbq: DbQueue, q: Any) -> None:
+    """Run a ring's leases (ring_leases rows, one a pop) out, as a consumer killed holding them leaves
+    them: nothing else changes."""
+    run_sql(
+        dbq,
+        "UPDATE {schema}.ring_leases SET lease_until = now() - interval '1 second' "
+        "WHERE queue_id = %(queue_id)s",
+        {"queue_id": q.settings.queue_id},
+    )
+
+
+@pytest.mark.parametrize("how", ["table", "ring-lease", "ring-retry"])
+def test_expired_leases_wake_the_deferred_sensor_which_gets_them(
+    airflow_conn: str, dbq: DbQueue, how: str
+) -> None:
+    """A consumer popped every message and died: its leases run out. Readiness counts them at once (not
+    only after a reclaim), the trigger fires, and the sensor's claim reclaims and gets every one."""
+    ring = how.startswith("ring")
+    q = dbq.create_queue("stalled", max_attempts=3, **({"design": "ring", "capacity": 64} if ring else {}))
+    pushed = [{"order": i} for i in range(10)]
+    q.push_batch(pushed)
+    held = q.pop(10, semantics="at-least-once")  # the consumer that dies
+    assert len(held) == 10 and q.readiness() == (0, None)
+    sensor = DbQueueSensor(
+        task_id="s", queue_name="stalled", min_messages=10, claim=True, deferrable=True, poll_interval=0.2
+    )
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor.execute({})  # nothing ready: it defers
+    runner = Runner(DbQueueTrigger(**deferred.value.trigger.serialize()[1]))
+    try:
+        wait_until_waiting(dbq.db.dsn)
+        if how == "ring-lease":
+            _expire_whole_ring_leases(dbq, q)  # the pop's one ring_leases row
+        else:
+            expire_leases(dbq, [m.id for m in held], q)  # table rows; a ring's leased retry rows
+        head = min(m.id for m in held)
+        assert q.readiness() == (10, (head, 1))  # the head a pop takes first, delivered once before
+        assert q.count_ready() == 10 and q.stats().in_flight == 10  # counted, not reclaimed
+        [(_, event)] = runner.wait_events(1, timeout=20)
+        assert (event["ready"], event["head"]) == (10, [head, 1])
+    finally:
+        runner.stop()
+    claim = sensor.execute_complete({}, event)
+    assert claim["count"] == 10
+    assert sorted(d for _, d in claim["receipts"]) == [2] * 10  # delivered again
+    assert checksum(m["payload"] for m in claim["messages"]) == checksum(pushed)
+    with DbQueueHook(airflow_conn) as hook:
+        assert hook.ack_claim(claim) == 10
+    assert drained(q) and q.stats().failed == 0
+
+
+@pytest.mark.parametrize("how", ["table", "ring-lease", "ring-retry"])
+def test_expired_leases_out_of_attempts_are_not_ready(airflow_conn: str, dbq: DbQueue, how: str) -> None:
+    """An expired lease that used its last attempt goes to the failed state when reclaimed, so readiness
+    does not count it, and a pop gets nothing."""
+    ring = how.startswith("ring")
+    q = dbq.create_queue("spent", max_attempts=1, **({"design": "ring", "capacity": 64} if ring else {}))
+    pushed = [{"n": i} for i in range(4)]
+    q.push_batch(pushed)
+    held = q.pop(4, semantics="at-least-once")
+    if how == "ring-lease":
+        _expire_whole_ring_leases(dbq, q)
+    else:
+        expire_leases(dbq, [m.id for m in held], q)
+    assert q.readiness() == (0, None) and q.count_ready() == 0
+    sensor = DbQueueSensor(task_id="s", queue_name="spent", poke_interval=0.05, timeout=0.3)
+    with pytest.raises(AirflowSensorTimeout):
+        sensor.execute({})
+    assert _fresh_pop(dbq, "spent", 4, "at-most-once") == []  # a new handle: its first pop reclaims
+    failed = q.list_failed()
+    assert checksum(f.payload for f in failed) == checksum(pushed) and drained(q)
+
+
+@pytest.mark.parametrize("how", ["table", "ring"])
+def test_every_pop_reclaims_what_readiness_counted(dbq: DbQueue, how: str) -> None:
+    """What readiness counts is what a pop gets, whatever its semantics: an at-most-once pop and an
+    exactly-once pop of a fresh handle reclaim the expired leases first."""
+    q = dbq.create_queue("mixed", **({"design": "ring", "capacity": 64} if how == "ring" else {}))
+    pushed = [{"n": i} for i in range(6)]
+    q.push_batch(pushed)
+    held = q.pop(6, semantics="at-least-once")
+    expire_leases(dbq, [m.id for m in held], q)
+    assert q.count_ready() == 6
+    got = _fresh_pop(dbq, "mixed", 3, "at-most-once")
+    assert len(got) == 3
+    expire_leases(dbq, [m.id for m in q.pop(3, semantics="at-least-once")], q)  # redelivered, and lost again
+    got += _fresh_pop(dbq, "mixed", 6, "exactly-once")
+    assert checksum(m.payload for m in got) == checksum(pushed) and drained(q)
+
+
+def _fresh_pop(dbq: DbQueue, name: str, n: int, semantics: str) -> list[Any]:
+    """Pop through a new handle (whose first pop always reclaims), in a transaction of its own."""
+    fresh = DbQueue(dbq.db.dsn, schema=dbq.schema, pool_size=2)
+    try:
+        with fresh.transaction() as conn:
+            return fresh.queue(name).pop(n, semantics=semantics, conn=conn)
+    finally:
+        fresh.close()
+
+
+MAX_WAIT_S = 1.5
+"""max_wait of the firing tests: long against their poll interval (0.1 s), short for the suite."""
+
+
+def test_max_wait_fires_again_when_the_triggered_run_took_nothing(airflow_conn: str, dbq: DbQueue) -> None:
+    """The event-driven stall: a watcher fired, the run it started failed before it claimed, and the
+    queue's head never moved. Without max_wait the watcher never fires again; with it, it fires again
+    every max_wait while the head stays, and stops once the queue is consumed."""
+    q = dbq.create_queue("inbox")
+    pushed = [{"mail": i} for i in range(3)]
+    ids = q.push_batch(pushed)
+    stalled = Runner(DbQueueTrigger(queue_name="inbox", poll_interval=0.1))
+    waiting = Runner(DbQueueTrigger(queue_name="inbox", poll_interval=0.1, max_wait=MAX_WAIT_S))
+    try:
+        [(first_at, first)] = waiting.wait_events(1, timeout=10)
+        assert (first["head"], first["reason"]) == ([ids[0], 0], "ready")
+        # the run that event started failed before it popped anything: nothing changes in the queue
+        events = waiting.wait_events(2, timeout=10 * MAX_WAIT_S)
+        assert len(events) == 2, "no second event: the watcher stalled"
+        (again_at, again) = events[1]
+        assert (again["head"], again["reason"]) == ([ids[0], 0], "max_wait")
+        assert again_at - first_at >= MAX_WAIT_S - 0.05
+        assert len(stalled.events) == 1  # without max_wait: one event, then silence
+        got = q.pop(10, semantics="at-least-once")  # the next run takes and acks everything
+        q.ack(got)
+        seen = len(waiting.events)
+        time.sleep(2 * MAX_WAIT_S)
+        assert len(waiting.events) == seen and len(stalled.events) == 1  # drained: quiet
+        assert checksum(m.payload for m in got) == checksum(pushed) and drained(q)
+    finally:
+        waiting.stop()
+        stalled.stop()
+
+
+def test_batch_size_fires_for_a_full_batch_or_after_max_wait(airflow_conn: str, dbq: DbQueue) -> None:
+    """batch_size=5: two messages do not fire at once; five do. A single message fires once it has
+    waited max_wait (a flush of a short batch)."""
+    q = dbq.create_queue("batched", notify="always")
+    runner = Runner(
+        DbQueueTrigger(queue_name="batched", batch_size=5, max_wait=MAX_WAIT_S * 2, poll_interval=0.1)
+    )
+    try:
+        wait_until_waiting(dbq.db.dsn)
+        first = q.push_batch([{"n": i} for i in range(2)])
+        time.sleep(MAX_WAIT_S)  # below the batch size, not waited max_wait yet: quiet
+        assert runner.events == []
+        q.push_batch([{"n": i} for i in range(2, 5)])
+        [(_, full)] = runner.wait_events(1, timeout=10)
+        assert (full["ready"], full["head"], full["reason"]) == (5, [first[0], 0], "ready")
+        got = q.pop(5, semantics="at-most-once")
+        assert len(got) == 5
+        pushed_at = time.monotonic()
+        [single] = q.push_batch([{"n": 5}])
+        events = runner.wait_events(2, timeout=10 * MAX_WAIT_S)
+        (fired_at, flushed) = events[1]
+        assert (flushed["ready"], flushed["head"], flushed["reason"]) == (1, [single, 0], "max_wait")
+        assert fired_at - pushed_at >= MAX_WAIT_S * 2 - 0.05
+    finally:
+        runner.stop()
+
+
+def test_batch_size_and_max_wait_through_message_queue_trigger() -> None:
+    """MessageQueueTrigger(scheme="dbqueue", batch_size=..., max_wait=...) builds a DbQueueTrigger with
+    them; values that cannot work are refused."""
+    mq = MessageQueueTrigger(scheme="dbqueue", queue_name="q", batch_size=500, max_wait=30)
+    path, kwargs = mq.serialize()
+    assert path == TRIGGER_PATH and (kwargs["batch_size"], kwargs["max_wait"]) == (500, 30.0)
+    assert DbQueueTrigger(**kwargs).serialize() == (path, kwargs)
+    with pytest.raises(ConfigurationError, match=r"batch_size \(2\) must be at least min_messages \(3\)"):
+        DbQueueTrigger(queue_name="q", min_messages=3, batch_size=2)
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ConfigurationError, match="max_wait must be a"):
+            DbQueueTrigger(queue_name="q", max_wait=bad)
+    with pytest.raises(ConfigurationError, match="batch_size must be >= 1"):
+        DbQueueTrigger(queue_name="q", batch_size=0)

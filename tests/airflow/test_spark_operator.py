@@ -4,16 +4,28 @@ long job's batch, and a task timeout kills the job and releases the batch with n
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue
-from tests.airflow.conftest import dags_test, migrated_airflow_env, spark_env
+from tests.airflow.conftest import (
+    AIRFLOW,
+    CONN_ID,
+    conn_json,
+    dags_test,
+    deployment,
+    deployment_env,
+    log_tails,
+    migrated_airflow_env,
+    spark_env,
+)
 from tests.helpers import checksum
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("java_runtime")]
@@ -79,3 +91,153 @@ def test_timeout_kills_the_job_and_releases_the_batch(
     while sleepy_jobs_running() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert sleepy_jobs_running() == []  # the job was killed with the task
+
+
+def staging_jobs_running(batch_id: str) -> list[str]:
+    out = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if "staging_job.py" in line and batch_id in line]
+
+
+def drill_env(tmp_path: Path, pg_dsn: str, dbq: DbQueue) -> dict[str, str]:
+    """The staging directory and the results table of the drill DAGs (in the queue schema, dropped
+    with it); what they need in the environment."""
+    (tmp_path / "staging").mkdir()
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(
+            sql.SQL("CREATE TABLE {}.drill_results (id bigint PRIMARY KEY, batch_id text NOT NULL)").format(
+                sql.Identifier(dbq.schema)
+            )
+        )
+    return {"DBQUEUE_TEST_STAGING": str(tmp_path / "staging"), "DBQUEUE_TEST_SCHEMA": dbq.schema}
+
+
+def results(pg_dsn: str, schema: str) -> list[tuple[int, str, bytes]]:
+    """The drill's results with each message's payload: (id, batch id, payload)."""
+    with psycopg.connect(pg_dsn) as c:
+        return c.execute(
+            sql.SQL(
+                "SELECT r.id, r.batch_id, d.payload FROM {s}.drill_results r JOIN {s}.data d ON d.id = r.id"
+            ).format(s=sql.Identifier(schema))
+        ).fetchall()
+
+
+def test_a_try_finds_the_batch_a_killed_try_left_and_releases_it_at_once(
+    lifecycle_env: dict[str, str], pg_dsn: str, dbq: DbQueue, tmp_path: Path
+) -> None:
+    """What a try killed mid-batch leaves (its batch claimed with a 600 s lease, part of its staging,
+    its orphaned job still running and writing staging) is cleaned up by the next try of the task:
+    the orphan is stopped, the staging discarded and the batch released at once, and the try then
+    claims those messages with the rest. Every message is published exactly once, the queue is
+    drained, no batch is left open and no staging is left.
+
+    ``airflow dags test`` runs the task in its own process, which a test cannot SIGKILL without
+    ending the run, so an upstream task plays the killed try: it claims under the consumer name of an
+    earlier try of ``process`` and starts the orphan (see the DAG)."""
+    q = dbq.create_queue("jobs")
+    sent = [{"job": i, "blob": "y" * (i % 5)} for i in range(30)]
+    q.push_batch(sent)
+    env = drill_env(tmp_path, pg_dsn, dbq)
+    ok, out = dags_test(lifecycle_env, pg_dsn, dbq.schema, "dbqueue_test_spark_killed_try", **env)
+    assert ok, out[-5000:]
+    rows = batch_rows(pg_dsn, dbq.schema)
+    assert [(state, size) for state, size, _ in rows] == [(2, 10), (1, 30)], rows
+    error = rows[0][2]
+    assert error is not None and error.startswith("released by dbqueue_test_spark_killed_try.process.")
+    assert "try1: " in error and "try0 ended without acking or releasing it" in error, error
+    got = results(pg_dsn, dbq.schema)
+    assert len(got) == 30 and checksum(json.loads(bytes(p)) for _, _, p in got) == checksum(sent)
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 30)
+    assert q.open_batches() == []
+    assert list((tmp_path / "staging").iterdir()) == []  # the orphan's staging discarded, and not rewritten
+    assert staging_jobs_running(str(_first_batch(pg_dsn, dbq.schema))) == []  # the orphan was stopped
+
+
+def _first_batch(pg_dsn: str, schema: str) -> str:
+    with psycopg.connect(pg_dsn) as c:
+        query = sql.SQL("SELECT batch_id FROM {}.batches ORDER BY claimed_at LIMIT 1")
+        row = c.execute(query.format(sql.Identifier(schema))).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def test_a_try_does_not_end_green_while_a_batch_of_its_task_is_still_claimed(
+    lifecycle_env: dict[str, str], pg_dsn: str, dbq: DbQueue, tmp_path: Path
+) -> None:
+    """While the first try ran, an earlier try still running (a zombie) claimed a batch of the same
+    queue. The first try published its own batch, then found that one still claimed and failed, so
+    the run did not end green with it stranded; its retry released it and processed it. Every message
+    is published exactly once, and no batch is left open."""
+    q = dbq.create_queue("jobs")
+    sent = [{"job": i} for i in range(25)]
+    q.push_batch(sent)
+    env = drill_env(tmp_path, pg_dsn, dbq)
+    ok, out = dags_test(lifecycle_env, pg_dsn, dbq.schema, "dbqueue_test_spark_zombie_claims", **env)
+    assert ok, out[-5000:]
+    assert "are still claimed (an earlier try still running claimed them)" in out
+    rows = batch_rows(pg_dsn, dbq.schema)
+    assert [(state, size) for state, size, _ in rows] == [(1, 20), (2, 5), (1, 5)], rows
+    got = results(pg_dsn, dbq.schema)
+    assert len(got) == 25 and checksum(json.loads(bytes(p)) for _, _, p in got) == checksum(sent)
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 25)
+    assert q.open_batches() == [] and list((tmp_path / "staging").iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_task_sigkilled_mid_batch_under_a_real_scheduler_leaves_nothing_behind(
+    pg_dsn: str, dbq: DbQueue, tmp_path: Path
+) -> None:
+    """The drill of a real deployment: api-server (execution API), scheduler with LocalExecutor as
+    separate processes, and a real spark-submit. The first try's job SIGKILLs its task process (the
+    LocalExecutor's child, parent of spark-submit) mid-batch, with its 30 messages claimed under a
+    600 s lease, and goes on running as an orphan that writes staging. The retry stops the orphan,
+    discards its staging and releases the batch at once, then processes the messages. The run ends
+    green only with every message published exactly once: no batch open, no lease stranded, no
+    staging left, no orphan running."""
+    env = spark_env(deployment_env(tmp_path / "home", DAGS))
+    env.update(
+        drill_env(tmp_path, pg_dsn, dbq), **{f"AIRFLOW_CONN_{CONN_ID.upper()}": conn_json(pg_dsn, dbq.schema)}
+    )
+    q = dbq.create_queue("jobs")
+    sent = [{"job": i, "blob": "z" * (i % 3)} for i in range(30)]
+    q.push_batch(sent)
+    dag_id = "dbqueue_test_spark_sigkill"
+    subprocess.run(
+        [str(AIRFLOW), "dags", "reserialize"], env=env, check=True, capture_output=True, timeout=300
+    )
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    home = Path(env["AIRFLOW_HOME"])
+
+    def meta(query: str) -> list[tuple[Any, ...]]:
+        with sqlite3.connect(home / "airflow.db") as c:
+            return c.execute(query).fetchall()
+
+    with deployment(env, logs, "api-server", "scheduler"):
+        subprocess.run(
+            [str(AIRFLOW), "dags", "trigger", dag_id], env=env, check=True, capture_output=True, timeout=300
+        )
+        deadline = time.monotonic() + 420
+        while meta(f"SELECT state FROM dag_run WHERE dag_id = '{dag_id}'") not in (
+            [("success",)],
+            [("failed",)],
+        ):
+            assert time.monotonic() < deadline, log_tails(logs)
+            time.sleep(1)
+        [(run_state,)] = meta(f"SELECT state FROM dag_run WHERE dag_id = '{dag_id}'")
+        tries = meta(f"SELECT try_number, state FROM task_instance WHERE dag_id = '{dag_id}'")
+        history = meta(f"SELECT try_number, state FROM task_instance_history WHERE dag_id = '{dag_id}'")
+    assert run_state == "success", (tries, history, log_tails(logs))
+    assert tries == [(2, "success")] and history == [(1, "failed")], (tries, history)
+    killed = (tmp_path / "killed-once").read_text()  # "pid cmdline" of the task process the job killed
+    assert killed.split()[1] == "airflow", killed
+    rows = batch_rows(pg_dsn, dbq.schema)
+    assert [(state, size) for state, size, _ in rows] == [(2, 30), (1, 30)], rows
+    assert rows[0][2] is not None and "try1 ended without acking or releasing it" in rows[0][2], rows
+    got = results(pg_dsn, dbq.schema)
+    assert len(got) == 30 and checksum(json.loads(bytes(p)) for _, _, p in got) == checksum(sent)
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 30), killed
+    assert q.open_batches() == [] and list((tmp_path / "staging").iterdir()) == []
+    assert staging_jobs_running(_first_batch(pg_dsn, dbq.schema)) == []

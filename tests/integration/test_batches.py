@@ -189,3 +189,21 @@ def test_upkeep_forgets_old_finished_batches_only(dbq: DbQueue) -> None:
     assert [b.batch_id for b in q.open_batches()] == [still_open.batch_id]
     with pytest.raises(BatchNotFoundError):
         q.get_batch(acked.batch_id)
+
+
+def test_open_batches_of_a_consumer_prefix(dbq: DbQueue) -> None:
+    """A task's earlier tries' batches are found by the prefix of their consumer, whatever other
+    consumers hold; LIKE's wildcards in a prefix are plain characters."""
+    q = dbq.create_queue("orders")
+    q.push_batch([{"n": i} for i in range(8)])
+    mine = q.claim_batch(2, consumer="dag_a.t.run_1.-1.try1")
+    other = q.claim_batch(2, consumer="dagXa.t.run_1.-1.try1")  # '_' of the prefix must not match 'X'
+    later = q.claim_batch(2, consumer="dag_a.t.run_1.-1.try2")
+    done = q.claim_batch(2, consumer="dag_a.t.run_1.-1.try1")
+    assert mine is not None and other is not None and later is not None and done is not None
+    q.ack_batch(done.batch_id)
+    found = q.open_batches(consumer_prefix="dag_a.t.run_1.-1.try")
+    assert [b.batch_id for b in found] == [mine.batch_id, later.batch_id]
+    assert [b.batch_id for b in q.open_batches(consumer_prefix="dag_a.t.run_1.-1.try2")] == [later.batch_id]
+    assert q.open_batches(consumer_prefix="dag_b.") == []
+    assert len(q.open_batches()) == 3

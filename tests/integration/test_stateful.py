@@ -71,6 +71,8 @@ class Entry:
     """The current delivery while HELD."""
     expired: bool = False
     """HELD, but the lease has run out and nobody reclaimed it yet."""
+    deliveries: int = 0
+    """Hand-outs so far (a receipt's delivery); never reset."""
 
 
 class _Rollback(Exception):
@@ -133,6 +135,7 @@ class QueueMachine(RuleBasedStateMachine):
             assert m.payload == e.payload
             assert m.priority == e.priority
             assert m.attempts == e.attempts + 1
+            assert m.receipt == (e.id, e.deliveries + 1)
             assert m.queue == self.queue.name
             assert (m.lease_until is not None) == leased
 
@@ -187,6 +190,7 @@ class QueueMachine(RuleBasedStateMachine):
         if how == "at-least-once":
             self._pop_at_least_once(n)
         elif how == "at-most-once":
+            self.model_reclaim()  # reclaim_every_s = 0: every pop reclaims expired leases first
             expected = self.ready_order()[:n]
             msgs = self.queue.pop(n, semantics="at-most-once")
             self.check_delivery(msgs, expected, leased=False)
@@ -200,11 +204,17 @@ class QueueMachine(RuleBasedStateMachine):
         msgs = self.queue.pop(n, semantics="at-least-once")
         self.check_delivery(msgs, expected, leased=True)
         for m, e in zip(msgs, expected, strict=True):
-            e.state, e.attempts, e.lease, e.expired = HELD, m.attempts, m, False
+            e.state, e.attempts, e.lease, e.expired, e.deliveries = HELD, m.attempts, m, False, m.receipt[1]
 
     def _pop_exactly_once(self, n: int, *, commit: bool) -> None:
         with pytest.raises(TransactionRequiredError):
             self.queue.pop(n, semantics="exactly-once")  # no transaction given: refused, nothing taken
+        # The pop reclaims expired leases first, in its own transaction: they come back with its
+        # commit, and stay expired when it rolls back (the model changes only after a commit).
+        reclaimable = [e for e in self._in(HELD) if e.expired]
+        before = {e.id: (e.state, e.lease, e.expired) for e in reclaimable}
+        stale_before = len(self.stale)
+        self.model_reclaim()
         expected = self.ready_order()[:n]
         msgs: list[Message] = []
         try:
@@ -214,7 +224,10 @@ class QueueMachine(RuleBasedStateMachine):
                 if not commit:
                     raise _Rollback
         except _Rollback:
-            return  # the model is unchanged: the invariants check the messages are back in place
+            for e in reclaimable:  # the model is as before: the invariants check everything is back
+                e.state, e.lease, e.expired = before[e.id]
+            del self.stale[stale_before:]
+            return
         self._taken(msgs, expected)
 
     def _taken(self, msgs: list[Message], expected: list[Entry]) -> None:
@@ -346,8 +359,14 @@ class QueueMachine(RuleBasedStateMachine):
         assert [(m.payload, m.priority, m.attempts) for m in peeked] == [
             (e.payload, e.priority, e.attempts) for e in order
         ]
-        assert self.q.count_ready() == len(order)
-        assert self.q.count_ready(min_priority=0) == sum(e.priority >= 0 for e in order)
+        # count_ready counts what a pop could take: also expired leases with attempts left
+        back = [e for e in self._in(HELD) if e.expired and e.attempts < self.max_attempts]
+        assert self.q.count_ready() == len(order) + len(back)
+        assert self.q.count_ready(min_priority=0) == sum(e.priority >= 0 for e in order + back)
+        head = min(order + back, key=lambda e: (-e.priority, e.tick, e.id), default=None)
+        ready, receipt = self.q.readiness()
+        assert ready == len(order) + len(back)
+        assert receipt == (None if head is None else (head.id, head.deliveries))
 
     @invariant()
     def failed_match(self) -> None:

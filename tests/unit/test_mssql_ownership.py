@@ -446,6 +446,9 @@ class StaleConnection(FakeConnection):
         raise link_failure("SQLEndTran")
 
 
+COUNT_READY = {"queue_id": 1, "min_priority": 0, "cap": 10, "max_attempts": 5}
+
+
 def test_connections_dead_after_an_idle_spell_are_replaced_on_a_fake_sql_server(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -456,11 +459,11 @@ def test_connections_dead_after_an_idle_spell_are_replaced_on_a_fake_sql_server(
     fake = RestartedServer().attach(monkeypatch, db)
     stale = [StaleConnection(fake, f"old{i}", autocommit=False) for i in range(3)]
     db._idle = [(c, 0.0) for c in stale]  # idle since long ago
-    assert db.fetchone("count_ready", {"queue_id": 1, "min_priority": 0, "cap": 10}) == (1,)
+    assert db.fetchone("count_ready", COUNT_READY) == (1,)
     assert all(c.closed for c in stale) and len(fake.connections) == 1  # one new connection opened
     [new] = fake.connections
     assert (fake.log[0].app, fake.log[0].text) == ("old2", "SELECT 1")  # the one taken was checked
     assert [e.app for e in fake.log[1:]] == [None] and not new.closed  # the call ran on the new one
-    assert db.fetchone("count_ready", {"queue_id": 1, "min_priority": 0, "cap": 10}) == (1,)
+    assert db.fetchone("count_ready", COUNT_READY) == (1,)
     assert len(fake.log) == 3 and fake.log[2].app is None and len(fake.connections) == 1
     assert fake.log[2].text == fake.log[1].text  # just used: taken without a check

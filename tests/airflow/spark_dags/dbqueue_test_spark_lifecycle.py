@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
-from airflow.sdk import DAG
+from airflow.sdk import DAG, task
+from psycopg import sql
 
+from airflow_dbqueue.engine import Batch
+from airflow_dbqueue.hooks.dbqueue import DbQueueHook
 from airflow_dbqueue.operators.spark import DbQueueSparkSubmitOperator
 
 JOB = str(Path(__file__).with_name("sleepy_job.py"))
@@ -32,4 +39,115 @@ with DAG(dag_id="dbqueue_test_spark_timeout", schedule=None, catchup=False):
         lease_timeout=300,
         execution_timeout=dt.timedelta(seconds=25),
         retries=0,
+    )
+
+
+# -- a try killed mid-batch, and an earlier try still running (test_spark_operator.py) ---------------
+
+STAGING_JOB = str(Path(__file__).with_name("staging_job.py"))
+STAGING = Path(os.environ.get("DBQUEUE_TEST_STAGING", "/nonexistent"))
+"""Where the jobs stage their batches: a file a batch, named by its id (the tests set it)."""
+SCHEMA = os.environ.get("DBQUEUE_TEST_SCHEMA", "")
+"""The queue schema, which also holds the tests' results table ``drill_results``."""
+
+
+def _publish(conn: Any, batch: Batch) -> None:
+    """Move the batch's staging into the results (in the ack's transaction), then drop the staging."""
+    staged = STAGING / batch.batch_id
+    assert int(staged.read_text()) == batch.size, "the job staged another batch size"
+    conn.execute(
+        sql.SQL("INSERT INTO {}.drill_results (id, batch_id) SELECT unnest(%s::bigint[]), %s").format(
+            sql.Identifier(SCHEMA)
+        ),
+        ([i for i, _ in batch.receipts], batch.batch_id),
+    )
+    staged.unlink()
+
+
+def _discard(conn: Any, batch: Batch) -> None:
+    (STAGING / batch.batch_id).unlink(missing_ok=True)
+
+
+def _earlier_try(ti: Any) -> str:
+    """The consumer name of an earlier try of the task ``process`` of this run."""
+    return f"{ti.dag_id}.process.{ti.run_id}.{ti.map_index}.try0"
+
+
+with DAG(dag_id="dbqueue_test_spark_killed_try", schedule=None, catchup=False):
+
+    @task
+    def killed_try(**context: Any) -> str:
+        """Leave what a try of ``process`` that was SIGKILLed mid-batch leaves: its batch claimed, part
+        of its staging written, and its job still running (a process with the batch id on its command
+        line, in a session of its own: the killed task's orphan), writing staging."""
+        with DbQueueHook() as hook:
+            batch = hook.get_queue("jobs").claim_batch(
+                10, visibility_timeout=600, consumer=_earlier_try(context["ti"])
+            )
+        assert batch is not None
+        job = [sys.executable, STAGING_JOB, str(STAGING), "--orphan", "--batch-id", batch.batch_id]
+        subprocess.Popen(
+            [*job, "--batch-size", "partial", "--batch-query", "-"],
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        return batch.batch_id
+
+    killed_try() >> DbQueueSparkSubmitOperator(
+        task_id="process",
+        queue_name="jobs",
+        application=STAGING_JOB,
+        application_args=[str(STAGING)],
+        max_messages=50,
+        max_batches=3,
+        lease_timeout=120,
+        publish=_publish,
+        discard=_discard,
+    )
+
+
+def _publish_while_an_earlier_try_claims(conn: Any, batch: Batch) -> None:
+    """Publish, and on the first try, claim a batch as an earlier try that is still running would (in
+    a connection of its own, committed at once)."""
+    from airflow.sdk import get_current_context
+
+    ti = get_current_context()["ti"]
+    if ti.try_number == 1:
+        with DbQueueHook() as hook:
+            assert hook.get_queue("jobs").claim_batch(5, consumer=_earlier_try(ti)) is not None
+    _publish(conn, batch)
+
+
+with DAG(dag_id="dbqueue_test_spark_zombie_claims", schedule=None, catchup=False):
+    DbQueueSparkSubmitOperator(
+        task_id="process",
+        queue_name="jobs",
+        application=STAGING_JOB,
+        application_args=[str(STAGING)],
+        max_messages=20,
+        max_batches=1,
+        lease_timeout=120,
+        publish=_publish_while_an_earlier_try_claims,
+        discard=_discard,
+        retries=1,
+        retry_delay=dt.timedelta(seconds=0),
+    )
+
+
+with DAG(dag_id="dbqueue_test_spark_sigkill", schedule=None, catchup=False):
+    # Run by a real scheduler (test_spark_operator.py): the job of the first try SIGKILLs the task
+    # process mid-batch and goes on running as its orphan; the retry must clean up after it.
+    DbQueueSparkSubmitOperator(
+        task_id="process",
+        queue_name="jobs",
+        application=STAGING_JOB,
+        application_args=[str(STAGING), "--kill-task-once"],
+        max_messages=50,
+        max_batches=2,
+        lease_timeout=600,
+        publish=_publish,
+        discard=_discard,
+        retries=1,
+        retry_delay=dt.timedelta(seconds=0),
     )

@@ -355,11 +355,18 @@ WHERE m.queue_id = %(queue_id)s AND m.state = 0 AND m.process_at <= SYSUTCDATETI
 ORDER BY m.priority DESC, m.process_at, m.id
 
 -- name: count_ready
--- Ready messages of at least min_priority, counted up to a cap (a sensor needs "at least k", not a total).
+-- Messages a pop could take now, of at least min_priority, counted up to a cap (a sensor needs "at
+-- least k", not a total): those ready, and those whose lease expired with attempts left, which a pop
+-- reclaims first (back to ready in their place). An expired lease out of attempts goes to failed.
 SELECT count(*) FROM (
-    SELECT TOP (%(cap)s) 1 AS one FROM {schema}.meta
-    WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= SYSUTCDATETIME()
-      AND priority >= %(min_priority)s) s
+    SELECT TOP (%(cap)s) 1 AS one FROM (
+        SELECT TOP (%(cap)s) 1 AS one FROM {schema}.meta
+        WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= SYSUTCDATETIME()
+          AND priority >= %(min_priority)s
+        UNION ALL
+        SELECT TOP (%(cap)s) 1 AS one FROM {schema}.meta
+        WHERE queue_id = %(queue_id)s AND state = 1 AND lease_until <= SYSUTCDATETIME()
+          AND attempts < %(max_attempts)s AND priority >= %(min_priority)s) u) s
 
 -- name: next_due
 -- Seconds until the earliest delayed message becomes ready (NULL when none is delayed).
@@ -410,17 +417,34 @@ ELSE
 SELECT id FROM @gone
 
 -- name: ready_head
--- For observers (sensor, trigger): ready messages of at least min_priority counted up to a cap, and the
--- (id, deliveries) of the message a pop would take first. head_id is NULL when nothing is ready.
+-- For observers (sensor, trigger): what a pop could take now (as count_ready: ready messages and
+-- expired leases with attempts left) of at least min_priority, counted up to a cap, and the
+-- (id, deliveries) of the message a pop would take first. head_id is NULL when nothing is ready. A
+-- reclaim keeps a message's place (process_at) and deliveries, so an expired lease is the head it will
+-- be once reclaimed.
 SELECT r.ready, h.id AS head_id, h.deliveries AS head_deliveries
 FROM (SELECT count(*) AS ready FROM (
-        SELECT TOP (%(cap)s) 1 AS one FROM {schema}.meta
-        WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= SYSUTCDATETIME()
-          AND priority >= %(min_priority)s) s) r
+        SELECT TOP (%(cap)s) 1 AS one FROM (
+            SELECT TOP (%(cap)s) 1 AS one FROM {schema}.meta
+            WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= SYSUTCDATETIME()
+              AND priority >= %(min_priority)s
+            UNION ALL
+            SELECT TOP (%(cap)s) 1 AS one FROM {schema}.meta
+            WHERE queue_id = %(queue_id)s AND state = 1 AND lease_until <= SYSUTCDATETIME()
+              AND attempts < %(max_attempts)s AND priority >= %(min_priority)s) u) s) r
 OUTER APPLY (
-    SELECT TOP (1) id, deliveries FROM {schema}.meta
-    WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= SYSUTCDATETIME()
-    ORDER BY priority DESC, process_at, id) h
+    SELECT TOP (1) c.id, c.deliveries FROM (
+        SELECT a.id, a.deliveries, a.priority, a.process_at FROM (
+            SELECT TOP (1) id, deliveries, priority, process_at FROM {schema}.meta
+            WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= SYSUTCDATETIME()
+            ORDER BY priority DESC, process_at, id) a
+        UNION ALL
+        SELECT b.id, b.deliveries, b.priority, b.process_at FROM (
+            SELECT TOP (1) id, deliveries, priority, process_at FROM {schema}.meta
+            WHERE queue_id = %(queue_id)s AND state = 1 AND lease_until <= SYSUTCDATETIME()
+              AND attempts < %(max_attempts)s
+            ORDER BY priority DESC, process_at, id) b) c
+    ORDER BY c.priority DESC, c.process_at, c.id) h
 
 -- name: leased
 -- The leased messages of the given receipts (id, delivery) whose lease is still held, with payloads.
@@ -536,7 +560,9 @@ DELETE i FROM {schema}.batch_items i JOIN @gone g ON g.batch_id = i.batch_id;
 SELECT batch_id FROM @gone
 
 -- name: open_batches
--- Batches still claimed, oldest first (for operators of the platform and for cleanup).
+-- Batches still claimed, oldest first (for operators of the platform and for cleanup), of every
+-- consumer or of those whose consumer starts with consumer_prefix (a task's earlier tries; the length
+-- of the prefix with an x added, less one, counts trailing spaces, which LEN drops).
 SELECT TOP (%(limit)s) b.batch_id, b.state,
        N'[' + (SELECT STRING_AGG(CAST(i.id AS nvarchar(max)), N',') WITHIN GROUP (ORDER BY i.ord)
                FROM {schema}.batch_items i WHERE i.batch_id = b.batch_id) + N']' AS ids,
@@ -545,6 +571,8 @@ SELECT TOP (%(limit)s) b.batch_id, b.state,
        b.consumer, b.claimed_at, b.lease_until, b.finished_at, b.last_error
 FROM {schema}.batches b
 WHERE b.queue_id = %(queue_id)s AND b.state = 0
+  AND (%(consumer_prefix)s IS NULL
+       OR LEFT(b.consumer, LEN(%(consumer_prefix)s + N'x') - 1) = %(consumer_prefix)s)
 ORDER BY b.claimed_at
 
 -- name: batch_rows
@@ -964,17 +992,48 @@ WHERE r_due <= SYSUTCDATETIME()
 ORDER BY CASE WHEN r_attempts = 0 THEN 1 ELSE 0 END, r_id
 
 -- name: ring_count_ready
-SELECT count(*) FROM (
-    SELECT TOP (%(cap)s) 1 AS one FROM {schema}.ring_ready(%(queue_id)s) WHERE r_due <= SYSUTCDATETIME()) s
+-- What a pop could take now, counted up to a cap: ring_ready()'s due messages, and those whose lease
+-- expired with attempts left, which a pop reclaims first (ring_reclaim_expired): the n messages of each
+-- expired ring_leases row (first deliveries, attempt 1: attempts left when max_attempts > 1) and each
+-- expired leased retry row with attempts left. An expired lease out of attempts goes to ring_failed.
+SELECT CASE WHEN x.ready > %(cap)s THEN %(cap)s ELSE x.ready END FROM (SELECT
+    (SELECT count(*) FROM (
+        SELECT TOP (%(cap)s) 1 AS one FROM {schema}.ring_ready(%(queue_id)s) WHERE r_due <= SYSUTCDATETIME()) s)
+    + (SELECT count(*) FROM {schema}.ring_retry t
+       WHERE t.queue_id = %(queue_id)s AND t.state = 2 AND t.due_at <= SYSUTCDATETIME()
+         AND t.attempts < %(max_attempts)s)
+    + (SELECT coalesce(sum(CAST(e.n AS bigint)), 0) FROM {schema}.ring_leases e
+       WHERE e.queue_id = %(queue_id)s AND e.lease_until <= SYSUTCDATETIME() AND %(max_attempts)s > 1)
+    AS ready) x
 
 -- name: ring_ready_head
-SELECT r.ready, h.r_id AS head_id, h.r_deliveries AS head_deliveries
-FROM (SELECT count(*) AS ready FROM (
-        SELECT TOP (%(cap)s) 1 AS one FROM {schema}.ring_ready(%(queue_id)s) WHERE r_due <= SYSUTCDATETIME()) s) r
+-- For observers: ring_count_ready's count and the (id, delivery) a pop would take first. Pops serve the
+-- messages to deliver again first, in id order (an expired lease among them once reclaimed: a retry row
+-- keeps its deliveries, and a ring_leases row's lowest message is its lo, delivered once), then the
+-- lanes' messages in id order.
+SELECT CASE WHEN x.ready > %(cap)s THEN %(cap)s ELSE x.ready END AS ready, h.r_id AS head_id,
+       h.r_deliveries AS head_deliveries
+FROM (SELECT
+    (SELECT count(*) FROM (
+        SELECT TOP (%(cap)s) 1 AS one FROM {schema}.ring_ready(%(queue_id)s) WHERE r_due <= SYSUTCDATETIME()) s)
+    + (SELECT count(*) FROM {schema}.ring_retry t
+       WHERE t.queue_id = %(queue_id)s AND t.state = 2 AND t.due_at <= SYSUTCDATETIME()
+         AND t.attempts < %(max_attempts)s)
+    + (SELECT coalesce(sum(CAST(e.n AS bigint)), 0) FROM {schema}.ring_leases e
+       WHERE e.queue_id = %(queue_id)s AND e.lease_until <= SYSUTCDATETIME() AND %(max_attempts)s > 1)
+    AS ready) x
 OUTER APPLY (
-    SELECT TOP (1) r_id, r_deliveries FROM {schema}.ring_ready(%(queue_id)s)
-    WHERE r_due <= SYSUTCDATETIME()
-    ORDER BY CASE WHEN r_attempts = 0 THEN 1 ELSE 0 END, r_id) h
+    SELECT TOP (1) c.r_id, c.r_deliveries FROM (
+        SELECT r_id, r_deliveries, CASE WHEN r_attempts = 0 THEN 1 ELSE 0 END AS fresh
+        FROM {schema}.ring_ready(%(queue_id)s) WHERE r_due <= SYSUTCDATETIME()
+        UNION ALL
+        SELECT t.id, t.deliveries, 0 FROM {schema}.ring_retry t
+        WHERE t.queue_id = %(queue_id)s AND t.state = 2 AND t.due_at <= SYSUTCDATETIME()
+          AND t.attempts < %(max_attempts)s
+        UNION ALL
+        SELECT e.lo, 1, 0 FROM {schema}.ring_leases e
+        WHERE e.queue_id = %(queue_id)s AND e.lease_until <= SYSUTCDATETIME() AND %(max_attempts)s > 1) c
+    ORDER BY c.fresh, c.r_id) h
 
 -- name: ring_stats
 -- Depth by state, plus the ring's own figures: the push position (last number issued), the pop position

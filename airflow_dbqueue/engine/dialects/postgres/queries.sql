@@ -267,10 +267,18 @@ ORDER BY m.priority DESC, m.process_at, m.id
 LIMIT %(n)s
 
 -- name: count_ready
--- Ready messages of at least min_priority, counted up to a cap (a sensor needs "at least k", not a total).
+-- Messages a pop could take now, of at least min_priority, counted up to a cap (a sensor needs "at
+-- least k", not a total): those ready, and those whose lease expired with attempts left, which a pop
+-- reclaims first (back to ready in their place). An expired lease out of attempts goes to failed.
 SELECT count(*) FROM (
-    SELECT 1 FROM {schema}.meta
-    WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now() AND priority >= %(min_priority)s
+    (SELECT 1 FROM {schema}.meta
+     WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now() AND priority >= %(min_priority)s
+     LIMIT %(cap)s)
+    UNION ALL
+    (SELECT 1 FROM {schema}.meta
+     WHERE queue_id = %(queue_id)s AND state = 1 AND lease_until <= now() AND attempts < %(max_attempts)s
+       AND priority >= %(min_priority)s
+     LIMIT %(cap)s)
     LIMIT %(cap)s) s
 
 -- name: next_due
@@ -318,18 +326,36 @@ WITH gone AS (
 SELECT id FROM gone
 
 -- name: ready_head
--- For observers (sensor, trigger): ready messages of at least min_priority counted up to a cap, and the
--- (id, deliveries) of the message a pop would take first (the head: it changes when the queue is consumed,
--- and a message returned by nack comes back with one more delivery). head_id is NULL when nothing is ready.
+-- For observers (sensor, trigger): what a pop could take now (as count_ready: ready messages and
+-- expired leases with attempts left) of at least min_priority, counted up to a cap, and the
+-- (id, deliveries) of the message a pop would take first (the head: it changes when the queue is
+-- consumed, and a message returned by nack or by an expired lease comes back with one more delivery
+-- than it had as the head before). head_id is NULL when nothing is ready. A reclaim keeps a message's
+-- place (process_at) and deliveries, so an expired lease is the head it will be once reclaimed.
 SELECT r.ready, h.id AS head_id, h.deliveries AS head_deliveries
 FROM (SELECT count(*) AS ready FROM (
-        SELECT 1 FROM {schema}.meta
-        WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now() AND priority >= %(min_priority)s
+        (SELECT 1 FROM {schema}.meta
+         WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
+           AND priority >= %(min_priority)s
+         LIMIT %(cap)s)
+        UNION ALL
+        (SELECT 1 FROM {schema}.meta
+         WHERE queue_id = %(queue_id)s AND state = 1 AND lease_until <= now()
+           AND attempts < %(max_attempts)s AND priority >= %(min_priority)s
+         LIMIT %(cap)s)
         LIMIT %(cap)s) s) r
 LEFT JOIN LATERAL (
-    SELECT id, deliveries FROM {schema}.meta
-    WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
-    ORDER BY priority DESC, process_at, id
+    SELECT c.id, c.deliveries FROM (
+        (SELECT id, deliveries, priority, process_at FROM {schema}.meta
+         WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
+         ORDER BY priority DESC, process_at, id
+         LIMIT 1)
+        UNION ALL
+        (SELECT id, deliveries, priority, process_at FROM {schema}.meta
+         WHERE queue_id = %(queue_id)s AND state = 1 AND lease_until <= now() AND attempts < %(max_attempts)s
+         ORDER BY priority DESC, process_at, id
+         LIMIT 1)) c
+    ORDER BY c.priority DESC, c.process_at, c.id
     LIMIT 1) h ON true
 
 -- name: leased
@@ -415,10 +441,13 @@ WHERE b.ctid = ANY (ARRAY(
 RETURNING b.batch_id
 
 -- name: open_batches
--- Batches still claimed, oldest first (for operators of the platform and for cleanup).
+-- Batches still claimed, oldest first (for operators of the platform and for cleanup), of every
+-- consumer or of those whose consumer starts with consumer_prefix (a task's earlier tries).
 SELECT batch_id, state, ids, deliveries, consumer, claimed_at, lease_until, finished_at, last_error
 FROM {schema}.batches
 WHERE queue_id = %(queue_id)s AND state = 0
+  AND (%(consumer_prefix)s::text IS NULL
+       OR left(consumer, length(%(consumer_prefix)s::text)) = %(consumer_prefix)s::text)
 ORDER BY claimed_at
 LIMIT %(limit)s
 
@@ -729,17 +758,44 @@ ORDER BY r_attempts = 0, r_id
 LIMIT %(n)s
 
 -- name: ring_count_ready
-SELECT count(*) FROM (
-    SELECT 1 FROM {schema}.ring_ready(%(queue_id)s::integer) WHERE r_due <= now() LIMIT %(cap)s) s
+-- What a pop could take now, counted up to a cap: ring_ready()'s due messages, and those whose lease
+-- expired with attempts left, which a pop reclaims first (ring_reclaim_expired): the n messages of each
+-- expired ring_leases row (first deliveries, attempt 1: attempts left when max_attempts > 1) and each
+-- expired leased retry row with attempts left. An expired lease out of attempts goes to ring_failed.
+SELECT least(%(cap)s::bigint,
+    (SELECT count(*) FROM (
+        SELECT 1 FROM {schema}.ring_ready(%(queue_id)s::integer) WHERE r_due <= now() LIMIT %(cap)s) s)
+    + (SELECT count(*) FROM {schema}.ring_retry t
+       WHERE t.queue_id = %(queue_id)s AND t.state = 2 AND t.due_at <= now() AND t.attempts < %(max_attempts)s)
+    + (SELECT coalesce(sum(e.n), 0) FROM {schema}.ring_leases e
+       WHERE e.queue_id = %(queue_id)s AND e.lease_until <= now() AND %(max_attempts)s > 1))
 
 -- name: ring_ready_head
-SELECT r.ready, h.r_id AS head_id, h.r_deliveries AS head_deliveries
-FROM (SELECT count(*) AS ready FROM (
-        SELECT 1 FROM {schema}.ring_ready(%(queue_id)s::integer) WHERE r_due <= now() LIMIT %(cap)s) s) r
+-- For observers: ring_count_ready's count and the (id, delivery) a pop would take first. Pops serve the
+-- messages to deliver again first, in id order (an expired lease among them once reclaimed: a retry row
+-- keeps its deliveries, and a ring_leases row's lowest message is its lo, delivered once), then the
+-- lanes' messages in id order.
+SELECT least(%(cap)s::bigint,
+    (SELECT count(*) FROM (
+        SELECT 1 FROM {schema}.ring_ready(%(queue_id)s::integer) WHERE r_due <= now() LIMIT %(cap)s) s)
+    + (SELECT count(*) FROM {schema}.ring_retry t
+       WHERE t.queue_id = %(queue_id)s AND t.state = 2 AND t.due_at <= now() AND t.attempts < %(max_attempts)s)
+    + (SELECT coalesce(sum(e.n), 0) FROM {schema}.ring_leases e
+       WHERE e.queue_id = %(queue_id)s AND e.lease_until <= now() AND %(max_attempts)s > 1)) AS ready,
+    h.r_id AS head_id, h.r_deliveries AS head_deliveries
+FROM (SELECT 1) one
 LEFT JOIN LATERAL (
-    SELECT r_id, r_deliveries FROM {schema}.ring_ready(%(queue_id)s::integer)
-    WHERE r_due <= now()
-    ORDER BY r_attempts = 0, r_id
+    SELECT c.r_id, c.r_deliveries FROM (
+        SELECT r_id, r_deliveries, r_attempts = 0 AS fresh FROM {schema}.ring_ready(%(queue_id)s::integer)
+        WHERE r_due <= now()
+        UNION ALL
+        SELECT t.id, t.deliveries, false FROM {schema}.ring_retry t
+        WHERE t.queue_id = %(queue_id)s AND t.state = 2 AND t.due_at <= now()
+          AND t.attempts < %(max_attempts)s
+        UNION ALL
+        SELECT e.lo, 1, false FROM {schema}.ring_leases e
+        WHERE e.queue_id = %(queue_id)s AND e.lease_until <= now() AND %(max_attempts)s > 1) c
+    ORDER BY c.fresh, c.r_id
     LIMIT 1) h ON true
 
 -- name: ring_stats
