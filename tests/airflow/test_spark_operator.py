@@ -112,11 +112,16 @@ def drill_env(tmp_path: Path, pg_dsn: str, dbq: DbQueue) -> dict[str, str]:
 
 
 def results(pg_dsn: str, schema: str) -> list[tuple[int, str, bytes]]:
-    """The drill's results with each message's payload: (id, batch id, payload)."""
+    """The drill's results with each message's payload: (id, batch id, payload). A small payload is in
+    its message's meta row (or done row, once finished), a large one in data."""
     with psycopg.connect(pg_dsn) as c:
         return c.execute(
             sql.SQL(
-                "SELECT r.id, r.batch_id, d.payload FROM {s}.drill_results r JOIN {s}.data d ON d.id = r.id"
+                "SELECT * FROM (SELECT r.id, r.batch_id, coalesce("
+                "(SELECT m.payload FROM {s}.meta m WHERE m.id = r.id), "
+                "(SELECT f.payload FROM {s}.done f WHERE f.id = r.id), "
+                "(SELECT d.payload FROM {s}.data d WHERE d.id = r.id)) AS payload "
+                "FROM {s}.drill_results r) x WHERE x.payload IS NOT NULL"
             ).format(s=sql.Identifier(schema))
         ).fetchall()
 
