@@ -58,7 +58,11 @@ def batches(dbq: DbQueue) -> list[tuple[str, int, int]]:
 
 
 def finished_payloads(dbq: DbQueue) -> list[Any]:
-    rows = run_sql(dbq, "SELECT d.payload FROM {schema}.done f JOIN {schema}.data d ON d.id = f.id")
+    """Payloads of the finished messages: in their done rows (small ones) or in data (large ones)."""
+    rows = run_sql(
+        dbq,
+        "SELECT coalesce(f.payload, d.payload) FROM {schema}.done f LEFT JOIN {schema}.data d ON d.id = f.id",
+    )
     return [json.loads(bytes(r[0])) for r in rows]
 
 

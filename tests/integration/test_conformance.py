@@ -99,6 +99,17 @@ def count_rows(dbq: DbQueue, table: str, queue_id: int | None = None) -> int:
     return int(rows[0][0])
 
 
+def count_payloads(dbq: DbQueue) -> tuple[int, int]:
+    """Stored payloads of the table design: ``(in their own meta or done row, in data)``."""
+    rows = run_sql(
+        dbq,
+        "SELECT (SELECT count(*) FROM {schema}.meta WHERE payload IS NOT NULL) "
+        "+ (SELECT count(*) FROM {schema}.done WHERE payload IS NOT NULL), "
+        "(SELECT count(*) FROM {schema}.data)",
+    )
+    return int(rows[0][0]), int(rows[0][1])
+
+
 CLOCK_SQL = {
     "postgresql": {
         "due_now": "UPDATE {schema}.meta SET process_at = now() WHERE id = %(id)s",
@@ -591,26 +602,29 @@ def test_create_queue_is_idempotent_and_checks_settings(dbq: DbQueue) -> None:
 
 
 def test_drop_queue_removes_everything(dbq: DbQueue) -> None:
-    """Every row of the dropped queue goes (its payloads too); another queue's stay, whole."""
+    """Every row of the dropped queue goes (its payloads too, small ones in their rows and large ones in
+    data); another queue's stay, whole."""
     q = dbq.create_queue("tmp")
     other = dbq.create_queue("other")
-    kept_payloads = ["k1", "k2"]
+    kept_payloads = ["k1", "k2" * 1000]
     other.push_batch(kept_payloads)
-    q.push_batch([1, 2, 3])
+    big = "b" * 2000
+    q.push_batch([1, big, 3, big])
     assert [m.payload for m in q.pop(1)] == [1]
     [late] = q.pop(1, semantics="at-least-once")
-    q.ack([late])  # one popped, one finished (kept for the archiver), one still queued
+    q.ack([late])  # one popped, one finished (kept for the archiver), two still queued
     queue_id = q.settings.queue_id
-    assert count_rows(dbq, "meta", queue_id) == 1
+    assert count_rows(dbq, "meta", queue_id) == 2
     assert count_rows(dbq, "done", queue_id) == kept(q, 2)
-    assert count_rows(dbq, "data") == 2 + 1 + kept(q, 2)
+    # small payloads in their rows (1 of the other queue, 3 and 1 if kept), large ones in data
+    assert count_payloads(dbq) == (2 + kept(q, 1), 2 + kept(q, 1))
     assert dbq.drop_queue("tmp")
     with pytest.raises(QueueNotFoundError):
         dbq.queue("tmp")
     assert dbq.drop_queue("tmp", missing_ok=True) is False
     for table in ("meta", "done", "archive", "batches"):
         assert count_rows(dbq, table, queue_id) == 0, table
-    assert count_rows(dbq, "data") == 2  # the other queue's payloads only
+    assert count_payloads(dbq) == (1, 1)  # the other queue's payloads only
     assert checksum(m.payload for m in drain(other)) == checksum(kept_payloads)
 
 

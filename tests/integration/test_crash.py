@@ -61,8 +61,8 @@ def _done_rows(dbq: DbQueue, queue_id: int) -> list[tuple[int, int, int, Any]]:
     """``(id, attempts, outcome, payload)`` of every finished message of a queue (it archives)."""
     rows = run_sql(
         dbq,
-        "SELECT d.id, d.attempts, d.outcome, x.payload "
-        "FROM {schema}.done d JOIN {schema}.data x ON x.id = d.id WHERE d.queue_id = %(queue_id)s",
+        "SELECT d.id, d.attempts, d.outcome, coalesce(d.payload, x.payload) "
+        "FROM {schema}.done d LEFT JOIN {schema}.data x ON x.id = d.id WHERE d.queue_id = %(queue_id)s",
         {"queue_id": queue_id},
     )
     return [(r[0], r[1], r[2], json.loads(bytes(r[3]))) for r in rows]

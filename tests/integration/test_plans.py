@@ -78,14 +78,15 @@ def _walks_data(plan: dict[str, Any]) -> list[str]:
 
 
 def test_payloads_are_probed_by_id_even_with_empty_table_statistics(dbq: DbQueue) -> None:
-    """A drained queue analyzed while empty (as autovacuum does) must not make pops walk data."""
+    """A drained queue analyzed while empty (as autovacuum does) must not make pops walk data. The
+    payloads are over 1900 bytes, so they live in data (smaller ones stay in their meta rows)."""
     q = dbq.create_queue("drained", archive=False)
-    q.push_batch(list(range(2000)))
+    q.push_batch([f"{i}:" + "x" * 1950 for i in range(2000)])
     while q.pop(500):
         pass
     with dbq.db.connection() as c:
         c.execute(f'ANALYZE "{dbq.schema}".meta, "{dbq.schema}".data, "{dbq.schema}".done')
-        q.push_batch(list(range(20000)))
+        q.push_batch([f"{i}:" + "x" * 1950 for i in range(20000)])
         qid = q.settings.queue_id
         cases = {
             "pop_lease": {"queue_id": qid, "n": 250, "visibility_timeout_s": 30.0, "consumer": "t"},

@@ -61,7 +61,7 @@ class Entry:
     """The model's view of one message."""
 
     id: int
-    payload: int
+    payload: int | str
     priority: int
     tick: int
     """Order of the statement that last set ``process_at``."""
@@ -163,9 +163,15 @@ class QueueMachine(RuleBasedStateMachine):
 
     # -- push ------------------------------------------------------------------------------------------
 
-    @rule(priority=st.sampled_from(PRIORITIES), k=st.integers(1, 5))
-    def push(self, priority: int, k: int) -> None:
-        payloads = [next(self.payloads) for _ in range(k)]
+    @rule(
+        priority=st.sampled_from(PRIORITIES), k=st.integers(1, 5), large=st.lists(st.booleans(), max_size=5)
+    )
+    def push(self, priority: int, k: int, large: list[bool]) -> None:
+        # A payload over 1900 bytes (a large one) goes to data; a small one stays in its meta row.
+        payloads: list[int | str] = [next(self.payloads) for _ in range(k)]
+        for i, big in enumerate(large[:k]):
+            if big:
+                payloads[i] = f"{payloads[i]}:" + "x" * 2000
         if k == 1:
             ids = [self.queue.push(payloads[0], priority=priority)]
         else:
@@ -385,10 +391,11 @@ class QueueMachine(RuleBasedStateMachine):
         row = self.admin.execute(
             sql.SQL(
                 """SELECT
-                    (SELECT coalesce(array_agg(ARRAY[id, state, attempts]), '{{}}') FROM {s}.meta
+                    (SELECT coalesce(array_agg(ARRAY[id, state, attempts, (payload IS NOT NULL)::int]),
+                                     '{{}}') FROM {s}.meta
                       WHERE queue_id = %(qid)s),
-                    (SELECT coalesce(array_agg(ARRAY[id, outcome]), '{{}}') FROM {s}.done
-                      WHERE queue_id = %(qid)s),
+                    (SELECT coalesce(array_agg(ARRAY[id, outcome, (payload IS NOT NULL)::int]), '{{}}')
+                      FROM {s}.done WHERE queue_id = %(qid)s),
                     (SELECT coalesce(array_agg(id), '{{}}') FROM {s}.data WHERE id = ANY(%(ids)s))"""
             ).format(s=sql.Identifier(self.dbq.schema)),
             {"qid": self.q.settings.queue_id, "ids": list(self.entries)},
@@ -397,6 +404,7 @@ class QueueMachine(RuleBasedStateMachine):
         meta_rows, done_rows, data_ids = row[0], row[1], set(row[2])
         meta = {r[0]: (r[1], r[2]) for r in meta_rows}
         done = {r[0]: r[1] for r in done_rows}
+        inline = {r[0] for r in meta_rows if r[3]} | {r[0] for r in done_rows if r[2]}
         assert len(meta) == len(meta_rows) and len(done) == len(done_rows), "an id appears twice"
         assert not meta.keys() & done.keys(), "an id is both live and finished"
         assert meta == {
@@ -408,8 +416,11 @@ class QueueMachine(RuleBasedStateMachine):
             else {}
         )
         assert done == expected_done
-        # Payloads stay with live messages and with finished ones kept for the archiver, nowhere else.
-        assert data_ids == meta.keys() | done.keys()
+        # Payloads stay with live messages and with finished ones kept for the archiver, nowhere else:
+        # each in its own row when small, in data when large, never in both.
+        assert data_ids | inline == meta.keys() | done.keys()
+        assert not data_ids & inline, "a payload both in its row and in data"
+        assert inline == {i for i in meta.keys() | done.keys() if isinstance(self.entries[i].payload, int)}
 
 
 def test_table_queue_matches_model(dbq: DbQueue, pg_dsn: str) -> None:

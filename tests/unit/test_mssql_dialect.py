@@ -131,7 +131,7 @@ def test_every_tsql_query_parses_as_tsql(name: str) -> None:
 def test_the_schema_parses_as_tsql() -> None:
     version, body = ms.schema_sql()
     stmts = tsql_statements(MssqlDatabase("mssql://h/db", schema="dbq").compose(body))
-    assert version == 4
+    assert version == 5
     created = [s for s in stmts if isinstance(s, exp.Create)]
     assert len(created) >= 12  # tables, sequence, indexes
 
@@ -233,19 +233,24 @@ FUNCTIONS = sorted(k for k, v in schema_blocks().items() if "\nCREATE OR ALTER F
 
 def test_the_schema_steps_are_versions_one_to_latest() -> None:
     latest, steps = ms.schema_steps()
-    assert latest == 4 and [v for v, _ in steps] == [1, 2, 3, 4]
+    assert latest == 5 and [v for v, _ in steps] == [1, 2, 3, 4, 5]
     assert steps[0][1] == [ms.schema_sql()[1]]
     blocks = schema_blocks()
     v2 = [k for k in blocks if k.startswith("v2_")]
     v3 = [k for k in blocks if k.startswith("v3_")]
     v4 = [k for k in blocks if k.startswith("v4_")]
+    v5 = [k for k in blocks if k.startswith("v5_")]
     assert v3 == ["v3_owned_objects"]  # the catalogue; the ring's new storage is version 4
+    assert v5 == ["v5_inline_payloads"]  # small payloads in the table design's meta and done rows
     # A step's blocks run in file order, after the earlier steps'.
-    assert list(blocks) == ["schema", *v2, *v3, *v4]
+    assert list(blocks) == ["schema", *v2, *v3, *v4, *v5]
     compose = MssqlDatabase("mssql://h/db", schema="dbq").compose
     assert [compose(b) for b in steps[1][1]] == [blocks[k] for k in v2]  # one batch a block
     assert [compose(b) for b in steps[2][1]] == [blocks[k] for k in v3]
     assert [compose(b) for b in steps[3][1]] == [blocks[k] for k in v4]
+    assert [compose(b) for b in steps[4][1]] == [blocks[k] for k in v5]
+    for table in ("meta", "done"):  # in the row (not a LOB), so meta's indexes still rebuild online
+        assert f"ALTER TABLE [dbq].{table} ADD payload varbinary(1900) NULL" in blocks["v5_inline_payloads"]
     assert "CREATE TABLE [dbq].owned_objects (" in blocks["v3_owned_objects"]
     assert "CREATE SCHEMA" not in blocks["schema"]  # install() creates it, only when it is missing
     for name in ("rings", "ring_slots", "ring_failed", "ring_lanes"):
@@ -1116,7 +1121,7 @@ def test_the_crash_suites_reads_on_a_fake_sql_server(monkeypatch: pytest.MonkeyP
     assert _done_rows(dbq, 5) == [(7, 2, 1, payload)]
     assert _meta_count(dbq, 5) == 0
     (done, done_values), (meta, meta_values) = fake.executed
-    assert "FROM [dbq].done d JOIN [dbq].data x ON x.id = d.id WHERE d.queue_id = ?" in done
+    assert "FROM [dbq].done d LEFT JOIN [dbq].data x ON x.id = d.id WHERE d.queue_id = ?" in done
     assert meta == "SELECT count(*) FROM [dbq].meta WHERE queue_id = ?"
     assert done_values == meta_values == [5]
     _check_sent(fake)

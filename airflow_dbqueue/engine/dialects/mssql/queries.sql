@@ -186,12 +186,13 @@ SELECT CAST(p.[key] AS int), NEXT VALUE FOR {schema}.message_id_seq OVER (ORDER 
        CONVERT(varbinary(max), p.[value], 2)
 FROM OPENJSON(%(payloads)s) p
 WHERE @locked >= 0 AND EXISTS (SELECT 1 FROM {schema}.queues WHERE queue_id = %(queue_id)s);
-INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at)
+INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload)
 SELECT id, %(queue_id)s, %(priority)s,
        DATEADD(microsecond, CAST(1e6 * (@delay_s - FLOOR(@delay_s)) AS int),
-               DATEADD(second, CAST(FLOOR(@delay_s) AS int), @now)), @now
+               DATEADD(second, CAST(FLOOR(@delay_s) AS int), @now)), @now,
+       CASE WHEN DATALENGTH(payload) <= 1900 THEN CONVERT(varbinary(1900), payload) END
 FROM @input;
-INSERT INTO {schema}.data (id, payload) SELECT id, payload FROM @input;
+INSERT INTO {schema}.data (id, payload) SELECT id, payload FROM @input WHERE DATALENGTH(payload) > 1900;
 SELECT id FROM @input ORDER BY ord
 
 -- name: pop_lease
@@ -205,19 +206,21 @@ DECLARE @until datetime2(6) = DATEADD(microsecond, CAST(1e6 * (@vt - FLOOR(@vt))
                                       DATEADD(second, CAST(FLOOR(@vt) AS int), @now));
 DECLARE @claimed TABLE (
     id bigint PRIMARY KEY, priority smallint, attempts int, deliveries int, process_at datetime2(6),
-    enqueued_at datetime2(6), lease_until datetime2(6));
+    enqueued_at datetime2(6), lease_until datetime2(6), payload varbinary(1900));
 WITH head AS (
-    SELECT TOP (%(n)s) id, state, attempts, deliveries, consumer, lease_until, priority, process_at, enqueued_at
+    SELECT TOP (%(n)s) id, state, attempts, deliveries, consumer, lease_until, priority, process_at, enqueued_at,
+           payload
     FROM {schema}.meta WITH (ROWLOCK, READPAST, UPDLOCK)
     WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= @now
     ORDER BY priority DESC, process_at, id)
 UPDATE head
 SET state = 1, attempts = attempts + 1, deliveries = deliveries + 1, consumer = %(consumer)s, lease_until = @until
 OUTPUT inserted.id, inserted.priority, inserted.attempts, inserted.deliveries, inserted.process_at,
-       inserted.enqueued_at, inserted.lease_until
+       inserted.enqueued_at, inserted.lease_until, inserted.payload
 INTO @claimed;
 SELECT c.id, c.priority, c.attempts, c.deliveries, c.enqueued_at, c.lease_until,
-       (SELECT d.payload FROM {schema}.data d WHERE d.id = c.id) AS payload
+       coalesce(CONVERT(varbinary(max), c.payload), (SELECT d.payload FROM {schema}.data d WHERE d.id = c.id))
+           AS payload
 FROM @claimed c
 ORDER BY c.priority DESC, c.process_at, c.id
 
@@ -229,22 +232,23 @@ DECLARE @now datetime2(6) = SYSUTCDATETIME();
 DECLARE @archive bit = %(archive)s;
 DECLARE @taken TABLE (
     id bigint PRIMARY KEY, queue_id int, priority smallint, attempts int, deliveries int,
-    process_at datetime2(6), enqueued_at datetime2(6), payload varbinary(max));
+    process_at datetime2(6), enqueued_at datetime2(6), payload varbinary(max), in_row bit);
 WITH head AS (
-    SELECT TOP (%(n)s) id, queue_id, priority, attempts, deliveries, process_at, enqueued_at
+    SELECT TOP (%(n)s) id, queue_id, priority, attempts, deliveries, process_at, enqueued_at, payload
     FROM {schema}.meta WITH (ROWLOCK, READPAST, UPDLOCK)
     WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= @now
     ORDER BY priority DESC, process_at, id)
 DELETE FROM head
 OUTPUT deleted.id, deleted.queue_id, deleted.priority, deleted.attempts + 1, deleted.deliveries + 1,
-       deleted.process_at, deleted.enqueued_at, NULL
+       deleted.process_at, deleted.enqueued_at, deleted.payload,
+       CASE WHEN deleted.payload IS NULL THEN 0 ELSE 1 END
 INTO @taken;
-UPDATE t SET payload = d.payload FROM @taken t JOIN {schema}.data d ON d.id = t.id;
+UPDATE t SET payload = d.payload FROM @taken t JOIN {schema}.data d ON d.id = t.id WHERE t.in_row = 0;
 IF @archive = 1
-    INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome)
-    SELECT id, queue_id, priority, attempts, enqueued_at, 1 FROM @taken;
+    INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload)
+    SELECT id, queue_id, priority, attempts, enqueued_at, 1, CASE WHEN in_row = 1 THEN payload END FROM @taken;
 ELSE
-    DELETE d FROM {schema}.data d WHERE d.id IN (SELECT id FROM @taken);
+    DELETE d FROM {schema}.data d WHERE d.id IN (SELECT id FROM @taken WHERE in_row = 0);
 SELECT t.id, t.priority, t.attempts, t.deliveries, t.enqueued_at, CAST(NULL AS datetime2(6)) AS lease_until,
        t.payload
 FROM @taken t
@@ -266,19 +270,22 @@ INSERT INTO @held (id, delivery)
 SELECT m.id, m.deliveries FROM {schema}.meta m WITH (UPDLOCK, ROWLOCK)
 JOIN @receipts r ON m.id = r.id AND m.deliveries = r.delivery
 WHERE m.queue_id = %(queue_id)s AND m.lease_until > @now;
-DECLARE @acked TABLE (id bigint PRIMARY KEY, queue_id int, priority smallint, attempts int, enqueued_at datetime2(6));
+DECLARE @acked TABLE (
+    id bigint PRIMARY KEY, queue_id int, priority smallint, attempts int, enqueued_at datetime2(6),
+    payload varbinary(1900));
 DECLARE @wanted int = (SELECT count(*) FROM @receipts);
 DECLARE @got int = (SELECT count(*) FROM @held);
 IF @got = @wanted
 BEGIN
     DELETE m
-    OUTPUT deleted.id, deleted.queue_id, deleted.priority, deleted.attempts, deleted.enqueued_at INTO @acked
+    OUTPUT deleted.id, deleted.queue_id, deleted.priority, deleted.attempts, deleted.enqueued_at,
+           deleted.payload INTO @acked
     FROM {schema}.meta m JOIN @held h ON h.id = m.id;
     IF @archive = 1
-        INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome)
-        SELECT id, queue_id, priority, attempts, enqueued_at, 1 FROM @acked;
+        INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload)
+        SELECT id, queue_id, priority, attempts, enqueued_at, 1, payload FROM @acked;
     ELSE
-        DELETE d FROM {schema}.data d WHERE d.id IN (SELECT id FROM @acked);
+        DELETE d FROM {schema}.data d WHERE d.id IN (SELECT id FROM @acked WHERE payload IS NULL);
 END;
 SELECT id FROM @acked
 
@@ -349,7 +356,8 @@ SELECT id, state FROM @moved
 
 -- name: peek
 SELECT TOP (%(n)s) m.id, m.priority, m.attempts, m.deliveries, m.enqueued_at, m.lease_until,
-       (SELECT d.payload FROM {schema}.data d WHERE d.id = m.id) AS payload
+       coalesce(CONVERT(varbinary(max), m.payload), (SELECT d.payload FROM {schema}.data d WHERE d.id = m.id))
+           AS payload
 FROM {schema}.meta m
 WHERE m.queue_id = %(queue_id)s AND m.state = 0 AND m.process_at <= SYSUTCDATETIME()
 ORDER BY m.priority DESC, m.process_at, m.id
@@ -388,7 +396,8 @@ SELECT
 
 -- name: list_failed
 SELECT TOP (%(limit)s) m.id, m.priority, m.attempts, m.enqueued_at, m.last_error,
-       (SELECT d.payload FROM {schema}.data d WHERE d.id = m.id) AS payload
+       coalesce(CONVERT(varbinary(max), m.payload), (SELECT d.payload FROM {schema}.data d WHERE d.id = m.id))
+           AS payload
 FROM {schema}.meta m
 WHERE m.queue_id = %(queue_id)s AND m.state = 2 AND m.id > %(after_id)s
 ORDER BY m.id
@@ -403,17 +412,20 @@ WHERE queue_id = %(queue_id)s AND state = 2
 -- name: delete_failed
 SET NOCOUNT ON;
 DECLARE @archive bit = %(archive)s;
-DECLARE @gone TABLE (id bigint PRIMARY KEY, queue_id int, priority smallint, attempts int, enqueued_at datetime2(6));
+DECLARE @gone TABLE (
+    id bigint PRIMARY KEY, queue_id int, priority smallint, attempts int, enqueued_at datetime2(6),
+    payload varbinary(1900));
 DELETE m
-OUTPUT deleted.id, deleted.queue_id, deleted.priority, deleted.attempts, deleted.enqueued_at INTO @gone
+OUTPUT deleted.id, deleted.queue_id, deleted.priority, deleted.attempts, deleted.enqueued_at, deleted.payload
+INTO @gone
 FROM {schema}.meta m
 WHERE m.queue_id = %(queue_id)s AND m.state = 2
   AND (%(all)s = 1 OR m.id IN (SELECT CAST([value] AS bigint) FROM OPENJSON(%(ids)s)));
 IF @archive = 1
-    INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome)
-    SELECT id, queue_id, priority, attempts, enqueued_at, 2 FROM @gone;
+    INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload)
+    SELECT id, queue_id, priority, attempts, enqueued_at, 2, payload FROM @gone;
 ELSE
-    DELETE d FROM {schema}.data d WHERE d.id IN (SELECT id FROM @gone);
+    DELETE d FROM {schema}.data d WHERE d.id IN (SELECT id FROM @gone WHERE payload IS NULL);
 SELECT id FROM @gone
 
 -- name: ready_head
@@ -449,7 +461,8 @@ OUTER APPLY (
 -- name: leased
 -- The leased messages of the given receipts (id, delivery) whose lease is still held, with payloads.
 SELECT m.id, m.priority, m.attempts, m.deliveries, m.enqueued_at, m.lease_until,
-       (SELECT d.payload FROM {schema}.data d WHERE d.id = m.id) AS payload
+       coalesce(CONVERT(varbinary(max), m.payload), (SELECT d.payload FROM {schema}.data d WHERE d.id = m.id))
+           AS payload
 FROM {schema}.meta m
 JOIN (SELECT CAST(i.[value] AS bigint) AS id, CAST(d.[value] AS int) AS delivery
       FROM OPENJSON(%(ids)s) i JOIN OPENJSON(%(deliveries)s) d ON d.[key] = i.[key]) r
@@ -578,7 +591,9 @@ ORDER BY b.claimed_at
 -- name: batch_rows
 -- The messages of one batch with their payloads, numbered 1..n in claim order (ord: a Spark JDBC
 -- reader partitions on it). Rendered to text with its parameters for readers in other processes.
-SELECT i.ord, i.id, i.delivery, (SELECT d.payload FROM {schema}.data d WHERE d.id = i.id) AS payload
+SELECT i.ord, i.id, i.delivery,
+       coalesce(CONVERT(varbinary(max), (SELECT m.payload FROM {schema}.meta m WHERE m.id = i.id)),
+                (SELECT d.payload FROM {schema}.data d WHERE d.id = i.id)) AS payload
 FROM {schema}.batches b
 JOIN {schema}.batch_items i ON i.batch_id = b.batch_id
 WHERE b.batch_id = %(batch_id)s AND b.queue_id = %(queue_id)s
@@ -655,22 +670,23 @@ DECLARE @queues TABLE (queue_id int PRIMARY KEY);
 INSERT INTO @queues (queue_id) SELECT DISTINCT CAST([value] AS int) FROM OPENJSON(%(queue_ids)s);
 DECLARE @batch TABLE (
     id bigint PRIMARY KEY, queue_id int, priority smallint, attempts int, enqueued_at datetime2(6),
-    finished_at datetime2(6), outcome tinyint);
+    finished_at datetime2(6), outcome tinyint, payload varbinary(1900));
 WITH old AS (
-    SELECT TOP (%(n)s) id, queue_id, priority, attempts, enqueued_at, finished_at, outcome
+    SELECT TOP (%(n)s) id, queue_id, priority, attempts, enqueued_at, finished_at, outcome, payload
     FROM {schema}.done WITH (ROWLOCK, READPAST, UPDLOCK)
     WHERE finished_at < @cutoff AND (@all = 1 OR queue_id IN (SELECT queue_id FROM @queues))
     ORDER BY finished_at)
 DELETE FROM old
 OUTPUT deleted.id, deleted.queue_id, deleted.priority, deleted.attempts, deleted.enqueued_at,
-       deleted.finished_at, deleted.outcome
+       deleted.finished_at, deleted.outcome, deleted.payload
 INTO @batch;
 INSERT INTO {schema}.archive (id, queue_id, priority, attempts, enqueued_at, finished_at, outcome, payload)
-SELECT b.id, b.queue_id, b.priority, b.attempts, b.enqueued_at, b.finished_at, b.outcome, coalesce(x.payload, 0x)
+SELECT b.id, b.queue_id, b.priority, b.attempts, b.enqueued_at, b.finished_at, b.outcome,
+       coalesce(CONVERT(varbinary(max), b.payload), x.payload, 0x)
 FROM @batch b LEFT JOIN {schema}.data x ON x.id = b.id
 WHERE EXISTS (SELECT 1 FROM {schema}.queues q WHERE q.queue_id = b.queue_id);
 DECLARE @archived int = @@ROWCOUNT;
-DELETE x FROM {schema}.data x WHERE x.id IN (SELECT id FROM @batch);
+DELETE x FROM {schema}.data x WHERE x.id IN (SELECT id FROM @batch WHERE payload IS NULL);
 SELECT count(*), @archived FROM @batch
 
 -- name: purge_archive_batch

@@ -9,8 +9,9 @@
 -- The schema itself is created by install() (only when it does not exist; an existing one must be
 -- empty), not here. Version 2 is the ring design whose pops wrote the slots; version 3 the engine's
 -- catalogue (owned_objects); version 4 the ring's new storage (v4_ blocks), as on PostgreSQL since its
--- migration 13: consumers advance positions of their own and never write a slot.
--- SCHEMA_VERSION: 4
+-- migration 13: consumers advance positions of their own and never write a slot; version 5 (v5_ blocks)
+-- keeps small payloads in the table design's meta row, as PostgreSQL's migration 14 does.
+-- SCHEMA_VERSION: 5
 
 -- name: schema
 CREATE TABLE {schema}.schema_version (
@@ -49,8 +50,10 @@ CREATE TABLE {schema}.queues (
 -- in Relational Databases").
 CREATE SEQUENCE {schema}.message_id_seq AS bigint START WITH 1 INCREMENT BY 1 CACHE 1000;
 
--- The table design's meta table (QueueMeta in Al Zabir's "Building High Performance Queue in Database"): small rows without LOB columns, the only table
--- the dequeue path searches, so its indexes can be rebuilt online. States and counters as on PostgreSQL:
+-- The table design's meta table (QueueMeta in Al Zabir's "Building High Performance Queue in
+-- Database"): rows without LOB columns, the only table the dequeue path searches, so its indexes can be
+-- rebuilt online. Since version 5 (v5_inline_payloads) a payload of up to 1900 bytes lives in the row
+-- itself. States and counters as on PostgreSQL:
 -- state 0 ready (or delayed, by process_at), 1 leased, 2 failed; deliveries never resets. Times are UTC.
 CREATE TABLE {schema}.meta (
     id bigint NOT NULL,
@@ -76,7 +79,8 @@ CREATE INDEX meta_leased_idx ON {schema}.meta (queue_id, lease_until) WHERE stat
 -- Failed-message admin.
 CREATE INDEX meta_failed_idx ON {schema}.meta (queue_id, id) WHERE state = 2;
 
--- Payloads (Al Zabir's QueueData), apart from the dequeue path; read only after a claim.
+-- Payloads over 1900 bytes (Al Zabir's QueueData; every payload before version 5), apart from the
+-- dequeue path; read by id only after a claim, when the meta or done row holds no payload of its own.
 CREATE TABLE {schema}.data (
     id bigint NOT NULL,
     payload varbinary(max) NOT NULL,
@@ -1960,3 +1964,12 @@ BEGIN
     WHERE t.queue_id = @queue_id AND x.attempts < @max_attempts;
     SELECT d.id AS r_id, d.state AS r_state FROM @done d;
 END
+
+-- name: v5_inline_payloads
+-- The table design keeps a payload of up to 1900 bytes in its meta row (and, once finished, in its done
+-- row) instead of a row of data: a push of a small payload writes one row instead of two, and a pop
+-- deletes from one table. varbinary(1900) is stored in the row, not as a large object, so meta's
+-- indexes still rebuild online; larger payloads stay in data. Readers take the row's payload and fall
+-- back to data, so the messages of an older install, whose payloads are all in data, read as before.
+ALTER TABLE {schema}.meta ADD payload varbinary(1900) NULL;
+ALTER TABLE {schema}.done ADD payload varbinary(1900) NULL;

@@ -143,10 +143,11 @@ WITH claimed AS (
         ORDER BY priority DESC, process_at, id
         LIMIT %(n)s
         FOR UPDATE SKIP LOCKED))
-    RETURNING m.id, m.priority, m.attempts, m.deliveries, m.process_at, m.enqueued_at, m.lease_until
+    RETURNING m.id, m.priority, m.attempts, m.deliveries, m.process_at, m.enqueued_at, m.lease_until,
+              m.payload
 )
 SELECT c.id, c.priority, c.attempts, c.deliveries, c.enqueued_at, c.lease_until,
-       (SELECT d.payload FROM {schema}.data d WHERE d.id = c.id) AS payload
+       coalesce(c.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = c.id)) AS payload
 FROM claimed c
 ORDER BY c.priority DESC, c.process_at, c.id
 
@@ -162,15 +163,16 @@ WITH taken AS (
         LIMIT %(n)s
         FOR UPDATE SKIP LOCKED))
     RETURNING m.id, m.queue_id, m.priority, m.attempts + 1 AS attempts, m.deliveries + 1 AS deliveries,
-              m.process_at, m.enqueued_at
+              m.process_at, m.enqueued_at, m.payload
 ), kept AS (
-    INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome)
-    SELECT id, queue_id, priority, attempts, enqueued_at, 1 FROM taken WHERE %(archive)s
+    INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload)
+    SELECT id, queue_id, priority, attempts, enqueued_at, 1, payload FROM taken WHERE %(archive)s
 ), dropped AS (
-    DELETE FROM {schema}.data d WHERE NOT %(archive)s AND d.id = ANY (ARRAY(SELECT id FROM taken))
+    DELETE FROM {schema}.data d
+    WHERE NOT %(archive)s AND d.id = ANY (ARRAY(SELECT id FROM taken WHERE payload IS NULL))
 )
 SELECT t.id, t.priority, t.attempts, t.deliveries, t.enqueued_at, NULL::timestamptz AS lease_until,
-       (SELECT d.payload FROM {schema}.data d WHERE d.id = t.id) AS payload
+       coalesce(t.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = t.id)) AS payload
 FROM taken t
 ORDER BY t.priority DESC, t.process_at, t.id
 
@@ -197,12 +199,13 @@ WITH acked AS (
             WHERE m.id = r.id AND m.deliveries = r.delivery AND m.queue_id = %(queue_id)s
               AND m.lease_until > now()
             OFFSET 0) h))
-    RETURNING m.id, m.queue_id, m.priority, m.attempts, m.enqueued_at
+    RETURNING m.id, m.queue_id, m.priority, m.attempts, m.enqueued_at, m.payload
 ), kept AS (
-    INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome)
-    SELECT id, queue_id, priority, attempts, enqueued_at, 1 FROM acked WHERE %(archive)s
+    INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload)
+    SELECT id, queue_id, priority, attempts, enqueued_at, 1, payload FROM acked WHERE %(archive)s
 ), dropped AS (
-    DELETE FROM {schema}.data d WHERE NOT %(archive)s AND d.id = ANY (ARRAY(SELECT id FROM acked))
+    DELETE FROM {schema}.data d
+    WHERE NOT %(archive)s AND d.id = ANY (ARRAY(SELECT id FROM acked WHERE payload IS NULL))
 ), checked AS (
     SELECT CASE WHEN count(*) = cardinality(%(ids)b::bigint[]) THEN count(*)
                 ELSE {schema}.receipts_not_held(cardinality(%(ids)b::bigint[]), count(*)) END AS n
@@ -260,7 +263,7 @@ RETURNING m.id, m.state
 
 -- name: peek
 SELECT m.id, m.priority, m.attempts, m.deliveries, m.enqueued_at, m.lease_until,
-       (SELECT d.payload FROM {schema}.data d WHERE d.id = m.id) AS payload
+       coalesce(m.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = m.id)) AS payload
 FROM {schema}.meta m
 WHERE m.queue_id = %(queue_id)s AND m.state = 0 AND m.process_at <= now()
 ORDER BY m.priority DESC, m.process_at, m.id
@@ -300,7 +303,7 @@ SELECT
 
 -- name: list_failed
 SELECT m.id, m.priority, m.attempts, m.enqueued_at, m.last_error,
-       (SELECT d.payload FROM {schema}.data d WHERE d.id = m.id) AS payload
+       coalesce(m.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = m.id)) AS payload
 FROM {schema}.meta m
 WHERE m.queue_id = %(queue_id)s AND m.state = 2 AND m.id > %(after_id)s
 ORDER BY m.id
@@ -316,12 +319,13 @@ RETURNING id
 WITH gone AS (
     DELETE FROM {schema}.meta
     WHERE queue_id = %(queue_id)s AND state = 2 AND (%(all)s OR id = ANY (%(ids)s::bigint[]))
-    RETURNING id, queue_id, priority, attempts, enqueued_at
+    RETURNING id, queue_id, priority, attempts, enqueued_at, payload
 ), kept AS (
-    INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome)
-    SELECT id, queue_id, priority, attempts, enqueued_at, 2 FROM gone WHERE %(archive)s
+    INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload)
+    SELECT id, queue_id, priority, attempts, enqueued_at, 2, payload FROM gone WHERE %(archive)s
 ), dropped AS (
-    DELETE FROM {schema}.data d WHERE NOT %(archive)s AND d.id = ANY (ARRAY(SELECT id FROM gone))
+    DELETE FROM {schema}.data d
+    WHERE NOT %(archive)s AND d.id = ANY (ARRAY(SELECT id FROM gone WHERE payload IS NULL))
 )
 SELECT id FROM gone
 
@@ -362,7 +366,7 @@ LEFT JOIN LATERAL (
 -- The leased messages of the given receipts (id, delivery) whose lease is still held, with payloads:
 -- a task that was handed only receipts (through XCom) reads its batch here.
 SELECT m.id, m.priority, m.attempts, m.deliveries, m.enqueued_at, m.lease_until,
-       (SELECT d.payload FROM {schema}.data d WHERE d.id = m.id) AS payload
+       coalesce(m.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = m.id)) AS payload
 FROM unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS r(id, delivery)
 CROSS JOIN LATERAL (
     SELECT * FROM {schema}.meta m
@@ -454,7 +458,9 @@ LIMIT %(limit)s
 -- name: batch_rows
 -- The messages of one batch with their payloads, numbered 1..n in claim order (ord: a Spark JDBC
 -- reader partitions on it). Rendered to text with its parameters for readers in other processes.
-SELECT r.ord, r.id, r.delivery, (SELECT d.payload FROM {schema}.data d WHERE d.id = r.id) AS payload
+SELECT r.ord, r.id, r.delivery,
+       coalesce((SELECT m.payload FROM {schema}.meta m WHERE m.id = r.id),
+                (SELECT d.payload FROM {schema}.data d WHERE d.id = r.id)) AS payload
 FROM {schema}.batches b
 CROSS JOIN LATERAL unnest(b.ids, b.deliveries) WITH ORDINALITY AS r(id, delivery, ord)
 WHERE b.batch_id = %(batch_id)s AND b.queue_id = %(queue_id)s
@@ -502,14 +508,14 @@ WITH batch AS (
           AND (%(all_queues)s OR queue_id = ANY (%(queue_ids)s::integer[]))
         LIMIT %(n)s
         FOR UPDATE SKIP LOCKED))
-    RETURNING d.id, d.queue_id, d.priority, d.attempts, d.enqueued_at, d.finished_at, d.outcome
+    RETURNING d.id, d.queue_id, d.priority, d.attempts, d.enqueued_at, d.finished_at, d.outcome, d.payload
 ), payloads AS (
-    DELETE FROM {schema}.data x WHERE x.id = ANY (ARRAY(SELECT id FROM batch))
+    DELETE FROM {schema}.data x WHERE x.id = ANY (ARRAY(SELECT id FROM batch WHERE payload IS NULL))
     RETURNING x.id, x.payload
 ), moved AS (
     INSERT INTO {schema}.archive (id, queue_id, priority, attempts, enqueued_at, finished_at, outcome, payload)
     SELECT b.id, b.queue_id, b.priority, b.attempts, b.enqueued_at, b.finished_at, b.outcome,
-           coalesce(p.payload, '\x'::bytea)
+           coalesce(b.payload, p.payload, '\x'::bytea)
     FROM batch b LEFT JOIN payloads p ON p.id = b.id
     WHERE EXISTS (SELECT 1 FROM {schema}.queues q WHERE q.queue_id = b.queue_id)
     RETURNING id

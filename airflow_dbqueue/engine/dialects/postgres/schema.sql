@@ -2,7 +2,7 @@
 -- {schema} is replaced by the quoted schema name. Keep in step with migrations/: a test checks that
 -- applying every migration from the first gives exactly this schema. The schema itself is created by
 -- install() (only when it does not exist; an existing one must be empty), not here.
--- SCHEMA_VERSION: 13
+-- SCHEMA_VERSION: 14
 
 -- name: schema
 CREATE TABLE {schema}.schema_version (
@@ -47,7 +47,11 @@ CREATE TABLE {schema}.queues (
 
 CREATE SEQUENCE {schema}.message_id_seq AS bigint;
 
--- The table design's meta table: small rows, the only table the dequeue path searches.
+-- The table design's meta table: one row a message, the only table the dequeue path searches.
+-- payload holds a payload of up to 1900 bytes (NULL: the payload is in data). With the row's other
+-- columns that stays below PostgreSQL's TOAST threshold (about 2 kB a row), so a small message is one
+-- plain heap row; a larger payload would be moved to TOAST (another table and index) anyway, and goes
+-- to data instead, as every payload did before schema 14.
 -- state: 0 ready (or delayed, by process_at), 1 leased (in flight), 2 failed.
 -- attempts counts deliveries towards max_attempts (requeue_failed resets it); deliveries counts every
 -- hand-out and never resets, so (id, deliveries) names one delivery: the receipt ack and nack check.
@@ -66,6 +70,7 @@ CREATE TABLE {schema}.meta (
     consumer text,
     last_error text,
     deliveries integer NOT NULL DEFAULT 0,
+    payload bytea,
     CONSTRAINT meta_pkey PRIMARY KEY (id),
     CONSTRAINT meta_state_valid CHECK (state IN (0, 1, 2)),
     CONSTRAINT meta_lease_valid CHECK ((state = 1) = (lease_until IS NOT NULL))
@@ -80,7 +85,8 @@ CREATE INDEX meta_leased_idx ON {schema}.meta (queue_id, lease_until) WHERE stat
 -- Failed-message admin.
 CREATE INDEX meta_failed_idx ON {schema}.meta (queue_id, id) WHERE state = 2;
 
--- Payloads, apart from the dequeue path; joined only after a claim.
+-- Payloads over 1900 bytes (and those pushed before schema 14), apart from the dequeue path; read by id
+-- only after a claim, when the meta or done row has no payload of its own.
 CREATE TABLE {schema}.data (
     id bigint NOT NULL,
     payload bytea NOT NULL,
@@ -91,6 +97,7 @@ CREATE TABLE {schema}.data (
 -- Finished messages waiting to be archived (queues with archive = true): appended by pop and ack, and
 -- moved to archive in small batches by the archiver (maintenance).
 -- outcome: 1 finished (popped at most once, or acked), 2 discarded from the failed state.
+-- payload: the meta row's payload, moved here with it (NULL: the payload is in data).
 CREATE TABLE {schema}.done (
     id bigint NOT NULL,
     queue_id integer NOT NULL,
@@ -99,6 +106,7 @@ CREATE TABLE {schema}.done (
     enqueued_at timestamptz NOT NULL,
     finished_at timestamptz NOT NULL DEFAULT now(),
     outcome smallint NOT NULL,
+    payload bytea,
     CONSTRAINT done_outcome_valid CHECK (outcome IN (1, 2))
 ) WITH (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
         autovacuum_vacuum_cost_delay = 0, autovacuum_vacuum_insert_scale_factor = 0.05,
@@ -124,7 +132,8 @@ $$;
 -- SERIALIZABLE the transaction's snapshot may predate the drop: there the queue's row is locked FOR KEY
 -- SHARE, which fails with a serialization error when a drop committed meanwhile (the caller runs its
 -- transaction again and finds the queue gone).
--- Ids come from the sequence in payload order; meta and data rows are written by one statement.
+-- Ids come from the sequence in payload order; meta and data rows are written by one statement. A
+-- payload of up to 1900 bytes goes into the meta row, a larger one into data (see meta).
 -- p_notify: 0 never, 1 when the queue had no ready message before (the statement's one snapshot does not
 -- see this push's own rows), 2 always.
 -- A function with generic plans: its statements are planned once a session, where the statement this
@@ -153,10 +162,13 @@ BEGIN
             SELECT nextval('{schema}.message_id_seq') AS id, p.payload, p.ord
             FROM unnest(p_payloads) WITH ORDINALITY AS p(payload, ord)
         ), m AS (
-            INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at)
-            SELECT i.id, p_queue_id, p_priority, now() + make_interval(secs => p_delay_s), now() FROM input i
+            INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload)
+            SELECT i.id, p_queue_id, p_priority, now() + make_interval(secs => p_delay_s), now(),
+                   CASE WHEN octet_length(i.payload) <= 1900 THEN i.payload END
+            FROM input i
         ), d AS (
-            INSERT INTO {schema}.data (id, payload) SELECT i.id, i.payload FROM input i
+            INSERT INTO {schema}.data (id, payload)
+            SELECT i.id, i.payload FROM input i WHERE octet_length(i.payload) > 1900
         )
         SELECT i.id FROM input i ORDER BY i.ord;
     ELSE
@@ -165,10 +177,13 @@ BEGIN
             SELECT nextval('{schema}.message_id_seq') AS id, p.payload, p.ord
             FROM unnest(p_payloads) WITH ORDINALITY AS p(payload, ord)
         ), m AS (
-            INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at)
-            SELECT i.id, p_queue_id, p_priority, now() + make_interval(secs => p_delay_s), now() FROM input i
+            INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload)
+            SELECT i.id, p_queue_id, p_priority, now() + make_interval(secs => p_delay_s), now(),
+                   CASE WHEN octet_length(i.payload) <= 1900 THEN i.payload END
+            FROM input i
         ), d AS (
-            INSERT INTO {schema}.data (id, payload) SELECT i.id, i.payload FROM input i
+            INSERT INTO {schema}.data (id, payload)
+            SELECT i.id, i.payload FROM input i WHERE octet_length(i.payload) > 1900
         ), n AS (
             SELECT pg_notify(p_channel, '') AS sent
             WHERE p_notify = 2 OR NOT EXISTS (
