@@ -129,8 +129,14 @@ class Chromium:
     def set_cookie(self, url: str, name: str, value: str) -> None:
         self.page("Network.setCookie", url=url, name=name, value=value, path="/")
 
-    def goto(self, url: str) -> None:
-        self.page("Page.navigate", url=url)
+    def goto(self, url: str, timeout: float = 20.0) -> None:
+        """Load ``url`` and wait until its document has loaded (its scripts have run)."""
+        answer = self.page("Page.navigate", url=url)
+        if answer.get("errorText"):
+            raise BrowserError(f"{url}: {answer['errorText']}")
+        self.wait_for(
+            f"location.href === {json.dumps(url)} && document.readyState === 'complete'", timeout=timeout
+        )
 
     def evaluate(self, expression: str) -> Any:
         """The value of a JavaScript expression in the page (a promise is awaited)."""

@@ -50,6 +50,8 @@ URL_PREFIX = "/dbqueue"
 RESOURCE = "DB Queues"
 """The custom view Airflow's auth manager is asked about (``is_authorized_custom_view``)."""
 MAINTENANCE_DAG = "dbqueue_maintenance"
+MAINTENANCE_DEFAULT_CONN = "dbqueue_default"
+"""The connection the maintenance DAG runs on when its run names none (its ``conn_id`` param)."""
 PREVIEW_CHARS = 240
 """Characters of a payload shown in a list of failed messages."""
 MAX_PAGE = 500
@@ -242,20 +244,22 @@ def last_maintenance() -> dict[str, Any] | None:
         ):
             results[x.task_id] = XComModel.deserialize_value(x)
         conf = run.conf or {}
-        archive = results.get("archive") or {}
+        archive = (results.get("archive") or {}).get("archive") or {}
         indexes = results.get("rebuild_indexes") or {}
         return {
             "run_id": run.run_id,
             "state": str(run.state) if run.state else None,
             "start_date": _iso(run.start_date),
             "end_date": _iso(run.end_date),
-            "conn_id": conf.get("conn_id"),
+            "conn_id": conf.get("conn_id") or MAINTENANCE_DEFAULT_CONN,
             "tasks": tasks,
-            "archived": archive.get("moved") if isinstance(archive, dict) else None,
+            "archived": archive.get("rows"),
+            "archive_skipped": archive.get("skipped"),
             "index_actions": [
                 {k: a.get(k) for k in ("index", "action", "ok", "reason", "error")}
-                for a in (indexes.get("actions") or [] if isinstance(indexes, dict) else [])
+                for a in indexes.get("actions") or []
             ],
+            "index_skipped": indexes.get("skipped"),
             "xmin_holders": (results.get("check_horizon") or {}).get("xmin_holders") or [],
         }
 

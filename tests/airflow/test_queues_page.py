@@ -30,6 +30,7 @@ import psycopg
 import pytest
 
 from airflow_dbqueue.engine import DbQueue
+from airflow_dbqueue.plugins.queues import PREVIEW_CHARS
 from tests.airflow.conftest import AIRFLOW, REPO, conn_json, migrated_airflow_env
 from tests.browser import Chromium, find_chromium
 from tests.helpers import checksum, require
@@ -49,6 +50,7 @@ class Server:
     schema: str
     dsn: str
     passwords: dict[str, str]
+    env: dict[str, str]
 
     def token(self, user: str) -> str:
         status, body = request(
@@ -99,7 +101,8 @@ def free_port() -> int:
 def server(pg_dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A real ``airflow api-server`` with the plugin, serving ``dbqueue_ui`` on a schema of its own."""
     home = tmp_path_factory.mktemp("airflow-ui-home")
-    dags = tmp_path_factory.mktemp("no-dags")
+    dags = tmp_path_factory.mktemp("dags")
+    (dags / "dbqueue_maintenance.py").symlink_to(REPO / "dags" / "dbqueue_maintenance.py")
     schema = f"t_ui_{uuid.uuid4().hex[:10]}"
     with DbQueue(pg_dsn, schema=schema, pool_size=1) as dbq:
         dbq.install()
@@ -137,7 +140,7 @@ def server(pg_dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
                     "the API server did not start:\n" + (home / "api-server.log").read_text()[-4000:]
                 )
             time.sleep(0.5)
-        yield Server(url=url, home=home, schema=schema, dsn=pg_dsn, passwords=passwords)
+        yield Server(url=url, home=home, schema=schema, dsn=pg_dsn, passwords=passwords, env=env)
     finally:
         proc.terminate()
         try:
@@ -292,6 +295,18 @@ def test_the_api_behind_airflows_authentication(server: Server) -> None:
     assert failed_payloads(server, k.name) == {
         i: p for i, p in k.failed_payloads.items() if i not in (first, second)
     }
+    # Long payloads are cut to a preview; bytes are shown in base64.
+    with DbQueue(server.dsn, schema=server.schema, pool_size=1) as dbq:
+        blobs = dbq.create_queue("api_blobs", payload_type="bytes", max_attempts=1)
+        blobs.push(bytes(range(256)) * 4)
+        blobs.nack(blobs.pop(1, semantics="at-least-once"), error="x" * 50)
+    status, body = request(f"{api}/connections/{CONN_ID}/queues/api_blobs/failed", token=op)
+    (blob,) = body["messages"]
+    assert blob["payload_preview"].startswith("base64:AAECAwQF") and blob["payload_preview"].endswith(
+        "\u2026"
+    )
+    assert len(blob["payload_preview"]) == PREVIEW_CHARS
+
     # An id that is no longer failed moves nothing.
     status, body = request(failed_url + "/requeue", method="POST", token=op, body={"ids": [first]})
     assert (status, body["requeued"]) == (200, 0)
@@ -307,6 +322,38 @@ def test_the_api_behind_airflows_authentication(server: Server) -> None:
     status, body = request(f"{api}/connections/{CONN_ID}/queues/bad%20name/failed", token=op)
     assert status == 400, body
     assert figures(server, k.name) == (8, 2, 3, 2)
+
+    # A connection of the provider's own type in Airflow's metadata database is served too.
+    other = f"t_ui_{uuid.uuid4().hex[:10]}"
+    with DbQueue(server.dsn, schema=other, pool_size=1) as dbq:
+        dbq.install()
+        dbq.create_queue("meta_orders").push_batch([{"n": i} for i in range(3)])
+    try:
+        fields = json.loads(conn_json(server.dsn, other))
+        status, body = request(
+            server.url + "/api/v2/connections",
+            method="POST",
+            token=op,
+            body={
+                "connection_id": "dbqueue_meta",
+                "conn_type": "dbqueue",
+                "host": fields["host"],
+                "port": fields["port"],
+                "login": fields["login"],
+                "password": fields["password"],
+                "schema": fields["schema"],
+                "extra": json.dumps({"dialect": "postgresql", "dbqueue_schema": other}),
+            },
+        )
+        assert status == 201, body
+        status, body = request(api + "/queues", token=viewer)
+        (meta,) = [c for c in body["connections"] if c["conn_id"] == "dbqueue_meta"]
+        assert (meta["conn_type"], meta["schema"], meta["error"]) == ("dbqueue", other, None)
+        assert [(q["name"], q["ready"]) for q in meta["queues"]] == [("meta_orders", 3)]
+    finally:
+        request(server.url + "/api/v2/connections/dbqueue_meta", method="DELETE", token=op)
+        with DbQueue(server.dsn, schema=other, pool_size=1) as dbq:
+            dbq.uninstall()
 
     # Only the op's actions are in Airflow's audit log, with what they did.
     assert server.audit() == [
@@ -330,6 +377,48 @@ def test_the_api_behind_airflows_authentication(server: Server) -> None:
     assert no_sessions_left(server.dsn)
 
 
+MAINTENANCE_STEPS = ("check_horizon", "upkeep", "archive", "vacuum", "rebuild_indexes", "metrics")
+
+
+def test_the_last_maintenance_run(server: Server) -> None:
+    with DbQueue(server.dsn, schema=server.schema, pool_size=1) as dbq:
+        q = dbq.create_queue("maint_orders")
+        q.push_batch([{"n": i} for i in range(5)])
+        assert q.ack(q.pop(5, semantics="at-least-once")) == 5
+    viewer = server.token("viewer")
+    status, body = request(server.url + "/dbqueue/api/queues", token=viewer)
+    assert (status, body["maintenance"]) == (200, None)
+    assert queue_row(body, "maint_orders")["finished"] == 5
+    (conn,) = [c for c in body["connections"] if c["conn_id"] == CONN_ID]
+    finished = sum(q["finished"] for q in conn["queues"])  # the other tests' deletions finish messages too
+
+    run = subprocess.run(
+        [
+            str(AIRFLOW),
+            "dags",
+            "test",
+            "dbqueue_maintenance",
+            "-c",
+            json.dumps({"conn_id": CONN_ID, "archive_after_s": 0}),
+        ],
+        env=server.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    status, body = request(server.url + "/dbqueue/api/queues", token=viewer)
+    m = body["maintenance"]
+    assert (m["state"], m["conn_id"]) == ("success", CONN_ID), m
+    assert m["tasks"] == dict.fromkeys(MAINTENANCE_STEPS, "success")
+    assert m["archived"] == finished and m["archive_skipped"] is None
+    assert m["start_date"] and m["end_date"] and m["xmin_holders"] == []
+    (conn,) = [c for c in body["connections"] if c["conn_id"] == CONN_ID]
+    assert [q["finished"] for q in conn["queues"]] == [0] * len(conn["queues"])
+
+
 def test_the_page_in_a_headless_browser(server: Server) -> None:
     chromium = find_chromium()
     require(None if chromium else "Chromium is missing", "apt-get install chromium; scripts/test installs it")
@@ -345,6 +434,11 @@ def test_the_page_in_a_headless_browser(server: Server) -> None:
         return f'document.querySelector(\'tr[data-queue="{queue}"] td[data-field="{field}"]\')?.textContent'
 
     with Chromium(chromium) as b:
+        # Without Airflow's session cookie the page shows nothing but that.
+        b.goto(server.url + "/dbqueue/")
+        b.wait_for("document.getElementById('status').textContent.includes('Not signed in')")
+        assert b.evaluate("document.querySelectorAll('tr[data-queue]').length") == 0
+
         b.set_cookie(server.url, "_token", server.token("operator"))
         b.goto(server.url + "/dbqueue/?refresh=5")
         b.wait_for(cell(k.name, "ready"))
@@ -385,16 +479,58 @@ def test_the_page_in_a_headless_browser(server: Server) -> None:
         b.wait_for("document.querySelectorAll('#failed-rows tr[data-message-id]').length === 3")
         b.screenshot(ARTIFACTS / "queues-page-after-requeue.png")
 
-    # Exactly that message is ready again, with its payload; nothing else moved.
-    assert figures(server, k.name) == (8, 2, 3, 3)
+        # Two selected messages deleted at once, after the confirmation; the third stays failed.
+        keep, *gone = sorted(set(k.failed_ids) - {target})
+        for i in gone:
+            b.evaluate(f"document.querySelector('#failed-rows input[value=\"{i}\"]').click()")
+        b.evaluate("document.getElementById('delete-selected').click()")
+        b.wait_for("document.getElementById('confirm').open")
+        assert f"Delete 2 messages of queue {k.name}" in b.evaluate(
+            "document.getElementById('confirm-text').textContent"
+        )
+        b.evaluate("document.getElementById('confirm-yes').click()")
+        b.wait_for("document.getElementById('status').textContent.includes('Deleted 2 of 2')")
+        b.wait_for(f"{cell(k.name, 'failed')} === '1'")
+        assert set(failed_payloads(server, k.name)) == {keep}
+        assert figures(server, k.name) == (8, 2, 3, 1)
+
+        # A viewer sees the same figures, the failed messages without payloads, and no actions.
+        b.set_cookie(server.url, "_token", server.token("viewer"))
+        b.goto(server.url + "/dbqueue/?refresh=0")
+        b.wait_for(f"{cell(k.name, 'failed')} === '1'")
+        b.evaluate(
+            f'document.querySelector(\'tr[data-queue="{k.name}"] td[data-field="failed"] button\').click()'
+        )
+        b.wait_for("document.querySelectorAll('#failed-rows tr[data-message-id]').length === 1")
+        assert b.evaluate(
+            "[...document.querySelectorAll('#failed-rows tr[data-message-id]')].map(r => "
+            "[Number(r.dataset.messageId), r.querySelector('td.payload').textContent])"
+        ) == [[keep, "hidden"]]
+        assert b.evaluate("document.querySelectorAll('#failed-rows button[data-action]').length") == 0
+        assert b.evaluate("document.getElementById('requeue-selected').hidden") is True
+        assert "may not read this connection" in b.evaluate(
+            "document.getElementById('failed-note').textContent"
+        )
+
+    # Exactly the requeued message is ready again, with its payload; the deleted two are gone and the
+    # fourth is still failed: nothing else moved.
+    assert figures(server, k.name) == (8, 2, 3, 1)
     after_ready = ready_payloads(server, k.name)
     assert after_ready == {**before_ready, target: k.failed_payloads[target]}
     still_failed = failed_payloads(server, k.name)
-    assert set(still_failed) == set(k.failed_ids) - {target}
-    assert checksum([*still_failed.values(), after_ready[target]]) == checksum(k.failed_payloads.values())
+    assert still_failed == {keep: k.failed_payloads[keep]}
+    assert checksum(
+        [after_ready[target], still_failed[keep], *(k.failed_payloads[i] for i in gone)]
+    ) == checksum(k.failed_payloads.values())
+    audit = server.audit()
     assert (
         "dbqueue.requeue_failed",
         "operator",
         {"conn_id": CONN_ID, "queue": k.name, "ids": [target], "requeued": 1},
-    ) in server.audit()
+    ) in audit
+    assert (
+        "dbqueue.delete_failed",
+        "operator",
+        {"conn_id": CONN_ID, "queue": k.name, "ids": gone, "deleted": 2},
+    ) in audit
     assert (ARTIFACTS / "queues-page.png").stat().st_size > 10_000
