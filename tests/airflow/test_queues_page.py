@@ -430,8 +430,10 @@ def test_the_page_in_a_headless_browser(server: Server) -> None:
     target = k.failed_ids[1]
     before_ready = ready_payloads(server, k.name)
 
-    def cell(queue: str, field: str) -> str:
-        return f'document.querySelector(\'tr[data-queue="{queue}"] td[data-field="{field}"]\')?.textContent'
+    def cell(queue: str, field: str, doc: str = "document") -> str:
+        return f'{doc}.querySelector(\'tr[data-queue="{queue}"] td[data-field="{field}"]\')?.textContent'
+
+    frame = "document.querySelector('iframe')?.contentDocument"
 
     with Chromium(chromium) as b:
         # Without Airflow's session cookie the page shows nothing but that.
@@ -440,6 +442,30 @@ def test_the_page_in_a_headless_browser(server: Server) -> None:
         assert b.evaluate("document.querySelectorAll('tr[data-queue]').length") == 0
 
         b.set_cookie(server.url, "_token", server.token("operator"))
+
+        # In Airflow's own UI: Browse > Queues frames the page, which shows the queue's counts.
+        b.goto(server.url + "/")
+        b.wait_for("[...document.querySelectorAll('button')].some(e => e.innerText.trim() === 'Browse')")
+        b.evaluate(
+            "[...document.querySelectorAll('button')].find(e => e.innerText.trim() === 'Browse').click()"
+        )
+        item = "[...document.querySelectorAll('[role=menuitem]')].find(e => e.innerText.trim() === 'Queues')"
+        b.wait_for(f"!!{item}")
+        assert b.evaluate(f"{item}.getAttribute('href')") == "/plugin/dbqueue"
+        b.evaluate(f"{item}.click()")
+        b.wait_for(f"{cell(k.name, 'failed', frame)} === '4'")
+        assert [b.evaluate(cell(k.name, f, frame)) for f in ("ready", "delayed", "in_flight")] == [
+            "7",
+            "2",
+            "3",
+        ]
+        b.evaluate(
+            f'{frame}.querySelector(\'tr[data-queue="{k.name}"] td[data-field="failed"] button\').click()'
+        )
+        b.wait_for(f"{frame}.querySelectorAll('#failed-rows tr[data-message-id]').length === 4")
+        b.screenshot(ARTIFACTS / "queues-in-airflow.png")
+
+        # The page on its own, for the rest.
         b.goto(server.url + "/dbqueue/?refresh=5")
         b.wait_for(cell(k.name, "ready"))
         shown = {
