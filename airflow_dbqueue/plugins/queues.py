@@ -22,6 +22,7 @@ import datetime as dt
 import json
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -56,6 +57,10 @@ PREVIEW_CHARS = 240
 """Characters of a payload shown in a list of failed messages."""
 MAX_PAGE = 500
 MAX_IDS = 1000
+CONNECT_TIMEOUT_S = 5.0
+"""Seconds a request waits for a database before it reports it unavailable."""
+MAX_PARALLEL = 8
+"""Connections read at once by one request for the queue figures."""
 DATABASE_TYPES = ("postgres", "mssql", "odbc")
 """Connection types served when their extra names a ``dbqueue_schema``; ``dbqueue`` is always served."""
 PAGE = Path(__file__).with_name("static") / "queues.html"
@@ -170,7 +175,7 @@ def connection(conn_id: str) -> Connection:
 def engine(conn: Connection) -> Iterator[DbQueue]:
     """The engine on ``conn`` for one request: one database connection at most, closed on the way out."""
     dsn, schema = connection_dsn(conn)
-    dbq = DbQueue(dsn, schema=schema, pool_size=1, connect_timeout=10)
+    dbq = DbQueue(dsn, schema=schema, pool_size=1, connect_timeout=CONNECT_TIMEOUT_S)
     try:
         yield dbq
     except QueueNotFoundError as exc:
@@ -293,6 +298,42 @@ def page() -> HTMLResponse:
     return HTMLResponse(PAGE.read_text(encoding="utf-8"))
 
 
+def connection_figures(conn: Connection, rate_window_s: float) -> dict[str, Any]:
+    """The figures of one connection's queue schema, or in ``error`` the engine's reason it has none."""
+    out: dict[str, Any] = {"error": None}
+    try:
+        dsn, schema = connection_dsn(conn)
+        out["schema"] = schema
+        with DbQueue(dsn, schema=schema, pool_size=1, connect_timeout=CONNECT_TIMEOUT_S) as dbq:
+            out["dialect"] = dbq.dialect
+            settings = {s.name: s for s in dbq.list_queues()}
+            metrics = dbq.maintenance().metrics(rate_window_s=rate_window_s)
+    except DbQueueError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    rows = []
+    for name, figures in sorted(metrics["queues"].items()):
+        s = settings.get(name)
+        rows.append(
+            {
+                "name": name,
+                **figures,
+                "payload_type": s.payload_type.value if s else None,
+                "max_attempts": s.max_attempts if s else None,
+            }
+        )
+    out.update(
+        queues=rows,
+        tables=metrics["tables"],
+        indexes=metrics["indexes"],
+        xmin_holders=metrics["xmin_holders"],
+        notes=metrics["notes"],
+        at=metrics["at"],
+        rate_window_s=metrics["rate_window_s"],
+    )
+    return out
+
+
 @app.get("/api/queues")
 def queues(
     user: UserDep,
@@ -302,47 +343,20 @@ def queues(
     positions, table and index sizes with bloat, what holds back the xmin horizon; and the last run of
     the maintenance DAG. A connection that cannot be read says why in ``error``."""
     require_view(user)
-    out = []
-    for conn_id, conn in sorted(served_connections().items()):
-        entry: dict[str, Any] = {
+    conns = sorted(served_connections().items())
+    # One thread a connection: an unreachable database costs its own connect timeout, not the others'.
+    with ThreadPoolExecutor(max_workers=max(1, min(MAX_PARALLEL, len(conns)))) as pool:
+        figures = list(pool.map(lambda c: connection_figures(c[1], rate_window_s), conns))
+    out = [
+        {
             "conn_id": conn_id,
             "conn_type": conn.conn_type,
             "can_read_payloads": may_use_connection(user, conn_id, "GET"),
             "can_act": may_view(user, "POST") and may_use_connection(user, conn_id, "PUT"),
-            "error": None,
+            **f,
         }
-        try:
-            dsn, schema = connection_dsn(conn)
-            entry["schema"] = schema
-            with DbQueue(dsn, schema=schema, pool_size=1, connect_timeout=10) as dbq:
-                entry["dialect"] = dbq.dialect
-                settings = {s.name: s for s in dbq.list_queues()}
-                metrics = dbq.maintenance().metrics(rate_window_s=rate_window_s)
-        except DbQueueError as exc:
-            entry["error"] = f"{type(exc).__name__}: {exc}"
-            out.append(entry)
-            continue
-        rows = []
-        for name, figures in sorted(metrics["queues"].items()):
-            s = settings.get(name)
-            rows.append(
-                {
-                    "name": name,
-                    **figures,
-                    "payload_type": s.payload_type.value if s else None,
-                    "max_attempts": s.max_attempts if s else None,
-                }
-            )
-        entry.update(
-            queues=rows,
-            tables=metrics["tables"],
-            indexes=metrics["indexes"],
-            xmin_holders=metrics["xmin_holders"],
-            notes=metrics["notes"],
-            at=metrics["at"],
-            rate_window_s=metrics["rate_window_s"],
-        )
-        out.append(entry)
+        for (conn_id, conn), f in zip(conns, figures, strict=True)
+    ]
     return {"user": user.get_name(), "connections": out, "maintenance": last_maintenance()}
 
 

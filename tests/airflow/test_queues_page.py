@@ -346,11 +346,32 @@ def test_the_api_behind_airflows_authentication(server: Server) -> None:
             },
         )
         assert status == 201, body
+        # And one whose database does not answer: its error takes its place, the others are shown.
+        status, body = request(
+            server.url + "/api/v2/connections",
+            method="POST",
+            token=op,
+            body={
+                "connection_id": "dbqueue_down",
+                "conn_type": "postgres",
+                "host": "127.0.0.1",
+                "port": free_port(),
+                "login": "nobody",
+                "schema": "nothing",
+                "extra": json.dumps({"dbqueue_schema": "dbqueue"}),
+            },
+        )
+        assert status == 201, body
         status, body = request(api + "/queues", token=viewer)
+        assert status == 200, body
         (meta,) = [c for c in body["connections"] if c["conn_id"] == "dbqueue_meta"]
         assert (meta["conn_type"], meta["schema"], meta["error"]) == ("dbqueue", other, None)
         assert [(q["name"], q["ready"]) for q in meta["queues"]] == [("meta_orders", 3)]
+        (down,) = [c for c in body["connections"] if c["conn_id"] == "dbqueue_down"]
+        assert down["error"].startswith("DatabaseUnavailableError: ") and "queues" not in down
+        assert queue_row(body, k.name)["failed"] == 2
     finally:
+        request(server.url + "/api/v2/connections/dbqueue_down", method="DELETE", token=op)
         request(server.url + "/api/v2/connections/dbqueue_meta", method="DELETE", token=op)
         with DbQueue(server.dsn, schema=other, pool_size=1) as dbq:
             dbq.uninstall()
