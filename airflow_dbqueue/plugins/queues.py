@@ -3,11 +3,13 @@
 Every request is authenticated by Airflow itself (the JWT of the UI's session cookie, or an
 ``Authorization: Bearer`` token from ``POST /auth/token``) and authorised by Airflow's auth manager:
 
-- reading queue figures needs the custom view ``DB Queues`` (``GET``), which every viewer has;
+- reading queue figures and failed messages needs access to Airflow's UI (``AccessView.WEBSITE``),
+  which every viewer has, with SimpleAuthManager and with FAB alike;
 - message payloads are shown only to users who may read the queue's Airflow connection; others see
   the failed messages without their payloads;
-- requeueing or deleting failed messages needs ``DB Queues`` with the action's method and the right to
-  edit the connection (``PUT``), and each action is written to Airflow's audit log (the Log table).
+- requeueing or deleting failed messages needs the right to edit the connection (``PUT``): an op's or
+  an admin's, not a viewer's or a user's. Each action is written to Airflow's audit log (the Log
+  table).
 
 The connections served are those of type ``dbqueue``, and those of type ``postgres``, ``mssql`` or
 ``odbc`` whose extra names a ``dbqueue_schema``, from the metadata database and from
@@ -48,8 +50,6 @@ if TYPE_CHECKING:
     from airflow.models.connection import Connection
 
 URL_PREFIX = "/dbqueue"
-RESOURCE = "DB Queues"
-"""The custom view Airflow's auth manager is asked about (``is_authorized_custom_view``)."""
 MAINTENANCE_DAG = "dbqueue_maintenance"
 MAINTENANCE_DEFAULT_CONN = "dbqueue_default"
 """The connection the maintenance DAG runs on when its run names none (its ``conn_id`` param)."""
@@ -82,9 +82,11 @@ def _auth_manager() -> Any:
     return get_auth_manager()
 
 
-def may_view(user: BaseUser, method: str = "GET") -> bool:
-    """Whether Airflow's auth manager lets ``user`` use the Queues view with ``method``."""
-    return bool(_auth_manager().is_authorized_custom_view(method=method, resource_name=RESOURCE, user=user))
+def may_view(user: BaseUser) -> bool:
+    """Whether Airflow's auth manager lets ``user`` use Airflow's UI, which the Queues page is part of."""
+    from airflow.api_fastapi.auth.managers.models.resource_details import AccessView
+
+    return bool(_auth_manager().is_authorized_view(access_view=AccessView.WEBSITE, user=user))
 
 
 def may_use_connection(user: BaseUser, conn_id: str, method: str) -> bool:
@@ -100,15 +102,20 @@ def may_use_connection(user: BaseUser, conn_id: str, method: str) -> bool:
 
 def require_view(user: BaseUser) -> None:
     if not may_view(user):
-        raise HTTPException(status.HTTP_403_FORBIDDEN, f"Forbidden: reading {RESOURCE} is not permitted")
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "Forbidden: this user may not use Airflow's UI")
 
 
-def require_action(user: BaseUser, conn_id: str, method: str) -> None:
-    if not (may_view(user, method) and may_use_connection(user, conn_id, "PUT")):
+def may_act(user: BaseUser, conn_id: str) -> bool:
+    """Whether ``user`` may requeue or delete failed messages of ``conn_id``: edit the connection."""
+    return may_view(user) and may_use_connection(user, conn_id, "PUT")
+
+
+def require_action(user: BaseUser, conn_id: str) -> None:
+    if not may_act(user, conn_id):
         raise HTTPException(
             status.HTTP_403_FORBIDDEN,
-            f"Forbidden: changing the failed messages of connection {conn_id!r} needs {RESOURCE} "
-            f"({method}) and the right to edit the connection",
+            f"Forbidden: changing the failed messages of connection {conn_id!r} needs the right to edit "
+            "that connection",
         )
 
 
@@ -352,7 +359,7 @@ def queues(
             "conn_id": conn_id,
             "conn_type": conn.conn_type,
             "can_read_payloads": may_use_connection(user, conn_id, "GET"),
-            "can_act": may_view(user, "POST") and may_use_connection(user, conn_id, "PUT"),
+            "can_act": may_act(user, conn_id),
             **f,
         }
         for (conn_id, conn), f in zip(conns, figures, strict=True)
@@ -405,7 +412,7 @@ IdsBody = Annotated[list[int], Body(embed=True, description="ids of failed messa
 @app.post("/api/connections/{conn_id}/queues/{queue_name}/failed/requeue")
 def requeue(conn_id: str, queue_name: str, ids: IdsBody, user: UserDep) -> dict[str, Any]:
     """Make the named failed messages ready again; return how many moved (ids not failed are left)."""
-    require_action(user, conn_id, "POST")
+    require_action(user, conn_id)
     wanted = _ids(ids)
     conn = connection(conn_id)
     with engine(conn) as dbq:
@@ -421,7 +428,7 @@ def requeue(conn_id: str, queue_name: str, ids: IdsBody, user: UserDep) -> dict[
 @app.post("/api/connections/{conn_id}/queues/{queue_name}/failed/delete")
 def delete(conn_id: str, queue_name: str, ids: IdsBody, user: UserDep) -> dict[str, Any]:
     """Discard the named failed messages; return how many were deleted (ids not failed are left)."""
-    require_action(user, conn_id, "DELETE")
+    require_action(user, conn_id)
     wanted = _ids(ids)
     conn = connection(conn_id)
     with engine(conn) as dbq:
