@@ -38,8 +38,9 @@ from tests.helpers import checksum, require
 pytestmark = pytest.mark.integration
 
 CONN_ID = "dbqueue_ui"
-USERS = {"viewer": "viewer", "runner": "user", "operator": "op"}
-"""User name: SimpleAuthManager role. A viewer may look; a user (runs DAGs) and a viewer may not act."""
+USERS = {"nobody": "", "viewer": "viewer", "runner": "user", "operator": "op"}
+"""User name: SimpleAuthManager role. A viewer may look; a user (runs DAGs) and a viewer may not act; a
+user without a role is signed in but may do nothing."""
 ARTIFACTS = Path(os.environ.get("DBQUEUE_TEST_ARTIFACTS") or REPO / "test-artifacts")
 
 
@@ -248,6 +249,11 @@ def test_the_api_behind_airflows_authentication(server: Server) -> None:
     assert request(failed_url + "/requeue", method="POST", body={"ids": [first]})[0] == 401
     forged = server.token("viewer")[:-4] + "AAAA"
     assert request(api + "/queues", token=forged)[0] == 403
+    nobody = server.token("nobody")
+    for url in (api + "/queues", failed_url):
+        status, body = request(url, token=nobody)
+        assert status == 403 and "may not use Airflow's UI" in body["detail"], body
+    assert request(failed_url + "/requeue", method="POST", token=nobody, body={"ids": [first]})[0] == 403
     for who in ("viewer", "runner"):
         token = server.token(who)
         for action in ("requeue", "delete"):
