@@ -43,7 +43,7 @@ from airflow_dbqueue.engine import (
     PayloadType,
     QueueNotFoundError,
 )
-from airflow_dbqueue.hooks.dbqueue import CONN_TYPE, SCHEMA_EXTRA, connection_dsn
+from airflow_dbqueue.hooks.dbqueue import CONN_TYPE, SCHEMA_EXTRA, _extra, connection_dsn
 
 if TYPE_CHECKING:
     from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
@@ -128,11 +128,8 @@ def served(conn: Connection) -> bool:
         return True
     if conn.conn_type not in DATABASE_TYPES:
         return False
-    try:
-        extra = conn.extra_dejson or {}
-    except Exception:  # an unreadable extra is a connection of someone else's, not ours to judge
-        return False
-    return bool(extra.get(SCHEMA_EXTRA) or extra.get(f"extra__{conn.conn_type}__{SCHEMA_EXTRA}"))
+    extra = conn.extra_dejson  # {} when the extra is not JSON (Airflow logs that)
+    return isinstance(extra, dict) and bool(_extra(extra, SCHEMA_EXTRA))
 
 
 def served_connections() -> dict[str, Connection]:
@@ -181,7 +178,10 @@ def connection(conn_id: str) -> Connection:
 @contextmanager
 def engine(conn: Connection) -> Iterator[DbQueue]:
     """The engine on ``conn`` for one request: one database connection at most, closed on the way out."""
-    dsn, schema = connection_dsn(conn)
+    try:
+        dsn, schema = connection_dsn(conn)
+    except DbQueueError as exc:  # the connection itself cannot serve queues (a refused extra, ...)
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, f"connection {conn.conn_id!r}: {exc}") from None
     dbq = DbQueue(dsn, schema=schema, pool_size=1, connect_timeout=CONNECT_TIMEOUT_S)
     try:
         yield dbq
@@ -222,7 +222,8 @@ def failed_row(m: FailedMessage, payload_type: PayloadType, show_payload: bool) 
 
 def last_maintenance() -> dict[str, Any] | None:
     """The latest run of the maintenance DAG, from Airflow's metadata: when, its state, each step's state,
-    and from the steps' results what they did and what they warned about."""
+    and from the steps' results what they did (rows archived, ring tables compacted, indexes rebuilt)
+    and what they warned about."""
     from airflow.models.dagrun import DagRun
     from airflow.models.taskinstance import TaskInstance
     from airflow.models.xcom import XComModel
@@ -258,6 +259,7 @@ def last_maintenance() -> dict[str, Any] | None:
         conf = run.conf or {}
         archive = (results.get("archive") or {}).get("archive") or {}
         indexes = results.get("rebuild_indexes") or {}
+        compact = results.get("compact_rings") or {}
         return {
             "run_id": run.run_id,
             "state": str(run.state) if run.state else None,
@@ -272,6 +274,13 @@ def last_maintenance() -> dict[str, Any] | None:
                 for a in indexes.get("actions") or []
             ],
             "index_skipped": indexes.get("skipped"),
+            "ring_compactions": [
+                {
+                    k: a.get(k)
+                    for k in ("table", "action", "ok", "bytes_before", "bytes_after", "reason", "error")
+                }
+                for a in compact.get("actions") or []
+            ],
             "xmin_holders": (results.get("check_horizon") or {}).get("xmin_holders") or [],
         }
 

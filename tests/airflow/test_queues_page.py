@@ -404,7 +404,15 @@ def test_the_api_behind_airflows_authentication(server: Server) -> None:
     assert no_sessions_left(server.dsn)
 
 
-MAINTENANCE_STEPS = ("check_horizon", "upkeep", "archive", "vacuum", "rebuild_indexes", "metrics")
+MAINTENANCE_STEPS = (
+    "check_horizon",
+    "upkeep",
+    "archive",
+    "vacuum",
+    "compact_rings",
+    "rebuild_indexes",
+    "metrics",
+)
 
 
 def test_the_last_maintenance_run(server: Server) -> None:
@@ -442,6 +450,7 @@ def test_the_last_maintenance_run(server: Server) -> None:
     assert m["tasks"] == dict.fromkeys(MAINTENANCE_STEPS, "success")
     assert m["archived"] == finished and m["archive_skipped"] is None
     assert m["start_date"] and m["end_date"] and m["xmin_holders"] == []
+    assert m["ring_compactions"] == []  # no ring outgrew its size
     (conn,) = [c for c in body["connections"] if c["conn_id"] == CONN_ID]
     assert [q["finished"] for q in conn["queues"]] == [0] * len(conn["queues"])
 
