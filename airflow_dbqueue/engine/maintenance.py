@@ -985,10 +985,15 @@ class Maintenance:
         finally:
             self._horizon_age = None
 
-    def _held_back(self, what: str) -> tuple[str, list[XminHolder]] | None:
-        """``(error, holders)`` when transactions open longer than the rebuild's horizon age are there
-        (an online rebuild would wait for them), else None."""
-        age = self._horizon_age
+    def _held_back(
+        self,
+        what: str,
+        age: float | None = None,
+        consequence: str = "an online rebuild waits for every transaction older than itself",
+    ) -> tuple[str, list[XminHolder]] | None:
+        """``(error, holders)`` when transactions open longer than ``age`` (default: the rebuild's
+        horizon age) are there, so that ``what`` should not run (``consequence`` says why), else None."""
+        age = self._horizon_age if age is None else age
         if age is None:
             return None
         holders = [h for h in self.xmin_holders(min_age_s=age) if h.kind in REBUILD_WAITS_FOR]
@@ -996,8 +1001,8 @@ class Maintenance:
             return None
         named = "; ".join(h.describe() for h in holders[:3]) + (" ..." if len(holders) > 3 else "")
         error = (
-            f"{what} not run: {len(holders)} transaction(s) open longer than {age:g}s, and an online "
-            f"rebuild waits for every transaction older than itself ({named}); the next run tries again"
+            f"{what} not run: {len(holders)} transaction(s) open longer than {age:g}s, and {consequence} "
+            f"({named}); the next run tries again"
         )
         log.warning("dbqueue: %s", error)
         return error, holders
@@ -1373,16 +1378,13 @@ class Maintenance:
             "reason": reason,
             "error": None,
         }
-        holders = [h for h in self.xmin_holders(min_age_s=horizon_s) if h.kind in REBUILD_WAITS_FOR]
-        if holders:
-            named = "; ".join(h.describe() for h in holders[:3]) + (" ..." if len(holders) > 3 else "")
-            action["action"] = "skip"
-            action["error"] = (
-                f"{what} not run: {len(holders)} transaction(s) open longer than {horizon_s:g}s hold the "
-                f"xmin horizon, and the rewrite would keep every row version they may see ({named}); "
-                "the next run tries again"
-            )
-            log.warning("dbqueue: %s", action["error"])
+        held = self._held_back(
+            what,
+            horizon_s,
+            "they hold the xmin horizon: the rewrite would keep every row version they may see",
+        )
+        if held is not None:
+            action["action"], action["error"] = "skip", held[0]
             return action
         conn = self._conn()
         log.info("dbqueue: %s (%s)", what, reason)
