@@ -179,6 +179,14 @@ def spark_env(env: dict[str, str]) -> dict[str, str]:
     )
 
 
+def connect_env(env: dict[str, str], server: LocalConnectServer) -> dict[str, str]:
+    """``spark_env(env)`` with ``spark_default`` naming the Spark Connect ``server`` instead (the
+    operator then runs each batch as a job of a session there)."""
+    assert server.port is not None
+    conn = {"conn_type": "spark_connect", "host": "sc://127.0.0.1", "port": server.port}
+    return dict(spark_env(env), AIRFLOW_CONN_SPARK_DEFAULT=json.dumps(conn))
+
+
 def dags_test(
     env: dict[str, str],
     pg_dsn: str,
