@@ -169,8 +169,10 @@ def roll_up(checked: DataFrame, window_minutes: int, batch_id: str) -> DataFrame
 
 
 def write(df: DataFrame, jdbc: dict[str, str], table: str) -> None:
-    # stringtype=unspecified lets the batch id (a string here) land in a uuid column.
-    url = jdbc["url"] + ("&" if "?" in jdbc["url"] else "?") + "stringtype=unspecified"
+    # stringtype=unspecified lets the batch id (a string here) land in a uuid column;
+    # reWriteBatchedInserts sends each JDBC batch of rows as multi-row INSERTs, not one INSERT a row.
+    params = "stringtype=unspecified&reWriteBatchedInserts=true"
+    url = jdbc["url"] + ("&" if "?" in jdbc["url"] else "?") + params
     df.write.format("jdbc").options(**{**jdbc, "url": url}).option("dbtable", table).mode("append").save()
 
 
