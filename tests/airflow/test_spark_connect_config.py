@@ -6,6 +6,7 @@ each case fails before a session is opened."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -13,8 +14,9 @@ from typing import Any
 import pytest
 
 from airflow_dbqueue.engine import ConfigurationError, DbQueue
-from airflow_dbqueue.operators.spark import DbQueueSparkSubmitOperator
+from airflow_dbqueue.operators.spark import DbQueueSparkSubmitOperator, SparkBatchError
 from airflow_dbqueue.spark import ORDER_ROLLUP_JOB
+from tests.helpers import checksum
 
 pytestmark = pytest.mark.integration
 
@@ -66,3 +68,31 @@ def test_bad_input_on_connect_fails_before_anything_is_claimed(
     st = q.stats()
     assert (st.ready, st.in_flight) == (5, 0)  # nothing was claimed
     assert q.open_batches() == []
+
+
+def test_a_connect_server_that_is_down_fails_the_batch_and_releases_it_at_once(
+    conns: tuple[str, str], dbq: DbQueue
+) -> None:
+    """Nothing listens where the connection points: the job's first call fails after the operator's
+    short retries (not pyspark's ten minutes), and the batch is released at once, its messages ready
+    again with the attempt counted."""
+    q = dbq.create_queue("jobs")
+    sent = [{"job": i} for i in range(7)]
+    q.push_batch(sent)
+    op = DbQueueSparkSubmitOperator(
+        task_id="t",
+        queue_name="jobs",
+        application=ORDER_ROLLUP_JOB,
+        spark_conn_id=conns[1],
+        dbqueue_conn_id=conns[0],
+    )
+    t0 = time.monotonic()
+    with pytest.raises(SparkBatchError, match="Spark Connect job failed"):
+        op.execute(_context())
+    assert time.monotonic() - t0 < 120
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.finished) == (7, 0, 0)
+    assert q.open_batches() == []
+    again = q.pop(10)
+    assert checksum(m.payload for m in again) == checksum(sent)
+    assert [m.attempts for m in again] == [2] * 7  # the failed try, and this pop
