@@ -153,28 +153,9 @@ ORDER BY c.priority DESC, c.process_at, c.id
 
 -- name: pop_take
 -- at-most-once and exactly-once: claim up to n ready messages and finish them in the same statement
--- (kept in done for the archiver, or deleted with their payloads when the queue does not archive).
-WITH taken AS (
-    DELETE FROM {schema}.meta m
-    WHERE m.ctid = ANY (ARRAY(
-        SELECT ctid FROM {schema}.meta
-        WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
-        ORDER BY priority DESC, process_at, id
-        LIMIT %(n)s
-        FOR UPDATE SKIP LOCKED))
-    RETURNING m.id, m.queue_id, m.priority, m.attempts + 1 AS attempts, m.deliveries + 1 AS deliveries,
-              m.process_at, m.enqueued_at, m.payload
-), kept AS (
-    INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload)
-    SELECT id, queue_id, priority, attempts, enqueued_at, 1, payload FROM taken WHERE %(archive)s
-), dropped AS (
-    DELETE FROM {schema}.data d
-    WHERE NOT %(archive)s AND d.id = ANY (ARRAY(SELECT id FROM taken WHERE payload IS NULL))
-)
-SELECT t.id, t.priority, t.attempts, t.deliveries, t.enqueued_at, NULL::timestamptz AS lease_until,
-       coalesce(t.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = t.id)) AS payload
-FROM taken t
-ORDER BY t.priority DESC, t.process_at, t.id
+-- (kept in done for the archiver, or deleted with their payloads when the queue does not archive),
+-- through table_take() (schema.sql), whose plans are made once a session.
+SELECT * FROM {schema}.table_take(%(queue_id)s::integer, %(n)s::integer, %(archive)s::boolean)
 
 -- name: ack
 -- Receipt lookups (ack, nack, held_receipts, leased, extend_leases) say "lease_until > now()" and not
