@@ -13,7 +13,7 @@
                      [--horizon-min-age S] [--horizon-min-xid-age N]
     dbqueue metrics [QUEUE ...] [--window S]
     dbqueue demo [--messages N]
-    dbqueue pipeline [--messages N] [--batch N] [--airflow-home DIR]
+    dbqueue pipeline [--messages N] [--batch N] [--airflow-home DIR] [--spark connect|submit]
 
 Without ``--dsn`` or ``$DBQUEUE_DSN`` the embedded PostgreSQL is started on demand.
 """
@@ -330,7 +330,7 @@ def _cmd_pipeline(dbq: DbQueue, args: argparse.Namespace) -> int:
     from airflow_dbqueue.spark import demo
 
     home = Path(args.airflow_home) if args.airflow_home else None
-    return demo.run(dbq.db.dsn, messages=args.messages, batch=args.batch, airflow_home=home)
+    return demo.run(dbq.db.dsn, messages=args.messages, batch=args.batch, airflow_home=home, spark=args.spark)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -418,6 +418,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--messages", type=int, default=20_000)
     c.add_argument("--batch", type=int, default=5_000, help="most messages per Spark batch")
     c.add_argument("--airflow-home", help="Airflow home to use (default: next to the embedded data)")
+    c.add_argument(
+        "--spark",
+        default="connect",
+        choices=["connect", "submit"],
+        help="run the batches on a local Spark Connect server started once (default), or with one "
+        "spark-submit each",
+    )
     return p
 
 

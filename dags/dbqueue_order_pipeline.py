@@ -9,14 +9,17 @@ Producers (a web shop, ``dbqueue push``, the ``dbqueue pipeline`` demo) push ord
 2. ``wait_for_orders``: a deferrable DbQueueSensor; it only observes, so nothing is lost if a later
    task fails;
 3. ``roll_up_orders_on_spark``: claims batches of up to ``max_messages`` and runs the PySpark job
-   ``airflow_dbqueue/spark/order_rollup.py`` on each with ``spark-submit`` (the master comes from the
-   ``spark_default`` connection: ``local[*]`` here, a cluster in production). The job reads the
-   batch by id over JDBC and stages per customer/product/hour aggregates; the batch is acked in the
-   transaction that publishes them, or released for the task's retry if anything fails;
+   ``airflow_dbqueue/spark/order_rollup.py`` on each, on the path its Spark connection names
+   (``spark_default`` unless ``$DBQUEUE_SPARK_CONN_ID`` says otherwise): a ``spark`` connection runs
+   ``spark-submit`` per batch (its master: ``local[*]``, a cluster), a ``spark_connect`` connection
+   runs the job in a session per batch on that Spark Connect server. The job reads the batch by id
+   over JDBC and stages per customer/product/hour aggregates; the batch is acked in the transaction
+   that publishes them, or released for the task's retry if anything fails;
 4. ``report``: totals and the largest groups, for the log and XCom.
 
-Settings read when the DAG is parsed: ``$DBQUEUE_RESULTS_SCHEMA`` (default ``order_results``) and
-``$DBQUEUE_PIPELINE_RETRIES`` (default 2).
+Settings read when the DAG is parsed: ``$DBQUEUE_RESULTS_SCHEMA`` (default ``order_results``),
+``$DBQUEUE_PIPELINE_RETRIES`` (default 2) and ``$DBQUEUE_SPARK_CONN_ID`` (default ``spark_default``), the
+Spark connection step 3 takes.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ with DAG(
             "spark.executor.extraJavaOptions": "-Duser.timezone=UTC",
         },
         spark_submit_kwargs={"driver_memory": "1g"},
+        spark_conn_id=os.environ.get("DBQUEUE_SPARK_CONN_ID", "spark_default"),
     )
 
     @task

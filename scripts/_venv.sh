@@ -1,7 +1,8 @@
 # Sourced by scripts/*: create .venv (or $DBQUEUE_VENV) and install the project with the given extras;
 # install the system packages the Spark pipeline needs (a Java runtime, PostgreSQL's JDBC driver) and
 # the ODBC driver manager the SQL Server dialect loads Microsoft's driver through (unixODBC), and the
-# headless browser the Queues page is tested in (Chromium).
+# headless browser the Queues page is tested in (Chromium), and valgrind, under which
+# benchmarks/instructions.py counts the server's instructions.
 VENV="${DBQUEUE_VENV:-$PWD/.venv}"
 ensure_venv() {
   local extras="$1" stamp
@@ -37,6 +38,15 @@ ensure_odbc_system() {
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
   $sudo apt-get install -y -q unixodbc >/dev/null 2>&1 \
     || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q unixodbc >/dev/null; }
+}
+ensure_valgrind_system() {
+  # benchmarks/instructions.py (and its smoke test) count a server's instructions under cachegrind.
+  command -v valgrind >/dev/null 2>&1 && return 0
+  echo "== installing valgrind (apt)"
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get install -y -q valgrind >/dev/null 2>&1 \
+    || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q valgrind >/dev/null; }
 }
 ensure_browser_system() {
   # The Queues page's test drives Debian's Chromium headless (tests/browser.py).

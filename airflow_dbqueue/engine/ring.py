@@ -105,6 +105,7 @@ _SETTLE_ACK = {
 }
 _make_message = message_maker()
 _id = attrgetter("id")
+_delivery = attrgetter("delivery")
 
 
 class RingQueue(Queue):
@@ -379,10 +380,14 @@ class RingQueue(Queue):
     # -- finish ------------------------------------------------------------------------------------
 
     def _receipt_params(self, messages: Sequence[Message]) -> dict[str, Any]:
-        receipts = list(dict.fromkeys(m.receipt for m in messages))
+        ids = list(map(_id, messages))
+        deliveries = list(map(_delivery, messages))
+        if len(set(ids)) != len(ids):  # a message named twice: each receipt once, in order
+            receipts = list(dict.fromkeys(zip(ids, deliveries, strict=True)))
+            ids, deliveries = [r[0] for r in receipts], [r[1] for r in receipts]
         return {
-            "ids": [r[0] for r in receipts],
-            "deliveries": [r[1] for r in receipts],
+            "ids": ids,
+            "deliveries": deliveries,
             "capacity": self.capacity,
             "lanes": self.lanes,
             "queue_id": self._qid,

@@ -1,10 +1,13 @@
-"""Pop-and-process on Spark: claim a batch, run ``spark-submit`` on it, ack it when its results are safe."""
+"""Pop-and-process on Spark: claim a batch, run its job (with ``spark-submit``, or in a session on a Spark
+Connect server), ack it when its results are safe."""
 
 from __future__ import annotations
 
 import ast
 import contextlib
 import dataclasses
+import hashlib
+import importlib.util
 import itertools
 import json
 import os
@@ -15,6 +18,7 @@ import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
@@ -35,6 +39,23 @@ BatchCallback = Callable[["psycopg.Connection[Any]", Batch], None]
 
 # Lines of a job's output that say why it failed: our jobs' "REJECTED" verdicts, Python exceptions.
 _JOB_ERROR = re.compile(r"REJECTED|^\s*(?:[\w.]+\.)?\w*(?:Error|Exception)\b:?")
+
+#: The Spark connection type that runs batches on a Spark Connect server (the provider's own).
+SPARK_CONNECT_CONN_TYPE = "spark_connect"
+#: What a job file defines to run on Spark Connect: ``batch_job(spark, argv, jdbc)``.
+CONNECT_ENTRY = "batch_job"
+# Redacts the value of every JDBC "password" option (and a SQL literal after the word password) in
+# the text Spark records of a Connect session's plans and statements (its event log and UI): the
+# plan travels as protobuf, whose text form Spark redacts only with this session setting. The
+# setting holds no secret itself, so Spark may record it as it is.
+_CONNECT_REDACTION = (
+    r'(?i)key: "password"\s*value: "(?:[^"\\]|\\.)*"'
+    r"|password\s*[:=]?\s*'(?:[^'\\]|\\.)*'"
+)
+
+# Retries of a Spark Connect call that fails with a retryable error (the server unreachable):
+# backoffs of 0.05, 0.2, 0.8 and 3.2 s, about 4 s a call.
+_CONNECT_RETRIES = 4
 
 JDBC_PASSWORD_ENV = "DBQUEUE_JDBC_PASSWORD"
 JDBC_PASSWORD_FILE_ENV = "DBQUEUE_JDBC_PASSWORD_FILE"
@@ -133,6 +154,7 @@ class _JobSetup:
     jars: str | None
     master: str
     cluster: bool  # the driver runs on the cluster
+    connect_url: str | None = None  # the Spark Connect server (None: spark-submit)
 
 
 class SparkBatchError(DbQueueError):
@@ -169,6 +191,23 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
     (an earlier try still running claimed it meanwhile), so a run never ends green with messages
     neither acked nor released.
 
+    **Spark Connect.** When ``spark_conn_id`` is a ``spark_connect`` connection (the Spark provider's
+    type: host ``sc://host``, port, optional user id, token and SSL), no spark-submit runs: each batch's
+    job runs in a Spark Connect session of its own on that server, whose id is the batch id. The job
+    file's ``batch_job(spark, argv, jdbc)`` is loaded into the task's process and called with the
+    session, the same arguments as under spark-submit, and the JDBC options (url, user, password)
+    from the queue's connection; what it reads and writes runs on the server. Every step above holds
+    as it is: the heartbeat, publish and ack in one transaction, release on any failure. A lost lease,
+    a timeout or ``on_kill`` interrupts the session's operations on the server; a try that finds a
+    batch an earlier try left claimed interrupts and closes that batch's session before releasing
+    it. The password travels only inside the session (gRPC, TLS when the connection says
+    ``use_ssl``); the operator sets the session's ``spark.sql.redaction.string.regex`` so that the
+    plans and statements Spark records (event log, UI) show every JDBC password option redacted.
+    The ``spark.sql.*`` settings of ``spark_conf`` become session settings; the other settings,
+    ``spark_submit_kwargs`` and ``jdbc_jar`` concern starting an application and apply to
+    spark-submit only (the server has the JDBC driver on its class path); ``env_vars`` and
+    ``jdbc_password_file`` are refused.
+
     The Spark master and deploy mode come from the Spark connection (``local[*]``, ``spark://``,
     YARN, Kubernetes). No credential is ever put on spark-submit's command line. In client mode
     (the driver runs here, a child of spark-submit) the job's environment, ``$DBQUEUE_JDBC_PASSWORD``
@@ -182,7 +221,8 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
     ``SPARK_LOCAL_IP`` is set.
 
     :param queue_name: the queue to take batches from.
-    :param application: the PySpark file (or jar) to submit.
+    :param application: the PySpark file (or jar) to submit; on Spark Connect, a Python file that
+        defines ``batch_job(spark, argv, jdbc)``.
     :param application_args: arguments before the batch arguments (templated): a list, an ``XComArg``
         of a list, or a template that renders one (JSON, or the Python literal Jinja prints).
     :param max_messages: most messages in one batch.
@@ -195,7 +235,8 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
     :param jdbc_jar: the JDBC driver jar for the job (default: ``$DBQUEUE_JDBC_JAR`` or Debian's).
     :param jdbc_password_file: a file holding the queue database's password, readable where the
         driver runs; needed in cluster mode when the connection has a password (templated).
-    :param spark_conn_id: the Spark connection (master, deploy mode, ...).
+    :param spark_conn_id: the Spark connection: a ``spark`` connection (master, deploy mode, ...) runs
+        spark-submit, a ``spark_connect`` connection runs the job on that Spark Connect server.
     :param spark_conf: extra ``--conf`` settings (templated).
     :param spark_submit_kwargs: further ``SparkSubmitHook`` arguments (``driver_memory``, ``packages``...).
     :param env_vars: extra environment for the job (templated); never put secrets here in cluster
@@ -268,6 +309,7 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
         self.dbqueue_schema = dbqueue_schema
         _refuse_early_return(self.task_id, self.spark_submit_kwargs, spark_conf)
         self._spark: SparkSubmitHook | None = None
+        self._session: Any = None  # the Spark Connect session of the batch being run
         self._hook: DbQueueHook | None = None
         self._batch: Batch | None = None
 
@@ -308,10 +350,13 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
         """Claim, run, publish and ack up to ``max_batches`` batches; return their summaries."""
         done: list[dict[str, Any]] = []
         queue = hook.get_queue(self.queue_name)
-        env, password = self._job_env(hook)
-        jars = self._jars()
-        master, cluster = self._spark_target(password)
-        setup = _JobSetup(env, password, jars, master, cluster)
+        if self._on_connect():
+            setup = self._connect_setup(hook)
+        else:
+            env, password = self._job_env(hook)
+            jars = self._jars()
+            master, cluster = self._spark_target(password)
+            setup = _JobSetup(env, password, jars, master, cluster)
         for _ in range(max_batches):
             batch = queue.claim_batch(max_messages, visibility_timeout=self.lease_timeout, consumer=consumer)
             if batch is None:
@@ -325,7 +370,10 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
                 batch.lease_until.isoformat(),
             )
             try:
-                self._run_job(queue, batch, setup)
+                if setup.connect_url is not None:
+                    self._run_connect_job(queue, batch, setup)
+                else:
+                    self._run_job(queue, batch, setup)
                 with hook.transaction() as conn:
                     if self.publish is not None:
                         self.publish(conn, batch)
@@ -345,7 +393,10 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
         for batch in queue.open_batches(_MAX_OPEN_BATCHES, consumer_prefix=tries):
             if batch.consumer == consumer:
                 continue
-            stopped = _stop_local_jobs(batch.batch_id)
+            if self._on_connect():
+                stopped = self._stop_connect_session(batch.batch_id)
+            else:
+                stopped = _stop_local_jobs(batch.batch_id)
             error = f"released by {consumer}: {batch.consumer} ended without acking or releasing it"
             assert self._hook is not None
             with self._hook.transaction() as conn:
@@ -353,7 +404,7 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
                     self.discard(conn, batch)
                 n = queue.release_batch(batch.batch_id, delay=0, error=error, conn=conn)
             self.log.warning(
-                "batch %s of an earlier try (%s) was still claimed: %d job process(es) stopped here, "
+                "batch %s of an earlier try (%s) was still claimed: %d job(s) stopped, "
                 "staging discarded, %d message(s) released at once",
                 batch.batch_id,
                 batch.consumer,
@@ -470,7 +521,12 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
         kwargs = {k: v for k, v in self.spark_submit_kwargs.items() if k != "jars"}
         kwargs.setdefault("name", f"dbqueue-{self.queue_name}-{batch.batch_id[:8]}")
         master, cluster, env = setup.master, setup.cluster, setup.env
-        process_env = {**os.environ, **env}
+        # A Spark Connect session made earlier in this process (pyspark marks the process with
+        # SPARK_CONNECT_MODE_ENABLED) must not turn the spark-submit job into a Connect client.
+        inherited = {
+            k: v for k, v in os.environ.items() if k not in ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE")
+        }
+        process_env = {**inherited, **env}
         if setup.password and not cluster:
             process_env[JDBC_PASSWORD_ENV] = setup.password
         spark = SparkSubmitHook(
@@ -485,6 +541,146 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
             **kwargs,
         )
         return spark, process_env
+
+    # -- the Spark Connect path ---------------------------------------------------------------------
+
+    def _on_connect(self) -> bool:
+        """Whether the Spark connection names a Spark Connect server (else: spark-submit)."""
+        return bool(BaseHook.get_connection(self.spark_conn_id).conn_type == SPARK_CONNECT_CONN_TYPE)
+
+    def _connect_url(self) -> str:
+        from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
+
+        try:
+            return str(SparkConnectHook(conn_id=self.spark_conn_id).get_connection_url())
+        except (ValueError, AttributeError) as exc:
+            raise ConfigurationError(
+                f"{self.task_id}: the Spark Connect connection {self.spark_conn_id!r} does not name a "
+                f"server (host sc://host, port): {exc}"
+            ) from exc
+
+    def _connect_setup(self, hook: DbQueueHook) -> _JobSetup:
+        """What a Connect job of this task run gets; refuse, before anything is claimed, what only
+        spark-submit can deliver."""
+        if self.env_vars:
+            raise ConfigurationError(
+                f"{self.task_id}: env_vars reach a spark-submit job's environment; on Spark Connect "
+                f"({self.spark_conn_id!r}) the job runs inside the task, so pass what it needs in "
+                "application_args"
+            )
+        if self.jdbc_password_file:
+            raise ConfigurationError(
+                f"{self.task_id}: jdbc_password_file is for a spark-submit driver on a cluster; on Spark "
+                "Connect the password goes from the queue's connection into the session"
+            )
+        self._connect_job()  # the job file must define batch_job: fail before anything is claimed
+        url, user, password = hook.jdbc()
+        jdbc = {"url": url, **({"user": user} if user else {})}
+        setup = _JobSetup(jdbc, password, None, "connect", False, connect_url=self._connect_url())
+        self.log.info(
+            "Spark connection %r is a Spark Connect server: batches run as jobs of sessions there "
+            "(spark_submit_kwargs and non-spark.sql spark_conf settings apply to spark-submit only)",
+            self.spark_conn_id,
+        )
+        return setup
+
+    def _connect_job(self) -> Callable[..., Any]:
+        """The job file's ``batch_job``, loaded into this process (the job's driver side on Connect)."""
+        module = _load_job(self.task_id, self.application)
+        job = getattr(module, CONNECT_ENTRY, None)
+        if not callable(job):
+            raise ConfigurationError(
+                f"{self.task_id}: {self.application} defines no {CONNECT_ENTRY}(spark, argv, jdbc), "
+                "which a job needs to run on Spark Connect (see the job's contract in docs/airflow.md)"
+            )
+        return job  # type: ignore[no-any-return]
+
+    def _connect_session(self, url: str, session_id: str) -> Any:
+        """A new Spark Connect session whose id is ``session_id`` (a batch id): a later try can reach
+        the session of a batch it finds left claimed, and stop its operations."""
+        from pyspark.sql import SparkSession
+        from pyspark.sql.connect.client.retries import DefaultPolicy
+
+        sep = "" if ";" in url.split("//", 1)[-1] else ("" if url.endswith("/") else "/")
+        session = SparkSession.builder.remote(f"{url}{sep};session_id={session_id}").create()
+        # pyspark retries a call that finds no server for about ten minutes, while the batch stays
+        # claimed; a batch whose server is gone is released within seconds instead (the job's call,
+        # the interrupt and the session's release each give up after about 4 s), and the task's retry
+        # tries again.
+        session.client.set_retry_policies([DefaultPolicy(max_retries=_CONNECT_RETRIES, max_backoff=10_000)])
+        return session
+
+    def _run_connect_job(self, queue: Queue, batch: Batch, setup: _JobSetup) -> None:
+        """Run the job of ``batch`` in a session of its own on the Connect server; the lease heartbeat
+        runs meanwhile, and a lost lease, a timeout or a kill interrupts the session's operations."""
+        assert setup.connect_url is not None
+        job = self._connect_job()
+        argv = [
+            *_as_list(self.task_id, "application_args", self.application_args),
+            "--batch-id",
+            batch.batch_id,
+            "--batch-size",
+            str(batch.size),
+            "--batch-query",
+            queue.batch_query(batch.batch_id),
+        ]
+        jdbc = dict(setup.env)
+        if setup.password:
+            jdbc["password"] = setup.password
+        stop = threading.Event()
+        lost: list[BaseException] = []
+        try:
+            session = self._connect_session(setup.connect_url, batch.batch_id)
+        except Exception as exc:
+            raise SparkBatchError(
+                f"batch {batch.batch_id} of queue {self.queue_name!r}: no session on the Spark Connect "
+                f"server of {self.spark_conn_id!r}: {_why(exc)}"
+            ) from exc
+        self._session = session
+        beat = threading.Thread(
+            target=self._heartbeat, args=(queue, batch, stop, lost), name="dbqueue-lease", daemon=True
+        )
+        beat.start()
+        finished = False
+        try:
+            session.conf.set("spark.sql.redaction.string.regex", _CONNECT_REDACTION)
+            for key, value in _as_conf(self.task_id, self.spark_conf).items():
+                if key.startswith("spark.sql."):
+                    session.conf.set(key, value)
+            result = job(session, argv, jdbc)
+            finished = True
+            self.log.info("batch %s: the Spark Connect job returned %s", batch.batch_id, result)
+        except Exception as exc:
+            if lost:
+                raise lost[0] from exc
+            raise SparkBatchError(
+                f"batch {batch.batch_id} of queue {self.queue_name!r}: the Spark Connect job failed: "
+                f"{type(exc).__name__}: {_why(exc)}"
+            ) from exc
+        finally:
+            stop.set()
+            if not finished:  # interrupted: a timeout, a kill, a lost lease
+                self._kill_job()
+            beat.join()
+            self._session = None
+            with contextlib.suppress(Exception):  # the server drops the session's state
+                session.stop()
+        if lost:
+            raise lost[0]
+
+    def _stop_connect_session(self, batch_id: str) -> int:
+        """Interrupt the operations of the Connect session of ``batch_id`` (an earlier try's job that
+        may still run there) and release that session; return 1 when it was reached, else 0."""
+        try:
+            session = self._connect_session(self._connect_url(), batch_id)
+            try:
+                session.interruptAll()
+            finally:
+                session.stop()
+        except Exception as exc:  # closed already, or never opened: nothing of it runs
+            self.log.info("batch %s: no Spark Connect session of it to stop (%s)", batch_id, _why(exc))
+            return 0
+        return 1
 
     def _run_job(self, queue: Queue, batch: Batch, setup: _JobSetup) -> None:
         spark, process_env = self._submit_hook(batch, setup, queue.batch_query(batch.batch_id))
@@ -548,6 +744,12 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
                 self.log.warning("batch %s: could not extend the lease: %s", batch.batch_id, exc)
 
     def _kill_job(self) -> None:
+        session = self._session
+        if session is not None:
+            try:
+                session.interruptAll()  # every operation of the batch's session on the server
+            except Exception:
+                self.log.exception("could not interrupt the Spark Connect job")
         spark = self._spark
         if spark is None:
             return
@@ -618,6 +820,24 @@ def _stop_local_jobs(batch_id: str) -> int:
             else:
                 os.kill(pid, signal.SIGKILL)
     return found
+
+
+def _load_job(task_id: str, path: str) -> ModuleType:
+    """Import the job file ``path`` as a module of its own (once per process and path)."""
+    name = "dbqueue_job_" + hashlib.sha1(str(Path(path).resolve()).encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None or not Path(path).is_file():
+        raise ConfigurationError(f"{task_id}: the job file {path!r} is not a Python file here")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 # Standalone driver states after which the driver is no longer running.

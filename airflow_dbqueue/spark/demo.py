@@ -3,7 +3,9 @@
 It drives Airflow through its command line (``airflow db migrate``, ``airflow dags test``), so this
 module imports no Airflow itself. Airflow's metadata database is its default SQLite one in a home of
 its own (kept between runs, so only the first run migrates it); the queues live in the database
-given (else the embedded PostgreSQL); Spark runs ``local[*]``.
+given (else the embedded PostgreSQL). Spark, by default: a local Spark Connect server from the pyspark
+wheel (``local[2]``), started once before the DAG runs and stopped at the end, which runs each batch
+in a session of its own; with ``spark="submit"``: one ``spark-submit`` per batch in ``local[*]``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import psycopg.conninfo
 from airflow_dbqueue.engine import DbQueue
 from airflow_dbqueue.engine.embedded import default_data_dir
 from airflow_dbqueue.spark import JDBC_HINT, find_jdbc_jar
+from airflow_dbqueue.spark.connect_server import ConnectServerError, LocalConnectServer
 from airflow_dbqueue.spark.orders import OrderRollup, expected_totals, sample_orders
 
 DAG_ID = "dbqueue_order_pipeline"
@@ -36,7 +39,7 @@ RESULTS_SCHEMA = "order_results_demo"
 # Lines of the DAG run worth showing while it runs (the full log goes to a file).
 _PROGRESS = re.compile(
     r"(\[DAG TEST\] (starting|end task)|claimed batch|results published|released \(|REJECTED|"
-    r"Pausing task as DEFERRED|order_rollup: batch|\[error|Marking run)",
+    r"Pausing task as DEFERRED|order_rollup: batch|Spark Connect job returned|\[error|Marking run)",
     re.IGNORECASE,
 )
 
@@ -97,9 +100,18 @@ class _Ticker:
         self._stop.set()
 
 
-def airflow_env(dsn: str, schema: str, home: Path) -> dict[str, str]:
-    """The environment of the Airflow commands: their home, the DAGs, and the two connections."""
+SPARK_PATHS = ("connect", "submit")
+
+
+def airflow_env(dsn: str, schema: str, home: Path, connect_port: int | None = None) -> dict[str, str]:
+    """The environment of the Airflow commands: their home, the DAGs, and the two connections (Spark:
+    the local Connect server on ``connect_port``, else ``local[*]`` for spark-submit)."""
     here = str(Path(sys.executable).parent)
+    spark = (
+        {"conn_type": "spark_connect", "host": "sc://127.0.0.1", "port": connect_port}
+        if connect_port is not None
+        else {"conn_type": "spark", "host": "local[*]"}
+    )
     return dict(
         os.environ,
         PATH=f"{here}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -108,29 +120,58 @@ def airflow_env(dsn: str, schema: str, home: Path) -> dict[str, str]:
         AIRFLOW__CORE__DAGS_FOLDER=str(_dags_folder()),
         AIRFLOW__LOGGING__LOGGING_LEVEL="INFO",
         AIRFLOW_CONN_DBQUEUE_DEFAULT=_conn_json(dsn, schema),
-        AIRFLOW_CONN_SPARK_DEFAULT=json.dumps({"conn_type": "spark", "host": "local[*]"}),
+        AIRFLOW_CONN_SPARK_DEFAULT=json.dumps(spark),
         DBQUEUE_RESULTS_SCHEMA=RESULTS_SCHEMA,
         SPARK_LOCAL_IP=os.environ.get("SPARK_LOCAL_IP", "127.0.0.1"),
     )
 
 
-def run(dsn: str, *, messages: int, batch: int, airflow_home: Path | None) -> int:
+def run(dsn: str, *, messages: int, batch: int, airflow_home: Path | None, spark: str = "connect") -> int:
     """Run the demo; return the process exit code (0 when the results match what was pushed)."""
     with DbQueue(dsn, schema=QUEUE_SCHEMA, pool_size=4) as dbq:
-        return _run(dbq, messages=messages, batch=batch, airflow_home=airflow_home)
+        return _run(dbq, messages=messages, batch=batch, airflow_home=airflow_home, spark=spark)
 
 
-def _run(dbq: DbQueue, *, messages: int, batch: int, airflow_home: Path | None) -> int:
+def _run(dbq: DbQueue, *, messages: int, batch: int, airflow_home: Path | None, spark: str) -> int:
     t_start = time.monotonic()
     if messages < 1 or batch < 1:
         _say("dbqueue pipeline: --messages and --batch must be positive")
+        return 2
+    if spark not in SPARK_PATHS:
+        _say(f"dbqueue pipeline: --spark must be one of {', '.join(SPARK_PATHS)}, got {spark!r}")
         return 2
     if find_jdbc_jar() is None:
         _say(f"dbqueue pipeline: {JDBC_HINT}")
         return 2
     home = airflow_home or default_data_dir().parent / "airflow-home"
     home.mkdir(parents=True, exist_ok=True)
-    env = airflow_env(dbq.db.dsn, dbq.schema, home)
+    if spark == "submit":
+        return _pipeline(dbq, messages=messages, batch=batch, home=home, server=None, t_start=t_start)
+    _say("0/4 starting a local Spark Connect server (local[2], once for every batch)")
+    t0 = time.monotonic()
+    server = LocalConnectServer(log_file=home / "spark-connect-server.log")
+    try:
+        with _Ticker("starting the Spark Connect server"):
+            server.start()
+        _say(f"   {server.url} ready in {time.monotonic() - t0:.1f}s (log: {server.log_file})")
+        return _pipeline(dbq, messages=messages, batch=batch, home=home, server=server, t_start=t_start)
+    except ConnectServerError as exc:
+        _say(f"dbqueue pipeline: {exc}")
+        return 1
+    finally:
+        server.stop()
+
+
+def _pipeline(
+    dbq: DbQueue,
+    *,
+    messages: int,
+    batch: int,
+    home: Path,
+    server: LocalConnectServer | None,
+    t_start: float,
+) -> int:
+    env = airflow_env(dbq.db.dsn, dbq.schema, home, server.port if server is not None else None)
 
     _say(f"1/4 Airflow metadata database (SQLite) in {home}")
     t0 = time.monotonic()
@@ -160,10 +201,12 @@ def _run(dbq: DbQueue, *, messages: int, batch: int, airflow_home: Path | None) 
     _say(f"   {len(orders):,} pushed in {push_s:.1f}s ({len(orders) / push_s:,.0f} msg/s)")
 
     batches = -(-messages // batch)
-    _say(
-        f"3/4 airflow dags test {DAG_ID}: sensor, then Spark local[*] on {batches} batch(es) of up to "
-        f"{batch:,} (one spark-submit each)"
+    how = (
+        f"Spark Connect at {server.url} ({batches} batch(es) of up to {batch:,}, a session each)"
+        if server is not None
+        else f"Spark local[*] on {batches} batch(es) of up to {batch:,} (one spark-submit each)"
     )
+    _say(f"3/4 airflow dags test {DAG_ID}: sensor, then {how}")
     log = home / "last-pipeline-run.log"
     conf = {"queue_name": QUEUE, "max_messages": batch, "max_batches": batches + 1}
     t0 = time.monotonic()

@@ -1,11 +1,12 @@
 """PySpark job: roll one batch of order events up per customer, product and time window.
 
-Launched by ``spark-submit`` (``DbQueueSparkSubmitOperator`` appends the batch arguments). It reads
-the batch straight from the queue database through JDBC, by batch id, so no payload passes through
-Airflow; it validates every event, converts amounts to EUR with the rates in ``<results>.fx_rates``,
-and writes its aggregates and a one-row summary into staging tables keyed by batch id. Publishing
-them into the results (and acking the batch) is the operator's job, in one database transaction, so
-a batch's results count exactly once whatever fails where.
+One job definition, :func:`batch_job`, runs on both paths of ``DbQueueSparkSubmitOperator``: given a
+classic session by this file's ``main`` under ``spark-submit``, or given a Spark Connect session by
+the operator itself. It reads the batch straight from the queue database through JDBC, by batch id,
+so no payload passes through Airflow; it validates every event, converts amounts to EUR with the
+rates in ``<results>.fx_rates``, and writes its aggregates and a one-row summary into staging tables
+keyed by batch id. Publishing them into the results (and acking the batch) is the operator's job, in
+one database transaction, so a batch's results count exactly once whatever fails where.
 
 The job imports only PySpark and the standard library, so any Spark cluster can run it as one file.
 
@@ -16,9 +17,11 @@ Arguments (the operator adds the ``--batch-*`` ones)::
     --window-minutes M                                    the tumbling window (default 60)
     --partitions P                                        parallel JDBC reads of the batch
 
-JDBC connection: ``DBQUEUE_JDBC_URL``, ``DBQUEUE_JDBC_USER`` and ``DBQUEUE_JDBC_PASSWORD`` in the
-environment, or instead of the password ``DBQUEUE_JDBC_PASSWORD_FILE``, a file holding it (cluster
-mode); never on the command line.
+JDBC connection: ``batch_job`` is handed its JDBC options (url, user, password, driver). Under
+``spark-submit``, ``main`` takes them from ``DBQUEUE_JDBC_URL``, ``DBQUEUE_JDBC_USER`` and
+``DBQUEUE_JDBC_PASSWORD`` in the environment, or instead of the password
+``DBQUEUE_JDBC_PASSWORD_FILE``, a file holding it (cluster mode); never from the command line. On
+Spark Connect the operator hands them from the queue's Airflow connection.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import argparse
 import os
 import re
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -52,8 +55,18 @@ class BatchRejected(Exception):
     """The batch holds events this job must not roll up (the batch is released, not acked)."""
 
 
+class JobArgumentError(Exception):
+    """The job's arguments are wrong (under spark-submit: exit code 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # Raise instead of exiting: on Spark Connect the job runs inside the Airflow task's process.
+    def error(self, message: str) -> NoReturn:
+        raise JobArgumentError(f"{self.prog}: {message}")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="order_rollup")
+    p = _Parser(prog="order_rollup")
     p.add_argument("--batch-id", required=True)
     p.add_argument("--batch-size", type=int, required=True)
     p.add_argument("--batch-query", required=True)
@@ -69,11 +82,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def jdbc_options() -> dict[str, str]:
+    """The JDBC options of a job run by spark-submit, from its environment."""
     try:
         url = os.environ["DBQUEUE_JDBC_URL"]
     except KeyError:
         raise SystemExit("order_rollup: DBQUEUE_JDBC_URL is not set") from None
-    opts = {"url": url, "driver": "org.postgresql.Driver"}
+    opts = {"url": url}
     if os.environ.get("DBQUEUE_JDBC_USER"):
         opts["user"] = os.environ["DBQUEUE_JDBC_USER"]
     if os.environ.get("DBQUEUE_JDBC_PASSWORD"):
@@ -104,27 +118,28 @@ def read_batch(spark: SparkSession, jdbc: dict[str, str], args: argparse.Namespa
     )
 
 
-def validate(events: DataFrame, rates: DataFrame, batch_id: str) -> DataFrame:
-    """Return the events joined to their EUR rate; raise :class:`BatchRejected` naming bad messages."""
+def validate(events: DataFrame, rates: DataFrame) -> DataFrame:
+    """The events joined to their EUR rate, with ``problem``: what is wrong with each (null: nothing)."""
     missing = F.lit(False)
     for col in REQUIRED:
         missing = missing | F.col(col).isNull()
-    checked = events.join(F.broadcast(rates), on="currency", how="left").withColumn(
+    return events.join(F.broadcast(rates), on="currency", how="left").withColumn(
         "problem",
         F.when(missing, F.lit("not an order event (missing or mistyped fields)"))
         .when(F.col("quantity") <= 0, F.lit("quantity must be positive"))
         .when(F.col("unit_price") < 0, F.lit("unit_price must not be negative"))
         .when(F.col("rate_to_eur").isNull(), F.concat(F.lit("no FX rate for currency "), F.col("currency"))),
     )
-    checked = checked.cache()
+
+
+def rejection(checked: DataFrame, batch_id: str) -> BatchRejected:
+    """The error naming the first bad messages of a batch (by id)."""
     bad = (
         checked.where(F.col("problem").isNotNull()).select("id", "problem").orderBy("id").limit(11).collect()
     )
-    if bad:
-        shown = "; ".join(f"message {r['id']}: {r['problem']}" for r in bad[:10])
-        more = " (and more)" if len(bad) > 10 else ""
-        raise BatchRejected(f"batch {batch_id}: {shown}{more}")
-    return checked
+    shown = "; ".join(f"message {r['id']}: {r['problem']}" for r in bad[:10])
+    more = " (and more)" if len(bad) > 10 else ""
+    return BatchRejected(f"batch {batch_id}: {shown}{more}")
 
 
 def roll_up(checked: DataFrame, window_minutes: int, batch_id: str) -> DataFrame:
@@ -154,13 +169,26 @@ def roll_up(checked: DataFrame, window_minutes: int, batch_id: str) -> DataFrame
 
 
 def write(df: DataFrame, jdbc: dict[str, str], table: str) -> None:
-    # stringtype=unspecified lets the batch id (a string here) land in a uuid column.
-    url = jdbc["url"] + ("&" if "?" in jdbc["url"] else "?") + "stringtype=unspecified"
+    # stringtype=unspecified lets the batch id (a string here) land in a uuid column;
+    # reWriteBatchedInserts sends each JDBC batch of rows as multi-row INSERTs, not one INSERT a row.
+    params = "stringtype=unspecified&reWriteBatchedInserts=true"
+    url = jdbc["url"] + ("&" if "?" in jdbc["url"] else "?") + params
     df.write.format("jdbc").options(**{**jdbc, "url": url}).option("dbtable", table).mode("append").save()
 
 
-def run(spark: SparkSession, args: argparse.Namespace) -> dict[str, Any]:
-    jdbc = jdbc_options()
+def batch_job(spark: SparkSession, argv: list[str], jdbc: dict[str, str]) -> dict[str, Any]:
+    """Roll up the batch ``argv`` names, in ``spark`` (classic or Spark Connect), reading and writing
+    the queue database with the JDBC options ``jdbc``; return the batch's totals.
+
+    Raises :class:`BatchRejected` for a batch it must not roll up, :class:`JobArgumentError` for bad
+    arguments."""
+    args = parse_args(argv)
+    # Windows and timestamps in UTC, whatever the session's default.
+    spark.conf.set("spark.sql.session.timeZone", "UTC")
+    return run(spark, args, {**jdbc, "driver": "org.postgresql.Driver"})
+
+
+def run(spark: SparkSession, args: argparse.Namespace, jdbc: dict[str, str]) -> dict[str, Any]:
     schema = args.results_schema
     raw = read_batch(spark, jdbc, args)
     events = raw.select("id", F.from_json(F.col("payload").cast("string"), ORDER_SCHEMA).alias("e"))
@@ -172,39 +200,63 @@ def run(spark: SparkSession, args: argparse.Namespace) -> dict[str, Any]:
         .load()
         .select("currency", F.col("rate_to_eur").cast(T.DecimalType(18, 8)))
     )
-    checked = validate(flat, rates, args.batch_id)
-    n = checked.count()
-    if n != args.batch_size:
-        raise BatchRejected(f"batch {args.batch_id}: read {n} messages, the batch holds {args.batch_size}")
-    rollup = roll_up(checked, args.window_minutes, args.batch_id).cache()
-    write(rollup, jdbc, f"{schema}.rollup_staging")
-    totals = rollup.agg(F.sum("orders").alias("orders"), F.sum("amount_eur").alias("amount_eur")).first()
-    assert totals is not None  # an aggregate without grouping has one row
-    summary = spark.createDataFrame(
-        [(args.batch_id, n, int(totals["orders"]), totals["amount_eur"], rollup.count())],
-        "batch_id string, messages long, orders long, amount_eur decimal(20,4), groups long",
-    )
-    # Written last: the publisher takes a summary as proof that every aggregate row is there.
-    write(summary.coalesce(1), jdbc, f"{schema}.batch_staging")
-    return {"messages": n, "orders": int(totals["orders"]), "amount_eur": str(totals["amount_eur"])}
+    # Each Spark action costs a round of scheduling (and on Spark Connect a round trip), so the job
+    # takes three: one pass that counts the batch and its bad messages, the staging write, and the
+    # summary's write, computed from the cached rollup on the executors.
+    checked = validate(flat, rates).cache()
+    rollup = None
+    try:
+        stats = checked.agg(F.count("*").alias("n"), F.count("problem").alias("bad")).first()
+        assert stats is not None  # an aggregate without grouping has one row
+        n = int(stats["n"])
+        if stats["bad"]:
+            raise rejection(checked, args.batch_id)
+        if n != args.batch_size:
+            raise BatchRejected(
+                f"batch {args.batch_id}: read {n} messages, the batch holds {args.batch_size}"
+            )
+        rollup = roll_up(checked, args.window_minutes, args.batch_id).cache()
+        write(rollup, jdbc, f"{schema}.rollup_staging")
+        summary = rollup.agg(
+            F.sum("orders").cast("long").alias("orders"),
+            F.sum("amount_eur").cast(T.DecimalType(20, 4)).alias("amount_eur"),
+            F.count("*").cast("long").alias("groups"),
+        ).select(
+            F.lit(args.batch_id).alias("batch_id"),
+            F.lit(n).cast("long").alias("messages"),
+            "orders",
+            "amount_eur",
+            "groups",
+        )
+        # Written last: the publisher takes a summary as proof that every aggregate row is there.
+        write(summary.coalesce(1), jdbc, f"{schema}.batch_staging")
+    finally:
+        # A Connect server outlives the batch: its cache must not keep every batch it ever rolled up.
+        checked.unpersist()
+        if rollup is not None:
+            rollup.unpersist()
+    return {"batch_id": args.batch_id, "messages": n}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    spark = (
-        SparkSession.builder.appName(f"order_rollup {args.batch_id}")
-        .config("spark.sql.session.timeZone", "UTC")  # windows and timestamps in UTC, wherever it runs
-        .getOrCreate()
-    )
+    """spark-submit's entry: a classic session, the JDBC options from the environment, :func:`batch_job`."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        batch_id = parse_args(argv).batch_id
+    except JobArgumentError as exc:
+        print(exc, file=sys.stderr, flush=True)
+        return 2
+    jdbc = jdbc_options()
+    spark = SparkSession.builder.appName(f"order_rollup {batch_id}").getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
     try:
-        result = run(spark, args)
+        result = batch_job(spark, argv, jdbc)
     except BatchRejected as exc:
         print(f"order_rollup: REJECTED {exc}", file=sys.stderr, flush=True)
         return 3
     finally:
         spark.stop()
-    print(f"order_rollup: batch {args.batch_id} done: {result}", flush=True)
+    print(f"order_rollup: batch {batch_id} done: {result}", flush=True)
     return 0
 
 

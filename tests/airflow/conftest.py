@@ -26,6 +26,7 @@ import pytest
 
 from airflow_dbqueue.engine import DbQueue
 from airflow_dbqueue.spark import DEBIAN_JDBC_JAR, JDBC_JAR_ENV, find_jdbc_jar
+from airflow_dbqueue.spark.connect_server import LocalConnectServer
 from tests.helpers import require
 
 _HOME = tempfile.mkdtemp(prefix="dbqueue-airflow-home-")
@@ -90,6 +91,46 @@ def spark_system(java_runtime: None, jdbc_driver: None) -> None:
     without them skips, or fails under scripts/test, which installs both."""
 
 
+@pytest.fixture(scope="session")
+def connect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalConnectServer]:
+    """One local Spark Connect server (``local[2]``, PostgreSQL's JDBC driver) for the whole test session:
+    its JVM takes about 20 s to start, a session on it half a second. It writes an uncompressed Spark
+    event log (every plan and statement it runs, as Spark records them) to ``event_log_dir``, where
+    the credentials test looks for the password."""
+    require(
+        None if find_java() else "no Java runtime ($JAVA_HOME/bin/java, or java on PATH)",
+        "apt-get install openjdk-17-jre-headless; scripts/test installs it",
+    )
+    jar = find_jdbc_jar()
+    missing = f"PostgreSQL's JDBC driver is missing ({jar or DEBIAN_JDBC_JAR})"
+    require(
+        None if jar and Path(jar).is_file() else missing,
+        f"apt-get install libpostgresql-jdbc-java, or set ${JDBC_JAR_ENV}; scripts/test installs it",
+    )
+    root = tmp_path_factory.mktemp("spark-connect")
+    (root / "events").mkdir()
+    server = LocalConnectServer(
+        log_file=root / "server.log",
+        conf={
+            "spark.eventLog.enabled": "true",
+            "spark.eventLog.dir": str(root / "events"),
+            "spark.eventLog.compress": "false",
+        },
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def event_log_text(server: LocalConnectServer) -> str:
+    """Everything the Connect server's event log holds so far."""
+    assert server.log_file is not None
+    files = (server.log_file.parent / "events").rglob("events_*")
+    return "\n".join(p.read_text(errors="replace") for p in files)
+
+
 def trigger_is_waiting(dsn: str) -> bool:
     """Whether a DbQueueTrigger's connection sits idle after its readiness check (so it is waiting)."""
     with psycopg.connect(dsn, autocommit=True) as c:
@@ -136,6 +177,14 @@ def spark_env(env: dict[str, str]) -> dict[str, str]:
         SPARK_LOCAL_IP="127.0.0.1",
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
     )
+
+
+def connect_env(env: dict[str, str], server: LocalConnectServer) -> dict[str, str]:
+    """``spark_env(env)`` with ``spark_default`` naming the Spark Connect ``server`` instead (the
+    operator then runs each batch as a job of a session there)."""
+    assert server.port is not None
+    conn = {"conn_type": "spark_connect", "host": "sc://127.0.0.1", "port": server.port}
+    return dict(spark_env(env), AIRFLOW_CONN_SPARK_DEFAULT=json.dumps(conn))
 
 
 def dags_test(

@@ -1,5 +1,8 @@
-"""DbQueueSparkSubmitOperator's batch lifecycle with a real ``spark-submit``: the lease heartbeat keeps a
-long job's batch, and a task timeout kills the job and releases the batch with nothing lost."""
+"""DbQueueSparkSubmitOperator's batch lifecycle on both Spark paths, a real ``spark-submit`` per batch and
+a session per batch on the test session's real Spark Connect server: the lease heartbeat keeps a long
+job's batch; a task timeout stops the job and releases the batch with nothing lost; a try finds what
+a killed try left (its batch claimed, its job still running) and releases it at once; a run does not
+end green while a batch of its task is still claimed."""
 
 from __future__ import annotations
 
@@ -15,13 +18,16 @@ import pytest
 from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue
+from airflow_dbqueue.spark.connect_server import LocalConnectServer
 from tests.airflow.conftest import (
     AIRFLOW,
     CONN_ID,
     conn_json,
+    connect_env,
     dags_test,
     deployment,
     deployment_env,
+    event_log_text,
     log_tails,
     migrated_airflow_env,
     spark_env,
@@ -34,8 +40,30 @@ DAGS = Path(__file__).with_name("spark_dags")
 
 
 @pytest.fixture(scope="module")
-def lifecycle_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def submit_lifecycle_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return spark_env(migrated_airflow_env(tmp_path_factory.mktemp("airflow-home-spark"), DAGS))
+
+
+@pytest.fixture(params=["submit", "connect"])
+def spark_path(request: pytest.FixtureRequest) -> str:
+    """Which Spark path ``spark_default`` takes."""
+    return str(request.param)
+
+
+@pytest.fixture
+def lifecycle_env(
+    submit_lifecycle_env: dict[str, str], spark_path: str, request: pytest.FixtureRequest
+) -> dict[str, str]:
+    if spark_path == "connect":
+        return connect_env(submit_lifecycle_env, request.getfixturevalue("connect_server"))
+    return submit_lifecycle_env
+
+
+def canceled_on_connect(server: LocalConnectServer, batch_id: str) -> bool:
+    """Whether the Connect server recorded an operation of the batch's session (its id is the batch
+    id) as canceled: its Spark work was interrupted, not left running."""
+    events = [line for line in event_log_text(server).splitlines() if batch_id in line]
+    return any("SparkListenerConnectOperationCanceled" in line for line in events)
 
 
 def batch_rows(pg_dsn: str, schema: str) -> list[tuple[int, int, str | None]]:
@@ -73,7 +101,11 @@ def test_heartbeat_keeps_a_long_jobs_batch(lifecycle_env: dict[str, str], pg_dsn
 
 
 def test_timeout_kills_the_job_and_releases_the_batch(
-    lifecycle_env: dict[str, str], pg_dsn: str, dbq: DbQueue
+    lifecycle_env: dict[str, str],
+    pg_dsn: str,
+    dbq: DbQueue,
+    spark_path: str,
+    request: pytest.FixtureRequest,
 ) -> None:
     q = dbq.create_queue("jobs")
     sent = [{"job": i, "blob": "x" * (i % 7)} for i in range(40)]
@@ -88,6 +120,12 @@ def test_timeout_kills_the_job_and_releases_the_batch(
     again = q.pop(100)
     assert checksum(m.payload for m in again) == checksum(sent)
     deadline = time.monotonic() + 20
+    if spark_path == "connect":  # the server's sleeping task was interrupted with the task
+        server = request.getfixturevalue("connect_server")
+        batch_id = _first_batch(pg_dsn, dbq.schema)
+        while not canceled_on_connect(server, batch_id) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert canceled_on_connect(server, batch_id)
     while sleepy_jobs_running() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert sleepy_jobs_running() == []  # the job was killed with the task

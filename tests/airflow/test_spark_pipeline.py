@@ -1,4 +1,6 @@
-"""The order pipeline DAG with ``airflow dags test``: a real PostgreSQL, a real ``spark-submit`` (local[*]).
+"""The order pipeline DAG with ``airflow dags test``: a real PostgreSQL, and on each of the two Spark paths
+the same job: a real ``spark-submit`` (local[*]) per batch, or a session per batch on the real local
+Spark Connect server of the test session.
 
 Checked against what was pushed: every order lands in the results exactly once (per customer, product
 and hour: orders, units and EUR amount), and the queue is drained. A poison batch (an order in a
@@ -8,9 +10,12 @@ every order once.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import uuid
 from collections import defaultdict
 from decimal import ROUND_HALF_UP, Decimal
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -18,12 +23,27 @@ import pytest
 from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue
+from airflow_dbqueue.spark.connect_server import LocalConnectServer
 from airflow_dbqueue.spark.orders import SAMPLE_RATES, OrderRollup, expected_totals, sample_orders
-from tests.airflow.conftest import dags_test, spark_env
+from tests.airflow.conftest import CONN_ID, conn_json, connect_env, dags_test, event_log_text, spark_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("spark_system")]
 
 DAG_ID = "dbqueue_order_pipeline"
+
+
+@pytest.fixture(params=["submit", "connect"])
+def spark_path(request: pytest.FixtureRequest) -> str:
+    """Which Spark path the pipeline's ``spark_default`` connection takes."""
+    return str(request.param)
+
+
+@pytest.fixture
+def path_env(airflow_env: dict[str, str], spark_path: str, request: pytest.FixtureRequest) -> dict[str, str]:
+    """The Airflow environment with ``spark_default`` on the path under test."""
+    if spark_path == "connect":
+        return connect_env(airflow_env, request.getfixturevalue("connect_server"))
+    return spark_env(airflow_env)
 
 
 @pytest.fixture
@@ -38,7 +58,7 @@ def run_pipeline(
     env: dict[str, str], pg_dsn: str, dbq: DbQueue, results: OrderRollup, conf: dict[str, Any]
 ) -> tuple[bool, str]:
     return dags_test(
-        spark_env(env),
+        env,
         pg_dsn,
         dbq.schema,
         DAG_ID,
@@ -81,12 +101,12 @@ def count(pg_dsn: str, table: sql.Composable) -> int:
 
 
 def test_pipeline_rolls_up_every_order_once(
-    airflow_env: dict[str, str], pg_dsn: str, dbq: DbQueue, results_schema: OrderRollup
+    path_env: dict[str, str], pg_dsn: str, dbq: DbQueue, results_schema: OrderRollup, spark_path: str
 ) -> None:
     orders = list(sample_orders(1500, seed=11, customers=30, products=12))
     dbq.create_queue("orders").push_batch(orders)
     ok, out = run_pipeline(
-        airflow_env,
+        path_env,
         pg_dsn,
         dbq,
         results_schema,
@@ -103,10 +123,11 @@ def test_pipeline_rolls_up_every_order_once(
     for staging in ("rollup_staging", "batch_staging"):
         assert count(pg_dsn, sql.Identifier(results_schema.schema, staging)) == 0
     assert "results published and batch acked" in out
+    assert ("the Spark Connect job returned" in out) == (spark_path == "connect")
 
 
 def test_poison_batch_is_released_then_published_once_fixed(
-    airflow_env: dict[str, str], pg_dsn: str, dbq: DbQueue, results_schema: OrderRollup
+    path_env: dict[str, str], pg_dsn: str, dbq: DbQueue, results_schema: OrderRollup
 ) -> None:
     orders = list(sample_orders(400, seed=5, customers=20, products=8))
     orders[123] = {**orders[123], "currency": "NOK"}  # no FX rate for NOK yet: the job rejects the batch
@@ -114,7 +135,7 @@ def test_poison_batch_is_released_then_published_once_fixed(
     ids = q.push_batch(orders)
     conf = {"queue_name": "orders", "max_messages": 1000, "max_batches": 3}
 
-    ok, out = run_pipeline(airflow_env, pg_dsn, dbq, results_schema, conf)
+    ok, out = run_pipeline(path_env, pg_dsn, dbq, results_schema, conf)
     assert not ok, out[-4000:]
     st = q.stats()
     assert (st.ready, st.in_flight, st.failed, st.finished) == (400, 0, 0, 0)  # released, not lost
@@ -132,7 +153,7 @@ def test_poison_batch_is_released_then_published_once_fixed(
     rates = {**SAMPLE_RATES, "NOK": "0.085"}
     with psycopg.connect(pg_dsn) as c:
         results_schema.set_rate(c, "NOK", rates["NOK"])
-    ok, out = run_pipeline(airflow_env, pg_dsn, dbq, results_schema, conf)
+    ok, out = run_pipeline(path_env, pg_dsn, dbq, results_schema, conf)
     assert ok, out[-6000:]
     assert expected_rollup(orders, rates) == rollup_rows(pg_dsn, results_schema)
     with psycopg.connect(pg_dsn) as c:
@@ -141,3 +162,62 @@ def test_poison_batch_is_released_then_published_once_fixed(
     assert (totals.orders, totals.quantity, totals.amount_eur) == expected_totals(orders, rates)
     st = q.stats()
     assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 400)
+
+
+PASSWORD = "pw-Kx4-never-logged"
+
+
+def test_on_connect_the_password_reaches_the_jdbc_reads_but_no_command_line_or_logged_plan(
+    airflow_env: dict[str, str],
+    pg_dsn: str,
+    dbq: DbQueue,
+    results_schema: OrderRollup,
+    connect_server: LocalConnectServer,
+) -> None:
+    """The queue connection has a password (the test server trusts local connections and ignores it).
+    The Connect job's JDBC reads and writes get it in their options, so it is in the plans the server
+    runs: the server's event log (which records each plan and statement as Spark logs them) holds
+    those plans with the password redacted, and no process's command line holds it."""
+    orders = list(sample_orders(300, seed=3, customers=10, products=5))
+    dbq.create_queue("orders").push_batch(orders)
+    conn = json.loads(conn_json(pg_dsn, dbq.schema))
+    ok, out = dags_test(
+        connect_env(airflow_env, connect_server),
+        pg_dsn,
+        dbq.schema,
+        DAG_ID,
+        {"queue_name": "orders", "max_messages": 300, "max_batches": 2},
+        DBQUEUE_RESULTS_SCHEMA=results_schema.schema,
+        DBQUEUE_PIPELINE_RETRIES="0",
+        **{f"AIRFLOW_CONN_{CONN_ID.upper()}": json.dumps({**conn, "password": PASSWORD})},
+    )
+    assert ok, out[-6000:]
+    with psycopg.connect(pg_dsn) as c:
+        totals = results_schema.totals(c)
+    assert (totals.batches, totals.messages) == (1, 300)
+    assert (totals.orders, totals.quantity, totals.amount_eur) == expected_totals(orders)
+    batch_id = _acked_batch(pg_dsn, dbq)
+    events = event_log_text(connect_server)
+    # the plans of this batch's session were logged, each JDBC password option redacted
+    assert batch_id in events and 'key: \\"password\\"' in events and "(redacted)" in events
+    assert PASSWORD not in events
+    assert PASSWORD not in connect_server.log_tail(100_000)
+    assert not [c for c in command_lines() if PASSWORD in c]
+
+
+def _acked_batch(pg_dsn: str, dbq: DbQueue) -> str:
+    with psycopg.connect(pg_dsn) as c:
+        query = sql.SQL("SELECT batch_id FROM {}.batches").format(sql.Identifier(dbq.schema))
+        row = c.execute(query).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def command_lines() -> list[str]:
+    """The command line of every process on this machine that can be read."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                out.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+    return out

@@ -256,6 +256,16 @@ def test_lease_hides_message_until_ack(make_queue: Callable[..., Queue]) -> None
     assert (s.in_flight, s.finished) == (1, kept(q, 2))
 
 
+def test_ack_naming_a_message_twice_acks_it_once(make_queue: Callable[..., Queue]) -> None:
+    q = make_queue()
+    ids = q.push_batch(["a", "b", "c"])
+    leased = q.pop(3, semantics="at-least-once")
+    assert q.ack([*leased, leased[1], leased[0]]) == 3  # each receipt counts once
+    s = q.stats()
+    assert (s.in_flight, s.ready, s.finished) == (0, 0, kept(q, 3))
+    assert q.pop(3, semantics="at-least-once") == [] and len(ids) == 3
+
+
 def test_nack_redelivers_then_fails_after_max_attempts(make_queue: Callable[..., Queue]) -> None:
     q = make_queue(max_attempts=3, retry_backoff=0.0, retry_backoff_max=0.0)
     [mid] = q.push_batch([{"poison": True}])

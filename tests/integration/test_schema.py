@@ -719,7 +719,7 @@ def test_version_14_table_queues_keep_their_messages_through_the_migration(
     pg_dsn: str, new_schema: Callable[[], str]
 ) -> None:
     """Messages of a table queue written under schema version 14 (small payloads in their meta rows, a
-    large one in data, one leased, finished ones in done) come through the migration to 15, which
+    large one in data, one leased, finished ones in done) come through the migration to 16, which
     makes the pops and the ack functions: the lease is acked by its receipt, the rest is popped at
     least once and at most once, and everything is archived once with its payload."""
     schema = new_schema()
@@ -780,6 +780,58 @@ def test_version_14_table_queues_keep_their_messages_through_the_migration(
                 dbq, "SELECT (SELECT count(*) FROM {schema}.data) + (SELECT count(*) FROM {schema}.done)"
             )
             assert left == 0
+    finally:
+        db.drop_schema()
+        db.close()
+
+
+def test_version_14_rings_keep_their_messages_and_push_one_at_a_time_after_the_migration(
+    pg_dsn: str, new_schema: Callable[[], str]
+) -> None:
+    """A ring written under schema version 14 keeps its messages through the migration to 15, which
+    replaces the function behind a push of one (ring_push_one): the old messages come out once, in
+    order, with their payloads, then the pushes of one made after it, as the ring wraps; a push of
+    one into a full ring still waits for room and is written once."""
+    schema = new_schema()
+    db = PostgresDatabase(pg_dsn, schema=schema)
+    try:
+        db.migrate_to(14)
+        ident = sql.Identifier(schema)
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            qid = c.execute(
+                sql.SQL(
+                    "INSERT INTO {s}.queues (name, design, payload_type, max_payload_bytes, max_attempts, "
+                    "visibility_timeout_s, retry_backoff_s, retry_backoff_max_s, notify, archive) "
+                    "VALUES ('old', 'ring', 'json', 100, 5, 30, 1, 10, 'never', false) RETURNING queue_id"
+                ).format(s=ident)
+            ).fetchone()[0]  # type: ignore[index]
+            c.execute(sql.SQL("SELECT {s}.ring_create(%s, %s, 8, 100, 4)").format(s=ident), [schema, qid])
+            old = [f"old{i}" for i in range(6)]
+            push = sql.SQL("SELECT {s}.ring_push(%s, 8, %s::bytea[], 5, 0, 'ch', NULL)").format(s=ident)
+            assert c.execute(push, [qid, [json.dumps(p).encode() for p in old[:3]]]).fetchone() == (1,)
+            one = sql.SQL("SELECT r_num, r_written FROM {s}.ring_push_one(%s, 8, %s::bytea, 0, 'ch')")
+            for i, p in enumerate(old[3:], start=4):  # version 14's push of one, a set of one row
+                assert c.execute(one.format(s=ident), [qid, json.dumps(p).encode()]).fetchone() == (i, True)
+        with DbQueue(pg_dsn, schema=schema) as dbq:
+            assert dbq.install() == schema_sql()[0]
+            q = dbq.queue("old")
+            q.push_timeout = 10.0
+            new = [f"new{i}" for i in range(2)]
+            assert [q.push(p) for p in new] == [7, 8]  # the ring is full now: 8 slots, none taken
+            late: list[int] = []
+            pusher = threading.Thread(target=lambda: late.append(q.push("late")))
+            pusher.start()  # waits for room: number 9 needs the slot of number 1
+            got = [(m.id, m.payload) for m in q.pop(3)]
+            pusher.join(10)
+            assert not pusher.is_alive() and late == [9]
+            got += [(m.id, m.payload) for m in drain(q)]
+            more = [f"more{i}" for i in range(20)]
+            for p in more:  # pushes of one around the ring, two and a half times
+                q.push(p)
+                got += [(m.id, m.payload) for m in q.pop(1)]
+            got += [(m.id, m.payload) for m in drain(q)]
+            assert got == list(enumerate(old + new + ["late"] + more, start=1))
+            assert q.stats().ready == 0
     finally:
         db.drop_schema()
         db.close()

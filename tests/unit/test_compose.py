@@ -244,6 +244,7 @@ def test_image_versions_agree_with_pyproject_and_each_other() -> None:
     spark_images = {
         _resolve(services["spark-master"]["image"]),
         _resolve(services["spark-worker"]["build"]["args"]["SPARK_IMAGE"]),
+        _resolve(services["spark-connect"]["build"]["args"]["SPARK_IMAGE"]),
         *(_resolve(services[n]["build"]["args"]["SPARK_IMAGE"]) for n in AIRFLOW_SERVICES),
         _dockerfile_arg_default(dockerfile, "SPARK_IMAGE"),
         env_example["SPARK_IMAGE"],
@@ -321,6 +322,35 @@ def test_the_spark_connection_targets_the_master_service() -> None:
     assert conn["host"] in worker["command"], "the worker registers with the same master"
     worker_host, _ = _spark_daemon_address(worker)
     assert worker_host == "spark-worker", "the worker advertises a name the driver can resolve"
+
+
+def test_the_spark_connect_connection_targets_a_connect_server_on_the_cluster() -> None:
+    """The pipeline DAG's Spark connection (``$DBQUEUE_SPARK_CONN_ID``) is a ``spark_connect`` one whose
+    host and port are those of the spark-connect service, a Connect server that runs on the master's
+    cluster with PostgreSQL's JDBC driver (installed in its image) and a driver name the executors
+    resolve; the scheduler, which runs the tasks, starts once it is healthy."""
+    services = _services()
+    env = _env(services["airflow-scheduler"])
+    conn_id = env["DBQUEUE_SPARK_CONN_ID"]
+    conn = json.loads(_resolve(env[f"AIRFLOW_CONN_{conn_id.upper()}"]))
+    assert conn["conn_type"] == "spark_connect"
+    m = re.fullmatch(r"sc://([a-z0-9-]+)", conn["host"])
+    assert m, conn["host"]
+    server = services[m[1]]
+    cmd = [str(c) for c in server["command"]]
+    assert cmd[cmd.index("--class") + 1] == "org.apache.spark.sql.connect.service.SparkConnectServer"
+    confs = dict(cmd[i + 1].split("=", 1) for i, c in enumerate(cmd) if c == "--conf")
+    assert confs["spark.connect.grpc.binding.port"] == str(conn["port"])
+    assert confs["spark.driver.host"] == m[1], "the executors reach the server's driver by its service name"
+    master_conn = json.loads(_resolve(env["AIRFLOW_CONN_SPARK_DEFAULT"]))
+    assert cmd[cmd.index("--master") + 1] == master_conn["host"], "it runs on the same cluster"
+    assert cmd[cmd.index("--jars") + 1] == "/usr/share/java/postgresql.jar"
+    assert server["build"]["target"] == "spark"
+    spark_stage = (DOCKERFILE_DIR / "Dockerfile").read_text().split("AS spark\n", 1)[1].split("\nFROM ", 1)[0]
+    assert "libpostgresql-jdbc-java" in spark_stage, "the jar is in the server's image"
+    assert str(conn["port"]) in str(server["healthcheck"]["test"])
+    assert _depends_on(services["airflow-scheduler"]).get(m[1]) == "service_healthy"
+    assert not [c for c in cmd if re.search(r"PASSWORD|password", c)], "the server holds no credential"
 
 
 def test_the_spark_driver_advertises_the_service_that_runs_the_tasks() -> None:

@@ -6,10 +6,11 @@ import datetime as dt
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from airflow.sdk import DAG, task
+from airflow.sdk import DAG, BaseHook, task
 from psycopg import sql
 
 from airflow_dbqueue.engine import Batch
@@ -85,13 +86,24 @@ with DAG(dag_id="dbqueue_test_spark_killed_try", schedule=None, catchup=False):
                 10, visibility_timeout=600, consumer=_earlier_try(context["ti"])
             )
         assert batch is not None
-        job = [sys.executable, STAGING_JOB, str(STAGING), "--orphan", "--batch-id", batch.batch_id]
+        # The orphan of the Spark path spark_default takes: a process of the job's own, or a client of
+        # the batch's Connect session (named by the batch id, as the operator names it) running there.
+        orphan = ["--orphan"]
+        spark = BaseHook.get_connection("spark_default")
+        if spark.conn_type == "spark_connect":
+            orphan = ["--connect", f"{spark.host}:{spark.port}"]
+        job = [sys.executable, STAGING_JOB, str(STAGING), *orphan, "--batch-id", batch.batch_id]
         subprocess.Popen(
             [*job, "--batch-size", "partial", "--batch-query", "-"],
             start_new_session=True,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
+        # Running, as a killed try's job would be by then: it has written staging once.
+        deadline = time.monotonic() + 120
+        while not (STAGING / batch.batch_id).exists():
+            assert time.monotonic() < deadline, "the orphan never started"
+            time.sleep(0.2)
         return batch.batch_id
 
     killed_try() >> DbQueueSparkSubmitOperator(

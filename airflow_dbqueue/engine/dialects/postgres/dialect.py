@@ -11,9 +11,9 @@ import logging
 import re
 import select
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import psycopg.errors
@@ -230,16 +230,58 @@ class PostgresDatabase:
         with self.translate_errors():
             pool, pooled = self._checkout()
         try:
-            with self.translate_errors(), pooled:  # commits, or rolls back on an error
-                yield pooled
-        except DatabaseUnavailableError:
+            yield pooled
+            _end_statement(pooled)
+        except BaseException as exc:
+            raise self._failed(pool, pooled, exc) from _cause(exc)
+        pool.putconn(pooled)
+
+    def _failed(
+        self, pool: ConnectionPool, pooled: psycopg.Connection[Any], exc: BaseException
+    ) -> BaseException:
+        """Hand ``pooled`` back after ``exc`` and return what to raise: the engine's error for it. When
+        the server is unreachable the connection is closed and its pool replaced instead."""
+        translated = self._translated(exc) if isinstance(exc, Exception) else exc
+        if isinstance(translated, DatabaseUnavailableError):
             pooled.close()  # not handed back: the pool it came from is replaced
             self._discard_pool(pool)
-            raise
-        except BaseException:
+        else:
+            if not pooled.closed and pooled.info.transaction_status != TransactionStatus.IDLE:
+                with contextlib.suppress(psycopg.Error):
+                    pooled.rollback()
             pool.putconn(pooled)
-            raise
+        return translated
+
+    def _run(
+        self,
+        query: bytes,
+        params: Mapping[str, Any] | None,
+        conn: psycopg.Connection[Any] | None,
+        binary: bool,
+        result: Callable[[psycopg.Cursor[Any]], _R],
+    ) -> _R:
+        """Run one statement on ``conn`` or a pooled connection and return ``result`` of its cursor: what
+        connection() and translate_errors() do, without their context managers, which cost a statement
+        of one message a sixth of the client's instructions."""
+        if conn is not None:
+            try:
+                return result(conn.execute(query, params, binary=binary))
+            except Exception as exc:
+                translated = self._translated(exc)
+                if translated is exc:
+                    raise
+                raise translated from exc
+        try:
+            pool, pooled = self._checkout()
+        except Exception as exc:
+            raise self._translated(exc) from exc
+        try:
+            out = result(pooled.execute(query, params, binary=binary))
+            _end_statement(pooled)
+        except BaseException as exc:
+            raise self._failed(pool, pooled, exc) from _cause(exc)
         pool.putconn(pooled)
+        return out
 
     def _checkout(self) -> tuple[ConnectionPool, psycopg.Connection[Any]]:
         """Take a pooled connection that is sound, for a call; replace the pool when one is stale.
@@ -349,49 +391,57 @@ class PostgresDatabase:
         """Translate psycopg and pool exceptions into the engine's exception family."""
         try:
             yield
-        except DbQueueError:
-            raise
-        except PoolTimeout as exc:
-            raise DatabaseUnavailableError(
+        except Exception as exc:
+            translated = self._translated(exc)
+            if translated is exc:
+                raise
+            raise translated from exc
+
+    def _translated(self, exc: Exception) -> Exception:  # noqa: PLR0911 - a return a kind, in test order
+        """The engine's exception for ``exc`` (``exc`` itself when it is one already, or not a database
+        error)."""
+        if isinstance(exc, DbQueueError) or not isinstance(exc, (psycopg.Error, PoolTimeout)):
+            return exc
+        if isinstance(exc, PoolTimeout):
+            return DatabaseUnavailableError(
                 f"no connection to PostgreSQL at {self.where} within {self._connect_timeout:g}s: {exc}"
-            ) from exc
-        except (psycopg.errors.UndefinedFunction, psycopg.errors.InvalidSchemaName) as exc:
+            )
+        if isinstance(exc, (psycopg.errors.UndefinedFunction, psycopg.errors.InvalidSchemaName)):
             # One of the schema's own functions (table_push, ring_push...) is gone with its schema.
             message = exc.diag.message_primary or ""
             if f"{self.schema}." not in message and f'schema "{self.schema}"' not in message:
-                raise DatabaseError(f"PostgreSQL error at {self.where}: {exc}".strip()) from exc
-            raise SchemaError(
+                return DatabaseError(f"PostgreSQL error at {self.where}: {exc}".strip())
+            return SchemaError(
                 f"the dbqueue schema {self.schema!r} is not installed at {self.where} "
                 f"(run install(), or `dbqueue init`): {exc.diag.message_primary}"
-            ) from exc
-        except psycopg.errors.UndefinedTable as exc:
-            raise SchemaError(
+            )
+        if isinstance(exc, psycopg.errors.UndefinedTable):
+            return SchemaError(
                 f"the dbqueue schema {self.schema!r} is not installed at {self.where} "
                 f"(run install(), or `dbqueue init`): {exc.diag.message_primary}"
-            ) from exc
+            )
         # Deadlocks, lock and statement timeouts are OperationalErrors to psycopg, but the server is
         # fine: they must not read as "unreachable" (nor make connection() discard the pool).
-        except psycopg.errors.DeadlockDetected as exc:
-            raise DeadlockError(
+        if isinstance(exc, psycopg.errors.DeadlockDetected):
+            return DeadlockError(
                 f"PostgreSQL at {self.where}: deadlock, this transaction was rolled back: {_primary(exc)}"
-            ) from exc
-        except psycopg.errors.LockNotAvailable as exc:
-            raise LockTimeoutError(
+            )
+        if isinstance(exc, psycopg.errors.LockNotAvailable):
+            return LockTimeoutError(
                 f"PostgreSQL at {self.where}: a lock was not granted in time (lock_timeout): {_primary(exc)}"
-            ) from exc
-        except (psycopg.errors.QueryCanceled, psycopg.errors.SerializationFailure) as exc:
-            raise TransientDatabaseError(
+            )
+        if isinstance(exc, (psycopg.errors.QueryCanceled, psycopg.errors.SerializationFailure)):
+            return TransientDatabaseError(
                 f"PostgreSQL at {self.where}: the statement was cancelled or its transaction rolled back "
                 f"(statement_timeout, pg_cancel_backend, or a serialization failure): {_primary(exc)}"
-            ) from exc
-        except psycopg.OperationalError as exc:
+            )
+        if isinstance(exc, psycopg.OperationalError):
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise DatabaseUnavailableError(f"PostgreSQL at {self.where} is unreachable: {first}") from exc
-        except psycopg.Error as exc:
-            own = _RAISED_BY_FUNCTIONS.get(exc.sqlstate or "")
-            if own is not None:  # raised on purpose by the server-side functions of schema.sql
-                raise own(exc.diag.message_primary or str(exc)) from exc
-            raise DatabaseError(f"PostgreSQL error at {self.where}: {exc}".strip()) from exc
+            return DatabaseUnavailableError(f"PostgreSQL at {self.where} is unreachable: {first}")
+        own = _RAISED_BY_FUNCTIONS.get(exc.sqlstate or "")
+        if own is not None:  # raised on purpose by the server-side functions of schema.sql
+            return own(exc.diag.message_primary or str(exc))
+        return DatabaseError(f"PostgreSQL error at {self.where}: {exc}".strip())
 
     def close(self) -> None:
         """Close the pool (it is reopened on next use)."""
@@ -433,12 +483,7 @@ class PostgresDatabase:
         identifiers: Mapping[str, str] | None = None,
     ) -> list[tuple[Any, ...]]:
         """Run a named query and return all its rows."""
-        with self.connection(conn) as c, self.translate_errors():
-            cur = c.execute(self.query(name, identifiers), params, binary=name in BINARY_RESULTS)
-            # The result's status, not cur.description, which builds a Column per field on every call
-            # (about a tenth of a ring pop's client time at batch 1).
-            res = cur.pgresult
-            return cur.fetchall() if res is not None and res.status == _TUPLES_OK else []
+        return self._run(self.query(name, identifiers), params, conn, name in BINARY_RESULTS, _all_rows)
 
     def fetchone(
         self,
@@ -449,8 +494,7 @@ class PostgresDatabase:
         identifiers: Mapping[str, str] | None = None,
     ) -> tuple[Any, ...] | None:
         """Run a named query and return its first row (or None)."""
-        with self.connection(conn) as c, self.translate_errors():
-            return c.execute(self.query(name, identifiers), params).fetchone()
+        return self._run(self.query(name, identifiers), params, conn, False, _first_row)
 
     def render(self, name: str, params: Mapping[str, Any]) -> str:
         """Return the named query as text with its parameters bound client-side, for a reader that
@@ -467,8 +511,7 @@ class PostgresDatabase:
         identifiers: Mapping[str, str] | None = None,
     ) -> int:
         """Run a named statement and return its row count."""
-        with self.connection(conn) as c, self.translate_errors():
-            return c.execute(self.query(name, identifiers), params).rowcount
+        return self._run(self.query(name, identifiers), params, conn, False, _row_count)
 
     # -- LISTEN/NOTIFY -----------------------------------------------------------------------------
 
@@ -660,6 +703,36 @@ BINARY_RESULTS = frozenset(
 text, and timestamps without text parsing (client CPU per message at batch 100).
 Their columns are integers, timestamps, bytea and text only. Their array parameters are sent in binary too
 (``%(name)b`` in queries.sql), which skips psycopg's per-element quoting of text arrays."""
+
+
+_R = TypeVar("_R")
+
+
+def _all_rows(cur: psycopg.Cursor[Any]) -> list[tuple[Any, ...]]:
+    # The result's status, not cur.description, which builds a Column per field on every call (about
+    # a tenth of a ring pop's client time at batch 1).
+    res = cur.pgresult
+    return cur.fetchall() if res is not None and res.status == _TUPLES_OK else []
+
+
+def _first_row(cur: psycopg.Cursor[Any]) -> tuple[Any, ...] | None:
+    return cur.fetchone()
+
+
+def _row_count(cur: psycopg.Cursor[Any]) -> int:
+    return cur.rowcount
+
+
+def _end_statement(pooled: psycopg.Connection[Any]) -> None:
+    """Pooled connections are autocommit: a statement leaves nothing to commit, unless the caller began
+    a transaction on the connection and left it open."""
+    if pooled.info.transaction_status != TransactionStatus.IDLE:
+        pooled.commit()
+
+
+def _cause(exc: BaseException) -> BaseException | None:
+    """The cause to chain to what replaces ``exc``: ``exc``, unless it stands as it is."""
+    return exc if isinstance(exc, psycopg.Error) else exc.__cause__
 
 
 def _sound(conn: psycopg.Connection[Any]) -> bool:

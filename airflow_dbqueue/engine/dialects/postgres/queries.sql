@@ -618,9 +618,10 @@ SELECT {schema}.ring_push(
     %(notify)s::integer, %(channel)s, %(first)s::bigint)
 
 -- name: ring_push_one
--- (number, written): see schema.sql; SQL Server's ring_push_one returns the same pair.
-SELECT r_num, r_written FROM {schema}.ring_push_one(
-    %(queue_id)s::integer, %(capacity)s::integer, %(payload)b::bytea, %(notify)s::integer, %(channel)s)
+-- (number, written): the function returns the number, negated when its slot was not free yet (see
+-- schema.sql); SQL Server's ring_push_one returns the same pair.
+SELECT abs(r), r > 0 FROM {schema}.ring_push_one(
+    %(queue_id)s::integer, %(capacity)s::integer, %(payload)b::bytea, %(notify)s::integer, %(channel)s) AS r
 
 -- name: ring_take
 -- The fast path of a pop (schema.sql): messages from the lanes, nothing when messages to deliver again

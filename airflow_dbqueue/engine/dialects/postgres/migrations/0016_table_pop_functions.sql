@@ -1,4 +1,4 @@
--- Migration 15: the table design's pops and ack as functions with generic plans (table_take,
+-- Migration 16: the table design's pops and ack as functions with generic plans (table_take,
 -- table_lease, table_ack), as the push is: planned once a session instead of on every call. Tables and
 -- messages are unchanged.
 

@@ -1,0 +1,335 @@
+#!/usr/bin/env python
+"""Server instructions a message: what each side of a queue costs PostgreSQL, counted, not timed.
+
+    python benchmarks/instructions.py [--design ring table] [--batch 1 100 1000] [--json]
+
+``run.py`` and ``cost.py`` time what they measure, so on a shared machine their figures move with
+whatever else runs (runs of 10 s vary by 15% here). This counts instead: it starts a throwaway
+PostgreSQL server under valgrind's cachegrind (``--cache-sim=no``: instructions only, the same count
+for the same work whatever the load), and for each design and batch size runs sessions of its own,
+each one connection that pushes or pops and then closes, so that its backend exits and cachegrind
+writes what that backend executed. A session of ``--calls`` calls and one of four times as many
+differ only by the calls between them (connecting, reading the queue and closing cancel out), so
+
+    instructions a message = (long session - short session) / (extra calls x batch)
+
+for a push (``push`` or ``push_batch``) and a pop at most once (``pop``), through the engine's API, and
+for the naive queue's statements (``run.py``'s, in binary) in the same server. Only the backend's own
+work is counted: parse, plan, execute and commit, with its WAL insertion and flush calls; not the WAL
+writer, the checkpointer or the client. Autovacuum is off, so that no background worker runs meanwhile
+(the naive queue's dead rows cost it nothing here that VACUUM would later do). Every pop session's
+payloads are counted and checksummed against what its push session sent, as ``cost.py`` does.
+
+Needs valgrind (Debian's ``valgrind``) and the PostgreSQL binaries the embedded default uses. Under
+cachegrind the server runs about 50 times slower: the default run takes a few minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cost import check, payloads
+from run import naive_statements  # benchmarks/ is a folder of scripts
+
+from airflow_dbqueue.engine import DbQueue
+from airflow_dbqueue.engine.embedded import EmbeddedPostgres, free_port
+
+QUEUE = "instr_q"
+SIDES = ("push", "pop")
+
+
+class CountedServer:
+    """A PostgreSQL server whose every process runs under cachegrind; each backend's count is read
+    from the file cachegrind writes when it exits."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.out = root / "counts"
+        self.pg = EmbeddedPostgres(root / "data", port=free_port())
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 180.0) -> str:
+        valgrind = shutil.which("valgrind")
+        if valgrind is None:
+            raise SystemExit("valgrind is not installed (Debian: apt-get install valgrind)")
+        self.pg.initdb()
+        bin_dir = self.pg._prepare()  # the embedded server's binaries, and its user when root
+        self.out.mkdir(mode=0o777)
+        self.out.chmod(0o777)
+        cmd = [
+            valgrind,
+            "--tool=cachegrind",
+            "--cache-sim=no",
+            "--trace-children=yes",
+            f"--cachegrind-out-file={self.out}/backend.%p",
+            str(bin_dir / "postgres"),
+            "-D",
+            str(self.pg.data_dir),
+        ]
+        settings = {
+            "listen_addresses": "127.0.0.1",
+            "port": str(self.pg.port),
+            "unix_socket_directories": "",
+            "shared_buffers": "256MB",
+            "autovacuum": "off",
+            "max_connections": "20",
+            "logging_collector": "off",
+        }
+        for k, v in settings.items():
+            cmd += ["-c", f"{k}={v}"]
+        with open(self.root / "server.log", "ab") as log:
+            self.process = subprocess.Popen(  # type: ignore[call-overload]
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **self.pg._run_kwargs()
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with psycopg.connect(self.pg.dsn, connect_timeout=5):
+                    return self.pg.dsn
+            except psycopg.OperationalError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(
+                        f"the server under cachegrind did not start; see {self.root / 'server.log'}"
+                    ) from None
+                time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, 2)  # SIGINT: a fast shutdown
+            try:
+                self.process.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, 9)
+                self.process.wait()
+
+    def counted(self, pids: set[int], timeout: float = 120.0) -> int:
+        """The instructions of the backends ``pids``, once each has ended and cachegrind has written
+        its file (as the process exits)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            total, complete = 0, True
+            for pid in pids:
+                path = self.out / f"backend.{pid}"
+                lines = path.read_text().splitlines() if path.exists() else []
+                summary = [line for line in lines if line.startswith("summary:")]
+                if not summary:
+                    complete = False
+                    break
+                total += int(summary[0].split()[1])
+            if complete:
+                return total
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the counts of backends {sorted(pids)} were not written in time")
+            time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def counted_server() -> Iterator[CountedServer]:
+    root = Path(tempfile.mkdtemp(prefix="dbqueue-instr-"))
+    root.chmod(0o755)
+    server = CountedServer(root)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def sent_for(batch: int, calls: int, size: int, tag: int) -> list[list[bytes]]:
+    return [payloads(batch, size, tag, k) for k in range(calls)]
+
+
+Sessions = tuple[Callable[[list[list[bytes]]], set[int]], Callable[[int], tuple[list[bytes], set[int]]]]
+
+
+def _pid(dbq: DbQueue) -> int:
+    with dbq.db.connection() as c:  # type: ignore[attr-defined] # its backend, to count it
+        return int(c.info.backend_pid)
+
+
+def engine_sessions(dsn: str, schema: str, batch: int) -> Sessions:
+    """A push session and a pop session through the engine, each on one pooled connection; each
+    returns the backends it used."""
+
+    def push(sent: list[list[bytes]]) -> set[int]:
+        with DbQueue(dsn, schema=schema, pool_size=1) as dbq:
+            q = dbq.queue(QUEUE)
+            pids = {_pid(dbq)}
+            for b in sent:
+                if batch == 1:
+                    q.push(b[0])
+                else:
+                    q.push_batch(b)
+            pids.add(_pid(dbq))
+        return pids
+
+    def pop(calls: int) -> tuple[list[bytes], set[int]]:
+        got: list[bytes] = []
+        with DbQueue(dsn, schema=schema, pool_size=1) as dbq:
+            q = dbq.queue(QUEUE)
+            q.reclaim_every_s = float("inf")  # type: ignore[attr-defined] # no reclaim between pops
+            pids = {_pid(dbq)}
+            for _ in range(calls):
+                got.extend(m.payload for m in q.pop(batch))
+            pids.add(_pid(dbq))
+        return got, pids
+
+    return push, pop
+
+
+def naive_sessions(dsn: str, schema: str, batch: int) -> Sessions:
+    push_sql, pop_sql = naive_statements(schema)
+
+    def push(sent: list[list[bytes]]) -> set[int]:
+        with psycopg.connect(dsn, autocommit=True) as c:
+            for b in sent:
+                c.execute(push_sql, (b,))
+            return {c.info.backend_pid}
+
+    def pop(calls: int) -> tuple[list[bytes], set[int]]:
+        with psycopg.connect(dsn, autocommit=True) as c:
+            got = [row[1] for _ in range(calls) for row in c.execute(pop_sql, (batch,), binary=True)]
+            return got, {c.info.backend_pid}
+
+    return push, pop
+
+
+def measure(
+    server: CountedServer, sessions: Sessions, *, batch: int, calls: int, size: int, who: str
+) -> dict[str, float]:
+    push, pop = sessions
+    counts: dict[str, list[int]] = {"push": [], "pop": []}
+    for tag, n in enumerate((calls, 4 * calls)):
+        sent = sent_for(batch, n, size, tag)
+        counts["push"].append(server.counted(push(sent)))
+        got, pids = pop(n)
+        counts["pop"].append(server.counted(pids))
+        check(sent, got, who)
+    extra = 3 * calls * batch
+    return {side: (counts[side][1] - counts[side][0]) / extra for side in SIDES}
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    with counted_server() as server:
+        dsn = server.pg.dsn
+        for batch in args.batch:
+            calls = args.calls or (40 if batch == 1 else 4)
+            naive_schema = f"instr_naive_{uuid.uuid4().hex[:8]}"
+            with psycopg.connect(dsn, autocommit=True) as c:
+                c.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(naive_schema)))
+                c.execute(
+                    sql.SQL("CREATE TABLE {}.t (id bigserial PRIMARY KEY, payload bytea NOT NULL)").format(
+                        sql.Identifier(naive_schema)
+                    )
+                )
+            naive = naive_sessions(dsn, naive_schema, batch)
+            measure(
+                server, naive, batch=batch, calls=max(1, calls // 4), size=args.payload_bytes, who="naive"
+            )  # warm-up
+            ref = measure(server, naive, batch=batch, calls=calls, size=args.payload_bytes, who="naive")
+            for design in args.design:
+                schema = f"instr_{uuid.uuid4().hex[:10]}"
+                with DbQueue(dsn, schema=schema) as dbq:
+                    dbq.install()
+                    if design == "ring":
+                        dbq.create_queue(
+                            QUEUE,
+                            design="ring",
+                            capacity=max(1024, 8 * calls * batch),
+                            payload_type="bytes",
+                            max_payload_bytes=max(args.payload_bytes, 16),
+                            notify="never",
+                        )
+                    else:
+                        dbq.create_queue(QUEUE, payload_type="bytes", notify="never", archive=False)
+                try:
+                    sessions = engine_sessions(dsn, schema, batch)
+                    measure(
+                        server,
+                        sessions,
+                        batch=batch,
+                        calls=max(1, calls // 4),
+                        size=args.payload_bytes,
+                        who=design,
+                    )
+                    got = measure(
+                        server, sessions, batch=batch, calls=calls, size=args.payload_bytes, who=design
+                    )
+                finally:
+                    with DbQueue(dsn, schema=schema) as dbq:
+                        dbq.uninstall()
+                results.append(
+                    {
+                        "design": design,
+                        "batch": batch,
+                        "payload_bytes": args.payload_bytes,
+                        **{f"{s}_instructions": round(got[s]) for s in SIDES},
+                        **{f"naive_{s}_instructions": round(ref[s]) for s in SIDES},
+                        "cycle_instructions": round(got["push"] + got["pop"]),
+                        "naive_cycle_instructions": round(ref["push"] + ref["pop"]),
+                    }
+                )
+                print(f"measured {design} batch {batch}", file=sys.stderr, flush=True)
+            with psycopg.connect(dsn, autocommit=True) as c:
+                c.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(naive_schema)))
+    return results
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "server instructions a message (backend only; cachegrind), at most once, "
+        f"{results[0]['payload_bytes']}-byte payloads"
+        if results
+        else "",
+        f"{'design':8s}{'batch':>7s}  {'side':6s}{'design':>12s}{'naive':>12s}{'ratio':>8s}",
+    ]
+    for r in results:
+        for side in (*SIDES, "cycle"):
+            d, b = r[f"{side}_instructions"], r[f"naive_{side}_instructions"]
+            lines.append(f"{r['design']:8s}{r['batch']:>7d}  {side:6s}{d:>12,d}{b:>12,d}{d / b:>8.2f}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--design", nargs="+", choices=("ring", "table"), default=["ring", "table"])
+    ap.add_argument("--batch", nargs="+", type=int, default=[1, 100, 1000])
+    ap.add_argument(
+        "--calls", type=int, default=0, help="calls of the short session (default 40 at batch 1, else 4)"
+    )
+    ap.add_argument("--payload-bytes", type=int, default=300)
+    ap.add_argument("--json", action="store_true", help="print one JSON list instead of the table")
+    args = ap.parse_args(argv)
+    if any(b < 1 for b in args.batch) or args.calls < 0 or args.payload_bytes < 16:
+        ap.error("batches must be at least 1, --calls at least 0, --payload-bytes at least 16")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = run(args)
+    print(json.dumps(results) if args.json else table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

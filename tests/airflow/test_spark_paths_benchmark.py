@@ -1,0 +1,43 @@
+"""Smoke test of benchmarks/spark_paths.py on the test session's Spark Connect server: a short run is
+valid (every order counted exactly once, the queue drained) and reports what it measured. No speed is
+asserted. The spark-submit column is left out here (the operator's tests run that path)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from airflow_dbqueue.spark.connect_server import LocalConnectServer
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "spark_paths.py"
+
+
+def test_a_short_run_on_connect_is_exactly_once(connect_server: LocalConnectServer, pg_dsn: str) -> None:
+    args = ["--messages", "900", "--batch", "400", "--paths", "connect", "--connect-url", connect_server.url]
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", str(SCRIPT), *args, "--dsn", pg_dsn, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=dict(os.environ),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    [row] = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert row["path"] == "connect" and row["exactly_once"] is True
+    assert (row["messages"], row["batches"]) == (900, 3)  # 400 + 400 + 100
+    assert row["p50_s"] > 0 and row["orders_per_s"] > 0
+
+
+def test_bad_arguments_exit_2() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--paths", "yarn"], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 2 and "--paths" in proc.stderr

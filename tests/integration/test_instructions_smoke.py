@@ -1,0 +1,84 @@
+"""Short version of benchmarks/instructions.py: server instructions a message of each design and of
+the naive queue, counted by cachegrind in a PostgreSQL server of its own. No cost is asserted: only
+that every side is counted, that the counts grow with the work (a longer session counts more), and
+that the script's check of what went in and came out fails when a pop loses or adds a message."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import load_benchmark, require
+
+pytestmark = pytest.mark.integration
+
+INSTRUCTIONS_PY = Path(__file__).resolve().parents[2] / "benchmarks" / "instructions.py"
+
+
+def test_short_run_counts_every_side_of_both_designs() -> None:
+    require(None if shutil.which("valgrind") else "valgrind is not installed", "apt-get install valgrind")
+    proc = subprocess.run(
+        [sys.executable, str(INSTRUCTIONS_PY), "--batch", "10", "--calls", "2", "--json"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)
+    assert [(r["design"], r["batch"]) for r in rows] == [("ring", 10), ("table", 10)]
+    for r in rows:
+        for prefix in ("", "naive_"):
+            for side in ("push", "pop"):
+                # a message costs the server thousands of instructions: a count near zero would mean
+                # the sessions' backends were not the ones counted
+                assert r[f"{prefix}{side}_instructions"] > 1000, (prefix, side, r)
+            assert r[f"{prefix}cycle_instructions"] == pytest.approx(
+                r[f"{prefix}push_instructions"] + r[f"{prefix}pop_instructions"], abs=1
+            )
+
+
+class _Uncounted:
+    """Stands in for the server under cachegrind in the check's test: it counts nothing, so that
+    only what the sessions pushed and popped is examined."""
+
+    def counted(self, pids: set[int]) -> int:
+        return len(pids)
+
+
+def test_measure_fails_when_a_pop_loses_or_adds_a_message() -> None:
+    instructions = load_benchmark("instructions")
+    box: list[list[bytes]] = []
+
+    def push(sent: list[list[bytes]]) -> set[int]:
+        box[:] = sent
+        return {1}
+
+    def pop_all(calls: int) -> tuple[list[bytes], set[int]]:
+        return [p for b in box for p in b], {2}
+
+    def pop_one_short(calls: int) -> tuple[list[bytes], set[int]]:
+        return [p for b in box for p in b][1:], {2}
+
+    def pop_one_more(calls: int) -> tuple[list[bytes], set[int]]:
+        return [p for b in box for p in b] + [box[0][0]], {2}
+
+    def pop_one_twice(calls: int) -> tuple[list[bytes], set[int]]:  # as many, one of them twice
+        got = [p for b in box for p in b]
+        return [*got[1:], got[1]], {2}
+
+    got = instructions.measure(_Uncounted(), (push, pop_all), batch=3, calls=2, size=64, who="ring")
+    assert got == {"push": 0.0, "pop": 0.0}
+    with pytest.raises(SystemExit, match="popped 5"):
+        instructions.measure(_Uncounted(), (push, pop_one_short), batch=3, calls=2, size=64, who="ring")
+    with pytest.raises(SystemExit, match="popped 7"):
+        instructions.measure(_Uncounted(), (push, pop_one_more), batch=3, calls=2, size=64, who="ring")
+    with pytest.raises(SystemExit, match="checksums differ"):
+        instructions.measure(_Uncounted(), (push, pop_one_twice), batch=3, calls=2, size=64, who="ring")
