@@ -2,6 +2,7 @@
 """Per-message cost: client CPU, server CPU and WAL of each side of a queue, on one connection.
 
     python benchmarks/cost.py [--batch 1000] [--batches 100] [--rounds 3] [--design ring] [--json]
+                              [--semantics at-least-once] [--archive]
 
 Where ``run.py`` measures what P producers and C consumers achieve together, this takes a queue
 apart: one process pushes ``--batches`` batches, then pops them, through the engine's API (the design
@@ -17,7 +18,10 @@ rows), and prints per message:
 Rounds alternate between the design and the baseline; the table gives the median of the rounds and
 the design's ratio to the baseline of the same run (above 1: the design costs more). Nothing is lost:
 every pop's count and payload checksum is compared with what was pushed, and the run fails otherwise.
-The database is ``--dsn``, else ``$DBQUEUE_TEST_DSN``, else a throwaway embedded PostgreSQL.
+With ``--semantics at-least-once`` the design's pop side is a pop at least once and an ack of what it
+took (the naive queue's pop stays its one DELETE); ``--archive`` creates a table-design queue that
+archives (finished messages kept in ``done``). The database is ``--dsn``, else ``$DBQUEUE_TEST_DSN``,
+else a throwaway embedded PostgreSQL.
 """
 
 from __future__ import annotations
@@ -133,7 +137,12 @@ def engine_round(dbq: DbQueue, meter: Meter, args: argparse.Namespace, r: int) -
 
     def pop() -> int:
         for _ in range(args.batches):
-            got.extend(m.payload for m in q.pop(args.batch))
+            if args.semantics == "at-least-once":
+                messages = q.pop(args.batch, semantics="at-least-once")
+                q.ack(messages)
+                got.extend(m.payload for m in messages)
+            else:
+                got.extend(m.payload for m in q.pop(args.batch))
         return n
 
     out = {"push": meter.measure(push), "pop": meter.measure(pop)}
@@ -198,7 +207,7 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:
                     notify="never",
                 )
             else:
-                dbq.create_queue(QUEUE, payload_type="bytes", notify="never", archive=False)
+                dbq.create_queue(QUEUE, payload_type="bytes", notify="never", archive=args.archive)
             conn.execute(sql.SQL("CREATE SCHEMA {}").format(naive_schema))
             table = sql.SQL("CREATE TABLE {}.t (id bigserial PRIMARY KEY, payload bytea NOT NULL)")
             conn.execute(table.format(naive_schema))
@@ -219,6 +228,8 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:
         "messages_per_round": args.batch * args.batches,
         "rounds": args.rounds,
         "payload_bytes": args.payload_bytes,
+        "semantics": args.semantics,
+        "archive": args.archive,
         "server_cpu": meter.server is not None,
     }
     for side in SIDES:
@@ -241,7 +252,8 @@ def table(r: dict[str, Any]) -> str:
         return "-" if a is None or not b else f"{a / b:.2f}"
 
     lines = [
-        f"per message, batch {r['batch']}, {r['payload_bytes']}-byte payloads, median of "
+        f"per message, {r['semantics']}{', archive' if r['archive'] else ''}, batch {r['batch']}, "
+        f"{r['payload_bytes']}-byte payloads, median of "
         f"{r['rounds']} rounds of {r['messages_per_round']:,} messages, one connection",
         f"{'side':6}  {'measure':12}  {r['design']:>9}  {'naive':>9}  {'ratio':>6}",
     ]
@@ -267,6 +279,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batches", type=int, default=100, help="batches pushed, then popped, per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--payload-bytes", type=int, default=300)
+    ap.add_argument(
+        "--semantics",
+        choices=("at-most-once", "at-least-once"),
+        default="at-most-once",
+        help="the design's pop side: a pop at most once, or a pop at least once and an ack",
+    )
+    ap.add_argument("--archive", action="store_true", help="a table-design queue that archives")
     ap.add_argument("--dsn")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args(argv)

@@ -6,10 +6,12 @@ was empty (sequential scans of meta and data), and acks that walked every leased
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pytest
+
+from airflow_dbqueue.engine.errors import LeaseExpiredError
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine import DbQueue
@@ -25,43 +27,74 @@ def plan_nodes(plan: dict[str, Any]) -> list[tuple[str, str | None]]:
     return out
 
 
+def scans(conn: Any, schema: str, run: Callable[[], object]) -> dict[str, tuple[int, int]]:
+    """What ``run`` read, from the statistics views: ``{table: (sequential scans, 0)}`` and
+    ``{index: (index scans, entries read)}`` of the schema's tables. A statement inside a function is
+    not shown by EXPLAIN; its reads are counted here all the same."""
+    query = """
+        SELECT relname, coalesce(seq_scan, 0), 0 FROM pg_stat_user_tables WHERE schemaname = %(s)s
+        UNION ALL
+        SELECT indexrelname, coalesce(idx_scan, 0), coalesce(idx_tup_read, 0)
+        FROM pg_stat_user_indexes WHERE schemaname = %(s)s"""
+
+    def read() -> dict[str, tuple[int, int]]:
+        conn.execute("SELECT pg_stat_force_next_flush()")  # flushed when the backend is idle next
+        conn.execute("SELECT 1")
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        return {r[0]: (int(r[1]), int(r[2])) for r in conn.execute(query, {"s": schema})}
+
+    before = read()
+    run()
+    after = read()
+    return {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1]) for k, v in after.items()}
+
+
 def test_pooled_connections_never_use_generic_plans(dbq: DbQueue) -> None:
     q = dbq.create_queue("empty_first")
     with dbq.db.connection() as c:
         for _ in range(8):  # more than psycopg's prepare threshold, on an empty queue
             assert q.pop(100, conn=c) == []
         assert c.execute("SHOW plan_cache_mode").fetchone() == ("force_custom_plan",)
-        q.push_batch(list(range(5000)))
-        c.execute(f'ANALYZE "{dbq.schema}".meta')
-        row = c.execute(
-            b"EXPLAIN (FORMAT JSON) " + dbq.db.query("pop_take"),
-            {"queue_id": q.settings.queue_id, "n": 100, "archive": True},
-        ).fetchone()
-    assert row is not None
-    nodes = plan_nodes(row[0][0]["Plan"] if isinstance(row[0], list) else json.loads(row[0])[0]["Plan"])
-    assert ("Seq Scan", None) not in nodes, nodes
-    assert ("Index Scan", "meta_ready_idx") in nodes, nodes
 
 
-def test_ack_probes_receipts_by_id_not_every_lease(dbq: DbQueue) -> None:
-    q = dbq.create_queue("many_leases")
-    q.push_batch(list(range(20000)))
-    leased = q.pop(20000, semantics="at-least-once")
-    # no ANALYZE here: statistics from when the queue was empty are what a busy queue often has
+@pytest.mark.parametrize("archive", [True, False])
+def test_the_pop_function_walks_the_ready_index_with_plans_made_on_an_empty_queue(
+    dbq: DbQueue, archive: bool
+) -> None:
+    """table_take() keeps generic plans for the session: made here while the queue is empty and its
+    statistics say so, they must still walk meta_ready_idx in claim order, reading about as many
+    entries as the pop takes, and probe data by id, never scan a table."""
+    q = dbq.create_queue("empty_plans", archive=archive)
     with dbq.db.connection() as c:
-        params = {
-            "ids": [leased[0].id],
-            "deliveries": [leased[0].delivery],
-            "queue_id": q.settings.queue_id,
-            "archive": True,
-        }
-        row = c.execute(b"EXPLAIN (FORMAT JSON) " + dbq.db.query("ack"), params).fetchone()
-    assert row is not None
-    nodes = plan_nodes(row[0][0]["Plan"])
-    assert ("Index Scan", "meta_pkey") in nodes or ("Bitmap Index Scan", "meta_pkey") in nodes, nodes
-    assert all(name != "meta_leased_idx" for _, name in nodes), nodes
-    assert q.ack(leased[:1]) == 1
-    assert q.ack(leased[1:]) == 19999
+        c.execute(f'ANALYZE "{dbq.schema}".meta, "{dbq.schema}".data, "{dbq.schema}".done')
+        for _ in range(8):
+            assert q.pop(100, conn=c) == []
+        q.push_batch([{"i": i} for i in range(20000)])
+        q.push_batch([{"big": i, "pad": "x" * 2000} for i in range(50)], priority=1)
+        got: list[Any] = []
+        read = scans(c, dbq.schema, lambda: got.extend(q.pop(100, conn=c)))
+    assert [m.payload.get("big") for m in got[:50]] == list(range(50))
+    assert [m.payload.get("i") for m in got[50:]] == list(range(50))
+    assert all(n == 0 for name, (n, _) in read.items() if name in ("meta", "data")), read
+    assert read["meta_ready_idx"][0] >= 1 and read["meta_ready_idx"][1] <= 200, read
+    assert read["data_pkey"][1] <= 100, read
+
+
+@pytest.mark.parametrize("archive", [True, False])
+def test_ack_probes_receipts_by_id_not_every_lease(dbq: DbQueue, archive: bool) -> None:
+    """table_ack()'s plans are made once a session, here on an empty queue; no ANALYZE later:
+    statistics from when the queue was empty are what a busy queue often has. An ack of one receipt
+    among 20,000 leases probes meta_pkey, never walks the leases or scans a table."""
+    q = dbq.create_queue("many_leases", archive=archive)
+    with dbq.db.connection() as c:
+        with pytest.raises(LeaseExpiredError):
+            q.ack_receipts([(1, 1)], conn=c)  # the plans are made here, on an empty queue
+        q.push_batch(list(range(20000)))
+        leased = q.pop(20000, semantics="at-least-once", conn=c)
+        read = scans(c, dbq.schema, lambda: q.ack(leased[:1], conn=c))
+        assert read["meta"][0] == 0 and read["meta_leased_idx"] == (0, 0), read
+        assert read["meta_pkey"][0] >= 1 and read["meta_pkey"][1] <= 2, read
+        assert q.ack(leased[1:], conn=c) == 19999
 
 
 def _walks_data(plan: dict[str, Any]) -> list[str]:
@@ -86,14 +119,14 @@ def test_payloads_are_probed_by_id_even_with_empty_table_statistics(dbq: DbQueue
         pass
     with dbq.db.connection() as c:
         c.execute(f'ANALYZE "{dbq.schema}".meta, "{dbq.schema}".data, "{dbq.schema}".done')
+        # table_lease() and table_take() keep generic plans, made here on the drained queue
+        assert q.pop(1, semantics="at-least-once", conn=c) == q.pop(1, conn=c) == []
         q.push_batch([f"{i}:" + "x" * 1950 for i in range(20000)])
         qid = q.settings.queue_id
-        cases = {
-            "pop_lease": {"queue_id": qid, "n": 250, "visibility_timeout_s": 30.0, "consumer": "t"},
-            "pop_take": {"queue_id": qid, "n": 250, "archive": False},
-            "drop_queue": {"queue_id": qid},
-        }
-        for name, params in cases.items():
-            row = c.execute(b"EXPLAIN (FORMAT JSON) " + dbq.db.query(name), params).fetchone()
-            assert row is not None
-            assert _walks_data(row[0][0]["Plan"]) == [], name
+        read = scans(c, dbq.schema, lambda: q.pop(250, semantics="at-least-once", conn=c))
+        assert read["data"][0] == 0 and read["data_pkey"][1] <= 250, read
+        read = scans(c, dbq.schema, lambda: q.pop(250, conn=c))
+        assert read["data"][0] == 0 and read["data_pkey"][1] <= 500, read
+        row = c.execute(b"EXPLAIN (FORMAT JSON) " + dbq.db.query("drop_queue"), {"queue_id": qid}).fetchone()
+        assert row is not None
+        assert _walks_data(row[0][0]["Plan"]) == []

@@ -128,53 +128,20 @@ SELECT * FROM {schema}.table_push(
     %(notify)s::integer, %(channel)s::text)
 
 -- name: pop_lease
--- Payloads are fetched by a scalar subquery keyed on id, never by a join: a queue's statistics are
--- often those of an empty table (a drained queue, a dropped one), and then the planner joined the
--- claimed rows to data by walking all of data_pkey per row (2.6M rows filtered, 305 ms per pop).
--- A subquery with only d.id = outer id can use the index only as a probe.
--- at-least-once: claim up to n ready messages (skipping rows other consumers hold) and lease them.
-WITH claimed AS (
-    UPDATE {schema}.meta m
-    SET state = 1, attempts = m.attempts + 1, deliveries = m.deliveries + 1, consumer = %(consumer)s,
-        lease_until = now() + make_interval(secs => %(visibility_timeout_s)s)
-    WHERE m.ctid = ANY (ARRAY(
-        SELECT ctid FROM {schema}.meta
-        WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
-        ORDER BY priority DESC, process_at, id
-        LIMIT %(n)s
-        FOR UPDATE SKIP LOCKED))
-    RETURNING m.id, m.priority, m.attempts, m.deliveries, m.process_at, m.enqueued_at, m.lease_until,
-              m.payload
-)
-SELECT c.id, c.priority, c.attempts, c.deliveries, c.enqueued_at, c.lease_until,
-       coalesce(c.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = c.id)) AS payload
-FROM claimed c
-ORDER BY c.priority DESC, c.process_at, c.id
+-- at-least-once: claim up to n ready messages (skipping rows other consumers hold) and lease them,
+-- through table_lease() (schema.sql), whose plans are made once a session. Payloads are fetched by a
+-- scalar subquery keyed on id, never by a join: a queue's statistics are often those of an empty table
+-- (a drained queue, a dropped one), and then the planner joined the claimed rows to data by walking all
+-- of data_pkey per row (2.6M rows filtered, 305 ms per pop). A subquery with only d.id = outer id can
+-- use the index only as a probe.
+SELECT * FROM {schema}.table_lease(
+    %(queue_id)s::integer, %(n)s::integer, %(visibility_timeout_s)s::double precision, %(consumer)s::text)
 
 -- name: pop_take
 -- at-most-once and exactly-once: claim up to n ready messages and finish them in the same statement
--- (kept in done for the archiver, or deleted with their payloads when the queue does not archive).
-WITH taken AS (
-    DELETE FROM {schema}.meta m
-    WHERE m.ctid = ANY (ARRAY(
-        SELECT ctid FROM {schema}.meta
-        WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
-        ORDER BY priority DESC, process_at, id
-        LIMIT %(n)s
-        FOR UPDATE SKIP LOCKED))
-    RETURNING m.id, m.queue_id, m.priority, m.attempts + 1 AS attempts, m.deliveries + 1 AS deliveries,
-              m.process_at, m.enqueued_at, m.payload
-), kept AS (
-    INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload)
-    SELECT id, queue_id, priority, attempts, enqueued_at, 1, payload FROM taken WHERE %(archive)s
-), dropped AS (
-    DELETE FROM {schema}.data d
-    WHERE NOT %(archive)s AND d.id = ANY (ARRAY(SELECT id FROM taken WHERE payload IS NULL))
-)
-SELECT t.id, t.priority, t.attempts, t.deliveries, t.enqueued_at, NULL::timestamptz AS lease_until,
-       coalesce(t.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = t.id)) AS payload
-FROM taken t
-ORDER BY t.priority DESC, t.process_at, t.id
+-- (kept in done for the archiver, or deleted with their payloads when the queue does not archive),
+-- through table_take() (schema.sql), whose plans are made once a session.
+SELECT * FROM {schema}.table_take(%(queue_id)s::integer, %(n)s::integer, %(archive)s::boolean)
 
 -- name: ack
 -- Receipt lookups (ack, nack, held_receipts, leased, extend_leases) say "lease_until > now()" and not
@@ -189,29 +156,9 @@ ORDER BY t.priority DESC, t.process_at, t.id
 -- new version has another ctid), so a lost lease leaves fewer rows than receipts, and then
 -- receipts_not_held() raises, which rolls the whole statement back. (Locking with FOR UPDATE first
 -- cost a row lock and a WAL record per message: an ack of 1000 took 12.5 ms against 7.5 ms without.)
-WITH acked AS (
-    DELETE FROM {schema}.meta m
-    WHERE m.ctid = ANY (ARRAY(
-        SELECT h.tid
-        FROM unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS r(id, delivery)
-        CROSS JOIN LATERAL (
-            SELECT m.ctid AS tid FROM {schema}.meta m
-            WHERE m.id = r.id AND m.deliveries = r.delivery AND m.queue_id = %(queue_id)s
-              AND m.lease_until > now()
-            OFFSET 0) h))
-    RETURNING m.id, m.queue_id, m.priority, m.attempts, m.enqueued_at, m.payload
-), kept AS (
-    INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload)
-    SELECT id, queue_id, priority, attempts, enqueued_at, 1, payload FROM acked WHERE %(archive)s
-), dropped AS (
-    DELETE FROM {schema}.data d
-    WHERE NOT %(archive)s AND d.id = ANY (ARRAY(SELECT id FROM acked WHERE payload IS NULL))
-), checked AS (
-    SELECT CASE WHEN count(*) = cardinality(%(ids)b::bigint[]) THEN count(*)
-                ELSE {schema}.receipts_not_held(cardinality(%(ids)b::bigint[]), count(*)) END AS n
-    FROM acked
-)
-SELECT a.id FROM acked a CROSS JOIN checked c
+-- Through table_ack() (schema.sql), whose plans are made once a session.
+SELECT * FROM {schema}.table_ack(
+    %(ids)b::bigint[], %(deliveries)b::integer[], %(queue_id)s::integer, %(archive)s::boolean)
 
 -- name: nack
 -- Return leased messages for another try after delay_s (NULL: the queue's exponential backoff,
