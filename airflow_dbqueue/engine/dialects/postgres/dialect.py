@@ -233,7 +233,10 @@ class PostgresDatabase:
             yield pooled
             _end_statement(pooled)
         except BaseException as exc:
-            raise self._failed(pool, pooled, exc) from _cause(exc)
+            translated = self._failed(pool, pooled, exc)
+            if translated is exc:
+                raise
+            raise translated from exc
         pool.putconn(pooled)
 
     def _failed(
@@ -274,12 +277,18 @@ class PostgresDatabase:
         try:
             pool, pooled = self._checkout()
         except Exception as exc:
-            raise self._translated(exc) from exc
+            translated = self._translated(exc)
+            if translated is exc:
+                raise
+            raise translated from exc
         try:
             out = result(pooled.execute(query, params, binary=binary))
             _end_statement(pooled)
         except BaseException as exc:
-            raise self._failed(pool, pooled, exc) from _cause(exc)
+            translated = self._failed(pool, pooled, exc)
+            if translated is exc:
+                raise
+            raise translated from exc
         pool.putconn(pooled)
         return out
 
@@ -728,11 +737,6 @@ def _end_statement(pooled: psycopg.Connection[Any]) -> None:
     a transaction on the connection and left it open."""
     if pooled.info.transaction_status != TransactionStatus.IDLE:
         pooled.commit()
-
-
-def _cause(exc: BaseException) -> BaseException | None:
-    """The cause to chain to what replaces ``exc``: ``exc``, unless it stands as it is."""
-    return exc if isinstance(exc, psycopg.Error) else exc.__cause__
 
 
 def _sound(conn: psycopg.Connection[Any]) -> bool:
