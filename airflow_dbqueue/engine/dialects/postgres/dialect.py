@@ -285,10 +285,10 @@ class PostgresDatabase:
             out = result(pooled.execute(query, params, binary=binary))
             _end_statement(pooled)
         except BaseException as exc:
-            translated = self._failed(pool, pooled, exc)
-            if translated is exc:
+            failed = self._failed(pool, pooled, exc)
+            if failed is exc:
                 raise
-            raise translated from exc
+            raise failed from exc
         pool.putconn(pooled)
         return out
 
