@@ -133,6 +133,10 @@ class RingQueue(Queue):
         self._gap_since: tuple[int, float] | None = None
         self._last_reclaim = 0.0
         self._fast = False  # the last pop came back full: the next one tries ring_take first
+        # A floor of the ring (ring_floor) that pushes of one pass to the server instead of reading it
+        # on every call; read again when a push of one finds its slot not free under it.
+        self._floor: int | None = None
+        self._floor_read = False
         self._help_params: dict[str, Any] = {
             "queue_id": self._qid,
             "capacity": self.capacity,
@@ -206,15 +210,21 @@ class RingQueue(Queue):
             try:
                 if one:
                     # One message outside a caller's transaction: one statement (ring_push_one), which
-                    # writes its number's slot if it is free. Otherwise the number is written by
-                    # ring_push, which waits for the slot (params["first"]). Once: a retry after a
-                    # number given up as a gap goes through ring_push.
+                    # writes its number's slot if it is free under the floor this handle read last.
+                    # Otherwise the number is written by ring_push, which reads the floor itself and
+                    # waits for the slot (params["first"]), and the floor is read again for the next
+                    # pushes. Once: a retry after a number given up as a gap goes through ring_push.
                     one = False
-                    row = self._db.fetchone("ring_push_one", {**params, "payload": encoded[0]})
+                    if not self._floor_read and self._db.ring_push_takes_floor:
+                        self._read_floor()
+                    row = self._db.fetchone(
+                        "ring_push_one", {**params, "payload": encoded[0], "floor": self._floor}
+                    )
                     if row is not None and row[0] is not None:
-                        if row[1]:  # (number, written) on both dialects
+                        if row[0] > 0:  # the number, negated when its slot was not free
                             return int(row[0])
-                        params["first"] = int(row[0])
+                        params["first"] = -int(row[0])
+                        self._floor_read = False
                 if conn is None:
                     row = self._db.fetchone("ring_push", params)
                 else:  # a savepoint: a failed attempt leaves the caller's transaction usable
@@ -245,6 +255,13 @@ class RingQueue(Queue):
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * 2, 0.05)
             params["timeout_s"] = max(0.0, deadline - time.monotonic())
+
+    def _read_floor(self) -> None:
+        """Read the ring's floor for pushes of one. Any floor once read stays a safe bound (it never
+        goes down), so threads that share this handle may keep whichever one they read last."""
+        row = self._db.fetchone("ring_floor", {"queue_id": self._qid})
+        self._floor = None if row is None or row[0] is None else int(row[0])
+        self._floor_read = True
 
     def _full_error(self) -> QueueFullError:
         return QueueFullError(

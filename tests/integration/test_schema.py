@@ -788,8 +788,8 @@ def test_version_14_table_queues_keep_their_messages_through_the_migration(
 def test_version_14_rings_keep_their_messages_and_push_one_at_a_time_after_the_migration(
     pg_dsn: str, new_schema: Callable[[], str]
 ) -> None:
-    """A ring written under schema version 14 keeps its messages through the migration to 15, which
-    replaces the function behind a push of one (ring_push_one): the old messages come out once, in
+    """A ring written under schema version 14 keeps its messages through the migrations since (15 and
+    17 replace the function behind a push of one, ring_push_one): the old messages come out once, in
     order, with their payloads, then the pushes of one made after it, as the ring wraps; a push of
     one into a full ring still waits for room and is written once."""
     schema = new_schema()

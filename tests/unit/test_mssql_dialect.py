@@ -105,7 +105,7 @@ def test_the_table_design_maintenance_and_the_ring_are_fully_ported() -> None:
     Server."""
     assert NOT_YET_PORTED == {}
     ring = {n for n in load_queries(PG, "queries.sql") if n.startswith("ring_")}
-    assert len(ring) == 22 and ring <= set(load_queries(MS, "queries.sql"))
+    assert len(ring) == 23 and ring <= set(load_queries(MS, "queries.sql"))
     used = {"push", "pop_lease", "pop_take", "ack", "nack", "held_receipts", "reclaim_expired"}
     used |= {"claim_batch", "get_batch", "lock_batch", "finish_batch", "purge_batches", "batch_rows"}
     used |= {"maintenance_try_lock", "maintenance_unlock", "maintenance_lock_holder", "set_timeouts"}
@@ -631,7 +631,7 @@ _PLACEHOLDER = re.compile(r"%\(([a-z_]+)\)[sb]")
 RING_PARAMETERS_POSTGRESQL_ONLY = {
     "ring_create": {"schema"},  # a procedure knows its own schema (OBJECT_SCHEMA_NAME(@@PROCID))
     "ring_push": {"notify", "channel"},  # SQL Server has no NOTIFY: waiting pops poll
-    "ring_push_one": {"notify", "channel"},
+    "ring_push_one": {"notify", "channel", "floor"},  # SQL Server's push reads the floor itself
 }
 RING_PARAMETERS_MSSQL_ONLY = {
     "ring_snapshot": {"queue_id"},  # the gap proof's list is the ring's push lanes, not the server's xids
@@ -1320,9 +1320,9 @@ def _meta_row(gap: int | None = None, issued: int | None = None, snap: str | Non
 def test_a_push_of_one_whose_slot_is_not_free_is_written_by_ring_push_on_a_fake_sql_server(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """ring_push_one took number 5 and found its slot not free (written 0): the engine writes that number
+    """ring_push_one took number 5 and found its slot not free (it returned -5): the engine writes that number
     with ring_push (first = 5), which waits for the slot, and nothing else is taken."""
-    q, fake = _ring_on_fake_sql_server(monkeypatch, [[(5, False)], [(5,)]])
+    q, fake = _ring_on_fake_sql_server(monkeypatch, [[(-5,)], [(5,)]])
     assert q.push_batch(["a"]) == [5]
     [one] = _sent(fake, "ring_push")[:1]
     assert one == [1, 8, b'"a"']  # queue_id, capacity, the payload as varbinary
@@ -1343,7 +1343,7 @@ def test_a_full_ring_pushes_back_between_transactions_on_a_fake_sql_server(
     from airflow_dbqueue.engine import ring
 
     monkeypatch.setattr(ring.time, "sleep", lambda s: None)
-    script: list[Any] = [[(None, None)], [(None,)], [_meta_row(5, 9)], [(None,)], [_meta_row()], [(7,)]]
+    script: list[Any] = [[(None,)], [(None,)], [_meta_row(5, 9)], [(None,)], [_meta_row()], [(7,)]]
     q, fake = _ring_on_fake_sql_server(monkeypatch, script)
     assert q.push_batch(["a"]) == [7]
     pushes = _sent(fake, "ring_push")

@@ -44,6 +44,9 @@ class Database(Protocol):
     dsn: str
     #: True when the database can wake a waiting pop (LISTEN/NOTIFY); False means polling.
     supports_notify: bool
+    #: True when a ring's push of one takes a floor its caller read earlier (query ``ring_floor``)
+    #: instead of reading the floor on every call.
+    ring_push_takes_floor: bool
 
     def close(self) -> None: ...
 

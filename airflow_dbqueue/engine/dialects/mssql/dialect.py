@@ -548,6 +548,7 @@ class MssqlDatabase:
 
     dialect_name = "mssql"
     supports_notify = False
+    ring_push_takes_floor = False  # its ring_push reads the floor under its own locks
 
     def __init__(
         self,

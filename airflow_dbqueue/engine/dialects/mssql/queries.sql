@@ -886,15 +886,23 @@ EXEC {schema}.ring_push @queue_id = %(queue_id)s, @cap = %(capacity)s, @payloads
 SELECT @num
 
 -- name: ring_push_one
--- (number, written), as on PostgreSQL: a push of one that takes its number and tries its slot once; when
--- the slot is not free yet, the number stays issued and unwritten and the caller writes it with ring_push
--- (first), which waits.
+-- The number, negated when it was not written, as on PostgreSQL: a push of one that takes its number
+-- and tries its slot once; when the slot is not free yet, the number stays issued and unwritten and the
+-- caller writes it with ring_push (first), which waits.
 SET NOCOUNT ON;
 DECLARE @num bigint;
 DECLARE @written bit;
 EXEC {schema}.ring_push @queue_id = %(queue_id)s, @cap = %(capacity)s, @payloads = NULL, @payload = %(payload)s,
     @timeout_s = 0, @first = NULL, @once = 1, @num = @num OUTPUT, @written = @written OUTPUT;
-SELECT @num AS r_num, @written AS r_written
+SELECT CASE WHEN @written = 1 THEN @num ELSE -@num END AS r_num
+
+-- name: ring_floor
+-- The ring's floor, or NULL when its reads stay locked (ring_floor_try). PostgreSQL's pushes of one take
+-- it from their caller; SQL Server's ring_push reads the floor itself under its own locks.
+SET NOCOUNT ON;
+DECLARE @floor bigint;
+EXEC {schema}.ring_floor_try @queue_id = %(queue_id)s, @floor = @floor OUTPUT;
+SELECT @floor AS r_floor
 
 -- name: ring_take
 -- The fast path of a pop (schema.sql): messages from the lanes, nothing when messages to deliver again

@@ -157,6 +157,7 @@ class PostgresDatabase:
 
     dialect_name = "postgresql"
     supports_notify = True
+    ring_push_takes_floor = True
 
     def __init__(
         self,

@@ -618,10 +618,17 @@ SELECT {schema}.ring_push(
     %(notify)s::integer, %(channel)s, %(first)s::bigint)
 
 -- name: ring_push_one
--- (number, written): the function returns the number, negated when its slot was not free yet (see
--- schema.sql); SQL Server's ring_push_one returns the same pair.
-SELECT abs(r), r > 0 FROM {schema}.ring_push_one(
-    %(queue_id)s::integer, %(capacity)s::integer, %(payload)b::bytea, %(notify)s::integer, %(channel)s) AS r
+-- The number when it was written, negated when its slot was not free yet, NULL when the ring does not
+-- exist (schema.sql); so on SQL Server. floor: one this handle read earlier (ring_floor), or NULL. A
+-- scalar call in the select list: planned (custom plans on pooled connections) for 30,000 fewer
+-- instructions than a call in FROM.
+SELECT {schema}.ring_push_one(
+    %(queue_id)s::integer, %(capacity)s::integer, %(payload)b::bytea, %(notify)s::integer, %(channel)s,
+    %(floor)s::bigint)
+
+-- name: ring_floor
+-- The ring's floor (schema.sql), which pushes of one pass back to ring_push_one: it never goes down.
+SELECT {schema}.ring_floor(%(queue_id)s::integer)
 
 -- name: ring_take
 -- The fast path of a pop (schema.sql): messages from the lanes, nothing when messages to deliver again
