@@ -821,3 +821,32 @@ def test_the_rings_fill_counts_the_numbers_from_its_floor(dbq: DbQueue) -> None:
     assert len(drain(q)) == 500
     with pytest.raises(ConfigurationError, match="nack delay"):
         q.nack(held, delay=float("nan"))
+
+
+def test_pops_of_one_pass_a_lane_whose_push_is_in_progress_and_hold_only_the_lane_they_take(
+    dbq: DbQueue,
+) -> None:
+    """Number 1 is taken by a push still in its transaction, 2 and 3 are written. Pops of one take 2
+    and 3 past it; a pop of one in a caller's transaction locks only the lane it takes, so once the
+    push commits another pop gets 1 while that transaction is still open."""
+    q = ring(dbq, "lanes_one", 16, lanes=4)
+    sent = {1: "x", 2: "a", 3: "b", 4: "c"}
+    got: dict[int, Any] = {}
+    with contextlib.ExitStack() as pushing, dbq.transaction() as caller:
+        pusher = pushing.enter_context(dbq.transaction())
+        assert q.push("x", conn=pusher) == 1
+        assert [q.push(p) for p in ("a", "b")] == [2, 3]
+        got.update((m.id, m.payload) for m in q.pop(1))
+        assert list(got) == [2]  # lane 1 stops at 1, unwritten: lane 2 gives 2
+        assert q.push("c") == 4
+        mine = q.pop(1, semantics="exactly-once", conn=caller)
+        assert [m.id for m in mine] == [3]
+        got.update((m.id, m.payload) for m in mine)
+        pushing.close()  # the push of 1 commits
+        more = q.pop(1)  # lane 1 was passed over by the caller's pop, not locked by it
+        assert [m.id for m in more] == [1]
+        got.update((m.id, m.payload) for m in more)
+    got.update((m.id, m.payload) for m in drain(q))
+    assert got == sent
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.extra["ring_used"]) == (0, 0, 0), st
