@@ -1627,12 +1627,24 @@ class Ring:
         return list(range(out["num"], out["num"] + len(payloads)))
 
     def abandon(self, n: int) -> list[int]:
-        """Numbers a push took and never wrote (it rolled back, or its process died, after taking them)."""
-        got = Frame(self.server, lock_timeout=-1).system_call(
-            "sp_sequence_get_range", {"sequence_name": self.seq, "range_size": n}
-        )
-        first = int(got["range_first_value"])
-        return list(range(first, first + n))
+        """Numbers a push took and never wrote (it rolled back, or its process died, after taking them):
+        ring_push of ``n`` messages, stopped after it took its numbers. Another transaction holds every
+        slot not held already while it runs, so its writes read past them until its timeout (none) and it
+        fails with DQ001, having written nothing; its numbers stay issued. None are taken when the ring
+        has no room for ``n`` (ring_push then returns before taking any)."""
+        before = self.issued
+        slots = [("ring_slots", (self.queue_id, slot)) for slot in range(self.capacity)]
+        added = [key for key in slots if key not in self.server.others]
+        for table, key in added:
+            self.server.lock(table, key, "U")
+        try:
+            self.push(*[b"lost"] * n)
+        except TsqlError as exc:
+            assert "[DQ001]" in exc.message, exc
+        finally:
+            for key in added:
+                del self.server.others[key]
+        return list(range(before + 1, self.issued + 1))
 
     @property
     def issued(self) -> int:

@@ -749,6 +749,7 @@ def test_a_push_to_a_ring_kept_full_by_a_gap_pops_none_and_gets_in_on_interprete
     q.push_timeout = 2.0
     numbers = tsql.Ring.__new__(tsql.Ring)  # the ring made above, for a push that dies holding a number
     numbers.server, numbers.seq = server, "[dbq].[ring_1_seq]"
+    numbers.queue_id, numbers.capacity, numbers.lanes = 1, 4, 2
     pushed = [{"n": i} for i in range(7)]
     assert q.push_batch(pushed[:2]) == [1, 2]
     assert numbers.abandon(1) == [3]
