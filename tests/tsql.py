@@ -1600,7 +1600,8 @@ def _parsed_block(
 
 class Ring:
     """A ring made by ``ring_create`` on a :class:`Server`, and the calls of the engine's named queries on
-    it (the parameters RingQueue passes), returning what the tests look at."""
+    it (each procedure called with the arguments the SQL Server dialect's named query of its name passes,
+    as tests/unit/test_mssql_ring_procedures.py checks), returning what the tests look at."""
 
     def __init__(self, server: Server, *, queue_id: int = 1, capacity: int = 16, lanes: int = 4) -> None:
         self.server, self.queue_id, self.capacity, self.lanes = server, queue_id, capacity, lanes
