@@ -1600,7 +1600,8 @@ def _parsed_block(
 
 class Ring:
     """A ring made by ``ring_create`` on a :class:`Server`, and the calls of the engine's named queries on
-    it (the parameters RingQueue passes), returning what the tests look at."""
+    it (each procedure called with the arguments the SQL Server dialect's named query of its name passes,
+    as tests/unit/test_mssql_ring_procedures.py checks), returning what the tests look at."""
 
     def __init__(self, server: Server, *, queue_id: int = 1, capacity: int = 16, lanes: int = 4) -> None:
         self.server, self.queue_id, self.capacity, self.lanes = server, queue_id, capacity, lanes
@@ -1627,12 +1628,24 @@ class Ring:
         return list(range(out["num"], out["num"] + len(payloads)))
 
     def abandon(self, n: int) -> list[int]:
-        """Numbers a push took and never wrote (it rolled back, or its process died, after taking them)."""
-        got = Frame(self.server, lock_timeout=-1).system_call(
-            "sp_sequence_get_range", {"sequence_name": self.seq, "range_size": n}
-        )
-        first = int(got["range_first_value"])
-        return list(range(first, first + n))
+        """Numbers a push took and never wrote (it rolled back, or its process died, after taking them):
+        ring_push of ``n`` messages, stopped after it took its numbers. Another transaction holds every
+        slot not held already while it runs, so its writes read past them until its timeout (none) and it
+        fails with DQ001, having written nothing; its numbers stay issued. None are taken when the ring
+        has no room for ``n`` (ring_push then returns before taking any)."""
+        before = self.issued
+        slots = [("ring_slots", (self.queue_id, slot)) for slot in range(self.capacity)]
+        added = [key for key in slots if key not in self.server.others]
+        for table, key in added:
+            self.server.lock(table, key, "U")
+        try:
+            self.push(*[b"lost"] * n)
+        except TsqlError as exc:
+            assert "[DQ001]" in exc.message, exc
+        finally:
+            for key in added:
+                del self.server.others[key]
+        return list(range(before + 1, self.issued + 1))
 
     @property
     def issued(self) -> int:

@@ -29,6 +29,7 @@ from airflow_dbqueue.engine import (
     ConfigurationError,
     DbQueue,
     LeaseExpiredError,
+    LockTimeoutError,
     QueueFullError,
     QueueNotFoundError,
 )
@@ -62,7 +63,8 @@ def slot_rows(dbq: DbQueue, q: Queue) -> list[tuple[int, int, bool]]:
 
 @contextlib.contextmanager
 def holder_connection(dbq: DbQueue) -> Iterator[Any]:
-    """A connection of the dialect's driver with a transaction open (``rollback()`` ends it)."""
+    """A connection of the dialect's driver, not pooled and without autocommit: its transaction, once
+    open, lasts until ``rollback()`` or the end of the block."""
     if dbq.dialect == "mssql":
         from airflow_dbqueue.engine.dialects.mssql import MssqlDatabase
 
@@ -77,29 +79,47 @@ def holder_connection(dbq: DbQueue) -> Iterator[Any]:
         yield conn
 
 
-def take_number(holder: Any, dbq: DbQueue, q: Queue) -> None:
-    """Take the ring's next number on ``holder`` as a push would, and write nothing.
+def stall_a_push(holder: Any, dbq: DbQueue, q: RingQueue) -> int:
+    """Push one message through the engine in ``holder``'s transaction and stop the push after it took
+    its number, before it wrote it; return that number. ``holder``'s transaction stays open.
 
-    PostgreSQL: an xid first, then nextval. SQL Server: a lane locked first, then sp_sequence_get_range.
+    Another session holds every slot of the ring locked while the push runs. On PostgreSQL the push's
+    write waits for its slot past the lock_timeout of ``holder``'s transaction, and fails in the savepoint
+    the engine runs it in; on SQL Server the write reads past the slot until the push_timeout, and the
+    push fails. Either way nothing is written, and ``holder``'s transaction keeps what the push took before
+    its number (its xid on PostgreSQL, a push lane on SQL Server) until it ends: the number is issued and
+    unwritten, its slot is free and unlocked, and its holder is alive, as when a pusher stops between
+    taking its numbers and writing them. (A push that wrote its slot in a transaction still open is
+    another state: its slot is locked, and gap skips pass over locked slots whatever the holders.)
     """
-    if dbq.dialect == "mssql":
-        holder.cursor().execute(
-            f"SET NOCOUNT ON; DECLARE @seq nvarchar(300), @v sql_variant;"
-            f" UPDATE [{dbq.schema}].ring_push_lanes SET pushes = pushes + 1 WHERE queue_id = ? AND lane = 0;"
-            f" SELECT @seq = push_seq FROM [{dbq.schema}].rings WHERE queue_id = ?;"
-            " EXEC sys.sp_sequence_get_range @sequence_name = @seq, @range_size = 1,"
-            " @range_first_value = @v OUTPUT;",
-            q.settings.queue_id,
-            q.settings.queue_id,
-        )
-        return
-    holder.execute("SELECT pg_current_xact_id()")
-    holder.execute(
-        sql.SQL("SELECT nextval(push_seq) FROM {}.rings WHERE queue_id = %s").format(
-            sql.Identifier(dbq.schema)
-        ),
-        [q.settings.queue_id],
-    )
+    before = q.stats().extra["push_position"]
+    with dbq.transaction() as blocker:
+        if dbq.dialect == "mssql":
+            run_sql(
+                dbq,
+                "SELECT slot FROM {schema}.ring_slots WITH (UPDLOCK, ROWLOCK) WHERE queue_id = %(q)s",
+                {"q": q.settings.queue_id},
+                blocker,
+            )
+            timeout, q.push_timeout = q.push_timeout, 0.2
+            try:
+                with pytest.raises(QueueFullError):
+                    q.push_batch(["stalled"], conn=holder)
+            finally:
+                q.push_timeout = timeout
+        else:
+            run_sql(
+                dbq,
+                "SELECT slot FROM {schema}.ring_slots WHERE queue_id = %(q)s FOR SHARE",
+                {"q": q.settings.queue_id},
+                blocker,
+            )
+            holder.execute("SET LOCAL lock_timeout = '200ms'")  # opens holder's transaction
+            with pytest.raises(LockTimeoutError):
+                q.push_batch(["stalled"], conn=holder)
+    number = int(q.stats().extra["push_position"])
+    assert number == before + 1, "the stalled push took one number"
+    return number
 
 
 # -- settings --------------------------------------------------------------------------------------
@@ -342,8 +362,8 @@ def test_rolled_back_pushes_leave_gaps_that_pops_skip(dbq: DbQueue) -> None:
 
 def test_a_live_holder_is_waited_for_and_a_dead_one_skipped_at_once(dbq: DbQueue) -> None:
     q = ring(dbq, "holder", 8)
-    with holder_connection(dbq) as holder:  # takes number 1 as a push would, and stalls
-        take_number(holder, dbq, q)
+    with holder_connection(dbq) as holder:
+        assert stall_a_push(holder, dbq, q) == 1  # a push that took number 1 and stalls
         q.push_batch(["two", "three"])
         assert [m.payload for m in q.pop(5)] == ["two", "three"]
         for _ in range(3):
@@ -361,7 +381,7 @@ def test_a_stuck_live_holder_is_skipped_after_the_gap_timeout(dbq: DbQueue) -> N
     q = ring(dbq, "stuck", 8)
     q.gap_timeout = 0.3
     with holder_connection(dbq) as holder:
-        take_number(holder, dbq, q)
+        assert stall_a_push(holder, dbq, q) == 1
         q.push_batch(["two"])
         assert [m.payload for m in q.pop(5)] == ["two"]  # messages past the gap are not held back
         assert q.stats().extra["gaps_skipped"] == 0
@@ -387,7 +407,7 @@ def test_after_the_gap_timeout_a_whole_abandoned_run_is_skipped_at_once(dbq: DbQ
         raise _Rollback
     q.push_batch(["six"])
     with holder_connection(dbq) as holder:
-        take_number(holder, dbq, q)  # number 7, alive, never written while the test runs
+        assert stall_a_push(holder, dbq, q) == 7  # alive, never written while the test runs
         assert [m.payload for m in q.pop(5)] == ["six"]
         assert q.stats().extra["gaps_skipped"] == 0, "a live transaction blocks the proof"
         time.sleep(0.4)
@@ -455,7 +475,7 @@ def test_a_pop_lists_holders_only_for_a_gap_that_stays(dbq: DbQueue, monkeypatch
     assert q.pop(10) == []
     assert calls and set(calls) == {(None, None, 2, False)}, "caught up: no gap, no list"
     with holder_connection(dbq) as holder:
-        take_number(holder, dbq, q)  # number 3, alive and unwritten
+        assert stall_a_push(holder, dbq, q) == 3  # alive and unwritten
         calls.clear()
         assert q.pop(10) == []
         # First sighting: no list. Passed back: the holders are listed; they stay, so the pop ends.
@@ -646,8 +666,8 @@ def test_maintenance_alone_skips_the_gaps_of_rolled_back_and_killed_pushers(dbq:
 
 def test_maintenance_leaves_the_numbers_of_a_live_push_alone(dbq: DbQueue) -> None:
     q = ring(dbq, "live", 8)
-    with holder_connection(dbq) as holder:  # takes number 1 as a push would, and stalls
-        take_number(holder, dbq, q)
+    with holder_connection(dbq) as holder:
+        assert stall_a_push(holder, dbq, q) == 1  # a push that took number 1 and stalls
         q.push_batch(["two", "three"])
         t0 = time.monotonic()
         assert q.recover_gaps(wait=0.3) == 0  # the holder may still write number 1

@@ -604,7 +604,7 @@ def test_version_11_rings_keep_their_messages_through_the_migration(
             payloads = [f'"m{i}"'.encode() for i in range(1, 7)]
             assert c.execute(push, [qid, payloads]).fetchone() == (1,)
             # as version-11 consumers left them: 1 popped at most once, 2 leased, 3 nacked for later,
-            # 4 acked; 5 and 6 ready. Number 7 taken by a push that died, 8 pushed.
+            # 4 acked; 5 and 6 ready. Number 7 taken by a push that rolled back, 8 pushed.
             for stmt in (
                 "UPDATE {s}.ring_slots SET state = 0, payload = NULL, attempts = 1, deliveries = 1 "
                 "WHERE queue_id = %(q)s AND seq IN (1, 4)",
@@ -614,7 +614,8 @@ def test_version_11_rings_keep_their_messages_through_the_migration(
                 "due_at = now() + interval '1 hour' WHERE queue_id = %(q)s AND seq = 3",
             ):
                 c.execute(sql.SQL(stmt).format(s=ident), {"q": qid})
-            c.execute(sql.SQL("SELECT nextval(push_seq) FROM {s}.rings").format(s=ident))
+            with c.transaction(force_rollback=True):
+                assert c.execute(push, [qid, [b'"lost"']]).fetchone() == (7,)
             assert c.execute(push, [qid, [b'"m8"']]).fetchone() == (8,)
         with DbQueue(pg_dsn, schema=schema) as dbq:
             assert dbq.install() == schema_sql()[0]

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from airflow_dbqueue.engine.sqlfile import load_queries
 from tests import tsql
 
 Make = Callable[..., tsql.Ring]
@@ -124,6 +125,59 @@ def test_a_ring_is_made_as_ring_create_writes_it() -> None:
     assert ring.issued == 0
     assert ring.push(b"a", b"b") == [1, 2]
     assert ring.issued == 2 and ring.slot_of(2) == (2, b"b")
+
+
+def engine_call(query: str) -> tuple[str, dict[str, str]]:
+    """The procedure that the SQL Server dialect's named query ``query`` runs, and the value it passes
+    each argument: ``%(name)s`` (a parameter of the engine's), ``@var OUTPUT``, or a constant."""
+    body = load_queries("airflow_dbqueue.engine.dialects.mssql", "queries.sql")[query]
+    found = re.search(r"EXEC \{schema\}\.(\w+)\s+(.*?)(?:;|$)", body, re.S)
+    assert found is not None, query
+    return found.group(1), dict(re.findall(r"@(\w+) = (%\(\w+\)s|@\w+ OUTPUT|[\w.]+)", found.group(2)))
+
+
+def test_the_rings_calls_are_those_of_the_engines_named_queries() -> None:
+    """tsql.Ring calls each procedure as the engine's named query of the procedure's name does: the same
+    arguments, the same constants, its own queue, capacity and lanes where the engine passes its ring's,
+    and nothing for the outputs. A named query that changes its call fails here, rather than leaving the
+    tests that call the procedures through tsql.Ring testing calls the engine no longer makes."""
+    ring = maker()(capacity=8, lanes=2)
+    calls: list[tuple[str, dict[str, Any]]] = []
+    call = ring.server.call
+
+    def spy(name: str, **args: Any) -> Any:
+        calls.append((name, args))
+        return call(name, **args)
+
+    ring.server.call = spy  # type: ignore[method-assign]
+    ring.push(b"a", b"b")
+    ring.abandon(1)
+    ring.take(1)
+    rows, _ = ring.pop(1, lease=True)
+    ring.nack(ids(rows), [1])
+    ring.skip_abandoned()
+    ring.pass_lanes()
+    own = {"queue_id": ring.queue_id, "capacity": ring.capacity, "lanes": ring.lanes}
+    assert {name for name, _ in calls} == {
+        "ring_push",
+        "ring_take",
+        "ring_pop",
+        "ring_settle",
+        "ring_skip_abandoned",
+        "ring_pass",
+    }
+    for name, args in calls:
+        procedure, passed = engine_call(name)
+        assert procedure == name
+        assert set(args) == set(passed), name
+        for arg, value in passed.items():
+            if value.startswith("%("):
+                if value[2:-2] in own:
+                    assert args[arg] == own[value[2:-2]], (name, arg)
+            elif value.startswith("@") or value == "NULL":
+                assert args[arg] is None, (name, arg)
+            else:
+                assert args[arg] == int(value), (name, arg)
 
 
 # -- ring_pass -------------------------------------------------------------------------------------
@@ -749,6 +803,7 @@ def test_a_push_to_a_ring_kept_full_by_a_gap_pops_none_and_gets_in_on_interprete
     q.push_timeout = 2.0
     numbers = tsql.Ring.__new__(tsql.Ring)  # the ring made above, for a push that dies holding a number
     numbers.server, numbers.seq = server, "[dbq].[ring_1_seq]"
+    numbers.queue_id, numbers.capacity, numbers.lanes = 1, 4, 2
     pushed = [{"n": i} for i in range(7)]
     assert q.push_batch(pushed[:2]) == [1, 2]
     assert numbers.abandon(1) == [3]
