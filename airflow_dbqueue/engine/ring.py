@@ -50,6 +50,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +70,7 @@ from airflow_dbqueue.engine.models import (
     PayloadType,
     QueueStats,
     Semantics,
-    message_maker,
+    messages_from_columns,
 )
 from airflow_dbqueue.engine.queue import Queue, _check_batch_size, check_seconds
 
@@ -103,7 +104,6 @@ _SETTLE_ACK = {
     "max_attempts": 1,
     "error": None,
 }
-_make_message = message_maker()
 _id = attrgetter("id")
 _delivery = attrgetter("delivery")
 
@@ -386,13 +386,16 @@ class RingQueue(Queue):
         return msgs
 
     def _messages(self, rows: Sequence[tuple[Any, ...]]) -> list[Message]:
-        # Positional (id, queue, payload, priority, attempts, delivery, enqueued_at, lease_until), through
-        # message_maker: half the client CPU of Message(...) a message, in pops of thousands.
-        name, make = self.name, _make_message
-        if self.settings.payload_type is PayloadType.BYTES:  # rows read in binary: bytea is bytes
-            return [make(r[0], name, r[5], 0, r[1], r[2], r[3], r[4]) for r in rows]
-        decode = self.settings.decode
-        return [make(r[0], name, decode(r[5]), 0, r[1], r[2], r[3], r[4]) for r in rows]
+        # Rows (id, attempts, delivery, enqueued_at, lease_until, payload, ...), read in binary: a bytea
+        # is bytes already.
+        if not rows:
+            return []
+        ids, attempts, deliveries, enqueued, until, payloads = list(zip(*rows, strict=True))[:6]
+        if self.settings.payload_type is not PayloadType.BYTES:
+            payloads = tuple(map(self.settings.decode, payloads))
+        return messages_from_columns(
+            ids, self.name, payloads, repeat(0), attempts, deliveries, enqueued, until
+        )
 
     # -- finish ------------------------------------------------------------------------------------
 

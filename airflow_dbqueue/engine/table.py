@@ -28,7 +28,7 @@ from airflow_dbqueue.engine.models import (
     NotifyMode,
     QueueStats,
     Semantics,
-    message_maker,
+    messages_from_columns,
 )
 from airflow_dbqueue.engine.queue import DEFAULT_CONSUMER, Queue, _check_batch_size, check_seconds
 
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from airflow_dbqueue.engine.models import QueueSettings
 
 _PRIORITY_MIN, _PRIORITY_MAX = -32768, 32767
-_make_message = message_maker()
 
 
 class TableQueue(Queue):
@@ -116,10 +115,14 @@ class TableQueue(Queue):
             self._reclaim(10_000, conn)
 
     def _messages(self, rows: list[tuple[Any, ...]]) -> list[Message]:
-        # Positional (id, queue, payload, priority, attempts, delivery, enqueued_at, lease_until), through
-        # message_maker: half the client CPU of Message(...) a message, in pops of thousands.
-        decode, name, make = self.settings.decode, self.name, _make_message
-        return [make(r[0], name, decode(r[6]), r[1], r[2], r[3], r[4], r[5]) for r in rows]
+        # Rows (id, priority, attempts, delivery, enqueued_at, lease_until, payload).
+        if not rows:
+            return []
+        ids, priorities, attempts, deliveries, enqueued, until, stored = zip(*rows, strict=True)
+        payloads = map(self.settings.decode, stored)
+        return messages_from_columns(
+            ids, self.name, payloads, priorities, attempts, deliveries, enqueued, until
+        )
 
     def _until_due(self, default: float) -> float:
         row = self._db.fetchone("next_due", {"queue_id": self._qid})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 
 import pytest
@@ -16,7 +15,7 @@ from airflow_dbqueue.engine import (
     QueueSettings,
     Semantics,
 )
-from airflow_dbqueue.engine.models import Message, message_maker
+from airflow_dbqueue.engine.models import Message, messages_from_columns
 from airflow_dbqueue.engine.names import validate_queue_name, validate_schema_name
 from airflow_dbqueue.engine.sqlfile import load_queries, parse_named_queries
 
@@ -89,17 +88,23 @@ def test_postgres_queries_load() -> None:
     assert all(body.strip() for body in queries.values())
 
 
-def test_message_maker_builds_the_same_frozen_message_as_the_constructor() -> None:
+def test_messages_from_columns_are_the_messages_the_constructor_builds() -> None:
     t0 = dt.datetime(2026, 11, 24, 3, 0, tzinfo=dt.UTC)
     t1 = dt.datetime(2026, 11, 24, 3, 1, tzinfo=dt.UTC)
-    args = (7, "orders", {"k": 1}, -3, 2, 5, t0, t1)
-    made = message_maker()(*args)
+    args = (7, "orders", ("k", 1), -3, 2, 5, t0, t1)
+    columns = [[a] for a in args]
+    del columns[1]  # the queue's name is given once
+    [made] = messages_from_columns(columns[0], "orders", *columns[1:])
     built = Message(*args)
     assert type(made) is Message
-    assert made == built
-    assert hash(message_maker()(7, "q", b"x", 0, 1, 1, t0, None)) == hash(Message(7, "q", b"x", 0, 1, 1, t0))
+    assert made == built and not made != built  # noqa: SIM202 - both operators are defined
+    assert hash(made) == hash(built)
     # every field in its place (distinct values, so a swapped pair would show)
-    assert [getattr(made, f.name) for f in dataclasses.fields(Message)] == list(args)
+    assert [getattr(made, name) for name in Message._fields] == list(args)
     assert made.receipt == (7, 5)
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         made.id = 8  # type: ignore[misc]
+    # a message is never equal to a plain tuple of its fields, from either side
+    assert made != args and args != made and not made == args  # noqa: SIM201
+    assert Message(7, "q", b"x", 0, 1, 1, t0).lease_until is None
+    assert messages_from_columns([], "q", [], [], [], [], [], []) == []
