@@ -20,8 +20,14 @@ writer, the checkpointer or the client. Autovacuum is off, so that no background
 (the naive queue's dead rows cost it nothing here that VACUUM would later do). Every pop session's
 payloads are counted and checksummed against what its push session sent, as ``cost.py`` does.
 
+With ``--client`` each session runs instead in a Python process of its own under cachegrind too, and
+the client's instructions a message are counted the same way: psycopg's encoding and decoding and,
+for the engine, its API (pool checkout, checks, building a ``Message`` a message), against the naive
+queue's bare psycopg calls. The pop sessions send what they popped back to be checked.
+
 Needs valgrind (Debian's ``valgrind``) and the PostgreSQL binaries the embedded default uses. Under
-cachegrind the server runs about 50 times slower: the default run takes a few minutes.
+cachegrind the server runs about 50 times slower: the default run takes a few minutes, about three
+times as long with ``--client`` (each session starts a Python under cachegrind).
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from array import array
+from collections.abc import Callable, Iterable, Iterator
+from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +60,9 @@ from airflow_dbqueue.engine import DbQueue
 from airflow_dbqueue.engine.embedded import EmbeddedPostgres, free_port
 
 QUEUE = "instr_q"
+# The pop sessions collect payloads in C (map), so that the client's count is the queue's work.
+_payload = attrgetter("payload")
+_second = itemgetter(1)
 SIDES = ("push", "pop")
 
 
@@ -188,7 +199,7 @@ def engine_sessions(dsn: str, schema: str, batch: int) -> Sessions:
             q.reclaim_every_s = float("inf")  # type: ignore[attr-defined] # no reclaim between pops
             pids = {_pid(dbq)}
             for _ in range(calls):
-                got.extend(m.payload for m in q.pop(batch))
+                got.extend(map(_payload, q.pop(batch)))
             pids.add(_pid(dbq))
         return got, pids
 
@@ -206,15 +217,111 @@ def naive_sessions(dsn: str, schema: str, batch: int) -> Sessions:
 
     def pop(calls: int) -> tuple[list[bytes], set[int]]:
         with psycopg.connect(dsn, autocommit=True) as c:
-            got = [row[1] for _ in range(calls) for row in c.execute(pop_sql, (batch,), binary=True)]
+            got: list[bytes] = []
+            for _ in range(calls):
+                got.extend(map(_second, c.execute(pop_sql, (batch,), binary=True).fetchall()))
             return got, {c.info.backend_pid}
 
     return push, pop
 
 
+def sessions_of(who: str, dsn: str, schema: str, batch: int) -> Sessions:
+    return (naive_sessions if who == "naive" else engine_sessions)(dsn, schema, batch)
+
+
+class CountedClient:
+    """Sessions run each in a Python process of its own under cachegrind (``--child``): ``counts``
+    collects, per side, the client's instructions of each session in turn."""
+
+    def __init__(self, root: Path, who: str, dsn: str, schema: str, batch: int) -> None:
+        self.root, self.who, self.dsn, self.schema, self.batch = root, who, dsn, schema, batch
+        self.counts: dict[str, list[int]] = {side: [] for side in SIDES}
+        self._runs = 0
+
+    def _child(self, spec: dict[str, Any]) -> dict[str, Any]:
+        self._runs += 1
+        out = self.root / f"client.{self._runs}"
+        proc = subprocess.run(
+            [
+                "valgrind",
+                "--tool=cachegrind",
+                "--cache-sim=no",
+                f"--cachegrind-out-file={out}",
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--child",
+            ],
+            input=json.dumps(
+                {"who": self.who, "dsn": self.dsn, "schema": self.schema, "batch": self.batch, **spec}
+            ),
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": "0"},  # the same dicts' layout in every session
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"{self.who} {spec['side']} session failed:\n{proc.stderr[-3000:]}")
+        summary = [line for line in out.read_text().splitlines() if line.startswith("summary:")]
+        self.counts[spec["side"]].append(int(summary[0].split()[1]))
+        result: dict[str, Any] = json.loads(proc.stdout.splitlines()[-1])
+        return result
+
+    def sessions(self) -> Sessions:
+        # Payloads travel through files, joined and split in C: a few hundred instructions a message
+        # in the child, the same for both queues, against tens of thousands through JSON.
+        def push(sent: list[list[bytes]]) -> set[int]:
+            path = self.root / "sent.bin"
+            flat = [p for b in sent for p in b]
+            path.write_bytes(b"".join(flat))
+            sizes = self.root / "sent.len"
+            sizes.write_bytes(array("I", map(len, flat)).tobytes())
+            spec = {"side": "push", "calls": len(sent), "path": str(path), "sizes": str(sizes)}
+            return set(self._child(spec)["pids"])
+
+        def pop(calls: int) -> tuple[list[bytes], set[int]]:
+            path, sizes = self.root / "got.bin", self.root / "got.len"
+            r = self._child({"side": "pop", "calls": calls, "path": str(path), "sizes": str(sizes)})
+            return split(path.read_bytes(), array("I", sizes.read_bytes())), set(r["pids"])
+
+        return push, pop
+
+
+def split(blob: bytes, sizes: Iterable[int]) -> list[bytes]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(blob[at : at + n])
+        at += n
+    return out
+
+
+def child(spec: dict[str, Any]) -> None:
+    """One session of a ``CountedClient``, in this process: print its backends as one JSON line; a pop
+    writes what it popped to the files named."""
+    push, pop = sessions_of(spec["who"], spec["dsn"], spec["schema"], spec["batch"])
+    path, sizes = Path(spec["path"]), Path(spec["sizes"])
+    if spec["side"] == "push":
+        flat = split(path.read_bytes(), array("I", sizes.read_bytes()))
+        batch = spec["batch"]
+        pids = push([flat[k * batch : (k + 1) * batch] for k in range(spec["calls"])])
+    else:
+        got, pids = pop(spec["calls"])
+        path.write_bytes(b"".join(got))
+        sizes.write_bytes(array("I", map(len, got)).tobytes())
+    print(json.dumps({"pids": sorted(pids)}))
+
+
 def measure(
-    server: CountedServer, sessions: Sessions, *, batch: int, calls: int, size: int, who: str
+    server: CountedServer,
+    sessions: Sessions,
+    *,
+    batch: int,
+    calls: int,
+    size: int,
+    who: str,
+    client: CountedClient | None = None,
 ) -> dict[str, float]:
+    """Instructions a message, per side: the server's, and with ``client`` (whose sessions these are)
+    the client's as ``client_push`` and ``client_pop``."""
     push, pop = sessions
     counts: dict[str, list[int]] = {"push": [], "pop": []}
     for tag, n in enumerate((calls, 4 * calls)):
@@ -224,7 +331,12 @@ def measure(
         counts["pop"].append(server.counted(pids))
         check(sent, got, who)
     extra = 3 * calls * batch
-    return {side: (counts[side][1] - counts[side][0]) / extra for side in SIDES}
+    got_per = {side: (counts[side][1] - counts[side][0]) / extra for side in SIDES}
+    if client is not None:
+        for side in SIDES:
+            short, long = client.counts[side][-2:]
+            got_per[f"client_{side}"] = (long - short) / extra
+    return got_per
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -241,11 +353,22 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         sql.Identifier(naive_schema)
                     )
                 )
-            naive = naive_sessions(dsn, naive_schema, batch)
+            naive_client = (
+                CountedClient(server.root, "naive", dsn, naive_schema, batch) if args.client else None
+            )
+            naive = naive_client.sessions() if naive_client else naive_sessions(dsn, naive_schema, batch)
             measure(
                 server, naive, batch=batch, calls=max(1, calls // 4), size=args.payload_bytes, who="naive"
             )  # warm-up
-            ref = measure(server, naive, batch=batch, calls=calls, size=args.payload_bytes, who="naive")
+            ref = measure(
+                server,
+                naive,
+                batch=batch,
+                calls=calls,
+                size=args.payload_bytes,
+                who="naive",
+                client=naive_client,
+            )
             for design in args.design:
                 schema = f"instr_{uuid.uuid4().hex[:10]}"
                 with DbQueue(dsn, schema=schema) as dbq:
@@ -262,7 +385,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     else:
                         dbq.create_queue(QUEUE, payload_type="bytes", notify="never", archive=False)
                 try:
-                    sessions = engine_sessions(dsn, schema, batch)
+                    engine_client = (
+                        CountedClient(server.root, design, dsn, schema, batch) if args.client else None
+                    )
+                    sessions = (
+                        engine_client.sessions() if engine_client else engine_sessions(dsn, schema, batch)
+                    )
                     measure(
                         server,
                         sessions,
@@ -272,7 +400,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         who=design,
                     )
                     got = measure(
-                        server, sessions, batch=batch, calls=calls, size=args.payload_bytes, who=design
+                        server,
+                        sessions,
+                        batch=batch,
+                        calls=calls,
+                        size=args.payload_bytes,
+                        who=design,
+                        client=engine_client,
                     )
                 finally:
                     with DbQueue(dsn, schema=schema) as dbq:
@@ -288,6 +422,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "naive_cycle_instructions": round(ref["push"] + ref["pop"]),
                     }
                 )
+                if args.client:
+                    for side in SIDES:
+                        results[-1][f"client_{side}_instructions"] = round(got[f"client_{side}"])
+                        results[-1][f"naive_client_{side}_instructions"] = round(ref[f"client_{side}"])
+                    for prefix in ("", "naive_"):
+                        r = results[-1]
+                        r[f"{prefix}client_cycle_instructions"] = (
+                            r[f"{prefix}client_push_instructions"] + r[f"{prefix}client_pop_instructions"]
+                        )
                 print(f"measured {design} batch {batch}", file=sys.stderr, flush=True)
             with psycopg.connect(dsn, autocommit=True) as c:
                 c.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(naive_schema)))
@@ -306,6 +449,13 @@ def table(results: list[dict[str, Any]]) -> str:
         for side in (*SIDES, "cycle"):
             d, b = r[f"{side}_instructions"], r[f"naive_{side}_instructions"]
             lines.append(f"{r['design']:8s}{r['batch']:>7d}  {side:6s}{d:>12,d}{b:>12,d}{d / b:>8.2f}")
+    clients = [r for r in results if "client_cycle_instructions" in r]
+    if clients:
+        lines += ["", "client instructions a message (the Python process; cachegrind)"]
+        for r in clients:
+            for side in (*SIDES, "cycle"):
+                d, b = r[f"client_{side}_instructions"], r[f"naive_client_{side}_instructions"]
+                lines.append(f"{r['design']:8s}{r['batch']:>7d}  {side:6s}{d:>12,d}{b:>12,d}{d / b:>8.2f}")
     return "\n".join(lines)
 
 
@@ -318,6 +468,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--payload-bytes", type=int, default=300)
     ap.add_argument("--json", action="store_true", help="print one JSON list instead of the table")
+    ap.add_argument("--client", action="store_true", help="count the client's instructions too")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a session of --client (stdin)
     args = ap.parse_args(argv)
     if any(b < 1 for b in args.batch) or args.calls < 0 or args.payload_bytes < 16:
         ap.error("batches must be at least 1, --calls at least 0, --payload-bytes at least 16")
@@ -326,6 +478,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.child:
+        child(json.load(sys.stdin))
+        return 0
     results = run(args)
     print(json.dumps(results) if args.json else table(results))
     return 0

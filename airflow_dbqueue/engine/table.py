@@ -26,6 +26,7 @@ from airflow_dbqueue.engine.models import (
     FailedMessage,
     Message,
     NotifyMode,
+    PayloadType,
     QueueStats,
     Semantics,
     messages_from_columns,
@@ -115,11 +116,13 @@ class TableQueue(Queue):
             self._reclaim(10_000, conn)
 
     def _messages(self, rows: list[tuple[Any, ...]]) -> list[Message]:
-        # Rows (id, priority, attempts, delivery, enqueued_at, lease_until, payload).
+        # Rows (id, priority, attempts, delivery, enqueued_at, lease_until, payload), read in binary: a
+        # bytea is bytes already.
         if not rows:
             return []
-        ids, priorities, attempts, deliveries, enqueued, until, stored = zip(*rows, strict=True)
-        payloads = map(self.settings.decode, stored)
+        ids, priorities, attempts, deliveries, enqueued, until, payloads = zip(*rows, strict=True)
+        if self.settings.payload_type is not PayloadType.BYTES:
+            payloads = tuple(map(self.settings.decode, payloads))
         return messages_from_columns(
             ids, self.name, payloads, priorities, attempts, deliveries, enqueued, until
         )
