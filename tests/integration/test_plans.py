@@ -6,12 +6,16 @@ was empty (sequential scans of meta and data), and acks that walked every leased
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import psycopg
 import pytest
 
+from airflow_dbqueue.engine import DbQueue as Client
 from airflow_dbqueue.engine.errors import LeaseExpiredError
+from tests.integration.test_conformance import drain
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine import DbQueue
@@ -130,3 +134,39 @@ def test_payloads_are_probed_by_id_even_with_empty_table_statistics(dbq: DbQueue
         row = c.execute(b"EXPLAIN (FORMAT JSON) " + dbq.db.query("drop_queue"), {"queue_id": qid}).fetchone()
         assert row is not None
         assert _walks_data(row[0][0]["Plan"]) == []
+
+
+def test_pushes_of_one_read_the_rings_floor_only_when_a_slot_is_not_free(dbq: DbQueue) -> None:
+    """A ring handle reads the floor (ring_floor: a scan of the lanes, the leases and the retry rows)
+    once, then passes it to every push of one while the slots are free under it: 40 pushes into a ring
+    of 64 scan the leases' index once. The 65th push finds its slot not free under that floor (the
+    ring is full until a pop), writes its number through ring_push, which reads the floor itself, and
+    the handle reads a new one."""
+    dbq.create_queue("floor_hint", design="ring", capacity=64, notify="never", payload_type="bytes")
+    admin = psycopg.connect(dbq.db.dsn, autocommit=True)
+    query = (
+        "SELECT coalesce(idx_scan, 0) FROM pg_stat_user_indexes "
+        "WHERE schemaname = %s AND indexrelname = 'ring_leases_pkey'"
+    )
+
+    def floor_reads(one: Client, run: Callable[[], object]) -> int:
+        admin.execute("SELECT pg_stat_clear_snapshot()")
+        before = admin.execute(query, [dbq.schema]).fetchone()[0]  # type: ignore[index]
+        run()
+        with one.db.connection() as c:  # type: ignore[attr-defined] # the pool's one connection
+            c.execute("SELECT pg_stat_force_next_flush()")  # flushed when the backend is idle next
+        with one.db.connection() as c:  # type: ignore[attr-defined]
+            c.execute("SELECT 1")
+        admin.execute("SELECT pg_stat_clear_snapshot()")
+        return int(admin.execute(query, [dbq.schema]).fetchone()[0]) - int(before)  # type: ignore[index]
+
+    sent = [os.urandom(40) for _ in range(66)]
+    with admin, Client(dbq.db.dsn, schema=dbq.schema, pool_size=1) as one:
+        q = one.queue("floor_hint")
+        assert floor_reads(one, lambda: [q.push(p) for p in sent[:40]]) == 1
+        assert floor_reads(one, lambda: [q.push(p) for p in sent[40:64]]) == 0
+        got = q.pop(2)  # the ring holds 64: room for two more
+        assert floor_reads(one, lambda: [q.push(p) for p in sent[64:]]) >= 2  # ring_push's, and a new one
+        got += drain(q)
+        assert [m.payload for m in got] == sent
+        assert [m.id for m in got] == list(range(1, 67))
