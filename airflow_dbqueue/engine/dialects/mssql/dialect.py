@@ -65,6 +65,7 @@ from airflow_dbqueue.engine.errors import (
     ReceiptsNotHeldError,
     RingNumbersSkippedError,
     SchemaError,
+    StatementTimeoutError,
     TransientDatabaseError,
 )
 from airflow_dbqueue.engine.names import MSSQL_RESERVED_SCHEMAS, validate_identifier, validate_schema_name
@@ -459,7 +460,7 @@ def translate(exc: Exception, *, where: str, schema: str, connecting: bool = Fal
             f"{message}"
         )
     if state == "HYT00" and not connecting:
-        return TransientDatabaseError(
+        return StatementTimeoutError(
             f"SQL Server at {where}: the statement was cancelled, its query timeout expired: {message}"
         )
     if connecting or state in _UNAVAILABLE_STATES or state.startswith("08"):

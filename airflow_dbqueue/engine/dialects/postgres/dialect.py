@@ -41,6 +41,7 @@ from airflow_dbqueue.engine.errors import (
     ReceiptsNotHeldError,
     RingNumbersSkippedError,
     SchemaError,
+    StatementTimeoutError,
     TransientDatabaseError,
 )
 from airflow_dbqueue.engine.names import (
@@ -440,7 +441,12 @@ class PostgresDatabase:
             return LockTimeoutError(
                 f"PostgreSQL at {self.where}: a lock was not granted in time (lock_timeout): {_primary(exc)}"
             )
-        if isinstance(exc, (psycopg.errors.QueryCanceled, psycopg.errors.SerializationFailure)):
+        if isinstance(exc, psycopg.errors.QueryCanceled):
+            return StatementTimeoutError(
+                f"PostgreSQL at {self.where}: the statement was cancelled (statement_timeout or "
+                f"pg_cancel_backend): {_primary(exc)}"
+            )
+        if isinstance(exc, psycopg.errors.SerializationFailure):
             return TransientDatabaseError(
                 f"PostgreSQL at {self.where}: the statement was cancelled or its transaction rolled back "
                 f"(statement_timeout, pg_cancel_backend, or a serialization failure): {_primary(exc)}"
