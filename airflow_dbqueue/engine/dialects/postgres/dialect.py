@@ -29,6 +29,7 @@ from airflow_dbqueue.engine.dialects.base import (
     refuse_foreign_objects,
     refuse_newer_schema,
 )
+from airflow_dbqueue.engine.dialects.postgres.maintenance import PostgresMaintenance
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     DatabaseError,
@@ -143,7 +144,7 @@ def describe_dsn(dsn: str) -> str:
     return f"{host}:{info.get('port') or 5432}/{info.get('dbname') or info.get('user') or ''}"
 
 
-class PostgresDatabase:
+class PostgresDatabase(PostgresMaintenance):
     """A dbqueue schema on one PostgreSQL database.
 
     The pool is created closed and opened on first use: constructing this object does no I/O.
