@@ -9,23 +9,38 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from airflow_dbqueue.engine.errors import QueueNotFoundError
 
 if TYPE_CHECKING:
-    from airflow_dbqueue.engine.client import DbQueue
+    from airflow_dbqueue.engine.models import QueueSettings
     from airflow_dbqueue.engine.queue import Queue
 
 log = logging.getLogger(__name__)
 
 
+class QueueOpener(Protocol):
+    """What maintenance needs of the client that owns a schema's queues (a :class:`DbQueue`)."""
+
+    def queue(self, name: str) -> Queue:
+        """The named queue; raises :class:`QueueNotFoundError` when there is none."""
+        ...
+
+    def list_queues(self) -> list[QueueSettings]: ...
+
+    def _refresh_if_dropped(self, name: str, queue_id: int) -> bool:
+        """Whether queue ``name`` with ``queue_id`` was dropped, asked of the database (a handle the
+        client cached for it is forgotten then)."""
+        ...
+
+
 class Queues:
     """The queues of one schema, opened through the client that owns them."""
 
-    def __init__(self, dbq: DbQueue) -> None:
-        self._dbq = dbq
-        self.schema = dbq.schema
+    def __init__(self, opener: QueueOpener, schema: str) -> None:
+        self._dbq = opener
+        self.schema = schema
 
     def current(self, name: str) -> Queue | None:
         """The queue of that name as the database has it now (not a handle of a queue dropped since it

@@ -9,8 +9,9 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from airflow_dbqueue.engine.dialects.base import Database
 from airflow_dbqueue.engine.dialects.indexes import IndexHealth
 from airflow_dbqueue.engine.errors import ConfigurationError
 from airflow_dbqueue.engine.maintenance import horizon
@@ -19,14 +20,11 @@ from airflow_dbqueue.engine.maintenance.compactor import RingCompactor
 from airflow_dbqueue.engine.maintenance.config import MaintenanceConfig
 from airflow_dbqueue.engine.maintenance.lock import SchemaLock
 from airflow_dbqueue.engine.maintenance.metrics import metrics as collect_metrics
-from airflow_dbqueue.engine.maintenance.queues import Queues, upkeep
+from airflow_dbqueue.engine.maintenance.queues import QueueOpener, Queues, upkeep
 from airflow_dbqueue.engine.maintenance.reindexer import Reindexer
 from airflow_dbqueue.engine.maintenance.results import BatchResult, MiB, XminHolder
 from airflow_dbqueue.engine.maintenance.statistics import table_health
 from airflow_dbqueue.engine.maintenance.statistics import vacuum as run_vacuum
-
-if TYPE_CHECKING:
-    from airflow_dbqueue.engine.client import DbQueue
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +51,15 @@ class Maintenance:
     database only through the :class:`Database` protocol. Not thread-safe; use one per thread.
     """
 
-    def __init__(self, dbq: DbQueue) -> None:
-        db = dbq.db
+    def __init__(self, db: Database, queues: QueueOpener) -> None:
+        """Maintain ``db``'s schema, whose queues ``queues`` opens (the :class:`DbQueue` of ``db``)."""
         self._db = db
         self.dialect = db.dialect_name
         self.tables = db.tables
         """The schema's tables on this dialect, in the order :meth:`vacuum` visits them."""
-        self.schema = dbq.schema
+        self.schema = db.schema
         self._lock = SchemaLock(db)
-        self._queues = Queues(dbq)
+        self._queues = Queues(queues, db.schema)
         self._archiver = Archiver(db, self._lock, self._queues)
         self._reindexer = Reindexer(db, self._lock, lambda tables: self.vacuum(tables, analyze_only=True))
         self._compactor = RingCompactor(db, self._lock)
