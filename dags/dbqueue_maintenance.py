@@ -2,7 +2,9 @@
 
     airflow dags test dbqueue_maintenance -c '{"archive_after_s": 0}'
 
-Steps (each a task, each returning a JSON-safe report for XCom):
+Steps (each a task, each returning a JSON-safe report for XCom), in the order ``Maintenance.run`` and
+``dbqueue maintain`` take them (``STEPS`` of ``airflow_dbqueue.engine.maintenance``): each task runs
+``Maintenance.step``, so the DAG and the CLI take the same steps with the same settings.
 
 1. ``check_horizon``: warn about whatever holds back the xmin horizon (a long transaction, a replication
    slot, a prepared transaction), naming its pid, application, age and query start. On SQL Server: long
@@ -17,10 +19,11 @@ Steps (each a task, each returning a JSON-safe report for XCom):
    transaction held the xmin horizon) is rewritten with VACUUM FULL, which blocks the schema's ring
    pushes and pops while it runs (under a second for a 500 MB table here); not while a transaction
    older than ``min(horizon_min_age_s, 10)`` seconds still holds the horizon. Skipped on SQL Server.
-6. ``rebuild_indexes``: REINDEX INDEX CONCURRENTLY of bloated B-tree indexes; INVALID leftovers of a
-   failed rebuild are dropped. On SQL Server: ALTER INDEX ... REBUILD WITH (ONLINE = ON) of bloated or
-   fragmented indexes where the engine edition allows it, REORGANIZE otherwise, decided at run time;
-   the result names the mode and the edition.
+6. ``rebuild_indexes``: REINDEX INDEX CONCURRENTLY of bloated B-tree indexes, estimated from the
+   statistics the ``vacuum`` step refreshed (with ``vacuum`` off, this step ANALYZEs the tables first);
+   INVALID leftovers of a failed rebuild are dropped. On SQL Server: ALTER INDEX ... REBUILD WITH
+   (ONLINE = ON) of bloated or fragmented indexes where the engine edition allows it, REORGANIZE
+   otherwise, decided at run time; the result names the mode and the edition.
 7. ``metrics``: depth by state, oldest ready age, rates, table sizes and index bloat, sent as gauges
    through Airflow's metrics (``dbqueue.queue.ready`` tagged with schema and queue, ...) and
    returned. It runs even when an earlier step failed.
@@ -40,18 +43,16 @@ Airflow connection and ``schema`` the queue schema (default: the connection's ``
 from __future__ import annotations
 
 import datetime as dt
-import logging
 from typing import Any
 
-from airflow.sdk import DAG, Param, Variable, get_current_context, task
+from airflow.sdk import DAG, Param, Variable, chain, get_current_context, task
 
 from airflow_dbqueue.engine import MaintenanceConfig
+from airflow_dbqueue.engine.maintenance import STEPS
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
 
 VARIABLE = "dbqueue_maintenance"
 DEFAULT_CONN_ID = "dbqueue_default"
-
-log = logging.getLogger(__name__)
 
 
 def _optional(kind: str, description: str) -> Param:
@@ -70,6 +71,19 @@ def settings() -> tuple[str, str | None, MaintenanceConfig]:
 
 def hook(conn_id: str, schema: str | None) -> DbQueueHook:
     return DbQueueHook(conn_id, dbqueue_schema=schema)
+
+
+def step_task(name: str) -> Any:
+    """The task of maintenance step ``name``: the step as ``dbqueue maintain`` runs it, with this run's
+    settings (``Maintenance.step``). ``metrics`` runs even when an earlier step failed."""
+
+    @task(task_id=name, trigger_rule="all_done" if name == "metrics" else "all_success")
+    def run_step() -> dict[str, Any]:
+        conn_id, schema, cfg = settings()
+        with hook(conn_id, schema) as h:
+            return h.maintenance_step(name, cfg)
+
+    return run_step()
 
 
 with DAG(
@@ -104,102 +118,4 @@ with DAG(
     tags=["dbqueue", "maintenance"],
     doc_md=__doc__,
 ):
-
-    @task
-    def check_horizon() -> dict[str, Any]:
-        """Warn about whatever holds back the xmin horizon."""
-        conn_id, schema, cfg = settings()
-        with hook(conn_id, schema) as h:
-            holders = h.check_horizon(min_age_s=cfg.horizon_min_age_s, min_xid_age=cfg.horizon_min_xid_age)
-        return {"xmin_holders": holders}
-
-    @task
-    def upkeep() -> dict[str, Any]:
-        """Each queue's design upkeep: reclaim expired leases (ring queues: recover gaps)."""
-        conn_id, schema, cfg = settings()
-        with hook(conn_id, schema) as h:
-            queues = list(cfg.queues) if cfg.queues else None
-            return {"queues": h.recover(queues, limit=cfg.reclaim_limit)}
-
-    @task
-    def archive() -> dict[str, Any]:
-        """Archive finished messages in bounded batches, then apply the archive retention."""
-        conn_id, schema, cfg = settings()
-        batch = {
-            "batch_size": cfg.batch_size,
-            "pause_s": cfg.pause_s,
-            "time_budget_s": cfg.time_budget_s,
-            "queues": list(cfg.queues) if cfg.queues else None,
-            "lock_wait_s": cfg.lock_wait_s,
-        }
-        with hook(conn_id, schema) as h:
-            out = {"archive": h.archive(older_than_s=cfg.archive_after_s, **batch), "purge_archive": None}
-            if out["archive"]["skipped"]:
-                log.warning("Archiving skipped: %s", out["archive"]["skipped"])
-            elif cfg.archive_retention_s is not None:
-                out["purge_archive"] = h.purge_archive(older_than_s=cfg.archive_retention_s, **batch)
-        log.info("Archived %s finished messages", out["archive"]["rows"])
-        return out
-
-    @task
-    def vacuum() -> dict[str, Any]:
-        """VACUUM (ANALYZE) the schema's tables (UPDATE STATISTICS on SQL Server)."""
-        conn_id, schema, cfg = settings()
-        if not cfg.vacuum:
-            return {"skipped": "vacuum is off"}
-        with hook(conn_id, schema) as h:
-            out = h.vacuum(lock_wait_s=cfg.lock_wait_s)
-        if out.get("skipped"):
-            log.warning("VACUUM skipped: %s", out["skipped"])
-        return out
-
-    @task
-    def compact_rings() -> dict[str, Any]:
-        """Rewrite ring tables that outgrew their laid-out size (PostgreSQL: VACUUM FULL, short)."""
-        conn_id, schema, cfg = settings()
-        if not cfg.compact_rings:
-            return {"skipped": "compact_rings is off", "actions": []}
-        with hook(conn_id, schema) as h:
-            out = h.compact_rings(
-                bloat_ratio=cfg.compact_bloat_ratio,
-                min_bloat_bytes=cfg.compact_min_bytes,
-                lock_timeout_s=cfg.compact_lock_timeout_s,
-                lock_wait_s=cfg.lock_wait_s,
-                horizon_min_age_s=min(cfg.horizon_min_age_s, 10.0),
-            )
-        if out.get("skipped"):
-            log.warning("Ring compaction skipped: %s", out["skipped"])
-        for action in out.get("actions", []):
-            (log.info if action["ok"] else log.warning)("Ring table %s: %s", action["table"], action)
-        return out
-
-    @task
-    def rebuild_indexes() -> dict[str, Any]:
-        """Rebuild bloated indexes online; drop INVALID leftovers of failed rebuilds (PostgreSQL)."""
-        conn_id, schema, cfg = settings()
-        if not cfg.reindex:
-            return {"skipped": "reindex is off", "actions": []}
-        with hook(conn_id, schema) as h:
-            out = h.rebuild_indexes(
-                bloat_ratio=cfg.reindex_bloat_ratio,
-                min_bloat_bytes=cfg.reindex_min_bytes,
-                timeout_s=cfg.reindex_timeout_s,
-                lock_wait_s=cfg.lock_wait_s,
-                fragmentation_pct=cfg.reindex_fragmentation_pct,
-                horizon_min_age_s=cfg.horizon_min_age_s,
-            )
-        if out.get("skipped"):
-            log.warning("Index rebuilds skipped: %s", out["skipped"])
-        for action in out["actions"]:
-            (log.info if action["ok"] else log.warning)("Index %s: %s", action["index"], action)
-        return out
-
-    @task(trigger_rule="all_done")
-    def metrics() -> dict[str, Any]:
-        """Collect the queue metrics, send them through Airflow's metrics, and return them."""
-        conn_id, schema, cfg = settings()
-        with hook(conn_id, schema) as h:
-            queues = list(cfg.queues) if cfg.queues else None
-            return h.queue_metrics(queues, rate_window_s=cfg.rate_window_s)
-
-    check_horizon() >> upkeep() >> archive() >> vacuum() >> compact_rings() >> rebuild_indexes() >> metrics()
+    chain(*(step_task(name) for name in STEPS))

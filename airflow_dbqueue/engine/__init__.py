@@ -29,6 +29,7 @@ from airflow_dbqueue.engine.errors import (
     QueueFullError,
     QueueNotFoundError,
     SchemaError,
+    StatementTimeoutError,
     TransactionRequiredError,
     TransientDatabaseError,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "QueueStats",
     "SchemaError",
     "Semantics",
+    "StatementTimeoutError",
     "TransactionRequiredError",
     "TransientDatabaseError",
 ]

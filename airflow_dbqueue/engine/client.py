@@ -351,7 +351,7 @@ class DbQueue:
         """Return the maintenance steps of this schema (archiving, upkeep, VACUUM, reindex, metrics)."""
         from airflow_dbqueue.engine.maintenance import Maintenance
 
-        return Maintenance(self)
+        return Maintenance(self.db, self)
 
     def maintain(self, config: MaintenanceConfig | None = None) -> dict[str, Any]:
         """Run every maintenance step once (see :meth:`Maintenance.run`); return the JSON-safe report."""

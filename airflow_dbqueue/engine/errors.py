@@ -133,3 +133,9 @@ class DeadlockError(TransientDatabaseError):
 
 class LockTimeoutError(TransientDatabaseError):
     """A lock was not granted within the session's lock timeout."""
+
+
+class StatementTimeoutError(TransientDatabaseError):
+    """A statement was cancelled before it finished: it ran past its statement timeout (the driver's
+    query timeout on SQL Server), or, on PostgreSQL, an administrator cancelled it
+    (``pg_cancel_backend``). Its transaction was rolled back."""

@@ -714,6 +714,22 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
             self.log.info("Sent %d dbqueue gauges for schema %s", sent, metrics["schema"])
         return metrics
 
+    def maintenance_step(
+        self, name: str, config: MaintenanceConfig | Mapping[str, Any] | None = None, *, emit: bool = True
+    ) -> dict[str, Any]:
+        """Run one step of :meth:`maintain` (a name of ``STEPS``) as ``maintain`` runs it; return its
+        JSON-safe result (see :meth:`Maintenance.step`). The maintenance DAG runs each step as a task
+        of its own through this. The ``metrics`` step's result is also sent through Airflow's metrics
+        unless ``emit`` is false.
+        """
+        if config is None or isinstance(config, Mapping):
+            config = MaintenanceConfig.from_mapping(config or {})
+        out = self.maintenance().step(name, config)
+        if name == "metrics" and emit:
+            sent = emit_metrics(out)
+            self.log.info("Sent %d dbqueue gauges for schema %s", sent, out["schema"])
+        return out
+
     def maintain(
         self, config: MaintenanceConfig | Mapping[str, Any] | None = None, *, emit: bool = True
     ) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from airflow_dbqueue.engine import (
     LockTimeoutError,
     QueueFullError,
     SchemaError,
-    TransientDatabaseError,
+    StatementTimeoutError,
 )
 from airflow_dbqueue.engine.dialects.base import dialect_of_dsn
 from airflow_dbqueue.engine.dialects.mssql import dialect as ms
@@ -933,7 +933,7 @@ DRIVER = "[Microsoft][ODBC Driver 18 for SQL Server]"
         (
             ("OperationalError", "HYT00", f"[HYT00] {DRIVER}Query timeout expired (0) (SQLExecDirectW)"),
             False,
-            TransientDatabaseError,
+            StatementTimeoutError,
             "query timeout expired",
         ),
         (

@@ -1,8 +1,11 @@
 """The seam between the queue designs and a database: what a dialect offers the engine.
 
 A dialect (``dialects/postgres``, ``dialects/mssql``) holds all of one database's SQL as named blocks
-under the same names, and a class that runs them. The designs (``table.py``) and the client only call
-the methods of :class:`Database` below, so they never know which database they run on.
+under the same names, and a class that runs them. The designs (``table.py``), the client and
+maintenance (``engine/maintenance/``) only call the methods of :class:`Database` below, so they never
+know which database they run on; what maintenance asks (timeouts of a session, index surveys, plans and
+online rebuilds) each dialect answers in its ``maintenance.py``, and a driver's errors reach them only
+as the engine's (:class:`LockTimeoutError`, :class:`StatementTimeoutError`, ...).
 
 Connections are the driver's own objects (a psycopg connection, a pyodbc connection); callers pass
 back what :meth:`Database.transaction` gave them (exactly-once work), so they are typed
@@ -14,10 +17,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 from urllib.parse import urlsplit
 
+from airflow_dbqueue.engine.dialects.indexes import IndexStep, IndexSurvey
 from airflow_dbqueue.engine.errors import ConfigurationError, ForeignObjectsError, SchemaError
 
 DbConnection: TypeAlias = Any
@@ -100,6 +104,74 @@ class Database(Protocol):
     def channel(self, queue_id: int) -> str: ...
 
     def listening(self, channel: str) -> contextlib.AbstractContextManager[Any]: ...
+
+    # -- what maintenance asks (engine/maintenance/; each dialect's maintenance.py answers) ----------
+
+    #: The schema's tables, in the order the vacuum step visits them.
+    tables: tuple[str, ...]
+    #: Rows one statement may lock before the database may turn them into a table lock (None: never).
+    escalation_rows: int | None
+    #: ``(statement, note)`` of what the vacuum step runs where the database has no VACUUM (None: it has).
+    no_vacuum: tuple[str, str] | None
+    #: What a transaction open too long holds back on this database, for the horizon check's warning.
+    horizon_warning: str
+    #: Why the ring compaction has nothing to do on this database (None: it runs).
+    ring_compaction_skipped: str | None
+    #: Why a failed online rebuild leaves nothing behind (None: it may leave an index to drop,
+    #: :meth:`leftovers_of`).
+    leftovers_note: str | None
+    #: Index entry counts come from table statistics, so a rebuild decision wants them fresh.
+    index_counts_need_analyze: bool
+
+    def dedicated_connection(self, application_name: str) -> contextlib.AbstractContextManager[Any]:
+        """A connection of its own (not pooled, autocommit), closed on exit with whatever it holds."""
+        ...
+
+    def session_timeouts(
+        self, conn: DbConnection, *, statement_s: float, lock_s: float
+    ) -> contextlib.AbstractContextManager[None]:
+        """Bound every statement of ``conn`` (a dedicated connection) for the block: a statement that
+        runs past ``statement_s`` raises :class:`StatementTimeoutError`, one that waits past ``lock_s``
+        for a lock :class:`LockTimeoutError`."""
+        ...
+
+    def describe_statement_timeout(self, timeout_s: float) -> str:
+        """How a message names the limit a :class:`StatementTimeoutError` of ``timeout_s`` hit."""
+        ...
+
+    def ring_laid_out_bytes(self, capacity: int, slot_bytes: int) -> int:
+        """The size a ring's slots table was laid out in (where :attr:`ring_compaction_skipped` is None)."""
+        ...
+
+    def index_survey(self) -> IndexSurvey:
+        """Every index of the schema with its size and a bloat estimate."""
+        ...
+
+    def index_plan(
+        self,
+        survey: IndexSurvey,
+        *,
+        only: Sequence[str] | None,
+        bloat_ratio: float,
+        min_bloat_bytes: int,
+        fragmentation_pct: float,
+    ) -> list[IndexStep]:
+        """The steps that keep the indexes small, in the order to take them (``only``: exactly these
+        indexes, bloated or not)."""
+        ...
+
+    def rebuild_index(self, conn: DbConnection, step: IndexStep, timeout_s: float) -> bool:
+        """Rebuild ``step``'s index online on ``conn`` within ``timeout_s``; False when the index is no
+        longer there."""
+        ...
+
+    def drop_index(self, conn: DbConnection, step: IndexStep, timeout_s: float) -> None:
+        """Drop ``step``'s index (a leftover of a failed rebuild) online on ``conn`` within ``timeout_s``."""
+        ...
+
+    def leftovers_of(self, index: str) -> list[IndexStep]:
+        """The drops of what a failed rebuild of ``index`` left behind."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

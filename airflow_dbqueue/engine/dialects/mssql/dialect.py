@@ -20,11 +20,11 @@ bracket-quoted after validation), binds their parameters and runs each as one tr
 - The ring design's push, pop and gap recovery are stored procedures (``schema.sql``), which raise
   error 50000 with ``[DQ00n]`` at the start of the message where PostgreSQL's functions raise SQLSTATE
   ``DQ00n``; :func:`translate` maps both the same way.
-- Maintenance (``engine/maintenance.py``) runs on a connection of its own in autocommit mode
-  (:meth:`MssqlDatabase.dedicated_connection`), like PostgreSQL's: the statements of
-  :data:`OUTSIDE_TRANSACTION` run there as they are, everything else in a transaction of its own.
-  Timeouts are the session's ``SET LOCK_TIMEOUT`` and the driver's query timeout
-  (:meth:`MssqlDatabase.set_timeouts`).
+- Maintenance (``engine/maintenance/``, through ``maintenance.py`` beside this file) runs on a
+  connection of its own in autocommit mode (:meth:`MssqlDatabase.dedicated_connection`), like
+  PostgreSQL's: the statements of :data:`OUTSIDE_TRANSACTION` run there as they are, everything else
+  in a transaction of its own. Timeouts are the session's ``SET LOCK_TIMEOUT`` and the driver's query
+  timeout (:meth:`MssqlDatabase.set_timeouts`).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from airflow_dbqueue.engine.dialects.base import (
     refuse_foreign_objects,
     refuse_newer_schema,
 )
+from airflow_dbqueue.engine.dialects.mssql.maintenance import MssqlMaintenance
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     DatabaseError,
@@ -65,6 +66,7 @@ from airflow_dbqueue.engine.errors import (
     ReceiptsNotHeldError,
     RingNumbersSkippedError,
     SchemaError,
+    StatementTimeoutError,
     TransientDatabaseError,
 )
 from airflow_dbqueue.engine.names import MSSQL_RESERVED_SCHEMAS, validate_identifier, validate_schema_name
@@ -459,7 +461,7 @@ def translate(exc: Exception, *, where: str, schema: str, connecting: bool = Fal
             f"{message}"
         )
     if state == "HYT00" and not connecting:
-        return TransientDatabaseError(
+        return StatementTimeoutError(
             f"SQL Server at {where}: the statement was cancelled, its query timeout expired: {message}"
         )
     if connecting or state in _UNAVAILABLE_STATES or state.startswith("08"):
@@ -533,7 +535,7 @@ def schema_sql() -> tuple[int, str]:
     return latest, steps[0][1][0]
 
 
-class MssqlDatabase:
+class MssqlDatabase(MssqlMaintenance):
     """A dbqueue schema on one SQL Server database, through pyodbc.
 
     Constructing it does no I/O: connections are opened on first use and kept in a small pool.

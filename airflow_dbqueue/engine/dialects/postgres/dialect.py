@@ -29,6 +29,7 @@ from airflow_dbqueue.engine.dialects.base import (
     refuse_foreign_objects,
     refuse_newer_schema,
 )
+from airflow_dbqueue.engine.dialects.postgres.maintenance import PostgresMaintenance
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     DatabaseError,
@@ -41,6 +42,7 @@ from airflow_dbqueue.engine.errors import (
     ReceiptsNotHeldError,
     RingNumbersSkippedError,
     SchemaError,
+    StatementTimeoutError,
     TransientDatabaseError,
 )
 from airflow_dbqueue.engine.names import (
@@ -142,7 +144,7 @@ def describe_dsn(dsn: str) -> str:
     return f"{host}:{info.get('port') or 5432}/{info.get('dbname') or info.get('user') or ''}"
 
 
-class PostgresDatabase:
+class PostgresDatabase(PostgresMaintenance):
     """A dbqueue schema on one PostgreSQL database.
 
     The pool is created closed and opened on first use: constructing this object does no I/O.
@@ -440,7 +442,12 @@ class PostgresDatabase:
             return LockTimeoutError(
                 f"PostgreSQL at {self.where}: a lock was not granted in time (lock_timeout): {_primary(exc)}"
             )
-        if isinstance(exc, (psycopg.errors.QueryCanceled, psycopg.errors.SerializationFailure)):
+        if isinstance(exc, psycopg.errors.QueryCanceled):
+            return StatementTimeoutError(
+                f"PostgreSQL at {self.where}: the statement was cancelled (statement_timeout or "
+                f"pg_cancel_backend): {_primary(exc)}"
+            )
+        if isinstance(exc, psycopg.errors.SerializationFailure):
             return TransientDatabaseError(
                 f"PostgreSQL at {self.where}: the statement was cancelled or its transaction rolled back "
                 f"(statement_timeout, pg_cancel_backend, or a serialization failure): {_primary(exc)}"

@@ -1,0 +1,68 @@
+"""The schema's queue metrics as one JSON-safe dict: depth by state, age of the oldest ready message,
+push and finish rates, table sizes, dead rows, index bloat, and what holds back cleanup."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from airflow_dbqueue.engine.dialects.base import Database
+from airflow_dbqueue.engine.errors import ConfigurationError
+from airflow_dbqueue.engine.maintenance.horizon import xmin_holders
+from airflow_dbqueue.engine.maintenance.queues import Queues
+from airflow_dbqueue.engine.maintenance.statistics import table_health
+
+
+def queue_metrics(
+    db: Database, queues: Queues, names: Sequence[str] | None, rate_window_s: float, notes: list[str]
+) -> dict[str, Any]:
+    """By queue: its stats, design, and push and finish rates over the last ``rate_window_s``."""
+    per_queue: dict[str, Any] = {}
+    for name, q in queues.each(names, notes, "left out of the metrics"):
+        try:
+            stats = q.stats().as_dict()
+            row = db.fetchone(
+                "queue_rates", {"queue_id": q.settings.queue_id, "window_s": float(rate_window_s)}
+            )
+        except Exception:
+            if not queues.gone(name, q.settings.queue_id):
+                raise
+            notes.append(queues.vanished_note(name, "left out of the metrics"))
+            continue
+        pushed, finished = (int(row[0]), int(row[1])) if row else (0, 0)
+        stats["design"] = q.settings.design.value
+        stats["pushed_per_s"] = round(pushed / rate_window_s, 3)
+        stats["finished_per_s"] = round(finished / rate_window_s, 3) if q.settings.archive else None
+        per_queue[name] = stats
+    return per_queue
+
+
+def metrics(
+    db: Database,
+    queues: Queues,
+    names: Sequence[str] | None = None,
+    *,
+    rate_window_s: float = 300.0,
+    horizon_min_age_s: float = 300.0,
+    horizon_min_xid_age: int = 1_000_000,
+) -> dict[str, Any]:
+    """Return the schema's metrics; see :meth:`Maintenance.metrics`."""
+    if not math.isfinite(rate_window_s) or rate_window_s <= 0:
+        raise ConfigurationError(f"rate_window_s must be a finite number > 0, got {rate_window_s}")
+    notes: list[str] = []
+    per_queue = queue_metrics(db, queues, names, rate_window_s, notes)
+    return {
+        "schema": db.schema,
+        "at": dt.datetime.now(dt.UTC).isoformat(),
+        "rate_window_s": rate_window_s,
+        "queues": per_queue,
+        "tables": {t.pop("table"): t for t in table_health(db)},
+        "indexes": {i.index: i.as_dict() for i in db.index_survey().indexes},
+        "xmin_holders": [
+            h.as_dict()
+            for h in xmin_holders(db, min_age_s=horizon_min_age_s, min_xid_age=horizon_min_xid_age)
+        ],
+        "notes": notes,
+    }
