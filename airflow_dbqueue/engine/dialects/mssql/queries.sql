@@ -599,7 +599,7 @@ JOIN {schema}.batch_items i ON i.batch_id = b.batch_id
 WHERE b.batch_id = %(batch_id)s AND b.queue_id = %(queue_id)s
 
 -- name: maintenance_try_lock
--- Maintenance (engine/maintenance.py) from here on.
+-- Maintenance (engine/maintenance/, and this dialect's maintenance.py) from here on.
 -- One maintenance run a schema at a time: an application lock owned by the session (not a transaction)
 -- of the run's own connection, so it holds across the run's transactions and goes when the connection
 -- closes, whatever happened. @LockTimeout = 0: answer at once (the caller polls up to lock_wait_s).

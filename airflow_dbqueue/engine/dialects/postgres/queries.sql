@@ -412,7 +412,7 @@ FROM {schema}.batches b
 CROSS JOIN LATERAL unnest(b.ids, b.deliveries) WITH ORDINALITY AS r(id, delivery, ord)
 WHERE b.batch_id = %(batch_id)s AND b.queue_id = %(queue_id)s
 -- name: maintenance_try_lock
--- Maintenance (engine/maintenance.py) from here on.
+-- Maintenance (engine/maintenance/, and this dialect's maintenance.py) from here on.
 -- One maintenance run a schema at a time: a session-level advisory lock on the run's own connection.
 SELECT pg_try_advisory_lock(hashtext('dbqueue.maintenance'), hashtext(%(schema)s))
 
