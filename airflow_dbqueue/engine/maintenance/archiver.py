@@ -26,6 +26,10 @@ BATCH_LOCK_TIMEOUT_S = 1.0
 """The most a batch waits for a lock: it skips locked rows, so a wait is on something else."""
 
 
+# The named query of each step's batches.
+_BATCH_QUERIES = {"archive": "archive_batch", "purge_archive": "purge_archive_batch"}
+
+
 class Archiver:
     """Archiving and archive retention of one schema."""
 
@@ -66,7 +70,7 @@ class Archiver:
                 conn, statement_s=statement_timeout_s, lock_s=BATCH_LOCK_TIMEOUT_S
             ):
                 rows, batches, discarded, stopped = self._loop(
-                    f"{step}_batch",
+                    _BATCH_QUERIES[step],
                     params,
                     batch_size,
                     pause_s=pause_s,
