@@ -28,15 +28,15 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import psycopg
-import psycopg.conninfo
 
 from airflow_dbqueue.engine import DbQueue
 from airflow_dbqueue.engine.embedded import EmbeddedPostgres
-from airflow_dbqueue.spark import ORDER_ROLLUP_JOB, find_jdbc_jar
+from airflow_dbqueue.spark import ORDER_ROLLUP_JOB, find_jdbc_jar, jdbc_options
 from airflow_dbqueue.spark.connect_server import LocalConnectServer, spark_submit
 from airflow_dbqueue.spark.orders import OrderRollup, expected_totals, sample_orders
 
@@ -45,17 +45,6 @@ PATHS = ("connect", "submit")
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def _jdbc(dsn: str) -> dict[str, str]:
-    info = psycopg.conninfo.conninfo_to_dict(dsn)
-    out = {"url": f"jdbc:postgresql://{info.get('host') or 'localhost'}:{info.get('port') or 5432}/"}
-    out["url"] += str(info.get("dbname") or "postgres")
-    if info.get("user"):
-        out["user"] = str(info["user"])
-    if info.get("password"):
-        out["password"] = str(info["password"])
-    return out
 
 
 class _Submit:
@@ -97,28 +86,48 @@ class _Submit:
 
 
 class _Connect:
-    """A batch's job as ``batch_job`` in a new session, named by the batch id, of a Connect server."""
+    """A batch's job as ``batch_job`` in a Connect session, one session for every batch of the run, as
+    the operator keeps one for every batch of a task run (the server compiles a plan's code once per
+    session); the made-up warm-up batches run in a session of their own, as a demo's warm-up does."""
 
     def __init__(self, url: str, jdbc: dict[str, str]) -> None:
         from airflow_dbqueue.spark import order_rollup
 
         self.url, self.jdbc, self.job = url, jdbc, order_rollup.batch_job
+        self._session: Any = None
 
-    def run(self, argv: list[str], batch_id: str) -> None:
+    def session(self) -> Any:
         from pyspark.sql import SparkSession
 
-        session = SparkSession.builder.remote(f"{self.url}/;session_id={batch_id}").create()
+        return SparkSession.builder.remote(f"{self.url}/;session_id={uuid.uuid4()}").create()
+
+    def run(self, argv: list[str], batch_id: str) -> None:
+        if self._session is None:
+            self._session = self.session()
+        self.job(self._session, argv, self.jdbc)
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.stop()
+            self._session = None
+
+    def warm_up(self, results: OrderRollup, dsn: str, rounds: int, size: int) -> list[float]:
+        """The server's warm-up: ``rounds`` made-up batches of ``size`` through the job."""
+        session = self.session()
         try:
-            self.job(session, argv, self.jdbc)
+            with psycopg.connect(dsn) as conn:
+                return results.warm_up(session, self.jdbc, conn, rounds=rounds, size=size)
         finally:
             session.stop()
 
 
-def run_path(path: str, dsn: str, messages: int, batch: int, connect_url: str | None) -> dict[str, Any]:
+def run_path(
+    path: str, dsn: str, messages: int, batch: int, connect_url: str | None, *, warm_up: int = 0
+) -> dict[str, Any]:
     """Push, then claim, run and publish-and-ack batch after batch; return what was measured."""
     schema, results = f"bench_spark_{path}", OrderRollup(f"bench_results_{path}")
     orders = list(sample_orders(messages, seed=17))
-    jdbc = _jdbc(dsn)
+    jdbc = jdbc_options(dsn)
     runner: _Connect | _Submit = _Connect(connect_url, jdbc) if connect_url is not None else _Submit(jdbc)
     with DbQueue(dsn, schema=schema, pool_size=2) as dbq:
         dbq.uninstall()
@@ -132,6 +141,10 @@ def run_path(path: str, dsn: str, messages: int, batch: int, connect_url: str | 
             q.push_batch(orders[i : i + 10_000])
         push_s = time.monotonic() - t0
         _say(f"{path}: {messages:,} pushed in {push_s:.1f}s")
+        warm_s: list[float] = []
+        if isinstance(runner, _Connect) and warm_up:
+            warm_s = runner.warm_up(results, dsn, warm_up, batch)
+            _say(f"{path}: server warmed up with {warm_up} made-up batch(es) of {batch:,}: {_secs(warm_s)}")
         per_batch: list[float] = []
         failed = 0
         t_first = time.monotonic()
@@ -167,6 +180,8 @@ def run_path(path: str, dsn: str, messages: int, batch: int, connect_url: str | 
             per_batch.append(time.monotonic() - t0)
             _say(f"{path}: batch {len(per_batch)} ({b.size:,}) claim to ack {per_batch[-1]:.2f}s")
         all_s = time.monotonic() - t_first
+        if isinstance(runner, _Connect):
+            runner.close()
         with psycopg.connect(dsn) as c:
             totals = results.totals(c)
         st = q.stats()
@@ -186,6 +201,7 @@ def run_path(path: str, dsn: str, messages: int, batch: int, connect_url: str | 
         "batch": batch,
         "batches": len(per_batch),
         "push_s": round(push_s, 2),
+        "warm_up_s": [round(x, 2) for x in warm_s],
         "first_batch_s": round(per_batch[0], 2) if per_batch else None,
         "p50_s": round(statistics.median(per_batch), 2) if per_batch else None,
         "warm_p50_s": round(statistics.median(warm), 2) if warm else None,
@@ -194,6 +210,10 @@ def run_path(path: str, dsn: str, messages: int, batch: int, connect_url: str | 
         "orders_per_s": round(messages / all_s) if all_s else None,
         "exactly_once": ok,
     }
+
+
+def _secs(xs: list[float]) -> str:
+    return ", ".join(f"{x:.2f}" for x in xs) + " s"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,6 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         "--connect-url",
         help="a running Spark Connect server (sc://host:port) with PostgreSQL's JDBC driver, instead of "
         "starting a local one",
+    )
+    p.add_argument(
+        "--warm-up",
+        type=int,
+        default=3,
+        help="made-up batches of --batch the Connect server runs before the first claim (default 3)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object per path on stdout")
     args = p.parse_args(argv)
@@ -232,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                 url = server.start()
                 start_s = round(time.monotonic() - t0, 1)
                 _say(f"connect: server {server.url} listening after {start_s}s")
-            row = run_path(path, dsn, args.messages, args.batch, url)
+            row = run_path(path, dsn, args.messages, args.batch, url, warm_up=args.warm_up)
             row["server_start_s"] = start_s
             row["load"] = round(os.getloadavg()[0], 1)
             rows.append(row)
@@ -260,6 +286,10 @@ def table(rows: list[dict[str, Any]]) -> str:
         (
             "server start (once)",
             lambda r: f"{r['server_start_s']} s" if r["server_start_s"] is not None else "-",
+        ),
+        (
+            "warm-up (once, made-up batches)",
+            lambda r: f"{sum(r['warm_up_s']):.1f} s ({len(r['warm_up_s'])})" if r["warm_up_s"] else "-",
         ),
         ("batches", lambda r: str(r["batches"])),
         ("first batch, claim to ack", lambda r: f"{r['first_batch_s']} s"),

@@ -12,9 +12,9 @@ Producers (a web shop, ``dbqueue push``, the ``dbqueue pipeline`` demo) push ord
    ``airflow_dbqueue/spark/order_rollup.py`` on each, on the path its Spark connection names
    (``spark_default`` unless ``$DBQUEUE_SPARK_CONN_ID`` says otherwise): a ``spark`` connection runs
    ``spark-submit`` per batch (its master: ``local[*]``, a cluster), a ``spark_connect`` connection
-   runs the job in a session per batch on that Spark Connect server. The job reads the batch by id
-   over JDBC and stages per customer/product/hour aggregates; the batch is acked in the transaction
-   that publishes them, or released for the task's retry if anything fails;
+   runs the job on that Spark Connect server, in one session for the task's batches. The job reads
+   the batch by id over JDBC and stages per customer/product/hour aggregates; the batch is acked in
+   the transaction that publishes them, or released for the task's retry if anything fails;
 4. ``report``: totals and the largest groups, for the log and XCom.
 
 Settings read when the DAG is parsed: ``$DBQUEUE_RESULTS_SCHEMA`` (default ``order_results``),

@@ -16,6 +16,7 @@ import shutil
 import signal
 import sys
 import threading
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -53,6 +54,9 @@ _CONNECT_REDACTION = (
     r"|password\s*[:=]?\s*'(?:[^'\\]|\\.)*'"
 )
 
+# Names the Spark Connect session of each try (see connect_session_id).
+_SESSION_NAMESPACE = uuid.UUID("5d1c2a57-6e0b-4d9b-9a43-0d5f3c8e2b71")
+
 # Retries of a Spark Connect call that fails with a retryable error (the server unreachable):
 # backoffs of 0.05, 0.2, 0.8 and 3.2 s, about 4 s a call.
 _CONNECT_RETRIES = 4
@@ -72,6 +76,18 @@ _OWN_KWARGS = {
     "application_args": "application_args",
     "env_vars": "env_vars",
 }
+
+
+def connect_session_id(consumer: str) -> str:
+    """The id of the Spark Connect session in which the try ``consumer`` (the consumer name it claims
+    under) runs its batches. It follows from the consumer name, which every batch records, so a later
+    try can reach the session of a try that was killed, and stop what still runs there."""
+    return str(uuid.uuid5(_SESSION_NAMESPACE, consumer))
+
+
+def batch_tag(batch_id: str) -> str:
+    """The tag of the Spark Connect operations that run the job of batch ``batch_id``."""
+    return f"dbqueue-batch-{batch_id}"
 
 
 def _refuse_early_return(task_id: str, kwargs: Mapping[str, Any], conf: object) -> None:
@@ -155,6 +171,7 @@ class _JobSetup:
     master: str
     cluster: bool  # the driver runs on the cluster
     connect_url: str | None = None  # the Spark Connect server (None: spark-submit)
+    session_id: str | None = None  # the task run's Spark Connect session
 
 
 class SparkBatchError(DbQueueError):
@@ -192,17 +209,21 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
     neither acked nor released.
 
     **Spark Connect.** When ``spark_conn_id`` is a ``spark_connect`` connection (the Spark provider's
-    type: host ``sc://host``, port, optional user id, token and SSL), no spark-submit runs: each batch's
-    job runs in a Spark Connect session of its own on that server, whose id is the batch id. The job
-    file's ``batch_job(spark, argv, jdbc)`` is loaded into the task's process and called with the
-    session, the same arguments as under spark-submit, and the JDBC options (url, user, password)
-    from the queue's connection; what it reads and writes runs on the server. Every step above holds
-    as it is: the heartbeat, publish and ack in one transaction, release on any failure. A lost lease,
-    a timeout or ``on_kill`` interrupts the session's operations on the server; a try that finds a
-    batch an earlier try left claimed interrupts and closes that batch's session before releasing
-    it. The password travels only inside the session (gRPC, TLS when the connection says
-    ``use_ssl``); the operator sets the session's ``spark.sql.redaction.string.regex`` so that the
-    plans and statements Spark records (event log, UI) show every JDBC password option redacted.
+    type: host ``sc://host``, port, optional user id, token and SSL), no spark-submit runs: the task
+    run opens one Spark Connect session on that server (its id follows from the try's consumer name,
+    :func:`connect_session_id`) and runs each batch's job there, the job's operations tagged with the
+    batch's tag (:func:`batch_tag`); one session for every batch, because the server compiles a
+    plan's code once per session. The job file's ``batch_job(spark, argv, jdbc)`` is loaded into the
+    task's process and called with the session, the same arguments as under spark-submit, and the
+    JDBC options (url, user, password) from the queue's connection; what it reads and writes runs on
+    the server. Every step above holds as it is: the heartbeat, publish and ack in one transaction,
+    release on any failure. A lost lease, a timeout or ``on_kill`` interrupts the operations of the
+    batch's tag on the server; the session is released when the task run ends. A try that finds a
+    batch an earlier try left claimed interrupts everything in that try's session and releases the
+    session before releasing the batch. The password travels only inside the session (gRPC, TLS
+    when the connection says ``use_ssl``); the operator sets the session's
+    ``spark.sql.redaction.string.regex`` so that the plans and statements Spark records (event log,
+    UI) show every JDBC password option redacted.
     The ``spark.sql.*`` settings of ``spark_conf`` become session settings; the other settings,
     ``spark_submit_kwargs`` and ``jdbc_jar`` concern starting an application and apply to
     spark-submit only (the server has the JDBC driver on its class path); ``env_vars`` and
@@ -309,7 +330,8 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
         self.dbqueue_schema = dbqueue_schema
         _refuse_early_return(self.task_id, self.spark_submit_kwargs, spark_conf)
         self._spark: SparkSubmitHook | None = None
-        self._session: Any = None  # the Spark Connect session of the batch being run
+        self._session: Any = None  # the task run's Spark Connect session, once it has one
+        self._tag: str | None = None  # the tag of the batch job running in it
         self._hook: DbQueueHook | None = None
         self._batch: Batch | None = None
 
@@ -351,41 +373,50 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
         done: list[dict[str, Any]] = []
         queue = hook.get_queue(self.queue_name)
         if self._on_connect():
-            setup = self._connect_setup(hook)
+            setup = self._connect_setup(hook, consumer)
         else:
             env, password = self._job_env(hook)
             jars = self._jars()
             master, cluster = self._spark_target(password)
             setup = _JobSetup(env, password, jars, master, cluster)
-        for _ in range(max_batches):
-            batch = queue.claim_batch(max_messages, visibility_timeout=self.lease_timeout, consumer=consumer)
-            if batch is None:
-                break
-            self._batch = batch
-            self.log.info(
-                "claimed batch %s: %d message(s) of queue %r, lease until %s",
-                batch.batch_id,
-                batch.size,
-                self.queue_name,
-                batch.lease_until.isoformat(),
-            )
-            try:
-                if setup.connect_url is not None:
-                    self._run_connect_job(queue, batch, setup)
-                else:
-                    self._run_job(queue, batch, setup)
-                with hook.transaction() as conn:
-                    if self.publish is not None:
-                        self.publish(conn, batch)
-                    queue.ack_batch(batch.batch_id, conn=conn)
-            except BaseException as exc:  # _run_job has already stopped the job if it was running
-                self._release(queue, batch, f"{type(exc).__name__}: {exc}"[:2000])
-                raise
-            finally:
-                self._batch = None
-            self.log.info("batch %s: job succeeded; results published and batch acked", batch.batch_id)
-            done.append(queue.get_batch(batch.batch_id).as_dict())
+        try:
+            for _ in range(max_batches):
+                batch = queue.claim_batch(
+                    max_messages, visibility_timeout=self.lease_timeout, consumer=consumer
+                )
+                if batch is None:
+                    break
+                self._process_batch(hook, queue, batch, setup)
+                done.append(queue.get_batch(batch.batch_id).as_dict())
+        finally:
+            self._close_connect_session()
         return done
+
+    def _process_batch(self, hook: DbQueueHook, queue: Queue, batch: Batch, setup: _JobSetup) -> None:
+        """Run the job of a claimed batch, then publish and ack it; release it on any failure."""
+        self._batch = batch
+        self.log.info(
+            "claimed batch %s: %d message(s) of queue %r, lease until %s",
+            batch.batch_id,
+            batch.size,
+            self.queue_name,
+            batch.lease_until.isoformat(),
+        )
+        try:
+            if setup.connect_url is not None:
+                self._run_connect_job(queue, batch, setup)
+            else:
+                self._run_job(queue, batch, setup)
+            with hook.transaction() as conn:
+                if self.publish is not None:
+                    self.publish(conn, batch)
+                queue.ack_batch(batch.batch_id, conn=conn)
+        except BaseException as exc:  # _run_job has already stopped the job if it was running
+            self._release(queue, batch, f"{type(exc).__name__}: {exc}"[:2000])
+            raise
+        finally:
+            self._batch = None
+        self.log.info("batch %s: job succeeded; results published and batch acked", batch.batch_id)
 
     def _release_earlier_tries(self, queue: Queue, tries: str, consumer: str) -> None:
         """Stop, discard and release at once the batches earlier tries of this task instance left
@@ -394,7 +425,7 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
             if batch.consumer == consumer:
                 continue
             if self._on_connect():
-                stopped = self._stop_connect_session(batch.batch_id)
+                stopped = self._stop_connect_session(batch)
             else:
                 stopped = _stop_local_jobs(batch.batch_id)
             error = f"released by {consumer}: {batch.consumer} ended without acking or releasing it"
@@ -559,7 +590,7 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
                 f"server (host sc://host, port): {exc}"
             ) from exc
 
-    def _connect_setup(self, hook: DbQueueHook) -> _JobSetup:
+    def _connect_setup(self, hook: DbQueueHook, consumer: str) -> _JobSetup:
         """What a Connect job of this task run gets; refuse, before anything is claimed, what only
         spark-submit can deliver."""
         if self.env_vars:
@@ -576,7 +607,15 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
         self._connect_job()  # the job file must define batch_job: fail before anything is claimed
         url, user, password = hook.jdbc()
         jdbc = {"url": url, **({"user": user} if user else {})}
-        setup = _JobSetup(jdbc, password, None, "connect", False, connect_url=self._connect_url())
+        setup = _JobSetup(
+            jdbc,
+            password,
+            None,
+            "connect",
+            False,
+            connect_url=self._connect_url(),
+            session_id=connect_session_id(consumer),
+        )
         self.log.info(
             "Spark connection %r is a Spark Connect server: batches run as jobs of sessions there "
             "(spark_submit_kwargs and non-spark.sql spark_conf settings apply to spark-submit only)",
@@ -596,8 +635,7 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
         return job  # type: ignore[no-any-return]
 
     def _connect_session(self, url: str, session_id: str) -> Any:
-        """A new Spark Connect session whose id is ``session_id`` (a batch id): a later try can reach
-        the session of a batch it finds left claimed, and stop its operations."""
+        """A Spark Connect session whose id is ``session_id``."""
         from pyspark.sql import SparkSession
         from pyspark.sql.connect.client.retries import DefaultPolicy
 
@@ -610,10 +648,41 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
         session.client.set_retry_policies([DefaultPolicy(max_retries=_CONNECT_RETRIES, max_backoff=10_000)])
         return session
 
+    def _task_session(self, setup: _JobSetup) -> Any:
+        """The task run's Spark Connect session, opened at its first batch and kept for the next ones.
+
+        One session serves every batch of a task run because the server compiles the code of a
+        query's plan once per session (each session has a class loader of its own): a session per
+        batch would compile the job's two dozen classes again for every batch, and the JVM would run
+        each new copy unoptimised. Its id follows from the try's consumer name
+        (:func:`connect_session_id`); each batch's operations carry the batch's tag
+        (:func:`batch_tag`), by which a lost lease, a timeout or a kill interrupts them."""
+        if self._session is None:
+            assert setup.connect_url is not None and setup.session_id is not None
+            session = self._connect_session(setup.connect_url, setup.session_id)
+            try:
+                session.conf.set("spark.sql.redaction.string.regex", _CONNECT_REDACTION)
+                for key, value in _as_conf(self.task_id, self.spark_conf).items():
+                    if key.startswith("spark.sql."):
+                        session.conf.set(key, value)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    session.stop()
+                raise
+            self._session = session
+        return self._session
+
+    def _close_connect_session(self) -> None:
+        """Release the task run's session on the server (its state goes with it)."""
+        session, self._session = self._session, None
+        if session is not None:
+            with contextlib.suppress(Exception):
+                session.stop()
+
     def _run_connect_job(self, queue: Queue, batch: Batch, setup: _JobSetup) -> None:
-        """Run the job of ``batch`` in a session of its own on the Connect server; the lease heartbeat
-        runs meanwhile, and a lost lease, a timeout or a kill interrupts the session's operations."""
-        assert setup.connect_url is not None
+        """Run the job of ``batch`` in the task run's session on the Connect server, its operations
+        tagged with the batch's tag; the lease heartbeat runs meanwhile, and a lost lease, a timeout
+        or a kill interrupts the operations of that tag."""
         job = self._connect_job()
         argv = [
             *_as_list(self.task_id, "application_args", self.application_args),
@@ -630,23 +699,21 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
         stop = threading.Event()
         lost: list[BaseException] = []
         try:
-            session = self._connect_session(setup.connect_url, batch.batch_id)
+            session = self._task_session(setup)
         except Exception as exc:
             raise SparkBatchError(
                 f"batch {batch.batch_id} of queue {self.queue_name!r}: no session on the Spark Connect "
                 f"server of {self.spark_conn_id!r}: {_why(exc)}"
             ) from exc
-        self._session = session
+        tag = batch_tag(batch.batch_id)
+        session.addTag(tag)
+        self._tag = tag
         beat = threading.Thread(
             target=self._heartbeat, args=(queue, batch, stop, lost), name="dbqueue-lease", daemon=True
         )
         beat.start()
         finished = False
         try:
-            session.conf.set("spark.sql.redaction.string.regex", _CONNECT_REDACTION)
-            for key, value in _as_conf(self.task_id, self.spark_conf).items():
-                if key.startswith("spark.sql."):
-                    session.conf.set(key, value)
             result = job(session, argv, jdbc)
             finished = True
             self.log.info("batch %s: the Spark Connect job returned %s", batch.batch_id, result)
@@ -662,23 +729,23 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
             if not finished:  # interrupted: a timeout, a kill, a lost lease
                 self._kill_job()
             beat.join()
-            self._session = None
-            with contextlib.suppress(Exception):  # the server drops the session's state
-                session.stop()
+            self._tag = None
+            with contextlib.suppress(Exception):
+                session.removeTag(tag)
         if lost:
             raise lost[0]
 
-    def _stop_connect_session(self, batch_id: str) -> int:
-        """Interrupt the operations of the Connect session of ``batch_id`` (an earlier try's job that
+    def _stop_connect_session(self, batch: Batch) -> int:
+        """Interrupt the operations of the Connect session of the try that claimed ``batch`` (its job
         may still run there) and release that session; return 1 when it was reached, else 0."""
         try:
-            session = self._connect_session(self._connect_url(), batch_id)
+            session = self._connect_session(self._connect_url(), connect_session_id(batch.consumer or ""))
             try:
                 session.interruptAll()
             finally:
                 session.stop()
         except Exception as exc:  # closed already, or never opened: nothing of it runs
-            self.log.info("batch %s: no Spark Connect session of it to stop (%s)", batch_id, _why(exc))
+            self.log.info("batch %s: no Spark Connect session of it to stop (%s)", batch.batch_id, _why(exc))
             return 0
         return 1
 
@@ -744,10 +811,10 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
                 self.log.warning("batch %s: could not extend the lease: %s", batch.batch_id, exc)
 
     def _kill_job(self) -> None:
-        session = self._session
-        if session is not None:
+        session, tag = self._session, self._tag
+        if session is not None and tag is not None:
             try:
-                session.interruptAll()  # every operation of the batch's session on the server
+                session.interruptTag(tag)  # every operation of the batch's job on the server
             except Exception:
                 self.log.exception("could not interrupt the Spark Connect job")
         spark = self._spark

@@ -21,6 +21,22 @@ JDBC_HINT = (
 )
 
 
+def jdbc_options(dsn: str) -> dict[str, str]:
+    """Spark JDBC options (url, user, password) for the PostgreSQL database of a libpq ``dsn``."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    info = conninfo_to_dict(dsn)
+    url = f"jdbc:postgresql://{info.get('host') or 'localhost'}:{info.get('port') or 5432}/"
+    out = {"url": url + str(info.get("dbname") or "postgres")}
+    if info.get("sslmode"):
+        out["url"] += f"?sslmode={info['sslmode']}"
+    if info.get("user"):
+        out["user"] = str(info["user"])
+    if info.get("password"):
+        out["password"] = str(info["password"])
+    return out
+
+
 def find_jdbc_jar() -> str | None:
     """``$DBQUEUE_JDBC_JAR``, else Debian's PostgreSQL JDBC driver when installed, else None."""
     jar = os.environ.get(JDBC_JAR_ENV)
@@ -29,4 +45,11 @@ def find_jdbc_jar() -> str | None:
     return DEBIAN_JDBC_JAR if Path(DEBIAN_JDBC_JAR).is_file() else None
 
 
-__all__ = ["DEBIAN_JDBC_JAR", "JDBC_HINT", "JDBC_JAR_ENV", "ORDER_ROLLUP_JOB", "find_jdbc_jar"]
+__all__ = [
+    "DEBIAN_JDBC_JAR",
+    "JDBC_HINT",
+    "JDBC_JAR_ENV",
+    "ORDER_ROLLUP_JOB",
+    "find_jdbc_jar",
+    "jdbc_options",
+]

@@ -143,12 +143,15 @@ def rejection(checked: DataFrame, batch_id: str) -> BatchRejected:
 
 
 def roll_up(checked: DataFrame, window_minutes: int, batch_id: str) -> DataFrame:
+    """The batch's aggregates per customer, product and window, each with ``bad``: how many of its
+    events have a problem (a batch with any is rejected before anything is written)."""
     amount = (F.col("quantity") * F.col("unit_price") * F.col("rate_to_eur")).cast(T.DecimalType(20, 4))
     return (
         checked.withColumn("amount_eur", amount)
         .groupBy("customer_id", "product_id", F.window("ordered_at", f"{window_minutes} minutes"))
         .agg(
             F.count("*").cast("long").alias("orders"),
+            F.count("problem").cast("long").alias("bad"),
             F.sum("quantity").cast("long").alias("quantity"),
             F.sum("amount_eur").cast(T.DecimalType(20, 4)).alias("amount_eur"),
             F.min("ordered_at").alias("first_order_at"),
@@ -160,12 +163,16 @@ def roll_up(checked: DataFrame, window_minutes: int, batch_id: str) -> DataFrame
             "product_id",
             F.col("window.start").alias("window_start"),
             "orders",
+            "bad",
             "quantity",
             "amount_eur",
             "first_order_at",
             "last_order_at",
         )
     )
+
+
+SUMMARY_SCHEMA = "batch_id string, messages long, orders long, amount_eur decimal(20,4), groups long"
 
 
 def write(df: DataFrame, jdbc: dict[str, str], table: str) -> None:
@@ -200,41 +207,39 @@ def run(spark: SparkSession, args: argparse.Namespace, jdbc: dict[str, str]) -> 
         .load()
         .select("currency", F.col("rate_to_eur").cast(T.DecimalType(18, 8)))
     )
+    checked = validate(flat, rates)
     # Each Spark action costs a round of scheduling (and on Spark Connect a round trip), so the job
-    # takes three: one pass that counts the batch and its bad messages, the staging write, and the
-    # summary's write, computed from the cached rollup on the executors.
-    checked = validate(flat, rates).cache()
-    rollup = None
+    # takes three, and reads the batch once: the rollup, which counts each group's bad events, is
+    # cached; one pass over it counts the batch and its bad events, the next writes it to staging,
+    # and the last writes the summary, a row of the totals the first pass returned. The rollup of a
+    # batch is small (a row per customer, product and window at most), so it is one partition: one
+    # task and one JDBC connection write it.
+    rollup = roll_up(checked, args.window_minutes, args.batch_id).coalesce(1).cache()
     try:
-        stats = checked.agg(F.count("*").alias("n"), F.count("problem").alias("bad")).first()
+        stats = rollup.agg(
+            F.sum("orders").cast("long").alias("n"),
+            F.sum("bad").cast("long").alias("bad"),
+            F.count("*").cast("long").alias("groups"),
+            F.sum("amount_eur").cast(T.DecimalType(20, 4)).alias("amount_eur"),
+        ).first()
         assert stats is not None  # an aggregate without grouping has one row
-        n = int(stats["n"])
+        n = int(stats["n"] or 0)
         if stats["bad"]:
             raise rejection(checked, args.batch_id)
         if n != args.batch_size:
             raise BatchRejected(
                 f"batch {args.batch_id}: read {n} messages, the batch holds {args.batch_size}"
             )
-        rollup = roll_up(checked, args.window_minutes, args.batch_id).cache()
-        write(rollup, jdbc, f"{schema}.rollup_staging")
-        summary = rollup.agg(
-            F.sum("orders").cast("long").alias("orders"),
-            F.sum("amount_eur").cast(T.DecimalType(20, 4)).alias("amount_eur"),
-            F.count("*").cast("long").alias("groups"),
-        ).select(
-            F.lit(args.batch_id).alias("batch_id"),
-            F.lit(n).cast("long").alias("messages"),
-            "orders",
-            "amount_eur",
-            "groups",
+        write(rollup.drop("bad"), jdbc, f"{schema}.rollup_staging")
+        # Every event of the batch is one order (a bad one rejects the batch), so orders = messages.
+        summary = spark.createDataFrame(
+            [(args.batch_id, n, n, stats["amount_eur"], int(stats["groups"]))], SUMMARY_SCHEMA
         )
         # Written last: the publisher takes a summary as proof that every aggregate row is there.
-        write(summary.coalesce(1), jdbc, f"{schema}.batch_staging")
+        write(summary, jdbc, f"{schema}.batch_staging")
     finally:
         # A Connect server outlives the batch: its cache must not keep every batch it ever rolled up.
-        checked.unpersist()
-        if rollup is not None:
-            rollup.unpersist()
+        rollup.unpersist()
     return {"batch_id": args.batch_id, "messages": n}
 
 

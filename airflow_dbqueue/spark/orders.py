@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime as dt
 import random
+import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal
@@ -92,6 +94,41 @@ class OrderRollup:
     def discard(self, conn: psycopg.Connection[Any], batch: Batch) -> None:
         """Drop whatever the job staged for a batch that is being released."""
         conn.execute(self._q("discard_staged"), {"batch_id": batch.batch_id})
+
+    def warm_up(
+        self,
+        spark: Any,
+        jdbc: dict[str, str],
+        conn: psycopg.Connection[Any],
+        *,
+        rounds: int = 3,
+        size: int = 5000,
+    ) -> list[float]:
+        """Run the ``order_rollup`` job ``rounds`` times in ``spark`` on a batch of ``size`` orders made
+        up in the database, and drop what it staged; return each round's seconds.
+
+        A Spark server runs its first batches several times slower than later ones (class loading,
+        the JDBC driver, code generation, the JVM compiling the hot paths): this pays for that
+        before a real batch waits on it. The made-up batch is no queue's: nothing is claimed, and its
+        staged rows, under a batch id of its own, are deleted after each round (they are never
+        published). Needs the results tables (:meth:`install`) with at least one FX rate.
+        """
+        from airflow_dbqueue.spark import order_rollup  # PySpark: only where a session exists
+
+        query = sql.SQL(load_queries(__package__ or "airflow_dbqueue.spark", "orders.sql")["warm_up_batch"])
+        text = query.format(schema=sql.Identifier(self.schema), size=sql.Literal(int(size))).as_string(conn)
+        seconds = []
+        for _ in range(rounds):
+            batch_id = str(uuid.uuid4())
+            argv = ["--results-schema", self.schema, "--batch-id", batch_id, "--batch-size", str(size)]
+            t0 = time.monotonic()
+            try:
+                order_rollup.batch_job(spark, [*argv, "--batch-query", text], jdbc)
+            finally:
+                with conn.transaction():
+                    conn.execute(self._q("discard_staged"), {"batch_id": batch_id})
+            seconds.append(time.monotonic() - t0)
+        return seconds
 
     def totals(self, conn: psycopg.Connection[Any]) -> Totals:
         row = conn.execute(self._q("totals")).fetchone()

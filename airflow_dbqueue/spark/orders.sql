@@ -98,3 +98,20 @@ FROM {schema}.rollup
 -- name: top_groups
 SELECT customer_id, product_id, window_start, orders, quantity, amount_eur
 FROM {schema}.rollup ORDER BY amount_eur DESC, customer_id, product_id, window_start LIMIT %(n)s
+
+-- name: warm_up_batch
+-- A batch of {size} made-up order events generated here, in the rows the job reads from a queue
+-- (ord, id, delivery, payload), for warming a Spark server up with the job's own plan; every event
+-- is in the lowest currency that has a rate, so the job accepts the batch.
+SELECT g AS ord, g AS id, 1 AS delivery,
+       convert_to(json_build_object(
+           'order_id', 'warm-up-' || g,
+           'customer_id', 'c-' || lpad((g % 200)::text, 4, '0'),
+           'product_id', 'p-' || lpad((g % 40)::text, 3, '0'),
+           'quantity', 1 + g % 3,
+           'unit_price', 9.99,
+           'currency', (SELECT min(currency) FROM {schema}.fx_rates),
+           'ordered_at', to_char(timestamptz '2026-01-01 00:00:00+00' + g * interval '1 second',
+                                 'YYYY-MM-DD"T"HH24:MI:SS"Z"')
+       )::text, 'UTF8') AS payload
+FROM generate_series(1::bigint, {size}::bigint) AS g

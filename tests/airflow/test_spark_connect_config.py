@@ -73,7 +73,7 @@ def test_bad_input_on_connect_fails_before_anything_is_claimed(
 def test_a_connect_server_that_is_down_fails_the_batch_and_releases_it_at_once(
     conns: tuple[str, str], dbq: DbQueue
 ) -> None:
-    """Nothing listens where the connection points: the job's first call fails after the operator's
+    """Nothing listens where the connection points: the session's first call fails after the operator's
     short retries (not pyspark's ten minutes), and the batch is released at once, its messages ready
     again with the attempt counted."""
     q = dbq.create_queue("jobs")
@@ -87,7 +87,7 @@ def test_a_connect_server_that_is_down_fails_the_batch_and_releases_it_at_once(
         dbqueue_conn_id=conns[0],
     )
     t0 = time.monotonic()
-    with pytest.raises(SparkBatchError, match="Spark Connect job failed"):
+    with pytest.raises(SparkBatchError, match="no session on the Spark Connect server"):
         op.execute(_context())
     assert time.monotonic() - t0 < 120
     st = q.stats()

@@ -18,6 +18,7 @@ import pytest
 from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue
+from airflow_dbqueue.operators.spark import batch_tag
 from airflow_dbqueue.spark.connect_server import LocalConnectServer
 from tests.airflow.conftest import (
     AIRFLOW,
@@ -60,10 +61,19 @@ def lifecycle_env(
 
 
 def canceled_on_connect(server: LocalConnectServer, batch_id: str) -> bool:
-    """Whether the Connect server recorded an operation of the batch's session (its id is the batch
-    id) as canceled: its Spark work was interrupted, not left running."""
-    events = [line for line in event_log_text(server).splitlines() if batch_id in line]
-    return any("SparkListenerConnectOperationCanceled" in line for line in events)
+    """Whether the Connect server recorded an operation of the batch's job (tagged with the batch's
+    tag) as canceled: its Spark work was interrupted, not left running."""
+    tag, started, canceled = batch_tag(batch_id), set(), set()
+    for line in event_log_text(server).splitlines():
+        if "SparkListenerConnectOperation" not in line:
+            continue
+        event = json.loads(line)
+        if event["Event"].endswith("SparkListenerConnectOperationStarted"):
+            if tag in event.get("sparkSessionTags", []):
+                started.add(event["operationId"])
+        elif event["Event"].endswith("SparkListenerConnectOperationCanceled"):
+            canceled.add(event["operationId"])
+    return bool(started & canceled)
 
 
 def batch_rows(pg_dsn: str, schema: str) -> list[tuple[int, int, str | None]]:

@@ -15,7 +15,7 @@ from psycopg import sql
 
 from airflow_dbqueue.engine import Batch
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
-from airflow_dbqueue.operators.spark import DbQueueSparkSubmitOperator
+from airflow_dbqueue.operators.spark import DbQueueSparkSubmitOperator, connect_session_id
 
 JOB = str(Path(__file__).with_name("sleepy_job.py"))
 
@@ -87,11 +87,13 @@ with DAG(dag_id="dbqueue_test_spark_killed_try", schedule=None, catchup=False):
             )
         assert batch is not None
         # The orphan of the Spark path spark_default takes: a process of the job's own, or a client of
-        # the batch's Connect session (named by the batch id, as the operator names it) running there.
+        # the killed try's Connect session (its id derived from the try's consumer name, as the
+        # operator derives it) running there.
         orphan = ["--orphan"]
         spark = BaseHook.get_connection("spark_default")
         if spark.conn_type == "spark_connect":
-            orphan = ["--connect", f"{spark.host}:{spark.port}"]
+            session_id = connect_session_id(_earlier_try(context["ti"]))
+            orphan = ["--connect", f"{spark.host}:{spark.port}", session_id]
         job = [sys.executable, STAGING_JOB, str(STAGING), *orphan, "--batch-id", batch.batch_id]
         subprocess.Popen(
             [*job, "--batch-size", "partial", "--batch-query", "-"],

@@ -11,9 +11,10 @@ Airflow task process that started it (the parent of spark-submit, whose Java pro
 parent) and then goes on as such an orphan; later runs stage normally.
 
 On Spark Connect (``batch_job``) it runs one small query on the server, then stages. With
-``--connect URL`` first (run as a file), it plays the Connect job of a killed try: a client of the
-batch's session (its id is the batch id, as the operator's) that writes its staging and runs a
-one-second Spark task on the server, over and over, until the session is interrupted or gone.
+``--connect URL SESSION_ID`` first (run as a file), it plays the Connect job of a killed try: a
+client of that try's session (the id the operator derives from the try's consumer name) whose
+operations carry the batch's tag, that writes its staging and runs a one-second Spark task on the
+server, over and over, until the session is interrupted or gone.
 """
 
 import os
@@ -42,11 +43,14 @@ def batch_job(spark: Any, argv: list[str], jdbc: dict[str, str]) -> str:
     return f"staged {size}"
 
 
-def _connect_orphan(url: str, staging: Path, rest: list[str]) -> None:
+def _connect_orphan(url: str, session_id: str, staging: Path, rest: list[str]) -> None:
     from pyspark.sql import SparkSession
 
+    from airflow_dbqueue.operators.spark import batch_tag
+
     batch_id, size = _arg(rest, "--batch-id"), _arg(rest, "--batch-size")
-    spark = SparkSession.builder.remote(f"{url}/;session_id={batch_id}").create()
+    spark = SparkSession.builder.remote(f"{url}/;session_id={session_id}").create()
+    spark.addTag(batch_tag(batch_id))
     print(f"staging_job: batch {batch_id} ({size} messages) as a Connect orphan", flush=True)
     while True:
         (staging / batch_id).write_text(f"{size}\n")
@@ -56,7 +60,7 @@ def _connect_orphan(url: str, staging: Path, rest: list[str]) -> None:
 def main() -> None:
     staging, rest = Path(sys.argv[1]), sys.argv[2:]
     if rest[:1] == ["--connect"]:
-        _connect_orphan(rest[1], staging, rest[2:])
+        _connect_orphan(rest[1], rest[2], staging, rest[3:])
         return
     orphan = rest[:1] == ["--orphan"]
     marker = staging.parent / "killed-once"
