@@ -45,6 +45,35 @@ def test_short_run_counts_every_side_of_both_designs() -> None:
             )
 
 
+def test_short_client_run_counts_the_client_of_the_ring_and_of_the_naive_queue() -> None:
+    """--client runs every session in a Python of its own under cachegrind: the client's count of each
+    side is there for the engine and for the naive queue, and grows with the work."""
+    require(None if shutil.which("valgrind") else "valgrind is not installed", "apt-get install valgrind")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(INSTRUCTIONS_PY),
+            *("--design", "ring", "--batch", "10", "--calls", "1", "--client", "--json"),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    [r] = json.loads(proc.stdout)
+    for prefix in ("", "naive_"):
+        for side in ("push", "pop"):
+            # a message costs a Python client thousands of instructions: a count near zero would
+            # mean the sessions ran outside the counted processes
+            assert r[f"{prefix}client_{side}_instructions"] > 1000, (prefix, side, r)
+            assert r[f"{prefix}{side}_instructions"] > 1000, (prefix, side, r)
+        assert r[f"{prefix}client_cycle_instructions"] == (
+            r[f"{prefix}client_push_instructions"] + r[f"{prefix}client_pop_instructions"]
+        )
+
+
 class _Uncounted:
     """Stands in for the server under cachegrind in the check's test: it counts nothing, so that
     only what the sessions pushed and popped is examined."""
