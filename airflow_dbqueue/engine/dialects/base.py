@@ -38,28 +38,11 @@ class Listener(Protocol):
     def wait(self, timeout: float) -> bool: ...
 
 
-@runtime_checkable
-class Database(Protocol):
-    """One dbqueue schema on one database, through one driver."""
+class NamedStatements(Protocol):
+    """What runs a dialect's named queries on its schema: the part of :class:`Database` that the
+    dialect's own mixins (its maintenance) call on the class they are mixed into."""
 
-    dialect_name: str
     schema: str
-    where: str
-    dsn: str
-    #: True when the database can wake a waiting pop (LISTEN/NOTIFY); False means polling.
-    supports_notify: bool
-    #: True when a ring's push of one takes a floor its caller read earlier (query ``ring_floor``)
-    #: instead of reading the floor on every call.
-    ring_push_takes_floor: bool
-
-    def close(self) -> None: ...
-
-    def install(self) -> int: ...
-
-    def drop_schema(self) -> None:
-        """Drop what the engine created in the schema (its own catalogue ``owned_objects`` says what),
-        and the schema itself when the engine created it and nothing else is left in it."""
-        ...
 
     def fetchall(
         self,
@@ -87,6 +70,29 @@ class Database(Protocol):
         *,
         identifiers: Mapping[str, str] | None = None,
     ) -> int: ...
+
+
+@runtime_checkable
+class Database(NamedStatements, Protocol):
+    """One dbqueue schema on one database, through one driver."""
+
+    dialect_name: str
+    where: str
+    dsn: str
+    #: True when the database can wake a waiting pop (LISTEN/NOTIFY); False means polling.
+    supports_notify: bool
+    #: True when a ring's push of one takes a floor its caller read earlier (query ``ring_floor``)
+    #: instead of reading the floor on every call.
+    ring_push_takes_floor: bool
+
+    def close(self) -> None: ...
+
+    def install(self) -> int: ...
+
+    def drop_schema(self) -> None:
+        """Drop what the engine created in the schema (its own catalogue ``owned_objects`` says what),
+        and the schema itself when the engine created it and nothing else is left in it."""
+        ...
 
     def render(self, name: str, params: Mapping[str, Any]) -> str: ...
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow_dbqueue.engine.dialects.indexes import IndexHealth, IndexStep, IndexSurvey
@@ -118,39 +118,16 @@ def _index(row: Sequence[Any]) -> IndexHealth:
     )
 
 
-class MssqlMaintenance:
+if TYPE_CHECKING:  # the dialect's class supplies them
+    from airflow_dbqueue.engine.dialects.base import NamedStatements as _Statements
+else:
+    _Statements = object
+
+
+class MssqlMaintenance(_Statements):
     """The maintenance part of :class:`MssqlDatabase` (see the module's docstring)."""
 
-    schema: str
-
-    if TYPE_CHECKING:  # what the dialect's class supplies
-
-        def fetchall(
-            self,
-            name: str,
-            params: Mapping[str, Any] | None = None,
-            conn: Any = None,
-            *,
-            identifiers: Mapping[str, str] | None = None,
-        ) -> list[tuple[Any, ...]]: ...
-
-        def fetchone(
-            self,
-            name: str,
-            params: Mapping[str, Any] | None = None,
-            conn: Any = None,
-            *,
-            identifiers: Mapping[str, str] | None = None,
-        ) -> tuple[Any, ...] | None: ...
-
-        def execute(
-            self,
-            name: str,
-            params: Mapping[str, Any] | None = None,
-            conn: Any = None,
-            *,
-            identifiers: Mapping[str, str] | None = None,
-        ) -> int: ...
+    if TYPE_CHECKING:  # what the dialect's class supplies besides its named statements
 
         def set_timeouts(self, conn: Any, *, statement_s: float | None, lock_s: float | None) -> None: ...
 

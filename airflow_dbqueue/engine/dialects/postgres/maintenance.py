@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow_dbqueue.engine.dialects.indexes import IndexHealth, IndexStep, IndexSurvey
@@ -65,39 +65,14 @@ def ring_slots_laid_out_bytes(capacity: int, slot_bytes: int, block_size: int = 
     return -(-capacity // per_page) * block_size
 
 
-class PostgresMaintenance:
+if TYPE_CHECKING:  # the dialect's class supplies them
+    from airflow_dbqueue.engine.dialects.base import NamedStatements as _Statements
+else:
+    _Statements = object
+
+
+class PostgresMaintenance(_Statements):
     """The maintenance part of :class:`PostgresDatabase` (see the module's docstring)."""
-
-    schema: str
-
-    if TYPE_CHECKING:  # what the dialect's class supplies
-
-        def fetchall(
-            self,
-            name: str,
-            params: Mapping[str, Any] | None = None,
-            conn: Any = None,
-            *,
-            identifiers: Mapping[str, str] | None = None,
-        ) -> list[tuple[Any, ...]]: ...
-
-        def fetchone(
-            self,
-            name: str,
-            params: Mapping[str, Any] | None = None,
-            conn: Any = None,
-            *,
-            identifiers: Mapping[str, str] | None = None,
-        ) -> tuple[Any, ...] | None: ...
-
-        def execute(
-            self,
-            name: str,
-            params: Mapping[str, Any] | None = None,
-            conn: Any = None,
-            *,
-            identifiers: Mapping[str, str] | None = None,
-        ) -> int: ...
 
     tables: tuple[str, ...] = TABLES
     escalation_rows: int | None = None  # PostgreSQL never escalates row locks
