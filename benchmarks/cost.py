@@ -43,8 +43,9 @@ from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench.backends import naive_statements
 from payloads import fillers, make
-from run import database, naive_statements, server_info  # benchmarks/ is a folder of scripts
+from run import database, server_info  # benchmarks/ is a folder of scripts
 from soak import MASK
 from soak import digest as payload_digest
 

@@ -53,8 +53,8 @@ from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench.backends import naive_statements  # benchmarks/ is a folder of scripts
 from cost import check, payloads
-from run import naive_statements  # benchmarks/ is a folder of scripts
 
 from airflow_dbqueue.engine import DbQueue
 from airflow_dbqueue.engine.embedded import EmbeddedPostgres, free_port

@@ -1,0 +1,355 @@
+"""One run of one design at one point: workers started, a timed window, a drain, and the checks."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import multiprocessing as mp
+import queue as queue_mod
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+from airflow_dbqueue.engine import DbQueue, MaintenanceConfig
+from bench.backends import REFERENCES, Target, left_in_queue, setup_target, teardown_target
+from bench.workers import RUN, STOP, STOP_PRODUCERS, WAIT, RunConfig, Shared, count_deliveries, worker_main
+
+
+class BenchError(Exception):
+    """The benchmark could not measure a point (a worker failed, a timeout, a bad argument)."""
+
+
+@dataclasses.dataclass
+class RunResult:
+    design: str
+    seconds: float
+    cycles_per_s: float
+    pushed_per_s: float
+    pushed: int
+    popped: int
+    lost: int
+    duplicated: int
+    corrupt: int
+    ack_failures: int
+    left_in_queue: int
+    backlog_at_end: int
+    table_bytes: int
+    dead_tuples: int
+    hot_update_ratio: float | None
+    wal_bytes_per_msg: float | None
+    push_ms: float | None
+    pop_ms: float | None
+    ack_ms: float | None
+    empty_pops: int
+    latencies: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    """Seconds of each push, pop (that returned messages) and ack in the window (``--maintenance``)."""
+    maintenance: dict[str, Any] | None = None
+    """What the maintenance process did during the run (``--maintenance``)."""
+    hot_bytes: int | None = None
+    """Size of meta, data and done with indexes after the drain (engine designs)."""
+    table_bytes_start: int = 0
+    """Size of the schema's tables with indexes when the run started (a ring's slots are preallocated)."""
+
+    @property
+    def valid(self) -> bool:
+        """Nothing lost, duplicated or corrupted, every ack accepted and the queue drained."""
+        return (self.lost, self.duplicated, self.corrupt, self.ack_failures, self.left_in_queue) == (0,) * 5
+
+
+def parse_lsn(lsn: str) -> int:
+    hi, lo = lsn.split("/")
+    return (int(hi, 16) << 32) + int(lo, 16)
+
+
+def wal_lsn(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+    assert row is not None
+    return parse_lsn(row[0])
+
+
+def table_stats(conn: psycopg.Connection[Any], schema: str) -> tuple[int, int, float | None]:
+    """(total bytes of the schema's tables with indexes and TOAST, dead tuples, HOT update ratio)."""
+    row = conn.execute(
+        "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relkind = 'r'",
+        (schema,),
+    ).fetchone()
+    size = int(row[0]) if row else 0
+    row = conn.execute(
+        "SELECT coalesce(sum(n_dead_tup), 0), coalesce(sum(n_tup_upd), 0), coalesce(sum(n_tup_hot_upd), 0) "
+        "FROM pg_stat_user_tables WHERE schemaname = %s",
+        (schema,),
+    ).fetchone()
+    dead, upd, hot = (int(x) for x in row) if row else (0, 0, 0)
+    return size, dead, (hot / upd if upd else None)
+
+
+def run_design(
+    target: Target,
+    *,
+    producers: int,
+    consumers: int,
+    batch: int,
+    payload_bytes: int,
+    seconds: float,
+    warmup: float,
+    backlog_cap: int,
+    drain_timeout: float,
+    log: Callable[[str], None],
+    latencies: bool = False,
+    maintenance: MaintenanceConfig | None = None,
+    maintenance_interval: float = 1.0,
+) -> RunResult:
+    """Measure one design at one point on a fresh schema (created here and dropped afterwards).
+
+    With ``maintenance``, a maintenance process runs ``DbQueue.maintain`` in a loop (every
+    ``maintenance_interval`` seconds) from the start of the window until the producers stop.
+    """
+    setup_target(target)
+    try:
+        with psycopg.connect(target.dsn, autocommit=True) as conn:
+            start_bytes = table_stats(conn, target.schema)[0]
+            with contextlib.suppress(psycopg.Error):
+                conn.execute("CHECKPOINT")
+            cfg = RunConfig(target, producers, consumers, batch, payload_bytes, backlog_cap, latencies)
+            result = _measure(
+                cfg,
+                conn,
+                seconds=seconds,
+                warmup=warmup,
+                drain_timeout=drain_timeout,
+                log=log,
+                maintenance=maintenance,
+                maintenance_interval=maintenance_interval,
+            )
+            return dataclasses.replace(result, table_bytes_start=start_bytes)
+    finally:
+        teardown_target(target)
+
+
+def _maintainer(target: Target, config: MaintenanceConfig, interval: float, stop: Any, out: Any) -> None:
+    """Entry point of the maintenance process: ``maintain()`` every ``interval`` seconds until ``stop``."""
+    report: dict[str, Any] = {"runs": 0, "archived": 0, "reindexed": 0, "failed_reindexes": 0, "busy_s": 0.0}
+    try:
+        with DbQueue(target.dsn, schema=target.schema, pool_size=2) as dbq:
+            while not stop.value:
+                t = time.monotonic()
+                r = dbq.maintain(config)
+                report["busy_s"] += time.monotonic() - t
+                report["runs"] += 1
+                report["archived"] += r.get("archive", {}).get("rows", 0)
+                actions = r.get("indexes", {}).get("actions", [])
+                report["reindexed"] += sum(1 for a in actions if a["ok"])
+                report["failed_reindexes"] += sum(1 for a in actions if not a["ok"])
+                end = time.monotonic() + interval
+                while not stop.value and time.monotonic() < end:
+                    time.sleep(0.02)
+        out.put(report)
+    except BaseException:
+        out.put({"error": traceback.format_exc()})
+
+
+def _measure(
+    cfg: RunConfig,
+    conn: psycopg.Connection[Any],
+    *,
+    seconds: float,
+    warmup: float,
+    drain_timeout: float,
+    log: Callable[[str], None],
+    maintenance: MaintenanceConfig | None = None,
+    maintenance_interval: float = 1.0,
+) -> RunResult:
+    ctx = mp.get_context("spawn")
+    m_stop, m_out = ctx.RawValue("i", 0), ctx.Queue()
+    m_proc = (
+        ctx.Process(
+            target=_maintainer,
+            args=(cfg.target, maintenance, maintenance_interval, m_stop, m_out),
+            name="bench-maintenance",
+            daemon=True,
+        )
+        if maintenance is not None
+        else None
+    )
+    m_report: dict[str, Any] | None = None
+    shm = Shared(
+        phase=ctx.RawValue("i", WAIT),
+        ready=ctx.Value("i", 0),
+        failed=ctx.RawValue("i", 0),
+        pushed=ctx.RawArray("q", cfg.producers),
+        popped=ctx.RawArray("q", cfg.consumers),
+        results=ctx.Queue(),
+    )
+    procs = [
+        ctx.Process(target=worker_main, args=(role, i, cfg, shm), name=f"bench-{role}-{i}", daemon=True)
+        for role, count in (("producer", cfg.producers), ("consumer", cfg.consumers))
+        for i in range(count)
+    ]
+    results: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def collect(timeout: float) -> None:
+        """Take the workers' reports that arrive within ``timeout``; raise if a worker failed."""
+        try:
+            while True:
+                r = shm.results.get(timeout=timeout)
+                if "error" in r:
+                    raise BenchError(f"{cfg.target.design} {r['role']} {r['idx']} failed:\n{r['error']}")
+                results[(r["role"], r["idx"])] = r
+                timeout = 0
+        except queue_mod.Empty:
+            pass
+        for p in procs:
+            role, _, i = p.name.removeprefix("bench-").partition("-")
+            if p.exitcode not in (None, 0) and (role, int(i)) not in results:
+                raise BenchError(f"{p.name} of the {cfg.target.design} run died with exit code {p.exitcode}")
+
+    def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                raise BenchError(f"{cfg.target.design}: timed out after {timeout:g}s waiting for {what}")
+            collect(0.01)
+
+    def sleep_watching(duration: float) -> None:
+        end = time.monotonic() + duration
+        while (left := end - time.monotonic()) > 0:
+            if shm.failed.value:
+                collect(1.0)
+            time.sleep(min(0.05, left))
+
+    def have(role: str, count: int) -> Callable[[], bool]:
+        return lambda: all((role, i) in results for i in range(count))
+
+    try:
+        for p in procs:
+            p.start()
+        wait_for(lambda: shm.ready.value == len(procs), 120, "the workers to connect")
+        shm.phase.value = RUN
+        sleep_watching(warmup)
+        if m_proc is not None:
+            m_proc.start()
+        lsn0, t0 = wal_lsn(conn), time.monotonic()
+        popped0, pushed0 = sum(shm.popped), sum(shm.pushed)
+        sleep_watching(seconds)
+        popped1, pushed1 = sum(shm.popped), sum(shm.pushed)
+        t1, lsn1 = time.monotonic(), wal_lsn(conn)
+        backlog = pushed1 - popped1
+        shm.phase.value = STOP_PRODUCERS
+        if m_proc is not None:
+            m_stop.value = 1
+            try:
+                m_report = m_out.get(timeout=drain_timeout)
+            except queue_mod.Empty:
+                raise BenchError("the maintenance process did not report") from None
+            if "error" in m_report:
+                raise BenchError(f"the maintenance process failed:\n{m_report['error']}")
+            m_proc.join(30)
+        wait_for(have("producer", cfg.producers), 120, "the producers to stop")
+        pushed_total = sum(results[("producer", i)]["pushed"] for i in range(cfg.producers))
+        # Drain: consumers go on until everything pushed is popped, or nothing moves for a while.
+        deadline = time.monotonic() + drain_timeout
+        last, last_change = -1, time.monotonic()
+        while (now_popped := sum(shm.popped)) < pushed_total and time.monotonic() < deadline:
+            if now_popped != last:
+                last, last_change = now_popped, time.monotonic()
+            elif time.monotonic() - last_change > 5.0:
+                log(f"  {cfg.target.design}: drain stalled at {now_popped} of {pushed_total} messages")
+                break
+            collect(0.01)
+        shm.phase.value = STOP
+        wait_for(have("consumer", cfg.consumers), 120, "the consumers to stop")
+        for p in procs:
+            p.join(30)
+    finally:
+        shm.phase.value = STOP
+        m_stop.value = 1
+        if m_proc is not None and m_proc.is_alive():
+            m_proc.join(10)
+            if m_proc.is_alive():
+                m_proc.terminate()
+        for p in procs:
+            if p.is_alive():
+                p.join(5)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+    time.sleep(0.5)  # let the workers' backends flush their table statistics on exit
+
+    cons = [results[("consumer", i)] for i in range(cfg.consumers)]
+    prods = [results[("producer", i)] for i in range(cfg.producers)]
+    lost, dups, corrupt = count_deliveries([prod["pushed"] for prod in prods], cons)
+    window = t1 - t0
+    msgs = popped1 - popped0
+    size, dead, hot = table_stats(conn, cfg.target.schema)
+    lat: dict[str, list[float]] = {}
+    if cfg.latencies:
+        for op, reports in (("push", prods), ("pop", cons), ("ack", cons)):
+            lat[op] = [d for r in reports for start, d in (r[f"{op}_lat"] or []) if t0 <= start <= t1]
+    return RunResult(
+        design=cfg.target.design,
+        seconds=round(window, 3),
+        cycles_per_s=msgs / window,
+        pushed_per_s=(pushed1 - pushed0) / window,
+        pushed=pushed_total,
+        popped=sum(c["popped"] for c in cons),
+        lost=lost,
+        duplicated=dups,
+        corrupt=corrupt,
+        ack_failures=sum(c["ack_failures"] for c in cons),
+        left_in_queue=left_in_queue(cfg.target, conn),
+        backlog_at_end=backlog,
+        table_bytes=size,
+        dead_tuples=dead,
+        hot_update_ratio=hot,
+        wal_bytes_per_msg=(lsn1 - lsn0) / msgs if msgs else None,
+        push_ms=_mean_ms(prods, "push"),
+        pop_ms=_mean_ms(cons, "pop"),
+        ack_ms=_mean_ms(cons, "ack") if cfg.target.lease else None,
+        empty_pops=sum(c["empty_pops"] for c in cons),
+        latencies=lat,
+        maintenance=m_report,
+        hot_bytes=hot_table_bytes(conn, cfg.target) if cfg.target.design not in REFERENCES else None,
+    )
+
+
+def hot_table_bytes(conn: psycopg.Connection[Any], target: Target) -> int:
+    """Size of the tables on the push/pop path (meta, data, done) with their indexes and TOAST."""
+    row = conn.execute(
+        "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %s AND c.relkind = 'r' AND c.relname IN ('meta', 'data', 'done')",
+        (target.schema,),
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _mean_ms(reports: list[dict[str, Any]], op: str) -> float | None:
+    """Mean milliseconds of one call of ``op`` over the workers' reports."""
+    calls = sum(r[f"{op}_calls"] for r in reports)
+    return 1000 * sum(r[f"{op}_s"] for r in reports) / calls if calls else None
+
+
+def combine(runs: list[RunResult]) -> RunResult:
+    """The run with the median cycles/s, with the correctness counts of all runs added up."""
+    ordered = sorted(runs, key=lambda r: r.cycles_per_s)
+    return dataclasses.replace(
+        ordered[(len(ordered) - 1) // 2],
+        lost=sum(r.lost for r in runs),
+        duplicated=sum(r.duplicated for r in runs),
+        corrupt=sum(r.corrupt for r in runs),
+        ack_failures=sum(r.ack_failures for r in runs),
+        left_in_queue=sum(r.left_in_queue for r in runs),
+    )
+
+
+def percentile(values: list[float], p: float) -> float | None:
+    """The ``p``-th percentile (nearest rank) of ``values``; ``None`` when there are none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
