@@ -217,9 +217,13 @@ def _orders(n: int, seed: int) -> list[dict[str, Any]]:
     return out
 
 
-def _cmd_demo(dbq: DbQueue, args: argparse.Namespace) -> int:
+def _cmd_demo(dbq: DbQueue, args: argparse.Namespace) -> int:  # noqa: PLR0915
     """Producers push order events; consumers lease batches, aggregate them and ack; poison messages
-    are retried and end up failed; totals are checked against what was pushed."""
+    are retried and end up failed; totals are checked against what was pushed.
+
+    Long on purpose: the demo reads top to bottom as the story it prints (push, drain, report, check), and its
+    closures share the counts.
+    """
     t_start = time.monotonic()
     dbq.install()
     dbq.drop_queue("demo_orders", missing_ok=True)
@@ -333,39 +337,8 @@ def _cmd_pipeline(dbq: DbQueue, args: argparse.Namespace) -> int:
     return demo.run(dbq.db.dsn, messages=args.messages, batch=args.batch, airflow_home=home, spark=args.spark)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dbqueue", description="Message queues inside PostgreSQL.")
-    p.add_argument("--dsn", help=f"database connection string (default: ${DSN_ENV}, else embedded)")
-    p.add_argument("--schema", default="dbqueue", help="schema holding the queue tables")
-    p.add_argument("--keep-server", action="store_true", help="leave the embedded server running")
-    sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("init", help="create or migrate the schema")
-    c = sub.add_parser("create", help="create a queue")
-    c.add_argument("queue")
-    c.add_argument("--payload-type", default="json", choices=["json", "text", "bytes"])
-    c.add_argument("--max-attempts", type=int, default=5)
-    c.add_argument("--visibility-timeout", type=float, default=30.0)
-    c = sub.add_parser("push", help="push JSON payloads")
-    c.add_argument("queue")
-    c.add_argument("payloads", nargs="+", metavar="JSON")
-    c.add_argument("--priority", type=int, default=0)
-    c.add_argument("--delay", type=float, default=0.0)
-    c = sub.add_parser("pop", help="pop messages (printed as JSON lines)")
-    c.add_argument("queue")
-    c.add_argument("-n", type=int, default=1)
-    c.add_argument("--semantics", default="at-most-once", choices=["at-most-once", "at-least-once"])
-    c.add_argument("--wait", type=float, default=0.0)
-    c = sub.add_parser("stats", help="queue depth by state")
-    c.add_argument("queues", nargs="*")
-    c = sub.add_parser("failed", help="list, requeue or delete failed messages")
-    c.add_argument("queue")
-    g = c.add_mutually_exclusive_group()
-    g.add_argument("--requeue", action="store_true")
-    g.add_argument("--delete", action="store_true")
-    c = sub.add_parser("archive", help="archive finished messages in batches (and apply a retention)")
-    _batch_options(c)
-    c = sub.add_parser("maintain", help="run every maintenance step once (archive, VACUUM, reindex, ...)")
-    _batch_options(c)
+def _maintain_options(c: argparse.ArgumentParser) -> None:
+    """The options of ``dbqueue maintain`` beyond the batch options: which steps run, and their limits."""
     c.add_argument(
         "--no-vacuum",
         dest="vacuum",
@@ -409,6 +382,42 @@ def build_parser() -> argparse.ArgumentParser:
         default=1_000_000,
         help="warn of replication slots holding an xmin older than N transactions",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dbqueue", description="Message queues inside PostgreSQL.")
+    p.add_argument("--dsn", help=f"database connection string (default: ${DSN_ENV}, else embedded)")
+    p.add_argument("--schema", default="dbqueue", help="schema holding the queue tables")
+    p.add_argument("--keep-server", action="store_true", help="leave the embedded server running")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("init", help="create or migrate the schema")
+    c = sub.add_parser("create", help="create a queue")
+    c.add_argument("queue")
+    c.add_argument("--payload-type", default="json", choices=["json", "text", "bytes"])
+    c.add_argument("--max-attempts", type=int, default=5)
+    c.add_argument("--visibility-timeout", type=float, default=30.0)
+    c = sub.add_parser("push", help="push JSON payloads")
+    c.add_argument("queue")
+    c.add_argument("payloads", nargs="+", metavar="JSON")
+    c.add_argument("--priority", type=int, default=0)
+    c.add_argument("--delay", type=float, default=0.0)
+    c = sub.add_parser("pop", help="pop messages (printed as JSON lines)")
+    c.add_argument("queue")
+    c.add_argument("-n", type=int, default=1)
+    c.add_argument("--semantics", default="at-most-once", choices=["at-most-once", "at-least-once"])
+    c.add_argument("--wait", type=float, default=0.0)
+    c = sub.add_parser("stats", help="queue depth by state")
+    c.add_argument("queues", nargs="*")
+    c = sub.add_parser("failed", help="list, requeue or delete failed messages")
+    c.add_argument("queue")
+    g = c.add_mutually_exclusive_group()
+    g.add_argument("--requeue", action="store_true")
+    g.add_argument("--delete", action="store_true")
+    c = sub.add_parser("archive", help="archive finished messages in batches (and apply a retention)")
+    _batch_options(c)
+    c = sub.add_parser("maintain", help="run every maintenance step once (archive, VACUUM, reindex, ...)")
+    _batch_options(c)
+    _maintain_options(c)
     c = sub.add_parser("metrics", help="queue depth, age, rates, table sizes and index bloat as JSON")
     c.add_argument("queues", nargs="*")
     c.add_argument("--window", type=float, default=300.0, help="seconds over which rates are counted")

@@ -151,7 +151,9 @@ def sample(dsn: str, schema: str, tables: tuple[str, ...]) -> dict[str, Any]:
     return {"heap_bytes": heap, "total_bytes": total, "hot_ratio": hot / upd if upd else None, "dead": dead}
 
 
-def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:
+def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912, PLR0915
+    """Push and pop the soak's messages through one queue, reporting the tables' size as it goes. Long on
+    purpose: one soak in order (set up, move and report, drain, check), sharing its counters throughout."""
     schema = f"soak_{uuid.uuid4().hex[:10]}"
     tables = TABLES[args.design]
     with DbQueue(dsn, schema=schema, pool_size=1) as dbq:

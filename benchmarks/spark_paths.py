@@ -121,10 +121,13 @@ class _Connect:
             session.stop()
 
 
-def run_path(
+def run_path(  # noqa: PLR0915
     path: str, dsn: str, messages: int, batch: int, connect_url: str | None, *, warm_up: int = 0
 ) -> dict[str, Any]:
-    """Push, then claim, run and publish-and-ack batch after batch; return what was measured."""
+    """Push, then claim, run and publish-and-ack batch after batch; return what was measured.
+
+    Long on purpose: one path measured in order (set up, push, batches, check), sharing its timings.
+    """
     schema, results = f"bench_spark_{path}", OrderRollup(f"bench_results_{path}")
     orders = list(sample_orders(messages, seed=17))
     jdbc = jdbc_options(dsn)

@@ -74,6 +74,124 @@ def _settings_from_row(row: tuple[Any, ...]) -> QueueSettings:
     )
 
 
+def _ring_shape(
+    name: str, *, archive: bool | None, capacity: int | None, lanes: int | None, max_payload_bytes: int | None
+) -> tuple[int, int]:
+    """Check what a ring is asked for; return its capacity and lanes with the defaults filled in.
+
+    :raise ConfigurationError: naming the first of archive, capacity, lanes and max_payload_bytes that a
+        ring cannot have.
+    """
+    if archive:
+        raise ConfigurationError(
+            f"queue {name!r}: ring queues do not archive (a finished slot is reused); "
+            "leave archive unset or False, or use the table design"
+        )
+    capacity = RING_DEFAULT_CAPACITY if capacity is None else capacity
+    if not isinstance(capacity, int) or isinstance(capacity, bool):
+        raise ConfigurationError(f"queue {name!r}: capacity must be an integer, got {capacity!r}")
+    if not 1 <= capacity <= RING_MAX_CAPACITY:
+        raise ConfigurationError(
+            f"queue {name!r}: a ring's capacity must be in 1..{RING_MAX_CAPACITY}, got {capacity}"
+        )
+    lanes = min(RING_DEFAULT_LANES, capacity) if lanes is None else lanes
+    if not isinstance(lanes, int) or isinstance(lanes, bool):
+        raise ConfigurationError(f"queue {name!r}: lanes must be an integer, got {lanes!r}")
+    if not 1 <= lanes <= min(capacity, RING_MAX_LANES):
+        raise ConfigurationError(
+            f"queue {name!r}: a ring's lanes must be in 1..{min(capacity, RING_MAX_LANES)} "
+            f"(at most its capacity and {RING_MAX_LANES}), got {lanes}"
+        )
+    if max_payload_bytes is not None and max_payload_bytes > RING_MAX_PAYLOAD:
+        raise ConfigurationError(
+            f"queue {name!r}: ring slots hold payloads inline, up to {RING_MAX_PAYLOAD} bytes "
+            f"(about half a page); got max_payload_bytes={max_payload_bytes}. Use the table "
+            "design for larger payloads"
+        )
+    return capacity, lanes
+
+
+def _wanted_settings(
+    name: str,
+    kind: Design,
+    *,
+    payload_type: PayloadType | str,
+    max_payload_bytes: int | None,
+    max_attempts: int,
+    visibility_timeout: float,
+    retry_backoff: float,
+    retry_backoff_max: float,
+    notify: NotifyMode | str,
+    archive: bool | None,
+    capacity: int | None,
+    lanes: int | None,
+) -> QueueSettings:
+    """The settings :meth:`DbQueue.create_queue` is asked for, with the defaults filled in.
+
+    :raise ConfigurationError: naming the first setting that is out of range or does not fit the design.
+    """
+    ring = kind is Design.RING
+    if ring:
+        capacity, lanes = _ring_shape(
+            name, archive=archive, capacity=capacity, lanes=lanes, max_payload_bytes=max_payload_bytes
+        )
+    elif capacity is not None or lanes is not None:
+        which = "capacity" if capacity is not None else "lanes"
+        raise ConfigurationError(f"queue {name!r}: {which} applies to ring queues only")
+    if max_payload_bytes is None:
+        max_payload_bytes = RING_DEFAULT_PAYLOAD if ring else DEFAULT_MAX_PAYLOAD
+    visibility_timeout = check_seconds(
+        f"queue {name!r}: visibility_timeout", visibility_timeout, positive=True
+    )
+    retry_backoff = check_seconds(f"queue {name!r}: retry_backoff", retry_backoff)
+    retry_backoff_max = check_seconds(f"queue {name!r}: retry_backoff_max", retry_backoff_max)
+    try:
+        wanted = QueueSettings(
+            name=name,
+            queue_id=0,
+            design=kind,
+            payload_type=PayloadType(payload_type),
+            max_payload_bytes=int(max_payload_bytes),
+            max_attempts=int(max_attempts),
+            visibility_timeout_s=float(visibility_timeout),
+            retry_backoff_s=float(retry_backoff),
+            retry_backoff_max_s=float(retry_backoff_max),
+            notify=NotifyMode(notify),
+            archive=(not ring) if archive is None else bool(archive),
+            capacity=capacity if ring else None,
+            lanes=lanes if ring else None,
+        )
+    except ValueError as exc:
+        raise ConfigurationError(f"queue {name!r}: {exc}") from None
+    if not 0 < wanted.max_payload_bytes <= MAX_PAYLOAD_LIMIT:
+        raise ConfigurationError(
+            f"queue {name!r}: max_payload_bytes must be in 1..{MAX_PAYLOAD_LIMIT}, got {max_payload_bytes}"
+        )
+    if wanted.max_attempts < 1 or wanted.visibility_timeout_s <= 0 or wanted.retry_backoff_s < 0:
+        raise ConfigurationError(
+            f"queue {name!r}: need max_attempts >= 1, visibility_timeout > 0 and retry_backoff >= 0"
+        )
+    if wanted.retry_backoff_max_s < wanted.retry_backoff_s:
+        raise ConfigurationError(f"queue {name!r}: retry_backoff_max must be >= retry_backoff")
+    return wanted
+
+
+def _check_same_settings(existing: QueueSettings, wanted: QueueSettings, schema: str) -> None:
+    """Raise :class:`QueueExistsError` listing what differs unless an existing queue has ``wanted``'s
+    settings (its id aside)."""
+    existing = dataclasses.replace(existing, queue_id=0)
+    if existing != wanted:
+        diff = {
+            f.name: (getattr(existing, f.name), getattr(wanted, f.name))
+            for f in dataclasses.fields(wanted)
+            if getattr(existing, f.name) != getattr(wanted, f.name)
+        }
+        raise QueueExistsError(
+            f"queue {wanted.name!r} exists in schema {schema!r} with other settings "
+            f"(existing, requested): {diff}"
+        )
+
+
 class DbQueue:
     """Queues in one schema of one database.
 
@@ -186,80 +304,25 @@ class DbQueue:
             kind = Design(design)
         except ValueError as exc:
             raise ConfigurationError(f"queue {name!r}: {exc}") from None
-        ring = kind is Design.RING
-        if ring:
-            if archive:
-                raise ConfigurationError(
-                    f"queue {name!r}: ring queues do not archive (a finished slot is reused); "
-                    "leave archive unset or False, or use the table design"
-                )
-            capacity = RING_DEFAULT_CAPACITY if capacity is None else capacity
-            if not isinstance(capacity, int) or isinstance(capacity, bool):
-                raise ConfigurationError(f"queue {name!r}: capacity must be an integer, got {capacity!r}")
-            if not 1 <= capacity <= RING_MAX_CAPACITY:
-                raise ConfigurationError(
-                    f"queue {name!r}: a ring's capacity must be in 1..{RING_MAX_CAPACITY}, got {capacity}"
-                )
-            lanes = min(RING_DEFAULT_LANES, capacity) if lanes is None else lanes
-            if not isinstance(lanes, int) or isinstance(lanes, bool):
-                raise ConfigurationError(f"queue {name!r}: lanes must be an integer, got {lanes!r}")
-            if not 1 <= lanes <= min(capacity, RING_MAX_LANES):
-                raise ConfigurationError(
-                    f"queue {name!r}: a ring's lanes must be in 1..{min(capacity, RING_MAX_LANES)} "
-                    f"(at most its capacity and {RING_MAX_LANES}), got {lanes}"
-                )
-            if max_payload_bytes is not None and max_payload_bytes > RING_MAX_PAYLOAD:
-                raise ConfigurationError(
-                    f"queue {name!r}: ring slots hold payloads inline, up to {RING_MAX_PAYLOAD} bytes "
-                    f"(about half a page); got max_payload_bytes={max_payload_bytes}. Use the table "
-                    "design for larger payloads"
-                )
-        elif capacity is not None or lanes is not None:
-            which = "capacity" if capacity is not None else "lanes"
-            raise ConfigurationError(f"queue {name!r}: {which} applies to ring queues only")
-        if max_payload_bytes is None:
-            max_payload_bytes = RING_DEFAULT_PAYLOAD if ring else DEFAULT_MAX_PAYLOAD
-        visibility_timeout = check_seconds(
-            f"queue {name!r}: visibility_timeout", visibility_timeout, positive=True
+        wanted = _wanted_settings(
+            name,
+            kind,
+            payload_type=payload_type,
+            max_payload_bytes=max_payload_bytes,
+            max_attempts=max_attempts,
+            visibility_timeout=visibility_timeout,
+            retry_backoff=retry_backoff,
+            retry_backoff_max=retry_backoff_max,
+            notify=notify,
+            archive=archive,
+            capacity=capacity,
+            lanes=lanes,
         )
-        retry_backoff = check_seconds(f"queue {name!r}: retry_backoff", retry_backoff)
-        retry_backoff_max = check_seconds(f"queue {name!r}: retry_backoff_max", retry_backoff_max)
-        try:
-            wanted = QueueSettings(
-                name=name,
-                queue_id=0,
-                design=kind,
-                payload_type=PayloadType(payload_type),
-                max_payload_bytes=int(max_payload_bytes),
-                max_attempts=int(max_attempts),
-                visibility_timeout_s=float(visibility_timeout),
-                retry_backoff_s=float(retry_backoff),
-                retry_backoff_max_s=float(retry_backoff_max),
-                notify=NotifyMode(notify),
-                archive=(not ring) if archive is None else bool(archive),
-                capacity=capacity if ring else None,
-                lanes=lanes if ring else None,
-            )
-        except ValueError as exc:
-            raise ConfigurationError(f"queue {name!r}: {exc}") from None
-        if not 0 < wanted.max_payload_bytes <= MAX_PAYLOAD_LIMIT:
-            raise ConfigurationError(
-                f"queue {name!r}: max_payload_bytes must be in 1..{MAX_PAYLOAD_LIMIT}, "
-                f"got {max_payload_bytes}"
-            )
-        if wanted.max_attempts < 1 or wanted.visibility_timeout_s <= 0 or wanted.retry_backoff_s < 0:
-            raise ConfigurationError(
-                f"queue {name!r}: need max_attempts >= 1, visibility_timeout > 0 and retry_backoff >= 0"
-            )
-        if wanted.retry_backoff_max_s < wanted.retry_backoff_s:
-            raise ConfigurationError(f"queue {name!r}: retry_backoff_max must be >= retry_backoff")
         params = {f.name: getattr(wanted, f.name) for f in dataclasses.fields(wanted)}
-        params["design"] = wanted.design.value
-        params["payload_type"] = wanted.payload_type.value
-        params["notify"] = wanted.notify.value
+        params.update(design=kind.value, payload_type=wanted.payload_type.value, notify=wanted.notify.value)
         with self.db.transaction() as conn:  # a ring's slots are created with its row, or neither
             created = self.db.fetchone("create_queue", params, conn)
-            if created is not None and ring:
+            if created is not None and kind is Design.RING:
                 self.db.execute(
                     "ring_create",
                     {
@@ -276,17 +339,7 @@ class DbQueue:
         if created is None:
             if not exist_ok:
                 raise QueueExistsError(f"queue {name!r} already exists in schema {self.schema!r}")
-            existing = dataclasses.replace(queue.settings, queue_id=0)
-            if existing != wanted:
-                diff = {
-                    f.name: (getattr(existing, f.name), getattr(wanted, f.name))
-                    for f in dataclasses.fields(wanted)
-                    if getattr(existing, f.name) != getattr(wanted, f.name)
-                }
-                raise QueueExistsError(
-                    f"queue {name!r} exists in schema {self.schema!r} with other settings "
-                    f"(existing, requested): {diff}"
-                )
+            _check_same_settings(queue.settings, wanted, self.schema)
         return queue
 
     def queue(self, name: str) -> Queue:

@@ -209,7 +209,7 @@ class _WarmServer:
             raise ConnectServerError(f"the Spark Connect server's warm-up failed: {self._error}")
 
 
-def _pipeline(
+def _pipeline(  # noqa: PLR0915
     dbq: DbQueue,
     *,
     messages: int,
@@ -218,6 +218,8 @@ def _pipeline(
     warm: _WarmServer | None,
     t_start: float,
 ) -> int:
+    """Long on purpose: its four numbered stages are what the user reads on screen, in that order, and share
+    the timings and totals that the last one reports."""
     server = warm.server if warm is not None else None
 
     _say(f"1/4 Airflow metadata database (SQLite) in {home}")

@@ -123,17 +123,7 @@ class _Stream:
                 for w in list(self.watches.values()):
                     if w.queue is None and w.error is None:
                         await self._load(w, dsn, schema, aconn, listening)
-                results: dict[int, Any] = {}
-                for w in list(self.watches.values()):
-                    if w.error is not None:
-                        results[w.id] = w.error
-                    elif w.queue is not None and (w.notified or w.due <= time.monotonic()):
-                        w.notified = False
-                        w.due = time.monotonic() + w.poll_interval
-                        try:
-                            results[w.id] = await w.queue.areadiness(aconn, w.min_priority, cap=w.cap)
-                        except NotImplementedError as exc:  # not PostgreSQL: this watch cannot go on
-                            w.error = results[w.id] = exc
+                results = await self._check_due(aconn)
                 if results:
                     yield results
                 if self._changed.is_set():
@@ -147,6 +137,22 @@ class _Stream:
         finally:
             with contextlib.suppress(Exception):
                 await aconn.close()
+
+    async def _check_due(self, aconn: psycopg.AsyncConnection[Any]) -> dict[int, Any]:
+        """Check the readiness of every watch that was notified or whose poll is due; return what each
+        saw, by watch id (a watch that failed reports its error)."""
+        results: dict[int, Any] = {}
+        for w in list(self.watches.values()):
+            if w.error is not None:
+                results[w.id] = w.error
+            elif w.queue is not None and (w.notified or w.due <= time.monotonic()):
+                w.notified = False
+                w.due = time.monotonic() + w.poll_interval
+                try:
+                    results[w.id] = await w.queue.areadiness(aconn, w.min_priority, cap=w.cap)
+                except NotImplementedError as exc:  # not PostgreSQL: this watch cannot go on
+                    w.error = results[w.id] = exc
+        return results
 
     async def _load(
         self,

@@ -153,7 +153,7 @@ def _maintainer(target: Target, config: MaintenanceConfig, interval: float, stop
         out.put({"error": traceback.format_exc()})
 
 
-def _measure(
+def _measure(  # noqa: PLR0912, PLR0915
     cfg: RunConfig,
     conn: psycopg.Connection[Any],
     *,
@@ -164,6 +164,8 @@ def _measure(
     maintenance: MaintenanceConfig | None = None,
     maintenance_interval: float = 1.0,
 ) -> RunResult:
+    """Long on purpose: one run's life in order (start the workers, warm up, time the window, stop the
+    producers, drain, collect and check), with closures over the processes and reports every step shares."""
     ctx = mp.get_context("spawn")
     m_stop, m_out = ctx.RawValue("i", 0), ctx.Queue()
     m_proc = (

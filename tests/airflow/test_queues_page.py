@@ -228,7 +228,9 @@ def queue_row(body: dict[str, Any], name: str) -> dict[str, Any]:
     return row
 
 
-def test_the_api_behind_airflows_authentication(server: Server) -> None:
+def test_the_api_behind_airflows_authentication(server: Server) -> None:  # noqa: PLR0915
+    """Long on purpose: one scenario told in order, whose checks at the end need everything it built along the
+    way; split, the parts would pass all of it around."""
     k = known_queue(server, "api_orders")
     api = server.url + "/dbqueue/api"
     failed_url = f"{api}/connections/{CONN_ID}/queues/{k.name}/failed"
@@ -455,7 +457,9 @@ def test_the_last_maintenance_run(server: Server) -> None:
     assert [q["finished"] for q in conn["queues"]] == [0] * len(conn["queues"])
 
 
-def test_the_page_in_a_headless_browser(server: Server) -> None:
+def test_the_page_in_a_headless_browser(server: Server) -> None:  # noqa: PLR0915
+    """Long on purpose: one scenario told in order, whose checks at the end need everything it built along the
+    way; split, the parts would pass all of it around."""
     chromium = find_chromium()
     require(None if chromium else "Chromium is missing", "apt-get install chromium; scripts/test installs it")
     assert chromium is not None

@@ -298,7 +298,9 @@ def _join_all(procs: list[SpawnProcess], deadline: float) -> None:
         assert p.exitcode == 0, f"{p.name} exited with {p.exitcode} (still running: {p.is_alive()})"
 
 
-def test_consumer_sigkilled_repeatedly_under_traffic(dbq: DbQueue, tmp_path: Path) -> None:
+def test_consumer_sigkilled_repeatedly_under_traffic(dbq: DbQueue, tmp_path: Path) -> None:  # noqa: PLR0915
+    """Long on purpose: one scenario told in order, whose checks at the end need everything it built along the
+    way; split, the parts would pass all of it around."""
     q = dbq.create_queue(TRAFFIC_QUEUE, visibility_timeout=60.0, max_attempts=50)
     ctx = mp.get_context("spawn")
     stop_producing, producers_done = ctx.Event(), ctx.Event()
@@ -516,7 +518,9 @@ def _at_least_once_step(log: ClientLog, q: Queue) -> None:
     log.acked += [m.receipt for m in msgs]
 
 
-def test_server_sigkill_loses_no_acknowledged_message(embedded_server: EmbeddedPostgres) -> None:
+def test_server_sigkill_loses_no_acknowledged_message(embedded_server: EmbeddedPostgres) -> None:  # noqa: PLR0912, PLR0915
+    """Long on purpose: one scenario told in order, whose checks at the end need everything it built along the
+    way; split, the parts would pass all of it around."""
     dsn = embedded_server.dsn
     with DbQueue(dsn, schema=CRASH_SCHEMA, pool_size=2) as admin:
         admin.install()

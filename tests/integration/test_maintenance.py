@@ -418,11 +418,15 @@ def load_clients(dbq: DbQueue) -> Iterator[list[DbQueue]]:
             c.close()
 
 
-def test_maintenance_during_load_loses_nothing_and_archives_exactly_the_finished(
+def test_maintenance_during_load_loses_nothing_and_archives_exactly_the_finished(  # noqa: PLR0915
     dbq: DbQueue, load_clients: list[DbQueue]
 ) -> None:
     """2 producers, 2 leasing consumers and 1 at-most-once consumer run while archiving and online
-    index rebuilds of meta_ready_idx and meta_pkey run in a loop; then everything is accounted for."""
+    index rebuilds of meta_ready_idx and meta_pkey run in a loop; then everything is accounted for.
+
+    Long on purpose: one scenario told in order, whose checks at the end need everything it built along the
+    way; split, the parts would pass all of it around.
+    """
     dbq.create_queue("load", visibility_timeout=120)
     stop_producing, stop_all = threading.Event(), threading.Event()
     pushed: dict[int, Any] = {}

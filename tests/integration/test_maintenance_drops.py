@@ -75,11 +75,15 @@ def test_queues_dropped_under_a_maintenance_client_are_skipped_with_a_note(dbq: 
     assert orphans(dbq) == NO_ORPHANS
 
 
-def test_maintenance_beside_a_loop_creating_using_and_dropping_queues(dbq: DbQueue) -> None:
+def test_maintenance_beside_a_loop_creating_using_and_dropping_queues(dbq: DbQueue) -> None:  # noqa: PLR0915
     """What the issue saw fail 21 times in 22: `maintain --older-than 0` in a loop while other clients
     create, use and drop queues (both designs). No run may fail; afterwards no row of a dropped queue is
     left anywhere, and the queue that lived through it all has every message it was given, archived
-    once, with its payloads (counts and checksums)."""
+    once, with its payloads (counts and checksums).
+
+    Long on purpose: one scenario told in order, whose checks at the end need everything it built along the
+    way; split, the parts would pass all of it around.
+    """
     main = dbq.create_queue("main")
     sent: list[Any] = []
     stop = threading.Event()
