@@ -23,9 +23,7 @@ from airflow_dbqueue.engine.models import (
 )
 
 if TYPE_CHECKING:
-    import psycopg
-
-    from airflow_dbqueue.engine.dialects.base import Database, DbConnection
+    from airflow_dbqueue.engine.dialects.base import AsyncDbConnection, Database, DbConnection
 
 DEFAULT_CONSUMER = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -266,7 +264,7 @@ class Queue(abc.ABC):
         return ready, (head[0].receipt if head else None)
 
     async def areadiness(
-        self, aconn: psycopg.AsyncConnection[Any], min_priority: int | None = None, cap: int = 1_000_000
+        self, aconn: AsyncDbConnection, min_priority: int | None = None, cap: int = 1_000_000
     ) -> tuple[int, tuple[int, int] | None]:
         """:meth:`readiness` on the caller's async connection (for async observers such as triggers)."""
         raise NotImplementedError(f"{self.settings.design} queues do not support async observation yet")
@@ -276,7 +274,7 @@ class Queue(abc.ABC):
         """The name of this queue's NOTIFY channel: pushes notify it, :meth:`alisten` LISTENs on it."""
         return self._db.channel(self.settings.queue_id)
 
-    async def alisten(self, aconn: psycopg.AsyncConnection[Any]) -> None:
+    async def alisten(self, aconn: AsyncDbConnection) -> None:
         """LISTEN on this queue's NOTIFY channel on the caller's async connection."""
         raise NotImplementedError(f"{self.settings.design} queues do not support async observation yet")
 

@@ -41,8 +41,8 @@ takes its numbers; the list is the lanes other transactions held, and the proof 
 seen unlocked since (``docs/sqlserver.md``). Either way the position is read before the list is taken.
 
 The same class runs on both dialects: every statement is a named query of the dialect. Only the async
-observers (:meth:`RingQueue.areadiness`, :meth:`RingQueue.alisten`) are PostgreSQL's alone (psycopg's
-async connections and LISTEN).
+observers (:meth:`RingQueue.areadiness`, :meth:`RingQueue.alisten`) are PostgreSQL's alone: they need
+a dialect with async connections and LISTEN (``Database.async_observers``).
 """
 
 from __future__ import annotations
@@ -75,10 +75,7 @@ from airflow_dbqueue.engine.models import (
 from airflow_dbqueue.engine.queue import Queue, _check_batch_size, check_seconds
 
 if TYPE_CHECKING:
-    import psycopg
-
-    from airflow_dbqueue.engine.dialects.base import Database, DbConnection
-    from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
+    from airflow_dbqueue.engine.dialects.base import AsyncDbConnection, Database, DbConnection
     from airflow_dbqueue.engine.models import QueueSettings
 
 RING_MAX_PAYLOAD = 4000
@@ -556,30 +553,24 @@ class RingQueue(Queue):
         ready = 0 if min_priority is not None and min_priority > 0 else int(row[0])
         return ready, (int(row[1]), int(row[2]))
 
-    def _postgres(self) -> PostgresDatabase:
-        from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
-
-        if not isinstance(self._db, PostgresDatabase):
+    def _check_async(self) -> None:
+        """Raise :class:`NotImplementedError` unless the dialect has async connections for observers."""
+        if not self._db.async_observers:
             raise NotImplementedError(
                 f"queue {self.name!r}: async observation (a trigger, a deferrable sensor) needs PostgreSQL; "
                 f"on {self._db.dialect_name} use the synchronous readiness() (poke or reschedule mode)"
             )
-        return self._db
 
     async def areadiness(
-        self, aconn: psycopg.AsyncConnection[Any], min_priority: int | None = None, cap: int = 1_000_000
+        self, aconn: AsyncDbConnection, min_priority: int | None = None, cap: int = 1_000_000
     ) -> tuple[int, tuple[int, int] | None]:
-        pg = self._postgres()  # PostgreSQL only: psycopg's async connections
-        with pg.translate_errors():
-            cur = await aconn.execute(pg.query("ring_ready_head"), self._readiness_params(cap))
-            return self._readiness_row(await cur.fetchone(), min_priority)
+        self._check_async()
+        row = await self._db.afetchone(aconn, "ring_ready_head", self._readiness_params(cap))
+        return self._readiness_row(row, min_priority)
 
-    async def alisten(self, aconn: psycopg.AsyncConnection[Any]) -> None:
-        from psycopg import sql
-
-        self._postgres()  # PostgreSQL only: LISTEN
-        with self._db.translate_errors():
-            await aconn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
+    async def alisten(self, aconn: AsyncDbConnection) -> None:
+        self._check_async()
+        await self._db.alisten(aconn, self._channel)
 
     def leased(self, receipts: Sequence[tuple[int, int]]) -> list[Message]:
         stubs = self._receipt_messages(receipts)

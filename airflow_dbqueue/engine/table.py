@@ -34,10 +34,7 @@ from airflow_dbqueue.engine.models import (
 from airflow_dbqueue.engine.queue import DEFAULT_CONSUMER, Queue, _check_batch_size, check_seconds
 
 if TYPE_CHECKING:
-    import psycopg
-
-    from airflow_dbqueue.engine.dialects.base import Database, DbConnection
-    from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
+    from airflow_dbqueue.engine.dialects.base import AsyncDbConnection, Database, DbConnection
     from airflow_dbqueue.engine.models import QueueSettings
 
 _PRIORITY_MIN, _PRIORITY_MAX = -32768, 32767
@@ -239,29 +236,23 @@ class TableQueue(Queue):
         return self._readiness_row(self._db.fetchone("ready_head", self._readiness_params(min_priority, cap)))
 
     async def areadiness(
-        self, aconn: psycopg.AsyncConnection[Any], min_priority: int | None = None, cap: int = 1_000_000
+        self, aconn: AsyncDbConnection, min_priority: int | None = None, cap: int = 1_000_000
     ) -> tuple[int, tuple[int, int] | None]:
-        db = self._postgres()
-        with db.translate_errors():
-            cur = await aconn.execute(db.query("ready_head"), self._readiness_params(min_priority, cap))
-            return self._readiness_row(await cur.fetchone())
+        self._check_async()
+        row = await self._db.afetchone(aconn, "ready_head", self._readiness_params(min_priority, cap))
+        return self._readiness_row(row)
 
-    async def alisten(self, aconn: psycopg.AsyncConnection[Any]) -> None:
-        from psycopg import sql
+    async def alisten(self, aconn: AsyncDbConnection) -> None:
+        self._check_async()
+        await self._db.alisten(aconn, self._channel)
 
-        with self._postgres().translate_errors():
-            await aconn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._channel)))
-
-    def _postgres(self) -> PostgresDatabase:
-        """The PostgreSQL dialect, for the async observers (they run on a psycopg async connection)."""
-        from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
-
-        if not isinstance(self._db, PostgresDatabase):
+    def _check_async(self) -> None:
+        """Raise :class:`NotImplementedError` unless the dialect has async connections for observers."""
+        if not self._db.async_observers:
             raise NotImplementedError(
                 f"async observation of a queue needs PostgreSQL; on {self._db.dialect_name} observe "
                 "with readiness() (polling)"
             )
-        return self._db
 
     def leased(self, receipts: Sequence[tuple[int, int]]) -> list[Message]:
         stubs = self._receipt_messages(receipts)

@@ -108,7 +108,7 @@ def connection_dsn(conn: Connection) -> tuple[str, str]:
 
     Shared by the hook (sync) and the trigger (which looks the connection up asynchronously).
     """
-    from psycopg.conninfo import make_conninfo
+    from airflow_dbqueue.engine.dialects.postgres.conninfo import make_dsn
 
     dialect = connection_dialect(conn)
     extra = conn.extra_dejson or {}
@@ -127,8 +127,7 @@ def connection_dsn(conn: Connection) -> tuple[str, str]:
         "dbname": conn.schema or None,
     }
     params.update({k: v for k, v in extra.items() if k in _LIBPQ_EXTRAS})
-    dsn = make_conninfo("", **{k: v for k, v in params.items() if v is not None})
-    return dsn, str(schema)
+    return make_dsn(params), str(schema)
 
 
 def _token_login(conn: Connection, key: str) -> tuple[str, str, int]:
@@ -546,7 +545,7 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
         The URL carries the host, port, database and ``sslmode``; credentials are returned apart so
         that they can travel in the environment, not on a command line.
         """
-        from psycopg.conninfo import conninfo_to_dict
+        from airflow_dbqueue.engine.dialects.postgres.conninfo import jdbc_options
 
         conn = self.get_connection(self.dbqueue_conn_id)
         if connection_dialect(conn) != "postgresql":
@@ -554,15 +553,8 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
                 f"connection {conn.conn_id!r} is a SQL Server connection; Spark jobs read batches over "
                 "PostgreSQL's JDBC driver, from a PostgreSQL queue database"
             )
-        info = conninfo_to_dict(connection_dsn(conn)[0])  # the same login (or token) as the hook's
-        url = (
-            f"jdbc:postgresql://{info.get('host') or 'localhost'}:{info.get('port') or 5432}/"
-            f"{info.get('dbname') or 'postgres'}"
-        )
-        if info.get("sslmode"):
-            url += f"?sslmode={info['sslmode']}"
-        user, password = info.get("user"), info.get("password")
-        return url, str(user) if user else None, str(password) if password else None
+        options = jdbc_options(connection_dsn(conn)[0])  # the same login (or token) as the hook's
+        return options["url"], options.get("user"), options.get("password")
 
     # -- maintenance (the maintenance DAG's steps; see airflow_dbqueue.engine.maintenance) ---------------
 

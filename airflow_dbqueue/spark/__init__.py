@@ -23,18 +23,9 @@ JDBC_HINT = (
 
 def jdbc_options(dsn: str) -> dict[str, str]:
     """Spark JDBC options (url, user, password) for the PostgreSQL database of a libpq ``dsn``."""
-    from psycopg.conninfo import conninfo_to_dict
+    from airflow_dbqueue.engine.dialects.postgres.conninfo import jdbc_options as postgres_jdbc_options
 
-    info = conninfo_to_dict(dsn)
-    url = f"jdbc:postgresql://{info.get('host') or 'localhost'}:{info.get('port') or 5432}/"
-    out = {"url": url + str(info.get("dbname") or "postgres")}
-    if info.get("sslmode"):
-        out["url"] += f"?sslmode={info['sslmode']}"
-    if info.get("user"):
-        out["user"] = str(info["user"])
-    if info.get("password"):
-        out["password"] = str(info["password"])
-    return out
+    return postgres_jdbc_options(dsn)
 
 
 def find_jdbc_jar() -> str | None:

@@ -25,9 +25,8 @@ from airflow_dbqueue.engine.queue import check_seconds
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook, connection_dsn
 
 if TYPE_CHECKING:
-    import psycopg
-
     from airflow_dbqueue.engine import Queue
+    from airflow_dbqueue.engine.dialects.base import AsyncDbConnection, Database
 
 APPLICATION_NAME = "airflow-dbqueue-trigger"
 """The ``application_name`` of a stream's connection (one a connection and schema in a triggerer)."""
@@ -110,12 +109,14 @@ class _Stream:
         self._changed.set()
 
     async def run(self, conn_id: str, schema: str | None) -> AsyncGenerator[dict[int, Any], None]:
-        import psycopg
+        from airflow_dbqueue.engine.dialects.base import make_database
 
         conn = await DbQueueHook.aget_connection(conn_id)
         dsn, conn_schema = await asyncio.to_thread(connection_dsn, conn)  # a token login may do I/O
         schema = schema or conn_schema
-        aconn = await psycopg.AsyncConnection.connect(dsn, autocommit=True, application_name=APPLICATION_NAME)
+        # The dialect's database object opens no pool here: the stream's one connection is aconnect's.
+        db = make_database(dsn, schema=schema, pool_size=1, connect_timeout=10.0)
+        aconn = await db.aconnect(APPLICATION_NAME)
         listening: set[str] = set()
         try:
             while True:
@@ -130,7 +131,7 @@ class _Stream:
                     continue
                 due = [w.due for w in self.watches.values() if w.error is None]
                 timeout = max(0.0, min(due) - time.monotonic()) if due else None
-                for channel in await self._wait(aconn, timeout, bool(listening)):
+                for channel in await self._wait(db, aconn, timeout, bool(listening)):
                     for w in self.watches.values():
                         if w.channel == channel:
                             w.notified = True
@@ -138,7 +139,7 @@ class _Stream:
             with contextlib.suppress(Exception):
                 await aconn.close()
 
-    async def _check_due(self, aconn: psycopg.AsyncConnection[Any]) -> dict[int, Any]:
+    async def _check_due(self, aconn: AsyncDbConnection) -> dict[int, Any]:
         """Check the readiness of every watch that was notified or whose poll is due; return what each
         saw, by watch id (a watch that failed reports its error)."""
         results: dict[int, Any] = {}
@@ -159,7 +160,7 @@ class _Stream:
         w: _Watch,
         dsn: str,
         schema: str,
-        aconn: psycopg.AsyncConnection[Any],
+        aconn: AsyncDbConnection,
         listening: set[str],
     ) -> None:
         """Load a new watch's queue and LISTEN on its channel before its first check, so that a push
@@ -180,12 +181,12 @@ class _Stream:
             listening.add(w.channel)
 
     async def _wait(
-        self, aconn: psycopg.AsyncConnection[Any], timeout: float | None, listen: bool
+        self, db: Database, aconn: AsyncDbConnection, timeout: float | None, listen: bool
     ) -> set[str]:
         """Wait up to ``timeout`` seconds (None: until woken) for a NOTIFY or :meth:`wake`; return the
         channels that notified."""
         changed = asyncio.ensure_future(self._changed.wait())
-        heard = asyncio.ensure_future(_next_notifies(aconn, timeout)) if listen else None
+        heard = asyncio.ensure_future(db.anotifies(aconn, timeout)) if listen else None
         waiting: set[asyncio.Future[Any]] = {changed} if heard is None else {changed, heard}
         try:
             await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -196,14 +197,6 @@ class _Stream:
         if heard is not None and heard.done() and not heard.cancelled():
             return heard.result()  # raises the connection's error, if it failed
         return set()
-
-
-async def _next_notifies(aconn: psycopg.AsyncConnection[Any], timeout: float | None) -> set[str]:
-    """The channels of the next NOTIFY (and any that arrived with it), or none after ``timeout``."""
-    channels: set[str] = set()
-    async for n in aconn.notifies(timeout=timeout, stop_after=1):
-        channels.add(n.channel)
-    return channels
 
 
 _STREAMS: dict[tuple[int, Hashable], _Stream] = {}

@@ -551,6 +551,7 @@ class MssqlDatabase(MssqlMaintenance):
     dialect_name = "mssql"
     supports_notify = False
     ring_push_takes_floor = False  # its ring_push reads the floor under its own locks
+    async_observers = False  # pyodbc has no async connections: observers poll with readiness()
 
     def __init__(
         self,
@@ -858,6 +859,24 @@ class MssqlDatabase(MssqlMaintenance):
     def listening(self, channel: str) -> contextlib.AbstractContextManager[Any]:
         """SQL Server has no LISTEN/NOTIFY: waiting pops poll instead."""
         raise NotImplementedError("SQL Server has no LISTEN/NOTIFY; waiting pops poll")
+
+    async def aconnect(self, application_name: str) -> Any:
+        """pyodbc has no async connections: observers poll with the synchronous queries."""
+        raise NotImplementedError(
+            "SQL Server has no async observers; observe with readiness() (polling: poke or reschedule mode)"
+        )
+
+    async def afetchone(self, aconn: Any, name: str, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
+        """pyodbc has no async connections: observers poll with the synchronous queries."""
+        raise NotImplementedError("SQL Server has no async observers; observe with readiness() (polling)")
+
+    async def alisten(self, aconn: Any, channel: str) -> None:
+        """SQL Server has no LISTEN/NOTIFY: observers poll."""
+        raise NotImplementedError("SQL Server has no LISTEN/NOTIFY; observe with readiness() (polling)")
+
+    async def anotifies(self, aconn: Any, timeout: float | None) -> set[str]:
+        """SQL Server has no LISTEN/NOTIFY: observers poll."""
+        raise NotImplementedError("SQL Server has no LISTEN/NOTIFY; observe with readiness() (polling)")
 
     # -- schema ------------------------------------------------------------------------------------
 

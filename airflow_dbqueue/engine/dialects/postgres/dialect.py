@@ -29,6 +29,7 @@ from airflow_dbqueue.engine.dialects.base import (
     refuse_foreign_objects,
     refuse_newer_schema,
 )
+from airflow_dbqueue.engine.dialects.postgres.conninfo import check_dsn, describe_dsn
 from airflow_dbqueue.engine.dialects.postgres.maintenance import PostgresMaintenance
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
@@ -91,59 +92,6 @@ def schema_sql() -> tuple[int, str]:
 _TUPLES_OK = ExecStatus.TUPLES_OK
 
 
-_INTEGER_OPTIONS = (
-    "connect_timeout",
-    "keepalives",
-    "keepalives_idle",
-    "keepalives_interval",
-    "keepalives_count",
-    "tcp_user_timeout",
-)
-_SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
-
-
-def check_dsn(dsn: str) -> None:
-    """Raise :class:`ConfigurationError` for a connection string that libpq cannot use, without any I/O.
-
-    libpq checks a string's syntax and option names when it parses it, but a port or a timeout that is
-    not a number only when it connects: the pool then retried it until its timeout and reported the
-    database as unreachable. Values are never echoed (a password may be among them).
-    """
-    try:
-        info = psycopg.conninfo.conninfo_to_dict(dsn)
-    except psycopg.Error as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigurationError(f"the PostgreSQL connection string is not valid: {first}") from None
-    for port in str(info.get("port") or "").split(","):
-        if port.strip() and not (port.strip().isdigit() and 1 <= int(port) <= 65535):
-            raise ConfigurationError(
-                f"the PostgreSQL connection string is not valid: port {port.strip()!r} is not a port "
-                "number (1..65535)"
-            )
-    for name in _INTEGER_OPTIONS:
-        value = str(info.get(name) or "").strip()
-        if value and not value.lstrip("-").isdigit():
-            raise ConfigurationError(
-                f"the PostgreSQL connection string is not valid: {name} {value!r} is not an integer"
-            )
-    sslmode = info.get("sslmode")
-    if sslmode and sslmode not in _SSLMODES:
-        raise ConfigurationError(
-            f"the PostgreSQL connection string is not valid: sslmode {sslmode!r} is not one of "
-            f"{', '.join(_SSLMODES)}"
-        )
-
-
-def describe_dsn(dsn: str) -> str:
-    """Return ``host:port/dbname`` of a DSN or URI, without credentials, for error messages."""
-    try:
-        info = psycopg.conninfo.conninfo_to_dict(dsn)
-    except psycopg.Error:
-        return "<unparsable connection string>"
-    host = info.get("host") or info.get("hostaddr") or "localhost"
-    return f"{host}:{info.get('port') or 5432}/{info.get('dbname') or info.get('user') or ''}"
-
-
 class PostgresDatabase(PostgresMaintenance):
     """A dbqueue schema on one PostgreSQL database.
 
@@ -160,6 +108,7 @@ class PostgresDatabase(PostgresMaintenance):
     dialect_name = "postgresql"
     supports_notify = True
     ring_push_takes_floor = True
+    async_observers = True
 
     def __init__(
         self,
@@ -546,6 +495,33 @@ class PostgresDatabase(PostgresMaintenance):
             finally:
                 with contextlib.suppress(psycopg.Error):
                     c.execute("UNLISTEN *")
+
+    async def aconnect(self, application_name: str) -> psycopg.AsyncConnection[Any]:
+        """Open an async connection of its own to the database, in autocommit; the caller closes it."""
+        return await psycopg.AsyncConnection.connect(
+            self.dsn, autocommit=True, application_name=application_name
+        )
+
+    async def afetchone(
+        self, aconn: psycopg.AsyncConnection[Any], name: str, params: Mapping[str, Any]
+    ) -> tuple[Any, ...] | None:
+        """Run the named query on the caller's async connection; return its first row (None: none)."""
+        with self.translate_errors():
+            cur = await aconn.execute(self.query(name), params)
+            return await cur.fetchone()
+
+    async def alisten(self, aconn: psycopg.AsyncConnection[Any], channel: str) -> None:
+        """LISTEN on ``channel`` on the caller's async connection."""
+        with self.translate_errors():
+            await aconn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+
+    async def anotifies(self, aconn: psycopg.AsyncConnection[Any], timeout: float | None) -> set[str]:
+        """The channels of the next NOTIFY on ``aconn`` (and any that arrived with it), or none after
+        ``timeout`` seconds (None: no limit)."""
+        channels: set[str] = set()
+        async for n in aconn.notifies(timeout=timeout, stop_after=1):
+            channels.add(n.channel)
+        return channels
 
     # -- schema ------------------------------------------------------------------------------------
 
