@@ -16,7 +16,7 @@ import pytest
 
 from airflow_dbqueue.engine import DbQueue, ForeignObjectsError, InvalidNameError
 from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
-from airflow_dbqueue.engine.dialects.postgres.dialect import schema_sql
+from airflow_dbqueue.engine.dialects.postgres.schema import schema_sql
 from airflow_dbqueue.engine.embedded import free_port
 from tests.dialects import run_sql
 

@@ -23,7 +23,7 @@ from psycopg.pq import ExecStatus
 import airflow_dbqueue.engine as engine_pkg
 from airflow_dbqueue.engine import DbQueue, InvalidNameError, SchemaError
 from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
-from airflow_dbqueue.engine.dialects.postgres.dialect import migrations, schema_sql
+from airflow_dbqueue.engine.dialects.postgres.schema import migrations, schema_sql
 from airflow_dbqueue.engine.sqlfile import load_queries
 from tests.dialects import run_sql
 from tests.helpers import checksum

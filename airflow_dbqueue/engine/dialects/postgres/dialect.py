@@ -1,98 +1,48 @@
-"""PostgreSQL through psycopg 3: connection pool, named queries, error translation, LISTEN/NOTIFY.
+"""PostgreSQL through psycopg 3: the connection pool and the named queries.
 
 Every statement the engine runs on PostgreSQL is a named block in ``queries.sql`` or ``schema.sql``
-beside this file; this module only composes (schema name quoted by psycopg) and executes them.
+beside this file; this module only composes (schema name quoted by psycopg) and executes them. The
+other parts of :class:`PostgresDatabase` are beside it: the schema and its migrations (``schema.py``),
+LISTEN/NOTIFY and async observers (``notify.py``), maintenance (``maintenance.py``), the translation
+of driver errors (``errors.py``) and connection strings (``conninfo.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import select
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from importlib import resources
 from typing import Any, TypeVar
 
 import psycopg
-import psycopg.errors
 from psycopg import sql
 from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
-from airflow_dbqueue.engine.dialects.base import (
-    SchemaObject,
-    describe_objects,
-    engine_objects,
-    ownership,
-    refuse_foreign_objects,
-    refuse_newer_schema,
-)
 from airflow_dbqueue.engine.dialects.postgres.conninfo import check_dsn, describe_dsn
+from airflow_dbqueue.engine.dialects.postgres.errors import translate
 from airflow_dbqueue.engine.dialects.postgres.maintenance import PostgresMaintenance
-from airflow_dbqueue.engine.errors import (
-    ConfigurationError,
-    DatabaseError,
-    DatabaseUnavailableError,
-    DbQueueError,
-    DeadlockError,
-    ForeignObjectsError,
-    LockTimeoutError,
-    QueueFullError,
-    ReceiptsNotHeldError,
-    RingNumbersSkippedError,
-    SchemaError,
-    StatementTimeoutError,
-    TransientDatabaseError,
-)
+from airflow_dbqueue.engine.dialects.postgres.notify import PostgresNotify
+from airflow_dbqueue.engine.dialects.postgres.schema import PostgresSchema
+from airflow_dbqueue.engine.errors import DatabaseUnavailableError
 from airflow_dbqueue.engine.names import (
     POSTGRESQL_RESERVED_SCHEMAS,
     validate_identifier,
     validate_schema_name,
 )
-from airflow_dbqueue.engine.sqlfile import load_queries, parse_named_queries, read_text
+from airflow_dbqueue.engine.sqlfile import load_queries
 
 log = logging.getLogger(__name__)
 
 _PKG = __package__ or "airflow_dbqueue.engine.dialects.postgres"
-_MIGRATION_FILE = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
-# SQLSTATEs that the server-side functions of schema.sql raise on purpose (class DQ is ours).
-_RAISED_BY_FUNCTIONS: dict[str, type[DbQueueError]] = {
-    "DQ001": QueueFullError,
-    "DQ002": RingNumbersSkippedError,
-    "DQ003": ConfigurationError,
-    "DQ005": ReceiptsNotHeldError,
-}
-
-
-def migrations() -> list[tuple[int, str]]:
-    """Return ``[(version, sql)]`` of every migration file, in order."""
-    found = []
-    for entry in resources.files(_PKG).joinpath("migrations").iterdir():
-        m = _MIGRATION_FILE.match(entry.name)
-        if m:
-            found.append((int(m.group(1)), parse_named_queries(entry.read_text(encoding="utf-8"))["migrate"]))
-    found.sort()
-    versions = [v for v, _ in found]
-    if versions != list(range(1, len(versions) + 1)):
-        raise SchemaError(f"migration files are not numbered 1..n without gaps: {versions}")
-    return found
-
-
-def schema_sql() -> tuple[int, str]:
-    """Return ``(version, sql)`` of the current full schema."""
-    text = read_text(_PKG, "schema.sql")
-    m = re.search(r"SCHEMA_VERSION:\s*(\d+)", text)
-    if not m:
-        raise SchemaError("schema.sql does not declare its SCHEMA_VERSION")
-    return int(m.group(1)), parse_named_queries(text)["schema"]
 
 
 _TUPLES_OK = ExecStatus.TUPLES_OK
 
 
-class PostgresDatabase(PostgresMaintenance):
+class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
     """A dbqueue schema on one PostgreSQL database.
 
     The pool is created closed and opened on first use: constructing this object does no I/O.
@@ -106,9 +56,7 @@ class PostgresDatabase(PostgresMaintenance):
     """
 
     dialect_name = "postgresql"
-    supports_notify = True
     ring_push_takes_floor = True
-    async_observers = True
 
     def __init__(
         self,
@@ -358,56 +306,10 @@ class PostgresDatabase(PostgresMaintenance):
                 raise
             raise translated from exc
 
-    def _translated(self, exc: Exception) -> Exception:  # noqa: PLR0911 - a return a kind, in test order
+    def _translated(self, exc: Exception) -> Exception:
         """The engine's exception for ``exc`` (``exc`` itself when it is one already, or not a database
         error)."""
-        if isinstance(exc, DbQueueError) or not isinstance(exc, (psycopg.Error, PoolTimeout)):
-            return exc
-        if isinstance(exc, PoolTimeout):
-            return DatabaseUnavailableError(
-                f"no connection to PostgreSQL at {self.where} within {self._connect_timeout:g}s: {exc}"
-            )
-        if isinstance(exc, (psycopg.errors.UndefinedFunction, psycopg.errors.InvalidSchemaName)):
-            # One of the schema's own functions (table_push, ring_push...) is gone with its schema.
-            message = exc.diag.message_primary or ""
-            if f"{self.schema}." not in message and f'schema "{self.schema}"' not in message:
-                return DatabaseError(f"PostgreSQL error at {self.where}: {exc}".strip())
-            return SchemaError(
-                f"the dbqueue schema {self.schema!r} is not installed at {self.where} "
-                f"(run install(), or `dbqueue init`): {exc.diag.message_primary}"
-            )
-        if isinstance(exc, psycopg.errors.UndefinedTable):
-            return SchemaError(
-                f"the dbqueue schema {self.schema!r} is not installed at {self.where} "
-                f"(run install(), or `dbqueue init`): {exc.diag.message_primary}"
-            )
-        # Deadlocks, lock and statement timeouts are OperationalErrors to psycopg, but the server is
-        # fine: they must not read as "unreachable" (nor make connection() discard the pool).
-        if isinstance(exc, psycopg.errors.DeadlockDetected):
-            return DeadlockError(
-                f"PostgreSQL at {self.where}: deadlock, this transaction was rolled back: {_primary(exc)}"
-            )
-        if isinstance(exc, psycopg.errors.LockNotAvailable):
-            return LockTimeoutError(
-                f"PostgreSQL at {self.where}: a lock was not granted in time (lock_timeout): {_primary(exc)}"
-            )
-        if isinstance(exc, psycopg.errors.QueryCanceled):
-            return StatementTimeoutError(
-                f"PostgreSQL at {self.where}: the statement was cancelled (statement_timeout or "
-                f"pg_cancel_backend): {_primary(exc)}"
-            )
-        if isinstance(exc, psycopg.errors.SerializationFailure):
-            return TransientDatabaseError(
-                f"PostgreSQL at {self.where}: the statement was cancelled or its transaction rolled back "
-                f"(statement_timeout, pg_cancel_backend, or a serialization failure): {_primary(exc)}"
-            )
-        if isinstance(exc, psycopg.OperationalError):
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            return DatabaseUnavailableError(f"PostgreSQL at {self.where} is unreachable: {first}")
-        own = _RAISED_BY_FUNCTIONS.get(exc.sqlstate or "")
-        if own is not None:  # raised on purpose by the server-side functions of schema.sql
-            return own(exc.diag.message_primary or str(exc))
-        return DatabaseError(f"PostgreSQL error at {self.where}: {exc}".strip())
+        return translate(exc, schema=self.schema, where=self.where, connect_timeout=self._connect_timeout)
 
     def close(self) -> None:
         """Close the pool (it is reopened on next use)."""
@@ -479,201 +381,6 @@ class PostgresDatabase(PostgresMaintenance):
         """Run a named statement and return its row count."""
         return self._run(self.query(name, identifiers), params, conn, False, _row_count)
 
-    # -- LISTEN/NOTIFY -----------------------------------------------------------------------------
-
-    def channel(self, queue_id: int) -> str:
-        """Return the NOTIFY channel of a queue (at most 63 bytes: schema names are at most 40)."""
-        return f"dbq.{self.schema}.{queue_id}"
-
-    @contextlib.contextmanager
-    def listening(self, channel: str) -> Iterator[Listener]:
-        """Yield a :class:`Listener` on ``channel``, holding one pooled connection until exit."""
-        with self.connection() as c:
-            c.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
-            try:
-                yield Listener(c, self)
-            finally:
-                with contextlib.suppress(psycopg.Error):
-                    c.execute("UNLISTEN *")
-
-    async def aconnect(self, application_name: str) -> psycopg.AsyncConnection[Any]:
-        """Open an async connection of its own to the database, in autocommit; the caller closes it."""
-        return await psycopg.AsyncConnection.connect(
-            self.dsn, autocommit=True, application_name=application_name
-        )
-
-    async def afetchone(
-        self, aconn: psycopg.AsyncConnection[Any], name: str, params: Mapping[str, Any]
-    ) -> tuple[Any, ...] | None:
-        """Run the named query on the caller's async connection; return its first row (None: none)."""
-        with self.translate_errors():
-            cur = await aconn.execute(self.query(name), params)
-            return await cur.fetchone()
-
-    async def alisten(self, aconn: psycopg.AsyncConnection[Any], channel: str) -> None:
-        """LISTEN on ``channel`` on the caller's async connection."""
-        with self.translate_errors():
-            await aconn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
-
-    async def anotifies(self, aconn: psycopg.AsyncConnection[Any], timeout: float | None) -> set[str]:
-        """The channels of the next NOTIFY on ``aconn`` (and any that arrived with it), or none after
-        ``timeout`` seconds (None: no limit)."""
-        channels: set[str] = set()
-        async for n in aconn.notifies(timeout=timeout, stop_after=1):
-            channels.add(n.channel)
-        return channels
-
-    # -- schema ------------------------------------------------------------------------------------
-
-    def install(self) -> int:
-        """Create or migrate the schema, idempotently and safely when run concurrently.
-
-        A schema that does not exist is created (and recorded as the engine's); an existing one that
-        holds no install must be empty, or :class:`ForeignObjectsError` names what it holds and
-        nothing is done. Everything the install creates is recorded in ``owned_objects``.
-
-        :return: the schema version now installed.
-        """
-        latest, full = schema_sql()
-        steps = migrations()
-        if steps[-1][0] != latest:
-            raise SchemaError(
-                f"schema.sql declares version {latest} but the last migration is {steps[-1][0]}"
-            )
-        with self.transaction() as c:
-            c.execute(self.query("install_lock"), {"schema": self.schema})
-            current = self._installed_version(c)
-            refuse_newer_schema(self.schema, self.where, current, latest)
-            if current == latest:
-                return latest
-            before = self._objects(c)
-            created_schema = False
-            if current == 0:
-                if self._fetch_one(c, "schema_exists"):
-                    refuse_foreign_objects(self.schema, self.where, before)
-                else:
-                    c.execute(self.query("create_schema"))
-                    created_schema = True
-                c.execute(self.compose(full))
-                c.execute(self.query("record_version"), {"version": latest})
-                log.info("installed dbqueue schema %s at version %s", self.schema, latest)
-            else:
-                for version, body in steps:
-                    if version > current:
-                        c.execute(self.compose(body))
-                        c.execute(self.query("record_version"), {"version": version})
-                        log.info("migrated dbqueue schema %s to version %s", self.schema, version)
-            rings = [r[0] for r in c.execute(self.query("owned_ring_sequences"), {"schema": self.schema})]
-            own, schema_is_ours = ownership(
-                before,
-                self._objects(c),
-                fresh=current == 0,
-                created_schema=created_schema,
-                engine_names=_engine_names(),
-                ring_sequences=rings,
-            )
-            if schema_is_ours:
-                own.add(("schema", self.schema))
-            kinds, names = [k for k, _ in sorted(own)], [n for _, n in sorted(own)]
-            c.execute(self.query("record_owned"), {"kinds": kinds, "names": names})
-        return latest
-
-    def _fetch_one(self, c: psycopg.Connection[Any], name: str) -> Any:
-        row = c.execute(self.query(name), {"schema": self.schema}).fetchone()
-        return row[0] if row else None
-
-    def _installed_version(self, c: psycopg.Connection[Any]) -> int:
-        """The version of the install in the schema (0: none), read in ``c``'s transaction."""
-        if not self._fetch_one(c, "schema_installed"):
-            return 0
-        row = c.execute(self.query("schema_version")).fetchone()
-        return int(row[0]) if row else 0
-
-    def _objects(self, c: psycopg.Connection[Any]) -> list[SchemaObject]:
-        rows = c.execute(self.query("schema_objects"), {"schema": self.schema}).fetchall()
-        return [SchemaObject(kind, name, identity) for kind, name, identity in rows]
-
-    def migrate_to(self, version: int) -> None:
-        """Apply migrations 1..version to a schema that does not exist yet (for tests and upgrades)."""
-        with self.transaction() as c:
-            c.execute(self.query("install_lock"), {"schema": self.schema})
-            for v, body in migrations():
-                if v <= version:
-                    c.execute(self.compose(body))
-                    c.execute(self.query("record_version"), {"version": v})
-
-    def drop_schema(self) -> None:
-        """Drop what the engine created in the schema, and the schema when it is the engine's and empty.
-
-        What is dropped is what ``owned_objects`` lists (and the rings' sequences, which ``rings``
-        lists); an install of an older version is migrated first, which records it. Objects that are
-        not the engine's stay, and so does the schema that holds them. When an object that is not the
-        engine's depends on one of its objects (a view over ``meta``), :class:`ForeignObjectsError`
-        names it and nothing is dropped. A schema without an install is left alone.
-        """
-        with self.transaction() as c:
-            c.execute(self.query("install_lock"), {"schema": self.schema})
-            current = self._installed_version(c) if self._fetch_one(c, "schema_exists") else 0
-        if current == 0:
-            log.info(
-                "dbqueue schema %s holds no install at %s: nothing to uninstall", self.schema, self.where
-            )
-            return
-        latest = schema_sql()[0]
-        if current < latest:
-            self.install()  # records what the engine owns, as it does for any older install
-        try:
-            with self.transaction() as c:
-                c.execute(self.query("install_lock"), {"schema": self.schema})
-                refuse_newer_schema(self.schema, self.where, self._installed_version(c), latest)
-                owned = {(k, n) for k, n in c.execute(self.query("owned_objects"))}
-                for name in [
-                    r[0] for r in c.execute(self.query("owned_ring_sequences"), {"schema": self.schema})
-                ]:
-                    c.execute(self.query("drop_owned_sequence", {"sequence": name}))
-                present = [o for o in self._objects(c) if o.key in owned]
-                for kind, query, ident in (
-                    ("function", "drop_owned_routine", "routine"),
-                    ("table", "drop_owned_table", "table"),
-                    ("sequence", "drop_owned_sequence", "sequence"),
-                ):
-                    for o in present:
-                        if o.kind == kind:
-                            c.execute(self.query(query, {ident: o.name}))
-                left = self._objects(c)
-                if ("schema", self.schema) in owned and not left:
-                    c.execute(self.query("drop_owned_schema"))
-                    log.info("uninstalled dbqueue schema %s at %s", self.schema, self.where)
-                else:
-                    log.info(
-                        "uninstalled dbqueue from schema %s at %s; the schema stays (%s)",
-                        self.schema,
-                        self.where,
-                        f"it holds {describe_objects(left)}" if left else "the engine did not create it",
-                    )
-        except DatabaseError as exc:
-            cause = exc.__cause__
-            if isinstance(cause, psycopg.errors.DependentObjectsStillExist):
-                found = (cause.diag.message_detail or _primary(cause)).splitlines()
-                raise ForeignObjectsError(
-                    f"uninstall of schema {self.schema!r} at {self.where} refused: objects that are not "
-                    f"the engine's depend on its own ({'; '.join(found)}). Nothing was dropped: drop "
-                    "or move them first",
-                    found,
-                ) from exc
-            raise
-
-
-def _engine_names() -> frozenset[tuple[str, str]]:
-    """The tables, sequences and functions that the schema file and the migrations create."""
-    texts = [read_text(_PKG, "schema.sql")]
-    texts += [
-        e.read_text(encoding="utf-8")
-        for e in resources.files(_PKG).joinpath("migrations").iterdir()
-        if _MIGRATION_FILE.match(e.name)
-    ]
-    return frozenset().union(*(engine_objects(t) for t in texts))
-
 
 BINARY_RESULTS = frozenset(
     {
@@ -744,10 +451,6 @@ def _sound(conn: psycopg.Connection[Any]) -> bool:
     return True
 
 
-def _primary(exc: psycopg.Error) -> str:
-    return exc.diag.message_primary or str(exc).strip() or type(exc).__name__
-
-
 def _configure_connection(conn: psycopg.Connection[Any]) -> None:
     """Session settings of every pooled connection.
 
@@ -762,21 +465,3 @@ def _configure_connection(conn: psycopg.Connection[Any]) -> None:
     """
     conn.execute("SET plan_cache_mode = force_custom_plan")
     conn.execute("SET TimeZone = 'UTC'")
-
-
-class Listener:
-    """A connection that LISTENs on one channel; :meth:`wait` returns when a notification arrives."""
-
-    def __init__(self, conn: psycopg.Connection[Any], db: PostgresDatabase) -> None:
-        self._conn = conn
-        self._db = db
-
-    def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds; return True if a notification arrived."""
-        if timeout <= 0:
-            return False
-        with self._db.translate_errors():
-            got = False
-            for _ in self._conn.notifies(timeout=timeout, stop_after=1):
-                got = True
-            return got

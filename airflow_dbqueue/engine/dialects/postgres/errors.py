@@ -1,0 +1,88 @@
+"""What psycopg and its pool raise, as the engine's errors (``engine/errors.py``): the one place the
+PostgreSQL dialect reads a driver error."""
+
+from __future__ import annotations
+
+import psycopg
+import psycopg.errors
+from psycopg_pool import PoolTimeout
+
+from airflow_dbqueue.engine.errors import (
+    ConfigurationError,
+    DatabaseError,
+    DatabaseUnavailableError,
+    DbQueueError,
+    DeadlockError,
+    LockTimeoutError,
+    QueueFullError,
+    ReceiptsNotHeldError,
+    RingNumbersSkippedError,
+    SchemaError,
+    StatementTimeoutError,
+    TransientDatabaseError,
+)
+
+# SQLSTATEs that the server-side functions of schema.sql raise on purpose (class DQ is ours).
+_RAISED_BY_FUNCTIONS: dict[str, type[DbQueueError]] = {
+    "DQ001": QueueFullError,
+    "DQ002": RingNumbersSkippedError,
+    "DQ003": ConfigurationError,
+    "DQ005": ReceiptsNotHeldError,
+}
+
+
+def translate(exc: Exception, *, schema: str, where: str, connect_timeout: float) -> Exception:  # noqa: PLR0911 - a return a kind, in test order
+    """The engine's exception for ``exc`` (``exc`` itself when it is one already, or not a database
+    error)."""
+    if isinstance(exc, DbQueueError) or not isinstance(exc, (psycopg.Error, PoolTimeout)):
+        return exc
+    if isinstance(exc, PoolTimeout):
+        return DatabaseUnavailableError(
+            f"no connection to PostgreSQL at {where} within {connect_timeout:g}s: {exc}"
+        )
+    if isinstance(exc, (psycopg.errors.UndefinedFunction, psycopg.errors.InvalidSchemaName)):
+        # One of the schema's own functions (table_push, ring_push...) is gone with its schema.
+        message = exc.diag.message_primary or ""
+        if f"{schema}." not in message and f'schema "{schema}"' not in message:
+            return DatabaseError(f"PostgreSQL error at {where}: {exc}".strip())
+        return SchemaError(
+            f"the dbqueue schema {schema!r} is not installed at {where} "
+            f"(run install(), or `dbqueue init`): {exc.diag.message_primary}"
+        )
+    if isinstance(exc, psycopg.errors.UndefinedTable):
+        return SchemaError(
+            f"the dbqueue schema {schema!r} is not installed at {where} "
+            f"(run install(), or `dbqueue init`): {exc.diag.message_primary}"
+        )
+    # Deadlocks, lock and statement timeouts are OperationalErrors to psycopg, but the server is
+    # fine: they must not read as "unreachable" (nor make connection() discard the pool).
+    if isinstance(exc, psycopg.errors.DeadlockDetected):
+        return DeadlockError(
+            f"PostgreSQL at {where}: deadlock, this transaction was rolled back: {primary(exc)}"
+        )
+    if isinstance(exc, psycopg.errors.LockNotAvailable):
+        return LockTimeoutError(
+            f"PostgreSQL at {where}: a lock was not granted in time (lock_timeout): {primary(exc)}"
+        )
+    if isinstance(exc, psycopg.errors.QueryCanceled):
+        return StatementTimeoutError(
+            f"PostgreSQL at {where}: the statement was cancelled (statement_timeout or "
+            f"pg_cancel_backend): {primary(exc)}"
+        )
+    if isinstance(exc, psycopg.errors.SerializationFailure):
+        return TransientDatabaseError(
+            f"PostgreSQL at {where}: the statement was cancelled or its transaction rolled back "
+            f"(statement_timeout, pg_cancel_backend, or a serialization failure): {primary(exc)}"
+        )
+    if isinstance(exc, psycopg.OperationalError):
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return DatabaseUnavailableError(f"PostgreSQL at {where} is unreachable: {first}")
+    own = _RAISED_BY_FUNCTIONS.get(exc.sqlstate or "")
+    if own is not None:  # raised on purpose by the server-side functions of schema.sql
+        return own(exc.diag.message_primary or str(exc))
+    return DatabaseError(f"PostgreSQL error at {where}: {exc}".strip())
+
+
+def primary(exc: psycopg.Error) -> str:
+    """The server's primary message of ``exc`` (else its text, else its kind)."""
+    return exc.diag.message_primary or str(exc).strip() or type(exc).__name__

@@ -1,0 +1,104 @@
+"""LISTEN/NOTIFY on PostgreSQL: a pooled connection that waits for a queue's pushes (:class:`Listener`),
+and the async connections of observers (a trigger) that LISTEN and check readiness without a thread.
+
+:class:`PostgresNotify` is a part of :class:`PostgresDatabase`; the engine calls it through the
+:class:`~airflow_dbqueue.engine.dialects.base.Database` protocol only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
+
+import psycopg
+from psycopg import sql
+
+
+class _Connections(Protocol):
+    """What the notification part takes from the rest of :class:`PostgresDatabase`."""
+
+    schema: str
+    dsn: str
+
+    def connection(
+        self, conn: psycopg.Connection[Any] | None = None
+    ) -> AbstractContextManager[psycopg.Connection[Any]]: ...
+
+    def translate_errors(self) -> AbstractContextManager[None]: ...
+
+    def query(self, name: str, identifiers: Mapping[str, str] | None = None) -> bytes: ...
+
+
+if TYPE_CHECKING:  # the dialect's class supplies them
+    _Base = _Connections
+else:
+    _Base = object
+
+
+class PostgresNotify(_Base):
+    """The LISTEN/NOTIFY part of :class:`PostgresDatabase` (see the module's docstring)."""
+
+    supports_notify = True
+    async_observers = True
+
+    def channel(self, queue_id: int) -> str:
+        """Return the NOTIFY channel of a queue (at most 63 bytes: schema names are at most 40)."""
+        return f"dbq.{self.schema}.{queue_id}"
+
+    @contextlib.contextmanager
+    def listening(self, channel: str) -> Iterator[Listener]:
+        """Yield a :class:`Listener` on ``channel``, holding one pooled connection until exit."""
+        with self.connection() as c:
+            c.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            try:
+                yield Listener(c, self)
+            finally:
+                with contextlib.suppress(psycopg.Error):
+                    c.execute("UNLISTEN *")
+
+    async def aconnect(self, application_name: str) -> psycopg.AsyncConnection[Any]:
+        """Open an async connection of its own to the database, in autocommit; the caller closes it."""
+        return await psycopg.AsyncConnection.connect(
+            self.dsn, autocommit=True, application_name=application_name
+        )
+
+    async def afetchone(
+        self, aconn: psycopg.AsyncConnection[Any], name: str, params: Mapping[str, Any]
+    ) -> tuple[Any, ...] | None:
+        """Run the named query on the caller's async connection; return its first row (None: none)."""
+        with self.translate_errors():
+            cur = await aconn.execute(self.query(name), params)
+            return await cur.fetchone()
+
+    async def alisten(self, aconn: psycopg.AsyncConnection[Any], channel: str) -> None:
+        """LISTEN on ``channel`` on the caller's async connection."""
+        with self.translate_errors():
+            await aconn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+
+    async def anotifies(self, aconn: psycopg.AsyncConnection[Any], timeout: float | None) -> set[str]:
+        """The channels of the next NOTIFY on ``aconn`` (and any that arrived with it), or none after
+        ``timeout`` seconds (None: no limit)."""
+        channels: set[str] = set()
+        async for n in aconn.notifies(timeout=timeout, stop_after=1):
+            channels.add(n.channel)
+        return channels
+
+
+class Listener:
+    """A connection that LISTENs on one channel; :meth:`wait` returns when a notification arrives."""
+
+    def __init__(self, conn: psycopg.Connection[Any], db: _Connections) -> None:
+        self._conn = conn
+        self._db = db
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds; return True if a notification arrived."""
+        if timeout <= 0:
+            return False
+        with self._db.translate_errors():
+            got = False
+            for _ in self._conn.notifies(timeout=timeout, stop_after=1):
+                got = True
+            return got
