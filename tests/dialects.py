@@ -18,7 +18,7 @@ import pytest
 
 from airflow_dbqueue.engine import DbQueue
 from airflow_dbqueue.engine.dialects.mssql import MssqlDatabase
-from airflow_dbqueue.engine.dialects.mssql.dialect import to_positional
+from airflow_dbqueue.engine.dialects.mssql.params import to_positional
 from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
 from tests.conftest import installed_dbq
 

@@ -32,17 +32,18 @@ from airflow_dbqueue.engine import (
     StatementTimeoutError,
 )
 from airflow_dbqueue.engine.dialects.base import dialect_of_dsn
+from airflow_dbqueue.engine.dialects.mssql import conninfo as ms_conninfo
 from airflow_dbqueue.engine.dialects.mssql import dialect as ms
-from airflow_dbqueue.engine.dialects.mssql.dialect import (
-    NOT_YET_PORTED,
-    POSTGRES_ONLY,
-    MssqlDatabase,
+from airflow_dbqueue.engine.dialects.mssql import errors as ms_errors
+from airflow_dbqueue.engine.dialects.mssql import schema as ms_schema
+from airflow_dbqueue.engine.dialects.mssql.conninfo import parse_dsn
+from airflow_dbqueue.engine.dialects.mssql.dialect import NOT_YET_PORTED, POSTGRES_ONLY, MssqlDatabase
+from airflow_dbqueue.engine.dialects.mssql.errors import translate
+from airflow_dbqueue.engine.dialects.mssql.params import (
     adapt_row,
     inline_int_params,
-    parse_dsn,
     render_named,
     to_positional,
-    translate,
 )
 from airflow_dbqueue.engine.queue import DEFAULT_CONSUMER, poll_pauses
 from airflow_dbqueue.engine.sqlfile import load_queries, parse_named_queries, read_text
@@ -129,7 +130,7 @@ def test_every_tsql_query_parses_as_tsql(name: str) -> None:
 
 
 def test_the_schema_parses_as_tsql() -> None:
-    version, body = ms.schema_sql()
+    version, body = ms_schema.schema_sql()
     stmts = tsql_statements(MssqlDatabase("mssql://h/db", schema="dbq").compose(body))
     assert version == 5
     created = [s for s in stmts if isinstance(s, exp.Create)]
@@ -235,9 +236,9 @@ FUNCTIONS = sorted(k for k, v in schema_blocks().items() if "\nCREATE OR ALTER F
 
 
 def test_the_schema_steps_are_versions_one_to_latest() -> None:
-    latest, steps = ms.schema_steps()
+    latest, steps = ms_schema.schema_steps()
     assert latest == 5 and [v for v, _ in steps] == [1, 2, 3, 4, 5]
-    assert steps[0][1] == [ms.schema_sql()[1]]
+    assert steps[0][1] == [ms_schema.schema_sql()[1]]
     blocks = schema_blocks()
     v2 = [k for k in blocks if k.startswith("v2_")]
     v3 = [k for k in blocks if k.startswith("v3_")]
@@ -803,7 +804,7 @@ def test_every_error_the_procedures_raise_is_translated() -> None:
     text = read_text(MS, "schema.sql")
     codes = set(re.findall(r"RAISERROR \(N'\[(DQ\d{3})\]", text))
     assert codes == {"DQ001", "DQ002", "DQ003", "DQ004"}
-    assert codes - {"DQ004"} <= set(ms.RAISED_BY_PROCEDURES)
+    assert codes - {"DQ004"} <= set(ms_errors.RAISED_BY_PROCEDURES)
 
 
 def test_the_claim_reads_past_locked_rows_and_updates_through_a_top_n_cte() -> None:
@@ -894,7 +895,7 @@ def test_urls_and_odbc_strings_parse_without_leaking_credentials() -> None:
     assert where == "db.example:1434/app"
     attrs, where = parse_dsn("DRIVER={ODBC Driver 18 for SQL Server};SERVER=tcp:h,1433;DATABASE=q;PWD={a;b}")
     assert attrs["PWD"] == "{a;b}" and where == "h:1433/q"
-    text = ms.odbc_connection_string({"SERVER": "h", "PWD": "a;b"}, 5)
+    text = ms_conninfo.odbc_connection_string({"SERVER": "h", "PWD": "a;b"}, 5)
     assert "PWD={a;b}" in text and "LoginTimeout=5" in text
 
 
@@ -1052,9 +1053,9 @@ def _closed_port() -> int:
 def test_odbc_driver_18_is_loaded_and_a_closed_port_raises_database_unavailable() -> None:
     """A real connect: pyodbc -> unixODBC -> Microsoft ODBC Driver 18 -> 127.0.0.1:<closed port>."""
     import_pyodbc()
-    driver = ms.default_driver()
+    driver = ms_conninfo.default_driver()
     assert (
-        driver == ms.DEFAULT_DRIVER
+        driver == ms_conninfo.DEFAULT_DRIVER
         or driver.endswith(tuple(f".so.{i}" for i in range(1, 9)))
         or ".so" in driver
     )

@@ -18,15 +18,10 @@ import sqlglot
 from sqlglot import exp
 
 from airflow_dbqueue.engine import ConfigurationError, DbQueue, DeadlockError
-from airflow_dbqueue.engine.dialects.mssql import dialect as ms
-from airflow_dbqueue.engine.dialects.mssql.dialect import (
-    MssqlDatabase,
-    edition_name,
-    int_literal,
-    lock_timeout_ms,
-    query_timeout_s,
-    rebuild_mode,
-)
+from airflow_dbqueue.engine.dialects.mssql import maintenance as ms_maintenance
+from airflow_dbqueue.engine.dialects.mssql.dialect import MssqlDatabase
+from airflow_dbqueue.engine.dialects.mssql.maintenance import edition_name, rebuild_mode
+from airflow_dbqueue.engine.dialects.mssql.params import int_literal, lock_timeout_ms, query_timeout_s
 from airflow_dbqueue.engine.maintenance import (
     APPLICATION_NAME,
     MSSQL_TABLES,
@@ -399,7 +394,7 @@ def test_a_second_run_skips_naming_the_holder_on_a_fake_sql_server(fake: Mainten
 
 
 def test_ms_module_exports_the_online_editions() -> None:
-    assert set(ms.ONLINE_REBUILD_EDITIONS) == {3, 5, 8}
+    assert set(ms_maintenance.ONLINE_REBUILD_EDITIONS) == {3, 5, 8}
 
 
 def test_a_batch_above_the_lock_escalation_threshold_is_warned_about_on_a_fake_sql_server(

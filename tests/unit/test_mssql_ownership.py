@@ -17,7 +17,9 @@ import pytest
 
 from airflow_dbqueue.engine import DbQueue, ForeignObjectsError, InvalidNameError
 from airflow_dbqueue.engine.dialects.base import engine_objects
-from airflow_dbqueue.engine.dialects.mssql.dialect import MssqlDatabase, schema_steps, translate
+from airflow_dbqueue.engine.dialects.mssql.dialect import MssqlDatabase
+from airflow_dbqueue.engine.dialects.mssql.errors import translate
+from airflow_dbqueue.engine.dialects.mssql.schema import schema_steps
 from tests.fake_mssql import FakeConnection, FakeCursor, FakeSqlServer, Rows, import_pyodbc
 from tests.unit.test_mssql_dialect import DRIVER, tsql_statements
 

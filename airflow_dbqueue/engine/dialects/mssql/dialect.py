@@ -1,11 +1,14 @@
-"""SQL Server through pyodbc: connections, named queries, parameters, error translation, retries.
+"""SQL Server through pyodbc: connections, named queries, retries.
 
 Every statement the engine runs on SQL Server is a named block in ``queries.sql`` or ``schema.sql``
 beside this file, under the names of the PostgreSQL dialect. This module composes them (schema name
-bracket-quoted after validation), binds their parameters and runs each as one transaction.
+bracket-quoted after validation), binds their parameters and runs each as one transaction. The other
+parts of :class:`MssqlDatabase` are beside it: parameters, literals and rows (``params.py``), connection
+strings (``conninfo.py``), the translation of driver errors (``errors.py``), the schema and its steps
+(``schema.py``) and maintenance (``maintenance.py``).
 
-- Parameters: the blocks are written with ``%(name)s`` like PostgreSQL's; :func:`to_positional` turns
-  them into pyodbc's ``?`` with the values in order.
+- Parameters: the blocks are written with ``%(name)s`` like PostgreSQL's; ``params.to_positional``
+  turns them into pyodbc's ``?`` with the values in order.
 - Lists: T-SQL has no arrays. A list parameter (receipt ids, deliveries, payloads) goes as one JSON
   array read with ``OPENJSON`` (SQL Server 2016+), bytes as hex strings (``CONVERT(varbinary, x, 2)``).
   Arrays the ring keeps in its tables (a lease's per-lane starts) and passes between its procedures
@@ -19,7 +22,7 @@ bracket-quoted after validation), binds their parameters and runs each as one tr
 - No LISTEN/NOTIFY: waiting pops poll (see ``Queue.pop``).
 - The ring design's push, pop and gap recovery are stored procedures (``schema.sql``), which raise
   error 50000 with ``[DQ00n]`` at the start of the message where PostgreSQL's functions raise SQLSTATE
-  ``DQ00n``; :func:`translate` maps both the same way.
+  ``DQ00n``; ``errors.translate`` maps both the same way.
 - Maintenance (``engine/maintenance/``, through ``maintenance.py`` beside this file) runs on a
   connection of its own in autocommit mode (:meth:`MssqlDatabase.dedicated_connection`), like
   PostgreSQL's: the statements of :data:`OUTSIDE_TRANSACTION` run there as they are, everything else
@@ -30,52 +33,38 @@ bracket-quoted after validation), binds their parameters and runs each as one tr
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
-import glob
-import json
 import logging
-import math
-import os
 import random
-import re
 import threading
 import time
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlsplit
 
-from airflow_dbqueue.engine.dialects.base import (
-    SchemaObject,
-    describe_objects,
-    engine_objects,
-    ownership,
-    refuse_foreign_objects,
-    refuse_newer_schema,
-)
+from airflow_dbqueue.engine.dialects.mssql.conninfo import odbc_connection_string, parse_dsn
+from airflow_dbqueue.engine.dialects.mssql.errors import translate
 from airflow_dbqueue.engine.dialects.mssql.maintenance import MssqlMaintenance
+from airflow_dbqueue.engine.dialects.mssql.params import (
+    adapt_row,
+    inline_int_params,
+    lock_timeout_ms,
+    query_timeout_s,
+    quote_identifier,
+    render_named,
+    to_positional,
+)
+from airflow_dbqueue.engine.dialects.mssql.schema import MssqlSchema
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
-    DatabaseError,
     DatabaseUnavailableError,
     DbQueueError,
-    DeadlockError,
-    ForeignObjectsError,
-    LockTimeoutError,
-    QueueFullError,
-    ReceiptsNotHeldError,
-    RingNumbersSkippedError,
-    SchemaError,
-    StatementTimeoutError,
     TransientDatabaseError,
 )
 from airflow_dbqueue.engine.names import MSSQL_RESERVED_SCHEMAS, validate_identifier, validate_schema_name
-from airflow_dbqueue.engine.sqlfile import load_queries, parse_named_queries, read_text
+from airflow_dbqueue.engine.sqlfile import load_queries
 
 log = logging.getLogger(__name__)
 
 _PKG = __package__ or "airflow_dbqueue.engine.dialects.mssql"
-DEFAULT_DRIVER = "ODBC Driver 18 for SQL Server"
 
 NOT_YET_PORTED: dict[str, str] = {}
 """Named queries of the PostgreSQL dialect that this dialect does not have yet, with what they need.
@@ -110,366 +99,6 @@ hold its final schema lock until the commit, and the session's lock and settings
 named query on an autocommit connection runs in a transaction of its own (a T-SQL batch of several
 statements must commit or roll back whole)."""
 
-INLINE_INT_PARAMS: dict[str, dict[str, tuple[int, int]]] = {"set_timeouts": {"lock_ms": (-1, 2**31 - 1)}}
-"""Parameters that T-SQL does not accept as parameters (``SET LOCK_TIMEOUT`` takes a constant), by query:
-written into the text as integers after :func:`int_literal` checked them against the range given."""
-
-ONLINE_REBUILD_EDITIONS: dict[int, str] = {
-    3: "Enterprise, Developer or Evaluation",
-    5: "Azure SQL Database",
-    8: "Azure SQL Managed Instance",
-}
-"""``SERVERPROPERTY('EngineEdition')`` values whose engine rebuilds indexes with ``ONLINE = ON``."""
-
-ENGINE_EDITIONS: dict[int, str] = {
-    1: "Personal or Desktop Engine",
-    2: "Standard (or Web, Business Intelligence)",
-    4: "Express",
-    6: "Azure Synapse dedicated SQL pool",
-    9: "Azure SQL Edge",
-    11: "Azure Synapse serverless SQL pool",
-    **ONLINE_REBUILD_EDITIONS,
-}
-"""Names of the ``SERVERPROPERTY('EngineEdition')`` values, for reports."""
-
-
-def edition_name(edition: int | None) -> str:
-    """Return a readable name of an engine edition number (``"EngineEdition 12"`` when unknown)."""
-    if edition is None:
-        return "an unknown edition"
-    return f"{ENGINE_EDITIONS.get(edition, 'EngineEdition')} ({edition})"
-
-
-def rebuild_mode(edition: int | None) -> str:
-    """Return how an index of a server of this engine edition is rebuilt without blocking the queue.
-
-    ``"online rebuild"`` (``ALTER INDEX ... REBUILD WITH (ONLINE = ON)``) where the edition has online
-    index operations (:data:`ONLINE_REBUILD_EDITIONS`), ``"reorganize"`` (``ALTER INDEX ... REORGANIZE``,
-    online in every edition) otherwise, and for an edition this code does not know: an offline rebuild
-    would lock the table for its whole duration, so it is never chosen.
-    """
-    return "online rebuild" if edition in ONLINE_REBUILD_EDITIONS else "reorganize"
-
-
-def int_literal(value: Any, *, name: str, low: int, high: int) -> str:
-    """Return ``value`` as the text of an integer in ``low..high`` for a T-SQL statement that takes a
-    constant; raise :class:`ConfigurationError` for anything else (booleans, fractions, other text)."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ConfigurationError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
-    text = value.strip() if isinstance(value, str) else str(value)
-    if not re.fullmatch(r"-?[0-9]{1,10}", text) or not low <= int(text) <= high:
-        raise ConfigurationError(f"{name} must be an integer in {low}..{high}, got {value!r}")
-    return str(int(text))
-
-
-def lock_timeout_ms(seconds: float | None) -> int:
-    """Return the ``SET LOCK_TIMEOUT`` value for ``seconds`` (``None``: wait without limit, -1).
-
-    Rounded up to whole milliseconds and capped at 2**31 - 1; negative, NaN or infinite seconds raise
-    :class:`ConfigurationError`.
-    """
-    if seconds is None:
-        return -1
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not math.isfinite(seconds):
-        raise ConfigurationError(f"a lock timeout must be a finite number of seconds, got {seconds!r}")
-    if seconds < 0:
-        raise ConfigurationError(f"a lock timeout must be >= 0 seconds, got {seconds!r}")
-    return min(2**31 - 1, math.ceil(seconds * 1000))
-
-
-def query_timeout_s(seconds: float | None) -> int:
-    """Return the driver's query timeout for ``seconds``: whole seconds, rounded up (0.2 s waits 1 s),
-    at least 1 for any positive value; 0 (no timeout) for ``None`` or 0."""
-    if seconds is None:
-        return 0
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not math.isfinite(seconds):
-        raise ConfigurationError(f"a statement timeout must be a finite number of seconds, got {seconds!r}")
-    if seconds < 0:
-        raise ConfigurationError(f"a statement timeout must be >= 0 seconds, got {seconds!r}")
-    return min(2**31 - 1, math.ceil(seconds))
-
-
-def inline_int_params(name: str, sql: str, params: Mapping[str, Any] | None) -> str:
-    """Write the :data:`INLINE_INT_PARAMS` of query ``name`` into ``sql`` as checked integer literals."""
-    ranges = INLINE_INT_PARAMS.get(name)
-    if not ranges:
-        return sql
-    given = params or {}
-
-    def repl(m: re.Match[str]) -> str:
-        key = m.group(1)
-        if key not in ranges:
-            return m.group(0)
-        if key not in given:
-            raise ConfigurationError(f"no value for the query parameter {key!r}")
-        low, high = ranges[key]
-        return int_literal(given[key], name=key, low=low, high=high)
-
-    return _NAMED.sub(repl, sql)
-
-
-# -- parameters ------------------------------------------------------------------------------------
-
-_NAMED = re.compile(r"%\(([a-z_][a-z0-9_]*)\)s")
-
-
-def adapt_value(value: Any) -> Any:
-    """Return ``value`` as pyodbc should bind it.
-
-    Lists and tuples become one JSON array (bytes items as hex strings, for ``CONVERT(..., 2)``); UUIDs
-    become text; aware datetimes become naive UTC (every time column is UTC ``datetime2``).
-    """
-    if isinstance(value, list | tuple):
-        return json.dumps([v.hex() if isinstance(v, bytes | bytearray | memoryview) else v for v in value])
-    if isinstance(value, uuid.UUID):
-        return str(value)
-    if isinstance(value, dt.datetime) and value.tzinfo is not None:
-        return value.astimezone(dt.UTC).replace(tzinfo=None)
-    return value
-
-
-def to_positional(sql: str, params: Mapping[str, Any] | None) -> tuple[str, list[Any]]:
-    """Turn ``%(name)s`` placeholders into ``?`` and return the values in placeholder order.
-
-    A name used twice is bound twice. A placeholder without a value raises :class:`ConfigurationError`;
-    values that no placeholder names are ignored (a query may not need every value the design passes).
-    """
-    values: list[Any] = []
-    given = params or {}
-
-    def repl(m: re.Match[str]) -> str:
-        name = m.group(1)
-        if name not in given:
-            raise ConfigurationError(f"no value for the query parameter {name!r}")
-        values.append(adapt_value(given[name]))
-        return "?"
-
-    return _NAMED.sub(repl, sql), values
-
-
-def sql_literal(value: Any) -> str:  # noqa: PLR0911
-    """Return ``value`` as a T-SQL literal (for :meth:`MssqlDatabase.render`; never for user input)."""
-    value = adapt_value(value)
-    if value is None:
-        return "NULL"
-    if isinstance(value, bool):
-        return "1" if value else "0"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        return repr(value)
-    if isinstance(value, bytes | bytearray):
-        return "0x" + bytes(value).hex()
-    if isinstance(value, dt.datetime):
-        return f"CAST('{value.isoformat(sep=' ')}' AS datetime2(6))"
-    if isinstance(value, str):
-        return "N'" + value.replace("'", "''") + "'"
-    raise ConfigurationError(f"cannot render a {type(value).__name__} as a T-SQL literal")
-
-
-def render_named(sql: str, params: Mapping[str, Any]) -> str:
-    """Replace ``%(name)s`` placeholders by T-SQL literals of ``params``."""
-
-    def repl(m: re.Match[str]) -> str:
-        if m.group(1) not in params:
-            raise ConfigurationError(f"no value for the query parameter {m.group(1)!r}")
-        return sql_literal(params[m.group(1)])
-
-    return _NAMED.sub(repl, sql)
-
-
-def quote_identifier(name: str) -> str:
-    """Return ``name`` bracket-quoted (``]`` doubled), as T-SQL's QUOTENAME does."""
-    return "[" + name.replace("]", "]]") + "]"
-
-
-# -- results ---------------------------------------------------------------------------------------
-
-# Queries whose rows carry receipt lists as JSON text (columns 2 and 3: ids, deliveries).
-_JSON_LIST_COLUMNS: dict[str, tuple[int, ...]] = {
-    "claim_batch": (2, 3),
-    "get_batch": (2, 3),
-    "lock_batch": (2, 3),
-    "open_batches": (2, 3),
-}
-
-
-def adapt_row(name: str, row: Sequence[Any]) -> tuple[Any, ...]:
-    """Return a pyodbc row as the engine expects it: naive datetimes as aware UTC (every time column
-    is UTC), and the JSON lists of :data:`_JSON_LIST_COLUMNS` as lists."""
-    out: list[Any] = [
-        v.replace(tzinfo=dt.UTC) if isinstance(v, dt.datetime) and v.tzinfo is None else v for v in row
-    ]
-    for i in _JSON_LIST_COLUMNS.get(name, ()):
-        out[i] = json.loads(out[i]) if out[i] is not None else []
-    return tuple(out)
-
-
-# -- connection strings ----------------------------------------------------------------------------
-
-
-def bundled_driver() -> str | None:
-    """Return the path of the ODBC Driver 18 shipped by the ``mssql-python-odbc`` wheel, if installed."""
-    try:
-        import mssql_python_odbc  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        return None
-    libs = mssql_python_odbc.get_libs_dir()
-    arch = os.uname().machine
-    arch = {"aarch64": "arm64"}.get(arch, arch)
-    for distro in ("debian_ubuntu", "rhel", "suse", "alpine"):
-        found = sorted(glob.glob(os.path.join(libs, "linux", distro, arch, "lib", "libmsodbcsql-*.so*")))
-        if found:
-            return found[-1]
-    return None
-
-
-def default_driver() -> str:
-    """The ODBC driver to name when a DSN names none: Driver 18 if registered, else the bundled one.
-
-    Without pyodbc nothing can connect (:meth:`MssqlDatabase.connect` says what to install), but a
-    connection string can still be built: it names the bundled driver, or Driver 18.
-    """
-    try:
-        import pyodbc
-    except ImportError:
-        return bundled_driver() or DEFAULT_DRIVER
-    if DEFAULT_DRIVER in pyodbc.drivers():
-        return DEFAULT_DRIVER
-    return bundled_driver() or DEFAULT_DRIVER
-
-
-def parse_dsn(dsn: str) -> tuple[dict[str, str], str]:
-    """Return ``(odbc_attributes, where)`` of an ``mssql://`` URL or an ODBC connection string.
-
-    ``where`` is ``host:port/database`` without credentials, for error messages. A URL's query
-    parameters pass through as ODBC attributes (``?Encrypt=no&TrustServerCertificate=yes``).
-    """
-    text = dsn.strip().removeprefix("odbc:")
-    attrs: dict[str, str] = {}
-    if "://" in text:
-        url = urlsplit(text)
-        try:
-            url_port = url.port
-        except ValueError:
-            raise ConfigurationError(
-                "the SQL Server connection URL is not valid: its port is not a port number (1..65535)"
-            ) from None
-        attrs["SERVER"] = f"tcp:{url.hostname or 'localhost'},{url_port or 1433}"
-        if url.path.strip("/"):
-            attrs["DATABASE"] = unquote(url.path.strip("/"))
-        if url.username:
-            attrs["UID"] = unquote(url.username)
-        if url.password:
-            attrs["PWD"] = unquote(url.password)
-        for k, v in parse_qsl(url.query):
-            attrs[k.upper() if k.lower() in ("driver", "encrypt") else k] = v
-    else:
-        for part in _split_odbc(text):
-            key, _, value = part.partition("=")
-            if key.strip():
-                attrs[key.strip().upper()] = value.strip()
-    server = attrs.get("SERVER", "localhost").removeprefix("tcp:")
-    host, _, port = server.partition(",")
-    where = f"{host or 'localhost'}:{port or 1433}/{attrs.get('DATABASE', '')}"
-    return attrs, where
-
-
-def _split_odbc(text: str) -> list[str]:
-    """Split an ODBC connection string on ``;`` outside ``{...}`` values."""
-    parts, cur, depth = [], "", 0
-    for ch in text:
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth = max(0, depth - 1)
-        if ch == ";" and depth == 0:
-            parts.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    parts.append(cur)
-    return parts
-
-
-def odbc_connection_string(attrs: Mapping[str, str], connect_timeout: float) -> str:
-    """Return an ODBC connection string for ``attrs`` (driver defaulted, values braced when needed)."""
-    out = dict(attrs)
-    out.setdefault("DRIVER", default_driver())
-    out.setdefault("LoginTimeout", str(max(1, int(connect_timeout))))
-    out.setdefault("APP", "airflow-dbqueue")
-
-    def value(v: str) -> str:
-        if v.startswith("{") or not any(c in v for c in ";{}= "):
-            return v
-        return "{" + v.replace("}", "}}") + "}"
-
-    return ";".join(f"{k}={value(str(v))}" for k, v in out.items())
-
-
-# -- errors ----------------------------------------------------------------------------------------
-
-_NATIVE = re.compile(r"\((\d+)\)\s*\(SQL\w+\)\s*$")
-_UNAVAILABLE_STATES = frozenset({"08001", "08S01", "08004", "08007", "HYT00", "HYT01", "28000", "IM002"})
-_UNINSTALLED = 208  # Invalid object name
-_RAISED = 50000  # RAISERROR with a message text (the ring's procedures)
-_RAISED_CODE = re.compile(r"\[(DQ\d{3})\]")
-RAISED_BY_PROCEDURES: dict[str, type[DbQueueError]] = {
-    "DQ001": QueueFullError,
-    "DQ002": RingNumbersSkippedError,
-    "DQ003": ConfigurationError,
-    "DQ005": ReceiptsNotHeldError,
-    "DQ006": ForeignObjectsError,
-    "DQ007": DeadlockError,
-}
-"""What the ring's stored procedures (and ``drop_owned_table``) raise on purpose (``RAISERROR`` with
-``[DQ00n]`` in the message), as PostgreSQL's functions raise SQLSTATE ``DQ00n``. DQ004 (a ring that does
-not exist) stays a :class:`DatabaseError`, as on PostgreSQL. DQ006: an object that is not the engine's
-refers to a table of the engine, so the uninstall dropped nothing. DQ007: a push's or a drop's queue lock
-(``sp_getapplock``) was refused as a deadlock victim; the dialect runs its own statement again."""
-
-
-def native_error(exc: BaseException) -> int | None:
-    """Return SQL Server's native error number of a pyodbc exception (from its message), if any."""
-    msg = str(exc.args[1]) if len(exc.args) > 1 else str(exc)
-    m = _NATIVE.search(msg.strip())
-    return int(m.group(1)) if m else None
-
-
-def sqlstate(exc: BaseException) -> str:
-    """Return the SQLSTATE of a pyodbc exception (its first argument)."""
-    return str(exc.args[0]) if exc.args else ""
-
-
-def translate(exc: Exception, *, where: str, schema: str, connecting: bool = False) -> DbQueueError:  # noqa: PLR0911
-    """Return the engine's exception for a pyodbc exception.
-
-    :param connecting: the error came while opening a connection (a timeout then is a login timeout).
-    """
-    state, number = sqlstate(exc), native_error(exc)
-    message = (str(exc.args[1]) if len(exc.args) > 1 else str(exc)).strip().splitlines()[0]
-    if number == _RAISED and (code := _RAISED_CODE.search(message)) and code.group(1) in RAISED_BY_PROCEDURES:
-        text = _NATIVE.sub("", message[code.end() :]).strip()
-        return RAISED_BY_PROCEDURES[code.group(1)](f"SQL Server at {where}: {text}")
-    if number == 1205 or state == "40001":
-        return DeadlockError(f"SQL Server at {where}: deadlock victim, transaction rolled back: {message}")
-    if number == 1222:
-        return LockTimeoutError(f"SQL Server at {where}: lock request timed out: {message}")
-    if number == _UNINSTALLED:
-        return SchemaError(
-            f"the dbqueue schema {schema!r} is not installed at {where} (run install(), or `dbqueue init`): "
-            f"{message}"
-        )
-    if state == "HYT00" and not connecting:
-        return StatementTimeoutError(
-            f"SQL Server at {where}: the statement was cancelled, its query timeout expired: {message}"
-        )
-    if connecting or state in _UNAVAILABLE_STATES or state.startswith("08"):
-        what = "login timeout" if state == "HYT00" and connecting else "unreachable"
-        return DatabaseUnavailableError(f"SQL Server at {where} is {what}: {message}")
-    return DatabaseError(f"SQL Server error at {where}: [{state}] {message}")
-
-
 # -- the database ----------------------------------------------------------------------------------
 
 
@@ -498,44 +127,7 @@ def _execute(cur: Any, text: str, values: Sequence[Any]) -> None:
         cur.execute(text)
 
 
-_STEP_BLOCK = re.compile(r"v([0-9]+)_[a-z0-9_]+")
-
-
-def schema_steps() -> tuple[int, list[tuple[int, list[str]]]]:
-    """Return ``(latest, [(version, [batch, ...])])`` of ``schema.sql``, versions 1..latest in order.
-
-    Block ``schema`` is version 1; a block named ``vN_<what>`` belongs to version N (one batch each: a
-    CREATE PROCEDURE must be alone in its batch). A fresh install runs every step; an install at version
-    k runs the steps after k. Both run the same text, so a migrated schema is the fresh one.
-    """
-    text = read_text(_PKG, "schema.sql")
-    m = re.search(r"SCHEMA_VERSION:\s*(\d+)", text)
-    if not m:
-        raise SchemaError("schema.sql does not declare its SCHEMA_VERSION")
-    latest = int(m.group(1))
-    steps: dict[int, list[str]] = {}
-    for name, body in parse_named_queries(text).items():
-        step = _STEP_BLOCK.fullmatch(name)
-        if name == "schema":
-            steps.setdefault(1, []).append(body)
-        elif step:
-            steps.setdefault(int(step.group(1)), []).append(body)
-        else:
-            raise SchemaError(f"schema.sql block {name!r} is neither 'schema' nor named vN_<what>")
-    if sorted(steps) != list(range(1, latest + 1)):
-        raise SchemaError(f"schema.sql has steps {sorted(steps)}, not 1..{latest} (its SCHEMA_VERSION)")
-    return latest, sorted(steps.items())
-
-
-def schema_sql() -> tuple[int, str]:
-    """Return ``(latest version, sql)`` with the first version's tables (block ``schema``).
-
-    The later versions' blocks are in :func:`schema_steps`."""
-    latest, steps = schema_steps()
-    return latest, steps[0][1][0]
-
-
-class MssqlDatabase(MssqlMaintenance):
+class MssqlDatabase(MssqlSchema, MssqlMaintenance):
     """A dbqueue schema on one SQL Server database, through pyodbc.
 
     Constructing it does no I/O: connections are opened on first use and kept in a small pool.
@@ -877,141 +469,3 @@ class MssqlDatabase(MssqlMaintenance):
     async def anotifies(self, aconn: Any, timeout: float | None) -> set[str]:
         """SQL Server has no LISTEN/NOTIFY: observers poll."""
         raise NotImplementedError("SQL Server has no LISTEN/NOTIFY; observe with readiness() (polling)")
-
-    # -- schema ------------------------------------------------------------------------------------
-
-    def install(self) -> int:
-        """Create or migrate the schema (idempotent; concurrent installs serialize on an app lock).
-
-        A schema that does not exist is created (and recorded as the engine's); an existing one that
-        holds no install must be empty, or :class:`ForeignObjectsError` names what it holds and nothing
-        is done. Everything the install creates is recorded in ``owned_objects``.
-
-        :return: the schema version now installed.
-        """
-        latest, steps = schema_steps()
-        with self.transaction() as c:
-            cur = c.cursor()
-            try:
-                cur.execute(*to_positional(self.query("install_lock"), {"schema": self.schema}))
-                current = self._installed_version(cur)
-                refuse_newer_schema(self.schema, self.where, current, latest)
-                if current == latest:
-                    return latest
-                before = self._objects(cur)
-                created_schema = False
-                if current == 0:
-                    if self._scalar(cur, "schema_exists"):
-                        refuse_foreign_objects(self.schema, self.where, before)
-                    else:
-                        cur.execute(self.query("create_schema"))
-                        created_schema = True
-                for version, batches in steps:
-                    if version <= current:
-                        continue
-                    for batch in batches:
-                        cur.execute(self.compose(batch))
-                    cur.execute(*to_positional(self.query("record_version"), {"version": version}))
-                rings = [
-                    r[0]
-                    for r in cur.execute(
-                        *to_positional(self.query("owned_ring_sequences"), {"schema": self.schema})
-                    ).fetchall()
-                ]
-                own, schema_is_ours = ownership(
-                    before,
-                    self._objects(cur),
-                    fresh=current == 0,
-                    created_schema=created_schema,
-                    engine_names=engine_objects(read_text(_PKG, "schema.sql")),
-                    ring_sequences=rings,
-                )
-                if schema_is_ours:
-                    own.add(("schema", self.schema))
-                params = {"kinds": [k for k, _ in sorted(own)], "names": [n for _, n in sorted(own)]}
-                cur.execute(*to_positional(self.query("record_owned"), params))
-            finally:
-                cur.close()
-            log.info(
-                "%s dbqueue schema %s at version %s on SQL Server",
-                "installed" if current == 0 else f"migrated from version {current}:",
-                self.schema,
-                latest,
-            )
-        return latest
-
-    def _scalar(self, cur: Any, name: str) -> Any:
-        row = cur.execute(*to_positional(self.query(name), {"schema": self.schema})).fetchone()
-        return row[0] if row else None
-
-    def _installed_version(self, cur: Any) -> int:
-        """The version of the install in the schema (0: none), read on ``cur``'s transaction."""
-        if not self._scalar(cur, "schema_installed"):
-            return 0
-        got = cur.execute(self.query("schema_version")).fetchone()
-        return int(got[0]) if got else 0
-
-    def _objects(self, cur: Any) -> list[SchemaObject]:
-        rows = cur.execute(*to_positional(self.query("schema_objects"), {"schema": self.schema})).fetchall()
-        return [SchemaObject(str(kind), str(name), str(identity)) for kind, name, identity in rows]
-
-    def drop_schema(self) -> None:
-        """Drop what the engine created in the schema, and the schema when it is the engine's and empty.
-
-        What is dropped is what ``owned_objects`` lists (and the rings' sequences, which ``rings``
-        lists); an install of an older version is migrated first, which records it. Objects that are
-        not the engine's stay, and so does the schema that holds them. When an object that is not the
-        engine's refers to one of its tables (a view, a foreign key), :class:`ForeignObjectsError` names
-        it and nothing is dropped. A schema without an install is left alone.
-        """
-        with self.transaction() as c:
-            cur = c.cursor()
-            try:
-                cur.execute(*to_positional(self.query("install_lock"), {"schema": self.schema}))
-                current = self._installed_version(cur) if self._scalar(cur, "schema_exists") else 0
-            finally:
-                cur.close()
-        if current == 0:
-            log.info(
-                "dbqueue schema %s holds no install at %s: nothing to uninstall", self.schema, self.where
-            )
-            return
-        latest = schema_steps()[0]
-        if current < latest:
-            self.install()  # records what the engine owns, as it does for any older install
-        with self.transaction() as c:
-            cur = c.cursor()
-            try:
-                cur.execute(*to_positional(self.query("install_lock"), {"schema": self.schema}))
-                refuse_newer_schema(self.schema, self.where, self._installed_version(cur), latest)
-                owned = {(str(k), str(n)) for k, n in cur.execute(self.query("owned_objects")).fetchall()}
-                rings = cur.execute(
-                    *to_positional(self.query("owned_ring_sequences"), {"schema": self.schema})
-                ).fetchall()
-                for (name,) in rings:
-                    cur.execute(self.query("drop_owned_sequence", {"sequence": str(name)}))
-                present = [o for o in self._objects(cur) if o.key in owned]
-                for kind, query, ident in (
-                    ("procedure", "drop_owned_routine", "routine"),
-                    ("function", "drop_owned_routine", "routine"),  # they refer to tables: before them
-                    ("table", "drop_owned_table", "table"),
-                    ("sequence", "drop_owned_sequence", "sequence"),
-                ):
-                    for o in present:
-                        if o.kind == kind and o.name != "owned_objects":
-                            cur.execute(self.query(query, {ident: o.name}))
-                if ("table", "owned_objects") in {o.key for o in present}:
-                    cur.execute(self.query("drop_owned_table", {"table": "owned_objects"}))
-                left = self._objects(cur)
-                if ("schema", self.schema) in owned and not left:
-                    cur.execute(self.query("drop_owned_schema"))
-                    log.info("uninstalled dbqueue schema %s at %s", self.schema, self.where)
-                else:
-                    log.info(
-                        "uninstalled dbqueue from schema %s at %s; the schema stays (%s)",
-                        self.schema,
-                        self.where,
-                        f"it holds {describe_objects(left)}" if left else "the engine did not create it",
-                    )
-            finally:
-                cur.close()

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from airflow_dbqueue.engine.dialects.indexes import IndexHealth, IndexStep, IndexSurvey
+from airflow_dbqueue.engine.dialects.mssql.params import query_timeout_s
 from airflow_dbqueue.engine.errors import DbQueueError
 
 MSSQL_TABLES = (
@@ -52,6 +53,43 @@ MSSQL_NO_COMPACTION = (
     "transaction does not grow the ring's tables; rebuild_indexes rebuilds their clustered indexes when "
     "they are fragmented"
 )
+
+
+ONLINE_REBUILD_EDITIONS: dict[int, str] = {
+    3: "Enterprise, Developer or Evaluation",
+    5: "Azure SQL Database",
+    8: "Azure SQL Managed Instance",
+}
+"""``SERVERPROPERTY('EngineEdition')`` values whose engine rebuilds indexes with ``ONLINE = ON``."""
+
+ENGINE_EDITIONS: dict[int, str] = {
+    1: "Personal or Desktop Engine",
+    2: "Standard (or Web, Business Intelligence)",
+    4: "Express",
+    6: "Azure Synapse dedicated SQL pool",
+    9: "Azure SQL Edge",
+    11: "Azure Synapse serverless SQL pool",
+    **ONLINE_REBUILD_EDITIONS,
+}
+"""Names of the ``SERVERPROPERTY('EngineEdition')`` values, for reports."""
+
+
+def edition_name(edition: int | None) -> str:
+    """Return a readable name of an engine edition number (``"EngineEdition 12"`` when unknown)."""
+    if edition is None:
+        return "an unknown edition"
+    return f"{ENGINE_EDITIONS.get(edition, 'EngineEdition')} ({edition})"
+
+
+def rebuild_mode(edition: int | None) -> str:
+    """Return how an index of a server of this engine edition is rebuilt without blocking the queue.
+
+    ``"online rebuild"`` (``ALTER INDEX ... REBUILD WITH (ONLINE = ON)``) where the edition has online
+    index operations (:data:`ONLINE_REBUILD_EDITIONS`), ``"reorganize"`` (``ALTER INDEX ... REORGANIZE``,
+    online in every edition) otherwise, and for an edition this code does not know: an offline rebuild
+    would lock the table for its whole duration, so it is never chosen.
+    """
+    return "online rebuild" if edition in ONLINE_REBUILD_EDITIONS else "reorganize"
 
 
 def mssql_expected_bytes(
@@ -157,8 +195,6 @@ class MssqlMaintenance(_Statements):
 
     @staticmethod
     def describe_statement_timeout(timeout_s: float) -> str:
-        from airflow_dbqueue.engine.dialects.mssql.dialect import query_timeout_s
-
         return f"query timeout of {query_timeout_s(timeout_s)}s"
 
     @staticmethod
@@ -168,8 +204,6 @@ class MssqlMaintenance(_Statements):
     def index_survey(self) -> IndexSurvey:
         """Every index of the schema as ``sys.dm_db_index_physical_stats`` measures it (SAMPLED), and
         the rebuild mode the server's engine edition allows (:func:`rebuild_mode`)."""
-        from airflow_dbqueue.engine.dialects.mssql.dialect import edition_name, rebuild_mode
-
         out, edition = [], None
         for row in self.fetchall("index_health", {"schema": self.schema}):
             edition = None if row[10] is None else int(row[10])
