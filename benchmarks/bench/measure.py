@@ -153,7 +153,151 @@ def _maintainer(target: Target, config: MaintenanceConfig, interval: float, stop
         out.put({"error": traceback.format_exc()})
 
 
-def _measure(  # noqa: PLR0912, PLR0915
+class _Processes:
+    """The processes of one run: P producers and C consumers (and a maintenance process, with
+    ``maintenance``), the state they share, and the reports they hand back."""
+
+    def __init__(
+        self, cfg: RunConfig, maintenance: MaintenanceConfig | None, maintenance_interval: float
+    ) -> None:
+        ctx = mp.get_context("spawn")
+        self.cfg = cfg
+        self.m_stop, self.m_out = ctx.RawValue("i", 0), ctx.Queue()
+        self.m_proc = (
+            ctx.Process(
+                target=_maintainer,
+                args=(cfg.target, maintenance, maintenance_interval, self.m_stop, self.m_out),
+                name="bench-maintenance",
+                daemon=True,
+            )
+            if maintenance is not None
+            else None
+        )
+        self.m_report: dict[str, Any] | None = None
+        self.shm = Shared(
+            phase=ctx.RawValue("i", WAIT),
+            ready=ctx.Value("i", 0),
+            failed=ctx.RawValue("i", 0),
+            pushed=ctx.RawArray("q", cfg.producers),
+            popped=ctx.RawArray("q", cfg.consumers),
+            results=ctx.Queue(),
+        )
+        self.procs = [
+            ctx.Process(
+                target=worker_main, args=(role, i, cfg, self.shm), name=f"bench-{role}-{i}", daemon=True
+            )
+            for role, count in (("producer", cfg.producers), ("consumer", cfg.consumers))
+            for i in range(count)
+        ]
+        self.results: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def collect(self, timeout: float) -> None:
+        """Take the workers' reports that arrive within ``timeout``; raise if a worker failed."""
+        try:
+            while True:
+                r = self.shm.results.get(timeout=timeout)
+                if "error" in r:
+                    raise BenchError(f"{self.cfg.target.design} {r['role']} {r['idx']} failed:\n{r['error']}")
+                self.results[(r["role"], r["idx"])] = r
+                timeout = 0
+        except queue_mod.Empty:
+            pass
+        for p in self.procs:
+            role, _, i = p.name.removeprefix("bench-").partition("-")
+            if p.exitcode not in (None, 0) and (role, int(i)) not in self.results:
+                raise BenchError(
+                    f"{p.name} of the {self.cfg.target.design} run died with exit code {p.exitcode}"
+                )
+
+    def wait_for(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                raise BenchError(f"{self.cfg.target.design}: timed out after {timeout:g}s waiting for {what}")
+            self.collect(0.01)
+
+    def sleep_watching(self, duration: float) -> None:
+        end = time.monotonic() + duration
+        while (left := end - time.monotonic()) > 0:
+            if self.shm.failed.value:
+                self.collect(1.0)
+            time.sleep(min(0.05, left))
+
+    def have(self, role: str, count: int) -> Callable[[], bool]:
+        return lambda: all((role, i) in self.results for i in range(count))
+
+    def start(self) -> None:
+        """Start the workers and let them run once every one has connected."""
+        for p in self.procs:
+            p.start()
+        self.wait_for(lambda: self.shm.ready.value == len(self.procs), 120, "the workers to connect")
+        self.shm.phase.value = RUN
+
+    def stop_maintenance(self, drain_timeout: float) -> None:
+        """Stop the maintenance process (if any) and take its report."""
+        if self.m_proc is None:
+            return
+        self.m_stop.value = 1
+        try:
+            self.m_report = self.m_out.get(timeout=drain_timeout)
+        except queue_mod.Empty:
+            raise BenchError("the maintenance process did not report") from None
+        if "error" in self.m_report:
+            raise BenchError(f"the maintenance process failed:\n{self.m_report['error']}")
+        self.m_proc.join(30)
+
+    def drain(self, drain_timeout: float, log: Callable[[str], None]) -> int:
+        """Once the producers stopped, let the consumers go on until everything pushed is popped, or
+        nothing moves for a while; then stop them. Return how many messages were pushed."""
+        cfg, shm = self.cfg, self.shm
+        self.wait_for(self.have("producer", cfg.producers), 120, "the producers to stop")
+        pushed_total = sum(self.results[("producer", i)]["pushed"] for i in range(cfg.producers))
+        deadline = time.monotonic() + drain_timeout
+        last, last_change = -1, time.monotonic()
+        while (now_popped := sum(shm.popped)) < pushed_total and time.monotonic() < deadline:
+            if now_popped != last:
+                last, last_change = now_popped, time.monotonic()
+            elif time.monotonic() - last_change > 5.0:
+                log(f"  {cfg.target.design}: drain stalled at {now_popped} of {pushed_total} messages")
+                break
+            self.collect(0.01)
+        shm.phase.value = STOP
+        self.wait_for(self.have("consumer", cfg.consumers), 120, "the consumers to stop")
+        for p in self.procs:
+            p.join(30)
+        return pushed_total
+
+    def shut_down(self) -> None:
+        """Stop every process that is still there, whatever happened."""
+        self.shm.phase.value = STOP
+        self.m_stop.value = 1
+        if self.m_proc is not None and self.m_proc.is_alive():
+            self.m_proc.join(10)
+            if self.m_proc.is_alive():
+                self.m_proc.terminate()
+        for p in self.procs:
+            if p.is_alive():
+                p.join(5)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Window:
+    """What the measured window saw: its times, WAL positions and counters at both ends."""
+
+    t0: float
+    t1: float
+    lsn0: int
+    lsn1: int
+    popped0: int
+    popped1: int
+    pushed0: int
+    pushed1: int
+
+
+def _measure(
     cfg: RunConfig,
     conn: psycopg.Connection[Any],
     *,
@@ -164,139 +308,49 @@ def _measure(  # noqa: PLR0912, PLR0915
     maintenance: MaintenanceConfig | None = None,
     maintenance_interval: float = 1.0,
 ) -> RunResult:
-    """Long on purpose: one run's life in order (start the workers, warm up, time the window, stop the
-    producers, drain, collect and check), with closures over the processes and reports every step shares."""
-    ctx = mp.get_context("spawn")
-    m_stop, m_out = ctx.RawValue("i", 0), ctx.Queue()
-    m_proc = (
-        ctx.Process(
-            target=_maintainer,
-            args=(cfg.target, maintenance, maintenance_interval, m_stop, m_out),
-            name="bench-maintenance",
-            daemon=True,
-        )
-        if maintenance is not None
-        else None
-    )
-    m_report: dict[str, Any] | None = None
-    shm = Shared(
-        phase=ctx.RawValue("i", WAIT),
-        ready=ctx.Value("i", 0),
-        failed=ctx.RawValue("i", 0),
-        pushed=ctx.RawArray("q", cfg.producers),
-        popped=ctx.RawArray("q", cfg.consumers),
-        results=ctx.Queue(),
-    )
-    procs = [
-        ctx.Process(target=worker_main, args=(role, i, cfg, shm), name=f"bench-{role}-{i}", daemon=True)
-        for role, count in (("producer", cfg.producers), ("consumer", cfg.consumers))
-        for i in range(count)
-    ]
-    results: dict[tuple[str, int], dict[str, Any]] = {}
-
-    def collect(timeout: float) -> None:
-        """Take the workers' reports that arrive within ``timeout``; raise if a worker failed."""
-        try:
-            while True:
-                r = shm.results.get(timeout=timeout)
-                if "error" in r:
-                    raise BenchError(f"{cfg.target.design} {r['role']} {r['idx']} failed:\n{r['error']}")
-                results[(r["role"], r["idx"])] = r
-                timeout = 0
-        except queue_mod.Empty:
-            pass
-        for p in procs:
-            role, _, i = p.name.removeprefix("bench-").partition("-")
-            if p.exitcode not in (None, 0) and (role, int(i)) not in results:
-                raise BenchError(f"{p.name} of the {cfg.target.design} run died with exit code {p.exitcode}")
-
-    def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            if time.monotonic() > deadline:
-                raise BenchError(f"{cfg.target.design}: timed out after {timeout:g}s waiting for {what}")
-            collect(0.01)
-
-    def sleep_watching(duration: float) -> None:
-        end = time.monotonic() + duration
-        while (left := end - time.monotonic()) > 0:
-            if shm.failed.value:
-                collect(1.0)
-            time.sleep(min(0.05, left))
-
-    def have(role: str, count: int) -> Callable[[], bool]:
-        return lambda: all((role, i) in results for i in range(count))
-
+    """Run the workers (and maintenance) through warm-up, the measured window and the drain; return
+    what the run measured and checked."""
+    run = _Processes(cfg, maintenance, maintenance_interval)
+    shm = run.shm
     try:
-        for p in procs:
-            p.start()
-        wait_for(lambda: shm.ready.value == len(procs), 120, "the workers to connect")
-        shm.phase.value = RUN
-        sleep_watching(warmup)
-        if m_proc is not None:
-            m_proc.start()
+        run.start()
+        run.sleep_watching(warmup)
+        if run.m_proc is not None:
+            run.m_proc.start()
         lsn0, t0 = wal_lsn(conn), time.monotonic()
         popped0, pushed0 = sum(shm.popped), sum(shm.pushed)
-        sleep_watching(seconds)
+        run.sleep_watching(seconds)
         popped1, pushed1 = sum(shm.popped), sum(shm.pushed)
         t1, lsn1 = time.monotonic(), wal_lsn(conn)
-        backlog = pushed1 - popped1
+        window = _Window(t0, t1, lsn0, lsn1, popped0, popped1, pushed0, pushed1)
         shm.phase.value = STOP_PRODUCERS
-        if m_proc is not None:
-            m_stop.value = 1
-            try:
-                m_report = m_out.get(timeout=drain_timeout)
-            except queue_mod.Empty:
-                raise BenchError("the maintenance process did not report") from None
-            if "error" in m_report:
-                raise BenchError(f"the maintenance process failed:\n{m_report['error']}")
-            m_proc.join(30)
-        wait_for(have("producer", cfg.producers), 120, "the producers to stop")
-        pushed_total = sum(results[("producer", i)]["pushed"] for i in range(cfg.producers))
-        # Drain: consumers go on until everything pushed is popped, or nothing moves for a while.
-        deadline = time.monotonic() + drain_timeout
-        last, last_change = -1, time.monotonic()
-        while (now_popped := sum(shm.popped)) < pushed_total and time.monotonic() < deadline:
-            if now_popped != last:
-                last, last_change = now_popped, time.monotonic()
-            elif time.monotonic() - last_change > 5.0:
-                log(f"  {cfg.target.design}: drain stalled at {now_popped} of {pushed_total} messages")
-                break
-            collect(0.01)
-        shm.phase.value = STOP
-        wait_for(have("consumer", cfg.consumers), 120, "the consumers to stop")
-        for p in procs:
-            p.join(30)
+        run.stop_maintenance(drain_timeout)
+        pushed_total = run.drain(drain_timeout, log)
     finally:
-        shm.phase.value = STOP
-        m_stop.value = 1
-        if m_proc is not None and m_proc.is_alive():
-            m_proc.join(10)
-            if m_proc.is_alive():
-                m_proc.terminate()
-        for p in procs:
-            if p.is_alive():
-                p.join(5)
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
+        run.shut_down()
     time.sleep(0.5)  # let the workers' backends flush their table statistics on exit
+    return _run_result(cfg, conn, run, window, pushed_total)
 
-    cons = [results[("consumer", i)] for i in range(cfg.consumers)]
-    prods = [results[("producer", i)] for i in range(cfg.producers)]
+
+def _run_result(
+    cfg: RunConfig, conn: psycopg.Connection[Any], run: _Processes, w: _Window, pushed_total: int
+) -> RunResult:
+    """What a finished run measured (the window) and checked (every worker's report)."""
+    cons = [run.results[("consumer", i)] for i in range(cfg.consumers)]
+    prods = [run.results[("producer", i)] for i in range(cfg.producers)]
     lost, dups, corrupt = count_deliveries([prod["pushed"] for prod in prods], cons)
-    window = t1 - t0
-    msgs = popped1 - popped0
+    window = w.t1 - w.t0
+    msgs = w.popped1 - w.popped0
     size, dead, hot = table_stats(conn, cfg.target.schema)
     lat: dict[str, list[float]] = {}
     if cfg.latencies:
         for op, reports in (("push", prods), ("pop", cons), ("ack", cons)):
-            lat[op] = [d for r in reports for start, d in (r[f"{op}_lat"] or []) if t0 <= start <= t1]
+            lat[op] = [d for r in reports for start, d in (r[f"{op}_lat"] or []) if w.t0 <= start <= w.t1]
     return RunResult(
         design=cfg.target.design,
         seconds=round(window, 3),
         cycles_per_s=msgs / window,
-        pushed_per_s=(pushed1 - pushed0) / window,
+        pushed_per_s=(w.pushed1 - w.pushed0) / window,
         pushed=pushed_total,
         popped=sum(c["popped"] for c in cons),
         lost=lost,
@@ -304,17 +358,17 @@ def _measure(  # noqa: PLR0912, PLR0915
         corrupt=corrupt,
         ack_failures=sum(c["ack_failures"] for c in cons),
         left_in_queue=left_in_queue(cfg.target, conn),
-        backlog_at_end=backlog,
+        backlog_at_end=w.pushed1 - w.popped1,
         table_bytes=size,
         dead_tuples=dead,
         hot_update_ratio=hot,
-        wal_bytes_per_msg=(lsn1 - lsn0) / msgs if msgs else None,
+        wal_bytes_per_msg=(w.lsn1 - w.lsn0) / msgs if msgs else None,
         push_ms=_mean_ms(prods, "push"),
         pop_ms=_mean_ms(cons, "pop"),
         ack_ms=_mean_ms(cons, "ack") if cfg.target.lease else None,
         empty_pops=sum(c["empty_pops"] for c in cons),
         latencies=lat,
-        maintenance=m_report,
+        maintenance=run.m_report,
         hot_bytes=hot_table_bytes(conn, cfg.target) if cfg.target.design not in REFERENCES else None,
     )
 
