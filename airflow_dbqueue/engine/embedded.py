@@ -222,7 +222,7 @@ class EmbeddedPostgres:
         return self.dsn
 
     def _wait_ready(self, timeout: float, proc: subprocess.Popen[bytes] | None) -> None:
-        import psycopg
+        from airflow_dbqueue.engine.dialects.postgres.conninfo import connect_error
 
         deadline = time.monotonic() + timeout
         last: Exception | None = None
@@ -232,12 +232,10 @@ class EmbeddedPostgres:
                     f"embedded PostgreSQL exited with code {proc.returncode}; log {self.log_file}:\n"
                     + self._log_tail()
                 )
-            try:
-                with psycopg.connect(self.dsn, connect_timeout=2):
-                    return
-            except psycopg.OperationalError as exc:
-                last = exc
-                time.sleep(0.1)
+            last = connect_error(self.dsn, connect_timeout=2)
+            if last is None:
+                return
+            time.sleep(0.1)
         raise DatabaseUnavailableError(
             f"embedded PostgreSQL did not accept connections within {timeout:g}s: {last}\n" + self._log_tail()
         )

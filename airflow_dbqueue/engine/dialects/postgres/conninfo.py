@@ -1,5 +1,6 @@
 """PostgreSQL connection strings: checked without I/O, described without credentials, built from an
-Airflow connection's fields, and read back as a JDBC reader's options (a Spark job)."""
+Airflow connection's fields, read back as a JDBC reader's options (a Spark job), and probed for a
+server that accepts connections (the embedded server's start)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,16 @@ def describe_dsn(dsn: str) -> str:
         return "<unparsable connection string>"
     host = info.get("host") or info.get("hostaddr") or "localhost"
     return f"{host}:{info.get('port') or 5432}/{info.get('dbname') or info.get('user') or ''}"
+
+
+def connect_error(dsn: str, *, connect_timeout: int) -> Exception | None:
+    """Open one connection to ``dsn`` and close it again: None when the server accepted it, else why
+    not (the driver's error of an unreachable or starting server; any other error is raised)."""
+    try:
+        with psycopg.connect(dsn, connect_timeout=connect_timeout):
+            return None
+    except psycopg.OperationalError as exc:
+        return exc
 
 
 def make_dsn(params: Mapping[str, Any]) -> str:
