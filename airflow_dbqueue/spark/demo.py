@@ -218,8 +218,12 @@ def _pipeline(  # noqa: PLR0915
     warm: _WarmServer | None,
     t_start: float,
 ) -> int:
-    """Long on purpose: its four numbered stages are what the user reads on screen, in that order, and share
-    the timings and totals that the last one reports."""
+    """Run the pipeline demo's four stages (Airflow's database, the push, the DAG, the results) and
+    return the exit status: 0 when every pushed order was counted exactly once.
+
+    Long on purpose: its four numbered stages are what the user reads on screen, in that order, and share
+    the timings and totals that the last one reports.
+    """
     server = warm.server if warm is not None else None
 
     _say(f"1/4 Airflow metadata database (SQLite) in {home}")
