@@ -38,6 +38,11 @@ if TYPE_CHECKING:
     from airflow_dbqueue.engine.models import QueueSettings
 
 _PRIORITY_MIN, _PRIORITY_MAX = -32768, 32767
+# A payload of at most this many bytes lives in its message's meta row, a larger one in data (PostgreSQL
+# and SQL Server both: see their schema.sql). A push whose payloads all fit says so, and PostgreSQL's
+# table_push() then writes them with one plain INSERT. The flag only chooses between two statements
+# that store the same rows, so a wrong one costs time, never data.
+_INLINE_PAYLOAD_BYTES = 1900
 
 
 class TableQueue(Queue):
@@ -79,6 +84,7 @@ class TableQueue(Queue):
             # Delayed pushes never notify: a waiting pop wakes when the next delayed message is due.
             "notify": 0 if mode is NotifyMode.NEVER or delay > 0 else 2 if mode is NotifyMode.ALWAYS else 1,
             "channel": self._channel,
+            "inline": max(map(len, encoded)) <= _INLINE_PAYLOAD_BYTES,
         }
         rows = self._db.fetchall("push", params, conn)
         if len(rows) != len(encoded):  # nothing was written: the queue was dropped

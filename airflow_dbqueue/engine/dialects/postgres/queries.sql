@@ -122,10 +122,11 @@ DELETE FROM {schema}.queues WHERE queue_id = %(queue_id)s RETURNING queue_id
 
 -- name: push
 -- One round trip a batch, through table_push() (schema.sql): no row and no id when the queue was
--- dropped. notify: 0 never, 1 when the queue had no ready message before, 2 always.
+-- dropped. notify: 0 never, 1 when the queue had no ready message before, 2 always. inline: every
+-- payload fits in its meta row (at most inline_payload_bytes).
 SELECT * FROM {schema}.table_push(
     %(queue_id)s::integer, %(payloads)b::bytea[], %(priority)s::smallint, %(delay_s)s::double precision,
-    %(notify)s::integer, %(channel)s::text)
+    %(notify)s::integer, %(channel)s::text, %(inline)s::boolean)
 
 -- name: pop_lease
 -- at-least-once: claim up to n ready messages (skipping rows other consumers hold) and lease them,
