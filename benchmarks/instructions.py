@@ -2,6 +2,7 @@
 """Server instructions a message: what each side of a queue costs PostgreSQL, counted, not timed.
 
     python benchmarks/instructions.py [--design ring table] [--batch 1 100 1000] [--json]
+        [--client] [--semantics at-least-once [--archive]]
 
 ``run.py`` and ``cost.py`` time what they measure, so on a shared machine their figures move with
 whatever else runs (runs of 10 s vary by 15% here). This counts instead: it starts a throwaway
@@ -19,6 +20,11 @@ work is counted: parse, plan, execute and commit, with its WAL insertion and flu
 writer, the checkpointer or the client. Autovacuum is off, so that no background worker runs meanwhile
 (the naive queue's dead rows cost it nothing here that VACUUM would later do). Every pop session's
 payloads are counted and checksummed against what its push session sent, as ``cost.py`` does.
+
+With ``--semantics at-least-once`` a pop session acks each pop after it (the ``pop`` side counts both),
+and the reference is PGMQ's statements instead (``run.py --pgmq``'s: a read that sets the visibility
+time, then the delete of what it read, or with ``--archive`` its move to the archive table, as the
+table design's queue then keeps finished messages for the archiver).
 
 With ``--client`` each session runs instead in a Python process of its own under cachegrind too, and
 the client's instructions a message are counted the same way: psycopg's encoding and decoding and,
@@ -49,11 +55,18 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench.backends import naive_statements  # benchmarks/ is a folder of scripts
+from bench.backends import (  # benchmarks/ is a folder of scripts
+    BASELINE,
+    PGMQ,
+    PgmqBackend,
+    Target,
+    naive_statements,
+    setup_target,
+    teardown_target,
+)
 from cost import check, payloads
 
 from airflow_dbqueue.engine import DbQueue
@@ -176,9 +189,9 @@ def _pid(dbq: DbQueue) -> int:
         return int(c.info.backend_pid)
 
 
-def engine_sessions(dsn: str, schema: str, batch: int) -> Sessions:
+def engine_sessions(dsn: str, schema: str, batch: int, semantics: str = "at-most-once") -> Sessions:
     """A push session and a pop session through the engine, each on one pooled connection; each
-    returns the backends it used."""
+    returns the backends it used. At least once, the pop session acks each pop after it."""
 
     def push(sent: list[list[bytes]]) -> set[int]:
         with DbQueue(dsn, schema=schema, pool_size=1) as dbq:
@@ -199,10 +212,14 @@ def engine_sessions(dsn: str, schema: str, batch: int) -> Sessions:
             q.reclaim_every_s = float("inf")  # type: ignore[attr-defined] # no reclaim between pops
             pids = {_pid(dbq)}
             for _ in range(calls):
-                got.extend(map(_payload, q.pop(batch)))
+                msgs = q.pop(batch, semantics=semantics)
+                got.extend(map(_payload, msgs))
+                if lease:
+                    q.ack(msgs)
             pids.add(_pid(dbq))
         return got, pids
 
+    lease = semantics == "at-least-once"
     return push, pop
 
 
@@ -221,6 +238,35 @@ def naive_sessions(dsn: str, schema: str, batch: int) -> Sessions:
             for _ in range(calls):
                 got.extend(map(_second, c.execute(pop_sql, (batch,), binary=True).fetchall()))
             return got, {c.info.backend_pid}
+
+    return push, pop
+
+
+def pgmq_sessions(target: Target, batch: int) -> Sessions:
+    """PGMQ's statements (run.py's, in binary) as a push session and a pop session: at least once, each
+    pop (a read that sets the visibility time) followed by the delete of what it read, or its archive
+    when ``target.archive``."""
+
+    def push(sent: list[list[bytes]]) -> set[int]:
+        b = PgmqBackend(target)
+        try:
+            for payloads_ in sent:
+                b.push(payloads_)
+            return {b.conn.info.backend_pid}
+        finally:
+            b.close()
+
+    def pop(calls: int) -> tuple[list[bytes], set[int]]:
+        b = PgmqBackend(target)
+        got: list[bytes] = []
+        try:
+            for _ in range(calls):
+                payloads_, token = b.pop(batch)
+                got.extend(payloads_)
+                b.ack(token)
+            return got, {b.conn.info.backend_pid}
+        finally:
+            b.close()
 
     return push, pop
 
@@ -343,22 +389,22 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     with counted_server() as server:
         dsn = server.pg.dsn
+        lease = args.semantics == "at-least-once"
+        ref_name = PGMQ if lease else BASELINE
         for batch in args.batch:
             calls = args.calls or (40 if batch == 1 else 4)
-            naive_schema = f"instr_naive_{uuid.uuid4().hex[:8]}"
-            with psycopg.connect(dsn, autocommit=True) as c:
-                c.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(naive_schema)))
-                c.execute(
-                    sql.SQL("CREATE TABLE {}.t (id bigserial PRIMARY KEY, payload bytea NOT NULL)").format(
-                        sql.Identifier(naive_schema)
-                    )
-                )
+            naive_schema = f"instr_{ref_name}_{uuid.uuid4().hex[:8]}"
+            reference = Target(ref_name, dsn, naive_schema, args.semantics, args.archive, "never")
+            setup_target(reference)
             naive_client = (
                 CountedClient(server.root, "naive", dsn, naive_schema, batch) if args.client else None
             )
-            naive = naive_client.sessions() if naive_client else naive_sessions(dsn, naive_schema, batch)
+            if naive_client:
+                naive = naive_client.sessions()
+            else:
+                naive = pgmq_sessions(reference, batch) if lease else naive_sessions(dsn, naive_schema, batch)
             measure(
-                server, naive, batch=batch, calls=max(1, calls // 4), size=args.payload_bytes, who="naive"
+                server, naive, batch=batch, calls=max(1, calls // 4), size=args.payload_bytes, who=ref_name
             )  # warm-up
             ref = measure(
                 server,
@@ -366,7 +412,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 batch=batch,
                 calls=calls,
                 size=args.payload_bytes,
-                who="naive",
+                who=ref_name,
                 client=naive_client,
             )
             for design in args.design:
@@ -383,13 +429,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             notify="never",
                         )
                     else:
-                        dbq.create_queue(QUEUE, payload_type="bytes", notify="never", archive=False)
+                        dbq.create_queue(QUEUE, payload_type="bytes", notify="never", archive=args.archive)
                 try:
                     engine_client = (
                         CountedClient(server.root, design, dsn, schema, batch) if args.client else None
                     )
                     sessions = (
-                        engine_client.sessions() if engine_client else engine_sessions(dsn, schema, batch)
+                        engine_client.sessions()
+                        if engine_client
+                        else engine_sessions(dsn, schema, batch, args.semantics)
                     )
                     measure(
                         server,
@@ -416,6 +464,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "design": design,
                         "batch": batch,
                         "payload_bytes": args.payload_bytes,
+                        "semantics": args.semantics,
+                        "archive": args.archive,
+                        # the reference's figures are under naive_*, whichever it is
+                        "reference": ref_name,
                         **{f"{s}_instructions": round(got[s]) for s in SIDES},
                         **{f"naive_{s}_instructions": round(ref[s]) for s in SIDES},
                         "cycle_instructions": round(got["push"] + got["pop"]),
@@ -432,18 +484,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             r[f"{prefix}client_push_instructions"] + r[f"{prefix}client_pop_instructions"]
                         )
                 print(f"measured {design} batch {batch}", file=sys.stderr, flush=True)
-            with psycopg.connect(dsn, autocommit=True) as c:
-                c.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(naive_schema)))
+            teardown_target(reference)
     return results
 
 
 def table(results: list[dict[str, Any]]) -> str:
+    first = results[0] if results else {}
+    ref = first.get("reference", "naive")
     lines = [
-        "server instructions a message (backend only; cachegrind), at most once, "
-        f"{results[0]['payload_bytes']}-byte payloads"
+        f"server instructions a message (backend only; cachegrind), {first.get('semantics')}"
+        f"{', archive' if first.get('archive') else ''}, {first.get('payload_bytes')}-byte payloads"
+        + (" (pop: a pop and its ack)" if first.get("semantics") == "at-least-once" else "")
         if results
         else "",
-        f"{'design':8s}{'batch':>7s}  {'side':6s}{'design':>12s}{'naive':>12s}{'ratio':>8s}",
+        f"{'design':8s}{'batch':>7s}  {'side':6s}{'design':>12s}{ref:>12s}{'ratio':>8s}",
     ]
     for r in results:
         for side in (*SIDES, "cycle"):
@@ -469,10 +523,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--payload-bytes", type=int, default=300)
     ap.add_argument("--json", action="store_true", help="print one JSON list instead of the table")
     ap.add_argument("--client", action="store_true", help="count the client's instructions too")
+    ap.add_argument(
+        "--semantics",
+        choices=("at-most-once", "at-least-once"),
+        default="at-most-once",
+        help="at least once, a pop session acks each pop, and the reference is PGMQ's read and delete",
+    )
+    ap.add_argument(
+        "--archive",
+        action="store_true",
+        help="the table design keeps finished messages for the archiver; PGMQ archives instead of deleting",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a session of --client (stdin)
     args = ap.parse_args(argv)
     if any(b < 1 for b in args.batch) or args.calls < 0 or args.payload_bytes < 16:
         ap.error("batches must be at least 1, --calls at least 0, --payload-bytes at least 16")
+    if args.client and args.semantics != "at-most-once":
+        ap.error("--client counts pops at most once only")
     return args
 
 

@@ -21,10 +21,20 @@ pytestmark = pytest.mark.integration
 INSTRUCTIONS_PY = Path(__file__).resolve().parents[2] / "benchmarks" / "instructions.py"
 
 
-def test_short_run_counts_every_side_of_both_designs() -> None:
+@pytest.mark.parametrize(
+    ("extra", "designs", "reference"),
+    [
+        ((), ["ring", "table"], "naive"),
+        # at least once the pop sessions ack, and the reference is PGMQ's read and archive
+        (("--design", "table", "--semantics", "at-least-once", "--archive"), ["table"], "pgmq"),
+    ],
+)
+def test_short_run_counts_every_side_of_both_designs(
+    extra: tuple[str, ...], designs: list[str], reference: str
+) -> None:
     require(None if shutil.which("valgrind") else "valgrind is not installed", "apt-get install valgrind")
     proc = subprocess.run(
-        [sys.executable, str(INSTRUCTIONS_PY), "--batch", "10", "--calls", "2", "--json"],
+        [sys.executable, str(INSTRUCTIONS_PY), "--batch", "10", "--calls", "2", "--json", *extra],
         capture_output=True,
         text=True,
         env=dict(os.environ),
@@ -33,7 +43,7 @@ def test_short_run_counts_every_side_of_both_designs() -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     rows = json.loads(proc.stdout)
-    assert [(r["design"], r["batch"]) for r in rows] == [("ring", 10), ("table", 10)]
+    assert [(r["design"], r["batch"], r["reference"]) for r in rows] == [(d, 10, reference) for d in designs]
     for r in rows:
         for prefix in ("", "naive_"):
             for side in ("push", "pop"):
