@@ -47,6 +47,8 @@ async connections and LISTEN).
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -57,16 +59,22 @@ from typing import TYPE_CHECKING, Any
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     DatabaseError,
+    GroupExistsError,
+    GroupNotFoundError,
     LeaseExpiredError,
     LockTimeoutError,
+    NotSupportedError,
     QueueFullError,
     QueueNotFoundError,
     RingNumbersSkippedError,
 )
 from airflow_dbqueue.engine.models import (
+    DEFAULT_GROUP,
     FailedMessage,
+    GroupInfo,
     Message,
     NotifyMode,
+    OnLag,
     PayloadType,
     QueueStats,
     Semantics,
@@ -106,6 +114,11 @@ _SETTLE_ACK = {
 }
 _id = attrgetter("id")
 _delivery = attrgetter("delivery")
+_GROUP_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,62}")
+_ON_LAG_CODE = {OnLag.BLOCK: 0, OnLag.DROP_GROUP: 1}
+RING_DEFAULT_LAG_TIMEOUT_S = 3600.0
+"""A consumer group's default lag timeout: an hour without a pop while it has messages to take."""
+log = logging.getLogger(__name__)
 
 
 class RingQueue(Queue):
@@ -115,15 +128,30 @@ class RingQueue(Queue):
     at-least-once a leased message keeps the ring's floor at or below it until it is acked, nacked or
     its lease expires: the ring cannot reuse its slot meanwhile, so pushes a whole ring ahead of it wait.
 
+    Consumer groups: every ring has its default group (:data:`DEFAULT_GROUP`), which this handle pops
+    for; :meth:`add_group` adds more, and :meth:`group` returns the handle of one, whose pops, acks,
+    nacks, stats and failed messages are that group's. Each group sees every message at its own pace,
+    and a slot is reused only when every group has passed its message.
+
     :attr push_timeout: seconds a push waits for a full ring before :class:`QueueFullError`.
     :attr gap_timeout: seconds after which a pop gives up a number that stays issued but unwritten
         even without proof that its holder is gone (a holder alive but stuck that long).
     """
 
-    def __init__(self, db: Database, settings: QueueSettings) -> None:
+    def __init__(
+        self,
+        db: Database,
+        settings: QueueSettings,
+        *,
+        group: str = DEFAULT_GROUP,
+        grp: int = 0,
+    ) -> None:
         super().__init__(db, settings)
         if settings.capacity is None:
             raise ConfigurationError(f"queue {settings.name!r} is a ring without a capacity")
+        self.group_name = group
+        self._grp = grp  # the group's key in the ring's tables (0: the default group)
+        self._groups: dict[str, RingQueue] = {}  # the handles of other groups (the default group's only)
         self._qid = settings.queue_id
         self.capacity = settings.capacity
         self.lanes = settings.lanes or 1
@@ -144,10 +172,12 @@ class RingQueue(Queue):
             "lease": False,
             "visibility_timeout_s": settings.visibility_timeout_s,
             "consumer": "push",
+            "group": grp,
         }
         self.push_timeout = 30.0
         self.gap_timeout = 5.0
         self.reclaim_every_s = min(1.0, settings.visibility_timeout_s / 2)
+        self._root = self
 
     # -- push --------------------------------------------------------------------------------------
 
@@ -298,6 +328,7 @@ class RingQueue(Queue):
             "lease": lease,
             "visibility_timeout_s": vt,
             "consumer": consumer,
+            "group": self._grp,
         }
         with self._lock:
             fast = self._fast and self._gap is None
@@ -411,6 +442,7 @@ class RingQueue(Queue):
             "capacity": self.capacity,
             "lanes": self.lanes,
             "queue_id": self._qid,
+            "group": self._grp,
         }
 
     def _raise_lost(self, params: dict[str, Any], conn: DbConnection | None) -> None:
@@ -469,6 +501,7 @@ class RingQueue(Queue):
                 "lanes": self.lanes,
                 "max_attempts": self.settings.max_attempts,
                 "limit": limit,
+                "group": self._grp,
             },
             conn,
         )
@@ -522,14 +555,200 @@ class RingQueue(Queue):
             pause = min(pause * 2, 0.1)
 
     def maintain(self, *, limit: int = 10_000) -> dict[str, int]:
-        """Reclaim expired leases, and give up the numbers of pushes that rolled back or died
-        (:meth:`recover_gaps`): ``{"reclaimed": n, "gaps_skipped": m}``."""
-        return {"reclaimed": self.reclaim_expired(limit), "gaps_skipped": self.recover_gaps()}
+        """Reclaim expired leases of every consumer group, give up the numbers of pushes that rolled back
+        or died (:meth:`recover_gaps`), and act on groups that nobody pops (:meth:`watch_groups`):
+        ``{"reclaimed": n, "gaps_skipped": m}``, with ``"groups_lagging"`` and ``"groups_dropped"`` on a
+        ring with groups besides the default one."""
+        root = self._default()
+        reclaimed = root.reclaim_expired(limit)
+        others = root.groups()[1:] if self._db.ring_groups_supported else []
+        watched = root.watch_groups() if others else {}  # the counts only where a ring has groups
+        for info in others:
+            try:
+                reclaimed += root.group(info.name).reclaim_expired(limit)
+            except GroupNotFoundError:
+                continue  # dropped meanwhile
+        return {"reclaimed": reclaimed, "gaps_skipped": root.recover_gaps(), **watched}
+
+    # -- consumer groups ---------------------------------------------------------------------------
+
+    def _default(self) -> RingQueue:
+        return self if self._grp == 0 else self._root
+
+    def group(self, name: str | None) -> RingQueue:
+        """Return the handle of this ring's consumer group ``name`` (``None`` or :data:`DEFAULT_GROUP`:
+        the default group's); raise :class:`GroupNotFoundError` when the ring has no such group."""
+        root = self._default()
+        if name is None or name == DEFAULT_GROUP:
+            return root
+        with root._lock:
+            got = root._groups.get(name)
+        if got is not None:
+            return got
+        self._check_groups_supported(name)
+        for row in self._db.fetchall("ring_groups", {"queue_id": self._qid}):
+            if row[0] > 0 and row[1] == name:
+                handle = RingQueue(self._db, self.settings, group=name, grp=int(row[0]))
+                handle._root = root
+                handle.push_timeout, handle.gap_timeout = root.push_timeout, root.gap_timeout
+                with root._lock:
+                    return root._groups.setdefault(name, handle)
+        self._raise_if_gone()
+        raise GroupNotFoundError(self.name, name)
+
+    _root: RingQueue
+
+    def _check_groups_supported(self, name: str) -> None:
+        if not self._db.ring_groups_supported:
+            raise NotSupportedError(
+                f"queue {self.name!r}: consumer groups other than {DEFAULT_GROUP!r} need PostgreSQL; "
+                f"on {self._db.dialect_name} a ring has its default group only (got group {name!r})"
+            )
+
+    def add_group(
+        self,
+        name: str,
+        *,
+        start: str = "now",
+        on_lag: OnLag | str = OnLag.BLOCK,
+        lag_timeout: float = RING_DEFAULT_LAG_TIMEOUT_S,
+    ) -> RingQueue:
+        """Add a consumer group to this ring and return its handle.
+
+        :param start: ``"now"``: the group sees the messages pushed from now on; ``"earliest"``: also
+            every message still in the ring that some group has not taken yet (messages that other
+            groups hold leased or to deliver again are not delivered to it).
+        :param on_lag: what maintenance does when nobody pops the group for ``lag_timeout`` seconds while
+            it has messages to take: ``"block"`` (keep it, with a warning: it holds the ring's floor, so
+            pushes wait for it once the ring is full) or ``"drop_group"`` (drop it).
+        """
+        if not isinstance(name, str) or not _GROUP_NAME.fullmatch(name) or name == DEFAULT_GROUP:
+            raise ConfigurationError(
+                f"queue {self.name!r}: a group name is 1 to 63 letters, digits and _ . : - "
+                f"(not starting with . : -), other than {DEFAULT_GROUP!r}; got {name!r}"
+            )
+        if start not in ("now", "earliest"):
+            raise ConfigurationError(f"queue {self.name!r}: start must be 'now' or 'earliest', got {start!r}")
+        lag = OnLag.parse(on_lag)
+        timeout = check_seconds(f"queue {self.name!r}: lag_timeout", lag_timeout, positive=True)
+        self._check_groups_supported(name)
+        if any(g.name == name for g in self.groups()):
+            raise GroupExistsError(f"queue {self.name!r} has a consumer group {name!r} already")
+        params = {
+            "queue_id": self._qid,
+            "name": name,
+            "earliest": start == "earliest",
+            "on_lag": _ON_LAG_CODE[lag],
+            "lag_timeout_s": timeout,
+        }
+        try:
+            row = self._db.fetchone("ring_add_group", params)
+        except DatabaseError:
+            if any(g.name == name for g in self.groups()):
+                raise GroupExistsError(f"queue {self.name!r} has a consumer group {name!r} already") from None
+            raise
+        if row is None or row[0] is None:
+            self._raise_if_gone()
+        return self.group(name)
+
+    def drop_group(self, name: str, *, missing_ok: bool = False) -> bool:
+        """Drop a consumer group: its positions, leases and failed messages. The ring's floor rises to
+        what the other groups still need. Returns whether it existed; raises
+        :class:`GroupNotFoundError` when it did not, unless ``missing_ok``."""
+        if name == DEFAULT_GROUP:
+            raise ConfigurationError(f"queue {self.name!r}: the {DEFAULT_GROUP!r} group cannot be dropped")
+        try:
+            handle = self.group(name)
+        except GroupNotFoundError:
+            if missing_ok:
+                return False
+            raise
+        root = self._default()
+        with root._lock:
+            root._groups.pop(name, None)
+        row = self._db.fetchone("ring_drop_group", {"queue_id": self._qid, "group": handle._grp})
+        return bool(row and row[0])
+
+    def groups(self) -> list[GroupInfo]:
+        """List this ring's consumer groups, the default one first, then by name."""
+        if not self._db.ring_groups_supported:
+            stats = self._default().stats()
+            return [GroupInfo(DEFAULT_GROUP, None, OnLag.BLOCK, None, int(stats.extra["pop_position"]), None)]
+        out = []
+        for row in self._db.fetchall("ring_groups", {"queue_id": self._qid}):
+            if row[0] == 0:
+                out.append(GroupInfo(DEFAULT_GROUP, None, OnLag.BLOCK, None, int(row[7]), None))
+                continue
+            idle = (time.time() - row[6].timestamp()) if row[6] is not None else None
+            out.append(
+                GroupInfo(
+                    name=str(row[1]),
+                    created_at=row[2],
+                    on_lag=OnLag.DROP_GROUP if row[3] == 1 else OnLag.BLOCK,
+                    lag_timeout_s=float(row[4]),
+                    pop_position=int(row[7]),
+                    idle_s=None if idle is None else max(0.0, idle),
+                )
+            )
+        if not out:
+            self._raise_if_gone()
+        out.sort(key=lambda g: (g.name != DEFAULT_GROUP, g.name))
+        return out
+
+    def watch_groups(self) -> dict[str, int]:
+        """Note which consumer groups moved since the last call, and act on each that has not moved for
+        its lag timeout while it has messages to take: warn (``on_lag="block"``: it holds the ring's
+        floor, so pushes wait for it once the ring is full) or drop it (``"drop_group"``). Maintenance
+        calls it through :meth:`maintain`. Returns ``{"groups_lagging": n, "groups_dropped": m}``."""
+        lagging = dropped = 0
+        for row in self._db.fetchall("ring_groups", {"queue_id": self._qid}):
+            if row[0] == 0:
+                continue  # the default group is not watched: it is the ring's own
+            grp, name, on_lag, timeout, min_pos, sum_pos, issued = (
+                int(row[0]),
+                str(row[1]),
+                int(row[3]),
+                float(row[4]),
+                int(row[7]),
+                int(row[8]),
+                int(row[9]),
+            )
+            moved = self._db.fetchone(
+                "ring_group_moved", {"queue_id": self._qid, "group": grp, "moved_pos": sum_pos}
+            )
+            idle = float(moved[0]) if moved else 0.0
+            if idle < timeout or min_pos > issued:
+                continue  # it moved within its timeout, or has nothing to take
+            lagging += 1
+            if on_lag == _ON_LAG_CODE[OnLag.DROP_GROUP]:
+                log.warning(
+                    "queue %s: consumer group %s has not popped for %.0fs with %d numbers to take; "
+                    "dropping it (on_lag=drop_group)",
+                    self.name,
+                    name,
+                    idle,
+                    issued - min_pos + 1,
+                )
+                if self.drop_group(name, missing_ok=True):
+                    dropped += 1
+            else:
+                log.warning(
+                    "queue %s: consumer group %s has not popped for %.0fs with %d numbers to take; it holds "
+                    "the ring's floor, so pushes wait for it once the ring is full (on_lag=block: pop it, "
+                    "or drop it with drop_group)",
+                    self.name,
+                    name,
+                    idle,
+                    issued - min_pos + 1,
+                )
+        return {"groups_lagging": lagging, "groups_dropped": dropped}
 
     # -- inspect and administer --------------------------------------------------------------------
 
     def peek(self, n: int = 10) -> list[Message]:
-        rows = self._db.fetchall("ring_peek", {"queue_id": self._qid, "n": _check_batch_size(n)})
+        rows = self._db.fetchall(
+            "ring_peek", {"queue_id": self._qid, "n": _check_batch_size(n), "group": self._grp}
+        )
         return self._messages(rows)
 
     def count_ready(self, min_priority: int | None = None, cap: int = 1_000_000) -> int:
@@ -539,7 +758,12 @@ class RingQueue(Queue):
         return int(row[0]) if row else 0
 
     def _readiness_params(self, cap: int) -> dict[str, Any]:
-        return {"queue_id": self._qid, "cap": cap, "max_attempts": self.settings.max_attempts}
+        return {
+            "queue_id": self._qid,
+            "cap": cap,
+            "max_attempts": self.settings.max_attempts,
+            "group": self._grp,
+        }
 
     def readiness(
         self, min_priority: int | None = None, cap: int = 1_000_000
@@ -588,7 +812,7 @@ class RingQueue(Queue):
         return self._messages(self._db.fetchall("ring_leased", self._receipt_params(stubs)))
 
     def stats(self) -> QueueStats:
-        row = self._db.fetchone("ring_stats", {"queue_id": self._qid})
+        row = self._db.fetchone("ring_stats", {"queue_id": self._qid, "group": self._grp})
         if row is None:
             raise QueueNotFoundError(self.name, self._db.schema)
         push_pos, pop_pos, floor = int(row[5]), int(row[6]), int(row[7])
@@ -612,12 +836,17 @@ class RingQueue(Queue):
                 "ring_used": used,
                 "ring_fill": round(used / self.capacity, 4),
                 "gaps_skipped": int(row[8]),
+                "group": self.group_name,
+                # What the group has still to finish: what it can take now or later, and what it holds.
+                "lag_messages": int(row[0]) + int(row[1]) + int(row[2]),
+                "lag_seconds": float(row[4] or 0.0),
             },
         )
 
     def list_failed(self, limit: int = 100, after_id: int = 0) -> list[FailedMessage]:
         rows = self._db.fetchall(
-            "ring_list_failed", {"queue_id": self._qid, "after_id": after_id, "limit": limit}
+            "ring_list_failed",
+            {"queue_id": self._qid, "after_id": after_id, "limit": limit, "group": self._grp},
         )
         decode = self.settings.decode
         return [
@@ -636,9 +865,17 @@ class RingQueue(Queue):
     def requeue_failed(self, ids: Sequence[int] | None = None) -> int:
         """Push failed messages again, oldest first, with a fresh attempt count.
 
-        In a ring a requeued message gets a new id: its old number's slot has been reused.
+        In a ring a requeued message gets a new id: its old number's slot has been reused. A push is seen
+        by every consumer group, so on a ring with groups besides the default one this raises
+        :class:`ConfigurationError` (a group's failed message would reach the other groups again).
         """
-        params = {"queue_id": self._qid, "all": ids is None, "ids": list(ids or [])}
+        if len(self.groups()) > 1:
+            raise ConfigurationError(
+                f"queue {self.name!r} has consumer groups besides {DEFAULT_GROUP!r}: a requeued message "
+                "would be pushed again to every group; list_failed and push what the group needs, "
+                "or delete_failed"
+            )
+        params = {"queue_id": self._qid, "all": ids is None, "ids": list(ids or []), "group": self._grp}
         with self._db.transaction() as conn:
             rows = sorted(self._db.fetchall("ring_take_failed", params, conn))
             payloads = [bytes(r[1]) for r in rows]
@@ -647,5 +884,5 @@ class RingQueue(Queue):
         return len(rows)
 
     def delete_failed(self, ids: Sequence[int] | None = None) -> int:
-        params = {"queue_id": self._qid, "all": ids is None, "ids": list(ids or [])}
+        params = {"queue_id": self._qid, "all": ids is None, "ids": list(ids or []), "group": self._grp}
         return len(self._db.fetchall("ring_delete_failed", params))

@@ -77,12 +77,17 @@ log = logging.getLogger(__name__)
 _PKG = __package__ or "airflow_dbqueue.engine.dialects.mssql"
 DEFAULT_DRIVER = "ODBC Driver 18 for SQL Server"
 
-NOT_YET_PORTED: dict[str, str] = {}
+NOT_YET_PORTED: dict[str, str] = {
+    name: "a ring's consumer groups besides its default one need a grp column in the ring tables and their "
+    "keys, and the procedures to take it (ring_groups_supported is False: RingQueue raises "
+    "NotSupportedError for any other group, docs/limits.md)"
+    for name in ("ring_add_group", "ring_drop_group", "ring_groups", "ring_group_moved")
+}
 """Named queries of the PostgreSQL dialect that this dialect does not have yet, with what they need.
 
 The parity test checks that the PostgreSQL names are exactly this dialect's names plus these, so a new
-PostgreSQL query fails the test until it is ported or listed here. Empty: the table design, maintenance
-and the ring design are all ported.
+PostgreSQL query fails the test until it is ported or listed here. The table design, maintenance and the
+ring design are all ported, but for a ring's consumer groups besides its default one.
 """
 
 POSTGRES_ONLY: dict[str, str] = {
@@ -551,6 +556,7 @@ class MssqlDatabase(MssqlMaintenance):
     dialect_name = "mssql"
     supports_notify = False
     ring_push_takes_floor = False  # its ring_push reads the floor under its own locks
+    ring_groups_supported = False  # one group a ring (docs/limits.md)
 
     def __init__(
         self,

@@ -160,6 +160,7 @@ class PostgresDatabase(PostgresMaintenance):
     dialect_name = "postgresql"
     supports_notify = True
     ring_push_takes_floor = True
+    ring_groups_supported = True
 
     def __init__(
         self,
