@@ -103,6 +103,14 @@ class Target:
     capacity: int | None = None
     """Slots of a ring (ring design only)."""
     payload_bytes: int = 300
+    groups: int = 1
+    """Consumer groups of a ring (``--groups``): each message is popped once in each, and consumer
+    ``i`` pops for group ``i % groups`` (group 0 the ring's default one)."""
+
+    def group_of(self, consumer: int) -> str | None:
+        """The consumer group consumer ``consumer`` pops for (None: the default group)."""
+        k = consumer % self.groups
+        return f"g{k}" if k else None
 
     @property
     def lease(self) -> bool:
@@ -135,6 +143,8 @@ def setup_target(target: Target) -> None:
                 capacity=target.capacity,
                 max_payload_bytes=target.payload_bytes,
             )
+            for k in range(1, target.groups):
+                dbq.queue(QUEUE_NAME).add_group(f"g{k}")  # type: ignore[attr-defined]
             return
         dbq.create_queue(
             QUEUE_NAME,
@@ -154,8 +164,11 @@ def left_in_queue(target: Target, conn: psycopg.Connection[Any]) -> int:
         ).fetchone()
         return int(row[0]) if row else 0
     with DbQueue(target.dsn, schema=target.schema, pool_size=1) as dbq:
-        st = dbq.queue(QUEUE_NAME).stats()
-        return st.ready + st.delayed + st.in_flight + st.failed
+        left = 0
+        for k in range(target.groups):
+            st = dbq.queue(QUEUE_NAME).group(target.group_of(k)).stats()
+            left += st.ready + st.delayed + st.in_flight + st.failed
+        return left
 
 
 def teardown_target(target: Target) -> None:
@@ -187,9 +200,9 @@ class Backend(Protocol):
 class EngineBackend:
     """A queue of an engine design, through the public API."""
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: Target, consumer: int = 0) -> None:
         self.dbq = DbQueue(target.dsn, schema=target.schema, pool_size=1)
-        self.queue = self.dbq.queue(QUEUE_NAME)
+        self.queue = self.dbq.queue(QUEUE_NAME).group(target.group_of(consumer))
         self.semantics = target.semantics
         self.lease = target.lease
 
@@ -336,12 +349,12 @@ class PgmqBackend:
         self.conn.close()
 
 
-def open_backend(target: Target, role: str) -> Backend:
+def open_backend(target: Target, role: str, idx: int = 0) -> Backend:
     if target.design == BASELINE:
         return NaiveBackend(target, role)
     if target.design == PGMQ:
         return PgmqBackend(target)
-    return EngineBackend(target)
+    return EngineBackend(target, idx if role == "consumer" else 0)
 
 
 # -- workers ---------------------------------------------------------------------------------------
@@ -374,7 +387,7 @@ class Shared:
 def _produce(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[str, Any]:
     pick = Fillers(cfg.payload_bytes, HEADER.size).pick
     pack = HEADER.pack
-    n, cap = cfg.batch, cfg.backlog_cap
+    n, cap, groups = cfg.batch, cfg.backlog_cap, cfg.target.groups
     pushed, popped, phase = shm.pushed, shm.popped, shm.phase
     seq = 0
     throttled = calls = 0
@@ -382,7 +395,7 @@ def _produce(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
     clock = time.perf_counter
     lat: list[tuple[float, float]] | None = [] if cfg.latencies else None
     while phase.value == RUN:
-        if sum(pushed) - sum(popped) > cap:
+        if sum(pushed) * groups - sum(popped) > cap * groups:  # the groups' mean backlog
             throttled += 1
             time.sleep(0.0005)
             continue
@@ -515,7 +528,7 @@ def _consume(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
 def _worker(role: str, idx: int, cfg: RunConfig, shm: Shared) -> None:
     """Entry point of a producer or consumer process."""
     try:
-        backend = open_backend(cfg.target, role)
+        backend = open_backend(cfg.target, role, idx)
         try:
             with shm.ready.get_lock():
                 shm.ready.value += 1
@@ -628,7 +641,10 @@ def run_design(
             start_bytes = table_stats(conn, target.schema)[0]
             with contextlib.suppress(psycopg.Error):
                 conn.execute("CHECKPOINT")
-            cfg = RunConfig(target, producers, consumers, batch, payload_bytes, backlog_cap, latencies)
+            # consumers per consumer group
+            cfg = RunConfig(
+                target, producers, consumers * target.groups, batch, payload_bytes, backlog_cap, latencies
+            )
             result = _measure(
                 cfg,
                 conn,
@@ -767,7 +783,9 @@ def _measure(
         # Drain: consumers go on until everything pushed is popped, or nothing moves for a while.
         deadline = time.monotonic() + drain_timeout
         last, last_change = -1, time.monotonic()
-        while (now_popped := sum(shm.popped)) < pushed_total and time.monotonic() < deadline:
+        while (
+            now_popped := sum(shm.popped)
+        ) < pushed_total * cfg.target.groups and time.monotonic() < deadline:
             if now_popped != last:
                 last, last_change = now_popped, time.monotonic()
             elif time.monotonic() - last_change > 5.0:
@@ -795,9 +813,11 @@ def _measure(
 
     cons = [results[("consumer", i)] for i in range(cfg.consumers)]
     prods = [results[("producer", i)] for i in range(cfg.producers)]
-    lost, dups, corrupt = count_deliveries([prod["pushed"] for prod in prods], cons)
+    groups = cfg.target.groups  # each group must get every message once
+    counts = [count_deliveries([p["pushed"] for p in prods], cons[k::groups]) for k in range(groups)]
+    lost, dups, corrupt = (sum(c[i] for c in counts) for i in range(3))
     window = t1 - t0
-    msgs = popped1 - popped0
+    msgs = (popped1 - popped0) / groups  # a cycle: a message pushed and popped in every group
     size, dead, hot = table_stats(conn, cfg.target.schema)
     lat: dict[str, list[float]] = {}
     if cfg.latencies:
@@ -886,7 +906,7 @@ def backlog_cap(args: argparse.Namespace, point: Point) -> int:
 def ring_capacity(args: argparse.Namespace, point: Point, cap: int) -> int:
     """``--capacity``, else a ring big enough for the backlog and every batch in flight: the bench
     measures flow, not a full ring pushing back (--capacity makes it smaller to measure that)."""
-    return int(args.capacity or cap + (point.producers + point.consumers + 2) * point.batch)
+    return int(args.capacity or cap + (point.producers + point.consumers * args.groups + 2) * point.batch)
 
 
 def make_target(args: argparse.Namespace, dsn: str, design: str, point: Point, cap: int) -> Target:
@@ -901,6 +921,7 @@ def make_target(args: argparse.Namespace, dsn: str, design: str, point: Point, c
         notify=args.notify,
         capacity=capacity if design == "ring" else None,
         payload_bytes=args.payload_bytes,
+        groups=args.groups if design == "ring" else 1,
     )
 
 
@@ -972,6 +993,7 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
         "warmup_s": args.warmup,
         "archive": args.archive if args.design == "table" else None,
         "capacity": ring_capacity(args, point, cap) if args.design == "ring" else None,
+        "groups": args.groups if args.design == "ring" else None,
         "notify": args.notify if args.design not in REFERENCES else None,
     }
     if PGMQ in designs and args.design != PGMQ:
@@ -1261,6 +1283,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--archive) in the same run, as a second reference",
     )
     ap.add_argument("--capacity", type=int, help="ring slots (default: backlog cap + batches in flight)")
+    ap.add_argument(
+        "--groups",
+        type=int,
+        default=1,
+        help="consumer groups of the ring, each with --consumers consumers; a cycle is a message pushed "
+        "and popped in every group (default 1)",
+    )
     ap.add_argument("--backlog-cap", type=int, help="pause producers above this backlog (50 x batch x C)")
     ap.add_argument("--drain-timeout", type=float, default=120.0)
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -1289,6 +1318,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--seconds and --sweep-seconds must be > 0, --warmup >= 0")
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
+    if args.groups < 1 or (args.groups > 1 and args.design != "ring"):
+        ap.error("--groups must be >= 1, and above 1 only with --design ring")
     if args.payload_bytes < HEADER.size:
         ap.error(f"--payload-bytes must be >= {HEADER.size} (the (producer, seq) header)")
     return args

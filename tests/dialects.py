@@ -114,7 +114,7 @@ EXPIRE_SQL = {
     ("postgresql", "table"): "UPDATE {schema}.meta SET lease_until = now() - interval '1 second' "
     "WHERE id = ANY(%(ids)s)",
     ("postgresql", "ring"): "UPDATE {schema}.ring_retry SET due_at = now() - interval '1 second' "
-    "WHERE queue_id = %(queue_id)s AND grp = %(group)s AND state = 2 AND id = ANY(%(ids)s)",
+    "WHERE queue_id = %(group)s AND state = 2 AND id = ANY(%(ids)s)",
     ("mssql", "table"): "UPDATE {schema}.meta SET lease_until = DATEADD(second, -1, SYSUTCDATETIME()) "
     "WHERE id IN (SELECT CAST([value] AS bigint) FROM OPENJSON(%(ids)s))",
     ("mssql", "ring"): "UPDATE {schema}.ring_retry SET due_at = DATEADD(second, -1, SYSUTCDATETIME()) "
@@ -126,11 +126,10 @@ array; lease_until and due_at are timestamptz, or datetime2 in UTC)."""
 
 SPLIT_SQL = {
     "postgresql": "SELECT {schema}.ring_split_leases(%(queue_id)s, %(capacity)s, %(lanes)s, ARRAY("
-    "SELECT e.lo FROM {schema}.ring_leases e WHERE e.queue_id = %(queue_id)s AND e.grp = %(group)s "
-    "AND EXISTS ("
+    "SELECT e.lo FROM {schema}.ring_leases e WHERE e.queue_id = %(group)s AND EXISTS ("
     "SELECT 1 FROM unnest(%(ids)s::bigint[]) AS i(id) "
     "WHERE i.id BETWEEN e.lo AND e.hi AND e.starts[mod(i.id, %(lanes)s)::integer + 1] <= i.id)), NULL, "
-    "%(group)s::smallint)",
+    "%(group)s::integer)",
     "mssql": "SET NOCOUNT ON; DECLARE @los nvarchar(max) = ("
     "SELECT N'[' + STRING_AGG(CAST(e.lo AS nvarchar(max)), N',') + N']' "
     "FROM {schema}.ring_leases e WHERE e.queue_id = %(queue_id)s AND EXISTS ("
@@ -154,7 +153,7 @@ def expire_leases(dbq: DbQueue, ids: Iterable[int], q: Queue | None = None) -> N
     if design == "ring":
         assert q is not None
         params.update(queue_id=q.settings.queue_id, capacity=q.settings.capacity, lanes=q.settings.lanes)
-        params["group"] = getattr(q, "_grp", 0)
+        params["group"] = getattr(q, "_gid", q.settings.queue_id)
         run_sql(dbq, SPLIT_SQL[dbq.dialect], params)
     run_sql(dbq, EXPIRE_SQL[dbq.dialect, design], params)
 

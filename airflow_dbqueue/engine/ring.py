@@ -40,6 +40,13 @@ locks one of the ring's push lanes (a row of ``ring_push_lanes``, until its tran
 takes its numbers; the list is the lanes other transactions held, and the proof is that each has been
 seen unlocked since (``docs/sqlserver.md``). Either way the position is read before the list is taken.
 
+Consumer groups (PostgreSQL): a ring's default group's lanes, leases, retry and failed rows carry the
+ring's queue id; another group's carry its gid (``ring_groups``, a negative number), so that each group
+sees every message at its own pace, and the floor is the lowest number over the ring's rows and its
+groups'. A handle of a group (:meth:`RingQueue.group`) passes its gid: to ``ring_take`` and ``ring_pop``
+in place of the queue id (the default group's pops then plan as a ring without groups does), to the
+other statements as ``group``.
+
 The same class runs on both dialects: every statement is a named query of the dialect. Only the async
 observers (:meth:`RingQueue.areadiness`, :meth:`RingQueue.alisten`) are PostgreSQL's alone (psycopg's
 async connections and LISTEN).
@@ -144,13 +151,15 @@ class RingQueue(Queue):
         settings: QueueSettings,
         *,
         group: str = DEFAULT_GROUP,
-        grp: int = 0,
+        gid: int | None = None,
     ) -> None:
         super().__init__(db, settings)
         if settings.capacity is None:
             raise ConfigurationError(f"queue {settings.name!r} is a ring without a capacity")
         self.group_name = group
-        self._grp = grp  # the group's key in the ring's tables (0: the default group)
+        # The key of the group's lanes, leases, retry and failed rows: the ring's queue id for its
+        # default group, a negative gid for another (ring_groups).
+        self._gid = settings.queue_id if gid is None else gid
         self._groups: dict[str, RingQueue] = {}  # the handles of other groups (the default group's only)
         self._qid = settings.queue_id
         self.capacity = settings.capacity
@@ -172,7 +181,7 @@ class RingQueue(Queue):
             "lease": False,
             "visibility_timeout_s": settings.visibility_timeout_s,
             "consumer": "push",
-            "group": grp,
+            "group": self._gid,
         }
         self.push_timeout = 30.0
         self.gap_timeout = 5.0
@@ -217,10 +226,15 @@ class RingQueue(Queue):
 
     def _raise_if_gone(self) -> None:
         """Raise :class:`QueueNotFoundError` when this handle's ring was dropped (its queue row is gone,
-        or names another queue now): a ring's statements find no ring then, and fail or write nothing."""
+        or names another queue now), or :class:`GroupNotFoundError` when its consumer group was: a
+        ring's statements find no ring or group then, and fail or write nothing."""
         row = self._db.fetchone("get_queue", {"name": self.name})
         if row is None or row[0] != self._qid:
             raise QueueNotFoundError(self.name, self._db.schema) from None
+        if self._gid != self._qid and not any(
+            r[0] == self._gid for r in self._db.fetchall("ring_groups", {"queue_id": self._qid})
+        ):
+            raise GroupNotFoundError(self.name, self.group_name) from None
 
     def _push_encoded(self, encoded: list[bytes], conn: DbConnection | None) -> int:
         params = {
@@ -321,14 +335,15 @@ class RingQueue(Queue):
             self._last_reclaim = now
             self._reclaim(10_000, conn)
         params: dict[str, Any] = {
-            "queue_id": self._qid,
+            # ring_take and ring_pop take a group besides the default one by its gid in place of the
+            # ring's queue id, so that the default group's pops pass what a ring without groups does.
+            "queue_id": self._gid,
             "capacity": self.capacity,
             "lanes": self.lanes,
             "n": n,
             "lease": lease,
             "visibility_timeout_s": vt,
             "consumer": consumer,
-            "group": self._grp,
         }
         with self._lock:
             fast = self._fast and self._gap is None
@@ -442,7 +457,7 @@ class RingQueue(Queue):
             "capacity": self.capacity,
             "lanes": self.lanes,
             "queue_id": self._qid,
-            "group": self._grp,
+            "group": self._gid,
         }
 
     def _raise_lost(self, params: dict[str, Any], conn: DbConnection | None) -> None:
@@ -501,7 +516,7 @@ class RingQueue(Queue):
                 "lanes": self.lanes,
                 "max_attempts": self.settings.max_attempts,
                 "limit": limit,
-                "group": self._grp,
+                "group": self._gid,
             },
             conn,
         )
@@ -573,7 +588,7 @@ class RingQueue(Queue):
     # -- consumer groups ---------------------------------------------------------------------------
 
     def _default(self) -> RingQueue:
-        return self if self._grp == 0 else self._root
+        return self if self._gid == self._qid else self._root
 
     def group(self, name: str | None) -> RingQueue:
         """Return the handle of this ring's consumer group ``name`` (``None`` or :data:`DEFAULT_GROUP`:
@@ -587,8 +602,8 @@ class RingQueue(Queue):
             return got
         self._check_groups_supported(name)
         for row in self._db.fetchall("ring_groups", {"queue_id": self._qid}):
-            if row[0] > 0 and row[1] == name:
-                handle = RingQueue(self._db, self.settings, group=name, grp=int(row[0]))
+            if row[0] != self._qid and row[1] == name:
+                handle = RingQueue(self._db, self.settings, group=name, gid=int(row[0]))
                 handle._root = root
                 handle.push_timeout, handle.gap_timeout = root.push_timeout, root.gap_timeout
                 with root._lock:
@@ -666,7 +681,7 @@ class RingQueue(Queue):
         root = self._default()
         with root._lock:
             root._groups.pop(name, None)
-        row = self._db.fetchone("ring_drop_group", {"queue_id": self._qid, "group": handle._grp})
+        row = self._db.fetchone("ring_drop_group", {"queue_id": self._qid, "group": handle._gid})
         return bool(row and row[0])
 
     def groups(self) -> list[GroupInfo]:
@@ -676,7 +691,7 @@ class RingQueue(Queue):
             return [GroupInfo(DEFAULT_GROUP, None, OnLag.BLOCK, None, int(stats.extra["pop_position"]), None)]
         out = []
         for row in self._db.fetchall("ring_groups", {"queue_id": self._qid}):
-            if row[0] == 0:
+            if row[0] == self._qid:
                 out.append(GroupInfo(DEFAULT_GROUP, None, OnLag.BLOCK, None, int(row[7]), None))
                 continue
             idle = (time.time() - row[6].timestamp()) if row[6] is not None else None
@@ -702,9 +717,9 @@ class RingQueue(Queue):
         calls it through :meth:`maintain`. Returns ``{"groups_lagging": n, "groups_dropped": m}``."""
         lagging = dropped = 0
         for row in self._db.fetchall("ring_groups", {"queue_id": self._qid}):
-            if row[0] == 0:
+            if row[0] == self._qid:
                 continue  # the default group is not watched: it is the ring's own
-            grp, name, on_lag, timeout, min_pos, sum_pos, issued = (
+            gid, name, on_lag, timeout, min_pos, sum_pos, issued = (
                 int(row[0]),
                 str(row[1]),
                 int(row[3]),
@@ -714,7 +729,7 @@ class RingQueue(Queue):
                 int(row[9]),
             )
             moved = self._db.fetchone(
-                "ring_group_moved", {"queue_id": self._qid, "group": grp, "moved_pos": sum_pos}
+                "ring_group_moved", {"queue_id": self._qid, "group": gid, "moved_pos": sum_pos}
             )
             idle = float(moved[0]) if moved else 0.0
             if idle < timeout or min_pos > issued:
@@ -747,7 +762,7 @@ class RingQueue(Queue):
 
     def peek(self, n: int = 10) -> list[Message]:
         rows = self._db.fetchall(
-            "ring_peek", {"queue_id": self._qid, "n": _check_batch_size(n), "group": self._grp}
+            "ring_peek", {"queue_id": self._qid, "n": _check_batch_size(n), "group": self._gid}
         )
         return self._messages(rows)
 
@@ -762,7 +777,7 @@ class RingQueue(Queue):
             "queue_id": self._qid,
             "cap": cap,
             "max_attempts": self.settings.max_attempts,
-            "group": self._grp,
+            "group": self._gid,
         }
 
     def readiness(
@@ -812,7 +827,7 @@ class RingQueue(Queue):
         return self._messages(self._db.fetchall("ring_leased", self._receipt_params(stubs)))
 
     def stats(self) -> QueueStats:
-        row = self._db.fetchone("ring_stats", {"queue_id": self._qid, "group": self._grp})
+        row = self._db.fetchone("ring_stats", {"queue_id": self._qid, "group": self._gid})
         if row is None:
             raise QueueNotFoundError(self.name, self._db.schema)
         push_pos, pop_pos, floor = int(row[5]), int(row[6]), int(row[7])
@@ -846,7 +861,7 @@ class RingQueue(Queue):
     def list_failed(self, limit: int = 100, after_id: int = 0) -> list[FailedMessage]:
         rows = self._db.fetchall(
             "ring_list_failed",
-            {"queue_id": self._qid, "after_id": after_id, "limit": limit, "group": self._grp},
+            {"queue_id": self._qid, "after_id": after_id, "limit": limit, "group": self._gid},
         )
         decode = self.settings.decode
         return [
@@ -875,7 +890,7 @@ class RingQueue(Queue):
                 "would be pushed again to every group; list_failed and push what the group needs, "
                 "or delete_failed"
             )
-        params = {"queue_id": self._qid, "all": ids is None, "ids": list(ids or []), "group": self._grp}
+        params = {"queue_id": self._qid, "all": ids is None, "ids": list(ids or []), "group": self._gid}
         with self._db.transaction() as conn:
             rows = sorted(self._db.fetchall("ring_take_failed", params, conn))
             payloads = [bytes(r[1]) for r in rows]
@@ -884,5 +899,5 @@ class RingQueue(Queue):
         return len(rows)
 
     def delete_failed(self, ids: Sequence[int] | None = None) -> int:
-        params = {"queue_id": self._qid, "all": ids is None, "ids": list(ids or []), "group": self._grp}
+        params = {"queue_id": self._qid, "all": ids is None, "ids": list(ids or []), "group": self._gid}
         return len(self._db.fetchall("ring_delete_failed", params))

@@ -183,6 +183,7 @@ def _driver_in_extra_allowed() -> bool:
     return bool(conf.getboolean("providers.odbc", "allow_driver_in_extra", fallback=False))
 
 
+_GROUP_GAUGES = ("lag_messages", "lag_seconds", "idle_s")
 _QUEUE_GAUGES = (
     "ready",
     "delayed",
@@ -203,7 +204,9 @@ def emit_metrics(metrics: Mapping[str, Any], *, prefix: str = "dbqueue") -> int:
     Names are stable and carry no schema, queue, table or index name; those travel as tags, as
     Airflow's own metrics do since 3.2: ``<prefix>.queue.<gauge>`` tagged ``schema`` and ``queue``
     (``ready``, ``delayed``, ``in_flight``, ``failed``, ``finished``, ``oldest_ready_age_s``,
-    ``pushed_per_s``, ``finished_per_s``), ``<prefix>.table.<gauge>`` tagged ``schema`` and ``table``
+    ``pushed_per_s``, ``finished_per_s``), ``<prefix>.group.<gauge>`` tagged ``schema``, ``queue`` and
+    ``group`` (a ring's consumer groups besides its default one: ``lag_messages``, ``lag_seconds``,
+    ``idle_s``), ``<prefix>.table.<gauge>`` tagged ``schema`` and ``table``
     (sizes, live and dead rows), ``<prefix>.index.<gauge>`` tagged ``schema`` and ``index`` (size and
     bloat; on SQL Server also fragmentation and page density) and ``<prefix>.xmin_holders`` tagged
     ``schema``.
@@ -225,6 +228,9 @@ def emit_metrics(metrics: Mapping[str, Any], *, prefix: str = "dbqueue") -> int:
     for queue, values in metrics.get("queues", {}).items():
         for key in _QUEUE_GAUGES:
             gauge(f"queue.{key}", values.get(key), {"queue": queue})
+        for group, figures in (values.get("groups") or {}).items():
+            for key in _GROUP_GAUGES:
+                gauge(f"group.{key}", figures.get(key), {"queue": queue, "group": group})
     for table, values in metrics.get("tables", {}).items():
         for key in _TABLE_GAUGES:
             gauge(f"table.{key}", values.get(key), {"table": table})

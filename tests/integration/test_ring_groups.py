@@ -202,6 +202,10 @@ def test_maintenance_warns_about_or_drops_a_group_nobody_pops(
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert "consumer group stuck has not popped" in warned and "on_lag=block" in warned
     assert "consumer group gone has not popped" in warned and "dropping it" in warned
+    figures = dbq.maintenance().metrics()["queues"]["events"]["groups"]
+    assert sorted(figures) == ["busy", "idle", "stuck"]  # the default group's are the queue's own
+    assert figures["stuck"]["lag_messages"] == 6 and figures["stuck"]["idle_s"] >= 0.4
+    assert (figures["idle"]["lag_messages"], figures["busy"]["lag_messages"]) == (0, 4)
     assert [m.payload for m in drain(q.group("stuck"))] == list(range(6))
     assert [m.payload for m in drain(busy)] == [2, 3, 4, 5]
 

@@ -879,8 +879,8 @@ def test_version_17_rings_keep_their_messages_positions_and_leases_through_the_m
             ).fetchall()
         with DbQueue(pg_dsn, schema=schema) as dbq:
             assert dbq.install() == schema_sql()[0] == 18
-            rows = run_sql(dbq, "SELECT lane, pos, grp FROM {schema}.ring_lanes ORDER BY lane")
-            assert [(lane, pos) for lane, pos, _ in rows] == before and {g for *_, g in rows} == {0}
+            rows = run_sql(dbq, "SELECT queue_id, lane, pos FROM {schema}.ring_lanes ORDER BY lane")
+            assert [(lane, pos) for q, lane, pos in rows if q == qid] == before and len(rows) == len(before)
             q = dbq.queue("old")
             late = q.add_group("late", start="earliest")  # type: ignore[attr-defined]
             assert q.ack_receipts([(3, 1), (4, 1)]) == 2

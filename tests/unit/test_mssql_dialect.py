@@ -100,7 +100,12 @@ def test_every_postgresql_query_name_is_ported_or_listed_as_not_yet_ported() -> 
     )
 
 
-RING_GROUP_QUERIES = {"ring_add_group", "ring_drop_group", "ring_groups", "ring_group_moved"}
+RING_GROUP_QUERIES = {
+    "ring_add_group",
+    "ring_drop_group",
+    "ring_groups",
+    "ring_group_moved",
+}
 """The queries of a ring's consumer groups besides its default one, which SQL Server has not yet."""
 
 
@@ -454,9 +459,6 @@ MSSQL_ONLY_RING_COLUMNS = {
 }
 """Columns the SQL Server ring tables have beyond PostgreSQL's, and why."""
 
-POSTGRES_ONLY_RING_COLUMNS = {t: ["grp"] for t in ("ring_lanes", "ring_leases", "ring_retry", "ring_failed")}
-"""Columns PostgreSQL's ring tables have beyond SQL Server's: a row's consumer group (RING_GROUP_QUERIES)."""
-
 
 def test_the_ring_tables_end_with_postgresqls_columns() -> None:
     """A fresh install and a version-2 schema migrated by the same blocks end with the ring tables of
@@ -475,10 +477,7 @@ def test_the_ring_tables_end_with_postgresqls_columns() -> None:
     ring.remove("ring_groups")  # PostgreSQL's alone (RING_GROUP_QUERIES)
     for table in ring:
         extra = MSSQL_ONLY_RING_COLUMNS.get(table, [])
-        pg_only = POSTGRES_ONLY_RING_COLUMNS.get(table, [])
-        assert [c for c in ours[table] if c not in extra] == [c for c in theirs[table] if c not in pg_only], (
-            table
-        )
+        assert [c for c in ours[table] if c not in extra] == theirs[table], table
         assert set(extra) <= set(ours[table])
     assert ours["ring_push_lanes"] == ["queue_id", "lane", "pushes"]
     assert ours["ring_slots"] == ["queue_id", "slot", "seq", "enqueued_at", "payload"]
@@ -655,8 +654,6 @@ RING_PARAMETERS_POSTGRESQL_ONLY = {
     **{
         name: {"group"}
         for name in (
-            "ring_take",
-            "ring_pop",
             "ring_ack",
             "ring_settle",
             "ring_held_receipts",
@@ -674,6 +671,11 @@ RING_PARAMETERS_POSTGRESQL_ONLY = {
 }
 RING_PARAMETERS_MSSQL_ONLY = {
     "ring_snapshot": {"queue_id"},  # the gap proof's list is the ring's push lanes, not the server's xids
+    # PostgreSQL finds a consumer group's rows by its key (group: the queue id for the default group)
+    **{
+        name: {"queue_id"}
+        for name in ("ring_ack", "ring_list_failed", "ring_take_failed", "ring_delete_failed")
+    },
 }
 
 

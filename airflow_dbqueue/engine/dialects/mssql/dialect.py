@@ -78,9 +78,9 @@ _PKG = __package__ or "airflow_dbqueue.engine.dialects.mssql"
 DEFAULT_DRIVER = "ODBC Driver 18 for SQL Server"
 
 NOT_YET_PORTED: dict[str, str] = {
-    name: "a ring's consumer groups besides its default one need a grp column in the ring tables and their "
-    "keys, and the procedures to take it (ring_groups_supported is False: RingQueue raises "
-    "NotSupportedError for any other group, docs/limits.md)"
+    name: "a ring's consumer groups besides its default one need ring_groups, the groups' rows in the ring "
+    "tables keyed by their gid, and procedures that take a gid (ring_groups_supported is False: RingQueue "
+    "raises NotSupportedError for any other group, docs/limits.md)"
     for name in ("ring_add_group", "ring_drop_group", "ring_groups", "ring_group_moved")
 }
 """Named queries of the PostgreSQL dialect that this dialect does not have yet, with what they need.
