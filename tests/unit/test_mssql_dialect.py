@@ -1572,3 +1572,20 @@ def test_the_conformance_suites_lease_expiry_on_a_fake_sql_server(monkeypatch: p
     assert expire.startswith("UPDATE [dbq].ring_retry SET due_at = DATEADD(second, -1, SYSUTCDATETIME())")
     assert fake.commits == 2
     _check_sent(fake)
+
+
+def test_a_ring_on_a_fake_sql_server_has_its_default_group_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Consumer groups besides the default one are PostgreSQL's: on SQL Server adding or naming one raises
+    NotSupportedError before any statement runs, and the default group (None or "default") is the ring's
+    own handle, whose pops send no group."""
+    from airflow_dbqueue.engine import NotSupportedError
+
+    q, fake = _ring_on_fake_sql_server(monkeypatch, [])
+    with pytest.raises(NotSupportedError, match="need PostgreSQL"):
+        q.add_group("audit")
+    with pytest.raises(NotSupportedError, match="'audit'"):
+        q.group("audit")
+    with pytest.raises(NotSupportedError):
+        q.pop(1, group="audit")
+    assert q.group(None) is q and q.group("default") is q
+    assert fake.executed == []
