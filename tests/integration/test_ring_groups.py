@@ -7,17 +7,24 @@ so). Every test counts and checksums what went in and what each group got.
 
 from __future__ import annotations
 
+import collections
 import logging
+import multiprocessing as mp
+import os
+import signal
 import threading
 import time
+import traceback
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from airflow_dbqueue.engine import (
     ConfigurationError,
+    DbQueue,
     GroupExistsError,
     GroupNotFoundError,
+    LeaseExpiredError,
     QueueFullError,
 )
 from airflow_dbqueue.engine.models import DEFAULT_GROUP, OnLag
@@ -25,7 +32,6 @@ from tests.helpers import checksum
 from tests.integration.test_conformance import drain
 
 if TYPE_CHECKING:
-    from airflow_dbqueue.engine import DbQueue
     from airflow_dbqueue.engine.ring import RingQueue
 
 pytestmark = pytest.mark.integration
@@ -278,3 +284,72 @@ def test_two_groups_at_different_speeds_under_concurrency(dbq: DbQueue) -> None:
     assert (len(acked), checksum(acked)) == (total, checksum(everything))
     nacked = slow_nacked[0] + slow_nacked[1]
     assert nacked and set(nacked) <= set(everything) and len(set(nacked)) == len(nacked)
+
+
+def _pop_and_hang(*, dsn: str, schema: str, group: str | None, semantics: str, n: int, report: Any) -> None:
+    """Pop ``n`` messages for ``group``, report them, and sleep until killed (a consumer that dies)."""
+    try:
+        with DbQueue(dsn, schema=schema, pool_size=1) as dbq:
+            msgs = dbq.queue("events").pop(n, semantics=semantics, visibility_timeout=1.0, group=group)
+            report.put(("popped", [(m.id, m.payload) for m in msgs]))
+            time.sleep(300)
+    except BaseException:
+        report.put(("error", traceback.format_exc()))
+
+
+def test_sigkilled_consumers_of_two_groups(dbq: DbQueue) -> None:
+    """Two consumers, one of each group, are SIGKILLed after their pops: the default group's (at most
+    once) loses what it popped and nothing comes twice; the audit group's (at least once) held leases,
+    whose messages come back once each when they expire. Then each group is drained by a consumer of
+    its own: per group, counts and checksums of what was delivered. (about 4 s)"""
+    q = ring(dbq, capacity=512, lanes=4, visibility_timeout=1.0, retry_backoff=0.0, retry_backoff_max=0.0)
+    audit = q.add_group("audit")
+    sent = [{"s": i, "v": os.urandom(6).hex()} for i in range(400)]
+    q.push_batch(sent)
+    ctx = mp.get_context("spawn")
+    report: Any = ctx.Queue()
+    popped: dict[str | None, list[tuple[int, Any]]] = {}
+    for group, semantics in ((None, "at-most-once"), ("audit", "at-least-once")):
+        child = ctx.Process(
+            target=_pop_and_hang,
+            kwargs={
+                "dsn": dbq.db.dsn,
+                "schema": dbq.schema,
+                "group": group,
+                "semantics": semantics,
+                "n": 50,
+                "report": report,
+            },
+        )
+        child.start()
+        try:
+            kind, got = report.get(timeout=120)
+            assert kind == "popped", got
+            os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            child.join(timeout=30)
+            assert child.exitcode == -signal.SIGKILL
+        finally:
+            if child.is_alive():
+                child.kill()
+                child.join(10)
+        popped[group] = got
+    assert [i for i, _ in popped[None]] == [i for i, _ in popped["audit"]] == list(range(1, 51))
+    mine = [m.payload for m in drain(q)]  # the default group: the rest, each once
+    assert [p for _, p in popped[None]] + mine == sent
+    delivered = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(delivered) < len(sent):
+        msgs = audit.pop(100, semantics="at-least-once")
+        assert audit.ack(msgs) == len(msgs)
+        delivered += msgs
+        if not msgs:
+            time.sleep(0.1)  # the dead consumer's leases expire after 1 s, and a pop reclaims them
+    counts = collections.Counter(m.id for m in delivered)
+    assert len(delivered) == len(sent) and max(counts.values()) == 1
+    assert checksum(m.payload for m in delivered) == checksum(sent)
+    assert {m.id for m in delivered if m.attempts == 2} == set(range(1, 51))
+    with pytest.raises(LeaseExpiredError):  # the dead consumer's receipts finish nothing twice
+        audit.ack_receipts([(i, 1) for i, _ in popped["audit"]])
+    for handle in (q, audit):
+        st = handle.stats()
+        assert (st.ready, st.in_flight, st.failed) == (0, 0, 0)
