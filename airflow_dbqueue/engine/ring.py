@@ -234,6 +234,10 @@ class RingQueue(Queue):
         if self._gid != self._qid and not any(
             r[0] == self._gid for r in self._db.fetchall("ring_groups", {"queue_id": self._qid})
         ):
+            root = self._default()
+            with root._lock:  # group(name) looks the name up again (it may name a new group now)
+                if root._groups.get(self.group_name) is self:
+                    del root._groups[self.group_name]
             raise GroupNotFoundError(self.name, self.group_name) from None
 
     def _push_encoded(self, encoded: list[bytes], conn: DbConnection | None) -> int:

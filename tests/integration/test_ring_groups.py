@@ -175,6 +175,14 @@ def test_pop_takes_group_and_bad_groups_are_refused(dbq: DbQueue) -> None:
         q.add_group("g", lag_timeout=0)
     with pytest.raises(ConfigurationError, match="cannot be dropped"):
         q.drop_group(DEFAULT_GROUP)
+    stale = dbq.queue("events").group("fraud")
+    with DbQueue(dbq.db.dsn, schema=dbq.schema) as other:  # another process drops it and adds it again
+        other.queue("events").drop_group("fraud")  # type: ignore[attr-defined]
+        other.queue("events").add_group("fraud")  # type: ignore[attr-defined]
+    with pytest.raises(GroupNotFoundError, match="'fraud'"):
+        stale.pop(1)
+    q.push("c")
+    assert [m.payload for m in q.pop(1, group="fraud")] == ["c"]  # the new group, looked up again
     assert [g.name for g in q.groups()] == [DEFAULT_GROUP, "fraud"]
     table = dbq.create_queue("tasks")
     with pytest.raises(ConfigurationError, match="ring design"):
@@ -307,9 +315,9 @@ def test_sigkilled_consumers_of_two_groups(dbq: DbQueue) -> None:
     sent = [{"s": i, "v": os.urandom(6).hex()} for i in range(400)]
     q.push_batch(sent)
     ctx = mp.get_context("spawn")
-    report: Any = ctx.Queue()
     popped: dict[str | None, list[tuple[int, Any]]] = {}
     for group, semantics in ((None, "at-most-once"), ("audit", "at-least-once")):
+        report: Any = ctx.Queue()  # one a child: a process killed may leave a queue's lock held
         child = ctx.Process(
             target=_pop_and_hang,
             kwargs={
