@@ -504,7 +504,7 @@ CREATE TABLE {schema}.ring_groups (
 );
 -- The gids, negated: a gid is never used twice, so that a handle of a dropped group finds no rows of
 -- another.
-CREATE SEQUENCE {schema}.ring_group_gids AS integer MINVALUE 1;
+CREATE SEQUENCE {schema}.group_gids AS integer MINVALUE 1;
 
 -- Create a ring: its push sequence (CACHE 1: a cached number is invisible to the gap proof below),
 -- its gap counter, its header row, its lanes and capacity empty slots. Slot j starts as if it held the
@@ -556,7 +556,7 @@ BEGIN
 END
 $$;
 
--- Add a consumer group to a ring: its row in ring_groups (a new gid, from ring_group_gids) and
+-- Add a consumer group to a ring: its row in ring_groups (a new gid, from group_gids) and
 -- lanes of its own. p_earliest: each lane starts at the lowest position of that lane over the ring's
 -- groups (the group sees every message that some group has not taken yet; messages that other groups
 -- hold leased or to deliver again are theirs alone); otherwise at the first number of the lane past the
@@ -582,7 +582,7 @@ BEGIN
     WHERE t.queue_id = p_queue_id
        OR t.queue_id IN (SELECT g.gid FROM {schema}.ring_groups g WHERE g.queue_id = p_queue_id)
     ORDER BY t.queue_id, t.lane FOR UPDATE;
-    v_gid := -nextval('{schema}.ring_group_gids')::integer;
+    v_gid := -nextval('{schema}.group_gids')::integer;
     INSERT INTO {schema}.ring_groups (queue_id, gid, name, on_lag, lag_timeout_s)
     VALUES (p_queue_id, v_gid, p_name, p_on_lag, p_lag_timeout_s);
     INSERT INTO {schema}.ring_lanes (queue_id, lane, pos)
