@@ -108,7 +108,7 @@ def backlog_cap(args: argparse.Namespace, point: Point) -> int:
 def ring_capacity(args: argparse.Namespace, point: Point, cap: int) -> int:
     """``--capacity``, else a ring big enough for the backlog and every batch in flight: the bench
     measures flow, not a full ring pushing back (--capacity makes it smaller to measure that)."""
-    return int(args.capacity or cap + (point.producers + point.consumers + 2) * point.batch)
+    return int(args.capacity or cap + (point.producers + point.consumers * args.groups + 2) * point.batch)
 
 
 def make_target(args: argparse.Namespace, dsn: str, design: str, point: Point, cap: int) -> Target:
@@ -123,6 +123,7 @@ def make_target(args: argparse.Namespace, dsn: str, design: str, point: Point, c
         notify=args.notify,
         capacity=capacity if design == "ring" else None,
         payload_bytes=args.payload_bytes,
+        groups=args.groups if design == "ring" else 1,
     )
 
 
@@ -194,6 +195,7 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
         "warmup_s": args.warmup,
         "archive": args.archive if args.design == "table" else None,
         "capacity": ring_capacity(args, point, cap) if args.design == "ring" else None,
+        "groups": args.groups if args.design == "ring" else None,
         "notify": args.notify if args.design not in REFERENCES else None,
     }
     if PGMQ in designs and args.design != PGMQ:
@@ -376,6 +378,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--archive) in the same run, as a second reference",
     )
     ap.add_argument("--capacity", type=int, help="ring slots (default: backlog cap + batches in flight)")
+    ap.add_argument(
+        "--groups",
+        type=int,
+        default=1,
+        help="consumer groups of the ring, each with --consumers consumers; a cycle is a message pushed "
+        "and popped in every group (default 1)",
+    )
     ap.add_argument("--backlog-cap", type=int, help="pause producers above this backlog (50 x batch x C)")
     ap.add_argument("--drain-timeout", type=float, default=120.0)
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -404,6 +413,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--seconds and --sweep-seconds must be > 0, --warmup >= 0")
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
+    if args.groups < 1 or (args.groups > 1 and args.design != "ring"):
+        ap.error("--groups must be >= 1, and above 1 only with --design ring")
     if args.payload_bytes < HEADER.size:
         ap.error(f"--payload-bytes must be >= {HEADER.size} (the (producer, seq) header)")
     return args

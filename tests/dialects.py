@@ -114,7 +114,7 @@ EXPIRE_SQL = {
     ("postgresql", "table"): "UPDATE {schema}.meta SET lease_until = now() - interval '1 second' "
     "WHERE id = ANY(%(ids)s)",
     ("postgresql", "ring"): "UPDATE {schema}.ring_retry SET due_at = now() - interval '1 second' "
-    "WHERE queue_id = %(queue_id)s AND state = 2 AND id = ANY(%(ids)s)",
+    "WHERE queue_id = %(group)s AND state = 2 AND id = ANY(%(ids)s)",
     ("mssql", "table"): "UPDATE {schema}.meta SET lease_until = DATEADD(second, -1, SYSUTCDATETIME()) "
     "WHERE id IN (SELECT CAST([value] AS bigint) FROM OPENJSON(%(ids)s))",
     ("mssql", "ring"): "UPDATE {schema}.ring_retry SET due_at = DATEADD(second, -1, SYSUTCDATETIME()) "
@@ -126,9 +126,10 @@ array; lease_until and due_at are timestamptz, or datetime2 in UTC)."""
 
 SPLIT_SQL = {
     "postgresql": "SELECT {schema}.ring_split_leases(%(queue_id)s, %(capacity)s, %(lanes)s, ARRAY("
-    "SELECT e.lo FROM {schema}.ring_leases e WHERE e.queue_id = %(queue_id)s AND EXISTS ("
+    "SELECT e.lo FROM {schema}.ring_leases e WHERE e.queue_id = %(group)s AND EXISTS ("
     "SELECT 1 FROM unnest(%(ids)s::bigint[]) AS i(id) "
-    "WHERE i.id BETWEEN e.lo AND e.hi AND e.starts[mod(i.id, %(lanes)s)::integer + 1] <= i.id)), NULL)",
+    "WHERE i.id BETWEEN e.lo AND e.hi AND e.starts[mod(i.id, %(lanes)s)::integer + 1] <= i.id)), NULL, "
+    "%(group)s::integer)",
     "mssql": "SET NOCOUNT ON; DECLARE @los nvarchar(max) = ("
     "SELECT N'[' + STRING_AGG(CAST(e.lo AS nvarchar(max)), N',') + N']' "
     "FROM {schema}.ring_leases e WHERE e.queue_id = %(queue_id)s AND EXISTS ("
@@ -140,7 +141,8 @@ SPLIT_SQL = {
     "@los = @los, @error = NULL",
 }
 """A ring leases a pop's messages as one row: the rows holding any of the ids are first split into one
-leased retry row a message (as a partial ack would), so that only those ids expire."""
+leased retry row a message (as a partial ack would), so that only those ids expire. On PostgreSQL, of the
+ring handle's consumer group (SQL Server's rings have their default group only)."""
 
 
 def expire_leases(dbq: DbQueue, ids: Iterable[int], q: Queue | None = None) -> None:
@@ -151,6 +153,7 @@ def expire_leases(dbq: DbQueue, ids: Iterable[int], q: Queue | None = None) -> N
     if design == "ring":
         assert q is not None
         params.update(queue_id=q.settings.queue_id, capacity=q.settings.capacity, lanes=q.settings.lanes)
+        params["group"] = getattr(q, "_gid", q.settings.queue_id)
         run_sql(dbq, SPLIT_SQL[dbq.dialect], params)
     run_sql(dbq, EXPIRE_SQL[dbq.dialect, design], params)
 

@@ -107,6 +107,23 @@ class RingNumbersSkippedError(DbQueueError):
     """
 
 
+class GroupNotFoundError(DbQueueError, LookupError):
+    """A ring has no consumer group of that name."""
+
+    def __init__(self, queue: str, group: str) -> None:
+        super().__init__(f"queue {queue!r} has no consumer group {group!r}")
+        self.queue = queue
+        self.group = group
+
+
+class GroupExistsError(DbQueueError):
+    """A ring has a consumer group of that name already."""
+
+
+class NotSupportedError(DbQueueError, NotImplementedError):
+    """The database (its dialect) does not offer this feature; the message says what does."""
+
+
 class TransactionRequiredError(DbQueueError):
     """Exactly-once pop was asked for without a caller's transaction to run in."""
 

@@ -309,3 +309,41 @@ class QueueStats:
         }
         out.update(self.extra)
         return out
+
+
+DEFAULT_GROUP = "default"
+"""The name of the consumer group every ring has (and every call without ``group=`` uses)."""
+
+
+class OnLag(enum.StrEnum):
+    """What maintenance does with a ring's consumer group that nobody pops for its lag timeout."""
+
+    BLOCK = "block"
+    """Keep it, with a warning: it holds the ring's floor, so pushes wait for it once the ring is full."""
+    DROP_GROUP = "drop_group"
+    """Drop it (its positions, leases and failed messages), so that it cannot stall the producers."""
+
+    @classmethod
+    def parse(cls, value: OnLag | str) -> OnLag:
+        """Accept the enum or its string value."""
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(m.value for m in cls)
+            raise ConfigurationError(f"unknown on_lag {value!r}; choose one of {choices}") from None
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """One consumer group of a ring, as :meth:`RingQueue.groups` lists it."""
+
+    name: str
+    created_at: dt.datetime | None
+    """When it was added (``None`` for the default group, which the ring was created with)."""
+    on_lag: OnLag
+    lag_timeout_s: float | None
+    """Seconds without a pop (while it has messages to take) before maintenance acts on ``on_lag``."""
+    pop_position: int
+    """Its lowest lane position: the next number none of its pops has taken."""
+    idle_s: float | None
+    """Seconds since maintenance last saw its positions move (``None``: not watched, the default group)."""

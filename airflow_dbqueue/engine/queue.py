@@ -117,6 +117,7 @@ class Queue(abc.ABC):
         poll_interval: float = 1.0,
         consumer: str | None = None,
         conn: DbConnection | None = None,
+        group: str | None = None,
     ) -> list[Message]:
         """Pop up to ``n`` messages; wait up to ``wait`` seconds for at least one.
 
@@ -125,7 +126,19 @@ class Queue(abc.ABC):
             the caller's transaction ``conn`` commits; required).
         :param wait: seconds to wait for a message when the queue is empty; woken by NOTIFY where
             the queue notifies, polling every ``poll_interval`` seconds otherwise (and as a fallback).
+        :param group: the consumer group to pop for (a ring's, :meth:`group`); its messages are then
+            acked and nacked through ``queue.group(name)``.
         """
+        if group is not None:
+            return self.group(group).pop(
+                n,
+                semantics=semantics,
+                visibility_timeout=visibility_timeout,
+                wait=wait,
+                poll_interval=poll_interval,
+                consumer=consumer,
+                conn=conn,
+            )
         sem = Semantics.parse(semantics)
         n = _check_batch_size(n)
         wait = check_seconds(f"queue {self.name!r}: pop's wait", wait)
@@ -166,6 +179,17 @@ class Queue(abc.ABC):
                 listener.wait(min(poll, left, self._until_due(poll)))
                 msgs = self._pop_once(n, sem, vt, who, conn)
         return msgs
+
+    def group(self, name: str | None) -> Queue:
+        """Return the handle of this queue's consumer group ``name``, whose pops, acks, nacks, stats and
+        failed messages are that group's (``None``: this handle). Consumer groups are the ring
+        design's: on other designs any name raises :class:`ConfigurationError`."""
+        if name is None:
+            return self
+        raise ConfigurationError(
+            f"queue {self.name!r} is a {self.settings.design} queue: consumer groups need the ring design "
+            f"(got group={name!r})"
+        )
 
     def _until_due(self, default: float) -> float:
         """Seconds until the next delayed message is due (``default`` when none is delayed)."""

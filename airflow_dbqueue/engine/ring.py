@@ -40,6 +40,13 @@ locks one of the ring's push lanes (a row of ``ring_push_lanes``, until its tran
 takes its numbers; the list is the lanes other transactions held, and the proof is that each has been
 seen unlocked since (``docs/sqlserver.md``). Either way the position is read before the list is taken.
 
+Consumer groups (PostgreSQL): a ring's default group's lanes, leases, retry and failed rows carry the
+ring's queue id; another group's carry its gid (``ring_groups``, a negative number), so that each group
+sees every message at its own pace, and the floor is the lowest number over the ring's rows and its
+groups'. A handle of a group (:meth:`RingQueue.group`) passes its gid: to ``ring_take`` and ``ring_pop``
+in place of the queue id (the default group's pops then plan as a ring without groups does), to the
+other statements as ``group``.
+
 The same class runs on both dialects: every statement is a named query of the dialect. Only the async
 observers (:meth:`RingQueue.areadiness`, :meth:`RingQueue.alisten`) are PostgreSQL's alone: they need
 a dialect with async connections and LISTEN (``Database.async_observers``).
@@ -47,6 +54,8 @@ a dialect with async connections and LISTEN (``Database.async_observers``).
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -57,16 +66,22 @@ from typing import TYPE_CHECKING, Any
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     DatabaseError,
+    GroupExistsError,
+    GroupNotFoundError,
     LeaseExpiredError,
     LockTimeoutError,
+    NotSupportedError,
     QueueFullError,
     QueueNotFoundError,
     RingNumbersSkippedError,
 )
 from airflow_dbqueue.engine.models import (
+    DEFAULT_GROUP,
     FailedMessage,
+    GroupInfo,
     Message,
     NotifyMode,
+    OnLag,
     PayloadType,
     QueueStats,
     Semantics,
@@ -103,6 +118,11 @@ _SETTLE_ACK = {
 }
 _id = attrgetter("id")
 _delivery = attrgetter("delivery")
+_GROUP_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,62}")
+_ON_LAG_CODE = {OnLag.BLOCK: 0, OnLag.DROP_GROUP: 1}
+RING_DEFAULT_LAG_TIMEOUT_S = 3600.0
+"""A consumer group's default lag timeout: an hour without a pop while it has messages to take."""
+log = logging.getLogger(__name__)
 
 
 class RingQueue(Queue):
@@ -112,15 +132,32 @@ class RingQueue(Queue):
     at-least-once a leased message keeps the ring's floor at or below it until it is acked, nacked or
     its lease expires: the ring cannot reuse its slot meanwhile, so pushes a whole ring ahead of it wait.
 
+    Consumer groups: every ring has its default group (:data:`DEFAULT_GROUP`), which this handle pops
+    for; :meth:`add_group` adds more, and :meth:`group` returns the handle of one, whose pops, acks,
+    nacks, stats and failed messages are that group's. Each group sees every message at its own pace,
+    and a slot is reused only when every group has passed its message.
+
     :attr push_timeout: seconds a push waits for a full ring before :class:`QueueFullError`.
     :attr gap_timeout: seconds after which a pop gives up a number that stays issued but unwritten
         even without proof that its holder is gone (a holder alive but stuck that long).
     """
 
-    def __init__(self, db: Database, settings: QueueSettings) -> None:
+    def __init__(
+        self,
+        db: Database,
+        settings: QueueSettings,
+        *,
+        group: str = DEFAULT_GROUP,
+        gid: int | None = None,
+    ) -> None:
         super().__init__(db, settings)
         if settings.capacity is None:
             raise ConfigurationError(f"queue {settings.name!r} is a ring without a capacity")
+        self.group_name = group
+        # The key of the group's lanes, leases, retry and failed rows: the ring's queue id for its
+        # default group, a negative gid for another (ring_groups).
+        self._gid = settings.queue_id if gid is None else gid
+        self._groups: dict[str, RingQueue] = {}  # the handles of other groups (the default group's only)
         self._qid = settings.queue_id
         self.capacity = settings.capacity
         self.lanes = settings.lanes or 1
@@ -141,10 +178,12 @@ class RingQueue(Queue):
             "lease": False,
             "visibility_timeout_s": settings.visibility_timeout_s,
             "consumer": "push",
+            "group": self._gid,
         }
         self.push_timeout = 30.0
         self.gap_timeout = 5.0
         self.reclaim_every_s = min(1.0, settings.visibility_timeout_s / 2)
+        self._root = self
 
     # -- push --------------------------------------------------------------------------------------
 
@@ -184,12 +223,24 @@ class RingQueue(Queue):
 
     def _raise_if_gone(self) -> None:
         """Raise :class:`QueueNotFoundError` when this handle's ring was dropped (its queue row is gone,
-        or names another queue now): a ring's statements find no ring then, and fail or write nothing."""
+        or names another queue now), or :class:`GroupNotFoundError` when its consumer group was: a
+        ring's statements find no ring or group then, and fail or write nothing."""
         row = self._db.fetchone("get_queue", {"name": self.name})
         if row is None or row[0] != self._qid:
             raise QueueNotFoundError(self.name, self._db.schema) from None
+        if self._gid != self._qid and not any(
+            r[0] == self._gid for r in self._db.fetchall("ring_groups", {"queue_id": self._qid})
+        ):
+            root = self._default()
+            with root._lock:  # group(name) looks the name up again (it may name a new group now)
+                if root._groups.get(self.group_name) is self:
+                    del root._groups[self.group_name]
+            raise GroupNotFoundError(self.name, self.group_name) from None
 
-    def _push_encoded(self, encoded: list[bytes], conn: DbConnection | None) -> int:
+    def _push_encoded(self, encoded: list[bytes], conn: DbConnection | None) -> int:  # noqa: PLR0912
+        """Push encoded payloads; return the first number. One attempt loop holds the push of one in a
+        single statement, its retry after numbers given up as gaps, and the wait while the ring is
+        full: split apart, each part would need the loop's state."""
         params = {
             "queue_id": self._qid,
             "capacity": self.capacity,
@@ -288,7 +339,9 @@ class RingQueue(Queue):
             self._last_reclaim = now
             self._reclaim(10_000, conn)
         params: dict[str, Any] = {
-            "queue_id": self._qid,
+            # ring_take and ring_pop take a group besides the default one by its gid in place of the
+            # ring's queue id, so that the default group's pops pass what a ring without groups does.
+            "queue_id": self._gid,
             "capacity": self.capacity,
             "lanes": self.lanes,
             "n": n,
@@ -408,6 +461,7 @@ class RingQueue(Queue):
             "capacity": self.capacity,
             "lanes": self.lanes,
             "queue_id": self._qid,
+            "group": self._gid,
         }
 
     def _raise_lost(self, params: dict[str, Any], conn: DbConnection | None) -> None:
@@ -466,6 +520,7 @@ class RingQueue(Queue):
                 "lanes": self.lanes,
                 "max_attempts": self.settings.max_attempts,
                 "limit": limit,
+                "group": self._gid,
             },
             conn,
         )
@@ -519,14 +574,200 @@ class RingQueue(Queue):
             pause = min(pause * 2, 0.1)
 
     def maintain(self, *, limit: int = 10_000) -> dict[str, int]:
-        """Reclaim expired leases, and give up the numbers of pushes that rolled back or died
-        (:meth:`recover_gaps`): ``{"reclaimed": n, "gaps_skipped": m}``."""
-        return {"reclaimed": self.reclaim_expired(limit), "gaps_skipped": self.recover_gaps()}
+        """Reclaim expired leases of every consumer group, give up the numbers of pushes that rolled back
+        or died (:meth:`recover_gaps`), and act on groups that nobody pops (:meth:`watch_groups`):
+        ``{"reclaimed": n, "gaps_skipped": m}``, with ``"groups_lagging"`` and ``"groups_dropped"`` on a
+        ring with groups besides the default one."""
+        root = self._default()
+        reclaimed = root.reclaim_expired(limit)
+        others = root.groups()[1:] if self._db.ring_groups_supported else []
+        watched = root.watch_groups() if others else {}  # the counts only where a ring has groups
+        for info in others:
+            try:
+                reclaimed += root.group(info.name).reclaim_expired(limit)
+            except GroupNotFoundError:
+                continue  # dropped meanwhile
+        return {"reclaimed": reclaimed, "gaps_skipped": root.recover_gaps(), **watched}
+
+    # -- consumer groups ---------------------------------------------------------------------------
+
+    def _default(self) -> RingQueue:
+        return self if self._gid == self._qid else self._root
+
+    def group(self, name: str | None) -> RingQueue:
+        """Return the handle of this ring's consumer group ``name`` (``None`` or :data:`DEFAULT_GROUP`:
+        the default group's); raise :class:`GroupNotFoundError` when the ring has no such group."""
+        root = self._default()
+        if name is None or name == DEFAULT_GROUP:
+            return root
+        with root._lock:
+            got = root._groups.get(name)
+        if got is not None:
+            return got
+        self._check_groups_supported(name)
+        for row in self._db.fetchall("ring_groups", {"queue_id": self._qid}):
+            if row[0] != self._qid and row[1] == name:
+                handle = RingQueue(self._db, self.settings, group=name, gid=int(row[0]))
+                handle._root = root
+                handle.push_timeout, handle.gap_timeout = root.push_timeout, root.gap_timeout
+                with root._lock:
+                    return root._groups.setdefault(name, handle)
+        self._raise_if_gone()
+        raise GroupNotFoundError(self.name, name)
+
+    _root: RingQueue
+
+    def _check_groups_supported(self, name: str) -> None:
+        if not self._db.ring_groups_supported:
+            raise NotSupportedError(
+                f"queue {self.name!r}: consumer groups other than {DEFAULT_GROUP!r} need PostgreSQL; "
+                f"on {self._db.dialect_name} a ring has its default group only (got group {name!r})"
+            )
+
+    def add_group(
+        self,
+        name: str,
+        *,
+        start: str = "now",
+        on_lag: OnLag | str = OnLag.BLOCK,
+        lag_timeout: float = RING_DEFAULT_LAG_TIMEOUT_S,
+    ) -> RingQueue:
+        """Add a consumer group to this ring and return its handle.
+
+        :param start: ``"now"``: the group sees the messages pushed from now on; ``"earliest"``: also
+            every message still in the ring that some group has not taken yet (messages that other
+            groups hold leased or to deliver again are not delivered to it).
+        :param on_lag: what maintenance does when nobody pops the group for ``lag_timeout`` seconds while
+            it has messages to take: ``"block"`` (keep it, with a warning: it holds the ring's floor, so
+            pushes wait for it once the ring is full) or ``"drop_group"`` (drop it).
+        """
+        if not isinstance(name, str) or not _GROUP_NAME.fullmatch(name) or name == DEFAULT_GROUP:
+            raise ConfigurationError(
+                f"queue {self.name!r}: a group name is 1 to 63 letters, digits and _ . : - "
+                f"(not starting with . : -), other than {DEFAULT_GROUP!r}; got {name!r}"
+            )
+        if start not in ("now", "earliest"):
+            raise ConfigurationError(f"queue {self.name!r}: start must be 'now' or 'earliest', got {start!r}")
+        lag = OnLag.parse(on_lag)
+        timeout = check_seconds(f"queue {self.name!r}: lag_timeout", lag_timeout, positive=True)
+        self._check_groups_supported(name)
+        if any(g.name == name for g in self.groups()):
+            raise GroupExistsError(f"queue {self.name!r} has a consumer group {name!r} already")
+        params = {
+            "queue_id": self._qid,
+            "name": name,
+            "earliest": start == "earliest",
+            "on_lag": _ON_LAG_CODE[lag],
+            "lag_timeout_s": timeout,
+        }
+        try:
+            row = self._db.fetchone("ring_add_group", params)
+        except DatabaseError:
+            if any(g.name == name for g in self.groups()):
+                raise GroupExistsError(f"queue {self.name!r} has a consumer group {name!r} already") from None
+            raise
+        if row is None or row[0] is None:
+            self._raise_if_gone()
+        return self.group(name)
+
+    def drop_group(self, name: str, *, missing_ok: bool = False) -> bool:
+        """Drop a consumer group: its positions, leases and failed messages. The ring's floor rises to
+        what the other groups still need. Returns whether it existed; raises
+        :class:`GroupNotFoundError` when it did not, unless ``missing_ok``."""
+        if name == DEFAULT_GROUP:
+            raise ConfigurationError(f"queue {self.name!r}: the {DEFAULT_GROUP!r} group cannot be dropped")
+        try:
+            handle = self.group(name)
+        except GroupNotFoundError:
+            if missing_ok:
+                return False
+            raise
+        root = self._default()
+        with root._lock:
+            root._groups.pop(name, None)
+        row = self._db.fetchone("ring_drop_group", {"queue_id": self._qid, "group": handle._gid})
+        return bool(row and row[0])
+
+    def groups(self) -> list[GroupInfo]:
+        """List this ring's consumer groups, the default one first, then by name."""
+        if not self._db.ring_groups_supported:
+            stats = self._default().stats()
+            return [GroupInfo(DEFAULT_GROUP, None, OnLag.BLOCK, None, int(stats.extra["pop_position"]), None)]
+        out = []
+        for row in self._db.fetchall("ring_groups", {"queue_id": self._qid}):
+            if row[0] == self._qid:
+                out.append(GroupInfo(DEFAULT_GROUP, None, OnLag.BLOCK, None, int(row[7]), None))
+                continue
+            idle = (time.time() - row[6].timestamp()) if row[6] is not None else None
+            out.append(
+                GroupInfo(
+                    name=str(row[1]),
+                    created_at=row[2],
+                    on_lag=OnLag.DROP_GROUP if row[3] == 1 else OnLag.BLOCK,
+                    lag_timeout_s=float(row[4]),
+                    pop_position=int(row[7]),
+                    idle_s=None if idle is None else max(0.0, idle),
+                )
+            )
+        if not out:
+            self._raise_if_gone()
+        out.sort(key=lambda g: (g.name != DEFAULT_GROUP, g.name))
+        return out
+
+    def watch_groups(self) -> dict[str, int]:
+        """Note which consumer groups moved since the last call, and act on each that has not moved for
+        its lag timeout while it has messages to take: warn (``on_lag="block"``: it holds the ring's
+        floor, so pushes wait for it once the ring is full) or drop it (``"drop_group"``). Maintenance
+        calls it through :meth:`maintain`. Returns ``{"groups_lagging": n, "groups_dropped": m}``."""
+        lagging = dropped = 0
+        for row in self._db.fetchall("ring_groups", {"queue_id": self._qid}):
+            if row[0] == self._qid:
+                continue  # the default group is not watched: it is the ring's own
+            gid, name, on_lag, timeout, min_pos, sum_pos, issued = (
+                int(row[0]),
+                str(row[1]),
+                int(row[3]),
+                float(row[4]),
+                int(row[7]),
+                int(row[8]),
+                int(row[9]),
+            )
+            moved = self._db.fetchone(
+                "ring_group_moved", {"queue_id": self._qid, "group": gid, "moved_pos": sum_pos}
+            )
+            idle = float(moved[0]) if moved else 0.0
+            if idle < timeout or min_pos > issued:
+                continue  # it moved within its timeout, or has nothing to take
+            lagging += 1
+            if on_lag == _ON_LAG_CODE[OnLag.DROP_GROUP]:
+                log.warning(
+                    "queue %s: consumer group %s has not popped for %.0fs with %d numbers to take; "
+                    "dropping it (on_lag=drop_group)",
+                    self.name,
+                    name,
+                    idle,
+                    issued - min_pos + 1,
+                )
+                if self.drop_group(name, missing_ok=True):
+                    dropped += 1
+            else:
+                log.warning(
+                    "queue %s: consumer group %s has not popped for %.0fs with %d numbers to take; it holds "
+                    "the ring's floor, so pushes wait for it once the ring is full (on_lag=block: pop it, "
+                    "or drop it with drop_group)",
+                    self.name,
+                    name,
+                    idle,
+                    issued - min_pos + 1,
+                )
+        return {"groups_lagging": lagging, "groups_dropped": dropped}
 
     # -- inspect and administer --------------------------------------------------------------------
 
     def peek(self, n: int = 10) -> list[Message]:
-        rows = self._db.fetchall("ring_peek", {"queue_id": self._qid, "n": _check_batch_size(n)})
+        rows = self._db.fetchall(
+            "ring_peek", {"queue_id": self._qid, "n": _check_batch_size(n), "group": self._gid}
+        )
         return self._messages(rows)
 
     def count_ready(self, min_priority: int | None = None, cap: int = 1_000_000) -> int:
@@ -536,7 +777,12 @@ class RingQueue(Queue):
         return int(row[0]) if row else 0
 
     def _readiness_params(self, cap: int) -> dict[str, Any]:
-        return {"queue_id": self._qid, "cap": cap, "max_attempts": self.settings.max_attempts}
+        return {
+            "queue_id": self._qid,
+            "cap": cap,
+            "max_attempts": self.settings.max_attempts,
+            "group": self._gid,
+        }
 
     def readiness(
         self, min_priority: int | None = None, cap: int = 1_000_000
@@ -579,7 +825,7 @@ class RingQueue(Queue):
         return self._messages(self._db.fetchall("ring_leased", self._receipt_params(stubs)))
 
     def stats(self) -> QueueStats:
-        row = self._db.fetchone("ring_stats", {"queue_id": self._qid})
+        row = self._db.fetchone("ring_stats", {"queue_id": self._qid, "group": self._gid})
         if row is None:
             raise QueueNotFoundError(self.name, self._db.schema)
         push_pos, pop_pos, floor = int(row[5]), int(row[6]), int(row[7])
@@ -603,12 +849,17 @@ class RingQueue(Queue):
                 "ring_used": used,
                 "ring_fill": round(used / self.capacity, 4),
                 "gaps_skipped": int(row[8]),
+                "group": self.group_name,
+                # What the group has still to finish: what it can take now or later, and what it holds.
+                "lag_messages": int(row[0]) + int(row[1]) + int(row[2]),
+                "lag_seconds": float(row[4] or 0.0),
             },
         )
 
     def list_failed(self, limit: int = 100, after_id: int = 0) -> list[FailedMessage]:
         rows = self._db.fetchall(
-            "ring_list_failed", {"queue_id": self._qid, "after_id": after_id, "limit": limit}
+            "ring_list_failed",
+            {"queue_id": self._qid, "after_id": after_id, "limit": limit, "group": self._gid},
         )
         decode = self.settings.decode
         return [
@@ -627,9 +878,17 @@ class RingQueue(Queue):
     def requeue_failed(self, ids: Sequence[int] | None = None) -> int:
         """Push failed messages again, oldest first, with a fresh attempt count.
 
-        In a ring a requeued message gets a new id: its old number's slot has been reused.
+        In a ring a requeued message gets a new id: its old number's slot has been reused. A push is seen
+        by every consumer group, so on a ring with groups besides the default one this raises
+        :class:`ConfigurationError` (a group's failed message would reach the other groups again).
         """
-        params = {"queue_id": self._qid, "all": ids is None, "ids": list(ids or [])}
+        if len(self.groups()) > 1:
+            raise ConfigurationError(
+                f"queue {self.name!r} has consumer groups besides {DEFAULT_GROUP!r}: a requeued message "
+                "would be pushed again to every group; list_failed and push what the group needs, "
+                "or delete_failed"
+            )
+        params = {"queue_id": self._qid, "all": ids is None, "ids": list(ids or []), "group": self._gid}
         with self._db.transaction() as conn:
             rows = sorted(self._db.fetchall("ring_take_failed", params, conn))
             payloads = [bytes(r[1]) for r in rows]
@@ -638,5 +897,5 @@ class RingQueue(Queue):
         return len(rows)
 
     def delete_failed(self, ids: Sequence[int] | None = None) -> int:
-        params = {"queue_id": self._qid, "all": ids is None, "ids": list(ids or [])}
+        params = {"queue_id": self._qid, "all": ids is None, "ids": list(ids or []), "group": self._gid}
         return len(self._db.fetchall("ring_delete_failed", params))

@@ -13,12 +13,14 @@ from airflow_dbqueue.engine import (
     ConfigurationError,
     DbQueue,
     FailedMessage,
+    GroupInfo,
     MaintenanceConfig,
     Message,
     PayloadType,
     QueueSettings,
     Semantics,
 )
+from airflow_dbqueue.engine.ring import RingQueue
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -180,6 +182,7 @@ def _driver_in_extra_allowed() -> bool:
     return bool(conf.getboolean("providers.odbc", "allow_driver_in_extra", fallback=False))
 
 
+_GROUP_GAUGES = ("lag_messages", "lag_seconds", "idle_s")
 _QUEUE_GAUGES = (
     "ready",
     "delayed",
@@ -200,7 +203,9 @@ def emit_metrics(metrics: Mapping[str, Any], *, prefix: str = "dbqueue") -> int:
     Names are stable and carry no schema, queue, table or index name; those travel as tags, as
     Airflow's own metrics do since 3.2: ``<prefix>.queue.<gauge>`` tagged ``schema`` and ``queue``
     (``ready``, ``delayed``, ``in_flight``, ``failed``, ``finished``, ``oldest_ready_age_s``,
-    ``pushed_per_s``, ``finished_per_s``), ``<prefix>.table.<gauge>`` tagged ``schema`` and ``table``
+    ``pushed_per_s``, ``finished_per_s``), ``<prefix>.group.<gauge>`` tagged ``schema``, ``queue`` and
+    ``group`` (a ring's consumer groups besides its default one: ``lag_messages``, ``lag_seconds``,
+    ``idle_s``), ``<prefix>.table.<gauge>`` tagged ``schema`` and ``table``
     (sizes, live and dead rows), ``<prefix>.index.<gauge>`` tagged ``schema`` and ``index`` (size and
     bloat; on SQL Server also fragmentation and page density) and ``<prefix>.xmin_holders`` tagged
     ``schema``.
@@ -222,6 +227,9 @@ def emit_metrics(metrics: Mapping[str, Any], *, prefix: str = "dbqueue") -> int:
     for queue, values in metrics.get("queues", {}).items():
         for key in _QUEUE_GAUGES:
             gauge(f"queue.{key}", values.get(key), {"queue": queue})
+        for group, figures in (values.get("groups") or {}).items():
+            for key in _GROUP_GAUGES:
+                gauge(f"group.{key}", figures.get(key), {"queue": queue, "group": group})
     for table, values in metrics.get("tables", {}).items():
         for key in _TABLE_GAUGES:
             gauge(f"table.{key}", values.get(key), {"table": table})
@@ -358,9 +366,43 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
         """Return the settings of every queue in the schema."""
         return self.get_conn().list_queues()
 
-    def get_queue(self, queue_name: str) -> Queue:
-        """Return the engine's queue object (raises ``QueueNotFoundError`` when it does not exist)."""
-        return self.get_conn().queue(queue_name)
+    def get_queue(self, queue_name: str, group: str | None = None) -> Queue:
+        """Return the engine's queue object (raises ``QueueNotFoundError`` when it does not exist), or
+        with ``group`` the handle of that consumer group of a ring (``GroupNotFoundError`` when it has
+        none such). Every method below that names a queue takes ``group=`` too."""
+        return self.get_conn().queue(queue_name).group(group)
+
+    def add_group(
+        self,
+        queue_name: str,
+        group: str,
+        *,
+        start: str = "now",
+        on_lag: str = "block",
+        lag_timeout: float | None = None,
+    ) -> None:
+        """Add a consumer group to a ring (``start``: ``"now"`` or ``"earliest"``; see
+        ``RingQueue.add_group``)."""
+        queue = self._ring(queue_name)
+        extra = {} if lag_timeout is None else {"lag_timeout": lag_timeout}
+        queue.add_group(group, start=start, on_lag=on_lag, **extra)
+
+    def drop_group(self, queue_name: str, group: str, *, missing_ok: bool = True) -> bool:
+        """Drop a ring's consumer group; return whether it existed."""
+        return self._ring(queue_name).drop_group(group, missing_ok=missing_ok)
+
+    def groups(self, queue_name: str) -> list[GroupInfo]:
+        """List a ring's consumer groups, the default one first."""
+        return self._ring(queue_name).groups()
+
+    def _ring(self, queue_name: str) -> RingQueue:
+        queue = self.get_queue(queue_name)
+        if not isinstance(queue, RingQueue):
+            raise ConfigurationError(
+                f"queue {queue_name!r} is a {queue.settings.design} queue: "
+                "consumer groups need the ring design"
+            )
+        return queue
 
     # -- messages ----------------------------------------------------------------------------------
 
@@ -386,9 +428,10 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
         wait: float = 0.0,
         consumer: str | None = None,
         conn: psycopg.Connection[Any] | None = None,
+        group: str | None = None,
     ) -> list[Message]:
         """Pop up to ``n`` messages (leased by default: at-least-once). See :meth:`Queue.pop`."""
-        return self.get_queue(queue_name).pop(
+        return self.get_queue(queue_name, group).pop(
             n,
             semantics=semantics,
             visibility_timeout=visibility_timeout,
@@ -398,10 +441,15 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
         )
 
     def ack(
-        self, queue_name: str, messages: Sequence[Message], *, conn: psycopg.Connection[Any] | None = None
+        self,
+        queue_name: str,
+        messages: Sequence[Message],
+        *,
+        conn: psycopg.Connection[Any] | None = None,
+        group: str | None = None,
     ) -> int:
         """Finish leased messages; all or nothing (``LeaseExpiredError`` if a lease was lost)."""
-        return self.get_queue(queue_name).ack(messages, conn=conn)
+        return self.get_queue(queue_name, group).ack(messages, conn=conn)
 
     def nack(
         self,
@@ -410,13 +458,16 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
         *,
         delay: float | None = None,
         error: str | None = None,
+        group: str | None = None,
     ) -> int:
         """Return leased messages for another try (or to the failed state after ``max_attempts``)."""
-        return self.get_queue(queue_name).nack(messages, delay=delay, error=error)
+        return self.get_queue(queue_name, group).nack(messages, delay=delay, error=error)
 
-    def ack_receipts(self, queue_name: str, receipts: Sequence[Sequence[int]]) -> int:
+    def ack_receipts(
+        self, queue_name: str, receipts: Sequence[Sequence[int]], *, group: str | None = None
+    ) -> int:
         """Finish deliveries known by their receipts ``[id, delivery]`` (e.g. from XCom)."""
-        return self.get_queue(queue_name).ack_receipts([_receipt(r) for r in receipts])
+        return self.get_queue(queue_name, group).ack_receipts([_receipt(r) for r in receipts])
 
     def nack_receipts(
         self,
@@ -425,15 +476,18 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
         *,
         delay: float | None = None,
         error: str | None = None,
+        group: str | None = None,
     ) -> int:
         """Release deliveries known by their receipts ``[id, delivery]`` for another try."""
-        return self.get_queue(queue_name).nack_receipts(
+        return self.get_queue(queue_name, group).nack_receipts(
             [_receipt(r) for r in receipts], delay=delay, error=error
         )
 
-    def leased(self, queue_name: str, receipts: Sequence[Sequence[int]]) -> list[Message]:
+    def leased(
+        self, queue_name: str, receipts: Sequence[Sequence[int]], *, group: str | None = None
+    ) -> list[Message]:
         """Return the still-leased messages of ``receipts``, with payloads."""
-        return self.get_queue(queue_name).leased([_receipt(r) for r in receipts])
+        return self.get_queue(queue_name, group).leased([_receipt(r) for r in receipts])
 
     # -- claims: what the pop operator and the claiming sensor hand to the next task ---------------
 
@@ -447,10 +501,12 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
         wait: float = 0.0,
         xcom_max_messages: int = 100,
         consumer: str | None = None,
+        group: str | None = None,
     ) -> dict[str, Any]:
         """Pop up to ``n`` messages and describe them as a JSON-safe *claim* for XCom.
 
-        A claim is ``{"queue_name", "semantics", "count", "receipts", "messages"}``. ``receipts`` are
+        A claim is ``{"queue_name", "semantics", "count", "receipts", "messages"}``, and ``"group"``
+        when popped for a consumer group of a ring (whose receipts are that group's). ``receipts`` are
         ``[id, delivery]`` pairs of leased messages (at-least-once; empty for at-most-once).
         ``messages`` holds the messages with their payloads when there are at most
         ``xcom_max_messages`` of them; a larger leased batch stays claimed in the database and
@@ -470,19 +526,22 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
                 f"finished, and more than xcom_max_messages={xcom_max_messages} payloads would flood XCom; "
                 "use at-least-once (the batch stays claimed) or a smaller batch"
             )
-        queue = self.get_queue(queue_name)
+        queue = self.get_queue(queue_name, group)
         msgs = queue.pop(
             n, semantics=sem, visibility_timeout=visibility_timeout, wait=wait, consumer=consumer
         )
         leased = sem is Semantics.AT_LEAST_ONCE
         inline = len(msgs) <= xcom_max_messages
-        return {
+        claim = {
             "queue_name": queue_name,
             "semantics": sem.value,
             "count": len(msgs),
             "receipts": [list(m.receipt) for m in msgs] if leased else [],
             "messages": [message_to_xcom(m, queue.settings.payload_type) for m in msgs] if inline else None,
         }
+        if group is not None:
+            claim["group"] = group
+        return claim
 
     def claimed_messages(self, claim: Mapping[str, Any]) -> list[dict[str, Any]]:
         """Return the messages of a claim as JSON-safe dicts, reading them from the database if needed.
@@ -491,14 +550,14 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
         """
         if claim.get("messages") is not None:
             return list(claim["messages"])
-        queue = self.get_queue(claim["queue_name"])
+        queue = self.get_queue(claim["queue_name"], claim.get("group"))
         msgs = queue.leased([_receipt(r) for r in claim.get("receipts") or []])
         return [message_to_xcom(m, queue.settings.payload_type) for m in msgs]
 
     def ack_claim(self, claim: Mapping[str, Any]) -> int:
         """Finish every leased message of a claim; all or nothing. A no-op for at-most-once claims."""
         receipts = claim.get("receipts") or []
-        return self.ack_receipts(claim["queue_name"], receipts) if receipts else 0
+        return self.ack_receipts(claim["queue_name"], receipts, group=claim.get("group")) if receipts else 0
 
     def nack_claim(
         self, claim: Mapping[str, Any], *, delay: float | None = None, error: str | None = None
@@ -507,37 +566,52 @@ class DbQueueHook(BaseHook):  # type: ignore[misc]
         receipts = claim.get("receipts") or []
         if not receipts:
             return 0
-        return self.nack_receipts(claim["queue_name"], receipts, delay=delay, error=error)
+        return self.nack_receipts(
+            claim["queue_name"], receipts, delay=delay, error=error, group=claim.get("group")
+        )
 
     # -- inspection and failed-message admin -------------------------------------------------------
 
-    def stats(self, queue_name: str) -> dict[str, Any]:
+    def stats(self, queue_name: str, *, group: str | None = None) -> dict[str, Any]:
         """Return the queue's depth by state as a JSON-safe dict."""
-        return self.get_queue(queue_name).stats().as_dict()
+        return self.get_queue(queue_name, group).stats().as_dict()
 
-    def peek(self, queue_name: str, n: int = 10) -> list[Message]:
+    def peek(self, queue_name: str, n: int = 10, *, group: str | None = None) -> list[Message]:
         """Return up to ``n`` ready messages without claiming them."""
-        return self.get_queue(queue_name).peek(n)
+        return self.get_queue(queue_name, group).peek(n)
 
-    def count_ready(self, queue_name: str, min_priority: int | None = None, cap: int = 1_000_000) -> int:
+    def count_ready(
+        self,
+        queue_name: str,
+        min_priority: int | None = None,
+        cap: int = 1_000_000,
+        *,
+        group: str | None = None,
+    ) -> int:
         """Count ready messages of at least ``min_priority``, stopping at ``cap``."""
-        return self.get_queue(queue_name).count_ready(min_priority, cap)
+        return self.get_queue(queue_name, group).count_ready(min_priority, cap)
 
-    def list_failed(self, queue_name: str, limit: int = 100, after_id: int = 0) -> list[FailedMessage]:
+    def list_failed(
+        self, queue_name: str, limit: int = 100, after_id: int = 0, *, group: str | None = None
+    ) -> list[FailedMessage]:
         """List failed (dead-letter) messages by id."""
-        return self.get_queue(queue_name).list_failed(limit, after_id)
+        return self.get_queue(queue_name, group).list_failed(limit, after_id)
 
-    def requeue_failed(self, queue_name: str, ids: Sequence[int] | None = None) -> int:
+    def requeue_failed(
+        self, queue_name: str, ids: Sequence[int] | None = None, *, group: str | None = None
+    ) -> int:
         """Make failed messages ready again (all when ``ids`` is None)."""
-        return self.get_queue(queue_name).requeue_failed(ids)
+        return self.get_queue(queue_name, group).requeue_failed(ids)
 
-    def delete_failed(self, queue_name: str, ids: Sequence[int] | None = None) -> int:
+    def delete_failed(
+        self, queue_name: str, ids: Sequence[int] | None = None, *, group: str | None = None
+    ) -> int:
         """Discard failed messages (all when ``ids`` is None)."""
-        return self.get_queue(queue_name).delete_failed(ids)
+        return self.get_queue(queue_name, group).delete_failed(ids)
 
-    def reclaim_expired(self, queue_name: str) -> int:
+    def reclaim_expired(self, queue_name: str, *, group: str | None = None) -> int:
         """Return expired leases to ready (or failed); return how many moved."""
-        return self.get_queue(queue_name).reclaim_expired()
+        return self.get_queue(queue_name, group).reclaim_expired()
 
     def jdbc(self) -> tuple[str, str | None, str | None]:
         """Return ``(url, user, password)`` for a JDBC reader of the same database (a Spark job).

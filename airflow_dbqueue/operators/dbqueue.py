@@ -124,6 +124,8 @@ class DbQueuePopOperator(BaseOperator):  # type: ignore[misc]
     :param visibility_timeout: lease in seconds (default: the queue's).
     :param wait: seconds to wait for a first message when the queue is empty.
     :param xcom_max_messages: largest batch whose payloads go to XCom.
+    :param group: the consumer group of a ring to pop for (default: its default group); the claim
+        carries it, so that the ack operator finishes the group's leases.
     :param dbqueue_conn_id: the Airflow connection to the queue's database.
     :param dbqueue_schema: schema of the queue tables; overrides the connection extra.
     """
@@ -134,6 +136,7 @@ class DbQueuePopOperator(BaseOperator):  # type: ignore[misc]
         "visibility_timeout",
         "wait",
         "xcom_max_messages",
+        "group",
     )
 
     def __init__(
@@ -145,6 +148,7 @@ class DbQueuePopOperator(BaseOperator):  # type: ignore[misc]
         visibility_timeout: float | None = None,
         wait: float = 0.0,
         xcom_max_messages: int = 100,
+        group: str | None = None,
         dbqueue_conn_id: str = DbQueueHook.default_conn_name,
         dbqueue_schema: str | None = None,
         **kwargs: Any,
@@ -162,6 +166,7 @@ class DbQueuePopOperator(BaseOperator):  # type: ignore[misc]
         self.visibility_timeout = visibility_timeout
         self.wait = wait
         self.xcom_max_messages = xcom_max_messages
+        self.group = group
         self.dbqueue_conn_id = dbqueue_conn_id
         self.dbqueue_schema = dbqueue_schema
 
@@ -181,11 +186,13 @@ class DbQueuePopOperator(BaseOperator):  # type: ignore[misc]
                 wait=float(self.wait),
                 xcom_max_messages=int(self.xcom_max_messages),
                 consumer=consumer,
+                group=self.group or None,
             )
         self.log.info(
-            "popped %s message(s) from queue %s (%s)%s",
+            "popped %s message(s) from queue %s%s (%s)%s",
             claim["count"],
             self.queue_name,
+            f", group {self.group}" if self.group else "",
             self.semantics,
             "" if claim["messages"] is not None else "; payloads left in the database",
         )
@@ -258,7 +265,8 @@ class DbQueueAckOperator(BaseOperator):  # type: ignore[misc]
                 try:
                     n = hook.nack_claim(claim, delay=delay, error=self.error)
                 except LeaseExpiredError as exc:
-                    held = hook.leased(claim["queue_name"], claim.get("receipts") or [])
+                    group = claim.get("group")
+                    held = hook.leased(claim["queue_name"], claim.get("receipts") or [], group=group)
                     self.log.warning("%s; releasing the %d still held", exc, len(held))
                     n = (
                         hook.nack_receipts(
@@ -266,6 +274,7 @@ class DbQueueAckOperator(BaseOperator):  # type: ignore[misc]
                             [list(m.receipt) for m in held],
                             delay=delay,
                             error=self.error,
+                            group=group,
                         )
                         if held
                         else 0

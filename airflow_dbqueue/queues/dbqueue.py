@@ -6,7 +6,8 @@
     asset = Asset("orders", watchers=[AssetWatcher(name="orders_watcher", trigger=trigger)])
 
 Every keyword besides ``scheme`` goes to :class:`~airflow_dbqueue.triggers.dbqueue.DbQueueTrigger`
-(``queue_name``, ``dbqueue_conn_id``, ``min_messages``, ``min_priority``, ``poll_interval``, ...).
+(``queue_name``, ``group``, ``dbqueue_conn_id``, ``min_messages``, ``min_priority``, ``poll_interval``,
+...): ``group`` watches a consumer group of a ring, so that each group's DAG starts on its own messages.
 """
 
 from __future__ import annotations

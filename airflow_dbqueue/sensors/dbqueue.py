@@ -39,6 +39,7 @@ class DbQueueSensor(BaseSensorOperator):  # type: ignore[misc]
     ``poll_interval`` seconds as the fallback.
 
     :param queue_name: the queue to watch.
+    :param group: the consumer group of a ring to watch and claim for (default: its default group).
     :param dbqueue_conn_id: the Airflow connection to the queue's database.
     :param min_messages: succeed when at least this many messages are ready.
     :param min_priority: count only messages of at least this priority.
@@ -59,12 +60,14 @@ class DbQueueSensor(BaseSensorOperator):  # type: ignore[misc]
         "max_messages",
         "visibility_timeout",
         "xcom_max_messages",
+        "group",
     )
 
     def __init__(
         self,
         *,
         queue_name: str,
+        group: str | None = None,
         dbqueue_conn_id: str = DbQueueHook.default_conn_name,
         min_messages: int = 1,
         min_priority: int | None = None,
@@ -80,6 +83,7 @@ class DbQueueSensor(BaseSensorOperator):  # type: ignore[misc]
     ) -> None:
         super().__init__(**kwargs)
         self.queue_name = queue_name
+        self.group = group
         self.dbqueue_conn_id = dbqueue_conn_id
         self.min_messages = min_messages
         self.min_priority = min_priority
@@ -112,7 +116,7 @@ class DbQueueSensor(BaseSensorOperator):  # type: ignore[misc]
     def _check(self, hook: DbQueueHook) -> PokeReturnValue:
         """Check once; claim when asked. Return whether the sensor is done and its XCom value."""
         want = self._min()
-        ready = hook.count_ready(self.queue_name, self._min_priority(), cap=want)
+        ready = hook.count_ready(self.queue_name, self._min_priority(), cap=want, group=self.group or None)
         self.log.info("queue %s: %s ready message(s) of at least %s wanted", self.queue_name, ready, want)
         if ready < want:
             return PokeReturnValue(False)
@@ -124,6 +128,7 @@ class DbQueueSensor(BaseSensorOperator):  # type: ignore[misc]
             semantics="at-least-once",
             visibility_timeout=_optional_float(self.visibility_timeout),
             xcom_max_messages=int(self.xcom_max_messages),
+            group=self.group or None,
         )
         if claim["count"] == 0:
             self.log.info("queue %s: other consumers took the messages first; waiting on", self.queue_name)
@@ -157,6 +162,7 @@ class DbQueueSensor(BaseSensorOperator):  # type: ignore[misc]
         self.defer(
             trigger=DbQueueTrigger(
                 queue_name=self.queue_name,
+                group=self.group or None,
                 dbqueue_conn_id=self.dbqueue_conn_id,
                 min_messages=self._min(),
                 min_priority=self._min_priority(),

@@ -34,13 +34,14 @@ APPLICATION_NAME = "airflow-dbqueue-trigger"
 _Readiness = tuple[int, tuple[int, int] | None]
 
 
-def _open_queue(dsn: str, schema: str, queue_name: str) -> Queue:
-    """Load a queue's settings with the sync engine (run in a thread) and close its pool again."""
+def _open_queue(dsn: str, schema: str, queue_name: str, group: str | None = None) -> Queue:
+    """Load a queue's settings (and its consumer group's, with ``group``) with the sync engine (run in a
+    thread) and close its pool again."""
     from airflow_dbqueue.engine import DbQueue
 
     dbq = DbQueue(dsn, schema=schema, pool_size=1)
     try:
-        return dbq.queue(queue_name)
+        return dbq.queue(queue_name).group(group)
     finally:
         dbq.close()
 
@@ -69,10 +70,18 @@ class _Watch:
     """One trigger's observation of one queue on a stream: what to check, and when next."""
 
     def __init__(
-        self, queue_name: str, min_priority: int | None, cap: int, poll_interval: float, use_notify: bool
+        self,
+        queue_name: str,
+        min_priority: int | None,
+        cap: int,
+        poll_interval: float,
+        use_notify: bool,
+        *,
+        group: str | None = None,
     ) -> None:
         self.id = next(_watch_ids)
         self.queue_name = queue_name
+        self.group = group
         self.min_priority = min_priority
         self.cap = cap
         self.poll_interval = poll_interval
@@ -166,7 +175,7 @@ class _Stream:
         """Load a new watch's queue and LISTEN on its channel before its first check, so that a push
         committed after that check wakes it."""
         try:
-            w.queue = await asyncio.to_thread(_open_queue, dsn, schema, w.queue_name)
+            w.queue = await asyncio.to_thread(_open_queue, dsn, schema, w.queue_name, w.group)
         except DbQueueError as exc:
             w.error = exc
             return
@@ -288,6 +297,7 @@ class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
     anything does not leave the queue stalled. Set it above the time a run takes to claim its batch.
 
     :param queue_name: the queue to watch.
+    :param group: the consumer group of a ring whose messages count (default: its default group).
     :param dbqueue_conn_id: the Airflow connection to its database.
     :param min_messages: the fewest ready messages an event is fired for.
     :param min_priority: count only messages of at least this priority.
@@ -309,6 +319,7 @@ class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
         self,
         *,
         queue_name: str,
+        group: str | None = None,
         dbqueue_conn_id: str = DbQueueHook.default_conn_name,
         min_messages: int = 1,
         min_priority: int | None = None,
@@ -324,6 +335,7 @@ class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
             raise ConfigurationError(_unknown_arguments(type(self), kwargs))
         super().__init__()
         self.queue_name = queue_name
+        self.group = group
         self.dbqueue_conn_id = dbqueue_conn_id
         self.min_messages = _count("min_messages", min_messages)
         self.min_priority = None if min_priority is None else int(min_priority)
@@ -344,6 +356,7 @@ class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
             f"{type(self).__module__}.{type(self).__qualname__}",
             {
                 "queue_name": self.queue_name,
+                "group": self.group,
                 "dbqueue_conn_id": self.dbqueue_conn_id,
                 "min_messages": self.min_messages,
                 "min_priority": self.min_priority,
@@ -398,7 +411,14 @@ class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
 
     async def _observe(self, stream: _Stream, results: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
         threshold = self.batch_size or self.min_messages
-        watch = _Watch(self.queue_name, self.min_priority, threshold, self.poll_interval, self.use_notify)
+        watch = _Watch(
+            self.queue_name,
+            self.min_priority,
+            threshold,
+            self.poll_interval,
+            self.use_notify,
+            group=self.group,
+        )
         firing = _Firing(self.min_messages, threshold, self.max_wait, await self._stored_head())
         stream.add(watch)
         try:
@@ -424,23 +444,26 @@ class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
             stream.remove(watch)
 
     def _event(self, ready: int, head: tuple[int, int] | None, reason: str) -> TriggerEvent:
-        return TriggerEvent(
-            {
-                "status": "success",
-                "queue_name": self.queue_name,
-                "ready": ready,
-                "head": list(head) if head else None,
-                "min_messages": self.min_messages,
-                "min_priority": self.min_priority,
-                "reason": reason,
-            }
-        )
+        event: dict[str, Any] = {
+            "status": "success",
+            "queue_name": self.queue_name,
+            "ready": ready,
+            "head": list(head) if head else None,
+            "min_messages": self.min_messages,
+            "min_priority": self.min_priority,
+            "reason": reason,
+        }
+        if self.group is not None:
+            event["group"] = self.group
+        return TriggerEvent(event)
 
     # -- the asset state store (watchers) ------------------------------------------------------------
 
     def _state_key(self) -> str:
         schema = self.dbqueue_schema or ""
         where = f"{self.dbqueue_conn_id}:{schema}:{self.queue_name}:{self.min_priority}"
+        if self.group is not None:  # a group's head is its own; the default group keeps the key it had
+            where += f":{self.group}"
         return f"airflow_dbqueue.last_head:{where}"
 
     async def _stored_head(self) -> tuple[int, int] | None:

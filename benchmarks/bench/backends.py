@@ -38,6 +38,14 @@ class Target:
     capacity: int | None = None
     """Slots of a ring (ring design only)."""
     payload_bytes: int = 300
+    groups: int = 1
+    """Consumer groups of a ring (``--groups``): each message is popped once in each, and consumer
+    ``i`` pops for group ``i % groups`` (group 0 the ring's default one)."""
+
+    def group_of(self, consumer: int) -> str | None:
+        """The consumer group consumer ``consumer`` pops for (None: the default group)."""
+        k = consumer % self.groups
+        return f"g{k}" if k else None
 
     @property
     def lease(self) -> bool:
@@ -70,6 +78,8 @@ def setup_target(target: Target) -> None:
                 capacity=target.capacity,
                 max_payload_bytes=target.payload_bytes,
             )
+            for k in range(1, target.groups):
+                dbq.queue(QUEUE_NAME).add_group(f"g{k}")  # type: ignore[attr-defined]
             return
         dbq.create_queue(
             QUEUE_NAME,
@@ -89,8 +99,11 @@ def left_in_queue(target: Target, conn: psycopg.Connection[Any]) -> int:
         ).fetchone()
         return int(row[0]) if row else 0
     with DbQueue(target.dsn, schema=target.schema, pool_size=1) as dbq:
-        st = dbq.queue(QUEUE_NAME).stats()
-        return st.ready + st.delayed + st.in_flight + st.failed
+        left = 0
+        for k in range(target.groups):
+            st = dbq.queue(QUEUE_NAME).group(target.group_of(k)).stats()
+            left += st.ready + st.delayed + st.in_flight + st.failed
+        return left
 
 
 def teardown_target(target: Target) -> None:
@@ -122,9 +135,9 @@ class Backend(Protocol):
 class EngineBackend:
     """A queue of an engine design, through the public API."""
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: Target, consumer: int = 0) -> None:
         self.dbq = DbQueue(target.dsn, schema=target.schema, pool_size=1)
-        self.queue = self.dbq.queue(QUEUE_NAME)
+        self.queue = self.dbq.queue(QUEUE_NAME).group(target.group_of(consumer))
         self.semantics = target.semantics
         self.lease = target.lease
 
@@ -271,9 +284,9 @@ class PgmqBackend:
         self.conn.close()
 
 
-def open_backend(target: Target, role: str) -> Backend:
+def open_backend(target: Target, role: str, idx: int = 0) -> Backend:
     if target.design == BASELINE:
         return NaiveBackend(target, role)
     if target.design == PGMQ:
         return PgmqBackend(target)
-    return EngineBackend(target)
+    return EngineBackend(target, idx if role == "consumer" else 0)

@@ -115,7 +115,10 @@ def run_design(
             start_bytes = table_stats(conn, target.schema)[0]
             with contextlib.suppress(psycopg.Error):
                 conn.execute("CHECKPOINT")
-            cfg = RunConfig(target, producers, consumers, batch, payload_bytes, backlog_cap, latencies)
+            # consumers per consumer group
+            cfg = RunConfig(
+                target, producers, consumers * target.groups, batch, payload_bytes, backlog_cap, latencies
+            )
             result = _measure(
                 cfg,
                 conn,
@@ -254,11 +257,12 @@ class _Processes:
         pushed_total = sum(self.results[("producer", i)]["pushed"] for i in range(cfg.producers))
         deadline = time.monotonic() + drain_timeout
         last, last_change = -1, time.monotonic()
-        while (now_popped := sum(shm.popped)) < pushed_total and time.monotonic() < deadline:
+        wanted = pushed_total * cfg.target.groups  # every group pops every message
+        while (now_popped := sum(shm.popped)) < wanted and time.monotonic() < deadline:
             if now_popped != last:
                 last, last_change = now_popped, time.monotonic()
             elif time.monotonic() - last_change > 5.0:
-                log(f"  {cfg.target.design}: drain stalled at {now_popped} of {pushed_total} messages")
+                log(f"  {cfg.target.design}: drain stalled at {now_popped} of {wanted} pops")
                 break
             self.collect(0.01)
         shm.phase.value = STOP
@@ -338,9 +342,11 @@ def _run_result(
     """What a finished run measured (the window) and checked (every worker's report)."""
     cons = [run.results[("consumer", i)] for i in range(cfg.consumers)]
     prods = [run.results[("producer", i)] for i in range(cfg.producers)]
-    lost, dups, corrupt = count_deliveries([prod["pushed"] for prod in prods], cons)
+    groups = cfg.target.groups  # each group must get every message once
+    counts = [count_deliveries([p["pushed"] for p in prods], cons[k::groups]) for k in range(groups)]
+    lost, dups, corrupt = (sum(c[i] for c in counts) for i in range(3))
     window = w.t1 - w.t0
-    msgs = w.popped1 - w.popped0
+    msgs = (w.popped1 - w.popped0) / groups  # a cycle: a message pushed and popped in every group
     size, dead, hot = table_stats(conn, cfg.target.schema)
     lat: dict[str, list[float]] = {}
     if cfg.latencies:

@@ -48,7 +48,7 @@ class Shared:
 def _produce(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[str, Any]:
     pick = Fillers(cfg.payload_bytes, HEADER.size).pick
     pack = HEADER.pack
-    n, cap = cfg.batch, cfg.backlog_cap
+    n, cap, groups = cfg.batch, cfg.backlog_cap, cfg.target.groups
     pushed, popped, phase = shm.pushed, shm.popped, shm.phase
     seq = 0
     throttled = calls = 0
@@ -56,7 +56,7 @@ def _produce(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
     clock = time.perf_counter
     lat: list[tuple[float, float]] | None = [] if cfg.latencies else None
     while phase.value == RUN:
-        if sum(pushed) - sum(popped) > cap:
+        if sum(pushed) * groups - sum(popped) > cap * groups:  # the groups' mean backlog
             throttled += 1
             time.sleep(0.0005)
             continue
@@ -189,7 +189,7 @@ def _consume(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
 def worker_main(role: str, idx: int, cfg: RunConfig, shm: Shared) -> None:
     """Entry point of a producer or consumer process."""
     try:
-        backend = open_backend(cfg.target, role)
+        backend = open_backend(cfg.target, role, idx)
         try:
             with shm.ready.get_lock():
                 shm.ready.value += 1

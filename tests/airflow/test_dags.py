@@ -110,3 +110,27 @@ def test_asset_triggered_dag(airflow_env: dict[str, str], pg_dsn: str, dbq: DbQu
     assert result["count"] == result["acked"] == 120 and checksum(result["items"]) == checksum(pushed)
     stats = q.stats()
     assert (stats.ready, stats.in_flight, stats.finished) == (0, 0, 120)
+
+
+def test_fan_out_pair_consumes_one_stream_twice(
+    airflow_env: dict[str, str], pg_dsn: str, dbq: DbQueue
+) -> None:
+    """dbqueue_fan_out_rollup pushes 300 events and pops them in the ring's default group;
+    dbqueue_fan_out_audit pops the same 300 in its audit group (sensor, pop and ack with group=): each
+    gets every event once, with the same checksum, and each group ends with nothing left."""
+    n = 300
+    pushed = [{"order": i, "customer": i % 5, "amount": (i * 13) % 97} for i in range(n)]
+    run_dag(airflow_env, pg_dsn, dbq.schema, "dbqueue_fan_out_rollup", {"events": n})
+    rollup = xcom(airflow_env, "dbqueue_fan_out_rollup", "roll_up")
+    assert rollup["count"] == rollup["acked"] == n and rollup["checksum"] == checksum(pushed)
+    assert sum(rollup["totals"].values()) == sum(p["amount"] for p in pushed)
+    q = dbq.queue("example_stream")
+    assert q.stats().ready == 0 and q.group("audit").stats().ready == n  # the audit group's, untouched
+    run_dag(airflow_env, pg_dsn, dbq.schema, "dbqueue_fan_out_audit", {})
+    audit = xcom(airflow_env, "dbqueue_fan_out_audit", "audit")
+    assert audit["count"] == audit["acked"] == n and audit["checksum"] == checksum(pushed)
+    claim = xcom(airflow_env, "dbqueue_fan_out_audit", "pop_events")
+    assert claim["group"] == "audit" and claim["messages"] is None and len(claim["receipts"]) == n
+    for group in (None, "audit"):
+        stats = q.group(group).stats()
+        assert (stats.ready, stats.in_flight, stats.failed) == (0, 0, 0), group

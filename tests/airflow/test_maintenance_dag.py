@@ -129,6 +129,10 @@ def test_hook_maintenance_and_metrics(
     }, names
     assert not [n for n in names if dbq.schema in n or "jobs" in n or "meta" in n]
     assert emit_metrics({"schema": "s", "queues": {"q": {"ready": 1, "oldest_ready_age_s": None}}}) == 2
+    sent.clear()  # a ring's consumer group: its lag as gauges tagged with the queue and the group
+    audit = {"lag_messages": 7, "lag_seconds": 1.5, "idle_s": None}
+    assert emit_metrics({"schema": "s", "queues": {"q": {"ready": 1, "groups": {"audit": audit}}}}) == 4
+    assert ("dbqueue.group.lag_messages", 7.0, {"schema": "s", "queue": "q", "group": "audit"}) in sent
     assert "dbqueue.index.page_density_pct" not in names  # PostgreSQL
     # SQL Server's index measures (IndexHealth.as_dict there) go out as gauges too.
     sent.clear()

@@ -470,3 +470,40 @@ def test_batch_size_and_max_wait_through_message_queue_trigger() -> None:
             DbQueueTrigger(queue_name="q", max_wait=bad)
     with pytest.raises(ConfigurationError, match="batch_size must be >= 1"):
         DbQueueTrigger(queue_name="q", batch_size=0)
+
+
+def test_trigger_and_sensor_watch_and_claim_a_consumer_group(airflow_conn: str, dbq: DbQueue) -> None:
+    """group=: the trigger counts the group's messages (the default group took them all), its event and
+    serialization name the group; the claiming sensor leases the group's messages and its claim acks
+    them in that group, leaving the default group's untouched. (1 s)"""
+    q = dbq.create_queue("stream", design="ring", notify="never")
+    q.add_group("audit")  # type: ignore[attr-defined]
+    pushed = [{"i": i} for i in range(12)]
+    q.push_batch(pushed)
+    assert checksum(m.payload for m in q.pop(12)) == checksum(pushed)  # the default group is done
+    trigger = DbQueueTrigger(
+        queue_name="stream", group="audit", min_messages=12, poll_interval=POLL_S, rearm=False
+    )
+    path, kwargs = trigger.serialize()
+    assert kwargs["group"] == "audit" and DbQueueTrigger(**kwargs).serialize() == (path, kwargs)
+    runner = Runner(trigger)
+    try:
+        [(_, event)] = runner.wait_events(1, timeout=10 * POLL_S)
+        assert (event["group"], event["ready"], event["head"]) == ("audit", 12, [1, 0])
+    finally:
+        runner.stop()
+    sensor = DbQueueSensor(
+        task_id="s", queue_name="stream", group="audit", min_messages=12, claim=True, max_messages=12
+    )
+    claim = sensor.execute({})
+    assert claim["group"] == "audit" and claim["count"] == 12
+    assert checksum(m["payload"] for m in claim["messages"]) == checksum(pushed)
+    audit = q.group("audit")
+    assert audit.stats().in_flight == 12 and q.stats().in_flight == 0
+    with DbQueueHook(airflow_conn) as hook:
+        assert hook.ack_claim(claim) == 12
+        assert hook.stats("stream", group="audit")["lag_messages"] == 0
+    with pytest.raises(AirflowSensorTimeout):
+        DbQueueSensor(
+            task_id="s2", queue_name="stream", group="audit", poke_interval=0.05, timeout=0.2
+        ).execute({})

@@ -89,6 +89,24 @@ def test_short_ring_run_is_valid(pg_dsn: str) -> None:
     assert point["hot_update_ratio"] is not None
 
 
+def test_short_ring_run_with_consumer_groups_is_valid(pg_dsn: str) -> None:
+    """--groups 2: one consumer per group, each group gets every message once (the run's own per-group
+    accounting), nothing is left in either group; --groups needs the ring. (about 5 s)"""
+    proc = _run(
+        pg_dsn,
+        *("--design", "ring", "--producers", "1", "--consumers", "1", "--batch", "100", "--groups", "2"),
+        *("--seconds", "1", "--warmup", "0.5", "--json", "--capacity", "2000"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    [line] = [line for line in proc.stdout.splitlines() if line.strip()]
+    point: dict[str, Any] = json.loads(line)
+    assert (point["design"], point["groups"], point["valid"]) == ("ring", 2, True)
+    assert (point["lost"], point["duplicated"], point["left_in_queue"]) == (0, 0, 0)
+    assert point["popped"] == 2 * point["pushed"] > 0 and point["cycles_per_s"] > 0
+    refused = _run(pg_dsn, "--design", "table", "--groups", "2", "--seconds", "1")
+    assert refused.returncode == 2 and "--groups" in refused.stderr
+
+
 def test_unknown_design_is_refused(pg_dsn: str) -> None:
     proc = _run(pg_dsn, "--design", "heap", "--producers", "1", "--seconds", "1")
     assert proc.returncode == 2

@@ -48,17 +48,23 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.integration
 
-DESIGNS = ["table", "ring"]
+DESIGNS = ["table", "ring", "ring-group"]
 """A feature a design does not offer (the ring's priorities and delayed pushes) is checked to raise
-:class:`ConfigurationError` rather than skipped."""
+:class:`ConfigurationError` rather than skipped. ``ring-group``: a ring's consumer group besides its
+default one (PostgreSQL's), whose handle must behave as a queue of its own; the default group holds
+every message the tests push, untouched."""
 
 
 @pytest.fixture(params=DESIGNS)
 def make_queue(request: pytest.FixtureRequest, dbq: DbQueue) -> Callable[..., Queue]:
     counter = iter(range(1000))
+    design, _, group = str(request.param).partition("-")
+    if group:
+        postgres_only(dbq, "a ring's consumer groups besides its default one")
 
     def make(**settings: Any) -> Queue:
-        return dbq.create_queue(f"q{next(counter)}", design=request.param, **settings)
+        q = dbq.create_queue(f"q{next(counter)}", design=design, **settings)
+        return q.add_group("g") if group else q  # type: ignore[attr-defined, no-any-return]
 
     return make
 
@@ -281,6 +287,12 @@ def test_nack_redelivers_then_fails_after_max_attempts(make_queue: Callable[...,
     assert (s.ready, s.in_flight, s.failed) == (0, 0, 1)
     [f] = q.list_failed()
     assert (f.id, f.attempts, f.payload, f.last_error) == (mid, 3, {"poison": True}, "boom 3")
+    if getattr(q, "group_name", "default") != "default":
+        # a requeue pushes again, to every group of the ring: refused on a ring with groups
+        with pytest.raises(ConfigurationError, match="every group"):
+            q.requeue_failed()
+        assert q.delete_failed() == 1 and q.stats().failed == 0
+        return
     assert q.requeue_failed() == 1
     [m] = q.pop(1, semantics="at-least-once")
     # a ring pushes a requeued message again: its old number's slot may be reused, so it has a new id

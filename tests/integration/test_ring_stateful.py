@@ -274,3 +274,94 @@ def test_ring_matches_model(dbq: DbQueue) -> None:
         run_state_machine_as_test(RingMachine, settings=SETTINGS)
     finally:
         del RingMachine.dbq
+
+
+class RingGroupsMachine(RingMachine):
+    """The same ring with a second consumer group, "b", that pops at most once at its own pace, and is
+    dropped and added again (start="now") now and then. What must hold besides the default group's
+    properties: b's pops return its lowest messages not yet taken, in order, with their payloads; a push
+    that fits only when b has passed the predecessor succeeds (and none overwrites a message b still
+    needs: its slot holds it); after b is dropped, the default group alone holds the floor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b: RingQueue | None = None
+        self.b_from = 1  # the first number b sees
+        self.b_taken: set[int] = set()
+
+    @initialize(cap=st.integers(2, 6), max_attempts=st.sampled_from([1, 3]))
+    def create(self, cap: int, max_attempts: int) -> None:
+        super().create(cap, max_attempts)
+        self.b = self.queue.add_group("b")
+
+    def _b_needs(self) -> list[Entry]:
+        if self.b is None:
+            return []
+        return [self.entries[i] for i in sorted(self.entries) if i >= self.b_from and i not in self.b_taken]
+
+    def _fits(self, k: int) -> bool:
+        needs = {e.id for e in self._b_needs()}
+        if any(x - self.cap in needs for x in range(self.next_number, self.next_number + k)):
+            return False
+        return super()._fits(k)
+
+    @precondition(lambda self: self.b is not None)
+    @rule(n=st.integers(1, 4))
+    def pop_b(self, n: int) -> None:
+        assert self.b is not None
+        want = self._b_needs()
+        msgs = self.b.pop(n)
+        assert [m.id for m in msgs] == [e.id for e in want[: len(msgs)]], "b: not its lowest ids in order"
+        assert [m.payload for m in msgs] == [e.payload for e in want[: len(msgs)]]
+        self.b_taken.update(m.id for m in msgs)
+
+    @precondition(lambda self: self.b is not None)
+    @rule()
+    def drain_b(self) -> None:
+        assert self.b is not None
+        want = [e.id for e in self._b_needs()]
+        got: list[int] = []
+        for _ in range(len(want) + 3):
+            got += [m.id for m in self.b.pop(self.cap)]
+        assert got == want, "b: a message was not delivered (lost behind a gap?)"
+        self.b_taken.update(got)
+
+    @precondition(lambda self: self.q is not None)
+    @rule()
+    def drop_or_add_b(self) -> None:
+        if self.b is not None:
+            assert self.queue.drop_group("b") is True
+            self.b = None
+        else:
+            self.b = self.queue.add_group("b")
+            self.b_from, self.b_taken = self.next_number, set()
+
+    @invariant()
+    def b_messages_keep_their_slots(self) -> None:
+        """No push overwrote a message that b still needs, and the floor is at or below it."""
+        needs = self._b_needs()
+        if self.q is None or not needs:
+            return
+        assert self.q.stats().extra["floor"] <= needs[0].id
+        rows = run_sql(
+            self.dbq,
+            "SELECT seq, payload FROM {schema}.ring_slots WHERE queue_id = %(q)s",
+            {"q": self.q.settings.queue_id},
+        )
+        held = {int(seq): payload for seq, payload in rows}
+        for e in needs:
+            assert e.id in held, f"message {e.id}, which b still needs, was overwritten"
+            assert self.q.settings.decode(bytes(held[e.id])) == e.payload
+
+
+def test_ring_with_a_second_group_matches_model(dbq: DbQueue) -> None:
+    """(about 20 s)"""
+    if dbq.dialect != "postgresql":
+        pytest.skip("consumer groups besides the default one are PostgreSQL's (docs/limits.md)")
+    RingGroupsMachine.dbq = dbq
+    try:
+        run_state_machine_as_test(
+            RingGroupsMachine, settings=settings(SETTINGS, max_examples=20, stateful_step_count=30)
+        )
+    finally:
+        del RingGroupsMachine.dbq

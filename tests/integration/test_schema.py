@@ -836,3 +836,60 @@ def test_version_14_rings_keep_their_messages_and_push_one_at_a_time_after_the_m
     finally:
         db.drop_schema()
         db.close()
+
+
+def test_version_17_rings_keep_their_messages_positions_and_leases_through_the_migration(
+    pg_dsn: str, new_schema: Callable[[], str]
+) -> None:
+    """A ring written under schema version 17 (one consumer group) keeps everything through migrations
+    18 and 19 (consumer groups): its lanes' positions (the messages taken are not delivered again), its
+    open lease (whose receipts still ack), its failed message, and the messages not taken yet, which
+    come out once, in order; a group added after it with start="earliest" gets those too. (1 s)"""
+    schema = new_schema()
+    db = PostgresDatabase(pg_dsn, schema=schema)
+    try:
+        db.migrate_to(17)
+        ident = sql.Identifier(schema)
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            qid = c.execute(
+                sql.SQL(
+                    "INSERT INTO {s}.queues (name, design, payload_type, max_payload_bytes, max_attempts, "
+                    "visibility_timeout_s, retry_backoff_s, retry_backoff_max_s, notify, archive) "
+                    "VALUES ('old', 'ring', 'json', 100, 1, 600, 0, 0, 'never', false) RETURNING queue_id"
+                ).format(s=ident)
+            ).fetchone()[0]  # type: ignore[index]
+            c.execute(sql.SQL("SELECT {s}.ring_create(%s, %s, 16, 100, 4)").format(s=ident), [schema, qid])
+            old = [f"old{i}" for i in range(9)]
+            push = sql.SQL("SELECT {s}.ring_push(%s, 16, %s::bytea[], 5, 0, 'ch', NULL)").format(s=ident)
+            assert c.execute(push, [qid, [json.dumps(p).encode() for p in old]]).fetchone() == (1,)
+            take = sql.SQL("SELECT r_id FROM {s}.ring_take(%s, 16, 4, %s, %s, 600, 'c', true, true)")
+            assert [r[0] for r in c.execute(take.format(s=ident), [qid, 2, False])] == [1, 2]  # finished
+            assert [r[0] for r in c.execute(take.format(s=ident), [qid, 2, True])] == [3, 4]  # leased
+            assert [r[0] for r in c.execute(take.format(s=ident), [qid, 1, True])] == [5]  # fails below
+            settle = sql.SQL(
+                "SELECT r_id, r_state FROM {s}.ring_settle(%s, 16, 4, ARRAY[5]::bigint[], ARRAY[1], true, "
+                "0, 0, 0, 1, 'poison')"
+            )
+            assert c.execute(settle.format(s=ident), [qid]).fetchall() == [(5, 2)]
+            before = c.execute(
+                sql.SQL("SELECT lane, pos FROM {s}.ring_lanes WHERE queue_id = %s ORDER BY lane").format(
+                    s=ident
+                ),
+                [qid],
+            ).fetchall()
+        with DbQueue(pg_dsn, schema=schema) as dbq:
+            assert dbq.install() == schema_sql()[0] == 19
+            rows = run_sql(dbq, "SELECT queue_id, lane, pos FROM {schema}.ring_lanes ORDER BY lane")
+            assert [(lane, pos) for q, lane, pos in rows if q == qid] == before and len(rows) == len(before)
+            q = dbq.queue("old")
+            late = q.add_group("late", start="earliest")  # type: ignore[attr-defined]
+            assert q.ack_receipts([(3, 1), (4, 1)]) == 2
+            [f] = q.list_failed()
+            assert (f.id, f.payload, f.last_error) == (5, "old4", "poison")
+            got = [(m.id, m.payload) for m in drain(q)]
+            assert got == list(enumerate(old, start=1))[5:]
+            assert [(m.id, m.payload) for m in drain(late)] == got
+            assert q.stats().extra["floor"] == 10 and late.list_failed() == []
+    finally:
+        db.drop_schema()
+        db.close()

@@ -73,7 +73,8 @@ class Side:
                     r[-1] = None if r[-1] is None else bytes(r[-1])
             out[name] = rows
         stats = self.q.stats()
-        out["stats"] = (stats.ready, stats.delayed, stats.in_flight, stats.failed, stats.extra)
+        extra = {k: v for k, v in stats.extra.items() if k != "lag_seconds"}  # a time, as oldest_ready_age_s
+        out["stats"] = (stats.ready, stats.delayed, stats.in_flight, stats.failed, extra)
         return out
 
     def hold(self, lanes: list[int], pg_dsn: str) -> Callable[[], None]:

@@ -101,11 +101,20 @@ def test_every_postgresql_query_name_is_ported_or_listed_as_not_yet_ported() -> 
     )
 
 
+RING_GROUP_QUERIES = {
+    "ring_add_group",
+    "ring_drop_group",
+    "ring_groups",
+    "ring_group_moved",
+}
+"""The queries of a ring's consumer groups besides its default one, which SQL Server has not yet."""
+
+
 def test_the_table_design_maintenance_and_the_ring_are_fully_ported() -> None:
     """Every query the table design, the ring design, the client and maintenance run exists on SQL
-    Server."""
-    assert NOT_YET_PORTED == {}
-    ring = {n for n in load_queries(PG, "queries.sql") if n.startswith("ring_")}
+    Server, but for the consumer groups besides a ring's default one."""
+    assert set(NOT_YET_PORTED) == RING_GROUP_QUERIES
+    ring = {n for n in load_queries(PG, "queries.sql") if n.startswith("ring_")} - RING_GROUP_QUERIES
     assert len(ring) == 23 and ring <= set(load_queries(MS, "queries.sql"))
     used = {"push", "pop_lease", "pop_take", "ack", "nack", "held_receipts", "reclaim_expired"}
     used |= {"claim_batch", "get_batch", "lock_batch", "finish_batch", "purge_batches", "batch_rows"}
@@ -460,7 +469,16 @@ def test_the_ring_tables_end_with_postgresqls_columns() -> None:
     PostgreSQL's schema.sql, column for column (and ring_push_lanes, the gap proof's own)."""
     ours, theirs = _final_tables(), _postgres_tables()
     ring = sorted(t for t in theirs if t == "rings" or t.startswith("ring_"))
-    assert ring == ["ring_failed", "ring_lanes", "ring_leases", "ring_retry", "ring_slots", "rings"]
+    assert ring == [
+        "ring_failed",
+        "ring_groups",
+        "ring_lanes",
+        "ring_leases",
+        "ring_retry",
+        "ring_slots",
+        "rings",
+    ]
+    ring.remove("ring_groups")  # PostgreSQL's alone (RING_GROUP_QUERIES)
     for table in ring:
         extra = MSSQL_ONLY_RING_COLUMNS.get(table, [])
         assert [c for c in ours[table] if c not in extra] == theirs[table], table
@@ -639,9 +657,32 @@ RING_PARAMETERS_POSTGRESQL_ONLY = {
     "ring_create": {"schema"},  # a procedure knows its own schema (OBJECT_SCHEMA_NAME(@@PROCID))
     "ring_push": {"notify", "channel"},  # SQL Server has no NOTIFY: waiting pops poll
     "ring_push_one": {"notify", "channel", "floor"},  # SQL Server's push reads the floor itself
+    # A ring on SQL Server has its default group only (RING_GROUP_QUERIES): the group is always 0 there.
+    **{
+        name: {"group"}
+        for name in (
+            "ring_ack",
+            "ring_settle",
+            "ring_held_receipts",
+            "ring_reclaim_expired",
+            "ring_peek",
+            "ring_count_ready",
+            "ring_ready_head",
+            "ring_stats",
+            "ring_list_failed",
+            "ring_take_failed",
+            "ring_delete_failed",
+            "ring_leased",
+        )
+    },
 }
 RING_PARAMETERS_MSSQL_ONLY = {
     "ring_snapshot": {"queue_id"},  # the gap proof's list is the ring's push lanes, not the server's xids
+    # PostgreSQL finds a consumer group's rows by its key (group: the queue id for the default group)
+    **{
+        name: {"queue_id"}
+        for name in ("ring_ack", "ring_list_failed", "ring_take_failed", "ring_delete_failed")
+    },
 }
 
 
@@ -650,6 +691,8 @@ def test_the_ring_queries_take_postgresqls_parameters() -> None:
     but for the few listed with their reason."""
     pg, mssql = load_queries(PG, "queries.sql"), load_queries(MS, "queries.sql")
     for name in sorted(n for n in pg if n.startswith("ring_") or n in ("get_queue", "list_queues")):
+        if name in RING_GROUP_QUERIES:
+            continue
         theirs, ours = set(_PLACEHOLDER.findall(pg[name])), set(_PLACEHOLDER.findall(mssql[name]))
         assert theirs - ours == RING_PARAMETERS_POSTGRESQL_ONLY.get(name, set()), name
         assert ours - theirs == RING_PARAMETERS_MSSQL_ONLY.get(name, set()), name
@@ -707,7 +750,7 @@ RING_RESULTS_DIFFERENT = {
     sorted(
         n
         for n in load_queries(PG, "queries.sql")
-        if n.startswith("ring_") or n in ("get_queue", "list_queues")
+        if (n.startswith("ring_") or n in ("get_queue", "list_queues")) and n not in RING_GROUP_QUERIES
     ),
 )
 def test_the_ring_queries_return_postgresqls_columns(name: str) -> None:
@@ -1536,3 +1579,20 @@ def test_the_conformance_suites_lease_expiry_on_a_fake_sql_server(monkeypatch: p
     assert expire.startswith("UPDATE [dbq].ring_retry SET due_at = DATEADD(second, -1, SYSUTCDATETIME())")
     assert fake.commits == 2
     _check_sent(fake)
+
+
+def test_a_ring_on_a_fake_sql_server_has_its_default_group_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Consumer groups besides the default one are PostgreSQL's: on SQL Server adding or naming one raises
+    NotSupportedError before any statement runs, and the default group (None or "default") is the ring's
+    own handle, whose pops send no group."""
+    from airflow_dbqueue.engine import NotSupportedError
+
+    q, fake = _ring_on_fake_sql_server(monkeypatch, [])
+    with pytest.raises(NotSupportedError, match="need PostgreSQL"):
+        q.add_group("audit")
+    with pytest.raises(NotSupportedError, match="'audit'"):
+        q.group("audit")
+    with pytest.raises(NotSupportedError):
+        q.pop(1, group="audit")
+    assert q.group(None) is q and q.group("default") is q
+    assert fake.executed == []

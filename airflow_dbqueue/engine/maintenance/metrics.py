@@ -13,6 +13,7 @@ from airflow_dbqueue.engine.errors import ConfigurationError
 from airflow_dbqueue.engine.maintenance.horizon import xmin_holders
 from airflow_dbqueue.engine.maintenance.queues import Queues
 from airflow_dbqueue.engine.maintenance.statistics import table_health
+from airflow_dbqueue.engine.ring import RingQueue
 
 
 def queue_metrics(
@@ -33,10 +34,29 @@ def queue_metrics(
             continue
         pushed, finished = (int(row[0]), int(row[1])) if row else (0, 0)
         stats["design"] = q.settings.design.value
+        if isinstance(q, RingQueue) and db.ring_groups_supported:
+            groups = group_metrics(q)
+            if groups:
+                stats["groups"] = groups
         stats["pushed_per_s"] = round(pushed / rate_window_s, 3)
         stats["finished_per_s"] = round(finished / rate_window_s, 3) if q.settings.archive else None
         per_queue[name] = stats
     return per_queue
+
+
+def group_metrics(q: RingQueue) -> dict[str, Any]:
+    """By consumer group of a ring besides its default one (whose figures are the queue's own): what
+    it has still to finish (``lag_messages``), the age of its oldest ready message (``lag_seconds``) and
+    how long maintenance has seen it not move (``idle_s``), so that a group nobody pops shows."""
+    out: dict[str, Any] = {}
+    for info in q.groups()[1:]:
+        extra = q.group(info.name).stats().extra
+        out[info.name] = {
+            "lag_messages": extra["lag_messages"],
+            "lag_seconds": extra["lag_seconds"],
+            "idle_s": None if info.idle_s is None else round(info.idle_s, 3),
+        }
+    return out
 
 
 def metrics(

@@ -606,7 +606,8 @@ SELECT
 -- name: ring_create
 -- The ring design. Push and pop are server-side functions (schema.sql); the statements below call them
 -- or are the slower paths. Number x of a ring lives in slot x mod capacity, so a receipt finds its slot
--- without an index on seq.
+-- without an index on seq. group: the key (gid) of a consumer group's rows in ring_lanes, ring_leases,
+-- ring_retry and ring_failed, which is the ring's queue_id for its default group (ring_groups).
 SELECT {schema}.ring_create(
     %(schema)s, %(queue_id)s::integer, %(capacity)s::integer, %(slot_bytes)s::integer, %(lanes)s::integer)
 
@@ -682,7 +683,7 @@ WITH r AS (
 ), c AS (
     SELECT e.ctid AS tid, e.n
     FROM {schema}.ring_leases e, r
-    WHERE e.queue_id = %(queue_id)s AND e.lo >= r.lo AND e.lo <= r.hi AND e.hi <= r.hi AND r.first
+    WHERE e.queue_id = %(group)s AND e.lo >= r.lo AND e.lo <= r.hi AND e.hi <= r.hi AND r.first
       AND e.lease_until > now()
       AND (SELECT count(*) FROM unnest(%(ids)b::bigint[]) AS i(id)
            WHERE i.id BETWEEN e.lo AND e.hi AND e.starts[mod(i.id, %(lanes)s)::integer + 1] <= i.id) = e.n
@@ -698,23 +699,24 @@ RETURNING e.n
 SELECT r_id, r_state FROM {schema}.ring_settle(
     %(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer, %(ids)b::bigint[],
     %(deliveries)b::integer[], %(nack)s::boolean, %(delay_s)s::float8, %(backoff_s)s::float8,
-    %(backoff_max_s)s::float8, %(max_attempts)s::integer, %(error)s::text)
+    %(backoff_max_s)s::float8, %(max_attempts)s::integer, %(error)s::text, %(group)s::integer)
 
 -- name: ring_held_receipts
 SELECT r_id, r_delivery
-FROM {schema}.ring_held(%(queue_id)s::integer, %(lanes)s::integer, %(ids)b::bigint[], %(deliveries)b::integer[])
+FROM {schema}.ring_held(
+    %(queue_id)s::integer, %(lanes)s::integer, %(ids)b::bigint[], %(deliveries)b::integer[], %(group)s::integer)
 
 -- name: ring_reclaim_expired
 -- Expired leases go back to ready in place (keeping their id) or, after max_attempts, to ring_failed.
 -- Pops run it at most once a second.
 SELECT r_id, r_state FROM {schema}.ring_reclaim_expired(
     %(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer, %(max_attempts)s::integer,
-    %(limit)s::integer)
+    %(limit)s::integer, %(group)s::integer)
 
 -- name: ring_peek
 -- What pops would take first: the messages due again, then the lanes', each in id order.
 SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, NULL::timestamptz AS lease_until, r_payload
-FROM {schema}.ring_ready(%(queue_id)s::integer)
+FROM {schema}.ring_ready(%(queue_id)s::integer, %(group)s::integer)
 WHERE r_due <= now()
 ORDER BY r_attempts = 0, r_id
 LIMIT %(n)s
@@ -726,11 +728,11 @@ LIMIT %(n)s
 -- expired leased retry row with attempts left. An expired lease out of attempts goes to ring_failed.
 SELECT least(%(cap)s::bigint,
     (SELECT count(*) FROM (
-        SELECT 1 FROM {schema}.ring_ready(%(queue_id)s::integer) WHERE r_due <= now() LIMIT %(cap)s) s)
+        SELECT 1 FROM {schema}.ring_ready(%(queue_id)s::integer, %(group)s::integer) WHERE r_due <= now() LIMIT %(cap)s) s)
     + (SELECT count(*) FROM {schema}.ring_retry t
-       WHERE t.queue_id = %(queue_id)s AND t.state = 2 AND t.due_at <= now() AND t.attempts < %(max_attempts)s)
+       WHERE t.queue_id = %(group)s AND t.state = 2 AND t.due_at <= now() AND t.attempts < %(max_attempts)s)
     + (SELECT coalesce(sum(e.n), 0) FROM {schema}.ring_leases e
-       WHERE e.queue_id = %(queue_id)s AND e.lease_until <= now() AND %(max_attempts)s > 1))
+       WHERE e.queue_id = %(group)s AND e.lease_until <= now() AND %(max_attempts)s > 1))
 
 -- name: ring_ready_head
 -- For observers: ring_count_ready's count and the (id, delivery) a pop would take first. Pops serve the
@@ -739,33 +741,34 @@ SELECT least(%(cap)s::bigint,
 -- lanes' messages in id order.
 SELECT least(%(cap)s::bigint,
     (SELECT count(*) FROM (
-        SELECT 1 FROM {schema}.ring_ready(%(queue_id)s::integer) WHERE r_due <= now() LIMIT %(cap)s) s)
+        SELECT 1 FROM {schema}.ring_ready(%(queue_id)s::integer, %(group)s::integer) WHERE r_due <= now() LIMIT %(cap)s) s)
     + (SELECT count(*) FROM {schema}.ring_retry t
-       WHERE t.queue_id = %(queue_id)s AND t.state = 2 AND t.due_at <= now() AND t.attempts < %(max_attempts)s)
+       WHERE t.queue_id = %(group)s AND t.state = 2 AND t.due_at <= now() AND t.attempts < %(max_attempts)s)
     + (SELECT coalesce(sum(e.n), 0) FROM {schema}.ring_leases e
-       WHERE e.queue_id = %(queue_id)s AND e.lease_until <= now() AND %(max_attempts)s > 1)) AS ready,
+       WHERE e.queue_id = %(group)s AND e.lease_until <= now() AND %(max_attempts)s > 1)) AS ready,
     h.r_id AS head_id, h.r_deliveries AS head_deliveries
 FROM (SELECT 1) one
 LEFT JOIN LATERAL (
     SELECT c.r_id, c.r_deliveries FROM (
-        SELECT r_id, r_deliveries, r_attempts = 0 AS fresh FROM {schema}.ring_ready(%(queue_id)s::integer)
+        SELECT r_id, r_deliveries, r_attempts = 0 AS fresh FROM {schema}.ring_ready(%(queue_id)s::integer, %(group)s::integer)
         WHERE r_due <= now()
         UNION ALL
         SELECT t.id, t.deliveries, false FROM {schema}.ring_retry t
-        WHERE t.queue_id = %(queue_id)s AND t.state = 2 AND t.due_at <= now()
+        WHERE t.queue_id = %(group)s AND t.state = 2 AND t.due_at <= now()
           AND t.attempts < %(max_attempts)s
         UNION ALL
         SELECT e.lo, 1, false FROM {schema}.ring_leases e
-        WHERE e.queue_id = %(queue_id)s AND e.lease_until <= now() AND %(max_attempts)s > 1) c
+        WHERE e.queue_id = %(group)s AND e.lease_until <= now() AND %(max_attempts)s > 1) c
     ORDER BY c.fresh, c.r_id
     LIMIT 1) h ON true
 
 -- name: ring_stats
--- Depth by state, plus the ring's own figures: the push position (last number issued), the pop
--- position (the lowest lane position: the next number no pop has taken), the floor (the lowest number
--- a consumer may still need), its lanes, and the numbers given up as gaps.
+-- Depth by state of one consumer group, plus the ring's own figures: the push position (last number
+-- issued), the group's pop position (its lowest lane position: the next number none of its pops has
+-- taken), the floor (the lowest number a consumer of any group may still need), its lanes, and the
+-- numbers given up as gaps.
 WITH rd AS MATERIALIZED (
-    SELECT r_enqueued_at, r_due FROM {schema}.ring_ready(%(queue_id)s::integer)
+    SELECT r_enqueued_at, r_due FROM {schema}.ring_ready(%(queue_id)s::integer, %(group)s::integer)
 ), g AS (
     SELECT r.lanes, coalesce(pg_sequence_last_value(r.push_seq), 0) AS issued,
            coalesce(pg_sequence_last_value(r.gap_seq), 0) AS gaps
@@ -773,14 +776,14 @@ WITH rd AS MATERIALIZED (
 )
 SELECT (SELECT count(*) FROM rd WHERE r_due <= now()) AS ready,
        (SELECT count(*) FROM rd WHERE r_due > now()) AS delayed,
-       (SELECT coalesce(sum(e.n), 0) FROM {schema}.ring_leases e WHERE e.queue_id = %(queue_id)s)
-       + (SELECT count(*) FROM {schema}.ring_retry t WHERE t.queue_id = %(queue_id)s AND t.state = 2)
+       (SELECT coalesce(sum(e.n), 0) FROM {schema}.ring_leases e WHERE e.queue_id = %(group)s)
+       + (SELECT count(*) FROM {schema}.ring_retry t WHERE t.queue_id = %(group)s AND t.state = 2)
            AS in_flight,
-       (SELECT count(*) FROM {schema}.ring_failed f WHERE f.queue_id = %(queue_id)s) AS failed,
+       (SELECT count(*) FROM {schema}.ring_failed f WHERE f.queue_id = %(group)s) AS failed,
        extract(epoch FROM now() - (SELECT min(r_enqueued_at) FROM rd WHERE r_due <= now()))::float8
            AS oldest_ready_age_s,
        g.issued AS push_position,
-       (SELECT min(l.pos) FROM {schema}.ring_lanes l WHERE l.queue_id = %(queue_id)s) AS pop_position,
+       (SELECT min(l.pos) FROM {schema}.ring_lanes l WHERE l.queue_id = %(group)s) AS pop_position,
        {schema}.ring_floor(%(queue_id)s::integer) AS floor,
        g.gaps AS gaps_skipped,
        g.lanes
@@ -789,7 +792,7 @@ FROM g
 -- name: ring_list_failed
 SELECT id, attempts, enqueued_at, last_error, payload
 FROM {schema}.ring_failed
-WHERE queue_id = %(queue_id)s AND id > %(after_id)s
+WHERE queue_id = %(group)s AND id > %(after_id)s
 ORDER BY id
 LIMIT %(limit)s
 
@@ -797,18 +800,54 @@ LIMIT %(limit)s
 -- requeue_failed: the failed messages leave ring_failed and are pushed again (new ids) in the same
 -- transaction.
 DELETE FROM {schema}.ring_failed
-WHERE queue_id = %(queue_id)s AND (%(all)s OR id = ANY (%(ids)s::bigint[]))
+WHERE queue_id = %(group)s AND (%(all)s OR id = ANY (%(ids)s::bigint[]))
 RETURNING id, payload
 
 -- name: ring_delete_failed
 DELETE FROM {schema}.ring_failed
-WHERE queue_id = %(queue_id)s AND (%(all)s OR id = ANY (%(ids)s::bigint[]))
+WHERE queue_id = %(group)s AND (%(all)s OR id = ANY (%(ids)s::bigint[]))
 RETURNING id
 
 -- name: ring_leased
 -- The held receipts' messages with their payloads, in id order.
 SELECT h.r_id, coalesce(t.attempts, 1), h.r_delivery, s.enqueued_at, h.r_until, s.payload
-FROM {schema}.ring_held(%(queue_id)s::integer, %(lanes)s::integer, %(ids)b::bigint[], %(deliveries)b::integer[]) h
+FROM {schema}.ring_held(
+    %(queue_id)s::integer, %(lanes)s::integer, %(ids)b::bigint[], %(deliveries)b::integer[], %(group)s::integer) h
 JOIN {schema}.ring_slots s ON s.queue_id = %(queue_id)s AND s.slot = mod(h.r_id, %(capacity)s)::integer
-LEFT JOIN {schema}.ring_retry t ON t.queue_id = %(queue_id)s AND t.id = h.r_id
+LEFT JOIN {schema}.ring_retry t ON t.queue_id = %(group)s AND t.id = h.r_id
 ORDER BY h.r_id
+
+-- name: ring_add_group
+-- A new consumer group's gid (schema.sql), NULL when the ring does not exist.
+SELECT {schema}.ring_add_group(
+    %(queue_id)s::integer, %(name)s::text, %(earliest)s::boolean, %(on_lag)s::smallint,
+    %(lag_timeout_s)s::float8)
+
+-- name: ring_drop_group
+SELECT {schema}.ring_drop_group(%(queue_id)s::integer, %(group)s::integer)
+
+-- name: ring_groups
+-- The ring's consumer groups, the default one first (gid: the ring's queue_id; no ring_groups row), with
+-- the figures of each: its lowest lane position, the sum of its lane positions (which moves whenever it
+-- takes), when maintenance last saw that sum move, and the ring's push position.
+SELECT k.gid, g.name, g.created_at, g.on_lag, g.lag_timeout_s, g.moved_pos, g.moved_at,
+       (SELECT min(l.pos) FROM {schema}.ring_lanes l WHERE l.queue_id = k.gid),
+       (SELECT sum(l.pos)::bigint FROM {schema}.ring_lanes l WHERE l.queue_id = k.gid),
+       coalesce(pg_sequence_last_value(r.push_seq), 0)
+FROM {schema}.rings r
+CROSS JOIN LATERAL (
+    SELECT r.queue_id AS gid
+    UNION ALL
+    SELECT x.gid FROM {schema}.ring_groups x WHERE x.queue_id = r.queue_id) k
+LEFT JOIN {schema}.ring_groups g ON g.queue_id = r.queue_id AND g.gid = k.gid
+WHERE r.queue_id = %(queue_id)s
+ORDER BY k.gid = r.queue_id DESC, g.name
+
+-- name: ring_group_moved
+-- Maintenance saw the group's lanes at moved_pos (the sum of their positions): when that differs from
+-- what it saw last, the group moved now. Returns the time it last moved.
+UPDATE {schema}.ring_groups
+SET moved_at = CASE WHEN moved_pos IS DISTINCT FROM %(moved_pos)s::bigint THEN now() ELSE moved_at END,
+    moved_pos = %(moved_pos)s::bigint
+WHERE queue_id = %(queue_id)s AND gid = %(group)s
+RETURNING extract(epoch FROM now() - moved_at)::float8

@@ -1,0 +1,364 @@
+"""Consumer groups on a ring: each group sees every message at its own pace, with its own positions,
+leases, retries and failed messages, and no push overwrites a message that some group still needs.
+
+PostgreSQL only (a ring on SQL Server has its default group alone: the last tests check that it says
+so). Every test counts and checksums what went in and what each group got.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from airflow_dbqueue.engine import (
+    ConfigurationError,
+    DbQueue,
+    GroupExistsError,
+    GroupNotFoundError,
+    LeaseExpiredError,
+    QueueFullError,
+)
+from airflow_dbqueue.engine.models import DEFAULT_GROUP, OnLag
+from tests.helpers import checksum
+from tests.integration.test_conformance import drain
+
+if TYPE_CHECKING:
+    from airflow_dbqueue.engine.ring import RingQueue
+
+pytestmark = pytest.mark.integration
+
+
+def ring(dbq: DbQueue, name: str = "events", **settings: Any) -> RingQueue:
+    q = dbq.create_queue(name, design="ring", **settings)
+    return q  # type: ignore[return-value]
+
+
+def test_each_group_gets_every_message_once_in_order(dbq: DbQueue) -> None:
+    """Three groups (the default one, one at least once, one at most once) each get all 500 messages,
+    in id order, once; the default group's pops do not take anything from the others. (0.5 s)"""
+    q = ring(dbq, capacity=64, lanes=4)
+    audit, export = q.add_group("audit"), q.add_group("export")
+    assert [g.name for g in q.groups()] == [DEFAULT_GROUP, "audit", "export"]
+    sent = list(range(500))
+    got: dict[str, list[Any]] = {DEFAULT_GROUP: [], "audit": [], "export": []}
+    ids: dict[str, list[int]] = {k: [] for k in got}
+    for first in range(0, len(sent), 50):  # the ring holds 64: every group must keep up
+        q.push_batch(sent[first : first + 50])
+        for name, handle, how in ((DEFAULT_GROUP, q, "at-most-once"), ("audit", audit, "at-least-once")):
+            for m in drain(handle, how, n=7):
+                got[name].append(m.payload)
+                ids[name].append(m.id)
+        for m in export.pop(50) + export.pop(50):
+            got["export"].append(m.payload)
+            ids["export"].append(m.id)
+    for name, payloads in got.items():
+        assert (len(payloads), checksum(payloads)) == (len(sent), checksum(sent)), name
+        assert ids[name] == list(range(1, 501)), name
+    for handle in (q, audit, export):
+        assert handle.stats().ready == 0
+
+
+def test_a_push_never_overwrites_a_message_a_group_still_needs(dbq: DbQueue) -> None:
+    """A group that lags holds the ring's floor: once the ring is full the next push waits and fails,
+    though the default group took everything; a pop of the lagging group makes room; dropping it frees
+    the ring at once. The lagging group gets every message intact. (1 s)"""
+    q = ring(dbq, capacity=8, lanes=2)
+    slow = q.add_group("slow")
+    q.push_timeout = 0.3
+    first = [f"m{i}" for i in range(8)]
+    q.push_batch(first)
+    assert [m.payload for m in q.pop(8)] == first  # the default group is done with all of them
+    late = ["late0", "late1"]
+    with pytest.raises(QueueFullError):
+        q.push_batch(late)  # a batch takes its numbers only when there is room: it took none
+    assert q.stats().extra["floor"] == 1
+    assert [m.payload for m in slow.pop(2)] == ["m0", "m1"]  # the slots of numbers 1 and 2 are free
+    assert q.push_batch(late) == [9, 10]
+    with pytest.raises(QueueFullError):
+        q.push_batch(["x", "y"])
+    rest = [m.payload for m in drain(slow, "at-least-once", n=3)]
+    assert rest == [*first[2:], *late]
+    assert q.drop_group("slow") is True
+    more = [f"n{i}" for i in range(6)]
+    assert q.push_batch(more) == list(range(11, 17))  # only the default group holds the floor (9)
+    assert [m.payload for m in drain(q)] == late + more
+
+
+def test_start_now_or_earliest(dbq: DbQueue) -> None:
+    """A group added with start="now" sees what is pushed after it; one added with "earliest" also what
+    some group has not taken yet. (0.3 s)"""
+    q = ring(dbq, capacity=16, lanes=4)
+    q.push_batch(["a", "b", "c", "d", "e"])
+    assert [m.payload for m in q.pop(2)] == ["a", "b"]
+    now, earliest = q.add_group("now"), q.add_group("earliest", start="earliest")
+    q.push_batch(["f", "g"])
+    assert [m.payload for m in drain(now)] == ["f", "g"]
+    assert [m.payload for m in drain(earliest)] == ["c", "d", "e", "f", "g"]
+    assert [m.payload for m in drain(q)] == ["c", "d", "e", "f", "g"]
+
+
+def test_leases_retries_and_failures_are_each_groups_own(dbq: DbQueue) -> None:
+    """A nack in one group delivers the message again in that group only; acks name a group's own
+    receipts; a group's failed messages are its own; stats are each group's. (0.3 s)"""
+    q = ring(dbq, capacity=16, lanes=2, max_attempts=2, retry_backoff=0.0, retry_backoff_max=0.0)
+    g = q.add_group("g")
+    q.push_batch(["x", "y", "z"])
+    mine = q.pop(3, semantics="at-least-once")
+    theirs = g.pop(3, semantics="at-least-once")
+    assert [m.id for m in mine] == [m.id for m in theirs] == [1, 2, 3]
+    assert q.stats().in_flight == 3 and g.stats().in_flight == 3
+    assert q.ack(mine) == 3
+    assert (q.stats().in_flight, g.stats().in_flight) == (0, 3)
+    assert g.nack(theirs[:1], delay=0) == 1
+    assert q.pop(3) == []
+    again = g.pop(3, semantics="at-least-once")
+    assert [(m.id, m.attempts) for m in again] == [(1, 2)]
+    assert g.nack(again, delay=0, error="bad") == 1  # its second attempt: failed, in g only
+    assert [(f.id, f.payload) for f in g.list_failed()] == [(1, "x")]
+    assert q.list_failed() == []
+    assert g.ack(theirs[1:]) == 2
+    stats = g.stats()
+    assert (stats.ready, stats.in_flight, stats.failed) == (0, 0, 1)
+    assert stats.extra["group"] == "g" and stats.extra["lag_messages"] == 0
+    with pytest.raises(ConfigurationError, match="every group"):
+        g.requeue_failed()
+    assert g.delete_failed() == 1
+
+
+def test_stats_show_each_groups_lag_in_messages_and_seconds(dbq: DbQueue) -> None:
+    q = ring(dbq, capacity=32)
+    g = q.add_group("g")
+    q.push_batch(list(range(10)))
+    time.sleep(0.2)
+    assert len(q.pop(10)) == 10
+    assert len(g.pop(4, semantics="at-least-once")) == 4
+    mine, theirs = q.stats().extra, g.stats().extra
+    assert (mine["group"], mine["lag_messages"], mine["lag_seconds"]) == (DEFAULT_GROUP, 0, 0.0)
+    assert theirs["group"] == "g" and theirs["lag_messages"] == 10  # 6 to take, 4 leased
+    assert theirs["lag_seconds"] >= 0.2
+    assert theirs["pop_position"] > mine["floor"] == 1
+
+
+def test_pop_takes_group_and_bad_groups_are_refused(dbq: DbQueue) -> None:
+    """pop(group=) pops for the group; unknown names, names taken, bad names and options, the default
+    group's drop and groups on a table-design queue each raise an error that names them, and change
+    nothing. (0.2 s)"""
+    q = ring(dbq)
+    q.add_group("fraud")
+    q.push_batch(["a", "b"])
+    assert [m.payload for m in q.pop(2, group="fraud")] == ["a", "b"]
+    assert [m.payload for m in q.pop(2, group=DEFAULT_GROUP)] == ["a", "b"]
+    with pytest.raises(GroupNotFoundError, match="'nope'"):
+        q.pop(group="nope")
+    with pytest.raises(GroupNotFoundError, match="'nope'"):
+        q.drop_group("nope")
+    assert q.drop_group("nope", missing_ok=True) is False
+    with pytest.raises(GroupExistsError, match="'fraud'"):
+        q.add_group("fraud")
+    for bad in ("", "a b", DEFAULT_GROUP, "x" * 64, "-x", None):
+        with pytest.raises(ConfigurationError, match="group name"):
+            q.add_group(bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="start"):
+        q.add_group("g", start="latest")
+    with pytest.raises(ConfigurationError, match="on_lag"):
+        q.add_group("g", on_lag="ignore")
+    with pytest.raises(ConfigurationError, match="lag_timeout"):
+        q.add_group("g", lag_timeout=0)
+    with pytest.raises(ConfigurationError, match="cannot be dropped"):
+        q.drop_group(DEFAULT_GROUP)
+    stale = dbq.queue("events").group("fraud")
+    with DbQueue(dbq.db.dsn, schema=dbq.schema) as other:  # another process drops it and adds it again
+        other.queue("events").drop_group("fraud")  # type: ignore[attr-defined]
+        other.queue("events").add_group("fraud")  # type: ignore[attr-defined]
+    with pytest.raises(GroupNotFoundError, match="'fraud'"):
+        stale.pop(1)
+    q.push("c")
+    assert [m.payload for m in q.pop(1, group="fraud")] == ["c"]  # the new group, looked up again
+    assert [g.name for g in q.groups()] == [DEFAULT_GROUP, "fraud"]
+    table = dbq.create_queue("tasks")
+    with pytest.raises(ConfigurationError, match="ring design"):
+        table.pop(group="fraud")
+    with pytest.raises(ConfigurationError, match="ring design"):
+        table.group("fraud")
+
+
+def test_maintenance_warns_about_or_drops_a_group_nobody_pops(
+    dbq: DbQueue, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A group that has messages to take and has not moved for its lag timeout: on_lag="block" keeps it
+    with a warning, "drop_group" drops it (and the floor rises); a group that pops, or has nothing to
+    take, is left alone. (1 s)"""
+    q = ring(dbq, capacity=16)
+    q.add_group("stuck", lag_timeout=0.3)
+    q.add_group("gone", on_lag="drop_group", lag_timeout=0.3)
+    busy = q.add_group("busy", on_lag=OnLag.DROP_GROUP, lag_timeout=0.3)
+    q.add_group("idle", on_lag="drop_group", lag_timeout=0.3)
+    q.push_batch(list(range(6)))
+    drain(q)
+    drain(q.group("idle"))
+    first = q.maintain()
+    assert (first["groups_lagging"], first["groups_dropped"]) == (0, 0)  # each seen moving first
+    time.sleep(0.4)
+    assert [m.payload for m in busy.pop(2)] == [0, 1]
+    with caplog.at_level(logging.WARNING, logger="airflow_dbqueue.engine.ring"):
+        report = q.maintain()
+    assert (report["groups_lagging"], report["groups_dropped"]) == (2, 1)
+    assert [g.name for g in q.groups()] == [DEFAULT_GROUP, "busy", "idle", "stuck"]
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "consumer group stuck has not popped" in warned and "on_lag=block" in warned
+    assert "consumer group gone has not popped" in warned and "dropping it" in warned
+    figures = dbq.maintenance().metrics()["queues"]["events"]["groups"]
+    assert sorted(figures) == ["busy", "idle", "stuck"]  # the default group's are the queue's own
+    assert figures["stuck"]["lag_messages"] == 6 and figures["stuck"]["idle_s"] >= 0.4
+    assert (figures["idle"]["lag_messages"], figures["busy"]["lag_messages"]) == (0, 4)
+    assert [m.payload for m in drain(q.group("stuck"))] == list(range(6))
+    assert [m.payload for m in drain(busy)] == [2, 3, 4, 5]
+
+
+def test_two_groups_at_different_speeds_under_concurrency(dbq: DbQueue) -> None:  # noqa: PLR0915
+    """Two producers push 3,000 messages into a ring of 128; the default group's two consumers pop
+    batches at most once, the slow group's two pop small batches at least once, acking each after a
+    pause, and nack every 50th batch once. Back-pressure follows the slow group. Each group gets every
+    message: at most once, none twice; at least once, every one acked once (those nacked come
+    again). Counts and checksums per group. (about 5 s; one scenario, its threads and its checks read
+    best in one function)"""
+    q = ring(dbq, capacity=128, lanes=4, retry_backoff=0.0, retry_backoff_max=0.0)
+    slow = q.add_group("slow")
+    q.push_timeout = 30.0
+    total, producers = 3000, 2
+    sent = [[f"{p}:{i}" for i in range(total // producers)] for p in range(producers)]
+    fast_got: list[list[str]] = [[], []]
+    slow_acked: list[list[str]] = [[], []]
+    slow_nacked: list[list[str]] = [[], []]
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def produce(p: int) -> None:
+        for first in range(0, len(sent[p]), 25):
+            q.push_batch(sent[p][first : first + 25])
+
+    def fast(c: int) -> None:
+        while not (done.is_set() and q.stats().ready == 0):
+            msgs = q.pop(100)
+            fast_got[c] += [m.payload for m in msgs]
+            if not msgs:
+                time.sleep(0.005)
+
+    def slow_consumer(c: int) -> None:
+        batches = 0
+        while not (done.is_set() and slow.stats().extra["lag_messages"] == 0):
+            msgs = slow.pop(10, semantics="at-least-once")
+            if not msgs:
+                time.sleep(0.005)
+                continue
+            batches += 1
+            time.sleep(0.002)
+            if batches % 50 == 0 and all(m.attempts == 1 for m in msgs):
+                slow.nack(msgs, delay=0)
+                slow_nacked[c] += [m.payload for m in msgs]
+            else:
+                slow.ack(msgs)
+                slow_acked[c] += [m.payload for m in msgs]
+
+    def guard(fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=guard, args=(produce, p)) for p in range(producers)]
+    consumers = [threading.Thread(target=guard, args=(fast, c)) for c in range(2)]
+    consumers += [threading.Thread(target=guard, args=(slow_consumer, c)) for c in range(2)]
+    for t in threads + consumers:
+        t.start()
+    for t in threads:
+        t.join(120)
+    done.set()
+    for t in consumers:
+        t.join(120)
+    assert not errors, errors
+    everything = [m for part in sent for m in part]
+    fast_all = fast_got[0] + fast_got[1]
+    assert (len(fast_all), checksum(fast_all)) == (total, checksum(everything))
+    acked = slow_acked[0] + slow_acked[1]
+    assert (len(acked), checksum(acked)) == (total, checksum(everything))
+    nacked = slow_nacked[0] + slow_nacked[1]
+    assert nacked and set(nacked) <= set(everything) and len(set(nacked)) == len(nacked)
+
+
+def _pop_and_hang(*, dsn: str, schema: str, group: str | None, semantics: str, n: int, report: Any) -> None:
+    """Pop ``n`` messages for ``group``, report them, and sleep until killed (a consumer that dies)."""
+    try:
+        with DbQueue(dsn, schema=schema, pool_size=1) as dbq:
+            msgs = dbq.queue("events").pop(n, semantics=semantics, visibility_timeout=1.0, group=group)
+            report.put(("popped", [(m.id, m.payload) for m in msgs]))
+            time.sleep(300)
+    except BaseException:
+        report.put(("error", traceback.format_exc()))
+
+
+def test_sigkilled_consumers_of_two_groups(dbq: DbQueue) -> None:
+    """Two consumers, one of each group, are SIGKILLed after their pops: the default group's (at most
+    once) loses what it popped and nothing comes twice; the audit group's (at least once) held leases,
+    whose messages come back once each when they expire. Then each group is drained by a consumer of
+    its own: per group, counts and checksums of what was delivered. (about 4 s)"""
+    q = ring(dbq, capacity=512, lanes=4, visibility_timeout=1.0, retry_backoff=0.0, retry_backoff_max=0.0)
+    audit = q.add_group("audit")
+    sent = [{"s": i, "v": os.urandom(6).hex()} for i in range(400)]
+    q.push_batch(sent)
+    ctx = mp.get_context("spawn")
+    popped: dict[str | None, list[tuple[int, Any]]] = {}
+    for group, semantics in ((None, "at-most-once"), ("audit", "at-least-once")):
+        report: Any = ctx.Queue()  # one a child: a process killed may leave a queue's lock held
+        child = ctx.Process(
+            target=_pop_and_hang,
+            kwargs={
+                "dsn": dbq.db.dsn,
+                "schema": dbq.schema,
+                "group": group,
+                "semantics": semantics,
+                "n": 50,
+                "report": report,
+            },
+        )
+        child.start()
+        try:
+            kind, got = report.get(timeout=120)
+            assert kind == "popped", got
+            os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            child.join(timeout=30)
+            assert child.exitcode == -signal.SIGKILL
+        finally:
+            if child.is_alive():
+                child.kill()
+                child.join(10)
+        popped[group] = got
+    assert [i for i, _ in popped[None]] == [i for i, _ in popped["audit"]] == list(range(1, 51))
+    mine = [m.payload for m in drain(q)]  # the default group: the rest, each once
+    assert [p for _, p in popped[None]] + mine == sent
+    delivered = []
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(delivered) < len(sent):
+        msgs = audit.pop(100, semantics="at-least-once")
+        assert audit.ack(msgs) == len(msgs)
+        delivered += msgs
+        if not msgs:
+            time.sleep(0.1)  # the dead consumer's leases expire after 1 s, and a pop reclaims them
+    counts = collections.Counter(m.id for m in delivered)
+    assert len(delivered) == len(sent) and max(counts.values()) == 1
+    assert checksum(m.payload for m in delivered) == checksum(sent)
+    assert {m.id for m in delivered if m.attempts == 2} == set(range(1, 51))
+    with pytest.raises(LeaseExpiredError):  # the dead consumer's receipts finish nothing twice
+        audit.ack_receipts([(i, 1) for i, _ in popped["audit"]])
+    for handle in (q, audit):
+        st = handle.stats()
+        assert (st.ready, st.in_flight, st.failed) == (0, 0, 0)
