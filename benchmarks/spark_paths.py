@@ -399,7 +399,7 @@ def run_events(
                         ).fetchone()
                         return row if row and row[0] is not None and row[0] >= want else None
 
-                    _, last = _wait(f"push {i + 1}'s results", published, 600, airflow)
+                    _, last = _wait(f"push {i + 1}'s results", published, 180, airflow)
                     latencies.append((last - before).total_seconds())
                     _say(
                         f"{path} events: push {i + 1} of {size:,} orders, results published after "
