@@ -11,6 +11,16 @@ pushed order exactly once (orders, units and EUR amount) and the queue is draine
     .venv/bin/python benchmarks/spark_paths.py                        # 20,000 orders, batches of 5,000
     .venv/bin/python benchmarks/spark_paths.py --messages 200000 --batch 20000 --paths connect
     .venv/bin/python benchmarks/spark_paths.py --json
+    .venv/bin/python benchmarks/spark_paths.py --paths connect --events 10  # and push to results
+
+With ``--events N`` it then measures, on each path, the time from a push to its results published
+through Airflow: an ``AIRFLOW_HOME`` of its own (SQLite, LocalExecutor) with the api-server (execution
+API), the triggerer and the scheduler as separate processes, and the event-driven DAG
+``benchmarks/dags/dbqueue_bench_order_events.py`` (an ``AssetWatcher`` on the queue; a run of one
+``DbQueueSparkSubmitOperator`` task). It pushes ``--batch`` orders N times, each once the run of the
+previous push has ended, and takes from the database's clock the time from just before the push to
+the commit that published its last batch (``published_at``). On Connect the server is the one the
+batches above ran on, warm by then.
 
 The Connect server is started once per run (its start is reported apart, not in any batch) with
 ``local[2]`` and 1 GiB, as ``scripts/demo`` starts it; the first batch on it warms it up, and the
@@ -20,9 +30,13 @@ The Connect server is started once per run (its start is reported apart, not in 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
+import socket
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -33,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import psycopg.conninfo
 
 from airflow_dbqueue.engine import DbQueue
 from airflow_dbqueue.engine.embedded import EmbeddedPostgres
@@ -41,6 +56,9 @@ from airflow_dbqueue.spark.connect_server import LocalConnectServer, spark_submi
 from airflow_dbqueue.spark.orders import OrderRollup, expected_totals, sample_orders
 
 PATHS = ("connect", "submit")
+EVENTS_DAGS = Path(__file__).with_name("dags")
+EVENTS_DAG_ID = "dbqueue_bench_order_events"
+AIRFLOW = Path(sys.executable).with_name("airflow")
 
 
 def _say(msg: str) -> None:
@@ -215,6 +233,207 @@ def run_path(  # noqa: PLR0915
     }
 
 
+class _Airflow:
+    """Airflow as a deployment runs it, in ``home`` (SQLite, LocalExecutor): the api-server (its
+    execution API only), the triggerer and the scheduler as separate processes, each logging to
+    ``home/<name>.log``, with the event-driven DAG and the connections ``dbqueue_default`` (``dsn``,
+    queues in ``schema``) and ``spark_default`` (the Connect server at ``connect_url``, else
+    ``local[*]`` for spark-submit)."""
+
+    COMPONENTS = ("api-server", "triggerer", "scheduler")
+
+    def __init__(
+        self, home: Path, dsn: str, schema: str, results_schema: str, connect_url: str | None
+    ) -> None:
+        self.home = home
+        info = psycopg.conninfo.conninfo_to_dict(dsn)
+        dbqueue = {
+            "conn_type": "postgres",
+            "host": info.get("host", "127.0.0.1"),
+            "port": int(info.get("port") or 5432),
+            "login": info.get("user"),
+            "password": info.get("password"),
+            "schema": info.get("dbname"),
+            "extra": {"dbqueue_schema": schema},
+        }
+        if connect_url is not None:
+            host, port = connect_url.rsplit(":", 1)
+            spark: dict[str, Any] = {"conn_type": "spark_connect", "host": host, "port": int(port)}
+        else:
+            spark = {"conn_type": "spark", "host": "local[*]"}
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.api_port = int(s.getsockname()[1])
+        env = {k: v for k, v in os.environ.items() if k not in ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE")}
+        self.env = dict(
+            env,
+            PATH=f"{AIRFLOW.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            AIRFLOW_HOME=str(home),
+            AIRFLOW__CORE__LOAD_EXAMPLES="False",
+            AIRFLOW__CORE__DAGS_FOLDER=str(EVENTS_DAGS),
+            # the watcher's trigger is registered when the DAG is serialized unpaused
+            AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION="False",
+            AIRFLOW__CORE__EXECUTOR="LocalExecutor",
+            AIRFLOW__CORE__EXECUTION_API_SERVER_URL=f"http://127.0.0.1:{self.api_port}/execution/",
+            AIRFLOW__API_AUTH__JWT_SECRET=uuid.uuid4().hex,
+            AIRFLOW_CONN_DBQUEUE_DEFAULT=json.dumps(dbqueue),
+            AIRFLOW_CONN_SPARK_DEFAULT=json.dumps(spark),
+            DBQUEUE_BENCH_QUEUE="orders",
+            DBQUEUE_RESULTS_SCHEMA=results_schema,
+            SPARK_LOCAL_IP="127.0.0.1",
+        )
+        self._procs: list[subprocess.Popen[bytes]] = []
+
+    def _cli(self, *args: str) -> None:
+        proc = subprocess.run(
+            [str(AIRFLOW), *args], env=self.env, capture_output=True, text=True, check=False
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"airflow {' '.join(args)} exited {proc.returncode}: {proc.stderr[-3000:]}")
+
+    def start(self) -> None:
+        self.home.mkdir(parents=True, exist_ok=True)
+        for args in (["db", "migrate"], ["dags", "reserialize"]):
+            self._cli(*args)
+        for name in self.COMPONENTS:
+            args = [name]
+            if name == "api-server":
+                args += ["--apps", "execution", "-H", "127.0.0.1", "-p", str(self.api_port)]
+            with (self.home / f"{name}.log").open("wb") as out:
+                self._procs.append(
+                    subprocess.Popen(
+                        [str(AIRFLOW), *args],
+                        env=self.env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+
+    def stop(self) -> None:
+        """Stop every component and everything it started (its process group)."""
+        for proc in reversed(self._procs):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        self._procs = []
+
+    def busy(self) -> bool:
+        """Whether a run of the DAG is queued or running, or an asset event waits to start one."""
+        with contextlib.closing(sqlite3.connect(self.home / "airflow.db", timeout=30)) as c:
+            runs = c.execute(
+                "SELECT count(*) FROM dag_run WHERE dag_id = ? AND state IN ('queued', 'running')",
+                (EVENTS_DAG_ID,),
+            ).fetchone()
+            waiting = c.execute(
+                "SELECT count(*) FROM asset_dag_run_queue WHERE target_dag_id = ?", (EVENTS_DAG_ID,)
+            ).fetchone()
+        return bool(runs[0] or waiting[0])
+
+    def runs(self) -> dict[str, int]:
+        with contextlib.closing(sqlite3.connect(self.home / "airflow.db", timeout=30)) as c:
+            rows = c.execute(
+                "SELECT state, count(*) FROM dag_run WHERE dag_id = ? GROUP BY state", (EVENTS_DAG_ID,)
+            ).fetchall()
+        return {str(state): int(n) for state, n in rows}
+
+    def log_tails(self) -> str:
+        logs = [self.home / f"{name}.log" for name in self.COMPONENTS]
+        logs += sorted((self.home / "logs").rglob("*.log")) if (self.home / "logs").exists() else []
+        return "\n".join(f"== {p}\n{p.read_text(errors='replace')[-3000:]}" for p in logs if p.exists())
+
+
+def _wait(what: str, check: Any, timeout: float, airflow: _Airflow, every: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(every)
+    raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}\n{airflow.log_tails()}")
+
+
+def _trigger_waiting(dsn: str) -> bool:
+    """Whether a DbQueueTrigger's stream connection is open and idle (waiting for a notification)."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        row = c.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'airflow-dbqueue-trigger' "
+            "AND state = 'idle'"
+        ).fetchone()
+    return bool(row and row[0])
+
+
+def run_events(
+    path: str, dsn: str, connect_url: str | None, home: Path, *, pushes: int, size: int
+) -> dict[str, Any]:
+    """Push ``size`` orders ``pushes`` times to the event-driven DAG running under Airflow; return the
+    seconds from each push to its results published, and whether every order was counted once."""
+    schema, results = f"bench_events_{path}", OrderRollup(f"bench_events_results_{path}")
+    orders = list(sample_orders(pushes * size, seed=23))
+    airflow = _Airflow(home, dsn, schema, results.schema, connect_url)
+    latencies: list[float] = []
+    with DbQueue(dsn, schema=schema, pool_size=2) as dbq:
+        dbq.uninstall()
+        dbq.install()
+        q = dbq.create_queue("orders")
+        with psycopg.connect(dsn, autocommit=True) as c:
+            c.execute(f'DROP SCHEMA IF EXISTS "{results.schema}" CASCADE')
+            results.install(c)
+        t0 = time.monotonic()
+        airflow.start()
+        try:
+            _wait("the triggerer to watch the queue", lambda: _trigger_waiting(dsn), 300, airflow, 0.5)
+            _say(f"{path} events: Airflow up, the trigger waiting, after {time.monotonic() - t0:.1f}s")
+            with psycopg.connect(dsn, autocommit=True) as c:
+                for i in range(pushes):
+                    _wait("the previous run to end", lambda: not airflow.busy(), 600, airflow, 0.2)
+                    [(before,)] = c.execute("SELECT clock_timestamp()").fetchall()
+                    q.push_batch(orders[i * size : (i + 1) * size])
+                    want = (i + 1) * size
+
+                    def published(want: int = want) -> Any:
+                        row = c.execute(
+                            f'SELECT sum(messages), max(published_at) FROM "{results.schema}".batches'
+                        ).fetchone()
+                        return row if row and row[0] is not None and row[0] >= want else None
+
+                    _, last = _wait(f"push {i + 1}'s results", published, 180, airflow)
+                    latencies.append((last - before).total_seconds())
+                    _say(
+                        f"{path} events: push {i + 1} of {size:,} orders, results published after "
+                        f"{latencies[-1]:.2f}s"
+                    )
+            _wait("the last run to end", lambda: not airflow.busy(), 600, airflow, 0.2)
+            runs = airflow.runs()
+        finally:
+            airflow.stop()
+        with psycopg.connect(dsn) as c:
+            totals = results.totals(c)
+        st = q.stats()
+        ok = (
+            (totals.messages, totals.orders, totals.quantity, totals.amount_eur)
+            == (len(orders), *expected_totals(orders))
+            and (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, len(orders))
+            and runs.get("failed", 0) == 0
+        )
+        with psycopg.connect(dsn, autocommit=True) as c:
+            c.execute(f'DROP SCHEMA IF EXISTS "{results.schema}" CASCADE')
+        dbq.uninstall()
+    return {
+        "events_pushes": pushes,
+        "events_runs": runs,
+        "events_s": [round(x, 2) for x in latencies],
+        "events_p50_s": round(statistics.median(latencies), 2),
+        "events_max_s": round(max(latencies), 2),
+        "events_exactly_once": ok,
+    }
+
+
 def _secs(xs: list[float]) -> str:
     return ", ".join(f"{x:.2f}" for x in xs) + " s"
 
@@ -236,11 +455,21 @@ def main(argv: list[str] | None = None) -> int:
         default=3,
         help="made-up batches of --batch the Connect server runs before the first claim (default 3)",
     )
+    p.add_argument(
+        "--events",
+        type=int,
+        default=0,
+        help="then push --batch orders this many times to the event-driven DAG under Airflow's scheduler "
+        "and triggerer, and measure each push to its results published (default 0: not measured)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per path on stdout")
     args = p.parse_args(argv)
     paths = [x.strip() for x in args.paths.split(",") if x.strip()]
-    if args.messages < 1 or args.batch < 1 or not paths or set(paths) - set(PATHS):
-        p.error(f"--messages and --batch must be positive, --paths a list of {', '.join(PATHS)}")
+    if args.messages < 1 or args.batch < 1 or args.events < 0 or not paths or set(paths) - set(PATHS):
+        p.error(
+            "--messages and --batch must be positive, --events at least 0, "
+            f"--paths a list of {', '.join(PATHS)}"
+        )
     tmp = Path(tempfile.mkdtemp(prefix="dbqueue-bench-spark-"))
     pg = None
     server = None
@@ -264,6 +493,11 @@ def main(argv: list[str] | None = None) -> int:
             row = run_path(path, dsn, args.messages, args.batch, url, warm_up=args.warm_up)
             row["server_start_s"] = start_s
             row["load"] = round(os.getloadavg()[0], 1)
+            if args.events:
+                row.update(
+                    run_events(path, dsn, url, tmp / f"airflow-{path}", pushes=args.events, size=args.batch)
+                )
+                row["events_load"] = round(os.getloadavg()[0], 1)
             rows.append(row)
             if server is not None:
                 server.stop()
@@ -279,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row))
     else:
         print(table(rows))
-    return 0 if all(r["exactly_once"] for r in rows) else 1
+    return 0 if all(r["exactly_once"] and r.get("events_exactly_once", True) for r in rows) else 1
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -304,6 +538,19 @@ def table(rows: list[dict[str, Any]]) -> str:
         ("exactly once, queue drained", lambda r: "yes" if r["exactly_once"] else "NO"),
         ("load average (1 min) at the end", lambda r: str(r["load"])),
     ]
+    if any("events_p50_s" in r for r in rows):
+        fields += [
+            (
+                "push to results published, event-driven DAG: p50 (pushes)",
+                lambda r: f"{r['events_p50_s']} s ({r['events_pushes']})" if "events_p50_s" in r else "-",
+            ),
+            ("each push to its results", lambda r: _secs(r["events_s"]) if "events_s" in r else "-"),
+            (
+                "events: exactly once, queue drained, no run failed",
+                lambda r: ("yes" if r["events_exactly_once"] else "NO") if "events_s" in r else "-",
+            ),
+            ("load average (1 min) after the pushes", lambda r: str(r.get("events_load", "-"))),
+        ]
     head = (
         "| | "
         + " | ".join("Spark Connect" if r["path"] == "connect" else "spark-submit" for r in rows)

@@ -22,7 +22,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 from airflow.sdk import BaseHook, BaseOperator
 from airflow.sdk.exceptions import AirflowSkipException
 
@@ -30,8 +29,12 @@ from airflow_dbqueue.engine import Batch, BatchStateError, ConfigurationError, D
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
 from airflow_dbqueue.spark import JDBC_HINT, find_jdbc_jar
 
+# SparkSubmitHook is imported where spark-submit is used: its module imports the Kubernetes clients
+# when the cncf.kubernetes provider is installed (about a second), which every task process that
+# parses a DAG with this operator would pay, a task on Spark Connect included.
 if TYPE_CHECKING:
     import psycopg
+    from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
     from airflow.sdk import Context
 
     from airflow_dbqueue.engine import Queue
@@ -518,6 +521,8 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
     def _spark_target(self, password: str | None) -> tuple[str, bool]:
         """Return the master and whether the driver runs on the cluster, as the Spark provider resolves
         them; refuse, before anything is claimed, a password that cannot reach such a driver."""
+        from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
+
         kwargs = {k: v for k, v in self.spark_submit_kwargs.items() if k in ("deploy_mode", "spark_binary")}
         target = SparkSubmitHook(conn_id=self.spark_conn_id, **kwargs)._connection
         master, cluster = str(target["master"]), target.get("deploy_mode") == "cluster"
@@ -560,6 +565,8 @@ class DbQueueSparkSubmitOperator(BaseOperator):  # type: ignore[misc]
         process_env = {**inherited, **env}
         if setup.password and not cluster:
             process_env[JDBC_PASSWORD_ENV] = setup.password
+        from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
+
         spark = SparkSubmitHook(
             conf=_as_conf(self.task_id, self.spark_conf),
             conn_id=self.spark_conn_id,

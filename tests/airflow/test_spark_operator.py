@@ -76,12 +76,15 @@ def canceled_on_connect(server: LocalConnectServer, batch_id: str) -> bool:
     return bool(started & canceled)
 
 
-def batch_rows(pg_dsn: str, schema: str) -> list[tuple[int, int, str | None]]:
+def batch_rows(pg_dsn: str, schema: str, dag_id: str = "") -> list[tuple[int, int, str | None]]:
+    """(state, size, last error) of the batches claimed by tries of ``dag_id``'s tasks (all: "")."""
     with psycopg.connect(pg_dsn) as c:
         return c.execute(
-            sql.SQL("SELECT state, cardinality(ids), last_error FROM {}.batches ORDER BY claimed_at").format(
-                sql.Identifier(schema)
-            )
+            sql.SQL(
+                "SELECT state, cardinality(ids), last_error FROM {}.batches "
+                "WHERE starts_with(consumer, %s) ORDER BY claimed_at"
+            ).format(sql.Identifier(schema)),
+            (f"{dag_id}." if dag_id else "",),
         ).fetchall()
 
 
@@ -159,9 +162,10 @@ def drill_env(tmp_path: Path, pg_dsn: str, dbq: DbQueue) -> dict[str, str]:
     return {"DBQUEUE_TEST_STAGING": str(tmp_path / "staging"), "DBQUEUE_TEST_SCHEMA": dbq.schema}
 
 
-def results(pg_dsn: str, schema: str) -> list[tuple[int, str, bytes]]:
-    """The drill's results with each message's payload: (id, batch id, payload). A small payload is in
-    its message's meta row (or done row, once finished), a large one in data."""
+def results(pg_dsn: str, schema: str, dag_id: str = "") -> list[tuple[int, str, bytes]]:
+    """The drill's results with each message's payload: (id, batch id, payload), of the batches of
+    ``dag_id``'s tasks (all: ""). A small payload is in its message's meta row (or done row, once
+    finished), a large one in data."""
     with psycopg.connect(pg_dsn) as c:
         return c.execute(
             sql.SQL(
@@ -169,8 +173,11 @@ def results(pg_dsn: str, schema: str) -> list[tuple[int, str, bytes]]:
                 "(SELECT m.payload FROM {s}.meta m WHERE m.id = r.id), "
                 "(SELECT f.payload FROM {s}.done f WHERE f.id = r.id), "
                 "(SELECT d.payload FROM {s}.data d WHERE d.id = r.id)) AS payload "
-                "FROM {s}.drill_results r) x WHERE x.payload IS NOT NULL"
-            ).format(s=sql.Identifier(schema))
+                "FROM {s}.drill_results r WHERE r.batch_id IN "
+                "(SELECT batch_id::text FROM {s}.batches WHERE starts_with(consumer, %s))) x "
+                "WHERE x.payload IS NOT NULL"
+            ).format(s=sql.Identifier(schema)),
+            (f"{dag_id}." if dag_id else "",),
         ).fetchall()
 
 
@@ -206,10 +213,13 @@ def test_a_try_finds_the_batch_a_killed_try_left_and_releases_it_at_once(
     assert staging_jobs_running(str(_first_batch(pg_dsn, dbq.schema))) == []  # the orphan was stopped
 
 
-def _first_batch(pg_dsn: str, schema: str) -> str:
+def _first_batch(pg_dsn: str, schema: str, dag_id: str = "") -> str:
+    """The first batch claimed by a try of ``dag_id``'s tasks (of any DAG: "")."""
     with psycopg.connect(pg_dsn) as c:
-        query = sql.SQL("SELECT batch_id FROM {}.batches ORDER BY claimed_at LIMIT 1")
-        row = c.execute(query.format(sql.Identifier(schema))).fetchone()
+        query = sql.SQL(
+            "SELECT batch_id FROM {}.batches WHERE starts_with(consumer, %s) ORDER BY claimed_at LIMIT 1"
+        )
+        row = c.execute(query.format(sql.Identifier(schema)), (f"{dag_id}." if dag_id else "",)).fetchone()
     assert row is not None
     return str(row[0])
 
@@ -239,23 +249,34 @@ def test_a_try_does_not_end_green_while_a_batch_of_its_task_is_still_claimed(
 
 @pytest.mark.slow
 def test_a_task_sigkilled_mid_batch_under_a_real_scheduler_leaves_nothing_behind(
-    pg_dsn: str, dbq: DbQueue, tmp_path: Path
+    pg_dsn: str, dbq: DbQueue, tmp_path: Path, connect_server: LocalConnectServer
 ) -> None:
-    """The drill of a real deployment: api-server (execution API), scheduler with LocalExecutor as
-    separate processes, and a real spark-submit. The first try's job SIGKILLs its task process (the
-    LocalExecutor's child, parent of spark-submit) mid-batch, with its 30 messages claimed under a
-    600 s lease, and goes on running as an orphan that writes staging. The retry stops the orphan,
-    discards its staging and releases the batch at once, then processes the messages. The run ends
-    green only with every message published exactly once: no batch open, no lease stranded, no
-    staging left, no orphan running."""
+    """The drill of a real deployment, on both Spark paths at once (one DAG each, on a queue of its
+    own, run side by side by one deployment): api-server (execution API), scheduler with
+    LocalExecutor as separate processes, a real spark-submit and the test session's Spark Connect
+    server. The first try's job SIGKILLs its task process mid-batch, with its 30 messages claimed
+    under a 600 s lease: under spark-submit the LocalExecutor's child, parent of spark-submit, and the
+    job goes on running as an orphan that writes staging; on Connect the task process itself, whose
+    job goes on in its session on the server (a client of that session runs the batch's tagged
+    operations and writes staging). The retry stops the orphan (on Connect: interrupts and releases
+    the session), discards its staging and releases the batch at once, then processes the messages.
+    Each run ends green only with every message published exactly once: no batch open, no lease
+    stranded, no staging left, no orphan running."""
     env = spark_env(deployment_env(tmp_path / "home", DAGS))
     env.update(
-        drill_env(tmp_path, pg_dsn, dbq), **{f"AIRFLOW_CONN_{CONN_ID.upper()}": conn_json(pg_dsn, dbq.schema)}
+        drill_env(tmp_path, pg_dsn, dbq),
+        AIRFLOW_CONN_SPARK_CONNECT_DEFAULT=connect_env(env, connect_server)["AIRFLOW_CONN_SPARK_DEFAULT"],
+        # The orphans hold the killed task's inherited stdin (the supervisor's socket to it), so the
+        # supervisor waits this long after the kill before it reports the try failed (default 60 s).
+        AIRFLOW__WORKERS__SOCKET_CLEANUP_TIMEOUT="5",
+        **{f"AIRFLOW_CONN_{CONN_ID.upper()}": conn_json(pg_dsn, dbq.schema)},
     )
-    q = dbq.create_queue("jobs")
-    sent = [{"job": i, "blob": "z" * (i % 3)} for i in range(30)]
-    q.push_batch(sent)
-    dag_id = "dbqueue_test_spark_sigkill"
+    paths = ("submit", "connect")
+    queues = {path: dbq.create_queue(f"jobs_{path}") for path in paths}
+    sent = {path: [{"job": i, "path": path, "blob": "z" * (i % 3)} for i in range(30)] for path in paths}
+    for path in paths:
+        queues[path].push_batch(sent[path])
+    dag_ids = {path: f"dbqueue_test_spark_sigkill_{path}" for path in paths}
     subprocess.run(
         [str(AIRFLOW), "dags", "reserialize"], env=env, check=True, capture_output=True, timeout=300
     )
@@ -263,34 +284,52 @@ def test_a_task_sigkilled_mid_batch_under_a_real_scheduler_leaves_nothing_behind
     logs.mkdir()
     home = Path(env["AIRFLOW_HOME"])
 
-    def meta(query: str) -> list[tuple[Any, ...]]:
+    def meta(query: str, *args: str) -> list[tuple[Any, ...]]:
         with sqlite3.connect(home / "airflow.db") as c:
-            return c.execute(query).fetchall()
+            return c.execute(query, args).fetchall()
+
+    def run_state(dag_id: str) -> list[tuple[Any, ...]]:
+        return meta("SELECT state FROM dag_run WHERE dag_id = ?", dag_id)
 
     with deployment(env, logs, "api-server", "scheduler"):
-        subprocess.run(
-            [str(AIRFLOW), "dags", "trigger", dag_id], env=env, check=True, capture_output=True, timeout=300
-        )
+        for dag_id in dag_ids.values():
+            subprocess.run(
+                [str(AIRFLOW), "dags", "trigger", dag_id],
+                env=env,
+                check=True,
+                capture_output=True,
+                timeout=300,
+            )
         deadline = time.monotonic() + 420
-        while meta(f"SELECT state FROM dag_run WHERE dag_id = '{dag_id}'") not in (
-            [("success",)],
-            [("failed",)],
-        ):
+        while any(run_state(d) not in ([("success",)], [("failed",)]) for d in dag_ids.values()):
             assert time.monotonic() < deadline, log_tails(logs)
             time.sleep(1)
-        [(run_state,)] = meta(f"SELECT state FROM dag_run WHERE dag_id = '{dag_id}'")
-        tries = meta(f"SELECT try_number, state FROM task_instance WHERE dag_id = '{dag_id}'")
-        history = meta(f"SELECT try_number, state FROM task_instance_history WHERE dag_id = '{dag_id}'")
-    assert run_state == "success", (tries, history, log_tails(logs))
-    assert tries == [(2, "success")] and history == [(1, "failed")], (tries, history)
-    killed = (tmp_path / "killed-once").read_text()  # "pid cmdline" of the task process the job killed
-    assert killed.split()[1] == "airflow", killed
-    rows = batch_rows(pg_dsn, dbq.schema)
-    assert [(state, size) for state, size, _ in rows] == [(2, 30), (1, 30)], rows
-    assert rows[0][2] is not None and "try1 ended without acking or releasing it" in rows[0][2], rows
-    got = results(pg_dsn, dbq.schema)
-    assert len(got) == 30 and checksum(json.loads(bytes(p)) for _, _, p in got) == checksum(sent)
-    st = q.stats()
-    assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 30), killed
-    assert q.open_batches() == [] and list((tmp_path / "staging").iterdir()) == []
-    assert staging_jobs_running(_first_batch(pg_dsn, dbq.schema)) == []
+        tries = {
+            path: (
+                run_state(d),
+                meta("SELECT try_number, state FROM task_instance WHERE dag_id = ?", d),
+                meta("SELECT try_number, state FROM task_instance_history WHERE dag_id = ?", d),
+            )
+            for path, d in dag_ids.items()
+        }
+    for path, dag_id in dag_ids.items():
+        assert tries[path] == ([("success",)], [(2, "success")], [(1, "failed")]), (
+            path,
+            tries,
+            log_tails(logs),
+        )
+        marker = "killed-once" if path == "submit" else "killed-once-connect"
+        killed = (tmp_path / marker).read_text()  # "pid cmdline" of the task process the job killed
+        assert killed.split()[1] == "airflow", killed
+        rows = batch_rows(pg_dsn, dbq.schema, dag_id)
+        assert [(state, size) for state, size, _ in rows] == [(2, 30), (1, 30)], (path, rows)
+        assert rows[0][2] is not None and "try1 ended without acking or releasing it" in rows[0][2], rows
+        got = results(pg_dsn, dbq.schema, dag_id)
+        assert len(got) == 30 and checksum(json.loads(bytes(p)) for _, _, p in got) == checksum(sent[path])
+        st = queues[path].stats()
+        assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 30), (path, killed)
+        assert queues[path].open_batches() == []
+        assert staging_jobs_running(_first_batch(pg_dsn, dbq.schema, dag_id)) == []
+    assert list((tmp_path / "staging").iterdir()) == []
+    # on Connect, the killed try's job (the orphan's operations, tagged with its batch) was interrupted
+    assert canceled_on_connect(connect_server, _first_batch(pg_dsn, dbq.schema, dag_ids["connect"]))

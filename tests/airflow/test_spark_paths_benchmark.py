@@ -1,6 +1,8 @@
 """Smoke test of benchmarks/spark_paths.py on the test session's Spark Connect server: a short run is
-valid (every order counted exactly once, the queue drained) and reports what it measured. No speed is
-asserted. The spark-submit column is left out here (the operator's tests run that path)."""
+valid (every order counted exactly once, the queue drained) and reports what it measured, and so are
+its pushes through the event-driven DAG under a real api-server, triggerer and scheduler
+(``--events``). No speed is asserted. The spark-submit column is left out here (the operator's tests
+run that path)."""
 
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "spark_paths.py"
 
 
 def test_a_short_run_on_connect_is_exactly_once(connect_server: LocalConnectServer, pg_dsn: str) -> None:
-    args = ["--messages", "900", "--batch", "400", "--paths", "connect", "--warm-up", "1"]
+    """Batches without Airflow, then two pushes of 400 orders through the event-driven DAG (about 40 s
+    of the test: Airflow's components start, and each push is a run)."""
+    args = ["--messages", "900", "--batch", "400", "--paths", "connect", "--warm-up", "1", "--events", "2"]
     args += ["--connect-url", connect_server.url]
     proc = subprocess.run(
         [sys.executable, "-W", "ignore", str(SCRIPT), *args, "--dsn", pg_dsn, "--json"],
@@ -35,6 +39,11 @@ def test_a_short_run_on_connect_is_exactly_once(connect_server: LocalConnectServ
     assert row["path"] == "connect" and row["exactly_once"] is True
     assert (row["messages"], row["batches"]) == (900, 3)  # 400 + 400 + 100
     assert row["p50_s"] > 0 and row["orders_per_s"] > 0 and len(row["warm_up_s"]) == 1
+    # each push was taken by a run the watcher started (a push taken by the run before leaves the next
+    # run nothing; if_empty="success" lets it end green), and counted once
+    assert row["events_exactly_once"] is True and row["events_runs"].get("failed", 0) == 0
+    assert sum(row["events_runs"].values()) >= 2 and len(row["events_s"]) == 2
+    assert all(s > 0 for s in row["events_s"]) and row["events_p50_s"] > 0
 
 
 def test_bad_arguments_exit_2() -> None:

@@ -15,7 +15,7 @@ from psycopg import sql
 
 from airflow_dbqueue.engine import Batch
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
-from airflow_dbqueue.operators.spark import DbQueueSparkSubmitOperator, connect_session_id
+from airflow_dbqueue.operators.spark import DbQueueSparkSubmitOperator, batch_tag, connect_session_id
 
 JOB = str(Path(__file__).with_name("sleepy_job.py"))
 
@@ -93,7 +93,7 @@ with DAG(dag_id="dbqueue_test_spark_killed_try", schedule=None, catchup=False):
         spark = BaseHook.get_connection("spark_default")
         if spark.conn_type == "spark_connect":
             session_id = connect_session_id(_earlier_try(context["ti"]))
-            orphan = ["--connect", f"{spark.host}:{spark.port}", session_id]
+            orphan = ["--connect", f"{spark.host}:{spark.port}", session_id, batch_tag(batch.batch_id)]
         job = [sys.executable, STAGING_JOB, str(STAGING), *orphan, "--batch-id", batch.batch_id]
         subprocess.Popen(
             [*job, "--batch-size", "partial", "--batch-query", "-"],
@@ -149,19 +149,23 @@ with DAG(dag_id="dbqueue_test_spark_zombie_claims", schedule=None, catchup=False
     )
 
 
-with DAG(dag_id="dbqueue_test_spark_sigkill", schedule=None, catchup=False):
-    # Run by a real scheduler (test_spark_operator.py): the job of the first try SIGKILLs the task
-    # process mid-batch and goes on running as its orphan; the retry must clean up after it.
-    DbQueueSparkSubmitOperator(
-        task_id="process",
-        queue_name="jobs",
-        application=STAGING_JOB,
-        application_args=[str(STAGING), "--kill-task-once"],
-        max_messages=50,
-        max_batches=2,
-        lease_timeout=600,
-        publish=_publish,
-        discard=_discard,
-        retries=1,
-        retry_delay=dt.timedelta(seconds=0),
-    )
+# Run by a real scheduler (test_spark_operator.py), one DAG a Spark path, each on a queue of its own:
+# the first try's job SIGKILLs the task process mid-batch and goes on running as its orphan (under
+# spark-submit the job's own process; on Spark Connect a client of the try's session there); the
+# retry must clean up after it.
+for path, spark_conn_id in (("submit", "spark_default"), ("connect", "spark_connect_default")):
+    with DAG(dag_id=f"dbqueue_test_spark_sigkill_{path}", schedule=None, catchup=False):
+        DbQueueSparkSubmitOperator(
+            task_id="process",
+            queue_name=f"jobs_{path}",
+            application=STAGING_JOB,
+            application_args=[str(STAGING), "--kill-task-once"],
+            max_messages=50,
+            max_batches=2,
+            lease_timeout=600,
+            publish=_publish,
+            discard=_discard,
+            spark_conn_id=spark_conn_id,
+            retries=1,
+            retry_delay=dt.timedelta(seconds=0),
+        )
