@@ -438,7 +438,7 @@ def _secs(xs: list[float]) -> str:
     return ", ".join(f"{x:.2f}" for x in xs) + " s"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="spark_paths", description=__doc__.split("\n", 1)[0])
     p.add_argument("--messages", type=int, default=20_000)
     p.add_argument("--batch", type=int, default=5_000)
@@ -464,12 +464,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", action="store_true", help="one JSON object per path on stdout")
     args = p.parse_args(argv)
-    paths = [x.strip() for x in args.paths.split(",") if x.strip()]
-    if args.messages < 1 or args.batch < 1 or args.events < 0 or not paths or set(paths) - set(PATHS):
+    args.paths = [x.strip() for x in args.paths.split(",") if x.strip()]
+    if (
+        args.messages < 1
+        or args.batch < 1
+        or args.events < 0
+        or not args.paths
+        or set(args.paths) - set(PATHS)
+    ):
         p.error(
             "--messages and --batch must be positive, --events at least 0, "
             f"--paths a list of {', '.join(PATHS)}"
         )
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    paths = args.paths
     tmp = Path(tempfile.mkdtemp(prefix="dbqueue-bench-spark-"))
     pg = None
     server = None
