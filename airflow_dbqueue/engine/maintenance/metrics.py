@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from airflow_dbqueue.engine.dialects.base import Database
-from airflow_dbqueue.engine.errors import ConfigurationError
+from airflow_dbqueue.engine.errors import ConfigurationError, GroupNotFoundError
 from airflow_dbqueue.engine.maintenance.horizon import xmin_holders
 from airflow_dbqueue.engine.maintenance.queues import Queues
 from airflow_dbqueue.engine.maintenance.statistics import table_health
@@ -27,6 +27,8 @@ def queue_metrics(
             row = db.fetchone(
                 "queue_rates", {"queue_id": q.settings.queue_id, "window_s": float(rate_window_s)}
             )
+            # a ring's groups are read in the same try: a drop meanwhile fails them as it fails stats
+            groups = group_metrics(q) if isinstance(q, RingQueue) and db.ring_groups_supported else {}
         except Exception:
             if not queues.gone(name, q.settings.queue_id):
                 raise
@@ -34,10 +36,8 @@ def queue_metrics(
             continue
         pushed, finished = (int(row[0]), int(row[1])) if row else (0, 0)
         stats["design"] = q.settings.design.value
-        if isinstance(q, RingQueue) and db.ring_groups_supported:
-            groups = group_metrics(q)
-            if groups:
-                stats["groups"] = groups
+        if groups:
+            stats["groups"] = groups
         stats["pushed_per_s"] = round(pushed / rate_window_s, 3)
         stats["finished_per_s"] = round(finished / rate_window_s, 3) if q.settings.archive else None
         per_queue[name] = stats
@@ -50,7 +50,10 @@ def group_metrics(q: RingQueue) -> dict[str, Any]:
     how long maintenance has seen it not move (``idle_s``), so that a group nobody pops shows."""
     out: dict[str, Any] = {}
     for info in q.groups()[1:]:
-        extra = q.group(info.name).stats().extra
+        try:
+            extra = q.group(info.name).stats().extra
+        except GroupNotFoundError:
+            continue  # dropped meanwhile
         out[info.name] = {
             "lag_messages": extra["lag_messages"],
             "lag_seconds": extra["lag_seconds"],
