@@ -60,20 +60,26 @@ def lifecycle_env(
     return submit_lifecycle_env
 
 
-def canceled_on_connect(server: LocalConnectServer, batch_id: str) -> bool:
+def canceled_on_connect(server: LocalConnectServer, batch_id: str, wait_s: float = 20.0) -> bool:
     """Whether the Connect server recorded an operation of the batch's job (tagged with the batch's
-    tag) as canceled: its Spark work was interrupted, not left running."""
-    tag, started, canceled = batch_tag(batch_id), set(), set()
-    for line in event_log_text(server).splitlines():
-        if "SparkListenerConnectOperation" not in line:
-            continue
-        event = json.loads(line)
-        if event["Event"].endswith("SparkListenerConnectOperationStarted"):
-            if tag in event.get("sparkSessionTags", []):
-                started.add(event["operationId"])
-        elif event["Event"].endswith("SparkListenerConnectOperationCanceled"):
-            canceled.add(event["operationId"])
-    return bool(started & canceled)
+    tag) as canceled: its Spark work was interrupted, not left running. The server's event log is
+    written through a buffer, so it is read again for up to ``wait_s`` seconds."""
+    tag = batch_tag(batch_id)
+    deadline = time.monotonic() + wait_s
+    while True:
+        started, canceled = set(), set()
+        for line in event_log_text(server).splitlines():
+            if "SparkListenerConnectOperation" not in line:
+                continue
+            event = json.loads(line)
+            if event["Event"].endswith("SparkListenerConnectOperationStarted"):
+                if tag in event.get("sparkSessionTags", []):
+                    started.add(event["operationId"])
+            elif event["Event"].endswith("SparkListenerConnectOperationCanceled"):
+                canceled.add(event["operationId"])
+        if started & canceled or time.monotonic() > deadline:
+            return bool(started & canceled)
+        time.sleep(1.0)
 
 
 def batch_rows(pg_dsn: str, schema: str, dag_id: str = "") -> list[tuple[int, int, str | None]]:

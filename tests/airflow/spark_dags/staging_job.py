@@ -14,7 +14,7 @@ On Spark Connect (``batch_job``) it runs one small query on the server, then sta
 ``--connect URL SESSION_ID TAG`` first (run as a file), it plays the Connect job of a killed try: a
 client of that try's session (the id the operator derives from the try's consumer name) whose
 operations carry the batch's tag (``batch_tag``, passed in: a task's children cannot import
-Airflow, whose database the task hides from them), that writes its staging and runs a one-second
+Airflow, whose database the task hides from them), that writes its staging and runs a 60-second
 Spark task on the server, over and over, until the session is interrupted or gone. With
 ``--kill-task-once`` first, the first time it runs (no ``killed-once-connect`` file beside the
 staging directory) it starts such a client of its own session and batch, waits until that has
@@ -87,7 +87,8 @@ def _connect_orphan(url: str, session_id: str, tag: str, staging: Path, rest: li
     print(f"staging_job: batch {batch_id} ({size} messages) as a Connect orphan", flush=True)
     while True:
         (staging / batch_id).write_text(f"{size}\n")
-        spark.sql("SELECT reflect('java.lang.Thread', 'sleep', CAST(1000 AS BIGINT))").collect()
+        # one long operation: the retry's interrupt lands while it runs, not between two of them
+        spark.sql("SELECT reflect('java.lang.Thread', 'sleep', CAST(60000 AS BIGINT))").collect()
 
 
 def main() -> None:
