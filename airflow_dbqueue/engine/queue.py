@@ -300,7 +300,16 @@ class Queue(abc.ABC):
 
     async def alisten(self, aconn: AsyncDbConnection) -> None:
         """LISTEN on this queue's NOTIFY channel on the caller's async connection."""
-        raise NotImplementedError(f"{self.settings.design} queues do not support async observation yet")
+        self._check_async()
+        await self._db.alisten(aconn, self.channel)
+
+    def _check_async(self) -> None:
+        """Raise :class:`NotImplementedError` unless the dialect has async connections for observers."""
+        if not self._db.async_observers:
+            raise NotImplementedError(
+                f"queue {self.name!r}: async observation (a trigger, a deferrable sensor) needs PostgreSQL; "
+                f"on {self._db.dialect_name} use the synchronous readiness() (poke or reschedule mode)"
+            )
 
     def leased(self, receipts: Sequence[tuple[int, int]]) -> list[Message]:
         """Return the messages of ``receipts`` (``(id, delivery)``) whose lease is still held, with payloads.

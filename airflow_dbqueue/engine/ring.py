@@ -799,24 +799,12 @@ class RingQueue(Queue):
         ready = 0 if min_priority is not None and min_priority > 0 else int(row[0])
         return ready, (int(row[1]), int(row[2]))
 
-    def _check_async(self) -> None:
-        """Raise :class:`NotImplementedError` unless the dialect has async connections for observers."""
-        if not self._db.async_observers:
-            raise NotImplementedError(
-                f"queue {self.name!r}: async observation (a trigger, a deferrable sensor) needs PostgreSQL; "
-                f"on {self._db.dialect_name} use the synchronous readiness() (poke or reschedule mode)"
-            )
-
     async def areadiness(
         self, aconn: AsyncDbConnection, min_priority: int | None = None, cap: int = 1_000_000
     ) -> tuple[int, tuple[int, int] | None]:
         self._check_async()
         row = await self._db.afetchone(aconn, "ring_ready_head", self._readiness_params(cap))
         return self._readiness_row(row, min_priority)
-
-    async def alisten(self, aconn: AsyncDbConnection) -> None:
-        self._check_async()
-        await self._db.alisten(aconn, self._channel)
 
     def leased(self, receipts: Sequence[tuple[int, int]]) -> list[Message]:
         stubs = self._receipt_messages(receipts)

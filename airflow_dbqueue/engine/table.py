@@ -248,18 +248,6 @@ class TableQueue(Queue):
         row = await self._db.afetchone(aconn, "ready_head", self._readiness_params(min_priority, cap))
         return self._readiness_row(row)
 
-    async def alisten(self, aconn: AsyncDbConnection) -> None:
-        self._check_async()
-        await self._db.alisten(aconn, self._channel)
-
-    def _check_async(self) -> None:
-        """Raise :class:`NotImplementedError` unless the dialect has async connections for observers."""
-        if not self._db.async_observers:
-            raise NotImplementedError(
-                f"async observation of a queue needs PostgreSQL; on {self._db.dialect_name} observe "
-                "with readiness() (polling)"
-            )
-
     def leased(self, receipts: Sequence[tuple[int, int]]) -> list[Message]:
         stubs = self._receipt_messages(receipts)
         if not stubs:
