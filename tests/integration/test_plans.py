@@ -7,6 +7,7 @@ was empty (sequential scans of meta and data), and acks that walked every leased
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -53,12 +54,38 @@ def scans(conn: Any, schema: str, run: Callable[[], object]) -> dict[str, tuple[
     return {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1]) for k, v in after.items()}
 
 
-def test_pooled_connections_never_use_generic_plans(dbq: DbQueue) -> None:
-    q = dbq.create_queue("empty_first")
+def test_only_calls_of_the_schemas_functions_are_prepared_and_they_run_generic_plans(dbq: DbQueue) -> None:
+    """A pooled session prepares the statements that only call a function of the schema, and PostgreSQL
+    turns those generic; every other statement (here the next due time and the nack, run more often than
+    psycopg's prepare threshold on an empty queue) is sent unprepared, so it is planned for its
+    parameters on every call and no plan made on an empty queue can stick."""
+    from airflow_dbqueue.engine.dialects.postgres.dialect import GENERIC_PLANS
+
+    table = dbq.create_queue("plans_table")
+    ring = dbq.create_queue("plans_ring", design="ring", capacity=64)
     with dbq.db.connection() as c:
-        for _ in range(8):  # more than psycopg's prepare threshold, on an empty queue
-            assert q.pop(100, conn=c) == []
-        assert c.execute("SHOW plan_cache_mode").fetchone() == ("force_custom_plan",)
+        for i in range(12):
+            assert table.pop(100, conn=c) == []
+            assert ring.pop(100, conn=c) == []
+            assert ring.pop(1, conn=c) == []
+            dbq.db.fetchall("next_due", {"queue_id": table.settings.queue_id}, c)  # type: ignore[attr-defined]
+            table.push({"i": i}, conn=c)
+            [m] = table.pop(1, semantics="at-least-once", conn=c)
+            table.nack([m], conn=c)
+        prepared = c.execute(
+            "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements"
+        ).fetchall()
+
+    def called(text: str) -> str:  # the schema's function a statement calls, or the statement
+        m = re.search(r'"[^"]+"\.(\w+)\(', text)
+        return m.group(1) if m else text
+
+    allowed = {called(dbq.db.query(name).decode()): name for name in GENERIC_PLANS}  # type: ignore[attr-defined]
+    names = {allowed.get(called(stmt), stmt): (generic, custom) for stmt, generic, custom in prepared}
+    assert set(names) <= set(GENERIC_PLANS), names
+    hot = {"pop_take", "pop_lease", "push", "ring_pop"}  # each run 12 times or more above
+    assert hot <= set(names), names
+    assert all(names[name][0] > 0 for name in hot), names
 
 
 @pytest.mark.parametrize("archive", [True, False])

@@ -878,7 +878,7 @@ def test_version_17_rings_keep_their_messages_positions_and_leases_through_the_m
                 [qid],
             ).fetchall()
         with DbQueue(pg_dsn, schema=schema) as dbq:
-            assert dbq.install() == schema_sql()[0] == 19
+            assert dbq.install() == schema_sql()[0] == 20
             rows = run_sql(dbq, "SELECT queue_id, lane, pos FROM {schema}.ring_lanes ORDER BY lane")
             assert [(lane, pos) for q, lane, pos in rows if q == qid] == before and len(rows) == len(before)
             q = dbq.queue("old")

@@ -2,7 +2,7 @@
 -- {schema} is replaced by the quoted schema name. Keep in step with migrations/: a test checks that
 -- applying every migration from the first gives exactly this schema. The schema itself is created by
 -- install() (only when it does not exist; an existing one must be empty), not here.
--- SCHEMA_VERSION: 19
+-- SCHEMA_VERSION: 20
 
 -- name: schema
 CREATE TABLE {schema}.schema_version (
@@ -1135,7 +1135,7 @@ $$;
 -- consumers are away does not stay full of given-up numbers. Lanes held by pops are left to them. The
 -- lanes of every consumer group move. Returns how many lanes moved.
 CREATE FUNCTION {schema}.ring_pass(p_queue_id integer, p_cap integer, p_lanes integer)
-RETURNS integer LANGUAGE plpgsql AS $$
+RETURNS integer LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
     v_moved integer := 0;
     v_pos bigint;
@@ -1247,7 +1247,7 @@ $$;
 -- the floor (its slot is free for x). Slots locked by a push writing them are passed over. Returns how
 -- many numbers were given up, or -1 while some holder is still running (the caller waits and asks again).
 CREATE FUNCTION {schema}.ring_skip_abandoned(p_queue_id integer, p_issued bigint, p_holders xid[])
-RETURNS integer LANGUAGE plpgsql AS $$
+RETURNS integer LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
     v_cap integer;
     v_gaps regclass;
@@ -1412,7 +1412,7 @@ $$;
 -- are acked, nacked or reclaimed alone. The caller holds the leases locked. Returns the rows made.
 CREATE FUNCTION {schema}.ring_split_leases(
     p_queue_id integer, p_cap integer, p_lanes integer, p_los bigint[], p_error text, p_gid integer)
-RETURNS integer LANGUAGE plpgsql AS $$
+RETURNS integer LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
     v_k integer;
 BEGIN
@@ -1442,7 +1442,7 @@ CREATE FUNCTION {schema}.ring_settle(
     p_queue_id integer, p_cap integer, p_lanes integer, p_ids bigint[], p_deliveries integer[], p_nack boolean,
     p_delay_s double precision, p_backoff_s double precision, p_backoff_max_s double precision,
     p_max_attempts integer, p_error text, p_gid integer)
-RETURNS TABLE (r_id bigint, r_state integer) LANGUAGE plpgsql AS $$
+RETURNS TABLE (r_id bigint, r_state integer) LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
     v_los bigint[];
     v_held integer;
@@ -1497,7 +1497,7 @@ $$;
 -- state) of each message moved, 1 ready again, 2 failed.
 CREATE FUNCTION {schema}.ring_reclaim_expired(
     p_queue_id integer, p_cap integer, p_lanes integer, p_max_attempts integer, p_limit integer, p_gid integer)
-RETURNS TABLE (r_id bigint, r_state integer) LANGUAGE plpgsql AS $$
+RETURNS TABLE (r_id bigint, r_state integer) LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 DECLARE
     v_los bigint[];
 BEGIN
