@@ -357,7 +357,11 @@ class RingQueue(Queue):
             # other pops hold (not in a caller's transaction). An empty take goes on to ring_pop, which
             # serves messages due again, reports a gap at the head and gives it up.
             try:
-                msgs = self._messages(self._db.fetchall("ring_take", {**params, "wait": conn is None}, conn))
+                msgs = self._messages(
+                    self._db.fetchall(
+                        "ring_take_lease" if lease else "ring_take", {**params, "wait": conn is None}, conn
+                    )
+                )
             except LockTimeoutError:
                 if conn is not None:
                     raise
@@ -436,11 +440,17 @@ class RingQueue(Queue):
         return msgs
 
     def _messages(self, rows: Sequence[tuple[Any, ...]]) -> list[Message]:
-        # Rows (id, attempts, delivery, enqueued_at, lease_until, payload, ...), read in binary: a bytea
-        # is bytes already.
+        # Rows (id, attempts, delivery, enqueued_at, lease_until, payload, ...), or (id, enqueued_at,
+        # payload) for messages on their first delivery and unleased; read in binary: a bytea is bytes.
         if not rows:
             return []
-        ids, attempts, deliveries, enqueued, until, payloads = list(zip(*rows, strict=True))[:6]
+        if len(rows[0]) == 3:
+            ids, enqueued, payloads = zip(*rows, strict=True)
+            attempts: Iterable[int] = repeat(1)
+            deliveries: Iterable[int] = repeat(1)
+            until: Iterable[Any] = repeat(None)
+        else:
+            ids, attempts, deliveries, enqueued, until, payloads = list(zip(*rows, strict=True))[:6]
         if self.settings.payload_type is not PayloadType.BYTES:
             payloads = tuple(map(self.settings.decode, payloads))
         return messages_from_columns(

@@ -905,9 +905,16 @@ EXEC {schema}.ring_floor_try @queue_id = %(queue_id)s, @floor = @floor OUTPUT;
 SELECT @floor AS r_floor
 
 -- name: ring_take
--- The fast path of a pop (schema.sql): messages from the lanes, nothing when messages to deliver again
--- are due (ring_pop serves those first). Its rows are ring_pop's messages. wait: when other pops hold
--- every lane, wait for them (not in a caller's transaction), 1 s at most (then error 1222).
+-- The fast path of a pop at most once (schema.sql): messages from the lanes, nothing when messages to
+-- deliver again are due (ring_pop serves those first). Its rows are ring_pop's messages (PostgreSQL's
+-- query sends three of their columns; the engine reads either). wait: when other pops hold every lane,
+-- wait for them (not in a caller's transaction), 1 s at most (then error 1222).
+EXEC {schema}.ring_take @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = %(lanes)s, @n = %(n)s,
+    @lease = %(lease)s, @vt = %(visibility_timeout_s)s, @consumer = %(consumer)s, @retries = 1,
+    @wait = %(wait)s
+
+-- name: ring_take_lease
+-- ring_take at least once: its messages leased until their lease_until.
 EXEC {schema}.ring_take @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = %(lanes)s, @n = %(n)s,
     @lease = %(lease)s, @vt = %(visibility_timeout_s)s, @consumer = %(consumer)s, @retries = 1,
     @wait = %(wait)s

@@ -633,9 +633,18 @@ SELECT {schema}.ring_push_one(
 SELECT {schema}.ring_floor(%(queue_id)s::integer)
 
 -- name: ring_take
--- The fast path of a pop (schema.sql): messages from the lanes, nothing when messages to deliver again
--- are due (ring_pop serves those first). Its rows are ring_pop's messages. wait: when other pops hold
--- every lane, wait for them (not in a caller's transaction).
+-- The fast path of a pop at most once (schema.sql): messages from the lanes, nothing when messages to
+-- deliver again are due (ring_pop serves those first). wait: when other pops hold every lane, wait for
+-- them (not in a caller's transaction). Each message taken here is on its first delivery and unleased,
+-- so only (id, enqueued_at, payload) are sent: the other three columns cost the server about 550
+-- instructions a message at batch 100 to send and the client about 700 to read.
+SELECT r_id, r_enqueued_at, r_payload
+FROM {schema}.ring_take(
+    %(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer, %(n)s::integer, %(lease)s::boolean,
+    %(visibility_timeout_s)s::float8, %(consumer)s::text, true, %(wait)s::boolean)
+
+-- name: ring_take_lease
+-- ring_take at least once: its rows are ring_pop's messages, leased until r_lease_until.
 SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, r_lease_until, r_payload
 FROM {schema}.ring_take(
     %(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer, %(n)s::integer, %(lease)s::boolean,
