@@ -8,7 +8,13 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from airflow_dbqueue.engine.dialects.base import Database, DbConnection, make_database
+from airflow_dbqueue.engine.dialects.base import (
+    CONNECT_TIMEOUT_S,
+    DEFAULT_SCHEMA,
+    Database,
+    DbConnection,
+    make_database,
+)
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     QueueExistsError,
@@ -210,9 +216,9 @@ class DbQueue:
         self,
         dsn: str | None = None,
         *,
-        schema: str = "dbqueue",
+        schema: str = DEFAULT_SCHEMA,
         pool_size: int = 10,
-        connect_timeout: float = 10.0,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
         dialect: str | None = None,
     ) -> None:
         dsn = dsn or os.environ.get(DSN_ENV)

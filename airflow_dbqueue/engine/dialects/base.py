@@ -35,6 +35,11 @@ POSTGRESQL = "postgresql"
 MSSQL = "mssql"
 DIALECTS = (POSTGRESQL, MSSQL)
 
+DEFAULT_SCHEMA = "dbqueue"
+"""The schema that holds the queue tables unless another is named."""
+CONNECT_TIMEOUT_S = 10.0
+"""Seconds before an unreachable database raises :class:`DatabaseUnavailableError`."""
+
 
 class Listener(Protocol):
     """A wake-up source: :meth:`wait` returns True when something may have arrived."""

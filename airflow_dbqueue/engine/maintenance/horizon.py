@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 from airflow_dbqueue.engine.dialects.base import Database
+from airflow_dbqueue.engine.maintenance.config import HORIZON_MIN_AGE_S, HORIZON_MIN_XID_AGE
 from airflow_dbqueue.engine.maintenance.results import XminHolder, iso
 
 log = logging.getLogger(__name__)
@@ -16,7 +17,9 @@ REBUILD_WAITS_FOR = ("transaction", "prepared transaction", "snapshot transactio
 """The kinds of :class:`XminHolder` an online index rebuild waits for (not a replication slot)."""
 
 
-def xmin_holders(db: Database, *, min_age_s: float = 300.0, min_xid_age: int = 1_000_000) -> list[XminHolder]:
+def xmin_holders(
+    db: Database, *, min_age_s: float = HORIZON_MIN_AGE_S, min_xid_age: int = HORIZON_MIN_XID_AGE
+) -> list[XminHolder]:
     """Return what holds back cleanup; see :meth:`Maintenance.xmin_holders`."""
     rows = db.fetchall("xmin_holders", {"min_age_s": float(min_age_s), "min_xid_age": min_xid_age})
     return [
@@ -37,7 +40,7 @@ def xmin_holders(db: Database, *, min_age_s: float = 300.0, min_xid_age: int = 1
 
 
 def check_horizon(
-    db: Database, *, min_age_s: float = 300.0, min_xid_age: int = 1_000_000
+    db: Database, *, min_age_s: float = HORIZON_MIN_AGE_S, min_xid_age: int = HORIZON_MIN_XID_AGE
 ) -> list[XminHolder]:
     """:func:`xmin_holders`, with a warning logged for each."""
     holders = xmin_holders(db, min_age_s=min_age_s, min_xid_age=min_xid_age)
