@@ -43,7 +43,7 @@ from airflow_dbqueue.engine import (
     PayloadType,
     QueueNotFoundError,
 )
-from airflow_dbqueue.hooks.dbqueue import CONN_TYPE, SCHEMA_EXTRA, _extra, connection_dsn
+from airflow_dbqueue.hooks.connection import CONN_TYPE, SCHEMA_EXTRA, _extra, connection_dsn
 
 if TYPE_CHECKING:
     from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
