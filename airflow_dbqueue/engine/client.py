@@ -20,7 +20,17 @@ from airflow_dbqueue.engine.errors import (
     QueueExistsError,
     QueueNotFoundError,
 )
-from airflow_dbqueue.engine.models import Design, NotifyMode, PayloadType, QueueSettings
+from airflow_dbqueue.engine.models import (
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_MAX_PAYLOAD,
+    DEFAULT_RETRY_BACKOFF_MAX_S,
+    DEFAULT_RETRY_BACKOFF_S,
+    DEFAULT_VISIBILITY_TIMEOUT_S,
+    Design,
+    NotifyMode,
+    PayloadType,
+    QueueSettings,
+)
 from airflow_dbqueue.engine.names import validate_queue_name
 from airflow_dbqueue.engine.queue import check_seconds
 from airflow_dbqueue.engine.ring import (
@@ -42,7 +52,6 @@ if TYPE_CHECKING:
 
 DSN_ENV = "DBQUEUE_DSN"
 MAX_PAYLOAD_LIMIT = 256 * 1024 * 1024
-DEFAULT_MAX_PAYLOAD = 1024 * 1024
 
 _SETTINGS_COLUMNS = (
     "queue_id",
@@ -279,10 +288,10 @@ class DbQueue:
         design: Design | str = Design.TABLE,
         payload_type: PayloadType | str = PayloadType.JSON,
         max_payload_bytes: int | None = None,
-        max_attempts: int = 5,
-        visibility_timeout: float = 30.0,
-        retry_backoff: float = 1.0,
-        retry_backoff_max: float = 300.0,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        visibility_timeout: float = DEFAULT_VISIBILITY_TIMEOUT_S,
+        retry_backoff: float = DEFAULT_RETRY_BACKOFF_S,
+        retry_backoff_max: float = DEFAULT_RETRY_BACKOFF_MAX_S,
         notify: NotifyMode | str = NotifyMode.AUTO,
         archive: bool | None = None,
         capacity: int | None = None,

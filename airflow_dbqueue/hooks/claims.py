@@ -15,6 +15,9 @@ from typing import Any
 
 from airflow_dbqueue.engine import ConfigurationError, Message, PayloadType, Semantics
 
+XCOM_MAX_MESSAGES = 100
+"""The most messages a claim carries inline, payloads and all, unless the task names another number."""
+
 
 def message_to_xcom(msg: Message, payload_type: PayloadType) -> dict[str, Any]:
     """Return a JSON-safe dict of a message (bytes payloads as base64, flagged by ``payload_encoding``)."""

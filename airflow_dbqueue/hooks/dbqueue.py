@@ -27,7 +27,13 @@ from airflow_dbqueue.engine import (
 from airflow_dbqueue.engine.dialects.base import CONNECT_TIMEOUT_S, DEFAULT_SCHEMA, DIALECTS
 from airflow_dbqueue.engine.queue import COUNT_CAP
 from airflow_dbqueue.engine.ring import RingQueue
-from airflow_dbqueue.hooks.claims import check_claimable, make_claim, message_to_xcom, receipt
+from airflow_dbqueue.hooks.claims import (
+    XCOM_MAX_MESSAGES,
+    check_claimable,
+    make_claim,
+    message_to_xcom,
+    receipt,
+)
 from airflow_dbqueue.hooks.connection import (
     CONN_TYPE,
     DIALECT_EXTRA,
@@ -314,7 +320,7 @@ class DbQueueHook(MaintenanceSteps, BaseHook):  # type: ignore[misc]
         semantics: Semantics | str = Semantics.AT_LEAST_ONCE,
         visibility_timeout: float | None = None,
         wait: float = 0.0,
-        xcom_max_messages: int = 100,
+        xcom_max_messages: int = XCOM_MAX_MESSAGES,
         consumer: str | None = None,
         group: str | None = None,
     ) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from airflow_dbqueue.engine import (
     PayloadType,
     QueueNotFoundError,
 )
+from airflow_dbqueue.engine.maintenance.config import RATE_WINDOW_S
 from airflow_dbqueue.hooks.connection import CONN_TYPE, SCHEMA_EXTRA, _extra, connection_dsn
 
 if TYPE_CHECKING:
@@ -353,7 +354,7 @@ def connection_figures(conn: Connection, rate_window_s: float) -> dict[str, Any]
 @app.get("/api/queues")
 def queues(
     user: UserDep,
-    rate_window_s: Annotated[float, Query(gt=0, le=86_400)] = 300.0,
+    rate_window_s: Annotated[float, Query(gt=0, le=86_400)] = RATE_WINDOW_S,
 ) -> dict[str, Any]:
     """Every served connection with its queues: depth by state, oldest ready age, rates, ring fill and
     positions, table and index sizes with bloat, what holds back the xmin horizon; and the last run of

@@ -24,7 +24,10 @@ from airflow_dbqueue.hooks.dbqueue import DbQueueHook
 from airflow_dbqueue.triggers.firing import Firing
 from airflow_dbqueue.triggers.stream import APPLICATION_NAME, Stream, Watch, drop_shared, shared, stream_key
 
-__all__ = ["APPLICATION_NAME", "DbQueueTrigger"]
+__all__ = ["APPLICATION_NAME", "POLL_INTERVAL_S", "DbQueueTrigger"]
+
+POLL_INTERVAL_S = 5.0
+"""Seconds between a trigger's readiness checks when no NOTIFY wakes it, unless it names another number."""
 
 
 def _unknown_arguments(cls: type, given: dict[str, Any]) -> str:
@@ -96,7 +99,7 @@ class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
         dbqueue_conn_id: str = DbQueueHook.default_conn_name,
         min_messages: int = 1,
         min_priority: int | None = None,
-        poll_interval: float = 5.0,
+        poll_interval: float = POLL_INTERVAL_S,
         use_notify: bool = True,
         rearm: bool = True,
         dbqueue_schema: str | None = None,
