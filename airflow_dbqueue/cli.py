@@ -354,30 +354,7 @@ def _maintain_options(c: argparse.ArgumentParser) -> None:
         help="skip VACUUM (UPDATE STATISTICS on SQL Server)",
     )
     c.add_argument("--no-reindex", dest="reindex", action="store_false", help="skip index rebuilds")
-    c.add_argument(
-        "--bloat-ratio",
-        type=float,
-        default=defaults.REINDEX_BLOAT_RATIO,
-        help="rebuild indexes this many times too big",
-    )
-    c.add_argument(
-        "--min-bloat-bytes",
-        type=int,
-        default=defaults.REINDEX_MIN_BYTES,
-        help="... and this many bytes too big",
-    )
-    c.add_argument(
-        "--fragmentation-pct",
-        type=float,
-        default=defaults.REINDEX_FRAGMENTATION_PCT,
-        help="SQL Server: also rebuild this fragmented (%%)",
-    )
-    c.add_argument(
-        "--reindex-timeout",
-        type=float,
-        default=defaults.REINDEX_TIMEOUT_S,
-        help="seconds one rebuild may take",
-    )
+    _reindex_limits(c)
     c.add_argument(
         "--no-compact",
         dest="compact",
@@ -407,6 +384,34 @@ def _maintain_options(c: argparse.ArgumentParser) -> None:
         type=int,
         default=defaults.HORIZON_MIN_XID_AGE,
         help="warn of replication slots holding an xmin older than N transactions",
+    )
+
+
+def _reindex_limits(c: argparse.ArgumentParser) -> None:
+    """The options of ``dbqueue maintain`` that say which indexes are rebuilt, and how long one may take."""
+    c.add_argument(
+        "--bloat-ratio",
+        type=float,
+        default=defaults.REINDEX_BLOAT_RATIO,
+        help="rebuild indexes this many times too big",
+    )
+    c.add_argument(
+        "--min-bloat-bytes",
+        type=int,
+        default=defaults.REINDEX_MIN_BYTES,
+        help="... and this many bytes too big",
+    )
+    c.add_argument(
+        "--fragmentation-pct",
+        type=float,
+        default=defaults.REINDEX_FRAGMENTATION_PCT,
+        help="SQL Server: also rebuild this fragmented (%%)",
+    )
+    c.add_argument(
+        "--reindex-timeout",
+        type=float,
+        default=defaults.REINDEX_TIMEOUT_S,
+        help="seconds one rebuild may take",
     )
 
 

@@ -219,7 +219,7 @@ def messages_from_columns(  # noqa: PLR0917 - the fields in order, as Message(..
 
     Pops transpose their rows with ``zip(*rows)`` and pass constant fields as :func:`itertools.repeat`:
     no Python call runs per message. Building each message through a Python call costs the client
-    about 8,000 instructions a message, more than psycopg's reading of its row.
+    about 8,000 instructions a message, more than the driver's reading of its row.
     """
     fields = zip(ids, repeat(queue), payloads, priorities, attempts, deliveries, enqueued_at, lease_until)
     return list(map(tuple.__new__, repeat(Message), fields))

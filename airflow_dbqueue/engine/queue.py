@@ -69,9 +69,9 @@ def _check_batch_size(n: int) -> int:
 class Queue(abc.ABC):
     """One named queue. Obtain it from :meth:`DbQueue.queue` or :meth:`DbQueue.create_queue`.
 
-    Every method that touches the database takes an optional ``conn``: a driver connection (psycopg
-    or pyodbc, from :meth:`DbQueue.transaction`) whose open transaction the call joins (exactly-once
-    work). Without it, each call is its own transaction.
+    Every method that touches the database takes an optional ``conn``: a connection of the dialect's
+    driver, from :meth:`DbQueue.transaction`, whose open transaction the call joins (exactly-once work).
+    Without it, each call is its own transaction.
     """
 
     def __init__(self, db: Database, settings: QueueSettings) -> None:
@@ -159,11 +159,27 @@ class Queue(abc.ABC):
         msgs = self._pop_once(n, sem, vt, who, conn)
         if msgs or wait <= 0:
             return msgs
-        deadline = time.monotonic() + wait
-        poll = max(0.01, poll_interval)
+        return self._pop_waiting(
+            n, sem, vt, who, conn, deadline=time.monotonic() + wait, poll=max(0.01, poll_interval)
+        )
+
+    def _pop_waiting(
+        self,
+        n: int,
+        sem: Semantics,
+        vt: float,
+        who: str,
+        conn: DbConnection | None,
+        *,
+        deadline: float,
+        poll: float,
+    ) -> list[Message]:
+        """Pop again until a message comes or ``deadline`` (monotonic) passes: woken by NOTIFY where the
+        queue notifies, polling every ``poll`` seconds otherwise."""
+        msgs: list[Message] = []
         if not self._db.supports_notify:
             # No wake-ups on this database (SQL Server): Kejser's advice for a table queue, a short spin, then
-            # sleeps that grow up to poll_interval.
+            # sleeps that grow up to ``poll``.
             for pause in poll_pauses(poll):
                 left = deadline - time.monotonic()
                 if left <= 0:

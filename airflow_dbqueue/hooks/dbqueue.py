@@ -82,7 +82,7 @@ class DbQueueHook(MaintenanceSteps, BaseHook):  # type: ignore[misc]
 
     The connection is of the provider's own type ``dbqueue``, whose form names the dialect
     (``postgresql`` or ``mssql``) and the queue schema, or of an existing database type: ``postgres``;
-    ``mssql`` and ``odbc`` for SQL Server, through pyodbc (``pip install 'airflow-dbqueue[mssql]'``).
+    ``mssql`` and ``odbc`` for SQL Server (``pip install 'airflow-dbqueue[mssql]'``).
     The schema holding the queue tables comes from the connection extra ``dbqueue_schema`` (default
     ``dbqueue``) unless ``dbqueue_schema`` is passed here. Constructing the hook does no I/O; the
     engine and its connection pool are made on first use and closed by :meth:`close` (or by leaving

@@ -257,33 +257,35 @@ def last_maintenance() -> dict[str, Any] | None:
             )
         ):
             results[x.task_id] = XComModel.deserialize_value(x)
-        conf = run.conf or {}
-        archive = (results.get("archive") or {}).get("archive") or {}
-        indexes = results.get("rebuild_indexes") or {}
-        compact = results.get("compact_rings") or {}
-        return {
-            "run_id": run.run_id,
-            "state": str(run.state) if run.state else None,
-            "start_date": _iso(run.start_date),
-            "end_date": _iso(run.end_date),
-            "conn_id": conf.get("conn_id") or MAINTENANCE_DEFAULT_CONN,
-            "tasks": tasks,
-            "archived": archive.get("rows"),
-            "archive_skipped": archive.get("skipped"),
-            "index_actions": [
-                {k: a.get(k) for k in ("index", "action", "ok", "reason", "error")}
-                for a in indexes.get("actions") or []
-            ],
-            "index_skipped": indexes.get("skipped"),
-            "ring_compactions": [
-                {
-                    k: a.get(k)
-                    for k in ("table", "action", "ok", "bytes_before", "bytes_after", "reason", "error")
-                }
-                for a in compact.get("actions") or []
-            ],
-            "xmin_holders": (results.get("check_horizon") or {}).get("xmin_holders") or [],
-        }
+        return _maintenance_summary(run, tasks, results)
+
+
+def _maintenance_summary(run: Any, tasks: dict[str, str | None], results: dict[str, Any]) -> dict[str, Any]:
+    """What the Queues page shows of a maintenance run (a ``DagRun``), its tasks' states and results."""
+    conf = run.conf or {}
+    archive = (results.get("archive") or {}).get("archive") or {}
+    indexes = results.get("rebuild_indexes") or {}
+    compact = results.get("compact_rings") or {}
+    return {
+        "run_id": run.run_id,
+        "state": str(run.state) if run.state else None,
+        "start_date": _iso(run.start_date),
+        "end_date": _iso(run.end_date),
+        "conn_id": conf.get("conn_id") or MAINTENANCE_DEFAULT_CONN,
+        "tasks": tasks,
+        "archived": archive.get("rows"),
+        "archive_skipped": archive.get("skipped"),
+        "index_actions": [
+            {k: a.get(k) for k in ("index", "action", "ok", "reason", "error")}
+            for a in indexes.get("actions") or []
+        ],
+        "index_skipped": indexes.get("skipped"),
+        "ring_compactions": [
+            {k: a.get(k) for k in ("table", "action", "ok", "bytes_before", "bytes_after", "reason", "error")}
+            for a in compact.get("actions") or []
+        ],
+        "xmin_holders": (results.get("check_horizon") or {}).get("xmin_holders") or [],
+    }
 
 
 def _iso(value: dt.datetime | None) -> str | None:
