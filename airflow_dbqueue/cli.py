@@ -40,6 +40,9 @@ from airflow_dbqueue.engine import (
     MaintenanceConfig,
     Message,
 )
+from airflow_dbqueue.engine.dialects.base import DEFAULT_SCHEMA
+from airflow_dbqueue.engine.maintenance import config as defaults
+from airflow_dbqueue.engine.models import DEFAULT_MAX_ATTEMPTS, DEFAULT_VISIBILITY_TIMEOUT_S
 
 
 @contextlib.contextmanager
@@ -180,14 +183,19 @@ def _cmd_metrics(dbq: DbQueue, args: argparse.Namespace) -> int:
 
 def _batch_options(c: argparse.ArgumentParser) -> None:
     c.add_argument(
-        "--older-than", type=float, default=300.0, help="archive finished messages older than S seconds"
+        "--older-than",
+        type=float,
+        default=defaults.ARCHIVE_AFTER_S,
+        help="archive finished messages older than S seconds",
     )
     c.add_argument(
         "--retention", type=float, help="delete archived messages archived more than S seconds ago"
     )
-    c.add_argument("--batch-size", type=int, default=1000, help="rows per batch statement")
-    c.add_argument("--pause", type=float, default=0.05, help="seconds between batches")
-    c.add_argument("--time-budget", type=float, default=60.0, help="seconds a batched step may run")
+    c.add_argument("--batch-size", type=int, default=defaults.BATCH_SIZE, help="rows per batch statement")
+    c.add_argument("--pause", type=float, default=defaults.PAUSE_S, help="seconds between batches")
+    c.add_argument(
+        "--time-budget", type=float, default=defaults.TIME_BUDGET_S, help="seconds a batched step may run"
+    )
     c.add_argument("--queue", action="append", help="only this queue (repeatable; default: every queue)")
     c.add_argument("--lock-wait", type=float, default=0.0, help="seconds to wait for another maintenance run")
 
@@ -346,12 +354,7 @@ def _maintain_options(c: argparse.ArgumentParser) -> None:
         help="skip VACUUM (UPDATE STATISTICS on SQL Server)",
     )
     c.add_argument("--no-reindex", dest="reindex", action="store_false", help="skip index rebuilds")
-    c.add_argument("--bloat-ratio", type=float, default=2.0, help="rebuild indexes this many times too big")
-    c.add_argument("--min-bloat-bytes", type=int, default=1024 * 1024, help="... and this many bytes too big")
-    c.add_argument(
-        "--fragmentation-pct", type=float, default=30.0, help="SQL Server: also rebuild this fragmented (%%)"
-    )
-    c.add_argument("--reindex-timeout", type=float, default=600.0, help="seconds one rebuild may take")
+    _reindex_limits(c)
     c.add_argument(
         "--no-compact",
         dest="compact",
@@ -361,41 +364,69 @@ def _maintain_options(c: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--compact-ratio",
         type=float,
-        default=1.5,
+        default=defaults.COMPACT_BLOAT_RATIO,
         help="rewrite a ring table this many times its laid-out size",
     )
     c.add_argument(
         "--compact-lock-timeout",
         type=float,
-        default=2.0,
+        default=defaults.COMPACT_LOCK_TIMEOUT_S,
         help="seconds a rewrite waits for its exclusive lock (pushes and pops wait behind it)",
     )
     c.add_argument(
         "--horizon-min-age",
         type=float,
-        default=300.0,
+        default=defaults.HORIZON_MIN_AGE_S,
         help="warn of transactions open longer than S seconds, and skip online rebuilds while there are any",
     )
     c.add_argument(
         "--horizon-min-xid-age",
         type=int,
-        default=1_000_000,
+        default=defaults.HORIZON_MIN_XID_AGE,
         help="warn of replication slots holding an xmin older than N transactions",
+    )
+
+
+def _reindex_limits(c: argparse.ArgumentParser) -> None:
+    """The options of ``dbqueue maintain`` that say which indexes are rebuilt, and how long one may take."""
+    c.add_argument(
+        "--bloat-ratio",
+        type=float,
+        default=defaults.REINDEX_BLOAT_RATIO,
+        help="rebuild indexes this many times too big",
+    )
+    c.add_argument(
+        "--min-bloat-bytes",
+        type=int,
+        default=defaults.REINDEX_MIN_BYTES,
+        help="... and this many bytes too big",
+    )
+    c.add_argument(
+        "--fragmentation-pct",
+        type=float,
+        default=defaults.REINDEX_FRAGMENTATION_PCT,
+        help="SQL Server: also rebuild this fragmented (%%)",
+    )
+    c.add_argument(
+        "--reindex-timeout",
+        type=float,
+        default=defaults.REINDEX_TIMEOUT_S,
+        help="seconds one rebuild may take",
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dbqueue", description="Message queues inside PostgreSQL.")
     p.add_argument("--dsn", help=f"database connection string (default: ${DSN_ENV}, else embedded)")
-    p.add_argument("--schema", default="dbqueue", help="schema holding the queue tables")
+    p.add_argument("--schema", default=DEFAULT_SCHEMA, help="schema holding the queue tables")
     p.add_argument("--keep-server", action="store_true", help="leave the embedded server running")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("init", help="create or migrate the schema")
     c = sub.add_parser("create", help="create a queue")
     c.add_argument("queue")
     c.add_argument("--payload-type", default="json", choices=["json", "text", "bytes"])
-    c.add_argument("--max-attempts", type=int, default=5)
-    c.add_argument("--visibility-timeout", type=float, default=30.0)
+    c.add_argument("--max-attempts", type=int, default=DEFAULT_MAX_ATTEMPTS)
+    c.add_argument("--visibility-timeout", type=float, default=DEFAULT_VISIBILITY_TIMEOUT_S)
     c = sub.add_parser("push", help="push JSON payloads")
     c.add_argument("queue")
     c.add_argument("payloads", nargs="+", metavar="JSON")
@@ -420,7 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
     _maintain_options(c)
     c = sub.add_parser("metrics", help="queue depth, age, rates, table sizes and index bloat as JSON")
     c.add_argument("queues", nargs="*")
-    c.add_argument("--window", type=float, default=300.0, help="seconds over which rates are counted")
+    c.add_argument(
+        "--window", type=float, default=defaults.RATE_WINDOW_S, help="seconds over which rates are counted"
+    )
     c = sub.add_parser("demo", help="an engine-only order pipeline (no Airflow, no Spark)")
     c.add_argument("--messages", type=int, default=20_000)
     c = sub.add_parser("pipeline", help="the Spark pipeline DAG end to end (the README's main job)")

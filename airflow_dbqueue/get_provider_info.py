@@ -46,7 +46,13 @@ def get_provider_info() -> dict[str, Any]:
         ],
         "queues": ["airflow_dbqueue.queues.dbqueue.DbQueueMessageQueueProvider"],
     }
-    info["connection-types"] = [
+    info["connection-types"] = _connection_types()
+    return info
+
+
+def _connection_types() -> list[dict[str, Any]]:
+    """The provider's own connection type, ``dbqueue``, with its form."""
+    return [
         {
             "connection-type": "dbqueue",
             "hook-class-name": "airflow_dbqueue.hooks.dbqueue.DbQueueHook",
@@ -75,4 +81,3 @@ def get_provider_info() -> dict[str, Any]:
             },
         }
     ]
-    return info

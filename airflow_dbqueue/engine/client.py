@@ -8,13 +8,29 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from airflow_dbqueue.engine.dialects.base import Database, DbConnection, make_database
+from airflow_dbqueue.engine.dialects.base import (
+    CONNECT_TIMEOUT_S,
+    DEFAULT_SCHEMA,
+    Database,
+    DbConnection,
+    make_database,
+)
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     QueueExistsError,
     QueueNotFoundError,
 )
-from airflow_dbqueue.engine.models import Design, NotifyMode, PayloadType, QueueSettings
+from airflow_dbqueue.engine.models import (
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_MAX_PAYLOAD,
+    DEFAULT_RETRY_BACKOFF_MAX_S,
+    DEFAULT_RETRY_BACKOFF_S,
+    DEFAULT_VISIBILITY_TIMEOUT_S,
+    Design,
+    NotifyMode,
+    PayloadType,
+    QueueSettings,
+)
 from airflow_dbqueue.engine.names import validate_queue_name
 from airflow_dbqueue.engine.queue import check_seconds
 from airflow_dbqueue.engine.ring import (
@@ -36,7 +52,6 @@ if TYPE_CHECKING:
 
 DSN_ENV = "DBQUEUE_DSN"
 MAX_PAYLOAD_LIMIT = 256 * 1024 * 1024
-DEFAULT_MAX_PAYLOAD = 1024 * 1024
 
 _SETTINGS_COLUMNS = (
     "queue_id",
@@ -163,9 +178,17 @@ def _wanted_settings(
         )
     except ValueError as exc:
         raise ConfigurationError(f"queue {name!r}: {exc}") from None
+    _check_ranges(wanted)
+    return wanted
+
+
+def _check_ranges(wanted: QueueSettings) -> None:
+    """Raise :class:`ConfigurationError` naming the first of ``wanted``'s settings out of its range."""
+    name = wanted.name
     if not 0 < wanted.max_payload_bytes <= MAX_PAYLOAD_LIMIT:
         raise ConfigurationError(
-            f"queue {name!r}: max_payload_bytes must be in 1..{MAX_PAYLOAD_LIMIT}, got {max_payload_bytes}"
+            f"queue {name!r}: max_payload_bytes must be in 1..{MAX_PAYLOAD_LIMIT}, "
+            f"got {wanted.max_payload_bytes}"
         )
     if wanted.max_attempts < 1 or wanted.visibility_timeout_s <= 0 or wanted.retry_backoff_s < 0:
         raise ConfigurationError(
@@ -173,7 +196,6 @@ def _wanted_settings(
         )
     if wanted.retry_backoff_max_s < wanted.retry_backoff_s:
         raise ConfigurationError(f"queue {name!r}: retry_backoff_max must be >= retry_backoff")
-    return wanted
 
 
 def _check_same_settings(existing: QueueSettings, wanted: QueueSettings, schema: str) -> None:
@@ -210,9 +232,9 @@ class DbQueue:
         self,
         dsn: str | None = None,
         *,
-        schema: str = "dbqueue",
+        schema: str = DEFAULT_SCHEMA,
         pool_size: int = 10,
-        connect_timeout: float = 10.0,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
         dialect: str | None = None,
     ) -> None:
         dsn = dsn or os.environ.get(DSN_ENV)
@@ -273,10 +295,10 @@ class DbQueue:
         design: Design | str = Design.TABLE,
         payload_type: PayloadType | str = PayloadType.JSON,
         max_payload_bytes: int | None = None,
-        max_attempts: int = 5,
-        visibility_timeout: float = 30.0,
-        retry_backoff: float = 1.0,
-        retry_backoff_max: float = 300.0,
+        max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        visibility_timeout: float = DEFAULT_VISIBILITY_TIMEOUT_S,
+        retry_backoff: float = DEFAULT_RETRY_BACKOFF_S,
+        retry_backoff_max: float = DEFAULT_RETRY_BACKOFF_MAX_S,
         notify: NotifyMode | str = NotifyMode.AUTO,
         archive: bool | None = None,
         capacity: int | None = None,
@@ -318,11 +340,25 @@ class DbQueue:
             capacity=capacity,
             lanes=lanes,
         )
+        created = self._insert_queue(wanted)
+        self._queues.pop(name, None)
+        queue = self.queue(name)
+        if created is None:
+            if not exist_ok:
+                raise QueueExistsError(f"queue {name!r} already exists in schema {self.schema!r}")
+            _check_same_settings(queue.settings, wanted, self.schema)
+        return queue
+
+    def _insert_queue(self, wanted: QueueSettings) -> tuple[Any, ...] | None:
+        """Insert the queue's row (and a ring's slots, in the same transaction); return the new row, or
+        None when a queue of that name exists already."""
         params = {f.name: getattr(wanted, f.name) for f in dataclasses.fields(wanted)}
-        params.update(design=kind.value, payload_type=wanted.payload_type.value, notify=wanted.notify.value)
+        params.update(
+            design=wanted.design.value, payload_type=wanted.payload_type.value, notify=wanted.notify.value
+        )
         with self.db.transaction() as conn:  # a ring's slots are created with its row, or neither
             created = self.db.fetchone("create_queue", params, conn)
-            if created is not None and kind is Design.RING:
+            if created is not None and wanted.design is Design.RING:
                 self.db.execute(
                     "ring_create",
                     {
@@ -334,13 +370,7 @@ class DbQueue:
                     },
                     conn,
                 )
-        self._queues.pop(name, None)
-        queue = self.queue(name)
-        if created is None:
-            if not exist_ok:
-                raise QueueExistsError(f"queue {name!r} already exists in schema {self.schema!r}")
-            _check_same_settings(queue.settings, wanted, self.schema)
-        return queue
+        return created
 
     def queue(self, name: str) -> Queue:
         """Return the named queue (settings loaded once); raise :class:`QueueNotFoundError` if missing."""

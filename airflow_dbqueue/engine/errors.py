@@ -1,7 +1,7 @@
 """One exception family for the engine: everything it raises derives from :class:`DbQueueError`.
 
-Driver exceptions are translated at the dialect boundary, so callers never need to import psycopg
-(or pyodbc) to handle a queue failure.
+Driver exceptions are translated at the dialect boundary, so callers never need to import a database
+driver to handle a queue failure.
 """
 
 from __future__ import annotations

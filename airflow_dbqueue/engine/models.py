@@ -66,6 +66,18 @@ class NotifyMode(enum.StrEnum):
     """Waiting pops poll only."""
 
 
+DEFAULT_MAX_PAYLOAD = 1024 * 1024
+"""A table queue's largest payload in bytes, unless it names another."""
+DEFAULT_MAX_ATTEMPTS = 5
+"""Deliveries of a message before it goes to the failed state, unless its queue names another number."""
+DEFAULT_VISIBILITY_TIMEOUT_S = 30.0
+"""Seconds a lease lasts, unless its queue or its pop says otherwise."""
+DEFAULT_RETRY_BACKOFF_S = 1.0
+"""Seconds before a nacked message is ready again at its first retry (doubling with each attempt) ..."""
+DEFAULT_RETRY_BACKOFF_MAX_S = 300.0
+"""... up to this many seconds."""
+
+
 @dataclass(frozen=True, slots=True)
 class QueueSettings:
     """A queue's stored settings (one row of the ``queues`` table)."""
@@ -74,11 +86,11 @@ class QueueSettings:
     queue_id: int
     design: Design = Design.TABLE
     payload_type: PayloadType = PayloadType.JSON
-    max_payload_bytes: int = 1024 * 1024
-    max_attempts: int = 5
-    visibility_timeout_s: float = 30.0
-    retry_backoff_s: float = 1.0
-    retry_backoff_max_s: float = 300.0
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    visibility_timeout_s: float = DEFAULT_VISIBILITY_TIMEOUT_S
+    retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S
+    retry_backoff_max_s: float = DEFAULT_RETRY_BACKOFF_MAX_S
     notify: NotifyMode = NotifyMode.AUTO
     archive: bool = True
     capacity: int | None = None
@@ -207,7 +219,7 @@ def messages_from_columns(  # noqa: PLR0917 - the fields in order, as Message(..
 
     Pops transpose their rows with ``zip(*rows)`` and pass constant fields as :func:`itertools.repeat`:
     no Python call runs per message. Building each message through a Python call costs the client
-    about 8,000 instructions a message, more than psycopg's reading of its row.
+    about 8,000 instructions a message, more than the driver's reading of its row.
     """
     fields = zip(ids, repeat(queue), payloads, priorities, attempts, deliveries, enqueued_at, lease_until)
     return list(map(tuple.__new__, repeat(Message), fields))

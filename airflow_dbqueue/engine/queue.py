@@ -27,6 +27,11 @@ if TYPE_CHECKING:
 
 DEFAULT_CONSUMER = f"{socket.gethostname()}:{os.getpid()}"
 
+RECLAIM_LIMIT = 10_000
+"""The most expired leases one reclaim (a queue's upkeep) returns."""
+COUNT_CAP = 1_000_000
+"""Where a count of ready messages stops (a readiness check never counts a deep queue to its end)."""
+
 
 SPIN_PAUSES = (0.0, 0.001, 0.002, 0.005)
 """The first pauses of a polling wait: a short spin, for a message pushed a moment later."""
@@ -64,9 +69,9 @@ def _check_batch_size(n: int) -> int:
 class Queue(abc.ABC):
     """One named queue. Obtain it from :meth:`DbQueue.queue` or :meth:`DbQueue.create_queue`.
 
-    Every method that touches the database takes an optional ``conn``: a driver connection (psycopg
-    or pyodbc, from :meth:`DbQueue.transaction`) whose open transaction the call joins (exactly-once
-    work). Without it, each call is its own transaction.
+    Every method that touches the database takes an optional ``conn``: a connection of the dialect's
+    driver, from :meth:`DbQueue.transaction`, whose open transaction the call joins (exactly-once work).
+    Without it, each call is its own transaction.
     """
 
     def __init__(self, db: Database, settings: QueueSettings) -> None:
@@ -154,11 +159,27 @@ class Queue(abc.ABC):
         msgs = self._pop_once(n, sem, vt, who, conn)
         if msgs or wait <= 0:
             return msgs
-        deadline = time.monotonic() + wait
-        poll = max(0.01, poll_interval)
+        return self._pop_waiting(
+            n, sem, vt, who, conn, deadline=time.monotonic() + wait, poll=max(0.01, poll_interval)
+        )
+
+    def _pop_waiting(
+        self,
+        n: int,
+        sem: Semantics,
+        vt: float,
+        who: str,
+        conn: DbConnection | None,
+        *,
+        deadline: float,
+        poll: float,
+    ) -> list[Message]:
+        """Pop again until a message comes or ``deadline`` (monotonic) passes: woken by NOTIFY where the
+        queue notifies, polling every ``poll`` seconds otherwise."""
+        msgs: list[Message] = []
         if not self._db.supports_notify:
             # No wake-ups on this database (SQL Server): Kejser's advice for a table queue, a short spin, then
-            # sleeps that grow up to poll_interval.
+            # sleeps that grow up to ``poll``.
             for pause in poll_pauses(poll):
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -233,10 +254,10 @@ class Queue(abc.ABC):
         """
 
     @abc.abstractmethod
-    def reclaim_expired(self, limit: int = 10_000) -> int:
+    def reclaim_expired(self, limit: int = RECLAIM_LIMIT) -> int:
         """Return messages whose lease expired to ready (or failed); return how many moved."""
 
-    def maintain(self, *, limit: int = 10_000) -> dict[str, int]:
+    def maintain(self, *, limit: int = RECLAIM_LIMIT) -> dict[str, int]:
         """Run this design's upkeep (the maintenance DAG calls it for every queue); return what it did.
 
         The table design returns expired leases to ready or failed (``{"reclaimed": n}``). A design
@@ -253,7 +274,7 @@ class Queue(abc.ABC):
         """Return up to n ready messages without claiming them."""
 
     @abc.abstractmethod
-    def count_ready(self, min_priority: int | None = None, cap: int = 1_000_000) -> int:
+    def count_ready(self, min_priority: int | None = None, cap: int = COUNT_CAP) -> int:
         """Count ready messages (of at least ``min_priority``), stopping at ``cap``."""
 
     @abc.abstractmethod
@@ -275,7 +296,7 @@ class Queue(abc.ABC):
     # -- observers and receipts (the Airflow face hands work on between tasks by receipt) ------------
 
     def readiness(
-        self, min_priority: int | None = None, cap: int = 1_000_000
+        self, min_priority: int | None = None, cap: int = COUNT_CAP
     ) -> tuple[int, tuple[int, int] | None]:
         """Return ``(ready, head)``: ready messages (of at least ``min_priority``, counted up to ``cap``)
         and the ``(id, delivery)`` of the message a pop would take first (``None`` when none is ready).
@@ -288,7 +309,7 @@ class Queue(abc.ABC):
         return ready, (head[0].receipt if head else None)
 
     async def areadiness(
-        self, aconn: AsyncDbConnection, min_priority: int | None = None, cap: int = 1_000_000
+        self, aconn: AsyncDbConnection, min_priority: int | None = None, cap: int = COUNT_CAP
     ) -> tuple[int, tuple[int, int] | None]:
         """:meth:`readiness` on the caller's async connection (for async observers such as triggers)."""
         raise NotImplementedError(f"{self.settings.design} queues do not support async observation yet")

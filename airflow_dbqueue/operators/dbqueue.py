@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseOperator
 
 from airflow_dbqueue.engine import ConfigurationError, LeaseExpiredError, PayloadTypeError, Semantics
+from airflow_dbqueue.hooks.claims import XCOM_MAX_MESSAGES
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
 
 if TYPE_CHECKING:
@@ -147,7 +148,7 @@ class DbQueuePopOperator(BaseOperator):  # type: ignore[misc]
         semantics: str = "at-least-once",
         visibility_timeout: float | None = None,
         wait: float = 0.0,
-        xcom_max_messages: int = 100,
+        xcom_max_messages: int = XCOM_MAX_MESSAGES,
         group: str | None = None,
         dbqueue_conn_id: str = DbQueueHook.default_conn_name,
         dbqueue_schema: str | None = None,

@@ -43,7 +43,8 @@ from airflow_dbqueue.engine import (
     PayloadType,
     QueueNotFoundError,
 )
-from airflow_dbqueue.hooks.dbqueue import CONN_TYPE, SCHEMA_EXTRA, _extra, connection_dsn
+from airflow_dbqueue.engine.maintenance.config import RATE_WINDOW_S
+from airflow_dbqueue.hooks.connection import CONN_TYPE, SCHEMA_EXTRA, _extra, connection_dsn
 
 if TYPE_CHECKING:
     from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
@@ -256,33 +257,35 @@ def last_maintenance() -> dict[str, Any] | None:
             )
         ):
             results[x.task_id] = XComModel.deserialize_value(x)
-        conf = run.conf or {}
-        archive = (results.get("archive") or {}).get("archive") or {}
-        indexes = results.get("rebuild_indexes") or {}
-        compact = results.get("compact_rings") or {}
-        return {
-            "run_id": run.run_id,
-            "state": str(run.state) if run.state else None,
-            "start_date": _iso(run.start_date),
-            "end_date": _iso(run.end_date),
-            "conn_id": conf.get("conn_id") or MAINTENANCE_DEFAULT_CONN,
-            "tasks": tasks,
-            "archived": archive.get("rows"),
-            "archive_skipped": archive.get("skipped"),
-            "index_actions": [
-                {k: a.get(k) for k in ("index", "action", "ok", "reason", "error")}
-                for a in indexes.get("actions") or []
-            ],
-            "index_skipped": indexes.get("skipped"),
-            "ring_compactions": [
-                {
-                    k: a.get(k)
-                    for k in ("table", "action", "ok", "bytes_before", "bytes_after", "reason", "error")
-                }
-                for a in compact.get("actions") or []
-            ],
-            "xmin_holders": (results.get("check_horizon") or {}).get("xmin_holders") or [],
-        }
+        return _maintenance_summary(run, tasks, results)
+
+
+def _maintenance_summary(run: Any, tasks: dict[str, str | None], results: dict[str, Any]) -> dict[str, Any]:
+    """What the Queues page shows of a maintenance run (a ``DagRun``), its tasks' states and results."""
+    conf = run.conf or {}
+    archive = (results.get("archive") or {}).get("archive") or {}
+    indexes = results.get("rebuild_indexes") or {}
+    compact = results.get("compact_rings") or {}
+    return {
+        "run_id": run.run_id,
+        "state": str(run.state) if run.state else None,
+        "start_date": _iso(run.start_date),
+        "end_date": _iso(run.end_date),
+        "conn_id": conf.get("conn_id") or MAINTENANCE_DEFAULT_CONN,
+        "tasks": tasks,
+        "archived": archive.get("rows"),
+        "archive_skipped": archive.get("skipped"),
+        "index_actions": [
+            {k: a.get(k) for k in ("index", "action", "ok", "reason", "error")}
+            for a in indexes.get("actions") or []
+        ],
+        "index_skipped": indexes.get("skipped"),
+        "ring_compactions": [
+            {k: a.get(k) for k in ("table", "action", "ok", "bytes_before", "bytes_after", "reason", "error")}
+            for a in compact.get("actions") or []
+        ],
+        "xmin_holders": (results.get("check_horizon") or {}).get("xmin_holders") or [],
+    }
 
 
 def _iso(value: dt.datetime | None) -> str | None:
@@ -353,7 +356,7 @@ def connection_figures(conn: Connection, rate_window_s: float) -> dict[str, Any]
 @app.get("/api/queues")
 def queues(
     user: UserDep,
-    rate_window_s: Annotated[float, Query(gt=0, le=86_400)] = 300.0,
+    rate_window_s: Annotated[float, Query(gt=0, le=86_400)] = RATE_WINDOW_S,
 ) -> dict[str, Any]:
     """Every served connection with its queues: depth by state, oldest ready age, rates, ring fill and
     positions, table and index sizes with bloat, what holds back the xmin horizon; and the last run of

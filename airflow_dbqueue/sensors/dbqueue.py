@@ -12,9 +12,10 @@ from airflow.sdk import BaseSensorOperator, PokeReturnValue
 from airflow.sdk.exceptions import AirflowException, AirflowSensorTimeout
 
 from airflow_dbqueue.engine import ConfigurationError
+from airflow_dbqueue.hooks.claims import XCOM_MAX_MESSAGES
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
 from airflow_dbqueue.operators.dbqueue import _optional_float
-from airflow_dbqueue.triggers.dbqueue import DbQueueTrigger
+from airflow_dbqueue.triggers.dbqueue import POLL_INTERVAL_S, DbQueueTrigger
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -74,9 +75,9 @@ class DbQueueSensor(BaseSensorOperator):  # type: ignore[misc]
         claim: bool = False,
         max_messages: int | None = None,
         visibility_timeout: float | None = None,
-        xcom_max_messages: int = 100,
+        xcom_max_messages: int = XCOM_MAX_MESSAGES,
         deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
-        poll_interval: float = 5.0,
+        poll_interval: float = POLL_INTERVAL_S,
         use_notify: bool = True,
         dbqueue_schema: str | None = None,
         **kwargs: Any,

@@ -4,46 +4,30 @@ In the triggerer, every DbQueueTrigger on one Airflow connection and queue schem
 (Airflow's shared streams, ``shared_stream_key``): a single PostgreSQL connection LISTENs on the
 channels of every queue watched there and runs each trigger's readiness check, at the trigger's own
 pace or when its queue notifies, and each trigger decides from its own results whether to fire. Run
-alone (``run()``), a trigger has a stream of its own.
+alone (``run()``), a trigger has a stream of its own. The stream is
+:mod:`airflow_dbqueue.triggers.stream`; when a trigger fires, :mod:`airflow_dbqueue.triggers.firing`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import difflib
 import inspect
-import itertools
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Hashable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Hashable
+from typing import Any
 
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 
-from airflow_dbqueue.engine import ConfigurationError, DbQueueError, NotifyMode
+from airflow_dbqueue.engine import ConfigurationError
 from airflow_dbqueue.engine.queue import check_seconds
-from airflow_dbqueue.hooks.dbqueue import DbQueueHook, connection_dsn
+from airflow_dbqueue.hooks.dbqueue import DbQueueHook
+from airflow_dbqueue.triggers.firing import Firing
+from airflow_dbqueue.triggers.stream import APPLICATION_NAME, Stream, Watch, drop_shared, shared, stream_key
 
-if TYPE_CHECKING:
-    from airflow_dbqueue.engine import Queue
-    from airflow_dbqueue.engine.dialects.base import AsyncDbConnection, Database
+__all__ = ["APPLICATION_NAME", "POLL_INTERVAL_S", "DbQueueTrigger"]
 
-APPLICATION_NAME = "airflow-dbqueue-trigger"
-"""The ``application_name`` of a stream's connection (one a connection and schema in a triggerer)."""
-
-_Readiness = tuple[int, tuple[int, int] | None]
-
-
-def _open_queue(dsn: str, schema: str, queue_name: str, group: str | None = None) -> Queue:
-    """Load a queue's settings (and its consumer group's, with ``group``) with the sync engine (run in a
-    thread) and close its pool again."""
-    from airflow_dbqueue.engine import DbQueue
-
-    dbq = DbQueue(dsn, schema=schema, pool_size=1)
-    try:
-        return dbq.queue(queue_name).group(group)
-    finally:
-        dbq.close()
+POLL_INTERVAL_S = 5.0
+"""Seconds between a trigger's readiness checks when no NOTIFY wakes it, unless it names another number."""
 
 
 def _unknown_arguments(cls: type, given: dict[str, Any]) -> str:
@@ -61,214 +45,6 @@ def _unknown_arguments(cls: type, given: dict[str, Any]) -> str:
         f"{cls.__name__} got unknown argument(s) {', '.join(parts)}; it takes {', '.join(known)} "
         "(MessageQueueTrigger(scheme='dbqueue', ...) passes its other keywords on to it)"
     )
-
-
-_watch_ids = itertools.count(1)
-
-
-class _Watch:
-    """One trigger's observation of one queue on a stream: what to check, and when next."""
-
-    def __init__(
-        self,
-        queue_name: str,
-        min_priority: int | None,
-        cap: int,
-        poll_interval: float,
-        use_notify: bool,
-        *,
-        group: str | None = None,
-    ) -> None:
-        self.id = next(_watch_ids)
-        self.queue_name = queue_name
-        self.group = group
-        self.min_priority = min_priority
-        self.cap = cap
-        self.poll_interval = poll_interval
-        self.use_notify = use_notify
-        self.due = 0.0  # monotonic time of the next check; 0: at once
-        self.notified = False
-        self.queue: Queue | None = None
-        self.error: BaseException | None = None
-        self.channel: str | None = None  # the NOTIFY channel it wakes on, once LISTENed
-
-
-class _Stream:
-    """The observation of the queues of one database schema: one connection, its LISTENs, and every
-    watch's readiness check, each at its watch's own pace or when its queue notifies.
-
-    :meth:`run` yields ``{watch id: (ready, head) or an exception}`` for the watches it checked; each
-    subscriber reads its own entry. A watch's error (its queue does not exist, or cannot be observed
-    asynchronously) goes to that watch alone; a failure of the connection ends the stream for all.
-    """
-
-    def __init__(self) -> None:
-        self.watches: dict[int, _Watch] = {}
-        self._changed = asyncio.Event()
-
-    def add(self, watch: _Watch) -> None:
-        self.watches[watch.id] = watch
-        self._changed.set()
-
-    def remove(self, watch: _Watch) -> None:
-        self.watches.pop(watch.id, None)
-
-    def wake(self) -> None:
-        """Make the stream look at its watches again (a watch's next check moved earlier)."""
-        self._changed.set()
-
-    async def run(self, conn_id: str, schema: str | None) -> AsyncGenerator[dict[int, Any], None]:
-        from airflow_dbqueue.engine.dialects.base import make_database
-
-        conn = await DbQueueHook.aget_connection(conn_id)
-        dsn, conn_schema = await asyncio.to_thread(connection_dsn, conn)  # a token login may do I/O
-        schema = schema or conn_schema
-        # The dialect's database object opens no pool here: the stream's one connection is aconnect's.
-        db = make_database(dsn, schema=schema, pool_size=1, connect_timeout=10.0)
-        aconn = await db.aconnect(APPLICATION_NAME)
-        listening: set[str] = set()
-        try:
-            while True:
-                self._changed.clear()
-                for w in list(self.watches.values()):
-                    if w.queue is None and w.error is None:
-                        await self._load(w, dsn, schema, aconn, listening)
-                results = await self._check_due(aconn)
-                if results:
-                    yield results
-                if self._changed.is_set():
-                    continue
-                due = [w.due for w in self.watches.values() if w.error is None]
-                timeout = max(0.0, min(due) - time.monotonic()) if due else None
-                for channel in await self._wait(db, aconn, timeout, bool(listening)):
-                    for w in self.watches.values():
-                        if w.channel == channel:
-                            w.notified = True
-        finally:
-            with contextlib.suppress(Exception):
-                await aconn.close()
-
-    async def _check_due(self, aconn: AsyncDbConnection) -> dict[int, Any]:
-        """Check the readiness of every watch that was notified or whose poll is due; return what each
-        saw, by watch id (a watch that failed reports its error)."""
-        results: dict[int, Any] = {}
-        for w in list(self.watches.values()):
-            if w.error is not None:
-                results[w.id] = w.error
-            elif w.queue is not None and (w.notified or w.due <= time.monotonic()):
-                w.notified = False
-                w.due = time.monotonic() + w.poll_interval
-                try:
-                    results[w.id] = await w.queue.areadiness(aconn, w.min_priority, cap=w.cap)
-                except NotImplementedError as exc:  # not PostgreSQL: this watch cannot go on
-                    w.error = results[w.id] = exc
-        return results
-
-    async def _load(
-        self,
-        w: _Watch,
-        dsn: str,
-        schema: str,
-        aconn: AsyncDbConnection,
-        listening: set[str],
-    ) -> None:
-        """Load a new watch's queue and LISTEN on its channel before its first check, so that a push
-        committed after that check wakes it."""
-        try:
-            w.queue = await asyncio.to_thread(_open_queue, dsn, schema, w.queue_name, w.group)
-        except DbQueueError as exc:
-            w.error = exc
-            return
-        if w.use_notify and w.queue.settings.notify is not NotifyMode.NEVER:
-            try:
-                if w.queue.channel not in listening:
-                    await w.queue.alisten(aconn)
-            except NotImplementedError as exc:  # not PostgreSQL
-                w.error = exc
-                return
-            w.channel = w.queue.channel
-            listening.add(w.channel)
-
-    async def _wait(
-        self, db: Database, aconn: AsyncDbConnection, timeout: float | None, listen: bool
-    ) -> set[str]:
-        """Wait up to ``timeout`` seconds (None: until woken) for a NOTIFY or :meth:`wake`; return the
-        channels that notified."""
-        changed = asyncio.ensure_future(self._changed.wait())
-        heard = asyncio.ensure_future(db.anotifies(aconn, timeout)) if listen else None
-        waiting: set[asyncio.Future[Any]] = {changed} if heard is None else {changed, heard}
-        try:
-            await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in waiting:
-                t.cancel()
-            await asyncio.gather(*waiting, return_exceptions=True)
-        if heard is not None and heard.done() and not heard.cancelled():
-            return heard.result()  # raises the connection's error, if it failed
-        return set()
-
-
-_STREAMS: dict[tuple[int, Hashable], _Stream] = {}
-"""The shared streams of this process, by event loop and ``shared_stream_key``: the triggerer runs the
-producer (``open_shared_stream``) and the subscribers (``filter_shared_stream``) of one key in one
-loop, and they meet here."""
-
-
-def _stream_key(conn_id: str, schema: str | None) -> tuple[str, str, str]:
-    """The shared stream of a connection and queue schema: the triggerer groups triggers by it, and the
-    producer and its subscribers meet under it in :data:`_STREAMS`."""
-    return ("airflow_dbqueue", conn_id, schema or "")
-
-
-def _shared(key: Hashable) -> tuple[tuple[int, Hashable], _Stream]:
-    at = (id(asyncio.get_running_loop()), key)
-    stream = _STREAMS.get(at)
-    if stream is None:
-        stream = _STREAMS[at] = _Stream()
-    return at, stream
-
-
-class _Firing:
-    """When a trigger fires, from what each readiness check finds.
-
-    It fires when at least ``threshold`` messages are ready and the head (the message a pop takes first)
-    is not the one it last fired for. With ``max_wait``, it also fires when at least ``floor`` messages
-    have been ready for ``max_wait`` seconds since it first saw them or since it last fired: a batch
-    that stays below the threshold is flushed, and a queue whose triggered run failed before it
-    claimed anything (so its head never moved) fires again instead of stalling.
-    """
-
-    def __init__(
-        self, floor: int, threshold: int, max_wait: float | None, last_head: tuple[int, int] | None
-    ) -> None:
-        self.floor = floor
-        self.threshold = threshold
-        self.max_wait = max_wait
-        self.last_head = last_head
-        self.since: float | None = None
-
-    def step(self, ready: int, head: tuple[int, int] | None, now: float) -> str | None:
-        """Return why to fire now (``"ready"`` or ``"max_wait"``), or None."""
-        if ready < self.floor or head is None:
-            self.last_head = None  # drained below the floor: the next fill fires again
-            self.since = None
-            return None
-        if self.since is None:
-            self.since = now
-        if ready >= self.threshold and head != self.last_head:
-            reason = "ready"
-        elif self.max_wait is not None and now - self.since >= self.max_wait:
-            reason = "max_wait"
-        else:
-            return None
-        self.last_head, self.since = head, now
-        return reason
-
-    def deadline(self) -> float | None:
-        """When ``max_wait`` would fire next (monotonic), if the queue stays as it is."""
-        if self.max_wait is None or self.since is None:
-            return None
-        return self.since + self.max_wait
 
 
 class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
@@ -323,7 +99,7 @@ class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
         dbqueue_conn_id: str = DbQueueHook.default_conn_name,
         min_messages: int = 1,
         min_priority: int | None = None,
-        poll_interval: float = 5.0,
+        poll_interval: float = POLL_INTERVAL_S,
         use_notify: bool = True,
         rearm: bool = True,
         dbqueue_schema: str | None = None,
@@ -373,24 +149,23 @@ class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
 
     def shared_stream_key(self) -> Hashable:
         """Triggers on one connection and queue schema share one stream (one database connection)."""
-        return _stream_key(self.dbqueue_conn_id, self.dbqueue_schema)
+        return stream_key(self.dbqueue_conn_id, self.dbqueue_schema)
 
     @classmethod
     async def open_shared_stream(cls, kwargs: dict[str, Any]) -> AsyncIterator[Any]:
         """Run the stream of a connection and schema: readiness results of every trigger on it."""
         conn_id = kwargs.get("dbqueue_conn_id") or DbQueueHook.default_conn_name
         schema = kwargs.get("dbqueue_schema")
-        at, stream = _shared(_stream_key(conn_id, schema))
+        at, stream = shared(stream_key(conn_id, schema))
         try:
             async for results in stream.run(conn_id, schema):
                 yield results
         finally:
-            if _STREAMS.get(at) is stream:
-                del _STREAMS[at]
+            drop_shared(at, stream)
 
     async def filter_shared_stream(self, shared_stream: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
         """This trigger's events, from the results of its own checks on the shared stream."""
-        _, stream = _shared(self.shared_stream_key())
+        _, stream = shared(self.shared_stream_key())
         async for event in self._observe(stream, shared_stream):
             yield event
 
@@ -399,7 +174,7 @@ class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
     async def run(self) -> AsyncIterator[TriggerEvent]:
         """Observe the queue on a stream of its own until it can pop enough; yield an event (again, when
         rearmed)."""
-        stream = _Stream()
+        stream = Stream()
         results = stream.run(self.dbqueue_conn_id, self.dbqueue_schema)
         try:
             async for event in self._observe(stream, results):
@@ -409,9 +184,9 @@ class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
 
     # -- what both do --------------------------------------------------------------------------------
 
-    async def _observe(self, stream: _Stream, results: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
+    async def _observe(self, stream: Stream, results: AsyncIterator[Any]) -> AsyncIterator[TriggerEvent]:
         threshold = self.batch_size or self.min_messages
-        watch = _Watch(
+        watch = Watch(
             self.queue_name,
             self.min_priority,
             threshold,
@@ -419,7 +194,7 @@ class DbQueueTrigger(BaseEventTrigger):  # type: ignore[misc]
             self.use_notify,
             group=self.group,
         )
-        firing = _Firing(self.min_messages, threshold, self.max_wait, await self._stored_head())
+        firing = Firing(self.min_messages, threshold, self.max_wait, await self._stored_head())
         stream.add(watch)
         try:
             async for checked in results:

@@ -7,7 +7,7 @@ know which database they run on; what maintenance asks (timeouts of a session, i
 online rebuilds) each dialect answers in its ``maintenance.py``, and a driver's errors reach them only
 as the engine's (:class:`LockTimeoutError`, :class:`StatementTimeoutError`, ...).
 
-Connections are the driver's own objects (a psycopg connection, a pyodbc connection); callers pass
+Connections are the objects of each dialect's own database driver; callers pass
 back what :meth:`Database.transaction` gave them (exactly-once work), so they are typed
 :data:`DbConnection` here.
 """
@@ -25,15 +25,23 @@ from airflow_dbqueue.engine.dialects.indexes import IndexStep, IndexSurvey
 from airflow_dbqueue.engine.errors import ConfigurationError, ForeignObjectsError, SchemaError
 
 DbConnection: TypeAlias = Any
-"""A driver connection of the dialect in use (psycopg or pyodbc), with a transaction open."""
+"""A connection of the dialect's database driver, with a transaction open."""
 
 AsyncDbConnection: TypeAlias = Any
-"""An async driver connection of the dialect in use (psycopg's ``AsyncConnection``), in autocommit:
+"""An async connection of the dialect's database driver (PostgreSQL only), in autocommit:
 what async observers (a trigger) run :meth:`Database.afetchone` and :meth:`Database.alisten` on."""
 
 POSTGRESQL = "postgresql"
 MSSQL = "mssql"
 DIALECTS = (POSTGRESQL, MSSQL)
+
+MSSQL_URL_SCHEMES = ("mssql", "mssql+pyodbc", "sqlserver")
+"""The URL schemes of a connection string that names a SQL Server database (SQLAlchemy's among them)."""
+
+DEFAULT_SCHEMA = "dbqueue"
+"""The schema that holds the queue tables unless another is named."""
+CONNECT_TIMEOUT_S = 10.0
+"""Seconds before an unreachable database raises :class:`DatabaseUnavailableError`."""
 
 
 class Listener(Protocol):
@@ -305,15 +313,15 @@ def refuse_newer_schema(schema: str, where: str, current: int, latest: int) -> N
 def dialect_of_dsn(dsn: str) -> str:
     """Return the dialect a connection string names: ``postgresql`` or ``mssql``.
 
-    SQL Server is named by a URL scheme ``mssql://`` (also ``mssql+pyodbc://``, ``sqlserver://``) or by
+    SQL Server is named by a URL scheme of :data:`MSSQL_URL_SCHEMES` (``mssql://``) or by
     an ODBC connection string (``DRIVER=...;SERVER=...``, or ``odbc:`` followed by one). Everything else
-    is left to libpq, as before.
+    is a PostgreSQL connection string or URL, for libpq.
     """
     text = dsn.strip()
     scheme = urlsplit(text).scheme.lower() if "://" in text else ""
     if scheme in ("postgres", "postgresql"):
         return POSTGRESQL
-    if scheme in ("mssql", "mssql+pyodbc", "sqlserver"):
+    if scheme in MSSQL_URL_SCHEMES:
         return MSSQL
     lowered = text.lower()
     if lowered.startswith("odbc:") or (

@@ -1,4 +1,6 @@
-"""The settings of a full maintenance run (:meth:`Maintenance.run`, one :meth:`Maintenance.step`)."""
+"""The settings of a full maintenance run (:meth:`Maintenance.run`, one :meth:`Maintenance.step`), and
+their defaults as named constants: each step's method, the hook, the command line and the Queues page
+take their defaults from here."""
 
 from __future__ import annotations
 
@@ -9,7 +11,42 @@ from typing import Any
 
 from airflow_dbqueue.engine.errors import ConfigurationError
 from airflow_dbqueue.engine.maintenance.results import MiB
-from airflow_dbqueue.engine.queue import check_seconds
+from airflow_dbqueue.engine.queue import RECLAIM_LIMIT, check_seconds
+
+ARCHIVE_AFTER_S = 300.0
+"""Finished messages older than this many seconds are archived."""
+ARCHIVE_RETENTION_S = 7 * 24 * 3600.0
+"""Archived messages older than this many seconds are deleted (a week)."""
+BATCH_SIZE = 1000
+"""Rows one statement of a batched step (archiving, retention) moves or deletes."""
+PAUSE_S = 0.05
+"""Seconds between the batches of a batched step."""
+TIME_BUDGET_S = 60.0
+"""The most seconds a batched step runs in one call."""
+STATEMENT_TIMEOUT_S = 30.0
+"""The statement timeout of one batch of a batched step."""
+REINDEX_BLOAT_RATIO = 2.0
+"""An index is rebuilt at this many times its estimated size ..."""
+REINDEX_MIN_BYTES = MiB
+"""... and this many bytes above it."""
+REINDEX_FRAGMENTATION_PCT = 30.0
+"""SQL Server: an index whose leaf level is this many percent fragmented is rebuilt too."""
+REINDEX_TIMEOUT_S = 600.0
+"""Statement and lock timeout of one online rebuild (and of a ring compaction's rewrite)."""
+COMPACT_BLOAT_RATIO = 1.5
+"""A ring table is rewritten at this many times its laid-out size ..."""
+COMPACT_MIN_BYTES = 8 * MiB
+"""... and this many bytes above it."""
+COMPACT_LOCK_TIMEOUT_S = 2.0
+"""The most seconds a ring table's rewrite waits for its exclusive lock."""
+COMPACT_HORIZON_MIN_AGE_S = 10.0
+"""A ring table is not rewritten while a transaction older than this many seconds holds the horizon."""
+HORIZON_MIN_AGE_S = 300.0
+"""Transactions open longer than this many seconds are reported as holding back cleanup."""
+HORIZON_MIN_XID_AGE = 1_000_000
+"""Replication slots holding an xmin older than this many transactions are reported."""
+RATE_WINDOW_S = 300.0
+"""The window, in seconds, of the push and finish rates of the metrics."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,26 +80,26 @@ class MaintenanceConfig:
     """
 
     queues: tuple[str, ...] | None = None
-    archive_after_s: float = 300.0
-    archive_retention_s: float | None = 7 * 24 * 3600.0
-    batch_size: int = 1000
-    pause_s: float = 0.05
-    time_budget_s: float = 60.0
+    archive_after_s: float = ARCHIVE_AFTER_S
+    archive_retention_s: float | None = ARCHIVE_RETENTION_S
+    batch_size: int = BATCH_SIZE
+    pause_s: float = PAUSE_S
+    time_budget_s: float = TIME_BUDGET_S
     vacuum: bool = True
     reindex: bool = True
-    reindex_bloat_ratio: float = 2.0
-    reindex_min_bytes: int = MiB
-    reindex_fragmentation_pct: float = 30.0
-    reindex_timeout_s: float = 600.0
+    reindex_bloat_ratio: float = REINDEX_BLOAT_RATIO
+    reindex_min_bytes: int = REINDEX_MIN_BYTES
+    reindex_fragmentation_pct: float = REINDEX_FRAGMENTATION_PCT
+    reindex_timeout_s: float = REINDEX_TIMEOUT_S
     compact_rings: bool = True
-    compact_bloat_ratio: float = 1.5
-    compact_min_bytes: int = 8 * MiB
-    compact_lock_timeout_s: float = 2.0
+    compact_bloat_ratio: float = COMPACT_BLOAT_RATIO
+    compact_min_bytes: int = COMPACT_MIN_BYTES
+    compact_lock_timeout_s: float = COMPACT_LOCK_TIMEOUT_S
     lock_wait_s: float = 0.0
-    horizon_min_age_s: float = 300.0
-    horizon_min_xid_age: int = 1_000_000
-    rate_window_s: float = 300.0
-    reclaim_limit: int = 10_000
+    horizon_min_age_s: float = HORIZON_MIN_AGE_S
+    horizon_min_xid_age: int = HORIZON_MIN_XID_AGE
+    rate_window_s: float = RATE_WINDOW_S
+    reclaim_limit: int = RECLAIM_LIMIT
 
     def __post_init__(self) -> None:
         if not 1 <= self.batch_size <= 100_000:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 
 from airflow_dbqueue.engine.dialects.base import Database
-from airflow_dbqueue.engine.maintenance.results import XminHolder, iso
+from airflow_dbqueue.engine.maintenance.config import HORIZON_MIN_AGE_S, HORIZON_MIN_XID_AGE
+from airflow_dbqueue.engine.maintenance.results import XminHolder
 
 log = logging.getLogger(__name__)
 
@@ -16,28 +17,16 @@ REBUILD_WAITS_FOR = ("transaction", "prepared transaction", "snapshot transactio
 """The kinds of :class:`XminHolder` an online index rebuild waits for (not a replication slot)."""
 
 
-def xmin_holders(db: Database, *, min_age_s: float = 300.0, min_xid_age: int = 1_000_000) -> list[XminHolder]:
+def xmin_holders(
+    db: Database, *, min_age_s: float = HORIZON_MIN_AGE_S, min_xid_age: int = HORIZON_MIN_XID_AGE
+) -> list[XminHolder]:
     """Return what holds back cleanup; see :meth:`Maintenance.xmin_holders`."""
     rows = db.fetchall("xmin_holders", {"min_age_s": float(min_age_s), "min_xid_age": min_xid_age})
-    return [
-        XminHolder(
-            kind=r[0],
-            pid=r[1],
-            name=r[2],
-            user=r[3],
-            state=r[4],
-            age_s=None if r[5] is None else round(float(r[5]), 1),
-            xid_age=r[6],
-            xact_start=iso(r[7]),
-            query_start=iso(r[8]),
-            query=r[9],
-        )
-        for r in rows
-    ]
+    return [XminHolder.from_row(r) for r in rows]
 
 
 def check_horizon(
-    db: Database, *, min_age_s: float = 300.0, min_xid_age: int = 1_000_000
+    db: Database, *, min_age_s: float = HORIZON_MIN_AGE_S, min_xid_age: int = HORIZON_MIN_XID_AGE
 ) -> list[XminHolder]:
     """:func:`xmin_holders`, with a warning logged for each."""
     holders = xmin_holders(db, min_age_s=min_age_s, min_xid_age=min_xid_age)

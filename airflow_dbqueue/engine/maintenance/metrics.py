@@ -10,6 +10,7 @@ from typing import Any
 
 from airflow_dbqueue.engine.dialects.base import Database
 from airflow_dbqueue.engine.errors import ConfigurationError, GroupNotFoundError
+from airflow_dbqueue.engine.maintenance.config import HORIZON_MIN_AGE_S, HORIZON_MIN_XID_AGE, RATE_WINDOW_S
 from airflow_dbqueue.engine.maintenance.horizon import xmin_holders
 from airflow_dbqueue.engine.maintenance.queues import Queues
 from airflow_dbqueue.engine.maintenance.statistics import table_health
@@ -67,9 +68,9 @@ def metrics(
     queues: Queues,
     names: Sequence[str] | None = None,
     *,
-    rate_window_s: float = 300.0,
-    horizon_min_age_s: float = 300.0,
-    horizon_min_xid_age: int = 1_000_000,
+    rate_window_s: float = RATE_WINDOW_S,
+    horizon_min_age_s: float = HORIZON_MIN_AGE_S,
+    horizon_min_xid_age: int = HORIZON_MIN_XID_AGE,
 ) -> dict[str, Any]:
     """Return the schema's metrics; see :meth:`Maintenance.metrics`."""
     if not math.isfinite(rate_window_s) or rate_window_s <= 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+from collections.abc import Sequence
 from typing import Any
 
 APPLICATION_NAME = "airflow-dbqueue-maintenance"
@@ -81,6 +82,23 @@ class XminHolder:
     query_start: str | None
     query: str | None
     """The session's current or last statement (transactions), or the slot type."""
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> XminHolder:
+        """Build one from a row of the dialect's ``xmin_holders`` query."""
+        kind, pid, name, user, state, age_s, xid_age, xact_start, query_start, query = row
+        return cls(
+            kind=kind,
+            pid=pid,
+            name=name,
+            user=user,
+            state=state,
+            age_s=None if age_s is None else round(float(age_s), 1),
+            xid_age=xid_age,
+            xact_start=iso(xact_start),
+            query_start=iso(query_start),
+            query=query,
+        )
 
     def describe(self) -> str:
         """One line for a log."""

@@ -17,14 +17,33 @@ from airflow_dbqueue.engine.errors import ConfigurationError
 from airflow_dbqueue.engine.maintenance import horizon
 from airflow_dbqueue.engine.maintenance.archiver import Archiver
 from airflow_dbqueue.engine.maintenance.compactor import RingCompactor
-from airflow_dbqueue.engine.maintenance.config import MaintenanceConfig
+from airflow_dbqueue.engine.maintenance.config import (
+    ARCHIVE_AFTER_S,
+    BATCH_SIZE,
+    COMPACT_BLOAT_RATIO,
+    COMPACT_HORIZON_MIN_AGE_S,
+    COMPACT_LOCK_TIMEOUT_S,
+    COMPACT_MIN_BYTES,
+    HORIZON_MIN_AGE_S,
+    HORIZON_MIN_XID_AGE,
+    PAUSE_S,
+    RATE_WINDOW_S,
+    REINDEX_BLOAT_RATIO,
+    REINDEX_FRAGMENTATION_PCT,
+    REINDEX_MIN_BYTES,
+    REINDEX_TIMEOUT_S,
+    STATEMENT_TIMEOUT_S,
+    TIME_BUDGET_S,
+    MaintenanceConfig,
+)
 from airflow_dbqueue.engine.maintenance.lock import SchemaLock
 from airflow_dbqueue.engine.maintenance.metrics import metrics as collect_metrics
 from airflow_dbqueue.engine.maintenance.queues import QueueOpener, Queues, upkeep
 from airflow_dbqueue.engine.maintenance.reindexer import Reindexer
-from airflow_dbqueue.engine.maintenance.results import BatchResult, MiB, XminHolder
+from airflow_dbqueue.engine.maintenance.results import BatchResult, XminHolder
 from airflow_dbqueue.engine.maintenance.statistics import table_health
 from airflow_dbqueue.engine.maintenance.statistics import vacuum as run_vacuum
+from airflow_dbqueue.engine.queue import RECLAIM_LIMIT
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +106,13 @@ class Maintenance:
     def archive(
         self,
         *,
-        older_than_s: float = 300.0,
-        batch_size: int = 1000,
-        pause_s: float = 0.05,
-        time_budget_s: float = 60.0,
+        older_than_s: float = ARCHIVE_AFTER_S,
+        batch_size: int = BATCH_SIZE,
+        pause_s: float = PAUSE_S,
+        time_budget_s: float = TIME_BUDGET_S,
         queues: Sequence[str] | None = None,
         lock_wait_s: float = 0.0,
-        statement_timeout_s: float = 30.0,
+        statement_timeout_s: float = STATEMENT_TIMEOUT_S,
     ) -> BatchResult:
         """Move finished messages older than ``older_than_s`` into the archive, in bounded batches.
 
@@ -117,12 +136,12 @@ class Maintenance:
         self,
         *,
         older_than_s: float,
-        batch_size: int = 1000,
-        pause_s: float = 0.05,
-        time_budget_s: float = 60.0,
+        batch_size: int = BATCH_SIZE,
+        pause_s: float = PAUSE_S,
+        time_budget_s: float = TIME_BUDGET_S,
         queues: Sequence[str] | None = None,
         lock_wait_s: float = 0.0,
-        statement_timeout_s: float = 30.0,
+        statement_timeout_s: float = STATEMENT_TIMEOUT_S,
     ) -> BatchResult:
         """Delete archived messages archived more than ``older_than_s`` ago, in bounded batches."""
         return self._archiver.run(
@@ -137,7 +156,7 @@ class Maintenance:
         )
 
     def recover(
-        self, queues: Sequence[str] | None = None, *, limit: int = 10_000
+        self, queues: Sequence[str] | None = None, *, limit: int = RECLAIM_LIMIT
     ) -> dict[str, dict[str, int]]:
         """Run every queue's design upkeep (:meth:`Queue.maintain`); return what it did, by queue.
 
@@ -168,7 +187,9 @@ class Maintenance:
         """
         return table_health(self._db)
 
-    def xmin_holders(self, *, min_age_s: float = 300.0, min_xid_age: int = 1_000_000) -> list[XminHolder]:
+    def xmin_holders(
+        self, *, min_age_s: float = HORIZON_MIN_AGE_S, min_xid_age: int = HORIZON_MIN_XID_AGE
+    ) -> list[XminHolder]:
         """Return what holds back the xmin horizon: old transactions (and prepared ones), and slots.
 
         While one of them holds it, VACUUM (auto or not) cannot remove the dead rows of any table, and
@@ -178,7 +199,9 @@ class Maintenance:
         """
         return horizon.xmin_holders(self._db, min_age_s=min_age_s, min_xid_age=min_xid_age)
 
-    def check_horizon(self, *, min_age_s: float = 300.0, min_xid_age: int = 1_000_000) -> list[XminHolder]:
+    def check_horizon(
+        self, *, min_age_s: float = HORIZON_MIN_AGE_S, min_xid_age: int = HORIZON_MIN_XID_AGE
+    ) -> list[XminHolder]:
         """:meth:`xmin_holders`, with a warning logged for each."""
         return horizon.check_horizon(self._db, min_age_s=min_age_s, min_xid_age=min_xid_age)
 
@@ -194,13 +217,13 @@ class Maintenance:
     def rebuild_indexes(
         self,
         *,
-        bloat_ratio: float = 2.0,
-        min_bloat_bytes: int = MiB,
-        timeout_s: float = 600.0,
+        bloat_ratio: float = REINDEX_BLOAT_RATIO,
+        min_bloat_bytes: int = REINDEX_MIN_BYTES,
+        timeout_s: float = REINDEX_TIMEOUT_S,
         analyze: bool = True,
         only: Sequence[str] | None = None,
         lock_wait_s: float = 0.0,
-        fragmentation_pct: float = 30.0,
+        fragmentation_pct: float = REINDEX_FRAGMENTATION_PCT,
         horizon_min_age_s: float | None = None,
     ) -> dict[str, Any]:
         """Rebuild bloated indexes online and clean up INVALID ones; return what was done.
@@ -246,12 +269,12 @@ class Maintenance:
     def compact_rings(
         self,
         *,
-        bloat_ratio: float = 1.5,
-        min_bloat_bytes: int = 8 * MiB,
-        lock_timeout_s: float = 2.0,
-        timeout_s: float = 600.0,
+        bloat_ratio: float = COMPACT_BLOAT_RATIO,
+        min_bloat_bytes: int = COMPACT_MIN_BYTES,
+        lock_timeout_s: float = COMPACT_LOCK_TIMEOUT_S,
+        timeout_s: float = REINDEX_TIMEOUT_S,
         lock_wait_s: float = 0.0,
-        horizon_min_age_s: float = 10.0,
+        horizon_min_age_s: float = COMPACT_HORIZON_MIN_AGE_S,
         only: Sequence[str] | None = None,
     ) -> dict[str, Any]:
         """Rewrite the ring's tables that outgrew their size back to it (PostgreSQL): ``VACUUM FULL``.
@@ -291,9 +314,9 @@ class Maintenance:
         self,
         queues: Sequence[str] | None = None,
         *,
-        rate_window_s: float = 300.0,
-        horizon_min_age_s: float = 300.0,
-        horizon_min_xid_age: int = 1_000_000,
+        rate_window_s: float = RATE_WINDOW_S,
+        horizon_min_age_s: float = HORIZON_MIN_AGE_S,
+        horizon_min_xid_age: int = HORIZON_MIN_XID_AGE,
     ) -> dict[str, Any]:
         """Return the schema's queue metrics as a JSON-safe dict (for logs, XCom and a metrics system).
 
@@ -406,7 +429,7 @@ class Maintenance:
             min_bloat_bytes=cfg.compact_min_bytes,
             lock_timeout_s=cfg.compact_lock_timeout_s,
             lock_wait_s=cfg.lock_wait_s,
-            horizon_min_age_s=min(cfg.horizon_min_age_s, 10.0),
+            horizon_min_age_s=min(cfg.horizon_min_age_s, COMPACT_HORIZON_MIN_AGE_S),
         )
 
     def _reindex_step(self, cfg: MaintenanceConfig, notes: list[str]) -> dict[str, Any] | None:

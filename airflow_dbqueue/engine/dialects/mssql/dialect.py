@@ -40,6 +40,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from airflow_dbqueue.engine.dialects.base import CONNECT_TIMEOUT_S, DEFAULT_SCHEMA
 from airflow_dbqueue.engine.dialects.mssql.conninfo import odbc_connection_string, parse_dsn
 from airflow_dbqueue.engine.dialects.mssql.errors import translate
 from airflow_dbqueue.engine.dialects.mssql.maintenance import MssqlMaintenance
@@ -155,9 +156,9 @@ class MssqlDatabase(MssqlSchema, MssqlMaintenance):
         self,
         dsn: str,
         *,
-        schema: str = "dbqueue",
+        schema: str = DEFAULT_SCHEMA,
         max_size: int = 10,
-        connect_timeout: float = 10.0,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
         retries: int = 3,
     ) -> None:
         self.dsn = dsn

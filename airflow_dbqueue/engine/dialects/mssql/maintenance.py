@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from airflow_dbqueue.engine.dialects.indexes import IndexHealth, IndexStep, IndexSurvey
 from airflow_dbqueue.engine.dialects.mssql.params import query_timeout_s
@@ -131,28 +131,45 @@ def mssql_rebuild_reason(
     return None
 
 
-def _index(row: Sequence[Any]) -> IndexHealth:
-    """One row of ``index_health`` (without the engine edition) as an :class:`IndexHealth`."""
-    name, table, method, valid, size, entries, leaf_pages, fragmentation, density, fill_factor, running = row
-    size_bytes = int(size)
+class _IndexRow(NamedTuple):
+    """A row of the ``index_health`` query."""
+
+    name: str
+    table: str
+    method: str
+    valid: int
+    size_bytes: int
+    entries: int | None
+    leaf_pages: int | None
+    fragmentation_pct: float | None
+    page_density_pct: float | None
+    fill_factor: int
+    engine_edition: int | None
+    running: int
+
+
+def _index(row: _IndexRow) -> IndexHealth:
+    """One row of ``index_health`` as an :class:`IndexHealth`."""
+    size_bytes = int(row.size_bytes)
+    density = row.page_density_pct
     expected = mssql_expected_bytes(
         size_bytes,
-        None if leaf_pages is None else int(leaf_pages),
+        None if row.leaf_pages is None else int(row.leaf_pages),
         None if density is None else float(density),
-        int(fill_factor),
+        int(row.fill_factor),
     )
     return IndexHealth(
-        name,
-        table,
-        method,
-        bool(valid),
+        row.name,
+        row.table,
+        row.method,
+        bool(row.valid),
         size_bytes,
-        None if entries is None else int(entries),
+        None if row.entries is None else int(row.entries),
         expected,
-        bool(running),
-        None if fragmentation is None else round(float(fragmentation), 2),
+        bool(row.running),
+        None if row.fragmentation_pct is None else round(float(row.fragmentation_pct), 2),
         None if density is None else round(float(density), 2),
-        int(fill_factor),
+        int(row.fill_factor),
     )
 
 
@@ -205,9 +222,9 @@ class MssqlMaintenance(_Statements):
         """Every index of the schema as ``sys.dm_db_index_physical_stats`` measures it (SAMPLED), and
         the rebuild mode the server's engine edition allows (:func:`rebuild_mode`)."""
         out, edition = [], None
-        for row in self.fetchall("index_health", {"schema": self.schema}):
-            edition = None if row[10] is None else int(row[10])
-            out.append(_index((*row[:10], row[11])))
+        for row in map(_IndexRow._make, self.fetchall("index_health", {"schema": self.schema})):
+            edition = None if row.engine_edition is None else int(row.engine_edition)
+            out.append(_index(row))
         mode = rebuild_mode(edition)
         why = f"{edition_name(edition)} " + (
             "rebuilds indexes online"

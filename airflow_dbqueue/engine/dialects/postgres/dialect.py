@@ -21,6 +21,7 @@ from psycopg import sql
 from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
+from airflow_dbqueue.engine.dialects.base import CONNECT_TIMEOUT_S, DEFAULT_SCHEMA
 from airflow_dbqueue.engine.dialects.postgres.conninfo import check_dsn, describe_dsn
 from airflow_dbqueue.engine.dialects.postgres.errors import translate
 from airflow_dbqueue.engine.dialects.postgres.maintenance import PostgresMaintenance
@@ -63,10 +64,10 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
         self,
         dsn: str,
         *,
-        schema: str = "dbqueue",
+        schema: str = DEFAULT_SCHEMA,
         min_size: int = 1,
         max_size: int = 10,
-        connect_timeout: float = 10.0,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
         application_name: str = "airflow-dbqueue",
     ) -> None:
         check_dsn(dsn)
