@@ -54,78 +54,57 @@ a dialect with async connections and LISTEN (``Database.async_observers``).
 
 from __future__ import annotations
 
-import logging
-import re
-import threading
 import time
 from collections.abc import Iterable, Sequence
-from itertools import repeat
-from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any
 
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     DatabaseError,
-    GroupExistsError,
     GroupNotFoundError,
-    LeaseExpiredError,
     LockTimeoutError,
-    NotSupportedError,
     QueueFullError,
-    QueueNotFoundError,
     RingNumbersSkippedError,
 )
 from airflow_dbqueue.engine.models import (
     DEFAULT_GROUP,
-    FailedMessage,
-    GroupInfo,
     Message,
-    NotifyMode,
-    OnLag,
-    PayloadType,
-    QueueStats,
     Semantics,
-    messages_from_columns,
 )
-from airflow_dbqueue.engine.queue import Queue, _check_batch_size, check_seconds
+from airflow_dbqueue.engine.queue import check_seconds
+from airflow_dbqueue.engine.ring_base import (
+    _NOTIFY_CODE,
+    _PUSH_ATTEMPTS,
+    _SETTLE_ACK,
+    RING_DEFAULT_CAPACITY,
+    RING_DEFAULT_LAG_TIMEOUT_S,
+    RING_DEFAULT_LANES,
+    RING_DEFAULT_PAYLOAD,
+    RING_MAX_CAPACITY,
+    RING_MAX_LANES,
+    RING_MAX_PAYLOAD,
+    _first,
+    _id,
+)
+from airflow_dbqueue.engine.ring_groups import RingGroups
+from airflow_dbqueue.engine.ring_inspect import RingInspect
 
 if TYPE_CHECKING:
-    from airflow_dbqueue.engine.dialects.base import AsyncDbConnection, Database, DbConnection
-    from airflow_dbqueue.engine.models import QueueSettings
+    from airflow_dbqueue.engine.dialects.base import DbConnection
 
-RING_MAX_PAYLOAD = 4000
-"""Largest payload a ring slot holds (inline: about half a page, so a row and its next version share a
-page and updates stay HOT). Larger payloads belong in the table design."""
-RING_DEFAULT_PAYLOAD = 512
-"""A ring's default ``max_payload_bytes``. The slots' pages are laid out for payloads of the queue's
-``max_payload_bytes`` (a page holds about half a page of full slots), so a larger limit spreads the ring
-over more pages."""
-RING_DEFAULT_CAPACITY = 16384
-RING_MAX_CAPACITY = 16_777_216
-RING_DEFAULT_LANES = 8
-"""A ring's default lanes (at most its capacity): up to this many consumers take messages at once."""
-RING_MAX_LANES = 256
-_NOTIFY_CODE = {NotifyMode.NEVER: 0, NotifyMode.AUTO: 1, NotifyMode.ALWAYS: 2}
-_PUSH_ATTEMPTS = 20
-_first = itemgetter(0)
-_SETTLE_ACK = {
-    "nack": False,
-    "delay_s": None,
-    "backoff_s": 0.0,
-    "backoff_max_s": 0.0,
-    "max_attempts": 1,
-    "error": None,
-}
-_id = attrgetter("id")
-_delivery = attrgetter("delivery")
-_GROUP_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,62}")
-_ON_LAG_CODE = {OnLag.BLOCK: 0, OnLag.DROP_GROUP: 1}
-RING_DEFAULT_LAG_TIMEOUT_S = 3600.0
-"""A consumer group's default lag timeout: an hour without a pop while it has messages to take."""
-log = logging.getLogger(__name__)
+__all__ = [
+    "RING_DEFAULT_CAPACITY",
+    "RING_DEFAULT_LAG_TIMEOUT_S",
+    "RING_DEFAULT_LANES",
+    "RING_DEFAULT_PAYLOAD",
+    "RING_MAX_CAPACITY",
+    "RING_MAX_LANES",
+    "RING_MAX_PAYLOAD",
+    "RingQueue",
+]
 
 
-class RingQueue(Queue):
+class RingQueue(RingGroups, RingInspect):
     """A queue of the ring design.
 
     FIFO by id, without priorities or delayed pushes (both raise :class:`ConfigurationError`). Under
@@ -141,51 +120,6 @@ class RingQueue(Queue):
     :attr gap_timeout: seconds after which a pop gives up a number that stays issued but unwritten
         even without proof that its holder is gone (a holder alive but stuck that long).
     """
-
-    def __init__(
-        self,
-        db: Database,
-        settings: QueueSettings,
-        *,
-        group: str = DEFAULT_GROUP,
-        gid: int | None = None,
-    ) -> None:
-        super().__init__(db, settings)
-        if settings.capacity is None:
-            raise ConfigurationError(f"queue {settings.name!r} is a ring without a capacity")
-        self.group_name = group
-        # The key of the group's lanes, leases, retry and failed rows: the ring's queue id for its
-        # default group, a negative gid for another (ring_groups).
-        self._gid = settings.queue_id if gid is None else gid
-        self._groups: dict[str, RingQueue] = {}  # the handles of other groups (the default group's only)
-        self._qid = settings.queue_id
-        self.capacity = settings.capacity
-        self.lanes = settings.lanes or 1
-        self._channel = db.channel(settings.queue_id)
-        self._lock = threading.Lock()
-        self._gap: tuple[int, int, str | None] | None = None  # (number, issued position, holders)
-        self._gap_since: tuple[int, float] | None = None
-        self._last_reclaim = 0.0
-        self._fast = False  # the last pop came back full: the next one tries ring_take first
-        # A floor of the ring (ring_floor) that pushes of one pass to the server instead of reading it
-        # on every call; read again when a push of one finds its slot not free under it.
-        self._floor: int | None = None
-        self._floor_read = False
-        self._help_params: dict[str, Any] = {
-            "queue_id": self._qid,
-            "capacity": self.capacity,
-            "lanes": self.lanes,
-            "lease": False,
-            "visibility_timeout_s": settings.visibility_timeout_s,
-            "consumer": "push",
-            "group": self._gid,
-        }
-        self.push_timeout = 30.0
-        self.gap_timeout = 5.0
-        self.reclaim_every_s = min(1.0, settings.visibility_timeout_s / 2)
-        self._root = self
-
-    # -- push --------------------------------------------------------------------------------------
 
     def push_batch(
         self,
@@ -220,22 +154,6 @@ class RingQueue(Queue):
             self._raise_if_gone()
             raise
         return list(range(first, first + len(encoded)))
-
-    def _raise_if_gone(self) -> None:
-        """Raise :class:`QueueNotFoundError` when this handle's ring was dropped (its queue row is gone,
-        or names another queue now), or :class:`GroupNotFoundError` when its consumer group was: a
-        ring's statements find no ring or group then, and fail or write nothing."""
-        row = self._db.fetchone("get_queue", {"name": self.name})
-        if row is None or row[0] != self._qid:
-            raise QueueNotFoundError(self.name, self._db.schema) from None
-        if self._gid != self._qid and not any(
-            r[0] == self._gid for r in self._db.fetchall("ring_groups", {"queue_id": self._qid})
-        ):
-            root = self._default()
-            with root._lock:  # group(name) looks the name up again (it may name a new group now)
-                if root._groups.get(self.group_name) is self:
-                    del root._groups[self.group_name]
-            raise GroupNotFoundError(self.name, self.group_name) from None
 
     def _push_encoded(self, encoded: list[bytes], conn: DbConnection | None) -> int:  # noqa: PLR0912
         """Push encoded payloads; return the first number. One attempt loop holds the push of one in a
@@ -316,8 +234,6 @@ class RingQueue(Queue):
             f"queue {self.name!r}: the ring (capacity {self.capacity}) stayed full for "
             f"{self.push_timeout:g}s; nothing of the batch was pushed"
         )
-
-    # -- pop ---------------------------------------------------------------------------------------
 
     def _pop_once(
         self, n: int, semantics: Semantics, vt: float, consumer: str, conn: DbConnection | None
@@ -439,52 +355,6 @@ class RingQueue(Queue):
             msgs.sort(key=_id)
         return msgs
 
-    def _messages(self, rows: Sequence[tuple[Any, ...]]) -> list[Message]:
-        # Rows (id, attempts, delivery, enqueued_at, lease_until, payload, ...), or (id, enqueued_at,
-        # payload) for messages on their first delivery and unleased; read in binary: a bytea is bytes.
-        if not rows:
-            return []
-        if len(rows[0]) == 3:
-            ids, enqueued, payloads = zip(*rows, strict=True)
-            attempts: Iterable[int] = repeat(1)
-            deliveries: Iterable[int] = repeat(1)
-            until: Iterable[Any] = repeat(None)
-        else:
-            ids, attempts, deliveries, enqueued, until, payloads = list(zip(*rows, strict=True))[:6]
-        if self.settings.payload_type is not PayloadType.BYTES:
-            payloads = tuple(map(self.settings.decode, payloads))
-        return messages_from_columns(
-            ids, self.name, payloads, repeat(0), attempts, deliveries, enqueued, until
-        )
-
-    # -- finish ------------------------------------------------------------------------------------
-
-    def _receipt_params(self, messages: Sequence[Message]) -> dict[str, Any]:
-        ids = list(map(_id, messages))
-        deliveries = list(map(_delivery, messages))
-        if len(set(ids)) != len(ids):  # a message named twice: each receipt once, in order
-            receipts = list(dict.fromkeys(zip(ids, deliveries, strict=True)))
-            ids, deliveries = [r[0] for r in receipts], [r[1] for r in receipts]
-        return {
-            "ids": ids,
-            "deliveries": deliveries,
-            "capacity": self.capacity,
-            "lanes": self.lanes,
-            "queue_id": self._qid,
-            "group": self._gid,
-        }
-
-    def _raise_lost(self, params: dict[str, Any], conn: DbConnection | None) -> None:
-        held = set(self._db.fetchall("ring_held_receipts", params, conn))
-        lost = [i for i, d in zip(params["ids"], params["deliveries"], strict=True) if (i, d) not in held]
-        raise LeaseExpiredError(self.name, lost)
-
-    def _settle(self, params: dict[str, Any], conn: DbConnection | None) -> int:
-        done = self._db.fetchall("ring_settle", params, conn)
-        if len(done) != len(params["ids"]):
-            self._raise_lost(params, conn)
-        return len(done)
-
     def ack(self, messages: Sequence[Message], *, conn: DbConnection | None = None) -> int:
         params = self._receipt_params(messages)
         if not params["ids"]:
@@ -599,279 +469,7 @@ class RingQueue(Queue):
                 continue  # dropped meanwhile
         return {"reclaimed": reclaimed, "gaps_skipped": root.recover_gaps(), **watched}
 
-    # -- consumer groups ---------------------------------------------------------------------------
-
-    def _default(self) -> RingQueue:
-        return self if self._gid == self._qid else self._root
-
-    def group(self, name: str | None) -> RingQueue:
-        """Return the handle of this ring's consumer group ``name`` (``None`` or :data:`DEFAULT_GROUP`:
-        the default group's); raise :class:`GroupNotFoundError` when the ring has no such group."""
-        root = self._default()
-        if name is None or name == DEFAULT_GROUP:
-            return root
-        with root._lock:
-            got = root._groups.get(name)
-        if got is not None:
-            return got
-        self._check_groups_supported(name)
-        for row in self._db.fetchall("ring_groups", {"queue_id": self._qid}):
-            if row[0] != self._qid and row[1] == name:
-                handle = RingQueue(self._db, self.settings, group=name, gid=int(row[0]))
-                handle._root = root
-                handle.push_timeout, handle.gap_timeout = root.push_timeout, root.gap_timeout
-                with root._lock:
-                    return root._groups.setdefault(name, handle)
-        self._raise_if_gone()
-        raise GroupNotFoundError(self.name, name)
-
-    _root: RingQueue
-
-    def _check_groups_supported(self, name: str) -> None:
-        if not self._db.ring_groups_supported:
-            raise NotSupportedError(
-                f"queue {self.name!r}: consumer groups other than {DEFAULT_GROUP!r} need PostgreSQL; "
-                f"on {self._db.dialect_name} a ring has its default group only (got group {name!r})"
-            )
-
-    def add_group(
-        self,
-        name: str,
-        *,
-        start: str = "now",
-        on_lag: OnLag | str = OnLag.BLOCK,
-        lag_timeout: float = RING_DEFAULT_LAG_TIMEOUT_S,
-    ) -> RingQueue:
-        """Add a consumer group to this ring and return its handle.
-
-        :param start: ``"now"``: the group sees the messages pushed from now on; ``"earliest"``: also
-            every message still in the ring that some group has not taken yet (messages that other
-            groups hold leased or to deliver again are not delivered to it).
-        :param on_lag: what maintenance does when nobody pops the group for ``lag_timeout`` seconds while
-            it has messages to take: ``"block"`` (keep it, with a warning: it holds the ring's floor, so
-            pushes wait for it once the ring is full) or ``"drop_group"`` (drop it).
-        """
-        if not isinstance(name, str) or not _GROUP_NAME.fullmatch(name) or name == DEFAULT_GROUP:
-            raise ConfigurationError(
-                f"queue {self.name!r}: a group name is 1 to 63 letters, digits and _ . : - "
-                f"(not starting with . : -), other than {DEFAULT_GROUP!r}; got {name!r}"
-            )
-        if start not in ("now", "earliest"):
-            raise ConfigurationError(f"queue {self.name!r}: start must be 'now' or 'earliest', got {start!r}")
-        lag = OnLag.parse(on_lag)
-        timeout = check_seconds(f"queue {self.name!r}: lag_timeout", lag_timeout, positive=True)
-        self._check_groups_supported(name)
-        if any(g.name == name for g in self.groups()):
-            raise GroupExistsError(f"queue {self.name!r} has a consumer group {name!r} already")
-        params = {
-            "queue_id": self._qid,
-            "name": name,
-            "earliest": start == "earliest",
-            "on_lag": _ON_LAG_CODE[lag],
-            "lag_timeout_s": timeout,
-        }
-        try:
-            row = self._db.fetchone("ring_add_group", params)
-        except DatabaseError:
-            if any(g.name == name for g in self.groups()):
-                raise GroupExistsError(f"queue {self.name!r} has a consumer group {name!r} already") from None
-            raise
-        if row is None or row[0] is None:
-            self._raise_if_gone()
-        return self.group(name)
-
-    def drop_group(self, name: str, *, missing_ok: bool = False) -> bool:
-        """Drop a consumer group: its positions, leases and failed messages. The ring's floor rises to
-        what the other groups still need. Returns whether it existed; raises
-        :class:`GroupNotFoundError` when it did not, unless ``missing_ok``."""
-        if name == DEFAULT_GROUP:
-            raise ConfigurationError(f"queue {self.name!r}: the {DEFAULT_GROUP!r} group cannot be dropped")
-        try:
-            handle = self.group(name)
-        except GroupNotFoundError:
-            if missing_ok:
-                return False
-            raise
-        root = self._default()
-        with root._lock:
-            root._groups.pop(name, None)
-        row = self._db.fetchone("ring_drop_group", {"queue_id": self._qid, "group": handle._gid})
-        return bool(row and row[0])
-
-    def groups(self) -> list[GroupInfo]:
-        """List this ring's consumer groups, the default one first, then by name."""
-        if not self._db.ring_groups_supported:
-            stats = self._default().stats()
-            return [GroupInfo(DEFAULT_GROUP, None, OnLag.BLOCK, None, int(stats.extra["pop_position"]), None)]
-        out = []
-        for row in self._db.fetchall("ring_groups", {"queue_id": self._qid}):
-            if row[0] == self._qid:
-                out.append(GroupInfo(DEFAULT_GROUP, None, OnLag.BLOCK, None, int(row[7]), None))
-                continue
-            idle = (time.time() - row[6].timestamp()) if row[6] is not None else None
-            out.append(
-                GroupInfo(
-                    name=str(row[1]),
-                    created_at=row[2],
-                    on_lag=OnLag.DROP_GROUP if row[3] == 1 else OnLag.BLOCK,
-                    lag_timeout_s=float(row[4]),
-                    pop_position=int(row[7]),
-                    idle_s=None if idle is None else max(0.0, idle),
-                )
-            )
-        if not out:
-            self._raise_if_gone()
-        out.sort(key=lambda g: (g.name != DEFAULT_GROUP, g.name))
-        return out
-
-    def watch_groups(self) -> dict[str, int]:
-        """Note which consumer groups moved since the last call, and act on each that has not moved for
-        its lag timeout while it has messages to take: warn (``on_lag="block"``: it holds the ring's
-        floor, so pushes wait for it once the ring is full) or drop it (``"drop_group"``). Maintenance
-        calls it through :meth:`maintain`. Returns ``{"groups_lagging": n, "groups_dropped": m}``."""
-        lagging = dropped = 0
-        for row in self._db.fetchall("ring_groups", {"queue_id": self._qid}):
-            if row[0] == self._qid:
-                continue  # the default group is not watched: it is the ring's own
-            gid, name, on_lag, timeout, min_pos, sum_pos, issued = (
-                int(row[0]),
-                str(row[1]),
-                int(row[3]),
-                float(row[4]),
-                int(row[7]),
-                int(row[8]),
-                int(row[9]),
-            )
-            moved = self._db.fetchone(
-                "ring_group_moved", {"queue_id": self._qid, "group": gid, "moved_pos": sum_pos}
-            )
-            idle = float(moved[0]) if moved else 0.0
-            if idle < timeout or min_pos > issued:
-                continue  # it moved within its timeout, or has nothing to take
-            lagging += 1
-            if on_lag == _ON_LAG_CODE[OnLag.DROP_GROUP]:
-                log.warning(
-                    "queue %s: consumer group %s has not popped for %.0fs with %d numbers to take; "
-                    "dropping it (on_lag=drop_group)",
-                    self.name,
-                    name,
-                    idle,
-                    issued - min_pos + 1,
-                )
-                if self.drop_group(name, missing_ok=True):
-                    dropped += 1
-            else:
-                log.warning(
-                    "queue %s: consumer group %s has not popped for %.0fs with %d numbers to take; it holds "
-                    "the ring's floor, so pushes wait for it once the ring is full (on_lag=block: pop it, "
-                    "or drop it with drop_group)",
-                    self.name,
-                    name,
-                    idle,
-                    issued - min_pos + 1,
-                )
-        return {"groups_lagging": lagging, "groups_dropped": dropped}
-
-    # -- inspect and administer --------------------------------------------------------------------
-
-    def peek(self, n: int = 10) -> list[Message]:
-        rows = self._db.fetchall(
-            "ring_peek", {"queue_id": self._qid, "n": _check_batch_size(n), "group": self._gid}
-        )
-        return self._messages(rows)
-
-    def count_ready(self, min_priority: int | None = None, cap: int = 1_000_000) -> int:
-        if min_priority is not None and min_priority > 0:
-            return 0  # every ring message has priority 0
-        row = self._db.fetchone("ring_count_ready", self._readiness_params(cap))
-        return int(row[0]) if row else 0
-
-    def _readiness_params(self, cap: int) -> dict[str, Any]:
-        return {
-            "queue_id": self._qid,
-            "cap": cap,
-            "max_attempts": self.settings.max_attempts,
-            "group": self._gid,
-        }
-
-    def readiness(
-        self, min_priority: int | None = None, cap: int = 1_000_000
-    ) -> tuple[int, tuple[int, int] | None]:
-        row = self._db.fetchone("ring_ready_head", self._readiness_params(cap))
-        return self._readiness_row(row, min_priority)
-
-    @staticmethod
-    def _readiness_row(
-        row: tuple[Any, ...] | None, min_priority: int | None
-    ) -> tuple[int, tuple[int, int] | None]:
-        if row is None or row[1] is None:
-            return 0, None
-        ready = 0 if min_priority is not None and min_priority > 0 else int(row[0])
-        return ready, (int(row[1]), int(row[2]))
-
-    async def areadiness(
-        self, aconn: AsyncDbConnection, min_priority: int | None = None, cap: int = 1_000_000
-    ) -> tuple[int, tuple[int, int] | None]:
-        self._check_async()
-        row = await self._db.afetchone(aconn, "ring_ready_head", self._readiness_params(cap))
-        return self._readiness_row(row, min_priority)
-
-    def leased(self, receipts: Sequence[tuple[int, int]]) -> list[Message]:
-        stubs = self._receipt_messages(receipts)
-        if not stubs:
-            return []
-        return self._messages(self._db.fetchall("ring_leased", self._receipt_params(stubs)))
-
-    def stats(self) -> QueueStats:
-        row = self._db.fetchone("ring_stats", {"queue_id": self._qid, "group": self._gid})
-        if row is None:
-            raise QueueNotFoundError(self.name, self._db.schema)
-        push_pos, pop_pos, floor = int(row[5]), int(row[6]), int(row[7])
-        # The numbers from the floor to the push position hold slots (or wait for them: a push of one
-        # takes its number before it finds the ring full), so the ring's fill is at most 1.
-        used = min(self.capacity, max(0, push_pos - floor + 1))
-        return QueueStats(
-            queue=self.name,
-            ready=row[0],
-            delayed=row[1],
-            in_flight=row[2],
-            failed=row[3],
-            finished=0,  # a ring does not archive: a finished slot is reused
-            oldest_ready_age_s=row[4],
-            extra={
-                "capacity": self.capacity,
-                "lanes": int(row[9]),
-                "push_position": push_pos,
-                "pop_position": pop_pos,
-                "floor": floor,
-                "ring_used": used,
-                "ring_fill": round(used / self.capacity, 4),
-                "gaps_skipped": int(row[8]),
-                "group": self.group_name,
-                # What the group has still to finish: what it can take now or later, and what it holds.
-                "lag_messages": int(row[0]) + int(row[1]) + int(row[2]),
-                "lag_seconds": float(row[4] or 0.0),
-            },
-        )
-
-    def list_failed(self, limit: int = 100, after_id: int = 0) -> list[FailedMessage]:
-        rows = self._db.fetchall(
-            "ring_list_failed",
-            {"queue_id": self._qid, "after_id": after_id, "limit": limit, "group": self._gid},
-        )
-        decode = self.settings.decode
-        return [
-            FailedMessage(
-                id=r[0],
-                queue=self.name,
-                priority=0,
-                attempts=r[1],
-                enqueued_at=r[2],
-                last_error=r[3],
-                payload=decode(r[4]),
-            )
-            for r in rows
-        ]
+    # -- failed messages ---------------------------------------------------------------------------
 
     def requeue_failed(self, ids: Sequence[int] | None = None) -> int:
         """Push failed messages again, oldest first, with a fresh attempt count.
@@ -893,7 +491,3 @@ class RingQueue(Queue):
             for first in range(0, len(payloads), self.capacity):
                 self._push_encoded(payloads[first : first + self.capacity], conn)
         return len(rows)
-
-    def delete_failed(self, ids: Sequence[int] | None = None) -> int:
-        params = {"queue_id": self._qid, "all": ids is None, "ids": list(ids or []), "group": self._gid}
-        return len(self._db.fetchall("ring_delete_failed", params))

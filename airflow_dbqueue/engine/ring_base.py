@@ -1,0 +1,175 @@
+"""What every handle of a ring shares: its settings and state, the rows it reads back and the
+receipts it settles. The ring design itself is described in :mod:`airflow_dbqueue.engine.ring`."""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Iterable, Sequence
+from itertools import repeat
+from operator import attrgetter, itemgetter
+from typing import TYPE_CHECKING, Any, Self, cast
+
+from airflow_dbqueue.engine.errors import (
+    ConfigurationError,
+    GroupNotFoundError,
+    LeaseExpiredError,
+    QueueNotFoundError,
+)
+from airflow_dbqueue.engine.models import (
+    DEFAULT_GROUP,
+    Message,
+    NotifyMode,
+    OnLag,
+    PayloadType,
+    messages_from_columns,
+)
+from airflow_dbqueue.engine.queue import Queue
+
+if TYPE_CHECKING:
+    from airflow_dbqueue.engine.dialects.base import Database, DbConnection
+    from airflow_dbqueue.engine.models import QueueSettings
+
+RING_MAX_PAYLOAD = 4000
+"""Largest payload a ring slot holds (inline: about half a page, so a row and its next version share a
+page and updates stay HOT). Larger payloads belong in the table design."""
+RING_DEFAULT_PAYLOAD = 512
+"""A ring's default ``max_payload_bytes``. The slots' pages are laid out for payloads of the queue's
+``max_payload_bytes`` (a page holds about half a page of full slots), so a larger limit spreads the ring
+over more pages."""
+RING_DEFAULT_CAPACITY = 16384
+RING_MAX_CAPACITY = 16_777_216
+RING_DEFAULT_LANES = 8
+"""A ring's default lanes (at most its capacity): up to this many consumers take messages at once."""
+RING_MAX_LANES = 256
+_NOTIFY_CODE = {NotifyMode.NEVER: 0, NotifyMode.AUTO: 1, NotifyMode.ALWAYS: 2}
+_PUSH_ATTEMPTS = 20
+_first = itemgetter(0)
+_SETTLE_ACK = {
+    "nack": False,
+    "delay_s": None,
+    "backoff_s": 0.0,
+    "backoff_max_s": 0.0,
+    "max_attempts": 1,
+    "error": None,
+}
+_id = attrgetter("id")
+_delivery = attrgetter("delivery")
+_GROUP_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,62}")
+_ON_LAG_CODE = {OnLag.BLOCK: 0, OnLag.DROP_GROUP: 1}
+RING_DEFAULT_LAG_TIMEOUT_S = 3600.0
+"""A consumer group's default lag timeout: an hour without a pop while it has messages to take."""
+log = logging.getLogger("airflow_dbqueue.engine.ring")  # the ring design's one logger, whichever module logs
+
+
+class RingBase(Queue):
+    """A ring's handle: its settings and state, and what the parts of :class:`RingQueue` share."""
+
+    def __init__(
+        self,
+        db: Database,
+        settings: QueueSettings,
+        *,
+        group: str = DEFAULT_GROUP,
+        gid: int | None = None,
+    ) -> None:
+        super().__init__(db, settings)
+        if settings.capacity is None:
+            raise ConfigurationError(f"queue {settings.name!r} is a ring without a capacity")
+        self.group_name = group
+        # The key of the group's lanes, leases, retry and failed rows: the ring's queue id for its
+        # default group, a negative gid for another (ring_groups).
+        self._gid = settings.queue_id if gid is None else gid
+        self._groups: dict[str, Self] = {}  # the handles of other groups (the default group's only)
+        self._qid = settings.queue_id
+        self.capacity = settings.capacity
+        self.lanes = settings.lanes or 1
+        self._channel = db.channel(settings.queue_id)
+        self._lock = threading.Lock()
+        self._gap: tuple[int, int, str | None] | None = None  # (number, issued position, holders)
+        self._gap_since: tuple[int, float] | None = None
+        self._last_reclaim = 0.0
+        self._fast = False  # the last pop came back full: the next one tries ring_take first
+        # A floor of the ring (ring_floor) that pushes of one pass to the server instead of reading it
+        # on every call; read again when a push of one finds its slot not free under it.
+        self._floor: int | None = None
+        self._floor_read = False
+        self._help_params: dict[str, Any] = {
+            "queue_id": self._qid,
+            "capacity": self.capacity,
+            "lanes": self.lanes,
+            "lease": False,
+            "visibility_timeout_s": settings.visibility_timeout_s,
+            "consumer": "push",
+            "group": self._gid,
+        }
+        self.push_timeout = 30.0
+        self.gap_timeout = 5.0
+        self.reclaim_every_s = min(1.0, settings.visibility_timeout_s / 2)
+        self._root = cast("Self", self)  # a group's handle: its ring's default handle (RingQueue.group)
+
+    def _raise_if_gone(self) -> None:
+        """Raise :class:`QueueNotFoundError` when this handle's ring was dropped (its queue row is gone,
+        or names another queue now), or :class:`GroupNotFoundError` when its consumer group was: a
+        ring's statements find no ring or group then, and fail or write nothing."""
+        row = self._db.fetchone("get_queue", {"name": self.name})
+        if row is None or row[0] != self._qid:
+            raise QueueNotFoundError(self.name, self._db.schema) from None
+        if self._gid != self._qid and not any(
+            r[0] == self._gid for r in self._db.fetchall("ring_groups", {"queue_id": self._qid})
+        ):
+            root = self._default()
+            with root._lock:  # group(name) looks the name up again (it may name a new group now)
+                if root._groups.get(self.group_name) is self:
+                    del root._groups[self.group_name]
+            raise GroupNotFoundError(self.name, self.group_name) from None
+
+    def _messages(self, rows: Sequence[tuple[Any, ...]]) -> list[Message]:
+        # Rows (id, attempts, delivery, enqueued_at, lease_until, payload, ...), or (id, enqueued_at,
+        # payload) for messages on their first delivery and unleased; read in binary: a bytea is bytes.
+        if not rows:
+            return []
+        if len(rows[0]) == 3:
+            ids, enqueued, payloads = zip(*rows, strict=True)
+            attempts: Iterable[int] = repeat(1)
+            deliveries: Iterable[int] = repeat(1)
+            until: Iterable[Any] = repeat(None)
+        else:
+            ids, attempts, deliveries, enqueued, until, payloads = list(zip(*rows, strict=True))[:6]
+        if self.settings.payload_type is not PayloadType.BYTES:
+            payloads = tuple(map(self.settings.decode, payloads))
+        return messages_from_columns(
+            ids, self.name, payloads, repeat(0), attempts, deliveries, enqueued, until
+        )
+
+    def _receipt_params(self, messages: Sequence[Message]) -> dict[str, Any]:
+        ids = list(map(_id, messages))
+        deliveries = list(map(_delivery, messages))
+        if len(set(ids)) != len(ids):  # a message named twice: each receipt once, in order
+            receipts = list(dict.fromkeys(zip(ids, deliveries, strict=True)))
+            ids, deliveries = [r[0] for r in receipts], [r[1] for r in receipts]
+        return {
+            "ids": ids,
+            "deliveries": deliveries,
+            "capacity": self.capacity,
+            "lanes": self.lanes,
+            "queue_id": self._qid,
+            "group": self._gid,
+        }
+
+    def _raise_lost(self, params: dict[str, Any], conn: DbConnection | None) -> None:
+        held = set(self._db.fetchall("ring_held_receipts", params, conn))
+        lost = [i for i, d in zip(params["ids"], params["deliveries"], strict=True) if (i, d) not in held]
+        raise LeaseExpiredError(self.name, lost)
+
+    def _settle(self, params: dict[str, Any], conn: DbConnection | None) -> int:
+        done = self._db.fetchall("ring_settle", params, conn)
+        if len(done) != len(params["ids"]):
+            self._raise_lost(params, conn)
+        return len(done)
+
+    def _default(self) -> Self:
+        return self if self._gid == self._qid else self._root
+
+    _root: Self

@@ -1,0 +1,130 @@
+"""What a ring holds, read without taking it, and its failed messages
+(:mod:`airflow_dbqueue.engine.ring`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from airflow_dbqueue.engine.errors import (
+    QueueNotFoundError,
+)
+from airflow_dbqueue.engine.models import (
+    FailedMessage,
+    Message,
+    QueueStats,
+)
+from airflow_dbqueue.engine.queue import _check_batch_size
+from airflow_dbqueue.engine.ring_base import (
+    RingBase,
+)
+
+if TYPE_CHECKING:
+    from airflow_dbqueue.engine.dialects.base import AsyncDbConnection
+
+
+class RingInspect(RingBase):
+    """Peeking, counting, stats and failed messages of a ring's group."""
+
+    def peek(self, n: int = 10) -> list[Message]:
+        rows = self._db.fetchall(
+            "ring_peek", {"queue_id": self._qid, "n": _check_batch_size(n), "group": self._gid}
+        )
+        return self._messages(rows)
+
+    def count_ready(self, min_priority: int | None = None, cap: int = 1_000_000) -> int:
+        if min_priority is not None and min_priority > 0:
+            return 0  # every ring message has priority 0
+        row = self._db.fetchone("ring_count_ready", self._readiness_params(cap))
+        return int(row[0]) if row else 0
+
+    def _readiness_params(self, cap: int) -> dict[str, Any]:
+        return {
+            "queue_id": self._qid,
+            "cap": cap,
+            "max_attempts": self.settings.max_attempts,
+            "group": self._gid,
+        }
+
+    def readiness(
+        self, min_priority: int | None = None, cap: int = 1_000_000
+    ) -> tuple[int, tuple[int, int] | None]:
+        row = self._db.fetchone("ring_ready_head", self._readiness_params(cap))
+        return self._readiness_row(row, min_priority)
+
+    @staticmethod
+    def _readiness_row(
+        row: tuple[Any, ...] | None, min_priority: int | None
+    ) -> tuple[int, tuple[int, int] | None]:
+        if row is None or row[1] is None:
+            return 0, None
+        ready = 0 if min_priority is not None and min_priority > 0 else int(row[0])
+        return ready, (int(row[1]), int(row[2]))
+
+    async def areadiness(
+        self, aconn: AsyncDbConnection, min_priority: int | None = None, cap: int = 1_000_000
+    ) -> tuple[int, tuple[int, int] | None]:
+        self._check_async()
+        row = await self._db.afetchone(aconn, "ring_ready_head", self._readiness_params(cap))
+        return self._readiness_row(row, min_priority)
+
+    def leased(self, receipts: Sequence[tuple[int, int]]) -> list[Message]:
+        stubs = self._receipt_messages(receipts)
+        if not stubs:
+            return []
+        return self._messages(self._db.fetchall("ring_leased", self._receipt_params(stubs)))
+
+    def stats(self) -> QueueStats:
+        row = self._db.fetchone("ring_stats", {"queue_id": self._qid, "group": self._gid})
+        if row is None:
+            raise QueueNotFoundError(self.name, self._db.schema)
+        push_pos, pop_pos, floor = int(row[5]), int(row[6]), int(row[7])
+        # The numbers from the floor to the push position hold slots (or wait for them: a push of one
+        # takes its number before it finds the ring full), so the ring's fill is at most 1.
+        used = min(self.capacity, max(0, push_pos - floor + 1))
+        return QueueStats(
+            queue=self.name,
+            ready=row[0],
+            delayed=row[1],
+            in_flight=row[2],
+            failed=row[3],
+            finished=0,  # a ring does not archive: a finished slot is reused
+            oldest_ready_age_s=row[4],
+            extra={
+                "capacity": self.capacity,
+                "lanes": int(row[9]),
+                "push_position": push_pos,
+                "pop_position": pop_pos,
+                "floor": floor,
+                "ring_used": used,
+                "ring_fill": round(used / self.capacity, 4),
+                "gaps_skipped": int(row[8]),
+                "group": self.group_name,
+                # What the group has still to finish: what it can take now or later, and what it holds.
+                "lag_messages": int(row[0]) + int(row[1]) + int(row[2]),
+                "lag_seconds": float(row[4] or 0.0),
+            },
+        )
+
+    def list_failed(self, limit: int = 100, after_id: int = 0) -> list[FailedMessage]:
+        rows = self._db.fetchall(
+            "ring_list_failed",
+            {"queue_id": self._qid, "after_id": after_id, "limit": limit, "group": self._gid},
+        )
+        decode = self.settings.decode
+        return [
+            FailedMessage(
+                id=r[0],
+                queue=self.name,
+                priority=0,
+                attempts=r[1],
+                enqueued_at=r[2],
+                last_error=r[3],
+                payload=decode(r[4]),
+            )
+            for r in rows
+        ]
+
+    def delete_failed(self, ids: Sequence[int] | None = None) -> int:
+        params = {"queue_id": self._qid, "all": ids is None, "ids": list(ids or []), "group": self._gid}
+        return len(self._db.fetchall("ring_delete_failed", params))
