@@ -1,8 +1,10 @@
 """Consumer groups on a ring: each group sees every message at its own pace, with its own positions,
 leases, retries and failed messages, and no push overwrites a message that some group still needs.
 
-PostgreSQL only (a ring on SQL Server has its default group alone: the last tests check that it says
-so). Every test counts and checksums what went in and what each group got.
+On PostgreSQL; SQL Server's procedures of the same names run the same steps on the T-SQL interpreter
+against PostgreSQL's (tests/integration/test_tsql_ring_against_postgres.py, and
+tests/unit/test_mssql_ring_procedures.py). Every test counts and checksums what went in and what each
+group got.
 """
 
 from __future__ import annotations
