@@ -2,10 +2,14 @@
 
     dbqueue [--dsn DSN] [--schema S] init
     dbqueue create QUEUE [--payload-type json|text|bytes] [--max-attempts N] [--visibility-timeout S]
+                   [--design table|ring] [--capacity N] [--lanes N]
     dbqueue push QUEUE JSON [JSON ...] [--priority P] [--delay S]
-    dbqueue pop QUEUE [-n N] [--semantics at-most-once|at-least-once] [--wait S]
+    dbqueue pop QUEUE [-n N] [--semantics at-most-once|at-least-once] [--wait S] [--group G]
     dbqueue stats [QUEUE ...]
     dbqueue failed QUEUE [--requeue | --delete]
+    dbqueue groups QUEUE
+    dbqueue add-group QUEUE GROUP [--start now|earliest] [--on-lag block|drop_group] [--lag-timeout S]
+    dbqueue drop-group QUEUE GROUP [--missing-ok]
     dbqueue archive [--older-than S] [--retention S] [--batch-size N] [--pause S] [--time-budget S]
                     [--queue Q ...] [--lock-wait S]
     dbqueue maintain [the archive options] [--no-vacuum] [--no-reindex] [--no-compact] [--bloat-ratio R]
@@ -37,9 +41,12 @@ from airflow_dbqueue.engine import (
     ConfigurationError,
     DbQueue,
     DbQueueError,
+    GroupNotFoundError,
     MaintenanceConfig,
     Message,
 )
+from airflow_dbqueue.engine.models import GroupInfo
+from airflow_dbqueue.engine.ring import RingQueue
 
 
 @contextlib.contextmanager
@@ -75,9 +82,12 @@ def _cmd_create(dbq: DbQueue, args: argparse.Namespace) -> int:
     dbq.install()
     q = dbq.create_queue(
         args.queue,
+        design=args.design,
         payload_type=args.payload_type,
         max_attempts=args.max_attempts,
         visibility_timeout=args.visibility_timeout,
+        capacity=args.capacity,
+        lanes=args.lanes,
     )
     _say(json.dumps({"queue": q.name, "settings": str(q.settings)}))
     return 0
@@ -99,7 +109,7 @@ def _cmd_push(dbq: DbQueue, args: argparse.Namespace) -> int:
 
 def _cmd_pop(dbq: DbQueue, args: argparse.Namespace) -> int:
     q = dbq.queue(args.queue)
-    for m in q.pop(args.n, semantics=args.semantics, wait=args.wait):
+    for m in q.pop(args.n, semantics=args.semantics, wait=args.wait, group=args.group):
         _say(json.dumps({"id": m.id, "attempts": m.attempts, "priority": m.priority, "payload": m.payload}))
     return 0
 
@@ -121,6 +131,62 @@ def _cmd_failed(dbq: DbQueue, args: argparse.Namespace) -> int:
         for f in q.list_failed(limit=1000):
             row = {"id": f.id, "attempts": f.attempts, "error": f.last_error, "payload": f.payload}
             _say(json.dumps(row))
+    return 0
+
+
+def _ring(dbq: DbQueue, name: str) -> RingQueue:
+    """The ring queue ``name``: :class:`QueueNotFoundError` when there is none, :class:`ConfigurationError`
+    when it is of another design (consumer groups are the ring's)."""
+    q = dbq.queue(name)
+    if not isinstance(q, RingQueue):
+        raise ConfigurationError(
+            f"queue {name!r} is a {q.settings.design} queue: consumer groups need the ring design "
+            "(dbqueue create QUEUE --design ring)"
+        )
+    return q
+
+
+def _group_row(q: RingQueue, info: GroupInfo) -> dict[str, Any]:
+    """One consumer group as ``dbqueue groups`` prints it: its position, what it has still to finish (in
+    messages, and the age of its oldest ready one), what maintenance does when it lags, and how long
+    maintenance has seen it not move."""
+    extra = q.group(info.name).stats().extra
+    return {
+        "queue": q.name,
+        "group": info.name,
+        "pop_position": info.pop_position,
+        "lag_messages": extra["lag_messages"],
+        "lag_seconds": round(extra["lag_seconds"], 3),
+        "on_lag": info.on_lag.value,
+        "lag_timeout_s": info.lag_timeout_s,
+        "idle_s": None if info.idle_s is None else round(info.idle_s, 3),
+        "created_at": None if info.created_at is None else info.created_at.isoformat(),
+    }
+
+
+def _cmd_groups(dbq: DbQueue, args: argparse.Namespace) -> int:
+    q = _ring(dbq, args.queue)
+    for info in q.groups():
+        try:
+            row = _group_row(q, info)
+        except GroupNotFoundError:
+            continue  # dropped meanwhile
+        _say(json.dumps(row))
+    return 0
+
+
+def _cmd_add_group(dbq: DbQueue, args: argparse.Namespace) -> int:
+    q = _ring(dbq, args.queue)
+    q.add_group(args.group, start=args.start, on_lag=args.on_lag, lag_timeout=args.lag_timeout)
+    [info] = [g for g in q.groups() if g.name == args.group]
+    _say(json.dumps(_group_row(q, info)))
+    return 0
+
+
+def _cmd_drop_group(dbq: DbQueue, args: argparse.Namespace) -> int:
+    q = _ring(dbq, args.queue)
+    dropped = q.drop_group(args.group, missing_ok=args.missing_ok)
+    _say(json.dumps({"queue": q.name, "group": args.group, "dropped": dropped}))
     return 0
 
 
@@ -384,6 +450,33 @@ def _maintain_options(c: argparse.ArgumentParser) -> None:
     )
 
 
+def _group_commands(sub: Any) -> None:
+    """The commands of a ring's consumer groups: ``groups``, ``add-group`` and ``drop-group``."""
+    c = sub.add_parser("groups", help="a ring's consumer groups: position, lag, on_lag (JSON lines)")
+    c.add_argument("queue")
+    c = sub.add_parser("add-group", help="add a consumer group to a ring")
+    c.add_argument("queue")
+    c.add_argument("group")
+    c.add_argument(
+        "--start",
+        default="now",
+        metavar="now|earliest",
+        help="see what is pushed from now on (default), or also what some group has not taken yet",
+    )
+    c.add_argument(
+        "--on-lag",
+        default="block",
+        metavar="block|drop_group",
+        help="what maintenance does when nobody pops the group for its lag timeout "
+        "(default: block, a warning)",
+    )
+    c.add_argument("--lag-timeout", type=float, default=3600.0, help="seconds (default 3600)")
+    c = sub.add_parser("drop-group", help="drop a ring's consumer group")
+    c.add_argument("queue")
+    c.add_argument("group")
+    c.add_argument("--missing-ok", action="store_true", help="no error when the group does not exist")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dbqueue", description="Message queues inside PostgreSQL.")
     p.add_argument("--dsn", help=f"database connection string (default: ${DSN_ENV}, else embedded)")
@@ -396,6 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--payload-type", default="json", choices=["json", "text", "bytes"])
     c.add_argument("--max-attempts", type=int, default=5)
     c.add_argument("--visibility-timeout", type=float, default=30.0)
+    c.add_argument("--design", default="table", choices=["table", "ring"])
+    c.add_argument("--capacity", type=int, help="a ring's slots (default 16384)")
+    c.add_argument("--lanes", type=int, help="a ring's lanes: consumers that take at once (default 8)")
     c = sub.add_parser("push", help="push JSON payloads")
     c.add_argument("queue")
     c.add_argument("payloads", nargs="+", metavar="JSON")
@@ -406,6 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-n", type=int, default=1)
     c.add_argument("--semantics", default="at-most-once", choices=["at-most-once", "at-least-once"])
     c.add_argument("--wait", type=float, default=0.0)
+    c.add_argument("--group", help="a ring's consumer group to pop for (default: its default group)")
     c = sub.add_parser("stats", help="queue depth by state")
     c.add_argument("queues", nargs="*")
     c = sub.add_parser("failed", help="list, requeue or delete failed messages")
@@ -413,6 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = c.add_mutually_exclusive_group()
     g.add_argument("--requeue", action="store_true")
     g.add_argument("--delete", action="store_true")
+    _group_commands(sub)
     c = sub.add_parser("archive", help="archive finished messages in batches (and apply a retention)")
     _batch_options(c)
     c = sub.add_parser("maintain", help="run every maintenance step once (archive, VACUUM, reindex, ...)")
@@ -444,6 +542,9 @@ COMMANDS = {
     "pop": _cmd_pop,
     "stats": _cmd_stats,
     "failed": _cmd_failed,
+    "groups": _cmd_groups,
+    "add-group": _cmd_add_group,
+    "drop-group": _cmd_drop_group,
     "archive": _cmd_archive,
     "maintain": _cmd_maintain,
     "metrics": _cmd_metrics,
