@@ -411,8 +411,9 @@ class Server:
 
     # running
 
-    def call(self, name: str, **args: Any) -> tuple[list[list[tuple[Any, ...]]], dict[str, Any]]:
-        """Run procedure ``name``: ``(result sets, output parameters)``."""
+    def call(self, name: str, /, **args: Any) -> tuple[list[list[tuple[Any, ...]]], dict[str, Any]]:
+        """Run procedure ``name``: ``(result sets, output parameters)`` (positional only: a procedure may
+        have a parameter @name)."""
         frame = Frame(self, lock_timeout=-1)
         outputs = frame.call(name, {k: (v, False) for k, v in args.items()})
         return frame.results, outputs

@@ -1,10 +1,11 @@
 """The SQL Server ring's stored procedures run offline, on the T-SQL interpreter of tests/tsql.py.
 
 No SQL Server can run here. These tests run ``ring_create``, ``ring_push``, ``ring_take``, ``ring_pop``,
-``ring_pass``, ``ring_skip_gap``, ``ring_skip_abandoned`` and ``ring_settle`` as the SQL Server
-``schema.sql`` writes them, on tables held in memory, and check what they do against what PostgreSQL's
-functions of the same names do (their comments in ``postgres/schema.sql``): lanes moved over given-up
-numbers, a take that runs past the end of the slots taken in two parts, a pop of none. The last tests
+``ring_pass``, ``ring_skip_gap``, ``ring_skip_abandoned``, ``ring_settle``, ``ring_add_group`` and
+``ring_drop_group`` as the SQL Server ``schema.sql`` writes them, on tables held in memory, and check what
+they do against what PostgreSQL's functions of the same names do (their comments in
+``postgres/schema.sql``): lanes moved over given-up numbers, a take that runs past the end of the slots
+taken in two parts, a pop of none, consumer groups holding the floor until dropped. The last tests
 break the T-SQL on purpose, one change at a time, and check that the scenarios then fail.
 
 What the interpreter leaves out is said in tests/tsql.py: no transactions, no concurrency (other
@@ -669,6 +670,74 @@ def test_a_ring_of_the_old_design_keeps_its_messages_through_the_upgrade_to_vers
     check_upgrade(blocks())
 
 
+# -- consumer groups -------------------------------------------------------------------------------
+
+
+def add_group(ring: tsql.Ring, name: str, *, earliest: bool) -> int:
+    """ring_add_group, called as the engine's named query calls it: the new group's gid."""
+    _, out = ring.server.call(
+        "ring_add_group",
+        queue_id=ring.queue_id,
+        name=name,
+        earliest=int(earliest),
+        on_lag=0,
+        lag_timeout_s=60.0,
+        gid=None,
+    )
+    return int(out["gid"])
+
+
+def group_of(ring: tsql.Ring, gid: int) -> tsql.Ring:
+    """The ring as a consumer group's pops see it: its calls pass the group's gid for the queue id."""
+    view = tsql.Ring.__new__(tsql.Ring)
+    view.server, view.queue_id, view.capacity, view.lanes, view.seq = (
+        ring.server,
+        gid,
+        ring.capacity,
+        ring.lanes,
+        ring.seq,
+    )
+    return view
+
+
+def check_groups(make: Make) -> None:
+    """A group added now sees what is pushed from then on; one added from the earliest message also what
+    the ring still holds for some group. A group that has not taken a number holds the floor: a push a
+    capacity ahead of it finds the ring full (and takes no number), until the group is dropped, which
+    deletes its lanes. Given-up numbers are passed over in every group's lanes. Gids are never used
+    twice."""
+    ring = make(capacity=4, lanes=2)
+    assert ring.push(b"1") == [1]
+    late = add_group(ring, "late", earliest=False)
+    early = add_group(ring, "early", earliest=True)
+    assert (late, early) == (-1, -2)
+    assert group_of(ring, late).positions() == [2, 3]  # past the push position
+    assert group_of(ring, early).positions() == [2, 1]  # the default group's
+    assert ring.push(b"2", b"3") == [2, 3]
+    assert ids(group_of(ring, early).take(4)) == [1, 2, 3]
+    assert ids(group_of(ring, late).take(4)) == [2, 3]
+    assert ring.push(b"4", b"5") == []  # 5 would overwrite 1, which the default group has not taken
+    assert ids(ring.take(4)) == [1, 2, 3]
+    assert ring.push(b"4", b"5") == [4, 5]
+    assert ids(ring.take(4)) == ids(group_of(ring, early).take(4)) == [4, 5]
+    assert ring.push(b"6", b"7") == [6, 7]
+    assert ids(ring.take(4)) == ids(group_of(ring, early).take(4)) == [6, 7]
+    assert ring.push(b"8") == []  # late has not taken 4
+    _, out = ring.server.call("ring_drop_group", queue_id=ring.queue_id, gid=late, dropped=None)
+    assert out["dropped"] == 1
+    assert [r for r in ring.server.tables["ring_lanes"].rows if r["queue_id"] == late] == []
+    assert ring.push(b"8") == [8]
+    assert ring.abandon(1) == [9]
+    assert ring.skip_abandoned() == 1
+    assert ring.pass_lanes() == 2  # lane 1 of the default group and of early, both at 9
+    assert ring.positions() == group_of(ring, early).positions() == [8, 11]
+    assert add_group(ring, "late", earliest=False) == -3
+
+
+def test_consumer_groups_see_their_messages_and_hold_the_floor_until_dropped() -> None:
+    check_groups(maker())
+
+
 # -- the checks fail when the T-SQL is broken ------------------------------------------------------
 
 
@@ -746,6 +815,32 @@ MUTATIONS = [
         "IF NOT EXISTS (SELECT 1 FROM [dbq].rings g",
         "IF EXISTS (SELECT 1 FROM [dbq].rings g",
         check_dropped,
+    ),
+    # consumer groups
+    ("v6_ring_floor", "IF @lanes < @floor OR @floor IS NULL", "IF @lanes < @floor AND 1 = 0", check_groups),
+    (
+        "v6_ring_add_group",
+        "CASE WHEN @earliest = 1 THEN min(t.pos)",
+        "CASE WHEN @earliest = 1 THEN max(t.pos)",
+        check_groups,
+    ),
+    (
+        "v6_ring_take",
+        "SET @queue_id = (SELECT g.queue_id FROM [dbq].ring_groups g WHERE g.gid = @gid);",
+        "SET @queue_id = @gid;",
+        check_groups,
+    ),
+    (
+        "v6_ring_drop_group",
+        "DELETE FROM [dbq].ring_lanes WHERE queue_id = @gid;",
+        "DELETE FROM [dbq].ring_lanes WHERE queue_id = @gid AND 1 = 0;",
+        check_groups,
+    ),
+    (
+        "v6_ring_pass",
+        "JOIN [dbq].ring_lanes t WITH (ROWLOCK, UPDLOCK, READPAST) ON t.queue_id = g.gid",
+        "JOIN [dbq].ring_lanes t WITH (ROWLOCK, UPDLOCK, READPAST) ON t.queue_id = g.gid AND 1 = 0",
+        check_groups,
     ),
 ]
 UPGRADE_MUTATIONS = [
