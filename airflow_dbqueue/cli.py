@@ -2,10 +2,14 @@
 
     dbqueue [--dsn DSN] [--schema S] init
     dbqueue create QUEUE [--payload-type json|text|bytes] [--max-attempts N] [--visibility-timeout S]
+                   [--design table|ring] [--capacity N] [--lanes N]
     dbqueue push QUEUE JSON [JSON ...] [--priority P] [--delay S]
-    dbqueue pop QUEUE [-n N] [--semantics at-most-once|at-least-once] [--wait S]
+    dbqueue pop QUEUE [-n N] [--semantics at-most-once|at-least-once] [--wait S] [--group G]
     dbqueue stats [QUEUE ...]
     dbqueue failed QUEUE [--requeue | --delete]
+    dbqueue groups QUEUE
+    dbqueue add-group QUEUE GROUP [--start now|earliest] [--on-lag block|drop_group] [--lag-timeout S]
+    dbqueue drop-group QUEUE GROUP [--missing-ok]
     dbqueue archive [--older-than S] [--retention S] [--batch-size N] [--pause S] [--time-budget S]
                     [--queue Q ...] [--lock-wait S]
     dbqueue maintain [the archive options] [--no-vacuum] [--no-reindex] [--no-compact] [--bloat-ratio R]
@@ -24,25 +28,30 @@ import argparse
 import contextlib
 import json
 import os
-import random
 import sys
-import threading
 import time
-from collections import Counter, defaultdict
 from collections.abc import Iterator
 from typing import Any
 
+from airflow_dbqueue.cli_demo import cmd_demo, cmd_pipeline
+from airflow_dbqueue.cli_demo import say as _say
 from airflow_dbqueue.engine import (
     DSN_ENV,
     ConfigurationError,
     DbQueue,
     DbQueueError,
+    GroupNotFoundError,
     MaintenanceConfig,
-    Message,
 )
 from airflow_dbqueue.engine.dialects.base import DEFAULT_SCHEMA
 from airflow_dbqueue.engine.maintenance import config as defaults
-from airflow_dbqueue.engine.models import DEFAULT_MAX_ATTEMPTS, DEFAULT_VISIBILITY_TIMEOUT_S
+from airflow_dbqueue.engine.models import DEFAULT_MAX_ATTEMPTS, DEFAULT_VISIBILITY_TIMEOUT_S, GroupInfo
+from airflow_dbqueue.engine.ring import (
+    RING_DEFAULT_CAPACITY,
+    RING_DEFAULT_LAG_TIMEOUT_S,
+    RING_DEFAULT_LANES,
+    RingQueue,
+)
 
 
 @contextlib.contextmanager
@@ -65,10 +74,6 @@ def _database(args: argparse.Namespace) -> Iterator[DbQueue]:
             server.stop()
 
 
-def _say(msg: str) -> None:
-    print(msg, flush=True)
-
-
 def _cmd_init(dbq: DbQueue, args: argparse.Namespace) -> int:
     _say(f"schema {dbq.schema!r} at version {dbq.install()}")
     return 0
@@ -78,9 +83,12 @@ def _cmd_create(dbq: DbQueue, args: argparse.Namespace) -> int:
     dbq.install()
     q = dbq.create_queue(
         args.queue,
+        design=args.design,
         payload_type=args.payload_type,
         max_attempts=args.max_attempts,
         visibility_timeout=args.visibility_timeout,
+        capacity=args.capacity,
+        lanes=args.lanes,
     )
     _say(json.dumps({"queue": q.name, "settings": str(q.settings)}))
     return 0
@@ -102,7 +110,7 @@ def _cmd_push(dbq: DbQueue, args: argparse.Namespace) -> int:
 
 def _cmd_pop(dbq: DbQueue, args: argparse.Namespace) -> int:
     q = dbq.queue(args.queue)
-    for m in q.pop(args.n, semantics=args.semantics, wait=args.wait):
+    for m in q.pop(args.n, semantics=args.semantics, wait=args.wait, group=args.group):
         _say(json.dumps({"id": m.id, "attempts": m.attempts, "priority": m.priority, "payload": m.payload}))
     return 0
 
@@ -124,6 +132,62 @@ def _cmd_failed(dbq: DbQueue, args: argparse.Namespace) -> int:
         for f in q.list_failed(limit=1000):
             row = {"id": f.id, "attempts": f.attempts, "error": f.last_error, "payload": f.payload}
             _say(json.dumps(row))
+    return 0
+
+
+def _ring(dbq: DbQueue, name: str) -> RingQueue:
+    """The ring queue ``name``: :class:`QueueNotFoundError` when there is none, :class:`ConfigurationError`
+    when it is of another design (consumer groups are the ring's)."""
+    q = dbq.queue(name)
+    if not isinstance(q, RingQueue):
+        raise ConfigurationError(
+            f"queue {name!r} is a {q.settings.design} queue: consumer groups need the ring design "
+            "(dbqueue create QUEUE --design ring)"
+        )
+    return q
+
+
+def _group_row(q: RingQueue, info: GroupInfo) -> dict[str, Any]:
+    """One consumer group as ``dbqueue groups`` prints it: its position, what it has still to finish (in
+    messages, and the age of its oldest ready one), what maintenance does when it lags, and how long
+    maintenance has seen it not move."""
+    extra = q.group(info.name).stats().extra
+    return {
+        "queue": q.name,
+        "group": info.name,
+        "pop_position": info.pop_position,
+        "lag_messages": extra["lag_messages"],
+        "lag_seconds": round(extra["lag_seconds"], 3),
+        "on_lag": info.on_lag.value,
+        "lag_timeout_s": info.lag_timeout_s,
+        "idle_s": None if info.idle_s is None else round(info.idle_s, 3),
+        "created_at": None if info.created_at is None else info.created_at.isoformat(),
+    }
+
+
+def _cmd_groups(dbq: DbQueue, args: argparse.Namespace) -> int:
+    q = _ring(dbq, args.queue)
+    for info in q.groups():
+        try:
+            row = _group_row(q, info)
+        except GroupNotFoundError:
+            continue  # dropped meanwhile
+        _say(json.dumps(row))
+    return 0
+
+
+def _cmd_add_group(dbq: DbQueue, args: argparse.Namespace) -> int:
+    q = _ring(dbq, args.queue)
+    q.add_group(args.group, start=args.start, on_lag=args.on_lag, lag_timeout=args.lag_timeout)
+    [info] = [g for g in q.groups() if g.name == args.group]
+    _say(json.dumps(_group_row(q, info)))
+    return 0
+
+
+def _cmd_drop_group(dbq: DbQueue, args: argparse.Namespace) -> int:
+    q = _ring(dbq, args.queue)
+    dropped = q.drop_group(args.group, missing_ok=args.missing_ok)
+    _say(json.dumps({"queue": q.name, "group": args.group, "dropped": dropped}))
     return 0
 
 
@@ -200,151 +264,6 @@ def _batch_options(c: argparse.ArgumentParser) -> None:
     c.add_argument("--lock-wait", type=float, default=0.0, help="seconds to wait for another maintenance run")
 
 
-# -- the demo: a queue-driven pipeline on the engine alone ------------------------------------------
-
-PRODUCTS = {"espresso": 2.5, "latte": 3.8, "croissant": 2.9, "bagel": 3.1, "granola": 5.4, "tea": 2.2}
-
-
-def _orders(n: int, seed: int) -> list[dict[str, Any]]:
-    rng = random.Random(seed)
-    products = list(PRODUCTS)
-    out = []
-    for i in range(n):
-        product = rng.choice(products)
-        qty = rng.randint(1, 4)
-        out.append(
-            {
-                "order_id": f"o-{seed}-{i:06d}",
-                "customer": f"c{rng.randint(1, 250):04d}",
-                "product": product,
-                "qty": qty,
-                "amount_cents": round(PRODUCTS[product] * 100) * qty,
-                "ts": 1_763_700_000 + i,
-            }
-        )
-    return out
-
-
-def _cmd_demo(dbq: DbQueue, args: argparse.Namespace) -> int:  # noqa: PLR0915
-    """Producers push order events; consumers lease batches, aggregate them and ack; poison messages
-    are retried and end up failed; totals are checked against what was pushed.
-
-    Long on purpose: the demo reads top to bottom as the story it prints (push, drain, report, check), and its
-    closures share the counts.
-    """
-    t_start = time.monotonic()
-    dbq.install()
-    dbq.drop_queue("demo_orders", missing_ok=True)
-    q = dbq.create_queue("demo_orders", max_attempts=3, retry_backoff=0.05, retry_backoff_max=0.2)
-    n = args.messages
-    producers, consumers, batch = 2, 2, 250
-    orders = [_orders(n // producers + (1 if p < n % producers else 0), seed=p) for p in range(producers)]
-    poison = {o["order_id"] for o in orders[0][:: max(1, n // 5)]}
-    for o in orders[0]:
-        if o["order_id"] in poison:
-            o["poison"] = True
-    pushed_cents = sum(o["amount_cents"] for part in orders for o in part)
-    _say(f"pushing {n} order events with {producers} producers in batches of {batch} ...")
-
-    lock = threading.Lock()
-    done_pushing = threading.Event()
-    revenue: dict[str, int] = defaultdict(int)
-    per_product: Counter[str] = Counter()
-    processed: set[str] = set()
-    batches = 0
-    errors: list[BaseException] = []
-
-    def produce(part: list[dict[str, Any]]) -> None:
-        try:
-            for i in range(0, len(part), batch):
-                q.push_batch(part[i : i + batch])
-        except BaseException as exc:
-            errors.append(exc)
-
-    def handle(msgs: list[Message]) -> None:
-        nonlocal batches
-        good = [m for m in msgs if not m.payload.get("poison")]
-        bad = [m for m in msgs if m.payload.get("poison")]
-        with lock:
-            for m in good:
-                if m.payload["order_id"] not in processed:  # at least once: drop redeliveries
-                    processed.add(m.payload["order_id"])
-                    revenue[m.payload["customer"]] += m.payload["amount_cents"]
-                    per_product[m.payload["product"]] += m.payload["qty"]
-            batches += 1
-        if good:
-            q.ack(good)
-        if bad:
-            q.nack(bad, error="poison order: validation failed")
-
-    def consume() -> None:
-        try:
-            while True:
-                msgs = q.pop(batch, semantics="at-least-once", wait=0.5, poll_interval=0.1)
-                if msgs:
-                    handle(msgs)
-                elif done_pushing.is_set():
-                    s = q.stats()
-                    if s.ready == 0 and s.in_flight == 0 and s.delayed == 0:
-                        return
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=produce, args=(part,)) for part in orders]
-    threads += [threading.Thread(target=consume) for _ in range(consumers)]
-    t0 = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads[:producers]:
-        t.join()
-    done_pushing.set()
-    t_push = time.monotonic() - t0
-    _say(f"pushed {n} in {t_push:.2f}s ({n / t_push:,.0f} msg/s); consumers draining ...")
-    last = time.monotonic()
-    while any(t.is_alive() for t in threads[producers:]):
-        time.sleep(0.2)
-        if time.monotonic() - last > 2:
-            last = time.monotonic()
-            with lock:
-                _say(f"  ... processed {len(processed)} of {n - len(poison)}")
-    t_all = time.monotonic() - t0
-    if errors:
-        raise errors[0]
-
-    s = q.stats()
-    failed = q.list_failed(limit=1000)
-    processed_cents = sum(revenue.values())
-    failed_cents = sum(f.payload["amount_cents"] for f in failed)
-    _say("")
-    _say(f"pushed      {n} messages ({pushed_cents / 100:,.2f} in orders)")
-    _say(f"processed   {len(processed)} messages in {batches} batches ({processed_cents / 100:,.2f})")
-    _say(f"failed      {len(failed)} poison messages after {q.settings.max_attempts} attempts each")
-    _say(f"throughput  {len(processed) / t_all:,.0f} msg/s end to end ({t_all:.2f}s)")
-    _say(f"queue stats {json.dumps(s.as_dict())}")
-    _say("top customers by revenue:")
-    for cust, cents in sorted(revenue.items(), key=lambda kv: -kv[1])[:5]:
-        _say(f"  {cust}  {cents / 100:>10,.2f}")
-    _say("units by product: " + ", ".join(f"{p}={u}" for p, u in per_product.most_common()))
-    ok = (
-        len(processed) + len(failed) == n
-        and processed_cents + failed_cents == pushed_cents
-        and {f.payload["order_id"] for f in failed} == poison
-        and s.ready == s.in_flight == 0
-    )
-    _say(f"check       {'OK' if ok else 'MISMATCH'}: processed + failed == pushed (count and amount)")
-    _say(f"total time  {time.monotonic() - t_start:.1f}s")
-    return 0 if ok else 1
-
-
-def _cmd_pipeline(dbq: DbQueue, args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from airflow_dbqueue.spark import demo
-
-    home = Path(args.airflow_home) if args.airflow_home else None
-    return demo.run(dbq.db.dsn, messages=args.messages, batch=args.batch, airflow_home=home, spark=args.spark)
-
-
 def _maintain_options(c: argparse.ArgumentParser) -> None:
     """The options of ``dbqueue maintain`` beyond the batch options: which steps run, and their limits."""
     c.add_argument(
@@ -415,6 +334,38 @@ def _reindex_limits(c: argparse.ArgumentParser) -> None:
     )
 
 
+def _group_commands(sub: Any) -> None:
+    """The commands of a ring's consumer groups: ``groups``, ``add-group`` and ``drop-group``."""
+    c = sub.add_parser("groups", help="a ring's consumer groups: position, lag, on_lag (JSON lines)")
+    c.add_argument("queue")
+    c = sub.add_parser("add-group", help="add a consumer group to a ring")
+    c.add_argument("queue")
+    c.add_argument("group")
+    c.add_argument(
+        "--start",
+        default="now",
+        metavar="now|earliest",
+        help="see what is pushed from now on (default), or also what some group has not taken yet",
+    )
+    c.add_argument(
+        "--on-lag",
+        default="block",
+        metavar="block|drop_group",
+        help="what maintenance does when nobody pops the group for its lag timeout "
+        "(default: block, a warning)",
+    )
+    c.add_argument(
+        "--lag-timeout",
+        type=float,
+        default=RING_DEFAULT_LAG_TIMEOUT_S,
+        help=f"seconds (default {RING_DEFAULT_LAG_TIMEOUT_S:g})",
+    )
+    c = sub.add_parser("drop-group", help="drop a ring's consumer group")
+    c.add_argument("queue")
+    c.add_argument("group")
+    c.add_argument("--missing-ok", action="store_true", help="no error when the group does not exist")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dbqueue", description="Message queues inside PostgreSQL.")
     p.add_argument("--dsn", help=f"database connection string (default: ${DSN_ENV}, else embedded)")
@@ -427,6 +378,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--payload-type", default="json", choices=["json", "text", "bytes"])
     c.add_argument("--max-attempts", type=int, default=DEFAULT_MAX_ATTEMPTS)
     c.add_argument("--visibility-timeout", type=float, default=DEFAULT_VISIBILITY_TIMEOUT_S)
+    c.add_argument("--design", default="table", choices=["table", "ring"])
+    c.add_argument("--capacity", type=int, help=f"a ring's slots (default {RING_DEFAULT_CAPACITY})")
+    c.add_argument(
+        "--lanes",
+        type=int,
+        help=f"a ring's lanes: consumers that take at once (default {RING_DEFAULT_LANES})",
+    )
     c = sub.add_parser("push", help="push JSON payloads")
     c.add_argument("queue")
     c.add_argument("payloads", nargs="+", metavar="JSON")
@@ -437,6 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-n", type=int, default=1)
     c.add_argument("--semantics", default="at-most-once", choices=["at-most-once", "at-least-once"])
     c.add_argument("--wait", type=float, default=0.0)
+    c.add_argument("--group", help="a ring's consumer group to pop for (default: its default group)")
     c = sub.add_parser("stats", help="queue depth by state")
     c.add_argument("queues", nargs="*")
     c = sub.add_parser("failed", help="list, requeue or delete failed messages")
@@ -444,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = c.add_mutually_exclusive_group()
     g.add_argument("--requeue", action="store_true")
     g.add_argument("--delete", action="store_true")
+    _group_commands(sub)
     c = sub.add_parser("archive", help="archive finished messages in batches (and apply a retention)")
     _batch_options(c)
     c = sub.add_parser("maintain", help="run every maintenance step once (archive, VACUUM, reindex, ...)")
@@ -477,11 +437,14 @@ COMMANDS = {
     "pop": _cmd_pop,
     "stats": _cmd_stats,
     "failed": _cmd_failed,
+    "groups": _cmd_groups,
+    "add-group": _cmd_add_group,
+    "drop-group": _cmd_drop_group,
     "archive": _cmd_archive,
     "maintain": _cmd_maintain,
     "metrics": _cmd_metrics,
-    "demo": _cmd_demo,
-    "pipeline": _cmd_pipeline,
+    "demo": cmd_demo,
+    "pipeline": cmd_pipeline,
 }
 
 

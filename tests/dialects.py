@@ -118,7 +118,7 @@ EXPIRE_SQL = {
     ("mssql", "table"): "UPDATE {schema}.meta SET lease_until = DATEADD(second, -1, SYSUTCDATETIME()) "
     "WHERE id IN (SELECT CAST([value] AS bigint) FROM OPENJSON(%(ids)s))",
     ("mssql", "ring"): "UPDATE {schema}.ring_retry SET due_at = DATEADD(second, -1, SYSUTCDATETIME()) "
-    "WHERE queue_id = %(queue_id)s AND state = 2 "
+    "WHERE queue_id = %(group)s AND state = 2 "
     "AND id IN (SELECT CAST([value] AS bigint) FROM OPENJSON(%(ids)s))",
 }
 """The clock jump of :func:`expire_leases`, by dialect and design (a list goes to SQL Server as a JSON
@@ -132,17 +132,17 @@ SPLIT_SQL = {
     "%(group)s::integer)",
     "mssql": "SET NOCOUNT ON; DECLARE @los nvarchar(max) = ("
     "SELECT N'[' + STRING_AGG(CAST(e.lo AS nvarchar(max)), N',') + N']' "
-    "FROM {schema}.ring_leases e WHERE e.queue_id = %(queue_id)s AND EXISTS ("
+    "FROM {schema}.ring_leases e WHERE e.queue_id = %(group)s AND EXISTS ("
     "SELECT 1 FROM OPENJSON(%(ids)s) i CROSS APPLY OPENJSON(e.starts) j "
     "WHERE CAST(i.[value] AS bigint) BETWEEN e.lo AND e.hi "
     "AND j.[key] = CAST(CAST(i.[value] AS bigint) % %(lanes)s AS nvarchar(11)) "
     "AND CAST(j.[value] AS bigint) <= CAST(i.[value] AS bigint))); "
     "EXEC {schema}.ring_split_leases @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = %(lanes)s, "
-    "@los = @los, @error = NULL",
+    "@los = @los, @error = NULL, @gid = %(group)s",
 }
 """A ring leases a pop's messages as one row: the rows holding any of the ids are first split into one
-leased retry row a message (as a partial ack would), so that only those ids expire. On PostgreSQL, of the
-ring handle's consumer group (SQL Server's rings have their default group only)."""
+leased retry row a message (as a partial ack would), so that only those ids expire: those of the ring
+handle's consumer group."""
 
 
 def expire_leases(dbq: DbQueue, ids: Iterable[int], q: Queue | None = None) -> None:

@@ -204,6 +204,13 @@ def _add_column(server: Server, table: Table, col: exp.ColumnDef) -> None:
             table.defaults[name] = lambda counter=counter: next(counter)
 
 
+def _sequence(stmt: exp.Create) -> tuple[str, int]:
+    """The name (as QUOTENAME writes it, ``[schema].[name]``) and first number of a CREATE SEQUENCE."""
+    props = stmt.args["properties"].expressions
+    [start] = [p.args["start"] for p in props if isinstance(p, exp.SequenceProperties)]
+    return f"[{stmt.this.db}].[{stmt.this.name}]", int(start.this)
+
+
 def _constant(server: Server, value: exp.Expression) -> Any:
     frame = Frame(server, lock_timeout=-1)
     return frame.eval(value, Env(frame))
@@ -225,8 +232,8 @@ def _add_constraint(table: Table, constraint: exp.Constraint) -> None:
     elif isinstance(parts[0], exp.CheckColumnConstraint):
         table.checks[constraint.name.lower()] = parts[0].this
         return
-    elif isinstance(parts[0], exp.UniqueColumnConstraint):  # the queues' names: no ring table has one
-        return
+    elif isinstance(parts[0], exp.UniqueColumnConstraint):
+        return  # not enforced (queue and group names): the engine looks a name up before it adds it
     else:
         raise NotImplementedError(constraint.sql(dialect="tsql"))
     table.not_null |= set(table.key)
@@ -404,8 +411,9 @@ class Server:
 
     # running
 
-    def call(self, name: str, **args: Any) -> tuple[list[list[tuple[Any, ...]]], dict[str, Any]]:
-        """Run procedure ``name``: ``(result sets, output parameters)``."""
+    def call(self, name: str, /, **args: Any) -> tuple[list[list[tuple[Any, ...]]], dict[str, Any]]:
+        """Run procedure ``name``: ``(result sets, output parameters)`` (positional only: a procedure may
+        have a parameter @name)."""
         frame = Frame(self, lock_timeout=-1)
         outputs = frame.call(name, {k: (v, False) for k, v in args.items()})
         return frame.results, outputs
@@ -727,6 +735,9 @@ class Frame:
         kind = stmt.args.get("kind")
         if isinstance(stmt, exp.Create) and kind == "INDEX":
             return
+        if isinstance(stmt, exp.Create) and kind == "SEQUENCE":
+            self.server.create_sequence(*_sequence(stmt))
+            return
         if isinstance(stmt, exp.Create) and kind == "TABLE":
             table = _table_from_schema(self.server, stmt.this.this.name.lower(), stmt.this)
             if table.name in tables:
@@ -931,7 +942,7 @@ class Frame:
             ctx: Ctx = {"deleted": old, "inserted": new}
             cols = {"deleted": list((old or new or {}).keys()), "inserted": list((new or old or {}).keys())}
             env = found.child(ctx, cols)
-            rows.append(tuple(self.eval(e, env) for e in returning.expressions))
+            rows.append(tuple(self.eval(_unalias(e), env) for e in returning.expressions))
         if not isinstance(into, exp.Expression):  # OUTPUT without INTO: a result set
             self.results.append(rows)
             return
@@ -1574,11 +1585,15 @@ def schema_blocks() -> dict[str, str]:
 
 
 def ring_server(blocks: Mapping[str, str]) -> Server:
-    """A server holding the tables and the ring's routines as the blocks of the SQL Server ``schema.sql``
-    (composed for schema ``dbq``, in install order) leave them."""
+    """A server holding the tables, the schema's own sequences (the groups' gids) and the ring's routines
+    as the blocks of the SQL Server ``schema.sql`` (composed for schema ``dbq``, in install order) leave
+    them."""
     procedures, functions, ddl = _parsed_schema(tuple(blocks.items()))
     server = Server(procedures, functions)
     server.tables = schema_tables(server, ddl)
+    for stmt in ddl:
+        if isinstance(stmt, exp.Create) and stmt.args.get("kind") == "SEQUENCE":
+            server.create_sequence(*_sequence(stmt))
     # The queues' CHECK constraints test names with LIKE and COLLATE, which the interpreter does not
     # evaluate; the rows tests write there are the engine's, whose names it validated.
     server.tables["queues"].checks.clear()
@@ -1744,6 +1759,7 @@ class Ring:
             backoff_max_s=0.0,
             max_attempts=max_attempts,
             error="nacked",
+            gid=self.queue_id,
         )
         return rows
 

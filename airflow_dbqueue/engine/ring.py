@@ -40,7 +40,7 @@ locks one of the ring's push lanes (a row of ``ring_push_lanes``, until its tran
 takes its numbers; the list is the lanes other transactions held, and the proof is that each has been
 seen unlocked since (``docs/sqlserver.md``). Either way the position is read before the list is taken.
 
-Consumer groups (PostgreSQL): a ring's default group's lanes, leases, retry and failed rows carry the
+Consumer groups: a ring's default group's lanes, leases, retry and failed rows carry the
 ring's queue id; another group's carry its gid (``ring_groups``, a negative number), so that each group
 sees every message at its own pace, and the floor is the lowest number over the ring's rows and its
 groups'. A handle of a group (:meth:`RingQueue.group`) passes its gid: to ``ring_take`` and ``ring_pop``
@@ -460,7 +460,7 @@ class RingQueue(RingGroups, RingInspect):
         ring with groups besides the default one."""
         root = self._default()
         reclaimed = root.reclaim_expired(limit)
-        others = root.groups()[1:] if self._db.ring_groups_supported else []
+        others = root.groups()[1:]
         watched = root.watch_groups() if others else {}  # the counts only where a ring has groups
         for info in others:
             try:

@@ -10,7 +10,6 @@ from airflow_dbqueue.engine.errors import (
     DatabaseError,
     GroupExistsError,
     GroupNotFoundError,
-    NotSupportedError,
 )
 from airflow_dbqueue.engine.models import (
     DEFAULT_GROUP,
@@ -40,7 +39,6 @@ class RingGroups(RingBase):
             got = root._groups.get(name)
         if got is not None:
             return got
-        self._check_groups_supported(name)
         for row in self._db.fetchall("ring_groups", {"queue_id": self._qid}):
             if row[0] != self._qid and row[1] == name:
                 handle = type(self)(self._db, self.settings, group=name, gid=int(row[0]))
@@ -50,13 +48,6 @@ class RingGroups(RingBase):
                     return root._groups.setdefault(name, handle)
         self._raise_if_gone()
         raise GroupNotFoundError(self.name, name)
-
-    def _check_groups_supported(self, name: str) -> None:
-        if not self._db.ring_groups_supported:
-            raise NotSupportedError(
-                f"queue {self.name!r}: consumer groups other than {DEFAULT_GROUP!r} need PostgreSQL; "
-                f"on {self._db.dialect_name} a ring has its default group only (got group {name!r})"
-            )
 
     def add_group(
         self,
@@ -84,7 +75,6 @@ class RingGroups(RingBase):
             raise ConfigurationError(f"queue {self.name!r}: start must be 'now' or 'earliest', got {start!r}")
         lag = OnLag.parse(on_lag)
         timeout = check_seconds(f"queue {self.name!r}: lag_timeout", lag_timeout, positive=True)
-        self._check_groups_supported(name)
         if any(g.name == name for g in self.groups()):
             raise GroupExistsError(f"queue {self.name!r} has a consumer group {name!r} already")
         params = {
@@ -124,9 +114,6 @@ class RingGroups(RingBase):
 
     def groups(self) -> list[GroupInfo]:
         """List this ring's consumer groups, the default one first, then by name."""
-        if not self._db.ring_groups_supported:
-            stats = self._default().stats()
-            return [GroupInfo(DEFAULT_GROUP, None, OnLag.BLOCK, None, int(stats.extra["pop_position"]), None)]
         out = []
         for row in self._db.fetchall("ring_groups", {"queue_id": self._qid}):
             if row[0] == self._qid:

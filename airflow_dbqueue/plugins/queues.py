@@ -44,6 +44,7 @@ from airflow_dbqueue.engine import (
     QueueNotFoundError,
 )
 from airflow_dbqueue.engine.maintenance.config import RATE_WINDOW_S
+from airflow_dbqueue.engine.models import DEFAULT_GROUP
 from airflow_dbqueue.hooks.connection import CONN_TYPE, SCHEMA_EXTRA, _extra, connection_dsn
 
 if TYPE_CHECKING:
@@ -317,6 +318,29 @@ def page() -> HTMLResponse:
     return HTMLResponse(PAGE.read_text(encoding="utf-8"))
 
 
+def ring_groups(figures: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """A ring's consumer groups as the page lists them, the default one first (its figures are the
+    queue's own, and maintenance does not watch it): each one's position, its lag (what it has still to
+    finish, and the age of its oldest ready message), its idle time and what maintenance does when it
+    lags. ``None`` for a queue of another design."""
+    if figures.get("design") != "ring":
+        return None
+    rows = [
+        {
+            "group": DEFAULT_GROUP,
+            "pop_position": figures.get("pop_position"),
+            "lag_messages": figures.get("lag_messages"),
+            "lag_seconds": figures.get("lag_seconds"),
+            "idle_s": None,
+            "on_lag": None,
+            "lag_timeout_s": None,
+        }
+    ]
+    for name, g in sorted((figures.get("groups") or {}).items()):
+        rows.append({"group": name, **g})
+    return rows
+
+
 def connection_figures(conn: Connection, rate_window_s: float) -> dict[str, Any]:
     """The figures of one connection's queue schema, or in ``error`` the engine's reason it has none."""
     out: dict[str, Any] = {"error": None}
@@ -337,6 +361,7 @@ def connection_figures(conn: Connection, rate_window_s: float) -> dict[str, Any]
             {
                 "name": name,
                 **figures,
+                "groups": ring_groups(figures),
                 "payload_type": s.payload_type.value if s else None,
                 "max_attempts": s.max_attempts if s else None,
             }
@@ -359,8 +384,9 @@ def queues(
     rate_window_s: Annotated[float, Query(gt=0, le=86_400)] = RATE_WINDOW_S,
 ) -> dict[str, Any]:
     """Every served connection with its queues: depth by state, oldest ready age, rates, ring fill and
-    positions, table and index sizes with bloat, what holds back the xmin horizon; and the last run of
-    the maintenance DAG. A connection that cannot be read says why in ``error``."""
+    positions, a ring's consumer groups with their lag, table and index sizes with bloat, what holds
+    back the xmin horizon; and the last run of the maintenance DAG. A connection that cannot be read
+    says why in ``error``."""
     require_view(user)
     conns = sorted(served_connections().items())
     # One thread a connection: an unreachable database costs its own connect timeout, not the others'.

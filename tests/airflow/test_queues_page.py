@@ -4,7 +4,8 @@ the page itself in a real headless Chromium.
 
 A queue with known counts (7 ready, 2 delayed, 3 in flight, 4 failed) shows those counts, through the
 API and in the page's DOM; a requeue from the page moves exactly the message it names back to ready
-and nothing else (counts and a checksum of the payloads); refused callers change nothing; each action
+and nothing else (counts and a checksum of the payloads); a ring's consumer groups show their positions
+and lag, under the ring; refused callers change nothing; each action
 is in Airflow's audit log; no database connection stays open between requests. The page's screenshot
 is saved under ``$DBQUEUE_TEST_ARTIFACTS`` (default ``test-artifacts/`` in the repository).
 """
@@ -464,9 +465,24 @@ def test_the_page_in_a_headless_browser(server: Server) -> None:  # noqa: PLR091
     require(None if chromium else "Chromium is missing", "apt-get install chromium; scripts/test installs it")
     assert chromium is not None
     k = known_queue(server, "page_orders")
+    ticks = [{"tick": i} for i in range(16)]
     with DbQueue(server.dsn, schema=server.schema, pool_size=1) as dbq:
         ring = dbq.create_queue("page_ticks", design="ring", capacity=64)
-        ring.push_batch([{"tick": i} for i in range(16)])
+        audit = ring.add_group("audit", on_lag="drop_group", lag_timeout=600)  # a consumer group
+        ring.push_batch(ticks)
+        audited = audit.pop(6)
+    assert checksum([m.payload for m in audited]) == checksum(ticks[:6])
+    # Through the API: the ring's groups with their positions and lag; none for a table queue.
+    status, body = request(server.url + "/dbqueue/api/queues", token=server.token("viewer"))
+    assert status == 200 and queue_row(body, k.name)["groups"] is None
+    groups = queue_row(body, "page_ticks")["groups"]
+    assert [
+        (g["group"], g["pop_position"], g["lag_messages"], g["on_lag"], g["lag_timeout_s"]) for g in groups
+    ] == [
+        ("default", 1, 16, None, None),
+        ("audit", 7, 10, "drop_group", 600.0),
+    ]
+    assert groups[0]["idle_s"] is None and groups[1]["idle_s"] >= 0 and groups[1]["lag_seconds"] >= 0
     target = k.failed_ids[1]
     before_ready = ready_payloads(server, k.name)
 
@@ -514,6 +530,19 @@ def test_the_page_in_a_headless_browser(server: Server) -> None:  # noqa: PLR091
         assert shown == {"design": "table", "ready": "7", "delayed": "2", "in_flight": "3", "failed": "4"}
         assert b.evaluate(cell("page_ticks", "ready")) == "16"
         assert "25% of 64" in b.evaluate(cell("page_ticks", "ring"))
+        # Under the ring, its consumer groups with their lag; none under the table queue.
+        group = (
+            'document.querySelector(\'tr[data-group-of="page_ticks"][data-group="{}"] td[data-field="{}"]\')'
+        )
+        shown_groups = [
+            [
+                b.evaluate(group.format(g, f) + "?.textContent")
+                for f in ("pop_position", "lag_messages", "on_lag")
+            ]
+            for g in ("default", "audit")
+        ]
+        assert shown_groups == [["1", "16", "not watched"], ["7", "10", "drop_group after 10.0 min"]]
+        assert b.evaluate(f"document.querySelectorAll('tr[data-group-of=\"{k.name}\"]').length") == 0
         assert "signed in as operator" in b.evaluate("document.getElementById('who').textContent")
 
         # The failed messages, then a requeue of one of them, confirmed in the page's dialog.

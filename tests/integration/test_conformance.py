@@ -51,16 +51,14 @@ pytestmark = pytest.mark.integration
 DESIGNS = ["table", "ring", "ring-group"]
 """A feature a design does not offer (the ring's priorities and delayed pushes) is checked to raise
 :class:`ConfigurationError` rather than skipped. ``ring-group``: a ring's consumer group besides its
-default one (PostgreSQL's), whose handle must behave as a queue of its own; the default group holds
-every message the tests push, untouched."""
+default one, whose handle must behave as a queue of its own; the default group holds every message the
+tests push, untouched."""
 
 
 @pytest.fixture(params=DESIGNS)
 def make_queue(request: pytest.FixtureRequest, dbq: DbQueue) -> Callable[..., Queue]:
     counter = iter(range(1000))
     design, _, group = str(request.param).partition("-")
-    if group:
-        postgres_only(dbq, "a ring's consumer groups besides its default one")
 
     def make(**settings: Any) -> Queue:
         q = dbq.create_queue(f"q{next(counter)}", design=design, **settings)

@@ -1,13 +1,16 @@
 """Consumer groups on a ring: each group sees every message at its own pace, with its own positions,
 leases, retries and failed messages, and no push overwrites a message that some group still needs.
 
-PostgreSQL only (a ring on SQL Server has its default group alone: the last tests check that it says
-so). Every test counts and checksums what went in and what each group got.
+On PostgreSQL; SQL Server's procedures of the same names run the same steps on the T-SQL interpreter
+against PostgreSQL's (tests/integration/test_tsql_ring_against_postgres.py, and
+tests/unit/test_mssql_ring_procedures.py). Every test counts and checksums what went in and what each
+group got.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from airflow_dbqueue import cli
 from airflow_dbqueue.engine import (
     ConfigurationError,
     DbQueue,
@@ -362,3 +366,72 @@ def test_sigkilled_consumers_of_two_groups(dbq: DbQueue) -> None:
     for handle in (q, audit):
         st = handle.stats()
         assert (st.ready, st.in_flight, st.failed) == (0, 0, 0)
+
+
+# -- the CLI ---------------------------------------------------------------------------------------
+
+
+def test_the_cli_lists_adds_drops_and_pops_groups(dbq: DbQueue, capsys: pytest.CaptureFixture[str]) -> None:
+    """``dbqueue groups`` lists each group with its position, its lag in messages and seconds and its
+    on_lag; ``add-group`` and ``drop-group`` change them, and ``pop --group`` pops for one. Bad input is
+    an error of the library's family, printed as ``dbqueue: error: ...`` with exit status 2: an unknown
+    queue or group, a table-design queue, a bad name, start or on_lag."""
+    base = ["--dsn", dbq.db.dsn, "--schema", dbq.schema]
+
+    def run(*args: str) -> tuple[int, list[dict[str, Any]], str]:
+        code = cli.main([*base, *args])
+        out = capsys.readouterr()
+        return code, [json.loads(line) for line in out.out.splitlines()], out.err
+
+    assert run("create", "events", "--design", "ring", "--capacity", "64", "--lanes", "2")[0] == 0
+    code, [row], _ = run(
+        "add-group", "events", "audit", "--on-lag", "drop_group", "--lag-timeout", "60", "--start", "earliest"
+    )
+    assert code == 0
+    assert (row["group"], row["on_lag"], row["lag_timeout_s"], row["lag_messages"]) == (
+        "audit",
+        "drop_group",
+        60,
+        0,
+    )
+    q = dbq.queue("events")
+    pushed = [{"n": i} for i in range(10)]
+    assert q.push_batch(pushed) == list(range(1, 11))
+    got = q.pop(4)
+    code, rows, _ = run("groups", "events")
+    assert code == 0
+    assert [(r["group"], r["pop_position"], r["lag_messages"], r["on_lag"]) for r in rows] == [
+        ("default", 5, 6, "block"),
+        ("audit", 1, 10, "drop_group"),
+    ]
+    assert all(r["lag_seconds"] >= 0 for r in rows) and rows[0]["lag_timeout_s"] is None
+    assert rows[0]["created_at"] is None and rows[1]["created_at"] is not None
+    code, popped, _ = run("pop", "events", "--group", "audit", "-n", "10")
+    assert code == 0 and checksum([m["payload"] for m in popped]) == checksum(pushed)
+    got += q.pop(10)
+    assert checksum([m.payload for m in got]) == checksum(pushed)
+    assert [r["lag_messages"] for r in run("groups", "events")[1]] == [0, 0]
+    assert run("drop-group", "events", "audit")[:2] == (
+        0,
+        [{"queue": "events", "group": "audit", "dropped": True}],
+    )
+    assert [r["group"] for r in run("groups", "events")[1]] == ["default"]
+    assert run("drop-group", "events", "audit", "--missing-ok")[1] == [
+        {"queue": "events", "group": "audit", "dropped": False}
+    ]
+    dbq.create_queue("orders")
+    for args, words in [
+        (("groups", "nope"), "queue 'nope' does not exist in schema"),
+        (("groups", "orders"), "queue 'orders' is a table queue: consumer groups need the ring design"),
+        (("add-group", "orders", "a"), "consumer groups need the ring design"),
+        (("drop-group", "events", "audit"), "queue 'events' has no consumer group 'audit'"),
+        (("pop", "events", "--group", "audit"), "queue 'events' has no consumer group 'audit'"),
+        (("add-group", "events", "bad name"), "a group name is 1 to 63 letters"),
+        (("add-group", "events", "a", "--start", "later"), "start must be 'now' or 'earliest'"),
+        (("add-group", "events", "a", "--on-lag", "never"), "unknown on_lag 'never'"),
+        (("add-group", "events", "default"), "other than 'default'"),
+    ]:
+        code, out, err = run(*args)
+        assert (code, out) == (2, []), args
+        assert err.startswith("dbqueue: error: ") and words in err, (args, err)
+    assert [g.name for g in q.groups()] == ["default"] and q.stats().ready == 0

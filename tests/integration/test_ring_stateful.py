@@ -356,8 +356,6 @@ class RingGroupsMachine(RingMachine):
 
 def test_ring_with_a_second_group_matches_model(dbq: DbQueue) -> None:
     """(about 20 s)"""
-    if dbq.dialect != "postgresql":
-        pytest.skip("consumer groups besides the default one are PostgreSQL's (docs/limits.md)")
     RingGroupsMachine.dbq = dbq
     try:
         run_state_machine_as_test(

@@ -107,15 +107,15 @@ RING_GROUP_QUERIES = {
     "ring_groups",
     "ring_group_moved",
 }
-"""The queries of a ring's consumer groups besides its default one, which SQL Server has not yet."""
+"""The queries of a ring's consumer groups besides its default one."""
 
 
 def test_the_table_design_maintenance_and_the_ring_are_fully_ported() -> None:
-    """Every query the table design, the ring design, the client and maintenance run exists on SQL
-    Server, but for the consumer groups besides a ring's default one."""
-    assert set(NOT_YET_PORTED) == RING_GROUP_QUERIES
-    ring = {n for n in load_queries(PG, "queries.sql") if n.startswith("ring_")} - RING_GROUP_QUERIES
-    assert len(ring) == 24 and ring <= set(load_queries(MS, "queries.sql"))
+    """Every query the table design, the ring design with its consumer groups, the client and maintenance
+    run exists on SQL Server."""
+    assert NOT_YET_PORTED == {}
+    ring = {n for n in load_queries(PG, "queries.sql") if n.startswith("ring_")}
+    assert len(ring) == 28 and RING_GROUP_QUERIES <= ring <= set(load_queries(MS, "queries.sql"))
     used = {"push", "pop_lease", "pop_take", "ack", "nack", "held_receipts", "reclaim_expired"}
     used |= {"claim_batch", "get_batch", "lock_batch", "finish_batch", "purge_batches", "batch_rows"}
     used |= {"maintenance_try_lock", "maintenance_unlock", "maintenance_lock_holder", "set_timeouts"}
@@ -141,7 +141,7 @@ def test_every_tsql_query_parses_as_tsql(name: str) -> None:
 def test_the_schema_parses_as_tsql() -> None:
     version, body = ms_schema.schema_sql()
     stmts = tsql_statements(MssqlDatabase("mssql://h/db", schema="dbq").compose(body))
-    assert version == 5
+    assert version == 6
     created = [s for s in stmts if isinstance(s, exp.Create)]
     assert len(created) >= 12  # tables, sequence, indexes
 
@@ -246,22 +246,27 @@ FUNCTIONS = sorted(k for k, v in schema_blocks().items() if "\nCREATE OR ALTER F
 
 def test_the_schema_steps_are_versions_one_to_latest() -> None:
     latest, steps = ms_schema.schema_steps()
-    assert latest == 5 and [v for v, _ in steps] == [1, 2, 3, 4, 5]
+    assert latest == 6 and [v for v, _ in steps] == [1, 2, 3, 4, 5, 6]
     assert steps[0][1] == [ms_schema.schema_sql()[1]]
     blocks = schema_blocks()
     v2 = [k for k in blocks if k.startswith("v2_")]
     v3 = [k for k in blocks if k.startswith("v3_")]
     v4 = [k for k in blocks if k.startswith("v4_")]
     v5 = [k for k in blocks if k.startswith("v5_")]
+    v6 = [k for k in blocks if k.startswith("v6_")]
     assert v3 == ["v3_owned_objects"]  # the catalogue; the ring's new storage is version 4
     assert v5 == ["v5_inline_payloads"]  # small payloads in the table design's meta and done rows
     # A step's blocks run in file order, after the earlier steps'.
-    assert list(blocks) == ["schema", *v2, *v3, *v4, *v5]
+    assert v6[0] == "v6_ring_groups"  # the groups' table, before the routines that use it
+    assert list(blocks) == ["schema", *v2, *v3, *v4, *v5, *v6]
     compose = MssqlDatabase("mssql://h/db", schema="dbq").compose
     assert [compose(b) for b in steps[1][1]] == [blocks[k] for k in v2]  # one batch a block
     assert [compose(b) for b in steps[2][1]] == [blocks[k] for k in v3]
     assert [compose(b) for b in steps[3][1]] == [blocks[k] for k in v4]
     assert [compose(b) for b in steps[4][1]] == [blocks[k] for k in v5]
+    assert [compose(b) for b in steps[5][1]] == [blocks[k] for k in v6]
+    assert "CREATE TABLE [dbq].ring_groups (" in blocks["v6_ring_groups"]
+    assert "CREATE SEQUENCE [dbq].group_gids AS int" in blocks["v6_ring_groups"]
     for table in ("meta", "done"):  # in the row (not a LOB), so meta's indexes still rebuild online
         assert f"ALTER TABLE [dbq].{table} ADD payload varbinary(1900) NULL" in blocks["v5_inline_payloads"]
     assert "CREATE TABLE [dbq].owned_objects (" in blocks["v3_owned_objects"]
@@ -271,7 +276,7 @@ def test_the_schema_steps_are_versions_one_to_latest() -> None:
     for name in ("ring_push_lanes", "ring_leases", "ring_retry"):
         assert f"CREATE TABLE [dbq].{name} (" in blocks["v4_ring_tables"]
     assert "CREATE TABLE [dbq].ring_lanes (" in blocks["v4_ring_convert"]
-    for name in ("v2_ring_tables", "v4_ring_tables", "v4_ring_convert"):
+    for name in ("v2_ring_tables", "v4_ring_tables", "v4_ring_convert", "v6_ring_groups"):
         tsql_statements(blocks[name])
 
 
@@ -299,6 +304,16 @@ def test_every_ring_procedure_parses_statement_by_statement() -> None:
         "v4_ring_skip_gap",
         "v4_ring_split_leases",
         "v4_ring_take",
+        "v6_ring_add_group",
+        "v6_ring_drop",
+        "v6_ring_drop_group",
+        "v6_ring_floor",
+        "v6_ring_pass",
+        "v6_ring_pop",
+        "v6_ring_reclaim_expired",
+        "v6_ring_settle",
+        "v6_ring_split_leases",
+        "v6_ring_take",
     ]
     counts = {}
     for name in PROCEDURES:
@@ -307,18 +322,21 @@ def test_every_ring_procedure_parses_statement_by_statement() -> None:
         counts[name] = (len(parsed), opaque)
     for push in ("v2_ring_push", "v4_ring_push"):  # the full ring's WAITFOR DELAY, its only opaque statement
         assert counts[push][1] == ["WAITFOR DELAY @wait;"]
-    [collect] = counts["v4_ring_pop"][1]  # the take's messages, collected with INSERT ... EXEC
-    assert collect.startswith(
-        "INSERT INTO @out (id, attempts, deliveries, enqueued_at, lease_until, payload) EXEC"
-    )
+    for pop in ("v4_ring_pop", "v6_ring_pop"):
+        [collect] = counts[pop][1]  # the take's messages, collected with INSERT ... EXEC
+        assert collect.startswith(
+            "INSERT INTO @out (id, attempts, deliveries, enqueued_at, lease_until, payload) EXEC"
+        )
     assert all(
-        not o for n, (_, o) in counts.items() if n not in ("v2_ring_push", "v4_ring_push", "v4_ring_pop")
+        not o
+        for n, (_, o) in counts.items()
+        if n not in ("v2_ring_push", "v4_ring_push", "v4_ring_pop", "v6_ring_pop")
     )
     assert all(p >= 2 for p, _ in counts.values()), counts
 
 
 def test_every_ring_function_is_one_inline_select() -> None:
-    assert FUNCTIONS == ["v4_ring_held", "v4_ring_ready", "v4_ring_series"]
+    assert FUNCTIONS == ["v4_ring_held", "v4_ring_ready", "v4_ring_series", "v6_ring_held", "v6_ring_ready"]
     for name in FUNCTIONS:
         [create] = tsql_statements(schema_blocks()[name])
         assert isinstance(create, exp.Create) and create.args.get("kind") == "FUNCTION", name
@@ -399,6 +417,8 @@ def test_each_block_uses_only_what_earlier_blocks_made_and_the_last_one_leaves_n
         "ring_push",
         "ring_push_lanes_held",
         "ring_ready",
+        "ring_add_group",
+        "ring_drop_group",
         "ring_reclaim_expired",
         "ring_series",
         "ring_settle",
@@ -416,6 +436,7 @@ def test_each_block_uses_only_what_earlier_blocks_made_and_the_last_one_leaves_n
         "ring_leases",
         "ring_retry",
         "ring_failed",
+        "ring_groups",
     } <= tables
     for obj in routines:
         dangling = set(_REFERENCE.findall(bodies[obj])) - set(made)
@@ -478,7 +499,6 @@ def test_the_ring_tables_end_with_postgresqls_columns() -> None:
         "ring_slots",
         "rings",
     ]
-    ring.remove("ring_groups")  # PostgreSQL's alone (RING_GROUP_QUERIES)
     for table in ring:
         extra = MSSQL_ONLY_RING_COLUMNS.get(table, [])
         assert [c for c in ours[table] if c not in extra] == theirs[table], table
@@ -657,32 +677,9 @@ RING_PARAMETERS_POSTGRESQL_ONLY = {
     "ring_create": {"schema"},  # a procedure knows its own schema (OBJECT_SCHEMA_NAME(@@PROCID))
     "ring_push": {"notify", "channel"},  # SQL Server has no NOTIFY: waiting pops poll
     "ring_push_one": {"notify", "channel", "floor"},  # SQL Server's push reads the floor itself
-    # A ring on SQL Server has its default group only (RING_GROUP_QUERIES): the group is always 0 there.
-    **{
-        name: {"group"}
-        for name in (
-            "ring_ack",
-            "ring_settle",
-            "ring_held_receipts",
-            "ring_reclaim_expired",
-            "ring_peek",
-            "ring_count_ready",
-            "ring_ready_head",
-            "ring_stats",
-            "ring_list_failed",
-            "ring_take_failed",
-            "ring_delete_failed",
-            "ring_leased",
-        )
-    },
 }
 RING_PARAMETERS_MSSQL_ONLY = {
     "ring_snapshot": {"queue_id"},  # the gap proof's list is the ring's push lanes, not the server's xids
-    # PostgreSQL finds a consumer group's rows by its key (group: the queue id for the default group)
-    **{
-        name: {"queue_id"}
-        for name in ("ring_ack", "ring_list_failed", "ring_take_failed", "ring_delete_failed")
-    },
 }
 
 
@@ -691,8 +688,6 @@ def test_the_ring_queries_take_postgresqls_parameters() -> None:
     but for the few listed with their reason."""
     pg, mssql = load_queries(PG, "queries.sql"), load_queries(MS, "queries.sql")
     for name in sorted(n for n in pg if n.startswith("ring_") or n in ("get_queue", "list_queues")):
-        if name in RING_GROUP_QUERIES:
-            continue
         theirs, ours = set(_PLACEHOLDER.findall(pg[name])), set(_PLACEHOLDER.findall(mssql[name]))
         assert theirs - ours == RING_PARAMETERS_POSTGRESQL_ONLY.get(name, set()), name
         assert ours - theirs == RING_PARAMETERS_MSSQL_ONLY.get(name, set()), name
@@ -729,7 +724,8 @@ def _mssql_widths(name: str) -> set[int]:
     last = tsql_statements(mssql_sql(name))[-1]
     if isinstance(last, exp.Execute):
         proc = last.this.name
-        statements = procedure_statements(schema_blocks()[f"v4_{proc}"])[1]
+        [*_, block] = (b for k, b in schema_blocks().items() if re.fullmatch(rf"v[0-9]+_{proc}", k))
+        statements = procedure_statements(block)[1]
         return {w for w in map(_result_width, statements) if w is not None}
     width = _result_width(last)
     return set() if width is None else {width}
@@ -754,7 +750,7 @@ RING_RESULTS_DIFFERENT = {
     sorted(
         n
         for n in load_queries(PG, "queries.sql")
-        if (n.startswith("ring_") or n in ("get_queue", "list_queues")) and n not in RING_GROUP_QUERIES
+        if n.startswith("ring_") or n in ("get_queue", "list_queues")
     ),
 )
 def test_the_ring_queries_return_postgresqls_columns(name: str) -> None:
@@ -1247,9 +1243,11 @@ def test_the_shared_clock_jump_on_a_fake_sql_server(monkeypatch: pytest.MonkeyPa
     assert table_values == ["[7, 9]"]
     assert split_text.startswith("SET NOCOUNT ON; DECLARE @los nvarchar(max) = (")
     assert split_text.endswith(
-        "EXEC [dbq].ring_split_leases @queue_id = ?, @cap = ?, @lanes = ?, @los = @los, @error = NULL"
+        "EXEC [dbq].ring_split_leases @queue_id = ?, @cap = ?, @lanes = ?, @los = @los, @error = NULL, "
+        "@gid = ?"
     )
-    assert split_values == [4, "[3]", 2, 4, 8, 2]  # queue_id, ids, lanes; then queue_id, capacity, lanes
+    # the group's key, ids, lanes; then queue_id, capacity, lanes, the group's key (the default group's: 4)
+    assert split_values == [4, "[3]", 2, 4, 8, 2, 4]
     assert ring_text.startswith("UPDATE [dbq].ring_retry SET due_at = DATEADD(second, -1, SYSUTCDATETIME())")
     assert "AND state = 2 AND id IN (SELECT CAST([value] AS bigint) FROM OPENJSON(?))" in ring_text
     assert ring_values == [4, "[3]"]
@@ -1495,11 +1493,11 @@ def test_acks_delete_a_whole_lease_or_settle_the_rest_on_a_fake_sql_server(
         q.ack(msgs)
     assert info.value.ids == [4]
     acks = [v for t, v in fake.executed if "DELETE e OUTPUT deleted.n" in t]
-    assert acks == [[1, 4, "[3, 4]", "[1, 1]"]] * 3  # queue_id, lanes, ids, deliveries
+    assert acks == [[1, 4, "[3, 4]", "[1, 1]"]] * 3  # the group's key (the queue id), lanes, ids, deliveries
     settles = _sent(fake, "ring_settle")
-    assert settles == [[1, 8, 4, "[3, 4]", "[1, 1]", False, None, 0.0, 0.0, 1, None]] * 2
+    assert settles == [[1, 8, 4, "[3, 4]", "[1, 1]", False, None, 0.0, 0.0, 1, None, 1]] * 2
     [held] = [v for t, v in fake.executed if "[dbq].ring_held(" in t]
-    assert held == [1, 4, "[3, 4]", "[1, 1]"]
+    assert held == [1, 4, "[3, 4]", "[1, 1]", 1]
     _check_sent(fake)
 
 
@@ -1525,6 +1523,7 @@ def test_a_nack_sends_the_queues_backoff_and_attempts_on_a_fake_sql_server(
         s.retry_backoff_max_s,
         s.max_attempts,
         "boom",
+        1,  # the default group's key: the queue id
     ]
     _check_sent(fake)
 
@@ -1534,13 +1533,15 @@ def test_maintenance_of_a_ring_reclaims_and_recovers_gaps_on_a_fake_sql_server(
 ) -> None:
     """maintain(): expired leases (ring_reclaim_expired, with the ring's capacity and lanes), then the gap
     recovery: position 9 with unwritten numbers, no push lane held, 2 numbers given up, and the lanes moved
-    over given-up numbers."""
+    over given-up numbers. The ring has its default group alone (ring_groups), so no group is watched."""
+    default = (1, None, None, None, None, None, None, 5, 26, 9)
     q, fake = _ring_on_fake_sql_server(
-        monkeypatch, [[(3, 1), (4, 2)], [(9, 1)], [("[]",)], [(2, None)], [(1,)]]
+        monkeypatch, [[(3, 1), (4, 2)], [default], [(9, 1)], [("[]",)], [(2, None)], [(1,)]]
     )
     assert q.maintain(limit=50) == {"reclaimed": 2, "gaps_skipped": 2}
-    assert _sent(fake, "ring_reclaim_expired") == [[1, 8, 4, q.settings.max_attempts, 50]]
-    assert fake.executed[1][1] == [1] and "EXEC [dbq].ring_floor" in fake.executed[1][0]
+    assert _sent(fake, "ring_reclaim_expired") == [[1, 8, 4, q.settings.max_attempts, 50, 1]]
+    assert fake.executed[1][1] == [1] and "CROSS APPLY" in fake.executed[1][0]  # ring_groups
+    assert fake.executed[2][1] == [1] and "EXEC [dbq].ring_floor" in fake.executed[2][0]
     assert _sent(fake, "ring_skip_abandoned") == [[1, 9, "[]"]]
     assert _sent(fake, "ring_pass") == [[1, 8, 4]] and fake.script == []
     _check_sent(fake)
@@ -1576,27 +1577,11 @@ def test_the_conformance_suites_lease_expiry_on_a_fake_sql_server(monkeypatch: p
     )
     expire_leases(dbq, [3, 4], RingQueue(dbq.db, settings))
     (split, split_values), (expire, expire_values) = fake.executed
-    assert split_values == [7, "[3, 4]", 4, 7, 16, 4] and expire_values == [7, "[3, 4]"]
+    assert split_values == [7, "[3, 4]", 4, 7, 16, 4, 7] and expire_values == [7, "[3, 4]"]
     assert split.endswith(
-        "EXEC [dbq].ring_split_leases @queue_id = ?, @cap = ?, @lanes = ?, @los = @los, @error = NULL"
+        "EXEC [dbq].ring_split_leases @queue_id = ?, @cap = ?, @lanes = ?, @los = @los, @error = NULL, "
+        "@gid = ?"
     )
     assert expire.startswith("UPDATE [dbq].ring_retry SET due_at = DATEADD(second, -1, SYSUTCDATETIME())")
     assert fake.commits == 2
     _check_sent(fake)
-
-
-def test_a_ring_on_a_fake_sql_server_has_its_default_group_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Consumer groups besides the default one are PostgreSQL's: on SQL Server adding or naming one raises
-    NotSupportedError before any statement runs, and the default group (None or "default") is the ring's
-    own handle, whose pops send no group."""
-    from airflow_dbqueue.engine import NotSupportedError
-
-    q, fake = _ring_on_fake_sql_server(monkeypatch, [])
-    with pytest.raises(NotSupportedError, match="need PostgreSQL"):
-        q.add_group("audit")
-    with pytest.raises(NotSupportedError, match="'audit'"):
-        q.group("audit")
-    with pytest.raises(NotSupportedError):
-        q.pop(1, group="audit")
-    assert q.group(None) is q and q.group("default") is q
-    assert fake.executed == []

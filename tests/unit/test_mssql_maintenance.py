@@ -234,6 +234,8 @@ class MaintenanceServer(FakeSqlServer):
             return self.queues
         if "FROM [dbq].queues q WHERE name = ?" in text:  # get_queue
             return self.queues[:1]
+        if "SELECT x.gid FROM [dbq].ring_groups x" in text:  # ring_groups
+            return self.ring.pop("ring_groups")
         for procedure in (
             "ring_reclaim_expired",
             "ring_floor",
@@ -482,11 +484,13 @@ def test_a_rings_upkeep_on_a_fake_sql_server(fake: MaintenanceServer) -> None:
         "ring_push_lanes_held": [("[5]",)],  # ring_snapshot: push lane 5 was held
         "ring_skip_abandoned": [(4, None)],
         "ring_pass": [(2,)],  # two lanes moved over given-up numbers
+        "ring_groups": [(4, None, None, None, None, None, None, 33, 300, 40)],  # the default group alone
     }
     report = DbQueue(DSN, schema="dbq").maintenance().recover()
     assert report == {"events": {"reclaimed": 3, "gaps_skipped": 4}}
     [reclaim] = fake.statements("EXEC [dbq].ring_reclaim_expired ")
-    assert reclaim.values == [4, 1024, 8, 3, 10_000]  # queue_id, capacity, lanes, max_attempts, limit
+    # queue_id, capacity, lanes, max_attempts, limit, the group's key (the default group's: the queue id)
+    assert reclaim.values == [4, 1024, 8, 3, 10_000, 4]
     [skip] = fake.statements("EXEC [dbq].ring_skip_abandoned ")
     assert skip.values == [4, 40, "[5]"]
     [passing] = fake.statements("EXEC [dbq].ring_pass ")

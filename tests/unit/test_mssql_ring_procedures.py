@@ -1,10 +1,11 @@
 """The SQL Server ring's stored procedures run offline, on the T-SQL interpreter of tests/tsql.py.
 
 No SQL Server can run here. These tests run ``ring_create``, ``ring_push``, ``ring_take``, ``ring_pop``,
-``ring_pass``, ``ring_skip_gap``, ``ring_skip_abandoned`` and ``ring_settle`` as the SQL Server
-``schema.sql`` writes them, on tables held in memory, and check what they do against what PostgreSQL's
-functions of the same names do (their comments in ``postgres/schema.sql``): lanes moved over given-up
-numbers, a take that runs past the end of the slots taken in two parts, a pop of none. The last tests
+``ring_pass``, ``ring_skip_gap``, ``ring_skip_abandoned``, ``ring_settle``, ``ring_add_group`` and
+``ring_drop_group`` as the SQL Server ``schema.sql`` writes them, on tables held in memory, and check what
+they do against what PostgreSQL's functions of the same names do (their comments in
+``postgres/schema.sql``): lanes moved over given-up numbers, a take that runs past the end of the slots
+taken in two parts, a pop of none, consumer groups holding the floor until dropped. The last tests
 break the T-SQL on purpose, one change at a time, and check that the scenarios then fail.
 
 What the interpreter leaves out is said in tests/tsql.py: no transactions, no concurrency (other
@@ -623,14 +624,14 @@ def old_ring(server: tsql.Server) -> None:
 
 
 def check_upgrade(text: Mapping[str, str]) -> None:
-    """The version-4 blocks run on the rows of an old ring (tsql.upgrade): its lanes (8) start at its
+    """The blocks of version 4 on run on the rows of an old ring (tsql.upgrade): its lanes (8) start at its
     lowest unfinished number, 7, each at its first number from there; finished and given-up slots lose
     their payload and the slots the columns only pops wrote; the push lanes keep their rows. The new
     procedures then deliver each ready or leased message once, in id order, with its payload (7, leased
     when the upgrade ran, again), pass over what was finished or given up, stop at 13 until it is given
     up, and take new pushes from the issued position on. The catalogue loses the two procedures the
     upgrade drops."""
-    old = {k: v for k, v in text.items() if not k.startswith("v4_")}
+    old = {k: v for k, v in text.items() if re.fullmatch(r"schema|v[23]_.*", k)}
     server = tsql.ring_server(old)
     assert "ring_lanes_held" in server.procedures and "ring_take" not in server.procedures
     assert "pushes" in server.tables["ring_lanes"].columns  # version 2's push lanes
@@ -642,7 +643,7 @@ def check_upgrade(text: Mapping[str, str]) -> None:
         ("table", "rings"),
     ]:
         owned.insert({"kind": kind, "name": name})
-    tsql.upgrade(server, {k: v for k, v in text.items() if k.startswith("v4_")})
+    tsql.upgrade(server, {k: v for k, v in text.items() if k not in old})
     assert "ring_lanes_held" not in server.procedures and "ring_take" in server.procedures
     assert [(r["kind"], r["name"]) for r in owned.scan()] == [("table", "rings")]
     assert server.tables["ring_slots"].columns == ["queue_id", "slot", "seq", "enqueued_at", "payload"]
@@ -669,6 +670,74 @@ def test_a_ring_of_the_old_design_keeps_its_messages_through_the_upgrade_to_vers
     check_upgrade(blocks())
 
 
+# -- consumer groups -------------------------------------------------------------------------------
+
+
+def add_group(ring: tsql.Ring, name: str, *, earliest: bool) -> int:
+    """ring_add_group, called as the engine's named query calls it: the new group's gid."""
+    _, out = ring.server.call(
+        "ring_add_group",
+        queue_id=ring.queue_id,
+        name=name,
+        earliest=int(earliest),
+        on_lag=0,
+        lag_timeout_s=60.0,
+        gid=None,
+    )
+    return int(out["gid"])
+
+
+def group_of(ring: tsql.Ring, gid: int) -> tsql.Ring:
+    """The ring as a consumer group's pops see it: its calls pass the group's gid for the queue id."""
+    view = tsql.Ring.__new__(tsql.Ring)
+    view.server, view.queue_id, view.capacity, view.lanes, view.seq = (
+        ring.server,
+        gid,
+        ring.capacity,
+        ring.lanes,
+        ring.seq,
+    )
+    return view
+
+
+def check_groups(make: Make) -> None:
+    """A group added now sees what is pushed from then on; one added from the earliest message also what
+    the ring still holds for some group. A group that has not taken a number holds the floor: a push a
+    capacity ahead of it finds the ring full (and takes no number), until the group is dropped, which
+    deletes its lanes. Given-up numbers are passed over in every group's lanes. Gids are never used
+    twice."""
+    ring = make(capacity=4, lanes=2)
+    assert ring.push(b"1") == [1]
+    late = add_group(ring, "late", earliest=False)
+    early = add_group(ring, "early", earliest=True)
+    assert (late, early) == (-1, -2)
+    assert group_of(ring, late).positions() == [2, 3]  # past the push position
+    assert group_of(ring, early).positions() == [2, 1]  # the default group's
+    assert ring.push(b"2", b"3") == [2, 3]
+    assert ids(group_of(ring, early).take(4)) == [1, 2, 3]
+    assert ids(group_of(ring, late).take(4)) == [2, 3]
+    assert ring.push(b"4", b"5") == []  # 5 would overwrite 1, which the default group has not taken
+    assert ids(ring.take(4)) == [1, 2, 3]
+    assert ring.push(b"4", b"5") == [4, 5]
+    assert ids(ring.take(4)) == ids(group_of(ring, early).take(4)) == [4, 5]
+    assert ring.push(b"6", b"7") == [6, 7]
+    assert ids(ring.take(4)) == ids(group_of(ring, early).take(4)) == [6, 7]
+    assert ring.push(b"8") == []  # late has not taken 4
+    _, out = ring.server.call("ring_drop_group", queue_id=ring.queue_id, gid=late, dropped=None)
+    assert out["dropped"] == 1
+    assert [r for r in ring.server.tables["ring_lanes"].rows if r["queue_id"] == late] == []
+    assert ring.push(b"8") == [8]
+    assert ring.abandon(1) == [9]
+    assert ring.skip_abandoned() == 1
+    assert ring.pass_lanes() == 2  # lane 1 of the default group and of early, both at 9
+    assert ring.positions() == group_of(ring, early).positions() == [8, 11]
+    assert add_group(ring, "late", earliest=False) == -3
+
+
+def test_consumer_groups_see_their_messages_and_hold_the_floor_until_dropped() -> None:
+    check_groups(maker())
+
+
 # -- the checks fail when the T-SQL is broken ------------------------------------------------------
 
 
@@ -681,66 +750,97 @@ def mutated(block: str, good: str, bad: str) -> dict[str, str]:
 
 MUTATIONS = [
     # ring_pass
-    ("v4_ring_pass", "AND s.seq = l.pos AND s.payload IS NULL);", "AND s.seq = l.pos);", check_pass),
-    ("v4_ring_pass", "UPDATE l SET pos = l.pos + @lanes", "UPDATE l SET pos = l.pos + 1", check_pass),
-    ("v4_ring_pass", "t WITH (ROWLOCK, UPDLOCK, READPAST)", "t WITH (ROWLOCK, UPDLOCK)", check_pass),
-    ("v4_ring_pass", "AND l.pos > l.start;", "AND l.pos >= l.start;", check_pass),
-    # the take's two parts
-    ("v4_ring_take", "WHILE @part < 2 AND", "WHILE @part < 1 AND", check_two_parts),
-    ("v4_ring_take", "ORDER BY p.part, s.slot;", "ORDER BY s.slot;", check_two_parts),
-    ("v4_ring_take", "SELECT TOP (@n - @got) @lo", "SELECT TOP (@n) @lo", check_two_parts),
-    ("v4_ring_take", "SET @lo = @lo - @a + @cap;", "SET @lo = @lo + @cap;", check_two_parts),
-    ("v4_ring_take", "h.pos < @lo - @a + @cap)", "h.pos < @lo - @a)", check_second_part_refused),
+    ("v6_ring_pass", "AND s.seq = l.pos AND s.payload IS NULL);", "AND s.seq = l.pos);", check_pass),
+    ("v6_ring_pass", "UPDATE l SET pos = l.pos + @lanes", "UPDATE l SET pos = l.pos + 1", check_pass),
     (
-        "v4_ring_take",
-        "FROM @held h JOIN [dbq].ring_lanes l ON l.queue_id = @queue_id AND l.lane = h.lane;",
-        "FROM @held h JOIN [dbq].ring_lanes l ON l.queue_id = @queue_id AND l.lane = h.lane WHERE 1 = 0;",
+        "v6_ring_pass",
+        "ring_lanes t WITH (ROWLOCK, UPDLOCK, READPAST)\n    WHERE t.queue_id = @queue_id;",
+        "ring_lanes t WITH (ROWLOCK, UPDLOCK)\n    WHERE t.queue_id = @queue_id;",
+        check_pass,
+    ),
+    ("v6_ring_pass", "WHERE l.pos > l.start;", "WHERE l.pos >= l.start;", check_pass),
+    # the take's two parts
+    ("v6_ring_take", "WHILE @part < 2 AND", "WHILE @part < 1 AND", check_two_parts),
+    ("v6_ring_take", "ORDER BY p.part, s.slot;", "ORDER BY s.slot;", check_two_parts),
+    ("v6_ring_take", "SELECT TOP (@n - @got) @lo", "SELECT TOP (@n) @lo", check_two_parts),
+    ("v6_ring_take", "SET @lo = @lo - @a + @cap;", "SET @lo = @lo + @cap;", check_two_parts),
+    ("v6_ring_take", "h.pos < @lo - @a + @cap)", "h.pos < @lo - @a)", check_second_part_refused),
+    (
+        "v6_ring_take",
+        "FROM @held h JOIN [dbq].ring_lanes l ON l.queue_id = @gid AND l.lane = h.lane;",
+        "FROM @held h JOIN [dbq].ring_lanes l ON l.queue_id = @gid AND l.lane = h.lane WHERE 1 = 0;",
         check_two_parts,
     ),
     (
-        "v4_ring_take",
-        "WHERE t.queue_id = @queue_id AND EXISTS (\n        SELECT 1",
-        "WHERE t.queue_id = @queue_id AND 1 = 1 OR EXISTS (\n        SELECT 1",
+        "v6_ring_take",
+        "WHERE t.queue_id = @gid AND EXISTS (\n        SELECT 1",
+        "WHERE t.queue_id = @gid AND 1 = 1 OR EXISTS (\n        SELECT 1",
         check_second_part_refused,
     ),
     # a pop of none
-    ("v4_ring_pop", "IF @skipped > 0", "IF @skipped > 1000", check_pop_of_none),
+    ("v6_ring_pop", "IF @skipped > 0", "IF @skipped > 1000", check_pop_of_none),
     ("v4_ring_skip_gap", "SET @skipped = @k;", "SET @skipped = 0;", check_pop_of_none),
     (
-        "v4_ring_pop",
+        "v6_ring_pop",
         "SELECT TOP (@n) t.id, t.attempts",
         "SELECT TOP (@n + 1) t.id, t.attempts",
         check_pop_of_none,
     ),
     # a batch that finds every lane held
-    ("v4_ring_take", "IF @n > 1 AND @lanes > 2", "IF @n > 1 AND @lanes > 200", check_held_lanes),
-    ("v4_ring_take", "ELSE @lanes / 2 END - 1;", "ELSE @lanes END - 1;", check_held_lanes),
+    ("v6_ring_take", "IF @n > 1 AND @lanes > 2", "IF @n > 1 AND @lanes > 200", check_held_lanes),
+    ("v6_ring_take", "ELSE @lanes / 2 END - 1;", "ELSE @lanes END - 1;", check_held_lanes),
     (
-        "v4_ring_take",
-        "WHERE t.queue_id = @queue_id\n            ORDER BY t.pos;",
-        "WHERE t.queue_id = @queue_id\n            ORDER BY t.lane DESC;",
+        "v6_ring_take",
+        "WHERE t.queue_id = @gid\n            ORDER BY t.pos;",
+        "WHERE t.queue_id = @gid\n            ORDER BY t.lane DESC;",
         check_held_lanes,
     ),
-    ("v4_ring_take", "SET LOCK_TIMEOUT 1000;", "SET NOCOUNT ON;", check_no_wait),
-    ("v4_ring_take", "IF @wait = 1 AND NOT EXISTS", "IF @wait >= 0 AND NOT EXISTS", check_no_wait),
+    ("v6_ring_take", "SET LOCK_TIMEOUT 1000;", "SET NOCOUNT ON;", check_no_wait),
+    ("v6_ring_take", "IF @wait = 1 AND NOT EXISTS", "IF @wait >= 0 AND NOT EXISTS", check_no_wait),
     (
-        "v4_ring_take",
+        "v6_ring_take",
         "        BEGIN\n            RETURN;\n        END;\n    END;\n    IF @wait = 1",
         "        BEGIN\n            SET @k = 0;\n        END;\n    END;\n    IF @wait = 1",
         check_no_wait,
     ),
     # where a take ends
-    ("v4_ring_take", "IF @whole = 0", "IF @whole = 2", check_take_ends),
-    ("v4_ring_take", "@whole = min(r.ok)", "@whole = max(r.ok)", check_take_ends),
-    ("v4_ring_take", "SELECT TOP (@n - @got) @lo", "SELECT TOP (@n - @got + 1) @lo", check_take_ends),
+    ("v6_ring_take", "IF @whole = 0", "IF @whole = 2", check_take_ends),
+    ("v6_ring_take", "@whole = min(r.ok)", "@whole = max(r.ok)", check_take_ends),
+    ("v6_ring_take", "SELECT TOP (@n - @got) @lo", "SELECT TOP (@n - @got + 1) @lo", check_take_ends),
     # a dropped ring
     ("v4_ring_floor_try", "SET @gone = 1;", "SET @gone = 0;", check_dropped),
     ("v4_ring_push", "SET @fail = 4;", "SET @fail = 1;", check_dropped),
     (
-        "v4_ring_pop",
+        "v6_ring_pop",
         "IF NOT EXISTS (SELECT 1 FROM [dbq].rings g",
         "IF EXISTS (SELECT 1 FROM [dbq].rings g",
         check_dropped,
+    ),
+    # consumer groups
+    ("v6_ring_floor", "IF @lanes < @floor OR @floor IS NULL", "IF @lanes < @floor AND 1 = 0", check_groups),
+    (
+        "v6_ring_add_group",
+        "CASE WHEN @earliest = 1 THEN min(t.pos)",
+        "CASE WHEN @earliest = 1 THEN max(t.pos)",
+        check_groups,
+    ),
+    (
+        "v6_ring_take",
+        "SET @queue_id = (SELECT g.queue_id FROM [dbq].ring_groups g WHERE g.gid = @gid);",
+        "SET @queue_id = @gid;",
+        check_groups,
+    ),
+    (
+        "v6_ring_drop_group",
+        "DELETE FROM [dbq].ring_lanes WHERE queue_id = @gid;",
+        "DELETE FROM [dbq].ring_lanes WHERE queue_id = @gid AND 1 = 0;",
+        check_groups,
+    ),
+    (
+        "v6_ring_pass",
+        "JOIN [dbq].ring_lanes t WITH (ROWLOCK, UPDLOCK, READPAST) ON t.queue_id = g.gid",
+        "JOIN [dbq].ring_lanes t WITH (ROWLOCK, UPDLOCK, READPAST) ON t.queue_id = g.gid AND 1 = 0",
+        check_groups,
     ),
 ]
 UPGRADE_MUTATIONS = [
@@ -857,7 +957,7 @@ def test_a_dropped_rings_handle_raises_queue_not_found_on_interpreted_sql_server
     with dbq.transaction() as conn:
         assert q.pop(5, semantics="exactly-once", conn=conn) == []
     assert {name: t.rows for name, t in server.tables.items() if t.rows} == {}
-    assert server.sequences == {}  # the ring's two, dropped with it
+    assert set(server.sequences) == {"[dbq].[message_id_seq]", "[dbq].[group_gids]"}  # the ring's dropped
 
 
 def test_an_ack_of_a_pop_past_the_end_of_the_slots_deletes_both_leases_on_interpreted_sql_server(
@@ -898,3 +998,57 @@ def test_an_ack_of_a_pop_past_the_end_of_the_slots_deletes_both_leases_on_interp
     assert q.ack(part[1:]) == 2
     assert list(server.tables["ring_leases"].scan()) == [] and list(server.tables["ring_retry"].scan()) == []
     assert checksum(m.payload for m in got + part) == checksum([*sent, "a", "b", "c"])
+
+
+def test_a_group_nobody_pops_holds_the_floor_until_maintenance_drops_it_on_interpreted_sql_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Consumer groups on the interpreted procedures. Each group gets every message pushed since it was
+    added ("earliest": also those still in the ring); a group nobody pops keeps the ring's floor down, so a
+    push a ring ahead of it finds the ring full. Maintenance first notes the groups' lanes; once those of a
+    group with messages to take have stayed still for its lag timeout (the server's clock), it drops the
+    group (on_lag="drop_group"), the floor rises and the push gets in. A handle of the dropped group finds
+    it gone, and its gid is never handed out again."""
+    import datetime as dt
+
+    from airflow_dbqueue.engine import DbQueue, GroupExistsError, GroupNotFoundError, QueueFullError
+    from tests.helpers import checksum
+
+    server = tsql.ring_server(blocks())
+    dbq = DbQueue("mssql://u:p@h/db", schema="dbq")
+    tsql.InterpretedSqlServer(server).attach(monkeypatch, dbq.db)
+    q = dbq.create_queue("fan", design="ring", capacity=4, lanes=2)
+    q.push_timeout = 0.0
+    early = [{"n": 0}]
+    assert q.push_batch(early) == [1]
+    audit = q.add_group("audit", on_lag="drop_group", lag_timeout=60)
+    watch = q.add_group("watch", start="earliest", lag_timeout=60)
+    assert (audit._gid, watch._gid) == (-1, -2)
+    with pytest.raises(GroupExistsError):
+        q.add_group("watch")
+    got = q.pop(8)
+    seen = watch.pop(8, semantics="at-least-once")
+    assert watch.ack(seen) == 1  # until then its lease keeps 1 in the ring
+    pushed = [{"n": i} for i in range(1, 5)]
+    assert q.push_batch(pushed) == [2, 3, 4, 5]  # 5 overwrites 1, which no group needs any more
+    got += q.pop(8)
+    more = watch.pop(8, semantics="at-least-once")
+    assert watch.ack(more) == 4
+    seen += more
+    assert checksum(m.payload for m in got) == checksum(m.payload for m in seen) == checksum(early + pushed)
+    assert [(g.name, g.pop_position) for g in q.groups()] == [("default", 6), ("audit", 2), ("watch", 6)]
+    assert (q.stats().extra["floor"], audit.stats().extra["lag_messages"]) == (2, 4)
+    late = [{"n": 5}, {"n": 6}]
+    with pytest.raises(QueueFullError):
+        q.push_batch(late)  # 6's slot holds 2, which audit has not taken: no number is taken
+    assert q.maintain() == {"reclaimed": 0, "gaps_skipped": 0, "groups_lagging": 0, "groups_dropped": 0}
+    server.now += dt.timedelta(seconds=61)
+    assert q.maintain() == {"reclaimed": 0, "gaps_skipped": 0, "groups_lagging": 1, "groups_dropped": 1}
+    assert [g.name for g in q.groups()] == ["default", "watch"]  # watch had nothing to take
+    with pytest.raises(GroupNotFoundError):
+        audit.pop(1)
+    assert q.push_batch(late) == [6, 7]
+    assert [m.payload for m in q.pop(4)] == [m.payload for m in watch.pop(4)] == late
+    assert q.add_group("audit")._gid == -3
+    left = [r for t in ("ring_lanes", "ring_leases", "ring_retry") for r in server.tables[t].rows]
+    assert {r["queue_id"] for r in left} == {1, -2, -3}  # the dropped group's rows are gone

@@ -96,9 +96,6 @@ class Database(NamedStatements, Protocol):
     #: True when a ring's push of one takes a floor its caller read earlier (query ``ring_floor``)
     #: instead of reading the floor on every call.
     ring_push_takes_floor: bool
-    #: True when a ring can have consumer groups besides its default one (queries ``ring_groups``,
-    #: ``ring_add_group``, ``ring_drop_group``, ``ring_group_moved``).
-    ring_groups_supported: bool
 
     def close(self) -> None: ...
 

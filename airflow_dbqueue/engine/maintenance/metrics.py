@@ -29,7 +29,7 @@ def queue_metrics(
                 "queue_rates", {"queue_id": q.settings.queue_id, "window_s": float(rate_window_s)}
             )
             # a ring's groups are read in the same try: a drop meanwhile fails them as it fails stats
-            groups = group_metrics(q) if isinstance(q, RingQueue) and db.ring_groups_supported else {}
+            groups = group_metrics(q) if isinstance(q, RingQueue) else {}
         except Exception:
             if not queues.gone(name, q.settings.queue_id):
                 raise
@@ -48,7 +48,8 @@ def queue_metrics(
 def group_metrics(q: RingQueue) -> dict[str, Any]:
     """By consumer group of a ring besides its default one (whose figures are the queue's own): what
     it has still to finish (``lag_messages``), the age of its oldest ready message (``lag_seconds``) and
-    how long maintenance has seen it not move (``idle_s``), so that a group nobody pops shows."""
+    how long maintenance has seen it not move (``idle_s``), so that a group nobody pops shows; and its
+    position (``pop_position``) and what maintenance does when it lags (``on_lag``, ``lag_timeout_s``)."""
     out: dict[str, Any] = {}
     for info in q.groups()[1:]:
         try:
@@ -59,6 +60,9 @@ def group_metrics(q: RingQueue) -> dict[str, Any]:
             "lag_messages": extra["lag_messages"],
             "lag_seconds": extra["lag_seconds"],
             "idle_s": None if info.idle_s is None else round(info.idle_s, 3),
+            "pop_position": info.pop_position,
+            "on_lag": info.on_lag.value,
+            "lag_timeout_s": info.lag_timeout_s,
         }
     return out
 

@@ -67,17 +67,12 @@ log = logging.getLogger(__name__)
 
 _PKG = __package__ or "airflow_dbqueue.engine.dialects.mssql"
 
-NOT_YET_PORTED: dict[str, str] = {
-    name: "a ring's consumer groups besides its default one need ring_groups, the groups' rows in the ring "
-    "tables keyed by their gid, and procedures that take a gid (ring_groups_supported is False: RingQueue "
-    "raises NotSupportedError for any other group, docs/limits.md)"
-    for name in ("ring_add_group", "ring_drop_group", "ring_groups", "ring_group_moved")
-}
+NOT_YET_PORTED: dict[str, str] = {}
 """Named queries of the PostgreSQL dialect that this dialect does not have yet, with what they need.
 
 The parity test checks that the PostgreSQL names are exactly this dialect's names plus these, so a new
-PostgreSQL query fails the test until it is ported or listed here. The table design, maintenance and the
-ring design are all ported, but for a ring's consumer groups besides its default one.
+PostgreSQL query fails the test until it is ported or listed here. Empty: the table design, maintenance
+and the ring design with its consumer groups are all ported.
 """
 
 POSTGRES_ONLY: dict[str, str] = {
@@ -150,7 +145,6 @@ class MssqlDatabase(MssqlSchema, MssqlMaintenance):
     supports_notify = False
     ring_push_takes_floor = False  # its ring_push reads the floor under its own locks
     async_observers = False  # pyodbc has no async connections: observers poll with readiness()
-    ring_groups_supported = False  # one group a ring (docs/limits.md)
 
     def __init__(
         self,

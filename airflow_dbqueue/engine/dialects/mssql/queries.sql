@@ -868,7 +868,9 @@ SELECT
 -- recovery are stored procedures, the receipts' leases and the observers' view inline functions
 -- (ring_held, ring_ready); the statements below call them. Number x of a ring lives in slot x % capacity,
 -- so a receipt finds its slot with one primary-key probe. The schema name is the procedure's own
--- (PostgreSQL's ring_create is given it).
+-- (PostgreSQL's ring_create is given it). group: the key (gid) of a consumer group's rows in ring_lanes,
+-- ring_leases, ring_retry and ring_failed, which is the ring's queue_id for its default group
+-- (ring_groups).
 EXEC {schema}.ring_create @queue_id = %(queue_id)s, @capacity = %(capacity)s, @slot_bytes = %(slot_bytes)s,
     @lanes = %(lanes)s
 
@@ -972,7 +974,7 @@ SELECT @moved
 -- the whole ones hold every receipt (each message is in one lease at most). Rows: the n of each lease
 -- deleted, none otherwise (the caller settles the receipts with ring_settle).
 SET NOCOUNT ON;
-DECLARE @queue_id int = %(queue_id)s;
+DECLARE @gid int = %(group)s;
 DECLARE @lanes int = %(lanes)s;
 DECLARE @r TABLE (ord int PRIMARY KEY, id bigint NOT NULL, d int NOT NULL);
 DECLARE @lo bigint;
@@ -988,7 +990,7 @@ SELECT @lo = min(id), @hi = max(id), @n = count(*), @first = min(CASE WHEN d = 1
 INSERT INTO @c (lo, n)
 SELECT e.lo, e.n
 FROM {schema}.ring_leases e WITH (ROWLOCK, UPDLOCK)
-WHERE e.queue_id = @queue_id AND e.lo >= @lo AND e.lo <= @hi AND e.hi <= @hi AND @first = 1
+WHERE e.queue_id = @gid AND e.lo >= @lo AND e.lo <= @hi AND e.hi <= @hi AND @first = 1
   AND e.lease_until > SYSUTCDATETIME()
   AND (SELECT count(*) FROM @r i
        WHERE i.id BETWEEN e.lo AND e.hi AND EXISTS (
@@ -996,7 +998,7 @@ WHERE e.queue_id = @queue_id AND e.lo >= @lo AND e.lo <= @hi AND e.hi <= @hi AND
            WHERE j.[key] = CAST(i.id % @lanes AS nvarchar(11)) AND CAST(j.[value] AS bigint) <= i.id)) = e.n;
 DELETE e OUTPUT deleted.n INTO @done
 FROM {schema}.ring_leases e
-WHERE e.queue_id = @queue_id AND e.lo IN (SELECT c.lo FROM @c c) AND (SELECT sum(c.n) FROM @c c) = @n;
+WHERE e.queue_id = @gid AND e.lo IN (SELECT c.lo FROM @c c) AND (SELECT sum(c.n) FROM @c c) = @n;
 SELECT n FROM @done
 
 -- name: ring_settle
@@ -1004,21 +1006,21 @@ SELECT n FROM @done
 -- receipt no longer holds its lease. The error is cut to 1000 characters (the column's size).
 EXEC {schema}.ring_settle @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = %(lanes)s, @ids = %(ids)s,
     @deliveries = %(deliveries)s, @nack = %(nack)s, @delay_s = %(delay_s)s, @backoff_s = %(backoff_s)s,
-    @backoff_max_s = %(backoff_max_s)s, @max_attempts = %(max_attempts)s, @error = %(error)s
+    @backoff_max_s = %(backoff_max_s)s, @max_attempts = %(max_attempts)s, @error = %(error)s, @gid = %(group)s
 
 -- name: ring_held_receipts
-SELECT r_id, r_delivery FROM {schema}.ring_held(%(queue_id)s, %(lanes)s, %(ids)s, %(deliveries)s)
+SELECT r_id, r_delivery FROM {schema}.ring_held(%(queue_id)s, %(lanes)s, %(ids)s, %(deliveries)s, %(group)s)
 
 -- name: ring_reclaim_expired
 -- Expired leases go back to ready (keeping their id) or, after max_attempts, to ring_failed. Pops run it
 -- at most once a second.
 EXEC {schema}.ring_reclaim_expired @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = %(lanes)s,
-    @max_attempts = %(max_attempts)s, @limit = %(limit)s
+    @max_attempts = %(max_attempts)s, @limit = %(limit)s, @gid = %(group)s
 
 -- name: ring_peek
 -- What pops would take first: the messages due again, then the lanes', each in id order.
 SELECT TOP (%(n)s) r_id, r_attempts, r_deliveries, r_enqueued_at, CAST(NULL AS datetime2(6)) AS lease_until, r_payload
-FROM {schema}.ring_ready(%(queue_id)s)
+FROM {schema}.ring_ready(%(queue_id)s, %(group)s)
 WHERE r_due <= SYSUTCDATETIME()
 ORDER BY CASE WHEN r_attempts = 0 THEN 1 ELSE 0 END, r_id
 
@@ -1029,12 +1031,12 @@ ORDER BY CASE WHEN r_attempts = 0 THEN 1 ELSE 0 END, r_id
 -- expired leased retry row with attempts left. An expired lease out of attempts goes to ring_failed.
 SELECT CASE WHEN x.ready > %(cap)s THEN %(cap)s ELSE x.ready END FROM (SELECT
     (SELECT count(*) FROM (
-        SELECT TOP (%(cap)s) 1 AS one FROM {schema}.ring_ready(%(queue_id)s) WHERE r_due <= SYSUTCDATETIME()) s)
+        SELECT TOP (%(cap)s) 1 AS one FROM {schema}.ring_ready(%(queue_id)s, %(group)s) WHERE r_due <= SYSUTCDATETIME()) s)
     + (SELECT count(*) FROM {schema}.ring_retry t
-       WHERE t.queue_id = %(queue_id)s AND t.state = 2 AND t.due_at <= SYSUTCDATETIME()
+       WHERE t.queue_id = %(group)s AND t.state = 2 AND t.due_at <= SYSUTCDATETIME()
          AND t.attempts < %(max_attempts)s)
     + (SELECT coalesce(sum(CAST(e.n AS bigint)), 0) FROM {schema}.ring_leases e
-       WHERE e.queue_id = %(queue_id)s AND e.lease_until <= SYSUTCDATETIME() AND %(max_attempts)s > 1)
+       WHERE e.queue_id = %(group)s AND e.lease_until <= SYSUTCDATETIME() AND %(max_attempts)s > 1)
     AS ready) x
 
 -- name: ring_ready_head
@@ -1046,46 +1048,48 @@ SELECT CASE WHEN x.ready > %(cap)s THEN %(cap)s ELSE x.ready END AS ready, h.r_i
        h.r_deliveries AS head_deliveries
 FROM (SELECT
     (SELECT count(*) FROM (
-        SELECT TOP (%(cap)s) 1 AS one FROM {schema}.ring_ready(%(queue_id)s) WHERE r_due <= SYSUTCDATETIME()) s)
+        SELECT TOP (%(cap)s) 1 AS one FROM {schema}.ring_ready(%(queue_id)s, %(group)s) WHERE r_due <= SYSUTCDATETIME()) s)
     + (SELECT count(*) FROM {schema}.ring_retry t
-       WHERE t.queue_id = %(queue_id)s AND t.state = 2 AND t.due_at <= SYSUTCDATETIME()
+       WHERE t.queue_id = %(group)s AND t.state = 2 AND t.due_at <= SYSUTCDATETIME()
          AND t.attempts < %(max_attempts)s)
     + (SELECT coalesce(sum(CAST(e.n AS bigint)), 0) FROM {schema}.ring_leases e
-       WHERE e.queue_id = %(queue_id)s AND e.lease_until <= SYSUTCDATETIME() AND %(max_attempts)s > 1)
+       WHERE e.queue_id = %(group)s AND e.lease_until <= SYSUTCDATETIME() AND %(max_attempts)s > 1)
     AS ready) x
 OUTER APPLY (
     SELECT TOP (1) c.r_id, c.r_deliveries FROM (
         SELECT r_id, r_deliveries, CASE WHEN r_attempts = 0 THEN 1 ELSE 0 END AS fresh
-        FROM {schema}.ring_ready(%(queue_id)s) WHERE r_due <= SYSUTCDATETIME()
+        FROM {schema}.ring_ready(%(queue_id)s, %(group)s) WHERE r_due <= SYSUTCDATETIME()
         UNION ALL
         SELECT t.id, t.deliveries, 0 FROM {schema}.ring_retry t
-        WHERE t.queue_id = %(queue_id)s AND t.state = 2 AND t.due_at <= SYSUTCDATETIME()
+        WHERE t.queue_id = %(group)s AND t.state = 2 AND t.due_at <= SYSUTCDATETIME()
           AND t.attempts < %(max_attempts)s
         UNION ALL
         SELECT e.lo, 1, 0 FROM {schema}.ring_leases e
-        WHERE e.queue_id = %(queue_id)s AND e.lease_until <= SYSUTCDATETIME() AND %(max_attempts)s > 1) c
+        WHERE e.queue_id = %(group)s AND e.lease_until <= SYSUTCDATETIME() AND %(max_attempts)s > 1) c
     ORDER BY c.fresh, c.r_id) h
 
 -- name: ring_stats
--- Depth by state, plus the ring's own figures: the push position (last number issued), the pop position
--- (the lowest lane position: the next number no pop has taken), the floor (the lowest number a consumer
--- may still need), the numbers given up as gaps, and its lanes. No row when the ring does not exist.
+-- Depth by state of one consumer group, plus the ring's own figures: the push position (last number
+-- issued), the group's pop position (its lowest lane position: the next number none of its pops has
+-- taken), the floor (the lowest number a consumer of any group may still need), the numbers given up as
+-- gaps, and its lanes. No row when the ring does not exist.
 SET NOCOUNT ON;
 DECLARE @now datetime2(6) = SYSUTCDATETIME();
 DECLARE @queue_id int = %(queue_id)s;
+DECLARE @gid int = %(group)s;
 DECLARE @floor bigint;
 DECLARE @rd TABLE (enqueued_at datetime2(6), due datetime2(6));
 EXEC {schema}.ring_floor @queue_id = @queue_id, @floor = @floor OUTPUT;
-INSERT INTO @rd (enqueued_at, due) SELECT r_enqueued_at, r_due FROM {schema}.ring_ready(@queue_id);
+INSERT INTO @rd (enqueued_at, due) SELECT r_enqueued_at, r_due FROM {schema}.ring_ready(@queue_id, @gid);
 SELECT
     (SELECT count(*) FROM @rd WHERE due <= @now) AS ready,
     (SELECT count(*) FROM @rd WHERE due > @now) AS delayed,
-    (SELECT coalesce(sum(e.n), 0) FROM {schema}.ring_leases e WHERE e.queue_id = @queue_id)
-    + (SELECT count(*) FROM {schema}.ring_retry t WHERE t.queue_id = @queue_id AND t.state = 2) AS in_flight,
-    (SELECT count(*) FROM {schema}.ring_failed f WHERE f.queue_id = @queue_id) AS failed,
+    (SELECT coalesce(sum(e.n), 0) FROM {schema}.ring_leases e WHERE e.queue_id = @gid)
+    + (SELECT count(*) FROM {schema}.ring_retry t WHERE t.queue_id = @gid AND t.state = 2) AS in_flight,
+    (SELECT count(*) FROM {schema}.ring_failed f WHERE f.queue_id = @gid) AS failed,
     (SELECT DATEDIFF_BIG(microsecond, min(enqueued_at), @now) / 1e6 FROM @rd WHERE due <= @now) AS oldest_ready_age_s,
     coalesce(CAST(q.current_value AS bigint), 0) AS push_position,
-    (SELECT min(l.pos) FROM {schema}.ring_lanes l WHERE l.queue_id = @queue_id) AS pop_position,
+    (SELECT min(l.pos) FROM {schema}.ring_lanes l WHERE l.queue_id = @gid) AS pop_position,
     @floor AS floor,
     coalesce(CAST(gq.current_value AS bigint), 0) AS gaps_skipped,
     r.lanes
@@ -1097,7 +1101,7 @@ WHERE r.queue_id = @queue_id
 -- name: ring_list_failed
 SELECT TOP (%(limit)s) id, attempts, enqueued_at, last_error, payload
 FROM {schema}.ring_failed
-WHERE queue_id = %(queue_id)s AND id > %(after_id)s
+WHERE queue_id = %(group)s AND id > %(after_id)s
 ORDER BY id
 
 -- name: ring_take_failed
@@ -1106,20 +1110,65 @@ ORDER BY id
 DELETE f
 OUTPUT deleted.id, deleted.payload
 FROM {schema}.ring_failed f
-WHERE f.queue_id = %(queue_id)s
+WHERE f.queue_id = %(group)s
   AND (%(all)s = 1 OR f.id IN (SELECT CAST([value] AS bigint) FROM OPENJSON(%(ids)s)))
 
 -- name: ring_delete_failed
 DELETE f
 OUTPUT deleted.id
 FROM {schema}.ring_failed f
-WHERE f.queue_id = %(queue_id)s
+WHERE f.queue_id = %(group)s
   AND (%(all)s = 1 OR f.id IN (SELECT CAST([value] AS bigint) FROM OPENJSON(%(ids)s)))
 
 -- name: ring_leased
 -- The held receipts' messages with their payloads, in id order.
 SELECT h.r_id, coalesce(t.attempts, 1), h.r_delivery, s.enqueued_at, h.r_until, s.payload
-FROM {schema}.ring_held(%(queue_id)s, %(lanes)s, %(ids)s, %(deliveries)s) h
+FROM {schema}.ring_held(%(queue_id)s, %(lanes)s, %(ids)s, %(deliveries)s, %(group)s) h
 JOIN {schema}.ring_slots s ON s.queue_id = %(queue_id)s AND s.slot = h.r_id % %(capacity)s
-LEFT JOIN {schema}.ring_retry t ON t.queue_id = %(queue_id)s AND t.id = h.r_id
+LEFT JOIN {schema}.ring_retry t ON t.queue_id = %(group)s AND t.id = h.r_id
 ORDER BY h.r_id
+
+-- name: ring_add_group
+-- A new consumer group's gid (schema.sql), NULL when the ring does not exist.
+SET NOCOUNT ON;
+DECLARE @gid int;
+EXEC {schema}.ring_add_group @queue_id = %(queue_id)s, @name = %(name)s, @earliest = %(earliest)s,
+    @on_lag = %(on_lag)s, @lag_timeout_s = %(lag_timeout_s)s, @gid = @gid OUTPUT;
+SELECT @gid AS r_gid
+
+-- name: ring_drop_group
+-- Whether the group was there (schema.sql).
+SET NOCOUNT ON;
+DECLARE @dropped bit;
+EXEC {schema}.ring_drop_group @queue_id = %(queue_id)s, @gid = %(group)s, @dropped = @dropped OUTPUT;
+SELECT @dropped AS r_dropped
+
+-- name: ring_groups
+-- The ring's consumer groups, the default one first (gid: the ring's queue_id; no ring_groups row), with
+-- the figures of each: its lowest lane position, the sum of its lane positions (which moves whenever it
+-- takes), when maintenance last saw that sum move, and the ring's push position. No row when the ring
+-- does not exist.
+SELECT k.gid, g.name, g.created_at, g.on_lag, g.lag_timeout_s, g.moved_pos, g.moved_at,
+       (SELECT min(l.pos) FROM {schema}.ring_lanes l WHERE l.queue_id = k.gid) AS min_pos,
+       (SELECT sum(l.pos) FROM {schema}.ring_lanes l WHERE l.queue_id = k.gid) AS sum_pos,
+       coalesce(CAST(q.current_value AS bigint), 0) AS issued
+FROM {schema}.rings r
+CROSS APPLY (
+    SELECT r.queue_id AS gid
+    UNION ALL
+    SELECT x.gid FROM {schema}.ring_groups x WHERE x.queue_id = r.queue_id) AS k
+LEFT JOIN {schema}.ring_groups g ON g.queue_id = r.queue_id AND g.gid = k.gid
+LEFT JOIN sys.sequences q ON q.object_id = r.push_seq_id
+WHERE r.queue_id = %(queue_id)s
+ORDER BY CASE WHEN k.gid = r.queue_id THEN 0 ELSE 1 END, g.name
+
+-- name: ring_group_moved
+-- Maintenance saw the group's lanes at moved_pos (the sum of their positions): when that differs from
+-- what it saw last, the group moved now. Returns the seconds since it last moved.
+SET NOCOUNT ON;
+DECLARE @now datetime2(6) = SYSUTCDATETIME();
+UPDATE {schema}.ring_groups
+SET moved_at = CASE WHEN moved_pos IS NULL OR moved_pos <> %(moved_pos)s THEN @now ELSE moved_at END,
+    moved_pos = %(moved_pos)s
+OUTPUT DATEDIFF_BIG(microsecond, inserted.moved_at, @now) / 1e6 AS r_idle_s
+WHERE queue_id = %(queue_id)s AND gid = %(group)s

@@ -58,7 +58,6 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
 
     dialect_name = "postgresql"
     ring_push_takes_floor = True
-    ring_groups_supported = True
 
     def __init__(
         self,
