@@ -334,6 +334,40 @@ def _reindex_limits(c: argparse.ArgumentParser) -> None:
     )
 
 
+def _queue_commands(sub: Any) -> None:
+    """The commands of one queue's messages: ``create``, ``push``, ``pop``, ``stats`` and ``failed``."""
+    c = sub.add_parser("create", help="create a queue")
+    c.add_argument("queue")
+    c.add_argument("--payload-type", default="json", choices=["json", "text", "bytes"])
+    c.add_argument("--max-attempts", type=int, default=DEFAULT_MAX_ATTEMPTS)
+    c.add_argument("--visibility-timeout", type=float, default=DEFAULT_VISIBILITY_TIMEOUT_S)
+    c.add_argument("--design", default="table", choices=["table", "ring"])
+    c.add_argument("--capacity", type=int, help=f"a ring's slots (default {RING_DEFAULT_CAPACITY})")
+    c.add_argument(
+        "--lanes",
+        type=int,
+        help=f"a ring's lanes: consumers that take at once (default {RING_DEFAULT_LANES})",
+    )
+    c = sub.add_parser("push", help="push JSON payloads")
+    c.add_argument("queue")
+    c.add_argument("payloads", nargs="+", metavar="JSON")
+    c.add_argument("--priority", type=int, default=0)
+    c.add_argument("--delay", type=float, default=0.0)
+    c = sub.add_parser("pop", help="pop messages (printed as JSON lines)")
+    c.add_argument("queue")
+    c.add_argument("-n", type=int, default=1)
+    c.add_argument("--semantics", default="at-most-once", choices=["at-most-once", "at-least-once"])
+    c.add_argument("--wait", type=float, default=0.0)
+    c.add_argument("--group", help="a ring's consumer group to pop for (default: its default group)")
+    c = sub.add_parser("stats", help="queue depth by state")
+    c.add_argument("queues", nargs="*")
+    c = sub.add_parser("failed", help="list, requeue or delete failed messages")
+    c.add_argument("queue")
+    g = c.add_mutually_exclusive_group()
+    g.add_argument("--requeue", action="store_true")
+    g.add_argument("--delete", action="store_true")
+
+
 def _group_commands(sub: Any) -> None:
     """The commands of a ring's consumer groups: ``groups``, ``add-group`` and ``drop-group``."""
     c = sub.add_parser("groups", help="a ring's consumer groups: position, lag, on_lag (JSON lines)")
@@ -373,36 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-server", action="store_true", help="leave the embedded server running")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("init", help="create or migrate the schema")
-    c = sub.add_parser("create", help="create a queue")
-    c.add_argument("queue")
-    c.add_argument("--payload-type", default="json", choices=["json", "text", "bytes"])
-    c.add_argument("--max-attempts", type=int, default=DEFAULT_MAX_ATTEMPTS)
-    c.add_argument("--visibility-timeout", type=float, default=DEFAULT_VISIBILITY_TIMEOUT_S)
-    c.add_argument("--design", default="table", choices=["table", "ring"])
-    c.add_argument("--capacity", type=int, help=f"a ring's slots (default {RING_DEFAULT_CAPACITY})")
-    c.add_argument(
-        "--lanes",
-        type=int,
-        help=f"a ring's lanes: consumers that take at once (default {RING_DEFAULT_LANES})",
-    )
-    c = sub.add_parser("push", help="push JSON payloads")
-    c.add_argument("queue")
-    c.add_argument("payloads", nargs="+", metavar="JSON")
-    c.add_argument("--priority", type=int, default=0)
-    c.add_argument("--delay", type=float, default=0.0)
-    c = sub.add_parser("pop", help="pop messages (printed as JSON lines)")
-    c.add_argument("queue")
-    c.add_argument("-n", type=int, default=1)
-    c.add_argument("--semantics", default="at-most-once", choices=["at-most-once", "at-least-once"])
-    c.add_argument("--wait", type=float, default=0.0)
-    c.add_argument("--group", help="a ring's consumer group to pop for (default: its default group)")
-    c = sub.add_parser("stats", help="queue depth by state")
-    c.add_argument("queues", nargs="*")
-    c = sub.add_parser("failed", help="list, requeue or delete failed messages")
-    c.add_argument("queue")
-    g = c.add_mutually_exclusive_group()
-    g.add_argument("--requeue", action="store_true")
-    g.add_argument("--delete", action="store_true")
+    _queue_commands(sub)
     _group_commands(sub)
     c = sub.add_parser("archive", help="archive finished messages in batches (and apply a retention)")
     _batch_options(c)

@@ -71,7 +71,7 @@ from airflow_dbqueue.engine.models import (
     Message,
     Semantics,
 )
-from airflow_dbqueue.engine.queue import check_seconds
+from airflow_dbqueue.engine.queue import RECLAIM_LIMIT, check_seconds
 from airflow_dbqueue.engine.ring_base import (
     _NOTIFY_CODE,
     _PUSH_ATTEMPTS,
@@ -253,7 +253,7 @@ class RingQueue(RingGroups, RingInspect):
         now = time.monotonic()
         if now - self._last_reclaim >= self.reclaim_every_s:
             self._last_reclaim = now
-            self._reclaim(10_000, conn)
+            self._reclaim(RECLAIM_LIMIT, conn)
         params: dict[str, Any] = {
             # ring_take and ring_pop take a group besides the default one by its gid in place of the
             # ring's queue id, so that the default group's pops pass what a ring without groups does.
@@ -388,7 +388,7 @@ class RingQueue(RingGroups, RingInspect):
         )
         return self._settle(params, conn)
 
-    def reclaim_expired(self, limit: int = 10_000) -> int:
+    def reclaim_expired(self, limit: int = RECLAIM_LIMIT) -> int:
         return self._reclaim(limit, None)
 
     def _reclaim(self, limit: int, conn: DbConnection | None) -> int:
@@ -453,7 +453,7 @@ class RingQueue(RingGroups, RingInspect):
             time.sleep(min(pause, left))
             pause = min(pause * 2, 0.1)
 
-    def maintain(self, *, limit: int = 10_000) -> dict[str, int]:
+    def maintain(self, *, limit: int = RECLAIM_LIMIT) -> dict[str, int]:
         """Reclaim expired leases of every consumer group, give up the numbers of pushes that rolled back
         or died (:meth:`recover_gaps`), and act on groups that nobody pops (:meth:`watch_groups`):
         ``{"reclaimed": n, "gaps_skipped": m}``, with ``"groups_lagging"`` and ``"groups_dropped"`` on a

@@ -14,7 +14,7 @@ from airflow_dbqueue.engine.models import (
     Message,
     QueueStats,
 )
-from airflow_dbqueue.engine.queue import _check_batch_size
+from airflow_dbqueue.engine.queue import COUNT_CAP, _check_batch_size
 from airflow_dbqueue.engine.ring_base import (
     RingBase,
 )
@@ -32,7 +32,7 @@ class RingInspect(RingBase):
         )
         return self._messages(rows)
 
-    def count_ready(self, min_priority: int | None = None, cap: int = 1_000_000) -> int:
+    def count_ready(self, min_priority: int | None = None, cap: int = COUNT_CAP) -> int:
         if min_priority is not None and min_priority > 0:
             return 0  # every ring message has priority 0
         row = self._db.fetchone("ring_count_ready", self._readiness_params(cap))
@@ -47,7 +47,7 @@ class RingInspect(RingBase):
         }
 
     def readiness(
-        self, min_priority: int | None = None, cap: int = 1_000_000
+        self, min_priority: int | None = None, cap: int = COUNT_CAP
     ) -> tuple[int, tuple[int, int] | None]:
         row = self._db.fetchone("ring_ready_head", self._readiness_params(cap))
         return self._readiness_row(row, min_priority)
@@ -62,7 +62,7 @@ class RingInspect(RingBase):
         return ready, (int(row[1]), int(row[2]))
 
     async def areadiness(
-        self, aconn: AsyncDbConnection, min_priority: int | None = None, cap: int = 1_000_000
+        self, aconn: AsyncDbConnection, min_priority: int | None = None, cap: int = COUNT_CAP
     ) -> tuple[int, tuple[int, int] | None]:
         self._check_async()
         row = await self._db.afetchone(aconn, "ring_ready_head", self._readiness_params(cap))

@@ -31,7 +31,14 @@ from airflow_dbqueue.engine.models import (
     Semantics,
     messages_from_columns,
 )
-from airflow_dbqueue.engine.queue import DEFAULT_CONSUMER, Queue, _check_batch_size, check_seconds
+from airflow_dbqueue.engine.queue import (
+    COUNT_CAP,
+    DEFAULT_CONSUMER,
+    RECLAIM_LIMIT,
+    Queue,
+    _check_batch_size,
+    check_seconds,
+)
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine.dialects.base import AsyncDbConnection, Database, DbConnection
@@ -116,7 +123,7 @@ class TableQueue(Queue):
         now = time.monotonic()
         if now - self._last_reclaim >= self.reclaim_every_s:
             self._last_reclaim = now
-            self._reclaim(10_000, conn)
+            self._reclaim(RECLAIM_LIMIT, conn)
 
     def _messages(self, rows: list[tuple[Any, ...]]) -> list[Message]:
         # Rows (id, priority, attempts, delivery, enqueued_at, lease_until, payload), read in binary: a
@@ -201,7 +208,7 @@ class TableQueue(Queue):
             self._raise_lost(ids, deliveries, conn)
         return len(done)
 
-    def reclaim_expired(self, limit: int = 10_000) -> int:
+    def reclaim_expired(self, limit: int = RECLAIM_LIMIT) -> int:
         return self._reclaim(limit, None)
 
     def _reclaim(self, limit: int, conn: DbConnection | None) -> int:
@@ -218,7 +225,7 @@ class TableQueue(Queue):
         rows = self._db.fetchall("peek", {"queue_id": self._qid, "n": _check_batch_size(n)})
         return self._messages(rows)
 
-    def count_ready(self, min_priority: int | None = None, cap: int = 1_000_000) -> int:
+    def count_ready(self, min_priority: int | None = None, cap: int = COUNT_CAP) -> int:
         row = self._db.fetchone("count_ready", self._readiness_params(min_priority, cap))
         return int(row[0]) if row else 0
 
@@ -237,12 +244,12 @@ class TableQueue(Queue):
         return int(row[0]), (None if row[1] is None else (int(row[1]), int(row[2])))
 
     def readiness(
-        self, min_priority: int | None = None, cap: int = 1_000_000
+        self, min_priority: int | None = None, cap: int = COUNT_CAP
     ) -> tuple[int, tuple[int, int] | None]:
         return self._readiness_row(self._db.fetchone("ready_head", self._readiness_params(min_priority, cap)))
 
     async def areadiness(
-        self, aconn: AsyncDbConnection, min_priority: int | None = None, cap: int = 1_000_000
+        self, aconn: AsyncDbConnection, min_priority: int | None = None, cap: int = COUNT_CAP
     ) -> tuple[int, tuple[int, int] | None]:
         self._check_async()
         row = await self._db.afetchone(aconn, "ready_head", self._readiness_params(min_priority, cap))
@@ -354,7 +361,7 @@ class TableQueue(Queue):
     #: Seconds a finished batch stays in the ledger before the upkeep deletes it.
     batch_retention_s = 7 * 24 * 3600.0
 
-    def maintain(self, *, limit: int = 10_000) -> dict[str, int]:
+    def maintain(self, *, limit: int = RECLAIM_LIMIT) -> dict[str, int]:
         """Reclaim expired leases, and forget batches finished more than ``batch_retention_s`` ago."""
         params = {"queue_id": self._qid, "older_than_s": self.batch_retention_s, "n": limit}
         purged = len(self._db.fetchall("purge_batches", params))

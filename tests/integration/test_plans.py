@@ -59,7 +59,7 @@ def test_only_calls_of_the_schemas_functions_are_prepared_and_they_run_generic_p
     turns those generic; every other statement (here the next due time and the nack, run more often than
     psycopg's prepare threshold on an empty queue) is sent unprepared, so it is planned for its
     parameters on every call and no plan made on an empty queue can stick."""
-    from airflow_dbqueue.engine.dialects.postgres.dialect import GENERIC_PLANS
+    from airflow_dbqueue.engine.dialects.postgres.statements import GENERIC_PLANS
 
     table = dbq.create_queue("plans_table")
     ring = dbq.create_queue("plans_ring", design="ring", capacity=64)

@@ -27,6 +27,7 @@ from airflow_dbqueue.engine.dialects.postgres.errors import translate
 from airflow_dbqueue.engine.dialects.postgres.maintenance import PostgresMaintenance
 from airflow_dbqueue.engine.dialects.postgres.notify import PostgresNotify
 from airflow_dbqueue.engine.dialects.postgres.schema import PostgresSchema
+from airflow_dbqueue.engine.dialects.postgres.statements import BINARY_RESULTS, GENERIC_PLANS
 from airflow_dbqueue.engine.errors import DatabaseUnavailableError
 from airflow_dbqueue.engine.names import (
     POSTGRESQL_RESERVED_SCHEMAS,
@@ -396,43 +397,6 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
         )
 
 
-# The statements that only call a function of the schema (queries.sql): prepared on first use, they
-# run generic plans (see _configure_connection). Every other statement is sent unprepared.
-GENERIC_PLANS = frozenset(
-    {
-        "push",
-        "pop_lease",
-        "pop_take",
-        "ack",
-        "ring_push",
-        "ring_push_one",
-        "ring_floor",
-        "ring_take",
-        "ring_take_lease",
-        "ring_pop",
-        "ring_settle",
-        "ring_reclaim_expired",
-    }
-)
-
-BINARY_RESULTS = frozenset(
-    {
-        "push",
-        "pop_lease",
-        "pop_take",
-        "ack",
-        "nack",
-        "leased",
-        "peek",
-        "ring_pop",
-        "ring_take",
-        "ring_take_lease",
-        "ring_ack",
-        "ring_settle",
-        "ring_leased",
-        "ring_peek",
-    }
-)
 """Hot queries whose rows come back in binary format: payloads arrive as raw bytes rather than hex
 text, and timestamps without text parsing (client CPU per message at batch 100).
 Their columns are integers, timestamps, bytea and text only. Their array parameters are sent in binary too
@@ -488,15 +452,15 @@ def _sound(conn: psycopg.Connection[Any]) -> bool:
 def _configure_connection(conn: psycopg.Connection[Any]) -> None:
     """Session settings of every pooled connection.
 
-    Plans (GENERIC_PLANS): a statement of the engine is sent unprepared unless it only calls one of the
-    schema's functions, so PostgreSQL plans it for its parameters on every call. A generic plan, made
-    once a prepared statement has run a few times, can stick: a consumer whose first pops found the
-    queue empty kept sequential scans of meta and data, and pops ran ~60x slower (345 ms against 5.7
-    ms for 1,000 messages). A call of a function plans the same whatever its arguments, so those are
-    prepared and reused in this session's default mode (``auto``), which turns them generic: a pop of
-    one through ``ring_take`` costs the server about 56,000 fewer instructions than when planned on
-    every call, a push of one about 31,000. The functions that read tables whose size changes fix the
-    plan mode of their own statements (``SET plan_cache_mode``, schema.sql).
+    Plans (statements.GENERIC_PLANS): a statement of the engine is sent unprepared unless it only calls
+    one of the schema's functions, so PostgreSQL plans it for its parameters on every call. A generic
+    plan, made once a prepared statement has run a few times, can stick: a consumer whose first pops
+    found the queue empty kept sequential scans of meta and data, and pops ran ~60x slower (345 ms
+    against 5.7 ms for 1,000 messages). A call of a function plans the same whatever its arguments, so
+    those are prepared and reused in this session's default mode (``auto``), which turns them generic:
+    a pop of one through ``ring_take`` costs the server about 56,000 fewer instructions than when
+    planned on every call, a push of one about 31,000. The functions that read tables whose size
+    changes fix the plan mode of their own statements (``SET plan_cache_mode``, schema.sql).
 
     Times come back in UTC (the same instants, as aware datetimes): psycopg reads a timestamptz in a
     UTC session without a time zone lookup, 0.30 against 0.58 us of client CPU a row for (id,

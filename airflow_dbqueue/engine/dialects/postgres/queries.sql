@@ -623,7 +623,7 @@ SELECT {schema}.ring_push(
 -- The number when it was written, negated when its slot was not free yet, NULL when the ring does not
 -- exist (schema.sql); so on SQL Server. floor: one this handle read earlier (ring_floor), or NULL. A
 -- scalar call in the select list, which PostgreSQL plans for 30,000 fewer instructions than a call in
--- FROM (the first calls of a session; later ones reuse a generic plan: dialect.GENERIC_PLANS).
+-- FROM (the first calls of a session; later ones reuse a generic plan: statements.GENERIC_PLANS).
 SELECT {schema}.ring_push_one(
     %(queue_id)s::integer, %(capacity)s::integer, %(payload)b::bytea, %(notify)s::integer, %(channel)s,
     %(floor)s::bigint)
@@ -651,7 +651,7 @@ FROM {schema}.ring_take(
     %(visibility_timeout_s)s::float8, %(consumer)s::text, true, %(wait)s::boolean)
 
 -- name: ring_pop
--- Rows come back in binary (dialect.BINARY_RESULTS): the holders (xid[]) as text.
+-- Rows come back in binary (statements.BINARY_RESULTS): the holders (xid[]) as text.
 SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, r_lease_until, r_payload, r_gap, r_issued, r_snap::text
 FROM {schema}.ring_pop(
     %(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer, %(n)s::integer, %(lease)s::boolean,

@@ -1,0 +1,40 @@
+"""How the PostgreSQL dialect sends its named statements (queries.sql): which it prepares, and which
+return their rows in binary."""
+
+# The statements that only call a function of the schema (queries.sql): prepared on first use, they
+# run generic plans (dialect._configure_connection says why). Every other statement is sent unprepared.
+GENERIC_PLANS = frozenset(
+    {
+        "push",
+        "pop_lease",
+        "pop_take",
+        "ack",
+        "ring_push",
+        "ring_push_one",
+        "ring_floor",
+        "ring_take",
+        "ring_take_lease",
+        "ring_pop",
+        "ring_settle",
+        "ring_reclaim_expired",
+    }
+)
+
+BINARY_RESULTS = frozenset(
+    {
+        "push",
+        "pop_lease",
+        "pop_take",
+        "ack",
+        "nack",
+        "leased",
+        "peek",
+        "ring_pop",
+        "ring_take",
+        "ring_take_lease",
+        "ring_ack",
+        "ring_settle",
+        "ring_leased",
+        "ring_peek",
+    }
+)
