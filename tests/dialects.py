@@ -56,7 +56,7 @@ def run_sql(
 ) -> list[tuple[Any, ...]]:
     """Run one statement written for both dialects; return its rows (``[]`` when it returns none).
 
-    ``body`` is written as the engine's ``queries.sql`` are: ``{schema}`` and the ``identifiers``'
+    ``body`` is written as the engine's ``queries/`` are: ``{schema}`` and the ``identifiers``'
     placeholders (``{table}``) are quoted by the dialect (``"x"`` or ``[x]``), parameters are
     ``%(name)s``. With ``conn`` (from ``dbq.transaction()``) the statement joins that transaction;
     without, it runs in a transaction of its own on a pooled connection. Driver errors become the

@@ -423,7 +423,7 @@ class DbQueue:
             if q.settings.design is Design.RING:
                 self.db.execute("ring_drop", params, conn)
             # Separate statements, in this order: each one's snapshot comes after what the one before
-            # waited for (see queries.sql), so nothing written meanwhile is left behind.
+            # waited for (see queries/queues.sql), so nothing written meanwhile is left behind.
             self.db.execute("drop_queue_messages", params, conn)
             self.db.execute("drop_queue_finished", params, conn)
             return self.db.fetchone("drop_queue", params, conn) is not None

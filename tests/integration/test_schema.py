@@ -427,7 +427,7 @@ def test_schema_dropped_under_an_open_queue(dbq: DbQueue, call: str) -> None:
 
 
 def _query_names() -> list[str]:
-    return list(load_queries(POSTGRES_PKG, "queries.sql"))
+    return list(load_queries(POSTGRES_PKG, "queries"))
 
 
 def _identifiers(body: str) -> dict[str, str]:
@@ -437,7 +437,7 @@ def _identifiers(body: str) -> dict[str, str]:
 
 def _sample_identifiers(name: str) -> dict[str, str]:
     """Real names for the identifier placeholders of a query, to plan it against an installed schema."""
-    body = load_queries(POSTGRES_PKG, "queries.sql")[name]
+    body = load_queries(POSTGRES_PKG, "queries")[name]
     real = {
         "table": "meta",
         "index": "meta_ready_idx",
@@ -448,8 +448,8 @@ def _sample_identifiers(name: str) -> dict[str, str]:
 
 
 def test_every_named_query_composes() -> None:
-    raw = load_queries(POSTGRES_PKG, "queries.sql")
-    assert raw, "queries.sql holds no named query"
+    raw = load_queries(POSTGRES_PKG, "queries")
+    assert raw, "queries/ holds no named query"
     db = PostgresDatabase("host=unused.invalid", schema="sample_schema")  # composing does no I/O
     for name, body in raw.items():
         idents = _identifiers(body)
@@ -465,7 +465,7 @@ def test_only_utility_statements_take_identifier_placeholders() -> None:
     """{table}, {index}, {sequence} and {routine} belong to VACUUM, ANALYZE, REINDEX, DROP INDEX and
     uninstall's drops; anywhere else (say, in a comment that ended up in the block before it) they would
     break the query at run time."""
-    raw = load_queries(POSTGRES_PKG, "queries.sql")
+    raw = load_queries(POSTGRES_PKG, "queries")
     with_idents = sorted(name for name, body in raw.items() if _identifiers(body))
     assert with_idents == [
         "analyze_table",
@@ -527,7 +527,7 @@ def test_every_named_query_is_used_by_the_engine() -> None:
     source = _engine_source()
     assert not _is_used("no_such_query_name", source)  # the check can fail
     unused = [n for n in _query_names() if not _is_used(n, source)]
-    assert unused == [], f"named queries in queries.sql that no engine module uses: {unused}"
+    assert unused == [], f"named queries in queries/ that no engine module uses: {unused}"
 
 
 def test_every_query_the_engine_names_exists() -> None:

@@ -83,7 +83,7 @@ def test_named_query_parser() -> None:
 
 
 def test_postgres_queries_load() -> None:
-    queries = load_queries("airflow_dbqueue.engine.dialects.postgres", "queries.sql")
+    queries = load_queries("airflow_dbqueue.engine.dialects.postgres", "queries")
     assert {"push", "pop_take", "pop_lease", "ack", "nack", "reclaim_expired", "stats"} <= set(queries)
     assert all(body.strip() for body in queries.values())
 

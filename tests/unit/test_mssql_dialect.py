@@ -67,7 +67,7 @@ def tsql_statements(text: str) -> list[exp.Expression]:
 def mssql_sql(name: str) -> str:
     """The text of a named query as the dialect sends it (identifiers composed, integers inlined)."""
     db = MssqlDatabase("mssql://u:p@localhost/db", schema="dbq")
-    body = load_queries(MS, "queries.sql")[name]
+    body = load_queries(MS, "queries")[name]
     names = (
         ("index", "meta_ready_idx"),
         ("table", "meta"),
@@ -90,8 +90,8 @@ OPAQUE_FORMS = {
 
 
 def test_every_postgresql_query_name_is_ported_or_listed_as_not_yet_ported() -> None:
-    pg = set(load_queries(PG, "queries.sql"))
-    mssql = set(load_queries(MS, "queries.sql"))
+    pg = set(load_queries(PG, "queries"))
+    mssql = set(load_queries(MS, "queries"))
     assert mssql <= pg, f"SQL Server queries without a PostgreSQL twin: {sorted(mssql - pg)}"
     missing = pg - mssql
     listed = set(NOT_YET_PORTED) | set(POSTGRES_ONLY)
@@ -114,18 +114,18 @@ def test_the_table_design_maintenance_and_the_ring_are_fully_ported() -> None:
     """Every query the table design, the ring design with its consumer groups, the client and maintenance
     run exists on SQL Server."""
     assert NOT_YET_PORTED == {}
-    ring = {n for n in load_queries(PG, "queries.sql") if n.startswith("ring_")}
-    assert len(ring) == 28 and RING_GROUP_QUERIES <= ring <= set(load_queries(MS, "queries.sql"))
+    ring = {n for n in load_queries(PG, "queries") if n.startswith("ring_")}
+    assert len(ring) == 28 and RING_GROUP_QUERIES <= ring <= set(load_queries(MS, "queries"))
     used = {"push", "pop_lease", "pop_take", "ack", "nack", "held_receipts", "reclaim_expired"}
     used |= {"claim_batch", "get_batch", "lock_batch", "finish_batch", "purge_batches", "batch_rows"}
     used |= {"maintenance_try_lock", "maintenance_unlock", "maintenance_lock_holder", "set_timeouts"}
     used |= {"reset_timeouts", "archive_batch", "purge_archive_batch", "vacuum_table", "analyze_table"}
     used |= {"reindex_concurrently", "drop_index_concurrently", "index_health", "table_health"}
     used |= {"xmin_holders", "queue_rates"}
-    assert used <= set(load_queries(MS, "queries.sql"))
+    assert used <= set(load_queries(MS, "queries"))
 
 
-@pytest.mark.parametrize("name", sorted(load_queries(MS, "queries.sql")))
+@pytest.mark.parametrize("name", sorted(load_queries(MS, "queries")))
 def test_every_tsql_query_parses_as_tsql(name: str) -> None:
     text = mssql_sql(name)
     if name in OPAQUE_FORMS:
@@ -686,7 +686,7 @@ RING_PARAMETERS_MSSQL_ONLY = {
 def test_the_ring_queries_take_postgresqls_parameters() -> None:
     """Each ring query binds the parameters of its PostgreSQL twin (RingQueue passes one dict to both),
     but for the few listed with their reason."""
-    pg, mssql = load_queries(PG, "queries.sql"), load_queries(MS, "queries.sql")
+    pg, mssql = load_queries(PG, "queries"), load_queries(MS, "queries")
     for name in sorted(n for n in pg if n.startswith("ring_") or n in ("get_queue", "list_queues")):
         theirs, ours = set(_PLACEHOLDER.findall(pg[name])), set(_PLACEHOLDER.findall(mssql[name]))
         assert theirs - ours == RING_PARAMETERS_POSTGRESQL_ONLY.get(name, set()), name
@@ -714,7 +714,7 @@ def _result_width(stmt: exp.Expression) -> int | None:
 
 
 def _postgres_width(name: str) -> int | None:
-    text = _PLACEHOLDER.sub("NULL", load_queries(PG, "queries.sql")[name]).replace("{schema}", "dbq")
+    text = _PLACEHOLDER.sub("NULL", load_queries(PG, "queries")[name]).replace("{schema}", "dbq")
     return _result_width([s for s in sqlglot.parse(text, read="postgres") if s is not None][-1])
 
 
@@ -748,9 +748,7 @@ RING_RESULTS_DIFFERENT = {
 @pytest.mark.parametrize(
     "name",
     sorted(
-        n
-        for n in load_queries(PG, "queries.sql")
-        if n.startswith("ring_") or n in ("get_queue", "list_queues")
+        n for n in load_queries(PG, "queries") if n.startswith("ring_") or n in ("get_queue", "list_queues")
     ),
 )
 def test_the_ring_queries_return_postgresqls_columns(name: str) -> None:
@@ -874,7 +872,7 @@ def test_the_tsql_parse_is_not_vacuous_broken_statements_are_rejected(broken: st
 
 @pytest.mark.parametrize("name", ["pop_lease", "pop_take", "ack", "nack", "claim_batch", "lock_batch"])
 def test_the_tsql_parse_is_not_vacuous_postgresql_statements_are_rejected(name: str) -> None:
-    body = load_queries(PG, "queries.sql")[name].replace("{schema}", "[dbq]")
+    body = load_queries(PG, "queries")[name].replace("{schema}", "[dbq]")
     with pytest.raises(sqlglot.ParseError):
         tsql_statements(body)
 

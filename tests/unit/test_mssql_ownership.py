@@ -375,7 +375,7 @@ def test_the_settings_queries_select_every_settings_column(name: str, pkg: str) 
     from airflow_dbqueue.engine.client import _SETTINGS_COLUMNS
     from airflow_dbqueue.engine.sqlfile import load_queries
 
-    body = load_queries(f"airflow_dbqueue.engine.dialects.{pkg}", "queries.sql")[name]
+    body = load_queries(f"airflow_dbqueue.engine.dialects.{pkg}", "queries")[name]
     text = re.sub(r"%\(\w+\)s", "1", body.replace("{schema}", "dbq"))
     select = sqlglot.parse_one(text, read="tsql" if pkg == "mssql" else "postgres")
     assert [e.alias_or_name for e in select.expressions] == list(_SETTINGS_COLUMNS)

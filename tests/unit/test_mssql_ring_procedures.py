@@ -131,7 +131,7 @@ def test_a_ring_is_made_as_ring_create_writes_it() -> None:
 def engine_call(query: str) -> tuple[str, dict[str, str]]:
     """The procedure that the SQL Server dialect's named query ``query`` runs, and the value it passes
     each argument: ``%(name)s`` (a parameter of the engine's), ``@var OUTPUT``, or a constant."""
-    body = load_queries("airflow_dbqueue.engine.dialects.mssql", "queries.sql")[query]
+    body = load_queries("airflow_dbqueue.engine.dialects.mssql", "queries")[query]
     found = re.search(r"EXEC \{schema\}\.(\w+)\s+(.*?)(?:;|$)", body, re.S)
     assert found is not None, query
     return found.group(1), dict(re.findall(r"@(\w+) = (%\(\w+\)s|@\w+ OUTPUT|[\w.]+)", found.group(2)))

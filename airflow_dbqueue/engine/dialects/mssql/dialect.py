@@ -1,6 +1,6 @@
 """SQL Server through pyodbc: connections, named queries, retries.
 
-Every statement the engine runs on SQL Server is a named block in ``queries.sql`` or ``schema.sql``
+Every statement the engine runs on SQL Server is a named block in ``queries/`` or ``schema.sql``
 beside this file, under the names of the PostgreSQL dialect. This module composes them (schema name
 bracket-quoted after validation), binds their parameters and runs each as one transaction. The other
 parts of :class:`MssqlDatabase` are beside it: parameters, literals and rows (``params.py``), connection
@@ -342,7 +342,7 @@ class MssqlDatabase(MssqlSchema, MssqlMaintenance):
 
     def query(self, name: str, identifiers: Mapping[str, str] | None = None) -> str:
         """Return the named query with ``{schema}`` (and ``identifiers``) bracket-quoted."""
-        return self.compose(load_queries(_PKG, "queries.sql")[name], identifiers)
+        return self.compose(load_queries(_PKG, "queries")[name], identifiers)
 
     def compose(self, body: str, identifiers: Mapping[str, str] | None = None) -> str:
         """Replace ``{schema}`` and the given ``identifiers`` in ``body`` by quoted identifiers."""

@@ -1,6 +1,6 @@
 """PostgreSQL through psycopg 3: the connection pool and the named queries.
 
-Every statement the engine runs on PostgreSQL is a named block in ``queries.sql`` or ``schema.sql``
+Every statement the engine runs on PostgreSQL is a named block in ``queries/`` or ``schema.sql``
 beside this file; this module only composes (schema name quoted by psycopg) and executes them. The
 other parts of :class:`PostgresDatabase` are beside it: the schema and its migrations (``schema.py``),
 LISTEN/NOTIFY and async observers (``notify.py``), maintenance (``maintenance.py``), the translation
@@ -334,7 +334,7 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
         key = name if not identifiers else f"{name}:{sorted(identifiers.items())}"
         q = self._composed.get(key)
         if q is None:
-            body = load_queries(_PKG, "queries.sql")[name]
+            body = load_queries(_PKG, "queries")[name]
             q = self.compose(body, identifiers)
             if not identifiers:
                 self._composed[key] = q
@@ -400,7 +400,7 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
 """Hot queries whose rows come back in binary format: payloads arrive as raw bytes rather than hex
 text, and timestamps without text parsing (client CPU per message at batch 100).
 Their columns are integers, timestamps, bytea and text only. Their array parameters are sent in binary too
-(``%(name)b`` in queries.sql), which skips psycopg's per-element quoting of text arrays."""
+(``%(name)b`` in queries/), which skips psycopg's per-element quoting of text arrays."""
 
 
 _R = TypeVar("_R")

@@ -1,7 +1,7 @@
-"""How the PostgreSQL dialect sends its named statements (queries.sql): which it prepares, and which
+"""How the PostgreSQL dialect sends its named statements (queries/): which it prepares, and which
 return their rows in binary."""
 
-# The statements that only call a function of the schema (queries.sql): prepared on first use, they
+# The statements that only call a function of the schema (queries/): prepared on first use, they
 # run generic plans (dialect._configure_connection says why). Every other statement is sent unprepared.
 GENERIC_PLANS = frozenset(
     {

@@ -113,7 +113,7 @@ $$;
 -- messages of queue p_queue_id in claim order (priority DESC, process_at, id), skipping rows other pops
 -- hold, locked and deleted by one statement; kept in done for the archiver (p_archive), or deleted with
 -- their payloads. attempts and deliveries come back counting this delivery. A payload in data is read
--- by a scalar subquery keyed on id, never by a join (see pop_lease in queries.sql).
+-- by a scalar subquery keyed on id, never by a join (see pop_lease in queries/table.sql).
 -- A function with generic plans: its statements are planned once a session, not on every pop (custom
 -- plans cost 0.12-0.22 ms of planning a call). No sequential or bitmap scans: the claim walks
 -- meta_ready_idx in claim order and payloads are probed by id, whatever the statistics said when the

@@ -1,0 +1,312 @@
+-- Named queries of the SQL Server dialect: the ring design: push, take and pop, settle, gaps, inspection, failed messages and consumer groups.
+-- The conventions of every file of this folder are in queues.sql's opening lines.
+
+-- name: ring_create
+-- The ring design (schema.sql states its invariants). Push, take, pop, settle, reclaim and the gap
+-- recovery are stored procedures, the receipts' leases and the observers' view inline functions
+-- (ring_held, ring_ready); the statements below call them. Number x of a ring lives in slot x % capacity,
+-- so a receipt finds its slot with one primary-key probe. The schema name is the procedure's own
+-- (PostgreSQL's ring_create is given it). group: the key (gid) of a consumer group's rows in ring_lanes,
+-- ring_leases, ring_retry and ring_failed, which is the ring's queue_id for its default group
+-- (ring_groups).
+EXEC {schema}.ring_create @queue_id = %(queue_id)s, @capacity = %(capacity)s, @slot_bytes = %(slot_bytes)s,
+    @lanes = %(lanes)s
+
+-- name: ring_drop
+EXEC {schema}.ring_drop @queue_id = %(queue_id)s
+
+-- name: ring_push
+-- payloads: a JSON array of hex strings. The first number, or NULL when the ring is full for the batch
+-- before anything was taken. SQL Server has no NOTIFY: notify and channel are not used.
+SET NOCOUNT ON;
+DECLARE @num bigint;
+DECLARE @written bit;
+EXEC {schema}.ring_push @queue_id = %(queue_id)s, @cap = %(capacity)s, @payloads = %(payloads)s, @payload = NULL,
+    @timeout_s = %(timeout_s)s, @first = %(first)s, @once = 0, @num = @num OUTPUT, @written = @written OUTPUT;
+SELECT @num
+
+-- name: ring_push_one
+-- The number, negated when it was not written, as on PostgreSQL: a push of one that takes its number
+-- and tries its slot once; when the slot is not free yet, the number stays issued and unwritten and the
+-- caller writes it with ring_push (first), which waits.
+SET NOCOUNT ON;
+DECLARE @num bigint;
+DECLARE @written bit;
+EXEC {schema}.ring_push @queue_id = %(queue_id)s, @cap = %(capacity)s, @payloads = NULL, @payload = %(payload)s,
+    @timeout_s = 0, @first = NULL, @once = 1, @num = @num OUTPUT, @written = @written OUTPUT;
+SELECT CASE WHEN @written = 1 THEN @num ELSE -@num END AS r_num
+
+-- name: ring_floor
+-- The ring's floor, or NULL when its reads stay locked (ring_floor_try). PostgreSQL's pushes of one take
+-- it from their caller; SQL Server's ring_push reads the floor itself under its own locks.
+SET NOCOUNT ON;
+DECLARE @floor bigint;
+EXEC {schema}.ring_floor_try @queue_id = %(queue_id)s, @floor = @floor OUTPUT;
+SELECT @floor AS r_floor
+
+-- name: ring_take
+-- The fast path of a pop at most once (schema.sql): messages from the lanes, nothing when messages to
+-- deliver again are due (ring_pop serves those first). Its rows are ring_pop's messages (PostgreSQL's
+-- query sends three of their columns; the engine reads either). wait: when other pops hold every lane,
+-- wait for them (not in a caller's transaction), 1 s at most (then error 1222).
+EXEC {schema}.ring_take @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = %(lanes)s, @n = %(n)s,
+    @lease = %(lease)s, @vt = %(visibility_timeout_s)s, @consumer = %(consumer)s, @retries = 1,
+    @wait = %(wait)s
+
+-- name: ring_take_lease
+-- ring_take at least once: its messages leased until their lease_until.
+EXEC {schema}.ring_take @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = %(lanes)s, @n = %(n)s,
+    @lease = %(lease)s, @vt = %(visibility_timeout_s)s, @consumer = %(consumer)s, @retries = 1,
+    @wait = %(wait)s
+
+-- name: ring_pop
+-- The messages, then the last row (r_id NULL): the gap at the head, the issued position and the push
+-- lanes still to be seen unlocked (a JSON array).
+EXEC {schema}.ring_pop @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = %(lanes)s, @n = %(n)s,
+    @lease = %(lease)s, @vt = %(visibility_timeout_s)s, @consumer = %(consumer)s, @own = %(own)s,
+    @gap = %(gap)s, @gap_issued = %(gap_issued)s, @gap_snap = %(gap_snap)s, @force = %(force)s
+
+-- name: ring_unwritten
+-- Maintenance's gap recovery, first step: the push position, and whether any number up to it is issued
+-- but unwritten while its slot is free for it (the slot holds the number a capacity before it, below the
+-- floor; slots a push holds are read past). A full scan of the ring's slots. The push lanes
+-- (ring_snapshot) are listed by a later statement.
+SET NOCOUNT ON;
+DECLARE @queue_id int = %(queue_id)s;
+DECLARE @floor bigint;
+EXEC {schema}.ring_floor @queue_id = @queue_id, @floor = @floor OUTPUT;
+SELECT i.issued,
+       CASE WHEN EXISTS (
+           SELECT 1 FROM {schema}.ring_slots t WITH (READCOMMITTEDLOCK, READPAST)
+           WHERE t.queue_id = r.queue_id AND t.seq + r.capacity <= i.issued AND t.seq < @floor) THEN 1 ELSE 0 END
+FROM {schema}.rings r
+CROSS APPLY (
+    SELECT coalesce((
+        SELECT CAST(q.current_value AS bigint) FROM sys.sequences q WHERE q.object_id = r.push_seq_id), 0) AS issued
+) i
+WHERE r.queue_id = @queue_id
+
+-- name: ring_snapshot
+-- The gap proof's snapshot on SQL Server: the ring's push lanes that other transactions hold locked now,
+-- as a JSON array (PostgreSQL's lists the transactions holding their transactionid lock).
+SET NOCOUNT ON;
+DECLARE @held nvarchar(max);
+EXEC {schema}.ring_push_lanes_held @queue_id = %(queue_id)s, @of = NULL, @held = @held OUTPUT;
+SELECT @held
+
+-- name: ring_skip_abandoned
+EXEC {schema}.ring_skip_abandoned @queue_id = %(queue_id)s, @issued = %(issued)s, @snap = %(snap)s
+
+-- name: ring_pass
+-- Lanes moved over given-up numbers at their heads (schema.sql), after maintenance gave gaps up: how many.
+SET NOCOUNT ON;
+DECLARE @moved int;
+EXEC {schema}.ring_pass @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = %(lanes)s, @moved = @moved OUTPUT;
+SELECT @moved
+
+-- name: ring_ack
+-- The ack of whole leases, the usual one: receipts naming every message of one ring_leases row or more
+-- (first deliveries; a pop writes one row, or two when it ran past the end of the ring's slots), in one
+-- batch. A candidate lease lies within the receipts' range and is whole when as many receipts fall in
+-- its range and lanes as it holds messages; the candidates are locked (UPDLOCK) and deleted only when
+-- the whole ones hold every receipt (each message is in one lease at most). Rows: the n of each lease
+-- deleted, none otherwise (the caller settles the receipts with ring_settle).
+SET NOCOUNT ON;
+DECLARE @gid int = %(group)s;
+DECLARE @lanes int = %(lanes)s;
+DECLARE @r TABLE (ord int PRIMARY KEY, id bigint NOT NULL, d int NOT NULL);
+DECLARE @lo bigint;
+DECLARE @hi bigint;
+DECLARE @n int;
+DECLARE @first int;
+DECLARE @c TABLE (lo bigint PRIMARY KEY, n int NOT NULL);
+DECLARE @done TABLE (n int NOT NULL);
+INSERT INTO @r (ord, id, d)
+SELECT CAST(i.[key] AS int), CAST(i.[value] AS bigint), CAST(d.[value] AS int)
+FROM OPENJSON(%(ids)s) i JOIN OPENJSON(%(deliveries)s) d ON d.[key] = i.[key];
+SELECT @lo = min(id), @hi = max(id), @n = count(*), @first = min(CASE WHEN d = 1 THEN 1 ELSE 0 END) FROM @r;
+INSERT INTO @c (lo, n)
+SELECT e.lo, e.n
+FROM {schema}.ring_leases e WITH (ROWLOCK, UPDLOCK)
+WHERE e.queue_id = @gid AND e.lo >= @lo AND e.lo <= @hi AND e.hi <= @hi AND @first = 1
+  AND e.lease_until > SYSUTCDATETIME()
+  AND (SELECT count(*) FROM @r i
+       WHERE i.id BETWEEN e.lo AND e.hi AND EXISTS (
+           SELECT 1 FROM OPENJSON(e.starts) j
+           WHERE j.[key] = CAST(i.id % @lanes AS nvarchar(11)) AND CAST(j.[value] AS bigint) <= i.id)) = e.n;
+DELETE e OUTPUT deleted.n INTO @done
+FROM {schema}.ring_leases e
+WHERE e.queue_id = @gid AND e.lo IN (SELECT c.lo FROM @c c) AND (SELECT sum(c.n) FROM @c c) = @n;
+SELECT n FROM @done
+
+-- name: ring_settle
+-- Ack (nack false) or nack receipts, all or nothing (schema.sql): (id, state) of each, none when some
+-- receipt no longer holds its lease. The error is cut to 1000 characters (the column's size).
+EXEC {schema}.ring_settle @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = %(lanes)s, @ids = %(ids)s,
+    @deliveries = %(deliveries)s, @nack = %(nack)s, @delay_s = %(delay_s)s, @backoff_s = %(backoff_s)s,
+    @backoff_max_s = %(backoff_max_s)s, @max_attempts = %(max_attempts)s, @error = %(error)s, @gid = %(group)s
+
+-- name: ring_held_receipts
+SELECT r_id, r_delivery FROM {schema}.ring_held(%(queue_id)s, %(lanes)s, %(ids)s, %(deliveries)s, %(group)s)
+
+-- name: ring_reclaim_expired
+-- Expired leases go back to ready (keeping their id) or, after max_attempts, to ring_failed. Pops run it
+-- at most once a second.
+EXEC {schema}.ring_reclaim_expired @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = %(lanes)s,
+    @max_attempts = %(max_attempts)s, @limit = %(limit)s, @gid = %(group)s
+
+-- name: ring_peek
+-- What pops would take first: the messages due again, then the lanes', each in id order.
+SELECT TOP (%(n)s) r_id, r_attempts, r_deliveries, r_enqueued_at, CAST(NULL AS datetime2(6)) AS lease_until, r_payload
+FROM {schema}.ring_ready(%(queue_id)s, %(group)s)
+WHERE r_due <= SYSUTCDATETIME()
+ORDER BY CASE WHEN r_attempts = 0 THEN 1 ELSE 0 END, r_id
+
+-- name: ring_count_ready
+-- What a pop could take now, counted up to a cap: ring_ready()'s due messages, and those whose lease
+-- expired with attempts left, which a pop reclaims first (ring_reclaim_expired): the n messages of each
+-- expired ring_leases row (first deliveries, attempt 1: attempts left when max_attempts > 1) and each
+-- expired leased retry row with attempts left. An expired lease out of attempts goes to ring_failed.
+SELECT CASE WHEN x.ready > %(cap)s THEN %(cap)s ELSE x.ready END FROM (SELECT
+    (SELECT count(*) FROM (
+        SELECT TOP (%(cap)s) 1 AS one FROM {schema}.ring_ready(%(queue_id)s, %(group)s) WHERE r_due <= SYSUTCDATETIME()) s)
+    + (SELECT count(*) FROM {schema}.ring_retry t
+       WHERE t.queue_id = %(group)s AND t.state = 2 AND t.due_at <= SYSUTCDATETIME()
+         AND t.attempts < %(max_attempts)s)
+    + (SELECT coalesce(sum(CAST(e.n AS bigint)), 0) FROM {schema}.ring_leases e
+       WHERE e.queue_id = %(group)s AND e.lease_until <= SYSUTCDATETIME() AND %(max_attempts)s > 1)
+    AS ready) x
+
+-- name: ring_ready_head
+-- For observers: ring_count_ready's count and the (id, delivery) a pop would take first. Pops serve the
+-- messages to deliver again first, in id order (an expired lease among them once reclaimed: a retry row
+-- keeps its deliveries, and a ring_leases row's lowest message is its lo, delivered once), then the
+-- lanes' messages in id order.
+SELECT CASE WHEN x.ready > %(cap)s THEN %(cap)s ELSE x.ready END AS ready, h.r_id AS head_id,
+       h.r_deliveries AS head_deliveries
+FROM (SELECT
+    (SELECT count(*) FROM (
+        SELECT TOP (%(cap)s) 1 AS one FROM {schema}.ring_ready(%(queue_id)s, %(group)s) WHERE r_due <= SYSUTCDATETIME()) s)
+    + (SELECT count(*) FROM {schema}.ring_retry t
+       WHERE t.queue_id = %(group)s AND t.state = 2 AND t.due_at <= SYSUTCDATETIME()
+         AND t.attempts < %(max_attempts)s)
+    + (SELECT coalesce(sum(CAST(e.n AS bigint)), 0) FROM {schema}.ring_leases e
+       WHERE e.queue_id = %(group)s AND e.lease_until <= SYSUTCDATETIME() AND %(max_attempts)s > 1)
+    AS ready) x
+OUTER APPLY (
+    SELECT TOP (1) c.r_id, c.r_deliveries FROM (
+        SELECT r_id, r_deliveries, CASE WHEN r_attempts = 0 THEN 1 ELSE 0 END AS fresh
+        FROM {schema}.ring_ready(%(queue_id)s, %(group)s) WHERE r_due <= SYSUTCDATETIME()
+        UNION ALL
+        SELECT t.id, t.deliveries, 0 FROM {schema}.ring_retry t
+        WHERE t.queue_id = %(group)s AND t.state = 2 AND t.due_at <= SYSUTCDATETIME()
+          AND t.attempts < %(max_attempts)s
+        UNION ALL
+        SELECT e.lo, 1, 0 FROM {schema}.ring_leases e
+        WHERE e.queue_id = %(group)s AND e.lease_until <= SYSUTCDATETIME() AND %(max_attempts)s > 1) c
+    ORDER BY c.fresh, c.r_id) h
+
+-- name: ring_stats
+-- Depth by state of one consumer group, plus the ring's own figures: the push position (last number
+-- issued), the group's pop position (its lowest lane position: the next number none of its pops has
+-- taken), the floor (the lowest number a consumer of any group may still need), the numbers given up as
+-- gaps, and its lanes. No row when the ring does not exist.
+SET NOCOUNT ON;
+DECLARE @now datetime2(6) = SYSUTCDATETIME();
+DECLARE @queue_id int = %(queue_id)s;
+DECLARE @gid int = %(group)s;
+DECLARE @floor bigint;
+DECLARE @rd TABLE (enqueued_at datetime2(6), due datetime2(6));
+EXEC {schema}.ring_floor @queue_id = @queue_id, @floor = @floor OUTPUT;
+INSERT INTO @rd (enqueued_at, due) SELECT r_enqueued_at, r_due FROM {schema}.ring_ready(@queue_id, @gid);
+SELECT
+    (SELECT count(*) FROM @rd WHERE due <= @now) AS ready,
+    (SELECT count(*) FROM @rd WHERE due > @now) AS delayed,
+    (SELECT coalesce(sum(e.n), 0) FROM {schema}.ring_leases e WHERE e.queue_id = @gid)
+    + (SELECT count(*) FROM {schema}.ring_retry t WHERE t.queue_id = @gid AND t.state = 2) AS in_flight,
+    (SELECT count(*) FROM {schema}.ring_failed f WHERE f.queue_id = @gid) AS failed,
+    (SELECT DATEDIFF_BIG(microsecond, min(enqueued_at), @now) / 1e6 FROM @rd WHERE due <= @now) AS oldest_ready_age_s,
+    coalesce(CAST(q.current_value AS bigint), 0) AS push_position,
+    (SELECT min(l.pos) FROM {schema}.ring_lanes l WHERE l.queue_id = @gid) AS pop_position,
+    @floor AS floor,
+    coalesce(CAST(gq.current_value AS bigint), 0) AS gaps_skipped,
+    r.lanes
+FROM {schema}.rings r
+LEFT JOIN sys.sequences q ON q.object_id = r.push_seq_id
+LEFT JOIN sys.sequences gq ON gq.object_id = r.gap_seq_id
+WHERE r.queue_id = @queue_id
+
+-- name: ring_list_failed
+SELECT TOP (%(limit)s) id, attempts, enqueued_at, last_error, payload
+FROM {schema}.ring_failed
+WHERE queue_id = %(group)s AND id > %(after_id)s
+ORDER BY id
+
+-- name: ring_take_failed
+-- requeue_failed: the failed messages leave ring_failed and are pushed again (new ids) in the same
+-- transaction.
+DELETE f
+OUTPUT deleted.id, deleted.payload
+FROM {schema}.ring_failed f
+WHERE f.queue_id = %(group)s
+  AND (%(all)s = 1 OR f.id IN (SELECT CAST([value] AS bigint) FROM OPENJSON(%(ids)s)))
+
+-- name: ring_delete_failed
+DELETE f
+OUTPUT deleted.id
+FROM {schema}.ring_failed f
+WHERE f.queue_id = %(group)s
+  AND (%(all)s = 1 OR f.id IN (SELECT CAST([value] AS bigint) FROM OPENJSON(%(ids)s)))
+
+-- name: ring_leased
+-- The held receipts' messages with their payloads, in id order.
+SELECT h.r_id, coalesce(t.attempts, 1), h.r_delivery, s.enqueued_at, h.r_until, s.payload
+FROM {schema}.ring_held(%(queue_id)s, %(lanes)s, %(ids)s, %(deliveries)s, %(group)s) h
+JOIN {schema}.ring_slots s ON s.queue_id = %(queue_id)s AND s.slot = h.r_id % %(capacity)s
+LEFT JOIN {schema}.ring_retry t ON t.queue_id = %(group)s AND t.id = h.r_id
+ORDER BY h.r_id
+
+-- name: ring_add_group
+-- A new consumer group's gid (schema.sql), NULL when the ring does not exist.
+SET NOCOUNT ON;
+DECLARE @gid int;
+EXEC {schema}.ring_add_group @queue_id = %(queue_id)s, @name = %(name)s, @earliest = %(earliest)s,
+    @on_lag = %(on_lag)s, @lag_timeout_s = %(lag_timeout_s)s, @gid = @gid OUTPUT;
+SELECT @gid AS r_gid
+
+-- name: ring_drop_group
+-- Whether the group was there (schema.sql).
+SET NOCOUNT ON;
+DECLARE @dropped bit;
+EXEC {schema}.ring_drop_group @queue_id = %(queue_id)s, @gid = %(group)s, @dropped = @dropped OUTPUT;
+SELECT @dropped AS r_dropped
+
+-- name: ring_groups
+-- The ring's consumer groups, the default one first (gid: the ring's queue_id; no ring_groups row), with
+-- the figures of each: its lowest lane position, the sum of its lane positions (which moves whenever it
+-- takes), when maintenance last saw that sum move, and the ring's push position. No row when the ring
+-- does not exist.
+SELECT k.gid, g.name, g.created_at, g.on_lag, g.lag_timeout_s, g.moved_pos, g.moved_at,
+       (SELECT min(l.pos) FROM {schema}.ring_lanes l WHERE l.queue_id = k.gid) AS min_pos,
+       (SELECT sum(l.pos) FROM {schema}.ring_lanes l WHERE l.queue_id = k.gid) AS sum_pos,
+       coalesce(CAST(q.current_value AS bigint), 0) AS issued
+FROM {schema}.rings r
+CROSS APPLY (
+    SELECT r.queue_id AS gid
+    UNION ALL
+    SELECT x.gid FROM {schema}.ring_groups x WHERE x.queue_id = r.queue_id) AS k
+LEFT JOIN {schema}.ring_groups g ON g.queue_id = r.queue_id AND g.gid = k.gid
+LEFT JOIN sys.sequences q ON q.object_id = r.push_seq_id
+WHERE r.queue_id = %(queue_id)s
+ORDER BY CASE WHEN k.gid = r.queue_id THEN 0 ELSE 1 END, g.name
+
+-- name: ring_group_moved
+-- Maintenance saw the group's lanes at moved_pos (the sum of their positions): when that differs from
+-- what it saw last, the group moved now. Returns the seconds since it last moved.
+SET NOCOUNT ON;
+DECLARE @now datetime2(6) = SYSUTCDATETIME();
+UPDATE {schema}.ring_groups
+SET moved_at = CASE WHEN moved_pos IS NULL OR moved_pos <> %(moved_pos)s THEN @now ELSE moved_at END,
+    moved_pos = %(moved_pos)s
+OUTPUT DATEDIFF_BIG(microsecond, inserted.moved_at, @now) / 1e6 AS r_idle_s
+WHERE queue_id = %(queue_id)s AND gid = %(group)s

@@ -1,0 +1,76 @@
+-- Named queries of the PostgreSQL dialect: claimed batches (a Spark batch's messages, claimed, published and acked or released as one).
+-- The conventions of every file of this folder are in queues.sql's opening lines.
+
+-- name: claim_batch
+-- at-least-once claim of up to n ready messages under one lease, recorded in the batch ledger in the
+-- same statement; no payload leaves the database (the batch's reader fetches them by batch id).
+WITH claimed AS (
+    UPDATE {schema}.meta m
+    SET state = 1, attempts = m.attempts + 1, deliveries = m.deliveries + 1, consumer = %(consumer)s,
+        lease_until = now() + make_interval(secs => %(visibility_timeout_s)s)
+    WHERE m.ctid = ANY (ARRAY(
+        SELECT ctid FROM {schema}.meta
+        WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
+        ORDER BY priority DESC, process_at, id
+        LIMIT %(n)s
+        FOR UPDATE SKIP LOCKED))
+    RETURNING m.id, m.deliveries, m.priority, m.process_at
+)
+INSERT INTO {schema}.batches (batch_id, queue_id, ids, deliveries, consumer, lease_until)
+SELECT %(batch_id)s, %(queue_id)s,
+       array_agg(c.id ORDER BY c.priority DESC, c.process_at, c.id),
+       array_agg(c.deliveries ORDER BY c.priority DESC, c.process_at, c.id),
+       %(consumer)s, now() + make_interval(secs => %(visibility_timeout_s)s)
+FROM claimed c
+HAVING count(*) > 0
+RETURNING batch_id, state, ids, deliveries, consumer, claimed_at, lease_until, finished_at, last_error
+
+-- name: get_batch
+SELECT batch_id, state, ids, deliveries, consumer, claimed_at, lease_until, finished_at, last_error
+FROM {schema}.batches
+WHERE batch_id = %(batch_id)s AND queue_id = %(queue_id)s
+
+-- name: lock_batch
+-- The batch's ledger row, locked so that a concurrent ack and release of one batch serialize.
+SELECT batch_id, state, ids, deliveries, consumer, claimed_at, lease_until, finished_at, last_error
+FROM {schema}.batches
+WHERE batch_id = %(batch_id)s AND queue_id = %(queue_id)s
+FOR UPDATE
+
+-- name: finish_batch
+UPDATE {schema}.batches
+SET state = %(state)s::smallint,
+    finished_at = CASE WHEN %(state)s::smallint = 0 THEN NULL ELSE now() END,
+    lease_until = coalesce(%(lease_until)s, lease_until), last_error = coalesce(%(error)s, last_error)
+WHERE batch_id = %(batch_id)s AND queue_id = %(queue_id)s
+
+-- name: purge_batches
+-- The ledger rows of batches finished (acked or released) more than older_than_s ago, up to n.
+DELETE FROM {schema}.batches b
+WHERE b.ctid = ANY (ARRAY(
+    SELECT ctid FROM {schema}.batches
+    WHERE queue_id = %(queue_id)s AND state <> 0
+      AND finished_at < now() - make_interval(secs => %(older_than_s)s)
+    LIMIT %(n)s))
+RETURNING b.batch_id
+
+-- name: open_batches
+-- Batches still claimed, oldest first (for operators of the platform and for cleanup), of every
+-- consumer or of those whose consumer starts with consumer_prefix (a task's earlier tries).
+SELECT batch_id, state, ids, deliveries, consumer, claimed_at, lease_until, finished_at, last_error
+FROM {schema}.batches
+WHERE queue_id = %(queue_id)s AND state = 0
+  AND (%(consumer_prefix)s::text IS NULL
+       OR left(consumer, length(%(consumer_prefix)s::text)) = %(consumer_prefix)s::text)
+ORDER BY claimed_at
+LIMIT %(limit)s
+
+-- name: batch_rows
+-- The messages of one batch with their payloads, numbered 1..n in claim order (ord: a Spark JDBC
+-- reader partitions on it). Rendered to text with its parameters for readers in other processes.
+SELECT r.ord, r.id, r.delivery,
+       coalesce((SELECT m.payload FROM {schema}.meta m WHERE m.id = r.id),
+                (SELECT d.payload FROM {schema}.data d WHERE d.id = r.id)) AS payload
+FROM {schema}.batches b
+CROSS JOIN LATERAL unnest(b.ids, b.deliveries) WITH ORDINALITY AS r(id, delivery, ord)
+WHERE b.batch_id = %(batch_id)s AND b.queue_id = %(queue_id)s

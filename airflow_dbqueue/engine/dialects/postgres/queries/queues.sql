@@ -1,0 +1,122 @@
+-- Named queries of the PostgreSQL dialect. {schema} is the quoted schema name; every value is a
+-- bound parameter (%(name)s). The SQL Server dialect keeps the same names.
+-- This file: the schema (install, versions, owned objects) and the queues themselves (create, look up, drop). The folder's other files hold the rest, by concern.
+
+-- name: install_lock
+SELECT pg_advisory_xact_lock(hashtext('dbqueue.install.' || %(schema)s))
+
+-- name: schema_installed
+SELECT EXISTS (
+    SELECT 1 FROM pg_catalog.pg_tables WHERE schemaname = %(schema)s AND tablename = 'schema_version')
+
+-- name: schema_version
+SELECT coalesce(max(version), 0) FROM {schema}.schema_version
+
+-- name: record_version
+INSERT INTO {schema}.schema_version (version) VALUES (%(version)s) ON CONFLICT DO NOTHING
+
+-- name: schema_exists
+SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = %(schema)s)
+
+-- name: create_schema
+CREATE SCHEMA {schema}
+
+-- name: schema_objects
+-- Everything in the schema, as DROP SCHEMA ... CASCADE would find it: each object that a schema holds
+-- depends on it (deptype 'n'). Objects that belong to another one go with their owner and are left out
+-- (an identity column's sequence, a table's row type; indexes and constraints never depend on the
+-- schema). kind is pg_identify_object's type ('table', 'sequence', 'function', 'view' ...).
+SELECT i.type, a.object_names[array_upper(a.object_names, 1)], i.identity
+FROM pg_catalog.pg_depend d
+CROSS JOIN LATERAL pg_catalog.pg_identify_object(d.classid, d.objid, d.objsubid) i
+CROSS JOIN LATERAL pg_catalog.pg_identify_object_as_address(d.classid, d.objid, d.objsubid) a
+WHERE d.refclassid = 'pg_catalog.pg_namespace'::regclass AND d.deptype = 'n'
+  AND d.refobjid = (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = %(schema)s)
+  AND NOT EXISTS (
+      SELECT 1 FROM pg_catalog.pg_depend o
+      WHERE o.classid = d.classid AND o.objid = d.objid AND o.deptype IN ('a', 'i')
+        AND o.refclassid = 'pg_catalog.pg_class'::regclass)
+ORDER BY 1, 2
+
+-- name: owned_ring_sequences
+-- The sequences of the schema's rings (ring_create makes two a ring), by name.
+SELECT c.relname
+FROM {schema}.rings r
+JOIN pg_catalog.pg_class c ON c.oid IN (r.push_seq, r.gap_seq)
+WHERE c.relnamespace = (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = %(schema)s)
+ORDER BY 1
+
+-- name: owned_objects
+SELECT kind, name FROM {schema}.owned_objects ORDER BY kind, name
+
+-- name: record_owned
+INSERT INTO {schema}.owned_objects (kind, name)
+SELECT k, n FROM unnest(%(kinds)s::text[], %(names)s::text[]) AS o(k, n)
+ON CONFLICT DO NOTHING
+
+-- name: drop_owned_table
+-- This and the next three drop one object the engine's catalogue lists, without CASCADE: when an object
+-- that is not the engine's depends on it (a view over meta, a foreign key to queues), the statement
+-- fails and the uninstall with it, dropping nothing.
+DROP TABLE {schema}.{table}
+
+-- name: drop_owned_sequence
+DROP SEQUENCE IF EXISTS {schema}.{sequence}
+
+-- name: drop_owned_routine
+-- By name alone: if someone else added a function of the same name, the name is not unique and this
+-- fails rather than choose.
+DROP FUNCTION {schema}.{routine}
+
+-- name: drop_owned_schema
+DROP SCHEMA {schema}
+
+-- name: create_queue
+INSERT INTO {schema}.queues (
+    name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
+    retry_backoff_s, retry_backoff_max_s, notify, archive)
+VALUES (
+    %(name)s, %(design)s, %(payload_type)s, %(max_payload_bytes)s, %(max_attempts)s,
+    %(visibility_timeout_s)s, %(retry_backoff_s)s, %(retry_backoff_max_s)s, %(notify)s, %(archive)s)
+ON CONFLICT (name) DO NOTHING
+RETURNING queue_id
+
+-- name: get_queue
+SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
+       retry_backoff_s, retry_backoff_max_s, notify, archive,
+       (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity,
+       (SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS lanes
+FROM {schema}.queues q WHERE name = %(name)s
+
+-- name: list_queues
+SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
+       retry_backoff_s, retry_backoff_max_s, notify, archive,
+       (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity,
+       (SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS lanes
+FROM {schema}.queues q ORDER BY name
+
+-- name: drop_queue_lock
+-- A drop runs in one transaction, in four statements, each with a snapshot taken after the one before
+-- finished: first the queue's push lock, exclusively (table_push() takes it shared), so it waits for the
+-- pushes in progress and keeps new ones out until it commits.
+SELECT pg_advisory_xact_lock(hashtext('dbqueue.queue.' || '{schema}'), %(queue_id)s)
+
+-- name: drop_queue_messages
+-- Then the queue's messages with their payloads. Rows a pop, ack, nack or claim holds are waited for,
+-- so when this statement ends every transaction that finished one of them (writing a done row or a
+-- batch) has committed, and the next statement sees what it wrote.
+-- Payload deletes here and below match ids with = ANY (ARRAY(...)), not a join: with the statistics of
+-- an empty table the planner made the join a nested loop over all of data_pkey (O(n^2): 14 s for 20k).
+WITH m AS (DELETE FROM {schema}.meta WHERE queue_id = %(queue_id)s RETURNING id)
+DELETE FROM {schema}.data WHERE id = ANY (ARRAY(SELECT id FROM m))
+
+-- name: drop_queue_finished
+-- Then its finished messages and their payloads. An archiver batch that holds some of them is waited
+-- for, so its archive rows are committed before the last statement reads archive.
+WITH f AS (DELETE FROM {schema}.done WHERE queue_id = %(queue_id)s RETURNING id)
+DELETE FROM {schema}.data WHERE id = ANY (ARRAY(SELECT id FROM f))
+
+-- name: drop_queue
+WITH a AS (DELETE FROM {schema}.archive WHERE queue_id = %(queue_id)s),
+     b AS (DELETE FROM {schema}.batches WHERE queue_id = %(queue_id)s)
+DELETE FROM {schema}.queues WHERE queue_id = %(queue_id)s RETURNING queue_id

@@ -1,0 +1,260 @@
+-- Named queries of the PostgreSQL dialect: the ring design: push, take and pop, settle, gaps, inspection, failed messages and consumer groups.
+-- The conventions of every file of this folder are in queues.sql's opening lines.
+
+-- name: ring_create
+-- The ring design. Push and pop are server-side functions (schema.sql); the statements below call them
+-- or are the slower paths. Number x of a ring lives in slot x mod capacity, so a receipt finds its slot
+-- without an index on seq. group: the key (gid) of a consumer group's rows in ring_lanes, ring_leases,
+-- ring_retry and ring_failed, which is the ring's queue_id for its default group (ring_groups).
+SELECT {schema}.ring_create(
+    %(schema)s, %(queue_id)s::integer, %(capacity)s::integer, %(slot_bytes)s::integer, %(lanes)s::integer)
+
+-- name: ring_drop
+SELECT {schema}.ring_drop(%(queue_id)s::integer)
+
+-- name: ring_push
+SELECT {schema}.ring_push(
+    %(queue_id)s::integer, %(capacity)s::integer, %(payloads)b::bytea[], %(timeout_s)s::float8,
+    %(notify)s::integer, %(channel)s, %(first)s::bigint)
+
+-- name: ring_push_one
+-- The number when it was written, negated when its slot was not free yet, NULL when the ring does not
+-- exist (schema.sql); so on SQL Server. floor: one this handle read earlier (ring_floor), or NULL. A
+-- scalar call in the select list, which PostgreSQL plans for 30,000 fewer instructions than a call in
+-- FROM (the first calls of a session; later ones reuse a generic plan: statements.GENERIC_PLANS).
+SELECT {schema}.ring_push_one(
+    %(queue_id)s::integer, %(capacity)s::integer, %(payload)b::bytea, %(notify)s::integer, %(channel)s,
+    %(floor)s::bigint)
+
+-- name: ring_floor
+-- The ring's floor (schema.sql), which pushes of one pass back to ring_push_one: it never goes down.
+SELECT {schema}.ring_floor(%(queue_id)s::integer)
+
+-- name: ring_take
+-- The fast path of a pop at most once (schema.sql): messages from the lanes, nothing when messages to
+-- deliver again are due (ring_pop serves those first). wait: when other pops hold every lane, wait for
+-- them (not in a caller's transaction). Each message taken here is on its first delivery and unleased,
+-- so only (id, enqueued_at, payload) are sent: the other three columns cost the server about 550
+-- instructions a message at batch 100 to send and the client about 700 to read.
+SELECT r_id, r_enqueued_at, r_payload
+FROM {schema}.ring_take(
+    %(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer, %(n)s::integer, %(lease)s::boolean,
+    %(visibility_timeout_s)s::float8, %(consumer)s::text, true, %(wait)s::boolean)
+
+-- name: ring_take_lease
+-- ring_take at least once: its rows are ring_pop's messages, leased until r_lease_until.
+SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, r_lease_until, r_payload
+FROM {schema}.ring_take(
+    %(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer, %(n)s::integer, %(lease)s::boolean,
+    %(visibility_timeout_s)s::float8, %(consumer)s::text, true, %(wait)s::boolean)
+
+-- name: ring_pop
+-- Rows come back in binary (statements.BINARY_RESULTS): the holders (xid[]) as text.
+SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, r_lease_until, r_payload, r_gap, r_issued, r_snap::text
+FROM {schema}.ring_pop(
+    %(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer, %(n)s::integer, %(lease)s::boolean,
+    %(visibility_timeout_s)s::float8, %(consumer)s::text, %(own)s::boolean,
+    %(gap)s::bigint, %(gap_issued)s::bigint, %(gap_snap)s::xid[], %(force)s::boolean)
+
+-- name: ring_unwritten
+-- Maintenance's gap recovery, first step: the push position, and whether any number up to it is issued
+-- but unwritten while its slot is free for it (the slot holds the number a capacity before it, below the
+-- floor). A full scan of the ring's slots. The holders (ring_snapshot) are listed by a later statement.
+SELECT i.issued, EXISTS (
+    SELECT 1 FROM {schema}.ring_slots t
+    WHERE t.queue_id = r.queue_id AND t.seq + r.capacity <= i.issued AND t.seq < {schema}.ring_floor(r.queue_id))
+FROM {schema}.rings r
+CROSS JOIN LATERAL (SELECT coalesce(pg_sequence_last_value(r.push_seq), 0) AS issued) i
+WHERE r.queue_id = %(queue_id)s
+
+-- name: ring_snapshot
+SELECT {schema}.ring_holders()::text
+
+-- name: ring_skip_abandoned
+SELECT {schema}.ring_skip_abandoned(%(queue_id)s::integer, %(issued)s::bigint, %(snap)s::xid[])
+
+-- name: ring_pass
+-- Lanes moved over given-up numbers at their heads (schema.sql), after maintenance gave gaps up.
+SELECT {schema}.ring_pass(%(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer)
+
+-- name: ring_ack
+-- The ack of whole leases, the usual one: receipts naming every message of one ring_leases row or
+-- more (first deliveries; a pop writes one row, or two when it ran past the end of the ring's slots),
+-- in one statement. A candidate lease lies within the receipts' range and is whole when as many
+-- receipts fall in its range and lanes as it holds messages; the leases are deleted only when the
+-- whole ones hold every receipt (each message is in one lease at most). Rows: the n of each lease
+-- deleted, none otherwise (the caller settles the receipts with ring_settle).
+WITH r AS (
+    SELECT min(u.id) AS lo, max(u.id) AS hi, count(*) AS n, bool_and(u.d = 1) AS first
+    FROM unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS u(id, d)
+), c AS (
+    SELECT e.ctid AS tid, e.n
+    FROM {schema}.ring_leases e, r
+    WHERE e.queue_id = %(group)s AND e.lo >= r.lo AND e.lo <= r.hi AND e.hi <= r.hi AND r.first
+      AND e.lease_until > now()
+      AND (SELECT count(*) FROM unnest(%(ids)b::bigint[]) AS i(id)
+           WHERE i.id BETWEEN e.lo AND e.hi AND e.starts[mod(i.id, %(lanes)s)::integer + 1] <= i.id) = e.n
+    FOR UPDATE OF e
+)
+DELETE FROM {schema}.ring_leases e
+WHERE e.ctid = ANY (ARRAY(SELECT tid FROM c)) AND (SELECT sum(n) FROM c) = (SELECT n FROM r)
+RETURNING e.n
+
+-- name: ring_settle
+-- Ack (nack false) or nack receipts, all or nothing (schema.sql): (id, state) of each, none when some
+-- receipt no longer holds its lease.
+SELECT r_id, r_state FROM {schema}.ring_settle(
+    %(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer, %(ids)b::bigint[],
+    %(deliveries)b::integer[], %(nack)s::boolean, %(delay_s)s::float8, %(backoff_s)s::float8,
+    %(backoff_max_s)s::float8, %(max_attempts)s::integer, %(error)s::text, %(group)s::integer)
+
+-- name: ring_held_receipts
+SELECT r_id, r_delivery
+FROM {schema}.ring_held(
+    %(queue_id)s::integer, %(lanes)s::integer, %(ids)b::bigint[], %(deliveries)b::integer[], %(group)s::integer)
+
+-- name: ring_reclaim_expired
+-- Expired leases go back to ready in place (keeping their id) or, after max_attempts, to ring_failed.
+-- Pops run it at most once a second.
+SELECT r_id, r_state FROM {schema}.ring_reclaim_expired(
+    %(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer, %(max_attempts)s::integer,
+    %(limit)s::integer, %(group)s::integer)
+
+-- name: ring_peek
+-- What pops would take first: the messages due again, then the lanes', each in id order.
+SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, NULL::timestamptz AS lease_until, r_payload
+FROM {schema}.ring_ready(%(queue_id)s::integer, %(group)s::integer)
+WHERE r_due <= now()
+ORDER BY r_attempts = 0, r_id
+LIMIT %(n)s
+
+-- name: ring_count_ready
+-- What a pop could take now, counted up to a cap: ring_ready()'s due messages, and those whose lease
+-- expired with attempts left, which a pop reclaims first (ring_reclaim_expired): the n messages of each
+-- expired ring_leases row (first deliveries, attempt 1: attempts left when max_attempts > 1) and each
+-- expired leased retry row with attempts left. An expired lease out of attempts goes to ring_failed.
+SELECT least(%(cap)s::bigint,
+    (SELECT count(*) FROM (
+        SELECT 1 FROM {schema}.ring_ready(%(queue_id)s::integer, %(group)s::integer) WHERE r_due <= now() LIMIT %(cap)s) s)
+    + (SELECT count(*) FROM {schema}.ring_retry t
+       WHERE t.queue_id = %(group)s AND t.state = 2 AND t.due_at <= now() AND t.attempts < %(max_attempts)s)
+    + (SELECT coalesce(sum(e.n), 0) FROM {schema}.ring_leases e
+       WHERE e.queue_id = %(group)s AND e.lease_until <= now() AND %(max_attempts)s > 1))
+
+-- name: ring_ready_head
+-- For observers: ring_count_ready's count and the (id, delivery) a pop would take first. Pops serve the
+-- messages to deliver again first, in id order (an expired lease among them once reclaimed: a retry row
+-- keeps its deliveries, and a ring_leases row's lowest message is its lo, delivered once), then the
+-- lanes' messages in id order.
+SELECT least(%(cap)s::bigint,
+    (SELECT count(*) FROM (
+        SELECT 1 FROM {schema}.ring_ready(%(queue_id)s::integer, %(group)s::integer) WHERE r_due <= now() LIMIT %(cap)s) s)
+    + (SELECT count(*) FROM {schema}.ring_retry t
+       WHERE t.queue_id = %(group)s AND t.state = 2 AND t.due_at <= now() AND t.attempts < %(max_attempts)s)
+    + (SELECT coalesce(sum(e.n), 0) FROM {schema}.ring_leases e
+       WHERE e.queue_id = %(group)s AND e.lease_until <= now() AND %(max_attempts)s > 1)) AS ready,
+    h.r_id AS head_id, h.r_deliveries AS head_deliveries
+FROM (SELECT 1) one
+LEFT JOIN LATERAL (
+    SELECT c.r_id, c.r_deliveries FROM (
+        SELECT r_id, r_deliveries, r_attempts = 0 AS fresh FROM {schema}.ring_ready(%(queue_id)s::integer, %(group)s::integer)
+        WHERE r_due <= now()
+        UNION ALL
+        SELECT t.id, t.deliveries, false FROM {schema}.ring_retry t
+        WHERE t.queue_id = %(group)s AND t.state = 2 AND t.due_at <= now()
+          AND t.attempts < %(max_attempts)s
+        UNION ALL
+        SELECT e.lo, 1, false FROM {schema}.ring_leases e
+        WHERE e.queue_id = %(group)s AND e.lease_until <= now() AND %(max_attempts)s > 1) c
+    ORDER BY c.fresh, c.r_id
+    LIMIT 1) h ON true
+
+-- name: ring_stats
+-- Depth by state of one consumer group, plus the ring's own figures: the push position (last number
+-- issued), the group's pop position (its lowest lane position: the next number none of its pops has
+-- taken), the floor (the lowest number a consumer of any group may still need), its lanes, and the
+-- numbers given up as gaps.
+WITH rd AS MATERIALIZED (
+    SELECT r_enqueued_at, r_due FROM {schema}.ring_ready(%(queue_id)s::integer, %(group)s::integer)
+), g AS (
+    SELECT r.lanes, coalesce(pg_sequence_last_value(r.push_seq), 0) AS issued,
+           coalesce(pg_sequence_last_value(r.gap_seq), 0) AS gaps
+    FROM {schema}.rings r WHERE r.queue_id = %(queue_id)s
+)
+SELECT (SELECT count(*) FROM rd WHERE r_due <= now()) AS ready,
+       (SELECT count(*) FROM rd WHERE r_due > now()) AS delayed,
+       (SELECT coalesce(sum(e.n), 0) FROM {schema}.ring_leases e WHERE e.queue_id = %(group)s)
+       + (SELECT count(*) FROM {schema}.ring_retry t WHERE t.queue_id = %(group)s AND t.state = 2)
+           AS in_flight,
+       (SELECT count(*) FROM {schema}.ring_failed f WHERE f.queue_id = %(group)s) AS failed,
+       extract(epoch FROM now() - (SELECT min(r_enqueued_at) FROM rd WHERE r_due <= now()))::float8
+           AS oldest_ready_age_s,
+       g.issued AS push_position,
+       (SELECT min(l.pos) FROM {schema}.ring_lanes l WHERE l.queue_id = %(group)s) AS pop_position,
+       {schema}.ring_floor(%(queue_id)s::integer) AS floor,
+       g.gaps AS gaps_skipped,
+       g.lanes
+FROM g
+
+-- name: ring_list_failed
+SELECT id, attempts, enqueued_at, last_error, payload
+FROM {schema}.ring_failed
+WHERE queue_id = %(group)s AND id > %(after_id)s
+ORDER BY id
+LIMIT %(limit)s
+
+-- name: ring_take_failed
+-- requeue_failed: the failed messages leave ring_failed and are pushed again (new ids) in the same
+-- transaction.
+DELETE FROM {schema}.ring_failed
+WHERE queue_id = %(group)s AND (%(all)s OR id = ANY (%(ids)s::bigint[]))
+RETURNING id, payload
+
+-- name: ring_delete_failed
+DELETE FROM {schema}.ring_failed
+WHERE queue_id = %(group)s AND (%(all)s OR id = ANY (%(ids)s::bigint[]))
+RETURNING id
+
+-- name: ring_leased
+-- The held receipts' messages with their payloads, in id order.
+SELECT h.r_id, coalesce(t.attempts, 1), h.r_delivery, s.enqueued_at, h.r_until, s.payload
+FROM {schema}.ring_held(
+    %(queue_id)s::integer, %(lanes)s::integer, %(ids)b::bigint[], %(deliveries)b::integer[], %(group)s::integer) h
+JOIN {schema}.ring_slots s ON s.queue_id = %(queue_id)s AND s.slot = mod(h.r_id, %(capacity)s)::integer
+LEFT JOIN {schema}.ring_retry t ON t.queue_id = %(group)s AND t.id = h.r_id
+ORDER BY h.r_id
+
+-- name: ring_add_group
+-- A new consumer group's gid (schema.sql), NULL when the ring does not exist.
+SELECT {schema}.ring_add_group(
+    %(queue_id)s::integer, %(name)s::text, %(earliest)s::boolean, %(on_lag)s::smallint,
+    %(lag_timeout_s)s::float8)
+
+-- name: ring_drop_group
+SELECT {schema}.ring_drop_group(%(queue_id)s::integer, %(group)s::integer)
+
+-- name: ring_groups
+-- The ring's consumer groups, the default one first (gid: the ring's queue_id; no ring_groups row), with
+-- the figures of each: its lowest lane position, the sum of its lane positions (which moves whenever it
+-- takes), when maintenance last saw that sum move, and the ring's push position.
+SELECT k.gid, g.name, g.created_at, g.on_lag, g.lag_timeout_s, g.moved_pos, g.moved_at,
+       (SELECT min(l.pos) FROM {schema}.ring_lanes l WHERE l.queue_id = k.gid),
+       (SELECT sum(l.pos)::bigint FROM {schema}.ring_lanes l WHERE l.queue_id = k.gid),
+       coalesce(pg_sequence_last_value(r.push_seq), 0)
+FROM {schema}.rings r
+CROSS JOIN LATERAL (
+    SELECT r.queue_id AS gid
+    UNION ALL
+    SELECT x.gid FROM {schema}.ring_groups x WHERE x.queue_id = r.queue_id) k
+LEFT JOIN {schema}.ring_groups g ON g.queue_id = r.queue_id AND g.gid = k.gid
+WHERE r.queue_id = %(queue_id)s
+ORDER BY k.gid = r.queue_id DESC, g.name
+
+-- name: ring_group_moved
+-- Maintenance saw the group's lanes at moved_pos (the sum of their positions): when that differs from
+-- what it saw last, the group moved now. Returns the time it last moved.
+UPDATE {schema}.ring_groups
+SET moved_at = CASE WHEN moved_pos IS DISTINCT FROM %(moved_pos)s::bigint THEN now() ELSE moved_at END,
+    moved_pos = %(moved_pos)s::bigint
+WHERE queue_id = %(queue_id)s AND gid = %(group)s
+RETURNING extract(epoch FROM now() - moved_at)::float8
