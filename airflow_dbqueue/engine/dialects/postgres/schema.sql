@@ -1430,6 +1430,37 @@ BEGIN
     RETURN v_k;
 END
 $$;
+-- The ack of whole leases, the usual one (queries/ring.sql's ring_ack): receipts naming every message
+-- of one ring_leases row or more (first deliveries; a pop writes one row, or two when it ran past the
+-- end of the ring's slots). A candidate lease lies within the receipts' range and is whole when as many
+-- receipts fall in its range and lanes as it holds messages; the leases are deleted only when the whole
+-- ones hold every receipt (each message is in one lease at most). Returns the n of each lease deleted,
+-- nothing otherwise (the caller then settles the receipts with ring_settle). A function so that its
+-- plan is made once a session, generic, on the leases' key, whatever the table's size when it is made.
+CREATE FUNCTION {schema}.ring_ack(p_group integer, p_lanes integer, p_ids bigint[], p_deliveries integer[])
+RETURNS TABLE (r_n integer)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET enable_bitmapscan = off
+AS $$
+BEGIN
+    RETURN QUERY
+    WITH r AS (
+        SELECT min(u.id) AS lo, max(u.id) AS hi, count(*) AS k, bool_and(u.d = 1) AS first
+        FROM unnest(p_ids, p_deliveries) AS u(id, d)
+    ), c AS (
+        SELECT e.ctid AS tid, e.n
+        FROM {schema}.ring_leases e, r
+        WHERE e.queue_id = p_group AND e.lo >= r.lo AND e.lo <= r.hi AND e.hi <= r.hi AND r.first
+          AND e.lease_until > now()
+          AND (SELECT count(*) FROM unnest(p_ids) AS i(id)
+               WHERE i.id BETWEEN e.lo AND e.hi AND e.starts[mod(i.id, p_lanes)::integer + 1] <= i.id) = e.n
+        FOR UPDATE OF e
+    )
+    DELETE FROM {schema}.ring_leases e
+    WHERE e.ctid = ANY (ARRAY(SELECT c.tid FROM c)) AND (SELECT sum(c.n) FROM c) = (SELECT r.k FROM r)
+    RETURNING e.n;
+END
+$$;
+
 
 -- Ack (p_nack false) or nack the deliveries named by receipts, all or nothing: when any receipt does
 -- not hold its lease, nothing changes and no row comes back (the caller asks ring_held which did).

@@ -15,6 +15,7 @@ GENERIC_PLANS = frozenset(
         "ring_take",
         "ring_take_lease",
         "ring_pop",
+        "ring_ack",
         "ring_settle",
         "ring_reclaim_expired",
     }

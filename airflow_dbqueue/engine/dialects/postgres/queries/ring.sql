@@ -78,27 +78,10 @@ SELECT {schema}.ring_skip_abandoned(%(queue_id)s::integer, %(issued)s::bigint, %
 SELECT {schema}.ring_pass(%(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer)
 
 -- name: ring_ack
--- The ack of whole leases, the usual one: receipts naming every message of one ring_leases row or
--- more (first deliveries; a pop writes one row, or two when it ran past the end of the ring's slots),
--- in one statement. A candidate lease lies within the receipts' range and is whole when as many
--- receipts fall in its range and lanes as it holds messages; the leases are deleted only when the
--- whole ones hold every receipt (each message is in one lease at most). Rows: the n of each lease
--- deleted, none otherwise (the caller settles the receipts with ring_settle).
-WITH r AS (
-    SELECT min(u.id) AS lo, max(u.id) AS hi, count(*) AS n, bool_and(u.d = 1) AS first
-    FROM unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS u(id, d)
-), c AS (
-    SELECT e.ctid AS tid, e.n
-    FROM {schema}.ring_leases e, r
-    WHERE e.queue_id = %(group)s AND e.lo >= r.lo AND e.lo <= r.hi AND e.hi <= r.hi AND r.first
-      AND e.lease_until > now()
-      AND (SELECT count(*) FROM unnest(%(ids)b::bigint[]) AS i(id)
-           WHERE i.id BETWEEN e.lo AND e.hi AND e.starts[mod(i.id, %(lanes)s)::integer + 1] <= i.id) = e.n
-    FOR UPDATE OF e
-)
-DELETE FROM {schema}.ring_leases e
-WHERE e.ctid = ANY (ARRAY(SELECT tid FROM c)) AND (SELECT sum(n) FROM c) = (SELECT n FROM r)
-RETURNING e.n
+-- The ack of whole leases, the usual one (schema.sql): the n of each lease deleted, none otherwise (the
+-- caller settles the receipts with ring_settle).
+SELECT r_n
+FROM {schema}.ring_ack(%(group)s::integer, %(lanes)s::integer, %(ids)b::bigint[], %(deliveries)b::integer[])
 
 -- name: ring_settle
 -- Ack (nack false) or nack receipts, all or nothing (schema.sql): (id, state) of each, none when some
