@@ -23,6 +23,7 @@ import threading
 import time
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import psycopg.conninfo
@@ -81,6 +82,11 @@ gc.freeze()
 atexit.register(gc.freeze)
 sys.exit(main())
 """
+
+
+def dags_test_command(dag_id: str, conf: dict[str, Any]) -> list[str]:
+    """The command line the demo runs ``airflow dags test <dag_id> -c <conf>`` with (see ``_DAGS_TEST``)."""
+    return [sys.executable, "-c", _DAGS_TEST, "dags", "test", dag_id, "-c", json.dumps(conf)]
 
 
 def _dags_folder() -> Path:
@@ -299,7 +305,7 @@ def _pipeline(  # noqa: PLR0915
     t0 = time.monotonic()
     with log.open("w") as out, _Ticker("running the DAG", every=15):
         p = subprocess.Popen(
-            [sys.executable, "-c", _DAGS_TEST, "dags", "test", DAG_ID, "-c", json.dumps(conf)],
+            dags_test_command(DAG_ID, conf),
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
