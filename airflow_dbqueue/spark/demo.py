@@ -67,12 +67,12 @@ def _airflow() -> str:
 # the interpreter's cyclic garbage collector told to pass over the objects that exist once Airflow's
 # command line and its `dags` commands are imported (`gc.freeze`), and, at exit, over everything left
 # (the process is ending; the system takes its memory back). Otherwise every full collection scans
-# those few hundred thousand long-lived objects again, many times while the in-process Execution API
-# builds its versioned routes before the first task and while the Spark task imports the Connect
-# client, and the interpreter's shutdown collects and frees all of them one by one (a second or more
-# after the run is marked successful, on this project's 2-core machines; see docs/benchmarks.md).
-# Every command, task and database write of the run is Airflow's and the DAG's as with `airflow`;
-# what becomes garbage after the freeze is reclaimed when the process ends.
+# those few hundred thousand long-lived objects again (many run while the in-process Execution API
+# builds its versioned routes before the first task), and the interpreter's shutdown collects and
+# frees all of them one by one: one to five seconds after the run is marked successful on a busy
+# 2-core machine (docs/benchmarks.md). Every command, task and database write of the run is
+# Airflow's and the DAG's as with `airflow`; what becomes garbage after the freeze is reclaimed when
+# the process ends. The interpreter is this one, which has Airflow (the `dbqueue` command's venv).
 _DAGS_TEST = """
 import atexit, gc, sys
 sys.argv[0] = "airflow"
