@@ -193,14 +193,17 @@ def dags_test(
     schema: str,
     dag_id: str,
     conf: dict[str, Any] | None = None,
+    *,
+    command: list[str] | None = None,
     **extra: str,
 ) -> tuple[bool, str]:
     """Run ``airflow dags test`` with ``dbqueue_default`` on ``schema``; return (succeeded, output).
 
+    ``command`` replaces the ``airflow`` command line (the ``dbqueue pipeline`` demo's, for one);
     ``extra`` adds environment variables, and may replace ``dbqueue_default`` itself."""
     run_env = {**env, f"AIRFLOW_CONN_{CONN_ID.upper()}": conn_json(pg_dsn, schema), **extra}
     proc = subprocess.run(
-        [str(AIRFLOW), "dags", "test", dag_id, "-c", json.dumps(conf or {})],
+        command or [str(AIRFLOW), "dags", "test", dag_id, "-c", json.dumps(conf or {})],
         env=run_env,
         check=False,
         capture_output=True,

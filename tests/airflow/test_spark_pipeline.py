@@ -23,6 +23,7 @@ import pytest
 from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue
+from airflow_dbqueue.spark import demo
 from airflow_dbqueue.spark.connect_server import LocalConnectServer
 from airflow_dbqueue.spark.orders import SAMPLE_RATES, OrderRollup, expected_totals, sample_orders
 from tests.airflow.conftest import CONN_ID, conn_json, connect_env, dags_test, event_log_text, spark_env
@@ -55,7 +56,13 @@ def results_schema(pg_dsn: str) -> Any:
 
 
 def run_pipeline(
-    env: dict[str, str], pg_dsn: str, dbq: DbQueue, results: OrderRollup, conf: dict[str, Any]
+    env: dict[str, str],
+    pg_dsn: str,
+    dbq: DbQueue,
+    results: OrderRollup,
+    conf: dict[str, Any],
+    *,
+    command: list[str] | None = None,
 ) -> tuple[bool, str]:
     return dags_test(
         env,
@@ -63,6 +70,7 @@ def run_pipeline(
         dbq.schema,
         DAG_ID,
         conf,
+        command=command,
         DBQUEUE_RESULTS_SCHEMA=results.schema,
         DBQUEUE_PIPELINE_RETRIES="0",
     )
@@ -105,13 +113,11 @@ def test_pipeline_rolls_up_every_order_once(
 ) -> None:
     orders = list(sample_orders(1500, seed=11, customers=30, products=12))
     dbq.create_queue("orders").push_batch(orders)
-    ok, out = run_pipeline(
-        path_env,
-        pg_dsn,
-        dbq,
-        results_schema,
-        {"queue_name": "orders", "max_messages": 600, "max_batches": 5},
-    )
+    conf = {"queue_name": "orders", "max_messages": 600, "max_batches": 5}
+    # On Connect the DAG runs as the `dbqueue pipeline` demo runs it (Airflow's main with the garbage
+    # collector frozen): the same checks hold of that command line.
+    command = demo.dags_test_command(DAG_ID, conf) if spark_path == "connect" else None
+    ok, out = run_pipeline(path_env, pg_dsn, dbq, results_schema, conf, command=command)
     assert ok, out[-6000:]
     assert expected_rollup(orders, SAMPLE_RATES) == rollup_rows(pg_dsn, results_schema)
     with psycopg.connect(pg_dsn) as c:
