@@ -461,13 +461,16 @@ class RingQueue(RingGroups, RingInspect):
         root = self._default()
         reclaimed = root.reclaim_expired(limit)
         others = root.groups()[1:]
-        watched = root.watch_groups() if others else {}  # the counts only where a ring has groups
         for info in others:
             try:
                 reclaimed += root.group(info.name).reclaim_expired(limit)
             except GroupNotFoundError:
                 continue  # dropped meanwhile
-        return {"reclaimed": reclaimed, "gaps_skipped": root.recover_gaps(), **watched}
+        # Gaps first: a number issued and never written counts as one to take, so a group that has
+        # taken everything would look as lagging behind a push that rolled back until it is given up.
+        skipped = root.recover_gaps()
+        watched = root.watch_groups() if others else {}  # the counts only where a ring has groups
+        return {"reclaimed": reclaimed, "gaps_skipped": skipped, **watched}
 
     # -- failed messages ---------------------------------------------------------------------------
 

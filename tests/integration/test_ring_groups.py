@@ -228,6 +228,27 @@ def test_maintenance_warns_about_or_drops_a_group_nobody_pops(
     assert [m.payload for m in drain(busy)] == [2, 3, 4, 5]
 
 
+def test_a_group_that_took_everything_is_not_dropped_for_a_push_that_rolled_back(dbq: DbQueue) -> None:
+    """A push that rolled back leaves its number issued and unwritten. A group that has taken every
+    message and not moved since is not lagging: maintenance gives the number up before it looks at the
+    groups, and the group stays (on_lag="drop_group"). (1 s)"""
+    q = ring(dbq, capacity=16)
+    q.add_group("caught_up", on_lag="drop_group", lag_timeout=0.3)
+    pushed = q.push_batch(list(range(3)))
+    assert [m.payload for m in drain(q.group("caught_up"))] == [0, 1, 2]
+    assert q.maintain()["groups_lagging"] == 0  # seen moving
+    with pytest.raises(RuntimeError), dbq.db.transaction() as conn:  # type: ignore[attr-defined]
+        q.push(99, conn=conn)
+        raise RuntimeError("the caller's transaction rolls back")
+    time.sleep(0.4)
+    report = q.maintain()
+    assert (report["gaps_skipped"], report["groups_lagging"], report["groups_dropped"]) == (1, 0, 0)
+    assert [g.name for g in q.groups()] == [DEFAULT_GROUP, "caught_up"]
+    assert [m.payload for m in drain(q)] == [0, 1, 2] and pushed == [1, 2, 3]
+    q.push(3)
+    assert [m.payload for m in drain(q.group("caught_up"))] == [3]
+
+
 def test_two_groups_at_different_speeds_under_concurrency(dbq: DbQueue) -> None:  # noqa: PLR0915
     """Two producers push 3,000 messages into a ring of 128; the default group's two consumers pop
     batches at most once, the slow group's two pop small batches at least once, acking each after a
