@@ -19,13 +19,9 @@ from airflow.sdk import BaseHook
 
 from airflow_dbqueue.engine import Batch, ConfigurationError
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
-from airflow_dbqueue.operators.spark_setup import JobSetup, SparkBatchError, as_conf, as_list, why
+from airflow_dbqueue.operators.spark_setup import JobSetup, PathState, SparkBatchError, as_conf, as_list, why
 
 if TYPE_CHECKING:
-    import logging
-
-    from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
-
     from airflow_dbqueue.engine import Queue
 
 #: The Spark connection type that runs batches on a Spark Connect server (the provider's own).
@@ -79,31 +75,9 @@ def load_job(task_id: str, path: str) -> ModuleType:
     return module
 
 
-class ConnectPath:
+class ConnectPath(PathState):
     """The Spark Connect path, a mixin of :class:`~airflow_dbqueue.operators.spark.DbQueueSparkSubmitOperator`
     (whose parameters and job state it reads)."""
-
-    if TYPE_CHECKING:
-        log: logging.Logger
-        task_id: str
-        queue_name: str
-        application: str
-        application_args: Any
-        spark_conn_id: str
-        spark_conf: Any
-        spark_submit_kwargs: dict[str, Any]
-        env_vars: Any
-        jdbc_jar: str | None
-        jdbc_password_file: str | None
-        _spark: SparkSubmitHook | None
-        _session: Any
-        _tag: str | None
-
-        def _heartbeat(
-            self, queue: Queue, batch: Batch, stop: threading.Event, lost: list[BaseException]
-        ) -> None: ...
-
-        def _kill_job(self) -> None: ...
 
     def _on_connect(self) -> bool:
         """Whether the Spark connection names a Spark Connect server (else: spark-submit)."""

@@ -10,10 +10,18 @@ import dataclasses
 import json
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from airflow_dbqueue.engine import Batch, ConfigurationError, DbQueueError
 from airflow_dbqueue.engine.dialects.base import DbConnection
+
+if TYPE_CHECKING:
+    import logging
+    import threading
+
+    from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
+
+    from airflow_dbqueue.engine import Queue
 
 BatchCallback = Callable[[DbConnection, Batch], None]
 
@@ -106,6 +114,34 @@ def as_conf(task_id: str, value: object) -> dict[str, str]:
     if not isinstance(value, Mapping):
         raise ConfigurationError(f"{task_id}: spark_conf must be a mapping of Spark settings")
     return {str(k): str(v) for k, v in value.items()}
+
+
+class PathState:
+    """What the Spark paths (spark-submit and Connect, mixins of
+    :class:`~airflow_dbqueue.operators.spark.DbQueueSparkSubmitOperator`) read of the operator: its
+    parameters and job state, declared once for the type checker."""
+
+    if TYPE_CHECKING:
+        log: logging.Logger
+        task_id: str
+        queue_name: str
+        application: str
+        application_args: Any
+        spark_conn_id: str
+        spark_conf: Any
+        spark_submit_kwargs: dict[str, Any]
+        env_vars: Any
+        jdbc_jar: str | None
+        jdbc_password_file: str | None
+        _spark: SparkSubmitHook | None
+        _session: Any
+        _tag: str | None
+
+        def _heartbeat(
+            self, queue: Queue, batch: Batch, stop: threading.Event, lost: list[BaseException]
+        ) -> None: ...
+
+        def _kill_job(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)

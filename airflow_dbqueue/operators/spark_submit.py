@@ -19,7 +19,7 @@ import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from airflow.sdk import BaseHook
 
@@ -29,6 +29,7 @@ from airflow_dbqueue.operators.spark_setup import (
     JDBC_PASSWORD_ENV,
     JDBC_PASSWORD_FILE_ENV,
     JobSetup,
+    PathState,
     SparkBatchError,
     as_conf,
     as_list,
@@ -37,8 +38,6 @@ from airflow_dbqueue.operators.spark_setup import (
 from airflow_dbqueue.spark import JDBC_HINT, find_jdbc_jar
 
 if TYPE_CHECKING:
-    import logging
-
     from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
 
     from airflow_dbqueue.engine import Queue
@@ -76,31 +75,9 @@ def stop_local_jobs(batch_id: str) -> int:
     return found
 
 
-class SubmitPath:
+class SubmitPath(PathState):
     """The spark-submit path, a mixin of :class:`~airflow_dbqueue.operators.spark.DbQueueSparkSubmitOperator`
     (whose parameters and job state it reads)."""
-
-    if TYPE_CHECKING:
-        log: logging.Logger
-        task_id: str
-        queue_name: str
-        application: str
-        application_args: Any
-        spark_conn_id: str
-        spark_conf: Any
-        spark_submit_kwargs: dict[str, Any]
-        env_vars: Any
-        jdbc_jar: str | None
-        jdbc_password_file: str | None
-        _spark: SparkSubmitHook | None
-        _session: Any
-        _tag: str | None
-
-        def _heartbeat(
-            self, queue: Queue, batch: Batch, stop: threading.Event, lost: list[BaseException]
-        ) -> None: ...
-
-        def _kill_job(self) -> None: ...
 
     def _jars(self) -> str | None:
         jar = self.jdbc_jar or find_jdbc_jar()
