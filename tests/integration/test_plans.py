@@ -148,7 +148,8 @@ def test_lookups_by_id_probe_the_partial_index_of_their_state(dbq: DbQueue, anal
     partial index of the state it expects, planned for its parameters, whether the statistics are those
     of an empty queue or of 20,000 leases and 100 failed messages; never a scan of meta, nor a walk of
     the queue's leases through meta_leased_idx. Receipts and a batch's reads (leased messages) probe
-    meta_leased_id_idx, failed messages (state 2) meta_failed_idx."""
+    meta_leased_id_idx, failed messages (state 2) meta_failed_idx; the lookups of expired leases
+    (reclaim, the readiness counts) still walk meta_leased_idx."""
     q = dbq.create_queue("by_id", max_attempts=1)
     schema = dbq.schema
     with dbq.db.connection() as c:
@@ -185,6 +186,10 @@ def test_lookups_by_id_probe_the_partial_index_of_their_state(dbq: DbQueue, anal
             failed = {"queue_id": qid, "all": False, "ids": [m.id for m in failing[:k]]}
             for name, params in (("requeue_failed", failed), ("delete_failed", {**failed, "archive": True})):
                 assert set(reads(name, params)) == {"meta_failed_idx"}, (name, k)
+        by_expiry = {"queue_id": qid, "max_attempts": 1, "limit": 100, "min_priority": -32768, "cap": 100}
+        for name in ("reclaim_expired", "count_ready", "ready_head"):  # by expiry, not by id
+            got = reads(name, by_expiry)
+            assert "meta_leased_idx" in got and not {"meta_leased_id_idx", "Seq Scan"} & set(got), (name, got)
         row = c.execute("EXPLAIN (FORMAT JSON) " + q.batch_query(batch.batch_id)).fetchone()
         assert row is not None and set(_meta_reads(row[0][0]["Plan"])) == {"meta_leased_id_idx"}
         assert q.ack(leased, conn=c) == 20000 and q.ack_batch(batch.batch_id, conn=c) == 50
