@@ -93,7 +93,7 @@ CREATE INDEX meta_leased_idx ON {schema}.meta (queue_id, lease_until) WHERE stat
 -- Its predicate is meta_lease_valid's other side of state = 1, so that the receipt lookups, which say
 -- lease_until > now() (a strict comparison: the planner proves lease_until IS NOT NULL from it), can
 -- use it without saying state = 1, which would let them walk every lease of the queue through
--- meta_leased_idx instead (under the statistics of an empty queue, the planner chose that).
+-- meta_leased_idx instead (the planner's choice under the statistics of an empty queue).
 CREATE INDEX meta_leased_id_idx ON {schema}.meta (id) WHERE lease_until IS NOT NULL;
 -- Failed-message admin.
 CREATE INDEX meta_failed_idx ON {schema}.meta (queue_id, id) WHERE state = 2;

@@ -31,8 +31,9 @@ SELECT * FROM {schema}.table_take(%(queue_id)s::integer, %(n)s::integer, %(archi
 -- walking every lease through meta_leased_idx (it did, with statistics from when the queue was empty).
 -- The comparison implies lease_until IS NOT NULL, the predicate of meta_leased_id_idx (meta has no
 -- primary key): each receipt probes that index once, by id, from a LATERAL subquery the planner cannot
--- flatten (FOR UPDATE or OFFSET 0): a plain join of meta to the receipts became, under the statistics of a fresh queue, a
--- nested loop that compared every row with every receipt (n^2: 1.4 of 1.5 ms of an ack of 100).
+-- flatten (FOR UPDATE or OFFSET 0): a plain join of meta to the receipts became, under the statistics
+-- of a fresh queue, a nested loop that compared every row with every receipt (n^2: 1.4 of 1.5 ms of an
+-- ack of 100).
 -- Finish leased messages, all or nothing, in one statement, without locking them first: the receipts
 -- (id, delivery) whose lease is valid name row versions by ctid, and the DELETE takes exactly those. A
 -- version that a concurrent reclaim or nack replaced is not deleted (the DELETE waits for it, and the
