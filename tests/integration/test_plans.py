@@ -16,6 +16,7 @@ import pytest
 
 from airflow_dbqueue.engine import DbQueue as Client
 from airflow_dbqueue.engine.errors import LeaseExpiredError
+from tests.helpers import checksum
 from tests.integration.test_conformance import drain
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ def test_the_pop_function_walks_the_ready_index_with_plans_made_on_an_empty_queu
 def test_ack_probes_receipts_by_id_not_every_lease(dbq: DbQueue, archive: bool) -> None:
     """table_ack()'s plans are made once a session, here on an empty queue; no ANALYZE later:
     statistics from when the queue was empty are what a busy queue often has. An ack of one receipt
-    among 20,000 leases probes meta_pkey, never walks the leases or scans a table."""
+    among 20,000 leases probes meta_leased_id_idx, never walks the leases or scans a table."""
     q = dbq.create_queue("many_leases", archive=archive)
     with dbq.db.connection() as c:
         with pytest.raises(LeaseExpiredError):
@@ -124,8 +125,75 @@ def test_ack_probes_receipts_by_id_not_every_lease(dbq: DbQueue, archive: bool) 
         leased = q.pop(20000, semantics="at-least-once", conn=c)
         read = scans(c, dbq.schema, lambda: q.ack(leased[:1], conn=c))
         assert read["meta"][0] == 0 and read["meta_leased_idx"] == (0, 0), read
-        assert read["meta_pkey"][0] >= 1 and read["meta_pkey"][1] <= 2, read
+        assert read["meta_leased_id_idx"][0] >= 1 and read["meta_leased_id_idx"][1] <= 2, read
         assert q.ack(leased[1:], conn=c) == 19999
+
+
+def _meta_reads(plan: dict[str, Any]) -> list[str]:
+    """How each node of a plan reads meta: the index it walks (a bitmap's too), or the node type (a
+    Seq Scan, a Tid Scan)."""
+    out = []
+    if plan.get("Index Name", "").startswith("meta_"):
+        out.append(plan["Index Name"])
+    elif plan.get("Relation Name") == "meta" and plan["Node Type"] in ("Seq Scan", "Tid Scan"):
+        out.append(plan["Node Type"])
+    for child in plan.get("Plans", []):
+        out += _meta_reads(child)
+    return out
+
+
+@pytest.mark.parametrize("analyzed", ["empty", "full"])
+def test_lookups_by_id_probe_the_partial_index_of_their_state(dbq: DbQueue, analyzed: str) -> None:
+    """meta has no primary key: every statement that finds messages by id reads them through the
+    partial index of the state it expects, planned for its parameters, whether the statistics are those
+    of an empty queue or of 20,000 leases and 100 failed messages; never a scan of meta, nor a walk of
+    the queue's leases through meta_leased_idx. Receipts and a batch's reads (leased messages) probe
+    meta_leased_id_idx, failed messages (state 2) meta_failed_idx; the lookups of expired leases
+    (reclaim, the readiness counts) still walk meta_leased_idx."""
+    q = dbq.create_queue("by_id", max_attempts=1)
+    schema = dbq.schema
+    with dbq.db.connection() as c:
+        if analyzed == "empty":
+            c.execute(f'ANALYZE "{schema}".meta, "{schema}".data')
+        q.push_batch([{"i": i} for i in range(20150)])
+        failing = q.pop(100, semantics="at-least-once", conn=c)
+        assert q.nack(failing, conn=c) == 100  # max_attempts 1: failed
+        leased = q.pop(20000, semantics="at-least-once", conn=c)
+        assert checksum(m.payload for m in failing + leased) == checksum({"i": i} for i in range(20100))
+        batch = q.claim_batch(50)
+        assert batch is not None and len(batch.receipts) == 50
+        if analyzed == "full":
+            c.execute(f'ANALYZE "{schema}".meta, "{schema}".data')
+        qid = q.settings.queue_id
+
+        def reads(name: str, params: dict[str, Any]) -> list[str]:
+            row = c.execute(b"EXPLAIN (FORMAT JSON) " + dbq.db.query(name), params).fetchone()  # type: ignore[attr-defined]
+            assert row is not None
+            return _meta_reads(row[0][0]["Plan"])
+
+        for k in (1, 100):
+            receipts = {"ids": [m.id for m in leased[:k]], "deliveries": [m.delivery for m in leased[:k]]}
+            by_receipt = {**receipts, "queue_id": qid}
+            nack = {**by_receipt, "delay_s": 0.0, "backoff_s": 1.0, "backoff_max_s": 1.0}
+            for name, params in (
+                ("held_receipts", by_receipt),
+                ("leased", by_receipt),
+                ("extend_leases", {**by_receipt, "secs": 30.0}),
+                ("nack", {**nack, "max_attempts": 1, "error": None}),
+            ):
+                got = reads(name, params)
+                assert got and set(got) <= {"meta_leased_id_idx", "Tid Scan"}, (name, k, got)
+            failed = {"queue_id": qid, "all": False, "ids": [m.id for m in failing[:k]]}
+            for name, params in (("requeue_failed", failed), ("delete_failed", {**failed, "archive": True})):
+                assert set(reads(name, params)) == {"meta_failed_idx"}, (name, k)
+        by_expiry = {"queue_id": qid, "max_attempts": 1, "limit": 100, "min_priority": -32768, "cap": 100}
+        for name in ("reclaim_expired", "count_ready", "ready_head"):  # by expiry, not by id
+            got = reads(name, by_expiry)
+            assert "meta_leased_idx" in got and not {"meta_leased_id_idx", "Seq Scan"} & set(got), (name, got)
+        row = c.execute("EXPLAIN (FORMAT JSON) " + q.batch_query(batch.batch_id)).fetchone()
+        assert row is not None and set(_meta_reads(row[0][0]["Plan"])) == {"meta_leased_id_idx"}
+        assert q.ack(leased, conn=c) == 20000 and q.ack_batch(batch.batch_id, conn=c) == 50
+        assert len(q.list_failed(limit=200)) == 100 and q.delete_failed() == 100
 
 
 def _walks_data(plan: dict[str, Any]) -> list[str]:

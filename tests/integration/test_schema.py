@@ -878,7 +878,7 @@ def test_version_17_rings_keep_their_messages_positions_and_leases_through_the_m
                 [qid],
             ).fetchall()
         with DbQueue(pg_dsn, schema=schema) as dbq:
-            assert dbq.install() == schema_sql()[0] == 20
+            assert dbq.install() == schema_sql()[0]
             rows = run_sql(dbq, "SELECT queue_id, lane, pos FROM {schema}.ring_lanes ORDER BY lane")
             assert [(lane, pos) for q, lane, pos in rows if q == qid] == before and len(rows) == len(before)
             q = dbq.queue("old")
@@ -890,6 +890,69 @@ def test_version_17_rings_keep_their_messages_positions_and_leases_through_the_m
             assert got == list(enumerate(old, start=1))[5:]
             assert [(m.id, m.payload) for m in drain(late)] == got
             assert q.stats().extra["floor"] == 10 and late.list_failed() == []
+    finally:
+        db.drop_schema()
+        db.close()
+
+
+def test_version_20_table_queues_keep_their_messages_through_the_migration(
+    pg_dsn: str, new_schema: Callable[[], str]
+) -> None:
+    """Messages of a table queue written under schema version 20 (ready ones, a large one in data, a
+    claimed batch, two plain leases, a failed one) come through the migration to 21, which drops
+    meta_pkey: the batch is read by id and acked, the leases are read and acked by their receipts, the
+    failed message is listed and requeued, and everything left is delivered once with its payload."""
+    schema = new_schema()
+    db = PostgresDatabase(pg_dsn, schema=schema)
+    try:
+        db.migrate_to(20)
+        ident = sql.Identifier(schema)
+        old = [{"old": i, "pad": "y" * (3000 if i == 3 else 10)} for i in range(10)]
+        batch_id = uuid.uuid4()
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            qid = c.execute(
+                sql.SQL(
+                    "INSERT INTO {s}.queues (name, design, payload_type, max_payload_bytes, max_attempts, "
+                    "visibility_timeout_s, retry_backoff_s, retry_backoff_max_s, notify, archive) "
+                    "VALUES ('old', 'table', 'json', 100000, 5, 30, 0, 0, 'never', true) RETURNING queue_id"
+                ).format(s=ident)
+            ).fetchone()[0]  # type: ignore[index]
+            encoded = [json.dumps(p, separators=(",", ":")).encode() for p in old]
+            push = sql.SQL("SELECT * FROM {s}.table_push(%s, %s::bytea[], 0::smallint, 0, 0, 'ch', false)")
+            ids = [r[0] for r in c.execute(push.format(s=ident), [qid, encoded])]
+            lease = sql.SQL("SELECT r_id, r_deliveries FROM {s}.table_lease(%s, 4, 3600, 'c')")
+            assert c.execute(lease.format(s=ident), [qid]).fetchall() == [(i, 1) for i in ids[:4]]
+            c.execute(  # as version-20 code claimed a batch: its messages leased, its receipts recorded
+                sql.SQL(
+                    "INSERT INTO {s}.batches (batch_id, queue_id, ids, deliveries, consumer, lease_until) "
+                    "VALUES (%s, %s, %s, ARRAY[1, 1], 'c', now() + interval '1 hour')"
+                ).format(s=ident),
+                [batch_id, qid, ids[:2]],
+            )
+            c.execute(
+                sql.SQL(
+                    "UPDATE {s}.meta SET state = 2, attempts = 5, last_error = 'poison' WHERE id = %s"
+                ).format(s=ident),
+                [ids[4]],
+            )
+        with DbQueue(pg_dsn, schema=schema) as dbq:
+            assert dbq.install() == schema_sql()[0] == 21
+            q = dbq.queue("old")
+            with psycopg.connect(pg_dsn, autocommit=True) as c:
+                rows = c.execute(q.batch_query(str(batch_id)).encode()).fetchall()
+            assert [(r[1], json.loads(bytes(r[3]))) for r in rows] == list(zip(ids[:2], old[:2], strict=True))
+            assert q.ack_batch(str(batch_id)) == 2
+            got = [m.payload for m in q.leased([(ids[2], 1), (ids[3], 1)])]
+            assert got == old[2:4] and q.ack_receipts([(ids[2], 1), (ids[3], 1)]) == 2
+            [f] = q.list_failed()
+            assert (f.id, f.payload, f.last_error) == (ids[4], old[4], "poison")
+            assert q.requeue_failed([ids[4]]) == 1
+            new = [{"new": i} for i in range(5)] + [{"new": 5, "pad": "z" * 3000}]
+            q.push_batch(new)
+            got += [m.payload for m in drain(q, "at-least-once", n=3)]
+            assert checksum(got) == checksum(old[2:] + new)
+            s = q.stats()
+            assert (s.ready, s.in_flight, s.failed, s.finished) == (0, 0, 0, 16)
     finally:
         db.drop_schema()
         db.close()

@@ -2,7 +2,7 @@
 -- {schema} is replaced by the quoted schema name. Keep in step with migrations/: a test checks that
 -- applying every migration from the first gives exactly this schema. The schema itself is created by
 -- install() (only when it does not exist; an existing one must be empty), not here.
--- SCHEMA_VERSION: 20
+-- SCHEMA_VERSION: 21
 
 -- name: schema
 CREATE TABLE {schema}.schema_version (
@@ -58,6 +58,11 @@ CREATE SEQUENCE {schema}.message_id_seq AS bigint;
 -- No foreign key to queues: an FK check would take a KEY SHARE lock on the queue's row for every push.
 -- meta, data and done are never truncated by VACUUM (vacuum_truncate = false): truncation takes an
 -- ACCESS EXCLUSIVE lock that stalls every push and pop, and a queue table reuses its freed pages.
+-- No primary key: ids come from one sequence (message_id_seq, only table_push inserts), so they are
+-- unique without an index, and a push writes one index entry a message (meta_ready_idx), not two.
+-- Every lookup by id names what it expects, so that one of the partial indexes below serves it:
+-- receipts and a batch's messages (leased: lease_until set) meta_leased_id_idx, failed messages
+-- (state 2) meta_failed_idx. Ready messages (state 0) are never looked up by id.
 CREATE TABLE {schema}.meta (
     id bigint NOT NULL,
     queue_id integer NOT NULL,
@@ -71,17 +76,25 @@ CREATE TABLE {schema}.meta (
     last_error text,
     deliveries integer NOT NULL DEFAULT 0,
     payload bytea,
-    CONSTRAINT meta_pkey PRIMARY KEY (id),
     CONSTRAINT meta_state_valid CHECK (state IN (0, 1, 2)),
     CONSTRAINT meta_lease_valid CHECK ((state = 1) = (lease_until IS NOT NULL))
 ) WITH (fillfactor = 90, autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
         autovacuum_vacuum_insert_scale_factor = 0.05, autovacuum_analyze_scale_factor = 0.05,
         autovacuum_vacuum_cost_delay = 0, vacuum_truncate = false);
+-- Without a primary key, logical replication needs the whole old row to find a row it updates or
+-- deletes. Only written to WAL at wal_level = logical; at replica (the default) it costs nothing.
+ALTER TABLE {schema}.meta REPLICA IDENTITY FULL;
 
 -- Shaped exactly like the claim: WHERE queue_id = ? AND state = 0 ORDER BY priority DESC, process_at, id.
 CREATE INDEX meta_ready_idx ON {schema}.meta (queue_id, priority DESC, process_at, id) WHERE state = 0;
 -- Lease reclaim walks expired leases in expiry order.
 CREATE INDEX meta_leased_idx ON {schema}.meta (queue_id, lease_until) WHERE state = 1;
+-- Receipts (ack, nack, extend, the checks of held receipts, a batch's reads): leased messages by id.
+-- Its predicate is meta_lease_valid's other side of state = 1, so that the receipt lookups, which say
+-- lease_until > now() (a strict comparison: the planner proves lease_until IS NOT NULL from it), can
+-- use it without saying state = 1, which would let them walk every lease of the queue through
+-- meta_leased_idx instead (the planner's choice under the statistics of an empty queue).
+CREATE INDEX meta_leased_id_idx ON {schema}.meta (id) WHERE lease_until IS NOT NULL;
 -- Failed-message admin.
 CREATE INDEX meta_failed_idx ON {schema}.meta (queue_id, id) WHERE state = 2;
 
@@ -318,7 +331,7 @@ $$;
 
 -- The table design's ack: finish the leased messages of the receipts (p_ids, p_deliveries), all or
 -- nothing, without locking them first, as queries/table.sql's ack says; returns their ids. Generic plans,
--- without sequential or bitmap scans: each receipt probes meta_pkey, whatever the statistics.
+-- without sequential or bitmap scans: each receipt probes meta_leased_id_idx, whatever the statistics.
 CREATE FUNCTION {schema}.table_ack(
     p_ids bigint[], p_deliveries integer[], p_queue_id integer, p_archive boolean)
 RETURNS SETOF bigint

@@ -68,8 +68,11 @@ LIMIT %(limit)s
 -- name: batch_rows
 -- The messages of one batch with their payloads, numbered 1..n in claim order (ord: a Spark JDBC
 -- reader partitions on it). Rendered to text with its parameters for readers in other processes.
+-- A claimed batch's messages are leased (lease_until set): their meta rows are probed by id through
+-- meta_leased_id_idx. A message no longer leased (its lease expired and it was reclaimed, or it was
+-- finished) has a NULL payload here, unless its payload is in data; its batch cannot be acked anyway.
 SELECT r.ord, r.id, r.delivery,
-       coalesce((SELECT m.payload FROM {schema}.meta m WHERE m.id = r.id),
+       coalesce((SELECT m.payload FROM {schema}.meta m WHERE m.id = r.id AND m.lease_until IS NOT NULL),
                 (SELECT d.payload FROM {schema}.data d WHERE d.id = r.id)) AS payload
 FROM {schema}.batches b
 CROSS JOIN LATERAL unnest(b.ids, b.deliveries) WITH ORDINALITY AS r(id, delivery, ord)
