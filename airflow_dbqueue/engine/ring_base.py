@@ -126,15 +126,22 @@ class RingBase(Queue):
             raise GroupNotFoundError(self.name, self.group_name) from None
 
     def _messages(self, rows: Sequence[tuple[Any, ...]]) -> list[Message]:
-        # Rows (id, attempts, delivery, enqueued_at, lease_until, payload, ...), or (id, enqueued_at,
-        # payload) for messages on their first delivery and unleased; read in binary: a bytea is bytes.
+        # Rows (id, attempts, delivery, enqueued_at, lease_until, payload, ...); or, for messages on
+        # their first delivery, (id, enqueued_at, payload) unleased and (id, enqueued_at, payload,
+        # lease_until) leased, where one lease end is sent on one row and NULL on the others (ring_take).
+        # Read in binary: a bytea is bytes.
         if not rows:
             return []
-        if len(rows[0]) == 3:
-            ids, enqueued, payloads = zip(*rows, strict=True)
+        width = len(rows[0])
+        if width in {3, 4}:
+            if width == 3:
+                ids, enqueued, payloads = zip(*rows, strict=True)
+                until: Iterable[Any] = repeat(None)
+            else:
+                ids, enqueued, payloads, ends = zip(*rows, strict=True)
+                until = repeat(next(filter(None, ends), None))
             attempts: Iterable[int] = repeat(1)
             deliveries: Iterable[int] = repeat(1)
-            until: Iterable[Any] = repeat(None)
         else:
             ids, attempts, deliveries, enqueued, until, payloads = list(zip(*rows, strict=True))[:6]
         if self.settings.payload_type is not PayloadType.BYTES:

@@ -11,6 +11,7 @@ Each test counts and checksums what goes in and what comes out.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import threading
 import time
 import traceback
@@ -256,6 +257,9 @@ def test_lease_hides_message_until_ack(make_queue: Callable[..., Queue]) -> None
     leased = q.pop(2, semantics="at-least-once")
     assert [m.id for m in leased] == ids[:2]
     assert all(m.lease_until is not None for m in leased)
+    # One pop, one lease: its messages share its end, which lies ahead.
+    assert len({m.lease_until for m in leased}) == 1
+    assert leased[0].lease_until is not None and leased[0].lease_until > dt.datetime.now(dt.UTC)
     assert [m.id for m in q.pop(5, semantics="at-least-once")] == ids[2:]
     assert q.stats().in_flight == 3
     assert q.ack(leased) == 2

@@ -738,6 +738,7 @@ RING_RESULTS_DIFFERENT = {
         3,
         {6},
     ),  # the procedure returns ring_pop's messages; PostgreSQL sends three of their columns
+    "ring_take_lease": (4, {6}),  # and four leased: the lease end once, the first delivery implied
     "ring_skip_abandoned": (
         1,
         {2},

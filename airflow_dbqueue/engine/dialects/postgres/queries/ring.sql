@@ -42,8 +42,9 @@ FROM {schema}.ring_take(
     %(visibility_timeout_s)s::float8, %(consumer)s::text, true, %(wait)s::boolean)
 
 -- name: ring_take_lease
--- ring_take at least once: its rows are ring_pop's messages, leased until r_lease_until.
-SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, r_lease_until, r_payload
+-- ring_take at least once: (id, enqueued_at, payload, lease_until), each message on its first delivery
+-- and all of them under one lease, whose end only the first row carries (NULL on the others).
+SELECT r_id, r_enqueued_at, r_payload, r_lease_until
 FROM {schema}.ring_take(
     %(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer, %(n)s::integer, %(lease)s::boolean,
     %(visibility_timeout_s)s::float8, %(consumer)s::text, true, %(wait)s::boolean)
