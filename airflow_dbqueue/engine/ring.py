@@ -254,6 +254,14 @@ class RingQueue(RingGroups, RingInspect):
         if now - self._last_reclaim >= self.reclaim_every_s:
             self._last_reclaim = now
             self._reclaim(RECLAIM_LIMIT, conn)
+        with self._lock:
+            fast = self._fast and self._gap is None
+        if fast and n == 1 and not lease and conn is None:
+            # A pop of one at most once: one statement that takes from a lane no other pop holds
+            # (ring_take_one); when it finds nothing, ring_take below waits for held lanes.
+            msgs = self._messages(self._db.fetchall("ring_take_one", self._one_params))
+            if msgs:
+                return msgs
         params: dict[str, Any] = {
             # ring_take and ring_pop take a group besides the default one by its gid in place of the
             # ring's queue id, so that the default group's pops pass what a ring without groups does.
@@ -265,9 +273,7 @@ class RingQueue(RingGroups, RingInspect):
             "visibility_timeout_s": vt,
             "consumer": consumer,
         }
-        with self._lock:
-            fast = self._fast and self._gap is None
-        msgs: list[Message] = []
+        msgs = []
         if fast:
             # The fast path: one statement that takes from the lanes (ring_take), waiting for lanes that
             # other pops hold (not in a caller's transaction). An empty take goes on to ring_pop, which

@@ -91,6 +91,12 @@ class RingBase(Queue):
         self._gap_since: tuple[int, float] | None = None
         self._last_reclaim = 0.0
         self._fast = False  # the last pop came back full: the next one tries ring_take first
+        self._one_params: dict[str, Any] = {  # ring_take_one's: a pop of one at most once
+            "group": self._gid,
+            "queue_id": self._qid,
+            "capacity": self.capacity,
+            "lanes": self.lanes,
+        }
         # A floor of the ring (ring_floor) that pushes of one pass to the server instead of reading it
         # on every call; read again when a push of one finds its slot not free under it.
         self._floor: int | None = None

@@ -265,3 +265,33 @@ def test_pushes_of_one_read_the_rings_floor_only_when_a_slot_is_not_free(dbq: Db
         got += drain(q)
         assert [m.payload for m in got] == sent
         assert [m.id for m in got] == list(range(1, 67))
+
+
+def test_a_pooled_pop_of_one_is_one_prepared_statement_with_a_generic_plan_on_the_rings_indexes(
+    dbq: DbQueue,
+) -> None:
+    """A pop of one at most once outside a caller's transaction is one statement (ring_take_one), not a
+    function call: prepared, its plan turns generic, and that plan reads the ring's lanes, slots and
+    messages due again by their keys, never by a sequential scan. Every message comes out once, in
+    order. (1 s)"""
+    sent = [{"i": i, "pad": os.urandom(8).hex()} for i in range(40)]
+    with Client(dbq.db.dsn, schema=dbq.schema, pool_size=1) as one:
+        ring = one.create_queue("one_plans", design="ring", capacity=64, lanes=4)
+        assert ring.pop(1) == []
+        ring.push_batch(sent)
+        got = [m for _ in range(30) for m in ring.pop(1)]
+        with one.db.connection() as c:  # type: ignore[attr-defined] # the pool's one connection
+            [(name, generic)] = [
+                (r[0], r[2])
+                for r in c.execute("SELECT name, statement, generic_plans FROM pg_prepared_statements")
+                if "ring_lanes" in r[1] and ".ring_take(" not in r[1]
+            ]
+            assert generic > 0
+            qid = ring.settings.queue_id
+            [[plan]] = c.execute(f"EXPLAIN (FORMAT JSON) EXECUTE {name}({qid}, {qid}, 64, 4)").fetchone()  # type: ignore[misc]
+        nodes = plan_nodes(plan["Plan"])
+        assert ("Seq Scan", None) not in nodes and ("Bitmap Heap Scan", None) not in nodes, repr(nodes)
+        assert {i for _, i in nodes} >= {"ring_lanes_pkey", "ring_slots_pkey", "ring_retry_ready_idx"}, nodes
+        got += drain(ring)
+    assert [m.payload for m in got] == sent and checksum(m.payload for m in got) == checksum(sent)
+    assert [m.id for m in got] == list(range(1, 41))

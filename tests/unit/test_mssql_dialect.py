@@ -115,7 +115,7 @@ def test_the_table_design_maintenance_and_the_ring_are_fully_ported() -> None:
     run exists on SQL Server."""
     assert NOT_YET_PORTED == {}
     ring = {n for n in load_queries(PG, "queries") if n.startswith("ring_")}
-    assert len(ring) == 28 and RING_GROUP_QUERIES <= ring <= set(load_queries(MS, "queries"))
+    assert len(ring) == 29 and RING_GROUP_QUERIES <= ring <= set(load_queries(MS, "queries"))
     used = {"push", "pop_lease", "pop_take", "ack", "nack", "held_receipts", "reclaim_expired"}
     used |= {"claim_batch", "get_batch", "lock_batch", "finish_batch", "purge_batches", "batch_rows"}
     used |= {"maintenance_try_lock", "maintenance_unlock", "maintenance_lock_holder", "set_timeouts"}
@@ -677,6 +677,7 @@ RING_PARAMETERS_POSTGRESQL_ONLY = {
     "ring_create": {"schema"},  # a procedure knows its own schema (OBJECT_SCHEMA_NAME(@@PROCID))
     "ring_push": {"notify", "channel"},  # SQL Server has no NOTIFY: waiting pops poll
     "ring_push_one": {"notify", "channel", "floor"},  # SQL Server's push reads the floor itself
+    "ring_take_one": {"queue_id"},  # the procedure looks a group's ring up from its key
 }
 RING_PARAMETERS_MSSQL_ONLY = {
     "ring_snapshot": {"queue_id"},  # the gap proof's list is the ring's push lanes, not the server's xids
@@ -738,6 +739,7 @@ RING_RESULTS_DIFFERENT = {
         3,
         {6},
     ),  # the procedure returns ring_pop's messages; PostgreSQL sends three of their columns
+    "ring_take_one": (3, {6}),  # as ring_take
     "ring_take_lease": (4, {6}),  # and four leased: the lease end once, the first delivery implied
     "ring_skip_abandoned": (
         1,
@@ -1440,12 +1442,15 @@ def test_a_pop_reports_a_gap_lists_the_push_lanes_and_passes_them_back_on_a_fake
 
 def test_a_full_pop_takes_the_fast_path_next_on_a_fake_sql_server(monkeypatch: pytest.MonkeyPatch) -> None:
     """A pop that came back full makes the next one start with ring_take (no retries due, no gap): one
-    statement, with the parameters of the take."""
-    script: list[Any] = [[_message_row(1), _meta_row()], [_message_row(2)[:6]]]
+    statement, with the parameters of the take; a pop of one at most once takes without waiting for
+    held lanes (ring_take_one), and only when that finds nothing, waiting (ring_take)."""
+    script: list[Any] = [[_message_row(1), _meta_row()], [_message_row(2)[:6]], [], [_message_row(3)[:6]]]
     q, fake = _ring_on_fake_sql_server(monkeypatch, script)
     assert [m.id for m in q.pop(1)] == [1]
     assert [m.id for m in q.pop(1)] == [2]
-    [take] = _sent(fake, "ring_take")
+    assert [m.id for m in q.pop(1)] == [3]
+    one, one_again, take = _sent(fake, "ring_take")
+    assert one == one_again == [1, 8, 4]  # the group's key, the capacity and the lanes
     assert take == [1, 8, 4, 1, False, 30.0, DEFAULT_CONSUMER, True]  # wait: not in a caller's transaction
     _check_sent(fake)
 

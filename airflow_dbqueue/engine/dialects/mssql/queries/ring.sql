@@ -53,6 +53,13 @@ EXEC {schema}.ring_take @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = 
     @lease = %(lease)s, @vt = %(visibility_timeout_s)s, @consumer = %(consumer)s, @retries = 1,
     @wait = %(wait)s
 
+-- name: ring_take_one
+-- A pop of one at most once outside a caller's transaction (PostgreSQL sends it as one statement):
+-- ring_take of one message that does not wait for lanes other pops hold; the caller then calls
+-- ring_take. group: the key of the group's lanes (the ring's queue_id for its default group).
+EXEC {schema}.ring_take @queue_id = %(group)s, @cap = %(capacity)s, @lanes = %(lanes)s, @n = 1,
+    @lease = 0, @vt = 1, @consumer = NULL, @retries = 1, @wait = 0
+
 -- name: ring_take_lease
 -- ring_take at least once: its messages leased until their lease_until.
 EXEC {schema}.ring_take @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = %(lanes)s, @n = %(n)s,

@@ -41,6 +41,40 @@ FROM {schema}.ring_take(
     %(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer, %(n)s::integer, %(lease)s::boolean,
     %(visibility_timeout_s)s::float8, %(consumer)s::text, true, %(wait)s::boolean)
 
+-- name: ring_take_one
+-- A pop of one at most once outside a caller's transaction, as one statement (ring_take's first path
+-- without the function around it): the lowest lane not held by another pop whose next number is
+-- written, moved on, and that number's message; nothing when messages to deliver again are due, every
+-- lane is held or no lane's next number is written (the caller then calls ring_take, which waits for
+-- held lanes, and ring_pop). group: the key of the group's lanes and retry rows (the ring's queue_id
+-- for its default group); queue_id: the ring's. Each slot is read through the slots' key by the
+-- lane's number (a LATERAL subquery with a LIMIT, which the planner cannot flatten: a plain join of
+-- the slots made the generic plan read every slot of the ring and hash them).
+WITH l AS (
+    SELECT k.lane, k.pos FROM (
+        SELECT t.lane, t.pos FROM {schema}.ring_lanes t
+        WHERE t.queue_id = %(group)s::integer AND NOT EXISTS (
+            SELECT 1 FROM {schema}.ring_retry r
+            WHERE r.queue_id = %(group)s::integer AND r.state = 1 AND r.due_at <= now())
+        ORDER BY t.pos
+        FOR UPDATE SKIP LOCKED) k
+    WHERE EXISTS (
+        SELECT 1 FROM {schema}.ring_slots s
+        WHERE s.queue_id = %(queue_id)s::integer AND s.slot = mod(k.pos, %(capacity)s::integer)::integer
+          AND s.seq = k.pos)
+    LIMIT 1
+), u AS (
+    UPDATE {schema}.ring_lanes t SET pos = t.pos + %(lanes)s::integer
+    FROM l WHERE t.queue_id = %(group)s::integer AND t.lane = l.lane
+    RETURNING l.pos
+)
+SELECT s.seq, s.enqueued_at, s.payload
+FROM u CROSS JOIN LATERAL (
+    SELECT t.seq, t.enqueued_at, t.payload FROM {schema}.ring_slots t
+    WHERE t.queue_id = %(queue_id)s::integer AND t.slot = mod(u.pos, %(capacity)s::integer)::integer
+      AND t.payload IS NOT NULL
+    LIMIT 1) s
+
 -- name: ring_take_lease
 -- ring_take at least once: (id, enqueued_at, payload, lease_until), each message on its first delivery
 -- and all of them under one lease, whose end only the first row carries (NULL on the others).
