@@ -1129,7 +1129,7 @@ BEGIN
             SELECT v_gid, v_first, v_last, v_p, v_k, v_until, p_consumer WHERE p_lease AND v_k > 0
         )
         SELECT v_lo - v_a + s.slot, 1, 1, s.enqueued_at,
-               CASE WHEN v_got = 0 AND v_lo - v_a + s.slot = v_first THEN v_until END, s.payload
+               CASE WHEN p_lease AND v_got = 0 AND v_lo - v_a + s.slot = v_first THEN v_until END, s.payload
         FROM {schema}.ring_slots s
         WHERE s.queue_id = p_queue_id AND s.slot >= v_a AND s.slot <= v_top - v_lo + v_a
           AND v_lo - v_a + s.slot >= v_p[((v_lo - v_a + s.slot) % p_lanes)::integer + 1]
