@@ -2,7 +2,9 @@
 return their rows in binary."""
 
 # The statements that only call a function of the schema (queries/): prepared on first use, they
-# run generic plans (dialect._configure_connection says why). Every other statement is sent unprepared.
+# run generic plans (dialect._configure_connection says why). So does ring_take_one, a statement over
+# the ring's tables of constant size (lanes, slots) and the index of its messages due again, whose
+# generic plan tests/integration/test_plans.py checks. Every other statement is sent unprepared.
 GENERIC_PLANS = frozenset(
     {
         "push",
