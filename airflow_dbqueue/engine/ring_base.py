@@ -139,15 +139,14 @@ class RingBase(Queue):
         if not rows:
             return []
         width = len(rows[0])
-        if width in {3, 4}:
-            if width == 3:
-                ids, enqueued, payloads = zip(*rows, strict=True)
-                until: Iterable[Any] = repeat(None)
-            else:
-                ids, enqueued, payloads, ends = zip(*rows, strict=True)
-                until = repeat(next(filter(None, ends), None))
-            attempts: Iterable[int] = repeat(1)
-            deliveries: Iterable[int] = repeat(1)
+        attempts: Iterable[int] = repeat(1)
+        deliveries: Iterable[int] = repeat(1)
+        until: Iterable[Any] = repeat(None)
+        if width == 3:
+            ids, enqueued, payloads = zip(*rows, strict=True)
+        elif width == 4:
+            ids, enqueued, payloads, ends = zip(*rows, strict=True)
+            until = repeat(next(filter(None, ends), None))
         else:
             ids, attempts, deliveries, enqueued, until, payloads = list(zip(*rows, strict=True))[:6]
         if self.settings.payload_type is not PayloadType.BYTES:
