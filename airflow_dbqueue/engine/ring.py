@@ -191,6 +191,8 @@ class RingQueue(RingGroups, RingInspect):
                             return int(row[0])
                         params["first"] = -int(row[0])
                         self._floor_read = False
+                # The floor this handle read, unless a push of one just found its slot not free under it.
+                params["floor"] = self._floor if self._floor_read else None
                 if conn is None:
                     row = self._db.fetchone("ring_push", params)
                 else:  # a savepoint: a failed attempt leaves the caller's transaction usable
@@ -205,6 +207,9 @@ class RingQueue(RingGroups, RingInspect):
             except QueueFullError:
                 raise self._full_error() from None
             assert row is not None
+            if len(row) > 1 and row[1] is not None:  # PostgreSQL's push read the ring's floor
+                self._floor = max(int(row[1]), self._floor or 0)
+                self._floor_read = True
             if row[0] is not None:
                 return int(row[0])
             # The ring is full for the batch and nothing was taken (PostgreSQL's ring_push checks before

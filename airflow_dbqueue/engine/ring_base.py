@@ -97,8 +97,9 @@ class RingBase(Queue):
             "capacity": self.capacity,
             "lanes": self.lanes,
         }
-        # A floor of the ring (ring_floor) that pushes of one pass to the server instead of reading it
-        # on every call; read again when a push of one finds its slot not free under it.
+        # A floor of the ring (ring_floor, or the one a push of a batch read) that pushes pass to the
+        # server instead of reading it on every call; read again when a push of one finds its slot not
+        # free under it. A floor never goes down: any one read is a safe bound, the highest the newest.
         self._floor: int | None = None
         self._floor_read = False
         self._help_params: dict[str, Any] = {

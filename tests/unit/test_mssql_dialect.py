@@ -675,7 +675,7 @@ _PLACEHOLDER = re.compile(r"%\(([a-z_]+)\)[sb]")
 
 RING_PARAMETERS_POSTGRESQL_ONLY = {
     "ring_create": {"schema"},  # a procedure knows its own schema (OBJECT_SCHEMA_NAME(@@PROCID))
-    "ring_push": {"notify", "channel"},  # SQL Server has no NOTIFY: waiting pops poll
+    "ring_push": {"notify", "channel", "floor"},  # no NOTIFY (waiting pops poll); reads the floor itself
     "ring_push_one": {"notify", "channel", "floor"},  # SQL Server's push reads the floor itself
     "ring_take_one": {"queue_id"},  # the procedure looks a group's ring up from its key
 }
@@ -735,6 +735,7 @@ def _mssql_widths(name: str) -> set[int]:
 RING_RESULTS_DIFFERENT = {
     "ring_create": (1, set()),  # PostgreSQL's SELECT of a void function; the procedure returns no rows
     "ring_drop": (1, set()),
+    "ring_push": (2, {1}),  # PostgreSQL's push sends the floor it read beside the first number
     "ring_take": (
         3,
         {6},

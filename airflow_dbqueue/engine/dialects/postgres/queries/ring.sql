@@ -13,9 +13,11 @@ SELECT {schema}.ring_create(
 SELECT {schema}.ring_drop(%(queue_id)s::integer)
 
 -- name: ring_push
-SELECT {schema}.ring_push(
+-- (first, floor): the first number, NULL when the ring had no room for the batch, and the ring's floor
+-- when the push read it (schema.sql). floor: one this handle read earlier, or NULL.
+SELECT r_first, r_floor FROM {schema}.ring_push(
     %(queue_id)s::integer, %(capacity)s::integer, %(payloads)b::bytea[], %(timeout_s)s::float8,
-    %(notify)s::integer, %(channel)s, %(first)s::bigint)
+    %(notify)s::integer, %(channel)s, %(first)s::bigint, %(floor)s::bigint)
 
 -- name: ring_push_one
 -- The number when it was written, negated when its slot was not free yet, NULL when the ring does not
