@@ -20,7 +20,7 @@ from tests.helpers import checksum
 from tests.integration.test_conformance import drain
 
 if TYPE_CHECKING:
-    from airflow_dbqueue.engine import DbQueue
+    from airflow_dbqueue.engine import DbQueue, Message
 
 pytestmark = pytest.mark.integration
 
@@ -231,40 +231,75 @@ def test_payloads_are_probed_by_id_even_with_empty_table_statistics(dbq: DbQueue
         assert _walks_data(row[0][0]["Plan"]) == []
 
 
+_LEASES_INDEX_SCANS = (
+    "SELECT coalesce(idx_scan, 0) FROM pg_stat_user_indexes "
+    "WHERE schemaname = %s AND indexrelname = 'ring_leases_pkey'"
+)
+
+
+def floor_reads(admin: psycopg.Connection[Any], one: Client, run: Callable[[], object]) -> int:
+    """How many times ``run`` read a ring's floor (ring_floor: its scan of the leases' index is the
+    only one a push makes), on ``one``'s single pooled connection."""
+    schema = one.schema
+    admin.execute("SELECT pg_stat_clear_snapshot()")
+    before = admin.execute(_LEASES_INDEX_SCANS, [schema]).fetchone()[0]  # type: ignore[index]
+    run()
+    with one.db.connection() as c:  # type: ignore[attr-defined] # the pool's one connection
+        c.execute("SELECT pg_stat_force_next_flush()")  # flushed when the backend is idle next
+    with one.db.connection() as c:  # type: ignore[attr-defined]
+        c.execute("SELECT 1")
+    admin.execute("SELECT pg_stat_clear_snapshot()")
+    return int(admin.execute(_LEASES_INDEX_SCANS, [schema]).fetchone()[0]) - int(before)  # type: ignore[index]
+
+
 def test_pushes_of_one_read_the_rings_floor_only_when_a_slot_is_not_free(dbq: DbQueue) -> None:
     """A ring handle reads the floor (ring_floor: a scan of the lanes, the leases and the retry rows)
     once, then passes it to every push of one while the slots are free under it: 40 pushes into a ring
     of 64 scan the leases' index once. The 65th push finds its slot not free under that floor (the
-    ring is full until a pop), writes its number through ring_push, which reads the floor itself, and
-    the handle reads a new one."""
+    ring is full until a pop) and writes its number through ring_push, which reads the floor itself
+    and returns it: the handle keeps that one, and the 66th push reads none."""
     dbq.create_queue("floor_hint", design="ring", capacity=64, notify="never", payload_type="bytes")
-    admin = psycopg.connect(dbq.db.dsn, autocommit=True)
-    query = (
-        "SELECT coalesce(idx_scan, 0) FROM pg_stat_user_indexes "
-        "WHERE schemaname = %s AND indexrelname = 'ring_leases_pkey'"
-    )
-
-    def floor_reads(one: Client, run: Callable[[], object]) -> int:
-        admin.execute("SELECT pg_stat_clear_snapshot()")
-        before = admin.execute(query, [dbq.schema]).fetchone()[0]  # type: ignore[index]
-        run()
-        with one.db.connection() as c:  # type: ignore[attr-defined] # the pool's one connection
-            c.execute("SELECT pg_stat_force_next_flush()")  # flushed when the backend is idle next
-        with one.db.connection() as c:  # type: ignore[attr-defined]
-            c.execute("SELECT 1")
-        admin.execute("SELECT pg_stat_clear_snapshot()")
-        return int(admin.execute(query, [dbq.schema]).fetchone()[0]) - int(before)  # type: ignore[index]
-
     sent = [os.urandom(40) for _ in range(66)]
-    with admin, Client(dbq.db.dsn, schema=dbq.schema, pool_size=1) as one:
+    with (
+        psycopg.connect(dbq.db.dsn, autocommit=True) as admin,
+        Client(dbq.db.dsn, schema=dbq.schema, pool_size=1) as one,
+    ):
         q = one.queue("floor_hint")
-        assert floor_reads(one, lambda: [q.push(p) for p in sent[:40]]) == 1
-        assert floor_reads(one, lambda: [q.push(p) for p in sent[40:64]]) == 0
-        got = q.pop(2)  # the ring holds 64: room for two more
-        assert floor_reads(one, lambda: [q.push(p) for p in sent[64:]]) >= 2  # ring_push's, and a new one
+        assert floor_reads(admin, one, lambda: [q.push(p) for p in sent[:40]]) == 1
+        assert floor_reads(admin, one, lambda: [q.push(p) for p in sent[40:64]]) == 0
+        got: list[Message] = []
+        floor_reads(admin, one, lambda: got.extend(q.pop(2)))  # the ring holds 64: room for two more
+        # ring_push's read only: the 66th push finds its slot free under the floor that one returned
+        assert floor_reads(admin, one, lambda: [q.push(p) for p in sent[64:]]) == 1
         got += drain(q)
         assert [m.payload for m in got] == sent
         assert [m.id for m in got] == list(range(1, 67))
+
+
+def test_pushes_of_a_batch_read_the_rings_floor_only_when_the_handles_leaves_no_room(dbq: DbQueue) -> None:
+    """A push of a batch checks its room against the floor its handle passes, and reads the ring's own
+    only when that one leaves no room, returning it for the next pushes: into a ring of 64, the first
+    of eight batches of 8 reads the floor (the handle has none yet) and the other seven none. After a
+    pop of 16, the next batch needs room the old floor does not give: it reads the floor (17 now) and
+    is written without waiting, and the batch after it finds room under the floor it returned."""
+    dbq.create_queue("floor_batches", design="ring", capacity=64, notify="never", payload_type="bytes")
+    sent = [os.urandom(40) for _ in range(80)]
+    batches = [sent[k : k + 8] for k in range(0, 80, 8)]
+    with (
+        psycopg.connect(dbq.db.dsn, autocommit=True) as admin,
+        Client(dbq.db.dsn, schema=dbq.schema, pool_size=1) as one,
+    ):
+        q = one.queue("floor_batches")
+        assert floor_reads(admin, one, lambda: q.push_batch(batches[0])) == 1
+        assert floor_reads(admin, one, lambda: [q.push_batch(b) for b in batches[1:8]]) == 0
+        got: list[Message] = []
+        floor_reads(admin, one, lambda: got.extend(q.pop(16)))  # (its statistics flushed before the next)
+        assert [m.id for m in got] == list(range(1, 17))
+        assert floor_reads(admin, one, lambda: q.push_batch(batches[8])) == 1  # once: no wait, no retry
+        assert floor_reads(admin, one, lambda: q.push_batch(batches[9])) == 0
+        got += drain(q)
+        assert [m.payload for m in got] == sent
+        assert [m.id for m in got] == list(range(1, 81))
 
 
 def test_a_pooled_pop_of_one_is_one_prepared_statement_with_a_generic_plan_on_the_rings_indexes(
