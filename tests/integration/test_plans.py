@@ -113,6 +113,39 @@ def test_the_pop_function_walks_the_ready_index_with_plans_made_on_an_empty_queu
 
 
 @pytest.mark.parametrize("archive", [True, False])
+def test_pops_of_one_walk_the_ready_index_and_take_large_payloads_from_data(
+    dbq: DbQueue, archive: bool
+) -> None:
+    """table_take() takes a pop of one without the archive by a path of its own: plans made on an empty
+    queue still walk meta_ready_idx in claim order and probe data by id; small and large payloads come
+    back in claim order, each once; a large payload's row in data goes with its message (archive off)
+    or stays for the archiver (archive on)."""
+    q = dbq.create_queue("pops_of_one", archive=archive)
+    with dbq.db.connection() as c:
+        c.execute(f'ANALYZE "{dbq.schema}".meta, "{dbq.schema}".data, "{dbq.schema}".done')
+        for _ in range(8):
+            assert q.pop(1, conn=c) == []
+        c.commit()
+        sent = [{"i": i, "pad": "x" * (2500 if i % 3 == 0 else 10)} for i in range(30)]
+        q.push_batch(sent[:20])
+        for m in sent[20:]:
+            q.push(m)
+        q.push_batch([{"i": -1}] * 2000, priority=-1)  # behind the others: what the walk must not read
+        got: list[Any] = []
+        read = scans(c, dbq.schema, lambda: [got.extend(q.pop(1, conn=c)) for _ in range(30)])
+        c.commit()
+    assert [m.payload for m in got] == sent
+    assert len({m.id for m in got}) == 30 and all(m.attempts == m.delivery == 1 for m in got)
+    assert all(n == 0 for name, (n, _) in read.items() if name in ("meta", "data")), read
+    assert read["meta_ready_idx"][0] == 30 and read["meta_ready_idx"][1] <= 60, read
+    assert read["data_pkey"][0] == 10, read
+    with dbq.db.connection() as c:
+        left = c.execute(f'SELECT count(*) FROM "{dbq.schema}".data').fetchone()
+    assert left is not None and left[0] == (10 if archive else 0)
+    assert q.stats().ready == 2000
+
+
+@pytest.mark.parametrize("archive", [True, False])
 def test_ack_probes_receipts_by_id_not_every_lease(dbq: DbQueue, archive: bool) -> None:
     """table_ack()'s plans are made once a session, here on an empty queue; no ANALYZE later:
     statistics from when the queue was empty are what a busy queue often has. An ack of one receipt

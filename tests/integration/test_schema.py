@@ -329,8 +329,8 @@ _MUTATIONS = {
         "ALTER TABLE {schema}.meta DROP COLUMN consumer; ALTER TABLE {schema}.meta ADD COLUMN consumer text"
     ),
     "check constraint": (
-        "ALTER TABLE {schema}.meta DROP CONSTRAINT meta_state_valid, "
-        "ADD CONSTRAINT meta_state_valid CHECK (state IN (0, 1, 2, 3))"
+        "ALTER TABLE {schema}.done DROP CONSTRAINT done_outcome_valid, "
+        "ADD CONSTRAINT done_outcome_valid CHECK (outcome IN (1, 2, 3))"
     ),
     "index definition": (
         "DROP INDEX {schema}.meta_failed_idx; "
@@ -878,7 +878,7 @@ def test_version_17_rings_keep_their_messages_positions_and_leases_through_the_m
                 [qid],
             ).fetchall()
         with DbQueue(pg_dsn, schema=schema) as dbq:
-            assert dbq.install() == schema_sql()[0] == 24
+            assert dbq.install() == schema_sql()[0] == 25
             rows = run_sql(dbq, "SELECT queue_id, lane, pos FROM {schema}.ring_lanes ORDER BY lane")
             assert [(lane, pos) for q, lane, pos in rows if q == qid] == before and len(rows) == len(before)
             q = dbq.queue("old")
@@ -936,7 +936,7 @@ def test_version_20_table_queues_keep_their_messages_through_the_migration(
                 [ids[4]],
             )
         with DbQueue(pg_dsn, schema=schema) as dbq:
-            assert dbq.install() == schema_sql()[0] == 24
+            assert dbq.install() == schema_sql()[0] == 25
             q = dbq.queue("old")
             with psycopg.connect(pg_dsn, autocommit=True) as c:
                 rows = c.execute(q.batch_query(str(batch_id)).encode()).fetchall()

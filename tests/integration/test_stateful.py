@@ -391,7 +391,8 @@ class QueueMachine(RuleBasedStateMachine):
         row = self.admin.execute(
             sql.SQL(
                 """SELECT
-                    (SELECT coalesce(array_agg(ARRAY[id, state, attempts, (payload IS NOT NULL)::int]),
+                    (SELECT coalesce(array_agg(ARRAY[id, state, attempts, (payload IS NOT NULL)::int,
+                                                  (lease_until IS NOT NULL)::int]),
                                      '{{}}') FROM {s}.meta
                       WHERE queue_id = %(qid)s),
                     (SELECT coalesce(array_agg(ARRAY[id, outcome, (payload IS NOT NULL)::int]), '{{}}')
@@ -407,6 +408,8 @@ class QueueMachine(RuleBasedStateMachine):
         inline = {r[0] for r in meta_rows if r[3]} | {r[0] for r in done_rows if r[2]}
         assert len(meta) == len(meta_rows) and len(done) == len(done_rows), "an id appears twice"
         assert not meta.keys() & done.keys(), "an id is both live and finished"
+        # meta has no CHECK constraints: the engine keeps lease_until set exactly while a message is leased.
+        assert all((r[1] == 1) == bool(r[4]) for r in meta_rows), "lease_until and state disagree"
         assert meta == {
             e.id: (_META_STATE[e.state], e.attempts) for e in self.entries.values() if e.state in _META_STATE
         }

@@ -27,7 +27,7 @@ SELECT * FROM {schema}.table_take(%(queue_id)s::integer, %(n)s::integer, %(archi
 
 -- name: ack
 -- Receipt lookups (ack, nack, held_receipts, leased, extend_leases) say "lease_until > now()" and not
--- "state = 1": meta_lease_valid makes them equivalent, and leaving state = 1 out keeps the planner from
+-- "state = 1": meta keeps them equivalent (schema.sql), and leaving state = 1 out keeps the planner from
 -- walking every lease through meta_leased_idx (it did, with statistics from when the queue was empty).
 -- The comparison implies lease_until IS NOT NULL, the predicate of meta_leased_id_idx (meta has no
 -- primary key): each receipt probes that index once, by id, from a LATERAL subquery the planner cannot

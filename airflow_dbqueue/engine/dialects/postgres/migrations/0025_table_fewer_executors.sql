@@ -1,0 +1,184 @@
+-- Migration 25: the table design's usual statements start fewer executors. meta loses its two CHECK
+-- constraints (the rules they checked are kept by the code that writes meta; schema.sql says why);
+-- a push in READ COMMITTED of payloads that fit their rows, without a notification, is one INSERT that
+-- reads the queue's row itself; a pop of one without the archive deletes its row into variables and
+-- touches data only for a large payload. What pushes and pops return is unchanged. No data changes.
+
+-- name: migrate
+ALTER TABLE {schema}.meta DROP CONSTRAINT meta_state_valid, DROP CONSTRAINT meta_lease_valid;
+
+CREATE OR REPLACE FUNCTION {schema}.table_push(
+    p_queue_id integer, p_payloads bytea[], p_priority smallint, p_delay_s double precision,
+    p_notify integer, p_channel text, p_inline boolean)
+RETURNS SETOF bigint
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
+DECLARE
+    v_locked text;
+BEGIN
+    -- An assignment: PL/pgSQL evaluates it as a simple expression, where PERFORM would run a query.
+    v_locked := pg_advisory_xact_lock_shared(hashtext('dbqueue.queue.' || '{schema}'), p_queue_id)::text;
+    IF current_setting('transaction_isolation') = 'read committed' THEN
+        IF p_inline AND p_notify = 0 THEN
+            -- The usual push: one INSERT, which reads the queue's row itself (no row, nothing written).
+            -- A push of one takes its payload from the array without unnest().
+            IF cardinality(p_payloads) = 1 THEN
+                RETURN QUERY
+                INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload)
+                SELECT nextval('{schema}.message_id_seq'), q.queue_id, p_priority,
+                       now() + make_interval(secs => p_delay_s), now(), p_payloads[1]
+                FROM {schema}.queues q WHERE q.queue_id = p_queue_id
+                RETURNING id;
+            ELSE
+                RETURN QUERY
+                INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload)
+                SELECT nextval('{schema}.message_id_seq'), q.queue_id, p_priority,
+                       now() + make_interval(secs => p_delay_s), now(), p.payload
+                FROM {schema}.queues q CROSS JOIN unnest(p_payloads) AS p(payload)
+                WHERE q.queue_id = p_queue_id
+                RETURNING id;
+            END IF;
+            RETURN;
+        END IF;
+        IF NOT EXISTS (SELECT 1 FROM {schema}.queues WHERE queue_id = p_queue_id) THEN
+            RETURN;
+        END IF;
+    ELSE
+        PERFORM 1 FROM {schema}.queues WHERE queue_id = p_queue_id FOR KEY SHARE;
+        IF NOT FOUND THEN
+            RETURN;
+        END IF;
+    END IF;
+    IF p_inline AND p_notify = 0 THEN
+        RETURN QUERY
+        INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload)
+        SELECT nextval('{schema}.message_id_seq'), p_queue_id, p_priority,
+               now() + make_interval(secs => p_delay_s), now(), p.payload
+        FROM unnest(p_payloads) AS p(payload)
+        RETURNING id;
+    ELSIF p_inline THEN
+        RETURN QUERY
+        WITH m AS (
+            INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload)
+            SELECT nextval('{schema}.message_id_seq'), p_queue_id, p_priority,
+                   now() + make_interval(secs => p_delay_s), now(), p.payload
+            FROM unnest(p_payloads) AS p(payload)
+            RETURNING id
+        ), n AS (
+            SELECT pg_notify(p_channel, '') AS sent
+            WHERE p_notify = 2 OR NOT EXISTS (
+                SELECT 1 FROM {schema}.meta r
+                WHERE r.queue_id = p_queue_id AND r.state = 0 AND r.process_at <= now())
+        )
+        SELECT m.id FROM m CROSS JOIN (SELECT count(*) AS c FROM n) x;
+    ELSIF p_notify = 0 THEN
+        RETURN QUERY
+        WITH input AS MATERIALIZED (
+            SELECT nextval('{schema}.message_id_seq') AS id, p.payload, p.ord
+            FROM unnest(p_payloads) WITH ORDINALITY AS p(payload, ord)
+        ), m AS (
+            INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload)
+            SELECT i.id, p_queue_id, p_priority, now() + make_interval(secs => p_delay_s), now(),
+                   CASE WHEN octet_length(i.payload) <= 1900 THEN i.payload END
+            FROM input i
+        ), d AS (
+            INSERT INTO {schema}.data (id, payload)
+            SELECT i.id, i.payload FROM input i WHERE octet_length(i.payload) > 1900
+        )
+        SELECT i.id FROM input i ORDER BY i.ord;
+    ELSE
+        RETURN QUERY
+        WITH input AS MATERIALIZED (
+            SELECT nextval('{schema}.message_id_seq') AS id, p.payload, p.ord
+            FROM unnest(p_payloads) WITH ORDINALITY AS p(payload, ord)
+        ), m AS (
+            INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload)
+            SELECT i.id, p_queue_id, p_priority, now() + make_interval(secs => p_delay_s), now(),
+                   CASE WHEN octet_length(i.payload) <= 1900 THEN i.payload END
+            FROM input i
+        ), d AS (
+            INSERT INTO {schema}.data (id, payload)
+            SELECT i.id, i.payload FROM input i WHERE octet_length(i.payload) > 1900
+        ), n AS (
+            SELECT pg_notify(p_channel, '') AS sent
+            WHERE p_notify = 2 OR NOT EXISTS (
+                SELECT 1 FROM {schema}.meta r
+                WHERE r.queue_id = p_queue_id AND r.state = 0 AND r.process_at <= now())
+        )
+        -- (an inner join: the planner would remove an unused LEFT JOIN, and with it the NOTIFY)
+        SELECT i.id FROM input i CROSS JOIN (SELECT count(*) AS c FROM n) x ORDER BY i.ord;
+    END IF;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION {schema}.table_take(p_queue_id integer, p_n integer, p_archive boolean)
+RETURNS TABLE (r_id bigint, r_priority smallint, r_attempts integer, r_deliveries integer,
+               r_enqueued_at timestamptz, r_lease_until timestamptz, r_payload bytea)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off AS $$
+BEGIN
+    IF p_n = 1 AND NOT p_archive THEN
+        -- A pop of one without the archive: its row into the output parameters, then its payload's row
+        -- in data deleted (and read) only when it has one. The statement below would start the
+        -- executor for data's DELETE, a CTE scan and a subquery on every call, whatever it took.
+        DELETE FROM {schema}.meta m
+        USING (
+            SELECT s.ctid AS tid FROM {schema}.meta s
+            WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
+            ORDER BY s.priority DESC, s.process_at, s.id
+            LIMIT 1
+            FOR UPDATE SKIP LOCKED) c
+        WHERE m.ctid = c.tid
+        RETURNING m.id, m.priority, m.attempts + 1, m.deliveries + 1, m.enqueued_at, m.payload
+        INTO r_id, r_priority, r_attempts, r_deliveries, r_enqueued_at, r_payload;
+        IF NOT FOUND THEN
+            RETURN;
+        END IF;
+        IF r_payload IS NULL THEN
+            DELETE FROM {schema}.data d WHERE d.id = r_id RETURNING d.payload INTO r_payload;
+        END IF;
+        RETURN NEXT;
+        RETURN;
+    END IF;
+    IF p_archive THEN
+        RETURN QUERY
+        WITH taken AS (
+            DELETE FROM {schema}.meta m
+            USING (
+                SELECT s.ctid AS tid FROM {schema}.meta s
+                WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
+                ORDER BY s.priority DESC, s.process_at, s.id
+                LIMIT p_n
+                FOR UPDATE SKIP LOCKED) c
+            WHERE m.ctid = c.tid
+            RETURNING m.id, m.queue_id, m.priority, m.attempts + 1 AS attempts,
+                      m.deliveries + 1 AS deliveries, m.enqueued_at, m.payload
+        ), kept AS (
+            INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload)
+            SELECT t.id, t.queue_id, t.priority, t.attempts, t.enqueued_at, 1, t.payload FROM taken t
+        )
+        SELECT t.id, t.priority, t.attempts, t.deliveries, t.enqueued_at, NULL::timestamptz,
+               coalesce(t.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = t.id))
+        FROM taken t;
+    ELSE
+        RETURN QUERY
+        WITH taken AS (
+            DELETE FROM {schema}.meta m
+            USING (
+                SELECT s.ctid AS tid FROM {schema}.meta s
+                WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
+                ORDER BY s.priority DESC, s.process_at, s.id
+                LIMIT p_n
+                FOR UPDATE SKIP LOCKED) c
+            WHERE m.ctid = c.tid
+            RETURNING m.id, m.priority, m.attempts + 1 AS attempts, m.deliveries + 1 AS deliveries,
+                      m.enqueued_at, m.payload
+        ), dropped AS (
+            DELETE FROM {schema}.data d
+            WHERE d.id = ANY (ARRAY(SELECT t.id FROM taken t WHERE t.payload IS NULL))
+        )
+        SELECT t.id, t.priority, t.attempts, t.deliveries, t.enqueued_at, NULL::timestamptz,
+               coalesce(t.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = t.id))
+        FROM taken t;
+    END IF;
+END
+$$;
