@@ -198,8 +198,8 @@ def test_fifo_within_priority_and_priority_order(make_queue: Callable[..., Queue
 def test_batch_ids_follow_payload_order(make_queue: Callable[..., Queue]) -> None:
     q = make_queue()
     ids = q.push_batch(list(range(50)))
-    assert ids == sorted(ids)
-    assert [m.payload for m in q.pop(50)] == list(range(50))
+    assert ids == sorted(ids) and len(set(ids)) == 50
+    assert [(m.id, m.payload) for m in q.pop(50)] == list(zip(ids, range(50), strict=True))
 
 
 @pytest.mark.parametrize(

@@ -147,17 +147,16 @@ $$;
 -- gets its own), so a push that waited for a drop finds the queue gone. The usual push (READ
 -- COMMITTED, small payloads, no notification) reads that row in the INSERT itself, which writes
 -- nothing when it is gone: a separate check would start an executor of its own (about 17,000
--- instructions). Under REPEATABLE READ or
--- SERIALIZABLE the transaction's snapshot may predate the drop: there the queue's row is locked FOR KEY
--- SHARE, which fails with a serialization error when a drop committed meanwhile (the caller runs its
--- transaction again and finds the queue gone).
+-- instructions). Under REPEATABLE READ or SERIALIZABLE the transaction's snapshot may predate the
+-- drop: there the queue's row is locked FOR KEY SHARE, which fails with a serialization error when a
+-- drop committed meanwhile (the caller runs its transaction again and finds the queue gone).
 -- Ids come from the sequence in payload order. A payload of up to 1900 bytes goes into the meta row, a
 -- larger one into data (see meta). p_inline says that every payload is small (the caller knows their
 -- sizes): then one INSERT writes the meta rows and returns their ids in the order it inserted them,
--- which is the order unnest() yields the payloads (a scan of a function without ORDER BY is not
--- reordered, and a join with the queue's one row keeps it). Otherwise one statement writes meta and data rows from a materialized, numbered input
--- and sorts the ids back into payload order: at 100 payloads a message that form cost the server
--- about 4,000 more instructions than the single INSERT (cachegrind).
+-- which is the order unnest() yields the payloads (see the statement). Otherwise one statement writes
+-- meta and data rows from a materialized, numbered input and sorts the ids back into payload order:
+-- at 100 payloads a message that form cost the server about 4,000 more instructions than the single
+-- INSERT (cachegrind).
 -- p_notify: 0 never, 1 when the queue had no ready message before (the statement's one snapshot does not
 -- see this push's own rows), 2 always.
 -- A function with generic plans: its statements are planned once a session, where a statement run by
@@ -176,9 +175,9 @@ BEGIN
     v_locked := pg_advisory_xact_lock_shared(hashtext('dbqueue.queue.' || '{schema}'), p_queue_id)::text;
     IF current_setting('transaction_isolation') = 'read committed' THEN
         IF p_inline AND p_notify = 0 THEN
-            -- The usual push: one INSERT, which reads the queue's row itself (no row, nothing written).
-            -- A push of one takes its payload from the array without unnest(), and names every column
-            -- in the types of meta, so that the plan passes the row on without projecting it again.
+            -- The usual push: one INSERT, which reads the queue's row itself (no row, nothing written),
+            -- and names every column in the types of meta, so that the plan passes each row on without
+            -- projecting it again. A push of one takes its payload from the array without unnest().
             IF cardinality(p_payloads) = 1 THEN
                 RETURN QUERY
                 INSERT INTO {schema}.meta (id, queue_id, state, priority, attempts, process_at, enqueued_at,
@@ -188,11 +187,16 @@ BEGIN
                 FROM {schema}.queues q WHERE q.queue_id = p_queue_id
                 RETURNING id;
             ELSE
+                -- unnest() in a select list: its rows come one by one from the array, in order, without
+                -- the store that a function scan in FROM fills first; nextval() runs above it, a row at a
+                -- time in that order.
                 RETURN QUERY
-                INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload)
-                SELECT nextval('{schema}.message_id_seq'), q.queue_id, p_priority, v_at, now(), p.payload
-                FROM {schema}.queues q CROSS JOIN unnest(p_payloads) AS p(payload)
-                WHERE q.queue_id = p_queue_id
+                INSERT INTO {schema}.meta (id, queue_id, state, priority, attempts, process_at, enqueued_at,
+                    lease_until, consumer, last_error, deliveries, payload)
+                SELECT nextval('{schema}.message_id_seq'), x.queue_id, 0::smallint, p_priority, 0, v_at, now(),
+                       NULL::timestamptz, NULL::text, NULL::text, 0, x.payload
+                FROM (SELECT q.queue_id, unnest(p_payloads) AS payload FROM {schema}.queues q
+                      WHERE q.queue_id = p_queue_id) x
                 RETURNING id;
             END IF;
             RETURN;

@@ -22,9 +22,9 @@ BEGIN
     v_locked := pg_advisory_xact_lock_shared(hashtext('dbqueue.queue.' || '{schema}'), p_queue_id)::text;
     IF current_setting('transaction_isolation') = 'read committed' THEN
         IF p_inline AND p_notify = 0 THEN
-            -- The usual push: one INSERT, which reads the queue's row itself (no row, nothing written).
-            -- A push of one takes its payload from the array without unnest(), and names every column
-            -- in the types of meta, so that the plan passes the row on without projecting it again.
+            -- The usual push: one INSERT, which reads the queue's row itself (no row, nothing written),
+            -- and names every column in the types of meta, so that the plan passes each row on without
+            -- projecting it again. A push of one takes its payload from the array without unnest().
             IF cardinality(p_payloads) = 1 THEN
                 RETURN QUERY
                 INSERT INTO {schema}.meta (id, queue_id, state, priority, attempts, process_at, enqueued_at,
@@ -34,11 +34,16 @@ BEGIN
                 FROM {schema}.queues q WHERE q.queue_id = p_queue_id
                 RETURNING id;
             ELSE
+                -- unnest() in a select list: its rows come one by one from the array, in order, without
+                -- the store that a function scan in FROM fills first; nextval() runs above it, a row at a
+                -- time in that order.
                 RETURN QUERY
-                INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload)
-                SELECT nextval('{schema}.message_id_seq'), q.queue_id, p_priority, v_at, now(), p.payload
-                FROM {schema}.queues q CROSS JOIN unnest(p_payloads) AS p(payload)
-                WHERE q.queue_id = p_queue_id
+                INSERT INTO {schema}.meta (id, queue_id, state, priority, attempts, process_at, enqueued_at,
+                    lease_until, consumer, last_error, deliveries, payload)
+                SELECT nextval('{schema}.message_id_seq'), x.queue_id, 0::smallint, p_priority, 0, v_at, now(),
+                       NULL::timestamptz, NULL::text, NULL::text, 0, x.payload
+                FROM (SELECT q.queue_id, unnest(p_payloads) AS payload FROM {schema}.queues q
+                      WHERE q.queue_id = p_queue_id) x
                 RETURNING id;
             END IF;
             RETURN;
