@@ -283,7 +283,7 @@ $$;
 -- messages of queue p_queue_id in claim order (priority DESC, process_at, id), skipping rows other pops
 -- hold, locked and deleted by one statement; kept in done for the archiver (p_archive), or deleted with
 -- their payloads. attempts and deliveries come back counting this delivery. A payload in data is read
--- by a scalar subquery keyed on id, never by a join (see pop_lease in queries/table.sql).
+-- by id (a scalar subquery, or data_take()), never by a join (see pop_lease in queries/table.sql).
 -- A function with generic plans: its statements are planned once a session, not on every pop (custom
 -- plans cost 0.12-0.22 ms of planning a call). No sequential or bitmap scans: the claim walks
 -- meta_ready_idx in claim order and payloads are probed by id, whatever the statistics said when the
@@ -319,8 +319,8 @@ BEGIN
                coalesce(t.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = t.id))
         FROM taken t;
     ELSE
-        -- Rows straight from the DELETE: a CTE would copy each into a store and read it back (3,000
-        -- instructions a message at batch 100). A payload in data is taken (read and deleted) by
+        -- Rows straight from the DELETE: a CTE would copy each into a store and read it back (about
+        -- 3,400 instructions a message at batch 100). A payload in data is taken (read and deleted) by
         -- data_take(), which coalesce() calls only for a row without a payload of its own.
         RETURN QUERY
         DELETE FROM {schema}.meta m

@@ -151,8 +151,8 @@ BEGIN
                coalesce(t.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = t.id))
         FROM taken t;
     ELSE
-        -- Rows straight from the DELETE: a CTE would copy each into a store and read it back (3,000
-        -- instructions a message at batch 100). A payload in data is taken (read and deleted) by
+        -- Rows straight from the DELETE: a CTE would copy each into a store and read it back (about
+        -- 3,400 instructions a message at batch 100). A payload in data is taken (read and deleted) by
         -- data_take(), which coalesce() calls only for a row without a payload of its own.
         RETURN QUERY
         DELETE FROM {schema}.meta m
