@@ -116,10 +116,10 @@ def test_the_pop_function_walks_the_ready_index_with_plans_made_on_an_empty_queu
 def test_pops_of_one_walk_the_ready_index_and_take_large_payloads_from_data(
     dbq: DbQueue, archive: bool
 ) -> None:
-    """table_take() takes a pop of one without the archive by a path of its own: plans made on an empty
-    queue still walk meta_ready_idx in claim order and probe data by id; small and large payloads come
-    back in claim order, each once; a large payload's row in data goes with its message (archive off)
-    or stays for the archiver (archive on)."""
+    """Pops of one through table_take(), with plans made on an empty queue: they walk meta_ready_idx in
+    claim order and probe data by id only for the large payloads (data_take() without the archive, a
+    scalar subquery with it); small and large payloads come back in claim order, each once; a large
+    payload's row in data goes with its message (archive off) or stays for the archiver (archive on)."""
     q = dbq.create_queue("pops_of_one", archive=archive)
     with dbq.db.connection() as c:
         c.execute(f'ANALYZE "{dbq.schema}".meta, "{dbq.schema}".data, "{dbq.schema}".done')
