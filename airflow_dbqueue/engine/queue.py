@@ -8,8 +8,8 @@ import math
 import os
 import socket
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from airflow_dbqueue.engine.errors import ConfigurationError, TransactionRequiredError
 from airflow_dbqueue.engine.models import (
@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from airflow_dbqueue.engine.dialects.base import AsyncDbConnection, Database, DbConnection
 
 DEFAULT_CONSUMER = f"{socket.gethostname()}:{os.getpid()}"
+
+_T = TypeVar("_T")
 
 RECLAIM_LIMIT = 10_000
 """The most expired leases one reclaim (a queue's upkeep) returns."""
@@ -144,6 +146,72 @@ class Queue(abc.ABC):
                 consumer=consumer,
                 conn=conn,
             )
+        sem, n, vt, wait, poll = self._pop_arguments(
+            semantics,
+            n,
+            visibility_timeout=visibility_timeout,
+            wait=wait,
+            poll_interval=poll_interval,
+            conn=conn,
+        )
+        who = consumer or DEFAULT_CONSUMER
+        msgs = self._pop_once(n, sem, vt, who, conn)
+        if msgs or wait <= 0:
+            return msgs
+        return self._pop_waiting(
+            lambda: self._pop_once(n, sem, vt, who, conn), conn, deadline=time.monotonic() + wait, poll=poll
+        )
+
+    def pop_payloads(
+        self,
+        n: int = 1,
+        *,
+        semantics: Semantics | str = Semantics.AT_MOST_ONCE,
+        wait: float = 0.0,
+        poll_interval: float = 1.0,
+        conn: DbConnection | None = None,
+        group: str | None = None,
+    ) -> list[Any]:
+        """Pop up to ``n`` messages as :meth:`pop` does and return only their payloads, in the order
+        :meth:`pop` returns messages.
+
+        For consumers that need nothing else of a message: on PostgreSQL the database sends one column a
+        message and no :class:`Message` is built, which halves the client's instructions a message
+        popped at batch 100. A payload carries no receipt, so ``semantics`` is ``at-most-once`` or
+        ``exactly-once`` (in the caller's transaction ``conn``); at least once, use :meth:`pop`.
+        """
+        if group is not None:
+            return self.group(group).pop_payloads(
+                n, semantics=semantics, wait=wait, poll_interval=poll_interval, conn=conn
+            )
+        sem, n, _, wait, poll = self._pop_arguments(
+            semantics, n, visibility_timeout=None, wait=wait, poll_interval=poll_interval, conn=conn
+        )
+        if sem is Semantics.AT_LEAST_ONCE:
+            raise ConfigurationError(
+                f"queue {self.name!r}: pop_payloads returns no receipts to ack, so it pops at most once "
+                "or exactly once; pop at least once with pop()"
+            )
+        got = self._pop_payloads_once(n, sem, conn)
+        if got or wait <= 0:
+            return got
+        return self._pop_waiting(
+            lambda: self._pop_payloads_once(n, sem, conn), conn, deadline=time.monotonic() + wait, poll=poll
+        )
+
+    def _pop_arguments(
+        self,
+        semantics: Semantics | str,
+        n: int,
+        *,
+        visibility_timeout: float | None,
+        wait: float,
+        poll_interval: float,
+        conn: DbConnection | None,
+    ) -> tuple[Semantics, int, float, float, float]:
+        """A pop's arguments checked: (semantics, n, visibility timeout, wait, poll interval), or
+        :class:`ConfigurationError` (:class:`TransactionRequiredError` for exactly once without an open
+        transaction) before anything is sent."""
         sem = Semantics.parse(semantics)
         n = _check_batch_size(n)
         wait = check_seconds(f"queue {self.name!r}: pop's wait", wait)
@@ -155,28 +223,14 @@ class Queue(abc.ABC):
             if visibility_timeout is None
             else check_seconds(f"queue {self.name!r}: visibility_timeout", visibility_timeout, positive=True)
         )
-        who = consumer or DEFAULT_CONSUMER
-        msgs = self._pop_once(n, sem, vt, who, conn)
-        if msgs or wait <= 0:
-            return msgs
-        return self._pop_waiting(
-            n, sem, vt, who, conn, deadline=time.monotonic() + wait, poll=max(0.01, poll_interval)
-        )
+        return sem, n, vt, wait, max(0.01, poll_interval)
 
     def _pop_waiting(
-        self,
-        n: int,
-        sem: Semantics,
-        vt: float,
-        who: str,
-        conn: DbConnection | None,
-        *,
-        deadline: float,
-        poll: float,
-    ) -> list[Message]:
-        """Pop again until a message comes or ``deadline`` (monotonic) passes: woken by NOTIFY where the
-        queue notifies, polling every ``poll`` seconds otherwise."""
-        msgs: list[Message] = []
+        self, take: Callable[[], list[_T]], conn: DbConnection | None, *, deadline: float, poll: float
+    ) -> list[_T]:
+        """Call ``take`` again until it returns something or ``deadline`` (monotonic) passes: woken by
+        NOTIFY where the queue notifies, polling every ``poll`` seconds otherwise."""
+        got: list[_T] = []
         if not self._db.supports_notify:
             # No wake-ups on this database (SQL Server): Kejser's advice for a table queue, a short spin, then
             # sleeps that grow up to ``poll``.
@@ -185,21 +239,21 @@ class Queue(abc.ABC):
                 if left <= 0:
                     break
                 time.sleep(min(pause, left))
-                if msgs := self._pop_once(n, sem, vt, who, conn):
+                if got := take():
                     break
-            return msgs
+            return got
         if conn is not None or self.settings.notify is NotifyMode.NEVER:
-            while not msgs and (left := deadline - time.monotonic()) > 0:
+            while not got and (left := deadline - time.monotonic()) > 0:
                 time.sleep(min(poll, left))
-                msgs = self._pop_once(n, sem, vt, who, conn)
-            return msgs
+                got = take()
+            return got
         with self._db.listening(self._db.channel(self.settings.queue_id)) as listener:
             # LISTEN is in place before this check, so a push committed after it wakes us.
-            msgs = self._pop_once(n, sem, vt, who, conn)
-            while not msgs and (left := deadline - time.monotonic()) > 0:
+            got = take()
+            while not got and (left := deadline - time.monotonic()) > 0:
                 listener.wait(min(poll, left, self._until_due(poll)))
-                msgs = self._pop_once(n, sem, vt, who, conn)
-        return msgs
+                got = take()
+        return got
 
     def group(self, name: str | None) -> Queue:
         """Return the handle of this queue's consumer group ``name``, whose pops, acks, nacks, stats and
@@ -231,6 +285,13 @@ class Queue(abc.ABC):
         self, n: int, semantics: Semantics, vt: float, consumer: str, conn: DbConnection | None
     ) -> list[Message]:
         """Claim up to n messages without waiting."""
+
+    def _pop_payloads_once(self, n: int, semantics: Semantics, conn: DbConnection | None) -> list[Any]:
+        """The payloads of up to n messages claimed at most once or exactly once, without waiting."""
+        return [
+            m.payload
+            for m in self._pop_once(n, semantics, self.settings.visibility_timeout_s, DEFAULT_CONSUMER, conn)
+        ]
 
     # -- finish ------------------------------------------------------------------------------------
 

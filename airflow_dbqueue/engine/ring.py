@@ -71,7 +71,7 @@ from airflow_dbqueue.engine.models import (
     Message,
     Semantics,
 )
-from airflow_dbqueue.engine.queue import RECLAIM_LIMIT, check_seconds
+from airflow_dbqueue.engine.queue import DEFAULT_CONSUMER, RECLAIM_LIMIT, check_seconds
 from airflow_dbqueue.engine.ring_base import (
     _NOTIFY_CODE,
     _PUSH_ATTEMPTS,
@@ -249,9 +249,28 @@ class RingQueue(RingGroups, RingInspect):
             self._raise_if_gone()  # on a pooled connection: a caller's failed transaction stays as it is
             raise
 
+    def _pop_payloads_once(self, n: int, semantics: Semantics, conn: DbConnection | None) -> list[Any]:
+        try:
+            return self._take(
+                n, semantics, self.settings.visibility_timeout_s, DEFAULT_CONSUMER, conn, payloads=True
+            )
+        except DatabaseError:
+            self._raise_if_gone()
+            raise
+
     def _take(
-        self, n: int, semantics: Semantics, vt: float, consumer: str, conn: DbConnection | None
-    ) -> list[Message]:
+        self,
+        n: int,
+        semantics: Semantics,
+        vt: float,
+        consumer: str,
+        conn: DbConnection | None,
+        *,
+        payloads: bool = False,
+    ) -> list[Any]:
+        """The messages of a pop (:class:`Message`), or with ``payloads`` only their payloads: then a
+        batch taken on the fast path comes from ``ring_take_payloads``, which sends one column a
+        message, where the dialect has it."""
         lease = semantics is Semantics.AT_LEAST_ONCE
         # Every pop reclaims expired leases first (at most every reclaim_every_s): readiness counts
         # them as a pop would get them. In the caller's transaction (conn), the reclaim joins it.
@@ -264,9 +283,9 @@ class RingQueue(RingGroups, RingInspect):
         if fast and n == 1 and not lease and conn is None:
             # A pop of one at most once: one statement that takes from a lane no other pop holds
             # (ring_take_one); when it finds nothing, ring_take below waits for held lanes.
-            msgs = self._messages(self._db.fetchall("ring_take_one", self._one_params))
-            if msgs:
-                return msgs
+            one = self._messages(self._db.fetchall("ring_take_one", self._one_params))
+            if one:
+                return [m.payload for m in one] if payloads else one
         params: dict[str, Any] = {
             # ring_take and ring_pop take a group besides the default one by its gid in place of the
             # ring's queue id, so that the default group's pops pass what a ring without groups does.
@@ -278,21 +297,22 @@ class RingQueue(RingGroups, RingInspect):
             "visibility_timeout_s": vt,
             "consumer": consumer,
         }
-        msgs = []
+        msgs: list[Any] = []
         if fast:
             # The fast path: one statement that takes from the lanes (ring_take), waiting for lanes that
             # other pops hold (not in a caller's transaction). An empty take goes on to ring_pop, which
             # serves messages due again, reports a gap at the head and gives it up.
+            if lease:
+                name = "ring_take_lease"
+            else:
+                name = "ring_take_payloads" if payloads and self._db.payload_pops else "ring_take"
             try:
-                msgs = self._messages(
-                    self._db.fetchall(
-                        "ring_take_lease" if lease else "ring_take", {**params, "wait": conn is None}, conn
-                    )
-                )
+                rows = self._db.fetchall(name, {**params, "wait": conn is None}, conn)
             except LockTimeoutError:
                 if conn is not None:
                     raise
                 return []  # every lane stayed held by other pops for lock_timeout
+            msgs = self._payloads(rows) if payloads else self._messages(rows)
             if msgs:
                 # A short take is handed over as it is, and the next pop goes through ring_pop: a pop
                 # of one call writes one lease row, which its ack deletes in one statement.
@@ -303,7 +323,7 @@ class RingQueue(RingGroups, RingInspect):
         msgs = self._pop_slow(params, n, conn)
         with self._lock:
             self._fast = len(msgs) >= n
-        return msgs
+        return [m.payload for m in msgs] if payloads else msgs
 
     def _pop_slow(self, params: dict[str, Any], n: int, conn: DbConnection | None) -> list[Message]:
         """Pop up to ``n`` messages through ``ring_pop`` (``n`` may be 0: only the gap's handling).

@@ -119,6 +119,18 @@ class TableQueue(Queue):
             )
         return self._messages(rows)
 
+    def _pop_payloads_once(self, n: int, semantics: Semantics, conn: DbConnection | None) -> list[Any]:
+        if not self._db.payload_pops:
+            return super()._pop_payloads_once(n, semantics, conn)
+        self._maybe_reclaim(conn)
+        rows = self._db.fetchall(
+            "pop_take_payloads", {"queue_id": self._qid, "n": n, "archive": self.settings.archive}, conn
+        )
+        payloads = [r[0] for r in rows]
+        if self.settings.payload_type is not PayloadType.BYTES:
+            return list(map(self.settings.decode, payloads))
+        return payloads
+
     def _maybe_reclaim(self, conn: DbConnection | None = None) -> None:
         now = time.monotonic()
         if now - self._last_reclaim >= self.reclaim_every_s:

@@ -475,6 +475,149 @@ def test_exactly_once_requires_a_transaction(make_queue: Callable[..., Queue]) -
     assert q.stats().ready == 1
 
 
+# -- payloads only --------------------------------------------------------------------------------
+
+
+def recorded_statements(q: Queue, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record the name of every named query ``q``'s pops fetch (the dialect's ``fetchall``, called through
+    unchanged)."""
+    names: list[str] = []
+    fetchall = q._db.fetchall
+
+    def recorded(name: str, *args: Any, **kwargs: Any) -> list[tuple[Any, ...]]:
+        names.append(name)
+        return fetchall(name, *args, **kwargs)
+
+    monkeypatch.setattr(q._db, "fetchall", recorded)
+    return names
+
+
+@pytest.mark.parametrize(
+    ("payload_type", "make_payload"),
+    [
+        ("json", lambda i: {"n": i, "pad": "é✓" * (i % 700)}),
+        ("bytes", lambda i: i.to_bytes(4, "big") * (1 + i % 900)),
+    ],
+)
+def test_pop_payloads_returns_what_pop_would_in_its_order(
+    make_queue: Callable[..., Queue],
+    dbq: DbQueue,
+    monkeypatch: pytest.MonkeyPatch,
+    payload_type: str,
+    make_payload: Callable[[int], Any],
+) -> None:
+    """Two queues get the same pushes (priorities where the design has them; payloads up to 3.6 KB, so
+    the table design keeps some in ``data``); one is drained by pop, the other by pop_payloads, in
+    batches of 1, 7 and 100: the payloads come back alike, in the same order, each once. On PostgreSQL
+    the batches of payloads come from the statements that send one column a message."""
+    a = make_queue(payload_type=payload_type, max_payload_bytes=4000)
+    b = make_queue(payload_type=payload_type, max_payload_bytes=4000)
+    sent = [make_payload(i) for i in range(600)]
+    for q in (a, b):
+        for k in range(0, 600, 150):
+            if is_ring(q):
+                q.push_batch(sent[k : k + 150])
+            else:
+                q.push_batch(sent[k : k + 150], priority=k % 300)
+    if not is_ring(b):
+        assert count_payloads(dbq)[1] > 0  # the larger payloads are in data
+    names = recorded_statements(b, monkeypatch)
+    by_pop: list[Any] = []
+    by_payloads: list[Any] = []
+    for n in [1, 7, 100] * 20:
+        by_pop += [m.payload for m in a.pop(n)]
+        got = b.pop_payloads(n)
+        assert len(got) <= n
+        by_payloads += got
+    assert a.pop(1) == [] and b.pop_payloads(1) == []
+    assert by_payloads == by_pop
+    assert len(by_payloads) == 600
+    if payload_type == "json":
+        assert checksum(by_payloads) == checksum(sent)
+    else:
+        assert sorted(by_payloads) == sorted(sent)
+    if dbq.dialect == "postgresql":
+        assert ("ring_take_payloads" if is_ring(b) else "pop_take_payloads") in names
+    for q in (a, b):
+        s = q.stats()
+        assert (s.ready, s.delayed, s.in_flight, s.failed) == (0, 0, 0, 0)
+        assert s.finished == kept(q, 600)
+
+
+def test_pop_payloads_exactly_once_commits_or_rolls_back_with_the_callers_work(
+    make_queue: Callable[..., Queue], dbq: DbQueue
+) -> None:
+    q = make_queue()
+    sent = [{"n": i} for i in range(250)]
+    q.push_batch(sent)
+    RESULTS.create(dbq)
+
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom), dbq.transaction() as conn:
+        got = q.pop_payloads(100, semantics="exactly-once", conn=conn)
+        assert len(got) == 100
+        RESULTS.write(dbq, conn, [[p["n"]] for p in got])
+        raise Boom
+    assert q.stats().ready == 250  # rolled back: still queued, and nothing written
+    assert read_results(dbq) == []
+    while True:
+        with dbq.transaction() as conn:
+            got = q.pop_payloads(60, semantics="exactly-once", conn=conn)
+            if not got:
+                break
+            RESULTS.write(dbq, conn, [[p["n"]] for p in got])
+    assert checksum({"n": n} for n in read_results(dbq)) == checksum(sent)
+    assert q.stats().ready == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"semantics": "at-least-once"}, ConfigurationError, "no receipts to ack"),
+        ({"semantics": "exactly-once"}, TransactionRequiredError, "exactly-once pop needs"),
+        ({"n": 0}, ConfigurationError, "batch size"),
+        ({"wait": -1}, ConfigurationError, "wait"),
+        ({"semantics": "twice"}, ConfigurationError, "twice"),
+    ],
+)
+def test_pop_payloads_refuses_what_it_cannot_do_and_takes_nothing(
+    make_queue: Callable[..., Queue], kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    q = make_queue()
+    q.push_batch(["x", "y"])
+    with pytest.raises(error, match=match):
+        q.pop_payloads(**kwargs)
+    s = q.stats()
+    assert (s.ready, s.in_flight) == (2, 0)
+    assert q.pop_payloads(5) == ["x", "y"]
+
+
+def test_pop_payloads_waits_for_a_push(make_queue: Callable[..., Queue]) -> None:
+    q = make_queue(notify="never")
+    result: list[Any] = []
+    errors: list[str] = []
+
+    def waiter() -> None:
+        try:
+            result.extend(q.pop_payloads(10, wait=30.0, poll_interval=0.1))
+        except BaseException:
+            errors.append(traceback.format_exc())
+
+    t = threading.Thread(target=waiter, daemon=True)
+    t.start()
+    time.sleep(0.3)
+    q.push_batch([{"late": 1}, {"late": 2}])
+    t.join(timeout=40)
+    assert not t.is_alive() and not errors, errors
+    assert result == [{"late": 1}, {"late": 2}]
+    assert q.stats().ready == 0
+    t0 = time.monotonic()
+    assert q.pop_payloads(1, wait=0.3, poll_interval=0.1) == []
+    assert time.monotonic() - t0 >= 0.3
+
+
 # -- concurrency basics ---------------------------------------------------------------------------
 
 

@@ -73,6 +73,7 @@ def test_short_client_run_counts_the_client_of_the_ring_and_of_the_naive_queue()
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     [r] = json.loads(proc.stdout)
+    assert r["pop"] == "payloads"  # the default: pop_payloads, against the naive queue's payload column
     for prefix in ("", "naive_"):
         for side in ("push", "pop"):
             # a message costs a Python client thousands of instructions: a count near zero would

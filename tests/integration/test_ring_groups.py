@@ -153,16 +153,20 @@ def test_stats_show_each_groups_lag_in_messages_and_seconds(dbq: DbQueue) -> Non
 
 
 def test_pop_takes_group_and_bad_groups_are_refused(dbq: DbQueue) -> None:
-    """pop(group=) pops for the group; unknown names, names taken, bad names and options, the default
-    group's drop and groups on a table-design queue each raise an error that names them, and change
-    nothing. (0.2 s)"""
+    """pop(group=) and pop_payloads(group=) pop for the group; unknown names, names taken, bad names and
+    options, the default group's drop and groups on a table-design queue each raise an error that names
+    them, and change nothing. (0.2 s)"""
     q = ring(dbq)
     q.add_group("fraud")
+    q.add_group("audit")
     q.push_batch(["a", "b"])
     assert [m.payload for m in q.pop(2, group="fraud")] == ["a", "b"]
     assert [m.payload for m in q.pop(2, group=DEFAULT_GROUP)] == ["a", "b"]
+    assert q.pop_payloads(5, group="audit") == ["a", "b"]
     with pytest.raises(GroupNotFoundError, match="'nope'"):
         q.pop(group="nope")
+    with pytest.raises(GroupNotFoundError, match="'nope'"):
+        q.pop_payloads(group="nope")
     with pytest.raises(GroupNotFoundError, match="'nope'"):
         q.drop_group("nope")
     assert q.drop_group("nope", missing_ok=True) is False
@@ -187,7 +191,7 @@ def test_pop_takes_group_and_bad_groups_are_refused(dbq: DbQueue) -> None:
         stale.pop(1)
     q.push("c")
     assert [m.payload for m in q.pop(1, group="fraud")] == ["c"]  # the new group, looked up again
-    assert [g.name for g in q.groups()] == [DEFAULT_GROUP, "fraud"]
+    assert [g.name for g in q.groups()] == [DEFAULT_GROUP, "audit", "fraud"]
     table = dbq.create_queue("tasks")
     with pytest.raises(ConfigurationError, match="ring design"):
         table.pop(group="fraud")

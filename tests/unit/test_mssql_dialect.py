@@ -114,7 +114,7 @@ def test_the_table_design_maintenance_and_the_ring_are_fully_ported() -> None:
     """Every query the table design, the ring design with its consumer groups, the client and maintenance
     run exists on SQL Server."""
     assert NOT_YET_PORTED == {}
-    ring = {n for n in load_queries(PG, "queries") if n.startswith("ring_")}
+    ring = {n for n in load_queries(PG, "queries") if n.startswith("ring_")} - POSTGRES_ONLY.keys()
     assert len(ring) == 29 and RING_GROUP_QUERIES <= ring <= set(load_queries(MS, "queries"))
     used = {"push", "pop_lease", "pop_take", "ack", "nack", "held_receipts", "reclaim_expired"}
     used |= {"claim_batch", "get_batch", "lock_batch", "finish_batch", "purge_batches", "batch_rows"}
@@ -688,10 +688,31 @@ def test_the_ring_queries_take_postgresqls_parameters() -> None:
     """Each ring query binds the parameters of its PostgreSQL twin (RingQueue passes one dict to both),
     but for the few listed with their reason."""
     pg, mssql = load_queries(PG, "queries"), load_queries(MS, "queries")
-    for name in sorted(n for n in pg if n.startswith("ring_") or n in ("get_queue", "list_queues")):
+    ring = {n for n in pg if n.startswith("ring_")} - POSTGRES_ONLY.keys()
+    for name in sorted(ring | {"get_queue", "list_queues"}):
         theirs, ours = set(_PLACEHOLDER.findall(pg[name])), set(_PLACEHOLDER.findall(mssql[name]))
         assert theirs - ours == RING_PARAMETERS_POSTGRESQL_ONLY.get(name, set()), name
         assert ours - theirs == RING_PARAMETERS_MSSQL_ONLY.get(name, set()), name
+
+
+@pytest.mark.parametrize(
+    ("narrow", "whole"), [("ring_take_payloads", "ring_take"), ("pop_take_payloads", "pop_take")]
+)
+def test_a_pop_of_payloads_runs_the_take_the_whole_pop_runs(narrow: str, whole: str) -> None:
+    """PostgreSQL's statements of a pop of payloads only select the payload column from the function
+    call of the pop they narrow, with its parameters; SQL Server (payload_pops = False) runs that pop's
+    own query instead, so there is nothing of theirs to port."""
+    pg = load_queries(PG, "queries")
+
+    def call(name: str) -> str:
+        statement = " ".join(re.sub(r"^--.*\n", "", pg[name], flags=re.MULTILINE).split())
+        return statement.split(" FROM ", 1)[1] if " FROM " in statement else ""
+
+    assert narrow in POSTGRES_ONLY and not MssqlDatabase.payload_pops
+    assert call(narrow) == call(whole) != ""
+    assert call(narrow).startswith("{schema}.")
+    assert _postgres_width(narrow) == 1
+    assert set(_PLACEHOLDER.findall(pg[narrow])) == set(_PLACEHOLDER.findall(pg[whole]))
 
 
 def _result_width(stmt: exp.Expression) -> int | None:
@@ -752,7 +773,9 @@ RING_RESULTS_DIFFERENT = {
 @pytest.mark.parametrize(
     "name",
     sorted(
-        n for n in load_queries(PG, "queries") if n.startswith("ring_") or n in ("get_queue", "list_queues")
+        n
+        for n in load_queries(PG, "queries")
+        if (n.startswith("ring_") and n not in POSTGRES_ONLY) or n in ("get_queue", "list_queues")
     ),
 )
 def test_the_ring_queries_return_postgresqls_columns(name: str) -> None:

@@ -96,6 +96,9 @@ class Database(NamedStatements, Protocol):
     #: True when a ring's push of one takes a floor its caller read earlier (query ``ring_floor``)
     #: instead of reading the floor on every call.
     ring_push_takes_floor: bool
+    #: True when a pop of payloads only has statements of its own that send one column a message
+    #: (queries ``pop_take_payloads``, ``ring_take_payloads``).
+    payload_pops: bool
 
     def close(self) -> None: ...
 

@@ -76,9 +76,22 @@ and the ring design with its consumer groups are all ported.
 """
 
 POSTGRES_ONLY: dict[str, str] = {
-    name: "Maintenance.compact_rings rewrites ring tables grown by row versions a held xmin horizon kept; "
-    "SQL Server keeps old row versions in tempdb's version store, not in the table, and skips the step"
-    for name in ("vacuum_full_table", "compact_relation_size", "compact_ring_layouts", "compact_ring_tables")
+    **{
+        name: "Maintenance.compact_rings rewrites ring tables grown by row versions a held xmin horizon "
+        "kept; SQL Server keeps old row versions in tempdb's version store, not in the table, and skips "
+        "the step"
+        for name in (
+            "vacuum_full_table",
+            "compact_relation_size",
+            "compact_ring_layouts",
+            "compact_ring_tables",
+        )
+    },
+    **{
+        name: "a pop of payloads only selects one column of a take's rows, which a procedure's rows cannot "
+        "be (payload_pops = False): on SQL Server it runs the take itself and keeps the payloads"
+        for name in ("pop_take_payloads", "ring_take_payloads")
+    },
 }
 """Named queries of the PostgreSQL dialect that have no use on SQL Server, with why."""
 
@@ -144,6 +157,7 @@ class MssqlDatabase(MssqlSchema, MssqlMaintenance):
     dialect_name = "mssql"
     supports_notify = False
     ring_push_takes_floor = False  # its ring_push reads the floor under its own locks
+    payload_pops = False  # a pop of payloads takes them from its procedures' whole rows
     async_observers = False  # pyodbc has no async connections: observers poll with readiness()
 
     def __init__(

@@ -59,6 +59,7 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
 
     dialect_name = "postgresql"
     ring_push_takes_floor = True
+    payload_pops = True
 
     def __init__(
         self,

@@ -43,6 +43,13 @@ FROM {schema}.ring_take(
     %(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer, %(n)s::integer, %(lease)s::boolean,
     %(visibility_timeout_s)s::float8, %(consumer)s::text, true, %(wait)s::boolean)
 
+-- name: ring_take_payloads
+-- ring_take for a pop of payloads only (Queue.pop_payloads): one column a message.
+SELECT r_payload
+FROM {schema}.ring_take(
+    %(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer, %(n)s::integer, %(lease)s::boolean,
+    %(visibility_timeout_s)s::float8, %(consumer)s::text, true, %(wait)s::boolean)
+
 -- name: ring_take_one
 -- A pop of one at most once outside a caller's transaction, as one statement (ring_take's first path
 -- without the function around it): the lowest lane not held by another pop whose next number is

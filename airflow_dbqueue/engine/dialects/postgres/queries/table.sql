@@ -25,6 +25,10 @@ SELECT * FROM {schema}.table_lease(
 -- through table_take() (schema.sql), whose plans are made once a session.
 SELECT * FROM {schema}.table_take(%(queue_id)s::integer, %(n)s::integer, %(archive)s::boolean)
 
+-- name: pop_take_payloads
+-- pop_take for a pop of payloads only (Queue.pop_payloads): one column a message, in the claim's order.
+SELECT r_payload FROM {schema}.table_take(%(queue_id)s::integer, %(n)s::integer, %(archive)s::boolean)
+
 -- name: ack
 -- Receipt lookups (ack, nack, held_receipts, leased, extend_leases) say "lease_until > now()" and not
 -- "state = 1": meta keeps them equivalent (schema.sql), and leaving state = 1 out keeps the planner from
