@@ -143,7 +143,7 @@ def engine_round(dbq: DbQueue, meter: Meter, args: argparse.Namespace, r: int) -
                 q.ack(messages)
                 got.extend(m.payload for m in messages)
             else:
-                got.extend(m.payload for m in q.pop(args.batch))
+                got.extend(q.pop_payloads(args.batch))
         return n
 
     out = {"push": meter.measure(push), "pop": meter.measure(pop)}
@@ -166,7 +166,7 @@ def naive_round(
 
     def pop() -> int:
         for _ in range(args.batches):
-            got.extend(row[1] for row in conn.execute(pop_sql, (args.batch,), prepare=True, binary=True))
+            got.extend(row[0] for row in conn.execute(pop_sql, (args.batch,), prepare=True, binary=True))
         return n
 
     out = {"push": meter.measure(push), "pop": meter.measure(pop)}

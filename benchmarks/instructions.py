@@ -75,7 +75,7 @@ from airflow_dbqueue.engine.embedded import EmbeddedPostgres, free_port
 QUEUE = "instr_q"
 # The pop sessions collect payloads in C (map), so that the client's count is the queue's work.
 _payload = attrgetter("payload")
-_second = itemgetter(1)
+_first = itemgetter(0)
 SIDES = ("push", "pop")
 
 
@@ -189,9 +189,12 @@ def _pid(dbq: DbQueue) -> int:
         return int(c.info.backend_pid)
 
 
-def engine_sessions(dsn: str, schema: str, batch: int, semantics: str = "at-most-once") -> Sessions:
+def engine_sessions(
+    dsn: str, schema: str, batch: int, semantics: str = "at-most-once", pop_api: str = "payloads"
+) -> Sessions:
     """A push session and a pop session through the engine, each on one pooled connection; each
-    returns the backends it used. At least once, the pop session acks each pop after it."""
+    returns the backends it used. At least once, the pop session acks each pop after it; at most once
+    it pops with ``pop_payloads`` (``pop_api`` "payloads") or with ``pop``, which builds messages."""
 
     def push(sent: list[list[bytes]]) -> set[int]:
         with DbQueue(dsn, schema=schema, pool_size=1) as dbq:
@@ -212,6 +215,9 @@ def engine_sessions(dsn: str, schema: str, batch: int, semantics: str = "at-most
             q.reclaim_every_s = float("inf")  # type: ignore[attr-defined] # no reclaim between pops
             pids = {_pid(dbq)}
             for _ in range(calls):
+                if payloads_only:
+                    got.extend(q.pop_payloads(batch))
+                    continue
                 msgs = q.pop(batch, semantics=semantics)
                 got.extend(map(_payload, msgs))
                 if lease:
@@ -220,6 +226,7 @@ def engine_sessions(dsn: str, schema: str, batch: int, semantics: str = "at-most
         return got, pids
 
     lease = semantics == "at-least-once"
+    payloads_only = not lease and pop_api == "payloads"
     return push, pop
 
 
@@ -236,7 +243,7 @@ def naive_sessions(dsn: str, schema: str, batch: int) -> Sessions:
         with psycopg.connect(dsn, autocommit=True) as c:
             got: list[bytes] = []
             for _ in range(calls):
-                got.extend(map(_second, c.execute(pop_sql, (batch,), binary=True).fetchall()))
+                got.extend(map(_first, c.execute(pop_sql, (batch,), binary=True).fetchall()))
             return got, {c.info.backend_pid}
 
     return push, pop
@@ -271,16 +278,19 @@ def pgmq_sessions(target: Target, batch: int) -> Sessions:
     return push, pop
 
 
-def sessions_of(who: str, dsn: str, schema: str, batch: int) -> Sessions:
-    return (naive_sessions if who == "naive" else engine_sessions)(dsn, schema, batch)
+def sessions_of(who: str, dsn: str, schema: str, batch: int, pop_api: str) -> Sessions:
+    if who == "naive":
+        return naive_sessions(dsn, schema, batch)
+    return engine_sessions(dsn, schema, batch, pop_api=pop_api)
 
 
 class CountedClient:
     """Sessions run each in a Python process of its own under cachegrind (``--child``): ``counts``
     collects, per side, the client's instructions of each session in turn."""
 
-    def __init__(self, root: Path, who: str, dsn: str, schema: str, batch: int) -> None:
+    def __init__(self, root: Path, who: str, dsn: str, schema: str, batch: int, *, pop_api: str) -> None:
         self.root, self.who, self.dsn, self.schema, self.batch = root, who, dsn, schema, batch
+        self.pop_api = pop_api
         self.counts: dict[str, list[int]] = {side: [] for side in SIDES}
         self._runs = 0
 
@@ -298,7 +308,14 @@ class CountedClient:
                 "--child",
             ],
             input=json.dumps(
-                {"who": self.who, "dsn": self.dsn, "schema": self.schema, "batch": self.batch, **spec}
+                {
+                    "who": self.who,
+                    "dsn": self.dsn,
+                    "schema": self.schema,
+                    "batch": self.batch,
+                    "pop_api": self.pop_api,
+                    **spec,
+                }
             ),
             capture_output=True,
             text=True,
@@ -343,7 +360,7 @@ def split(blob: bytes, sizes: Iterable[int]) -> list[bytes]:
 def child(spec: dict[str, Any]) -> None:
     """One session of a ``CountedClient``, in this process: print its backends as one JSON line; a pop
     writes what it popped to the files named."""
-    push, pop = sessions_of(spec["who"], spec["dsn"], spec["schema"], spec["batch"])
+    push, pop = sessions_of(spec["who"], spec["dsn"], spec["schema"], spec["batch"], spec["pop_api"])
     path, sizes = Path(spec["path"]), Path(spec["sizes"])
     if spec["side"] == "push":
         flat = split(path.read_bytes(), array("I", sizes.read_bytes()))
@@ -397,7 +414,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             reference = Target(ref_name, dsn, naive_schema, args.semantics, args.archive, "never")
             setup_target(reference)
             naive_client = (
-                CountedClient(server.root, "naive", dsn, naive_schema, batch) if args.client else None
+                CountedClient(server.root, "naive", dsn, naive_schema, batch, pop_api=args.pop)
+                if args.client
+                else None
             )
             in_process = (
                 pgmq_sessions(reference, batch) if lease else naive_sessions(dsn, naive_schema, batch)
@@ -440,9 +459,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         dbq.create_queue(QUEUE, payload_type="bytes", notify="never", archive=args.archive)
                 try:
                     engine_client = (
-                        CountedClient(server.root, design, dsn, schema, batch) if args.client else None
+                        CountedClient(server.root, design, dsn, schema, batch, pop_api=args.pop)
+                        if args.client
+                        else None
                     )
-                    in_proc = engine_sessions(dsn, schema, batch, args.semantics)
+                    in_proc = engine_sessions(dsn, schema, batch, args.semantics, args.pop)
                     sessions = engine_client.sessions() if engine_client else in_proc
                     measure(  # warm-up, in this process (as above)
                         server,
@@ -471,6 +492,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "payload_bytes": args.payload_bytes,
                         "semantics": args.semantics,
                         "archive": args.archive,
+                        "pop": args.pop if args.semantics == "at-most-once" else "messages",
                         # the reference's figures are under naive_*, whichever it is
                         "reference": ref_name,
                         **{f"{s}_instructions": round(got[s]) for s in SIDES},
@@ -538,6 +560,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--archive",
         action="store_true",
         help="the table design keeps finished messages for the archiver; PGMQ archives instead of deleting",
+    )
+    ap.add_argument(
+        "--pop",
+        choices=("payloads", "messages"),
+        default="payloads",
+        help="at most once, the engine pops with pop_payloads (default) or with pop, which builds messages",
     )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a session of --client (stdin)
     args = ap.parse_args(argv)

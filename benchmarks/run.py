@@ -123,6 +123,7 @@ def make_target(args: argparse.Namespace, dsn: str, design: str, point: Point, c
         notify=args.notify,
         capacity=capacity if design == "ring" else None,
         payload_bytes=args.payload_bytes,
+        pop_api=args.pop,
         groups=args.groups if design == "ring" else 1,
     )
 
@@ -165,6 +166,7 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
     out: dict[str, Any] = {
         "design": args.design,
         "semantics": args.semantics,
+        "pop": args.pop if args.semantics == "at-most-once" else "messages",
         "producers": point.producers,
         "consumers": point.consumers,
         "batch": point.batch,
@@ -281,6 +283,7 @@ def measure_maintenance_point(
         "mode": "maintenance",
         "design": args.design,
         "semantics": args.semantics,
+        "pop": args.pop if args.semantics == "at-most-once" else "messages",
         "producers": point.producers,
         "consumers": point.consumers,
         "batch": point.batch,
@@ -356,6 +359,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=float, default=1.0, help="seconds of warm-up before the window")
     ap.add_argument("--semantics", choices=SEMANTICS, default="at-most-once")
     ap.add_argument("--payload-bytes", type=int, default=300)
+    ap.add_argument(
+        "--pop",
+        choices=("payloads", "messages"),
+        default="payloads",
+        help="at most once, the engine's consumers pop with pop_payloads (default), which returns what "
+        "they use as the naive queue's pop does, or with pop, which builds a Message a message",
+    )
     ap.add_argument(
         "--repeat",
         type=int,

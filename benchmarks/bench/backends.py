@@ -38,6 +38,10 @@ class Target:
     capacity: int | None = None
     """Slots of a ring (ring design only)."""
     payload_bytes: int = 300
+    pop_api: str = "payloads"
+    """At most once, how the engine's consumers pop: ``pop_payloads`` ("payloads"), which is what they
+    need and what the naive queue returns, or ``pop`` ("messages"), which builds a :class:`Message` a
+    message. At least once they pop messages, whose receipts they ack."""
     groups: int = 1
     """Consumer groups of a ring (``--groups``): each message is popped once in each, and consumer
     ``i`` pops for group ``i % groups`` (group 0 the ring's default one)."""
@@ -140,11 +144,14 @@ class EngineBackend:
         self.queue = self.dbq.queue(QUEUE_NAME).group(target.group_of(consumer))
         self.semantics = target.semantics
         self.lease = target.lease
+        self.payloads_only = not target.lease and target.pop_api == "payloads"
 
     def push(self, payloads: list[bytes]) -> None:
         self.queue.push_batch(payloads)
 
     def pop(self, n: int) -> tuple[list[bytes], Any]:
+        if self.payloads_only:
+            return self.queue.pop_payloads(n, semantics=self.semantics), None
         msgs = self.queue.pop(n, semantics=self.semantics)
         return [m.payload for m in msgs], msgs
 
@@ -163,7 +170,7 @@ def naive_statements(schema: str) -> tuple[sql.Composed, sql.Composed]:
     push = sql.SQL("INSERT INTO {t} (payload) SELECT unnest(%b::bytea[])").format(t=t)
     pop = sql.SQL(
         "DELETE FROM {t} WHERE id = ANY (ARRAY("
-        "SELECT id FROM {t} ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED)) RETURNING id, payload"
+        "SELECT id FROM {t} ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED)) RETURNING payload"
     ).format(t=t)
     return push, pop
 
@@ -198,7 +205,7 @@ class NaiveBackend:
         rows = self.conn.execute(self.pop_sql, (n,), binary=True).fetchall()
         if not rows and self.lease:
             self.conn.rollback()
-        return [r[1] for r in rows], None
+        return [r[0] for r in rows], None
 
     def ack(self, token: Any) -> None:
         if self.lease:
