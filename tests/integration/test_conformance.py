@@ -86,9 +86,15 @@ RESULTS = ResultsTable([("n", "integer")], key=["n"])
 """The exactly-once test's own table: the popped messages' ``n`` (a duplicate breaks the key)."""
 
 
-def write_results(dbq: DbQueue, conn: Any, msgs: list[Message]) -> None:
-    """Write the popped messages' ``n`` in the caller's transaction ``conn``."""
-    RESULTS.write(dbq, conn, [[m.payload["n"]] for m in msgs])
+def pop_exactly_once(dbq: DbQueue, q: Queue, api: str, n: int, conn: Any) -> list[int]:
+    """Pop up to ``n`` messages exactly once in ``conn``'s transaction through ``api`` (``pop`` or
+    ``pop_payloads``) and write their payloads' ``n`` to the results table in it; return those."""
+    if api == "pop":
+        got = [m.payload["n"] for m in q.pop(n, semantics="exactly-once", conn=conn)]
+    else:
+        got = [p["n"] for p in q.pop_payloads(n, semantics="exactly-once", conn=conn)]
+    RESULTS.write(dbq, conn, [[k] for k in got])
+    return got
 
 
 def read_results(dbq: DbQueue) -> list[int]:
@@ -437,11 +443,12 @@ def test_lease_expiry_after_max_attempts_fails_the_message(
 # -- exactly once ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("api", ["pop", "pop_payloads"])
 def test_exactly_once_commits_or_rolls_back_with_the_callers_work(
-    make_queue: Callable[..., Queue], dbq: DbQueue
+    make_queue: Callable[..., Queue], dbq: DbQueue, api: str
 ) -> None:
     q = make_queue()
-    sent = [{"n": i} for i in range(10)]
+    sent = [{"n": i} for i in range(250)]
     q.push_batch(sent)
     RESULTS.create(dbq)
 
@@ -449,19 +456,15 @@ def test_exactly_once_commits_or_rolls_back_with_the_callers_work(
         pass
 
     with pytest.raises(Boom), dbq.transaction() as conn:
-        got = q.pop(4, semantics="exactly-once", conn=conn)
-        assert len(got) == 4
-        write_results(dbq, conn, got)
+        assert len(pop_exactly_once(dbq, q, api, 100, conn)) == 100
         raise Boom
-    assert q.stats().ready == 10  # rolled back: still queued, and nothing written
+    assert q.stats().ready == 250  # rolled back: still queued, and nothing written
     assert read_results(dbq) == []
 
     while True:
         with dbq.transaction() as conn:
-            got = q.pop(3, semantics="exactly-once", conn=conn)
-            if not got:
+            if not pop_exactly_once(dbq, q, api, 60, conn):
                 break
-            write_results(dbq, conn, got)
     results = read_results(dbq)
     assert checksum({"n": n} for n in results) == checksum(sent)
     assert q.stats().ready == 0
@@ -542,34 +545,6 @@ def test_pop_payloads_returns_what_pop_would_in_its_order(
         s = q.stats()
         assert (s.ready, s.delayed, s.in_flight, s.failed) == (0, 0, 0, 0)
         assert s.finished == kept(q, 600)
-
-
-def test_pop_payloads_exactly_once_commits_or_rolls_back_with_the_callers_work(
-    make_queue: Callable[..., Queue], dbq: DbQueue
-) -> None:
-    q = make_queue()
-    sent = [{"n": i} for i in range(250)]
-    q.push_batch(sent)
-    RESULTS.create(dbq)
-
-    class Boom(Exception):
-        pass
-
-    with pytest.raises(Boom), dbq.transaction() as conn:
-        got = q.pop_payloads(100, semantics="exactly-once", conn=conn)
-        assert len(got) == 100
-        RESULTS.write(dbq, conn, [[p["n"]] for p in got])
-        raise Boom
-    assert q.stats().ready == 250  # rolled back: still queued, and nothing written
-    assert read_results(dbq) == []
-    while True:
-        with dbq.transaction() as conn:
-            got = q.pop_payloads(60, semantics="exactly-once", conn=conn)
-            if not got:
-                break
-            RESULTS.write(dbq, conn, [[p["n"]] for p in got])
-    assert checksum({"n": n} for n in read_results(dbq)) == checksum(sent)
-    assert q.stats().ready == 0
 
 
 @pytest.mark.parametrize(
