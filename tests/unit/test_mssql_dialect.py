@@ -1205,7 +1205,6 @@ def test_the_crash_suites_reads_on_a_fake_sql_server(monkeypatch: pytest.MonkeyP
 def test_the_conformance_suites_own_sql_on_a_fake_sql_server(monkeypatch: pytest.MonkeyPatch) -> None:
     """The exactly-once results table, the row counts, the backoff test's clock and the caller's own
     connection of tests/integration/test_conformance.py, as they go to pyodbc."""
-    from airflow_dbqueue.engine import Message
     from tests.integration.test_conformance import (
         RESULTS,
         callers_connection,
@@ -1213,17 +1212,14 @@ def test_the_conformance_suites_own_sql_on_a_fake_sql_server(monkeypatch: pytest
         due_in,
         make_due_now,
         read_results,
-        write_results,
     )
 
     script: list[Any] = [[], [], [(0,), (1,)], [(3,)], [(0,)], [], [(Decimal("199.998"),)]]
     dbq, fake = _suites_dbq(monkeypatch, script)
-    now = dt.datetime(2024, 1, 1, tzinfo=dt.UTC)
-    msgs = [Message(10 + i, "eo", {"n": i}, 0, 1, 1, now) for i in range(2)]
     RESULTS.create(dbq)
     with dbq.transaction() as conn:
-        write_results(dbq, conn, msgs)
-        write_results(dbq, conn, [])  # an empty pop sends nothing
+        RESULTS.write(dbq, conn, [[0], [1]])  # what pop_exactly_once writes for two messages
+        RESULTS.write(dbq, conn, [])  # an empty pop sends nothing
     assert read_results(dbq) == [0, 1]
     assert count_rows(dbq, "meta", 5) == 3
     assert count_rows(dbq, "data") == 0
