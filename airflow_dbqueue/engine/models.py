@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import enum
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, NamedTuple
@@ -164,6 +164,14 @@ class QueueSettings:
         if self.payload_type is PayloadType.TEXT:
             return bytes(data).decode("utf-8")
         return json.loads(data)
+
+    def decode_first_column(self, rows: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """The payloads of ``rows`` whose first column is a stored payload read in binary, decoded in
+        order: a bytes queue's are bytes already and are passed on as they are."""
+        payloads = [r[0] for r in rows]
+        if self.payload_type is PayloadType.BYTES:
+            return payloads
+        return list(map(self.decode, payloads))
 
 
 class Message(NamedTuple):

@@ -160,10 +160,7 @@ class RingBase(Queue):
         # Rows (payload,) from ring_take_payloads, or whole messages' rows as _messages reads them.
         if rows and len(rows[0]) > 1:
             return [m.payload for m in self._messages(rows)]
-        payloads = [r[0] for r in rows]
-        if self.settings.payload_type is not PayloadType.BYTES:
-            return list(map(self.settings.decode, payloads))
-        return payloads
+        return self.settings.decode_first_column(rows)
 
     def _receipt_params(self, messages: Sequence[Message]) -> dict[str, Any]:
         ids = list(map(_id, messages))

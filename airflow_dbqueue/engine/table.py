@@ -126,10 +126,7 @@ class TableQueue(Queue):
         rows = self._db.fetchall(
             "pop_take_payloads", {"queue_id": self._qid, "n": n, "archive": self.settings.archive}, conn
         )
-        payloads = [r[0] for r in rows]
-        if self.settings.payload_type is not PayloadType.BYTES:
-            return list(map(self.settings.decode, payloads))
-        return payloads
+        return self.settings.decode_first_column(rows)
 
     def _maybe_reclaim(self, conn: DbConnection | None = None) -> None:
         now = time.monotonic()
