@@ -137,6 +137,16 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
     if args.pgmq and args.design not in REFERENCES:
         designs.append(PGMQ)
     runs: dict[str, list[RunResult]] = {d: [] for d in designs}
+    # --with-maintenance: the engine design's runs have the maintenance process looping beside them;
+    # the references keep autovacuum at its defaults, or with --reference-vacuum get a loop of VACUUM
+    # of their tables at the same interval.
+    config = maintenance_config(args) if args.with_maintenance else None
+
+    def maintenance_of(design: str) -> MaintenanceConfig | None:
+        if design == args.design or args.reference_vacuum:
+            return config
+        return None
+
     for attempt in range(args.repeat):
         for design in designs:
             target = make_target(args, dsn, design, point, cap)
@@ -156,6 +166,8 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
                 backlog_cap=cap,
                 drain_timeout=args.drain_timeout,
                 log=log,
+                maintenance=maintenance_of(design),
+                maintenance_interval=args.maintenance_interval,
             )
             runs[design].append(run)
             log(
@@ -199,7 +211,14 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
         "capacity": ring_capacity(args, point, cap) if args.design == "ring" else None,
         "groups": args.groups if args.design == "ring" else None,
         "notify": args.notify if args.design not in REFERENCES else None,
+        "with_maintenance": config is not None,
+        "reference_vacuum": config is not None and args.reference_vacuum,
     }
+    if config is not None:
+        out["maintenance_interval_s"] = args.maintenance_interval
+        out["maintenance"] = maintenance_totals(runs[args.design])
+        if args.reference_vacuum:
+            out["baseline_maintenance"] = maintenance_totals(runs[BASELINE])
     if PGMQ in designs and args.design != PGMQ:
         pgmq = combine(runs[PGMQ])
         out["pgmq_cycles_per_s"] = round(pgmq.cycles_per_s, 1)
@@ -243,6 +262,15 @@ def maintenance_config(args: argparse.Namespace) -> MaintenanceConfig:
         reindex_min_bytes=256 * 1024,
         reindex_timeout_s=60.0,
     )
+
+
+def maintenance_totals(runs: list[RunResult]) -> dict[str, Any]:
+    """What the maintenance process did over ``runs``, summed."""
+    totals: dict[str, Any] = {}
+    for r in runs:
+        for k, v in (r.maintenance or {}).items():
+            totals[k] = totals.get(k, 0) + v
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in totals.items()}
 
 
 def measure_maintenance_point(
@@ -309,11 +337,7 @@ def measure_maintenance_point(
             out[f"{op}_p{pct}_ratio"] = round(on / off, 3) if off and on is not None else None
     off_cps = out["cycles_per_s_off"]
     out["cycles_ratio"] = round(out["cycles_per_s_on"] / off_cps, 3) if off_cps else None
-    totals: dict[str, Any] = {}
-    for r in runs["on"]:
-        for k, v in (r.maintenance or {}).items():
-            totals[k] = totals.get(k, 0) + v
-    out["maintenance"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in totals.items()}
+    out["maintenance"] = maintenance_totals(runs["on"])
     all_runs = runs["off"] + runs["on"]
     out["lost"] = sum(r.lost for r in all_runs)
     out["duplicated"] = sum(r.duplicated for r in all_runs)
@@ -404,6 +428,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="latency percentiles without and with maintenance running (one point; default 2x2, batch 100)",
     )
     ap.add_argument(
+        "--with-maintenance",
+        action="store_true",
+        help="the engine design's runs of each point have the maintenance process looping beside them "
+        "(as --maintenance's runs with it on); the references keep autovacuum at its defaults",
+    )
+    ap.add_argument(
+        "--reference-vacuum",
+        action="store_true",
+        help="with --with-maintenance, the references' runs have a loop of VACUUM (ANALYZE) of their "
+        "tables beside them, at the same interval",
+    )
+    ap.add_argument(
         "--maintenance-interval", type=float, default=1.0, help="seconds between maintenance runs"
     )
     ap.add_argument(
@@ -423,6 +459,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--seconds and --sweep-seconds must be > 0, --warmup >= 0")
     if args.repeat < 1:
         ap.error("--repeat must be >= 1")
+    if args.with_maintenance and (args.maintenance or args.design not in ENGINE_DESIGNS):
+        ap.error("--with-maintenance runs beside an engine design's points, not with --maintenance")
+    if args.reference_vacuum and not args.with_maintenance:
+        ap.error("--reference-vacuum goes with --with-maintenance")
     if args.groups < 1 or (args.groups > 1 and args.design != "ring"):
         ap.error("--groups must be >= 1, and above 1 only with --design ring")
     if args.payload_bytes < HEADER.size:
@@ -468,6 +508,13 @@ def main(argv: list[str] | None = None) -> int:
                         if args.design == "table"
                         else f" | notify={args.notify}"
                         if args.design == "ring"
+                        else ""
+                    )
+                    + (
+                        f" | {args.design} with maintenance every {args.maintenance_interval:g}s "
+                        f"(archive after {args.archive_after:g}s, VACUUM, reindex)"
+                        + (", references with VACUUM as often" if args.reference_vacuum else "")
+                        if args.with_maintenance
                         else ""
                     )
                 )

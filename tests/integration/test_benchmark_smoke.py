@@ -144,6 +144,49 @@ def test_maintenance_mode_reports_latency_percentiles_with_and_without(pg_dsn: s
     assert point["maintenance"]["runs"] >= 1 and point["maintenance"]["archived"] > 0
 
 
+def test_a_point_with_maintenance_runs_it_beside_the_design_only(pg_dsn: str) -> None:
+    """--with-maintenance: the table design's run has the maintenance process archiving what its
+    at-least-once consumers acked; the naive and PGMQ references run as without it. Refused for a
+    reference design and together with --maintenance; --reference-vacuum needs it. (about 15 s)"""
+    proc = _run(
+        pg_dsn,
+        *("--design", "table", "--producers", "1", "--consumers", "1", "--batch", "100"),
+        *("--seconds", "4", "--warmup", "0.5", "--json", "--semantics", "at-least-once", "--pgmq"),
+        "--with-maintenance",
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr
+    [line] = [line for line in proc.stdout.splitlines() if line.strip()]
+    point: dict[str, Any] = json.loads(line)
+    assert point["with_maintenance"] is True and point["valid"] is True
+    assert (point["lost"], point["duplicated"], point["baseline_lost"], point["pgmq_lost"]) == (0, 0, 0, 0)
+    assert point["cycles_per_s"] > 0 and point["baseline_cycles_per_s"] > 0 and point["pgmq_cycles_per_s"] > 0
+    assert point["maintenance"]["runs"] >= 1 and point["maintenance"]["archived"] > 0
+    assert point["reference_vacuum"] is False and "baseline_maintenance" not in point
+    for refused in (("--design", "naive"), ("--maintenance",)):
+        proc = _run(pg_dsn, *refused, "--with-maintenance", "--seconds", "1")
+        assert proc.returncode == 2 and "--with-maintenance" in proc.stderr
+    proc = _run(pg_dsn, "--reference-vacuum", "--seconds", "1")
+    assert proc.returncode == 2 and "--reference-vacuum goes with --with-maintenance" in proc.stderr
+
+
+def test_a_point_with_maintenance_can_vacuum_the_references_as_often(pg_dsn: str) -> None:
+    """--reference-vacuum: the naive queue's run has a loop of VACUUM beside it too. (about 10 s)"""
+    proc = _run(
+        pg_dsn,
+        *("--design", "table", "--producers", "1", "--consumers", "1", "--batch", "100", "--no-archive"),
+        *("--seconds", "3", "--warmup", "0.5", "--json", "--with-maintenance", "--reference-vacuum"),
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr
+    [line] = [line for line in proc.stdout.splitlines() if line.strip()]
+    point: dict[str, Any] = json.loads(line)
+    assert (point["with_maintenance"], point["reference_vacuum"], point["valid"]) == (True, True, True)
+    counts = ("lost", "duplicated", "baseline_lost", "baseline_duplicated")
+    assert [point[k] for k in counts] == [0, 0, 0, 0]
+    assert point["maintenance"]["runs"] >= 1 and point["baseline_maintenance"]["runs"] >= 1
+
+
 def _payload(run: ModuleType, producer: int, seq: int, size: int = 300) -> bytes:
     """A payload as run.py's producers make it: (producer, seq), then its filler from the pool."""
     return bytes(run.HEADER.pack(producer, seq) + run.Fillers(size, run.HEADER.size).pick(producer, seq))
