@@ -14,7 +14,7 @@
                     [--queue Q ...] [--lock-wait S]
     dbqueue maintain [the archive options] [--no-vacuum] [--no-reindex] [--no-compact] [--bloat-ratio R]
                      [--min-bloat-bytes B] [--fragmentation-pct P] [--reindex-timeout S]
-                     [--horizon-min-age S] [--horizon-min-xid-age N]
+                     [--horizon-min-age S] [--horizon-min-xid-age N] [--every S [--runs N]]
     dbqueue metrics [QUEUE ...] [--window S]
     dbqueue demo [--messages N]
     dbqueue pipeline [--messages N] [--batch N] [--airflow-home DIR] [--spark connect|submit]
@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -228,16 +229,46 @@ def _cmd_maintain(dbq: DbQueue, args: argparse.Namespace) -> int:
         horizon_min_age_s=args.horizon_min_age,
         horizon_min_xid_age=args.horizon_min_xid_age,
     )
+    if args.every is None:
+        if args.runs is not None:
+            raise ConfigurationError("--runs needs --every")
+        return 1 if _maintain_once(dbq, config, indent=2) else 0
+    if not 0 < args.every <= 86_400 or (args.runs is not None and args.runs < 1):
+        raise ConfigurationError("--every must be in (0, 86400] seconds and --runs at least 1")
+    # A loop for a process of its own beside busy queues: one JSON line a run; a run that did not
+    # complete is reported and the next one comes as usual. SIGTERM, like Ctrl-C, ends it between runs,
+    # so that no step (a REINDEX CONCURRENTLY) is cut off halfway.
+    stopping: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
+    runs = 0
+    try:
+        while not stopping:
+            started = time.monotonic()
+            _maintain_once(dbq, config, indent=None)
+            runs += 1
+            if args.runs is not None and runs >= args.runs:
+                break
+            while not stopping and time.monotonic() < started + args.every:
+                time.sleep(min(0.1, max(0.0, started + args.every - time.monotonic())))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def _maintain_once(dbq: DbQueue, config: MaintenanceConfig, indent: int | None) -> bool:
+    """Run every maintenance step once and print the report; True when a step did not complete."""
     report = dbq.maintain(config)
     if report["skipped"]:
         print(f"dbqueue: maintenance skipped: {report['skipped']}", file=sys.stderr)
-    _say(json.dumps(report, indent=2))
+    _say(json.dumps(report, indent=indent))
     for step in report["incomplete"]:
         print(
             f"dbqueue: maintenance did not complete: {step['action']} {step['object']}: {step['why']}",
             file=sys.stderr,
         )
-    return 1 if report["incomplete"] else 0
+    return bool(report["incomplete"])
 
 
 def _cmd_metrics(dbq: DbQueue, args: argparse.Namespace) -> int:
@@ -414,6 +445,13 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("maintain", help="run every maintenance step once (archive, VACUUM, reindex, ...)")
     _batch_options(c)
     _maintain_options(c)
+    c.add_argument(
+        "--every",
+        type=float,
+        help="run the steps again every S seconds until stopped (SIGTERM or Ctrl-C, between runs), "
+        "printing one JSON line a run",
+    )
+    c.add_argument("--runs", type=int, help="with --every: stop after N runs")
     c = sub.add_parser("metrics", help="queue depth, age, rates, table sizes and index bloat as JSON")
     c.add_argument("queues", nargs="*")
     c.add_argument(

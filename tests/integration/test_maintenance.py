@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -595,3 +598,48 @@ def test_cli_archive_maintain_and_metrics(dbq: DbQueue, capsys: pytest.CaptureFi
     assert report["metrics"]["queues"]["q"]["ready"] == 0
     assert cli.main([*base, "metrics", "q", "--window", "60"]) == 0
     assert json.loads(capsys.readouterr().out)["queues"]["q"]["finished_per_s"] == 0.5
+
+
+def test_cli_maintain_every_runs_in_a_loop_until_told_to_stop(
+    dbq: DbQueue, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--every S --runs N: N runs, one JSON line each; a churned queue's finished messages archived by
+    the first. Bad loop options are refused with the library's error and run nothing."""
+    q = dbq.create_queue("q")
+    q.push_batch(list(range(50)))
+    assert sorted(m.payload for m in q.pop(50)) == list(range(50))
+    base = ["--dsn", dbq.db.dsn, "--schema", dbq.schema]
+    started = time.monotonic()
+    loop = ["--older-than", "0", "--no-reindex", "--every", "0.3", "--runs", "3"]
+    assert cli.main([*base, "maintain", *loop]) == 0
+    elapsed = time.monotonic() - started
+    reports = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(reports) == 3 and elapsed >= 0.6
+    assert all(r["skipped"] is None and "vacuum" in r for r in reports)
+    assert [r["archive"]["rows"] for r in reports] == [50, 0, 0]
+    for bad in (["--runs", "2"], ["--every", "0"], ["--every", "1", "--runs", "0"]):
+        assert cli.main([*base, "maintain", *bad]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and ("--every" in err or "--runs" in err), err
+
+
+def test_cli_maintain_every_ends_between_runs_on_sigterm(dbq: DbQueue) -> None:
+    """As a service manager stops it: SIGTERM ends the loop after the run in progress, status 0."""
+    loop = ["maintain", "--no-reindex", "--every", "0.2"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "airflow_dbqueue.cli", "--dsn", dbq.db.dsn, "--schema", dbq.schema, *loop],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = json.loads(proc.stdout.readline())
+        assert first["skipped"] is None
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert all(json.loads(line)["skipped"] is None for line in out.splitlines())
