@@ -219,6 +219,8 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
         out["maintenance"] = maintenance_totals(runs[args.design])
         if args.reference_vacuum:
             out["baseline_maintenance"] = maintenance_totals(runs[BASELINE])
+            if PGMQ in runs:
+                out["pgmq_maintenance"] = maintenance_totals(runs[PGMQ])
     if PGMQ in designs and args.design != PGMQ:
         pgmq = combine(runs[PGMQ])
         out["pgmq_cycles_per_s"] = round(pgmq.cycles_per_s, 1)
@@ -249,7 +251,8 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
 
 def maintenance_config(args: argparse.Namespace) -> MaintenanceConfig:
     """What the maintenance process runs in a loop: archive everything finished, VACUUM, rebuild bloated
-    indexes (from 256 KiB of bloat, so rebuilds happen within a short window)."""
+    indexes (from 256 KiB of bloat, so rebuilds happen within a short window; not with
+    --no-maintenance-reindex)."""
     return MaintenanceConfig(
         archive_after_s=args.archive_after,
         archive_retention_s=None,
@@ -257,7 +260,7 @@ def maintenance_config(args: argparse.Namespace) -> MaintenanceConfig:
         pause_s=0.05,
         time_budget_s=max(1.0, args.maintenance_interval),
         vacuum=True,
-        reindex=True,
+        reindex=args.maintenance_reindex,
         reindex_bloat_ratio=2.0,
         reindex_min_bytes=256 * 1024,
         reindex_timeout_s=60.0,
@@ -441,6 +444,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--maintenance-interval", type=float, default=1.0, help="seconds between maintenance runs"
+    )
+    ap.add_argument(
+        "--maintenance-reindex",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the maintenance process rebuilds bloated indexes (default) or only archives and VACUUMs",
     )
     ap.add_argument(
         "--archive-after",
