@@ -236,10 +236,16 @@ def _cmd_maintain(dbq: DbQueue, args: argparse.Namespace) -> int:
     if not 0 < args.every <= 86_400 or (args.runs is not None and args.runs < 1):
         raise ConfigurationError("--every must be in (0, 86400] seconds and --runs at least 1")
     # A loop for a process of its own beside busy queues: one JSON line a run; a run that did not
-    # complete is reported and the next one comes as usual. SIGTERM, like Ctrl-C, ends it between runs,
-    # so that no step (a REINDEX CONCURRENTLY) is cut off halfway.
+    # complete is reported and the next one comes as usual. SIGTERM or Ctrl-C ends it between runs, so
+    # that no step (a REINDEX CONCURRENTLY) is cut off halfway; a second one ends it at once.
     stopping: list[int] = []
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
+
+    def stop(signum: int, frame: Any) -> None:
+        if stopping:
+            raise KeyboardInterrupt
+        stopping.append(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     runs = 0
     try:
         while not stopping:
@@ -251,9 +257,10 @@ def _cmd_maintain(dbq: DbQueue, args: argparse.Namespace) -> int:
             while not stopping and time.monotonic() < started + args.every:
                 time.sleep(min(0.1, max(0.0, started + args.every - time.monotonic())))
     except KeyboardInterrupt:
-        pass
+        return 130  # stopped in the middle of a run
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 
@@ -448,8 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--every",
         type=float,
-        help="run the steps again every S seconds until stopped (SIGTERM or Ctrl-C, between runs), "
-        "printing one JSON line a run",
+        help="run the steps again every S seconds until stopped (SIGTERM or Ctrl-C, between runs; a "
+        "second one stops it at once), printing one JSON line a run",
     )
     c.add_argument("--runs", type=int, help="with --every: stop after N runs")
     c = sub.add_parser("metrics", help="queue depth, age, rates, table sizes and index bloat as JSON")

@@ -521,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     + (
                         f" | {args.design} with maintenance every {args.maintenance_interval:g}s "
-                        f"(archive after {args.archive_after:g}s, VACUUM, reindex)"
+                        f"(archive after {args.archive_after:g}s, VACUUM"
+                        + (", reindex)" if args.maintenance_reindex else ")")
                         + (", references with VACUUM as often" if args.reference_vacuum else "")
                         if args.with_maintenance
                         else ""

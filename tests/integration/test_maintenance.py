@@ -623,8 +623,10 @@ def test_cli_maintain_every_runs_in_a_loop_until_told_to_stop(
         assert out == "" and ("--every" in err or "--runs" in err), err
 
 
-def test_cli_maintain_every_ends_between_runs_on_sigterm(dbq: DbQueue) -> None:
-    """As a service manager stops it: SIGTERM ends the loop after the run in progress, status 0."""
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_cli_maintain_every_ends_between_runs_on_a_signal(dbq: DbQueue, signum: int) -> None:
+    """As a service manager or a user at a terminal stops it: SIGTERM or Ctrl-C ends the loop after
+    the run in progress, status 0."""
     loop = ["maintain", "--no-reindex", "--every", "0.2"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "airflow_dbqueue.cli", "--dsn", dbq.db.dsn, "--schema", dbq.schema, *loop],
@@ -636,7 +638,7 @@ def test_cli_maintain_every_ends_between_runs_on_sigterm(dbq: DbQueue) -> None:
         assert proc.stdout is not None
         first = json.loads(proc.stdout.readline())
         assert first["skipped"] is None
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
