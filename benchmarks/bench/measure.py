@@ -139,50 +139,45 @@ def _maintainer(target: Target, config: MaintenanceConfig, interval: float, stop
     A reference queue has no maintenance of its own: for one, the process runs VACUUM (ANALYZE) of each
     of its tables instead, the step of ``maintain()`` that keeps a queue's table and indexes small."""
     report: dict[str, Any] = {"runs": 0, "archived": 0, "reindexed": 0, "failed_reindexes": 0, "busy_s": 0.0}
-    if target.design in REFERENCES:
-        _vacuumer(target, interval, stop, out, report)
-        return
-    try:
-        with DbQueue(target.dsn, schema=target.schema, pool_size=2) as dbq:
-            while not stop.value:
-                t = time.monotonic()
-                r = dbq.maintain(config)
-                report["busy_s"] += time.monotonic() - t
-                report["runs"] += 1
-                report["archived"] += r.get("archive", {}).get("rows", 0)
-                actions = r.get("indexes", {}).get("actions", [])
-                report["reindexed"] += sum(1 for a in actions if a["ok"])
-                report["failed_reindexes"] += sum(1 for a in actions if not a["ok"])
-                end = time.monotonic() + interval
-                while not stop.value and time.monotonic() < end:
-                    time.sleep(0.02)
-        out.put(report)
-    except BaseException:
-        out.put({"error": traceback.format_exc()})
 
+    def maintain(dbq: DbQueue) -> None:
+        r = dbq.maintain(config)
+        report["archived"] += r.get("archive", {}).get("rows", 0)
+        actions = r.get("indexes", {}).get("actions", [])
+        report["reindexed"] += sum(1 for a in actions if a["ok"])
+        report["failed_reindexes"] += sum(1 for a in actions if not a["ok"])
 
-def _vacuumer(target: Target, interval: float, stop: Any, out: Any, report: dict[str, Any]) -> None:
+    def vacuum(conn: psycopg.Connection[Any], tables: list[str]) -> None:
+        for table in tables:
+            conn.execute(f"VACUUM (ANALYZE) {table}")
+
     try:
-        with psycopg.connect(target.dsn, autocommit=True) as conn:
-            tables = [
-                r[0]
-                for r in conn.execute(
+        if target.design in REFERENCES:
+            with psycopg.connect(target.dsn, autocommit=True) as conn:
+                listed = conn.execute(
                     "SELECT format('%%I.%%I', schemaname, tablename) FROM pg_tables WHERE schemaname = %s",
                     (target.schema,),
                 )
-            ]
-            while not stop.value:
-                t = time.monotonic()
-                for table in tables:
-                    conn.execute(f"VACUUM (ANALYZE) {table}")
-                report["busy_s"] += time.monotonic() - t
-                report["runs"] += 1
-                end = time.monotonic() + interval
-                while not stop.value and time.monotonic() < end:
-                    time.sleep(0.02)
+                tables = [r[0] for r in listed]
+                _every(interval, stop, report, lambda: vacuum(conn, tables))
+        else:
+            with DbQueue(target.dsn, schema=target.schema, pool_size=2) as dbq:
+                _every(interval, stop, report, lambda: maintain(dbq))
         out.put(report)
     except BaseException:
         out.put({"error": traceback.format_exc()})
+
+
+def _every(interval: float, stop: Any, report: dict[str, Any], run: Callable[[], None]) -> None:
+    """``run()`` every ``interval`` seconds until ``stop``, counting the runs and the seconds they took."""
+    while not stop.value:
+        t = time.monotonic()
+        run()
+        report["busy_s"] += time.monotonic() - t
+        report["runs"] += 1
+        end = time.monotonic() + interval
+        while not stop.value and time.monotonic() < end:
+            time.sleep(0.02)
 
 
 class _Processes:

@@ -144,20 +144,28 @@ def test_maintenance_mode_reports_latency_percentiles_with_and_without(pg_dsn: s
     assert point["maintenance"]["runs"] >= 1 and point["maintenance"]["archived"] > 0
 
 
-def test_a_point_with_maintenance_runs_it_beside_the_design_only(pg_dsn: str) -> None:
-    """--with-maintenance: the table design's run has the maintenance process archiving what its
-    at-least-once consumers acked; the naive and PGMQ references run as without it. Refused for a
-    reference design and together with --maintenance; --reference-vacuum needs it. (about 15 s)"""
+def _one_point(pg_dsn: str, *args: str) -> dict[str, Any]:
+    """A short 1x1 batch-100 point of the table design with ``args``; its JSON report."""
     proc = _run(
         pg_dsn,
         *("--design", "table", "--producers", "1", "--consumers", "1", "--batch", "100"),
-        *("--seconds", "4", "--warmup", "0.5", "--json", "--semantics", "at-least-once", "--pgmq"),
-        "--with-maintenance",
+        *("--warmup", "0.5", "--json", *args),
         timeout=180,
     )
     assert proc.returncode == 0, proc.stderr
     [line] = [line for line in proc.stdout.splitlines() if line.strip()]
     point: dict[str, Any] = json.loads(line)
+    return point
+
+
+def test_a_point_with_maintenance_runs_it_beside_the_design_only(pg_dsn: str) -> None:
+    """--with-maintenance: the table design's run has the maintenance process archiving what its
+    at-least-once consumers acked; the naive and PGMQ references run as without it. Refused for a
+    reference design and together with --maintenance; --reference-vacuum needs it. (about 15 s)"""
+    point = _one_point(
+        pg_dsn,
+        *("--seconds", "4", "--semantics", "at-least-once", "--pgmq", "--with-maintenance"),
+    )
     assert point["with_maintenance"] is True and point["valid"] is True
     assert (point["lost"], point["duplicated"], point["baseline_lost"], point["pgmq_lost"]) == (0, 0, 0, 0)
     assert point["cycles_per_s"] > 0 and point["baseline_cycles_per_s"] > 0 and point["pgmq_cycles_per_s"] > 0
@@ -173,16 +181,11 @@ def test_a_point_with_maintenance_runs_it_beside_the_design_only(pg_dsn: str) ->
 def test_a_point_with_maintenance_can_vacuum_the_references_as_often(pg_dsn: str) -> None:
     """--reference-vacuum: the naive queue's run has a loop of VACUUM beside it too; with
     --no-maintenance-reindex the design's maintenance rebuilds nothing. (about 10 s)"""
-    proc = _run(
+    point = _one_point(
         pg_dsn,
-        *("--design", "table", "--producers", "1", "--consumers", "1", "--batch", "100", "--no-archive"),
-        *("--seconds", "3", "--warmup", "0.5", "--json", "--with-maintenance", "--reference-vacuum"),
+        *("--seconds", "3", "--no-archive", "--with-maintenance", "--reference-vacuum"),
         "--no-maintenance-reindex",
-        timeout=180,
     )
-    assert proc.returncode == 0, proc.stderr
-    [line] = [line for line in proc.stdout.splitlines() if line.strip()]
-    point: dict[str, Any] = json.loads(line)
     assert (point["with_maintenance"], point["reference_vacuum"], point["valid"]) == (True, True, True)
     counts = ("lost", "duplicated", "baseline_lost", "baseline_duplicated")
     assert [point[k] for k in counts] == [0, 0, 0, 0]
