@@ -78,6 +78,28 @@ def _connection_types() -> list[dict[str, Any]]:
                     "description": "The schema of the queue tables in that database",
                     "schema": {"type": ["string", "null"], "default": "dbqueue"},
                 },
+                "dbqueue_pooler": {
+                    "label": "Pooler",
+                    "description": "transaction when the host is a pooler in transaction mode (PgBouncer's "
+                    "pool_mode = transaction, RDS Proxy, Supavisor, pgcat); none or session otherwise",
+                    "schema": {
+                        "type": "string",
+                        "enum": ["none", "session", "transaction"],
+                        "default": "none",
+                    },
+                },
+                "dbqueue_listen_host": {
+                    "label": "Listen host",
+                    "description": "Behind a transaction pooler: the host that reaches the database with a "
+                    "session of its own (the server, or a pooler in session mode), with the same login, for "
+                    "LISTEN and maintenance. Empty: waits poll and maintenance is refused",
+                    "schema": {"type": ["string", "null"]},
+                },
+                "dbqueue_listen_port": {
+                    "label": "Listen port",
+                    "description": "The listen host's port (empty: the connection's port)",
+                    "schema": {"type": ["integer", "null"]},
+                },
             },
         }
     ]

@@ -18,6 +18,8 @@ import pytest
 
 from airflow_dbqueue.engine import DbQueue
 from airflow_dbqueue.engine.embedded import EmbeddedPostgres
+from tests.helpers import require
+from tests.pgbouncer import PgBouncer, find_pgbouncer
 
 TEST_DSN_ENV = "DBQUEUE_TEST_DSN"
 MSSQL_DSN_ENV = "DBQUEUE_TEST_MSSQL_DSN"
@@ -55,10 +57,31 @@ def schema_name() -> str:
     return f"t_{uuid.uuid4().hex[:12]}"
 
 
+@pytest.fixture(scope="session")
+def pgbouncer(pg_dsn: str) -> Iterator[PgBouncer]:
+    """A real PgBouncer in front of the session's server (``tests/pgbouncer.py``), for the session."""
+    binary = find_pgbouncer()
+    require(None if binary else "pgbouncer is not installed", "apt-get install pgbouncer")
+    assert binary is not None
+    bouncer = PgBouncer(pg_dsn, binary)
+    bouncer.start()
+    try:
+        yield bouncer
+    finally:
+        bouncer.stop()
+
+
 @contextlib.contextmanager
-def installed_dbq(dsn: str, schema: str, dialect: str | None = None) -> Iterator[DbQueue]:
+def installed_dbq(
+    dsn: str,
+    schema: str,
+    dialect: str | None = None,
+    *,
+    pooler: str | None = None,
+    listen_dsn: str | None = None,
+) -> Iterator[DbQueue]:
     """A DbQueue on ``schema``, installed; the schema is dropped afterwards."""
-    q = DbQueue(dsn, schema=schema, pool_size=8, dialect=dialect)
+    q = DbQueue(dsn, schema=schema, pool_size=8, dialect=dialect, pooler=pooler, listen_dsn=listen_dsn)
     q.install()
     try:
         yield q

@@ -36,6 +36,33 @@ def dialect_dbq(request: pytest.FixtureRequest, schema_name: str) -> Iterator[Db
         yield q
 
 
+TOPOLOGIES = ["postgresql", "pgbouncer-transaction", "pgbouncer-session", "mssql"]
+"""The dialects, and PostgreSQL behind a real PgBouncer in each pool mode (``tests/pgbouncer.py``): in
+transaction mode with ``pooler="transaction"`` and the server itself as ``listen_dsn``, as
+docs/deploy.md tells a deployment behind a transaction pooler to configure it."""
+
+
+@pytest.fixture(params=TOPOLOGIES, name="dbq")
+def topology_dbq(request: pytest.FixtureRequest, schema_name: str) -> Iterator[DbQueue]:
+    """A DbQueue on a fresh, installed schema of each of :data:`TOPOLOGIES`; dropped after the test."""
+    if request.param.startswith("pgbouncer-"):
+        mode = request.param.removeprefix("pgbouncer-")
+        server = request.getfixturevalue("pg_dsn")
+        dsn = request.getfixturevalue("pgbouncer").dsn(mode)
+        listen = server if mode == "transaction" else None
+        with installed_dbq(dsn, schema_name, pooler=mode, listen_dsn=listen) as q:
+            yield q
+        return
+    dsn = request.getfixturevalue("pg_dsn" if request.param == "postgresql" else "mssql_dsn")
+    with installed_dbq(dsn, schema_name, dialect=request.param) as q:
+        yield q
+
+
+def behind_transaction_pooler(dbq: DbQueue) -> bool:
+    """Whether ``dbq`` reaches its server through a pooler in transaction mode."""
+    return bool(getattr(dbq.db, "transaction_pooled", False))
+
+
 def postgres_only(dbq: DbQueue, why: str) -> None:
     if dbq.dialect != "postgresql":
         pytest.skip(f"PostgreSQL only on {dbq.dialect}: {why}")

@@ -51,6 +51,8 @@ if TYPE_CHECKING:
     from airflow_dbqueue.engine.queue import Queue
 
 DSN_ENV = "DBQUEUE_DSN"
+POOLER_ENV = "DBQUEUE_POOLER"
+LISTEN_DSN_ENV = "DBQUEUE_LISTEN_DSN"
 MAX_PAYLOAD_LIMIT = 256 * 1024 * 1024
 
 _SETTINGS_COLUMNS = (
@@ -226,6 +228,15 @@ class DbQueue:
     :param connect_timeout: seconds before an unreachable database raises DatabaseUnavailableError.
     :param dialect: ``postgresql`` or ``mssql``; by default read from the DSN (an ``mssql://`` URL or an
         ODBC connection string selects SQL Server, anything else is PostgreSQL).
+    :param pooler: ``transaction`` when ``dsn`` reaches a pooler in transaction mode (PgBouncer's
+        ``pool_mode = transaction``, RDS Proxy, Supavisor, pgcat, Odyssey): no statement is prepared and
+        no connection gets a session setting. ``none`` (the default) or ``session`` otherwise. Defaults
+        to ``$DBQUEUE_POOLER``. PostgreSQL only.
+    :param listen_dsn: a connection string that reaches the same database with a session of its own
+        (directly, or through a pooler in session mode): waiting pops LISTEN there and maintenance holds
+        its lock there. Behind a transaction pooler without one, waiting pops poll (a warning says so
+        once) and maintenance raises :class:`ConfigurationError`. Defaults to ``$DBQUEUE_LISTEN_DSN``.
+        PostgreSQL only.
     """
 
     def __init__(
@@ -236,8 +247,12 @@ class DbQueue:
         pool_size: int = 10,
         connect_timeout: float = CONNECT_TIMEOUT_S,
         dialect: str | None = None,
+        pooler: str | None = None,
+        listen_dsn: str | None = None,
     ) -> None:
         dsn = dsn or os.environ.get(DSN_ENV)
+        pooler = pooler or os.environ.get(POOLER_ENV) or None
+        listen_dsn = listen_dsn or os.environ.get(LISTEN_DSN_ENV) or None
         if not dsn:
             raise ConfigurationError(
                 f"no database given: pass a DSN or set ${DSN_ENV} (or use airflow_dbqueue.engine.embedded)"
@@ -246,7 +261,13 @@ class DbQueue:
         if not isinstance(pool_size, int) or isinstance(pool_size, bool) or pool_size < 1:
             raise ConfigurationError(f"pool_size must be an integer >= 1, got {pool_size!r}")
         self.db: Database = make_database(
-            dsn, dialect=dialect, schema=schema, pool_size=pool_size, connect_timeout=connect_timeout
+            dsn,
+            dialect=dialect,
+            schema=schema,
+            pool_size=pool_size,
+            connect_timeout=connect_timeout,
+            pooler=pooler,
+            listen_dsn=listen_dsn,
         )
         self.dialect = self.db.dialect_name
         self.schema = self.db.schema

@@ -5,16 +5,31 @@ trigger, which looks its connection up asynchronously, and the Queues page)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from airflow_dbqueue.engine import ConfigurationError
-from airflow_dbqueue.engine.dialects.base import DEFAULT_SCHEMA, DIALECTS, MSSQL, POSTGRESQL
+from airflow_dbqueue.engine.dialects.base import (
+    DEFAULT_SCHEMA,
+    DIALECTS,
+    MSSQL,
+    POOLER_NONE,
+    POSTGRESQL,
+    check_pooler,
+)
 
 if TYPE_CHECKING:
     from airflow.sdk import Connection
 
 SCHEMA_EXTRA = "dbqueue_schema"
 """Connection extra naming the schema that holds the queue tables (default ``dbqueue``)."""
+POOLER_EXTRA = "dbqueue_pooler"
+"""Connection extra: ``transaction`` when the host is a pooler in transaction mode (``none`` or
+``session`` otherwise; the engine's ``pooler``)."""
+LISTEN_HOST_EXTRA = "dbqueue_listen_host"
+LISTEN_PORT_EXTRA = "dbqueue_listen_port"
+"""Connection extras: the host and port that reach the same database with a session of its own (the
+server, or a pooler in session mode), with the connection's login and database: the engine's
+``listen_dsn``, where waiting pops, sensors and triggers LISTEN and maintenance holds its lock."""
 
 CONN_TYPE = "dbqueue"
 """The provider's own connection type: its form picks the dialect (extra ``dialect``) and the schema."""
@@ -22,13 +37,12 @@ DIALECT_EXTRA = "dialect"
 
 # Connection types that select a dialect (a dbqueue connection names its dialect in its extra).
 _DIALECTS = {"postgres": POSTGRESQL, "postgresql": POSTGRESQL, "mssql": MSSQL, "odbc": MSSQL}
+_OUR_EXTRAS = (SCHEMA_EXTRA, DIALECT_EXTRA, POOLER_EXTRA, LISTEN_HOST_EXTRA, LISTEN_PORT_EXTRA)
 # Extras of SQL Server connections that are not ODBC attributes (Airflow's own, and ours).
 _NOT_ODBC_EXTRAS = frozenset(
     {
-        SCHEMA_EXTRA,
-        DIALECT_EXTRA,
-        f"extra__{CONN_TYPE}__{SCHEMA_EXTRA}",
-        f"extra__{CONN_TYPE}__{DIALECT_EXTRA}",
+        *_OUR_EXTRAS,
+        *(f"extra__{CONN_TYPE}__{name}" for name in _OUR_EXTRAS),
         "connect_kwargs",
         "sqlalchemy_scheme",
         "sqlalchemy_query",
@@ -86,15 +100,47 @@ def connection_dialect(conn: Connection) -> str:
     return _DIALECTS[conn_type]
 
 
+class Target(NamedTuple):
+    """What the engine needs of an Airflow connection: :class:`~airflow_dbqueue.engine.DbQueue`'s
+    ``dsn``, ``schema``, ``pooler`` and ``listen_dsn``."""
+
+    dsn: str
+    schema: str
+    pooler: str
+    listen_dsn: str | None
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``DbQueue`` (and ``make_database``) besides the DSN."""
+        return {"schema": self.schema, "pooler": self.pooler, "listen_dsn": self.listen_dsn}
+
+
 def connection_dsn(conn: Connection) -> tuple[str, str]:
     """Return ``(dsn, queue_schema)`` for an Airflow connection, checking that its type has a dialect."""
+    target = connection_target(conn)
+    return target.dsn, target.schema
+
+
+def connection_target(conn: Connection) -> Target:
+    """Return the engine's :class:`Target` for an Airflow connection, checking that its type has a
+    dialect and that its pooler extras make sense."""
     from airflow_dbqueue.engine.dialects.postgres.conninfo import make_dsn
 
     dialect = connection_dialect(conn)
     extra = conn.extra_dejson or {}
-    schema = _extra(extra, SCHEMA_EXTRA) or DEFAULT_SCHEMA
+    schema = str(_extra(extra, SCHEMA_EXTRA) or DEFAULT_SCHEMA)
+    try:
+        pooler = check_pooler(_extra(extra, POOLER_EXTRA) or None)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"connection {conn.conn_id!r}: {exc}") from None
+    listen_host = _extra(extra, LISTEN_HOST_EXTRA)
+    listen_port = _extra(extra, LISTEN_PORT_EXTRA)
     if dialect == MSSQL:
-        return mssql_url(conn, extra), str(schema)
+        if pooler != POOLER_NONE or listen_host or listen_port:
+            raise ConfigurationError(
+                f"connection {conn.conn_id!r}: {POOLER_EXTRA}, {LISTEN_HOST_EXTRA} and "
+                f"{LISTEN_PORT_EXTRA} are PostgreSQL's (SQL Server has no transaction pooler or LISTEN)"
+            )
+        return Target(mssql_url(conn, extra), schema, pooler, None)
     login, password, port = conn.login, conn.password, conn.port
     tokens = [key for key in _TOKEN_EXTRAS if str(extra.get(key, "")).lower() in ("true", "1", "yes")]
     if tokens:
@@ -107,7 +153,16 @@ def connection_dsn(conn: Connection) -> tuple[str, str]:
         "dbname": conn.schema or None,
     }
     params.update({k: v for k, v in extra.items() if k in _LIBPQ_EXTRAS})
-    return make_dsn(params), str(schema)
+    listen_dsn = None
+    if listen_host or listen_port:
+        if listen_port not in (None, "") and not str(listen_port).strip().isdigit():
+            raise ConfigurationError(
+                f"connection {conn.conn_id!r}: {LISTEN_PORT_EXTRA} must be a port number, got {listen_port!r}"
+            )
+        listen_dsn = make_dsn(
+            {**params, "host": listen_host or params["host"], "port": listen_port or params["port"]}
+        )
+    return Target(make_dsn(params), schema, pooler, listen_dsn)
 
 
 def _token_login(conn: Connection, key: str) -> tuple[str, str, int]:

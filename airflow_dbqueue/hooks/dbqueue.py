@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING
 from airflow.sdk import BaseHook
 
 from airflow_dbqueue.engine import ConfigurationError, DbQueue
-from airflow_dbqueue.engine.dialects.base import CONNECT_TIMEOUT_S, DEFAULT_SCHEMA, DIALECTS, POSTGRESQL
+from airflow_dbqueue.engine.dialects.base import (
+    CONNECT_TIMEOUT_S,
+    DEFAULT_SCHEMA,
+    DIALECTS,
+    POOLER_TRANSACTION,
+    POSTGRESQL,
+)
 from airflow_dbqueue.hooks.claims import message_to_xcom
 from airflow_dbqueue.hooks.connection import (
     CONN_TYPE,
@@ -25,6 +31,7 @@ from airflow_dbqueue.hooks.connection import (
     SCHEMA_EXTRA,
     connection_dialect,
     connection_dsn,
+    connection_target,
     mssql_url,
 )
 from airflow_dbqueue.hooks.maintenance import MaintenanceSteps
@@ -104,12 +111,14 @@ class DbQueueHook(QueueOperations, MaintenanceSteps, BaseHook):  # type: ignore[
     def get_conn(self) -> DbQueue:
         """Return the engine for the connection (made on first call; does no I/O itself)."""
         if self._dbq is None:
-            dsn, schema = connection_dsn(self.get_connection(self.dbqueue_conn_id))
+            target = connection_target(self.get_connection(self.dbqueue_conn_id))
             self._dbq = DbQueue(
-                dsn,
-                schema=self.dbqueue_schema or schema,
+                target.dsn,
+                schema=self.dbqueue_schema or target.schema,
                 pool_size=self.pool_size,
                 connect_timeout=self.connect_timeout,
+                pooler=target.pooler,
+                listen_dsn=target.listen_dsn,
             )
         return self._dbq
 
@@ -161,7 +170,8 @@ class DbQueueHook(QueueOperations, MaintenanceSteps, BaseHook):  # type: ignore[
                 f"connection {conn.conn_id!r} is a SQL Server connection; Spark jobs read batches over "
                 "PostgreSQL's JDBC driver, from a PostgreSQL queue database"
             )
-        options = jdbc_options(connection_dsn(conn)[0])  # the same login (or token) as the hook's
+        target = connection_target(conn)  # the same login (or token) as the hook's
+        options = jdbc_options(target.dsn, transaction_pooler=target.pooler == POOLER_TRANSACTION)
         return options["url"], options.get("user"), options.get("password")
 
     @contextlib.contextmanager

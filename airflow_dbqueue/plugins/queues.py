@@ -45,7 +45,7 @@ from airflow_dbqueue.engine import (
 )
 from airflow_dbqueue.engine.maintenance.config import RATE_WINDOW_S
 from airflow_dbqueue.engine.models import DEFAULT_GROUP
-from airflow_dbqueue.hooks.connection import CONN_TYPE, SCHEMA_EXTRA, _extra, connection_dsn
+from airflow_dbqueue.hooks.connection import CONN_TYPE, SCHEMA_EXTRA, _extra, connection_target
 
 if TYPE_CHECKING:
     from airflow.api_fastapi.auth.managers.models.base_user import BaseUser
@@ -181,10 +181,10 @@ def connection(conn_id: str) -> Connection:
 def engine(conn: Connection) -> Iterator[DbQueue]:
     """The engine on ``conn`` for one request: one database connection at most, closed on the way out."""
     try:
-        dsn, schema = connection_dsn(conn)
+        target = connection_target(conn)
     except DbQueueError as exc:  # the connection itself cannot serve queues (a refused extra, ...)
         raise HTTPException(status.HTTP_400_BAD_REQUEST, f"connection {conn.conn_id!r}: {exc}") from None
-    dbq = DbQueue(dsn, schema=schema, pool_size=1, connect_timeout=CONNECT_TIMEOUT_S)
+    dbq = DbQueue(target.dsn, **target.engine_kwargs(), pool_size=1, connect_timeout=CONNECT_TIMEOUT_S)
     try:
         yield dbq
     except QueueNotFoundError as exc:
@@ -345,9 +345,11 @@ def connection_figures(conn: Connection, rate_window_s: float) -> dict[str, Any]
     """The figures of one connection's queue schema, or in ``error`` the engine's reason it has none."""
     out: dict[str, Any] = {"error": None}
     try:
-        dsn, schema = connection_dsn(conn)
-        out["schema"] = schema
-        with DbQueue(dsn, schema=schema, pool_size=1, connect_timeout=CONNECT_TIMEOUT_S) as dbq:
+        target = connection_target(conn)
+        out["schema"] = target.schema
+        with DbQueue(
+            target.dsn, **target.engine_kwargs(), pool_size=1, connect_timeout=CONNECT_TIMEOUT_S
+        ) as dbq:
             out["dialect"] = dbq.dialect
             settings = {s.name: s for s in dbq.list_queues()}
             metrics = dbq.maintenance().metrics(rate_window_s=rate_window_s)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_dbqueue.engine import DbQueueError, NotifyMode
 from airflow_dbqueue.engine.dialects.base import CONNECT_TIMEOUT_S
-from airflow_dbqueue.hooks.connection import connection_dsn
+from airflow_dbqueue.hooks.connection import Target, connection_target
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
 
 if TYPE_CHECKING:
@@ -28,12 +28,12 @@ APPLICATION_NAME = "airflow-dbqueue-trigger"
 """The ``application_name`` of a stream's connection (one a connection and schema in a triggerer)."""
 
 
-def open_queue(dsn: str, schema: str, queue_name: str, group: str | None = None) -> Queue:
+def open_queue(target: Target, queue_name: str, group: str | None = None) -> Queue:
     """Load a queue's settings (and its consumer group's, with ``group``) with the sync engine (run in a
     thread) and close its pool again."""
     from airflow_dbqueue.engine import DbQueue
 
-    dbq = DbQueue(dsn, schema=schema, pool_size=1)
+    dbq = DbQueue(target.dsn, **target.engine_kwargs(), pool_size=1)
     try:
         return dbq.queue(queue_name).group(group)
     finally:
@@ -98,10 +98,12 @@ class Stream:
         from airflow_dbqueue.engine.dialects.base import make_database
 
         conn = await DbQueueHook.aget_connection(conn_id)
-        dsn, conn_schema = await asyncio.to_thread(connection_dsn, conn)  # a token login may do I/O
-        schema = schema or conn_schema
+        target = await asyncio.to_thread(connection_target, conn)  # a token login may do I/O
+        target = target._replace(schema=schema or target.schema)
         # The dialect's database object opens no pool here: the stream's one connection is aconnect's.
-        db = make_database(dsn, schema=schema, pool_size=1, connect_timeout=CONNECT_TIMEOUT_S)
+        db = make_database(
+            target.dsn, **target.engine_kwargs(), pool_size=1, connect_timeout=CONNECT_TIMEOUT_S
+        )
         aconn = await db.aconnect(APPLICATION_NAME)
         listening: set[str] = set()
         try:
@@ -109,7 +111,7 @@ class Stream:
                 self._changed.clear()
                 for w in list(self.watches.values()):
                     if w.queue is None and w.error is None:
-                        await self._load(w, dsn, schema, aconn, listening)
+                        await self._load(w, target, db.supports_notify, aconn, listening)
                 results = await self._check_due(aconn)
                 if results:
                     yield results
@@ -144,19 +146,20 @@ class Stream:
     async def _load(
         self,
         w: Watch,
-        dsn: str,
-        schema: str,
+        target: Target,
+        can_listen: bool,
         aconn: AsyncDbConnection,
         listening: set[str],
     ) -> None:
         """Load a new watch's queue and LISTEN on its channel before its first check, so that a push
-        committed after that check wakes it."""
+        committed after that check wakes it (unless the stream cannot LISTEN: a transaction pooler
+        without a listen DSN, where every watch polls)."""
         try:
-            w.queue = await asyncio.to_thread(open_queue, dsn, schema, w.queue_name, w.group)
+            w.queue = await asyncio.to_thread(open_queue, target, w.queue_name, w.group)
         except DbQueueError as exc:
             w.error = exc
             return
-        if w.use_notify and w.queue.settings.notify is not NotifyMode.NEVER:
+        if can_listen and w.use_notify and w.queue.settings.notify is not NotifyMode.NEVER:
             try:
                 if w.queue.channel not in listening:
                     await w.queue.alisten(aconn)

@@ -7,9 +7,10 @@ they received (exactly-once consumers write it into a results table in the pop's
 and the test compares counts, checksums and identities, then checks the queue is empty.
 
 The children are started with the ``spawn`` context: each builds its own :class:`DbQueue` from the
-DSN, schema and dialect, so no connection crosses a ``fork``. Each case runs on PostgreSQL, and on SQL
-Server when ``$DBQUEUE_TEST_MSSQL_DSN`` names one (skipped otherwise): the results table is written
-and read through the engine's connections with SQL valid on both (``tests/dialects.py``).
+DSN, schema and dialect, so no connection crosses a ``fork``. Each case runs on PostgreSQL, through a
+real PgBouncer in transaction and in session mode, and on SQL Server when ``$DBQUEUE_TEST_MSSQL_DSN``
+names one (skipped otherwise): the results table is written and read through the engine's connections
+with SQL valid on both (``tests/dialects.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from airflow_dbqueue.engine import DbQueue
-from tests.dialects import ResultsTable, dialect_dbq  # noqa: F401 - dialect_dbq is the fixture "dbq"
+from tests.dialects import ResultsTable, topology_dbq  # noqa: F401 - topology_dbq is the fixture "dbq"
 from tests.helpers import drained, payload_hash
 
 if TYPE_CHECKING:
@@ -66,6 +67,15 @@ def read_results(dbq: DbQueue) -> list[tuple[int, int, int, int, int]]:
     return [(int(c), int(i), int(p), int(s), int(h)) for c, i, p, s, h in RESULTS.read(dbq)]
 
 
+def engine_kwargs(dbq: DbQueue) -> dict[str, Any]:
+    """What a child passes to :class:`DbQueue` besides the DSN and schema to reach the database as ``dbq``
+    does: its dialect, and its pooler and listen DSN where it has them."""
+    engine: dict[str, Any] = {"dialect": dbq.dialect}
+    if dbq.dialect == "postgresql":
+        engine.update(pooler=dbq.db.pooler, listen_dsn=dbq.db.listen_dsn)  # type: ignore[attr-defined]
+    return engine
+
+
 # -- child processes (module level: spawn imports this module to find them) -----------------------
 
 
@@ -73,7 +83,7 @@ def _producer(
     *,
     dsn: str,
     schema: str,
-    dialect: str,
+    engine: dict[str, Any],
     idx: int,
     count: int,
     batch: int,
@@ -82,7 +92,7 @@ def _producer(
     deadline: float,
 ) -> None:
     try:
-        with DbQueue(dsn, schema=schema, pool_size=1, dialect=dialect) as dbq:
+        with DbQueue(dsn, schema=schema, pool_size=1, **engine) as dbq:
             q = dbq.queue(QUEUE)
             # Every child has its connection before the first push, so the run is concurrent.
             start.wait(timeout=120)
@@ -109,7 +119,7 @@ def _consumer(
     *,
     dsn: str,
     schema: str,
-    dialect: str,
+    engine: dict[str, Any],
     idx: int,
     semantics: str,
     batch: int,
@@ -119,7 +129,7 @@ def _consumer(
     deadline: float,
 ) -> None:
     try:
-        with DbQueue(dsn, schema=schema, pool_size=2, dialect=dialect) as dbq:
+        with DbQueue(dsn, schema=schema, pool_size=2, **engine) as dbq:
             q = dbq.queue(QUEUE)
             start.wait(timeout=120)
             got: list[tuple[int, int, int, int]] = []  # (id, producer, seq, payload hash)
@@ -189,7 +199,8 @@ def test_many_processes_move_100k_messages_once(dbq: DbQueue, semantics: str, de
     q = dbq.create_queue(QUEUE, design=design, payload_type="json", visibility_timeout=120.0, **ring)
     if semantics == "exactly-once":
         RESULTS.create(dbq)
-    dsn, schema, dialect = dbq.db.dsn, dbq.schema, dbq.dialect
+    dsn, schema = dbq.db.dsn, dbq.schema
+    engine = engine_kwargs(dbq)
     total = PRODUCERS * PER_PRODUCER
     ctx = mp.get_context("spawn")
     results: mp.Queue[Any] = ctx.Queue()
@@ -202,7 +213,7 @@ def test_many_processes_move_100k_messages_once(dbq: DbQueue, semantics: str, de
             kwargs={
                 "dsn": dsn,
                 "schema": schema,
-                "dialect": dialect,
+                "engine": engine,
                 "idx": i,
                 "semantics": semantics,
                 "batch": POP_BATCH,
@@ -221,7 +232,7 @@ def test_many_processes_move_100k_messages_once(dbq: DbQueue, semantics: str, de
             kwargs={
                 "dsn": dsn,
                 "schema": schema,
-                "dialect": dialect,
+                "engine": engine,
                 "idx": i,
                 "count": PER_PRODUCER,
                 "batch": PUSH_BATCH,

@@ -33,12 +33,13 @@ from airflow_dbqueue.engine import (
     TransactionRequiredError,
 )
 from airflow_dbqueue.engine.dialects.mssql import MssqlDatabase
-from tests.dialects import (  # noqa: F401 - dialect_dbq is the fixture "dbq"
+from tests.dialects import (  # noqa: F401 - topology_dbq is the fixture "dbq"
     ResultsTable,
-    dialect_dbq,
+    behind_transaction_pooler,
     expire_leases,
     postgres_only,
     run_sql,
+    topology_dbq,
 )
 from tests.helpers import checksum
 
@@ -75,7 +76,10 @@ def callers_connection(dbq: DbQueue) -> Iterator[Any]:
     psycopg's is idle (no transaction until its first statement); pyodbc's, the dialect's ``connect()``
     (XACT_ABORT on, so a server error would doom its transaction), is always in one.
     """
-    conn = dbq.db.connect() if isinstance(dbq.db, MssqlDatabase) else psycopg.connect(dbq.db.dsn)
+    if isinstance(dbq.db, MssqlDatabase):
+        conn = dbq.db.connect()
+    else:  # behind a transaction pooler, as docs/deploy.md asks of a caller's own connection there
+        conn = psycopg.connect(dbq.db.dsn, prepare_threshold=None if behind_transaction_pooler(dbq) else 5)
     try:
         yield conn
     finally:
@@ -817,7 +821,9 @@ def test_semantics_parse() -> None:
 def _notifications(dbq: DbQueue, q: Queue, action: Callable[[], object]) -> int:
     """Run ``action`` and count the NOTIFYs a listener on the queue's channel receives."""
     channel = dbq.db.channel(q.settings.queue_id)
-    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+    # A LISTEN needs a session of its own: the listen DSN when the engine has one (behind a transaction
+    # pooler), else the engine's own.
+    with psycopg.connect(getattr(dbq.db, "listen_dsn", None) or dbq.db.dsn, autocommit=True) as c:
         c.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel)))
         action()
         return sum(1 for _ in c.notifies(timeout=0.5))

@@ -43,6 +43,25 @@ DEFAULT_SCHEMA = "dbqueue"
 CONNECT_TIMEOUT_S = 10.0
 """Seconds before an unreachable database raises :class:`DatabaseUnavailableError`."""
 
+POOLER_NONE = "none"
+"""The engine reaches the server directly, or through a pooler in session mode (one server connection a
+client connection for as long as it lasts): sessions keep what they set up."""
+POOLER_SESSION = "session"
+"""A pooler in session mode: the same as :data:`POOLER_NONE` to the engine, named for the docs' sake."""
+POOLER_TRANSACTION = "transaction"
+"""A pooler that hands each transaction to whichever server connection is free (PgBouncer's
+transaction mode, RDS Proxy, Supavisor, pgcat, Odyssey): nothing may outlive a transaction."""
+POOLERS = (POOLER_NONE, POOLER_SESSION, POOLER_TRANSACTION)
+
+
+def check_pooler(pooler: str | None) -> str:
+    """Return what ``pooler`` names (:data:`POOLER_NONE` for None or ``session``), or raise
+    :class:`ConfigurationError` naming the accepted values."""
+    value = POOLER_NONE if pooler is None else str(pooler).strip().lower()
+    if value not in POOLERS:
+        raise ConfigurationError(f"pooler must be one of {', '.join(POOLERS)}, got {pooler!r}")
+    return POOLER_NONE if value == POOLER_SESSION else value
+
 
 class Listener(Protocol):
     """A wake-up source: :meth:`wait` returns True when something may have arrived."""
@@ -338,16 +357,31 @@ def make_database(
     schema: str,
     pool_size: int,
     connect_timeout: float,
+    pooler: str | None = None,
+    listen_dsn: str | None = None,
 ) -> Database:
-    """Build the dialect's :class:`Database` for ``dsn`` (no I/O: pools open on first use)."""
+    """Build the dialect's :class:`Database` for ``dsn`` (no I/O: pools open on first use).
+
+    ``pooler`` and ``listen_dsn`` are PostgreSQL's (see :class:`PostgresDatabase`)."""
     name = (dialect or dialect_of_dsn(dsn)).lower()
+    pooler = check_pooler(pooler)
     if name in ("postgres", POSTGRESQL):
         from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
 
         return PostgresDatabase(
-            dsn, schema=schema, min_size=1, max_size=pool_size, connect_timeout=connect_timeout
+            dsn,
+            schema=schema,
+            min_size=1,
+            max_size=pool_size,
+            connect_timeout=connect_timeout,
+            pooler=pooler,
+            listen_dsn=listen_dsn,
         )
     if name in (MSSQL, "sqlserver", "odbc"):
+        if pooler != POOLER_NONE or listen_dsn:
+            raise ConfigurationError(
+                "pooler and listen_dsn are PostgreSQL's: SQL Server has no transaction pooler and no LISTEN"
+            )
         from airflow_dbqueue.engine.dialects.mssql import MssqlDatabase
 
         return MssqlDatabase(dsn, schema=schema, max_size=pool_size, connect_timeout=connect_timeout)

@@ -81,17 +81,24 @@ def make_dsn(params: Mapping[str, Any]) -> str:
     return psycopg.conninfo.make_conninfo("", **{k: v for k, v in params.items() if v is not None})
 
 
-def jdbc_options(dsn: str) -> dict[str, str]:
+def jdbc_options(dsn: str, *, transaction_pooler: bool = False) -> dict[str, str]:
     """Spark JDBC options (url, user, password) for the PostgreSQL database of a libpq ``dsn``.
 
     The URL carries the host, port, database and ``sslmode``; ``user`` and ``password`` are there only
-    when the DSN has them.
+    when the DSN has them. Behind a transaction pooler the URL sets ``prepareThreshold=0``: the JDBC
+    driver then never names a server-side prepared statement, which would live on one server connection
+    while the pooler sends the next transaction to another.
     """
     info = psycopg.conninfo.conninfo_to_dict(dsn)
     url = f"jdbc:postgresql://{info.get('host') or 'localhost'}:{info.get('port') or 5432}/"
     out = {"url": url + str(info.get("dbname") or "postgres")}
+    query = []
     if info.get("sslmode"):
-        out["url"] += f"?sslmode={info['sslmode']}"
+        query.append(f"sslmode={info['sslmode']}")
+    if transaction_pooler:
+        query.append("prepareThreshold=0")
+    if query:
+        out["url"] += "?" + "&".join(query)
     if info.get("user"):
         out["user"] = str(info["user"])
     if info.get("password"):

@@ -21,14 +21,20 @@ from psycopg import sql
 from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
-from airflow_dbqueue.engine.dialects.base import CONNECT_TIMEOUT_S, DEFAULT_SCHEMA
+from airflow_dbqueue.engine.dialects.base import (
+    CONNECT_TIMEOUT_S,
+    DEFAULT_SCHEMA,
+    POOLER_NONE,
+    POOLER_TRANSACTION,
+    check_pooler,
+)
 from airflow_dbqueue.engine.dialects.postgres.conninfo import check_dsn, describe_dsn
 from airflow_dbqueue.engine.dialects.postgres.errors import translate
 from airflow_dbqueue.engine.dialects.postgres.maintenance import PostgresMaintenance
 from airflow_dbqueue.engine.dialects.postgres.notify import PostgresNotify
 from airflow_dbqueue.engine.dialects.postgres.schema import PostgresSchema
 from airflow_dbqueue.engine.dialects.postgres.statements import BINARY_RESULTS, GENERIC_PLANS
-from airflow_dbqueue.engine.errors import DatabaseUnavailableError
+from airflow_dbqueue.engine.errors import ConfigurationError, DatabaseUnavailableError
 from airflow_dbqueue.engine.names import (
     POSTGRESQL_RESERVED_SCHEMAS,
     validate_identifier,
@@ -43,6 +49,9 @@ _PKG = __package__ or "airflow_dbqueue.engine.dialects.postgres"
 
 _TUPLES_OK = ExecStatus.TUPLES_OK
 
+_WARNED_POLLING: set[str] = set()
+"""The transaction poolers this process was warned about (no listen_dsn): once each."""
+
 
 class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
     """A dbqueue schema on one PostgreSQL database.
@@ -55,6 +64,16 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
     :param max_size: connections the pool may open.
     :param connect_timeout: seconds to wait for a connection before raising
         :class:`DatabaseUnavailableError`.
+    :param pooler: what sits between the engine and the server: ``none`` (a direct connection, or a
+        pooler in session mode) or ``transaction`` (a pooler that hands each transaction to whichever
+        server connection is free, such as PgBouncer's transaction mode). Behind a transaction pooler
+        nothing outlives a transaction on a server connection: statements go unprepared (psycopg's
+        unnamed statement), connections get no session settings, and whatever needs a session
+        (LISTEN, maintenance's lock and timeouts) goes to ``listen_dsn``.
+    :param listen_dsn: a connection string that reaches the same database with a session of its own
+        (the server itself, or a pooler in session mode). Waiting pops and observers LISTEN there, and
+        maintenance holds its lock there. Without it, behind a transaction pooler waiting pops and
+        observers poll, and maintenance is refused.
     """
 
     dialect_name = "postgresql"
@@ -70,16 +89,39 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
         max_size: int = 10,
         connect_timeout: float = CONNECT_TIMEOUT_S,
         application_name: str = "airflow-dbqueue",
+        pooler: str = POOLER_NONE,
+        listen_dsn: str | None = None,
     ) -> None:
         check_dsn(dsn)
+        if listen_dsn is not None:
+            check_dsn(listen_dsn)
         self.dsn = dsn
+        self.pooler = check_pooler(pooler)
+        self.listen_dsn = listen_dsn or None
+        self.transaction_pooled = self.pooler == POOLER_TRANSACTION
+        # Behind a transaction pooler a LISTEN would hold on whichever server connection ran it: wake-ups
+        # need a session of their own (listen_dsn), or waiting pops poll.
+        self.supports_notify = not self.transaction_pooled or self.listen_dsn is not None
+        # A named prepared statement lives on one server connection; behind a transaction pooler the
+        # next transaction may run on another, where the name is unknown or names another statement.
+        self._prepared = frozenset() if self.transaction_pooled else GENERIC_PLANS
         self.schema = validate_schema_name(schema, POSTGRESQL_RESERVED_SCHEMAS)
         self.where = describe_dsn(dsn)
+        if not self.supports_notify and self.where not in _WARNED_POLLING:
+            _WARNED_POLLING.add(self.where)
+            log.warning(
+                "dbqueue: %s is a transaction pooler and no listen_dsn is given: waiting pops, sensors "
+                "and triggers poll instead of waking on NOTIFY, and maintenance cannot run. Give "
+                "listen_dsn, a connection string that reaches the database directly or through a pooler "
+                "in session mode",
+                self.where,
+            )
         self._min_size = min_size
         self._max_size = max(min_size, max_size)
         self._connect_timeout = connect_timeout
         self._application_name = application_name
         self._pool: ConnectionPool | None = None
+        self._listen_pool: ConnectionPool | None = None
         self._lock = threading.Lock()
         self._composed: dict[str, bytes] = {}
 
@@ -98,12 +140,8 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
                     open=False,
                     timeout=self._connect_timeout,
                     name=f"dbqueue-{self.schema}",
-                    configure=_configure_connection,
-                    kwargs={
-                        "autocommit": True,
-                        "application_name": self._application_name,
-                        "connect_timeout": max(1, int(self._connect_timeout)),
-                    },
+                    configure=None if self.transaction_pooled else _configure_connection,
+                    kwargs=self._connect_kwargs(self._application_name),
                 )
                 try:
                     pool.open(wait=True, timeout=self._connect_timeout)
@@ -115,6 +153,18 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
                     ) from None
                 self._pool = pool
             return self._pool
+
+    def _connect_kwargs(self, application_name: str, *, session: bool = False) -> dict[str, Any]:
+        """psycopg's arguments for a connection of the engine: autocommit, named, bounded; behind a
+        transaction pooler (unless ``session``: a connection to ``listen_dsn``) never prepared."""
+        kwargs: dict[str, Any] = {
+            "autocommit": True,
+            "application_name": application_name,
+            "connect_timeout": max(1, int(self._connect_timeout)),
+        }
+        if self.transaction_pooled and not session:
+            kwargs["prepare_threshold"] = None
+        return kwargs
 
     def _last_connect_error(self) -> str | None:
         try:
@@ -228,14 +278,14 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
         Maintenance holds a session-level advisory lock on it for a whole run, and runs statements
         that cannot run in a transaction block (VACUUM, REINDEX CONCURRENTLY): closing it releases
         the lock whatever happened, and no pooled connection is handed back with a lock or a setting.
+        It is a session of its own: on ``listen_dsn`` when one is given. Behind a transaction pooler
+        without one there is no session to hold a lock or a setting (they would stay behind on a server
+        connection that the pooler hands to others), so it raises :class:`ConfigurationError`.
         """
+        dsn = self.session_dsn(f"{application_name} (maintenance's lock and timeouts)")
         with self.translate_errors():
             conn = psycopg.connect(
-                self.dsn,
-                autocommit=True,
-                application_name=application_name,
-                connect_timeout=max(1, int(self._connect_timeout)),
-                prepare_threshold=None,
+                dsn, **self._connect_kwargs(application_name, session=True), prepare_threshold=None
             )
         try:
             _configure_connection(conn)
@@ -243,6 +293,63 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
         finally:
             with contextlib.suppress(psycopg.Error):
                 conn.close()
+
+    def session_dsn(self, what: str) -> str:
+        """The DSN of a connection that keeps its session for ``what``: ``listen_dsn`` when one is
+        given, else the engine's own DSN unless that reaches a transaction pooler
+        (:class:`ConfigurationError` naming ``what``)."""
+        if self.listen_dsn is not None:
+            return self.listen_dsn
+        if self.transaction_pooled:
+            raise ConfigurationError(
+                f"{what} needs a session of its own, which a transaction pooler at {self.where} does not "
+                "keep: give listen_dsn (DbQueue(..., listen_dsn=...), $DBQUEUE_LISTEN_DSN, or the "
+                "connection's listen host and port), a connection string that reaches the database "
+                "directly or through a pooler in session mode"
+            )
+        return self.dsn
+
+    @contextlib.contextmanager
+    def listen_connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """Yield a connection for a LISTEN, which keeps its session: from a pool of ``listen_dsn``'s
+        when one is given (so that waiting pops hold none of the engine's pool), else a pooled one.
+        Whatever it listened to is dropped (``UNLISTEN *``) before it goes back."""
+        if self.listen_dsn is None:
+            with self.connection() as c:
+                try:
+                    yield c
+                finally:
+                    with contextlib.suppress(psycopg.Error):
+                        c.execute("UNLISTEN *")
+            return
+        with self.translate_errors():
+            pool = self._get_listen_pool()
+            conn = pool.getconn()
+        try:
+            with self.translate_errors():
+                yield conn
+        finally:
+            try:
+                conn.execute("UNLISTEN *")
+            except psycopg.Error:
+                conn.close()  # broken: the pool replaces it
+            pool.putconn(conn)
+
+    def _get_listen_pool(self) -> ConnectionPool:
+        with self._lock:
+            if self._listen_pool is None:
+                pool = ConnectionPool(
+                    self.session_dsn("LISTEN"),
+                    min_size=0,
+                    max_size=self._max_size,
+                    open=False,
+                    timeout=self._connect_timeout,
+                    name=f"dbqueue-{self.schema}-listen",
+                    kwargs=self._connect_kwargs(f"{self._application_name}-listen", session=True),
+                )
+                pool.open(wait=False)
+                self._listen_pool = pool
+            return self._listen_pool
 
     def _discard_pool(self, pool: ConnectionPool) -> None:
         """Replace a pool after a connection failure: the server may have restarted.
@@ -320,8 +427,10 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
         """Close the pool (it is reopened on next use)."""
         with self._lock:
             pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.close()
+            listen, self._listen_pool = self._listen_pool, None
+        for p in (pool, listen):
+            if p is not None:
+                p.close()
 
     # -- named queries ---------------------------------------------------------------------------
 
@@ -362,7 +471,7 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
             conn,
             name in BINARY_RESULTS,
             _all_rows,
-            prepare=name in GENERIC_PLANS,
+            prepare=name in self._prepared,
         )
 
     def fetchone(
@@ -375,7 +484,7 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
     ) -> tuple[Any, ...] | None:
         """Run a named query and return its first row (or None)."""
         return self._run(
-            self.query(name, identifiers), params, conn, False, _first_row, prepare=name in GENERIC_PLANS
+            self.query(name, identifiers), params, conn, False, _first_row, prepare=name in self._prepared
         )
 
     def render(self, name: str, params: Mapping[str, Any]) -> str:
@@ -394,7 +503,7 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
     ) -> int:
         """Run a named statement and return its row count."""
         return self._run(
-            self.query(name, identifiers), params, conn, False, _row_count, prepare=name in GENERIC_PLANS
+            self.query(name, identifiers), params, conn, False, _row_count, prepare=name in self._prepared
         )
 
 

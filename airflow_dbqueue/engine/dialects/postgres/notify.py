@@ -21,6 +21,10 @@ class _Connections(Protocol):
 
     schema: str
     dsn: str
+    listen_dsn: str | None
+    transaction_pooled: bool
+
+    def listen_connection(self) -> AbstractContextManager[psycopg.Connection[Any]]: ...
 
     def connection(
         self, conn: psycopg.Connection[Any] | None = None
@@ -49,20 +53,22 @@ class PostgresNotify(_Base):
 
     @contextlib.contextmanager
     def listening(self, channel: str) -> Iterator[Listener]:
-        """Yield a :class:`Listener` on ``channel``, holding one pooled connection until exit."""
-        with self.connection() as c:
+        """Yield a :class:`Listener` on ``channel``, holding one connection that keeps its session
+        (:meth:`listen_connection`) until exit."""
+        with self.listen_connection() as c:
             c.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
-            try:
-                yield Listener(c, self)
-            finally:
-                with contextlib.suppress(psycopg.Error):
-                    c.execute("UNLISTEN *")
+            yield Listener(c, self)
 
     async def aconnect(self, application_name: str) -> psycopg.AsyncConnection[Any]:
-        """Open an async connection of its own to the database, in autocommit; the caller closes it."""
-        return await psycopg.AsyncConnection.connect(
-            self.dsn, autocommit=True, application_name=application_name
-        )
+        """Open an async connection of its own to the database, in autocommit; the caller closes it.
+
+        It goes to ``listen_dsn`` when one is given (it LISTENs); behind a transaction pooler without
+        one it goes through the pooler, never prepares, and must not LISTEN (``supports_notify``)."""
+        kwargs: dict[str, Any] = {"autocommit": True, "application_name": application_name}
+        if self.listen_dsn is None and self.transaction_pooled:
+            kwargs["prepare_threshold"] = None
+        with self.translate_errors():
+            return await psycopg.AsyncConnection.connect(self.listen_dsn or self.dsn, **kwargs)
 
     async def afetchone(
         self, aconn: psycopg.AsyncConnection[Any], name: str, params: Mapping[str, Any]
