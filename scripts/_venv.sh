@@ -1,8 +1,9 @@
 # Sourced by scripts/*: create .venv (or $DBQUEUE_VENV) and install the project with the given extras;
 # install the system packages the Spark pipeline needs (a Java runtime, PostgreSQL's JDBC driver) and
 # the ODBC driver manager the SQL Server dialect loads Microsoft's driver through (unixODBC), and the
-# headless browser the Queues page is tested in (Chromium), and valgrind, under which
-# benchmarks/instructions.py counts the server's instructions.
+# headless browser the Queues page is tested in (Chromium), valgrind, under which
+# benchmarks/instructions.py counts the server's instructions, and PgBouncer, the pooler the tests and
+# benchmarks/run.py --pooler put in front of the server.
 VENV="${DBQUEUE_VENV:-$PWD/.venv}"
 ensure_venv() {
   local extras="$1" stamp
@@ -56,4 +57,13 @@ ensure_browser_system() {
   [ "$(id -u)" -eq 0 ] || sudo="sudo"
   $sudo apt-get install -y -q chromium >/dev/null 2>&1 \
     || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q chromium >/dev/null; }
+}
+ensure_pgbouncer_system() {
+  # The suites that run through a connection pooler start Debian's PgBouncer (tests/pgbouncer.py).
+  command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] && return 0
+  echo "== installing pgbouncer (apt)"
+  local sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get install -y -q pgbouncer >/dev/null 2>&1 \
+    || { $sudo apt-get update -q >/dev/null && $sudo apt-get install -y -q pgbouncer >/dev/null; }
 }

@@ -1,0 +1,300 @@
+"""The engine behind a real connection pooler (Debian's PgBouncer, ``tests/pgbouncer.py``).
+
+The conformance suite and the 4x4 concurrency test run through PgBouncer in both pool modes
+(``tests/dialects.py``'s ``TOPOLOGIES``). This module holds what only a pooler shows: statements of the
+same parameter count never confused across server connections, PgBouncer killed and restarted mid-run,
+waiting pops with and without a listen DSN, and maintenance, which needs a session of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from airflow_dbqueue.engine import (
+    ConfigurationError,
+    DatabaseUnavailableError,
+    DbQueue,
+    DbQueueError,
+)
+from airflow_dbqueue.engine.dialects.postgres import dialect as pg_dialect
+from tests.conftest import installed_dbq
+from tests.helpers import checksum, payload_hash, require
+from tests.pgbouncer import PgBouncer, find_pgbouncer
+
+pytestmark = pytest.mark.integration
+
+
+def _confusions(dsn: str, prepare_threshold: int | None, *, threads: int = 6, rounds: int = 150) -> list[str]:
+    """Run two statements of one parameter count from ``threads`` client connections at once, each in a
+    transaction of its own; return every wrong result or error seen."""
+    seen: list[str] = []
+    lock = threading.Lock()
+
+    def client(k: int) -> None:
+        try:
+            with psycopg.connect(dsn, autocommit=True, prepare_threshold=prepare_threshold) as c:
+                # Each client runs its statements in its own order, so that a statement name means a
+                # different statement on different clients.
+                pair = [("SELECT %s::bigint + 1", 1), ("SELECT %s::bigint * -1", -1)]
+                if k % 2:
+                    pair.reverse()
+                for i in range(rounds):
+                    for text, sign in pair:
+                        n = k * 1_000_000 + i
+                        try:
+                            row = c.execute(text, (n,)).fetchone()
+                        except psycopg.Error as exc:
+                            with lock:
+                                seen.append(f"{type(exc).__name__}: {exc}")
+                            continue
+                        want = n + 1 if sign == 1 else -n
+                        if row is None or row[0] != want:
+                            with lock:
+                                seen.append(f"{text} with {n} returned {row}")
+        except psycopg.Error as exc:
+            with lock:
+                seen.append(f"connection: {exc}")
+
+    ts = [threading.Thread(target=client, args=(k,)) for k in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    return seen
+
+
+def test_statements_of_one_parameter_count_are_never_confused_through_the_pooler(
+    pgbouncer: PgBouncer,
+) -> None:
+    """Through two server connections shared by six clients in transaction mode: prepared statements
+    (psycopg's at once, as the JDBC driver's after five runs) run under a name that, on the server
+    connection the pooler picked, another client gave another statement. The engine's connections
+    behind a transaction pooler prepare nothing: not one result wrong, not one error."""
+    dsn = pgbouncer.dsn("narrow")
+    # The hazard is real here: prepared, the same clients are refused or answered wrongly.
+    prepared = _confusions(dsn, 0)
+    assert prepared, (
+        "the narrow pool did not move a client between server connections: the test shows nothing"
+    )
+    assert _confusions(dsn, None) == []
+
+
+def test_two_queues_on_a_narrow_transaction_pool_keep_their_messages(
+    pgbouncer: PgBouncer, pg_dsn: str, schema_name: str
+) -> None:
+    """Eight threads of one engine on two server connections push to and pop from a table and a ring
+    queue at once; every message comes back from its own queue, once, with its own payload."""
+    with installed_dbq(pgbouncer.dsn("narrow"), schema_name, pooler="transaction", listen_dsn=pg_dsn) as dbq:
+        queues = {
+            "t": dbq.create_queue("t", max_attempts=100),
+            "r": dbq.create_queue("r", design="ring", capacity=500),
+        }
+        pushed: dict[str, list[Any]] = {"t": [], "r": []}
+        popped: dict[str, list[Any]] = {"t": [], "r": []}
+        errors: list[str] = []
+        lock = threading.Lock()
+
+        def worker(k: int) -> None:
+            name = "tr"[k % 2]
+            q = queues[name]
+            try:
+                for i in range(60):
+                    batch = [{"q": name, "k": k, "i": i, "j": j} for j in range(5)]
+                    q.push_batch(batch)
+                    got = q.pop(5, semantics="at-least-once")
+                    q.ack(got)
+                    with lock:
+                        pushed[name].extend(batch)
+                        popped[name].extend(m.payload for m in got)
+            except Exception as exc:  # reported below, with every other thread's
+                with lock:
+                    errors.append(f"{type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        assert errors == []
+        for name, q in queues.items():
+            while got := q.pop(100, semantics="at-most-once"):
+                popped[name].extend(m.payload for m in got)
+            assert all(p["q"] == name for p in popped[name]), f"queue {name} returned another queue's message"
+            assert len(popped[name]) == len(pushed[name]) == 4 * 60 * 5
+            keys = {(p["k"], p["i"], p["j"]) for p in popped[name]}
+            assert len(keys) == len(popped[name]), f"queue {name} delivered a message twice"
+            assert checksum(popped[name]) == checksum(pushed[name])
+
+
+@pytest.fixture
+def own_pgbouncer(pg_dsn: str) -> Iterator[PgBouncer]:
+    """A PgBouncer of the test's own, which it may kill."""
+    binary = find_pgbouncer()
+    require(None if binary else "pgbouncer is not installed", "apt-get install pgbouncer")
+    assert binary is not None
+    bouncer = PgBouncer(pg_dsn, binary)
+    bouncer.start()
+    try:
+        yield bouncer
+    finally:
+        bouncer.stop()
+
+
+def test_pgbouncer_killed_and_restarted_mid_run(
+    own_pgbouncer: PgBouncer, pg_dsn: str, schema_name: str
+) -> None:
+    """A producer and an exactly-once consumer run through PgBouncer in transaction mode while it is
+    SIGKILLed and started again. While it is down every call fails with the engine's
+    ``DatabaseUnavailableError``; afterwards both go on, and every message is in the results once."""
+    total_batches, batch = 60, 20
+    with installed_dbq(own_pgbouncer.dsn("transaction"), schema_name, pooler="transaction") as dbq:
+        q = dbq.create_queue("q")
+        with dbq.transaction() as c:
+            c.execute(f'CREATE TABLE "{schema_name}".t_pushed (b integer PRIMARY KEY)')
+            c.execute(f'CREATE TABLE "{schema_name}".t_got (k text PRIMARY KEY, h bigint)')
+        outage_errors: list[BaseException] = []
+        other_errors: list[str] = []
+        down = threading.Event()
+        done = threading.Event()
+
+        def fails(exc: BaseException) -> None:
+            if isinstance(exc, DatabaseUnavailableError):
+                outage_errors.append(exc)
+            else:
+                other_errors.append(f"{type(exc).__name__}: {exc}")
+            time.sleep(0.05)
+
+        def produce() -> None:
+            b = 0
+            while b < total_batches:
+                try:
+                    with dbq.transaction() as c:
+                        # The batch and its marker commit together: after an error the marker says
+                        # whether the batch is in, so a retry never pushes it twice.
+                        if c.execute(f'SELECT 1 FROM "{schema_name}".t_pushed WHERE b = %s', (b,)).fetchone():
+                            b += 1
+                            continue
+                        q.push_batch([{"b": b, "j": j} for j in range(batch)], conn=c)
+                        c.execute(f'INSERT INTO "{schema_name}".t_pushed VALUES (%s)', (b,))
+                    b += 1
+                    if b == total_batches // 3:
+                        down.set()
+                        time.sleep(0.5)  # the consumer goes on while the pooler is down
+                except DbQueueError as exc:
+                    fails(exc)
+
+        def consume() -> None:
+            while not done.is_set():
+                try:
+                    with dbq.transaction() as c:
+                        got = q.pop(25, semantics="exactly-once", conn=c)
+                        for m in got:
+                            c.execute(
+                                f'INSERT INTO "{schema_name}".t_got VALUES (%s, %s)',
+                                (f"{m.payload['b']}.{m.payload['j']}", payload_hash(m.payload)),
+                            )
+                    if not got:
+                        time.sleep(0.02)
+                except DbQueueError as exc:
+                    fails(exc)
+
+        producer = threading.Thread(target=produce)
+        consumer = threading.Thread(target=consume)
+        producer.start()
+        consumer.start()
+        assert down.wait(60)
+        own_pgbouncer.kill()
+        time.sleep(1.5)
+        own_pgbouncer.start()
+        producer.join(120)
+        assert not producer.is_alive()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and q.stats().ready:
+            time.sleep(0.1)
+        done.set()
+        consumer.join(60)
+        assert other_errors == [], other_errors
+        assert outage_errors, "no call failed while PgBouncer was down"
+        with psycopg.connect(pg_dsn) as direct:
+            rows = direct.execute(f'SELECT k, h FROM "{schema_name}".t_got').fetchall()
+        want = {
+            f"{b}.{j}": payload_hash({"b": b, "j": j}) for b in range(total_batches) for j in range(batch)
+        }
+        assert dict(rows) == want
+        st = q.stats()
+        assert (st.ready, st.in_flight) == (0, 0)
+
+
+def test_a_waiting_pop_behind_a_transaction_pooler_wakes_on_the_listen_dsn(
+    pgbouncer: PgBouncer, pg_dsn: str, schema_name: str
+) -> None:
+    """With a listen DSN, a waiting pop LISTENs there and a push wakes it long before its poll; the
+    engine's own pool (through the pooler) holds no connection while it waits."""
+    with installed_dbq(
+        pgbouncer.dsn("transaction"), schema_name, pooler="transaction", listen_dsn=pg_dsn
+    ) as dbq:
+        q = dbq.create_queue("q")
+        timer = threading.Timer(0.5, lambda: q.push({"n": 1}))
+        start = time.monotonic()
+        timer.start()
+        got = q.pop(1, wait=20, poll_interval=20)
+        took = time.monotonic() - start
+        timer.join()
+        assert [m.payload for m in got] == [{"n": 1}]
+        assert took < 5, f"the pop took {took:.1f}s: not woken by the push's NOTIFY"
+
+
+def test_without_a_listen_dsn_a_waiting_pop_polls_and_a_warning_says_so_once(
+    pgbouncer: PgBouncer, schema_name: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pg_dialect, "_WARNED_POLLING", set())
+    with caplog.at_level(logging.WARNING, logger=pg_dialect.__name__):
+        with installed_dbq(pgbouncer.dsn("transaction"), schema_name, pooler="transaction") as dbq:
+            DbQueue(pgbouncer.dsn("transaction"), schema=schema_name, pooler="transaction").close()
+            assert not dbq.db.supports_notify
+            q = dbq.create_queue("q")
+            timer = threading.Timer(0.5, lambda: q.push({"n": 2}))
+            timer.start()
+            got = q.pop(1, wait=20, poll_interval=0.2)
+            timer.join()
+            assert [m.payload for m in got] == [{"n": 2}]
+    warned = [r for r in caplog.records if "no listen_dsn" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+
+
+def test_maintenance_behind_a_transaction_pooler_needs_the_listen_dsn(
+    pgbouncer: PgBouncer, pg_dsn: str, schema_name: str
+) -> None:
+    """Maintenance holds a lock and sets timeouts for a whole run: without a session of its own it is
+    refused, naming listen_dsn; with one it runs, and no lock is left on any server connection."""
+    with installed_dbq(pgbouncer.dsn("transaction"), schema_name, pooler="transaction") as dbq:
+        q = dbq.create_queue("q")
+        q.push_batch([1, 2, 3])
+        q.ack(q.pop(3, semantics="at-least-once"))
+        with pytest.raises(ConfigurationError, match="listen_dsn"):
+            dbq.maintain()
+        with DbQueue(
+            pgbouncer.dsn("transaction"), schema=schema_name, pooler="transaction", listen_dsn=pg_dsn
+        ) as served:
+            report = served.maintain()
+        assert report["skipped"] is None and report["incomplete"] == [], report
+        assert report["vacuum"]["tables"], report
+        with psycopg.connect(pg_dsn) as direct:
+            held = direct.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'").fetchone()
+        assert held == (0,)
+
+
+def test_a_bad_pooler_is_refused_at_once(pg_dsn: str) -> None:
+    with pytest.raises(ConfigurationError, match="pooler must be one of none, session, transaction"):
+        DbQueue(pg_dsn, pooler="statement")
+    with pytest.raises(ConfigurationError, match="not valid"):
+        DbQueue(pg_dsn, pooler="transaction", listen_dsn="host=x port=notaport")
+    with pytest.raises(ConfigurationError, match="PostgreSQL's"):
+        DbQueue("mssql://u:p@h/db", pooler="transaction")
