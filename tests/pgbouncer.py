@@ -2,7 +2,8 @@
 
 One process serves three pooled databases, all of them the test server's database:
 
-- ``transaction``: ``pool_mode = transaction`` (each transaction on whichever server connection is free);
+- the server database's own name: ``pool_mode = transaction`` (each transaction on whichever server
+  connection is free);
 - ``session``: ``pool_mode = session`` (one server connection a client connection, ``DISCARD ALL``
   between clients);
 - ``narrow``: transaction mode with two server connections only, so that many client connections take
@@ -28,9 +29,6 @@ import psycopg
 import psycopg.conninfo
 
 from airflow_dbqueue.engine.embedded import free_port
-
-MODES = ("transaction", "session")
-"""The pooled databases that stand for a pooler in each mode (and ``narrow``, a small transaction pool)."""
 
 
 def find_pgbouncer() -> str | None:
@@ -75,7 +73,7 @@ class PgBouncer:
         )
         (self.dir / "pgbouncer.ini").write_text(
             "[databases]\n"
-            f"transaction = {target} pool_mode=transaction\n"
+            f"{self.dbname} = {target} pool_mode=transaction\n"
             f"session = {target} pool_mode=session\n"
             f"narrow = {target} pool_mode=transaction pool_size=2\n"
             "[pgbouncer]\n"
@@ -97,9 +95,17 @@ class PgBouncer:
             entry = _ensure_user()
             os.chown(self.dir / "pgbouncer.ini", entry.pw_uid, entry.pw_gid)
 
+    @property
+    def dbname(self) -> str:
+        """The server's database: the transaction-mode pool bears its name, so that a listen DSN that
+        differs from the pooler's only in host and port (an Airflow connection's listen host and port)
+        reaches the same database on the server."""
+        return str(self.server.get("dbname") or "postgres")
+
     def dsn(self, mode: str) -> str:
-        """A DSN of the pooled database ``mode`` (``transaction``, ``session`` or ``narrow``)."""
-        return f"host=127.0.0.1 port={self.port} dbname={mode} user={self.server.get('user') or 'postgres'}"
+        """A DSN of the pooled database for ``mode`` (``transaction``, ``session`` or ``narrow``)."""
+        name = self.dbname if mode == "transaction" else mode
+        return f"host=127.0.0.1 port={self.port} dbname={name} user={self.server.get('user') or 'postgres'}"
 
     def start(self, timeout: float = 15.0) -> None:
         """Start PgBouncer and wait until it answers on its port."""

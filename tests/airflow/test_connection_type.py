@@ -11,12 +11,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import psycopg
+import psycopg.conninfo
 import pytest
 
 from airflow_dbqueue.engine import ConfigurationError, DbQueue
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
 from tests.airflow.conftest import AIRFLOW
 from tests.helpers import checksum
+from tests.pgbouncer import PgBouncer
 
 pytestmark = pytest.mark.integration
 
@@ -170,3 +172,63 @@ def test_token_authentication_without_the_postgres_provider_is_refused(
         monkeypatch.setenv("AIRFLOW_CONN_TOK", json.dumps(dbqueue_conn(pg_dsn, "q", **{key: True})))
         with pytest.raises(ConfigurationError, match=rf"asks for '{key}' token authentication.*postgres"):
             DbQueueHook("tok").get_conn()
+
+
+def test_a_dbqueue_connection_through_a_transaction_pooler(
+    pg_dsn: str, pgbouncer: PgBouncer, dbq: DbQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The form's pooler and listen fields: the engine goes through PgBouncer in transaction mode and
+    LISTENs on the listen host and port (the server, with the connection's login and database); the
+    Spark jobs' JDBC URL asks for no server-side prepared statements."""
+    server = psycopg.conninfo.conninfo_to_dict(pg_dsn)
+    conn = dbqueue_conn(pgbouncer.dsn("transaction"), dbq.schema)
+    conn["extra"] = {
+        "dialect": "postgresql",
+        "dbqueue_schema": dbq.schema,
+        "extra__dbqueue__dbqueue_pooler": "transaction",
+        "dbqueue_listen_host": server.get("host"),
+        "dbqueue_listen_port": str(server.get("port")),
+    }
+    monkeypatch.setenv("AIRFLOW_CONN_DBQ", json.dumps(conn))
+    sent = [{"n": i} for i in range(50)]
+    with DbQueueHook("dbq") as hook:
+        engine = hook.get_conn()
+        assert engine.db.transaction_pooled  # type: ignore[attr-defined]
+        listen = psycopg.conninfo.conninfo_to_dict(engine.db.listen_dsn)  # type: ignore[attr-defined]
+        assert (listen["host"], listen["port"], listen["dbname"]) == (
+            server.get("host"),
+            str(server.get("port")),
+            pgbouncer.dbname,
+        )
+        hook.create_queue("jobs")
+        hook.push("jobs", sent)
+        got = hook.pop("jobs", 100)
+        assert hook.ack("jobs", got) == 50
+        url, _, _ = hook.jdbc()
+        assert url.endswith("?prepareThreshold=0") and f":{pgbouncer.port}/" in url
+    assert checksum(m.payload for m in got) == checksum(sent)
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"dbqueue_pooler": "statement"}, "pooler must be one of"),
+        ({"dbqueue_pooler": "transaction", "dbqueue_listen_port": "x5432"}, "must be a port number"),
+        ({"dialect": "mssql", "dbqueue_pooler": "transaction"}, "PostgreSQL's"),
+    ],
+)
+def test_bad_pooler_fields_are_refused_naming_the_connection(
+    extra: dict[str, str], match: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conn = {
+        "conn_type": "dbqueue",
+        "host": "db",
+        "port": 6432,
+        "login": "app",
+        "schema": "app",
+        "extra": extra,
+    }
+    monkeypatch.setenv("AIRFLOW_CONN_BAD", json.dumps(conn))
+    with pytest.raises(ConfigurationError, match=match) as refused:
+        DbQueueHook("bad").get_conn()
+    assert "'bad'" in str(refused.value)

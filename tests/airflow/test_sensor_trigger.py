@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import psycopg.conninfo
 import pytest
 from airflow.providers.common.messaging.triggers.msg_queue import MessageQueueTrigger
 from airflow.sdk.exceptions import AirflowException, AirflowSensorTimeout, TaskDeferred
@@ -16,9 +17,10 @@ from airflow_dbqueue.engine import ConfigurationError, DbQueue, QueueNotFoundErr
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
 from airflow_dbqueue.sensors.dbqueue import DbQueueSensor
 from airflow_dbqueue.triggers.dbqueue import DbQueueTrigger
-from tests.airflow.conftest import trigger_is_waiting
+from tests.airflow.conftest import CONN_ID, conn_json, trigger_is_waiting
 from tests.dialects import expire_leases, run_sql
 from tests.helpers import checksum, drained
+from tests.pgbouncer import PgBouncer
 
 pytestmark = pytest.mark.integration
 
@@ -165,6 +167,40 @@ def test_fires_by_polling_when_notify_is_off(airflow_conn: str, dbq: DbQueue) ->
         [(fired_at, event)] = events
         print(f"polling wake-up latency: {(fired_at - pushed_at) * 1000:.1f} ms (poll_interval {POLL_S:g} s)")
         assert event["ready"] == 1 and q.stats().ready == 2
+    finally:
+        runner.stop()
+
+
+@pytest.mark.parametrize("listen", [True, False], ids=["listen-host", "no-listen-host"])
+def test_trigger_through_a_transaction_pooler(
+    pg_dsn: str, pgbouncer: PgBouncer, dbq: DbQueue, monkeypatch: pytest.MonkeyPatch, listen: bool
+) -> None:
+    """An Airflow connection to PgBouncer in transaction mode (``dbqueue_pooler``): with a listen host
+    and port (the server) the trigger LISTENs there and a push wakes it long before its poll; without
+    one it observes through the pooler by polling."""
+    server = psycopg.conninfo.conninfo_to_dict(pg_dsn)
+    extra: dict[str, Any] = {"dbqueue_pooler": "transaction"}
+    if listen:
+        extra.update(
+            dbqueue_listen_host=server.get("host"), dbqueue_listen_port=int(server.get("port") or 5432)
+        )
+    monkeypatch.setenv(
+        f"AIRFLOW_CONN_{CONN_ID.upper()}", conn_json(pgbouncer.dsn("transaction"), dbq.schema, **extra)
+    )
+    q = dbq.create_queue("pooled")
+    poll = NOTIFY_POLL_S if listen else POLL_S
+    runner = Runner(DbQueueTrigger(queue_name="pooled", poll_interval=poll, rearm=False))
+    try:
+        if listen:
+            wait_until_waiting(dbq.db.dsn)  # its connection is the server's: pg_stat_activity shows it
+        else:
+            time.sleep(2 * POLL_S)  # through the pooler no server connection stays the trigger's
+        [mid] = q.push_batch([{"x": 1}])
+        events = runner.wait_events(1, timeout=poll / 3 if listen else 10 * POLL_S)
+        assert events, "no event: the trigger neither woke on the NOTIFY nor polled through the pooler"
+        [(_, event)] = events
+        assert (event["ready"], event["head"]) == (1, [mid, 0])
+        assert q.stats().ready == 1
     finally:
         runner.stop()
 

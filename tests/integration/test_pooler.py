@@ -147,88 +147,100 @@ def own_pgbouncer(pg_dsn: str) -> Iterator[PgBouncer]:
         bouncer.stop()
 
 
+class _Outage:
+    """A producer and an exactly-once consumer on ``q`` that go on through errors, sorting them into
+    outage errors (``DatabaseUnavailableError``) and others."""
+
+    BATCHES, BATCH = 60, 20
+
+    def __init__(self, dbq: DbQueue, schema: str) -> None:
+        self.dbq, self.schema = dbq, schema
+        self.q = dbq.create_queue("q")
+        with dbq.transaction() as c:
+            c.execute(f'CREATE TABLE "{schema}".t_pushed (b integer PRIMARY KEY)')
+            c.execute(f'CREATE TABLE "{schema}".t_got (k text PRIMARY KEY, h bigint)')
+        self.outage_errors: list[BaseException] = []
+        self.other_errors: list[str] = []
+        self.third_pushed = threading.Event()
+        self.done = threading.Event()
+
+    def _failed(self, exc: BaseException) -> None:
+        if isinstance(exc, DatabaseUnavailableError):
+            self.outage_errors.append(exc)
+        else:
+            self.other_errors.append(f"{type(exc).__name__}: {exc}")
+        time.sleep(0.05)
+
+    def produce(self) -> None:
+        b = 0
+        while b < self.BATCHES:
+            try:
+                with self.dbq.transaction() as c:
+                    # The batch and its marker commit together: after an error the marker says whether
+                    # the batch is in, so a retry never pushes it twice.
+                    if c.execute(f'SELECT 1 FROM "{self.schema}".t_pushed WHERE b = %s', (b,)).fetchone():
+                        b += 1
+                        continue
+                    self.q.push_batch([{"b": b, "j": j} for j in range(self.BATCH)], conn=c)
+                    c.execute(f'INSERT INTO "{self.schema}".t_pushed VALUES (%s)', (b,))
+                b += 1
+                if b == self.BATCHES // 3:
+                    self.third_pushed.set()
+                    time.sleep(0.5)  # the consumer goes on while the pooler is down
+            except DbQueueError as exc:
+                self._failed(exc)
+
+    def consume(self) -> None:
+        while not self.done.is_set():
+            try:
+                with self.dbq.transaction() as c:
+                    got = self.q.pop(25, semantics="exactly-once", conn=c)
+                    for m in got:
+                        key = f"{m.payload['b']}.{m.payload['j']}"
+                        c.execute(
+                            f'INSERT INTO "{self.schema}".t_got VALUES (%s, %s)',
+                            (key, payload_hash(m.payload)),
+                        )
+                if not got:
+                    time.sleep(0.02)
+            except DbQueueError as exc:
+                self._failed(exc)
+
+    def expected(self) -> dict[str, int]:
+        return {
+            f"{b}.{j}": payload_hash({"b": b, "j": j}) for b in range(self.BATCHES) for j in range(self.BATCH)
+        }
+
+
 def test_pgbouncer_killed_and_restarted_mid_run(
     own_pgbouncer: PgBouncer, pg_dsn: str, schema_name: str
 ) -> None:
     """A producer and an exactly-once consumer run through PgBouncer in transaction mode while it is
     SIGKILLed and started again. While it is down every call fails with the engine's
     ``DatabaseUnavailableError``; afterwards both go on, and every message is in the results once."""
-    total_batches, batch = 60, 20
     with installed_dbq(own_pgbouncer.dsn("transaction"), schema_name, pooler="transaction") as dbq:
-        q = dbq.create_queue("q")
-        with dbq.transaction() as c:
-            c.execute(f'CREATE TABLE "{schema_name}".t_pushed (b integer PRIMARY KEY)')
-            c.execute(f'CREATE TABLE "{schema_name}".t_got (k text PRIMARY KEY, h bigint)')
-        outage_errors: list[BaseException] = []
-        other_errors: list[str] = []
-        down = threading.Event()
-        done = threading.Event()
-
-        def fails(exc: BaseException) -> None:
-            if isinstance(exc, DatabaseUnavailableError):
-                outage_errors.append(exc)
-            else:
-                other_errors.append(f"{type(exc).__name__}: {exc}")
-            time.sleep(0.05)
-
-        def produce() -> None:
-            b = 0
-            while b < total_batches:
-                try:
-                    with dbq.transaction() as c:
-                        # The batch and its marker commit together: after an error the marker says
-                        # whether the batch is in, so a retry never pushes it twice.
-                        if c.execute(f'SELECT 1 FROM "{schema_name}".t_pushed WHERE b = %s', (b,)).fetchone():
-                            b += 1
-                            continue
-                        q.push_batch([{"b": b, "j": j} for j in range(batch)], conn=c)
-                        c.execute(f'INSERT INTO "{schema_name}".t_pushed VALUES (%s)', (b,))
-                    b += 1
-                    if b == total_batches // 3:
-                        down.set()
-                        time.sleep(0.5)  # the consumer goes on while the pooler is down
-                except DbQueueError as exc:
-                    fails(exc)
-
-        def consume() -> None:
-            while not done.is_set():
-                try:
-                    with dbq.transaction() as c:
-                        got = q.pop(25, semantics="exactly-once", conn=c)
-                        for m in got:
-                            c.execute(
-                                f'INSERT INTO "{schema_name}".t_got VALUES (%s, %s)',
-                                (f"{m.payload['b']}.{m.payload['j']}", payload_hash(m.payload)),
-                            )
-                    if not got:
-                        time.sleep(0.02)
-                except DbQueueError as exc:
-                    fails(exc)
-
-        producer = threading.Thread(target=produce)
-        consumer = threading.Thread(target=consume)
+        run = _Outage(dbq, schema_name)
+        producer = threading.Thread(target=run.produce)
+        consumer = threading.Thread(target=run.consume)
         producer.start()
         consumer.start()
-        assert down.wait(60)
+        assert run.third_pushed.wait(60)
         own_pgbouncer.kill()
         time.sleep(1.5)
         own_pgbouncer.start()
         producer.join(120)
         assert not producer.is_alive()
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and q.stats().ready:
+        while time.monotonic() < deadline and run.q.stats().ready:
             time.sleep(0.1)
-        done.set()
+        run.done.set()
         consumer.join(60)
-        assert other_errors == [], other_errors
-        assert outage_errors, "no call failed while PgBouncer was down"
+        assert run.other_errors == [], run.other_errors
+        assert run.outage_errors, "no call failed while PgBouncer was down"
         with psycopg.connect(pg_dsn) as direct:
             rows = direct.execute(f'SELECT k, h FROM "{schema_name}".t_got').fetchall()
-        want = {
-            f"{b}.{j}": payload_hash({"b": b, "j": j}) for b in range(total_batches) for j in range(batch)
-        }
-        assert dict(rows) == want
-        st = q.stats()
+        assert dict(rows) == run.expected()
+        st = run.q.stats()
         assert (st.ready, st.in_flight) == (0, 0)
 
 
@@ -255,16 +267,18 @@ def test_without_a_listen_dsn_a_waiting_pop_polls_and_a_warning_says_so_once(
     pgbouncer: PgBouncer, schema_name: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(pg_dialect, "_WARNED_POLLING", set())
-    with caplog.at_level(logging.WARNING, logger=pg_dialect.__name__):
-        with installed_dbq(pgbouncer.dsn("transaction"), schema_name, pooler="transaction") as dbq:
-            DbQueue(pgbouncer.dsn("transaction"), schema=schema_name, pooler="transaction").close()
-            assert not dbq.db.supports_notify
-            q = dbq.create_queue("q")
-            timer = threading.Timer(0.5, lambda: q.push({"n": 2}))
-            timer.start()
-            got = q.pop(1, wait=20, poll_interval=0.2)
-            timer.join()
-            assert [m.payload for m in got] == [{"n": 2}]
+    with (
+        caplog.at_level(logging.WARNING, logger=pg_dialect.__name__),
+        installed_dbq(pgbouncer.dsn("transaction"), schema_name, pooler="transaction") as dbq,
+    ):
+        DbQueue(pgbouncer.dsn("transaction"), schema=schema_name, pooler="transaction").close()
+        assert not dbq.db.supports_notify
+        q = dbq.create_queue("q")
+        timer = threading.Timer(0.5, lambda: q.push({"n": 2}))
+        timer.start()
+        got = q.pop(1, wait=20, poll_interval=0.2)
+        timer.join()
+        assert [m.payload for m in got] == [{"n": 2}]
     warned = [r for r in caplog.records if "no listen_dsn" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in caplog.records]
 
