@@ -116,7 +116,6 @@ def make_target(args: argparse.Namespace, dsn: str, design: str, point: Point, c
     capacity = ring_capacity(args, point, cap)
     return Target(
         design=design,
-        dsn=dsn,
         schema=f"bench_{design}_{uuid.uuid4().hex[:10]}",
         semantics=args.semantics,
         archive=args.archive,
@@ -125,6 +124,9 @@ def make_target(args: argparse.Namespace, dsn: str, design: str, point: Point, c
         payload_bytes=args.payload_bytes,
         pop_api=args.pop,
         groups=args.groups if design == "ring" else 1,
+        pooler=args.pooler,
+        dsn=args.pooler_dsn or dsn,
+        server_dsn=dsn,
     )
 
 
@@ -366,6 +368,29 @@ def database(dsn: str | None) -> Iterator[tuple[str, str]]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def pooler(args: argparse.Namespace, dsn: str) -> Iterator[str]:
+    """With ``--pooler``, run a PgBouncer in that mode in front of ``dsn`` for the whole run (the
+    tests' launcher, tests/pgbouncer.py) and point the workers at it; yield what the header says."""
+    if args.pooler == "none":
+        yield ""
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.pgbouncer import PgBouncer, find_pgbouncer
+
+    binary = find_pgbouncer()
+    if binary is None:
+        raise BenchError("--pooler needs pgbouncer (apt-get install pgbouncer)")
+    bouncer = PgBouncer(dsn, binary)
+    bouncer.start()
+    args.pooler_dsn = bouncer.dsn(args.pooler)
+    try:
+        yield f" | through PgBouncer, {args.pooler} mode"
+    finally:
+        args.pooler_dsn = None
+        bouncer.stop()
+
+
 def server_info(dsn: str) -> dict[str, str]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         names = ("server_version", "shared_buffers", "synchronous_commit", "fsync", "max_wal_size")
@@ -400,6 +425,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="runs per design and point, alternating with the baseline; reports the median (default 1)",
     )
     ap.add_argument("--json", action="store_true", help="print one JSON object per point")
+    ap.add_argument(
+        "--pooler",
+        choices=("none", "session", "transaction"),
+        default="none",
+        help="put a PgBouncer (Debian's pgbouncer) in this pool mode between every design's workers and "
+        "the server; behind transaction mode the engine runs with pooler='transaction' and the "
+        "references prepare nothing either (default none: straight to the server)",
+    )
     ap.add_argument("--dsn", help=f"database (default ${TEST_DSN_ENV}, else a throwaway embedded server)")
     ap.add_argument(
         "--archive",
@@ -458,6 +491,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="maintenance archives messages finished this long ago",
     )
     args = ap.parse_args(argv)
+    args.pooler_dsn = None  # set once the pooler runs (main)
     for name in ("producers", "consumers"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -500,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count() or 0
     all_valid = True
     try:
-        with database(args.dsn) as (dsn, where):
+        with database(args.dsn) as (dsn, where), pooler(args, dsn) as through:
             info = server_info(dsn)
             if not args.json:
                 print(
@@ -510,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print(
                     f"design {args.design} vs naive | {args.semantics} | payload {args.payload_bytes} B | "
-                    f"{seconds:g} s per run after {args.warmup:g} s warm-up"
+                    f"{seconds:g} s per run after {args.warmup:g} s warm-up{through}"
                     + (f", median of {args.repeat}" if args.repeat > 1 else "")
                     + (
                         f" | archive={'on' if args.archive else 'off'} notify={args.notify}"
@@ -534,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["pg_version"] = info["server_version"]
                 row["cores"] = cores
                 row["load_avg_1m"] = round(os.getloadavg()[0], 2)
+                row["pooler"] = args.pooler
                 all_valid &= row["valid"]
                 print(json.dumps(row) if args.json else table_row(row), flush=True)
     except (BenchError, DbQueueError, psycopg.Error) as exc:
@@ -551,9 +586,10 @@ def main_maintenance(args: argparse.Namespace) -> int:
     point = Point(p, args.consumers or p, args.batch or 100)
     cores = os.cpu_count() or 0
     try:
-        with database(args.dsn) as (dsn, where):
+        with database(args.dsn) as (dsn, where), pooler(args, dsn):
             info = server_info(dsn)
             row = measure_maintenance_point(args, dsn, point, args.seconds)
+            row["pooler"] = args.pooler
             row["pg_version"] = info["server_version"]
             row["cores"] = cores
             row["load_avg_1m"] = round(os.getloadavg()[0], 2)

@@ -45,6 +45,34 @@ class Target:
     groups: int = 1
     """Consumer groups of a ring (``--groups``): each message is popped once in each, and consumer
     ``i`` pops for group ``i % groups`` (group 0 the ring's default one)."""
+    pooler: str = "none"
+    """``dsn`` reaches a pooler in this mode (``--pooler``): ``transaction`` makes the engine and the
+    references prepare nothing (a prepared statement would outlive the transaction on its server
+    connection), the fastest form each has there."""
+    server_dsn: str | None = None
+    """The server itself behind a pooler: the engine's listen DSN (maintenance's session), and the
+    measurement's own connection (sizes, CHECKPOINT)."""
+
+    def engine(self, pool_size: int) -> DbQueue:
+        """The engine on this target's queue schema, as a deployment on this topology configures it."""
+        pooled = self.pooler == "transaction"
+        return DbQueue(
+            self.dsn,
+            schema=self.schema,
+            pool_size=pool_size,
+            pooler=self.pooler,
+            listen_dsn=self.server_dsn if pooled else None,
+        )
+
+    def connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
+        """A reference's connection (through the pooler, if any), in its fastest form there."""
+        if self.pooler == "transaction":
+            kwargs["prepare_threshold"] = None
+        return psycopg.connect(self.dsn, **kwargs)
+
+    def direct(self) -> psycopg.Connection[Any]:
+        """An autocommit connection to the server itself, for what the measurement reads and runs."""
+        return psycopg.connect(self.server_dsn or self.dsn, autocommit=True)
 
     def group_of(self, consumer: int) -> str | None:
         """The consumer group consumer ``consumer`` pops for (None: the default group)."""
@@ -59,7 +87,7 @@ class Target:
 def setup_target(target: Target) -> None:
     """Create the target's schema and queue."""
     if target.design == BASELINE:
-        with psycopg.connect(target.dsn, autocommit=True) as conn:
+        with target.connect(autocommit=True) as conn:
             s = sql.Identifier(target.schema)
             conn.execute(sql.SQL("CREATE SCHEMA {}").format(s))
             conn.execute(
@@ -67,11 +95,11 @@ def setup_target(target: Target) -> None:
             )
         return
     if target.design == PGMQ:
-        with psycopg.connect(target.dsn, autocommit=True) as conn:
+        with target.connect(autocommit=True) as conn:
             for stmt in PGMQ_SCHEMA:
                 conn.execute(sql.SQL(stmt).format(s=sql.Identifier(target.schema)))
         return
-    with DbQueue(target.dsn, schema=target.schema, pool_size=1) as dbq:
+    with target.engine(1) as dbq:
         dbq.install()
         if target.design == "ring":  # pages laid out for the payload size; a ring does not archive
             dbq.create_queue(
@@ -102,7 +130,7 @@ def left_in_queue(target: Target, conn: psycopg.Connection[Any]) -> int:
             sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(target.schema, table))
         ).fetchone()
         return int(row[0]) if row else 0
-    with DbQueue(target.dsn, schema=target.schema, pool_size=1) as dbq:
+    with target.engine(1) as dbq:
         left = 0
         for k in range(target.groups):
             st = dbq.queue(QUEUE_NAME).group(target.group_of(k)).stats()
@@ -113,10 +141,10 @@ def left_in_queue(target: Target, conn: psycopg.Connection[Any]) -> int:
 def teardown_target(target: Target) -> None:
     """Drop the target's schema with everything in it."""
     if target.design in REFERENCES:
-        with psycopg.connect(target.dsn, autocommit=True) as conn:
+        with target.connect(autocommit=True) as conn:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(target.schema)))
         return
-    with DbQueue(target.dsn, schema=target.schema, pool_size=1) as dbq:
+    with target.engine(1) as dbq:
         dbq.uninstall()
 
 
@@ -140,7 +168,7 @@ class EngineBackend:
     """A queue of an engine design, through the public API."""
 
     def __init__(self, target: Target, consumer: int = 0) -> None:
-        self.dbq = DbQueue(target.dsn, schema=target.schema, pool_size=1)
+        self.dbq = target.engine(1)
         self.queue = self.dbq.queue(QUEUE_NAME).group(target.group_of(consumer))
         self.semantics = target.semantics
         self.lease = target.lease
@@ -195,7 +223,7 @@ class NaiveBackend:
         # payloads (split measurement at batch 1000), and the baseline made 85,624 cycles/s at 2x2
         # batch 1000 against 156,622 in binary, in runs minutes apart. The comparison is of queue designs,
         # not of wire formats.
-        self.conn = psycopg.connect(target.dsn, autocommit=not self.lease, application_name="dbqueue-bench")
+        self.conn = target.connect(autocommit=not self.lease, application_name="dbqueue-bench")
         self.push_sql, self.pop_sql = naive_statements(target.schema)
 
     def push(self, payloads: list[bytes]) -> None:
@@ -243,7 +271,7 @@ class PgmqBackend:
 
     def __init__(self, target: Target) -> None:
         self.lease = target.lease
-        self.conn = psycopg.connect(target.dsn, autocommit=True, application_name="dbqueue-bench")
+        self.conn = target.connect(autocommit=True, application_name="dbqueue-bench")
         q, a = sql.Identifier(target.schema, "q"), sql.Identifier(target.schema, "a")
         self.push_sql = sql.SQL(
             "INSERT INTO {q} (vt, message) SELECT clock_timestamp(), unnest(%b::bytea[]) RETURNING msg_id"

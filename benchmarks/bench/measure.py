@@ -111,7 +111,7 @@ def run_design(
     """
     setup_target(target)
     try:
-        with psycopg.connect(target.dsn, autocommit=True) as conn:
+        with target.direct() as conn:
             start_bytes = table_stats(conn, target.schema)[0]
             with contextlib.suppress(psycopg.Error):
                 conn.execute("CHECKPOINT")
@@ -153,7 +153,7 @@ def _maintainer(target: Target, config: MaintenanceConfig, interval: float, stop
 
     try:
         if target.design in REFERENCES:
-            with psycopg.connect(target.dsn, autocommit=True) as conn:
+            with target.connect(autocommit=True) as conn:
                 listed = conn.execute(
                     "SELECT format('%%I.%%I', schemaname, tablename) FROM pg_tables WHERE schemaname = %s",
                     (target.schema,),
@@ -161,7 +161,7 @@ def _maintainer(target: Target, config: MaintenanceConfig, interval: float, stop
                 tables = [r[0] for r in listed]
                 _every(interval, stop, report, lambda: vacuum(conn, tables))
         else:
-            with DbQueue(target.dsn, schema=target.schema, pool_size=2) as dbq:
+            with target.engine(2) as dbq:
                 _every(interval, stop, report, lambda: maintain(dbq))
         out.put(report)
     except BaseException:

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import load_benchmark
+from tests.helpers import load_benchmark, require
+from tests.pgbouncer import find_pgbouncer
 
 pytestmark = pytest.mark.integration
 
@@ -105,6 +106,32 @@ def test_short_ring_run_with_consumer_groups_is_valid(pg_dsn: str) -> None:
     assert point["popped"] == 2 * point["pushed"] > 0 and point["cycles_per_s"] > 0
     refused = _run(pg_dsn, "--design", "table", "--groups", "2", "--seconds", "1")
     assert refused.returncode == 2 and "--groups" in refused.stderr
+
+
+@pytest.mark.parametrize("design", ["table", "ring"])
+def test_a_point_through_pgbouncer_in_transaction_mode_is_valid(pg_dsn: str, design: str) -> None:
+    """--pooler transaction: both sides through a PgBouncer the run starts, the table design at least
+    once with its maintenance loop beside it (which needs the server as its listen DSN)."""
+    require(None if find_pgbouncer() else "pgbouncer is not installed", "apt-get install pgbouncer")
+    extra = ("--semantics", "at-least-once", "--with-maintenance") if design == "table" else ()
+    proc = _run(
+        pg_dsn,
+        *("--design", design, "--producers", "1", "--consumers", "1", "--batch", "100", "--pooler"),
+        *("transaction", "--seconds", "1", "--warmup", "0.5", "--json", *extra),
+    )
+    assert proc.returncode == 0, proc.stderr
+    [line] = [line for line in proc.stdout.splitlines() if line.strip()]
+    point: dict[str, Any] = json.loads(line)
+    assert (point["design"], point["pooler"], point["valid"]) == (design, "transaction", True)
+    assert (point["lost"], point["duplicated"], point["baseline_lost"], point["baseline_duplicated"]) == (
+        0,
+        0,
+        0,
+        0,
+    )
+    assert point["cycles_per_s"] > 0 and point["baseline_cycles_per_s"] > 0
+    if design == "table":
+        assert point["maintenance"]["runs"] >= 1, point["maintenance"]
 
 
 def test_unknown_design_is_refused(pg_dsn: str) -> None:
