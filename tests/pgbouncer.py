@@ -7,7 +7,8 @@ One process serves three pooled databases, all of them the test server's databas
 - ``session``: ``pool_mode = session`` (one server connection a client connection, ``DISCARD ALL``
   between clients);
 - ``narrow``: transaction mode with two server connections only, so that many client connections take
-  turns on the same few server connections (what the tests of statements that must not be confused need).
+  turns on the same few server connections (what the tests of statements that must not be confused need);
+- any other name: the server's database of that name, in transaction mode.
 
 Clients are not authenticated (``auth_type = any``): PgBouncer logs in to the server as the test DSN's
 user. PgBouncer refuses to run as root; as root it runs as the embedded server's system user.
@@ -76,6 +77,8 @@ class PgBouncer:
             f"{self.dbname} = {target} pool_mode=transaction\n"
             f"session = {target} pool_mode=session\n"
             f"narrow = {target} pool_mode=transaction pool_size=2\n"
+            # Any other database name: that database of the server, in transaction mode.
+            f"* = {' '.join(p for p in target.split() if not p.startswith('dbname='))} pool_mode=transaction\n"
             "[pgbouncer]\n"
             "listen_addr = 127.0.0.1\n"
             f"listen_port = {self.port}\n"
@@ -102,9 +105,10 @@ class PgBouncer:
         reaches the same database on the server."""
         return str(self.server.get("dbname") or "postgres")
 
-    def dsn(self, mode: str) -> str:
-        """A DSN of the pooled database for ``mode`` (``transaction``, ``session`` or ``narrow``)."""
-        name = self.dbname if mode == "transaction" else mode
+    def dsn(self, mode: str, dbname: str | None = None) -> str:
+        """A DSN of the pooled database for ``mode`` (``transaction``, ``session`` or ``narrow``), or of
+        the server's database ``dbname`` in transaction mode."""
+        name = dbname or (self.dbname if mode == "transaction" else mode)
         return f"host=127.0.0.1 port={self.port} dbname={name} user={self.server.get('user') or 'postgres'}"
 
     def start(self, timeout: float = 15.0) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import psycopg
-from psycopg import sql
+from psycopg import IsolationLevel, sql
 from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
@@ -122,6 +122,9 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
         self._application_name = application_name
         self._pool: ConnectionPool | None = None
         self._listen_pool: ConnectionPool | None = None
+        # Behind a transaction pooler the server's default isolation cannot be set for a session: when
+        # it is not READ COMMITTED, each statement runs in a READ COMMITTED transaction of its own.
+        self._own_transactions = False
         self._lock = threading.Lock()
         self._composed: dict[str, bytes] = {}
 
@@ -140,7 +143,7 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
                     open=False,
                     timeout=self._connect_timeout,
                     name=f"dbqueue-{self.schema}",
-                    configure=None if self.transaction_pooled else _configure_connection,
+                    configure=self._configure,
                     kwargs=self._connect_kwargs(self._application_name),
                 )
                 try:
@@ -153,6 +156,24 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
                     ) from None
                 self._pool = pool
             return self._pool
+
+    def _configure(self, conn: psycopg.Connection[Any]) -> None:
+        """Set up a new pooled connection: :func:`_configure_connection` where it keeps its session;
+        behind a transaction pooler, only the client side, and a look at the server's default isolation
+        (the same for every server connection of the pooler's pool: one database, one role)."""
+        if not self.transaction_pooled:
+            _configure_connection(conn)
+            return
+        conn.isolation_level = IsolationLevel.READ_COMMITTED
+        row = conn.execute("SHOW default_transaction_isolation").fetchone()
+        if row is not None and row[0] != "read committed" and not self._own_transactions:
+            log.info(
+                "dbqueue: %s runs transactions at %s by default; behind the transaction pooler each of "
+                "the engine's statements runs in a READ COMMITTED transaction of its own",
+                self.where,
+                row[0],
+            )
+            self._own_transactions = True
 
     def _connect_kwargs(self, application_name: str, *, session: bool = False) -> dict[str, Any]:
         """psycopg's arguments for a connection of the engine: autocommit, named, bounded; behind a
@@ -237,7 +258,11 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
                 raise
             raise translated from exc
         try:
-            out = result(pooled.execute(query, params, binary=binary, prepare=prepare))
+            if self._own_transactions:
+                with pooled.transaction():
+                    out = result(pooled.execute(query, params, binary=binary, prepare=prepare))
+            else:
+                out = result(pooled.execute(query, params, binary=binary, prepare=prepare))
             _end_statement(pooled)
         except BaseException as exc:
             failed = self._failed(pool, pooled, exc)
@@ -560,7 +585,14 @@ def _sound(conn: psycopg.Connection[Any]) -> bool:
 
 
 def _configure_connection(conn: psycopg.Connection[Any]) -> None:
-    """Session settings of every pooled connection.
+    """Session settings of every pooled connection (and of maintenance's and listeners' own).
+
+    Isolation: every claim of the engine is written for READ COMMITTED (a pop skips the rows others
+    locked, and takes what committed since its statement began), so the engine's statements run at READ
+    COMMITTED whatever the role's or database's ``default_transaction_isolation``: under SERIALIZABLE,
+    concurrent pops failed with serialization failures of the engine's own statements. psycopg opens the
+    engine's transactions (``DbQueue.transaction()`` among them) with ``BEGIN ISOLATION LEVEL READ
+    COMMITTED``; a caller's own connection keeps its level.
 
     Plans (statements.GENERIC_PLANS): a statement of the engine is sent unprepared unless it only calls
     one of the schema's functions, so PostgreSQL plans it for its parameters on every call. A generic
@@ -576,4 +608,5 @@ def _configure_connection(conn: psycopg.Connection[Any]) -> None:
     UTC session without a time zone lookup, 0.30 against 0.58 us of client CPU a row for (id,
     timestamptz, 300-byte payload) in a named zone such as Etc/UTC, and pops read one or two a message.
     """
-    conn.execute("SET TimeZone = 'UTC'")
+    conn.isolation_level = IsolationLevel.READ_COMMITTED
+    conn.execute("SET TimeZone = 'UTC'; SET default_transaction_isolation = 'read committed'")
