@@ -132,6 +132,12 @@ class DatabaseUnavailableError(DbQueueError, ConnectionError):
     """The database could not be reached, or the connection broke during the call."""
 
 
+class LoginError(DbQueueError):
+    """The server (or the pooler in front of it) refused the connection for a reason that waiting does
+    not mend: the database or the role does not exist, the password is wrong, or no ``pg_hba.conf``
+    entry lets the role in. Raised at once, not retried until the connect timeout."""
+
+
 class DatabaseError(DbQueueError):
     """Any other database failure, translated from the driver's exception."""
 

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import select
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -29,12 +30,12 @@ from airflow_dbqueue.engine.dialects.base import (
     check_pooler,
 )
 from airflow_dbqueue.engine.dialects.postgres.conninfo import check_dsn, describe_dsn
-from airflow_dbqueue.engine.dialects.postgres.errors import translate
+from airflow_dbqueue.engine.dialects.postgres.errors import refused_login, translate
 from airflow_dbqueue.engine.dialects.postgres.maintenance import PostgresMaintenance
 from airflow_dbqueue.engine.dialects.postgres.notify import PostgresNotify
 from airflow_dbqueue.engine.dialects.postgres.schema import PostgresSchema
 from airflow_dbqueue.engine.dialects.postgres.statements import BINARY_RESULTS, GENERIC_PLANS
-from airflow_dbqueue.engine.errors import ConfigurationError, DatabaseUnavailableError
+from airflow_dbqueue.engine.errors import ConfigurationError, DatabaseUnavailableError, LoginError
 from airflow_dbqueue.engine.names import (
     POSTGRESQL_RESERVED_SCHEMAS,
     validate_identifier,
@@ -146,13 +147,23 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
                     configure=self._configure,
                     kwargs=self._connect_kwargs(self._application_name),
                 )
+                started = time.monotonic()
+                self._refuse_login()
                 try:
-                    pool.open(wait=True, timeout=self._connect_timeout)
+                    left = self._connect_timeout - (time.monotonic() - started)
+                    if left <= 0:
+                        raise PoolTimeout("the first connection attempt took the whole connect timeout")
+                    pool.open(wait=True, timeout=left)
                 except PoolTimeout as exc:
                     pool.close(timeout=0)
+                    why = self._last_connect_error()
+                    if why is not None and refused_login(why):
+                        raise LoginError(
+                            f"PostgreSQL at {self.where} refused the connection: {why}"
+                        ) from None
                     raise DatabaseUnavailableError(
                         f"cannot connect to PostgreSQL at {self.where} within {self._connect_timeout:g}s: "
-                        f"{self._last_connect_error() or exc}"
+                        f"{why or exc}"
                     ) from None
                 self._pool = pool
             return self._pool
@@ -186,6 +197,18 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
         if self.transaction_pooled and not session:
             kwargs["prepare_threshold"] = None
         return kwargs
+
+    def _refuse_login(self) -> None:
+        """Connect once before the pool does: a login the server refuses (no such database or role, a
+        wrong password, no pg_hba.conf entry) raises :class:`LoginError` at once, where the pool would
+        retry it until the connect timeout. A server that is down, starting or full is left to the
+        pool, which waits for it."""
+        try:
+            psycopg.connect(self.dsn, connect_timeout=max(1, int(self._connect_timeout))).close()
+        except psycopg.OperationalError as exc:
+            translated = self._translated(exc)
+            if isinstance(translated, LoginError):
+                raise translated from None
 
     def _last_connect_error(self) -> str | None:
         try:

@@ -3,6 +3,8 @@ PostgreSQL dialect reads a driver error."""
 
 from __future__ import annotations
 
+import re
+
 import psycopg
 import psycopg.errors
 from psycopg_pool import PoolTimeout
@@ -14,6 +16,7 @@ from airflow_dbqueue.engine.errors import (
     DbQueueError,
     DeadlockError,
     LockTimeoutError,
+    LoginError,
     QueueFullError,
     ReceiptsNotHeldError,
     RingNumbersSkippedError,
@@ -29,6 +32,25 @@ _RAISED_BY_FUNCTIONS: dict[str, type[DbQueueError]] = {
     "DQ003": ConfigurationError,
     "DQ005": ReceiptsNotHeldError,
 }
+
+
+# What a server or PgBouncer answers to a login that no wait will let in (libpq reports a failed
+# connection without its SQLSTATE, so its message is what tells them apart from a server that is down,
+# starting or full).
+_REFUSED_LOGIN = re.compile(
+    r"FATAL:\s+(database \S+ does not exist|role \S+ does not exist|password authentication failed"
+    r"|no pg_hba\.conf entry|pg_hba\.conf rejects|permission denied for database|no such database"
+    r"|no such user|\S+ authentication failed)"
+)
+
+
+def refused_login(message: str) -> bool:
+    """Whether a connection failure's first line says the login itself was refused."""
+    return _REFUSED_LOGIN.search(message) is not None
+
+
+def _after_fatal(message: str) -> str:
+    return message.split("FATAL:", 1)[-1].strip()
 
 
 def translate(exc: Exception, *, schema: str, where: str, connect_timeout: float) -> Exception:  # noqa: PLR0911 - a return a kind, in test order
@@ -76,6 +98,8 @@ def translate(exc: Exception, *, schema: str, where: str, connect_timeout: float
         )
     if isinstance(exc, psycopg.OperationalError):
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if refused_login(first):
+            return LoginError(f"PostgreSQL at {where} refused the connection: {_after_fatal(first)}")
         return DatabaseUnavailableError(f"PostgreSQL at {where} is unreachable: {first}")
     own = _RAISED_BY_FUNCTIONS.get(exc.sqlstate or "")
     if own is not None:  # raised on purpose by the server-side functions of schema.sql
