@@ -72,13 +72,14 @@ class PgBouncer:
             )
             if v
         )
+        any_database = " ".join(p for p in target.split() if not p.startswith("dbname="))
         (self.dir / "pgbouncer.ini").write_text(
             "[databases]\n"
             f"{self.dbname} = {target} pool_mode=transaction\n"
             f"session = {target} pool_mode=session\n"
             f"narrow = {target} pool_mode=transaction pool_size=2\n"
             # Any other database name: that database of the server, in transaction mode.
-            f"* = {' '.join(p for p in target.split() if not p.startswith('dbname='))} pool_mode=transaction\n"
+            f"* = {any_database} pool_mode=transaction\n"
             "[pgbouncer]\n"
             "listen_addr = 127.0.0.1\n"
             f"listen_port = {self.port}\n"

@@ -53,6 +53,21 @@ def _after_fatal(message: str) -> str:
     return message.split("FATAL:", 1)[-1].strip()
 
 
+def _connection_lost(exc: psycopg.Error, where: str) -> DbQueueError | None:
+    """The engine's error for a connection that failed or ended (None: ``exc`` is not one): a login
+    refused, a server that is unreachable or went away, a session the server ended."""
+    if isinstance(exc, (psycopg.errors.IdleInTransactionSessionTimeout, psycopg.errors.IdleSessionTimeout)):
+        # The server ended the session (a DBA's idle timeouts): the connection is gone with its
+        # transaction, as when the server goes away mid-call.
+        return DatabaseUnavailableError(f"PostgreSQL at {where} closed the connection: {primary(exc)}")
+    if isinstance(exc, psycopg.OperationalError):
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if refused_login(first):
+            return LoginError(f"PostgreSQL at {where} refused the connection: {_after_fatal(first)}")
+        return DatabaseUnavailableError(f"PostgreSQL at {where} is unreachable: {first}")
+    return None
+
+
 def translate(exc: Exception, *, schema: str, where: str, connect_timeout: float) -> Exception:  # noqa: PLR0911 - a return a kind, in test order
     """The engine's exception for ``exc`` (``exc`` itself when it is one already, or not a database
     error)."""
@@ -96,11 +111,9 @@ def translate(exc: Exception, *, schema: str, where: str, connect_timeout: float
             f"PostgreSQL at {where}: the statement was cancelled or its transaction rolled back "
             f"(statement_timeout, pg_cancel_backend, or a serialization failure): {primary(exc)}"
         )
-    if isinstance(exc, psycopg.OperationalError):
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if refused_login(first):
-            return LoginError(f"PostgreSQL at {where} refused the connection: {_after_fatal(first)}")
-        return DatabaseUnavailableError(f"PostgreSQL at {where} is unreachable: {first}")
+    lost = _connection_lost(exc, where)
+    if lost is not None:
+        return lost
     own = _RAISED_BY_FUNCTIONS.get(exc.sqlstate or "")
     if own is not None:  # raised on purpose by the server-side functions of schema.sql
         return own(exc.diag.message_primary or str(exc))
