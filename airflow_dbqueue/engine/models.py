@@ -334,6 +334,9 @@ class QueueStats:
 DEFAULT_GROUP = "default"
 """The name of the consumer group every ring has (and every call without ``group=`` uses)."""
 
+RING_DEFAULT_LAG_TIMEOUT_S = 3600.0
+"""A consumer group's default lag timeout: an hour without a pop while it has messages to take."""
+
 
 class OnLag(enum.StrEnum):
     """What maintenance does with a ring's consumer group that nobody pops for its lag timeout."""

@@ -11,12 +11,15 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from airflow_dbqueue.engine.errors import ConfigurationError, TransactionRequiredError
+from airflow_dbqueue.engine.errors import ConfigurationError, NotSupportedError, TransactionRequiredError
 from airflow_dbqueue.engine.models import (
+    RING_DEFAULT_LAG_TIMEOUT_S,
     Batch,
     FailedMessage,
+    GroupInfo,
     Message,
     NotifyMode,
+    OnLag,
     QueueSettings,
     QueueStats,
     Semantics,
@@ -266,6 +269,31 @@ class Queue(abc.ABC):
             f"(got group={name!r})"
         )
 
+    def add_group(
+        self,
+        name: str,
+        *,
+        start: str = "now",
+        on_lag: OnLag | str = OnLag.BLOCK,
+        lag_timeout: float = RING_DEFAULT_LAG_TIMEOUT_S,
+    ) -> Queue:
+        """Add a consumer group (the ring design's; other designs raise :class:`ConfigurationError`)."""
+        raise self._no_groups("add_group")
+
+    def groups(self) -> list[GroupInfo]:
+        """List the consumer groups (the ring design's; other designs raise :class:`ConfigurationError`)."""
+        raise self._no_groups("groups")
+
+    def drop_group(self, name: str, *, missing_ok: bool = False) -> bool:
+        """Drop a consumer group (the ring design's; other designs raise :class:`ConfigurationError`)."""
+        raise self._no_groups("drop_group")
+
+    def _no_groups(self, call: str) -> ConfigurationError:
+        return ConfigurationError(
+            f"queue {self.name!r} is a {self.settings.design} queue: consumer groups ({call}) need the "
+            "ring design"
+        )
+
     def _until_due(self, default: float) -> float:
         """Seconds until the next delayed message is due (``default`` when none is delayed)."""
         return default
@@ -373,7 +401,7 @@ class Queue(abc.ABC):
         self, aconn: AsyncDbConnection, min_priority: int | None = None, cap: int = COUNT_CAP
     ) -> tuple[int, tuple[int, int] | None]:
         """:meth:`readiness` on the caller's async connection (for async observers such as triggers)."""
-        raise NotImplementedError(f"{self.settings.design} queues do not support async observation yet")
+        raise self._unsupported("async observation (areadiness)")
 
     @property
     def channel(self) -> str:
@@ -386,12 +414,16 @@ class Queue(abc.ABC):
         await self._db.alisten(aconn, self.channel)
 
     def _check_async(self) -> None:
-        """Raise :class:`NotImplementedError` unless the dialect has async connections for observers."""
+        """Raise :class:`NotSupportedError` unless the dialect has async connections for observers."""
         if not self._db.async_observers:
-            raise NotImplementedError(
+            raise NotSupportedError(
                 f"queue {self.name!r}: async observation (a trigger, a deferrable sensor) needs PostgreSQL; "
                 f"on {self._db.dialect_name} use the synchronous readiness() (poke or reschedule mode)"
             )
+
+    def _unsupported(self, what: str) -> NotSupportedError:
+        """The refusal of ``what``, which this queue's design does not offer (yet)."""
+        return NotSupportedError(f"queue {self.name!r}: {self.settings.design} queues do not support {what}")
 
     def leased(self, receipts: Sequence[tuple[int, int]]) -> list[Message]:
         """Return the messages of ``receipts`` (``(id, delivery)``) whose lease is still held, with payloads.
@@ -399,7 +431,7 @@ class Queue(abc.ABC):
         A task handed only receipts (a large batch left claimed by another task) reads its batch here;
         receipts whose lease was lost are missing from the result.
         """
-        raise NotImplementedError(f"{self.settings.design} queues do not support leased() yet")
+        raise self._unsupported("leased()")
 
     def ack_receipts(self, receipts: Sequence[tuple[int, int]], *, conn: DbConnection | None = None) -> int:
         """:meth:`ack` deliveries known only by their receipts ``(id, delivery)``; all or nothing."""
@@ -432,22 +464,22 @@ class Queue(abc.ABC):
         Finish it with :meth:`ack_batch` or :meth:`release_batch`; a batch neither acked nor released
         (its claimer died) comes back when its lease expires. Returns None when nothing is ready.
         """
-        raise NotImplementedError(f"{self.settings.design} queues do not support batches yet")
+        raise self._unsupported("batches (claim_batch and the rest)")
 
     def get_batch(self, batch_id: str) -> Batch:
         """Return the batch with this id (any state); raise :class:`BatchNotFoundError` if unknown."""
-        raise NotImplementedError(f"{self.settings.design} queues do not support batches yet")
+        raise self._unsupported("batches (claim_batch and the rest)")
 
     def open_batches(self, limit: int = 100, *, consumer_prefix: str | None = None) -> list[Batch]:
         """Return claimed batches not yet acked or released, oldest first (a claimer may have died);
         with ``consumer_prefix``, only those whose consumer starts with it."""
-        raise NotImplementedError(f"{self.settings.design} queues do not support batches yet")
+        raise self._unsupported("batches (claim_batch and the rest)")
 
     def batch_query(self, batch_id: str) -> str:
         """SQL text (parameters bound) returning the batch's ``ord, id, delivery, payload`` rows,
         ``ord`` numbering them 1..size: for readers that take a query string, such as Spark's JDBC
         source (which can partition its reads on ``ord``)."""
-        raise NotImplementedError(f"{self.settings.design} queues do not support batches yet")
+        raise self._unsupported("batches (claim_batch and the rest)")
 
     def ack_batch(self, batch_id: str, *, conn: DbConnection | None = None) -> int:
         """Finish every message of a claimed batch; all or nothing, like :meth:`ack`.
@@ -456,7 +488,7 @@ class Queue(abc.ABC):
         commit together (exactly once). Acking an acked batch again returns 0; acking a released one,
         or one whose lease was lost, raises and acknowledges nothing.
         """
-        raise NotImplementedError(f"{self.settings.design} queues do not support batches yet")
+        raise self._unsupported("batches (claim_batch and the rest)")
 
     def release_batch(
         self,
@@ -470,14 +502,14 @@ class Queue(abc.ABC):
 
         Returns how many were released; releasing a finished batch again returns 0.
         """
-        raise NotImplementedError(f"{self.settings.design} queues do not support batches yet")
+        raise self._unsupported("batches (claim_batch and the rest)")
 
     def extend_batch(self, batch_id: str, visibility_timeout: float) -> dt.datetime:
         """Push the lease of a claimed batch out to ``visibility_timeout`` seconds from now; return it.
 
         Raises :class:`LeaseExpiredError` (changing nothing) when any of its leases was already lost.
         """
-        raise NotImplementedError(f"{self.settings.design} queues do not support batches yet")
+        raise self._unsupported("batches (claim_batch and the rest)")
 
     def _receipt_messages(self, receipts: Sequence[tuple[int, int]]) -> list[Message]:
         out = []

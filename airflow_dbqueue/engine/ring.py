@@ -68,6 +68,7 @@ from airflow_dbqueue.engine.errors import (
 )
 from airflow_dbqueue.engine.models import (
     DEFAULT_GROUP,
+    RING_DEFAULT_LAG_TIMEOUT_S,
     Message,
     Semantics,
 )
@@ -77,7 +78,6 @@ from airflow_dbqueue.engine.ring_base import (
     _PUSH_ATTEMPTS,
     _SETTLE_ACK,
     RING_DEFAULT_CAPACITY,
-    RING_DEFAULT_LAG_TIMEOUT_S,
     RING_DEFAULT_LANES,
     RING_DEFAULT_PAYLOAD,
     RING_MAX_CAPACITY,

@@ -3,16 +3,18 @@ receipts it settles. The ring design itself is described in :mod:`airflow_dbqueu
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any, Self, cast
 
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
+    DatabaseError,
     GroupNotFoundError,
     LeaseExpiredError,
     QueueNotFoundError,
@@ -58,8 +60,6 @@ _id = attrgetter("id")
 _delivery = attrgetter("delivery")
 _GROUP_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,62}")
 _ON_LAG_CODE = {OnLag.BLOCK: 0, OnLag.DROP_GROUP: 1}
-RING_DEFAULT_LAG_TIMEOUT_S = 3600.0
-"""A consumer group's default lag timeout: an hour without a pop while it has messages to take."""
 log = logging.getLogger("airflow_dbqueue.engine.ring")  # the ring design's one logger, whichever module logs
 
 
@@ -115,6 +115,17 @@ class RingBase(Queue):
         self.gap_timeout = 5.0
         self.reclaim_every_s = min(1.0, settings.visibility_timeout_s / 2)
         self._root = cast("Self", self)  # a group's handle: its ring's default handle (RingQueue.group)
+
+    @contextlib.contextmanager
+    def _or_gone(self) -> Iterator[None]:
+        """Run a read of the ring's tables; when it fails (a ring dropped meanwhile takes its tables'
+        rows and sequence with it, and a statement planned before may no longer open them), raise
+        :class:`QueueNotFoundError` or :class:`GroupNotFoundError` if that is what happened."""
+        try:
+            yield
+        except DatabaseError:
+            self._raise_if_gone()
+            raise
 
     def _raise_if_gone(self) -> None:
         """Raise :class:`QueueNotFoundError` when this handle's ring was dropped (its queue row is gone,

@@ -13,6 +13,7 @@ from airflow_dbqueue.engine.errors import (
 )
 from airflow_dbqueue.engine.models import (
     DEFAULT_GROUP,
+    RING_DEFAULT_LAG_TIMEOUT_S,
     GroupInfo,
     OnLag,
 )
@@ -20,7 +21,6 @@ from airflow_dbqueue.engine.queue import check_seconds
 from airflow_dbqueue.engine.ring_base import (
     _GROUP_NAME,
     _ON_LAG_CODE,
-    RING_DEFAULT_LAG_TIMEOUT_S,
     RingBase,
     log,
 )

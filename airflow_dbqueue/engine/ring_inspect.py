@@ -27,15 +27,20 @@ class RingInspect(RingBase):
     """Peeking, counting, stats and failed messages of a ring's group."""
 
     def peek(self, n: int = 10) -> list[Message]:
-        rows = self._db.fetchall(
-            "ring_peek", {"queue_id": self._qid, "n": _check_batch_size(n), "group": self._gid}
-        )
+        n = _check_batch_size(n)
+        with self._or_gone():
+            rows = self._db.fetchall("ring_peek", {"queue_id": self._qid, "n": n, "group": self._gid})
+        if not rows:
+            self._raise_if_gone()  # a dropped ring or group has nothing to show either
         return self._messages(rows)
 
     def count_ready(self, min_priority: int | None = None, cap: int = COUNT_CAP) -> int:
         if min_priority is not None and min_priority > 0:
             return 0  # every ring message has priority 0
-        row = self._db.fetchone("ring_count_ready", self._readiness_params(cap))
+        with self._or_gone():
+            row = self._db.fetchone("ring_count_ready", self._readiness_params(cap))
+        if not (row and row[0]):
+            self._raise_if_gone()
         return int(row[0]) if row else 0
 
     def _readiness_params(self, cap: int) -> dict[str, Any]:
@@ -49,7 +54,10 @@ class RingInspect(RingBase):
     def readiness(
         self, min_priority: int | None = None, cap: int = COUNT_CAP
     ) -> tuple[int, tuple[int, int] | None]:
-        row = self._db.fetchone("ring_ready_head", self._readiness_params(cap))
+        with self._or_gone():
+            row = self._db.fetchone("ring_ready_head", self._readiness_params(cap))
+        if row is None or row[1] is None:
+            self._raise_if_gone()
         return self._readiness_row(row, min_priority)
 
     @staticmethod
@@ -75,8 +83,10 @@ class RingInspect(RingBase):
         return self._messages(self._db.fetchall("ring_leased", self._receipt_params(stubs)))
 
     def stats(self) -> QueueStats:
-        row = self._db.fetchone("ring_stats", {"queue_id": self._qid, "group": self._gid})
-        if row is None:
+        with self._or_gone():
+            row = self._db.fetchone("ring_stats", {"queue_id": self._qid, "group": self._gid})
+        if row is None or row[5] is None or row[6] is None:  # no ring, or no such group any more
+            self._raise_if_gone()
             raise QueueNotFoundError(self.name, self._db.schema)
         push_pos, pop_pos, floor = int(row[5]), int(row[6]), int(row[7])
         # The numbers from the floor to the push position hold slots (or wait for them: a push of one
@@ -111,6 +121,8 @@ class RingInspect(RingBase):
             "ring_list_failed",
             {"queue_id": self._qid, "after_id": after_id, "limit": limit, "group": self._gid},
         )
+        if not rows:
+            self._raise_if_gone()
         decode = self.settings.decode
         return [
             FailedMessage(

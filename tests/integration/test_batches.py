@@ -17,7 +17,9 @@ from airflow_dbqueue.engine import (
     BatchStateError,
     ConfigurationError,
     DbQueue,
+    DbQueueError,
     LeaseExpiredError,
+    NotSupportedError,
     Semantics,
 )
 from tests.helpers import checksum
@@ -207,3 +209,24 @@ def test_open_batches_of_a_consumer_prefix(dbq: DbQueue) -> None:
     assert [b.batch_id for b in q.open_batches(consumer_prefix="dag_a.t.run_1.-1.try2")] == [later.batch_id]
     assert q.open_batches(consumer_prefix="dag_b.") == []
     assert len(q.open_batches()) == 3
+
+
+def test_batches_on_a_ring_are_refused_with_the_librarys_own_error(dbq: DbQueue) -> None:
+    """Until rings have batches, every batch call on one raises NotSupportedError (a DbQueueError, and
+    a NotImplementedError), naming the queue; the ring's messages are untouched."""
+    ring = dbq.create_queue("ring_batches", design="ring", capacity=10)
+    ring.push_batch([1, 2])
+    calls = (
+        lambda: ring.claim_batch(1),
+        lambda: ring.get_batch("b"),
+        ring.open_batches,
+        lambda: ring.batch_query("b"),
+        lambda: ring.ack_batch("b"),
+        lambda: ring.release_batch("b"),
+        lambda: ring.extend_batch("b", 10),
+    )
+    for call in calls:
+        with pytest.raises(NotSupportedError, match="'ring_batches'") as refused:
+            call()
+        assert isinstance(refused.value, DbQueueError) and isinstance(refused.value, NotImplementedError)
+    assert [m.payload for m in ring.pop(5)] == [1, 2]

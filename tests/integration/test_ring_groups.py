@@ -30,6 +30,7 @@ from airflow_dbqueue.engine import (
     GroupNotFoundError,
     LeaseExpiredError,
     QueueFullError,
+    QueueNotFoundError,
 )
 from airflow_dbqueue.engine.models import DEFAULT_GROUP, OnLag
 from tests.helpers import checksum
@@ -460,3 +461,56 @@ def test_the_cli_lists_adds_drops_and_pops_groups(dbq: DbQueue, capsys: pytest.C
         assert (code, out) == (2, []), args
         assert err.startswith("dbqueue: error: ") and words in err, (args, err)
     assert [g.name for g in q.groups()] == ["default"] and q.stats().ready == 0
+
+
+def test_a_dropped_groups_handle_refuses_every_read_with_group_not_found(dbq: DbQueue) -> None:
+    """What the handle of a dropped group reads fails as its pop does, naming the group: nothing is
+    read as an empty queue, and no bare error escapes."""
+    ring = dbq.create_queue("dropped_reads", design="ring", capacity=20)
+    ring.add_group("x")
+    handle = ring.group("x")
+    ring.push_batch(["a", "b"])
+    ring.drop_group("x")
+    for read in (handle.stats, handle.peek, handle.list_failed, handle.count_ready, handle.readiness):
+        with pytest.raises(GroupNotFoundError, match="'x'"):
+            read()
+    assert [m.payload for m in ring.peek()] == ["a", "b"]  # the default group's are still there
+
+
+def test_consumer_group_calls_on_a_table_queue_are_configuration_errors(dbq: DbQueue) -> None:
+    q = dbq.create_queue("not_a_ring")
+    for call in (lambda: q.add_group("g"), q.groups, lambda: q.drop_group("g"), lambda: q.group("g")):
+        with pytest.raises(ConfigurationError, match="ring design"):
+            call()
+
+
+def test_reads_of_a_ring_dropped_meanwhile_fail_as_queue_not_found(dbq: DbQueue) -> None:
+    """Readers in other threads while the ring is dropped (and made again under its name): every read
+    either succeeds or raises QueueNotFoundError, never a bare database error."""
+    errors: list[str] = []
+    stop = threading.Event()
+
+    def read(handle: RingQueue) -> None:
+        while not stop.is_set():
+            for call in (handle.stats, handle.peek, handle.count_ready, handle.readiness):
+                try:
+                    call()
+                except QueueNotFoundError:
+                    pass
+                except Exception as exc:  # everything else is what the test looks for
+                    errors.append(f"{type(exc).__name__}: {exc}")
+
+    for _ in range(15):
+        ring = dbq.create_queue("dropped_under", design="ring", capacity=50)
+        ring.push_batch(list(range(10)))
+        readers = [threading.Thread(target=read, args=(ring,)) for _ in range(3)]
+        for t in readers:
+            t.start()
+        time.sleep(0.05)
+        dbq.drop_queue("dropped_under")
+        time.sleep(0.05)
+        stop.set()
+        for t in readers:
+            t.join(30)
+        stop.clear()
+    assert errors == []

@@ -58,6 +58,7 @@ from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     DatabaseUnavailableError,
     DbQueueError,
+    NotSupportedError,
     TransientDatabaseError,
 )
 from airflow_dbqueue.engine.names import MSSQL_RESERVED_SCHEMAS, validate_identifier, validate_schema_name
@@ -465,22 +466,22 @@ class MssqlDatabase(MssqlSchema, MssqlMaintenance):
 
     def listening(self, channel: str) -> contextlib.AbstractContextManager[Any]:
         """SQL Server has no LISTEN/NOTIFY: waiting pops poll instead."""
-        raise NotImplementedError("SQL Server has no LISTEN/NOTIFY; waiting pops poll")
+        raise NotSupportedError("SQL Server has no LISTEN/NOTIFY; waiting pops poll")
 
     async def aconnect(self, application_name: str) -> Any:
         """pyodbc has no async connections: observers poll with the synchronous queries."""
-        raise NotImplementedError(
+        raise NotSupportedError(
             "SQL Server has no async observers; observe with readiness() (polling: poke or reschedule mode)"
         )
 
     async def afetchone(self, aconn: Any, name: str, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
         """pyodbc has no async connections: observers poll with the synchronous queries."""
-        raise NotImplementedError("SQL Server has no async observers; observe with readiness() (polling)")
+        raise NotSupportedError("SQL Server has no async observers; observe with readiness() (polling)")
 
     async def alisten(self, aconn: Any, channel: str) -> None:
         """SQL Server has no LISTEN/NOTIFY: observers poll."""
-        raise NotImplementedError("SQL Server has no LISTEN/NOTIFY; observe with readiness() (polling)")
+        raise NotSupportedError("SQL Server has no LISTEN/NOTIFY; observe with readiness() (polling)")
 
     async def anotifies(self, aconn: Any, timeout: float | None) -> set[str]:
         """SQL Server has no LISTEN/NOTIFY: observers poll."""
-        raise NotImplementedError("SQL Server has no LISTEN/NOTIFY; observe with readiness() (polling)")
+        raise NotSupportedError("SQL Server has no LISTEN/NOTIFY; observe with readiness() (polling)")

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from airflow_dbqueue.engine.dialects.indexes import IndexHealth, IndexStep, IndexSurvey
 from airflow_dbqueue.engine.dialects.mssql.params import query_timeout_s
-from airflow_dbqueue.engine.errors import DbQueueError
+from airflow_dbqueue.engine.errors import DbQueueError, NotSupportedError
 
 MSSQL_TABLES = (
     "meta",
@@ -217,7 +217,7 @@ class MssqlMaintenance(_Statements):
 
     @staticmethod
     def ring_laid_out_bytes(capacity: int, slot_bytes: int) -> int:
-        raise NotImplementedError(MSSQL_NO_COMPACTION)
+        raise NotSupportedError(MSSQL_NO_COMPACTION)
 
     def index_survey(self) -> IndexSurvey:
         """Every index of the schema as ``sys.dm_db_index_physical_stats`` measures it (SAMPLED), and
