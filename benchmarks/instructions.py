@@ -190,14 +190,21 @@ def _pid(dbq: DbQueue) -> int:
 
 
 def engine_sessions(
-    dsn: str, schema: str, batch: int, semantics: str = "at-most-once", pop_api: str = "payloads"
+    dsn: str,
+    schema: str,
+    batch: int,
+    semantics: str = "at-most-once",
+    pop_api: str = "payloads",
+    *,
+    pooler: str = "none",
 ) -> Sessions:
     """A push session and a pop session through the engine, each on one pooled connection; each
     returns the backends it used. At least once, the pop session acks each pop after it; at most once
-    it pops with ``pop_payloads`` (``pop_api`` "payloads") or with ``pop``, which builds messages."""
+    it pops with ``pop_payloads`` (``pop_api`` "payloads") or with ``pop``, which builds messages.
+    ``pooler="transaction"``: the engine as it runs behind a transaction pooler (nothing prepared)."""
 
     def push(sent: list[list[bytes]]) -> set[int]:
-        with DbQueue(dsn, schema=schema, pool_size=1) as dbq:
+        with DbQueue(dsn, schema=schema, pool_size=1, pooler=pooler) as dbq:
             q = dbq.queue(QUEUE)
             pids = {_pid(dbq)}
             for b in sent:
@@ -210,7 +217,7 @@ def engine_sessions(
 
     def pop(calls: int) -> tuple[list[bytes], set[int]]:
         got: list[bytes] = []
-        with DbQueue(dsn, schema=schema, pool_size=1) as dbq:
+        with DbQueue(dsn, schema=schema, pool_size=1, pooler=pooler) as dbq:
             q = dbq.queue(QUEUE)
             q.reclaim_every_s = float("inf")  # type: ignore[attr-defined] # no reclaim between pops
             pids = {_pid(dbq)}
@@ -230,17 +237,19 @@ def engine_sessions(
     return push, pop
 
 
-def naive_sessions(dsn: str, schema: str, batch: int) -> Sessions:
+def naive_sessions(dsn: str, schema: str, batch: int, pooler: str = "none") -> Sessions:
     push_sql, pop_sql = naive_statements(schema)
+    # Behind a transaction pooler nothing may be prepared; psycopg prepares after five runs otherwise.
+    threshold = None if pooler == "transaction" else 5
 
     def push(sent: list[list[bytes]]) -> set[int]:
-        with psycopg.connect(dsn, autocommit=True) as c:
+        with psycopg.connect(dsn, autocommit=True, prepare_threshold=threshold) as c:
             for b in sent:
                 c.execute(push_sql, (b,))
             return {c.info.backend_pid}
 
     def pop(calls: int) -> tuple[list[bytes], set[int]]:
-        with psycopg.connect(dsn, autocommit=True) as c:
+        with psycopg.connect(dsn, autocommit=True, prepare_threshold=threshold) as c:
             got: list[bytes] = []
             for _ in range(calls):
                 got.extend(map(_first, c.execute(pop_sql, (batch,), binary=True).fetchall()))
@@ -411,7 +420,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for batch in args.batch:
             calls = args.calls or (40 if batch == 1 else 4)
             naive_schema = f"instr_{ref_name}_{uuid.uuid4().hex[:8]}"
-            reference = Target(ref_name, dsn, naive_schema, args.semantics, args.archive, "never")
+            reference = Target(
+                ref_name, dsn, naive_schema, args.semantics, args.archive, "never", pooler=args.pooler
+            )
             setup_target(reference)
             naive_client = (
                 CountedClient(server.root, "naive", dsn, naive_schema, batch, pop_api=args.pop)
@@ -419,7 +430,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 else None
             )
             in_process = (
-                pgmq_sessions(reference, batch) if lease else naive_sessions(dsn, naive_schema, batch)
+                pgmq_sessions(reference, batch)
+                if lease
+                else naive_sessions(dsn, naive_schema, batch, args.pooler)
             )
             naive = naive_client.sessions() if naive_client else in_process
             # The warm-up writes the table's first pages and sequence values; its counts are not kept, so
@@ -463,7 +476,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         if args.client
                         else None
                     )
-                    in_proc = engine_sessions(dsn, schema, batch, args.semantics, args.pop)
+                    in_proc = engine_sessions(
+                        dsn, schema, batch, args.semantics, args.pop, pooler=args.pooler
+                    )
                     sessions = engine_client.sessions() if engine_client else in_proc
                     measure(  # warm-up, in this process (as above)
                         server,
@@ -495,6 +510,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "pop": args.pop if args.semantics == "at-most-once" else "messages",
                         # the reference's figures are under naive_*, whichever it is
                         "reference": ref_name,
+                        "pooler": args.pooler,
                         **{f"{s}_instructions": round(got[s]) for s in SIDES},
                         **{f"naive_{s}_instructions": round(ref[s]) for s in SIDES},
                         "cycle_instructions": round(got["push"] + got["pop"]),
@@ -567,12 +583,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="payloads",
         help="at most once, the engine pops with pop_payloads (default) or with pop, which builds messages",
     )
+    ap.add_argument(
+        "--pooler",
+        choices=("none", "transaction"),
+        default="none",
+        help="transaction: every side as it runs behind a transaction pooler, nothing prepared (the "
+        "server's work is what a pooler in transaction mode passes on; the pooler's own is not counted)",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a session of --client (stdin)
     args = ap.parse_args(argv)
     if any(b < 1 for b in args.batch) or args.calls < 0 or args.payload_bytes < 16:
         ap.error("batches must be at least 1, --calls at least 0, --payload-bytes at least 16")
     if args.client and args.semantics != "at-most-once":
         ap.error("--client counts pops at most once only")
+    if args.client and args.pooler != "none":
+        ap.error("--client counts the clients straight to the server only")
     return args
 
 

@@ -27,6 +27,8 @@ INSTRUCTIONS_PY = Path(__file__).resolve().parents[2] / "benchmarks" / "instruct
         ((), ["ring", "table"], "naive"),
         # at least once the pop sessions ack, and the reference is PGMQ's read and archive
         (("--design", "table", "--semantics", "at-least-once", "--archive"), ["table"], "pgmq"),
+        # both sides as they run behind a transaction pooler: nothing prepared
+        (("--design", "ring", "--pooler", "transaction"), ["ring"], "naive"),
     ],
 )
 def test_short_run_counts_every_side_of_both_designs(
@@ -45,6 +47,7 @@ def test_short_run_counts_every_side_of_both_designs(
     rows = json.loads(proc.stdout)
     assert [(r["design"], r["batch"], r["reference"]) for r in rows] == [(d, 10, reference) for d in designs]
     for r in rows:
+        assert r["pooler"] == ("transaction" if "--pooler" in extra else "none")
         for prefix in ("", "naive_"):
             for side in ("push", "pop"):
                 # a message costs the server thousands of instructions: a count near zero would mean
