@@ -251,11 +251,14 @@ class Queue(abc.ABC):
                 got = take()
             return got
         with self._db.listening(self._db.channel(self.settings.queue_id)) as listener:
-            # LISTEN is in place before this check, so a push committed after it wakes us.
+            # LISTEN is in place before this check, so a push committed after it wakes us (or another
+            # waiter of this queue, which passes the wake on once it took something).
             got = take()
             while not got and (left := deadline - time.monotonic()) > 0:
                 listener.wait(min(poll, left, self._until_due(poll)))
                 got = take()
+            if got:
+                listener.pass_on()  # more may be ready, and a push into a busy queue sends no NOTIFY
         return got
 
     def group(self, name: str | None) -> Queue:

@@ -64,9 +64,12 @@ def check_pooler(pooler: str | None) -> str:
 
 
 class Listener(Protocol):
-    """A wake-up source: :meth:`wait` returns True when something may have arrived."""
+    """A wake-up source: :meth:`wait` returns True when something may have arrived; :meth:`pass_on`
+    hands a wake to another waiter of the same queue once this one took something."""
 
     def wait(self, timeout: float) -> bool: ...
+
+    def pass_on(self) -> None: ...
 
 
 class NamedStatements(Protocol):

@@ -31,6 +31,7 @@ from airflow_dbqueue.engine.dialects.base import (
 )
 from airflow_dbqueue.engine.dialects.postgres.conninfo import check_dsn, describe_dsn
 from airflow_dbqueue.engine.dialects.postgres.errors import refused_login, translate
+from airflow_dbqueue.engine.dialects.postgres.hub import NotifyHub
 from airflow_dbqueue.engine.dialects.postgres.maintenance import PostgresMaintenance
 from airflow_dbqueue.engine.dialects.postgres.notify import PostgresNotify
 from airflow_dbqueue.engine.dialects.postgres.schema import PostgresSchema
@@ -122,7 +123,7 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
         self._connect_timeout = connect_timeout
         self._application_name = application_name
         self._pool: ConnectionPool | None = None
-        self._listen_pool: ConnectionPool | None = None
+        self._hub: NotifyHub | None = None
         # Behind a transaction pooler the server's default isolation cannot be set for a session: when
         # it is not READ COMMITTED, each statement runs in a READ COMMITTED transaction of its own.
         self._own_transactions = False
@@ -357,47 +358,19 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
             )
         return self.dsn
 
-    @contextlib.contextmanager
-    def listen_connection(self) -> Iterator[psycopg.Connection[Any]]:
-        """Yield a connection for a LISTEN, which keeps its session: from a pool of ``listen_dsn``'s
-        when one is given (so that waiting pops hold none of the engine's pool), else a pooled one.
-        Whatever it listened to is dropped (``UNLISTEN *``) before it goes back."""
-        if self.listen_dsn is None:
-            with self.connection() as c:
-                try:
-                    yield c
-                finally:
-                    with contextlib.suppress(psycopg.Error):
-                        c.execute("UNLISTEN *")
-            return
-        with self.translate_errors():
-            pool = self._get_listen_pool()
-            conn = pool.getconn()
-        try:
-            with self.translate_errors():
-                yield conn
-        finally:
-            try:
-                conn.execute("UNLISTEN *")
-            except psycopg.Error:
-                conn.close()  # broken: the pool replaces it
-            pool.putconn(conn)
-
-    def _get_listen_pool(self) -> ConnectionPool:
+    def _notify_hub(self) -> NotifyHub:
+        """The one listening connection of this object's waiting pops (made on first use)."""
         with self._lock:
-            if self._listen_pool is None:
-                pool = ConnectionPool(
-                    self.session_dsn("LISTEN"),
-                    min_size=0,
-                    max_size=self._max_size,
-                    open=False,
-                    timeout=self._connect_timeout,
-                    name=f"dbqueue-{self.schema}-listen",
-                    kwargs=self._connect_kwargs(f"{self._application_name}-listen", session=True),
-                )
-                pool.open(wait=False)
-                self._listen_pool = pool
-            return self._listen_pool
+            if self._hub is None:
+                self._hub = NotifyHub(self._listen_connect)
+            return self._hub
+
+    def _listen_connect(self) -> psycopg.Connection[Any]:
+        dsn = self.session_dsn("LISTEN")
+        with self.translate_errors():
+            return psycopg.connect(
+                dsn, **self._connect_kwargs(f"{self._application_name}-listen", session=True)
+            )
 
     def _discard_pool(self, pool: ConnectionPool) -> None:
         """Replace a pool after a connection failure: the server may have restarted.
@@ -475,10 +448,11 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
         """Close the pool (it is reopened on next use)."""
         with self._lock:
             pool, self._pool = self._pool, None
-            listen, self._listen_pool = self._listen_pool, None
-        for p in (pool, listen):
-            if p is not None:
-                p.close()
+            hub, self._hub = self._hub, None
+        if hub is not None:
+            hub.close()
+        if pool is not None:
+            pool.close()
 
     # -- named queries ---------------------------------------------------------------------------
 

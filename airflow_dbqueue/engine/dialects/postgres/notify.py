@@ -1,5 +1,5 @@
-"""LISTEN/NOTIFY on PostgreSQL: a pooled connection that waits for a queue's pushes (:class:`Listener`),
-and the async connections of observers (a trigger) that LISTEN and check readiness without a thread.
+"""LISTEN/NOTIFY on PostgreSQL: waiting pops (through the one listening connection of ``hub.py``), and
+the async connections of observers (a trigger) that LISTEN and check readiness without a thread.
 
 :class:`PostgresNotify` is a part of :class:`PostgresDatabase`; the engine calls it through the
 :class:`~airflow_dbqueue.engine.dialects.base.Database` protocol only.
@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import psycopg
 from psycopg import sql
 
+from airflow_dbqueue.engine.dialects.postgres.hub import NotifyHub, Waiter
+
 
 class _Connections(Protocol):
     """What the notification part takes from the rest of :class:`PostgresDatabase`."""
@@ -24,7 +26,7 @@ class _Connections(Protocol):
     listen_dsn: str | None
     transaction_pooled: bool
 
-    def listen_connection(self) -> AbstractContextManager[psycopg.Connection[Any]]: ...
+    def _notify_hub(self) -> NotifyHub: ...
 
     def connection(
         self, conn: psycopg.Connection[Any] | None = None
@@ -52,12 +54,14 @@ class PostgresNotify(_Base):
         return f"dbq.{self.schema}.{queue_id}"
 
     @contextlib.contextmanager
-    def listening(self, channel: str) -> Iterator[Listener]:
-        """Yield a :class:`Listener` on ``channel``, holding one connection that keeps its session
-        (:meth:`listen_connection`) until exit."""
-        with self.listen_connection() as c:
-            c.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
-            yield Listener(c, self)
+    def listening(self, channel: str) -> Iterator[Waiter]:
+        """Yield a :class:`~airflow_dbqueue.engine.dialects.postgres.hub.Waiter` on ``channel``: one
+        listening connection serves every waiter of this object (``hub.py``), so a wait holds none of
+        the pool's connections."""
+        with contextlib.ExitStack() as stack:
+            with self.translate_errors():
+                waiter = stack.enter_context(self._notify_hub().waiting(channel))
+            yield waiter
 
     async def aconnect(self, application_name: str) -> psycopg.AsyncConnection[Any]:
         """Open an async connection of its own to the database, in autocommit; the caller closes it.
@@ -90,21 +94,3 @@ class PostgresNotify(_Base):
         async for n in aconn.notifies(timeout=timeout, stop_after=1):
             channels.add(n.channel)
         return channels
-
-
-class Listener:
-    """A connection that LISTENs on one channel; :meth:`wait` returns when a notification arrives."""
-
-    def __init__(self, conn: psycopg.Connection[Any], db: _Connections) -> None:
-        self._conn = conn
-        self._db = db
-
-    def wait(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds; return True if a notification arrived."""
-        if timeout <= 0:
-            return False
-        with self._db.translate_errors():
-            got = False
-            for _ in self._conn.notifies(timeout=timeout, stop_after=1):
-                got = True
-            return got

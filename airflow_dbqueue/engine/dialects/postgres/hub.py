@@ -1,0 +1,255 @@
+"""One listening connection for every waiting pop of a :class:`PostgresDatabase`.
+
+A waiting pop used to LISTEN on a connection of its own for its whole wait: fifty waiting threads held
+fifty connections (and on the default pool of ten, most of them failed), and every NOTIFY woke all of
+them. Here one connection per database object LISTENs on each channel that somebody waits on, and a
+thread of its own reads the notifications and hands each to **one** waiter of its channel, through an
+in-process event. A waiter that was woken and took messages passes the wake on to the next waiter
+(:meth:`Waiter.pass_on`): a push of many messages sends one NOTIFY, and the waiters take them a batch
+each, one after the other, instead of all at once or after their poll. A wake given to a waiter that
+leaves without using it goes to the next one, so none is lost.
+
+The connection is a session of its own (``listen_dsn``, or the engine's DSN when it keeps sessions).
+When it breaks, every waiter is woken to look at its queue again (a NOTIFY may have been missed), and
+the next waiter that arrives connects anew; meanwhile waiters fall back to their poll.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import select
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+log = logging.getLogger(__name__)
+
+
+class Waiter:
+    """One waiting pop's place on a channel: :meth:`wait` returns when it was handed a notification,
+    or after its timeout."""
+
+    __slots__ = ("_event", "_hub", "channel")
+
+    def __init__(self, hub: NotifyHub, channel: str) -> None:
+        self._hub = hub
+        self._event = threading.Event()
+        self.channel = channel
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds; return True if a notification was handed to this waiter.
+
+        When the listening connection broke since (every waiter was woken then), it is made again
+        first; while that fails (the server is down), the wait is a poll."""
+        if self._hub.broken:
+            with contextlib.suppress(Exception):
+                self._hub.relisten(self.channel)
+        if timeout > 0:
+            self._event.wait(timeout)
+        got = self._event.is_set()
+        self._event.clear()
+        return got
+
+    def wake(self) -> None:
+        self._event.set()
+
+    def pass_on(self) -> None:
+        """Hand a wake to another waiter of this channel: this one took messages, and more may be ready
+        (a push of many sends one NOTIFY, and a push into a queue that was not empty none)."""
+        self._hub.wake_one(self.channel, but=self)
+
+
+class NotifyHub:
+    """The listening connection of one database object and the waiters on its channels.
+
+    :param connect: opens the connection to LISTEN on (autocommit, a session of its own).
+    """
+
+    def __init__(self, connect: Callable[[], psycopg.Connection[Any]]) -> None:
+        self._connect = connect
+        # Reentrant: a LISTEN (run under it) may deliver a notification that psycopg hands to
+        # _on_notify in the same thread. The reader thread never takes it while it holds psycopg's lock.
+        self._lock = threading.RLock()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._thread: threading.Thread | None = None
+        self._waiters: dict[str, collections.deque[Waiter]] = {}
+        self._listening: set[str] = set()
+        self._wake_r, self._wake_w = os.pipe()
+        self._closed = False
+
+    # -- waiters ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def waiting(self, channel: str) -> Any:
+        """Yield a :class:`Waiter` on ``channel``, LISTENed to before this returns: a NOTIFY committed
+        after that reaches it (or another waiter of the channel). Raises what connecting raises."""
+        waiter = Waiter(self, channel)
+        with self._lock:
+            self._waiters.setdefault(channel, collections.deque()).append(waiter)
+        try:
+            self._listen(channel)
+        except BaseException:
+            self._leave(waiter)
+            raise
+        try:
+            yield waiter
+        finally:
+            self._leave(waiter)
+
+    def _leave(self, waiter: Waiter) -> None:
+        with self._lock:
+            queue = self._waiters.get(waiter.channel)
+            if queue is not None:
+                with contextlib.suppress(ValueError):
+                    queue.remove(waiter)
+                if not queue:
+                    del self._waiters[waiter.channel]
+        if waiter._event.is_set():  # a wake it did not use goes on to another
+            self.wake_one(waiter.channel)
+
+    def wake_one(self, channel: str, but: Waiter | None = None) -> None:
+        """Hand a notification of ``channel`` to the waiter that has waited longest (``but`` aside) and
+        has no wake pending; it moves to the back of the line."""
+        with self._lock:
+            queue = self._waiters.get(channel)
+            if not queue:
+                return
+            for _ in range(len(queue)):
+                w = queue.popleft()
+                queue.append(w)
+                if w is not but and not w._event.is_set():
+                    w.wake()
+                    return
+
+    def _wake_all(self) -> None:
+        with self._lock:
+            waiters = [w for q in self._waiters.values() for w in q]
+        for w in waiters:
+            w.wake()
+
+    # -- the connection --------------------------------------------------------------------------
+
+    @property
+    def broken(self) -> bool:
+        """Whether there is no listening connection while somebody waits (it broke)."""
+        return self._conn is None and not self._closed
+
+    def relisten(self, channel: str) -> None:
+        """Make the listening connection again (LISTENing on every channel waited on)."""
+        self._listen(channel)
+
+    def _listen(self, channel: str) -> None:
+        """LISTEN on ``channel`` (connecting first when there is no connection, or it broke)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the notification hub is closed")
+            try:
+                self._listen_on(self._connection(), channel)
+            except psycopg.OperationalError:
+                self._drop(self._conn)  # broken before the reader saw it: once more, on a new one
+                self._listen_on(self._connection(), channel)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._read, args=(self._conn,), name="dbqueue-notify", daemon=True
+                )
+                self._thread.start()
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        """The listening connection, made anew (LISTENing on every channel somebody waits on) when
+        there is none. Under ``_lock``."""
+        conn = self._conn
+        if conn is None or conn.closed:
+            conn = self._conn = self._connect()
+            conn.add_notify_handler(self._on_notify)
+            self._listening.clear()
+            for channel in list(self._waiters):
+                self._listen_on(conn, channel)
+            os.write(self._wake_w, b"x")  # a reader still running switches to it
+        return conn
+
+    def _listen_on(self, conn: psycopg.Connection[Any], channel: str) -> None:
+        if channel not in self._listening:
+            # psycopg's lock: the reader thread holds it only while it reads what arrived
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            self._listening.add(channel)
+
+    def _drop(self, conn: psycopg.Connection[Any] | None) -> None:
+        """Forget a broken connection (under ``_lock``)."""
+        if conn is not None and self._conn is conn:
+            self._conn = None
+            self._listening.clear()
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
+
+    def _on_notify(self, n: psycopg.Notify) -> None:
+        self.wake_one(n.channel)
+
+    def _read(self, conn: psycopg.Connection[Any]) -> None:
+        """Read notifications until the hub closes; on a broken connection, wake every waiter."""
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        registered = conn.fileno()
+        poller.register(registered, select.POLLIN)
+        while True:
+            try:
+                events = poller.poll()
+            except InterruptedError:
+                continue
+            with self._lock:
+                current = self._conn
+                if self._closed or current is None:  # closed, or dropped and not made again
+                    if self._thread is threading.current_thread():
+                        self._thread = None
+                    return
+            if any(fd == self._wake_r for fd, _ in events):
+                os.read(self._wake_r, 4096)
+            if current is not conn:  # replaced after a break: read the new one
+                with contextlib.suppress(KeyError, ValueError):
+                    poller.unregister(registered)
+                conn = current
+                registered = conn.fileno()
+                poller.register(registered, select.POLLIN)
+                continue
+            if not any(fd == registered for fd, _ in events):
+                continue
+            channels: list[str] = []
+            try:
+                with conn.lock:  # released before any waiter is woken (which takes _lock)
+                    conn.pgconn.consume_input()
+                    while pgn := conn.pgconn.notifies():
+                        channels.append(pgn.relname.decode())
+            except (psycopg.Error, OSError) as exc:
+                log.info(
+                    "dbqueue: the listening connection broke (%s); waiters poll until one reconnects", exc
+                )
+                self._wake_all()  # a NOTIFY may have been missed: every waiter looks again
+                with self._lock:
+                    self._drop(conn)
+                continue  # the loop's top ends the reader, or reads a connection made meanwhile
+            for channel in channels:
+                self.wake_one(channel)
+
+    def close(self) -> None:
+        """Close the connection and end the reader; waiters still waiting are woken."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            conn, self._conn = self._conn, None
+            thread, self._thread = self._thread, None
+        os.write(self._wake_w, b"x")
+        if thread is not None:
+            thread.join(5)
+        if conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
+        self._wake_all()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
