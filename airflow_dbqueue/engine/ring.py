@@ -280,9 +280,11 @@ class RingQueue(RingGroups, RingInspect):
             self._reclaim(RECLAIM_LIMIT, conn)
         with self._lock:
             fast = self._fast and self._gap is None
-        if fast and n == 1 and not lease and conn is None:
+        if fast and n == 1 and not lease and conn is None and self._db.prepares_statements:
             # A pop of one at most once: one statement that takes from a lane no other pop holds
-            # (ring_take_one); when it finds nothing, ring_take below waits for held lanes.
+            # (ring_take_one); when it finds nothing, ring_take below waits for held lanes. Unprepared
+            # (behind a transaction pooler) its planning costs more than the function ring_take, whose
+            # inner statements keep their plans in the server's session.
             one = self._messages(self._db.fetchall("ring_take_one", self._one_params))
             if one:
                 return [m.payload for m in one] if payloads else one

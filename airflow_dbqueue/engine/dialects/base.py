@@ -121,6 +121,11 @@ class Database(NamedStatements, Protocol):
     #: True when a pop of payloads only has statements of its own that send one column a message
     #: (queries ``pop_take_payloads``, ``ring_take_payloads``).
     payload_pops: bool
+    #: False when no statement of a session may be prepared (PostgreSQL behind a transaction pooler):
+    #: a statement other than a call of the schema's functions is then planned on every call, so the
+    #: designs take the functions' paths, whose inner plans the server keeps a session (``ring_take``
+    #: rather than ``ring_take_one``).
+    prepares_statements: bool
 
     def close(self) -> None: ...
 

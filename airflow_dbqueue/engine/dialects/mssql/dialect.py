@@ -159,6 +159,7 @@ class MssqlDatabase(MssqlSchema, MssqlMaintenance):
     supports_notify = False
     ring_push_takes_floor = False  # its ring_push reads the floor under its own locks
     payload_pops = False  # a pop of payloads takes them from its procedures' whole rows
+    prepares_statements = True
     async_observers = False  # pyodbc has no async connections: observers poll with readiness()
 
     def __init__(

@@ -81,6 +81,7 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
     dialect_name = "postgresql"
     ring_push_takes_floor = True
     payload_pops = True
+    prepares_statements = True  # not behind a transaction pooler (__init__)
 
     def __init__(
         self,
@@ -107,6 +108,7 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
         # A named prepared statement lives on one server connection; behind a transaction pooler the
         # next transaction may run on another, where the name is unknown or names another statement.
         self._prepared = frozenset() if self.transaction_pooled else GENERIC_PLANS
+        self.prepares_statements = not self.transaction_pooled
         self.schema = validate_schema_name(schema, POSTGRESQL_RESERVED_SCHEMAS)
         self.where = describe_dsn(dsn)
         if not self.supports_notify and self.where not in _WARNED_POLLING:
