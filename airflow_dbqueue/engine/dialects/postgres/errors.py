@@ -22,7 +22,7 @@ from airflow_dbqueue.engine.errors import (
     TransientDatabaseError,
 )
 
-# SQLSTATEs that the server-side functions of schema.sql raise on purpose (class DQ is ours).
+# SQLSTATEs that the server-side functions of functions.sql raise on purpose (class DQ is ours).
 _RAISED_BY_FUNCTIONS: dict[str, type[DbQueueError]] = {
     "DQ001": QueueFullError,
     "DQ002": RingNumbersSkippedError,
@@ -78,7 +78,7 @@ def translate(exc: Exception, *, schema: str, where: str, connect_timeout: float
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return DatabaseUnavailableError(f"PostgreSQL at {where} is unreachable: {first}")
     own = _RAISED_BY_FUNCTIONS.get(exc.sqlstate or "")
-    if own is not None:  # raised on purpose by the server-side functions of schema.sql
+    if own is not None:  # raised on purpose by the server-side functions of functions.sql
         return own(exc.diag.message_primary or str(exc))
     return DatabaseError(f"PostgreSQL error at {where}: {exc}".strip())
 
