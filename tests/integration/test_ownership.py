@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 
 from airflow_dbqueue.engine import DbQueue, ForeignObjectsError, InvalidNameError
-from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
 from airflow_dbqueue.engine.dialects.postgres.schema import schema_sql
 from airflow_dbqueue.engine.embedded import free_port
 from tests.dialects import run_sql
@@ -23,8 +22,6 @@ from tests.dialects import run_sql
 pytestmark = pytest.mark.integration
 
 LATEST = schema_sql()[0]
-BEFORE_CATALOGUE = 11
-"""The last schema version whose code kept no catalogue of what it created (owned_objects came in 12)."""
 ENGINE_TABLES = {"schema_version", "queues", "meta", "data", "done", "archive", "batches", "rings"}
 
 
@@ -234,63 +231,3 @@ def test_uninstall_of_a_schema_without_an_install_touches_nothing(
         dbq.uninstall()  # someone else's schema of that name
     assert relations(pg_dsn, schema) == {"customers"}
     assert user_rows(pg_dsn, schema) == [(1, "ada")]
-
-
-# -- installs made before the catalogue ------------------------------------------------------------------
-
-
-def old_install(dsn: str, schema: str, version: int) -> None:
-    """An install as the code of ``version`` made it (CREATE SCHEMA IF NOT EXISTS, no catalogue)."""
-    db = PostgresDatabase(dsn, schema=schema)
-    try:
-        db.migrate_to(version)
-    finally:
-        db.close()
-
-
-def test_an_older_install_in_a_shared_schema_is_recognised_by_name(
-    pg_dsn: str, new_schema: Callable[[], str]
-) -> None:
-    """Older versions installed with CREATE SCHEMA IF NOT EXISTS, also into a schema that held other
-    things. After the upgrade, the engine's objects are known by the names its schema files create;
-    the rest is not the engine's, and neither is the schema."""
-    schema = new_schema()
-    run(pg_dsn, schema, "CREATE SCHEMA {schema}")
-    user_table(pg_dsn, schema)
-    old_install(pg_dsn, schema, BEFORE_CATALOGUE)
-    # what the older version did with it: a table-design queue, and a ring (sequences of its own) made
-    # by that version's ring_create
-    queue = (
-        "INSERT INTO {schema}.queues (name, design, payload_type, max_payload_bytes, max_attempts, "
-        "visibility_timeout_s, retry_backoff_s, retry_backoff_max_s, notify, archive) "
-        "VALUES (%(name)s, %(design)s, 'json', 512, 5, 30, 1, 300, 'auto', false) RETURNING queue_id"
-    )
-    run(pg_dsn, schema, queue, {"name": "orders", "design": "table"})
-    qid = run(pg_dsn, schema, queue, {"name": "stream", "design": "ring"})[0][0]
-    run(pg_dsn, schema, "SELECT {schema}.ring_create(%(s)s, %(q)s, 8, 512)", {"s": schema, "q": qid})
-    with DbQueue(pg_dsn, schema=schema) as dbq:
-        dbq.uninstall()  # migrates first, then drops what it recognised
-    assert relations(pg_dsn, schema) == {"customers"}
-    assert functions(pg_dsn, schema) == set()
-    assert user_rows(pg_dsn, schema) == [(1, "ada")]
-
-
-@pytest.mark.parametrize("start", [1, 5, BEFORE_CATALOGUE])
-def test_an_older_install_alone_in_its_schema_is_the_engines_whole(
-    pg_dsn: str, new_schema: Callable[[], str], start: int
-) -> None:
-    schema, fresh = new_schema(), new_schema()
-    old_install(pg_dsn, schema, start)
-    with DbQueue(pg_dsn, schema=schema) as dbq:
-        assert dbq.install() == LATEST
-    with DbQueue(pg_dsn, schema=fresh) as dbq:
-        dbq.install()
-    owned = "SELECT kind, name FROM {schema}.owned_objects ORDER BY 1, 2"
-    migrated = [(k, n) for k, n in run(pg_dsn, schema, owned)]
-    created = [(k, n) for k, n in run(pg_dsn, fresh, owned)]
-    assert [r if r != ("schema", schema) else ("schema", "<s>") for r in migrated] == [
-        r if r != ("schema", fresh) else ("schema", "<s>") for r in created
-    ]
-    with DbQueue(pg_dsn, schema=schema) as dbq:
-        dbq.uninstall()
-    assert not schema_exists(pg_dsn, schema)

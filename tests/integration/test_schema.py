@@ -1,13 +1,13 @@
-"""The queue schema: install, migrations, version checks, and the named queries.
+"""The queue schema: install, upgrades and the functions re-applied under load, version checks, and
+the named queries.
 
-The migration test compares a normalized description of the catalog (tables, columns, constraints,
-indexes, sequences, functions, triggers, ...) of a fresh install with one built by applying the
-migrations from each older version; it keeps working as migrations are added.
+describe_schema is a normalized description of the catalog (tables, columns, constraints, indexes,
+sequences, functions, triggers, ...) of one schema, for comparing two installs.
 """
 
 from __future__ import annotations
 
-import json
+import itertools
 import re
 import threading
 import uuid
@@ -22,8 +22,10 @@ from psycopg.pq import ExecStatus
 
 import airflow_dbqueue.engine as engine_pkg
 from airflow_dbqueue.engine import DbQueue, InvalidNameError, SchemaError
+from airflow_dbqueue.engine.dialects.base import digest
 from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
-from airflow_dbqueue.engine.dialects.postgres.schema import migrations, schema_sql
+from airflow_dbqueue.engine.dialects.postgres import schema as pg_schema
+from airflow_dbqueue.engine.dialects.postgres.schema import schema_sql
 from airflow_dbqueue.engine.sqlfile import load_queries
 from tests.dialects import run_sql
 from tests.helpers import checksum
@@ -33,7 +35,6 @@ pytestmark = pytest.mark.integration
 
 POSTGRES_PKG = "airflow_dbqueue.engine.dialects.postgres"
 LATEST = schema_sql()[0]
-MIGRATION_VERSIONS = [v for v, _ in migrations()]
 
 # -- a normalized description of one schema's catalog ------------------------------------------------
 
@@ -296,28 +297,7 @@ def test_concurrent_install_on_a_fresh_schema(pg_dsn: str, new_schema: Callable[
         assert schema_differences(expected, describe_schema(pg_dsn, name)) == []
 
 
-# -- migrations --------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("start", MIGRATION_VERSIONS)
-def test_migrating_from_an_old_version_gives_the_fresh_schema(
-    pg_dsn: str, new_schema: Callable[[], str], start: int
-) -> None:
-    fresh, migrated = new_schema(), new_schema()
-    assert fresh_install(pg_dsn, fresh) == LATEST  # runs schema.sql
-
-    db = PostgresDatabase(pg_dsn, schema=migrated)
-    try:
-        db.migrate_to(start)
-        assert recorded_versions(pg_dsn, migrated) == list(range(1, start + 1))
-        assert db.install() == LATEST  # applies the migrations after `start`
-    finally:
-        db.close()
-
-    assert recorded_versions(pg_dsn, migrated) == list(range(1, LATEST + 1))
-    assert recorded_versions(pg_dsn, fresh) == [LATEST]
-    diff = schema_differences(describe_schema(pg_dsn, fresh), describe_schema(pg_dsn, migrated))
-    assert diff == [], "schema.sql and the migrations disagree:\n" + "\n".join(diff)
+# -- comparing installs ------------------------------------------------------------------------------
 
 
 _MUTATIONS = {
@@ -540,419 +520,304 @@ def test_every_query_the_engine_names_exists() -> None:
     assert sorted(called - set(_query_names())) == []
 
 
-def test_version_1_data_survives_the_migration_and_old_receipts_still_ack(
-    pg_dsn: str, new_schema: Callable[[], str]
-) -> None:
-    """Rows written under schema version 1 (receipts were (id, attempts)) work after migrating."""
-    schema = new_schema()
-    db = PostgresDatabase(pg_dsn, schema=schema)
-    try:
-        db.migrate_to(1)
-        ident = sql.Identifier(schema)
-        with psycopg.connect(pg_dsn, autocommit=True) as c:
-            c.execute(
-                sql.SQL(
-                    "INSERT INTO {s}.queues (name, design, payload_type, max_payload_bytes, max_attempts, "
-                    "visibility_timeout_s, retry_backoff_s, retry_backoff_max_s, notify, archive) "
-                    "VALUES ('old', 'table', 'json', 1000, 5, 30, 1, 10, 'auto', true)"
-                ).format(s=ident)
+# -- what install() does to an install of its own ------------------------------------------------------
+
+
+def functions_applied(dsn: str, schema: str) -> str:
+    """The SHA-256 of the functions.sql last applied, as owned_objects records it."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        q = sql.SQL("SELECT name FROM {}.owned_objects WHERE kind = 'functions'").format(
+            sql.Identifier(schema)
+        )
+        [(name,)] = conn.execute(q).fetchall()
+        return str(name)
+
+
+def forget_functions_applied(dsn: str, schema: str) -> None:
+    """Record another SHA-256 for functions.sql, as if the install had applied an earlier edit of it."""
+    run_on_schema(
+        dsn, schema, "UPDATE {schema}.owned_objects SET name = repeat('0', 64) WHERE kind = 'functions'"
+    )
+
+
+def table_rows(dsn: str, schema: str) -> dict[str, list[str]]:
+    """Every row of every table of ``schema`` but owned_objects, as text, in a stable order."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        tables = [
+            r[0]
+            for r in conn.execute(
+                "SELECT tablename FROM pg_tables WHERE schemaname = %s AND tablename <> 'owned_objects' "
+                "ORDER BY 1",
+                [schema],
             )
-            # one message leased on its 2nd attempt by version-1 code, one ready
-            c.execute(
-                sql.SQL(
-                    "INSERT INTO {s}.meta "
-                    "(id, queue_id, state, attempts, process_at, enqueued_at, lease_until) "
-                    "VALUES (1, 1, 1, 2, now(), now(), now() + interval '1 hour'), "
-                    "(2, 1, 0, 0, now(), now(), NULL)"
-                ).format(s=ident)
-            )
-            c.execute(sql.SQL("""INSERT INTO {s}.data VALUES (1, '"a"'), (2, '"b"')""").format(s=ident))
-        with DbQueue(pg_dsn, schema=schema) as dbq:
-            assert dbq.install() == schema_sql()[0]
-            q = dbq.queue("old")
-            assert q.ack_receipts([(1, 2)]) == 1  # the receipt version-1 code handed out
-            [m] = q.pop(1, semantics="at-least-once")
-            assert (m.id, m.payload, m.attempts, m.delivery) == (2, "b", 1, 1)
-            assert q.ack([m]) == 1
-            assert q.stats().finished == 2
-    finally:
-        db.drop_schema()
-        db.close()
-
-
-def test_version_11_rings_keep_their_messages_through_the_migration(
-    pg_dsn: str, new_schema: Callable[[], str]
-) -> None:
-    """A ring written under schema version 11 (consumers wrote the slots: finished, leased, nacked
-    messages each had a state there) migrates with its messages: each one not finished is delivered
-    once, with its payload; finished ones and a gap are not; and the ring goes on wrapping."""
-    schema = new_schema()
-    db = PostgresDatabase(pg_dsn, schema=schema)
-    try:
-        db.migrate_to(11)
-        ident = sql.Identifier(schema)
-        with psycopg.connect(pg_dsn, autocommit=True) as c:
-            qid = c.execute(
-                sql.SQL(
-                    "INSERT INTO {s}.queues (name, design, payload_type, max_payload_bytes, max_attempts, "
-                    "visibility_timeout_s, retry_backoff_s, retry_backoff_max_s, notify, archive) "
-                    "VALUES ('old', 'ring', 'json', 100, 5, 30, 1, 10, 'never', false) RETURNING queue_id"
-                ).format(s=ident)
-            ).fetchone()[0]  # type: ignore[index]
-            c.execute(sql.SQL("SELECT {s}.ring_create(%s, %s, 8, 100)").format(s=ident), [schema, qid])
-            push = sql.SQL("SELECT {s}.ring_push(%s, 8, %s::bytea[], 5, 0, 'ch', NULL)").format(s=ident)
-            payloads = [f'"m{i}"'.encode() for i in range(1, 7)]
-            assert c.execute(push, [qid, payloads]).fetchone() == (1,)
-            # as version-11 consumers left them: 1 popped at most once, 2 leased, 3 nacked for later,
-            # 4 acked; 5 and 6 ready. Number 7 taken by a push that rolled back, 8 pushed.
-            for stmt in (
-                "UPDATE {s}.ring_slots SET state = 0, payload = NULL, attempts = 1, deliveries = 1 "
-                "WHERE queue_id = %(q)s AND seq IN (1, 4)",
-                "UPDATE {s}.ring_slots SET state = 2, attempts = 1, deliveries = 1, consumer = 'c', "
-                "due_at = now() + interval '1 hour' WHERE queue_id = %(q)s AND seq = 2",
-                "UPDATE {s}.ring_slots SET attempts = 1, deliveries = 1, "
-                "due_at = now() + interval '1 hour' WHERE queue_id = %(q)s AND seq = 3",
-            ):
-                c.execute(sql.SQL(stmt).format(s=ident), {"q": qid})
-            with c.transaction(force_rollback=True):
-                assert c.execute(push, [qid, [b'"lost"']]).fetchone() == (7,)
-            assert c.execute(push, [qid, [b'"m8"']]).fetchone() == (8,)
-        with DbQueue(pg_dsn, schema=schema) as dbq:
-            assert dbq.install() == schema_sql()[0]
-            q = dbq.queue("old")
-            assert (q.settings.capacity, q.settings.lanes) == (8, 8)
-            st = q.stats()
-            assert (st.ready, st.in_flight, st.extra["push_position"], st.extra["floor"]) == (5, 0, 8, 2), st
-            got = drain(q)
-            assert [(m.id, m.payload) for m in got] == [(2, "m2"), (3, "m3"), (5, "m5"), (6, "m6"), (8, "m8")]
-            more = [f"n{i}" for i in range(20)]
-            for first in range(0, 20, 4):  # the ring wraps over the migrated slots and the gap
-                q.push_batch(more[first : first + 4])
-                got += drain(q)
-            assert [m.payload for m in got[5:]] == more
-            assert [m.id for m in got[5:]] == list(range(9, 29))
-            st = q.stats()
-            assert (st.ready, st.in_flight, st.extra["gaps_skipped"], st.extra["ring_used"]) == (0, 0, 1, 0)
-    finally:
-        db.drop_schema()
-        db.close()
-
-
-def test_version_13_table_queues_keep_their_messages_through_the_migration(
-    pg_dsn: str, new_schema: Callable[[], str]
-) -> None:
-    """Messages of a table queue written under schema version 13 (every payload in data: ready ones,
-    a large one, one leased, finished ones waiting in done for the archiver) come through the
-    migration to 14, which keeps small payloads in the meta row: each is delivered or archived once
-    with its payload, and new pushes beside them too."""
-    schema = new_schema()
-    db = PostgresDatabase(pg_dsn, schema=schema)
-    try:
-        db.migrate_to(13)
-        ident = sql.Identifier(schema)
-        old = [{"old": i, "pad": "y" * (3000 if i == 3 else 10)} for i in range(10)]
-        with psycopg.connect(pg_dsn, autocommit=True) as c:
-            qid = c.execute(
-                sql.SQL(
-                    "INSERT INTO {s}.queues (name, design, payload_type, max_payload_bytes, max_attempts, "
-                    "visibility_timeout_s, retry_backoff_s, retry_backoff_max_s, notify, archive) "
-                    "VALUES ('old', 'table', 'json', 100000, 5, 30, 1, 10, 'never', true) RETURNING queue_id"
-                ).format(s=ident)
-            ).fetchone()[0]  # type: ignore[index]
-            encoded = [json.dumps(p, separators=(",", ":")).encode() for p in old]
-            ids = [
+        ]
+        return {
+            t: [
                 r[0]
-                for r in c.execute(
-                    sql.SQL("SELECT * FROM {s}.table_push(%s, %s::bytea[], 0::smallint, 0, 0, 'ch')").format(
-                        s=ident
-                    ),
-                    [qid, encoded],
+                for r in conn.execute(
+                    sql.SQL("SELECT to_jsonb(x)::text AS r FROM {}.{} x ORDER BY r").format(
+                        sql.Identifier(schema), sql.Identifier(t)
+                    )
                 )
             ]
-            assert len(ids) == 10
-            # as version-13 code left them: 0 and 1 finished (in done, payloads in data), 2 leased
-            c.execute(
-                sql.SQL(
-                    "WITH t AS (DELETE FROM {s}.meta WHERE id = ANY(%(f)s) RETURNING *) "
-                    "INSERT INTO {s}.done (id, queue_id, priority, attempts, enqueued_at, outcome) "
-                    "SELECT id, queue_id, priority, 1, enqueued_at, 1 FROM t"
-                ).format(s=ident),
-                {"f": ids[:2]},
-            )
-            c.execute(
-                sql.SQL(
-                    "UPDATE {s}.meta SET state = 1, attempts = 1, deliveries = 1, consumer = 'c', "
-                    "lease_until = now() + interval '1 hour' WHERE id = %(i)s"
-                ).format(s=ident),
-                {"i": ids[2]},
-            )
-        with DbQueue(pg_dsn, schema=schema) as dbq:
-            assert dbq.install() == schema_sql()[0]
-            q = dbq.queue("old")
-            new = [{"new": i} for i in range(5)] + [{"new": 5, "pad": "z" * 3000}]
-            new_ids = q.push_batch(new)
-            [(inline, in_data)] = run_sql(
-                dbq,
-                "SELECT count(*) FILTER (WHERE payload IS NOT NULL), "
-                "(SELECT count(*) FROM {schema}.data WHERE id = ANY(%(n)s)) FROM {schema}.meta "
-                "WHERE id = ANY(%(n)s)",
-                {"n": new_ids},
-            )
-            assert (inline, in_data) == (5, 1)  # the new small payloads in their rows, the large in data
-            assert q.ack_receipts([(ids[2], 1)]) == 1  # the lease version-13 code handed out
-            got = drain(q, "at-least-once", n=4)
-            assert checksum(m.payload for m in got) == checksum(old[3:] + new)
-            assert q.stats().finished == 16
-            result = dbq.maintenance().archive(older_than_s=0, batch_size=5, pause_s=0, time_budget_s=10)
-            assert result.rows == 16, result
-            archived = run_sql(dbq, "SELECT payload FROM {schema}.archive")
-            assert checksum(json.loads(bytes(r[0])) for r in archived) == checksum(old + new)
-            [(left,)] = run_sql(
-                dbq, "SELECT (SELECT count(*) FROM {schema}.data) + (SELECT count(*) FROM {schema}.done)"
-            )
-            assert left == 0
-    finally:
-        db.drop_schema()
-        db.close()
+            for t in tables
+        }
 
 
-def test_version_14_table_queues_keep_their_messages_through_the_migration(
+def test_install_records_the_functions_it_applied(pg_dsn: str, new_schema: Callable[[], str]) -> None:
+    schema = new_schema()
+    assert fresh_install(pg_dsn, schema) == LATEST
+    sha = pg_schema.functions_sql()[1]
+    assert (
+        functions_applied(pg_dsn, schema)
+        == sha
+        == digest((Path(engine_pkg.__file__).parent / "dialects/postgres/functions.sql").read_text("utf-8"))
+    )
+    assert recorded_versions(pg_dsn, schema) == [LATEST]
+
+
+def test_changed_functions_are_applied_while_pushes_and_pops_run(  # noqa: PLR0915
+    pg_dsn: str, new_schema: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """install() replaces every function whenever functions.sql changes, in one transaction, while
+    producers and consumers of a table queue and a ring run: every message comes out once, with its
+    payload, and no call fails. Two editions of the file alternate (the second with a comment in every
+    function's body), so each install replaces the functions with a different body. (3 s)"""
+    schema = new_schema()
+    fresh_install(pg_dsn, schema)
+    first = pg_schema.functions_sql()
+    edited = re.sub(r"\n\$\$(;|$)", r"\n    -- edited while pushes and pops run\n$$\1", first[0])
+    assert edited.count("-- edited") == 26
+    editions = [first, (edited, digest(edited), first[2])]
+    n_batches, size = 60, 25
+    errors: list[BaseException] = []
+    sent: dict[str, list[Any]] = {"t": [], "r": []}
+    got: dict[str, list[Any]] = {"t": [], "r": []}
+    produced = {"t": threading.Event(), "r": threading.Event()}
+
+    def produce(name: str) -> None:
+        try:
+            with DbQueue(pg_dsn, schema=schema, pool_size=2) as d:
+                q = d.queue(name)
+                for b in range(n_batches):
+                    batch = [{"q": name, "b": b, "i": i} for i in range(size)]
+                    if b % 3 == 0:
+                        for p in batch:
+                            q.push(p)
+                    else:
+                        q.push_batch(batch)
+                    sent[name] += batch
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            produced[name].set()
+
+    def consume(name: str) -> None:
+        try:
+            with DbQueue(pg_dsn, schema=schema, pool_size=2) as d:
+                q = d.queue(name)
+                for n in itertools.count():
+                    done = produced[name].is_set()
+                    semantics = "at-least-once" if n % 2 else "at-most-once"
+                    msgs = q.pop(7, semantics=semantics)
+                    if msgs and semantics == "at-least-once":
+                        assert q.ack(msgs) == len(msgs)
+                    got[name] += [m.payload for m in msgs]
+                    if not msgs and done:
+                        return
+        except BaseException as exc:
+            errors.append(exc)
+
+    with DbQueue(pg_dsn, schema=schema) as admin:
+        admin.create_queue("t", visibility_timeout=600)
+        admin.create_queue("r", design="ring", capacity=64, visibility_timeout=600)
+        threads = [threading.Thread(target=f, args=(n,)) for f in (produce, consume) for n in ("t", "r")]
+        for th in threads:
+            th.start()
+        installs = 0
+        while not all(e.is_set() for e in produced.values()) or installs < 4:
+            edition = editions[(installs + 1) % 2]
+            monkeypatch.setattr(pg_schema, "functions_sql", lambda e=edition: e)
+            assert admin.install() == LATEST
+            assert functions_applied(pg_dsn, schema) == edition[1]
+            installs += 1
+        for th in threads:
+            th.join(120)
+        assert not errors, errors
+        for name in ("t", "r"):
+            assert len(got[name]) == len(sent[name]) == n_batches * size
+            assert checksum(got[name]) == checksum(sent[name])
+            s = admin.queue(name).stats()
+            assert (s.ready, s.in_flight, s.failed) == (0, 0, 0)
+    assert installs >= 4
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        bodies = conn.execute(
+            "SELECT p.prosrc FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
+            "WHERE n.nspname = %s",
+            [schema],
+        ).fetchall()
+    assert len(bodies) == 26
+    assert all(("-- edited" in b) == (functions_applied(pg_dsn, schema) == editions[1][1]) for (b,) in bodies)
+
+
+def test_a_function_the_file_no_longer_defines_is_dropped(pg_dsn: str, new_schema: Callable[[], str]) -> None:
+    """A function the engine created that functions.sql no longer defines (a name kept for one release
+    after its successor came) is dropped by the next install that applies the file; one that is not the
+    engine's stays."""
+    schema = new_schema()
+    fresh_install(pg_dsn, schema)
+    run_on_schema(
+        pg_dsn,
+        schema,
+        "CREATE FUNCTION {schema}.table_push_v0() RETURNS integer LANGUAGE sql AS 'SELECT 1'; "
+        "CREATE FUNCTION {schema}.theirs() RETURNS integer LANGUAGE sql AS 'SELECT 2'; "
+        "INSERT INTO {schema}.owned_objects VALUES ('function', 'table_push_v0')",
+    )
+    assert fresh_install(pg_dsn, schema) == LATEST  # the same file: nothing to apply
+    assert {"table_push_v0", "theirs"} <= _function_names(pg_dsn, schema)
+    forget_functions_applied(pg_dsn, schema)
+    assert fresh_install(pg_dsn, schema) == LATEST
+    names = _function_names(pg_dsn, schema)
+    assert "table_push_v0" not in names and "theirs" in names
+    assert names - {"theirs"} == pg_schema.functions_sql()[2]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            sql.SQL("SELECT kind, name FROM {}.owned_objects WHERE name = 'table_push_v0'").format(
+                sql.Identifier(schema)
+            )
+        ).fetchall()
+    assert rows == []
+
+
+def _function_names(dsn: str, schema: str) -> set[str]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return {
+            r[0]
+            for r in conn.execute(
+                "SELECT p.proname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
+                "WHERE n.nspname = %s",
+                [schema],
+            )
+        }
+
+
+@pytest.mark.parametrize(
+    "versions", [[25], list(range(1, 26))], ids=["last-development", "every-development"]
+)
+def test_an_install_of_a_development_version_is_refused(
+    pg_dsn: str, new_schema: Callable[[], str], versions: list[int]
+) -> None:
+    """An install made before the first release (its schema_version holds development versions, not
+    the release's) is neither upgraded nor uninstalled: SchemaError says how to reinstall."""
+    schema = new_schema()
+    fresh_install(pg_dsn, schema)
+    with DbQueue(pg_dsn, schema=schema) as dbq:
+        dbq.create_queue("kept").push({"n": 1})
+        run_sql(dbq, "DELETE FROM {schema}.schema_version")
+        for v in versions:
+            run_sql(dbq, "INSERT INTO {schema}.schema_version (version) VALUES (%(v)s)", {"v": v})
+        before = describe_schema(pg_dsn, schema)
+        for call in (dbq.install, dbq.uninstall):
+            with pytest.raises(SchemaError) as info:
+                call()
+            message = str(info.value)
+            assert schema in message and "version 25" in message, message
+            assert "development version" in message and "1.0" in message, message
+            assert "uninstall it with the version that made it" in message, message
+            assert "DROP SCHEMA" in message, message
+        assert recorded_versions(pg_dsn, schema) == versions
+        assert schema_differences(before, describe_schema(pg_dsn, schema)) == []
+        assert run_sql(dbq, "SELECT count(*) FROM {schema}.meta") == [(1,)]
+
+
+# -- upgrades ------------------------------------------------------------------------------------------
+
+
+def install_previous_release(dsn: str, schema: str) -> None:
+    """An install as the previous release made it. No release has changed a table since the baseline,
+    so this is the baseline itself; the release that adds migrations/<release>.sql makes it the
+    previous release's schema.sql and functions.sql (from that release's tag)."""
+    assert fresh_install(dsn, schema) == LATEST
+
+
+def _states(q: Any) -> dict[str, Any]:
+    s = q.stats().as_dict()
+    return {k: v for k, v in s.items() if "age" not in k and "seconds" not in k}
+
+
+def test_an_upgrade_keeps_messages_in_every_state(  # noqa: PLR0915
     pg_dsn: str, new_schema: Callable[[], str]
 ) -> None:
-    """Messages of a table queue written under schema version 14 (small payloads in their meta rows, a
-    large one in data, one leased, finished ones in done) come through the migration to 16, which
-    makes the pops and the ack functions: the lease is acked by its receipt, the rest is popped at
-    least once and at most once, and everything is archived once with its payload."""
+    """The upgrade harness: an install of the previous release holding messages in every state (a table
+    queue's ready, delayed, leased, claimed in a batch, failed, finished and archived ones; a ring's
+    ready, leased, to deliver again, delayed again and failed ones, and a consumer group behind the
+    default one) comes through install() with the functions applied again: every row of every table is
+    as it was, every receipt still acks, and each message comes out once with its payload."""
     schema = new_schema()
-    db = PostgresDatabase(pg_dsn, schema=schema)
-    try:
-        db.migrate_to(14)
-        ident = sql.Identifier(schema)
-        old = [{"old": i, "pad": "y" * (3000 if i == 3 else 10)} for i in range(10)]
-        with psycopg.connect(pg_dsn, autocommit=True) as c:
-            qid = c.execute(
-                sql.SQL(
-                    "INSERT INTO {s}.queues (name, design, payload_type, max_payload_bytes, max_attempts, "
-                    "visibility_timeout_s, retry_backoff_s, retry_backoff_max_s, notify, archive) "
-                    "VALUES ('old', 'table', 'json', 100000, 5, 30, 1, 10, 'never', true) RETURNING queue_id"
-                ).format(s=ident)
-            ).fetchone()[0]  # type: ignore[index]
-            encoded = [json.dumps(p, separators=(",", ":")).encode() for p in old]
-            ids = [
-                r[0]
-                for r in c.execute(
-                    sql.SQL("SELECT * FROM {s}.table_push(%s, %s::bytea[], 0::smallint, 0, 0, 'ch')").format(
-                        s=ident
-                    ),
-                    [qid, encoded],
-                )
-            ]
-            # as version-14 code left them: 0 and 1 finished (in done with their payloads), 2 leased
-            c.execute(
-                sql.SQL(
-                    "WITH t AS (DELETE FROM {s}.meta WHERE id = ANY(%(f)s) RETURNING *) "
-                    "INSERT INTO {s}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload) "
-                    "SELECT id, queue_id, priority, 1, enqueued_at, 1, payload FROM t"
-                ).format(s=ident),
-                {"f": ids[:2]},
-            )
-            c.execute(
-                sql.SQL(
-                    "UPDATE {s}.meta SET state = 1, attempts = 1, deliveries = 1, consumer = 'c', "
-                    "lease_until = now() + interval '1 hour' WHERE id = %(i)s"
-                ).format(s=ident),
-                {"i": ids[2]},
-            )
-        with DbQueue(pg_dsn, schema=schema) as dbq:
-            assert dbq.install() == schema_sql()[0]
-            q = dbq.queue("old")
-            new = [{"new": i} for i in range(5)] + [{"new": 5, "pad": "z" * 3000}]
-            q.push_batch(new)
-            assert q.ack_receipts([(ids[2], 1)]) == 1  # the lease version-14 code handed out
-            got = [m.payload for m in q.pop(3)]  # at most once
-            got += [m.payload for m in drain(q, "at-least-once", n=4)]
-            assert checksum(got) == checksum(old[3:] + new)
-            assert q.stats().finished == 16
-            result = dbq.maintenance().archive(older_than_s=0, batch_size=5, pause_s=0, time_budget_s=10)
-            assert result.rows == 16, result
-            archived = run_sql(dbq, "SELECT payload FROM {schema}.archive")
-            assert checksum(json.loads(bytes(r[0])) for r in archived) == checksum(old + new)
-            [(left,)] = run_sql(
-                dbq, "SELECT (SELECT count(*) FROM {schema}.data) + (SELECT count(*) FROM {schema}.done)"
-            )
-            assert left == 0
-    finally:
-        db.drop_schema()
-        db.close()
+    install_previous_release(pg_dsn, schema)
+    with DbQueue(pg_dsn, schema=schema) as dbq:
+        t = dbq.create_queue("t", max_attempts=1, visibility_timeout=600, retry_backoff=0, archive=True)
+        old = [{"t": i, "pad": "y" * (3000 if i == 3 else 10)} for i in range(12)]
+        ids = t.push_batch(old[:10])
+        t.push_batch(old[10:], delay=3600)
+        finished = t.pop(2, semantics="at-most-once")
+        assert dbq.maintenance().archive(older_than_s=0, pause_s=0).rows == 2
+        finished += t.pop(1, semantics="at-most-once")  # finished, in done
+        leased = t.pop(2, semantics="at-least-once")
+        batch = t.claim_batch(2)
+        assert batch is not None
+        [poison] = t.pop(1, semantics="at-least-once")
+        assert t.nack([poison], error="poison") == 1  # failed: max_attempts 1
 
+        r = dbq.create_queue(
+            "r", design="ring", capacity=16, max_attempts=2, visibility_timeout=600, retry_backoff=0
+        )
+        late = r.add_group("late", start="earliest")  # type: ignore[attr-defined]
+        ring_old = [f"r{i}" for i in range(10)]
+        r.push_batch(ring_old)
+        ring_done = r.pop(2, semantics="at-most-once")
+        ring_leased = r.pop(2, semantics="at-least-once")
+        [again] = r.pop(1, semantics="at-least-once")
+        r.nack([again], delay=0)
+        [again] = r.pop(1, semantics="at-least-once")
+        r.nack([again], error="poison")  # failed: its second delivery
+        [later] = r.pop(1, semantics="at-least-once")
+        r.nack([later], delay=3600)  # delivered again in an hour
+        ring_taken = [m.payload for m in late.pop(3, semantics="at-most-once")]
 
-def test_version_14_rings_keep_their_messages_and_push_one_at_a_time_after_the_migration(
-    pg_dsn: str, new_schema: Callable[[], str]
-) -> None:
-    """A ring written under schema version 14 keeps its messages through the migrations since (15 and
-    17 replace the function behind a push of one, ring_push_one): the old messages come out once, in
-    order, with their payloads, then the pushes of one made after it, as the ring wraps; a push of
-    one into a full ring still waits for room and is written once."""
-    schema = new_schema()
-    db = PostgresDatabase(pg_dsn, schema=schema)
-    try:
-        db.migrate_to(14)
-        ident = sql.Identifier(schema)
-        with psycopg.connect(pg_dsn, autocommit=True) as c:
-            qid = c.execute(
-                sql.SQL(
-                    "INSERT INTO {s}.queues (name, design, payload_type, max_payload_bytes, max_attempts, "
-                    "visibility_timeout_s, retry_backoff_s, retry_backoff_max_s, notify, archive) "
-                    "VALUES ('old', 'ring', 'json', 100, 5, 30, 1, 10, 'never', false) RETURNING queue_id"
-                ).format(s=ident)
-            ).fetchone()[0]  # type: ignore[index]
-            c.execute(sql.SQL("SELECT {s}.ring_create(%s, %s, 8, 100, 4)").format(s=ident), [schema, qid])
-            old = [f"old{i}" for i in range(6)]
-            push = sql.SQL("SELECT {s}.ring_push(%s, 8, %s::bytea[], 5, 0, 'ch', NULL)").format(s=ident)
-            assert c.execute(push, [qid, [json.dumps(p).encode() for p in old[:3]]]).fetchone() == (1,)
-            one = sql.SQL("SELECT r_num, r_written FROM {s}.ring_push_one(%s, 8, %s::bytea, 0, 'ch')")
-            for i, p in enumerate(old[3:], start=4):  # version 14's push of one, a set of one row
-                assert c.execute(one.format(s=ident), [qid, json.dumps(p).encode()]).fetchone() == (i, True)
-        with DbQueue(pg_dsn, schema=schema) as dbq:
-            assert dbq.install() == schema_sql()[0]
-            q = dbq.queue("old")
-            q.push_timeout = 10.0
-            new = [f"new{i}" for i in range(2)]
-            assert [q.push(p) for p in new] == [7, 8]  # the ring is full now: 8 slots, none taken
-            late: list[int] = []
-            pusher = threading.Thread(target=lambda: late.append(q.push("late")))
-            pusher.start()  # waits for room: number 9 needs the slot of number 1
-            got = [(m.id, m.payload) for m in q.pop(3)]
-            pusher.join(10)
-            assert not pusher.is_alive() and late == [9]
-            got += [(m.id, m.payload) for m in drain(q)]
-            more = [f"more{i}" for i in range(20)]
-            for p in more:  # pushes of one around the ring, two and a half times
-                q.push(p)
-                got += [(m.id, m.payload) for m in q.pop(1)]
-            got += [(m.id, m.payload) for m in drain(q)]
-            assert got == list(enumerate(old + new + ["late"] + more, start=1))
-            assert q.stats().ready == 0
-    finally:
-        db.drop_schema()
-        db.close()
+        rows = table_rows(pg_dsn, schema)
+        states = [_states(q) for q in (t, r, late)]
+        assert (states[0]["ready"], states[0]["delayed"], states[0]["in_flight"], states[0]["failed"]) == (
+            2,
+            2,
+            4,
+            1,
+        )
+        forget_functions_applied(pg_dsn, schema)
 
+        assert dbq.install() == LATEST
+        assert functions_applied(pg_dsn, schema) == pg_schema.functions_sql()[1]
+        assert table_rows(pg_dsn, schema) == rows
+        assert [_states(q) for q in (t, r, late)] == states
 
-def test_version_17_rings_keep_their_messages_positions_and_leases_through_the_migration(
-    pg_dsn: str, new_schema: Callable[[], str]
-) -> None:
-    """A ring written under schema version 17 (one consumer group) keeps everything through migrations
-    18 and 19 (consumer groups): its lanes' positions (the messages taken are not delivered again), its
-    open lease (whose receipts still ack), its failed message, and the messages not taken yet, which
-    come out once, in order; a group added after it with start="earliest" gets those too. (1 s)"""
-    schema = new_schema()
-    db = PostgresDatabase(pg_dsn, schema=schema)
-    try:
-        db.migrate_to(17)
-        ident = sql.Identifier(schema)
-        with psycopg.connect(pg_dsn, autocommit=True) as c:
-            qid = c.execute(
-                sql.SQL(
-                    "INSERT INTO {s}.queues (name, design, payload_type, max_payload_bytes, max_attempts, "
-                    "visibility_timeout_s, retry_backoff_s, retry_backoff_max_s, notify, archive) "
-                    "VALUES ('old', 'ring', 'json', 100, 1, 600, 0, 0, 'never', false) RETURNING queue_id"
-                ).format(s=ident)
-            ).fetchone()[0]  # type: ignore[index]
-            c.execute(sql.SQL("SELECT {s}.ring_create(%s, %s, 16, 100, 4)").format(s=ident), [schema, qid])
-            old = [f"old{i}" for i in range(9)]
-            push = sql.SQL("SELECT {s}.ring_push(%s, 16, %s::bytea[], 5, 0, 'ch', NULL)").format(s=ident)
-            assert c.execute(push, [qid, [json.dumps(p).encode() for p in old]]).fetchone() == (1,)
-            take = sql.SQL("SELECT r_id FROM {s}.ring_take(%s, 16, 4, %s, %s, 600, 'c', true, true)")
-            assert [r[0] for r in c.execute(take.format(s=ident), [qid, 2, False])] == [1, 2]  # finished
-            assert [r[0] for r in c.execute(take.format(s=ident), [qid, 2, True])] == [3, 4]  # leased
-            assert [r[0] for r in c.execute(take.format(s=ident), [qid, 1, True])] == [5]  # fails below
-            settle = sql.SQL(
-                "SELECT r_id, r_state FROM {s}.ring_settle(%s, 16, 4, ARRAY[5]::bigint[], ARRAY[1], true, "
-                "0, 0, 0, 1, 'poison')"
-            )
-            assert c.execute(settle.format(s=ident), [qid]).fetchall() == [(5, 2)]
-            before = c.execute(
-                sql.SQL("SELECT lane, pos FROM {s}.ring_lanes WHERE queue_id = %s ORDER BY lane").format(
-                    s=ident
-                ),
-                [qid],
-            ).fetchall()
-        with DbQueue(pg_dsn, schema=schema) as dbq:
-            assert dbq.install() == schema_sql()[0] == 25
-            rows = run_sql(dbq, "SELECT queue_id, lane, pos FROM {schema}.ring_lanes ORDER BY lane")
-            assert [(lane, pos) for q, lane, pos in rows if q == qid] == before and len(rows) == len(before)
-            q = dbq.queue("old")
-            late = q.add_group("late", start="earliest")  # type: ignore[attr-defined]
-            assert q.ack_receipts([(3, 1), (4, 1)]) == 2
-            [f] = q.list_failed()
-            assert (f.id, f.payload, f.last_error) == (5, "old4", "poison")
-            got = [(m.id, m.payload) for m in drain(q)]
-            assert got == list(enumerate(old, start=1))[5:]
-            assert [(m.id, m.payload) for m in drain(late)] == got
-            assert q.stats().extra["floor"] == 10 and late.list_failed() == []
-    finally:
-        db.drop_schema()
-        db.close()
+        assert t.ack(leased) == 2
+        assert t.ack_batch(batch.batch_id) == 2
+        [f] = t.list_failed()
+        assert (f.id, f.payload, f.last_error) == (poison.id, poison.payload, "poison")
+        assert t.requeue_failed([f.id]) == 1
+        rest = drain(t, "at-least-once", n=3)
+        batched = [i for i, _ in batch.receipts]
+        assert sorted(m.id for m in rest) == sorted({*ids} - {m.id for m in finished + leased} - {*batched})
+        delivered = [m.payload for m in finished + leased + rest]
+        assert checksum(delivered) == checksum(
+            [p for i, p in zip(ids, old, strict=False) if i not in batched]
+        )
+        assert _states(t)["delayed"] == 2
 
-
-def test_version_20_table_queues_keep_their_messages_through_the_migration(
-    pg_dsn: str, new_schema: Callable[[], str]
-) -> None:
-    """Messages of a table queue written under schema version 20 (ready ones, a large one in data, a
-    claimed batch, two plain leases, a failed one) come through the migration to 21, which drops
-    meta_pkey: the batch is read by id and acked, the leases are read and acked by their receipts, the
-    failed message is listed and requeued, and everything left is delivered once with its payload."""
-    schema = new_schema()
-    db = PostgresDatabase(pg_dsn, schema=schema)
-    try:
-        db.migrate_to(20)
-        ident = sql.Identifier(schema)
-        old = [{"old": i, "pad": "y" * (3000 if i == 3 else 10)} for i in range(10)]
-        batch_id = uuid.uuid4()
-        with psycopg.connect(pg_dsn, autocommit=True) as c:
-            qid = c.execute(
-                sql.SQL(
-                    "INSERT INTO {s}.queues (name, design, payload_type, max_payload_bytes, max_attempts, "
-                    "visibility_timeout_s, retry_backoff_s, retry_backoff_max_s, notify, archive) "
-                    "VALUES ('old', 'table', 'json', 100000, 5, 30, 0, 0, 'never', true) RETURNING queue_id"
-                ).format(s=ident)
-            ).fetchone()[0]  # type: ignore[index]
-            encoded = [json.dumps(p, separators=(",", ":")).encode() for p in old]
-            push = sql.SQL("SELECT * FROM {s}.table_push(%s, %s::bytea[], 0::smallint, 0, 0, 'ch', false)")
-            ids = [r[0] for r in c.execute(push.format(s=ident), [qid, encoded])]
-            lease = sql.SQL("SELECT r_id, r_deliveries FROM {s}.table_lease(%s, 4, 3600, 'c')")
-            assert c.execute(lease.format(s=ident), [qid]).fetchall() == [(i, 1) for i in ids[:4]]
-            c.execute(  # as version-20 code claimed a batch: its messages leased, its receipts recorded
-                sql.SQL(
-                    "INSERT INTO {s}.batches (batch_id, queue_id, ids, deliveries, consumer, lease_until) "
-                    "VALUES (%s, %s, %s, ARRAY[1, 1], 'c', now() + interval '1 hour')"
-                ).format(s=ident),
-                [batch_id, qid, ids[:2]],
-            )
-            c.execute(
-                sql.SQL(
-                    "UPDATE {s}.meta SET state = 2, attempts = 5, last_error = 'poison' WHERE id = %s"
-                ).format(s=ident),
-                [ids[4]],
-            )
-        with DbQueue(pg_dsn, schema=schema) as dbq:
-            assert dbq.install() == schema_sql()[0] == 25
-            q = dbq.queue("old")
-            with psycopg.connect(pg_dsn, autocommit=True) as c:
-                rows = c.execute(q.batch_query(str(batch_id)).encode()).fetchall()
-            assert [(r[1], json.loads(bytes(r[3]))) for r in rows] == list(zip(ids[:2], old[:2], strict=True))
-            assert q.ack_batch(str(batch_id)) == 2
-            got = [m.payload for m in q.leased([(ids[2], 1), (ids[3], 1)])]
-            assert got == old[2:4] and q.ack_receipts([(ids[2], 1), (ids[3], 1)]) == 2
-            [f] = q.list_failed()
-            assert (f.id, f.payload, f.last_error) == (ids[4], old[4], "poison")
-            assert q.requeue_failed([ids[4]]) == 1
-            new = [{"new": i} for i in range(5)] + [{"new": 5, "pad": "z" * 3000}]
-            q.push_batch(new)
-            got += [m.payload for m in drain(q, "at-least-once", n=3)]
-            assert checksum(got) == checksum(old[2:] + new)
-            s = q.stats()
-            assert (s.ready, s.in_flight, s.failed, s.finished) == (0, 0, 0, 16)
-    finally:
-        db.drop_schema()
-        db.close()
+        assert r.ack(ring_leased) == 2
+        [rf] = r.list_failed()
+        assert (rf.id, rf.payload, rf.last_error) == (again.id, again.payload, "poison")
+        ring_rest = [m.payload for m in drain(r)]
+        taken = [m.payload for m in ring_done + ring_leased] + [again.payload, later.payload]
+        assert sorted(taken + ring_rest) == sorted(ring_old)
+        assert ring_taken + [m.payload for m in drain(late)] == ring_old

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from importlib import resources
 from typing import Any, Protocol, TypeAlias, runtime_checkable
 from urllib.parse import urlsplit
 
 from airflow_dbqueue.engine.dialects.indexes import IndexStep, IndexSurvey
 from airflow_dbqueue.engine.errors import ConfigurationError, ForeignObjectsError, SchemaError
+from airflow_dbqueue.engine.sqlfile import parse_named_queries
 
 DbConnection: TypeAlias = Any
 """A connection of the dialect's database driver, with a transaction open."""
@@ -262,21 +265,16 @@ class SchemaObject:
         return (self.kind, self.name)
 
 
-OWNED_TABLE = ("table", "owned_objects")
-"""The engine's catalogue of what it created in a schema: a table of the schema itself."""
-
 _CREATES = re.compile(
     r"^\s*CREATE\s+(?:OR\s+(?:REPLACE|ALTER)\s+)?(TABLE|SEQUENCE|FUNCTION|PROCEDURE)\s+\{schema\}\.(\w+)",
     re.IGNORECASE | re.MULTILINE,
 )
 
 
-def engine_objects(schema_text: str) -> frozenset[tuple[str, str]]:
-    """Return the ``(kind, name)`` of every table, sequence, function and procedure that a schema file
-    creates: what an install made by an older version (before the engine kept its catalogue) can hold
-    of the engine's own. Objects the engine creates later (a ring's sequences) are listed elsewhere
-    (the ``rings`` table)."""
-    return frozenset((kind.lower(), name) for kind, name in _CREATES.findall(schema_text))
+def engine_objects(sql_text: str) -> frozenset[tuple[str, str]]:
+    """Return the ``(kind, name)`` of every table, sequence, function and procedure that a SQL file of
+    the dialect creates in ``{schema}``."""
+    return frozenset((kind.lower(), name) for kind, name in _CREATES.findall(sql_text))
 
 
 def describe_objects(objects: Iterable[SchemaObject], limit: int = 20) -> str:
@@ -298,6 +296,10 @@ def refuse_foreign_objects(schema: str, where: str, found: list[SchemaObject]) -
         )
 
 
+OWNED_TABLE = ("table", "owned_objects")
+"""The engine's catalogue of what it created in a schema: a table of the schema itself."""
+
+
 def ownership(
     before: list[SchemaObject],
     after: list[SchemaObject],
@@ -307,7 +309,7 @@ def ownership(
     engine_names: frozenset[tuple[str, str]],
     ring_sequences: Iterable[str],
 ) -> tuple[set[tuple[str, str]], bool]:
-    """Return what an install should record in the engine's catalogue: ``(keys, schema_is_ours)``.
+    """Return what a SQL Server install should record in the engine's catalogue: ``(keys, schema_is_ours)``.
 
     Every object the install created (in ``after`` but not in ``before``) is the engine's. The schema
     is the engine's when this install created it. An install made before the engine kept a catalogue
@@ -325,6 +327,71 @@ def ownership(
     own |= {o.key for o in after if o.key in before_keys and o.key in engine_names}
     foreign = [o for o in before if o.key not in engine_names and o.key not in rings]
     return own, not foreign
+
+
+FIRST_RELEASE = "1.0"
+"""The release whose schema is each dialect's baseline: the oldest install that this code upgrades."""
+FUNCTIONS_KIND = "functions"
+"""The kind of the ``owned_objects`` row whose name is the SHA-256 of the routines file last applied."""
+
+_RELEASE = re.compile(r"([0-9]+)\.([0-9]{1,2})")
+_DECLARED = re.compile(r"SCHEMA_VERSION:\s*(\S+)")
+_MIGRATION_FILE = re.compile(r"([0-9]+\.[0-9]{1,2})\.sql")
+
+
+def release_version(release: str) -> int:
+    """The schema version a release records in ``schema_version``: ``major * 100 + minor``
+    (``"1.0"`` is 100, ``"1.1"`` 101)."""
+    m = _RELEASE.fullmatch(release)
+    if not m:
+        raise SchemaError(f"{release!r} is not a release name (major.minor, as 1.0 or 1.12)")
+    return int(m.group(1)) * 100 + int(m.group(2))
+
+
+def declared_version(text: str, filename: str) -> int:
+    """The version a schema file declares in its ``SCHEMA_VERSION: <release>`` line."""
+    m = _DECLARED.search(text)
+    if not m:
+        raise SchemaError(f"{filename} does not declare its SCHEMA_VERSION")
+    return release_version(m.group(1))
+
+
+def release_migrations(package: str) -> list[tuple[int, list[str]]]:
+    """Return ``[(version, [block, ...])]`` of the package's ``migrations/<release>.sql`` files in
+    release order: one a release that changed a table, each upgrading an install of the release
+    before it. A file's named blocks run in file order, each as one statement batch."""
+    folder = resources.files(package).joinpath("migrations")
+    if not folder.is_dir():
+        return []
+    found = []
+    for entry in folder.iterdir():
+        if not entry.name.endswith(".sql"):
+            continue
+        m = _MIGRATION_FILE.fullmatch(entry.name)
+        if not m:
+            raise SchemaError(f"migration file {entry.name!r} is not named for its release (1.1.sql)")
+        found.append(
+            (release_version(m.group(1)), list(parse_named_queries(entry.read_text("utf-8")).values()))
+        )
+    return sorted(found)
+
+
+def digest(text: str) -> str:
+    """The SHA-256 of a routines file, as ``owned_objects`` records it."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def refuse_older_schema(schema: str, where: str, current: int) -> None:
+    """Raise :class:`SchemaError` when a schema holds an install made by a development version before
+    the first release (a schema version below :data:`FIRST_RELEASE`'s): this code does not upgrade it."""
+    if 0 < current < release_version(FIRST_RELEASE):
+        raise SchemaError(
+            f"schema {schema!r} at {where} holds an install of a development version of airflow-dbqueue "
+            f"made before release {FIRST_RELEASE} (schema version {current}), which this version cannot "
+            "upgrade or uninstall. Reinstall: uninstall it with the version that made it "
+            "(DbQueue.uninstall()), or drop the schema with everything in it (DROP SCHEMA ... CASCADE), "
+            "then install again"
+        )
 
 
 def refuse_newer_schema(schema: str, where: str, current: int, latest: int) -> None:

@@ -1,10 +1,11 @@
 """PostgreSQL through psycopg 3: the connection pool and the named queries.
 
-Every statement the engine runs on PostgreSQL is a named block in ``queries/`` or ``schema.sql``
-beside this file; this module only composes (schema name quoted by psycopg) and executes them. The
-other parts of :class:`PostgresDatabase` are beside it: the schema and its migrations (``schema.py``),
-LISTEN/NOTIFY and async observers (``notify.py``), maintenance (``maintenance.py``), the translation
-of driver errors (``errors.py``) and connection strings (``conninfo.py``).
+Every statement the engine runs on PostgreSQL is a named block in ``queries/``, ``schema.sql`` or
+``functions.sql`` beside this file; this module only composes (schema name quoted by psycopg) and
+executes them. The other parts of :class:`PostgresDatabase` are beside it: the schema, its functions
+and migrations (``schema.py``), LISTEN/NOTIFY and async observers (``notify.py``), maintenance
+(``maintenance.py``), the translation of driver errors (``errors.py``) and connection strings
+(``conninfo.py``).
 """
 
 from __future__ import annotations
@@ -601,7 +602,7 @@ def _configure_connection(conn: psycopg.Connection[Any]) -> None:
     those are prepared and reused in this session's default mode (``auto``), which turns them generic:
     a pop of one through ``ring_take`` costs the server about 56,000 fewer instructions than when
     planned on every call, a push of one about 31,000. The functions that read tables whose size
-    changes fix the plan mode of their own statements (``SET plan_cache_mode``, schema.sql).
+    changes fix the plan mode of their own statements (``SET plan_cache_mode``, functions.sql).
 
     Times come back in UTC (the same instants, as aware datetimes): psycopg reads a timestamptz in a
     UTC session without a time zone lookup, 0.30 against 0.58 us of client CPU a row for (id,

@@ -25,7 +25,7 @@ from airflow_dbqueue.engine.errors import (
     TransientDatabaseError,
 )
 
-# SQLSTATEs that the server-side functions of schema.sql raise on purpose (class DQ is ours).
+# SQLSTATEs that the server-side functions of functions.sql raise on purpose (class DQ is ours).
 _RAISED_BY_FUNCTIONS: dict[str, type[DbQueueError]] = {
     "DQ001": QueueFullError,
     "DQ002": RingNumbersSkippedError,
@@ -115,7 +115,7 @@ def translate(exc: Exception, *, schema: str, where: str, connect_timeout: float
     if lost is not None:
         return lost
     own = _RAISED_BY_FUNCTIONS.get(exc.sqlstate or "")
-    if own is not None:  # raised on purpose by the server-side functions of schema.sql
+    if own is not None:  # raised on purpose by the server-side functions of functions.sql
         return own(exc.diag.message_primary or str(exc))
     return DatabaseError(f"PostgreSQL error at {where}: {exc}".strip())
 

@@ -1,5 +1,6 @@
-"""The PostgreSQL dialect's schema: ``schema.sql`` and its migrations, and installing, migrating and
-dropping them in one schema with what the engine owns there recorded (``owned_objects``).
+"""The PostgreSQL dialect's schema: ``schema.sql`` (tables, indexes and sequences), ``functions.sql``
+(every function, re-applied whenever it changes) and ``migrations/<release>.sql``, and installing,
+upgrading and dropping them in one schema with what the engine owns there recorded (``owned_objects``).
 
 :class:`PostgresSchema` is a part of :class:`PostgresDatabase`; the engine calls it through the
 :class:`~airflow_dbqueue.engine.dialects.base.Database` protocol only.
@@ -8,65 +9,50 @@ dropping them in one schema with what the engine owns there recorded (``owned_ob
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
-from importlib import resources
 from typing import TYPE_CHECKING, Any, Protocol
 
 import psycopg
 import psycopg.errors
 
 from airflow_dbqueue.engine.dialects.base import (
+    FUNCTIONS_KIND,
     SchemaObject,
+    declared_version,
     describe_objects,
+    digest,
     engine_objects,
-    ownership,
     refuse_foreign_objects,
     refuse_newer_schema,
+    refuse_older_schema,
+    release_migrations,
 )
 from airflow_dbqueue.engine.dialects.postgres.errors import primary
-from airflow_dbqueue.engine.errors import DatabaseError, ForeignObjectsError, SchemaError
+from airflow_dbqueue.engine.errors import DatabaseError, ForeignObjectsError
 from airflow_dbqueue.engine.sqlfile import parse_named_queries, read_text
 
 log = logging.getLogger(__name__)
 
 _PKG = __package__ or "airflow_dbqueue.engine.dialects.postgres"
-_MIGRATION_FILE = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
-
-
-def migrations() -> list[tuple[int, str]]:
-    """Return ``[(version, sql)]`` of every migration file, in order."""
-    found = []
-    for entry in resources.files(_PKG).joinpath("migrations").iterdir():
-        m = _MIGRATION_FILE.match(entry.name)
-        if m:
-            found.append((int(m.group(1)), parse_named_queries(entry.read_text(encoding="utf-8"))["migrate"]))
-    found.sort()
-    versions = [v for v, _ in found]
-    if versions != list(range(1, len(versions) + 1)):
-        raise SchemaError(f"migration files are not numbered 1..n without gaps: {versions}")
-    return found
 
 
 def schema_sql() -> tuple[int, str]:
-    """Return ``(version, sql)`` of the current full schema."""
+    """Return ``(version, sql)`` of the tables, indexes and sequences of a fresh install."""
     text = read_text(_PKG, "schema.sql")
-    m = re.search(r"SCHEMA_VERSION:\s*(\d+)", text)
-    if not m:
-        raise SchemaError("schema.sql does not declare its SCHEMA_VERSION")
-    return int(m.group(1)), parse_named_queries(text)["schema"]
+    return declared_version(text, "schema.sql"), parse_named_queries(text)["schema"]
 
 
-def _engine_names() -> frozenset[tuple[str, str]]:
-    """The tables, sequences and functions that the schema file and the migrations create."""
-    texts = [read_text(_PKG, "schema.sql")]
-    texts += [
-        e.read_text(encoding="utf-8")
-        for e in resources.files(_PKG).joinpath("migrations").iterdir()
-        if _MIGRATION_FILE.match(e.name)
-    ]
-    return frozenset().union(*(engine_objects(t) for t in texts))
+def functions_sql() -> tuple[str, str, frozenset[str]]:
+    """Return ``(sql, sha256, names)`` of ``functions.sql``: every function, ``CREATE OR REPLACE``."""
+    text = read_text(_PKG, "functions.sql")
+    names = frozenset(n for k, n in engine_objects(text) if k == "function")
+    return parse_named_queries(text)["functions"], digest(text), names
+
+
+def migrations() -> list[tuple[int, list[str]]]:
+    """Return ``[(version, [statements, ...])]`` of ``migrations/<release>.sql``, in release order."""
+    return release_migrations(_PKG)
 
 
 class _Connections(Protocol):
@@ -94,25 +80,28 @@ class PostgresSchema(_Base):
     """The schema part of :class:`PostgresDatabase` (see the module's docstring)."""
 
     def install(self) -> int:
-        """Create or migrate the schema, idempotently and safely when run concurrently.
+        """Create or upgrade the schema, idempotently and safely when run concurrently.
 
         A schema that does not exist is created (and recorded as the engine's); an existing one that
         holds no install must be empty, or :class:`ForeignObjectsError` names what it holds and
-        nothing is done. Everything the install creates is recorded in ``owned_objects``.
+        nothing is done. An install of an earlier release runs the migrations after it. Then, when
+        ``functions.sql`` is not the one last applied (its SHA-256 in ``owned_objects``), every function
+        is replaced, and an engine's function that the file no longer defines is dropped: all in one
+        transaction, which pushes and pops may run beside. Everything the install creates is recorded
+        in ``owned_objects``. An install newer than this code, or made by a development version before
+        the first release, raises :class:`SchemaError` and is left alone.
 
         :return: the schema version now installed.
         """
-        latest, full = schema_sql()
-        steps = migrations()
-        if steps[-1][0] != latest:
-            raise SchemaError(
-                f"schema.sql declares version {latest} but the last migration is {steps[-1][0]}"
-            )
+        latest, tables = schema_sql()
+        functions, sha, defined = functions_sql()
         with self.transaction() as c:
             c.execute(self.query("install_lock"), {"schema": self.schema})
             current = self._installed_version(c)
             refuse_newer_schema(self.schema, self.where, current, latest)
-            if current == latest:
+            refuse_older_schema(self.schema, self.where, current)
+            applied = self._fetch_one(c, "functions_applied") if current else None
+            if current == latest and applied == sha:
                 return latest
             before = self._objects(c)
             created_schema = False
@@ -122,28 +111,32 @@ class PostgresSchema(_Base):
                 else:
                     c.execute(self.query("create_schema"))
                     created_schema = True
-                c.execute(self.compose(full))
+                c.execute(self.compose(tables))
                 c.execute(self.query("record_version"), {"version": latest})
                 log.info("installed dbqueue schema %s at version %s", self.schema, latest)
-            else:
-                for version, body in steps:
-                    if version > current:
-                        c.execute(self.compose(body))
-                        c.execute(self.query("record_version"), {"version": version})
-                        log.info("migrated dbqueue schema %s to version %s", self.schema, version)
-            rings = [r[0] for r in c.execute(self.query("owned_ring_sequences"), {"schema": self.schema})]
-            own, schema_is_ours = ownership(
-                before,
-                self._objects(c),
-                fresh=current == 0,
-                created_schema=created_schema,
-                engine_names=_engine_names(),
-                ring_sequences=rings,
-            )
-            if schema_is_ours:
+            for version, statements in migrations():
+                if 0 < current < version <= latest:
+                    for statement in statements:
+                        c.execute(self.compose(statement))
+                    c.execute(self.query("record_version"), {"version": version})
+                    log.info("upgraded dbqueue schema %s to version %s", self.schema, version)
+            c.execute(self.compose(functions))
+            owned = {(k, n) for k, n in c.execute(self.query("owned_objects"))}
+            for o in self._objects(c):
+                if o.kind == "function" and o.key in owned and o.name not in defined:
+                    c.execute(self.query("drop_owned_routine", {"routine": o.name}))
+                    c.execute(self.query("forget_owned"), {"kind": o.kind, "name": o.name})
+            before_keys = {o.key for o in before}
+            own = {o.key for o in self._objects(c) if o.key not in before_keys}
+            if created_schema:
                 own.add(("schema", self.schema))
+            if applied is not None:
+                c.execute(self.query("forget_owned"), {"kind": FUNCTIONS_KIND, "name": applied})
+            own.add((FUNCTIONS_KIND, sha))
             kinds, names = [k for k, _ in sorted(own)], [n for _, n in sorted(own)]
             c.execute(self.query("record_owned"), {"kinds": kinds, "names": names})
+            if current:
+                log.info("applied the functions of dbqueue schema %s (%s)", self.schema, sha[:12])
         return latest
 
     def _fetch_one(self, c: psycopg.Connection[Any], name: str) -> Any:
@@ -161,21 +154,12 @@ class PostgresSchema(_Base):
         rows = c.execute(self.query("schema_objects"), {"schema": self.schema}).fetchall()
         return [SchemaObject(kind, name, identity) for kind, name, identity in rows]
 
-    def migrate_to(self, version: int) -> None:
-        """Apply migrations 1..version to a schema that does not exist yet (for tests and upgrades)."""
-        with self.transaction() as c:
-            c.execute(self.query("install_lock"), {"schema": self.schema})
-            for v, body in migrations():
-                if v <= version:
-                    c.execute(self.compose(body))
-                    c.execute(self.query("record_version"), {"version": v})
-
     def drop_schema(self) -> None:
         """Drop what the engine created in the schema, and the schema when it is the engine's and empty.
 
         What is dropped is what ``owned_objects`` lists (and the rings' sequences, which ``rings``
-        lists); an install of an older version is migrated first, which records it. Objects that are
-        not the engine's stay, and so does the schema that holds them. When an object that is not the
+        lists); an install of an earlier release is upgraded first. Objects that are not the engine's
+        stay, and so does the schema that holds them. When an object that is not the
         engine's depends on one of its objects (a view over ``meta``), :class:`ForeignObjectsError`
         names it and nothing is dropped. A schema without an install is left alone.
         """
@@ -187,9 +171,10 @@ class PostgresSchema(_Base):
                 "dbqueue schema %s holds no install at %s: nothing to uninstall", self.schema, self.where
             )
             return
+        refuse_older_schema(self.schema, self.where, current)
         latest = schema_sql()[0]
         if current < latest:
-            self.install()  # records what the engine owns, as it does for any older install
+            self.install()
         try:
             with self.transaction() as c:
                 c.execute(self.query("install_lock"), {"schema": self.schema})

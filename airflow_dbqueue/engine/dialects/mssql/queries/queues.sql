@@ -59,6 +59,13 @@ ORDER BY 1
 -- name: owned_objects
 SELECT kind, name FROM {schema}.owned_objects ORDER BY kind, name
 
+-- name: functions_applied
+-- The SHA-256 of the routines file that install() last applied (PostgreSQL's functions.sql).
+SELECT name FROM {schema}.owned_objects WHERE kind = 'functions'
+
+-- name: forget_owned
+DELETE FROM {schema}.owned_objects WHERE kind = %(kind)s AND name = %(name)s
+
 -- name: record_owned
 INSERT INTO {schema}.owned_objects (kind, name)
 SELECT k.[value], n.[value]

@@ -49,6 +49,13 @@ ORDER BY 1
 -- name: owned_objects
 SELECT kind, name FROM {schema}.owned_objects ORDER BY kind, name
 
+-- name: functions_applied
+-- The SHA-256 of the functions.sql that install() last applied.
+SELECT name FROM {schema}.owned_objects WHERE kind = 'functions'
+
+-- name: forget_owned
+DELETE FROM {schema}.owned_objects WHERE kind = %(kind)s AND name = %(name)s
+
 -- name: record_owned
 INSERT INTO {schema}.owned_objects (kind, name)
 SELECT k, n FROM unnest(%(kinds)s::text[], %(names)s::text[]) AS o(k, n)

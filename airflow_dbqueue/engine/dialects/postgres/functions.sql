@@ -1,0 +1,1396 @@
+-- The functions of a dbqueue schema on PostgreSQL: every one of them, in their current form. {schema} is
+-- replaced by the quoted schema name. install() applies this file after schema.sql on a fresh install,
+-- and again, in one transaction, whenever its SHA-256 differs from the one recorded in owned_objects
+-- (kind 'functions'), so changing a function is an edit of its body here, nothing else. Each is
+-- CREATE OR REPLACE: replacing a function while pushes and pops run is safe (a statement that already
+-- runs it finishes with the body it started with; the next call gets the new one).
+--
+-- The contract with the client (the named queries in queries/*.sql): the client calls these functions
+-- by name, with the arguments listed here. A function's arguments (their number, types or names) and
+-- its result never change under its name: a change of either gives the function a new name, and the
+-- old one stays in this file, working, for one more release, so that the code of the release before
+-- keeps working against a schema of this one during a rolling upgrade; the release after removes it
+-- from this file, and install() then drops it (an engine's function that this file no longer defines).
+-- CREATE OR REPLACE would refuse such a change in place anyway (it cannot change a result type or an
+-- argument's name). A test checks that every function the named queries call is defined here
+-- with a matching number of arguments.
+
+-- name: functions
+-- Raised by ack when some of its receipts no longer hold their lease: the error rolls the whole
+-- statement back, so an ack finishes every message it names or none, without locking them first.
+CREATE OR REPLACE FUNCTION {schema}.receipts_not_held(p_wanted integer, p_held bigint) RETURNS bigint
+LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION '% of % receipts do not hold their lease', p_wanted - p_held, p_wanted
+        USING ERRCODE = 'DQ005';
+END
+$$;
+
+-- The table design's push: n messages into queue p_queue_id in one call, ids in payload order; none
+-- when the queue does not exist (a dropped queue's handle writes nothing). It first takes the queue's
+-- push lock in shared mode, held to the end of the transaction: drop_queue takes it exclusively, so a
+-- drop waits for every push in progress, and a push that comes during a drop waits for it. Then it
+-- reads queues with a snapshot taken after the lock (each statement of a function in READ COMMITTED
+-- gets its own), so a push that waited for a drop finds the queue gone. The usual push (READ
+-- COMMITTED, small payloads, no notification) reads that row in the INSERT itself, which writes
+-- nothing when it is gone: a separate check would start an executor of its own (about 17,000
+-- instructions). Under REPEATABLE READ or SERIALIZABLE the transaction's snapshot may predate the
+-- drop: there the queue's row is locked FOR KEY SHARE, which fails with a serialization error when a
+-- drop committed meanwhile (the caller runs its transaction again and finds the queue gone).
+-- Ids come from the sequence in payload order. A payload of up to 1900 bytes goes into the meta row, a
+-- larger one into data (see meta). p_inline says that every payload is small (the caller knows their
+-- sizes): then one INSERT writes the meta rows and returns their ids in the order it inserted them,
+-- which is the order unnest() yields the payloads (see the statement). Otherwise one statement writes
+-- meta and data rows from a materialized, numbered input and sorts the ids back into payload order:
+-- at 100 payloads a message that form cost the server about 4,000 more instructions than the single
+-- INSERT (cachegrind).
+-- p_notify: 0 never, 1 when the queue had no ready message before (the statement's one snapshot does not
+-- see this push's own rows), 2 always.
+-- A function with generic plans: its statements are planned once a session, where a statement run by
+-- itself is planned on every push (a third of a push of one's server time). No sequential scans:
+-- the ready check must probe meta_ready_idx whatever the statistics said when the plan was made.
+CREATE OR REPLACE FUNCTION {schema}.table_push(
+    p_queue_id integer, p_payloads bytea[], p_priority smallint, p_delay_s double precision,
+    p_notify integer, p_channel text, p_inline boolean)
+RETURNS SETOF bigint
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
+DECLARE
+    v_locked text;
+    v_at timestamptz := now() + make_interval(secs => p_delay_s);
+BEGIN
+    -- An assignment: PL/pgSQL evaluates it as a simple expression, where PERFORM would run a query.
+    v_locked := pg_advisory_xact_lock_shared(hashtext('dbqueue.queue.' || '{schema}'), p_queue_id)::text;
+    IF current_setting('transaction_isolation') = 'read committed' THEN
+        IF p_inline AND p_notify = 0 THEN
+            -- The usual push: one INSERT, which reads the queue's row itself (no row, nothing written),
+            -- and names every column in the types of meta, so that the plan passes each row on without
+            -- projecting it again. A push of one takes its payload from the array without unnest().
+            IF cardinality(p_payloads) = 1 THEN
+                RETURN QUERY
+                INSERT INTO {schema}.meta (id, queue_id, state, priority, attempts, process_at, enqueued_at,
+                    lease_until, consumer, last_error, deliveries, payload)
+                SELECT nextval('{schema}.message_id_seq'), q.queue_id, 0::smallint, p_priority, 0, v_at, now(),
+                       NULL::timestamptz, NULL::text, NULL::text, 0, p_payloads[1]
+                FROM {schema}.queues q WHERE q.queue_id = p_queue_id
+                RETURNING id;
+            ELSE
+                -- unnest() in a select list: its rows come one by one from the array, in order, without
+                -- the store that a function scan in FROM fills first; nextval() runs above it, a row at a
+                -- time in that order.
+                RETURN QUERY
+                INSERT INTO {schema}.meta (id, queue_id, state, priority, attempts, process_at, enqueued_at,
+                    lease_until, consumer, last_error, deliveries, payload)
+                SELECT nextval('{schema}.message_id_seq'), x.queue_id, 0::smallint, p_priority, 0, v_at, now(),
+                       NULL::timestamptz, NULL::text, NULL::text, 0, x.payload
+                FROM (SELECT q.queue_id, unnest(p_payloads) AS payload FROM {schema}.queues q
+                      WHERE q.queue_id = p_queue_id) x
+                RETURNING id;
+            END IF;
+            RETURN;
+        END IF;
+        IF NOT EXISTS (SELECT 1 FROM {schema}.queues WHERE queue_id = p_queue_id) THEN
+            RETURN;
+        END IF;
+    ELSE
+        PERFORM 1 FROM {schema}.queues WHERE queue_id = p_queue_id FOR KEY SHARE;
+        IF NOT FOUND THEN
+            RETURN;
+        END IF;
+    END IF;
+    IF p_inline AND p_notify = 0 THEN
+        RETURN QUERY
+        INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload)
+        SELECT nextval('{schema}.message_id_seq'), p_queue_id, p_priority,
+               now() + make_interval(secs => p_delay_s), now(), p.payload
+        FROM unnest(p_payloads) AS p(payload)
+        RETURNING id;
+    ELSIF p_inline THEN
+        RETURN QUERY
+        WITH m AS (
+            INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload)
+            SELECT nextval('{schema}.message_id_seq'), p_queue_id, p_priority,
+                   now() + make_interval(secs => p_delay_s), now(), p.payload
+            FROM unnest(p_payloads) AS p(payload)
+            RETURNING id
+        ), n AS (
+            SELECT pg_notify(p_channel, '') AS sent
+            WHERE p_notify = 2 OR NOT EXISTS (
+                SELECT 1 FROM {schema}.meta r
+                WHERE r.queue_id = p_queue_id AND r.state = 0 AND r.process_at <= now())
+        )
+        SELECT m.id FROM m CROSS JOIN (SELECT count(*) AS c FROM n) x;
+    ELSIF p_notify = 0 THEN
+        RETURN QUERY
+        WITH input AS MATERIALIZED (
+            SELECT nextval('{schema}.message_id_seq') AS id, p.payload, p.ord
+            FROM unnest(p_payloads) WITH ORDINALITY AS p(payload, ord)
+        ), m AS (
+            INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload)
+            SELECT i.id, p_queue_id, p_priority, now() + make_interval(secs => p_delay_s), now(),
+                   CASE WHEN octet_length(i.payload) <= 1900 THEN i.payload END
+            FROM input i
+        ), d AS (
+            INSERT INTO {schema}.data (id, payload)
+            SELECT i.id, i.payload FROM input i WHERE octet_length(i.payload) > 1900
+        )
+        SELECT i.id FROM input i ORDER BY i.ord;
+    ELSE
+        RETURN QUERY
+        WITH input AS MATERIALIZED (
+            SELECT nextval('{schema}.message_id_seq') AS id, p.payload, p.ord
+            FROM unnest(p_payloads) WITH ORDINALITY AS p(payload, ord)
+        ), m AS (
+            INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload)
+            SELECT i.id, p_queue_id, p_priority, now() + make_interval(secs => p_delay_s), now(),
+                   CASE WHEN octet_length(i.payload) <= 1900 THEN i.payload END
+            FROM input i
+        ), d AS (
+            INSERT INTO {schema}.data (id, payload)
+            SELECT i.id, i.payload FROM input i WHERE octet_length(i.payload) > 1900
+        ), n AS (
+            SELECT pg_notify(p_channel, '') AS sent
+            WHERE p_notify = 2 OR NOT EXISTS (
+                SELECT 1 FROM {schema}.meta r
+                WHERE r.queue_id = p_queue_id AND r.state = 0 AND r.process_at <= now())
+        )
+        -- (an inner join: the planner would remove an unused LEFT JOIN, and with it the NOTIFY)
+        SELECT i.id FROM input i CROSS JOIN (SELECT count(*) AS c FROM n) x ORDER BY i.ord;
+    END IF;
+END
+$$;
+
+-- The payload of message p_id in data, deleted with its row: a pop at most once without the archive
+-- calls it for each message it takes whose payload is not in its meta row.
+CREATE OR REPLACE FUNCTION {schema}.data_take(p_id bigint) RETURNS bytea
+LANGUAGE sql VOLATILE AS $$
+    DELETE FROM {schema}.data WHERE id = p_id RETURNING payload
+$$;
+
+-- The table design's pop at most once (and exactly once, in the caller's transaction): up to p_n ready
+-- messages of queue p_queue_id in claim order (priority DESC, process_at, id), skipping rows other pops
+-- hold, locked and deleted by one statement; kept in done for the archiver (p_archive), or deleted with
+-- their payloads. attempts and deliveries come back counting this delivery. A payload in data is read
+-- by id (a scalar subquery, or data_take()), never by a join (see pop_lease in queries/table.sql).
+-- A function with generic plans: its statements are planned once a session, not on every pop (custom
+-- plans cost 0.12-0.22 ms of planning a call). No sequential or bitmap scans: the claim walks
+-- meta_ready_idx in claim order and payloads are probed by id, whatever the statistics said when the
+-- plan was made (a queue's are often those of an empty table).
+-- The rows come back in claim order without a sort: the claim yields them in index order, the join
+-- visits them in that order (a nested loop probing each row by its ctid; hash and merge joins are off,
+-- so no other join can be chosen), and DELETE ... RETURNING returns each row as it deletes it. (Sorting
+-- the returned rows again cost about 3,000 instructions a message at batch 100.)
+CREATE OR REPLACE FUNCTION {schema}.table_take(p_queue_id integer, p_n integer, p_archive boolean)
+RETURNS TABLE (r_id bigint, r_priority smallint, r_attempts integer, r_deliveries integer,
+               r_enqueued_at timestamptz, r_lease_until timestamptz, r_payload bytea)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off AS $$
+BEGIN
+    IF p_archive THEN
+        RETURN QUERY
+        WITH taken AS (
+            DELETE FROM {schema}.meta m
+            USING (
+                SELECT s.ctid AS tid FROM {schema}.meta s
+                WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
+                ORDER BY s.priority DESC, s.process_at, s.id
+                LIMIT p_n
+                FOR UPDATE SKIP LOCKED) c
+            WHERE m.ctid = c.tid
+            RETURNING m.id, m.queue_id, m.priority, m.attempts + 1 AS attempts,
+                      m.deliveries + 1 AS deliveries, m.enqueued_at, m.payload
+        ), kept AS (
+            INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload)
+            SELECT t.id, t.queue_id, t.priority, t.attempts, t.enqueued_at, 1, t.payload FROM taken t
+        )
+        SELECT t.id, t.priority, t.attempts, t.deliveries, t.enqueued_at, NULL::timestamptz,
+               coalesce(t.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = t.id))
+        FROM taken t;
+    ELSE
+        -- Rows straight from the DELETE: a CTE would copy each into a store and read it back (about
+        -- 3,400 instructions a message at batch 100). A payload in data is taken (read and deleted) by
+        -- data_take(), which coalesce() calls only for a row without a payload of its own.
+        RETURN QUERY
+        DELETE FROM {schema}.meta m
+        USING (
+            SELECT s.ctid AS tid FROM {schema}.meta s
+            WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
+            ORDER BY s.priority DESC, s.process_at, s.id
+            LIMIT p_n
+            FOR UPDATE SKIP LOCKED) c
+        WHERE m.ctid = c.tid
+        RETURNING m.id, m.priority, m.attempts + 1, m.deliveries + 1, m.enqueued_at, NULL::timestamptz,
+                  coalesce(m.payload, {schema}.data_take(m.id));
+    END IF;
+END
+$$;
+
+-- The table design's pop at least once: up to p_n ready messages of queue p_queue_id in claim order,
+-- skipping rows other pops hold, leased to p_consumer for p_vt seconds, by one statement. Generic
+-- plans, without sequential or bitmap scans, and rows in claim order without a sort, as table_take().
+CREATE OR REPLACE FUNCTION {schema}.table_lease(
+    p_queue_id integer, p_n integer, p_vt double precision, p_consumer text)
+RETURNS TABLE (r_id bigint, r_priority smallint, r_attempts integer, r_deliveries integer,
+               r_enqueued_at timestamptz, r_lease_until timestamptz, r_payload bytea)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off AS $$
+BEGIN
+    -- Rows straight from the UPDATE, not through a CTE (see table_take).
+    RETURN QUERY
+    UPDATE {schema}.meta m
+    SET state = 1, attempts = m.attempts + 1, deliveries = m.deliveries + 1, consumer = p_consumer,
+        lease_until = now() + make_interval(secs => p_vt)
+    FROM (
+        SELECT s.ctid AS tid FROM {schema}.meta s
+        WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
+        ORDER BY s.priority DESC, s.process_at, s.id
+        LIMIT p_n
+        FOR UPDATE SKIP LOCKED) c
+    WHERE m.ctid = c.tid
+    RETURNING m.id, m.priority, m.attempts, m.deliveries, m.enqueued_at, m.lease_until,
+              coalesce(m.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = m.id));
+END
+$$;
+
+-- The table design's ack: finish the leased messages of the receipts (p_ids, p_deliveries), all or
+-- nothing, without locking them first, as queries/table.sql's ack says; returns their ids. Generic plans,
+-- without sequential or bitmap scans: each receipt probes meta_leased_id_idx, whatever the statistics.
+CREATE OR REPLACE FUNCTION {schema}.table_ack(
+    p_ids bigint[], p_deliveries integer[], p_queue_id integer, p_archive boolean)
+RETURNS SETOF bigint
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+SET enable_bitmapscan = off AS $$
+BEGIN
+    IF p_archive THEN
+        RETURN QUERY
+        WITH acked AS (
+            DELETE FROM {schema}.meta m
+            WHERE m.ctid = ANY (ARRAY(
+                SELECT h.tid
+                FROM unnest(p_ids, p_deliveries) AS r(id, delivery)
+                CROSS JOIN LATERAL (
+                    SELECT s.ctid AS tid FROM {schema}.meta s
+                    WHERE s.id = r.id AND s.deliveries = r.delivery AND s.queue_id = p_queue_id
+                      AND s.lease_until > now()
+                    OFFSET 0) h))
+            RETURNING m.id, m.queue_id, m.priority, m.attempts, m.enqueued_at, m.payload
+        ), kept AS (
+            INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload)
+            SELECT a.id, a.queue_id, a.priority, a.attempts, a.enqueued_at, 1, a.payload FROM acked a
+        ), checked AS (
+            SELECT CASE WHEN count(*) = cardinality(p_ids) THEN count(*)
+                        ELSE {schema}.receipts_not_held(cardinality(p_ids), count(*)) END AS n
+            FROM acked
+        )
+        SELECT a.id FROM acked a CROSS JOIN checked c;
+    ELSE
+        RETURN QUERY
+        WITH acked AS (
+            DELETE FROM {schema}.meta m
+            WHERE m.ctid = ANY (ARRAY(
+                SELECT h.tid
+                FROM unnest(p_ids, p_deliveries) AS r(id, delivery)
+                CROSS JOIN LATERAL (
+                    SELECT s.ctid AS tid FROM {schema}.meta s
+                    WHERE s.id = r.id AND s.deliveries = r.delivery AND s.queue_id = p_queue_id
+                      AND s.lease_until > now()
+                    OFFSET 0) h))
+            RETURNING m.id, m.payload
+        ), dropped AS (
+            DELETE FROM {schema}.data d
+            WHERE d.id = ANY (ARRAY(SELECT a.id FROM acked a WHERE a.payload IS NULL))
+        ), checked AS (
+            SELECT CASE WHEN count(*) = cardinality(p_ids) THEN count(*)
+                        ELSE {schema}.receipts_not_held(cardinality(p_ids), count(*)) END AS n
+            FROM acked
+        )
+        SELECT a.id FROM acked a CROSS JOIN checked c;
+    END IF;
+END
+$$;
+
+-- Create a ring: its push sequence (CACHE 1: a cached number is invisible to the gap proof below),
+-- its gap counter, its header row, its lanes and capacity empty slots. Slot j starts as if it held the
+-- last number <= 0 that maps to it, so number j + k * capacity finds its predecessor written and below
+-- every lane's first position. Lane k starts at the first number of the lane (k, or p_lanes for lane 0).
+-- The slots are first written with a filler of 5/4 p_slot_bytes and then emptied: that fixes how many
+-- slots share a page (half a page of fillers at fillfactor 50), so that every slot of a page can take a
+-- full new version beside its current one and updates stay HOT. With fillers of p_slot_bytes a ring's
+-- heap grew in its first wraps until enough slots had moved to new pages (to 1.22-1.27x, then flat to
+-- 10M messages); with 5/4 it starts at 1.08x that first size and stayed within 1.02x of it in
+-- 150,000-message soaks on a quiet machine.
+CREATE OR REPLACE FUNCTION {schema}.ring_create(
+    p_schema text, p_queue_id integer, p_capacity integer, p_slot_bytes integer, p_lanes integer)
+RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    v_seq text := format('%I.%I', p_schema, 'ring_' || p_queue_id || '_seq');
+    v_gaps text := format('%I.%I', p_schema, 'ring_' || p_queue_id || '_gaps');
+BEGIN
+    EXECUTE format('CREATE SEQUENCE %s AS bigint MINVALUE 1 CACHE 1', v_seq);
+    EXECUTE format('CREATE SEQUENCE %s AS bigint MINVALUE 1 CACHE 1', v_gaps);
+    INSERT INTO {schema}.rings (queue_id, capacity, push_seq, gap_seq, lanes)
+    VALUES (p_queue_id, p_capacity, v_seq::regclass, v_gaps::regclass, p_lanes);
+    INSERT INTO {schema}.ring_lanes (queue_id, lane, pos)
+    SELECT p_queue_id, k, CASE WHEN k = 0 THEN p_lanes ELSE k END FROM generate_series(0, p_lanes - 1) AS k;
+    INSERT INTO {schema}.ring_slots (queue_id, slot, seq, payload)
+    SELECT p_queue_id, g, CASE WHEN g = 0 THEN 0 ELSE g - p_capacity END,
+           decode(repeat('00', p_slot_bytes * 5 / 4), 'hex')
+    FROM generate_series(0, p_capacity - 1) AS g;
+    UPDATE {schema}.ring_slots SET payload = NULL WHERE queue_id = p_queue_id;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION {schema}.ring_drop(p_queue_id integer)
+RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    v_seq regclass;
+    v_gaps regclass;
+BEGIN
+    DELETE FROM {schema}.rings WHERE queue_id = p_queue_id RETURNING push_seq, gap_seq INTO v_seq, v_gaps;
+    DELETE FROM {schema}.ring_slots WHERE queue_id = p_queue_id;
+    DELETE FROM {schema}.ring_lanes WHERE queue_id = p_queue_id;
+    DELETE FROM {schema}.ring_leases WHERE queue_id = p_queue_id;
+    DELETE FROM {schema}.ring_retry WHERE queue_id = p_queue_id;
+    DELETE FROM {schema}.ring_failed WHERE queue_id = p_queue_id;
+    PERFORM {schema}.ring_drop_group(p_queue_id, g.gid) FROM {schema}.ring_groups g WHERE g.queue_id = p_queue_id;
+    IF v_seq IS NOT NULL THEN
+        EXECUTE format('DROP SEQUENCE IF EXISTS %s, %s', v_seq, v_gaps);
+    END IF;
+END
+$$;
+
+-- Add a consumer group to a ring: its row in ring_groups (a new gid, from group_gids) and
+-- lanes of its own. p_earliest: each lane starts at the lowest position of that lane over the ring's
+-- groups (the group sees every message that some group has not taken yet; messages that other groups
+-- hold leased or to deliver again are theirs alone); otherwise at the first number of the lane past the
+-- push position (the group sees what is pushed from now on). Either way each new lane starts at or
+-- above a lane of the same numbers that holds the floor up already, so the floor does not go down
+-- (pushes of one rely on a floor read earlier): the ring's lanes are locked meanwhile, so that none of
+-- them moves on and lets a push overwrite a number the new group starts below. Returns the gid, or NULL
+-- when the ring does not exist; a name taken raises unique_violation (ring_groups_name_key).
+CREATE OR REPLACE FUNCTION {schema}.ring_add_group(
+    p_queue_id integer, p_name text, p_earliest boolean, p_on_lag smallint, p_lag_timeout_s double precision)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE
+    v_lanes integer;
+    v_gid integer;
+    v_issued bigint;
+BEGIN
+    SELECT r.lanes, coalesce(pg_sequence_last_value(r.push_seq), 0) INTO v_lanes, v_issued
+    FROM {schema}.rings r WHERE r.queue_id = p_queue_id FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    PERFORM 1 FROM {schema}.ring_lanes t
+    WHERE t.queue_id = p_queue_id
+       OR t.queue_id IN (SELECT g.gid FROM {schema}.ring_groups g WHERE g.queue_id = p_queue_id)
+    ORDER BY t.queue_id, t.lane FOR UPDATE;
+    v_gid := -nextval('{schema}.group_gids')::integer;
+    INSERT INTO {schema}.ring_groups (queue_id, gid, name, on_lag, lag_timeout_s)
+    VALUES (p_queue_id, v_gid, p_name, p_on_lag, p_lag_timeout_s);
+    INSERT INTO {schema}.ring_lanes (queue_id, lane, pos)
+    SELECT v_gid, t.lane,
+           CASE WHEN p_earliest THEN min(t.pos)
+                ELSE greatest(max(t.pos), v_issued + 1 + ((t.lane - (v_issued + 1) % v_lanes + v_lanes) % v_lanes))
+           END
+    FROM {schema}.ring_lanes t
+    WHERE t.queue_id = p_queue_id
+       OR t.queue_id IN (SELECT g.gid FROM {schema}.ring_groups g WHERE g.queue_id = p_queue_id AND g.gid <> v_gid)
+    GROUP BY t.lane;
+    RETURN v_gid;
+END
+$$;
+
+-- Drop a consumer group (not the default one, whose rows carry the ring's queue_id): its lanes, leases,
+-- messages to deliver again, failed messages and row. The floor rises to what the other groups still
+-- need. Returns whether it was there.
+CREATE OR REPLACE FUNCTION {schema}.ring_drop_group(p_queue_id integer, p_gid integer)
+RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM {schema}.ring_groups WHERE queue_id = p_queue_id AND gid = p_gid;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    DELETE FROM {schema}.ring_lanes WHERE queue_id = p_gid;
+    DELETE FROM {schema}.ring_leases WHERE queue_id = p_gid;
+    DELETE FROM {schema}.ring_retry WHERE queue_id = p_gid;
+    DELETE FROM {schema}.ring_failed WHERE queue_id = p_gid;
+    RETURN true;
+END
+$$;
+
+-- The floor of a ring: the lowest number that some consumer may still need, below which a slot's
+-- message may be overwritten. It is the lowest, over every consumer group, of the lanes' positions
+-- (numbers not taken yet), of the open leases (taken at least once, not acked) and of the messages to
+-- deliver again. A committed floor never goes down: a number becomes needed again only by moving from a
+-- lease to the retry rows, in one transaction, a pop's take and its lease commit together, and a new
+-- group's lanes start at or above the floor (ring_add_group). So a floor read by an earlier snapshot is
+-- a safe bound for a later write. PostgreSQL does not inline it (a body with subqueries
+-- is never inlined): each call runs its three index scans (and the probe of ring_groups) through the SQL-function executor, about
+-- 90,000 instructions, a third of a push of one (written out in the push's UPDATE it costs nearly as
+-- much: the executor starts the same three scans).
+CREATE OR REPLACE FUNCTION {schema}.ring_floor(p_queue_id integer) RETURNS bigint
+LANGUAGE sql STABLE AS $$
+    SELECT least(
+        (SELECT min(l.pos) FROM {schema}.ring_lanes l WHERE l.queue_id = p_queue_id),
+        (SELECT min(e.lo) FROM {schema}.ring_leases e WHERE e.queue_id = p_queue_id),
+        (SELECT min(r.id) FROM {schema}.ring_retry r WHERE r.queue_id = p_queue_id),
+        (SELECT min(least(
+            (SELECT min(l.pos) FROM {schema}.ring_lanes l WHERE l.queue_id = g.gid),
+            (SELECT min(e.lo) FROM {schema}.ring_leases e WHERE e.queue_id = g.gid),
+            (SELECT min(r.id) FROM {schema}.ring_retry r WHERE r.queue_id = g.gid)))
+         FROM {schema}.ring_groups g WHERE g.queue_id = p_queue_id))
+$$;
+
+-- The gap proof. A push takes an xid before its numbers, and every transaction with an xid holds the
+-- lock on its own transactionid until it ends. So the transactions listed by ring_holders() after a
+-- push position was read include every live holder of a number up to that position, and once
+-- ring_holders_gone() says none of them holds its lock any more, nobody can still write such a number.
+-- (A snapshot's in-progress list cannot serve: it names only xids below its xmax, one past the latest
+-- completed xid, so a newer transaction still running is missing from it.) The caller's own xid is
+-- left out: it is not a holder it waits for. pg_locks is readable by every role.
+CREATE OR REPLACE FUNCTION {schema}.ring_holders() RETURNS xid[]
+LANGUAGE sql VOLATILE AS $$
+    SELECT coalesce(array_agg(l.transactionid), ARRAY[]::xid[])
+    FROM pg_locks l
+    WHERE l.locktype = 'transactionid' AND l.granted
+      AND l.transactionid IS DISTINCT FROM pg_current_xact_id_if_assigned()::xid
+$$;
+
+CREATE OR REPLACE FUNCTION {schema}.ring_holders_gone(p_holders xid[]) RETURNS boolean
+LANGUAGE sql VOLATILE AS $$
+    SELECT NOT EXISTS (
+        SELECT 1 FROM pg_locks l
+        WHERE l.locktype = 'transactionid' AND l.granted AND l.transactionid = ANY (p_holders))
+$$;
+
+-- Push a batch: take n contiguous numbers and write them into their slots, all or nothing, in the
+-- caller's transaction. Returns the first number as r_first (the ids are first .. first + n - 1), or
+-- NULL when the ring is full for the batch before anything was taken (the caller waits and calls
+-- again), and as r_floor the ring's floor when it read it (NULL when p_floor sufficed).
+-- A slot is written when it holds the number a capacity before ours and that number is below the
+-- ring's floor (no consumer needs it). p_floor: a floor the caller read earlier (r_floor of an earlier
+-- push, or ring_floor), or NULL. A floor never goes down, so any floor once read is a safe bound: the
+-- push reads the ring's own only when the one given leaves no room for the batch, and before writing
+-- again after a wait. A slot not free yet (the ring is full there, or its previous
+-- number is a gap not given up yet) is waited for with backoff up to p_timeout_s, then SQLSTATE DQ001.
+-- Slots already written stay locked meanwhile (nothing is visible before commit). If a consumer gave
+-- one of our numbers up as a gap (only when it proved every transaction that could hold it finished,
+-- or after its gap timeout), SQLSTATE DQ002: the statement fails whole and the caller retries with new
+-- numbers. Besides our push, only gap skips write a slot that holds the number before ours; they lock
+-- with SKIP LOCKED and commit at once, so our UPDATE waits on nothing else, and after such a wait it
+-- finds the number given up (DQ002). So pushes never wait on each other or on consumers.
+-- p_notify: 0 never, 1 when some consumer group had taken every number before ours already (its
+-- consumers caught up: they may be waiting), 2 always.
+-- p_cap is the ring's capacity, which the caller read with the queue (it never changes); the sequences
+-- are found by name. Steps without a table are assignments, which PL/pgSQL evaluates without the
+-- executor (a PERFORM or SELECT INTO is a query of its own, about 25 us each).
+-- p_first: the numbers were taken already, from p_first on (ring_push_one took one and found its slot
+-- not free yet): they are written, waiting as above, instead of new ones taken.
+CREATE OR REPLACE FUNCTION {schema}.ring_push(
+    p_queue_id integer, p_cap integer, p_payloads bytea[], p_timeout_s double precision, p_notify integer,
+    p_channel text, p_first bigint, p_floor bigint, OUT r_first bigint, OUT r_floor bigint)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_bitmapscan = off AS $$
+DECLARE
+    v_n integer := coalesce(cardinality(p_payloads), 0);
+    v_cap integer := p_cap;
+    v_seq regclass := to_regclass('{schema}.ring_' || p_queue_id || '_seq');
+    v_first bigint;
+    v_floor bigint := p_floor;
+    v_a integer;
+    v_b1 integer;
+    v_b2 integer;
+    v_from integer;
+    v_to integer;
+    v_base bigint;
+    v_written integer := 0;
+    v_k integer;
+    v_deadline timestamptz;
+    v_pause double precision := 0.0005;
+    v_xid xid8;
+    v_ok boolean;
+BEGIN
+    IF v_seq IS NULL THEN
+        RAISE EXCEPTION 'ring % does not exist', p_queue_id USING ERRCODE = 'DQ004';
+    END IF;
+    IF v_n < 1 OR v_n > v_cap THEN
+        RAISE EXCEPTION 'a ring batch holds 1 to % (the capacity) messages, got %', v_cap, v_n
+            USING ERRCODE = 'DQ003';
+    END IF;
+    -- Room first, before this transaction has an xid or any number: when the number a capacity before
+    -- the highest this batch would take is not below the floor (the ring is full there), return NULL,
+    -- having taken nothing; the caller waits and calls again. A transaction with an xid holds back the
+    -- pruning of every row version newer than it, so a push that waited here for consumers would keep
+    -- the ring's old versions from being pruned while it waited, and the heap would grow.
+    -- A lane stopped at a gap (a number issued and never written) holds the floor down too: the caller
+    -- helps to give it up between its calls (ring_pop of none), outside this transaction.
+    -- The floor given (p_floor) is asked first: reading the ring's own costs a push of 100 about a
+    -- tenth of its server instructions.
+    IF p_first IS NULL AND (v_floor IS NULL
+            OR coalesce(pg_sequence_last_value(v_seq), 0) + v_n - v_cap >= v_floor) THEN
+        v_floor := {schema}.ring_floor(p_queue_id);
+        r_floor := v_floor;
+        IF v_floor IS NULL THEN  -- no lanes: the ring was dropped
+            RAISE EXCEPTION 'ring % does not exist', p_queue_id USING ERRCODE = 'DQ004';
+        END IF;
+        IF coalesce(pg_sequence_last_value(v_seq), 0) + v_n - v_cap >= v_floor THEN
+            RETURN;
+        END IF;
+    END IF;
+    -- Give this transaction an xid before it holds any number: the gap proof relies on it.
+    v_xid := pg_current_xact_id();
+    -- n contiguous numbers: a batch never spans more than the capacity, so it never waits on itself,
+    -- and every wait points at lower numbers (no cycle). Every push takes its numbers under this
+    -- session lock, so nextval then setval to the batch's last number is a range of its own; the lock
+    -- is held only for those two calls and released on error too.
+    -- ring_push_one takes its number under the same lock in shared mode.
+    IF p_first IS NOT NULL THEN
+        v_first := p_first;
+    ELSE
+        v_ok := pg_advisory_lock(1685221713, (v_seq::oid::bigint - 2147483648)::integer) IS NULL;
+        BEGIN
+            v_first := nextval(v_seq);
+            IF v_n > 1 THEN
+                v_ok := setval(v_seq, v_first + v_n - 1) > 0;
+            END IF;
+        EXCEPTION WHEN OTHERS THEN
+            v_ok := pg_advisory_unlock(1685221713, (v_seq::oid::bigint - 2147483648)::integer);
+            RAISE;
+        END;
+        v_ok := pg_advisory_unlock(1685221713, (v_seq::oid::bigint - 2147483648)::integer);
+    END IF;
+    v_a := (v_first % v_cap)::integer;
+    v_b1 := least(v_cap, v_a + v_n);
+    v_b2 := greatest(0, v_a + v_n - v_cap);
+    v_deadline := clock_timestamp() + make_interval(secs => p_timeout_s);
+    LOOP
+        -- A floor read before the numbers were taken still bounds the first write (a floor never goes
+        -- down); each later attempt reads it again.
+        IF v_floor IS NULL THEN
+            v_floor := {schema}.ring_floor(p_queue_id);
+            r_floor := v_floor;
+            IF v_floor IS NULL THEN
+                RAISE EXCEPTION 'ring % does not exist', p_queue_id USING ERRCODE = 'DQ004';
+            END IF;
+        END IF;
+        FOR part IN 1 .. 2 LOOP
+            IF part = 1 THEN
+                v_from := v_a; v_to := v_b1; v_base := v_first - v_a;
+            ELSE
+                v_from := 0; v_to := v_b2; v_base := v_first + v_cap - v_a;
+            END IF;
+            CONTINUE WHEN v_to <= v_from;
+            UPDATE {schema}.ring_slots s
+            SET seq = v_base + s.slot, enqueued_at = now(),
+                payload = p_payloads[(v_base + s.slot - v_first + 1)::integer]
+            WHERE s.queue_id = p_queue_id AND s.slot >= v_from AND s.slot < v_to
+              AND s.seq = v_base + s.slot - v_cap AND s.seq < v_floor;
+            GET DIAGNOSTICS v_k = ROW_COUNT;
+            v_written := v_written + v_k;
+        END LOOP;
+        EXIT WHEN v_written >= v_n;
+        IF EXISTS (
+            SELECT 1 FROM {schema}.ring_slots t
+            WHERE t.queue_id = p_queue_id AND t.slot >= v_a AND t.slot < v_b1
+              AND t.seq = v_first - v_a + t.slot AND t.payload IS NULL
+            UNION ALL
+            SELECT 1 FROM {schema}.ring_slots t
+            WHERE t.queue_id = p_queue_id AND t.slot < v_b2
+              AND t.seq = v_first + v_cap - v_a + t.slot AND t.payload IS NULL) THEN
+            RAISE EXCEPTION 'ring %: numbers % .. % were given up as gaps before this push wrote them',
+                p_queue_id, v_first, v_first + v_n - 1 USING ERRCODE = 'DQ002';
+        END IF;
+        IF clock_timestamp() >= v_deadline THEN
+            RAISE EXCEPTION 'ring % stayed full for % s (capacity %)', p_queue_id, p_timeout_s, v_cap
+                USING ERRCODE = 'DQ001';
+        END IF;
+        PERFORM pg_sleep(v_pause);
+        v_pause := least(v_pause * 2, 0.05);
+        v_floor := NULL;
+    END LOOP;
+    IF p_notify > 0 THEN  -- a condition with a subquery is a query of its own: only when it can notify
+        IF p_notify = 2 OR NOT EXISTS (
+                SELECT 1 FROM {schema}.ring_lanes l WHERE l.queue_id = p_queue_id AND l.pos < v_first)
+            OR EXISTS (
+                SELECT 1 FROM {schema}.ring_groups g
+                WHERE g.queue_id = p_queue_id AND NOT EXISTS (
+                    SELECT 1 FROM {schema}.ring_lanes l WHERE l.queue_id = g.gid AND l.pos < v_first)) THEN
+            PERFORM pg_notify(p_channel, '');
+        END IF;
+    END IF;
+    r_first := v_first;
+END
+$$;
+
+-- Push one message in one statement: the path of a push of one outside a caller's transaction (the
+-- usual call at batch 1). ring_push is a PL/pgSQL loop that can wait; this tries once. It takes one
+-- number, under the push lock in shared mode until its transaction ends (a batch takes a range under it
+-- in exclusive mode, so that no single number lands inside the range), and writes the slot if it is
+-- free. Returns the number when it was written, minus the number when its slot was not free yet (the
+-- ring is full there: the caller writes the number with ring_push(p_first => number), which waits for
+-- the slot; in between, the number is issued and unwritten, as a push in progress is), and NULL when
+-- the ring does not exist. The number is taken before this transaction has an xid (the gap proof
+-- relies on a push having one first), so a pop could give it up as a gap in that instant: the UPDATE
+-- then finds the slot moved on and writes nothing, and ring_push fails with DQ002 (new numbers).
+-- p_floor: a floor of this ring that the caller read earlier (ring_floor), or NULL to read it now. A
+-- committed floor never goes down, so one read by any earlier transaction that wrote nothing bounds
+-- this write too; reading it costs three index scans through the SQL-function executor, more than the
+-- rest of the push (120,000 of 290,000 instructions), and it changes only as fast as consumers move.
+-- When the slot is not free under it, the caller writes the number through ring_push, which reads the
+-- floor itself, and reads a new one for its next pushes.
+-- p_notify as in ring_push. PL/pgSQL with a generic plan, so that its UPDATE is planned once a
+-- session, and a scalar result, which costs the server less than a set's.
+CREATE OR REPLACE FUNCTION {schema}.ring_push_one(
+    p_queue_id integer, p_cap integer, p_payload bytea, p_notify integer, p_channel text, p_floor bigint)
+RETURNS bigint LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    v_seq regclass := to_regclass('{schema}.ring_' || p_queue_id || '_seq');
+    v_num bigint;
+    v_ok boolean;
+BEGIN
+    IF v_seq IS NULL THEN
+        RETURN NULL;
+    END IF;
+    v_ok := pg_advisory_xact_lock_shared(1685221713, (v_seq::oid::bigint - 2147483648)::integer) IS NULL;
+    v_num := nextval(v_seq);
+    UPDATE {schema}.ring_slots s
+    SET seq = v_num, enqueued_at = now(), payload = p_payload
+    WHERE s.queue_id = p_queue_id AND s.slot = (v_num % p_cap)::integer
+      AND s.seq = v_num - p_cap AND s.seq < coalesce(p_floor, {schema}.ring_floor(p_queue_id));
+    IF NOT FOUND THEN
+        RETURN -v_num;
+    END IF;
+    IF p_notify > 0 THEN  -- a condition with a subquery is a query of its own: only when it can notify
+        IF p_notify = 2 OR NOT EXISTS (
+                SELECT 1 FROM {schema}.ring_lanes l WHERE l.queue_id = p_queue_id AND l.pos < v_num)
+            OR EXISTS (
+                SELECT 1 FROM {schema}.ring_groups g
+                WHERE g.queue_id = p_queue_id AND NOT EXISTS (
+                    SELECT 1 FROM {schema}.ring_lanes l WHERE l.queue_id = g.gid AND l.pos < v_num)) THEN
+            PERFORM pg_notify(p_channel, '');
+        END IF;
+    END IF;
+    RETURN v_num;
+END
+$$;
+
+-- Take up to p_n messages from the lanes: the fast path of every pop, and the last step of ring_pop.
+-- Lanes are locked with SKIP LOCKED, lowest position first: a pop of one takes one lane, a batch up to
+-- p_n of them, so that consumers take from different lanes at once. Within the lanes it holds, a pop
+-- takes the numbers from their positions on, in id order, up to the first number that is issued but not
+-- written yet (a push in progress, or a gap): positions never pass a number nobody has seen, so every
+-- message is delivered. A lane whose next number is not written is left alone for this pop. The
+-- window is at most a capacity of numbers from the lowest position held, no further than the issued
+-- position and about p_n messages of the lanes held. Numbers given up as gaps (no payload) are passed
+-- over and not returned. The positions move past the last number taken; with p_lease the messages are leased as one
+-- ring_leases row, otherwise they are finished when the transaction commits.
+-- Every message returned is on its first delivery (r_attempts and r_deliveries are 1). Leased, they
+-- share one lease end, which only the first message returned carries in r_lease_until (NULL on the
+-- others): a timestamp costs the client about 1,800 instructions a row to read, a NULL nearly nothing.
+-- ring_pop, which passes these rows on, puts the lease end on each of them.
+-- p_queue_id: the ring's queue_id, for its default group; for another consumer group its gid (negative,
+-- ring_groups), the key of its lanes, leases and retry rows, whose ring is looked up. So the default
+-- group's pops pass what a ring without groups needs, and plan alike (an argument more, or one with a
+-- default, costs the planning of every call: about 6,000 and 8,000 instructions of a pop of one).
+-- ring_pop takes the same; ring_held, ring_split_leases, ring_settle, ring_reclaim_expired and
+-- ring_ready take the ring's queue_id and the group's key (p_gid: the queue_id for the default group).
+-- p_retries: first check whether messages to deliver again are ready, and take nothing if so (ring_pop
+-- serves them first). p_wait: when every lane is locked by other pops, wait for them (for one lane, the
+-- lowest, at a pop of one) instead of returning nothing, at most lock_timeout (1 s): batch consumers
+-- then take turns with all the lanes, each pop one short transaction, instead of finding nothing and
+-- calling again.
+-- Plans are generic (the ring's tables never change size, so their statistics never mislead) and never
+-- bitmap scans: the scan walks the primary key in slot order.
+CREATE OR REPLACE FUNCTION {schema}.ring_take(
+    p_queue_id integer, p_cap integer, p_lanes integer, p_n integer, p_lease boolean, p_vt double precision,
+    p_consumer text, p_retries boolean, p_wait boolean)
+RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz,
+               r_lease_until timestamptz, r_payload bytea)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_bitmapscan = off SET lock_timeout = 1000
+AS $$
+DECLARE
+    v_gid integer := p_queue_id;
+    v_until timestamptz := CASE WHEN p_lease THEN now() + make_interval(secs => p_vt) END;
+    v_lanes integer[];
+    v_pos bigint[];
+    v_lo bigint;
+    v_p bigint[];
+    v_issued bigint;
+    v_a integer;
+    v_span bigint;
+    v_k integer;
+    v_got integer := 0;
+    v_top bigint;
+    v_first bigint;
+    v_last bigint;
+    v_whole boolean;
+BEGIN
+    IF p_queue_id < 0 THEN  -- a consumer group's gid: the key of its rows; p_queue_id becomes its ring's
+        SELECT g.queue_id INTO p_queue_id FROM {schema}.ring_groups g WHERE g.gid = v_gid;
+    END IF;
+    IF p_n = 1 AND p_wait THEN
+        -- One message, in a transaction of its own: the lowest lane whose next number is written, moved
+        -- on, and nothing when messages to deliver again are due (an InitPlan of the same statement).
+        -- The lanes are locked in position order and only then is each one's next slot read, up to the
+        -- first one written: nearly always the first, where reading every lane's slot before choosing
+        -- cost a probe of the slots' index a lane (with 8 lanes, 65,000 of 405,000 instructions). A lane
+        -- passed over stays locked until this short transaction ends; in a caller's transaction (no
+        -- p_wait) a pop of one goes the batch's way below, which locks only the lane it takes.
+        IF NOT p_lease THEN
+            RETURN QUERY
+            WITH l AS (
+                SELECT k.lane, k.pos FROM (
+                    SELECT t.lane, t.pos FROM {schema}.ring_lanes t
+                    WHERE t.queue_id = v_gid AND NOT (p_retries AND EXISTS (
+                        SELECT 1 FROM {schema}.ring_retry r
+                        WHERE r.queue_id = v_gid AND r.state = 1 AND r.due_at <= now()))
+                    ORDER BY t.pos
+                    FOR UPDATE SKIP LOCKED) k
+                WHERE EXISTS (
+                    SELECT 1 FROM {schema}.ring_slots s
+                    WHERE s.queue_id = p_queue_id AND s.slot = (k.pos % p_cap)::integer AND s.seq = k.pos)
+                LIMIT 1
+            ), u AS (
+                UPDATE {schema}.ring_lanes t SET pos = t.pos + p_lanes
+                FROM l WHERE t.queue_id = v_gid AND t.lane = l.lane
+                RETURNING l.pos
+            )
+            SELECT s.seq, 1, 1, s.enqueued_at, NULL::timestamptz, s.payload
+            FROM u JOIN {schema}.ring_slots s ON s.queue_id = p_queue_id AND s.slot = (u.pos % p_cap)::integer
+            WHERE s.payload IS NOT NULL;
+        ELSE
+            RETURN QUERY
+            WITH l AS (
+                SELECT k.lane, k.pos FROM (
+                    SELECT t.lane, t.pos FROM {schema}.ring_lanes t
+                    WHERE t.queue_id = v_gid AND NOT (p_retries AND EXISTS (
+                        SELECT 1 FROM {schema}.ring_retry r
+                        WHERE r.queue_id = v_gid AND r.state = 1 AND r.due_at <= now()))
+                    ORDER BY t.pos
+                    FOR UPDATE SKIP LOCKED) k
+                WHERE EXISTS (
+                    SELECT 1 FROM {schema}.ring_slots s
+                    WHERE s.queue_id = p_queue_id AND s.slot = (k.pos % p_cap)::integer AND s.seq = k.pos)
+                LIMIT 1
+            ), u AS (
+                UPDATE {schema}.ring_lanes t SET pos = t.pos + p_lanes
+                FROM l WHERE t.queue_id = v_gid AND t.lane = l.lane
+                RETURNING l.lane, l.pos
+            ), m AS (
+                SELECT u.lane, s.seq, s.enqueued_at, s.payload
+                FROM u JOIN {schema}.ring_slots s ON s.queue_id = p_queue_id AND s.slot = (u.pos % p_cap)::integer
+            ), e AS (
+                INSERT INTO {schema}.ring_leases (queue_id, lo, hi, starts, n, lease_until, consumer)
+                SELECT v_gid, m.seq, m.seq,
+                       (SELECT array_agg(CASE WHEN g = m.lane THEN m.seq END ORDER BY g)
+                        FROM generate_series(0, p_lanes - 1) AS g),
+                       1, v_until, p_consumer
+                FROM m WHERE m.payload IS NOT NULL
+            )
+            SELECT m.seq, 1, 1, m.enqueued_at, v_until, m.payload FROM m WHERE m.payload IS NOT NULL;
+        END IF;
+        GET DIAGNOSTICS v_k = ROW_COUNT;
+        IF v_k > 0 OR NOT p_wait THEN
+            RETURN;
+        END IF;
+    END IF;
+    -- A batch: the lanes whose next number is written, lowest first, as many as the batch could use;
+    -- none while messages to deliver again are due.
+    SELECT array_agg(l.lane), array_agg(l.pos), min(l.pos) INTO v_lanes, v_pos, v_lo
+    FROM (SELECT t.lane, t.pos FROM {schema}.ring_lanes t
+          WHERE t.queue_id = v_gid AND EXISTS (
+              SELECT 1 FROM {schema}.ring_slots s
+              WHERE s.queue_id = p_queue_id AND s.slot = (t.pos % p_cap)::integer AND s.seq = t.pos)
+            AND NOT (p_retries AND EXISTS (
+              SELECT 1 FROM {schema}.ring_retry r
+              WHERE r.queue_id = v_gid AND r.state = 1 AND r.due_at <= now()))
+          ORDER BY t.pos LIMIT least(p_n, p_lanes) FOR UPDATE SKIP LOCKED) l;
+    -- Conditions with a subquery are statements of their own, which start an executor each time they
+    -- are evaluated (about 17,000 instructions each, whatever the outcome): they are asked only when no
+    -- lane was taken, under a plain test of v_lanes.
+    IF v_lanes IS NULL THEN
+        IF p_retries AND EXISTS (
+                SELECT 1 FROM {schema}.ring_retry r
+                WHERE r.queue_id = v_gid AND r.state = 1 AND r.due_at <= now()) THEN
+            RETURN;
+        END IF;
+        IF p_wait AND NOT EXISTS (
+                SELECT 1 FROM {schema}.ring_lanes t WHERE t.queue_id = v_gid FOR UPDATE SKIP LOCKED) THEN
+            -- Every lane is held by other pops: wait for the lowest one, then take free ones up to half the
+            -- lanes. A pop that finds the lanes free takes all it can use (one consumer alone sees ids in
+            -- order); consumers popping at the same time then share the lanes, each its part, instead of
+            -- taking turns with all of them (one pop at a time, measured at 1.27x the naive queue with one
+            -- consumer and 1.34x with two at 2x2 batch 100, where the naive queue gained nothing either).
+            SELECT array_agg(l.lane), array_agg(l.pos) INTO v_lanes, v_pos
+            FROM (SELECT t.lane, t.pos FROM {schema}.ring_lanes t WHERE t.queue_id = v_gid
+                  ORDER BY t.pos LIMIT 1 FOR UPDATE) l;
+            IF p_n > 1 AND p_lanes > 2 THEN
+                SELECT v_lanes || coalesce(array_agg(l.lane), ARRAY[]::integer[]),
+                       v_pos || coalesce(array_agg(l.pos), ARRAY[]::bigint[])
+                INTO v_lanes, v_pos
+                FROM (SELECT t.lane, t.pos FROM {schema}.ring_lanes t
+                      WHERE t.queue_id = v_gid AND t.lane <> v_lanes[1]
+                      ORDER BY t.pos LIMIT least(p_n, p_lanes / 2) - 1 FOR UPDATE SKIP LOCKED) l;
+            END IF;
+            -- Only those whose next number is written: a lane stopped at a push in progress or a gap gives
+            -- nothing now, and must not stop the others.
+            SELECT array_agg(u.lane), array_agg(u.pos), min(u.pos) INTO v_lanes, v_pos, v_lo
+            FROM unnest(v_lanes, v_pos) AS u(lane, pos)
+            JOIN {schema}.ring_slots s
+              ON s.queue_id = p_queue_id AND s.slot = (u.pos % p_cap)::integer AND s.seq = u.pos;
+        END IF;
+    END IF;
+    IF v_lanes IS NULL THEN
+        RETURN;
+    END IF;
+    v_issued := coalesce(pg_sequence_last_value(to_regclass('{schema}.ring_' || p_queue_id || '_seq')), 0);
+    v_span := least(p_cap::bigint, v_issued - v_lo + 1, p_n::bigint * p_lanes / cardinality(v_lanes) + p_lanes);
+    -- The window's rows of the lanes held, past their positions, in slot order, which is id order up
+    -- to the end of the slots: "bad" counts the unwritten numbers so far and "before" the messages, so
+    -- the rows before the first unwritten number, up to the p_n-th message, are taken. One lease row
+    -- holds what was taken: every number of a held lane from its position up to the last one taken.
+    -- A window that runs past the end of the slots is taken in two parts (two statements, two lease
+    -- rows), the second from slot 0 once the first took everything to the end: one statement over both
+    -- would sort its rows, as the number is not the slot's order there.
+    FOR part IN 1 .. 2 LOOP
+        EXIT WHEN v_span <= 0 OR v_got >= p_n;
+        v_p := array_fill(NULL::bigint, ARRAY[p_lanes]);
+        FOR i IN 1 .. cardinality(v_lanes) LOOP
+            v_p[v_lanes[i] + 1] := v_pos[i];
+        END LOOP;
+        v_a := (v_lo % p_cap)::integer;
+        -- Where the take ends, from the slots' numbers alone (no payload is copied). Usually every number
+        -- of the first p_n - v_got rows is written: the take ends at the last of them. Otherwise it ends
+        -- before the first one unwritten, up to the (p_n - v_got)-th message ("bad" counts the unwritten
+        -- numbers so far and "before" the messages).
+        SELECT max(r.x), min(r.x) FILTER (WHERE r.msg), max(r.x) FILTER (WHERE r.msg),
+               count(*) FILTER (WHERE r.msg)::integer, bool_and(r.seq = r.x)
+        INTO v_top, v_first, v_last, v_k, v_whole
+        FROM (
+            SELECT v_lo - v_a + s.slot AS x, s.seq, s.payload IS NOT NULL AS msg
+            FROM {schema}.ring_slots s
+            WHERE s.queue_id = p_queue_id AND s.slot >= v_a AND s.slot < least(p_cap, v_a + v_span)
+              AND v_lo - v_a + s.slot >= v_p[((v_lo - v_a + s.slot) % p_lanes)::integer + 1]
+            ORDER BY s.slot
+            LIMIT p_n - v_got) r;
+        IF NOT v_whole THEN
+            SELECT max(w.x), min(w.x) FILTER (WHERE w.msg), max(w.x) FILTER (WHERE w.msg),
+                   count(*) FILTER (WHERE w.msg)::integer
+            INTO v_top, v_first, v_last, v_k
+            FROM (
+                SELECT r.x, r.msg,
+                       count(*) FILTER (WHERE r.seq <> r.x) OVER o AS bad,
+                       count(*) FILTER (WHERE r.msg) OVER o - r.msg::integer AS before
+                FROM (
+                    SELECT s.slot, v_lo - v_a + s.slot AS x, s.seq, s.payload IS NOT NULL AS msg
+                    FROM {schema}.ring_slots s
+                    WHERE s.queue_id = p_queue_id AND s.slot >= v_a AND s.slot < least(p_cap, v_a + v_span)
+                      AND v_lo - v_a + s.slot >= v_p[((v_lo - v_a + s.slot) % p_lanes)::integer + 1]
+                    ORDER BY s.slot) r
+                WINDOW o AS (ORDER BY r.slot ROWS UNBOUNDED PRECEDING)) w
+            WHERE w.bad = 0 AND w.before < p_n - v_got;
+        END IF;
+        EXIT WHEN v_top IS NULL;
+        -- One statement moves the lanes past the last number taken, writes the lease row (at least
+        -- once) and reads the messages. At most once it has no INSERT: a data-modifying CTE is opened
+        -- (the leases' table and its indexes) and run on every call, even when it writes nothing.
+        IF NOT p_lease THEN
+            RETURN QUERY
+            WITH u AS (
+                UPDATE {schema}.ring_lanes l
+                SET pos = greatest(l.pos, v_top + 1 + ((l.lane - (v_top + 1) % p_lanes + p_lanes) % p_lanes))
+                WHERE l.queue_id = v_gid AND l.lane = ANY (v_lanes)
+            )
+            SELECT v_lo - v_a + s.slot, 1, 1, s.enqueued_at, NULL::timestamptz, s.payload
+            FROM {schema}.ring_slots s
+            WHERE s.queue_id = p_queue_id AND s.slot >= v_a AND s.slot <= v_top - v_lo + v_a
+              AND v_lo - v_a + s.slot >= v_p[((v_lo - v_a + s.slot) % p_lanes)::integer + 1]
+              AND s.payload IS NOT NULL;
+        ELSE
+            RETURN QUERY
+            WITH u AS (
+                UPDATE {schema}.ring_lanes l
+                SET pos = greatest(l.pos, v_top + 1 + ((l.lane - (v_top + 1) % p_lanes + p_lanes) % p_lanes))
+                WHERE l.queue_id = v_gid AND l.lane = ANY (v_lanes)
+            ), e AS (
+                INSERT INTO {schema}.ring_leases (queue_id, lo, hi, starts, n, lease_until, consumer)
+                SELECT v_gid, v_first, v_last, v_p, v_k, v_until, p_consumer WHERE v_k > 0
+            )
+            SELECT v_lo - v_a + s.slot, 1, 1, s.enqueued_at,
+                   CASE WHEN v_got = 0 AND v_lo - v_a + s.slot = v_first THEN v_until END, s.payload
+            FROM {schema}.ring_slots s
+            WHERE s.queue_id = p_queue_id AND s.slot >= v_a AND s.slot <= v_top - v_lo + v_a
+              AND v_lo - v_a + s.slot >= v_p[((v_lo - v_a + s.slot) % p_lanes)::integer + 1]
+              AND s.payload IS NOT NULL;
+        END IF;
+        GET DIAGNOSTICS v_k = ROW_COUNT;
+        v_got := v_got + v_k;
+        EXIT WHEN v_a + v_span <= p_cap OR v_got >= p_n;
+        -- Past the end of the slots: go on from slot 0 only if the held lanes took everything up to it.
+        SELECT array_agg(t.lane), array_agg(t.pos), min(t.pos) INTO v_lanes, v_pos, v_top
+        FROM {schema}.ring_lanes t WHERE t.queue_id = v_gid AND t.lane = ANY (v_lanes);
+        EXIT WHEN v_top < v_lo - v_a + p_cap;
+        v_span := v_span - (p_cap - v_a);
+        v_lo := v_lo - v_a + p_cap;
+    END LOOP;
+END
+$$;
+
+-- Move lanes on over numbers given up as gaps at their heads (a slot holding the number with no
+-- payload). Nothing is delivered by that, so whoever can lock a lane may do it: pops pass such numbers
+-- as they take, and pushes waiting for the floor and maintenance pass them too, so that a ring whose
+-- consumers are away does not stay full of given-up numbers. Lanes held by pops are left to them. The
+-- lanes of every consumer group move. Returns how many lanes moved.
+CREATE OR REPLACE FUNCTION {schema}.ring_pass(p_queue_id integer, p_cap integer, p_lanes integer)
+RETURNS integer LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
+DECLARE
+    v_moved integer := 0;
+    v_pos bigint;
+    r record;
+BEGIN
+    FOR r IN SELECT t.queue_id, t.lane, t.pos FROM {schema}.ring_lanes t
+             WHERE t.queue_id = p_queue_id
+                OR t.queue_id IN (SELECT g.gid FROM {schema}.ring_groups g WHERE g.queue_id = p_queue_id)
+             ORDER BY t.queue_id, t.lane FOR UPDATE SKIP LOCKED LOOP
+        v_pos := r.pos;
+        WHILE EXISTS (
+                SELECT 1 FROM {schema}.ring_slots s
+                WHERE s.queue_id = p_queue_id AND s.slot = (v_pos % p_cap)::integer AND s.seq = v_pos
+                  AND s.payload IS NULL) LOOP
+            v_pos := v_pos + p_lanes;
+        END LOOP;
+        IF v_pos > r.pos THEN
+            UPDATE {schema}.ring_lanes SET pos = v_pos
+            WHERE queue_id = r.queue_id AND lane = r.lane;
+            v_moved := v_moved + 1;
+        END IF;
+    END LOOP;
+    RETURN v_moved;
+END
+$$;
+
+-- Give up abandoned numbers (gaps) of a ring, as pops and maintenance do: the numbers from p_gap up to
+-- p_issued (at most 4096) still unwritten, whose slot holds the number a capacity before them below the
+-- floor and that nobody holds locked, once every holder in p_holders is gone (listed by ring_holders()
+-- after p_issued was read). Without that proof, p_force (a gap timeout ran out: some transaction listed
+-- is still running) gives up the run of unwritten numbers that starts at p_gap, up to the first written
+-- or locked one. Those numbers' slots are free for them, so a live push would have written them the
+-- moment it took them: they belong to pushes that rolled back or died, or to one stalled that long
+-- between taking its numbers and writing them, which then fails with DQ002 and pushes again. Numbers
+-- past the run (a live holder beyond a written number) are kept. Nothing happens unless p_gap is still
+-- unwritten. A given-up number's slot holds it with no payload. Returns how many numbers it gave up.
+CREATE OR REPLACE FUNCTION {schema}.ring_skip_gap(
+    p_queue_id integer, p_cap integer, p_gap bigint, p_issued bigint, p_holders xid[], p_force boolean)
+RETURNS integer LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_bitmapscan = off AS $$
+DECLARE
+    v_a integer := (p_gap % p_cap)::integer;
+    v_max integer := least(greatest(coalesce(p_issued, p_gap), p_gap) - p_gap + 1, 4096, p_cap)::integer;
+    v_floor bigint := {schema}.ring_floor(p_queue_id);
+    v_span integer := 0;
+    v_from integer;
+    v_to integer;
+    v_base bigint;
+    v_k integer;
+    v_skipped integer := 0;
+BEGIN
+    IF EXISTS (
+            SELECT 1 FROM {schema}.ring_slots t
+            WHERE t.queue_id = p_queue_id AND t.slot = v_a AND t.seq = p_gap - p_cap AND t.seq < v_floor) THEN
+        IF p_holders IS NOT NULL AND p_issued IS NOT NULL AND {schema}.ring_holders_gone(p_holders) THEN
+            v_span := v_max;
+        ELSIF p_force THEN
+            -- The run: the numbers from p_gap on that are unwritten and that nobody holds locked, up to
+            -- the first that is written or locked (a push writing it, perhaps in a long transaction of
+            -- its caller: the pushes behind it may be waiting, and their numbers are kept).
+            SELECT count(*) INTO v_span FROM (
+                SELECT u.num, row_number() OVER (ORDER BY u.num) AS rn FROM (
+                    SELECT p_gap - v_a + a.slot AS num FROM (
+                        SELECT t.slot FROM {schema}.ring_slots t
+                        WHERE t.queue_id = p_queue_id AND t.slot >= v_a AND t.slot < least(p_cap, v_a + v_max)
+                          AND t.seq = p_gap - v_a + t.slot - p_cap AND t.seq < v_floor
+                        FOR UPDATE SKIP LOCKED) AS a
+                    UNION ALL
+                    SELECT p_gap + p_cap - v_a + b.slot FROM (
+                        SELECT t.slot FROM {schema}.ring_slots t
+                        WHERE t.queue_id = p_queue_id AND t.slot < v_a + v_max - p_cap
+                          AND t.seq = p_gap + p_cap - v_a + t.slot - p_cap AND t.seq < v_floor
+                        FOR UPDATE SKIP LOCKED) AS b) AS u) AS w
+            WHERE w.num = p_gap + w.rn - 1;
+        END IF;
+    END IF;
+    IF v_span <= 0 THEN
+        RETURN 0;
+    END IF;
+    FOR part IN 1 .. 2 LOOP
+        IF part = 1 THEN
+            v_from := v_a; v_to := least(p_cap, v_a + v_span); v_base := p_gap - v_a;
+        ELSE
+            v_from := 0; v_to := greatest(0, v_a + v_span - p_cap); v_base := p_gap + p_cap - v_a;
+        END IF;
+        CONTINUE WHEN v_to <= v_from;
+        UPDATE {schema}.ring_slots s
+        SET seq = v_base + s.slot, payload = NULL, enqueued_at = NULL
+        WHERE s.ctid = ANY (ARRAY(
+            SELECT t.ctid FROM {schema}.ring_slots t
+            WHERE t.queue_id = p_queue_id AND t.slot >= v_from AND t.slot < v_to
+              AND t.seq = v_base + t.slot - p_cap AND t.seq < v_floor
+            FOR UPDATE SKIP LOCKED));
+        GET DIAGNOSTICS v_k = ROW_COUNT;
+        IF v_k > 0 THEN
+            PERFORM nextval(r.gap_seq) FROM {schema}.rings r, generate_series(1, v_k)
+            WHERE r.queue_id = p_queue_id;
+            v_skipped := v_skipped + v_k;
+        END IF;
+    END LOOP;
+    RETURN v_skipped;
+END
+$$;
+
+-- Maintenance's gap recovery: give up every number of a ring up to p_issued that a push took and never
+-- wrote, wherever it lies, once every holder in p_holders is gone. p_holders must be listed
+-- (ring_holders) after p_issued was read: each such number was taken by a transaction that had an xid
+-- before it (ring_push takes one first), so its holder was finished then or is listed, and is gone now.
+-- A number x is unwritten while its slot holds x - capacity; it is given up when that number is below
+-- the floor (its slot is free for x). Slots locked by a push writing them are passed over. Returns how
+-- many numbers were given up, or -1 while some holder is still running (the caller waits and asks again).
+CREATE OR REPLACE FUNCTION {schema}.ring_skip_abandoned(p_queue_id integer, p_issued bigint, p_holders xid[])
+RETURNS integer LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
+DECLARE
+    v_cap integer;
+    v_gaps regclass;
+    v_k integer;
+BEGIN
+    IF NOT {schema}.ring_holders_gone(p_holders) THEN
+        RETURN -1;
+    END IF;
+    SELECT capacity, gap_seq INTO v_cap, v_gaps FROM {schema}.rings WHERE queue_id = p_queue_id;
+    IF NOT FOUND THEN
+        RETURN 0;
+    END IF;
+    UPDATE {schema}.ring_slots s
+    SET seq = s.seq + v_cap, payload = NULL, enqueued_at = NULL
+    WHERE s.ctid = ANY (ARRAY(
+        SELECT t.ctid FROM {schema}.ring_slots t
+        WHERE t.queue_id = p_queue_id AND t.seq + v_cap <= p_issued
+          AND t.seq < {schema}.ring_floor(p_queue_id)
+        FOR UPDATE SKIP LOCKED));
+    GET DIAGNOSTICS v_k = ROW_COUNT;
+    IF v_k > 0 THEN
+        PERFORM nextval(v_gaps) FROM generate_series(1, v_k);
+    END IF;
+    RETURN v_k;
+END
+$$;
+
+-- Pop: the path of a pop that the fast one (ring_take alone) did not fill. In order: (1) give up the gap
+-- the caller saw at the head of its last pop (ring_skip_gap: with the holders' proof, or p_force after
+-- the caller's gap timeout) and move every lane it can lock over given-up numbers (ring_pass); (2)
+-- serve the messages to deliver again that are due, lowest id first (a lease makes each a retry row
+-- leased until now + p_vt, with one more attempt; otherwise it is finished); (3) take the rest from the
+-- lanes (ring_take), waiting for a lane when other pops hold every one, unless the pop runs in the
+-- caller's transaction. A pop of none (p_n 0) does only (1) and the report below: a push that finds the
+-- ring full calls it between its attempts, so that gaps alone never keep a ring full. Rows: the messages, then one last row (r_id
+-- NULL) that reports the lowest lane position when its number is issued but not written (a push in
+-- progress, or a gap), with the issued position and, from its second sighting on, the holders
+-- (ring_holders) listed after that position was read: the caller passes them back (p_gap...) on its
+-- next pop, which gives the gap up once those holders are gone. A head unwritten for one pop only is
+-- nearly always a push writing it, so pg_locks is read only when it stays; once listed, the same
+-- holders and position are passed on until the proof holds (a new list would name new transactions for
+-- ever under load).
+-- p_own: the pop runs in the caller's transaction, which may roll back: it skips no gap, waits for no
+-- lane and reports none.
+-- lock_timeout bounds the wait for lanes held by other pops (a caller's long transaction may hold them):
+-- the pop then fails with a lock timeout, and the caller pops again.
+CREATE OR REPLACE FUNCTION {schema}.ring_pop(
+    p_queue_id integer, p_cap integer, p_lanes integer, p_n integer, p_lease boolean,
+    p_vt double precision, p_consumer text, p_own boolean,
+    p_gap bigint, p_gap_issued bigint, p_gap_snap xid[], p_force boolean)
+RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz,
+               r_lease_until timestamptz, r_payload bytea, r_gap bigint, r_issued bigint, r_snap xid[])
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_bitmapscan = off SET lock_timeout = 1000
+AS $$
+DECLARE
+    v_gid integer := p_queue_id;
+    v_until timestamptz := now() + make_interval(secs => p_vt);
+    v_got integer := 0;
+    v_issued bigint;
+    v_head bigint;
+BEGIN
+    IF p_queue_id < 0 THEN  -- a consumer group's gid: the key of its rows; p_queue_id becomes its ring's
+        SELECT g.queue_id INTO p_queue_id FROM {schema}.ring_groups g WHERE g.gid = v_gid;
+    END IF;
+    IF p_gap IS NOT NULL AND NOT p_own
+            AND {schema}.ring_skip_gap(p_queue_id, p_cap, p_gap, p_gap_issued, p_gap_snap, p_force) > 0 THEN
+        -- The lanes stopped at the numbers given up move over them now, even those this pop does not
+        -- take from: until they do, those numbers keep the ring's floor down.
+        PERFORM {schema}.ring_pass(p_queue_id, p_cap, p_lanes);
+    END IF;
+    -- The issued position, read before any list of holders below.
+    v_issued := coalesce(pg_sequence_last_value(to_regclass('{schema}.ring_' || p_queue_id || '_seq')), 0);
+
+    IF p_lease THEN
+        RETURN QUERY
+        WITH r AS (
+            SELECT t.id FROM {schema}.ring_retry t
+            WHERE t.queue_id = v_gid AND t.state = 1 AND t.due_at <= now()
+            ORDER BY t.id LIMIT p_n
+            FOR UPDATE SKIP LOCKED
+        ), u AS (
+            UPDATE {schema}.ring_retry t
+            SET state = 2, attempts = t.attempts + 1, deliveries = t.deliveries + 1, due_at = v_until,
+                consumer = p_consumer
+            FROM r WHERE t.queue_id = v_gid AND t.id = r.id
+            RETURNING t.id, t.attempts, t.deliveries
+        )
+        SELECT u.id, u.attempts, u.deliveries, s.enqueued_at, v_until, s.payload, NULL::bigint, NULL::bigint,
+               NULL::xid[]
+        FROM u JOIN {schema}.ring_slots s ON s.queue_id = p_queue_id AND s.slot = (u.id % p_cap)::integer;
+    ELSE
+        RETURN QUERY
+        WITH r AS (
+            SELECT t.id FROM {schema}.ring_retry t
+            WHERE t.queue_id = v_gid AND t.state = 1 AND t.due_at <= now()
+            ORDER BY t.id LIMIT p_n
+            FOR UPDATE SKIP LOCKED
+        ), d AS (
+            DELETE FROM {schema}.ring_retry t USING r WHERE t.queue_id = v_gid AND t.id = r.id
+            RETURNING t.id, t.attempts + 1 AS attempts, t.deliveries + 1 AS deliveries
+        )
+        SELECT d.id, d.attempts, d.deliveries, s.enqueued_at, NULL::timestamptz, s.payload, NULL::bigint,
+               NULL::bigint, NULL::xid[]
+        FROM d JOIN {schema}.ring_slots s ON s.queue_id = p_queue_id AND s.slot = (d.id % p_cap)::integer;
+    END IF;
+    GET DIAGNOSTICS v_got = ROW_COUNT;
+
+    IF v_got < p_n THEN
+        RETURN QUERY
+        SELECT k.r_id, k.r_attempts, k.r_deliveries, k.r_enqueued_at, CASE WHEN p_lease THEN v_until END,
+               k.r_payload, NULL::bigint, NULL::bigint, NULL::xid[]
+        FROM {schema}.ring_take(v_gid, p_cap, p_lanes, p_n - v_got, p_lease, p_vt, p_consumer,
+                                false, NOT p_own) AS k;
+    END IF;
+
+    IF p_own THEN
+        RETURN QUERY SELECT NULL::bigint, NULL::integer, NULL::integer, NULL::timestamptz,
+            NULL::timestamptz, NULL::bytea, NULL::bigint, NULL::bigint, NULL::xid[];
+        RETURN;
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM {schema}.rings r WHERE r.queue_id = p_queue_id) THEN
+        RAISE EXCEPTION 'ring % does not exist', p_queue_id USING ERRCODE = 'DQ004';
+    END IF;
+    -- The head: the lowest lane position whose number is issued and not written.
+    SELECT l.pos INTO v_head
+    FROM {schema}.ring_lanes l
+    JOIN {schema}.ring_slots s ON s.queue_id = p_queue_id AND s.slot = (l.pos % p_cap)::integer
+    WHERE l.queue_id = v_gid AND l.pos <= v_issued AND s.seq < l.pos
+    ORDER BY l.pos LIMIT 1;
+    RETURN QUERY SELECT NULL::bigint, NULL::integer, NULL::integer, NULL::timestamptz, NULL::timestamptz,
+        NULL::bytea, v_head,
+        CASE WHEN v_head = p_gap AND p_gap_snap IS NOT NULL THEN p_gap_issued ELSE v_issued END,
+        CASE WHEN v_head IS NULL OR v_head IS DISTINCT FROM p_gap THEN NULL
+             WHEN p_gap_snap IS NOT NULL THEN p_gap_snap
+             ELSE {schema}.ring_holders() END;
+END
+$$;
+
+-- The receipts (id, delivery) of a ring that still hold their lease: a first delivery (delivery 1)
+-- inside an open lease of its range and lanes, or a retry row leased as that delivery. r_lease names the
+-- lease row (its lo), NULL for a retry row. A message is in one lease or one retry row, never both.
+CREATE OR REPLACE FUNCTION {schema}.ring_held(p_queue_id integer, p_lanes integer, p_ids bigint[], p_deliveries integer[],
+    p_gid integer)
+RETURNS TABLE (r_id bigint, r_delivery integer, r_lease bigint, r_until timestamptz)
+LANGUAGE sql STABLE AS $$
+    SELECT u.id, u.d, e.lo, e.lease_until
+    FROM unnest(p_ids, p_deliveries) AS u(id, d)
+    CROSS JOIN LATERAL (
+        SELECT e.lo, e.lease_until FROM {schema}.ring_leases e
+        WHERE e.queue_id = p_gid AND e.lo <= u.id AND e.hi >= u.id
+          AND e.starts[(u.id % p_lanes)::integer + 1] <= u.id AND e.lease_until > now()
+        ORDER BY e.lo DESC
+        LIMIT 1) e
+    WHERE u.d = 1
+    UNION ALL
+    SELECT u.id, u.d, NULL::bigint, r.due_at
+    FROM unnest(p_ids, p_deliveries) AS u(id, d)
+    JOIN {schema}.ring_retry r ON r.queue_id = p_gid AND r.id = u.id
+    WHERE r.state = 2 AND r.deliveries = u.d AND r.due_at > now()
+$$;
+
+-- Turn whole leases into retry rows leased as before (one a message): before some of their messages
+-- are acked, nacked or reclaimed alone. The caller holds the leases locked. Returns the rows made.
+CREATE OR REPLACE FUNCTION {schema}.ring_split_leases(
+    p_queue_id integer, p_cap integer, p_lanes integer, p_los bigint[], p_error text, p_gid integer)
+RETURNS integer LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
+DECLARE
+    v_k integer;
+BEGIN
+    WITH e AS (
+        DELETE FROM {schema}.ring_leases e WHERE e.queue_id = p_gid AND e.lo = ANY (p_los)
+        RETURNING e.lo, e.hi, e.starts, e.lease_until, e.consumer
+    )
+    INSERT INTO {schema}.ring_retry (queue_id, id, state, attempts, deliveries, due_at, consumer, last_error)
+    SELECT p_gid, x, 2, 1, 1, e.lease_until, e.consumer, p_error
+    FROM e
+    CROSS JOIN LATERAL generate_series(e.lo, e.hi) AS x
+    JOIN {schema}.ring_slots s ON s.queue_id = p_queue_id AND s.slot = (x % p_cap)::integer AND s.seq = x
+    WHERE e.starts[(x % p_lanes)::integer + 1] <= x AND s.payload IS NOT NULL;
+    GET DIAGNOSTICS v_k = ROW_COUNT;
+    RETURN v_k;
+END
+$$;
+
+-- The ack of whole leases, the usual one (queries/ring.sql's ring_ack): receipts naming every message
+-- of one ring_leases row or more (first deliveries; a pop writes one row, or two when it ran past the
+-- end of the ring's slots). A candidate lease lies within the receipts' range and is whole when as many
+-- receipts fall in its range and lanes as it holds messages; the leases are deleted only when the whole
+-- ones hold every receipt (each message is in one lease at most). Returns the n of each lease deleted,
+-- nothing otherwise (the caller then settles the receipts with ring_settle). A function so that its
+-- plan is made once a session, generic, on the leases' key, whatever the table's size when it is made.
+CREATE OR REPLACE FUNCTION {schema}.ring_ack(p_group integer, p_lanes integer, p_ids bigint[], p_deliveries integer[])
+RETURNS TABLE (r_n integer)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off SET enable_bitmapscan = off
+AS $$
+BEGIN
+    RETURN QUERY
+    WITH r AS (
+        SELECT min(u.id) AS lo, max(u.id) AS hi, count(*) AS k, bool_and(u.d = 1) AS first
+        FROM unnest(p_ids, p_deliveries) AS u(id, d)
+    ), c AS (
+        SELECT e.ctid AS tid, e.n
+        FROM {schema}.ring_leases e, r
+        WHERE e.queue_id = p_group AND e.lo >= r.lo AND e.lo <= r.hi AND e.hi <= r.hi AND r.first
+          AND e.lease_until > now()
+          AND (SELECT count(*) FROM unnest(p_ids) AS i(id)
+               WHERE i.id BETWEEN e.lo AND e.hi AND e.starts[mod(i.id, p_lanes)::integer + 1] <= i.id) = e.n
+        FOR UPDATE OF e
+    )
+    DELETE FROM {schema}.ring_leases e
+    WHERE e.ctid = ANY (ARRAY(SELECT c.tid FROM c)) AND (SELECT sum(c.n) FROM c) = (SELECT r.k FROM r)
+    RETURNING e.n;
+END
+$$;
+
+-- Ack (p_nack false) or nack the deliveries named by receipts, all or nothing: when any receipt does
+-- not hold its lease, nothing changes and no row comes back (the caller asks ring_held which did).
+-- Leases are split into retry rows first (ring_split_leases), so every receipt is then a retry row
+-- leased as its delivery. An ack deletes them; a nack makes them ready again after p_delay_s or the
+-- backoff, or, after p_max_attempts, copies them with their payload to ring_failed (their slots are
+-- then free for a push). Rows: (id, state) of each: 0 finished, 1 ready again, 2 failed.
+-- The leases and retry rows are locked in key order first, so two settles never deadlock.
+CREATE OR REPLACE FUNCTION {schema}.ring_settle(
+    p_queue_id integer, p_cap integer, p_lanes integer, p_ids bigint[], p_deliveries integer[], p_nack boolean,
+    p_delay_s double precision, p_backoff_s double precision, p_backoff_max_s double precision,
+    p_max_attempts integer, p_error text, p_gid integer)
+RETURNS TABLE (r_id bigint, r_state integer) LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
+DECLARE
+    v_los bigint[];
+    v_held integer;
+BEGIN
+    PERFORM 1 FROM {schema}.ring_leases e
+    WHERE e.queue_id = p_gid AND e.lo IN (
+        SELECT h.r_lease FROM {schema}.ring_held(p_queue_id, p_lanes, p_ids, p_deliveries, p_gid) h)
+    ORDER BY e.lo FOR UPDATE;
+    PERFORM 1 FROM {schema}.ring_retry r
+    WHERE r.queue_id = p_gid AND r.id = ANY (p_ids) ORDER BY r.id FOR UPDATE;
+    SELECT array_agg(DISTINCT h.r_lease) FILTER (WHERE h.r_lease IS NOT NULL), count(*)
+    INTO v_los, v_held
+    FROM {schema}.ring_held(p_queue_id, p_lanes, p_ids, p_deliveries, p_gid) h;
+    IF v_held < cardinality(p_ids) THEN
+        RETURN;
+    END IF;
+    IF v_los IS NOT NULL THEN
+        PERFORM {schema}.ring_split_leases(p_queue_id, p_cap, p_lanes, v_los, NULL, p_gid);
+    END IF;
+    IF NOT p_nack THEN
+        RETURN QUERY
+        DELETE FROM {schema}.ring_retry r WHERE r.queue_id = p_gid AND r.id = ANY (p_ids)
+        RETURNING r.id, 0;
+        RETURN;
+    END IF;
+    RETURN QUERY
+    WITH f AS (
+        DELETE FROM {schema}.ring_retry r
+        WHERE r.queue_id = p_gid AND r.id = ANY (p_ids) AND r.attempts >= p_max_attempts
+        RETURNING r.id, r.attempts
+    ), i AS (
+        INSERT INTO {schema}.ring_failed (queue_id, id, attempts, enqueued_at, last_error, payload)
+        SELECT p_gid, f.id, f.attempts, s.enqueued_at, p_error, s.payload
+        FROM f JOIN {schema}.ring_slots s ON s.queue_id = p_queue_id AND s.slot = (f.id % p_cap)::integer
+        RETURNING id
+    ), u AS (
+        UPDATE {schema}.ring_retry r
+        SET state = 1, consumer = NULL, last_error = p_error,
+            due_at = now() + make_interval(secs => coalesce(p_delay_s, least(
+                p_backoff_max_s, p_backoff_s * power(2, greatest(r.attempts - 1, 0)))))
+        WHERE r.queue_id = p_gid AND r.id = ANY (p_ids) AND r.attempts < p_max_attempts
+        RETURNING r.id
+    )
+    SELECT i.id, 2 FROM i
+    UNION ALL
+    SELECT u.id, 1 FROM u;
+END
+$$;
+
+-- Expired leases go back to ready as retry rows (keeping their ids) or, after max_attempts, to
+-- ring_failed: whole ring_leases rows and leased retry rows alike, up to p_limit of each. Rows: (id,
+-- state) of each message moved, 1 ready again, 2 failed.
+CREATE OR REPLACE FUNCTION {schema}.ring_reclaim_expired(
+    p_queue_id integer, p_cap integer, p_lanes integer, p_max_attempts integer, p_limit integer, p_gid integer)
+RETURNS TABLE (r_id bigint, r_state integer) LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
+DECLARE
+    v_los bigint[];
+BEGIN
+    SELECT array_agg(e.lo) INTO v_los FROM (
+        SELECT e.lo FROM {schema}.ring_leases e
+        WHERE e.queue_id = p_gid AND e.lease_until <= now()
+        ORDER BY e.lo LIMIT p_limit FOR UPDATE SKIP LOCKED) e;
+    IF v_los IS NOT NULL THEN
+        PERFORM {schema}.ring_split_leases(p_queue_id, p_cap, p_lanes, v_los, NULL, p_gid);
+    END IF;
+    RETURN QUERY
+    WITH x AS (
+        SELECT r.id, r.attempts, r.consumer FROM {schema}.ring_retry r
+        WHERE r.queue_id = p_gid AND r.state = 2 AND r.due_at <= now()
+        ORDER BY r.id LIMIT p_limit FOR UPDATE SKIP LOCKED
+    ), f AS (
+        DELETE FROM {schema}.ring_retry r USING x
+        WHERE r.queue_id = p_gid AND r.id = x.id AND x.attempts >= p_max_attempts
+        RETURNING r.id, r.attempts, x.consumer
+    ), i AS (
+        INSERT INTO {schema}.ring_failed (queue_id, id, attempts, enqueued_at, last_error, payload)
+        SELECT p_gid, f.id, f.attempts, s.enqueued_at,
+               'lease expired (held by ' || coalesce(f.consumer, '?') || ')', s.payload
+        FROM f JOIN {schema}.ring_slots s ON s.queue_id = p_queue_id AND s.slot = (f.id % p_cap)::integer
+        RETURNING id
+    ), u AS (
+        UPDATE {schema}.ring_retry r
+        SET state = 1, due_at = now(), consumer = NULL,
+            last_error = 'lease expired (held by ' || coalesce(x.consumer, '?') || ')'
+        FROM x WHERE r.queue_id = p_gid AND r.id = x.id AND x.attempts < p_max_attempts
+        RETURNING r.id
+    )
+    SELECT i.id, 2 FROM i
+    UNION ALL
+    SELECT u.id, 1 FROM u;
+END
+$$;
+
+-- The messages of a ring that a pop could take now or later, without taking them: those of the lanes
+-- past their positions (attempts 0), and those to deliver again (r_due: when they are due). A full scan
+-- of the ring's slots: for observers (peek, counts, stats), not for pops.
+CREATE OR REPLACE FUNCTION {schema}.ring_ready(p_queue_id integer, p_gid integer)
+RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz,
+               r_due timestamptz, r_payload bytea)
+LANGUAGE sql STABLE AS $$
+    SELECT s.seq, 0, 0, s.enqueued_at, s.enqueued_at, s.payload
+    FROM {schema}.rings g
+    JOIN {schema}.ring_lanes l ON l.queue_id = p_gid
+    JOIN {schema}.ring_slots s
+      ON s.queue_id = g.queue_id AND (s.seq % g.lanes)::integer = l.lane AND s.seq >= l.pos
+    WHERE g.queue_id = p_queue_id AND s.payload IS NOT NULL
+    UNION ALL
+    SELECT r.id, r.attempts, r.deliveries, s.enqueued_at, r.due_at, s.payload
+    FROM {schema}.rings g
+    JOIN {schema}.ring_retry r ON r.queue_id = p_gid
+    JOIN {schema}.ring_slots s ON s.queue_id = g.queue_id AND s.slot = (r.id % g.capacity)::integer
+    WHERE g.queue_id = p_queue_id AND r.state = 1
+$$;
