@@ -8,13 +8,8 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from airflow_dbqueue.engine.dialects.base import (
-    CONNECT_TIMEOUT_S,
-    DEFAULT_SCHEMA,
-    Database,
-    DbConnection,
-    make_database,
-)
+from airflow_dbqueue.engine.dialects.base import CONNECT_TIMEOUT_S, DEFAULT_SCHEMA, Database, DbConnection
+from airflow_dbqueue.engine.dialects.factory import make_database
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     QueueExistsError,

@@ -123,7 +123,7 @@ def connection_dsn(conn: Connection) -> tuple[str, str]:
 def connection_target(conn: Connection) -> Target:
     """Return the engine's :class:`Target` for an Airflow connection, checking that its type has a
     dialect and that its pooler extras make sense."""
-    from airflow_dbqueue.engine.dialects.postgres.conninfo import make_dsn
+    from airflow_dbqueue.engine.dialects.factory import postgres_dsn as make_dsn
 
     dialect = connection_dialect(conn)
     extra = conn.extra_dejson or {}

@@ -162,7 +162,7 @@ class DbQueueHook(QueueOperations, MaintenanceSteps, BaseHook):  # type: ignore[
         The URL carries the host, port, database and ``sslmode``; credentials are returned apart so
         that they can travel in the environment, not on a command line.
         """
-        from airflow_dbqueue.engine.dialects.postgres.conninfo import jdbc_options
+        from airflow_dbqueue.engine.dialects.factory import jdbc_options
 
         conn = self.get_connection(self.dbqueue_conn_id)
         if connection_dialect(conn) != POSTGRESQL:

@@ -23,7 +23,7 @@ JDBC_HINT = (
 
 def jdbc_options(dsn: str) -> dict[str, str]:
     """Spark JDBC options (url, user, password) for the PostgreSQL database of a libpq ``dsn``."""
-    from airflow_dbqueue.engine.dialects.postgres.conninfo import jdbc_options as postgres_jdbc_options
+    from airflow_dbqueue.engine.dialects.factory import jdbc_options as postgres_jdbc_options
 
     return postgres_jdbc_options(dsn)
 

@@ -95,7 +95,7 @@ class Stream:
         self._changed.set()
 
     async def run(self, conn_id: str, schema: str | None) -> AsyncGenerator[dict[int, Any], None]:
-        from airflow_dbqueue.engine.dialects.base import make_database
+        from airflow_dbqueue.engine.dialects.factory import make_database
 
         conn = await DbQueueHook.aget_connection(conn_id)
         target = await asyncio.to_thread(connection_target, conn)  # a token login may do I/O

@@ -31,7 +31,9 @@ from psycopg import sql
 
 from airflow_dbqueue import cli
 from airflow_dbqueue.engine import ConfigurationError, DbQueue, MaintenanceConfig
-from airflow_dbqueue.engine.maintenance import APPLICATION_NAME, MSSQL_NO_LEFTOVERS, expected_btree_bytes
+from airflow_dbqueue.engine.dialects.mssql.maintenance import MSSQL_NO_LEFTOVERS
+from airflow_dbqueue.engine.dialects.postgres.maintenance import expected_btree_bytes
+from airflow_dbqueue.engine.maintenance import APPLICATION_NAME
 from tests.dialects import (  # noqa: F401 - dialect_dbq is the fixture "dbq"
     dialect_dbq,
     mssql_only,

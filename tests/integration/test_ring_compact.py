@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 from airflow_dbqueue.engine import ConfigurationError, DbQueue, MaintenanceConfig
-from airflow_dbqueue.engine.maintenance import ring_slots_laid_out_bytes
+from airflow_dbqueue.engine.dialects.postgres.maintenance import ring_slots_laid_out_bytes
 from tests.dialects import run_sql
 from tests.helpers import checksum
 from tests.integration.test_conformance import drain

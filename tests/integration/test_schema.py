@@ -22,7 +22,7 @@ from psycopg.pq import ExecStatus
 
 import airflow_dbqueue.engine as engine_pkg
 from airflow_dbqueue.engine import DbQueue, InvalidNameError, SchemaError
-from airflow_dbqueue.engine.dialects.base import digest
+from airflow_dbqueue.engine.dialects.ownership import digest
 from airflow_dbqueue.engine.dialects.postgres import PostgresDatabase
 from airflow_dbqueue.engine.dialects.postgres import schema as pg_schema
 from airflow_dbqueue.engine.dialects.postgres.schema import schema_sql

@@ -31,7 +31,7 @@ from airflow_dbqueue.engine import (
     SchemaError,
     StatementTimeoutError,
 )
-from airflow_dbqueue.engine.dialects.base import dialect_of_dsn
+from airflow_dbqueue.engine.dialects.factory import dialect_of_dsn
 from airflow_dbqueue.engine.dialects.mssql import conninfo as ms_conninfo
 from airflow_dbqueue.engine.dialects.mssql import dialect as ms
 from airflow_dbqueue.engine.dialects.mssql import errors as ms_errors

@@ -20,15 +20,15 @@ from sqlglot import exp
 from airflow_dbqueue.engine import ConfigurationError, DbQueue, DeadlockError
 from airflow_dbqueue.engine.dialects.mssql import maintenance as ms_maintenance
 from airflow_dbqueue.engine.dialects.mssql.dialect import MssqlDatabase
-from airflow_dbqueue.engine.dialects.mssql.maintenance import edition_name, rebuild_mode
-from airflow_dbqueue.engine.dialects.mssql.params import int_literal, lock_timeout_ms, query_timeout_s
-from airflow_dbqueue.engine.maintenance import (
-    APPLICATION_NAME,
+from airflow_dbqueue.engine.dialects.mssql.maintenance import (
     MSSQL_TABLES,
-    IndexHealth,
+    edition_name,
     mssql_expected_bytes,
     mssql_rebuild_reason,
+    rebuild_mode,
 )
+from airflow_dbqueue.engine.dialects.mssql.params import int_literal, lock_timeout_ms, query_timeout_s
+from airflow_dbqueue.engine.maintenance import APPLICATION_NAME, IndexHealth
 from tests.fake_mssql import FakeSqlServer, import_pyodbc
 
 DSN = "mssql://u:p@sqlserver.invalid:1433/queues"

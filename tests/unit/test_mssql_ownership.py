@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from airflow_dbqueue.engine import DbQueue, ForeignObjectsError, InvalidNameError
-from airflow_dbqueue.engine.dialects.base import engine_objects
 from airflow_dbqueue.engine.dialects.mssql.dialect import MssqlDatabase
 from airflow_dbqueue.engine.dialects.mssql.errors import translate
 from airflow_dbqueue.engine.dialects.mssql.schema import schema_steps
+from airflow_dbqueue.engine.dialects.ownership import engine_objects
 from tests.fake_mssql import FakeConnection, FakeCursor, FakeSqlServer, Rows, import_pyodbc
 from tests.unit.test_mssql_dialect import DRIVER, tsql_statements
 

@@ -10,11 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from airflow_dbqueue.engine.dialects.base import (
-    FIRST_RELEASE,
-    release_migrations,
-    release_version,
-)
+from airflow_dbqueue.engine.dialects.ownership import FIRST_RELEASE, release_migrations, release_version
 from airflow_dbqueue.engine.dialects.postgres import schema as pg_schema
 from airflow_dbqueue.engine.errors import SchemaError
 from airflow_dbqueue.engine.sqlfile import load_queries, read_text

@@ -34,9 +34,6 @@ dialect's: ``dialects/<db>/maintenance.py`` and the named queries beside it.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 from airflow_dbqueue.engine.dialects.indexes import IndexHealth
 from airflow_dbqueue.engine.maintenance.compactor import RING_TABLES
 from airflow_dbqueue.engine.maintenance.config import MaintenanceConfig
@@ -50,39 +47,11 @@ from airflow_dbqueue.engine.maintenance.results import (
 )
 from airflow_dbqueue.engine.maintenance.runner import STEPS, Maintenance
 
-_DIALECT_NAMES = {
-    "TABLES": "postgres",
-    "expected_btree_bytes": "postgres",
-    "ring_slots_laid_out_bytes": "postgres",
-    "MSSQL_TABLES": "mssql",
-    "MSSQL_ESCALATION_ROWS": "mssql",
-    "MSSQL_NO_VACUUM": "mssql",
-    "MSSQL_NO_LEFTOVERS": "mssql",
-    "mssql_expected_bytes": "mssql",
-    "mssql_rebuild_reason": "mssql",
-}
-"""Names a dialect owns (``dialects/<db>/maintenance.py``), importable from here too; imported when
-first asked for, so that importing maintenance imports no dialect."""
-
-
-def __getattr__(name: str) -> Any:
-    dialect = _DIALECT_NAMES.get(name)
-    if dialect is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module = importlib.import_module(f"airflow_dbqueue.engine.dialects.{dialect}.maintenance")
-    return getattr(module, name)
-
-
 __all__ = [
     "APPLICATION_NAME",
-    "MSSQL_ESCALATION_ROWS",
-    "MSSQL_NO_LEFTOVERS",
-    "MSSQL_NO_VACUUM",
-    "MSSQL_TABLES",
     "REBUILD_WAITS_FOR",
     "RING_TABLES",
     "STEPS",
-    "TABLES",
     "BatchResult",
     "IndexAction",
     "IndexHealth",
@@ -90,8 +59,4 @@ __all__ = [
     "MaintenanceConfig",
     "MiB",
     "XminHolder",
-    "expected_btree_bytes",
-    "mssql_expected_bytes",
-    "mssql_rebuild_reason",
-    "ring_slots_laid_out_bytes",
 ]

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
-from airflow_dbqueue.engine.dialects.base import (
+from airflow_dbqueue.engine.dialects.mssql.params import to_positional
+from airflow_dbqueue.engine.dialects.ownership import (
     SchemaObject,
     describe_objects,
     engine_objects,
@@ -21,7 +22,6 @@ from airflow_dbqueue.engine.dialects.base import (
     refuse_foreign_objects,
     refuse_newer_schema,
 )
-from airflow_dbqueue.engine.dialects.mssql.params import to_positional
 from airflow_dbqueue.engine.errors import SchemaError
 from airflow_dbqueue.engine.sqlfile import parse_named_queries, read_text
 

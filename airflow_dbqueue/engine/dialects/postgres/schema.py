@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import psycopg
 import psycopg.errors
 
-from airflow_dbqueue.engine.dialects.base import (
+from airflow_dbqueue.engine.dialects.ownership import (
     FUNCTIONS_KIND,
     SchemaObject,
     declared_version,
