@@ -99,7 +99,7 @@ def test_no_rebuild_runs_behind_a_long_transaction_on_sql_server(mssql_dsn: str,
             other.cursor().execute(f"UPDATE [{schema_name}].queues SET archive = archive WHERE name = N'q'")
             time.sleep(1.5)
             out = dbq.maintenance().rebuild_indexes(
-                bloat_ratio=1.0, min_bloat_bytes=0, fragmentation_pct=0, horizon_min_age_s=1, timeout_s=120
+                reindex_bloat_ratio=1.0, reindex_min_bytes=0, reindex_fragmentation_pct=0, horizon_min_age=1, reindex_timeout=120
             )
         finally:
             other.rollback()

@@ -193,6 +193,6 @@ def test_finished_rows_of_a_queue_dropped_by_an_older_version_are_not_archived(d
     q.push_batch([{"n": i} for i in range(10)])
     q.pop(10)
     run_sql(dbq, "UPDATE {schema}.done SET queue_id = queue_id + 1000")  # as if its queue were gone
-    result = dbq.maintenance().archive(older_than_s=0)
+    result = dbq.maintenance().archive(archive_after=0)
     assert (result.rows, result.discarded) == (0, 10)
     assert orphans(dbq) == NO_ORPHANS

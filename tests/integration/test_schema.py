@@ -703,7 +703,7 @@ def test_version_13_table_queues_keep_their_messages_through_the_migration(
             got = drain(q, "at-least-once", n=4)
             assert checksum(m.payload for m in got) == checksum(old[3:] + new)
             assert q.stats().finished == 16
-            result = dbq.maintenance().archive(older_than_s=0, batch_size=5, pause_s=0, time_budget_s=10)
+            result = dbq.maintenance().archive(archive_after=0, batch_size=5, pause=0, time_budget=10)
             assert result.rows == 16, result
             archived = run_sql(dbq, "SELECT payload FROM {schema}.archive")
             assert checksum(json.loads(bytes(r[0])) for r in archived) == checksum(old + new)
@@ -773,7 +773,7 @@ def test_version_14_table_queues_keep_their_messages_through_the_migration(
             got += [m.payload for m in drain(q, "at-least-once", n=4)]
             assert checksum(got) == checksum(old[3:] + new)
             assert q.stats().finished == 16
-            result = dbq.maintenance().archive(older_than_s=0, batch_size=5, pause_s=0, time_budget_s=10)
+            result = dbq.maintenance().archive(archive_after=0, batch_size=5, pause=0, time_budget=10)
             assert result.rows == 16, result
             archived = run_sql(dbq, "SELECT payload FROM {schema}.archive")
             assert checksum(json.loads(bytes(r[0])) for r in archived) == checksum(old + new)
