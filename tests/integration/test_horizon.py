@@ -71,7 +71,7 @@ def test_dbqueue_maintain_takes_the_threshold_and_exits_1_when_a_step_did_not_co
     dbq: DbQueue, pg_dsn: str
 ) -> None:
     dbq.create_queue("orders").push_batch([{"n": i} for i in range(50)])
-    args = ("--older-than", "0", "--bloat-ratio", "1", "--min-bloat-bytes", "0", "--reindex-timeout", "120")
+    args = ("--archive-after", "0", "--reindex-bloat-ratio", "1", "--reindex-min-bytes", "0", "--reindex-timeout", "120")
     conn = holder(pg_dsn)
     try:
         time.sleep(1.5)

@@ -589,14 +589,14 @@ def test_cli_archive_maintain_and_metrics(dbq: DbQueue, capsys: pytest.CaptureFi
     q.push_batch(list(range(30)))
     q.pop(30)
     base = ["--dsn", dbq.db.dsn, "--schema", dbq.schema]
-    assert cli.main([*base, "archive", "--older-than", "0", "--batch-size", "20", "--retention", "3600"]) == 0
+    assert cli.main([*base, "archive", "--archive-after", "0", "--batch-size", "20", "--archive-retention", "3600"]) == 0
     archive, purge = (json.loads(line) for line in capsys.readouterr().out.splitlines())
     assert (archive["rows"], archive["batches"], purge["rows"]) == (30, 2, 0)
-    assert cli.main([*base, "maintain", "--older-than", "0", "--no-reindex"]) == 0
+    assert cli.main([*base, "maintain", "--archive-after", "0", "--no-reindex"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["skipped"] is None and "vacuum" in report and "indexes" not in report
     assert report["metrics"]["queues"]["q"]["ready"] == 0
-    assert cli.main([*base, "metrics", "q", "--window", "60"]) == 0
+    assert cli.main([*base, "metrics", "q", "--rate-window", "60"]) == 0
     assert json.loads(capsys.readouterr().out)["queues"]["q"]["finished_per_s"] == 0.5
 
 
@@ -610,7 +610,7 @@ def test_cli_maintain_every_runs_in_a_loop_until_told_to_stop(
     assert sorted(m.payload for m in q.pop(50)) == list(range(50))
     base = ["--dsn", dbq.db.dsn, "--schema", dbq.schema]
     started = time.monotonic()
-    loop = ["--older-than", "0", "--no-reindex", "--every", "0.3", "--runs", "3"]
+    loop = ["--archive-after", "0", "--no-reindex", "--every", "0.3", "--runs", "3"]
     assert cli.main([*base, "maintain", *loop]) == 0
     elapsed = time.monotonic() - started
     reports = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

@@ -23,7 +23,7 @@ from tests.helpers import checksum
 pytestmark = pytest.mark.integration
 
 FAST = MaintenanceConfig(archive_after_s=0, archive_retention_s=None, pause_s=0, reindex=False)
-"""A run as `dbqueue maintain --older-than 0` makes it, without index rebuilds (nothing here is bloated)."""
+"""A run as `dbqueue maintain --archive-after 0` makes it, without index rebuilds (nothing here is bloated)."""
 
 
 TABLES = ("meta", "done", "archive", "batches", "rings", "ring_slots", "ring_failed")
@@ -76,7 +76,7 @@ def test_queues_dropped_under_a_maintenance_client_are_skipped_with_a_note(dbq: 
 
 
 def test_maintenance_beside_a_loop_creating_using_and_dropping_queues(dbq: DbQueue) -> None:  # noqa: PLR0915
-    """What the issue saw fail 21 times in 22: `maintain --older-than 0` in a loop while other clients
+    """What the issue saw fail 21 times in 22: `maintain --archive-after 0` in a loop while other clients
     create, use and drop queues (both designs). No run may fail; afterwards no row of a dropped queue is
     left anywhere, and the queue that lived through it all has every message it was given, archived
     once, with its payloads (counts and checksums).
