@@ -475,7 +475,9 @@ def test_maintenance_during_load_loses_nothing_and_archives_exactly_the_finished
             maintenance_runs["archived"] += m.archive(
                 archive_after=0, batch_size=200, pause=0.01, time_budget=0.5
             ).rows
-            rebuilt = m.rebuild_indexes(only=["meta_ready_idx", receipts_index], analyze=False, reindex_timeout=30)
+            rebuilt = m.rebuild_indexes(
+                only=["meta_ready_idx", receipts_index], analyze=False, reindex_timeout=30
+            )
             maintenance_runs["reindexed"] += sum(a["ok"] for a in rebuilt["actions"])
             maintenance_runs["loops"] += 1
 
@@ -589,7 +591,12 @@ def test_cli_archive_maintain_and_metrics(dbq: DbQueue, capsys: pytest.CaptureFi
     q.push_batch(list(range(30)))
     q.pop(30)
     base = ["--dsn", dbq.db.dsn, "--schema", dbq.schema]
-    assert cli.main([*base, "archive", "--archive-after", "0", "--batch-size", "20", "--archive-retention", "3600"]) == 0
+    assert (
+        cli.main(
+            [*base, "archive", "--archive-after", "0", "--batch-size", "20", "--archive-retention", "3600"]
+        )
+        == 0
+    )
     archive, purge = (json.loads(line) for line in capsys.readouterr().out.splitlines())
     assert (archive["rows"], archive["batches"], purge["rows"]) == (30, 2, 0)
     assert cli.main([*base, "maintain", "--archive-after", "0", "--no-reindex"]) == 0

@@ -23,7 +23,7 @@ from tests.helpers import checksum
 pytestmark = pytest.mark.integration
 
 FAST = MaintenanceConfig(archive_after_s=0, archive_retention_s=None, pause_s=0, reindex=False)
-"""A run as `dbqueue maintain --archive-after 0` makes it, without index rebuilds (nothing here is bloated)."""
+"""A run as `dbqueue maintain --archive-after 0` makes it, without index rebuilds (nothing is bloated)."""
 
 
 TABLES = ("meta", "done", "archive", "batches", "rings", "ring_slots", "ring_failed")

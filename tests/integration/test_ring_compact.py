@@ -134,7 +134,9 @@ def test_a_compaction_gives_up_waiting_for_its_lock_and_changes_nothing(dbq: DbQ
     with psycopg.connect(pg_dsn) as other:  # a transaction that pushed and has not committed yet
         other.execute(f'LOCK TABLE "{dbq.schema}".ring_slots IN ROW EXCLUSIVE MODE')
         t0 = time.monotonic()
-        out = dbq.maintenance().compact_rings(only=["ring_slots"], compact_lock_timeout=0.5, compact_horizon_min_age=60)
+        out = dbq.maintenance().compact_rings(
+            only=["ring_slots"], compact_lock_timeout=0.5, compact_horizon_min_age=60
+        )
         took = time.monotonic() - t0
         other.rollback()
     [act] = out["actions"]
@@ -184,7 +186,9 @@ def test_pushes_and_pops_go_on_through_a_compaction(dbq: DbQueue, pg_dsn: str) -
     try:
         for _ in range(3):
             time.sleep(0.7)
-            actions += m.compact_rings(only=["ring_slots", "ring_lanes"], compact_horizon_min_age=60)["actions"]
+            actions += m.compact_rings(only=["ring_slots", "ring_lanes"], compact_horizon_min_age=60)[
+                "actions"
+            ]
     finally:
         stop.set()
         for t in threads:
