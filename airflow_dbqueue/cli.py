@@ -10,16 +10,20 @@
     dbqueue groups QUEUE
     dbqueue add-group QUEUE GROUP [--start now|earliest] [--on-lag block|drop_group] [--lag-timeout S]
     dbqueue drop-group QUEUE GROUP [--missing-ok]
-    dbqueue archive [--older-than S] [--retention S] [--batch-size N] [--pause S] [--time-budget S]
-                    [--queue Q ...] [--lock-wait S]
-    dbqueue maintain [the archive options] [--no-vacuum] [--no-reindex] [--no-compact] [--bloat-ratio R]
-                     [--min-bloat-bytes B] [--fragmentation-pct P] [--reindex-timeout S]
-                     [--horizon-min-age S] [--horizon-min-xid-age N] [--every S [--runs N]]
-    dbqueue metrics [QUEUE ...] [--window S]
+    dbqueue archive [--archive-after S] [--archive-retention S] [--batch-size N] [--pause S]
+                    [--time-budget S] [--queue Q ...] [--lock-wait S]
+    dbqueue maintain [the archive options] [--no-vacuum] [--no-reindex] [--no-compact-rings]
+                     [--reindex-bloat-ratio R] [--reindex-min-bytes B] [--reindex-fragmentation-pct P]
+                     [--reindex-timeout S] [--compact-bloat-ratio R] [--compact-min-bytes B]
+                     [--compact-lock-timeout S] [--horizon-min-age S] [--horizon-min-xid-age N]
+                     [--every S [--runs N]]
+    dbqueue metrics [QUEUE ...] [--rate-window S]
     dbqueue demo [--messages N]
     dbqueue pipeline [--messages N] [--batch N] [--airflow-home DIR] [--spark connect|submit]
 
-Without ``--dsn`` or ``$DBQUEUE_DSN`` the embedded PostgreSQL is started on demand.
+Without ``--dsn`` or ``$DBQUEUE_DSN`` the embedded PostgreSQL is started on demand. Options are named
+as the engine's arguments and :class:`MaintenanceConfig`'s fields are (``--archive-after`` is
+``archive_after_s``), in seconds; the old names in :data:`RENAMED_OPTIONS` still work, with a warning.
 """
 
 from __future__ import annotations
@@ -47,12 +51,51 @@ from airflow_dbqueue.engine import (
 from airflow_dbqueue.engine.dialects.base import DEFAULT_SCHEMA
 from airflow_dbqueue.engine.maintenance import config as defaults
 from airflow_dbqueue.engine.models import DEFAULT_MAX_ATTEMPTS, DEFAULT_VISIBILITY_TIMEOUT_S, GroupInfo
+from airflow_dbqueue.engine.renames import warn_renamed
 from airflow_dbqueue.engine.ring import (
     RING_DEFAULT_CAPACITY,
     RING_DEFAULT_LAG_TIMEOUT_S,
     RING_DEFAULT_LANES,
     RingQueue,
 )
+
+RENAMED_OPTIONS = {
+    "--older-than": "--archive-after",
+    "--retention": "--archive-retention",
+    "--bloat-ratio": "--reindex-bloat-ratio",
+    "--min-bloat-bytes": "--reindex-min-bytes",
+    "--fragmentation-pct": "--reindex-fragmentation-pct",
+    "--compact-ratio": "--compact-bloat-ratio",
+    "--no-compact": "--no-compact-rings",
+    "--window": "--rate-window",
+}
+"""Options under their old names (``{old: new}``), kept for one release: each still works and warns."""
+
+
+class _RenamedOption(argparse.Action):
+    """An option under its old name: stores what the new one would, and warns (a
+    :class:`DeprecationWarning`, and a line on stderr, where a command's user reads it)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        old = option_string or self.option_strings[0]
+        new = RENAMED_OPTIONS[old]
+        print(
+            f"dbqueue: {old} is deprecated and will be removed in the next release; use {new}",
+            file=sys.stderr,
+        )
+        warn_renamed("dbqueue", old, new, stacklevel=2)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+
+
+def _renamed(c: argparse.ArgumentParser, old: str, dest: str, **kwargs: Any) -> None:
+    """Add option ``old`` (a key of :data:`RENAMED_OPTIONS`), hidden from the help, setting ``dest``."""
+    c.add_argument(old, dest=dest, action=_RenamedOption, help=argparse.SUPPRESS, **kwargs)
 
 
 @contextlib.contextmanager
@@ -196,34 +239,35 @@ def _cmd_archive(dbq: DbQueue, args: argparse.Namespace) -> int:
     m = dbq.maintenance()
     batch = {
         "batch_size": args.batch_size,
-        "pause_s": args.pause,
-        "time_budget_s": args.time_budget,
+        "pause": args.pause,
+        "time_budget": args.time_budget,
         "queues": args.queue or None,
-        "lock_wait_s": args.lock_wait,
+        "lock_wait": args.lock_wait,
     }
-    result = m.archive(older_than_s=args.older_than, **batch)
+    result = m.archive(archive_after=args.archive_after, **batch)
     _say(json.dumps(result.as_dict()))
-    if args.retention is not None and result.skipped is None:
-        _say(json.dumps(m.purge_archive(older_than_s=args.retention, **batch).as_dict()))
+    if args.archive_retention is not None and result.skipped is None:
+        _say(json.dumps(m.purge_archive(archive_retention=args.archive_retention, **batch).as_dict()))
     return 0
 
 
 def _cmd_maintain(dbq: DbQueue, args: argparse.Namespace) -> int:
     config = MaintenanceConfig(
         queues=tuple(args.queue) if args.queue else None,
-        archive_after_s=args.older_than,
-        archive_retention_s=args.retention,
+        archive_after_s=args.archive_after,
+        archive_retention_s=args.archive_retention,
         batch_size=args.batch_size,
         pause_s=args.pause,
         time_budget_s=args.time_budget,
         vacuum=args.vacuum,
         reindex=args.reindex,
-        reindex_bloat_ratio=args.bloat_ratio,
-        reindex_min_bytes=args.min_bloat_bytes,
-        reindex_fragmentation_pct=args.fragmentation_pct,
+        reindex_bloat_ratio=args.reindex_bloat_ratio,
+        reindex_min_bytes=args.reindex_min_bytes,
+        reindex_fragmentation_pct=args.reindex_fragmentation_pct,
         reindex_timeout_s=args.reindex_timeout,
-        compact_rings=args.compact,
-        compact_bloat_ratio=args.compact_ratio,
+        compact_rings=args.compact_rings,
+        compact_bloat_ratio=args.compact_bloat_ratio,
+        compact_min_bytes=args.compact_min_bytes,
         compact_lock_timeout_s=args.compact_lock_timeout,
         lock_wait_s=args.lock_wait,
         horizon_min_age_s=args.horizon_min_age,
@@ -279,20 +323,24 @@ def _maintain_once(dbq: DbQueue, config: MaintenanceConfig, indent: int | None) 
 
 
 def _cmd_metrics(dbq: DbQueue, args: argparse.Namespace) -> int:
-    _say(json.dumps(dbq.maintenance().metrics(args.queues or None, rate_window_s=args.window), indent=2))
+    _say(json.dumps(dbq.maintenance().metrics(args.queues or None, rate_window=args.rate_window), indent=2))
     return 0
 
 
 def _batch_options(c: argparse.ArgumentParser) -> None:
     c.add_argument(
-        "--older-than",
+        "--archive-after",
         type=float,
         default=defaults.ARCHIVE_AFTER_S,
         help="archive finished messages older than S seconds",
     )
+    _renamed(c, "--older-than", "archive_after", type=float)
     c.add_argument(
-        "--retention", type=float, help="delete archived messages archived more than S seconds ago"
+        "--archive-retention",
+        type=float,
+        help="delete archived messages archived more than S seconds ago (default: keep them)",
     )
+    _renamed(c, "--retention", "archive_retention", type=float)
     c.add_argument("--batch-size", type=int, default=defaults.BATCH_SIZE, help="rows per batch statement")
     c.add_argument("--pause", type=float, default=defaults.PAUSE_S, help="seconds between batches")
     c.add_argument(
@@ -313,16 +361,24 @@ def _maintain_options(c: argparse.ArgumentParser) -> None:
     c.add_argument("--no-reindex", dest="reindex", action="store_false", help="skip index rebuilds")
     _reindex_limits(c)
     c.add_argument(
-        "--no-compact",
-        dest="compact",
+        "--no-compact-rings",
+        dest="compact_rings",
         action="store_false",
         help="skip rewriting ring tables that outgrew their size",
     )
+    _renamed(c, "--no-compact", "compact_rings", nargs=0, const=False)
     c.add_argument(
-        "--compact-ratio",
+        "--compact-bloat-ratio",
         type=float,
         default=defaults.COMPACT_BLOAT_RATIO,
         help="rewrite a ring table this many times its laid-out size",
+    )
+    _renamed(c, "--compact-ratio", "compact_bloat_ratio", type=float)
+    c.add_argument(
+        "--compact-min-bytes",
+        type=int,
+        default=defaults.COMPACT_MIN_BYTES,
+        help="... and this many bytes above it",
     )
     c.add_argument(
         "--compact-lock-timeout",
@@ -347,23 +403,26 @@ def _maintain_options(c: argparse.ArgumentParser) -> None:
 def _reindex_limits(c: argparse.ArgumentParser) -> None:
     """The options of ``dbqueue maintain`` that say which indexes are rebuilt, and how long one may take."""
     c.add_argument(
-        "--bloat-ratio",
+        "--reindex-bloat-ratio",
         type=float,
         default=defaults.REINDEX_BLOAT_RATIO,
         help="rebuild indexes this many times too big",
     )
+    _renamed(c, "--bloat-ratio", "reindex_bloat_ratio", type=float)
     c.add_argument(
-        "--min-bloat-bytes",
+        "--reindex-min-bytes",
         type=int,
         default=defaults.REINDEX_MIN_BYTES,
         help="... and this many bytes too big",
     )
+    _renamed(c, "--min-bloat-bytes", "reindex_min_bytes", type=int)
     c.add_argument(
-        "--fragmentation-pct",
+        "--reindex-fragmentation-pct",
         type=float,
         default=defaults.REINDEX_FRAGMENTATION_PCT,
         help="SQL Server: also rebuild this fragmented (%%)",
     )
+    _renamed(c, "--fragmentation-pct", "reindex_fragmentation_pct", type=float)
     c.add_argument(
         "--reindex-timeout",
         type=float,
@@ -462,8 +521,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("metrics", help="queue depth, age, rates, table sizes and index bloat as JSON")
     c.add_argument("queues", nargs="*")
     c.add_argument(
-        "--window", type=float, default=defaults.RATE_WINDOW_S, help="seconds over which rates are counted"
+        "--rate-window",
+        type=float,
+        default=defaults.RATE_WINDOW_S,
+        help="seconds over which rates are counted",
     )
+    _renamed(c, "--window", "rate_window", type=float)
     c = sub.add_parser("demo", help="an engine-only order pipeline (no Airflow, no Spark)")
     c.add_argument("--messages", type=int, default=20_000)
     c = sub.add_parser("pipeline", help="the Spark pipeline DAG end to end (the README's main job)")

@@ -219,7 +219,7 @@ def engine_sessions(
         got: list[bytes] = []
         with DbQueue(dsn, schema=schema, pool_size=1, pooler=pooler) as dbq:
             q = dbq.queue(QUEUE)
-            q.reclaim_every_s = float("inf")  # type: ignore[attr-defined] # no reclaim between pops
+            q.reclaim_every = float("inf")  # type: ignore[attr-defined] # no reclaim between pops
             pids = {_pid(dbq)}
             for _ in range(calls):
                 if payloads_only:

@@ -86,7 +86,7 @@ with DAG(
         max_batches="{{ params.max_batches }}",
         publish=RESULTS.publish,
         discard=RESULTS.discard,
-        lease_timeout=600,
+        visibility_timeout=600,
         spark_conf={
             "spark.sql.shuffle.partitions": "4",
             "spark.ui.enabled": "false",

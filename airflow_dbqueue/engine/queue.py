@@ -24,6 +24,7 @@ from airflow_dbqueue.engine.models import (
     QueueStats,
     Semantics,
 )
+from airflow_dbqueue.engine.renames import warn_renamed
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine.dialects.base import AsyncDbConnection, Database, DbConnection
@@ -79,10 +80,24 @@ class Queue(abc.ABC):
     Without it, each call is its own transaction.
     """
 
+    reclaim_every: float
+    """Seconds between the reclaims of expired leases that pops run first (at most this often)."""
+
     def __init__(self, db: Database, settings: QueueSettings) -> None:
         self._db = db
         self.settings = settings
         self.name = settings.name
+
+    @property
+    def reclaim_every_s(self) -> float:
+        """The old name of :attr:`reclaim_every` (deprecated)."""
+        warn_renamed(type(self).__name__, "reclaim_every_s", "reclaim_every")
+        return self.reclaim_every
+
+    @reclaim_every_s.setter
+    def reclaim_every_s(self, value: float) -> None:
+        warn_renamed(type(self).__name__, "reclaim_every_s", "reclaim_every")
+        self.reclaim_every = value
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._db.schema}.{self.name} ({self.settings.design})>"

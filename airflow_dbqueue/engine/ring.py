@@ -272,10 +272,10 @@ class RingQueue(RingGroups, RingInspect):
         batch taken on the fast path comes from ``ring_take_payloads``, which sends one column a
         message, where the dialect has it."""
         lease = semantics is Semantics.AT_LEAST_ONCE
-        # Every pop reclaims expired leases first (at most every reclaim_every_s): readiness counts
+        # Every pop reclaims expired leases first (at most every reclaim_every): readiness counts
         # them as a pop would get them. In the caller's transaction (conn), the reclaim joins it.
         now = time.monotonic()
-        if now - self._last_reclaim >= self.reclaim_every_s:
+        if now - self._last_reclaim >= self.reclaim_every:
             self._last_reclaim = now
             self._reclaim(RECLAIM_LIMIT, conn)
         with self._lock:

@@ -113,7 +113,7 @@ class RingBase(Queue):
         }
         self.push_timeout = 30.0
         self.gap_timeout = 5.0
-        self.reclaim_every_s = min(1.0, settings.visibility_timeout_s / 2)
+        self.reclaim_every = min(1.0, settings.visibility_timeout_s / 2)
         self._root = cast("Self", self)  # a group's handle: its ring's default handle (RingQueue.group)
 
     @contextlib.contextmanager

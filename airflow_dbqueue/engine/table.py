@@ -63,7 +63,7 @@ class TableQueue(Queue):
         # Expired leases are reclaimed by the maintenance DAG; every pop (and claim) also reclaims at
         # most this often, so a queue without maintenance still redelivers, and what readiness counts
         # (expired leases included) is what a pop gets.
-        self.reclaim_every_s = min(1.0, settings.visibility_timeout_s / 2)
+        self.reclaim_every = min(1.0, settings.visibility_timeout_s / 2)
 
     # -- push --------------------------------------------------------------------------------------
 
@@ -103,7 +103,7 @@ class TableQueue(Queue):
     def _pop_once(
         self, n: int, semantics: Semantics, vt: float, consumer: str, conn: DbConnection | None
     ) -> list[Message]:
-        # Every pop reclaims expired leases first (at most every reclaim_every_s): readiness counts
+        # Every pop reclaims expired leases first (at most every reclaim_every): readiness counts
         # them as a pop would get them, so an observer that saw them ready is not followed by a pop of
         # none. In the caller's transaction (conn), the reclaim joins it.
         self._maybe_reclaim(conn)
@@ -130,7 +130,7 @@ class TableQueue(Queue):
 
     def _maybe_reclaim(self, conn: DbConnection | None = None) -> None:
         now = time.monotonic()
-        if now - self._last_reclaim >= self.reclaim_every_s:
+        if now - self._last_reclaim >= self.reclaim_every:
             self._last_reclaim = now
             self._reclaim(RECLAIM_LIMIT, conn)
 

@@ -1,9 +1,15 @@
 """The queue operations of :class:`~airflow_dbqueue.hooks.dbqueue.DbQueueHook`, each the engine's: the
 schema and its queues, consumer groups, messages, claims (what a task hands to the next through XCom),
-inspection and failed-message admin. Every method that names a queue takes ``group=`` too."""
+inspection and failed-message admin. Every method that names a queue takes ``group=`` too.
+
+Arguments and defaults are the engine's, but one: ``pop`` and ``claim`` lease their messages (at least
+once) unless told otherwise, where the engine's pop finishes them (at most once). A task that fails
+is retried, and a message it popped must come back to it then (see "Names and defaults" in
+docs/concepts.md)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -11,11 +17,15 @@ from airflow_dbqueue.engine import (
     ConfigurationError,
     FailedMessage,
     GroupInfo,
+    GroupNotFoundError,
     Message,
+    QueueNotFoundError,
     QueueSettings,
     Semantics,
 )
-from airflow_dbqueue.engine.queue import COUNT_CAP
+from airflow_dbqueue.engine.models import RING_DEFAULT_LAG_TIMEOUT_S
+from airflow_dbqueue.engine.queue import COUNT_CAP, Queue
+from airflow_dbqueue.engine.renames import warn_renamed
 from airflow_dbqueue.engine.ring import RingQueue
 from airflow_dbqueue.hooks.claims import (
     XCOM_MAX_MESSAGES,
@@ -26,8 +36,30 @@ from airflow_dbqueue.hooks.claims import (
 )
 
 if TYPE_CHECKING:
-    from airflow_dbqueue.engine import DbQueue, Queue
+    from airflow_dbqueue.engine import DbQueue
     from airflow_dbqueue.engine.dialects.base import DbConnection
+
+_SETTINGS_VIEWS: dict[type[Queue], type[Queue]] = {}
+
+
+def _settings_view(queue: Queue) -> Queue:
+    """``queue``, whose attributes also include its settings' (``design``, ``max_attempts``, ...) with a
+    :class:`DeprecationWarning`: :meth:`QueueOperations.create_queue` returned the settings before it
+    returned the queue, as the engine's does, and code reading them from its result keeps working."""
+    design = type(queue)
+    view = _SETTINGS_VIEWS.get(design)
+    if view is None:
+
+        def __getattr__(self: Queue, name: str) -> Any:
+            if name.startswith("_") or name not in QueueSettings.__dataclass_fields__:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            warn_renamed("DbQueueHook.create_queue", f"its result's {name}", f"its result's settings.{name}")
+            return getattr(self.settings, name)
+
+        view = type(design.__name__, (design,), {"__getattr__": __getattr__, "__module__": design.__module__})
+        _SETTINGS_VIEWS[design] = view
+    queue.__class__ = view
+    return queue
 
 
 class QueueOperations:
@@ -44,8 +76,9 @@ class QueueOperations:
         """Create or migrate the queue schema, idempotently; return its version."""
         return self.get_conn().install()
 
-    def create_queue(self, queue_name: str, *, install: bool = True, **settings: Any) -> QueueSettings:
-        """Create a queue (idempotently; installing the schema first by default) and return its settings.
+    def create_queue(self, queue_name: str, *, install: bool = True, **settings: Any) -> Queue:
+        """Create a queue (idempotently; installing the schema first by default) and return it, as
+        :meth:`DbQueue.create_queue` does (its settings are its ``settings``).
 
         ``settings`` are those of :meth:`DbQueue.create_queue` (``design``, ``payload_type``,
         ``max_attempts``, ``visibility_timeout``, ``notify``, ``archive``, ...). An existing queue with
@@ -53,11 +86,22 @@ class QueueOperations:
         """
         if install:
             self.install()
-        return self.get_conn().create_queue(queue_name, **settings).settings
+        return _settings_view(self.get_conn().create_queue(queue_name, **settings))
 
-    def drop_queue(self, queue_name: str, *, missing_ok: bool = True) -> bool:
-        """Drop a queue with all its messages; return whether it existed."""
-        return self.get_conn().drop_queue(queue_name, missing_ok=missing_ok)
+    def drop_queue(self, queue_name: str, *, missing_ok: bool | None = None) -> bool:
+        """Drop a queue with all its messages; return whether it existed. A queue that does not exist
+        raises ``QueueNotFoundError`` unless ``missing_ok``, as the engine's ``drop_queue`` does.
+
+        Not given, ``missing_ok`` is still true for a queue that does not exist, with a
+        ``DeprecationWarning``: it becomes false, the engine's default, in the next release.
+        """
+        if missing_ok is not None:
+            return self.get_conn().drop_queue(queue_name, missing_ok=missing_ok)
+        try:
+            return self.get_conn().drop_queue(queue_name)
+        except QueueNotFoundError:
+            _warn_missing_ok("drop_queue", f"queue {queue_name!r}")
+            return False
 
     def list_queues(self) -> list[QueueSettings]:
         """Return the settings of every queue in the schema."""
@@ -76,17 +120,27 @@ class QueueOperations:
         *,
         start: str = "now",
         on_lag: str = "block",
-        lag_timeout: float | None = None,
+        lag_timeout: float = RING_DEFAULT_LAG_TIMEOUT_S,
     ) -> None:
         """Add a consumer group to a ring (``start``: ``"now"`` or ``"earliest"``; see
         ``RingQueue.add_group``)."""
-        queue = self._ring(queue_name)
-        extra = {} if lag_timeout is None else {"lag_timeout": lag_timeout}
-        queue.add_group(group, start=start, on_lag=on_lag, **extra)
+        self._ring(queue_name).add_group(group, start=start, on_lag=on_lag, lag_timeout=lag_timeout)
 
-    def drop_group(self, queue_name: str, group: str, *, missing_ok: bool = True) -> bool:
-        """Drop a ring's consumer group; return whether it existed."""
-        return self._ring(queue_name).drop_group(group, missing_ok=missing_ok)
+    def drop_group(self, queue_name: str, group: str, *, missing_ok: bool | None = None) -> bool:
+        """Drop a ring's consumer group; return whether it existed. A group that does not exist raises
+        ``GroupNotFoundError`` unless ``missing_ok``, as the engine's ``drop_group`` does.
+
+        Not given, ``missing_ok`` is still true for a group that does not exist, with a
+        ``DeprecationWarning``: it becomes false, the engine's default, in the next release.
+        """
+        ring = self._ring(queue_name)
+        if missing_ok is not None:
+            return ring.drop_group(group, missing_ok=missing_ok)
+        try:
+            return ring.drop_group(group)
+        except GroupNotFoundError:
+            _warn_missing_ok("drop_group", f"group {group!r} of queue {queue_name!r}")
+            return False
 
     def groups(self, queue_name: str) -> list[GroupInfo]:
         """List a ring's consumer groups, the default one first."""
@@ -295,3 +349,14 @@ class QueueOperations:
     def reclaim_expired(self, queue_name: str, *, group: str | None = None) -> int:
         """Return expired leases to ready (or failed); return how many moved."""
         return self.get_queue(queue_name, group).reclaim_expired()
+
+
+def _warn_missing_ok(call: str, what: str) -> None:
+    """Warn that ``call`` dropped nothing (``what`` does not exist) by the hook's old default."""
+    warnings.warn(
+        f"DbQueueHook.{call}: {what} does not exist, and missing_ok was not given: it returns False now, "
+        "but missing_ok defaults to False in the next release, as in the engine, and this raises; "
+        "pass missing_ok=True to keep it",
+        DeprecationWarning,
+        stacklevel=3,
+    )

@@ -14,6 +14,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowSkipException
 
 from airflow_dbqueue.engine import Batch, BatchStateError, ConfigurationError, DbQueueError, LeaseExpiredError
+from airflow_dbqueue.engine.renames import take_renamed
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
 from airflow_dbqueue.operators.spark_connect import (
     CONNECT_ENTRY,
@@ -33,6 +34,9 @@ from airflow_dbqueue.operators.spark_setup import (
     refuse_early_return,
 )
 from airflow_dbqueue.operators.spark_submit import SubmitPath, stop_local_jobs
+
+SPARK_VISIBILITY_TIMEOUT_S = 1800.0
+"""Seconds a Spark batch stays claimed without a heartbeat, unless the operator names another number."""
 
 if TYPE_CHECKING:
     from airflow.providers.apache.spark.hooks.spark_submit import SparkSubmitHook
@@ -67,7 +71,7 @@ class DbQueueSparkSubmitOperator(ConnectPath, SubmitPath, BaseOperator):  # type
        ``application_args`` followed by ``--batch-id ID --batch-size N --batch-query SQL``: the job
        reads the batch's ``ord, id, delivery, payload`` rows with Spark's JDBC source (partitioned on
        ``ord``), connecting with ``$DBQUEUE_JDBC_URL``, ``$DBQUEUE_JDBC_USER`` and the password (see
-       below). While it runs, the batch's lease is extended every third of ``lease_timeout``;
+       below). While it runs, the batch's lease is extended every third of ``visibility_timeout``;
     3. on success, in one database transaction: ``publish(conn, batch)`` (move what the job wrote into
        the results) and ack the batch. Results and ack commit together, so a batch counts once.
     4. on any failure (non-zero exit, ``publish`` refusing, a lost lease, a timeout, ``on_kill``):
@@ -126,7 +130,10 @@ class DbQueueSparkSubmitOperator(ConnectPath, SubmitPath, BaseOperator):  # type
         of a list, or a template that renders one (JSON, or the Python literal Jinja prints).
     :param max_messages: most messages in one batch.
     :param max_batches: most batches one task run processes (it stops early when the queue is empty).
-    :param lease_timeout: seconds the batch stays claimed without a heartbeat.
+    :param visibility_timeout: seconds the batch stays claimed without a heartbeat (the lease of its
+        messages, as ``visibility_timeout`` is everywhere). Longer than a queue's own default: the
+        lease is extended every third of it while the job runs, and a job whose driver stops
+        answering keeps its batch that long.
     :param publish: ``(conn, batch)`` run inside the ack's transaction; raise to refuse the batch.
     :param discard: ``(conn, batch)`` run inside the release's transaction.
     :param release_delay: seconds before a released batch is ready again (None: the queue's backoff).
@@ -155,6 +162,8 @@ class DbQueueSparkSubmitOperator(ConnectPath, SubmitPath, BaseOperator):  # type
         "max_batches",
     )
     ui_color = "#f0e4ec"
+    renamed_arguments = {"lease_timeout": "visibility_timeout"}
+    """Arguments under their old names (``{old: new}``), kept for one release with a warning."""
 
     def __init__(
         self,
@@ -164,7 +173,7 @@ class DbQueueSparkSubmitOperator(ConnectPath, SubmitPath, BaseOperator):  # type
         application_args: Any = None,
         max_messages: int | str = 10_000,
         max_batches: int | str = 1,
-        lease_timeout: float = 1800.0,
+        visibility_timeout: float = SPARK_VISIBILITY_TIMEOUT_S,
         publish: BatchCallback | None = None,
         discard: BatchCallback | None = None,
         release_delay: float | None = 0.0,
@@ -179,13 +188,18 @@ class DbQueueSparkSubmitOperator(ConnectPath, SubmitPath, BaseOperator):  # type
         dbqueue_schema: str | None = None,
         **kwargs: Any,
     ) -> None:
+        visibility_timeout = take_renamed(type(self).__name__, kwargs, self.renamed_arguments).get(
+            "visibility_timeout", visibility_timeout
+        )
         super().__init__(**kwargs)
         if if_empty not in ("skip", "success", "fail"):
             raise ValueError(
                 f"{type(self).__name__}: if_empty must be 'skip', 'success' or 'fail', got {if_empty!r}"
             )
-        if lease_timeout <= 0:
-            raise ValueError(f"{type(self).__name__}: lease_timeout must be > 0, got {lease_timeout}")
+        if visibility_timeout <= 0:
+            raise ValueError(
+                f"{type(self).__name__}: visibility_timeout must be > 0, got {visibility_timeout}"
+            )
         # Templated fields are kept as given (a Jinja string, an XComArg, a list) and read in execute,
         # once Airflow has rendered them.
         self.queue_name = queue_name
@@ -193,7 +207,7 @@ class DbQueueSparkSubmitOperator(ConnectPath, SubmitPath, BaseOperator):  # type
         self.application_args = application_args
         self.max_messages = max_messages
         self.max_batches = max_batches
-        self.lease_timeout = lease_timeout
+        self.visibility_timeout = visibility_timeout
         self.publish = publish
         self.discard = discard
         self.release_delay = release_delay
@@ -260,7 +274,7 @@ class DbQueueSparkSubmitOperator(ConnectPath, SubmitPath, BaseOperator):  # type
         try:
             for _ in range(max_batches):
                 batch = queue.claim_batch(
-                    max_messages, visibility_timeout=self.lease_timeout, consumer=consumer
+                    max_messages, visibility_timeout=self.visibility_timeout, consumer=consumer
                 )
                 if batch is None:
                     break
@@ -344,11 +358,11 @@ class DbQueueSparkSubmitOperator(ConnectPath, SubmitPath, BaseOperator):  # type
     def _heartbeat(
         self, queue: Queue, batch: Batch, stop: threading.Event, lost: list[BaseException]
     ) -> None:
-        """Extend the batch's lease every third of ``lease_timeout`` until ``stop``; kill the job when
+        """Extend the batch's lease every third of ``visibility_timeout`` until ``stop``; kill the job when
         the lease is lost (someone else may hold its messages now)."""
-        while not stop.wait(self.lease_timeout / 3):
+        while not stop.wait(self.visibility_timeout / 3):
             try:
-                until = queue.extend_batch(batch.batch_id, self.lease_timeout)
+                until = queue.extend_batch(batch.batch_id, self.visibility_timeout)
                 self.log.debug("batch %s: lease extended to %s", batch.batch_id, until.isoformat())
             except LeaseExpiredError as exc:
                 self.log.error("batch %s: lease lost while the job ran; stopping it: %s", batch.batch_id, exc)

@@ -352,7 +352,7 @@ def connection_figures(conn: Connection, rate_window_s: float) -> dict[str, Any]
         ) as dbq:
             out["dialect"] = dbq.dialect
             settings = {s.name: s for s in dbq.list_queues()}
-            metrics = dbq.maintenance().metrics(rate_window_s=rate_window_s)
+            metrics = dbq.maintenance().metrics(rate_window=rate_window_s)
     except DbQueueError as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
         return out

@@ -53,7 +53,7 @@ with DAG(
         max_batches=10,
         publish=RESULTS.publish,
         discard=RESULTS.discard,
-        lease_timeout=600,
+        visibility_timeout=600,
         if_empty="success",  # a push taken by the run before: nothing left for this one
         retries=0,
         spark_conf={

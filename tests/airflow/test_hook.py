@@ -145,8 +145,8 @@ def test_round_trip_with_claims(airflow_conn: str, dbq: DbQueue) -> None:
     with DbQueueHook(airflow_conn) as hook:
         ok, msg = hook.test_connection()
         assert ok, msg
-        s1 = hook.create_queue("orders", max_attempts=3)
-        assert hook.create_queue("orders", max_attempts=3) == s1  # idempotent
+        s1 = hook.create_queue("orders", max_attempts=3).settings
+        assert hook.create_queue("orders", max_attempts=3).settings == s1  # idempotent
         with pytest.raises(QueueExistsError):
             hook.create_queue("orders", max_attempts=4)
         ids = hook.push("orders", pushed[:1000]) + hook.push("orders", pushed[1000:], priority=0)

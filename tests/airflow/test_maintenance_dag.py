@@ -110,7 +110,7 @@ def test_hook_maintenance_and_metrics(
         assert json.loads(json.dumps(report)) == report
         # A second run while the first holds the lock skips and says so.
         with hook.maintenance().lock(), DbQueueHook(airflow_conn) as other:
-            skipped = other.archive(older_than_s=0)
+            skipped = other.archive(archive_after=0)
         assert skipped["stopped"] == "skipped" and "airflow-dbqueue-maintenance" in skipped["skipped"]
     # Stable names; the schema and the queue, table or index are tags.
     gauges = {(name, tuple(sorted(tags.items()))): value for name, value, tags in sent}
@@ -185,7 +185,7 @@ def test_hook_maintenance_on_sql_server(
             assert report["indexes"]["mode"] in ("online rebuild", "reorganize")
             assert json.loads(json.dumps(report)) == report
             with hook.maintenance().lock(), DbQueueHook("dbqueue_mssql") as other:
-                skipped = other.archive(older_than_s=0)
+                skipped = other.archive(archive_after=0)
             assert skipped["stopped"] == "skipped" and "airflow-dbqueue-maintenance" in skipped["skipped"]
         assert [m.payload for m in q.pop(15)] == list(range(25, 40))  # untouched
     assert ("dbqueue.queue.ready", 15.0, {"schema": schema_name, "queue": "jobs"}) in sent

@@ -71,7 +71,16 @@ def test_dbqueue_maintain_takes_the_threshold_and_exits_1_when_a_step_did_not_co
     dbq: DbQueue, pg_dsn: str
 ) -> None:
     dbq.create_queue("orders").push_batch([{"n": i} for i in range(50)])
-    args = ("--older-than", "0", "--bloat-ratio", "1", "--min-bloat-bytes", "0", "--reindex-timeout", "120")
+    args = (
+        "--archive-after",
+        "0",
+        "--reindex-bloat-ratio",
+        "1",
+        "--reindex-min-bytes",
+        "0",
+        "--reindex-timeout",
+        "120",
+    )
     conn = holder(pg_dsn)
     try:
         time.sleep(1.5)
@@ -99,7 +108,11 @@ def test_no_rebuild_runs_behind_a_long_transaction_on_sql_server(mssql_dsn: str,
             other.cursor().execute(f"UPDATE [{schema_name}].queues SET archive = archive WHERE name = N'q'")
             time.sleep(1.5)
             out = dbq.maintenance().rebuild_indexes(
-                bloat_ratio=1.0, min_bloat_bytes=0, fragmentation_pct=0, horizon_min_age_s=1, timeout_s=120
+                reindex_bloat_ratio=1.0,
+                reindex_min_bytes=0,
+                reindex_fragmentation_pct=0,
+                horizon_min_age=1,
+                reindex_timeout=120,
             )
         finally:
             other.rollback()

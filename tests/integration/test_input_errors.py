@@ -62,8 +62,8 @@ BAD_CALLS: dict[str, Callable[[Any, Any], Any]] = {
     "create_queue visibility_timeout nan": lambda q, d: d.create_queue("other", visibility_timeout=NAN),
     "create_queue retry_backoff inf": lambda q, d: d.create_queue("other", retry_backoff=INF),
     "create_queue retry_backoff_max nan": lambda q, d: d.create_queue("other", retry_backoff_max=NAN),
-    "archive older_than_s nan": lambda q, d: d.maintenance().archive(older_than_s=NAN),
-    "metrics rate_window_s inf": lambda q, d: d.maintenance().metrics(rate_window_s=INF),
+    "archive archive_after nan": lambda q, d: d.maintenance().archive(archive_after=NAN),
+    "metrics rate_window inf": lambda q, d: d.maintenance().metrics(rate_window=INF),
 }
 
 

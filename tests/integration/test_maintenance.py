@@ -111,8 +111,8 @@ def test_archive_moves_exactly_the_finished_messages_in_batches(dbq: DbQueue) ->
     finished = {m.id: m.payload for m in [*taken, *leased[:700]]}
 
     m = dbq.maintenance()
-    assert m.archive(older_than_s=3600).rows == 0  # nothing is that old yet
-    result = m.archive(older_than_s=0, batch_size=400, pause_s=0, queues=["orders"])
+    assert m.archive(archive_after=3600).rows == 0  # nothing is that old yet
+    result = m.archive(archive_after=0, batch_size=400, pause=0, queues=["orders"])
     assert (result.rows, result.batches, result.stopped, result.skipped) == (1700, 5, "drained", None)
     assert archived(dbq) == finished
     assert set(waiting_in_done(dbq)) == set(range(ids[-1] + 1, ids[-1] + 51))  # other's
@@ -126,10 +126,10 @@ def test_archive_stops_at_its_time_budget(dbq: DbQueue) -> None:
     q = dbq.create_queue("q")
     q.push_batch(list(range(300)))
     q.pop(300)
-    result = dbq.maintenance().archive(older_than_s=0, batch_size=10, pause_s=0.05, time_budget_s=0.3)
+    result = dbq.maintenance().archive(archive_after=0, batch_size=10, pause=0.05, time_budget=0.3)
     assert result.stopped == "time budget"
     assert 0 < result.rows < 300 and result.rows == 10 * result.batches
-    rest = dbq.maintenance().archive(older_than_s=0, batch_size=1000)
+    rest = dbq.maintenance().archive(archive_after=0, batch_size=1000)
     assert result.rows + rest.rows == 300 and rest.stopped == "drained"
 
 
@@ -138,9 +138,9 @@ def test_archive_retention_deletes_old_archived_messages(dbq: DbQueue) -> None:
     q.push_batch(list(range(120)))
     q.pop(120)
     m = dbq.maintenance()
-    assert m.archive(older_than_s=0).rows == 120
-    assert m.purge_archive(older_than_s=3600).rows == 0
-    purged = m.purge_archive(older_than_s=0, batch_size=50, pause_s=0)
+    assert m.archive(archive_after=0).rows == 120
+    assert m.purge_archive(archive_retention=3600).rows == 0
+    purged = m.purge_archive(archive_retention=0, batch_size=50, pause=0)
     assert (purged.rows, purged.batches, purged.stopped) == (120, 3, "drained")
     assert archived(dbq) == {}
 
@@ -169,14 +169,14 @@ def test_a_second_run_skips_and_says_who_holds_the_lock(
     with first.lock() as got:
         assert got
         with caplog.at_level(logging.WARNING, logger="airflow_dbqueue.engine.maintenance"):
-            skipped = second.archive(older_than_s=0)
+            skipped = second.archive(archive_after=0)
             report = second.run(MaintenanceConfig(archive_after_s=0))
         assert skipped.stopped == "skipped" and skipped.rows == 0
         assert skipped.skipped is not None and APPLICATION_NAME in skipped.skipped
         assert "pid " in skipped.skipped and dbq.schema in skipped.skipped
         assert report["skipped"] and "archive" not in report and report["metrics"]["queues"]["q"]
         assert any("maintenance skipped" in r.getMessage() for r in caplog.records)
-        assert first.archive(older_than_s=0).rows == 10  # the holder's own steps reuse its lock
+        assert first.archive(archive_after=0).rows == 10  # the holder's own steps reuse its lock
 
     # A run that waits gets the lock once the other run lets go of it.
     def release_soon() -> None:
@@ -189,7 +189,7 @@ def test_a_second_run_skips_and_says_who_holds_the_lock(
     t.start()
     held.wait(10)
     started = time.monotonic()
-    waited = second.vacuum(["queues"], lock_wait_s=10)
+    waited = second.vacuum(["queues"], lock_wait=10)
     t.join()
     assert "tables" in waited and time.monotonic() - started >= 0.3
 
@@ -217,13 +217,13 @@ def test_xmin_holder_is_named(dbq: DbQueue) -> None:
     with psycopg.connect(dbq.db.dsn, application_name="long-report") as other:
         other.execute("SELECT txid_current()")  # an open transaction with an xid
         time.sleep(0.05)
-        holders = dbq.maintenance().check_horizon(min_age_s=0)
+        holders = dbq.maintenance().check_horizon(horizon_min_age=0)
         pid = other.info.backend_pid
     [mine] = [h for h in holders if h.pid == pid]
     assert (mine.kind, mine.name, mine.state) == ("transaction", "long-report", "idle in transaction")
     assert mine.age_s is not None and mine.query_start and "txid_current" in (mine.query or "")
     assert "long-report" in mine.describe() and f"pid {pid}" in mine.describe()
-    assert all(h.pid != pid for h in dbq.maintenance().xmin_holders(min_age_s=0))
+    assert all(h.pid != pid for h in dbq.maintenance().xmin_holders(horizon_min_age=0))
 
 
 def test_a_long_transaction_is_named_on_sql_server(dbq: DbQueue) -> None:
@@ -233,7 +233,7 @@ def test_a_long_transaction_is_named_on_sql_server(dbq: DbQueue) -> None:
     try:
         other.cursor().execute(f"UPDATE [{dbq.schema}].queues SET archive = archive WHERE name = N'q'")
         time.sleep(0.05)
-        holders = dbq.maintenance().check_horizon(min_age_s=0)
+        holders = dbq.maintenance().check_horizon(horizon_min_age=0)
         [mine] = [h for h in holders if h.name == "long-report"]
     finally:
         other.rollback()
@@ -242,7 +242,7 @@ def test_a_long_transaction_is_named_on_sql_server(dbq: DbQueue) -> None:
         assert mine.age_s is not None and mine.xid_age is None and mine.xact_start
         assert "UPDATE" in (mine.query or "")
         assert "long-report" in mine.describe() and f"pid {mine.pid}" in mine.describe()
-        assert all(h.name != "long-report" for h in dbq.maintenance().xmin_holders(min_age_s=0))
+        assert all(h.name != "long-report" for h in dbq.maintenance().xmin_holders(horizon_min_age=0))
     finally:
         other.close()
 
@@ -260,7 +260,7 @@ def test_vacuum_and_metrics(dbq: DbQueue) -> None:
     assert {"ring_lanes", "ring_leases", "ring_retry", "ring_slots"} <= set(vacuumed["tables"])
     if dbq.dialect == "mssql":  # no VACUUM there
         assert vacuumed["statement"] == "UPDATE STATISTICS" and "ghost cleanup" in vacuumed["note"]
-    metrics = m.metrics(rate_window_s=60)
+    metrics = m.metrics(rate_window=60)
     assert json.loads(json.dumps(metrics)) == metrics  # JSON-safe
     qm = metrics["queues"]["q"]
     assert (qm["ready"], qm["delayed"], qm["finished"], qm["design"]) == (7, 1, 1000, "table")
@@ -363,7 +363,7 @@ def test_a_rebuild_that_times_out_is_cleaned_up_by_the_next_run(dbq: DbQueue) ->
     ident = sql.Identifier(dbq.schema)
     with psycopg.connect(pg_dsn) as writer:
         writer.execute(sql.SQL("UPDATE {}.meta SET priority = 0 WHERE id = %s").format(ident), [ids[0]])
-        result = dbq.maintenance().rebuild_indexes(only=["meta_ready_idx"], timeout_s=0.5)
+        result = dbq.maintenance().rebuild_indexes(only=["meta_ready_idx"], reindex_timeout=0.5)
         # The drop of what the rebuild left waits for the same writer, and times out too.
         assert invalid_indexes(pg_dsn, dbq.schema) == ["meta_ready_idx_ccnew"]
         writer.rollback()
@@ -396,7 +396,7 @@ def test_a_blocked_online_rebuild_fails_alone_and_the_next_run_rebuilds_on_sql_s
     try:
         run_sql(dbq, "UPDATE {schema}.meta SET priority = 0 WHERE id = %(id)s", {"id": ids[0]}, writer)
         started = time.monotonic()
-        blocked = dbq.maintenance().rebuild_indexes(only=["meta_ready_idx"], timeout_s=1)
+        blocked = dbq.maintenance().rebuild_indexes(only=["meta_ready_idx"], reindex_timeout=1)
         waited = time.monotonic() - started
     finally:
         writer.rollback()
@@ -475,9 +475,11 @@ def test_maintenance_during_load_loses_nothing_and_archives_exactly_the_finished
         m = dbq.maintenance()
         while not stop_all.is_set():
             maintenance_runs["archived"] += m.archive(
-                older_than_s=0, batch_size=200, pause_s=0.01, time_budget_s=0.5
+                archive_after=0, batch_size=200, pause=0.01, time_budget=0.5
             ).rows
-            rebuilt = m.rebuild_indexes(only=["meta_ready_idx", receipts_index], analyze=False, timeout_s=30)
+            rebuilt = m.rebuild_indexes(
+                only=["meta_ready_idx", receipts_index], analyze=False, reindex_timeout=30
+            )
             maintenance_runs["reindexed"] += sum(a["ok"] for a in rebuilt["actions"])
             maintenance_runs["loops"] += 1
 
@@ -513,12 +515,12 @@ def test_maintenance_during_load_loses_nothing_and_archives_exactly_the_finished
     assert len(pushed) >= 1000
     assert finished == pushed
     # The archive plus what still waits in done hold exactly the finished messages, with their payloads.
-    dbq.maintenance().archive(older_than_s=3600)  # a no-op: nothing is that old
+    dbq.maintenance().archive(archive_after=3600)  # a no-op: nothing is that old
     arch, waiting = archived(dbq), waiting_in_done(dbq)
     assert not set(arch) & set(waiting)
     assert set(arch) | set(waiting) == set(finished)
     assert checksum([*arch.values(), *waiting.values()]) == checksum(finished.values())
-    assert dbq.maintenance().archive(older_than_s=0).rows == len(waiting)
+    assert dbq.maintenance().archive(archive_after=0).rows == len(waiting)
     assert archived(dbq) == finished
     if dbq.dialect == "postgresql":
         assert invalid_indexes(dbq.db.dsn, dbq.schema) == []
@@ -591,14 +593,19 @@ def test_cli_archive_maintain_and_metrics(dbq: DbQueue, capsys: pytest.CaptureFi
     q.push_batch(list(range(30)))
     q.pop(30)
     base = ["--dsn", dbq.db.dsn, "--schema", dbq.schema]
-    assert cli.main([*base, "archive", "--older-than", "0", "--batch-size", "20", "--retention", "3600"]) == 0
+    assert (
+        cli.main(
+            [*base, "archive", "--archive-after", "0", "--batch-size", "20", "--archive-retention", "3600"]
+        )
+        == 0
+    )
     archive, purge = (json.loads(line) for line in capsys.readouterr().out.splitlines())
     assert (archive["rows"], archive["batches"], purge["rows"]) == (30, 2, 0)
-    assert cli.main([*base, "maintain", "--older-than", "0", "--no-reindex"]) == 0
+    assert cli.main([*base, "maintain", "--archive-after", "0", "--no-reindex"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["skipped"] is None and "vacuum" in report and "indexes" not in report
     assert report["metrics"]["queues"]["q"]["ready"] == 0
-    assert cli.main([*base, "metrics", "q", "--window", "60"]) == 0
+    assert cli.main([*base, "metrics", "q", "--rate-window", "60"]) == 0
     assert json.loads(capsys.readouterr().out)["queues"]["q"]["finished_per_s"] == 0.5
 
 
@@ -612,7 +619,7 @@ def test_cli_maintain_every_runs_in_a_loop_until_told_to_stop(
     assert sorted(m.payload for m in q.pop(50)) == list(range(50))
     base = ["--dsn", dbq.db.dsn, "--schema", dbq.schema]
     started = time.monotonic()
-    loop = ["--older-than", "0", "--no-reindex", "--every", "0.3", "--runs", "3"]
+    loop = ["--archive-after", "0", "--no-reindex", "--every", "0.3", "--runs", "3"]
     assert cli.main([*base, "maintain", *loop]) == 0
     elapsed = time.monotonic() - started
     reports = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

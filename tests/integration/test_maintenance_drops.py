@@ -23,7 +23,7 @@ from tests.helpers import checksum
 pytestmark = pytest.mark.integration
 
 FAST = MaintenanceConfig(archive_after_s=0, archive_retention_s=None, pause_s=0, reindex=False)
-"""A run as `dbqueue maintain --older-than 0` makes it, without index rebuilds (nothing here is bloated)."""
+"""A run as `dbqueue maintain --archive-after 0` makes it, without index rebuilds (nothing is bloated)."""
 
 
 TABLES = ("meta", "done", "archive", "batches", "rings", "ring_slots", "ring_failed")
@@ -76,7 +76,7 @@ def test_queues_dropped_under_a_maintenance_client_are_skipped_with_a_note(dbq: 
 
 
 def test_maintenance_beside_a_loop_creating_using_and_dropping_queues(dbq: DbQueue) -> None:  # noqa: PLR0915
-    """What the issue saw fail 21 times in 22: `maintain --older-than 0` in a loop while other clients
+    """What the issue saw fail 21 times in 22: `maintain --archive-after 0` in a loop while other clients
     create, use and drop queues (both designs). No run may fail; afterwards no row of a dropped queue is
     left anywhere, and the queue that lived through it all has every message it was given, archived
     once, with its payloads (counts and checksums).
@@ -193,6 +193,6 @@ def test_finished_rows_of_a_queue_dropped_by_an_older_version_are_not_archived(d
     q.push_batch([{"n": i} for i in range(10)])
     q.pop(10)
     run_sql(dbq, "UPDATE {schema}.done SET queue_id = queue_id + 1000")  # as if its queue were gone
-    result = dbq.maintenance().archive(older_than_s=0)
+    result = dbq.maintenance().archive(archive_after=0)
     assert (result.rows, result.discarded) == (0, 10)
     assert orphans(dbq) == NO_ORPHANS

@@ -685,7 +685,7 @@ def test_maintenance_reclaims_expired_ring_leases(dbq: DbQueue) -> None:
     q = ring(dbq, "leased", 8, visibility_timeout=0.2, max_attempts=2)
     sent = ["a", "b", "c"]
     ids = q.push_batch(sent)
-    q.reclaim_every_s = 3600.0  # only maintenance reclaims here
+    q.reclaim_every = 3600.0  # only maintenance reclaims here
     held = q.pop(3, semantics="at-least-once")
     assert [m.id for m in held] == ids
     time.sleep(0.3)

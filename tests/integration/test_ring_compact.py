@@ -88,7 +88,7 @@ def test_a_ring_grown_under_a_held_horizon_is_compacted_after_it_and_keeps_its_m
     q = make_ring(dbq)
     laid_out = relation_size(dbq, "ring_slots")
     m = dbq.maintenance()
-    assert m.compact_rings(min_bloat_bytes=0)["actions"] == [], "a ring at its laid-out size is left alone"
+    assert m.compact_rings(compact_min_bytes=0)["actions"] == [], "a ring at its laid-out size is left alone"
     conn = holder(pg_dsn)
     try:
         n, sent, got = churn(q, rnd, 12 * 2048)
@@ -98,7 +98,7 @@ def test_a_ring_grown_under_a_held_horizon_is_compacted_after_it_and_keeps_its_m
         grown = relation_size(dbq, "ring_slots")
         assert grown >= 2 * laid_out, (laid_out, grown)
         # While the transaction is open the rewrite would keep every version it may see: not run.
-        held = m.compact_rings(min_bloat_bytes=0, horizon_min_age_s=0)
+        held = m.compact_rings(compact_min_bytes=0, compact_horizon_min_age=0)
         [skip] = [a for a in held["actions"] if a["table"] == "ring_slots"]
         assert (skip["action"], skip["ok"], skip["bytes_after"]) == ("skip", False, None)
         assert "hold the xmin horizon" in skip["error"] and "report-job" in skip["error"]
@@ -113,7 +113,7 @@ def test_a_ring_grown_under_a_held_horizon_is_compacted_after_it_and_keeps_its_m
         conn.close()
     m.vacuum()
     assert relation_size(dbq, "ring_slots") == grown, "VACUUM frees the pages for reuse, it keeps them"
-    done = m.compact_rings(min_bloat_bytes=0, horizon_min_age_s=0)
+    done = m.compact_rings(compact_min_bytes=0, compact_horizon_min_age=0)
     [act] = [a for a in done["actions"] if a["table"] == "ring_slots"]
     assert (act["action"], act["ok"], act["bytes_before"]) == ("compact", True, grown), act
     after = relation_size(dbq, "ring_slots")
@@ -134,7 +134,9 @@ def test_a_compaction_gives_up_waiting_for_its_lock_and_changes_nothing(dbq: DbQ
     with psycopg.connect(pg_dsn) as other:  # a transaction that pushed and has not committed yet
         other.execute(f'LOCK TABLE "{dbq.schema}".ring_slots IN ROW EXCLUSIVE MODE')
         t0 = time.monotonic()
-        out = dbq.maintenance().compact_rings(only=["ring_slots"], lock_timeout_s=0.5, horizon_min_age_s=60)
+        out = dbq.maintenance().compact_rings(
+            only=["ring_slots"], compact_lock_timeout=0.5, compact_horizon_min_age=60
+        )
         took = time.monotonic() - t0
         other.rollback()
     [act] = out["actions"]
@@ -184,7 +186,9 @@ def test_pushes_and_pops_go_on_through_a_compaction(dbq: DbQueue, pg_dsn: str) -
     try:
         for _ in range(3):
             time.sleep(0.7)
-            actions += m.compact_rings(only=["ring_slots", "ring_lanes"], horizon_min_age_s=60)["actions"]
+            actions += m.compact_rings(only=["ring_slots", "ring_lanes"], compact_horizon_min_age=60)[
+                "actions"
+            ]
     finally:
         stop.set()
         for t in threads:
@@ -203,8 +207,8 @@ def test_bad_settings_are_refused(dbq: DbQueue) -> None:
     with pytest.raises(ConfigurationError, match="ring tables"):
         m.compact_rings(only=["meta"])
     with pytest.raises(ConfigurationError, match="bloat_ratio"):
-        m.compact_rings(bloat_ratio=0.5)
-    with pytest.raises(ConfigurationError, match="lock_timeout_s"):
-        m.compact_rings(lock_timeout_s=float("nan"))
+        m.compact_rings(compact_bloat_ratio=0.5)
+    with pytest.raises(ConfigurationError, match="compact_lock_timeout"):
+        m.compact_rings(compact_lock_timeout=float("nan"))
     with pytest.raises(ConfigurationError, match="compact_bloat_ratio"):
         MaintenanceConfig(compact_bloat_ratio=float("inf"))

@@ -101,7 +101,7 @@ class RingMachine(RuleBasedStateMachine):
         )
         self.q = q  # type: ignore[assignment]
         self.queue.push_timeout = 0.05
-        self.queue.reclaim_every_s = 3600.0  # reclaim only when the test says so
+        self.queue.reclaim_every = 3600.0  # reclaim only when the test says so
 
     # -- push --------------------------------------------------------------------------------------
 

@@ -761,7 +761,7 @@ def test_an_upgrade_keeps_messages_in_every_state(  # noqa: PLR0915
         ids = t.push_batch(old[:10])
         t.push_batch(old[10:], delay=3600)
         finished = t.pop(2, semantics="at-most-once")
-        assert dbq.maintenance().archive(older_than_s=0, pause_s=0).rows == 2
+        assert dbq.maintenance().archive(archive_after=0, pause=0).rows == 2
         finished += t.pop(1, semantics="at-most-once")  # finished, in done
         leased = t.pop(2, semantics="at-least-once")
         batch = t.claim_batch(2)

@@ -159,7 +159,7 @@ class QueueMachine(RuleBasedStateMachine):
         )
         # An at-least-once pop reclaims expired leases first when this much time has passed since
         # its last reclaim; 0 makes that happen on every such pop, so the model can predict it.
-        self.q.reclaim_every_s = 0.0
+        self.q.reclaim_every = 0.0
 
     # -- push ------------------------------------------------------------------------------------------
 
@@ -196,7 +196,7 @@ class QueueMachine(RuleBasedStateMachine):
         if how == "at-least-once":
             self._pop_at_least_once(n)
         elif how == "at-most-once":
-            self.model_reclaim()  # reclaim_every_s = 0: every pop reclaims expired leases first
+            self.model_reclaim()  # reclaim_every = 0: every pop reclaims expired leases first
             expected = self.ready_order()[:n]
             msgs = self.queue.pop(n, semantics="at-most-once")
             self.check_delivery(msgs, expected, leased=False)
@@ -205,7 +205,7 @@ class QueueMachine(RuleBasedStateMachine):
             self._pop_exactly_once(n, commit=how.endswith("/commit"))
 
     def _pop_at_least_once(self, n: int) -> None:
-        self.model_reclaim()  # reclaim_every_s = 0: the pop reclaims expired leases first
+        self.model_reclaim()  # reclaim_every = 0: the pop reclaims expired leases first
         expected = self.ready_order()[:n]
         msgs = self.queue.pop(n, semantics="at-least-once")
         self.check_delivery(msgs, expected, leased=True)

@@ -69,14 +69,14 @@ class Side:
         self.groups: dict[str, RingQueue] = {DEFAULT_GROUP: q}  # the handle of each group
         self.leased: dict[str, list[Message]] = {DEFAULT_GROUP: []}
         q.push_timeout = 0.0  # a full ring answers at once: both sides see it full at the same step
-        q.reclaim_every_s = 0.0  # every pop at least once reclaims first, on both sides
+        q.reclaim_every = 0.0  # every pop at least once reclaims first, on both sides
 
     def add_group(self, name: str, start: str) -> Any:
         try:
             handle = self.q.add_group(name, start=start)
         except DbQueueError as exc:
             return type(exc).__name__
-        handle.reclaim_every_s = 0.0
+        handle.reclaim_every = 0.0
         self.groups[name], self.leased[name] = handle, []
         return handle.group_name
 

@@ -1309,8 +1309,8 @@ def _ring_on_fake_sql_server(monkeypatch: pytest.MonkeyPatch, script: list[Any])
     )
     q = RingQueue(db, settings)
     # The scripts below are a pop's own statements: the handle's reclaim of expired leases, which a
-    # pop runs first at most once per reclaim_every_s, is taken as just done.
-    q._last_reclaim, q.reclaim_every_s = time.monotonic(), float("inf")
+    # pop runs first at most once per reclaim_every, is taken as just done.
+    q._last_reclaim, q.reclaim_every = time.monotonic(), float("inf")
     return q, fake
 
 

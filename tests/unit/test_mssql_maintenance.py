@@ -323,7 +323,7 @@ def test_maintenance_takes_a_sql_server_without_io() -> None:
     with pytest.raises(ConfigurationError, match="schema_version"):
         m.vacuum(["schema_version"])
     with pytest.raises(ConfigurationError, match="fragmentation_pct"):
-        m.rebuild_indexes(fragmentation_pct=101)
+        m.rebuild_indexes(reindex_fragmentation_pct=101)
     # A held transaction does not grow SQL Server's tables: the ring compaction is skipped, saying why.
     assert "version store" in m.compact_rings()["skipped"]
 
@@ -335,7 +335,7 @@ def test_rebuild_indexes_on_a_fake_sql_server(
     fake: MaintenanceServer, edition: int, online: bool, action: str
 ) -> None:
     fake.index_rows = [schema_indexes(edition), schema_indexes(edition, rebuilt=True)]
-    report = DbQueue(DSN, schema="dbq").maintenance().rebuild_indexes(timeout_s=600)
+    report = DbQueue(DSN, schema="dbq").maintenance().rebuild_indexes(reindex_timeout=600)
 
     assert report["mode"] == action and report["engine_edition"] == edition
     assert "nothing to clean up" in report["leftovers"]
@@ -364,7 +364,7 @@ def test_rebuild_indexes_on_a_fake_sql_server(
 
 def test_archive_on_a_fake_sql_server_runs_one_transaction_a_batch(fake: MaintenanceServer) -> None:
     fake.archive_counts = [3, 3, 1]
-    result = DbQueue(DSN, schema="dbq").maintenance().archive(older_than_s=0, batch_size=3, pause_s=0)
+    result = DbQueue(DSN, schema="dbq").maintenance().archive(archive_after=0, batch_size=3, pause=0)
     assert (result.rows, result.batches, result.stopped) == (7, 3, "drained")
     batches = fake.statements("INTO @batch")
     assert [b.values for b in batches] == [[0.0, 0.0, True, "[]", 3]] * 3
@@ -381,7 +381,7 @@ def test_a_failed_archive_batch_rolls_back_alone_on_a_fake_sql_server(fake: Main
     )
     fake.archive_counts = [3, deadlock]
     with pytest.raises(DeadlockError):
-        DbQueue(DSN, schema="dbq").maintenance().archive(older_than_s=0, batch_size=3, pause_s=0)
+        DbQueue(DSN, schema="dbq").maintenance().archive(archive_after=0, batch_size=3, pause=0)
     [own] = [c for c in fake.connections if c.application_name == APPLICATION_NAME]
     assert (own.commits, own.rollbacks, own.autocommit, own.closed) == (1, 1, True, True)
     assert fake.statements("SET LOCK_TIMEOUT -1") and fake.statements("sp_releaseapplock")
@@ -389,7 +389,7 @@ def test_a_failed_archive_batch_rolls_back_alone_on_a_fake_sql_server(fake: Main
 
 def test_a_second_run_skips_naming_the_holder_on_a_fake_sql_server(fake: MaintenanceServer) -> None:
     fake.lock_free = False
-    result = DbQueue(DSN, schema="dbq").maintenance().archive(older_than_s=0)
+    result = DbQueue(DSN, schema="dbq").maintenance().archive(archive_after=0)
     assert result.stopped == "skipped" and result.rows == 0
     assert result.skipped is not None and "pid 57" in result.skipped and APPLICATION_NAME in result.skipped
     assert not fake.statements("INTO @batch") and not fake.statements("sp_releaseapplock")
@@ -405,9 +405,9 @@ def test_a_batch_above_the_lock_escalation_threshold_is_warned_about_on_a_fake_s
     fake.archive_counts = [0, 0]
     m = DbQueue(DSN, schema="dbq").maintenance()
     with caplog.at_level(logging.WARNING, logger="airflow_dbqueue.engine.maintenance"):
-        m.archive(older_than_s=0, batch_size=5000)
+        m.archive(archive_after=0, batch_size=5000)
         assert not [r for r in caplog.records if "escalate" in r.getMessage()]
-        m.archive(older_than_s=0, batch_size=6000)
+        m.archive(archive_after=0, batch_size=6000)
     [warned] = [r.getMessage() for r in caplog.records if "escalate" in r.getMessage()]
     assert "batch_size 6000" in warned
 
@@ -460,7 +460,7 @@ def test_no_rebuild_runs_while_a_long_transaction_is_open_on_a_fake_sql_server(
     would wait for it), reported as a skip that did not complete, naming the session."""
     fake.index_rows = [schema_indexes(3)]
     fake.holders = [("transaction", 61, "report-job", "sa", "sleeping", 900.0, None, None, None, "SELECT 1")]
-    report = DbQueue(DSN, schema="dbq").maintenance().rebuild_indexes(timeout_s=600, horizon_min_age_s=60)
+    report = DbQueue(DSN, schema="dbq").maintenance().rebuild_indexes(reindex_timeout=600, horizon_min_age=60)
     got = [(a["index"], a["action"], a["ok"]) for a in report["actions"]]
     assert got == [
         ("archive_pkey", "skip", False),

@@ -52,12 +52,11 @@ class Archiver:
         statement_timeout_s: float,
     ) -> BatchResult:
         """Run ``step`` (``archive`` or ``purge_archive``) in batches; see :meth:`Maintenance.archive`."""
-        older_than_s = check_seconds(f"{step}: older_than_s", older_than_s)
-        pause_s = check_seconds(f"{step}: pause_s", pause_s)
-        time_budget_s = check_seconds(f"{step}: time_budget_s", time_budget_s)
-        statement_timeout_s = check_seconds(
-            f"{step}: statement_timeout_s", statement_timeout_s, positive=True
-        )
+        age = "archive_after" if step == "archive" else "archive_retention"
+        older_than_s = check_seconds(f"{step}: {age}", older_than_s)
+        pause_s = check_seconds(f"{step}: pause", pause_s)
+        time_budget_s = check_seconds(f"{step}: time_budget", time_budget_s)
+        statement_timeout_s = check_seconds(f"{step}: statement_timeout", statement_timeout_s, positive=True)
         self._check_batch_size(step, batch_size)
         started = time.monotonic()
         notes: list[str] = []

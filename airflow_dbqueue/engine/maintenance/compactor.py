@@ -48,12 +48,12 @@ class RingCompactor:
     ) -> dict[str, Any]:
         if not math.isfinite(bloat_ratio) or bloat_ratio < 1 or min_bloat_bytes < 0:
             raise ConfigurationError(
-                "need a finite bloat_ratio >= 1 and min_bloat_bytes >= 0, "
+                "need a finite compact_bloat_ratio >= 1 and compact_min_bytes >= 0, "
                 f"got {bloat_ratio} and {min_bloat_bytes}"
             )
-        check_seconds("lock_timeout_s", lock_timeout_s, positive=True)
-        check_seconds("timeout_s", timeout_s, positive=True)
-        check_seconds("horizon_min_age_s", horizon_min_age_s)
+        check_seconds("compact_lock_timeout", lock_timeout_s, positive=True)
+        check_seconds("compact_timeout", timeout_s, positive=True)
+        check_seconds("compact_horizon_min_age", horizon_min_age_s)
         wanted = tuple(only) if only is not None else None
         unknown = sorted(set(wanted or ()) - set(RING_TABLES))
         if unknown:

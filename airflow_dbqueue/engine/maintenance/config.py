@@ -32,7 +32,9 @@ REINDEX_MIN_BYTES = MiB
 REINDEX_FRAGMENTATION_PCT = 30.0
 """SQL Server: an index whose leaf level is this many percent fragmented is rebuilt too."""
 REINDEX_TIMEOUT_S = 600.0
-"""Statement and lock timeout of one online rebuild (and of a ring compaction's rewrite)."""
+"""Statement and lock timeout of one online rebuild."""
+COMPACT_TIMEOUT_S = REINDEX_TIMEOUT_S
+"""Statement timeout of a ring compaction's rewrite."""
 COMPACT_BLOAT_RATIO = 1.5
 """A ring table is rewritten at this many times its laid-out size ..."""
 COMPACT_MIN_BYTES = 8 * MiB

@@ -65,11 +65,13 @@ class Reindexer:
         horizon_min_age_s: float | None,
     ) -> dict[str, Any]:
         if bloat_ratio < 1 or min_bloat_bytes < 0 or timeout_s <= 0:
-            raise ConfigurationError("need bloat_ratio >= 1, min_bloat_bytes >= 0 and timeout_s > 0")
+            raise ConfigurationError(
+                "need reindex_bloat_ratio >= 1, reindex_min_bytes >= 0 and reindex_timeout > 0"
+            )
         if not 0 <= fragmentation_pct <= 100:
-            raise ConfigurationError(f"fragmentation_pct must be in 0..100, got {fragmentation_pct}")
+            raise ConfigurationError(f"reindex_fragmentation_pct must be in 0..100, got {fragmentation_pct}")
         if horizon_min_age_s is not None:
-            horizon_min_age_s = check_seconds("horizon_min_age_s", horizon_min_age_s)
+            horizon_min_age_s = check_seconds("horizon_min_age", horizon_min_age_s)
         with self._lock.hold(lock_wait_s) as got:
             if not got:
                 return {"skipped": self._lock.skip_reason, "actions": []}

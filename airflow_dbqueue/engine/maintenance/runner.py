@@ -24,6 +24,7 @@ from airflow_dbqueue.engine.maintenance.config import (
     COMPACT_HORIZON_MIN_AGE_S,
     COMPACT_LOCK_TIMEOUT_S,
     COMPACT_MIN_BYTES,
+    COMPACT_TIMEOUT_S,
     HORIZON_MIN_AGE_S,
     HORIZON_MIN_XID_AGE,
     PAUSE_S,
@@ -44,6 +45,7 @@ from airflow_dbqueue.engine.maintenance.results import BatchResult, XminHolder
 from airflow_dbqueue.engine.maintenance.statistics import table_health
 from airflow_dbqueue.engine.maintenance.statistics import vacuum as run_vacuum
 from airflow_dbqueue.engine.queue import RECLAIM_LIMIT
+from airflow_dbqueue.engine.renames import renamed_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -92,67 +94,84 @@ class Maintenance:
             "metrics": self._metrics_step,
         }
 
+    @renamed_kwargs(wait_s="lock_wait")
     @contextlib.contextmanager
-    def lock(self, wait_s: float = 0.0) -> Iterator[bool]:
+    def lock(self, lock_wait: float = 0.0) -> Iterator[bool]:
         """Hold the schema's maintenance lock for the block; yield whether it was obtained.
 
-        Waits up to ``wait_s`` seconds for another run to finish; when it does not, logs which
+        Waits up to ``lock_wait`` seconds for another run to finish; when it does not, logs which
         session holds the lock and yields ``False`` (the caller skips its work). Nested blocks reuse
         the lock held by the outer one.
         """
-        with self._lock.hold(wait_s) as got:
+        with self._lock.hold(lock_wait) as got:
             yield got
 
+    @renamed_kwargs(
+        older_than_s="archive_after",
+        pause_s="pause",
+        time_budget_s="time_budget",
+        lock_wait_s="lock_wait",
+        statement_timeout_s="statement_timeout",
+    )
     def archive(
         self,
         *,
-        older_than_s: float = ARCHIVE_AFTER_S,
+        archive_after: float = ARCHIVE_AFTER_S,
         batch_size: int = BATCH_SIZE,
-        pause_s: float = PAUSE_S,
-        time_budget_s: float = TIME_BUDGET_S,
+        pause: float = PAUSE_S,
+        time_budget: float = TIME_BUDGET_S,
         queues: Sequence[str] | None = None,
-        lock_wait_s: float = 0.0,
-        statement_timeout_s: float = STATEMENT_TIMEOUT_S,
+        lock_wait: float = 0.0,
+        statement_timeout: float = STATEMENT_TIMEOUT_S,
     ) -> BatchResult:
-        """Move finished messages older than ``older_than_s`` into the archive, in bounded batches.
+        """Move finished messages older than ``archive_after`` seconds into the archive, in bounded
+        batches.
 
-        One statement a batch of at most ``batch_size`` messages, ``pause_s`` between batches, and
-        no new batch once ``time_budget_s`` is spent. Stops early at a short batch (nothing old
+        One statement a batch of at most ``batch_size`` messages, ``pause`` seconds between batches,
+        and no new batch once ``time_budget`` seconds are spent. Stops early at a short batch (nothing old
         enough is left). Each batch is its own transaction with a ``statement_timeout``, and a
         ``lock_timeout`` of one second: it never waits long for a lock (and skips locked rows).
         """
         return self._archiver.run(
             "archive",
-            older_than_s=older_than_s,
+            older_than_s=archive_after,
             batch_size=batch_size,
-            pause_s=pause_s,
-            time_budget_s=time_budget_s,
+            pause_s=pause,
+            time_budget_s=time_budget,
             queues=queues,
-            lock_wait_s=lock_wait_s,
-            statement_timeout_s=statement_timeout_s,
+            lock_wait_s=lock_wait,
+            statement_timeout_s=statement_timeout,
         )
 
+    @renamed_kwargs(
+        older_than_s="archive_retention",
+        pause_s="pause",
+        time_budget_s="time_budget",
+        lock_wait_s="lock_wait",
+        statement_timeout_s="statement_timeout",
+    )
     def purge_archive(
         self,
         *,
-        older_than_s: float,
+        archive_retention: float,
         batch_size: int = BATCH_SIZE,
-        pause_s: float = PAUSE_S,
-        time_budget_s: float = TIME_BUDGET_S,
+        pause: float = PAUSE_S,
+        time_budget: float = TIME_BUDGET_S,
         queues: Sequence[str] | None = None,
-        lock_wait_s: float = 0.0,
-        statement_timeout_s: float = STATEMENT_TIMEOUT_S,
+        lock_wait: float = 0.0,
+        statement_timeout: float = STATEMENT_TIMEOUT_S,
     ) -> BatchResult:
-        """Delete archived messages archived more than ``older_than_s`` ago, in bounded batches."""
+        """Delete messages archived more than ``archive_retention`` seconds ago, in bounded batches (the
+        other settings as :meth:`archive` takes them)."""
         return self._archiver.run(
             "purge_archive",
-            older_than_s=older_than_s,
+            older_than_s=archive_retention,
             batch_size=batch_size,
-            pause_s=pause_s,
-            time_budget_s=time_budget_s,
+            pause_s=pause,
+            time_budget_s=time_budget,
             queues=queues,
-            lock_wait_s=lock_wait_s,
-            statement_timeout_s=statement_timeout_s,
+            lock_wait_s=lock_wait,
+            statement_timeout_s=statement_timeout,
         )
 
     def recover(
@@ -165,8 +184,9 @@ class Maintenance:
         """
         return upkeep(self._queues, queues, limit=limit, notes=[])
 
+    @renamed_kwargs(lock_wait_s="lock_wait")
     def vacuum(
-        self, tables: Sequence[str] | None = None, *, analyze_only: bool = False, lock_wait_s: float = 0.0
+        self, tables: Sequence[str] | None = None, *, analyze_only: bool = False, lock_wait: float = 0.0
     ) -> dict[str, Any]:
         """Run ``VACUUM (ANALYZE, SKIP_LOCKED)`` (or only ``ANALYZE``) on the schema's tables.
 
@@ -177,7 +197,7 @@ class Maintenance:
         :param tables: the tables to visit (default: all of :attr:`tables`).
         :return: ``{"tables": {table: {"seconds", "dead_before", "dead_after"}}}``, or ``{"skipped": ...}``.
         """
-        return run_vacuum(self._db, self._lock, tables, analyze_only=analyze_only, lock_wait_s=lock_wait_s)
+        return run_vacuum(self._db, self._lock, tables, analyze_only=analyze_only, lock_wait_s=lock_wait)
 
     def table_health(self) -> list[dict[str, Any]]:
         """Size and vacuum state of the schema's tables (JSON-safe dicts).
@@ -187,23 +207,26 @@ class Maintenance:
         """
         return table_health(self._db)
 
+    @renamed_kwargs(min_age_s="horizon_min_age", min_xid_age="horizon_min_xid_age")
     def xmin_holders(
-        self, *, min_age_s: float = HORIZON_MIN_AGE_S, min_xid_age: int = HORIZON_MIN_XID_AGE
+        self, *, horizon_min_age: float = HORIZON_MIN_AGE_S, horizon_min_xid_age: int = HORIZON_MIN_XID_AGE
     ) -> list[XminHolder]:
         """Return what holds back the xmin horizon: old transactions (and prepared ones), and slots.
 
         While one of them holds it, VACUUM (auto or not) cannot remove the dead rows of any table, and
         queue tables bloat whatever maintenance does. On SQL Server (no xmin horizon): transactions of
-        this database open longer than ``min_age_s`` (they hold back log truncation) and snapshot
-        transactions (they hold back row-version and ghost cleanup); ``min_xid_age`` is not used there.
+        this database open longer than ``horizon_min_age`` seconds (they hold back log truncation) and
+        snapshot transactions (they hold back row-version and ghost cleanup); ``horizon_min_xid_age`` is
+        not used there.
         """
-        return horizon.xmin_holders(self._db, min_age_s=min_age_s, min_xid_age=min_xid_age)
+        return horizon.xmin_holders(self._db, min_age_s=horizon_min_age, min_xid_age=horizon_min_xid_age)
 
+    @renamed_kwargs(min_age_s="horizon_min_age", min_xid_age="horizon_min_xid_age")
     def check_horizon(
-        self, *, min_age_s: float = HORIZON_MIN_AGE_S, min_xid_age: int = HORIZON_MIN_XID_AGE
+        self, *, horizon_min_age: float = HORIZON_MIN_AGE_S, horizon_min_xid_age: int = HORIZON_MIN_XID_AGE
     ) -> list[XminHolder]:
         """:meth:`xmin_holders`, with a warning logged for each."""
-        return horizon.check_horizon(self._db, min_age_s=min_age_s, min_xid_age=min_xid_age)
+        return horizon.check_horizon(self._db, min_age_s=horizon_min_age, min_xid_age=horizon_min_xid_age)
 
     def index_health(self) -> list[IndexHealth]:
         """Return every index of the schema with its size and a bloat estimate (B-tree indexes).
@@ -214,27 +237,36 @@ class Maintenance:
         """
         return self._reindexer.index_health()
 
+    @renamed_kwargs(
+        bloat_ratio="reindex_bloat_ratio",
+        min_bloat_bytes="reindex_min_bytes",
+        timeout_s="reindex_timeout",
+        lock_wait_s="lock_wait",
+        fragmentation_pct="reindex_fragmentation_pct",
+        horizon_min_age_s="horizon_min_age",
+    )
     def rebuild_indexes(
         self,
         *,
-        bloat_ratio: float = REINDEX_BLOAT_RATIO,
-        min_bloat_bytes: int = REINDEX_MIN_BYTES,
-        timeout_s: float = REINDEX_TIMEOUT_S,
+        reindex_bloat_ratio: float = REINDEX_BLOAT_RATIO,
+        reindex_min_bytes: int = REINDEX_MIN_BYTES,
+        reindex_timeout: float = REINDEX_TIMEOUT_S,
         analyze: bool = True,
         only: Sequence[str] | None = None,
-        lock_wait_s: float = 0.0,
-        fragmentation_pct: float = REINDEX_FRAGMENTATION_PCT,
-        horizon_min_age_s: float | None = None,
+        lock_wait: float = 0.0,
+        reindex_fragmentation_pct: float = REINDEX_FRAGMENTATION_PCT,
+        horizon_min_age: float | None = None,
     ) -> dict[str, Any]:
         """Rebuild bloated indexes online and clean up INVALID ones; return what was done.
 
         First the INVALID indexes: one left by a failed ``REINDEX CONCURRENTLY`` (``<name>_ccnew``,
         ``<name>_ccold``) is dropped with ``DROP INDEX CONCURRENTLY``; an INVALID index of the schema
-        itself is rebuilt. Then every valid B-tree index at least ``bloat_ratio`` times its estimated
-        size and ``min_bloat_bytes`` above it is rebuilt with ``REINDEX INDEX CONCURRENTLY``, which
-        blocks neither reads nor writes. Indexes of a table on which an index build is running are
-        left alone. A rebuild that fails (``timeout_s`` passed, or it was cancelled) is reported, and
-        the INVALID index it left is dropped at once (or by the next run).
+        itself is rebuilt. Then every valid B-tree index at least ``reindex_bloat_ratio`` times its
+        estimated size and ``reindex_min_bytes`` above it is rebuilt with ``REINDEX INDEX
+        CONCURRENTLY``, which blocks neither reads nor writes. Indexes of a table on which an index
+        build is running are left alone. A rebuild that fails (``reindex_timeout`` seconds passed, or it
+        was cancelled) is reported, and the INVALID index it left is dropped at once (or by the next
+        run).
 
         On SQL Server the step reads page density and fragmentation (:func:`mssql_rebuild_reason`) and
         runs ``ALTER INDEX ... REBUILD WITH (ONLINE = ON)`` where the engine edition has online index
@@ -246,35 +278,43 @@ class Maintenance:
             (PostgreSQL; SQL Server reads its indexes directly).
         :param only: rebuild exactly these indexes of the schema (by name), bloated or not; INVALID
             leftovers of failed rebuilds are dropped all the same.
-        :param fragmentation_pct: SQL Server only: also rebuild indexes of at least ``min_bloat_bytes``
-            whose leaf level is at least this many percent fragmented.
-        :param horizon_min_age_s: before each online operation, look for transactions open longer than
+        :param reindex_fragmentation_pct: SQL Server only: also rebuild indexes of at least
+            ``reindex_min_bytes`` whose leaf level is at least this many percent fragmented.
+        :param horizon_min_age: seconds; before each online operation, look for transactions open longer than
             this (:meth:`xmin_holders`; replication slots aside, which it does not wait for): an online
             rebuild waits for every transaction older than itself, so while there is one it would queue
-            behind it until ``timeout_s``. The operation is then not run, and its action says so
+            behind it until ``reindex_timeout``. The operation is then not run, and its action says so
             (``skip``, ``ok`` false, with the holders in ``error``); the next run tries again. ``None``
             (the default when called alone) does not look.
         """
         return self._reindexer.rebuild(
-            bloat_ratio=bloat_ratio,
-            min_bloat_bytes=min_bloat_bytes,
-            timeout_s=timeout_s,
+            bloat_ratio=reindex_bloat_ratio,
+            min_bloat_bytes=reindex_min_bytes,
+            timeout_s=reindex_timeout,
             analyze=analyze,
             only=only,
-            lock_wait_s=lock_wait_s,
-            fragmentation_pct=fragmentation_pct,
-            horizon_min_age_s=horizon_min_age_s,
+            lock_wait_s=lock_wait,
+            fragmentation_pct=reindex_fragmentation_pct,
+            horizon_min_age_s=horizon_min_age,
         )
 
+    @renamed_kwargs(
+        bloat_ratio="compact_bloat_ratio",
+        min_bloat_bytes="compact_min_bytes",
+        lock_timeout_s="compact_lock_timeout",
+        timeout_s="compact_timeout",
+        lock_wait_s="lock_wait",
+        horizon_min_age_s="compact_horizon_min_age",
+    )
     def compact_rings(
         self,
         *,
-        bloat_ratio: float = COMPACT_BLOAT_RATIO,
-        min_bloat_bytes: int = COMPACT_MIN_BYTES,
-        lock_timeout_s: float = COMPACT_LOCK_TIMEOUT_S,
-        timeout_s: float = REINDEX_TIMEOUT_S,
-        lock_wait_s: float = 0.0,
-        horizon_min_age_s: float = COMPACT_HORIZON_MIN_AGE_S,
+        compact_bloat_ratio: float = COMPACT_BLOAT_RATIO,
+        compact_min_bytes: int = COMPACT_MIN_BYTES,
+        compact_lock_timeout: float = COMPACT_LOCK_TIMEOUT_S,
+        compact_timeout: float = COMPACT_TIMEOUT_S,
+        lock_wait: float = 0.0,
+        compact_horizon_min_age: float = COMPACT_HORIZON_MIN_AGE_S,
         only: Sequence[str] | None = None,
     ) -> dict[str, Any]:
         """Rewrite the ring's tables that outgrew their size back to it (PostgreSQL): ``VACUUM FULL``.
@@ -284,16 +324,17 @@ class Maintenance:
         as VACUUM can remove old row versions. While a transaction holds back the xmin horizon it
         cannot; new versions then go to new pages, and the table stays that size after the horizon
         moves on (VACUUM frees the pages for reuse, it does not give them back). This step rewrites
-        ``ring_slots`` when it is at least ``bloat_ratio`` times its laid-out size and
-        ``min_bloat_bytes`` above it; and ``ring_lanes``, ``ring_leases`` and ``ring_retry`` on the same
+        ``ring_slots`` when it is at least ``compact_bloat_ratio`` times its laid-out size and
+        ``compact_min_bytes`` above it; and ``ring_lanes``, ``ring_leases`` and ``ring_retry`` on the same
         rule against their live rows at their fillfactor. The rewrite packs the slots as they are
         (the slots of smaller payloads share pages); pushes of larger payloads then grow it a little.
 
         ``VACUUM FULL`` holds an ACCESS EXCLUSIVE lock for its whole run: every push and pop of every
         ring of the schema waits for it (a pop that waits past its 1 s lock timeout returns nothing).
-        It waits at most ``lock_timeout_s`` for the lock (queued behind it, pushes and pops wait
-        too), then gives up and the next run tries again; ``timeout_s`` bounds the rewrite. It is not
-        run while a transaction open longer than ``horizon_min_age_s`` holds the horizon: the rewrite
+        It waits at most ``compact_lock_timeout`` seconds for the lock (queued behind it, pushes and
+        pops wait too), then gives up and the next run tries again; ``compact_timeout`` seconds bound
+        the rewrite. It is not run while a transaction open longer than ``compact_horizon_min_age``
+        seconds holds the horizon: the rewrite
         would keep every row version that transaction may still see (:meth:`xmin_holders`).
 
         :param only: rewrite exactly these tables (of :data:`RING_TABLES`), grown or not.
@@ -301,36 +342,37 @@ class Maintenance:
             "expected_bytes", "reason", "error"}]}``, or ``{"skipped": ...}``.
         """
         return self._compactor.compact(
-            bloat_ratio=bloat_ratio,
-            min_bloat_bytes=min_bloat_bytes,
-            lock_timeout_s=lock_timeout_s,
-            timeout_s=timeout_s,
-            lock_wait_s=lock_wait_s,
-            horizon_min_age_s=horizon_min_age_s,
+            bloat_ratio=compact_bloat_ratio,
+            min_bloat_bytes=compact_min_bytes,
+            lock_timeout_s=compact_lock_timeout,
+            timeout_s=compact_timeout,
+            lock_wait_s=lock_wait,
+            horizon_min_age_s=compact_horizon_min_age,
             only=only,
         )
 
+    @renamed_kwargs(rate_window_s="rate_window", horizon_min_age_s="horizon_min_age")
     def metrics(
         self,
         queues: Sequence[str] | None = None,
         *,
-        rate_window_s: float = RATE_WINDOW_S,
-        horizon_min_age_s: float = HORIZON_MIN_AGE_S,
+        rate_window: float = RATE_WINDOW_S,
+        horizon_min_age: float = HORIZON_MIN_AGE_S,
         horizon_min_xid_age: int = HORIZON_MIN_XID_AGE,
     ) -> dict[str, Any]:
         """Return the schema's queue metrics as a JSON-safe dict (for logs, XCom and a metrics system).
 
         ``queues``: by queue, depth by state (``ready``, ``delayed``, ``in_flight``, ``failed``,
         ``finished`` waiting for the archiver), ``oldest_ready_age_s``, and ``pushed_per_s`` and
-        ``finished_per_s`` over the last ``rate_window_s`` seconds. ``tables``: sizes, live and dead
+        ``finished_per_s`` over the last ``rate_window`` seconds. ``tables``: sizes, live and dead
         rows. ``indexes``: sizes and bloat estimates. ``xmin_holders``: what holds back VACUUM.
         """
         return collect_metrics(
             self._db,
             self._queues,
             queues,
-            rate_window_s=rate_window_s,
-            horizon_min_age_s=horizon_min_age_s,
+            rate_window_s=rate_window,
+            horizon_min_age_s=horizon_min_age,
             horizon_min_xid_age=horizon_min_xid_age,
         )
 
@@ -397,7 +439,9 @@ class Maintenance:
     # returns None when its setting turns it off.
 
     def _check_horizon_step(self, cfg: MaintenanceConfig, notes: list[str]) -> dict[str, Any]:
-        holders = self.check_horizon(min_age_s=cfg.horizon_min_age_s, min_xid_age=cfg.horizon_min_xid_age)
+        holders = self.check_horizon(
+            horizon_min_age=cfg.horizon_min_age_s, horizon_min_xid_age=cfg.horizon_min_xid_age
+        )
         return {"xmin_holders": [h.as_dict() for h in holders]}
 
     def _upkeep_step(self, cfg: MaintenanceConfig, notes: list[str]) -> dict[str, Any]:
@@ -406,50 +450,50 @@ class Maintenance:
     def _archive_step(self, cfg: MaintenanceConfig, notes: list[str]) -> dict[str, Any]:
         batch: dict[str, Any] = {
             "batch_size": cfg.batch_size,
-            "pause_s": cfg.pause_s,
-            "time_budget_s": cfg.time_budget_s,
+            "pause": cfg.pause_s,
+            "time_budget": cfg.time_budget_s,
             "queues": _queues(cfg),
-            "lock_wait_s": cfg.lock_wait_s,
+            "lock_wait": cfg.lock_wait_s,
         }
-        archived = self.archive(older_than_s=cfg.archive_after_s, **batch)
+        archived = self.archive(archive_after=cfg.archive_after_s, **batch)
         notes += archived.notes
         purged = None
         if archived.skipped is None and cfg.archive_retention_s is not None:
-            purged = self.purge_archive(older_than_s=cfg.archive_retention_s, **batch).as_dict()
+            purged = self.purge_archive(archive_retention=cfg.archive_retention_s, **batch).as_dict()
         return {"archive": archived.as_dict(), "purge_archive": purged}
 
     def _vacuum_step(self, cfg: MaintenanceConfig, notes: list[str]) -> dict[str, Any] | None:
-        return self.vacuum(lock_wait_s=cfg.lock_wait_s) if cfg.vacuum else None
+        return self.vacuum(lock_wait=cfg.lock_wait_s) if cfg.vacuum else None
 
     def _compact_step(self, cfg: MaintenanceConfig, notes: list[str]) -> dict[str, Any] | None:
         if not cfg.compact_rings:
             return None
         return self.compact_rings(
-            bloat_ratio=cfg.compact_bloat_ratio,
-            min_bloat_bytes=cfg.compact_min_bytes,
-            lock_timeout_s=cfg.compact_lock_timeout_s,
-            lock_wait_s=cfg.lock_wait_s,
-            horizon_min_age_s=min(cfg.horizon_min_age_s, COMPACT_HORIZON_MIN_AGE_S),
+            compact_bloat_ratio=cfg.compact_bloat_ratio,
+            compact_min_bytes=cfg.compact_min_bytes,
+            compact_lock_timeout=cfg.compact_lock_timeout_s,
+            lock_wait=cfg.lock_wait_s,
+            compact_horizon_min_age=min(cfg.horizon_min_age_s, COMPACT_HORIZON_MIN_AGE_S),
         )
 
     def _reindex_step(self, cfg: MaintenanceConfig, notes: list[str]) -> dict[str, Any] | None:
         if not cfg.reindex:
             return None
         return self.rebuild_indexes(
-            bloat_ratio=cfg.reindex_bloat_ratio,
-            min_bloat_bytes=cfg.reindex_min_bytes,
-            timeout_s=cfg.reindex_timeout_s,
+            reindex_bloat_ratio=cfg.reindex_bloat_ratio,
+            reindex_min_bytes=cfg.reindex_min_bytes,
+            reindex_timeout=cfg.reindex_timeout_s,
             analyze=not cfg.vacuum,  # the vacuum step analyzed the tables already
-            lock_wait_s=cfg.lock_wait_s,
-            fragmentation_pct=cfg.reindex_fragmentation_pct,
-            horizon_min_age_s=cfg.horizon_min_age_s,
+            lock_wait=cfg.lock_wait_s,
+            reindex_fragmentation_pct=cfg.reindex_fragmentation_pct,
+            horizon_min_age=cfg.horizon_min_age_s,
         )
 
     def _metrics_step(self, cfg: MaintenanceConfig, notes: list[str]) -> dict[str, Any]:
         out = self.metrics(
             _queues(cfg),
-            rate_window_s=cfg.rate_window_s,
-            horizon_min_age_s=cfg.horizon_min_age_s,
+            rate_window=cfg.rate_window_s,
+            horizon_min_age=cfg.horizon_min_age_s,
             horizon_min_xid_age=cfg.horizon_min_xid_age,
         )
         notes += out["notes"]

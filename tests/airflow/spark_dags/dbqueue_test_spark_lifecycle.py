@@ -27,7 +27,7 @@ with DAG(dag_id="dbqueue_test_spark_heartbeat", schedule=None, catchup=False):
         application=JOB,
         application_args=["12"],
         max_messages=50,
-        lease_timeout=3,
+        visibility_timeout=3,
     )
 
 with DAG(dag_id="dbqueue_test_spark_timeout", schedule=None, catchup=False):
@@ -39,7 +39,7 @@ with DAG(dag_id="dbqueue_test_spark_timeout", schedule=None, catchup=False):
         application=JOB,
         application_args=["600"],
         max_messages=50,
-        lease_timeout=300,
+        visibility_timeout=300,
         execution_timeout=dt.timedelta(seconds=15),
         retries=0,
     )
@@ -117,7 +117,7 @@ with DAG(dag_id="dbqueue_test_spark_killed_try", schedule=None, catchup=False):
         application_args=[str(STAGING)],
         max_messages=50,
         max_batches=3,
-        lease_timeout=120,
+        visibility_timeout=120,
         publish=_publish,
         discard=_discard,
     )
@@ -143,7 +143,7 @@ with DAG(dag_id="dbqueue_test_spark_zombie_claims", schedule=None, catchup=False
         application_args=[str(STAGING)],
         max_messages=20,
         max_batches=1,
-        lease_timeout=120,
+        visibility_timeout=120,
         publish=_publish_while_an_earlier_try_claims,
         discard=_discard,
         retries=1,
@@ -164,7 +164,7 @@ for path, spark_conn_id in (("submit", "spark_default"), ("connect", "spark_conn
             application_args=[str(STAGING), "--kill-task-once"],
             max_messages=50,
             max_batches=2,
-            lease_timeout=600,
+            visibility_timeout=600,
             publish=_publish,
             discard=_discard,
             spark_conn_id=spark_conn_id,
