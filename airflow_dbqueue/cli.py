@@ -48,6 +48,7 @@ from airflow_dbqueue.engine import (
     GroupNotFoundError,
     MaintenanceConfig,
 )
+from airflow_dbqueue.engine.access import ACTIONS
 from airflow_dbqueue.engine.dialects.base import DEFAULT_SCHEMA
 from airflow_dbqueue.engine.maintenance import config as defaults
 from airflow_dbqueue.engine.models import DEFAULT_MAX_ATTEMPTS, DEFAULT_VISIBILITY_TIMEOUT_S, GroupInfo
@@ -232,6 +233,24 @@ def _cmd_drop_group(dbq: DbQueue, args: argparse.Namespace) -> int:
     q = _ring(dbq, args.queue)
     dropped = q.drop_group(args.group, missing_ok=args.missing_ok)
     _say(json.dumps({"queue": q.name, "group": args.group, "dropped": dropped}))
+    return 0
+
+
+def _cmd_grant(dbq: DbQueue, args: argparse.Namespace) -> int:
+    added = dbq.grant(args.role, args.queue, args.actions)
+    _say(json.dumps({"role": args.role, "queue": args.queue, "granted": added}))
+    return 0
+
+
+def _cmd_revoke(dbq: DbQueue, args: argparse.Namespace) -> int:
+    removed = dbq.revoke(args.role, args.queue, args.actions)
+    _say(json.dumps({"role": args.role, "queue": args.queue, "revoked": removed}))
+    return 0
+
+
+def _cmd_grants(dbq: DbQueue, args: argparse.Namespace) -> int:
+    for role, queue, action in dbq.grants():
+        _say(json.dumps({"role": role, "queue": queue, "action": action}))
     return 0
 
 
@@ -506,6 +525,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("init", help="create or migrate the schema")
     _queue_commands(sub)
     _group_commands(sub)
+    for name, verb in (("grant", "let a database role take actions"), ("revoke", "take actions back")):
+        c = sub.add_parser(name, help=f"{verb} on a queue, or on every queue (PostgreSQL)")
+        c.add_argument("role", help="a database role (CREATE ROLE first)")
+        c.add_argument("--queue", help="one queue (default: every queue, present and future)")
+        c.add_argument(
+            "--actions",
+            default="push" if name == "grant" else ",".join(ACTIONS),
+            help="comma-separated: push, pop (implies read), read, admin (implies pop and read)",
+        )
+    sub.add_parser("grants", help="every grant (JSON lines: role, queue or null for every queue, action)")
     c = sub.add_parser("archive", help="archive finished messages in batches (and apply a retention)")
     _batch_options(c)
     c = sub.add_parser("maintain", help="run every maintenance step once (archive, VACUUM, reindex, ...)")
@@ -553,6 +582,9 @@ COMMANDS = {
     "groups": _cmd_groups,
     "add-group": _cmd_add_group,
     "drop-group": _cmd_drop_group,
+    "grant": _cmd_grant,
+    "revoke": _cmd_revoke,
+    "grants": _cmd_grants,
     "archive": _cmd_archive,
     "maintain": _cmd_maintain,
     "metrics": _cmd_metrics,

@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from airflow_dbqueue.engine.access import ACTIONS, check_actions
 from airflow_dbqueue.engine.dialects.base import CONNECT_TIMEOUT_S, DEFAULT_SCHEMA, Database, DbConnection
 from airflow_dbqueue.engine.dialects.factory import make_database
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
+    PermissionDeniedError,
     QueueExistsError,
     QueueNotFoundError,
 )
@@ -68,7 +70,7 @@ _SETTINGS_COLUMNS = (
 
 
 def _settings_from_row(row: tuple[Any, ...]) -> QueueSettings:
-    d = dict(zip(_SETTINGS_COLUMNS, row, strict=True))
+    d = dict(zip(_SETTINGS_COLUMNS, row[: len(_SETTINGS_COLUMNS)], strict=True))
     return QueueSettings(
         name=d["name"],
         queue_id=d["queue_id"],
@@ -356,6 +358,21 @@ class DbQueue:
             capacity=capacity,
             lanes=lanes,
         )
+        if "admin" not in self.db.actions_on(None):
+            # A role that may not create queues may still declare one that exists as it wants it.
+            try:
+                queue = self.queue(name)
+            except QueueNotFoundError:
+                raise PermissionDeniedError(
+                    f"creating queue {name!r} needs 'admin' on every queue of schema {self.schema!r}, "
+                    "which the connection's role does not hold (DbQueue.grant(role, None, ['admin']))",
+                    queue=name,
+                    action="admin",
+                ) from None
+            if not exist_ok:
+                raise QueueExistsError(f"queue {name!r} already exists in schema {self.schema!r}")
+            _check_same_settings(queue.settings, wanted, self.schema)
+            return queue
         created = self._insert_queue(wanted)
         self._queues.pop(name, None)
         queue = self.queue(name)
@@ -386,6 +403,7 @@ class DbQueue:
                     },
                     conn,
                 )
+                self.db.grant_new_ring(conn, created[0])
         return created
 
     def queue(self, name: str) -> Queue:
@@ -396,6 +414,10 @@ class DbQueue:
             if row is None:
                 raise QueueNotFoundError(name, self.schema)
             q = self._open(_settings_from_row(row))
+            # What the connection's role may do to it (a column of its own on PostgreSQL): the handle
+            # refuses the rest before sending anything; the database's policies refuse it anyway.
+            actions = row[len(_SETTINGS_COLUMNS)] if len(row) > len(_SETTINGS_COLUMNS) else None
+            q.restrict(None if actions is None or set(ACTIONS) <= set(actions) else frozenset(actions))
             self._queues[name] = q
         return q
 
@@ -432,6 +454,7 @@ class DbQueue:
             if missing_ok:
                 return False
             raise
+        q.require("admin")
         self._queues.pop(name, None)
         params = {"queue_id": q.settings.queue_id}
         with self.db.transaction() as conn:
@@ -453,8 +476,50 @@ class DbQueue:
         return Maintenance(self.db, self)
 
     def maintain(self, config: MaintenanceConfig | None = None) -> dict[str, Any]:
-        """Run every maintenance step once (see :meth:`Maintenance.run`); return the JSON-safe report."""
+        """Run every maintenance step once (see :meth:`Maintenance.run`); return the JSON-safe report.
+
+        The connection's role needs ``admin`` on every queue (:meth:`grant`)."""
+        self._require_everywhere("admin", "maintenance")
         return self.maintenance().run(config)
+
+    # -- least-privilege roles ---------------------------------------------------------------------
+
+    def grant(
+        self, role: str, queue: str | None = None, actions: Iterable[str] | str = ("push",)
+    ) -> list[str]:
+        """Let database role ``role`` take ``actions`` on queue ``queue`` (None: on every queue, present
+        and future); return the actions it did not hold before.
+
+        The actions: ``push``; ``pop`` (pop, ack, nack, claims and batches; implies ``read``); ``read``
+        (stats, peek, counts, failed messages); ``admin`` (create and drop queues, requeue and delete
+        failed messages, consumer groups, maintenance; implies ``pop`` and ``read``). The database
+        enforces them (row-level security on PostgreSQL): a role sees and changes only the rows of
+        queues it holds an action on. Only the schema's owner grants. PostgreSQL only.
+        """
+        wanted = check_actions(actions)
+        queue_id = None if queue is None else self.queue(queue).settings.queue_id
+        return self.db.grant(role, queue_id, wanted)
+
+    def revoke(
+        self, role: str, queue: str | None = None, actions: Iterable[str] | str = ACTIONS
+    ) -> list[str]:
+        """Take ``actions`` on ``queue`` (None: the grant on every queue) from ``role``; return the
+        actions it held. A role left with no grant loses every privilege the grants gave it."""
+        wanted = check_actions(actions)
+        queue_id = None if queue is None else self.queue(queue).settings.queue_id
+        return self.db.revoke(role, queue_id, wanted)
+
+    def grants(self) -> list[tuple[str, str | None, str]]:
+        """Every grant: ``(role, queue name or None for every queue, action)``."""
+        return self.db.list_grants()
+
+    def _require_everywhere(self, action: str, what: str) -> None:
+        if action not in self.db.actions_on(None):
+            raise PermissionDeniedError(
+                f"{what} needs {action!r} on every queue of schema {self.schema!r}, which the connection's "
+                "role does not hold (the schema's owner grants it: DbQueue.grant(role, None, ['admin']))",
+                action=action,
+            )
 
     # -- exactly-once ------------------------------------------------------------------------------
 

@@ -132,6 +132,16 @@ class DatabaseUnavailableError(DbQueueError, ConnectionError):
     """The database could not be reached, or the connection broke during the call."""
 
 
+class PermissionDeniedError(DbQueueError, PermissionError):
+    """The connection's role may not do this (``DbQueue.grant`` says who may): nothing was changed.
+    ``queue`` and ``action`` name what was refused, where the engine knows them."""
+
+    def __init__(self, message: str, *, queue: str | None = None, action: str | None = None) -> None:
+        super().__init__(message)
+        self.queue = queue
+        self.action = action
+
+
 class LoginError(DbQueueError):
     """The server (or the pooler in front of it) refused the connection for a reason that waiting does
     not mend: the database or the role does not exist, the password is wrong, or no ``pg_hba.conf``

@@ -11,7 +11,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from airflow_dbqueue.engine.errors import ConfigurationError, NotSupportedError, TransactionRequiredError
+from airflow_dbqueue.engine.access import guard_methods
+from airflow_dbqueue.engine.errors import (
+    ConfigurationError,
+    NotSupportedError,
+    PermissionDeniedError,
+    TransactionRequiredError,
+)
 from airflow_dbqueue.engine.models import (
     RING_DEFAULT_LAG_TIMEOUT_S,
     Batch,
@@ -82,11 +88,33 @@ class Queue(abc.ABC):
 
     reclaim_every: float
     """Seconds between the reclaims of expired leases that pops run first (at most this often)."""
+    _may: frozenset[str] | None = None
+    """The actions the connection's role may take on this queue (None: every one, as its owner)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        guard_methods(cls)
 
     def __init__(self, db: Database, settings: QueueSettings) -> None:
         self._db = db
         self.settings = settings
         self.name = settings.name
+
+    def restrict(self, actions: frozenset[str] | None) -> None:
+        """Let this handle take only ``actions`` (None: every action), as the role may."""
+        self._may = actions
+
+    def require(self, action: str) -> None:
+        """Raise :class:`PermissionDeniedError` unless the connection's role may take ``action`` on
+        this queue (see :data:`~airflow_dbqueue.engine.access.NEEDED_BY`); nothing is sent."""
+        if self._may is not None and action not in self._may:
+            raise PermissionDeniedError(
+                f"queue {self.name!r}: the connection's role may not {action} here (it may "
+                f"{', '.join(sorted(self._may)) or 'nothing'}); the schema's owner grants actions with "
+                "DbQueue.grant",
+                queue=self.name,
+                action=action,
+            )
 
     @property
     def reclaim_every_s(self) -> float:
@@ -543,3 +571,6 @@ class Queue(abc.ABC):
 
 
 _NO_TIME = dt.datetime.min.replace(tzinfo=dt.UTC)
+
+
+guard_methods(Queue)

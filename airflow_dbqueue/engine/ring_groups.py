@@ -43,6 +43,7 @@ class RingGroups(RingBase):
             if row[0] != self._qid and row[1] == name:
                 handle = type(self)(self._db, self.settings, group=name, gid=int(row[0]))
                 handle._root = root
+                handle._may = root._may  # what the role may do to the ring, it may do to its groups
                 handle.push_timeout, handle.gap_timeout = root.push_timeout, root.gap_timeout
                 with root._lock:
                     return root._groups.setdefault(name, handle)

@@ -41,6 +41,7 @@ from airflow_dbqueue.engine import (
     DbQueueError,
     FailedMessage,
     PayloadType,
+    PermissionDeniedError,
     QueueNotFoundError,
 )
 from airflow_dbqueue.engine.maintenance.config import RATE_WINDOW_S
@@ -189,6 +190,8 @@ def engine(conn: Connection) -> Iterator[DbQueue]:
         yield dbq
     except QueueNotFoundError as exc:
         raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from None
+    except PermissionDeniedError as exc:  # the connection's database role may not do this
+        raise HTTPException(status.HTTP_403_FORBIDDEN, str(exc)) from None
     except DatabaseUnavailableError as exc:
         raise HTTPException(status.HTTP_503_SERVICE_UNAVAILABLE, str(exc)) from None
     except (ConfigurationError, ValueError) as exc:

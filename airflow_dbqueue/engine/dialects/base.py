@@ -148,6 +148,33 @@ class Database(NamedStatements, Protocol):
 
     def channel(self, queue_id: int) -> str: ...
 
+    # -- least-privilege roles ---------------------------------------------------------------------
+
+    def grant(self, role: str, queue_id: int | None, actions: Sequence[str]) -> list[str]:
+        """Let ``role`` take ``actions`` on queue ``queue_id`` (None: every queue); the actions added."""
+        ...
+
+    def revoke(self, role: str, queue_id: int | None, actions: Sequence[str]) -> list[str]:
+        """Take ``actions`` on ``queue_id`` from ``role``; the actions it held."""
+        ...
+
+    def list_grants(self) -> list[tuple[str, str | None, str]]:
+        """Every grant: ``(role, queue name or None for every queue, action)``."""
+        ...
+
+    def actions_on(self, queue_id: int | None) -> frozenset[str]:
+        """What the session's role may do to queue ``queue_id`` (None: to every queue)."""
+        ...
+
+    def sees_all_activity(self) -> bool:
+        """Whether the session's role sees every other session's transaction (PostgreSQL: superuser or
+        ``pg_read_all_stats``, which ``pg_monitor`` has), which the horizon check needs."""
+        ...
+
+    def grant_new_ring(self, conn: DbConnection, queue_id: int) -> None:
+        """Give a ring just made in ``conn``'s transaction to the roles that hold an action on every queue."""
+        ...
+
     def listening(self, channel: str) -> contextlib.AbstractContextManager[Any]: ...
 
     # -- async observers (a trigger, a deferrable sensor) ------------------------------------------

@@ -439,6 +439,13 @@ class Maintenance:
     # returns None when its setting turns it off.
 
     def _check_horizon_step(self, cfg: MaintenanceConfig, notes: list[str]) -> dict[str, Any]:
+        if not self._db.sees_all_activity():
+            note = (
+                "the horizon check sees only the sessions of the maintenance's own role: grant it "
+                "pg_monitor (or pg_read_all_stats) to see every session that holds the horizon back"
+            )
+            log.warning("dbqueue: %s", note)
+            notes.append(note)
         holders = self.check_horizon(
             horizon_min_age=cfg.horizon_min_age_s, horizon_min_xid_age=cfg.horizon_min_xid_age
         )

@@ -465,6 +465,31 @@ class MssqlDatabase(MssqlSchema, MssqlMaintenance):
         """A name for the queue's wake-ups; SQL Server has none, so waiting pops poll."""
         return f"dbq.{self.schema}.{queue_id}"
 
+    _NO_GRANTS = (
+        "per-queue grants are PostgreSQL's (row-level security); on SQL Server give a role the "
+        "schema's privileges (GRANT ... ON SCHEMA::...) instead"
+    )
+
+    def grant(self, role: str, queue_id: int | None, actions: Sequence[str]) -> list[str]:
+        raise NotSupportedError(self._NO_GRANTS)
+
+    def revoke(self, role: str, queue_id: int | None, actions: Sequence[str]) -> list[str]:
+        raise NotSupportedError(self._NO_GRANTS)
+
+    def list_grants(self) -> list[tuple[str, str | None, str]]:
+        return []
+
+    def actions_on(self, queue_id: int | None) -> frozenset[str]:
+        """Every action: the database's own privileges decide (no per-queue grants here)."""
+        return frozenset(("push", "pop", "read", "admin"))
+
+    def grant_new_ring(self, conn: Any, queue_id: int) -> None:
+        return None
+
+    def sees_all_activity(self) -> bool:
+        """VIEW SERVER STATE decides what the horizon check sees; its queries say so when refused."""
+        return True
+
     def listening(self, channel: str) -> contextlib.AbstractContextManager[Any]:
         """SQL Server has no LISTEN/NOTIFY: waiting pops poll instead."""
         raise NotSupportedError("SQL Server has no LISTEN/NOTIFY; waiting pops poll")

@@ -32,6 +32,7 @@ from airflow_dbqueue.engine.dialects.base import (
 )
 from airflow_dbqueue.engine.dialects.postgres.conninfo import check_dsn, describe_dsn
 from airflow_dbqueue.engine.dialects.postgres.errors import refused_login, translate
+from airflow_dbqueue.engine.dialects.postgres.grants import PostgresGrants
 from airflow_dbqueue.engine.dialects.postgres.hub import NotifyHub
 from airflow_dbqueue.engine.dialects.postgres.maintenance import PostgresMaintenance
 from airflow_dbqueue.engine.dialects.postgres.notify import PostgresNotify
@@ -56,7 +57,7 @@ _WARNED_POLLING: set[str] = set()
 """The transaction poolers this process was warned about (no listen_dsn): once each."""
 
 
-class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance):
+class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance, PostgresGrants):
     """A dbqueue schema on one PostgreSQL database.
 
     The pool is created closed and opened on first use: constructing this object does no I/O.

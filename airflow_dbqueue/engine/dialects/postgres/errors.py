@@ -17,6 +17,7 @@ from airflow_dbqueue.engine.errors import (
     DeadlockError,
     LockTimeoutError,
     LoginError,
+    PermissionDeniedError,
     QueueFullError,
     ReceiptsNotHeldError,
     RingNumbersSkippedError,
@@ -114,6 +115,11 @@ def translate(exc: Exception, *, schema: str, where: str, connect_timeout: float
     lost = _connection_lost(exc, where)
     if lost is not None:
         return lost
+    if isinstance(exc, psycopg.errors.InsufficientPrivilege):
+        return PermissionDeniedError(
+            f"PostgreSQL at {where}: the connection's role may not do this ({primary(exc)}); the schema's "
+            "owner grants actions with DbQueue.grant"
+        )
     own = _RAISED_BY_FUNCTIONS.get(exc.sqlstate or "")
     if own is not None:  # raised on purpose by the server-side functions of functions.sql
         return own(exc.diag.message_primary or str(exc))

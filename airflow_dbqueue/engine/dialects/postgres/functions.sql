@@ -130,8 +130,8 @@ BEGIN
                    CASE WHEN octet_length(i.payload) <= 1900 THEN i.payload END
             FROM input i
         ), d AS (
-            INSERT INTO {schema}.data (id, payload)
-            SELECT i.id, i.payload FROM input i WHERE octet_length(i.payload) > 1900
+            INSERT INTO {schema}.data (id, queue_id, payload)
+            SELECT i.id, p_queue_id, i.payload FROM input i WHERE octet_length(i.payload) > 1900
         )
         SELECT i.id FROM input i ORDER BY i.ord;
     ELSE
@@ -145,8 +145,8 @@ BEGIN
                    CASE WHEN octet_length(i.payload) <= 1900 THEN i.payload END
             FROM input i
         ), d AS (
-            INSERT INTO {schema}.data (id, payload)
-            SELECT i.id, i.payload FROM input i WHERE octet_length(i.payload) > 1900
+            INSERT INTO {schema}.data (id, queue_id, payload)
+            SELECT i.id, p_queue_id, i.payload FROM input i WHERE octet_length(i.payload) > 1900
         ), n AS (
             SELECT pg_notify(p_channel, '') AS sent
             WHERE p_notify = 2 OR NOT EXISTS (
@@ -1393,4 +1393,60 @@ LANGUAGE sql STABLE AS $$
     JOIN {schema}.ring_retry r ON r.queue_id = p_gid
     JOIN {schema}.ring_slots s ON s.queue_id = g.queue_id AND s.slot = (r.id % g.capacity)::integer
     WHERE g.queue_id = p_queue_id AND r.state = 1
+$$;
+
+-- Grants (schema.sql's grants table and policies): the queues, and their consumer groups' gids, on
+-- which p_role (or a role it is a member of) holds p_action ('any': any action), every queue's when it
+-- holds it on every queue. An action implies another: admin implies pop and read, pop implies read.
+-- Security definer, for the policies of roles that may not read grants themselves; its search_path is
+-- pinned, so nothing a caller creates can stand in for what it calls.
+CREATE OR REPLACE FUNCTION {schema}.may(p_action text, p_role name)
+RETURNS integer[] LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    WITH held AS (
+        SELECT g.queue_id FROM {schema}.grants g
+        WHERE pg_has_role(p_role, g.role, 'USAGE')
+          AND (p_action = 'any' OR g.action = p_action
+               OR (p_action IN ('pop', 'read') AND g.action = 'admin')
+               OR (p_action = 'read' AND g.action = 'pop'))
+    ), ids AS (
+        SELECT q.queue_id FROM {schema}.queues q
+        WHERE EXISTS (SELECT 1 FROM held WHERE held.queue_id IS NULL)
+           OR q.queue_id IN (SELECT held.queue_id FROM held)
+    )
+    SELECT coalesce(array_agg(x), ARRAY[]::integer[]) FROM (
+        SELECT queue_id AS x FROM ids
+        UNION ALL
+        SELECT r.gid FROM {schema}.ring_groups r WHERE r.queue_id IN (SELECT queue_id FROM ids)) u
+$$;
+
+-- The roles that hold an action on queue p_queue_id or on every queue: a ring's sequences, made when it
+-- is created, go to them (its creator, who owns them, grants them).
+CREATE OR REPLACE FUNCTION {schema}.grantees(p_queue_id integer)
+RETURNS SETOF name LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT DISTINCT g.role FROM {schema}.grants g WHERE g.queue_id IS NULL OR g.queue_id = p_queue_id
+$$;
+
+-- Whether p_role holds p_action on every queue, present and future (a grant whose queue_id is NULL).
+CREATE OR REPLACE FUNCTION {schema}.may_all(p_action text, p_role name)
+RETURNS boolean LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT EXISTS (
+        SELECT 1 FROM {schema}.grants g
+        WHERE g.queue_id IS NULL AND pg_has_role(p_role, g.role, 'USAGE')
+          AND (g.action = p_action OR (p_action IN ('pop', 'read') AND g.action = 'admin')
+               OR (p_action = 'read' AND g.action = 'pop')))
+$$;
+
+-- The actions p_role may take on queue p_queue_id (NULL: on every queue): all four for the schema's
+-- owner and its members (and a superuser), whom the policies do not restrict.
+CREATE OR REPLACE FUNCTION {schema}.actions_on(p_queue_id integer, p_role name)
+RETURNS text[] LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT CASE
+        WHEN pg_has_role(p_role, (SELECT n.nspowner FROM pg_namespace n WHERE n.oid = '{schema}'::regnamespace), 'USAGE')
+          OR (SELECT r.rolsuper OR r.rolbypassrls FROM pg_roles r WHERE r.rolname = p_role)
+        THEN ARRAY['push', 'pop', 'read', 'admin']
+        ELSE ARRAY(
+            SELECT a FROM unnest(ARRAY['push', 'pop', 'read', 'admin']) a
+            WHERE CASE WHEN p_queue_id IS NULL THEN {schema}.may_all(a, p_role)
+                       ELSE p_queue_id = ANY ({schema}.may(a, p_role)) END)
+    END
 $$;

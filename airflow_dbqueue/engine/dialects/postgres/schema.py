@@ -43,6 +43,12 @@ def schema_sql() -> tuple[int, str]:
     return declared_version(text, "schema.sql"), parse_named_queries(text)["schema"]
 
 
+def policies_sql() -> str:
+    """The row-level security of a fresh install (``schema.sql``'s block ``policies``): applied after
+    ``functions.sql``, whose functions its policies call."""
+    return parse_named_queries(read_text(_PKG, "schema.sql"))["policies"]
+
+
 def functions_sql() -> tuple[str, str, frozenset[str]]:
     """Return ``(sql, sha256, names)`` of ``functions.sql``: every function, ``CREATE OR REPLACE``."""
     text = read_text(_PKG, "functions.sql")
@@ -120,12 +126,7 @@ class PostgresSchema(_Base):
                         c.execute(self.compose(statement))
                     c.execute(self.query("record_version"), {"version": version})
                     log.info("upgraded dbqueue schema %s to version %s", self.schema, version)
-            c.execute(self.compose(functions))
-            owned = {(k, n) for k, n in c.execute(self.query("owned_objects"))}
-            for o in self._objects(c):
-                if o.kind == "function" and o.key in owned and o.name not in defined:
-                    c.execute(self.query("drop_owned_routine", {"routine": o.name}))
-                    c.execute(self.query("forget_owned"), {"kind": o.kind, "name": o.name})
+            self._apply_functions(c, functions, defined, fresh=current == 0)
             before_keys = {o.key for o in before}
             own = {o.key for o in self._objects(c) if o.key not in before_keys}
             if created_schema:
@@ -138,6 +139,20 @@ class PostgresSchema(_Base):
             if current:
                 log.info("applied the functions of dbqueue schema %s (%s)", self.schema, sha[:12])
         return latest
+
+    def _apply_functions(
+        self, c: psycopg.Connection[Any], functions: str, defined: frozenset[str], *, fresh: bool
+    ) -> None:
+        """Apply ``functions.sql`` (and on a fresh install the row-level security policies, which call
+        its functions), and drop an engine's function that the file no longer defines."""
+        c.execute(self.compose(functions))
+        if fresh:
+            c.execute(self.compose(policies_sql()))
+        owned = {(k, n) for k, n in c.execute(self.query("owned_objects"))}
+        for o in self._objects(c):
+            if o.kind == "function" and o.key in owned and o.name not in defined:
+                c.execute(self.query("drop_owned_routine", {"routine": o.name}))
+                c.execute(self.query("forget_owned"), {"kind": o.kind, "name": o.name})
 
     def _fetch_one(self, c: psycopg.Connection[Any], name: str) -> Any:
         row = c.execute(self.query(name), {"schema": self.schema}).fetchone()
@@ -186,8 +201,9 @@ class PostgresSchema(_Base):
                     c.execute(self.query("drop_owned_sequence", {"sequence": name}))
                 present = [o for o in self._objects(c) if o.key in owned]
                 for kind, query, ident in (
-                    ("function", "drop_owned_routine", "routine"),
+                    # tables first: their row-level security policies call the functions
                     ("table", "drop_owned_table", "table"),
+                    ("function", "drop_owned_routine", "routine"),
                     ("sequence", "drop_owned_sequence", "sequence"),
                 ):
                     for o in present:

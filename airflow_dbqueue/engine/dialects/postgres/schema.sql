@@ -109,6 +109,7 @@ CREATE INDEX meta_failed_idx ON {schema}.meta (queue_id, id) WHERE state = 2;
 -- only after a claim, when the meta or done row has no payload of its own.
 CREATE TABLE {schema}.data (
     id bigint NOT NULL,
+    queue_id integer NOT NULL,
     payload bytea NOT NULL,
     CONSTRAINT data_pkey PRIMARY KEY (id)
 ) WITH (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
@@ -296,3 +297,97 @@ CREATE TABLE {schema}.ring_groups (
 -- another.
 CREATE SEQUENCE {schema}.group_gids AS integer MINVALUE 1;
 
+-- Who may do what to which queue, for roles other than the schema's owner (DbQueue.grant): action is
+-- push, pop (pop, ack, nack, claims and batches), read (stats, peek, failed messages) or admin (create
+-- and drop queues, requeue and delete failed messages, maintenance); queue_id NULL: every queue,
+-- present and future. Roles read it only through the functions may and may_all (functions.sql), which
+-- the row-level security policies below call.
+CREATE TABLE {schema}.grants (
+    role name NOT NULL,
+    queue_id integer,
+    action text NOT NULL,
+    CONSTRAINT grants_action_valid CHECK (action IN ('push', 'pop', 'read', 'admin')),
+    CONSTRAINT grants_key UNIQUE NULLS NOT DISTINCT (role, queue_id, action)
+);
+
+-- name: policies
+-- Row-level security: a role other than the owner sees and changes only the rows of the queues it was
+-- granted an action on, whatever it runs (the engine's statements, its functions, or SQL of its own).
+-- The owner (and its members) are not subject to these policies, so its statements cost what they
+-- cost without them. Each policy asks may() once a statement (a scalar subquery becomes an InitPlan),
+-- never once a row. Applied by install() after functions.sql, on a fresh install (policies, like
+-- constraints, change only with a release's migration).
+ALTER TABLE {schema}.queues ENABLE ROW LEVEL SECURITY;
+CREATE POLICY queues_see ON {schema}.queues FOR SELECT USING (
+    queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));
+CREATE POLICY queues_admin ON {schema}.queues FOR ALL USING (
+    (SELECT {schema}.may_all('admin', current_user)) OR queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]))
+    WITH CHECK ((SELECT {schema}.may_all('admin', current_user)) OR queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]));
+
+ALTER TABLE {schema}.meta ENABLE ROW LEVEL SECURITY;
+CREATE POLICY meta_see ON {schema}.meta FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));
+CREATE POLICY meta_push ON {schema}.meta FOR INSERT WITH CHECK (queue_id = ANY ((SELECT {schema}.may('push', current_user))::integer[]));
+CREATE POLICY meta_pop ON {schema}.meta FOR UPDATE USING (queue_id = ANY ((SELECT {schema}.may('pop', current_user))::integer[]));
+CREATE POLICY meta_take ON {schema}.meta FOR DELETE USING (queue_id = ANY ((SELECT {schema}.may('pop', current_user))::integer[]));
+
+ALTER TABLE {schema}.data ENABLE ROW LEVEL SECURITY;
+CREATE POLICY data_see ON {schema}.data FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));
+CREATE POLICY data_push ON {schema}.data FOR INSERT WITH CHECK (queue_id = ANY ((SELECT {schema}.may('push', current_user))::integer[]));
+CREATE POLICY data_take ON {schema}.data FOR DELETE USING (queue_id = ANY ((SELECT {schema}.may('pop', current_user))::integer[]));
+
+ALTER TABLE {schema}.done ENABLE ROW LEVEL SECURITY;
+CREATE POLICY done_see ON {schema}.done FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));
+CREATE POLICY done_pop ON {schema}.done FOR INSERT WITH CHECK (queue_id = ANY ((SELECT {schema}.may('pop', current_user))::integer[]));
+CREATE POLICY done_admin ON {schema}.done FOR DELETE USING (queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]));
+
+ALTER TABLE {schema}.archive ENABLE ROW LEVEL SECURITY;
+CREATE POLICY archive_see ON {schema}.archive FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));
+CREATE POLICY archive_admin ON {schema}.archive FOR ALL USING (queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]))
+    WITH CHECK (queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]));
+
+ALTER TABLE {schema}.batches ENABLE ROW LEVEL SECURITY;
+CREATE POLICY batches_see ON {schema}.batches FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));
+CREATE POLICY batches_pop ON {schema}.batches FOR ALL USING (queue_id = ANY ((SELECT {schema}.may('pop', current_user))::integer[]))
+    WITH CHECK (queue_id = ANY ((SELECT {schema}.may('pop', current_user))::integer[]));
+
+ALTER TABLE {schema}.rings ENABLE ROW LEVEL SECURITY;
+CREATE POLICY rings_see ON {schema}.rings FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));
+CREATE POLICY rings_admin ON {schema}.rings FOR ALL USING (
+    (SELECT {schema}.may_all('admin', current_user)) OR queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]))
+    WITH CHECK ((SELECT {schema}.may_all('admin', current_user)) OR queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]));
+
+ALTER TABLE {schema}.ring_slots ENABLE ROW LEVEL SECURITY;
+CREATE POLICY ring_slots_see ON {schema}.ring_slots FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));
+CREATE POLICY ring_slots_push ON {schema}.ring_slots FOR UPDATE USING (queue_id = ANY ((SELECT {schema}.may('push', current_user))::integer[]))
+    WITH CHECK (queue_id = ANY ((SELECT {schema}.may('push', current_user))::integer[]));
+CREATE POLICY ring_slots_admin ON {schema}.ring_slots FOR ALL USING (
+    (SELECT {schema}.may_all('admin', current_user)) OR queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]))
+    WITH CHECK ((SELECT {schema}.may_all('admin', current_user)) OR queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]));
+
+ALTER TABLE {schema}.ring_lanes ENABLE ROW LEVEL SECURITY;
+CREATE POLICY ring_lanes_see ON {schema}.ring_lanes FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));
+CREATE POLICY ring_lanes_pop ON {schema}.ring_lanes FOR UPDATE USING (queue_id = ANY ((SELECT {schema}.may('pop', current_user))::integer[]))
+    WITH CHECK (queue_id = ANY ((SELECT {schema}.may('pop', current_user))::integer[]));
+CREATE POLICY ring_lanes_admin ON {schema}.ring_lanes FOR ALL USING (
+    (SELECT {schema}.may_all('admin', current_user)) OR queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]))
+    WITH CHECK ((SELECT {schema}.may_all('admin', current_user)) OR queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]));
+
+ALTER TABLE {schema}.ring_leases ENABLE ROW LEVEL SECURITY;
+CREATE POLICY ring_leases_see ON {schema}.ring_leases FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));
+CREATE POLICY ring_leases_pop ON {schema}.ring_leases FOR ALL USING (queue_id = ANY ((SELECT {schema}.may('pop', current_user))::integer[]))
+    WITH CHECK (queue_id = ANY ((SELECT {schema}.may('pop', current_user))::integer[]));
+
+ALTER TABLE {schema}.ring_retry ENABLE ROW LEVEL SECURITY;
+CREATE POLICY ring_retry_see ON {schema}.ring_retry FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));
+CREATE POLICY ring_retry_pop ON {schema}.ring_retry FOR ALL USING (queue_id = ANY ((SELECT {schema}.may('pop', current_user))::integer[]))
+    WITH CHECK (queue_id = ANY ((SELECT {schema}.may('pop', current_user))::integer[]));
+
+ALTER TABLE {schema}.ring_failed ENABLE ROW LEVEL SECURITY;
+CREATE POLICY ring_failed_see ON {schema}.ring_failed FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));
+CREATE POLICY ring_failed_pop ON {schema}.ring_failed FOR ALL USING (queue_id = ANY ((SELECT {schema}.may('pop', current_user))::integer[]))
+    WITH CHECK (queue_id = ANY ((SELECT {schema}.may('pop', current_user))::integer[]));
+
+ALTER TABLE {schema}.ring_groups ENABLE ROW LEVEL SECURITY;
+CREATE POLICY ring_groups_see ON {schema}.ring_groups FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));
+CREATE POLICY ring_groups_admin ON {schema}.ring_groups FOR ALL USING (queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]))
+    WITH CHECK (queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]));

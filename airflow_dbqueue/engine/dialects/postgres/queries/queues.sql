@@ -92,7 +92,8 @@ RETURNING queue_id
 SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
        retry_backoff_s, retry_backoff_max_s, notify, archive,
        (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity,
-       (SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS lanes
+       (SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS lanes,
+       {schema}.actions_on(q.queue_id, current_user) AS actions
 FROM {schema}.queues q WHERE name = %(name)s
 
 -- name: list_queues
@@ -127,3 +128,56 @@ DELETE FROM {schema}.data WHERE id = ANY (ARRAY(SELECT id FROM f))
 WITH a AS (DELETE FROM {schema}.archive WHERE queue_id = %(queue_id)s),
      b AS (DELETE FROM {schema}.batches WHERE queue_id = %(queue_id)s)
 DELETE FROM {schema}.queues WHERE queue_id = %(queue_id)s RETURNING queue_id
+
+-- name: role_exists
+SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = %(role)s
+
+-- name: grants_add
+-- Record what a role may do (queue_id NULL: every queue); returns the rows it added.
+INSERT INTO {schema}.grants (role, queue_id, action)
+SELECT %(role)s, %(queue_id)s::integer, a FROM unnest(%(actions)s::text[]) a
+ON CONFLICT DO NOTHING
+RETURNING action
+
+-- name: grants_remove
+DELETE FROM {schema}.grants
+WHERE role = %(role)s AND queue_id IS NOT DISTINCT FROM %(queue_id)s::integer AND action = ANY (%(actions)s::text[])
+RETURNING action
+
+-- name: grants_list
+-- Every grant: (role, queue name or NULL for every queue, action).
+SELECT g.role, q.name, g.action
+FROM {schema}.grants g LEFT JOIN {schema}.queues q ON q.queue_id = g.queue_id
+ORDER BY g.role, q.name NULLS FIRST, g.action
+
+-- name: grants_of_role
+SELECT count(*) FROM {schema}.grants WHERE role = %(role)s
+
+-- name: grants_roles_of_queue
+-- The roles that hold an action on a queue (or on every queue): a new ring's sequences go to them.
+SELECT {schema}.grantees(%(queue_id)s::integer)
+
+-- name: actions_on
+-- What the session's role may do to a queue (NULL: to every queue).
+SELECT {schema}.actions_on(%(queue_id)s::integer, current_user)
+
+-- name: ring_sequences_of
+-- The rings' sequences (two a ring, in the schema), by name.
+SELECT c.relname
+FROM {schema}.rings r JOIN pg_catalog.pg_class c ON c.oid IN (r.push_seq, r.gap_seq)
+WHERE r.queue_id = ANY (%(queue_ids)s::integer[])
+
+-- name: owned_tables
+-- The engine's tables of this schema, by name (its catalogue).
+SELECT name FROM {schema}.owned_objects WHERE kind = 'table' ORDER BY name
+
+-- name: server_version_num
+SELECT current_setting('server_version_num')::integer
+
+-- name: list_ring_ids
+SELECT queue_id FROM {schema}.rings ORDER BY queue_id
+
+-- name: sees_all_activity
+-- Whether the session's role sees every session's transaction in pg_stat_activity.
+SELECT pg_has_role(current_user, 'pg_read_all_stats', 'USAGE')
+    OR (SELECT r.rolsuper FROM pg_catalog.pg_roles r WHERE r.rolname = current_user)

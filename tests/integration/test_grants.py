@@ -1,0 +1,241 @@
+"""Least-privilege roles: the schema's owner grants other roles actions per queue, and the database
+enforces them.
+
+Each test makes roles of its own (dropped afterwards) and connects as them (the embedded server trusts
+local logins). A role that attempts what it was not granted gets PermissionDeniedError naming the queue
+and the action, and the data is checked afterwards to be unchanged; a role that goes around the engine
+with SQL of its own finds the rows of other queues neither visible nor writable.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import psycopg.conninfo
+import pytest
+
+from airflow_dbqueue import cli
+from airflow_dbqueue.engine import ConfigurationError, DbQueue, PermissionDeniedError
+from tests.conftest import installed_dbq
+from tests.helpers import checksum
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def owner(pg_dsn: str, schema_name: str) -> Iterator[DbQueue]:
+    """The schema, installed by the test's superuser (its owner), with a table queue and a ring."""
+    with installed_dbq(pg_dsn, schema_name) as dbq:
+        dbq.create_queue("orders")
+        dbq.create_queue("events", design="ring", capacity=100)
+        dbq.create_queue("other")
+        yield dbq
+
+
+@pytest.fixture
+def role(pg_dsn: str) -> Iterator[Callable[[], str]]:
+    """Make login roles of the test's own (no privileges of their own); dropped afterwards."""
+    made: list[str] = []
+
+    def make() -> str:
+        name = f"dbq_role_{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            c.execute(f'CREATE ROLE "{name}" LOGIN')
+        made.append(name)
+        return name
+
+    yield make
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        for name in made:
+            c.execute(f'DROP OWNED BY "{name}"')
+            c.execute(f'DROP ROLE "{name}"')
+
+
+def as_role(pg_dsn: str, schema: str, role: str) -> DbQueue:
+    return DbQueue(psycopg.conninfo.make_conninfo(pg_dsn, user=role), schema=schema, pool_size=2)
+
+
+def _snapshot(owner: DbQueue) -> dict[str, Any]:
+    """What the owner sees of every queue: its counts and the payloads ready in it."""
+    out = {}
+    for name in ("orders", "events", "other"):
+        q = owner.queue(name)
+        s = q.stats()
+        out[name] = (s.ready, s.in_flight, s.failed, checksum(m.payload for m in q.peek(100)))
+    return out
+
+
+def test_a_role_with_push_on_one_queue(owner: DbQueue, role: Callable[[], str], pg_dsn: str) -> None:
+    pusher = role()
+    assert owner.grant(pusher, "orders", ["push"]) == ["push"]
+    owner.queue("other").push({"secret": 1})
+    with as_role(pg_dsn, owner.schema, pusher) as dbq:
+        q = dbq.queue("orders")
+        q.push_batch([{"n": 1}, {"n": 2}])
+        before = _snapshot(owner)
+        for call, action in (
+            (lambda: q.pop(1), "pop"),
+            (q.peek, "read"),
+            (q.stats, "read"),
+            (q.requeue_failed, "admin"),
+        ):
+            with pytest.raises(PermissionDeniedError) as refused:
+                call()
+            assert (refused.value.queue, refused.value.action) == ("orders", action)
+        # Another queue: it cannot even see it, through the engine or around it.
+        with pytest.raises(Exception, match="other"):
+            dbq.queue("other")
+        with pytest.raises(PermissionDeniedError, match="admin"):
+            dbq.create_queue("new_one")
+        with pytest.raises(PermissionDeniedError):
+            dbq.maintain()
+        assert _snapshot(owner) == before
+    assert [m.payload for m in owner.queue("orders").pop(10)] == [{"n": 1}, {"n": 2}]
+
+
+def test_sql_around_the_engine_sees_and_changes_only_granted_queues(
+    owner: DbQueue, role: Callable[[], str], pg_dsn: str
+) -> None:
+    """Enforced by the database: the role's own SQL reads no row of another queue, changes none, and
+    cannot call the engine's functions to push into another queue either."""
+    popper = role()
+    owner.grant(popper, "orders", ["pop"])
+    owner.queue("orders").push({"mine": 1})
+    owner.queue("other").push_batch([{"secret": 1}, {"secret": 2}])
+    other_id = owner.queue("other").settings.queue_id
+    before = _snapshot(owner)
+    s = owner.schema
+    with psycopg.connect(psycopg.conninfo.make_conninfo(pg_dsn, user=popper), autocommit=True) as c:
+        assert c.execute(f'SELECT count(*) FROM "{s}".meta WHERE queue_id = %s', (other_id,)).fetchone() == (
+            0,
+        )
+        assert c.execute(f'SELECT count(*) FROM "{s}".meta').fetchone() == (1,)
+        assert c.execute(f'SELECT name FROM "{s}".queues').fetchall() == [("orders",)]
+        assert c.execute(f'DELETE FROM "{s}".meta WHERE queue_id = %s', (other_id,)).rowcount == 0
+        # the engine's push function, called for a queue the role may not see, writes nothing
+        pushed = c.execute(
+            f'SELECT * FROM "{s}".table_push(%s, ARRAY[%s::bytea], 0::smallint, 0, 0, %s, true)',
+            (other_id, b'{"x": 1}', "ch"),
+        ).fetchall()
+        assert pushed == []
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            c.execute(f'SELECT * FROM "{s}".grants')
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            c.execute(f"INSERT INTO \"{s}\".grants VALUES (%s, NULL, 'admin')", (popper,))
+    assert _snapshot(owner) == before
+
+
+@pytest.mark.parametrize("design", ["table", "ring"])
+def test_each_action_does_what_it_grants(
+    owner: DbQueue, role: Callable[[], str], pg_dsn: str, design: str
+) -> None:
+    """push, pop, read and admin, each granted alone on one queue of each design: the role does what it
+    was granted, counted and checksummed, and is refused the rest."""
+    name = "events" if design == "ring" else "orders"
+    roles = {a: role() for a in ("push", "pop", "read", "admin")}
+    for action, r in roles.items():
+        owner.grant(r, name, [action])
+    sent = [{"i": i} for i in range(20)]
+    with as_role(pg_dsn, owner.schema, roles["push"]) as dbq:
+        dbq.queue(name).push_batch(sent)
+    with as_role(pg_dsn, owner.schema, roles["read"]) as dbq:
+        q = dbq.queue(name)
+        assert q.stats().ready == 20 and q.count_ready() == 20
+        assert checksum(m.payload for m in q.peek(100)) == checksum(sent)
+        with pytest.raises(PermissionDeniedError, match="may not pop"):
+            q.pop(1)
+        with pytest.raises(PermissionDeniedError, match="may not push"):
+            q.push({"no": 1})
+    with as_role(pg_dsn, owner.schema, roles["pop"]) as dbq:
+        q = dbq.queue(name)
+        got = q.pop(10, semantics="at-least-once")
+        assert q.ack(got) == 10
+        with dbq.transaction() as conn:
+            got += q.pop(10, semantics="exactly-once", conn=conn)
+        assert checksum(m.payload for m in got) == checksum(sent)
+        with pytest.raises(PermissionDeniedError, match="may not push"):
+            q.push({"no": 1})
+        with pytest.raises(PermissionDeniedError, match="may not admin"):
+            q.delete_failed()
+    with as_role(pg_dsn, owner.schema, roles["admin"]) as dbq:
+        q = dbq.queue(name)
+        with pytest.raises(PermissionDeniedError, match="may not push"):
+            q.push({"no": 1})
+        assert q.stats().ready == 0
+        assert q.requeue_failed() == 0
+        if design == "ring":
+            # a ring's sequences are its creator's: only the owner (or a member of it) drops it
+            with pytest.raises(PermissionDeniedError, match="owner of sequence"):
+                dbq.drop_queue(name)
+            assert name in [s.name for s in owner.list_queues()]
+            return
+        assert dbq.drop_queue(name) is True
+    assert name not in [s.name for s in owner.list_queues()]
+
+
+def test_grants_on_every_queue_reach_queues_made_later(
+    owner: DbQueue, role: Callable[[], str], pg_dsn: str
+) -> None:
+    admin, worker = role(), role()
+    owner.grant(admin, None, ["admin"])
+    owner.grant(worker, None, ["push", "pop"])
+    with as_role(pg_dsn, owner.schema, admin) as dbq:
+        dbq.create_queue("later")
+        dbq.create_queue("later_ring", design="ring", capacity=50)
+        report = dbq.maintain()
+        assert report["skipped"] is None
+        # without pg_monitor the horizon check sees only the role's own sessions, and says so
+        assert any("pg_monitor" in n for n in report["notes"]), report["notes"]
+    with as_role(pg_dsn, owner.schema, worker) as dbq:
+        for name in ("later", "later_ring", "orders"):
+            q = dbq.queue(name)
+            q.push_batch([1, 2, 3])
+            assert sorted(m.payload for m in q.pop(5)) == [1, 2, 3]
+        with pytest.raises(PermissionDeniedError):
+            dbq.queue("orders").requeue_failed()
+
+
+def test_revoke_takes_back_what_was_granted(owner: DbQueue, role: Callable[[], str], pg_dsn: str) -> None:
+    r = role()
+    owner.grant(r, "orders", ["push", "pop"])
+    assert sorted(owner.revoke(r, "orders", ["pop"])) == ["pop"]
+    assert owner.grants() == [(r, "orders", "push")]
+    with as_role(pg_dsn, owner.schema, r) as dbq:
+        q = dbq.queue("orders")
+        q.push(1)
+        with pytest.raises(PermissionDeniedError, match="may not pop"):
+            q.pop(1)
+    owner.revoke(r, "orders")
+    assert owner.grants() == []
+    with as_role(pg_dsn, owner.schema, r) as dbq, pytest.raises(PermissionDeniedError):
+        dbq.queue("orders")  # no privilege left on the schema at all
+    assert [m.payload for m in owner.queue("orders").pop(5)] == [1]
+
+
+def test_bad_grants_are_refused(owner: DbQueue, role: Callable[[], str]) -> None:
+    r = role()
+    with pytest.raises(ConfigurationError, match="'write' is not an action"):
+        owner.grant(r, "orders", ["write"])
+    with pytest.raises(ConfigurationError, match="does not exist on the server"):
+        owner.grant("no_such_role_here", "orders", ["push"])
+    with pytest.raises(Exception, match="nope"):
+        owner.grant(r, "nope", ["push"])
+    assert owner.grants() == []
+
+
+def test_the_grant_and_revoke_commands(
+    owner: DbQueue, role: Callable[[], str], pg_dsn: str, capsys: Any
+) -> None:
+    r = role()
+    base = ["--dsn", pg_dsn, "--schema", owner.schema]
+    assert cli.main([*base, "grant", r, "--queue", "orders", "--actions", "push,read"]) == 0
+    assert cli.main([*base, "grants"]) == 0
+    out = capsys.readouterr().out
+    assert r in out and "orders" in out and "push" in out
+    assert sorted((a for _, _, a in owner.grants())) == ["push", "read"]
+    assert cli.main([*base, "revoke", r, "--queue", "orders", "--actions", "push"]) == 0
+    assert owner.grants() == [(r, "orders", "read")]
+    assert cli.main([*base, "grant", r, "--actions", "fly"]) == 2
