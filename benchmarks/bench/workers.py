@@ -140,6 +140,9 @@ def _consume(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
     clock = time.perf_counter
     popped, phase = shm.popped, shm.phase
     pop_lat: list[tuple[float, float]] | None = [] if cfg.latencies else None
+    # pops that returned nothing: no part of the percentiles, but a pop that waited on a lock and then
+    # found nothing is still a long pop (the largest pop call of a --hold-horizon run)
+    empty_pop_lat: list[tuple[float, float]] | None = [] if cfg.latencies else None
     ack_lat: list[tuple[float, float]] | None = [] if cfg.latencies else None
     while phase.value != STOP:
         t = clock()
@@ -150,6 +153,8 @@ def _consume(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
         if pop_lat is not None and payloads:  # an empty pop measures nothing
             pop_lat.append((time.monotonic() - took, took))
         if not payloads:
+            if empty_pop_lat is not None:
+                empty_pop_lat.append((time.monotonic() - took, took))
             empty += 1
             time.sleep(0.001)
             continue
@@ -182,6 +187,7 @@ def _consume(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
         "ack_calls": ack_calls,
         "ack_s": ack_s,
         "pop_lat": pop_lat,
+        "empty_pop_lat": empty_pop_lat,
         "ack_lat": ack_lat,
     }
 
