@@ -179,6 +179,7 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
                 maintenance=maintenance_of(design),
                 maintenance_interval=args.maintenance_interval,
                 hold=args.hold_horizon > 0,
+                rate=args.rate,
             )
             runs[design].append(run)
             log(
@@ -256,6 +257,8 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
     if args.repeat > 1:
         out["cycles_per_s_runs"] = [round(r.cycles_per_s, 1) for r in runs[args.design]]
         out["baseline_cycles_per_s_runs"] = [round(r.cycles_per_s, 1) for r in runs[BASELINE]]
+    if args.rate:
+        out["rate"] = args.rate
     if args.hold_horizon > 0:
         out.update(hold_report(args, runs))
     out["valid"] = all(combine(rs).valid for rs in runs.values())
@@ -423,6 +426,25 @@ def server_info(dsn: str) -> dict[str, str]:
         return {n: str(conn.execute(f"SHOW {n}").fetchone()[0]) for n in names}  # type: ignore[index]
 
 
+def add_load_options(ap: argparse.ArgumentParser) -> None:
+    """--rate and --hold-horizon: what the run's load is, beside the point."""
+    ap.add_argument(
+        "--rate",
+        type=float,
+        help="messages a second all producers together push at most (default: as fast as they can)",
+    )
+    ap.add_argument(
+        "--hold-horizon",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="hold the xmin horizon (a REPEATABLE READ transaction with a snapshot, on a session of its "
+        "own) over a measured window of S seconds in every design's run, and report what it did: "
+        "cycles/s in the first and last 10 s, sizes and dead tuples before, during and after it, the "
+        "longest pop (default 0: no hold)",
+    )
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description="Full push-then-pop cycles/s of a queue design against the naive baseline.",
@@ -486,16 +508,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--backlog-cap", type=int, help="pause producers above this backlog (50 x batch x C)")
     ap.add_argument("--drain-timeout", type=float, default=120.0)
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    ap.add_argument(
-        "--hold-horizon",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="hold the xmin horizon (a REPEATABLE READ transaction with a snapshot, on a session of its "
-        "own) over a measured window of S seconds in every design's run, and report what it did: "
-        "cycles/s in the first and last 10 s, sizes and dead tuples before, during and after it, the "
-        "longest pop (default 0: no hold)",
-    )
+    add_load_options(ap)
     ap.add_argument(
         "--maintenance",
         action="store_true",
@@ -554,7 +567,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def check_window(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Set the measured window: --seconds (default 10), or with --hold-horizon its S seconds; refuse
-    what --hold-horizon does not go with."""
+    what --hold-horizon does not go with, and a --rate that is not positive."""
+    if args.rate is not None and args.rate <= 0:
+        ap.error("--rate must be > 0 (messages a second)")
     if not args.hold_horizon:
         if args.seconds is None:
             args.seconds = 10.0
@@ -624,6 +639,7 @@ def main(argv: list[str] | None = None) -> int:
                         if args.hold_horizon
                         else ""
                     )
+                    + (f" | producers paced at {args.rate:,.0f} messages/s" if args.rate else "")
                 )
                 print(table_header(), flush=True)
             for point in points:

@@ -107,8 +107,11 @@ def run_design(
     maintenance: MaintenanceConfig | None = None,
     maintenance_interval: float = 1.0,
     hold: bool = False,
+    rate: float | None = None,
 ) -> RunResult:
     """Measure one design at one point on a fresh schema (created here and dropped afterwards).
+
+    With ``rate``, the producers together push at most that many messages a second.
 
     With ``maintenance``, a maintenance process runs ``DbQueue.maintain`` in a loop (every
     ``maintenance_interval`` seconds) from the start of the window until the producers stop.
@@ -134,6 +137,7 @@ def run_design(
                 payload_bytes,
                 backlog_cap,
                 latencies or hold,
+                rate=rate,
             )
             result = _measure(
                 cfg,

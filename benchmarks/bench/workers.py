@@ -31,6 +31,8 @@ class RunConfig:
     backlog_cap: int
     latencies: bool = False
     """Record (start, seconds) of every call, for latency percentiles."""
+    rate: float | None = None
+    """Messages a second all producers together push at most (``--rate``); None: as fast as they can."""
 
 
 @dataclasses.dataclass
@@ -55,11 +57,21 @@ def _produce(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
     busy = 0.0
     clock = time.perf_counter
     lat: list[tuple[float, float]] | None = [] if cfg.latencies else None
+    # --rate: this producer's batches are due every n / (rate / producers) seconds from its start. A
+    # producer that fell behind pushes at once, but catches up on at most a second of its schedule.
+    interval = n * cfg.producers / cfg.rate if cfg.rate else 0.0
+    due = time.monotonic()
     while phase.value == RUN:
         if sum(pushed) * groups - sum(popped) > cap * groups:  # the groups' mean backlog
             throttled += 1
             time.sleep(0.0005)
             continue
+        if interval:
+            now = time.monotonic()
+            if now < due:
+                time.sleep(min(due - now, 0.05))
+                continue
+            due = max(due, now - 1.0) + interval
         payloads = [pack(idx, s) + pick(idx, s) for s in range(seq, seq + n)]
         t = clock()
         backend.push(payloads)

@@ -271,6 +271,24 @@ def test_a_point_with_a_held_horizon_is_valid_and_the_hold_held(pg_dsn: str, des
     assert refused.returncode == 2 and "--hold-horizon" in refused.stderr
 
 
+def test_a_paced_point_pushes_at_its_rate(pg_dsn: str) -> None:
+    """--rate 4000: two producers together push about 4,000 messages a second (each a batch of 100
+    every 50 ms), and the consumer keeps up; a rate that is not positive is refused. (about 13 s)"""
+    proc = _run(
+        pg_dsn,
+        *("--design", "ring", "--producers", "2", "--consumers", "1", "--batch", "100", "--rate", "4000"),
+        *("--seconds", "2", "--warmup", "0.5", "--json"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    [line] = [line for line in proc.stdout.splitlines() if line.strip()]
+    point: dict[str, Any] = json.loads(line)
+    assert (point["rate"], point["valid"]) == (4000, True)
+    assert 0.7 * 4000 <= point["pushed_per_s"] <= 1.1 * 4000, point["pushed_per_s"]
+    assert point["cycles_per_s"] <= 1.1 * 4000 and point["baseline_cycles_per_s"] <= 1.1 * 4000
+    refused = _run(pg_dsn, "--rate", "0", "--seconds", "1")
+    assert refused.returncode == 2 and "--rate must be > 0" in refused.stderr
+
+
 def _payload(run: ModuleType, producer: int, seq: int, size: int = 300) -> bytes:
     """A payload as run.py's producers make it: (producer, seq), then its filler from the pool."""
     return bytes(run.HEADER.pack(producer, seq) + run.Fillers(size, run.HEADER.size).pick(producer, seq))
