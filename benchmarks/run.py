@@ -13,7 +13,10 @@ batch, each on a fresh schema that is dropped afterwards. Producers and consumer
 processes with a connection each. Every run checks that no message was lost or delivered twice.
 With ``--maintenance`` it measures the engine design at one point twice in the same run, without and with
 a maintenance process looping (archiving, VACUUM, online index rebuilds), and prints push/pop/ack latency
-percentiles (p50/p95/p99) of both with their ratios. See benchmarks/README.md for what the columns mean.
+percentiles (p50/p95/p99) of both with their ratios. With ``--hold-horizon S`` every design's window
+lasts S seconds under a held xmin horizon (a REPEATABLE READ snapshot on a session of its own), and the
+point reports how each design's speed, size and dead tuples went meanwhile and after. See
+benchmarks/README.md for what the columns mean.
 
 The database is ``--dsn``, else ``$DBQUEUE_TEST_DSN``, else a throwaway embedded PostgreSQL.
 
