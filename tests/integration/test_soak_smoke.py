@@ -84,7 +84,7 @@ def test_soak_with_a_held_horizon(pg_dsn: str, design: str) -> None:
     the samples after it say the hold is off; the hold saw other transactions after its snapshot. The
     table design's maintenance runs meanwhile (its online rebuilds wait for the hold). The workers
     take a second or two to start and their backends report dead tuples about once a second, so the
-    hold lasts 5 s: one of 3 s once ended before any was reported. (about 10 s each)"""
+    hold lasts 5 s, long enough for them to report while it holds. (about 10 s each)"""
     extra = ("--capacity", "500") if design == "ring" else ("--maintain-every", "0.5")
     r = soak(
         pg_dsn,
