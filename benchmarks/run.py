@@ -13,7 +13,10 @@ batch, each on a fresh schema that is dropped afterwards. Producers and consumer
 processes with a connection each. Every run checks that no message was lost or delivered twice.
 With ``--maintenance`` it measures the engine design at one point twice in the same run, without and with
 a maintenance process looping (archiving, VACUUM, online index rebuilds), and prints push/pop/ack latency
-percentiles (p50/p95/p99) of both with their ratios. See benchmarks/README.md for what the columns mean.
+percentiles (p50/p95/p99) of both with their ratios. With ``--hold-horizon S`` every design's window
+lasts S seconds under a held xmin horizon (a REPEATABLE READ snapshot on a session of its own), and the
+point reports how each design's speed, size and dead tuples went meanwhile and after. See
+benchmarks/README.md for what the columns mean.
 
 The database is ``--dsn``, else ``$DBQUEUE_TEST_DSN``, else a throwaway embedded PostgreSQL.
 
@@ -39,8 +42,16 @@ from typing import Any
 
 import psycopg
 from bench.backends import ALL_DESIGNS, BASELINE, ENGINE_DESIGNS, PGMQ, REFERENCES, Target
-from bench.measure import BenchError, RunResult, combine, percentile, run_design
-from bench.report import LATENCY_OPS, PERCENTILES, maintenance_table, rounded, table_header, table_row
+from bench.measure import HOLD_KEYS, BenchError, RunResult, combine, percentile, run_design
+from bench.report import (
+    LATENCY_OPS,
+    PERCENTILES,
+    hold_table,
+    maintenance_table,
+    rounded,
+    table_header,
+    table_row,
+)
 
 # Fillers, Received and count_deliveries: run.py's accounting, which
 # tests/integration/test_benchmark_smoke.py checks through this module
@@ -170,6 +181,8 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
                 log=log,
                 maintenance=maintenance_of(design),
                 maintenance_interval=args.maintenance_interval,
+                hold=args.hold_horizon > 0,
+                rate=args.rate,
             )
             runs[design].append(run)
             log(
@@ -247,7 +260,26 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
     if args.repeat > 1:
         out["cycles_per_s_runs"] = [round(r.cycles_per_s, 1) for r in runs[args.design]]
         out["baseline_cycles_per_s_runs"] = [round(r.cycles_per_s, 1) for r in runs[BASELINE]]
+    if args.rate:
+        out["rate"] = args.rate
+    if args.hold_horizon > 0:
+        out.update(hold_report(args, runs))
     out["valid"] = all(combine(rs).valid for rs in runs.values())
+    return out
+
+
+def hold_report(args: argparse.Namespace, runs: dict[str, list[RunResult]]) -> dict[str, Any]:
+    """``--hold-horizon``: the hold's figures of each design's (median) run, under the prefix of its
+    other figures ("" for the design, ``baseline_`` for the naive queue, ``pgmq_`` for PGMQ)."""
+    out: dict[str, Any] = {"hold_horizon_s": args.hold_horizon}
+    prefixes = [("", args.design), ("baseline_", BASELINE)]
+    if PGMQ in runs and args.design != PGMQ:
+        prefixes.append(("pgmq_", PGMQ))
+    for prefix, design in prefixes:
+        hold = combine(runs[design]).hold or {}
+        out["hold_edge_s"] = hold.get("edge_s")
+        for key in HOLD_KEYS:
+            out[f"{prefix}{key}"] = hold.get(key)
     return out
 
 
@@ -397,6 +429,25 @@ def server_info(dsn: str) -> dict[str, str]:
         return {n: str(conn.execute(f"SHOW {n}").fetchone()[0]) for n in names}  # type: ignore[index]
 
 
+def add_load_options(ap: argparse.ArgumentParser) -> None:
+    """--rate and --hold-horizon: what the run's load is, beside the point."""
+    ap.add_argument(
+        "--rate",
+        type=float,
+        help="messages a second all producers together push at most (default: as fast as they can)",
+    )
+    ap.add_argument(
+        "--hold-horizon",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="hold the xmin horizon (a REPEATABLE READ transaction with a snapshot, on a session of its "
+        "own) over a measured window of S seconds in every design's run, and report what it did: "
+        "cycles/s in the first and last 10 s, sizes and dead tuples before, during and after it, the "
+        "longest pop (default 0: no hold)",
+    )
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description="Full push-then-pop cycles/s of a queue design against the naive baseline.",
@@ -406,7 +457,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--producers", type=int, help="producer processes (default: swept)")
     ap.add_argument("--consumers", type=int, help="consumer processes (default: swept)")
     ap.add_argument("--batch", type=int, help="messages per push and per pop (default: swept)")
-    ap.add_argument("--seconds", type=float, default=10.0, help="measured window per run (default 10)")
+    ap.add_argument(
+        "--seconds", type=float, help="measured window per run (default 10; --hold-horizon's S with it)"
+    )
     ap.add_argument("--sweep-seconds", type=float, help="window per run in a sweep (default: --seconds)")
     ap.add_argument("--warmup", type=float, default=1.0, help="seconds of warm-up before the window")
     ap.add_argument("--semantics", choices=SEMANTICS, default="at-most-once")
@@ -458,6 +511,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--backlog-cap", type=int, help="pause producers above this backlog (50 x batch x C)")
     ap.add_argument("--drain-timeout", type=float, default=120.0)
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    add_load_options(ap)
     ap.add_argument(
         "--maintenance",
         action="store_true",
@@ -492,6 +546,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     args = ap.parse_args(argv)
     args.pooler_dsn = None  # set once the pooler runs (main)
+    check_window(ap, args)
     for name in ("producers", "consumers"):
         v = getattr(args, name)
         if v is not None and v < 1:
@@ -511,6 +566,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.payload_bytes < HEADER.size:
         ap.error(f"--payload-bytes must be >= {HEADER.size} (the (producer, seq) header)")
     return args
+
+
+def check_window(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Set the measured window: --seconds (default 10), or with --hold-horizon its S seconds; refuse
+    what --hold-horizon does not go with, and a --rate that is not positive."""
+    if args.rate is not None and args.rate <= 0:
+        ap.error("--rate must be > 0 (messages a second)")
+    if not args.hold_horizon:
+        if args.seconds is None:
+            args.seconds = 10.0
+        return
+    if args.hold_horizon < 2:
+        ap.error("--hold-horizon must be 0 (no hold) or at least 2 seconds")
+    # the held window is the measured window: --seconds and --sweep-seconds may only repeat it
+    for name in ("seconds", "sweep_seconds"):
+        given = getattr(args, name)
+        if given is not None and given != args.hold_horizon:
+            ap.error(f"--hold-horizon S sets the window to S seconds: --{name.replace('_', '-')} must be S")
+    if args.maintenance or args.with_maintenance:
+        ap.error("--hold-horizon goes without --maintenance and --with-maintenance")
+    args.seconds = args.hold_horizon
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -561,6 +637,12 @@ def main(argv: list[str] | None = None) -> int:
                         if args.with_maintenance
                         else ""
                     )
+                    + (
+                        f" | xmin horizon held over each window of {args.hold_horizon:g} s"
+                        if args.hold_horizon
+                        else ""
+                    )
+                    + (f" | producers paced at {args.rate:,.0f} messages/s" if args.rate else "")
                 )
                 print(table_header(), flush=True)
             for point in points:
@@ -571,6 +653,8 @@ def main(argv: list[str] | None = None) -> int:
                 row["pooler"] = args.pooler
                 all_valid &= row["valid"]
                 print(json.dumps(row) if args.json else table_row(row), flush=True)
+                if args.hold_horizon and not args.json:
+                    print(hold_table(row), flush=True)
     except (BenchError, DbQueueError, psycopg.Error) as exc:
         print(f"run.py: {exc}", file=sys.stderr)
         return 1

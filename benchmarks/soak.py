@@ -12,6 +12,12 @@ messages (the reference of the same run), the HOT-update ratio and dead tuples. 
 the main process runs the engine's maintenance (archive, VACUUM, online reindex) every
 ``--maintain-every`` seconds, as the maintenance DAG would.
 
+With ``--hold-after A --hold-for H`` a session of its own holds the xmin horizon from A seconds into
+the soak for H seconds (a REPEATABLE READ transaction with a snapshot and a transaction id), as a
+lagging replication slot, a long query or an idle-in-transaction session would: no VACUUM or page
+pruning can remove a row version that died meanwhile. Samples then say whether the hold was on; one
+is taken as the hold starts, one just before it is released and one just after.
+
 Nothing is lost: producers report the count and a checksum of what they pushed, consumers of what
 they popped, and the run fails (exit 1) unless both agree. The database is ``--dsn``, else
 ``$DBQUEUE_TEST_DSN``, else a throwaway embedded PostgreSQL.
@@ -27,6 +33,7 @@ import multiprocessing as mp
 import queue as queue_mod
 import struct
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterable
@@ -151,6 +158,67 @@ def sample(dsn: str, schema: str, tables: tuple[str, ...]) -> dict[str, Any]:
     return {"heap_bytes": heap, "total_bytes": total, "hot_ratio": hot / upd if upd else None, "dead": dead}
 
 
+class Hold(threading.Thread):
+    """A held xmin horizon: from ``after`` seconds past ``start`` for ``hold_for`` seconds, a session
+    of its own in a REPEATABLE READ transaction that took a transaction id and a snapshot (a read of
+    ``pg_class``, so that it locks none of the queue's tables). A thread of its own ends it on time
+    even while the soak's main loop waits in a maintenance step (an online index rebuild waits for
+    every older snapshot, this one too). Just before the release it samples the queue's tables."""
+
+    def __init__(
+        self, dsn: str, schema: str, tables: tuple[str, ...], *, start: float, after: float, hold_for: float
+    ) -> None:
+        super().__init__(name="soak-hold", daemon=True)
+        self.dsn, self.schema, self.tables = dsn, schema, tables
+        self.start_at, self.after, self.hold_for = start, after, hold_for
+        self.stop = threading.Event()
+        self.on = False
+        self.started_s: float | None = None
+        self.ended_s: float | None = None
+        self.last_sample: dict[str, Any] | None = None
+        """The sample taken just before the release."""
+        self.xmin_age: int | None = None
+        """Transaction ids assigned after the hold's snapshot, when it was released."""
+        self.error: str | None = None
+
+    def elapsed(self) -> float:
+        return round(time.monotonic() - self.start_at, 1)
+
+    def run(self) -> None:
+        if self.stop.wait(max(0.0, self.start_at + self.after - time.monotonic())):
+            return
+        try:
+            with psycopg.connect(self.dsn, application_name="dbqueue-soak-hold") as conn:
+                conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+                row = conn.execute("SELECT pg_backend_pid()").fetchone()
+                assert row is not None
+                conn.execute("SELECT txid_current()").fetchone()
+                conn.execute("SELECT count(*) FROM pg_catalog.pg_class").fetchone()
+                self.on, self.started_s = True, self.elapsed()
+                self.stop.wait(self.hold_for)
+                with psycopg.connect(self.dsn, autocommit=True) as other:
+                    age = other.execute(
+                        "SELECT age(backend_xmin) FROM pg_stat_activity WHERE pid = %s", (row[0],)
+                    ).fetchone()
+                self.xmin_age = None if age is None or age[0] is None else int(age[0])
+                self.last_sample = {
+                    "messages": None,
+                    "seconds": self.elapsed(),
+                    **sample(self.dsn, self.schema, self.tables),
+                    "hold": True,
+                }
+                conn.rollback()
+        except Exception as exc:
+            self.error = f"hold: {type(exc).__name__}: {exc}"
+        finally:
+            self.on, self.ended_s = False, self.elapsed()
+
+    def release(self) -> None:
+        """End the hold now (if it is on) and wait for the thread."""
+        self.stop.set()
+        self.join(30)
+
+
 def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912, PLR0915
     """Push and pop the soak's messages through one queue, reporting the tables' size as it goes. Long on
     purpose: one soak in order (set up, move and report, drain, check), sharing its counters throughout."""
@@ -187,8 +255,28 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912,
         baseline: dict[str, Any] | None = None
         next_report = args.report_every
         start = last_maintenance = time.monotonic()
+        holding = args.hold_for is not None
+        hold = (
+            Hold(dsn, schema, tables, start=start, after=args.hold_after, hold_for=args.hold_for)
+            if holding
+            else None
+        )
+        hold_seen = False  # the hold's state at the last look: a change takes a sample
+
+        def show(s: dict[str, Any]) -> None:
+            samples.append(s)
+            print(report_row(s, baseline, holding), file=sys.stderr, flush=True)
+
+        def take(n: int) -> None:
+            s = {"messages": n, "seconds": round(time.monotonic() - start, 1), **sample(dsn, schema, tables)}
+            if hold is not None:
+                s["hold"] = hold.on
+            show(s)
+
         for p in [*producers, *consumers]:
             p.start()
+        if hold is not None:
+            hold.start()
         try:
             while True:
                 time.sleep(0.2)
@@ -201,19 +289,24 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912,
                     dbq.maintain(config)
                     last_maintenance = time.monotonic()
                 finished = not any(c.is_alive() for c in consumers)
+                if hold is not None:
+                    if finished:  # a hold still on ends with the soak, before its last sample
+                        hold.release()
+                    if hold.on != hold_seen:
+                        hold_seen = not hold_seen
+                        if not hold_seen and hold.last_sample is not None:  # taken before the release
+                            show({**hold.last_sample, "messages": n})
+                        if not finished:
+                            take(n)
                 if n >= next_report or finished:
-                    s = {
-                        "messages": n,
-                        "seconds": round(time.monotonic() - start, 1),
-                        **sample(dsn, schema, tables),
-                    }
-                    samples.append(s)
-                    print(report_row(s, baseline), file=sys.stderr, flush=True)
+                    take(n)
                     while next_report <= n:
                         next_report += args.report_every
                 if finished:
                     break
         finally:
+            if hold is not None:
+                hold.release()
             for p in [*producers, *consumers]:
                 p.join(5)
                 if p.is_alive():
@@ -227,6 +320,8 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912,
                 break
         while not errors.empty():
             problems.append(errors.get())
+        if hold is not None and hold.error:
+            problems.append(hold.error)
         pushed = [(r[1], r[2]) for r in results if r[0] == "pushed"]
         got = [(r[1], r[2]) for r in results if r[0] == "popped"]
         stats = dbq.queue(QUEUE).stats()
@@ -234,6 +329,15 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912,
         dbq.uninstall()
     elapsed = samples[-1]["seconds"] if samples else 0.0
     counted = tally(pushed, got, left)
+    held: dict[str, Any] = {}
+    if hold is not None:
+        held = {
+            "hold_after_s": args.hold_after,
+            "hold_for_s": args.hold_for,
+            "hold_started_s": hold.started_s,
+            "hold_ended_s": hold.ended_s,
+            "hold_xmin_age": hold.xmin_age,
+        }
     return {
         "design": args.design,
         "capacity": args.capacity if args.design == "ring" else None,
@@ -254,10 +358,11 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912,
             if samples and baseline and baseline["total_bytes"]
             else None
         ),
+        **held,
     }
 
 
-def report_row(s: dict[str, Any], baseline: dict[str, Any] | None) -> str:
+def report_row(s: dict[str, Any], baseline: dict[str, Any] | None, holding: bool = False) -> str:
     ratio = (
         f"{s['total_bytes'] / baseline['total_bytes']:.2f}" if baseline and baseline["total_bytes"] else "-"
     )
@@ -266,6 +371,7 @@ def report_row(s: dict[str, Any], baseline: dict[str, Any] | None) -> str:
     return (
         f"{s['messages']:>12,}  {s['seconds']:>8.1f}  {rate:>9}  {s['heap_bytes'] / 1e6:>9.2f}  "
         f"{s['total_bytes'] / 1e6:>9.2f}  {ratio:>6}  {hot:>6}  {s['dead']:>9,}"
+        + (f"  {'on' if s.get('hold') else '-':>4}" if holding else "")
     )
 
 
@@ -273,6 +379,7 @@ HEADER = (
     f"{'messages':>12}  {'seconds':>8}  {'msg/s':>9}  {'heap MB':>9}  {'total MB':>9}  {'ratio':>6}  "
     f"{'HOT':>6}  {'dead tup':>9}"
 )
+HOLD_COLUMN = f"  {'hold':>4}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -287,9 +394,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--baseline", type=int, default=1000, help="the reference sample: after this many")
     ap.add_argument("--report-every", type=int, default=1_000_000)
     ap.add_argument("--maintain-every", type=float, default=5.0, help="seconds (table design)")
+    ap.add_argument(
+        "--hold-after",
+        type=float,
+        help="hold the xmin horizon (a REPEATABLE READ snapshot on a session of its own) from this many "
+        "seconds into the soak (with --hold-for)",
+    )
+    ap.add_argument("--hold-for", type=float, help="... for this many seconds")
     ap.add_argument("--dsn")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args(argv)
+    if (args.hold_after is None) != (args.hold_for is None):
+        ap.error("--hold-after and --hold-for go together")
+    if args.hold_for is not None and (args.hold_after < 0 or args.hold_for <= 0):
+        ap.error("--hold-after must be >= 0 and --hold-for > 0")
     if min(args.messages, args.producers, args.consumers, args.batch, args.report_every) < 1:
         ap.error("--messages, --producers, --consumers, --batch and --report-every must be >= 1")
     if args.payload_bytes < 16:
@@ -305,10 +423,15 @@ def main(argv: list[str] | None = None) -> int:
             f"PostgreSQL {info['server_version']} ({where}) | {args.design}"
             + (f" of {args.capacity} slots" if args.design == "ring" else "")
             + f" | {args.producers}x{args.consumers} batch {args.batch} | {args.payload_bytes} B payloads"
-            + f" | {args.messages:,} messages",
+            + f" | {args.messages:,} messages"
+            + (
+                f" | xmin horizon held from {args.hold_after:g} s for {args.hold_for:g} s"
+                if args.hold_for is not None
+                else ""
+            ),
             file=sys.stderr,
         )
-        print(HEADER, file=sys.stderr)
+        print(HEADER + (HOLD_COLUMN if args.hold_for is not None else ""), file=sys.stderr)
         result = run(args, dsn)
     ok = valid(result, args.messages)
     if args.json:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import multiprocessing as mp
 import queue as queue_mod
@@ -53,6 +54,8 @@ class RunResult:
     """Size of meta, data and done with indexes after the drain (engine designs)."""
     table_bytes_start: int = 0
     """Size of the schema's tables with indexes when the run started (a ring's slots are preallocated)."""
+    hold: dict[str, Any] | None = None
+    """What a run with a held xmin horizon measured (``--hold-horizon``; :data:`HOLD_KEYS`)."""
 
     @property
     def valid(self) -> bool:
@@ -103,11 +106,21 @@ def run_design(
     latencies: bool = False,
     maintenance: MaintenanceConfig | None = None,
     maintenance_interval: float = 1.0,
+    hold: bool = False,
+    rate: float | None = None,
 ) -> RunResult:
     """Measure one design at one point on a fresh schema (created here and dropped afterwards).
 
+    With ``rate``, the producers together push at most that many messages a second.
+
     With ``maintenance``, a maintenance process runs ``DbQueue.maintain`` in a loop (every
     ``maintenance_interval`` seconds) from the start of the window until the producers stop.
+
+    With ``hold``, a session of its own holds the xmin horizon for the whole window (a REPEATABLE
+    READ transaction with a snapshot and a transaction id, opened just before the window and rolled
+    back at its end), the counters are sampled every second, and every call's latency is recorded;
+    after the drain, one VACUUM of each table (a reference) or one ``maintain()`` (an engine design)
+    runs, and :attr:`RunResult.hold` holds the figures of :data:`HOLD_KEYS`.
     """
     setup_target(target)
     try:
@@ -117,7 +130,14 @@ def run_design(
                 conn.execute("CHECKPOINT")
             # consumers per consumer group
             cfg = RunConfig(
-                target, producers, consumers * target.groups, batch, payload_bytes, backlog_cap, latencies
+                target,
+                producers,
+                consumers * target.groups,
+                batch,
+                payload_bytes,
+                backlog_cap,
+                latencies or hold,
+                rate=rate,
             )
             result = _measure(
                 cfg,
@@ -128,7 +148,10 @@ def run_design(
                 log=log,
                 maintenance=maintenance,
                 maintenance_interval=maintenance_interval,
+                hold=hold,
             )
+            if result.hold is not None:
+                result.hold.update(_after_release(target, conn))
             return dataclasses.replace(result, table_bytes_start=start_bytes)
     finally:
         teardown_target(target)
@@ -335,29 +358,43 @@ def _measure(
     log: Callable[[str], None],
     maintenance: MaintenanceConfig | None = None,
     maintenance_interval: float = 1.0,
+    hold: bool = False,
 ) -> RunResult:
     """Run the workers (and maintenance) through warm-up, the measured window and the drain; return
     what the run measured and checked."""
     run = _Processes(cfg, maintenance, maintenance_interval)
     shm = run.shm
+    held: _Hold | None = None
     try:
         run.start()
         run.sleep_watching(warmup)
         if run.m_proc is not None:
             run.m_proc.start()
+        if hold:
+            held = _Hold(cfg.target, conn)
         lsn0, t0 = wal_lsn(conn), time.monotonic()
         popped0, pushed0 = sum(shm.popped), sum(shm.pushed)
-        run.sleep_watching(seconds)
+        if held is not None:
+            held.sample_window(run, t0, seconds, popped0)
+        else:
+            run.sleep_watching(seconds)
         popped1, pushed1 = sum(shm.popped), sum(shm.pushed)
         t1, lsn1 = time.monotonic(), wal_lsn(conn)
         window = _Window(t0, t1, lsn0, lsn1, popped0, popped1, pushed0, pushed1)
+        if held is not None:
+            held.end_of_window(conn)
         shm.phase.value = STOP_PRODUCERS
         run.stop_maintenance(drain_timeout)
         pushed_total = run.drain(drain_timeout, log)
     finally:
+        if held is not None:
+            held.release()
         run.shut_down()
     time.sleep(0.5)  # let the workers' backends flush their table statistics on exit
-    return _run_result(cfg, conn, run, window, pushed_total)
+    result = _run_result(cfg, conn, run, window, pushed_total)
+    if held is not None:
+        result.hold = held.figures(result)
+    return result
 
 
 def _run_result(
@@ -374,7 +411,7 @@ def _run_result(
     size, dead, hot = table_stats(conn, cfg.target.schema)
     lat: dict[str, list[float]] = {}
     if cfg.latencies:
-        for op, reports in (("push", prods), ("pop", cons), ("ack", cons)):
+        for op, reports in (("push", prods), ("pop", cons), ("empty_pop", cons), ("ack", cons)):
             lat[op] = [d for r in reports for start, d in (r[f"{op}_lat"] or []) if w.t0 <= start <= w.t1]
     return RunResult(
         design=cfg.target.design,
@@ -401,6 +438,159 @@ def _run_result(
         maintenance=run.m_report,
         hot_bytes=hot_table_bytes(conn, cfg.target) if cfg.target.design not in REFERENCES else None,
     )
+
+
+class _Hold:
+    """A held xmin horizon over one run's measured window, and what the window saw meanwhile.
+
+    Opened on a session of its own to the server: ``BEGIN ISOLATION LEVEL REPEATABLE READ``, then
+    ``txid_current()`` (the transaction takes an id) and a read of a catalog (the snapshot is taken and
+    kept until the transaction ends). From then on no VACUUM, autovacuum or page pruning anywhere in
+    the database can remove a row version that died after that snapshot. The read is of ``pg_class``
+    so that the hold takes no lock on the queue's tables: it holds the horizon and nothing else.
+    """
+
+    def __init__(self, target: Target, conn: psycopg.Connection[Any]) -> None:
+        self.schema = target.schema
+        self.groups = target.groups
+        self.bytes_before, self.dead_before, _ = table_stats(conn, self.schema)
+        self.conn: psycopg.Connection[Any] | None = psycopg.connect(
+            target.server_dsn or target.dsn, application_name="dbqueue-bench-hold"
+        )
+        self.conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        row = self.conn.execute("SELECT txid_current(), pg_backend_pid()").fetchone()
+        assert row is not None
+        self.xid, self.pid = int(row[0]), int(row[1])
+        self.conn.execute("SELECT count(*) FROM pg_catalog.pg_class").fetchone()
+        self.samples: list[tuple[float, float, int]] = []
+        """(planned offset into the window, time.monotonic(), messages popped) at each sample."""
+        self.bytes_in_hold = self.dead_in_hold = 0
+        self.xmin_age: int | None = None
+        self.still_open = False
+
+    def sample_window(self, run: _Processes, t0: float, seconds: float, popped0: int) -> None:
+        """Sleep through the window, sampling the consumers' counters every second and at the edges
+        of its first and last :func:`edge_seconds`."""
+        edge = edge_seconds(seconds)
+        offsets = sorted({float(k) for k in range(1, int(seconds) + 1)} | {edge, seconds - edge, seconds})
+        self.samples = [(0.0, t0, popped0)]
+        for offset in offsets:
+            if offset <= 0 or offset > seconds:
+                continue
+            run.sleep_watching(t0 + offset - time.monotonic())
+            self.samples.append((offset, time.monotonic(), sum(run.shm.popped)))
+
+    def end_of_window(self, conn: psycopg.Connection[Any]) -> None:
+        """Read the tables' size and dead tuples, and that the hold still held, as the window ends."""
+        self.bytes_in_hold, self.dead_in_hold, _ = table_stats(conn, self.schema)
+        row = conn.execute(
+            "SELECT age(backend_xmin), state FROM pg_stat_activity WHERE pid = %s", (self.pid,)
+        ).fetchone()
+        if row is not None:
+            self.xmin_age = None if row[0] is None else int(row[0])
+            self.still_open = row[1] == "idle in transaction"
+        self.release()
+
+    def release(self) -> None:
+        """End the held transaction (idempotent)."""
+        if self.conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                self.conn.rollback()
+            self.conn.close()
+            self.conn = None
+
+    def rate(self, start: float, end: float) -> float | None:
+        """Cycles per second between the samples planned at offsets ``start`` and ``end``."""
+        at = {offset: (t, popped) for offset, t, popped in self.samples}
+        if start not in at or end not in at or at[end][0] <= at[start][0]:
+            return None
+        (ta, pa), (tb, pb) = at[start], at[end]
+        return (pb - pa) / self.groups / (tb - ta)
+
+    def figures(self, result: RunResult) -> dict[str, Any]:
+        """The hold's figures of one finished run (JSON-safe); see :data:`HOLD_KEYS`."""
+        seconds = self.samples[-1][0] if self.samples else 0.0
+        edge = edge_seconds(seconds)
+        whole = [o for o, _, _ in self.samples if o == int(o)]
+        each = [self.rate(a, b) for a, b in itertools.pairwise(whole)]
+        return {
+            "edge_s": edge,
+            "cycles_per_s_first": _round(self.rate(0.0, edge)),
+            "cycles_per_s_last": _round(self.rate(seconds - edge, seconds)),
+            "cycles_per_s_each_s": [_round(r) for r in each],
+            "bytes_before_hold": self.bytes_before,
+            "bytes_in_hold": self.bytes_in_hold,
+            "dead_tuples_before_hold": self.dead_before,
+            "dead_tuples_in_hold": self.dead_in_hold,
+            "hold_xid": self.xid,
+            "hold_xmin_age": self.xmin_age,
+            "hold_held": self.still_open,
+            "pop_max_ms": _max_ms(result.latencies.get("pop", []) + result.latencies.get("empty_pop", [])),
+            "push_max_ms": _max_ms(result.latencies.get("push", [])),
+        }
+
+
+def edge_seconds(seconds: float) -> float:
+    """The length of the first and of the last stretch of a held window whose cycles/s are reported:
+    10 s, or half the window when it is shorter than 20 s (the two stretches do not overlap)."""
+    return min(10.0, seconds / 2)
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 1)
+
+
+def _max_ms(values: list[float]) -> float | None:
+    return round(1000 * max(values), 3) if values else None
+
+
+def _after_release(target: Target, conn: psycopg.Connection[Any]) -> dict[str, Any]:
+    """After the hold and the drain: one VACUUM (ANALYZE) of each of a reference's tables, or one run
+    of an engine design's own maintenance (every finished message archivable, VACUUM, online rebuilds
+    of bloated indexes, compaction of an outgrown ring); then the tables' size and dead tuples."""
+    t = time.monotonic()
+    if target.design in REFERENCES:
+        tables = [
+            r[0]
+            for r in conn.execute(
+                "SELECT format('%%I.%%I', schemaname, tablename) FROM pg_tables WHERE schemaname = %s",
+                (target.schema,),
+            )
+        ]
+        for table in tables:
+            conn.execute(f"VACUUM (ANALYZE) {table}")
+    else:
+        with target.engine(1) as dbq:
+            dbq.maintain(MaintenanceConfig(archive_after_s=0.0))
+    took = time.monotonic() - t
+    size, dead, _ = table_stats(conn, target.schema)
+    return {"bytes_after_release": size, "dead_tuples_after_release": dead, "after_release_s": round(took, 3)}
+
+
+HOLD_KEYS = (
+    "cycles_per_s_first",
+    "cycles_per_s_last",
+    "cycles_per_s_each_s",
+    "bytes_before_hold",
+    "bytes_in_hold",
+    "bytes_after_release",
+    "dead_tuples_before_hold",
+    "dead_tuples_in_hold",
+    "dead_tuples_after_release",
+    "pop_max_ms",
+    "push_max_ms",
+    "hold_xid",
+    "hold_xmin_age",
+    "hold_held",
+    "after_release_s",
+)
+"""The figures of :attr:`RunResult.hold` that run.py reports for each design, in this order:
+cycles/s in the window's first and last ``edge_s`` seconds and in each of its seconds; the size of the
+schema's tables with indexes and their dead tuples just before the hold, at the end of the window
+(while it held) and after its release, the drain and one VACUUM or ``maintain()``; the longest pop and
+push call that started in the window; the hold's transaction id, how many transaction ids were
+assigned after its snapshot (``age(backend_xmin)`` at the end of the window), whether it was still
+open then, and the seconds the VACUUM or ``maintain()`` after the release took."""
 
 
 def hot_table_bytes(conn: psycopg.Connection[Any], target: Target) -> int:

@@ -89,3 +89,50 @@ def table_header() -> str:
 
 def table_row(r: dict[str, Any]) -> str:
     return "  ".join(f(r).rjust(w) if i else f(r).ljust(w) for i, (_, w, f) in enumerate(COLUMNS))
+
+
+def hold_table(r: dict[str, Any]) -> str:
+    """The figures of a ``--hold-horizon`` point, one line per design measured, under its row."""
+    edge = r.get("hold_edge_s") or 0
+
+    def mb(v: int | None) -> str:
+        return "-" if v is None else f"{v / 1e6:.1f}"
+
+    head = [
+        "  held",
+        "cycles/s",
+        f"first {edge:g}s",
+        f"last {edge:g}s",
+        "MB before",
+        "in hold",
+        "after",
+        "dead in hold",
+        "dead after",
+        "max pop ms",
+        "xid age",
+    ]
+    rows = [head]
+    designs = [("", r["design"])] + ([("baseline_", "naive")] if r["design"] != "naive" else [])
+    if "pgmq_cycles_per_s" in r:
+        designs.append(("pgmq_", "pgmq"))
+    for prefix, name in designs:
+        rows.append(
+            [
+                f"  {name}",
+                _fmt_opt(r[f"{prefix}cycles_per_s"]),
+                _fmt_opt(r[f"{prefix}cycles_per_s_first"]),
+                _fmt_opt(r[f"{prefix}cycles_per_s_last"]),
+                mb(r[f"{prefix}bytes_before_hold"]),
+                mb(r[f"{prefix}bytes_in_hold"]),
+                mb(r[f"{prefix}bytes_after_release"]),
+                _fmt_opt(r[f"{prefix}dead_tuples_in_hold"]),
+                _fmt_opt(r[f"{prefix}dead_tuples_after_release"]),
+                "-" if r[f"{prefix}pop_max_ms"] is None else f"{r[f'{prefix}pop_max_ms']:.1f}",
+                _fmt_opt(r[f"{prefix}hold_xmin_age"]),
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return "\n".join(
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        for row in rows
+    )

@@ -31,6 +31,8 @@ class RunConfig:
     backlog_cap: int
     latencies: bool = False
     """Record (start, seconds) of every call, for latency percentiles."""
+    rate: float | None = None
+    """Messages a second all producers together push at most (``--rate``); None: as fast as they can."""
 
 
 @dataclasses.dataclass
@@ -55,11 +57,21 @@ def _produce(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
     busy = 0.0
     clock = time.perf_counter
     lat: list[tuple[float, float]] | None = [] if cfg.latencies else None
+    # --rate: this producer's batches are due every n / (rate / producers) seconds from its start. A
+    # producer that fell behind pushes at once, but catches up on at most a second of its schedule.
+    interval = n * cfg.producers / cfg.rate if cfg.rate else 0.0
+    due = time.monotonic()
     while phase.value == RUN:
         if sum(pushed) * groups - sum(popped) > cap * groups:  # the groups' mean backlog
             throttled += 1
             time.sleep(0.0005)
             continue
+        if interval:
+            now = time.monotonic()
+            if now < due:
+                time.sleep(min(due - now, 0.05))
+                continue
+            due = max(due, now - 1.0) + interval
         payloads = [pack(idx, s) + pick(idx, s) for s in range(seq, seq + n)]
         t = clock()
         backend.push(payloads)
@@ -140,6 +152,9 @@ def _consume(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
     clock = time.perf_counter
     popped, phase = shm.popped, shm.phase
     pop_lat: list[tuple[float, float]] | None = [] if cfg.latencies else None
+    # pops that returned nothing: no part of the percentiles, but a pop that waited on a lock and then
+    # found nothing is still a long pop (the largest pop call of a --hold-horizon run)
+    empty_pop_lat: list[tuple[float, float]] | None = [] if cfg.latencies else None
     ack_lat: list[tuple[float, float]] | None = [] if cfg.latencies else None
     while phase.value != STOP:
         t = clock()
@@ -150,6 +165,8 @@ def _consume(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
         if pop_lat is not None and payloads:  # an empty pop measures nothing
             pop_lat.append((time.monotonic() - took, took))
         if not payloads:
+            if empty_pop_lat is not None:
+                empty_pop_lat.append((time.monotonic() - took, took))
             empty += 1
             time.sleep(0.001)
             continue
@@ -182,6 +199,7 @@ def _consume(backend: Backend, idx: int, cfg: RunConfig, shm: Shared) -> dict[st
         "ack_calls": ack_calls,
         "ack_s": ack_s,
         "pop_lat": pop_lat,
+        "empty_pop_lat": empty_pop_lat,
         "ack_lat": ack_lat,
     }
 

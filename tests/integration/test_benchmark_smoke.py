@@ -220,6 +220,75 @@ def test_a_point_with_maintenance_can_vacuum_the_references_as_often(pg_dsn: str
     assert point["maintenance"]["reindexed"] == 0
 
 
+HOLD_KEYS = (
+    "cycles_per_s_first",
+    "cycles_per_s_last",
+    "bytes_before_hold",
+    "bytes_in_hold",
+    "bytes_after_release",
+    "dead_tuples_in_hold",
+    "dead_tuples_after_release",
+    "pop_max_ms",
+    "hold_xmin_age",
+)
+
+
+@pytest.mark.parametrize("design", ["ring", "table"])
+def test_a_point_with_a_held_horizon_is_valid_and_the_hold_held(pg_dsn: str, design: str) -> None:
+    """--hold-horizon 3: a REPEATABLE READ snapshot held over each design's 3 s window. Both runs are
+    valid (nothing lost or duplicated), report the hold's figures for the design and the naive queue,
+    and the hold held: its transaction was open at the end of the window with other transactions
+    after it, and the naive queue's popped rows were still dead tuples there (no VACUUM or pruning
+    could remove them). --seconds other than S is refused. (12 to 15 s each)"""
+    proc = _run(
+        pg_dsn,
+        *("--design", design, "--producers", "1", "--consumers", "1", "--batch", "100"),
+        *("--hold-horizon", "3", "--warmup", "0.5", "--no-archive", "--json"),
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    [line] = [line for line in proc.stdout.splitlines() if line.strip()]
+    point: dict[str, Any] = json.loads(line)
+    assert (point["design"], point["valid"], point["hold_horizon_s"], point["seconds"]) == (
+        design,
+        True,
+        3,
+        pytest.approx(3, abs=0.5),
+    )
+    counts = ("lost", "duplicated", "baseline_lost", "baseline_duplicated", "left_in_queue")
+    assert [point[k] for k in counts] == [0] * len(counts)
+    assert point["hold_edge_s"] == 1.5
+    for prefix in ("", "baseline_"):
+        for key in HOLD_KEYS:
+            assert point[f"{prefix}{key}"] is not None, (prefix, key)
+        assert point[f"{prefix}hold_held"] is True and point[f"{prefix}hold_xmin_age"] > 0
+        assert point[f"{prefix}cycles_per_s_first"] > 0 and point[f"{prefix}cycles_per_s_last"] > 0
+        assert len(point[f"{prefix}cycles_per_s_each_s"]) == 3
+        assert point[f"{prefix}pop_max_ms"] > 0
+    assert point["baseline_dead_tuples_in_hold"] > 0
+    assert point["baseline_bytes_in_hold"] > point["baseline_bytes_before_hold"]
+    refused = _run(pg_dsn, "--hold-horizon", "3", "--seconds", "2")
+    assert refused.returncode == 2 and "--hold-horizon" in refused.stderr
+
+
+def test_a_paced_point_pushes_at_its_rate(pg_dsn: str) -> None:
+    """--rate 4000: two producers together push about 4,000 messages a second (each a batch of 100
+    every 50 ms), and the consumer keeps up; a rate that is not positive is refused. (about 13 s)"""
+    proc = _run(
+        pg_dsn,
+        *("--design", "ring", "--producers", "2", "--consumers", "1", "--batch", "100", "--rate", "4000"),
+        *("--seconds", "2", "--warmup", "0.5", "--json"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    [line] = [line for line in proc.stdout.splitlines() if line.strip()]
+    point: dict[str, Any] = json.loads(line)
+    assert (point["rate"], point["valid"]) == (4000, True)
+    assert 0.7 * 4000 <= point["pushed_per_s"] <= 1.1 * 4000, point["pushed_per_s"]
+    assert point["cycles_per_s"] <= 1.1 * 4000 and point["baseline_cycles_per_s"] <= 1.1 * 4000
+    refused = _run(pg_dsn, "--rate", "0", "--seconds", "1")
+    assert refused.returncode == 2 and "--rate must be > 0" in refused.stderr
+
+
 def _payload(run: ModuleType, producer: int, seq: int, size: int = 300) -> bytes:
     """A payload as run.py's producers make it: (producer, seq), then its filler from the pool."""
     return bytes(run.HEADER.pack(producer, seq) + run.Fillers(size, run.HEADER.size).pick(producer, seq))

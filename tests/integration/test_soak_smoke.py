@@ -76,6 +76,35 @@ def test_table_soak_short_with_maintenance(pg_dsn: str) -> None:
     assert r["samples"][-1]["messages"] == 20000
 
 
+@pytest.mark.parametrize("design", ["ring", "table"])
+def test_soak_with_a_held_horizon(pg_dsn: str, design: str) -> None:
+    """--hold-after 0 --hold-for 5: a REPEATABLE READ snapshot held from the start for 5 s (or until
+    the soak ends, if sooner). Every message still comes through once; the samples say when the hold
+    was on; the sample taken just before the release shows dead tuples (nothing could remove them) and
+    the samples after it say the hold is off; the hold saw other transactions after its snapshot. The
+    table design's maintenance runs meanwhile (its online rebuilds wait for the hold). The workers
+    take a second or two to start and their backends report dead tuples about once a second, so the
+    hold lasts 5 s, long enough for them to report while it holds. (about 10 s each)"""
+    extra = ("--capacity", "500") if design == "ring" else ("--maintain-every", "0.5")
+    r = soak(
+        pg_dsn,
+        *("--design", design, "--messages", "60000", "--batch", "100", "--report-every", "20000"),
+        *("--hold-after", "0", "--hold-for", "5", *extra),
+    )
+    assert (r["hold_after_s"], r["hold_for_s"]) == (0, 5)
+    assert r["hold_started_s"] is not None and r["hold_ended_s"] >= r["hold_started_s"]
+    assert r["hold_xmin_age"] is not None and r["hold_xmin_age"] > 0
+    holds = [s["hold"] for s in r["samples"]]
+    assert True in holds and holds[-1] is False, holds
+    last_held = max(i for i, on in enumerate(holds) if on)
+    assert r["samples"][last_held]["dead"] > 0, r["samples"]
+    assert r["samples"][-1]["messages"] == 60000
+    refused = subprocess.run(
+        [sys.executable, str(SOAK_PY), "--hold-for", "3"], capture_output=True, text=True, check=False
+    )
+    assert refused.returncode == 2 and "--hold-after and --hold-for go together" in refused.stderr
+
+
 def test_soak_check_refuses_a_lost_or_duplicated_message() -> None:
     """soak.py's own check (what the tests above trust): producers' and consumers' (count, checksum)
     reports, made with its own digests, disagree when a message is missing, duplicated, or one of each."""
