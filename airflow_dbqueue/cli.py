@@ -531,8 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--queue", help="one queue (default: every queue, present and future)")
         c.add_argument(
             "--actions",
-            default="push" if name == "grant" else ",".join(ACTIONS),
-            help="comma-separated: push, pop (implies read), read, admin (implies pop and read)",
+            required=True,
+            help=f"comma-separated, of {', '.join(ACTIONS)} (pop implies read; admin implies pop and read)",
         )
     sub.add_parser("grants", help="every grant (JSON lines: role, queue or null for every queue, action)")
     c = sub.add_parser("archive", help="archive finished messages in batches (and apply a retention)")

@@ -484,9 +484,7 @@ class DbQueue:
 
     # -- least-privilege roles ---------------------------------------------------------------------
 
-    def grant(
-        self, role: str, queue: str | None = None, actions: Iterable[str] | str = ("push",)
-    ) -> list[str]:
+    def grant(self, role: str, queue: str | None, actions: Iterable[str] | str) -> list[str]:
         """Let database role ``role`` take ``actions`` on queue ``queue`` (None: on every queue, present
         and future); return the actions it did not hold before.
 
@@ -500,9 +498,7 @@ class DbQueue:
         queue_id = None if queue is None else self.queue(queue).settings.queue_id
         return self.db.grant(role, queue_id, wanted)
 
-    def revoke(
-        self, role: str, queue: str | None = None, actions: Iterable[str] | str = ACTIONS
-    ) -> list[str]:
+    def revoke(self, role: str, queue: str | None, actions: Iterable[str] | str) -> list[str]:
         """Take ``actions`` on ``queue`` (None: the grant on every queue) from ``role``; return the
         actions it held. A role left with no grant loses every privilege the grants gave it."""
         wanted = check_actions(actions)

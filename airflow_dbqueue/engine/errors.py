@@ -21,6 +21,10 @@ class ConfigurationError(DbQueueError, ValueError):
     """An argument or setting is out of range or inconsistent."""
 
 
+class ConflictingArgumentsError(ConfigurationError, TypeError):
+    """A call named one argument twice: by its deprecated name and by its new one."""
+
+
 class QueueNotFoundError(DbQueueError, LookupError):
     """The named queue does not exist in the schema."""
 

@@ -8,6 +8,8 @@ import warnings
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, ParamSpec, TypeVar
 
+from airflow_dbqueue.engine.errors import ConflictingArgumentsError
+
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -30,13 +32,16 @@ def take_renamed(
     """Pop the old names of ``renames`` (``{old: new}``) out of ``kwargs``, warning for each; return
     their values under the new names.
 
-    :raise TypeError: when ``kwargs`` also holds the new name of an old one given.
+    :raise ConflictingArgumentsError: (a ``TypeError`` too) when ``kwargs`` also holds the new name of
+        an old one given.
     """
     out: dict[str, Any] = {}
     for old, new in renames.items():
         if old in kwargs:
             if new in kwargs:
-                raise TypeError(f"{owner}: got both {old} (deprecated) and {new}; give only {new}")
+                raise ConflictingArgumentsError(
+                    f"{owner}: got both {old} (deprecated) and {new}; give only {new}"
+                )
             warn_renamed(owner, f"{old}=", f"{new}=", stacklevel=stacklevel)
             out[new] = kwargs.pop(old)
     return out

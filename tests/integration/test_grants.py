@@ -208,7 +208,7 @@ def test_revoke_takes_back_what_was_granted(owner: DbQueue, role: Callable[[], s
         q.push(1)
         with pytest.raises(PermissionDeniedError, match="may not pop"):
             q.pop(1)
-    owner.revoke(r, "orders")
+    owner.revoke(r, "orders", ["push", "pop", "read", "admin"])
     assert owner.grants() == []
     with as_role(pg_dsn, owner.schema, r) as dbq, pytest.raises(PermissionDeniedError):
         dbq.queue("orders")  # no privilege left on the schema at all
