@@ -1,15 +1,15 @@
 """A small interpreter of the T-SQL that the ring's stored procedures are written in, for offline tests.
 
 No SQL Server can run on the build machines. This runs the procedures and inline functions of the SQL
-Server ``schema.sql`` as written, statement by statement (sqlglot's parse of each, and the block layout
-that ``tests/unit/test_mssql_dialect.py`` checks), on tables held in memory, so that a test can check what
-a procedure does to a ring, not only that its text parses. It covers the part of T-SQL those procedures
-use, with T-SQL's rules where they differ from Python's: NULL propagates and a comparison with NULL is
-unknown, ``/`` and ``%`` truncate toward zero, NULL sorts lowest, ``SELECT @x = ...`` over no row leaves
-``@x`` as it was, an aggregate over no row gives one row, ``UPDATE`` evaluates every ``SET`` on the row
-as it was, ``OUTPUT`` sees ``deleted`` and ``inserted``, ``@@ROWCOUNT`` is the last statement's count, and
-a scalar subquery of more than one row is an error. Anything outside that subset raises
-:class:`NotImplementedError` rather than being guessed at.
+Server ``functions.sql`` as written, statement by statement (sqlglot's parse of each, and the block layout
+that ``tests/unit/test_mssql_dialect.py`` checks), on the tables of its ``schema.sql`` held in memory, so
+that a test can check what a procedure does to a ring, not only that its text parses. It covers the part
+of T-SQL those procedures use, with T-SQL's rules where they differ from Python's: NULL propagates and a
+comparison with NULL is unknown, ``/`` and ``%`` truncate toward zero, NULL sorts lowest, ``SELECT @x =
+...`` over no row leaves ``@x`` as it was, an aggregate over no row gives one row, ``UPDATE`` evaluates
+every ``SET`` on the row as it was, ``OUTPUT`` sees ``deleted`` and ``inserted``, ``@@ROWCOUNT`` is the
+last statement's count, and a scalar subquery of more than one row is an error. Anything outside that
+subset raises :class:`NotImplementedError` rather than being guessed at.
 
 Locks: a test says which rows *other* transactions hold (:attr:`Server.others`: ``S``, ``U`` or ``X``).
 A statement that reads a row with an incompatible lock request (a plain or ``READCOMMITTEDLOCK`` read asks
@@ -148,42 +148,15 @@ def _table_from_schema(server: Server, name: str, schema: exp.Schema) -> Table:
     return table
 
 
-def schema_tables(server: Server, statements: Iterable[exp.Expression]) -> dict[str, Table]:  # noqa: PLR0912
-    """The tables that DDL statements leave, in order (CREATE TABLE with its columns, NOT NULL, DEFAULT,
-    PRIMARY KEY and CHECK constraints; ALTER TABLE ADD, ALTER COLUMN, DROP COLUMN, ADD and DROP
-    CONSTRAINT; DROP TABLE), empty. Other statements are passed over.
-
-    Long on purpose: one branch per kind of statement or node, read as a table.
-    """
+def schema_tables(server: Server, statements: Iterable[exp.Expression]) -> dict[str, Table]:
+    """The tables that CREATE TABLE statements make (with their columns, NOT NULL, DEFAULT, PRIMARY KEY
+    and CHECK constraints), empty. Other statements (indexes, sequences, a table's options) are passed
+    over."""
     tables: dict[str, Table] = {}
     for stmt in statements:
         if isinstance(stmt, exp.Create) and stmt.args.get("kind") == "TABLE":
             table = _table_from_schema(server, stmt.this.this.name.lower(), stmt.this)
             tables[table.name] = table
-        elif isinstance(stmt, exp.Drop) and stmt.args.get("kind") == "TABLE":
-            for t in stmt.args["tables"]:
-                del tables[t.name.lower()]
-        elif isinstance(stmt, exp.Alter) and stmt.args.get("kind") == "TABLE":
-            table = tables[stmt.this.name.lower()]
-            for action in stmt.args.get("actions") or []:
-                if isinstance(action, exp.ColumnDef):
-                    _add_column(server, table, action)
-                elif isinstance(action, exp.AlterColumn):
-                    if action.args.get("allow_null") is False:
-                        table.not_null.add(action.name.lower())
-                elif isinstance(action, exp.Drop) and action.args.get("kind") == "COLUMN":
-                    for c in action.args["tables"]:
-                        table.columns.remove(c.name.lower())
-                        table.not_null.discard(c.name.lower())
-                        table.defaults.pop(c.name.lower(), None)
-                elif isinstance(action, exp.Drop) and action.args.get("kind") == "CONSTRAINT":
-                    for c in action.args["tables"]:
-                        table.checks.pop(c.name.lower(), None)
-                elif isinstance(action, exp.AddConstraint):
-                    for c in action.expressions:
-                        _add_constraint(table, c)
-                elif not isinstance(action, exp.AlterSet):
-                    raise NotImplementedError(action.sql(dialect="tsql"))
     return tables
 
 
@@ -350,7 +323,7 @@ def parse_body(lines: Sequence[str]) -> list[Any]:
 
 
 def load_routines(text: str) -> tuple[dict[str, Procedure], dict[str, Function]]:
-    """The procedures and functions of schema.sql blocks (``{schema}`` composed), the last of each name."""
+    """The procedures and functions of functions.sql blocks (``{schema}`` composed), by name."""
     procs: dict[str, Procedure] = {}
     funcs: dict[str, Function] = {}
     for m in _HEADER.finditer(text):
@@ -718,74 +691,7 @@ class Frame:
         if isinstance(stmt, exp.Anonymous) and stmt.name.upper() == "RAISERROR":
             self.raiserror(stmt)
             return
-        if isinstance(stmt, exp.Create | exp.Drop | exp.Alter):
-            self.ddl(stmt)
-            return
         raise NotImplementedError(stmt.sql(dialect="tsql")[:100])
-
-    def ddl(self, stmt: exp.Create | exp.Drop | exp.Alter) -> None:  # noqa: PLR0912
-        """The DDL of schema.sql's blocks on tables that hold rows (an upgrade): CREATE TABLE, DROP TABLE
-        and DROP PROCEDURE, ALTER TABLE ADD (a new column is NULL in every row), ALTER COLUMN ... NOT NULL
-        and ADD CONSTRAINT (checked against every row), DROP COLUMN and DROP CONSTRAINT; an index is not
-        modelled, nor a table's options (SET).
-
-        Long on purpose: one branch per kind of statement or node, read as a table.
-        """
-        tables = self.server.tables
-        kind = stmt.args.get("kind")
-        if isinstance(stmt, exp.Create) and kind == "INDEX":
-            return
-        if isinstance(stmt, exp.Create) and kind == "SEQUENCE":
-            self.server.create_sequence(*_sequence(stmt))
-            return
-        if isinstance(stmt, exp.Create) and kind == "TABLE":
-            table = _table_from_schema(self.server, stmt.this.this.name.lower(), stmt.this)
-            if table.name in tables:
-                raise TsqlError(2714, f"there is already an object named {table.name}")
-            tables[table.name] = table
-            return
-        if isinstance(stmt, exp.Drop) and kind in ("TABLE", "PROCEDURE"):
-            for t in stmt.args["tables"]:
-                name = t.name.lower()
-                gone = tables.pop(name, None) if kind == "TABLE" else self.server.procedures.pop(name, None)
-                if gone is None and not stmt.args.get("exists"):
-                    raise TsqlError(3701, f"cannot drop {kind.lower()} {name}: it does not exist")
-            return
-        if not isinstance(stmt, exp.Alter) or kind != "TABLE":
-            raise NotImplementedError(stmt.sql(dialect="tsql")[:100])
-        table = self.table(stmt.this)
-        for action in stmt.args.get("actions") or []:
-            if isinstance(action, exp.ColumnDef):
-                _add_column(self.server, table, action)
-                name = table.columns[-1]
-                if name in table.not_null and name not in table.defaults and table.rows:
-                    raise TsqlError(4901, f"ALTER TABLE {table.name} ADD {name} NOT NULL without a default")
-                for row in table.rows:
-                    row[name] = table.defaults[name]() if name in table.defaults else None
-            elif isinstance(action, exp.AlterColumn):
-                name = action.name.lower()
-                if action.args.get("allow_null") is False:
-                    if any(row[name] is None for row in table.rows):
-                        raise TsqlError(515, f"column {name} of {table.name} holds NULL")
-                    table.not_null.add(name)
-            elif isinstance(action, exp.Drop) and action.args.get("kind") == "COLUMN":
-                for c in action.args["tables"]:
-                    name = c.name.lower()
-                    table.columns.remove(name)
-                    table.not_null.discard(name)
-                    table.defaults.pop(name, None)
-                    for row in table.rows:
-                        del row[name]
-            elif isinstance(action, exp.Drop) and action.args.get("kind") == "CONSTRAINT":
-                for c in action.args["tables"]:
-                    table.checks.pop(c.name.lower(), None)
-            elif isinstance(action, exp.AddConstraint):
-                for c in action.expressions:
-                    _add_constraint(table, c)
-                for row in table.rows:
-                    self.check(table, row)
-            elif not isinstance(action, exp.AlterSet):
-                raise NotImplementedError(action.sql(dialect="tsql"))
 
     def assign(self, name: str, value: Any) -> Any:
         kind = self.types.get(name, "")
@@ -1575,19 +1481,22 @@ def _openjson(text: Any) -> Rel:
 
 @functools.cache
 def schema_blocks() -> dict[str, str]:
-    """The blocks of the SQL Server ``schema.sql``, composed for schema ``dbq``, in install order."""
+    """The blocks of the SQL Server ``schema.sql`` (``schema``) and ``functions.sql`` (one a routine,
+    named for it), composed for schema ``dbq``, in install order."""
     from airflow_dbqueue.engine.dialects.mssql import MssqlDatabase
     from airflow_dbqueue.engine.sqlfile import parse_named_queries, read_text
 
     db = MssqlDatabase("mssql://h/db", schema="dbq")
-    text = read_text("airflow_dbqueue.engine.dialects.mssql", "schema.sql")
-    return {name: db.compose(body) for name, body in parse_named_queries(text).items()}
+    blocks = {}
+    for filename in ("schema.sql", "functions.sql"):
+        text = read_text("airflow_dbqueue.engine.dialects.mssql", filename)
+        blocks.update({name: db.compose(body) for name, body in parse_named_queries(text).items()})
+    return blocks
 
 
 def ring_server(blocks: Mapping[str, str]) -> Server:
     """A server holding the tables, the schema's own sequences (the groups' gids) and the ring's routines
-    as the blocks of the SQL Server ``schema.sql`` (composed for schema ``dbq``, in install order) leave
-    them."""
+    as the blocks of :func:`schema_blocks` (or ``blocks``, composed alike) make them."""
     procedures, functions, ddl = _parsed_schema(tuple(blocks.items()))
     server = Server(procedures, functions)
     server.tables = schema_tables(server, ddl)
@@ -1606,13 +1515,11 @@ def _parsed_schema(
     procedures: dict[str, Procedure] = {}
     functions: dict[str, Function] = {}
     ddl: list[exp.Expression] = []
-    for name, body in blocks:  # in install order: a later block's routine replaces an earlier one's
+    for name, body in blocks:
         block_procedures, block_functions, block_ddl = _parsed_block(name, body)
         procedures.update(block_procedures)
         functions.update(block_functions)
         ddl.extend(block_ddl)
-        for dropped in re.findall(r"DROP PROCEDURE IF EXISTS \[dbq\]\.([a-z_]+);", body):
-            procedures.pop(dropped, None)
     return procedures, functions, ddl
 
 
@@ -1789,24 +1696,6 @@ class Ring:
 
 
 # -- the engine on the interpreter -------------------------------------------------------------------
-
-
-def upgrade(server: Server, blocks: Mapping[str, str]) -> None:
-    """Run schema.sql's ``blocks`` (composed, in install order) on ``server`` as an install that migrates
-    it does: each routine block replaces the routine of its name; every other block runs statement by
-    statement, on the rows the server holds."""
-    for name, body in blocks.items():
-        procedures, functions, _ = _parsed_block(name, body)
-        if procedures or functions:
-            server.procedures.update(procedures)
-            server.functions.update(functions)
-            continue
-        frame = Frame(server, lock_timeout=-1)
-        for stmt in sqlglot.parse(body, read="tsql", error_level=sqlglot.ErrorLevel.RAISE):
-            if stmt is not None:
-                if isinstance(stmt, exp.Command):
-                    raise NotImplementedError(stmt.sql(dialect="tsql")[:100])
-                frame.execute(stmt)
 
 
 def drop_queue(db: Any, queue_id: int) -> None:

@@ -15,16 +15,19 @@ from typing import Any
 
 import pytest
 
-from airflow_dbqueue.engine import DbQueue, ForeignObjectsError, InvalidNameError
+from airflow_dbqueue.engine import DbQueue, ForeignObjectsError, InvalidNameError, SchemaError
+from airflow_dbqueue.engine.dialects.mssql import schema as ms_schema
 from airflow_dbqueue.engine.dialects.mssql.dialect import MssqlDatabase
 from airflow_dbqueue.engine.dialects.mssql.errors import translate
-from airflow_dbqueue.engine.dialects.mssql.schema import schema_steps
-from airflow_dbqueue.engine.dialects.ownership import engine_objects
+from airflow_dbqueue.engine.dialects.mssql.schema import functions_sql, schema_sql
+from airflow_dbqueue.engine.dialects.ownership import FUNCTIONS_KIND, engine_objects
+from airflow_dbqueue.engine.sqlfile import read_text
 from tests.fake_mssql import FakeConnection, FakeCursor, FakeSqlServer, Rows, import_pyodbc
 from tests.unit.test_mssql_dialect import DRIVER, tsql_statements
 
 DSN = "mssql://u:p@sqlserver.invalid:1433/queues"
-LATEST = schema_steps()[0]
+LATEST = schema_sql()[0]
+SHA = functions_sql()[1]
 
 
 @pytest.mark.parametrize(
@@ -37,9 +40,9 @@ def test_reserved_schemas_are_refused_at_construction(schema: str) -> None:
 
 
 BLOCKS = frozenset(
-    MssqlDatabase(DSN, schema="dbq").compose(batch) for _, batches in schema_steps()[1] for batch in batches
+    MssqlDatabase(DSN, schema="dbq").compose(batch) for batch in [schema_sql()[1], *functions_sql()[0]]
 )
-"""The blocks of schema.sql as an install sends them to schema dbq."""
+"""The batches of schema.sql and functions.sql as an install sends them to schema dbq."""
 
 
 class FakeCatalog(FakeSqlServer):
@@ -99,18 +102,14 @@ class FakeCatalog(FakeSqlServer):
             return None
         if text.startswith("SELECT kind, name FROM"):
             return sorted(self.owned.get(schema, set()))
-        if text in BLOCKS:  # a block of schema.sql: what it creates, then what it drops
+        if "SELECT name FROM" in text and "WHERE kind = 'functions'" in text:  # functions_applied
+            return [(n,) for k, n in self.owned.get(schema, set()) if k == "functions"]
+        if text.startswith("DELETE FROM") and ".owned_objects" in text:  # forget_owned
+            self.owned.get(schema, set()).discard((values[0], values[1]))
+            return None
+        if text in BLOCKS:  # a batch of schema.sql or functions.sql: what it creates
             for kind, name in engine_objects(text.replace(f"[{schema}].", "{schema}.")):
                 self.add(schema, kind, name)
-            for kind, name in re.findall(
-                rf"DROP (TABLE|PROCEDURE) (?:IF EXISTS )?\[{schema}\]\.(\w+);", text
-            ):
-                del objects[(kind.lower(), name)]
-            if m := re.search(
-                r"DELETE FROM \[\w+\]\.owned_objects\nWHERE kind = '(\w+)' AND name IN \((.*?)\)", text
-            ):
-                for name in re.findall(r"N'(\w+)'", m.group(2)):
-                    self.owned.get(schema, set()).discard((m.group(1), name))
             return None
         if m := re.search(
             r"^IF OBJECT_ID\(N'\[(\w+)\]\.\[(\w+)\]', N'P'\) IS NOT NULL\n", text, re.MULTILINE
@@ -184,27 +183,12 @@ def catalog(monkeypatch: pytest.MonkeyPatch) -> FakeCatalog:
     return cat
 
 
-def _left_by(up_to: int) -> frozenset[tuple[str, str]]:
-    """What the blocks of schema.sql up to version ``up_to`` leave in a schema: what they create, less what
-    a later block drops (version 4 drops ring_lanes and creates it anew, and drops two procedures)."""
-    left: set[tuple[str, str]] = set()
-    for version, batches in schema_steps()[1]:
-        for batch in batches:
-            if version <= up_to:
-                left |= engine_objects(batch)
-                for kind, name in re.findall(
-                    r"DROP (TABLE|PROCEDURE) (?:IF EXISTS )?\{schema\}\.(\w+);", batch
-                ):
-                    left.discard((kind.lower(), name))
-    return frozenset(left)
-
-
-ENGINE = _left_by(LATEST)
+ENGINE = engine_objects(read_text(ms_schema.__name__.rpartition(".")[0], "schema.sql")) | engine_objects(
+    read_text(ms_schema.__name__.rpartition(".")[0], "functions.sql")
+)
 """What a fresh install holds (with the catalogue, owned_objects)."""
-VERSION_2 = _left_by(2)
-"""What an install of version 2 holds: the old ring design, and no catalogue."""
-VERSION_3 = _left_by(3)
-"""What an install of version 3 holds: version 2's objects and the catalogue."""
+OWNED = ENGINE | {("schema", "dbq"), (FUNCTIONS_KIND, SHA)}
+"""What a fresh install's catalogue lists: its objects, the schema it created, the routines file applied."""
 
 
 def test_a_fresh_install_creates_its_schema_and_records_all_it_made_on_a_fake_sql_server(
@@ -213,8 +197,8 @@ def test_a_fresh_install_creates_its_schema_and_records_all_it_made_on_a_fake_sq
     db = MssqlDatabase(DSN, schema="dbq")
     assert db.install() == LATEST
     assert set(catalog.schemas["dbq"]) == ENGINE
-    assert catalog.owned["dbq"] == ENGINE | {("schema", "dbq")}
-    assert catalog.versions["dbq"] == list(range(1, LATEST + 1))
+    assert catalog.owned["dbq"] == OWNED
+    assert catalog.versions["dbq"] == [LATEST] == [100]
     sent = len(catalog.sent)
     assert db.install() == LATEST  # idempotent: nothing is created or recorded again
     assert not any("CREATE" in t or "INSERT" in t for t in catalog.sent[sent:])
@@ -223,7 +207,7 @@ def test_a_fresh_install_creates_its_schema_and_records_all_it_made_on_a_fake_sq
         catalog.add("dbq", "sequence", name)
     db.drop_schema()
     assert "dbq" not in catalog.schemas
-    for text in catalog.sent:  # the queries (schema.sql's blocks are parsed by test_mssql_dialect)
+    for text in catalog.sent:  # the queries (the schema's batches are parsed by test_mssql_dialect)
         if not engine_objects(text.replace("[dbq].", "{schema}.")):
             tsql_statements(text)
 
@@ -270,48 +254,78 @@ def test_uninstall_refused_by_a_referrer_drops_nothing_on_a_fake_sql_server(cata
     assert catalog.schemas["dbq"] == before  # rolled back whole
 
 
-def test_an_older_install_is_recognised_by_name_on_a_fake_sql_server(catalog: FakeCatalog) -> None:
-    """Version 2 created its schema with CREATE SCHEMA and kept no catalogue: its objects are known by
-    the names schema.sql creates; with a table of someone else's beside them, the schema is not the
-    engine's."""
-    for kind, name in VERSION_2:
+@pytest.mark.parametrize("versions", [[1], [1, 2], [1, 2, 3], [1, 2, 3, 4, 5, 6]])
+def test_an_install_of_a_development_version_is_refused_on_a_fake_sql_server(
+    catalog: FakeCatalog, versions: list[int]
+) -> None:
+    """An install made before release 1.0 (schema versions 1 to 6, with the engine's catalogue from
+    version 3 on or without it) is neither upgraded nor uninstalled: install and uninstall raise
+    SchemaError, as on PostgreSQL, and the schema is left as it was."""
+    for kind, name in ENGINE:
         catalog.add("dbq", kind, name)
-    catalog.add("dbq", "sequence", "ring_3_seq")
-    catalog.add("dbq", "sequence", "ring_3_gaps")
-    catalog.rings["dbq"] = ["ring_3_seq", "ring_3_gaps"]
-    catalog.add("dbq", "table", "customers")
-    catalog.versions["dbq"] = [1, 2]
+    catalog.versions["dbq"] = list(versions)
+    if versions[-1] >= 3:
+        catalog.owned["dbq"] = set(ENGINE)
+    before = (dict(catalog.schemas["dbq"]), set(catalog.owned.get("dbq", set())))
     db = MssqlDatabase(DSN, schema="dbq")
-    db.drop_schema()  # migrates to the catalogue first, then drops what it lists
-    assert catalog.versions["dbq"] == [1, 2, 3, 4, 5, 6]
-    assert catalog.owned["dbq"] == ENGINE
-    assert set(catalog.schemas["dbq"]) == {("table", "customers")}
+    for call in (db.install, db.drop_schema):
+        with pytest.raises(SchemaError, match=rf"development version .* \(schema version {versions[-1]}\)"):
+            call()
+    assert (catalog.schemas["dbq"], catalog.owned.get("dbq", set())) == before
+    assert catalog.versions["dbq"] == versions
+    assert not any(t.startswith(("CREATE", "DROP", "INSERT")) or t in BLOCKS for t in catalog.sent)
 
 
-def test_an_install_of_version_3_is_migrated_and_its_catalogue_follows_on_a_fake_sql_server(
+def test_a_newer_install_is_refused_on_a_fake_sql_server(catalog: FakeCatalog) -> None:
+    MssqlDatabase(DSN, schema="dbq").install()
+    catalog.versions["dbq"].append(LATEST + 1)
+    with pytest.raises(SchemaError, match=rf"version {LATEST + 1}, newer than this code's {LATEST}"):
+        MssqlDatabase(DSN, schema="dbq").install()
+
+
+def test_a_changed_routines_file_is_applied_in_one_transaction_on_a_fake_sql_server(
+    catalog: FakeCatalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every routine of a functions.sql whose SHA-256 is not the one recorded is altered, in one
+    transaction; a routine of the engine's that the file no longer defines is dropped and forgotten; the
+    catalogue then names the new file's SHA-256 only. The tables are left alone."""
+    db = MssqlDatabase(DSN, schema="dbq")
+    db.install()
+    batches, _, names = functions_sql()
+    kept = [b for b in batches if "{schema}.ring_drop_group\n" not in b]
+    assert len(kept) == len(batches) - 1
+    monkeypatch.setattr(ms_schema, "functions_sql", lambda: (kept, "f" * 64, names - {"ring_drop_group"}))
+    commits, sent = catalog.commits, len(catalog.sent)
+    assert db.install() == LATEST
+    assert catalog.commits == commits + 1
+    applied = catalog.sent[sent:]
+    composed = {MssqlDatabase(DSN, schema="dbq").compose(b) for b in kept}
+    assert composed <= set(applied) and catalog.versions["dbq"] == [LATEST]
+    assert not any(t.startswith("CREATE TABLE") for t in applied)
+    assert ("procedure", "ring_drop_group") not in catalog.schemas["dbq"]
+    assert catalog.owned["dbq"] == (OWNED - {(FUNCTIONS_KIND, SHA), ("procedure", "ring_drop_group")}) | {
+        (FUNCTIONS_KIND, "f" * 64)
+    }
+    sent = len(catalog.sent)
+    assert db.install() == LATEST  # applied: nothing to do
+    assert not any(t in BLOCKS or t.startswith(("CREATE", "DROP", "INSERT")) for t in catalog.sent[sent:])
+
+
+def test_uninstall_drops_routines_then_tables_then_sequences_and_the_schema_on_a_fake_sql_server(
     catalog: FakeCatalog,
 ) -> None:
-    """Version 3 kept the catalogue and the old ring design. Version 4 (the ring's new storage) creates
-    tables, procedures and inline functions, drops two procedures and makes ring_lanes anew: the catalogue
-    then lists exactly what the schema holds of the engine's, the dropped procedures no longer; and
-    uninstall drops it all (the functions after the procedures that call them, before the tables they
-    read), and the schema the engine created."""
-    assert VERSION_2 | {("table", "owned_objects")} == VERSION_3
-    new = ENGINE - VERSION_3
-    assert {("table", "ring_leases"), ("table", "ring_retry"), ("table", "ring_push_lanes")} <= new
-    assert {("function", "ring_held"), ("function", "ring_ready"), ("function", "ring_series")} <= new
-    assert {("procedure", "ring_take"), ("procedure", "ring_settle"), ("procedure", "ring_floor_try")} <= new
-    gone = VERSION_3 - ENGINE
-    assert gone == {("procedure", "ring_first_unfinished"), ("procedure", "ring_lanes_held")}
-    for kind, name in VERSION_3:
-        catalog.add("dbq", kind, name)
-    catalog.versions["dbq"] = [1, 2, 3]
-    catalog.owned["dbq"] = set(VERSION_3) | {("schema", "dbq")}
+    """Uninstall drops what the catalogue lists: the procedures, then the inline functions (after the
+    procedures that call them, before the tables they read), the tables, the sequences, the catalogue's
+    own table last of the tables (uninstall reads it until then), and the schema the engine created."""
     db = MssqlDatabase(DSN, schema="dbq")
-    assert db.install() == LATEST == 6
-    assert catalog.versions["dbq"] == [1, 2, 3, 4, 5, 6]
-    assert set(catalog.schemas["dbq"]) == ENGINE
-    assert catalog.owned["dbq"] == ENGINE | {("schema", "dbq")}
+    db.install()
+    assert {("table", "ring_leases"), ("table", "ring_retry"), ("table", "ring_push_lanes")} <= ENGINE
+    assert {("function", "ring_held"), ("function", "ring_ready"), ("function", "ring_series")} <= ENGINE
+    assert {
+        ("procedure", "ring_take"),
+        ("procedure", "ring_settle"),
+        ("procedure", "ring_floor_try"),
+    } <= ENGINE
     sent = len(catalog.sent)
     db.drop_schema()
     assert "dbq" not in catalog.schemas
@@ -323,22 +337,11 @@ def test_an_install_of_version_3_is_migrated_and_its_catalogue_follows_on_a_fake
         kind = next(k for k, n in ENGINE if n == names[0]) if names else "schema"
         if not kinds or kinds[-1] != kind:
             kinds.append(kind)
-    # The catalogue's own table goes last of the tables: uninstall reads it until then.
     assert kinds == ["procedure", "function", "table", "sequence", "table", "schema"]
     routines = [t for t in drops if t.startswith("IF OBJECT_ID(")]
     assert len(routines) == len([k for k, _ in ENGINE if k in ("procedure", "function")])
     for text in drops:
         tsql_statements(text)
-
-
-def test_an_older_install_alone_in_its_schema_is_the_engines_whole_on_a_fake_sql_server(
-    catalog: FakeCatalog,
-) -> None:
-    for kind, name in VERSION_2:
-        catalog.add("dbq", kind, name)
-    catalog.versions["dbq"] = [1, 2]
-    MssqlDatabase(DSN, schema="dbq").drop_schema()
-    assert "dbq" not in catalog.schemas
 
 
 def test_a_refused_queue_lock_is_a_deadlock_retried_by_the_dialect() -> None:
@@ -378,7 +381,10 @@ def test_the_settings_queries_select_every_settings_column(name: str, pkg: str) 
     body = load_queries(f"airflow_dbqueue.engine.dialects.{pkg}", "queries")[name]
     text = re.sub(r"%\(\w+\)s", "1", body.replace("{schema}", "dbq"))
     select = sqlglot.parse_one(text, read="tsql" if pkg == "mssql" else "postgres")
-    assert [e.alias_or_name for e in select.expressions] == list(_SETTINGS_COLUMNS)
+    # PostgreSQL's get_queue adds what the session's role may do to the queue (its grants), which the
+    # client reads when it is there
+    extra = ["actions"] if (pkg, name) == ("postgres", "get_queue") else []
+    assert [e.alias_or_name for e in select.expressions] == [*_SETTINGS_COLUMNS, *extra]
 
 
 def _fake_dbq(monkeypatch: pytest.MonkeyPatch, script: list[Any]) -> tuple[DbQueue, FakeSqlServer]:

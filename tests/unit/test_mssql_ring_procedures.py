@@ -2,9 +2,9 @@
 
 No SQL Server can run here. These tests run ``ring_create``, ``ring_push``, ``ring_take``, ``ring_pop``,
 ``ring_pass``, ``ring_skip_gap``, ``ring_skip_abandoned``, ``ring_settle``, ``ring_add_group`` and
-``ring_drop_group`` as the SQL Server ``schema.sql`` writes them, on tables held in memory, and check what
-they do against what PostgreSQL's functions of the same names do (their comments in
-``postgres/schema.sql``): lanes moved over given-up numbers, a take that runs past the end of the slots
+``ring_drop_group`` as the SQL Server ``functions.sql`` writes them, on tables held in memory, and check
+what they do against what PostgreSQL's functions of the same names do (their comments in
+``postgres/functions.sql``): lanes moved over given-up numbers, a take that runs past the end of the slots
 taken in two parts, a pop of none, consumer groups holding the floor until dropped. The last tests
 break the T-SQL on purpose, one change at a time, and check that the scenarios then fail.
 
@@ -57,7 +57,7 @@ def fails(call: Callable[[], Any], number: int, match: str = "") -> tsql.TsqlErr
 
 # -- the interpreter -------------------------------------------------------------------------------
 
-PROBE = """-- name: v9_probe
+PROBE = """-- name: probe
 CREATE OR ALTER PROCEDURE [dbq].probe
     @lane int, @err int = NULL OUTPUT
 AS
@@ -569,107 +569,6 @@ def test_a_dropped_ring_is_dq004_to_pushes_and_pops() -> None:
     check_dropped(maker())
 
 
-# -- the upgrade to version 4 ------------------------------------------------------------------------
-
-
-def old_ring(server: tsql.Server) -> None:
-    """A ring of the old design (versions 2 and 3, where pops wrote the slots), capacity 8, numbers 1 to
-    13 issued: 7 leased, 10 and 11 ready, 6, 8 and 9 finished (6 still holding its payload), 12 given
-    up, 13 unwritten (its push died); one failed message; 64 push lanes."""
-    seq = server.create_sequence("[dbq].[ring_1_seq]", 0)
-    gaps = server.create_sequence("[dbq].[ring_1_gaps]", 0)
-    server.sequences["[dbq].[ring_1_seq]"].update(current_value=13, next=14)
-    server.tables["rings"].insert(
-        {
-            "queue_id": 1,
-            "capacity": 8,
-            "push_seq": "[dbq].[ring_1_seq]",
-            "gap_seq": "[dbq].[ring_1_gaps]",
-            "push_seq_id": seq,
-            "gap_seq_id": gaps,
-            "lanes": 64,
-        }
-    )
-    now = server.now
-    slots = {  # slot: (seq, state, payload)
-        0: (8, 0, None),
-        1: (9, 0, None),
-        2: (10, 1, b"ten"),
-        3: (11, 1, b"eleven"),
-        4: (12, 3, None),
-        5: (5, 0, None),
-        6: (6, 0, b"six"),
-        7: (7, 2, b"seven"),
-    }
-    for slot, (number, state, payload) in slots.items():
-        server.tables["ring_slots"].insert(
-            {
-                "queue_id": 1,
-                "slot": slot,
-                "seq": number,
-                "state": state,
-                "attempts": 1 if state == 2 else 0,
-                "deliveries": 1 if state == 2 else 0,
-                "enqueued_at": now,
-                "due_at": now,
-                "consumer": "c" if state == 2 else None,
-                "payload": payload,
-            }
-        )
-    for lane in range(64):
-        server.tables["ring_lanes"].insert({"queue_id": 1, "lane": lane, "pushes": lane % 3})
-    server.tables["ring_failed"].insert(
-        {"queue_id": 1, "id": 3, "attempts": 5, "enqueued_at": now, "failed_at": now, "payload": b"three"}
-    )
-
-
-def check_upgrade(text: Mapping[str, str]) -> None:
-    """The blocks of version 4 on run on the rows of an old ring (tsql.upgrade): its lanes (8) start at its
-    lowest unfinished number, 7, each at its first number from there; finished and given-up slots lose
-    their payload and the slots the columns only pops wrote; the push lanes keep their rows. The new
-    procedures then deliver each ready or leased message once, in id order, with its payload (7, leased
-    when the upgrade ran, again), pass over what was finished or given up, stop at 13 until it is given
-    up, and take new pushes from the issued position on. The catalogue loses the two procedures the
-    upgrade drops."""
-    old = {k: v for k, v in text.items() if re.fullmatch(r"schema|v[23]_.*", k)}
-    server = tsql.ring_server(old)
-    assert "ring_lanes_held" in server.procedures and "ring_take" not in server.procedures
-    assert "pushes" in server.tables["ring_lanes"].columns  # version 2's push lanes
-    old_ring(server)
-    owned = server.tables["owned_objects"]
-    for kind, name in [
-        ("procedure", "ring_lanes_held"),
-        ("procedure", "ring_first_unfinished"),
-        ("table", "rings"),
-    ]:
-        owned.insert({"kind": kind, "name": name})
-    tsql.upgrade(server, {k: v for k, v in text.items() if k not in old})
-    assert "ring_lanes_held" not in server.procedures and "ring_take" in server.procedures
-    assert [(r["kind"], r["name"]) for r in owned.scan()] == [("table", "rings")]
-    assert server.tables["ring_slots"].columns == ["queue_id", "slot", "seq", "enqueued_at", "payload"]
-    [header] = server.tables["rings"].rows
-    assert (header["lanes"], header["push_lanes"]) == (8, 64)
-    pushes = [(r["lane"], r["pushes"]) for r in server.tables["ring_push_lanes"].scan()]
-    assert pushes == [(lane, lane % 3) for lane in range(64)]
-    ring = tsql.Ring.__new__(tsql.Ring)
-    ring.server, ring.queue_id, ring.capacity, ring.lanes = server, 1, 8, 8
-    ring.seq = "[dbq].[ring_1_seq]"
-    assert ring.positions() == [8, 9, 10, 11, 12, 13, 14, 7]
-    assert [ring.slot_of(x) for x in (6, 8, 9, 12)] == [(6, None), (8, None), (9, None), (12, None)]
-    rows = ring.take(10)
-    assert [(r[0], r[5]) for r in rows] == [(7, b"seven"), (10, b"ten"), (11, b"eleven")]
-    assert ring.positions()[5] == 13  # lane 5 waits at 13, unwritten
-    assert ring.push(b"fourteen", b"fifteen") == [14, 15]
-    assert ring.skip_abandoned() == 1  # 13, its push long gone
-    rows, _ = ring.pop(10)
-    assert [(r[0], r[5]) for r in rows] == [(14, b"fourteen"), (15, b"fifteen")]
-    assert [r["id"] for r in server.tables["ring_failed"].rows] == [3]
-
-
-def test_a_ring_of_the_old_design_keeps_its_messages_through_the_upgrade_to_version_4() -> None:
-    check_upgrade(blocks())
-
-
 # -- consumer groups -------------------------------------------------------------------------------
 
 
@@ -750,108 +649,97 @@ def mutated(block: str, good: str, bad: str) -> dict[str, str]:
 
 MUTATIONS = [
     # ring_pass
-    ("v6_ring_pass", "AND s.seq = l.pos AND s.payload IS NULL);", "AND s.seq = l.pos);", check_pass),
-    ("v6_ring_pass", "UPDATE l SET pos = l.pos + @lanes", "UPDATE l SET pos = l.pos + 1", check_pass),
+    ("ring_pass", "AND s.seq = l.pos AND s.payload IS NULL);", "AND s.seq = l.pos);", check_pass),
+    ("ring_pass", "UPDATE l SET pos = l.pos + @lanes", "UPDATE l SET pos = l.pos + 1", check_pass),
     (
-        "v6_ring_pass",
+        "ring_pass",
         "ring_lanes t WITH (ROWLOCK, UPDLOCK, READPAST)\n    WHERE t.queue_id = @queue_id;",
         "ring_lanes t WITH (ROWLOCK, UPDLOCK)\n    WHERE t.queue_id = @queue_id;",
         check_pass,
     ),
-    ("v6_ring_pass", "WHERE l.pos > l.start;", "WHERE l.pos >= l.start;", check_pass),
+    ("ring_pass", "WHERE l.pos > l.start;", "WHERE l.pos >= l.start;", check_pass),
     # the take's two parts
-    ("v6_ring_take", "WHILE @part < 2 AND", "WHILE @part < 1 AND", check_two_parts),
-    ("v6_ring_take", "ORDER BY p.part, s.slot;", "ORDER BY s.slot;", check_two_parts),
-    ("v6_ring_take", "SELECT TOP (@n - @got) @lo", "SELECT TOP (@n) @lo", check_two_parts),
-    ("v6_ring_take", "SET @lo = @lo - @a + @cap;", "SET @lo = @lo + @cap;", check_two_parts),
-    ("v6_ring_take", "h.pos < @lo - @a + @cap)", "h.pos < @lo - @a)", check_second_part_refused),
+    ("ring_take", "WHILE @part < 2 AND", "WHILE @part < 1 AND", check_two_parts),
+    ("ring_take", "ORDER BY p.part, s.slot;", "ORDER BY s.slot;", check_two_parts),
+    ("ring_take", "SELECT TOP (@n - @got) @lo", "SELECT TOP (@n) @lo", check_two_parts),
+    ("ring_take", "SET @lo = @lo - @a + @cap;", "SET @lo = @lo + @cap;", check_two_parts),
+    ("ring_take", "h.pos < @lo - @a + @cap)", "h.pos < @lo - @a)", check_second_part_refused),
     (
-        "v6_ring_take",
+        "ring_take",
         "FROM @held h JOIN [dbq].ring_lanes l ON l.queue_id = @gid AND l.lane = h.lane;",
         "FROM @held h JOIN [dbq].ring_lanes l ON l.queue_id = @gid AND l.lane = h.lane WHERE 1 = 0;",
         check_two_parts,
     ),
     (
-        "v6_ring_take",
+        "ring_take",
         "WHERE t.queue_id = @gid AND EXISTS (\n        SELECT 1",
         "WHERE t.queue_id = @gid AND 1 = 1 OR EXISTS (\n        SELECT 1",
         check_second_part_refused,
     ),
     # a pop of none
-    ("v6_ring_pop", "IF @skipped > 0", "IF @skipped > 1000", check_pop_of_none),
-    ("v4_ring_skip_gap", "SET @skipped = @k;", "SET @skipped = 0;", check_pop_of_none),
+    ("ring_pop", "IF @skipped > 0", "IF @skipped > 1000", check_pop_of_none),
+    ("ring_skip_gap", "SET @skipped = @k;", "SET @skipped = 0;", check_pop_of_none),
     (
-        "v6_ring_pop",
+        "ring_pop",
         "SELECT TOP (@n) t.id, t.attempts",
         "SELECT TOP (@n + 1) t.id, t.attempts",
         check_pop_of_none,
     ),
     # a batch that finds every lane held
-    ("v6_ring_take", "IF @n > 1 AND @lanes > 2", "IF @n > 1 AND @lanes > 200", check_held_lanes),
-    ("v6_ring_take", "ELSE @lanes / 2 END - 1;", "ELSE @lanes END - 1;", check_held_lanes),
+    ("ring_take", "IF @n > 1 AND @lanes > 2", "IF @n > 1 AND @lanes > 200", check_held_lanes),
+    ("ring_take", "ELSE @lanes / 2 END - 1;", "ELSE @lanes END - 1;", check_held_lanes),
     (
-        "v6_ring_take",
+        "ring_take",
         "WHERE t.queue_id = @gid\n            ORDER BY t.pos;",
         "WHERE t.queue_id = @gid\n            ORDER BY t.lane DESC;",
         check_held_lanes,
     ),
-    ("v6_ring_take", "SET LOCK_TIMEOUT 1000;", "SET NOCOUNT ON;", check_no_wait),
-    ("v6_ring_take", "IF @wait = 1 AND NOT EXISTS", "IF @wait >= 0 AND NOT EXISTS", check_no_wait),
+    ("ring_take", "SET LOCK_TIMEOUT 1000;", "SET NOCOUNT ON;", check_no_wait),
+    ("ring_take", "IF @wait = 1 AND NOT EXISTS", "IF @wait >= 0 AND NOT EXISTS", check_no_wait),
     (
-        "v6_ring_take",
+        "ring_take",
         "        BEGIN\n            RETURN;\n        END;\n    END;\n    IF @wait = 1",
         "        BEGIN\n            SET @k = 0;\n        END;\n    END;\n    IF @wait = 1",
         check_no_wait,
     ),
     # where a take ends
-    ("v6_ring_take", "IF @whole = 0", "IF @whole = 2", check_take_ends),
-    ("v6_ring_take", "@whole = min(r.ok)", "@whole = max(r.ok)", check_take_ends),
-    ("v6_ring_take", "SELECT TOP (@n - @got) @lo", "SELECT TOP (@n - @got + 1) @lo", check_take_ends),
+    ("ring_take", "IF @whole = 0", "IF @whole = 2", check_take_ends),
+    ("ring_take", "@whole = min(r.ok)", "@whole = max(r.ok)", check_take_ends),
+    ("ring_take", "SELECT TOP (@n - @got) @lo", "SELECT TOP (@n - @got + 1) @lo", check_take_ends),
     # a dropped ring
-    ("v4_ring_floor_try", "SET @gone = 1;", "SET @gone = 0;", check_dropped),
-    ("v4_ring_push", "SET @fail = 4;", "SET @fail = 1;", check_dropped),
+    ("ring_floor_try", "SET @gone = 1;", "SET @gone = 0;", check_dropped),
+    ("ring_push", "SET @fail = 4;", "SET @fail = 1;", check_dropped),
     (
-        "v6_ring_pop",
+        "ring_pop",
         "IF NOT EXISTS (SELECT 1 FROM [dbq].rings g",
         "IF EXISTS (SELECT 1 FROM [dbq].rings g",
         check_dropped,
     ),
     # consumer groups
-    ("v6_ring_floor", "IF @lanes < @floor OR @floor IS NULL", "IF @lanes < @floor AND 1 = 0", check_groups),
+    ("ring_floor", "IF @lanes < @floor OR @floor IS NULL", "IF @lanes < @floor AND 1 = 0", check_groups),
     (
-        "v6_ring_add_group",
+        "ring_add_group",
         "CASE WHEN @earliest = 1 THEN min(t.pos)",
         "CASE WHEN @earliest = 1 THEN max(t.pos)",
         check_groups,
     ),
     (
-        "v6_ring_take",
+        "ring_take",
         "SET @queue_id = (SELECT g.queue_id FROM [dbq].ring_groups g WHERE g.gid = @gid);",
         "SET @queue_id = @gid;",
         check_groups,
     ),
     (
-        "v6_ring_drop_group",
+        "ring_drop_group",
         "DELETE FROM [dbq].ring_lanes WHERE queue_id = @gid;",
         "DELETE FROM [dbq].ring_lanes WHERE queue_id = @gid AND 1 = 0;",
         check_groups,
     ),
     (
-        "v6_ring_pass",
+        "ring_pass",
         "JOIN [dbq].ring_lanes t WITH (ROWLOCK, UPDLOCK, READPAST) ON t.queue_id = g.gid",
         "JOIN [dbq].ring_lanes t WITH (ROWLOCK, UPDLOCK, READPAST) ON t.queue_id = g.gid AND 1 = 0",
         check_groups,
-    ),
-]
-UPGRADE_MUTATIONS = [
-    ("v4_ring_convert", "WHERE state IN (0, 3) AND payload IS NOT NULL;", "WHERE state = 3;"),
-    ("v4_ring_convert", "WHEN s.state IN (1, 2) THEN s.seq", "WHEN s.state = 1 THEN s.seq"),
-    ("v4_ring_convert", "THEN capacity ELSE 8 END;", "THEN capacity ELSE 4 END;"),
-    ("v4_ring_convert", "N'ring_lanes_held');", "N'ring_lanes_hold');"),
-    (
-        "v4_ring_tables",
-        "SELECT queue_id, lane, pushes FROM [dbq].ring_lanes;",
-        "SELECT queue_id, lane, 0 FROM [dbq].ring_lanes;",
     ),
 ]
 
@@ -866,15 +754,6 @@ def test_the_checks_fail_on_broken_tsql(
     check(maker())  # whole, it passes
     with pytest.raises((AssertionError, tsql.TsqlError, tsql.Blocked)):
         check(maker(mutated(block, good, bad)))
-
-
-@pytest.mark.parametrize(
-    ("block", "good", "bad"), UPGRADE_MUTATIONS, ids=[m[2][:40] for m in UPGRADE_MUTATIONS]
-)
-def test_the_upgrade_check_fails_on_broken_tsql(block: str, good: str, bad: str) -> None:
-    check_upgrade(blocks())
-    with pytest.raises((AssertionError, tsql.TsqlError)):
-        check_upgrade(mutated(block, good, bad))
 
 
 # -- the engine on the interpreted procedures ------------------------------------------------------

@@ -61,39 +61,6 @@ def refuse_foreign_objects(schema: str, where: str, found: list[SchemaObject]) -
         )
 
 
-OWNED_TABLE = ("table", "owned_objects")
-"""The engine's catalogue of what it created in a schema: a table of the schema itself."""
-
-
-def ownership(
-    before: list[SchemaObject],
-    after: list[SchemaObject],
-    *,
-    fresh: bool,
-    created_schema: bool,
-    engine_names: frozenset[tuple[str, str]],
-    ring_sequences: Iterable[str],
-) -> tuple[set[tuple[str, str]], bool]:
-    """Return what a SQL Server install should record in the engine's catalogue: ``(keys, schema_is_ours)``.
-
-    Every object the install created (in ``after`` but not in ``before``) is the engine's. The schema
-    is the engine's when this install created it. An install made before the engine kept a catalogue
-    (``before`` holds no ``owned_objects`` table) was made by ``CREATE SCHEMA IF NOT EXISTS``: its
-    objects are recognised by the names the engine's schema file creates (``engine_names``), and its
-    schema counts as the engine's when it holds nothing else (but the rings' own sequences).
-    """
-    before_keys = {o.key for o in before}
-    own = {o.key for o in after if o.key not in before_keys}
-    if fresh:
-        return own, created_schema
-    if OWNED_TABLE in before_keys:
-        return own, False
-    rings = {("sequence", name) for name in ring_sequences}
-    own |= {o.key for o in after if o.key in before_keys and o.key in engine_names}
-    foreign = [o for o in before if o.key not in engine_names and o.key not in rings]
-    return own, not foreign
-
-
 FIRST_RELEASE = "1.0"
 """The release whose schema is each dialect's baseline: the oldest install that this code upgrades."""
 FUNCTIONS_KIND = "functions"

@@ -93,6 +93,26 @@ POSTGRES_ONLY: dict[str, str] = {
         "be (payload_pops = False): on SQL Server it runs the take itself and keeps the payloads"
         for name in ("pop_take_payloads", "ring_take_payloads")
     },
+    **{
+        name: "per-queue grants are PostgreSQL's (row-level security and the privileges each grant gives a "
+        "role on the tables and sequences); this dialect's grant and revoke raise NotSupportedError, and "
+        "every role may take every action its database privileges allow"
+        for name in (
+            "role_exists",
+            "grants_add",
+            "grants_remove",
+            "grants_list",
+            "grants_of_role",
+            "grants_roles_of_queue",
+            "actions_on",
+            "ring_sequences_of",
+            "owned_tables",
+            "server_version_num",
+            "list_ring_ids",
+        )
+    },
+    "sees_all_activity": "maintenance's horizon check asks whether its role sees every session; on SQL "
+    "Server VIEW SERVER STATE decides, and the horizon queries say so when it is refused",
 }
 """Named queries of the PostgreSQL dialect that have no use on SQL Server, with why."""
 

@@ -1,5 +1,7 @@
-"""The SQL Server dialect's schema: ``schema.sql``'s versioned steps, and installing, migrating and
-dropping them in one schema with what the engine owns there recorded (``owned_objects``).
+"""The SQL Server dialect's schema: ``schema.sql`` (tables, indexes and sequences), ``functions.sql``
+(every procedure and function, re-applied whenever it changes) and ``migrations/<release>.sql``, and
+installing, upgrading and dropping them in one schema with what the engine owns there recorded
+(``owned_objects``), as the PostgreSQL dialect does.
 
 :class:`MssqlSchema` is a part of :class:`MssqlDatabase`; the engine calls it through the
 :class:`~airflow_dbqueue.engine.dialects.base.Database` protocol only.
@@ -8,61 +10,48 @@ dropping them in one schema with what the engine owns there recorded (``owned_ob
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 from airflow_dbqueue.engine.dialects.mssql.params import to_positional
 from airflow_dbqueue.engine.dialects.ownership import (
+    FUNCTIONS_KIND,
     SchemaObject,
+    declared_version,
     describe_objects,
+    digest,
     engine_objects,
-    ownership,
     refuse_foreign_objects,
     refuse_newer_schema,
+    refuse_older_schema,
+    release_migrations,
 )
-from airflow_dbqueue.engine.errors import SchemaError
 from airflow_dbqueue.engine.sqlfile import parse_named_queries, read_text
 
 log = logging.getLogger(__name__)
 
 _PKG = __package__ or "airflow_dbqueue.engine.dialects.mssql"
-_STEP_BLOCK = re.compile(r"v([0-9]+)_[a-z0-9_]+")
-
-
-def schema_steps() -> tuple[int, list[tuple[int, list[str]]]]:
-    """Return ``(latest, [(version, [batch, ...])])`` of ``schema.sql``, versions 1..latest in order.
-
-    Block ``schema`` is version 1; a block named ``vN_<what>`` belongs to version N (one batch each: a
-    CREATE PROCEDURE must be alone in its batch). A fresh install runs every step; an install at version
-    k runs the steps after k. Both run the same text, so a migrated schema is the fresh one.
-    """
-    text = read_text(_PKG, "schema.sql")
-    m = re.search(r"SCHEMA_VERSION:\s*(\d+)", text)
-    if not m:
-        raise SchemaError("schema.sql does not declare its SCHEMA_VERSION")
-    latest = int(m.group(1))
-    steps: dict[int, list[str]] = {}
-    for name, body in parse_named_queries(text).items():
-        step = _STEP_BLOCK.fullmatch(name)
-        if name == "schema":
-            steps.setdefault(1, []).append(body)
-        elif step:
-            steps.setdefault(int(step.group(1)), []).append(body)
-        else:
-            raise SchemaError(f"schema.sql block {name!r} is neither 'schema' nor named vN_<what>")
-    if sorted(steps) != list(range(1, latest + 1)):
-        raise SchemaError(f"schema.sql has steps {sorted(steps)}, not 1..{latest} (its SCHEMA_VERSION)")
-    return latest, sorted(steps.items())
+_ROUTINES = ("procedure", "function")
 
 
 def schema_sql() -> tuple[int, str]:
-    """Return ``(latest version, sql)`` with the first version's tables (block ``schema``).
+    """Return ``(version, sql)`` of the tables, indexes and sequences of a fresh install (one batch)."""
+    text = read_text(_PKG, "schema.sql")
+    return declared_version(text, "schema.sql"), parse_named_queries(text)["schema"]
 
-    The later versions' blocks are in :func:`schema_steps`."""
-    latest, steps = schema_steps()
-    return latest, steps[0][1][0]
+
+def functions_sql() -> tuple[list[str], str, frozenset[str]]:
+    """Return ``(batches, sha256, names)`` of ``functions.sql``: every procedure and function, one
+    ``CREATE OR ALTER`` batch each, in the order they are applied."""
+    text = read_text(_PKG, "functions.sql")
+    names = frozenset(n for k, n in engine_objects(text) if k in _ROUTINES)
+    return list(parse_named_queries(text).values()), digest(text), names
+
+
+def migrations() -> list[tuple[int, list[str]]]:
+    """Return ``[(version, [batch, ...])]`` of ``migrations/<release>.sql``, in release order."""
+    return release_migrations(_PKG)
 
 
 class _Connections(Protocol):
@@ -88,22 +77,30 @@ class MssqlSchema(_Base):
     """The schema part of :class:`MssqlDatabase` (see the module's docstring)."""
 
     def install(self) -> int:
-        """Create or migrate the schema (idempotent; concurrent installs serialize on an app lock).
+        """Create or upgrade the schema (idempotent; concurrent installs serialize on an app lock).
 
         A schema that does not exist is created (and recorded as the engine's); an existing one that
         holds no install must be empty, or :class:`ForeignObjectsError` names what it holds and nothing
-        is done. Everything the install creates is recorded in ``owned_objects``.
+        is done. An install of an earlier release runs the migrations after it. Then, when
+        ``functions.sql`` is not the one last applied (its SHA-256 in ``owned_objects``), every
+        procedure and function is altered, and an engine's routine that the file no longer defines is
+        dropped: all in one transaction. Everything the install creates is recorded in
+        ``owned_objects``. An install newer than this code, or made by a development version before the
+        first release, raises :class:`SchemaError` and is left alone.
 
         :return: the schema version now installed.
         """
-        latest, steps = schema_steps()
+        latest, tables = schema_sql()
+        routines, sha, defined = functions_sql()
         with self.transaction() as c:
             cur = c.cursor()
             try:
                 cur.execute(*to_positional(self.query("install_lock"), {"schema": self.schema}))
                 current = self._installed_version(cur)
                 refuse_newer_schema(self.schema, self.where, current, latest)
-                if current == latest:
+                refuse_older_schema(self.schema, self.where, current)
+                applied = self._scalar(cur, "functions_applied") if current else None
+                if current == latest and applied == sha:
                     return latest
                 before = self._objects(cur)
                 created_schema = False
@@ -113,39 +110,43 @@ class MssqlSchema(_Base):
                     else:
                         cur.execute(self.query("create_schema"))
                         created_schema = True
-                for version, batches in steps:
-                    if version <= current:
-                        continue
-                    for batch in batches:
-                        cur.execute(self.compose(batch))
-                    cur.execute(*to_positional(self.query("record_version"), {"version": version}))
-                rings = [
-                    r[0]
-                    for r in cur.execute(
-                        *to_positional(self.query("owned_ring_sequences"), {"schema": self.schema})
-                    ).fetchall()
-                ]
-                own, schema_is_ours = ownership(
-                    before,
-                    self._objects(cur),
-                    fresh=current == 0,
-                    created_schema=created_schema,
-                    engine_names=engine_objects(read_text(_PKG, "schema.sql")),
-                    ring_sequences=rings,
-                )
-                if schema_is_ours:
+                    cur.execute(self.compose(tables))
+                    cur.execute(*to_positional(self.query("record_version"), {"version": latest}))
+                    log.info("installed dbqueue schema %s at version %s on SQL Server", self.schema, latest)
+                for version, batches in migrations():
+                    if 0 < current < version <= latest:
+                        for batch in batches:
+                            cur.execute(self.compose(batch))
+                        cur.execute(*to_positional(self.query("record_version"), {"version": version}))
+                        log.info("upgraded dbqueue schema %s to version %s", self.schema, version)
+                self._apply_functions(cur, routines, defined)
+                before_keys = {o.key for o in before}
+                own = {o.key for o in self._objects(cur) if o.key not in before_keys}
+                if created_schema:
                     own.add(("schema", self.schema))
+                if applied is not None:
+                    cur.execute(
+                        *to_positional(self.query("forget_owned"), {"kind": FUNCTIONS_KIND, "name": applied})
+                    )
+                own.add((FUNCTIONS_KIND, sha))
                 params = {"kinds": [k for k, _ in sorted(own)], "names": [n for _, n in sorted(own)]}
                 cur.execute(*to_positional(self.query("record_owned"), params))
+                if current:
+                    log.info("applied the routines of dbqueue schema %s (%s)", self.schema, sha[:12])
             finally:
                 cur.close()
-            log.info(
-                "%s dbqueue schema %s at version %s on SQL Server",
-                "installed" if current == 0 else f"migrated from version {current}:",
-                self.schema,
-                latest,
-            )
         return latest
+
+    def _apply_functions(self, cur: Any, routines: list[str], defined: frozenset[str]) -> None:
+        """Apply ``functions.sql``, a batch a routine, and drop an engine's procedure or function that
+        the file no longer defines."""
+        for batch in routines:
+            cur.execute(self.compose(batch))
+        owned = {(str(k), str(n)) for k, n in cur.execute(self.query("owned_objects")).fetchall()}
+        for o in self._objects(cur):
+            if o.kind in _ROUTINES and o.key in owned and o.name not in defined:
+                cur.execute(self.query("drop_owned_routine", {"routine": o.name}))
+                cur.execute(*to_positional(self.query("forget_owned"), {"kind": o.kind, "name": o.name}))
 
     def _scalar(self, cur: Any, name: str) -> Any:
         row = cur.execute(*to_positional(self.query(name), {"schema": self.schema})).fetchone()
@@ -166,7 +167,7 @@ class MssqlSchema(_Base):
         """Drop what the engine created in the schema, and the schema when it is the engine's and empty.
 
         What is dropped is what ``owned_objects`` lists (and the rings' sequences, which ``rings``
-        lists); an install of an older version is migrated first, which records it. Objects that are
+        lists); an install of an earlier release is upgraded first. Objects that are
         not the engine's stay, and so does the schema that holds them. When an object that is not the
         engine's refers to one of its tables (a view, a foreign key), :class:`ForeignObjectsError` names
         it and nothing is dropped. A schema without an install is left alone.
@@ -183,9 +184,10 @@ class MssqlSchema(_Base):
                 "dbqueue schema %s holds no install at %s: nothing to uninstall", self.schema, self.where
             )
             return
-        latest = schema_steps()[0]
+        refuse_older_schema(self.schema, self.where, current)
+        latest = schema_sql()[0]
         if current < latest:
-            self.install()  # records what the engine owns, as it does for any older install
+            self.install()
         with self.transaction() as c:
             cur = c.cursor()
             try:

@@ -60,7 +60,7 @@ ORDER BY 1
 SELECT kind, name FROM {schema}.owned_objects ORDER BY kind, name
 
 -- name: functions_applied
--- The SHA-256 of the routines file that install() last applied (PostgreSQL's functions.sql).
+-- The SHA-256 of the functions.sql that install() last applied.
 SELECT name FROM {schema}.owned_objects WHERE kind = 'functions'
 
 -- name: forget_owned
