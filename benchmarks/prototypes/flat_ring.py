@@ -30,6 +30,7 @@ import tempfile
 import time
 import zlib
 from array import array
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -49,7 +50,7 @@ def make_payloads(who: int, counter: int, rnd: random.Random) -> tuple[list[byte
     return out, crc
 
 
-def producer(design: str, dsn: str, who: int, stop: Any, pushed: Any, res: Any) -> None:
+def producer(design: str, dsn: str, who: int, stop: Any, pushed: Any, res: Any) -> None:  # noqa: PLR0917 - a Process target's args
     rnd = random.Random(who * 7919)
     counter = crc = full_waits = rotations = 0
     variant = design.split("-")[1] if design.startswith("flat") else ""
@@ -88,7 +89,7 @@ def producer(design: str, dsn: str, who: int, stop: Any, pushed: Any, res: Any) 
     res.put(("p", who, counter, crc, full_waits, rotations))
 
 
-def consumer(design: str, dsn: str, who: int, stop: Any, popped: Any, res: Any) -> None:
+def consumer(design: str, dsn: str, who: int, stop: Any, popped: Any, res: Any) -> None:  # noqa: PLR0917 - a Process target's args
     ids = array("Q")
     crc = empty = 0
     alo = design.endswith("-alo")
@@ -150,10 +151,7 @@ def setup(design: str, dsn: str, capacity: int, seg_size: int, lanes: int) -> st
 
             with DbQueue(dsn) as dbq:
                 dbq.install()
-                try:
-                    dbq.drop_queue("r")
-                except Exception:
-                    pass
+                dbq.drop_queue("r", missing_ok=True)
                 dbq.create_queue(
                     "r", design="ring", capacity=capacity, payload_type="bytes", max_payload_bytes=512
                 )
@@ -162,8 +160,8 @@ def setup(design: str, dsn: str, capacity: int, seg_size: int, lanes: int) -> st
         s = design_schema(design)
         c.execute(f"DROP SCHEMA IF EXISTS {s} CASCADE")
         sql = (
-            open(SQL)
-            .read()
+            Path(SQL)
+            .read_text()
             .replace("{s}", s)
             .replace("{lanes}", str(lanes))
             .replace("{seg_size}", str(seg_size))
@@ -201,7 +199,7 @@ def table_stats(dsn: str, schema: str) -> dict[str, Any]:
     }
 
 
-def run_one(args: argparse.Namespace, design: str, hold: bool) -> dict[str, Any]:
+def run_one(args: argparse.Namespace, design: str, hold: bool) -> dict[str, Any]:  # noqa: PLR0915 - one run told in order
     schema = setup(design, args.dsn, args.capacity, args.seg_size, args.lanes)
     ctx = mp.get_context("spawn")
     pushed, popped = ctx.Value("q", 0), ctx.Value("q", 0)
@@ -323,7 +321,8 @@ def main() -> None:
                 line = json.dumps(r)
                 print(
                     f"{design:13} hold={hold!s:5} {r['msgs_per_s']:>7}/s first10 {r['first_10s']:>7} last10 "
-                    f"{r['last_10s']:>7} MB {r['before']['mb']}->{r['at_end']['mb']} dead {r['at_end']['dead']} "
+                    f"{r['last_10s']:>7} MB {r['before']['mb']}->{r['at_end']['mb']} "
+                    f"dead {r['at_end']['dead']} "
                     f"catdead {r['at_end']['catalog_dead']} lost {r['lost']} dup {r['duplicated']} "
                     f"crc {r['crc_ok']} load {r['loadavg_at_end']}",
                     file=sys.stderr,
