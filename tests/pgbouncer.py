@@ -90,6 +90,10 @@ class PgBouncer:
             "max_client_conn = 1000\n"
             # The JDBC driver sends it at startup; PgBouncer refuses parameters it does not know.
             "ignore_startup_parameters = extra_float_digits\n"
+            # Server connections idle in PgBouncer's pool keep the name of their last client; with the
+            # client's address added they are never taken for a client's own (a test that counts the
+            # sessions an application left open counts its own only).
+            "application_name_add_host = 1\n"
             f"logfile = {self.dir / 'pgbouncer.log'}\n"
             f"pidfile = {self.dir / 'pgbouncer.pid'}\n"
         )
