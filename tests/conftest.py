@@ -57,9 +57,10 @@ def schema_name() -> str:
     return f"t_{uuid.uuid4().hex[:12]}"
 
 
-@pytest.fixture(scope="session")
-def pgbouncer(pg_dsn: str) -> Iterator[PgBouncer]:
-    """A real PgBouncer in front of the session's server (``tests/pgbouncer.py``), for the session."""
+@contextlib.contextmanager
+def running_pgbouncer(pg_dsn: str) -> Iterator[PgBouncer]:
+    """A real PgBouncer in front of ``pg_dsn`` (``tests/pgbouncer.py``), stopped on exit; the test is
+    stopped (skipped, or failed under ``scripts/test``) where pgbouncer is not installed."""
     binary = find_pgbouncer()
     require(None if binary else "pgbouncer is not installed", "apt-get install pgbouncer")
     assert binary is not None
@@ -69,6 +70,13 @@ def pgbouncer(pg_dsn: str) -> Iterator[PgBouncer]:
         yield bouncer
     finally:
         bouncer.stop()
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(pg_dsn: str) -> Iterator[PgBouncer]:
+    """A real PgBouncer in front of the session's server, for the session."""
+    with running_pgbouncer(pg_dsn) as bouncer:
+        yield bouncer
 
 
 @contextlib.contextmanager

@@ -24,9 +24,9 @@ from airflow_dbqueue.engine import (
     DbQueueError,
 )
 from airflow_dbqueue.engine.dialects.postgres import dialect as pg_dialect
-from tests.conftest import installed_dbq
-from tests.helpers import checksum, payload_hash, require
-from tests.pgbouncer import PgBouncer, find_pgbouncer
+from tests.conftest import installed_dbq, running_pgbouncer
+from tests.helpers import checksum, payload_hash
+from tests.pgbouncer import PgBouncer
 
 pytestmark = pytest.mark.integration
 
@@ -136,15 +136,8 @@ def test_two_queues_on_a_narrow_transaction_pool_keep_their_messages(
 @pytest.fixture
 def own_pgbouncer(pg_dsn: str) -> Iterator[PgBouncer]:
     """A PgBouncer of the test's own, which it may kill."""
-    binary = find_pgbouncer()
-    require(None if binary else "pgbouncer is not installed", "apt-get install pgbouncer")
-    assert binary is not None
-    bouncer = PgBouncer(pg_dsn, binary)
-    bouncer.start()
-    try:
+    with running_pgbouncer(pg_dsn) as bouncer:
         yield bouncer
-    finally:
-        bouncer.stop()
 
 
 class _Outage:
