@@ -149,7 +149,7 @@ def test_a_run_reports_what_a_held_horizon_costs_and_the_next_one_clears(dbq: Db
     assert after["horizon"]["not_removable"] == []
     assert (after["horizon"]["tables"].get("meta") or {}).get("dead_tuples", 0) < 1000
     last = dbq.maintenance().samples(window=600)["orders"][-1]
-    assert last["dead_rows"] < 1000
+    assert last["dead_rows"] < 1000 and last["horizon_age_s"] < sample["horizon_age_s"]
 
 
 def test_a_ring_compaction_deferred_by_the_horizon_is_reported(dbq: DbQueue, pg_dsn: str) -> None:
@@ -174,3 +174,29 @@ def test_a_ring_compaction_deferred_by_the_horizon_is_reported(dbq: DbQueue, pg_
     assert report["horizon"]["held"] and [i["object"] for i in report["incomplete"]] == [
         d["object"] for d in deferred
     ]
+
+
+def test_a_rings_consumer_groups_are_sampled_with_their_lag(dbq: DbQueue) -> None:
+    q = dbq.create_queue("ticks", design="ring", capacity=64)
+    audit = q.add_group("audit", on_lag="block", lag_timeout=600)
+    m = dbq.maintenance()
+    m.sample()
+    ledger = Ledger(q, "g")
+    ledger.move(30, 30)  # the default group takes all 30; the audit group takes 12 of them
+    taken = [x.payload for x in audit.pop(12)]
+    assert checksum(taken) == checksum(ledger.pushed[:12])
+    out = m.sample()
+    assert out["queues"]["ticks"]["pushed"] == 30 and out["queues"]["ticks"]["popped"] == 30
+    [first, second] = m.samples(window=600)["ticks"]
+    assert first["groups"] == {"audit": 0} and second["groups"] == {"audit": 18}
+
+
+def test_uninstall_drops_the_samples_with_the_rest(pg_dsn: str, schema_name: str) -> None:
+    with DbQueue(pg_dsn, schema=schema_name) as dbq:
+        dbq.install()
+        dbq.create_queue("orders")
+        assert dbq.maintenance().sample()["recorded"] == 1
+        dbq.uninstall()
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        left = c.execute("SELECT to_regclass(%s)", [f'"{schema_name}".samples']).fetchone()
+    assert left == (None,)

@@ -77,15 +77,19 @@ def held_back(
 
 def now(db: Database, tables: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The horizon of the moment: ``oldest``, what holds it furthest back whatever its age (a
-    :class:`XminHolder` as a dict, or ``None``); ``tables``, each table of the schema's dead and live rows
-    and size (``tables``: :func:`table_health`'s rows when the caller has them); ``dead_rows``, their sum
-    (``None`` where the database counts none); and ``note``, why the figures may miss sessions of other
-    roles (``None`` when the role sees them all)."""
+    :class:`XminHolder` as a dict, or ``None``), and its ``age_s`` and ``xid_age`` (0 when nothing holds
+    it; ``xid_age`` ``None`` where the database has no transaction ids to count); ``tables``, each table
+    of the schema's dead and live rows and size (``tables``: :func:`table_health`'s rows when the caller
+    has them); ``dead_rows``, their sum (``None`` where the database counts none); and ``note``, why the
+    figures may miss sessions of other roles (``None`` when the role sees them all)."""
     holders = xmin_holders(db, min_age_s=0.0, min_xid_age=0)
     health = table_health(db) if tables is None else tables
     dead = [t["dead_tuples"] for t in health if t["dead_tuples"] is not None]
+    oldest = holders[0] if holders else None
     return {
-        "oldest": holders[0].as_dict() if holders else None,
+        "oldest": oldest.as_dict() if oldest else None,
+        "age_s": oldest.age_s if oldest else 0.0,
+        "xid_age": oldest.xid_age if oldest else 0,
         "tables": {
             t["table"]: {k: t[k] for k in ("dead_tuples", "live_tuples", "total_bytes")} for t in health
         },

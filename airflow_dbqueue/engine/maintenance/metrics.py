@@ -98,8 +98,8 @@ def metrics(
         ],
         "horizon": {
             "oldest": state["oldest"],
-            "xid_age": (state["oldest"] or {}).get("xid_age"),
-            "age_s": (state["oldest"] or {}).get("age_s"),
+            "xid_age": state["xid_age"],
+            "age_s": state["age_s"],
             "dead_rows": state["dead_rows"],
             "note": state["note"],
         },

@@ -77,7 +77,6 @@ def record(
         taken_at = row[0]
         rows = _rows(db, queues, names, taken_at, notes)
         last = _last(db, [r["queue_id"] for r in rows])
-        oldest = horizon.get("oldest") or {}
         with db.transaction(lock.conn) as c:
             for r in rows:
                 prev = last.get(r["queue_id"])
@@ -88,8 +87,8 @@ def record(
                         **{k: v for k, v in r.items() if k not in ("archive", "design")},
                         "taken_at": taken_at,
                         "groups": json.dumps(r["groups"]) if r["groups"] else None,
-                        "horizon_xid_age": oldest.get("xid_age"),
-                        "horizon_age_s": oldest.get("age_s"),
+                        "horizon_xid_age": horizon.get("xid_age"),
+                        "horizon_age_s": horizon.get("age_s"),
                         "dead_rows": horizon.get("dead_rows"),
                     },
                     c,
