@@ -266,3 +266,17 @@ def test_a_role_reads_the_samples_of_the_queues_it_may_see(
                     ["orders"],
                 )
     assert sorted(owner.maintenance().samples(window=600)) == ["events", "orders", "other"]
+
+
+def test_a_role_samples_the_queues_it_administers(
+    owner: DbQueue, role: Callable[[], str], pg_dsn: str
+) -> None:
+    """A role that administers one queue and reads another samples the first; the second is noted."""
+    keeper = role()
+    owner.grant(keeper, "orders", ["admin"])
+    owner.grant(keeper, "other", ["read"])
+    with as_role(pg_dsn, owner.schema, keeper) as dbq:
+        out = dbq.maintenance().sample()
+    assert out["recorded"] == 1 and list(out["queues"]) == ["orders"]
+    assert out["notes"] == ["queue 'other' not sampled: the role may not administer it"]
+    assert {q: len(s) for q, s in owner.maintenance().samples(window=600).items()} == {"orders": 1}

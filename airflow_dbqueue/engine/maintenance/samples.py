@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from airflow_dbqueue.engine.dialects.base import Database
+from airflow_dbqueue.engine.errors import PermissionDeniedError
 from airflow_dbqueue.engine.maintenance.lock import SchemaLock
 from airflow_dbqueue.engine.maintenance.queues import Queues
 from airflow_dbqueue.engine.queue import check_seconds
@@ -77,22 +78,25 @@ def record(
         taken_at = row[0]
         rows = _rows(db, queues, names, taken_at, notes)
         last = _last(db, [r["queue_id"] for r in rows])
-        with db.transaction(lock.conn) as c:
-            for r in rows:
-                prev = last.get(r["queue_id"])
-                _counts(db, r, prev, taken_at)
-                db.execute(
-                    "sample_insert",
-                    {
-                        **{k: v for k, v in r.items() if k not in ("archive", "design")},
-                        "taken_at": taken_at,
-                        "groups": json.dumps(r["groups"]) if r["groups"] else None,
-                        "horizon_xid_age": horizon.get("xid_age"),
-                        "horizon_age_s": horizon.get("age_s"),
-                        "dead_rows": horizon.get("dead_rows"),
-                    },
-                    c,
-                )
+        recorded = []
+        for r in rows:
+            _counts(db, r, last.get(r["queue_id"]), taken_at)
+            params = {
+                **{k: v for k, v in r.items() if k not in ("archive", "design")},
+                "taken_at": taken_at,
+                "groups": json.dumps(r["groups"]) if r["groups"] else None,
+                "horizon_xid_age": horizon.get("xid_age"),
+                "horizon_age_s": horizon.get("age_s"),
+                "dead_rows": horizon.get("dead_rows"),
+            }
+            try:  # a transaction a queue: a role that administers some queues samples those
+                with db.transaction(lock.conn) as c:
+                    db.execute("sample_insert", params, c)
+            except PermissionDeniedError:
+                notes.append(f"queue {r['name']!r} not sampled: the role may not administer it")
+                continue
+            recorded.append(r)
+        rows = recorded
         deleted = 0
         while True:
             with db.transaction(lock.conn) as c:
