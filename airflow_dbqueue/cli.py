@@ -16,6 +16,7 @@
                      [--reindex-bloat-ratio R] [--reindex-min-bytes B] [--reindex-fragmentation-pct P]
                      [--reindex-timeout S] [--compact-bloat-ratio R] [--compact-min-bytes B]
                      [--compact-lock-timeout S] [--horizon-min-age S] [--horizon-min-xid-age N]
+                     [--horizon-min-dead-rows N] [--no-samples] [--samples-keep S]
                      [--every S [--runs N]]
     dbqueue metrics [QUEUE ...] [--rate-window S]
     dbqueue demo [--messages N]
@@ -291,6 +292,9 @@ def _cmd_maintain(dbq: DbQueue, args: argparse.Namespace) -> int:
         lock_wait_s=args.lock_wait,
         horizon_min_age_s=args.horizon_min_age,
         horizon_min_xid_age=args.horizon_min_xid_age,
+        horizon_min_dead_rows=args.horizon_min_dead_rows,
+        samples=args.samples,
+        samples_keep_s=args.samples_keep,
     )
     if args.every is None:
         if args.runs is not None:
@@ -416,6 +420,24 @@ def _maintain_options(c: argparse.ArgumentParser) -> None:
         type=int,
         default=defaults.HORIZON_MIN_XID_AGE,
         help="warn of replication slots holding an xmin older than N transactions",
+    )
+    c.add_argument(
+        "--horizon-min-dead-rows",
+        type=int,
+        default=defaults.HORIZON_MIN_DEAD_ROWS,
+        help="name a table whose VACUUM left at least N dead rows in the report's horizon section",
+    )
+    c.add_argument(
+        "--no-samples",
+        dest="samples",
+        action="store_false",
+        help="record no sample of each queue in the schema's samples table",
+    )
+    c.add_argument(
+        "--samples-keep",
+        type=float,
+        default=defaults.SAMPLES_KEEP_S,
+        help="delete samples older than S seconds (a day)",
     )
 
 

@@ -24,7 +24,10 @@ Steps (each a task, each returning a JSON-safe report for XCom), in the order ``
    INVALID leftovers of a failed rebuild are dropped. On SQL Server: ALTER INDEX ... REBUILD WITH
    (ONLINE = ON) of bloated or fragmented indexes where the engine edition allows it, REORGANIZE
    otherwise, decided at run time; the result names the mode and the edition.
-7. ``metrics``: depth by state, oldest ready age, rates, table sizes and index bloat, sent as gauges
+7. ``sample``: one row a queue in the schema's ``samples`` table (depth, oldest age, pushes and pops
+   since the last sample, and the xmin horizon with the dead rows of the schema's tables), which the
+   Queues page draws as charts; samples older than ``samples_keep_s`` (a day) are deleted.
+8. ``metrics``: depth by state, oldest ready age, rates, table sizes and index bloat, sent as gauges
    through Airflow's metrics (``dbqueue.queue.ready`` tagged with schema and queue, ...) and
    returned. It runs even when an earlier step failed.
 
@@ -114,6 +117,8 @@ with DAG(
         "horizon_min_age_s": _optional(
             "number", "warn of transactions open longer than this, and rebuild no index while one is (300)"
         ),
+        "samples": _optional("boolean", "record a sample of each queue for the Queues page's charts (true)"),
+        "samples_keep_s": _optional("number", "delete samples older than this (1 day)"),
     },
     tags=["dbqueue", "maintenance"],
     doc_md=__doc__,

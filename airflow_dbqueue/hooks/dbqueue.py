@@ -37,6 +37,7 @@ from airflow_dbqueue.hooks.connection import (
 from airflow_dbqueue.hooks.maintenance import MaintenanceSteps
 from airflow_dbqueue.hooks.metrics import (
     _GROUP_GAUGES,
+    _HORIZON_GAUGES,
     _INDEX_GAUGES,
     _QUEUE_GAUGES,
     _TABLE_GAUGES,
@@ -57,6 +58,7 @@ __all__ = [
     "SCHEMA_EXTRA",
     # the gauges emit_metrics sends, by kind
     "_GROUP_GAUGES",
+    "_HORIZON_GAUGES",
     "_INDEX_GAUGES",
     "_QUEUE_GAUGES",
     "_TABLE_GAUGES",

@@ -17,6 +17,7 @@ _QUEUE_GAUGES = (
     "finished_per_s",
 )
 _TABLE_GAUGES = ("total_bytes", "table_bytes", "index_bytes", "live_tuples", "dead_tuples", "dead_ratio")
+_HORIZON_GAUGES = ("xid_age", "age_s", "dead_rows")
 _INDEX_GAUGES = ("size_bytes", "bloat_ratio", "bloat_bytes", "fragmentation_pct", "page_density_pct")
 
 
@@ -30,8 +31,10 @@ def emit_metrics(metrics: Mapping[str, Any], *, prefix: str = "dbqueue") -> int:
     ``group`` (a ring's consumer groups besides its default one: ``lag_messages``, ``lag_seconds``,
     ``idle_s``), ``<prefix>.table.<gauge>`` tagged ``schema`` and ``table``
     (sizes, live and dead rows), ``<prefix>.index.<gauge>`` tagged ``schema`` and ``index`` (size and
-    bloat; on SQL Server also fragmentation and page density) and ``<prefix>.xmin_holders`` tagged
-    ``schema``.
+    bloat; on SQL Server also fragmentation and page density), ``<prefix>.xmin_holders`` tagged
+    ``schema``, and ``<prefix>.horizon.<gauge>`` tagged ``schema``: what holds the xmin horizon furthest
+    back now, whatever its age, in transaction ids (``xid_age``) and seconds (``age_s``), and the dead rows
+    of the schema's tables (``dead_rows``).
 
     :return: how many gauges were sent (values that are ``None`` are left out).
     """
@@ -60,4 +63,7 @@ def emit_metrics(metrics: Mapping[str, Any], *, prefix: str = "dbqueue") -> int:
         for key in _INDEX_GAUGES:
             gauge(f"index.{key}", values.get(key), {"index": index})
     gauge("xmin_holders", len(metrics.get("xmin_holders", [])), {})
+    horizon = metrics.get("horizon") or {}
+    for key in _HORIZON_GAUGES:
+        gauge(f"horizon.{key}", horizon.get(key), {})
     return sent

@@ -44,7 +44,8 @@ from airflow_dbqueue.engine import (
     PermissionDeniedError,
     QueueNotFoundError,
 )
-from airflow_dbqueue.engine.maintenance.config import RATE_WINDOW_S
+from airflow_dbqueue.engine.maintenance.config import RATE_WINDOW_S, SAMPLES_KEEP_S
+from airflow_dbqueue.engine.maintenance.horizon import costs as horizon_costs
 from airflow_dbqueue.engine.models import DEFAULT_GROUP
 from airflow_dbqueue.hooks.connection import CONN_TYPE, SCHEMA_EXTRA, _extra, connection_target
 
@@ -289,6 +290,10 @@ def _maintenance_summary(run: Any, tasks: dict[str, str | None], results: dict[s
             for a in compact.get("actions") or []
         ],
         "xmin_holders": (results.get("check_horizon") or {}).get("xmin_holders") or [],
+        "horizon": horizon_costs(results),
+        "samples": {
+            k: v for k, v in (results.get("sample") or {}).items() if k in ("recorded", "deleted", "skipped")
+        },
     }
 
 
@@ -376,6 +381,7 @@ def connection_figures(conn: Connection, rate_window_s: float) -> dict[str, Any]
         tables=metrics["tables"],
         indexes=metrics["indexes"],
         xmin_holders=metrics["xmin_holders"],
+        horizon=metrics["horizon"],
         notes=metrics["notes"],
         at=metrics["at"],
         rate_window_s=metrics["rate_window_s"],
@@ -408,6 +414,28 @@ def queues(
         for (conn_id, conn), f in zip(conns, figures, strict=True)
     ]
     return {"user": user.get_name(), "connections": out, "maintenance": last_maintenance()}
+
+
+@app.get("/api/connections/{conn_id}/samples")
+def samples(
+    conn_id: str,
+    user: UserDep,
+    window_s: Annotated[float, Query(gt=0, le=SAMPLES_KEEP_S * 7)] = 6 * 3600.0,
+) -> dict[str, Any]:
+    """The samples maintenance recorded in the last ``window_s`` seconds, by queue, oldest first: depth by
+    state, oldest ready age, pushes and pops since the queue's previous sample, a ring's totals and its
+    groups' lag, and the schema's horizon then (the oldest holder's age in seconds and in transaction
+    ids, the dead rows of the schema's tables). ``at`` and ``now`` are seconds since the epoch."""
+    require_view(user)
+    conn = connection(conn_id)
+    with engine(conn) as dbq:
+        kept = dbq.maintenance().samples(window=window_s)
+    return {
+        "conn_id": conn_id,
+        "window_s": window_s,
+        "now": dt.datetime.now(dt.UTC).timestamp(),
+        "queues": kept,
+    }
 
 
 @app.get("/api/connections/{conn_id}/queues/{queue_name}/failed")

@@ -15,6 +15,7 @@ from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue
 from airflow_dbqueue.hooks.dbqueue import (
+    _HORIZON_GAUGES,
     _INDEX_GAUGES,
     _QUEUE_GAUGES,
     _TABLE_GAUGES,
@@ -125,8 +126,11 @@ def test_hook_maintenance_and_metrics(
         *(f"dbqueue.queue.{g}" for g in _QUEUE_GAUGES),
         *(f"dbqueue.table.{g}" for g in _TABLE_GAUGES),
         *(f"dbqueue.index.{g}" for g in _INDEX_GAUGES),
+        *(f"dbqueue.horizon.{g}" for g in _HORIZON_GAUGES),
         "dbqueue.xmin_holders",
     }, names
+    # the horizon now: the dead rows of the schema's tables (the 25 pops left some in meta)
+    assert gauges[("dbqueue.horizon.dead_rows", (schema,))] == report["metrics"]["horizon"]["dead_rows"]
     assert not [n for n in names if dbq.schema in n or "jobs" in n or "meta" in n]
     assert emit_metrics({"schema": "s", "queues": {"q": {"ready": 1, "oldest_ready_age_s": None}}}) == 2
     sent.clear()  # a ring's consumer group: its lag as gauges tagged with the queue and the group

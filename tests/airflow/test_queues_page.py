@@ -8,10 +8,17 @@ and nothing else (counts and a checksum of the payloads); a ring's consumer grou
 and lag, under the ring; refused callers change nothing; each action
 is in Airflow's audit log; no database connection stays open between requests. The page's screenshot
 is saved under ``$DBQUEUE_TEST_ARTIFACTS`` (default ``test-artifacts/`` in the repository).
+
+The charts: after maintenance sampled a table queue and a ring three times, with known pushes and
+pops between the samples and a REPEATABLE READ transaction held across the last, the page draws for
+each queue an SVG chart whose points are the samples' depths and rates, a horizon chart whose points
+are the samples' horizon figures, and names the holder while it is held (and not once it ends),
+loading nothing from outside the server.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import secrets
@@ -414,6 +421,7 @@ MAINTENANCE_STEPS = (
     "vacuum",
     "compact_rings",
     "rebuild_indexes",
+    "sample",
     "metrics",
 )
 
@@ -454,6 +462,8 @@ def test_the_last_maintenance_run(server: Server) -> None:
     assert m["archived"] == finished and m["archive_skipped"] is None
     assert m["start_date"] and m["end_date"] and m["xmin_holders"] == []
     assert m["ring_compactions"] == []  # no ring outgrew its size
+    assert m["samples"]["recorded"] == len(conn["queues"]) and m["samples"]["skipped"] is None
+    assert m["horizon"]["held"] is False and m["horizon"]["not_removable"] == []
     (conn,) = [c for c in body["connections"] if c["conn_id"] == CONN_ID]
     assert [q["finished"] for q in conn["queues"]] == [0] * len(conn["queues"])
 
@@ -629,3 +639,111 @@ def test_the_page_in_a_headless_browser(server: Server) -> None:  # noqa: PLR091
         {"conn_id": CONN_ID, "queue": k.name, "ids": gone, "deleted": 2},
     ) in audit
     assert (ARTIFACTS / "queues-page.png").stat().st_size > 10_000
+
+
+def test_the_charts_and_a_held_horizon_in_a_headless_browser(server: Server) -> None:  # noqa: PLR0915
+    """One scenario in order: samples with known figures, then the page's charts and horizon line."""
+    chromium = find_chromium()
+    require(None if chromium else "Chromium is missing", "apt-get install chromium; scripts/test installs it")
+    assert chromium is not None
+    went_in: dict[str, list[Any]] = {"chart_orders": [], "chart_ticks": []}
+    came_out: dict[str, list[Any]] = {"chart_orders": [], "chart_ticks": []}
+    plan = [(30, 10, 16, 16), (12, 25, 20, 8)]  # per step: table pushes, table pops, ring pushes, ring pops
+    holder = None
+    with DbQueue(server.dsn, schema=server.schema, pool_size=1) as dbq:
+        queues = {
+            "chart_orders": dbq.create_queue("chart_orders", archive=True),
+            "chart_ticks": dbq.create_queue("chart_ticks", design="ring", capacity=64),
+        }
+        m = dbq.maintenance()
+        m.sample(["chart_orders", "chart_ticks"])
+        for i, (tp, tpop, rp, rpop) in enumerate(plan):
+            for name, n, take in (("chart_orders", tp, tpop), ("chart_ticks", rp, rpop)):
+                batch = [{"q": name, "step": i, "n": j} for j in range(n)]
+                queues[name].push_batch(batch)
+                went_in[name] += batch
+                came_out[name] += [x.payload for x in queues[name].pop(take)]
+            if i == len(plan) - 1:  # the last sample is taken under a held horizon
+                holder = psycopg.connect(server.dsn, application_name="report-job")
+                holder.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+                holder.execute("SELECT count(*) FROM pg_class")
+                queues["chart_orders"].push_batch([{"q": "chart_orders", "late": 1}])  # ages its snapshot
+                went_in["chart_orders"].append({"q": "chart_orders", "late": 1})
+                time.sleep(1.1)
+            time.sleep(0.05)
+            m.sample(["chart_orders", "chart_ticks"])
+        kept = m.samples(window=3600, queues=["chart_orders", "chart_ticks"])
+    assert holder is not None
+    pid = holder.info.backend_pid
+    for name in went_in:  # nothing lost or changed: what came out is what went in first
+        assert checksum(came_out[name]) == checksum(went_in[name][: len(came_out[name])])
+    orders, ticks = kept["chart_orders"], kept["chart_ticks"]
+    assert [s["pushed"] for s in orders] == [None, 30, 13] and [s["popped"] for s in orders] == [None, 10, 25]
+    assert [s["pushed"] for s in ticks] == [None, 16, 20] and [s["popped"] for s in ticks] == [None, 16, 8]
+    assert [s["ready"] for s in orders] == [0, 20, 8] and [s["ready"] for s in ticks] == [0, 0, 12]
+    assert orders[-1]["horizon_age_s"] >= 1.0 and orders[-1]["horizon_xid_age"] >= 1
+
+    status, body = request(
+        server.url + f"/dbqueue/api/connections/{CONN_ID}/samples?window_s=3600", token=server.token("viewer")
+    )
+    assert status == 200 and body["queues"]["chart_orders"] == orders and body["window_s"] == 3600
+
+    def points(queue: str, chart: str, series: str) -> Any:
+        return (
+            f'[...document.querySelectorAll(\'svg[data-chart="{chart}"][data-queue="{queue}"] '
+            f'g[data-series="{series}"] circle\')].map(c => [Number(c.dataset.t), Number(c.dataset.v)])'
+        )
+
+    try:
+        with Chromium(chromium) as b:
+            b.set_cookie(server.url, "_token", server.token("viewer"))
+            b.goto(server.url + "/dbqueue/?refresh=0&window=3600")
+            b.wait_for(f"{points('chart_orders', 'depth', 'ready')}.length === 3")
+            assert b.evaluate(points("chart_orders", "depth", "ready")) == [
+                [s["at"], s["ready"]] for s in orders
+            ]
+            assert b.evaluate(points("chart_ticks", "depth", "ready")) == [
+                [s["at"], s["ready"]] for s in ticks
+            ]
+            assert b.evaluate(points("chart_orders", "oldest", "age")) == [
+                [s["at"], s["oldest_age_s"]] for s in orders if s["oldest_age_s"] is not None
+            ]
+            # Rates: the pushes and pops since the sample before, over the seconds between them.
+            pushed = b.evaluate(points("chart_orders", "rates", "push/s"))
+            expected = [(s["at"], s["pushed"] / (s["at"] - p["at"])) for p, s in itertools.pairwise(orders)]
+            assert [t for t, _ in pushed] == [t for t, _ in expected]
+            assert all(abs(v - e) < 0.001 for (_, v), (_, e) in zip(pushed, expected, strict=True))
+            assert len(b.evaluate(points("chart_ticks", "rates", "pop/s"))) == 2
+            # The horizon over the same time: a point a run, the last one under the held transaction.
+            horizon = (
+                '[...document.querySelectorAll(\'div[data-horizon-of] svg[data-chart="horizon-age"] '
+                "circle')].map(c => [Number(c.dataset.t), Number(c.dataset.v)])"
+            )
+            shown = dict(b.evaluate(horizon))  # the runs of the other tests' samples too
+            assert {s["at"]: shown.get(s["at"]) for s in orders} == {
+                s["at"]: s["horizon_age_s"] for s in orders
+            }
+            assert shown[orders[-1]["at"]] >= 1.0
+            assert b.evaluate("document.querySelectorAll('svg.chart polyline').length") >= 6
+            # The holder, named while it holds the horizon.
+            line = "document.querySelector('p[data-field=\"horizon\"]')?.textContent || ''"
+            b.wait_for(f"({line}).includes('pid {pid}')")
+            assert "report-job" in b.evaluate(line) and "idle in transaction" in b.evaluate(line)
+            b.screenshot(ARTIFACTS / "queues-charts-held-horizon.png")
+            holder.close()
+            b.evaluate("document.getElementById('refresh').click()")
+            b.wait_for(f"!({line}).includes('pid {pid}')")
+            # 1 h -> 24 h: the same samples, drawn over the wider window.
+            b.evaluate(
+                "const w = document.getElementById('window'); w.value = '86400'; "
+                "w.dispatchEvent(new Event('change'))"
+            )
+            b.wait_for("document.querySelector('.charts h3')?.textContent.includes('1.0 d')")
+            assert b.evaluate(points("chart_orders", "depth", "ready")) == [
+                [s["at"], s["ready"]] for s in orders
+            ]
+            # Offline: every resource the page loaded came from the Airflow server itself.
+            loaded = b.evaluate("performance.getEntriesByType('resource').map(e => e.name)")
+            assert loaded and all(u.startswith(server.url) for u in loaded), loaded
+    finally:
+        holder.close()

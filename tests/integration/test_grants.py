@@ -189,6 +189,10 @@ def test_grants_on_every_queue_reach_queues_made_later(
         assert report["skipped"] is None
         # without pg_monitor the horizon check sees only the role's own sessions, and says so
         assert any("pg_monitor" in n for n in report["notes"]), report["notes"]
+        # and the horizon section and the metrics carry the same note, not an error
+        assert "pg_monitor" in report["horizon"]["note"]
+        assert "pg_monitor" in report["metrics"]["horizon"]["note"]
+        assert report["samples"]["recorded"] == 5 and report["samples"]["skipped"] is None
     with as_role(pg_dsn, owner.schema, worker) as dbq:
         for name in ("later", "later_ring", "orders"):
             q = dbq.queue(name)
@@ -239,3 +243,40 @@ def test_the_grant_and_revoke_commands(
     assert cli.main([*base, "revoke", r, "--queue", "orders", "--actions", "push"]) == 0
     assert owner.grants() == [(r, "orders", "read")]
     assert cli.main([*base, "grant", r, "--actions", "fly"]) == 2
+
+
+def test_a_role_reads_the_samples_of_the_queues_it_may_see(
+    owner: DbQueue, role: Callable[[], str], pg_dsn: str
+) -> None:
+    """Samples carry their queue: a role granted read on one queue reads that queue's samples and no
+    other's; a role without maintenance (admin) rights can neither write nor delete them."""
+    owner.maintenance().sample()
+    reader = role()
+    owner.grant(reader, "orders", ["read"])
+    with as_role(pg_dsn, owner.schema, reader) as dbq:
+        seen = dbq.maintenance().samples(window=600)
+        assert sorted(seen) == ["orders"] and len(seen["orders"]) == 1
+        with psycopg.connect(psycopg.conninfo.make_conninfo(pg_dsn, user=reader), autocommit=True) as c:
+            gone = c.execute(f'DELETE FROM "{owner.schema}".samples').rowcount
+            assert gone == 0  # row-level security: only admins of a queue delete its samples
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                c.execute(
+                    f'INSERT INTO "{owner.schema}".samples (queue_id, ready, delayed, in_flight, failed) '
+                    f'SELECT queue_id, 1, 0, 0, 0 FROM "{owner.schema}".queues WHERE name = %s',
+                    ["orders"],
+                )
+    assert sorted(owner.maintenance().samples(window=600)) == ["events", "orders", "other"]
+
+
+def test_a_role_samples_the_queues_it_administers(
+    owner: DbQueue, role: Callable[[], str], pg_dsn: str
+) -> None:
+    """A role that administers one queue and reads another samples the first; the second is noted."""
+    keeper = role()
+    owner.grant(keeper, "orders", ["admin"])
+    owner.grant(keeper, "other", ["read"])
+    with as_role(pg_dsn, owner.schema, keeper) as dbq:
+        out = dbq.maintenance().sample()
+    assert out["recorded"] == 1 and list(out["queues"]) == ["orders"]
+    assert out["notes"] == ["queue 'other' not sampled: the role may not administer it"]
+    assert {q: len(s) for q, s in owner.maintenance().samples(window=600).items()} == {"orders": 1}

@@ -24,6 +24,9 @@ DEVELOPMENT_SCHEMA = (
     "airflow_dbqueue/engine/dialects/mssql/schema.sql",
 )
 """The commit and path of the last development schema.sql, which the baseline replaces."""
+ADDED_SINCE = {"samples"}
+"""Tables the baseline gained after it replaced the development schema (the project has not released, so
+the baseline changes in place)."""
 
 _ROUTINE = re.compile(r"^CREATE OR ALTER (PROCEDURE|FUNCTION) \{schema\}\.(\w+)", re.MULTILINE)
 
@@ -147,9 +150,11 @@ def development_blocks() -> list[str]:
 def test_the_baseline_creates_what_the_development_schema_left() -> None:
     """A fresh install of the baseline holds the tables (columns in the order a migrated install had
     them), indexes, sequences, procedures and functions (their final text) that every block of the last
-    development schema left, and nothing else; its two dropped procedures are in neither."""
+    development schema left, and nothing else but the tables added since (:data:`ADDED_SINCE`); its two
+    dropped procedures are in neither."""
     before, after = catalogue(development_blocks()), catalogue(baseline_blocks())
-    assert sorted(after["tables"]) == sorted(before["tables"])
+    assert sorted(set(after["tables"]) - ADDED_SINCE) == sorted(before["tables"])
+    assert set(after["tables"]) >= ADDED_SINCE
     for name, table in before["tables"].items():
         assert after["tables"][name] == table, name
     assert after["indexes"] == before["indexes"]

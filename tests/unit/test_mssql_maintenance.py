@@ -9,6 +9,7 @@ without the driver."""
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import math
 from typing import Any
@@ -207,6 +208,10 @@ class MaintenanceServer(FakeSqlServer):
         self.holders: list[tuple[Any, ...]] = []
         self.queues: list[tuple[Any, ...]] = []
         """Rows of list_queues and get_queue (the queues table with a ring's capacity and lanes)."""
+        self.clock = dt.datetime(2026, 1, 1, 12, 5)
+        """What sample_clock answers (SYSUTCDATETIME())."""
+        self.last_samples: list[tuple[Any, ...]] = []
+        """Rows of samples_last: each queue's newest sample."""
         self.ring: dict[str, list[tuple[Any, ...]]] = {}
         """Answers of the ring's statements, by procedure (ring_reclaim_expired, ...), each used once."""
 
@@ -245,6 +250,14 @@ class MaintenanceServer(FakeSqlServer):
         ):
             if f"EXEC [dbq].{procedure} " in text:
                 return self.ring.pop(procedure)
+        if text == "SELECT SYSUTCDATETIME()":  # sample_clock
+            return [(self.clock,)]
+        if "s.taken_at = (SELECT max(x.taken_at)" in text:  # samples_last
+            return self.last_samples
+        if "INSERT INTO [dbq].samples" in text:  # sample_insert
+            return None
+        if "DELETE TOP" in text and "[dbq].samples" in text:  # samples_purge_batch
+            return [(0,)]
         if "DELETE FROM old;" in text:  # purge_archive_batch
             return [(0,)]
         if "INTO @batch" in text:
@@ -419,7 +432,19 @@ def test_a_full_run_on_a_fake_sql_server(fake: MaintenanceServer) -> None:
 
     started = dt.datetime(2026, 1, 1, 12, 0)
     fake.holders = [
-        ("transaction", 61, "long-report", "app", "sleeping", 420.5, None, started, started, "UPDATE x")
+        (
+            "transaction",
+            61,
+            "long-report",
+            "app",
+            "sleeping",
+            420.5,
+            None,
+            started,
+            started,
+            "UPDATE x",
+            600.0,
+        )
     ]
     fake.archive_counts = [2]
     fake.index_rows = [schema_indexes(2), schema_indexes(2, rebuilt=True), schema_indexes(2, rebuilt=True)]
@@ -451,6 +476,13 @@ def test_a_full_run_on_a_fake_sql_server(fake: MaintenanceServer) -> None:
         1.009,
     )  # 224 pages where 222 would do
     assert len(fake.statements("UPDATE STATISTICS")) == len(MSSQL_TABLES)
+    # No queue to sample; the horizon section names the holder, and no dead rows (SQL Server counts none).
+    assert report["samples"]["recorded"] == 0 and report["samples"]["taken_at"] == "2026-01-01T12:05:00+00:00"
+    assert report["horizon"]["held"] is True and report["horizon"]["holders"] == report["xmin_holders"]
+    assert report["horizon"]["oldest"]["backend_age_s"] == 600.0
+    assert report["horizon"]["dead_rows"] is None and report["horizon"]["not_removable"] == []
+    # the two rebuilds the transaction held up (an online rebuild would wait for it)
+    assert [d["object"] for d in report["horizon"]["deferred"]] == ["archive_pkey", "meta_ready_idx"]
 
 
 def test_no_rebuild_runs_while_a_long_transaction_is_open_on_a_fake_sql_server(
@@ -459,7 +491,9 @@ def test_no_rebuild_runs_while_a_long_transaction_is_open_on_a_fake_sql_server(
     """A transaction open longer than horizon_min_age_s: each rebuild is not run (an online rebuild
     would wait for it), reported as a skip that did not complete, naming the session."""
     fake.index_rows = [schema_indexes(3)]
-    fake.holders = [("transaction", 61, "report-job", "sa", "sleeping", 900.0, None, None, None, "SELECT 1")]
+    fake.holders = [
+        ("transaction", 61, "report-job", "sa", "sleeping", 900.0, None, None, None, "SELECT 1", None)
+    ]
     report = DbQueue(DSN, schema="dbq").maintenance().rebuild_indexes(reindex_timeout=600, horizon_min_age=60)
     got = [(a["index"], a["action"], a["ok"]) for a in report["actions"]]
     assert got == [
@@ -497,3 +531,33 @@ def test_a_rings_upkeep_on_a_fake_sql_server(fake: MaintenanceServer) -> None:
     assert passing.values == [4, 1024, 8]  # queue_id, capacity, lanes
     assert fake.ring == {}  # every answer was asked for
     assert not fake.statements("sp_getapplock")
+
+
+def test_a_sample_of_a_table_queue_on_a_fake_sql_server(fake: MaintenanceServer) -> None:
+    """sample(): the queue's stats, its pushes and pops since its last sample (table_flow, from that
+    sample's time to this one's), the horizon figures, inserted under the maintenance lock; then the
+    retention's batch."""
+
+    class Sampling(MaintenanceServer):
+        def answer(self, text: str) -> list[tuple[Any, ...]] | None:
+            if "AS ready," in text or "AS oldest_ready_age_s" in text:  # stats
+                return [(5, 1, 2, 0, 0, 12.5)]
+            if "AS popped" in text:  # table_flow
+                return [(9, 4)]
+            return super().answer(text)
+
+    server = Sampling()
+    server.queues = [(4, "orders", "table", "json", 512, 3, 30.0, 1.0, 60.0, "auto", True, None, None)]
+    before = dt.datetime(2026, 1, 1, 12, 0)
+    server.last_samples = [(4, before, None, None)]
+    server.clock = dt.datetime(2026, 1, 1, 12, 5)
+    fake.answer = server.answer  # type: ignore[method-assign]
+    fake.queues, fake.last_samples, fake.clock = server.queues, server.last_samples, server.clock
+    out = DbQueue(DSN, schema="dbq").maintenance().sample()
+    assert out["recorded"] == 1 and out["deleted"] == 0
+    assert out["queues"]["orders"] == {"pushed": 9, "popped": 4, "push_total": None, "pop_total": None}
+    [flow] = fake.statements("AS popped")
+    assert flow.values is not None and before in flow.values and server.clock in flow.values
+    [insert] = fake.statements("INSERT INTO [dbq].samples")
+    assert insert.values is not None and insert.values[:7] == [4, server.clock, 5, 1, 2, 0, 12.5]
+    assert fake.statements("sp_getapplock")

@@ -17,10 +17,13 @@ of this package that calls the database only through the
 - ``statistics``: **VACUUM / ANALYZE** of the schema's tables (``SKIP_LOCKED``; where the database
   has no VACUUM, what stands for it), and their sizes and dead rows.
 - ``horizon``: what holds back cleanup (a long transaction, a replication slot, a prepared
-  transaction), named in a warning, and kept from holding up an online rebuild.
+  transaction), named in a warning, and kept from holding up an online rebuild; the horizon's figures
+  now, and what a held horizon cost a run (dead rows VACUUM could not remove, work deferred).
 - ``reindexer``: **online index rebuilds** of bloated indexes, and the clean-up of what a failed one
   leaves; the dialect surveys the indexes, plans the steps and supplies the statements.
 - ``compactor``: **ring compaction** of ring tables that outgrew their laid-out size.
+- ``samples``: one row a queue a run in the schema's ``samples`` table (depth, oldest age, pushes and
+  pops since the last sample, the horizon), and its retention; the Queues page draws them.
 - ``metrics``: depth by state, age of the oldest ready message, push and finish rates, table sizes,
   dead rows and index bloat, as one JSON-safe dict.
 - ``runner``: :class:`Maintenance`, whose :meth:`~Maintenance.run` takes every step in the order of

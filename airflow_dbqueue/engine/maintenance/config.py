@@ -47,6 +47,11 @@ HORIZON_MIN_AGE_S = 300.0
 """Transactions open longer than this many seconds are reported as holding back cleanup."""
 HORIZON_MIN_XID_AGE = 1_000_000
 """Replication slots holding an xmin older than this many transactions are reported."""
+HORIZON_MIN_DEAD_ROWS = 1000
+"""A table whose VACUUM left at least this many dead rows is named in a run's ``horizon`` section as what
+the held horizon costs (fewer are the rows of transactions that were running at the time)."""
+SAMPLES_KEEP_S = 24 * 3600.0
+"""Samples older than this many seconds are deleted (a day)."""
 RATE_WINDOW_S = 300.0
 """The window, in seconds, of the push and finish rates of the metrics."""
 
@@ -77,6 +82,10 @@ class MaintenanceConfig:
     :param lock_wait_s: how long to wait for another run's lock before skipping.
     :param horizon_min_age_s: report transactions (and prepared ones) older than this holding the xmin.
     :param horizon_min_xid_age: report replication slots holding an xmin older than this many transactions.
+    :param horizon_min_dead_rows: name a table whose VACUUM left at least this many dead rows in the
+        run's ``horizon`` section.
+    :param samples: record a sample of each queue (:meth:`Maintenance.sample`).
+    :param samples_keep_s: delete samples older than this.
     :param rate_window_s: window of the push and finish rates.
     :param reclaim_limit: most expired leases a queue's upkeep returns in one call.
     """
@@ -100,6 +109,9 @@ class MaintenanceConfig:
     lock_wait_s: float = 0.0
     horizon_min_age_s: float = HORIZON_MIN_AGE_S
     horizon_min_xid_age: int = HORIZON_MIN_XID_AGE
+    horizon_min_dead_rows: int = HORIZON_MIN_DEAD_ROWS
+    samples: bool = True
+    samples_keep_s: float = SAMPLES_KEEP_S
     rate_window_s: float = RATE_WINDOW_S
     reclaim_limit: int = RECLAIM_LIMIT
 
@@ -112,6 +124,15 @@ class MaintenanceConfig:
             check_seconds("maintenance archive_retention_s (or None)", self.archive_retention_s)
         check_seconds("maintenance reindex_timeout_s", self.reindex_timeout_s, positive=True)
         check_seconds("maintenance rate_window_s", self.rate_window_s, positive=True)
+        check_seconds("maintenance samples_keep_s", self.samples_keep_s, positive=True)
+        if (
+            isinstance(self.horizon_min_dead_rows, bool)
+            or not isinstance(self.horizon_min_dead_rows, int)
+            or (self.horizon_min_dead_rows < 0)
+        ):
+            raise ConfigurationError(
+                f"horizon_min_dead_rows must be an integer >= 0, got {self.horizon_min_dead_rows!r}"
+            )
         check_seconds("maintenance compact_lock_timeout_s", self.compact_lock_timeout_s, positive=True)
         if (
             not math.isfinite(self.compact_bloat_ratio)

@@ -1,5 +1,6 @@
 """The schema's queue metrics as one JSON-safe dict: depth by state, age of the oldest ready message,
-push and finish rates, table sizes, dead rows, index bloat, and what holds back cleanup."""
+push and finish rates, table sizes, dead rows, index bloat, what holds back cleanup, and the horizon
+now (the oldest holder's age, whatever it is, and the dead rows of the schema's tables)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 from airflow_dbqueue.engine.dialects.base import Database
 from airflow_dbqueue.engine.errors import ConfigurationError, GroupNotFoundError
 from airflow_dbqueue.engine.maintenance.config import HORIZON_MIN_AGE_S, HORIZON_MIN_XID_AGE, RATE_WINDOW_S
+from airflow_dbqueue.engine.maintenance.horizon import now as horizon_now
 from airflow_dbqueue.engine.maintenance.horizon import xmin_holders
 from airflow_dbqueue.engine.maintenance.queues import Queues
 from airflow_dbqueue.engine.maintenance.statistics import table_health
@@ -81,16 +83,25 @@ def metrics(
         raise ConfigurationError(f"rate_window_s must be a finite number > 0, got {rate_window_s}")
     notes: list[str] = []
     per_queue = queue_metrics(db, queues, names, rate_window_s, notes)
+    tables = table_health(db)
+    state = horizon_now(db, tables)
     return {
         "schema": db.schema,
         "at": dt.datetime.now(dt.UTC).isoformat(),
         "rate_window_s": rate_window_s,
         "queues": per_queue,
-        "tables": {t.pop("table"): t for t in table_health(db)},
+        "tables": {t.pop("table"): t for t in tables},
         "indexes": {i.index: i.as_dict() for i in db.index_survey().indexes},
         "xmin_holders": [
             h.as_dict()
             for h in xmin_holders(db, min_age_s=horizon_min_age_s, min_xid_age=horizon_min_xid_age)
         ],
+        "horizon": {
+            "oldest": state["oldest"],
+            "xid_age": state["xid_age"],
+            "age_s": state["age_s"],
+            "dead_rows": state["dead_rows"],
+            "note": state["note"],
+        },
         "notes": notes,
     }

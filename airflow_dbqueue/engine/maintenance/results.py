@@ -82,11 +82,14 @@ class XminHolder:
     query_start: str | None
     query: str | None
     """The session's current or last statement (transactions), or the slot type."""
+    backend_age_s: float | None = None
+    """How long the session of a transaction has been connected (``None`` for slots and prepared
+    transactions)."""
 
     @classmethod
     def from_row(cls, row: Sequence[Any]) -> XminHolder:
         """Build one from a row of the dialect's ``xmin_holders`` query."""
-        kind, pid, name, user, state, age_s, xid_age, xact_start, query_start, query = row
+        kind, pid, name, user, state, age_s, xid_age, xact_start, query_start, query, backend_age_s = row
         return cls(
             kind=kind,
             pid=pid,
@@ -98,6 +101,7 @@ class XminHolder:
             xact_start=iso(xact_start),
             query_start=iso(query_start),
             query=query,
+            backend_age_s=None if backend_age_s is None else round(float(backend_age_s), 1),
         )
 
     def describe(self) -> str:

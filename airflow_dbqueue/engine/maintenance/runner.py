@@ -14,7 +14,7 @@ from typing import Any
 from airflow_dbqueue.engine.dialects.base import Database
 from airflow_dbqueue.engine.dialects.indexes import IndexHealth
 from airflow_dbqueue.engine.errors import ConfigurationError
-from airflow_dbqueue.engine.maintenance import horizon
+from airflow_dbqueue.engine.maintenance import horizon, samples
 from airflow_dbqueue.engine.maintenance.archiver import Archiver
 from airflow_dbqueue.engine.maintenance.compactor import RingCompactor
 from airflow_dbqueue.engine.maintenance.config import (
@@ -33,6 +33,7 @@ from airflow_dbqueue.engine.maintenance.config import (
     REINDEX_FRAGMENTATION_PCT,
     REINDEX_MIN_BYTES,
     REINDEX_TIMEOUT_S,
+    SAMPLES_KEEP_S,
     STATEMENT_TIMEOUT_S,
     TIME_BUDGET_S,
     MaintenanceConfig,
@@ -49,7 +50,16 @@ from airflow_dbqueue.engine.renames import renamed_kwargs
 
 log = logging.getLogger(__name__)
 
-STEPS = ("check_horizon", "upkeep", "archive", "vacuum", "compact_rings", "rebuild_indexes", "metrics")
+STEPS = (
+    "check_horizon",
+    "upkeep",
+    "archive",
+    "vacuum",
+    "compact_rings",
+    "rebuild_indexes",
+    "sample",
+    "metrics",
+)
 """The steps of a full run, in the order :meth:`Maintenance.run` takes them (the last, ``metrics``, runs
 even when another run holds the lock)."""
 
@@ -57,6 +67,7 @@ _OFF: dict[str, tuple[str, dict[str, Any]]] = {
     "vacuum": ("vacuum", {}),
     "compact_rings": ("compact_rings", {"actions": []}),
     "rebuild_indexes": ("reindex", {"actions": []}),
+    "sample": ("samples", {"recorded": 0, "deleted": 0}),
 }
 """The steps a setting of :class:`MaintenanceConfig` turns off: the setting, and what else the step's
 result holds then."""
@@ -91,6 +102,7 @@ class Maintenance:
             "vacuum": self._vacuum_step,
             "compact_rings": self._compact_step,
             "rebuild_indexes": self._reindex_step,
+            "sample": self._sample_step,
             "metrics": self._metrics_step,
         }
 
@@ -351,6 +363,55 @@ class Maintenance:
             only=only,
         )
 
+    def horizon(self) -> dict[str, Any]:
+        """The xmin horizon now: what holds it furthest back whatever its age (``oldest``), the dead and
+        live rows and size of each table of the schema (``tables``), their dead rows (``dead_rows``) and
+        a ``note`` when the role cannot see every session (:func:`horizon.now`)."""
+        return horizon.now(self._db)
+
+    def sample(
+        self,
+        queues: Sequence[str] | None = None,
+        *,
+        samples_keep: float = SAMPLES_KEEP_S,
+        batch_size: int = BATCH_SIZE,
+        lock_wait: float = 0.0,
+    ) -> dict[str, Any]:
+        """Record one sample of each queue in the schema's ``samples`` table, and delete samples older
+        than ``samples_keep`` seconds in batches of ``batch_size``; return what was done.
+
+        A sample holds the queue's depth by state and oldest ready age (its stats), its push and pop
+        totals or counts since its previous sample (see :mod:`~airflow_dbqueue.engine.maintenance.samples`
+        for where they come from), a ring's consumer groups' lag, and the schema's horizon now
+        (:meth:`horizon`: the oldest holder's age in seconds and in transaction ids, and the dead rows of
+        the schema's tables). Takes the maintenance lock.
+
+        :return: ``{"skipped", "recorded", "deleted", "taken_at", "queues": {name: {"pushed", "popped",
+            "push_total", "pop_total"}}, "notes", "horizon"}``; ``notes`` names queues dropped meanwhile,
+            which are not sampled.
+        """
+        state = self.horizon()
+        out = samples.record(
+            self._db,
+            self._lock,
+            self._queues,
+            queues,
+            horizon=state,
+            keep_s=samples_keep,
+            batch_size=batch_size,
+            lock_wait_s=lock_wait,
+        )
+        out["horizon"] = state
+        return out
+
+    def samples(
+        self, *, window: float = SAMPLES_KEEP_S, queues: Sequence[str] | None = None
+    ) -> dict[str, Any]:
+        """The samples of the last ``window`` seconds, by queue name, oldest first (each a dict of
+        :data:`~airflow_dbqueue.engine.maintenance.samples.SAMPLE_FIELDS`; ``at`` in seconds since the
+        epoch). Read-only; a role reads the samples of the queues it may see."""
+        return samples.read(self._db, window_s=window, queues=queues)
+
     @renamed_kwargs(rate_window_s="rate_window", horizon_min_age_s="horizon_min_age")
     def metrics(
         self,
@@ -366,6 +427,8 @@ class Maintenance:
         ``finished`` waiting for the archiver), ``oldest_ready_age_s``, and ``pushed_per_s`` and
         ``finished_per_s`` over the last ``rate_window`` seconds. ``tables``: sizes, live and dead
         rows. ``indexes``: sizes and bloat estimates. ``xmin_holders``: what holds back VACUUM.
+        ``horizon``: what holds it furthest back now, whatever its age (``oldest``, with its ``xid_age``
+        and ``age_s``), and the dead rows of the schema's tables (``dead_rows``; :meth:`horizon`).
         """
         return collect_metrics(
             self._db,
@@ -383,7 +446,13 @@ class Maintenance:
 
         Order (:data:`STEPS`): the xmin-horizon check, each queue's upkeep (lease reclaim; ring gaps),
         archiving and archive retention, VACUUM (ANALYZE), ring compaction (not while a transaction
-        older than ``min(horizon_min_age_s, 10)`` holds the horizon), index rebuilds, metrics. When
+        older than ``min(horizon_min_age_s, 10)`` holds the horizon), index rebuilds, a sample of each
+        queue, metrics.
+
+        ``horizon`` says what a held xmin horizon cost the run (:func:`horizon.costs`): what held it, the
+        dead rows of each table after the VACUUM, the tables whose VACUUM left at least
+        ``horizon_min_dead_rows`` dead rows it could not remove, and the compactions and rebuilds not
+        started because of it. When
         another run holds the lock past ``lock_wait_s``, only the metrics are collected and ``skipped``
         says why.
 
@@ -398,13 +467,18 @@ class Maintenance:
         started = time.monotonic()
         report: dict[str, Any] = {"schema": self.schema, "skipped": None}
         notes: list[str] = []
+        results: dict[str, Any] = {}
         with self.lock(cfg.lock_wait_s) as got:
             if not got:
                 report["skipped"] = self._lock.skip_reason
             else:
                 for name in STEPS[:-1]:
-                    _into_report(report, name, self._steps[name](cfg, notes))
+                    results[name] = self._steps[name](cfg, notes)
+                    _into_report(report, name, results[name])
         report["metrics"] = self._metrics_step(cfg, notes)
+        if results and results.get("sample") is None:  # samples off: the horizon's figures all the same
+            results["sample"] = {"horizon": self.horizon()}
+        report["horizon"] = horizon.costs(results, min_dead_rows=cfg.horizon_min_dead_rows)
         report["notes"] = list(dict.fromkeys(notes))
         report["incomplete"] = _incomplete(report)
         if report["incomplete"]:
@@ -424,8 +498,9 @@ class Maintenance:
         A step that changes things takes the lock itself (waiting up to ``lock_wait_s``), so steps run
         one by one, each as a task of a scheduler, do what ``run`` does: ``archive`` returns
         ``{"archive", "purge_archive"}`` (retention runs only when archiving was not skipped),
-        ``check_horizon`` ``{"xmin_holders"}``, ``upkeep`` ``{"queues"}``, the others their method's
-        result; a step its setting turns off returns ``{"skipped": "<setting> is off"}``.
+        ``check_horizon`` ``{"xmin_holders"}``, ``upkeep`` ``{"queues"}``, ``sample`` what :meth:`sample`
+        returns, the others their method's result (:func:`horizon.costs` makes a run's ``horizon``
+        section of these results); a step its setting turns off returns ``{"skipped": "<setting> is off"}``.
         """
         if name not in self._steps:
             raise ConfigurationError(f"no maintenance step {name!r}; choose from {STEPS}")
@@ -440,12 +515,8 @@ class Maintenance:
 
     def _check_horizon_step(self, cfg: MaintenanceConfig, notes: list[str]) -> dict[str, Any]:
         if not self._db.sees_all_activity():
-            note = (
-                "the horizon check sees only the sessions of the maintenance's own role: grant it "
-                "pg_monitor (or pg_read_all_stats) to see every session that holds the horizon back"
-            )
-            log.warning("dbqueue: %s", note)
-            notes.append(note)
+            log.warning("dbqueue: %s", horizon.NO_MONITOR_NOTE)
+            notes.append(horizon.NO_MONITOR_NOTE)
         holders = self.check_horizon(
             horizon_min_age=cfg.horizon_min_age_s, horizon_min_xid_age=cfg.horizon_min_xid_age
         )
@@ -496,6 +567,18 @@ class Maintenance:
             horizon_min_age=cfg.horizon_min_age_s,
         )
 
+    def _sample_step(self, cfg: MaintenanceConfig, notes: list[str]) -> dict[str, Any] | None:
+        if not cfg.samples:
+            return None
+        out = self.sample(
+            _queues(cfg),
+            samples_keep=cfg.samples_keep_s,
+            batch_size=cfg.batch_size,
+            lock_wait=cfg.lock_wait_s,
+        )
+        notes += out["notes"]
+        return out
+
     def _metrics_step(self, cfg: MaintenanceConfig, notes: list[str]) -> dict[str, Any]:
         out = self.metrics(
             _queues(cfg),
@@ -524,6 +607,8 @@ def _into_report(report: dict[str, Any], name: str, out: dict[str, Any] | None) 
         report["xmin_holders"] = out["xmin_holders"]
     elif name == "upkeep":
         report["upkeep"] = out["queues"]
+    elif name == "sample":
+        report["samples"] = {k: v for k, v in out.items() if k != "horizon"}
     elif name == "archive":
         report["archive"] = out["archive"]
         if out["purge_archive"] is not None:

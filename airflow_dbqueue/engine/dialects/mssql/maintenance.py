@@ -37,6 +37,7 @@ MSSQL_TABLES = (
     "ring_slots",
     "ring_failed",
     "ring_groups",
+    "samples",
 )
 """The tables of a schema on SQL Server (the batch ledger's items have a table of their own)."""
 MSSQL_ESCALATION_ROWS = 5000

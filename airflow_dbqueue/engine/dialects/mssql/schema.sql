@@ -297,3 +297,24 @@ CREATE TABLE {schema}.ring_groups (
 -- The gids, negated: a gid is never used twice, so that a handle of a dropped group finds no rows of
 -- another. Numbers a restart drops from the cache are never handed out: gids have gaps, which is fine.
 CREATE SEQUENCE {schema}.group_gids AS int START WITH 1 MINVALUE 1 CACHE 50;
+
+-- Samples: one row a queue a maintenance run, as on PostgreSQL (see its schema.sql): written and deleted
+-- only by maintenance, kept samples_keep_s (a day by default). Times in UTC; groups is JSON text.
+CREATE TABLE {schema}.samples (
+    queue_id int NOT NULL,
+    taken_at datetime2(6) NOT NULL,
+    ready bigint NOT NULL,
+    delayed bigint NOT NULL,
+    in_flight bigint NOT NULL,
+    failed bigint NOT NULL,
+    oldest_age_s float NULL,
+    push_total bigint NULL,
+    pop_total bigint NULL,
+    pushed bigint NULL,
+    popped bigint NULL,
+    groups nvarchar(max) NULL,
+    horizon_xid_age bigint NULL,
+    horizon_age_s float NULL,
+    dead_rows bigint NULL,
+    CONSTRAINT samples_pkey PRIMARY KEY CLUSTERED (queue_id, taken_at)
+);

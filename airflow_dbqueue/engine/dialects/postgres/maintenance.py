@@ -28,6 +28,7 @@ TABLES = (
     "ring_slots",
     "ring_failed",
     "ring_groups",
+    "samples",
 )
 """The schema's tables, in the order VACUUM visits them (the dequeue paths first: a ring's pops update
 ``ring_lanes`` and write ``ring_leases``; its slots are overwritten in place by pushes)."""

@@ -310,6 +310,37 @@ CREATE TABLE {schema}.grants (
     CONSTRAINT grants_key UNIQUE NULLS NOT DISTINCT (role, queue_id, action)
 );
 
+-- Samples: one row a queue a maintenance run (Maintenance.sample), so that the Queues page can draw each
+-- queue's depth, oldest age, push and pop rates and the xmin horizon over the last hours. Written only
+-- by maintenance, never on the push or pop path; maintenance deletes rows older than samples_keep_s
+-- (a day by default) in small batches, so the table stays at a few hundred rows a queue.
+-- push_total and pop_total: a ring's push position and its default group's pop position (numbers it
+-- has handed out, gaps included), NULL for the table design. pushed and popped: messages pushed and
+-- popped since the queue's previous sample (NULL on its first, and where they cannot be counted: the
+-- table design counts them from the timestamps its rows carry, which a queue that does not archive
+-- deletes). groups: a ring's consumer groups besides its default one, each name with its lag_messages.
+-- horizon_xid_age, horizon_age_s and dead_rows describe the schema as a whole at the time (the oldest
+-- transaction, slot or prepared transaction holding the xmin horizon, and the dead rows of the
+-- schema's tables after the run's VACUUM); every queue's row of a run carries the same values.
+CREATE TABLE {schema}.samples (
+    queue_id integer NOT NULL,
+    taken_at timestamptz NOT NULL DEFAULT now(),
+    ready bigint NOT NULL,
+    delayed bigint NOT NULL,
+    in_flight bigint NOT NULL,
+    failed bigint NOT NULL,
+    oldest_age_s double precision,
+    push_total bigint,
+    pop_total bigint,
+    pushed bigint,
+    popped bigint,
+    groups jsonb,
+    horizon_xid_age bigint,
+    horizon_age_s double precision,
+    dead_rows bigint,
+    CONSTRAINT samples_pkey PRIMARY KEY (queue_id, taken_at)
+);
+
 -- name: policies
 -- Row-level security: a role other than the owner sees and changes only the rows of the queues it was
 -- granted an action on, whatever it runs (the engine's statements, its functions, or SQL of its own).
@@ -390,4 +421,10 @@ CREATE POLICY ring_failed_pop ON {schema}.ring_failed FOR ALL USING (queue_id = 
 ALTER TABLE {schema}.ring_groups ENABLE ROW LEVEL SECURITY;
 CREATE POLICY ring_groups_see ON {schema}.ring_groups FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));
 CREATE POLICY ring_groups_admin ON {schema}.ring_groups FOR ALL USING (queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]))
+    WITH CHECK (queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]));
+
+-- Samples: read by the roles that may see the queue; written and deleted by maintenance (admin).
+ALTER TABLE {schema}.samples ENABLE ROW LEVEL SECURITY;
+CREATE POLICY samples_see ON {schema}.samples FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));
+CREATE POLICY samples_admin ON {schema}.samples FOR ALL USING (queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]))
     WITH CHECK (queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]));

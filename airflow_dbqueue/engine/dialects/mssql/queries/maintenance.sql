@@ -228,7 +228,8 @@ SELECT CASE WHEN v.transaction_id IS NULL THEN N'transaction' ELSE N'snapshot tr
        CAST(NULL AS bigint) AS xid_age,
        DATEADD(minute, -@tz, a.transaction_begin_time) AS xact_start,
        DATEADD(minute, -@tz, s.last_request_start_time) AS query_start,
-       LEFT(q.text, 200) AS query
+       LEFT(q.text, 200) AS query,
+       DATEDIFF_BIG(millisecond, s.login_time, GETDATE()) / 1e3 AS backend_age_s
 FROM sys.dm_tran_session_transactions x
 JOIN sys.dm_tran_active_transactions a ON a.transaction_id = x.transaction_id
 JOIN sys.dm_exec_sessions s ON s.session_id = x.session_id

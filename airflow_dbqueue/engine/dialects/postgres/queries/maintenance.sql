@@ -154,22 +154,24 @@ ORDER BY c.relname
 -- name: xmin_holders
 -- What holds back the xmin horizon (so VACUUM cannot remove dead rows anywhere in the database): open
 -- transactions older than min_age_s, replication slots holding an xmin more than min_xid_age
--- transactions old, and prepared transactions older than min_age_s.
+-- transactions old, and prepared transactions older than min_age_s; the oldest (in transaction ids) first.
+-- backend_age_s: how long a transaction's session has been connected.
 SELECT 'transaction' AS kind, a.pid, coalesce(a.application_name, '') AS name, a.usename::text,
        a.state, extract(epoch FROM now() - a.xact_start)::float8 AS age_s,
        greatest(age(a.backend_xmin), age(a.backend_xid)) AS xid_age,
-       a.xact_start, a.query_start, left(a.query, 200) AS query
+       a.xact_start, a.query_start, left(a.query, 200) AS query,
+       extract(epoch FROM now() - a.backend_start)::float8 AS backend_age_s
 FROM pg_stat_activity a
 WHERE a.pid <> pg_backend_pid() AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
   AND a.xact_start < now() - make_interval(secs => %(min_age_s)s)
 UNION ALL
 SELECT 'replication slot', r.active_pid, r.slot_name::text, NULL, CASE WHEN r.active THEN 'active' ELSE 'inactive' END,
-       NULL, greatest(age(r.xmin), age(r.catalog_xmin)), NULL, NULL, r.slot_type
+       NULL, greatest(age(r.xmin), age(r.catalog_xmin)), NULL, NULL, r.slot_type, NULL
 FROM pg_replication_slots r
 WHERE greatest(age(r.xmin), age(r.catalog_xmin)) > %(min_xid_age)s
 UNION ALL
 SELECT 'prepared transaction', NULL, p.gid, p.owner::text, p.database::text,
-       extract(epoch FROM now() - p.prepared)::float8, age(p.transaction), p.prepared, NULL, NULL
+       extract(epoch FROM now() - p.prepared)::float8, age(p.transaction), p.prepared, NULL, NULL, NULL
 FROM pg_prepared_xacts p
 WHERE p.prepared < now() - make_interval(secs => %(min_age_s)s)
 ORDER BY 7 DESC NULLS LAST

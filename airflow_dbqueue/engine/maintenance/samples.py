@@ -1,0 +1,222 @@
+"""Samples: one row a queue a maintenance run in the schema's ``samples`` table, so that a queue's depth,
+oldest age, push and pop rates and the xmin horizon can be drawn over the last hours (the Queues page).
+
+Where the counts come from, so that nothing is added to the push or pop path:
+
+- a ring keeps totals already: its push position (the numbers its push sequence handed out) and its
+  default group's pop position (how far its consumers took). A sample records both
+  (``push_total``, ``pop_total``); pushes and pops between two samples are their differences. Numbers
+  given up as gaps (a push that rolled back) count as pushed and popped.
+- the table design keeps no counter. Its rows carry their times: a sample counts the messages whose
+  ``enqueued_at`` (pushes) and, finished, whose ``finished_at`` (pops) fall between the queue's previous
+  sample and this one, in meta, done and archive, as the metrics' rates do. That is exact for a queue
+  that archives (finished rows stay in done, then archive, for the archive retention, a week by
+  default); a queue that does not archive deletes a message when it finishes, so its pushes and pops
+  are not counted (``None``). A push whose transaction is still open when a sample is taken, and
+  commits after it, is missed by both samples.
+
+Retention deletes samples older than ``samples_keep_s`` in batches of ``batch_size``, in the same step.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from airflow_dbqueue.engine.dialects.base import Database
+from airflow_dbqueue.engine.errors import PermissionDeniedError
+from airflow_dbqueue.engine.maintenance.lock import SchemaLock
+from airflow_dbqueue.engine.maintenance.queues import Queues
+from airflow_dbqueue.engine.queue import check_seconds
+from airflow_dbqueue.engine.ring import RingQueue
+
+log = logging.getLogger(__name__)
+
+SAMPLE_FIELDS = (
+    "queue",
+    "at",
+    "ready",
+    "delayed",
+    "in_flight",
+    "failed",
+    "oldest_age_s",
+    "push_total",
+    "pop_total",
+    "pushed",
+    "popped",
+    "groups",
+    "horizon_xid_age",
+    "horizon_age_s",
+    "dead_rows",
+)
+"""The fields of a sample as :func:`read` returns it (``at``: seconds since the epoch, UTC)."""
+
+
+def record(
+    db: Database,
+    lock: SchemaLock,
+    queues: Queues,
+    names: Sequence[str] | None,
+    *,
+    horizon: dict[str, Any],
+    keep_s: float,
+    batch_size: int,
+    lock_wait_s: float,
+) -> dict[str, Any]:
+    """Record one sample of each queue (or of ``names``), with the schema's ``horizon`` figures
+    (:func:`horizon.now`), and delete samples older than ``keep_s``; see :meth:`Maintenance.sample`."""
+    keep_s = check_seconds("samples_keep_s", keep_s, positive=True)
+    notes: list[str] = []
+    with lock.hold(lock_wait_s) as got:
+        if not got:
+            return {"skipped": lock.skip_reason, "recorded": 0, "deleted": 0, "notes": notes}
+        row = db.fetchone("sample_clock")
+        assert row is not None
+        taken_at = row[0]
+        rows = _rows(db, queues, names, taken_at, notes)
+        last = _last(db, [r["queue_id"] for r in rows])
+        recorded = []
+        for r in rows:
+            _counts(db, r, last.get(r["queue_id"]), taken_at)
+            params = {
+                **{k: v for k, v in r.items() if k not in ("archive", "design")},
+                "taken_at": taken_at,
+                "groups": json.dumps(r["groups"]) if r["groups"] else None,
+                "horizon_xid_age": horizon.get("xid_age"),
+                "horizon_age_s": horizon.get("age_s"),
+                "dead_rows": horizon.get("dead_rows"),
+            }
+            try:  # a transaction a queue: a role that administers some queues samples those
+                with db.transaction(lock.conn) as c:
+                    db.execute("sample_insert", params, c)
+            except PermissionDeniedError:
+                notes.append(f"queue {r['name']!r} not sampled: the role may not administer it")
+                continue
+            recorded.append(r)
+        rows = recorded
+        deleted = 0
+        while True:
+            with db.transaction(lock.conn) as c:
+                got_row = db.fetchone("samples_purge_batch", {"keep_s": float(keep_s), "n": batch_size}, c)
+            n = int(got_row[0]) if got_row else 0
+            deleted += n
+            if n < batch_size:
+                break
+    log.info(
+        "dbqueue samples of schema %r: %d recorded, %d older than %gs deleted",
+        db.schema,
+        len(rows),
+        deleted,
+        keep_s,
+    )
+    return {
+        "skipped": None,
+        "recorded": len(rows),
+        "deleted": deleted,
+        "taken_at": taken_at.isoformat() if isinstance(taken_at, dt.datetime) else taken_at,
+        "notes": notes,
+        "queues": {
+            r["name"]: {k: r[k] for k in ("pushed", "popped", "push_total", "pop_total")} for r in rows
+        },
+    }
+
+
+def _rows(
+    db: Database, queues: Queues, names: Sequence[str] | None, taken_at: Any, notes: list[str]
+) -> list[dict[str, Any]]:
+    """Each queue's figures now, through its stats (as the metrics read them)."""
+    out = []
+    for name, q in queues.each(names, notes, "not sampled"):
+        try:
+            stats = q.stats()
+            groups: dict[str, int] = {}
+            if isinstance(q, RingQueue):
+                for info in q.groups()[1:]:
+                    groups[info.name] = int(q.group(info.name).stats().extra["lag_messages"])
+        except Exception:
+            if not queues.gone(name, q.settings.queue_id):
+                raise
+            notes.append(queues.vanished_note(name, "not sampled"))
+            continue
+        ring = isinstance(q, RingQueue)
+        out.append(
+            {
+                "name": name,
+                "queue_id": q.settings.queue_id,
+                "design": q.settings.design.value,
+                "archive": q.settings.archive,
+                "ready": stats.ready,
+                "delayed": stats.delayed,
+                "in_flight": stats.in_flight,
+                "failed": stats.failed,
+                "oldest_age_s": stats.oldest_ready_age_s,
+                "push_total": int(stats.extra["push_position"]) if ring else None,
+                "pop_total": int(stats.extra["pop_position"]) if ring else None,
+                "pushed": None,
+                "popped": None,
+                "groups": groups,
+            }
+        )
+    return out
+
+
+def _last(db: Database, queue_ids: list[int]) -> dict[int, tuple[Any, int | None, int | None]]:
+    """Each queue's newest sample: ``{queue_id: (taken_at, push_total, pop_total)}``."""
+    if not queue_ids:
+        return {}
+    return {int(r[0]): (r[1], r[2], r[3]) for r in db.fetchall("samples_last", {"queue_ids": queue_ids})}
+
+
+def _counts(
+    db: Database, r: dict[str, Any], prev: tuple[Any, int | None, int | None] | None, until: Any
+) -> None:
+    """Fill ``r``'s ``pushed`` and ``popped``: since the queue's previous sample ``prev`` (none: left
+    ``None``)."""
+    if prev is None:
+        return
+    since, push_total, pop_total = prev
+    if r["push_total"] is not None:
+        if push_total is not None and pop_total is not None:
+            r["pushed"] = r["push_total"] - push_total
+            r["popped"] = r["pop_total"] - pop_total
+    elif r["archive"]:
+        row = db.fetchone("table_flow", {"queue_id": r["queue_id"], "since": since, "until": until})
+        if row is not None:
+            r["pushed"], r["popped"] = int(row[0]), int(row[1])
+
+
+def read(
+    db: Database, *, window_s: float, queues: Sequence[str] | None = None
+) -> dict[str, list[dict[str, Any]]]:
+    """The samples of the last ``window_s`` seconds, by queue, oldest first (fields: :data:`SAMPLE_FIELDS`,
+    ``at`` in seconds since the epoch). Under row-level security a role reads the samples of the queues
+    it may see."""
+    window_s = check_seconds("window_s", window_s, positive=True)
+    rows = db.fetchall(
+        "samples_read",
+        {"window_s": float(window_s), "all_queues": queues is None, "names": list(queues or [])},
+    )
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        sample = dict(zip(SAMPLE_FIELDS, r, strict=True))
+        sample["at"] = float(sample["at"])
+        sample["groups"] = json.loads(sample["groups"]) if sample["groups"] else {}
+        for k in (
+            "ready",
+            "delayed",
+            "in_flight",
+            "failed",
+            "push_total",
+            "pop_total",
+            "pushed",
+            "popped",
+            "horizon_xid_age",
+            "dead_rows",
+        ):
+            if sample[k] is not None:
+                sample[k] = int(sample[k])
+        out.setdefault(sample.pop("queue"), []).append(sample)
+    return out
