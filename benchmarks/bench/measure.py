@@ -108,13 +108,16 @@ def run_design(
     maintenance_interval: float = 1.0,
     hold: bool = False,
     rate: float | None = None,
+    recycle_only: bool = False,
 ) -> RunResult:
     """Measure one design at one point on a fresh schema (created here and dropped afterwards).
 
     With ``rate``, the producers together push at most that many messages a second.
 
     With ``maintenance``, a maintenance process runs ``DbQueue.maintain`` in a loop (every
-    ``maintenance_interval`` seconds) from the start of the window until the producers stop.
+    ``maintenance_interval`` seconds) from the start of the window until the producers stop; with
+    ``recycle_only`` too, it runs only the table design's partition recycling
+    (``Maintenance.recycle``) instead.
 
     With ``hold``, a session of its own holds the xmin horizon for the whole window (a REPEATABLE
     READ transaction with a snapshot and a transaction id, opened just before the window and rolled
@@ -149,6 +152,7 @@ def run_design(
                 maintenance=maintenance,
                 maintenance_interval=maintenance_interval,
                 hold=hold,
+                recycle_only=recycle_only,
             )
             if result.hold is not None:
                 result.hold.update(_after_release(target, conn))
@@ -157,11 +161,26 @@ def run_design(
         teardown_target(target)
 
 
-def _maintainer(target: Target, config: MaintenanceConfig, interval: float, stop: Any, out: Any) -> None:
+def _maintainer(
+    target: Target, config: MaintenanceConfig, interval: float, stop: Any, out: Any, *, recycle_only: bool
+) -> None:
     """Entry point of the maintenance process: ``maintain()`` every ``interval`` seconds until ``stop``.
     A reference queue has no maintenance of its own: for one, the process runs VACUUM (ANALYZE) of each
     of its tables instead, the step of ``maintain()`` that keeps a queue's table and indexes small."""
     report: dict[str, Any] = {"runs": 0, "archived": 0, "reindexed": 0, "failed_reindexes": 0, "busy_s": 0.0}
+    if recycle_only:
+        report.update({"emptied": 0, "moved": 0, "lock_not_granted": 0, "longest_emptying_s": 0.0})
+
+    def recycle(dbq: DbQueue) -> None:
+        r = dbq.maintenance().recycle(
+            recycle_move_limit=config.recycle_move_limit,
+            recycle_min_bytes=config.recycle_min_bytes,
+            recycle_lock_timeout=config.recycle_lock_timeout_s,
+        )
+        report["emptied"] += len(r.get("emptied", []))
+        report["moved"] += r.get("moved", 0)
+        report["lock_not_granted"] += len(r.get("lock_not_granted", []))
+        report["longest_emptying_s"] = max(report["longest_emptying_s"], r.get("longest_s", 0.0))
 
     def maintain(dbq: DbQueue) -> None:
         r = dbq.maintain(config)
@@ -185,7 +204,7 @@ def _maintainer(target: Target, config: MaintenanceConfig, interval: float, stop
                 _every(interval, stop, report, lambda: vacuum(conn, tables))
         else:
             with target.engine(2) as dbq:
-                _every(interval, stop, report, lambda: maintain(dbq))
+                _every(interval, stop, report, lambda: recycle(dbq) if recycle_only else maintain(dbq))
         out.put(report)
     except BaseException:
         out.put({"error": traceback.format_exc()})
@@ -208,7 +227,11 @@ class _Processes:
     ``maintenance``), the state they share, and the reports they hand back."""
 
     def __init__(
-        self, cfg: RunConfig, maintenance: MaintenanceConfig | None, maintenance_interval: float
+        self,
+        cfg: RunConfig,
+        maintenance: MaintenanceConfig | None,
+        maintenance_interval: float,
+        recycle_only: bool = False,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.cfg = cfg
@@ -217,6 +240,7 @@ class _Processes:
             ctx.Process(
                 target=_maintainer,
                 args=(cfg.target, maintenance, maintenance_interval, self.m_stop, self.m_out),
+                kwargs={"recycle_only": recycle_only},
                 name="bench-maintenance",
                 daemon=True,
             )
@@ -359,10 +383,11 @@ def _measure(
     maintenance: MaintenanceConfig | None = None,
     maintenance_interval: float = 1.0,
     hold: bool = False,
+    recycle_only: bool = False,
 ) -> RunResult:
     """Run the workers (and maintenance) through warm-up, the measured window and the drain; return
     what the run measured and checked."""
-    run = _Processes(cfg, maintenance, maintenance_interval)
+    run = _Processes(cfg, maintenance, maintenance_interval, recycle_only)
     shm = run.shm
     held: _Hold | None = None
     try:
@@ -594,11 +619,13 @@ open then, and the seconds the VACUUM or ``maintain()`` after the release took."
 
 
 def hot_table_bytes(conn: psycopg.Connection[Any], target: Target) -> int:
-    """Size of the tables on the push/pop path (meta, data, done) with their indexes and TOAST."""
+    """Size of the tables on the push/pop path (meta, data, done, or their partitions) with their
+    indexes and TOAST."""
     row = conn.execute(
         "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
         "JOIN pg_namespace n ON n.oid = c.relnamespace "
-        "WHERE n.nspname = %s AND c.relkind = 'r' AND c.relname IN ('meta', 'data', 'done')",
+        "WHERE n.nspname = %s AND c.relkind = 'r' "
+        "AND (c.relname IN ('meta', 'data', 'done') OR c.relname ~ '^(meta|data|done)_[0-7]$')",
         (target.schema,),
     ).fetchone()
     return int(row[0]) if row else 0
