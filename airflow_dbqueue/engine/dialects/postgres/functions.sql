@@ -333,7 +333,9 @@ $$;
 -- reads state 0 and process_at <= now(), and a transaction's now() is never later than the clock, so
 -- no pop meets a row while it moves (it would fail with "moved to another partition due to concurrent
 -- update"). Leased messages are not moved (an ack or nack may be on its way to them): a lease pins its
--- partition until it is acked, nacked or expires. Rows other sessions hold are skipped. Returns how many
+-- partition until it is acked, nacked or expires. Rows other sessions hold are skipped, and so are the
+-- rows of a queue being dropped: a move takes the queue's push lock in shared mode (without waiting),
+-- which drop_queue takes exclusively, so a drop never meets a row that moved under it. Returns how many
 -- moved. Security definer (moving needs no grant of the caller's: it changes no message's meaning), its
 -- search_path pinned.
 CREATE OR REPLACE FUNCTION {schema}.table_move_stragglers(p_limit integer) RETURNS integer
@@ -353,6 +355,7 @@ BEGIN
                 SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
                 WHERE s.gen = g
                   AND (s.state = 2 OR (s.state = 0 AND s.process_at > clock_timestamp() + interval '1 second'))
+                  AND pg_try_advisory_xact_lock_shared(hashtext('dbqueue.queue.' || '{schema}'), s.queue_id)
                 LIMIT p_limit - v_moved
                 FOR UPDATE SKIP LOCKED) c
             WHERE m.gen = c.gen AND m.ctid = c.tid
