@@ -191,9 +191,12 @@ def _meta_reads(plan: dict[str, Any], empty: frozenset[str] = frozenset()) -> li
     out = []
     if plan.get("Index Name", "").startswith("meta_"):
         out.append(parent(plan["Index Name"]))
-    elif parent(plan.get("Relation Name")) == "meta" and plan["Node Type"] in ("Seq Scan", "Tid Scan"):
-        if not (plan["Node Type"] == "Seq Scan" and plan.get("Relation Name") in empty):
-            out.append(plan["Node Type"])
+    elif (
+        parent(plan.get("Relation Name")) == "meta"
+        and plan["Node Type"] in ("Seq Scan", "Tid Scan")
+        and not (plan["Node Type"] == "Seq Scan" and plan.get("Relation Name") in empty)
+    ):
+        out.append(plan["Node Type"])
     for child in plan.get("Plans", []):
         out += _meta_reads(child, empty)
     return out

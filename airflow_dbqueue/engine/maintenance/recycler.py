@@ -47,7 +47,7 @@ class TableRecycler:
             emptied: list[str] = []
             busy: list[str] = []
             freed = 0
-            longest = 0.0
+            longest = locked = 0.0
             for table, gen, size, _current in self._db.fetchall("table_partitions"):
                 if size < min_bytes:
                     continue
@@ -59,15 +59,17 @@ class TableRecycler:
                 longest = max(longest, time.monotonic() - t0)
                 if row is None or row[0] is None:
                     busy.append(f"{table}_{gen}")
-                elif row[0]:
+                elif row[0] >= 0:
                     emptied.append(f"{table}_{gen}")
                     freed += int(size)
+                    locked = max(locked, float(row[0]) / 1000)
         out = {
             "moved": moved,
             "emptied": emptied,
             "lock_not_granted": busy,
             "freed_bytes": freed,
             "longest_s": round(longest, 4),
+            "longest_lock_s": round(locked, 4),
         }
         if moved or emptied or busy:
             log.info("dbqueue partition recycling of schema %r: %s", self._db.schema, out)

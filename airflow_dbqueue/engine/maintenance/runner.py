@@ -224,8 +224,10 @@ class Maintenance:
         own that ends at once; one not granted is tried again by the next run. A run of the vacuum step
         recycles first; run this alone, every few seconds, to keep pops fast while a horizon is held.
 
-        :return: ``{"moved", "emptied" (partitions), "lock_not_granted", "freed_bytes", "longest_s"}``,
-            or ``{"skipped": why}`` (SQL Server, or another run holds the lock).
+        :return: ``{"moved", "emptied" (partitions), "lock_not_granted", "freed_bytes", "longest_s"
+            (the longest emptying: checks, lock wait and TRUNCATE), "longest_lock_s" (the longest an
+            emptied partition's lock was held, from its grant to the end of the TRUNCATE)}``, or
+            ``{"skipped": why}`` (SQL Server, or another run holds the lock).
         """
         return self._recycler.recycle(
             move_limit=recycle_move_limit,

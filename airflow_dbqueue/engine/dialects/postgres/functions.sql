@@ -376,10 +376,11 @@ $$;
 -- xmin horizon is held (VACUUM cannot remove them then). The partition is checked without a lock first,
 -- then locked ACCESS EXCLUSIVE within p_lock_timeout_ms and checked again under the lock (a push or a
 -- move may have written it in between: the check's fresh snapshot sees what committed before the lock
--- was granted, and nothing can write it while the lock is held). Returns true when it was emptied, false
--- when it holds a row, NULL when the lock was not granted in time (pops and pushes hold it; queued
--- behind the request they wait at most p_lock_timeout_ms). Run it in a transaction of its own, which
--- should end at once: the lock is held to its end. TRUNCATE is not MVCC-safe: a transaction whose
+-- was granted, and nothing can write it while the lock is held). Returns the milliseconds from the
+-- lock's grant to the end of the TRUNCATE when it was emptied (the lock is held that long, and until the
+-- transaction commits), -1 when it holds a row, NULL when the lock was not granted in time (pops and
+-- pushes hold it; queued behind the request they wait at most p_lock_timeout_ms). Run it in a
+-- transaction of its own, which should end at once. TRUNCATE is not MVCC-safe: a transaction whose
 -- snapshot is older than the TRUNCATE and that had not read the partition before sees it empty. Such a
 -- reader misses only rows that no statement may take any more (every row it would have seen was
 -- finished, or moved to a newer partition, by a transaction that committed before the TRUNCATE): a pop
@@ -388,11 +389,12 @@ $$;
 -- TRUNCATE waits for it (and gives up after p_lock_timeout_ms). Security definer: the caller needs no
 -- right to truncate (it loses nothing, as the partition holds no row); its search_path pinned.
 CREATE OR REPLACE FUNCTION {schema}.table_empty_partition(p_table text, p_gen integer, p_lock_timeout_ms integer)
-RETURNS boolean
+RETURNS double precision
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     v_part text;
     v_found boolean;
+    v_granted timestamptz;
 BEGIN
     IF p_table NOT IN ('meta', 'data', 'done') OR p_gen NOT BETWEEN 0 AND 7 THEN
         RAISE EXCEPTION 'no partition % of %', p_gen, p_table USING ERRCODE = 'invalid_parameter_value';
@@ -404,7 +406,7 @@ BEGIN
     v_part := format('%s.%I', '{schema}', p_table || '_' || p_gen);
     EXECUTE format('SELECT EXISTS (SELECT 1 FROM ONLY %s)', v_part) INTO v_found;
     IF v_found THEN
-        RETURN false;
+        RETURN -1;
     END IF;
     PERFORM set_config('lock_timeout', p_lock_timeout_ms::text, true);
     BEGIN
@@ -412,12 +414,13 @@ BEGIN
     EXCEPTION WHEN lock_not_available THEN
         RETURN NULL;
     END;
+    v_granted := clock_timestamp();
     EXECUTE format('SELECT EXISTS (SELECT 1 FROM ONLY %s)', v_part) INTO v_found;
     IF v_found THEN
-        RETURN false;
+        RETURN -1;
     END IF;
     EXECUTE format('TRUNCATE ONLY %s', v_part);
-    RETURN true;
+    RETURN extract(epoch FROM clock_timestamp() - v_granted) * 1000;
 END
 $$;
 

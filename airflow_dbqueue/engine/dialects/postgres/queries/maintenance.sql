@@ -221,6 +221,7 @@ ORDER BY 1, 2
 
 -- name: table_empty_partition
 -- TRUNCATE one partition of the table design's tables when it holds no row (functions.sql's
--- table_empty_partition): true emptied, false it holds a row, NULL its lock not granted within
--- lock_timeout_ms. In a transaction of its own.
+-- table_empty_partition): the milliseconds its lock was held until the TRUNCATE ended when emptied, -1
+-- when it holds a row, NULL when its lock was not granted within lock_timeout_ms. In a transaction of
+-- its own.
 SELECT {schema}.table_empty_partition(%(table)s::text, %(gen)s::integer, %(lock_timeout_ms)s::integer)
