@@ -16,7 +16,7 @@ WITH picked AS (
     SET state = 1, attempts = m.attempts + 1, deliveries = m.deliveries + 1, consumer = %(consumer)s,
         lease_until = now() + make_interval(secs => %(visibility_timeout_s)s)
     WHERE m.ctid = ANY (ARRAY(SELECT tid FROM picked))
-      AND (m.gen, m.ctid) = ANY (ARRAY(SELECT (gen, tid) FROM picked))
+      AND ((m.gen, m.ctid) IN (SELECT gen, tid FROM picked)) IS TRUE
     RETURNING m.id, m.deliveries, m.priority, m.process_at
 )
 INSERT INTO {schema}.batches (batch_id, queue_id, ids, deliveries, consumer, lease_until)

@@ -47,7 +47,7 @@ WITH picked AS (
 ), batch AS (
     DELETE FROM {schema}.done d
     WHERE d.ctid = ANY (ARRAY(SELECT tid FROM picked))
-      AND (d.gen, d.ctid) = ANY (ARRAY(SELECT (gen, tid) FROM picked))
+      AND ((d.gen, d.ctid) IN (SELECT gen, tid FROM picked)) IS TRUE
     RETURNING d.id, d.queue_id, d.priority, d.attempts, d.enqueued_at, d.finished_at, d.outcome, d.payload
 ), payloads AS (
     DELETE FROM {schema}.data x WHERE x.id = ANY (ARRAY(SELECT id FROM batch WHERE payload IS NULL))

@@ -70,7 +70,7 @@ SET state = CASE WHEN m.attempts >= %(max_attempts)s THEN 2 ELSE 0 END,
                       END,
     lease_until = NULL, consumer = NULL, last_error = %(error)s
 WHERE m.ctid = ANY (ARRAY(SELECT tid FROM held))
-  AND (m.gen, m.ctid) = ANY (ARRAY(SELECT (gen, tid) FROM held))
+  AND ((m.gen, m.ctid) IN (SELECT gen, tid FROM held)) IS TRUE
   AND (SELECT count(*) FROM held) = cardinality(%(ids)b::bigint[])
 RETURNING m.id, m.state
 
@@ -87,7 +87,9 @@ CROSS JOIN LATERAL (
 -- Expired leases go back to ready, keeping their place (process_at), or to failed after max_attempts.
 -- Rows are named by (gen, ctid): meta is partitioned (schema.sql), and a ctid names a row only within
 -- its partition. The ctids alone make each partition's scan a TID scan; the pairs keep only the rows
--- that were picked.
+-- that were picked, through a hashed subplan (IS TRUE keeps the planner from turning the IN into a
+-- join, which it may make a hash join over whole partitions; a = ANY over an array of pairs instead
+-- compared every fetched row with every pair: 155 ms against 2.3 ms for a batch of 1000).
 WITH picked AS (
     SELECT gen, ctid AS tid FROM {schema}.meta
     WHERE queue_id = %(queue_id)s AND state = 1 AND lease_until <= now()
@@ -100,7 +102,7 @@ SET state = CASE WHEN m.attempts >= %(max_attempts)s THEN 2 ELSE 0 END,
     lease_until = NULL, consumer = NULL,
     last_error = 'lease expired (held by ' || coalesce(m.consumer, '?') || ')'
 WHERE m.ctid = ANY (ARRAY(SELECT tid FROM picked))
-  AND (m.gen, m.ctid) = ANY (ARRAY(SELECT (gen, tid) FROM picked))
+  AND ((m.gen, m.ctid) IN (SELECT gen, tid FROM picked)) IS TRUE
 RETURNING m.id, m.state
 
 -- name: peek
@@ -230,6 +232,6 @@ WITH held AS (
 UPDATE {schema}.meta m
 SET lease_until = now() + make_interval(secs => %(secs)s)
 WHERE m.ctid = ANY (ARRAY(SELECT tid FROM held))
-  AND (m.gen, m.ctid) = ANY (ARRAY(SELECT (gen, tid) FROM held))
+  AND ((m.gen, m.ctid) IN (SELECT gen, tid FROM held)) IS TRUE
   AND (SELECT count(*) FROM held) = cardinality(%(ids)b::bigint[])
 RETURNING m.id, m.lease_until
