@@ -153,12 +153,12 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
     # --with-maintenance: the engine design's runs have the maintenance process looping beside them;
     # the references keep autovacuum at its defaults, or with --reference-vacuum get a loop of VACUUM
     # of their tables at the same interval.
+    # --recycle-interval: the table design's runs have a process running only its partition recycling
+    # (Maintenance.recycle) every S seconds beside them, also under --hold-horizon; the references keep
+    # autovacuum at its defaults.
     config = maintenance_config(args) if args.with_maintenance else None
-
-    def maintenance_of(design: str) -> MaintenanceConfig | None:
-        if design == args.design or args.reference_vacuum:
-            return config
-        return None
+    recycling = MaintenanceConfig() if args.recycle_interval else None
+    maintenance_of = loop_of(args, config, recycling)
 
     for attempt in range(args.repeat):
         for design in designs:
@@ -180,9 +180,10 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
                 drain_timeout=args.drain_timeout,
                 log=log,
                 maintenance=maintenance_of(design),
-                maintenance_interval=args.maintenance_interval,
+                maintenance_interval=args.recycle_interval or args.maintenance_interval,
                 hold=args.hold_horizon > 0,
                 rate=args.rate,
+                recycle_only=recycling is not None,
             )
             runs[design].append(run)
             log(
@@ -228,14 +229,9 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
         "notify": args.notify if args.design not in REFERENCES else None,
         "with_maintenance": config is not None,
         "reference_vacuum": config is not None and args.reference_vacuum,
+        "recycle_interval_s": args.recycle_interval or None,
     }
-    if config is not None:
-        out["maintenance_interval_s"] = args.maintenance_interval
-        out["maintenance"] = maintenance_totals(runs[args.design])
-        if args.reference_vacuum:
-            out["baseline_maintenance"] = maintenance_totals(runs[BASELINE])
-            if PGMQ in runs:
-                out["pgmq_maintenance"] = maintenance_totals(runs[PGMQ])
+    out.update(loop_report(args, runs, config, recycling))
     if PGMQ in designs and args.design != PGMQ:
         pgmq = combine(runs[PGMQ])
         out["pgmq_cycles_per_s"] = round(pgmq.cycles_per_s, 1)
@@ -280,6 +276,40 @@ def hold_report(args: argparse.Namespace, runs: dict[str, list[RunResult]]) -> d
         out["hold_edge_s"] = hold.get("edge_s")
         for key in HOLD_KEYS:
             out[f"{prefix}{key}"] = hold.get(key)
+    return out
+
+
+def loop_of(
+    args: argparse.Namespace, config: MaintenanceConfig | None, recycling: MaintenanceConfig | None
+) -> Callable[[str], MaintenanceConfig | None]:
+    """What loops beside a design's runs: the recycling (the engine design only), else maintenance
+    (the engine design, and the references with --reference-vacuum), else nothing."""
+
+    def of(design: str) -> MaintenanceConfig | None:
+        if recycling is not None:
+            return recycling if design == args.design else None
+        return config if design == args.design or args.reference_vacuum else None
+
+    return of
+
+
+def loop_report(
+    args: argparse.Namespace,
+    runs: dict[str, list[RunResult]],
+    config: MaintenanceConfig | None,
+    recycling: MaintenanceConfig | None,
+) -> dict[str, Any]:
+    """What the loops beside the runs did (--with-maintenance, --recycle-interval), summed."""
+    out: dict[str, Any] = {}
+    if config is not None:
+        out["maintenance_interval_s"] = args.maintenance_interval
+        out["maintenance"] = maintenance_totals(runs[args.design])
+        if args.reference_vacuum:
+            out["baseline_maintenance"] = maintenance_totals(runs[BASELINE])
+            if PGMQ in runs:
+                out["pgmq_maintenance"] = maintenance_totals(runs[PGMQ])
+    if recycling is not None:
+        out["recycling"] = maintenance_totals(runs[args.design])
     return out
 
 
@@ -448,6 +478,22 @@ def add_load_options(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def intervals(ap: argparse.ArgumentParser) -> None:
+    """The options of what runs in a loop beside an engine design's workers."""
+    ap.add_argument(
+        "--maintenance-interval", type=float, default=1.0, help="seconds between maintenance runs"
+    )
+    ap.add_argument(
+        "--recycle-interval",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="the table design's runs have a process running only its partition recycling "
+        "(Maintenance.recycle: TRUNCATE of partitions that hold no row) every S seconds beside them, "
+        "also with --hold-horizon; the references keep autovacuum at its defaults (default 0: none)",
+    )
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description="Full push-then-pop cycles/s of a queue design against the naive baseline.",
@@ -529,9 +575,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="with --with-maintenance, the references' runs have a loop of VACUUM (ANALYZE) of their "
         "tables beside them, at the same interval",
     )
-    ap.add_argument(
-        "--maintenance-interval", type=float, default=1.0, help="seconds between maintenance runs"
-    )
+    intervals(ap)
     ap.add_argument(
         "--maintenance-reindex",
         action=argparse.BooleanOptionalAction,
@@ -573,6 +617,13 @@ def check_window(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     what --hold-horizon does not go with, and a --rate that is not positive."""
     if args.rate is not None and args.rate <= 0:
         ap.error("--rate must be > 0 (messages a second)")
+    if args.recycle_interval < 0 or (
+        args.recycle_interval and (args.design != "table" or args.maintenance or args.with_maintenance)
+    ):
+        ap.error(
+            "--recycle-interval S (S > 0) goes with --design table, without --maintenance and "
+            "--with-maintenance"
+        )
     if not args.hold_horizon:
         if args.seconds is None:
             args.seconds = 10.0

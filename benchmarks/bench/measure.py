@@ -108,13 +108,16 @@ def run_design(
     maintenance_interval: float = 1.0,
     hold: bool = False,
     rate: float | None = None,
+    recycle_only: bool = False,
 ) -> RunResult:
     """Measure one design at one point on a fresh schema (created here and dropped afterwards).
 
     With ``rate``, the producers together push at most that many messages a second.
 
     With ``maintenance``, a maintenance process runs ``DbQueue.maintain`` in a loop (every
-    ``maintenance_interval`` seconds) from the start of the window until the producers stop.
+    ``maintenance_interval`` seconds) from the start of the window until the producers stop; with
+    ``recycle_only`` too, it runs only the table design's partition recycling
+    (``Maintenance.recycle``) instead.
 
     With ``hold``, a session of its own holds the xmin horizon for the whole window (a REPEATABLE
     READ transaction with a snapshot and a transaction id, opened just before the window and rolled
@@ -149,6 +152,7 @@ def run_design(
                 maintenance=maintenance,
                 maintenance_interval=maintenance_interval,
                 hold=hold,
+                recycle_only=recycle_only,
             )
             if result.hold is not None:
                 result.hold.update(_after_release(target, conn))
@@ -157,11 +161,35 @@ def run_design(
         teardown_target(target)
 
 
-def _maintainer(target: Target, config: MaintenanceConfig, interval: float, stop: Any, out: Any) -> None:
+def _maintainer(
+    target: Target, config: MaintenanceConfig, interval: float, stop: Any, out: Any, *, recycle_only: bool
+) -> None:
     """Entry point of the maintenance process: ``maintain()`` every ``interval`` seconds until ``stop``.
     A reference queue has no maintenance of its own: for one, the process runs VACUUM (ANALYZE) of each
     of its tables instead, the step of ``maintain()`` that keeps a queue's table and indexes small."""
     report: dict[str, Any] = {"runs": 0, "archived": 0, "reindexed": 0, "failed_reindexes": 0, "busy_s": 0.0}
+    if recycle_only:
+        report.update(
+            {
+                "emptied": 0,
+                "moved": 0,
+                "lock_not_granted": 0,
+                "longest_emptying_s": 0.0,
+                "longest_lock_s": 0.0,
+            }
+        )
+
+    def recycle(dbq: DbQueue) -> None:
+        r = dbq.maintenance().recycle(
+            recycle_move_limit=config.recycle_move_limit,
+            recycle_min_bytes=config.recycle_min_bytes,
+            recycle_lock_timeout=config.recycle_lock_timeout_s,
+        )
+        report["emptied"] += len(r.get("emptied", []))
+        report["moved"] += r.get("moved", 0)
+        report["lock_not_granted"] += len(r.get("lock_not_granted", []))
+        report["longest_emptying_s"] = max(report["longest_emptying_s"], r.get("longest_s", 0.0))
+        report["longest_lock_s"] = max(report["longest_lock_s"], r.get("longest_lock_s", 0.0))
 
     def maintain(dbq: DbQueue) -> None:
         r = dbq.maintain(config)
@@ -185,7 +213,7 @@ def _maintainer(target: Target, config: MaintenanceConfig, interval: float, stop
                 _every(interval, stop, report, lambda: vacuum(conn, tables))
         else:
             with target.engine(2) as dbq:
-                _every(interval, stop, report, lambda: maintain(dbq))
+                _every(interval, stop, report, lambda: recycle(dbq) if recycle_only else maintain(dbq))
         out.put(report)
     except BaseException:
         out.put({"error": traceback.format_exc()})
@@ -208,7 +236,11 @@ class _Processes:
     ``maintenance``), the state they share, and the reports they hand back."""
 
     def __init__(
-        self, cfg: RunConfig, maintenance: MaintenanceConfig | None, maintenance_interval: float
+        self,
+        cfg: RunConfig,
+        maintenance: MaintenanceConfig | None,
+        maintenance_interval: float,
+        recycle_only: bool = False,
     ) -> None:
         ctx = mp.get_context("spawn")
         self.cfg = cfg
@@ -217,6 +249,7 @@ class _Processes:
             ctx.Process(
                 target=_maintainer,
                 args=(cfg.target, maintenance, maintenance_interval, self.m_stop, self.m_out),
+                kwargs={"recycle_only": recycle_only},
                 name="bench-maintenance",
                 daemon=True,
             )
@@ -359,10 +392,11 @@ def _measure(
     maintenance: MaintenanceConfig | None = None,
     maintenance_interval: float = 1.0,
     hold: bool = False,
+    recycle_only: bool = False,
 ) -> RunResult:
     """Run the workers (and maintenance) through warm-up, the measured window and the drain; return
     what the run measured and checked."""
-    run = _Processes(cfg, maintenance, maintenance_interval)
+    run = _Processes(cfg, maintenance, maintenance_interval, recycle_only)
     shm = run.shm
     held: _Hold | None = None
     try:
@@ -454,6 +488,8 @@ class _Hold:
         self.schema = target.schema
         self.groups = target.groups
         self.bytes_before, self.dead_before, _ = table_stats(conn, self.schema)
+        self.archive_before = archive_bytes(conn, self.schema)
+        self.archive_in_hold = 0
         self.conn: psycopg.Connection[Any] | None = psycopg.connect(
             target.server_dsn or target.dsn, application_name="dbqueue-bench-hold"
         )
@@ -483,6 +519,7 @@ class _Hold:
     def end_of_window(self, conn: psycopg.Connection[Any]) -> None:
         """Read the tables' size and dead tuples, and that the hold still held, as the window ends."""
         self.bytes_in_hold, self.dead_in_hold, _ = table_stats(conn, self.schema)
+        self.archive_in_hold = archive_bytes(conn, self.schema)
         row = conn.execute(
             "SELECT age(backend_xmin), state FROM pg_stat_activity WHERE pid = %s", (self.pid,)
         ).fetchone()
@@ -520,6 +557,8 @@ class _Hold:
             "cycles_per_s_each_s": [_round(r) for r in each],
             "bytes_before_hold": self.bytes_before,
             "bytes_in_hold": self.bytes_in_hold,
+            "archive_bytes_before_hold": self.archive_before,
+            "archive_bytes_in_hold": self.archive_in_hold,
             "dead_tuples_before_hold": self.dead_before,
             "dead_tuples_in_hold": self.dead_in_hold,
             "hold_xid": self.xid,
@@ -564,7 +603,12 @@ def _after_release(target: Target, conn: psycopg.Connection[Any]) -> dict[str, A
             dbq.maintain(MaintenanceConfig(archive_after_s=0.0))
     took = time.monotonic() - t
     size, dead, _ = table_stats(conn, target.schema)
-    return {"bytes_after_release": size, "dead_tuples_after_release": dead, "after_release_s": round(took, 3)}
+    return {
+        "bytes_after_release": size,
+        "archive_bytes_after_release": archive_bytes(conn, target.schema),
+        "dead_tuples_after_release": dead,
+        "after_release_s": round(took, 3),
+    }
 
 
 HOLD_KEYS = (
@@ -574,6 +618,9 @@ HOLD_KEYS = (
     "bytes_before_hold",
     "bytes_in_hold",
     "bytes_after_release",
+    "archive_bytes_before_hold",
+    "archive_bytes_in_hold",
+    "archive_bytes_after_release",
     "dead_tuples_before_hold",
     "dead_tuples_in_hold",
     "dead_tuples_after_release",
@@ -587,18 +634,33 @@ HOLD_KEYS = (
 """The figures of :attr:`RunResult.hold` that run.py reports for each design, in this order:
 cycles/s in the window's first and last ``edge_s`` seconds and in each of its seconds; the size of the
 schema's tables with indexes and their dead tuples just before the hold, at the end of the window
-(while it held) and after its release, the drain and one VACUUM or ``maintain()``; the longest pop and
+(while it held) and after its release, the drain and one VACUUM or ``maintain()``, and of those sizes
+the engine's ``archive`` table's (what archiving keeps by design); the longest pop and
 push call that started in the window; the hold's transaction id, how many transaction ids were
 assigned after its snapshot (``age(backend_xmin)`` at the end of the window), whether it was still
 open then, and the seconds the VACUUM or ``maintain()`` after the release took."""
 
 
-def hot_table_bytes(conn: psycopg.Connection[Any], target: Target) -> int:
-    """Size of the tables on the push/pop path (meta, data, done) with their indexes and TOAST."""
+def archive_bytes(conn: psycopg.Connection[Any], schema: str) -> int:
+    """Size of the engine's ``archive`` table in ``schema`` with its indexes (0 where there is none):
+    what archiving keeps by design, apart from the queue's own tables in the hold's figures."""
     row = conn.execute(
         "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
         "JOIN pg_namespace n ON n.oid = c.relnamespace "
-        "WHERE n.nspname = %s AND c.relkind = 'r' AND c.relname IN ('meta', 'data', 'done')",
+        "WHERE n.nspname = %s AND c.relkind = 'r' AND c.relname = 'archive'",
+        (schema,),
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def hot_table_bytes(conn: psycopg.Connection[Any], target: Target) -> int:
+    """Size of the tables on the push/pop path (meta, data, done, or their partitions) with their
+    indexes and TOAST."""
+    row = conn.execute(
+        "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %s AND c.relkind = 'r' "
+        "AND (c.relname IN ('meta', 'data', 'done') OR c.relname ~ '^(meta|data|done)_[0-7]$')",
         (target.schema,),
     ).fetchone()
     return int(row[0]) if row else 0

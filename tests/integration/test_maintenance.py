@@ -275,7 +275,9 @@ def test_vacuum_and_metrics(dbq: DbQueue) -> None:
         )
     else:
         assert metrics["tables"]["meta"]["dead_tuples"] == 0
-        assert metrics["indexes"]["meta_ready_idx"]["entries"] == 8
+        # meta's partitions each have their part of meta_ready_idx (schema.sql)
+        parts = [i for i in metrics["indexes"].values() if i.get("part_of") == "meta_ready_idx"]
+        assert len(parts) == 8 and sum(i["entries"] for i in parts) == 8
 
 
 def test_bloat_estimate_of_a_fresh_index_is_about_its_size(dbq: DbQueue) -> None:
@@ -287,7 +289,8 @@ def test_bloat_estimate_of_a_fresh_index_is_about_its_size(dbq: DbQueue) -> None
         c.execute(sql.SQL("REINDEX TABLE {}.meta").format(sql.Identifier(dbq.schema)))
         c.execute(sql.SQL("ANALYZE {}.meta").format(sql.Identifier(dbq.schema)))
     health = {h.index: h for h in dbq.maintenance().index_health()}
-    for name in ("meta_leased_id_idx", "meta_ready_idx"):
+    # ids 1..20,000 are in generations 0 and 1 (16,384 a generation): the leased ones (1..10,000) in 0
+    for name in ("meta_leased_id_idx_0", "meta_ready_idx_0", "meta_ready_idx_1"):
         ratio = health[name].bloat_ratio
         assert ratio is not None and 0.7 < ratio < 1.3, (name, health[name])
     assert expected_btree_bytes(0, 8, 90, 8192) == 2 * 8192  # the metapage and one leaf
@@ -324,13 +327,14 @@ def test_a_cancelled_concurrent_reindex_leaves_no_invalid_index_after_maintenanc
     ident = sql.Identifier(dbq.schema)
     with psycopg.connect(pg_dsn) as writer, psycopg.connect(pg_dsn, autocommit=True) as rebuilder:
         # An open writing transaction makes REINDEX CONCURRENTLY wait after it has made its new index.
+        # (ids[0] is in generation 0: meta_0, whose part of meta_ready_idx is meta_ready_idx_0.)
         writer.execute(sql.SQL("UPDATE {}.meta SET priority = 0 WHERE id = %s").format(ident), [ids[0]])
         pid = rebuilder.info.backend_pid
         failure: list[BaseException] = []
 
         def reindex() -> None:
             try:
-                rebuilder.execute(sql.SQL("REINDEX INDEX CONCURRENTLY {}.meta_ready_idx").format(ident))
+                rebuilder.execute(sql.SQL("REINDEX INDEX CONCURRENTLY {}.meta_ready_idx_0").format(ident))
             except psycopg.Error as exc:
                 failure.append(exc)
 
@@ -344,10 +348,10 @@ def test_a_cancelled_concurrent_reindex_leaves_no_invalid_index_after_maintenanc
         t.join(20)
         writer.rollback()
     assert failure and isinstance(failure[0], psycopg.errors.QueryCanceled)
-    assert invalid_indexes(pg_dsn, dbq.schema) == ["meta_ready_idx_ccnew"]
+    assert invalid_indexes(pg_dsn, dbq.schema) == ["meta_ready_idx_0_ccnew"]
 
     result = dbq.maintenance().rebuild_indexes()
-    assert {"index": "meta_ready_idx_ccnew", "action": "drop leftover", "ok": True} in [
+    assert {"index": "meta_ready_idx_0_ccnew", "action": "drop leftover", "ok": True} in [
         {k: a[k] for k in ("index", "action", "ok")} for a in result["actions"]
     ]
     assert invalid_indexes(pg_dsn, dbq.schema) == []
@@ -363,17 +367,19 @@ def test_a_rebuild_that_times_out_is_cleaned_up_by_the_next_run(dbq: DbQueue) ->
     ident = sql.Identifier(dbq.schema)
     with psycopg.connect(pg_dsn) as writer:
         writer.execute(sql.SQL("UPDATE {}.meta SET priority = 0 WHERE id = %s").format(ident), [ids[0]])
-        result = dbq.maintenance().rebuild_indexes(only=["meta_ready_idx"], reindex_timeout=0.5)
+        # the part of meta_ready_idx of generation 0, where ids[0] is
+        result = dbq.maintenance().rebuild_indexes(only=["meta_ready_idx_0"], reindex_timeout=0.5)
         # The drop of what the rebuild left waits for the same writer, and times out too.
-        assert invalid_indexes(pg_dsn, dbq.schema) == ["meta_ready_idx_ccnew"]
+        assert invalid_indexes(pg_dsn, dbq.schema) == ["meta_ready_idx_0_ccnew"]
         writer.rollback()
     [failed] = [a for a in result["actions"] if a["action"] == "reindex"]
-    assert failed["ok"] is False and "meta_ready_idx" in failed["error"] and "0.5s" in failed["error"]
+    assert failed["ok"] is False and "meta_ready_idx_0" in failed["error"] and "0.5s" in failed["error"]
 
+    # naming the partitioned index names each of its parts
     again = dbq.maintenance().rebuild_indexes(only=["meta_ready_idx"])
     assert [(a["index"], a["action"], a["ok"]) for a in again["actions"]] == [
-        ("meta_ready_idx_ccnew", "drop leftover", True),
-        ("meta_ready_idx", "reindex", True),
+        ("meta_ready_idx_0_ccnew", "drop leftover", True),
+        *((f"meta_ready_idx_{g}", "reindex", True) for g in range(8)),
     ]
     assert invalid_indexes(pg_dsn, dbq.schema) == []
     pop_everything_once(q, ids, sent)
@@ -535,12 +541,13 @@ HOT_TABLES = ("meta", "data", "done")
 
 
 def hot_bytes(pg_dsn: str, schema: str) -> int:
-    """Total size (heap, indexes, TOAST) of the tables on the push/pop path."""
+    """Total size (heap, indexes, TOAST) of the tables on the push/pop path (a partitioned table's as
+    the sum over its partitions)."""
     with psycopg.connect(pg_dsn, autocommit=True) as c:
         row = c.execute(
-            "SELECT sum(pg_total_relation_size(format('%%I.%%I', %s::text, t)::regclass)) "
-            "FROM unnest(%s::text[]) AS t",
-            (schema, list(HOT_TABLES)),
+            "SELECT sum(pg_total_relation_size(p.relid)) FROM unnest(%s::text[]) AS t "
+            "CROSS JOIN pg_partition_tree(format('%%I.%%I', %s::text, t)::regclass) AS p",
+            (list(HOT_TABLES), schema),
         ).fetchone()
     return int(row[0]) if row else 0
 

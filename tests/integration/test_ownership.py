@@ -40,12 +40,12 @@ schemas no DbQueue may take, such as public): its statements name no object of i
 
 
 def relations(dsn: str, schema: str) -> set[str]:
-    """Names of the tables and sequences in ``schema``."""
+    """Names of the tables (partitioned ones too), views and sequences in ``schema``."""
     rows = run(
         dsn,
         READER,
         "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-        "WHERE n.nspname = %(s)s AND c.relkind IN ('r', 'S', 'v')",
+        "WHERE n.nspname = %(s)s AND c.relkind IN ('r', 'p', 'S', 'v')",
         {"s": schema},
     )
     return {r[0] for r in rows}

@@ -214,6 +214,9 @@ class Database(NamedStatements, Protocol):
     horizon_warning: str
     #: Why the ring compaction has nothing to do on this database (None: it runs).
     ring_compaction_skipped: str | None
+    #: Why the table design's partition recycling has nothing to do on this database (None: it runs,
+    #: with the queries ``table_move_stragglers``, ``table_partitions`` and ``table_empty_partition``).
+    table_recycling_skipped: str | None
     #: Why a failed online rebuild leaves nothing behind (None: it may leave an index to drop,
     #: :meth:`leftovers_of`).
     leftovers_note: str | None

@@ -39,6 +39,10 @@ class IndexHealth:
     """SQL Server: how full the leaf pages are on average, in percent (``None`` on PostgreSQL)."""
     fill_factor: int | None = None
     """SQL Server: the index's fill factor (100 for the default 0; ``None`` on PostgreSQL)."""
+    part_of: str | None = None
+    """PostgreSQL: the partitioned index this index is the part of one partition of (the table
+    design's ``meta_ready_idx_3`` of ``meta_ready_idx``); ``None`` for any other index. Naming the
+    partitioned index in a rebuild's ``only`` names each of its parts."""
 
     @property
     def bloat_ratio(self) -> float | None:
@@ -65,6 +69,8 @@ class IndexHealth:
         if self.fill_factor is None:
             for key in ("fragmentation_pct", "page_density_pct", "fill_factor"):
                 del out[key]
+        if self.part_of is None:
+            del out["part_of"]
         ratio = self.bloat_ratio
         out["bloat_ratio"] = None if ratio is None else round(ratio, 3)
         out["bloat_bytes"] = self.bloat_bytes

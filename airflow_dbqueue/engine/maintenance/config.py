@@ -43,6 +43,13 @@ COMPACT_LOCK_TIMEOUT_S = 2.0
 """The most seconds a ring table's rewrite waits for its exclusive lock."""
 COMPACT_HORIZON_MIN_AGE_S = 10.0
 """A ring table is not rewritten while a transaction older than this many seconds holds the horizon."""
+RECYCLE_MOVE_LIMIT = 10_000
+"""The most delayed or failed messages one recycling moves out of old generations."""
+RECYCLE_MIN_BYTES = 256 * 1024
+"""A partition of the table design is emptied (TRUNCATE) when it holds no row and takes this many
+bytes or more (an empty one, with its indexes, takes about 40 kB)."""
+RECYCLE_LOCK_TIMEOUT_S = 0.05
+"""The most seconds emptying a partition waits for its exclusive lock (pops queue behind it)."""
 HORIZON_MIN_AGE_S = 300.0
 """Transactions open longer than this many seconds are reported as holding back cleanup."""
 HORIZON_MIN_XID_AGE = 1_000_000
@@ -79,6 +86,11 @@ class MaintenanceConfig:
     :param compact_min_bytes: ... and at least this many bytes above it.
     :param compact_lock_timeout_s: the most a rewrite waits for its exclusive lock (pushes and pops
         queue behind it meanwhile).
+    :param recycle: empty the table design's partitions that hold no row any more (PostgreSQL,
+        :meth:`Maintenance.recycle`; part of the vacuum step, before VACUUM).
+    :param recycle_move_limit: the most delayed or failed messages moved out of old generations a run.
+    :param recycle_min_bytes: empty only partitions of at least this many bytes.
+    :param recycle_lock_timeout_s: the most emptying a partition waits for its lock.
     :param lock_wait_s: how long to wait for another run's lock before skipping.
     :param horizon_min_age_s: report transactions (and prepared ones) older than this holding the xmin.
     :param horizon_min_xid_age: report replication slots holding an xmin older than this many transactions.
@@ -106,6 +118,10 @@ class MaintenanceConfig:
     compact_bloat_ratio: float = COMPACT_BLOAT_RATIO
     compact_min_bytes: int = COMPACT_MIN_BYTES
     compact_lock_timeout_s: float = COMPACT_LOCK_TIMEOUT_S
+    recycle: bool = True
+    recycle_move_limit: int = RECYCLE_MOVE_LIMIT
+    recycle_min_bytes: int = RECYCLE_MIN_BYTES
+    recycle_lock_timeout_s: float = RECYCLE_LOCK_TIMEOUT_S
     lock_wait_s: float = 0.0
     horizon_min_age_s: float = HORIZON_MIN_AGE_S
     horizon_min_xid_age: int = HORIZON_MIN_XID_AGE
@@ -134,6 +150,12 @@ class MaintenanceConfig:
                 f"horizon_min_dead_rows must be an integer >= 0, got {self.horizon_min_dead_rows!r}"
             )
         check_seconds("maintenance compact_lock_timeout_s", self.compact_lock_timeout_s, positive=True)
+        check_seconds("maintenance recycle_lock_timeout_s", self.recycle_lock_timeout_s, positive=True)
+        if self.recycle_move_limit < 0 or self.recycle_min_bytes < 0:
+            raise ConfigurationError(
+                "need recycle_move_limit >= 0 and recycle_min_bytes >= 0, got "
+                f"{self.recycle_move_limit} and {self.recycle_min_bytes}"
+            )
         if (
             not math.isfinite(self.compact_bloat_ratio)
             or self.compact_bloat_ratio < 1

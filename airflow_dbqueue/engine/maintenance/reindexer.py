@@ -78,7 +78,8 @@ class Reindexer:
             if analyze and self._db.index_counts_need_analyze:
                 self._analyze(ANALYZED_FIRST)
             survey = self._db.index_survey()
-            unknown = sorted(set(only or ()) - {h.index for h in survey.indexes})
+            known = {h.index for h in survey.indexes} | {h.part_of for h in survey.indexes if h.part_of}
+            unknown = sorted(set(only or ()) - known)
             if unknown:
                 raise ConfigurationError(f"no index {unknown} in schema {self.schema!r}")
             steps = self._db.index_plan(

@@ -29,6 +29,9 @@ from airflow_dbqueue.engine.maintenance.config import (
     HORIZON_MIN_XID_AGE,
     PAUSE_S,
     RATE_WINDOW_S,
+    RECYCLE_LOCK_TIMEOUT_S,
+    RECYCLE_MIN_BYTES,
+    RECYCLE_MOVE_LIMIT,
     REINDEX_BLOAT_RATIO,
     REINDEX_FRAGMENTATION_PCT,
     REINDEX_MIN_BYTES,
@@ -41,6 +44,7 @@ from airflow_dbqueue.engine.maintenance.config import (
 from airflow_dbqueue.engine.maintenance.lock import SchemaLock
 from airflow_dbqueue.engine.maintenance.metrics import metrics as collect_metrics
 from airflow_dbqueue.engine.maintenance.queues import QueueOpener, Queues, upkeep
+from airflow_dbqueue.engine.maintenance.recycler import TableRecycler
 from airflow_dbqueue.engine.maintenance.reindexer import Reindexer
 from airflow_dbqueue.engine.maintenance.results import BatchResult, XminHolder
 from airflow_dbqueue.engine.maintenance.statistics import table_health
@@ -95,6 +99,7 @@ class Maintenance:
         self._archiver = Archiver(db, self._lock, self._queues)
         self._reindexer = Reindexer(db, self._lock, lambda tables: self.vacuum(tables, analyze_only=True))
         self._compactor = RingCompactor(db, self._lock)
+        self._recycler = TableRecycler(db, self._lock)
         self._steps: dict[str, Callable[[MaintenanceConfig, list[str]], dict[str, Any] | None]] = {
             "check_horizon": self._check_horizon_step,
             "upkeep": self._upkeep_step,
@@ -210,6 +215,38 @@ class Maintenance:
         :return: ``{"tables": {table: {"seconds", "dead_before", "dead_after"}}}``, or ``{"skipped": ...}``.
         """
         return run_vacuum(self._db, self._lock, tables, analyze_only=analyze_only, lock_wait_s=lock_wait)
+
+    def recycle(
+        self,
+        *,
+        recycle_move_limit: int = RECYCLE_MOVE_LIMIT,
+        recycle_min_bytes: int = RECYCLE_MIN_BYTES,
+        recycle_lock_timeout: float = RECYCLE_LOCK_TIMEOUT_S,
+        lock_wait: float = 0.0,
+    ) -> dict[str, Any]:
+        """Empty the table design's partitions that hold no row any more (PostgreSQL).
+
+        ``meta``, ``data`` and ``done`` are partitioned by generation (eight partitions each, ids
+        moving through them 16,384 at a time). First up to ``recycle_move_limit`` messages that would
+        keep an old generation from emptying (delayed past the next second, or failed) move into the
+        generation pushes write now, keeping their ids and receipts; then every partition of at least
+        ``recycle_min_bytes`` that holds no row is emptied with TRUNCATE, which gives back its dead row
+        versions and index entries also while the xmin horizon is held (VACUUM cannot then). Each
+        partition waits at most ``recycle_lock_timeout`` seconds for its lock, in a transaction of its
+        own that ends at once; one not granted is tried again by the next run. A run of the vacuum step
+        recycles first; run this alone, every few seconds, to keep pops fast while a horizon is held.
+
+        :return: ``{"moved", "emptied" (partitions), "lock_not_granted", "freed_bytes", "longest_s"
+            (the longest emptying: checks, lock wait and TRUNCATE), "longest_lock_s" (the longest an
+            emptied partition's lock was held, from its grant to the end of the TRUNCATE)}``, or
+            ``{"skipped": why}`` (SQL Server, or another run holds the lock).
+        """
+        return self._recycler.recycle(
+            move_limit=recycle_move_limit,
+            min_bytes=recycle_min_bytes,
+            lock_timeout_s=recycle_lock_timeout,
+            lock_wait_s=lock_wait,
+        )
 
     def table_health(self) -> list[dict[str, Any]]:
         """Size and vacuum state of the schema's tables (JSON-safe dicts).
@@ -541,7 +578,20 @@ class Maintenance:
         return {"archive": archived.as_dict(), "purge_archive": purged}
 
     def _vacuum_step(self, cfg: MaintenanceConfig, notes: list[str]) -> dict[str, Any] | None:
-        return self.vacuum(lock_wait=cfg.lock_wait_s) if cfg.vacuum else None
+        recycled = None
+        if cfg.recycle:
+            recycled = self.recycle(
+                recycle_move_limit=cfg.recycle_move_limit,
+                recycle_min_bytes=cfg.recycle_min_bytes,
+                recycle_lock_timeout=cfg.recycle_lock_timeout_s,
+                lock_wait=cfg.lock_wait_s,
+            )
+        if not cfg.vacuum:
+            return None if recycled is None else {"recycle": recycled}
+        out = self.vacuum(lock_wait=cfg.lock_wait_s)
+        if recycled is not None:
+            out["recycle"] = recycled
+        return out
 
     def _compact_step(self, cfg: MaintenanceConfig, notes: list[str]) -> dict[str, Any] | None:
         if not cfg.compact_rings:

@@ -89,6 +89,12 @@ POSTGRES_ONLY: dict[str, str] = {
         )
     },
     **{
+        name: "Maintenance.recycle empties the PostgreSQL table design's generation partitions (a held xmin "
+        "horizon keeps dead row versions in them); SQL Server keeps old row versions in tempdb's version "
+        "store and its tables are not partitioned: the step is skipped"
+        for name in ("table_move_stragglers", "table_partitions", "table_empty_partition")
+    },
+    **{
         name: "a pop of payloads only selects one column of a take's rows, which a procedure's rows cannot "
         "be (payload_pops = False): on SQL Server it runs the take itself and keeps the payloads"
         for name in ("pop_take_payloads", "ring_take_payloads")

@@ -50,6 +50,10 @@ MSSQL_NO_LEFTOVERS = (
     "nothing to clean up on SQL Server: a failed ALTER INDEX ... REBUILD rolls back and leaves no "
     "half-built index (PostgreSQL's REINDEX CONCURRENTLY can leave an INVALID one)"
 )
+MSSQL_NO_RECYCLING = (
+    "SQL Server keeps old row versions in tempdb's version store, not in the table design's tables, "
+    "which are not partitioned there: nothing to recycle"
+)
 MSSQL_NO_COMPACTION = (
     "SQL Server keeps no old row versions in a table (they go to tempdb's version store), so a held "
     "transaction does not grow the ring's tables; rebuild_indexes rebuilds their clustered indexes when "
@@ -198,6 +202,7 @@ class MssqlMaintenance(_Statements):
         "versions and ghost records stay)"
     )
     ring_compaction_skipped: str | None = MSSQL_NO_COMPACTION
+    table_recycling_skipped: str | None = MSSQL_NO_RECYCLING
     leftovers_note: str | None = MSSQL_NO_LEFTOVERS
     index_counts_need_analyze = False  # the survey reads the indexes themselves
 

@@ -68,22 +68,25 @@ BEGIN
             IF cardinality(p_payloads) = 1 THEN
                 RETURN QUERY
                 INSERT INTO {schema}.meta (id, queue_id, state, priority, attempts, process_at, enqueued_at,
-                    lease_until, consumer, last_error, deliveries, payload)
-                SELECT nextval('{schema}.message_id_seq'), q.queue_id, 0::smallint, p_priority, 0, v_at, now(),
-                       NULL::timestamptz, NULL::text, NULL::text, 0, p_payloads[1]
-                FROM {schema}.queues q WHERE q.queue_id = p_queue_id
+                    lease_until, consumer, last_error, deliveries, payload, gen)
+                SELECT x.id, x.queue_id, 0::smallint, p_priority, 0, v_at, now(),
+                       NULL::timestamptz, NULL::text, NULL::text, 0, p_payloads[1], ((x.id >> 14) & 7)::smallint
+                FROM (SELECT nextval('{schema}.message_id_seq') AS id, q.queue_id FROM {schema}.queues q
+                      WHERE q.queue_id = p_queue_id) x
                 RETURNING id;
             ELSE
                 -- unnest() in a select list: its rows come one by one from the array, in order, without
                 -- the store that a function scan in FROM fills first; nextval() runs above it, a row at a
-                -- time in that order.
+                -- time in that order (a subquery whose select list calls a volatile function is never
+                -- flattened into its parent, so the id is taken once a row and gen computed from it).
                 RETURN QUERY
                 INSERT INTO {schema}.meta (id, queue_id, state, priority, attempts, process_at, enqueued_at,
-                    lease_until, consumer, last_error, deliveries, payload)
-                SELECT nextval('{schema}.message_id_seq'), x.queue_id, 0::smallint, p_priority, 0, v_at, now(),
-                       NULL::timestamptz, NULL::text, NULL::text, 0, x.payload
-                FROM (SELECT q.queue_id, unnest(p_payloads) AS payload FROM {schema}.queues q
-                      WHERE q.queue_id = p_queue_id) x
+                    lease_until, consumer, last_error, deliveries, payload, gen)
+                SELECT y.id, y.queue_id, 0::smallint, p_priority, 0, v_at, now(),
+                       NULL::timestamptz, NULL::text, NULL::text, 0, y.payload, ((y.id >> 14) & 7)::smallint
+                FROM (SELECT nextval('{schema}.message_id_seq') AS id, x.queue_id, x.payload
+                      FROM (SELECT q.queue_id, unnest(p_payloads) AS payload FROM {schema}.queues q
+                            WHERE q.queue_id = p_queue_id) x) y
                 RETURNING id;
             END IF;
             RETURN;
@@ -99,18 +102,18 @@ BEGIN
     END IF;
     IF p_inline AND p_notify = 0 THEN
         RETURN QUERY
-        INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload)
-        SELECT nextval('{schema}.message_id_seq'), p_queue_id, p_priority,
-               now() + make_interval(secs => p_delay_s), now(), p.payload
-        FROM unnest(p_payloads) AS p(payload)
+        INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload, gen)
+        SELECT p.id, p_queue_id, p_priority, now() + make_interval(secs => p_delay_s), now(), p.payload,
+               ((p.id >> 14) & 7)::smallint
+        FROM (SELECT nextval('{schema}.message_id_seq') AS id, u.payload FROM unnest(p_payloads) AS u(payload)) p
         RETURNING id;
     ELSIF p_inline THEN
         RETURN QUERY
         WITH m AS (
-            INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload)
-            SELECT nextval('{schema}.message_id_seq'), p_queue_id, p_priority,
-                   now() + make_interval(secs => p_delay_s), now(), p.payload
-            FROM unnest(p_payloads) AS p(payload)
+            INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload, gen)
+            SELECT p.id, p_queue_id, p_priority, now() + make_interval(secs => p_delay_s), now(), p.payload,
+                   ((p.id >> 14) & 7)::smallint
+            FROM (SELECT nextval('{schema}.message_id_seq') AS id, u.payload FROM unnest(p_payloads) AS u(payload)) p
             RETURNING id
         ), n AS (
             SELECT pg_notify(p_channel, '') AS sent
@@ -125,13 +128,14 @@ BEGIN
             SELECT nextval('{schema}.message_id_seq') AS id, p.payload, p.ord
             FROM unnest(p_payloads) WITH ORDINALITY AS p(payload, ord)
         ), m AS (
-            INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload)
+            INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload, gen)
             SELECT i.id, p_queue_id, p_priority, now() + make_interval(secs => p_delay_s), now(),
-                   CASE WHEN octet_length(i.payload) <= 1900 THEN i.payload END
+                   CASE WHEN octet_length(i.payload) <= 1900 THEN i.payload END, ((i.id >> 14) & 7)::smallint
             FROM input i
         ), d AS (
-            INSERT INTO {schema}.data (id, queue_id, payload)
-            SELECT i.id, p_queue_id, i.payload FROM input i WHERE octet_length(i.payload) > 1900
+            INSERT INTO {schema}.data (id, queue_id, payload, gen)
+            SELECT i.id, p_queue_id, i.payload, ((i.id >> 14) & 7)::smallint FROM input i
+            WHERE octet_length(i.payload) > 1900
         )
         SELECT i.id FROM input i ORDER BY i.ord;
     ELSE
@@ -140,13 +144,14 @@ BEGIN
             SELECT nextval('{schema}.message_id_seq') AS id, p.payload, p.ord
             FROM unnest(p_payloads) WITH ORDINALITY AS p(payload, ord)
         ), m AS (
-            INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload)
+            INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload, gen)
             SELECT i.id, p_queue_id, p_priority, now() + make_interval(secs => p_delay_s), now(),
-                   CASE WHEN octet_length(i.payload) <= 1900 THEN i.payload END
+                   CASE WHEN octet_length(i.payload) <= 1900 THEN i.payload END, ((i.id >> 14) & 7)::smallint
             FROM input i
         ), d AS (
-            INSERT INTO {schema}.data (id, queue_id, payload)
-            SELECT i.id, p_queue_id, i.payload FROM input i WHERE octet_length(i.payload) > 1900
+            INSERT INTO {schema}.data (id, queue_id, payload, gen)
+            SELECT i.id, p_queue_id, i.payload, ((i.id >> 14) & 7)::smallint FROM input i
+            WHERE octet_length(i.payload) > 1900
         ), n AS (
             SELECT pg_notify(p_channel, '') AS sent
             WHERE p_notify = 2 OR NOT EXISTS (
@@ -159,18 +164,19 @@ BEGIN
 END
 $$;
 
--- The payload of message p_id in data, deleted with its row: a pop at most once without the archive
--- calls it for each message it takes whose payload is not in its meta row.
-CREATE OR REPLACE FUNCTION {schema}.data_take(p_id bigint) RETURNS bytea
+-- The payload of message p_id of generation p_gen in data, deleted with its row: a pop at most once
+-- without the archive calls it for each message it takes whose payload is not in its meta row. The
+-- generation names the one partition to probe.
+CREATE OR REPLACE FUNCTION {schema}.data_take_of(p_id bigint, p_gen smallint) RETURNS bytea
 LANGUAGE sql VOLATILE AS $$
-    DELETE FROM {schema}.data WHERE id = p_id RETURNING payload
+    DELETE FROM {schema}.data WHERE id = p_id AND gen = p_gen RETURNING payload
 $$;
 
 -- The table design's pop at most once (and exactly once, in the caller's transaction): up to p_n ready
 -- messages of queue p_queue_id in claim order (priority DESC, process_at, id), skipping rows other pops
 -- hold, locked and deleted by one statement; kept in done for the archiver (p_archive), or deleted with
 -- their payloads. attempts and deliveries come back counting this delivery. A payload in data is read
--- by id (a scalar subquery, or data_take()), never by a join (see pop_lease in queries/table.sql).
+-- by id and generation (a scalar subquery, or data_take_of()), never by a join (see pop_lease in queries/table.sql).
 -- A function with generic plans: its statements are planned once a session, not on every pop (custom
 -- plans cost 0.12-0.22 ms of planning a call). No sequential or bitmap scans: the claim walks
 -- meta_ready_idx in claim order and payloads are probed by id, whatever the statistics said when the
@@ -190,36 +196,36 @@ BEGIN
         WITH taken AS (
             DELETE FROM {schema}.meta m
             USING (
-                SELECT s.ctid AS tid FROM {schema}.meta s
+                SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
                 WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
                 ORDER BY s.priority DESC, s.process_at, s.id
                 LIMIT p_n
                 FOR UPDATE SKIP LOCKED) c
-            WHERE m.ctid = c.tid
+            WHERE m.gen = c.gen AND m.ctid = c.tid
             RETURNING m.id, m.queue_id, m.priority, m.attempts + 1 AS attempts,
-                      m.deliveries + 1 AS deliveries, m.enqueued_at, m.payload
+                      m.deliveries + 1 AS deliveries, m.enqueued_at, m.payload, m.gen
         ), kept AS (
-            INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload)
-            SELECT t.id, t.queue_id, t.priority, t.attempts, t.enqueued_at, 1, t.payload FROM taken t
+            INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload, gen)
+            SELECT t.id, t.queue_id, t.priority, t.attempts, t.enqueued_at, 1, t.payload, t.gen FROM taken t
         )
         SELECT t.id, t.priority, t.attempts, t.deliveries, t.enqueued_at, NULL::timestamptz,
-               coalesce(t.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = t.id))
+               coalesce(t.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = t.id AND d.gen = t.gen))
         FROM taken t;
     ELSE
         -- Rows straight from the DELETE: a CTE would copy each into a store and read it back (about
         -- 3,400 instructions a message at batch 100). A payload in data is taken (read and deleted) by
-        -- data_take(), which coalesce() calls only for a row without a payload of its own.
+        -- data_take_of(), which coalesce() calls only for a row without a payload of its own.
         RETURN QUERY
         DELETE FROM {schema}.meta m
         USING (
-            SELECT s.ctid AS tid FROM {schema}.meta s
+            SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
             WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
             ORDER BY s.priority DESC, s.process_at, s.id
             LIMIT p_n
             FOR UPDATE SKIP LOCKED) c
-        WHERE m.ctid = c.tid
+        WHERE m.gen = c.gen AND m.ctid = c.tid
         RETURNING m.id, m.priority, m.attempts + 1, m.deliveries + 1, m.enqueued_at, NULL::timestamptz,
-                  coalesce(m.payload, {schema}.data_take(m.id));
+                  coalesce(m.payload, {schema}.data_take_of(m.id, m.gen));
     END IF;
 END
 $$;
@@ -240,14 +246,14 @@ BEGIN
     SET state = 1, attempts = m.attempts + 1, deliveries = m.deliveries + 1, consumer = p_consumer,
         lease_until = now() + make_interval(secs => p_vt)
     FROM (
-        SELECT s.ctid AS tid FROM {schema}.meta s
+        SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
         WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
         ORDER BY s.priority DESC, s.process_at, s.id
         LIMIT p_n
         FOR UPDATE SKIP LOCKED) c
-    WHERE m.ctid = c.tid
+    WHERE m.gen = c.gen AND m.ctid = c.tid
     RETURNING m.id, m.priority, m.attempts, m.deliveries, m.enqueued_at, m.lease_until,
-              coalesce(m.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = m.id));
+              coalesce(m.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = m.id AND d.gen = m.gen));
 END
 $$;
 
@@ -258,24 +264,25 @@ CREATE OR REPLACE FUNCTION {schema}.table_ack(
     p_ids bigint[], p_deliveries integer[], p_queue_id integer, p_archive boolean)
 RETURNS SETOF bigint
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
-SET enable_bitmapscan = off AS $$
+SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off AS $$
 BEGIN
     IF p_archive THEN
         RETURN QUERY
         WITH acked AS (
             DELETE FROM {schema}.meta m
-            WHERE m.ctid = ANY (ARRAY(
-                SELECT h.tid
+            USING (
+                SELECT h.gen, h.tid
                 FROM unnest(p_ids, p_deliveries) AS r(id, delivery)
                 CROSS JOIN LATERAL (
-                    SELECT s.ctid AS tid FROM {schema}.meta s
+                    SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
                     WHERE s.id = r.id AND s.deliveries = r.delivery AND s.queue_id = p_queue_id
                       AND s.lease_until > now()
-                    OFFSET 0) h))
-            RETURNING m.id, m.queue_id, m.priority, m.attempts, m.enqueued_at, m.payload
+                    OFFSET 0) h) c
+            WHERE m.gen = c.gen AND m.ctid = c.tid
+            RETURNING m.id, m.queue_id, m.priority, m.attempts, m.enqueued_at, m.payload, m.gen
         ), kept AS (
-            INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload)
-            SELECT a.id, a.queue_id, a.priority, a.attempts, a.enqueued_at, 1, a.payload FROM acked a
+            INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload, gen)
+            SELECT a.id, a.queue_id, a.priority, a.attempts, a.enqueued_at, 1, a.payload, a.gen FROM acked a
         ), checked AS (
             SELECT CASE WHEN count(*) = cardinality(p_ids) THEN count(*)
                         ELSE {schema}.receipts_not_held(cardinality(p_ids), count(*)) END AS n
@@ -286,14 +293,15 @@ BEGIN
         RETURN QUERY
         WITH acked AS (
             DELETE FROM {schema}.meta m
-            WHERE m.ctid = ANY (ARRAY(
-                SELECT h.tid
+            USING (
+                SELECT h.gen, h.tid
                 FROM unnest(p_ids, p_deliveries) AS r(id, delivery)
                 CROSS JOIN LATERAL (
-                    SELECT s.ctid AS tid FROM {schema}.meta s
+                    SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
                     WHERE s.id = r.id AND s.deliveries = r.delivery AND s.queue_id = p_queue_id
                       AND s.lease_until > now()
-                    OFFSET 0) h))
+                    OFFSET 0) h) c
+            WHERE m.gen = c.gen AND m.ctid = c.tid
             RETURNING m.id, m.payload
         ), dropped AS (
             DELETE FROM {schema}.data d
@@ -305,6 +313,114 @@ BEGIN
         )
         SELECT a.id FROM acked a CROSS JOIN checked c;
     END IF;
+END
+$$;
+
+-- The table design's generations (schema.sql, before meta): the generation pushes write now, from the
+-- message id sequence's last value (read without a lock and without a row version: a sequence is not
+-- transactional).
+CREATE OR REPLACE FUNCTION {schema}.table_generation() RETURNS smallint
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT ((s.last_value >> 14) & 7)::smallint FROM {schema}.message_id_seq s
+$$;
+
+-- Move up to p_limit messages that would keep an old generation's partitions from emptying into the
+-- generation pushes write now: messages delayed past the next second (delayed pushes, nacked ones
+-- waiting out their backoff) and failed messages. The generation pushes write now and the one before it
+-- (whose ready messages consumers are still taking) are left alone. A move is an UPDATE of gen (the row
+-- goes to the other partition under the same id and deliveries, so receipts and batches still name it),
+-- and the message's payload row in data moves with it. Only rows no pop can claim are moved: a claim
+-- reads state 0 and process_at <= now(), and a transaction's now() is never later than the clock, so
+-- no pop meets a row while it moves (it would fail with "moved to another partition due to concurrent
+-- update"). Leased messages are not moved (an ack or nack may be on its way to them): a lease pins its
+-- partition until it is acked, nacked or expires. Rows other sessions hold are skipped, and so are the
+-- rows of a queue being dropped: a move takes the queue's push lock in shared mode (without waiting),
+-- which drop_queue takes exclusively, so a drop never meets a row that moved under it. Returns how many
+-- moved. Security definer (moving needs no grant of the caller's: it changes no message's meaning), its
+-- search_path pinned.
+CREATE OR REPLACE FUNCTION {schema}.table_move_stragglers(p_limit integer) RETURNS integer
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    v_now smallint := {schema}.table_generation();
+    v_moved integer := 0;
+    v_ids bigint[];
+    g smallint;
+BEGIN
+    FOR g IN SELECT x::smallint FROM generate_series(0, 7) AS x LOOP
+        CONTINUE WHEN g = v_now OR g = (v_now + 7) % 8;
+        EXIT WHEN v_moved >= p_limit;
+        WITH moved AS (
+            UPDATE {schema}.meta m SET gen = v_now
+            FROM (
+                SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
+                WHERE s.gen = g
+                  AND (s.state = 2 OR (s.state = 0 AND s.process_at > clock_timestamp() + interval '1 second'))
+                  AND pg_try_advisory_xact_lock_shared(hashtext('dbqueue.queue.' || '{schema}'), s.queue_id)
+                LIMIT p_limit - v_moved
+                FOR UPDATE SKIP LOCKED) c
+            WHERE m.gen = c.gen AND m.ctid = c.tid
+            RETURNING m.id, m.payload IS NULL AS in_data
+        )
+        SELECT coalesce(array_agg(id) FILTER (WHERE in_data), ARRAY[]::bigint[]), v_moved + count(*)
+        INTO v_ids, v_moved FROM moved;
+        IF cardinality(v_ids) > 0 THEN
+            UPDATE {schema}.data d SET gen = v_now WHERE d.gen = g AND d.id = ANY (v_ids);
+        END IF;
+    END LOOP;
+    RETURN v_moved;
+END
+$$;
+
+-- Empty partition gen p_gen of the table design's table p_table (meta, data or done) when it holds no
+-- row: TRUNCATE, which takes its dead row versions and index entries with it at once, also while the
+-- xmin horizon is held (VACUUM cannot remove them then). The partition is checked without a lock first,
+-- then locked ACCESS EXCLUSIVE within p_lock_timeout_ms and checked again under the lock (a push or a
+-- move may have written it in between: the check's fresh snapshot sees what committed before the lock
+-- was granted, and nothing can write it while the lock is held). Returns the milliseconds from the
+-- lock's grant to the end of the TRUNCATE when it was emptied (the lock is held that long, and until the
+-- transaction commits), -1 when it holds a row, NULL when the lock was not granted in time (pops and
+-- pushes hold it; queued behind the request they wait at most p_lock_timeout_ms). Run it in a
+-- transaction of its own, which should end at once. TRUNCATE is not MVCC-safe: a transaction whose
+-- snapshot is older than the TRUNCATE and that had not read the partition before sees it empty. Such a
+-- reader misses only rows that no statement may take any more (every row it would have seen was
+-- finished, or moved to a newer partition, by a transaction that committed before the TRUNCATE): a pop
+-- would have failed to claim them (under REPEATABLE READ with a serialization error), a count or a peek
+-- is short by them. A transaction that read the partition holds a lock on it until it ends, so the
+-- TRUNCATE waits for it (and gives up after p_lock_timeout_ms). Security definer: the caller needs no
+-- right to truncate (it loses nothing, as the partition holds no row); its search_path pinned.
+CREATE OR REPLACE FUNCTION {schema}.table_empty_partition(p_table text, p_gen integer, p_lock_timeout_ms integer)
+RETURNS double precision
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    v_part text;
+    v_found boolean;
+    v_granted timestamptz;
+BEGIN
+    IF p_table NOT IN ('meta', 'data', 'done') OR p_gen NOT BETWEEN 0 AND 7 THEN
+        RAISE EXCEPTION 'no partition % of %', p_gen, p_table USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'table_empty_partition runs in a READ COMMITTED transaction of its own'
+            USING ERRCODE = 'invalid_transaction_state';
+    END IF;
+    v_part := format('%s.%I', '{schema}', p_table || '_' || p_gen);
+    EXECUTE format('SELECT EXISTS (SELECT 1 FROM ONLY %s)', v_part) INTO v_found;
+    IF v_found THEN
+        RETURN -1;
+    END IF;
+    PERFORM set_config('lock_timeout', p_lock_timeout_ms::text, true);
+    BEGIN
+        EXECUTE format('LOCK TABLE ONLY %s IN ACCESS EXCLUSIVE MODE', v_part);
+    EXCEPTION WHEN lock_not_available THEN
+        RETURN NULL;
+    END;
+    v_granted := clock_timestamp();
+    EXECUTE format('SELECT EXISTS (SELECT 1 FROM ONLY %s)', v_part) INTO v_found;
+    IF v_found THEN
+        RETURN -1;
+    END IF;
+    EXECUTE format('TRUNCATE ONLY %s', v_part);
+    RETURN extract(epoch FROM clock_timestamp() - v_granted) * 1000;
 END
 $$;
 

@@ -81,6 +81,7 @@ class PostgresMaintenance(_Statements):
     no_vacuum: tuple[str, str] | None = None
     horizon_warning = "the xmin horizon is held back (VACUUM cannot remove dead rows)"
     ring_compaction_skipped: str | None = None
+    table_recycling_skipped: str | None = None
     leftovers_note: str | None = None  # a failed REINDEX CONCURRENTLY can leave an INVALID index
     index_counts_need_analyze = True  # reltuples comes from the last VACUUM or ANALYZE
 
@@ -104,7 +105,12 @@ class PostgresMaintenance(_Statements):
         return ring_slots_laid_out_bytes(capacity, slot_bytes)
 
     def index_survey(self) -> IndexSurvey:
-        """Every index of the schema, with a B-tree's expected size from its entries and key width."""
+        """Every index of the schema, with a B-tree's expected size from its entries and key width.
+
+        The table design's partitions have an index each for each of their table's (meta_ready_idx_3
+        is meta_3's part of meta_ready_idx, :attr:`IndexHealth.part_of`): those are listed, each with
+        its own size and entries, and rebuilt one at a time. The partitioned index holds nothing and
+        is not listed (``REINDEX INDEX CONCURRENTLY`` of it waits behind every writer of its table)."""
         out = []
         for (
             name,
@@ -117,6 +123,7 @@ class PostgresMaintenance(_Statements):
             fillfactor,
             block_size,
             running,
+            part_of,
         ) in self.fetchall("index_health", {"schema": self.schema}):
             entries = None if reltuples is None or reltuples < 0 else int(reltuples)
             expected = (
@@ -124,7 +131,11 @@ class PostgresMaintenance(_Statements):
                 if method == "btree" and entries is not None
                 else None
             )
-            out.append(IndexHealth(name, table, method, valid, int(size), entries, expected, running))
+            out.append(
+                IndexHealth(
+                    name, table, method, valid, int(size), entries, expected, running, part_of=part_of
+                )
+            )
         return IndexSurvey(out)
 
     def index_plan(
@@ -141,9 +152,13 @@ class PostgresMaintenance(_Statements):
         ``only``). Indexes of a table an index build runs on are left alone. ``fragmentation_pct`` is
         SQL Server's measure and not used here."""
         wanted = set(only) if only is not None else None
+
+        def named(h: IndexHealth) -> bool:
+            return wanted is None or h.index in wanted or (h.part_of is not None and h.part_of in wanted)
+
         steps: list[IndexStep] = []
         for h in survey.indexes:
-            if h.valid or (wanted is not None and h.index not in wanted and not h.leftover):
+            if h.valid or (not named(h) and not h.leftover):
                 continue
             if h.build_running:
                 steps.append(IndexStep(h, "skip", "skip", "an index build runs"))
@@ -157,7 +172,7 @@ class PostgresMaintenance(_Statements):
         for h in survey.indexes:
             if not h.valid or h.method != "btree" or h.build_running:
                 continue
-            if wanted is not None and h.index not in wanted:
+            if not named(h):
                 continue
             ratio, extra = h.bloat_ratio, h.bloat_bytes
             estimate = f"{h.size_bytes} bytes for about {h.expected_bytes} needed"

@@ -51,6 +51,19 @@ CREATE TABLE {schema}.queues (
 
 CREATE SEQUENCE {schema}.message_id_seq AS bigint;
 
+-- The table design's storage is partitioned by generation, so that what a held xmin horizon keeps
+-- can be given back without VACUUM: meta, data and done are LIST-partitioned on gen, eight partitions
+-- each (meta_0 .. meta_7 and so on). A message's gen is (id >> 14) & 7 when it is pushed: ids move
+-- through the generations 16,384 at a time and come back to generation 0 after 131,072. Maintenance
+-- (table_empty_partition in functions.sql) TRUNCATEs a partition that holds no row any more, which
+-- removes its dead row versions and their index entries at once, whether or not the horizon is held;
+-- and it moves the few messages that would keep an old partition from emptying (delayed past the
+-- next second, or failed) into the generation pushes write now (table_move_stragglers: an UPDATE of
+-- gen, which keeps the id, the deliveries and so every receipt). The claims read every partition
+-- through the parent, in one ordered merge of the partitions' indexes, so priorities and process-at
+-- order hold across generations. Eight partitions keep a generic plan (which locks every partition
+-- it may read) at 45 relation locks, below PostgreSQL 18's fast-path slots.
+--
 -- The table design's meta table: one row a message, the only table the dequeue path searches.
 -- payload holds a payload of up to 1900 bytes (NULL: the payload is in data). With the row's other
 -- columns that stays below PostgreSQL's TOAST threshold (about 2 kB a row), so a small message is one
@@ -72,6 +85,7 @@ CREATE SEQUENCE {schema}.message_id_seq AS bigint;
 -- constraints because PostgreSQL reads a constraint's expression back from its stored text on every
 -- statement that inserts or updates rows (about 53,600 instructions for the two, a fifth of a push of
 -- one). The state-machine tests check both rules after every step.
+-- gen: the message's generation (the partition it is in), see above.
 CREATE TABLE {schema}.meta (
     id bigint NOT NULL,
     queue_id integer NOT NULL,
@@ -84,13 +98,75 @@ CREATE TABLE {schema}.meta (
     consumer text,
     last_error text,
     deliveries integer NOT NULL DEFAULT 0,
-    payload bytea
-) WITH (fillfactor = 90, autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
-        autovacuum_vacuum_insert_scale_factor = 0.05, autovacuum_analyze_scale_factor = 0.05,
-        autovacuum_vacuum_cost_delay = 0, vacuum_truncate = false);
--- Without a primary key, logical replication needs the whole old row to find a row it updates or
--- deletes. Only written to WAL at wal_level = logical; at replica (the default) it costs nothing.
-ALTER TABLE {schema}.meta REPLICA IDENTITY FULL;
+    payload bytea,
+    gen smallint NOT NULL
+) PARTITION BY LIST (gen);
+
+-- Payloads over 1900 bytes, apart from the dequeue path; read by id
+-- only after a claim, when the meta or done row has no payload of its own. gen: as the message's meta row.
+CREATE TABLE {schema}.data (
+    id bigint NOT NULL,
+    queue_id integer NOT NULL,
+    payload bytea NOT NULL,
+    gen smallint NOT NULL
+) PARTITION BY LIST (gen);
+
+-- Finished messages waiting to be archived (queues with archive = true): appended by pop and ack, and
+-- moved to archive in small batches by the archiver (maintenance).
+-- outcome: 1 finished (popped at most once, or acked), 2 discarded from the failed state.
+-- payload: the meta row's payload, moved here with it (NULL: the payload is in data).
+-- gen: the generation of the message's meta row when it finished.
+CREATE TABLE {schema}.done (
+    id bigint NOT NULL,
+    queue_id integer NOT NULL,
+    priority smallint NOT NULL,
+    attempts integer NOT NULL,
+    enqueued_at timestamptz NOT NULL,
+    finished_at timestamptz NOT NULL DEFAULT now(),
+    outcome smallint NOT NULL,
+    payload bytea,
+    gen smallint NOT NULL,
+    CONSTRAINT done_outcome_valid CHECK (outcome IN (1, 2))
+) PARTITION BY LIST (gen);
+-- The partitions, each with the storage settings of its table and its indexes, named after its
+-- table's index with the generation appended (meta_ready_idx_3 is meta_3's part of meta_ready_idx):
+-- the indexes of the parents, created after the partitions, take the partitions' matching indexes as
+-- their parts. Without a primary key, logical replication needs the whole old row to find a meta row it
+-- updates or deletes (REPLICA IDENTITY FULL, written to WAL only at wal_level = logical). Created here,
+-- in the install's transaction: a partition goes with its parent (uninstall drops the parents that
+-- owned_objects lists).
+DO $partitions$
+DECLARE
+    g integer;
+BEGIN
+    FOR g IN 0..7 LOOP
+        EXECUTE format('CREATE TABLE %1$s.%2$I PARTITION OF %1$s.meta FOR VALUES IN (%3$s) WITH (fillfactor = 90, '
+            'autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000, '
+            'autovacuum_vacuum_insert_scale_factor = 0.05, autovacuum_analyze_scale_factor = 0.05, '
+            'autovacuum_vacuum_cost_delay = 0, vacuum_truncate = false)', '{schema}', 'meta_' || g, g);
+        EXECUTE format('ALTER TABLE %s.%I REPLICA IDENTITY FULL', '{schema}', 'meta_' || g);
+        EXECUTE format('CREATE INDEX %2$I ON %1$s.%3$I (queue_id, priority DESC, process_at, id) WHERE state = 0',
+            '{schema}', 'meta_ready_idx_' || g, 'meta_' || g);
+        EXECUTE format('CREATE INDEX %2$I ON %1$s.%3$I (queue_id, lease_until) WHERE state = 1',
+            '{schema}', 'meta_leased_idx_' || g, 'meta_' || g);
+        EXECUTE format('CREATE INDEX %2$I ON %1$s.%3$I (id) WHERE lease_until IS NOT NULL',
+            '{schema}', 'meta_leased_id_idx_' || g, 'meta_' || g);
+        EXECUTE format('CREATE INDEX %2$I ON %1$s.%3$I (queue_id, id) WHERE state = 2',
+            '{schema}', 'meta_failed_idx_' || g, 'meta_' || g);
+        EXECUTE format('CREATE TABLE %1$s.%2$I PARTITION OF %1$s.data FOR VALUES IN (%3$s) WITH ('
+            'autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000, '
+            'autovacuum_vacuum_insert_scale_factor = 0.05, vacuum_truncate = false)', '{schema}', 'data_' || g, g);
+        EXECUTE format('ALTER TABLE %1$s.%2$I ADD CONSTRAINT %3$I PRIMARY KEY (id, gen)',
+            '{schema}', 'data_' || g, 'data_pkey_' || g);
+        EXECUTE format('CREATE TABLE %1$s.%2$I PARTITION OF %1$s.done FOR VALUES IN (%3$s) WITH ('
+            'autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000, '
+            'autovacuum_vacuum_cost_delay = 0, autovacuum_vacuum_insert_scale_factor = 0.05, '
+            'autovacuum_analyze_scale_factor = 0.05, vacuum_truncate = false)', '{schema}', 'done_' || g, g);
+        EXECUTE format('CREATE INDEX %2$I ON %1$s.%3$I USING brin (finished_at)',
+            '{schema}', 'done_finished_brin_' || g, 'done_' || g);
+    END LOOP;
+END
+$partitions$;
 
 -- Shaped exactly like the claim: WHERE queue_id = ? AND state = 0 ORDER BY priority DESC, process_at, id.
 CREATE INDEX meta_ready_idx ON {schema}.meta (queue_id, priority DESC, process_at, id) WHERE state = 0;
@@ -105,33 +181,8 @@ CREATE INDEX meta_leased_id_idx ON {schema}.meta (id) WHERE lease_until IS NOT N
 -- Failed-message admin.
 CREATE INDEX meta_failed_idx ON {schema}.meta (queue_id, id) WHERE state = 2;
 
--- Payloads over 1900 bytes, apart from the dequeue path; read by id
--- only after a claim, when the meta or done row has no payload of its own.
-CREATE TABLE {schema}.data (
-    id bigint NOT NULL,
-    queue_id integer NOT NULL,
-    payload bytea NOT NULL,
-    CONSTRAINT data_pkey PRIMARY KEY (id)
-) WITH (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
-        autovacuum_vacuum_insert_scale_factor = 0.05, vacuum_truncate = false);
-
--- Finished messages waiting to be archived (queues with archive = true): appended by pop and ack, and
--- moved to archive in small batches by the archiver (maintenance).
--- outcome: 1 finished (popped at most once, or acked), 2 discarded from the failed state.
--- payload: the meta row's payload, moved here with it (NULL: the payload is in data).
-CREATE TABLE {schema}.done (
-    id bigint NOT NULL,
-    queue_id integer NOT NULL,
-    priority smallint NOT NULL,
-    attempts integer NOT NULL,
-    enqueued_at timestamptz NOT NULL,
-    finished_at timestamptz NOT NULL DEFAULT now(),
-    outcome smallint NOT NULL,
-    payload bytea,
-    CONSTRAINT done_outcome_valid CHECK (outcome IN (1, 2))
-) WITH (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
-        autovacuum_vacuum_cost_delay = 0, autovacuum_vacuum_insert_scale_factor = 0.05,
-        autovacuum_analyze_scale_factor = 0.05, vacuum_truncate = false);
+-- data's key: a message's payload row by id (gen, the partition key, must be part of it).
+ALTER TABLE {schema}.data ADD CONSTRAINT data_pkey PRIMARY KEY (id, gen);
 CREATE INDEX done_finished_brin ON {schema}.done USING brin (finished_at);
 
 -- Archived messages with their payloads, moved out of done/data by the archiver; an archive retention

@@ -4,16 +4,19 @@
 -- name: claim_batch
 -- at-least-once claim of up to n ready messages under one lease, recorded in the batch ledger in the
 -- same statement; no payload leaves the database (the batch's reader fetches them by batch id).
-WITH claimed AS (
+-- Rows are named by (gen, ctid), as in reclaim_expired (queries/table.sql).
+WITH picked AS (
+    SELECT gen, ctid AS tid FROM {schema}.meta
+    WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
+    ORDER BY priority DESC, process_at, id
+    LIMIT %(n)s
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
     UPDATE {schema}.meta m
     SET state = 1, attempts = m.attempts + 1, deliveries = m.deliveries + 1, consumer = %(consumer)s,
         lease_until = now() + make_interval(secs => %(visibility_timeout_s)s)
-    WHERE m.ctid = ANY (ARRAY(
-        SELECT ctid FROM {schema}.meta
-        WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
-        ORDER BY priority DESC, process_at, id
-        LIMIT %(n)s
-        FOR UPDATE SKIP LOCKED))
+    WHERE m.ctid = ANY (ARRAY(SELECT tid FROM picked))
+      AND ((m.gen, m.ctid) IN (SELECT gen, tid FROM picked)) IS TRUE
     RETURNING m.id, m.deliveries, m.priority, m.process_at
 )
 INSERT INTO {schema}.batches (batch_id, queue_id, ids, deliveries, consumer, lease_until)

@@ -37,14 +37,17 @@ SELECT set_config(name, reset_val, false) FROM pg_settings WHERE name IN ('state
 -- exists is deleted with its payload, not archived: nothing is archived for a dropped queue. (drop_queue
 -- waits for a batch holding its queue's rows, and deletes its archive rows after; such rows come only
 -- from older versions.) Returns (rows taken, rows archived).
-WITH batch AS (
+-- done is partitioned (schema.sql): rows are named by (gen, ctid), as in reclaim_expired.
+WITH picked AS (
+    SELECT gen, ctid AS tid FROM {schema}.done
+    WHERE finished_at < now() - make_interval(secs => %(older_than_s)s)
+      AND (%(all_queues)s OR queue_id = ANY (%(queue_ids)s::integer[]))
+    LIMIT %(n)s
+    FOR UPDATE SKIP LOCKED
+), batch AS (
     DELETE FROM {schema}.done d
-    WHERE d.ctid = ANY (ARRAY(
-        SELECT ctid FROM {schema}.done
-        WHERE finished_at < now() - make_interval(secs => %(older_than_s)s)
-          AND (%(all_queues)s OR queue_id = ANY (%(queue_ids)s::integer[]))
-        LIMIT %(n)s
-        FOR UPDATE SKIP LOCKED))
+    WHERE d.ctid = ANY (ARRAY(SELECT tid FROM picked))
+      AND ((d.gen, d.ctid) IN (SELECT gen, tid FROM picked)) IS TRUE
     RETURNING d.id, d.queue_id, d.priority, d.attempts, d.enqueued_at, d.finished_at, d.outcome, d.payload
 ), payloads AS (
     DELETE FROM {schema}.data x WHERE x.id = ANY (ARRAY(SELECT id FROM batch WHERE payload IS NULL))
@@ -121,6 +124,8 @@ DROP INDEX CONCURRENTLY IF EXISTS {schema}.{index}
 -- last VACUUM or ANALYZE; -1 when never counted), the summed width of its key columns (fixed-width types
 -- by their length, others by the column statistics' average width), its fillfactor and the page size;
 -- and whether an index build is running on its table right now (never touch a build in progress).
+-- A partition's index that is part of a partitioned index (meta_ready_idx_3 of meta_ready_idx) names
+-- that one as part_of; the partitioned index itself holds nothing and is not listed.
 SELECT ic.relname, t.relname, am.amname, i.indisvalid, pg_relation_size(ic.oid), ic.reltuples::float8,
        (SELECT coalesce(sum(coalesce(nullif(a.attlen, -1)::integer, s.avg_width, 32)), 0)::integer
           FROM unnest((i.indkey::int2[])[0:i.indnkeyatts - 1]) AS k(attnum)
@@ -130,26 +135,34 @@ SELECT ic.relname, t.relname, am.amname, i.indisvalid, pg_relation_size(ic.oid),
        coalesce((SELECT split_part(o, '=', 2)::integer FROM unnest(ic.reloptions) AS o
                   WHERE o LIKE 'fillfactor=%%'), 90) AS fillfactor,
        current_setting('block_size')::integer,
-       EXISTS (SELECT 1 FROM pg_stat_progress_create_index p WHERE p.relid = t.oid) AS build_running
+       EXISTS (SELECT 1 FROM pg_stat_progress_create_index p WHERE p.relid = t.oid) AS build_running,
+       pi.relname AS part_of
 FROM pg_index i
 JOIN pg_class ic ON ic.oid = i.indexrelid
 JOIN pg_class t ON t.oid = i.indrelid
 JOIN pg_namespace n ON n.oid = t.relnamespace
 JOIN pg_am am ON am.oid = ic.relam
-WHERE n.nspname = %(schema)s
+LEFT JOIN pg_inherits ii ON ii.inhrelid = ic.oid
+LEFT JOIN pg_class pi ON pi.oid = ii.inhparent
+WHERE n.nspname = %(schema)s AND ic.relkind = 'i'
 ORDER BY t.relname, ic.relname
 
 -- name: table_health
--- Size and vacuum state of every table of the schema.
-SELECT c.relname, pg_relation_size(c.oid), pg_indexes_size(c.oid), pg_total_relation_size(c.oid),
-       coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0),
-       greatest(s.last_vacuum, s.last_autovacuum), greatest(s.last_analyze, s.last_autoanalyze),
-       coalesce(s.autovacuum_count, 0), coalesce(s.vacuum_count, 0)
+-- Size and vacuum state of every table of the schema; a partitioned table (the table design's meta,
+-- data and done) as the sum over its partitions.
+SELECT coalesce(p.relname, c.relname) AS name, sum(pg_relation_size(c.oid))::bigint,
+       sum(pg_indexes_size(c.oid))::bigint, sum(pg_total_relation_size(c.oid))::bigint,
+       sum(coalesce(s.n_live_tup, 0))::bigint, sum(coalesce(s.n_dead_tup, 0))::bigint,
+       max(greatest(s.last_vacuum, s.last_autovacuum)), max(greatest(s.last_analyze, s.last_autoanalyze)),
+       sum(coalesce(s.autovacuum_count, 0))::bigint, sum(coalesce(s.vacuum_count, 0))::bigint
 FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace
+LEFT JOIN pg_inherits i ON i.inhrelid = c.oid
+LEFT JOIN pg_class p ON p.oid = i.inhparent
 LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid
 WHERE n.nspname = %(schema)s AND c.relkind = 'r'
-ORDER BY c.relname
+GROUP BY 1
+ORDER BY 1
 
 -- name: xmin_holders
 -- What holds back the xmin horizon (so VACUUM cannot remove dead rows anywhere in the database): open
@@ -193,3 +206,24 @@ SELECT
     + (SELECT count(*) FROM {schema}.archive, w
         WHERE queue_id = %(queue_id)s AND archived_at > w.since AND finished_at > w.since AND outcome = 1)
       AS finished
+
+-- name: table_move_stragglers
+-- The table design's generations (schema.sql): move up to n delayed or failed messages out of old
+-- generations into the one pushes write now (functions.sql's table_move_stragglers). Returns how many.
+SELECT {schema}.table_move_stragglers(%(n)s::integer)
+
+-- name: table_partitions
+-- The partitions of the table design's meta, data and done with their sizes (heap and indexes), and
+-- whether pushes write that generation now.
+SELECT t.name, g, pg_total_relation_size(('{schema}.' || quote_ident(t.name || '_' || g))::regclass),
+       g = {schema}.table_generation()
+FROM unnest(ARRAY['meta', 'data', 'done']) AS t(name)
+CROSS JOIN generate_series(0, 7) AS g
+ORDER BY 1, 2
+
+-- name: table_empty_partition
+-- TRUNCATE one partition of the table design's tables when it holds no row (functions.sql's
+-- table_empty_partition): the milliseconds its lock was held until the TRUNCATE ended when emptied, -1
+-- when it holds a row, NULL when its lock was not granted within lock_timeout_ms. In a transaction of
+-- its own.
+SELECT {schema}.table_empty_partition(%(table)s::text, %(gen)s::integer, %(lock_timeout_ms)s::integer)

@@ -25,7 +25,9 @@ CREATE SCHEMA {schema}
 -- Everything in the schema, as DROP SCHEMA ... CASCADE would find it: each object that a schema holds
 -- depends on it (deptype 'n'). Objects that belong to another one go with their owner and are left out
 -- (an identity column's sequence, a table's row type; indexes and constraints never depend on the
--- schema). kind is pg_identify_object's type ('table', 'sequence', 'function', 'view' ...).
+-- schema; a partition goes with its partitioned table). A partitioned table's internal dependency on
+-- itself (its partition key) does not make it belong to another object. kind is pg_identify_object's
+-- type ('table', 'sequence', 'function', 'view' ...).
 SELECT i.type, a.object_names[array_upper(a.object_names, 1)], i.identity
 FROM pg_catalog.pg_depend d
 CROSS JOIN LATERAL pg_catalog.pg_identify_object(d.classid, d.objid, d.objsubid) i
@@ -35,7 +37,7 @@ WHERE d.refclassid = 'pg_catalog.pg_namespace'::regclass AND d.deptype = 'n'
   AND NOT EXISTS (
       SELECT 1 FROM pg_catalog.pg_depend o
       WHERE o.classid = d.classid AND o.objid = d.objid AND o.deptype IN ('a', 'i')
-        AND o.refclassid = 'pg_catalog.pg_class'::regclass)
+        AND o.refclassid = 'pg_catalog.pg_class'::regclass AND o.refobjid <> d.objid)
 ORDER BY 1, 2
 
 -- name: owned_ring_sequences
