@@ -143,7 +143,8 @@ def consumer(job: Job, popped: Any, done_pushing: Any, out: Any, errors: Any) ->
 
 
 def sample(dsn: str, schema: str, tables: tuple[str, ...]) -> dict[str, Any]:
-    """Heap and total (indexes, TOAST) bytes of ``tables``, their HOT-update ratio and dead tuples."""
+    """Heap and total (indexes, TOAST) bytes of ``tables`` (with their partitions: the table design's are
+    partitioned, and a partitioned table holds no rows itself), their HOT-update ratio and dead tuples."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("SELECT pg_stat_clear_snapshot()")
         row = conn.execute(
@@ -151,8 +152,10 @@ def sample(dsn: str, schema: str, tables: tuple[str, ...]) -> dict[str, Any]:
             "sum(s.n_tup_upd), sum(s.n_tup_hot_upd), sum(s.n_dead_tup) "
             "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
             "JOIN pg_stat_user_tables s ON s.relid = c.oid "
-            "WHERE n.nspname = %s AND c.relname = ANY (%s)",
-            (schema, list(tables)),
+            "WHERE n.nspname = %s AND (c.relname = ANY (%s) OR c.oid IN ("
+            "  SELECT i.inhrelid FROM pg_inherits i JOIN pg_class p ON p.oid = i.inhparent"
+            "  WHERE p.relnamespace = n.oid AND p.relname = ANY (%s)))",
+            (schema, list(tables), list(tables)),
         ).fetchone()
     heap, total, upd, hot, dead = (int(x or 0) for x in row) if row else (0, 0, 0, 0, 0)
     return {"heap_bytes": heap, "total_bytes": total, "hot_ratio": hot / upd if upd else None, "dead": dead}
