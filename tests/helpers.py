@@ -5,7 +5,8 @@
 :func:`payload_hash` is a per-payload hash for checks that add up what many processes report.
 :func:`drained` says whether a queue has nothing left to deliver. :func:`require` turns a missing
 system requirement into a skip, or into a failure under ``scripts/test``, which installs them all.
-:func:`load_benchmark` imports a script of benchmarks/ to test its own checks.
+:func:`load_benchmark` imports a script of benchmarks/ to test its own checks. :func:`held_horizon`
+opens a session that holds the xmin horizon, as a report job left idle in its transaction would.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+import psycopg
 import pytest
 
 if TYPE_CHECKING:
@@ -81,3 +83,15 @@ def load_benchmark(name: str) -> ModuleType:
         return module
     finally:
         sys.path.remove(str(BENCHMARKS))
+
+
+def held_horizon(
+    dsn: str, *, application_name: str = "report-job", xid: bool = False
+) -> psycopg.Connection[Any]:
+    """A REPEATABLE READ transaction with its snapshot taken (a read of ``pg_class``, so that it locks none
+    of the queue's tables), left open: it holds the xmin horizon until the caller closes it. ``xid``: it
+    also takes a transaction id, as a transaction that wrote would."""
+    conn = psycopg.connect(dsn, application_name=application_name)
+    conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+    conn.execute("SELECT txid_current(), count(*) FROM pg_class" if xid else "SELECT count(*) FROM pg_class")
+    return conn

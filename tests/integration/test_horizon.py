@@ -10,12 +10,11 @@ import json
 import subprocess
 import sys
 import time
-from typing import Any
 
-import psycopg
 import pytest
 
 from airflow_dbqueue.engine import DbQueue, MaintenanceConfig
+from tests.helpers import held_horizon
 
 pytestmark = pytest.mark.integration
 
@@ -23,20 +22,12 @@ EVERY_INDEX = {"reindex_bloat_ratio": 1.0, "reindex_min_bytes": 0}
 """Rebuild every B-tree index at least its estimated size: a run has rebuilds to do."""
 
 
-def holder(pg_dsn: str) -> psycopg.Connection[Any]:
-    """A REPEATABLE READ transaction with its snapshot taken, left open (as the issue's report job)."""
-    conn = psycopg.connect(pg_dsn, application_name="report-job")
-    conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-    conn.execute("SELECT count(*) FROM pg_class")
-    return conn
-
-
 def test_a_run_rebuilds_no_index_behind_a_held_horizon(dbq: DbQueue, pg_dsn: str) -> None:
     q = dbq.create_queue("orders")
     q.push_batch([{"n": i} for i in range(200)])
     q.pop(200)
     config = MaintenanceConfig(archive_after_s=0, horizon_min_age_s=1, reindex_timeout_s=120, **EVERY_INDEX)
-    conn = holder(pg_dsn)
+    conn = held_horizon(pg_dsn)
     try:
         time.sleep(1.5)
         t0 = time.monotonic()
@@ -81,7 +72,7 @@ def test_dbqueue_maintain_takes_the_threshold_and_exits_1_when_a_step_did_not_co
         "--reindex-timeout",
         "120",
     )
-    conn = holder(pg_dsn)
+    conn = held_horizon(pg_dsn)
     try:
         time.sleep(1.5)
         held = run_maintain(pg_dsn, dbq.schema, *args, "--horizon-min-age", "1")

@@ -15,21 +15,12 @@ import pytest
 from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue, MaintenanceConfig
-from tests.helpers import checksum
+from tests.helpers import checksum, held_horizon
 
 pytestmark = pytest.mark.integration
 
 GENERATION_IDS = 16_384
 """Ids a generation (schema.sql: gen = (id >> 14) & 7)."""
-
-
-def holder(pg_dsn: str) -> psycopg.Connection[Any]:
-    """A REPEATABLE READ transaction with its snapshot taken and an xid, left open: it holds the xmin
-    horizon (and reads none of the queue's tables)."""
-    conn = psycopg.connect(pg_dsn, application_name="held-horizon")
-    conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-    conn.execute("SELECT txid_current(), count(*) FROM pg_class")
-    return conn
 
 
 def table_bytes(pg_dsn: str, schema: str) -> int:
@@ -86,7 +77,7 @@ def test_after_a_held_horizon_the_tables_come_back_to_their_size_and_every_messa
     m = dbq.maintenance()
     m.vacuum()
     before = table_bytes(pg_dsn, dbq.schema)
-    conn = holder(pg_dsn)
+    conn = held_horizon(pg_dsn, application_name="held-horizon", xid=True)
     emptied_in_hold: list[str] = []
     try:
         for r in range(4):

@@ -16,7 +16,7 @@ import pytest
 from airflow_dbqueue.engine import ConfigurationError, DbQueue, MaintenanceConfig
 from airflow_dbqueue.engine.dialects.postgres.maintenance import ring_slots_laid_out_bytes
 from tests.dialects import run_sql
-from tests.helpers import checksum
+from tests.helpers import checksum, held_horizon
 from tests.integration.test_conformance import drain
 
 if TYPE_CHECKING:
@@ -47,14 +47,6 @@ def make_ring(dbq: DbQueue, name: str = "events", capacity: int = 2048) -> RingQ
 def bsum(items: Any) -> str:
     """The checksum of a multiset of bytes payloads."""
     return checksum(bytes(p).hex() for p in items)
-
-
-def holder(pg_dsn: str) -> psycopg.Connection[Any]:
-    """A REPEATABLE READ transaction with its snapshot taken, left open: it holds the xmin horizon."""
-    conn = psycopg.connect(pg_dsn, application_name="report-job")
-    conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-    conn.execute("SELECT count(*) FROM pg_class")
-    return conn
 
 
 def churn(q: RingQueue, rnd: random.Random, messages: int) -> tuple[int, str, str]:
@@ -89,7 +81,7 @@ def test_a_ring_grown_under_a_held_horizon_is_compacted_after_it_and_keeps_its_m
     laid_out = relation_size(dbq, "ring_slots")
     m = dbq.maintenance()
     assert m.compact_rings(compact_min_bytes=0)["actions"] == [], "a ring at its laid-out size is left alone"
-    conn = holder(pg_dsn)
+    conn = held_horizon(pg_dsn)
     try:
         n, sent, got = churn(q, rnd, 12 * 2048)
         assert sent == got

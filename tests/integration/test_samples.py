@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from airflow_dbqueue.engine import DbQueue, MaintenanceConfig
-from tests.helpers import checksum
+from tests.helpers import checksum, held_horizon
 
 pytestmark = pytest.mark.integration
 
@@ -105,21 +105,13 @@ def test_retention_deletes_old_samples_in_batches(dbq: DbQueue, pg_dsn: str, sch
     assert len(m.samples(window=10 * 86_400)["orders"]) == 2  # the two of today
 
 
-def holder(pg_dsn: str) -> psycopg.Connection[Any]:
-    """A REPEATABLE READ transaction with its snapshot taken, left open."""
-    conn = psycopg.connect(pg_dsn, application_name="report-job")
-    conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-    conn.execute("SELECT count(*) FROM pg_class")
-    return conn
-
-
 def test_a_run_reports_what_a_held_horizon_costs_and_the_next_one_clears(dbq: DbQueue, pg_dsn: str) -> None:
     q = dbq.create_queue("orders")
     # Without the table design's recycling, which would empty the popped messages' partition (and its
     # dead rows with it) despite the hold: what is left here is what VACUUM cannot remove.
     config = MaintenanceConfig(horizon_min_age_s=1, horizon_min_dead_rows=1000, recycle=False, **QUICK)
     dbq.maintain(config)
-    conn = holder(pg_dsn)
+    conn = held_horizon(pg_dsn)
     pid = conn.info.backend_pid
     try:
         Ledger(q, "held").move(3000, 3000)  # every pop deletes its meta row: 3000 dead rows
@@ -156,7 +148,7 @@ def test_a_run_reports_what_a_held_horizon_costs_and_the_next_one_clears(dbq: Db
 
 def test_a_ring_compaction_deferred_by_the_horizon_is_reported(dbq: DbQueue, pg_dsn: str) -> None:
     q = dbq.create_queue("stream", design="ring", capacity=64)
-    conn = holder(pg_dsn)
+    conn = held_horizon(pg_dsn)
     pid = conn.info.backend_pid
     try:
         ledger = Ledger(q, "ring")
