@@ -138,6 +138,7 @@ def make_target(args: argparse.Namespace, dsn: str, design: str, point: Point, c
         pooler=args.pooler,
         dsn=args.pooler_dsn or dsn,
         server_dsn=dsn,
+        recycle_interval=args.engine_recycle_interval or None,
     )
 
 
@@ -230,6 +231,7 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
         "with_maintenance": config is not None,
         "reference_vacuum": config is not None and args.reference_vacuum,
         "recycle_interval_s": args.recycle_interval or None,
+        "engine_recycle_interval_s": args.engine_recycle_interval or None,
     }
     out.update(loop_report(args, runs, config, recycling))
     if PGMQ in designs and args.design != PGMQ:
@@ -491,6 +493,14 @@ def intervals(ap: argparse.ArgumentParser) -> None:
         help="the table design's runs have a process running only its partition recycling "
         "(Maintenance.recycle: TRUNCATE of partitions that hold no row) every S seconds beside them, "
         "also with --hold-horizon; the references keep autovacuum at its defaults (default 0: none)",
+    )
+    ap.add_argument(
+        "--engine-recycle-interval",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="each engine process's own partition recycling, DbQueue(recycle_interval=S) (default 1, "
+        "the engine's default; 0: off)",
     )
 
 

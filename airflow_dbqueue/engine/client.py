@@ -17,6 +17,12 @@ from airflow_dbqueue.engine.errors import (
     QueueExistsError,
     QueueNotFoundError,
 )
+from airflow_dbqueue.engine.maintenance.config import (
+    RECYCLE_LOCK_TIMEOUT_S,
+    RECYCLE_MIN_BYTES,
+    RECYCLE_MOVE_LIMIT,
+)
+from airflow_dbqueue.engine.maintenance.recycler import AutoRecycler
 from airflow_dbqueue.engine.models import (
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_MAX_PAYLOAD,
@@ -50,6 +56,8 @@ if TYPE_CHECKING:
 DSN_ENV = "DBQUEUE_DSN"
 POOLER_ENV = "DBQUEUE_POOLER"
 LISTEN_DSN_ENV = "DBQUEUE_LISTEN_DSN"
+RECYCLE_INTERVAL_S = 1.0
+"""How often a DbQueue that works on table-design queues recycles their partitions."""
 MAX_PAYLOAD_LIMIT = 256 * 1024 * 1024
 
 _SETTINGS_COLUMNS = (
@@ -234,6 +242,11 @@ class DbQueue:
         its lock there. Behind a transaction pooler without one, waiting pops poll (a warning says so
         once) and maintenance raises :class:`ConfigurationError`. Defaults to ``$DBQUEUE_LISTEN_DSN``.
         PostgreSQL only.
+    :param recycle_interval: seconds between the passes of the table design's partition recycling
+        that this object runs while it pushes, pops or acks table-design queues (PostgreSQL): a daemon
+        thread empties with ``TRUNCATE`` the partitions whose messages are all gone, also while the
+        xmin horizon is held (see :class:`~airflow_dbqueue.engine.maintenance.recycler.AutoRecycler`).
+        ``None`` or 0: none (maintenance's ``vacuum`` step still recycles).
     """
 
     def __init__(
@@ -246,6 +259,7 @@ class DbQueue:
         dialect: str | None = None,
         pooler: str | None = None,
         listen_dsn: str | None = None,
+        recycle_interval: float | None = RECYCLE_INTERVAL_S,
     ) -> None:
         dsn = dsn or os.environ.get(DSN_ENV)
         pooler = pooler or os.environ.get(POOLER_ENV) or None
@@ -269,6 +283,17 @@ class DbQueue:
         self.dialect = self.db.dialect_name
         self.schema = self.db.schema
         self._queues: dict[str, Queue] = {}
+        self.recycler: AutoRecycler | None = None
+        if recycle_interval is not None and recycle_interval != 0:
+            recycle_interval = check_seconds("recycle_interval", recycle_interval, positive=True)
+            if self.db.table_recycling_skipped is None:
+                self.recycler = AutoRecycler(
+                    self.db,
+                    interval_s=recycle_interval,
+                    move_limit=RECYCLE_MOVE_LIMIT,
+                    min_bytes=RECYCLE_MIN_BYTES,
+                    lock_timeout_s=RECYCLE_LOCK_TIMEOUT_S,
+                )
 
     def __enter__(self) -> DbQueue:
         return self
@@ -279,7 +304,9 @@ class DbQueue:
         self.close()
 
     def close(self) -> None:
-        """Close the connection pool."""
+        """Stop the partition recycling and close the connection pool."""
+        if self.recycler is not None:
+            self.recycler.close()
         self.db.close()
 
     # -- schema ------------------------------------------------------------------------------------
@@ -435,7 +462,9 @@ class DbQueue:
     def _open(self, settings: QueueSettings) -> Queue:
         if settings.design is Design.RING:
             return RingQueue(self.db, settings)
-        return TableQueue(self.db, settings)
+        q = TableQueue(self.db, settings)
+        q.recycler = self.recycler
+        return q
 
     def list_queues(self) -> list[QueueSettings]:
         """Return the settings of every queue in the schema."""

@@ -42,6 +42,7 @@ from airflow_dbqueue.engine.queue import (
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine.dialects.base import AsyncDbConnection, Database, DbConnection
+    from airflow_dbqueue.engine.maintenance.recycler import AutoRecycler
     from airflow_dbqueue.engine.models import QueueSettings
 
 _PRIORITY_MIN, _PRIORITY_MAX = -32768, 32767
@@ -64,6 +65,13 @@ class TableQueue(Queue):
         # most this often, so a queue without maintenance still redelivers, and what readiness counts
         # (expired leases included) is what a pop gets.
         self.reclaim_every = min(1.0, settings.visibility_timeout_s / 2)
+        # The DbQueue's partition recycling (None: off), told of every push, pop and ack: it runs a
+        # pass about a second after work, on a connection of its own.
+        self.recycler: AutoRecycler | None = None
+
+    def _worked(self) -> None:
+        if self.recycler is not None:
+            self.recycler.poke()
 
     # -- push --------------------------------------------------------------------------------------
 
@@ -96,6 +104,7 @@ class TableQueue(Queue):
         rows = self._db.fetchall("push", params, conn)
         if len(rows) != len(encoded):  # nothing was written: the queue was dropped
             raise QueueNotFoundError(self.name, self._db.schema)
+        self._worked()
         return [r[0] for r in rows]
 
     # -- pop ---------------------------------------------------------------------------------------
@@ -129,6 +138,7 @@ class TableQueue(Queue):
         return self.settings.decode_first_column(rows)
 
     def _maybe_reclaim(self, conn: DbConnection | None = None) -> None:
+        self._worked()  # every pop and claim passes here
         now = time.monotonic()
         if now - self._last_reclaim >= self.reclaim_every:
             self._last_reclaim = now
@@ -177,6 +187,7 @@ class TableQueue(Queue):
             done = []
         if len(done) != len(ids):
             self._raise_lost(ids, deliveries, conn)
+        self._worked()
         return len(done)
 
     def _raise_lost(self, ids: list[int], deliveries: list[int], conn: DbConnection | None) -> None:

@@ -52,6 +52,9 @@ class Target:
     server_dsn: str | None = None
     """The server itself behind a pooler: the engine's listen DSN (maintenance's session), and the
     measurement's own connection (sizes, CHECKPOINT)."""
+    recycle_interval: float | None = 1.0
+    """Each engine process's own partition recycling (``DbQueue(recycle_interval=...)``, the engine's
+    default 1 s; ``None``: off), as a deployment runs it."""
 
     def engine(self, pool_size: int) -> DbQueue:
         """The engine on this target's queue schema, as a deployment on this topology configures it."""
@@ -62,6 +65,7 @@ class Target:
             pool_size=pool_size,
             pooler=self.pooler,
             listen_dsn=self.server_dsn if pooled else None,
+            recycle_interval=self.recycle_interval,
         )
 
     def connect(self, **kwargs: Any) -> psycopg.Connection[Any]:

@@ -9,6 +9,7 @@ to do."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -40,37 +41,153 @@ class TableRecycler:
         with self._lock.hold(lock_wait_s) as got:
             if not got:
                 return {"skipped": self._lock.skip_reason}
-            moved = 0
-            if move_limit:
-                row = self._db.fetchone("table_move_stragglers", {"n": move_limit})
-                moved = int(row[0]) if row else 0
-            emptied: list[str] = []
-            busy: list[str] = []
-            freed = 0
-            longest = locked = 0.0
-            for table, gen, size, _current in self._db.fetchall("table_partitions"):
-                if size < min_bytes:
-                    continue
-                t0 = time.monotonic()
-                row = self._db.fetchone(
-                    "table_empty_partition",
-                    {"table": table, "gen": gen, "lock_timeout_ms": max(1, int(lock_timeout_s * 1000))},
-                )
-                longest = max(longest, time.monotonic() - t0)
-                if row is None or row[0] is None:
-                    busy.append(f"{table}_{gen}")
-                elif row[0] >= 0:
-                    emptied.append(f"{table}_{gen}")
-                    freed += int(size)
-                    locked = max(locked, float(row[0]) / 1000)
-        out = {
-            "moved": moved,
-            "emptied": emptied,
-            "lock_not_granted": busy,
-            "freed_bytes": freed,
-            "longest_s": round(longest, 4),
-            "longest_lock_s": round(locked, 4),
-        }
-        if moved or emptied or busy:
+            out = recycle_partitions(
+                self._db, move_limit=move_limit, min_bytes=min_bytes, lock_timeout_s=lock_timeout_s
+            )
+        out.pop("holding", None)
+        if out["moved"] or out["emptied"] or out["lock_not_granted"]:
             log.info("dbqueue partition recycling of schema %r: %s", self._db.schema, out)
         return out
+
+
+def recycle_partitions(
+    db: Database, *, move_limit: int, min_bytes: int, lock_timeout_s: float, skip_current: bool = False
+) -> dict[str, Any]:
+    """One recycling pass: move up to ``move_limit`` stragglers, then empty every partition of at least
+    ``min_bytes`` that holds no row (``skip_current``: not those of the generation pushes write now).
+    Safe beside other passes, in this process or others: moves skip rows others hold, and a partition is
+    checked again under its lock before it is emptied. ``holding``: partitions that still held a row."""
+    moved = 0
+    if move_limit:
+        row = db.fetchone("table_move_stragglers", {"n": move_limit})
+        moved = int(row[0]) if row else 0
+    emptied: list[str] = []
+    busy: list[str] = []
+    holding: list[str] = []
+    freed = 0
+    longest = locked = 0.0
+    for table, gen, size, current in db.fetchall("table_partitions"):
+        if size < min_bytes or (skip_current and current):
+            continue
+        t0 = time.monotonic()
+        row = db.fetchone(
+            "table_empty_partition",
+            {"table": table, "gen": gen, "lock_timeout_ms": max(1, int(lock_timeout_s * 1000))},
+        )
+        longest = max(longest, time.monotonic() - t0)
+        if row is None or row[0] is None:
+            busy.append(f"{table}_{gen}")
+        elif row[0] >= 0:
+            emptied.append(f"{table}_{gen}")
+            freed += int(size)
+            locked = max(locked, float(row[0]) / 1000)
+        else:
+            holding.append(f"{table}_{gen}")
+    return {
+        "moved": moved,
+        "emptied": emptied,
+        "lock_not_granted": busy,
+        "freed_bytes": freed,
+        "longest_s": round(longest, 4),
+        "longest_lock_s": round(locked, 4),
+        "holding": holding,
+    }
+
+
+class AutoRecycler:
+    """Partition recycling that follows the work of one :class:`DbQueue`: a daemon thread that, every
+    ``interval_s`` in which this process pushed or popped a table-design queue, runs one recycling pass
+    (:func:`recycle_partitions`) on a pooled connection of its own, so that partitions are emptied
+    within about a second of their last message leaving, also while the xmin horizon is held, without a
+    maintenance loop. An idle process sends nothing. A pass costs one catalogue query (the partitions'
+    sizes) and, for each partition of ``min_bytes`` or more outside the generation pushes write now, a
+    check whether it holds a row and, if not, its TRUNCATE (its lock waited for at most
+    ``lock_timeout_s``: pushes and pops queue behind the request that long at most). Stragglers
+    (delayed and failed messages) are moved only after a pass found an old partition still holding a
+    row, and at most every ``MOVE_EVERY`` intervals: moving looks through the old generations' rows,
+    which costs more than the check, and a backlog keeps partitions holding rows for a while. Several
+    processes may recycle one schema at once; they meet only at a partition's lock, and the second
+    finds it empty. A pass that fails is logged and the next one (after more work) tries again:
+    recycling never fails a push or a pop."""
+
+    MOVE_EVERY = 10
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        interval_s: float,
+        move_limit: int,
+        min_bytes: int,
+        lock_timeout_s: float,
+    ) -> None:
+        self._db = db
+        self.interval_s = interval_s
+        self._move_limit = move_limit
+        self._min_bytes = min_bytes
+        self._lock_timeout_s = lock_timeout_s
+        self._active = False
+        self._move_next = True
+        self._last_move = -float("inf")
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        #: Passes run and partitions emptied by this process (for tests and metrics).
+        self.passes = 0
+        self.emptied = 0
+
+    def poke(self) -> None:
+        """Note that this process pushed or popped a table-design queue (a plain attribute write)."""
+        self._active = True
+        if self._thread is None:
+            self._start()
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if self._thread is not None or self._stop.is_set():
+                return
+            self._thread = threading.Thread(
+                target=self._loop, name=f"dbqueue-recycle-{self._db.schema}", daemon=True
+            )
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            if not self._active:
+                continue
+            self._active = False
+            try:
+                self.run_once()
+            except Exception as exc:  # logged; the next pass after more work tries again
+                log.warning("dbqueue partition recycling of schema %r failed: %s", self._db.schema, exc)
+
+    def run_once(self) -> dict[str, Any]:
+        """One pass now, in the calling thread."""
+        now = time.monotonic()
+        move = self._move_next and now - self._last_move >= self.MOVE_EVERY * self.interval_s
+        if move:
+            self._last_move = now
+        out = recycle_partitions(
+            self._db,
+            move_limit=self._move_limit if move else 0,
+            min_bytes=self._min_bytes,
+            lock_timeout_s=self._lock_timeout_s,
+            skip_current=True,
+        )
+        self.passes += 1
+        self.emptied += len(out["emptied"])
+        # Partitions that still hold a row may hold stragglers (moved next pass) or a backlog; partitions
+        # whose lock was not granted are tried again next interval, activity or not.
+        self._move_next = bool(out["holding"])
+        if out["lock_not_granted"] or out["moved"]:
+            self._active = True
+        if out["moved"] or out["emptied"] or out["lock_not_granted"]:
+            log.debug("dbqueue partition recycling of schema %r: %s", self._db.schema, out)
+        return out
+
+    def close(self) -> None:
+        """Stop the thread (a pass in progress finishes first, waited for up to a few seconds)."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)

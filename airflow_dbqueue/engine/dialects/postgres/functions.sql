@@ -403,6 +403,12 @@ BEGIN
         RAISE EXCEPTION 'table_empty_partition runs in a READ COMMITTED transaction of its own'
             USING ERRCODE = 'invalid_transaction_state';
     END IF;
+    -- One emptying of a generation's partitions at a time: two emptyings of one partition would each
+    -- hold the share lock of their first check while asking for the exclusive one, and deadlock. The
+    -- second returns as if the lock was not granted, and its next run tries again.
+    IF NOT pg_try_advisory_xact_lock(hashtext('dbqueue.recycle.' || '{schema}'), p_gen) THEN
+        RETURN NULL;
+    END IF;
     v_part := format('%s.%I', '{schema}', p_table || '_' || p_gen);
     EXECUTE format('SELECT EXISTS (SELECT 1 FROM ONLY %s)', v_part) INTO v_found;
     IF v_found THEN
