@@ -18,6 +18,13 @@ lagging replication slot, a long query or an idle-in-transaction session would: 
 pruning can remove a row version that died meanwhile. Samples then say whether the hold was on; one
 is taken as the hold starts, one just before it is released and one just after.
 
+With ``--rate R`` the producers push R messages a second in all (paced, as a steady load below the
+design's capacity), and the report adds the rates of the minute before the hold, the hold's last
+minute and the minute after it (from a per-second count of pops), and the longest pop a consumer saw:
+
+    python benchmarks/soak.py --design table --rate 5000 --messages 3000000 --batch 100 \
+        --hold-after 120 --hold-for 300 --maintain-every 300
+
 Nothing is lost: producers report the count and a checksum of what they pushed, consumers of what
 they popped, and the run fails (exit 1) unless both agree. The database is ``--dsn``, else
 ``$DBQUEUE_TEST_DSN``, else a throwaway embedded PostgreSQL.
@@ -99,6 +106,8 @@ class Job:
     batch: int
     payload_bytes: int
     messages: int
+    rate: float | None = None
+    """Messages a second each producer pushes (None: as fast as it can)."""
 
 
 def producer(job: Job, index: int, share: int, out: Any, errors: Any) -> None:
@@ -108,7 +117,12 @@ def producer(job: Job, index: int, share: int, out: Any, errors: Any) -> None:
     try:
         with DbQueue(job.dsn, schema=job.schema, pool_size=1) as dbq:
             q = dbq.queue(QUEUE)
+            began = time.monotonic()
             while count < share:
+                if job.rate:  # paced: the batch's messages are due at count / rate seconds from the start
+                    ahead = began + count / job.rate - time.monotonic()
+                    if ahead > 0:
+                        time.sleep(ahead)
                 n = min(batch, share - count)
                 payloads = [make(PAYLOAD_HEADER, fillers, index, count + i) for i in range(n)]
                 q.push_batch(payloads)
@@ -120,13 +134,21 @@ def producer(job: Job, index: int, share: int, out: Any, errors: Any) -> None:
 
 
 def consumer(job: Job, popped: Any, done_pushing: Any, out: Any, errors: Any) -> None:
-    """Pop until every message went through; report (count, checksum) of what was popped."""
+    """Pop until every message went through; report (count, checksum) of what was popped, and the
+    longest pop that returned messages (a waiting pop's wait for a push is not counted: a pop of a
+    ready message that takes long waited for a lock or the machine)."""
     count = total = empty = 0
+    longest = 0.0
     try:  # a waiting pop LISTENs on a connection of its own
         with DbQueue(job.dsn, schema=job.schema, pool_size=2) as dbq:
             q = dbq.queue(QUEUE)
             while True:
-                msgs = q.pop(job.batch, wait=0.5)
+                t0 = time.monotonic()
+                msgs = q.pop(job.batch)
+                if msgs:
+                    longest = max(longest, time.monotonic() - t0)
+                else:
+                    msgs = q.pop(job.batch, wait=0.5)
                 if msgs:
                     empty = 0
                     count += len(msgs)
@@ -139,7 +161,7 @@ def consumer(job: Job, popped: Any, done_pushing: Any, out: Any, errors: Any) ->
                         break
     except Exception as exc:
         errors.put(f"consumer: {type(exc).__name__}: {exc}")
-    out.put(("popped", count, total))
+    out.put(("popped", count, total, longest))
 
 
 def sample(dsn: str, schema: str, tables: tuple[str, ...]) -> dict[str, Any]:
@@ -243,7 +265,14 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912,
         ctx = mp.get_context("spawn")
         popped, done_pushing = ctx.Value("q", 0), ctx.Event()
         out, errors = ctx.Queue(), ctx.Queue()
-        job = Job(dsn, schema, args.batch, args.payload_bytes, args.messages)
+        job = Job(
+            dsn,
+            schema,
+            args.batch,
+            args.payload_bytes,
+            args.messages,
+            args.rate / args.producers if args.rate else None,
+        )
         share, extra = divmod(args.messages, args.producers)
         producers = [
             ctx.Process(target=producer, args=(job, i, share + (i < extra), out, errors))
@@ -265,6 +294,7 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912,
             else None
         )
         hold_seen = False  # the hold's state at the last look: a change takes a sample
+        timeline: list[tuple[float, int]] = []  # (seconds, messages popped), about once a second
 
         def show(s: dict[str, Any]) -> None:
             samples.append(s)
@@ -284,6 +314,9 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912,
             while True:
                 time.sleep(0.2)
                 n = popped.value
+                now_s = time.monotonic() - start
+                if not timeline or now_s - timeline[-1][0] >= 1.0:
+                    timeline.append((round(now_s, 2), n))
                 if not done_pushing.is_set() and not any(p.is_alive() for p in producers):
                     done_pushing.set()
                 if baseline is None and n >= args.baseline:
@@ -327,6 +360,7 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912,
             problems.append(hold.error)
         pushed = [(r[1], r[2]) for r in results if r[0] == "pushed"]
         got = [(r[1], r[2]) for r in results if r[0] == "popped"]
+        longest_pop = max((r[3] for r in results if r[0] == "popped"), default=None)
         stats = dbq.queue(QUEUE).stats()
         left = stats.ready + stats.delayed + stats.in_flight + stats.failed
         dbq.uninstall()
@@ -341,6 +375,14 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912,
             "hold_ended_s": hold.ended_s,
             "hold_xmin_age": hold.xmin_age,
         }
+        if hold.started_s is not None and hold.ended_s is not None:
+            on, off = hold.started_s, hold.ended_s
+            minute = min(60.0, off - on)
+            held["rate_before_hold"] = window_rate(timeline, on - minute, on)
+            held["rate_hold_last_minute"] = window_rate(timeline, off - minute, off)
+            held["rate_after_hold"] = window_rate(timeline, off, off + minute)
+            before, last = held["rate_before_hold"], held["rate_hold_last_minute"]
+            held["hold_kept"] = round(last / before, 3) if before and last is not None else None
     return {
         "design": args.design,
         "capacity": args.capacity if args.design == "ring" else None,
@@ -356,6 +398,9 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912,
         "cycles_per_s": round(counted["popped"] / elapsed, 1) if elapsed else None,
         "baseline": baseline,
         "samples": samples,
+        "rate": args.rate,
+        "longest_pop_s": None if longest_pop is None else round(longest_pop, 4),
+        "timeline": timeline,
         "final_size_ratio": (
             round(samples[-1]["total_bytes"] / baseline["total_bytes"], 3)
             if samples and baseline and baseline["total_bytes"]
@@ -363,6 +408,15 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912,
         ),
         **held,
     }
+
+
+def window_rate(timeline: list[tuple[float, int]], since: float, until: float) -> float | None:
+    """Messages popped a second between ``since`` and ``until`` seconds into the soak, from the
+    timeline's points nearest inside the window (None: fewer than two points in it)."""
+    inside = [(t, n) for t, n in timeline if since <= t <= until]
+    if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+        return None
+    return round((inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0]), 1)
 
 
 def report_row(s: dict[str, Any], baseline: dict[str, Any] | None, holding: bool = False) -> str:
@@ -404,6 +458,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "seconds into the soak (with --hold-for)",
     )
     ap.add_argument("--hold-for", type=float, help="... for this many seconds")
+    ap.add_argument(
+        "--rate",
+        type=float,
+        help="messages a second the producers push in all (paced; default: as fast as they can)",
+    )
     ap.add_argument("--dsn")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args(argv)
@@ -413,6 +472,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--hold-after must be >= 0 and --hold-for > 0")
     if min(args.messages, args.producers, args.consumers, args.batch, args.report_every) < 1:
         ap.error("--messages, --producers, --consumers, --batch and --report-every must be >= 1")
+    if args.rate is not None and args.rate <= 0:
+        ap.error("--rate must be > 0 (messages a second)")
     if args.payload_bytes < 16:
         ap.error("--payload-bytes must be >= 16 (a payload carries its producer and number)")
     return args
@@ -447,8 +508,14 @@ def main(argv: list[str] | None = None) -> int:
             f"checksum {'equal' if result['checksum_ok'] else 'DIFFERENT'}; "
             f"lost {result['lost']}, duplicated {result['duplicated']}; "
             f"size after {b['messages'] if b else '-'} messages {b['total_bytes'] / 1e6 if b else 0:.2f} MB, "
-            f"at the end x{result['final_size_ratio']}"
+            f"at the end x{result['final_size_ratio']}; longest pop {result['longest_pop_s']} s"
         )
+        if result.get("rate_before_hold") is not None:
+            print(
+                f"msg/s: the minute before the hold {result['rate_before_hold']:,}, its last minute "
+                f"{result['rate_hold_last_minute']}, the minute after {result['rate_after_hold']} "
+                f"(kept {result['hold_kept']})"
+            )
         for e in result["errors"]:
             print(f"error: {e}")
     return 0 if ok else 1
