@@ -179,8 +179,19 @@ def sample(dsn: str, schema: str, tables: tuple[str, ...]) -> dict[str, Any]:
             "  WHERE p.relnamespace = n.oid AND p.relname = ANY (%s)))",
             (schema, list(tables), list(tables)),
         ).fetchone()
+        by_table = conn.execute(
+            "SELECT t, coalesce(sum(pg_total_relation_size(p.relid)), 0) FROM unnest(%s::text[]) AS t "
+            "CROSS JOIN LATERAL pg_partition_tree(format('%%I.%%I', %s::text, t)::regclass) AS p GROUP BY t",
+            (list(tables), schema),
+        ).fetchall()
     heap, total, upd, hot, dead = (int(x or 0) for x in row) if row else (0, 0, 0, 0, 0)
-    return {"heap_bytes": heap, "total_bytes": total, "hot_ratio": hot / upd if upd else None, "dead": dead}
+    return {
+        "heap_bytes": heap,
+        "total_bytes": total,
+        "hot_ratio": hot / upd if upd else None,
+        "dead": dead,
+        "table_bytes": {str(t): int(b) for t, b in by_table},
+    }
 
 
 class Hold(threading.Thread):
@@ -294,7 +305,16 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912,
             else None
         )
         hold_seen = False  # the hold's state at the last look: a change takes a sample
-        timeline: list[tuple[float, int]] = []  # (seconds, messages popped), about once a second
+        # (seconds, messages popped) once a second, from a thread of its own: the main loop stops for
+        # as long as a maintenance run takes (minutes, after a hold).
+        timeline: list[tuple[float, int]] = []
+        ticking = threading.Event()
+
+        def tick() -> None:
+            while not ticking.wait(max(0.0, start + len(timeline) - time.monotonic())):
+                timeline.append((round(time.monotonic() - start, 2), popped.value))
+
+        ticker = threading.Thread(target=tick, name="soak-timeline", daemon=True)
 
         def show(s: dict[str, Any]) -> None:
             samples.append(s)
@@ -308,15 +328,13 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912,
 
         for p in [*producers, *consumers]:
             p.start()
+        ticker.start()
         if hold is not None:
             hold.start()
         try:
             while True:
                 time.sleep(0.2)
                 n = popped.value
-                now_s = time.monotonic() - start
-                if not timeline or now_s - timeline[-1][0] >= 1.0:
-                    timeline.append((round(now_s, 2), n))
                 if not done_pushing.is_set() and not any(p.is_alive() for p in producers):
                     done_pushing.set()
                 if baseline is None and n >= args.baseline:
@@ -341,6 +359,8 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912,
                 if finished:
                     break
         finally:
+            ticking.set()
+            ticker.join(5)
             if hold is not None:
                 hold.release()
             for p in [*producers, *consumers]:

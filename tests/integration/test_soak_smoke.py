@@ -81,8 +81,8 @@ def test_table_soak_short_with_maintenance(pg_dsn: str) -> None:
 def test_soak_with_a_held_horizon(pg_dsn: str, design: str) -> None:
     """--hold-after 0 --hold-for 5: a REPEATABLE READ snapshot held from the start for 5 s (or until
     the soak ends, if sooner). Every message still comes through once; the samples say when the hold
-    was on; the samples taken while it held show dead tuples (nothing could remove them) and the samples
-    after it say the hold is off; the hold saw other transactions after its snapshot. The
+    was on; the ring's samples taken while it held show dead tuples (nothing could remove them) and the
+    samples after it say the hold is off; the hold saw other transactions after its snapshot. The
     table design's maintenance runs meanwhile (its online rebuilds wait for the hold). The workers
     take a second or two to start and their backends report dead tuples about once a second, so the
     hold lasts 5 s, long enough for them to report while it holds. (about 10 s each)"""
@@ -97,9 +97,11 @@ def test_soak_with_a_held_horizon(pg_dsn: str, design: str) -> None:
     assert r["hold_xmin_age"] is not None and r["hold_xmin_age"] > 0
     holds = [s["hold"] for s in r["samples"]]
     assert True in holds and holds[-1] is False, holds
-    # Dead tuples show while the hold is on (the table design's maintenance may empty a partition, and
-    # its dead rows with it, between two samples, so any held sample may be the one that shows them).
-    assert max(s["dead"] for s in r["samples"] if s["hold"]) > 0, r["samples"]
+    # The ring's dead tuples show while the hold is on. The table design's consumers empty each
+    # consumed partition with its dead rows within about a second (their DbQueue's recycling), so no
+    # sample of it need show any: the hold's xmin age above says it held.
+    if design == "ring":
+        assert max(s["dead"] for s in r["samples"] if s["hold"]) > 0, r["samples"]
     assert r["samples"][-1]["messages"] == 60000
     refused = subprocess.run(
         [sys.executable, str(SOAK_PY), "--hold-for", "3"], capture_output=True, text=True, check=False
