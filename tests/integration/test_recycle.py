@@ -8,6 +8,7 @@ exactly once (counted and checksummed)."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from typing import Any
@@ -267,3 +268,42 @@ def test_passes_of_several_processes_at_once_never_deadlock(dbq: DbQueue) -> Non
     assert errors == []
     assert busy, "the passes never met at a partition: the test did not race them"
     assert len(got) == len(sent) and checksum(got) == checksum(sent)
+
+
+def engine_sessions(pg_dsn: str) -> int:
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        row = c.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'airflow-dbqueue' "
+            "AND datname = current_database()"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def test_a_dbqueue_let_go_without_close_does_not_stay_open_for_its_recycling(
+    pg_dsn: str, schema_name: str
+) -> None:
+    """The recycling thread holds its DbQueue's pool weakly: a DbQueue that pushed and popped (so its
+    thread runs) and was let go without close() is collected with its pool, whose sessions end, and
+    the thread ends with it (a strong reference kept one session open for the life of the process)."""
+    with DbQueue(pg_dsn, schema=schema_name) as admin:
+        admin.install()
+        admin.create_queue("let_go")
+        before = engine_sessions(pg_dsn) - 1  # the admin's own session
+
+        def use() -> threading.Thread | None:
+            dbq = DbQueue(pg_dsn, schema=schema_name, recycle_interval=0.1)
+            q = dbq.queue("let_go")
+            q.push_batch([{"n": 1}, {"n": 2}])
+            assert checksum(m.payload for m in q.pop(2)) == checksum([{"n": 1}, {"n": 2}])
+            assert dbq.recycler is not None
+            return dbq.recycler._thread
+
+        thread = use()
+        assert thread is not None
+        deadline = time.monotonic() + 10
+        while (thread.is_alive() or engine_sessions(pg_dsn) - 1 > before) and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.1)
+        assert not thread.is_alive()
+        assert engine_sessions(pg_dsn) - 1 == before
+        admin.uninstall()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from typing import Any
 
 from airflow_dbqueue.engine.dialects.base import Database
@@ -121,7 +122,10 @@ class AutoRecycler:
         min_bytes: int,
         lock_timeout_s: float,
     ) -> None:
-        self._db = db
+        # A weak reference: the thread must not keep a DbQueue's pool open after its owner let it go
+        # without closing it (the pool is closed when it is collected, and the thread then ends).
+        self._db = weakref.ref(db)
+        self._schema = db.schema
         self.interval_s = interval_s
         self._move_limit = move_limit
         self._min_bytes = min_bytes
@@ -147,28 +151,33 @@ class AutoRecycler:
             if self._thread is not None or self._stop.is_set():
                 return
             self._thread = threading.Thread(
-                target=self._loop, name=f"dbqueue-recycle-{self._db.schema}", daemon=True
+                target=self._loop, name=f"dbqueue-recycle-{self._schema}", daemon=True
             )
             self._thread.start()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
+            if self._db() is None:
+                return
             if not self._active:
                 continue
             self._active = False
             try:
                 self.run_once()
             except Exception as exc:  # logged; the next pass after more work tries again
-                log.warning("dbqueue partition recycling of schema %r failed: %s", self._db.schema, exc)
+                log.warning("dbqueue partition recycling of schema %r failed: %s", self._schema, exc)
 
     def run_once(self) -> dict[str, Any]:
         """One pass now, in the calling thread."""
+        db = self._db()
+        if db is None:
+            return {"skipped": "the DbQueue was closed"}
         now = time.monotonic()
         move = self._move_next and now - self._last_move >= self.MOVE_EVERY * self.interval_s
         if move:
             self._last_move = now
         out = recycle_partitions(
-            self._db,
+            db,
             move_limit=self._move_limit if move else 0,
             min_bytes=self._min_bytes,
             lock_timeout_s=self._lock_timeout_s,
@@ -182,7 +191,7 @@ class AutoRecycler:
         if out["lock_not_granted"] or out["moved"]:
             self._active = True
         if out["moved"] or out["emptied"] or out["lock_not_granted"]:
-            log.debug("dbqueue partition recycling of schema %r: %s", self._db.schema, out)
+            log.debug("dbqueue partition recycling of schema %r: %s", self._schema, out)
         return out
 
     def close(self) -> None:
