@@ -45,6 +45,10 @@ COUNT_CAP = 1_000_000
 """Where a count of ready messages stops (a readiness check never counts a deep queue to its end)."""
 
 
+RECHECK_FIRST = 0.002
+"""The first pause of a waiting pop that found nothing while a push was in progress; it doubles up to
+the poll interval while pushes stay in progress."""
+
 SPIN_PAUSES = (0.0, 0.001, 0.002, 0.005)
 """The first pauses of a polling wait: a short spin, for a message pushed a moment later."""
 
@@ -202,6 +206,8 @@ class Queue(abc.ABC):
         )
         who = consumer or DEFAULT_CONSUMER
         msgs = self._pop_once(n, sem, vt, who, conn)
+        if msgs:
+            self._took(conn)
         if msgs or wait <= 0:
             return msgs
         return self._pop_waiting(
@@ -239,6 +245,8 @@ class Queue(abc.ABC):
                 "or exactly once; pop at least once with pop()"
             )
         got = self._pop_payloads_once(n, sem, conn)
+        if got:
+            self._took(conn)
         if got or wait <= 0:
             return got
         return self._pop_waiting(
@@ -294,15 +302,37 @@ class Queue(abc.ABC):
                 got = take()
             return got
         with self._db.listening(self._db.channel(self.settings.queue_id)) as listener:
-            # LISTEN is in place before this check, so a push committed after it wakes us (or another
-            # waiter of this queue, which passes the wake on once it took something).
-            got = take()
-            while not got and (left := deadline - time.monotonic()) > 0:
-                listener.wait(min(poll, left, self._until_due(poll)))
+            # LISTEN is in place before the first check, so a push committed after it wakes us (or
+            # another waiter of this queue, which passes the wake on once it took something). Each
+            # check first asks whether a push is in progress: one that saw a message ready that a pop
+            # has taken since sends no NOTIFY under notify="auto". With none in progress, every push
+            # begun before the question is committed and the check sees it; with one, the waiter looks
+            # again soon (backing off) rather than leave its message to the poll.
+            pause = RECHECK_FIRST
+            while True:
+                pushing, due = self._wait_state(poll)
                 got = take()
+                if got or (left := deadline - time.monotonic()) <= 0:
+                    break
+                if pushing:
+                    listener.wait(min(pause, left))
+                    pause = min(2 * pause, poll)
+                elif listener.polls:
+                    listener.wait(min(poll, left, due))
+                    pause = RECHECK_FIRST
+                else:  # the channel's poller looks every poll and when a delayed message is due
+                    listener.wait(left)
+                    pause = RECHECK_FIRST
             if got:
                 listener.pass_on()  # more may be ready, and a push into a busy queue sends no NOTIFY
         return got
+
+    def _took(self, conn: DbConnection | None) -> None:
+        """After a pop that waited for nothing took messages: hand a wake to one waiting pop of this
+        queue in this process, as a waiter that took something does (a push into the queue while the
+        messages taken were ready sent no NOTIFY under notify="auto"). Nothing when nobody waits."""
+        if conn is None and self._db.supports_notify and self.settings.notify is not NotifyMode.NEVER:
+            self._db.wake_waiter(self._db.channel(self.settings.queue_id))
 
     def group(self, name: str | None) -> Queue:
         """Return the handle of this queue's consumer group ``name``, whose pops, acks, nacks, stats and
@@ -340,9 +370,11 @@ class Queue(abc.ABC):
             "ring design"
         )
 
-    def _until_due(self, default: float) -> float:
-        """Seconds until the next delayed message is due (``default`` when none is delayed)."""
-        return default
+    def _wait_state(self, default: float) -> tuple[bool, float]:
+        """What a waiting pop that found nothing asks before it waits: whether a push into this queue
+        may be in progress (one that may send no NOTIFY), and the seconds until the next delayed
+        message is due (``default`` when none is delayed). Designs that can tell override it."""
+        return False, default
 
     def _require_transaction(self, conn: DbConnection | None) -> None:
         if conn is None:
