@@ -7,6 +7,7 @@ import datetime as dt
 import math
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -93,6 +94,8 @@ class Queue(abc.ABC):
     reclaim_every: float
     """Seconds between the reclaims of expired leases that pops run first (at most this often)."""
     _may: frozenset[str] | None = None
+    _waited = False
+    """Whether the last pop of this handle waited on the listening connection (a hint, shared by threads)."""
     """The actions the connection's role may take on this queue (None: every one, as its owner)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -103,6 +106,9 @@ class Queue(abc.ABC):
         self._db = db
         self.settings = settings
         self.name = settings.name
+        # One waiting pop of this handle asks whether a push is in progress at a time: the question
+        # holds the queue's push lock for an instant, and two at once would each see the other's.
+        self._asking = threading.Lock()
 
     def restrict(self, actions: frozenset[str] | None) -> None:
         """Let this handle take only ``actions`` (None: every action), as the role may."""
@@ -205,14 +211,7 @@ class Queue(abc.ABC):
             conn=conn,
         )
         who = consumer or DEFAULT_CONSUMER
-        msgs = self._pop_once(n, sem, vt, who, conn)
-        if msgs:
-            self._took(conn)
-        if msgs or wait <= 0:
-            return msgs
-        return self._pop_waiting(
-            lambda: self._pop_once(n, sem, vt, who, conn), conn, deadline=time.monotonic() + wait, poll=poll
-        )
+        return self._pop_or_wait(lambda: self._pop_once(n, sem, vt, who, conn), conn, wait=wait, poll=poll)
 
     def pop_payloads(
         self,
@@ -244,14 +243,7 @@ class Queue(abc.ABC):
                 f"queue {self.name!r}: pop_payloads returns no receipts to ack, so it pops at most once "
                 "or exactly once; pop at least once with pop()"
             )
-        got = self._pop_payloads_once(n, sem, conn)
-        if got:
-            self._took(conn)
-        if got or wait <= 0:
-            return got
-        return self._pop_waiting(
-            lambda: self._pop_payloads_once(n, sem, conn), conn, deadline=time.monotonic() + wait, poll=poll
-        )
+        return self._pop_or_wait(lambda: self._pop_payloads_once(n, sem, conn), conn, wait=wait, poll=poll)
 
     def _pop_arguments(
         self,
@@ -279,6 +271,30 @@ class Queue(abc.ABC):
         )
         return sem, n, vt, wait, max(0.01, poll_interval)
 
+    def _pop_or_wait(
+        self, take: Callable[[], list[_T]], conn: DbConnection | None, *, wait: float, poll: float
+    ) -> list[_T]:
+        """Call ``take``; when it finds nothing, wait up to ``wait`` seconds for something to take.
+
+        A pop that will wait on the listening connection, on a handle whose last pop waited there,
+        registers before its first look instead (:meth:`_pop_waiting` looks at once): a consumer that
+        waits pop after pop then looks once a pop where it would look twice."""
+        deadline = time.monotonic() + wait
+        notified = wait > 0 and self._notified(conn)
+        if not (notified and self._waited):
+            got = take()
+            if got:
+                self._waited = False
+                self._took(conn)
+            if got or wait <= 0:
+                return got
+        self._waited = notified
+        return self._pop_waiting(take, conn, deadline=deadline, poll=poll)
+
+    def _notified(self, conn: DbConnection | None) -> bool:
+        """Whether a pop waits on the listening connection (woken by NOTIFY), not by polling alone."""
+        return conn is None and self._db.supports_notify and self.settings.notify is not NotifyMode.NEVER
+
     def _pop_waiting(
         self, take: Callable[[], list[_T]], conn: DbConnection | None, *, deadline: float, poll: float
     ) -> list[_T]:
@@ -296,11 +312,16 @@ class Queue(abc.ABC):
                 if got := take():
                     break
             return got
-        if conn is not None or self.settings.notify is NotifyMode.NEVER:
+        if not self._notified(conn):
             while not got and (left := deadline - time.monotonic()) > 0:
                 time.sleep(min(poll, left))
                 got = take()
             return got
+        return self._wait_listening(take, deadline=deadline, poll=poll)
+
+    def _wait_listening(self, take: Callable[[], list[_T]], *, deadline: float, poll: float) -> list[_T]:
+        """:meth:`_pop_waiting` on the listening connection: woken by a NOTIFY, or a wake passed on."""
+        got: list[_T] = []
         with self._db.listening(self._db.channel(self.settings.queue_id)) as listener:
             # LISTEN is in place before the first check, so a push committed after it wakes us (or
             # another waiter of this queue, which passes the wake on once it took something). Each
@@ -309,9 +330,12 @@ class Queue(abc.ABC):
             # begun before the question is committed and the check sees it; with one, the waiter looks
             # again soon (backing off) rather than leave its message to the poll.
             pause = RECHECK_FIRST
+            looks = 0
             while True:
-                pushing, due = self._wait_state(poll)
+                with self._asking:
+                    pushing, due = self._wait_state(poll)
                 got = take()
+                looks += 1
                 if got or (left := deadline - time.monotonic()) <= 0:
                     break
                 if pushing:
@@ -325,13 +349,15 @@ class Queue(abc.ABC):
                     pause = RECHECK_FIRST
             if got:
                 listener.pass_on()  # more may be ready, and a push into a busy queue sends no NOTIFY
+                if looks == 1:
+                    self._waited = False  # found at once: the queue is busy, the next pop looks first
         return got
 
     def _took(self, conn: DbConnection | None) -> None:
         """After a pop that waited for nothing took messages: hand a wake to one waiting pop of this
         queue in this process, as a waiter that took something does (a push into the queue while the
         messages taken were ready sent no NOTIFY under notify="auto"). Nothing when nobody waits."""
-        if conn is None and self._db.supports_notify and self.settings.notify is not NotifyMode.NEVER:
+        if self._notified(conn):
             self._db.wake_waiter(self._db.channel(self.settings.queue_id))
 
     def group(self, name: str | None) -> Queue:
