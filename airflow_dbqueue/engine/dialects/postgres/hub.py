@@ -1,17 +1,18 @@
 """One listening connection for every waiting pop of a :class:`PostgresDatabase`.
 
-A waiting pop used to LISTEN on a connection of its own for its whole wait: fifty waiting threads held
-fifty connections (and on the default pool of ten, most of them failed), and every NOTIFY woke all of
-them. Here one connection per database object LISTENs on each channel that somebody waits on, and a
-thread of its own reads the notifications and hands each to **one** waiter of its channel, through an
-in-process event. A waiter that was woken and took messages passes the wake on to the next waiter
-(:meth:`Waiter.pass_on`): a push of many messages sends one NOTIFY, and the waiters take them a batch
-each, one after the other, instead of all at once or after their poll. A wake given to a waiter that
-leaves without using it goes to the next one, so none is lost.
+One connection per database object LISTENs on each channel that somebody waits on (from the first
+waiter of the channel until the hub closes), and a thread of its own reads the notifications and hands
+each to **one** waiter of its channel, through an in-process event: a wait holds none of the pool's
+connections, and a NOTIFY wakes one waiter, not all of them. A waiter that was woken and took messages
+passes the wake on to the next waiter (:meth:`Waiter.pass_on`): a push of many messages sends one
+NOTIFY, and the waiters take them a batch each, one after the other, instead of all at once or after
+their poll. A wake given to a waiter that leaves without using it goes to the next one, so none is
+lost. One waiter of each channel polls (:attr:`Waiter.polls`) as the fallback; the others wait for a
+wake alone, so that many waiters do not each poll.
 
 The connection is a session of its own (``listen_dsn``, or the engine's DSN when it keeps sessions).
 When it breaks, every waiter is woken to look at its queue again (a NOTIFY may have been missed), and
-the next waiter that arrives connects anew; meanwhile waiters fall back to their poll.
+the next waiter that arrives connects anew; meanwhile every waiter polls.
 """
 
 from __future__ import annotations
