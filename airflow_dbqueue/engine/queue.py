@@ -333,7 +333,7 @@ class Queue(abc.ABC):
             looks = 0
             while True:
                 with self._asking:
-                    pushing, due = self._wait_state(poll)
+                    pushing = self._pushing()
                 got = take()
                 looks += 1
                 if got or (left := deadline - time.monotonic()) <= 0:
@@ -342,7 +342,7 @@ class Queue(abc.ABC):
                     listener.wait(min(pause, left))
                     pause = min(2 * pause, poll)
                 elif listener.polls:
-                    listener.wait(min(poll, left, due))
+                    listener.wait(min(poll, left, self._until_due(poll)))
                     pause = RECHECK_FIRST
                 else:  # the channel's poller looks every poll and when a delayed message is due
                     listener.wait(left)
@@ -396,11 +396,14 @@ class Queue(abc.ABC):
             "ring design"
         )
 
-    def _wait_state(self, default: float) -> tuple[bool, float]:
-        """What a waiting pop that found nothing asks before it waits: whether a push into this queue
-        may be in progress (one that may send no NOTIFY), and the seconds until the next delayed
-        message is due (``default`` when none is delayed). Designs that can tell override it."""
-        return False, default
+    def _pushing(self) -> bool:
+        """Whether a push into this queue may be in progress (one that may send no NOTIFY), which a
+        waiting pop asks before each look. Designs that can tell override it."""
+        return False
+
+    def _until_due(self, default: float) -> float:
+        """Seconds until the next delayed message is due (``default`` when none is delayed)."""
+        return default
 
     def _require_transaction(self, conn: DbConnection | None) -> None:
         if conn is None:

@@ -146,12 +146,15 @@ class TableQueue(Queue):
             ids, self.name, payloads, priorities, attempts, deliveries, enqueued, until
         )
 
-    def _wait_state(self, default: float) -> tuple[bool, float]:
-        row = self._db.fetchone("wait_state", {"queue_id": self._qid})
-        if row is None:
-            return False, default
-        pushing, due = row
-        return bool(pushing), default if due is None else max(0.01, min(default, float(due)))
+    def _pushing(self) -> bool:
+        row = self._db.fetchone("pushing", {"queue_id": self._qid})
+        return bool(row and row[0])
+
+    def _until_due(self, default: float) -> float:
+        row = self._db.fetchone("next_due", {"queue_id": self._qid})
+        if row is None or row[0] is None:
+            return default
+        return max(0.01, min(default, float(row[0])))
 
     # -- finish ------------------------------------------------------------------------------------
 

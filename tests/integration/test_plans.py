@@ -88,7 +88,7 @@ def test_only_calls_of_the_schemas_functions_are_prepared_and_they_run_generic_p
             assert ring.pop(100, conn=c) == []
             assert ring.pop(1, conn=c) == []
             assert table.pop_payloads(100, conn=c) == ring.pop_payloads(100, conn=c) == []
-            dbq.db.fetchall("wait_state", {"queue_id": table.settings.queue_id}, c)  # type: ignore[attr-defined]
+            dbq.db.fetchall("next_due", {"queue_id": table.settings.queue_id}, c)  # type: ignore[attr-defined]
             table.push({"i": i}, conn=c)
             [m] = table.pop(1, semantics="at-least-once", conn=c)
             table.nack([m], conn=c)

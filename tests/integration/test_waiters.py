@@ -191,13 +191,13 @@ def test_a_push_at_a_waiters_registration_reaches_it_without_the_poll(
 
         monkeypatch.setattr(hub.NotifyHub, "waiting", waiting)
     else:
-        real_state = type(q)._wait_state
+        real_pushing = type(q)._pushing
 
-        def wait_state(self: Queue, default: float) -> tuple[bool, float]:
+        def pushing(self: Queue) -> bool:
             push_once()
-            return real_state(self, default)  # type: ignore[arg-type]
+            return real_pushing(self)
 
-        monkeypatch.setattr(type(q), "_wait_state", wait_state)
+        monkeypatch.setattr(type(q), "_pushing", pushing)
     start = time.monotonic()
     got = q.pop(1, wait=10, poll_interval=POLL_S)
     took = time.monotonic() - start

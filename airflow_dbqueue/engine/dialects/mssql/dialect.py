@@ -102,7 +102,7 @@ POSTGRES_ONLY: dict[str, str] = {
     **{
         name: "a waiting pop's look for pushes in progress (a push that may not NOTIFY) is the LISTEN/NOTIFY "
         "wait's; SQL Server has no NOTIFY, and its waiting pops poll"
-        for name in ("wait_state", "ring_pushing")
+        for name in ("pushing", "ring_pushing")
     },
     **{
         name: "per-queue grants are PostgreSQL's (row-level security and the privileges each grant gives a "

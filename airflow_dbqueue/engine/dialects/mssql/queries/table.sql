@@ -215,6 +215,11 @@ SELECT count(*) FROM (
         WHERE queue_id = %(queue_id)s AND state = 1 AND lease_until <= SYSUTCDATETIME()
           AND attempts < %(max_attempts)s AND priority >= %(min_priority)s) u) s
 
+-- name: next_due
+-- Seconds until the earliest delayed message becomes ready (NULL when none is delayed).
+SELECT DATEDIFF_BIG(microsecond, SYSUTCDATETIME(), min(process_at)) / 1e6 FROM {schema}.meta
+WHERE queue_id = %(queue_id)s AND state = 0 AND process_at > SYSUTCDATETIME()
+
 -- name: stats
 SET NOCOUNT ON;
 DECLARE @now datetime2(6) = SYSUTCDATETIME();
