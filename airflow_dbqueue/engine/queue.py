@@ -7,6 +7,7 @@ import datetime as dt
 import math
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -44,6 +45,10 @@ RECLAIM_LIMIT = 10_000
 COUNT_CAP = 1_000_000
 """Where a count of ready messages stops (a readiness check never counts a deep queue to its end)."""
 
+
+RECHECK_FIRST = 0.002
+"""The first pause of a waiting pop that found nothing while a push was in progress; it doubles up to
+the poll interval while pushes stay in progress."""
 
 SPIN_PAUSES = (0.0, 0.001, 0.002, 0.005)
 """The first pauses of a polling wait: a short spin, for a message pushed a moment later."""
@@ -89,6 +94,8 @@ class Queue(abc.ABC):
     reclaim_every: float
     """Seconds between the reclaims of expired leases that pops run first (at most this often)."""
     _may: frozenset[str] | None = None
+    _waited = False
+    """Whether the last pop of this handle waited on the listening connection (a hint, shared by threads)."""
     """The actions the connection's role may take on this queue (None: every one, as its owner)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -99,6 +106,9 @@ class Queue(abc.ABC):
         self._db = db
         self.settings = settings
         self.name = settings.name
+        # One waiting pop of this handle asks whether a push is in progress at a time: the question
+        # holds the queue's push lock for an instant, and two at once would each see the other's.
+        self._asking = threading.Lock()
 
     def restrict(self, actions: frozenset[str] | None) -> None:
         """Let this handle take only ``actions`` (None: every action), as the role may."""
@@ -201,12 +211,7 @@ class Queue(abc.ABC):
             conn=conn,
         )
         who = consumer or DEFAULT_CONSUMER
-        msgs = self._pop_once(n, sem, vt, who, conn)
-        if msgs or wait <= 0:
-            return msgs
-        return self._pop_waiting(
-            lambda: self._pop_once(n, sem, vt, who, conn), conn, deadline=time.monotonic() + wait, poll=poll
-        )
+        return self._pop_or_wait(lambda: self._pop_once(n, sem, vt, who, conn), conn, wait=wait, poll=poll)
 
     def pop_payloads(
         self,
@@ -238,12 +243,7 @@ class Queue(abc.ABC):
                 f"queue {self.name!r}: pop_payloads returns no receipts to ack, so it pops at most once "
                 "or exactly once; pop at least once with pop()"
             )
-        got = self._pop_payloads_once(n, sem, conn)
-        if got or wait <= 0:
-            return got
-        return self._pop_waiting(
-            lambda: self._pop_payloads_once(n, sem, conn), conn, deadline=time.monotonic() + wait, poll=poll
-        )
+        return self._pop_or_wait(lambda: self._pop_payloads_once(n, sem, conn), conn, wait=wait, poll=poll)
 
     def _pop_arguments(
         self,
@@ -271,6 +271,30 @@ class Queue(abc.ABC):
         )
         return sem, n, vt, wait, max(0.01, poll_interval)
 
+    def _pop_or_wait(
+        self, take: Callable[[], list[_T]], conn: DbConnection | None, *, wait: float, poll: float
+    ) -> list[_T]:
+        """Call ``take``; when it finds nothing, wait up to ``wait`` seconds for something to take.
+
+        A pop that will wait on the listening connection, on a handle whose last pop waited there,
+        registers before its first look instead (:meth:`_pop_waiting` looks at once): a consumer that
+        waits pop after pop then looks once a pop where it would look twice."""
+        deadline = time.monotonic() + wait
+        notified = wait > 0 and self._notified(conn)
+        if not (notified and self._waited):
+            got = take()
+            if got:
+                self._waited = False
+                self._took(conn)
+            if got or wait <= 0:
+                return got
+        self._waited = notified
+        return self._pop_waiting(take, conn, deadline=deadline, poll=poll)
+
+    def _notified(self, conn: DbConnection | None) -> bool:
+        """Whether a pop waits on the listening connection (woken by NOTIFY), not by polling alone."""
+        return conn is None and self._db.supports_notify and self.settings.notify is not NotifyMode.NEVER
+
     def _pop_waiting(
         self, take: Callable[[], list[_T]], conn: DbConnection | None, *, deadline: float, poll: float
     ) -> list[_T]:
@@ -288,21 +312,53 @@ class Queue(abc.ABC):
                 if got := take():
                     break
             return got
-        if conn is not None or self.settings.notify is NotifyMode.NEVER:
+        if not self._notified(conn):
             while not got and (left := deadline - time.monotonic()) > 0:
                 time.sleep(min(poll, left))
                 got = take()
             return got
+        return self._wait_listening(take, deadline=deadline, poll=poll)
+
+    def _wait_listening(self, take: Callable[[], list[_T]], *, deadline: float, poll: float) -> list[_T]:
+        """:meth:`_pop_waiting` on the listening connection: woken by a NOTIFY, or a wake passed on."""
+        got: list[_T] = []
         with self._db.listening(self._db.channel(self.settings.queue_id)) as listener:
-            # LISTEN is in place before this check, so a push committed after it wakes us (or another
-            # waiter of this queue, which passes the wake on once it took something).
-            got = take()
-            while not got and (left := deadline - time.monotonic()) > 0:
-                listener.wait(min(poll, left, self._until_due(poll)))
+            # LISTEN is in place before the first check, so a push committed after it wakes us (or
+            # another waiter of this queue, which passes the wake on once it took something). Each
+            # check first asks whether a push is in progress: one that saw a message ready that a pop
+            # has taken since sends no NOTIFY under notify="auto". With none in progress, every push
+            # begun before the question is committed and the check sees it; with one, the waiter looks
+            # again soon (backing off) rather than leave its message to the poll.
+            pause = RECHECK_FIRST
+            looks = 0
+            while True:
+                with self._asking:
+                    pushing = self._pushing()
                 got = take()
+                looks += 1
+                if got or (left := deadline - time.monotonic()) <= 0:
+                    break
+                if pushing:
+                    listener.wait(min(pause, left))
+                    pause = min(2 * pause, poll)
+                elif listener.polls:
+                    listener.wait(min(poll, left, self._until_due(poll)))
+                    pause = RECHECK_FIRST
+                else:  # the channel's poller looks every poll and when a delayed message is due
+                    listener.wait(left)
+                    pause = RECHECK_FIRST
             if got:
                 listener.pass_on()  # more may be ready, and a push into a busy queue sends no NOTIFY
+                if looks == 1:
+                    self._waited = False  # found at once: the queue is busy, the next pop looks first
         return got
+
+    def _took(self, conn: DbConnection | None) -> None:
+        """After a pop that waited for nothing took messages: hand a wake to one waiting pop of this
+        queue in this process, as a waiter that took something does (a push into the queue while the
+        messages taken were ready sent no NOTIFY under notify="auto"). Nothing when nobody waits."""
+        if self._notified(conn):
+            self._db.wake_waiter(self._db.channel(self.settings.queue_id))
 
     def group(self, name: str | None) -> Queue:
         """Return the handle of this queue's consumer group ``name``, whose pops, acks, nacks, stats and
@@ -339,6 +395,11 @@ class Queue(abc.ABC):
             f"queue {self.name!r} is a {self.settings.design} queue: consumer groups ({call}) need the "
             "ring design"
         )
+
+    def _pushing(self) -> bool:
+        """Whether a push into this queue may be in progress (one that may send no NOTIFY), which a
+        waiting pop asks before each look. Designs that can tell override it."""
+        return False
 
     def _until_due(self, default: float) -> float:
         """Seconds until the next delayed message is due (``default`` when none is delayed)."""

@@ -116,6 +116,10 @@ class RingBase(Queue):
         self.reclaim_every = min(1.0, settings.visibility_timeout_s / 2)
         self._root = cast("Self", self)  # a group's handle: its ring's default handle (RingQueue.group)
 
+    def _pushing(self) -> bool:
+        row = self._db.fetchone("ring_pushing", {"queue_id": self._qid, "group": self._gid})
+        return bool(row and row[0])
+
     @contextlib.contextmanager
     def _or_gone(self) -> Iterator[None]:
         """Run a read of the ring's tables; when it fails (a ring dropped meanwhile takes its tables'

@@ -156,6 +156,10 @@ class TableQueue(Queue):
             ids, self.name, payloads, priorities, attempts, deliveries, enqueued, until
         )
 
+    def _pushing(self) -> bool:
+        row = self._db.fetchone("pushing", {"queue_id": self._qid})
+        return bool(row and row[0])
+
     def _until_due(self, default: float) -> float:
         row = self._db.fetchone("next_due", {"queue_id": self._qid})
         if row is None or row[0] is None:

@@ -256,6 +256,56 @@ def test_a_waiting_pop_behind_a_transaction_pooler_wakes_on_the_listen_dsn(
         assert took < 5, f"the pop took {took:.1f}s: not woken by the push's NOTIFY"
 
 
+@pytest.mark.parametrize("listen", [True, False], ids=["listen_dsn", "no_listen_dsn"])
+def test_twenty_waiters_behind_a_transaction_pooler_get_every_message_once(
+    pgbouncer: PgBouncer, pg_dsn: str, schema_name: str, listen: bool
+) -> None:
+    """Twenty threads wait on one queue behind the transaction pooler while one message is pushed every
+    20 ms: with a listen DSN they wake on its one listening connection long before their poll; without
+    one they poll (every 0.2 s). Either way every message arrives once, with no error."""
+    poll = 60.0 if listen else 0.2
+    with installed_dbq(
+        pgbouncer.dsn("transaction"), schema_name, pooler="transaction", listen_dsn=pg_dsn if listen else None
+    ) as dbq:
+        q = dbq.create_queue("q")  # notify="auto"
+        got: list[Any] = []
+        late: list[float] = []
+        errors: list[str] = []
+        lock = threading.Lock()
+        stop = threading.Event()
+
+        def waiter() -> None:
+            try:
+                while not stop.is_set():
+                    for m in q.pop(1, wait=2, poll_interval=poll):
+                        with lock:
+                            got.append(m.payload)
+                            late.append(time.time() - m.payload["at"])
+            except Exception as exc:  # reported below
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=waiter) for _ in range(20)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        sent = []
+        for i in range(100):
+            payload = {"i": i, "at": time.time()}
+            q.push(payload)
+            sent.append(payload)
+            time.sleep(0.02)
+        deadline = time.monotonic() + 20
+        while len(got) < len(sent) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stop.set()
+        for t in threads:
+            t.join(30)
+    assert errors == []
+    assert len(got) == len(sent) and checksum(got) == checksum(sent)
+    if listen:
+        assert max(late) < 5, f"a message waited {max(late):.1f}s: it was found by a poll"
+
+
 def test_without_a_listen_dsn_a_waiting_pop_polls_and_a_warning_says_so_once(
     pgbouncer: PgBouncer, schema_name: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

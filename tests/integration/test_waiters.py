@@ -1,14 +1,18 @@
 """Many threads of one process waiting on one queue: one listening connection serves them all.
 
-A waiting pop holds no pooled connection while it waits, so fifty waiters work on a pool of ten; each
-notification wakes one waiter (which passes the wake on once it took something), not all of them; and
-no message waits for a waiter's poll, even after the listening connection was killed.
+A waiting pop holds no pooled connection while it waits, so sixty waiters work on the default pool of
+ten; a notification wakes one waiter (which passes the wake on once it took something), not all of
+them; a push at any point of a waiter's registration, or one that sent no NOTIFY because it saw an
+earlier message ready, still reaches a waiter before its poll; and no message waits for a poll after
+the listening connection was killed. Every poll here is far longer than the test, so a message found
+only by a poll shows as a pop that timed out or a latency of many seconds.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -16,33 +20,69 @@ import pytest
 
 from airflow_dbqueue.engine import DbQueue
 from airflow_dbqueue.engine.dialects.postgres import hub
+from airflow_dbqueue.engine.queue import Queue
 from tests.helpers import checksum
 
 pytestmark = pytest.mark.integration
 
-WAITERS = 50
+WAITERS = 60
 MESSAGES = 150
 POLL_S = 60.0
 """The waiters' poll: far longer than the test, so a message found only by a poll would be late by
 tens of seconds."""
+PROMPT_S = 5.0
+"""The most a message may wait for a waiter here (on a loaded machine): a twelfth of the poll."""
 
 
-def _run(dbq: DbQueue, q: Any, kill_listener_at: int | None = None) -> tuple[list[Any], list[float], int]:
-    wakes = 0
-    lock = threading.Lock()
-    real_wait = hub.Waiter.wait
+class Wakes:
+    """Counts the waits that a wake ended (Waiter.wait returned True)."""
 
-    def counting_wait(self: hub.Waiter, timeout: float) -> bool:
-        nonlocal wakes
-        got = real_wait(self, timeout)
-        if got:
-            with lock:
-                wakes += 1
-        return got
+    def __init__(self, mp: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+        real_wait = hub.Waiter.wait
 
+        def counting_wait(waiter: hub.Waiter, timeout: float) -> bool:
+            got = real_wait(waiter, timeout)
+            if got:
+                with self._lock:
+                    self.count += 1
+            return got
+
+        mp.setattr(hub.Waiter, "wait", counting_wait)
+
+
+@pytest.fixture
+def dbq(pg_dsn: str, schema_name: str) -> Iterator[DbQueue]:
+    """A DbQueue with the engine's defaults (its pool of ten), installed; uninstalled afterwards."""
+    with DbQueue(pg_dsn, schema=schema_name) as d:
+        d.install()
+        try:
+            yield d
+        finally:
+            d.uninstall()
+
+
+def _waiting(dbq: DbQueue) -> int:
+    """How many pops of this DbQueue are registered with its listening connection now."""
+    h = dbq.db._hub  # type: ignore[attr-defined]
+    return 0 if h is None else sum(len(w) for w in h._waiters.values())
+
+
+def _until(cond: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _run(dbq: DbQueue, q: Queue, wakes: Wakes, kill_listener_at: int | None = None) -> list[float]:
+    """WAITERS threads popping one message at a time while one is pushed every 20 ms; return the
+    latencies of the MESSAGES messages, each checked to arrive once."""
     got: list[Any] = []
     latencies: list[float] = []
     errors: list[str] = []
+    lock = threading.Lock()
     stop = threading.Event()
 
     def waiter() -> None:
@@ -55,60 +95,148 @@ def _run(dbq: DbQueue, q: Any, kill_listener_at: int | None = None) -> tuple[lis
         except Exception as exc:  # reported below
             errors.append(f"{type(exc).__name__}: {exc}")
 
+    threads = [threading.Thread(target=waiter) for _ in range(WAITERS)]
+    for t in threads:
+        t.start()
+    _until(lambda: _waiting(dbq) == WAITERS)
+    sent = []
+    for i in range(MESSAGES):
+        if i == kill_listener_at:
+            with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+                killed = c.execute(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE application_name = 'airflow-dbqueue-listen'"
+                ).fetchone()
+            assert killed == (1,), "one listening connection serves every waiter"
+        payload = {"i": i, "at": time.time()}
+        q.push(payload)
+        sent.append(payload)
+        time.sleep(0.02)
+    deadline = time.monotonic() + 20
+    while len(got) < MESSAGES and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    assert len(got) == MESSAGES and checksum(got) == checksum(sent)
+    assert max(latencies) < PROMPT_S, f"a message waited {max(latencies):.1f}s: it was found by a poll"
+    return latencies
+
+
+@pytest.mark.parametrize("design", ["table", "ring"])
+def test_sixty_waiters_on_the_default_pool_get_every_message_once(dbq: DbQueue, design: str) -> None:
+    """No error, every message once, none waited for a poll, and about two wakes a message (the
+    NOTIFY's, and the one passed on), where waking every waiter would make sixty."""
+    q = dbq.create_queue("q", design=design)  # notify="auto"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(hub.Waiter, "wait", counting_wait)
-        threads = [threading.Thread(target=waiter) for _ in range(WAITERS)]
+        wakes = Wakes(mp)
+        _run(dbq, q, wakes)
+    assert wakes.count <= 3 * MESSAGES, f"{wakes.count} wakes for {MESSAGES} messages"
+
+
+def test_a_message_wakes_one_waiter_and_the_others_keep_their_wait(dbq: DbQueue) -> None:
+    """One push into a queue that twenty pops wait on: one pop returns it; besides the wake of that
+    pop, at most one other (the wake it passes on) looks and goes back to waiting, still registered."""
+    q = dbq.create_queue("q")
+    results: list[list[Any]] = []
+    lock = threading.Lock()
+
+    def waiter() -> None:
+        got = [m.payload for m in q.pop(1, wait=15, poll_interval=POLL_S)]
+        with lock:
+            results.append(got)
+
+    with pytest.MonkeyPatch.context() as mp:
+        wakes = Wakes(mp)
+        threads = [threading.Thread(target=waiter) for _ in range(20)]
         for t in threads:
             t.start()
-        time.sleep(1.0)  # every thread is waiting
-        sent = []
-        for i in range(MESSAGES):
-            if i == kill_listener_at:
-                with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
-                    killed = c.execute(
-                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                        "WHERE application_name = 'airflow-dbqueue-listen'"
-                    ).fetchone()
-                assert killed == (1,), "one listening connection serves every waiter"
-            payload = {"i": i, "at": time.time()}
-            q.push(payload)
-            sent.append(payload)
-            time.sleep(0.02)
-        deadline = time.monotonic() + 20
-        while len(got) < MESSAGES and time.monotonic() < deadline:
-            time.sleep(0.05)
-        stop.set()
+        _until(lambda: _waiting(dbq) == 20)
+        time.sleep(0.2)
+        before = wakes.count
+        q.push({"n": 1})
+        _until(lambda: len(results) == 1)
+        time.sleep(0.5)  # time for any other wake to show
+        woken = wakes.count - before
+        still = _waiting(dbq)
+        q.push_batch([{"n": k} for k in range(2, 21)])  # one NOTIFY; the wakes pass on to all 19
         for t in threads:
-            t.join(30)
-    assert errors == []
-    assert checksum(got) == checksum(sent) and len(got) == MESSAGES
-    return got, latencies, wakes
+            t.join(20)
+    assert results[0] == [{"n": 1}]
+    assert 1 <= woken <= 2, f"{woken} waiters woken by one message"
+    assert still == 19, "the waiters not handed the message are still waiting"
+    assert sorted(r[0]["n"] for r in results) == list(range(1, 21))
 
 
-def test_fifty_waiters_on_a_pool_of_ten(pg_dsn: str, schema_name: str) -> None:
-    """Every message once, none waited for a poll, and about one wake a message (the NOTIFY's, and
-    the one passed on), where waking every waiter would make fifty."""
-    with DbQueue(pg_dsn, schema=schema_name, pool_size=10) as dbq:
-        dbq.install()
-        try:
-            q = dbq.create_queue("q")  # notify="auto"
-            _, latencies, wakes = _run(dbq, q)
-            assert max(latencies) < POLL_S / 4, (
-                f"a message waited {max(latencies):.1f}s: it was found by a poll"
-            )
-            assert wakes <= 3 * MESSAGES, f"{wakes} wakes for {MESSAGES} messages"
-        finally:
-            dbq.uninstall()
+@pytest.mark.parametrize("where", ["before it registers", "after it registers, before it looks"])
+def test_a_push_at_a_waiters_registration_reaches_it_without_the_poll(
+    dbq: DbQueue, where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A push between a pop's first look and its registration with the listening connection, or
+    between the registration and its look: the pop returns the message long before its poll."""
+    q = dbq.create_queue("q")
+    pushed: list[int] = []
+
+    def push_once() -> None:
+        if not pushed:
+            pushed.append(q.push({"n": 1}))
+
+    if where == "before it registers":
+        real_waiting = hub.NotifyHub.waiting
+
+        def waiting(self: hub.NotifyHub, channel: str) -> Any:
+            push_once()
+            return real_waiting(self, channel)
+
+        monkeypatch.setattr(hub.NotifyHub, "waiting", waiting)
+    else:
+        real_pushing = type(q)._pushing
+
+        def pushing(self: Queue) -> bool:
+            push_once()
+            return real_pushing(self)
+
+        monkeypatch.setattr(type(q), "_pushing", pushing)
+    start = time.monotonic()
+    got = q.pop(1, wait=10, poll_interval=POLL_S)
+    took = time.monotonic() - start
+    assert pushed and [m.payload for m in got] == [{"n": 1}]
+    assert took < PROMPT_S
 
 
-def test_waiters_go_on_after_the_listening_connection_is_killed(pg_dsn: str, schema_name: str) -> None:
-    with DbQueue(pg_dsn, schema=schema_name, pool_size=10) as dbq:
-        dbq.install()
-        try:
-            q = dbq.create_queue("r", design="ring", capacity=500, notify="always")
-            _, latencies, _ = _run(dbq, q, kill_listener_at=MESSAGES // 2)
-            assert max(latencies) < POLL_S / 4, (
-                f"a message waited {max(latencies):.1f}s: it was found by a poll"
-            )
-        finally:
-            dbq.uninstall()
+@pytest.mark.parametrize("design", ["table", "ring"])
+def test_a_push_that_saw_an_earlier_message_ready_still_reaches_a_waiter(dbq: DbQueue, design: str) -> None:
+    """notify="auto": a push (in a transaction of its caller) sees message 1 ready and sends no NOTIFY;
+    message 1 is popped before that push commits, and a pop then waits. It finds message 2 once the
+    push commits, long before its poll, because it saw a push in progress when it looked."""
+    q = dbq.create_queue("q", design=design)
+    q.push({"n": 1})
+    got: list[Any] = []
+    took: list[float] = []
+
+    def waiter() -> None:
+        start = time.monotonic()
+        got.extend(m.payload for m in q.pop(1, wait=10, poll_interval=POLL_S))
+        took.append(time.monotonic() - start)
+
+    with dbq.transaction() as c:
+        q.push({"n": 2}, conn=c)
+        assert [m.payload for m in q.pop(1)] == [{"n": 1}]
+        t = threading.Thread(target=waiter)
+        t.start()
+        _until(lambda: _waiting(dbq) == 1)
+        time.sleep(0.5)  # the waiter has looked, and waits
+    t.join(20)
+    assert got == [{"n": 2}]
+    assert took[0] < PROMPT_S, f"the pop took {took[0]:.1f}s: message 2 waited for the poll"
+
+
+@pytest.mark.parametrize(("design", "notify"), [("table", "auto"), ("ring", "auto"), ("ring", "always")])
+def test_waiters_go_on_after_the_listening_connection_is_killed(
+    dbq: DbQueue, design: str, notify: str
+) -> None:
+    kw: dict[str, Any] = {"capacity": 500} if design == "ring" else {}
+    q = dbq.create_queue("r", design=design, notify=notify, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        _run(dbq, q, Wakes(mp), kill_listener_at=MESSAGES // 2)

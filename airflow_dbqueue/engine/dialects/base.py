@@ -177,6 +177,10 @@ class Database(NamedStatements, Protocol):
 
     def listening(self, channel: str) -> contextlib.AbstractContextManager[Any]: ...
 
+    def wake_waiter(self, channel: str) -> None:
+        """Hand a wake to one pop of this process waiting on ``channel`` (nothing when none waits)."""
+        ...
+
     # -- async observers (a trigger, a deferrable sensor) ------------------------------------------
 
     #: True when the dialect's driver has async connections (:meth:`aconnect`) for :meth:`afetchone`,

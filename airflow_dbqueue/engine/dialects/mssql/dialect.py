@@ -100,6 +100,11 @@ POSTGRES_ONLY: dict[str, str] = {
         for name in ("pop_take_payloads", "ring_take_payloads")
     },
     **{
+        name: "a waiting pop's look for pushes in progress (a push that may not NOTIFY) is the LISTEN/NOTIFY "
+        "wait's; SQL Server has no NOTIFY, and its waiting pops poll"
+        for name in ("pushing", "ring_pushing")
+    },
+    **{
         name: "per-queue grants are PostgreSQL's (row-level security and the privileges each grant gives a "
         "role on the tables and sequences); this dialect's grant and revoke raise NotSupportedError, and "
         "every role may take every action its database privileges allow"
@@ -519,6 +524,9 @@ class MssqlDatabase(MssqlSchema, MssqlMaintenance):
     def listening(self, channel: str) -> contextlib.AbstractContextManager[Any]:
         """SQL Server has no LISTEN/NOTIFY: waiting pops poll instead."""
         raise NotSupportedError("SQL Server has no LISTEN/NOTIFY; waiting pops poll")
+
+    def wake_waiter(self, channel: str) -> None:
+        """Nothing to wake: without LISTEN/NOTIFY no pop waits on a channel."""
 
     async def aconnect(self, application_name: str) -> Any:
         """pyodbc has no async connections: observers poll with the synchronous queries."""

@@ -369,6 +369,12 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance, Post
                 self._hub = NotifyHub(self._listen_connect)
             return self._hub
 
+    def wake_waiter(self, channel: str) -> None:
+        """Hand a wake to one pop of this object waiting on ``channel`` (nothing when none waits)."""
+        hub = self._hub
+        if hub is not None:
+            hub.wake_one(channel)
+
     def _listen_connect(self) -> psycopg.Connection[Any]:
         dsn = self.session_dsn("LISTEN")
         with self.translate_errors():

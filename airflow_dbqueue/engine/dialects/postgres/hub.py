@@ -1,17 +1,18 @@
 """One listening connection for every waiting pop of a :class:`PostgresDatabase`.
 
-A waiting pop used to LISTEN on a connection of its own for its whole wait: fifty waiting threads held
-fifty connections (and on the default pool of ten, most of them failed), and every NOTIFY woke all of
-them. Here one connection per database object LISTENs on each channel that somebody waits on, and a
-thread of its own reads the notifications and hands each to **one** waiter of its channel, through an
-in-process event. A waiter that was woken and took messages passes the wake on to the next waiter
-(:meth:`Waiter.pass_on`): a push of many messages sends one NOTIFY, and the waiters take them a batch
-each, one after the other, instead of all at once or after their poll. A wake given to a waiter that
-leaves without using it goes to the next one, so none is lost.
+One connection per database object LISTENs on each channel that somebody waits on (from the first
+waiter of the channel until the hub closes), and a thread of its own reads the notifications and hands
+each to **one** waiter of its channel, through an in-process event: a wait holds none of the pool's
+connections, and a NOTIFY wakes one waiter, not all of them. A waiter that was woken and took messages
+passes the wake on to the next waiter (:meth:`Waiter.pass_on`): a push of many messages sends one
+NOTIFY, and the waiters take them a batch each, one after the other, instead of all at once or after
+their poll. A wake given to a waiter that leaves without using it goes to the next one, so none is
+lost. One waiter of each channel polls (:attr:`Waiter.polls`) as the fallback; the others wait for a
+wake alone, so that many waiters do not each poll.
 
 The connection is a session of its own (``listen_dsn``, or the engine's DSN when it keeps sessions).
 When it breaks, every waiter is woken to look at its queue again (a NOTIFY may have been missed), and
-the next waiter that arrives connects anew; meanwhile waiters fall back to their poll.
+the next waiter that arrives connects anew; meanwhile every waiter polls.
 """
 
 from __future__ import annotations
@@ -41,6 +42,15 @@ class Waiter:
         self._hub = hub
         self._event = threading.Event()
         self.channel = channel
+
+    @property
+    def polls(self) -> bool:
+        """Whether this waiter polls its queue as the fallback of its channel's waiters in this process
+        (the hub's one poller of the channel), or every waiter does, as while the listening connection
+        is broken. The others wait for a wake alone: any wake reaches some waiter, which passes it on,
+        so one poller a channel finds what a lost notification left as soon as all of them would."""
+        hub = self._hub
+        return hub.broken or hub._pollers.get(self.channel) is self
 
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds; return True if a notification was handed to this waiter.
@@ -79,6 +89,7 @@ class NotifyHub:
         self._conn: psycopg.Connection[Any] | None = None
         self._thread: threading.Thread | None = None
         self._waiters: dict[str, collections.deque[Waiter]] = {}
+        self._pollers: dict[str, Waiter] = {}  # the one waiter of each channel that polls
         self._listening: set[str] = set()
         self._wake_r, self._wake_w = os.pipe()
         self._closed = False
@@ -92,6 +103,7 @@ class NotifyHub:
         waiter = Waiter(self, channel)
         with self._lock:
             self._waiters.setdefault(channel, collections.deque()).append(waiter)
+            self._pollers.setdefault(channel, waiter)
         try:
             self._listen(channel)
         except BaseException:
@@ -103,6 +115,7 @@ class NotifyHub:
             self._leave(waiter)
 
     def _leave(self, waiter: Waiter) -> None:
+        successor = None
         with self._lock:
             queue = self._waiters.get(waiter.channel)
             if queue is not None:
@@ -110,22 +123,32 @@ class NotifyHub:
                     queue.remove(waiter)
                 if not queue:
                     del self._waiters[waiter.channel]
+            if self._pollers.get(waiter.channel) is waiter:
+                del self._pollers[waiter.channel]
+                if queue:  # the longest waiter polls next; woken, it times its wait as a poller
+                    successor = self._pollers[waiter.channel] = queue[0]
         if waiter._event.is_set():  # a wake it did not use goes on to another
             self.wake_one(waiter.channel)
+        if successor is not None:
+            successor.wake()
 
     def wake_one(self, channel: str, but: Waiter | None = None) -> None:
         """Hand a notification of ``channel`` to the waiter that has waited longest (``but`` aside) and
-        has no wake pending; it moves to the back of the line."""
+        has no wake pending; it moves to the back of the line. The channel's poller gets it only when no
+        other waiter is free, so that it stays in its wait and goes on polling."""
         with self._lock:
             queue = self._waiters.get(channel)
             if not queue:
                 return
+            poller = self._pollers.get(channel)
             for _ in range(len(queue)):
                 w = queue.popleft()
                 queue.append(w)
-                if w is not but and not w._event.is_set():
+                if w is not but and w is not poller and not w._event.is_set():
                     w.wake()
                     return
+            if poller is not None and poller is not but and not poller._event.is_set():
+                poller.wake()
 
     def _wake_all(self) -> None:
         with self._lock:

@@ -100,6 +100,15 @@ FROM {schema}.ring_pop(
     %(visibility_timeout_s)s::float8, %(consumer)s::text, %(own)s::boolean,
     %(gap)s::bigint, %(gap_issued)s::bigint, %(gap_snap)s::xid[], %(force)s::boolean)
 
+-- name: ring_pushing
+-- Whether a push into the ring may be in progress, for a waiting pop (of group %(group)s) that found
+-- nothing: a number is issued at or above the group's pop position (its lowest lane position), which
+-- it did not find written. That is a push that has not committed yet (it may not NOTIFY, having seen an
+-- earlier message ready), a lane another pop holds, or a gap not given up yet: the pop looks again soon.
+SELECT coalesce(pg_sequence_last_value(r.push_seq), 0)
+       >= (SELECT min(l.pos) FROM {schema}.ring_lanes l WHERE l.queue_id = %(group)s)
+FROM {schema}.rings r WHERE r.queue_id = %(queue_id)s
+
 -- name: ring_unwritten
 -- Maintenance's gap recovery, first step: the push position, and whether any number up to it is issued
 -- but unwritten while its slot is free for it (the slot holds the number a capacity before it, below the

@@ -133,6 +133,13 @@ SELECT count(*) FROM (
 SELECT extract(epoch FROM min(process_at) - now())::float8 FROM {schema}.meta
 WHERE queue_id = %(queue_id)s AND state = 0 AND process_at > now()
 
+-- name: pushing
+-- Whether a push into the queue may be in progress, for a waiting pop about to look: table_push() holds
+-- the queue's push lock shared until its transaction ends, and decides whether to NOTIFY
+-- (notify="auto") while it holds it. An exclusive try fails while any push is in progress; when it
+-- succeeds it holds the lock only for this statement's instant (pushes wait that instant).
+SELECT NOT pg_try_advisory_xact_lock(hashtext('dbqueue.queue.' || '{schema}'), %(queue_id)s)
+
 -- name: stats
 SELECT
     (SELECT count(*) FROM {schema}.meta
