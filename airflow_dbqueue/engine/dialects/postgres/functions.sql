@@ -45,7 +45,17 @@ $$;
 -- at 100 payloads a message that form cost the server about 4,000 more instructions than the single
 -- INSERT (cachegrind).
 -- p_notify: 0 never, 1 when the queue had no ready message before (the statement's one snapshot does not
--- see this push's own rows), 2 always.
+-- see this push's own rows), 2 always. The check of 1 looks for the newest ready message of the queue in
+-- the generation pushes write now (one partition, pruned at run time), walking meta_ready_idx backwards
+-- from its newest entry. Pops take the oldest messages and leave their index entries at the other end
+-- until a VACUUM or the partition's TRUNCATE removes them, so with messages waiting the walk stops at
+-- the first entry, however many were popped since (walked forwards, from the oldest entry, it passed
+-- every one of them). Only when no message of the queue is waiting in the partition does it pass the
+-- entries popped there, as a pop of the empty queue does. It may only err towards notifying: when the
+-- queue's ready messages are all in older generations (a queue pushed rarely while ids move on), the
+-- push notifies as if the queue had none, a wake-up that finds messages; when it finds one, the queue
+-- had a ready message, as before. Delayed messages of the queue in the partition are passed over one by
+-- one on a server without skip scans (PostgreSQL 17 and older).
 -- A function with generic plans: its statements are planned once a session, where a statement run by
 -- itself is planned on every push (a third of a push of one's server time). No sequential scans:
 -- the ready check must probe meta_ready_idx whatever the statistics said when the plan was made.
@@ -117,9 +127,12 @@ BEGIN
             RETURNING id
         ), n AS (
             SELECT pg_notify(p_channel, '') AS sent
-            WHERE p_notify = 2 OR NOT EXISTS (
-                SELECT 1 FROM {schema}.meta r
-                WHERE r.queue_id = p_queue_id AND r.state = 0 AND r.process_at <= now())
+            WHERE p_notify = 2 OR (
+                SELECT r.id FROM {schema}.meta r
+                WHERE r.gen = {schema}.table_generation() AND r.queue_id = p_queue_id AND r.state = 0
+                  AND r.process_at <= now()
+                ORDER BY r.priority, r.process_at DESC, r.id DESC
+                LIMIT 1) IS NULL
         )
         SELECT m.id FROM m CROSS JOIN (SELECT count(*) AS c FROM n) x;
     ELSIF p_notify = 0 THEN
@@ -154,9 +167,12 @@ BEGIN
             WHERE octet_length(i.payload) > 1900
         ), n AS (
             SELECT pg_notify(p_channel, '') AS sent
-            WHERE p_notify = 2 OR NOT EXISTS (
-                SELECT 1 FROM {schema}.meta r
-                WHERE r.queue_id = p_queue_id AND r.state = 0 AND r.process_at <= now())
+            WHERE p_notify = 2 OR (
+                SELECT r.id FROM {schema}.meta r
+                WHERE r.gen = {schema}.table_generation() AND r.queue_id = p_queue_id AND r.state = 0
+                  AND r.process_at <= now()
+                ORDER BY r.priority, r.process_at DESC, r.id DESC
+                LIMIT 1) IS NULL
         )
         -- (an inner join: the planner would remove an unused LEFT JOIN, and with it the NOTIFY)
         SELECT i.id FROM input i CROSS JOIN (SELECT count(*) AS c FROM n) x ORDER BY i.ord;
