@@ -180,6 +180,97 @@ BEGIN
 END
 $$;
 
+-- The table design's stats of queue p_queue_id (queries/table.sql's stats): its messages ready, delayed,
+-- in flight, failed and finished (kept for the archiver), and the age of its oldest ready message. Each
+-- is counted on its own index (the ready, leased and failed indexes of meta, done_queue_idx of done) up
+-- to p_cap entries, so that a queue's stats read what that queue holds, and at most p_cap entries a
+-- state. A state with p_cap messages or more is estimated instead (r_estimated): from a sample of about
+-- 1,000 pages of the table (TABLESAMPLE SYSTEM), the queue's rows in that state scaled to the whole,
+-- never below p_cap; the oldest ready age then comes from the first 100 ready messages of each priority
+-- in claim order (a loose scan over the priorities), which misses an older message only when a nack or
+-- a delay put it behind younger ones. Generic plans (planned once a session: the statement has 40 scans
+-- of partitions to plan), no sequential scans but the sample's.
+CREATE OR REPLACE FUNCTION {schema}.table_stats(p_queue_id integer, p_cap bigint)
+RETURNS TABLE (r_ready bigint, r_delayed bigint, r_in_flight bigint, r_failed bigint, r_finished bigint,
+               r_oldest_ready_age_s double precision, r_estimated boolean)
+LANGUAGE plpgsql STABLE SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
+DECLARE
+    v_ready bigint;
+    v_delayed bigint;
+    v_in_flight bigint;
+    v_failed bigint;
+    v_finished bigint;
+    v_oldest timestamptz;
+    v_pct double precision;
+    v_est boolean;
+    e_ready bigint;
+    e_delayed bigint;
+    e_in_flight bigint;
+    e_failed bigint;
+    e_finished bigint;
+BEGIN
+    SELECT count(*) INTO v_ready FROM (
+        SELECT 1 FROM {schema}.meta WHERE queue_id = p_queue_id AND state = 0 AND process_at <= now()
+        LIMIT p_cap) x;
+    SELECT count(*) INTO v_delayed FROM (
+        SELECT 1 FROM {schema}.meta WHERE queue_id = p_queue_id AND state = 0 AND process_at > now()
+        LIMIT p_cap) x;
+    SELECT count(*) INTO v_in_flight FROM (
+        SELECT 1 FROM {schema}.meta WHERE queue_id = p_queue_id AND state = 1 LIMIT p_cap) x;
+    SELECT count(*) INTO v_failed FROM (
+        SELECT 1 FROM {schema}.meta WHERE queue_id = p_queue_id AND state = 2 LIMIT p_cap) x;
+    SELECT count(*) INTO v_finished FROM (
+        SELECT 1 FROM {schema}.done WHERE queue_id = p_queue_id LIMIT p_cap) x;
+    v_est := greatest(v_ready, v_delayed, v_in_flight, v_failed, v_finished) >= p_cap;
+    IF NOT v_est THEN
+        SELECT min(enqueued_at) INTO v_oldest FROM {schema}.meta
+        WHERE queue_id = p_queue_id AND state = 0 AND process_at <= now();
+    ELSE
+        IF greatest(v_ready, v_delayed, v_in_flight, v_failed) >= p_cap THEN
+            SELECT least(100, 100.0 * 1000 * current_setting('block_size')::integer
+                              / greatest(sum(pg_relation_size(i.inhrelid)), 1)) INTO v_pct
+            FROM pg_inherits i WHERE i.inhparent = '{schema}.meta'::regclass;
+            SELECT count(*) FILTER (WHERE m.state = 0 AND m.process_at <= now()) * 100 / v_pct,
+                   count(*) FILTER (WHERE m.state = 0 AND m.process_at > now()) * 100 / v_pct,
+                   count(*) FILTER (WHERE m.state = 1) * 100 / v_pct,
+                   count(*) FILTER (WHERE m.state = 2) * 100 / v_pct
+            INTO e_ready, e_delayed, e_in_flight, e_failed
+            FROM {schema}.meta m TABLESAMPLE SYSTEM (v_pct) WHERE m.queue_id = p_queue_id;
+            IF v_ready >= p_cap THEN v_ready := greatest(p_cap, e_ready); END IF;
+            IF v_delayed >= p_cap THEN v_delayed := greatest(p_cap, e_delayed); END IF;
+            IF v_in_flight >= p_cap THEN v_in_flight := greatest(p_cap, e_in_flight); END IF;
+            IF v_failed >= p_cap THEN v_failed := greatest(p_cap, e_failed); END IF;
+        END IF;
+        IF v_finished >= p_cap THEN
+            SELECT least(100, 100.0 * 1000 * current_setting('block_size')::integer
+                              / greatest(sum(pg_relation_size(i.inhrelid)), 1)) INTO v_pct
+            FROM pg_inherits i WHERE i.inhparent = '{schema}.done'::regclass;
+            SELECT count(*) * 100 / v_pct INTO e_finished
+            FROM {schema}.done d TABLESAMPLE SYSTEM (v_pct) WHERE d.queue_id = p_queue_id;
+            v_finished := greatest(p_cap, e_finished);
+        END IF;
+        WITH RECURSIVE p AS (
+            (SELECT m.priority FROM {schema}.meta m WHERE m.queue_id = p_queue_id AND m.state = 0
+             ORDER BY m.priority DESC LIMIT 1)
+            UNION ALL
+            SELECT (SELECT m.priority FROM {schema}.meta m
+                    WHERE m.queue_id = p_queue_id AND m.state = 0 AND m.priority < p.priority
+                    ORDER BY m.priority DESC LIMIT 1)
+            FROM p WHERE p.priority IS NOT NULL
+        )
+        SELECT min(h.oldest) INTO v_oldest FROM p CROSS JOIN LATERAL (
+            SELECT min(f.enqueued_at) AS oldest FROM (
+                SELECT m.enqueued_at FROM {schema}.meta m
+                WHERE m.queue_id = p_queue_id AND m.state = 0 AND m.priority = p.priority
+                  AND m.process_at <= now()
+                ORDER BY m.process_at, m.id LIMIT 100) f) h
+        WHERE p.priority IS NOT NULL;
+    END IF;
+    RETURN QUERY SELECT v_ready, v_delayed, v_in_flight, v_failed, v_finished,
+        extract(epoch FROM now() - v_oldest)::float8, v_est;
+END
+$$;
+
 -- The payload of message p_id of generation p_gen in data, deleted with its row: a pop at most once
 -- without the archive calls it for each message it takes whose payload is not in its meta row. The
 -- generation names the one partition to probe.
