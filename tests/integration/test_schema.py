@@ -658,7 +658,7 @@ def test_changed_functions_are_applied_while_pushes_and_pops_run(  # noqa: PLR09
             "WHERE n.nspname = %s",
             [schema],
         ).fetchall()
-    assert len(bodies) == 33
+    assert len(bodies) == 34
     assert all(("-- edited" in b) == (functions_applied(pg_dsn, schema) == editions[1][1]) for (b,) in bodies)
 
 
