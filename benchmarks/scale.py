@@ -134,7 +134,7 @@ def _spread(rates: list[float]) -> dict[str, float]:
 # -- depth -------------------------------------------------------------------------------------------
 
 
-def depth_point(
+def depth_point(  # noqa: PLR0915
     dsn: str, depth: int, *, batch: int, calls: int, repeat: int, payload_bytes: int
 ) -> dict[str, Any]:
     """The ``depth`` point (see the module's docstring)."""
@@ -188,6 +188,7 @@ def depth_point(
             rates["naive_push"].append(batch * calls / _timed(lambda: naive_push(batch), calls))
             rates["table_pop"].append(batch * calls / _timed(lambda: engine_pop(batch), calls))
             rates["naive_pop"].append(batch * calls / _timed(lambda: naive_pop(batch), calls))
+        reads = _reads_per_push(dbq, q, engine, schema, batch)
         t = time.perf_counter()
         st = q.stats()
         stats_s = time.perf_counter() - t
@@ -211,6 +212,7 @@ def depth_point(
         "msgs_per_s": {k: _spread(v) for k, v in rates.items()},
         "push_ratio": round(push_ratio, 3),
         "pop_ratio": round(pop_ratio, 3),
+        "push_index_reads": reads,
         "stats_ms": round(stats_s * 1000, 1),
         "stats": st.as_dict(),
         "stats_left_expected": expected_left,
@@ -218,6 +220,35 @@ def depth_point(
         "engine": engine.result(),
         "naive": naive.result(),
         "load_1m": _load(),
+    }
+
+
+def _reads_per_push(dbq: DbQueue, q: Any, counter: Counter, schema: str, batch: int) -> dict[str, float]:
+    """What a push of ``batch`` reads of meta's ready index, counted by the server, not timed: index
+    entries returned, and index pages touched (its own ``batch`` insertions included), the mean of 20
+    pushes on one connection (its statistics
+    flushed before and after, as tests/integration/test_plans.py's scans() does)."""
+    query = """
+        SELECT coalesce(sum(s.idx_tup_read), 0), coalesce(sum(io.idx_blks_hit + io.idx_blks_read), 0)
+        FROM pg_stat_user_indexes s JOIN pg_statio_user_indexes io USING (indexrelid)
+        WHERE s.schemaname = %s AND s.indexrelname LIKE 'meta_ready_idx%%'"""
+    calls = 20
+    with dbq.db.connection() as c:  # type: ignore[attr-defined]
+
+        def read() -> tuple[int, int]:
+            c.execute("SELECT pg_stat_force_next_flush()")
+            c.execute("SELECT 1")
+            c.execute("SELECT pg_stat_clear_snapshot()")
+            row = c.execute(query, (schema,)).fetchone()
+            return int(row[0]), int(row[1])
+
+        before = read()
+        for _ in range(calls):
+            q.push_batch(counter.batch(batch), conn=c)
+        after = read()
+    return {
+        "entries": round((after[0] - before[0]) / calls, 1),
+        "pages": round((after[1] - before[1]) / calls, 1),
     }
 
 
