@@ -4,7 +4,8 @@ the naive queue in the same run where it has one.
 Two kinds of points, each printed as one JSON object a line (``--json``) or a line of text:
 
 - ``depth``: a queue filled to ``--depth`` messages, VACUUMed, then ``depth / 2`` of them popped (so the
-  ready index holds that many entries of popped messages since the last VACUUM), then pushes and pops
+  ready index holds that many entries of popped messages since the last VACUUM: autovacuum is off for
+  the point's tables on both sides unless ``--autovacuum``), then pushes and pops
   of ``--batch`` timed, alternating engine and naive queue, ``--repeat`` rounds of ``--calls`` calls
   each. The engine's queue has the engine defaults (table design, ``archive=True``, ``notify="auto"``).
   Also one ``stats()`` timed. Payloads vary per message (benchmarks/payloads.py); every pop checks each
@@ -135,7 +136,7 @@ def _spread(rates: list[float]) -> dict[str, float]:
 
 
 def depth_point(  # noqa: PLR0915
-    dsn: str, depth: int, *, batch: int, calls: int, repeat: int, payload_bytes: int
+    dsn: str, depth: int, *, batch: int, calls: int, repeat: int, payload_bytes: int, autovacuum: bool
 ) -> dict[str, Any]:
     """The ``depth`` point (see the module's docstring)."""
     schema = f"scale_{uuid.uuid4().hex[:8]}"
@@ -156,6 +157,15 @@ def depth_point(  # noqa: PLR0915
             sql.SQL("CREATE TABLE {}.t (id bigserial PRIMARY KEY, payload bytea NOT NULL)").format(s)
         )
         push_sql, pop_sql = naive_statements(naive_schema)
+        if not autovacuum:  # the popped messages' dead rows and index entries stay until the end
+            conn.execute(sql.SQL("ALTER TABLE {}.t SET (autovacuum_enabled = false)").format(s))
+            for table in ("meta", "data", "done"):
+                for g in range(8):
+                    conn.execute(
+                        sql.SQL("ALTER TABLE {} SET (autovacuum_enabled = false)").format(
+                            sql.Identifier(schema, f"{table}_{g}")
+                        )
+                    )
 
         def naive_push(n: int) -> None:
             conn.execute(push_sql, (naive.batch(n),))
@@ -204,6 +214,7 @@ def depth_point(  # noqa: PLR0915
         "point": "depth",
         "depth": depth,
         "popped_since_vacuum": depth // 2,
+        "autovacuum": autovacuum,
         "batch": batch,
         "calls": calls,
         "repeat": repeat,
@@ -325,6 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=200, help="timed calls a round")
     p.add_argument("--repeat", type=int, default=3, help="rounds (depth) and stats passes (queues)")
     p.add_argument("--payload-bytes", type=int, default=300)
+    p.add_argument(
+        "--autovacuum",
+        action="store_true",
+        help="leave autovacuum on for the depth point's tables (default: off after the first VACUUM, so "
+        "that every pop of the point stays a dead index entry until the end, as the issue measured)",
+    )
     p.add_argument("--quick", action="store_true", help="small points for the test suite (under a minute)")
     p.add_argument("--dsn")
     p.add_argument("--json", action="store_true", help="one JSON object a point")
@@ -352,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                         calls=args.calls,
                         repeat=args.repeat,
                         payload_bytes=args.payload_bytes,
+                        autovacuum=args.autovacuum,
                     )
                 )
                 _emit(out[-1], args.json)
