@@ -184,7 +184,10 @@ $$;
 -- in flight, failed and finished (kept for the archiver), and the age of its oldest ready message. Each
 -- is counted on its own index (the ready, leased and failed indexes of meta, done_queue_idx of done) up
 -- to p_cap entries, so that a queue's stats read what that queue holds, and at most p_cap entries a
--- state. A state with p_cap messages or more is estimated instead (r_estimated): from a sample of about
+-- state. Each index is read backwards, from its newest entries: the entries of messages taken since
+-- the last VACUUM (popped, acked, archived) lie at the other end, where a count from the oldest entry
+-- would pass them all before the first one it counts (as table_push's check, see there), and the
+-- delayed messages lie after the ready ones of their priority. A state with p_cap messages or more is estimated instead (r_estimated): from a sample of about
 -- 1,000 pages of the table (TABLESAMPLE SYSTEM), the queue's rows in that state scaled to the whole,
 -- never below p_cap; the oldest ready age then comes from the first 100 ready messages of each priority
 -- in claim order (a loose scan over the priorities), which misses an older message only when a nack or
@@ -211,16 +214,17 @@ DECLARE
 BEGIN
     SELECT count(*) INTO v_ready FROM (
         SELECT 1 FROM {schema}.meta WHERE queue_id = p_queue_id AND state = 0 AND process_at <= now()
-        LIMIT p_cap) x;
+        ORDER BY priority, process_at DESC, id DESC LIMIT p_cap) x;
     SELECT count(*) INTO v_delayed FROM (
         SELECT 1 FROM {schema}.meta WHERE queue_id = p_queue_id AND state = 0 AND process_at > now()
-        LIMIT p_cap) x;
+        ORDER BY priority, process_at DESC, id DESC LIMIT p_cap) x;
     SELECT count(*) INTO v_in_flight FROM (
-        SELECT 1 FROM {schema}.meta WHERE queue_id = p_queue_id AND state = 1 LIMIT p_cap) x;
+        SELECT 1 FROM {schema}.meta WHERE queue_id = p_queue_id AND state = 1
+        ORDER BY lease_until DESC LIMIT p_cap) x;
     SELECT count(*) INTO v_failed FROM (
-        SELECT 1 FROM {schema}.meta WHERE queue_id = p_queue_id AND state = 2 LIMIT p_cap) x;
+        SELECT 1 FROM {schema}.meta WHERE queue_id = p_queue_id AND state = 2 ORDER BY id DESC LIMIT p_cap) x;
     SELECT count(*) INTO v_finished FROM (
-        SELECT 1 FROM {schema}.done WHERE queue_id = p_queue_id LIMIT p_cap) x;
+        SELECT 1 FROM {schema}.done WHERE queue_id = p_queue_id ORDER BY finished_at DESC LIMIT p_cap) x;
     v_est := greatest(v_ready, v_delayed, v_in_flight, v_failed, v_finished) >= p_cap;
     IF NOT v_est THEN
         SELECT min(enqueued_at) INTO v_oldest FROM {schema}.meta
