@@ -303,7 +303,14 @@ class FailedMessage:
 
 @dataclass(frozen=True, slots=True)
 class QueueStats:
-    """A snapshot of one queue's depth by state."""
+    """A snapshot of one queue's depth by state.
+
+    The table design counts each state exactly up to 50,000 messages (``STATS_EXACT_CAP`` of
+    ``engine/table.py``), so that a queue's stats cost what it holds and no more than that; on
+    PostgreSQL a state with more is estimated from a sample of the table (within a few percent), and
+    ``extra["estimated"]`` (in :meth:`as_dict`: ``"estimated": true``) says that some figure is an
+    estimate. Maintenance's metrics and samples count every queue of a schema exactly, in one pass.
+    """
 
     queue: str
     ready: int

@@ -288,17 +288,9 @@ class TableQueue(Queue):
         return self._messages(rows)
 
     def stats(self) -> QueueStats:
-        row = self._db.fetchone("stats", {"queue_id": self._qid})
+        row = self._db.fetchone("stats", {"queue_id": self._qid, "cap": STATS_EXACT_CAP})
         assert row is not None
-        return QueueStats(
-            queue=self.name,
-            ready=row[0],
-            delayed=row[1],
-            in_flight=row[2],
-            failed=row[3],
-            finished=row[4],
-            oldest_ready_age_s=row[5],
-        )
+        return stats_from_row(self.name, row)
 
     def list_failed(self, limit: int = 100, after_id: int = 0) -> list[FailedMessage]:
         rows = self._db.fetchall("list_failed", {"queue_id": self._qid, "after_id": after_id, "limit": limit})
@@ -476,3 +468,25 @@ class TableQueue(Queue):
             until: dt.datetime = rows[0][1]
             self._set_batch_state(batch, BatchState.CLAIMED, c, lease_until=until)
             return until
+
+
+STATS_EXACT_CAP = 50_000
+"""A table-design queue's stats count each state exactly up to this many messages; a state with more is
+estimated from a sample (PostgreSQL), and the stats say so (``extra["estimated"]``)."""
+
+
+def stats_from_row(name: str, row: Sequence[Any]) -> QueueStats:
+    """A table-design queue's stats from a row of the ``stats`` query (or of ``stats_all`` without its
+    queue id): ready, delayed, in flight, failed, finished, the oldest ready age, and whether any of them
+    is an estimate (a seventh column where the dialect estimates)."""
+    estimated = len(row) > 6 and bool(row[6])
+    return QueueStats(
+        queue=name,
+        ready=int(row[0]),
+        delayed=int(row[1]),
+        in_flight=int(row[2]),
+        failed=int(row[3]),
+        finished=int(row[4]),
+        oldest_ready_age_s=None if row[5] is None else float(row[5]),
+        extra={"estimated": True} if estimated else {},
+    )

@@ -405,3 +405,42 @@ def test_a_pooled_pop_of_one_is_one_prepared_statement_with_a_generic_plan_on_th
         got += drain(ring)
     assert [m.payload for m in got] == sent and checksum(m.payload for m in got) == checksum(sent)
     assert [m.id for m in got] == list(range(1, 41))
+
+
+def test_a_notify_auto_push_reads_as_many_ready_entries_however_many_were_popped(
+    dbq: DbQueue, pg_dsn: str
+) -> None:
+    """A push with notify="auto" asks whether the queue had a ready message. Under a held xmin horizon
+    (so that no index entry of a popped message can be removed or marked dead), the entries of the
+    ready index that a push reads stay the same whether 100 or 30,000 messages were popped before it;
+    a push into a queue that has messages waiting sends no NOTIFY, one into an empty queue does."""
+    from tests.helpers import held_horizon
+
+    q = dbq.create_queue("auto_cost", notify="auto")
+    payloads = [{"i": i} for i in range(40000)]
+    hold = held_horizon(pg_dsn)
+    listener = psycopg.connect(pg_dsn, autocommit=True)
+    try:
+        q.push_batch(payloads)
+        listener.execute(f'LISTEN "{q.channel}"')
+        out: list[Any] = []
+        reads = []
+        with dbq.db.connection() as c:
+            for popped in (100, 30000):
+                while len(out) < popped:
+                    out += q.pop_payloads(min(1000, popped - len(out)))
+                more = {"more": popped}
+                read = scans(c, dbq.schema, lambda more=more: q.push(more, conn=c))
+                reads.append(read["meta_ready_idx"][1])
+        waiting = [n.channel for n in listener.notifies(timeout=0.5, stop_after=1)]
+        out += [m.payload for m in drain(q)]
+        q.push({"last": True})
+        empty = [n.channel for n in listener.notifies(timeout=5, stop_after=1)]
+    finally:
+        hold.close()
+        listener.close()
+    assert waiting == [] and empty == [q.channel], (waiting, empty)
+    assert reads[1] <= reads[0] + 2 and reads[1] <= 10, reads
+    got = out + [m.payload for m in drain(q)]
+    assert len(got) == 40003
+    assert checksum(got) == checksum([*payloads, {"more": 100}, {"more": 30000}, {"last": True}])

@@ -118,6 +118,10 @@ class Database(NamedStatements, Protocol):
     #: True when a pop of payloads only has statements of its own that send one column a message
     #: (queries ``pop_take_payloads``, ``ring_take_payloads``).
     payload_pops: bool
+    #: True when maintenance counts every table-design queue of the schema with one statement a table
+    #: (queries ``stats_all``, ``table_flow_all``, ``sample_insert_all``, ``queue_rates_all`` and
+    #: ``upkeep_due``) instead of a statement a queue.
+    schema_passes: bool
     #: False when no statement of a session may be prepared (PostgreSQL behind a transaction pooler):
     #: a statement other than a call of the schema's functions is then planned on every call, so the
     #: designs take the functions' paths, whose inner plans the server keeps a session (``ring_take``

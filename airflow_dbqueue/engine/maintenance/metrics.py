@@ -16,13 +16,20 @@ from airflow_dbqueue.engine.maintenance.horizon import now as horizon_now
 from airflow_dbqueue.engine.maintenance.horizon import xmin_holders
 from airflow_dbqueue.engine.maintenance.queues import Queues
 from airflow_dbqueue.engine.maintenance.statistics import table_health
+from airflow_dbqueue.engine.models import Design
 from airflow_dbqueue.engine.ring import RingQueue
+from airflow_dbqueue.engine.table import stats_from_row
 
 
 def queue_metrics(
     db: Database, queues: Queues, names: Sequence[str] | None, rate_window_s: float, notes: list[str]
 ) -> dict[str, Any]:
-    """By queue: its stats, design, and push and finish rates over the last ``rate_window_s``."""
+    """By queue: its stats, design, and push and finish rates over the last ``rate_window_s``. Where the
+    dialect counts the schema at once (``schema_passes``), the table-design queues' stats and every
+    queue's rates come from one statement each (``stats_all``, ``queue_rates_all``); a ring's stats and
+    groups from its handle."""
+    if db.schema_passes:
+        return _schema_metrics(db, queues, names, rate_window_s, notes)
     per_queue: dict[str, Any] = {}
     for name, q in queues.each(names, notes, "left out of the metrics"):
         try:
@@ -44,6 +51,53 @@ def queue_metrics(
         stats["pushed_per_s"] = round(pushed / rate_window_s, 3)
         stats["finished_per_s"] = round(finished / rate_window_s, 3) if q.settings.archive else None
         per_queue[name] = stats
+    return per_queue
+
+
+def _schema_metrics(
+    db: Database, queues: Queues, names: Sequence[str] | None, rate_window_s: float, notes: list[str]
+) -> dict[str, Any]:
+    what = "left out of the metrics"
+    listed = queues.listed(names, notes, what)
+    tables = [s for s in listed if s.design is Design.TABLE]
+    counted = {
+        int(r[0]): r[1:] for r in db.fetchall("stats_all", {"queue_ids": [s.queue_id for s in tables]})
+    }
+    rates = {
+        int(r[0]): (int(r[1]), int(r[2]))
+        for r in db.fetchall(
+            "queue_rates_all", {"queue_ids": [s.queue_id for s in listed], "window_s": float(rate_window_s)}
+        )
+    }
+    handles = dict(queues.each([s.name for s in listed if s.design is not Design.TABLE], notes, what))
+    per_queue: dict[str, Any] = {}
+    for s in listed:
+        groups: dict[str, Any] = {}
+        if s.design is Design.TABLE:
+            row = counted.get(s.queue_id)
+            if row is None:  # dropped since the listing
+                notes.append(queues.vanished_note(s.name, what))
+                continue
+            stats = stats_from_row(s.name, row).as_dict()
+        else:
+            q = handles.get(s.name)
+            if q is None:
+                continue  # noted by each()
+            try:
+                stats = q.stats().as_dict()
+                groups = group_metrics(q) if isinstance(q, RingQueue) else {}
+            except Exception:
+                if not queues.gone(s.name, s.queue_id):
+                    raise
+                notes.append(queues.vanished_note(s.name, what))
+                continue
+        pushed, finished = rates.get(s.queue_id, (0, 0))
+        stats["design"] = s.design.value
+        if groups:
+            stats["groups"] = groups
+        stats["pushed_per_s"] = round(pushed / rate_window_s, 3)
+        stats["finished_per_s"] = round(finished / rate_window_s, 3) if s.archive else None
+        per_queue[s.name] = stats
     return per_queue
 
 

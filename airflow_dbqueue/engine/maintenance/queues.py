@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from airflow_dbqueue.engine.errors import QueueNotFoundError
 
 if TYPE_CHECKING:
+    from airflow_dbqueue.engine.dialects.base import Database
     from airflow_dbqueue.engine.models import QueueSettings
     from airflow_dbqueue.engine.queue import Queue
 
@@ -38,9 +39,12 @@ class QueueOpener(Protocol):
 class Queues:
     """The queues of one schema, opened through the client that owns them."""
 
-    def __init__(self, opener: QueueOpener, schema: str) -> None:
+    def __init__(self, opener: QueueOpener, schema: str, db: Database | None = None) -> None:
         self._dbq = opener
         self.schema = schema
+        self.db = db
+        """The schema's database, for the steps that count every queue at once (None: a queue at a
+        time)."""
 
     def current(self, name: str) -> Queue | None:
         """The queue of that name as the database has it now (not a handle of a queue dropped since it
@@ -74,6 +78,22 @@ class Queues:
                 continue
             yield name, q
 
+    def listed(self, queues: Sequence[str] | None, notes: list[str], what: str) -> list[QueueSettings]:
+        """The settings of the named queues (or of every queue) from one listing of the schema's queues,
+        noting those that do not exist: the steps that count every queue with one statement start here,
+        without a handle or a query a queue."""
+        every = self._dbq.list_queues()
+        if queues is None:
+            return every
+        by_name = {s.name: s for s in every}
+        out = []
+        for name in queues:
+            if name in by_name:
+                out.append(by_name[name])
+            else:
+                notes.append(self.vanished_note(name, what))
+        return out
+
     def filter(self, queues: Sequence[str] | None, notes: list[str]) -> dict[str, Any]:
         """The parameters of a batch statement that limit it to ``queues`` (None: every queue)."""
         if queues is None:
@@ -94,10 +114,26 @@ def upkeep(
     """Run every queue's design upkeep (:meth:`Queue.maintain`); return what it did, by queue.
 
     The table design returns expired leases to ready (or failed); the ring design recovers its gaps
-    here too. Safe to run alongside consumers (claims skip locked rows), so it takes no lock.
+    here too. Safe to run alongside consumers (claims skip locked rows), so it takes no lock. Where the
+    dialect counts the schema at once (``schema_passes``), one statement (``upkeep_due``) names the
+    table-design queues that have an expired lease or a batch to forget, and only those run their
+    upkeep statements; the others report zeros, as their statements would have.
     """
+    from airflow_dbqueue.engine.models import Design
+    from airflow_dbqueue.engine.table import TableQueue
+
+    what = "its upkeep was skipped"
     out: dict[str, dict[str, int]] = {}
-    for name, q in queues.each(names, notes, "its upkeep was skipped"):
+    if queues.db is not None and queues.db.schema_passes:
+        listed = queues.listed(names, notes, what)
+        due = {
+            int(r[0])
+            for r in queues.db.fetchall("upkeep_due", {"older_than_s": TableQueue.batch_retention_s})
+        }
+        idle = [s.name for s in listed if s.design is Design.TABLE and s.queue_id not in due]
+        out.update({name: {"reclaimed": 0, "batches_purged": 0} for name in idle})
+        names = [s.name for s in listed if s.name not in out]
+    for name, q in queues.each(names, notes, what):
         try:
             out[name] = q.maintain(limit=limit)
         except Exception:

@@ -95,7 +95,7 @@ class Maintenance:
         """The schema's tables on this dialect, in the order :meth:`vacuum` visits them."""
         self.schema = db.schema
         self._lock = SchemaLock(db)
-        self._queues = Queues(queues, db.schema)
+        self._queues = Queues(queues, db.schema, db)
         self._archiver = Archiver(db, self._lock, self._queues)
         self._reindexer = Reindexer(db, self._lock, lambda tables: self.vacuum(tables, analyze_only=True))
         self._compactor = RingCompactor(db, self._lock)

@@ -30,8 +30,10 @@ from airflow_dbqueue.engine.dialects.base import Database
 from airflow_dbqueue.engine.errors import PermissionDeniedError
 from airflow_dbqueue.engine.maintenance.lock import SchemaLock
 from airflow_dbqueue.engine.maintenance.queues import Queues
-from airflow_dbqueue.engine.queue import check_seconds
+from airflow_dbqueue.engine.models import Design, QueueSettings, QueueStats
+from airflow_dbqueue.engine.queue import Queue, check_seconds
 from airflow_dbqueue.engine.ring import RingQueue
+from airflow_dbqueue.engine.table import stats_from_row
 
 log = logging.getLogger(__name__)
 
@@ -78,25 +80,16 @@ def record(
         taken_at = row[0]
         rows = _rows(db, queues, names, taken_at, notes)
         last = _last(db, [r["queue_id"] for r in rows])
-        recorded = []
-        for r in rows:
-            _counts(db, r, last.get(r["queue_id"]), taken_at)
-            params = {
-                **{k: v for k, v in r.items() if k not in ("archive", "design")},
-                "taken_at": taken_at,
-                "groups": json.dumps(r["groups"]) if r["groups"] else None,
-                "horizon_xid_age": horizon.get("xid_age"),
-                "horizon_age_s": horizon.get("age_s"),
-                "dead_rows": horizon.get("dead_rows"),
-            }
-            try:  # a transaction a queue: a role that administers some queues samples those
-                with db.transaction(lock.conn) as c:
-                    db.execute("sample_insert", params, c)
-            except PermissionDeniedError:
-                notes.append(f"queue {r['name']!r} not sampled: the role may not administer it")
-                continue
-            recorded.append(r)
-        rows = recorded
+        if db.schema_passes:
+            _flows(db, rows, last, taken_at)
+            rows = _insert_all(db, lock, rows, taken_at=taken_at, horizon=horizon, notes=notes)
+        else:
+            recorded = []
+            for r in rows:
+                _counts(db, r, last.get(r["queue_id"]), taken_at)
+                if _insert(db, lock, r, taken_at=taken_at, horizon=horizon, notes=notes):
+                    recorded.append(r)
+            rows = recorded
         deleted = 0
         while True:
             with db.transaction(lock.conn) as c:
@@ -124,43 +117,143 @@ def record(
     }
 
 
+def _params(r: dict[str, Any], taken_at: Any, horizon: dict[str, Any]) -> dict[str, Any]:
+    """The parameters of ``sample_insert`` for the figures ``r`` of one queue."""
+    return {
+        **{k: v for k, v in r.items() if k not in ("archive", "design")},
+        "taken_at": taken_at,
+        "groups": json.dumps(r["groups"]) if r["groups"] else None,
+        "horizon_xid_age": horizon.get("xid_age"),
+        "horizon_age_s": horizon.get("age_s"),
+        "dead_rows": horizon.get("dead_rows"),
+    }
+
+
+def _insert(
+    db: Database,
+    lock: SchemaLock,
+    r: dict[str, Any],
+    *,
+    taken_at: Any,
+    horizon: dict[str, Any],
+    notes: list[str],
+) -> bool:
+    """Insert one queue's sample in a transaction of its own; False (noted) when the role may not."""
+    try:  # a transaction a queue: a role that administers some queues samples those
+        with db.transaction(lock.conn) as c:
+            db.execute("sample_insert", _params(r, taken_at, horizon), c)
+    except PermissionDeniedError:
+        notes.append(f"queue {r['name']!r} not sampled: the role may not administer it")
+        return False
+    return True
+
+
+def _insert_all(
+    db: Database,
+    lock: SchemaLock,
+    rows: list[dict[str, Any]],
+    *,
+    taken_at: Any,
+    horizon: dict[str, Any],
+    notes: list[str],
+) -> list[dict[str, Any]]:
+    """Insert every queue's sample with one statement; when the role may not administer some of the
+    queues (the statement fails whole), a transaction a queue, so that it samples those it may. Returns
+    the rows recorded."""
+    if not rows:
+        return rows
+    params: dict[str, Any] = {
+        "taken_at": taken_at,
+        "horizon_xid_age": horizon.get("xid_age"),
+        "horizon_age_s": horizon.get("age_s"),
+        "dead_rows": horizon.get("dead_rows"),
+        "queue_ids": [r["queue_id"] for r in rows],
+        "groups": [json.dumps(r["groups"]) if r["groups"] else None for r in rows],
+    }
+    for k in ("ready", "delayed", "in_flight", "failed", "oldest_age_s", "push_total", "pop_total"):
+        params[k] = [r[k] for r in rows]
+    params["pushed"] = [r["pushed"] for r in rows]
+    params["popped"] = [r["popped"] for r in rows]
+    try:
+        with db.transaction(lock.conn) as c:
+            db.execute("sample_insert_all", params, c)
+    except PermissionDeniedError:
+        return [r for r in rows if _insert(db, lock, r, taken_at=taken_at, horizon=horizon, notes=notes)]
+    return rows
+
+
 def _rows(
     db: Database, queues: Queues, names: Sequence[str] | None, taken_at: Any, notes: list[str]
 ) -> list[dict[str, Any]]:
-    """Each queue's figures now, through its stats (as the metrics read them)."""
-    out = []
-    for name, q in queues.each(names, notes, "not sampled"):
-        try:
-            stats = q.stats()
-            groups: dict[str, int] = {}
-            if isinstance(q, RingQueue):
-                for info in q.groups()[1:]:
-                    groups[info.name] = int(q.group(info.name).stats().extra["lag_messages"])
-        except Exception:
-            if not queues.gone(name, q.settings.queue_id):
-                raise
-            notes.append(queues.vanished_note(name, "not sampled"))
-            continue
-        ring = isinstance(q, RingQueue)
-        out.append(
-            {
-                "name": name,
-                "queue_id": q.settings.queue_id,
-                "design": q.settings.design.value,
-                "archive": q.settings.archive,
-                "ready": stats.ready,
-                "delayed": stats.delayed,
-                "in_flight": stats.in_flight,
-                "failed": stats.failed,
-                "oldest_age_s": stats.oldest_ready_age_s,
-                "push_total": int(stats.extra["push_position"]) if ring else None,
-                "pop_total": int(stats.extra["pop_position"]) if ring else None,
-                "pushed": None,
-                "popped": None,
-                "groups": groups,
-            }
+    """Each queue's figures now, through its stats (as the metrics read them). Where the dialect counts
+    the schema at once (``schema_passes``), the table-design queues' figures come from one statement
+    (``stats_all``); a ring's from its own stats, a queue at a time."""
+    if not db.schema_passes:
+        return [
+            r
+            for name, q in queues.each(names, notes, "not sampled")
+            if (r := _queue_row(queues, name, q, notes))
+        ]
+    listed = queues.listed(names, notes, "not sampled")
+    tables = [s for s in listed if s.design is Design.TABLE]
+    counted = {
+        int(row[0]): stats_from_row(str(row[0]), row[1:])
+        for row in db.fetchall("stats_all", {"queue_ids": [s.queue_id for s in tables]})
+    }
+    rings = {
+        name: q
+        for name, q in queues.each(
+            [s.name for s in listed if s.design is not Design.TABLE], notes, "not sampled"
         )
+    }
+    out = []
+    for s in listed:
+        if s.design is Design.TABLE:
+            stats = counted.get(s.queue_id)
+            if stats is None:  # dropped since the listing (or not the role's to see)
+                notes.append(queues.vanished_note(s.name, "not sampled"))
+                continue
+            out.append(_figures(s, stats, None))
+        elif s.name in rings and (r := _queue_row(queues, s.name, rings[s.name], notes)):
+            out.append(r)
     return out
+
+
+def _figures(settings: QueueSettings, stats: QueueStats, groups: dict[str, int] | None) -> dict[str, Any]:
+    """One queue's row of figures from its stats (a ring's with its positions and groups' lag)."""
+    ring = groups is not None
+    return {
+        "name": settings.name,
+        "queue_id": settings.queue_id,
+        "design": settings.design.value,
+        "archive": settings.archive,
+        "ready": stats.ready,
+        "delayed": stats.delayed,
+        "in_flight": stats.in_flight,
+        "failed": stats.failed,
+        "oldest_age_s": stats.oldest_ready_age_s,
+        "push_total": int(stats.extra["push_position"]) if ring else None,
+        "pop_total": int(stats.extra["pop_position"]) if ring else None,
+        "pushed": None,
+        "popped": None,
+        "groups": groups or {},
+    }
+
+
+def _queue_row(queues: Queues, name: str, q: Queue, notes: list[str]) -> dict[str, Any] | None:
+    """One queue's figures through its handle (None, noted, when it was dropped meanwhile)."""
+    try:
+        stats = q.stats()
+        groups: dict[str, int] = {}
+        if isinstance(q, RingQueue):
+            for info in q.groups()[1:]:
+                groups[info.name] = int(q.group(info.name).stats().extra["lag_messages"])
+    except Exception:
+        if not queues.gone(name, q.settings.queue_id):
+            raise
+        notes.append(queues.vanished_note(name, "not sampled"))
+        return None
+    return _figures(q.settings, stats, groups if isinstance(q, RingQueue) else None)
 
 
 def _last(db: Database, queue_ids: list[int]) -> dict[int, tuple[Any, int | None, int | None]]:
@@ -186,6 +279,34 @@ def _counts(
         row = db.fetchone("table_flow", {"queue_id": r["queue_id"], "since": since, "until": until})
         if row is not None:
             r["pushed"], r["popped"] = int(row[0]), int(row[1])
+
+
+def _flows(
+    db: Database,
+    rows: list[dict[str, Any]],
+    last: dict[int, tuple[Any, int | None, int | None]],
+    until: Any,
+) -> None:
+    """:func:`_counts` of every row, with one statement (``table_flow_all``) for the table-design
+    queues that archive."""
+    tables = []
+    for r in rows:
+        prev = last.get(r["queue_id"])
+        if r["push_total"] is not None or not r["archive"]:
+            _counts(db, r, prev, until)
+        elif prev is not None:
+            tables.append((r, prev[0]))
+    if not tables:
+        return
+    params = {
+        "queue_ids": [r["queue_id"] for r, _ in tables],
+        "since": [since for _, since in tables],
+        "min_since": min(since for _, since in tables),
+        "until": until,
+    }
+    flow = {int(q): (int(p), int(o)) for q, p, o in db.fetchall("table_flow_all", params)}
+    for r, _ in tables:
+        r["pushed"], r["popped"] = flow.get(r["queue_id"], (0, 0))
 
 
 def read(

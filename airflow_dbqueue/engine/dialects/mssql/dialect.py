@@ -95,6 +95,11 @@ POSTGRES_ONLY: dict[str, str] = {
         for name in ("table_move_stragglers", "table_partitions", "table_empty_partition")
     },
     **{
+        name: "maintenance's passes over every table-design queue of a schema at once (schema_passes = "
+        "False): on SQL Server it counts and samples a queue at a time, as docs/limits.md says"
+        for name in ("stats_all", "upkeep_due", "table_flow_all", "sample_insert_all", "queue_rates_all")
+    },
+    **{
         name: "a pop of payloads only selects one column of a take's rows, which a procedure's rows cannot "
         "be (payload_pops = False): on SQL Server it runs the take itself and keeps the payloads"
         for name in ("pop_take_payloads", "ring_take_payloads")
@@ -190,6 +195,7 @@ class MssqlDatabase(MssqlSchema, MssqlMaintenance):
     supports_notify = False
     ring_push_takes_floor = False  # its ring_push reads the floor under its own locks
     payload_pops = False  # a pop of payloads takes them from its procedures' whole rows
+    schema_passes = False  # maintenance counts a queue at a time (docs/limits.md)
     prepares_statements = True
     async_observers = False  # pyodbc has no async connections: observers poll with readiness()
 

@@ -45,7 +45,17 @@ $$;
 -- at 100 payloads a message that form cost the server about 4,000 more instructions than the single
 -- INSERT (cachegrind).
 -- p_notify: 0 never, 1 when the queue had no ready message before (the statement's one snapshot does not
--- see this push's own rows), 2 always.
+-- see this push's own rows), 2 always. The check of 1 looks for the newest ready message of the queue in
+-- the generation pushes write now (one partition, pruned at run time), walking meta_ready_idx backwards
+-- from its newest entry. Pops take the oldest messages and leave their index entries at the other end
+-- until a VACUUM or the partition's TRUNCATE removes them, so with messages waiting the walk stops at
+-- the first entry, however many were popped since (walked forwards, from the oldest entry, it passed
+-- every one of them). Only when no message of the queue is waiting in the partition does it pass the
+-- entries popped there, as a pop of the empty queue does. It may only err towards notifying: when the
+-- queue's ready messages are all in older generations (a queue pushed rarely while ids move on), the
+-- push notifies as if the queue had none, a wake-up that finds messages; when it finds one, the queue
+-- had a ready message, as before. Delayed messages of the queue in the partition are passed over one by
+-- one on a server without skip scans (PostgreSQL 17 and older).
 -- A function with generic plans: its statements are planned once a session, where a statement run by
 -- itself is planned on every push (a third of a push of one's server time). No sequential scans:
 -- the ready check must probe meta_ready_idx whatever the statistics said when the plan was made.
@@ -117,9 +127,12 @@ BEGIN
             RETURNING id
         ), n AS (
             SELECT pg_notify(p_channel, '') AS sent
-            WHERE p_notify = 2 OR NOT EXISTS (
-                SELECT 1 FROM {schema}.meta r
-                WHERE r.queue_id = p_queue_id AND r.state = 0 AND r.process_at <= now())
+            WHERE p_notify = 2 OR (
+                SELECT r.id FROM {schema}.meta r
+                WHERE r.gen = {schema}.table_generation() AND r.queue_id = p_queue_id AND r.state = 0
+                  AND r.process_at <= now()
+                ORDER BY r.priority, r.process_at DESC, r.id DESC
+                LIMIT 1) IS NULL
         )
         SELECT m.id FROM m CROSS JOIN (SELECT count(*) AS c FROM n) x;
     ELSIF p_notify = 0 THEN
@@ -154,13 +167,111 @@ BEGIN
             WHERE octet_length(i.payload) > 1900
         ), n AS (
             SELECT pg_notify(p_channel, '') AS sent
-            WHERE p_notify = 2 OR NOT EXISTS (
-                SELECT 1 FROM {schema}.meta r
-                WHERE r.queue_id = p_queue_id AND r.state = 0 AND r.process_at <= now())
+            WHERE p_notify = 2 OR (
+                SELECT r.id FROM {schema}.meta r
+                WHERE r.gen = {schema}.table_generation() AND r.queue_id = p_queue_id AND r.state = 0
+                  AND r.process_at <= now()
+                ORDER BY r.priority, r.process_at DESC, r.id DESC
+                LIMIT 1) IS NULL
         )
         -- (an inner join: the planner would remove an unused LEFT JOIN, and with it the NOTIFY)
         SELECT i.id FROM input i CROSS JOIN (SELECT count(*) AS c FROM n) x ORDER BY i.ord;
     END IF;
+END
+$$;
+
+-- The table design's stats of queue p_queue_id (queries/table.sql's stats): its messages ready, delayed,
+-- in flight, failed and finished (kept for the archiver), and the age of its oldest ready message. Each
+-- is counted on its own index (the ready, leased and failed indexes of meta, done_queue_idx of done) up
+-- to p_cap entries, so that a queue's stats read what that queue holds, and at most p_cap entries a
+-- state. Each index is read backwards, from its newest entries: the entries of messages taken since
+-- the last VACUUM (popped, acked, archived) lie at the other end, where a count from the oldest entry
+-- would pass them all before the first one it counts (as table_push's check, see there), and the
+-- delayed messages lie after the ready ones of their priority. A state with p_cap messages or more is estimated instead (r_estimated): from a sample of about
+-- 1,000 pages of the table (TABLESAMPLE SYSTEM), the queue's rows in that state scaled to the whole,
+-- never below p_cap; the oldest ready age then comes from the first 100 ready messages of each priority
+-- in claim order (a loose scan over the priorities), which misses an older message only when a nack or
+-- a delay put it behind younger ones. Generic plans (planned once a session: the statement has 40 scans
+-- of partitions to plan), no sequential scans but the sample's.
+CREATE OR REPLACE FUNCTION {schema}.table_stats(p_queue_id integer, p_cap bigint)
+RETURNS TABLE (r_ready bigint, r_delayed bigint, r_in_flight bigint, r_failed bigint, r_finished bigint,
+               r_oldest_ready_age_s double precision, r_estimated boolean)
+LANGUAGE plpgsql STABLE SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
+DECLARE
+    v_ready bigint;
+    v_delayed bigint;
+    v_in_flight bigint;
+    v_failed bigint;
+    v_finished bigint;
+    v_oldest timestamptz;
+    v_pct double precision;
+    v_est boolean;
+    e_ready bigint;
+    e_delayed bigint;
+    e_in_flight bigint;
+    e_failed bigint;
+    e_finished bigint;
+BEGIN
+    SELECT count(*) INTO v_ready FROM (
+        SELECT 1 FROM {schema}.meta WHERE queue_id = p_queue_id AND state = 0 AND process_at <= now()
+        ORDER BY priority, process_at DESC, id DESC LIMIT p_cap) x;
+    SELECT count(*) INTO v_delayed FROM (
+        SELECT 1 FROM {schema}.meta WHERE queue_id = p_queue_id AND state = 0 AND process_at > now()
+        ORDER BY priority, process_at DESC, id DESC LIMIT p_cap) x;
+    SELECT count(*) INTO v_in_flight FROM (
+        SELECT 1 FROM {schema}.meta WHERE queue_id = p_queue_id AND state = 1
+        ORDER BY lease_until DESC LIMIT p_cap) x;
+    SELECT count(*) INTO v_failed FROM (
+        SELECT 1 FROM {schema}.meta WHERE queue_id = p_queue_id AND state = 2 ORDER BY id DESC LIMIT p_cap) x;
+    SELECT count(*) INTO v_finished FROM (
+        SELECT 1 FROM {schema}.done WHERE queue_id = p_queue_id ORDER BY finished_at DESC LIMIT p_cap) x;
+    v_est := greatest(v_ready, v_delayed, v_in_flight, v_failed, v_finished) >= p_cap;
+    IF NOT v_est THEN
+        SELECT min(enqueued_at) INTO v_oldest FROM {schema}.meta
+        WHERE queue_id = p_queue_id AND state = 0 AND process_at <= now();
+    ELSE
+        IF greatest(v_ready, v_delayed, v_in_flight, v_failed) >= p_cap THEN
+            SELECT least(100, 100.0 * 1000 * current_setting('block_size')::integer
+                              / greatest(sum(pg_relation_size(i.inhrelid)), 1)) INTO v_pct
+            FROM pg_inherits i WHERE i.inhparent = '{schema}.meta'::regclass;
+            SELECT count(*) FILTER (WHERE m.state = 0 AND m.process_at <= now()) * 100 / v_pct,
+                   count(*) FILTER (WHERE m.state = 0 AND m.process_at > now()) * 100 / v_pct,
+                   count(*) FILTER (WHERE m.state = 1) * 100 / v_pct,
+                   count(*) FILTER (WHERE m.state = 2) * 100 / v_pct
+            INTO e_ready, e_delayed, e_in_flight, e_failed
+            FROM {schema}.meta m TABLESAMPLE SYSTEM (v_pct) WHERE m.queue_id = p_queue_id;
+            IF v_ready >= p_cap THEN v_ready := greatest(p_cap, e_ready); END IF;
+            IF v_delayed >= p_cap THEN v_delayed := greatest(p_cap, e_delayed); END IF;
+            IF v_in_flight >= p_cap THEN v_in_flight := greatest(p_cap, e_in_flight); END IF;
+            IF v_failed >= p_cap THEN v_failed := greatest(p_cap, e_failed); END IF;
+        END IF;
+        IF v_finished >= p_cap THEN
+            SELECT least(100, 100.0 * 1000 * current_setting('block_size')::integer
+                              / greatest(sum(pg_relation_size(i.inhrelid)), 1)) INTO v_pct
+            FROM pg_inherits i WHERE i.inhparent = '{schema}.done'::regclass;
+            SELECT count(*) * 100 / v_pct INTO e_finished
+            FROM {schema}.done d TABLESAMPLE SYSTEM (v_pct) WHERE d.queue_id = p_queue_id;
+            v_finished := greatest(p_cap, e_finished);
+        END IF;
+        WITH RECURSIVE p AS (
+            (SELECT m.priority FROM {schema}.meta m WHERE m.queue_id = p_queue_id AND m.state = 0
+             ORDER BY m.priority DESC LIMIT 1)
+            UNION ALL
+            SELECT (SELECT m.priority FROM {schema}.meta m
+                    WHERE m.queue_id = p_queue_id AND m.state = 0 AND m.priority < p.priority
+                    ORDER BY m.priority DESC LIMIT 1)
+            FROM p WHERE p.priority IS NOT NULL
+        )
+        SELECT min(h.oldest) INTO v_oldest FROM p CROSS JOIN LATERAL (
+            SELECT min(f.enqueued_at) AS oldest FROM (
+                SELECT m.enqueued_at FROM {schema}.meta m
+                WHERE m.queue_id = p_queue_id AND m.state = 0 AND m.priority = p.priority
+                  AND m.process_at <= now()
+                ORDER BY m.process_at, m.id LIMIT 100) f) h
+        WHERE p.priority IS NOT NULL;
+    END IF;
+    RETURN QUERY SELECT v_ready, v_delayed, v_in_flight, v_failed, v_finished,
+        extract(epoch FROM now() - v_oldest)::float8, v_est;
 END
 $$;
 

@@ -164,6 +164,8 @@ BEGIN
             'autovacuum_analyze_scale_factor = 0.05, vacuum_truncate = false)', '{schema}', 'done_' || g, g);
         EXECUTE format('CREATE INDEX %2$I ON %1$s.%3$I USING brin (finished_at)',
             '{schema}', 'done_finished_brin_' || g, 'done_' || g);
+        EXECUTE format('CREATE INDEX %2$I ON %1$s.%3$I (queue_id, finished_at)',
+            '{schema}', 'done_queue_idx_' || g, 'done_' || g);
     END LOOP;
 END
 $partitions$;
@@ -184,6 +186,10 @@ CREATE INDEX meta_failed_idx ON {schema}.meta (queue_id, id) WHERE state = 2;
 -- data's key: a message's payload row by id (gen, the partition key, must be part of it).
 ALTER TABLE {schema}.data ADD CONSTRAINT data_pkey PRIMARY KEY (id, gen);
 CREATE INDEX done_finished_brin ON {schema}.done USING brin (finished_at);
+-- A queue's finished messages: its stats count them, and its rates and samples count those finished in
+-- a window, reading that queue's entries only, not every queue's rows (a pop or ack of a queue that
+-- archives writes one entry a message here).
+CREATE INDEX done_queue_idx ON {schema}.done (queue_id, finished_at);
 
 -- Archived messages with their payloads, moved out of done/data by the archiver; an archive retention
 -- deletes them again after a while.

@@ -12,6 +12,7 @@ GENERIC_PLANS = frozenset(
         "pop_take",
         "pop_take_payloads",
         "ack",
+        "stats",
         "ring_push",
         "ring_push_one",
         "ring_floor",

@@ -227,3 +227,28 @@ ORDER BY 1, 2
 -- when it holds a row, NULL when its lock was not granted within lock_timeout_ms. In a transaction of
 -- its own.
 SELECT {schema}.table_empty_partition(%(table)s::text, %(gen)s::integer, %(lock_timeout_ms)s::integer)
+
+-- name: queue_rates_all
+-- queue_rates for the queues among queue_ids in one pass over each table (maintenance's metrics): each
+-- queue's messages pushed and finished in the last window_s seconds, zeros for a queue with none.
+WITH w AS (SELECT now() - make_interval(secs => %(window_s)s) AS since)
+SELECT q.queue_id, coalesce(m.pushed, 0) + coalesce(d.pushed, 0) + coalesce(a.pushed, 0),
+       coalesce(d.finished, 0) + coalesce(a.finished, 0)
+FROM {schema}.queues q
+LEFT JOIN (
+    SELECT x.queue_id, count(*) AS pushed FROM {schema}.meta x, w
+    WHERE x.enqueued_at > w.since AND x.queue_id = ANY (%(queue_ids)s::integer[])
+    GROUP BY x.queue_id) m ON m.queue_id = q.queue_id
+LEFT JOIN (
+    SELECT x.queue_id, count(*) FILTER (WHERE x.enqueued_at > w.since) AS pushed,
+           count(*) FILTER (WHERE x.outcome = 1) AS finished
+    FROM {schema}.done x, w
+    WHERE x.finished_at > w.since AND x.queue_id = ANY (%(queue_ids)s::integer[])
+    GROUP BY x.queue_id) d ON d.queue_id = q.queue_id
+LEFT JOIN (
+    SELECT x.queue_id, count(*) FILTER (WHERE x.enqueued_at > w.since) AS pushed,
+           count(*) FILTER (WHERE x.finished_at > w.since AND x.outcome = 1) AS finished
+    FROM {schema}.archive x, w
+    WHERE x.archived_at > w.since AND x.queue_id = ANY (%(queue_ids)s::integer[])
+    GROUP BY x.queue_id) a ON a.queue_id = q.queue_id
+WHERE q.queue_id = ANY (%(queue_ids)s::integer[])

@@ -65,3 +65,48 @@ JOIN {schema}.queues q ON q.queue_id = s.queue_id
 WHERE s.taken_at > now() - make_interval(secs => %(window_s)s)
   AND (%(all_queues)s OR q.name = ANY (%(names)s::text[]))
 ORDER BY q.name, s.taken_at
+
+-- name: table_flow_all
+-- table_flow for many queues at once, each from its own since (the arrays queue_ids and since, in step)
+-- to until, in one pass over each table: min_since, the earliest since, bounds the scans of done and
+-- archive (their BRIN indexes on finished_at and archived_at).
+WITH w AS (
+    SELECT u.queue_id, u.since FROM unnest(%(queue_ids)s::integer[], %(since)s::timestamptz[]) AS u(queue_id, since)
+)
+SELECT w.queue_id,
+       coalesce(m.pushed, 0) + coalesce(d.pushed, 0) + coalesce(a.pushed, 0),
+       coalesce(d.popped, 0) + coalesce(a.popped, 0)
+FROM w
+LEFT JOIN (
+    SELECT x.queue_id, count(*) AS pushed
+    FROM {schema}.meta x JOIN w ON w.queue_id = x.queue_id
+    WHERE x.enqueued_at > w.since AND x.enqueued_at <= %(until)s
+    GROUP BY x.queue_id) m ON m.queue_id = w.queue_id
+LEFT JOIN (
+    SELECT x.queue_id,
+           count(*) FILTER (WHERE x.enqueued_at > w.since AND x.enqueued_at <= %(until)s) AS pushed,
+           count(*) FILTER (WHERE x.outcome = 1 AND x.finished_at <= %(until)s) AS popped
+    FROM {schema}.done x JOIN w ON w.queue_id = x.queue_id
+    WHERE x.finished_at > %(min_since)s AND x.finished_at > w.since
+    GROUP BY x.queue_id) d ON d.queue_id = w.queue_id
+LEFT JOIN (
+    SELECT x.queue_id,
+           count(*) FILTER (WHERE x.enqueued_at > w.since AND x.enqueued_at <= %(until)s) AS pushed,
+           count(*) FILTER (WHERE x.outcome = 1 AND x.finished_at > w.since AND x.finished_at <= %(until)s)
+               AS popped
+    FROM {schema}.archive x JOIN w ON w.queue_id = x.queue_id
+    WHERE x.archived_at > %(min_since)s AND x.archived_at > w.since
+    GROUP BY x.queue_id) a ON a.queue_id = w.queue_id
+
+-- name: sample_insert_all
+-- The samples of many queues in one statement (the arrays in step, one element a queue; groups as JSON
+-- text or NULL), all taken at taken_at, with the schema's horizon figures.
+INSERT INTO {schema}.samples (queue_id, taken_at, ready, delayed, in_flight, failed, oldest_age_s, push_total,
+                              pop_total, pushed, popped, groups, horizon_xid_age, horizon_age_s, dead_rows)
+SELECT u.queue_id, %(taken_at)s, u.ready, u.delayed, u.in_flight, u.failed, u.oldest_age_s, u.push_total,
+       u.pop_total, u.pushed, u.popped, u.groups::jsonb, %(horizon_xid_age)s, %(horizon_age_s)s, %(dead_rows)s
+FROM unnest(%(queue_ids)s::integer[], %(ready)s::bigint[], %(delayed)s::bigint[], %(in_flight)s::bigint[],
+            %(failed)s::bigint[], %(oldest_age_s)s::float8[], %(push_total)s::bigint[], %(pop_total)s::bigint[],
+            %(pushed)s::bigint[], %(popped)s::bigint[], %(groups)s::text[])
+     AS u(queue_id, ready, delayed, in_flight, failed, oldest_age_s, push_total, pop_total, pushed, popped, groups)
+ON CONFLICT (queue_id, taken_at) DO NOTHING

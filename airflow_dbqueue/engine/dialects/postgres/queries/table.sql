@@ -141,16 +141,9 @@ WHERE queue_id = %(queue_id)s AND state = 0 AND process_at > now()
 SELECT NOT pg_try_advisory_xact_lock(hashtext('dbqueue.queue.' || '{schema}'), %(queue_id)s)
 
 -- name: stats
-SELECT
-    (SELECT count(*) FROM {schema}.meta
-      WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()) AS ready,
-    (SELECT count(*) FROM {schema}.meta
-      WHERE queue_id = %(queue_id)s AND state = 0 AND process_at > now()) AS delayed,
-    (SELECT count(*) FROM {schema}.meta WHERE queue_id = %(queue_id)s AND state = 1) AS in_flight,
-    (SELECT count(*) FROM {schema}.meta WHERE queue_id = %(queue_id)s AND state = 2) AS failed,
-    (SELECT count(*) FROM {schema}.done WHERE queue_id = %(queue_id)s) AS finished,
-    (SELECT extract(epoch FROM now() - min(enqueued_at))::float8 FROM {schema}.meta
-      WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()) AS oldest_ready_age_s
+-- Through table_stats() (functions.sql): each state counted on its own index up to cap entries, and a
+-- state that reaches the cap estimated from a sample (the last column says whether any was).
+SELECT * FROM {schema}.table_stats(%(queue_id)s::integer, %(cap)s::bigint)
 
 -- name: list_failed
 SELECT m.id, m.priority, m.attempts, m.enqueued_at, m.last_error,
@@ -242,3 +235,36 @@ WHERE m.ctid = ANY (ARRAY(SELECT tid FROM held))
   AND ((m.gen, m.ctid) IN (SELECT gen, tid FROM held)) IS TRUE
   AND (SELECT count(*) FROM held) = cardinality(%(ids)b::bigint[])
 RETURNING m.id, m.lease_until
+
+-- name: stats_all
+-- The stats of the table design's queues among queue_ids, each as stats gives them, in one pass over meta
+-- and one over done instead of a statement a queue (maintenance's samples and metrics): a queue with no
+-- rows gets zeros. Under row-level security a role counts the rows of the queues it may see, as in stats.
+SELECT q.queue_id, coalesce(m.ready, 0), coalesce(m.delayed, 0), coalesce(m.in_flight, 0),
+       coalesce(m.failed, 0), coalesce(d.finished, 0), extract(epoch FROM now() - m.oldest)::float8
+FROM {schema}.queues q
+LEFT JOIN (
+    SELECT queue_id,
+           count(*) FILTER (WHERE state = 0 AND process_at <= now()) AS ready,
+           count(*) FILTER (WHERE state = 0 AND process_at > now()) AS delayed,
+           count(*) FILTER (WHERE state = 1) AS in_flight,
+           count(*) FILTER (WHERE state = 2) AS failed,
+           min(enqueued_at) FILTER (WHERE state = 0 AND process_at <= now()) AS oldest
+    FROM {schema}.meta
+    WHERE queue_id = ANY (%(queue_ids)s::integer[])
+    GROUP BY queue_id) m ON m.queue_id = q.queue_id
+LEFT JOIN (
+    SELECT queue_id, count(*) AS finished FROM {schema}.done
+    WHERE queue_id = ANY (%(queue_ids)s::integer[])
+    GROUP BY queue_id) d ON d.queue_id = q.queue_id
+WHERE q.design = 'table' AND q.queue_id = ANY (%(queue_ids)s::integer[])
+
+-- name: upkeep_due
+-- The table design's queues whose upkeep has something to do: a lease expired (reclaim_expired), or a
+-- batch finished more than older_than_s ago (purge_batches). One walk of the leases' index and one of
+-- the finished batches for the schema, so that maintenance runs a queue's upkeep statements only where
+-- they find work.
+SELECT m.queue_id FROM {schema}.meta m WHERE m.state = 1 AND m.lease_until <= now()
+UNION
+SELECT b.queue_id FROM {schema}.batches b
+WHERE b.state <> 0 AND b.finished_at < now() - make_interval(secs => %(older_than_s)s)
