@@ -22,6 +22,10 @@ from airflow_dbqueue.engine.ring_base import (
 if TYPE_CHECKING:
     from airflow_dbqueue.engine.dialects.base import AsyncDbConnection
 
+RING_STATS_EXACT_CAP = 50_000
+"""A ring's stats() counts the lanes' messages in their slots up to this many numbers to take
+(PostgreSQL); above it, by arithmetic over the lanes' positions, marked ``extra["estimated"]``."""
+
 
 class RingInspect(RingBase):
     """Peeking, counting, stats and failed messages of a ring's group."""
@@ -84,7 +88,9 @@ class RingInspect(RingBase):
 
     def stats(self) -> QueueStats:
         with self._or_gone():
-            row = self._db.fetchone("ring_stats", {"queue_id": self._qid, "group": self._gid})
+            row = self._db.fetchone(
+                "ring_stats", {"queue_id": self._qid, "group": self._gid, "cap": RING_STATS_EXACT_CAP}
+            )
         if row is None or row[5] is None or row[6] is None:  # no ring, or no such group any more
             self._raise_if_gone()
             raise QueueNotFoundError(self.name, self._db.schema)
@@ -110,6 +116,9 @@ class RingInspect(RingBase):
                 "ring_fill": round(used / self.capacity, 4),
                 "gaps_skipped": int(row[8]),
                 "group": self.group_name,
+                # PostgreSQL: above RING_STATS_EXACT_CAP numbers to take, ready is the lanes' depth by
+                # arithmetic (gaps and pushes in progress included) and the oldest age a lane head's.
+                **({"estimated": True} if len(row) > 10 and row[10] else {}),
                 # What the group has still to finish: what it can take now or later, and what it holds.
                 "lag_messages": int(row[0]) + int(row[1]) + int(row[2]),
                 "lag_seconds": float(row[4] or 0.0),

@@ -870,3 +870,34 @@ def test_pops_of_one_pass_a_lane_whose_push_is_in_progress_and_hold_only_the_lan
     assert got == sent
     st = q.stats()
     assert (st.ready, st.in_flight, st.extra["ring_used"]) == (0, 0, 0), st
+
+
+def test_stats_of_a_deep_ring_counts_its_lanes_and_says_when_it_estimates(
+    pg_dsn: str, schema_name: str
+) -> None:
+    """Up to RING_STATS_EXACT_CAP numbers to take a ring's stats() counts the lanes' messages in their
+    slots; above it the lanes' depth by arithmetic stands for them (exact here: no gaps, no push in
+    progress) and extra["estimated"] says so, with the oldest age read from the lanes' heads. Both
+    agree with what the pops then take, which is every message pushed once (counted and checksummed)."""
+    from airflow_dbqueue.engine.ring_inspect import RING_STATS_EXACT_CAP
+
+    n = RING_STATS_EXACT_CAP + 5_000
+    with DbQueue(pg_dsn, schema=schema_name) as dbq:
+        dbq.install()
+        q = dbq.create_queue(
+            "deep", design="ring", capacity=n + 1_000, payload_type="bytes", max_payload_bytes=64
+        )
+        sent = [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(n)]
+        for k in range(0, n, 5_000):
+            q.push_batch(sent[k : k + 5_000])
+        deep = q.stats()
+        assert deep.ready == n and type(deep.ready) is int and deep.extra.get("estimated") is True, deep
+        assert deep.oldest_ready_age_s is not None and deep.oldest_ready_age_s >= 0
+        got = q.pop_payloads(10_000)
+        shallow = q.stats()
+        assert shallow.ready == n - 10_000 and "estimated" not in shallow.extra, shallow
+        while batch := q.pop_payloads(10_000):
+            got.extend(batch)
+        assert q.stats().ready == 0
+        assert len(got) == n and sorted(got) == sorted(sent)
+        dbq.uninstall()

@@ -589,6 +589,7 @@ RING_PARAMETERS_POSTGRESQL_ONLY = {
     "ring_push": {"notify", "channel", "floor"},  # no NOTIFY (waiting pops poll); reads the floor itself
     "ring_push_one": {"notify", "channel", "floor"},  # SQL Server's push reads the floor itself
     "ring_take_one": {"queue_id"},  # the procedure looks a group's ring up from its key
+    "ring_stats": {"cap"},  # SQL Server counts every message of a deep ring (no estimate above a cap)
 }
 RING_PARAMETERS_MSSQL_ONLY = {
     "ring_snapshot": {"queue_id"},  # the gap proof's list is the ring's push lanes, not the server's xids
@@ -702,7 +703,7 @@ def test_the_result_width_check_is_not_vacuous() -> None:
     assert _result_width(sqlglot.parse_one("SELECT @a = 1, @b = 2", read="tsql")) is None
     assert _result_width(sqlglot.parse_one("SELECT @a = 1, 2", read="tsql")) == 2
     assert _mssql_widths("ring_take") == {6} and _mssql_widths("ring_pop") == {9}
-    assert _mssql_widths("ring_peek") == {6} and _postgres_width("ring_stats") == 10
+    assert _mssql_widths("ring_peek") == {6} and _postgres_width("ring_stats") == 11
 
 
 # -- how the ring's procedures lock ------------------------------------------------------------------

@@ -1608,18 +1608,36 @@ END
 $$;
 
 -- The messages of a ring that a pop could take now or later, without taking them: those of the lanes
--- past their positions (attempts 0), and those to deliver again (r_due: when they are due). A full scan
--- of the ring's slots: for observers (peek, counts, stats), not for pops.
+-- past their positions (attempts 0), and those to deliver again (r_due: when they are due). For
+-- observers (peek, counts, stats), not for pops. A lane's message is a number x of the lane with
+-- pos <= x <= the push position, so it lies in the window of numbers from the group's lowest lane
+-- position (lo) to the push position (hi), whose slots are one range of the slots' key, or two where the
+-- window passes the end of the slots: only those slots are read (what the group has still to take, not
+-- the whole ring), in slot order, so that a count up to a cap stops after that many.
 CREATE OR REPLACE FUNCTION {schema}.ring_ready(p_queue_id integer, p_gid integer)
 RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz,
                r_due timestamptz, r_payload bytea)
 LANGUAGE sql STABLE AS $$
+    WITH w AS (
+        SELECT g.queue_id, g.capacity, g.lanes, p.lo, p.pos,
+               coalesce(pg_sequence_last_value(g.push_seq), 0) AS hi,
+               (p.lo % g.capacity)::integer AS a
+        FROM {schema}.rings g
+        CROSS JOIN (SELECT min(l.pos) AS lo, array_agg(l.pos ORDER BY l.lane) AS pos
+                    FROM {schema}.ring_lanes l WHERE l.queue_id = p_gid) p
+        WHERE g.queue_id = p_queue_id AND p.lo IS NOT NULL
+    ), n AS (
+        SELECT w.*, least(w.capacity::bigint, w.hi - w.lo + 1) AS span FROM w WHERE w.hi >= w.lo
+    )
     SELECT s.seq, 0, 0, s.enqueued_at, s.enqueued_at, s.payload
-    FROM {schema}.rings g
-    JOIN {schema}.ring_lanes l ON l.queue_id = p_gid
-    JOIN {schema}.ring_slots s
-      ON s.queue_id = g.queue_id AND (s.seq % g.lanes)::integer = l.lane AND s.seq >= l.pos
-    WHERE g.queue_id = p_queue_id AND s.payload IS NOT NULL
+    FROM n JOIN {schema}.ring_slots s
+      ON s.queue_id = n.queue_id AND s.slot >= n.a AND s.slot < least(n.capacity::bigint, n.a + n.span)
+    WHERE s.payload IS NOT NULL AND s.seq >= n.pos[(s.seq % n.lanes)::integer + 1] AND s.seq <= n.hi
+    UNION ALL
+    SELECT s.seq, 0, 0, s.enqueued_at, s.enqueued_at, s.payload
+    FROM n JOIN {schema}.ring_slots s
+      ON s.queue_id = n.queue_id AND s.slot >= 0 AND s.slot < n.a + n.span - n.capacity
+    WHERE s.payload IS NOT NULL AND s.seq >= n.pos[(s.seq % n.lanes)::integer + 1] AND s.seq <= n.hi
     UNION ALL
     SELECT r.id, r.attempts, r.deliveries, s.enqueued_at, r.due_at, s.payload
     FROM {schema}.rings g

@@ -217,7 +217,7 @@ OUTER APPLY (
 -- Depth by state of one consumer group, plus the ring's own figures: the push position (last number
 -- issued), the group's pop position (its lowest lane position: the next number none of its pops has
 -- taken), the floor (the lowest number a consumer of any group may still need), the numbers given up as
--- gaps, and its lanes. No row when the ring does not exist.
+-- gaps, and its lanes; estimated: always false here. No row when the ring does not exist.
 SET NOCOUNT ON;
 DECLARE @now datetime2(6) = SYSUTCDATETIME();
 DECLARE @queue_id int = %(queue_id)s;
@@ -237,7 +237,8 @@ SELECT
     (SELECT min(l.pos) FROM {schema}.ring_lanes l WHERE l.queue_id = @gid) AS pop_position,
     @floor AS floor,
     coalesce(CAST(gq.current_value AS bigint), 0) AS gaps_skipped,
-    r.lanes
+    r.lanes,
+    CAST(0 AS bit) AS estimated  -- every message counted (PostgreSQL estimates above a cap)
 FROM {schema}.rings r
 LEFT JOIN sys.sequences q ON q.object_id = r.push_seq_id
 LEFT JOIN sys.sequences gq ON gq.object_id = r.gap_seq_id

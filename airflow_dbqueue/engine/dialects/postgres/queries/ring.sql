@@ -209,28 +209,51 @@ LEFT JOIN LATERAL (
 -- Depth by state of one consumer group, plus the ring's own figures: the push position (last number
 -- issued), the group's pop position (its lowest lane position: the next number none of its pops has
 -- taken), the floor (the lowest number a consumer of any group may still need), its lanes, and the
--- numbers given up as gaps.
-WITH rd AS MATERIALIZED (
-    SELECT r_enqueued_at, r_due FROM {schema}.ring_ready(%(queue_id)s::integer, %(group)s::integer)
-), g AS (
-    SELECT r.lanes, coalesce(pg_sequence_last_value(r.push_seq), 0) AS issued,
+-- numbers given up as gaps. depth: the numbers issued that the group's lanes have not passed, by
+-- arithmetic over its lanes (lane l holds (issued - pos) / lanes + 1 of them), which counts gaps and
+-- pushes in progress too. Up to %(cap)s of them the lanes' messages are counted in their slots
+-- (ring_ready reads only those), above it the depth stands for them (estimated) and the oldest ready
+-- message is the oldest at a lane's head: a stats() of a deep ring reads one slot a lane.
+WITH g AS (
+    SELECT r.lanes, r.capacity, coalesce(pg_sequence_last_value(r.push_seq), 0) AS issued,
            coalesce(pg_sequence_last_value(r.gap_seq), 0) AS gaps
     FROM {schema}.rings r WHERE r.queue_id = %(queue_id)s
+), d AS (
+    SELECT coalesce(sum((g.issued - l.pos) / g.lanes + 1), 0)::bigint AS depth
+    FROM g JOIN {schema}.ring_lanes l ON l.queue_id = %(group)s AND l.pos <= g.issued
+), rd AS MATERIALIZED (
+    SELECT r_enqueued_at, r_due FROM {schema}.ring_ready(%(queue_id)s::integer, %(group)s::integer)
+    WHERE (SELECT depth FROM d) <= %(cap)s
+), rt AS MATERIALIZED (
+    SELECT t.due_at FROM {schema}.ring_retry t
+    WHERE t.queue_id = %(group)s AND t.state = 1 AND (SELECT depth FROM d) > %(cap)s
+), e AS (
+    SELECT (SELECT depth FROM d) > %(cap)s AS estimated
 )
-SELECT (SELECT count(*) FROM rd WHERE r_due <= now()) AS ready,
-       (SELECT count(*) FROM rd WHERE r_due > now()) AS delayed,
+SELECT CASE WHEN e.estimated
+            THEN (SELECT depth FROM d) + (SELECT count(*) FROM rt WHERE due_at <= now())
+            ELSE (SELECT count(*) FROM rd WHERE r_due <= now()) END AS ready,
+       CASE WHEN e.estimated
+            THEN (SELECT count(*) FROM rt WHERE due_at > now())
+            ELSE (SELECT count(*) FROM rd WHERE r_due > now()) END AS delayed,
        (SELECT coalesce(sum(e.n), 0) FROM {schema}.ring_leases e WHERE e.queue_id = %(group)s)
        + (SELECT count(*) FROM {schema}.ring_retry t WHERE t.queue_id = %(group)s AND t.state = 2)
            AS in_flight,
        (SELECT count(*) FROM {schema}.ring_failed f WHERE f.queue_id = %(group)s) AS failed,
-       extract(epoch FROM now() - (SELECT min(r_enqueued_at) FROM rd WHERE r_due <= now()))::float8
+       extract(epoch FROM now() - CASE WHEN e.estimated
+           THEN (SELECT min(s.enqueued_at) FROM {schema}.ring_lanes l
+                 JOIN {schema}.ring_slots s
+                   ON s.queue_id = %(queue_id)s AND s.slot = mod(l.pos, g.capacity::bigint)::integer AND s.seq = l.pos
+                 WHERE l.queue_id = %(group)s AND s.payload IS NOT NULL)
+           ELSE (SELECT min(r_enqueued_at) FROM rd WHERE r_due <= now()) END)::float8
            AS oldest_ready_age_s,
        g.issued AS push_position,
        (SELECT min(l.pos) FROM {schema}.ring_lanes l WHERE l.queue_id = %(group)s) AS pop_position,
        {schema}.ring_floor(%(queue_id)s::integer) AS floor,
        g.gaps AS gaps_skipped,
-       g.lanes
-FROM g
+       g.lanes,
+       e.estimated
+FROM g CROSS JOIN e
 
 -- name: ring_list_failed
 SELECT id, attempts, enqueued_at, last_error, payload
