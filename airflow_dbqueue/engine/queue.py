@@ -474,8 +474,12 @@ class Queue(abc.ABC):
         """Count ready messages (of at least ``min_priority``), stopping at ``cap``."""
 
     @abc.abstractmethod
-    def stats(self) -> QueueStats:
-        """Return the queue's depth by state and the age of its oldest ready message."""
+    def stats(self, *, exact: bool = False) -> QueueStats:
+        """Return the queue's depth by state and the age of its oldest ready message.
+
+        On PostgreSQL a state of more than 50,000 messages is estimated (``extra["estimated"]``
+        says so), so that stats of a deep queue answer in milliseconds; ``exact=True`` counts every
+        message instead, at the cost of reading them all."""
 
     @abc.abstractmethod
     def list_failed(self, limit: int = 100, after_id: int = 0) -> list[FailedMessage]:

@@ -86,10 +86,11 @@ class RingInspect(RingBase):
             return []
         return self._messages(self._db.fetchall("ring_leased", self._receipt_params(stubs)))
 
-    def stats(self) -> QueueStats:
+    def stats(self, *, exact: bool = False) -> QueueStats:
         with self._or_gone():
             row = self._db.fetchone(
-                "ring_stats", {"queue_id": self._qid, "group": self._gid, "cap": RING_STATS_EXACT_CAP}
+                "ring_stats",
+                {"queue_id": self._qid, "group": self._gid, "cap": 2**62 if exact else RING_STATS_EXACT_CAP},
             )
         if row is None or row[5] is None or row[6] is None:  # no ring, or no such group any more
             self._raise_if_gone()

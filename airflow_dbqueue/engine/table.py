@@ -287,8 +287,9 @@ class TableQueue(Queue):
         rows = self._db.fetchall("leased", {"ids": ids, "deliveries": deliveries, "queue_id": self._qid})
         return self._messages(rows)
 
-    def stats(self) -> QueueStats:
-        row = self._db.fetchone("stats", {"queue_id": self._qid, "cap": STATS_EXACT_CAP})
+    def stats(self, *, exact: bool = False) -> QueueStats:
+        cap = EXACT_COUNT if exact else STATS_EXACT_CAP
+        row = self._db.fetchone("stats", {"queue_id": self._qid, "cap": cap})
         assert row is not None
         return stats_from_row(self.name, row)
 
@@ -471,6 +472,8 @@ class TableQueue(Queue):
 
 
 STATS_EXACT_CAP = 50_000
+EXACT_COUNT = 2**62
+"""The cap of stats(exact=True): more than any queue holds."""
 """A table-design queue's stats count each state exactly up to this many messages; a state with more is
 estimated from a sample (PostgreSQL), and the stats say so (``extra["estimated"]``)."""
 

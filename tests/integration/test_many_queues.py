@@ -120,7 +120,8 @@ def test_a_queues_stats_read_only_its_own_finished_messages(dbq: DbQueue) -> Non
 
 def test_stats_above_the_cap_are_estimated_and_say_so(dbq: DbQueue) -> None:
     """A state with more messages than the table design counts exactly is estimated from a sample, and
-    the stats say so; below the cap every figure is exact and nothing says estimated."""
+    the stats say so; below the cap, or with exact=True, every figure is exact and nothing says
+    estimated."""
     from airflow_dbqueue.engine.table import STATS_EXACT_CAP
 
     q = dbq.create_queue("mq_deep", payload_type="bytes")
@@ -132,6 +133,8 @@ def test_stats_above_the_cap_are_estimated_and_say_so(dbq: DbQueue) -> None:
     assert 0.8 * n <= stats.ready <= 1.2 * n, stats
     assert stats.delayed == stats.in_flight == stats.failed == 0
     assert stats.oldest_ready_age_s is not None and stats.oldest_ready_age_s >= 0
+    counted = q.stats(exact=True)  # asked for: every message counted, nothing estimated
+    assert "estimated" not in counted.extra and counted.ready == n, counted
     taken = 0
     while batch := q.pop_payloads(1000):
         taken += len(batch)

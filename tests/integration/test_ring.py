@@ -893,6 +893,8 @@ def test_stats_of_a_deep_ring_counts_its_lanes_and_says_when_it_estimates(
         deep = q.stats()
         assert deep.ready == n and type(deep.ready) is int and deep.extra.get("estimated") is True, deep
         assert deep.oldest_ready_age_s is not None and deep.oldest_ready_age_s >= 0
+        counted = q.stats(exact=True)
+        assert counted.ready == n and "estimated" not in counted.extra, counted
         got = q.pop_payloads(10_000)
         shallow = q.stats()
         assert shallow.ready == n - 10_000 and "estimated" not in shallow.extra, shallow
