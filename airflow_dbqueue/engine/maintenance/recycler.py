@@ -52,12 +52,19 @@ class TableRecycler:
 
 
 def recycle_partitions(
-    db: Database, *, move_limit: int, min_bytes: int, lock_timeout_s: float, skip_current: bool = False
+    db: Database,
+    *,
+    move_limit: int,
+    min_bytes: int,
+    lock_timeout_s: float,
+    skip_current: bool = False,
+    stop: threading.Event | None = None,
 ) -> dict[str, Any]:
     """One recycling pass: move up to ``move_limit`` stragglers, then empty every partition of at least
     ``min_bytes`` that holds no row (``skip_current``: not those of the generation pushes write now).
     Safe beside other passes, in this process or others: moves skip rows others hold, and a partition is
-    checked again under its lock before it is emptied. ``holding``: partitions that still held a row."""
+    checked again under its lock before it is emptied. ``holding``: partitions that still held a row.
+    ``stop``: once set, no further statement is sent (the pass ends after the one in progress)."""
     moved = 0
     if move_limit:
         row = db.fetchone("table_move_stragglers", {"n": move_limit})
@@ -67,7 +74,10 @@ def recycle_partitions(
     holding: list[str] = []
     freed = 0
     longest = locked = 0.0
-    for table, gen, size, current in db.fetchall("table_partitions"):
+    stopped = stop is not None and stop.is_set()
+    for table, gen, size, current in [] if stopped else db.fetchall("table_partitions"):
+        if stop is not None and stop.is_set():
+            break
         if size < min_bytes or (skip_current and current):
             continue
         t0 = time.monotonic()
@@ -170,7 +180,7 @@ class AutoRecycler:
     def run_once(self) -> dict[str, Any]:
         """One pass now, in the calling thread."""
         db = self._db()
-        if db is None:
+        if db is None or self._stop.is_set():  # a statement now would open the closed pool again
             return {"skipped": "the DbQueue was closed"}
         now = time.monotonic()
         move = self._move_next and now - self._last_move >= self.MOVE_EVERY * self.interval_s
@@ -182,6 +192,7 @@ class AutoRecycler:
             min_bytes=self._min_bytes,
             lock_timeout_s=self._lock_timeout_s,
             skip_current=True,
+            stop=self._stop,
         )
         self.passes += 1
         self.emptied += len(out["emptied"])
@@ -195,8 +206,10 @@ class AutoRecycler:
         return out
 
     def close(self) -> None:
-        """Stop the thread (a pass in progress finishes first, waited for up to a few seconds)."""
+        """Stop the thread: a pass in progress sends no statement after the one it is in, which is
+        waited for (up to 30 s), so that no statement of the pass opens the DbQueue's pool again after
+        its close."""
         self._stop.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5.0)
+            thread.join(timeout=30.0)
