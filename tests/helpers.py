@@ -95,3 +95,16 @@ def held_horizon(
     conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
     conn.execute("SELECT txid_current(), count(*) FROM pg_class" if xid else "SELECT count(*) FROM pg_class")
     return conn
+
+
+def engine_sessions(dsn: str) -> int:
+    """Sessions the engine's pools opened on ``dsn``'s database (they name themselves
+    ``airflow-dbqueue``; listening connections and PgBouncer's server connections carry other names)."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as c:
+        row = c.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'airflow-dbqueue' "
+            "AND datname = current_database()"
+        ).fetchone()
+    return int(row[0]) if row else 0

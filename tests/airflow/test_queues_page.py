@@ -41,7 +41,7 @@ from airflow_dbqueue.engine import DbQueue
 from airflow_dbqueue.plugins.queues import PREVIEW_CHARS
 from tests.airflow.conftest import AIRFLOW, REPO, conn_json, migrated_airflow_env
 from tests.browser import Chromium, find_chromium
-from tests.helpers import checksum, require
+from tests.helpers import checksum, engine_sessions, require
 
 pytestmark = pytest.mark.integration
 
@@ -210,21 +210,11 @@ def failed_payloads(server: Server, name: str) -> dict[int, Any]:
         return {m.id: m.payload for m in dbq.queue(name).list_failed(1000)}
 
 
-def open_sessions(dsn: str) -> int:
-    """Sessions the engine opened on the test database (its pools name themselves ``airflow-dbqueue``)."""
-    with psycopg.connect(dsn, autocommit=True) as c:
-        row = c.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'airflow-dbqueue' "
-            "AND datname = current_database()"
-        ).fetchone()
-    return int(row[0]) if row else 0
-
-
 def no_sessions_left(dsn: str, timeout: float = 10.0, *, before: int = 0) -> bool:
     """Whether the engine's sessions on the test database come back to ``before`` (those open before the
     requests, which earlier tests of the same process may have left) within ``timeout``."""
     deadline = time.monotonic() + timeout
-    while open_sessions(dsn) > before:
+    while engine_sessions(dsn) > before:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.1)
@@ -242,7 +232,7 @@ def test_the_api_behind_airflows_authentication(server: Server) -> None:  # noqa
     """Long on purpose: one scenario told in order, whose checks at the end need everything it built along the
     way; split, the parts would pass all of it around."""
     k = known_queue(server, "api_orders")
-    sessions_before = open_sessions(server.dsn)
+    sessions_before = engine_sessions(server.dsn)
     api = server.url + "/dbqueue/api"
     failed_url = f"{api}/connections/{CONN_ID}/queues/{k.name}/failed"
     first, second = k.failed_ids[0], k.failed_ids[1]
@@ -414,7 +404,8 @@ def test_the_api_behind_airflows_authentication(server: Server) -> None:  # noqa
         ),
     ]
     # Every request closed the database connection it opened.
-    assert no_sessions_left(server.dsn, before=sessions_before), (sessions_before, open_sessions(server.dsn))
+    left = no_sessions_left(server.dsn, before=sessions_before)
+    assert left, (sessions_before, engine_sessions(server.dsn))
 
 
 MAINTENANCE_STEPS = (

@@ -19,7 +19,7 @@ from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue, MaintenanceConfig
 from airflow_dbqueue.engine.maintenance.recycler import recycle_partitions
-from tests.helpers import checksum, held_horizon
+from tests.helpers import checksum, engine_sessions, held_horizon
 
 pytestmark = pytest.mark.integration
 
@@ -268,15 +268,6 @@ def test_passes_of_several_processes_at_once_never_deadlock(dbq: DbQueue) -> Non
     assert errors == []
     assert busy, "the passes never met at a partition: the test did not race them"
     assert len(got) == len(sent) and checksum(got) == checksum(sent)
-
-
-def engine_sessions(pg_dsn: str) -> int:
-    with psycopg.connect(pg_dsn, autocommit=True) as c:
-        row = c.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'airflow-dbqueue' "
-            "AND datname = current_database()"
-        ).fetchone()
-    return int(row[0]) if row else 0
 
 
 def test_a_dbqueue_let_go_without_close_does_not_stay_open_for_its_recycling(
