@@ -13,6 +13,8 @@ Designs:
   flat-upd      insert-only segments, lane positions UPDATEd per pop (as ring_lanes)
   flat-log      insert-only segments, lane positions in an insert-only log
   flat-log-alo  flat-log at least once: a lease row per pop, an ack row per ack
+  flat-rows     a row a push (its payloads in one array), lanes of rows, an insert-only position log
+                (flat_rows.sql; at most once only)
 
     PYTHONPATH=. python benchmarks/prototypes/flat_ring.py --designs ring,flat-log --seconds 30 --hold
 """
@@ -38,6 +40,7 @@ import psycopg
 BATCH = 100
 PAYLOAD = 300
 SQL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flat_ring.sql")
+ROWS_SQL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flat_rows.sql")
 
 
 def make_payloads(who: int, counter: int, rnd: random.Random) -> tuple[list[bytes], int]:
@@ -73,7 +76,7 @@ def producer(design: str, dsn: str, who: int, stop: Any, pushed: Any, res: Any) 
         while not stop.is_set():
             pl, c = make_payloads(who, counter, rnd)
             while True:
-                first, need = conn.execute(f"SELECT r_first, r_need FROM {s}.push(%s)", (pl,)).fetchone()
+                first, need = conn.execute(f"SELECT r_first, r_need FROM {s}.push(%b)", (pl,)).fetchone()
                 if first is not None:
                     break
                 if conn.execute(f"SELECT {s}.rotate(%s, %s)", (need, variant)).fetchone()[0]:
@@ -143,7 +146,7 @@ def design_schema(design: str) -> str:
     return "flat_" + design.split("-")[1]
 
 
-def setup(design: str, dsn: str, capacity: int, seg_size: int, lanes: int) -> str:
+def setup(design: str, dsn: str, capacity: int, seg_size: int, lanes: int, *, seg_rows: int = 256) -> str:
     """A fresh queue for the design; returns the schema whose tables are measured."""
     with psycopg.connect(dsn, autocommit=True) as c:
         if design.startswith("ring"):
@@ -160,9 +163,10 @@ def setup(design: str, dsn: str, capacity: int, seg_size: int, lanes: int) -> st
         s = design_schema(design)
         c.execute(f"DROP SCHEMA IF EXISTS {s} CASCADE")
         sql = (
-            Path(SQL)
+            Path(ROWS_SQL if design == "flat-rows" else SQL)
             .read_text()
             .replace("{s}", s)
+            .replace("{seg_rows}", str(seg_rows))
             .replace("{lanes}", str(lanes))
             .replace("{seg_size}", str(seg_size))
         )
@@ -200,7 +204,7 @@ def table_stats(dsn: str, schema: str) -> dict[str, Any]:
 
 
 def run_one(args: argparse.Namespace, design: str, hold: bool) -> dict[str, Any]:  # noqa: PLR0915 - one run told in order
-    schema = setup(design, args.dsn, args.capacity, args.seg_size, args.lanes)
+    schema = setup(design, args.dsn, args.capacity, args.seg_size, args.lanes, seg_rows=args.seg_rows)
     ctx = mp.get_context("spawn")
     pushed, popped = ctx.Value("q", 0), ctx.Value("q", 0)
     stop_p, stop_c, res = ctx.Event(), ctx.Event(), ctx.Queue()
@@ -302,6 +306,7 @@ def main() -> None:
     ap.add_argument("--dsn", help="a server to use (default: an embedded PostgreSQL 18 of its own)")
     ap.add_argument("--capacity", type=int, default=16384, help="today's ring's capacity")
     ap.add_argument("--seg-size", type=int, default=16384, help="numbers per segment (4 segments)")
+    ap.add_argument("--seg-rows", type=int, default=256, help="rows (pushes) per segment of flat-rows")
     ap.add_argument("--lanes", type=int, default=8)
     ap.add_argument("--producers", type=int, default=2)
     ap.add_argument("--consumers", type=int, default=2)
