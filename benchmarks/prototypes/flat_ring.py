@@ -14,7 +14,8 @@ Designs:
   flat-log      insert-only segments, lane positions in an insert-only log
   flat-log-alo  flat-log at least once: a lease row per pop, an ack row per ack
   flat-rows     a row a push (its payloads in one array), lanes of rows, an insert-only position log
-                (flat_rows.sql; at most once only)
+                (flat_rows.sql)
+  flat-rows-alo flat-rows at least once: a lease row per pop, an ack row per ack
 
     PYTHONPATH=. python benchmarks/prototypes/flat_ring.py --designs ring,flat-log --seconds 30 --hold
 """
@@ -163,7 +164,7 @@ def setup(design: str, dsn: str, capacity: int, seg_size: int, lanes: int, *, se
         s = design_schema(design)
         c.execute(f"DROP SCHEMA IF EXISTS {s} CASCADE")
         sql = (
-            Path(ROWS_SQL if design == "flat-rows" else SQL)
+            Path(ROWS_SQL if design.startswith("flat-rows") else SQL)
             .read_text()
             .replace("{s}", s)
             .replace("{seg_rows}", str(seg_rows))

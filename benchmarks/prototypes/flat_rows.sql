@@ -17,7 +17,10 @@
 -- order, contiguous per lane (a lane's next row must be its last row + L: a row not written yet stops
 -- the lane), up to n messages, possibly ending inside a row, and logs each moved lane's new position
 -- in the segment of the last row it took from. A pop writes one log row a lane it moved, whatever n.
--- At most once only: leases, acks and redelivery are not built here. A pop that finds every lane held,
+-- At least once (p_lease): the pop also inserts one lease row (its first and last ids, the lanes'
+-- positions it started from, the lease's end) in the segment of its first row, and an ack inserts one
+-- row naming the lease; an open lease (no ack row) holds the floor. Redelivery (an expired lease, a
+-- nack) is not built here. A pop that finds every lane held,
 -- or only lanes with nothing to take, returns nothing (the caller pops again).
 --
 -- pop's p_variant 'stop0' to 'stop3' return early at the points marked, so that a counting session
@@ -46,8 +49,18 @@ BEGIN
         EXECUTE format('ALTER TABLE {s}.q_%s ALTER COLUMN payloads SET STORAGE EXTERNAL', k);
         EXECUTE format('CREATE TABLE {s}.pos_%s (lane integer NOT NULL, at bigint NOT NULL, '
                        'PRIMARY KEY (lane, at))', k);
+        EXECUTE format('CREATE TABLE {s}.lease_%s (lo bigint PRIMARY KEY, hi bigint NOT NULL, '
+                       'starts bigint[] NOT NULL, lease_until timestamptz NOT NULL)', k);
+        EXECUTE format('CREATE TABLE {s}.ack_%s (lo bigint PRIMARY KEY)', k);
     END LOOP;
 END $$;
+
+CREATE VIEW {s}.leases AS
+    SELECT * FROM {s}.lease_0 UNION ALL SELECT * FROM {s}.lease_1
+    UNION ALL SELECT * FROM {s}.lease_2 UNION ALL SELECT * FROM {s}.lease_3;
+CREATE VIEW {s}.acks AS
+    SELECT * FROM {s}.ack_0 UNION ALL SELECT * FROM {s}.ack_1
+    UNION ALL SELECT * FROM {s}.ack_2 UNION ALL SELECT * FROM {s}.ack_3;
 
 CREATE VIEW {s}.q AS
     SELECT * FROM {s}.q_0 UNION ALL SELECT * FROM {s}.q_1
@@ -63,9 +76,11 @@ CREATE FUNCTION {s}.lane_pos(p_lane integer) RETURNS bigint LANGUAGE sql STABLE 
         (SELECT max(at) FROM {s}.pos_2 WHERE lane = p_lane), (SELECT max(at) FROM {s}.pos_3 WHERE lane = p_lane))
 $$;
 
--- The floor, in rows: the lowest row a consumer still needs.
+-- The floor, in rows: the lowest row a consumer still needs (a lane's position, an open lease).
 CREATE FUNCTION {s}.floor_row() RETURNS bigint LANGUAGE sql STABLE AS $$
-    SELECT min({s}.lane_pos(k) >> 16) FROM generate_series(0, (SELECT lanes FROM {s}.meta) - 1) k
+    SELECT least(
+        (SELECT min({s}.lane_pos(k) >> 16) FROM generate_series(0, (SELECT lanes FROM {s}.meta) - 1) k),
+        (SELECT min(e.lo >> 16) FROM {s}.leases e WHERE NOT EXISTS (SELECT 1 FROM {s}.acks a WHERE a.lo = e.lo)))
 $$;
 
 -- Push a batch as one row, in the caller's transaction. r_first: the row's first id, or NULL with
@@ -111,8 +126,6 @@ DECLARE
     v_s bigint := {seg_rows};
     v_k integer := (p_gen % 4)::integer;
     v_gen bigint;
-    v_cur refcursor;
-    v_start integer := floor(random() * {lanes})::integer;
 BEGIN
     SELECT gen INTO v_gen FROM {s}.segs WHERE seg = v_k FOR UPDATE;
     IF v_gen >= p_gen THEN
@@ -121,7 +134,7 @@ BEGIN
     IF {s}.floor_row() < (p_gen - 3) * v_s + {lanes} THEN
         RETURN false;
     END IF;
-    EXECUTE format('TRUNCATE {s}.pos_%s, {s}.q_%s', v_k, v_k);
+    EXECUTE format('TRUNCATE {s}.pos_%s, {s}.q_%s, {s}.lease_%s, {s}.ack_%s', v_k, v_k, v_k, v_k);
     UPDATE {s}.segs SET gen = p_gen WHERE seg = v_k;
     RETURN true;
 EXCEPTION WHEN lock_not_available THEN
@@ -161,9 +174,6 @@ DECLARE
     v_cur refcursor;
     v_start integer := floor(random() * {lanes})::integer;
 BEGIN
-    IF p_lease THEN
-        RAISE EXCEPTION 'the rows prototype pops at most once';
-    END IF;
     IF p_variant = 'stop0' THEN RETURN; END IF;
     -- Up to half the lanes that no other pop holds, from a lane chosen at random (so that consumers
     -- popping at the same time share the lanes instead of one taking all), locked, and their positions. A lane logs its position in the
@@ -283,6 +293,18 @@ BEGIN
             PERFORM setval('{s}.pos_gen', v_gen);
         END IF;
     END IF;
+    IF p_lease THEN  -- one lease row, in the segment of the first row taken
+        v_k := (v_rows[1] / v_s % 4)::integer;
+        IF v_k = 0 THEN
+            INSERT INTO {s}.lease_0 VALUES ((v_rows[1] << 16) | v_from[1], (v_rows[cardinality(v_rows)] << 16) | (v_to[cardinality(v_to)] - 1), v_at, now() + make_interval(secs => p_vt));
+        ELSIF v_k = 1 THEN
+            INSERT INTO {s}.lease_1 VALUES ((v_rows[1] << 16) | v_from[1], (v_rows[cardinality(v_rows)] << 16) | (v_to[cardinality(v_to)] - 1), v_at, now() + make_interval(secs => p_vt));
+        ELSIF v_k = 2 THEN
+            INSERT INTO {s}.lease_2 VALUES ((v_rows[1] << 16) | v_from[1], (v_rows[cardinality(v_rows)] << 16) | (v_to[cardinality(v_to)] - 1), v_at, now() + make_interval(secs => p_vt));
+        ELSE
+            INSERT INTO {s}.lease_3 VALUES ((v_rows[1] << 16) | v_from[1], (v_rows[cardinality(v_rows)] << 16) | (v_to[cardinality(v_to)] - 1), v_at, now() + make_interval(secs => p_vt));
+        END IF;
+    END IF;
     IF p_variant = 'stop3' THEN RETURN; END IF;
     -- The messages: each taken row's slice of payloads, in row order.
     FOR i IN 1 .. cardinality(v_rows) LOOP
@@ -301,4 +323,21 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION {s}.ack(p_lo bigint) RETURNS boolean LANGUAGE sql AS $$ SELECT false $$;
+-- Ack a whole lease by its lowest id: one insert-only row in the segment of the lease. False when there
+-- is no such open lease (acked already, or its segment reused).
+CREATE FUNCTION {s}.ack(p_lo bigint) RETURNS boolean LANGUAGE plpgsql AS $$
+DECLARE
+    v_k integer := ((p_lo >> 16) / {seg_rows} % 4)::integer;
+BEGIN
+    IF v_k = 0 THEN
+        INSERT INTO {s}.ack_0 SELECT e.lo FROM {s}.lease_0 e WHERE e.lo = p_lo ON CONFLICT DO NOTHING;
+    ELSIF v_k = 1 THEN
+        INSERT INTO {s}.ack_1 SELECT e.lo FROM {s}.lease_1 e WHERE e.lo = p_lo ON CONFLICT DO NOTHING;
+    ELSIF v_k = 2 THEN
+        INSERT INTO {s}.ack_2 SELECT e.lo FROM {s}.lease_2 e WHERE e.lo = p_lo ON CONFLICT DO NOTHING;
+    ELSE
+        INSERT INTO {s}.ack_3 SELECT e.lo FROM {s}.lease_3 e WHERE e.lo = p_lo ON CONFLICT DO NOTHING;
+    END IF;
+    RETURN FOUND;
+END
+$$;

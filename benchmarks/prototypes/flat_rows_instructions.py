@@ -40,7 +40,7 @@ from airflow_dbqueue.engine import DbQueue  # noqa: E402
 LANES = 8
 
 
-def rows_sessions(dsn: str, schema: str, pop_batch: int) -> Sessions:
+def rows_sessions(dsn: str, schema: str, pop_batch: int, lease: bool = False) -> Sessions:
     pushed_per_call = [0]
 
     def push(sent: list[list[bytes]]) -> set[int]:
@@ -65,12 +65,16 @@ def rows_sessions(dsn: str, schema: str, pop_batch: int) -> Sessions:
             empty = 0
             while len(got) < want:
                 rows = c.execute(
-                    f"SELECT r_payload FROM {schema}.pop(%s, 'rows', false, 60)", (pop_batch,), binary=True
+                    f"SELECT r_seq, r_payload FROM {schema}.pop(%s, 'rows', %s, 60)",
+                    (pop_batch, lease),
+                    binary=True,
                 ).fetchall()
                 empty = 0 if rows else empty + 1
                 if empty > 1000:
                     raise SystemExit(f"flat-rows: {want - len(got)} messages never came out")
-                got.extend(r[0] for r in rows)
+                if rows and lease and not c.execute(f"SELECT {schema}.ack(%s)", (rows[0][0],)).fetchone()[0]:
+                    raise SystemExit("flat-rows: an ack found no open lease")
+                got.extend(r[1] for r in rows)
             return got, {c.info.backend_pid}
 
     return push, pop
@@ -120,6 +124,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[100, 1000])
     ap.add_argument("--pop-batch", type=int, default=None)
+    ap.add_argument(
+        "--semantics",
+        choices=["at-most-once", "at-least-once"],
+        default="at-most-once",
+        help="at least once: each pop is acked after it (both counted on the pop side); no naive queue",
+    )
     ap.add_argument("--calls", type=int, default=None, help="pushes in the short session (default 10)")
     ap.add_argument("--payload-bytes", type=int, default=300)
     ap.add_argument("--seg-rows", type=int, default=None, help="rows a segment (default: one rotation)")
@@ -136,13 +146,24 @@ def main() -> None:
         for batch in args.batch:
             calls = args.calls or 10
             pop_batch = args.pop_batch or batch
-            out: dict[str, Any] = {"batch": batch, "pop_batch": pop_batch, "calls": calls}
+            out: dict[str, Any] = {
+                "batch": batch,
+                "pop_batch": pop_batch,
+                "calls": calls,
+                "semantics": args.semantics,
+            }
+            lease = args.semantics == "at-least-once"
             ref = f"instr_naive_{uuid.uuid4().hex[:8]}"
             naive = Target(BASELINE, dsn, ref, "at-most-once", False, "never")
             setup_target(naive)
-            ns = naive_sessions(dsn, naive.schema, batch)
-            measure(server, ns, batch=batch, calls=max(1, calls // 4), size=args.payload_bytes, who="naive")
-            out["naive"] = measure(server, ns, batch=batch, calls=calls, size=args.payload_bytes, who="naive")
+            if not lease:
+                ns = naive_sessions(dsn, naive.schema, batch)
+                measure(
+                    server, ns, batch=batch, calls=max(1, calls // 4), size=args.payload_bytes, who="naive"
+                )
+                out["naive"] = measure(
+                    server, ns, batch=batch, calls=calls, size=args.payload_bytes, who="naive"
+                )
             teardown_target(naive)
 
             schema = f"instr_{uuid.uuid4().hex[:10]}"
@@ -156,7 +177,7 @@ def main() -> None:
                     max_payload_bytes=max(args.payload_bytes, 16),
                     notify="never",
                 )
-            es = engine_sessions(dsn, schema, batch)
+            es = engine_sessions(dsn, schema, batch, args.semantics, "messages")
             measure(server, es, batch=batch, calls=max(1, calls // 4), size=args.payload_bytes, who="ring")
             out["ring"] = measure(server, es, batch=batch, calls=calls, size=args.payload_bytes, who="ring")
             with DbQueue(dsn, schema=schema) as dbq:
@@ -169,10 +190,10 @@ def main() -> None:
             seg_rows = -(-(before + 4 * calls) // 5)
             assert seg_rows + LANES <= before, "too few calls for one rotation"
             rows_schema = setup_rows(dsn, args.seg_rows or seg_rows)
-            rs = rows_sessions(dsn, rows_schema, pop_batch)
+            rs = rows_sessions(dsn, rows_schema, pop_batch, lease)
             measure(server, rs, batch=batch, calls=max(1, calls // 4), size=args.payload_bytes, who="rows")
             out["rows"] = measure(server, rs, batch=batch, calls=calls, size=args.payload_bytes, who="rows")
-            for who in ("naive", "ring", "rows"):
+            for who in [w for w in ("naive", "ring", "rows") if w in out]:
                 out[who] = {k: round(v) for k, v in out[who].items()}
                 out[who]["cycle"] = out[who]["push"] + out[who]["pop"]
             line = json.dumps(out)
