@@ -7,12 +7,13 @@ import datetime as dt
 import math
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from airflow_dbqueue.engine.access import guard_methods
+from airflow_dbqueue.engine.bridge import FaceLock
+from airflow_dbqueue.engine.bridge import pause as pause_for
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     NotSupportedError,
@@ -108,7 +109,7 @@ class Queue(abc.ABC):
         self.name = settings.name
         # One waiting pop of this handle asks whether a push is in progress at a time: the question
         # holds the queue's push lock for an instant, and two at once would each see the other's.
-        self._asking = threading.Lock()
+        self._asking = FaceLock()
 
     def restrict(self, actions: frozenset[str] | None) -> None:
         """Let this handle take only ``actions`` (None: every action), as the role may."""
@@ -308,13 +309,13 @@ class Queue(abc.ABC):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                time.sleep(min(pause, left))
+                pause_for(min(pause, left))
                 if got := take():
                     break
             return got
         if not self._notified(conn):
             while not got and (left := deadline - time.monotonic()) > 0:
-                time.sleep(min(poll, left))
+                pause_for(min(poll, left))
                 got = take()
             return got
         return self._wait_listening(take, deadline=deadline, poll=poll)

@@ -58,6 +58,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from airflow_dbqueue.engine.bridge import pause as pause_for
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     DatabaseError,
@@ -223,7 +224,7 @@ class RingQueue(RingGroups, RingInspect):
             # A lane stopped at a gap holds the floor down as a message would: help to give it up (a
             # pop of none, in a transaction of its own), so that gaps alone never keep a ring full.
             self._pop_slow(self._help_params, 0, None)
-            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause_for(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * 2, 0.05)
             params["timeout_s"] = max(0.0, deadline - time.monotonic())
 
@@ -483,7 +484,7 @@ class RingQueue(RingGroups, RingInspect):
             left = deadline - time.monotonic()
             if left <= 0:
                 return 0  # some transaction of the snapshot is still running: the next run tries again
-            time.sleep(min(pause, left))
+            pause_for(min(pause, left))
             pause = min(pause * 2, 0.1)
 
     def maintain(self, *, limit: int = RECLAIM_LIMIT) -> dict[str, int]:
