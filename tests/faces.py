@@ -107,7 +107,9 @@ def faced(request: pytest.FixtureRequest, dbq: DbQueue) -> Iterator[Any]:
         yield dbq
         return
     if dbq.dialect != "postgresql":
-        pytest.skip(f"the asyncio face is PostgreSQL's; on {dbq.dialect} AsyncDbQueue raises NotSupportedError")
+        pytest.skip(
+            f"the asyncio face is PostgreSQL's; on {dbq.dialect} AsyncDbQueue raises NotSupportedError"
+        )
     face = AsyncFace(dbq)
     try:
         yield face.view(face.adbq)
