@@ -32,6 +32,7 @@ import contextlib
 import copy
 import functools
 import inspect
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from airflow_dbqueue.engine.bridge import run_sync
@@ -148,6 +149,19 @@ class AsyncQueue:
     drop_group = _awaited("drop_group")
     recover_gaps = _awaited("recover_gaps")
 
+    @contextlib.asynccontextmanager
+    async def listening(self) -> AsyncIterator[Notifications]:
+        """LISTEN on this queue's NOTIFY channel for as long as the block lasts (for observers, such as
+        the Airflow trigger, that wake on a push without popping): the LISTEN is in place when the block
+        begins, and :meth:`Notifications.wait` returns whether a notification arrived since its last
+        return. It shares the ``AsyncDbQueue``'s one listening connection with waiting pops."""
+        manager = self._dbq.db.listening(self.channel)
+        waiter = await run_sync(manager.__enter__)
+        try:
+            yield Notifications(waiter)
+        finally:
+            manager.__exit__(None, None, None)
+
     async def group(self, name: str | None) -> AsyncQueue:
         """The handle of consumer group ``name``
         (:meth:`Queue.group <airflow_dbqueue.engine.Queue.group>`)."""
@@ -167,9 +181,24 @@ for _name, _value in list(vars(AsyncQueue).items()):
         _value.__doc__ = f"Awaited :meth:`Queue.{_name} <airflow_dbqueue.engine.Queue.{_name}>`.\n\n{_twin}"
 
 
+class Notifications:
+    """What :meth:`AsyncQueue.listening` yields."""
+
+    def __init__(self, waiter: Any) -> None:
+        self._waiter = waiter
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a notification of the queue; return whether one came (one
+        that came since the last wait returns at once)."""
+        return await run_sync(lambda: bool(self._waiter.wait(timeout)))
+
+
 class AsyncDbQueue:
     """Queues in one schema of one PostgreSQL database, for asyncio applications: :class:`DbQueue`'s
-    queue methods, awaited. The parameters are :class:`DbQueue`'s.
+    queue methods, awaited. The parameters are :class:`DbQueue`'s, and ``application_name``, what its
+    sessions are called on the server (default ``airflow-dbqueue``; the listening one adds ``-listen``).
+    ``recycle_interval`` defaults to None here: the partition recycling is a thread of the synchronous
+    face, which an asyncio application turns on by giving a number.
 
     Constructing it does no I/O; the pool opens on first use, on the running event loop, which the
     object then belongs to. Use ``async with``, or ``await close()``. Installing the schema and
@@ -187,6 +216,7 @@ class AsyncDbQueue:
         pooler: str | None = None,
         listen_dsn: str | None = None,
         recycle_interval: float | None = None,
+        application_name: str | None = None,
     ) -> None:
         from airflow_dbqueue.engine.dialects.postgres.aio import AsyncPostgres
 
@@ -207,6 +237,8 @@ class AsyncDbQueue:
                 "no asyncio driver here: use DbQueue, from a thread (asyncio.to_thread) in an asyncio "
                 "application"
             )
+        if application_name is not None:  # what its sessions show in pg_stat_activity
+            self._sync.db._application_name = application_name  # type: ignore[attr-defined]
         self.db: AsyncPostgres = AsyncPostgres(self._sync.db, max_size=pool_size)  # type: ignore[arg-type]
         # The client's own logic (create, open, list and drop queues) on the asynchronous database.
         self._client = copy.copy(self._sync)

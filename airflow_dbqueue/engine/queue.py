@@ -35,7 +35,7 @@ from airflow_dbqueue.engine.models import (
 from airflow_dbqueue.engine.renames import warn_renamed
 
 if TYPE_CHECKING:
-    from airflow_dbqueue.engine.dialects.base import AsyncDbConnection, Database, DbConnection
+    from airflow_dbqueue.engine.dialects.base import Database, DbConnection
 
 DEFAULT_CONSUMER = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -509,29 +509,10 @@ class Queue(abc.ABC):
         head = self.peek(1)
         return ready, (head[0].receipt if head else None)
 
-    async def areadiness(
-        self, aconn: AsyncDbConnection, min_priority: int | None = None, cap: int = COUNT_CAP
-    ) -> tuple[int, tuple[int, int] | None]:
-        """:meth:`readiness` on the caller's async connection (for async observers such as triggers)."""
-        raise self._unsupported("async observation (areadiness)")
-
     @property
     def channel(self) -> str:
-        """The name of this queue's NOTIFY channel: pushes notify it, :meth:`alisten` LISTENs on it."""
+        """The name of this queue's NOTIFY channel: pushes notify it, waiting pops LISTEN on it."""
         return self._db.channel(self.settings.queue_id)
-
-    async def alisten(self, aconn: AsyncDbConnection) -> None:
-        """LISTEN on this queue's NOTIFY channel on the caller's async connection."""
-        self._check_async()
-        await self._db.alisten(aconn, self.channel)
-
-    def _check_async(self) -> None:
-        """Raise :class:`NotSupportedError` unless the dialect has async connections for observers."""
-        if not self._db.async_observers:
-            raise NotSupportedError(
-                f"queue {self.name!r}: async observation (a trigger, a deferrable sensor) needs PostgreSQL; "
-                f"on {self._db.dialect_name} use the synchronous readiness() (poke or reschedule mode)"
-            )
 
     def _unsupported(self, what: str) -> NotSupportedError:
         """The refusal of ``what``, which this queue's design does not offer (yet)."""

@@ -47,9 +47,8 @@ groups'. A handle of a group (:meth:`RingQueue.group`) passes its gid: to ``ring
 in place of the queue id (the default group's pops then plan as a ring without groups does), to the
 other statements as ``group``.
 
-The same class runs on both dialects: every statement is a named query of the dialect. Only the async
-observers (:meth:`RingQueue.areadiness`, :meth:`RingQueue.alisten`) are PostgreSQL's alone: they need
-a dialect with async connections and LISTEN (``Database.async_observers``).
+The same class runs on both dialects, and under both faces (``bridge.py``): every statement is a named
+query of the dialect.
 """
 
 from __future__ import annotations
