@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 from airflow_dbqueue.engine.bridge import run_sync
 from airflow_dbqueue.engine.client import DbQueue
-from airflow_dbqueue.engine.dialects.base import CONNECT_TIMEOUT_S, DEFAULT_SCHEMA, POSTGRESQL
+from airflow_dbqueue.engine.dialects.base import CONNECT_TIMEOUT_S, DEFAULT_SCHEMA
+from airflow_dbqueue.engine.dialects.factory import make_async_database
 from airflow_dbqueue.engine.errors import NotSupportedError
 from airflow_dbqueue.engine.models import Message, QueueSettings, Semantics
 from airflow_dbqueue.engine.queue import Queue as _SyncQueue
@@ -218,8 +219,6 @@ class AsyncDbQueue:
         recycle_interval: float | None = None,
         application_name: str | None = None,
     ) -> None:
-        from airflow_dbqueue.engine.dialects.postgres.aio import AsyncPostgres
-
         self._sync = DbQueue(
             dsn,
             schema=schema,
@@ -230,16 +229,13 @@ class AsyncDbQueue:
             listen_dsn=listen_dsn,
             recycle_interval=recycle_interval,
         )
-        if self._sync.dialect != POSTGRESQL:
+        try:
+            self.db: AsyncPostgres = make_async_database(self._sync.db, pool_size=pool_size)
+        except NotSupportedError:
             self._sync.close()
-            raise NotSupportedError(
-                f"AsyncDbQueue needs PostgreSQL (psycopg's asyncio connections); {self._sync.dialect} has "
-                "no asyncio driver here: use DbQueue, from a thread (asyncio.to_thread) in an asyncio "
-                "application"
-            )
+            raise
         if application_name is not None:  # what its sessions show in pg_stat_activity
             self._sync.db._application_name = application_name  # type: ignore[attr-defined]
-        self.db: AsyncPostgres = AsyncPostgres(self._sync.db, max_size=pool_size)  # type: ignore[arg-type]
         # The client's own logic (create, open, list and drop queues) on the asynchronous database.
         self._client = copy.copy(self._sync)
         self._client.db = self.db
