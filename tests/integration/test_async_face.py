@@ -333,3 +333,42 @@ def test_waiting_costs_no_thread(dbq: DbQueue) -> None:
 
     before, during, _ = run(dbq, body)
     assert during == before
+
+
+def test_groups_and_batches_on_the_async_face(dbq: DbQueue) -> None:
+    """A ring's consumer groups each see every message, and a table queue's batches are claimed, acked
+    in the caller's AsyncConnection, released and extended, all awaited."""
+    pushed = [{"g": i} for i in range(12)]
+
+    async def body(adbq: AsyncDbQueue) -> dict[str, Any]:
+        ring = await adbq.create_queue("fan", design="ring", capacity=64)
+        audit = await ring.add_group("audit")
+        assert [g.name for g in await ring.groups()] == ["default", "audit"]
+        await ring.push_batch(pushed)
+        default_got = [m.payload for m in await ring.pop(20)]
+        leased = await ring.pop(20, semantics="at-least-once", group="audit")
+        assert await audit.ack(leased) == len(leased)
+        assert await ring.drop_group("audit") is True
+
+        table = await adbq.create_queue("work")
+        await table.push_batch(pushed)
+        first = await table.claim_batch(5, consumer="async-test")
+        second = await table.claim_batch(5)
+        assert first is not None and second is not None
+        await table.extend_batch(second.batch_id, 60)
+        assert await table.release_batch(second.batch_id, delay=0, error="retry later") == 5
+        async with adbq.transaction() as conn:
+            assert await table.ack_batch(first.batch_id, conn=conn) == 5
+        assert "SELECT" in (await table.batch_query(first.batch_id)).upper()
+        rest = [m.payload for m in await table.pop(20)]
+        done = [m.payload for m in await (await adbq.queue("work")).pop(20)]
+        return {"default": default_got, "audit": [m.payload for m in leased], "rest": rest + done}
+
+    got = run(dbq, body)
+    assert checksum(got["default"]) == checksum(pushed)
+    assert checksum(got["audit"]) == checksum(pushed)
+    # 12 pushed, 5 acked in the first batch: the 2 never claimed and the 5 released come back, once each
+    assert len(got["rest"]) == 7
+    assert len({p["g"] for p in got["rest"]}) == 7 and all(p in pushed for p in got["rest"])
+    s = dbq.queue("work").stats(exact=True)
+    assert (s.ready, s.in_flight, s.failed) == (0, 0, 0)
