@@ -40,7 +40,7 @@ from airflow_dbqueue.engine.client import DbQueue
 from airflow_dbqueue.engine.dialects.base import CONNECT_TIMEOUT_S, DEFAULT_SCHEMA
 from airflow_dbqueue.engine.dialects.factory import make_async_database
 from airflow_dbqueue.engine.errors import NotSupportedError
-from airflow_dbqueue.engine.models import Message, QueueSettings, Semantics
+from airflow_dbqueue.engine.models import Batch, Message, QueueSettings, Semantics
 from airflow_dbqueue.engine.queue import Queue as _SyncQueue
 
 if TYPE_CHECKING:
@@ -139,7 +139,28 @@ class AsyncQueue:
     requeue_failed = _awaited("requeue_failed")
     delete_failed = _awaited("delete_failed")
     leased = _awaited("leased")
-    claim_batch = _awaited("claim_batch")
+
+    async def claim_batch(
+        self,
+        n: int,
+        *,
+        visibility_timeout: float | None = None,
+        consumer: str | None = None,
+        conn: psycopg.AsyncConnection[Any] | None = None,
+    ) -> Batch | None:
+        """:meth:`Queue.claim_batch <airflow_dbqueue.engine.Queue.claim_batch>`, awaited. Cancelled
+        after its statement claimed a batch (outside a caller's transaction), it releases the batch
+        before it raises."""
+        call = functools.partial(
+            self._q.claim_batch, n, visibility_timeout=visibility_timeout, consumer=consumer, conn=conn
+        )
+
+        async def give_back(batch: Batch | None) -> None:
+            if batch is not None and conn is None:
+                await asyncio.shield(run_sync(lambda: self._q.release_batch(batch.batch_id, delay=0)))
+
+        return await run_sync(call, on_cancelled=give_back)
+
     get_batch = _awaited("get_batch")
     open_batches = _awaited("open_batches")
     batch_query = _awaited("batch_query")

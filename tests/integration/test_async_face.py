@@ -259,6 +259,40 @@ def test_a_pop_cancelled_as_its_statement_returns_gives_its_leases_back(
     assert open_transactions(dbq) == []
 
 
+def test_a_claim_cancelled_as_its_statement_returns_releases_its_batch(
+    dbq: DbQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a pop does: a claim_batch whose statement claimed a batch when the cancel came releases it
+    before it raises, so its messages are ready again and the batch is released, not left claimed."""
+    execute = pg_aio._execute
+    victim: dict[str, asyncio.Task[Any]] = {}
+
+    async def cancelling(conn: Any, statement: Any) -> Any:
+        out = await execute(conn, statement)
+        task = victim.pop("task", None) if out and b"claim" in statement[0].lower() else None
+        if task is not None:
+            task.cancel()
+        return out
+
+    monkeypatch.setattr(pg_aio, "_execute", cancelling)
+
+    async def body(adbq: AsyncDbQueue) -> tuple[list[Any], list[Any]]:
+        q = await adbq.create_queue("b", visibility_timeout=300)
+        await q.push_batch([{"b": i} for i in range(4)])
+        claim = asyncio.create_task(q.claim_batch(3))
+        victim["task"] = claim
+        with pytest.raises(asyncio.CancelledError):
+            await claim
+        assert "task" not in victim
+        states = [b.state.value for b in await q.open_batches()]
+        return states, [m.payload for m in await q.pop(10)]
+
+    states, got = run(dbq, body)
+    assert states == []  # released: no batch is open
+    assert checksum(got) == checksum({"b": i} for i in range(4))
+    assert state_of(dbq, "b") == (0, 0, 0)
+
+
 @pytest.mark.parametrize("design", DESIGNS)
 def test_cancelled_mid_transaction_rolls_back_pushes_and_pops(dbq: DbQueue, design: str) -> None:
     """A task cancelled inside ``async with dbq.transaction()`` after an exactly-once pop and a push:
