@@ -7,12 +7,13 @@ import datetime as dt
 import math
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from airflow_dbqueue.engine.access import guard_methods
+from airflow_dbqueue.engine.bridge import FaceLock
+from airflow_dbqueue.engine.bridge import pause as pause_for
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     NotSupportedError,
@@ -34,7 +35,7 @@ from airflow_dbqueue.engine.models import (
 from airflow_dbqueue.engine.renames import warn_renamed
 
 if TYPE_CHECKING:
-    from airflow_dbqueue.engine.dialects.base import AsyncDbConnection, Database, DbConnection
+    from airflow_dbqueue.engine.dialects.base import Database, DbConnection
 
 DEFAULT_CONSUMER = f"{socket.gethostname()}:{os.getpid()}"
 
@@ -108,7 +109,7 @@ class Queue(abc.ABC):
         self.name = settings.name
         # One waiting pop of this handle asks whether a push is in progress at a time: the question
         # holds the queue's push lock for an instant, and two at once would each see the other's.
-        self._asking = threading.Lock()
+        self._asking = FaceLock()
 
     def restrict(self, actions: frozenset[str] | None) -> None:
         """Let this handle take only ``actions`` (None: every action), as the role may."""
@@ -308,13 +309,13 @@ class Queue(abc.ABC):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                time.sleep(min(pause, left))
+                pause_for(min(pause, left))
                 if got := take():
                     break
             return got
         if not self._notified(conn):
             while not got and (left := deadline - time.monotonic()) > 0:
-                time.sleep(min(poll, left))
+                pause_for(min(poll, left))
                 got = take()
             return got
         return self._wait_listening(take, deadline=deadline, poll=poll)
@@ -508,29 +509,10 @@ class Queue(abc.ABC):
         head = self.peek(1)
         return ready, (head[0].receipt if head else None)
 
-    async def areadiness(
-        self, aconn: AsyncDbConnection, min_priority: int | None = None, cap: int = COUNT_CAP
-    ) -> tuple[int, tuple[int, int] | None]:
-        """:meth:`readiness` on the caller's async connection (for async observers such as triggers)."""
-        raise self._unsupported("async observation (areadiness)")
-
     @property
     def channel(self) -> str:
-        """The name of this queue's NOTIFY channel: pushes notify it, :meth:`alisten` LISTENs on it."""
+        """The name of this queue's NOTIFY channel: pushes notify it, waiting pops LISTEN on it."""
         return self._db.channel(self.settings.queue_id)
-
-    async def alisten(self, aconn: AsyncDbConnection) -> None:
-        """LISTEN on this queue's NOTIFY channel on the caller's async connection."""
-        self._check_async()
-        await self._db.alisten(aconn, self.channel)
-
-    def _check_async(self) -> None:
-        """Raise :class:`NotSupportedError` unless the dialect has async connections for observers."""
-        if not self._db.async_observers:
-            raise NotSupportedError(
-                f"queue {self.name!r}: async observation (a trigger, a deferrable sensor) needs PostgreSQL; "
-                f"on {self._db.dialect_name} use the synchronous readiness() (poke or reschedule mode)"
-            )
 
     def _unsupported(self, what: str) -> NotSupportedError:
         """The refusal of ``what``, which this queue's design does not offer (yet)."""

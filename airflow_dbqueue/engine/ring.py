@@ -47,9 +47,8 @@ groups'. A handle of a group (:meth:`RingQueue.group`) passes its gid: to ``ring
 in place of the queue id (the default group's pops then plan as a ring without groups does), to the
 other statements as ``group``.
 
-The same class runs on both dialects: every statement is a named query of the dialect. Only the async
-observers (:meth:`RingQueue.areadiness`, :meth:`RingQueue.alisten`) are PostgreSQL's alone: they need
-a dialect with async connections and LISTEN (``Database.async_observers``).
+The same class runs on both dialects, and under both faces (``bridge.py``): every statement is a named
+query of the dialect.
 """
 
 from __future__ import annotations
@@ -58,6 +57,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from airflow_dbqueue.engine.bridge import pause as pause_for
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     DatabaseError,
@@ -223,7 +223,7 @@ class RingQueue(RingGroups, RingInspect):
             # A lane stopped at a gap holds the floor down as a message would: help to give it up (a
             # pop of none, in a transaction of its own), so that gaps alone never keep a ring full.
             self._pop_slow(self._help_params, 0, None)
-            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            pause_for(min(pause, max(0.0, deadline - time.monotonic())))
             pause = min(pause * 2, 0.05)
             params["timeout_s"] = max(0.0, deadline - time.monotonic())
 
@@ -483,7 +483,7 @@ class RingQueue(RingGroups, RingInspect):
             left = deadline - time.monotonic()
             if left <= 0:
                 return 0  # some transaction of the snapshot is still running: the next run tries again
-            time.sleep(min(pause, left))
+            pause_for(min(pause, left))
             pause = min(pause * 2, 0.1)
 
     def maintain(self, *, limit: int = RECLAIM_LIMIT) -> dict[str, int]:

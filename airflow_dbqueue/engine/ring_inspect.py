@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from airflow_dbqueue.engine.errors import (
     QueueNotFoundError,
@@ -18,9 +18,6 @@ from airflow_dbqueue.engine.queue import COUNT_CAP, _check_batch_size
 from airflow_dbqueue.engine.ring_base import (
     RingBase,
 )
-
-if TYPE_CHECKING:
-    from airflow_dbqueue.engine.dialects.base import AsyncDbConnection
 
 RING_STATS_EXACT_CAP = 50_000
 """A ring's stats() counts the lanes' messages in their slots up to this many numbers to take
@@ -72,13 +69,6 @@ class RingInspect(RingBase):
             return 0, None
         ready = 0 if min_priority is not None and min_priority > 0 else int(row[0])
         return ready, (int(row[1]), int(row[2]))
-
-    async def areadiness(
-        self, aconn: AsyncDbConnection, min_priority: int | None = None, cap: int = COUNT_CAP
-    ) -> tuple[int, tuple[int, int] | None]:
-        self._check_async()
-        row = await self._db.afetchone(aconn, "ring_ready_head", self._readiness_params(cap))
-        return self._readiness_row(row, min_priority)
 
     def leased(self, receipts: Sequence[tuple[int, int]]) -> list[Message]:
         stubs = self._receipt_messages(receipts)

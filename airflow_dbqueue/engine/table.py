@@ -41,7 +41,7 @@ from airflow_dbqueue.engine.queue import (
 )
 
 if TYPE_CHECKING:
-    from airflow_dbqueue.engine.dialects.base import AsyncDbConnection, Database, DbConnection
+    from airflow_dbqueue.engine.dialects.base import Database, DbConnection
     from airflow_dbqueue.engine.maintenance.recycler import AutoRecycler
     from airflow_dbqueue.engine.models import QueueSettings
 
@@ -271,13 +271,6 @@ class TableQueue(Queue):
         self, min_priority: int | None = None, cap: int = COUNT_CAP
     ) -> tuple[int, tuple[int, int] | None]:
         return self._readiness_row(self._db.fetchone("ready_head", self._readiness_params(min_priority, cap)))
-
-    async def areadiness(
-        self, aconn: AsyncDbConnection, min_priority: int | None = None, cap: int = COUNT_CAP
-    ) -> tuple[int, tuple[int, int] | None]:
-        self._check_async()
-        row = await self._db.afetchone(aconn, "ready_head", self._readiness_params(min_priority, cap))
-        return self._readiness_row(row)
 
     def leased(self, receipts: Sequence[tuple[int, int]]) -> list[Message]:
         stubs = self._receipt_messages(receipts)

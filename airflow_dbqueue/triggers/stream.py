@@ -1,9 +1,11 @@
-"""The shared stream of a triggerer: one database connection observing the queues of one Airflow
+"""The shared stream of a triggerer: one ``AsyncDbQueue`` observing the queues of one Airflow
 connection and queue schema for every :class:`~airflow_dbqueue.triggers.dbqueue.DbQueueTrigger` on it.
 
-The connection LISTENs on the channels of every queue watched there and runs each trigger's readiness
-check (a :class:`Watch`), at the trigger's own pace or when its queue notifies; each trigger reads its
-own results and decides whether to fire (:mod:`airflow_dbqueue.triggers.firing`).
+Its listening connection LISTENs on the channels of every queue watched there, and its one pooled
+connection runs each trigger's readiness check (a :class:`Watch`), at the trigger's own pace or when
+its queue notifies; each trigger reads its own results and decides whether to fire
+(:mod:`airflow_dbqueue.triggers.firing`). On SQL Server, which has no asyncio face, every watch fails
+with :class:`~airflow_dbqueue.engine.NotSupportedError` (the sensor pokes or reschedules there).
 """
 
 from __future__ import annotations
@@ -13,31 +15,15 @@ import contextlib
 import itertools
 import time
 from collections.abc import AsyncGenerator, Hashable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from airflow_dbqueue.engine import DbQueueError, NotifyMode
-from airflow_dbqueue.engine.dialects.base import CONNECT_TIMEOUT_S
-from airflow_dbqueue.hooks.connection import Target, connection_target
+from airflow_dbqueue.engine import DbQueueError, NotifyMode, NotSupportedError
+from airflow_dbqueue.engine.aio import AsyncDbQueue, AsyncQueue, Notifications
+from airflow_dbqueue.hooks.connection import connection_target
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
-
-if TYPE_CHECKING:
-    from airflow_dbqueue.engine import Queue
-    from airflow_dbqueue.engine.dialects.base import AsyncDbConnection, Database
 
 APPLICATION_NAME = "airflow-dbqueue-trigger"
 """The ``application_name`` of a stream's connection (one a connection and schema in a triggerer)."""
-
-
-def open_queue(target: Target, queue_name: str, group: str | None = None) -> Queue:
-    """Load a queue's settings (and its consumer group's, with ``group``) with the sync engine (run in a
-    thread) and close its pool again."""
-    from airflow_dbqueue.engine import DbQueue
-
-    dbq = DbQueue(target.dsn, **target.engine_kwargs(), pool_size=1)
-    try:
-        return dbq.queue(queue_name).group(group)
-    finally:
-        dbq.close()
 
 
 _watch_ids = itertools.count(1)
@@ -64,8 +50,7 @@ class Watch:
         self.poll_interval = poll_interval
         self.use_notify = use_notify
         self.due = 0.0  # monotonic time of the next check; 0: at once
-        self.notified = False
-        self.queue: Queue | None = None
+        self.queue: AsyncQueue | None = None
         self.error: BaseException | None = None
         self.channel: str | None = None  # the NOTIFY channel it wakes on, once LISTENed
 
@@ -75,8 +60,8 @@ class Stream:
     watch's readiness check, each at its watch's own pace or when its queue notifies.
 
     :meth:`run` yields ``{watch id: (ready, head) or an exception}`` for the watches it checked; each
-    subscriber reads its own entry. A watch's error (its queue does not exist, or cannot be observed
-    asynchronously) goes to that watch alone; a failure of the connection ends the stream for all.
+    subscriber reads its own entry. A watch's error (its queue does not exist) goes to that watch
+    alone; a failure of the database ends the stream for all.
     """
 
     def __init__(self) -> None:
@@ -95,97 +80,117 @@ class Stream:
         self._changed.set()
 
     async def run(self, conn_id: str, schema: str | None) -> AsyncGenerator[dict[int, Any], None]:
-        from airflow_dbqueue.engine.dialects.factory import make_database
-
         conn = await DbQueueHook.aget_connection(conn_id)
         target = await asyncio.to_thread(connection_target, conn)  # a token login may do I/O
         target = target._replace(schema=schema or target.schema)
-        # The dialect's database object opens no pool here: the stream's one connection is aconnect's.
-        db = make_database(
-            target.dsn, **target.engine_kwargs(), pool_size=1, connect_timeout=CONNECT_TIMEOUT_S
-        )
-        aconn = await db.aconnect(APPLICATION_NAME)
-        listening: set[str] = set()
         try:
+            # One pooled connection for every watch's check, and the listening one for their channels.
+            dbq = AsyncDbQueue(
+                target.dsn, **target.engine_kwargs(), pool_size=1, application_name=APPLICATION_NAME
+            )
+        except NotSupportedError as exc:  # not PostgreSQL: every watch fails with it
+            async for results in self._refuse(exc):
+                yield results
+            return
+        async with contextlib.AsyncExitStack() as stack:
+            stack.push_async_callback(dbq.close)
+            heard = asyncio.Event()
+            listeners = ChannelListeners(stack, heard)
             while True:
                 self._changed.clear()
                 for w in list(self.watches.values()):
                     if w.queue is None and w.error is None:
-                        await self._load(w, target, db.supports_notify, aconn, listening)
-                results = await self._check_due(aconn)
+                        await self._load(w, dbq, listeners)
+                results = await self._check_due(listeners)
                 if results:
                     yield results
                 if self._changed.is_set():
                     continue
                 due = [w.due for w in self.watches.values() if w.error is None]
                 timeout = max(0.0, min(due) - time.monotonic()) if due else None
-                for channel in await self._wait(db, aconn, timeout, bool(listening)):
-                    for w in self.watches.values():
-                        if w.channel == channel:
-                            w.notified = True
-        finally:
-            with contextlib.suppress(Exception):
-                await aconn.close()
+                await self._wait(heard, timeout)
 
-    async def _check_due(self, aconn: AsyncDbConnection) -> dict[int, Any]:
+    async def _refuse(self, exc: BaseException) -> AsyncGenerator[dict[int, Any], None]:
+        """Report ``exc`` to every watch, as they come, until the stream is closed."""
+        while True:
+            self._changed.clear()
+            for w in self.watches.values():
+                w.error = exc
+            if self.watches:
+                yield dict.fromkeys(self.watches, exc)
+            await self._changed.wait()
+
+    async def _check_due(self, listeners: ChannelListeners) -> dict[int, Any]:
         """Check the readiness of every watch that was notified or whose poll is due; return what each
         saw, by watch id (a watch that failed reports its error)."""
         results: dict[int, Any] = {}
+        notified = listeners.take()
         for w in list(self.watches.values()):
             if w.error is not None:
                 results[w.id] = w.error
-            elif w.queue is not None and (w.notified or w.due <= time.monotonic()):
-                w.notified = False
+            elif w.queue is not None and (w.channel in notified or w.due <= time.monotonic()):
                 w.due = time.monotonic() + w.poll_interval
-                try:
-                    results[w.id] = await w.queue.areadiness(aconn, w.min_priority, cap=w.cap)
-                except NotImplementedError as exc:  # not PostgreSQL: this watch cannot go on
-                    w.error = results[w.id] = exc
+                results[w.id] = await w.queue.readiness(w.min_priority, cap=w.cap)
         return results
 
-    async def _load(
-        self,
-        w: Watch,
-        target: Target,
-        can_listen: bool,
-        aconn: AsyncDbConnection,
-        listening: set[str],
-    ) -> None:
-        """Load a new watch's queue and LISTEN on its channel before its first check, so that a push
-        committed after that check wakes it (unless the stream cannot LISTEN: a transaction pooler
-        without a listen DSN, where every watch polls)."""
+    async def _load(self, w: Watch, dbq: AsyncDbQueue, listeners: ChannelListeners) -> None:
+        """Open a new watch's queue and LISTEN on its channel before its first check, so that a push
+        committed after that check wakes it (unless the queue cannot: a transaction pooler without a
+        listen DSN, where every watch polls)."""
         try:
-            w.queue = await asyncio.to_thread(open_queue, target, w.queue_name, w.group)
+            w.queue = await (await dbq.queue(w.queue_name)).group(w.group)
         except DbQueueError as exc:
             w.error = exc
             return
-        if can_listen and w.use_notify and w.queue.settings.notify is not NotifyMode.NEVER:
-            try:
-                if w.queue.channel not in listening:
-                    await w.queue.alisten(aconn)
-            except NotImplementedError as exc:  # not PostgreSQL
-                w.error = exc
-                return
+        if dbq.db.supports_notify and w.use_notify and w.queue.settings.notify is not NotifyMode.NEVER:
+            await listeners.listen(w.queue)
             w.channel = w.queue.channel
-            listening.add(w.channel)
 
-    async def _wait(
-        self, db: Database, aconn: AsyncDbConnection, timeout: float | None, listen: bool
-    ) -> set[str]:
-        """Wait up to ``timeout`` seconds (None: until woken) for a NOTIFY or :meth:`wake`; return the
-        channels that notified."""
-        changed = asyncio.ensure_future(self._changed.wait())
-        heard = asyncio.ensure_future(db.anotifies(aconn, timeout)) if listen else None
-        waiting: set[asyncio.Future[Any]] = {changed} if heard is None else {changed, heard}
+    async def _wait(self, heard: asyncio.Event, timeout: float | None) -> None:
+        """Wait up to ``timeout`` seconds (None: until woken) for a NOTIFY or :meth:`wake`."""
+        waiting = {asyncio.ensure_future(self._changed.wait()), asyncio.ensure_future(heard.wait())}
         try:
             await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for t in waiting:
                 t.cancel()
             await asyncio.gather(*waiting, return_exceptions=True)
-        if heard is not None and heard.done() and not heard.cancelled():
-            return heard.result()  # raises the connection's error, if it failed
-        return set()
+
+
+class ChannelListeners:
+    """The channels a stream LISTENs on (``AsyncQueue.listening``, one a channel however many watches
+    share it), each waited on by a task of its own that notes the channel and sets ``heard``."""
+
+    def __init__(self, stack: contextlib.AsyncExitStack, heard: asyncio.Event) -> None:
+        self._stack = stack
+        self._heard = heard
+        self._notified: set[str] = set()
+        self._channels: set[str] = set()
+
+    async def listen(self, queue: AsyncQueue) -> None:
+        if queue.channel in self._channels:
+            return
+        notifications = await self._stack.enter_async_context(queue.listening())
+        self._channels.add(queue.channel)
+        task = asyncio.create_task(self._follow(queue.channel, notifications))
+
+        async def stop() -> None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        self._stack.push_async_callback(stop)
+
+    async def _follow(self, channel: str, notifications: Notifications) -> None:
+        while True:
+            if await notifications.wait(3600.0):
+                self._notified.add(channel)
+                self._heard.set()
+
+    def take(self) -> set[str]:
+        """The channels notified since the last call."""
+        got, self._notified = self._notified, set()
+        self._heard.clear()
+        return got
 
 
 STREAMS: dict[tuple[int, Hashable], Stream] = {}

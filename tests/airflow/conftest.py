@@ -142,6 +142,18 @@ def trigger_is_waiting(dsn: str) -> bool:
     return bool(row and row[0])
 
 
+def trigger_is_listening(dsn: str) -> bool:
+    """Whether a DbQueueTrigger's listening connection (on the server itself, also when its checks go
+    through a transaction pooler) has LISTENed and sits idle."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        row = c.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s AND state = 'idle' "
+            "AND query LIKE %s",
+            ("airflow-dbqueue-trigger-listen", "LISTEN%"),
+        ).fetchone()
+    return bool(row and row[0])
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _airflow_home() -> Iterator[str]:
     yield _HOME

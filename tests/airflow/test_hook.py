@@ -20,6 +20,7 @@ from airflow_dbqueue.engine import (
     QueueExistsError,
     QueueNotFoundError,
 )
+from airflow_dbqueue.engine.aio import AsyncDbQueue
 from airflow_dbqueue.get_provider_info import get_provider_info
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
 from tests.airflow.conftest import AIRFLOW, conn_json
@@ -242,7 +243,7 @@ def test_missing_queue_and_unreachable_database(
 
 
 def test_engine_readiness_leased_and_receipts(dbq: DbQueue) -> None:
-    """The engine methods added for the Airflow face: readiness (sync and async), leased, receipts."""
+    """The engine methods added for the Airflow face: readiness (both faces), leased, receipts."""
     q = dbq.create_queue("obs", retry_backoff=0)
     assert q.readiness() == (0, None)
     ids = [*q.push_batch(orders(5)), q.push({"hi": 1}, priority=5)]
@@ -255,9 +256,8 @@ def test_engine_readiness_leased_and_receipts(dbq: DbQueue) -> None:
     assert q.readiness() == (6, (ids[5], 1))  # back at the head, delivered once more
 
     async def observe() -> tuple[int, tuple[int, int] | None]:
-        async with await psycopg.AsyncConnection.connect(dbq.db.dsn, autocommit=True) as aconn:
-            await q.alisten(aconn)
-            return await q.areadiness(aconn)
+        async with AsyncDbQueue(dbq.db.dsn, schema=dbq.schema) as adbq:
+            return await (await adbq.queue("obs")).readiness()
 
     assert asyncio.run(observe()) == q.readiness()
 

@@ -17,7 +17,7 @@ from airflow_dbqueue.engine import ConfigurationError, DbQueue, QueueNotFoundErr
 from airflow_dbqueue.hooks.dbqueue import DbQueueHook
 from airflow_dbqueue.sensors.dbqueue import DbQueueSensor
 from airflow_dbqueue.triggers.dbqueue import DbQueueTrigger
-from tests.airflow.conftest import CONN_ID, conn_json, trigger_is_waiting
+from tests.airflow.conftest import CONN_ID, conn_json, trigger_is_listening, trigger_is_waiting
 from tests.dialects import expire_leases, run_sql
 from tests.helpers import checksum, drained
 from tests.pgbouncer import PgBouncer
@@ -191,8 +191,11 @@ def test_trigger_through_a_transaction_pooler(
     poll = NOTIFY_POLL_S if listen else POLL_S
     runner = Runner(DbQueueTrigger(queue_name="pooled", poll_interval=poll, rearm=False))
     try:
-        if listen:
-            wait_until_waiting(dbq.db.dsn)  # its connection is the server's: pg_stat_activity shows it
+        if listen:  # its listening connection is the server's: pg_stat_activity shows it
+            deadline = time.monotonic() + 20
+            while not trigger_is_listening(dbq.db.dsn):
+                assert time.monotonic() < deadline, "the trigger never LISTENed"
+                time.sleep(0.02)
         else:
             time.sleep(2 * POLL_S)  # through the pooler no server connection stays the trigger's
         [mid] = q.push_batch([{"x": 1}])

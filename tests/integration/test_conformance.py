@@ -41,6 +41,7 @@ from tests.dialects import (  # noqa: F401 - topology_dbq is the fixture "dbq"
     run_sql,
     topology_dbq,
 )
+from tests.faces import FACES, faced
 from tests.helpers import checksum
 
 if TYPE_CHECKING:
@@ -57,13 +58,19 @@ default one, whose handle must behave as a queue of its own; the default group h
 tests push, untouched."""
 
 
+@pytest.fixture(params=FACES)
+def client(request: pytest.FixtureRequest, dbq: DbQueue) -> Iterator[DbQueue]:
+    """The face the test drives: ``dbq`` itself, or the asyncio face on its schema (tests/faces.py)."""
+    yield from faced(request, dbq)
+
+
 @pytest.fixture(params=DESIGNS)
-def make_queue(request: pytest.FixtureRequest, dbq: DbQueue) -> Callable[..., Queue]:
+def make_queue(request: pytest.FixtureRequest, client: DbQueue) -> Callable[..., Queue]:
     counter = iter(range(1000))
     design, _, group = str(request.param).partition("-")
 
     def make(**settings: Any) -> Queue:
-        q = dbq.create_queue(f"q{next(counter)}", design=design, **settings)
+        q = client.create_queue(f"q{next(counter)}", design=design, **settings)
         return q.add_group("g") if group else q  # type: ignore[attr-defined, no-any-return]
 
     return make
@@ -739,22 +746,22 @@ def test_many_queues_in_one_schema_are_isolated(make_queue: Callable[..., Queue]
     assert [m.payload for m in a.pop(10)] == ["a1", "a2"]
 
 
-def test_create_queue_is_idempotent_and_checks_settings(dbq: DbQueue) -> None:
-    q1 = dbq.create_queue("orders", max_attempts=4)
-    q2 = dbq.create_queue("orders", max_attempts=4)
+def test_create_queue_is_idempotent_and_checks_settings(client: DbQueue, dbq: DbQueue) -> None:
+    q1 = client.create_queue("orders", max_attempts=4)
+    q2 = client.create_queue("orders", max_attempts=4)
     assert q1.settings == q2.settings
     with pytest.raises(QueueExistsError, match="max_attempts"):
-        dbq.create_queue("orders", max_attempts=7)
+        client.create_queue("orders", max_attempts=7)
     with pytest.raises(QueueExistsError):
-        dbq.create_queue("orders", max_attempts=4, exist_ok=False)
-    assert [s.name for s in dbq.list_queues()] == ["orders"]
+        client.create_queue("orders", max_attempts=4, exist_ok=False)
+    assert [s.name for s in client.list_queues()] == ["orders"]
 
 
-def test_drop_queue_removes_everything(dbq: DbQueue) -> None:
+def test_drop_queue_removes_everything(client: DbQueue, dbq: DbQueue) -> None:
     """Every row of the dropped queue goes (its payloads too, small ones in their rows and large ones in
     data); another queue's stay, whole."""
-    q = dbq.create_queue("tmp")
-    other = dbq.create_queue("other")
+    q = client.create_queue("tmp")
+    other = client.create_queue("other")
     kept_payloads = ["k1", "k2" * 1000]
     other.push_batch(kept_payloads)
     big = "b" * 2000
@@ -767,25 +774,25 @@ def test_drop_queue_removes_everything(dbq: DbQueue) -> None:
     assert count_rows(dbq, "done", queue_id) == kept(q, 2)
     # small payloads in their rows (1 of the other queue, 3 and 1 if kept), large ones in data
     assert count_payloads(dbq) == (2 + kept(q, 1), 2 + kept(q, 1))
-    assert dbq.drop_queue("tmp")
+    assert client.drop_queue("tmp")
     with pytest.raises(QueueNotFoundError):
-        dbq.queue("tmp")
-    assert dbq.drop_queue("tmp", missing_ok=True) is False
+        client.queue("tmp")
+    assert client.drop_queue("tmp", missing_ok=True) is False
     for table in ("meta", "done", "archive", "batches"):
         assert count_rows(dbq, table, queue_id) == 0, table
     assert count_payloads(dbq) == (1, 1)  # the other queue's payloads only
     assert checksum(m.payload for m in drain(other)) == checksum(kept_payloads)
 
 
-def test_unknown_queue_is_named(dbq: DbQueue) -> None:
+def test_unknown_queue_is_named(client: DbQueue) -> None:
     with pytest.raises(QueueNotFoundError, match=r"queue 'nope' does not exist in schema"):
-        dbq.queue("nope")
+        client.queue("nope")
 
 
 @pytest.mark.parametrize("bad", ["", "Orders", "1abc", "a-b", "x" * 49, "pg_x", "a;drop table x", None])
-def test_bad_queue_names_are_refused(dbq: DbQueue, bad: Any) -> None:
+def test_bad_queue_names_are_refused(client: DbQueue, bad: Any) -> None:
     with pytest.raises(InvalidNameError):
-        dbq.create_queue(bad)
+        client.create_queue(bad)
 
 
 def test_bad_payload_fails_the_whole_batch(make_queue: Callable[..., Queue]) -> None:
@@ -848,9 +855,9 @@ def test_auto_notify_only_when_the_queue_was_empty(make_queue: Callable[..., Que
     assert _notifications(dbq, never, lambda: never.push("z")) == 0
 
 
-def test_nack_backoff_doubles_and_is_capped(dbq: DbQueue) -> None:
+def test_nack_backoff_doubles_and_is_capped(client: DbQueue, dbq: DbQueue) -> None:
     """The default nack delay is retry_backoff * 2^(attempts-1), capped at retry_backoff_max."""
-    q = dbq.create_queue(
+    q = client.create_queue(
         "backoff", design="table", max_attempts=10, retry_backoff=100.0, retry_backoff_max=350.0
     )
     [mid] = q.push_batch(["x"])

@@ -24,10 +24,6 @@ from airflow_dbqueue.engine.errors import ConfigurationError
 DbConnection: TypeAlias = Any
 """A connection of the dialect's database driver, with a transaction open."""
 
-AsyncDbConnection: TypeAlias = Any
-"""An async connection of the dialect's database driver (PostgreSQL only), in autocommit:
-what async observers (a trigger) run :meth:`Database.afetchone` and :meth:`Database.alisten` on."""
-
 POSTGRESQL = "postgresql"
 MSSQL = "mssql"
 DIALECTS = (POSTGRESQL, MSSQL)
@@ -183,31 +179,6 @@ class Database(NamedStatements, Protocol):
 
     def wake_waiter(self, channel: str) -> None:
         """Hand a wake to one pop of this process waiting on ``channel`` (nothing when none waits)."""
-        ...
-
-    # -- async observers (a trigger, a deferrable sensor) ------------------------------------------
-
-    #: True when the dialect's driver has async connections (:meth:`aconnect`) for :meth:`afetchone`,
-    #: :meth:`alisten` and :meth:`anotifies`; False means observers poll with the synchronous queries.
-    async_observers: bool
-
-    async def aconnect(self, application_name: str) -> AsyncDbConnection:
-        """Open an async connection of its own to the database, in autocommit; the caller closes it."""
-        ...
-
-    async def afetchone(
-        self, aconn: AsyncDbConnection, name: str, params: Mapping[str, Any]
-    ) -> tuple[Any, ...] | None:
-        """Run the named query on the caller's async connection; return its first row (None: none)."""
-        ...
-
-    async def alisten(self, aconn: AsyncDbConnection, channel: str) -> None:
-        """LISTEN on ``channel`` on the caller's async connection."""
-        ...
-
-    async def anotifies(self, aconn: AsyncDbConnection, timeout: float | None) -> set[str]:
-        """The channels of the next NOTIFY on ``aconn`` (and any that arrived with it), or none after
-        ``timeout`` seconds (None: no limit)."""
         ...
 
     # -- what maintenance asks (engine/maintenance/; each dialect's maintenance.py answers) ----------

@@ -18,7 +18,7 @@ from airflow_dbqueue.engine.dialects.base import (
     Database,
     check_pooler,
 )
-from airflow_dbqueue.engine.errors import ConfigurationError
+from airflow_dbqueue.engine.errors import ConfigurationError, NotSupportedError
 
 
 def dialect_of_dsn(dsn: str) -> str:
@@ -78,6 +78,21 @@ def make_database(
 
         return MssqlDatabase(dsn, schema=schema, max_size=pool_size, connect_timeout=connect_timeout)
     raise ConfigurationError(f"unknown dialect {dialect!r}; choose one of {', '.join(DIALECTS)}")
+
+
+def make_async_database(db: Database, *, pool_size: int) -> Any:
+    """The asyncio face's database over ``db`` (its settings, statements and error translation): an
+    ``AsyncPostgres`` on psycopg's async pool. Other dialects have no asyncio driver here: raise
+    :class:`NotSupportedError` naming what to use instead."""
+    if db.dialect_name != POSTGRESQL:
+        raise NotSupportedError(
+            f"AsyncDbQueue needs PostgreSQL (psycopg's asyncio connections); {db.dialect_name} has no "
+            "asyncio driver here: use DbQueue, from a thread (asyncio.to_thread) in an asyncio "
+            "application"
+        )
+    from airflow_dbqueue.engine.dialects.postgres.aio import AsyncPostgres
+
+    return AsyncPostgres(db, max_size=pool_size)  # type: ignore[arg-type]
 
 
 def postgres_dsn(params: Mapping[str, Any]) -> str:

@@ -197,7 +197,6 @@ class MssqlDatabase(MssqlSchema, MssqlMaintenance):
     payload_pops = False  # a pop of payloads takes them from its procedures' whole rows
     schema_passes = False  # maintenance counts a queue at a time (docs/limits.md)
     prepares_statements = True
-    async_observers = False  # pyodbc has no async connections: observers poll with readiness()
 
     def __init__(
         self,
@@ -533,21 +532,3 @@ class MssqlDatabase(MssqlSchema, MssqlMaintenance):
 
     def wake_waiter(self, channel: str) -> None:
         """Nothing to wake: without LISTEN/NOTIFY no pop waits on a channel."""
-
-    async def aconnect(self, application_name: str) -> Any:
-        """pyodbc has no async connections: observers poll with the synchronous queries."""
-        raise NotSupportedError(
-            "SQL Server has no async observers; observe with readiness() (polling: poke or reschedule mode)"
-        )
-
-    async def afetchone(self, aconn: Any, name: str, params: Mapping[str, Any]) -> tuple[Any, ...] | None:
-        """pyodbc has no async connections: observers poll with the synchronous queries."""
-        raise NotSupportedError("SQL Server has no async observers; observe with readiness() (polling)")
-
-    async def alisten(self, aconn: Any, channel: str) -> None:
-        """SQL Server has no LISTEN/NOTIFY: observers poll."""
-        raise NotSupportedError("SQL Server has no LISTEN/NOTIFY; observe with readiness() (polling)")
-
-    async def anotifies(self, aconn: Any, timeout: float | None) -> set[str]:
-        """SQL Server has no LISTEN/NOTIFY: observers poll."""
-        raise NotSupportedError("SQL Server has no LISTEN/NOTIFY; observe with readiness() (polling)")

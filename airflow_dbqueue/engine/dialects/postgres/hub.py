@@ -81,6 +81,9 @@ class NotifyHub:
     :param connect: opens the connection to LISTEN on (autocommit, a session of its own).
     """
 
+    #: What :meth:`waiting` yields (the asyncio face's hub yields waiters that suspend only their task).
+    waiter_class: type[Waiter] = Waiter
+
     def __init__(self, connect: Callable[[], psycopg.Connection[Any]]) -> None:
         self._connect = connect
         # Reentrant: a LISTEN (run under it) may deliver a notification that psycopg hands to
@@ -100,7 +103,7 @@ class NotifyHub:
     def waiting(self, channel: str) -> Any:
         """Yield a :class:`Waiter` on ``channel``, LISTENed to before this returns: a NOTIFY committed
         after that reaches it (or another waiter of the channel). Raises what connecting raises."""
-        waiter = Waiter(self, channel)
+        waiter = self.waiter_class(self, channel)
         with self._lock:
             self._waiters.setdefault(channel, collections.deque()).append(waiter)
             self._pollers.setdefault(channel, waiter)
