@@ -24,6 +24,7 @@ from airflow_dbqueue.engine.maintenance.config import (
 )
 from airflow_dbqueue.engine.maintenance.recycler import AutoRecycler
 from airflow_dbqueue.engine.models import (
+    DEFAULT_DEDUP_WINDOW_S,
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_MAX_PAYLOAD,
     DEFAULT_RETRY_BACKOFF_MAX_S,
@@ -74,6 +75,7 @@ _SETTINGS_COLUMNS = (
     "archive",
     "capacity",
     "lanes",
+    "dedup_window_s",
 )
 
 
@@ -93,6 +95,7 @@ def _settings_from_row(row: tuple[Any, ...]) -> QueueSettings:
         archive=d["archive"],
         capacity=d["capacity"],
         lanes=d["lanes"],
+        dedup_window_s=d["dedup_window_s"],
     )
 
 
@@ -147,6 +150,7 @@ def _wanted_settings(
     archive: bool | None,
     capacity: int | None,
     lanes: int | None,
+    dedup_window: float = DEFAULT_DEDUP_WINDOW_S,
 ) -> QueueSettings:
     """The settings :meth:`DbQueue.create_queue` is asked for, with the defaults filled in.
 
@@ -167,6 +171,7 @@ def _wanted_settings(
     )
     retry_backoff = check_seconds(f"queue {name!r}: retry_backoff", retry_backoff)
     retry_backoff_max = check_seconds(f"queue {name!r}: retry_backoff_max", retry_backoff_max)
+    dedup_window = check_seconds(f"queue {name!r}: dedup_window", dedup_window, positive=True)
     try:
         wanted = QueueSettings(
             name=name,
@@ -182,6 +187,7 @@ def _wanted_settings(
             archive=(not ring) if archive is None else bool(archive),
             capacity=capacity if ring else None,
             lanes=lanes if ring else None,
+            dedup_window_s=float(dedup_window),
         )
     except ValueError as exc:
         raise ConfigurationError(f"queue {name!r}: {exc}") from None
@@ -349,6 +355,7 @@ class DbQueue:
         capacity: int | None = None,
         lanes: int | None = None,
         exist_ok: bool = True,
+        dedup_window: float = DEFAULT_DEDUP_WINDOW_S,
     ) -> Queue:
         """Create a queue (idempotently) and return it.
 
@@ -365,6 +372,10 @@ class DbQueue:
         numbers are dealt to lanes, and concurrent pops take from different lanes. Set it to about the
         number of consumers that pop a message at a time. The table design's defaults are a 1 MiB
         payload limit and ``archive=True``.
+
+        ``dedup_window`` (seconds, default 300) is how long a push's ``dedup_key`` is remembered: a
+        second push of the key within it pushes nothing and returns the first push's id (table design;
+        see :meth:`Queue.push`).
         """
         name = validate_queue_name(name)
         try:
@@ -384,6 +395,7 @@ class DbQueue:
             archive=archive,
             capacity=capacity,
             lanes=lanes,
+            dedup_window=dedup_window,
         )
         if "admin" not in self.db.actions_on(None):
             # A role that may not create queues may still declare one that exists as it wants it.

@@ -76,6 +76,9 @@ DEFAULT_RETRY_BACKOFF_S = 1.0
 """Seconds before a nacked message is ready again at its first retry (doubling with each attempt) ..."""
 DEFAULT_RETRY_BACKOFF_MAX_S = 300.0
 """... up to this many seconds."""
+DEFAULT_DEDUP_WINDOW_S = 300.0
+"""Seconds a push's deduplication key is remembered (SQS FIFO's five minutes), unless its queue names
+another window."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +101,9 @@ class QueueSettings:
     lanes: int | None = None
     """Lanes of a ring queue (``None`` for the table design): its numbers are dealt to lanes by
     ``id % lanes``, and consumers popping at once take from different lanes."""
+    dedup_window_s: float = DEFAULT_DEDUP_WINDOW_S
+    """Seconds within which a second push of a deduplication key (``push(dedup_key=...)``) pushes
+    nothing and returns the first push's id."""
 
     def encode_all(self, payloads: list[Any]) -> list[bytes]:
         """Encode a batch of payloads (:meth:`encode` of each, in order).

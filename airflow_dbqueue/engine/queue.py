@@ -77,6 +77,29 @@ def check_seconds(what: str, value: object, *, positive: bool = False) -> float:
     return seconds
 
 
+MAX_DEDUP_KEY_CHARS = 512
+"""The longest deduplication key (characters)."""
+
+
+def check_dedup_keys(queue: str, keys: object, n: int) -> list[str]:
+    """Return ``keys`` as a list of ``n`` deduplication keys, or raise :class:`ConfigurationError` naming
+    the first that is not a non-empty string of at most :data:`MAX_DEDUP_KEY_CHARS` characters (or the
+    count, when it is not one a payload)."""
+    if isinstance(keys, str | bytes) or not isinstance(keys, Sequence):
+        raise ConfigurationError(f"queue {queue!r}: dedup_keys must be a sequence of strings, got {keys!r}")
+    if len(keys) != n:
+        raise ConfigurationError(
+            f"queue {queue!r}: dedup_keys must hold one key a payload ({n}), got {len(keys)}"
+        )
+    for i, k in enumerate(keys):
+        if not isinstance(k, str) or not 0 < len(k) <= MAX_DEDUP_KEY_CHARS or "\x00" in k:
+            raise ConfigurationError(
+                f"queue {queue!r}: dedup key #{i} must be a non-empty string of at most "
+                f"{MAX_DEDUP_KEY_CHARS} characters without NUL, got {k!r:.80}"
+            )
+    return list(keys)
+
+
 def _check_batch_size(n: int) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1 or n > 100_000:
         raise ConfigurationError(f"batch size must be an integer from 1 to 100000, got {n!r}")
@@ -149,9 +172,21 @@ class Queue(abc.ABC):
         priority: int = 0,
         delay: float = 0.0,
         conn: DbConnection | None = None,
+        dedup_key: str | None = None,
     ) -> int:
-        """Push one message and return its id."""
-        return self.push_batch([payload], priority=priority, delay=delay, conn=conn)[0]
+        """Push one message and return its id.
+
+        :param dedup_key: a deduplication key (a non-empty string of at most
+            :data:`MAX_DEDUP_KEY_CHARS` characters, table design): when a push of the same key into
+            this queue committed within the queue's ``dedup_window``, nothing is pushed and that
+            push's id is returned, also when the two pushes race in separate transactions (the later
+            one waits for the earlier one's transaction; if that rolled back, the later one pushes).
+        """
+        if dedup_key is None:
+            return self.push_batch([payload], priority=priority, delay=delay, conn=conn)[0]
+        return self.push_batch([payload], priority=priority, delay=delay, conn=conn, dedup_keys=[dedup_key])[
+            0
+        ]
 
     @abc.abstractmethod
     def push_batch(
@@ -161,11 +196,15 @@ class Queue(abc.ABC):
         priority: int = 0,
         delay: float = 0.0,
         conn: DbConnection | None = None,
+        dedup_keys: Sequence[str] | None = None,
     ) -> list[int]:
         """Push many messages in one round trip; return their ids in payload order.
 
         Every payload is encoded and checked before anything is sent: one bad payload fails the
         whole batch and nothing of it is written.
+
+        :param dedup_keys: one deduplication key a payload (see :meth:`push`); a key repeated within
+            the batch pushes its first payload only, and every occurrence gets that message's id.
         """
 
     # -- pop ---------------------------------------------------------------------------------------

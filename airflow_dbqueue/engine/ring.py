@@ -63,6 +63,7 @@ from airflow_dbqueue.engine.errors import (
     DatabaseError,
     GroupNotFoundError,
     LockTimeoutError,
+    NotSupportedError,
     QueueFullError,
     RingNumbersSkippedError,
 )
@@ -128,8 +129,14 @@ class RingQueue(RingGroups, RingInspect):
         priority: int = 0,
         delay: float = 0.0,
         conn: DbConnection | None = None,
+        dedup_keys: Sequence[str] | None = None,
     ) -> list[int]:
         items = list(payloads)
+        if dedup_keys is not None:
+            raise NotSupportedError(
+                f"queue {self.name!r} is a ring: deduplication keys on push are the table design's "
+                "(docs/limits.md); use a table-design queue for them"
+            )
         if priority != 0:
             raise ConfigurationError(
                 f"queue {self.name!r} is a ring: FIFO by id, without priorities (got priority={priority}); "

@@ -17,6 +17,7 @@ from airflow_dbqueue.engine.errors import (
     BatchStateError,
     ConfigurationError,
     LeaseExpiredError,
+    NotSupportedError,
     QueueNotFoundError,
     ReceiptsNotHeldError,
 )
@@ -37,6 +38,7 @@ from airflow_dbqueue.engine.queue import (
     RECLAIM_LIMIT,
     Queue,
     _check_batch_size,
+    check_dedup_keys,
     check_seconds,
 )
 
@@ -82,8 +84,15 @@ class TableQueue(Queue):
         priority: int = 0,
         delay: float = 0.0,
         conn: DbConnection | None = None,
+        dedup_keys: Sequence[str] | None = None,
     ) -> list[int]:
         items = list(payloads)
+        keys = None if dedup_keys is None else check_dedup_keys(self.name, dedup_keys, len(items))
+        if keys is not None and not self._db.push_dedup:
+            raise NotSupportedError(
+                f"queue {self.name!r}: deduplication keys on push need the dedup table and push that "
+                f"claims keys, which the {self._db.dialect_name} dialect does not have (docs/sqlserver.md)"
+            )
         if not items:
             return []
         if not isinstance(priority, int) or not _PRIORITY_MIN <= priority <= _PRIORITY_MAX:
@@ -101,11 +110,32 @@ class TableQueue(Queue):
             "channel": self._channel,
             "inline": max(map(len, encoded)) <= _INLINE_PAYLOAD_BYTES,
         }
+        if keys is not None:
+            return self._push_dedup(params, keys, conn)
         rows = self._db.fetchall("push", params, conn)
         if len(rows) != len(encoded):  # nothing was written: the queue was dropped
             raise QueueNotFoundError(self.name, self._db.schema)
         self._worked()
         return [r[0] for r in rows]
+
+    def _push_dedup(self, params: dict[str, Any], keys: list[str], conn: DbConnection | None) -> list[int]:
+        """Push with deduplication keys (``push``'s params, one key a payload): a key repeated within the
+        batch sends its first payload only, so the keys a statement claims are distinct."""
+        first: dict[str, int] = {}
+        for i, k in enumerate(keys):
+            first.setdefault(k, i)
+        sent = list(first.values())
+        if len(sent) < len(keys):
+            payloads = params["payloads"]
+            params = {**params, "payloads": [payloads[i] for i in sent]}
+        del params["inline"]
+        params["keys"] = list(first)
+        rows = self._db.fetchall("push_dedup", params, conn)
+        if len(rows) != len(sent):  # nothing was written: the queue was dropped
+            raise QueueNotFoundError(self.name, self._db.schema)
+        self._worked()
+        ids = dict(zip(first, (r[0] for r in rows), strict=True))
+        return [ids[k] for k in keys]
 
     # -- pop ---------------------------------------------------------------------------------------
 
@@ -379,10 +409,16 @@ class TableQueue(Queue):
     batch_retention_s = 7 * 24 * 3600.0
 
     def maintain(self, *, limit: int = RECLAIM_LIMIT) -> dict[str, int]:
-        """Reclaim expired leases, and forget batches finished more than ``batch_retention_s`` ago."""
+        """Reclaim expired leases, forget batches finished more than ``batch_retention_s`` ago, and
+        deduplication keys older than the queue's window (up to ``limit`` of each)."""
         params = {"queue_id": self._qid, "older_than_s": self.batch_retention_s, "n": limit}
         purged = len(self._db.fetchall("purge_batches", params))
-        return {"reclaimed": self.reclaim_expired(limit), "batches_purged": purged}
+        forgotten = 0
+        if self._db.push_dedup:
+            forget = {"queue_id": self._qid, "window_s": self.settings.dedup_window_s, "n": limit}
+            forgotten = len(self._db.fetchall("forget_dedup", forget))
+        reclaimed = self.reclaim_expired(limit)
+        return {"reclaimed": reclaimed, "batches_purged": purged, "keys_forgotten": forgotten}
 
     def open_batches(self, limit: int = 100, *, consumer_prefix: str | None = None) -> list[Batch]:
         rows = self._db.fetchall(

@@ -112,8 +112,9 @@ RING_GROUP_QUERIES = {
 
 def test_the_table_design_maintenance_and_the_ring_are_fully_ported() -> None:
     """Every query the table design, the ring design with its consumer groups, the client and maintenance
-    run exists on SQL Server."""
-    assert NOT_YET_PORTED == {}
+    run exists on SQL Server, but for the deduplication keys on push, which the dialect says it lacks
+    (``push_dedup = False``: a push with a key raises NotSupportedError, the upkeep skips them)."""
+    assert set(NOT_YET_PORTED) == {"push_dedup", "forget_dedup"} and not MssqlDatabase.push_dedup
     ring = {n for n in load_queries(PG, "queries") if n.startswith("ring_")} - POSTGRES_ONLY.keys()
     assert len(ring) == 29 and RING_GROUP_QUERIES <= ring <= set(load_queries(MS, "queries"))
     used = {"push", "pop_lease", "pop_take", "ack", "nack", "held_receipts", "reclaim_expired"}
@@ -667,7 +668,7 @@ def _mssql_widths(name: str) -> set[int]:
 RING_RESULTS_DIFFERENT = {
     # PostgreSQL's adds the actions the session's role may take (its grants); the client reads them when
     # they are there, and a queue on SQL Server allows every action.
-    "get_queue": (14, {13}),
+    "get_queue": (15, {14}),
     "ring_create": (1, set()),  # PostgreSQL's SELECT of a void function; the procedure returns no rows
     "ring_drop": (1, set()),
     "ring_push": (2, {1}),  # PostgreSQL's push sends the floor it read beside the first number
@@ -1487,9 +1488,9 @@ def test_maintenance_of_a_ring_reclaims_and_recovers_gaps_on_a_fake_sql_server(
 def test_the_queue_row_carries_a_rings_capacity_and_lanes_on_a_fake_sql_server(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """get_queue's row ends with the ring's capacity and lanes (NULL for the table design), which
-    RingQueue runs on."""
-    row = (3, "r", "ring", "json", 512, 5, 30.0, 1.0, 60.0, "auto", False, 1024, 8)
+    """get_queue's row carries the ring's capacity and lanes (NULL for the table design), which RingQueue
+    runs on, before the queue's dedup window."""
+    row = (3, "r", "ring", "json", 512, 5, 30.0, 1.0, 60.0, "auto", False, 1024, 8, 300.0)
     dbq, fake = _suites_dbq(monkeypatch, [[row]])
     q = dbq.queue("r")
     assert (q.settings.capacity, q.settings.lanes, type(q).__name__) == (1024, 8, "RingQueue")

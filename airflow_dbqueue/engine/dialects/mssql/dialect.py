@@ -68,12 +68,17 @@ log = logging.getLogger(__name__)
 
 _PKG = __package__ or "airflow_dbqueue.engine.dialects.mssql"
 
-NOT_YET_PORTED: dict[str, str] = {}
+NOT_YET_PORTED: dict[str, str] = {
+    name: "deduplication keys on push (push(dedup_key=...)) need a dedup table and a push procedure that "
+    "claims keys; this dialect has neither (push_dedup = False), and a push with a key raises "
+    "NotSupportedError"
+    for name in ("push_dedup", "forget_dedup")
+}
 """Named queries of the PostgreSQL dialect that this dialect does not have yet, with what they need.
 
 The parity test checks that the PostgreSQL names are exactly this dialect's names plus these, so a new
-PostgreSQL query fails the test until it is ported or listed here. Empty: the table design, maintenance
-and the ring design with its consumer groups are all ported.
+PostgreSQL query fails the test until it is ported or listed here. Besides these, the table design,
+maintenance and the ring design with its consumer groups are all ported.
 """
 
 POSTGRES_ONLY: dict[str, str] = {
@@ -195,6 +200,7 @@ class MssqlDatabase(MssqlSchema, MssqlMaintenance):
     supports_notify = False
     ring_push_takes_floor = False  # its ring_push reads the floor under its own locks
     payload_pops = False  # a pop of payloads takes them from its procedures' whole rows
+    push_dedup = False  # no dedup table or push procedure with keys yet (docs/sqlserver.md)
     schema_passes = False  # maintenance counts a queue at a time (docs/limits.md)
     prepares_statements = True
     async_observers = False  # pyodbc has no async connections: observers poll with readiness()

@@ -180,6 +180,81 @@ BEGIN
 END
 $$;
 
+-- The table design's push with deduplication keys (push(dedup_key=...)): p_keys[i] is the key of
+-- p_payloads[i], the keys distinct (the client maps a key repeated within a batch to its first
+-- occurrence). Rows (r_id, r_new) in payload order: r_new when this call pushed the message, otherwise
+-- r_id is the message that the key's first push within the queue's dedup_window_s made (whether or not
+-- it was consumed since), and nothing was written for it. None when the queue does not exist. The
+-- queue's push lock and its row are taken as in table_push.
+-- Each key is claimed by an INSERT into dedup whose ON CONFLICT takes over a row older than the window
+-- (the new id and time) and otherwise keeps it: the statement returns the id the row holds, so a key
+-- whose row holds the id proposed here is new. Two pushes of one key in separate transactions meet on
+-- dedup_pkey: the second waits for the first's transaction; if that committed, the second's ON CONFLICT
+-- sees its row (READ COMMITTED reads the newest committed version there) and returns its id; if it
+-- rolled back, the second inserts its own row and pushes its message. Under REPEATABLE READ or
+-- SERIALIZABLE a key committed after the transaction's snapshot raises a serialization error instead
+-- (the caller runs its transaction again and gets the first's id). Keys are claimed in key order, so two
+-- batches sharing keys lock them in one order and do not deadlock each other. Ids are taken from the
+-- sequence for every key in payload order, so a batch's new messages keep their push order; a
+-- duplicate leaves its number unused (ids have gaps already, as a rolled-back push leaves).
+CREATE OR REPLACE FUNCTION {schema}.table_push_dedup(
+    p_queue_id integer, p_payloads bytea[], p_keys text[], p_priority smallint, p_delay_s double precision,
+    p_notify integer, p_channel text)
+RETURNS TABLE (r_id bigint, r_new boolean)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    v_locked text;
+    v_window double precision;
+BEGIN
+    v_locked := pg_advisory_xact_lock_shared(hashtext('dbqueue.queue.' || '{schema}'), p_queue_id)::text;
+    IF current_setting('transaction_isolation') = 'read committed' THEN
+        SELECT q.dedup_window_s INTO v_window FROM {schema}.queues q WHERE q.queue_id = p_queue_id;
+    ELSE
+        SELECT q.dedup_window_s INTO v_window FROM {schema}.queues q WHERE q.queue_id = p_queue_id
+        FOR KEY SHARE;
+    END IF;
+    IF v_window IS NULL THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    WITH input AS MATERIALIZED (
+        SELECT nextval('{schema}.message_id_seq') AS id, p.payload, p.dedup_key, p.ord
+        FROM unnest(p_payloads, p_keys) WITH ORDINALITY AS p(payload, dedup_key, ord)
+    ), claimed AS (
+        INSERT INTO {schema}.dedup AS d (queue_id, dedup_key, id, pushed_at)
+        SELECT p_queue_id, i.dedup_key, i.id, now() FROM input i ORDER BY i.dedup_key
+        ON CONFLICT (queue_id, dedup_key) DO UPDATE
+        SET id = CASE WHEN d.pushed_at <= now() - make_interval(secs => v_window) THEN excluded.id ELSE d.id END,
+            pushed_at = CASE WHEN d.pushed_at <= now() - make_interval(secs => v_window)
+                             THEN excluded.pushed_at ELSE d.pushed_at END
+        RETURNING d.dedup_key, d.id
+    ), fresh AS MATERIALIZED (
+        SELECT i.id, i.payload FROM input i JOIN claimed c ON c.dedup_key = i.dedup_key AND c.id = i.id
+    ), m AS (
+        INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload, gen)
+        SELECT f.id, p_queue_id, p_priority, now() + make_interval(secs => p_delay_s), now(),
+               CASE WHEN octet_length(f.payload) <= 1900 THEN f.payload END, ((f.id >> 14) & 7)::smallint
+        FROM fresh f
+    ), dd AS (
+        INSERT INTO {schema}.data (id, queue_id, payload, gen)
+        SELECT f.id, p_queue_id, f.payload, ((f.id >> 14) & 7)::smallint FROM fresh f
+        WHERE octet_length(f.payload) > 1900
+    ), n AS (
+        SELECT pg_notify(p_channel, '') AS sent
+        WHERE p_notify > 0 AND EXISTS (SELECT 1 FROM fresh) AND (p_notify = 2 OR (
+            SELECT r.id FROM {schema}.meta r
+            WHERE r.gen = {schema}.table_generation() AND r.queue_id = p_queue_id AND r.state = 0
+              AND r.process_at <= now()
+            ORDER BY r.priority, r.process_at DESC, r.id DESC
+            LIMIT 1) IS NULL)
+    )
+    SELECT c.id, c.id = i.id
+    FROM input i JOIN claimed c ON c.dedup_key = i.dedup_key
+    CROSS JOIN (SELECT count(*) AS c FROM n) x
+    ORDER BY i.ord;
+END
+$$;
+
 -- The table design's stats of queue p_queue_id (queries/table.sql's stats): its messages ready, delayed,
 -- in flight, failed and finished (kept for the archiver), and the age of its oldest ready message. Each
 -- is counted on its own index (the ready, leased and failed indexes of meta, done_queue_idx of done) up

@@ -25,6 +25,7 @@ CREATE TABLE {schema}.owned_objects (
 );
 
 -- One row a queue: its settings. Many queues share the tables below.
+-- dedup_window_s: how long a push's deduplication key is remembered (table_push_dedup, the dedup table).
 CREATE TABLE {schema}.queues (
     queue_id integer GENERATED ALWAYS AS IDENTITY,
     name text NOT NULL,
@@ -38,6 +39,7 @@ CREATE TABLE {schema}.queues (
     notify text NOT NULL,
     archive boolean NOT NULL,
     created_at timestamptz NOT NULL DEFAULT now(),
+    dedup_window_s double precision NOT NULL DEFAULT 300,
     CONSTRAINT queues_pkey PRIMARY KEY (queue_id),
     CONSTRAINT queues_name_key UNIQUE (name),
     CONSTRAINT queues_name_valid CHECK (name ~ '^[a-z_][a-z0-9_]*$' AND length(name) <= 48),
@@ -46,7 +48,8 @@ CREATE TABLE {schema}.queues (
     CONSTRAINT queues_notify_valid CHECK (notify IN ('auto', 'always', 'never')),
     CONSTRAINT queues_limits_valid CHECK (
         max_payload_bytes > 0 AND max_attempts > 0 AND visibility_timeout_s > 0
-        AND retry_backoff_s >= 0 AND retry_backoff_max_s >= retry_backoff_s)
+        AND retry_backoff_s >= 0 AND retry_backoff_max_s >= retry_backoff_s),
+    CONSTRAINT queues_dedup_window_valid CHECK (dedup_window_s > 0)
 );
 
 CREATE SEQUENCE {schema}.message_id_seq AS bigint;
@@ -207,6 +210,24 @@ CREATE TABLE {schema}.archive (
 ) WITH (autovacuum_vacuum_scale_factor = 0.05, autovacuum_vacuum_threshold = 1000,
         autovacuum_vacuum_insert_scale_factor = 0.1, autovacuum_analyze_scale_factor = 0.05);
 CREATE INDEX archive_archived_brin ON {schema}.archive USING brin (archived_at);
+
+-- The deduplication keys of the table design's pushes (push(dedup_key=...)): one row a key a queue,
+-- naming the message its first push made (id) and when (pushed_at). A push of a key whose row is younger
+-- than the queue's dedup_window_s pushes nothing and returns that id; an older row is taken over by the
+-- new push (table_push_dedup, functions.sql). The primary key is what makes racing pushes of one key
+-- agree: the second INSERT ... ON CONFLICT waits for the first's transaction, and then takes over its row
+-- (first committed) or inserts its own (first rolled back). Rows older than the window are deleted by
+-- the queue's upkeep (forget_dedup), through dedup_pushed_idx, so the table holds about a window of keys.
+-- Pushes without a key never touch it.
+CREATE TABLE {schema}.dedup (
+    queue_id integer NOT NULL,
+    dedup_key text NOT NULL,
+    id bigint NOT NULL,
+    pushed_at timestamptz NOT NULL,
+    CONSTRAINT dedup_pkey PRIMARY KEY (queue_id, dedup_key)
+) WITH (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
+        autovacuum_vacuum_insert_scale_factor = 0.05, autovacuum_analyze_scale_factor = 0.05);
+CREATE INDEX dedup_pushed_idx ON {schema}.dedup (queue_id, pushed_at);
 
 -- Batches: messages claimed together under one lease and one id (the table design's claim_batch),
 -- so a job elsewhere (a Spark application) can read exactly that set by id, and the claimer acks or
@@ -427,6 +448,15 @@ ALTER TABLE {schema}.done ENABLE ROW LEVEL SECURITY;
 CREATE POLICY done_see ON {schema}.done FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));
 CREATE POLICY done_pop ON {schema}.done FOR INSERT WITH CHECK (queue_id = ANY ((SELECT {schema}.may('pop', current_user))::integer[]));
 CREATE POLICY done_admin ON {schema}.done FOR DELETE USING (queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]));
+
+-- A key is written by a push (an INSERT, or the UPDATE of ON CONFLICT, which also needs to see the
+-- row) and deleted by the upkeep or a drop (admin).
+ALTER TABLE {schema}.dedup ENABLE ROW LEVEL SECURITY;
+CREATE POLICY dedup_see ON {schema}.dedup FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));
+CREATE POLICY dedup_push ON {schema}.dedup FOR INSERT WITH CHECK (queue_id = ANY ((SELECT {schema}.may('push', current_user))::integer[]));
+CREATE POLICY dedup_push_again ON {schema}.dedup FOR UPDATE USING (queue_id = ANY ((SELECT {schema}.may('push', current_user))::integer[]))
+    WITH CHECK (queue_id = ANY ((SELECT {schema}.may('push', current_user))::integer[]));
+CREATE POLICY dedup_admin ON {schema}.dedup FOR DELETE USING (queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]));
 
 ALTER TABLE {schema}.archive ENABLE ROW LEVEL SECURITY;
 CREATE POLICY archive_see ON {schema}.archive FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));

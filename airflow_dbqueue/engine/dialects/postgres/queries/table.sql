@@ -9,6 +9,14 @@ SELECT * FROM {schema}.table_push(
     %(queue_id)s::integer, %(payloads)b::bytea[], %(priority)s::smallint, %(delay_s)s::double precision,
     %(notify)s::integer, %(channel)s::text, %(inline)s::boolean)
 
+-- name: push_dedup
+-- A push with deduplication keys, one a payload and distinct, through table_push_dedup() (functions.sql):
+-- (id, new) in payload order, where new is false for a key pushed within the queue's dedup window (id
+-- is then the first push's message); no row when the queue was dropped.
+SELECT * FROM {schema}.table_push_dedup(
+    %(queue_id)s::integer, %(payloads)b::bytea[], %(keys)s::text[], %(priority)s::smallint,
+    %(delay_s)s::double precision, %(notify)s::integer, %(channel)s::text)
+
 -- name: pop_lease
 -- at-least-once: claim up to n ready messages (skipping rows other consumers hold) and lease them,
 -- through table_lease() (schema.sql), whose plans are made once a session. Payloads are fetched by a
@@ -259,12 +267,31 @@ LEFT JOIN (
     GROUP BY queue_id) d ON d.queue_id = q.queue_id
 WHERE q.design = 'table' AND q.queue_id = ANY (%(queue_ids)s::integer[])
 
+-- name: forget_dedup
+-- Deduplication keys of the queue older than its window (window_s), up to n: a push would take them over
+-- anyway, so forgetting them changes no push's outcome and keeps the table at about a window of keys.
+-- The condition is checked again on the row version the DELETE finds, so a key a push has just taken
+-- over (a newer pushed_at) stays.
+DELETE FROM {schema}.dedup d
+WHERE d.ctid = ANY (ARRAY(
+    SELECT ctid FROM {schema}.dedup
+    WHERE queue_id = %(queue_id)s AND pushed_at <= now() - make_interval(secs => %(window_s)s)
+    LIMIT %(n)s))
+  AND d.queue_id = %(queue_id)s AND d.pushed_at <= now() - make_interval(secs => %(window_s)s)
+RETURNING d.dedup_key
+
 -- name: upkeep_due
--- The table design's queues whose upkeep has something to do: a lease expired (reclaim_expired), or a
--- batch finished more than older_than_s ago (purge_batches). One walk of the leases' index and one of
+-- The table design's queues whose upkeep has something to do: a lease expired (reclaim_expired), a
+-- batch finished more than older_than_s ago (purge_batches), or a deduplication key older than the
+-- queue's window (forget_dedup: one probe of dedup_pushed_idx a queue). One walk of the leases' index and one of
 -- the finished batches for the schema, so that maintenance runs a queue's upkeep statements only where
 -- they find work.
 SELECT m.queue_id FROM {schema}.meta m WHERE m.state = 1 AND m.lease_until <= now()
 UNION
 SELECT b.queue_id FROM {schema}.batches b
 WHERE b.state <> 0 AND b.finished_at < now() - make_interval(secs => %(older_than_s)s)
+UNION
+SELECT q.queue_id FROM {schema}.queues q
+WHERE q.design = 'table' AND EXISTS (
+    SELECT 1 FROM {schema}.dedup d
+    WHERE d.queue_id = q.queue_id AND d.pushed_at <= now() - make_interval(secs => q.dedup_window_s))
