@@ -13,6 +13,7 @@ from airflow_dbqueue.engine.dialects.base import CONNECT_TIMEOUT_S, DEFAULT_SCHE
 from airflow_dbqueue.engine.dialects.factory import make_database
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
+    NotSupportedError,
     PermissionDeniedError,
     QueueExistsError,
     QueueNotFoundError,
@@ -32,6 +33,7 @@ from airflow_dbqueue.engine.models import (
     DEFAULT_VISIBILITY_TIMEOUT_S,
     Design,
     NotifyMode,
+    OnExpiry,
     PayloadType,
     QueueSettings,
 )
@@ -76,6 +78,8 @@ _SETTINGS_COLUMNS = (
     "capacity",
     "lanes",
     "dedup_window_s",
+    "ttl_s",
+    "on_expiry",
 )
 
 
@@ -96,6 +100,8 @@ def _settings_from_row(row: tuple[Any, ...]) -> QueueSettings:
         capacity=d["capacity"],
         lanes=d["lanes"],
         dedup_window_s=d["dedup_window_s"],
+        ttl_s=d["ttl_s"],
+        on_expiry=OnExpiry(d["on_expiry"]),
     )
 
 
@@ -151,6 +157,8 @@ def _wanted_settings(
     capacity: int | None,
     lanes: int | None,
     dedup_window: float = DEFAULT_DEDUP_WINDOW_S,
+    ttl: float | None = None,
+    on_expiry: OnExpiry | str = OnExpiry.FAIL,
 ) -> QueueSettings:
     """The settings :meth:`DbQueue.create_queue` is asked for, with the defaults filled in.
 
@@ -172,6 +180,12 @@ def _wanted_settings(
     retry_backoff = check_seconds(f"queue {name!r}: retry_backoff", retry_backoff)
     retry_backoff_max = check_seconds(f"queue {name!r}: retry_backoff_max", retry_backoff_max)
     dedup_window = check_seconds(f"queue {name!r}: dedup_window", dedup_window, positive=True)
+    if ttl is not None:
+        if ring:
+            raise ConfigurationError(
+                f"queue {name!r}: ttl applies to table queues only (a ring has no expiry)"
+            )
+        ttl = check_seconds(f"queue {name!r}: ttl", ttl, positive=True)
     try:
         wanted = QueueSettings(
             name=name,
@@ -188,6 +202,8 @@ def _wanted_settings(
             capacity=capacity if ring else None,
             lanes=lanes if ring else None,
             dedup_window_s=float(dedup_window),
+            ttl_s=ttl,
+            on_expiry=OnExpiry(on_expiry),
         )
     except ValueError as exc:
         raise ConfigurationError(f"queue {name!r}: {exc}") from None
@@ -356,6 +372,8 @@ class DbQueue:
         lanes: int | None = None,
         exist_ok: bool = True,
         dedup_window: float = DEFAULT_DEDUP_WINDOW_S,
+        ttl: float | None = None,
+        on_expiry: OnExpiry | str = OnExpiry.FAIL,
     ) -> Queue:
         """Create a queue (idempotently) and return it.
 
@@ -375,7 +393,10 @@ class DbQueue:
 
         ``dedup_window`` (seconds, default 300) is how long a push's ``dedup_key`` is remembered: a
         second push of the key within it pushes nothing and returns the first push's id (table design;
-        see :meth:`Queue.push`).
+        see :meth:`Queue.push`). ``ttl`` (seconds, table design, default none) is how long a message may
+        wait to be popped unless its push names another: a message not popped by then is never
+        delivered, and goes to the failed state with ``last_error`` ``"expired"``
+        (``on_expiry="fail"``, the default) or is dropped (``on_expiry="drop"``).
         """
         name = validate_queue_name(name)
         try:
@@ -396,7 +417,14 @@ class DbQueue:
             capacity=capacity,
             lanes=lanes,
             dedup_window=dedup_window,
+            ttl=ttl,
+            on_expiry=on_expiry,
         )
+        if wanted.ttl_s is not None and not self.db.push_options:
+            raise NotSupportedError(
+                f"queue {name!r}: a time to live needs the expiry of messages, which the "
+                f"{self.db.dialect_name} dialect does not have (docs/sqlserver.md)"
+            )
         if "admin" not in self.db.actions_on(None):
             # A role that may not create queues may still declare one that exists as it wants it.
             try:
@@ -426,7 +454,10 @@ class DbQueue:
         None when a queue of that name exists already."""
         params = {f.name: getattr(wanted, f.name) for f in dataclasses.fields(wanted)}
         params.update(
-            design=wanted.design.value, payload_type=wanted.payload_type.value, notify=wanted.notify.value
+            design=wanted.design.value,
+            payload_type=wanted.payload_type.value,
+            notify=wanted.notify.value,
+            on_expiry=wanted.on_expiry.value,
         )
         with self.db.transaction() as conn:  # a ring's slots are created with its row, or neither
             created = self.db.fetchone("create_queue", params, conn)

@@ -81,6 +81,16 @@ DEFAULT_DEDUP_WINDOW_S = 300.0
 another window."""
 
 
+class OnExpiry(enum.StrEnum):
+    """What becomes of a message not popped within its time to live."""
+
+    FAIL = "fail"
+    """The failed state, with ``last_error`` ``"expired"``: listed, counted and requeued as any failed
+    message."""
+    DROP = "drop"
+    """Deleted (kept as discarded for the archiver where the queue archives)."""
+
+
 @dataclass(frozen=True, slots=True)
 class QueueSettings:
     """A queue's stored settings (one row of the ``queues`` table)."""
@@ -104,6 +114,11 @@ class QueueSettings:
     dedup_window_s: float = DEFAULT_DEDUP_WINDOW_S
     """Seconds within which a second push of a deduplication key (``push(dedup_key=...)``) pushes
     nothing and returns the first push's id."""
+    ttl_s: float | None = None
+    """Seconds a message may wait to be popped, counted from its push, unless its push names another
+    ``ttl`` (``None``: no limit); then it is never delivered and goes as ``on_expiry`` says."""
+    on_expiry: OnExpiry = OnExpiry.FAIL
+    """What becomes of a message whose time to live passed before a pop took it."""
 
     def encode_all(self, payloads: list[Any]) -> list[bytes]:
         """Encode a batch of payloads (:meth:`encode` of each, in order).

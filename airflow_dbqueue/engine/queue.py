@@ -173,6 +173,7 @@ class Queue(abc.ABC):
         delay: float = 0.0,
         conn: DbConnection | None = None,
         dedup_key: str | None = None,
+        ttl: float | None = None,
     ) -> int:
         """Push one message and return its id.
 
@@ -181,12 +182,15 @@ class Queue(abc.ABC):
             this queue committed within the queue's ``dedup_window``, nothing is pushed and that
             push's id is returned, also when the two pushes race in separate transactions (the later
             one waits for the earlier one's transaction; if that rolled back, the later one pushes).
+        :param ttl: seconds the message may wait to be popped, from now (table design; default: the
+            queue's ``ttl``); a message not popped by then is never delivered, and goes as the queue's
+            ``on_expiry`` says (failed with ``last_error`` ``"expired"``, or dropped).
         """
-        if dedup_key is None:
+        if dedup_key is None and ttl is None:
             return self.push_batch([payload], priority=priority, delay=delay, conn=conn)[0]
-        return self.push_batch([payload], priority=priority, delay=delay, conn=conn, dedup_keys=[dedup_key])[
-            0
-        ]
+        keys = None if dedup_key is None else [dedup_key]
+        ids = self.push_batch([payload], priority=priority, delay=delay, conn=conn, dedup_keys=keys, ttl=ttl)
+        return ids[0]
 
     @abc.abstractmethod
     def push_batch(
@@ -197,6 +201,7 @@ class Queue(abc.ABC):
         delay: float = 0.0,
         conn: DbConnection | None = None,
         dedup_keys: Sequence[str] | None = None,
+        ttl: float | None = None,
     ) -> list[int]:
         """Push many messages in one round trip; return their ids in payload order.
 
@@ -205,6 +210,7 @@ class Queue(abc.ABC):
 
         :param dedup_keys: one deduplication key a payload (see :meth:`push`); a key repeated within
             the batch pushes its first payload only, and every occurrence gets that message's id.
+        :param ttl: the batch's time to live (see :meth:`push`).
         """
 
     # -- pop ---------------------------------------------------------------------------------------

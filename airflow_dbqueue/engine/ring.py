@@ -130,12 +130,14 @@ class RingQueue(RingGroups, RingInspect):
         delay: float = 0.0,
         conn: DbConnection | None = None,
         dedup_keys: Sequence[str] | None = None,
+        ttl: float | None = None,
     ) -> list[int]:
         items = list(payloads)
-        if dedup_keys is not None:
+        if dedup_keys is not None or ttl is not None:
+            what = "deduplication keys on push are" if dedup_keys is not None else "expiry (ttl) is"
             raise NotSupportedError(
-                f"queue {self.name!r} is a ring: deduplication keys on push are the table design's "
-                "(docs/limits.md); use a table-design queue for them"
+                f"queue {self.name!r} is a ring: {what} the table design's (docs/limits.md); use a "
+                "table-design queue for it"
             )
         if priority != 0:
             raise ConfigurationError(

@@ -27,6 +27,7 @@ from airflow_dbqueue.engine.models import (
     FailedMessage,
     Message,
     NotifyMode,
+    OnExpiry,
     PayloadType,
     QueueStats,
     Semantics,
@@ -85,19 +86,30 @@ class TableQueue(Queue):
         delay: float = 0.0,
         conn: DbConnection | None = None,
         dedup_keys: Sequence[str] | None = None,
+        ttl: float | None = None,
     ) -> list[int]:
         items = list(payloads)
         keys = None if dedup_keys is None else check_dedup_keys(self.name, dedup_keys, len(items))
-        if keys is not None and not self._db.push_dedup:
+        if ttl is None:
+            ttl = self.settings.ttl_s
+        if (keys is not None or ttl is not None) and not self._db.push_options:
+            what = "deduplication keys on push need" if keys is not None else "a time to live needs"
             raise NotSupportedError(
-                f"queue {self.name!r}: deduplication keys on push need the dedup table and push that "
-                f"claims keys, which the {self._db.dialect_name} dialect does not have (docs/sqlserver.md)"
+                f"queue {self.name!r}: {what} the table design's push with options, which the "
+                f"{self._db.dialect_name} dialect does not have (docs/sqlserver.md)"
             )
         if not items:
             return []
         if not isinstance(priority, int) or not _PRIORITY_MIN <= priority <= _PRIORITY_MAX:
             raise ConfigurationError(f"queue {self.name!r}: priority must be an integer in -32768..32767")
         delay = check_seconds(f"queue {self.name!r}: delay", delay)
+        if ttl is not None:
+            ttl = check_seconds(f"queue {self.name!r}: ttl", ttl, positive=True)
+            if ttl <= delay:
+                raise ConfigurationError(
+                    f"queue {self.name!r}: a message delayed {delay} s would expire before it is due "
+                    f"(ttl {ttl} s counts from the push); give a ttl above the delay"
+                )
         encoded = self.settings.encode_all(items)
         mode = self.settings.notify
         params: dict[str, Any] = {
@@ -110,27 +122,38 @@ class TableQueue(Queue):
             "channel": self._channel,
             "inline": max(map(len, encoded)) <= _INLINE_PAYLOAD_BYTES,
         }
-        if keys is not None:
-            return self._push_dedup(params, keys, conn)
+        if keys is not None or ttl is not None:
+            return self._push_with(params, keys, ttl, conn)
         rows = self._db.fetchall("push", params, conn)
         if len(rows) != len(encoded):  # nothing was written: the queue was dropped
             raise QueueNotFoundError(self.name, self._db.schema)
         self._worked()
         return [r[0] for r in rows]
 
-    def _push_dedup(self, params: dict[str, Any], keys: list[str], conn: DbConnection | None) -> list[int]:
-        """Push with deduplication keys (``push``'s params, one key a payload): a key repeated within the
-        batch sends its first payload only, so the keys a statement claims are distinct."""
+    def _push_with(
+        self, params: dict[str, Any], keys: list[str] | None, ttl: float | None, conn: DbConnection | None
+    ) -> list[int]:
+        """Push with deduplication keys (one a payload) or a time to live, with ``push``'s params. A key
+        repeated within the batch sends its first payload only, so the keys a statement claims are
+        distinct."""
+        del params["inline"]
+        params["ttl_s"] = ttl
+        if keys is None:
+            params["keys"] = None
+            rows = self._db.fetchall("push_with", params, conn)
+            if len(rows) != len(params["payloads"]):  # nothing was written: the queue was dropped
+                raise QueueNotFoundError(self.name, self._db.schema)
+            self._worked()
+            return [r[0] for r in rows]
         first: dict[str, int] = {}
         for i, k in enumerate(keys):
             first.setdefault(k, i)
         sent = list(first.values())
         if len(sent) < len(keys):
             payloads = params["payloads"]
-            params = {**params, "payloads": [payloads[i] for i in sent]}
-        del params["inline"]
+            params["payloads"] = [payloads[i] for i in sent]
         params["keys"] = list(first)
-        rows = self._db.fetchall("push_dedup", params, conn)
+        rows = self._db.fetchall("push_with", params, conn)
         if len(rows) != len(sent):  # nothing was written: the queue was dropped
             raise QueueNotFoundError(self.name, self._db.schema)
         self._worked()
@@ -173,6 +196,10 @@ class TableQueue(Queue):
         if now - self._last_reclaim >= self.reclaim_every:
             self._last_reclaim = now
             self._reclaim(RECLAIM_LIMIT, conn)
+            if self.settings.ttl_s is not None:
+                # A queue whose messages expire by default is swept by its pops too; one that only some
+                # pushes give a ttl is swept by the upkeep. Either way no claim takes an expired message.
+                self._expire(RECLAIM_LIMIT, conn)
 
     def _messages(self, rows: list[tuple[Any, ...]]) -> list[Message]:
         # Rows (id, priority, attempts, delivery, enqueued_at, lease_until, payload), read in binary: a
@@ -262,6 +289,20 @@ class TableQueue(Queue):
             self._raise_lost(ids, deliveries, conn)
         return len(done)
 
+    def expire_messages(self, limit: int = RECLAIM_LIMIT) -> int:
+        """Move up to ``limit`` ready messages whose time to live passed to the failed state (``last_error``
+        ``"expired"``), or drop them (``on_expiry="drop"``); return how many. Pops never take them
+        meanwhile; the upkeep and, on a queue with a ``ttl``, the pops call this."""
+        return self._expire(limit, None)
+
+    def _expire(self, limit: int, conn: DbConnection | None) -> int:
+        if not self._db.push_options:
+            return 0
+        if self.settings.on_expiry is OnExpiry.DROP:
+            params = {"queue_id": self._qid, "limit": limit, "archive": self.settings.archive}
+            return len(self._db.fetchall("expire_drop", params, conn))
+        return len(self._db.fetchall("expire_fail", {"queue_id": self._qid, "limit": limit}, conn))
+
     def reclaim_expired(self, limit: int = RECLAIM_LIMIT) -> int:
         return self._reclaim(limit, None)
 
@@ -321,7 +362,12 @@ class TableQueue(Queue):
         cap = EXACT_COUNT if exact else STATS_EXACT_CAP
         row = self._db.fetchone("stats", {"queue_id": self._qid, "cap": cap})
         assert row is not None
-        return stats_from_row(self.name, row)
+        stats = stats_from_row(self.name, row)
+        if stats.failed and self._db.push_options:
+            expired = self._db.fetchone("count_expired", {"queue_id": self._qid, "cap": cap})
+            if expired and expired[0]:
+                stats.extra["expired"] = int(expired[0])
+        return stats
 
     def list_failed(self, limit: int = 100, after_id: int = 0) -> list[FailedMessage]:
         rows = self._db.fetchall("list_failed", {"queue_id": self._qid, "after_id": after_id, "limit": limit})
@@ -409,16 +455,23 @@ class TableQueue(Queue):
     batch_retention_s = 7 * 24 * 3600.0
 
     def maintain(self, *, limit: int = RECLAIM_LIMIT) -> dict[str, int]:
-        """Reclaim expired leases, forget batches finished more than ``batch_retention_s`` ago, and
-        deduplication keys older than the queue's window (up to ``limit`` of each)."""
+        """Reclaim expired leases, forget batches finished more than ``batch_retention_s`` ago and
+        deduplication keys older than the queue's window, and expire messages whose time to live passed
+        (up to ``limit`` of each)."""
         params = {"queue_id": self._qid, "older_than_s": self.batch_retention_s, "n": limit}
         purged = len(self._db.fetchall("purge_batches", params))
         forgotten = 0
-        if self._db.push_dedup:
+        if self._db.push_options:
             forget = {"queue_id": self._qid, "window_s": self.settings.dedup_window_s, "n": limit}
             forgotten = len(self._db.fetchall("forget_dedup", forget))
         reclaimed = self.reclaim_expired(limit)
-        return {"reclaimed": reclaimed, "batches_purged": purged, "keys_forgotten": forgotten}
+        expired = self.expire_messages(limit)
+        return {
+            "reclaimed": reclaimed,
+            "batches_purged": purged,
+            "keys_forgotten": forgotten,
+            "expired": expired,
+        }
 
     def open_batches(self, limit: int = 100, *, consumer_prefix: str | None = None) -> list[Batch]:
         rows = self._db.fetchall(

@@ -27,7 +27,12 @@ DEVELOPMENT_SCHEMA = (
 ADDED_SINCE = {"samples"}
 """Tables the baseline gained after it replaced the development schema (the project has not released, so
 the baseline changes in place)."""
-ADDED_COLUMNS_SINCE = {"queues": ({"dedup_window_s"}, {"queues_dedup_window_valid"})}
+ADDED_COLUMNS_SINCE = {
+    "queues": (
+        {"dedup_window_s", "ttl_s", "on_expiry"},
+        {"queues_dedup_window_valid", "queues_ttl_valid", "queues_on_expiry_valid"},
+    )
+}
 """Columns and constraints (by table) that the baseline's tables gained since, in place as well."""
 
 

@@ -69,10 +69,18 @@ log = logging.getLogger(__name__)
 _PKG = __package__ or "airflow_dbqueue.engine.dialects.mssql"
 
 NOT_YET_PORTED: dict[str, str] = {
-    name: "deduplication keys on push (push(dedup_key=...)) need a dedup table and a push procedure that "
-    "claims keys; this dialect has neither (push_dedup = False), and a push with a key raises "
-    "NotSupportedError"
-    for name in ("push_dedup", "forget_dedup")
+    **{
+        name: "deduplication keys on push (push(dedup_key=...)) need a dedup table and a push procedure "
+        "that claims keys; this dialect has neither (push_options = False), and a push with a key raises "
+        "NotSupportedError"
+        for name in ("push_with", "forget_dedup")
+    },
+    **{
+        name: "expiry (ttl) needs meta.expires_at, claims that pass expired rows and a sweep; this dialect "
+        "has none of them (push_options = False): create_queue(ttl=...) and push(ttl=...) raise "
+        "NotSupportedError"
+        for name in ("expire_fail", "expire_drop", "count_expired")
+    },
 }
 """Named queries of the PostgreSQL dialect that this dialect does not have yet, with what they need.
 
@@ -200,7 +208,7 @@ class MssqlDatabase(MssqlSchema, MssqlMaintenance):
     supports_notify = False
     ring_push_takes_floor = False  # its ring_push reads the floor under its own locks
     payload_pops = False  # a pop of payloads takes them from its procedures' whole rows
-    push_dedup = False  # no dedup table or push procedure with keys yet (docs/sqlserver.md)
+    push_options = False  # no deduplication keys or expiry yet (docs/sqlserver.md)
     schema_passes = False  # maintenance counts a queue at a time (docs/limits.md)
     prepares_statements = True
     async_observers = False  # pyodbc has no async connections: observers poll with readiness()

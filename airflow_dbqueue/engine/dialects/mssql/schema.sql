@@ -26,8 +26,9 @@ CREATE TABLE {schema}.owned_objects (
     CONSTRAINT owned_objects_pkey PRIMARY KEY (kind, name)
 );
 
--- One row a queue: its settings. Many queues share the tables below. dedup_window_s is kept as on
--- PostgreSQL, though this dialect has no deduplication keys on push yet (docs/sqlserver.md).
+-- One row a queue: its settings. Many queues share the tables below. dedup_window_s, ttl_s and on_expiry
+-- are kept as on PostgreSQL, though this dialect has no deduplication keys on push and no expiry yet
+-- (docs/sqlserver.md): create_queue refuses a ttl here.
 CREATE TABLE {schema}.queues (
     queue_id int IDENTITY(1, 1) NOT NULL,
     name nvarchar(48) NOT NULL,
@@ -42,6 +43,8 @@ CREATE TABLE {schema}.queues (
     archive bit NOT NULL,
     created_at datetime2(6) NOT NULL CONSTRAINT queues_created_df DEFAULT SYSUTCDATETIME(),
     dedup_window_s float NOT NULL CONSTRAINT queues_dedup_window_df DEFAULT 300,
+    ttl_s float NULL,
+    on_expiry varchar(8) NOT NULL CONSTRAINT queues_on_expiry_df DEFAULT 'fail',
     CONSTRAINT queues_pkey PRIMARY KEY (queue_id),
     CONSTRAINT queues_name_key UNIQUE (name),
     CONSTRAINT queues_name_valid CHECK (
@@ -52,7 +55,9 @@ CREATE TABLE {schema}.queues (
     CONSTRAINT queues_limits_valid CHECK (
         max_payload_bytes > 0 AND max_attempts > 0 AND visibility_timeout_s > 0
         AND retry_backoff_s >= 0 AND retry_backoff_max_s >= retry_backoff_s),
-    CONSTRAINT queues_dedup_window_valid CHECK (dedup_window_s > 0)
+    CONSTRAINT queues_dedup_window_valid CHECK (dedup_window_s > 0),
+    CONSTRAINT queues_ttl_valid CHECK (ttl_s > 0),
+    CONSTRAINT queues_on_expiry_valid CHECK (on_expiry IN ('fail', 'drop'))
 );
 
 -- A sequence with a large cache hands out ids without a hot row (Kejser, "Implementing Message Queues

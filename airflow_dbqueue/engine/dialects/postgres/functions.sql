@@ -78,9 +78,10 @@ BEGIN
             IF cardinality(p_payloads) = 1 THEN
                 RETURN QUERY
                 INSERT INTO {schema}.meta (id, queue_id, state, priority, attempts, process_at, enqueued_at,
-                    lease_until, consumer, last_error, deliveries, payload, gen)
+                    lease_until, consumer, last_error, deliveries, payload, gen, expires_at)
                 SELECT x.id, x.queue_id, 0::smallint, p_priority, 0, v_at, now(),
-                       NULL::timestamptz, NULL::text, NULL::text, 0, p_payloads[1], ((x.id >> 14) & 7)::smallint
+                       NULL::timestamptz, NULL::text, NULL::text, 0, p_payloads[1], ((x.id >> 14) & 7)::smallint,
+                       NULL::timestamptz
                 FROM (SELECT nextval('{schema}.message_id_seq') AS id, q.queue_id FROM {schema}.queues q
                       WHERE q.queue_id = p_queue_id) x
                 RETURNING id;
@@ -91,9 +92,10 @@ BEGIN
                 -- flattened into its parent, so the id is taken once a row and gen computed from it).
                 RETURN QUERY
                 INSERT INTO {schema}.meta (id, queue_id, state, priority, attempts, process_at, enqueued_at,
-                    lease_until, consumer, last_error, deliveries, payload, gen)
+                    lease_until, consumer, last_error, deliveries, payload, gen, expires_at)
                 SELECT y.id, y.queue_id, 0::smallint, p_priority, 0, v_at, now(),
-                       NULL::timestamptz, NULL::text, NULL::text, 0, y.payload, ((y.id >> 14) & 7)::smallint
+                       NULL::timestamptz, NULL::text, NULL::text, 0, y.payload, ((y.id >> 14) & 7)::smallint,
+                       NULL::timestamptz
                 FROM (SELECT nextval('{schema}.message_id_seq') AS id, x.queue_id, x.payload
                       FROM (SELECT q.queue_id, unnest(p_payloads) AS payload FROM {schema}.queues q
                             WHERE q.queue_id = p_queue_id) x) y
@@ -180,12 +182,13 @@ BEGIN
 END
 $$;
 
--- The table design's push with deduplication keys (push(dedup_key=...)): p_keys[i] is the key of
--- p_payloads[i], the keys distinct (the client maps a key repeated within a batch to its first
--- occurrence). Rows (r_id, r_new) in payload order: r_new when this call pushed the message, otherwise
--- r_id is the message that the key's first push within the queue's dedup_window_s made (whether or not
--- it was consumed since), and nothing was written for it. None when the queue does not exist. The
--- queue's push lock and its row are taken as in table_push.
+-- The table design's push with options (push(dedup_key=..., ttl=...)), where table_push() has none:
+-- p_keys (NULL: none) are deduplication keys, p_keys[i] the key of p_payloads[i], distinct (the client
+-- maps a key repeated within a batch to its first occurrence); p_ttl_s (NULL: none) is the messages'
+-- time to live from now (meta.expires_at). Rows (r_id, r_new) in payload order: r_new when this call
+-- pushed the message, otherwise r_id is the message that the key's first push within the queue's
+-- dedup_window_s made (whether or not it was consumed since), and nothing was written for it. None when
+-- the queue does not exist. The queue's push lock and its row are taken as in table_push().
 -- Each key is claimed by an INSERT into dedup whose ON CONFLICT takes over a row older than the window
 -- (the new id and time) and otherwise keeps it: the statement returns the id the row holds, so a key
 -- whose row holds the id proposed here is new. Two pushes of one key in separate transactions meet on
@@ -195,16 +198,17 @@ $$;
 -- SERIALIZABLE a key committed after the transaction's snapshot raises a serialization error instead
 -- (the caller runs its transaction again and gets the first's id). Keys are claimed in key order, so two
 -- batches sharing keys lock them in one order and do not deadlock each other. Ids are taken from the
--- sequence for every key in payload order, so a batch's new messages keep their push order; a
+-- sequence for every payload in payload order, so a batch's new messages keep their push order; a
 -- duplicate leaves its number unused (ids have gaps already, as a rolled-back push leaves).
-CREATE OR REPLACE FUNCTION {schema}.table_push_dedup(
+CREATE OR REPLACE FUNCTION {schema}.table_push_with(
     p_queue_id integer, p_payloads bytea[], p_keys text[], p_priority smallint, p_delay_s double precision,
-    p_notify integer, p_channel text)
+    p_ttl_s double precision, p_notify integer, p_channel text)
 RETURNS TABLE (r_id bigint, r_new boolean)
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
 DECLARE
     v_locked text;
     v_window double precision;
+    v_expires timestamptz := now() + make_interval(secs => p_ttl_s);
 BEGIN
     v_locked := pg_advisory_xact_lock_shared(hashtext('dbqueue.queue.' || '{schema}'), p_queue_id)::text;
     IF current_setting('transaction_isolation') = 'read committed' THEN
@@ -219,39 +223,38 @@ BEGIN
     RETURN QUERY
     WITH input AS MATERIALIZED (
         SELECT nextval('{schema}.message_id_seq') AS id, p.payload, p.dedup_key, p.ord
-        FROM unnest(p_payloads, p_keys) WITH ORDINALITY AS p(payload, dedup_key, ord)
+        FROM unnest(p_payloads, coalesce(p_keys, ARRAY[]::text[])) WITH ORDINALITY AS p(payload, dedup_key, ord)
     ), claimed AS (
         INSERT INTO {schema}.dedup AS d (queue_id, dedup_key, id, pushed_at)
-        SELECT p_queue_id, i.dedup_key, i.id, now() FROM input i ORDER BY i.dedup_key
+        SELECT p_queue_id, i.dedup_key, i.id, now() FROM input i WHERE p_keys IS NOT NULL ORDER BY i.dedup_key
         ON CONFLICT (queue_id, dedup_key) DO UPDATE
         SET id = CASE WHEN d.pushed_at <= now() - make_interval(secs => v_window) THEN excluded.id ELSE d.id END,
             pushed_at = CASE WHEN d.pushed_at <= now() - make_interval(secs => v_window)
                              THEN excluded.pushed_at ELSE d.pushed_at END
         RETURNING d.dedup_key, d.id
-    ), fresh AS MATERIALIZED (
-        SELECT i.id, i.payload FROM input i JOIN claimed c ON c.dedup_key = i.dedup_key AND c.id = i.id
+    ), result AS MATERIALIZED (
+        SELECT i.ord, i.payload, coalesce(c.id, i.id) AS id, c.id IS NULL OR c.id = i.id AS new
+        FROM input i LEFT JOIN claimed c ON c.dedup_key = i.dedup_key
     ), m AS (
-        INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload, gen)
-        SELECT f.id, p_queue_id, p_priority, now() + make_interval(secs => p_delay_s), now(),
-               CASE WHEN octet_length(f.payload) <= 1900 THEN f.payload END, ((f.id >> 14) & 7)::smallint
-        FROM fresh f
+        INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload, gen, expires_at)
+        SELECT r.id, p_queue_id, p_priority, now() + make_interval(secs => p_delay_s), now(),
+               CASE WHEN octet_length(r.payload) <= 1900 THEN r.payload END, ((r.id >> 14) & 7)::smallint,
+               v_expires
+        FROM result r WHERE r.new
     ), dd AS (
         INSERT INTO {schema}.data (id, queue_id, payload, gen)
-        SELECT f.id, p_queue_id, f.payload, ((f.id >> 14) & 7)::smallint FROM fresh f
-        WHERE octet_length(f.payload) > 1900
+        SELECT r.id, p_queue_id, r.payload, ((r.id >> 14) & 7)::smallint FROM result r
+        WHERE r.new AND octet_length(r.payload) > 1900
     ), n AS (
         SELECT pg_notify(p_channel, '') AS sent
-        WHERE p_notify > 0 AND EXISTS (SELECT 1 FROM fresh) AND (p_notify = 2 OR (
+        WHERE p_notify > 0 AND EXISTS (SELECT 1 FROM result r WHERE r.new) AND (p_notify = 2 OR (
             SELECT r.id FROM {schema}.meta r
             WHERE r.gen = {schema}.table_generation() AND r.queue_id = p_queue_id AND r.state = 0
               AND r.process_at <= now()
             ORDER BY r.priority, r.process_at DESC, r.id DESC
             LIMIT 1) IS NULL)
     )
-    SELECT c.id, c.id = i.id
-    FROM input i JOIN claimed c ON c.dedup_key = i.dedup_key
-    CROSS JOIN (SELECT count(*) AS c FROM n) x
-    ORDER BY i.ord;
+    SELECT r.id, r.new FROM result r CROSS JOIN (SELECT count(*) AS c FROM n) x ORDER BY r.ord;
 END
 $$;
 
@@ -360,7 +363,8 @@ $$;
 
 -- The table design's pop at most once (and exactly once, in the caller's transaction): up to p_n ready
 -- messages of queue p_queue_id in claim order (priority DESC, process_at, id), skipping rows other pops
--- hold, locked and deleted by one statement; kept in done for the archiver (p_archive), or deleted with
+-- hold and rows whose time to live has passed (left to the expiry sweep), locked and deleted by one
+-- statement; kept in done for the archiver (p_archive), or deleted with
 -- their payloads. attempts and deliveries come back counting this delivery. A payload in data is read
 -- by id and generation (a scalar subquery, or data_take_of()), never by a join (see pop_lease in queries/table.sql).
 -- A function with generic plans: its statements are planned once a session, not on every pop (custom
@@ -384,6 +388,7 @@ BEGIN
             USING (
                 SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
                 WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
+                  AND (s.expires_at IS NULL OR s.expires_at > now())
                 ORDER BY s.priority DESC, s.process_at, s.id
                 LIMIT p_n
                 FOR UPDATE SKIP LOCKED) c
@@ -406,6 +411,7 @@ BEGIN
         USING (
             SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
             WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
+              AND (s.expires_at IS NULL OR s.expires_at > now())
             ORDER BY s.priority DESC, s.process_at, s.id
             LIMIT p_n
             FOR UPDATE SKIP LOCKED) c
@@ -434,6 +440,7 @@ BEGIN
     FROM (
         SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
         WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
+          AND (s.expires_at IS NULL OR s.expires_at > now())
         ORDER BY s.priority DESC, s.process_at, s.id
         LIMIT p_n
         FOR UPDATE SKIP LOCKED) c

@@ -25,7 +25,10 @@ CREATE TABLE {schema}.owned_objects (
 );
 
 -- One row a queue: its settings. Many queues share the tables below.
--- dedup_window_s: how long a push's deduplication key is remembered (table_push_dedup, the dedup table).
+-- dedup_window_s: how long a push's deduplication key is remembered (table_push_with, the dedup table).
+-- ttl_s: the time to live of the queue's messages unless a push names another (NULL: none); on_expiry:
+-- what becomes of a message not popped by then, 'fail' (the failed state, last_error 'expired') or
+-- 'drop' (deleted, or kept in done as discarded where the queue archives).
 CREATE TABLE {schema}.queues (
     queue_id integer GENERATED ALWAYS AS IDENTITY,
     name text NOT NULL,
@@ -40,6 +43,8 @@ CREATE TABLE {schema}.queues (
     archive boolean NOT NULL,
     created_at timestamptz NOT NULL DEFAULT now(),
     dedup_window_s double precision NOT NULL DEFAULT 300,
+    ttl_s double precision,
+    on_expiry text NOT NULL DEFAULT 'fail',
     CONSTRAINT queues_pkey PRIMARY KEY (queue_id),
     CONSTRAINT queues_name_key UNIQUE (name),
     CONSTRAINT queues_name_valid CHECK (name ~ '^[a-z_][a-z0-9_]*$' AND length(name) <= 48),
@@ -49,7 +54,9 @@ CREATE TABLE {schema}.queues (
     CONSTRAINT queues_limits_valid CHECK (
         max_payload_bytes > 0 AND max_attempts > 0 AND visibility_timeout_s > 0
         AND retry_backoff_s >= 0 AND retry_backoff_max_s >= retry_backoff_s),
-    CONSTRAINT queues_dedup_window_valid CHECK (dedup_window_s > 0)
+    CONSTRAINT queues_dedup_window_valid CHECK (dedup_window_s > 0),
+    CONSTRAINT queues_ttl_valid CHECK (ttl_s > 0),
+    CONSTRAINT queues_on_expiry_valid CHECK (on_expiry IN ('fail', 'drop'))
 );
 
 CREATE SEQUENCE {schema}.message_id_seq AS bigint;
@@ -89,6 +96,9 @@ CREATE SEQUENCE {schema}.message_id_seq AS bigint;
 -- statement that inserts or updates rows (about 53,600 instructions for the two, a fifth of a push of
 -- one). The state-machine tests check both rules after every step.
 -- gen: the message's generation (the partition it is in), see above.
+-- expires_at: when a message pushed with a time to live expires (NULL: never). No claim takes a row whose
+-- expires_at has passed, whatever its state says; the expiry sweep (expire_messages) then moves it to
+-- failed or drops it, finding it through meta_expiring_idx, which holds only such messages.
 CREATE TABLE {schema}.meta (
     id bigint NOT NULL,
     queue_id integer NOT NULL,
@@ -102,7 +112,8 @@ CREATE TABLE {schema}.meta (
     last_error text,
     deliveries integer NOT NULL DEFAULT 0,
     payload bytea,
-    gen smallint NOT NULL
+    gen smallint NOT NULL,
+    expires_at timestamptz
 ) PARTITION BY LIST (gen);
 
 -- Payloads over 1900 bytes, apart from the dequeue path; read by id
@@ -156,6 +167,8 @@ BEGIN
             '{schema}', 'meta_leased_id_idx_' || g, 'meta_' || g);
         EXECUTE format('CREATE INDEX %2$I ON %1$s.%3$I (queue_id, id) WHERE state = 2',
             '{schema}', 'meta_failed_idx_' || g, 'meta_' || g);
+        EXECUTE format('CREATE INDEX %2$I ON %1$s.%3$I (queue_id, expires_at) WHERE expires_at IS NOT NULL',
+            '{schema}', 'meta_expiring_idx_' || g, 'meta_' || g);
         EXECUTE format('CREATE TABLE %1$s.%2$I PARTITION OF %1$s.data FOR VALUES IN (%3$s) WITH ('
             'autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000, '
             'autovacuum_vacuum_insert_scale_factor = 0.05, vacuum_truncate = false)', '{schema}', 'data_' || g, g);
@@ -185,6 +198,8 @@ CREATE INDEX meta_leased_idx ON {schema}.meta (queue_id, lease_until) WHERE stat
 CREATE INDEX meta_leased_id_idx ON {schema}.meta (id) WHERE lease_until IS NOT NULL;
 -- Failed-message admin.
 CREATE INDEX meta_failed_idx ON {schema}.meta (queue_id, id) WHERE state = 2;
+-- Messages with a time to live, by expiry, for the expiry sweep; a push without one writes no entry.
+CREATE INDEX meta_expiring_idx ON {schema}.meta (queue_id, expires_at) WHERE expires_at IS NOT NULL;
 
 -- data's key: a message's payload row by id (gen, the partition key, must be part of it).
 ALTER TABLE {schema}.data ADD CONSTRAINT data_pkey PRIMARY KEY (id, gen);
@@ -214,7 +229,7 @@ CREATE INDEX archive_archived_brin ON {schema}.archive USING brin (archived_at);
 -- The deduplication keys of the table design's pushes (push(dedup_key=...)): one row a key a queue,
 -- naming the message its first push made (id) and when (pushed_at). A push of a key whose row is younger
 -- than the queue's dedup_window_s pushes nothing and returns that id; an older row is taken over by the
--- new push (table_push_dedup, functions.sql). The primary key is what makes racing pushes of one key
+-- new push (table_push_with, functions.sql). The primary key is what makes racing pushes of one key
 -- agree: the second INSERT ... ON CONFLICT waits for the first's transaction, and then takes over its row
 -- (first committed) or inserts its own (first rolled back). Rows older than the window are deleted by
 -- the queue's upkeep (forget_dedup), through dedup_pushed_idx, so the table holds about a window of keys.

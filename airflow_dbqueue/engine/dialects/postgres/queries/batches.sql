@@ -8,6 +8,7 @@
 WITH picked AS (
     SELECT gen, ctid AS tid FROM {schema}.meta
     WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
+      AND (expires_at IS NULL OR expires_at > now())
     ORDER BY priority DESC, process_at, id
     LIMIT %(n)s
     FOR UPDATE SKIP LOCKED
