@@ -34,6 +34,7 @@ from airflow_dbqueue.engine.models import (
     Design,
     NotifyMode,
     OnExpiry,
+    Ordering,
     PayloadType,
     QueueSettings,
 )
@@ -80,6 +81,7 @@ _SETTINGS_COLUMNS = (
     "dedup_window_s",
     "ttl_s",
     "on_expiry",
+    "ordering",
 )
 
 
@@ -102,6 +104,7 @@ def _settings_from_row(row: tuple[Any, ...]) -> QueueSettings:
         dedup_window_s=d["dedup_window_s"],
         ttl_s=d["ttl_s"],
         on_expiry=OnExpiry(d["on_expiry"]),
+        ordering=Ordering(d["ordering"]),
     )
 
 
@@ -159,6 +162,7 @@ def _wanted_settings(
     dedup_window: float = DEFAULT_DEDUP_WINDOW_S,
     ttl: float | None = None,
     on_expiry: OnExpiry | str = OnExpiry.FAIL,
+    ordering: Ordering | str = Ordering.NONE,
 ) -> QueueSettings:
     """The settings :meth:`DbQueue.create_queue` is asked for, with the defaults filled in.
 
@@ -186,6 +190,11 @@ def _wanted_settings(
                 f"queue {name!r}: ttl applies to table queues only (a ring has no expiry)"
             )
         ttl = check_seconds(f"queue {name!r}: ttl", ttl, positive=True)
+    if ring and ordering != Ordering.NONE:
+        raise ConfigurationError(
+            f"queue {name!r}: ordering={ordering!r} applies to table queues only (a ring is FIFO by id; "
+            "its lanes are dealt numbers, not keys)"
+        )
     try:
         wanted = QueueSettings(
             name=name,
@@ -204,6 +213,7 @@ def _wanted_settings(
             dedup_window_s=float(dedup_window),
             ttl_s=ttl,
             on_expiry=OnExpiry(on_expiry),
+            ordering=Ordering(ordering),
         )
     except ValueError as exc:
         raise ConfigurationError(f"queue {name!r}: {exc}") from None
@@ -374,6 +384,7 @@ class DbQueue:
         dedup_window: float = DEFAULT_DEDUP_WINDOW_S,
         ttl: float | None = None,
         on_expiry: OnExpiry | str = OnExpiry.FAIL,
+        ordering: Ordering | str = Ordering.NONE,
     ) -> Queue:
         """Create a queue (idempotently) and return it.
 
@@ -396,7 +407,9 @@ class DbQueue:
         see :meth:`Queue.push`). ``ttl`` (seconds, table design, default none) is how long a message may
         wait to be popped unless its push names another: a message not popped by then is never
         delivered, and goes to the failed state with ``last_error`` ``"expired"``
-        (``on_expiry="fail"``, the default) or is dropped (``on_expiry="drop"``).
+        (``on_expiry="fail"``, the default) or is dropped (``on_expiry="drop"``). ``ordering="per_key"``
+        (table design) lets pushes give messages an ordering key (``push(key=...)``): a key's messages
+        are handed out in push order, one at a time, while different keys go in parallel.
         """
         name = validate_queue_name(name)
         try:
@@ -419,11 +432,13 @@ class DbQueue:
             dedup_window=dedup_window,
             ttl=ttl,
             on_expiry=on_expiry,
+            ordering=ordering,
         )
-        if wanted.ttl_s is not None and not self.db.push_options:
+        if (wanted.ttl_s is not None or wanted.ordering is Ordering.PER_KEY) and not self.db.push_options:
+            what = "a time to live needs the expiry of messages" if wanted.ttl_s else "ordering per key needs"
             raise NotSupportedError(
-                f"queue {name!r}: a time to live needs the expiry of messages, which the "
-                f"{self.db.dialect_name} dialect does not have (docs/sqlserver.md)"
+                f"queue {name!r}: {what}, which the {self.db.dialect_name} dialect does not have "
+                "(docs/sqlserver.md)"
             )
         if "admin" not in self.db.actions_on(None):
             # A role that may not create queues may still declare one that exists as it wants it.
@@ -458,6 +473,7 @@ class DbQueue:
             payload_type=wanted.payload_type.value,
             notify=wanted.notify.value,
             on_expiry=wanted.on_expiry.value,
+            ordering=wanted.ordering.value,
         )
         with self.db.transaction() as conn:  # a ring's slots are created with its row, or neither
             created = self.db.fetchone("create_queue", params, conn)

@@ -91,6 +91,15 @@ class OnExpiry(enum.StrEnum):
     """Deleted (kept as discarded for the archiver where the queue archives)."""
 
 
+class Ordering(enum.StrEnum):
+    """How a queue orders its messages besides priority and due time."""
+
+    NONE = "none"
+    PER_KEY = "per_key"
+    """Pushes may give a message an ordering key: a key's messages are handed out one at a time, in
+    push order (as SQS FIFO's message groups, or a Kafka partition's key)."""
+
+
 @dataclass(frozen=True, slots=True)
 class QueueSettings:
     """A queue's stored settings (one row of the ``queues`` table)."""
@@ -119,6 +128,9 @@ class QueueSettings:
     ``ttl`` (``None``: no limit); then it is never delivered and goes as ``on_expiry`` says."""
     on_expiry: OnExpiry = OnExpiry.FAIL
     """What becomes of a message whose time to live passed before a pop took it."""
+    ordering: Ordering = Ordering.NONE
+    """``per_key``: no message is handed out while a message of its ordering key pushed before it is
+    ready, delayed or in flight (table design)."""
 
     def encode_all(self, payloads: list[Any]) -> list[bytes]:
         """Encode a batch of payloads (:meth:`encode` of each, in order).

@@ -81,20 +81,22 @@ MAX_DEDUP_KEY_CHARS = 512
 """The longest deduplication key (characters)."""
 
 
-def check_dedup_keys(queue: str, keys: object, n: int) -> list[str]:
-    """Return ``keys`` as a list of ``n`` deduplication keys, or raise :class:`ConfigurationError` naming
-    the first that is not a non-empty string of at most :data:`MAX_DEDUP_KEY_CHARS` characters (or the
-    count, when it is not one a payload)."""
+def check_keys(queue: str, what: str, keys: object, n: int, *, optional: bool = False) -> list[Any]:
+    """Return ``keys`` as a list of ``n`` keys, or raise :class:`ConfigurationError` naming ``what`` and the
+    first that is not a non-empty string of at most :data:`MAX_DEDUP_KEY_CHARS` characters without NUL
+    (``None`` too where ``optional``), or the count when it is not one a payload."""
     if isinstance(keys, str | bytes) or not isinstance(keys, Sequence):
-        raise ConfigurationError(f"queue {queue!r}: dedup_keys must be a sequence of strings, got {keys!r}")
+        raise ConfigurationError(f"queue {queue!r}: {what}s must be a sequence of strings, got {keys!r}")
     if len(keys) != n:
         raise ConfigurationError(
-            f"queue {queue!r}: dedup_keys must hold one key a payload ({n}), got {len(keys)}"
+            f"queue {queue!r}: {what}s must hold one key a payload ({n}), got {len(keys)}"
         )
     for i, k in enumerate(keys):
+        if k is None and optional:
+            continue
         if not isinstance(k, str) or not 0 < len(k) <= MAX_DEDUP_KEY_CHARS or "\x00" in k:
             raise ConfigurationError(
-                f"queue {queue!r}: dedup key #{i} must be a non-empty string of at most "
+                f"queue {queue!r}: {what} #{i} must be a non-empty string of at most "
                 f"{MAX_DEDUP_KEY_CHARS} characters without NUL, got {k!r:.80}"
             )
     return list(keys)
@@ -174,6 +176,7 @@ class Queue(abc.ABC):
         conn: DbConnection | None = None,
         dedup_key: str | None = None,
         ttl: float | None = None,
+        key: str | None = None,
     ) -> int:
         """Push one message and return its id.
 
@@ -185,11 +188,21 @@ class Queue(abc.ABC):
         :param ttl: seconds the message may wait to be popped, from now (table design; default: the
             queue's ``ttl``); a message not popped by then is never delivered, and goes as the queue's
             ``on_expiry`` says (failed with ``last_error`` ``"expired"``, or dropped).
+        :param key: the message's ordering key, on a queue created with ``ordering="per_key"``: no pop
+            or claim hands it out while a message of the same key pushed before it is ready, delayed
+            or in flight, so a key's messages are processed one at a time, in push order.
         """
-        if dedup_key is None and ttl is None:
+        if dedup_key is None and ttl is None and key is None:
             return self.push_batch([payload], priority=priority, delay=delay, conn=conn)[0]
-        keys = None if dedup_key is None else [dedup_key]
-        ids = self.push_batch([payload], priority=priority, delay=delay, conn=conn, dedup_keys=keys, ttl=ttl)
+        ids = self.push_batch(
+            [payload],
+            priority=priority,
+            delay=delay,
+            conn=conn,
+            dedup_keys=None if dedup_key is None else [dedup_key],
+            ttl=ttl,
+            keys=None if key is None else [key],
+        )
         return ids[0]
 
     @abc.abstractmethod
@@ -202,6 +215,7 @@ class Queue(abc.ABC):
         conn: DbConnection | None = None,
         dedup_keys: Sequence[str] | None = None,
         ttl: float | None = None,
+        keys: Sequence[str | None] | None = None,
     ) -> list[int]:
         """Push many messages in one round trip; return their ids in payload order.
 
@@ -211,6 +225,7 @@ class Queue(abc.ABC):
         :param dedup_keys: one deduplication key a payload (see :meth:`push`); a key repeated within
             the batch pushes its first payload only, and every occurrence gets that message's id.
         :param ttl: the batch's time to live (see :meth:`push`).
+        :param keys: one ordering key a payload (``None``: that message has none; see :meth:`push`).
         """
 
     # -- pop ---------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from airflow_dbqueue.engine.models import (
     Message,
     NotifyMode,
     OnExpiry,
+    Ordering,
     PayloadType,
     QueueStats,
     Semantics,
@@ -39,7 +40,7 @@ from airflow_dbqueue.engine.queue import (
     RECLAIM_LIMIT,
     Queue,
     _check_batch_size,
-    check_dedup_keys,
+    check_keys,
     check_seconds,
 )
 
@@ -71,6 +72,14 @@ class TableQueue(Queue):
         # The DbQueue's partition recycling (None: off), told of every push, pop and ack: it runs a
         # pass about a second after work, on a connection of its own.
         self.recycler: AutoRecycler | None = None
+        # A queue whose messages may expire (created with a ttl) or that is ordered per key claims with
+        # the statements that check both (the *_with queries); every other queue's claims check neither.
+        self._checks: dict[str, bool] | None = None
+        if settings.ttl_s is not None or settings.ordering is Ordering.PER_KEY:
+            self._checks = {
+                "expiring": settings.ttl_s is not None,
+                "per_key": settings.ordering is Ordering.PER_KEY,
+            }
 
     def _worked(self) -> None:
         if self.recycler is not None:
@@ -87,16 +96,29 @@ class TableQueue(Queue):
         conn: DbConnection | None = None,
         dedup_keys: Sequence[str] | None = None,
         ttl: float | None = None,
+        keys: Sequence[str | None] | None = None,
     ) -> list[int]:
         items = list(payloads)
-        keys = None if dedup_keys is None else check_dedup_keys(self.name, dedup_keys, len(items))
-        if ttl is None:
-            ttl = self.settings.ttl_s
-        if (keys is not None or ttl is not None) and not self._db.push_options:
-            what = "deduplication keys on push need" if keys is not None else "a time to live needs"
+        dkeys = None if dedup_keys is None else check_keys(self.name, "dedup key", dedup_keys, len(items))
+        okeys = None
+        if keys is not None:
+            if self.settings.ordering is not Ordering.PER_KEY:
+                raise ConfigurationError(
+                    f"queue {self.name!r}: ordering keys need a queue created with ordering='per_key'"
+                )
+            okeys = check_keys(self.name, "key", keys, len(items), optional=True)
+        if (dkeys is not None or ttl is not None) and not self._db.push_options:
+            what = "deduplication keys on push need" if dkeys is not None else "a time to live needs"
             raise NotSupportedError(
                 f"queue {self.name!r}: {what} the table design's push with options, which the "
                 f"{self._db.dialect_name} dialect does not have (docs/sqlserver.md)"
+            )
+        if ttl is None:
+            ttl = self.settings.ttl_s
+        elif self.settings.ttl_s is None:
+            raise ConfigurationError(
+                f"queue {self.name!r}: a message's ttl needs a queue created with a ttl (its default), "
+                "whose pops check expiry"
             )
         if not items:
             return []
@@ -122,8 +144,8 @@ class TableQueue(Queue):
             "channel": self._channel,
             "inline": max(map(len, encoded)) <= _INLINE_PAYLOAD_BYTES,
         }
-        if keys is not None or ttl is not None:
-            return self._push_with(params, keys, ttl, conn)
+        if dkeys is not None or ttl is not None or okeys is not None:
+            return self._push_with(params, dkeys, okeys, ttl, conn)
         rows = self._db.fetchall("push", params, conn)
         if len(rows) != len(encoded):  # nothing was written: the queue was dropped
             raise QueueNotFoundError(self.name, self._db.schema)
@@ -131,13 +153,19 @@ class TableQueue(Queue):
         return [r[0] for r in rows]
 
     def _push_with(
-        self, params: dict[str, Any], keys: list[str] | None, ttl: float | None, conn: DbConnection | None
+        self,
+        params: dict[str, Any],
+        keys: list[str] | None,
+        okeys: list[str | None] | None,
+        ttl: float | None,
+        conn: DbConnection | None,
     ) -> list[int]:
-        """Push with deduplication keys (one a payload) or a time to live, with ``push``'s params. A key
-        repeated within the batch sends its first payload only, so the keys a statement claims are
-        distinct."""
+        """Push with deduplication keys, ordering keys (one a payload each) or a time to live, with
+        ``push``'s params. A deduplication key repeated within the batch sends its first payload only
+        (with its ordering key), so the keys a statement claims are distinct."""
         del params["inline"]
         params["ttl_s"] = ttl
+        params["okeys"] = okeys
         if keys is None:
             params["keys"] = None
             rows = self._db.fetchall("push_with", params, conn)
@@ -152,6 +180,8 @@ class TableQueue(Queue):
         if len(sent) < len(keys):
             payloads = params["payloads"]
             params["payloads"] = [payloads[i] for i in sent]
+            if okeys is not None:
+                params["okeys"] = [okeys[i] for i in sent]
         params["keys"] = list(first)
         rows = self._db.fetchall("push_with", params, conn)
         if len(rows) != len(sent):  # nothing was written: the queue was dropped
@@ -169,25 +199,35 @@ class TableQueue(Queue):
         # them as a pop would get them, so an observer that saw them ready is not followed by a pop of
         # none. In the caller's transaction (conn), the reclaim joins it.
         self._maybe_reclaim(conn)
+        checks = self._checks
         if semantics is Semantics.AT_LEAST_ONCE:
-            rows = self._db.fetchall(
-                "pop_lease",
-                {"queue_id": self._qid, "n": n, "visibility_timeout_s": vt, "consumer": consumer},
-                conn,
-            )
+            params: dict[str, Any] = {
+                "queue_id": self._qid,
+                "n": n,
+                "visibility_timeout_s": vt,
+                "consumer": consumer,
+            }
+            if checks is None:
+                rows = self._db.fetchall("pop_lease", params, conn)
+            else:
+                rows = self._db.fetchall("pop_lease_with", {**params, **checks}, conn)
         else:
-            rows = self._db.fetchall(
-                "pop_take", {"queue_id": self._qid, "n": n, "archive": self.settings.archive}, conn
-            )
+            params = {"queue_id": self._qid, "n": n, "archive": self.settings.archive}
+            if checks is None:
+                rows = self._db.fetchall("pop_take", params, conn)
+            else:
+                rows = self._db.fetchall("pop_take_with", {**params, **checks}, conn)
         return self._messages(rows)
 
     def _pop_payloads_once(self, n: int, semantics: Semantics, conn: DbConnection | None) -> list[Any]:
         if not self._db.payload_pops:
             return super()._pop_payloads_once(n, semantics, conn)
         self._maybe_reclaim(conn)
-        rows = self._db.fetchall(
-            "pop_take_payloads", {"queue_id": self._qid, "n": n, "archive": self.settings.archive}, conn
-        )
+        params = {"queue_id": self._qid, "n": n, "archive": self.settings.archive}
+        if self._checks is None:
+            rows = self._db.fetchall("pop_take_payloads", params, conn)
+        else:
+            rows = self._db.fetchall("pop_take_payloads_with", {**params, **self._checks}, conn)
         return self.settings.decode_first_column(rows)
 
     def _maybe_reclaim(self, conn: DbConnection | None = None) -> None:
@@ -442,7 +482,10 @@ class TableQueue(Queue):
             "visibility_timeout_s": vt,
             "consumer": consumer or DEFAULT_CONSUMER,
         }
-        row = self._db.fetchone("claim_batch", params, conn)
+        if self._checks is None:
+            row = self._db.fetchone("claim_batch", params, conn)
+        else:
+            row = self._db.fetchone("claim_batch_with", {**params, **self._checks}, conn)
         return None if row is None else self._batch(row)
 
     def get_batch(self, batch_id: str) -> Batch:

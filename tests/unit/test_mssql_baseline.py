@@ -29,8 +29,8 @@ ADDED_SINCE = {"samples"}
 the baseline changes in place)."""
 ADDED_COLUMNS_SINCE = {
     "queues": (
-        {"dedup_window_s", "ttl_s", "on_expiry"},
-        {"queues_dedup_window_valid", "queues_ttl_valid", "queues_on_expiry_valid"},
+        {"dedup_window_s", "ttl_s", "on_expiry", "ordering"},
+        {"queues_dedup_window_valid", "queues_ttl_valid", "queues_on_expiry_valid", "queues_ordering_valid"},
     )
 }
 """Columns and constraints (by table) that the baseline's tables gained since, in place as well."""

@@ -512,7 +512,25 @@ def test_a_rings_upkeep_on_a_fake_sql_server(fake: MaintenanceServer) -> None:
     """recover(): a ring queue's upkeep (lease reclaim, then gap recovery), with the ring's capacity and
     lanes from its row, on the pooled connections (consumers run alongside; no maintenance lock)."""
     fake.queues = [
-        (4, "events", "ring", "json", 512, 3, 30.0, 1.0, 60.0, "auto", False, 1024, 8, 300.0, None, "fail")
+        (
+            4,
+            "events",
+            "ring",
+            "json",
+            512,
+            3,
+            30.0,
+            1.0,
+            60.0,
+            "auto",
+            False,
+            1024,
+            8,
+            300.0,
+            None,
+            "fail",
+            "none",
+        )
     ]
     fake.ring = {
         "ring_reclaim_expired": [(11, 1), (12, 1), (13, 2)],
@@ -550,7 +568,25 @@ def test_a_sample_of_a_table_queue_on_a_fake_sql_server(fake: MaintenanceServer)
 
     server = Sampling()
     server.queues = [
-        (4, "orders", "table", "json", 512, 3, 30.0, 1.0, 60.0, "auto", True, None, None, 300.0, None, "fail")
+        (
+            4,
+            "orders",
+            "table",
+            "json",
+            512,
+            3,
+            30.0,
+            1.0,
+            60.0,
+            "auto",
+            True,
+            None,
+            None,
+            300.0,
+            None,
+            "fail",
+            "none",
+        )
     ]
     before = dt.datetime(2026, 1, 1, 12, 0)
     server.last_samples = [(4, before, None, None)]

@@ -410,6 +410,7 @@ ORDERS = (
     300.0,
     None,
     "fail",
+    "none",
 )
 
 

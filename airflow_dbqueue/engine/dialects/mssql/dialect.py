@@ -81,6 +81,11 @@ NOT_YET_PORTED: dict[str, str] = {
         "NotSupportedError"
         for name in ("expire_fail", "expire_drop", "count_expired")
     },
+    **{
+        name: "the claims of a queue with a ttl or ordered per key (which check expiry and ordering keys); "
+        "this dialect refuses such queues (push_options = False), so nothing runs them"
+        for name in ("pop_lease_with", "pop_take_with", "pop_take_payloads_with", "claim_batch_with")
+    },
 }
 """Named queries of the PostgreSQL dialect that this dialect does not have yet, with what they need.
 

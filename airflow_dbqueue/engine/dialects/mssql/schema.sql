@@ -26,9 +26,9 @@ CREATE TABLE {schema}.owned_objects (
     CONSTRAINT owned_objects_pkey PRIMARY KEY (kind, name)
 );
 
--- One row a queue: its settings. Many queues share the tables below. dedup_window_s, ttl_s and on_expiry
--- are kept as on PostgreSQL, though this dialect has no deduplication keys on push and no expiry yet
--- (docs/sqlserver.md): create_queue refuses a ttl here.
+-- One row a queue: its settings. Many queues share the tables below. dedup_window_s, ttl_s, on_expiry and
+-- ordering are kept as on PostgreSQL, though this dialect has no deduplication keys on push, no expiry
+-- and no ordering per key yet (docs/sqlserver.md): create_queue refuses a ttl or per_key here.
 CREATE TABLE {schema}.queues (
     queue_id int IDENTITY(1, 1) NOT NULL,
     name nvarchar(48) NOT NULL,
@@ -45,6 +45,7 @@ CREATE TABLE {schema}.queues (
     dedup_window_s float NOT NULL CONSTRAINT queues_dedup_window_df DEFAULT 300,
     ttl_s float NULL,
     on_expiry varchar(8) NOT NULL CONSTRAINT queues_on_expiry_df DEFAULT 'fail',
+    ordering varchar(8) NOT NULL CONSTRAINT queues_ordering_df DEFAULT 'none',
     CONSTRAINT queues_pkey PRIMARY KEY (queue_id),
     CONSTRAINT queues_name_key UNIQUE (name),
     CONSTRAINT queues_name_valid CHECK (
@@ -57,7 +58,8 @@ CREATE TABLE {schema}.queues (
         AND retry_backoff_s >= 0 AND retry_backoff_max_s >= retry_backoff_s),
     CONSTRAINT queues_dedup_window_valid CHECK (dedup_window_s > 0),
     CONSTRAINT queues_ttl_valid CHECK (ttl_s > 0),
-    CONSTRAINT queues_on_expiry_valid CHECK (on_expiry IN ('fail', 'drop'))
+    CONSTRAINT queues_on_expiry_valid CHECK (on_expiry IN ('fail', 'drop')),
+    CONSTRAINT queues_ordering_valid CHECK (ordering IN ('none', 'per_key'))
 );
 
 -- A sequence with a large cache hands out ids without a hot row (Kejser, "Implementing Message Queues

@@ -28,7 +28,8 @@ CREATE TABLE {schema}.owned_objects (
 -- dedup_window_s: how long a push's deduplication key is remembered (table_push_with, the dedup table).
 -- ttl_s: the time to live of the queue's messages unless a push names another (NULL: none); on_expiry:
 -- what becomes of a message not popped by then, 'fail' (the failed state, last_error 'expired') or
--- 'drop' (deleted, or kept in done as discarded where the queue archives).
+-- 'drop' (deleted, or kept in done as discarded where the queue archives). ordering: 'per_key' lets pushes
+-- give messages an ordering key (meta.okey), 'none' does not.
 CREATE TABLE {schema}.queues (
     queue_id integer GENERATED ALWAYS AS IDENTITY,
     name text NOT NULL,
@@ -45,6 +46,7 @@ CREATE TABLE {schema}.queues (
     dedup_window_s double precision NOT NULL DEFAULT 300,
     ttl_s double precision,
     on_expiry text NOT NULL DEFAULT 'fail',
+    ordering text NOT NULL DEFAULT 'none',
     CONSTRAINT queues_pkey PRIMARY KEY (queue_id),
     CONSTRAINT queues_name_key UNIQUE (name),
     CONSTRAINT queues_name_valid CHECK (name ~ '^[a-z_][a-z0-9_]*$' AND length(name) <= 48),
@@ -56,7 +58,8 @@ CREATE TABLE {schema}.queues (
         AND retry_backoff_s >= 0 AND retry_backoff_max_s >= retry_backoff_s),
     CONSTRAINT queues_dedup_window_valid CHECK (dedup_window_s > 0),
     CONSTRAINT queues_ttl_valid CHECK (ttl_s > 0),
-    CONSTRAINT queues_on_expiry_valid CHECK (on_expiry IN ('fail', 'drop'))
+    CONSTRAINT queues_on_expiry_valid CHECK (on_expiry IN ('fail', 'drop')),
+    CONSTRAINT queues_ordering_valid CHECK (ordering IN ('none', 'per_key'))
 );
 
 CREATE SEQUENCE {schema}.message_id_seq AS bigint;
@@ -99,6 +102,9 @@ CREATE SEQUENCE {schema}.message_id_seq AS bigint;
 -- expires_at: when a message pushed with a time to live expires (NULL: never). No claim takes a row whose
 -- expires_at has passed, whatever its state says; the expiry sweep (expire_messages) then moves it to
 -- failed or drops it, finding it through meta_expiring_idx, which holds only such messages.
+-- okey: the ordering key of a message of a queue ordered per key (NULL: none). No claim takes a message
+-- while a message of its key with a smaller id is ready, delayed or in flight (state < 2), looked up in
+-- meta_key_idx, which holds only messages with a key.
 CREATE TABLE {schema}.meta (
     id bigint NOT NULL,
     queue_id integer NOT NULL,
@@ -113,7 +119,8 @@ CREATE TABLE {schema}.meta (
     deliveries integer NOT NULL DEFAULT 0,
     payload bytea,
     gen smallint NOT NULL,
-    expires_at timestamptz
+    expires_at timestamptz,
+    okey text
 ) PARTITION BY LIST (gen);
 
 -- Payloads over 1900 bytes, apart from the dequeue path; read by id
@@ -169,6 +176,8 @@ BEGIN
             '{schema}', 'meta_failed_idx_' || g, 'meta_' || g);
         EXECUTE format('CREATE INDEX %2$I ON %1$s.%3$I (queue_id, expires_at) WHERE expires_at IS NOT NULL',
             '{schema}', 'meta_expiring_idx_' || g, 'meta_' || g);
+        EXECUTE format('CREATE INDEX %2$I ON %1$s.%3$I (queue_id, okey, id) WHERE okey IS NOT NULL',
+            '{schema}', 'meta_key_idx_' || g, 'meta_' || g);
         EXECUTE format('CREATE TABLE %1$s.%2$I PARTITION OF %1$s.data FOR VALUES IN (%3$s) WITH ('
             'autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000, '
             'autovacuum_vacuum_insert_scale_factor = 0.05, vacuum_truncate = false)', '{schema}', 'data_' || g, g);
@@ -200,6 +209,9 @@ CREATE INDEX meta_leased_id_idx ON {schema}.meta (id) WHERE lease_until IS NOT N
 CREATE INDEX meta_failed_idx ON {schema}.meta (queue_id, id) WHERE state = 2;
 -- Messages with a time to live, by expiry, for the expiry sweep; a push without one writes no entry.
 CREATE INDEX meta_expiring_idx ON {schema}.meta (queue_id, expires_at) WHERE expires_at IS NOT NULL;
+-- A key's messages in push order, for the claims' check of an earlier message of the key; a push
+-- without a key writes no entry.
+CREATE INDEX meta_key_idx ON {schema}.meta (queue_id, okey, id) WHERE okey IS NOT NULL;
 
 -- data's key: a message's payload row by id (gen, the partition key, must be part of it).
 ALTER TABLE {schema}.data ADD CONSTRAINT data_pkey PRIMARY KEY (id, gen);

@@ -113,11 +113,11 @@ DROP SCHEMA {schema}
 -- UPDLOCK, HOLDLOCK on the name: two concurrent creates of one queue serialize instead of failing.
 INSERT INTO {schema}.queues (
     name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
-    retry_backoff_s, retry_backoff_max_s, notify, archive, dedup_window_s, ttl_s, on_expiry)
+    retry_backoff_s, retry_backoff_max_s, notify, archive, dedup_window_s, ttl_s, on_expiry, ordering)
 OUTPUT inserted.queue_id
 SELECT %(name)s, %(design)s, %(payload_type)s, %(max_payload_bytes)s, %(max_attempts)s,
        %(visibility_timeout_s)s, %(retry_backoff_s)s, %(retry_backoff_max_s)s, %(notify)s, %(archive)s,
-       %(dedup_window_s)s, %(ttl_s)s, %(on_expiry)s
+       %(dedup_window_s)s, %(ttl_s)s, %(on_expiry)s, %(ordering)s
 WHERE NOT EXISTS (SELECT 1 FROM {schema}.queues WITH (UPDLOCK, HOLDLOCK) WHERE name = %(name)s)
 
 -- name: get_queue
@@ -126,7 +126,7 @@ SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, vi
        retry_backoff_s, retry_backoff_max_s, notify, archive,
        (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity,
        (SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS lanes,
-       dedup_window_s, ttl_s, on_expiry
+       dedup_window_s, ttl_s, on_expiry, ordering
 FROM {schema}.queues q WHERE name = %(name)s
 
 -- name: list_queues
@@ -134,7 +134,7 @@ SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, vi
        retry_backoff_s, retry_backoff_max_s, notify, archive,
        (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity,
        (SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS lanes,
-       dedup_window_s, ttl_s, on_expiry
+       dedup_window_s, ttl_s, on_expiry, ordering
 FROM {schema}.queues q ORDER BY name
 
 -- name: drop_queue_lock

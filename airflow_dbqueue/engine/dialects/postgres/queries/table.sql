@@ -10,12 +10,12 @@ SELECT * FROM {schema}.table_push(
     %(notify)s::integer, %(channel)s::text, %(inline)s::boolean)
 
 -- name: push_with
--- A push with deduplication keys (keys: one a payload, distinct; NULL: none) or a time to live (ttl_s;
--- NULL: none), through table_push_with() (functions.sql): (id, new) in payload order, where new is false
+-- A push with deduplication keys (keys: one a payload, distinct; NULL: none), ordering keys (okeys: one
+-- a payload; NULL: none) or a time to live (ttl_s; NULL: none), through table_push_with() (functions.sql): (id, new) in payload order, where new is false
 -- for a key pushed within the queue's dedup window (id is then the first push's message); no row when
 -- the queue was dropped.
 SELECT * FROM {schema}.table_push_with(
-    %(queue_id)s::integer, %(payloads)b::bytea[], %(keys)s::text[], %(priority)s::smallint,
+    %(queue_id)s::integer, %(payloads)b::bytea[], %(keys)s::text[], %(okeys)s::text[], %(priority)s::smallint,
     %(delay_s)s::double precision, %(ttl_s)s::double precision, %(notify)s::integer, %(channel)s::text)
 
 -- name: pop_lease
@@ -37,6 +37,23 @@ SELECT * FROM {schema}.table_take(%(queue_id)s::integer, %(n)s::integer, %(archi
 -- name: pop_take_payloads
 -- pop_take for a pop of payloads only (Queue.pop_payloads): one column a message, in the claim's order.
 SELECT r_payload FROM {schema}.table_take(%(queue_id)s::integer, %(n)s::integer, %(archive)s::boolean)
+
+-- name: pop_lease_with
+-- pop_lease for a queue whose messages may expire (created with a ttl) or that is ordered per key,
+-- through table_lease_with() (functions.sql).
+SELECT * FROM {schema}.table_lease_with(
+    %(queue_id)s::integer, %(n)s::integer, %(visibility_timeout_s)s::double precision, %(consumer)s::text,
+    %(expiring)s::boolean, %(per_key)s::boolean)
+
+-- name: pop_take_with
+-- pop_take for such a queue, through table_take_with() (functions.sql).
+SELECT * FROM {schema}.table_take_with(
+    %(queue_id)s::integer, %(n)s::integer, %(archive)s::boolean, %(expiring)s::boolean, %(per_key)s::boolean)
+
+-- name: pop_take_payloads_with
+-- pop_take_payloads for such a queue.
+SELECT r_payload FROM {schema}.table_take_with(
+    %(queue_id)s::integer, %(n)s::integer, %(archive)s::boolean, %(expiring)s::boolean, %(per_key)s::boolean)
 
 -- name: ack
 -- Receipt lookups (ack, nack, held_receipts, leased, extend_leases) say "lease_until > now()" and not
@@ -169,6 +186,8 @@ SELECT m.id, m.priority, m.attempts, m.deliveries, m.enqueued_at, m.lease_until,
 FROM {schema}.meta m
 WHERE m.queue_id = %(queue_id)s AND m.state = 0 AND m.process_at <= now()
   AND (m.expires_at IS NULL OR m.expires_at > now())
+  AND (m.okey IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.meta e
+      WHERE e.queue_id = m.queue_id AND e.okey = m.okey AND e.id < m.id AND e.state < 2))
 ORDER BY m.priority DESC, m.process_at, m.id
 LIMIT %(n)s
 
@@ -180,6 +199,8 @@ SELECT count(*) FROM (
     (SELECT 1 FROM {schema}.meta
      WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now() AND priority >= %(min_priority)s
        AND (expires_at IS NULL OR expires_at > now())
+       AND (okey IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.meta e
+           WHERE e.queue_id = meta.queue_id AND e.okey = meta.okey AND e.id < meta.id AND e.state < 2))
      LIMIT %(cap)s)
     UNION ALL
     (SELECT 1 FROM {schema}.meta
@@ -247,6 +268,8 @@ FROM (SELECT count(*) AS ready FROM (
         (SELECT 1 FROM {schema}.meta
          WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
            AND priority >= %(min_priority)s AND (expires_at IS NULL OR expires_at > now())
+           AND (okey IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.meta e
+               WHERE e.queue_id = meta.queue_id AND e.okey = meta.okey AND e.id < meta.id AND e.state < 2))
          LIMIT %(cap)s)
         UNION ALL
         (SELECT 1 FROM {schema}.meta
@@ -260,6 +283,8 @@ LEFT JOIN LATERAL (
         (SELECT id, deliveries, priority, process_at FROM {schema}.meta
          WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
            AND (expires_at IS NULL OR expires_at > now())
+           AND (okey IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.meta e
+               WHERE e.queue_id = meta.queue_id AND e.okey = meta.okey AND e.id < meta.id AND e.state < 2))
          ORDER BY priority DESC, process_at, id
          LIMIT 1)
         UNION ALL
