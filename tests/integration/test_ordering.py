@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import multiprocessing as mp
 import os
 import random
@@ -329,3 +330,21 @@ def test_per_key_order_under_producers_consumers_and_sigkills(dbq: DbQueue, tmp_
     ]
     assert out_of_order == [], f"handed out before the key's earlier message was acked: {out_of_order[:5]}"
     assert len(by_key) > KEYS * 0.8
+
+
+def test_the_cli_creates_and_pushes_with_keys(dbq: DbQueue, capsys: pytest.CaptureFixture[str]) -> None:
+    from airflow_dbqueue import cli
+
+    base = ["--dsn", dbq.db.dsn, "--schema", dbq.schema]
+    create = ["create", "o", "--ordering", "per_key", "--ttl", "3600", "--dedup-window", "60"]
+    assert cli.main([*base, *create]) == 0
+    capsys.readouterr()
+    push = ["push", "o", '{"n": 1}', '{"n": 2}', "--key", "a", "--key", "a", "--dedup-key", "d1"]
+    assert cli.main([*base, *push, "--dedup-key", "d2", "--ttl", "60"]) == 0
+    ids = json.loads(capsys.readouterr().out)["ids"]
+    assert cli.main([*base, *push, "--dedup-key", "d2"]) == 0  # the retry
+    assert json.loads(capsys.readouterr().out)["ids"] == ids
+    s = dbq.queue("o").settings
+    assert (s.ordering, s.ttl_s, s.dedup_window_s) == (Ordering.PER_KEY, 3600.0, 60.0)
+    q = dbq.queue("o")
+    assert [m.payload for m in q.pop(10, semantics="at-least-once")] == [{"n": 1}]  # one of key a

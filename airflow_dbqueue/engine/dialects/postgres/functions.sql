@@ -460,8 +460,7 @@ $$;
 
 -- table_take() for a queue whose messages may expire (p_expiring: created with a ttl) or that is
 -- ordered per key (p_per_key). The client calls it only for such a queue, so that table_take()'s claim,
--- which every other queue's pops run, evaluates neither check (the expiry check alone cost a pop about
--- 20,000 server instructions a message at batch 100, cachegrind). Besides the rows table_take() skips, it
+-- which every other queue's pops run, evaluates neither check. Besides the rows table_take() skips, it
 -- skips rows whose time to live has passed (left to the expiry sweep) and rows whose ordering key has
 -- an earlier message (a smaller id) ready, delayed or in flight (state < 2; the row of a take not
 -- committed yet still counts, as every other transaction still sees it), found through meta_key_idx.
