@@ -2,8 +2,10 @@
 
     dbqueue [--dsn DSN] [--schema S] init
     dbqueue create QUEUE [--payload-type json|text|bytes] [--max-attempts N] [--visibility-timeout S]
-                   [--design table|ring] [--capacity N] [--lanes N]
-    dbqueue push QUEUE JSON [JSON ...] [--priority P] [--delay S]
+                   [--design table|ring] [--capacity N] [--lanes N] [--dedup-window S] [--ttl S]
+                   [--on-expiry fail|drop] [--ordering none|per_key]
+    dbqueue push QUEUE JSON [JSON ...] [--priority P] [--delay S] [--dedup-key K ...] [--ttl S]
+                 [--key K ...]
     dbqueue pop QUEUE [-n N] [--semantics at-most-once|at-least-once] [--wait S] [--group G]
     dbqueue stats [QUEUE ...]
     dbqueue failed QUEUE [--requeue | --delete]
@@ -52,7 +54,12 @@ from airflow_dbqueue.engine import (
 from airflow_dbqueue.engine.access import ACTIONS
 from airflow_dbqueue.engine.dialects.base import DEFAULT_SCHEMA
 from airflow_dbqueue.engine.maintenance import config as defaults
-from airflow_dbqueue.engine.models import DEFAULT_MAX_ATTEMPTS, DEFAULT_VISIBILITY_TIMEOUT_S, GroupInfo
+from airflow_dbqueue.engine.models import (
+    DEFAULT_DEDUP_WINDOW_S,
+    DEFAULT_MAX_ATTEMPTS,
+    DEFAULT_VISIBILITY_TIMEOUT_S,
+    GroupInfo,
+)
 from airflow_dbqueue.engine.renames import warn_renamed
 from airflow_dbqueue.engine.ring import (
     RING_DEFAULT_CAPACITY,
@@ -135,6 +142,10 @@ def _cmd_create(dbq: DbQueue, args: argparse.Namespace) -> int:
         visibility_timeout=args.visibility_timeout,
         capacity=args.capacity,
         lanes=args.lanes,
+        dedup_window=args.dedup_window,
+        ttl=args.ttl,
+        on_expiry=args.on_expiry,
+        ordering=args.ordering,
     )
     _say(json.dumps({"queue": q.name, "settings": str(q.settings)}))
     return 0
@@ -150,7 +161,15 @@ def _cmd_push(dbq: DbQueue, args: argparse.Namespace) -> int:
                 f"payload #{i} is not JSON ({exc}): {text[:80]!r}; nothing was pushed"
             ) from None
     q = dbq.queue(args.queue)
-    _say(json.dumps({"ids": q.push_batch(payloads, priority=args.priority, delay=args.delay)}))
+    ids = q.push_batch(
+        payloads,
+        priority=args.priority,
+        delay=args.delay,
+        dedup_keys=args.dedup_key,
+        ttl=args.ttl,
+        keys=args.key,
+    )
+    _say(json.dumps({"ids": ids}))
     return 0
 
 
@@ -486,11 +505,29 @@ def _queue_commands(sub: Any) -> None:
         type=int,
         help=f"a ring's lanes: consumers that take at once (default {RING_DEFAULT_LANES})",
     )
+    c.add_argument(
+        "--dedup-window",
+        type=float,
+        default=DEFAULT_DEDUP_WINDOW_S,
+        help="seconds a push's deduplication key is remembered",
+    )
+    c.add_argument("--ttl", type=float, help="seconds a message may wait to be popped (table design)")
+    c.add_argument("--on-expiry", default="fail", choices=["fail", "drop"])
+    c.add_argument("--ordering", default="none", choices=["none", "per_key"])
     c = sub.add_parser("push", help="push JSON payloads")
     c.add_argument("queue")
     c.add_argument("payloads", nargs="+", metavar="JSON")
     c.add_argument("--priority", type=int, default=0)
     c.add_argument("--delay", type=float, default=0.0)
+    c.add_argument(
+        "--dedup-key",
+        action="append",
+        help="a deduplication key, one a payload, in order (repeat the option)",
+    )
+    c.add_argument("--ttl", type=float, help="the messages' time to live (a queue created with --ttl)")
+    c.add_argument(
+        "--key", action="append", help="an ordering key, one a payload, in order (repeat the option)"
+    )
     c = sub.add_parser("pop", help="pop messages (printed as JSON lines)")
     c.add_argument("queue")
     c.add_argument("-n", type=int, default=1)

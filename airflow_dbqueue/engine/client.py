@@ -13,6 +13,7 @@ from airflow_dbqueue.engine.dialects.base import CONNECT_TIMEOUT_S, DEFAULT_SCHE
 from airflow_dbqueue.engine.dialects.factory import make_database
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
+    NotSupportedError,
     PermissionDeniedError,
     QueueExistsError,
     QueueNotFoundError,
@@ -24,6 +25,7 @@ from airflow_dbqueue.engine.maintenance.config import (
 )
 from airflow_dbqueue.engine.maintenance.recycler import AutoRecycler
 from airflow_dbqueue.engine.models import (
+    DEFAULT_DEDUP_WINDOW_S,
     DEFAULT_MAX_ATTEMPTS,
     DEFAULT_MAX_PAYLOAD,
     DEFAULT_RETRY_BACKOFF_MAX_S,
@@ -31,6 +33,8 @@ from airflow_dbqueue.engine.models import (
     DEFAULT_VISIBILITY_TIMEOUT_S,
     Design,
     NotifyMode,
+    OnExpiry,
+    Ordering,
     PayloadType,
     QueueSettings,
 )
@@ -74,6 +78,10 @@ _SETTINGS_COLUMNS = (
     "archive",
     "capacity",
     "lanes",
+    "dedup_window_s",
+    "ttl_s",
+    "on_expiry",
+    "ordering",
 )
 
 
@@ -93,6 +101,10 @@ def _settings_from_row(row: tuple[Any, ...]) -> QueueSettings:
         archive=d["archive"],
         capacity=d["capacity"],
         lanes=d["lanes"],
+        dedup_window_s=d["dedup_window_s"],
+        ttl_s=d["ttl_s"],
+        on_expiry=OnExpiry(d["on_expiry"]),
+        ordering=Ordering(d["ordering"]),
     )
 
 
@@ -147,6 +159,10 @@ def _wanted_settings(
     archive: bool | None,
     capacity: int | None,
     lanes: int | None,
+    dedup_window: float = DEFAULT_DEDUP_WINDOW_S,
+    ttl: float | None = None,
+    on_expiry: OnExpiry | str = OnExpiry.FAIL,
+    ordering: Ordering | str = Ordering.NONE,
 ) -> QueueSettings:
     """The settings :meth:`DbQueue.create_queue` is asked for, with the defaults filled in.
 
@@ -167,6 +183,18 @@ def _wanted_settings(
     )
     retry_backoff = check_seconds(f"queue {name!r}: retry_backoff", retry_backoff)
     retry_backoff_max = check_seconds(f"queue {name!r}: retry_backoff_max", retry_backoff_max)
+    dedup_window = check_seconds(f"queue {name!r}: dedup_window", dedup_window, positive=True)
+    if ttl is not None:
+        if ring:
+            raise ConfigurationError(
+                f"queue {name!r}: ttl applies to table queues only (a ring has no expiry)"
+            )
+        ttl = check_seconds(f"queue {name!r}: ttl", ttl, positive=True)
+    if ring and ordering != Ordering.NONE:
+        raise ConfigurationError(
+            f"queue {name!r}: ordering={ordering!r} applies to table queues only (a ring is FIFO by id; "
+            "its lanes are dealt numbers, not keys)"
+        )
     try:
         wanted = QueueSettings(
             name=name,
@@ -182,6 +210,10 @@ def _wanted_settings(
             archive=(not ring) if archive is None else bool(archive),
             capacity=capacity if ring else None,
             lanes=lanes if ring else None,
+            dedup_window_s=float(dedup_window),
+            ttl_s=ttl,
+            on_expiry=OnExpiry(on_expiry),
+            ordering=Ordering(ordering),
         )
     except ValueError as exc:
         raise ConfigurationError(f"queue {name!r}: {exc}") from None
@@ -349,6 +381,10 @@ class DbQueue:
         capacity: int | None = None,
         lanes: int | None = None,
         exist_ok: bool = True,
+        dedup_window: float = DEFAULT_DEDUP_WINDOW_S,
+        ttl: float | None = None,
+        on_expiry: OnExpiry | str = OnExpiry.FAIL,
+        ordering: Ordering | str = Ordering.NONE,
     ) -> Queue:
         """Create a queue (idempotently) and return it.
 
@@ -365,6 +401,15 @@ class DbQueue:
         numbers are dealt to lanes, and concurrent pops take from different lanes. Set it to about the
         number of consumers that pop a message at a time. The table design's defaults are a 1 MiB
         payload limit and ``archive=True``.
+
+        ``dedup_window`` (seconds, default 300) is how long a push's ``dedup_key`` is remembered: a
+        second push of the key within it pushes nothing and returns the first push's id (table design;
+        see :meth:`Queue.push`). ``ttl`` (seconds, table design, default none) is how long a message may
+        wait to be popped unless its push names another: a message not popped by then is never
+        delivered, and goes to the failed state with ``last_error`` ``"expired"``
+        (``on_expiry="fail"``, the default) or is dropped (``on_expiry="drop"``). ``ordering="per_key"``
+        (table design) lets pushes give messages an ordering key (``push(key=...)``): a key's messages
+        are handed out in push order, one at a time, while different keys go in parallel.
         """
         name = validate_queue_name(name)
         try:
@@ -384,7 +429,17 @@ class DbQueue:
             archive=archive,
             capacity=capacity,
             lanes=lanes,
+            dedup_window=dedup_window,
+            ttl=ttl,
+            on_expiry=on_expiry,
+            ordering=ordering,
         )
+        if (wanted.ttl_s is not None or wanted.ordering is Ordering.PER_KEY) and not self.db.push_options:
+            what = "a time to live needs the expiry of messages" if wanted.ttl_s else "ordering per key needs"
+            raise NotSupportedError(
+                f"queue {name!r}: {what}, which the {self.db.dialect_name} dialect does not have "
+                "(docs/sqlserver.md)"
+            )
         if "admin" not in self.db.actions_on(None):
             # A role that may not create queues may still declare one that exists as it wants it.
             try:
@@ -414,7 +469,11 @@ class DbQueue:
         None when a queue of that name exists already."""
         params = {f.name: getattr(wanted, f.name) for f in dataclasses.fields(wanted)}
         params.update(
-            design=wanted.design.value, payload_type=wanted.payload_type.value, notify=wanted.notify.value
+            design=wanted.design.value,
+            payload_type=wanted.payload_type.value,
+            notify=wanted.notify.value,
+            on_expiry=wanted.on_expiry.value,
+            ordering=wanted.ordering.value,
         )
         with self.db.transaction() as conn:  # a ring's slots are created with its row, or neither
             created = self.db.fetchone("create_queue", params, conn)

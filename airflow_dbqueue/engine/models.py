@@ -76,6 +76,28 @@ DEFAULT_RETRY_BACKOFF_S = 1.0
 """Seconds before a nacked message is ready again at its first retry (doubling with each attempt) ..."""
 DEFAULT_RETRY_BACKOFF_MAX_S = 300.0
 """... up to this many seconds."""
+DEFAULT_DEDUP_WINDOW_S = 300.0
+"""Seconds a push's deduplication key is remembered (SQS FIFO's five minutes), unless its queue names
+another window."""
+
+
+class OnExpiry(enum.StrEnum):
+    """What becomes of a message not popped within its time to live."""
+
+    FAIL = "fail"
+    """The failed state, with ``last_error`` ``"expired"``: listed, counted and requeued as any failed
+    message."""
+    DROP = "drop"
+    """Deleted (kept as discarded for the archiver where the queue archives)."""
+
+
+class Ordering(enum.StrEnum):
+    """How a queue orders its messages besides priority and due time."""
+
+    NONE = "none"
+    PER_KEY = "per_key"
+    """Pushes may give a message an ordering key: a key's messages are handed out one at a time, in
+    push order (as SQS FIFO's message groups, or a Kafka partition's key)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +120,17 @@ class QueueSettings:
     lanes: int | None = None
     """Lanes of a ring queue (``None`` for the table design): its numbers are dealt to lanes by
     ``id % lanes``, and consumers popping at once take from different lanes."""
+    dedup_window_s: float = DEFAULT_DEDUP_WINDOW_S
+    """Seconds within which a second push of a deduplication key (``push(dedup_key=...)``) pushes
+    nothing and returns the first push's id."""
+    ttl_s: float | None = None
+    """Seconds a message may wait to be popped, counted from its push, unless its push names another
+    ``ttl`` (``None``: no limit); then it is never delivered and goes as ``on_expiry`` says."""
+    on_expiry: OnExpiry = OnExpiry.FAIL
+    """What becomes of a message whose time to live passed before a pop took it."""
+    ordering: Ordering = Ordering.NONE
+    """``per_key``: no message is handed out while a message of its ordering key pushed before it is
+    ready, delayed or in flight (table design)."""
 
     def encode_all(self, payloads: list[Any]) -> list[bytes]:
         """Encode a batch of payloads (:meth:`encode` of each, in order).

@@ -78,6 +78,31 @@ def check_seconds(what: str, value: object, *, positive: bool = False) -> float:
     return seconds
 
 
+MAX_DEDUP_KEY_CHARS = 512
+"""The longest deduplication key (characters)."""
+
+
+def check_keys(queue: str, what: str, keys: object, n: int, *, optional: bool = False) -> list[Any]:
+    """Return ``keys`` as a list of ``n`` keys, or raise :class:`ConfigurationError` naming ``what`` and the
+    first that is not a non-empty string of at most :data:`MAX_DEDUP_KEY_CHARS` characters without NUL
+    (``None`` too where ``optional``), or the count when it is not one a payload."""
+    if isinstance(keys, str | bytes) or not isinstance(keys, Sequence):
+        raise ConfigurationError(f"queue {queue!r}: {what}s must be a sequence of strings, got {keys!r}")
+    if len(keys) != n:
+        raise ConfigurationError(
+            f"queue {queue!r}: {what}s must hold one key a payload ({n}), got {len(keys)}"
+        )
+    for i, k in enumerate(keys):
+        if k is None and optional:
+            continue
+        if not isinstance(k, str) or not 0 < len(k) <= MAX_DEDUP_KEY_CHARS or "\x00" in k:
+            raise ConfigurationError(
+                f"queue {queue!r}: {what} #{i} must be a non-empty string of at most "
+                f"{MAX_DEDUP_KEY_CHARS} characters without NUL, got {k!r:.80}"
+            )
+    return list(keys)
+
+
 def _check_batch_size(n: int) -> int:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1 or n > 100_000:
         raise ConfigurationError(f"batch size must be an integer from 1 to 100000, got {n!r}")
@@ -150,9 +175,36 @@ class Queue(abc.ABC):
         priority: int = 0,
         delay: float = 0.0,
         conn: DbConnection | None = None,
+        dedup_key: str | None = None,
+        ttl: float | None = None,
+        key: str | None = None,
     ) -> int:
-        """Push one message and return its id."""
-        return self.push_batch([payload], priority=priority, delay=delay, conn=conn)[0]
+        """Push one message and return its id.
+
+        :param dedup_key: a deduplication key (a non-empty string of at most
+            :data:`MAX_DEDUP_KEY_CHARS` characters, table design): when a push of the same key into
+            this queue committed within the queue's ``dedup_window``, nothing is pushed and that
+            push's id is returned, also when the two pushes race in separate transactions (the later
+            one waits for the earlier one's transaction; if that rolled back, the later one pushes).
+        :param ttl: seconds the message may wait to be popped, from now (table design; default: the
+            queue's ``ttl``); a message not popped by then is never delivered, and goes as the queue's
+            ``on_expiry`` says (failed with ``last_error`` ``"expired"``, or dropped).
+        :param key: the message's ordering key, on a queue created with ``ordering="per_key"``: no pop
+            or claim hands it out while a message of the same key pushed before it is ready, delayed
+            or in flight, so a key's messages are processed one at a time, in push order.
+        """
+        if dedup_key is None and ttl is None and key is None:
+            return self.push_batch([payload], priority=priority, delay=delay, conn=conn)[0]
+        ids = self.push_batch(
+            [payload],
+            priority=priority,
+            delay=delay,
+            conn=conn,
+            dedup_keys=None if dedup_key is None else [dedup_key],
+            ttl=ttl,
+            keys=None if key is None else [key],
+        )
+        return ids[0]
 
     @abc.abstractmethod
     def push_batch(
@@ -162,11 +214,19 @@ class Queue(abc.ABC):
         priority: int = 0,
         delay: float = 0.0,
         conn: DbConnection | None = None,
+        dedup_keys: Sequence[str] | None = None,
+        ttl: float | None = None,
+        keys: Sequence[str | None] | None = None,
     ) -> list[int]:
         """Push many messages in one round trip; return their ids in payload order.
 
         Every payload is encoded and checked before anything is sent: one bad payload fails the
         whole batch and nothing of it is written.
+
+        :param dedup_keys: one deduplication key a payload (see :meth:`push`); a key repeated within
+            the batch pushes its first payload only, and every occurrence gets that message's id.
+        :param ttl: the batch's time to live (see :meth:`push`).
+        :param keys: one ordering key a payload (``None``: that message has none; see :meth:`push`).
         """
 
     # -- pop ---------------------------------------------------------------------------------------

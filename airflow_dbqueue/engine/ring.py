@@ -63,6 +63,7 @@ from airflow_dbqueue.engine.errors import (
     DatabaseError,
     GroupNotFoundError,
     LockTimeoutError,
+    NotSupportedError,
     QueueFullError,
     RingNumbersSkippedError,
 )
@@ -128,8 +129,23 @@ class RingQueue(RingGroups, RingInspect):
         priority: int = 0,
         delay: float = 0.0,
         conn: DbConnection | None = None,
+        dedup_keys: Sequence[str] | None = None,
+        ttl: float | None = None,
+        keys: Sequence[str | None] | None = None,
     ) -> list[int]:
         items = list(payloads)
+        if dedup_keys is not None or ttl is not None or keys is not None:
+            what = (
+                "deduplication keys on push are"
+                if dedup_keys is not None
+                else "expiry (ttl) is"
+                if ttl is not None
+                else "ordering per key is"
+            )
+            raise NotSupportedError(
+                f"queue {self.name!r} is a ring: {what} the table design's (docs/limits.md); use a "
+                "table-design queue for it"
+            )
         if priority != 0:
             raise ConfigurationError(
                 f"queue {self.name!r} is a ring: FIFO by id, without priorities (got priority={priority}); "

@@ -17,6 +17,7 @@ from airflow_dbqueue.engine.errors import (
     BatchStateError,
     ConfigurationError,
     LeaseExpiredError,
+    NotSupportedError,
     QueueNotFoundError,
     ReceiptsNotHeldError,
 )
@@ -26,6 +27,8 @@ from airflow_dbqueue.engine.models import (
     FailedMessage,
     Message,
     NotifyMode,
+    OnExpiry,
+    Ordering,
     PayloadType,
     QueueStats,
     Semantics,
@@ -37,6 +40,7 @@ from airflow_dbqueue.engine.queue import (
     RECLAIM_LIMIT,
     Queue,
     _check_batch_size,
+    check_keys,
     check_seconds,
 )
 
@@ -68,6 +72,14 @@ class TableQueue(Queue):
         # The DbQueue's partition recycling (None: off), told of every push, pop and ack: it runs a
         # pass about a second after work, on a connection of its own.
         self.recycler: AutoRecycler | None = None
+        # A queue whose messages may expire (created with a ttl) or that is ordered per key claims with
+        # the statements that check both (the *_with queries); every other queue's claims check neither.
+        self._checks: dict[str, bool] | None = None
+        if settings.ttl_s is not None or settings.ordering is Ordering.PER_KEY:
+            self._checks = {
+                "expiring": settings.ttl_s is not None,
+                "per_key": settings.ordering is Ordering.PER_KEY,
+            }
 
     def _worked(self) -> None:
         if self.recycler is not None:
@@ -82,13 +94,44 @@ class TableQueue(Queue):
         priority: int = 0,
         delay: float = 0.0,
         conn: DbConnection | None = None,
+        dedup_keys: Sequence[str] | None = None,
+        ttl: float | None = None,
+        keys: Sequence[str | None] | None = None,
     ) -> list[int]:
         items = list(payloads)
+        dkeys = None if dedup_keys is None else check_keys(self.name, "dedup key", dedup_keys, len(items))
+        okeys = None
+        if keys is not None:
+            if self.settings.ordering is not Ordering.PER_KEY:
+                raise ConfigurationError(
+                    f"queue {self.name!r}: ordering keys need a queue created with ordering='per_key'"
+                )
+            okeys = check_keys(self.name, "key", keys, len(items), optional=True)
+        if (dkeys is not None or ttl is not None) and not self._db.push_options:
+            what = "deduplication keys on push need" if dkeys is not None else "a time to live needs"
+            raise NotSupportedError(
+                f"queue {self.name!r}: {what} the table design's push with options, which the "
+                f"{self._db.dialect_name} dialect does not have (docs/sqlserver.md)"
+            )
+        if ttl is None:
+            ttl = self.settings.ttl_s
+        elif self.settings.ttl_s is None:
+            raise ConfigurationError(
+                f"queue {self.name!r}: a message's ttl needs a queue created with a ttl (its default), "
+                "whose pops check expiry"
+            )
         if not items:
             return []
         if not isinstance(priority, int) or not _PRIORITY_MIN <= priority <= _PRIORITY_MAX:
             raise ConfigurationError(f"queue {self.name!r}: priority must be an integer in -32768..32767")
         delay = check_seconds(f"queue {self.name!r}: delay", delay)
+        if ttl is not None:
+            ttl = check_seconds(f"queue {self.name!r}: ttl", ttl, positive=True)
+            if ttl <= delay:
+                raise ConfigurationError(
+                    f"queue {self.name!r}: a message delayed {delay} s would expire before it is due "
+                    f"(ttl {ttl} s counts from the push); give a ttl above the delay"
+                )
         encoded = self.settings.encode_all(items)
         mode = self.settings.notify
         params: dict[str, Any] = {
@@ -101,11 +144,51 @@ class TableQueue(Queue):
             "channel": self._channel,
             "inline": max(map(len, encoded)) <= _INLINE_PAYLOAD_BYTES,
         }
+        if dkeys is not None or ttl is not None or okeys is not None:
+            return self._push_with(params, dkeys, okeys, ttl, conn)
         rows = self._db.fetchall("push", params, conn)
         if len(rows) != len(encoded):  # nothing was written: the queue was dropped
             raise QueueNotFoundError(self.name, self._db.schema)
         self._worked()
         return [r[0] for r in rows]
+
+    def _push_with(
+        self,
+        params: dict[str, Any],
+        keys: list[str] | None,
+        okeys: list[str | None] | None,
+        ttl: float | None,
+        conn: DbConnection | None,
+    ) -> list[int]:
+        """Push with deduplication keys, ordering keys (one a payload each) or a time to live, with
+        ``push``'s params. A deduplication key repeated within the batch sends its first payload only
+        (with its ordering key), so the keys a statement claims are distinct."""
+        del params["inline"]
+        params["ttl_s"] = ttl
+        params["okeys"] = okeys
+        if keys is None:
+            params["keys"] = None
+            rows = self._db.fetchall("push_with", params, conn)
+            if len(rows) != len(params["payloads"]):  # nothing was written: the queue was dropped
+                raise QueueNotFoundError(self.name, self._db.schema)
+            self._worked()
+            return [r[0] for r in rows]
+        first: dict[str, int] = {}
+        for i, k in enumerate(keys):
+            first.setdefault(k, i)
+        sent = list(first.values())
+        if len(sent) < len(keys):
+            payloads = params["payloads"]
+            params["payloads"] = [payloads[i] for i in sent]
+            if okeys is not None:
+                params["okeys"] = [okeys[i] for i in sent]
+        params["keys"] = list(first)
+        rows = self._db.fetchall("push_with", params, conn)
+        if len(rows) != len(sent):  # nothing was written: the queue was dropped
+            raise QueueNotFoundError(self.name, self._db.schema)
+        self._worked()
+        ids = dict(zip(first, (r[0] for r in rows), strict=True))
+        return [ids[k] for k in keys]
 
     # -- pop ---------------------------------------------------------------------------------------
 
@@ -116,25 +199,35 @@ class TableQueue(Queue):
         # them as a pop would get them, so an observer that saw them ready is not followed by a pop of
         # none. In the caller's transaction (conn), the reclaim joins it.
         self._maybe_reclaim(conn)
+        checks = self._checks
         if semantics is Semantics.AT_LEAST_ONCE:
-            rows = self._db.fetchall(
-                "pop_lease",
-                {"queue_id": self._qid, "n": n, "visibility_timeout_s": vt, "consumer": consumer},
-                conn,
-            )
+            params: dict[str, Any] = {
+                "queue_id": self._qid,
+                "n": n,
+                "visibility_timeout_s": vt,
+                "consumer": consumer,
+            }
+            if checks is None:
+                rows = self._db.fetchall("pop_lease", params, conn)
+            else:
+                rows = self._db.fetchall("pop_lease_with", {**params, **checks}, conn)
         else:
-            rows = self._db.fetchall(
-                "pop_take", {"queue_id": self._qid, "n": n, "archive": self.settings.archive}, conn
-            )
+            params = {"queue_id": self._qid, "n": n, "archive": self.settings.archive}
+            if checks is None:
+                rows = self._db.fetchall("pop_take", params, conn)
+            else:
+                rows = self._db.fetchall("pop_take_with", {**params, **checks}, conn)
         return self._messages(rows)
 
     def _pop_payloads_once(self, n: int, semantics: Semantics, conn: DbConnection | None) -> list[Any]:
         if not self._db.payload_pops:
             return super()._pop_payloads_once(n, semantics, conn)
         self._maybe_reclaim(conn)
-        rows = self._db.fetchall(
-            "pop_take_payloads", {"queue_id": self._qid, "n": n, "archive": self.settings.archive}, conn
-        )
+        params = {"queue_id": self._qid, "n": n, "archive": self.settings.archive}
+        if self._checks is None:
+            rows = self._db.fetchall("pop_take_payloads", params, conn)
+        else:
+            rows = self._db.fetchall("pop_take_payloads_with", {**params, **self._checks}, conn)
         return self.settings.decode_first_column(rows)
 
     def _maybe_reclaim(self, conn: DbConnection | None = None) -> None:
@@ -143,6 +236,10 @@ class TableQueue(Queue):
         if now - self._last_reclaim >= self.reclaim_every:
             self._last_reclaim = now
             self._reclaim(RECLAIM_LIMIT, conn)
+            if self.settings.ttl_s is not None:
+                # A queue whose messages expire by default is swept by its pops too; one that only some
+                # pushes give a ttl is swept by the upkeep. Either way no claim takes an expired message.
+                self._expire(RECLAIM_LIMIT, conn)
 
     def _messages(self, rows: list[tuple[Any, ...]]) -> list[Message]:
         # Rows (id, priority, attempts, delivery, enqueued_at, lease_until, payload), read in binary: a
@@ -232,6 +329,20 @@ class TableQueue(Queue):
             self._raise_lost(ids, deliveries, conn)
         return len(done)
 
+    def expire_messages(self, limit: int = RECLAIM_LIMIT) -> int:
+        """Move up to ``limit`` ready messages whose time to live passed to the failed state (``last_error``
+        ``"expired"``), or drop them (``on_expiry="drop"``); return how many. Pops never take them
+        meanwhile; the upkeep and, on a queue with a ``ttl``, the pops call this."""
+        return self._expire(limit, None)
+
+    def _expire(self, limit: int, conn: DbConnection | None) -> int:
+        if not self._db.push_options:
+            return 0
+        if self.settings.on_expiry is OnExpiry.DROP:
+            params = {"queue_id": self._qid, "limit": limit, "archive": self.settings.archive}
+            return len(self._db.fetchall("expire_drop", params, conn))
+        return len(self._db.fetchall("expire_fail", {"queue_id": self._qid, "limit": limit}, conn))
+
     def reclaim_expired(self, limit: int = RECLAIM_LIMIT) -> int:
         return self._reclaim(limit, None)
 
@@ -284,7 +395,12 @@ class TableQueue(Queue):
         cap = EXACT_COUNT if exact else STATS_EXACT_CAP
         row = self._db.fetchone("stats", {"queue_id": self._qid, "cap": cap})
         assert row is not None
-        return stats_from_row(self.name, row)
+        stats = stats_from_row(self.name, row)
+        if stats.failed and self._db.push_options:
+            expired = self._db.fetchone("count_expired", {"queue_id": self._qid, "cap": cap})
+            if expired and expired[0]:
+                stats.extra["expired"] = int(expired[0])
+        return stats
 
     def list_failed(self, limit: int = 100, after_id: int = 0) -> list[FailedMessage]:
         rows = self._db.fetchall("list_failed", {"queue_id": self._qid, "after_id": after_id, "limit": limit})
@@ -359,7 +475,10 @@ class TableQueue(Queue):
             "visibility_timeout_s": vt,
             "consumer": consumer or DEFAULT_CONSUMER,
         }
-        row = self._db.fetchone("claim_batch", params, conn)
+        if self._checks is None:
+            row = self._db.fetchone("claim_batch", params, conn)
+        else:
+            row = self._db.fetchone("claim_batch_with", {**params, **self._checks}, conn)
         return None if row is None else self._batch(row)
 
     def get_batch(self, batch_id: str) -> Batch:
@@ -372,10 +491,23 @@ class TableQueue(Queue):
     batch_retention_s = 7 * 24 * 3600.0
 
     def maintain(self, *, limit: int = RECLAIM_LIMIT) -> dict[str, int]:
-        """Reclaim expired leases, and forget batches finished more than ``batch_retention_s`` ago."""
+        """Reclaim expired leases, forget batches finished more than ``batch_retention_s`` ago and
+        deduplication keys older than the queue's window, and expire messages whose time to live passed
+        (up to ``limit`` of each)."""
         params = {"queue_id": self._qid, "older_than_s": self.batch_retention_s, "n": limit}
         purged = len(self._db.fetchall("purge_batches", params))
-        return {"reclaimed": self.reclaim_expired(limit), "batches_purged": purged}
+        forgotten = 0
+        if self._db.push_options:
+            forget = {"queue_id": self._qid, "window_s": self.settings.dedup_window_s, "n": limit}
+            forgotten = len(self._db.fetchall("forget_dedup", forget))
+        reclaimed = self.reclaim_expired(limit)
+        expired = self.expire_messages(limit)
+        return {
+            "reclaimed": reclaimed,
+            "batches_purged": purged,
+            "keys_forgotten": forgotten,
+            "expired": expired,
+        }
 
     def open_batches(self, limit: int = 100, *, consumer_prefix: str | None = None) -> list[Batch]:
         rows = self._db.fetchall(

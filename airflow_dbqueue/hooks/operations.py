@@ -165,9 +165,17 @@ class QueueOperations:
         priority: int = 0,
         delay: float = 0.0,
         conn: DbConnection | None = None,
+        dedup_keys: Sequence[str] | None = None,
+        ttl: float | None = None,
+        keys: Sequence[str | None] | None = None,
     ) -> list[int]:
-        """Push a batch in one statement (all or nothing); return the ids in payload order."""
-        return self.get_queue(queue_name).push_batch(payloads, priority=priority, delay=delay, conn=conn)
+        """Push a batch in one statement (all or nothing); return the ids in payload order.
+
+        ``dedup_keys``, ``ttl`` and ``keys`` (ordering keys) are :meth:`Queue.push_batch`'s.
+        """
+        return self.get_queue(queue_name).push_batch(
+            payloads, priority=priority, delay=delay, conn=conn, dedup_keys=dedup_keys, ttl=ttl, keys=keys
+        )
 
     def pop(
         self,

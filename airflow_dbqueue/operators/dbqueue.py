@@ -35,11 +35,18 @@ class DbQueuePushOperator(BaseOperator):  # type: ignore[misc]
     :param payloads_callable: a callable ``(context) -> iterable of payloads``.
     :param priority: priority of every message in the batch (higher pops first).
     :param delay: seconds before the messages become ready.
+    :param dedup_key: a Jinja template rendered once a message, with the task context and ``payload``
+        (the message's payload) and ``index`` (its place in the batch), e.g.
+        ``"order-{{ payload.order_id }}"``: the message's deduplication key, so that a retried task
+        pushes nothing twice within the queue's ``dedup_window``.
+    :param key: a Jinja template rendered as ``dedup_key`` is: the message's ordering key, on a queue
+        created with ``ordering="per_key"`` (an empty rendering: the message has none).
+    :param ttl: seconds the messages may wait to be popped (templated; the queue must have a ``ttl``).
     :param dbqueue_conn_id: the Airflow connection to the queue's database.
     :param dbqueue_schema: schema of the queue tables; overrides the connection extra.
     """
 
-    template_fields: Sequence[str] = ("queue_name", "payloads", "priority", "delay")
+    template_fields: Sequence[str] = ("queue_name", "payloads", "priority", "delay", "ttl")
 
     def __init__(
         self,
@@ -49,11 +56,17 @@ class DbQueuePushOperator(BaseOperator):  # type: ignore[misc]
         payloads_callable: Callable[[Context], Iterable[Any]] | None = None,
         priority: int = 0,
         delay: float = 0.0,
+        dedup_key: str | None = None,
+        key: str | None = None,
+        ttl: float | None = None,
         dbqueue_conn_id: str = DbQueueHook.default_conn_name,
         dbqueue_schema: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        for name, template in (("dedup_key", dedup_key), ("key", key)):
+            if template is not None and not isinstance(template, str):
+                raise ValueError(f"{name} must be a Jinja template string, got {type(template).__name__}")
         if (payloads is None) == (payloads_callable is None):
             raise ValueError(
                 f"{type(self).__name__} {kwargs.get('task_id')!r}: give exactly one of payloads and "
@@ -66,6 +79,9 @@ class DbQueuePushOperator(BaseOperator):  # type: ignore[misc]
         self.payloads_callable = payloads_callable
         self.priority = priority
         self.delay = delay
+        self.dedup_key = dedup_key
+        self.key = key
+        self.ttl = ttl
         self.dbqueue_conn_id = dbqueue_conn_id
         self.dbqueue_schema = dbqueue_schema
 
@@ -94,11 +110,30 @@ class DbQueuePushOperator(BaseOperator):  # type: ignore[misc]
             )
         return list(value)
 
+    def _keys(self, template: str | None, batch: list[Any], context: Context) -> list[Any] | None:
+        """``template`` rendered once a message (with ``payload`` and ``index``), or None without one."""
+        if template is None:
+            return None
+        out = []
+        for i, payload in enumerate(batch):
+            rendered = self.render_template(template, {**context, "payload": payload, "index": i})
+            out.append(str(rendered) if rendered not in (None, "") else None)
+        return out
+
     def execute(self, context: Context) -> list[int]:
         """Push the batch and return the message ids in payload order."""
         batch = self._batch(context)
+        dedup_keys = self._keys(self.dedup_key, batch, context)
         with DbQueueHook(self.dbqueue_conn_id, dbqueue_schema=self.dbqueue_schema) as hook:
-            ids = hook.push(self.queue_name, batch, priority=int(self.priority), delay=float(self.delay))
+            ids = hook.push(
+                self.queue_name,
+                batch,
+                priority=int(self.priority),
+                delay=float(self.delay),
+                dedup_keys=dedup_keys,  # a message whose key rendered empty is refused there
+                ttl=None if self.ttl is None or self.ttl == "" else float(self.ttl),  # type: ignore[comparison-overlap]
+                keys=self._keys(self.key, batch, context),
+            )
         self.log.info("pushed %s message(s) to queue %s", len(ids), self.queue_name)
         return ids
 

@@ -193,3 +193,34 @@ def test_ack_operator_refuses_what_is_not_a_claim(airflow_conn: str, dbq: DbQueu
         run(DbQueueAckOperator(task_id="b", claim=[1, 2]))
     with pytest.raises(ValueError, match="'ack' or 'nack'"):
         DbQueueAckOperator(task_id="c", claim={}, action="delete")
+
+
+def test_push_with_key_templates_and_a_ttl(airflow_conn: str, dbq: DbQueue) -> None:
+    """The key templates are rendered once a message, with its payload: a retried task pushes nothing
+    again (deduplication keys), and a customer's orders go one at a time (ordering keys)."""
+    dbq.create_queue("orders", ordering="per_key", ttl=3600)
+    batch = [{"order": i, "customer": f"c{i % 2}"} for i in range(4)]
+
+    def push() -> list[int]:
+        op = DbQueuePushOperator(
+            task_id="p",
+            queue_name="orders",
+            payloads=batch,
+            dedup_key="{{ params.day }}-{{ payload.order }}",
+            key="{{ payload.customer }}",
+            ttl="{{ params.ttl }}",
+        )
+        return list(run(op, params={"day": "d1", "ttl": 600}))
+
+    ids = push()
+    assert push() == ids and len(set(ids)) == 4  # the retry
+    with DbQueueHook(airflow_conn) as hook:
+        first = hook.pop("orders", 10)
+        assert [m.payload for m in first] == batch[:2]  # one a customer
+        assert hook.ack("orders", first) == 2
+        rest = hook.pop("orders", 10)
+        assert [m.payload for m in rest] == batch[2:]
+        hook.ack("orders", rest)
+        assert checksum(m.payload for m in first + rest) == checksum(batch)
+    with pytest.raises(ValueError, match="dedup_key must be a Jinja template"):
+        DbQueuePushOperator(task_id="bad", queue_name="orders", payloads=[1], dedup_key=7)  # type: ignore[arg-type]

@@ -184,10 +184,11 @@ def test_upkeep_forgets_old_finished_batches_only(dbq: DbQueue) -> None:
     assert acked is not None and released is not None and still_open is not None
     q.ack_batch(acked.batch_id)
     q.release_batch(released.batch_id, delay=60)
-    assert q.maintain() == {"reclaimed": 0, "batches_purged": 0}  # a week's retention by default
+    # a week's retention by default
+    assert q.maintain() == {"reclaimed": 0, "batches_purged": 0, "keys_forgotten": 0, "expired": 0}
     q.batch_retention_s = 0  # type: ignore[attr-defined]
     time.sleep(0.01)
-    assert q.maintain() == {"reclaimed": 0, "batches_purged": 2}
+    assert q.maintain() == {"reclaimed": 0, "batches_purged": 2, "keys_forgotten": 0, "expired": 0}
     assert [b.batch_id for b in q.open_batches()] == [still_open.batch_id]
     with pytest.raises(BatchNotFoundError):
         q.get_batch(acked.batch_id)

@@ -280,3 +280,21 @@ def test_a_role_samples_the_queues_it_administers(
     assert out["recorded"] == 1 and list(out["queues"]) == ["orders"]
     assert out["notes"] == ["queue 'other' not sampled: the role may not administer it"]
     assert {q: len(s) for q, s in owner.maintenance().samples(window=600).items()} == {"orders": 1}
+
+
+def test_a_role_with_push_pushes_with_deduplication_keys(
+    owner: DbQueue, role: Callable[[], str], pg_dsn: str
+) -> None:
+    """Pushing with keys needs push alone (the dedup table's rows of the queue), and a pusher's keys
+    are its queue's: the same key in another queue is another message."""
+    pusher = role()
+    owner.grant(pusher, "orders", ["push"])
+    other = owner.queue("other").push({"other": 1}, dedup_key="k1")
+    with as_role(pg_dsn, owner.schema, pusher) as dbq:
+        q = dbq.queue("orders")
+        ids = q.push_batch([{"n": 1}, {"n": 2}], dedup_keys=["k1", "k2"])
+        assert q.push({"n": 1, "retry": True}, dedup_key="k1") == ids[0]
+        assert other not in ids
+    popped = owner.queue("orders").pop(10)
+    assert [(m.id, m.payload) for m in popped] == [(ids[0], {"n": 1}), (ids[1], {"n": 2})]
+    assert [m.payload for m in owner.queue("other").pop(10)] == [{"other": 1}]

@@ -206,8 +206,8 @@ def test_recover_reclaims_expired_leases(dbq: DbQueue) -> None:
     r.pop(2, semantics="at-least-once")
     time.sleep(0.3)
     assert dbq.maintenance().recover() == {
-        "q": {"reclaimed": 3, "batches_purged": 0},
-        "r": {"reclaimed": 2, "batches_purged": 0},
+        "q": {"reclaimed": 3, "batches_purged": 0, "keys_forgotten": 0, "expired": 0},
+        "r": {"reclaimed": 2, "batches_purged": 0, "keys_forgotten": 0, "expired": 0},
     }
     assert (q.stats().failed, r.stats().ready) == (3, 2)
 

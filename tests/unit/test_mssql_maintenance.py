@@ -511,7 +511,27 @@ def test_no_rebuild_runs_while_a_long_transaction_is_open_on_a_fake_sql_server(
 def test_a_rings_upkeep_on_a_fake_sql_server(fake: MaintenanceServer) -> None:
     """recover(): a ring queue's upkeep (lease reclaim, then gap recovery), with the ring's capacity and
     lanes from its row, on the pooled connections (consumers run alongside; no maintenance lock)."""
-    fake.queues = [(4, "events", "ring", "json", 512, 3, 30.0, 1.0, 60.0, "auto", False, 1024, 8)]
+    fake.queues = [
+        (
+            4,
+            "events",
+            "ring",
+            "json",
+            512,
+            3,
+            30.0,
+            1.0,
+            60.0,
+            "auto",
+            False,
+            1024,
+            8,
+            300.0,
+            None,
+            "fail",
+            "none",
+        )
+    ]
     fake.ring = {
         "ring_reclaim_expired": [(11, 1), (12, 1), (13, 2)],
         "ring_floor": [(40, 1)],  # ring_unwritten: position 40, a number up to it unwritten
@@ -547,7 +567,27 @@ def test_a_sample_of_a_table_queue_on_a_fake_sql_server(fake: MaintenanceServer)
             return super().answer(text)
 
     server = Sampling()
-    server.queues = [(4, "orders", "table", "json", 512, 3, 30.0, 1.0, 60.0, "auto", True, None, None)]
+    server.queues = [
+        (
+            4,
+            "orders",
+            "table",
+            "json",
+            512,
+            3,
+            30.0,
+            1.0,
+            60.0,
+            "auto",
+            True,
+            None,
+            None,
+            300.0,
+            None,
+            "fail",
+            "none",
+        )
+    ]
     before = dt.datetime(2026, 1, 1, 12, 0)
     server.last_samples = [(4, before, None, None)]
     server.clock = dt.datetime(2026, 1, 1, 12, 5)

@@ -393,7 +393,25 @@ def _fake_dbq(monkeypatch: pytest.MonkeyPatch, script: list[Any]) -> tuple[DbQue
     return dbq, FakeSqlServer(script).attach(monkeypatch, dbq.db)
 
 
-ORDERS = (7, "orders", "table", "json", 1024, 5, 30.0, 1.0, 300.0, "auto", True, None, None)
+ORDERS = (
+    7,
+    "orders",
+    "table",
+    "json",
+    1024,
+    5,
+    30.0,
+    1.0,
+    300.0,
+    "auto",
+    True,
+    None,
+    None,
+    300.0,
+    None,
+    "fail",
+    "none",
+)
 
 
 def test_a_push_to_a_dropped_queue_raises_on_a_fake_sql_server(monkeypatch: pytest.MonkeyPatch) -> None:

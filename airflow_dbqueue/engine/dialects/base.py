@@ -114,6 +114,9 @@ class Database(NamedStatements, Protocol):
     #: True when a pop of payloads only has statements of its own that send one column a message
     #: (queries ``pop_take_payloads``, ``ring_take_payloads``).
     payload_pops: bool
+    #: True when the table design has deduplication keys on push (queries ``push_with`` and
+    #: ``forget_dedup``, the ``dedup`` table).
+    push_options: bool
     #: True when maintenance counts every table-design queue of the schema with one statement a table
     #: (queries ``stats_all``, ``table_flow_all``, ``sample_insert_all``, ``queue_rates_all`` and
     #: ``upkeep_due``) instead of a statement a queue.

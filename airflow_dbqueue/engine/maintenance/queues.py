@@ -116,8 +116,9 @@ def upkeep(
     The table design returns expired leases to ready (or failed); the ring design recovers its gaps
     here too. Safe to run alongside consumers (claims skip locked rows), so it takes no lock. Where the
     dialect counts the schema at once (``schema_passes``), one statement (``upkeep_due``) names the
-    table-design queues that have an expired lease or a batch to forget, and only those run their
-    upkeep statements; the others report zeros, as their statements would have.
+    table-design queues that have an expired lease, a batch or a deduplication key to forget, or a
+    message whose time to live passed, and only those run their upkeep statements; the others report
+    zeros, as their statements would have.
     """
     from airflow_dbqueue.engine.models import Design
     from airflow_dbqueue.engine.table import TableQueue
@@ -131,7 +132,9 @@ def upkeep(
             for r in queues.db.fetchall("upkeep_due", {"older_than_s": TableQueue.batch_retention_s})
         }
         idle = [s.name for s in listed if s.design is Design.TABLE and s.queue_id not in due]
-        out.update({name: {"reclaimed": 0, "batches_purged": 0} for name in idle})
+        out.update(
+            {name: {"reclaimed": 0, "batches_purged": 0, "keys_forgotten": 0, "expired": 0} for name in idle}
+        )
         names = [s.name for s in listed if s.name not in out]
     for name, q in queues.each(names, notes, what):
         try:

@@ -68,12 +68,30 @@ log = logging.getLogger(__name__)
 
 _PKG = __package__ or "airflow_dbqueue.engine.dialects.mssql"
 
-NOT_YET_PORTED: dict[str, str] = {}
+NOT_YET_PORTED: dict[str, str] = {
+    **{
+        name: "deduplication keys on push (push(dedup_key=...)) need a dedup table and a push procedure "
+        "that claims keys; this dialect has neither (push_options = False), and a push with a key raises "
+        "NotSupportedError"
+        for name in ("push_with", "forget_dedup")
+    },
+    **{
+        name: "expiry (ttl) needs meta.expires_at, claims that pass expired rows and a sweep; this dialect "
+        "has none of them (push_options = False): create_queue(ttl=...) and push(ttl=...) raise "
+        "NotSupportedError"
+        for name in ("expire_fail", "expire_drop", "count_expired")
+    },
+    **{
+        name: "the claims of a queue with a ttl or ordered per key (which check expiry and ordering keys); "
+        "this dialect refuses such queues (push_options = False), so nothing runs them"
+        for name in ("pop_lease_with", "pop_take_with", "pop_take_payloads_with", "claim_batch_with")
+    },
+}
 """Named queries of the PostgreSQL dialect that this dialect does not have yet, with what they need.
 
 The parity test checks that the PostgreSQL names are exactly this dialect's names plus these, so a new
-PostgreSQL query fails the test until it is ported or listed here. Empty: the table design, maintenance
-and the ring design with its consumer groups are all ported.
+PostgreSQL query fails the test until it is ported or listed here. Besides these, the table design,
+maintenance and the ring design with its consumer groups are all ported.
 """
 
 POSTGRES_ONLY: dict[str, str] = {
@@ -195,6 +213,7 @@ class MssqlDatabase(MssqlSchema, MssqlMaintenance):
     supports_notify = False
     ring_push_takes_floor = False  # its ring_push reads the floor under its own locks
     payload_pops = False  # a pop of payloads takes them from its procedures' whole rows
+    push_options = False  # no deduplication keys or expiry yet (docs/sqlserver.md)
     schema_passes = False  # maintenance counts a queue at a time (docs/limits.md)
     prepares_statements = True
 

@@ -26,7 +26,9 @@ CREATE TABLE {schema}.owned_objects (
     CONSTRAINT owned_objects_pkey PRIMARY KEY (kind, name)
 );
 
--- One row a queue: its settings. Many queues share the tables below.
+-- One row a queue: its settings. Many queues share the tables below. dedup_window_s, ttl_s, on_expiry and
+-- ordering are kept as on PostgreSQL, though this dialect has no deduplication keys on push, no expiry
+-- and no ordering per key yet (docs/sqlserver.md): create_queue refuses a ttl or per_key here.
 CREATE TABLE {schema}.queues (
     queue_id int IDENTITY(1, 1) NOT NULL,
     name nvarchar(48) NOT NULL,
@@ -40,6 +42,10 @@ CREATE TABLE {schema}.queues (
     notify varchar(8) NOT NULL,
     archive bit NOT NULL,
     created_at datetime2(6) NOT NULL CONSTRAINT queues_created_df DEFAULT SYSUTCDATETIME(),
+    dedup_window_s float NOT NULL CONSTRAINT queues_dedup_window_df DEFAULT 300,
+    ttl_s float NULL,
+    on_expiry varchar(8) NOT NULL CONSTRAINT queues_on_expiry_df DEFAULT 'fail',
+    ordering varchar(8) NOT NULL CONSTRAINT queues_ordering_df DEFAULT 'none',
     CONSTRAINT queues_pkey PRIMARY KEY (queue_id),
     CONSTRAINT queues_name_key UNIQUE (name),
     CONSTRAINT queues_name_valid CHECK (
@@ -49,7 +55,11 @@ CREATE TABLE {schema}.queues (
     CONSTRAINT queues_notify_valid CHECK (notify IN ('auto', 'always', 'never')),
     CONSTRAINT queues_limits_valid CHECK (
         max_payload_bytes > 0 AND max_attempts > 0 AND visibility_timeout_s > 0
-        AND retry_backoff_s >= 0 AND retry_backoff_max_s >= retry_backoff_s)
+        AND retry_backoff_s >= 0 AND retry_backoff_max_s >= retry_backoff_s),
+    CONSTRAINT queues_dedup_window_valid CHECK (dedup_window_s > 0),
+    CONSTRAINT queues_ttl_valid CHECK (ttl_s > 0),
+    CONSTRAINT queues_on_expiry_valid CHECK (on_expiry IN ('fail', 'drop')),
+    CONSTRAINT queues_ordering_valid CHECK (ordering IN ('none', 'per_key'))
 );
 
 -- A sequence with a large cache hands out ids without a hot row (Kejser, "Implementing Message Queues

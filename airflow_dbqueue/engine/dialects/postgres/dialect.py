@@ -83,6 +83,7 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance, Post
     dialect_name = "postgresql"
     ring_push_takes_floor = True
     payload_pops = True
+    push_options = True
     schema_passes = True
     prepares_statements = True  # not behind a transaction pooler (__init__)
 

@@ -78,9 +78,10 @@ BEGIN
             IF cardinality(p_payloads) = 1 THEN
                 RETURN QUERY
                 INSERT INTO {schema}.meta (id, queue_id, state, priority, attempts, process_at, enqueued_at,
-                    lease_until, consumer, last_error, deliveries, payload, gen)
+                    lease_until, consumer, last_error, deliveries, payload, gen, expires_at, okey)
                 SELECT x.id, x.queue_id, 0::smallint, p_priority, 0, v_at, now(),
-                       NULL::timestamptz, NULL::text, NULL::text, 0, p_payloads[1], ((x.id >> 14) & 7)::smallint
+                       NULL::timestamptz, NULL::text, NULL::text, 0, p_payloads[1], ((x.id >> 14) & 7)::smallint,
+                       NULL::timestamptz, NULL::text
                 FROM (SELECT nextval('{schema}.message_id_seq') AS id, q.queue_id FROM {schema}.queues q
                       WHERE q.queue_id = p_queue_id) x
                 RETURNING id;
@@ -91,9 +92,10 @@ BEGIN
                 -- flattened into its parent, so the id is taken once a row and gen computed from it).
                 RETURN QUERY
                 INSERT INTO {schema}.meta (id, queue_id, state, priority, attempts, process_at, enqueued_at,
-                    lease_until, consumer, last_error, deliveries, payload, gen)
+                    lease_until, consumer, last_error, deliveries, payload, gen, expires_at, okey)
                 SELECT y.id, y.queue_id, 0::smallint, p_priority, 0, v_at, now(),
-                       NULL::timestamptz, NULL::text, NULL::text, 0, y.payload, ((y.id >> 14) & 7)::smallint
+                       NULL::timestamptz, NULL::text, NULL::text, 0, y.payload, ((y.id >> 14) & 7)::smallint,
+                       NULL::timestamptz, NULL::text
                 FROM (SELECT nextval('{schema}.message_id_seq') AS id, x.queue_id, x.payload
                       FROM (SELECT q.queue_id, unnest(p_payloads) AS payload FROM {schema}.queues q
                             WHERE q.queue_id = p_queue_id) x) y
@@ -177,6 +179,94 @@ BEGIN
         -- (an inner join: the planner would remove an unused LEFT JOIN, and with it the NOTIFY)
         SELECT i.id FROM input i CROSS JOIN (SELECT count(*) AS c FROM n) x ORDER BY i.ord;
     END IF;
+END
+$$;
+
+-- The table design's push with options (push(dedup_key=..., ttl=..., key=...)), where table_push() has
+-- none: p_okeys (NULL: none) are ordering keys, p_okeys[i] the key of p_payloads[i] (NULL: the message
+-- is ordered with no other) on a queue ordered per key (see table_take and below);
+-- p_keys (NULL: none) are deduplication keys, p_keys[i] the key of p_payloads[i], distinct (the client
+-- maps a key repeated within a batch to its first occurrence); p_ttl_s (NULL: none) is the messages'
+-- time to live from now (meta.expires_at). Rows (r_id, r_new) in payload order: r_new when this call
+-- pushed the message, otherwise r_id is the message that the key's first push within the queue's
+-- dedup_window_s made (whether or not it was consumed since), and nothing was written for it. None when
+-- the queue does not exist. The queue's push lock and its row are taken as in table_push().
+-- Each key is claimed by an INSERT into dedup whose ON CONFLICT takes over a row older than the window
+-- (the new id and time) and otherwise keeps it: the statement returns the id the row holds, so a key
+-- whose row holds the id proposed here is new. Two pushes of one key in separate transactions meet on
+-- dedup_pkey: the second waits for the first's transaction; if that committed, the second's ON CONFLICT
+-- sees its row (READ COMMITTED reads the newest committed version there) and returns its id; if it
+-- rolled back, the second inserts its own row and pushes its message. Under REPEATABLE READ or
+-- SERIALIZABLE a key committed after the transaction's snapshot raises a serialization error instead
+-- (the caller runs its transaction again and gets the first's id). Keys are claimed in key order, so two
+-- batches sharing keys lock them in one order and do not deadlock each other. Ids are taken from the
+-- sequence for every payload in payload order, so a batch's new messages keep their push order; a
+-- duplicate leaves its number unused (ids have gaps already, as a rolled-back push leaves).
+CREATE OR REPLACE FUNCTION {schema}.table_push_with(
+    p_queue_id integer, p_payloads bytea[], p_keys text[], p_okeys text[], p_priority smallint,
+    p_delay_s double precision, p_ttl_s double precision, p_notify integer, p_channel text)
+RETURNS TABLE (r_id bigint, r_new boolean)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+DECLARE
+    v_locked text;
+    v_window double precision;
+    v_expires timestamptz := now() + make_interval(secs => p_ttl_s);
+BEGIN
+    v_locked := pg_advisory_xact_lock_shared(hashtext('dbqueue.queue.' || '{schema}'), p_queue_id)::text;
+    IF current_setting('transaction_isolation') = 'read committed' THEN
+        SELECT q.dedup_window_s INTO v_window FROM {schema}.queues q WHERE q.queue_id = p_queue_id;
+    ELSE
+        SELECT q.dedup_window_s INTO v_window FROM {schema}.queues q WHERE q.queue_id = p_queue_id
+        FOR KEY SHARE;
+    END IF;
+    IF v_window IS NULL THEN
+        RETURN;
+    END IF;
+    IF p_okeys IS NOT NULL THEN
+        -- Pushes of one ordering key serialize (a lock a key, to the end of the transaction, taken in
+        -- key order), so a key's ids grow in the order its pushes commit: the claims' check of an
+        -- earlier id is then a check of an earlier push. Two keys may share a lock (a hash collision),
+        -- which only makes their pushes wait for each other.
+        PERFORM pg_advisory_xact_lock(hashtext('dbqueue.okey.' || '{schema}') # p_queue_id, hashtext(k.okey))
+        FROM (SELECT DISTINCT u.okey FROM unnest(p_okeys) AS u(okey) WHERE u.okey IS NOT NULL ORDER BY 1) k;
+    END IF;
+    RETURN QUERY
+    WITH input AS MATERIALIZED (
+        SELECT nextval('{schema}.message_id_seq') AS id, p.payload, p.dedup_key, p.okey, p.ord
+        FROM unnest(p_payloads, coalesce(p_keys, ARRAY[]::text[]), coalesce(p_okeys, ARRAY[]::text[]))
+             WITH ORDINALITY AS p(payload, dedup_key, okey, ord)
+    ), claimed AS (
+        INSERT INTO {schema}.dedup AS d (queue_id, dedup_key, id, pushed_at)
+        SELECT p_queue_id, i.dedup_key, i.id, now() FROM input i WHERE p_keys IS NOT NULL ORDER BY i.dedup_key
+        ON CONFLICT (queue_id, dedup_key) DO UPDATE
+        SET id = CASE WHEN d.pushed_at <= now() - make_interval(secs => v_window) THEN excluded.id ELSE d.id END,
+            pushed_at = CASE WHEN d.pushed_at <= now() - make_interval(secs => v_window)
+                             THEN excluded.pushed_at ELSE d.pushed_at END
+        RETURNING d.dedup_key, d.id
+    ), result AS MATERIALIZED (
+        SELECT i.ord, i.payload, i.okey, coalesce(c.id, i.id) AS id, c.id IS NULL OR c.id = i.id AS new
+        FROM input i LEFT JOIN claimed c ON c.dedup_key = i.dedup_key
+    ), m AS (
+        INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload, gen, expires_at,
+            okey)
+        SELECT r.id, p_queue_id, p_priority, now() + make_interval(secs => p_delay_s), now(),
+               CASE WHEN octet_length(r.payload) <= 1900 THEN r.payload END, ((r.id >> 14) & 7)::smallint,
+               v_expires, r.okey
+        FROM result r WHERE r.new
+    ), dd AS (
+        INSERT INTO {schema}.data (id, queue_id, payload, gen)
+        SELECT r.id, p_queue_id, r.payload, ((r.id >> 14) & 7)::smallint FROM result r
+        WHERE r.new AND octet_length(r.payload) > 1900
+    ), n AS (
+        SELECT pg_notify(p_channel, '') AS sent
+        WHERE p_notify > 0 AND EXISTS (SELECT 1 FROM result r WHERE r.new) AND (p_notify = 2 OR (
+            SELECT r.id FROM {schema}.meta r
+            WHERE r.gen = {schema}.table_generation() AND r.queue_id = p_queue_id AND r.state = 0
+              AND r.process_at <= now()
+            ORDER BY r.priority, r.process_at DESC, r.id DESC
+            LIMIT 1) IS NULL)
+    )
+    SELECT r.id, r.new FROM result r CROSS JOIN (SELECT count(*) AS c FROM n) x ORDER BY r.ord;
 END
 $$;
 
@@ -359,6 +449,95 @@ BEGIN
     FROM (
         SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
         WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
+        ORDER BY s.priority DESC, s.process_at, s.id
+        LIMIT p_n
+        FOR UPDATE SKIP LOCKED) c
+    WHERE m.gen = c.gen AND m.ctid = c.tid
+    RETURNING m.id, m.priority, m.attempts, m.deliveries, m.enqueued_at, m.lease_until,
+              coalesce(m.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = m.id AND d.gen = m.gen));
+END
+$$;
+
+-- table_take() for a queue whose messages may expire (p_expiring: created with a ttl) or that is
+-- ordered per key (p_per_key). The client calls it only for such a queue, so that table_take()'s claim,
+-- which every other queue's pops run, evaluates neither check. Besides the rows table_take() skips, it
+-- skips rows whose time to live has passed (left to the expiry sweep) and rows whose ordering key has
+-- an earlier message (a smaller id) ready, delayed or in flight (state < 2; the row of a take not
+-- committed yet still counts, as every other transaction still sees it), found through meta_key_idx.
+-- Otherwise as table_take(): generic plans, rows in claim order without a sort.
+CREATE OR REPLACE FUNCTION {schema}.table_take_with(
+    p_queue_id integer, p_n integer, p_archive boolean, p_expiring boolean, p_per_key boolean)
+RETURNS TABLE (r_id bigint, r_priority smallint, r_attempts integer, r_deliveries integer,
+               r_enqueued_at timestamptz, r_lease_until timestamptz, r_payload bytea)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off AS $$
+BEGIN
+    IF p_archive THEN
+        RETURN QUERY
+        WITH taken AS (
+            DELETE FROM {schema}.meta m
+            USING (
+                SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
+                WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
+                  AND (NOT p_expiring OR s.expires_at IS NULL OR s.expires_at > now())
+                  AND (NOT p_per_key OR s.okey IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.meta e
+                      WHERE e.queue_id = s.queue_id AND e.okey = s.okey AND e.id < s.id AND e.state < 2))
+                ORDER BY s.priority DESC, s.process_at, s.id
+                LIMIT p_n
+                FOR UPDATE SKIP LOCKED) c
+            WHERE m.gen = c.gen AND m.ctid = c.tid
+            RETURNING m.id, m.queue_id, m.priority, m.attempts + 1 AS attempts,
+                      m.deliveries + 1 AS deliveries, m.enqueued_at, m.payload, m.gen
+        ), kept AS (
+            INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload, gen)
+            SELECT t.id, t.queue_id, t.priority, t.attempts, t.enqueued_at, 1, t.payload, t.gen FROM taken t
+        )
+        SELECT t.id, t.priority, t.attempts, t.deliveries, t.enqueued_at, NULL::timestamptz,
+               coalesce(t.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = t.id AND d.gen = t.gen))
+        FROM taken t;
+    ELSE
+        -- Rows straight from the DELETE: a CTE would copy each into a store and read it back (about
+        -- 3,400 instructions a message at batch 100). A payload in data is taken (read and deleted) by
+        -- data_take_of(), which coalesce() calls only for a row without a payload of its own.
+        RETURN QUERY
+        DELETE FROM {schema}.meta m
+        USING (
+            SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
+            WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
+              AND (NOT p_expiring OR s.expires_at IS NULL OR s.expires_at > now())
+              AND (NOT p_per_key OR s.okey IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.meta e
+                  WHERE e.queue_id = s.queue_id AND e.okey = s.okey AND e.id < s.id AND e.state < 2))
+            ORDER BY s.priority DESC, s.process_at, s.id
+            LIMIT p_n
+            FOR UPDATE SKIP LOCKED) c
+        WHERE m.gen = c.gen AND m.ctid = c.tid
+        RETURNING m.id, m.priority, m.attempts + 1, m.deliveries + 1, m.enqueued_at, NULL::timestamptz,
+                  coalesce(m.payload, {schema}.data_take_of(m.id, m.gen));
+    END IF;
+END
+$$;
+
+-- table_lease() for a queue whose messages may expire or that is ordered per key: it skips what
+-- table_take_with() skips, and is otherwise table_lease().
+CREATE OR REPLACE FUNCTION {schema}.table_lease_with(
+    p_queue_id integer, p_n integer, p_vt double precision, p_consumer text, p_expiring boolean,
+    p_per_key boolean)
+RETURNS TABLE (r_id bigint, r_priority smallint, r_attempts integer, r_deliveries integer,
+               r_enqueued_at timestamptz, r_lease_until timestamptz, r_payload bytea)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off AS $$
+BEGIN
+    -- Rows straight from the UPDATE, not through a CTE (see table_take).
+    RETURN QUERY
+    UPDATE {schema}.meta m
+    SET state = 1, attempts = m.attempts + 1, deliveries = m.deliveries + 1, consumer = p_consumer,
+        lease_until = now() + make_interval(secs => p_vt)
+    FROM (
+        SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
+        WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
+          AND (NOT p_expiring OR s.expires_at IS NULL OR s.expires_at > now())
+          AND (NOT p_per_key OR s.okey IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.meta e
+              WHERE e.queue_id = s.queue_id AND e.okey = s.okey AND e.id < s.id AND e.state < 2))
         ORDER BY s.priority DESC, s.process_at, s.id
         LIMIT p_n
         FOR UPDATE SKIP LOCKED) c

@@ -22,6 +22,7 @@ TABLES = (
     "archive",
     "queues",
     "batches",
+    "dedup",
     "ring_lanes",
     "ring_leases",
     "ring_retry",

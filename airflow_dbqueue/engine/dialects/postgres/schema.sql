@@ -25,6 +25,11 @@ CREATE TABLE {schema}.owned_objects (
 );
 
 -- One row a queue: its settings. Many queues share the tables below.
+-- dedup_window_s: how long a push's deduplication key is remembered (table_push_with, the dedup table).
+-- ttl_s: the time to live of the queue's messages unless a push names another (NULL: none); on_expiry:
+-- what becomes of a message not popped by then, 'fail' (the failed state, last_error 'expired') or
+-- 'drop' (deleted, or kept in done as discarded where the queue archives). ordering: 'per_key' lets pushes
+-- give messages an ordering key (meta.okey), 'none' does not.
 CREATE TABLE {schema}.queues (
     queue_id integer GENERATED ALWAYS AS IDENTITY,
     name text NOT NULL,
@@ -38,6 +43,10 @@ CREATE TABLE {schema}.queues (
     notify text NOT NULL,
     archive boolean NOT NULL,
     created_at timestamptz NOT NULL DEFAULT now(),
+    dedup_window_s double precision NOT NULL DEFAULT 300,
+    ttl_s double precision,
+    on_expiry text NOT NULL DEFAULT 'fail',
+    ordering text NOT NULL DEFAULT 'none',
     CONSTRAINT queues_pkey PRIMARY KEY (queue_id),
     CONSTRAINT queues_name_key UNIQUE (name),
     CONSTRAINT queues_name_valid CHECK (name ~ '^[a-z_][a-z0-9_]*$' AND length(name) <= 48),
@@ -46,7 +55,11 @@ CREATE TABLE {schema}.queues (
     CONSTRAINT queues_notify_valid CHECK (notify IN ('auto', 'always', 'never')),
     CONSTRAINT queues_limits_valid CHECK (
         max_payload_bytes > 0 AND max_attempts > 0 AND visibility_timeout_s > 0
-        AND retry_backoff_s >= 0 AND retry_backoff_max_s >= retry_backoff_s)
+        AND retry_backoff_s >= 0 AND retry_backoff_max_s >= retry_backoff_s),
+    CONSTRAINT queues_dedup_window_valid CHECK (dedup_window_s > 0),
+    CONSTRAINT queues_ttl_valid CHECK (ttl_s > 0),
+    CONSTRAINT queues_on_expiry_valid CHECK (on_expiry IN ('fail', 'drop')),
+    CONSTRAINT queues_ordering_valid CHECK (ordering IN ('none', 'per_key'))
 );
 
 CREATE SEQUENCE {schema}.message_id_seq AS bigint;
@@ -86,6 +99,12 @@ CREATE SEQUENCE {schema}.message_id_seq AS bigint;
 -- statement that inserts or updates rows (about 53,600 instructions for the two, a fifth of a push of
 -- one). The state-machine tests check both rules after every step.
 -- gen: the message's generation (the partition it is in), see above.
+-- expires_at: when a message pushed with a time to live expires (NULL: never). No claim takes a row whose
+-- expires_at has passed, whatever its state says; the expiry sweep (expire_messages) then moves it to
+-- failed or drops it, finding it through meta_expiring_idx, which holds only such messages.
+-- okey: the ordering key of a message of a queue ordered per key (NULL: none). No claim takes a message
+-- while a message of its key with a smaller id is ready, delayed or in flight (state < 2), looked up in
+-- meta_key_idx, which holds only messages with a key.
 CREATE TABLE {schema}.meta (
     id bigint NOT NULL,
     queue_id integer NOT NULL,
@@ -99,7 +118,9 @@ CREATE TABLE {schema}.meta (
     last_error text,
     deliveries integer NOT NULL DEFAULT 0,
     payload bytea,
-    gen smallint NOT NULL
+    gen smallint NOT NULL,
+    expires_at timestamptz,
+    okey text
 ) PARTITION BY LIST (gen);
 
 -- Payloads over 1900 bytes, apart from the dequeue path; read by id
@@ -153,6 +174,10 @@ BEGIN
             '{schema}', 'meta_leased_id_idx_' || g, 'meta_' || g);
         EXECUTE format('CREATE INDEX %2$I ON %1$s.%3$I (queue_id, id) WHERE state = 2',
             '{schema}', 'meta_failed_idx_' || g, 'meta_' || g);
+        EXECUTE format('CREATE INDEX %2$I ON %1$s.%3$I (queue_id, expires_at) WHERE expires_at IS NOT NULL',
+            '{schema}', 'meta_expiring_idx_' || g, 'meta_' || g);
+        EXECUTE format('CREATE INDEX %2$I ON %1$s.%3$I (queue_id, okey, id) WHERE okey IS NOT NULL',
+            '{schema}', 'meta_key_idx_' || g, 'meta_' || g);
         EXECUTE format('CREATE TABLE %1$s.%2$I PARTITION OF %1$s.data FOR VALUES IN (%3$s) WITH ('
             'autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000, '
             'autovacuum_vacuum_insert_scale_factor = 0.05, vacuum_truncate = false)', '{schema}', 'data_' || g, g);
@@ -182,6 +207,11 @@ CREATE INDEX meta_leased_idx ON {schema}.meta (queue_id, lease_until) WHERE stat
 CREATE INDEX meta_leased_id_idx ON {schema}.meta (id) WHERE lease_until IS NOT NULL;
 -- Failed-message admin.
 CREATE INDEX meta_failed_idx ON {schema}.meta (queue_id, id) WHERE state = 2;
+-- Messages with a time to live, by expiry, for the expiry sweep; a push without one writes no entry.
+CREATE INDEX meta_expiring_idx ON {schema}.meta (queue_id, expires_at) WHERE expires_at IS NOT NULL;
+-- A key's messages in push order, for the claims' check of an earlier message of the key; a push
+-- without a key writes no entry.
+CREATE INDEX meta_key_idx ON {schema}.meta (queue_id, okey, id) WHERE okey IS NOT NULL;
 
 -- data's key: a message's payload row by id (gen, the partition key, must be part of it).
 ALTER TABLE {schema}.data ADD CONSTRAINT data_pkey PRIMARY KEY (id, gen);
@@ -207,6 +237,24 @@ CREATE TABLE {schema}.archive (
 ) WITH (autovacuum_vacuum_scale_factor = 0.05, autovacuum_vacuum_threshold = 1000,
         autovacuum_vacuum_insert_scale_factor = 0.1, autovacuum_analyze_scale_factor = 0.05);
 CREATE INDEX archive_archived_brin ON {schema}.archive USING brin (archived_at);
+
+-- The deduplication keys of the table design's pushes (push(dedup_key=...)): one row a key a queue,
+-- naming the message its first push made (id) and when (pushed_at). A push of a key whose row is younger
+-- than the queue's dedup_window_s pushes nothing and returns that id; an older row is taken over by the
+-- new push (table_push_with, functions.sql). The primary key is what makes racing pushes of one key
+-- agree: the second INSERT ... ON CONFLICT waits for the first's transaction, and then takes over its row
+-- (first committed) or inserts its own (first rolled back). Rows older than the window are deleted by
+-- the queue's upkeep (forget_dedup), through dedup_pushed_idx, so the table holds about a window of keys.
+-- Pushes without a key never touch it.
+CREATE TABLE {schema}.dedup (
+    queue_id integer NOT NULL,
+    dedup_key text NOT NULL,
+    id bigint NOT NULL,
+    pushed_at timestamptz NOT NULL,
+    CONSTRAINT dedup_pkey PRIMARY KEY (queue_id, dedup_key)
+) WITH (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
+        autovacuum_vacuum_insert_scale_factor = 0.05, autovacuum_analyze_scale_factor = 0.05);
+CREATE INDEX dedup_pushed_idx ON {schema}.dedup (queue_id, pushed_at);
 
 -- Batches: messages claimed together under one lease and one id (the table design's claim_batch),
 -- so a job elsewhere (a Spark application) can read exactly that set by id, and the claimer acks or
@@ -427,6 +475,15 @@ ALTER TABLE {schema}.done ENABLE ROW LEVEL SECURITY;
 CREATE POLICY done_see ON {schema}.done FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));
 CREATE POLICY done_pop ON {schema}.done FOR INSERT WITH CHECK (queue_id = ANY ((SELECT {schema}.may('pop', current_user))::integer[]));
 CREATE POLICY done_admin ON {schema}.done FOR DELETE USING (queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]));
+
+-- A key is written by a push (an INSERT, or the UPDATE of ON CONFLICT, which also needs to see the
+-- row) and deleted by the upkeep or a drop (admin).
+ALTER TABLE {schema}.dedup ENABLE ROW LEVEL SECURITY;
+CREATE POLICY dedup_see ON {schema}.dedup FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));
+CREATE POLICY dedup_push ON {schema}.dedup FOR INSERT WITH CHECK (queue_id = ANY ((SELECT {schema}.may('push', current_user))::integer[]));
+CREATE POLICY dedup_push_again ON {schema}.dedup FOR UPDATE USING (queue_id = ANY ((SELECT {schema}.may('push', current_user))::integer[]))
+    WITH CHECK (queue_id = ANY ((SELECT {schema}.may('push', current_user))::integer[]));
+CREATE POLICY dedup_admin ON {schema}.dedup FOR DELETE USING (queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]));
 
 ALTER TABLE {schema}.archive ENABLE ROW LEVEL SECURITY;
 CREATE POLICY archive_see ON {schema}.archive FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));

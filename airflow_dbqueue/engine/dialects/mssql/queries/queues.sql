@@ -1,5 +1,5 @@
 -- Named queries of the SQL Server dialect, under the names of the PostgreSQL dialect (a test checks the
--- parity; dialect.NOT_YET_PORTED would name any still missing: none). {schema} is the bracket-quoted schema
+-- parity; dialect.NOT_YET_PORTED names those still missing). {schema} is the bracket-quoted schema
 -- name; values are bound parameters, written %(name)s as on PostgreSQL and sent to pyodbc as ? in order.
 -- Each named query runs as one transaction (or inside the caller's), with XACT_ABORT ON: an error rolls
 -- all of it back. A batch of several statements starts with SET NOCOUNT ON so that only its last
@@ -113,10 +113,11 @@ DROP SCHEMA {schema}
 -- UPDLOCK, HOLDLOCK on the name: two concurrent creates of one queue serialize instead of failing.
 INSERT INTO {schema}.queues (
     name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
-    retry_backoff_s, retry_backoff_max_s, notify, archive)
+    retry_backoff_s, retry_backoff_max_s, notify, archive, dedup_window_s, ttl_s, on_expiry, ordering)
 OUTPUT inserted.queue_id
 SELECT %(name)s, %(design)s, %(payload_type)s, %(max_payload_bytes)s, %(max_attempts)s,
-       %(visibility_timeout_s)s, %(retry_backoff_s)s, %(retry_backoff_max_s)s, %(notify)s, %(archive)s
+       %(visibility_timeout_s)s, %(retry_backoff_s)s, %(retry_backoff_max_s)s, %(notify)s, %(archive)s,
+       %(dedup_window_s)s, %(ttl_s)s, %(on_expiry)s, %(ordering)s
 WHERE NOT EXISTS (SELECT 1 FROM {schema}.queues WITH (UPDLOCK, HOLDLOCK) WHERE name = %(name)s)
 
 -- name: get_queue
@@ -124,14 +125,16 @@ WHERE NOT EXISTS (SELECT 1 FROM {schema}.queues WITH (UPDLOCK, HOLDLOCK) WHERE n
 SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
        retry_backoff_s, retry_backoff_max_s, notify, archive,
        (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity,
-       (SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS lanes
+       (SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS lanes,
+       dedup_window_s, ttl_s, on_expiry, ordering
 FROM {schema}.queues q WHERE name = %(name)s
 
 -- name: list_queues
 SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
        retry_backoff_s, retry_backoff_max_s, notify, archive,
        (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity,
-       (SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS lanes
+       (SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS lanes,
+       dedup_window_s, ttl_s, on_expiry, ordering
 FROM {schema}.queues q ORDER BY name
 
 -- name: drop_queue_lock

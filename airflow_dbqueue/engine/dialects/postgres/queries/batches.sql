@@ -28,6 +28,36 @@ FROM claimed c
 HAVING count(*) > 0
 RETURNING batch_id, state, ids, deliveries, consumer, claimed_at, lease_until, finished_at, last_error
 
+-- name: claim_batch_with
+-- claim_batch for a queue whose messages may expire (created with a ttl) or that is ordered per key: it
+-- passes over expired messages and those whose key has an earlier message ready, delayed or in flight,
+-- as the pops do (table_take_with in functions.sql), so a batch holds at most the head of each key.
+WITH picked AS (
+    SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
+    WHERE s.queue_id = %(queue_id)s AND s.state = 0 AND s.process_at <= now()
+      AND (NOT %(expiring)s OR s.expires_at IS NULL OR s.expires_at > now())
+      AND (NOT %(per_key)s OR s.okey IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.meta e
+          WHERE e.queue_id = s.queue_id AND e.okey = s.okey AND e.id < s.id AND e.state < 2))
+    ORDER BY s.priority DESC, s.process_at, s.id
+    LIMIT %(n)s
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE {schema}.meta m
+    SET state = 1, attempts = m.attempts + 1, deliveries = m.deliveries + 1, consumer = %(consumer)s,
+        lease_until = now() + make_interval(secs => %(visibility_timeout_s)s)
+    WHERE m.ctid = ANY (ARRAY(SELECT tid FROM picked))
+      AND ((m.gen, m.ctid) IN (SELECT gen, tid FROM picked)) IS TRUE
+    RETURNING m.id, m.deliveries, m.priority, m.process_at
+)
+INSERT INTO {schema}.batches (batch_id, queue_id, ids, deliveries, consumer, lease_until)
+SELECT %(batch_id)s, %(queue_id)s,
+       array_agg(c.id ORDER BY c.priority DESC, c.process_at, c.id),
+       array_agg(c.deliveries ORDER BY c.priority DESC, c.process_at, c.id),
+       %(consumer)s, now() + make_interval(secs => %(visibility_timeout_s)s)
+FROM claimed c
+HAVING count(*) > 0
+RETURNING batch_id, state, ids, deliveries, consumer, claimed_at, lease_until, finished_at, last_error
+
 -- name: get_batch
 SELECT batch_id, state, ids, deliveries, consumer, claimed_at, lease_until, finished_at, last_error
 FROM {schema}.batches

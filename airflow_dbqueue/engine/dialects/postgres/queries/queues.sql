@@ -83,10 +83,11 @@ DROP SCHEMA {schema}
 -- name: create_queue
 INSERT INTO {schema}.queues (
     name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
-    retry_backoff_s, retry_backoff_max_s, notify, archive)
+    retry_backoff_s, retry_backoff_max_s, notify, archive, dedup_window_s, ttl_s, on_expiry, ordering)
 VALUES (
     %(name)s, %(design)s, %(payload_type)s, %(max_payload_bytes)s, %(max_attempts)s,
-    %(visibility_timeout_s)s, %(retry_backoff_s)s, %(retry_backoff_max_s)s, %(notify)s, %(archive)s)
+    %(visibility_timeout_s)s, %(retry_backoff_s)s, %(retry_backoff_max_s)s, %(notify)s, %(archive)s,
+    %(dedup_window_s)s, %(ttl_s)s, %(on_expiry)s, %(ordering)s)
 ON CONFLICT (name) DO NOTHING
 RETURNING queue_id
 
@@ -95,6 +96,7 @@ SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, vi
        retry_backoff_s, retry_backoff_max_s, notify, archive,
        (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity,
        (SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS lanes,
+       dedup_window_s, ttl_s, on_expiry, ordering,
        {schema}.actions_on(q.queue_id, current_user) AS actions
 FROM {schema}.queues q WHERE name = %(name)s
 
@@ -102,7 +104,8 @@ FROM {schema}.queues q WHERE name = %(name)s
 SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
        retry_backoff_s, retry_backoff_max_s, notify, archive,
        (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity,
-       (SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS lanes
+       (SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS lanes,
+       dedup_window_s, ttl_s, on_expiry, ordering
 FROM {schema}.queues q ORDER BY name
 
 -- name: drop_queue_lock
@@ -128,7 +131,8 @@ DELETE FROM {schema}.data WHERE id = ANY (ARRAY(SELECT id FROM f))
 
 -- name: drop_queue
 WITH a AS (DELETE FROM {schema}.archive WHERE queue_id = %(queue_id)s),
-     b AS (DELETE FROM {schema}.batches WHERE queue_id = %(queue_id)s)
+     b AS (DELETE FROM {schema}.batches WHERE queue_id = %(queue_id)s),
+     k AS (DELETE FROM {schema}.dedup WHERE queue_id = %(queue_id)s)
 DELETE FROM {schema}.queues WHERE queue_id = %(queue_id)s RETURNING queue_id
 
 -- name: role_exists

@@ -9,6 +9,15 @@ SELECT * FROM {schema}.table_push(
     %(queue_id)s::integer, %(payloads)b::bytea[], %(priority)s::smallint, %(delay_s)s::double precision,
     %(notify)s::integer, %(channel)s::text, %(inline)s::boolean)
 
+-- name: push_with
+-- A push with deduplication keys (keys: one a payload, distinct; NULL: none), ordering keys (okeys: one
+-- a payload; NULL: none) or a time to live (ttl_s; NULL: none), through table_push_with() (functions.sql): (id, new) in payload order, where new is false
+-- for a key pushed within the queue's dedup window (id is then the first push's message); no row when
+-- the queue was dropped.
+SELECT * FROM {schema}.table_push_with(
+    %(queue_id)s::integer, %(payloads)b::bytea[], %(keys)s::text[], %(okeys)s::text[], %(priority)s::smallint,
+    %(delay_s)s::double precision, %(ttl_s)s::double precision, %(notify)s::integer, %(channel)s::text)
+
 -- name: pop_lease
 -- at-least-once: claim up to n ready messages (skipping rows other consumers hold) and lease them,
 -- through table_lease() (schema.sql), whose plans are made once a session. Payloads are fetched by a
@@ -28,6 +37,23 @@ SELECT * FROM {schema}.table_take(%(queue_id)s::integer, %(n)s::integer, %(archi
 -- name: pop_take_payloads
 -- pop_take for a pop of payloads only (Queue.pop_payloads): one column a message, in the claim's order.
 SELECT r_payload FROM {schema}.table_take(%(queue_id)s::integer, %(n)s::integer, %(archive)s::boolean)
+
+-- name: pop_lease_with
+-- pop_lease for a queue whose messages may expire (created with a ttl) or that is ordered per key,
+-- through table_lease_with() (functions.sql).
+SELECT * FROM {schema}.table_lease_with(
+    %(queue_id)s::integer, %(n)s::integer, %(visibility_timeout_s)s::double precision, %(consumer)s::text,
+    %(expiring)s::boolean, %(per_key)s::boolean)
+
+-- name: pop_take_with
+-- pop_take for such a queue, through table_take_with() (functions.sql).
+SELECT * FROM {schema}.table_take_with(
+    %(queue_id)s::integer, %(n)s::integer, %(archive)s::boolean, %(expiring)s::boolean, %(per_key)s::boolean)
+
+-- name: pop_take_payloads_with
+-- pop_take_payloads for such a queue.
+SELECT r_payload FROM {schema}.table_take_with(
+    %(queue_id)s::integer, %(n)s::integer, %(archive)s::boolean, %(expiring)s::boolean, %(per_key)s::boolean)
 
 -- name: ack
 -- Receipt lookups (ack, nack, held_receipts, leased, extend_leases) say "lease_until > now()" and not
@@ -105,11 +131,63 @@ WHERE m.ctid = ANY (ARRAY(SELECT tid FROM picked))
   AND ((m.gen, m.ctid) IN (SELECT gen, tid FROM picked)) IS TRUE
 RETURNING m.id, m.state
 
+-- name: expire_fail
+-- Ready messages of the queue whose time to live has passed (up to limit, oldest expiry first, through
+-- meta_expiring_idx) go to the failed state with last_error 'expired' (on_expiry 'fail'). expires_at is
+-- cleared, so a failed message leaves the index and requeue_failed makes it deliverable again. Leased
+-- messages are left to their consumer: a nack or an expired lease makes them ready, and then this
+-- finds them. Rows are named by (gen, ctid), as in reclaim_expired.
+WITH picked AS (
+    SELECT gen, ctid AS tid FROM {schema}.meta
+    WHERE queue_id = %(queue_id)s AND expires_at <= now() AND state = 0
+    ORDER BY expires_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {schema}.meta m
+SET state = 2, last_error = 'expired', expires_at = NULL
+WHERE m.ctid = ANY (ARRAY(SELECT tid FROM picked))
+  AND ((m.gen, m.ctid) IN (SELECT gen, tid FROM picked)) IS TRUE
+RETURNING m.id
+
+-- name: expire_drop
+-- As expire_fail, for on_expiry 'drop': the messages are deleted with their payloads, or kept in done as
+-- discarded (outcome 2, as delete_failed does) where the queue archives.
+WITH picked AS (
+    SELECT gen, ctid AS tid FROM {schema}.meta
+    WHERE queue_id = %(queue_id)s AND expires_at <= now() AND state = 0
+    ORDER BY expires_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), gone AS (
+    DELETE FROM {schema}.meta m
+    WHERE m.ctid = ANY (ARRAY(SELECT tid FROM picked))
+      AND ((m.gen, m.ctid) IN (SELECT gen, tid FROM picked)) IS TRUE
+    RETURNING m.id, m.queue_id, m.priority, m.attempts, m.enqueued_at, m.payload, m.gen
+), kept AS (
+    INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload, gen)
+    SELECT id, queue_id, priority, attempts, enqueued_at, 2, payload, gen FROM gone WHERE %(archive)s
+), dropped AS (
+    DELETE FROM {schema}.data d
+    WHERE NOT %(archive)s AND d.id = ANY (ARRAY(SELECT id FROM gone WHERE payload IS NULL))
+)
+SELECT id FROM gone
+
+-- name: count_expired
+-- Failed messages of the queue that failed by expiry, counted up to a cap (stats().extra["expired"]).
+SELECT count(*) FROM (
+    SELECT 1 FROM {schema}.meta
+    WHERE queue_id = %(queue_id)s AND state = 2 AND last_error = 'expired'
+    LIMIT %(cap)s) s
+
 -- name: peek
 SELECT m.id, m.priority, m.attempts, m.deliveries, m.enqueued_at, m.lease_until,
        coalesce(m.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = m.id AND d.gen = m.gen)) AS payload
 FROM {schema}.meta m
 WHERE m.queue_id = %(queue_id)s AND m.state = 0 AND m.process_at <= now()
+  AND (m.expires_at IS NULL OR m.expires_at > now())
+  AND (m.okey IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.meta e
+      WHERE e.queue_id = m.queue_id AND e.okey = m.okey AND e.id < m.id AND e.state < 2))
 ORDER BY m.priority DESC, m.process_at, m.id
 LIMIT %(n)s
 
@@ -120,11 +198,14 @@ LIMIT %(n)s
 SELECT count(*) FROM (
     (SELECT 1 FROM {schema}.meta
      WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now() AND priority >= %(min_priority)s
+       AND (expires_at IS NULL OR expires_at > now())
+       AND (okey IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.meta e
+           WHERE e.queue_id = meta.queue_id AND e.okey = meta.okey AND e.id < meta.id AND e.state < 2))
      LIMIT %(cap)s)
     UNION ALL
     (SELECT 1 FROM {schema}.meta
      WHERE queue_id = %(queue_id)s AND state = 1 AND lease_until <= now() AND attempts < %(max_attempts)s
-       AND priority >= %(min_priority)s
+       AND priority >= %(min_priority)s AND (expires_at IS NULL OR expires_at > now())
      LIMIT %(cap)s)
     LIMIT %(cap)s) s
 
@@ -154,8 +235,10 @@ ORDER BY m.id
 LIMIT %(limit)s
 
 -- name: requeue_failed
+-- A requeued message is ready now, with its attempts reset and no time to live (one that failed by
+-- expiry would otherwise expire again at once).
 UPDATE {schema}.meta
-SET state = 0, attempts = 0, process_at = now(), last_error = NULL
+SET state = 0, attempts = 0, process_at = now(), last_error = NULL, expires_at = NULL
 WHERE queue_id = %(queue_id)s AND state = 2 AND (%(all)s OR id = ANY (%(ids)s::bigint[]))
 RETURNING id
 
@@ -184,23 +267,30 @@ SELECT r.ready, h.id AS head_id, h.deliveries AS head_deliveries
 FROM (SELECT count(*) AS ready FROM (
         (SELECT 1 FROM {schema}.meta
          WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
-           AND priority >= %(min_priority)s
+           AND priority >= %(min_priority)s AND (expires_at IS NULL OR expires_at > now())
+           AND (okey IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.meta e
+               WHERE e.queue_id = meta.queue_id AND e.okey = meta.okey AND e.id < meta.id AND e.state < 2))
          LIMIT %(cap)s)
         UNION ALL
         (SELECT 1 FROM {schema}.meta
          WHERE queue_id = %(queue_id)s AND state = 1 AND lease_until <= now()
            AND attempts < %(max_attempts)s AND priority >= %(min_priority)s
+           AND (expires_at IS NULL OR expires_at > now())
          LIMIT %(cap)s)
         LIMIT %(cap)s) s) r
 LEFT JOIN LATERAL (
     SELECT c.id, c.deliveries FROM (
         (SELECT id, deliveries, priority, process_at FROM {schema}.meta
          WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
+           AND (expires_at IS NULL OR expires_at > now())
+           AND (okey IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.meta e
+               WHERE e.queue_id = meta.queue_id AND e.okey = meta.okey AND e.id < meta.id AND e.state < 2))
          ORDER BY priority DESC, process_at, id
          LIMIT 1)
         UNION ALL
         (SELECT id, deliveries, priority, process_at FROM {schema}.meta
          WHERE queue_id = %(queue_id)s AND state = 1 AND lease_until <= now() AND attempts < %(max_attempts)s
+           AND (expires_at IS NULL OR expires_at > now())
          ORDER BY priority DESC, process_at, id
          LIMIT 1)) c
     ORDER BY c.priority DESC, c.process_at, c.id
@@ -259,12 +349,34 @@ LEFT JOIN (
     GROUP BY queue_id) d ON d.queue_id = q.queue_id
 WHERE q.design = 'table' AND q.queue_id = ANY (%(queue_ids)s::integer[])
 
+-- name: forget_dedup
+-- Deduplication keys of the queue older than its window (window_s), up to n: a push would take them over
+-- anyway, so forgetting them changes no push's outcome and keeps the table at about a window of keys.
+-- The condition is checked again on the row version the DELETE finds, so a key a push has just taken
+-- over (a newer pushed_at) stays.
+DELETE FROM {schema}.dedup d
+WHERE d.ctid = ANY (ARRAY(
+    SELECT ctid FROM {schema}.dedup
+    WHERE queue_id = %(queue_id)s AND pushed_at <= now() - make_interval(secs => %(window_s)s)
+    LIMIT %(n)s))
+  AND d.queue_id = %(queue_id)s AND d.pushed_at <= now() - make_interval(secs => %(window_s)s)
+RETURNING d.dedup_key
+
 -- name: upkeep_due
--- The table design's queues whose upkeep has something to do: a lease expired (reclaim_expired), or a
--- batch finished more than older_than_s ago (purge_batches). One walk of the leases' index and one of
+-- The table design's queues whose upkeep has something to do: a lease expired (reclaim_expired), a
+-- batch finished more than older_than_s ago (purge_batches), a deduplication key older than the
+-- queue's window (forget_dedup: one probe of dedup_pushed_idx a queue), or a message whose time to live
+-- passed (expire_fail, expire_drop: a walk of meta_expiring_idx, which holds only such messages). One walk of the leases' index and one of
 -- the finished batches for the schema, so that maintenance runs a queue's upkeep statements only where
 -- they find work.
 SELECT m.queue_id FROM {schema}.meta m WHERE m.state = 1 AND m.lease_until <= now()
 UNION
 SELECT b.queue_id FROM {schema}.batches b
 WHERE b.state <> 0 AND b.finished_at < now() - make_interval(secs => %(older_than_s)s)
+UNION
+SELECT q.queue_id FROM {schema}.queues q
+WHERE q.design = 'table' AND EXISTS (
+    SELECT 1 FROM {schema}.dedup d
+    WHERE d.queue_id = q.queue_id AND d.pushed_at <= now() - make_interval(secs => q.dedup_window_s))
+UNION
+SELECT m.queue_id FROM {schema}.meta m WHERE m.expires_at <= now() AND m.state = 0
