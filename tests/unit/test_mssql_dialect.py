@@ -109,13 +109,18 @@ RING_GROUP_QUERIES = {
 }
 """The queries of a ring's consumer groups besides its default one."""
 
+RING_BATCH_QUERIES = {"ring_record_batch", "ring_batch_rows", "ring_extend_batch"}
+"""The queries of a ring's batches (with the batch ledger's own: get_batch, lock_batch and the rest)."""
+
 
 def test_the_table_design_maintenance_and_the_ring_are_fully_ported() -> None:
-    """Every query the table design, the ring design with its consumer groups, the client and maintenance
-    run exists on SQL Server."""
+    """Every query the table design, the ring design with its consumer groups and batches, the client and
+    maintenance run exists on SQL Server."""
     assert NOT_YET_PORTED == {}
     ring = {n for n in load_queries(PG, "queries") if n.startswith("ring_")} - POSTGRES_ONLY.keys()
-    assert len(ring) == 29 and RING_GROUP_QUERIES <= ring <= set(load_queries(MS, "queries"))
+    assert len(ring) == 32 and RING_GROUP_QUERIES | RING_BATCH_QUERIES <= ring <= set(
+        load_queries(MS, "queries")
+    )
     used = {"push", "pop_lease", "pop_take", "ack", "nack", "held_receipts", "reclaim_expired"}
     used |= {"claim_batch", "get_batch", "lock_batch", "finish_batch", "purge_batches", "batch_rows"}
     used |= {"maintenance_try_lock", "maintenance_unlock", "maintenance_lock_holder", "set_timeouts"}
@@ -1470,17 +1475,20 @@ def test_maintenance_of_a_ring_reclaims_and_recovers_gaps_on_a_fake_sql_server(
 ) -> None:
     """maintain(): expired leases (ring_reclaim_expired, with the ring's capacity and lanes), then the gap
     recovery: position 9 with unwritten numbers, no push lane held, 2 numbers given up, and the lanes moved
-    over given-up numbers. The ring has its default group alone (ring_groups), so no group is watched."""
+    over given-up numbers, and the batches of its default group finished a week ago forgotten. The ring
+    has its default group alone (ring_groups), so no group is watched."""
     default = (1, None, None, None, None, None, None, 5, 26, 9)
     q, fake = _ring_on_fake_sql_server(
-        monkeypatch, [[(3, 1), (4, 2)], [default], [(9, 1)], [("[]",)], [(2, None)], [(1,)]]
+        monkeypatch, [[(3, 1), (4, 2)], [default], [(9, 1)], [("[]",)], [(2, None)], [(1,)], []]
     )
-    assert q.maintain(limit=50) == {"reclaimed": 2, "gaps_skipped": 2}
+    assert q.maintain(limit=50) == {"reclaimed": 2, "gaps_skipped": 2, "batches_purged": 0}
     assert _sent(fake, "ring_reclaim_expired") == [[1, 8, 4, q.settings.max_attempts, 50, 1]]
     assert fake.executed[1][1] == [1] and "CROSS APPLY" in fake.executed[1][0]  # ring_groups
     assert fake.executed[2][1] == [1] and "EXEC [dbq].ring_floor" in fake.executed[2][0]
     assert _sent(fake, "ring_skip_abandoned") == [[1, 9, "[]"]]
     assert _sent(fake, "ring_pass") == [[1, 8, 4]] and fake.script == []
+    [purge] = fake.statements("DELETE FROM old OUTPUT deleted.batch_id INTO @gone")  # purge_batches
+    assert purge.values == [7 * 24 * 3600.0, 50, 1]  # the retention, the limit, the default group's key
     _check_sent(fake)
 
 

@@ -1,0 +1,127 @@
+"""A ring's batches (:mod:`airflow_dbqueue.engine.batches`): an at-least-once pop of a consumer group
+recorded in the batch ledger under an id, read elsewhere by number range.
+
+A claim is the group's pop at least once (its leases: one ``ring_leases`` row for the numbers taken from
+the lanes, a ``ring_retry`` row leased for each message delivered again) and the ledger row naming its
+receipts, in one transaction. The batch's messages hold the ring's floor as any lease does, so no push
+overwrites their slots until the batch is acked, released, or its lease expires and its messages are
+delivered and finished elsewhere. A batch's numbers were all held at once, so they lie within one
+capacity of each other: its reader (:meth:`RingBatches.batch_query`) scans the slots of that range (one
+run of slots, or two where it wraps), and takes a slot only while it still holds the batch's number
+(``seq``): a slot overwritten since reads as no payload, as a message no longer held does on the table
+design. The ledger's key is the group's (:attr:`RingBase._gid`), so each group has batches of its own.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from airflow_dbqueue.engine.batches import BatchLedger
+from airflow_dbqueue.engine.errors import DatabaseError
+from airflow_dbqueue.engine.models import Batch, Message, Semantics
+from airflow_dbqueue.engine.queue import DEFAULT_CONSUMER, _check_batch_size, check_seconds
+from airflow_dbqueue.engine.ring_base import RingBase
+
+if TYPE_CHECKING:
+    from airflow_dbqueue.engine.dialects.base import DbConnection
+
+
+class RingBatches(RingBase, BatchLedger):
+    """Claiming, reading, acking, releasing and extending a ring group's batches."""
+
+    if TYPE_CHECKING:  # the pops of RingQueue (ring.py), which a claim runs
+
+        def _take(
+            self, n: int, semantics: Semantics, vt: float, consumer: str, conn: DbConnection | None
+        ) -> list[Message]: ...
+
+        def _pop_slow(self, params: dict[str, Any], n: int, conn: DbConnection | None) -> list[Message]: ...
+
+    @property
+    def _ledger_key(self) -> int:
+        return self._gid
+
+    def claim_batch(
+        self,
+        n: int,
+        *,
+        visibility_timeout: float | None = None,
+        consumer: str | None = None,
+        conn: DbConnection | None = None,
+    ) -> Batch | None:
+        vt = (
+            self.settings.visibility_timeout_s
+            if visibility_timeout is None
+            else check_seconds(f"queue {self.name!r}: visibility_timeout", visibility_timeout, positive=True)
+        )
+        n = _check_batch_size(n)
+        who = consumer or DEFAULT_CONSUMER
+        batch = self._claim(n, vt, who, conn)
+        if batch is None and conn is None:
+            # A claim runs in a transaction, where a pop neither reports nor gives up a gap at the head
+            # of the lanes: a pop of none outside it does (as a push waiting for room does), and the
+            # claim looks once more.
+            self._pop_slow(self._help_params, 0, None)
+            batch = self._claim(n, vt, who, conn)
+        return batch
+
+    def _claim(self, n: int, vt: float, consumer: str, conn: DbConnection | None) -> Batch | None:
+        try:
+            with self._db.transaction(conn) as c:
+                msgs = self._take(n, Semantics.AT_LEAST_ONCE, vt, consumer, c)
+                if not msgs:
+                    return None
+                msgs.sort(key=lambda m: m.id)
+                params = {
+                    "batch_id": uuid.uuid4(),
+                    "group": self._gid,
+                    "ids": [m.id for m in msgs],
+                    "deliveries": [m.delivery for m in msgs],
+                    "consumer": consumer,
+                    "lease_until": min(m.lease_until for m in msgs if m.lease_until is not None),
+                }
+                row = self._db.fetchone("ring_record_batch", params, c)
+        except DatabaseError:
+            self._raise_if_gone()
+            raise
+        assert row is not None
+        return self._batch(row)
+
+    def batch_query(self, batch_id: str) -> str:
+        batch = self.get_batch(batch_id)
+        ids = [r[0] for r in batch.receipts]
+        lo, hi = min(ids) % self.capacity, max(ids) % self.capacity
+        # The slots of the batch's numbers: lo..hi, or lo..the last slot and 0..hi where the range wraps
+        # (an empty second range, 1..0, where it does not).
+        if lo <= hi:
+            ranges = {"a_lo": lo, "a_hi": hi, "b_lo": 1, "b_hi": 0}
+        else:
+            ranges = {"a_lo": lo, "a_hi": self.capacity - 1, "b_lo": 0, "b_hi": hi}
+        params = {"batch_id": uuid.UUID(batch.batch_id), "queue_id": self._qid, "group": self._gid, **ranges}
+        return self._db.render("ring_batch_rows", params)
+
+    def _batch_receipt_params(self, receipts: Sequence[tuple[int, int]]) -> dict[str, Any]:
+        return {
+            "ids": [r[0] for r in receipts],
+            "deliveries": [r[1] for r in receipts],
+            "capacity": self.capacity,
+            "lanes": self.lanes,
+            "queue_id": self._qid,
+            "group": self._gid,
+        }
+
+    def _held(self, receipts: Sequence[tuple[int, int]], conn: DbConnection) -> list[tuple[int, int]]:
+        rows = self._db.fetchall("ring_held_receipts", self._batch_receipt_params(receipts), conn)
+        return [(int(r[0]), int(r[1])) for r in rows]
+
+    def _extend(self, receipts: Sequence[tuple[int, int]], seconds: float, conn: DbConnection) -> dt.datetime:
+        params = self._batch_receipt_params(receipts)
+        row = self._db.fetchone("ring_extend_batch", {**params, "secs": seconds}, conn)
+        assert row is not None
+        if int(row[0]) != len(receipts):
+            self._raise_lost(params, conn)
+        until: dt.datetime = row[1]
+        return until
