@@ -23,7 +23,7 @@ from airflow_dbqueue.engine.batches import BatchLedger
 from airflow_dbqueue.engine.errors import DatabaseError
 from airflow_dbqueue.engine.models import Batch, Message, Semantics
 from airflow_dbqueue.engine.queue import DEFAULT_CONSUMER, _check_batch_size, check_seconds
-from airflow_dbqueue.engine.ring_base import RingBase
+from airflow_dbqueue.engine.ring_base import RingBase, _id
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine.dialects.base import DbConnection
@@ -60,13 +60,27 @@ class RingBatches(RingBase, BatchLedger):
         n = _check_batch_size(n)
         who = consumer or DEFAULT_CONSUMER
         batch = self._claim(n, vt, who, conn)
-        if batch is None and conn is None:
-            # A claim runs in a transaction, where a pop neither reports nor gives up a gap at the head
-            # of the lanes: a pop of none outside it does (as a push waiting for room does), and the
-            # claim looks once more.
-            self._pop_slow(self._help_params, 0, None)
+        if batch is None and conn is None and self._pass_gap(who):
             batch = self._claim(n, vt, who, conn)
         return batch
+
+    def _pass_gap(self, consumer: str) -> bool:
+        """Give up the numbers of a push that rolled back or died at the head of the group's lanes, as a
+        pop does; return whether one was given up. A claim runs in a transaction, where a pop neither
+        reports nor gives up such a gap: pops of none of the group outside it do, one to see the gap,
+        one to list its holders and one to give it up once they are gone (or after gap_timeout)."""
+        params = {**self._help_params, "queue_id": self._gid, "consumer": consumer}
+        for _ in range(3):
+            with self._lock:
+                before = self._gap
+            self._pop_slow(params, 0, None)
+            with self._lock:
+                after = self._gap
+            if after is None:
+                return before is not None
+            if after == before:
+                return False  # a holder is still alive: the gap stays until it ends or gap_timeout
+        return False
 
     def _claim(self, n: int, vt: float, consumer: str, conn: DbConnection | None) -> Batch | None:
         try:
@@ -74,7 +88,7 @@ class RingBatches(RingBase, BatchLedger):
                 msgs = self._take(n, Semantics.AT_LEAST_ONCE, vt, consumer, c)
                 if not msgs:
                     return None
-                msgs.sort(key=lambda m: m.id)
+                msgs.sort(key=_id)
                 params = {
                     "batch_id": uuid.uuid4(),
                     "group": self._gid,
