@@ -6,7 +6,9 @@ around it: claim the batch, run the ``order_rollup`` job on it (``batch_job`` in
 local Spark Connect server whose id is the batch id, or ``spark-submit`` of ``order_rollup.py`` in
 ``local[*]``), then publish the staged rollup and ack the batch in one transaction (release it on any
 failure). It measures each batch from claim to ack, and checks at the end that the results hold every
-pushed order exactly once (orders, units and EUR amount) and the queue is drained.
+pushed order exactly once (orders, units and EUR amount) and the queue is drained. Each batch's time is
+also split into its claim, its job (the JDBC read, the Spark work and the staging writes) and its
+publish-and-ack transaction (``claim_p50_s``, ``job_p50_s``, ``publish_ack_p50_s``).
 
 With ``--designs table,ring`` each path runs once a queue design, one after the other in the same run
 (on Connect, on the same server): the table design, and a ring of as many slots as orders (every
@@ -211,6 +213,9 @@ def run_path(  # noqa: PLR0915
             warm_s = runner.warm_up(results, dsn, warm_up, batch)
             _say(f"{path}: server warmed up with {warm_up} made-up batch(es) of {batch:,}: {_secs(warm_s)}")
         per_batch: list[float] = []
+        claims: list[float] = []  # the claim's part of each batch
+        jobs: list[float] = []  # the job's (its JDBC read, its Spark work and its staging writes)
+        acks: list[float] = []  # publish and ack, one transaction
         reads_psql: list[float] = []
         reads_jdbc: list[float] = []
         failed = 0
@@ -221,6 +226,7 @@ def run_path(  # noqa: PLR0915
             b = q.claim_batch(batch, visibility_timeout=600, consumer=f"bench.{path}")
             if b is None:
                 break
+            t_claimed = time.monotonic()
             if measure_reads:
                 t_aside = time.monotonic()
                 reads_psql.append(_read_psql(dsn, q.batch_query(b.batch_id)))
@@ -229,6 +235,7 @@ def run_path(  # noqa: PLR0915
                 t_aside = time.monotonic() - t_aside
                 aside += t_aside
                 t0 += t_aside
+                t_claimed += t_aside
             argv = [
                 "--results-schema",
                 results.schema,
@@ -241,6 +248,7 @@ def run_path(  # noqa: PLR0915
             ]
             try:
                 runner.run(argv, b.batch_id)
+                t_job = time.monotonic()
                 with dbq.transaction() as conn:
                     results.publish(conn, b)
                     q.ack_batch(b.batch_id, conn=conn)
@@ -254,6 +262,9 @@ def run_path(  # noqa: PLR0915
                     break
                 continue
             per_batch.append(time.monotonic() - t0)
+            claims.append(t_claimed - t0)
+            jobs.append(t_job - t_claimed)
+            acks.append(t0 + per_batch[-1] - t_job)
             _say(f"{path}: batch {len(per_batch)} ({b.size:,}) claim to ack {per_batch[-1]:.2f}s")
         all_s = time.monotonic() - t_first - aside
         if isinstance(runner, _Connect):
@@ -286,6 +297,9 @@ def run_path(  # noqa: PLR0915
         "max_s": round(max(per_batch), 2) if per_batch else None,
         "claim_to_last_ack_s": round(all_s, 2),
         "orders_per_s": round(messages / all_s) if all_s else None,
+        "claim_p50_s": round(statistics.median(claims), 3) if claims else None,
+        "job_p50_s": round(statistics.median(jobs), 3) if jobs else None,
+        "publish_ack_p50_s": round(statistics.median(acks), 3) if acks else None,
         "read_psql_p50_s": round(statistics.median(reads_psql), 3) if reads_psql else None,
         "read_jdbc_p50_s": round(statistics.median(reads_jdbc), 3) if reads_jdbc else None,
         "exactly_once": ok,
@@ -642,6 +656,12 @@ def table(rows: list[dict[str, Any]]) -> str:
                 lambda r: ("yes" if r["events_exactly_once"] else "NO") if "events_s" in r else "-",
             ),
             ("load average (1 min) after the pushes", lambda r: str(r.get("events_load", "-"))),
+        ]
+    if any(r.get("claim_p50_s") is not None for r in rows):
+        fields += [
+            ("p50 of the claim", lambda r: f"{r['claim_p50_s']} s"),
+            ("p50 of the job (its JDBC read, Spark work, staging writes)", lambda r: f"{r['job_p50_s']} s"),
+            ("p50 of publish and ack (one transaction)", lambda r: f"{r['publish_ack_p50_s']} s"),
         ]
     if any(r.get("read_psql_p50_s") is not None for r in rows):
         fields += [

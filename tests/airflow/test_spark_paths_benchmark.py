@@ -66,6 +66,8 @@ def test_both_designs_on_connect_are_exactly_once(connect_server: LocalConnectSe
     for row in rows:
         assert row["exactly_once"] is True and (row["messages"], row["batches"]) == (900, 3), row
         assert row["orders_per_s"] > 0 and row["read_psql_p50_s"] > 0 and row["read_jdbc_p50_s"] > 0, row
+        parts = (row["claim_p50_s"], row["job_p50_s"], row["publish_ack_p50_s"])
+        assert all(p > 0 for p in parts), row
 
 
 def test_bad_arguments_exit_2() -> None:
