@@ -114,7 +114,13 @@ class RingBatches(RingBase, BatchLedger):
             ranges = {"a_lo": lo, "a_hi": hi, "b_lo": 1, "b_hi": 0}
         else:
             ranges = {"a_lo": lo, "a_hi": self.capacity - 1, "b_lo": 0, "b_hi": hi}
-        params = {"batch_id": uuid.UUID(batch.batch_id), "queue_id": self._qid, "group": self._gid, **ranges}
+        params = {
+            "batch_id": uuid.UUID(batch.batch_id),
+            "queue_id": self._qid,
+            "group": self._gid,
+            "capacity": self.capacity,
+            **ranges,
+        }
         return self._db.render("ring_batch_rows", params)
 
     def _batch_receipt_params(self, receipts: Sequence[tuple[int, int]]) -> dict[str, Any]:

@@ -342,15 +342,17 @@ WHERE b.batch_id = @batch_id
 -- name: ring_batch_rows
 -- The messages of one batch of a consumer group with their payloads, numbered 1..n in claim order (ord:
 -- a Spark JDBC reader partitions on it). Rendered to text with its parameters for readers in other
--- processes. The slots are read by the range of the batch's numbers (a_lo..a_hi, and b_lo..b_hi where it
--- wraps past the last slot), and a slot gives its payload only while it holds the batch's number: a
--- slot overwritten since (the batch's lease expired, and its message was delivered and finished
--- elsewhere) reads as a NULL payload, and that batch cannot be acked anyway.
+-- processes. The slots read are those of the range of the batch's numbers (a_lo..a_hi, and b_lo..b_hi
+-- where it wraps past the last slot), each matched to its number by its slot (number mod capacity) and
+-- its seq: a slot gives its payload only while it holds the batch's number, and one overwritten since
+-- (the batch's lease expired, and its message was delivered and finished elsewhere) reads as a NULL
+-- payload; that batch cannot be acked anyway. The slot's equality lets a plan that expects few numbers
+-- (a reader's filter on ord) probe the slots' key a number instead of scanning the range a number.
 SELECT i.ord, i.id, i.delivery, s.payload
 FROM {schema}.batches b
 JOIN {schema}.batch_items i ON i.batch_id = b.batch_id
 LEFT JOIN {schema}.ring_slots s
-  ON s.queue_id = %(queue_id)s AND s.seq = i.id
+  ON s.queue_id = %(queue_id)s AND s.slot = i.id % %(capacity)s AND s.seq = i.id
  AND (s.slot BETWEEN %(a_lo)s AND %(a_hi)s OR s.slot BETWEEN %(b_lo)s AND %(b_hi)s)
 WHERE b.batch_id = %(batch_id)s AND b.queue_id = %(group)s
 
