@@ -6,10 +6,10 @@ the lanes, a ``ring_retry`` row leased for each message delivered again) and the
 receipts, in one transaction. The batch's messages hold the ring's floor as any lease does, so no push
 overwrites their slots until the batch is acked, released, or its lease expires and its messages are
 delivered and finished elsewhere. A batch's numbers were all held at once, so they lie within one
-capacity of each other: its reader (:meth:`RingBatches.batch_query`) scans the slots of that range (one
-run of slots, or two where it wraps), and takes a slot only while it still holds the batch's number
-(``seq``): a slot overwritten since reads as no payload, as a message no longer held does on the table
-design. The ledger's key is the group's (:attr:`RingBase._gid`), so each group has batches of its own.
+capacity of each other: its reader (:meth:`RingBatches.batch_query`) reads the slots of that range (one
+run of slots, or two where it wraps), each matched to its number by slot and ``seq``, and takes a
+slot's payload only while it still holds the batch's number: a slot overwritten since reads as no
+payload, as a message no longer held does on the table design. The ledger's key is the group's (:attr:`RingBase._gid`), so each group has batches of its own.
 """
 
 from __future__ import annotations
