@@ -9,7 +9,8 @@ delivered and finished elsewhere. A batch's numbers were all held at once, so th
 capacity of each other: its reader (:meth:`RingBatches.batch_query`) reads the slots of that range (one
 run of slots, or two where it wraps), each matched to its number by slot and ``seq``, and takes a
 slot's payload only while it still holds the batch's number: a slot overwritten since reads as no
-payload, as a message no longer held does on the table design. The ledger's key is the group's (:attr:`RingBase._gid`), so each group has batches of its own.
+payload, as a message no longer held does on the table design. The ledger's key is the group's
+(:attr:`RingBase._gid`), so each group has batches of its own.
 """
 
 from __future__ import annotations
