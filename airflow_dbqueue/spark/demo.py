@@ -296,7 +296,8 @@ def _pipeline(  # noqa: PLR0915
     t0 = time.monotonic()
     dbq.uninstall()  # a fresh demo schema each run, so the check below is about this run only
     dbq.install()
-    q = dbq.create_queue(QUEUE, **({"design": "ring", "capacity": ring_capacity(messages)} if ring else {}))
+    shape_settings: dict[str, Any] = {"design": "ring", "capacity": ring_capacity(messages)} if ring else {}
+    q = dbq.create_queue(QUEUE, **shape_settings)
     results = OrderRollup(RESULTS_SCHEMA)
     with psycopg.connect(dbq.db.dsn, autocommit=True) as conn:
         conn.execute(f'DROP SCHEMA IF EXISTS "{RESULTS_SCHEMA}" CASCADE')
