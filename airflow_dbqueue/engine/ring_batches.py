@@ -16,6 +16,7 @@ payload, as a message no longer held does on the table design. The ledger's key 
 from __future__ import annotations
 
 import datetime as dt
+import time
 import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 from airflow_dbqueue.engine.batches import BatchLedger
 from airflow_dbqueue.engine.errors import DatabaseError
 from airflow_dbqueue.engine.models import Batch, Message, Semantics
-from airflow_dbqueue.engine.queue import DEFAULT_CONSUMER, _check_batch_size, check_seconds
-from airflow_dbqueue.engine.ring_base import RingBase, _id
+from airflow_dbqueue.engine.queue import DEFAULT_CONSUMER, RECLAIM_LIMIT, _check_batch_size, check_seconds
+from airflow_dbqueue.engine.ring_base import RingBase
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine.dialects.base import DbConnection
@@ -40,6 +41,8 @@ class RingBatches(RingBase, BatchLedger):
         ) -> list[Message]: ...
 
         def _pop_slow(self, params: dict[str, Any], n: int, conn: DbConnection | None) -> list[Message]: ...
+
+        def _reclaim(self, limit: int, conn: DbConnection | None) -> int: ...
 
     @property
     def _ledger_key(self) -> int:
@@ -86,17 +89,18 @@ class RingBatches(RingBase, BatchLedger):
     def _claim(self, n: int, vt: float, consumer: str, conn: DbConnection | None) -> Batch | None:
         try:
             with self._db.transaction(conn) as c:
-                msgs = self._take(n, Semantics.AT_LEAST_ONCE, vt, consumer, c)
-                if not msgs:
+                receipts, until = self._take_receipts(n, vt, consumer, c)
+                if not receipts:
                     return None
-                msgs.sort(key=_id)
+                receipts.sort()
+                assert until is not None, "a lease taken has an end"
                 params = {
                     "batch_id": uuid.uuid4(),
                     "group": self._gid,
-                    "ids": [m.id for m in msgs],
-                    "deliveries": [m.delivery for m in msgs],
+                    "ids": [r[0] for r in receipts],
+                    "deliveries": [r[1] for r in receipts],
                     "consumer": consumer,
-                    "lease_until": min(m.lease_until for m in msgs if m.lease_until is not None),
+                    "lease_until": until,
                 }
                 row = self._db.fetchone("ring_record_batch", params, c)
         except DatabaseError:
@@ -104,6 +108,38 @@ class RingBatches(RingBase, BatchLedger):
             raise
         assert row is not None
         return self._batch(row)
+
+    def _take_receipts(
+        self, n: int, vt: float, consumer: str, conn: DbConnection
+    ) -> tuple[list[tuple[int, int]], dt.datetime | None]:
+        """A claim's pop at least once in ``conn``: the receipts taken and their lease's end.
+
+        Messages on their first delivery come from the lanes by ``ring_take_lease_ids``, whose rows
+        carry no payload where the dialect can leave it out (PostgreSQL: (id, lease_until), the end on
+        the first row only; SQL Server sends ring_take's whole rows, lease_until fifth); the batch's
+        reader fetches the payloads. When that takes nothing (messages to deliver again are due, or the
+        lanes stop at a number not written yet), the group's pop takes them as any pop does.
+        """
+        now = time.monotonic()
+        if now - self._last_reclaim >= self.reclaim_every:  # as every pop does: expired leases first
+            self._last_reclaim = now
+            self._reclaim(RECLAIM_LIMIT, conn)
+        params = {
+            "queue_id": self._gid,
+            "capacity": self.capacity,
+            "lanes": self.lanes,
+            "n": n,
+            "visibility_timeout_s": vt,
+            "consumer": consumer,
+        }
+        rows = self._db.fetchall("ring_take_lease_ids", params, conn)
+        if rows:
+            at = 1 if len(rows[0]) == 2 else 4
+            until = next((r[at] for r in rows if r[at] is not None), None)
+            return [(int(r[0]), 1) for r in rows], until
+        msgs = self._take(n, Semantics.AT_LEAST_ONCE, vt, consumer, conn)
+        ends = [m.lease_until for m in msgs if m.lease_until is not None]
+        return [(m.id, m.delivery) for m in msgs], min(ends, default=None)
 
     def batch_query(self, batch_id: str) -> str:
         batch = self.get_batch(batch_id)

@@ -66,6 +66,12 @@ EXEC {schema}.ring_take @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = 
     @lease = %(lease)s, @vt = %(visibility_timeout_s)s, @consumer = %(consumer)s, @retries = 1,
     @wait = %(wait)s
 
+-- name: ring_take_lease_ids
+-- ring_take at least once for a claimed batch: its messages leased until their lease_until, whole (a
+-- batch's result set cannot be narrowed here; the caller reads the id and lease_until of each).
+EXEC {schema}.ring_take @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = %(lanes)s, @n = %(n)s,
+    @lease = 1, @vt = %(visibility_timeout_s)s, @consumer = %(consumer)s, @retries = 1, @wait = 0
+
 -- name: ring_pop
 -- The messages, then the last row (r_id NULL): the gap at the head, the issued position and the push
 -- lanes still to be seen unlocked (a JSON array).

@@ -92,6 +92,15 @@ FROM {schema}.ring_take(
     %(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer, %(n)s::integer, %(lease)s::boolean,
     %(visibility_timeout_s)s::float8, %(consumer)s::text, true, %(wait)s::boolean)
 
+-- name: ring_take_lease_ids
+-- ring_take at least once for a claimed batch, whose payloads its reader fetches elsewhere: (id,
+-- lease_until) only, the lease's end on the first row (NULL on the others). The payloads are read in
+-- the server and not sent: at a batch of 20,000 orders they were most of a claim's time.
+SELECT r_id, r_lease_until
+FROM {schema}.ring_take(
+    %(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer, %(n)s::integer, true,
+    %(visibility_timeout_s)s::float8, %(consumer)s::text, true, false)
+
 -- name: ring_pop
 -- Rows come back in binary (statements.BINARY_RESULTS): the holders (xid[]) as text.
 SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, r_lease_until, r_payload, r_gap, r_issued, r_snap::text
