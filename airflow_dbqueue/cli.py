@@ -23,6 +23,7 @@
     dbqueue metrics [QUEUE ...] [--rate-window S]
     dbqueue demo [--messages N]
     dbqueue pipeline [--messages N] [--batch N] [--airflow-home DIR] [--spark connect|submit]
+                     [--design table|ring]
 
 Without ``--dsn`` or ``$DBQUEUE_DSN`` the embedded PostgreSQL is started on demand. Options are named
 as the engine's arguments and :class:`MaintenanceConfig`'s fields are (``--archive-after`` is
@@ -627,6 +628,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["connect", "submit"],
         help="run the batches on a local Spark Connect server started once (default), or with one "
         "spark-submit each",
+    )
+    c.add_argument(
+        "--design",
+        default="table",
+        choices=["table", "ring"],
+        help="the orders queue's design: the table design (default), or a ring holding every order",
     )
     return p
 

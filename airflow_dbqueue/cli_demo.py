@@ -159,4 +159,11 @@ def cmd_pipeline(dbq: DbQueue, args: argparse.Namespace) -> int:
     from airflow_dbqueue.spark import demo
 
     home = Path(args.airflow_home) if args.airflow_home else None
-    return demo.run(dbq.db.dsn, messages=args.messages, batch=args.batch, airflow_home=home, spark=args.spark)
+    return demo.run(
+        dbq.db.dsn,
+        messages=args.messages,
+        batch=args.batch,
+        airflow_home=home,
+        spark=args.spark,
+        design=args.design,
+    )

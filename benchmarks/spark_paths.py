@@ -6,10 +6,21 @@ around it: claim the batch, run the ``order_rollup`` job on it (``batch_job`` in
 local Spark Connect server whose id is the batch id, or ``spark-submit`` of ``order_rollup.py`` in
 ``local[*]``), then publish the staged rollup and ack the batch in one transaction (release it on any
 failure). It measures each batch from claim to ack, and checks at the end that the results hold every
-pushed order exactly once (orders, units and EUR amount) and the queue is drained.
+pushed order exactly once (orders, units and EUR amount) and the queue is drained. Each batch's time is
+also split into its claim, its job (the JDBC read, the Spark work and the staging writes) and its
+publish-and-ack transaction (``claim_p50_s``, ``job_p50_s``, ``publish_ack_p50_s``).
+
+With ``--designs table,ring`` each path runs once a queue design, one after the other in the same run
+(on Connect, on the same server): the table design, and a ring of as many slots as orders (every
+order is pushed before the first claim), whose batches are its default group's, read by the ring's
+batch query. The batch read is also measured alone: after each claim, outside the batch's time, the
+batch query run from Python (psycopg, every row fetched: ``read_psql_p50_s``) and, on Connect, the
+job's own partitioned JDBC read of the batch with its payload bytes summed in Spark
+(``read_jdbc_p50_s``).
 
     .venv/bin/python benchmarks/spark_paths.py                        # 20,000 orders, batches of 5,000
     .venv/bin/python benchmarks/spark_paths.py --messages 200000 --batch 20000 --paths connect
+    .venv/bin/python benchmarks/spark_paths.py --paths connect --designs table,ring  # both designs
     .venv/bin/python benchmarks/spark_paths.py --json
     .venv/bin/python benchmarks/spark_paths.py --paths connect --events 10  # and push to results
 
@@ -56,6 +67,7 @@ from airflow_dbqueue.spark.connect_server import LocalConnectServer, spark_submi
 from airflow_dbqueue.spark.orders import OrderRollup, expected_totals, sample_orders
 
 PATHS = ("connect", "submit")
+DESIGNS = ("table", "ring")
 EVENTS_DAGS = Path(__file__).with_name("dags")
 EVENTS_DAG_ID = "dbqueue_bench_order_events"
 AIRFLOW = Path(sys.executable).with_name("airflow")
@@ -129,6 +141,23 @@ class _Connect:
             self._session.stop()
             self._session = None
 
+    def read(self, query: str, size: int) -> float:
+        """Seconds the job's JDBC read of a batch takes in this run's session (its partitions, as the job
+        reads them), every payload fetched: their bytes summed in Spark."""
+        import argparse as _argparse
+
+        from pyspark.sql import functions as F
+
+        from airflow_dbqueue.spark import order_rollup
+
+        if self._session is None:
+            self._session = self.session()
+        args = _argparse.Namespace(batch_query=query, batch_size=size, partitions=2)
+        jdbc = {**self.jdbc, "driver": "org.postgresql.Driver"}
+        t0 = time.monotonic()
+        order_rollup.read_batch(self._session, jdbc, args).agg(F.sum(F.length("payload"))).collect()
+        return time.monotonic() - t0
+
     def warm_up(self, results: OrderRollup, dsn: str, rounds: int, size: int) -> list[float]:
         """The server's warm-up: ``rounds`` made-up batches of ``size`` through the job."""
         session = self.session()
@@ -139,21 +168,38 @@ class _Connect:
             session.stop()
 
 
+def _read_psql(dsn: str, query: str) -> float:
+    """Seconds the batch query takes from Python: run as text, every row fetched."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        t0 = time.monotonic()
+        c.execute(query.encode()).fetchall()
+        return time.monotonic() - t0
+
+
 def run_path(  # noqa: PLR0915
-    path: str, dsn: str, messages: int, batch: int, connect_url: str | None, *, warm_up: int = 0
+    path: str,
+    dsn: str,
+    messages: int,
+    batch: int,
+    connect_url: str | None,
+    *,
+    warm_up: int = 0,
+    design: str = "table",
+    measure_reads: bool = False,
 ) -> dict[str, Any]:
     """Push, then claim, run and publish-and-ack batch after batch; return what was measured.
 
     Long on purpose: one path measured in order (set up, push, batches, check), sharing its timings.
     """
     schema, results = f"bench_spark_{path}", OrderRollup(f"bench_results_{path}")
+    ring = design == "ring"
     orders = list(sample_orders(messages, seed=17))
     jdbc = jdbc_options(dsn)
     runner: _Connect | _Submit = _Connect(connect_url, jdbc) if connect_url is not None else _Submit(jdbc)
     with DbQueue(dsn, schema=schema, pool_size=2) as dbq:
         dbq.uninstall()
         dbq.install()
-        q = dbq.create_queue("orders")
+        q = dbq.create_queue("orders", **({"design": "ring", "capacity": max(messages, 16)} if ring else {}))
         with psycopg.connect(dsn, autocommit=True) as c:
             c.execute(f'DROP SCHEMA IF EXISTS "{results.schema}" CASCADE')
             results.install(c)
@@ -167,13 +213,29 @@ def run_path(  # noqa: PLR0915
             warm_s = runner.warm_up(results, dsn, warm_up, batch)
             _say(f"{path}: server warmed up with {warm_up} made-up batch(es) of {batch:,}: {_secs(warm_s)}")
         per_batch: list[float] = []
+        claims: list[float] = []  # the claim's part of each batch
+        jobs: list[float] = []  # the job's (its JDBC read, its Spark work and its staging writes)
+        acks: list[float] = []  # publish and ack, one transaction
+        reads_psql: list[float] = []
+        reads_jdbc: list[float] = []
         failed = 0
         t_first = time.monotonic()
+        aside = 0.0  # the reads measured alone, left out of every time below
         while True:
             t0 = time.monotonic()
             b = q.claim_batch(batch, visibility_timeout=600, consumer=f"bench.{path}")
             if b is None:
                 break
+            t_claimed = time.monotonic()
+            if measure_reads:
+                t_aside = time.monotonic()
+                reads_psql.append(_read_psql(dsn, q.batch_query(b.batch_id)))
+                if isinstance(runner, _Connect):
+                    reads_jdbc.append(runner.read(q.batch_query(b.batch_id), b.size))
+                t_aside = time.monotonic() - t_aside
+                aside += t_aside
+                t0 += t_aside
+                t_claimed += t_aside
             argv = [
                 "--results-schema",
                 results.schema,
@@ -186,6 +248,7 @@ def run_path(  # noqa: PLR0915
             ]
             try:
                 runner.run(argv, b.batch_id)
+                t_job = time.monotonic()
                 with dbq.transaction() as conn:
                     results.publish(conn, b)
                     q.ack_batch(b.batch_id, conn=conn)
@@ -199,18 +262,22 @@ def run_path(  # noqa: PLR0915
                     break
                 continue
             per_batch.append(time.monotonic() - t0)
+            claims.append(t_claimed - t0)
+            jobs.append(t_job - t_claimed)
+            acks.append(t0 + per_batch[-1] - t_job)
             _say(f"{path}: batch {len(per_batch)} ({b.size:,}) claim to ack {per_batch[-1]:.2f}s")
-        all_s = time.monotonic() - t_first
+        all_s = time.monotonic() - t_first - aside
         if isinstance(runner, _Connect):
             runner.close()
         with psycopg.connect(dsn) as c:
             totals = results.totals(c)
-        st = q.stats()
+        st = q.stats(exact=True)  # a state of more than 50,000 is otherwise estimated
         want = expected_totals(orders)
         ok = (
             failed == 0
             and (totals.messages, totals.orders, totals.quantity, totals.amount_eur) == (messages, *want)
-            and (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, messages)
+            # a ring keeps no finished messages: drained is nothing ready, in flight or failed
+            and (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 0 if ring else messages)
         )
         with psycopg.connect(dsn, autocommit=True) as c:
             c.execute(f'DROP SCHEMA IF EXISTS "{results.schema}" CASCADE')
@@ -218,6 +285,7 @@ def run_path(  # noqa: PLR0915
     warm = per_batch[1:] or per_batch
     return {
         "path": path,
+        "design": design,
         "messages": messages,
         "batch": batch,
         "batches": len(per_batch),
@@ -229,6 +297,11 @@ def run_path(  # noqa: PLR0915
         "max_s": round(max(per_batch), 2) if per_batch else None,
         "claim_to_last_ack_s": round(all_s, 2),
         "orders_per_s": round(messages / all_s) if all_s else None,
+        "claim_p50_s": round(statistics.median(claims), 3) if claims else None,
+        "job_p50_s": round(statistics.median(jobs), 3) if jobs else None,
+        "publish_ack_p50_s": round(statistics.median(acks), 3) if acks else None,
+        "read_psql_p50_s": round(statistics.median(reads_psql), 3) if reads_psql else None,
+        "read_jdbc_p50_s": round(statistics.median(reads_jdbc), 3) if reads_jdbc else None,
         "exactly_once": ok,
     }
 
@@ -414,7 +487,7 @@ def run_events(
             airflow.stop()
         with psycopg.connect(dsn) as c:
             totals = results.totals(c)
-        st = q.stats()
+        st = q.stats(exact=True)  # a state of more than 50,000 is otherwise estimated
         ok = (
             (totals.messages, totals.orders, totals.quantity, totals.amount_eur)
             == (len(orders), *expected_totals(orders))
@@ -443,6 +516,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--messages", type=int, default=20_000)
     p.add_argument("--batch", type=int, default=5_000)
     p.add_argument("--paths", default="connect,submit", help="comma-separated: connect, submit")
+    p.add_argument(
+        "--designs",
+        default="table",
+        help="comma-separated queue designs each path runs on, one after the other: table, ring "
+        "(default table); with more than one, each batch's read is also measured alone",
+    )
     p.add_argument("--dsn", default=os.environ.get("DBQUEUE_TEST_DSN"), help="default: embedded")
     p.add_argument(
         "--connect-url",
@@ -465,21 +544,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="one JSON object per path on stdout")
     args = p.parse_args(argv)
     args.paths = [x.strip() for x in args.paths.split(",") if x.strip()]
+    args.designs = [x.strip() for x in args.designs.split(",") if x.strip()]
     if (
         args.messages < 1
         or args.batch < 1
         or args.events < 0
         or not args.paths
         or set(args.paths) - set(PATHS)
+        or not args.designs
+        or set(args.designs) - set(DESIGNS)
     ):
         p.error(
             "--messages and --batch must be positive, --events at least 0, "
-            f"--paths a list of {', '.join(PATHS)}"
+            f"--paths a list of {', '.join(PATHS)}, --designs a list of {', '.join(DESIGNS)}"
         )
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:  # noqa: PLR0912
     args = parse_args(argv)
     paths = args.paths
     tmp = Path(tempfile.mkdtemp(prefix="dbqueue-bench-spark-"))
@@ -502,9 +584,21 @@ def main(argv: list[str] | None = None) -> int:
                 url = server.start()
                 start_s = round(time.monotonic() - t0, 1)
                 _say(f"connect: server {server.url} listening after {start_s}s")
-            row = run_path(path, dsn, args.messages, args.batch, url, warm_up=args.warm_up)
-            row["server_start_s"] = start_s
-            row["load"] = round(os.getloadavg()[0], 1)
+            for k, design in enumerate(args.designs):
+                row = run_path(
+                    path,
+                    dsn,
+                    args.messages,
+                    args.batch,
+                    url,
+                    warm_up=args.warm_up,
+                    design=design,
+                    measure_reads=len(args.designs) > 1,
+                )
+                row["server_start_s"] = start_s if k == 0 else None
+                row["load"] = round(os.getloadavg()[0], 1)
+                if k < len(args.designs) - 1:
+                    rows.append(row)
             if args.events:
                 row.update(
                     run_events(path, dsn, url, tmp / f"airflow-{path}", pushes=args.events, size=args.batch)
@@ -563,9 +657,28 @@ def table(rows: list[dict[str, Any]]) -> str:
             ),
             ("load average (1 min) after the pushes", lambda r: str(r.get("events_load", "-"))),
         ]
+    if any(r.get("claim_p50_s") is not None for r in rows):
+        fields += [
+            ("p50 of the claim", lambda r: f"{r['claim_p50_s']} s"),
+            ("p50 of the job (its JDBC read, Spark work, staging writes)", lambda r: f"{r['job_p50_s']} s"),
+            ("p50 of publish and ack (one transaction)", lambda r: f"{r['publish_ack_p50_s']} s"),
+        ]
+    if any(r.get("read_psql_p50_s") is not None for r in rows):
+        fields += [
+            ("batch read alone, p50: the batch query from Python", lambda r: f"{r['read_psql_p50_s']} s"),
+            (
+                "batch read alone, p50: the job's JDBC read, payloads fetched",
+                lambda r: f"{r['read_jdbc_p50_s']} s" if r.get("read_jdbc_p50_s") is not None else "-",
+            ),
+        ]
+    designs = {r.get("design", "table") for r in rows}
     head = (
         "| | "
-        + " | ".join("Spark Connect" if r["path"] == "connect" else "spark-submit" for r in rows)
+        + " | ".join(
+            ("Spark Connect" if r["path"] == "connect" else "spark-submit")
+            + (f", {r.get('design', 'table')}" if len(designs) > 1 else "")
+            for r in rows
+        )
         + " |"
     )
     lines = [head, "| --- |" + " --- |" * len(rows)]

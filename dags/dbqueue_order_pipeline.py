@@ -5,7 +5,8 @@
 Producers (a web shop, ``dbqueue push``, the ``dbqueue pipeline`` demo) push order events to the
 ``orders`` queue. This DAG
 
-1. ``prepare``: creates the queue and the results tables idempotently;
+1. ``prepare``: creates the queue (of the ``design`` param: ``table``, or ``ring`` of ``ring_capacity``
+   slots) and the results tables idempotently;
 2. ``wait_for_orders``: a deferrable DbQueueSensor; it only observes, so nothing is lost if a later
    task fails;
 3. ``roll_up_orders_on_spark``: claims batches of up to ``max_messages`` and runs the PySpark job
@@ -44,6 +45,8 @@ with DAG(
     catchup=False,
     params={
         "queue_name": Param("orders", type="string"),
+        "design": Param("table", enum=["table", "ring"]),
+        "ring_capacity": Param(131_072, type="integer", minimum=1, maximum=16_777_216),
         "max_messages": Param(5000, type="integer", minimum=1, maximum=100_000),
         "max_batches": Param(20, type="integer", minimum=1),
         "window_minutes": Param(60, type="integer", minimum=1),
@@ -57,9 +60,11 @@ with DAG(
 
     @task
     def prepare(params: dict[str, Any]) -> None:
-        """Create the queue and the results tables (idempotent)."""
+        """Create the queue and the results tables (idempotent). A ring holds at most its capacity of
+        messages not yet acked, an open batch's included (docs/operating.md, sizing a ring)."""
+        ring = {"design": "ring", "capacity": params["ring_capacity"]} if params["design"] == "ring" else {}
         with DbQueueHook() as hook:
-            hook.create_queue(params["queue_name"])
+            hook.create_queue(params["queue_name"], **ring)
             with hook.transaction() as conn:
                 RESULTS.install(conn)
 

@@ -521,7 +521,7 @@ def _cast(value: Any, to: exp.DataType, style: int | None = None) -> Any:  # noq
         return int(value)  # a float truncates toward zero
     if kind in (T.FLOAT, T.DOUBLE, T.DECIMAL):
         return float(value)
-    if kind in (T.NVARCHAR, T.VARCHAR, T.NCHAR, T.CHAR):
+    if kind in (T.NVARCHAR, T.VARCHAR, T.NCHAR, T.CHAR, T.TEXT):
         if isinstance(value, bytes):
             return value.decode()
         return str(value)
@@ -1360,6 +1360,9 @@ class Frame:
         if isinstance(node, exp.Repeat):
             text, times = self.eval(node.this, env), self.eval(node.args["times"], env)
             return None if text is None or times is None else str(text) * int(times)
+        if isinstance(node, exp.Left):
+            text, length = self.eval(node.this, env), self.eval(node.expression, env)
+            return None if text is None or length is None else str(text)[: int(length)]
         if isinstance(node, exp.ObjectId):
             seq = self.server.sequences.get(str(self.eval(node.this, env)))
             return None if seq is None else seq["object_id"]

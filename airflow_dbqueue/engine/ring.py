@@ -87,6 +87,7 @@ from airflow_dbqueue.engine.ring_base import (
     _first,
     _id,
 )
+from airflow_dbqueue.engine.ring_batches import RingBatches
 from airflow_dbqueue.engine.ring_groups import RingGroups
 from airflow_dbqueue.engine.ring_inspect import RingInspect
 
@@ -105,7 +106,7 @@ __all__ = [
 ]
 
 
-class RingQueue(RingGroups, RingInspect):
+class RingQueue(RingGroups, RingInspect, RingBatches):
     """A queue of the ring design.
 
     FIFO by id, without priorities or delayed pushes (both raise :class:`ConfigurationError`). Under
@@ -504,22 +505,28 @@ class RingQueue(RingGroups, RingInspect):
 
     def maintain(self, *, limit: int = RECLAIM_LIMIT) -> dict[str, int]:
         """Reclaim expired leases of every consumer group, give up the numbers of pushes that rolled back
-        or died (:meth:`recover_gaps`), and act on groups that nobody pops (:meth:`watch_groups`):
-        ``{"reclaimed": n, "gaps_skipped": m}``, with ``"groups_lagging"`` and ``"groups_dropped"`` on a
-        ring with groups besides the default one."""
+        or died (:meth:`recover_gaps`), act on groups that nobody pops (:meth:`watch_groups`), and forget
+        batches finished more than ``batch_retention_s`` ago: ``{"reclaimed": n, "gaps_skipped": m,
+        "batches_purged": k}``, with ``"groups_lagging"`` and ``"groups_dropped"`` on a ring with groups
+        besides the default one."""
         root = self._default()
         reclaimed = root.reclaim_expired(limit)
         others = root.groups()[1:]
+        handles = [root]
         for info in others:
             try:
-                reclaimed += root.group(info.name).reclaim_expired(limit)
+                handles.append(root.group(info.name))
+                reclaimed += handles[-1].reclaim_expired(limit)
             except GroupNotFoundError:
                 continue  # dropped meanwhile
         # Gaps first: a number issued and never written counts as one to take, so a group that has
         # taken everything would look as lagging behind a push that rolled back until it is given up.
         skipped = root.recover_gaps()
         watched = root.watch_groups() if others else {}  # the counts only where a ring has groups
-        return {"reclaimed": reclaimed, "gaps_skipped": skipped, **watched}
+        # Each group's batches finished more than batch_retention_s ago (a group dropped meanwhile took
+        # its batches with it).
+        purged = sum(h._purge_batches(limit) for h in handles)
+        return {"reclaimed": reclaimed, "gaps_skipped": skipped, **watched, "batches_purged": purged}
 
     # -- failed messages ---------------------------------------------------------------------------
 

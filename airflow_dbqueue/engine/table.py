@@ -12,9 +12,8 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from airflow_dbqueue.engine.batches import BatchLedger
 from airflow_dbqueue.engine.errors import (
-    BatchNotFoundError,
-    BatchStateError,
     ConfigurationError,
     LeaseExpiredError,
     NotSupportedError,
@@ -23,7 +22,6 @@ from airflow_dbqueue.engine.errors import (
 )
 from airflow_dbqueue.engine.models import (
     Batch,
-    BatchState,
     FailedMessage,
     Message,
     NotifyMode,
@@ -38,7 +36,6 @@ from airflow_dbqueue.engine.queue import (
     COUNT_CAP,
     DEFAULT_CONSUMER,
     RECLAIM_LIMIT,
-    Queue,
     _check_batch_size,
     check_keys,
     check_seconds,
@@ -57,7 +54,7 @@ _PRIORITY_MIN, _PRIORITY_MAX = -32768, 32767
 _INLINE_PAYLOAD_BYTES = 1900
 
 
-class TableQueue(Queue):
+class TableQueue(BatchLedger):
     """A queue of the table design."""
 
     def __init__(self, db: Database, settings: QueueSettings) -> None:
@@ -433,26 +430,9 @@ class TableQueue(Queue):
 
     # -- batches -----------------------------------------------------------------------------------
 
-    def _batch(self, row: tuple[Any, ...]) -> Batch:
-        batch_id, state, ids, deliveries, consumer, claimed_at, lease_until, finished_at, error = row
-        return Batch(
-            batch_id=str(batch_id),
-            queue=self.name,
-            state=BatchState.from_code(state),
-            receipts=tuple(zip(ids, deliveries, strict=True)),
-            claimed_at=claimed_at,
-            lease_until=lease_until,
-            consumer=consumer,
-            finished_at=finished_at,
-            last_error=error,
-        )
-
-    def _batch_key(self, batch_id: str) -> dict[str, Any]:
-        try:
-            key = uuid.UUID(str(batch_id))
-        except ValueError:
-            raise ConfigurationError(f"queue {self.name!r}: a batch id is a UUID, got {batch_id!r}") from None
-        return {"batch_id": key, "queue_id": self._qid}
+    @property
+    def _ledger_key(self) -> int:
+        return self._qid
 
     def claim_batch(
         self,
@@ -481,21 +461,11 @@ class TableQueue(Queue):
             row = self._db.fetchone("claim_batch_with", {**params, **self._checks}, conn)
         return None if row is None else self._batch(row)
 
-    def get_batch(self, batch_id: str) -> Batch:
-        row = self._db.fetchone("get_batch", self._batch_key(batch_id))
-        if row is None:
-            raise BatchNotFoundError(self.name, str(batch_id))
-        return self._batch(row)
-
-    #: Seconds a finished batch stays in the ledger before the upkeep deletes it.
-    batch_retention_s = 7 * 24 * 3600.0
-
     def maintain(self, *, limit: int = RECLAIM_LIMIT) -> dict[str, int]:
         """Reclaim expired leases, forget batches finished more than ``batch_retention_s`` ago and
         deduplication keys older than the queue's window, and expire messages whose time to live passed
         (up to ``limit`` of each)."""
-        params = {"queue_id": self._qid, "older_than_s": self.batch_retention_s, "n": limit}
-        purged = len(self._db.fetchall("purge_batches", params))
+        purged = self._purge_batches(limit)
         forgotten = 0
         if self._db.push_options:
             forget = {"queue_id": self._qid, "window_s": self.settings.dedup_window_s, "n": limit}
@@ -509,91 +479,27 @@ class TableQueue(Queue):
             "expired": expired,
         }
 
-    def open_batches(self, limit: int = 100, *, consumer_prefix: str | None = None) -> list[Batch]:
-        rows = self._db.fetchall(
-            "open_batches",
-            {"queue_id": self._qid, "limit": _check_batch_size(limit), "consumer_prefix": consumer_prefix},
-        )
-        return [self._batch(r) for r in rows]
-
     def batch_query(self, batch_id: str) -> str:
         return self._db.render("batch_rows", self._batch_key(batch_id))
 
-    def _locked_batch(self, batch_id: str, conn: DbConnection) -> Batch:
-        row = self._db.fetchone("lock_batch", self._batch_key(batch_id), conn)
-        if row is None:
-            raise BatchNotFoundError(self.name, str(batch_id))
-        return self._batch(row)
-
-    def _set_batch_state(
-        self,
-        batch: Batch,
-        state: BatchState,
-        conn: DbConnection,
-        *,
-        lease_until: dt.datetime | None = None,
-        error: str | None = None,
-    ) -> None:
-        params = {**self._batch_key(batch.batch_id), "state": state.code, "lease_until": lease_until}
-        self._db.execute("finish_batch", {**params, "error": error}, conn)
-
-    def ack_batch(self, batch_id: str, *, conn: DbConnection | None = None) -> int:
-        with self._db.transaction(conn) as c:
-            batch = self._locked_batch(batch_id, c)
-            if batch.state is BatchState.ACKED:
-                return 0
-            if batch.state is BatchState.RELEASED:
-                raise BatchStateError(
-                    f"queue {self.name!r}: batch {batch.batch_id} was released ({batch.last_error}); "
-                    "its messages are delivered again, so it cannot be acked"
-                )
-            done = self.ack_receipts(batch.receipts, conn=c)
-            self._set_batch_state(batch, BatchState.ACKED, c)
-            return done
-
-    def release_batch(
-        self,
-        batch_id: str,
-        *,
-        delay: float | None = None,
-        error: str | None = None,
-        conn: DbConnection | None = None,
-    ) -> int:
-        with self._db.transaction(conn) as c:
-            batch = self._locked_batch(batch_id, c)
-            if batch.state is not BatchState.CLAIMED:
-                return 0
-            ids = [r[0] for r in batch.receipts]
-            deliveries = [r[1] for r in batch.receipts]
-            held = self._db.fetchall(
-                "held_receipts", {"ids": ids, "deliveries": deliveries, "queue_id": self._qid}, c
+    def _held(self, receipts: Sequence[tuple[int, int]], conn: DbConnection) -> list[tuple[int, int]]:
+        ids = [r[0] for r in receipts]
+        deliveries = [r[1] for r in receipts]
+        return list(
+            self._db.fetchall(
+                "held_receipts", {"ids": ids, "deliveries": deliveries, "queue_id": self._qid}, conn
             )
-            # Receipts locked by nack below; one reclaimed between these statements would make
-            # nack raise, so only what is held now is released, and the rest was already returned.
-            released = self.nack_receipts(held, delay=delay, error=error, conn=c) if held else 0
-            self._set_batch_state(batch, BatchState.RELEASED, c, error=error)
-            return released
-
-    def extend_batch(self, batch_id: str, visibility_timeout: float) -> dt.datetime:
-        visibility_timeout = check_seconds(
-            f"queue {self.name!r}: visibility_timeout", visibility_timeout, positive=True
         )
-        with self._db.transaction() as c:
-            batch = self._locked_batch(batch_id, c)
-            if batch.state is not BatchState.CLAIMED:
-                raise BatchStateError(
-                    f"queue {self.name!r}: batch {batch.batch_id} is {batch.state.value}; only a "
-                    "claimed batch can be extended"
-                )
-            ids = [r[0] for r in batch.receipts]
-            deliveries = [r[1] for r in batch.receipts]
-            params = {"ids": ids, "deliveries": deliveries, "queue_id": self._qid}
-            rows = self._db.fetchall("extend_leases", {**params, "secs": float(visibility_timeout)}, c)
-            if len(rows) != len(ids):
-                self._raise_lost(ids, deliveries, c)
-            until: dt.datetime = rows[0][1]
-            self._set_batch_state(batch, BatchState.CLAIMED, c, lease_until=until)
-            return until
+
+    def _extend(self, receipts: Sequence[tuple[int, int]], seconds: float, conn: DbConnection) -> dt.datetime:
+        ids = [r[0] for r in receipts]
+        deliveries = [r[1] for r in receipts]
+        params = {"ids": ids, "deliveries": deliveries, "queue_id": self._qid}
+        rows = self._db.fetchall("extend_leases", {**params, "secs": seconds}, conn)
+        if len(rows) != len(ids):
+            self._raise_lost(ids, deliveries, conn)
+        until: dt.datetime = rows[0][1]
+        return until
 
 
 STATS_EXACT_CAP = 50_000

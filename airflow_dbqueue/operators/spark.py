@@ -124,6 +124,11 @@ class DbQueueSparkSubmitOperator(ConnectPath, SubmitPath, BaseOperator):  # type
     ``SPARK_LOCAL_IP`` is set.
 
     :param queue_name: the queue to take batches from.
+    :param group: the consumer group of a ring to take batches for (default: its default group). Each
+        group sees every message of the ring, so two operators with two groups feed two pipelines from
+        one stream, each batch of a group being that group's alone (claimed, extended, acked, released
+        and cleaned up after a killed try through it). A ring's open batches hold its floor: see
+        ``docs/operating.md`` (sizing a ring).
     :param application: the PySpark file (or jar) to submit; on Spark Connect, a Python file that
         defines ``batch_job(spark, argv, jdbc)``.
     :param application_args: arguments before the batch arguments (templated): a list, an ``XComArg``
@@ -153,6 +158,7 @@ class DbQueueSparkSubmitOperator(ConnectPath, SubmitPath, BaseOperator):  # type
 
     template_fields: Sequence[str] = (
         "queue_name",
+        "group",
         "application",
         "application_args",
         "spark_conf",
@@ -170,6 +176,7 @@ class DbQueueSparkSubmitOperator(ConnectPath, SubmitPath, BaseOperator):  # type
         *,
         queue_name: str,
         application: str,
+        group: str | None = None,
         application_args: Any = None,
         max_messages: int | str = 10_000,
         max_batches: int | str = 1,
@@ -203,6 +210,7 @@ class DbQueueSparkSubmitOperator(ConnectPath, SubmitPath, BaseOperator):  # type
         # Templated fields are kept as given (a Jinja string, an XComArg, a list) and read in execute,
         # once Airflow has rendered them.
         self.queue_name = queue_name
+        self.group = group
         self.application = application
         self.application_args = application_args
         self.max_messages = max_messages
@@ -248,7 +256,7 @@ class DbQueueSparkSubmitOperator(ConnectPath, SubmitPath, BaseOperator):  # type
         with DbQueueHook(self.dbqueue_conn_id, dbqueue_schema=self.dbqueue_schema) as hook:
             self._hook = hook
             try:
-                queue = hook.get_queue(self.queue_name)
+                queue = self._queue(hook)
                 self._release_earlier_tries(queue, tries, consumer)
                 done = self._process(hook, consumer, max_messages, max_batches)
                 self._check_nothing_left(queue, tries)
@@ -256,14 +264,21 @@ class DbQueueSparkSubmitOperator(ConnectPath, SubmitPath, BaseOperator):  # type
                 self._hook = None
         if not done:
             self._on_empty()
-        return {"queue": self.queue_name, "batches": done, "messages": sum(b["size"] for b in done)}
+        out = {"queue": self.queue_name, "batches": done, "messages": sum(b["size"] for b in done)}
+        if self.group:
+            out["group"] = self.group
+        return out
+
+    def _queue(self, hook: DbQueueHook) -> Queue:
+        """The handle batches are claimed through: the queue's, or its consumer group's."""
+        return hook.get_queue(self.queue_name, self.group or None)
 
     def _process(
         self, hook: DbQueueHook, consumer: str, max_messages: int, max_batches: int
     ) -> list[dict[str, Any]]:
         """Claim, run, publish and ack up to ``max_batches`` batches; return their summaries."""
         done: list[dict[str, Any]] = []
-        queue = hook.get_queue(self.queue_name)
+        queue = self._queue(hook)
         if self._on_connect():
             setup = self._connect_setup(hook, consumer)
         else:
@@ -415,4 +430,4 @@ class DbQueueSparkSubmitOperator(ConnectPath, SubmitPath, BaseOperator):  # type
         # arrives from another thread while execute is not in a position to.
         batch, hook = self._batch, self._hook
         if batch is not None and hook is not None:
-            self._release(hook.get_queue(self.queue_name), batch, "task killed")
+            self._release(self._queue(hook), batch, "task killed")

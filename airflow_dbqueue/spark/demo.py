@@ -158,13 +158,33 @@ def airflow_env(dsn: str, schema: str, home: Path, connect_port: int | None = No
     )
 
 
-def run(dsn: str, *, messages: int, batch: int, airflow_home: Path | None, spark: str = "connect") -> int:
+def run(
+    dsn: str,
+    *,
+    messages: int,
+    batch: int,
+    airflow_home: Path | None,
+    spark: str = "connect",
+    design: str = "table",
+) -> int:
     """Run the demo; return the process exit code (0 when the results match what was pushed)."""
+    if design not in ("table", "ring"):
+        _say(f"dbqueue pipeline: --design must be table or ring, got {design!r}")
+        return 2
     with DbQueue(dsn, schema=QUEUE_SCHEMA, pool_size=4) as dbq:
-        return _run(dbq, messages=messages, batch=batch, airflow_home=airflow_home, spark=spark)
+        return _run(
+            dbq, messages=messages, batch=batch, airflow_home=airflow_home, spark=spark, design=design
+        )
 
 
-def _run(dbq: DbQueue, *, messages: int, batch: int, airflow_home: Path | None, spark: str) -> int:
+def ring_capacity(messages: int) -> int:
+    """The demo ring's capacity: every order is pushed before the DAG runs, so it holds them all."""
+    return max(16_384, messages)
+
+
+def _run(
+    dbq: DbQueue, *, messages: int, batch: int, airflow_home: Path | None, spark: str, design: str = "table"
+) -> int:
     t_start = time.monotonic()
     if messages < 1 or batch < 1:
         _say("dbqueue pipeline: --messages and --batch must be positive")
@@ -178,11 +198,15 @@ def _run(dbq: DbQueue, *, messages: int, batch: int, airflow_home: Path | None, 
     home = airflow_home or default_data_dir().parent / "airflow-home"
     home.mkdir(parents=True, exist_ok=True)
     if spark == "submit":
-        return _pipeline(dbq, messages=messages, batch=batch, home=home, warm=None, t_start=t_start)
+        return _pipeline(
+            dbq, messages=messages, batch=batch, home=home, warm=None, t_start=t_start, design=design
+        )
     _say("0/4 starting a local Spark Connect server (local[2]), to warm up while the orders are pushed")
     warm = _WarmServer(LocalConnectServer(log_file=home / "spark-connect-server.log"), dbq.db.dsn, batch)
     try:
-        return _pipeline(dbq, messages=messages, batch=batch, home=home, warm=warm, t_start=t_start)
+        return _pipeline(
+            dbq, messages=messages, batch=batch, home=home, warm=warm, t_start=t_start, design=design
+        )
     except ConnectServerError as exc:
         _say(f"dbqueue pipeline: {exc}")
         return 1
@@ -244,6 +268,7 @@ def _pipeline(  # noqa: PLR0915
     home: Path,
     warm: _WarmServer | None,
     t_start: float,
+    design: str = "table",
 ) -> int:
     """Run the pipeline demo's four stages (Airflow's database, the push, the DAG, the results) and
     return the exit status: 0 when every pushed order was counted exactly once.
@@ -265,11 +290,14 @@ def _pipeline(  # noqa: PLR0915
         return 1
     _say(f"   ready in {time.monotonic() - t0:.1f}s")
 
-    _say(f"2/4 pushing {messages:,} order events to queue {QUEUE!r} (schema {dbq.schema!r})")
+    ring = design == "ring"
+    shape = f"a ring of {ring_capacity(messages):,} slots" if ring else "the table design"
+    _say(f"2/4 pushing {messages:,} order events to queue {QUEUE!r} ({shape}, schema {dbq.schema!r})")
     t0 = time.monotonic()
     dbq.uninstall()  # a fresh demo schema each run, so the check below is about this run only
     dbq.install()
-    q = dbq.create_queue(QUEUE)
+    shape_settings: dict[str, Any] = {"design": "ring", "capacity": ring_capacity(messages)} if ring else {}
+    q = dbq.create_queue(QUEUE, **shape_settings)
     results = OrderRollup(RESULTS_SCHEMA)
     with psycopg.connect(dbq.db.dsn, autocommit=True) as conn:
         conn.execute(f'DROP SCHEMA IF EXISTS "{RESULTS_SCHEMA}" CASCADE')
@@ -301,7 +329,9 @@ def _pipeline(  # noqa: PLR0915
     )
     _say(f"3/4 airflow dags test {DAG_ID}: sensor, then {how}")
     log = home / "last-pipeline-run.log"
-    conf = {"queue_name": QUEUE, "max_messages": batch, "max_batches": batches + 1}
+    conf: dict[str, Any] = {"queue_name": QUEUE, "max_messages": batch, "max_batches": batches + 1}
+    if ring:
+        conf.update(design="ring", ring_capacity=ring_capacity(messages))
     t0 = time.monotonic()
     with log.open("w") as out, _Ticker("running the DAG", every=15):
         p = subprocess.Popen(
@@ -352,7 +382,8 @@ def _pipeline(  # noqa: PLR0915
         and totals is not None
         and (totals.messages, totals.orders, totals.quantity, totals.amount_eur)
         == (messages, want_orders, want_qty, want_amount)
-        and (stats.ready, stats.in_flight, stats.failed, stats.finished) == (0, 0, 0, messages)
+        # a ring keeps no finished messages: drained is nothing ready, in flight or failed
+        and (stats.ready, stats.in_flight, stats.failed, stats.finished) == (0, 0, 0, 0 if ring else messages)
     )
     _say(
         f"   check     {'OK' if ok else 'MISMATCH'}: every pushed order counted exactly once "

@@ -171,14 +171,16 @@ def drill_env(tmp_path: Path, pg_dsn: str, dbq: DbQueue) -> dict[str, str]:
 def results(pg_dsn: str, schema: str, dag_id: str = "") -> list[tuple[int, str, bytes]]:
     """The drill's results with each message's payload: (id, batch id, payload), of the batches of
     ``dag_id``'s tasks (all: ""). A small payload is in its message's meta row (or done row, once
-    finished), a large one in data."""
+    finished), a large one in data; a ring's is in the slot holding its number (the schema's only
+    queue)."""
     with psycopg.connect(pg_dsn) as c:
         return c.execute(
             sql.SQL(
                 "SELECT * FROM (SELECT r.id, r.batch_id, coalesce("
                 "(SELECT m.payload FROM {s}.meta m WHERE m.id = r.id), "
                 "(SELECT f.payload FROM {s}.done f WHERE f.id = r.id), "
-                "(SELECT d.payload FROM {s}.data d WHERE d.id = r.id)) AS payload "
+                "(SELECT d.payload FROM {s}.data d WHERE d.id = r.id), "
+                "(SELECT t.payload FROM {s}.ring_slots t WHERE t.seq = r.id)) AS payload "
                 "FROM {s}.drill_results r WHERE r.batch_id IN "
                 "(SELECT batch_id::text FROM {s}.batches WHERE starts_with(consumer, %s))) x "
                 "WHERE x.payload IS NOT NULL"
@@ -187,8 +189,9 @@ def results(pg_dsn: str, schema: str, dag_id: str = "") -> list[tuple[int, str, 
         ).fetchall()
 
 
+@pytest.mark.parametrize("design", ["table", "ring-group"])
 def test_a_try_finds_the_batch_a_killed_try_left_and_releases_it_at_once(
-    lifecycle_env: dict[str, str], pg_dsn: str, dbq: DbQueue, tmp_path: Path
+    lifecycle_env: dict[str, str], pg_dsn: str, dbq: DbQueue, tmp_path: Path, design: str
 ) -> None:
     """What a try killed mid-batch leaves (its batch claimed with a 600 s lease, part of its staging,
     its orphaned job still running and writing staging) is cleaned up by the next try of the task:
@@ -198,11 +201,17 @@ def test_a_try_finds_the_batch_a_killed_try_left_and_releases_it_at_once(
 
     ``airflow dags test`` runs the task in its own process, which a test cannot SIGKILL without
     ending the run, so an upstream task plays the killed try: it claims under the consumer name of an
-    earlier try of ``process`` and starts the orphan (see the DAG)."""
-    q = dbq.create_queue("jobs")
+    earlier try of ``process`` and starts the orphan (see the DAG). ``ring-group``: the queue is a ring
+    and both tries take batches for its consumer group ``g`` (``group=``); its default group, which
+    nobody pops, still holds all 30."""
+    ring = design == "ring-group"
+    q = dbq.create_queue("jobs", **({"design": "ring", "capacity": 64} if ring else {}))
+    handle = q.add_group("g") if ring else q  # type: ignore[attr-defined]
     sent = [{"job": i, "blob": "y" * (i % 5)} for i in range(30)]
     q.push_batch(sent)
     env = drill_env(tmp_path, pg_dsn, dbq)
+    if ring:
+        env["DBQUEUE_TEST_GROUP"] = "g"
     ok, out = dags_test(lifecycle_env, pg_dsn, dbq.schema, "dbqueue_test_spark_killed_try", **env)
     assert ok, out[-5000:]
     rows = batch_rows(pg_dsn, dbq.schema)
@@ -212,9 +221,11 @@ def test_a_try_finds_the_batch_a_killed_try_left_and_releases_it_at_once(
     assert "try1: " in error and "try0 ended without acking or releasing it" in error, error
     got = results(pg_dsn, dbq.schema)
     assert len(got) == 30 and checksum(json.loads(bytes(p)) for _, _, p in got) == checksum(sent)
-    st = q.stats()
-    assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 30)
-    assert q.open_batches() == []
+    st = handle.stats()
+    assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 0 if ring else 30)
+    assert handle.open_batches() == []
+    if ring:
+        assert q.stats().ready == 30  # the default group's: untouched
     assert list((tmp_path / "staging").iterdir()) == []  # the orphan's staging discarded, and not rewritten
     assert staging_jobs_running(str(_first_batch(pg_dsn, dbq.schema))) == []  # the orphan was stopped
 

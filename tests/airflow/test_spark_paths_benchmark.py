@@ -46,8 +46,36 @@ def test_a_short_run_on_connect_is_exactly_once(connect_server: LocalConnectServ
     assert all(s > 0 for s in row["events_s"]) and row["events_p50_s"] > 0
 
 
+def test_both_designs_on_connect_are_exactly_once(connect_server: LocalConnectServer, pg_dsn: str) -> None:
+    """--designs table,ring: the same orders through the table design and a ring, one after the other
+    on one server, each counted exactly once with its queue drained, and each batch's read measured
+    alone (the batch query from Python, the job's JDBC read)."""
+    args = ["--messages", "900", "--batch", "400", "--paths", "connect", "--warm-up", "1"]
+    args += ["--designs", "table,ring", "--connect-url", connect_server.url]
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", str(SCRIPT), *args, "--dsn", pg_dsn, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=dict(os.environ),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [(r["path"], r["design"]) for r in rows] == [("connect", "table"), ("connect", "ring")]
+    for row in rows:
+        assert row["exactly_once"] is True and (row["messages"], row["batches"]) == (900, 3), row
+        assert row["orders_per_s"] > 0 and row["read_psql_p50_s"] > 0 and row["read_jdbc_p50_s"] > 0, row
+        parts = (row["claim_p50_s"], row["job_p50_s"], row["publish_ack_p50_s"])
+        assert all(p > 0 for p in parts), row
+
+
 def test_bad_arguments_exit_2() -> None:
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--paths", "yarn"], capture_output=True, text=True, check=False
     )
     assert proc.returncode == 2 and "--paths" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--designs", "heap"], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 2 and "--designs" in proc.stderr

@@ -170,6 +170,57 @@ def test_poison_batch_is_released_then_published_once_fixed(
     assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 400)
 
 
+def expected_daily(orders: list[dict[str, Any]], rates: dict[str, str]) -> dict[tuple[str, str, str], tuple]:
+    """expected_rollup with windows of a day (from midnight UTC): (customer, product, "YYYY-MM-DDT00")."""
+    out: dict[tuple[str, str, str], list[Any]] = defaultdict(lambda: [0, 0, Decimal(0)])
+    for key, (n, quantity, amount) in expected_rollup(orders, rates).items():
+        g = out[(key[0], key[1], key[2][:10] + "T00")]
+        g[0] += n
+        g[1] += quantity
+        g[2] += amount
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def test_one_ring_feeds_two_pipelines_through_two_groups(
+    airflow_env: dict[str, str], pg_dsn: str, dbq: DbQueue, connect_server: LocalConnectServer
+) -> None:
+    """The example pair dags/dbqueue_ring_pipelines.py on Spark Connect: one ring of orders, its default
+    group rolled up per hour and its group ``daily`` per day, each into results of its own. Each
+    pipeline publishes every order exactly once (its roll-up equals what was pushed, computed in
+    Python, and its totals count every order once), whatever the other has done, and the ring is
+    left empty for both groups."""
+    orders = list(sample_orders(1200, seed=17, customers=25, products=10))
+    ring = dbq.create_queue("order_events", design="ring", capacity=131_072)
+    ring.add_group("daily", start="earliest")  # type: ignore[attr-defined]
+    ring.push_batch(orders)
+    hourly, daily = OrderRollup(f"r_{uuid.uuid4().hex[:10]}"), OrderRollup(f"r_{uuid.uuid4().hex[:10]}")
+    env = {
+        "DBQUEUE_RING_HOURLY_SCHEMA": hourly.schema,
+        "DBQUEUE_RING_DAILY_SCHEMA": daily.schema,
+        "DBQUEUE_PIPELINE_RETRIES": "0",
+    }
+    try:
+        for dag_id in ("dbqueue_ring_hourly_rollup", "dbqueue_ring_daily_rollup"):
+            ok, out = dags_test(connect_env(airflow_env, connect_server), pg_dsn, dbq.schema, dag_id, **env)
+            assert ok, out[-6000:]
+        assert rollup_rows(pg_dsn, hourly) == expected_rollup(orders, SAMPLE_RATES)
+        assert rollup_rows(pg_dsn, daily) == expected_daily(orders, SAMPLE_RATES)
+        with psycopg.connect(pg_dsn) as c:
+            for results in (hourly, daily):
+                totals = results.totals(c)
+                assert totals.messages == len(orders)
+                assert (totals.orders, totals.quantity, totals.amount_eur) == expected_totals(orders)
+        for handle in (ring, ring.group("daily")):
+            st = handle.stats()
+            assert (st.ready, st.in_flight, st.failed) == (0, 0, 0)
+            assert handle.open_batches() == []
+        assert ring.stats().extra["ring_used"] == 0
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            for results in (hourly, daily):
+                c.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(results.schema)))
+
+
 PASSWORD = "pw-Kx4-never-logged"
 
 

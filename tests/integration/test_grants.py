@@ -9,6 +9,7 @@ with SQL of its own finds the rows of other queues neither visible nor writable.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -174,6 +175,41 @@ def test_each_action_does_what_it_grants(
             return
         assert dbq.drop_queue(name) is True
     assert name not in [s.name for s in owner.list_queues()]
+
+
+def test_a_pop_role_runs_a_rings_batches_in_each_group(
+    owner: DbQueue, role: Callable[[], str], pg_dsn: str
+) -> None:
+    """pop granted on a ring: the role claims, extends, releases, reads (by the batch query, as a foreign
+    reader logged in as the role) and acks batches of the ring's default group and of a group, whose
+    ledger rows carry the group's key, which the policies let it touch as the ring's own. A role with
+    pop on another queue sees none of it."""
+    owner.queue("events").add_group("g")  # type: ignore[attr-defined]
+    popper, other = role(), role()
+    owner.grant(popper, "events", ["pop"])
+    owner.grant(other, "orders", ["pop"])
+    sent = [{"i": i} for i in range(12)]
+    owner.queue("events").push_batch(sent)
+    dsn = psycopg.conninfo.make_conninfo(pg_dsn, user=popper)
+    with as_role(pg_dsn, owner.schema, popper) as dbq:
+        for group in (None, "g"):
+            q = dbq.queue("events").group(group)
+            first = q.claim_batch(5)
+            assert first is not None and q.extend_batch(first.batch_id, 60) > first.lease_until
+            assert q.release_batch(first.batch_id, delay=0) == 5
+            batch = q.claim_batch(12)
+            assert batch is not None and batch.size == 12
+            assert [b.batch_id for b in q.open_batches()] == [batch.batch_id]
+            with psycopg.connect(dsn, autocommit=True) as c:
+                rows = c.execute(q.batch_query(batch.batch_id).encode()).fetchall()
+            assert checksum(json.loads(bytes(r[3])) for r in rows) == checksum(sent)
+            with dbq.transaction() as conn:
+                assert q.ack_batch(batch.batch_id, conn=conn) == 12
+            assert q.stats().ready == 0
+    with as_role(pg_dsn, owner.schema, other) as dbq:
+        assert "events" not in [s.name for s in dbq.list_queues()]
+    with psycopg.connect(psycopg.conninfo.make_conninfo(pg_dsn, user=other)) as c:
+        assert c.execute(f'SELECT count(*) FROM "{owner.schema}".batches').fetchone() == (0,)
 
 
 def test_grants_on_every_queue_reach_queues_made_later(

@@ -6,12 +6,14 @@ was empty (sequential scans of meta and data), and acks that walked every leased
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+import psycopg.sql
 import pytest
 
 from airflow_dbqueue.engine import DbQueue as Client
@@ -444,3 +446,24 @@ def test_a_notify_auto_push_reads_as_many_ready_entries_however_many_were_popped
     got = out + [m.payload for m in drain(q)]
     assert len(got) == 40003
     assert checksum(got) == checksum([*payloads, {"more": 100}, {"more": 30000}, {"last": True}])
+
+
+@pytest.mark.parametrize("where", ["", "WHERE b.ord >= 2001 AND b.ord < 4001"])
+def test_a_ring_batchs_reader_reads_each_slot_of_its_range_at_most_once(dbq: DbQueue, where: str) -> None:
+    """A ring batch's query, whole or as one partition of Spark's JDBC reader (a filter on ord, which
+    leaves the planner expecting a row or so): the slots' key is read for at most the batch's range
+    once, never once a number (a join on seq alone scanned the range once a number)."""
+    q = dbq.create_queue("wide", design="ring", capacity=8000)
+    sent = [{"n": i} for i in range(6000)]
+    q.push_batch(sent)
+    q.pop(1000)  # the batch starts mid-ring
+    batch = q.claim_batch(4000)
+    assert batch is not None
+    query = f"SELECT * FROM ({q.batch_query(batch.batch_id)}) b {where}"
+    with dbq.db.connection() as c:
+        c.execute(psycopg.sql.SQL("ANALYZE {}.ring_slots").format(psycopg.sql.Identifier(dbq.schema)))
+        rows: list[Any] = []
+        read = scans(c, dbq.schema, lambda: rows.extend(c.execute(query.encode()).fetchall()))
+    want = sent[1000:5000] if not where else sent[3000:5000]
+    assert [json.loads(bytes(r[3])) for r in rows] == want
+    assert read["ring_slots_pkey"][1] <= 4000 and read["ring_slots"][0] == 0, read

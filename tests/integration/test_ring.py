@@ -637,7 +637,9 @@ def test_maintenance_alone_skips_the_gaps_of_rolled_back_and_killed_pushers(dbq:
     st = q.stats()
     assert (st.ready, st.extra["pop_position"], st.extra["gaps_skipped"]) == (6, 1, 0), st
 
-    assert dbq.maintenance().recover(["unpopped"]) == {"unpopped": {"reclaimed": 0, "gaps_skipped": 7}}
+    assert dbq.maintenance().recover(["unpopped"]) == {
+        "unpopped": {"reclaimed": 0, "gaps_skipped": 7, "batches_purged": 0}
+    }
     st = q.stats()
     assert (st.ready, st.extra["pop_position"], st.extra["gaps_skipped"], st.extra["push_position"]) == (
         6,
@@ -647,7 +649,9 @@ def test_maintenance_alone_skips_the_gaps_of_rolled_back_and_killed_pushers(dbq:
     ), st
     slots = {slot: (seq, written) for slot, seq, written in slot_rows(dbq, q)}
     assert [slots[n % 16] for n in (1, 2, 3, 4, 5, 9, 10)] == [(n, False) for n in (1, 2, 3, 4, 5, 9, 10)]
-    assert dbq.maintenance().recover(["unpopped"]) == {"unpopped": {"reclaimed": 0, "gaps_skipped": 0}}
+    assert dbq.maintenance().recover(["unpopped"]) == {
+        "unpopped": {"reclaimed": 0, "gaps_skipped": 0, "batches_purged": 0}
+    }
 
     # A consumer that comes later starts at the first message; the ring then laps twice over the
     # skipped numbers' slots. Counts and checksums of everything pushed against everything popped.
@@ -672,10 +676,10 @@ def test_maintenance_leaves_the_numbers_of_a_live_push_alone(dbq: DbQueue) -> No
         t0 = time.monotonic()
         assert q.recover_gaps(wait=0.3) == 0  # the holder may still write number 1
         assert time.monotonic() - t0 >= 0.3
-        assert q.maintain() == {"reclaimed": 0, "gaps_skipped": 0}
+        assert q.maintain() == {"reclaimed": 0, "gaps_skipped": 0, "batches_purged": 0}
         assert (q.stats().extra["pop_position"], q.stats().extra["gaps_skipped"]) == (1, 0)
         holder.rollback()  # gone: its number is given up by maintenance, at once
-    assert q.maintain() == {"reclaimed": 0, "gaps_skipped": 1}
+    assert q.maintain() == {"reclaimed": 0, "gaps_skipped": 1, "batches_purged": 0}
     st = q.stats()
     assert (st.ready, st.extra["pop_position"], st.extra["gaps_skipped"]) == (2, 2, 1), st
     assert [(m.id, m.payload) for m in drain(dbq.queue("live"))] == [(2, "two"), (3, "three")]
@@ -689,7 +693,9 @@ def test_maintenance_reclaims_expired_ring_leases(dbq: DbQueue) -> None:
     held = q.pop(3, semantics="at-least-once")
     assert [m.id for m in held] == ids
     time.sleep(0.3)
-    assert dbq.maintenance().recover(["leased"]) == {"leased": {"reclaimed": 3, "gaps_skipped": 0}}
+    assert dbq.maintenance().recover(["leased"]) == {
+        "leased": {"reclaimed": 3, "gaps_skipped": 0, "batches_purged": 0}
+    }
     again = q.pop(3, semantics="at-least-once")
     assert [(m.id, m.payload, m.attempts) for m in again] == [
         (i, p, 2) for i, p in zip(ids, sent, strict=True)

@@ -4,8 +4,9 @@ The same random steps (pushes of batches and of one, pushes that roll back after
 pops in the three semantics, pops while another transaction holds some or all of the lanes, acks and
 nacks of whole leases and of parts, leases expired and reclaimed or left expired for readiness to count
 and pops to reclaim, gap recovery, failed messages requeued, consumer groups added from now or from the
-earliest message, dropped, and popped, acked and nacked each at its own pace, maintenance) go through
-``RingQueue`` twice: on PostgreSQL (its real functions), and on the SQL Server dialect, whose named
+earliest message, dropped, and popped, acked and nacked each at its own pace, batches claimed, read by
+the text of their batch query as a foreign reader runs it, acked, released and extended, maintenance) go
+through ``RingQueue`` twice: on PostgreSQL (its real functions), and on the SQL Server dialect, whose named
 queries run on the T-SQL interpreter of tests/tsql.py (the procedures of the SQL Server ``schema.sql`` as
 written). After each step both must have answered the same (messages with their payloads, attempts and
 deliveries, counts, errors) and hold the same ring: every slot's number and payload, every lane's
@@ -28,7 +29,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from airflow_dbqueue.engine import DbQueue, DbQueueError, FailedMessage, Message
+from airflow_dbqueue.engine import Batch, DbQueue, DbQueueError, FailedMessage, Message
 from airflow_dbqueue.engine.models import DEFAULT_GROUP, QueueSettings
 from airflow_dbqueue.engine.ring import RingQueue
 from tests import tsql
@@ -68,6 +69,7 @@ class Side:
         self.dbq, self.q, self.server = dbq, q, server
         self.groups: dict[str, RingQueue] = {DEFAULT_GROUP: q}  # the handle of each group
         self.leased: dict[str, list[Message]] = {DEFAULT_GROUP: []}
+        self.batches: dict[str, list[str]] = {DEFAULT_GROUP: []}  # the ids of each group's batches
         q.push_timeout = 0.0  # a full ring answers at once: both sides see it full at the same step
         q.reclaim_every = 0.0  # every pop at least once reclaims first, on both sides
 
@@ -77,12 +79,13 @@ class Side:
         except DbQueueError as exc:
             return type(exc).__name__
         handle.reclaim_every = 0.0
-        self.groups[name], self.leased[name] = handle, []
+        self.groups[name], self.leased[name], self.batches[name] = handle, [], []
         return handle.group_name
 
     def drop_group(self, name: str) -> Any:
         self.groups.pop(name, None)
         self.leased.pop(name, None)
+        self.batches.pop(name, None)
         return outcome(lambda: self.q.drop_group(name))
 
     def state(self) -> dict[str, Any]:
@@ -123,6 +126,17 @@ class Side:
         for lane in lanes:
             server.lock("ring_lanes", (qid, lane), "U")
         return server.others.clear
+
+    def read_batch(self, group: str, batch_id: str, pg_dsn: str) -> list[tuple[Any, ...]]:
+        """A batch's rows as a foreign reader (Spark's JDBC source) gets them: its batch_query's text, run
+        as it is; (ord, id, delivery, payload)."""
+        text = self.groups[group].batch_query(batch_id)
+        if self.server is None:
+            with psycopg.connect(pg_dsn, autocommit=True) as c:
+                rows = c.execute(text.encode()).fetchall()
+        else:
+            [rows] = self.server.batch(text)
+        return [(int(o), int(i), int(d), None if p is None else bytes(p)) for o, i, d, p in rows]
 
     def lapse(self) -> None:
         """Run every open lease out (whole ring_leases rows and leased retry rows), reclaiming none."""
@@ -218,6 +232,7 @@ def sides(
 STEPS = ["push", "push", "push_one", "abandon", "pop", "pop", "pop_lease", "pop_lease", "pop_own"]
 STEPS += ["ack", "ack_part", "nack", "expire", "lapse", "recover", "peek", "requeue", "held"]
 STEPS += ["add_group", "add_group", "drop_group", "maintain"]
+STEPS += ["claim", "claim", "batch_read", "batch_ack", "batch_release", "batch_extend"]
 SEMANTICS = {"pop": "at-most-once", "pop_lease": "at-least-once", "pop_own": "exactly-once"}
 GROUP_NAMES = ["a", "b", "c"]
 """A small pool, so that a name is sometimes taken (GroupExistsError) or gone (GroupNotFoundError)."""
@@ -366,6 +381,35 @@ def test_random_steps_answer_and_leave_the_same_ring_on_both_dialects(  # noqa: 
                     answers.append(outcome(handle.reclaim_expired))
             if same(answers) == len(these) and step.startswith("ack"):
                 ledger.finished[group] += [m.payload for m in these]
+        elif step == "claim":
+            n = rng.randint(1, 6)
+            log[-1] += f" {n}"
+            answers = []
+            for s in (pg, ms):
+                batch = outcome(lambda h=s.groups[group], n=n: h.claim_batch(n, consumer="spark"))
+                if isinstance(batch, Batch):
+                    s.batches[group].append(batch.batch_id)
+                    batch = (batch.receipts, batch.state.value, batch.consumer)
+                answers.append(batch)
+            same(answers)
+        elif step.startswith("batch_") and pg.batches[group]:
+            k = rng.randrange(len(pg.batches[group]))
+            rows = same([s.read_batch(group, s.batches[group][k], pg_dsn) for s in (pg, ms)])
+            answers = []
+            for s in (pg, ms):
+                handle, batch_id = s.groups[group], s.batches[group][k]
+                if step == "batch_ack":
+                    answers.append(outcome(lambda h=handle, b=batch_id: h.ack_batch(b)))
+                elif step == "batch_release":
+                    answers.append(
+                        outcome(lambda h=handle, b=batch_id: h.release_batch(b, delay=0, error="no"))
+                    )
+                elif step == "batch_extend":
+                    until = outcome(lambda h=handle, b=batch_id: h.extend_batch(b, 3600))
+                    answers.append(until if isinstance(until, str) else "extended")  # times differ
+            got = same(answers) if answers else None
+            if step == "batch_ack" and got:
+                ledger.finished[group] += [json.loads(r[3]) for r in rows]
         elif step == "lapse":
             # Every open lease runs out and nobody reclaims it yet (its consumers were killed): readiness
             # counts its messages at once, as a pop would get them.
@@ -392,9 +436,14 @@ def test_random_steps_answer_and_leave_the_same_ring_on_both_dialects(  # noqa: 
             )
         log[-1] += f": {pg.state()[f'stats {group}'] if group in pg.groups else ''}"
         assert pg.state() == ms.state(), "\n".join(log)
-    # The leases still open end; then each group's part of the rings is drained, handing out the same
-    # messages on both sides.
+    # The leases still open end, and the batches still open are released; then each group's part of the
+    # rings is drained, handing out the same messages on both sides.
     for name in sorted(pg.groups):
+        for k in range(len(pg.batches[name])):
+            release = [
+                lambda h=s.groups[name], b=s.batches[name][k]: h.release_batch(b, delay=0) for s in (pg, ms)
+            ]
+            same([outcome(r) for r in release])
         for s in (pg, ms):
             handle = s.groups[name]
             if s.leased[name]:

@@ -51,6 +51,10 @@ def _without_added(name: str, table: dict[str, object]) -> dict[str, object]:
     }
 
 
+CHANGED_SINCE = {"ring_drop_group"}
+"""Routines whose text changed after the baseline replaced the development schema (``functions.sql`` is
+re-applied by ``install()`` whenever it changes): a dropped group's batches go with it."""
+
 _ROUTINE = re.compile(r"^CREATE OR ALTER (PROCEDURE|FUNCTION) \{schema\}\.(\w+)", re.MULTILINE)
 
 Catalogue = dict[str, dict[str, object]]
@@ -174,8 +178,8 @@ def test_the_baseline_creates_what_the_development_schema_left() -> None:
     """A fresh install of the baseline holds the tables (columns in the order a migrated install had
     them), indexes, sequences, procedures and functions (their final text) that every block of the last
     development schema left, and nothing else but the tables added since (:data:`ADDED_SINCE`) and the
-    columns (:data:`ADDED_COLUMNS_SINCE`); its two
-    dropped procedures are in neither."""
+    columns (:data:`ADDED_COLUMNS_SINCE`); its two dropped procedures are in neither. The routines changed
+    since (:data:`CHANGED_SINCE`) are there under the same names."""
     before, after = catalogue(development_blocks()), catalogue(baseline_blocks())
     assert sorted(set(after["tables"]) - ADDED_SINCE) == sorted(before["tables"])
     assert set(after["tables"]) >= ADDED_SINCE
@@ -185,7 +189,9 @@ def test_the_baseline_creates_what_the_development_schema_left() -> None:
     assert after["sequences"] == before["sequences"]
     assert sorted(after["routines"]) == sorted(before["routines"])
     for name, routine in before["routines"].items():
-        assert after["routines"][name] == routine, name
+        if name not in CHANGED_SINCE:
+            assert after["routines"][name] == routine, name
+    assert all(after["routines"][name] != before["routines"][name] for name in CHANGED_SINCE)
     assert not {"ring_first_unfinished", "ring_lanes_held"} & set(after["routines"])
 
 

@@ -109,17 +109,22 @@ RING_GROUP_QUERIES = {
 }
 """The queries of a ring's consumer groups besides its default one."""
 
+RING_BATCH_QUERIES = {"ring_take_lease_ids", "ring_record_batch", "ring_batch_rows", "ring_extend_batch"}
+"""The queries of a ring's batches (with the batch ledger's own: get_batch, lock_batch and the rest)."""
+
 
 def test_the_table_design_maintenance_and_the_ring_are_fully_ported() -> None:
-    """Every query the table design, the ring design with its consumer groups, the client and maintenance
-    run exists on SQL Server, but for the deduplication keys on push and expiry, which the dialect says it
-    lacks (``push_options = False``: a push with a key or a ttl raises NotSupportedError, the upkeep
-    skips them)."""
+    """Every query the table design, the ring design with its consumer groups and batches, the client and
+    maintenance run exists on SQL Server, but for the deduplication keys on push and expiry, which the
+    dialect says it lacks (``push_options = False``: a push with a key or a ttl raises NotSupportedError,
+    the upkeep skips them)."""
     missing = {"push_with", "forget_dedup", "expire_fail", "expire_drop", "count_expired"}
     missing |= {"pop_lease_with", "pop_take_with", "pop_take_payloads_with", "claim_batch_with"}
     assert set(NOT_YET_PORTED) == missing and not MssqlDatabase.push_options
     ring = {n for n in load_queries(PG, "queries") if n.startswith("ring_")} - POSTGRES_ONLY.keys()
-    assert len(ring) == 29 and RING_GROUP_QUERIES <= ring <= set(load_queries(MS, "queries"))
+    assert len(ring) == 33 and RING_GROUP_QUERIES | RING_BATCH_QUERIES <= ring <= set(
+        load_queries(MS, "queries")
+    )
     used = {"push", "pop_lease", "pop_take", "ack", "nack", "held_receipts", "reclaim_expired"}
     used |= {"claim_batch", "get_batch", "lock_batch", "finish_batch", "purge_batches", "batch_rows"}
     used |= {"maintenance_try_lock", "maintenance_unlock", "maintenance_lock_holder", "set_timeouts"}
@@ -681,6 +686,7 @@ RING_RESULTS_DIFFERENT = {
     ),  # the procedure returns ring_pop's messages; PostgreSQL sends three of their columns
     "ring_take_one": (3, {6}),  # as ring_take
     "ring_take_lease": (4, {6}),  # and four leased: the lease end once, the first delivery implied
+    "ring_take_lease_ids": (2, {6}),  # and two for a claimed batch: no payload, read by its reader
     "ring_skip_abandoned": (
         1,
         {2},
@@ -1474,17 +1480,20 @@ def test_maintenance_of_a_ring_reclaims_and_recovers_gaps_on_a_fake_sql_server(
 ) -> None:
     """maintain(): expired leases (ring_reclaim_expired, with the ring's capacity and lanes), then the gap
     recovery: position 9 with unwritten numbers, no push lane held, 2 numbers given up, and the lanes moved
-    over given-up numbers. The ring has its default group alone (ring_groups), so no group is watched."""
+    over given-up numbers, and the batches of its default group finished a week ago forgotten. The ring
+    has its default group alone (ring_groups), so no group is watched."""
     default = (1, None, None, None, None, None, None, 5, 26, 9)
     q, fake = _ring_on_fake_sql_server(
-        monkeypatch, [[(3, 1), (4, 2)], [default], [(9, 1)], [("[]",)], [(2, None)], [(1,)]]
+        monkeypatch, [[(3, 1), (4, 2)], [default], [(9, 1)], [("[]",)], [(2, None)], [(1,)], []]
     )
-    assert q.maintain(limit=50) == {"reclaimed": 2, "gaps_skipped": 2}
+    assert q.maintain(limit=50) == {"reclaimed": 2, "gaps_skipped": 2, "batches_purged": 0}
     assert _sent(fake, "ring_reclaim_expired") == [[1, 8, 4, q.settings.max_attempts, 50, 1]]
     assert fake.executed[1][1] == [1] and "CROSS APPLY" in fake.executed[1][0]  # ring_groups
     assert fake.executed[2][1] == [1] and "EXEC [dbq].ring_floor" in fake.executed[2][0]
     assert _sent(fake, "ring_skip_abandoned") == [[1, 9, "[]"]]
     assert _sent(fake, "ring_pass") == [[1, 8, 4]] and fake.script == []
+    [purge] = fake.statements("DELETE FROM old OUTPUT deleted.batch_id INTO @gone")  # purge_batches
+    assert purge.values == [7 * 24 * 3600.0, 50, 1]  # the retention, the limit, the default group's key
     _check_sent(fake)
 
 

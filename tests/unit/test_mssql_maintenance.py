@@ -250,6 +250,8 @@ class MaintenanceServer(FakeSqlServer):
         ):
             if f"EXEC [dbq].{procedure} " in text:
                 return self.ring.pop(procedure)
+        if "DELETE FROM old OUTPUT deleted.batch_id INTO @gone" in text:  # purge_batches
+            return self.ring.pop("purge_batches", [])
         if text == "SELECT SYSUTCDATETIME()":  # sample_clock
             return [(self.clock,)]
         if "s.taken_at = (SELECT max(x.taken_at)" in text:  # samples_last
@@ -541,7 +543,7 @@ def test_a_rings_upkeep_on_a_fake_sql_server(fake: MaintenanceServer) -> None:
         "ring_groups": [(4, None, None, None, None, None, None, 33, 300, 40)],  # the default group alone
     }
     report = DbQueue(DSN, schema="dbq").maintenance().recover()
-    assert report == {"events": {"reclaimed": 3, "gaps_skipped": 4}}
+    assert report == {"events": {"reclaimed": 3, "gaps_skipped": 4, "batches_purged": 0}}
     [reclaim] = fake.statements("EXEC [dbq].ring_reclaim_expired ")
     # queue_id, capacity, lanes, max_attempts, limit, the group's key (the default group's: the queue id)
     assert reclaim.values == [4, 1024, 8, 3, 10_000, 4]

@@ -920,9 +920,21 @@ def test_a_group_nobody_pops_holds_the_floor_until_maintenance_drops_it_on_inter
     late = [{"n": 5}, {"n": 6}]
     with pytest.raises(QueueFullError):
         q.push_batch(late)  # 6's slot holds 2, which audit has not taken: no number is taken
-    assert q.maintain() == {"reclaimed": 0, "gaps_skipped": 0, "groups_lagging": 0, "groups_dropped": 0}
+    assert q.maintain() == {
+        "reclaimed": 0,
+        "gaps_skipped": 0,
+        "groups_lagging": 0,
+        "groups_dropped": 0,
+        "batches_purged": 0,
+    }
     server.now += dt.timedelta(seconds=61)
-    assert q.maintain() == {"reclaimed": 0, "gaps_skipped": 0, "groups_lagging": 1, "groups_dropped": 1}
+    assert q.maintain() == {
+        "reclaimed": 0,
+        "gaps_skipped": 0,
+        "groups_lagging": 1,
+        "groups_dropped": 1,
+        "batches_purged": 0,
+    }
     assert [g.name for g in q.groups()] == ["default", "watch"]  # watch had nothing to take
     with pytest.raises(GroupNotFoundError):
         audit.pop(1)

@@ -54,6 +54,9 @@ STAGING = Path(os.environ.get("DBQUEUE_TEST_STAGING", "/nonexistent"))
 """Where the jobs stage their batches: a file a batch, named by its id (the tests set it)."""
 SCHEMA = os.environ.get("DBQUEUE_TEST_SCHEMA", "")
 """The queue schema, which also holds the tests' results table ``drill_results``."""
+GROUP = os.environ.get("DBQUEUE_TEST_GROUP") or None
+"""The consumer group of the ring ``jobs`` the killed-try drill takes batches for (None: the queue's own
+batches, whatever its design)."""
 
 
 def _publish(conn: Any, batch: Batch) -> None:
@@ -86,7 +89,7 @@ with DAG(dag_id="dbqueue_test_spark_killed_try", schedule=None, catchup=False):
         of its staging written, and its job still running (a process with the batch id on its command
         line, in a session of its own: the killed task's orphan), writing staging."""
         with DbQueueHook() as hook:
-            batch = hook.get_queue("jobs").claim_batch(
+            batch = hook.get_queue("jobs", GROUP).claim_batch(
                 10, visibility_timeout=600, consumer=_earlier_try(context["ti"])
             )
         assert batch is not None
@@ -115,6 +118,7 @@ with DAG(dag_id="dbqueue_test_spark_killed_try", schedule=None, catchup=False):
     killed_try() >> DbQueueSparkSubmitOperator(
         task_id="process",
         queue_name="jobs",
+        group=GROUP,
         application=STAGING_JOB,
         application_args=[str(STAGING)],
         max_messages=50,

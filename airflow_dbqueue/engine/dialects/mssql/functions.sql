@@ -314,7 +314,7 @@ END
 
 -- name: ring_drop_group
 -- Drop a consumer group (not the default one, whose rows carry the ring's queue_id: a gid names a row of
--- ring_groups): its lanes, leases, messages to deliver again, failed messages and row. The floor rises to
+-- ring_groups): its lanes, leases, messages to deliver again, failed messages, batches and row. The floor rises to
 -- what the other groups still need. @dropped: whether it was there.
 CREATE OR ALTER PROCEDURE {schema}.ring_drop_group
     @queue_id int, @gid int, @dropped bit OUTPUT
@@ -332,6 +332,9 @@ BEGIN
     DELETE FROM {schema}.ring_leases WHERE queue_id = @gid;
     DELETE FROM {schema}.ring_retry WHERE queue_id = @gid;
     DELETE FROM {schema}.ring_failed WHERE queue_id = @gid;
+    DELETE FROM {schema}.batch_items
+    WHERE batch_id IN (SELECT b.batch_id FROM {schema}.batches b WHERE b.queue_id = @gid);
+    DELETE FROM {schema}.batches WHERE queue_id = @gid;
 END
 
 -- name: ring_push

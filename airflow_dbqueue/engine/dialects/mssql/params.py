@@ -156,6 +156,7 @@ _JSON_LIST_COLUMNS: dict[str, tuple[int, ...]] = {
     "get_batch": (2, 3),
     "lock_batch": (2, 3),
     "open_batches": (2, 3),
+    "ring_record_batch": (2, 3),
 }
 
 

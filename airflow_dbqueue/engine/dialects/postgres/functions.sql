@@ -813,7 +813,7 @@ END
 $$;
 
 -- Drop a consumer group (not the default one, whose rows carry the ring's queue_id): its lanes, leases,
--- messages to deliver again, failed messages and row. The floor rises to what the other groups still
+-- messages to deliver again, failed messages, batches and row. The floor rises to what the other groups still
 -- need. Returns whether it was there.
 CREATE OR REPLACE FUNCTION {schema}.ring_drop_group(p_queue_id integer, p_gid integer)
 RETURNS boolean LANGUAGE plpgsql AS $$
@@ -826,6 +826,7 @@ BEGIN
     DELETE FROM {schema}.ring_leases WHERE queue_id = p_gid;
     DELETE FROM {schema}.ring_retry WHERE queue_id = p_gid;
     DELETE FROM {schema}.ring_failed WHERE queue_id = p_gid;
+    DELETE FROM {schema}.batches WHERE queue_id = p_gid;
     RETURN true;
 END
 $$;

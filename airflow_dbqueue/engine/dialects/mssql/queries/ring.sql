@@ -66,6 +66,12 @@ EXEC {schema}.ring_take @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = 
     @lease = %(lease)s, @vt = %(visibility_timeout_s)s, @consumer = %(consumer)s, @retries = 1,
     @wait = %(wait)s
 
+-- name: ring_take_lease_ids
+-- ring_take at least once for a claimed batch: its messages leased until their lease_until, whole (a
+-- batch's result set cannot be narrowed here; the caller reads the id and lease_until of each).
+EXEC {schema}.ring_take @queue_id = %(queue_id)s, @cap = %(capacity)s, @lanes = %(lanes)s, @n = %(n)s,
+    @lease = 1, @vt = %(visibility_timeout_s)s, @consumer = %(consumer)s, @retries = 1, @wait = 0
+
 -- name: ring_pop
 -- The messages, then the last row (r_id NULL): the gap at the head, the issued position and the push
 -- lanes still to be seen unlocked (a JSON array).
@@ -318,3 +324,68 @@ SET moved_at = CASE WHEN moved_pos IS NULL OR moved_pos <> %(moved_pos)s THEN @n
     moved_pos = %(moved_pos)s
 OUTPUT DATEDIFF_BIG(microsecond, inserted.moved_at, @now) / 1e6 AS r_idle_s
 WHERE queue_id = %(queue_id)s AND gid = %(group)s
+
+-- name: ring_record_batch
+-- A claimed batch of a consumer group in the batch ledger (batches and batch_items, keyed by the group's
+-- key): the receipts of the pop at least once that took its messages, in the same transaction. ids and
+-- deliveries come back as JSON arrays in claim order (the dialect turns them into lists).
+SET NOCOUNT ON;
+DECLARE @batch_id uniqueidentifier = %(batch_id)s;
+INSERT INTO {schema}.batches (batch_id, queue_id, consumer, claimed_at, lease_until)
+VALUES (@batch_id, %(group)s, %(consumer)s, SYSUTCDATETIME(), %(lease_until)s);
+INSERT INTO {schema}.batch_items (batch_id, ord, id, delivery)
+SELECT @batch_id, CAST(i.[key] AS int) + 1, CAST(i.[value] AS bigint), CAST(d.[value] AS int)
+FROM OPENJSON(%(ids)s) i JOIN OPENJSON(%(deliveries)s) d ON d.[key] = i.[key];
+SELECT b.batch_id, b.state,
+       N'[' + (SELECT STRING_AGG(CAST(i.id AS nvarchar(max)), N',') WITHIN GROUP (ORDER BY i.ord)
+               FROM {schema}.batch_items i WHERE i.batch_id = b.batch_id) + N']' AS ids,
+       N'[' + (SELECT STRING_AGG(CAST(i.delivery AS nvarchar(max)), N',') WITHIN GROUP (ORDER BY i.ord)
+               FROM {schema}.batch_items i WHERE i.batch_id = b.batch_id) + N']' AS deliveries,
+       b.consumer, b.claimed_at, b.lease_until, b.finished_at, b.last_error
+FROM {schema}.batches b
+WHERE b.batch_id = @batch_id
+
+-- name: ring_batch_rows
+-- The messages of one batch of a consumer group with their payloads, numbered 1..n in claim order (ord:
+-- a Spark JDBC reader partitions on it). Rendered to text with its parameters for readers in other
+-- processes. The slots read are those of the range of the batch's numbers (a_lo..a_hi, and b_lo..b_hi
+-- where it wraps past the last slot), each matched to its number by its slot (number mod capacity) and
+-- its seq: a slot gives its payload only while it holds the batch's number, and one overwritten since
+-- (the batch's lease expired, and its message was delivered and finished elsewhere) reads as a NULL
+-- payload; that batch cannot be acked anyway. The slot's equality lets a plan that expects few numbers
+-- (a reader's filter on ord) probe the slots' key a number instead of scanning the range a number.
+SELECT i.ord, i.id, i.delivery, s.payload
+FROM {schema}.batches b
+JOIN {schema}.batch_items i ON i.batch_id = b.batch_id
+LEFT JOIN {schema}.ring_slots s
+  ON s.queue_id = %(queue_id)s AND s.slot = i.id % %(capacity)s AND s.seq = i.id
+ AND (s.slot BETWEEN %(a_lo)s AND %(a_hi)s OR s.slot BETWEEN %(b_lo)s AND %(b_hi)s)
+WHERE b.batch_id = %(batch_id)s AND b.queue_id = %(group)s
+
+-- name: ring_extend_batch
+-- Push the leases of a batch's receipts out to secs from now: the ring_leases rows holding them and
+-- their leased retry rows, each only while its lease holds. Returns (the receipts held and extended,
+-- the new end); the caller rolls back unless every receipt was. A lease row holds only messages of the
+-- pop that wrote it, so the n of the rows extended counts receipts.
+SET NOCOUNT ON;
+DECLARE @gid int = %(group)s;
+DECLARE @now datetime2(6) = SYSUTCDATETIME();
+DECLARE @secs float = %(secs)s;
+DECLARE @until datetime2(6) = DATEADD(microsecond, CAST(1e6 * (@secs - FLOOR(@secs)) AS int),
+                                      DATEADD(second, CAST(FLOOR(@secs) AS int), @now));
+DECLARE @h TABLE (id bigint PRIMARY KEY, lease bigint);
+DECLARE @e TABLE (lo bigint PRIMARY KEY, n int NOT NULL);
+DECLARE @t TABLE (id bigint PRIMARY KEY);
+INSERT INTO @h (id, lease)
+SELECT r_id, r_lease FROM {schema}.ring_held(%(queue_id)s, %(lanes)s, %(ids)s, %(deliveries)s, @gid);
+UPDATE {schema}.ring_leases SET lease_until = @until
+OUTPUT inserted.lo, inserted.n INTO @e
+WHERE queue_id = @gid AND lease_until > @now
+  AND lo IN (SELECT h.lease FROM @h h WHERE h.lease IS NOT NULL);
+UPDATE {schema}.ring_retry SET due_at = @until
+OUTPUT inserted.id INTO @t
+WHERE queue_id = @gid AND state = 2 AND due_at > @now
+  AND id IN (SELECT h.id FROM @h h WHERE h.lease IS NULL);
+DECLARE @held int = (SELECT count(*) FROM @h);
+DECLARE @done int = (SELECT coalesce(sum(n), 0) FROM @e) + (SELECT count(*) FROM @t);
+SELECT CASE WHEN @held < @done THEN @held ELSE @done END AS r_held, @until AS r_until

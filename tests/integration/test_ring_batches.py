@@ -1,0 +1,276 @@
+"""Batches on rings: what the ring design adds to the batch conformance tests of test_batches.py.
+
+A stateful property test drives a small ring with two consumer groups through pushes, batch claims,
+acks and releases and plain pops, and checks after every step that no push overwrote a slot of an open
+batch (each open batch reads, by its batch query, exactly the payloads it claimed) and that the ring is
+full exactly where its floor says: a push succeeds when its last number lies less than a capacity
+above the lowest number some group still needs, an open batch's first message included, and raises
+QueueFullError having pushed nothing otherwise. The other tests: a batch read after its lease expired
+and its slot was overwritten reads no payload; a dropped group takes its batches with it; two groups
+each claim every message once, in batches of their own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import psycopg
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from airflow_dbqueue.engine import BatchNotFoundError, BatchState, LeaseExpiredError, QueueFullError
+from tests.helpers import checksum
+
+if TYPE_CHECKING:
+    from airflow_dbqueue.engine import DbQueue
+    from airflow_dbqueue.engine.ring import RingQueue
+
+pytestmark = pytest.mark.integration
+
+GROUPS = ("default", "g")
+
+
+def read(pg_dsn: str, query: str) -> list[tuple[Any, ...]]:
+    """Run a batch query as a foreign reader (Spark's JDBC source) does: its text, as it is."""
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        return c.execute(query.encode()).fetchall()
+
+
+class RingBatchMachine(RuleBasedStateMachine):
+    """A ring of 3 to 8 slots with its default group and a group ``g``, and a model of what each group
+    still needs: the ids it has not finished (claimed in an open batch, or not taken yet)."""
+
+    dbq: ClassVar[DbQueue]
+    pg_dsn: ClassVar[str]
+    _names = itertools.count()
+    full_under_a_batch: ClassVar[int] = 0
+    """Pushes refused while the floor was an open batch's first message (the case the test is for)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handles: dict[str, RingQueue] = {}
+        self.cap = 0
+        self.next_number = 1
+        self.payloads: dict[int, int] = {}
+        self.unfinished: dict[str, set[int]] = {g: set() for g in GROUPS}
+        self.open: dict[str, list[tuple[str, list[int]]]] = {g: [] for g in GROUPS}
+        self.finished: dict[str, list[int]] = {g: [] for g in GROUPS}
+        self.counter = itertools.count()
+
+    @initialize(cap=st.integers(3, 8), lanes=st.integers(1, 3))
+    def make(self, cap: int, lanes: int) -> None:
+        self.cap = cap
+        q = self.dbq.create_queue(
+            f"rb{next(self._names)}",
+            design="ring",
+            capacity=cap,
+            lanes=min(lanes, cap),
+            visibility_timeout=3600,
+            max_attempts=100,
+        )
+        q.push_timeout = 0.0  # a full ring answers at once
+        self.handles = {"default": q, "g": q.add_group("g")}  # type: ignore[attr-defined]
+
+    def floor(self) -> int:
+        """The lowest number some group still needs: the model of the ring's floor."""
+        return min((min(u) for u in self.unfinished.values() if u), default=self.next_number)
+
+    @rule(k=st.integers(2, 3))
+    def push(self, k: int) -> None:
+        """A push of a batch, which checks the ring's room before it takes numbers: a full ring takes
+        none. (A push of one takes its number first, and a full ring leaves it as a gap, which holds the
+        floor until it is given up: test_ring_stateful models that.)"""
+        payloads = [next(self.counter) for _ in range(k)]
+        fits = self.next_number + k - 1 < self.floor() + self.cap
+        q = self.handles["default"]
+        if not fits:
+            batch_firsts = [ids[0] for g in GROUPS for _, ids in self.open[g]]
+            if batch_firsts and min(batch_firsts) == self.floor():
+                RingBatchMachine.full_under_a_batch += 1
+            with pytest.raises(QueueFullError):
+                q.push_batch(payloads)
+            assert q.stats().extra["push_position"] == self.next_number - 1  # nothing taken
+            return
+        ids = q.push_batch(payloads)
+        assert ids == list(range(self.next_number, self.next_number + k))
+        self.next_number += k
+        for i, p in zip(ids, payloads, strict=True):
+            self.payloads[i] = p
+            for g in GROUPS:
+                self.unfinished[g].add(i)
+
+    @rule(group=st.sampled_from(GROUPS), n=st.integers(1, 5))
+    def claim(self, group: str, n: int) -> None:
+        batch = self.handles[group].claim_batch(n, consumer=f"spark.{group}")
+        taken = {i for _, ids in self.open[group] for i in ids}
+        ready = sorted(self.unfinished[group] - taken)
+        if batch is None:
+            assert ready == []
+            return
+        ids = [i for i, _ in batch.receipts]
+        assert ids == ready[:n]  # the lowest ready ids, FIFO (a released batch's come back first)
+        self.open[group].append((batch.batch_id, ids))
+
+    @precondition(lambda self: any(self.open.values()))
+    @rule(data=st.data(), ack=st.booleans())
+    def finish(self, data: st.DataObject, ack: bool) -> None:
+        group = data.draw(st.sampled_from([g for g in GROUPS if self.open[g]]))
+        batch_id, ids = self.open[group].pop(data.draw(st.integers(0, len(self.open[group]) - 1)))
+        q = self.handles[group]
+        if ack:
+            assert q.ack_batch(batch_id) == len(ids)
+            self.unfinished[group] -= set(ids)
+            self.finished[group] += [self.payloads[i] for i in ids]
+        else:
+            assert q.release_batch(batch_id, delay=0) == len(ids)
+        assert q.get_batch(batch_id).state is (BatchState.ACKED if ack else BatchState.RELEASED)
+
+    @rule(group=st.sampled_from(GROUPS), n=st.integers(1, 4))
+    def pop_and_ack(self, group: str, n: int) -> None:
+        q = self.handles[group]
+        got = q.pop(n, semantics="at-least-once")
+        assert q.ack(got) == len(got)
+        taken = {i for _, ids in self.open[group] for i in ids}
+        assert [m.id for m in got] == sorted(self.unfinished[group] - taken)[:n]
+        assert [m.payload for m in got] == [self.payloads[m.id] for m in got]
+        self.unfinished[group] -= {m.id for m in got}
+        self.finished[group] += [m.payload for m in got]
+
+    @invariant()
+    def open_batches_read_what_they_claimed(self) -> None:
+        for group, batches in self.open.items():
+            for batch_id, ids in batches:
+                rows = read(self.pg_dsn, self.handles[group].batch_query(batch_id))
+                assert [(r[1], json.loads(bytes(r[3]))) for r in rows] == [(i, self.payloads[i]) for i in ids]
+                assert [r[0] for r in rows] == list(range(1, len(ids) + 1))
+
+    @invariant()
+    def the_floor_is_the_models(self) -> None:
+        if self.handles:
+            assert self.handles["default"].stats().extra["floor"] == self.floor()
+
+    def teardown(self) -> None:
+        """Every group's batches end and what is left is popped: each group finished every message
+        pushed once (counted and checksummed)."""
+        if not self.handles:
+            return
+        for group, q in self.handles.items():
+            for batch_id, _ in self.open[group]:
+                q.release_batch(batch_id, delay=0)
+            while got := q.pop(self.cap):
+                self.finished[group] += [m.payload for m in got]
+            pushed = [self.payloads[i] for i in sorted(self.payloads)]
+            assert len(self.finished[group]) == len(pushed)
+            assert checksum(self.finished[group]) == checksum(pushed)
+        self.dbq.drop_queue(self.handles["default"].name)
+
+
+def test_no_push_overwrites_a_slot_of_an_open_batch(dbq: DbQueue, pg_dsn: str) -> None:
+    RingBatchMachine.dbq = dbq
+    RingBatchMachine.pg_dsn = pg_dsn
+    RingBatchMachine.full_under_a_batch = 0
+    run_state_machine_as_test(
+        RingBatchMachine,
+        settings=settings(
+            max_examples=25,
+            stateful_step_count=30,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
+    assert RingBatchMachine.full_under_a_batch > 0, "no push met a ring held full by an open batch"
+
+
+def test_a_slot_overwritten_after_the_lease_expired_reads_no_payload(dbq: DbQueue, pg_dsn: str) -> None:
+    """A batch whose lease ran out while its job still ran: its messages went to another consumer, who
+    finished them, and pushes reused their slots. The batch's reader then gets no payload for them (not
+    the new messages of those slots), and the batch is refused at ack."""
+    q = dbq.create_queue("orders", design="ring", capacity=4, lanes=1, visibility_timeout=0.2)
+    q.push_timeout = 0.0
+    q.push_batch(["a", "b"])
+    batch = q.claim_batch(2)
+    assert batch is not None
+    time.sleep(0.3)
+    again = q.pop(2, semantics="at-least-once")  # reclaims the expired lease first
+    assert [m.payload for m in again] == ["a", "b"] and q.ack(again) == 2
+    q.push_batch(["c", "d", "e", "f"])  # 5 and 6 take the slots of 1 and 2
+    rows = read(pg_dsn, q.batch_query(batch.batch_id))
+    assert [(r[0], r[1], r[3]) for r in rows] == [(1, 1, None), (2, 2, None)]
+    with pytest.raises(LeaseExpiredError):
+        q.ack_batch(batch.batch_id)
+    assert [m.payload for m in q.pop(4)] == ["c", "d", "e", "f"]
+
+
+def test_dropping_a_group_drops_its_batches_only(dbq: DbQueue, pg_dsn: str) -> None:
+    q = dbq.create_queue("orders", design="ring", capacity=16)
+    g = q.add_group("g")  # type: ignore[attr-defined]
+    q.push_batch(list(range(6)))
+    mine, theirs = q.claim_batch(3), g.claim_batch(3)
+    assert mine is not None and theirs is not None
+    assert [b.batch_id for b in g.open_batches()] == [theirs.batch_id]
+    assert [b.batch_id for b in q.open_batches()] == [mine.batch_id]
+    with pytest.raises(BatchNotFoundError):
+        q.get_batch(theirs.batch_id)  # each group's batches are its own
+    q.drop_group("g")
+    with psycopg.connect(pg_dsn) as c:
+        left = c.execute(f'SELECT batch_id::text FROM "{dbq.schema}".batches').fetchall()
+    assert left == [(mine.batch_id,)]
+    assert q.ack_batch(mine.batch_id) == 3
+
+
+def test_two_groups_each_claim_every_message_once(dbq: DbQueue, pg_dsn: str) -> None:
+    """One ring of orders feeds two pipelines through two groups: each claims batches of its own at its
+    own pace, reads them by batch query and acks them with its results in one transaction, and gets every
+    order exactly once (counted and checksummed), whatever the other group does."""
+    q = dbq.create_queue("orders", design="ring", capacity=256)
+    rollup, fraud = q, q.add_group("fraud")  # type: ignore[attr-defined]  # the default group rolls up
+    sent = [{"order": i, "amount": i % 97} for i in range(600)]
+    got: dict[str, list[Any]] = {"rollup": [], "fraud": []}
+    pushed = 0
+    while pushed < len(sent) or any(h.stats().ready for h in (rollup, fraud)):
+        if pushed < len(sent):
+            room = 256 - q.stats().extra["ring_used"]
+            if room > 0:
+                q.push_batch(sent[pushed : pushed + min(room, 100)])
+                pushed += min(room, 100)
+        for name, handle, size in (("rollup", rollup, 70), ("fraud", fraud, 45)):
+            batch = handle.claim_batch(size)
+            if batch is None:
+                continue
+            rows = read(pg_dsn, handle.batch_query(batch.batch_id))
+            with dbq.transaction() as conn:
+                assert handle.ack_batch(batch.batch_id, conn=conn) == len(rows)
+                got[name] += [json.loads(bytes(r[3])) for r in rows]
+    for name, payloads in got.items():
+        assert len(payloads) == len(sent) and checksum(payloads) == checksum(sent), name
+    assert q.stats().extra["ring_used"] == 0
+
+
+@pytest.mark.parametrize("group", [None, "g"])
+def test_a_claim_gets_past_a_push_that_rolled_back(dbq: DbQueue, group: str | None) -> None:
+    """A push that rolled back after taking its numbers leaves them unwritten at the head of the lanes;
+    a claim (in a transaction, where a pop gives no gap up) has a pop of the group outside it give them
+    up, so the first claim gets the messages behind them."""
+    q = dbq.create_queue("orders", design="ring", capacity=64, lanes=2)
+    handle = q.add_group("g") if group else q  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError), dbq.transaction() as conn:
+        q.push_batch(["lost1", "lost2"], conn=conn)
+        raise RuntimeError("rolled back")
+    sent = [f"m{i}" for i in range(5)]
+    q.push_batch(sent)
+    batch = handle.claim_batch(10)
+    assert batch is not None and [i for i, _ in batch.receipts] == [3, 4, 5, 6, 7]
+    assert handle.ack_batch(batch.batch_id) == 5
+    assert handle.stats().extra["gaps_skipped"] == 2
