@@ -360,7 +360,8 @@ class DbQueue:
         it and nothing else is left in it. An object that is not the engine's but depends on one of its
         own (a view over its tables) makes this raise :class:`ForeignObjectsError`, dropping nothing.
         """
-        self.db.drop_schema()
+        with self.recycler.suspended() if self.recycler is not None else contextlib.nullcontext():
+            self.db.drop_schema()
         self._queues.clear()
 
     # -- queues ------------------------------------------------------------------------------------

@@ -298,3 +298,51 @@ def test_a_dbqueue_let_go_without_close_does_not_stay_open_for_its_recycling(
         assert not thread.is_alive()
         assert engine_sessions(pg_dsn) - 1 == before
         admin.uninstall()
+
+
+def test_uninstall_waits_for_its_own_recycling_pass_and_none_runs_during_the_drop(
+    pg_dsn: str, schema_name: str
+) -> None:
+    """A DbQueue's recycling thread runs passes (TRUNCATE of partitions) whenever it worked; its
+    uninstall() drops those partitions, and the two at once deadlocked (a test's teardown failed on it
+    behind PgBouncer). A pass and the drop now exclude each other: no pass starts while passes are
+    suspended (the drop's block), and uninstall() waits for a pass in progress, here one that a thread
+    holds for 0.5 s."""
+    dbq = DbQueue(pg_dsn, schema=schema_name, recycle_interval=0.05)
+    try:
+        dbq.install()
+        q = dbq.create_queue("dropped_while_recycling", archive=False)
+        sent = [{"i": i} for i in range(200)]
+        q.push_batch(sent)
+        got = [m.payload for m in q.pop(200)]
+        assert len(got) == len(sent) and checksum(got) == checksum(sent)
+        recycler = dbq.recycler
+        assert recycler is not None
+        ran: list[float] = []
+        with recycler.suspended():
+            t = threading.Thread(
+                target=lambda: ran.append(recycler.run_once() is not None and time.monotonic())
+            )
+            t.start()
+            time.sleep(0.2)
+            assert ran == [], "a pass ran while passes were suspended"
+            left = time.monotonic()
+        t.join(timeout=30)
+        assert ran and ran[0] >= left
+
+        held = threading.Event()
+
+        def hold_a_pass() -> None:
+            with recycler.suspended():  # what a pass in progress holds
+                held.set()
+                time.sleep(0.5)
+
+        holder = threading.Thread(target=hold_a_pass)
+        holder.start()
+        held.wait(10)
+        started = time.monotonic()
+        dbq.uninstall()
+        assert time.monotonic() - started >= 0.4, "uninstall() did not wait for the pass in progress"
+        holder.join()
+    finally:
+        dbq.close()

@@ -8,10 +8,12 @@ to do."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from airflow_dbqueue.engine.dialects.base import Database
@@ -146,6 +148,8 @@ class AutoRecycler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        # Held by a pass, and by suspended(): a pass and the schema's drop never run at once.
+        self._pass_lock = threading.Lock()
         #: Passes run and partitions emptied by this process (for tests and metrics).
         self.passes = 0
         self.emptied = 0
@@ -179,6 +183,17 @@ class AutoRecycler:
 
     def run_once(self) -> dict[str, Any]:
         """One pass now, in the calling thread."""
+        with self._pass_lock:
+            return self._pass()
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """No pass runs inside this block: one in progress is waited for first. The schema's drop runs
+        inside it, since a pass's TRUNCATE of a partition and the drop of its tables would deadlock."""
+        with self._pass_lock:
+            yield
+
+    def _pass(self) -> dict[str, Any]:
         db = self._db()
         if db is None or self._stop.is_set():  # a statement now would open the closed pool again
             return {"skipped": "the DbQueue was closed"}
