@@ -59,7 +59,7 @@ def test_maintenance_dag(airflow_env: dict[str, str], pg_dsn: str, dbq: DbQueue)
     assert archived["archive"]["stopped"] == "drained" and archived["purge_archive"]["rows"] == 0
     assert archive_count(pg_dsn, dbq.schema) == 400  # the audit queue was not in "queues"
     assert xcom(airflow_env, DAG_ID, "upkeep") == {
-        "queues": {"orders": {"reclaimed": 50, "batches_purged": 0}}
+        "queues": {"orders": {"reclaimed": 50, "batches_purged": 0, "keys_forgotten": 0, "expired": 0}}
     }
     assert "meta" in xcom(airflow_env, DAG_ID, "vacuum")["tables"]
     assert xcom(airflow_env, DAG_ID, "compact_rings") == {"actions": []}  # no ring table grew
