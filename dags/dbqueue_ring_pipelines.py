@@ -16,7 +16,8 @@ Both run the order roll-up job (``airflow_dbqueue/spark/order_rollup.py``) with
 ``DbQueueSparkSubmitOperator(group=...)``: claim a batch of the group, read it over JDBC by its batch
 query, publish its aggregates and ack it in one transaction, release it on any failure. An asset
 watcher (``MessageQueueTrigger(scheme="dbqueue", group=...)``) starts each DAG when its group has
-messages to take; unpause both, with the triggerer and the scheduler running. ``prepare`` creates
+messages to take; both are created paused: unpause them, with the triggerer and the scheduler
+running, once the ring exists. ``prepare`` creates
 the ring, the group and the results tables if they are missing (run each DAG once by hand, or create
 them beforehand, so that the watchers find them).
 
@@ -113,6 +114,9 @@ for dag_id, (group, window, results) in PIPELINES.items():
         schedule=[Asset(f"{dag_id}_orders", watchers=[watcher])],
         catchup=False,
         max_active_runs=1,
+        # Paused until the ring and its group exist (``prepare``): an unpaused DAG's watcher starts
+        # polling a queue that is not there yet.
+        is_paused_upon_creation=True,
         default_args={
             "retries": int(os.environ.get("DBQUEUE_PIPELINE_RETRIES", "2")),
             "retry_delay": dt.timedelta(seconds=10),
