@@ -67,7 +67,7 @@ class Runner:
         self._thread.join(10)
 
 
-def wait_until_waiting(dsn: str, timeout: float = 20.0) -> None:
+def wait_until_waiting(dsn: str, timeout: float = 60.0) -> None:
     """Block until the trigger sits in its wait (LISTEN or sleep) after its first check."""
     deadline = time.monotonic() + timeout
     while not trigger_is_waiting(dsn):
