@@ -325,12 +325,14 @@ class Queue(abc.ABC):
         poll_interval = check_seconds(f"queue {self.name!r}: pop's poll_interval", poll_interval)
         if sem is Semantics.EXACTLY_ONCE:
             self._require_transaction(conn)
-        vt = (
-            self.settings.visibility_timeout_s
-            if visibility_timeout is None
-            else check_seconds(f"queue {self.name!r}: visibility_timeout", visibility_timeout, positive=True)
-        )
+        vt = self._visibility_timeout(visibility_timeout)
         return sem, n, vt, wait, max(0.01, poll_interval)
+
+    def _visibility_timeout(self, value: float | None) -> float:
+        """A pop's or claim's visibility timeout: the queue's setting, or ``value`` checked."""
+        if value is None:
+            return self.settings.visibility_timeout_s
+        return check_seconds(f"queue {self.name!r}: visibility_timeout", value, positive=True)
 
     def _pop_or_wait(
         self, take: Callable[[], list[_T]], conn: DbConnection | None, *, wait: float, poll: float

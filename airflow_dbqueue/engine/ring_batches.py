@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from airflow_dbqueue.engine.batches import BatchLedger
 from airflow_dbqueue.engine.errors import DatabaseError
 from airflow_dbqueue.engine.models import Batch, Message, Semantics
-from airflow_dbqueue.engine.queue import DEFAULT_CONSUMER, RECLAIM_LIMIT, _check_batch_size, check_seconds
+from airflow_dbqueue.engine.queue import DEFAULT_CONSUMER, RECLAIM_LIMIT, _check_batch_size
 from airflow_dbqueue.engine.ring_base import RingBase
 
 if TYPE_CHECKING:
@@ -56,11 +56,7 @@ class RingBatches(RingBase, BatchLedger):
         consumer: str | None = None,
         conn: DbConnection | None = None,
     ) -> Batch | None:
-        vt = (
-            self.settings.visibility_timeout_s
-            if visibility_timeout is None
-            else check_seconds(f"queue {self.name!r}: visibility_timeout", visibility_timeout, positive=True)
-        )
+        vt = self._visibility_timeout(visibility_timeout)
         n = _check_batch_size(n)
         who = consumer or DEFAULT_CONSUMER
         batch = self._claim(n, vt, who, conn)

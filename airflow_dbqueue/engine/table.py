@@ -442,11 +442,7 @@ class TableQueue(BatchLedger):
         consumer: str | None = None,
         conn: DbConnection | None = None,
     ) -> Batch | None:
-        vt = (
-            self.settings.visibility_timeout_s
-            if visibility_timeout is None
-            else check_seconds(f"queue {self.name!r}: visibility_timeout", visibility_timeout, positive=True)
-        )
+        vt = self._visibility_timeout(visibility_timeout)
         self._maybe_reclaim(conn)
         params = {
             "batch_id": uuid.uuid4(),
