@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
@@ -95,6 +96,18 @@ def held_horizon(
     conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
     conn.execute("SELECT txid_current(), count(*) FROM pg_class" if xid else "SELECT count(*) FROM pg_class")
     return conn
+
+
+def release_horizon(conn: psycopg.Connection[Any], dsn: str, timeout: float = 10.0) -> None:
+    """Close a :func:`held_horizon` connection and wait until its server process has gone: the server
+    ends the session after the client's close returns, and until then it still holds the horizon."""
+    pid = conn.info.backend_pid
+    conn.close()
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(dsn, autocommit=True) as probe:
+        while probe.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone():
+            assert time.monotonic() < deadline, f"session {pid} still open {timeout}s after its close"
+            time.sleep(0.05)
 
 
 def engine_sessions(dsn: str) -> int:

@@ -16,7 +16,7 @@ import pytest
 from airflow_dbqueue.engine import ConfigurationError, DbQueue, MaintenanceConfig
 from airflow_dbqueue.engine.dialects.postgres.maintenance import ring_slots_laid_out_bytes
 from tests.dialects import run_sql
-from tests.helpers import checksum, held_horizon
+from tests.helpers import checksum, held_horizon, release_horizon
 from tests.integration.test_conformance import drain
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ def test_a_ring_grown_under_a_held_horizon_is_compacted_after_it_and_keeps_its_m
             i for i in report["incomplete"] if i["object"] == "ring_slots"
         ).items()
     finally:
-        conn.close()
+        release_horizon(conn, pg_dsn)
     m.vacuum()
     assert relation_size(dbq, "ring_slots") == grown, "VACUUM frees the pages for reuse, it keeps them"
     done = m.compact_rings(compact_min_bytes=0, compact_horizon_min_age=0)

@@ -168,7 +168,9 @@ ORDER BY 1
 -- What holds back the xmin horizon (so VACUUM cannot remove dead rows anywhere in the database): open
 -- transactions older than min_age_s, replication slots holding an xmin more than min_xid_age
 -- transactions old, and prepared transactions older than min_age_s; the oldest (in transaction ids) first.
--- backend_age_s: how long a transaction's session has been connected.
+-- backend_age_s: how long a transaction's session has been connected. Autovacuum workers are left out:
+-- the server ignores a lazy VACUUM's snapshot when it computes the horizon, and their ANALYZE holds
+-- one for the moment it samples a table; they end by themselves, and no operator has to act on them.
 SELECT 'transaction' AS kind, a.pid, coalesce(a.application_name, '') AS name, a.usename::text,
        a.state, extract(epoch FROM now() - a.xact_start)::float8 AS age_s,
        greatest(age(a.backend_xmin), age(a.backend_xid)) AS xid_age,
@@ -176,7 +178,7 @@ SELECT 'transaction' AS kind, a.pid, coalesce(a.application_name, '') AS name, a
        extract(epoch FROM now() - a.backend_start)::float8 AS backend_age_s
 FROM pg_stat_activity a
 WHERE a.pid <> pg_backend_pid() AND (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
-  AND a.xact_start < now() - make_interval(secs => %(min_age_s)s)
+  AND a.backend_type <> 'autovacuum worker' AND a.xact_start < now() - make_interval(secs => %(min_age_s)s)
 UNION ALL
 SELECT 'replication slot', r.active_pid, r.slot_name::text, NULL, CASE WHEN r.active THEN 'active' ELSE 'inactive' END,
        NULL, greatest(age(r.xmin), age(r.catalog_xmin)), NULL, NULL, r.slot_type, NULL
