@@ -334,6 +334,9 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912,
         try:
             while True:
                 time.sleep(0.2)
+                # Whether the consumers are done is read before the count: read after it, the last
+                # pops could land between the two reads and the run end on a count short of them.
+                finished = not any(c.is_alive() for c in consumers)
                 n = popped.value
                 if not done_pushing.is_set() and not any(p.is_alive() for p in producers):
                     done_pushing.set()
@@ -342,7 +345,6 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912,
                 if args.design == "table" and time.monotonic() - last_maintenance >= args.maintain_every:
                     dbq.maintain(config)
                     last_maintenance = time.monotonic()
-                finished = not any(c.is_alive() for c in consumers)
                 if hold is not None:
                     if finished:  # a hold still on ends with the soak, before its last sample
                         hold.release()
