@@ -157,30 +157,36 @@ def staging_jobs_running(batch_id: str) -> list[str]:
 
 def drill_env(tmp_path: Path, pg_dsn: str, dbq: DbQueue) -> dict[str, str]:
     """The staging directory and the results table of the drill DAGs (in the queue schema, dropped
-    with it); what they need in the environment."""
+    with it; a message published twice breaks its key); what they need in the environment."""
     (tmp_path / "staging").mkdir()
     with psycopg.connect(pg_dsn, autocommit=True) as c:
         c.execute(
-            sql.SQL("CREATE TABLE {}.drill_results (id bigint PRIMARY KEY, batch_id text NOT NULL)").format(
-                sql.Identifier(dbq.schema)
-            )
+            sql.SQL(
+                "CREATE TABLE {}.drill_results"
+                " (queue text, id bigint, batch_id text NOT NULL, PRIMARY KEY (queue, id))"
+            ).format(sql.Identifier(dbq.schema))
         )
     return {"DBQUEUE_TEST_STAGING": str(tmp_path / "staging"), "DBQUEUE_TEST_SCHEMA": dbq.schema}
 
 
-def results(pg_dsn: str, schema: str, dag_id: str = "") -> list[tuple[int, str, bytes]]:
+def results(
+    pg_dsn: str, schema: str, dag_id: str = "", *, ring: bool = False
+) -> list[tuple[int, str, bytes]]:
     """The drill's results with each message's payload: (id, batch id, payload), of the batches of
     ``dag_id``'s tasks (all: ""). A small payload is in its message's meta row (or done row, once
-    finished), a large one in data; a ring's is in the slot holding its number (the schema's only
-    queue)."""
+    finished), a large one in data; with ``ring``, the batches are of the schema's only ring, and a
+    payload is in the slot holding its number (a ring's numbers and the table design's ids overlap)."""
+    where = (
+        "(SELECT t.payload FROM {s}.ring_slots t WHERE t.seq = r.id)"
+        if ring
+        else "coalesce((SELECT m.payload FROM {s}.meta m WHERE m.id = r.id), "
+        "(SELECT f.payload FROM {s}.done f WHERE f.id = r.id), "
+        "(SELECT d.payload FROM {s}.data d WHERE d.id = r.id))"
+    )
     with psycopg.connect(pg_dsn) as c:
         return c.execute(
             sql.SQL(
-                "SELECT * FROM (SELECT r.id, r.batch_id, coalesce("
-                "(SELECT m.payload FROM {s}.meta m WHERE m.id = r.id), "
-                "(SELECT f.payload FROM {s}.done f WHERE f.id = r.id), "
-                "(SELECT d.payload FROM {s}.data d WHERE d.id = r.id), "
-                "(SELECT t.payload FROM {s}.ring_slots t WHERE t.seq = r.id)) AS payload "
+                "SELECT * FROM (SELECT r.id, r.batch_id, " + where + " AS payload "
                 "FROM {s}.drill_results r WHERE r.batch_id IN "
                 "(SELECT batch_id::text FROM {s}.batches WHERE starts_with(consumer, %s))) x "
                 "WHERE x.payload IS NOT NULL"
@@ -219,7 +225,7 @@ def test_a_try_finds_the_batch_a_killed_try_left_and_releases_it_at_once(
     error = rows[0][2]
     assert error is not None and error.startswith("released by dbqueue_test_spark_killed_try.process.")
     assert "try1: " in error and "try0 ended without acking or releasing it" in error, error
-    got = results(pg_dsn, dbq.schema)
+    got = results(pg_dsn, dbq.schema, ring=ring)
     assert len(got) == 30 and checksum(json.loads(bytes(p)) for _, _, p in got) == checksum(sent)
     st = handle.stats()
     assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 0 if ring else 30)
@@ -268,17 +274,17 @@ def test_a_try_does_not_end_green_while_a_batch_of_its_task_is_still_claimed(
 def test_a_task_sigkilled_mid_batch_under_a_real_scheduler_leaves_nothing_behind(
     pg_dsn: str, dbq: DbQueue, tmp_path: Path, connect_server: LocalConnectServer
 ) -> None:
-    """The drill of a real deployment, on both Spark paths at once (one DAG each, on a queue of its
-    own, run side by side by one deployment): api-server (execution API), scheduler with
-    LocalExecutor as separate processes, a real spark-submit and the test session's Spark Connect
-    server. The first try's job SIGKILLs its task process mid-batch, with its 30 messages claimed
-    under a 600 s lease: under spark-submit the LocalExecutor's child, parent of spark-submit, and the
-    job goes on running as an orphan that writes staging; on Connect the task process itself, whose
-    job goes on in its session on the server (a client of that session runs the batch's tagged
-    operations and writes staging). The retry stops the orphan (on Connect: interrupts and releases
-    the session), discards its staging and releases the batch at once, then processes the messages.
-    Each run ends green only with every message published exactly once: no batch open, no lease
-    stranded, no staging left, no orphan running."""
+    """The drill of a real deployment, on both Spark paths at once and on a ring's consumer group under
+    spark-submit (one DAG each, on a queue of its own, run side by side by one deployment): api-server
+    (execution API), scheduler with LocalExecutor as separate processes, a real spark-submit and the test
+    session's Spark Connect server. The first try's job SIGKILLs its task process mid-batch, with its 30
+    messages claimed under a 600 s lease: under spark-submit the LocalExecutor's child, parent of
+    spark-submit, and the job goes on running as an orphan that writes staging; on Connect the task process
+    itself, whose job goes on in its session on the server (a client of that session runs the batch's
+    tagged operations and writes staging). The retry stops the orphan (on Connect: interrupts and releases
+    the session), discards its staging and releases the batch at once, then processes the messages. Each
+    run ends green only with every message published exactly once: no batch open, no lease stranded, no
+    staging left, no orphan running."""
     env = spark_env(deployment_env(tmp_path / "home", DAGS))
     env.update(
         drill_env(tmp_path, pg_dsn, dbq),
@@ -288,11 +294,15 @@ def test_a_task_sigkilled_mid_batch_under_a_real_scheduler_leaves_nothing_behind
         AIRFLOW__WORKERS__SOCKET_CLEANUP_TIMEOUT="5",
         **{f"AIRFLOW_CONN_{CONN_ID.upper()}": conn_json(pg_dsn, dbq.schema)},
     )
-    paths = ("submit", "connect")
-    queues = {path: dbq.create_queue(f"jobs_{path}") for path in paths}
+    paths = ("submit", "connect", "ring")
+    queues = {path: dbq.create_queue(f"jobs_{path}") for path in paths[:2]}
+    # ring: spark-submit on a ring, for its consumer group g; its default group, which nobody pops,
+    # keeps all 30.
+    ring = dbq.create_queue("jobs_ring", design="ring", capacity=64)
+    queues["ring"] = ring.add_group("g")  # type: ignore[attr-defined]
     sent = {path: [{"job": i, "path": path, "blob": "z" * (i % 3)} for i in range(30)] for path in paths}
     for path in paths:
-        queues[path].push_batch(sent[path])
+        (ring if path == "ring" else queues[path]).push_batch(sent[path])
     dag_ids = {path: f"dbqueue_test_spark_sigkill_{path}" for path in paths}
     subprocess.run(
         [str(AIRFLOW), "dags", "reserialize"], env=env, check=True, capture_output=True, timeout=300
@@ -335,18 +345,20 @@ def test_a_task_sigkilled_mid_batch_under_a_real_scheduler_leaves_nothing_behind
             tries,
             log_tails(logs),
         )
-        marker = "killed-once" if path == "submit" else "killed-once-connect"
+        marker = {"submit": "killed-once", "connect": "killed-once-connect", "ring": "killed-once-ring"}[path]
         killed = (tmp_path / marker).read_text()  # "pid cmdline" of the task process the job killed
         assert killed.split()[1] == "airflow", killed
         rows = batch_rows(pg_dsn, dbq.schema, dag_id)
         assert [(state, size) for state, size, _ in rows] == [(2, 30), (1, 30)], (path, rows)
         assert rows[0][2] is not None and "try1 ended without acking or releasing it" in rows[0][2], rows
-        got = results(pg_dsn, dbq.schema, dag_id)
+        got = results(pg_dsn, dbq.schema, dag_id, ring=path == "ring")
         assert len(got) == 30 and checksum(json.loads(bytes(p)) for _, _, p in got) == checksum(sent[path])
         st = queues[path].stats()
-        assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 30), (path, killed)
+        finished = 0 if path == "ring" else 30  # a ring keeps no finished messages
+        assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, finished), (path, killed)
         assert queues[path].open_batches() == []
         assert staging_jobs_running(_first_batch(pg_dsn, dbq.schema, dag_id)) == []
+    assert ring.stats().ready == 30  # the default group's: untouched
     assert list((tmp_path / "staging").iterdir()) == []
     # on Connect, the killed try's job (the orphan's operations, tagged with its batch) was interrupted
     assert canceled_on_connect(connect_server, _first_batch(pg_dsn, dbq.schema, dag_ids["connect"]))

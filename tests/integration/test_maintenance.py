@@ -269,19 +269,19 @@ def test_vacuum_and_metrics(dbq: DbQueue) -> None:
     if dbq.dialect == "mssql":
         assert metrics["tables"]["meta"]["live_tuples"] == 8
     else:
-        # n_live_tup is the server's statistic, not a count: a pooled session that pushed or popped
-        # flushes its pending counts up to 10 s after its transaction (PostgreSQL 15), possibly after
-        # the VACUUM above set the figure, which then moves by them. The metric must be the
-        # statistic's figure at the time it is read.
+        # n_live_tup and n_dead_tup are the server's statistics, not counts: a pooled session that
+        # pushed or popped flushes its pending counts up to 10 s after its transaction (PostgreSQL 15),
+        # possibly after the VACUUM above set the figures, which then move by them. The metrics must be
+        # the statistics' figures at the time they are read.
         deadline = time.monotonic() + 15
         while True:
-            live = metrics["tables"]["meta"]["live_tuples"]
-            health = {r["table"]: r["live_tuples"] for r in m.table_health()}
-            if live == health["meta"] or time.monotonic() > deadline:
+            seen = {k: metrics["tables"]["meta"][k] for k in ("live_tuples", "dead_tuples")}
+            health = next(r for r in m.table_health() if r["table"] == "meta")
+            if seen.items() <= health.items() or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
             metrics = m.metrics(rate_window=60)
-        assert live == health["meta"] >= 0, (live, health["meta"])
+        assert seen.items() <= health.items(), (seen, health)
     if dbq.dialect == "mssql":  # no dead-row counts; leaf pages measured directly
         assert metrics["tables"]["meta"]["dead_tuples"] is None
         ready = metrics["indexes"]["meta_ready_idx"]
@@ -289,7 +289,6 @@ def test_vacuum_and_metrics(dbq: DbQueue) -> None:
             ready["entries"] is not None and ready["entries"] >= 8 and ready["page_density_pct"] is not None
         )
     else:
-        assert metrics["tables"]["meta"]["dead_tuples"] == 0
         # meta's partitions each have their part of meta_ready_idx (schema.sql)
         parts = [i for i in metrics["indexes"].values() if i.get("part_of") == "meta_ready_idx"]
         assert len(parts) == 8 and sum(i["entries"] for i in parts) == 8

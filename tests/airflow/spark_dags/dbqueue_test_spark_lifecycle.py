@@ -64,10 +64,10 @@ def _publish(conn: Any, batch: Batch) -> None:
     staged = STAGING / batch.batch_id
     assert int(staged.read_text()) == batch.size, "the job staged another batch size"
     conn.execute(
-        sql.SQL("INSERT INTO {}.drill_results (id, batch_id) SELECT unnest(%s::bigint[]), %s").format(
-            sql.Identifier(SCHEMA)
-        ),
-        ([i for i, _ in batch.receipts], batch.batch_id),
+        sql.SQL(
+            "INSERT INTO {}.drill_results (queue, id, batch_id) SELECT %s, unnest(%s::bigint[]), %s"
+        ).format(sql.Identifier(SCHEMA)),
+        (batch.queue, [i for i, _ in batch.receipts], batch.batch_id),
     )
     staged.unlink()
 
@@ -161,13 +161,19 @@ with DAG(dag_id="dbqueue_test_spark_zombie_claims", schedule=None, catchup=False
 # the first try's job SIGKILLs the task process mid-batch and goes on running as its orphan (under
 # spark-submit the job's own process; on Spark Connect a client of the try's session there); the
 # retry must clean up after it.
-for path, spark_conn_id in (("submit", "spark_default"), ("connect", "spark_connect_default")):
+# ``ring``: spark-submit on a ring queue, its batches taken for the ring's consumer group ``g``.
+for path, spark_conn_id, group in (
+    ("submit", "spark_default", None),
+    ("connect", "spark_connect_default", None),
+    ("ring", "spark_default", "g"),
+):
     with DAG(dag_id=f"dbqueue_test_spark_sigkill_{path}", schedule=None, catchup=False):
         DbQueueSparkSubmitOperator(
             task_id="process",
             queue_name=f"jobs_{path}",
+            group=group,
             application=STAGING_JOB,
-            application_args=[str(STAGING), "--kill-task-once"],
+            application_args=[str(STAGING), "--kill-task-once" + ("=ring" if group else "")],
             max_messages=50,
             max_batches=2,
             visibility_timeout=600,

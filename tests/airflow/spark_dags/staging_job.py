@@ -6,7 +6,8 @@ ends. Arguments: the staging directory, [one of the options below], then the ope
 
 Under spark-submit (run as a file): with ``--orphan`` first, it plays the job of a try that was
 killed: it goes on writing its staging every 0.2 s until it is stopped. With ``--kill-task-once``
-first, the first time it runs (no ``killed-once`` file beside the staging directory) it SIGKILLs the
+first (or ``--kill-task-once=NAME``: a ``killed-once-NAME`` file, so that DAGs run side by side each
+kill once), the first time it runs (no ``killed-once`` file beside the staging directory) it SIGKILLs the
 Airflow task process that started it (the parent of spark-submit, whose Java process is this job's
 parent) and then goes on as such an orphan; later runs stage normally.
 
@@ -41,11 +42,20 @@ def _arg(rest: list[str], name: str) -> str:
     return rest[rest.index(name) + 1]
 
 
+def _kill_marker(staging: Path, rest: list[str], name: str) -> Path | None:
+    """The marker file of ``--kill-task-once`` or ``--kill-task-once=NAME`` (``name-NAME``: DAGs that
+    run side by side each kill their own task once), or None without the option."""
+    opt, _, suffix = rest[0].partition("=") if rest else ("", "", "")
+    if opt != "--kill-task-once":
+        return None
+    return staging.parent / (f"{name}-{suffix}" if suffix else name)
+
+
 def batch_job(spark: Any, argv: list[str], jdbc: dict[str, str]) -> str:
     staging, rest = Path(argv[0]), argv[1:]
     batch_id, size = _arg(rest, "--batch-id"), _arg(rest, "--batch-size")
-    marker = staging.parent / "killed-once-connect"
-    if rest[:1] == ["--kill-task-once"] and not marker.exists():
+    marker = _kill_marker(staging, rest, "killed-once-connect")
+    if marker is not None and not marker.exists():
         _kill_task_leaving_an_orphan(spark, staging, batch_id, size, marker)
     assert spark.range(int(size)).count() == int(size)
     (staging / batch_id).write_text(f"{size}\n")
@@ -97,8 +107,8 @@ def main() -> None:
         _connect_orphan(rest[1], rest[2], rest[3], staging, rest[4:])
         return
     orphan = rest[:1] == ["--orphan"]
-    marker = staging.parent / "killed-once"
-    if rest[:1] == ["--kill-task-once"] and not marker.exists():
+    marker = _kill_marker(staging, rest, "killed-once")
+    if marker is not None and not marker.exists():
         task = parent_of(os.getppid())  # this job <- spark-submit (java) <- the task process
         cmdline = Path(f"/proc/{task}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         marker.write_text(f"{task} {cmdline}\n")
