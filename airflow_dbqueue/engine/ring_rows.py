@@ -38,6 +38,7 @@ from airflow_dbqueue.engine.errors import (
     NotSupportedError,
     QueueFullError,
     QueueNotFoundError,
+    SchemaError,
 )
 from airflow_dbqueue.engine.models import (
     PayloadType,
@@ -71,9 +72,9 @@ class RowsRingQueue(Queue):
         self._channel = db.channel(settings.queue_id)
         self.push_timeout = 30.0
         self.reclaim_every = min(1.0, settings.visibility_timeout_s / 2)
-        # What ring_rows_gaps returned last: (the next transaction id, the row sequence's position)
-        # when this handle last looked; a row issued by then and still unwritten once every transaction
-        # before that id has ended is a gap.
+        # What ring_rows_gaps returned last: (its transaction id, the row sequence's position read
+        # before it); a row issued by then and still unwritten once every transaction before that id
+        # has ended is a gap.
         self._seen: tuple[int | None, int | None] = (None, None)
         self._gaps_checked = 0.0
 
@@ -129,7 +130,7 @@ class RowsRingQueue(Queue):
         encoded = self.settings.encode_all(items)
         try:
             first = self._push_rows(encoded, conn)
-        except DatabaseError:
+        except (DatabaseError, SchemaError):
             self._raise_if_gone()
             raise
         return list(range(first, first + len(encoded)))
@@ -199,7 +200,7 @@ class RowsRingQueue(Queue):
             rows = self._db.fetchall(query, params, conn)
             if not rows and conn is None and self._give_up_gaps():
                 rows = self._db.fetchall(query, params, conn)
-        except DatabaseError:
+        except (DatabaseError, SchemaError):
             self._raise_if_gone()
             raise
         return rows
@@ -220,6 +221,8 @@ class RowsRingQueue(Queue):
         return int(row[2])
 
     def _raise_if_gone(self) -> None:
+        """Raise :class:`QueueNotFoundError` when this handle's ring was dropped (its own functions and
+        tables went with it, so its statements fail as if the schema were not installed)."""
         row = self._db.fetchone("get_queue", {"name": self.name})
         if row is None or row[0] != self._qid:
             raise QueueNotFoundError(self.name, self._db.schema) from None

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 import pytest
 
-from airflow_dbqueue.engine import ConfigurationError, NotSupportedError
+from airflow_dbqueue.engine import ConfigurationError, NotSupportedError, QueueFullError, QueueNotFoundError
 from tests.helpers import checksum, held_horizon
 
 if TYPE_CHECKING:
@@ -183,3 +183,50 @@ def test_held_horizon_leaves_no_dead_rows_and_a_bounded_size(dbq: DbQueue) -> No
         assert dead_after == 0
     finally:
         holder.close()
+
+
+def test_a_full_ring_pushes_back_then_takes_pushes_again(dbq: DbQueue) -> None:
+    """A ring of 8 rows (4 segments of 2) that nobody pops takes 8 pushes; the 9th waits its
+    push_timeout and raises QueueFullError, pushing nothing; once popped, pushes go on."""
+    q = rows_ring(dbq, capacity=8, lanes=1)
+    q.push_timeout = 0.3  # type: ignore[attr-defined]
+    sent = [[{"i": i, "j": j} for j in range(3)] for i in range(8)]
+    for batch in sent:
+        q.push_batch(batch)
+    with pytest.raises(QueueFullError, match="stayed full"):
+        q.push_batch([{"late": 1}])
+    assert q.stats().ready == 24
+    got = drain(q, n=5)
+    assert checksum(m.payload for m in got) == checksum(p for b in sent for p in b)
+    more = [{"more": i} for i in range(20)]
+    for k in range(0, 20, 5):  # 4 pushes: the ring holds 8, every lane past the old ones
+        q.push_batch(more[k : k + 5])
+    assert [m.payload for m in drain(q, n=3)] == more
+
+
+def _own_objects(dbq: DbQueue, queue_id: int) -> int:
+    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+        row = c.execute(
+            "SELECT (SELECT count(*) FROM pg_class WHERE relnamespace = %(s)s::regnamespace "
+            "AND relname LIKE %(p)s) + (SELECT count(*) FROM pg_proc WHERE pronamespace = "
+            "%(s)s::regnamespace AND proname LIKE %(p)s)",
+            {"s": dbq.schema, "p": f"ring\\_{queue_id}\\_r%"},
+        ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_drop_queue_and_uninstall_drop_the_rings_own_objects(dbq: DbQueue) -> None:
+    q = rows_ring(dbq, capacity=64, lanes=4)
+    q.push_batch([1, 2, 3])
+    qid = q.settings.queue_id
+    assert _own_objects(dbq, qid) > 20  # tables, indexes, sequences, a view, functions
+    assert dbq.drop_queue("r")
+    assert _own_objects(dbq, qid) == 0
+    with pytest.raises(QueueNotFoundError):
+        q.push(4)
+    q2 = rows_ring(dbq, "r2", capacity=64, lanes=4)
+    q2.push_batch([5])
+    dbq.uninstall()
+    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+        assert c.execute("SELECT to_regnamespace(%s)", (dbq.schema,)).fetchone() == (None,)

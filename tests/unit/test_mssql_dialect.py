@@ -468,12 +468,18 @@ MSSQL_ONLY_RING_COLUMNS = {
 }
 """Columns the SQL Server ring tables have beyond PostgreSQL's, and why."""
 
+POSTGRES_ONLY_RING_TABLES = {"ring_rows"}
+"""Ring tables of PostgreSQL's alone: the registry of the rings of the rows layout, which is
+PostgreSQL-only (create_queue refuses it on SQL Server)."""
+
 
 def test_the_ring_tables_end_with_postgresqls_columns() -> None:
     """A fresh install and a version-2 schema migrated by the same blocks end with the ring tables of
     PostgreSQL's schema.sql, column for column (and ring_push_lanes, the gap proof's own)."""
     ours, theirs = _final_tables(), _postgres_tables()
-    ring = sorted(t for t in theirs if t == "rings" or t.startswith("ring_"))
+    ring = sorted(
+        t for t in theirs if (t == "rings" or t.startswith("ring_")) and t not in POSTGRES_ONLY_RING_TABLES
+    )
     assert ring == [
         "ring_failed",
         "ring_groups",
@@ -1594,3 +1600,14 @@ def test_keys_and_expiry_are_refused_on_a_fake_sql_server_before_anything_is_sen
     with pytest.raises(NotSupportedError, match=r"ordering per key.*mssql"):
         dbq.create_queue("events", ordering="per_key")
     assert len(fake.executed) == 1
+
+
+def test_the_rings_rows_layout_is_refused_at_create_time_naming_it_postgresql_only() -> None:
+    """On SQL Server ``create_queue(design="ring", layout="rows")`` raises before anything is sent."""
+    from airflow_dbqueue.engine import DbQueue, NotSupportedError
+
+    with (
+        DbQueue("mssql://u:p@localhost/db", schema="dbq") as dbq,
+        pytest.raises(NotSupportedError, match="rows layout is PostgreSQL-only"),
+    ):
+        dbq.create_queue("r", design="ring", layout="rows")

@@ -2266,11 +2266,12 @@ END
 $b$
 @;
 -- Give up gaps: rows a lane waits for that were issued (at most p_last) but never written, once every
--- transaction that was running when they were seen (p_xmax: the next transaction id then) has ended. A
--- push takes its transaction id before its row number, so such a row's push has ended without writing
--- it, and no row can come later. Lanes other pops hold are left for another call. Returns what to pass
--- next time (the row sequence's position first, then the next transaction id: read in that order, so
--- every row issued by then belongs to a transaction before that id) and how many rows were given up.
+-- transaction older than p_xmax has ended. A push takes its transaction id before its row number, so
+-- such a row's push has ended without writing it, and no row can come later. Lanes other pops hold are
+-- left for another call. Returns what to pass next time: the row sequence's position, then this
+-- call's own transaction id, taken after it (every transaction id assigned before is lower, so every row
+-- issued by then belongs to a lower one; a snapshot's xmax would not do: it is one past the newest
+-- transaction that ENDED, and a push still running may hold a higher id), and how many rows were given up.
 CREATE FUNCTION {schema}.@Pgaps(p_xmax bigint, p_last bigint,
     OUT r_xmax bigint, OUT r_last bigint, OUT r_skipped integer) LANGUAGE plpgsql AS $b$
 DECLARE
@@ -2304,7 +2305,7 @@ BEGIN
         END IF;
     END IF;
     r_last := coalesce(pg_sequence_last_value('{schema}.@Prows'), -1);
-    r_xmax := pg_snapshot_xmax(pg_current_snapshot())::text::bigint;
+    r_xmax := pg_current_xact_id()::text::bigint;
 END
 $b$
 @;
