@@ -682,7 +682,7 @@ def _mssql_widths(name: str) -> set[int]:
 RING_RESULTS_DIFFERENT = {
     # PostgreSQL's adds the actions the session's role may take (its grants); the client reads them when
     # they are there, and a queue on SQL Server allows every action.
-    "get_queue": (18, {17}),
+    "get_queue": (19, {18}),
     "ring_create": (1, set()),  # PostgreSQL's SELECT of a void function; the procedure returns no rows
     "ring_drop": (1, set()),
     "ring_push": (2, {1}),  # PostgreSQL's push sends the floor it read beside the first number
@@ -1526,6 +1526,7 @@ def test_the_queue_row_carries_a_rings_capacity_and_lanes_on_a_fake_sql_server(
         None,
         "fail",
         "none",
+        "slots",  # layout
     )
     dbq, fake = _suites_dbq(monkeypatch, [[row]])
     q = dbq.queue("r")
@@ -1587,6 +1588,7 @@ def test_keys_and_expiry_are_refused_on_a_fake_sql_server_before_anything_is_sen
         None,
         "fail",
         "none",
+        None,  # layout
     )
     dbq, fake = _suites_dbq(monkeypatch, [[row]])
     q = dbq.queue("orders")
