@@ -50,6 +50,7 @@ from airflow_dbqueue.engine.models import (
     PayloadType,
     QueueSettings,
     QueueStats,
+    RingLayout,
     Semantics,
 )
 from airflow_dbqueue.engine.queue import Queue
@@ -92,6 +93,7 @@ __all__ = [
     "QueueNotFoundError",
     "QueueSettings",
     "QueueStats",
+    "RingLayout",
     "SchemaError",
     "Semantics",
     "StatementTimeoutError",

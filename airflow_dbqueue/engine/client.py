@@ -37,6 +37,7 @@ from airflow_dbqueue.engine.models import (
     Ordering,
     PayloadType,
     QueueSettings,
+    RingLayout,
 )
 from airflow_dbqueue.engine.names import validate_queue_name
 from airflow_dbqueue.engine.queue import check_seconds
@@ -49,6 +50,7 @@ from airflow_dbqueue.engine.ring import (
     RING_MAX_PAYLOAD,
     RingQueue,
 )
+from airflow_dbqueue.engine.ring_rows import RowsRingQueue
 from airflow_dbqueue.engine.table import TableQueue
 
 if TYPE_CHECKING:
@@ -82,6 +84,7 @@ _SETTINGS_COLUMNS = (
     "ttl_s",
     "on_expiry",
     "ordering",
+    "layout",
 )
 
 
@@ -105,6 +108,7 @@ def _settings_from_row(row: tuple[Any, ...]) -> QueueSettings:
         ttl_s=d["ttl_s"],
         on_expiry=OnExpiry(d["on_expiry"]),
         ordering=Ordering(d["ordering"]),
+        layout=None if d["layout"] is None else RingLayout(d["layout"]),
     )
 
 
@@ -163,16 +167,24 @@ def _wanted_settings(
     ttl: float | None = None,
     on_expiry: OnExpiry | str = OnExpiry.FAIL,
     ordering: Ordering | str = Ordering.NONE,
+    layout: RingLayout | str | None = None,
 ) -> QueueSettings:
     """The settings :meth:`DbQueue.create_queue` is asked for, with the defaults filled in.
 
     :raise ConfigurationError: naming the first setting that is out of range or does not fit the design.
     """
     ring = kind is Design.RING
+    ring_layout = _ring_layout(name, kind, layout)
     if ring:
         capacity, lanes = _ring_shape(
             name, archive=archive, capacity=capacity, lanes=lanes, max_payload_bytes=max_payload_bytes
         )
+        if ring_layout is RingLayout.ROWS and (capacity % 4 or capacity // 4 < 2 * lanes):
+            raise ConfigurationError(
+                f"queue {name!r}: a ring of the rows layout holds four segments of capacity / 4 pushes, "
+                f"each at least twice its lanes: capacity must be a multiple of 4 and at least 8 * lanes "
+                f"({8 * lanes}), got {capacity}"
+            )
     elif capacity is not None or lanes is not None:
         which = "capacity" if capacity is not None else "lanes"
         raise ConfigurationError(f"queue {name!r}: {which} applies to ring queues only")
@@ -214,11 +226,27 @@ def _wanted_settings(
             ttl_s=ttl,
             on_expiry=OnExpiry(on_expiry),
             ordering=Ordering(ordering),
+            layout=ring_layout,
         )
     except ValueError as exc:
         raise ConfigurationError(f"queue {name!r}: {exc}") from None
     _check_ranges(wanted)
     return wanted
+
+
+def _ring_layout(name: str, kind: Design, layout: RingLayout | str | None) -> RingLayout | None:
+    """A ring's layout (default :attr:`RingLayout.SLOTS`); None for the table design, which has none."""
+    if kind is not Design.RING:
+        if layout is not None:
+            raise ConfigurationError(f"queue {name!r}: layout={layout!r} applies to ring queues only")
+        return None
+    try:
+        return RingLayout.SLOTS if layout is None else RingLayout(layout)
+    except ValueError:
+        raise ConfigurationError(
+            f"queue {name!r}: a ring's layout is one of "
+            f"{', '.join(m.value for m in RingLayout)}, got {layout!r}"
+        ) from None
 
 
 def _check_ranges(wanted: QueueSettings) -> None:
@@ -386,6 +414,7 @@ class DbQueue:
         ttl: float | None = None,
         on_expiry: OnExpiry | str = OnExpiry.FAIL,
         ordering: Ordering | str = Ordering.NONE,
+        layout: RingLayout | str | None = None,
     ) -> Queue:
         """Create a queue (idempotently) and return it.
 
@@ -411,6 +440,12 @@ class DbQueue:
         (``on_expiry="fail"``, the default) or is dropped (``on_expiry="drop"``). ``ordering="per_key"``
         (table design) lets pushes give messages an ordering key (``push(key=...)``): a key's messages
         are handed out in push order, one at a time, while different keys go in parallel.
+
+        ``layout`` (ring only): ``"slots"`` (the default) or ``"rows"`` (PostgreSQL only), a ring whose
+        pushes are rows of insert-only segment tables emptied with ``TRUNCATE``, so that a held xmin
+        horizon leaves no dead row behind the hot path; its ``capacity`` counts pushes (a multiple of 4,
+        at least 8 * lanes), and it pops at most once and exactly once only, without groups or batches
+        yet (docs/limits.md).
         """
         name = validate_queue_name(name)
         try:
@@ -434,7 +469,14 @@ class DbQueue:
             ttl=ttl,
             on_expiry=on_expiry,
             ordering=ordering,
+            layout=layout,
         )
+        if wanted.layout is not None and wanted.layout.value not in self.db.ring_layouts:
+            raise NotSupportedError(
+                f"queue {name!r}: the ring's {wanted.layout.value} layout is PostgreSQL-only; the "
+                f"{self.db.dialect_name} dialect creates rings of the "
+                f"{', '.join(self.db.ring_layouts)} layout (docs/limits.md)"
+            )
         if (wanted.ttl_s is not None or wanted.ordering is Ordering.PER_KEY) and not self.db.push_options:
             what = "a time to live needs the expiry of messages" if wanted.ttl_s else "ordering per key needs"
             raise NotSupportedError(
@@ -475,10 +517,17 @@ class DbQueue:
             notify=wanted.notify.value,
             on_expiry=wanted.on_expiry.value,
             ordering=wanted.ordering.value,
+            layout=None if wanted.layout is None else wanted.layout.value,
         )
         with self.db.transaction() as conn:  # a ring's slots are created with its row, or neither
             created = self.db.fetchone("create_queue", params, conn)
-            if created is not None and wanted.design is Design.RING:
+            if created is not None and wanted.layout is RingLayout.ROWS:
+                self.db.execute(
+                    "ring_rows_create",
+                    {"queue_id": created[0], "capacity": wanted.capacity, "lanes": wanted.lanes},
+                    conn,
+                )
+            elif created is not None and wanted.design is Design.RING:
                 self.db.execute(
                     "ring_create",
                     {
@@ -520,6 +569,8 @@ class DbQueue:
         return gone
 
     def _open(self, settings: QueueSettings) -> Queue:
+        if settings.layout is RingLayout.ROWS:
+            return RowsRingQueue(self.db, settings)
         if settings.design is Design.RING:
             return RingQueue(self.db, settings)
         q = TableQueue(self.db, settings)

@@ -44,6 +44,17 @@ class Design(enum.StrEnum):
     """Preallocated ring buffer of slots (after Kejser's ring buffer in a table)."""
 
 
+class RingLayout(enum.StrEnum):
+    """How a ring stores its messages (chosen when it is created)."""
+
+    SLOTS = "slots"
+    """A preallocated slot a message, updated in place by pushes (the default)."""
+    ROWS = "rows"
+    """A row a push in four insert-only segment tables emptied with ``TRUNCATE`` once every reader has
+    passed them: no dead row on the hot path under a held xmin horizon (PostgreSQL only; see
+    docs/limits.md for what it does not do yet)."""
+
+
 class PayloadType(enum.StrEnum):
     """What a queue's payloads are, and how they are encoded to bytes in the data table."""
 
@@ -131,6 +142,8 @@ class QueueSettings:
     ordering: Ordering = Ordering.NONE
     """``per_key``: no message is handed out while a message of its ordering key pushed before it is
     ready, delayed or in flight (table design)."""
+    layout: RingLayout | None = None
+    """A ring's :class:`RingLayout` (``None`` for the table design)."""
 
     def encode_all(self, payloads: list[Any]) -> list[bytes]:
         """Encode a batch of payloads (:meth:`encode` of each, in order).

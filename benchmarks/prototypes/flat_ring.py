@@ -10,6 +10,8 @@ and the sum of the payloads' CRC-32s matches.
 Designs:
   ring          today's ring through the engine (DbQueue.create_queue(design="ring")), at most once
   ring-alo      the same, at least once (pop, then ack of what was popped)
+  ring-rows     the engine's ring of the rows layout (create_queue(design="ring", layout="rows"),
+                capacity 4 x --seg-rows pushes), at most once
   flat-upd      insert-only segments, lane positions UPDATEd per pop (as ring_lanes)
   flat-log      insert-only segments, lane positions in an insert-only log
   flat-log-alo  flat-log at least once: a lease row per pop, an ack row per ack
@@ -38,7 +40,8 @@ from typing import Any
 
 import psycopg
 
-BATCH = 100
+BATCH = int(os.environ.get("FLAT_RING_BATCH", "100"))
+"""Messages a push and a pop (--batch, passed to the spawned workers through the environment)."""
 PAYLOAD = 300
 SQL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flat_ring.sql")
 ROWS_SQL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flat_rows.sql")
@@ -156,8 +159,14 @@ def setup(design: str, dsn: str, capacity: int, seg_size: int, lanes: int, *, se
             with DbQueue(dsn) as dbq:
                 dbq.install()
                 dbq.drop_queue("r", missing_ok=True)
+                rows = design == "ring-rows"
                 dbq.create_queue(
-                    "r", design="ring", capacity=capacity, payload_type="bytes", max_payload_bytes=512
+                    "r",
+                    design="ring",
+                    capacity=4 * seg_rows if rows else capacity,
+                    payload_type="bytes",
+                    max_payload_bytes=512,
+                    **({"layout": "rows"} if rows else {}),
                 )
             c.execute("VACUUM")
             return "dbqueue"
@@ -300,6 +309,7 @@ def run_one(args: argparse.Namespace, design: str, hold: bool) -> dict[str, Any]
 
 
 def main() -> None:
+    global BATCH  # the workers are spawned: they read it from the environment
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--designs", default="ring,flat-upd,flat-log")
     ap.add_argument("--seconds", type=float, default=30)
@@ -312,7 +322,10 @@ def main() -> None:
     ap.add_argument("--producers", type=int, default=2)
     ap.add_argument("--consumers", type=int, default=2)
     ap.add_argument("--out", help="append the JSON lines here too")
+    ap.add_argument("--batch", type=int, default=BATCH, help="messages a push and a pop (default 100)")
     args = ap.parse_args()
+    BATCH = args.batch
+    os.environ["FLAT_RING_BATCH"] = str(args.batch)
     server = None
     if not args.dsn:
         from airflow_dbqueue.engine.embedded import EmbeddedPostgres
@@ -324,6 +337,7 @@ def main() -> None:
         for design in args.designs.split(","):
             for hold in holds:
                 r = run_one(args, design, hold)
+                r["batch"] = BATCH
                 line = json.dumps(r)
                 print(
                     f"{design:13} hold={hold!s:5} {r['msgs_per_s']:>7}/s first10 {r['first_10s']:>7} last10 "

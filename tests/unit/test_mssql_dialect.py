@@ -468,12 +468,18 @@ MSSQL_ONLY_RING_COLUMNS = {
 }
 """Columns the SQL Server ring tables have beyond PostgreSQL's, and why."""
 
+POSTGRES_ONLY_RING_TABLES = {"ring_rows"}
+"""Ring tables of PostgreSQL's alone: the registry of the rings of the rows layout, which is
+PostgreSQL-only (create_queue refuses it on SQL Server)."""
+
 
 def test_the_ring_tables_end_with_postgresqls_columns() -> None:
     """A fresh install and a version-2 schema migrated by the same blocks end with the ring tables of
     PostgreSQL's schema.sql, column for column (and ring_push_lanes, the gap proof's own)."""
     ours, theirs = _final_tables(), _postgres_tables()
-    ring = sorted(t for t in theirs if t == "rings" or t.startswith("ring_"))
+    ring = sorted(
+        t for t in theirs if (t == "rings" or t.startswith("ring_")) and t not in POSTGRES_ONLY_RING_TABLES
+    )
     assert ring == [
         "ring_failed",
         "ring_groups",
@@ -676,7 +682,7 @@ def _mssql_widths(name: str) -> set[int]:
 RING_RESULTS_DIFFERENT = {
     # PostgreSQL's adds the actions the session's role may take (its grants); the client reads them when
     # they are there, and a queue on SQL Server allows every action.
-    "get_queue": (18, {17}),
+    "get_queue": (19, {18}),
     "ring_create": (1, set()),  # PostgreSQL's SELECT of a void function; the procedure returns no rows
     "ring_drop": (1, set()),
     "ring_push": (2, {1}),  # PostgreSQL's push sends the floor it read beside the first number
@@ -1520,6 +1526,7 @@ def test_the_queue_row_carries_a_rings_capacity_and_lanes_on_a_fake_sql_server(
         None,
         "fail",
         "none",
+        "slots",  # layout
     )
     dbq, fake = _suites_dbq(monkeypatch, [[row]])
     q = dbq.queue("r")
@@ -1581,6 +1588,7 @@ def test_keys_and_expiry_are_refused_on_a_fake_sql_server_before_anything_is_sen
         None,
         "fail",
         "none",
+        None,  # layout
     )
     dbq, fake = _suites_dbq(monkeypatch, [[row]])
     q = dbq.queue("orders")
@@ -1594,3 +1602,14 @@ def test_keys_and_expiry_are_refused_on_a_fake_sql_server_before_anything_is_sen
     with pytest.raises(NotSupportedError, match=r"ordering per key.*mssql"):
         dbq.create_queue("events", ordering="per_key")
     assert len(fake.executed) == 1
+
+
+def test_the_rings_rows_layout_is_refused_at_create_time_naming_it_postgresql_only() -> None:
+    """On SQL Server ``create_queue(design="ring", layout="rows")`` raises before anything is sent."""
+    from airflow_dbqueue.engine import DbQueue, NotSupportedError
+
+    with (
+        DbQueue("mssql://u:p@localhost/db", schema="dbq") as dbq,
+        pytest.raises(NotSupportedError, match="rows layout is PostgreSQL-only"),
+    ):
+        dbq.create_queue("r", design="ring", layout="rows")

@@ -532,6 +532,7 @@ def test_a_rings_upkeep_on_a_fake_sql_server(fake: MaintenanceServer) -> None:
             None,
             "fail",
             "none",
+            "slots",  # layout
         )
     ]
     fake.ring = {
@@ -588,6 +589,7 @@ def test_a_sample_of_a_table_queue_on_a_fake_sql_server(fake: MaintenanceServer)
             None,
             "fail",
             "none",
+            None,  # layout
         )
     ]
     before = dt.datetime(2026, 1, 1, 12, 0)

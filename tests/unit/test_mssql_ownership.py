@@ -411,6 +411,7 @@ ORDERS = (
     None,
     "fail",
     "none",
+    None,  # layout
 )
 
 

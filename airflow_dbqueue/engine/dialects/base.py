@@ -117,6 +117,8 @@ class Database(NamedStatements, Protocol):
     #: True when the table design has deduplication keys on push (queries ``push_with`` and
     #: ``forget_dedup``, the ``dedup`` table).
     push_options: bool
+    #: The ring layouts this dialect creates (``slots``; ``rows`` on PostgreSQL: queries ``ring_rows_*``).
+    ring_layouts: tuple[str, ...]
     #: True when maintenance counts every table-design queue of the schema with one statement a table
     #: (queries ``stats_all``, ``table_flow_all``, ``sample_insert_all``, ``queue_rates_all`` and
     #: ``upkeep_due``) instead of a statement a queue.

@@ -96,6 +96,24 @@ maintenance and the ring design with its consumer groups are all ported.
 
 POSTGRES_ONLY: dict[str, str] = {
     **{
+        name: "the ring's rows layout (create_queue(layout='rows')) is PostgreSQL's: its segment tables are "
+        "emptied with TRUNCATE once every reader passed them, which SQL Server's row versions (kept in "
+        "tempdb, not the table) do not need; create_queue refuses the layout here"
+        for name in (
+            "ring_rows_create",
+            "ring_rows_drop_all",
+            "ring_rows_push",
+            "ring_rows_pop",
+            "ring_rows_pop_payloads",
+            "ring_rows_peek",
+            "ring_rows_rotate",
+            "ring_rows_label",
+            "ring_rows_rotate_ahead",
+            "ring_rows_gaps",
+            "ring_rows_stats",
+        )
+    },
+    **{
         name: "Maintenance.compact_rings rewrites ring tables grown by row versions a held xmin horizon "
         "kept; SQL Server keeps old row versions in tempdb's version store, not in the table, and skips "
         "the step"
@@ -214,6 +232,7 @@ class MssqlDatabase(MssqlSchema, MssqlMaintenance):
     ring_push_takes_floor = False  # its ring_push reads the floor under its own locks
     payload_pops = False  # a pop of payloads takes them from its procedures' whole rows
     push_options = False  # no deduplication keys or expiry yet (docs/sqlserver.md)
+    ring_layouts: tuple[str, ...] = ("slots",)  # the rows layout is PostgreSQL's (POSTGRES_ONLY)
     schema_passes = False  # maintenance counts a queue at a time (docs/limits.md)
     prepares_statements = True
 

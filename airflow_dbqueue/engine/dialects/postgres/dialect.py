@@ -84,6 +84,7 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance, Post
     ring_push_takes_floor = True
     payload_pops = True
     push_options = True
+    ring_layouts: tuple[str, ...] = ("slots", "rows")
     schema_passes = True
     prepares_statements = True  # not behind a transaction pooler (__init__)
 

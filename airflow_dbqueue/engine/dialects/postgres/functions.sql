@@ -764,6 +764,7 @@ BEGIN
     DELETE FROM {schema}.ring_retry WHERE queue_id = p_queue_id;
     DELETE FROM {schema}.ring_failed WHERE queue_id = p_queue_id;
     PERFORM {schema}.ring_drop_group(p_queue_id, g.gid) FROM {schema}.ring_groups g WHERE g.queue_id = p_queue_id;
+    PERFORM {schema}.ring_rows_drop(p_queue_id);
     IF v_seq IS NOT NULL THEN
         EXECUTE format('DROP SEQUENCE IF EXISTS %s, %s', v_seq, v_gaps);
     END IF;
@@ -1880,4 +1881,581 @@ RETURNS text[] LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog
             WHERE CASE WHEN p_queue_id IS NULL THEN {schema}.may_all(a, p_role)
                        ELSE p_queue_id = ANY ({schema}.may(a, p_role)) END)
     END
+$$;
+-- The ring's rows layout (ring_rows): a ring whose rows are pushes, not slots, so that its hot path
+-- writes no dead row, after PgQ's insert-only event tables rotated with TRUNCATE. A push of n messages
+-- is ONE row (r, n, enqueued_at, payloads bytea[]) of a segment table; message k (0-based) of row r
+-- has the id (r << 16) | k, so ids rise in push order. Rows are numbered by the ring's row sequence;
+-- row r lives in segment table rq_k, k = (r / S) % 4 (S = seg_rows, a quarter of the capacity in
+-- rows), which holds one generation r / S at a time (its label: a sequence a segment, rgen_k). Lanes
+-- deal rows (lane r % lanes). A lane's position (the id where it goes on) is the highest entry of an
+-- insert-only log (rpos_k, the segment of the last row the lane took from); pos_gen (a sequence: set
+-- without a dead row) names the newest generation any pop logged in, where a pop looks first. A push
+-- that enters a segment not labelled its generation yet takes nothing and names the generation to
+-- rotate in: the caller empties that segment (its rows and its log, TRUNCATE under a 50 ms
+-- lock_timeout, in a transaction of its own) once every lane is past it, labels it, and pushes again.
+-- Nothing on the hot path or in a rotation updates or deletes a row.
+--
+-- Each ring has its own tables, sequences and functions (TRUNCATE needs tables of its own), named
+-- ring_<queue_id>_r*, made from the template below by ring_rows_create and dropped by ring_rows_drop;
+-- the functions below without a number call them (one planned call of a trivial statement: the ring's
+-- own functions keep their plans). A gap (a push that took its row number and rolled back, or died) is
+-- given up by ring_rows_gaps once every transaction that was running when it was first seen has ended:
+-- a push takes its transaction id before its row number, so such a row can never be written later.
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_template() RETURNS text LANGUAGE sql IMMUTABLE AS $t$ SELECT $x$
+CREATE SEQUENCE {schema}.@Pgen0 AS bigint MINVALUE 0 CACHE 1
+@;
+CREATE SEQUENCE {schema}.@Pgen1 AS bigint MINVALUE 0 CACHE 1
+@;
+CREATE SEQUENCE {schema}.@Pgen2 AS bigint MINVALUE 0 CACHE 1
+@;
+CREATE SEQUENCE {schema}.@Pgen3 AS bigint MINVALUE 0 CACHE 1
+@;
+SELECT setval(format('{schema}.%I', '@Pgen' || k), k) FROM generate_series(0, 3) k
+@;
+CREATE SEQUENCE {schema}.@Prows AS bigint MINVALUE 0 START 0 CACHE 1
+@;
+CREATE SEQUENCE {schema}.@Pposgen AS bigint MINVALUE 0 START 0 CACHE 1
+@;
+CREATE TABLE {schema}.@Pq0 (r bigint NOT NULL, n integer NOT NULL, enqueued_at timestamptz NOT NULL,
+    payloads bytea[] NOT NULL, CONSTRAINT @Pq0_pkey PRIMARY KEY (r))
+@;
+CREATE TABLE {schema}.@Pq1 (LIKE {schema}.@Pq0 INCLUDING ALL)
+@;
+CREATE TABLE {schema}.@Pq2 (LIKE {schema}.@Pq0 INCLUDING ALL)
+@;
+CREATE TABLE {schema}.@Pq3 (LIKE {schema}.@Pq0 INCLUDING ALL)
+@;
+CREATE TABLE {schema}.@Ppos0 (lane integer NOT NULL, at bigint NOT NULL,
+    CONSTRAINT @Ppos0_pkey PRIMARY KEY (lane, at))
+@;
+CREATE TABLE {schema}.@Ppos1 (LIKE {schema}.@Ppos0 INCLUDING ALL)
+@;
+CREATE TABLE {schema}.@Ppos2 (LIKE {schema}.@Ppos0 INCLUDING ALL)
+@;
+CREATE TABLE {schema}.@Ppos3 (LIKE {schema}.@Ppos0 INCLUDING ALL)
+@;
+ALTER TABLE {schema}.@Pq0 ALTER COLUMN payloads SET STORAGE EXTERNAL
+@;
+ALTER TABLE {schema}.@Pq1 ALTER COLUMN payloads SET STORAGE EXTERNAL
+@;
+ALTER TABLE {schema}.@Pq2 ALTER COLUMN payloads SET STORAGE EXTERNAL
+@;
+ALTER TABLE {schema}.@Pq3 ALTER COLUMN payloads SET STORAGE EXTERNAL
+@;
+INSERT INTO {schema}.@Ppos0 SELECT k, (k::bigint << 16) FROM generate_series(0, @L - 1) k
+@;
+CREATE VIEW {schema}.@Pq AS
+    SELECT * FROM {schema}.@Pq0 UNION ALL SELECT * FROM {schema}.@Pq1
+    UNION ALL SELECT * FROM {schema}.@Pq2 UNION ALL SELECT * FROM {schema}.@Pq3
+@;
+-- The positions of lanes p_lanes (all when NULL), in that order: each lane's highest log entry, first in
+-- the newest segment any pop logged in, then older ones for the lanes not found there.
+CREATE FUNCTION {schema}.@Planes(p_lanes integer[]) RETURNS bigint[] LANGUAGE plpgsql AS $b$
+DECLARE
+    v_lanes integer[] := coalesce(p_lanes, ARRAY(SELECT generate_series(0, @L - 1)));
+    v_at bigint[];
+    v_newest integer := (coalesce(pg_sequence_last_value('{schema}.@Pposgen'), 0) % 4)::integer;
+    v_k integer;
+BEGIN
+    v_k := v_newest;
+    v_at := array_fill(NULL::bigint, ARRAY[cardinality(v_lanes)]);
+    FOR i IN 1 .. 4 LOOP
+        IF v_k = 0 THEN
+            SELECT array_agg(coalesce(u.at, (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = u.k)) ORDER BY u.o) INTO v_at FROM unnest(v_lanes, v_at) WITH ORDINALITY u(k, at, o);
+        ELSIF v_k = 1 THEN
+            SELECT array_agg(coalesce(u.at, (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = u.k)) ORDER BY u.o) INTO v_at FROM unnest(v_lanes, v_at) WITH ORDINALITY u(k, at, o);
+        ELSIF v_k = 2 THEN
+            SELECT array_agg(coalesce(u.at, (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = u.k)) ORDER BY u.o) INTO v_at FROM unnest(v_lanes, v_at) WITH ORDINALITY u(k, at, o);
+        ELSE
+            SELECT array_agg(coalesce(u.at, (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = u.k)) ORDER BY u.o) INTO v_at FROM unnest(v_lanes, v_at) WITH ORDINALITY u(k, at, o);
+        END IF;
+        EXIT WHEN array_position(v_at, NULL) IS NULL;
+        v_k := (v_k + 3) % 4;
+    END LOOP;
+    RETURN v_at;
+END
+$b$
+@;
+-- Log lane positions p_at (ids) of lanes p_lanes, each in the segment of the row it names (or of the
+-- row before it in the lane, when that row's segment is not the next generation's yet), and raise
+-- pos_gen to the newest generation logged in. The row a position names is at most a lane past the
+-- last row taken, so its segment is the taken row's or the next one.
+CREATE FUNCTION {schema}.@Plog(p_lanes integer[], p_at bigint[]) RETURNS void LANGUAGE plpgsql AS $b$
+DECLARE
+    v_seg integer[];
+    v_gen bigint := 0;
+    v_r bigint;
+BEGIN
+    v_seg := array_fill(NULL::integer, ARRAY[cardinality(p_lanes)]);
+    FOR i IN 1 .. cardinality(p_lanes) LOOP
+        v_r := p_at[i] >> 16;
+        IF (p_at[i] & 65535) = 0 THEN
+            v_r := v_r - @L;  -- the row taken last: its segment is live (the floor holds it)
+        END IF;
+        v_seg[i] := (v_r / @S % 4)::integer;
+        v_gen := greatest(v_gen, v_r / @S);
+    END LOOP;
+    FOR k IN 0 .. 3 LOOP
+        CONTINUE WHEN NOT (k = ANY (v_seg));
+        IF k = 0 THEN
+            INSERT INTO {schema}.@Ppos0 SELECT u.l, u.a FROM unnest(p_lanes, p_at, v_seg) u(l, a, s) WHERE u.s = 0 ON CONFLICT DO NOTHING;
+        ELSIF k = 1 THEN
+            INSERT INTO {schema}.@Ppos1 SELECT u.l, u.a FROM unnest(p_lanes, p_at, v_seg) u(l, a, s) WHERE u.s = 1 ON CONFLICT DO NOTHING;
+        ELSIF k = 2 THEN
+            INSERT INTO {schema}.@Ppos2 SELECT u.l, u.a FROM unnest(p_lanes, p_at, v_seg) u(l, a, s) WHERE u.s = 2 ON CONFLICT DO NOTHING;
+        ELSE
+            INSERT INTO {schema}.@Ppos3 SELECT u.l, u.a FROM unnest(p_lanes, p_at, v_seg) u(l, a, s) WHERE u.s = 3 ON CONFLICT DO NOTHING;
+        END IF;
+    END LOOP;
+    -- Raised under a lock, so it only rises; before the pop commits, so a lane's newest log entry is
+    -- never in a newer segment than it says. A pop that rolls back may leave it raised: lanes not found
+    -- in the newest segment are then looked up in the older ones.
+    IF v_gen > coalesce(pg_sequence_last_value('{schema}.@Pposgen'), 0) THEN
+        PERFORM pg_advisory_xact_lock(@K3, 0);
+        IF v_gen > coalesce(pg_sequence_last_value('{schema}.@Pposgen'), 0) THEN
+            PERFORM setval('{schema}.@Pposgen', v_gen);
+        END IF;
+    END IF;
+END
+$b$
+@;
+-- The generation segment p_k holds (a sequence a segment, set by ring_rows_label: no dead row).
+CREATE FUNCTION {schema}.@Pseg_gen(p_k integer) RETURNS bigint LANGUAGE sql AS $b$
+    SELECT pg_sequence_last_value(format('{schema}.%I', '@Pgen' || p_k)::regclass)
+$b$
+@;
+-- The floor in rows: the lowest row a lane still needs.
+CREATE FUNCTION {schema}.@Pfloor() RETURNS bigint LANGUAGE sql AS $b$
+    SELECT min(x >> 16) FROM unnest({schema}.@Planes(NULL)) x
+$b$
+@;
+-- Push a batch as one row in the caller's transaction. r_first: the row's first id; or NULL with r_need,
+-- the generation to rotate in first (nothing taken). The transaction id is taken before the row number
+-- (see ring_rows_gaps), and the number under a session lock held for the check and nextval, so a push
+-- never holds a number whose segment is not its generation's.
+CREATE FUNCTION {schema}.@Ppush(p_payloads bytea[], p_notify integer, p_channel text,
+    OUT r_first bigint, OUT r_need bigint) LANGUAGE plpgsql AS $b$
+DECLARE
+    v_r bigint;
+    v_k integer;
+    v_ok boolean;
+BEGIN
+    v_ok := pg_current_xact_id() IS NOT NULL;
+    v_ok := pg_advisory_lock(@K1, 0) IS NULL;
+    v_r := coalesce(pg_sequence_last_value('{schema}.@Prows'), -1) + 1;
+    v_k := (v_r / @S % 4)::integer;
+    IF {schema}.@Pseg_gen(v_k) <> v_r / @S THEN
+        v_ok := pg_advisory_unlock(@K1, 0);
+        r_need := v_r / @S;
+        RETURN;
+    END IF;
+    v_r := nextval('{schema}.@Prows');
+    v_ok := pg_advisory_unlock(@K1, 0);
+    IF v_k = 0 THEN
+        INSERT INTO {schema}.@Pq0 VALUES (v_r, cardinality(p_payloads), now(), p_payloads);
+    ELSIF v_k = 1 THEN
+        INSERT INTO {schema}.@Pq1 VALUES (v_r, cardinality(p_payloads), now(), p_payloads);
+    ELSIF v_k = 2 THEN
+        INSERT INTO {schema}.@Pq2 VALUES (v_r, cardinality(p_payloads), now(), p_payloads);
+    ELSE
+        INSERT INTO {schema}.@Pq3 VALUES (v_r, cardinality(p_payloads), now(), p_payloads);
+    END IF;
+    r_first := v_r << 16;
+    -- auto: when no lane still needs a row before ours (its consumers caught up: they may be waiting)
+    IF p_notify = 2 OR (p_notify = 1 AND {schema}.@Pfloor() >= v_r) THEN
+        PERFORM pg_notify(p_channel, '');
+    END IF;
+END
+$b$
+@;
+-- Empty the segment that generation p_gen needs (holding p_gen - 4), in a transaction of its own, once
+-- every lane is past it by a lane's width of rows (so that every lane's newest log entry lies in a later
+-- segment): true when it is empty or p_gen's already, false while a lane still needs it or when its lock
+-- is not had within 50 ms (a reader still has it open). The caller then labels it p_gen
+-- (@Plabel) in a transaction of its own, after this one committed: a push writes into a segment only
+-- once it is labelled its generation, so no push writes into it before it is empty, and a crash between
+-- the two leaves it empty and unlabelled (the next rotation empties it again). The label is read again
+-- under the lock: a rotation that waited for another one's lock finds it done.
+CREATE FUNCTION {schema}.@Protate(p_gen bigint) RETURNS boolean
+LANGUAGE plpgsql SET lock_timeout = '50ms' AS $b$
+DECLARE
+    v_k integer := (p_gen % 4)::integer;
+BEGIN
+    IF {schema}.@Pseg_gen(v_k) >= p_gen THEN
+        RETURN true;
+    END IF;
+    IF {schema}.@Pfloor() < (p_gen - 3) * @S + @L THEN
+        RETURN false;
+    END IF;
+    IF v_k = 0 THEN
+        LOCK TABLE {schema}.@Pq0, {schema}.@Ppos0 IN ACCESS EXCLUSIVE MODE;
+    ELSIF v_k = 1 THEN
+        LOCK TABLE {schema}.@Pq1, {schema}.@Ppos1 IN ACCESS EXCLUSIVE MODE;
+    ELSIF v_k = 2 THEN
+        LOCK TABLE {schema}.@Pq2, {schema}.@Ppos2 IN ACCESS EXCLUSIVE MODE;
+    ELSE
+        LOCK TABLE {schema}.@Pq3, {schema}.@Ppos3 IN ACCESS EXCLUSIVE MODE;
+    END IF;
+    IF {schema}.@Pseg_gen(v_k) >= p_gen THEN
+        RETURN true;
+    END IF;
+    IF v_k = 0 THEN
+        TRUNCATE {schema}.@Ppos0, {schema}.@Pq0;
+    ELSIF v_k = 1 THEN
+        TRUNCATE {schema}.@Ppos1, {schema}.@Pq1;
+    ELSIF v_k = 2 THEN
+        TRUNCATE {schema}.@Ppos2, {schema}.@Pq2;
+    ELSE
+        TRUNCATE {schema}.@Ppos3, {schema}.@Pq3;
+    END IF;
+    RETURN true;
+EXCEPTION WHEN lock_not_available THEN
+    RETURN false;
+END
+$b$
+@;
+-- Label the segment of generation p_gen with it, after @Protate emptied it (and committed).
+CREATE FUNCTION {schema}.@Plabel(p_gen bigint) RETURNS void LANGUAGE plpgsql AS $b$
+BEGIN
+    PERFORM pg_advisory_xact_lock(@K3, 1);
+    IF {schema}.@Pseg_gen((p_gen % 4)::integer) < p_gen THEN
+        PERFORM setval(format('{schema}.%I', '@Pgen' || (p_gen % 4)), p_gen);
+    END IF;
+END
+$b$
+@;
+-- Pop up to p_n messages in the caller's transaction (at most once; exactly once in the caller's
+-- transaction). Lanes with a row to take are locked lowest position first (try-locks: concurrent pops
+-- take different lanes), up to p_n of them; p_wait: when others hold every such lane, wait for the
+-- lowest one (at most the lock_timeout, 1 s). The positions are read again after the locks, in a
+-- statement of their own: a statement that locked a lane and read its position would read it as it was
+-- before a pop that released the lane committed. The rows of the held lanes are then taken in row
+-- order, each lane's contiguously (a lane's next row not written yet stops the lane: a push in progress
+-- or a gap), up to p_n messages, possibly ending inside a row, and each moved lane's new position logged.
+-- Every statement names one segment table (a branch a segment): a statement naming all four opens and
+-- locks all four on every run.
+CREATE FUNCTION {schema}.@Ppop(p_n integer, p_wait boolean)
+RETURNS TABLE (r_id bigint, r_enqueued_at timestamptz, r_payload bytea)
+LANGUAGE plpgsql SET lock_timeout = '1s' AS $b$
+DECLARE
+    v_last bigint := pg_sequence_last_value('{schema}.@Prows');
+    v_all bigint[];
+    v_order integer[];
+    v_locked integer[] := ARRAY[]::integer[];
+    v_at bigint[];
+    v_lo bigint;
+    v_left integer := p_n;
+    v_next bigint[];
+    v_first_at bigint[];
+    v_rows bigint[] := ARRAY[]::bigint[];
+    v_from integer[] := ARRAY[]::integer[];
+    v_to integer[] := ARRAY[]::integer[];
+    v_n integer[] := ARRAY[]::integer[];
+    v_moved integer[] := ARRAY[]::integer[];
+    v_newat bigint[] := ARRAY[]::bigint[];
+    v_pl bytea[];
+    v_ts timestamptz;
+    rec record;
+    v_lane integer;
+    v_first integer;
+    v_take integer;
+    v_k integer;
+    v_gen bigint;
+    v_cur refcursor;
+BEGIN
+    IF v_last IS NULL THEN  -- nothing pushed yet
+        RETURN;
+    END IF;
+    v_all := {schema}.@Planes(NULL);
+    SELECT array_agg((u.o - 1)::integer ORDER BY u.at) INTO v_order FROM unnest(v_all) WITH ORDINALITY u(at, o)
+    WHERE (u.at >> 16) <= v_last;
+    IF v_order IS NULL THEN  -- every lane past the last row issued
+        RETURN;
+    END IF;
+    FOREACH v_lane IN ARRAY v_order LOOP
+        IF pg_try_advisory_xact_lock(@K2, v_lane) THEN
+            v_locked := v_locked || v_lane;
+            EXIT WHEN cardinality(v_locked) >= p_n;
+        END IF;
+    END LOOP;
+    IF cardinality(v_locked) = 0 THEN
+        IF NOT p_wait THEN
+            RETURN;
+        END IF;
+        PERFORM pg_advisory_xact_lock(@K2, v_order[1]);
+        v_locked := ARRAY[v_order[1]];
+    END IF;
+    v_at := {schema}.@Planes(v_locked);
+    v_next := array_fill(NULL::bigint, ARRAY[@L]);
+    v_first_at := array_fill(NULL::bigint, ARRAY[@L]);
+    FOR i IN 1 .. cardinality(v_locked) LOOP
+        v_next[v_locked[i] + 1] := v_at[i] >> 16;
+        v_first_at[v_locked[i] + 1] := v_at[i];
+    END LOOP;
+    SELECT min(x >> 16) INTO v_lo FROM unnest(v_at) x;
+    v_gen := v_lo / @S;
+    FOR part IN 1 .. 2 LOOP
+        v_k := (v_gen % 4)::integer;
+        IF v_k = 0 THEN
+            OPEN v_cur FOR SELECT t.r, t.n FROM {schema}.@Pq0 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
+        ELSIF v_k = 1 THEN
+            OPEN v_cur FOR SELECT t.r, t.n FROM {schema}.@Pq1 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
+        ELSIF v_k = 2 THEN
+            OPEN v_cur FOR SELECT t.r, t.n FROM {schema}.@Pq2 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
+        ELSE
+            OPEN v_cur FOR SELECT t.r, t.n FROM {schema}.@Pq3 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
+        END IF;
+        LOOP
+            FETCH v_cur INTO rec;
+            EXIT WHEN NOT FOUND;
+            v_lane := (rec.r % @L)::integer;
+            CONTINUE WHEN v_next[v_lane + 1] IS NULL OR rec.r < v_next[v_lane + 1];
+            IF rec.r > v_next[v_lane + 1] THEN  -- a row of this lane not written yet: the lane stops
+                v_next[v_lane + 1] := NULL;
+                CONTINUE;
+            END IF;
+            v_first := CASE WHEN (v_first_at[v_lane + 1] >> 16) = rec.r
+                            THEN (v_first_at[v_lane + 1] & 65535)::integer ELSE 0 END;
+            v_take := least(rec.n - v_first, v_left);
+            v_rows := v_rows || rec.r;
+            v_from := v_from || v_first;
+            v_to := v_to || (v_first + v_take);
+            v_n := v_n || rec.n;
+            v_left := v_left - v_take;
+            v_next[v_lane + 1] := rec.r + @L;
+            EXIT WHEN v_left = 0;
+        END LOOP;
+        CLOSE v_cur;
+        EXIT WHEN v_left = 0 OR NOT EXISTS (SELECT 1 FROM unnest(v_locked) l WHERE v_next[l + 1] IS NOT NULL);
+        v_gen := v_gen + 1;
+        v_lo := v_gen * @S;
+    END LOOP;
+    IF cardinality(v_rows) = 0 THEN
+        RETURN;
+    END IF;
+    -- Each moved lane's new position: past its last row taken when taken to its end, else the place
+    -- in it where the pop stopped.
+    FOR i IN 1 .. cardinality(v_rows) LOOP
+        v_lane := (v_rows[i] % @L)::integer;
+        v_k := array_position(v_moved, v_lane);
+        IF v_k IS NULL THEN
+            v_moved := v_moved || v_lane;
+            v_newat := v_newat || 0::bigint;
+            v_k := cardinality(v_moved);
+        END IF;
+        v_newat[v_k] := CASE WHEN v_to[i] = v_n[i] THEN (v_rows[i] + @L) << 16
+                             ELSE (v_rows[i] << 16) | v_to[i] END;
+    END LOOP;
+    PERFORM {schema}.@Plog(v_moved, v_newat);
+    -- The messages: each taken row's slice of payloads, in row order.
+    FOR i IN 1 .. cardinality(v_rows) LOOP
+        v_k := (v_rows[i] / @S % 4)::integer;
+        IF v_k = 0 THEN
+            SELECT t.payloads[v_from[i] + 1 : v_to[i]], t.enqueued_at INTO v_pl, v_ts FROM {schema}.@Pq0 t WHERE t.r = v_rows[i];
+        ELSIF v_k = 1 THEN
+            SELECT t.payloads[v_from[i] + 1 : v_to[i]], t.enqueued_at INTO v_pl, v_ts FROM {schema}.@Pq1 t WHERE t.r = v_rows[i];
+        ELSIF v_k = 2 THEN
+            SELECT t.payloads[v_from[i] + 1 : v_to[i]], t.enqueued_at INTO v_pl, v_ts FROM {schema}.@Pq2 t WHERE t.r = v_rows[i];
+        ELSE
+            SELECT t.payloads[v_from[i] + 1 : v_to[i]], t.enqueued_at INTO v_pl, v_ts FROM {schema}.@Pq3 t WHERE t.r = v_rows[i];
+        END IF;
+        RETURN QUERY SELECT (v_rows[i] << 16) | (v_from[i] + u.o - 1), v_ts, u.p FROM unnest(v_pl) WITH ORDINALITY u(p, o);
+    END LOOP;
+END
+$b$
+@;
+-- Give up gaps: rows a lane waits for that were issued (at most p_last) but never written, once every
+-- transaction older than p_xmax has ended. A push takes its transaction id before its row number, so
+-- such a row's push has ended without writing it, and no row can come later. Lanes other pops hold are
+-- left for another call. Returns what to pass next time: the row sequence's position, then this
+-- call's own transaction id, taken after it (every transaction id assigned before is lower, so every row
+-- issued by then belongs to a lower one; a snapshot's xmax would not do: it is one past the newest
+-- transaction that ENDED, and a push still running may hold a higher id), and how many rows were given up.
+CREATE FUNCTION {schema}.@Pgaps(p_xmax bigint, p_last bigint,
+    OUT r_xmax bigint, OUT r_last bigint, OUT r_skipped integer) LANGUAGE plpgsql AS $b$
+DECLARE
+    v_at bigint[];
+    v_lanes integer[] := ARRAY[]::integer[];
+    v_newat bigint[] := ARRAY[]::bigint[];
+    v_r bigint;
+    v_found boolean;
+BEGIN
+    r_skipped := 0;
+    IF p_xmax IS NOT NULL AND pg_snapshot_xmin(pg_current_snapshot())::text::bigint >= p_xmax THEN
+        FOR v_lane IN 0 .. @L - 1 LOOP
+            CONTINUE WHEN NOT pg_try_advisory_xact_lock(@K2, v_lane);
+            v_at := {schema}.@Planes(ARRAY[v_lane]);
+            v_r := v_at[1] >> 16;
+            CONTINUE WHEN (v_at[1] & 65535) <> 0;
+            LOOP
+                EXIT WHEN v_r > p_last;
+                SELECT true INTO v_found FROM {schema}.@Pq t WHERE t.r = v_r;
+                EXIT WHEN v_found;
+                r_skipped := r_skipped + 1;
+                v_r := v_r + @L;
+            END LOOP;
+            IF v_r <> v_at[1] >> 16 THEN
+                v_lanes := v_lanes || v_lane;
+                v_newat := v_newat || (v_r << 16);
+            END IF;
+        END LOOP;
+        IF cardinality(v_lanes) > 0 THEN
+            PERFORM {schema}.@Plog(v_lanes, v_newat);
+        END IF;
+    END IF;
+    r_last := coalesce(pg_sequence_last_value('{schema}.@Prows'), -1);
+    r_xmax := pg_current_xact_id()::text::bigint;
+END
+$b$
+@;
+-- Messages ready (issued rows past the lanes' positions, a partly taken row's rest) and the oldest's push
+-- time, the rows held and the segments' generations.
+CREATE FUNCTION {schema}.@Pstats(OUT r_ready bigint, OUT r_oldest timestamptz, OUT r_rows bigint,
+    OUT r_gens bigint[]) LANGUAGE sql AS $b$
+    WITH l AS (SELECT u.o - 1 AS lane, u.at FROM unnest({schema}.@Planes(NULL)) WITH ORDINALITY u(at, o))
+    SELECT coalesce(sum(t.n - CASE WHEN t.r = l.at >> 16 THEN (l.at & 65535) ELSE 0 END), 0)::bigint,
+           min(t.enqueued_at),
+           (SELECT count(*) FROM {schema}.@Pq),
+           ARRAY(SELECT {schema}.@Pseg_gen(k) FROM generate_series(0, 3) k)
+    FROM l JOIN {schema}.@Pq t ON t.r % @L = l.lane AND t.r >= l.at >> 16
+$b$
+@;
+-- Up to p_n ready messages in id order, taking nothing.
+CREATE FUNCTION {schema}.@Ppeek(p_n integer)
+RETURNS TABLE (r_id bigint, r_enqueued_at timestamptz, r_payload bytea) LANGUAGE sql AS $b$
+    WITH l AS (SELECT u.o - 1 AS lane, u.at FROM unnest({schema}.@Planes(NULL)) WITH ORDINALITY u(at, o))
+    SELECT (t.r << 16) | (g.i - 1), t.enqueued_at, t.payloads[g.i]
+    FROM l JOIN {schema}.@Pq t ON t.r % @L = l.lane AND t.r >= l.at >> 16
+    CROSS JOIN LATERAL generate_subscripts(t.payloads, 1) g(i)
+    WHERE ((t.r << 16) | (g.i - 1)) >= l.at
+    ORDER BY 1 LIMIT p_n
+$b$
+$x$ $t$;
+
+-- Make a ring of the rows layout (its registry row, tables, sequences and functions, from
+-- ring_rows_template). Its capacity is in rows (pushes): a quarter of it a segment.
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_create(p_queue_id integer, p_capacity integer, p_lanes integer)
+RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    v_stmt text;
+BEGIN
+    INSERT INTO {schema}.ring_rows (queue_id, capacity, lanes, seg_rows)
+    VALUES (p_queue_id, p_capacity, p_lanes, p_capacity / 4);
+    FOREACH v_stmt IN ARRAY string_to_array({schema}.ring_rows_template(), '@;') LOOP
+        EXECUTE replace(replace(replace(replace(replace(replace(v_stmt,
+            '@P', 'ring_' || p_queue_id || '_r'), '@L', p_lanes::text), '@S', (p_capacity / 4)::text),
+            '@K1', hashtext('dbqueue.rows.push.{schema}.' || p_queue_id)::text),
+            '@K2', hashtext('dbqueue.rows.lanes.{schema}.' || p_queue_id)::text),
+            '@K3', hashtext('dbqueue.rows.posgen.{schema}.' || p_queue_id)::text);
+    END LOOP;
+END
+$$;
+
+-- Drop a ring of the rows layout: its tables, view, sequences, functions and registry row. Nothing
+-- when the ring is not of that layout.
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_drop(p_queue_id integer)
+RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    v_p text := 'ring_' || p_queue_id || '_r';
+    o record;
+BEGIN
+    DELETE FROM {schema}.ring_rows WHERE queue_id = p_queue_id;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    FOR o IN
+        SELECT p.oid::regprocedure AS f FROM pg_catalog.pg_proc p
+        WHERE p.pronamespace = '{schema}'::regnamespace AND left(p.proname, length(v_p)) = v_p
+    LOOP
+        EXECUTE format('DROP FUNCTION %s', o.f);
+    END LOOP;
+    EXECUTE format('DROP VIEW IF EXISTS {schema}.%I', v_p || 'q');
+    FOR o IN
+        SELECT c.oid::regclass AS t, c.relkind FROM pg_catalog.pg_class c
+        WHERE c.relnamespace = '{schema}'::regnamespace AND left(c.relname, length(v_p)) = v_p AND c.relkind IN ('r', 'S')
+    LOOP
+        EXECUTE format(CASE WHEN o.relkind = 'r' THEN 'DROP TABLE IF EXISTS %s' ELSE 'DROP SEQUENCE IF EXISTS %s' END, o.t);
+    END LOOP;
+END
+$$;
+
+-- The calls of a ring of the rows layout, by its queue_id: each runs the ring's own function.
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_push(
+    p_queue_id integer, p_payloads bytea[], p_notify integer, p_channel text, OUT r_first bigint, OUT r_need bigint)
+LANGUAGE plpgsql AS $$
+BEGIN
+    EXECUTE 'SELECT * FROM {schema}.ring_' || p_queue_id || '_rpush($1, $2, $3)'
+        INTO r_first, r_need USING p_payloads, p_notify, p_channel;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_pop(p_queue_id integer, p_n integer, p_wait boolean)
+RETURNS TABLE (r_id bigint, r_enqueued_at timestamptz, r_payload bytea) LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN QUERY EXECUTE 'SELECT * FROM {schema}.ring_' || p_queue_id || '_rpop($1, $2)' USING p_n, p_wait;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_peek(p_queue_id integer, p_n integer)
+RETURNS TABLE (r_id bigint, r_enqueued_at timestamptz, r_payload bytea) LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN QUERY EXECUTE 'SELECT * FROM {schema}.ring_' || p_queue_id || '_rpeek($1)' USING p_n;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_rotate(p_queue_id integer, p_gen bigint) RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_ok boolean;
+BEGIN
+    EXECUTE 'SELECT {schema}.ring_' || p_queue_id || '_rrotate($1)' INTO v_ok USING p_gen;
+    RETURN v_ok;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_label(p_queue_id integer, p_gen bigint) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    EXECUTE 'SELECT {schema}.ring_' || p_queue_id || '_rlabel($1)' USING p_gen;
+END
+$$;
+
+-- The generation after the newest row's, when its segment is empty now (ring_rows_rotate), for
+-- maintenance to label (ring_rows_label), ahead of the pushes that will need it; NULL while a lane still
+-- needs that segment, or for a ring not of the rows layout.
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_rotate_ahead(p_queue_id integer) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_s bigint;
+    v_last bigint;
+BEGIN
+    SELECT seg_rows INTO v_s FROM {schema}.ring_rows WHERE queue_id = p_queue_id;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    EXECUTE format('SELECT coalesce(pg_sequence_last_value(%L), 0)', '{schema}.ring_' || p_queue_id || '_rrows')
+        INTO v_last;
+    IF {schema}.ring_rows_rotate(p_queue_id, v_last / v_s + 1) THEN
+        RETURN v_last / v_s + 1;
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_gaps(
+    p_queue_id integer, p_xmax bigint, p_last bigint, OUT r_xmax bigint, OUT r_last bigint, OUT r_skipped integer)
+LANGUAGE plpgsql AS $$
+BEGIN
+    EXECUTE 'SELECT * FROM {schema}.ring_' || p_queue_id || '_rgaps($1, $2)'
+        INTO r_xmax, r_last, r_skipped USING p_xmax, p_last;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_stats(
+    p_queue_id integer, OUT r_ready bigint, OUT r_oldest timestamptz, OUT r_rows bigint, OUT r_gens bigint[])
+LANGUAGE plpgsql AS $$
+BEGIN
+    EXECUTE 'SELECT * FROM {schema}.ring_' || p_queue_id || '_rstats()' INTO r_ready, r_oldest, r_rows, r_gens;
+END
 $$;

@@ -195,6 +195,7 @@ class PostgresSchema(_Base):
                 c.execute(self.query("install_lock"), {"schema": self.schema})
                 refuse_newer_schema(self.schema, self.where, self._installed_version(c), latest)
                 owned = {(k, n) for k, n in c.execute(self.query("owned_objects"))}
+                c.execute(self.query("ring_rows_drop_all"))  # rows-layout rings' own tables and functions
                 for name in [
                     r[0] for r in c.execute(self.query("owned_ring_sequences"), {"schema": self.schema})
                 ]:

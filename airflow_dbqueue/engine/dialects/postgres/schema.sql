@@ -295,6 +295,19 @@ CREATE TABLE {schema}.rings (
     CONSTRAINT rings_lanes_valid CHECK (lanes > 0 AND lanes <= capacity)
 );
 
+-- The rings of the rows layout (PostgreSQL only; functions.sql, ring_rows_template): rings whose rows
+-- are pushes in four insert-only segment tables of their own, emptied with TRUNCATE once every lane has
+-- passed them, so that pushes and pops write no dead row. capacity: rows (pushes) the ring holds, a
+-- quarter of them a segment (seg_rows). A ring of this layout has no rings row.
+CREATE TABLE {schema}.ring_rows (
+    queue_id integer NOT NULL,
+    capacity integer NOT NULL,
+    lanes integer NOT NULL,
+    seg_rows integer NOT NULL,
+    CONSTRAINT ring_rows_pkey PRIMARY KEY (queue_id),
+    CONSTRAINT ring_rows_shape_valid CHECK (lanes > 0 AND seg_rows >= 2 * lanes AND capacity = 4 * seg_rows)
+);
+
 -- The slots of every ring, keyed by (queue_id, slot). Only a push (and the skip of a gap) writes a
 -- slot; no column of the primary key ever changes and there is no other index, so every write is a
 -- HOT update when the page has room (fillfactor 50 keeps room for the next version of each row).

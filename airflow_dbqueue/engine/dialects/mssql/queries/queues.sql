@@ -126,7 +126,8 @@ SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, vi
        retry_backoff_s, retry_backoff_max_s, notify, archive,
        (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity,
        (SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS lanes,
-       dedup_window_s, ttl_s, on_expiry, ordering
+       dedup_window_s, ttl_s, on_expiry, ordering,
+       CASE WHEN q.design = 'ring' THEN 'slots' END AS layout
 FROM {schema}.queues q WHERE name = %(name)s
 
 -- name: list_queues
@@ -134,7 +135,8 @@ SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, vi
        retry_backoff_s, retry_backoff_max_s, notify, archive,
        (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity,
        (SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS lanes,
-       dedup_window_s, ttl_s, on_expiry, ordering
+       dedup_window_s, ttl_s, on_expiry, ordering,
+       CASE WHEN q.design = 'ring' THEN 'slots' END AS layout
 FROM {schema}.queues q ORDER BY name
 
 -- name: drop_queue_lock

@@ -94,18 +94,28 @@ RETURNING queue_id
 -- name: get_queue
 SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
        retry_backoff_s, retry_backoff_max_s, notify, archive,
-       (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity,
-       (SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS lanes,
+       coalesce((SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id),
+                (SELECT w.capacity FROM {schema}.ring_rows w WHERE w.queue_id = q.queue_id)) AS capacity,
+       coalesce((SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id),
+                (SELECT w.lanes FROM {schema}.ring_rows w WHERE w.queue_id = q.queue_id)) AS lanes,
        dedup_window_s, ttl_s, on_expiry, ordering,
+       CASE WHEN q.design <> 'ring' THEN NULL
+            WHEN EXISTS (SELECT 1 FROM {schema}.ring_rows w WHERE w.queue_id = q.queue_id) THEN 'rows'
+            ELSE 'slots' END AS layout,
        {schema}.actions_on(q.queue_id, current_user) AS actions
 FROM {schema}.queues q WHERE name = %(name)s
 
 -- name: list_queues
 SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
        retry_backoff_s, retry_backoff_max_s, notify, archive,
-       (SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS capacity,
-       (SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id) AS lanes,
-       dedup_window_s, ttl_s, on_expiry, ordering
+       coalesce((SELECT r.capacity FROM {schema}.rings r WHERE r.queue_id = q.queue_id),
+                (SELECT w.capacity FROM {schema}.ring_rows w WHERE w.queue_id = q.queue_id)) AS capacity,
+       coalesce((SELECT r.lanes FROM {schema}.rings r WHERE r.queue_id = q.queue_id),
+                (SELECT w.lanes FROM {schema}.ring_rows w WHERE w.queue_id = q.queue_id)) AS lanes,
+       dedup_window_s, ttl_s, on_expiry, ordering,
+       CASE WHEN q.design <> 'ring' THEN NULL
+            WHEN EXISTS (SELECT 1 FROM {schema}.ring_rows w WHERE w.queue_id = q.queue_id) THEN 'rows'
+            ELSE 'slots' END AS layout
 FROM {schema}.queues q ORDER BY name
 
 -- name: drop_queue_lock

@@ -375,3 +375,54 @@ WITH h AS MATERIALIZED (
 )
 SELECT least((SELECT count(*) FROM h), (SELECT coalesce(sum(e.n), 0) FROM e) + (SELECT count(*) FROM t)),
        now() + make_interval(secs => %(secs)s::float8)
+
+-- name: ring_rows_create
+-- A ring of the rows layout (functions.sql, ring_rows_template): its tables, sequences and functions.
+SELECT {schema}.ring_rows_create(%(queue_id)s::integer, %(capacity)s::integer, %(lanes)s::integer)
+
+-- name: ring_rows_drop_all
+-- Every ring of the rows layout's own objects (uninstall, before the tables they are registered in).
+SELECT {schema}.ring_rows_drop(queue_id) FROM {schema}.ring_rows
+
+-- name: ring_rows_push
+-- (first id, NULL) when the batch was pushed as one row; (NULL, generation) when that generation's
+-- segment must be rotated in first (ring_rows_rotate), nothing pushed.
+SELECT r_first, r_need FROM {schema}.ring_rows_push(
+    %(queue_id)s::integer, %(payloads)b::bytea[], %(notify)s::integer, %(channel)s)
+
+-- name: ring_rows_pop
+-- A pop at most once (in the caller's transaction: exactly once). wait: when other pops hold every lane
+-- with messages, wait for one of them (at most 1 s).
+SELECT r_id, r_enqueued_at, r_payload FROM {schema}.ring_rows_pop(
+    %(queue_id)s::integer, %(n)s::integer, %(wait)s::boolean)
+
+-- name: ring_rows_pop_payloads
+SELECT r_payload FROM {schema}.ring_rows_pop(%(queue_id)s::integer, %(n)s::integer, %(wait)s::boolean)
+
+-- name: ring_rows_peek
+SELECT r_id, r_enqueued_at, r_payload FROM {schema}.ring_rows_peek(%(queue_id)s::integer, %(n)s::integer)
+
+-- name: ring_rows_rotate
+-- Empty the segment that generation gen needs (TRUNCATE under a 50 ms lock_timeout), once every lane is
+-- past what it holds: whether it is empty or gen's now. Then, in a transaction of its own,
+-- ring_rows_label.
+SELECT {schema}.ring_rows_rotate(%(queue_id)s::integer, %(gen)s::bigint)
+
+-- name: ring_rows_label
+-- Label the segment that ring_rows_rotate emptied with generation gen: pushes write into it from now on.
+SELECT {schema}.ring_rows_label(%(queue_id)s::integer, %(gen)s::bigint)
+
+-- name: ring_rows_rotate_ahead
+-- The generation after the newest row's when its segment is empty now (to label), else NULL.
+SELECT {schema}.ring_rows_rotate_ahead(%(queue_id)s::integer)
+
+-- name: ring_rows_gaps
+-- Give up the gaps proven since (xmax, last) were returned; returns the next (xmax, last) and how many
+-- rows were given up.
+SELECT r_xmax, r_last, r_skipped FROM {schema}.ring_rows_gaps(
+    %(queue_id)s::integer, %(xmax)s::bigint, %(last)s::bigint)
+
+-- name: ring_rows_stats
+-- (ready messages, age of the oldest in seconds, rows held, each segment's generation)
+SELECT r_ready, extract(epoch FROM now() - r_oldest)::float8, r_rows, r_gens
+FROM {schema}.ring_rows_stats(%(queue_id)s::integer)

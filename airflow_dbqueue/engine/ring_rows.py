@@ -1,0 +1,320 @@
+"""The ring's rows layout: a ring whose hot path writes no dead row (PostgreSQL only).
+
+After PgQ's insert-only event tables. A push of n messages is one row of one of four segment tables of
+the ring's own, with the batch's payloads as an array; message k of row r has the id ``(r << 16) | k``,
+so ids rise in push order (FIFO by id) and a push holds at most :data:`ROWS_MAX_BATCH` messages. Rows
+are dealt to lanes (``r % lanes``); a pop locks lanes as the slots layout does, takes their rows in row
+order and logs each moved lane's new position in an insert-only log. A segment that every lane has
+passed is emptied with ``TRUNCATE`` (a short lock, ``lock_timeout`` 50 ms, in a transaction of its own)
+when a push needs it, or ahead of the pushes by :meth:`RowsRingQueue.maintain`. Nothing on the hot path
+updates or deletes a row, so a held xmin horizon leaves no dead row behind it, and the tables stay at
+the size of the rows the ring holds. The SQL is in the dialect's ``functions.sql`` (``ring_rows_*``).
+
+``capacity`` counts rows (pushes), not messages: four segments of ``capacity / 4`` rows. A ring is full
+when the pushes reach a segment some lane still needs; a push then waits up to ``push_timeout`` seconds
+and raises :class:`QueueFullError`.
+
+Gaps: a push that took its row number and rolled back (or died) leaves that row unwritten, and its lane
+stops there. A push takes its transaction id before its row number, so once every transaction that was
+running when the gap was first seen has ended, the row can never be written: an empty pop, a full push
+and :meth:`RowsRingQueue.maintain` then give it up (the lane's position passes it).
+
+Not built yet, each refused with :class:`NotSupportedError` naming the layout: pops at least once
+(leases, acks, nacks, redelivery, the failed state), consumer groups besides the default one, batches,
+and per-queue grants (the ring's tables are the schema owner's).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from itertools import repeat
+from typing import TYPE_CHECKING, Any
+
+from airflow_dbqueue.engine.bridge import pause as pause_for
+from airflow_dbqueue.engine.errors import (
+    ConfigurationError,
+    DatabaseError,
+    NotSupportedError,
+    QueueFullError,
+    QueueNotFoundError,
+    SchemaError,
+)
+from airflow_dbqueue.engine.models import (
+    PayloadType,
+    QueueStats,
+    Semantics,
+    messages_from_columns,
+)
+from airflow_dbqueue.engine.queue import COUNT_CAP, RECLAIM_LIMIT, Queue
+from airflow_dbqueue.engine.ring_base import _NOTIFY_CODE
+
+if TYPE_CHECKING:
+    from airflow_dbqueue.engine.dialects.base import Database, DbConnection
+    from airflow_dbqueue.engine.models import FailedMessage, Message, QueueSettings
+
+ROWS_MAX_BATCH = 65535
+"""Most messages one push of the rows layout holds: a message's place in its row is the low 16 bits
+of its id."""
+_GAP_CHECK_EVERY_S = 0.05
+
+
+class RowsRingQueue(Queue):
+    """A ring of the rows layout (see the module). At most once and exactly once only, for now."""
+
+    def __init__(self, db: Database, settings: QueueSettings) -> None:
+        super().__init__(db, settings)
+        if settings.capacity is None or settings.lanes is None:
+            raise ConfigurationError(f"queue {settings.name!r} is a ring without a capacity")
+        self.capacity = settings.capacity
+        self.lanes = settings.lanes
+        self._qid = settings.queue_id
+        self._channel = db.channel(settings.queue_id)
+        self.push_timeout = 30.0
+        self.reclaim_every = min(1.0, settings.visibility_timeout_s / 2)
+        # What ring_rows_gaps returned last: (its transaction id, the row sequence's position read
+        # before it); a row issued by then and still unwritten once every transaction before that id
+        # has ended is a gap.
+        self._seen: tuple[int | None, int | None] = (None, None)
+        self._gaps_checked = 0.0
+
+    def _unsupported(self, what: str) -> NotSupportedError:
+        return NotSupportedError(
+            f"queue {self.name!r}: a ring of the rows layout does not support {what} yet "
+            "(docs/limits.md); use a ring of the default slots layout for it"
+        )
+
+    # -- push --------------------------------------------------------------------------------------
+
+    def push_batch(
+        self,
+        payloads: Iterable[Any],
+        *,
+        priority: int = 0,
+        delay: float = 0.0,
+        conn: DbConnection | None = None,
+        dedup_keys: Sequence[str] | None = None,
+        ttl: float | None = None,
+        keys: Sequence[str | None] | None = None,
+    ) -> list[int]:
+        items = list(payloads)
+        if dedup_keys is not None or ttl is not None or keys is not None:
+            what = (
+                "deduplication keys on push are"
+                if dedup_keys is not None
+                else "expiry (ttl) is"
+                if ttl is not None
+                else "ordering per key is"
+            )
+            raise NotSupportedError(
+                f"queue {self.name!r} is a ring: {what} the table design's (docs/limits.md); use a "
+                "table-design queue for it"
+            )
+        if priority != 0:
+            raise ConfigurationError(
+                f"queue {self.name!r} is a ring: FIFO by id, without priorities (got priority={priority}); "
+                "use the table design for priorities"
+            )
+        if delay != 0:
+            raise ConfigurationError(
+                f"queue {self.name!r} is a ring: a push cannot be delayed (got delay={delay}); "
+                "use the table design for delayed messages"
+            )
+        if not items:
+            return []
+        if len(items) > ROWS_MAX_BATCH:
+            raise ConfigurationError(
+                f"queue {self.name!r}: a push into a ring of the rows layout holds at most "
+                f"{ROWS_MAX_BATCH} messages, got {len(items)}"
+            )
+        encoded = self.settings.encode_all(items)
+        try:
+            first = self._push_rows(encoded, conn)
+        except (DatabaseError, SchemaError):
+            self._raise_if_gone()
+            raise
+        return list(range(first, first + len(encoded)))
+
+    def _push_rows(self, encoded: list[bytes], conn: DbConnection | None) -> int:
+        """Push encoded payloads as one row; return the first id. When the row's segment still holds an
+        older generation, rotate it in (a transaction of its own) and push again; while some lane still
+        needs it, wait with backoff up to ``push_timeout``, then raise :class:`QueueFullError`."""
+        params = {
+            "queue_id": self._qid,
+            "payloads": encoded,
+            "notify": _NOTIFY_CODE[self.settings.notify],
+            "channel": self._channel,
+        }
+        deadline: float | None = None
+        pause = 0.001
+        while True:
+            row = self._db.fetchone("ring_rows_push", params, conn)
+            if row is None:
+                raise QueueNotFoundError(self.name, self._db.schema)
+            first, need = row
+            if first is not None:
+                return int(first)
+            rotated = self._db.fetchone("ring_rows_rotate", {"queue_id": self._qid, "gen": need})
+            if rotated is not None and rotated[0]:
+                self._db.execute("ring_rows_label", {"queue_id": self._qid, "gen": need})
+                continue
+            self._give_up_gaps(force=True)
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.push_timeout
+            elif now >= deadline:
+                raise QueueFullError(
+                    f"queue {self.name!r}: the ring (rows layout, capacity {self.capacity} pushes) stayed "
+                    f"full for {self.push_timeout:g}s; nothing of the batch was pushed"
+                )
+            pause_for(min(pause, max(0.0, deadline - now)))
+            pause = min(pause * 2, 0.05)
+
+    # -- pop ---------------------------------------------------------------------------------------
+
+    def _pop_once(
+        self, n: int, semantics: Semantics, vt: float, consumer: str, conn: DbConnection | None
+    ) -> list[Message]:
+        rows = self._take(n, semantics, conn, "ring_rows_pop")
+        if not rows:
+            return []
+        ids, enqueued, payloads = zip(*rows, strict=True)
+        if self.settings.payload_type is not PayloadType.BYTES:
+            payloads = tuple(map(self.settings.decode, payloads))
+        return messages_from_columns(
+            ids, self.name, payloads, repeat(0), repeat(1), repeat(1), enqueued, repeat(None)
+        )
+
+    def _pop_payloads_once(self, n: int, semantics: Semantics, conn: DbConnection | None) -> list[Any]:
+        return self.settings.decode_first_column(self._take(n, semantics, conn, "ring_rows_pop_payloads"))
+
+    def _take(
+        self, n: int, semantics: Semantics, conn: DbConnection | None, query: str
+    ) -> list[tuple[Any, ...]]:
+        if semantics is Semantics.AT_LEAST_ONCE:
+            raise self._unsupported("pops at least once (leases, ack, nack, redelivery)")
+        # wait: when other pops hold every lane with messages, wait for one (not in a caller's
+        # transaction, which may hold lanes of its own).
+        params = {"queue_id": self._qid, "n": n, "wait": conn is None}
+        try:
+            rows = self._db.fetchall(query, params, conn)
+            if not rows and conn is None and self._give_up_gaps():
+                rows = self._db.fetchall(query, params, conn)
+        except (DatabaseError, SchemaError):
+            self._raise_if_gone()
+            raise
+        return rows
+
+    def _give_up_gaps(self, *, force: bool = False) -> int:
+        """Give up the ring's gaps proven since this handle last looked (ring_rows_gaps); return how
+        many rows were given up. At most every 50 ms unless ``force``."""
+        now = time.monotonic()
+        if not force and now - self._gaps_checked < _GAP_CHECK_EVERY_S:
+            return 0
+        self._gaps_checked = now
+        row = self._db.fetchone(
+            "ring_rows_gaps", {"queue_id": self._qid, "xmax": self._seen[0], "last": self._seen[1]}
+        )
+        if row is None:
+            return 0
+        self._seen = (int(row[0]), int(row[1]))
+        return int(row[2])
+
+    def _raise_if_gone(self) -> None:
+        """Raise :class:`QueueNotFoundError` when this handle's ring was dropped (its own functions and
+        tables went with it, so its statements fail as if the schema were not installed)."""
+        row = self._db.fetchone("get_queue", {"name": self.name})
+        if row is None or row[0] != self._qid:
+            raise QueueNotFoundError(self.name, self._db.schema) from None
+
+    # -- finish: nothing is leased under this layout yet --------------------------------------------
+
+    def ack(self, messages: Sequence[Message], *, conn: DbConnection | None = None) -> int:
+        raise self._unsupported("ack (nothing is leased: pops at least once are not built)")
+
+    def nack(
+        self,
+        messages: Sequence[Message],
+        *,
+        delay: float | None = None,
+        error: str | None = None,
+        conn: DbConnection | None = None,
+    ) -> int:
+        raise self._unsupported("nack (nothing is leased: pops at least once are not built)")
+
+    def reclaim_expired(self, limit: int = RECLAIM_LIMIT) -> int:
+        """Nothing to reclaim: this layout leases nothing (yet)."""
+        return 0
+
+    def maintain(self, *, limit: int = RECLAIM_LIMIT) -> dict[str, int]:
+        """Give up the gaps proven since the last call and rotate in the next segment when every lane
+        has passed the one it holds, so that pushes find it empty."""
+        skipped = self._give_up_gaps(force=True)
+        row = self._db.fetchone("ring_rows_rotate_ahead", {"queue_id": self._qid})
+        if row is not None and row[0] is not None:
+            self._db.execute("ring_rows_label", {"queue_id": self._qid, "gen": row[0]})
+        return {
+            "reclaimed": 0,
+            "gaps_skipped": skipped,
+            "rotated_ahead": int(row is not None and row[0] is not None),
+        }
+
+    # -- inspect -------------------------------------------------------------------------------------
+
+    def peek(self, n: int = 10) -> list[Message]:
+        rows = self._db.fetchall("ring_rows_peek", {"queue_id": self._qid, "n": n})
+        if not rows:
+            return []
+        ids, enqueued, payloads = zip(*rows, strict=True)
+        if self.settings.payload_type is not PayloadType.BYTES:
+            payloads = tuple(map(self.settings.decode, payloads))
+        return messages_from_columns(
+            ids, self.name, payloads, repeat(0), repeat(1), repeat(1), enqueued, repeat(None)
+        )
+
+    def count_ready(self, min_priority: int | None = None, cap: int = COUNT_CAP) -> int:
+        return min(self.stats().ready, cap)
+
+    def stats(self, *, exact: bool = False) -> QueueStats:
+        row = self._db.fetchone("ring_rows_stats", {"queue_id": self._qid})
+        if row is None:
+            raise QueueNotFoundError(self.name, self._db.schema)
+        ready, oldest_age, rows, gens = row
+        return QueueStats(
+            queue=self.name,
+            ready=int(ready),
+            delayed=0,
+            in_flight=0,
+            failed=0,
+            finished=0,
+            oldest_ready_age_s=None if oldest_age is None else float(oldest_age),
+            extra={"layout": "rows", "rows_held": int(rows), "segment_generations": list(gens)},
+        )
+
+    def list_failed(self, limit: int = 100, after_id: int = 0) -> list[FailedMessage]:
+        """None: a message fails only after deliveries at least once, which this layout has not yet."""
+        return []
+
+    def requeue_failed(self, ids: Sequence[int] | None = None) -> int:
+        """Nothing to requeue (see :meth:`list_failed`)."""
+        return 0
+
+    def delete_failed(self, ids: Sequence[int] | None = None) -> int:
+        """Nothing to delete (see :meth:`list_failed`)."""
+        return 0
+
+    # -- consumer groups: the default one only ---------------------------------------------------------
+
+    def group(self, name: str | None) -> Queue:
+        if name is None:
+            return self
+        raise self._unsupported(f"consumer groups besides the default one (got group={name!r})")
+
+    def add_group(self, name: str, **kwargs: Any) -> Queue:
+        raise self._unsupported("consumer groups besides the default one (add_group)")
+
+    def groups(self) -> list[Any]:
+        raise self._unsupported("consumer groups besides the default one (groups)")
+
+    def drop_group(self, name: str, *, missing_ok: bool = False) -> bool:
+        raise self._unsupported("consumer groups besides the default one (drop_group)")
