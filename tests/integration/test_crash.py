@@ -7,12 +7,14 @@ unknown outcome: it may or may not have happened, but never twice and never by h
 
 The consumer tests run on PostgreSQL, and on SQL Server when ``$DBQUEUE_TEST_MSSQL_DSN`` names one
 (skipped otherwise): their children get the dialect, and the finished rows are read with SQL valid on
-both (``tests/dialects.py``). The server test kills the embedded PostgreSQL server, so it is
-PostgreSQL's by nature.
+both (``tests/dialects.py``). The consumers killed while they hold leases, and those killed in the middle
+of a statement, run on either face (``DbQueue``, ``AsyncDbQueue``: PostgreSQL's). The server test kills
+the embedded PostgreSQL server, so it is PostgreSQL's by nature.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import json
@@ -36,7 +38,9 @@ from airflow_dbqueue.engine import (
     LeaseExpiredError,
     TransientDatabaseError,
 )
+from airflow_dbqueue.engine.aio import AsyncDbQueue
 from tests.dialects import dialect_dbq, run_sql  # noqa: F401 - dialect_dbq is the fixture "dbq"
+from tests.faces import FACES
 from tests.helpers import checksum, drained, payload_hash
 
 if TYPE_CHECKING:
@@ -95,19 +99,42 @@ def _hold_leases(
     n: int,
     visibility_timeout: float,
     report: mp.Queue[Any],
+    face: str = "sync",
 ) -> None:
     """Pop ``n`` messages under at-least-once, report them, and sleep until killed."""
-    try:
-        with DbQueue(dsn, schema=schema, pool_size=1, dialect=dialect) as dbq:
-            msgs = dbq.queue(queue).pop(n, semantics="at-least-once", visibility_timeout=visibility_timeout)
+
+    async def hold_async() -> None:
+        async with AsyncDbQueue(dsn, schema=schema, pool_size=1) as adbq:
+            q = await adbq.queue(queue)
+            msgs = await q.pop(n, semantics="at-least-once", visibility_timeout=visibility_timeout)
             report.put(("held", msgs))
-            time.sleep(300)
-            report.put(("error", "the lease holder was not killed"))
+            await asyncio.sleep(300)
+
+    try:
+        if face == "async":
+            asyncio.run(hold_async())
+        else:
+            with DbQueue(dsn, schema=schema, pool_size=1, dialect=dialect) as dbq:
+                msgs = dbq.queue(queue).pop(
+                    n, semantics="at-least-once", visibility_timeout=visibility_timeout
+                )
+                report.put(("held", msgs))
+                time.sleep(300)
+        report.put(("error", "the lease holder was not killed"))
     except BaseException:
         report.put(("error", traceback.format_exc()))
 
 
-def test_sigkilled_consumer_leases_are_delivered_again_once(dbq: DbQueue) -> None:
+def _only_postgresql_has_the_async_face(dbq: DbQueue, face: str) -> None:
+    if face == "async" and dbq.dialect != "postgresql":
+        pytest.skip(
+            "the asyncio face is PostgreSQL's (test_async_face.py: test_sql_server_has_no_async_face)"
+        )
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_sigkilled_consumer_leases_are_delivered_again_once(dbq: DbQueue, face: str) -> None:
+    _only_postgresql_has_the_async_face(dbq, face)
     total, hold = 1000, 300
     q = dbq.create_queue("leases", visibility_timeout=2.0, max_attempts=5)
     sent = [{"p": 0, "s": i, "v": os.urandom(8).hex()} for i in range(total)]
@@ -129,6 +156,7 @@ def test_sigkilled_consumer_leases_are_delivered_again_once(dbq: DbQueue) -> Non
             "n": hold,
             "visibility_timeout": 2.0,
             "report": report,
+            "face": face,
         },
         name="lease-holder",
     )
@@ -176,6 +204,140 @@ def test_sigkilled_consumer_leases_are_delivered_again_once(dbq: DbQueue) -> Non
     assert (st.ready, st.delayed, st.in_flight, st.failed, st.finished) == (0, 0, 0, 0, total), st
     attempts = {i: a for i, a, _, _ in _done_rows(dbq, q.settings.queue_id)}
     assert attempts == {i: 2 if i in held_ids else 1 for i in ids}
+
+
+# -- 1a. a consumer killed in the middle of a statement --------------------------------------------
+
+STUCK_VT = 2.0
+"""The visibility timeout of the killed consumer's leases: the survivor waits for it to pass."""
+
+
+def _stuck(*, dsn: str, schema: str, queue: str, n: int, at: str, face: str, report: mp.Queue[Any]) -> None:
+    """Pop ``n`` messages, or ack them, until killed in a statement that the test holds up with a lock:
+    ``pop`` (at least once), ``transaction`` (exactly once, in a transaction of the consumer's own
+    connection, an ``AsyncConnection`` on the asyncio face) or ``ack`` (of an at-least-once pop made
+    first, whose messages it reports)."""
+
+    async def run_async() -> None:
+        async with (
+            AsyncDbQueue(dsn, schema=schema, pool_size=1) as adbq,
+            await psycopg.AsyncConnection.connect(dsn) as conn,
+            conn.transaction(),
+        ):
+            q = await adbq.queue(queue)
+            if at == "transaction":
+                await q.pop(n, semantics="exactly-once", conn=conn)
+                return
+            held = await q.pop(n, semantics="at-least-once", visibility_timeout=STUCK_VT)
+            if at == "ack":
+                report.put(("held", held))
+                await q.ack(held)
+
+    try:
+        if face == "async":
+            asyncio.run(run_async())
+        else:
+            with (
+                DbQueue(dsn, schema=schema, pool_size=1) as dbq,
+                psycopg.connect(dsn) as conn,
+                conn.transaction(),
+            ):
+                q = dbq.queue(queue)
+                if at == "transaction":
+                    q.pop(n, semantics="exactly-once", conn=conn)
+                else:
+                    held = q.pop(n, semantics="at-least-once", visibility_timeout=STUCK_VT)
+                    if at == "ack":
+                        report.put(("held", held))
+                        q.ack(held)
+        report.put(("error", f"the {at} returned: the lock did not hold it up"))
+    except BaseException:
+        report.put(("error", traceback.format_exc()))
+
+
+@pytest.mark.parametrize("at", ["pop", "transaction", "ack"])
+@pytest.mark.parametrize("face", FACES)
+def test_a_consumer_sigkilled_in_its_statement_loses_and_doubles_nothing(
+    dbq: DbQueue, face: str, at: str
+) -> None:
+    """A consumer is SIGKILLed while its pop, its exactly-once pop in its transaction, or its ack waits
+    in the server for a lock the test holds; then the lock goes. Its transaction rolls back; a statement
+    of its own (autocommit) commits whole or not at all (so far a pop has not, its rows unsent, and an
+    ack has). Either way a survivor finishes every message once: leases a pop wrote come back after
+    their visibility timeout (delivered once more), the transaction's pop leaves the messages as they
+    were, an ack finished all or none."""
+    if dbq.dialect != "postgresql":
+        pytest.skip("held up by LOCK TABLE and seen waiting in pg_stat_activity: PostgreSQL's")
+    total = 20
+    q = dbq.create_queue("stuck", visibility_timeout=60.0, max_attempts=5)
+    sent = [{"p": 0, "s": i, "v": os.urandom(8).hex()} for i in range(total)]
+    ids = q.push_batch(sent)
+    held = _sigkill_in(dbq, q.name, total, at, face)
+    delivered: list[Message] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not drained(q):
+        msgs = q.pop(100, semantics="at-least-once")
+        if msgs:
+            assert q.ack(msgs) == len(msgs)
+            delivered += msgs
+        else:
+            time.sleep(0.1)
+    attempts = collections.Counter(m.attempts for m in delivered)
+    if at == "pop":  # its lease was written, or not at all; never some of it
+        assert attempts in ({1: total}, {2: total}), attempts
+    elif at == "transaction":  # rolled back with the consumer's transaction
+        assert attempts == {1: total}, attempts
+    else:  # the ack finished them all, or none, which come back
+        assert len(held) == total and attempts in (collections.Counter(), {2: total}), attempts
+    st = q.stats(exact=True)
+    assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, total), st
+    done = _done_rows(dbq, q.settings.queue_id)
+    assert sorted(i for i, _, _, _ in done) == sorted(ids), "a message was lost or finished twice"
+    assert checksum(p for _, _, _, p in done) == checksum(sent)
+    assert len({m.id for m in delivered}) == len(delivered), "a message came twice to the survivor"
+
+
+def _sigkill_in(dbq: DbQueue, queue: str, n: int, at: str, face: str) -> list[Message]:
+    """Run :func:`_stuck` in a child, SIGKILL it once its statement waits for the lock this holds, then
+    let the lock go; return what the child reported it held (an ack's pop)."""
+    # a pop (after its reclaim of expired leases, which reads meta alone) reads the payloads in data; an
+    # ack moves its messages to done
+    table = "done" if at == "ack" else "data"
+    ctx = mp.get_context("spawn")
+    report: mp.Queue[Any] = ctx.Queue()
+    kwargs = {"dsn": dbq.db.dsn, "schema": dbq.schema, "queue": queue, "n": n, "at": at, "face": face}
+    child = ctx.Process(target=_stuck, kwargs={**kwargs, "report": report}, name=f"stuck-in-{at}")
+    held: list[Message] = []
+    with psycopg.connect(dbq.db.dsn) as locker:
+        locker.execute(f'LOCK TABLE "{dbq.schema}".{table} IN ACCESS EXCLUSIVE MODE')
+        child.start()
+        try:
+            if at == "ack":
+                kind, held = report.get(timeout=120)
+                assert kind == "held", held
+            deadline = time.monotonic() + 120
+            while not _waits_for_a_lock(dbq, locker.info.backend_pid):
+                assert report.empty(), report.get()
+                assert child.is_alive() and time.monotonic() < deadline, f"the {at} never waited for the lock"
+                time.sleep(0.02)
+            os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            child.join(timeout=30)
+            assert child.exitcode == -signal.SIGKILL
+        finally:
+            _stop([child])
+        locker.rollback()
+    assert report.empty(), report.get()
+    report.close()
+    return held
+
+
+def _waits_for_a_lock(dbq: DbQueue, holder: int) -> bool:
+    """Whether a session waits for a lock that ``holder`` (a backend's pid) holds."""
+    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+        row = c.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", (holder,)
+        ).fetchone()
+    return bool(row and row[0])
 
 
 # -- 1b. continuous traffic, one consumer killed again and again -----------------------------------
