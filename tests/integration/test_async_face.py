@@ -17,7 +17,12 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from airflow_dbqueue.engine import DbQueue, NotSupportedError, TransactionRequiredError
+from airflow_dbqueue.engine import (
+    DatabaseUnavailableError,
+    DbQueue,
+    NotSupportedError,
+    TransactionRequiredError,
+)
 from airflow_dbqueue.engine.aio import AsyncDbQueue, AsyncQueue
 from airflow_dbqueue.engine.dialects.postgres import aio as pg_aio
 from tests.helpers import checksum
@@ -55,14 +60,14 @@ def state_of(dbq: DbQueue, name: str) -> tuple[int, int, int]:
 
 
 @contextlib.contextmanager
-def push_lock_held(dbq: DbQueue, name: str) -> Iterator[None]:
+def push_lock_held(dbq: DbQueue, name: str) -> Iterator[int]:
     """Hold queue ``name``'s push lock (what drop_queue takes) in a transaction of its own, so that a
-    push of the table design waits in its statement until the block ends."""
+    push of the table design waits in its statement until the block ends; yield the holder's pid."""
     queue_id = dbq.queue(name).settings.queue_id
     with psycopg.connect(dbq.db.dsn) as c:
         c.execute(dbq.db.query("drop_queue_lock"), {"queue_id": queue_id})
         try:
-            yield
+            yield c.info.backend_pid
         finally:
             c.rollback()
 
@@ -224,6 +229,35 @@ def test_a_push_cancelled_in_its_statement_is_rolled_back(dbq: DbQueue) -> None:
     assert open_transactions(dbq) == []
 
 
+def test_a_connection_ended_during_a_call_raises_and_the_next_call_works(dbq: DbQueue) -> None:
+    """The server ends the pooled connection of a push waiting in its statement (pg_terminate_backend):
+    the push raises DatabaseUnavailableError and wrote nothing, and the next calls run on a new pool."""
+    dbq.create_queue("e")
+
+    async def body(adbq: AsyncDbQueue) -> list[Any]:
+        q = await adbq.queue("e")
+        with push_lock_held(dbq, "e") as holder:
+            push = asyncio.create_task(q.push_batch([{"lost": i} for i in range(5)]))
+            deadline = time.monotonic() + 30
+            while not (pids := await asyncio.to_thread(blocked_by, dbq, holder)):
+                assert not push.done() and time.monotonic() < deadline, "the push never waited for the lock"
+                await asyncio.sleep(0.02)
+            await asyncio.to_thread(run_sql_on, dbq, "SELECT pg_terminate_backend(%s)", pids[0])
+            with pytest.raises(DatabaseUnavailableError, match="terminating connection"):
+                await push
+        await q.push_batch([{"kept": i} for i in range(5)])
+        return [m.payload for m in await q.pop(10)]
+
+    got = run(dbq, body, pool_size=1)
+    assert checksum(got) == checksum({"kept": i} for i in range(5))
+    assert state_of(dbq, "e") == (0, 0, 0)
+
+
+def run_sql_on(dbq: DbQueue, statement: str, *args: Any) -> None:
+    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+        c.execute(statement, args)
+
+
 @pytest.mark.parametrize("design", DESIGNS)
 def test_a_pop_cancelled_as_its_statement_returns_gives_its_leases_back(
     dbq: DbQueue, design: str, monkeypatch: pytest.MonkeyPatch
@@ -380,13 +414,13 @@ def qualified(dbq: DbQueue, tables: str) -> str:
     return ", ".join(f'"{dbq.schema}".{t.strip()}' for t in tables.split(","))
 
 
-def blocked_by(dbq: DbQueue, holder: int) -> bool:
-    """Whether a session waits for a lock that the backend ``holder`` holds."""
+def blocked_by(dbq: DbQueue, holder: int) -> list[int]:
+    """The pids of the sessions that wait for a lock the backend ``holder`` holds."""
     with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
-        row = c.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", (holder,)
-        ).fetchone()
-    return bool(row and row[0])
+        rows = c.execute(
+            "SELECT pid FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", (holder,)
+        ).fetchall()
+    return [r[0] for r in rows]
 
 
 def test_the_sync_face_is_unchanged_beside_the_async_one(dbq: DbQueue) -> None:

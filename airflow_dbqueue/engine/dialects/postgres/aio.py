@@ -153,14 +153,18 @@ class AsyncPostgres:
     @contextlib.asynccontextmanager
     async def connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         """A sound pooled connection (:meth:`_checkout`), handed back at the end (what is left open on it
-        rolled back); one that broke meanwhile (the server went away) replaces its pool."""
+        rolled back); one that broke meanwhile (the server went away) is closed, not handed back, and
+        its pool replaced, as the synchronous face does."""
         pool, conn = await self._checkout()
         try:
             yield conn
         except BaseException:
-            if conn.broken or conn.closed:
-                self._discard_pool(pool)
-            await pool.putconn(conn)
+            if not (conn.broken or conn.closed):
+                await pool.putconn(conn)
+                raise
+            self._discard_pool(pool)
+            with contextlib.suppress(Exception):
+                await conn.close()
             raise
         await pool.putconn(conn)
 
@@ -181,7 +185,12 @@ class AsyncPostgres:
                 conn = await pool.getconn()
             except PoolClosed:
                 continue  # replaced by another task meanwhile: take the new one
-            if await _sound(conn):
+            try:
+                sound = await _sound(conn)
+            except BaseException:  # cancelled in the check's round trip: the connection goes back
+                await pool.putconn(conn)
+                raise
+            if sound:
                 return pool, conn
             log.info("a pooled connection to %s is stale (the server restarted?): new pool", self.sync.where)
             with contextlib.suppress(Exception):
