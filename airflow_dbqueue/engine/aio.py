@@ -332,8 +332,7 @@ class _Transaction:
 
     async def __aenter__(self) -> psycopg.AsyncConnection[Any]:
         stack = contextlib.AsyncExitStack()
-        pool = await self._dbq.db.pool()
-        conn = await stack.enter_async_context(pool.connection())
+        conn = await stack.enter_async_context(self._dbq.db.connection())
         await stack.enter_async_context(conn.transaction())
         self._stack = stack
         return conn

@@ -132,12 +132,28 @@ def event_log_text(server: LocalConnectServer) -> str:
 
 
 def trigger_is_waiting(dsn: str) -> bool:
-    """Whether a DbQueueTrigger's connection sits idle after its readiness check (so it is waiting)."""
+    """Whether a DbQueueTrigger's checking connection sits idle after a readiness check (so it waits).
+
+    A check's last statement is the readiness query (``head_deliveries``), except on a ring with
+    nothing ready, whose check then looks the queue up (``get_queue``) to tell an empty ring from a
+    dropped one: the trigger waits after that lookup. The lookup is also how the trigger opens its
+    queue before its first check, so it counts only once it follows the trigger's LISTEN (which comes
+    between the opening and the first check); a ring watched without LISTEN is seen only in the
+    instant between its check's two statements.
+    """
     with psycopg.connect(dsn, autocommit=True) as c:
         row = c.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s AND state = 'idle' "
-            "AND query LIKE %s",
-            ("airflow-dbqueue-trigger", "%head_deliveries%"),
+            """
+            SELECT count(*) FROM pg_stat_activity a
+            WHERE a.application_name = %(app)s AND a.state = 'idle'
+              AND (a.query LIKE '%%head_deliveries%%'
+                   OR (a.query LIKE '%%FROM %%.queues q WHERE name = %%'
+                       AND EXISTS (SELECT 1 FROM pg_stat_activity l
+                                   WHERE l.application_name = %(app)s || '-listen'
+                                     AND l.state = 'idle' AND l.query LIKE 'LISTEN%%'
+                                     AND l.state_change <= a.query_start)))
+            """,
+            {"app": "airflow-dbqueue-trigger"},
         ).fetchone()
     return bool(row and row[0])
 

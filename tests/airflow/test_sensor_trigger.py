@@ -75,6 +75,25 @@ def wait_until_waiting(dsn: str, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
+@pytest.mark.parametrize("design", ["table", "ring"])
+def test_a_trigger_between_checks_is_seen_waiting(airflow_conn: str, dbq: DbQueue, design: str) -> None:
+    """The tests' ``trigger_is_waiting`` sees a trigger between its checks on either design, not only in
+    an instant of them: on an empty ring a check ends with the queue's lookup, not the readiness query."""
+    dbq.create_queue("idle", **({"design": "ring", "capacity": 16} if design == "ring" else {}))
+    assert not trigger_is_waiting(dbq.db.dsn)
+    runner = Runner(DbQueueTrigger(queue_name="idle", poll_interval=0.2, rearm=False))
+    try:
+        wait_until_waiting(dbq.db.dsn, timeout=20)
+        seen = 0
+        for _ in range(20):  # a check every 0.2 s, each a millisecond or two
+            seen += trigger_is_waiting(dbq.db.dsn)
+            time.sleep(0.03)
+        assert seen >= 15, f"seen waiting in {seen} of 20 looks"
+    finally:
+        runner.stop()
+    assert runner.events == [] and runner.error is None
+
+
 def test_serialize_round_trips() -> None:
     t = DbQueueTrigger(queue_name="q", min_messages=3, min_priority=2, poll_interval=0.5, rearm=False)
     path, kwargs = t.serialize()

@@ -17,7 +17,12 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from airflow_dbqueue.engine import DbQueue, NotSupportedError, TransactionRequiredError
+from airflow_dbqueue.engine import (
+    DatabaseUnavailableError,
+    DbQueue,
+    NotSupportedError,
+    TransactionRequiredError,
+)
 from airflow_dbqueue.engine.aio import AsyncDbQueue, AsyncQueue
 from airflow_dbqueue.engine.dialects.postgres import aio as pg_aio
 from tests.helpers import checksum
@@ -55,14 +60,14 @@ def state_of(dbq: DbQueue, name: str) -> tuple[int, int, int]:
 
 
 @contextlib.contextmanager
-def push_lock_held(dbq: DbQueue, name: str) -> Iterator[None]:
+def push_lock_held(dbq: DbQueue, name: str) -> Iterator[int]:
     """Hold queue ``name``'s push lock (what drop_queue takes) in a transaction of its own, so that a
-    push of the table design waits in its statement until the block ends."""
+    push of the table design waits in its statement until the block ends; yield the holder's pid."""
     queue_id = dbq.queue(name).settings.queue_id
     with psycopg.connect(dbq.db.dsn) as c:
         c.execute(dbq.db.query("drop_queue_lock"), {"queue_id": queue_id})
         try:
-            yield
+            yield c.info.backend_pid
         finally:
             c.rollback()
 
@@ -177,14 +182,17 @@ def test_hundreds_of_asyncio_consumers_wait_on_one_queue(dbq: DbQueue, design: s
 
 @pytest.mark.parametrize("design", DESIGNS)
 def test_a_cancelled_waiting_pop_leaves_nothing_behind(dbq: DbQueue, design: str) -> None:
-    """Pops cancelled in their wait (wait_for's timeout, task.cancel()) hold nothing: a push after them
-    is taken whole by the next pop, and no session is left in a transaction."""
+    """Pops cancelled in their wait (the timeouts of wait_for and asyncio.timeout, task.cancel()) hold
+    nothing: a push after them is taken whole by the next pop, and no session is left in a transaction."""
 
     async def body(adbq: AsyncDbQueue) -> list[Any]:
         q = await adbq.create_queue("c", design=design)
         for _ in range(3):
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(q.pop(semantics="at-least-once", wait=30), 0.2)
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.2):
+                    await q.pop(semantics="at-least-once", wait=30)
         waiting = [asyncio.create_task(q.pop(semantics="at-least-once", wait=30)) for _ in range(20)]
         await asyncio.sleep(0.3)
         for t in waiting:
@@ -219,6 +227,35 @@ def test_a_push_cancelled_in_its_statement_is_rolled_back(dbq: DbQueue) -> None:
     assert checksum(got) == checksum({"kept": i} for i in range(5))
     assert state_of(dbq, "p") == (0, 0, 0)
     assert open_transactions(dbq) == []
+
+
+def test_a_connection_ended_during_a_call_raises_and_the_next_call_works(dbq: DbQueue) -> None:
+    """The server ends the pooled connection of a push waiting in its statement (pg_terminate_backend):
+    the push raises DatabaseUnavailableError and wrote nothing, and the next calls run on a new pool."""
+    dbq.create_queue("e")
+
+    async def body(adbq: AsyncDbQueue) -> list[Any]:
+        q = await adbq.queue("e")
+        with push_lock_held(dbq, "e") as holder:
+            push = asyncio.create_task(q.push_batch([{"lost": i} for i in range(5)]))
+            deadline = time.monotonic() + 30
+            while not (pids := await asyncio.to_thread(blocked_by, dbq, holder)):
+                assert not push.done() and time.monotonic() < deadline, "the push never waited for the lock"
+                await asyncio.sleep(0.02)
+            await asyncio.to_thread(run_sql_on, dbq, "SELECT pg_terminate_backend(%s)", pids[0])
+            with pytest.raises(DatabaseUnavailableError, match="terminating connection"):
+                await push
+        await q.push_batch([{"kept": i} for i in range(5)])
+        return [m.payload for m in await q.pop(10)]
+
+    got = run(dbq, body, pool_size=1)
+    assert checksum(got) == checksum({"kept": i} for i in range(5))
+    assert state_of(dbq, "e") == (0, 0, 0)
+
+
+def run_sql_on(dbq: DbQueue, statement: str, *args: Any) -> None:
+    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+        c.execute(statement, args)
 
 
 @pytest.mark.parametrize("design", DESIGNS)
@@ -321,6 +358,69 @@ def test_cancelled_mid_transaction_rolls_back_pushes_and_pops(dbq: DbQueue, desi
     got = run(dbq, body, pool_size=1)
     assert checksum(got) == checksum({"t": i} for i in range(4))
     assert open_transactions(dbq) == []
+
+
+HELD_UP_BY = {"table": "meta", "ring": "rings, ring_lanes, ring_groups, ring_slots, ring_leases"}
+"""The tables whose lock holds up an exactly-once pop of each design in its statement."""
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_a_pop_in_the_callers_transaction_cancelled_leaves_nothing_behind(dbq: DbQueue, design: str) -> None:
+    """An exactly-once pop in the caller's own ``AsyncConnection`` cut short by ``asyncio.timeout`` while
+    it waits on an empty queue, and cancelled while its statement waits for a lock in the server: the
+    caller's transaction rolls back each time, its connection is idle and usable, no lease and no open
+    transaction stays behind, and a pop in its next transaction takes every message."""
+    sent = [{"x": i} for i in range(5)]
+
+    async def body(adbq: AsyncDbQueue) -> list[Any]:
+        q = await adbq.create_queue("x", design=design)
+        async with await psycopg.AsyncConnection.connect(dbq.db.dsn) as conn:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.3), conn.transaction():
+                    await q.pop(5, semantics="exactly-once", conn=conn, wait=30)
+            assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            await q.push_batch(sent)
+            with psycopg.connect(dbq.db.dsn) as locker:
+                locker.execute(f"LOCK TABLE {qualified(dbq, HELD_UP_BY[design])} IN ACCESS EXCLUSIVE MODE")
+
+                async def pop_in_transaction() -> None:
+                    async with conn.transaction():
+                        await q.pop(5, semantics="exactly-once", conn=conn)
+
+                task = asyncio.create_task(pop_in_transaction())
+                deadline = time.monotonic() + 30
+                while not await asyncio.to_thread(blocked_by, dbq, locker.info.backend_pid):
+                    assert not task.done() and time.monotonic() < deadline, (
+                        "the pop never waited for the lock"
+                    )
+                    await asyncio.sleep(0.02)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                locker.rollback()
+            assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            async with conn.transaction():
+                got = await q.pop(10, semantics="exactly-once", conn=conn)
+        return [m.payload for m in got]
+
+    got = run(dbq, body)
+    assert len(got) == 5 and checksum(got) == checksum(sent)
+    assert state_of(dbq, "x") == (0, 0, 0)
+    assert open_transactions(dbq) == []
+
+
+def qualified(dbq: DbQueue, tables: str) -> str:
+    """``tables`` (comma-separated) in ``dbq``'s schema, quoted."""
+    return ", ".join(f'"{dbq.schema}".{t.strip()}' for t in tables.split(","))
+
+
+def blocked_by(dbq: DbQueue, holder: int) -> list[int]:
+    """The pids of the sessions that wait for a lock the backend ``holder`` holds."""
+    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+        rows = c.execute(
+            "SELECT pid FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", (holder,)
+        ).fetchall()
+    return [r[0] for r in rows]
 
 
 def test_the_sync_face_is_unchanged_beside_the_async_one(dbq: DbQueue) -> None:

@@ -7,12 +7,14 @@ unknown outcome: it may or may not have happened, but never twice and never by h
 
 The consumer tests run on PostgreSQL, and on SQL Server when ``$DBQUEUE_TEST_MSSQL_DSN`` names one
 (skipped otherwise): their children get the dialect, and the finished rows are read with SQL valid on
-both (``tests/dialects.py``). The server test kills the embedded PostgreSQL server, so it is
-PostgreSQL's by nature.
+both (``tests/dialects.py``). The consumers killed while they hold leases, and those killed in the middle
+of a statement, run on either face (``DbQueue``, ``AsyncDbQueue``: PostgreSQL's). The server test kills
+the embedded PostgreSQL server, so it is PostgreSQL's by nature.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import json
@@ -36,7 +38,9 @@ from airflow_dbqueue.engine import (
     LeaseExpiredError,
     TransientDatabaseError,
 )
+from airflow_dbqueue.engine.aio import AsyncDbQueue
 from tests.dialects import dialect_dbq, run_sql  # noqa: F401 - dialect_dbq is the fixture "dbq"
+from tests.faces import FACES
 from tests.helpers import checksum, drained, payload_hash
 
 if TYPE_CHECKING:
@@ -95,19 +99,42 @@ def _hold_leases(
     n: int,
     visibility_timeout: float,
     report: mp.Queue[Any],
+    face: str = "sync",
 ) -> None:
     """Pop ``n`` messages under at-least-once, report them, and sleep until killed."""
-    try:
-        with DbQueue(dsn, schema=schema, pool_size=1, dialect=dialect) as dbq:
-            msgs = dbq.queue(queue).pop(n, semantics="at-least-once", visibility_timeout=visibility_timeout)
+
+    async def hold_async() -> None:
+        async with AsyncDbQueue(dsn, schema=schema, pool_size=1) as adbq:
+            q = await adbq.queue(queue)
+            msgs = await q.pop(n, semantics="at-least-once", visibility_timeout=visibility_timeout)
             report.put(("held", msgs))
-            time.sleep(300)
-            report.put(("error", "the lease holder was not killed"))
+            await asyncio.sleep(300)
+
+    try:
+        if face == "async":
+            asyncio.run(hold_async())
+        else:
+            with DbQueue(dsn, schema=schema, pool_size=1, dialect=dialect) as dbq:
+                msgs = dbq.queue(queue).pop(
+                    n, semantics="at-least-once", visibility_timeout=visibility_timeout
+                )
+                report.put(("held", msgs))
+                time.sleep(300)
+        report.put(("error", "the lease holder was not killed"))
     except BaseException:
         report.put(("error", traceback.format_exc()))
 
 
-def test_sigkilled_consumer_leases_are_delivered_again_once(dbq: DbQueue) -> None:
+def _only_postgresql_has_the_async_face(dbq: DbQueue, face: str) -> None:
+    if face == "async" and dbq.dialect != "postgresql":
+        pytest.skip(
+            "the asyncio face is PostgreSQL's (test_async_face.py: test_sql_server_has_no_async_face)"
+        )
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_sigkilled_consumer_leases_are_delivered_again_once(dbq: DbQueue, face: str) -> None:
+    _only_postgresql_has_the_async_face(dbq, face)
     total, hold = 1000, 300
     q = dbq.create_queue("leases", visibility_timeout=2.0, max_attempts=5)
     sent = [{"p": 0, "s": i, "v": os.urandom(8).hex()} for i in range(total)]
@@ -129,6 +156,7 @@ def test_sigkilled_consumer_leases_are_delivered_again_once(dbq: DbQueue) -> Non
             "n": hold,
             "visibility_timeout": 2.0,
             "report": report,
+            "face": face,
         },
         name="lease-holder",
     )
@@ -176,6 +204,173 @@ def test_sigkilled_consumer_leases_are_delivered_again_once(dbq: DbQueue) -> Non
     assert (st.ready, st.delayed, st.in_flight, st.failed, st.finished) == (0, 0, 0, 0, total), st
     attempts = {i: a for i, a, _, _ in _done_rows(dbq, q.settings.queue_id)}
     assert attempts == {i: 2 if i in held_ids else 1 for i in ids}
+
+
+# -- 1a. a consumer killed in the middle of a statement --------------------------------------------
+
+STUCK_VT = 1.0
+"""The visibility timeout of the killed consumer's leases: the survivor waits for it to pass."""
+
+RING_TABLES = "rings, ring_lanes, ring_groups, ring_slots, ring_leases, ring_retry, ring_failed"
+
+HELD_UP_BY = {
+    ("table", "pop"): "data",  # after its reclaim of expired leases, which reads meta alone
+    ("table", "transaction"): "data",
+    ("table", "ack"): "done",  # an ack moves its messages there
+    ("ring", "pop"): RING_TABLES,
+    ("ring", "transaction"): RING_TABLES,
+    ("ring", "ack"): RING_TABLES,
+}
+"""The tables the test locks to hold up a consumer's statement, by design and what it runs."""
+
+
+def _stuck(
+    *, dsn: str, schema: str, queue: str, n: int, at: str, face: str, report: mp.Queue[Any], go: Event
+) -> None:
+    """Pop ``n`` messages, or ack them, once ``go`` is set, in a statement that the test holds up with a
+    lock, until killed: ``pop`` (at least once), ``transaction`` (exactly once, in a transaction of the
+    consumer's own connection, an ``AsyncConnection`` on the asyncio face) or ``ack`` (of an at-least-once
+    pop made first, whose messages it reports as held)."""
+
+    async def run_async() -> None:
+        async with (
+            AsyncDbQueue(dsn, schema=schema, pool_size=1) as adbq,
+            await psycopg.AsyncConnection.connect(dsn) as conn,
+            conn.transaction(),
+        ):
+            q = await adbq.queue(queue)
+            held = (
+                await q.pop(n, semantics="at-least-once", visibility_timeout=STUCK_VT) if at == "ack" else []
+            )
+            report.put(("ready", held))
+            await asyncio.to_thread(go.wait, 120)
+            if at == "ack":
+                await q.ack(held)
+            else:
+                semantics = "exactly-once" if at == "transaction" else "at-least-once"
+                await q.pop(
+                    n,
+                    semantics=semantics,
+                    visibility_timeout=STUCK_VT,
+                    conn=conn if at == "transaction" else None,
+                )
+
+    try:
+        if face == "async":
+            asyncio.run(run_async())
+        else:
+            with (
+                DbQueue(dsn, schema=schema, pool_size=1) as dbq,
+                psycopg.connect(dsn) as conn,
+                conn.transaction(),
+            ):
+                q = dbq.queue(queue)
+                held = q.pop(n, semantics="at-least-once", visibility_timeout=STUCK_VT) if at == "ack" else []
+                report.put(("ready", held))
+                go.wait(120)
+                if at == "ack":
+                    q.ack(held)
+                else:
+                    semantics = "exactly-once" if at == "transaction" else "at-least-once"
+                    q.pop(
+                        n,
+                        semantics=semantics,
+                        visibility_timeout=STUCK_VT,
+                        conn=conn if at == "transaction" else None,
+                    )
+        report.put(("error", f"the {at} returned: the lock did not hold it up"))
+    except BaseException:
+        report.put(("error", traceback.format_exc()))
+
+
+@pytest.mark.parametrize("at", ["pop", "transaction", "ack"])
+@pytest.mark.parametrize("design", ["table", "ring"])
+@pytest.mark.parametrize("face", FACES)
+def test_a_consumer_sigkilled_in_its_statement_loses_and_doubles_nothing(
+    dbq: DbQueue, face: str, design: str, at: str
+) -> None:
+    """A consumer is SIGKILLed while its pop, its exactly-once pop in its transaction, or its ack waits
+    in the server for a lock the test holds; then the lock goes. Its transaction rolls back; a statement
+    of its own (autocommit) commits whole or not at all (in the runs so far the table design's pop and
+    both designs' acks committed, the ring's pop did not). Either way every message is finished once, by
+    the consumer's ack or by a survivor: leases a pop wrote come back after their visibility timeout
+    (delivered once more), the transaction's pop leaves the messages as they were, an ack finished all
+    or none."""
+    if dbq.dialect != "postgresql":
+        pytest.skip("held up by LOCK TABLE and seen waiting in pg_stat_activity: PostgreSQL's")
+    total = 20
+    extra: dict[str, Any] = {"design": "ring", "capacity": 64} if design == "ring" else {}
+    q = dbq.create_queue("stuck", visibility_timeout=60.0, max_attempts=5, **extra)
+    sent = [{"p": 0, "s": i, "v": os.urandom(8).hex()} for i in range(total)]
+    ids = q.push_batch(sent)
+    held = _sigkill_in(dbq, q.name, total, at=at, face=face, tables=HELD_UP_BY[design, at])
+
+    delivered: list[Message] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not drained(q):
+        msgs = q.pop(100, semantics="at-least-once")
+        if msgs:
+            assert q.ack(msgs) == len(msgs)
+            delivered += msgs
+        else:
+            time.sleep(0.1)
+    attempts = collections.Counter(m.attempts for m in delivered)
+    if at == "pop":  # its lease was written, or not at all; never some of it
+        assert attempts in ({1: total}, {2: total}), attempts
+    elif at == "transaction":  # rolled back with the consumer's transaction
+        assert attempts == {1: total}, attempts
+    else:  # the ack finished them all, or none, which come back
+        assert len(held) == total and attempts in (collections.Counter(), {2: total}), attempts
+    finished = delivered or held  # by the survivor, or by the killed consumer's ack
+    assert sorted(m.id for m in finished) == sorted(ids), "a message was lost or finished twice"
+    assert checksum(m.payload for m in finished) == checksum(sent)
+    st = q.stats(exact=True)
+    assert (st.ready, st.in_flight, st.failed) == (0, 0, 0), st
+    if design == "table":  # the table design keeps what it finished, once each
+        done = _done_rows(dbq, q.settings.queue_id)
+        assert sorted(i for i, _, _, _ in done) == sorted(ids) and st.finished == total
+        assert checksum(p for _, _, _, p in done) == checksum(sent)
+
+
+def _sigkill_in(dbq: DbQueue, queue: str, n: int, *, at: str, face: str, tables: str) -> list[Message]:
+    """Run :func:`_stuck` in a child; once it is ready, lock ``tables`` and let it go; SIGKILL it once its
+    statement waits for the lock, then let the lock go. Return what it held (an ack's pop)."""
+    ctx = mp.get_context("spawn")
+    report: mp.Queue[Any] = ctx.Queue()
+    go = ctx.Event()
+    kwargs = {"dsn": dbq.db.dsn, "schema": dbq.schema, "queue": queue, "n": n, "at": at, "face": face}
+    child = ctx.Process(target=_stuck, kwargs={**kwargs, "report": report, "go": go}, name=f"stuck-in-{at}")
+    locked = ", ".join(f'"{dbq.schema}".{t.strip()}' for t in tables.split(","))
+    child.start()
+    try:
+        kind, held = report.get(timeout=120)
+        assert kind == "ready", held
+        with psycopg.connect(dbq.db.dsn) as locker:
+            locker.execute(f"LOCK TABLE {locked} IN ACCESS EXCLUSIVE MODE")
+            go.set()
+            deadline = time.monotonic() + 120
+            while not _waits_for_a_lock(dbq, locker.info.backend_pid):
+                assert report.empty(), report.get()
+                assert child.is_alive() and time.monotonic() < deadline, f"the {at} never waited for the lock"
+                time.sleep(0.02)
+            os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+            child.join(timeout=30)
+            assert child.exitcode == -signal.SIGKILL
+            locker.rollback()
+    finally:
+        _stop([child])
+    assert report.empty(), report.get()
+    report.close()
+    return list(held)
+
+
+def _waits_for_a_lock(dbq: DbQueue, holder: int) -> bool:
+    """Whether a session waits for a lock that ``holder`` (a backend's pid) holds."""
+    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+        row = c.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE %s = ANY(pg_blocking_pids(pid))", (holder,)
+        ).fetchone()
+    return bool(row and row[0])
 
 
 # -- 1b. continuous traffic, one consumer killed again and again -----------------------------------

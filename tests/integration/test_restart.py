@@ -1,17 +1,20 @@
 """A restarted server, on a private embedded PostgreSQL: a restart that completed before a call is
 invisible to it, however many stale connections the pool held, and nothing is printed to stderr; a
-restart still in progress gets DatabaseUnavailableError within the connect timeout. Messages are counted
-and checksummed across the restarts."""
+restart still in progress gets DatabaseUnavailableError within the connect timeout. The asyncio face
+likewise, and after pg_terminate_backend. Messages are counted and checksummed across the restarts."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import psycopg
 import pytest
 
 from airflow_dbqueue.engine import DatabaseUnavailableError, DbQueue
+from airflow_dbqueue.engine.aio import AsyncDbQueue
 from tests.dialects import run_sql
 from tests.helpers import checksum
 
@@ -118,3 +121,63 @@ def test_pooled_connections_killed_while_idle_are_replaced_on_sql_server(
         q.push_batch(sent[3:])
         got = [m.payload for m in q.pop(10)]
     assert len(got) == 6 and checksum(got) == checksum(sent)
+
+
+async def fill_the_async_pool(adbq: AsyncDbQueue, n: int) -> None:
+    """``fill_the_pool`` on the asyncio face: n tasks hold a pooled connection at once."""
+    barrier = asyncio.Barrier(n)
+
+    async def hold() -> None:
+        async with adbq.transaction() as conn:
+            await asyncio.wait_for(barrier.wait(), 30)
+            await conn.execute("SELECT 1")
+
+    await asyncio.gather(*(hold() for _ in range(n)))
+
+
+def test_the_asyncio_face_replaces_connections_the_server_ended(
+    embedded_server: EmbeddedPostgres, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The asyncio face's pooled connections, ended by pg_terminate_backend and then by a restart while
+    idle: the next calls (pushes, pops, an ack of a lease taken before the restart, a waiting pop woken
+    by a push) take new connections, and nothing is lost or doubled."""
+    sent = [{"n": i} for i in range(12)]
+    dsn = embedded_server.dsn
+
+    def terminate_the_engines_sessions() -> int:
+        with psycopg.connect(dsn, autocommit=True) as c:
+            row = c.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE application_name = 'airflow-dbqueue' AND pid <> pg_backend_pid()"
+            ).fetchone()
+        return int(row[0]) if row else 0
+
+    async def main() -> list[Any]:
+        async with AsyncDbQueue(dsn, pool_size=6, connect_timeout=10) as adbq:
+            q = await adbq.create_queue("orders")
+            await q.push_batch(sent[:4])
+            await fill_the_async_pool(adbq, 6)
+            assert await asyncio.to_thread(terminate_the_engines_sessions) == 6
+            await q.push_batch(sent[4:8])  # first one call, then six at once
+            await asyncio.gather(*(q.stats() for _ in range(6)))
+            leased = await q.pop(3, semantics="at-least-once")
+            await fill_the_async_pool(adbq, 6)
+            await asyncio.to_thread(embedded_server.stop, mode="fast")
+            await asyncio.to_thread(embedded_server.start)
+            assert await q.ack(leased) == 3
+            waiting = asyncio.create_task(q.pop(1, wait=20))
+            await asyncio.sleep(0.5)
+            await q.push_batch(sent[8:9])
+            got = [*leased, *await waiting]
+            await q.push_batch(sent[9:])
+            got += await q.pop(100)
+            assert (await q.stats(exact=True)).in_flight == 0
+            return [m.payload for m in got]
+
+    with DbQueue(dsn) as dbq:
+        dbq.install()
+    capfd.readouterr()
+    got = asyncio.run(main())
+    assert len(got) == 12 and checksum(got) == checksum(sent)
+    err = capfd.readouterr().err
+    assert "couldn't stop thread" not in err and err == "", err

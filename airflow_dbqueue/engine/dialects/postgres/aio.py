@@ -20,14 +20,14 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import psycopg
 import psycopg.errors
 from psycopg import IsolationLevel, sql
 from psycopg.pq import ExecStatus, TransactionStatus
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 
 from airflow_dbqueue.engine.bridge import (
     _AsyncCall,
@@ -37,6 +37,7 @@ from airflow_dbqueue.engine.bridge import (
     interruptible,
     shielded,
 )
+from airflow_dbqueue.engine.dialects.postgres.dialect import has_input
 from airflow_dbqueue.engine.dialects.postgres.hub import NotifyHub, Waiter
 from airflow_dbqueue.engine.dialects.postgres.statements import BINARY_RESULTS
 from airflow_dbqueue.engine.errors import DatabaseUnavailableError, LoginError
@@ -78,6 +79,7 @@ class AsyncPostgres:
         self._pool: AsyncConnectionPool | None = None
         self._opening: asyncio.Lock | None = None
         self._hub: AsyncNotifyHub | None = None
+        self._closing: set[asyncio.Task[None]] = set()  # replaced pools, closing
 
     def __getattr__(self, name: str) -> Any:
         # Settings and pure helpers (schema, channel(), query(), supports_notify, payload_pops, ...).
@@ -145,6 +147,74 @@ class AsyncPostgres:
         pool, self._pool = self._pool, None
         if pool is not None:
             await pool.close()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """A sound pooled connection (:meth:`_checkout`), handed back at the end (what is left open on it
+        rolled back); one that broke meanwhile (the server went away) is closed, not handed back, and
+        its pool replaced, as the synchronous face does."""
+        pool, conn = await self._checkout()
+        try:
+            yield conn
+        except BaseException:
+            if not (conn.broken or conn.closed):
+                await pool.putconn(conn)
+                raise
+            self._discard_pool(pool)
+            with contextlib.suppress(Exception):
+                await conn.close()
+            raise
+        await pool.putconn(conn)
+
+    async def _checkout(self) -> tuple[AsyncConnectionPool, psycopg.AsyncConnection[Any]]:
+        """``PostgresDatabase._checkout`` on the asyncio pool: take a pooled connection that is sound, and
+        replace the pool when one is stale.
+
+        A connection that sat in the pool while the server ended it (a restart, pg_terminate_backend)
+        has the server's error and EOF waiting on its socket, where an idle connection otherwise
+        receives nothing: one readiness check of the socket (no round trip) finds it, a round trip
+        confirms it. Every idle connection of the pool is then as likely stale, so the pool is replaced
+        and the call gets a new connection, waiting up to the connect timeout while the server is not
+        back yet.
+        """
+        for _ in range(3):
+            pool = await self.pool()
+            try:
+                conn = await pool.getconn()
+            except PoolClosed:
+                continue  # replaced by another task meanwhile: take the new one
+            try:
+                sound = await _sound(conn)
+            except BaseException:  # cancelled in the check's round trip: the connection goes back
+                await pool.putconn(conn)
+                raise
+            if sound:
+                return pool, conn
+            log.info("a pooled connection to %s is stale (the server restarted?): new pool", self.sync.where)
+            with contextlib.suppress(Exception):
+                await conn.close()
+            self._discard_pool(pool)
+        pool = await self.pool()
+        return pool, await pool.getconn()
+
+    def _discard_pool(self, pool: AsyncConnectionPool) -> None:
+        """Replace ``pool`` (``PostgresDatabase._discard_pool``): the next call opens a new one, and the
+        old one closes in a task of its own, given the time its workers may need to finish a connection
+        attempt; :meth:`aclose` waits for it."""
+        if self._pool is not pool:
+            return
+        self._pool = None
+        grace = self.sync._connect_timeout + 5
+
+        async def close() -> None:
+            with contextlib.suppress(Exception):
+                await pool.close(timeout=grace)
+
+        task = asyncio.get_running_loop().create_task(close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     # -- statements ------------------------------------------------------------------------------
 
@@ -166,8 +236,7 @@ class AsyncPostgres:
             return out
 
     async def _pooled(self, call: _AsyncCall, statement: _Statement) -> Any:
-        pool = await self.pool()
-        async with pool.connection() as conn:
+        async with self.connection() as conn:
             out = await self._on(call, conn, statement)
             if conn.info.transaction_status != TransactionStatus.IDLE:
                 await conn.commit()
@@ -232,8 +301,7 @@ class AsyncPostgres:
 
     def render(self, name: str, params: Mapping[str, Any]) -> str:
         async def mogrify() -> str:
-            pool = await self.pool()
-            async with pool.connection() as c:
+            async with self.connection() as c:
                 return psycopg.AsyncClientCursor(c).mogrify(self.sync.query(name), params)
 
         with self.sync.translate_errors():
@@ -250,8 +318,7 @@ class AsyncPostgres:
                 with entered(conn.transaction()):
                     yield conn
                 return
-            pool = await_only(self.pool())
-            with entered(pool.connection()) as c, entered(c.transaction()):
+            with entered(self.connection()) as c, entered(c.transaction()):
                 yield c
 
     @staticmethod
@@ -312,6 +379,19 @@ class AsyncPostgres:
         hub = self._hub
         if hub is not None:
             hub.wake_one(channel)
+
+
+async def _sound(conn: psycopg.AsyncConnection[Any]) -> bool:
+    """``dialect._sound`` on an asyncio connection: nothing to read on its socket, or else a round trip
+    works."""
+    readable = has_input(conn)
+    if readable is None or not readable:
+        return readable is False
+    try:
+        await conn.execute("")
+    except psycopg.Error:
+        return False
+    return True
 
 
 class AsyncWaiter(Waiter):

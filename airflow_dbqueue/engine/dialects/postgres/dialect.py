@@ -576,22 +576,28 @@ def _end_statement(pooled: psycopg.Connection[Any]) -> None:
 def _sound(conn: psycopg.Connection[Any]) -> bool:
     """Whether an idle pooled connection can take a statement: not closed, and its socket has nothing
     to read (a dead server's connection has its error and EOF waiting), or else a round trip works."""
-    if conn.closed or conn.broken:
-        return False
-    try:
-        # poll(), not select(): a worker process may hold more than FD_SETSIZE (1024) descriptors.
-        poller = select.poll()
-        poller.register(conn.fileno(), select.POLLIN)
-        readable = bool(poller.poll(0))
-    except (OSError, ValueError, psycopg.Error):
-        return False
-    if not readable:
-        return True
+    readable = has_input(conn)
+    if readable is None or not readable:
+        return readable is False
     try:
         conn.execute("")
     except psycopg.Error:
         return False
     return True
+
+
+def has_input(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> bool | None:
+    """Whether an idle connection's socket has something to read, without a round trip (None: the
+    connection is closed or broken, or its socket cannot be polled)."""
+    if conn.closed or conn.broken:
+        return None
+    try:
+        # poll(), not select(): a worker process may hold more than FD_SETSIZE (1024) descriptors.
+        poller = select.poll()
+        poller.register(conn.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError, psycopg.Error):
+        return None
 
 
 def _configure_connection(conn: psycopg.Connection[Any]) -> None:
