@@ -99,6 +99,11 @@ class TableQueue(BatchLedger):
         dkeys = None if dedup_keys is None else check_keys(self.name, "dedup key", dedup_keys, len(items))
         okeys = None
         if keys is not None:
+            if not self._db.push_options:
+                raise NotSupportedError(
+                    f"queue {self.name!r}: ordering keys need ordering per key, which the "
+                    f"{self._db.dialect_name} dialect does not have (docs/sqlserver.md)"
+                )
             if self.settings.ordering is not Ordering.PER_KEY:
                 raise ConfigurationError(
                     f"queue {self.name!r}: ordering keys need a queue created with ordering='per_key'"
