@@ -463,11 +463,17 @@ class KeyedQueueMachine(QueueMachine):
         super().__init__()
         self.dedup: dict[str, int] = {}
 
-    @initialize(max_attempts=st.sampled_from([1, 2, 3]), archive=st.booleans())
-    def create(self, max_attempts: int, archive: bool) -> None:
+    @initialize(
+        max_attempts=st.sampled_from([1, 2, 3]),
+        archive=st.booleans(),
+        notify=st.sampled_from(["never", "auto"]),
+    )
+    def create(self, max_attempts: int, archive: bool, notify: str = "auto") -> None:  # type: ignore[override]
+        # notify "never": a push without deduplication keys takes table_push_with()'s single INSERT
         self.max_attempts, self.archive = max_attempts, archive
         self.q = self.dbq.create_queue(
             f"k{next(self._names)}",
+            notify=notify,
             max_attempts=max_attempts,
             visibility_timeout=VISIBILITY_TIMEOUT,
             retry_backoff=0.0,
