@@ -26,6 +26,14 @@ and the reference is PGMQ's statements instead (``run.py --pgmq``'s: a read that
 time, then the delete of what it read, or with ``--archive`` its move to the archive table, as the
 table design's queue then keeps finished messages for the archiver).
 
+With ``--feature`` the table design is also counted with one of the push options on every message,
+each in a queue of its own beside the default one, in the same server: ``ordering`` (a queue created
+with ``ordering="per_key"``, every push naming one of 1,000 keys in turn), ``dedup`` (a deduplication key
+on every message, none seen before) and ``ttl`` (a queue created with a time to live, which every message
+then carries). Each such row names its feature (``none`` for the default queue); the difference to the
+``none`` row of the same batch is what the feature costs on the hot path. The pops' expiry sweep is not
+counted (as the lease reclaim, it runs at most once a reclaim interval, not once a pop).
+
 With ``--client`` each session runs instead in a Python process of its own under cachegrind too, and
 the client's instructions a message are counted the same way: psycopg's encoding and decoding and,
 for the engine, its API (pool checkout, checks, building a ``Message`` a message), against the naive
@@ -73,6 +81,15 @@ from airflow_dbqueue.engine import DbQueue
 from airflow_dbqueue.engine.embedded import EmbeddedPostgres, free_port
 
 QUEUE = "instr_q"
+FEATURES = ("none", "ordering", "dedup", "ttl")
+"""The table design's push options --feature counts, each on every message (see the docstring)."""
+ORDERING_KEYS = 1000
+QUEUE_OPTIONS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "ordering": {"ordering": "per_key"},
+    "dedup": {},
+    "ttl": {"ttl": 3600.0},
+}
 # The pop sessions collect payloads in C (map), so that the client's count is the queue's work.
 _payload = attrgetter("payload")
 _first = itemgetter(0)
@@ -197,27 +214,38 @@ def engine_sessions(
     pop_api: str = "payloads",
     *,
     pooler: str = "none",
+    feature: str = "none",
 ) -> Sessions:
     """A push session and a pop session through the engine, each on one pooled connection; each
     returns the backends it used. At least once, the pop session acks each pop after it; at most once
     it pops with ``pop_payloads`` (``pop_api`` "payloads") or with ``pop``, which builds messages.
-    ``pooler="transaction"``: the engine as it runs behind a transaction pooler (nothing prepared)."""
+    ``pooler="transaction"``: the engine as it runs behind a transaction pooler (nothing prepared).
+    ``feature``: the push option every message carries (``FEATURES``; the queue was created for it)."""
 
     def push(sent: list[list[bytes]]) -> set[int]:
-        with DbQueue(dsn, schema=schema, pool_size=1, pooler=pooler) as dbq:
+        # Keys are made before the session's first push, so that the client's count (--client) of a
+        # feature is the engine's work with them, not the making of the strings.
+        n = sum(map(len, sent))
+        okeys = [f"k{i % ORDERING_KEYS}" for i in range(n)] if feature == "ordering" else None
+        dkeys = [f"{uuid.uuid4().hex}-{i}" for i in range(n)] if feature == "dedup" else None
+        at = 0
+        with DbQueue(dsn, schema=schema, pool_size=1, pooler=pooler, recycle_interval=None) as dbq:
             q = dbq.queue(QUEUE)
             pids = {_pid(dbq)}
             for b in sent:
-                if batch == 1:
+                keys = None if okeys is None else okeys[at : at + len(b)]
+                dedup = None if dkeys is None else dkeys[at : at + len(b)]
+                at += len(b)
+                if batch == 1 and keys is None and dedup is None:
                     q.push(b[0])
                 else:
-                    q.push_batch(b)
+                    q.push_batch(b, keys=keys, dedup_keys=dedup)
             pids.add(_pid(dbq))
         return pids
 
     def pop(calls: int) -> tuple[list[bytes], set[int]]:
         got: list[bytes] = []
-        with DbQueue(dsn, schema=schema, pool_size=1, pooler=pooler) as dbq:
+        with DbQueue(dsn, schema=schema, pool_size=1, pooler=pooler, recycle_interval=None) as dbq:
             q = dbq.queue(QUEUE)
             q.reclaim_every = float("inf")  # type: ignore[attr-defined] # no reclaim between pops
             pids = {_pid(dbq)}
@@ -455,7 +483,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 who=ref_name,
                 client=naive_client,
             )
-            for design in args.design:
+            variants = [(d, f) for d in args.design for f in (args.feature if d == "table" else ["none"])]
+            for design, feature in variants:
                 schema = f"instr_{uuid.uuid4().hex[:10]}"
                 with DbQueue(dsn, schema=schema) as dbq:
                     dbq.install()
@@ -469,7 +498,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             notify="never",
                         )
                     else:
-                        dbq.create_queue(QUEUE, payload_type="bytes", notify="never", archive=args.archive)
+                        dbq.create_queue(
+                            QUEUE,
+                            payload_type="bytes",
+                            notify="never",
+                            archive=args.archive,
+                            **QUEUE_OPTIONS[feature],
+                        )
                 try:
                     engine_client = (
                         CountedClient(server.root, design, dsn, schema, batch, pop_api=args.pop)
@@ -477,7 +512,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         else None
                     )
                     in_proc = engine_sessions(
-                        dsn, schema, batch, args.semantics, args.pop, pooler=args.pooler
+                        dsn, schema, batch, args.semantics, args.pop, pooler=args.pooler, feature=feature
                     )
                     sessions = engine_client.sessions() if engine_client else in_proc
                     measure(  # warm-up, in this process (as above)
@@ -503,6 +538,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 results.append(
                     {
                         "design": design,
+                        "feature": feature,
                         "batch": batch,
                         "payload_bytes": args.payload_bytes,
                         "semantics": args.semantics,
@@ -526,7 +562,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         r[f"{prefix}client_cycle_instructions"] = (
                             r[f"{prefix}client_push_instructions"] + r[f"{prefix}client_pop_instructions"]
                         )
-                print(f"measured {design} batch {batch}", file=sys.stderr, flush=True)
+                print(f"measured {design} ({feature}) batch {batch}", file=sys.stderr, flush=True)
             teardown_target(reference)
     return results
 
@@ -540,12 +576,13 @@ def table(results: list[dict[str, Any]]) -> str:
         + (" (pop: a pop and its ack)" if first.get("semantics") == "at-least-once" else "")
         if results
         else "",
-        f"{'design':8s}{'batch':>7s}  {'side':6s}{'design':>12s}{ref:>12s}{'ratio':>8s}",
+        f"{'design':8s}{'feature':>9s}{'batch':>7s}  {'side':6s}{'design':>12s}{ref:>12s}{'ratio':>8s}",
     ]
     for r in results:
         for side in (*SIDES, "cycle"):
             d, b = r[f"{side}_instructions"], r[f"naive_{side}_instructions"]
-            lines.append(f"{r['design']:8s}{r['batch']:>7d}  {side:6s}{d:>12,d}{b:>12,d}{d / b:>8.2f}")
+            where = f"{r['design']:8s}{r['feature']:>9s}{r['batch']:>7d}"
+            lines.append(f"{where}  {side:6s}{d:>12,d}{b:>12,d}{d / b:>8.2f}")
     clients = [r for r in results if "client_cycle_instructions" in r]
     if clients:
         lines += ["", "client instructions a message (the Python process; cachegrind)"]
@@ -590,12 +627,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="transaction: every side as it runs behind a transaction pooler, nothing prepared (the "
         "server's work is what a pooler in transaction mode passes on; the pooler's own is not counted)",
     )
+    ap.add_argument(
+        "--feature",
+        nargs="+",
+        choices=FEATURES,
+        default=["none"],
+        help="the table design's queues to count: none (the default queue) and each push option on every "
+        "message (ordering per key over 1,000 keys, a dedup key, a ttl), each a queue of its own",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a session of --client (stdin)
     args = ap.parse_args(argv)
     if any(b < 1 for b in args.batch) or args.calls < 0 or args.payload_bytes < 16:
         ap.error("batches must be at least 1, --calls at least 0, --payload-bytes at least 16")
     if args.client and args.semantics != "at-most-once":
         ap.error("--client counts pops at most once only")
+    if args.client and args.feature != ["none"]:
+        ap.error("--client counts the default queue only (--feature none)")
     if args.client and args.pooler != "none":
         ap.error("--client counts the clients straight to the server only")
     return args

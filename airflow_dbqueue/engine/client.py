@@ -196,6 +196,15 @@ def _wanted_settings(
     retry_backoff = check_seconds(f"queue {name!r}: retry_backoff", retry_backoff)
     retry_backoff_max = check_seconds(f"queue {name!r}: retry_backoff_max", retry_backoff_max)
     dedup_window = check_seconds(f"queue {name!r}: dedup_window", dedup_window, positive=True)
+    if ring and dedup_window != DEFAULT_DEDUP_WINDOW_S:
+        raise ConfigurationError(
+            f"queue {name!r}: dedup_window applies to table queues only (a ring has no deduplication "
+            "keys on push)"
+        )
+    if ring and on_expiry != OnExpiry.FAIL:
+        raise ConfigurationError(
+            f"queue {name!r}: on_expiry={on_expiry!r} applies to table queues only (a ring has no expiry)"
+        )
     if ttl is not None:
         if ring:
             raise ConfigurationError(
@@ -478,7 +487,7 @@ class DbQueue:
                 f"{', '.join(self.db.ring_layouts)} layout (docs/limits.md)"
             )
         if (wanted.ttl_s is not None or wanted.ordering is Ordering.PER_KEY) and not self.db.push_options:
-            what = "a time to live needs the expiry of messages" if wanted.ttl_s else "ordering per key needs"
+            what = "a time to live needs the expiry of messages" if wanted.ttl_s else "ordering per key"
             raise NotSupportedError(
                 f"queue {name!r}: {what}, which the {self.db.dialect_name} dialect does not have "
                 "(docs/sqlserver.md)"

@@ -99,6 +99,11 @@ class TableQueue(BatchLedger):
         dkeys = None if dedup_keys is None else check_keys(self.name, "dedup key", dedup_keys, len(items))
         okeys = None
         if keys is not None:
+            if not self._db.push_options:
+                raise NotSupportedError(
+                    f"queue {self.name!r}: ordering keys need ordering per key, which the "
+                    f"{self._db.dialect_name} dialect does not have (docs/sqlserver.md)"
+                )
             if self.settings.ordering is not Ordering.PER_KEY:
                 raise ConfigurationError(
                     f"queue {self.name!r}: ordering keys need a queue created with ordering='per_key'"
@@ -508,8 +513,13 @@ estimated from a sample (PostgreSQL), and the stats say so (``extra["estimated"]
 def stats_from_row(name: str, row: Sequence[Any]) -> QueueStats:
     """A table-design queue's stats from a row of the ``stats`` query (or of ``stats_all`` without its
     queue id): ready, delayed, in flight, failed, finished, the oldest ready age, and whether any of them
-    is an estimate (a seventh column where the dialect estimates)."""
-    estimated = len(row) > 6 and bool(row[6])
+    is an estimate (a seventh column where the dialect estimates); an eighth column, where the row has
+    one, counts the failed messages that failed by expiry (``extra["expired"]`` when there are any)."""
+    extra: dict[str, Any] = {}
+    if len(row) > 6 and row[6]:
+        extra["estimated"] = True
+    if len(row) > 7 and row[7]:
+        extra["expired"] = int(row[7])
     return QueueStats(
         queue=name,
         ready=int(row[0]),
@@ -518,5 +528,5 @@ def stats_from_row(name: str, row: Sequence[Any]) -> QueueStats:
         failed=int(row[3]),
         finished=int(row[4]),
         oldest_ready_age_s=None if row[5] is None else float(row[5]),
-        extra={"estimated": True} if estimated else {},
+        extra=extra,
     )

@@ -41,6 +41,7 @@ from airflow_dbqueue.engine import DbQueue
 from airflow_dbqueue.plugins.queues import PREVIEW_CHARS
 from tests.airflow.conftest import AIRFLOW, REPO, conn_json, migrated_airflow_env
 from tests.browser import Chromium, find_chromium
+from tests.dialects import run_sql
 from tests.helpers import checksum, engine_sessions, require
 
 pytestmark = pytest.mark.integration
@@ -272,7 +273,7 @@ def test_the_api_behind_airflows_authentication(server: Server) -> None:  # noqa
     status, body = request(api + "/queues", token=viewer)
     assert status == 200, body
     row = queue_row(body, k.name)
-    assert (row["ready"], row["delayed"], row["in_flight"], row["failed"]) == (7, 2, 3, 4)
+    assert (row["ready"], row["delayed"], row["in_flight"], row["failed"], row["expired"]) == (7, 2, 3, 4, 0)
     assert row["design"] == "table" and row["oldest_ready_age_s"] is not None
     assert row["pushed_per_s"] == round(16 / 300, 3)
     (conn,) = [c for c in body["connections"] if c["conn_id"] == CONN_ID]
@@ -475,6 +476,13 @@ def test_the_page_in_a_headless_browser(server: Server) -> None:  # noqa: PLR091
         audit = ring.add_group("audit", on_lag="drop_group", lag_timeout=600)  # a consumer group
         ring.push_batch(ticks)
         audited = audit.pop(6)
+        # A queue with a time to live, two of whose three messages expired and were swept to failed.
+        quotes = dbq.create_queue("page_quotes", ttl=3600)
+        ids = quotes.push_batch(["q0", "q1", "q2"])
+        run_sql(dbq, "UPDATE {schema}.meta SET expires_at = now() WHERE id = ANY (%(ids)s)", {"ids": ids[:2]})
+        assert quotes.maintain()["expired"] == 2
+        assert checksum([m.payload for m in quotes.list_failed()]) == checksum(["q0", "q1"])
+        assert quotes.stats().extra == {"expired": 2} and [m.payload for m in quotes.peek(10)] == ["q2"]
     assert checksum([m.payload for m in audited]) == checksum(ticks[:6])
     # Through the API: the ring's groups with their positions and lag; none for a table queue.
     status, body = request(server.url + "/dbqueue/api/queues", token=server.token("viewer"))
@@ -533,6 +541,10 @@ def test_the_page_in_a_headless_browser(server: Server) -> None:  # noqa: PLR091
         }
         assert shown == {"design": "table", "ready": "7", "delayed": "2", "in_flight": "3", "failed": "4"}
         assert b.evaluate(cell("page_ticks", "ready")) == "16"
+        # What failed by expiry, a table queue's figure (none of a ring, which has no expiry)
+        expired = [b.evaluate(cell(q, "expired")) for q in ("page_quotes", k.name, "page_ticks")]
+        assert expired == ["2", "0", ""]
+        assert b.evaluate(cell("page_quotes", "failed")) == "2"
         assert "25% of 64" in b.evaluate(cell("page_ticks", "ring"))
         # Under the ring, its consumer groups with their lag; none under the table queue.
         group = (

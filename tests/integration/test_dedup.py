@@ -112,11 +112,14 @@ def test_the_window_is_a_setting_of_the_queue(dbq: DbQueue) -> None:
 
 def test_a_ring_refuses_keys(dbq: DbQueue) -> None:
     r = dbq.create_queue("r", design="ring", capacity=16)
-    with pytest.raises(NotSupportedError, match="ring"):
+    with pytest.raises(NotSupportedError, match="ring: deduplication keys"):
         r.push("x", dedup_key="k")
-    with pytest.raises(NotSupportedError, match="ring"):
+    with pytest.raises(NotSupportedError, match="ring: deduplication keys"):
         r.push_batch(["x"], dedup_keys=["k"])
-    assert r.stats().ready == 0
+    # a window of its own would be a setting that does nothing: refused, and no ring created
+    with pytest.raises(ConfigurationError, match="dedup_window applies to table queues only"):
+        dbq.create_queue("r2", design="ring", capacity=16, dedup_window=60)
+    assert r.stats().ready == 0 and {s.name for s in dbq.list_queues()} == {"r"}
 
 
 def test_the_window_boundary(dbq: DbQueue) -> None:

@@ -137,8 +137,10 @@ def test_bad_ttls_raise_at_once_and_push_nothing(dbq: DbQueue) -> None:
     for bad in ({"ttl": 0}, {"on_expiry": "later"}):
         with pytest.raises(ConfigurationError):
             dbq.create_queue("w", **bad)  # type: ignore[arg-type]
-    with pytest.raises(ConfigurationError, match="table queues only"):
+    with pytest.raises(ConfigurationError, match="ttl applies to table queues only"):
         dbq.create_queue("w", design="ring", ttl=10)
+    with pytest.raises(ConfigurationError, match="on_expiry='drop' applies to table queues only"):
+        dbq.create_queue("w", design="ring", on_expiry="drop")
     r = dbq.create_queue("r", design="ring", capacity=16)
     with pytest.raises(NotSupportedError, match="ttl"):
         r.push("x", ttl=10)

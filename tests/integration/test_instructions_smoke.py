@@ -58,6 +58,32 @@ def test_short_run_counts_every_side_of_both_designs(
             )
 
 
+def test_short_run_counts_each_feature_of_the_table_design() -> None:
+    """--feature counts the table design once a feature, each a queue of its own: every row is counted,
+    and a push with a key, a deduplication key or a ttl costs more than the default queue's (a count no
+    higher would mean the option was not sent)."""
+    require(None if shutil.which("valgrind") else "valgrind is not installed", "apt-get install valgrind")
+    features = ["none", "ordering", "dedup", "ttl"]
+    proc = subprocess.run(
+        [
+            *(sys.executable, str(INSTRUCTIONS_PY), "--design", "table", "--batch", "10", "--calls", "2"),
+            *("--json", "--feature", *features),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = {r["feature"]: r for r in json.loads(proc.stdout)}
+    assert list(rows) == features and {(r["design"], r["batch"]) for r in rows.values()} == {("table", 10)}
+    for r in rows.values():
+        assert r["push_instructions"] > 1000 and r["pop_instructions"] > 1000, r
+    for f in features[1:]:
+        assert rows[f]["push_instructions"] > rows["none"]["push_instructions"], (f, rows)
+
+
 def test_short_client_run_counts_the_client_of_the_ring_and_of_the_naive_queue() -> None:
     """--client runs every session in a Python of its own under cachegrind: the client's count of each
     side is there for the engine and for the naive queue, and grows with the work."""

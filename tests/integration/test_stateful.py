@@ -6,6 +6,11 @@ committed or rolled back, and failed-message administration. After every step th
 ``peek`` order, ``count_ready``, ``list_failed`` and the raw rows (every message in exactly one
 place) must equal the model.
 
+``KeyedQueueMachine`` runs the same rules on a queue created with a time to live and
+``ordering="per_key"``, with pushes that carry ordering keys and deduplication keys, and rules that let
+messages expire (their ``expires_at`` rewritten into the past) and sweep them; its model hands out only
+the head of each key and no expired message, and answers a known deduplication key with its first id.
+
 Model order. A ready message is ordered by ``(-priority, process_at, id)``. Every delay here is 0, so
 ``process_at`` is ``now()`` of the statement that last made the message ready (push, nack with
 delay 0, requeue_failed); lease reclaim keeps it. PostgreSQL's ``now()`` is the transaction start
@@ -73,6 +78,12 @@ class Entry:
     """HELD, but the lease has run out and nobody reclaimed it yet."""
     deliveries: int = 0
     """Hand-outs so far (a receipt's delivery); never reset."""
+    key: str | None = None
+    """Its ordering key (KeyedQueueMachine)."""
+    past_ttl: bool = False
+    """Its time to live has passed and no sweep has moved it yet (KeyedQueueMachine)."""
+    failed_by_expiry: bool = False
+    """FAILED by the expiry sweep (last_error "expired")."""
 
 
 class _Rollback(Exception):
@@ -125,6 +136,10 @@ class QueueMachine(RuleBasedStateMachine):
                 e.lease, e.expired = None, False
                 moved += 1
         return moved
+
+    def model_pop_upkeep(self) -> None:
+        """What a pop does before it claims (reclaim_every = 0: on every pop): reclaim expired leases."""
+        self.model_reclaim()
 
     def check_delivery(self, msgs: list[Message], expected: list[Entry], *, leased: bool) -> None:
         """Popped messages are exactly the model's first n ready ones, in order, never a taken one again."""
@@ -196,7 +211,7 @@ class QueueMachine(RuleBasedStateMachine):
         if how == "at-least-once":
             self._pop_at_least_once(n)
         elif how == "at-most-once":
-            self.model_reclaim()  # reclaim_every = 0: every pop reclaims expired leases first
+            self.model_pop_upkeep()  # reclaim_every = 0: every pop reclaims expired leases first
             expected = self.ready_order()[:n]
             msgs = self.queue.pop(n, semantics="at-most-once")
             self.check_delivery(msgs, expected, leased=False)
@@ -205,7 +220,7 @@ class QueueMachine(RuleBasedStateMachine):
             self._pop_exactly_once(n, commit=how.endswith("/commit"))
 
     def _pop_at_least_once(self, n: int) -> None:
-        self.model_reclaim()  # reclaim_every = 0: the pop reclaims expired leases first
+        self.model_pop_upkeep()  # reclaim_every = 0: the pop reclaims expired leases first
         expected = self.ready_order()[:n]
         msgs = self.queue.pop(n, semantics="at-least-once")
         self.check_delivery(msgs, expected, leased=True)
@@ -217,10 +232,9 @@ class QueueMachine(RuleBasedStateMachine):
             self.queue.pop(n, semantics="exactly-once")  # no transaction given: refused, nothing taken
         # The pop reclaims expired leases first, in its own transaction: they come back with its
         # commit, and stay expired when it rolls back (the model changes only after a commit).
-        reclaimable = [e for e in self._in(HELD) if e.expired]
-        before = {e.id: (e.state, e.lease, e.expired) for e in reclaimable}
+        before = {i: dataclasses.replace(e) for i, e in self.entries.items()}
         stale_before = len(self.stale)
-        self.model_reclaim()
+        self.model_pop_upkeep()
         expected = self.ready_order()[:n]
         msgs: list[Message] = []
         try:
@@ -230,8 +244,7 @@ class QueueMachine(RuleBasedStateMachine):
                 if not commit:
                     raise _Rollback
         except _Rollback:
-            for e in reclaimable:  # the model is as before: the invariants check everything is back
-                e.state, e.lease, e.expired = before[e.id]
+            self.entries = before  # the model is as before: the invariants check everything is back
             del self.stale[stale_before:]
             return
         self._taken(msgs, expected)
@@ -331,8 +344,8 @@ class QueueMachine(RuleBasedStateMachine):
         if op == "requeue":
             assert self.queue.requeue_failed(ids) == len(hit)
             tick = self.next_tick()
-            for e in hit:
-                e.state, e.attempts, e.tick = READY, 0, tick
+            for e in hit:  # a requeued message has no time to live any more
+                e.state, e.attempts, e.tick, e.past_ttl, e.failed_by_expiry = READY, 0, tick, False, False
         else:
             assert self.queue.delete_failed(ids) == len(hit)
             for e in hit:
@@ -433,6 +446,125 @@ def test_table_queue_matches_model(dbq: DbQueue, pg_dsn: str) -> None:
             run_state_machine_as_test(QueueMachine, settings=SETTINGS)
         finally:
             del QueueMachine.dbq, QueueMachine.admin
+
+
+DEDUP_KEYS = ("d0", "d1", "d2", "d3", "d4", "d5")
+KEYED_SETTINGS = settings(SETTINGS, max_examples=8, stateful_step_count=20)
+
+
+class KeyedQueueMachine(QueueMachine):
+    """The machine above on a queue with a ttl, ordered per key, whose pushes carry ordering keys (two
+    keys and none) and deduplication keys (from a pool of six, so that pushes repeat them). A pop takes
+    only each key's head (no earlier message of its key ready, expired or not, or leased) and no
+    message whose ttl passed; each pop first sweeps those to failed (the queue has a ttl), as does the
+    ``sweep`` rule; a known deduplication key pushes nothing and returns the first push's id."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dedup: dict[str, int] = {}
+
+    @initialize(
+        max_attempts=st.sampled_from([1, 2, 3]),
+        archive=st.booleans(),
+        notify=st.sampled_from(["never", "auto"]),
+    )
+    def create(self, max_attempts: int, archive: bool, notify: str = "auto") -> None:  # type: ignore[override]
+        # notify "never": a push without deduplication keys takes table_push_with()'s single INSERT
+        self.max_attempts, self.archive = max_attempts, archive
+        self.q = self.dbq.create_queue(
+            f"k{next(self._names)}",
+            notify=notify,
+            max_attempts=max_attempts,
+            visibility_timeout=VISIBILITY_TIMEOUT,
+            retry_backoff=0.0,
+            retry_backoff_max=0.0,
+            archive=archive,
+            ttl=3600,
+            ordering="per_key",
+        )
+        self.q.reclaim_every = 0.0
+
+    def ready_order(self) -> list[Entry]:
+        holding = [e for e in self.entries.values() if e.state in (READY, HELD) and e.key is not None]
+        return [
+            e
+            for e in super().ready_order()
+            if not e.past_ttl and not any(o.key == e.key and o.id < e.id for o in holding)
+        ]
+
+    def model_sweep(self) -> int:
+        swept = [e for e in self._in(READY) if e.past_ttl]
+        for e in swept:
+            e.state, e.past_ttl, e.failed_by_expiry = FAILED, False, True
+        return len(swept)
+
+    def model_pop_upkeep(self) -> None:
+        self.model_reclaim()
+        self.model_sweep()
+
+    @rule(
+        priority=st.sampled_from(PRIORITIES),
+        keys=st.lists(st.sampled_from(["a", "b", None]), min_size=1, max_size=4),
+        dedup=st.none() | st.lists(st.sampled_from(DEDUP_KEYS), min_size=4, max_size=4),
+    )
+    def push(self, priority: int, keys: list[str | None], dedup: list[str] | None) -> None:  # type: ignore[override]
+        payloads: list[int | str] = [next(self.payloads) for _ in keys]
+        dkeys = None if dedup is None else dedup[: len(keys)]
+        ids = self.queue.push_batch(payloads, priority=priority, keys=keys, dedup_keys=dkeys)
+        assert len(ids) == len(keys)
+        tick = self.next_tick()
+        new: list[int] = []
+        for i, (got, p, key) in enumerate(zip(ids, payloads, keys, strict=True)):
+            dkey = None if dkeys is None else dkeys[i]
+            if dkey is not None and dkey in self.dedup:
+                assert got == self.dedup[dkey], "a known deduplication key returns the first push's id"
+                continue
+            assert got not in self.entries, "ids must be new"
+            new.append(got)
+            self.entries[got] = Entry(id=got, payload=p, priority=priority, tick=tick, key=key)
+            if dkey is not None:
+                self.dedup[dkey] = got
+        assert new == sorted(new), "new ids follow payload order"
+
+    @precondition(lambda self: any(not e.past_ttl for e in self._in(READY)))
+    @rule(data=st.data(), sweep=st.booleans())
+    def pass_ttl(self, data: st.DataObject, sweep: bool) -> None:
+        live = sorted((e for e in self._in(READY) if not e.past_ttl), key=lambda e: e.id)
+        chosen = data.draw(st.lists(st.sampled_from(live), min_size=1, unique_by=lambda e: e.id))
+        self.admin.execute(
+            sql.SQL("UPDATE {s}.meta SET expires_at = now() - interval '1 s' WHERE id = ANY(%(ids)s)").format(
+                s=sql.Identifier(self.dbq.schema)
+            ),
+            {"ids": [e.id for e in chosen]},
+        )
+        for e in chosen:
+            e.past_ttl = True
+        if sweep:
+            self.sweep()
+
+    @precondition(lambda self: any(e.past_ttl for e in self._in(READY)))
+    @rule()
+    def sweep(self) -> None:
+        expected = self.model_sweep()
+        assert self.queue.expire_messages() == expected
+
+    @invariant()
+    def expired_counted(self) -> None:
+        if self.q is None:
+            return
+        by_expiry = sum(e.failed_by_expiry for e in self._in(FAILED))
+        assert self.q.stats().extra.get("expired", 0) == by_expiry
+        expired = {f.id for f in self.q.list_failed(limit=1000) if f.last_error == "expired"}
+        assert expired == {e.id for e in self._in(FAILED) if e.failed_by_expiry}
+
+
+def test_keyed_queue_with_a_ttl_matches_model(dbq: DbQueue, pg_dsn: str) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as admin:
+        KeyedQueueMachine.dbq, KeyedQueueMachine.admin = dbq, admin
+        try:
+            run_state_machine_as_test(KeyedQueueMachine, settings=KEYED_SETTINGS)
+        finally:
+            del KeyedQueueMachine.dbq, KeyedQueueMachine.admin
 
 
 def test_receipt_from_before_requeue_is_refused(dbq: DbQueue) -> None:

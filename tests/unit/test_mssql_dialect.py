@@ -1599,8 +1599,10 @@ def test_keys_and_expiry_are_refused_on_a_fake_sql_server_before_anything_is_sen
         q.push_batch([{"n": 1}], ttl=30)
     with pytest.raises(NotSupportedError, match=r"time to live.*mssql"):
         dbq.create_queue("quotes", ttl=30)
-    with pytest.raises(NotSupportedError, match=r"ordering per key.*mssql"):
+    with pytest.raises(NotSupportedError, match=r"'events': ordering per key, which the mssql dialect"):
         dbq.create_queue("events", ordering="per_key")
+    with pytest.raises(NotSupportedError, match=r"ordering keys need ordering per key, which the mssql"):
+        q.push({"n": 1}, key="customer-1")
     assert len(fake.executed) == 1
 
 

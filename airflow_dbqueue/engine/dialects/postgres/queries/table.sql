@@ -330,8 +330,11 @@ RETURNING m.id, m.lease_until
 -- The stats of the table design's queues among queue_ids, each as stats gives them, in one pass over meta
 -- and one over done instead of a statement a queue (maintenance's samples and metrics): a queue with no
 -- rows gets zeros. Under row-level security a role counts the rows of the queues it may see, as in stats.
+-- After the oldest age: whether a count is estimated (never here: every row is counted) and the failed
+-- messages that failed by expiry (stats().extra["expired"]).
 SELECT q.queue_id, coalesce(m.ready, 0), coalesce(m.delayed, 0), coalesce(m.in_flight, 0),
-       coalesce(m.failed, 0), coalesce(d.finished, 0), extract(epoch FROM now() - m.oldest)::float8
+       coalesce(m.failed, 0), coalesce(d.finished, 0), extract(epoch FROM now() - m.oldest)::float8,
+       false, coalesce(m.expired, 0)
 FROM {schema}.queues q
 LEFT JOIN (
     SELECT queue_id,
@@ -339,6 +342,7 @@ LEFT JOIN (
            count(*) FILTER (WHERE state = 0 AND process_at > now()) AS delayed,
            count(*) FILTER (WHERE state = 1) AS in_flight,
            count(*) FILTER (WHERE state = 2) AS failed,
+           count(*) FILTER (WHERE state = 2 AND last_error = 'expired') AS expired,
            min(enqueued_at) FILTER (WHERE state = 0 AND process_at <= now()) AS oldest
     FROM {schema}.meta
     WHERE queue_id = ANY (%(queue_ids)s::integer[])
