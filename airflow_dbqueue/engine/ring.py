@@ -63,7 +63,6 @@ from airflow_dbqueue.engine.errors import (
     DatabaseError,
     GroupNotFoundError,
     LockTimeoutError,
-    NotSupportedError,
     QueueFullError,
     RingNumbersSkippedError,
 )
@@ -86,6 +85,7 @@ from airflow_dbqueue.engine.ring_base import (
     RING_MAX_PAYLOAD,
     _first,
     _id,
+    check_ring_push,
 )
 from airflow_dbqueue.engine.ring_batches import RingBatches
 from airflow_dbqueue.engine.ring_groups import RingGroups
@@ -135,28 +135,7 @@ class RingQueue(RingGroups, RingInspect, RingBatches):
         keys: Sequence[str | None] | None = None,
     ) -> list[int]:
         items = list(payloads)
-        if dedup_keys is not None or ttl is not None or keys is not None:
-            what = (
-                "deduplication keys on push are"
-                if dedup_keys is not None
-                else "expiry (ttl) is"
-                if ttl is not None
-                else "ordering per key is"
-            )
-            raise NotSupportedError(
-                f"queue {self.name!r} is a ring: {what} the table design's (docs/limits.md); use a "
-                "table-design queue for it"
-            )
-        if priority != 0:
-            raise ConfigurationError(
-                f"queue {self.name!r} is a ring: FIFO by id, without priorities (got priority={priority}); "
-                "use the table design for priorities"
-            )
-        if delay != 0:
-            raise ConfigurationError(
-                f"queue {self.name!r} is a ring: a push cannot be delayed (got delay={delay}); "
-                "use the table design for delayed messages"
-            )
+        check_ring_push(self.name, priority=priority, delay=delay, dedup_keys=dedup_keys, ttl=ttl, keys=keys)
         if not items:
             return []
         if len(items) > self.capacity:

@@ -17,6 +17,7 @@ from airflow_dbqueue.engine.errors import (
     DatabaseError,
     GroupNotFoundError,
     LeaseExpiredError,
+    NotSupportedError,
     QueueNotFoundError,
 )
 from airflow_dbqueue.engine.models import (
@@ -61,6 +62,41 @@ _delivery = attrgetter("delivery")
 _GROUP_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,62}")
 _ON_LAG_CODE = {OnLag.BLOCK: 0, OnLag.DROP_GROUP: 1}
 log = logging.getLogger("airflow_dbqueue.engine.ring")  # the ring design's one logger, whichever module logs
+
+
+def check_ring_push(
+    name: str,
+    *,
+    priority: int,
+    delay: float,
+    dedup_keys: Sequence[str] | None,
+    ttl: float | None,
+    keys: Sequence[str | None] | None,
+) -> None:
+    """Refuse, before anything is sent, what a push into a ring of either layout cannot do: the table
+    design's push options (deduplication keys, expiry, ordering keys), priorities and delays."""
+    if dedup_keys is not None or ttl is not None or keys is not None:
+        what = (
+            "deduplication keys on push are"
+            if dedup_keys is not None
+            else "expiry (ttl) is"
+            if ttl is not None
+            else "ordering per key is"
+        )
+        raise NotSupportedError(
+            f"queue {name!r} is a ring: {what} the table design's (docs/limits.md); use a "
+            "table-design queue for it"
+        )
+    if priority != 0:
+        raise ConfigurationError(
+            f"queue {name!r} is a ring: FIFO by id, without priorities (got priority={priority}); "
+            "use the table design for priorities"
+        )
+    if delay != 0:
+        raise ConfigurationError(
+            f"queue {name!r} is a ring: a push cannot be delayed (got delay={delay}); "
+            "use the table design for delayed messages"
+        )
 
 
 class RingBase(Queue):

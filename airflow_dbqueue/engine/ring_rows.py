@@ -47,7 +47,7 @@ from airflow_dbqueue.engine.models import (
     messages_from_columns,
 )
 from airflow_dbqueue.engine.queue import COUNT_CAP, RECLAIM_LIMIT, Queue
-from airflow_dbqueue.engine.ring_base import _NOTIFY_CODE
+from airflow_dbqueue.engine.ring_base import _NOTIFY_CODE, check_ring_push
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine.dialects.base import Database, DbConnection
@@ -98,28 +98,7 @@ class RowsRingQueue(Queue):
         keys: Sequence[str | None] | None = None,
     ) -> list[int]:
         items = list(payloads)
-        if dedup_keys is not None or ttl is not None or keys is not None:
-            what = (
-                "deduplication keys on push are"
-                if dedup_keys is not None
-                else "expiry (ttl) is"
-                if ttl is not None
-                else "ordering per key is"
-            )
-            raise NotSupportedError(
-                f"queue {self.name!r} is a ring: {what} the table design's (docs/limits.md); use a "
-                "table-design queue for it"
-            )
-        if priority != 0:
-            raise ConfigurationError(
-                f"queue {self.name!r} is a ring: FIFO by id, without priorities (got priority={priority}); "
-                "use the table design for priorities"
-            )
-        if delay != 0:
-            raise ConfigurationError(
-                f"queue {self.name!r} is a ring: a push cannot be delayed (got delay={delay}); "
-                "use the table design for delayed messages"
-            )
+        check_ring_push(self.name, priority=priority, delay=delay, dedup_keys=dedup_keys, ttl=ttl, keys=keys)
         if not items:
             return []
         if len(items) > ROWS_MAX_BATCH:
@@ -178,6 +157,10 @@ class RowsRingQueue(Queue):
         rows = self._take(n, semantics, conn, "ring_rows_pop")
         if not rows:
             return []
+        return self._messages(rows)
+
+    def _messages(self, rows: Sequence[Sequence[Any]]) -> list[Message]:
+        """Messages from (id, enqueued_at, payload) rows: never leased, so attempts and deliveries 1."""
         ids, enqueued, payloads = zip(*rows, strict=True)
         if self.settings.payload_type is not PayloadType.BYTES:
             payloads = tuple(map(self.settings.decode, payloads))
@@ -265,12 +248,7 @@ class RowsRingQueue(Queue):
         rows = self._db.fetchall("ring_rows_peek", {"queue_id": self._qid, "n": n})
         if not rows:
             return []
-        ids, enqueued, payloads = zip(*rows, strict=True)
-        if self.settings.payload_type is not PayloadType.BYTES:
-            payloads = tuple(map(self.settings.decode, payloads))
-        return messages_from_columns(
-            ids, self.name, payloads, repeat(0), repeat(1), repeat(1), enqueued, repeat(None)
-        )
+        return self._messages(rows)
 
     def count_ready(self, min_priority: int | None = None, cap: int = COUNT_CAP) -> int:
         return min(self.stats().ready, cap)
