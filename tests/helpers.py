@@ -6,18 +6,21 @@
 :func:`drained` says whether a queue has nothing left to deliver. :func:`require` turns a missing
 system requirement into a skip, or into a failure under ``scripts/test``, which installs them all.
 :func:`load_benchmark` imports a script of benchmarks/ to test its own checks. :func:`held_horizon`
-opens a session that holds the xmin horizon, as a report job left idle in its transaction would.
+opens a session that holds the xmin horizon, as a report job left idle in its transaction would;
+:func:`horizon_watch` records what held it while a block ran.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
 import sys
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -108,6 +111,42 @@ def release_horizon(conn: psycopg.Connection[Any], dsn: str, timeout: float = 10
         while probe.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone():
             assert time.monotonic() < deadline, f"session {pid} still open {timeout}s after its close"
             time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def horizon_watch(dsn: str, exclude_pids: Iterable[int] = (), every: float = 0.01) -> Iterator[list[str]]:
+    """Sample, every ``every`` seconds until the block ends, the sessions of ``dsn``'s database (other
+    than ``exclude_pids``) that hold a snapshot or a transaction id, autovacuum's ANALYZE included, and
+    the replication slots and prepared transactions that hold an xmin. Yields the list it fills with
+    one line for each holder seen: a test whose premise is that nothing holds the horizon can tell an
+    expected consequence of a holder from a defect."""
+    seen: list[str] = []
+    stop = threading.Event()
+    skip = [*exclude_pids]
+
+    def sample() -> None:
+        with psycopg.connect(dsn, autocommit=True) as c:
+            while not stop.is_set():
+                rows = c.execute(
+                    "SELECT format('%%s %%s %%s: %%s', backend_type, pid, state, left(query, 80)) "
+                    "FROM pg_stat_activity WHERE pid <> pg_backend_pid() AND pid <> ALL(%s) "
+                    "AND datname = current_database() "
+                    "AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL) "
+                    "UNION ALL SELECT format('slot %%s', slot_name) FROM pg_replication_slots "
+                    "WHERE xmin IS NOT NULL "
+                    "UNION ALL SELECT format('prepared %%s', gid) FROM pg_prepared_xacts",
+                    [skip],
+                ).fetchall()
+                seen.extend(r[0] for r in rows if r[0] not in seen)
+                stop.wait(every)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        t.join(10)
 
 
 def engine_sessions(dsn: str) -> int:
