@@ -732,6 +732,31 @@ def test_an_install_of_a_development_version_is_refused(
         assert run_sql(dbq, "SELECT count(*) FROM {schema}.meta") == [(1,)]
 
 
+def test_an_install_of_another_build_without_a_table_is_refused(
+    pg_dsn: str, new_schema: Callable[[], str]
+) -> None:
+    """An install recorded at this code's schema version that lacks a table this build creates (made by
+    a development tree before the table was added) is refused by install() with a SchemaError that
+    names the table and how to reinstall, and nothing in the schema changes; a call that reads the
+    missing table says install() tells which."""
+    schema = new_schema()
+    fresh_install(pg_dsn, schema)
+    with DbQueue(pg_dsn, schema=schema) as dbq:
+        dbq.create_queue("kept").push({"n": 1})
+        run_sql(dbq, "DROP TABLE {schema}.ring_rows")
+        before = describe_schema(pg_dsn, schema)
+        with pytest.raises(SchemaError) as info:
+            dbq.install()
+        message = str(info.value)
+        assert schema in message and f"schema version {LATEST}" in message, message
+        assert "ring_rows" in message and "another build" in message, message
+        assert "DROP SCHEMA" in message and "Nothing was changed" in message, message
+        assert schema_differences(before, describe_schema(pg_dsn, schema)) == []
+        with pytest.raises(SchemaError, match=r"lacks a table this build uses.*ring_rows"):
+            dbq.create_queue("r", design="ring", layout="rows", capacity=64)
+        assert [m.payload for m in dbq.queue("kept").pop(5)] == [{"n": 1}]
+
+
 # -- upgrades ------------------------------------------------------------------------------------------
 
 

@@ -126,6 +126,21 @@ def refuse_older_schema(schema: str, where: str, current: int) -> None:
         )
 
 
+def refuse_incomplete_schema(schema: str, where: str, version: int, missing: Iterable[str]) -> None:
+    """Raise :class:`SchemaError` when an install recorded at this code's schema version lacks tables
+    this code's ``schema.sql`` creates: it was made by another build of the same version (a
+    development tree), and this code would fail at the first statement that reads a missing table."""
+    names = sorted(missing)
+    if names:
+        raise SchemaError(
+            f"schema {schema!r} at {where} holds an install at schema version {version} without the "
+            f"table(s) {', '.join(names)} that this build of airflow-dbqueue creates at that version: it "
+            "was installed by another build (a development tree). Nothing was changed. Reinstall: "
+            "uninstall it with the build that made it (DbQueue.uninstall()), or drop the schema with "
+            "everything in it (DROP SCHEMA ... CASCADE), then install again"
+        )
+
+
 def refuse_newer_schema(schema: str, where: str, current: int, latest: int) -> None:
     """Raise :class:`SchemaError` when an installed schema is newer than this code knows (installs
     and migrations never downgrade or touch it)."""

@@ -88,9 +88,11 @@ def translate(exc: Exception, *, schema: str, where: str, connect_timeout: float
             f"(run install(), or `dbqueue init`): {exc.diag.message_primary}"
         )
     if isinstance(exc, psycopg.errors.UndefinedTable):
+        # Either no install, or one made by another build of the same schema version that lacks a
+        # table this code reads: install() tells the two apart and names what is missing.
         return SchemaError(
-            f"the dbqueue schema {schema!r} is not installed at {where} "
-            f"(run install(), or `dbqueue init`): {exc.diag.message_primary}"
+            f"the dbqueue schema {schema!r} is not installed at {where}, or lacks a table this build "
+            f"uses (run install(), or `dbqueue init`, which says which): {exc.diag.message_primary}"
         )
     # Deadlocks, lock and statement timeouts are OperationalErrors to psycopg, but the server is
     # fine: they must not read as "unreachable" (nor make connection() discard the pool).

@@ -24,6 +24,7 @@ from airflow_dbqueue.engine.dialects.ownership import (
     digest,
     engine_objects,
     refuse_foreign_objects,
+    refuse_incomplete_schema,
     refuse_newer_schema,
     refuse_older_schema,
     release_migrations,
@@ -41,6 +42,11 @@ def schema_sql() -> tuple[int, str]:
     """Return ``(version, sql)`` of the tables, indexes and sequences of a fresh install."""
     text = read_text(_PKG, "schema.sql")
     return declared_version(text, "schema.sql"), parse_named_queries(text)["schema"]
+
+
+def schema_tables() -> frozenset[str]:
+    """The tables ``schema.sql`` creates in the schema (the partitions its functions add are not)."""
+    return frozenset(n for k, n in engine_objects(read_text(_PKG, "schema.sql")) if k == "table")
 
 
 def policies_sql() -> str:
@@ -106,6 +112,9 @@ class PostgresSchema(_Base):
             current = self._installed_version(c)
             refuse_newer_schema(self.schema, self.where, current, latest)
             refuse_older_schema(self.schema, self.where, current)
+            if current == latest:
+                present = {o.name for o in self._objects(c) if o.kind == "table"}
+                refuse_incomplete_schema(self.schema, self.where, current, schema_tables() - present)
             applied = self._fetch_one(c, "functions_applied") if current else None
             if current == latest and applied == sha:
                 return latest
