@@ -57,7 +57,7 @@ class RingInspect(RingBase):
     ) -> tuple[int, tuple[int, int] | None]:
         with self._or_gone():
             row = self._db.fetchone("ring_ready_head", self._readiness_params(cap))
-        if row is None or row[1] is None:
+        if row is None or (row[1] is None and not row[3]):  # an empty ring that was dropped
             self._raise_if_gone()
         return self._readiness_row(row, min_priority)
 

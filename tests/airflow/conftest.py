@@ -134,25 +134,13 @@ def event_log_text(server: LocalConnectServer) -> str:
 def trigger_is_waiting(dsn: str) -> bool:
     """Whether a DbQueueTrigger's checking connection sits idle after a readiness check (so it waits).
 
-    A check's last statement is the readiness query (``head_deliveries``), except on a ring with
-    nothing ready, whose check then looks the queue up (``get_queue``) to tell an empty ring from a
-    dropped one: the trigger waits after that lookup. The lookup is also how the trigger opens its
-    queue before its first check, so it counts only once it follows the trigger's LISTEN (which comes
-    between the opening and the first check); a ring watched without LISTEN is seen only in the
-    instant between its check's two statements.
+    A check's last statement is the readiness query (``head_deliveries``) on either design: on an empty
+    ring the same statement also tells an empty ring from a dropped one.
     """
     with psycopg.connect(dsn, autocommit=True) as c:
         row = c.execute(
-            """
-            SELECT count(*) FROM pg_stat_activity a
-            WHERE a.application_name = %(app)s AND a.state = 'idle'
-              AND (a.query LIKE '%%head_deliveries%%'
-                   OR (a.query LIKE '%%FROM %%.queues q WHERE name = %%'
-                       AND EXISTS (SELECT 1 FROM pg_stat_activity l
-                                   WHERE l.application_name = %(app)s || '-listen'
-                                     AND l.state = 'idle' AND l.query LIKE 'LISTEN%%'
-                                     AND l.state_change <= a.query_start)))
-            """,
+            "SELECT count(*) FROM pg_stat_activity a WHERE a.application_name = %(app)s "
+            "AND a.state = 'idle' AND a.query LIKE '%%head_deliveries%%'",
             {"app": "airflow-dbqueue-trigger"},
         ).fetchone()
     return bool(row and row[0])

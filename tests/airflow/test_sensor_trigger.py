@@ -78,7 +78,7 @@ def wait_until_waiting(dsn: str, timeout: float = 60.0) -> None:
 @pytest.mark.parametrize("design", ["table", "ring"])
 def test_a_trigger_between_checks_is_seen_waiting(airflow_conn: str, dbq: DbQueue, design: str) -> None:
     """The tests' ``trigger_is_waiting`` sees a trigger between its checks on either design, not only in
-    an instant of them: on an empty ring a check ends with the queue's lookup, not the readiness query."""
+    an instant of them: on an empty ring too, a check is its one readiness query."""
     dbq.create_queue("idle", **({"design": "ring", "capacity": 16} if design == "ring" else {}))
     assert not trigger_is_waiting(dbq.db.dsn)
     runner = Runner(DbQueueTrigger(queue_name="idle", poll_interval=0.2, rearm=False))

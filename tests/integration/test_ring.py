@@ -28,6 +28,7 @@ from psycopg import sql
 from airflow_dbqueue.engine import (
     ConfigurationError,
     DbQueue,
+    GroupNotFoundError,
     LeaseExpiredError,
     LockTimeoutError,
     QueueFullError,
@@ -792,6 +793,30 @@ def _hot_ring_run(pg_dsn: str, dbq: DbQueue, name: str) -> tuple[str, list[str]]
             return "", holders
         one.drop_queue(name)
         return f"{first} to {last} bytes, {hot} of {upd} updates HOT", holders
+
+
+def test_readiness_tells_an_empty_ring_from_a_dropped_one_in_one_statement(
+    dbq: DbQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An observer's look at an empty ring (the trigger's, on every wake) is one statement; the same
+    look at a dropped ring or group raises QueueNotFoundError or GroupNotFoundError."""
+    q = ring(dbq, "looked", 8)
+    g = q.add_group("side")
+    sent: list[str] = []
+    real = q._db.fetchone
+    monkeypatch.setattr(q._db, "fetchone", lambda name, *a, **k: sent.append(name) or real(name, *a, **k))
+    assert (q.readiness(), g.readiness()) == ((0, None), (0, None))
+    assert sent == ["ring_ready_head", "ring_ready_head"]
+    ids = q.push_batch(["a", "b"])
+    assert (q.readiness(), g.readiness()) == ((2, (ids[0], 0)), (2, (ids[0], 0)))
+    assert [m.payload for m in g.pop(5)] == ["a", "b"]
+    assert q.drop_group("side") is True
+    with pytest.raises(GroupNotFoundError, match="side"):
+        g.readiness()
+    assert [m.payload for m in q.pop(5)] == ["a", "b"]
+    assert dbq.drop_queue("looked")
+    with pytest.raises(QueueNotFoundError, match="'looked'"):
+        q.readiness()
 
 
 def test_a_handle_of_a_dropped_ring_raises_queue_not_found_and_writes_nothing(dbq: DbQueue) -> None:

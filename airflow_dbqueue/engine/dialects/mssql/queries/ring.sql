@@ -196,7 +196,13 @@ SELECT CASE WHEN x.ready > %(cap)s THEN %(cap)s ELSE x.ready END FROM (SELECT
 -- keeps its deliveries, and a ring_leases row's lowest message is its lo, delivered once), then the
 -- lanes' messages in id order.
 SELECT CASE WHEN x.ready > %(cap)s THEN %(cap)s ELSE x.ready END AS ready, h.r_id AS head_id,
-       h.r_deliveries AS head_deliveries
+       h.r_deliveries AS head_deliveries,
+       -- alive: the ring and the group still exist (a queue id and a gid are never used twice), so
+       -- that an observer tells an empty ring from a dropped one in this one trip.
+       CASE WHEN EXISTS (SELECT 1 FROM {schema}.queues q WHERE q.queue_id = %(queue_id)s)
+             AND (%(group)s = %(queue_id)s
+                  OR EXISTS (SELECT 1 FROM {schema}.ring_groups g WHERE g.gid = %(group)s))
+            THEN 1 ELSE 0 END AS alive
 FROM (SELECT
     (SELECT count(*) FROM (
         SELECT TOP (%(cap)s) 1 AS one FROM {schema}.ring_ready(%(queue_id)s, %(group)s) WHERE r_due <= SYSUTCDATETIME()) s)

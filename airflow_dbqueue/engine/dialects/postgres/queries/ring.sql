@@ -198,7 +198,13 @@ SELECT least(%(cap)s::bigint,
        WHERE t.queue_id = %(group)s AND t.state = 2 AND t.due_at <= now() AND t.attempts < %(max_attempts)s)
     + (SELECT coalesce(sum(e.n), 0) FROM {schema}.ring_leases e
        WHERE e.queue_id = %(group)s AND e.lease_until <= now() AND %(max_attempts)s > 1)) AS ready,
-    h.r_id AS head_id, h.r_deliveries AS head_deliveries
+    h.r_id AS head_id, h.r_deliveries AS head_deliveries,
+    -- alive: the ring and the group still exist (a queue id and a gid are never used twice), so that
+    -- an observer tells an empty ring from a dropped one in this one trip. (The tests find a trigger's
+    -- check by head_deliveries in pg_stat_activity, which keeps the first 1 kB of a statement.)
+    EXISTS (SELECT 1 FROM {schema}.queues q WHERE q.queue_id = %(queue_id)s)
+      AND (%(group)s = %(queue_id)s OR EXISTS (SELECT 1 FROM {schema}.ring_groups g WHERE g.gid = %(group)s))
+      AS alive
 FROM (SELECT 1) one
 LEFT JOIN LATERAL (
     SELECT c.r_id, c.r_deliveries FROM (
