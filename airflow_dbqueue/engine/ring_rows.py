@@ -19,9 +19,26 @@ stops there. A push takes its transaction id before its row number, so once ever
 running when the gap was first seen has ended, the row can never be written: an empty pop, a full push
 and :meth:`RowsRingQueue.maintain` then give it up (the lane's position passes it).
 
-Not built yet, each refused with :class:`NotSupportedError` naming the layout: pops at least once
-(leases, acks, nacks, redelivery, the failed state), consumer groups besides the default one, batches,
-and per-queue grants (the ring's tables are the schema owner's).
+At least once, with the slots layout's guarantees and only inserts: a pop also inserts one lease row in
+the segment of its first message (its first and last ids, each moved lane's taken range, its end and
+consumer), and the ack of that whole pop inserts one row naming the lease in a log beside it (its key
+makes a second ack, or a reclaim, of the same lease write nothing). Anything else (an ack or nack of part
+of a pop, a nack, an expired lease) first splits the lease: a done row for it and one row a message in
+the retry log of the message's segment, leased as before; every later change of a message's delivery
+state is a new row there, the newest (highest ``ver``, the log's key with the id, so two changes from the
+same state cannot both be written) being its state: ready from a time, leased until a time, finished or
+failed. Pops serve ready ones first, in id order, before the lanes' (looking only while a segment live
+now has had one written in it, which a sequence records), leasing them again with attempts and
+deliveries one higher; after ``max_attempts`` a message is copied with its payload to the schema's
+``ring_failed``. A receipt whose lease is gone makes ack and nack raise :class:`LeaseExpiredError`,
+writing nothing. Expired leases are reclaimed by pops (at most every ``reclaim_every``) and
+:meth:`RowsRingQueue.maintain`. A segment is emptied only when every lane is past it, none of its leases
+is open, none of its messages is to be delivered again or leased again, and the segment before it was
+emptied (a lease may run into the next segment).
+
+Not built yet, each refused with :class:`NotSupportedError` naming the layout: consumer groups besides
+the default one, batches (and ``leased()``), and per-queue grants (the ring's tables are the schema
+owner's).
 """
 
 from __future__ import annotations
@@ -62,7 +79,8 @@ _GAP_CHECK_EVERY_S = 0.05
 
 
 class RowsRingQueue(Queue):
-    """A ring of the rows layout (see the module). At most once and exactly once only, for now."""
+    """A ring of the rows layout (see the module): at most, at least and exactly once; no groups or
+    batches."""
 
     def __init__(self, db: Database, settings: QueueSettings) -> None:
         super().__init__(db, settings)

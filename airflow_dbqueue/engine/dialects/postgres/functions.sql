@@ -1913,6 +1913,15 @@ $$;
 -- lock_timeout, in a transaction of its own) once every lane is past it, labels it, and pushes again.
 -- Nothing on the hot path or in a rotation updates or deletes a row.
 --
+-- At least once: a pop inserts a lease row (rl_k, the segment of its first message: its first and last
+-- ids, each moved lane's taken range [start, end), its end), and an ack of that whole pop a done row
+-- naming it (rd_k, keyed by the lease, so it is closed once). An open lease is one without a done row.
+-- A lease is split (closed, and each of its messages given a row leased as before) before some of its
+-- messages are acked, nacked or reclaimed alone; a message's delivery state is then its newest row in
+-- the retry log of its segment (rr_k, keyed (id, ver): each change writes ver + 1, so two changes from
+-- one state cannot both be written). A rotation empties a segment only when no open lease and no
+-- message ready or leased again is left in it, and the segment before it was emptied first.
+--
 -- Each ring has its own tables, sequences and functions (TRUNCATE needs tables of its own), named
 -- ring_<queue_id>_r*, made from the template below by ring_rows_create and dropped by ring_rows_drop;
 -- the functions below without a number call them (one planned call of a trivial statement: the ring's
@@ -2194,9 +2203,10 @@ BEGIN
 END
 $b$
 @;
--- Pop up to p_n messages in the caller's transaction (at most once; exactly once in the caller's
--- transaction). Lanes with a row to take are locked lowest position first (try-locks: concurrent pops
--- take different lanes), up to p_n of them; p_wait: when others hold every such lane, wait for the
+-- Pop up to p_n messages in the caller's transaction: at least once (p_lease: one lease row until
+-- now + p_vt), or at most once (exactly once in the caller's transaction). Messages due again first
+-- (@Pagain), then the lanes'. Lanes with a row to take are locked lowest position first (try-locks:
+-- concurrent pops take different lanes), up to the messages still wanted; p_wait: when others hold every such lane, wait for the
 -- lowest one (at most the lock_timeout, 1 s). The positions are read again after the locks, in a
 -- statement of their own: a statement that locked a lane and read its position would read it as it was
 -- before a pop that released the lane committed. The rows of the held lanes are then taken in row
