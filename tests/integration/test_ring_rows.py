@@ -501,3 +501,20 @@ def test_held_horizon_at_least_once_writes_no_dead_tuple(dbq: DbQueue) -> None:
         c[2] + c[3] for name, c in slot_counts.items() if name in ("ring_leases", "ring_retry")
     )
     assert slots_changed > 0, slot_counts
+
+
+def test_a_pop_at_most_once_takes_a_message_due_again_first(dbq: DbQueue) -> None:
+    """A nacked message is delivered again before the messages never delivered, whatever the next pop's
+    semantics: at most once it is then finished (attempt 2), and never comes out again."""
+    q = rows_ring(dbq, capacity=64, lanes=2, retry_backoff=0, retry_backoff_max=0)
+    sent = [{"m": i} for i in range(5)]
+    ids = q.push_batch(sent)
+    first = q.pop(2, semantics="at-least-once")
+    assert q.ack(first[1:]) == 1
+    assert q.nack(first[:1]) == 1
+    got = q.pop(10)
+    assert [(m.id, m.attempts) for m in got] == [(ids[0], 2), *((i, 1) for i in ids[2:])]
+    assert q.pop(10, semantics="at-least-once") == []
+    assert checksum([*(m.payload for m in got), first[1].payload]) == checksum(sent)
+    s = q.stats()
+    assert (s.ready, s.delayed, s.in_flight, s.failed) == (0, 0, 0, 0)
