@@ -518,3 +518,46 @@ def test_a_pop_at_most_once_takes_a_message_due_again_first(dbq: DbQueue) -> Non
     assert checksum([*(m.payload for m in got), first[1].payload]) == checksum(sent)
     s = q.stats()
     assert (s.ready, s.delayed, s.in_flight, s.failed) == (0, 0, 0, 0)
+
+
+def test_parts_of_one_pop_settled_at_once_from_two_threads(dbq: DbQueue) -> None:
+    """Two threads settle the two halves of one pop at the same moment, one acking and one nacking, 30
+    times: each split of the lease waits for the other's, and both settles count their half (neither is
+    refused as lost); the nacked halves come out again once, and every message is acked once."""
+    q = rows_ring(dbq, capacity=256, lanes=2, retry_backoff=0, retry_backoff_max=0)
+    sent = [{"r": r, "i": i} for r in range(30) for i in range(10)]
+    done: list[Any] = []
+    errors: list[str] = []
+    for r in range(30):
+        q.push_batch(sent[10 * r : 10 * r + 10])
+        got = q.pop(10, semantics="at-least-once")
+        assert len(got) == 10
+        start = threading.Barrier(2)
+        counts: list[int] = []
+
+        def settle(part: list[Any], nack: bool, start: threading.Barrier, counts: list[int]) -> None:
+            try:
+                start.wait(10)
+                counts.append(q.nack(part) if nack else q.ack(part))
+            except BaseException:
+                errors.append(traceback.format_exc())
+
+        threads = [
+            threading.Thread(target=settle, args=(got[:5], False, start, counts)),
+            threading.Thread(target=settle, args=(got[5:], True, start, counts)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors[0]
+        assert counts == [5, 5]
+        done += got[:5]
+        again = q.pop(10, semantics="at-least-once")
+        assert [(m.id, m.attempts) for m in again] == [(m.id, 2) for m in got[5:]]
+        assert q.ack(again) == 5
+        done += again
+    assert sorted(m.id for m in done) == sorted({m.id for m in done}) and len(done) == 300
+    assert checksum(m.payload for m in done) == checksum(sent)
+    s = q.stats()
+    assert (s.ready, s.delayed, s.in_flight, s.failed) == (0, 0, 0, 0)
