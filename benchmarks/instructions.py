@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Server instructions a message: what each side of a queue costs PostgreSQL, counted, not timed.
 
-    python benchmarks/instructions.py [--design ring table] [--batch 1 100 1000] [--json]
+    python benchmarks/instructions.py [--design ring table ring-rows] [--batch 1 100 1000] [--json]
         [--client] [--semantics at-least-once [--archive]]
 
 ``run.py`` and ``cost.py`` time what they measure, so on a shared machine their figures move with
@@ -497,6 +497,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             max_payload_bytes=max(args.payload_bytes, 16),
                             notify="never",
                         )
+                    elif design == "ring-rows":  # capacity in pushes: room for every session's, no rotation
+                        dbq.create_queue(
+                            QUEUE,
+                            design="ring",
+                            layout="rows",
+                            capacity=max(1024, 4 * (8 * calls // 4 + 1)),
+                            payload_type="bytes",
+                            max_payload_bytes=max(args.payload_bytes, 16),
+                            notify="never",
+                        )
                     else:
                         dbq.create_queue(
                             QUEUE,
@@ -595,7 +605,13 @@ def table(results: list[dict[str, Any]]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--design", nargs="+", choices=("ring", "table"), default=["ring", "table"])
+    ap.add_argument(
+        "--design",
+        nargs="+",
+        choices=("ring", "table", "ring-rows"),
+        default=["ring", "table"],
+        help="ring-rows: a ring of the rows layout (create_queue(layout='rows'))",
+    )
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 100, 1000])
     ap.add_argument(
         "--calls", type=int, default=0, help="calls of the short session (default 40 at batch 1, else 4)"

@@ -177,12 +177,40 @@ def expire_leases(dbq: DbQueue, ids: Iterable[int], q: Queue | None = None) -> N
     ``q`` the due time of their leased retry rows. Without ``q``, the ids are table-design messages."""
     design = "ring" if q is not None and q.settings.design == "ring" else "table"
     params: dict[str, Any] = {"ids": list(ids)}
+    if q is not None and q.settings.layout == "rows":
+        _expire_rows_leases(dbq, q.settings.queue_id, params)
+        return
     if design == "ring":
         assert q is not None
         params.update(queue_id=q.settings.queue_id, capacity=q.settings.capacity, lanes=q.settings.lanes)
         params["group"] = getattr(q, "_gid", q.settings.queue_id)
         run_sql(dbq, SPLIT_SQL[dbq.dialect], params)
     run_sql(dbq, EXPIRE_SQL[dbq.dialect, design], params)
+
+
+def _expire_rows_leases(dbq: DbQueue, queue_id: int, params: dict[str, Any]) -> None:
+    """:func:`expire_leases` on a ring of the rows layout: its leases holding any of the ids are split (its
+    own function ``ring_<id>_rsplit``, as a partial ack would), and the newest row of each id in its retry
+    log, leased now, is given an end in the past (an UPDATE, which the engine itself never makes)."""
+    own = {"split": f"ring_{queue_id}_rsplit", "leases": f"ring_{queue_id}_rl"}
+    run_sql(
+        dbq,
+        "SELECT {schema}.{split}(ARRAY(SELECT DISTINCT e.lo FROM {schema}.{leases} e "
+        "CROSS JOIN unnest(%(ids)s::bigint[]) i(id) WHERE i.id BETWEEN e.lo AND e.hi "
+        "AND e.starts[(i.id >> 16) %% cardinality(e.starts) + 1] <= i.id "
+        "AND i.id < e.ends[(i.id >> 16) %% cardinality(e.starts) + 1]))",
+        params,
+        identifiers=own,
+    )
+    for k in range(4):
+        run_sql(
+            dbq,
+            "UPDATE {schema}.{log} r SET due_at = now() - interval '1 second' "
+            "WHERE r.id = ANY(%(ids)s) AND r.state = 2 "
+            "AND r.ver = (SELECT max(x.ver) FROM {schema}.{log} x WHERE x.id = r.id)",
+            params,
+            identifiers={"log": f"ring_{queue_id}_rr{k}"},
+        )
 
 
 class ResultsTable:

@@ -19,9 +19,26 @@ stops there. A push takes its transaction id before its row number, so once ever
 running when the gap was first seen has ended, the row can never be written: an empty pop, a full push
 and :meth:`RowsRingQueue.maintain` then give it up (the lane's position passes it).
 
-Not built yet, each refused with :class:`NotSupportedError` naming the layout: pops at least once
-(leases, acks, nacks, redelivery, the failed state), consumer groups besides the default one, batches,
-and per-queue grants (the ring's tables are the schema owner's).
+At least once, with the slots layout's guarantees and only inserts: a pop also inserts one lease row in
+the segment of its first message (its first and last ids, each moved lane's taken range, its end and
+consumer), and the ack of that whole pop inserts one row naming the lease in a log beside it (its key
+makes a second ack, or a reclaim, of the same lease write nothing). Anything else (an ack or nack of part
+of a pop, a nack, an expired lease) first splits the lease: a done row for it and one row a message in
+the retry log of the message's segment, leased as before; every later change of a message's delivery
+state is a new row there, the newest (highest ``ver``, the log's key with the id, so two changes from the
+same state cannot both be written) being its state: ready from a time, leased until a time, finished or
+failed. Pops serve ready ones first, in id order, before the lanes' (looking only while a segment live
+now has had one written in it, which a sequence records), leasing them again with attempts and
+deliveries one higher; after ``max_attempts`` a message is copied with its payload to the schema's
+``ring_failed``. A receipt whose lease is gone makes ack and nack raise :class:`LeaseExpiredError`,
+writing nothing. Expired leases are reclaimed by pops (at most every ``reclaim_every``) and
+:meth:`RowsRingQueue.maintain`. A segment is emptied only when every lane is past it, none of its leases
+is open, none of its messages is to be delivered again or leased again, and the segment before it was
+emptied (a lease may run into the next segment).
+
+Not built yet, each refused with :class:`NotSupportedError` naming the layout: consumer groups besides
+the default one, batches (and ``leased()``), and per-queue grants (the ring's tables are the schema
+owner's).
 """
 
 from __future__ import annotations
@@ -35,23 +52,25 @@ from airflow_dbqueue.engine.bridge import pause as pause_for
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     DatabaseError,
+    LeaseExpiredError,
     NotSupportedError,
     QueueFullError,
     QueueNotFoundError,
     SchemaError,
 )
 from airflow_dbqueue.engine.models import (
+    FailedMessage,
     PayloadType,
     QueueStats,
     Semantics,
     messages_from_columns,
 )
-from airflow_dbqueue.engine.queue import COUNT_CAP, RECLAIM_LIMIT, Queue
-from airflow_dbqueue.engine.ring_base import _NOTIFY_CODE, check_ring_push
+from airflow_dbqueue.engine.queue import COUNT_CAP, RECLAIM_LIMIT, Queue, check_seconds
+from airflow_dbqueue.engine.ring_base import _NOTIFY_CODE, _SETTLE_ACK, check_ring_push
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine.dialects.base import Database, DbConnection
-    from airflow_dbqueue.engine.models import FailedMessage, Message, QueueSettings
+    from airflow_dbqueue.engine.models import Message, QueueSettings
 
 ROWS_MAX_BATCH = 65535
 """Most messages one push of the rows layout holds: a message's place in its row is the low 16 bits
@@ -60,7 +79,8 @@ _GAP_CHECK_EVERY_S = 0.05
 
 
 class RowsRingQueue(Queue):
-    """A ring of the rows layout (see the module). At most once and exactly once only, for now."""
+    """A ring of the rows layout (see the module): at most, at least and exactly once; no groups or
+    batches."""
 
     def __init__(self, db: Database, settings: QueueSettings) -> None:
         super().__init__(db, settings)
@@ -77,6 +97,7 @@ class RowsRingQueue(Queue):
         # has ended is a gap.
         self._seen: tuple[int | None, int | None] = (None, None)
         self._gaps_checked = 0.0
+        self._last_reclaim = 0.0
 
     def _unsupported(self, what: str) -> NotSupportedError:
         return NotSupportedError(
@@ -154,31 +175,49 @@ class RowsRingQueue(Queue):
     def _pop_once(
         self, n: int, semantics: Semantics, vt: float, consumer: str, conn: DbConnection | None
     ) -> list[Message]:
-        rows = self._take(n, semantics, conn, "ring_rows_pop")
+        params = {
+            "queue_id": self._qid,
+            "n": n,
+            "lease": semantics is Semantics.AT_LEAST_ONCE,
+            "visibility_timeout_s": vt,
+            "consumer": consumer,
+        }
+        rows = self._take(params, conn, "ring_rows_take")
         if not rows:
             return []
         return self._messages(rows)
 
     def _messages(self, rows: Sequence[Sequence[Any]]) -> list[Message]:
-        """Messages from (id, enqueued_at, payload) rows: never leased, so attempts and deliveries 1."""
-        ids, enqueued, payloads = zip(*rows, strict=True)
+        """Messages from (id, attempts, deliveries, enqueued_at, lease_until, payload) rows, or from
+        (id, enqueued_at, payload) rows of messages never leased (peek)."""
+        if len(rows[0]) == 3:
+            ids, enqueued, payloads = zip(*rows, strict=True)
+            attempts: Iterable[int] = repeat(1)
+            deliveries: Iterable[int] = repeat(1)
+            until: Iterable[Any] = repeat(None)
+        else:
+            ids, attempts, deliveries, enqueued, until, payloads = zip(*rows, strict=True)
         if self.settings.payload_type is not PayloadType.BYTES:
             payloads = tuple(map(self.settings.decode, payloads))
         return messages_from_columns(
-            ids, self.name, payloads, repeat(0), repeat(1), repeat(1), enqueued, repeat(None)
+            ids, self.name, payloads, repeat(0), attempts, deliveries, enqueued, until
         )
 
     def _pop_payloads_once(self, n: int, semantics: Semantics, conn: DbConnection | None) -> list[Any]:
-        return self.settings.decode_first_column(self._take(n, semantics, conn, "ring_rows_pop_payloads"))
+        rows = self._take({"queue_id": self._qid, "n": n}, conn, "ring_rows_pop_payloads")
+        return self.settings.decode_first_column(rows)
 
-    def _take(
-        self, n: int, semantics: Semantics, conn: DbConnection | None, query: str
-    ) -> list[tuple[Any, ...]]:
-        if semantics is Semantics.AT_LEAST_ONCE:
-            raise self._unsupported("pops at least once (leases, ack, nack, redelivery)")
+    def _take(self, params: dict[str, Any], conn: DbConnection | None, query: str) -> list[tuple[Any, ...]]:
+        # Every pop reclaims expired leases first (at most every reclaim_every), whatever its semantics:
+        # a message leased by a consumer that died comes back even if only other consumers pop. In the
+        # caller's transaction (conn), the reclaim joins it.
+        now = time.monotonic()
+        if now - self._last_reclaim >= self.reclaim_every:
+            self._last_reclaim = now
+            self._reclaim(RECLAIM_LIMIT, conn)
         # wait: when other pops hold every lane with messages, wait for one (not in a caller's
         # transaction, which may hold lanes of its own).
-        params = {"queue_id": self._qid, "n": n, "wait": conn is None}
+        params["wait"] = conn is None
         try:
             rows = self._db.fetchall(query, params, conn)
             if not rows and conn is None and self._give_up_gaps():
@@ -210,10 +249,25 @@ class RowsRingQueue(Queue):
         if row is None or row[0] != self._qid:
             raise QueueNotFoundError(self.name, self._db.schema) from None
 
-    # -- finish: nothing is leased under this layout yet --------------------------------------------
+    # -- finish: ack, nack, reclaim ------------------------------------------------------------------
+
+    def _receipt_params(self, messages: Sequence[Message]) -> dict[str, Any]:
+        receipts = list(dict.fromkeys((m.id, m.delivery) for m in messages))  # each receipt once, in order
+        return {
+            "queue_id": self._qid,
+            "ids": [r[0] for r in receipts],
+            "deliveries": [r[1] for r in receipts],
+        }
 
     def ack(self, messages: Sequence[Message], *, conn: DbConnection | None = None) -> int:
-        raise self._unsupported("ack (nothing is leased: pops at least once are not built)")
+        params = self._receipt_params(messages)
+        if not params["ids"]:
+            return 0
+        # The usual ack names one whole lease (the messages of one pop): one done row closes it.
+        row = self._db.fetchone("ring_rows_ack", params, conn)
+        if row is not None and row[0] == len(params["ids"]):
+            return len(params["ids"])
+        return self._settle({**params, **_SETTLE_ACK}, conn)
 
     def nack(
         self,
@@ -223,21 +277,48 @@ class RowsRingQueue(Queue):
         error: str | None = None,
         conn: DbConnection | None = None,
     ) -> int:
-        raise self._unsupported("nack (nothing is leased: pops at least once are not built)")
+        if delay is not None:
+            delay = check_seconds(f"queue {self.name!r}: nack delay", delay)
+        params = self._receipt_params(messages)
+        if not params["ids"]:
+            return 0
+        params.update(
+            nack=True,
+            delay_s=None if delay is None else float(delay),
+            backoff_s=self.settings.retry_backoff_s,
+            backoff_max_s=self.settings.retry_backoff_max_s,
+            max_attempts=self.settings.max_attempts,
+            error=error,
+        )
+        return self._settle(params, conn)
+
+    def _settle(self, params: dict[str, Any], conn: DbConnection | None) -> int:
+        """Ack or nack receipts all or nothing; raise :class:`LeaseExpiredError` naming the receipts
+        whose lease was lost (nothing written then)."""
+        done = self._db.fetchall("ring_rows_settle", params, conn)
+        if len(done) != len(params["ids"]):
+            held = set(self._db.fetchall("ring_rows_held", params, conn))
+            lost = [i for i, d in zip(params["ids"], params["deliveries"], strict=True) if (i, d) not in held]
+            raise LeaseExpiredError(self.name, lost or list(params["ids"]))
+        return len(done)
 
     def reclaim_expired(self, limit: int = RECLAIM_LIMIT) -> int:
-        """Nothing to reclaim: this layout leases nothing (yet)."""
-        return 0
+        return self._reclaim(limit, None)
+
+    def _reclaim(self, limit: int, conn: DbConnection | None) -> int:
+        params = {"queue_id": self._qid, "max_attempts": self.settings.max_attempts, "limit": limit}
+        return len(self._db.fetchall("ring_rows_reclaim", params, conn))
 
     def maintain(self, *, limit: int = RECLAIM_LIMIT) -> dict[str, int]:
-        """Give up the gaps proven since the last call and rotate in the next segment when every lane
-        has passed the one it holds, so that pushes find it empty."""
+        """Reclaim expired leases, give up the gaps proven since the last call, and rotate in the next
+        segment when nothing needs the one it holds any more, so that pushes find it empty."""
+        reclaimed = self.reclaim_expired(limit)
         skipped = self._give_up_gaps(force=True)
         row = self._db.fetchone("ring_rows_rotate_ahead", {"queue_id": self._qid})
         if row is not None and row[0] is not None:
             self._db.execute("ring_rows_label", {"queue_id": self._qid, "gen": row[0]})
         return {
-            "reclaimed": 0,
+            "reclaimed": reclaimed,
             "gaps_skipped": skipped,
             "rotated_ahead": int(row is not None and row[0] is not None),
         }
@@ -254,32 +335,56 @@ class RowsRingQueue(Queue):
         return min(self.stats().ready, cap)
 
     def stats(self, *, exact: bool = False) -> QueueStats:
-        row = self._db.fetchone("ring_rows_stats", {"queue_id": self._qid})
+        row = self._db.fetchone("ring_rows_depth", {"queue_id": self._qid})
         if row is None:
             raise QueueNotFoundError(self.name, self._db.schema)
-        ready, oldest_age, rows, gens = row
+        ready, delayed, in_flight, failed, oldest_age, rows, gens = row
         return QueueStats(
             queue=self.name,
             ready=int(ready),
-            delayed=0,
-            in_flight=0,
-            failed=0,
+            delayed=int(delayed),
+            in_flight=int(in_flight),
+            failed=int(failed),
             finished=0,
             oldest_ready_age_s=None if oldest_age is None else float(oldest_age),
             extra={"layout": "rows", "rows_held": int(rows), "segment_generations": list(gens)},
         )
 
     def list_failed(self, limit: int = 100, after_id: int = 0) -> list[FailedMessage]:
-        """None: a message fails only after deliveries at least once, which this layout has not yet."""
-        return []
+        """Failed messages by id, after ``after_id``; the default lists from the first (this layout's
+        first message has the id 0, which the default includes)."""
+        after = -1 if after_id == 0 else after_id
+        rows = self._db.fetchall(
+            "ring_list_failed", {"queue_id": self._qid, "after_id": after, "limit": limit, "group": self._qid}
+        )
+        decode = self.settings.decode
+        return [
+            FailedMessage(
+                id=r[0],
+                queue=self.name,
+                priority=0,
+                attempts=r[1],
+                enqueued_at=r[2],
+                last_error=r[3],
+                payload=decode(r[4]),
+            )
+            for r in rows
+        ]
 
     def requeue_failed(self, ids: Sequence[int] | None = None) -> int:
-        """Nothing to requeue (see :meth:`list_failed`)."""
-        return 0
+        """Push failed messages again, oldest first, with a fresh attempt count and new ids (their old
+        rows are gone with their segments), in pushes of at most :data:`ROWS_MAX_BATCH`."""
+        params = {"queue_id": self._qid, "all": ids is None, "ids": list(ids or []), "group": self._qid}
+        with self._db.transaction() as conn:
+            rows = sorted(self._db.fetchall("ring_take_failed", params, conn))
+            payloads = [bytes(r[1]) for r in rows]
+            for first in range(0, len(payloads), ROWS_MAX_BATCH):
+                self._push_rows(payloads[first : first + ROWS_MAX_BATCH], conn)
+        return len(rows)
 
     def delete_failed(self, ids: Sequence[int] | None = None) -> int:
-        """Nothing to delete (see :meth:`list_failed`)."""
-        return 0
+        params = {"queue_id": self._qid, "all": ids is None, "ids": list(ids or []), "group": self._qid}
+        return len(self._db.fetchall("ring_delete_failed", params))
 
     # -- consumer groups: the default one only ---------------------------------------------------------
 

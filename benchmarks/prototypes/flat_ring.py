@@ -12,6 +12,7 @@ Designs:
   ring-alo      the same, at least once (pop, then ack of what was popped)
   ring-rows     the engine's ring of the rows layout (create_queue(design="ring", layout="rows"),
                 capacity 4 x --seg-rows pushes), at most once
+  ring-rows-alo the same, at least once (pop, then ack of what was popped)
   flat-upd      insert-only segments, lane positions UPDATEd per pop (as ring_lanes)
   flat-log      insert-only segments, lane positions in an insert-only log
   flat-log-alo  flat-log at least once: a lease row per pop, an ack row per ack
@@ -159,7 +160,7 @@ def setup(design: str, dsn: str, capacity: int, seg_size: int, lanes: int, *, se
             with DbQueue(dsn) as dbq:
                 dbq.install()
                 dbq.drop_queue("r", missing_ok=True)
-                rows = design == "ring-rows"
+                rows = design.startswith("ring-rows")
                 dbq.create_queue(
                     "r",
                     design="ring",

@@ -55,9 +55,8 @@ DESIGNS = ["table", "ring", "ring-group", "ring-rows"]
 """A feature a design does not offer (the ring's priorities and delayed pushes) is checked to raise
 :class:`ConfigurationError` rather than skipped. ``ring-group``: a ring's consumer group besides its
 default one, whose handle must behave as a queue of its own; the default group holds every message the
-tests push, untouched. ``ring-rows``: a ring of the rows layout, which pops at most once and exactly
-once only so far: the tests of what it does not build yet are skipped for it, saying so (its refusals
-are tested in ``test_ring_rows.py``)."""
+tests push, untouched. ``ring-rows``: a ring of the rows layout (PostgreSQL only), which has no consumer
+groups or batches (their refusals are tested in ``test_ring_rows.py``)."""
 
 
 @pytest.fixture(params=FACES)
@@ -73,9 +72,6 @@ def make_queue(request: pytest.FixtureRequest, client: DbQueue) -> Callable[...,
     if variant == "rows":
         if isinstance(client.db, MssqlDatabase):
             pytest.skip("the ring's rows layout is PostgreSQL-only")
-        semantics = getattr(request.node, "callspec", None) and request.node.callspec.params.get("semantics")
-        if request.node.originalname in NOT_IN_ROWS_LAYOUT or semantics == "at-least-once":
-            pytest.skip("the ring's rows layout has no leases, groups or batches yet (docs/limits.md)")
         settings_of_layout: dict[str, Any] = {"layout": "rows"}
     else:
         settings_of_layout = {}
@@ -85,25 +81,6 @@ def make_queue(request: pytest.FixtureRequest, client: DbQueue) -> Callable[...,
         return q.add_group("g") if variant == "group" else q  # type: ignore[attr-defined, no-any-return]
 
     return make
-
-
-NOT_IN_ROWS_LAYOUT = frozenset(
-    {
-        "test_lease_hides_message_until_ack",
-        "test_ack_naming_a_message_twice_acks_it_once",
-        "test_nack_redelivers_then_fails_after_max_attempts",
-        "test_nack_backoff_delays_redelivery",
-        "test_expired_lease_is_reclaimed_and_delivered_once_more",
-        "test_ack_of_expired_lease_is_refused_and_changes_nothing",
-        "test_refused_ack_in_a_callers_transaction_leaves_it_usable",
-        "test_refused_ack_on_an_idle_connection_leaves_it_usable",
-        "test_expired_leases_reclaimed_by_pop_itself",
-        "test_lease_expiry_after_max_attempts_fails_the_message",
-        "test_concurrent_consumers_never_share_a_message",
-    }
-)
-"""The tests of leases (at least once) that a ring of the rows layout skips: it has none yet. The
-concurrent consumers' test pops half of them at least once; test_ring_rows.py has an at-most-once one."""
 
 
 @contextlib.contextmanager
@@ -280,8 +257,7 @@ def test_payload_types_roundtrip(
 def test_pop_on_empty_queue_returns_nothing(make_queue: Callable[..., Queue]) -> None:
     q = make_queue()
     assert q.pop(10) == []
-    if not is_rows(q):  # no pops at least once in the rows layout yet
-        assert q.pop(10, semantics="at-least-once") == []
+    assert q.pop(10, semantics="at-least-once") == []
     assert q.stats().ready == 0
 
 

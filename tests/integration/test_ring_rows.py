@@ -5,6 +5,10 @@ The conformance suite (``test_conformance.py``) runs against it too, for what it
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -13,11 +17,18 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 import pytest
 
-from airflow_dbqueue.engine import ConfigurationError, NotSupportedError, QueueFullError, QueueNotFoundError
+from airflow_dbqueue.engine import (
+    ConfigurationError,
+    DbQueue,
+    LeaseExpiredError,
+    NotSupportedError,
+    QueueFullError,
+    QueueNotFoundError,
+)
 from tests.helpers import checksum, held_horizon
 
 if TYPE_CHECKING:
-    from airflow_dbqueue.engine import DbQueue, Queue
+    from airflow_dbqueue.engine import Queue
 
 pytestmark = pytest.mark.integration
 
@@ -50,11 +61,9 @@ def test_refuses_what_it_does_not_build_by_name(dbq: DbQueue) -> None:
     q = rows_ring(dbq, capacity=64, lanes=4)
     q.push_batch([1, 2])
     for call in (
-        lambda: q.pop(1, semantics="at-least-once"),
         lambda: q.add_group("g"),
         lambda: q.pop(1, group="g"),
         lambda: q.claim_batch(10),
-        lambda: q.ack([]),
     ):
         with pytest.raises(NotSupportedError, match="rows layout"):
             call()
@@ -230,3 +239,325 @@ def test_drop_queue_and_uninstall_drop_the_rings_own_objects(dbq: DbQueue) -> No
     dbq.uninstall()
     with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
         assert c.execute("SELECT to_regnamespace(%s)", (dbq.schema,)).fetchone() == (None,)
+
+
+# -- at least once ---------------------------------------------------------------------------------
+
+_CONSUMER = """
+import sys, time
+from airflow_dbqueue.engine import DbQueue
+with DbQueue(sys.argv[1], schema=sys.argv[2]) as dbq:
+    q = dbq.queue("r")
+    got = q.pop(30, semantics="at-least-once", visibility_timeout=float(sys.argv[3]), consumer="doomed")
+    print(" ".join(str(m.id) for m in got), flush=True)
+    time.sleep(600)  # killed mid-lease, before any ack
+"""
+
+
+def test_redelivery_after_a_consumer_killed_mid_lease(dbq: DbQueue) -> None:
+    """A consumer process pops 30 messages at least once and is killed with SIGKILL before it acks: once
+    their lease ends, a pop reclaims them and they come out again (attempt 2) in id order, before the
+    messages never delivered; every message is acked once, counted and checksummed."""
+    q = rows_ring(dbq, capacity=64, lanes=4)
+    sent = [{"i": i, "pad": "p" * (i % 7)} for i in range(100)]
+    ids = q.push_batch(sent[:50]) + q.push_batch(sent[50:])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CONSUMER, dbq.db.dsn, dbq.schema, "1.0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        leased = [int(x) for x in proc.stdout.readline().split()]
+        assert leased == ids[:30]
+        assert q.stats().in_flight == 30
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    time.sleep(1.2)
+    acked: list[Any] = []
+    first = q.pop(40, semantics="at-least-once")
+    assert [m.id for m in first[:30]] == leased and all(m.attempts == 2 for m in first[:30])
+    assert all(m.attempts == 1 for m in first[30:])
+    assert q.ack(first) == len(first)
+    acked += first
+    while batch := q.pop(25, semantics="at-least-once"):
+        assert q.ack(batch) == len(batch)
+        acked += batch
+    assert sorted(m.id for m in acked) == sorted(ids)
+    assert checksum(m.payload for m in acked) == checksum(sent)
+    s = q.stats()
+    assert (s.ready, s.delayed, s.in_flight, s.failed) == (0, 0, 0, 0)
+
+
+def test_max_attempts_fails_the_message_and_a_late_ack_is_refused(dbq: DbQueue) -> None:
+    """A message nacked max_attempts times goes to the failed state with its payload; a consumer whose
+    lease ran out and was redelivered to another gets LeaseExpiredError for its late ack, changing
+    nothing, while the other's ack counts."""
+    q = rows_ring(dbq, capacity=64, lanes=2, max_attempts=2, retry_backoff=0, retry_backoff_max=0)
+    sent = [{"k": i} for i in range(6)]
+    ids = q.push_batch(sent)
+    finished: list[Any] = []
+    [poison] = q.pop(1, semantics="at-least-once")
+    assert q.nack([poison], error="bad 1") == 1
+    [poison] = q.pop(1, semantics="at-least-once")
+    assert (poison.id, poison.attempts) == (ids[0], 2)
+    assert q.nack([poison], error="bad 2") == 1
+    [f] = q.list_failed()
+    assert (f.id, f.attempts, f.payload, f.last_error) == (ids[0], 2, sent[0], "bad 2")
+    slow = q.pop(2, semantics="at-least-once", visibility_timeout=0.2)
+    time.sleep(0.3)
+    assert q.reclaim_expired() == 2
+    fast = q.pop(2, semantics="at-least-once")
+    assert [(m.id, m.attempts) for m in fast] == [(m.id, 2) for m in slow]
+    with pytest.raises(LeaseExpiredError) as late:
+        q.ack(slow)
+    assert sorted(late.value.ids) == sorted(m.id for m in slow)
+    assert q.ack(fast) == 2
+    finished += fast
+    rest = q.pop(10, semantics="at-least-once")
+    assert q.ack(rest) == 3
+    finished += rest
+    assert sorted(m.id for m in finished) == ids[1:]
+    assert checksum([*(m.payload for m in finished), f.payload]) == checksum(sent)
+    s = q.stats()
+    assert (s.ready, s.delayed, s.in_flight, s.failed) == (0, 0, 0, 1)
+
+
+def test_a_message_to_deliver_again_keeps_its_segment(dbq: DbQueue) -> None:
+    """A nacked message due in 1.5 s holds its segment: pushes fill the ring and then wait (QueueFullError
+    after push_timeout) instead of emptying the segment under it; once it is delivered again and acked,
+    the segment is emptied and pushes go on. Every message comes out, counted and checksummed."""
+    q = rows_ring(dbq, capacity=8, lanes=1)
+    q.push_timeout = 0.3  # type: ignore[attr-defined]
+    sent = [{"i": i} for i in range(8)]
+    for p in sent:
+        q.push_batch([p])
+    [held] = q.pop(1, semantics="at-least-once")
+    assert q.nack([held], delay=1.5) == 1
+    out = drain(q, n=10)  # the other 7, at most once
+    assert len(out) == 7
+    with pytest.raises(QueueFullError):
+        q.push_batch([{"late": 1}])  # its segment would be emptied: it still holds a message
+    time.sleep(1.5)
+    [again] = q.pop(1, semantics="at-least-once")
+    assert (again.id, again.attempts, again.payload) == (held.id, 2, sent[0])
+    assert q.ack([again]) == 1
+    out.append(again)
+    more = [{"more": i} for i in range(8)]
+    for half in (more[:4], more[4:]):  # a segment's worth of pushes a round, popped between
+        for p in half:
+            q.push_batch([p])
+        out += drain(q, n=10)
+    assert checksum(m.payload for m in out) == checksum(sent + more)
+    assert q.stats().ready == 0
+
+
+def _alo_pusher(q: Queue, k: int, pushed: list[tuple[int, Any]]) -> None:
+    for i in range(150):
+        batch = [{"p": k, "i": i, "j": j} for j in range(1 + i % 3)]
+        pushed.extend(zip(q.push_batch(batch), batch, strict=True))
+
+
+def _alo_consumer(q: Queue, k: int, acked: list[Any], pushing: threading.Event) -> None:
+    """At least once: consumer 0 acks every pop; 1 nacks every third pop whole; 2 acks the first half of
+    each pop and nacks the rest."""
+    idle = n = 0
+    while idle < 30 or pushing.is_set():
+        got = q.pop(5, semantics="at-least-once")
+        n += 1
+        idle = 0 if got else idle + 1
+        if not got:
+            time.sleep(0.01)
+            continue
+        if k == 1 and n % 3 == 0:
+            assert q.nack(got) == len(got)
+        elif k == 2 and len(got) > 1:
+            half = len(got) // 2
+            assert q.ack(got[:half]) == half
+            assert q.nack(got[half:]) == len(got) - half
+            acked.extend(got[:half])
+        else:
+            assert q.ack(got) == len(got)
+            acked.extend(got)
+
+
+def test_at_least_once_through_rotations_loses_and_doubles_nothing(dbq: DbQueue) -> None:
+    """Three pushers and three consumers at least once on a ring of 4 segments of 8 rows, for about 18
+    ring-sizes, with nacks of whole pops and of parts of pops (max_attempts 4, no backoff): every message
+    is acked once or failed, none lost, the segments rotating under messages to deliver again."""
+    q = rows_ring(dbq, capacity=32, lanes=2, max_attempts=4, retry_backoff=0, retry_backoff_max=0)
+    pushed: list[list[tuple[int, Any]]] = [[] for _ in range(3)]
+    acked: list[list[Any]] = [[] for _ in range(3)]
+    errors: list[str] = []
+    pushing = threading.Event()
+    pushing.set()
+
+    def run(target: Any, *args: Any) -> None:
+        try:
+            target(q, *args)
+        except BaseException:
+            errors.append(traceback.format_exc())
+
+    pushers = [threading.Thread(target=run, args=(_alo_pusher, k, pushed[k]), daemon=True) for k in range(3)]
+    consumers = [
+        threading.Thread(target=run, args=(_alo_consumer, k, acked[k], pushing), daemon=True)
+        for k in range(3)
+    ]
+    for t in pushers + consumers:
+        t.start()
+    for t in pushers:
+        t.join(180)
+    pushing.clear()
+    for t in consumers:
+        t.join(180)
+    assert not [t.name for t in pushers + consumers if t.is_alive()], "a thread still ran after 180 s"
+    assert not errors, errors[0]
+    sent = dict(m for p in pushed for m in p)
+    done = [m for a in acked for m in a]
+    failed = q.list_failed(limit=100_000)
+    assert len({m.id for m in done}) == len(done)  # none acked twice
+    assert sorted([m.id for m in done] + [f.id for f in failed]) == sorted(sent)
+    assert checksum([m.payload for m in done] + [f.payload for f in failed]) == checksum(sent.values())
+    assert len({i >> 16 for i in sent}) > 32 * 13  # rows: the segments rotated many times
+    s = q.stats()
+    assert (s.ready, s.delayed, s.in_flight, s.failed) == (0, 0, 0, len(failed))
+
+
+def _write_counts(dsn: str, schema: str, pattern: str) -> dict[str, tuple[int, int, int, int]]:
+    """(inserted, updated, deleted, dead) tuples of each table of ``schema`` matching LIKE ``pattern``,
+    from the statistics every session has flushed."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        rows = c.execute(
+            "SELECT relname, n_tup_ins, n_tup_upd + n_tup_hot_upd, n_tup_del, n_dead_tup "
+            "FROM pg_stat_user_tables WHERE schemaname = %s AND relname LIKE %s",
+            (schema, pattern),
+        ).fetchall()
+    return {r[0]: (int(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in rows}
+
+
+def _flush_stats(dsn: str, schema: str, churn: Any) -> None:
+    """Run ``churn(q_handle_factory)`` on a DbQueue of one pooled session, then make that session flush
+    its table statistics (pg_stat_force_next_flush: it flushes once it goes idle after that call)."""
+    with DbQueue(dsn, schema=schema, pool_size=1) as one:
+        churn(one)
+        with one.db.transaction() as conn:
+            conn.execute("SELECT pg_stat_force_next_flush()")
+        with one.db.transaction() as conn:
+            conn.execute("SELECT 1")
+    time.sleep(0.2)
+
+
+def test_held_horizon_at_least_once_writes_no_dead_tuple(dbq: DbQueue) -> None:
+    """While a REPEATABLE READ transaction holds the xmin horizon, pops at least once with acks of whole
+    pops, acks and nacks of parts of pops, redeliveries and a reclaimed lease only insert into the rows
+    ring's tables: no tuple updated, deleted or dead in any of them. The slots ring, driven alike in the
+    same hold, deletes its lease rows (its dead tuples are counted by the same statistics: they are
+    what shows that the count works)."""
+    rows = rows_ring(dbq, capacity=1024, lanes=2, max_attempts=3, retry_backoff=0, retry_backoff_max=0)
+    dbq.create_queue("s", design="ring", capacity=4096, lanes=2, retry_backoff=0, retry_backoff_max=0)
+    sent = [{"n": i, "pad": "x" * 50} for i in range(400)]
+    holder = held_horizon(dbq.db.dsn, xid=True)
+    finished: dict[str, list[Any]] = {"r": [], "s": []}
+
+    def churn(one: DbQueue) -> None:
+        for name in ("r", "s"):
+            q = one.queue(name)
+            for k in range(0, 400, 20):
+                q.push_batch(sent[k : k + 20])
+            while got := q.pop(15, semantics="at-least-once"):
+                if got[0].attempts == 1 and got[0].id % 3 == 0:
+                    q.ack(got[:5])
+                    q.nack(got[5:])
+                    finished[name] += got[:5]
+                else:
+                    q.ack(got)
+                    finished[name] += got
+            expiring = q.push_batch([{"last": 1}])
+            [m] = q.pop(1, semantics="at-least-once", visibility_timeout=0.1)
+            time.sleep(0.2)
+            assert q.reclaim_expired() == 1
+            [again] = q.pop(1, semantics="at-least-once")
+            assert (again.id, again.attempts) == (m.id, 2) and [m.id] == expiring
+            q.ack([again])
+            finished[name].append(again)
+
+    try:
+        _flush_stats(dbq.db.dsn, dbq.schema, churn)
+        counts = _write_counts(dbq.db.dsn, dbq.schema, f"ring\\_{rows.settings.queue_id}\\_r%")
+        slot_counts = _write_counts(dbq.db.dsn, dbq.schema, "ring\\_%")
+    finally:
+        holder.close()
+    for name in ("r", "s"):
+        assert checksum(m.payload for m in finished[name]) == checksum([*sent, {"last": 1}])
+        assert len(finished[name]) == 401
+    print(f"rows ring's tables under the hold (ins, upd, del, dead): {counts}")
+    inserted = {name[len(f"ring_{rows.settings.queue_id}_r") :]: c[0] for name, c in counts.items()}
+    assert sum(inserted[f"l{k}"] for k in range(4)) > 20  # the statistics were flushed: leases written
+    assert sum(inserted[f"r{k}"] for k in range(4)) > 100  # and retry rows (nacks, splits, the reclaim)
+    assert {name: c[1:] for name, c in counts.items() if c[1:] != (0, 0, 0)} == {}
+    slots_changed = sum(
+        c[2] + c[3] for name, c in slot_counts.items() if name in ("ring_leases", "ring_retry")
+    )
+    assert slots_changed > 0, slot_counts
+
+
+def test_a_pop_at_most_once_takes_a_message_due_again_first(dbq: DbQueue) -> None:
+    """A nacked message is delivered again before the messages never delivered, whatever the next pop's
+    semantics: at most once it is then finished (attempt 2), and never comes out again."""
+    q = rows_ring(dbq, capacity=64, lanes=2, retry_backoff=0, retry_backoff_max=0)
+    sent = [{"m": i} for i in range(5)]
+    ids = q.push_batch(sent)
+    first = q.pop(2, semantics="at-least-once")
+    assert q.ack(first[1:]) == 1
+    assert q.nack(first[:1]) == 1
+    got = q.pop(10)
+    assert [(m.id, m.attempts) for m in got] == [(ids[0], 2), *((i, 1) for i in ids[2:])]
+    assert q.pop(10, semantics="at-least-once") == []
+    assert checksum([*(m.payload for m in got), first[1].payload]) == checksum(sent)
+    s = q.stats()
+    assert (s.ready, s.delayed, s.in_flight, s.failed) == (0, 0, 0, 0)
+
+
+def test_parts_of_one_pop_settled_at_once_from_two_threads(dbq: DbQueue) -> None:
+    """Two threads settle the two halves of one pop at the same moment, one acking and one nacking, 30
+    times: each split of the lease waits for the other's, and both settles count their half (neither is
+    refused as lost); the nacked halves come out again once, and every message is acked once."""
+    q = rows_ring(dbq, capacity=256, lanes=2, retry_backoff=0, retry_backoff_max=0)
+    sent = [{"r": r, "i": i} for r in range(30) for i in range(10)]
+    done: list[Any] = []
+    errors: list[str] = []
+    for r in range(30):
+        q.push_batch(sent[10 * r : 10 * r + 10])
+        got = q.pop(10, semantics="at-least-once")
+        assert len(got) == 10
+        start = threading.Barrier(2)
+        counts: list[int] = []
+
+        def settle(part: list[Any], nack: bool, start: threading.Barrier, counts: list[int]) -> None:
+            try:
+                start.wait(10)
+                counts.append(q.nack(part) if nack else q.ack(part))
+            except BaseException:
+                errors.append(traceback.format_exc())
+
+        threads = [
+            threading.Thread(target=settle, args=(got[:5], False, start, counts)),
+            threading.Thread(target=settle, args=(got[5:], True, start, counts)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors[0]
+        assert counts == [5, 5]
+        done += got[:5]
+        again = q.pop(10, semantics="at-least-once")
+        assert [(m.id, m.attempts) for m in again] == [(m.id, 2) for m in got[5:]]
+        assert q.ack(again) == 5
+        done += again
+    assert sorted(m.id for m in done) == sorted({m.id for m in done}) and len(done) == 300
+    assert checksum(m.payload for m in done) == checksum(sent)
+    s = q.stats()
+    assert (s.ready, s.delayed, s.in_flight, s.failed) == (0, 0, 0, 0)

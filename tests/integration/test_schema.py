@@ -589,7 +589,7 @@ def test_changed_functions_are_applied_while_pushes_and_pops_run(  # noqa: PLR09
     fresh_install(pg_dsn, schema)
     first = pg_schema.functions_sql()
     edited = re.sub(r"\n\$\$(;|$)", r"\n    -- edited while pushes and pops run\n$$\1", first[0])
-    assert edited.count("-- edited") == 47
+    assert edited.count("-- edited") == 51
     editions = [first, (edited, digest(edited), first[2])]
     n_batches, size = 60, 25
     errors: list[BaseException] = []
@@ -658,7 +658,7 @@ def test_changed_functions_are_applied_while_pushes_and_pops_run(  # noqa: PLR09
             "WHERE n.nspname = %s",
             [schema],
         ).fetchall()
-    assert len(bodies) == 48
+    assert len(bodies) == 52
     assert all(("-- edited" in b) == (functions_applied(pg_dsn, schema) == editions[1][1]) for (b,) in bodies)
 
 

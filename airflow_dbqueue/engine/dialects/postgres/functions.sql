@@ -1913,6 +1913,15 @@ $$;
 -- lock_timeout, in a transaction of its own) once every lane is past it, labels it, and pushes again.
 -- Nothing on the hot path or in a rotation updates or deletes a row.
 --
+-- At least once: a pop inserts a lease row (rl_k, the segment of its first message: its first and last
+-- ids, each moved lane's taken range [start, end), its end), and an ack of that whole pop a done row
+-- naming it (rd_k, keyed by the lease, so it is closed once). An open lease is one without a done row.
+-- A lease is split (closed, and each of its messages given a row leased as before) before some of its
+-- messages are acked, nacked or reclaimed alone; a message's delivery state is then its newest row in
+-- the retry log of its segment (rr_k, keyed (id, ver): each change writes ver + 1, so two changes from
+-- one state cannot both be written). A rotation empties a segment only when no open lease and no
+-- message ready or leased again is left in it, and the segment before it was emptied first.
+--
 -- Each ring has its own tables, sequences and functions (TRUNCATE needs tables of its own), named
 -- ring_<queue_id>_r*, made from the template below by ring_rows_create and dropped by ring_rows_drop;
 -- the functions below without a number call them (one planned call of a trivial statement: the ring's
@@ -1934,6 +1943,8 @@ CREATE SEQUENCE {schema}.@Prows AS bigint MINVALUE 0 START 0 CACHE 1
 @;
 CREATE SEQUENCE {schema}.@Pposgen AS bigint MINVALUE 0 START 0 CACHE 1
 @;
+CREATE SEQUENCE {schema}.@Pretrygen AS bigint MINVALUE 0 START 0 CACHE 1
+@;
 CREATE TABLE {schema}.@Pq0 (r bigint NOT NULL, n integer NOT NULL, enqueued_at timestamptz NOT NULL,
     payloads bytea[] NOT NULL, CONSTRAINT @Pq0_pkey PRIMARY KEY (r))
 @;
@@ -1951,6 +1962,47 @@ CREATE TABLE {schema}.@Ppos1 (LIKE {schema}.@Ppos0 INCLUDING ALL)
 CREATE TABLE {schema}.@Ppos2 (LIKE {schema}.@Ppos0 INCLUDING ALL)
 @;
 CREATE TABLE {schema}.@Ppos3 (LIKE {schema}.@Ppos0 INCLUDING ALL)
+@;
+CREATE TABLE {schema}.@Pl0 (lo bigint NOT NULL, hi bigint NOT NULL, n integer NOT NULL,
+    starts bigint[] NOT NULL, ends bigint[] NOT NULL, lease_until timestamptz NOT NULL, consumer text,
+    CONSTRAINT @Pl0_pkey PRIMARY KEY (lo))
+@;
+CREATE TABLE {schema}.@Pl1 (LIKE {schema}.@Pl0 INCLUDING ALL)
+@;
+CREATE TABLE {schema}.@Pl2 (LIKE {schema}.@Pl0 INCLUDING ALL)
+@;
+CREATE TABLE {schema}.@Pl3 (LIKE {schema}.@Pl0 INCLUDING ALL)
+@;
+CREATE TABLE {schema}.@Pd0 (lo bigint NOT NULL, CONSTRAINT @Pd0_pkey PRIMARY KEY (lo))
+@;
+CREATE TABLE {schema}.@Pd1 (LIKE {schema}.@Pd0 INCLUDING ALL)
+@;
+CREATE TABLE {schema}.@Pd2 (LIKE {schema}.@Pd0 INCLUDING ALL)
+@;
+CREATE TABLE {schema}.@Pd3 (LIKE {schema}.@Pd0 INCLUDING ALL)
+@;
+CREATE TABLE {schema}.@Pr0 (id bigint NOT NULL, ver integer NOT NULL, state smallint NOT NULL,
+    attempts integer NOT NULL, deliveries integer NOT NULL, due_at timestamptz NOT NULL, consumer text,
+    last_error text, CONSTRAINT @Pr0_pkey PRIMARY KEY (id, ver))
+@;
+CREATE TABLE {schema}.@Pr1 (LIKE {schema}.@Pr0 INCLUDING ALL)
+@;
+CREATE TABLE {schema}.@Pr2 (LIKE {schema}.@Pr0 INCLUDING ALL)
+@;
+CREATE TABLE {schema}.@Pr3 (LIKE {schema}.@Pr0 INCLUDING ALL)
+@;
+CREATE VIEW {schema}.@Pl AS
+    SELECT * FROM {schema}.@Pl0 UNION ALL SELECT * FROM {schema}.@Pl1
+    UNION ALL SELECT * FROM {schema}.@Pl2 UNION ALL SELECT * FROM {schema}.@Pl3
+@;
+CREATE VIEW {schema}.@Pd AS
+    SELECT * FROM {schema}.@Pd0 UNION ALL SELECT * FROM {schema}.@Pd1
+    UNION ALL SELECT * FROM {schema}.@Pd2 UNION ALL SELECT * FROM {schema}.@Pd3
+@;
+CREATE VIEW {schema}.@Pr AS
+    SELECT r.* FROM (
+        SELECT * FROM {schema}.@Pr0 UNION ALL SELECT * FROM {schema}.@Pr1
+        UNION ALL SELECT * FROM {schema}.@Pr2 UNION ALL SELECT * FROM {schema}.@Pr3) r
 @;
 ALTER TABLE {schema}.@Pq0 ALTER COLUMN payloads SET STORAGE EXTERNAL
 @;
@@ -2105,26 +2157,35 @@ BEGIN
     IF {schema}.@Pfloor() < (p_gen - 3) * @S + @L THEN
         RETURN false;
     END IF;
+    -- Segments are emptied in generation order: a lease lies in the segment of its first message and
+    -- may hold messages of the next one, so the segment before must have been passed (its leases closed,
+    -- their messages in the next segment's retry log) first. And nothing of this one may be needed.
+    IF {schema}.@Pseg_gen(((p_gen + 3) % 4)::integer) < p_gen - 1 OR {schema}.@Pbusy(v_k) THEN
+        RETURN false;
+    END IF;
     IF v_k = 0 THEN
-        LOCK TABLE {schema}.@Pq0, {schema}.@Ppos0 IN ACCESS EXCLUSIVE MODE;
+        LOCK TABLE {schema}.@Pq0, {schema}.@Ppos0, {schema}.@Pl0, {schema}.@Pd0, {schema}.@Pr0 IN ACCESS EXCLUSIVE MODE;
     ELSIF v_k = 1 THEN
-        LOCK TABLE {schema}.@Pq1, {schema}.@Ppos1 IN ACCESS EXCLUSIVE MODE;
+        LOCK TABLE {schema}.@Pq1, {schema}.@Ppos1, {schema}.@Pl1, {schema}.@Pd1, {schema}.@Pr1 IN ACCESS EXCLUSIVE MODE;
     ELSIF v_k = 2 THEN
-        LOCK TABLE {schema}.@Pq2, {schema}.@Ppos2 IN ACCESS EXCLUSIVE MODE;
+        LOCK TABLE {schema}.@Pq2, {schema}.@Ppos2, {schema}.@Pl2, {schema}.@Pd2, {schema}.@Pr2 IN ACCESS EXCLUSIVE MODE;
     ELSE
-        LOCK TABLE {schema}.@Pq3, {schema}.@Ppos3 IN ACCESS EXCLUSIVE MODE;
+        LOCK TABLE {schema}.@Pq3, {schema}.@Ppos3, {schema}.@Pl3, {schema}.@Pd3, {schema}.@Pr3 IN ACCESS EXCLUSIVE MODE;
     END IF;
     IF {schema}.@Pseg_gen(v_k) >= p_gen THEN
         RETURN true;
     END IF;
+    IF {schema}.@Pbusy(v_k) THEN  -- again under the lock: nothing can make it busy again, but be sure
+        RETURN false;
+    END IF;
     IF v_k = 0 THEN
-        TRUNCATE {schema}.@Ppos0, {schema}.@Pq0;
+        TRUNCATE {schema}.@Ppos0, {schema}.@Pq0, {schema}.@Pl0, {schema}.@Pd0, {schema}.@Pr0;
     ELSIF v_k = 1 THEN
-        TRUNCATE {schema}.@Ppos1, {schema}.@Pq1;
+        TRUNCATE {schema}.@Ppos1, {schema}.@Pq1, {schema}.@Pl1, {schema}.@Pd1, {schema}.@Pr1;
     ELSIF v_k = 2 THEN
-        TRUNCATE {schema}.@Ppos2, {schema}.@Pq2;
+        TRUNCATE {schema}.@Ppos2, {schema}.@Pq2, {schema}.@Pl2, {schema}.@Pd2, {schema}.@Pr2;
     ELSE
-        TRUNCATE {schema}.@Ppos3, {schema}.@Pq3;
+        TRUNCATE {schema}.@Ppos3, {schema}.@Pq3, {schema}.@Pl3, {schema}.@Pd3, {schema}.@Pr3;
     END IF;
     RETURN true;
 EXCEPTION WHEN lock_not_available THEN
@@ -2142,9 +2203,10 @@ BEGIN
 END
 $b$
 @;
--- Pop up to p_n messages in the caller's transaction (at most once; exactly once in the caller's
--- transaction). Lanes with a row to take are locked lowest position first (try-locks: concurrent pops
--- take different lanes), up to p_n of them; p_wait: when others hold every such lane, wait for the
+-- Pop up to p_n messages in the caller's transaction: at least once (p_lease: one lease row until
+-- now + p_vt), or at most once (exactly once in the caller's transaction). Messages due again first
+-- (@Pagain), then the lanes'. Lanes with a row to take are locked lowest position first (try-locks:
+-- concurrent pops take different lanes), up to the messages still wanted; p_wait: when others hold every such lane, wait for the
 -- lowest one (at most the lock_timeout, 1 s). The positions are read again after the locks, in a
 -- statement of their own: a statement that locked a lane and read its position would read it as it was
 -- before a pop that released the lane committed. The rows of the held lanes are then taken in row
@@ -2152,11 +2214,18 @@ $b$
 -- or a gap), up to p_n messages, possibly ending inside a row, and each moved lane's new position logged.
 -- Every statement names one segment table (a branch a segment): a statement naming all four opens and
 -- locks all four on every run.
-CREATE FUNCTION {schema}.@Ppop(p_n integer, p_wait boolean)
-RETURNS TABLE (r_id bigint, r_enqueued_at timestamptz, r_payload bytea)
+CREATE FUNCTION {schema}.@Ptake(p_n integer, p_wait boolean, p_lease boolean, p_vt double precision,
+    p_consumer text)
+RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz,
+               r_lease_until timestamptz, r_payload bytea)
 LANGUAGE plpgsql SET lock_timeout = '1s' AS $b$
 DECLARE
     v_last bigint := pg_sequence_last_value('{schema}.@Prows');
+    v_hint bigint := pg_sequence_last_value('{schema}.@Pretrygen');
+    v_until timestamptz := CASE WHEN p_lease THEN now() + make_interval(secs => p_vt) END;
+    v_got integer;
+    v_starts bigint[];
+    v_ends bigint[];
     v_all bigint[];
     v_order integer[];
     v_locked integer[] := ARRAY[]::integer[];
@@ -2184,6 +2253,17 @@ BEGIN
     IF v_last IS NULL THEN  -- nothing pushed yet
         RETURN;
     END IF;
+    -- Messages to deliver again first (@Pagain), when some may be in the segments live now: retry rows
+    -- are written only in a message's own segment, and pretrygen is the newest generation any ready one
+    -- was written in (raised before it commits, so never behind a committed row).
+    IF v_hint IS NOT NULL AND v_hint >= v_last / @S - 3 THEN
+        RETURN QUERY SELECT * FROM {schema}.@Pagain(p_n, p_lease, v_until, p_consumer);
+        GET DIAGNOSTICS v_got = ROW_COUNT;
+        v_left := p_n - v_got;
+        IF v_left <= 0 THEN
+            RETURN;
+        END IF;
+    END IF;
     v_all := {schema}.@Planes(NULL);
     SELECT array_agg((u.o - 1)::integer ORDER BY u.at) INTO v_order FROM unnest(v_all) WITH ORDINALITY u(at, o)
     WHERE (u.at >> 16) <= v_last;
@@ -2193,7 +2273,7 @@ BEGIN
     FOREACH v_lane IN ARRAY v_order LOOP
         IF pg_try_advisory_xact_lock(@K2, v_lane) THEN
             v_locked := v_locked || v_lane;
-            EXIT WHEN cardinality(v_locked) >= p_n;
+            EXIT WHEN cardinality(v_locked) >= v_left;
         END IF;
     END LOOP;
     IF cardinality(v_locked) = 0 THEN
@@ -2265,6 +2345,31 @@ BEGIN
                              ELSE (v_rows[i] << 16) | v_to[i] END;
     END LOOP;
     PERFORM {schema}.@Plog(v_moved, v_newat);
+    -- At least once: one lease row, in the segment of its first message, naming each moved lane's
+    -- taken range [start, end) (NULL for the lanes it did not move).
+    IF p_lease THEN
+        v_starts := array_fill(NULL::bigint, ARRAY[@L]);
+        v_ends := array_fill(NULL::bigint, ARRAY[@L]);
+        FOR i IN 1 .. cardinality(v_moved) LOOP
+            v_starts[v_moved[i] + 1] := v_first_at[v_moved[i] + 1];
+            v_ends[v_moved[i] + 1] := v_newat[i];
+        END LOOP;
+        v_lo := (v_rows[1] << 16) | v_from[1];
+        v_got := 0;
+        FOR i IN 1 .. cardinality(v_rows) LOOP
+            v_got := v_got + v_to[i] - v_from[i];
+        END LOOP;
+        v_k := (v_rows[1] / @S % 4)::integer;
+        IF v_k = 0 THEN
+            INSERT INTO {schema}.@Pl0 VALUES (v_lo, (v_rows[cardinality(v_rows)] << 16) | (v_to[cardinality(v_to)] - 1), v_got, v_starts, v_ends, v_until, p_consumer);
+        ELSIF v_k = 1 THEN
+            INSERT INTO {schema}.@Pl1 VALUES (v_lo, (v_rows[cardinality(v_rows)] << 16) | (v_to[cardinality(v_to)] - 1), v_got, v_starts, v_ends, v_until, p_consumer);
+        ELSIF v_k = 2 THEN
+            INSERT INTO {schema}.@Pl2 VALUES (v_lo, (v_rows[cardinality(v_rows)] << 16) | (v_to[cardinality(v_to)] - 1), v_got, v_starts, v_ends, v_until, p_consumer);
+        ELSE
+            INSERT INTO {schema}.@Pl3 VALUES (v_lo, (v_rows[cardinality(v_rows)] << 16) | (v_to[cardinality(v_to)] - 1), v_got, v_starts, v_ends, v_until, p_consumer);
+        END IF;
+    END IF;
     -- The messages: each taken row's slice of payloads, in row order.
     FOR i IN 1 .. cardinality(v_rows) LOOP
         v_k := (v_rows[i] / @S % 4)::integer;
@@ -2277,7 +2382,7 @@ BEGIN
         ELSE
             SELECT t.payloads[v_from[i] + 1 : v_to[i]], t.enqueued_at INTO v_pl, v_ts FROM {schema}.@Pq3 t WHERE t.r = v_rows[i];
         END IF;
-        RETURN QUERY SELECT (v_rows[i] << 16) | (v_from[i] + u.o - 1), v_ts, u.p FROM unnest(v_pl) WITH ORDINALITY u(p, o);
+        RETURN QUERY SELECT (v_rows[i] << 16) | (v_from[i] + u.o - 1), 1, 1, v_ts, v_until, u.p FROM unnest(v_pl) WITH ORDINALITY u(p, o);
     END LOOP;
 END
 $b$
@@ -2326,27 +2431,398 @@ BEGIN
 END
 $b$
 @;
--- Messages ready (issued rows past the lanes' positions, a partly taken row's rest) and the oldest's push
--- time, the rows held and the segments' generations.
-CREATE FUNCTION {schema}.@Pstats(OUT r_ready bigint, OUT r_oldest timestamptz, OUT r_rows bigint,
-    OUT r_gens bigint[]) LANGUAGE sql AS $b$
-    WITH l AS (SELECT u.o - 1 AS lane, u.at FROM unnest({schema}.@Planes(NULL)) WITH ORDINALITY u(at, o))
-    SELECT coalesce(sum(t.n - CASE WHEN t.r = l.at >> 16 THEN (l.at & 65535) ELSE 0 END), 0)::bigint,
-           min(t.enqueued_at),
-           (SELECT count(*) FROM {schema}.@Pq),
-           ARRAY(SELECT {schema}.@Pseg_gen(k) FROM generate_series(0, 3) k)
-    FROM l JOIN {schema}.@Pq t ON t.r % @L = l.lane AND t.r >= l.at >> 16
-$b$
-@;
--- Up to p_n ready messages in id order, taking nothing.
+-- Up to p_n ready messages in the order a pop takes them (those due again first, then the lanes'), by
+-- id, taking nothing.
 CREATE FUNCTION {schema}.@Ppeek(p_n integer)
 RETURNS TABLE (r_id bigint, r_enqueued_at timestamptz, r_payload bytea) LANGUAGE sql AS $b$
     WITH l AS (SELECT u.o - 1 AS lane, u.at FROM unnest({schema}.@Planes(NULL)) WITH ORDINALITY u(at, o))
-    SELECT (t.r << 16) | (g.i - 1), t.enqueued_at, t.payloads[g.i]
-    FROM l JOIN {schema}.@Pq t ON t.r % @L = l.lane AND t.r >= l.at >> 16
-    CROSS JOIN LATERAL generate_subscripts(t.payloads, 1) g(i)
-    WHERE ((t.r << 16) | (g.i - 1)) >= l.at
-    ORDER BY 1 LIMIT p_n
+    SELECT x.id, x.enqueued_at, x.payload FROM (
+        SELECT 0 AS again, (t.r << 16) | (g.i - 1) AS id, t.enqueued_at, t.payloads[g.i] AS payload
+        FROM l JOIN {schema}.@Pq t ON t.r % @L = l.lane AND t.r >= l.at >> 16
+        CROSS JOIN LATERAL generate_subscripts(t.payloads, 1) g(i)
+        WHERE ((t.r << 16) | (g.i - 1)) >= l.at
+        UNION ALL
+        SELECT -1, r.id, t.enqueued_at, t.payloads[(r.id & 65535)::integer + 1]
+        FROM {schema}.@Pr r JOIN {schema}.@Pq t ON t.r = r.id >> 16
+        WHERE r.state = 1 AND r.due_at <= now()
+          AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver)) x
+    ORDER BY x.again, x.id LIMIT p_n
+$b$
+@;
+-- Write retry-log rows (id, ver, state, attempts, deliveries, due_at, consumer, last_error), each in the
+-- segment of its message, and return the ids written: a row whose (id, ver) is taken already (another
+-- call moved that message on first) is not written. State 0 finished, 1 ready from due_at, 2 leased until
+-- due_at, 3 failed; a message's state is its row of the highest ver. When a ready row is written, the
+-- retry hint (pretrygen) is raised to its generation, under a lock so that it only rises, and before
+-- this transaction commits, so that a pop that sees the row sees the hint too.
+CREATE FUNCTION {schema}.@Pput(p_ids bigint[], p_vers integer[], p_states integer[], p_att integer[],
+    p_del integer[], p_due timestamptz[], p_consumers text[], p_errors text[])
+RETURNS SETOF bigint LANGUAGE plpgsql AS $b$
+DECLARE
+    v_gen bigint;
+BEGIN
+    FOR k IN 0 .. 3 LOOP
+        CONTINUE WHEN NOT EXISTS (SELECT 1 FROM unnest(p_ids) i WHERE (i >> 16) / @S % 4 = k);
+        IF k = 0 THEN
+            RETURN QUERY INSERT INTO {schema}.@Pr0 SELECT u.id, u.v, u.s, u.a, u.d, u.due, u.c, u.e
+                FROM unnest(p_ids, p_vers, p_states, p_att, p_del, p_due, p_consumers, p_errors) u(id, v, s, a, d, due, c, e)
+                WHERE (u.id >> 16) / @S % 4 = 0 ON CONFLICT DO NOTHING RETURNING id;
+        ELSIF k = 1 THEN
+            RETURN QUERY INSERT INTO {schema}.@Pr1 SELECT u.id, u.v, u.s, u.a, u.d, u.due, u.c, u.e
+                FROM unnest(p_ids, p_vers, p_states, p_att, p_del, p_due, p_consumers, p_errors) u(id, v, s, a, d, due, c, e)
+                WHERE (u.id >> 16) / @S % 4 = 1 ON CONFLICT DO NOTHING RETURNING id;
+        ELSIF k = 2 THEN
+            RETURN QUERY INSERT INTO {schema}.@Pr2 SELECT u.id, u.v, u.s, u.a, u.d, u.due, u.c, u.e
+                FROM unnest(p_ids, p_vers, p_states, p_att, p_del, p_due, p_consumers, p_errors) u(id, v, s, a, d, due, c, e)
+                WHERE (u.id >> 16) / @S % 4 = 2 ON CONFLICT DO NOTHING RETURNING id;
+        ELSE
+            RETURN QUERY INSERT INTO {schema}.@Pr3 SELECT u.id, u.v, u.s, u.a, u.d, u.due, u.c, u.e
+                FROM unnest(p_ids, p_vers, p_states, p_att, p_del, p_due, p_consumers, p_errors) u(id, v, s, a, d, due, c, e)
+                WHERE (u.id >> 16) / @S % 4 = 3 ON CONFLICT DO NOTHING RETURNING id;
+        END IF;
+    END LOOP;
+    SELECT max((u.id >> 16) / @S) INTO v_gen FROM unnest(p_ids, p_states) u(id, s) WHERE u.s = 1;
+    IF v_gen > coalesce(pg_sequence_last_value('{schema}.@Pretrygen'), -1) THEN
+        PERFORM pg_advisory_xact_lock(@K3, 2);
+        IF v_gen > coalesce(pg_sequence_last_value('{schema}.@Pretrygen'), -1) THEN
+            PERFORM setval('{schema}.@Pretrygen', v_gen);
+        END IF;
+    END IF;
+END
+$b$
+@;
+-- The newest retry-log row of each message that has one.
+CREATE FUNCTION {schema}.@Pnewest(p_ids bigint[])
+RETURNS TABLE (r_id bigint, r_ver integer, r_state integer, r_attempts integer, r_deliveries integer,
+               r_due timestamptz, r_consumer text, r_error text)
+LANGUAGE sql AS $b$
+    SELECT r.id, r.ver, r.state, r.attempts, r.deliveries, r.due_at, r.consumer, r.last_error
+    FROM unnest(p_ids) u(id)
+    CROSS JOIN LATERAL (SELECT * FROM {schema}.@Pr r WHERE r.id = u.id ORDER BY r.ver DESC LIMIT 1) r
+$b$
+@;
+-- Up to p_n messages due again (a ready newest row), in id order, taken by a new row: leased until
+-- p_until (p_lease), or finished. A pop try-locks the ring row of each message it takes (other pops
+-- pass those rows over), and a row written by another call first is not taken (@Pput).
+CREATE FUNCTION {schema}.@Pagain(p_n integer, p_lease boolean, p_until timestamptz, p_consumer text)
+RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz,
+               r_lease_until timestamptz, r_payload bytea)
+LANGUAGE plpgsql AS $b$
+DECLARE
+    v_ids bigint[] := ARRAY[]::bigint[];
+    v_vers integer[] := ARRAY[]::integer[];
+    v_att integer[] := ARRAY[]::integer[];
+    v_del integer[] := ARRAY[]::integer[];
+    v_row bigint := -1;
+    v_ok boolean := false;
+    rec record;
+BEGIN
+    FOR rec IN
+        SELECT r.id, r.ver, r.attempts, r.deliveries FROM {schema}.@Pr r
+        WHERE r.state = 1 AND r.due_at <= now()
+          AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver)
+        ORDER BY r.id
+    LOOP
+        IF rec.id >> 16 <> v_row THEN
+            v_row := rec.id >> 16;
+            v_ok := pg_try_advisory_xact_lock(@K4, hashint8(v_row));
+        END IF;
+        CONTINUE WHEN NOT v_ok;
+        v_ids := v_ids || rec.id;
+        v_vers := v_vers || (rec.ver + 1);
+        v_att := v_att || (rec.attempts + 1);
+        v_del := v_del || (rec.deliveries + 1);
+        EXIT WHEN cardinality(v_ids) >= p_n;
+    END LOOP;
+    IF cardinality(v_ids) = 0 THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    WITH w AS (
+        SELECT array_agg(p.id) AS ids FROM {schema}.@Pput(v_ids, v_vers,
+            array_fill(CASE WHEN p_lease THEN 2 ELSE 0 END, ARRAY[cardinality(v_ids)]), v_att, v_del,
+            array_fill(coalesce(p_until, now()), ARRAY[cardinality(v_ids)]),
+            array_fill(p_consumer, ARRAY[cardinality(v_ids)]), NULL::text[]) p(id)
+    )
+    SELECT u.id, u.a, u.d, t.enqueued_at, p_until, t.payloads[(u.id & 65535)::integer + 1]
+    FROM w CROSS JOIN unnest(v_ids, v_att, v_del) u(id, a, d)
+    JOIN {schema}.@Pq t ON t.r = u.id >> 16
+    WHERE u.id = ANY (w.ids)
+    ORDER BY u.id;
+END
+$b$
+@;
+-- The messages of leases p_los (id, lease_until, consumer), from the rows they took.
+CREATE FUNCTION {schema}.@Plmsgs(p_los bigint[])
+RETURNS TABLE (r_id bigint, r_until timestamptz, r_consumer text) LANGUAGE sql AS $b$
+    SELECT (t.r << 16) | g.k, e.lease_until, e.consumer
+    FROM {schema}.@Pl e
+    JOIN {schema}.@Pq t ON t.r BETWEEN e.lo >> 16 AND e.hi >> 16
+    CROSS JOIN LATERAL generate_series(0, t.n - 1) g(k)
+    WHERE e.lo = ANY (p_los)
+      AND ((t.r << 16) | g.k) BETWEEN e.lo AND e.hi
+      AND e.starts[(t.r % @L)::integer + 1] <= ((t.r << 16) | g.k)
+      AND ((t.r << 16) | g.k) < e.ends[(t.r % @L)::integer + 1]
+$b$
+@;
+-- Close leases p_los that are open (a done row each, in the lease's segment) and give each of their
+-- messages a retry row leased as before (ver 1, delivery 1): before some of them are acked, nacked or
+-- reclaimed alone. Returns how many leases this call closed (one closed by another call is not).
+CREATE FUNCTION {schema}.@Psplit(p_los bigint[]) RETURNS integer LANGUAGE plpgsql AS $b$
+DECLARE
+    v_closed bigint[] := ARRAY[]::bigint[];
+    v_part bigint[];
+    v_ids bigint[];
+    v_due timestamptz[];
+    v_who text[];
+BEGIN
+    FOR k IN 0 .. 3 LOOP
+        CONTINUE WHEN NOT EXISTS (SELECT 1 FROM unnest(p_los) l WHERE (l >> 16) / @S % 4 = k);
+        IF k = 0 THEN
+            WITH d AS (INSERT INTO {schema}.@Pd0 SELECT e.lo FROM {schema}.@Pl0 e WHERE e.lo = ANY (p_los) ON CONFLICT DO NOTHING RETURNING lo)
+            SELECT array_agg(d.lo) INTO v_part FROM d;
+        ELSIF k = 1 THEN
+            WITH d AS (INSERT INTO {schema}.@Pd1 SELECT e.lo FROM {schema}.@Pl1 e WHERE e.lo = ANY (p_los) ON CONFLICT DO NOTHING RETURNING lo)
+            SELECT array_agg(d.lo) INTO v_part FROM d;
+        ELSIF k = 2 THEN
+            WITH d AS (INSERT INTO {schema}.@Pd2 SELECT e.lo FROM {schema}.@Pl2 e WHERE e.lo = ANY (p_los) ON CONFLICT DO NOTHING RETURNING lo)
+            SELECT array_agg(d.lo) INTO v_part FROM d;
+        ELSE
+            WITH d AS (INSERT INTO {schema}.@Pd3 SELECT e.lo FROM {schema}.@Pl3 e WHERE e.lo = ANY (p_los) ON CONFLICT DO NOTHING RETURNING lo)
+            SELECT array_agg(d.lo) INTO v_part FROM d;
+        END IF;
+        v_closed := v_closed || coalesce(v_part, ARRAY[]::bigint[]);
+    END LOOP;
+    IF cardinality(v_closed) = 0 THEN
+        RETURN 0;
+    END IF;
+    SELECT array_agg(m.r_id), array_agg(m.r_until), array_agg(m.r_consumer) INTO v_ids, v_due, v_who
+    FROM {schema}.@Plmsgs(v_closed) m;
+    IF v_ids IS NOT NULL THEN
+        PERFORM {schema}.@Pput(v_ids, array_fill(1, ARRAY[cardinality(v_ids)]),
+            array_fill(2, ARRAY[cardinality(v_ids)]), array_fill(1, ARRAY[cardinality(v_ids)]),
+            array_fill(1, ARRAY[cardinality(v_ids)]), v_due, v_who, NULL::text[]);
+    END IF;
+    RETURN cardinality(v_closed);
+END
+$b$
+@;
+-- The receipts (id, delivery) that still hold their lease: a first delivery inside an open lease that
+-- has not expired (r_lo names it), or a message whose newest retry row is leased as that delivery and
+-- has not expired (r_lo NULL). A message is in an open lease or has retry rows, never both.
+CREATE FUNCTION {schema}.@Pheld(p_ids bigint[], p_deliveries integer[])
+RETURNS TABLE (r_id bigint, r_delivery integer, r_lo bigint, r_until timestamptz) LANGUAGE sql AS $b$
+    SELECT u.id, u.d, e.lo, e.lease_until
+    FROM unnest(p_ids, p_deliveries) u(id, d)
+    CROSS JOIN LATERAL (
+        SELECT e.lo, e.lease_until FROM {schema}.@Pl e
+        WHERE e.lo <= u.id AND e.hi >= u.id
+          AND e.starts[((u.id >> 16) % @L)::integer + 1] <= u.id AND u.id < e.ends[((u.id >> 16) % @L)::integer + 1]
+        ORDER BY e.lo DESC LIMIT 1) e
+    WHERE u.d = 1 AND e.lease_until > now() AND NOT EXISTS (SELECT 1 FROM {schema}.@Pd d WHERE d.lo = e.lo)
+    UNION ALL
+    SELECT u.id, u.d, NULL::bigint, r.r_due
+    FROM unnest(p_ids, p_deliveries) u(id, d)
+    JOIN {schema}.@Pnewest(p_ids) r ON r.r_id = u.id
+    WHERE r.r_state = 2 AND r.r_deliveries = u.d AND r.r_due > now()
+$b$
+@;
+-- The usual ack: receipts naming every message of one open lease, first deliveries, before its end.
+-- One done row closes it (its key: a second ack, or a reclaim, of the same lease writes nothing).
+-- Returns the messages acked: all the receipts, or 0 (then the caller settles them with @Psettle).
+CREATE FUNCTION {schema}.@Pack(p_ids bigint[], p_deliveries integer[]) RETURNS integer
+LANGUAGE plpgsql AS $b$
+DECLARE
+    v_lo bigint;
+    v_n integer;
+BEGIN
+    IF EXISTS (SELECT 1 FROM unnest(p_deliveries) d WHERE d <> 1) THEN
+        RETURN 0;
+    END IF;
+    SELECT min(i) INTO v_lo FROM unnest(p_ids) i;
+    IF (v_lo >> 16) / @S % 4 = 0 THEN
+        INSERT INTO {schema}.@Pd0 SELECT e.lo FROM {schema}.@Pl0 e
+        WHERE e.lo = v_lo AND e.lease_until > now() AND e.n = cardinality(p_ids)
+          AND (SELECT count(*) FROM unnest(p_ids) i WHERE i <= e.hi AND e.starts[((i >> 16) % @L)::integer + 1] <= i AND i < e.ends[((i >> 16) % @L)::integer + 1]) = e.n
+        ON CONFLICT DO NOTHING;
+    ELSIF (v_lo >> 16) / @S % 4 = 1 THEN
+        INSERT INTO {schema}.@Pd1 SELECT e.lo FROM {schema}.@Pl1 e
+        WHERE e.lo = v_lo AND e.lease_until > now() AND e.n = cardinality(p_ids)
+          AND (SELECT count(*) FROM unnest(p_ids) i WHERE i <= e.hi AND e.starts[((i >> 16) % @L)::integer + 1] <= i AND i < e.ends[((i >> 16) % @L)::integer + 1]) = e.n
+        ON CONFLICT DO NOTHING;
+    ELSIF (v_lo >> 16) / @S % 4 = 2 THEN
+        INSERT INTO {schema}.@Pd2 SELECT e.lo FROM {schema}.@Pl2 e
+        WHERE e.lo = v_lo AND e.lease_until > now() AND e.n = cardinality(p_ids)
+          AND (SELECT count(*) FROM unnest(p_ids) i WHERE i <= e.hi AND e.starts[((i >> 16) % @L)::integer + 1] <= i AND i < e.ends[((i >> 16) % @L)::integer + 1]) = e.n
+        ON CONFLICT DO NOTHING;
+    ELSE
+        INSERT INTO {schema}.@Pd3 SELECT e.lo FROM {schema}.@Pl3 e
+        WHERE e.lo = v_lo AND e.lease_until > now() AND e.n = cardinality(p_ids)
+          AND (SELECT count(*) FROM unnest(p_ids) i WHERE i <= e.hi AND e.starts[((i >> 16) % @L)::integer + 1] <= i AND i < e.ends[((i >> 16) % @L)::integer + 1]) = e.n
+        ON CONFLICT DO NOTHING;
+    END IF;
+    GET DIAGNOSTICS v_n = ROW_COUNT;
+    RETURN CASE WHEN v_n = 1 THEN cardinality(p_ids) ELSE 0 END;
+END
+$b$
+@;
+-- Copy messages p_ids, failed after attempts p_att, to the schema's ring_failed with their payloads.
+CREATE FUNCTION {schema}.@Pfail(p_ids bigint[], p_att integer[], p_errors text[]) RETURNS void
+LANGUAGE sql AS $b$
+    INSERT INTO {schema}.ring_failed (queue_id, id, attempts, enqueued_at, last_error, payload)
+    SELECT @Q, u.id, u.a, t.enqueued_at, u.e, t.payloads[(u.id & 65535)::integer + 1]
+    FROM unnest(p_ids, p_att, p_errors) u(id, a, e) JOIN {schema}.@Pq t ON t.r = u.id >> 16
+    ON CONFLICT DO NOTHING
+$b$
+@;
+-- Ack (p_nack false) or nack the deliveries named by receipts, all or nothing: when any receipt does not
+-- hold its lease, or another call moved one of them on meanwhile, nothing is written and no row comes
+-- back (the caller asks @Pheld which). The leases holding them are split first (@Psplit), so every
+-- receipt is then a leased retry row; each gets a new row: finished (0), ready again after p_delay_s or
+-- the backoff (1), or after p_max_attempts failed (3, its payload copied to ring_failed). Rows: (id,
+-- state) of each, 0 finished, 1 ready again, 2 failed.
+CREATE FUNCTION {schema}.@Psettle(p_ids bigint[], p_deliveries integer[], p_nack boolean,
+    p_delay_s double precision, p_backoff_s double precision, p_backoff_max_s double precision,
+    p_max_attempts integer, p_error text)
+RETURNS TABLE (r_id bigint, r_state integer) LANGUAGE plpgsql AS $b$
+DECLARE
+    v_los bigint[];
+    v_held integer;
+    v_vers integer[];
+    v_att integer[];
+    v_del integer[];
+    v_states integer[];
+    v_due timestamptz[];
+    v_n integer;
+BEGIN
+    SELECT array_agg(DISTINCT h.r_lo) FILTER (WHERE h.r_lo IS NOT NULL), count(*) INTO v_los, v_held
+    FROM {schema}.@Pheld(p_ids, p_deliveries) h;
+    IF v_held < cardinality(p_ids) THEN
+        RETURN;
+    END IF;
+    BEGIN
+        -- A lease closed by another call meanwhile (its done row's key: this insert waited for that call
+        -- to end) is not split again here: the next statement, with a snapshot taken after, finds
+        -- whether that call left its receipts leased (a concurrent split) or not (an ack, a reclaim).
+        IF v_los IS NOT NULL THEN
+            PERFORM {schema}.@Psplit(v_los);
+        END IF;
+        SELECT array_agg(r.r_ver + 1 ORDER BY u.o), array_agg(r.r_attempts ORDER BY u.o),
+               array_agg(r.r_deliveries ORDER BY u.o), count(*)
+        INTO v_vers, v_att, v_del, v_n
+        FROM unnest(p_ids, p_deliveries) WITH ORDINALITY u(id, d, o)
+        JOIN {schema}.@Pnewest(p_ids) r ON r.r_id = u.id
+        WHERE r.r_state = 2 AND r.r_deliveries = u.d AND r.r_due > now();
+        IF v_n < cardinality(p_ids) THEN
+            RAISE EXCEPTION 'a receipt was settled meanwhile' USING ERRCODE = 'DQR01';
+        END IF;
+        SELECT array_agg(CASE WHEN NOT p_nack THEN 0 WHEN a >= p_max_attempts THEN 3 ELSE 1 END ORDER BY o),
+               array_agg(CASE WHEN p_nack AND a < p_max_attempts THEN now() + make_interval(secs => coalesce(
+                   p_delay_s, least(p_backoff_max_s, p_backoff_s * power(2, greatest(a - 1, 0))))) ELSE now() END ORDER BY o)
+        INTO v_states, v_due FROM unnest(v_att) WITH ORDINALITY x(a, o);
+        SELECT count(*) INTO v_n FROM {schema}.@Pput(p_ids, v_vers, v_states, v_att, v_del, v_due,
+            array_fill(NULL::text, ARRAY[cardinality(p_ids)]), array_fill(p_error, ARRAY[cardinality(p_ids)]));
+        IF v_n < cardinality(p_ids) THEN
+            RAISE EXCEPTION 'a receipt was settled meanwhile' USING ERRCODE = 'DQR01';
+        END IF;
+        PERFORM {schema}.@Pfail(array_agg(u.id), array_agg(u.a), array_agg(p_error))
+        FROM unnest(p_ids, v_att, v_states) u(id, a, s) WHERE u.s = 3 HAVING count(*) > 0;
+    EXCEPTION WHEN SQLSTATE 'DQR01' THEN
+        RETURN;
+    END;
+    RETURN QUERY SELECT u.id, CASE u.s WHEN 3 THEN 2 ELSE u.s END FROM unnest(p_ids, v_states) u(id, s);
+END
+$b$
+@;
+-- Expired leases go back to ready as retry rows (keeping their ids) or, after p_max_attempts, to
+-- ring_failed: open leases past their end (split first) and leased retry rows past theirs, up to p_limit
+-- of each. Rows: (id, state) of each message moved, 1 ready again, 2 failed.
+CREATE FUNCTION {schema}.@Preclaim(p_max_attempts integer, p_limit integer)
+RETURNS TABLE (r_id bigint, r_state integer) LANGUAGE plpgsql AS $b$
+DECLARE
+    v_los bigint[];
+    v_ids bigint[];
+    v_vers integer[];
+    v_att integer[];
+    v_del integer[];
+    v_states integer[];
+    v_errors text[];
+    v_done bigint[];
+BEGIN
+    SELECT array_agg(e.lo) INTO v_los FROM (
+        SELECT e.lo FROM {schema}.@Pl e
+        WHERE e.lease_until <= now() AND NOT EXISTS (SELECT 1 FROM {schema}.@Pd d WHERE d.lo = e.lo)
+        ORDER BY e.lo LIMIT p_limit) e;
+    IF v_los IS NOT NULL THEN
+        PERFORM {schema}.@Psplit(v_los);
+    END IF;
+    SELECT array_agg(r.id ORDER BY r.id), array_agg(r.ver + 1 ORDER BY r.id), array_agg(r.attempts ORDER BY r.id),
+           array_agg(r.deliveries ORDER BY r.id),
+           array_agg(CASE WHEN r.attempts >= p_max_attempts THEN 3 ELSE 1 END ORDER BY r.id),
+           array_agg('lease expired (held by ' || coalesce(r.consumer, '?') || ')' ORDER BY r.id)
+    INTO v_ids, v_vers, v_att, v_del, v_states, v_errors
+    FROM (
+        SELECT r.* FROM {schema}.@Pr r
+        WHERE r.state = 2 AND r.due_at <= now()
+          AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver)
+        ORDER BY r.id LIMIT p_limit) r;
+    IF v_ids IS NULL THEN
+        RETURN;
+    END IF;
+    SELECT array_agg(p.id) INTO v_done FROM {schema}.@Pput(v_ids, v_vers, v_states, v_att, v_del,
+        array_fill(now(), ARRAY[cardinality(v_ids)]), array_fill(NULL::text, ARRAY[cardinality(v_ids)]), v_errors) p(id);
+    PERFORM {schema}.@Pfail(array_agg(u.id), array_agg(u.a), array_agg(u.e))
+    FROM unnest(v_ids, v_att, v_states, v_errors) u(id, a, s, e) WHERE u.s = 3 AND u.id = ANY (v_done)
+    HAVING count(*) > 0;
+    RETURN QUERY SELECT u.id, CASE u.s WHEN 3 THEN 2 ELSE 1 END FROM unnest(v_ids, v_states) u(id, s)
+    WHERE u.id = ANY (v_done);
+END
+$b$
+@;
+-- Whether segment p_k still holds something a consumer needs besides the lanes: an open lease (no done
+-- row), or a message to deliver again or leased again (its newest retry row ready or leased).
+CREATE FUNCTION {schema}.@Pbusy(p_k integer) RETURNS boolean LANGUAGE plpgsql AS $b$
+BEGIN
+    IF p_k = 0 THEN
+        RETURN EXISTS (SELECT 1 FROM {schema}.@Pl0 e WHERE NOT EXISTS (SELECT 1 FROM {schema}.@Pd0 d WHERE d.lo = e.lo))
+            OR EXISTS (SELECT 1 FROM {schema}.@Pr0 r WHERE r.state IN (1, 2) AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr0 x WHERE x.id = r.id AND x.ver > r.ver));
+    ELSIF p_k = 1 THEN
+        RETURN EXISTS (SELECT 1 FROM {schema}.@Pl1 e WHERE NOT EXISTS (SELECT 1 FROM {schema}.@Pd1 d WHERE d.lo = e.lo))
+            OR EXISTS (SELECT 1 FROM {schema}.@Pr1 r WHERE r.state IN (1, 2) AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr1 x WHERE x.id = r.id AND x.ver > r.ver));
+    ELSIF p_k = 2 THEN
+        RETURN EXISTS (SELECT 1 FROM {schema}.@Pl2 e WHERE NOT EXISTS (SELECT 1 FROM {schema}.@Pd2 d WHERE d.lo = e.lo))
+            OR EXISTS (SELECT 1 FROM {schema}.@Pr2 r WHERE r.state IN (1, 2) AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr2 x WHERE x.id = r.id AND x.ver > r.ver));
+    ELSE
+        RETURN EXISTS (SELECT 1 FROM {schema}.@Pl3 e WHERE NOT EXISTS (SELECT 1 FROM {schema}.@Pd3 d WHERE d.lo = e.lo))
+            OR EXISTS (SELECT 1 FROM {schema}.@Pr3 r WHERE r.state IN (1, 2) AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr3 x WHERE x.id = r.id AND x.ver > r.ver));
+    END IF;
+END
+$b$
+@;
+-- What the ring holds: ready (the lanes' messages and those due again), delayed (due again later), in
+-- flight (open leases' messages and leased retry rows), failed, the oldest ready one's push time, the
+-- rows held and the segments' generations.
+CREATE FUNCTION {schema}.@Pdepth(OUT r_ready bigint, OUT r_delayed bigint, OUT r_in_flight bigint,
+    OUT r_failed bigint, OUT r_oldest timestamptz, OUT r_rows bigint, OUT r_gens bigint[])
+LANGUAGE sql AS $b$
+    WITH l AS (SELECT u.o - 1 AS lane, u.at FROM unnest({schema}.@Planes(NULL)) WITH ORDINALITY u(at, o)),
+    s AS (
+        SELECT coalesce(sum(t.n - CASE WHEN t.r = l.at >> 16 THEN (l.at & 65535) ELSE 0 END), 0)::bigint AS ready,
+               min(t.enqueued_at) AS oldest
+        FROM l JOIN {schema}.@Pq t ON t.r % @L = l.lane AND t.r >= l.at >> 16),
+    r AS (
+        SELECT r.id, r.state, r.due_at FROM {schema}.@Pr r
+        WHERE r.state IN (1, 2) AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver))
+    SELECT s.ready + (SELECT count(*) FROM r WHERE r.state = 1 AND r.due_at <= now()),
+           (SELECT count(*) FROM r WHERE r.state = 1 AND r.due_at > now()),
+           (SELECT coalesce(sum(e.n), 0) FROM {schema}.@Pl e
+            WHERE NOT EXISTS (SELECT 1 FROM {schema}.@Pd d WHERE d.lo = e.lo)) + (SELECT count(*) FROM r WHERE r.state = 2),
+           (SELECT count(*) FROM {schema}.ring_failed f WHERE f.queue_id = @Q),
+           least(s.oldest, (SELECT min(t.enqueued_at) FROM r JOIN {schema}.@Pq t ON t.r = r.id >> 16
+                            WHERE r.state = 1 AND r.due_at <= now())),
+           (SELECT count(*) FROM {schema}.@Pq),
+           ARRAY(SELECT {schema}.@Pseg_gen(k) FROM generate_series(0, 3) k)
+    FROM s
 $b$
 $x$ $t$;
 
@@ -2360,11 +2836,12 @@ BEGIN
     INSERT INTO {schema}.ring_rows (queue_id, capacity, lanes, seg_rows)
     VALUES (p_queue_id, p_capacity, p_lanes, p_capacity / 4);
     FOREACH v_stmt IN ARRAY string_to_array({schema}.ring_rows_template(), '@;') LOOP
-        EXECUTE replace(replace(replace(replace(replace(replace(v_stmt,
+        EXECUTE replace(replace(replace(replace(replace(replace(replace(replace(v_stmt,
             '@P', 'ring_' || p_queue_id || '_r'), '@L', p_lanes::text), '@S', (p_capacity / 4)::text),
             '@K1', hashtext('dbqueue.rows.push.{schema}.' || p_queue_id)::text),
             '@K2', hashtext('dbqueue.rows.lanes.{schema}.' || p_queue_id)::text),
-            '@K3', hashtext('dbqueue.rows.posgen.{schema}.' || p_queue_id)::text);
+            '@K3', hashtext('dbqueue.rows.posgen.{schema}.' || p_queue_id)::text),
+            '@K4', hashtext('dbqueue.rows.retry.{schema}.' || p_queue_id)::text), '@Q', p_queue_id::text);
     END LOOP;
 END
 $$;
@@ -2387,7 +2864,12 @@ BEGIN
     LOOP
         EXECUTE format('DROP FUNCTION %s', o.f);
     END LOOP;
-    EXECUTE format('DROP VIEW IF EXISTS {schema}.%I', v_p || 'q');
+    FOR o IN
+        SELECT c.oid::regclass AS v FROM pg_catalog.pg_class c
+        WHERE c.relnamespace = '{schema}'::regnamespace AND left(c.relname, length(v_p)) = v_p AND c.relkind = 'v'
+    LOOP
+        EXECUTE format('DROP VIEW IF EXISTS %s', o.v);
+    END LOOP;
     FOR o IN
         SELECT c.oid::regclass AS t, c.relkind FROM pg_catalog.pg_class c
         WHERE c.relnamespace = '{schema}'::regnamespace AND left(c.relname, length(v_p)) = v_p AND c.relkind IN ('r', 'S')
@@ -2407,10 +2889,49 @@ BEGIN
 END
 $$;
 
-CREATE OR REPLACE FUNCTION {schema}.ring_rows_pop(p_queue_id integer, p_n integer, p_wait boolean)
-RETURNS TABLE (r_id bigint, r_enqueued_at timestamptz, r_payload bytea) LANGUAGE plpgsql AS $$
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_take(
+    p_queue_id integer, p_n integer, p_wait boolean, p_lease boolean, p_vt double precision, p_consumer text)
+RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz,
+               r_lease_until timestamptz, r_payload bytea) LANGUAGE plpgsql AS $$
 BEGIN
-    RETURN QUERY EXECUTE 'SELECT * FROM {schema}.ring_' || p_queue_id || '_rpop($1, $2)' USING p_n, p_wait;
+    RETURN QUERY EXECUTE 'SELECT * FROM {schema}.ring_' || p_queue_id || '_rtake($1, $2, $3, $4, $5)'
+        USING p_n, p_wait, p_lease, p_vt, p_consumer;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_ack(p_queue_id integer, p_ids bigint[], p_deliveries integer[])
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE
+    v_n integer;
+BEGIN
+    EXECUTE 'SELECT {schema}.ring_' || p_queue_id || '_rack($1, $2)' INTO v_n USING p_ids, p_deliveries;
+    RETURN v_n;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_settle(
+    p_queue_id integer, p_ids bigint[], p_deliveries integer[], p_nack boolean, p_delay_s double precision,
+    p_backoff_s double precision, p_backoff_max_s double precision, p_max_attempts integer, p_error text)
+RETURNS TABLE (r_id bigint, r_state integer) LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN QUERY EXECUTE 'SELECT * FROM {schema}.ring_' || p_queue_id || '_rsettle($1, $2, $3, $4, $5, $6, $7, $8)'
+        USING p_ids, p_deliveries, p_nack, p_delay_s, p_backoff_s, p_backoff_max_s, p_max_attempts, p_error;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_held(p_queue_id integer, p_ids bigint[], p_deliveries integer[])
+RETURNS TABLE (r_id bigint, r_delivery integer) LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN QUERY EXECUTE 'SELECT r_id, r_delivery FROM {schema}.ring_' || p_queue_id || '_rheld($1, $2)'
+        USING p_ids, p_deliveries;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_reclaim(p_queue_id integer, p_max_attempts integer, p_limit integer)
+RETURNS TABLE (r_id bigint, r_state integer) LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN QUERY EXECUTE 'SELECT * FROM {schema}.ring_' || p_queue_id || '_rreclaim($1, $2)'
+        USING p_max_attempts, p_limit;
 END
 $$;
 
@@ -2469,10 +2990,12 @@ BEGIN
 END
 $$;
 
-CREATE OR REPLACE FUNCTION {schema}.ring_rows_stats(
-    p_queue_id integer, OUT r_ready bigint, OUT r_oldest timestamptz, OUT r_rows bigint, OUT r_gens bigint[])
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_depth(
+    p_queue_id integer, OUT r_ready bigint, OUT r_delayed bigint, OUT r_in_flight bigint, OUT r_failed bigint,
+    OUT r_oldest timestamptz, OUT r_rows bigint, OUT r_gens bigint[])
 LANGUAGE plpgsql AS $$
 BEGIN
-    EXECUTE 'SELECT * FROM {schema}.ring_' || p_queue_id || '_rstats()' INTO r_ready, r_oldest, r_rows, r_gens;
+    EXECUTE 'SELECT * FROM {schema}.ring_' || p_queue_id || '_rdepth()'
+        INTO r_ready, r_delayed, r_in_flight, r_failed, r_oldest, r_rows, r_gens;
 END
 $$;

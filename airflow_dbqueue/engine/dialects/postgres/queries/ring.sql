@@ -396,14 +396,38 @@ SELECT {schema}.ring_rows_drop(queue_id) FROM {schema}.ring_rows
 SELECT r_first, r_need FROM {schema}.ring_rows_push(
     %(queue_id)s::integer, %(payloads)b::bytea[], %(notify)s::integer, %(channel)s)
 
--- name: ring_rows_pop
--- A pop at most once (in the caller's transaction: exactly once). wait: when other pops hold every lane
--- with messages, wait for one of them (at most 1 s).
-SELECT r_id, r_enqueued_at, r_payload FROM {schema}.ring_rows_pop(
-    %(queue_id)s::integer, %(n)s::integer, %(wait)s::boolean)
+-- name: ring_rows_take
+-- A pop: messages due again first, then the lanes'. lease: at least once (one lease row for what the lanes
+-- gave, until now + visibility_timeout_s); otherwise at most once (in the caller's transaction: exactly
+-- once). wait: when other pops hold every lane with messages, wait for one of them (at most 1 s).
+SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, r_lease_until, r_payload FROM {schema}.ring_rows_take(
+    %(queue_id)s::integer, %(n)s::integer, %(wait)s::boolean, %(lease)s::boolean,
+    %(visibility_timeout_s)s::float8, %(consumer)s::text)
 
 -- name: ring_rows_pop_payloads
-SELECT r_payload FROM {schema}.ring_rows_pop(%(queue_id)s::integer, %(n)s::integer, %(wait)s::boolean)
+SELECT r_payload FROM {schema}.ring_rows_take(
+    %(queue_id)s::integer, %(n)s::integer, %(wait)s::boolean, false, 0, NULL)
+
+-- name: ring_rows_ack
+-- The usual ack, of one whole lease: the messages acked (all the receipts), or 0 (then ring_rows_settle).
+SELECT {schema}.ring_rows_ack(%(queue_id)s::integer, %(ids)s::bigint[], %(deliveries)s::integer[])
+
+-- name: ring_rows_settle
+-- Ack or nack receipts, all or nothing: (id, state) of each, none when some receipt lost its lease.
+SELECT r_id, r_state FROM {schema}.ring_rows_settle(
+    %(queue_id)s::integer, %(ids)s::bigint[], %(deliveries)s::integer[], %(nack)s::boolean,
+    %(delay_s)s::float8, %(backoff_s)s::float8, %(backoff_max_s)s::float8, %(max_attempts)s::integer,
+    %(error)s::text)
+
+-- name: ring_rows_held
+-- The receipts (id, delivery) that still hold their lease.
+SELECT r_id, r_delivery FROM {schema}.ring_rows_held(
+    %(queue_id)s::integer, %(ids)s::bigint[], %(deliveries)s::integer[])
+
+-- name: ring_rows_reclaim
+-- Expired leases back to ready, or failed after max_attempts: (id, state) of each message moved.
+SELECT r_id, r_state FROM {schema}.ring_rows_reclaim(
+    %(queue_id)s::integer, %(max_attempts)s::integer, %(limit)s::integer)
 
 -- name: ring_rows_peek
 SELECT r_id, r_enqueued_at, r_payload FROM {schema}.ring_rows_peek(%(queue_id)s::integer, %(n)s::integer)
@@ -428,7 +452,8 @@ SELECT {schema}.ring_rows_rotate_ahead(%(queue_id)s::integer)
 SELECT r_xmax, r_last, r_skipped FROM {schema}.ring_rows_gaps(
     %(queue_id)s::integer, %(xmax)s::bigint, %(last)s::bigint)
 
--- name: ring_rows_stats
--- (ready messages, age of the oldest in seconds, rows held, each segment's generation)
-SELECT r_ready, extract(epoch FROM now() - r_oldest)::float8, r_rows, r_gens
-FROM {schema}.ring_rows_stats(%(queue_id)s::integer)
+-- name: ring_rows_depth
+-- (ready, delayed, in flight, failed, age of the oldest ready in seconds, rows held, each segment's
+-- generation)
+SELECT r_ready, r_delayed, r_in_flight, r_failed, extract(epoch FROM now() - r_oldest)::float8, r_rows, r_gens
+FROM {schema}.ring_rows_depth(%(queue_id)s::integer)
