@@ -588,8 +588,11 @@ def test_changed_functions_are_applied_while_pushes_and_pops_run(  # noqa: PLR09
     schema = new_schema()
     fresh_install(pg_dsn, schema)
     first = pg_schema.functions_sql()
-    edited = re.sub(r"\n\$\$(;|$)", r"\n    -- edited while pushes and pops run\n$$\1", first[0])
-    assert edited.count("-- edited") == 51
+    # Every function's body ends "\n$$;" but the rows layout's template, whose text ends "$x$ $t$;".
+    edited = re.sub(
+        r"\n(\$\$|\$x\$ \$t\$)(;|$)", r"\n    -- edited while pushes and pops run\n\1\2", first[0]
+    )
+    assert edited.count("-- edited") == 52
     editions = [first, (edited, digest(edited), first[2])]
     n_batches, size = 60, 25
     errors: list[BaseException] = []
