@@ -24,7 +24,7 @@ INSTRUCTIONS_PY = Path(__file__).resolve().parents[2] / "benchmarks" / "instruct
 @pytest.mark.parametrize(
     ("extra", "designs", "reference"),
     [
-        ((), ["ring", "table"], "naive"),
+        ((), ["ring", "ring-rows", "table"], "naive"),
         # at least once the pop sessions ack, and the reference is PGMQ's read and archive
         (("--design", "table", "--semantics", "at-least-once", "--archive"), ["table"], "pgmq"),
         # both sides as they run behind a transaction pooler: nothing prepared
@@ -151,3 +151,15 @@ def test_measure_fails_when_a_pop_loses_or_adds_a_message() -> None:
         instructions.measure(_Uncounted(), (push, pop_one_more), batch=3, calls=2, size=64, who="ring")
     with pytest.raises(SystemExit, match="checksums differ"):
         instructions.measure(_Uncounted(), (push, pop_one_twice), batch=3, calls=2, size=64, who="ring")
+
+
+def test_the_rows_layout_is_counted_at_most_once_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """The ring of the rows layout pops at most once only: counted by default at most once, left out of
+    the default designs at least once, and refused there when named."""
+    instructions = load_benchmark("instructions")
+    assert instructions.parse_args([]).design == ["ring", "ring-rows", "table"]
+    assert instructions.parse_args(["--semantics", "at-least-once"]).design == ["ring", "table"]
+    with pytest.raises(SystemExit) as refused:
+        instructions.parse_args(["--design", "ring-rows", "--semantics", "at-least-once"])
+    assert refused.value.code == 2
+    assert "ring-rows pops at most once only" in capsys.readouterr().err
