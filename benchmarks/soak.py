@@ -196,9 +196,13 @@ def sample(dsn: str, schema: str, tables: tuple[str, ...]) -> dict[str, Any]:
             "  WHERE p.relnamespace = n.oid AND p.relname = ANY (%s)))",
             (schema, list(tables), list(tables)),
         ).fetchone()
+        # pg_partition_tree lists a partitioned table with its partitions, and nothing for a plain table:
+        # the table itself is added (UNION: once)
         by_table = conn.execute(
-            "SELECT t, coalesce(sum(pg_total_relation_size(p.relid)), 0) FROM unnest(%s::text[]) AS t "
-            "CROSS JOIN LATERAL pg_partition_tree(format('%%I.%%I', %s::text, t)::regclass) AS p GROUP BY t",
+            "SELECT t, coalesce(sum(pg_total_relation_size(p.relid)), 0) "
+            "FROM unnest(%s::text[]) AS t, "
+            "LATERAL (SELECT format('%%I.%%I', %s::text, t)::regclass AS r) AS x, "
+            "LATERAL (SELECT relid FROM pg_partition_tree(x.r) UNION SELECT x.r) AS p GROUP BY t",
             (list(tables), schema),
         ).fetchall()
     heap, total, upd, hot, dead = (int(x or 0) for x in row) if row else (0, 0, 0, 0, 0)
