@@ -281,8 +281,8 @@ def test_the_rows_layout_beside_the_others_in_one_run_paced_under_a_hold(pg_dsn:
     """--design ring-rows --also ring table, paced at 4,000 messages a second with a 3 s hold: the ring
     of the rows layout, the slots ring and the table design run in turn with the naive queue at the
     same point, each valid (counted and checksummed: nothing lost, duplicated, corrupted or left), each
-    with the hold's figures, the rows ring made with its capacity in pushes; ring-rows at least once is
-    refused. (about 40 s)"""
+    with the hold's figures, the rows ring made with its capacity in pushes and leaving no dead tuple
+    where the slots ring leaves some; ring-rows at least once is refused. (about 40 s)"""
     proc = _run(
         pg_dsn,
         *("--design", "ring-rows", "--also", "ring", "table", "--producers", "2", "--consumers", "1"),
@@ -308,6 +308,9 @@ def test_the_rows_layout_beside_the_others_in_one_run_paced_under_a_hold(pg_dsn:
         assert f["hold_xmin_age"] > 0 and f["bytes_in_hold"] > 0
     assert point["also"]["ring"]["capacity"] > 5000 and point["also"]["table"]["capacity"] is None
     assert point["baseline_dead_tuples_in_hold"] > 0  # the hold held for the naive queue too
+    # what tells the layouts apart: the rows ring's hot path left no dead row under the hold, the slots
+    # ring's updated slots did
+    assert point["dead_tuples_in_hold"] == 0 and point["also"]["ring"]["dead_tuples_in_hold"] > 0
     refused = _run(pg_dsn, "--design", "ring", "--also", "ring-rows", "--semantics", "at-least-once")
     assert refused.returncode == 2 and "ring-rows pops at most once only" in refused.stderr
 
