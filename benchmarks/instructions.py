@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Server instructions a message: what each side of a queue costs PostgreSQL, counted, not timed.
 
-    python benchmarks/instructions.py [--design ring table ring-rows] [--batch 1 100 1000] [--json]
+    python benchmarks/instructions.py [--design ring ring-rows table] [--batch 1 100 1000] [--json]
         [--client] [--semantics at-least-once [--archive]]
 
 ``run.py`` and ``cost.py`` time what they measure, so on a shared machine their figures move with
@@ -39,6 +39,9 @@ the client's instructions a message are counted the same way: psycopg's encoding
 for the engine, its API (pool checkout, checks, building a ``Message`` a message), against the naive
 queue's bare psycopg calls. The pop sessions send what they popped back to be checked.
 
+``ring`` is the ring of the default slots layout, ``ring-rows`` a ring of the rows layout
+(``create_queue(..., design="ring", layout="rows")``, PostgreSQL only).
+
 Needs valgrind (Debian's ``valgrind``) and the PostgreSQL binaries the embedded default uses. Under
 cachegrind the server runs about 50 times slower: the default run takes a few minutes, about three
 times as long with ``--client`` (each session starts a Python under cachegrind).
@@ -69,6 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench.backends import (  # benchmarks/ is a folder of scripts
     BASELINE,
     PGMQ,
+    RING_ROWS,
     PgmqBackend,
     Target,
     naive_statements,
@@ -439,6 +443,10 @@ def measure(
     return got_per
 
 
+DESIGNS = ("ring", RING_ROWS, "table")
+"""The engine designs counted: the ring (slots layout), the ring of the rows layout, the table design."""
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     with counted_server() as server:
@@ -497,12 +505,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             max_payload_bytes=max(args.payload_bytes, 16),
                             notify="never",
                         )
-                    elif design == "ring-rows":  # capacity in pushes: room for every session's, no rotation
+                    elif design == RING_ROWS:
+                        # capacity counts pushes: every push of the warm-up's and the two counted
+                        # sessions' (5 x calls, then 5 x calls / 4) with room to spare, so that no
+                        # push waits for a segment
                         dbq.create_queue(
                             QUEUE,
                             design="ring",
                             layout="rows",
-                            capacity=max(1024, 4 * (8 * calls // 4 + 1)),
+                            capacity=max(64, 32 * calls),
                             payload_type="bytes",
                             max_payload_bytes=max(args.payload_bytes, 16),
                             notify="never",
@@ -608,9 +619,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--design",
         nargs="+",
-        choices=("ring", "table", "ring-rows"),
-        default=["ring", "table"],
-        help="ring-rows: a ring of the rows layout (create_queue(layout='rows'))",
+        choices=DESIGNS,
+        help=f"designs to count (default: {', '.join(DESIGNS)})",
     )
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 100, 1000])
     ap.add_argument(
@@ -653,6 +663,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a session of --client (stdin)
     args = ap.parse_args(argv)
+    if args.design is None:
+        args.design = list(DESIGNS)
     if any(b < 1 for b in args.batch) or args.calls < 0 or args.payload_bytes < 16:
         ap.error("batches must be at least 1, --calls at least 0, --payload-bytes at least 16")
     if args.client and args.semantics != "at-most-once":

@@ -1,15 +1,19 @@
 #!/usr/bin/env python
 """Benchmark: full push-then-pop cycles per second of a queue design, against the naive baseline.
 
-    python benchmarks/run.py --design {table,ring,naive} --producers P --consumers C --batch N \
-        --seconds S [--json] [--semantics {at-most-once,at-least-once}] [--payload-bytes 300]
+    python benchmarks/run.py --design {table,ring,ring-rows,naive} --producers P --consumers C \
+        --batch N --seconds S [--json] [--semantics {at-most-once,at-least-once}] [--payload-bytes 300] \
+        [--also DESIGN ...]
 
     python benchmarks/run.py --maintenance [--producers P --consumers C --batch N --seconds S]
 
 With none of --producers/--consumers/--batch it sweeps P x C in 1x1, 2x2, 4x4, 8x8 and batch in
 1, 100, 1000. Every point measures the chosen design and, in the same run, the naive baseline (one
 table, INSERT to push, DELETE ... FOR UPDATE SKIP LOCKED ... RETURNING to pop) at the same P x C x
-batch, each on a fresh schema that is dropped afterwards. Producers and consumers are separate
+batch, each on a fresh schema that is dropped afterwards; ``--also`` adds engine designs measured in
+the same run, in turn with the others (their figures under ``also`` in the point's JSON). The ``ring``
+design is the ring's default slots layout, ``ring-rows`` its rows layout (PostgreSQL only; its capacity
+counted in pushes). Producers and consumers are separate
 processes with a connection each. Every run checks that no message was lost or delivered twice.
 With ``--maintenance`` it measures the engine design at one point twice in the same run, without and with
 a maintenance process looping (archiving, VACUUM, online index rebuilds), and prints push/pop/ack latency
@@ -41,11 +45,12 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from bench.backends import ALL_DESIGNS, BASELINE, ENGINE_DESIGNS, PGMQ, REFERENCES, Target
+from bench.backends import ALL_DESIGNS, BASELINE, ENGINE_DESIGNS, PGMQ, REFERENCES, RING_ROWS, Target
 from bench.measure import HOLD_KEYS, BenchError, RunResult, combine, percentile, run_design
 from bench.report import (
     LATENCY_OPS,
     PERCENTILES,
+    also_lines,
     hold_table,
     maintenance_table,
     rounded,
@@ -122,16 +127,36 @@ def ring_capacity(args: argparse.Namespace, point: Point, cap: int) -> int:
     return int(args.capacity or cap + (point.producers + point.consumers * args.groups + 2) * point.batch)
 
 
+def rows_capacity(args: argparse.Namespace, point: Point, cap: int) -> int:
+    """Pushes a ring of the rows layout holds: ``--rows-capacity``, else room for twice the pushes of
+    the backlog and those in flight (a segment is emptied only once every lane has passed it, so the
+    rows held span up to two segments more than they fill), in four segments of at least two rows a
+    lane (the layout's floor, with its default 8 lanes: 64)."""
+    if args.rows_capacity:
+        return int(args.rows_capacity)
+    pushes = -(-cap // point.batch) + point.producers + point.consumers + 2
+    return max(64, 4 * -(-2 * pushes // 4))
+
+
+def capacity_of(args: argparse.Namespace, design: str, point: Point, cap: int) -> int | None:
+    """The capacity a design's queue is made with at ``point``: slots of a ring, pushes of a rows ring,
+    none for the others."""
+    if design == "ring":
+        return ring_capacity(args, point, cap)
+    if design == RING_ROWS:
+        return rows_capacity(args, point, cap)
+    return None
+
+
 def make_target(args: argparse.Namespace, dsn: str, design: str, point: Point, cap: int) -> Target:
     """A fresh schema's queue of ``design`` for one run at ``point``."""
-    capacity = ring_capacity(args, point, cap)
     return Target(
         design=design,
-        schema=f"bench_{design}_{uuid.uuid4().hex[:10]}",
+        schema=f"bench_{design.replace('-', '_')}_{uuid.uuid4().hex[:10]}",
         semantics=args.semantics,
         archive=args.archive,
         notify=args.notify,
-        capacity=capacity if design == "ring" else None,
+        capacity=capacity_of(args, design, point, cap),
         payload_bytes=args.payload_bytes,
         pop_api=args.pop,
         groups=args.groups if design == "ring" else 1,
@@ -147,7 +172,9 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
 
     log = _logger(args)
     cap = backlog_cap(args, point)
-    designs = [args.design] if args.design == BASELINE else [args.design, BASELINE]
+    designs = [args.design] + [d for d in args.also if d != args.design]
+    if args.design != BASELINE:
+        designs.append(BASELINE)
     if args.pgmq and args.design not in REFERENCES:
         designs.append(PGMQ)
     runs: dict[str, list[RunResult]] = {d: [] for d in designs}
@@ -225,7 +252,7 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
         "backlog_cap": cap,
         "warmup_s": args.warmup,
         "archive": args.archive if args.design == "table" else None,
-        "capacity": ring_capacity(args, point, cap) if args.design == "ring" else None,
+        "capacity": capacity_of(args, args.design, point, cap),
         "groups": args.groups if args.design == "ring" else None,
         "notify": args.notify if args.design not in REFERENCES else None,
         "with_maintenance": config is not None,
@@ -262,7 +289,47 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
         out["rate"] = args.rate
     if args.hold_horizon > 0:
         out.update(hold_report(args, runs))
+    also = [d for d in args.also if d != args.design]
+    if also:
+        out["also"] = {d: also_report(args, runs, d, capacity_of(args, d, point, cap)) for d in also}
     out["valid"] = all(combine(rs).valid for rs in runs.values())
+    return out
+
+
+def also_report(
+    args: argparse.Namespace, runs: dict[str, list[RunResult]], design: str, capacity: int | None
+) -> dict[str, Any]:
+    """``--also``: one more design's figures at the point (its median run, with every run's counts of
+    what was lost, duplicated or corrupted added up), under the names the point uses for its design."""
+    r, base = combine(runs[design]), combine(runs[BASELINE])
+    out: dict[str, Any] = {
+        "cycles_per_s": round(r.cycles_per_s, 1),
+        "ratio": round(r.cycles_per_s / base.cycles_per_s, 3) if base.cycles_per_s else None,
+        "capacity": capacity,
+        "valid": r.valid,
+    }
+    for key in (
+        "lost",
+        "duplicated",
+        "corrupt",
+        "ack_failures",
+        "left_in_queue",
+        "pushed",
+        "popped",
+        "table_bytes",
+        "table_bytes_start",
+        "dead_tuples",
+        "hot_update_ratio",
+        "wal_bytes_per_msg",
+        "push_ms",
+        "pop_ms",
+    ):
+        out[key] = rounded(getattr(r, key), 3)
+    if args.repeat > 1:
+        out["cycles_per_s_runs"] = [round(x.cycles_per_s, 1) for x in runs[design]]
+    if args.hold_horizon > 0:
+        hold = r.hold or {}
+        out.update({key: hold.get(key) for key in HOLD_KEYS})
     return out
 
 
@@ -504,12 +571,32 @@ def intervals(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def design_options(ap: argparse.ArgumentParser) -> None:
+    """The options of which designs a run measures, and the rows ring's capacity."""
+    ap.add_argument("--design", choices=ALL_DESIGNS, default="table")
+    ap.add_argument(
+        "--also",
+        nargs="+",
+        choices=ENGINE_DESIGNS,
+        default=[],
+        metavar="DESIGN",
+        help=f"more engine designs ({', '.join(ENGINE_DESIGNS)}) measured at every point in the same run, "
+        "in turn with --design and the naive queue, each reported beside them",
+    )
+    ap.add_argument(
+        "--rows-capacity",
+        type=int,
+        help="pushes a ring-rows queue holds, a multiple of 4 (default: twice the pushes of the backlog "
+        "cap and those in flight, at least 64)",
+    )
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description="Full push-then-pop cycles/s of a queue design against the naive baseline.",
         epilog="Without --producers/--consumers/--batch: sweeps P x C in 1x1..8x8, batch in 1, 100, 1000.",
     )
-    ap.add_argument("--design", choices=ALL_DESIGNS, default="table")
+    design_options(ap)
     ap.add_argument("--producers", type=int, help="producer processes (default: swept)")
     ap.add_argument("--consumers", type=int, help="consumer processes (default: swept)")
     ap.add_argument("--batch", type=int, help="messages per push and per pop (default: swept)")
@@ -615,11 +702,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--with-maintenance runs beside an engine design's points, not with --maintenance")
     if args.reference_vacuum and not args.with_maintenance:
         ap.error("--reference-vacuum goes with --with-maintenance")
-    if args.groups < 1 or (args.groups > 1 and args.design != "ring"):
-        ap.error("--groups must be >= 1, and above 1 only with --design ring")
+    check_designs(ap, args)
     if args.payload_bytes < HEADER.size:
         ap.error(f"--payload-bytes must be >= {HEADER.size} (the (producer, seq) header)")
     return args
+
+
+def check_designs(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what the measured designs (--design and --also) cannot run: groups other than on the
+    slots ring, --also beside a maintenance or recycling loop."""
+    measured = {args.design, *args.also}
+    if args.groups < 1 or (args.groups > 1 and measured != {"ring"}):
+        ap.error("--groups must be >= 1, and above 1 only with --design ring (and no other --also)")
+    if args.also and (args.maintenance or args.with_maintenance or args.recycle_interval):
+        ap.error("--also goes without --maintenance, --with-maintenance and --recycle-interval")
 
 
 def check_window(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -687,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
                         f" | archive={'on' if args.archive else 'off'} notify={args.notify}"
                         if args.design == "table"
                         else f" | notify={args.notify}"
-                        if args.design == "ring"
+                        if args.design in ("ring", RING_ROWS)
                         else ""
                     )
                     + (
@@ -704,6 +800,7 @@ def main(argv: list[str] | None = None) -> int:
                         else ""
                     )
                     + (f" | producers paced at {args.rate:,.0f} messages/s" if args.rate else "")
+                    + (f" | also {', '.join(args.also)}" if args.also else "")
                 )
                 print(table_header(), flush=True)
             for point in points:
@@ -714,6 +811,8 @@ def main(argv: list[str] | None = None) -> int:
                 row["pooler"] = args.pooler
                 all_valid &= row["valid"]
                 print(json.dumps(row) if args.json else table_row(row), flush=True)
+                if row.get("also") and not args.json:
+                    print(also_lines(row), flush=True)
                 if args.hold_horizon and not args.json:
                     print(hold_table(row), flush=True)
     except (BenchError, DbQueueError, psycopg.Error) as exc:

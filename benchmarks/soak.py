@@ -3,6 +3,8 @@
 
     python benchmarks/soak.py --design ring --messages 10000000 --capacity 10000 --batch 1000
     python benchmarks/soak.py --design table --messages 2000000 --maintain-every 5
+    python benchmarks/soak.py --design ring-rows --rows-capacity 1024 --batch 100 --rate 5000 \
+        --messages 1050000 --hold-after 60 --hold-for 90
 
 Issue 3 asks that a ring's table "is the same size after 10 million messages as after the first
 thousand", with HOT updates. This runs P producer and C consumer processes (at-most-once) until
@@ -24,6 +26,11 @@ minute and the minute after it (from a per-second count of pops), and the longes
 
     python benchmarks/soak.py --design table --rate 5000 --messages 3000000 --batch 100 \
         --hold-after 120 --hold-for 300 --maintain-every 300
+
+``--design ring`` is the ring of the default slots layout (``--capacity`` slots), ``ring-rows`` a ring
+of the rows layout (``create_queue(..., design="ring", layout="rows")``, PostgreSQL only;
+``--rows-capacity`` pushes, in four segment tables emptied by ``TRUNCATE``), whose tables (its
+segments and position logs) are those of its queue id.
 
 Nothing is lost: producers report the count and a checksum of what they pushed, consumers of what
 they popped, and the run fails (exit 1) unless both agree. The database is ``--dsn``, else
@@ -59,8 +66,18 @@ from airflow_dbqueue.engine import DbQueue, MaintenanceConfig
 QUEUE = "soak_q"
 MASK = (1 << 64) - 1
 PAYLOAD_HEADER = struct.Struct(">QQ")  # (producer, number), then a random filler (payloads.py)
-# The tables on the queue's push/pop path, by design.
-TABLES = {"ring": ("ring_slots",), "table": ("meta", "data", "done")}
+# The tables on the queue's push/pop path, by design; a ring of the rows layout has tables of its own,
+# named by its queue id (rows_tables).
+TABLES: dict[str, tuple[str, ...]] = {
+    "ring": ("ring_slots",),
+    "ring-rows": (),
+    "table": ("meta", "data", "done"),
+}
+
+
+def rows_tables(queue_id: int) -> tuple[str, ...]:
+    """A ring of the rows layout's tables: its four segments and their four position logs."""
+    return tuple(f"ring_{queue_id}_r{kind}{k}" for kind in ("q", "pos") for k in range(4))
 
 
 def digest(payload: bytes) -> int:
@@ -179,9 +196,13 @@ def sample(dsn: str, schema: str, tables: tuple[str, ...]) -> dict[str, Any]:
             "  WHERE p.relnamespace = n.oid AND p.relname = ANY (%s)))",
             (schema, list(tables), list(tables)),
         ).fetchone()
+        # pg_partition_tree lists a partitioned table with its partitions, and nothing for a plain table:
+        # the table itself is added (UNION: once)
         by_table = conn.execute(
-            "SELECT t, coalesce(sum(pg_total_relation_size(p.relid)), 0) FROM unnest(%s::text[]) AS t "
-            "CROSS JOIN LATERAL pg_partition_tree(format('%%I.%%I', %s::text, t)::regclass) AS p GROUP BY t",
+            "SELECT t, coalesce(sum(pg_total_relation_size(p.relid)), 0) "
+            "FROM unnest(%s::text[]) AS t, "
+            "LATERAL (SELECT format('%%I.%%I', %s::text, t)::regclass AS r) AS x, "
+            "LATERAL (SELECT relid FROM pg_partition_tree(x.r) UNION SELECT x.r) AS p GROUP BY t",
             (list(tables), schema),
         ).fetchall()
     heap, total, upd, hot, dead = (int(x or 0) for x in row) if row else (0, 0, 0, 0, 0)
@@ -271,6 +292,16 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912,
                 max_payload_bytes=args.payload_bytes,
                 notify="auto",
             )
+        elif args.design == "ring-rows":
+            created = dbq.create_queue(
+                QUEUE,
+                design="ring",
+                layout="rows",
+                capacity=args.rows_capacity,
+                payload_type="bytes",
+                notify="auto",
+            )
+            tables = rows_tables(created.settings.queue_id)
         else:
             dbq.create_queue(QUEUE, payload_type="bytes", notify="auto")
         ctx = mp.get_context("spawn")
@@ -407,7 +438,7 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912,
             held["hold_kept"] = round(last / before, 3) if before and last is not None else None
     return {
         "design": args.design,
-        "capacity": args.capacity if args.design == "ring" else None,
+        "capacity": capacity_of(args),
         "producers": args.producers,
         "consumers": args.consumers,
         "batch": args.batch,
@@ -430,6 +461,11 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912,
         ),
         **held,
     }
+
+
+def capacity_of(args: argparse.Namespace) -> int | None:
+    """The ring's capacity: slots (ring), pushes (ring-rows); None for the table design."""
+    return {"ring": args.capacity, "ring-rows": args.rows_capacity}.get(args.design)
 
 
 def window_rate(timeline: list[tuple[float, int]], since: float, until: float) -> float | None:
@@ -466,6 +502,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--design", choices=sorted(TABLES), default="ring")
     ap.add_argument("--messages", type=int, default=10_000_000)
     ap.add_argument("--capacity", type=int, default=10_000, help="ring slots (ring design)")
+    ap.add_argument(
+        "--rows-capacity",
+        type=int,
+        default=1024,
+        help="pushes a ring of the rows layout holds, a multiple of 4 (ring-rows design)",
+    )
     ap.add_argument("--producers", type=int, default=2)
     ap.add_argument("--consumers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=1000)
@@ -508,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"PostgreSQL {info['server_version']} ({where}) | {args.design}"
             + (f" of {args.capacity} slots" if args.design == "ring" else "")
+            + (f" of {args.rows_capacity} pushes" if args.design == "ring-rows" else "")
             + f" | {args.producers}x{args.consumers} batch {args.batch} | {args.payload_bytes} B payloads"
             + f" | {args.messages:,} messages"
             + (

@@ -19,9 +19,12 @@ BASELINE = "naive"
 # like the baseline with plain psycopg, for the at-least-once comparison (--pgmq).
 PGMQ = "pgmq"
 REFERENCES = (BASELINE, PGMQ)
+# The ring of the rows layout (create_queue(..., design="ring", layout="rows"), PostgreSQL only) is a
+# design of its own here: its capacity counts pushes, not messages.
+RING_ROWS = "ring-rows"
 # Designs the engine implements, measured through DbQueue.
-ENGINE_DESIGNS: tuple[str, ...] = ("table", "ring")
-ALL_DESIGNS = ("table", "ring", BASELINE, PGMQ)
+ENGINE_DESIGNS: tuple[str, ...] = ("table", "ring", RING_ROWS)
+ALL_DESIGNS = ("table", "ring", RING_ROWS, BASELINE, PGMQ)
 QUEUE_NAME = "bench_q"
 
 
@@ -36,7 +39,7 @@ class Target:
     archive: bool
     notify: str
     capacity: int | None = None
-    """Slots of a ring (ring design only)."""
+    """Slots of a ring (ring design), or pushes a ring of the rows layout holds (ring-rows)."""
     payload_bytes: int = 300
     pop_api: str = "payloads"
     """At most once, how the engine's consumers pop: ``pop_payloads`` ("payloads"), which is what they
@@ -116,6 +119,16 @@ def setup_target(target: Target) -> None:
             )
             for k in range(1, target.groups):
                 dbq.queue(QUEUE_NAME).add_group(f"g{k}")  # type: ignore[attr-defined]
+            return
+        if target.design == RING_ROWS:
+            dbq.create_queue(
+                QUEUE_NAME,
+                design="ring",
+                layout="rows",
+                payload_type="bytes",
+                notify=target.notify,
+                capacity=target.capacity,
+            )
             return
         dbq.create_queue(
             QUEUE_NAME,

@@ -91,6 +91,21 @@ def table_row(r: dict[str, Any]) -> str:
     return "  ".join(f(r).rjust(w) if i else f(r).ljust(w) for i, (_, w, f) in enumerate(COLUMNS))
 
 
+def also_lines(r: dict[str, Any]) -> str:
+    """One line per design of ``--also`` at a point, under its row: cycles/s, against the naive queue,
+    sizes, dead tuples and whether what went in came out once, unchanged."""
+    lines = []
+    for name, f in r.get("also", {}).items():
+        ratio = "-" if f["ratio"] is None else f"{f['ratio']:.2f}"
+        lines.append(
+            f"  also {name}: {f['cycles_per_s']:,.0f} cycles/s ({ratio}x naive), lost {f['lost']}, "
+            f"dup {f['duplicated']}, corrupt {f['corrupt']}, table MB "
+            f"{f['table_bytes_start'] / 1e6:.0f}>{f['table_bytes'] / 1e6:.0f}, dead tup {f['dead_tuples']}, "
+            f"{'ok' if f['valid'] else 'INVALID'}"
+        )
+    return "\n".join(lines)
+
+
 def hold_table(r: dict[str, Any]) -> str:
     """The figures of a ``--hold-horizon`` point, one line per design measured, under its row."""
     edge = r.get("hold_edge_s") or 0
@@ -112,23 +127,27 @@ def hold_table(r: dict[str, Any]) -> str:
         "xid age",
     ]
     rows = [head]
-    designs = [("", r["design"])] + ([("baseline_", "naive")] if r["design"] != "naive" else [])
+    designs: list[tuple[str, dict[str, Any], str]] = [("", r, r["design"])]
+    # --also: each further design's figures, under the same names without a prefix
+    designs += [("", fig, name) for name, fig in r.get("also", {}).items()]
+    if r["design"] != "naive":
+        designs.append(("baseline_", r, "naive"))
     if "pgmq_cycles_per_s" in r:
-        designs.append(("pgmq_", "pgmq"))
-    for prefix, name in designs:
+        designs.append(("pgmq_", r, "pgmq"))
+    for prefix, f, name in designs:
         rows.append(
             [
                 f"  {name}",
-                _fmt_opt(r[f"{prefix}cycles_per_s"]),
-                _fmt_opt(r[f"{prefix}cycles_per_s_first"]),
-                _fmt_opt(r[f"{prefix}cycles_per_s_last"]),
-                mb(r[f"{prefix}bytes_before_hold"]),
-                mb(r[f"{prefix}bytes_in_hold"]),
-                mb(r[f"{prefix}bytes_after_release"]),
-                _fmt_opt(r[f"{prefix}dead_tuples_in_hold"]),
-                _fmt_opt(r[f"{prefix}dead_tuples_after_release"]),
-                "-" if r[f"{prefix}pop_max_ms"] is None else f"{r[f'{prefix}pop_max_ms']:.1f}",
-                _fmt_opt(r[f"{prefix}hold_xmin_age"]),
+                _fmt_opt(f[f"{prefix}cycles_per_s"]),
+                _fmt_opt(f[f"{prefix}cycles_per_s_first"]),
+                _fmt_opt(f[f"{prefix}cycles_per_s_last"]),
+                mb(f[f"{prefix}bytes_before_hold"]),
+                mb(f[f"{prefix}bytes_in_hold"]),
+                mb(f[f"{prefix}bytes_after_release"]),
+                _fmt_opt(f[f"{prefix}dead_tuples_in_hold"]),
+                _fmt_opt(f[f"{prefix}dead_tuples_after_release"]),
+                "-" if f[f"{prefix}pop_max_ms"] is None else f"{f[f'{prefix}pop_max_ms']:.1f}",
+                _fmt_opt(f[f"{prefix}hold_xmin_age"]),
             ]
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]

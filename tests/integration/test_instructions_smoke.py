@@ -24,7 +24,7 @@ INSTRUCTIONS_PY = Path(__file__).resolve().parents[2] / "benchmarks" / "instruct
 @pytest.mark.parametrize(
     ("extra", "designs", "reference"),
     [
-        ((), ["ring", "table"], "naive"),
+        ((), ["ring", "ring-rows", "table"], "naive"),
         # at least once the pop sessions ack, and the reference is PGMQ's read and archive
         (("--design", "table", "--semantics", "at-least-once", "--archive"), ["table"], "pgmq"),
         # both sides as they run behind a transaction pooler: nothing prepared
@@ -151,3 +151,10 @@ def test_measure_fails_when_a_pop_loses_or_adds_a_message() -> None:
         instructions.measure(_Uncounted(), (push, pop_one_more), batch=3, calls=2, size=64, who="ring")
     with pytest.raises(SystemExit, match="checksums differ"):
         instructions.measure(_Uncounted(), (push, pop_one_twice), batch=3, calls=2, size=64, who="ring")
+
+
+def test_the_rows_layout_is_counted_by_default() -> None:
+    """The ring of the rows layout is among the default designs, at most and at least once."""
+    instructions = load_benchmark("instructions")
+    assert instructions.parse_args([]).design == ["ring", "ring-rows", "table"]
+    assert instructions.parse_args(["--semantics", "at-least-once"]).design == ["ring", "ring-rows", "table"]

@@ -77,7 +77,7 @@ def test_table_soak_short_with_maintenance(pg_dsn: str) -> None:
     assert r["samples"][-1]["messages"] == 20000
 
 
-@pytest.mark.parametrize("design", ["ring", "table"])
+@pytest.mark.parametrize("design", ["ring", "ring-rows", "table"])
 def test_soak_with_a_held_horizon(pg_dsn: str, design: str) -> None:
     """--hold-after 0 --hold-for 5: a REPEATABLE READ snapshot held from the start for 5 s (or until
     the soak ends, if sooner). Every message still comes through once; the samples say when the hold
@@ -86,7 +86,12 @@ def test_soak_with_a_held_horizon(pg_dsn: str, design: str) -> None:
     table design's maintenance runs meanwhile (its online rebuilds wait for the hold). The workers
     take a second or two to start and their backends report dead tuples about once a second, so the
     hold lasts 5 s, long enough for them to report while it holds. (about 10 s each)"""
-    extra = ("--capacity", "500") if design == "ring" else ("--maintain-every", "0.5")
+    extra = {
+        "ring": ("--capacity", "500"),
+        # 64 pushes in four segments of 16: the 600 pushes rotate each segment several times
+        "ring-rows": ("--rows-capacity", "64"),
+        "table": ("--maintain-every", "0.5"),
+    }[design]
     r = soak(
         pg_dsn,
         *("--design", design, "--messages", "60000", "--batch", "100", "--report-every", "20000"),
@@ -102,6 +107,10 @@ def test_soak_with_a_held_horizon(pg_dsn: str, design: str) -> None:
     # sample of it need show any: the hold's xmin age above says it held.
     if design == "ring":
         assert max(s["dead"] for s in r["samples"] if s["hold"]) > 0, r["samples"]
+    if design == "ring-rows":  # the samples read the ring's own tables (its segments, position logs)
+        assert r["capacity"] == 64
+        assert min(s["total_bytes"] for s in r["samples"]) > 0, r["samples"]
+        assert len(r["samples"][-1]["table_bytes"]) == 8, r["samples"][-1]
     assert r["samples"][-1]["messages"] == 60000
     refused = subprocess.run(
         [sys.executable, str(SOAK_PY), "--hold-for", "3"], capture_output=True, text=True, check=False
