@@ -321,7 +321,8 @@ def test_the_rows_layout_beside_the_others_in_one_run_paced_under_a_hold(pg_dsn:
     assert leased.returncode == 0, leased.stderr
     [line] = [line for line in leased.stdout.splitlines() if line.strip()]
     point = json.loads(line)
-    assert (point["design"], point["semantics"], point["valid"]) == ("ring-rows", "at-least-once", True), point
+    assert (point["design"], point["valid"]) == ("ring-rows", True), point
+    assert point["semantics"] == "at-least-once"
     assert (point["lost"], point["duplicated"], point["corrupt"], point["left_in_queue"]) == (0, 0, 0, 0)
     assert point["cycles_per_s"] > 0
 
