@@ -17,13 +17,19 @@ Two kinds of points, each printed as one JSON object a line (``--json``) or a li
   timed (``--repeat`` times), and one maintenance run (:meth:`DbQueue.maintain`, what ``dbqueue
   maintain`` runs) timed. The stats' figures are checked against what was pushed and popped.
 
-``--quick`` runs small versions of both (depth 20,000, 100 queues) in well under a minute: the test
-suite runs it (tests/integration/test_scale_smoke.py).
+- ``rings``: a ring of ``--ring-capacity`` made in each layout (``slots``: the capacity in slots, laid
+  out at creation; ``rows``: the capacity in pushes, written as pushes come), timed, with the bytes its
+  creation added to the schema's tables and indexes; then ``--batch`` messages pushed and popped
+  through it (counted and checked) before it is dropped.
+
+``--quick`` runs small versions of all three (depth 20,000, 100 queues, rings of 10,000) in well under
+a minute: the test suite runs it (tests/integration/test_scale_smoke.py).
 
 Examples::
 
     .venv/bin/python benchmarks/scale.py --points depth --depth 1000000 --json
     .venv/bin/python benchmarks/scale.py --points queues --queues 1000 --json
+    .venv/bin/python benchmarks/scale.py --points rings --ring-capacity 6000000 --json
     .venv/bin/python benchmarks/scale.py --quick --json
 """
 
@@ -326,11 +332,75 @@ def queues_point(dsn: str, queues: int, *, per_queue: int, repeat: int, payload_
     }
 
 
+# -- rings -------------------------------------------------------------------------------------------
+
+
+def _schema_bytes(dsn: str, schema: str) -> int:
+    """Bytes of the schema's tables with their indexes and TOAST (partitions counted once each)."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        row = c.execute(
+            "SELECT coalesce(sum(pg_total_relation_size(c.oid)), 0) FROM pg_class c "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relkind = 'r'",
+            [schema],
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def rings_point(dsn: str, capacity: int, *, batch: int, payload_bytes: int) -> dict[str, Any]:
+    """The ``rings`` point (see the module's docstring)."""
+    schema = f"scale_{uuid.uuid4().hex[:8]}"
+    counter = Counter(0, payload_bytes)
+    layouts: dict[str, dict[str, Any]] = {}
+    with DbQueue(dsn, schema=schema) as dbq:
+        dbq.install()
+        try:
+            for layout in ("slots", "rows"):
+                before = _schema_bytes(dsn, schema)
+                t = time.perf_counter()
+                q = dbq.create_queue(
+                    f"ring_{layout}",
+                    design="ring",
+                    layout=layout,
+                    capacity=capacity,
+                    payload_type="bytes",
+                    max_payload_bytes=max(payload_bytes, 64),
+                )
+                created_s = time.perf_counter() - t
+                added = _schema_bytes(dsn, schema) - before
+                t = time.perf_counter()
+                q.push_batch(counter.batch(batch))
+                counter.took(q.pop_payloads(batch))
+                first_s = time.perf_counter() - t
+                dbq.drop_queue(f"ring_{layout}")
+                layouts[layout] = {
+                    "create_s": round(created_s, 3),
+                    "bytes_added": added,
+                    "first_push_pop_s": round(first_s, 4),
+                }
+        finally:
+            dbq.uninstall()
+    return {
+        "point": "rings",
+        "capacity": capacity,
+        "batch": batch,
+        "layouts": layouts,
+        "engine": counter.result(),
+        "load_1m": _load(),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--points", default="depth,queues", help="depth, queues or both (comma-separated)")
+    p.add_argument(
+        "--points", default="depth,queues,rings", help="depth, queues, rings, or several (comma-separated)"
+    )
     p.add_argument("--depth", type=int, action="append", help="depth of the depth point (repeatable)")
     p.add_argument("--queues", type=int, action="append", help="queues of the queues point (repeatable)")
+    p.add_argument(
+        "--ring-capacity",
+        type=int,
+        help="capacity of the rings point's rings (slots, or pushes for the rows layout; default 1,000,000)",
+    )
     p.add_argument("--per-queue", type=int, default=320, help="messages pushed to each queue (half popped)")
     p.add_argument("--batch", type=int, default=100, help="messages a timed push or pop")
     p.add_argument("--calls", type=int, default=200, help="timed calls a round")
@@ -349,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     points = {x.strip() for x in args.points.split(",") if x.strip()}
     if args.quick:
         depths, queue_counts = args.depth or [20_000], args.queues or [100]
+        ring_capacity = args.ring_capacity or 10_000
         args.calls, args.repeat, args.per_queue = (
             min(args.calls, 50),
             min(args.repeat, 2),
@@ -356,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         depths, queue_counts = args.depth or [1_000_000], args.queues or [1000]
+        ring_capacity = args.ring_capacity or 1_000_000
     ok = True
     for dsn in _dsn(args.dsn):
         out: list[dict[str, Any]] = []
@@ -381,6 +453,9 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 )
                 _emit(out[-1], args.json)
+        if "rings" in points:
+            out.append(rings_point(dsn, ring_capacity, batch=args.batch, payload_bytes=args.payload_bytes))
+            _emit(out[-1], args.json)
         with psycopg.connect(dsn) as c:
             version = c.execute("SHOW server_version").fetchone()
         print(f"# PostgreSQL {version[0] if version else '?'}", file=sys.stderr)
@@ -403,6 +478,17 @@ def _emit(r: dict[str, Any], as_json: bool) -> None:
             f"vs {m['naive_pop']['median']:,.0f} "
             f"({r['pop_ratio']:.2f}x), stats {r['stats_ms']} ms, checksums "
             f"{r['engine']['checksum_ok'] and r['naive']['checksum_ok']}, load {r['load_1m']}",
+            flush=True,
+        )
+    elif r["point"] == "rings":
+        print(
+            f"rings of capacity {r['capacity']:,}: "
+            + ", ".join(
+                f"{k} created in {v['create_s']} s adding {v['bytes_added'] / 2**20:,.1f} MiB, "
+                f"first push and pop of {r['batch']} in {v['first_push_pop_s']} s"
+                for k, v in r["layouts"].items()
+            )
+            + f", checksum {r['engine']['checksum_ok']}, load {r['load_1m']}",
             flush=True,
         )
     else:

@@ -1,5 +1,6 @@
-"""The short version of benchmarks/scale.py (--quick): a depth point and a many-queues point, every
-message counted and its bytes checked, the stats' figures against what was pushed and popped."""
+"""The short version of benchmarks/scale.py (--quick): a depth point, a many-queues point and a ring of
+each layout, every message counted and its bytes checked, the stats' figures against what was pushed
+and popped."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def test_the_quick_scale_run_moves_every_message_once_and_counts_them(pg_dsn: st
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    depth, queues = (json.loads(line) for line in proc.stdout.splitlines())
+    depth, queues, rings = (json.loads(line) for line in proc.stdout.splitlines())
     assert depth["point"] == "depth" and depth["depth"] == 20_000
     for side in ("engine", "naive"):
         r = depth[side]
@@ -38,3 +39,7 @@ def test_the_quick_scale_run_moves_every_message_once_and_counts_them(pg_dsn: st
     assert queues["stats_figures_ok"] and queues["left_in_queues"] == 0
     assert queues["samples_recorded"] == 100 and queues["maintain_incomplete"] == []
     assert queues["engine"]["checksum_ok"] and queues["engine"]["pushed"] == 100 * queues["per_queue"]
+    assert (rings["point"], rings["capacity"], set(rings["layouts"])) == ("rings", 10_000, {"slots", "rows"})
+    assert rings["engine"]["checksum_ok"] and rings["engine"]["pushed"] == 2 * rings["batch"]
+    # the slots layout lays out its capacity at creation (each slot a row), the rows layout does not
+    assert rings["layouts"]["slots"]["bytes_added"] > 10_000 * 64 > rings["layouts"]["rows"]["bytes_added"]
