@@ -90,6 +90,12 @@ class RowsRingQueue(Queue):
         self.lanes = settings.lanes
         self._qid = settings.queue_id
         self._channel = db.channel(settings.queue_id)
+        # The ring's own functions, which the hot path calls by name (queries/ring.sql).
+        own = f"ring_{settings.queue_id}_r"
+        self._push_fn = {"fn": own + "push"}
+        self._take_fn = {"fn": own + "take"}
+        self._take1_fn = {"fn": own + "take1"}
+        self._ack_fn = {"fn": own + "ack"}
         self.push_timeout = 30.0
         self.reclaim_every = min(1.0, settings.visibility_timeout_s / 2)
         # What ring_rows_gaps returned last: (its transaction id, the row sequence's position read
@@ -148,7 +154,7 @@ class RowsRingQueue(Queue):
         deadline: float | None = None
         pause = 0.001
         while True:
-            row = self._db.fetchone("ring_rows_push", params, conn)
+            row = self._db.fetchone("ring_rows_push", params, conn, identifiers=self._push_fn)
             if row is None:
                 raise QueueNotFoundError(self.name, self._db.schema)
             first, need = row
@@ -176,13 +182,15 @@ class RowsRingQueue(Queue):
         self, n: int, semantics: Semantics, vt: float, consumer: str, conn: DbConnection | None
     ) -> list[Message]:
         params = {
-            "queue_id": self._qid,
             "n": n,
             "lease": semantics is Semantics.AT_LEAST_ONCE,
             "visibility_timeout_s": vt,
             "consumer": consumer,
         }
-        rows = self._take(params, conn, "ring_rows_take")
+        if n == 1:
+            rows = self._take(params, conn, "ring_rows_take_one", self._take1_fn)
+        else:
+            rows = self._take(params, conn, "ring_rows_take", self._take_fn)
         if not rows:
             return []
         return self._messages(rows)
@@ -204,10 +212,15 @@ class RowsRingQueue(Queue):
         )
 
     def _pop_payloads_once(self, n: int, semantics: Semantics, conn: DbConnection | None) -> list[Any]:
-        rows = self._take({"queue_id": self._qid, "n": n}, conn, "ring_rows_pop_payloads")
+        if n == 1:
+            rows = self._take({}, conn, "ring_rows_pop_payload_one", self._take1_fn)
+        else:
+            rows = self._take({"n": n}, conn, "ring_rows_pop_payloads", self._take_fn)
         return self.settings.decode_first_column(rows)
 
-    def _take(self, params: dict[str, Any], conn: DbConnection | None, query: str) -> list[tuple[Any, ...]]:
+    def _take(
+        self, params: dict[str, Any], conn: DbConnection | None, query: str, fn: dict[str, str]
+    ) -> list[tuple[Any, ...]]:
         # Every pop reclaims expired leases first (at most every reclaim_every), whatever its semantics:
         # a message leased by a consumer that died comes back even if only other consumers pop. In the
         # caller's transaction (conn), the reclaim joins it.
@@ -219,9 +232,9 @@ class RowsRingQueue(Queue):
         # transaction, which may hold lanes of its own).
         params["wait"] = conn is None
         try:
-            rows = self._db.fetchall(query, params, conn)
+            rows = self._db.fetchall(query, params, conn, identifiers=fn)
             if not rows and conn is None and self._give_up_gaps():
-                rows = self._db.fetchall(query, params, conn)
+                rows = self._db.fetchall(query, params, conn, identifiers=fn)
         except (DatabaseError, SchemaError):
             self._raise_if_gone()
             raise
@@ -264,7 +277,7 @@ class RowsRingQueue(Queue):
         if not params["ids"]:
             return 0
         # The usual ack names one whole lease (the messages of one pop): one done row closes it.
-        row = self._db.fetchone("ring_rows_ack", params, conn)
+        row = self._db.fetchone("ring_rows_ack", params, conn, identifiers=self._ack_fn)
         if row is not None and row[0] == len(params["ids"]):
             return len(params["ids"])
         return self._settle({**params, **_SETTLE_ACK}, conn)
