@@ -95,6 +95,7 @@ class RowsRingQueue(Queue):
         self._push_fn = {"fn": own + "push"}
         self._take_fn = {"fn": own + "take"}
         self._take1_fn = {"fn": own + "take1"}
+        self._has_take1: bool | None = None  # whether the ring has it (read on the first pop of one)
         self._ack_fn = {"fn": own + "ack"}
         self.push_timeout = 30.0
         self.reclaim_every = min(1.0, settings.visibility_timeout_s / 2)
@@ -187,7 +188,7 @@ class RowsRingQueue(Queue):
             "visibility_timeout_s": vt,
             "consumer": consumer,
         }
-        if n == 1:
+        if n == 1 and self._one_path():
             rows = self._take(params, conn, "ring_rows_take_one", self._take1_fn)
         else:
             rows = self._take(params, conn, "ring_rows_take", self._take_fn)
@@ -212,11 +213,21 @@ class RowsRingQueue(Queue):
         )
 
     def _pop_payloads_once(self, n: int, semantics: Semantics, conn: DbConnection | None) -> list[Any]:
-        if n == 1:
+        if n == 1 and self._one_path():
             rows = self._take({}, conn, "ring_rows_pop_payload_one", self._take1_fn)
         else:
             rows = self._take({"n": n}, conn, "ring_rows_pop_payloads", self._take_fn)
         return self.settings.decode_first_column(rows)
+
+    def _one_path(self) -> bool:
+        """Whether pops of one take the ring's own path for them (``rtake1``): a ring made by an older
+        build lacks that function, and its pops of one take the general path (read once a handle)."""
+        if self._has_take1 is None:
+            row = self._db.fetchone(
+                "ring_rows_has_function", {"schema": self._db.schema, "fn": self._take1_fn["fn"]}
+            )
+            self._has_take1 = bool(row and row[0])
+        return self._has_take1
 
     def _take(
         self, params: dict[str, Any], conn: DbConnection | None, query: str, fn: dict[str, str]

@@ -712,3 +712,21 @@ def test_held_horizon_pops_of_one_write_no_dead_tuple(dbq: DbQueue) -> None:
     assert sum(inserted[f"pos{k}"] for k in range(4)) > 250  # and a lane position a pop
     assert {name: c[1:] for name, c in counts.items() if c[1:] != (0, 0, 0)} == {}
     assert slot_counts["ring_lanes"][1] > 0, slot_counts
+
+
+def test_a_ring_made_before_the_pop_of_one_function_pops_one_by_the_general_path(dbq: DbQueue) -> None:
+    """A ring whose functions were made by a build without the pop-of-one function (dropped here to make
+    one) still pops one at a time, through the general pop, every message once."""
+    q = rows_ring(dbq, "old", capacity=64, lanes=2)
+    sent = [{"i": i} for i in range(30)]
+    for p in sent:
+        q.push(p)
+    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+        c.execute(f'DROP FUNCTION "{dbq.schema}".ring_{q.settings.queue_id}_rtake1')
+    old = dbq.queue("old")
+    got = [m.payload for _ in range(10) for m in old.pop(1)]
+    leased = [m for _ in range(10) for m in old.pop(1, semantics="at-least-once")]
+    assert old.ack(leased) == 10
+    got += [m.payload for m in leased] + [p for _ in range(10) for p in old.pop_payloads(1)]
+    assert got == sent
+    assert old.pop(1) == []

@@ -418,6 +418,13 @@ SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, r_lease_until, r_payload F
 -- name: ring_rows_pop_payload_one
 SELECT r_payload FROM {schema}.{fn}(%(wait)s::boolean, false, 0, NULL)
 
+-- name: ring_rows_has_function
+-- Whether the ring has its own function fn: a ring made from an older template (its functions are made
+-- once, at its creation) lacks those added since.
+SELECT EXISTS (
+    SELECT 1 FROM pg_catalog.pg_proc p JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
+    WHERE n.nspname = %(schema)s AND p.proname = %(fn)s)
+
 -- name: ring_rows_ack
 -- The usual ack, of one whole lease: the messages acked (all the receipts), or 0 (then ring_rows_settle).
 -- {fn}: the ring's own ack function (ring_<queue_id>_rack).
