@@ -2471,17 +2471,23 @@ BEGIN
         END IF;
     END IF;
     IF v_lane IS NOT NULL THEN
-        -- the lane's position again, after the lock (a statement of its own: see @Ptake)
+        -- the lane's position again, after the lock (statements of their own: see @Ptake), newest
+        -- segment of the log first; an older one only when the lane has no entry there (each a
+        -- statement of its own, so that the usual read starts one index scan, not four)
         v_kn := (coalesce(pg_sequence_last_value('{schema}.@Pposgen'), 0) % 4)::integer;
-        IF v_kn = 0 THEN
-            v_at := coalesce((SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = v_lane), (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = v_lane), (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = v_lane), (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = v_lane));
-        ELSIF v_kn = 1 THEN
-            v_at := coalesce((SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = v_lane), (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = v_lane), (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = v_lane), (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = v_lane));
-        ELSIF v_kn = 2 THEN
-            v_at := coalesce((SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = v_lane), (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = v_lane), (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = v_lane), (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = v_lane));
-        ELSE
-            v_at := coalesce((SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = v_lane), (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = v_lane), (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = v_lane), (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = v_lane));
-        END IF;
+        FOR i IN 0 .. 3 LOOP
+            v_k := (v_kn + 4 - i) % 4;
+            IF v_k = 0 THEN
+                v_at := (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = v_lane);
+            ELSIF v_k = 1 THEN
+                v_at := (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = v_lane);
+            ELSIF v_k = 2 THEN
+                v_at := (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = v_lane);
+            ELSE
+                v_at := (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = v_lane);
+            END IF;
+            EXIT WHEN v_at IS NOT NULL;
+        END LOOP;
         v_r := v_at >> 16;
         v_k := (v_r / @S % 4)::integer;
         v_until := CASE WHEN p_lease THEN now() + make_interval(secs => p_vt) END;
