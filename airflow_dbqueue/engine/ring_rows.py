@@ -8,7 +8,11 @@ order and logs each moved lane's new position in an insert-only log. A segment t
 passed is emptied with ``TRUNCATE`` (a short lock, ``lock_timeout`` 50 ms, in a transaction of its own)
 when a push needs it, or ahead of the pushes by :meth:`RowsRingQueue.maintain`. Nothing on the hot path
 updates or deletes a row, so a held xmin horizon leaves no dead row behind it, and the tables stay at
-the size of the rows the ring holds. The SQL is in the dialect's ``functions.sql`` (``ring_rows_*``).
+the size of the rows the ring holds. The SQL is in the dialect's ``functions.sql`` (``ring_rows_*``); the
+hot path (push, pop, the ack of a whole pop) calls the ring's own functions by name. A pop of one has a
+function of its own (``rtake1``: the lowest lane whose next row is written, locked, its position read
+again, and its message taken, in three statements), which hands over to the general pop when messages
+to deliver again may be due or it finds no such lane.
 
 ``capacity`` counts rows (pushes), not messages: four segments of ``capacity / 4`` rows. A ring is full
 when the pushes reach a segment some lane still needs; a push then waits up to ``push_timeout`` seconds
@@ -90,6 +94,13 @@ class RowsRingQueue(Queue):
         self.lanes = settings.lanes
         self._qid = settings.queue_id
         self._channel = db.channel(settings.queue_id)
+        # The ring's own functions, which the hot path calls by name (queries/ring.sql).
+        own = f"ring_{settings.queue_id}_r"
+        self._push_fn = {"fn": own + "push"}
+        self._take_fn = {"fn": own + "take"}
+        self._take1_fn = {"fn": own + "take1"}
+        self._has_take1: bool | None = None  # whether the ring has it (read on the first pop of one)
+        self._ack_fn = {"fn": own + "ack"}
         self.push_timeout = 30.0
         self.reclaim_every = min(1.0, settings.visibility_timeout_s / 2)
         # What ring_rows_gaps returned last: (its transaction id, the row sequence's position read
@@ -148,7 +159,7 @@ class RowsRingQueue(Queue):
         deadline: float | None = None
         pause = 0.001
         while True:
-            row = self._db.fetchone("ring_rows_push", params, conn)
+            row = self._db.fetchone("ring_rows_push", params, conn, identifiers=self._push_fn)
             if row is None:
                 raise QueueNotFoundError(self.name, self._db.schema)
             first, need = row
@@ -176,13 +187,15 @@ class RowsRingQueue(Queue):
         self, n: int, semantics: Semantics, vt: float, consumer: str, conn: DbConnection | None
     ) -> list[Message]:
         params = {
-            "queue_id": self._qid,
             "n": n,
             "lease": semantics is Semantics.AT_LEAST_ONCE,
             "visibility_timeout_s": vt,
             "consumer": consumer,
         }
-        rows = self._take(params, conn, "ring_rows_take")
+        if n == 1 and self._one_path():
+            rows = self._take(params, conn, "ring_rows_take_one", self._take1_fn)
+        else:
+            rows = self._take(params, conn, "ring_rows_take", self._take_fn)
         if not rows:
             return []
         return self._messages(rows)
@@ -204,10 +217,25 @@ class RowsRingQueue(Queue):
         )
 
     def _pop_payloads_once(self, n: int, semantics: Semantics, conn: DbConnection | None) -> list[Any]:
-        rows = self._take({"queue_id": self._qid, "n": n}, conn, "ring_rows_pop_payloads")
+        if n == 1 and self._one_path():
+            rows = self._take({}, conn, "ring_rows_pop_payload_one", self._take1_fn)
+        else:
+            rows = self._take({"n": n}, conn, "ring_rows_pop_payloads", self._take_fn)
         return self.settings.decode_first_column(rows)
 
-    def _take(self, params: dict[str, Any], conn: DbConnection | None, query: str) -> list[tuple[Any, ...]]:
+    def _one_path(self) -> bool:
+        """Whether pops of one take the ring's own path for them (``rtake1``): a ring made by an older
+        build lacks that function, and its pops of one take the general path (read once a handle)."""
+        if self._has_take1 is None:
+            row = self._db.fetchone(
+                "ring_rows_has_function", {"schema": self._db.schema, "fn": self._take1_fn["fn"]}
+            )
+            self._has_take1 = bool(row and row[0])
+        return self._has_take1
+
+    def _take(
+        self, params: dict[str, Any], conn: DbConnection | None, query: str, fn: dict[str, str]
+    ) -> list[tuple[Any, ...]]:
         # Every pop reclaims expired leases first (at most every reclaim_every), whatever its semantics:
         # a message leased by a consumer that died comes back even if only other consumers pop. In the
         # caller's transaction (conn), the reclaim joins it.
@@ -219,9 +247,9 @@ class RowsRingQueue(Queue):
         # transaction, which may hold lanes of its own).
         params["wait"] = conn is None
         try:
-            rows = self._db.fetchall(query, params, conn)
+            rows = self._db.fetchall(query, params, conn, identifiers=fn)
             if not rows and conn is None and self._give_up_gaps():
-                rows = self._db.fetchall(query, params, conn)
+                rows = self._db.fetchall(query, params, conn, identifiers=fn)
         except (DatabaseError, SchemaError):
             self._raise_if_gone()
             raise
@@ -264,7 +292,7 @@ class RowsRingQueue(Queue):
         if not params["ids"]:
             return 0
         # The usual ack names one whole lease (the messages of one pop): one done row closes it.
-        row = self._db.fetchone("ring_rows_ack", params, conn)
+        row = self._db.fetchone("ring_rows_ack", params, conn, identifiers=self._ack_fn)
         if row is not None and row[0] == len(params["ids"]):
             return len(params["ids"])
         return self._settle({**params, **_SETTLE_ACK}, conn)

@@ -5,6 +5,7 @@ The conformance suite (``test_conformance.py``) runs against it too, for what it
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -561,3 +562,171 @@ def test_parts_of_one_pop_settled_at_once_from_two_threads(dbq: DbQueue) -> None
     assert checksum(m.payload for m in done) == checksum(sent)
     s = q.stats()
     assert (s.ready, s.delayed, s.in_flight, s.failed) == (0, 0, 0, 0)
+
+
+_ONE_CONSUMER = """
+import json, sys, time
+from airflow_dbqueue.engine import DbQueue
+got, idle = [], 0
+with DbQueue(sys.argv[1], schema=sys.argv[2]) as dbq:
+    q = dbq.queue("one")
+    while idle < 40:
+        batch = q.pop(1)
+        got += [[m.id, m.payload] for m in batch]
+        idle = 0 if batch else idle + 1
+        if not batch:
+            time.sleep(0.02)
+print(json.dumps(got), flush=True)
+"""
+
+
+def test_pops_of_one_by_threads_and_a_process_take_every_message_once(  # noqa: PLR0915
+    dbq: DbQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two pushers push one message at a time, 400 each, into a ring of 4 segments of 16 rows (about 12
+    ring-sizes), while pops of one take them: two threads at most once, one at least once acking each
+    message, one exactly once in a transaction rolled back now and then, and a process of its own. Every
+    message comes out once (counted and checksummed), in id order within each consumer's lane, and the
+    pops of one went through the ring's own one-message function (the fast path)."""
+    q = rows_ring(dbq, "one", capacity=64, lanes=4)
+    names: list[str] = []
+    fetchall = dbq.db.fetchall
+
+    def recording(name: str, *args: Any, **kwargs: Any) -> Any:
+        names.append(name)
+        return fetchall(name, *args, **kwargs)
+
+    monkeypatch.setattr(dbq.db, "fetchall", recording)
+    pushed: list[list[tuple[int, Any]]] = [[], []]
+    popped: list[list[Any]] = [[] for _ in range(4)]
+    errors: list[str] = []
+    pushing = threading.Event()
+    pushing.set()
+
+    def push(k: int) -> None:
+        for i in range(400):
+            p = {"k": k, "i": i, "pad": "é" * (i % 9)}
+            pushed[k].append((q.push(p), p))
+
+    def pop(k: int) -> None:
+        idle = 0
+        while idle < 40 or pushing.is_set():
+            if k == 2:
+                got = q.pop(1, semantics="at-least-once")
+                assert q.ack(got) == len(got)
+            elif k == 3:
+                try:
+                    with dbq.transaction() as conn:
+                        got = q.pop(1, semantics="exactly-once", conn=conn)
+                        if got and got[0].id % 7 == 0 and got[0].id not in rolled:
+                            rolled.add(got[0].id)
+                            raise _RolledBack
+                except _RolledBack:
+                    continue
+            else:
+                got = q.pop(1)
+            popped[k].extend((m.id, m.payload) for m in got)
+            idle = 0 if got else idle + 1
+            if not got:
+                time.sleep(0.01)
+
+    def run(target: Any, k: int) -> None:
+        try:
+            target(k)
+        except BaseException:
+            errors.append(traceback.format_exc())
+
+    rolled: set[int] = set()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ONE_CONSUMER, dbq.db.dsn, dbq.schema], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        threads = [threading.Thread(target=run, args=(push, k), daemon=True) for k in range(2)]
+        consumers = [threading.Thread(target=run, args=(pop, k), daemon=True) for k in range(4)]
+        for t in threads + consumers:
+            t.start()
+        for t in threads:
+            t.join(120)
+        pushing.clear()
+        for t in consumers:
+            t.join(120)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert not [t.name for t in threads + consumers if t.is_alive()], "a thread still ran after 120 s"
+    assert not errors, errors[0]
+    by_process = [(int(i), p) for i, p in json.loads(out)]
+    sent = [m for p in pushed for m in p]
+    got = [m for p in popped for m in p] + by_process
+    assert sorted(i for i, _ in got) == sorted(i for i, _ in sent)  # every message, none twice
+    assert checksum(p for _, p in got) == checksum(p for _, p in sent)
+    for mine in [*popped, by_process]:  # each consumer saw each lane in id order
+        for lane in range(4):
+            ids = [i for i, _ in mine if (i >> 16) % 4 == lane]
+            assert ids == sorted(ids)
+    assert len(by_process) > 0 and all(popped), [len(p) for p in popped]
+    assert rolled, "no exactly-once pop was rolled back"
+    assert len({i >> 16 for i, _ in sent}) > 64 * 10  # rows: the segments rotated many times
+    assert names.count("ring_rows_take_one") > 1000
+    assert "ring_rows_take" not in names
+    s = q.stats()
+    assert (s.ready, s.in_flight, s.failed) == (0, 0, 0)
+
+
+def test_held_horizon_pops_of_one_write_no_dead_tuple(dbq: DbQueue) -> None:
+    """While a REPEATABLE READ transaction holds the xmin horizon, pushes of one and pops of one (at most
+    once, and at least once with each message acked) through several rotations only insert into the rows
+    ring's tables: no tuple updated, deleted or dead in any of them; the slots ring, driven alike in the
+    same hold, updates its lanes (what shows that the count works)."""
+    rows = rows_ring(dbq, capacity=32, lanes=2)
+    dbq.create_queue("s", design="ring", capacity=64, lanes=2)
+    sent = [{"n": i, "pad": "x" * (i % 40)} for i in range(300)]
+    holder = held_horizon(dbq.db.dsn, xid=True)
+    finished: dict[str, list[Any]] = {"r": [], "s": []}
+
+    def churn(one: DbQueue) -> None:
+        for name in ("r", "s"):
+            q = one.queue(name)
+            for k, p in enumerate(sent):
+                q.push(p)
+                if k % 2:
+                    finished[name] += [m.payload for m in q.pop(1)]
+                else:
+                    got = q.pop(1, semantics="at-least-once")
+                    assert q.ack(got) == len(got)
+                    finished[name] += [m.payload for m in got]
+
+    try:
+        _flush_stats(dbq.db.dsn, dbq.schema, churn)
+        counts = _write_counts(dbq.db.dsn, dbq.schema, f"ring\\_{rows.settings.queue_id}\\_r%")
+        slot_counts = _write_counts(dbq.db.dsn, dbq.schema, "ring\\_%")
+    finally:
+        holder.close()
+    for name in ("r", "s"):
+        assert len(finished[name]) == 300
+        assert checksum(finished[name]) == checksum(sent)
+    print(f"rows ring's tables under the hold, pops of one (ins, upd, del, dead): {counts}")
+    inserted = {name[len(f"ring_{rows.settings.queue_id}_r") :]: c[0] for name, c in counts.items()}
+    assert sum(inserted[f"l{k}"] for k in range(4)) > 100  # the statistics were flushed: leases written
+    assert sum(inserted[f"pos{k}"] for k in range(4)) > 250  # and a lane position a pop
+    assert {name: c[1:] for name, c in counts.items() if c[1:] != (0, 0, 0)} == {}
+    assert slot_counts["ring_lanes"][1] > 0, slot_counts
+
+
+def test_a_ring_made_before_the_pop_of_one_function_pops_one_by_the_general_path(dbq: DbQueue) -> None:
+    """A ring whose functions were made by a build without the pop-of-one function (dropped here to make
+    one) still pops one at a time, through the general pop, every message once."""
+    q = rows_ring(dbq, "old", capacity=64, lanes=2)
+    sent = [{"i": i} for i in range(30)]
+    for p in sent:
+        q.push(p)
+    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+        c.execute(f'DROP FUNCTION "{dbq.schema}".ring_{q.settings.queue_id}_rtake1')
+    old = dbq.queue("old")
+    got = [m.payload for _ in range(10) for m in old.pop(1)]
+    leased = [m for _ in range(10) for m in old.pop(1, semantics="at-least-once")]
+    assert old.ack(leased) == 10
+    got += [m.payload for m in leased] + [p for _ in range(10) for p in old.pop_payloads(1)]
+    assert got == sent
+    assert old.pop(1) == []

@@ -417,14 +417,28 @@ def _identifiers(body: str) -> dict[str, str]:
     return {k: f"sample_{k}" for k in re.findall(r"\{([a-z_]+)\}", body) if k != "schema"}
 
 
-def _sample_identifiers(name: str) -> dict[str, str]:
-    """Real names for the identifier placeholders of a query, to plan it against an installed schema."""
+# The function of a ring of the rows layout that each of its hot statements calls ({fn}), after the
+# ring's prefix (ring_<queue_id>_r).
+_RING_ROWS_FUNCTIONS = {
+    "ring_rows_push": "push",
+    "ring_rows_take": "take",
+    "ring_rows_pop_payloads": "take",
+    "ring_rows_take_one": "take1",
+    "ring_rows_pop_payload_one": "take1",
+    "ring_rows_ack": "ack",
+}
+
+
+def _sample_identifiers(name: str, rows_ring: int | None = None) -> dict[str, str]:
+    """Real names for the identifier placeholders of a query, to plan it against an installed schema
+    (``rows_ring``: the queue_id of a ring of the rows layout there, whose functions {fn} names)."""
     body = load_queries(POSTGRES_PKG, "queries")[name]
     real = {
         "table": "meta",
         "index": "meta_ready_idx",
         "sequence": "message_id_seq",
         "routine": "ring_holders",
+        "fn": f"ring_{rows_ring}_r{_RING_ROWS_FUNCTIONS.get(name)}",
     }
     return {k: real[k] for k in _identifiers(body)}
 
@@ -445,20 +459,25 @@ def test_every_named_query_composes() -> None:
 
 def test_only_utility_statements_take_identifier_placeholders() -> None:
     """{table}, {index}, {sequence} and {routine} belong to VACUUM, ANALYZE, REINDEX, DROP INDEX and
-    uninstall's drops; anywhere else (say, in a comment that ended up in the block before it) they would
-    break the query at run time."""
+    uninstall's drops, and {fn} to the hot statements of a ring of the rows layout, which call its own
+    functions; anywhere else (say, in a comment that ended up in the block before it) they would break
+    the query at run time."""
     raw = load_queries(POSTGRES_PKG, "queries")
     with_idents = sorted(name for name, body in raw.items() if _identifiers(body))
-    assert with_idents == [
-        "analyze_table",
-        "drop_index_concurrently",
-        "drop_owned_routine",
-        "drop_owned_sequence",
-        "drop_owned_table",
-        "reindex_concurrently",
-        "vacuum_full_table",
-        "vacuum_table",
-    ]
+    assert with_idents == sorted(
+        [
+            "analyze_table",
+            "drop_index_concurrently",
+            "drop_owned_routine",
+            "drop_owned_sequence",
+            "drop_owned_table",
+            "reindex_concurrently",
+            "vacuum_full_table",
+            "vacuum_table",
+            *_RING_ROWS_FUNCTIONS,
+        ]
+    )
+    assert all(_identifiers(raw[name]) == {"fn": "sample_fn"} for name in _RING_ROWS_FUNCTIONS)
 
 
 def test_identifier_placeholders_are_validated() -> None:
@@ -481,9 +500,10 @@ def _server_placeholders(text: str) -> tuple[str, dict[str, int]]:
 def test_every_named_query_parses_and_plans_on_the_server(dbq: DbQueue, pg_dsn: str) -> None:
     """PREPARE every query against an installed schema: catches unknown columns and type errors."""
     failures = []
+    rows_ring = dbq.create_queue("plans_rows", design="ring", layout="rows", capacity=64).settings.queue_id
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         for i, name in enumerate(_query_names()):
-            text, _ = _server_placeholders(dbq.db.query(name, _sample_identifiers(name)).decode())
+            text, _ = _server_placeholders(dbq.db.query(name, _sample_identifiers(name, rows_ring)).decode())
             res = conn.pgconn.prepare(f"dbq_check_{i}".encode(), text.encode())
             if res.status != ExecStatus.COMMAND_OK:
                 failures.append(f"{name}: {(res.error_message or b'').decode().strip()}")
@@ -592,7 +612,7 @@ def test_changed_functions_are_applied_while_pushes_and_pops_run(  # noqa: PLR09
     edited = re.sub(
         r"\n(\$\$|\$x\$ \$t\$)(;|$)", r"\n    -- edited while pushes and pops run\n\1\2", first[0]
     )
-    assert edited.count("-- edited") == 52
+    assert edited.count("-- edited") == 49
     editions = [first, (edited, digest(edited), first[2])]
     n_batches, size = 60, 25
     errors: list[BaseException] = []
@@ -661,7 +681,7 @@ def test_changed_functions_are_applied_while_pushes_and_pops_run(  # noqa: PLR09
             "WHERE n.nspname = %s",
             [schema],
         ).fetchall()
-    assert len(bodies) == 52
+    assert len(bodies) == 49
     assert all(("-- edited" in b) == (functions_applied(pg_dsn, schema) == editions[1][1]) for (b,) in bodies)
 
 

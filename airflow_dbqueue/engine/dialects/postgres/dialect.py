@@ -55,6 +55,10 @@ _TUPLES_OK = ExecStatus.TUPLES_OK
 
 _WARNED_POLLING: set[str] = set()
 """The transaction poolers this process was warned about (no listen_dsn): once each."""
+_QueryKey = str | tuple[str, tuple[tuple[str, str], ...]]
+"""A composed query's key: its name, with the identifiers it was composed with when it has any."""
+_COMPOSED_MAX = 1024
+"""Composed queries kept at most (query(): it is emptied when full)."""
 
 
 class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance, PostgresGrants):
@@ -135,7 +139,7 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance, Post
         # it is not READ COMMITTED, each statement runs in a READ COMMITTED transaction of its own.
         self._own_transactions = False
         self._lock = threading.Lock()
-        self._composed: dict[str, bytes] = {}
+        self._composed: dict[_QueryKey, bytes] = {}
 
     # -- connections ---------------------------------------------------------------------------
 
@@ -476,13 +480,17 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance, Post
             ``{index}``: utility statements such as VACUUM and REINDEX cannot take bound parameters).
             Each must be a valid identifier; it is quoted by psycopg, never pasted in.
         """
-        key = name if not identifiers else f"{name}:{sorted(identifiers.items())}"
+        key: _QueryKey = name if not identifiers else (name, tuple(identifiers.items()))
         q = self._composed.get(key)
         if q is None:
             body = load_queries(_PKG, "queries")[name]
             q = self.compose(body, identifiers)
-            if not identifiers:
-                self._composed[key] = q
+            # Kept with identifiers too (a ring of the rows layout's own functions, which its pushes and
+            # pops call by name); maintenance's names of tables and indexes come and go, so the cache is
+            # emptied when it has grown past what one schema's queries and queues need.
+            if len(self._composed) >= _COMPOSED_MAX:
+                self._composed.clear()
+            self._composed[key] = q
         return q
 
     def compose(self, body: str, identifiers: Mapping[str, str] | None = None) -> bytes:

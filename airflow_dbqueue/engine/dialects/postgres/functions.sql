@@ -1924,8 +1924,8 @@ $$;
 --
 -- Each ring has its own tables, sequences and functions (TRUNCATE needs tables of its own), named
 -- ring_<queue_id>_r*, made from the template below by ring_rows_create and dropped by ring_rows_drop;
--- the functions below without a number call them (one planned call of a trivial statement: the ring's
--- own functions keep their plans). A gap (a push that took its row number and rolled back, or died) is
+-- the client calls the hot ones (push, pop, the ack of a whole pop) by their names, the functions below
+-- without a number call the others by the ring's queue_id (EXECUTE: a call planned on every run). A gap (a push that took its row number and rolled back, or died) is
 -- given up by ring_rows_gaps once every transaction that was running when it was first seen has ended:
 -- a push takes its transaction id before its row number, so such a row can never be written later.
 CREATE OR REPLACE FUNCTION {schema}.ring_rows_template() RETURNS text LANGUAGE sql IMMUTABLE AS $t$ SELECT $x$
@@ -2091,7 +2091,10 @@ $b$
 @;
 -- The generation segment p_k holds (a sequence a segment, set by ring_rows_label: no dead row).
 CREATE FUNCTION {schema}.@Pseg_gen(p_k integer) RETURNS bigint LANGUAGE sql AS $b$
-    SELECT pg_sequence_last_value(format('{schema}.%I', '@Pgen' || p_k)::regclass)
+    SELECT CASE p_k WHEN 0 THEN pg_sequence_last_value('{schema}.@Pgen0')
+                    WHEN 1 THEN pg_sequence_last_value('{schema}.@Pgen1')
+                    WHEN 2 THEN pg_sequence_last_value('{schema}.@Pgen2')
+                    ELSE pg_sequence_last_value('{schema}.@Pgen3') END
 $b$
 @;
 -- The floor in rows: the lowest row a lane still needs.
@@ -2384,6 +2387,164 @@ BEGIN
         END IF;
         RETURN QUERY SELECT (v_rows[i] << 16) | (v_from[i] + u.o - 1), 1, 1, v_ts, v_until, u.p FROM unnest(v_pl) WITH ORDINALITY u(p, o);
     END LOOP;
+END
+$b$
+@;
+-- Pop one message in the caller's transaction (a pop of one's path): what @Ptake(1, ...) does, in three
+-- statements of its own. (1) Lock the lane of the lowest position whose next row is issued and written,
+-- try-locking lanes in that order (positions and rows as this statement's snapshot saw them); (2) read
+-- that lane's position again, in a statement of its own begun after the lock (see @Ptake); (3) read the
+-- message it names, log the lane's new position (and at least once, insert the lease row: the message's
+-- lane range, as @Ptake writes it) in one statement on the segment of that message. It hands the pop
+-- over to @Ptake (which may wait for a held lane) when messages to deliver again may be due (those come
+-- first), when no such lane could be locked, and when the locked lane's row at its position is not
+-- written after all (a pop moved it meanwhile; @Ptake takes the lane again, a lock this transaction holds).
+CREATE FUNCTION {schema}.@Ptake1(p_wait boolean, p_lease boolean, p_vt double precision, p_consumer text)
+RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz,
+               r_lease_until timestamptz, r_payload bytea)
+LANGUAGE plpgsql AS $b$
+DECLARE
+    v_last bigint := pg_sequence_last_value('{schema}.@Prows');
+    v_until timestamptz;
+    v_tail bigint[];
+    v_lane integer;
+    v_at bigint;
+    v_r bigint;
+    v_k integer;
+    v_kn integer;
+BEGIN
+    IF v_last IS NULL THEN  -- nothing pushed yet
+        RETURN;
+    END IF;
+    IF coalesce(pg_sequence_last_value('{schema}.@Pretrygen'), -4) < v_last / @S - 3 THEN
+        -- Each lane's position, newest segment of the log first (as @Planes reads it), lowest first. One
+        -- CASE, so that a lane is try-locked only once its row is found written (the planner orders the
+        -- conditions of an AND by their cost; the CASE evaluates in order), and the row is read in its own
+        -- segment only, a scalar subquery (which the planner cannot turn into a hash of the whole
+        -- segment). Every statement here has one plan whatever its parameters' values (no array
+        -- parameter, whose length a custom plan would count), so PostgreSQL keeps a generic one.
+        v_kn := (coalesce(pg_sequence_last_value('{schema}.@Pposgen'), 0) % 4)::integer;
+        IF v_kn = 0 THEN
+            SELECT l.lane INTO v_lane FROM (
+                SELECT g AS lane, coalesce((SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = g)) AS at
+                FROM generate_series(0, @L - 1) g ORDER BY 2 OFFSET 0) l
+            WHERE CASE WHEN (l.at >> 16) <= v_last AND CASE ((l.at >> 16) / @S % 4)
+                           WHEN 0 THEN (SELECT true FROM {schema}.@Pq0 t WHERE t.r = l.at >> 16)
+                           WHEN 1 THEN (SELECT true FROM {schema}.@Pq1 t WHERE t.r = l.at >> 16)
+                           WHEN 2 THEN (SELECT true FROM {schema}.@Pq2 t WHERE t.r = l.at >> 16)
+                           ELSE (SELECT true FROM {schema}.@Pq3 t WHERE t.r = l.at >> 16) END
+                       THEN pg_try_advisory_xact_lock(@K2, l.lane) END
+            LIMIT 1;
+        ELSIF v_kn = 1 THEN
+            SELECT l.lane INTO v_lane FROM (
+                SELECT g AS lane, coalesce((SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = g)) AS at
+                FROM generate_series(0, @L - 1) g ORDER BY 2 OFFSET 0) l
+            WHERE CASE WHEN (l.at >> 16) <= v_last AND CASE ((l.at >> 16) / @S % 4)
+                           WHEN 0 THEN (SELECT true FROM {schema}.@Pq0 t WHERE t.r = l.at >> 16)
+                           WHEN 1 THEN (SELECT true FROM {schema}.@Pq1 t WHERE t.r = l.at >> 16)
+                           WHEN 2 THEN (SELECT true FROM {schema}.@Pq2 t WHERE t.r = l.at >> 16)
+                           ELSE (SELECT true FROM {schema}.@Pq3 t WHERE t.r = l.at >> 16) END
+                       THEN pg_try_advisory_xact_lock(@K2, l.lane) END
+            LIMIT 1;
+        ELSIF v_kn = 2 THEN
+            SELECT l.lane INTO v_lane FROM (
+                SELECT g AS lane, coalesce((SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = g)) AS at
+                FROM generate_series(0, @L - 1) g ORDER BY 2 OFFSET 0) l
+            WHERE CASE WHEN (l.at >> 16) <= v_last AND CASE ((l.at >> 16) / @S % 4)
+                           WHEN 0 THEN (SELECT true FROM {schema}.@Pq0 t WHERE t.r = l.at >> 16)
+                           WHEN 1 THEN (SELECT true FROM {schema}.@Pq1 t WHERE t.r = l.at >> 16)
+                           WHEN 2 THEN (SELECT true FROM {schema}.@Pq2 t WHERE t.r = l.at >> 16)
+                           ELSE (SELECT true FROM {schema}.@Pq3 t WHERE t.r = l.at >> 16) END
+                       THEN pg_try_advisory_xact_lock(@K2, l.lane) END
+            LIMIT 1;
+        ELSE
+            SELECT l.lane INTO v_lane FROM (
+                SELECT g AS lane, coalesce((SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = g)) AS at
+                FROM generate_series(0, @L - 1) g ORDER BY 2 OFFSET 0) l
+            WHERE CASE WHEN (l.at >> 16) <= v_last AND CASE ((l.at >> 16) / @S % 4)
+                           WHEN 0 THEN (SELECT true FROM {schema}.@Pq0 t WHERE t.r = l.at >> 16)
+                           WHEN 1 THEN (SELECT true FROM {schema}.@Pq1 t WHERE t.r = l.at >> 16)
+                           WHEN 2 THEN (SELECT true FROM {schema}.@Pq2 t WHERE t.r = l.at >> 16)
+                           ELSE (SELECT true FROM {schema}.@Pq3 t WHERE t.r = l.at >> 16) END
+                       THEN pg_try_advisory_xact_lock(@K2, l.lane) END
+            LIMIT 1;
+        END IF;
+    END IF;
+    IF v_lane IS NOT NULL THEN
+        -- the lane's position again, after the lock (statements of their own: see @Ptake), newest
+        -- segment of the log first; an older one only when the lane has no entry there (each a
+        -- statement of its own, so that the usual read starts one index scan, not four)
+        v_kn := (coalesce(pg_sequence_last_value('{schema}.@Pposgen'), 0) % 4)::integer;
+        FOR i IN 0 .. 3 LOOP
+            v_k := (v_kn + 4 - i) % 4;
+            IF v_k = 0 THEN
+                v_at := (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = v_lane);
+            ELSIF v_k = 1 THEN
+                v_at := (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = v_lane);
+            ELSIF v_k = 2 THEN
+                v_at := (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = v_lane);
+            ELSE
+                v_at := (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = v_lane);
+            END IF;
+            EXIT WHEN v_at IS NOT NULL;
+        END LOOP;
+        v_r := v_at >> 16;
+        v_k := (v_r / @S % 4)::integer;
+        v_until := CASE WHEN p_lease THEN now() + make_interval(secs => p_vt) END;
+        v_tail := array_fill(NULL::bigint, ARRAY[@L - 1 - v_lane]);
+        IF v_k = 0 THEN
+            RETURN QUERY
+            WITH t AS (
+                SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
+                       CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
+                FROM {schema}.@Pq0 t WHERE t.r = v_r),
+            w AS (INSERT INTO {schema}.@Ppos0 SELECT v_lane, t.next FROM t),
+            e AS (INSERT INTO {schema}.@Pl0 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
+                      array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
+            SELECT v_at, 1, 1, t.enqueued_at, v_until, t.p FROM t;
+        ELSIF v_k = 1 THEN
+            RETURN QUERY
+            WITH t AS (
+                SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
+                       CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
+                FROM {schema}.@Pq1 t WHERE t.r = v_r),
+            w AS (INSERT INTO {schema}.@Ppos1 SELECT v_lane, t.next FROM t),
+            e AS (INSERT INTO {schema}.@Pl1 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
+                      array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
+            SELECT v_at, 1, 1, t.enqueued_at, v_until, t.p FROM t;
+        ELSIF v_k = 2 THEN
+            RETURN QUERY
+            WITH t AS (
+                SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
+                       CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
+                FROM {schema}.@Pq2 t WHERE t.r = v_r),
+            w AS (INSERT INTO {schema}.@Ppos2 SELECT v_lane, t.next FROM t),
+            e AS (INSERT INTO {schema}.@Pl2 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
+                      array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
+            SELECT v_at, 1, 1, t.enqueued_at, v_until, t.p FROM t;
+        ELSE
+            RETURN QUERY
+            WITH t AS (
+                SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
+                       CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
+                FROM {schema}.@Pq3 t WHERE t.r = v_r),
+            w AS (INSERT INTO {schema}.@Ppos3 SELECT v_lane, t.next FROM t),
+            e AS (INSERT INTO {schema}.@Pl3 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
+                      array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
+            SELECT v_at, 1, 1, t.enqueued_at, v_until, t.p FROM t;
+        END IF;
+        IF FOUND THEN
+            -- pos_gen, as @Plog raises it: under a lock, before this pop commits
+            IF v_r / @S > coalesce(pg_sequence_last_value('{schema}.@Pposgen'), 0) THEN
+                PERFORM pg_advisory_xact_lock(@K3, 0);
+                IF v_r / @S > coalesce(pg_sequence_last_value('{schema}.@Pposgen'), 0) THEN
+                    PERFORM setval('{schema}.@Pposgen', v_r / @S);
+                END IF;
+            END IF;
+            RETURN;
+        END IF;
+    END IF;
+    RETURN QUERY SELECT * FROM {schema}.@Ptake(1, p_wait, p_lease, p_vt, p_consumer);
 END
 $b$
 @;
@@ -2879,36 +3040,9 @@ BEGIN
 END
 $$;
 
--- The calls of a ring of the rows layout, by its queue_id: each runs the ring's own function.
-CREATE OR REPLACE FUNCTION {schema}.ring_rows_push(
-    p_queue_id integer, p_payloads bytea[], p_notify integer, p_channel text, OUT r_first bigint, OUT r_need bigint)
-LANGUAGE plpgsql AS $$
-BEGIN
-    EXECUTE 'SELECT * FROM {schema}.ring_' || p_queue_id || '_rpush($1, $2, $3)'
-        INTO r_first, r_need USING p_payloads, p_notify, p_channel;
-END
-$$;
-
-CREATE OR REPLACE FUNCTION {schema}.ring_rows_take(
-    p_queue_id integer, p_n integer, p_wait boolean, p_lease boolean, p_vt double precision, p_consumer text)
-RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz,
-               r_lease_until timestamptz, r_payload bytea) LANGUAGE plpgsql AS $$
-BEGIN
-    RETURN QUERY EXECUTE 'SELECT * FROM {schema}.ring_' || p_queue_id || '_rtake($1, $2, $3, $4, $5)'
-        USING p_n, p_wait, p_lease, p_vt, p_consumer;
-END
-$$;
-
-CREATE OR REPLACE FUNCTION {schema}.ring_rows_ack(p_queue_id integer, p_ids bigint[], p_deliveries integer[])
-RETURNS integer LANGUAGE plpgsql AS $$
-DECLARE
-    v_n integer;
-BEGIN
-    EXECUTE 'SELECT {schema}.ring_' || p_queue_id || '_rack($1, $2)' INTO v_n USING p_ids, p_deliveries;
-    RETURN v_n;
-END
-$$;
-
+-- The other calls of a ring of the rows layout, by its queue_id: each runs the ring's own function. The
+-- hot path (a push, a pop, the ack of a whole pop) calls the ring's own functions by their names instead
+-- (queries/ring.sql): a call through EXECUTE is parsed and planned again on every run.
 CREATE OR REPLACE FUNCTION {schema}.ring_rows_settle(
     p_queue_id integer, p_ids bigint[], p_deliveries integer[], p_nack boolean, p_delay_s double precision,
     p_backoff_s double precision, p_backoff_max_s double precision, p_max_attempts integer, p_error text)

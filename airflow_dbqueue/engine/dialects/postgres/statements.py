@@ -25,6 +25,12 @@ GENERIC_PLANS = frozenset(
         "ring_ack",
         "ring_settle",
         "ring_reclaim_expired",
+        "ring_rows_push",
+        "ring_rows_take",
+        "ring_rows_pop_payloads",
+        "ring_rows_take_one",
+        "ring_rows_pop_payload_one",
+        "ring_rows_ack",
     }
 )
 
@@ -48,5 +54,9 @@ BINARY_RESULTS = frozenset(
         "ring_settle",
         "ring_leased",
         "ring_peek",
+        "ring_rows_take",
+        "ring_rows_pop_payloads",
+        "ring_rows_take_one",
+        "ring_rows_pop_payload_one",
     }
 )

@@ -392,25 +392,43 @@ SELECT {schema}.ring_rows_drop(queue_id) FROM {schema}.ring_rows
 
 -- name: ring_rows_push
 -- (first id, NULL) when the batch was pushed as one row; (NULL, generation) when that generation's
--- segment must be rotated in first (ring_rows_rotate), nothing pushed.
-SELECT r_first, r_need FROM {schema}.ring_rows_push(
-    %(queue_id)s::integer, %(payloads)b::bytea[], %(notify)s::integer, %(channel)s)
+-- segment must be rotated in first (ring_rows_rotate), nothing pushed. {fn}: the ring's own push function
+-- (ring_<queue_id>_rpush, functions.sql's ring_rows_template), called by its name: a function of the
+-- schema that ran it by its queue_id would plan that call again (EXECUTE) on every push.
+SELECT r_first, r_need FROM {schema}.{fn}(%(payloads)b::bytea[], %(notify)s::integer, %(channel)s)
 
 -- name: ring_rows_take
 -- A pop: messages due again first, then the lanes'. lease: at least once (one lease row for what the lanes
 -- gave, until now + visibility_timeout_s); otherwise at most once (in the caller's transaction: exactly
--- once). wait: when other pops hold every lane with messages, wait for one of them (at most 1 s).
-SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, r_lease_until, r_payload FROM {schema}.ring_rows_take(
-    %(queue_id)s::integer, %(n)s::integer, %(wait)s::boolean, %(lease)s::boolean,
-    %(visibility_timeout_s)s::float8, %(consumer)s::text)
+-- once). wait: when other pops hold every lane with messages, wait for one of them (at most 1 s). {fn}:
+-- the ring's own pop function (ring_<queue_id>_rtake).
+SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, r_lease_until, r_payload FROM {schema}.{fn}(
+    %(n)s::integer, %(wait)s::boolean, %(lease)s::boolean, %(visibility_timeout_s)s::float8, %(consumer)s::text)
 
 -- name: ring_rows_pop_payloads
-SELECT r_payload FROM {schema}.ring_rows_take(
-    %(queue_id)s::integer, %(n)s::integer, %(wait)s::boolean, false, 0, NULL)
+SELECT r_payload FROM {schema}.{fn}(%(n)s::integer, %(wait)s::boolean, false, 0, NULL)
+
+-- name: ring_rows_take_one
+-- A pop of one (ring_rows_take's columns): {fn} is the ring's own function for it (ring_<queue_id>_rtake1),
+-- which takes the lowest lane's next message in three statements of its own, and hands over to the pop
+-- of ring_rows_take when messages to deliver again may be due or it finds no lane to take from.
+SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, r_lease_until, r_payload FROM {schema}.{fn}(
+    %(wait)s::boolean, %(lease)s::boolean, %(visibility_timeout_s)s::float8, %(consumer)s::text)
+
+-- name: ring_rows_pop_payload_one
+SELECT r_payload FROM {schema}.{fn}(%(wait)s::boolean, false, 0, NULL)
+
+-- name: ring_rows_has_function
+-- Whether the ring has its own function fn: a ring made from an older template (its functions are made
+-- once, at its creation) lacks those added since.
+SELECT EXISTS (
+    SELECT 1 FROM pg_catalog.pg_proc p JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace
+    WHERE n.nspname = %(schema)s AND p.proname = %(fn)s)
 
 -- name: ring_rows_ack
 -- The usual ack, of one whole lease: the messages acked (all the receipts), or 0 (then ring_rows_settle).
-SELECT {schema}.ring_rows_ack(%(queue_id)s::integer, %(ids)s::bigint[], %(deliveries)s::integer[])
+-- {fn}: the ring's own ack function (ring_<queue_id>_rack).
+SELECT {schema}.{fn}(%(ids)s::bigint[], %(deliveries)s::integer[])
 
 -- name: ring_rows_settle
 -- Ack or nack receipts, all or nothing: (id, state) of each, none when some receipt lost its lease.
