@@ -72,7 +72,7 @@ from airflow_dbqueue.engine.models import (
     Message,
     Semantics,
 )
-from airflow_dbqueue.engine.queue import DEFAULT_CONSUMER, RECLAIM_LIMIT, check_seconds
+from airflow_dbqueue.engine.queue import DEFAULT_CONSUMER, RECLAIM_LIMIT
 from airflow_dbqueue.engine.ring_base import (
     _NOTIFY_CODE,
     _PUSH_ATTEMPTS,
@@ -86,6 +86,7 @@ from airflow_dbqueue.engine.ring_base import (
     _first,
     _id,
     check_ring_push,
+    nack_settle_params,
 )
 from airflow_dbqueue.engine.ring_batches import RingBatches
 from airflow_dbqueue.engine.ring_groups import RingGroups
@@ -402,20 +403,11 @@ class RingQueue(RingGroups, RingInspect, RingBatches):
         error: str | None = None,
         conn: DbConnection | None = None,
     ) -> int:
-        if delay is not None:
-            delay = check_seconds(f"queue {self.name!r}: nack delay", delay)
+        nack = nack_settle_params(self.name, self.settings, delay, error)
         params = self._receipt_params(messages)
         if not params["ids"]:
             return 0
-        params.update(
-            nack=True,
-            delay_s=None if delay is None else float(delay),
-            backoff_s=self.settings.retry_backoff_s,
-            backoff_max_s=self.settings.retry_backoff_max_s,
-            max_attempts=self.settings.max_attempts,
-            error=error,
-        )
-        return self._settle(params, conn)
+        return self._settle({**params, **nack}, conn)
 
     def reclaim_expired(self, limit: int = RECLAIM_LIMIT) -> int:
         return self._reclaim(limit, None)

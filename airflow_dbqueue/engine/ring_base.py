@@ -22,13 +22,14 @@ from airflow_dbqueue.engine.errors import (
 )
 from airflow_dbqueue.engine.models import (
     DEFAULT_GROUP,
+    FailedMessage,
     Message,
     NotifyMode,
     OnLag,
     PayloadType,
     messages_from_columns,
 )
-from airflow_dbqueue.engine.queue import Queue
+from airflow_dbqueue.engine.queue import Queue, check_seconds
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine.dialects.base import Database, DbConnection
@@ -62,6 +63,41 @@ _delivery = attrgetter("delivery")
 _GROUP_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,62}")
 _ON_LAG_CODE = {OnLag.BLOCK: 0, OnLag.DROP_GROUP: 1}
 log = logging.getLogger("airflow_dbqueue.engine.ring")  # the ring design's one logger, whichever module logs
+
+
+def nack_settle_params(
+    name: str, settings: QueueSettings, delay: float | None, error: str | None
+) -> dict[str, Any]:
+    """The settle parameters of a nack on a ring of either layout (``delay`` checked first; None: the
+    queue's backoff), to join the receipts' parameters."""
+    if delay is not None:
+        delay = check_seconds(f"queue {name!r}: nack delay", delay)
+    return {
+        "nack": True,
+        "delay_s": None if delay is None else float(delay),
+        "backoff_s": settings.retry_backoff_s,
+        "backoff_max_s": settings.retry_backoff_max_s,
+        "max_attempts": settings.max_attempts,
+        "error": error,
+    }
+
+
+def failed_messages(name: str, settings: QueueSettings, rows: Iterable[Sequence[Any]]) -> list[FailedMessage]:
+    """Failed messages from ``ring_list_failed``'s (id, attempts, enqueued_at, last_error, payload) rows,
+    for a ring of either layout."""
+    decode = settings.decode
+    return [
+        FailedMessage(
+            id=r[0],
+            queue=name,
+            priority=0,
+            attempts=r[1],
+            enqueued_at=r[2],
+            last_error=r[3],
+            payload=decode(r[4]),
+        )
+        for r in rows
+    ]
 
 
 def check_ring_push(

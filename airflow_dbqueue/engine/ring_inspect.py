@@ -17,6 +17,7 @@ from airflow_dbqueue.engine.models import (
 from airflow_dbqueue.engine.queue import COUNT_CAP, _check_batch_size
 from airflow_dbqueue.engine.ring_base import (
     RingBase,
+    failed_messages,
 )
 
 RING_STATS_EXACT_CAP = 50_000
@@ -123,19 +124,7 @@ class RingInspect(RingBase):
         )
         if not rows:
             self._raise_if_gone()
-        decode = self.settings.decode
-        return [
-            FailedMessage(
-                id=r[0],
-                queue=self.name,
-                priority=0,
-                attempts=r[1],
-                enqueued_at=r[2],
-                last_error=r[3],
-                payload=decode(r[4]),
-            )
-            for r in rows
-        ]
+        return failed_messages(self.name, self.settings, rows)
 
     def delete_failed(self, ids: Sequence[int] | None = None) -> int:
         params = {"queue_id": self._qid, "all": ids is None, "ids": list(ids or []), "group": self._gid}

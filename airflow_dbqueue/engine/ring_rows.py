@@ -69,8 +69,14 @@ from airflow_dbqueue.engine.models import (
     Semantics,
     messages_from_columns,
 )
-from airflow_dbqueue.engine.queue import COUNT_CAP, RECLAIM_LIMIT, Queue, check_seconds
-from airflow_dbqueue.engine.ring_base import _NOTIFY_CODE, _SETTLE_ACK, check_ring_push
+from airflow_dbqueue.engine.queue import COUNT_CAP, RECLAIM_LIMIT, Queue
+from airflow_dbqueue.engine.ring_base import (
+    _NOTIFY_CODE,
+    _SETTLE_ACK,
+    check_ring_push,
+    failed_messages,
+    nack_settle_params,
+)
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine.dialects.base import Database, DbConnection
@@ -305,20 +311,11 @@ class RowsRingQueue(Queue):
         error: str | None = None,
         conn: DbConnection | None = None,
     ) -> int:
-        if delay is not None:
-            delay = check_seconds(f"queue {self.name!r}: nack delay", delay)
+        nack = nack_settle_params(self.name, self.settings, delay, error)
         params = self._receipt_params(messages)
         if not params["ids"]:
             return 0
-        params.update(
-            nack=True,
-            delay_s=None if delay is None else float(delay),
-            backoff_s=self.settings.retry_backoff_s,
-            backoff_max_s=self.settings.retry_backoff_max_s,
-            max_attempts=self.settings.max_attempts,
-            error=error,
-        )
-        return self._settle(params, conn)
+        return self._settle({**params, **nack}, conn)
 
     def _settle(self, params: dict[str, Any], conn: DbConnection | None) -> int:
         """Ack or nack receipts all or nothing; raise :class:`LeaseExpiredError` naming the receipts
@@ -385,19 +382,7 @@ class RowsRingQueue(Queue):
         rows = self._db.fetchall(
             "ring_list_failed", {"queue_id": self._qid, "after_id": after, "limit": limit, "group": self._qid}
         )
-        decode = self.settings.decode
-        return [
-            FailedMessage(
-                id=r[0],
-                queue=self.name,
-                priority=0,
-                attempts=r[1],
-                enqueued_at=r[2],
-                last_error=r[3],
-                payload=decode(r[4]),
-            )
-            for r in rows
-        ]
+        return failed_messages(self.name, self.settings, rows)
 
     def requeue_failed(self, ids: Sequence[int] | None = None) -> int:
         """Push failed messages again, oldest first, with a fresh attempt count and new ids (their old
