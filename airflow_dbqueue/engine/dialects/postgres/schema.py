@@ -112,13 +112,13 @@ class PostgresSchema(_Base):
             current = self._installed_version(c)
             refuse_newer_schema(self.schema, self.where, current, latest)
             refuse_older_schema(self.schema, self.where, current)
+            before = self._objects(c)
             if current == latest:
-                present = {o.name for o in self._objects(c) if o.kind == "table"}
+                present = {o.name for o in before if o.kind == "table"}
                 refuse_incomplete_schema(self.schema, self.where, current, schema_tables() - present)
             applied = self._fetch_one(c, "functions_applied") if current else None
             if current == latest and applied == sha:
                 return latest
-            before = self._objects(c)
             created_schema = False
             if current == 0:
                 if self._fetch_one(c, "schema_exists"):
