@@ -145,9 +145,12 @@ def test_the_asyncio_face_replaces_connections_the_server_ended(
     dsn = embedded_server.dsn
 
     def terminate_the_engines_sessions() -> int:
+        # pg_terminate_backend only signals unless given a timeout; with one it returns once the
+        # session has exited, its error written to the socket, which is the premise here: a call that
+        # finds a session still ending is a race the engine cannot tell from a failure mid-statement.
         with psycopg.connect(dsn, autocommit=True) as c:
             row = c.execute(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) FROM pg_stat_activity "
                 "WHERE application_name = 'airflow-dbqueue' AND pid <> pg_backend_pid()"
             ).fetchone()
         return int(row[0]) if row else 0
