@@ -19,7 +19,9 @@ With ``--maintenance`` it measures the engine design at one point twice in the s
 a maintenance process looping (archiving, VACUUM, online index rebuilds), and prints push/pop/ack latency
 percentiles (p50/p95/p99) of both with their ratios. With ``--hold-horizon S`` every design's window
 lasts S seconds under a held xmin horizon (a REPEATABLE READ snapshot on a session of its own), and the
-point reports how each design's speed, size and dead tuples went meanwhile and after. See
+point reports how each design's speed, size and dead tuples went meanwhile and after; ``--also-unheld``
+adds, in every round, each design's run without the hold just before its held one, and reports the rate
+each kept under the hold against its own unheld rate of the same round. See
 benchmarks/README.md for what the columns mean.
 
 The database is ``--dsn``, else ``$DBQUEUE_TEST_DSN``, else a throwaway embedded PostgreSQL.
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -56,6 +59,7 @@ from bench.report import (
     rounded,
     table_header,
     table_row,
+    unheld_lines,
 )
 
 # Fillers, Received and count_deliveries: run.py's accounting, which
@@ -178,6 +182,8 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
     if args.pgmq and args.design not in REFERENCES:
         designs.append(PGMQ)
     runs: dict[str, list[RunResult]] = {d: [] for d in designs}
+    # --also-unheld: each design's run without the hold, just before its held run of the same round
+    unheld: dict[str, list[RunResult]] = {d: [] for d in designs}
     # --with-maintenance: the engine design's runs have the maintenance process looping beside them;
     # the references keep autovacuum at its defaults, or with --reference-vacuum get a loop of VACUUM
     # of their tables at the same interval.
@@ -188,13 +194,15 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
     recycling = MaintenanceConfig() if args.recycle_interval else None
     maintenance_of = loop_of(args, config, recycling)
 
+    holds = [False, True] if args.also_unheld else [args.hold_horizon > 0]
     for attempt in range(args.repeat):
-        for design in designs:
+        for design, hold in itertools.product(designs, holds):
             target = make_target(args, dsn, design, point, cap)
             which = f" (run {attempt + 1} of {args.repeat})" if args.repeat > 1 else ""
+            held = " with the horizon held" if hold else " without a hold" if args.also_unheld else ""
             log(
                 f"measuring {design} {args.semantics} {point.producers}x{point.consumers} "
-                f"batch {point.batch} for {seconds:g}s{which}"
+                f"batch {point.batch} for {seconds:g}s{held}{which}"
             )
             run = run_design(
                 target,
@@ -209,11 +217,11 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
                 log=log,
                 maintenance=maintenance_of(design),
                 maintenance_interval=args.recycle_interval or args.maintenance_interval,
-                hold=args.hold_horizon > 0,
+                hold=hold,
                 rate=args.rate,
                 recycle_only=recycling is not None,
             )
-            runs[design].append(run)
+            (runs if hold or not args.also_unheld else unheld)[design].append(run)
             log(
                 f"  {design}: {run.cycles_per_s:,.0f} cycles/s, lost {run.lost}, "
                 f"duplicated {run.duplicated}, corrupt {run.corrupt}"
@@ -289,11 +297,31 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
         out["rate"] = args.rate
     if args.hold_horizon > 0:
         out.update(hold_report(args, runs))
+    if args.also_unheld:
+        out["unheld"] = {d: unheld_report(runs[d], unheld[d]) for d in designs}
     also = [d for d in args.also if d != args.design]
     if also:
         out["also"] = {d: also_report(args, runs, d, capacity_of(args, d, point, cap)) for d in also}
-    out["valid"] = all(combine(rs).valid for rs in runs.values())
+    out["valid"] = all(combine(rs).valid for rs in [*runs.values(), *(r for r in unheld.values() if r)])
     return out
+
+
+def unheld_report(held: list[RunResult], unheld: list[RunResult]) -> dict[str, Any]:
+    """``--also-unheld``: one design's rate without the hold (its median run) and what it kept under the
+    hold: the median of each round's held over unheld rate, with every round's ratio, and what the
+    unheld runs lost, duplicated or corrupted."""
+    r = combine(unheld)
+    kept = [h.cycles_per_s / u.cycles_per_s for h, u in zip(held, unheld, strict=True) if u.cycles_per_s]
+    return {
+        "cycles_per_s": round(r.cycles_per_s, 1),
+        "cycles_per_s_runs": [round(u.cycles_per_s, 1) for u in unheld],
+        "kept": round(statistics.median(kept), 3) if kept else None,
+        "kept_runs": [round(k, 3) for k in kept],
+        "lost": r.lost,
+        "duplicated": r.duplicated,
+        "corrupt": r.corrupt,
+        "valid": r.valid,
+    }
 
 
 def also_report(
@@ -545,6 +573,13 @@ def add_load_options(ap: argparse.ArgumentParser) -> None:
         "cycles/s in the first and last 10 s, sizes and dead tuples before, during and after it, the "
         "longest pop (default 0: no hold)",
     )
+    ap.add_argument(
+        "--also-unheld",
+        action="store_true",
+        help="with --hold-horizon: every round also runs each design without the hold, just before its "
+        "held run, and reports the rate each kept under the hold against its own unheld rate of the same "
+        "round (the median of the rounds' ratios)",
+    )
 
 
 def intervals(ap: argparse.ArgumentParser) -> None:
@@ -730,6 +765,8 @@ def check_window(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             "--recycle-interval S (S > 0) goes with --design table, without --maintenance and "
             "--with-maintenance"
         )
+    if args.also_unheld and not args.hold_horizon:
+        ap.error("--also-unheld goes with --hold-horizon S")
     if not args.hold_horizon:
         if args.seconds is None:
             args.seconds = 10.0
@@ -815,6 +852,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(also_lines(row), flush=True)
                 if args.hold_horizon and not args.json:
                     print(hold_table(row), flush=True)
+                if row.get("unheld") and not args.json:
+                    print(unheld_lines(row), flush=True)
     except (BenchError, DbQueueError, psycopg.Error) as exc:
         print(f"run.py: {exc}", file=sys.stderr)
         return 1

@@ -106,6 +106,20 @@ def also_lines(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def unheld_lines(r: dict[str, Any]) -> str:
+    """The ``--also-unheld`` figures of a point, one line per design: its rate without the hold in the
+    same rounds and what it kept under the hold (the median of the rounds' ratios, every round's)."""
+    lines = []
+    for name, f in r["unheld"].items():
+        kept = "-" if f["kept"] is None else f"{f['kept']:.2f}"
+        rounds = " / ".join(f"{k:.2f}" for k in f["kept_runs"])
+        lines.append(
+            f"  unheld {name}: {f['cycles_per_s']:,.0f} cycles/s, kept {kept} of it under the hold "
+            f"(rounds {rounds}), {'ok' if f['valid'] else 'INVALID'}"
+        )
+    return "\n".join(lines)
+
+
 def hold_table(r: dict[str, Any]) -> str:
     """The figures of a ``--hold-horizon`` point, one line per design measured, under its row."""
     edge = r.get("hold_edge_s") or 0

@@ -277,6 +277,36 @@ def test_a_point_with_a_held_horizon_is_valid_and_the_hold_held(pg_dsn: str, des
     assert refused.returncode == 2 and "--hold-horizon" in refused.stderr
 
 
+def test_each_design_also_runs_unheld_in_every_round(pg_dsn: str) -> None:
+    """--also-unheld with --hold-horizon 2 and two rounds: every design (the rows ring and the naive
+    queue) runs without the hold and then with it in each round, four runs each, all counted and
+    checksummed; the point reports each design's unheld rate and what it kept under the hold in each
+    round (their ratio), and the held figures as before. Without --hold-horizon it is refused.
+    (about 30 s)"""
+    proc = _run(
+        pg_dsn,
+        *("--design", "ring-rows", "--producers", "1", "--consumers", "1", "--batch", "100"),
+        *("--hold-horizon", "2", "--also-unheld", "--repeat", "2", "--warmup", "0.3", "--json"),
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr
+    [line] = [line for line in proc.stdout.splitlines() if line.strip()]
+    point: dict[str, Any] = json.loads(line)
+    assert (point["design"], point["valid"], point["hold_horizon_s"]) == ("ring-rows", True, 2)
+    assert len(point["cycles_per_s_runs"]) == 2 and point["hold_held"] is True
+    assert list(point["unheld"]) == ["ring-rows", "naive"]
+    held_runs = {"ring-rows": point["cycles_per_s_runs"], "naive": point["baseline_cycles_per_s_runs"]}
+    for design, f in point["unheld"].items():
+        assert f["valid"] is True and (f["lost"], f["duplicated"], f["corrupt"]) == (0, 0, 0), f
+        assert len(f["cycles_per_s_runs"]) == 2 and all(c > 0 for c in f["cycles_per_s_runs"]), f
+        expected = [h / u for h, u in zip(held_runs[design], f["cycles_per_s_runs"], strict=True)]
+        assert f["kept_runs"] == pytest.approx(expected, rel=0.01), (design, f)
+        assert f["kept"] == pytest.approx(sorted(expected)[0] / 2 + sorted(expected)[1] / 2, rel=0.01)
+    assert point["dead_tuples_in_hold"] == 0 and point["baseline_dead_tuples_in_hold"] > 0
+    refused = _run(pg_dsn, "--also-unheld", "--seconds", "2")
+    assert refused.returncode == 2 and "--also-unheld" in refused.stderr
+
+
 def test_the_rows_layout_beside_the_others_in_one_run_paced_under_a_hold(pg_dsn: str) -> None:
     """--design ring-rows --also ring table, paced at 4,000 messages a second with a 3 s hold: the ring
     of the rows layout, the slots ring and the table design run in turn with the naive queue at the
