@@ -283,6 +283,24 @@ def test_a_newer_install_is_refused_on_a_fake_sql_server(catalog: FakeCatalog) -
         MssqlDatabase(DSN, schema="dbq").install()
 
 
+def test_an_install_lacking_a_table_of_its_version_is_refused_on_a_fake_sql_server(
+    catalog: FakeCatalog,
+) -> None:
+    """An install recorded at this code's version without a table this code creates (made by another
+    build of that version) is refused with a SchemaError naming the table, and nothing is sent that
+    creates, drops or records anything, whether its routines file is the one applied or not."""
+    MssqlDatabase(DSN, schema="dbq").install()
+    del catalog.schemas["dbq"][("table", "samples")]
+    before = (dict(catalog.schemas["dbq"]), set(catalog.owned["dbq"]))
+    for applied in (SHA, "f" * 64):
+        catalog.owned["dbq"] = (before[1] - {(FUNCTIONS_KIND, SHA)}) | {(FUNCTIONS_KIND, applied)}
+        sent = len(catalog.sent)
+        with pytest.raises(SchemaError, match=r"at schema version \d+ without the table\(s\) samples that"):
+            MssqlDatabase(DSN, schema="dbq").install()
+        assert not any(t.startswith(("CREATE", "DROP", "INSERT")) or t in BLOCKS for t in catalog.sent[sent:])
+        assert catalog.schemas["dbq"] == before[0] and catalog.versions["dbq"] == [LATEST]
+
+
 def test_a_changed_routines_file_is_applied_in_one_transaction_on_a_fake_sql_server(
     catalog: FakeCatalog, monkeypatch: pytest.MonkeyPatch
 ) -> None:

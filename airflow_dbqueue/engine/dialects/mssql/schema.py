@@ -23,6 +23,7 @@ from airflow_dbqueue.engine.dialects.ownership import (
     digest,
     engine_objects,
     refuse_foreign_objects,
+    refuse_incomplete_schema,
     refuse_newer_schema,
     refuse_older_schema,
     release_migrations,
@@ -39,6 +40,11 @@ def schema_sql() -> tuple[int, str]:
     """Return ``(version, sql)`` of the tables, indexes and sequences of a fresh install (one batch)."""
     text = read_text(_PKG, "schema.sql")
     return declared_version(text, "schema.sql"), parse_named_queries(text)["schema"]
+
+
+def schema_tables() -> frozenset[str]:
+    """The tables ``schema.sql`` creates in the schema."""
+    return frozenset(n for k, n in engine_objects(read_text(_PKG, "schema.sql")) if k == "table")
 
 
 def functions_sql() -> tuple[list[str], str, frozenset[str]]:
@@ -86,7 +92,8 @@ class MssqlSchema(_Base):
         procedure and function is altered, and an engine's routine that the file no longer defines is
         dropped: all in one transaction. Everything the install creates is recorded in
         ``owned_objects``. An install newer than this code, or made by a development version before the
-        first release, raises :class:`SchemaError` and is left alone.
+        first release, or one at this code's version that lacks a table this code creates (another
+        build's), raises :class:`SchemaError` and is left alone.
 
         :return: the schema version now installed.
         """
@@ -99,10 +106,13 @@ class MssqlSchema(_Base):
                 current = self._installed_version(cur)
                 refuse_newer_schema(self.schema, self.where, current, latest)
                 refuse_older_schema(self.schema, self.where, current)
+                before = self._objects(cur)
+                if current == latest:
+                    present = {o.name for o in before if o.kind == "table"}
+                    refuse_incomplete_schema(self.schema, self.where, current, schema_tables() - present)
                 applied = self._scalar(cur, "functions_applied") if current else None
                 if current == latest and applied == sha:
                     return latest
-                before = self._objects(cur)
                 created_schema = False
                 if current == 0:
                     if self._scalar(cur, "schema_exists"):
