@@ -206,7 +206,7 @@ def _ring(dbq: DbQueue, name: str) -> RingQueue | RowsRingQueue:
     """The ring queue ``name``: :class:`QueueNotFoundError` when there is none, :class:`ConfigurationError`
     when it is of another design (consumer groups are the ring's)."""
     q = dbq.queue(name)
-    if not isinstance(q, RingQueue):
+    if not isinstance(q, (RingQueue, RowsRingQueue)):
         raise ConfigurationError(
             f"queue {name!r} is a {q.settings.design} queue: consumer groups need the ring design "
             "(dbqueue create QUEUE --design ring)"

@@ -20,6 +20,7 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
+import psycopg
 import pytest
 
 from airflow_dbqueue import cli
@@ -88,10 +89,15 @@ def test_each_group_gets_every_message_once_in_order(dbq: DbQueue, layout: str) 
         assert handle.stats().ready == 0
 
 
-def test_a_push_never_overwrites_a_message_a_group_still_needs(dbq: DbQueue) -> None:
+@LAYOUTS
+def test_a_push_never_overwrites_a_message_a_group_still_needs(dbq: DbQueue, layout: str) -> None:
     """A group that lags holds the ring's floor: once the ring is full the next push waits and fails,
     though the default group took everything; a pop of the lagging group makes room; dropping it frees
-    the ring at once. The lagging group gets every message intact. (1 s)"""
+    the ring at once. The lagging group gets every message intact. On the rows layout, room is a
+    segment: the lagging group must pass one (by a lane's width) before it is emptied. (1 s)"""
+    if layout == "rows":
+        _rows_push_never_empties_a_segment_a_group_still_needs(dbq)
+        return
     q = ring(dbq, capacity=8, lanes=2)
     slow = q.add_group("slow")
     q.push_timeout = 0.3
@@ -111,6 +117,30 @@ def test_a_push_never_overwrites_a_message_a_group_still_needs(dbq: DbQueue) -> 
     assert q.drop_group("slow") is True
     more = [f"n{i}" for i in range(6)]
     assert q.push_batch(more) == list(range(11, 17))  # only the default group holds the floor (9)
+    assert [m.payload for m in drain(q)] == late + more
+
+
+@LAYOUTS
+def _rows_push_never_empties_a_segment_a_group_still_needs(dbq: DbQueue) -> None:
+    q = ring(dbq, layout="rows", capacity=16, lanes=2)  # four segments of 4 pushes
+    slow = q.add_group("slow")
+    q.push_timeout = 0.3
+    first = [f"m{i}" for i in range(16)]
+    for payload in first:  # 16 pushes of one: rows 0 to 15, every segment labelled from the start
+        q.push(payload)
+    assert [m.payload for m in drain(q)] == first  # the default group is done with all of them
+    with pytest.raises(QueueFullError):
+        q.push("late0")  # row 16 needs segment 0 (rows 0 to 3), which the slow group still needs
+    assert [m.payload for m in slow.pop(6)] == first[:6]  # its lanes at rows 6 and 7: past segment 0
+    late = ["late0", "late1", "late2", "late3"]
+    assert [q.push(p) for p in late] == [r << 16 for r in range(16, 20)]
+    with pytest.raises(QueueFullError):
+        q.push("x")  # row 20 needs segment 1 (rows 4 to 7): the slow group is at row 6
+    rest = [m.payload for m in drain(slow, "at-least-once", n=3)]
+    assert rest == [*first[6:], *late]
+    assert q.drop_group("slow") is True
+    more = [f"n{i}" for i in range(6)]
+    assert [q.push(p) for p in more] == [r << 16 for r in range(20, 26)]  # only the default group holds it
     assert [m.payload for m in drain(q)] == late + more
 
 
@@ -499,7 +529,10 @@ def test_sigkilled_consumers_of_two_groups(dbq: DbQueue, layout: str) -> None:
 # -- the CLI ---------------------------------------------------------------------------------------
 
 
-def test_the_cli_lists_adds_drops_and_pops_groups(dbq: DbQueue, capsys: pytest.CaptureFixture[str]) -> None:
+@LAYOUTS
+def test_the_cli_lists_adds_drops_and_pops_groups(
+    dbq: DbQueue, capsys: pytest.CaptureFixture[str], layout: str
+) -> None:
     """``dbqueue groups`` lists each group with its position, its lag in messages and seconds and its
     on_lag; ``add-group`` and ``drop-group`` change them, and ``pop --group`` pops for one. Bad input is
     an error of the library's family, printed as ``dbqueue: error: ...`` with exit status 2: an unknown
@@ -511,7 +544,10 @@ def test_the_cli_lists_adds_drops_and_pops_groups(dbq: DbQueue, capsys: pytest.C
         out = capsys.readouterr()
         return code, [json.loads(line) for line in out.out.splitlines()], out.err
 
-    assert run("create", "events", "--design", "ring", "--capacity", "64", "--lanes", "2")[0] == 0
+    if layout == "slots":
+        assert run("create", "events", "--design", "ring", "--capacity", "64", "--lanes", "2")[0] == 0
+    else:  # the CLI's create makes rings of the default layout
+        ring(dbq, layout="rows", capacity=64, lanes=2)
     code, [row], _ = run(
         "add-group", "events", "audit", "--on-lag", "drop_group", "--lag-timeout", "60", "--start", "earliest"
     )
@@ -524,13 +560,15 @@ def test_the_cli_lists_adds_drops_and_pops_groups(dbq: DbQueue, capsys: pytest.C
     )
     q = dbq.queue("events")
     pushed = [{"n": i} for i in range(10)]
-    assert q.push_batch(pushed) == list(range(1, 11))
+    assert q.push_batch(pushed) == (list(range(1, 11)) if layout == "slots" else list(range(10)))
     got = q.pop(4)
     code, rows, _ = run("groups", "events")
     assert code == 0
+    # Positions: the next message number of the group's lowest lane (slots); its lowest lane's next id,
+    # here inside the one row pushed (rows).
     assert [(r["group"], r["pop_position"], r["lag_messages"], r["on_lag"]) for r in rows] == [
-        ("default", 5, 6, "block"),
-        ("audit", 1, 10, "drop_group"),
+        ("default", 5 if layout == "slots" else 4, 6, "block"),
+        ("audit", 1 if layout == "slots" else 0, 10, "drop_group"),
     ]
     assert all(r["lag_seconds"] >= 0 for r in rows) and rows[0]["lag_timeout_s"] is None
     assert rows[0]["created_at"] is None and rows[1]["created_at"] is not None
@@ -580,6 +618,37 @@ def test_a_dropped_groups_handle_refuses_every_read_with_group_not_found(dbq: Db
         with pytest.raises(GroupNotFoundError, match="'x'"):
             read()
     assert [m.payload for m in ring.peek()] == ["a", "b"]  # the default group's are still there
+
+
+def test_dropping_a_group_or_the_ring_of_the_rows_layout_drops_their_own_objects(dbq: DbQueue) -> None:
+    """A group of the rows layout has its own tables, sequences and functions; drop_group drops them
+    (and leaves the ring's and the other group's), dropping the ring drops every group's."""
+
+    def owned(prefix: str) -> int:
+        """Relations and functions of the schema whose names start with ``prefix``."""
+        with psycopg.connect(dbq.db.dsn, autocommit=True) as c:  # type: ignore[attr-defined]
+            row = c.execute(
+                "SELECT (SELECT count(*) FROM pg_class r WHERE r.relnamespace = %(s)s::regnamespace"
+                "        AND left(r.relname, length(%(p)s)) = %(p)s)"
+                "     + (SELECT count(*) FROM pg_proc f WHERE f.pronamespace = %(s)s::regnamespace"
+                "        AND left(f.proname, length(%(p)s)) = %(p)s)",
+                {"s": dbq.schema, "p": prefix},
+            ).fetchone()
+        return int(row[0]) if row else 0
+
+    q = ring(dbq, layout="rows", capacity=64)
+    a, b = q.add_group("a"), q.add_group("b")
+    q.push_batch(["x", "y"])
+    assert [m.payload for m in a.pop(2)] == [m.payload for m in b.pop(2)] == ["x", "y"]
+    ring_own = owned(f"ring_{q.settings.queue_id}_r")
+    mine = {g: owned(f"ring_g{-h._gid}_r") for g, h in (("a", a), ("b", b))}  # type: ignore[attr-defined]
+    assert ring_own > 40 and mine["a"] == mine["b"] > 30
+    assert q.drop_group("a") is True
+    assert owned(f"ring_g{-a._gid}_r") == 0  # type: ignore[attr-defined]
+    assert owned(f"ring_g{-b._gid}_r") == mine["b"] and owned(f"ring_{q.settings.queue_id}_r") == ring_own  # type: ignore[attr-defined]
+    assert [m.payload for m in drain(q)] == ["x", "y"]
+    assert dbq.drop_queue("events") is True
+    assert owned(f"ring_g{-b._gid}_r") == owned(f"ring_{q.settings.queue_id}_r") == 0  # type: ignore[attr-defined]
 
 
 def test_consumer_group_calls_on_a_table_queue_are_configuration_errors(dbq: DbQueue) -> None:

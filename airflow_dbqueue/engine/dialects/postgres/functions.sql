@@ -2135,8 +2135,10 @@ BEGIN
         INSERT INTO {schema}.@Pq3 VALUES (v_r, cardinality(p_payloads), now(), p_payloads);
     END IF;
     r_first := v_r << 16;
-    -- auto: when no lane still needs a row before ours (its consumers caught up: they may be waiting)
-    IF p_notify = 2 OR (p_notify = 1 AND {schema}.@Pfloor() >= v_r) THEN
+    -- auto: when no lane of the default group, or of another group, still needs a row before ours (its
+    -- consumers caught up: they may be waiting). The other groups are read only when the default one
+    -- is behind.
+    IF p_notify = 2 OR (p_notify = 1 AND ({schema}.@Pfloor() >= v_r OR {schema}.ring_rows_caught_up(@Q, v_r))) THEN
         PERFORM pg_notify(p_channel, '');
     END IF;
 END
@@ -3073,6 +3075,24 @@ DECLARE
 BEGIN
     EXECUTE 'SELECT {schema}.' || {schema}.ring_rows_own(p_id) || 'lanes(NULL)' INTO v_at;
     RETURN v_at;
+END
+$$;
+
+-- Whether some group of ring p_queue_id besides its default one has every lane at or past row p_r (a
+-- push's notify="auto": its consumers may be waiting for that row).
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_caught_up(p_queue_id integer, p_r bigint) RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_floor bigint;
+    g record;
+BEGIN
+    FOR g IN SELECT x.gid FROM {schema}.ring_groups x WHERE x.queue_id = p_queue_id LOOP
+        EXECUTE 'SELECT {schema}.' || {schema}.ring_rows_own(g.gid) || 'floor()' INTO v_floor;
+        IF v_floor >= p_r THEN
+            RETURN true;
+        END IF;
+    END LOOP;
+    RETURN false;
 END
 $$;
 
