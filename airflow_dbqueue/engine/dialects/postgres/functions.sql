@@ -2137,9 +2137,11 @@ BEGIN
     r_first := v_r << 16;
     -- auto: when no lane of the default group, or of another group, still needs a row before ours (its
     -- consumers caught up: they may be waiting). The other groups are read only when the default one
-    -- is behind.
-    IF p_notify = 2 OR (p_notify = 1 AND ({schema}.@Pfloor() >= v_r OR {schema}.ring_rows_caught_up(@Q, v_r))) THEN
-        PERFORM pg_notify(p_channel, '');
+    -- is behind; never: one comparison.
+    IF p_notify > 0 THEN
+        IF p_notify = 2 OR {schema}.@Pfloor() >= v_r OR {schema}.ring_rows_caught_up(@Q, v_r) THEN
+            PERFORM pg_notify(p_channel, '');
+        END IF;
     END IF;
 END
 $b$
