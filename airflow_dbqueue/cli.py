@@ -68,6 +68,7 @@ from airflow_dbqueue.engine.ring import (
     RING_DEFAULT_LANES,
     RingQueue,
 )
+from airflow_dbqueue.engine.ring_rows import RowsRingQueue
 
 RENAMED_OPTIONS = {
     "--older-than": "--archive-after",
@@ -201,11 +202,11 @@ def _cmd_failed(dbq: DbQueue, args: argparse.Namespace) -> int:
     return 0
 
 
-def _ring(dbq: DbQueue, name: str) -> RingQueue:
+def _ring(dbq: DbQueue, name: str) -> RingQueue | RowsRingQueue:
     """The ring queue ``name``: :class:`QueueNotFoundError` when there is none, :class:`ConfigurationError`
     when it is of another design (consumer groups are the ring's)."""
     q = dbq.queue(name)
-    if not isinstance(q, RingQueue):
+    if not isinstance(q, (RingQueue, RowsRingQueue)):
         raise ConfigurationError(
             f"queue {name!r} is a {q.settings.design} queue: consumer groups need the ring design "
             "(dbqueue create QUEUE --design ring)"
@@ -213,7 +214,7 @@ def _ring(dbq: DbQueue, name: str) -> RingQueue:
     return q
 
 
-def _group_row(q: RingQueue, info: GroupInfo) -> dict[str, Any]:
+def _group_row(q: RingQueue | RowsRingQueue, info: GroupInfo) -> dict[str, Any]:
     """One consumer group as ``dbqueue groups`` prints it: its position, what it has still to finish (in
     messages, and the age of its oldest ready one), what maintenance does when it lags, and how long
     maintenance has seen it not move."""

@@ -122,17 +122,19 @@ def embedded_server() -> Iterator[EmbeddedPostgres]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Each face and topology adds minutes to the conformance suite, so two of its combinations are left
-    out: a ring of the rows layout runs on the synchronous face against the server directly only, and
-    the asyncio face runs against the server directly only, not behind PgBouncer (it sends the
-    synchronous face's named statements; both faces run against the server, and the synchronous face
-    behind PgBouncer in transaction mode). Behind PgBouncer in session mode, where a client keeps one
-    server connection for its session as a direct client does, the suite runs on the table design
-    only."""
+    out: a ring of the rows layout (and a group of one) runs on the synchronous face against the server
+    directly only, and the asyncio face runs against the server directly only, not behind PgBouncer (it
+    sends the synchronous face's named statements; both faces run against the server, and the
+    synchronous face behind PgBouncer in transaction mode). Behind PgBouncer in session mode, where a
+    client keeps one server connection for its session as a direct client does, the suite runs on the
+    table design only."""
     keep, drop = [], []
     for item in items:
         name = item.nodeid
         conformance = "test_conformance.py" in name
-        rows_elsewhere = "[ring-rows-" in name and "[ring-rows-sync-postgresql" not in name
+        rows_elsewhere = "[ring-rows-" in name and not any(
+            f"[ring-rows-{group}sync-postgresql" in name for group in ("", "group-")
+        )
         session_mode = "-sync-pgbouncer-session" in name and "[table-" not in name
         if conformance and (rows_elsewhere or session_mode or "-async-pgbouncer-" in name):
             drop.append(item)

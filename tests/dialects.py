@@ -178,7 +178,8 @@ def expire_leases(dbq: DbQueue, ids: Iterable[int], q: Queue | None = None) -> N
     design = "ring" if q is not None and q.settings.design == "ring" else "table"
     params: dict[str, Any] = {"ids": list(ids)}
     if q is not None and q.settings.layout == "rows":
-        _expire_rows_leases(dbq, q.settings.queue_id, params)
+        gid = getattr(q, "_gid", q.settings.queue_id)  # a consumer group's handle: its own objects
+        _expire_rows_leases(dbq, f"ring_g{-gid}_r" if gid < 0 else f"ring_{gid}_r", params)
         return
     if design == "ring":
         assert q is not None
@@ -188,11 +189,12 @@ def expire_leases(dbq: DbQueue, ids: Iterable[int], q: Queue | None = None) -> N
     run_sql(dbq, EXPIRE_SQL[dbq.dialect, design], params)
 
 
-def _expire_rows_leases(dbq: DbQueue, queue_id: int, params: dict[str, Any]) -> None:
-    """:func:`expire_leases` on a ring of the rows layout: its leases holding any of the ids are split (its
-    own function ``ring_<id>_rsplit``, as a partial ack would), and the newest row of each id in its retry
-    log, leased now, is given an end in the past (an UPDATE, which the engine itself never makes)."""
-    own = {"split": f"ring_{queue_id}_rsplit", "leases": f"ring_{queue_id}_rl"}
+def _expire_rows_leases(dbq: DbQueue, prefix: str, params: dict[str, Any]) -> None:
+    """:func:`expire_leases` on a ring of the rows layout (or a group of one, whose own objects' names
+    start with ``prefix``): its leases holding any of the ids are split (its own function
+    ``<prefix>split``, as a partial ack would), and the newest row of each id in its retry log, leased
+    now, is given an end in the past (an UPDATE, which the engine itself never makes)."""
+    own = {"split": f"{prefix}split", "leases": f"{prefix}l"}
     run_sql(
         dbq,
         "SELECT {schema}.{split}(ARRAY(SELECT DISTINCT e.lo FROM {schema}.{leases} e "
@@ -209,7 +211,7 @@ def _expire_rows_leases(dbq: DbQueue, queue_id: int, params: dict[str, Any]) -> 
             "WHERE r.id = ANY(%(ids)s) AND r.state = 2 "
             "AND r.ver = (SELECT max(x.ver) FROM {schema}.{log} x WHERE x.id = r.id)",
             params,
-            identifiers={"log": f"ring_{queue_id}_rr{k}"},
+            identifiers={"log": f"{prefix}r{k}"},
         )
 
 

@@ -40,9 +40,12 @@ writing nothing. Expired leases are reclaimed by pops (at most every ``reclaim_e
 is open, none of its messages is to be delivered again or leased again, and the segment before it was
 emptied (a lease may run into the next segment).
 
-Not built yet, each refused with :class:`NotSupportedError` naming the layout: consumer groups besides
-the default one, batches (and ``leased()``), and per-queue grants (the ring's tables are the schema
-owner's).
+Consumer groups (:mod:`airflow_dbqueue.engine.ring_rows_groups`): a group besides the default one
+has its own position logs, leases, done rows, retry log and functions over the ring's segments; a
+segment is emptied only when every group has passed it.
+
+Not built yet, each refused with :class:`NotSupportedError` naming the layout: batches (and
+``leased()``), and per-queue grants (the ring's tables are the schema owner's).
 """
 
 from __future__ import annotations
@@ -63,13 +66,14 @@ from airflow_dbqueue.engine.errors import (
     SchemaError,
 )
 from airflow_dbqueue.engine.models import (
+    DEFAULT_GROUP,
     FailedMessage,
     PayloadType,
     QueueStats,
     Semantics,
     messages_from_columns,
 )
-from airflow_dbqueue.engine.queue import COUNT_CAP, RECLAIM_LIMIT, Queue
+from airflow_dbqueue.engine.queue import COUNT_CAP, RECLAIM_LIMIT
 from airflow_dbqueue.engine.ring_base import (
     _NOTIFY_CODE,
     _SETTLE_ACK,
@@ -77,6 +81,7 @@ from airflow_dbqueue.engine.ring_base import (
     failed_messages,
     nack_settle_params,
 )
+from airflow_dbqueue.engine.ring_rows_groups import RowsRingGroups
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine.dialects.base import Database, DbConnection
@@ -88,11 +93,13 @@ of its id."""
 _GAP_CHECK_EVERY_S = 0.05
 
 
-class RowsRingQueue(Queue):
-    """A ring of the rows layout (see the module): at most, at least and exactly once; no groups or
-    batches."""
+class RowsRingQueue(RowsRingGroups):
+    """A ring of the rows layout (see the module): at most, at least and exactly once, consumer groups
+    (:mod:`airflow_dbqueue.engine.ring_rows_groups`); no batches."""
 
-    def __init__(self, db: Database, settings: QueueSettings) -> None:
+    def __init__(
+        self, db: Database, settings: QueueSettings, *, group: str = DEFAULT_GROUP, gid: int | None = None
+    ) -> None:
         super().__init__(db, settings)
         if settings.capacity is None or settings.lanes is None:
             raise ConfigurationError(f"queue {settings.name!r} is a ring without a capacity")
@@ -100,9 +107,11 @@ class RowsRingQueue(Queue):
         self.lanes = settings.lanes
         self._qid = settings.queue_id
         self._channel = db.channel(settings.queue_id)
-        # The ring's own functions, which the hot path calls by name (queries/ring.sql).
-        own = f"ring_{settings.queue_id}_r"
-        self._push_fn = {"fn": own + "push"}
+        self._init_group(group, gid)
+        # The ring's own functions, which the hot path calls by name (queries/ring.sql): the push is the
+        # ring's, the pops and acks its group's.
+        self._push_fn = {"fn": f"ring_{settings.queue_id}_rpush"}
+        own = self._own()
         self._take_fn = {"fn": own + "take"}
         self._take1_fn = {"fn": own + "take1"}
         self._has_take1: bool | None = None  # whether the ring has it (read on the first pop of one)
@@ -282,13 +291,14 @@ class RowsRingQueue(Queue):
         row = self._db.fetchone("get_queue", {"name": self.name})
         if row is None or row[0] != self._qid:
             raise QueueNotFoundError(self.name, self._db.schema) from None
+        self._raise_if_group_gone()
 
     # -- finish: ack, nack, reclaim ------------------------------------------------------------------
 
     def _receipt_params(self, messages: Sequence[Message]) -> dict[str, Any]:
         receipts = list(dict.fromkeys((m.id, m.delivery) for m in messages))  # each receipt once, in order
         return {
-            "queue_id": self._qid,
+            "queue_id": self._gid,
             "ids": [r[0] for r in receipts],
             "deliveries": [r[1] for r in receipts],
         }
@@ -331,14 +341,25 @@ class RowsRingQueue(Queue):
         return self._reclaim(limit, None)
 
     def _reclaim(self, limit: int, conn: DbConnection | None) -> int:
-        params = {"queue_id": self._qid, "max_attempts": self.settings.max_attempts, "limit": limit}
+        params = {"queue_id": self._gid, "max_attempts": self.settings.max_attempts, "limit": limit}
         return len(self._db.fetchall("ring_rows_reclaim", params, conn))
 
     def maintain(self, *, limit: int = RECLAIM_LIMIT) -> dict[str, int]:
-        """Reclaim expired leases, give up the gaps proven since the last call, and rotate in the next
-        segment when nothing needs the one it holds any more, so that pushes find it empty."""
-        reclaimed = self.reclaim_expired(limit)
-        skipped = self._give_up_gaps(force=True)
+        """Reclaim expired leases of every consumer group, give up the gaps proven since the last call,
+        act on groups that nobody pops (:meth:`watch_groups`), and rotate in the next segment when
+        nothing needs the one it holds any more, so that pushes find it empty. ``"groups_lagging"`` and
+        ``"groups_dropped"`` are counted on a ring with groups besides the default one."""
+        root = self._default()
+        others = root._group_handles()
+        reclaimed = root.reclaim_expired(limit) + sum(h.reclaim_expired(limit) for h in others)
+        # Gaps first: a row issued and never written counts as one to take, so a group that has taken
+        # everything would look as lagging behind a push that rolled back until it is given up. With
+        # groups, twice: the second call proves what was issued up to the first (a gap is proven only
+        # against a position read before it, which the call before may have read long ago).
+        skipped = root._give_up_gaps(force=True)
+        if others:
+            skipped += root._give_up_gaps(force=True)
+        watched = root.watch_groups() if others else {}
         row = self._db.fetchone("ring_rows_rotate_ahead", {"queue_id": self._qid})
         if row is not None and row[0] is not None:
             self._db.execute("ring_rows_label", {"queue_id": self._qid, "gen": row[0]})
@@ -346,12 +367,17 @@ class RowsRingQueue(Queue):
             "reclaimed": reclaimed,
             "gaps_skipped": skipped,
             "rotated_ahead": int(row is not None and row[0] is not None),
+            **watched,
         }
 
     # -- inspect -------------------------------------------------------------------------------------
 
     def peek(self, n: int = 10) -> list[Message]:
-        rows = self._db.fetchall("ring_rows_peek", {"queue_id": self._qid, "n": n})
+        try:
+            rows = self._db.fetchall("ring_rows_peek", {"queue_id": self._gid, "n": n})
+        except (DatabaseError, SchemaError):
+            self._raise_if_gone()
+            raise
         if not rows:
             return []
         return self._messages(rows)
@@ -360,7 +386,11 @@ class RowsRingQueue(Queue):
         return min(self.stats().ready, cap)
 
     def stats(self, *, exact: bool = False) -> QueueStats:
-        row = self._db.fetchone("ring_rows_depth", {"queue_id": self._qid})
+        try:
+            row = self._db.fetchone("ring_rows_depth", {"queue_id": self._gid})
+        except (DatabaseError, SchemaError):
+            self._raise_if_gone()
+            raise
         if row is None:
             raise QueueNotFoundError(self.name, self._db.schema)
         ready, delayed, in_flight, failed, oldest_age, rows, gens = row
@@ -372,7 +402,15 @@ class RowsRingQueue(Queue):
             failed=int(failed),
             finished=0,
             oldest_ready_age_s=None if oldest_age is None else float(oldest_age),
-            extra={"layout": "rows", "rows_held": int(rows), "segment_generations": list(gens)},
+            extra={
+                "layout": "rows",
+                "rows_held": int(rows),
+                "segment_generations": list(gens),
+                "group": self.group_name,
+                # What the group has still to finish: what it can take now or later, and what it holds.
+                "lag_messages": int(ready) + int(delayed) + int(in_flight),
+                "lag_seconds": float(oldest_age or 0.0),
+            },
         )
 
     def list_failed(self, limit: int = 100, after_id: int = 0) -> list[FailedMessage]:
@@ -380,14 +418,17 @@ class RowsRingQueue(Queue):
         first message has the id 0, which the default includes)."""
         after = -1 if after_id == 0 else after_id
         rows = self._db.fetchall(
-            "ring_list_failed", {"queue_id": self._qid, "after_id": after, "limit": limit, "group": self._qid}
+            "ring_list_failed", {"queue_id": self._qid, "after_id": after, "limit": limit, "group": self._gid}
         )
+        if not rows:
+            self._raise_if_gone()
         return failed_messages(self.name, self.settings, rows)
 
     def requeue_failed(self, ids: Sequence[int] | None = None) -> int:
         """Push failed messages again, oldest first, with a fresh attempt count and new ids (their old
         rows are gone with their segments), in pushes of at most :data:`ROWS_MAX_BATCH`."""
-        params = {"queue_id": self._qid, "all": ids is None, "ids": list(ids or []), "group": self._qid}
+        self._refuse_requeue_with_groups()
+        params = {"queue_id": self._qid, "all": ids is None, "ids": list(ids or []), "group": self._gid}
         with self._db.transaction() as conn:
             rows = sorted(self._db.fetchall("ring_take_failed", params, conn))
             payloads = [bytes(r[1]) for r in rows]
@@ -396,21 +437,5 @@ class RowsRingQueue(Queue):
         return len(rows)
 
     def delete_failed(self, ids: Sequence[int] | None = None) -> int:
-        params = {"queue_id": self._qid, "all": ids is None, "ids": list(ids or []), "group": self._qid}
+        params = {"queue_id": self._qid, "all": ids is None, "ids": list(ids or []), "group": self._gid}
         return len(self._db.fetchall("ring_delete_failed", params))
-
-    # -- consumer groups: the default one only ---------------------------------------------------------
-
-    def group(self, name: str | None) -> Queue:
-        if name is None:
-            return self
-        raise self._unsupported(f"consumer groups besides the default one (got group={name!r})")
-
-    def add_group(self, name: str, **kwargs: Any) -> Queue:
-        raise self._unsupported("consumer groups besides the default one (add_group)")
-
-    def groups(self) -> list[Any]:
-        raise self._unsupported("consumer groups besides the default one (groups)")
-
-    def drop_group(self, name: str, *, missing_ok: bool = False) -> bool:
-        raise self._unsupported("consumer groups besides the default one (drop_group)")

@@ -51,12 +51,13 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.integration
 
-DESIGNS = ["table", "ring", "ring-group", "ring-rows"]
+DESIGNS = ["table", "ring", "ring-group", "ring-rows", "ring-rows-group"]
 """A feature a design does not offer (the ring's priorities and delayed pushes) is checked to raise
 :class:`ConfigurationError` rather than skipped. ``ring-group``: a ring's consumer group besides its
 default one, whose handle must behave as a queue of its own; the default group holds every message the
-tests push, untouched. ``ring-rows``: a ring of the rows layout (PostgreSQL only), which has no consumer
-groups or batches (their refusals are tested in ``test_ring_rows.py``)."""
+tests push, untouched. ``ring-rows``: a ring of the rows layout (PostgreSQL only), which has no batches
+(their refusals are tested in ``test_ring_rows.py``); ``ring-rows-group``: a consumer group of such a
+ring, as ``ring-group``."""
 
 
 @pytest.fixture(params=FACES)
@@ -69,7 +70,7 @@ def client(request: pytest.FixtureRequest, dbq: DbQueue) -> Iterator[DbQueue]:
 def make_queue(request: pytest.FixtureRequest, client: DbQueue) -> Callable[..., Queue]:
     counter = iter(range(1000))
     design, _, variant = str(request.param).partition("-")
-    if variant == "rows":
+    if variant.startswith("rows"):
         if isinstance(client.db, MssqlDatabase):
             pytest.skip("the ring's rows layout is PostgreSQL-only")
         settings_of_layout: dict[str, Any] = {"layout": "rows"}
@@ -78,7 +79,7 @@ def make_queue(request: pytest.FixtureRequest, client: DbQueue) -> Callable[...,
 
     def make(**settings: Any) -> Queue:
         q = client.create_queue(f"q{next(counter)}", design=design, **settings_of_layout, **settings)
-        return q.add_group("g") if variant == "group" else q  # type: ignore[attr-defined, no-any-return]
+        return q.add_group("g") if variant.endswith("group") else q  # type: ignore[attr-defined, no-any-return]
 
     return make
 

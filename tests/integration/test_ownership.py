@@ -156,6 +156,9 @@ def test_an_empty_existing_schema_is_used_and_kept(pg_dsn: str, new_schema: Call
         q = dbq.create_queue("orders")
         q.push_batch([{"n": i} for i in range(5)])
         dbq.create_queue("stream", design="ring", capacity=16).push(1)
+        flat = dbq.create_queue("flat", design="ring", layout="rows", capacity=64)
+        flat.add_group("audit")  # a group of the rows layout has tables and functions of its own
+        flat.push(1)
         dbq.uninstall()
     assert schema_exists(pg_dsn, schema)  # the engine did not create it: it stays, empty
     assert relations(pg_dsn, schema) == set() and functions(pg_dsn, schema) == set()

@@ -20,6 +20,7 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
+import psycopg
 import pytest
 
 from airflow_dbqueue import cli
@@ -33,8 +34,9 @@ from airflow_dbqueue.engine import (
     QueueNotFoundError,
 )
 from airflow_dbqueue.engine.models import DEFAULT_GROUP, OnLag
-from tests.helpers import checksum
+from tests.helpers import checksum, held_horizon
 from tests.integration.test_conformance import drain
+from tests.integration.test_ring_rows import _flush_stats, _write_counts
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine.ring import RingQueue
@@ -42,22 +44,33 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.integration
 
 
-def ring(dbq: DbQueue, name: str = "events", **settings: Any) -> RingQueue:
-    q = dbq.create_queue(name, design="ring", **settings)
+LAYOUTS = pytest.mark.parametrize("layout", ["slots", "rows"])
+"""The tests so marked run on a ring of each layout: the slots layout (capacity in messages, ids from 1)
+and the rows layout (capacity in pushes, a multiple of 4 and at least 8 * lanes; a push of k messages
+is one row, its ids ``(row << 16) | 0 .. k - 1``)."""
+
+
+def ring(dbq: DbQueue, name: str = "events", layout: str = "slots", **settings: Any) -> RingQueue:
+    q = dbq.create_queue(name, design="ring", layout=layout, **settings)
     return q  # type: ignore[return-value]
 
 
-def test_each_group_gets_every_message_once_in_order(dbq: DbQueue) -> None:
+@LAYOUTS
+def test_each_group_gets_every_message_once_in_order(dbq: DbQueue, layout: str) -> None:
     """Three groups (the default one, one at least once, one at most once) each get all 500 messages,
     in id order, once; the default group's pops do not take anything from the others. (0.5 s)"""
-    q = ring(dbq, capacity=64, lanes=4)
+    q = ring(dbq, layout=layout, capacity=64 if layout == "slots" else 32, lanes=4)
     audit, export = q.add_group("audit"), q.add_group("export")
     assert [g.name for g in q.groups()] == [DEFAULT_GROUP, "audit", "export"]
     sent = list(range(500))
     got: dict[str, list[Any]] = {DEFAULT_GROUP: [], "audit": [], "export": []}
     ids: dict[str, list[int]] = {k: [] for k in got}
-    for first in range(0, len(sent), 50):  # the ring holds 64: every group must keep up
-        q.push_batch(sent[first : first + 50])
+    pushed: list[int] = []
+    # The slots ring holds 64 messages, the rows ring 32 pushes (segments of 8, emptied 12 times over):
+    # every group must keep up.
+    step = 50 if layout == "slots" else 5
+    for first in range(0, len(sent), step):
+        pushed += q.push_batch(sent[first : first + step])
         for name, handle, how in ((DEFAULT_GROUP, q, "at-most-once"), ("audit", audit, "at-least-once")):
             for m in drain(handle, how, n=7):
                 got[name].append(m.payload)
@@ -67,15 +80,24 @@ def test_each_group_gets_every_message_once_in_order(dbq: DbQueue) -> None:
             ids["export"].append(m.id)
     for name, payloads in got.items():
         assert (len(payloads), checksum(payloads)) == (len(sent), checksum(sent)), name
-        assert ids[name] == list(range(1, 501)), name
+        assert ids[name] == pushed, name
+    rows = [(r << 16) | k for r in range(100) for k in range(5)]
+    assert pushed == (list(range(1, 501)) if layout == "slots" else rows)
+    if layout == "rows":  # the ring went round: its segments were emptied and labelled again
+        assert min(q.stats().extra["segment_generations"]) >= 9
     for handle in (q, audit, export):
         assert handle.stats().ready == 0
 
 
-def test_a_push_never_overwrites_a_message_a_group_still_needs(dbq: DbQueue) -> None:
+@LAYOUTS
+def test_a_push_never_overwrites_a_message_a_group_still_needs(dbq: DbQueue, layout: str) -> None:
     """A group that lags holds the ring's floor: once the ring is full the next push waits and fails,
     though the default group took everything; a pop of the lagging group makes room; dropping it frees
-    the ring at once. The lagging group gets every message intact. (1 s)"""
+    the ring at once. The lagging group gets every message intact. On the rows layout, room is a
+    segment: the lagging group must pass one (by a lane's width) before it is emptied. (1 s)"""
+    if layout == "rows":
+        _rows_push_never_empties_a_segment_a_group_still_needs(dbq)
+        return
     q = ring(dbq, capacity=8, lanes=2)
     slow = q.add_group("slow")
     q.push_timeout = 0.3
@@ -98,10 +120,35 @@ def test_a_push_never_overwrites_a_message_a_group_still_needs(dbq: DbQueue) -> 
     assert [m.payload for m in drain(q)] == late + more
 
 
-def test_start_now_or_earliest(dbq: DbQueue) -> None:
+@LAYOUTS
+def _rows_push_never_empties_a_segment_a_group_still_needs(dbq: DbQueue) -> None:
+    q = ring(dbq, layout="rows", capacity=16, lanes=2)  # four segments of 4 pushes
+    slow = q.add_group("slow")
+    q.push_timeout = 0.3
+    first = [f"m{i}" for i in range(16)]
+    for payload in first:  # 16 pushes of one: rows 0 to 15, every segment labelled from the start
+        q.push(payload)
+    assert [m.payload for m in drain(q)] == first  # the default group is done with all of them
+    with pytest.raises(QueueFullError):
+        q.push("late0")  # row 16 needs segment 0 (rows 0 to 3), which the slow group still needs
+    assert [m.payload for m in slow.pop(6)] == first[:6]  # its lanes at rows 6 and 7: past segment 0
+    late = ["late0", "late1", "late2", "late3"]
+    assert [q.push(p) for p in late] == [r << 16 for r in range(16, 20)]
+    with pytest.raises(QueueFullError):
+        q.push("x")  # row 20 needs segment 1 (rows 4 to 7): the slow group is at row 6
+    rest = [m.payload for m in drain(slow, "at-least-once", n=3)]
+    assert rest == [*first[6:], *late]
+    assert q.drop_group("slow") is True
+    more = [f"n{i}" for i in range(6)]
+    assert [q.push(p) for p in more] == [r << 16 for r in range(20, 26)]  # only the default group holds it
+    assert [m.payload for m in drain(q)] == late + more
+
+
+@LAYOUTS
+def test_start_now_or_earliest(dbq: DbQueue, layout: str) -> None:
     """A group added with start="now" sees what is pushed after it; one added with "earliest" also what
     some group has not taken yet. (0.3 s)"""
-    q = ring(dbq, capacity=16, lanes=4)
+    q = ring(dbq, layout=layout, capacity=16 if layout == "slots" else 32, lanes=4)
     q.push_batch(["a", "b", "c", "d", "e"])
     assert [m.payload for m in q.pop(2)] == ["a", "b"]
     now, earliest = q.add_group("now"), q.add_group("earliest", start="earliest")
@@ -111,24 +158,27 @@ def test_start_now_or_earliest(dbq: DbQueue) -> None:
     assert [m.payload for m in drain(q)] == ["c", "d", "e", "f", "g"]
 
 
-def test_leases_retries_and_failures_are_each_groups_own(dbq: DbQueue) -> None:
+@LAYOUTS
+def test_leases_retries_and_failures_are_each_groups_own(dbq: DbQueue, layout: str) -> None:
     """A nack in one group delivers the message again in that group only; acks name a group's own
     receipts; a group's failed messages are its own; stats are each group's. (0.3 s)"""
-    q = ring(dbq, capacity=16, lanes=2, max_attempts=2, retry_backoff=0.0, retry_backoff_max=0.0)
+    q = ring(
+        dbq, layout=layout, capacity=16, lanes=2, max_attempts=2, retry_backoff=0.0, retry_backoff_max=0.0
+    )
     g = q.add_group("g")
-    q.push_batch(["x", "y", "z"])
+    pushed = q.push_batch(["x", "y", "z"])
     mine = q.pop(3, semantics="at-least-once")
     theirs = g.pop(3, semantics="at-least-once")
-    assert [m.id for m in mine] == [m.id for m in theirs] == [1, 2, 3]
+    assert [m.id for m in mine] == [m.id for m in theirs] == pushed
     assert q.stats().in_flight == 3 and g.stats().in_flight == 3
     assert q.ack(mine) == 3
     assert (q.stats().in_flight, g.stats().in_flight) == (0, 3)
     assert g.nack(theirs[:1], delay=0) == 1
     assert q.pop(3) == []
     again = g.pop(3, semantics="at-least-once")
-    assert [(m.id, m.attempts) for m in again] == [(1, 2)]
+    assert [(m.id, m.attempts) for m in again] == [(pushed[0], 2)]
     assert g.nack(again, delay=0, error="bad") == 1  # its second attempt: failed, in g only
-    assert [(f.id, f.payload) for f in g.list_failed()] == [(1, "x")]
+    assert [(f.id, f.payload) for f in g.list_failed()] == [(pushed[0], "x")]
     assert q.list_failed() == []
     assert g.ack(theirs[1:]) == 2
     stats = g.stats()
@@ -139,8 +189,9 @@ def test_leases_retries_and_failures_are_each_groups_own(dbq: DbQueue) -> None:
     assert g.delete_failed() == 1
 
 
-def test_stats_show_each_groups_lag_in_messages_and_seconds(dbq: DbQueue) -> None:
-    q = ring(dbq, capacity=32)
+@LAYOUTS
+def test_stats_show_each_groups_lag_in_messages_and_seconds(dbq: DbQueue, layout: str) -> None:
+    q = ring(dbq, layout=layout, capacity=32 if layout == "slots" else 64)
     g = q.add_group("g")
     q.push_batch(list(range(10)))
     time.sleep(0.2)
@@ -150,14 +201,18 @@ def test_stats_show_each_groups_lag_in_messages_and_seconds(dbq: DbQueue) -> Non
     assert (mine["group"], mine["lag_messages"], mine["lag_seconds"]) == (DEFAULT_GROUP, 0, 0.0)
     assert theirs["group"] == "g" and theirs["lag_messages"] == 10  # 6 to take, 4 leased
     assert theirs["lag_seconds"] >= 0.2
-    assert theirs["pop_position"] > mine["floor"] == 1
+    if layout == "slots":  # the slots ring's positions are message numbers (the rows ring's: groups())
+        assert theirs["pop_position"] > mine["floor"] == 1
+    else:
+        assert [g.pop_position for g in q.groups()] == [1 << 16, 4]  # past row 0 (lane 1 next), in it
 
 
-def test_pop_takes_group_and_bad_groups_are_refused(dbq: DbQueue) -> None:
+@LAYOUTS
+def test_pop_takes_group_and_bad_groups_are_refused(dbq: DbQueue, layout: str) -> None:
     """pop(group=) and pop_payloads(group=) pop for the group; unknown names, names taken, bad names and
     options, the default group's drop and groups on a table-design queue each raise an error that names
     them, and change nothing. (0.2 s)"""
-    q = ring(dbq)
+    q = ring(dbq, layout=layout)
     q.add_group("fraud")
     q.add_group("audit")
     q.push_batch(["a", "b"])
@@ -200,13 +255,14 @@ def test_pop_takes_group_and_bad_groups_are_refused(dbq: DbQueue) -> None:
         table.group("fraud")
 
 
+@LAYOUTS
 def test_maintenance_warns_about_or_drops_a_group_nobody_pops(
-    dbq: DbQueue, caplog: pytest.LogCaptureFixture
+    dbq: DbQueue, caplog: pytest.LogCaptureFixture, layout: str
 ) -> None:
     """A group that has messages to take and has not moved for its lag timeout: on_lag="block" keeps it
     with a warning, "drop_group" drops it (and the floor rises); a group that pops, or has nothing to
     take, is left alone. (1 s)"""
-    q = ring(dbq, capacity=16)
+    q = ring(dbq, layout=layout, capacity=16 if layout == "slots" else 64)
     q.add_group("stuck", lag_timeout=0.3)
     q.add_group("gone", on_lag="drop_group", lag_timeout=0.3)
     busy = q.add_group("busy", on_lag=OnLag.DROP_GROUP, lag_timeout=0.3)
@@ -233,11 +289,14 @@ def test_maintenance_warns_about_or_drops_a_group_nobody_pops(
     assert [m.payload for m in drain(busy)] == [2, 3, 4, 5]
 
 
-def test_a_group_that_took_everything_is_not_dropped_for_a_push_that_rolled_back(dbq: DbQueue) -> None:
+@LAYOUTS
+def test_a_group_that_took_everything_is_not_dropped_for_a_push_that_rolled_back(
+    dbq: DbQueue, layout: str
+) -> None:
     """A push that rolled back leaves its number issued and unwritten. A group that has taken every
     message and not moved since is not lagging: maintenance gives the number up before it looks at the
     groups, and the group stays (on_lag="drop_group"). (1 s)"""
-    q = ring(dbq, capacity=16)
+    q = ring(dbq, layout=layout, capacity=16 if layout == "slots" else 64)
     q.add_group("caught_up", on_lag="drop_group", lag_timeout=0.3)
     pushed = q.push_batch(list(range(3)))
     assert [m.payload for m in drain(q.group("caught_up"))] == [0, 1, 2]
@@ -249,19 +308,24 @@ def test_a_group_that_took_everything_is_not_dropped_for_a_push_that_rolled_back
     report = q.maintain()
     assert (report["gaps_skipped"], report["groups_lagging"], report["groups_dropped"]) == (1, 0, 0)
     assert [g.name for g in q.groups()] == [DEFAULT_GROUP, "caught_up"]
-    assert [m.payload for m in drain(q)] == [0, 1, 2] and pushed == [1, 2, 3]
+    assert [m.payload for m in drain(q)] == [0, 1, 2] and pushed == (
+        [1, 2, 3] if layout == "slots" else [0, 1, 2]
+    )
     q.push(3)
     assert [m.payload for m in drain(q.group("caught_up"))] == [3]
 
 
-def test_two_groups_at_different_speeds_under_concurrency(dbq: DbQueue) -> None:  # noqa: PLR0915
+@LAYOUTS
+def test_two_groups_at_different_speeds_under_concurrency(dbq: DbQueue, layout: str) -> None:  # noqa: PLR0915
     """Two producers push 3,000 messages into a ring of 128; the default group's two consumers pop
     batches at most once, the slow group's two pop small batches at least once, acking each after a
     pause, and nack every 50th batch once. Back-pressure follows the slow group. Each group gets every
     message: at most once, none twice; at least once, every one acked once (those nacked come
-    again). Counts and checksums per group. (about 5 s; one scenario, its threads and its checks read
+    again). Counts and checksums per group. The rows ring holds 32 pushes (800 messages), in segments
+    of 8 emptied as both groups pass them. (about 5 s; one scenario, its threads and its checks read
     best in one function)"""
-    q = ring(dbq, capacity=128, lanes=4, retry_backoff=0.0, retry_backoff_max=0.0)
+    capacity = 128 if layout == "slots" else 32
+    q = ring(dbq, layout=layout, capacity=capacity, lanes=4, retry_backoff=0.0, retry_backoff_max=0.0)
     slow = q.add_group("slow")
     q.push_timeout = 30.0
     total, producers = 3000, 2
@@ -325,6 +389,65 @@ def test_two_groups_at_different_speeds_under_concurrency(dbq: DbQueue) -> None:
     assert nacked and set(nacked) <= set(everything) and len(set(nacked)) == len(nacked)
 
 
+def test_held_horizon_two_groups_of_the_rows_layout_write_no_dead_tuple(dbq: DbQueue) -> None:
+    """While a REPEATABLE READ transaction holds the xmin horizon, a ring of the rows layout with two
+    groups (the default one at most once, "audit" at least once, acking whole pops, acking and nacking
+    parts of pops, and a lease reclaimed) goes round several times: its segments are emptied while both
+    groups pass them, and nothing writes a tuple updated, deleted or dead in the ring's tables or the
+    group's. Each group gets every message (counted and checksummed). (about 2 s)"""
+    q = ring(dbq, layout="rows", capacity=32, lanes=2, max_attempts=3, retry_backoff=0, retry_backoff_max=0)
+    q.add_group("audit")
+    gid = -min(g for g in (r[0] for r in dbq.db.fetchall("ring_rows_group_ids", {"queue_id": q._qid})))  # type: ignore[attr-defined]
+    sent = [{"n": i, "pad": "x" * 40} for i in range(600)]
+    holder = held_horizon(dbq.db.dsn, xid=True)
+    got: dict[str, list[Any]] = {"default": [], "audit": []}
+    gens: list[int] = []
+
+    def churn(one: DbQueue) -> None:
+        mine = one.queue("events")
+        audit = mine.group("audit")
+        for k in range(0, len(sent), 5):  # 120 pushes through a ring of 32: both groups keep up
+            mine.push_batch(sent[k : k + 5])
+            got["default"] += [m.payload for m in mine.pop(5)]
+            while msgs := audit.pop(7, semantics="at-least-once"):
+                if msgs[0].attempts == 1 and msgs[0].id % 3 == 0:
+                    audit.ack(msgs[:3])
+                    audit.nack(msgs[3:])
+                    got["audit"] += [m.payload for m in msgs[:3]]
+                else:
+                    audit.ack(msgs)
+                    got["audit"] += [m.payload for m in msgs]
+        last = mine.push_batch([{"last": 1}])
+        got["default"] += [m.payload for m in mine.pop(1)]
+        [m] = audit.pop(1, semantics="at-least-once", visibility_timeout=0.1)
+        time.sleep(0.2)
+        assert audit.reclaim_expired() == 1
+        [again] = audit.pop(1, semantics="at-least-once")
+        assert (again.id, again.attempts, [m.id]) == (m.id, 2, last)
+        audit.ack([again])
+        got["audit"].append(again.payload)
+        gens.extend(mine.stats().extra["segment_generations"])
+
+    try:
+        _flush_stats(dbq.db.dsn, dbq.schema, churn)
+        ring_counts = _write_counts(dbq.db.dsn, dbq.schema, f"ring\\_{q.settings.queue_id}\\_r%")
+        group_counts = _write_counts(dbq.db.dsn, dbq.schema, f"ring\\_g{gid}\\_r%")
+    finally:
+        holder.close()
+    for name, payloads in got.items():
+        assert (len(payloads), checksum(payloads)) == (len(sent) + 1, checksum([*sent, {"last": 1}])), name
+    assert min(gens) >= 12  # the ring went round: every segment emptied and labelled again, thrice or more
+    print(f"under the hold (ins, upd, del, dead): ring {ring_counts}, group {group_counts}")
+    assert sum(c[0] for n, c in group_counts.items() if n.endswith(("l0", "l1", "l2", "l3"))) > 20  # leases
+    assert sum(c[0] for n, c in group_counts.items() if n.endswith(("r0", "r1", "r2", "r3"))) > 20  # retries
+    assert sum(c[0] for n, c in ring_counts.items() if "_rpos" in n) > 20  # the default group's positions
+    assert (
+        len(group_counts) == 16 and len(ring_counts) == 20
+    )  # the group's own 4 x 4 tables; the ring's 4 x 5
+    changed = {n: c[1:] for n, c in {**ring_counts, **group_counts}.items() if c[1:] != (0, 0, 0)}
+    assert changed == {}
+
+
 def _pop_and_hang(*, dsn: str, schema: str, group: str | None, semantics: str, n: int, report: Any) -> None:
     """Pop ``n`` messages for ``group``, report them, and sleep until killed (a consumer that dies)."""
     try:
@@ -336,15 +459,24 @@ def _pop_and_hang(*, dsn: str, schema: str, group: str | None, semantics: str, n
         report.put(("error", traceback.format_exc()))
 
 
-def test_sigkilled_consumers_of_two_groups(dbq: DbQueue) -> None:
+@LAYOUTS
+def test_sigkilled_consumers_of_two_groups(dbq: DbQueue, layout: str) -> None:
     """Two consumers, one of each group, are SIGKILLed after their pops: the default group's (at most
     once) loses what it popped and nothing comes twice; the audit group's (at least once) held leases,
     whose messages come back once each when they expire. Then each group is drained by a consumer of
     its own: per group, counts and checksums of what was delivered. (about 4 s)"""
-    q = ring(dbq, capacity=512, lanes=4, visibility_timeout=1.0, retry_backoff=0.0, retry_backoff_max=0.0)
+    q = ring(
+        dbq,
+        layout=layout,
+        capacity=512,
+        lanes=4,
+        visibility_timeout=1.0,
+        retry_backoff=0.0,
+        retry_backoff_max=0.0,
+    )
     audit = q.add_group("audit")
     sent = [{"s": i, "v": os.urandom(6).hex()} for i in range(400)]
-    q.push_batch(sent)
+    pushed = q.push_batch(sent)
     ctx = mp.get_context("spawn")
     popped: dict[str | None, list[tuple[int, Any]]] = {}
     for group, semantics in ((None, "at-most-once"), ("audit", "at-least-once")):
@@ -372,7 +504,7 @@ def test_sigkilled_consumers_of_two_groups(dbq: DbQueue) -> None:
                 child.kill()
                 child.join(10)
         popped[group] = got
-    assert [i for i, _ in popped[None]] == [i for i, _ in popped["audit"]] == list(range(1, 51))
+    assert [i for i, _ in popped[None]] == [i for i, _ in popped["audit"]] == pushed[:50]
     mine = [m.payload for m in drain(q)]  # the default group: the rest, each once
     assert [p for _, p in popped[None]] + mine == sent
     delivered = []
@@ -386,7 +518,7 @@ def test_sigkilled_consumers_of_two_groups(dbq: DbQueue) -> None:
     counts = collections.Counter(m.id for m in delivered)
     assert len(delivered) == len(sent) and max(counts.values()) == 1
     assert checksum(m.payload for m in delivered) == checksum(sent)
-    assert {m.id for m in delivered if m.attempts == 2} == set(range(1, 51))
+    assert {m.id for m in delivered if m.attempts == 2} == set(pushed[:50])
     with pytest.raises(LeaseExpiredError):  # the dead consumer's receipts finish nothing twice
         audit.ack_receipts([(i, 1) for i, _ in popped["audit"]])
     for handle in (q, audit):
@@ -397,7 +529,10 @@ def test_sigkilled_consumers_of_two_groups(dbq: DbQueue) -> None:
 # -- the CLI ---------------------------------------------------------------------------------------
 
 
-def test_the_cli_lists_adds_drops_and_pops_groups(dbq: DbQueue, capsys: pytest.CaptureFixture[str]) -> None:
+@LAYOUTS
+def test_the_cli_lists_adds_drops_and_pops_groups(
+    dbq: DbQueue, capsys: pytest.CaptureFixture[str], layout: str
+) -> None:
     """``dbqueue groups`` lists each group with its position, its lag in messages and seconds and its
     on_lag; ``add-group`` and ``drop-group`` change them, and ``pop --group`` pops for one. Bad input is
     an error of the library's family, printed as ``dbqueue: error: ...`` with exit status 2: an unknown
@@ -409,7 +544,10 @@ def test_the_cli_lists_adds_drops_and_pops_groups(dbq: DbQueue, capsys: pytest.C
         out = capsys.readouterr()
         return code, [json.loads(line) for line in out.out.splitlines()], out.err
 
-    assert run("create", "events", "--design", "ring", "--capacity", "64", "--lanes", "2")[0] == 0
+    if layout == "slots":
+        assert run("create", "events", "--design", "ring", "--capacity", "64", "--lanes", "2")[0] == 0
+    else:  # the CLI's create makes rings of the default layout
+        ring(dbq, layout="rows", capacity=64, lanes=2)
     code, [row], _ = run(
         "add-group", "events", "audit", "--on-lag", "drop_group", "--lag-timeout", "60", "--start", "earliest"
     )
@@ -422,13 +560,15 @@ def test_the_cli_lists_adds_drops_and_pops_groups(dbq: DbQueue, capsys: pytest.C
     )
     q = dbq.queue("events")
     pushed = [{"n": i} for i in range(10)]
-    assert q.push_batch(pushed) == list(range(1, 11))
+    assert q.push_batch(pushed) == (list(range(1, 11)) if layout == "slots" else list(range(10)))
     got = q.pop(4)
     code, rows, _ = run("groups", "events")
     assert code == 0
+    # Positions: the next message number of the group's lowest lane (slots); its lowest lane's next id,
+    # here inside the one row pushed (rows).
     assert [(r["group"], r["pop_position"], r["lag_messages"], r["on_lag"]) for r in rows] == [
-        ("default", 5, 6, "block"),
-        ("audit", 1, 10, "drop_group"),
+        ("default", 5 if layout == "slots" else 4, 6, "block"),
+        ("audit", 1 if layout == "slots" else 0, 10, "drop_group"),
     ]
     assert all(r["lag_seconds"] >= 0 for r in rows) and rows[0]["lag_timeout_s"] is None
     assert rows[0]["created_at"] is None and rows[1]["created_at"] is not None
@@ -463,10 +603,13 @@ def test_the_cli_lists_adds_drops_and_pops_groups(dbq: DbQueue, capsys: pytest.C
     assert [g.name for g in q.groups()] == ["default"] and q.stats().ready == 0
 
 
-def test_a_dropped_groups_handle_refuses_every_read_with_group_not_found(dbq: DbQueue) -> None:
+@LAYOUTS
+def test_a_dropped_groups_handle_refuses_every_read_with_group_not_found(dbq: DbQueue, layout: str) -> None:
     """What the handle of a dropped group reads fails as its pop does, naming the group: nothing is
     read as an empty queue, and no bare error escapes."""
-    ring = dbq.create_queue("dropped_reads", design="ring", capacity=20)
+    ring = dbq.create_queue(
+        "dropped_reads", design="ring", layout=layout, capacity=20 if layout == "slots" else 64
+    )
     ring.add_group("x")
     handle = ring.group("x")
     ring.push_batch(["a", "b"])
@@ -475,6 +618,37 @@ def test_a_dropped_groups_handle_refuses_every_read_with_group_not_found(dbq: Db
         with pytest.raises(GroupNotFoundError, match="'x'"):
             read()
     assert [m.payload for m in ring.peek()] == ["a", "b"]  # the default group's are still there
+
+
+def test_dropping_a_group_or_the_ring_of_the_rows_layout_drops_their_own_objects(dbq: DbQueue) -> None:
+    """A group of the rows layout has its own tables, sequences and functions; drop_group drops them
+    (and leaves the ring's and the other group's), dropping the ring drops every group's."""
+
+    def owned(prefix: str) -> int:
+        """Relations and functions of the schema whose names start with ``prefix``."""
+        with psycopg.connect(dbq.db.dsn, autocommit=True) as c:  # type: ignore[attr-defined]
+            row = c.execute(
+                "SELECT (SELECT count(*) FROM pg_class r WHERE r.relnamespace = %(s)s::regnamespace"
+                "        AND left(r.relname, length(%(p)s)) = %(p)s)"
+                "     + (SELECT count(*) FROM pg_proc f WHERE f.pronamespace = %(s)s::regnamespace"
+                "        AND left(f.proname, length(%(p)s)) = %(p)s)",
+                {"s": dbq.schema, "p": prefix},
+            ).fetchone()
+        return int(row[0]) if row else 0
+
+    q = ring(dbq, layout="rows", capacity=64)
+    a, b = q.add_group("a"), q.add_group("b")
+    q.push_batch(["x", "y"])
+    assert [m.payload for m in a.pop(2)] == [m.payload for m in b.pop(2)] == ["x", "y"]
+    ring_own = owned(f"ring_{q.settings.queue_id}_r")
+    mine = {g: owned(f"ring_g{-h._gid}_r") for g, h in (("a", a), ("b", b))}  # type: ignore[attr-defined]
+    assert ring_own > 40 and mine["a"] == mine["b"] > 30
+    assert q.drop_group("a") is True
+    assert owned(f"ring_g{-a._gid}_r") == 0  # type: ignore[attr-defined]
+    assert owned(f"ring_g{-b._gid}_r") == mine["b"] and owned(f"ring_{q.settings.queue_id}_r") == ring_own  # type: ignore[attr-defined]
+    assert [m.payload for m in drain(q)] == ["x", "y"]
+    assert dbq.drop_queue("events") is True
+    assert owned(f"ring_g{-b._gid}_r") == owned(f"ring_{q.settings.queue_id}_r") == 0  # type: ignore[attr-defined]
 
 
 def test_consumer_group_calls_on_a_table_queue_are_configuration_errors(dbq: DbQueue) -> None:

@@ -1,7 +1,8 @@
 """The ring's rows layout (``create_queue(design="ring", layout="rows")``): what it does, what it refuses
 by name, its rotation under concurrent pushers and pops, and its size under a held xmin horizon.
 
-The conformance suite (``test_conformance.py``) runs against it too, for what it supports."""
+The conformance suite (``test_conformance.py``) runs against it too, for what it supports; its consumer
+groups are tested with the slots layout's, by the same tests (``test_ring_groups.py``)."""
 
 from __future__ import annotations
 
@@ -61,11 +62,7 @@ def test_push_pop_in_id_order_with_counts_and_checksums(dbq: DbQueue) -> None:
 def test_refuses_what_it_does_not_build_by_name(dbq: DbQueue) -> None:
     q = rows_ring(dbq, capacity=64, lanes=4)
     q.push_batch([1, 2])
-    for call in (
-        lambda: q.add_group("g"),
-        lambda: q.pop(1, group="g"),
-        lambda: q.claim_batch(10),
-    ):
+    for call in (lambda: q.claim_batch(10),):
         with pytest.raises(NotSupportedError, match="rows layout"):
             call()
     assert [m.payload for m in q.pop(10)] == [1, 2]  # nothing taken by the refusals

@@ -18,6 +18,7 @@ from airflow_dbqueue.engine.maintenance.queues import Queues
 from airflow_dbqueue.engine.maintenance.statistics import table_health
 from airflow_dbqueue.engine.models import Design
 from airflow_dbqueue.engine.ring import RingQueue
+from airflow_dbqueue.engine.ring_rows import RowsRingQueue
 from airflow_dbqueue.engine.table import stats_from_row
 
 
@@ -38,7 +39,7 @@ def queue_metrics(
                 "queue_rates", {"queue_id": q.settings.queue_id, "window_s": float(rate_window_s)}
             )
             # a ring's groups are read in the same try: a drop meanwhile fails them as it fails stats
-            groups = group_metrics(q) if isinstance(q, RingQueue) else {}
+            groups = group_metrics(q) if isinstance(q, (RingQueue, RowsRingQueue)) else {}
         except Exception:
             if not queues.gone(name, q.settings.queue_id):
                 raise
@@ -87,7 +88,7 @@ def _schema_metrics(
                 continue  # noted by each()
             try:
                 stats = q.stats().as_dict()
-                groups = group_metrics(q) if isinstance(q, RingQueue) else {}
+                groups = group_metrics(q) if isinstance(q, (RingQueue, RowsRingQueue)) else {}
             except Exception:
                 if not queues.gone(s.name, s.queue_id):
                     raise
@@ -103,7 +104,7 @@ def _schema_metrics(
     return per_queue
 
 
-def group_metrics(q: RingQueue) -> dict[str, Any]:
+def group_metrics(q: RingQueue | RowsRingQueue) -> dict[str, Any]:
     """By consumer group of a ring besides its default one (whose figures are the queue's own): what
     it has still to finish (``lag_messages``), the age of its oldest ready message (``lag_seconds``) and
     how long maintenance has seen it not move (``idle_s``), so that a group nobody pops shows; and its

@@ -33,6 +33,7 @@ from airflow_dbqueue.engine.maintenance.queues import Queues
 from airflow_dbqueue.engine.models import Design, QueueSettings, QueueStats
 from airflow_dbqueue.engine.queue import Queue, check_seconds
 from airflow_dbqueue.engine.ring import RingQueue
+from airflow_dbqueue.engine.ring_rows import RowsRingQueue
 from airflow_dbqueue.engine.table import stats_from_row
 
 log = logging.getLogger(__name__)
@@ -245,7 +246,7 @@ def _queue_row(queues: Queues, name: str, q: Queue, notes: list[str]) -> dict[st
     try:
         stats = q.stats()
         groups: dict[str, int] = {}
-        if isinstance(q, RingQueue):
+        if isinstance(q, (RingQueue, RowsRingQueue)):
             for info in q.groups()[1:]:
                 groups[info.name] = int(q.group(info.name).stats().extra["lag_messages"])
     except Exception:
@@ -253,7 +254,7 @@ def _queue_row(queues: Queues, name: str, q: Queue, notes: list[str]) -> dict[st
             raise
         notes.append(queues.vanished_note(name, "not sampled"))
         return None
-    return _figures(q.settings, stats, groups if isinstance(q, RingQueue) else None)
+    return _figures(q.settings, stats, groups if isinstance(q, (RingQueue, RowsRingQueue)) else None)
 
 
 def _last(db: Database, queue_ids: list[int]) -> dict[int, tuple[Any, int | None, int | None]]:

@@ -113,6 +113,8 @@ POSTGRES_ONLY: dict[str, str] = {
             "ring_rows_held",
             "ring_rows_reclaim",
             "ring_rows_peek",
+            "ring_rows_groups",
+            "ring_rows_group_ids",
             "ring_rows_rotate",
             "ring_rows_label",
             "ring_rows_rotate_ahead",

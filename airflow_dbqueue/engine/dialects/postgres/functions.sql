@@ -807,8 +807,8 @@ DECLARE
 BEGIN
     SELECT r.lanes, coalesce(pg_sequence_last_value(r.push_seq), 0) INTO v_lanes, v_issued
     FROM {schema}.rings r WHERE r.queue_id = p_queue_id FOR UPDATE;
-    IF NOT FOUND THEN
-        RETURN NULL;
+    IF NOT FOUND THEN  -- a ring of the rows layout, or none
+        RETURN {schema}.ring_rows_add_group(p_queue_id, p_name, p_earliest, p_on_lag, p_lag_timeout_s);
     END IF;
     PERFORM 1 FROM {schema}.ring_lanes t
     WHERE t.queue_id = p_queue_id
@@ -845,6 +845,7 @@ BEGIN
     DELETE FROM {schema}.ring_retry WHERE queue_id = p_gid;
     DELETE FROM {schema}.ring_failed WHERE queue_id = p_gid;
     DELETE FROM {schema}.batches WHERE queue_id = p_gid;
+    PERFORM {schema}.ring_rows_drop_group(p_queue_id, p_gid);
     RETURN true;
 END
 $$;
@@ -2134,9 +2135,13 @@ BEGIN
         INSERT INTO {schema}.@Pq3 VALUES (v_r, cardinality(p_payloads), now(), p_payloads);
     END IF;
     r_first := v_r << 16;
-    -- auto: when no lane still needs a row before ours (its consumers caught up: they may be waiting)
-    IF p_notify = 2 OR (p_notify = 1 AND {schema}.@Pfloor() >= v_r) THEN
-        PERFORM pg_notify(p_channel, '');
+    -- auto: when no lane of the default group, or of another group, still needs a row before ours (its
+    -- consumers caught up: they may be waiting). The other groups are read only when the default one
+    -- is behind; never: one comparison.
+    IF p_notify > 0 THEN
+        IF p_notify = 2 OR {schema}.@Pfloor() >= v_r OR {schema}.ring_rows_caught_up(@Q, v_r) THEN
+            PERFORM pg_notify(p_channel, '');
+        END IF;
     END IF;
 END
 $b$
@@ -3007,8 +3012,8 @@ BEGIN
 END
 $$;
 
--- Drop a ring of the rows layout: its tables, view, sequences, functions and registry row. Nothing
--- when the ring is not of that layout.
+-- Drop a ring of the rows layout: its tables, view, sequences, functions and registry row, and its
+-- groups' own objects. Nothing when the ring is not of that layout.
 CREATE OR REPLACE FUNCTION {schema}.ring_rows_drop(p_queue_id integer)
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
@@ -3019,6 +3024,9 @@ BEGIN
     IF NOT FOUND THEN
         RETURN;
     END IF;
+    -- Its groups' own objects too (uninstall drops the rings before ring_groups; a ring dropped alone
+    -- has dropped its groups first, ring_drop).
+    PERFORM {schema}.ring_rows_drop_group(p_queue_id, g.gid) FROM {schema}.ring_groups g WHERE g.queue_id = p_queue_id;
     FOR o IN
         SELECT p.oid::regprocedure AS f FROM pg_catalog.pg_proc p
         WHERE p.pronamespace = '{schema}'::regnamespace AND left(p.proname, length(v_p)) = v_p
@@ -3040,6 +3048,216 @@ BEGIN
 END
 $$;
 
+-- Consumer groups of a ring of the rows layout. A group other than the default one has its own copy of
+-- the template's per-consumer objects (lane position logs, leases, done rows, retry log, their
+-- sequences and the functions that take, ack, settle, reclaim, peek, give up gaps and count), named
+-- ring_g<-gid>_r* (ring_rows_own), over the ring's own segment tables and generation labels: a group's
+-- pops, acks and nacks write only its own insert-only rows, as the default group's do, and a push writes
+-- one row that every group reads. A segment is emptied only when every group is past it
+-- (ring_rows_rotate_groups). Adding or dropping a group and a rotation take one lock of the ring
+-- (ring_rows_groups_lock), so that a rotation sees every group that needs the segment it empties.
+
+-- The prefix of the own objects of p_id: a ring's queue_id (its default group) or a group's gid.
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_own(p_id integer) RETURNS text
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT CASE WHEN p_id < 0 THEN 'ring_g' || -p_id || '_r' ELSE 'ring_' || p_id || '_r' END
+$$;
+
+-- Serialize adding and dropping a group of ring p_queue_id with its rotations (to the transaction's end).
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_groups_lock(p_queue_id integer) RETURNS void
+LANGUAGE sql AS $$
+    SELECT pg_advisory_xact_lock(hashtext('dbqueue.rows.groups.{schema}.' || p_queue_id))
+$$;
+
+-- Each lane's position (an id) of p_id: a ring's queue_id (its default group) or a group's gid.
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_positions(p_id integer) RETURNS bigint[]
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_at bigint[];
+BEGIN
+    EXECUTE 'SELECT {schema}.' || {schema}.ring_rows_own(p_id) || 'lanes(NULL)' INTO v_at;
+    RETURN v_at;
+END
+$$;
+
+-- Whether some group of ring p_queue_id besides its default one has every lane at or past row p_r (a
+-- push's notify="auto": its consumers may be waiting for that row).
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_caught_up(p_queue_id integer, p_r bigint) RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_floor bigint;
+    g record;
+BEGIN
+    FOR g IN SELECT x.gid FROM {schema}.ring_groups x WHERE x.queue_id = p_queue_id LOOP
+        EXECUTE 'SELECT {schema}.' || {schema}.ring_rows_own(g.gid) || 'floor()' INTO v_floor;
+        IF v_floor >= p_r THEN
+            RETURN true;
+        END IF;
+    END LOOP;
+    RETURN false;
+END
+$$;
+
+-- Add a consumer group to ring p_queue_id of the rows layout: its ring_groups row (a new gid), its own
+-- objects from ring_rows_template (those of the ring's messages, its generation labels, its push,
+-- rotation and labelling are the ring's, not copied), and its lanes' first positions, logged as a pop
+-- logs them: p_earliest, each lane's lowest position over the ring's groups (the group sees every
+-- message some group has not taken yet; those other groups hold leased or to deliver again are
+-- theirs); otherwise each lane's first row past the last row issued (what is pushed from now on).
+-- Either way no lane starts below the floor. Returns the gid, or NULL when no such ring of the rows
+-- layout exists; a name taken raises unique_violation (ring_groups_name_key).
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_add_group(
+    p_queue_id integer, p_name text, p_earliest boolean, p_on_lag smallint, p_lag_timeout_s double precision)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE
+    v_lanes integer;
+    v_s integer;
+    v_gid integer;
+    v_own text;
+    v_ring text := {schema}.ring_rows_own(p_queue_id);
+    v_stmt text;
+    v_last bigint;
+    v_at bigint[];
+    g record;
+BEGIN
+    SELECT w.lanes, w.seg_rows INTO v_lanes, v_s FROM {schema}.ring_rows w WHERE w.queue_id = p_queue_id;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    PERFORM {schema}.ring_rows_groups_lock(p_queue_id);
+    v_gid := -nextval('{schema}.group_gids')::integer;
+    INSERT INTO {schema}.ring_groups (queue_id, gid, name, on_lag, lag_timeout_s)
+    VALUES (p_queue_id, v_gid, p_name, p_on_lag, p_lag_timeout_s);
+    v_own := {schema}.ring_rows_own(v_gid);
+    IF p_earliest THEN
+        v_at := {schema}.ring_rows_positions(p_queue_id);
+        FOR g IN SELECT x.gid FROM {schema}.ring_groups x WHERE x.queue_id = p_queue_id AND x.gid <> v_gid LOOP
+            SELECT array_agg(least(u.a, u.b) ORDER BY u.o) INTO v_at
+            FROM unnest(v_at, {schema}.ring_rows_positions(g.gid)) WITH ORDINALITY u(a, b, o);
+        END LOOP;
+    ELSE
+        EXECUTE format('SELECT coalesce(pg_sequence_last_value(%L), -1)', '{schema}.' || v_ring || 'rows')
+            INTO v_last;
+        v_at := ARRAY(SELECT (v_last + 1 + (k - (v_last + 1) % v_lanes + v_lanes) % v_lanes) << 16
+                      FROM generate_series(0, v_lanes - 1) k ORDER BY k);
+    END IF;
+    FOREACH v_stmt IN ARRAY string_to_array({schema}.ring_rows_template(), '@;') LOOP
+        CONTINUE WHEN regexp_replace(v_stmt, '^(\s|--[^\n]*\n)*', '') ~ ('^(CREATE (SEQUENCE|TABLE|VIEW|FUNCTION) '
+            || '\S+\.@P(gen[0-3]|rows|q[0-3]?|push|rotate|label)\M|ALTER TABLE \S+\.@Pq|SELECT setval|INSERT INTO )');
+        EXECUTE replace(replace(replace(replace(replace(replace(replace(
+            regexp_replace(v_stmt, '@P(gen[0-3]|rows|q[0-3]?)\M', v_ring || '\1', 'g'),
+            '@P', v_own), '@L', v_lanes::text), '@S', v_s::text),
+            '@K2', hashtext('dbqueue.rows.lanes.{schema}.' || v_gid)::text),
+            '@K3', hashtext('dbqueue.rows.posgen.{schema}.' || v_gid)::text),
+            '@K4', hashtext('dbqueue.rows.retry.{schema}.' || v_gid)::text), '@Q', v_gid::text);
+    END LOOP;
+    EXECUTE 'SELECT {schema}.' || v_own || 'log($1, $2)' USING ARRAY(SELECT generate_series(0, v_lanes - 1)), v_at;
+    RETURN v_gid;
+END
+$$;
+
+-- Drop consumer group p_gid's own objects (ring_rows_add_group); nothing when it has none (a group of a
+-- ring of the slots layout).
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_drop_group(p_queue_id integer, p_gid integer)
+RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    v_p text := {schema}.ring_rows_own(p_gid);
+    o record;
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_class c
+                   WHERE c.relnamespace = '{schema}'::regnamespace AND left(c.relname, length(v_p)) = v_p) THEN
+        RETURN;
+    END IF;
+    PERFORM {schema}.ring_rows_groups_lock(p_queue_id);
+    FOR o IN
+        SELECT p.oid::regprocedure AS f FROM pg_catalog.pg_proc p
+        WHERE p.pronamespace = '{schema}'::regnamespace AND left(p.proname, length(v_p)) = v_p
+    LOOP
+        EXECUTE format('DROP FUNCTION %s', o.f);
+    END LOOP;
+    FOR o IN
+        SELECT c.oid::regclass AS v FROM pg_catalog.pg_class c
+        WHERE c.relnamespace = '{schema}'::regnamespace AND left(c.relname, length(v_p)) = v_p AND c.relkind = 'v'
+    LOOP
+        EXECUTE format('DROP VIEW IF EXISTS %s', o.v);
+    END LOOP;
+    FOR o IN
+        SELECT c.oid::regclass AS t, c.relkind FROM pg_catalog.pg_class c
+        WHERE c.relnamespace = '{schema}'::regnamespace AND left(c.relname, length(v_p)) = v_p AND c.relkind IN ('r', 'S')
+    LOOP
+        EXECUTE format(CASE WHEN o.relkind = 'r' THEN 'DROP TABLE IF EXISTS %s' ELSE 'DROP SEQUENCE IF EXISTS %s' END, o.t);
+    END LOOP;
+END
+$$;
+
+-- A rotation of a ring with groups (ring_rows_rotate, under ring_rows_groups_lock): what the ring's own
+-- rotation does, over every group. Empty the segment generation p_gen needs once every group's lanes
+-- are past it by a lane's width of rows and none of its groups still needs it (an open lease, a message
+-- to deliver again or leased again), the segment before it being emptied first: the ring's messages and
+-- every group's logs of it, in one TRUNCATE under a 50 ms lock_timeout. True when it is empty or
+-- p_gen's already, false otherwise (the caller then labels it, as after the ring's own rotation).
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_rotate_groups(p_queue_id integer, p_gen bigint) RETURNS boolean
+LANGUAGE plpgsql SET lock_timeout = '50ms' AS $$
+DECLARE
+    v_k integer := (p_gen % 4)::integer;
+    v_ring text := '{schema}.' || {schema}.ring_rows_own(p_queue_id);
+    v_own text[];
+    v_s bigint;
+    v_l integer;
+    v_gen bigint;
+    v_prev bigint;
+    v_floor bigint;
+    v_busy boolean;
+    v_tables text;
+    v_p text;
+BEGIN
+    SELECT w.seg_rows, w.lanes INTO v_s, v_l FROM {schema}.ring_rows w WHERE w.queue_id = p_queue_id;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    v_own := ARRAY[v_ring] || ARRAY(
+        SELECT '{schema}.' || {schema}.ring_rows_own(g.gid) FROM {schema}.ring_groups g
+        WHERE g.queue_id = p_queue_id ORDER BY g.gid DESC);
+    EXECUTE format('SELECT %sseg_gen($1), %sseg_gen($2)', v_ring, v_ring) INTO v_gen, v_prev
+        USING v_k, ((p_gen + 3) % 4)::integer;
+    IF v_gen >= p_gen THEN
+        RETURN true;
+    END IF;
+    IF v_prev < p_gen - 1 THEN
+        RETURN false;
+    END IF;
+    FOREACH v_p IN ARRAY v_own LOOP
+        EXECUTE format('SELECT %sfloor()', v_p) INTO v_floor;
+        IF v_floor < (p_gen - 3) * v_s + v_l THEN
+            RETURN false;
+        END IF;
+        EXECUTE format('SELECT %sbusy($1)', v_p) INTO v_busy USING v_k;
+        IF v_busy THEN
+            RETURN false;
+        END IF;
+    END LOOP;
+    v_tables := v_ring || 'q' || v_k;
+    FOREACH v_p IN ARRAY v_own LOOP
+        v_tables := v_tables || format(', %1$spos%2$s, %1$sl%2$s, %1$sd%2$s, %1$sr%2$s', v_p, v_k);
+    END LOOP;
+    EXECUTE 'LOCK TABLE ' || v_tables || ' IN ACCESS EXCLUSIVE MODE';
+    EXECUTE format('SELECT %sseg_gen($1)', v_ring) INTO v_gen USING v_k;
+    IF v_gen >= p_gen THEN
+        RETURN true;
+    END IF;
+    FOREACH v_p IN ARRAY v_own LOOP  -- again under the locks: nothing can make it busy again, but be sure
+        EXECUTE format('SELECT %sbusy($1)', v_p) INTO v_busy USING v_k;
+        IF v_busy THEN
+            RETURN false;
+        END IF;
+    END LOOP;
+    EXECUTE 'TRUNCATE ' || v_tables;
+    RETURN true;
+EXCEPTION WHEN lock_not_available THEN
+    RETURN false;
+END
+$$;
+
 -- The other calls of a ring of the rows layout, by its queue_id: each runs the ring's own function. The
 -- hot path (a push, a pop, the ack of a whole pop) calls the ring's own functions by their names instead
 -- (queries/ring.sql): a call through EXECUTE is parsed and planned again on every run.
@@ -3048,7 +3266,7 @@ CREATE OR REPLACE FUNCTION {schema}.ring_rows_settle(
     p_backoff_s double precision, p_backoff_max_s double precision, p_max_attempts integer, p_error text)
 RETURNS TABLE (r_id bigint, r_state integer) LANGUAGE plpgsql AS $$
 BEGIN
-    RETURN QUERY EXECUTE 'SELECT * FROM {schema}.ring_' || p_queue_id || '_rsettle($1, $2, $3, $4, $5, $6, $7, $8)'
+    RETURN QUERY EXECUTE 'SELECT * FROM {schema}.' || {schema}.ring_rows_own(p_queue_id) || 'settle($1, $2, $3, $4, $5, $6, $7, $8)'
         USING p_ids, p_deliveries, p_nack, p_delay_s, p_backoff_s, p_backoff_max_s, p_max_attempts, p_error;
 END
 $$;
@@ -3056,7 +3274,7 @@ $$;
 CREATE OR REPLACE FUNCTION {schema}.ring_rows_held(p_queue_id integer, p_ids bigint[], p_deliveries integer[])
 RETURNS TABLE (r_id bigint, r_delivery integer) LANGUAGE plpgsql AS $$
 BEGIN
-    RETURN QUERY EXECUTE 'SELECT r_id, r_delivery FROM {schema}.ring_' || p_queue_id || '_rheld($1, $2)'
+    RETURN QUERY EXECUTE 'SELECT r_id, r_delivery FROM {schema}.' || {schema}.ring_rows_own(p_queue_id) || 'held($1, $2)'
         USING p_ids, p_deliveries;
 END
 $$;
@@ -3064,7 +3282,7 @@ $$;
 CREATE OR REPLACE FUNCTION {schema}.ring_rows_reclaim(p_queue_id integer, p_max_attempts integer, p_limit integer)
 RETURNS TABLE (r_id bigint, r_state integer) LANGUAGE plpgsql AS $$
 BEGIN
-    RETURN QUERY EXECUTE 'SELECT * FROM {schema}.ring_' || p_queue_id || '_rreclaim($1, $2)'
+    RETURN QUERY EXECUTE 'SELECT * FROM {schema}.' || {schema}.ring_rows_own(p_queue_id) || 'reclaim($1, $2)'
         USING p_max_attempts, p_limit;
 END
 $$;
@@ -3072,7 +3290,7 @@ $$;
 CREATE OR REPLACE FUNCTION {schema}.ring_rows_peek(p_queue_id integer, p_n integer)
 RETURNS TABLE (r_id bigint, r_enqueued_at timestamptz, r_payload bytea) LANGUAGE plpgsql AS $$
 BEGIN
-    RETURN QUERY EXECUTE 'SELECT * FROM {schema}.ring_' || p_queue_id || '_rpeek($1)' USING p_n;
+    RETURN QUERY EXECUTE 'SELECT * FROM {schema}.' || {schema}.ring_rows_own(p_queue_id) || 'peek($1)' USING p_n;
 END
 $$;
 
@@ -3081,6 +3299,10 @@ LANGUAGE plpgsql AS $$
 DECLARE
     v_ok boolean;
 BEGIN
+    PERFORM {schema}.ring_rows_groups_lock(p_queue_id);
+    IF EXISTS (SELECT 1 FROM {schema}.ring_groups g WHERE g.queue_id = p_queue_id) THEN
+        RETURN {schema}.ring_rows_rotate_groups(p_queue_id, p_gen);
+    END IF;
     EXECUTE 'SELECT {schema}.ring_' || p_queue_id || '_rrotate($1)' INTO v_ok USING p_gen;
     RETURN v_ok;
 END
@@ -3118,9 +3340,19 @@ $$;
 CREATE OR REPLACE FUNCTION {schema}.ring_rows_gaps(
     p_queue_id integer, p_xmax bigint, p_last bigint, OUT r_xmax bigint, OUT r_last bigint, OUT r_skipped integer)
 LANGUAGE plpgsql AS $$
+DECLARE
+    v_n integer;
+    g record;
 BEGIN
     EXECUTE 'SELECT * FROM {schema}.ring_' || p_queue_id || '_rgaps($1, $2)'
         INTO r_xmax, r_last, r_skipped USING p_xmax, p_last;
+    -- Every other group's lanes pass the same gaps (the proof is the ring's, not a group's); the rows
+    -- given up are counted as the most any group gave up (each group passes each gap once).
+    FOR g IN SELECT x.gid FROM {schema}.ring_groups x WHERE x.queue_id = p_queue_id ORDER BY x.gid DESC LOOP
+        EXECUTE 'SELECT r_skipped FROM {schema}.' || {schema}.ring_rows_own(g.gid) || 'gaps($1, $2)'
+            INTO v_n USING p_xmax, p_last;
+        r_skipped := greatest(r_skipped, v_n);
+    END LOOP;
 END
 $$;
 
@@ -3129,7 +3361,7 @@ CREATE OR REPLACE FUNCTION {schema}.ring_rows_depth(
     OUT r_oldest timestamptz, OUT r_rows bigint, OUT r_gens bigint[])
 LANGUAGE plpgsql AS $$
 BEGIN
-    EXECUTE 'SELECT * FROM {schema}.ring_' || p_queue_id || '_rdepth()'
+    EXECUTE 'SELECT * FROM {schema}.' || {schema}.ring_rows_own(p_queue_id) || 'depth()'
         INTO r_ready, r_delayed, r_in_flight, r_failed, r_oldest, r_rows, r_gens;
 END
 $$;

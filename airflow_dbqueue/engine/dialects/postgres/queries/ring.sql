@@ -475,3 +475,26 @@ SELECT r_xmax, r_last, r_skipped FROM {schema}.ring_rows_gaps(
 -- generation)
 SELECT r_ready, r_delayed, r_in_flight, r_failed, extract(epoch FROM now() - r_oldest)::float8, r_rows, r_gens
 FROM {schema}.ring_rows_depth(%(queue_id)s::integer)
+
+-- name: ring_rows_group_ids
+-- The groups of a ring of the rows layout besides its default one: (gid, name).
+SELECT g.gid, g.name FROM {schema}.ring_groups g WHERE g.queue_id = %(queue_id)s ORDER BY g.name
+
+-- name: ring_rows_groups
+-- The consumer groups of a ring of the rows layout, the default one first (gid: the ring's queue_id; no
+-- ring_groups row), as ring_groups reads them for the slots layout: its lowest lane position (an id), the
+-- sum of its lane positions (which moves whenever it takes), when maintenance last saw that sum move, and
+-- the highest id the ring's rows issued so far may hold (a group whose lowest position is above it has
+-- nothing to take).
+SELECT k.gid, g.name, g.created_at, g.on_lag, g.lag_timeout_s, g.moved_pos, g.moved_at,
+       (SELECT min(x) FROM unnest(k.at) x), (SELECT sum(x)::bigint FROM unnest(k.at) x),
+       (coalesce(pg_sequence_last_value(('{schema}.' || {schema}.ring_rows_own(w.queue_id) || 'rows')::regclass), -1) << 16) | 65535
+FROM {schema}.ring_rows w
+CROSS JOIN LATERAL (
+    SELECT x.gid, {schema}.ring_rows_positions(x.gid) AS at FROM (
+        SELECT w.queue_id AS gid
+        UNION ALL
+        SELECT y.gid FROM {schema}.ring_groups y WHERE y.queue_id = w.queue_id) x) k
+LEFT JOIN {schema}.ring_groups g ON g.queue_id = w.queue_id AND g.gid = k.gid
+WHERE w.queue_id = %(queue_id)s
+ORDER BY k.gid = w.queue_id DESC, g.name
