@@ -40,9 +40,12 @@ writing nothing. Expired leases are reclaimed by pops (at most every ``reclaim_e
 is open, none of its messages is to be delivered again or leased again, and the segment before it was
 emptied (a lease may run into the next segment).
 
+Batches (:mod:`airflow_dbqueue.engine.ring_rows_batches`): a claim is a pop at least once recorded under
+a batch id in the ring's own ledger, and its ack a done row, so they only insert too; ``leased()`` reads
+held receipts' messages.
+
 Not built yet, each refused with :class:`NotSupportedError` naming the layout: consumer groups besides
-the default one, batches (and ``leased()``), and per-queue grants (the ring's tables are the schema
-owner's).
+the default one, and per-queue grants (the ring's tables are the schema owner's).
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ from airflow_dbqueue.engine.ring_base import (
     failed_messages,
     nack_settle_params,
 )
+from airflow_dbqueue.engine.ring_rows_batches import RowsRingBatches
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine.dialects.base import Database, DbConnection
@@ -88,9 +92,9 @@ of its id."""
 _GAP_CHECK_EVERY_S = 0.05
 
 
-class RowsRingQueue(Queue):
-    """A ring of the rows layout (see the module): at most, at least and exactly once; no groups or
-    batches."""
+class RowsRingQueue(RowsRingBatches):
+    """A ring of the rows layout (see the module): at most, at least and exactly once, and batches; no
+    groups besides the default one."""
 
     def __init__(self, db: Database, settings: QueueSettings) -> None:
         super().__init__(db, settings)
@@ -263,18 +267,25 @@ class RowsRingQueue(Queue):
 
     def _give_up_gaps(self, *, force: bool = False) -> int:
         """Give up the ring's gaps proven since this handle last looked (ring_rows_gaps); return how
-        many rows were given up. At most every 50 ms unless ``force``."""
+        many rows were given up. At most every 50 ms unless ``force``. A handle's first look only sees
+        where the ring is, so it looks again at once: a row that was unwritten then and still is, once
+        every transaction older than that look has ended (a push that rolled back), is given up by the
+        first call of a handle (an Airflow task's, say) too."""
         now = time.monotonic()
         if not force and now - self._gaps_checked < _GAP_CHECK_EVERY_S:
             return 0
         self._gaps_checked = now
-        row = self._db.fetchone(
-            "ring_rows_gaps", {"queue_id": self._qid, "xmax": self._seen[0], "last": self._seen[1]}
-        )
-        if row is None:
-            return 0
-        self._seen = (int(row[0]), int(row[1]))
-        return int(row[2])
+        for _ in range(2):
+            first_look = self._seen[0] is None
+            row = self._db.fetchone(
+                "ring_rows_gaps", {"queue_id": self._qid, "xmax": self._seen[0], "last": self._seen[1]}
+            )
+            if row is None:
+                return 0
+            self._seen = (int(row[0]), int(row[1]))
+            if not first_look:
+                return int(row[2])
+        return 0
 
     def _raise_if_gone(self) -> None:
         """Raise :class:`QueueNotFoundError` when this handle's ring was dropped (its own functions and
@@ -335,8 +346,9 @@ class RowsRingQueue(Queue):
         return len(self._db.fetchall("ring_rows_reclaim", params, conn))
 
     def maintain(self, *, limit: int = RECLAIM_LIMIT) -> dict[str, int]:
-        """Reclaim expired leases, give up the gaps proven since the last call, and rotate in the next
-        segment when nothing needs the one it holds any more, so that pushes find it empty."""
+        """Reclaim expired leases, give up the gaps proven since the last call, rotate in the next
+        segment when nothing needs the one it holds any more, so that pushes find it empty, and forget
+        batches finished longer than ``batch_retention_s`` ago."""
         reclaimed = self.reclaim_expired(limit)
         skipped = self._give_up_gaps(force=True)
         row = self._db.fetchone("ring_rows_rotate_ahead", {"queue_id": self._qid})
@@ -346,6 +358,7 @@ class RowsRingQueue(Queue):
             "reclaimed": reclaimed,
             "gaps_skipped": skipped,
             "rotated_ahead": int(row is not None and row[0] is not None),
+            "batches_purged": self._purge_batches(limit),
         }
 
     # -- inspect -------------------------------------------------------------------------------------
