@@ -44,8 +44,13 @@ Consumer groups (:mod:`airflow_dbqueue.engine.ring_rows_groups`): a group beside
 has its own position logs, leases, done rows, retry log and functions over the ring's segments; a
 segment is emptied only when every group has passed it.
 
+Batches (:mod:`airflow_dbqueue.engine.ring_rows_batches`): a claim is a pop at least once recorded under
+a batch id in the ring's own ledger, and its ack a done row, so they only insert too; ``leased()`` reads
+held receipts' messages.
+
 Not built yet, each refused with :class:`NotSupportedError` naming the layout: batches (and
-``leased()``), and per-queue grants (the ring's tables are the schema owner's).
+``leased()``) of a consumer group other than the default one, and per-queue grants (the ring's tables
+are the schema owner's).
 """
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ from airflow_dbqueue.engine.ring_base import (
     failed_messages,
     nack_settle_params,
 )
+from airflow_dbqueue.engine.ring_rows_batches import RowsRingBatches
 from airflow_dbqueue.engine.ring_rows_groups import RowsRingGroups
 
 if TYPE_CHECKING:
@@ -93,9 +99,10 @@ of its id."""
 _GAP_CHECK_EVERY_S = 0.05
 
 
-class RowsRingQueue(RowsRingGroups):
+class RowsRingQueue(RowsRingGroups, RowsRingBatches):
     """A ring of the rows layout (see the module): at most, at least and exactly once, consumer groups
-    (:mod:`airflow_dbqueue.engine.ring_rows_groups`); no batches."""
+    (:mod:`airflow_dbqueue.engine.ring_rows_groups`) and batches of the default group
+    (:mod:`airflow_dbqueue.engine.ring_rows_batches`)."""
 
     def __init__(
         self, db: Database, settings: QueueSettings, *, group: str = DEFAULT_GROUP, gid: int | None = None
@@ -272,18 +279,25 @@ class RowsRingQueue(RowsRingGroups):
 
     def _give_up_gaps(self, *, force: bool = False) -> int:
         """Give up the ring's gaps proven since this handle last looked (ring_rows_gaps); return how
-        many rows were given up. At most every 50 ms unless ``force``."""
+        many rows were given up. At most every 50 ms unless ``force``. A handle's first look only sees
+        where the ring is, so it looks again at once: a row that was unwritten then and still is, once
+        every transaction older than that look has ended (a push that rolled back), is given up by the
+        first call of a handle (an Airflow task's, say) too."""
         now = time.monotonic()
         if not force and now - self._gaps_checked < _GAP_CHECK_EVERY_S:
             return 0
         self._gaps_checked = now
-        row = self._db.fetchone(
-            "ring_rows_gaps", {"queue_id": self._qid, "xmax": self._seen[0], "last": self._seen[1]}
-        )
-        if row is None:
-            return 0
-        self._seen = (int(row[0]), int(row[1]))
-        return int(row[2])
+        for _ in range(2):
+            first_look = self._seen[0] is None
+            row = self._db.fetchone(
+                "ring_rows_gaps", {"queue_id": self._qid, "xmax": self._seen[0], "last": self._seen[1]}
+            )
+            if row is None:
+                return 0
+            self._seen = (int(row[0]), int(row[1]))
+            if not first_look:
+                return int(row[2])
+        return 0
 
     def _raise_if_gone(self) -> None:
         """Raise :class:`QueueNotFoundError` when this handle's ring was dropped (its own functions and
@@ -347,7 +361,8 @@ class RowsRingQueue(RowsRingGroups):
     def maintain(self, *, limit: int = RECLAIM_LIMIT) -> dict[str, int]:
         """Reclaim expired leases of every consumer group, give up the gaps proven since the last call,
         act on groups that nobody pops (:meth:`watch_groups`), and rotate in the next segment when
-        nothing needs the one it holds any more, so that pushes find it empty. ``"groups_lagging"`` and
+        nothing needs the one it holds any more, so that pushes find it empty, and forget the default
+        group's batches finished longer than ``batch_retention_s`` ago. ``"groups_lagging"`` and
         ``"groups_dropped"`` are counted on a ring with groups besides the default one."""
         root = self._default()
         others = root._group_handles()
@@ -367,6 +382,7 @@ class RowsRingQueue(RowsRingGroups):
             "reclaimed": reclaimed,
             "gaps_skipped": skipped,
             "rotated_ahead": int(row is not None and row[0] is not None),
+            "batches_purged": root._purge_batches(limit),
             **watched,
         }
 

@@ -1,7 +1,8 @@
 """Batches: claimed together under one lease and one id, read by id elsewhere, acked or released whole.
 
-Every test runs on each design (:data:`DESIGNS`): the table design, a ring, and a ring's consumer group
-besides its default one, whose batches must behave as a queue's of its own."""
+Every test runs on each design (:data:`DESIGNS`): the table design, a ring, a ring's consumer group
+besides its default one, whose batches must behave as a queue's of its own, and a ring of the rows
+layout."""
 
 from __future__ import annotations
 
@@ -29,18 +30,19 @@ from tests.helpers import checksum
 
 pytestmark = pytest.mark.integration
 
-DESIGNS = ["table", "ring", "ring-group"]
+DESIGNS = ["table", "ring", "ring-group", "ring-rows"]
 
 
 @pytest.fixture(params=DESIGNS)
 def make_queue(request: pytest.FixtureRequest, dbq: DbQueue) -> Callable[..., Queue]:
-    """``make(name, **settings)``: a queue of the design, or the handle of a ring's group ``g`` (added
-    before anything is pushed, so it sees every message the test pushes)."""
-    design, _, group = str(request.param).partition("-")
+    """``make(name, **settings)``: a queue of the design, the handle of a ring's group ``g`` (added
+    before anything is pushed, so it sees every message the test pushes), or a ring of the rows layout."""
+    design, _, variant = str(request.param).partition("-")
+    layout = {"layout": "rows"} if variant == "rows" else {}
 
     def make(name: str, **settings: Any) -> Queue:
-        q = dbq.create_queue(name, design=design, **settings)
-        return q.add_group("g") if group else q  # type: ignore[attr-defined, no-any-return]
+        q = dbq.create_queue(name, design=design, **layout, **settings)
+        return q.add_group("g") if variant == "group" else q  # type: ignore[attr-defined, no-any-return]
 
     return make
 
@@ -72,6 +74,16 @@ def test_claim_read_ack(make_queue: Callable[..., Queue], pg_dsn: str) -> None:
     assert [(r[1], r[2]) for r in rows] == list(batch.receipts)
     got = [json.loads(bytes(r[3])) for r in rows]
     assert got == sent[:100]  # FIFO within one priority
+    # as Spark's JDBC source reads it in two partitions on ord: the query as a subquery, filtered
+    parts = [
+        _read(
+            pg_dsn,
+            f'SELECT "ord","id","delivery","payload" FROM ({q.batch_query(batch.batch_id)}) AS batch '
+            + where,
+        )
+        for where in ('WHERE "ord" < 51 or "ord" is null', 'WHERE "ord" >= 51')
+    ]
+    assert [len(p) for p in parts] == [50, 50] and sorted(parts[0] + parts[1]) == sorted(rows)
     assert q.ack_batch(batch.batch_id) == 100
     assert q.ack_batch(batch.batch_id) == 0  # idempotent
     assert q.get_batch(batch.batch_id).state is BatchState.ACKED
@@ -219,14 +231,24 @@ def test_empty_queue_claims_nothing_and_bad_ids_are_named(make_queue: Callable[.
 
 
 def test_drop_queue_drops_its_batches(make_queue: Callable[..., Queue], dbq: DbQueue, pg_dsn: str) -> None:
+    """The ledger rows of a dropped queue's batches go with it: the schema's batches table's, or a ring of
+    the rows layout's own ledger table (dropped with the ring)."""
     q = make_queue("orders")
     q.push_batch([{"n": 1}, {"n": 2}])
     b = q.claim_batch(2)
     assert b is not None
+    ledger = f"ring_{q.settings.queue_id}_rb" if q.settings.layout == "rows" else "batches"
+
+    def claims() -> int | None:
+        with psycopg.connect(pg_dsn) as c:
+            if c.execute("SELECT to_regclass(%s)", [f'"{dbq.schema}"."{ledger}"']).fetchone() == (None,):
+                return None
+            row = c.execute(f'SELECT count(*) FROM "{dbq.schema}"."{ledger}"').fetchone()
+        return None if row is None else int(row[0])
+
+    assert claims() == 1
     dbq.drop_queue("orders")
-    with psycopg.connect(pg_dsn) as c:
-        n = c.execute(f'SELECT count(*) FROM "{dbq.schema}".batches').fetchone()
-    assert n == (0,)
+    assert claims() == (None if ledger != "batches" else 0)
 
 
 def test_upkeep_forgets_old_finished_batches_only(make_queue: Callable[..., Queue]) -> None:

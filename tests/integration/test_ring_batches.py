@@ -1,13 +1,16 @@
 """Batches on rings: what the ring design adds to the batch conformance tests of test_batches.py.
 
-A stateful property test drives a small ring with two consumer groups through pushes, batch claims,
-acks and releases and plain pops, and checks after every step that no push overwrote a slot of an open
-batch (each open batch reads, by its batch query, exactly the payloads it claimed) and that the ring is
-full exactly where its floor says: a push succeeds when its last number lies less than a capacity
-above the lowest number some group still needs, an open batch's first message included, and raises
-QueueFullError having pushed nothing otherwise. The other tests: a batch read after its lease expired
-and its slot was overwritten reads no payload; a dropped group takes its batches with it; two groups
-each claim every message once, in batches of their own.
+A stateful property test drives a small ring through pushes, batch claims, acks and releases and plain
+pops, on each layout: a ring of the slots layout with two consumer groups, and a ring of the rows layout
+(its default group). After every step it checks that no push overwrote a slot, or emptied a segment, of
+an open batch (each open batch reads, by its batch query, exactly the payloads it claimed), and that the
+ring is full exactly where the model says. Slots: a push succeeds when its last number lies less than a
+capacity above the lowest number some group still needs, an open batch's first message included. Rows:
+a push that needs a new segment (the first row of a generation past the first four) succeeds when every
+message of the segment it empties was finished and the lanes are past it by a lane's width. A full ring
+raises QueueFullError having pushed nothing. The other tests: a batch read after its lease expired and
+its slot was overwritten, or its segment emptied and reused, reads no payload; a dropped group takes its
+batches with it; two groups each claim every message once, in batches of their own.
 """
 
 from __future__ import annotations
@@ -34,8 +37,7 @@ from airflow_dbqueue.engine import BatchNotFoundError, BatchState, LeaseExpiredE
 from tests.helpers import checksum
 
 if TYPE_CHECKING:
-    from airflow_dbqueue.engine import DbQueue
-    from airflow_dbqueue.engine.ring import RingQueue
+    from airflow_dbqueue.engine import DbQueue, Queue
 
 pytestmark = pytest.mark.integration
 
@@ -49,70 +51,118 @@ def read(pg_dsn: str, query: str) -> list[tuple[Any, ...]]:
 
 
 class RingBatchMachine(RuleBasedStateMachine):
-    """A ring of 3 to 8 slots with its default group and a group ``g``, and a model of what each group
-    still needs: the ids it has not finished (claimed in an open batch, or not taken yet)."""
+    """A small ring and a model of what each group still needs: the ids it has not finished (claimed in
+    an open batch, or not taken yet). Slots (``layout``): 3 to 8 slots, its default group and a group
+    ``g``. Rows: 4 segments of 2 or 3 rows, its default group only; each push is one row, and a message's
+    id is its row's number shifted left 16 bits, plus its place in the row."""
 
     dbq: ClassVar[DbQueue]
     pg_dsn: ClassVar[str]
+    layout: ClassVar[str] = "slots"
     _names = itertools.count()
     full_under_a_batch: ClassVar[int] = 0
     """Pushes refused while the floor was an open batch's first message (the case the test is for)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.handles: dict[str, RingQueue] = {}
+        self.groups = GROUPS if self.layout == "slots" else ("default",)
+        self.handles: dict[str, Queue] = {}
         self.cap = 0
-        self.next_number = 1
+        self.seg = self.lanes = 0  # rows: a segment's rows, and the lanes
+        self.next_number = 1  # slots: the next number; rows: the next row
         self.payloads: dict[int, int] = {}
-        self.unfinished: dict[str, set[int]] = {g: set() for g in GROUPS}
-        self.open: dict[str, list[tuple[str, list[int]]]] = {g: [] for g in GROUPS}
-        self.finished: dict[str, list[int]] = {g: [] for g in GROUPS}
+        self.unfinished: dict[str, set[int]] = {g: set() for g in self.groups}
+        self.taken: set[int] = set()  # rows: the ids the lanes have given (the default group's)
+        self.open: dict[str, list[tuple[str, list[int]]]] = {g: [] for g in self.groups}
+        self.finished: dict[str, list[int]] = {g: [] for g in self.groups}
         self.counter = itertools.count()
 
     @initialize(cap=st.integers(3, 8), lanes=st.integers(1, 3))
     def make(self, cap: int, lanes: int) -> None:
-        self.cap = cap
-        q = self.dbq.create_queue(
-            f"rb{next(self._names)}",
-            design="ring",
-            capacity=cap,
-            lanes=min(lanes, cap),
-            visibility_timeout=3600,
-            max_attempts=100,
-        )
-        q.push_timeout = 0.0  # a full ring answers at once
-        self.handles = {"default": q, "g": q.add_group("g")}  # type: ignore[attr-defined]
+        name = f"rb{next(self._names)}"
+        settings: dict[str, Any] = {"visibility_timeout": 3600, "max_attempts": 100}
+        if self.layout == "rows":
+            self.seg = 2 if cap < 7 else 3  # small segments: many rotations within a run
+            self.cap, self.lanes, self.next_number = 4 * self.seg, max(1, min(lanes, self.seg // 2)), 0
+            settings |= {"layout": "rows", "capacity": self.cap, "lanes": self.lanes}
+        else:
+            self.cap = cap
+            settings |= {"capacity": cap, "lanes": min(lanes, cap)}
+        q = self.dbq.create_queue(name, design="ring", **settings)
+        q.push_timeout = 0.0  # type: ignore[attr-defined]  # a full ring answers at once
+        self.handles = {"default": q}
+        if self.layout == "slots":
+            self.handles["g"] = q.add_group("g")  # type: ignore[attr-defined]
 
     def floor(self) -> int:
-        """The lowest number some group still needs: the model of the ring's floor."""
+        """The lowest number some group still needs: the model of the ring's floor (slots)."""
         return min((min(u) for u in self.unfinished.values() if u), default=self.next_number)
+
+    def batch_firsts(self) -> list[int]:
+        return [ids[0] for g in self.groups for _, ids in self.open[g]]
+
+    def fits(self, k: int) -> bool:
+        """Whether a push of k messages fits, by the model; counts a refusal under an open batch."""
+        if self.layout == "slots":
+            if self.next_number + k - 1 < self.floor() + self.cap:
+                return True
+            if self.batch_firsts() and min(self.batch_firsts()) == self.floor():
+                RingBatchMachine.full_under_a_batch += 1
+            return False
+        r, s = self.next_number, self.seg
+        if r < 4 * s or r % s:
+            return True  # its segment holds its generation already
+        gen = r // s
+        old = range((gen - 4) * s, (gen - 3) * s)  # the rows of the segment it would empty
+        # the lanes' floor: the row of the first message they have not given yet (FIFO, one consumer)
+        untaken = [i >> 16 for i in self.payloads if i not in self.taken]
+        if min(untaken, default=r) >= (gen - 3) * s + self.lanes and not any(
+            i >> 16 in old for i in self.unfinished["default"]
+        ):
+            return True
+        if any(i >> 16 in old for i in self.batch_firsts()):
+            RingBatchMachine.full_under_a_batch += 1
+        return False
 
     @rule(k=st.integers(2, 3))
     def push(self, k: int) -> None:
         """A push of a batch, which checks the ring's room before it takes numbers: a full ring takes
-        none. (A push of one takes its number first, and a full ring leaves it as a gap, which holds the
-        floor until it is given up: test_ring_stateful models that.)"""
+        none. (A push of one into the slots layout takes its number first, and a full ring leaves it as
+        a gap, which holds the floor until it is given up: test_ring_stateful models that.)"""
         payloads = [next(self.counter) for _ in range(k)]
-        fits = self.next_number + k - 1 < self.floor() + self.cap
         q = self.handles["default"]
-        if not fits:
-            batch_firsts = [ids[0] for g in GROUPS for _, ids in self.open[g]]
-            if batch_firsts and min(batch_firsts) == self.floor():
-                RingBatchMachine.full_under_a_batch += 1
+        if not self.fits(k):
             with pytest.raises(QueueFullError):
                 q.push_batch(payloads)
-            assert q.stats().extra["push_position"] == self.next_number - 1  # nothing taken
-            return
+            if self.layout == "slots":
+                assert q.stats().extra["push_position"] == self.next_number - 1  # nothing taken
+            return  # rows: the next push's ids (checked there) show that nothing was taken
         ids = q.push_batch(payloads)
-        assert ids == list(range(self.next_number, self.next_number + k))
-        self.next_number += k
+        if self.layout == "slots":
+            assert ids == list(range(self.next_number, self.next_number + k))
+            self.next_number += k
+        else:
+            assert ids == [(self.next_number << 16) | j for j in range(k)]
+            self.next_number += 1
         for i, p in zip(ids, payloads, strict=True):
             self.payloads[i] = p
-            for g in GROUPS:
+            for g in self.groups:
                 self.unfinished[g].add(i)
 
-    @rule(group=st.sampled_from(GROUPS), n=st.integers(1, 5))
-    def claim(self, group: str, n: int) -> None:
+    @precondition(lambda self: self.layout == "rows")
+    @rule()
+    def fill(self) -> None:
+        """Rows: push until the ring refuses one (at most a segment's worth), so that runs come round
+        the ring often, with batches open."""
+        for _ in range(self.seg):
+            if not self.fits(2):
+                break
+            self.push(2)
+        self.push(2)
+
+    @rule(data=st.data(), n=st.integers(1, 5))
+    def claim(self, data: st.DataObject, n: int) -> None:
+        group = data.draw(st.sampled_from(self.groups))
         batch = self.handles[group].claim_batch(n, consumer=f"spark.{group}")
         taken = {i for _, ids in self.open[group] for i in ids}
         ready = sorted(self.unfinished[group] - taken)
@@ -122,11 +172,12 @@ class RingBatchMachine(RuleBasedStateMachine):
         ids = [i for i, _ in batch.receipts]
         assert ids == ready[:n]  # the lowest ready ids, FIFO (a released batch's come back first)
         self.open[group].append((batch.batch_id, ids))
+        self.taken.update(ids)
 
     @precondition(lambda self: any(self.open.values()))
     @rule(data=st.data(), ack=st.booleans())
     def finish(self, data: st.DataObject, ack: bool) -> None:
-        group = data.draw(st.sampled_from([g for g in GROUPS if self.open[g]]))
+        group = data.draw(st.sampled_from([g for g in self.groups if self.open[g]]))
         batch_id, ids = self.open[group].pop(data.draw(st.integers(0, len(self.open[group]) - 1)))
         q = self.handles[group]
         if ack:
@@ -137,8 +188,9 @@ class RingBatchMachine(RuleBasedStateMachine):
             assert q.release_batch(batch_id, delay=0) == len(ids)
         assert q.get_batch(batch_id).state is (BatchState.ACKED if ack else BatchState.RELEASED)
 
-    @rule(group=st.sampled_from(GROUPS), n=st.integers(1, 4))
-    def pop_and_ack(self, group: str, n: int) -> None:
+    @rule(data=st.data(), n=st.integers(1, 4))
+    def pop_and_ack(self, data: st.DataObject, n: int) -> None:
+        group = data.draw(st.sampled_from(self.groups))
         q = self.handles[group]
         got = q.pop(n, semantics="at-least-once")
         assert q.ack(got) == len(got)
@@ -147,6 +199,7 @@ class RingBatchMachine(RuleBasedStateMachine):
         assert [m.payload for m in got] == [self.payloads[m.id] for m in got]
         self.unfinished[group] -= {m.id for m in got}
         self.finished[group] += [m.payload for m in got]
+        self.taken.update(m.id for m in got)
 
     @invariant()
     def open_batches_read_what_they_claimed(self) -> None:
@@ -158,8 +211,14 @@ class RingBatchMachine(RuleBasedStateMachine):
 
     @invariant()
     def the_floor_is_the_models(self) -> None:
-        if self.handles:
-            assert self.handles["default"].stats().extra["floor"] == self.floor()
+        if not self.handles:
+            return
+        stats = self.handles["default"].stats()
+        if self.layout == "slots":
+            assert stats.extra["floor"] == self.floor()
+        else:  # the open batches' messages are in flight, the rest of what is unfinished ready
+            in_flight = sum(len(ids) for _, ids in self.open["default"])
+            assert (stats.in_flight, stats.ready) == (in_flight, len(self.unfinished["default"]) - in_flight)
 
     def teardown(self) -> None:
         """Every group's batches end and what is left is popped: each group finished every message
@@ -177,14 +236,18 @@ class RingBatchMachine(RuleBasedStateMachine):
         self.dbq.drop_queue(self.handles["default"].name)
 
 
-def test_no_push_overwrites_a_slot_of_an_open_batch(dbq: DbQueue, pg_dsn: str) -> None:
+@pytest.mark.parametrize("layout", ["slots", "rows"])
+def test_no_push_overwrites_a_slot_or_empties_a_segment_of_an_open_batch(
+    dbq: DbQueue, pg_dsn: str, layout: str
+) -> None:
     RingBatchMachine.dbq = dbq
     RingBatchMachine.pg_dsn = pg_dsn
+    RingBatchMachine.layout = layout
     RingBatchMachine.full_under_a_batch = 0
     run_state_machine_as_test(
         RingBatchMachine,
         settings=settings(
-            max_examples=25,
+            max_examples=25 if layout == "slots" else 15,  # rows: its fill rule makes longer runs
             stateful_step_count=30,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow],
@@ -193,24 +256,46 @@ def test_no_push_overwrites_a_slot_of_an_open_batch(dbq: DbQueue, pg_dsn: str) -
     assert RingBatchMachine.full_under_a_batch > 0, "no push met a ring held full by an open batch"
 
 
-def test_a_slot_overwritten_after_the_lease_expired_reads_no_payload(dbq: DbQueue, pg_dsn: str) -> None:
+@pytest.mark.parametrize("layout", ["slots", "rows"])
+def test_a_slot_overwritten_or_a_segment_reused_after_the_lease_expired_reads_no_payload(
+    dbq: DbQueue, pg_dsn: str, layout: str
+) -> None:
     """A batch whose lease ran out while its job still ran: its messages went to another consumer, who
-    finished them, and pushes reused their slots. The batch's reader then gets no payload for them (not
-    the new messages of those slots), and the batch is refused at ack."""
-    q = dbq.create_queue("orders", design="ring", capacity=4, lanes=1, visibility_timeout=0.2)
-    q.push_timeout = 0.0
-    q.push_batch(["a", "b"])
+    finished them, and pushes reused their slots (slots), or their segment was emptied and refilled
+    (rows). The batch's reader then gets no payload for them (not the new messages of those slots or
+    that segment), and the batch is refused at ack."""
+    shape: dict[str, Any] = {"capacity": 4, "lanes": 1}
+    if layout == "rows":
+        shape = {"layout": "rows", "capacity": 8, "lanes": 1}
+    q = dbq.create_queue("orders", design="ring", visibility_timeout=0.2, **shape)
+    q.push_timeout = 0.0  # type: ignore[attr-defined]
+    ids = q.push_batch(["a", "b"])
     batch = q.claim_batch(2)
     assert batch is not None
     time.sleep(0.3)
     again = q.pop(2, semantics="at-least-once")  # reclaims the expired lease first
     assert [m.payload for m in again] == ["a", "b"] and q.ack(again) == 2
-    q.push_batch(["c", "d", "e", "f"])  # 5 and 6 take the slots of 1 and 2
+    rows = read(pg_dsn, q.batch_query(batch.batch_id))  # still there: nothing reused them yet
+    assert [(r[0], r[1], json.loads(bytes(r[3]))) for r in rows] == [(1, ids[0], "a"), (2, ids[1], "b")]
+    sent = ["c", "d", "e", "f"]
+    if layout == "slots":
+        q.push_batch(sent)  # 5 and 6 take the slots of 1 and 2
+    else:
+        # rows 1 to 7 fill the ring's 4 segments of 2 rows; once popped, row 8 empties the segment of
+        # row 0 (the batch's) and is written in it
+        sent = [f"r{r}" for r in range(1, 8)]
+        for p in sent:
+            q.push_batch([p])
+        popped = [m.payload for _ in range(4) for m in q.pop(10)]  # a pop reads up to two segments
+        assert popped == sent
+        sent = ["c", "d", "e", "f"]
+        assert q.push_batch(sent) == [(8 << 16) | k for k in range(4)]
+        assert q.stats().extra["segment_generations"] == [4, 1, 2, 3]
     rows = read(pg_dsn, q.batch_query(batch.batch_id))
-    assert [(r[0], r[1], r[3]) for r in rows] == [(1, 1, None), (2, 2, None)]
+    assert [(r[0], r[1], r[3]) for r in rows] == [(1, ids[0], None), (2, ids[1], None)]
     with pytest.raises(LeaseExpiredError):
         q.ack_batch(batch.batch_id)
-    assert [m.payload for m in q.pop(4)] == ["c", "d", "e", "f"]
+    assert [m.payload for m in q.pop(4)] == sent
 
 
 def test_dropping_a_group_drops_its_batches_only(dbq: DbQueue, pg_dsn: str) -> None:
@@ -258,19 +343,26 @@ def test_two_groups_each_claim_every_message_once(dbq: DbQueue, pg_dsn: str) -> 
     assert q.stats().extra["ring_used"] == 0
 
 
-@pytest.mark.parametrize("group", [None, "g"])
+@pytest.mark.parametrize("group", [None, "g", "rows"])
 def test_a_claim_gets_past_a_push_that_rolled_back(dbq: DbQueue, group: str | None) -> None:
     """A push that rolled back after taking its numbers leaves them unwritten at the head of the lanes;
     a claim (in a transaction, where a pop gives no gap up) has a pop of the group outside it give them
-    up, so the first claim gets the messages behind them."""
-    q = dbq.create_queue("orders", design="ring", capacity=64, lanes=2)
-    handle = q.add_group("g") if group else q  # type: ignore[attr-defined]
+    up, so the first claim gets the messages behind them. ``rows``: a ring of the rows layout with one
+    lane, whose claim gives up the row a push rolled back once every transaction older than its first
+    look has ended (at once here)."""
+    rows = group == "rows"
+    layout = {"layout": "rows", "lanes": 1} if rows else {"lanes": 2}
+    q = dbq.create_queue("orders", design="ring", capacity=64, **layout)
+    handle = q.add_group("g") if group == "g" else q  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError), dbq.transaction() as conn:
         q.push_batch(["lost1", "lost2"], conn=conn)
         raise RuntimeError("rolled back")
     sent = [f"m{i}" for i in range(5)]
-    q.push_batch(sent)
-    batch = handle.claim_batch(10)
-    assert batch is not None and [i for i, _ in batch.receipts] == [3, 4, 5, 6, 7]
+    ids = q.push_batch(sent)
+    batch = dbq.queue("orders").claim_batch(10) if rows else handle.claim_batch(10)  # rows: a new handle
+    assert batch is not None and [i for i, _ in batch.receipts] == ids
+    assert ids == ([(1 << 16) | k for k in range(5)] if rows else [3, 4, 5, 6, 7])
     assert handle.ack_batch(batch.batch_id) == 5
-    assert handle.stats().extra["gaps_skipped"] == 2
+    if not rows:
+        assert handle.stats().extra["gaps_skipped"] == 2
+    assert handle.stats().ready == 0

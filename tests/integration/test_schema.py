@@ -426,6 +426,14 @@ _RING_ROWS_FUNCTIONS = {
     "ring_rows_take_one": "take1",
     "ring_rows_pop_payload_one": "take1",
     "ring_rows_ack": "ack",
+    "ring_rows_claim_batch": "bclaim",
+    "ring_rows_get_batch": "bget",
+    "ring_rows_set_batch": "bset",
+    "ring_rows_open_batches": "bopen",
+    "ring_rows_purge_batches": "bpurge",
+    "ring_rows_batch_rows": "brows",
+    "ring_rows_extend": "bextend",
+    "ring_rows_leased": "leased",
 }
 
 

@@ -120,6 +120,14 @@ POSTGRES_ONLY: dict[str, str] = {
             "ring_rows_rotate_ahead",
             "ring_rows_gaps",
             "ring_rows_depth",
+            "ring_rows_claim_batch",
+            "ring_rows_get_batch",
+            "ring_rows_set_batch",
+            "ring_rows_open_batches",
+            "ring_rows_purge_batches",
+            "ring_rows_batch_rows",
+            "ring_rows_extend",
+            "ring_rows_leased",
         )
     },
     **{
@@ -538,9 +546,11 @@ class MssqlDatabase(MssqlSchema, MssqlMaintenance):
         count: int = self._run(name, params, conn, identifiers, "rowcount")
         return count
 
-    def render(self, name: str, params: Mapping[str, Any]) -> str:
+    def render(
+        self, name: str, params: Mapping[str, Any], identifiers: Mapping[str, str] | None = None
+    ) -> str:
         """Return the named query as text with its parameters as literals (for a Spark JDBC source)."""
-        return render_named(self.query(name), params)
+        return render_named(self.query(name, identifiers), params)
 
     # -- no LISTEN/NOTIFY --------------------------------------------------------------------------
 

@@ -299,10 +299,12 @@ class AsyncPostgres:
     ) -> int:
         return self._run(name, params, conn, _COUNT, identifiers)  # type: ignore[no-any-return]
 
-    def render(self, name: str, params: Mapping[str, Any]) -> str:
+    def render(
+        self, name: str, params: Mapping[str, Any], identifiers: Mapping[str, str] | None = None
+    ) -> str:
         async def mogrify() -> str:
             async with self.connection() as c:
-                return psycopg.AsyncClientCursor(c).mogrify(self.sync.query(name), params)
+                return psycopg.AsyncClientCursor(c).mogrify(self.sync.query(name, identifiers), params)
 
         with self.sync.translate_errors():
             return await_only(mogrify())

@@ -530,11 +530,13 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance, Post
             self.query(name, identifiers), params, conn, False, _first_row, prepare=name in self._prepared
         )
 
-    def render(self, name: str, params: Mapping[str, Any]) -> str:
+    def render(
+        self, name: str, params: Mapping[str, Any], identifiers: Mapping[str, str] | None = None
+    ) -> str:
         """Return the named query as text with its parameters bound client-side, for a reader that
         cannot bind parameters itself (a Spark JDBC source takes a query string)."""
         with self.connection() as c, self.translate_errors():
-            return psycopg.ClientCursor(c).mogrify(self.query(name), params)
+            return psycopg.ClientCursor(c).mogrify(self.query(name, identifiers), params)
 
     def execute(
         self,

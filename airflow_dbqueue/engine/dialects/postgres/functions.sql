@@ -2019,6 +2019,20 @@ CREATE VIEW {schema}.@Pq AS
     SELECT * FROM {schema}.@Pq0 UNION ALL SELECT * FROM {schema}.@Pq1
     UNION ALL SELECT * FROM {schema}.@Pq2 UNION ALL SELECT * FROM {schema}.@Pq3
 @;
+-- The ring's batches (not segmented: a batch is remembered after its segment is emptied, until the
+-- upkeep forgets it): one row a claim (its receipts in id order, grp the key of its consumer group), and
+-- one row a change of its state (bs: claimed again with a later lease end, acked, released), the highest
+-- ver being its state. Claims and acks only insert.
+CREATE TABLE {schema}.@Pb (batch_id uuid NOT NULL, grp integer NOT NULL, ids bigint[] NOT NULL,
+    deliveries integer[] NOT NULL, consumer text, claimed_at timestamptz NOT NULL,
+    lease_until timestamptz NOT NULL, CONSTRAINT @Pb_pkey PRIMARY KEY (batch_id))
+@;
+CREATE INDEX @Pb_claimed_idx ON {schema}.@Pb (grp, claimed_at)
+@;
+CREATE TABLE {schema}.@Pbs (batch_id uuid NOT NULL, ver integer NOT NULL, state smallint NOT NULL,
+    lease_until timestamptz NOT NULL, finished_at timestamptz, last_error text,
+    CONSTRAINT @Pbs_pkey PRIMARY KEY (batch_id, ver))
+@;
 -- The positions of lanes p_lanes (all when NULL), in that order: each lane's highest log entry, first in
 -- the newest segment any pop logged in, then older ones for the lanes not found there.
 CREATE FUNCTION {schema}.@Planes(p_lanes integer[]) RETURNS bigint[] LANGUAGE plpgsql AS $b$
@@ -2989,6 +3003,215 @@ LANGUAGE sql AS $b$
            (SELECT count(*) FROM {schema}.@Pq),
            ARRAY(SELECT {schema}.@Pseg_gen(k) FROM generate_series(0, 3) k)
     FROM s
+$b$
+@;
+-- Claim a batch (p_batch) of up to p_n messages for group p_group: a pop at least once (@Ptake: messages
+-- due again first, then the lanes'; leased until now + p_vt) recorded with its receipts, in id order, in
+-- one row of @Pb. No row when nothing was taken. The batch's messages hold their segments as any lease
+-- does (@Pbusy), until the batch is acked or released, or its lease expires and they are finished
+-- elsewhere.
+CREATE FUNCTION {schema}.@Pbclaim(p_batch uuid, p_group integer, p_n integer, p_wait boolean,
+    p_vt double precision, p_consumer text)
+RETURNS TABLE (r_batch uuid, r_state smallint, r_ids bigint[], r_deliveries integer[], r_consumer text,
+               r_claimed_at timestamptz, r_lease_until timestamptz, r_finished_at timestamptz, r_error text)
+LANGUAGE sql AS $b$
+    WITH t AS MATERIALIZED (
+        SELECT t.r_id, t.r_deliveries, t.r_lease_until FROM {schema}.@Ptake(p_n, p_wait, true, p_vt, p_consumer) t)
+    INSERT INTO {schema}.@Pb (batch_id, grp, ids, deliveries, consumer, claimed_at, lease_until)
+    SELECT p_batch, p_group, array_agg(t.r_id ORDER BY t.r_id), array_agg(t.r_deliveries ORDER BY t.r_id),
+           p_consumer, now(), min(t.r_lease_until)
+    FROM t HAVING count(*) > 0
+    RETURNING batch_id, 0::smallint, ids, deliveries, consumer, claimed_at, lease_until, NULL::timestamptz, NULL::text
+$b$
+@;
+-- A batch of group p_group as it stands (its claim and its newest state row); with p_lock, its claim row
+-- locked first (a row lock writes no row version), so that an ack, a release and an extension of one
+-- batch take their turns, each reading the state the one before left.
+CREATE FUNCTION {schema}.@Pbget(p_batch uuid, p_group integer, p_lock boolean)
+RETURNS TABLE (r_batch uuid, r_state smallint, r_ids bigint[], r_deliveries integer[], r_consumer text,
+               r_claimed_at timestamptz, r_lease_until timestamptz, r_finished_at timestamptz, r_error text)
+LANGUAGE plpgsql AS $b$
+BEGIN
+    IF p_lock THEN
+        PERFORM 1 FROM {schema}.@Pb b WHERE b.batch_id = p_batch AND b.grp = p_group FOR UPDATE;
+    END IF;
+    RETURN QUERY
+    SELECT b.batch_id, coalesce(s.state, 0::smallint), b.ids, b.deliveries, b.consumer, b.claimed_at,
+           coalesce(s.lease_until, b.lease_until), s.finished_at, s.last_error
+    FROM {schema}.@Pb b
+    LEFT JOIN LATERAL (SELECT * FROM {schema}.@Pbs s WHERE s.batch_id = b.batch_id ORDER BY s.ver DESC LIMIT 1) s ON true
+    WHERE b.batch_id = p_batch AND b.grp = p_group;
+END
+$b$
+@;
+-- A new state of batch p_batch (0 claimed, 1 acked, 2 released) as a row of @Pbs, the ver after its
+-- newest: its lease end when given (else the one before), finished now unless claimed, its error when
+-- given (else the one before). Under @Pbget's lock.
+CREATE FUNCTION {schema}.@Pbset(p_batch uuid, p_group integer, p_state smallint, p_until timestamptz,
+    p_error text)
+RETURNS void LANGUAGE sql AS $b$
+    INSERT INTO {schema}.@Pbs (batch_id, ver, state, lease_until, finished_at, last_error)
+    SELECT b.batch_id, coalesce(s.ver, 0) + 1, p_state, coalesce(p_until, s.lease_until, b.lease_until),
+           CASE WHEN p_state = 0 THEN NULL ELSE now() END, coalesce(p_error, s.last_error)
+    FROM {schema}.@Pb b
+    LEFT JOIN LATERAL (SELECT * FROM {schema}.@Pbs s WHERE s.batch_id = b.batch_id ORDER BY s.ver DESC LIMIT 1) s ON true
+    WHERE b.batch_id = p_batch AND b.grp = p_group
+$b$
+@;
+-- Group p_group's batches still claimed, oldest first, up to p_limit; with p_prefix, only those whose
+-- consumer starts with it (compared as text: LIKE's wildcards are plain characters here).
+CREATE FUNCTION {schema}.@Pbopen(p_group integer, p_limit integer, p_prefix text)
+RETURNS TABLE (r_batch uuid, r_state smallint, r_ids bigint[], r_deliveries integer[], r_consumer text,
+               r_claimed_at timestamptz, r_lease_until timestamptz, r_finished_at timestamptz, r_error text)
+LANGUAGE sql AS $b$
+    SELECT b.batch_id, 0::smallint, b.ids, b.deliveries, b.consumer, b.claimed_at,
+           coalesce(s.lease_until, b.lease_until), NULL::timestamptz, s.last_error
+    FROM {schema}.@Pb b
+    LEFT JOIN LATERAL (SELECT * FROM {schema}.@Pbs s WHERE s.batch_id = b.batch_id ORDER BY s.ver DESC LIMIT 1) s ON true
+    WHERE b.grp = p_group AND coalesce(s.state, 0) = 0
+      AND (p_prefix IS NULL OR left(b.consumer, length(p_prefix)) = p_prefix)
+    ORDER BY b.claimed_at
+    LIMIT p_limit
+$b$
+@;
+-- Forget up to p_n batches of group p_group finished (acked or released) more than p_older_than_s ago:
+-- their claim and state rows. The upkeep's, not the hot path's: the only statement on these tables
+-- that deletes.
+CREATE FUNCTION {schema}.@Pbpurge(p_group integer, p_older_than_s double precision, p_n integer)
+RETURNS SETOF uuid LANGUAGE sql AS $b$
+    WITH f AS MATERIALIZED (
+        SELECT b.batch_id FROM {schema}.@Pb b
+        CROSS JOIN LATERAL (SELECT * FROM {schema}.@Pbs s WHERE s.batch_id = b.batch_id ORDER BY s.ver DESC LIMIT 1) s
+        WHERE b.grp = p_group AND s.state <> 0 AND s.finished_at < now() - make_interval(secs => p_older_than_s)
+        LIMIT p_n),
+    d AS (DELETE FROM {schema}.@Pbs s USING f WHERE s.batch_id = f.batch_id)
+    DELETE FROM {schema}.@Pb b USING f WHERE b.batch_id = f.batch_id RETURNING b.batch_id
+$b$
+@;
+-- The messages of batch p_batch with their payloads, numbered 1..n in id order (r_ord: a Spark JDBC
+-- reader partitions on it), read row by row in the segment of each row number (each row read once, its
+-- payloads taken from the array in hand). Row numbers are never issued twice, so a segment emptied and
+-- reused since holds no row of the batch's numbers: its messages read as a NULL payload, as do those of a
+-- segment that does not hold their generation now (checked first, so that its table is not read at all).
+-- A batch whose payloads are gone was finished elsewhere after its lease expired; it cannot be acked.
+CREATE FUNCTION {schema}.@Pbrows(p_batch uuid, p_group integer)
+RETURNS TABLE (r_ord bigint, r_id bigint, r_delivery integer, r_payload bytea) LANGUAGE plpgsql STABLE AS $b$
+DECLARE
+    v_ids bigint[];
+    v_del integer[];
+    v_pl bytea[];
+    v_r bigint := -1;
+    v_k integer;
+BEGIN
+    SELECT b.ids, b.deliveries INTO v_ids, v_del FROM {schema}.@Pb b WHERE b.batch_id = p_batch AND b.grp = p_group;
+    IF v_ids IS NULL THEN
+        RETURN;
+    END IF;
+    FOR i IN 1 .. cardinality(v_ids) LOOP
+        IF v_ids[i] >> 16 <> v_r THEN
+            v_r := v_ids[i] >> 16;
+            v_k := (v_r / @S % 4)::integer;
+            v_pl := NULL;
+            IF {schema}.@Pseg_gen(v_k) = v_r / @S THEN
+                IF v_k = 0 THEN
+                    SELECT t.payloads INTO v_pl FROM {schema}.@Pq0 t WHERE t.r = v_r;
+                ELSIF v_k = 1 THEN
+                    SELECT t.payloads INTO v_pl FROM {schema}.@Pq1 t WHERE t.r = v_r;
+                ELSIF v_k = 2 THEN
+                    SELECT t.payloads INTO v_pl FROM {schema}.@Pq2 t WHERE t.r = v_r;
+                ELSE
+                    SELECT t.payloads INTO v_pl FROM {schema}.@Pq3 t WHERE t.r = v_r;
+                END IF;
+            END IF;
+        END IF;
+        r_ord := i;
+        r_id := v_ids[i];
+        r_delivery := v_del[i];
+        r_payload := v_pl[(v_ids[i] & 65535)::integer + 1];
+        RETURN NEXT;
+    END LOOP;
+END
+$b$
+@;
+-- Push the leases of receipts p_ids/p_deliveries out to p_secs from now, all or nothing: r_n is how many
+-- were extended (all of them, or 0 when one does not hold its lease, or another call moved one on
+-- meanwhile: nothing is written then), r_until their new end. The leases holding them are split first
+-- (@Psplit), and each receipt gets a new retry row, leased as the same delivery until r_until.
+CREATE FUNCTION {schema}.@Pbextend(p_ids bigint[], p_deliveries integer[], p_secs double precision,
+    OUT r_n integer, OUT r_until timestamptz) LANGUAGE plpgsql AS $b$
+DECLARE
+    v_los bigint[];
+    v_held integer;
+    v_vers integer[];
+    v_att integer[];
+    v_del integer[];
+    v_who text[];
+    v_n integer;
+BEGIN
+    r_n := 0;
+    r_until := now() + make_interval(secs => p_secs);
+    SELECT array_agg(DISTINCT h.r_lo) FILTER (WHERE h.r_lo IS NOT NULL), count(*) INTO v_los, v_held
+    FROM {schema}.@Pheld(p_ids, p_deliveries) h;
+    IF v_held < cardinality(p_ids) THEN
+        RETURN;
+    END IF;
+    BEGIN
+        IF v_los IS NOT NULL THEN
+            PERFORM {schema}.@Psplit(v_los);
+        END IF;
+        SELECT array_agg(r.r_ver + 1 ORDER BY u.o), array_agg(r.r_attempts ORDER BY u.o),
+               array_agg(r.r_deliveries ORDER BY u.o), array_agg(r.r_consumer ORDER BY u.o), count(*)
+        INTO v_vers, v_att, v_del, v_who, v_n
+        FROM unnest(p_ids, p_deliveries) WITH ORDINALITY u(id, d, o)
+        JOIN {schema}.@Pnewest(p_ids) r ON r.r_id = u.id
+        WHERE r.r_state = 2 AND r.r_deliveries = u.d AND r.r_due > now();
+        IF v_n < cardinality(p_ids) THEN
+            RAISE EXCEPTION 'a receipt was settled meanwhile' USING ERRCODE = 'DQR01';
+        END IF;
+        SELECT count(*) INTO v_n FROM {schema}.@Pput(p_ids, v_vers, array_fill(2, ARRAY[cardinality(p_ids)]),
+            v_att, v_del, array_fill(r_until, ARRAY[cardinality(p_ids)]), v_who,
+            array_fill(NULL::text, ARRAY[cardinality(p_ids)]));
+        IF v_n < cardinality(p_ids) THEN
+            RAISE EXCEPTION 'a receipt was settled meanwhile' USING ERRCODE = 'DQR01';
+        END IF;
+    EXCEPTION WHEN SQLSTATE 'DQR01' THEN
+        RETURN;
+    END;
+    r_n := cardinality(p_ids);
+END
+$b$
+@;
+-- The messages of the receipts that still hold their lease, with their payloads, in id order (each row
+-- read once).
+CREATE FUNCTION {schema}.@Pleased(p_ids bigint[], p_deliveries integer[])
+RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz,
+               r_lease_until timestamptz, r_payload bytea)
+LANGUAGE plpgsql AS $b$
+DECLARE
+    rec record;
+    v_r bigint := -1;
+    v_pl bytea[];
+    v_ts timestamptz;
+BEGIN
+    FOR rec IN
+        SELECT h.r_id AS id, h.r_delivery AS d, h.r_until AS until, coalesce(n.r_attempts, 1) AS att
+        FROM {schema}.@Pheld(p_ids, p_deliveries) h
+        LEFT JOIN {schema}.@Pnewest(p_ids) n ON n.r_id = h.r_id AND h.r_lo IS NULL
+        ORDER BY h.r_id
+    LOOP
+        IF rec.id >> 16 <> v_r THEN
+            v_r := rec.id >> 16;
+            SELECT t.payloads, t.enqueued_at INTO v_pl, v_ts FROM {schema}.@Pq t WHERE t.r = v_r;
+        END IF;
+        r_id := rec.id;
+        r_attempts := rec.att;
+        r_deliveries := rec.d;
+        r_enqueued_at := v_ts;
+        r_lease_until := rec.until;
+        r_payload := v_pl[(rec.id & 65535)::integer + 1];
+        RETURN NEXT;
+    END LOOP;
+END
 $b$
 $x$ $t$;
 

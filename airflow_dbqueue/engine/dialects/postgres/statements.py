@@ -31,6 +31,7 @@ GENERIC_PLANS = frozenset(
         "ring_rows_take_one",
         "ring_rows_pop_payload_one",
         "ring_rows_ack",
+        "ring_rows_claim_batch",
     }
 )
 
@@ -58,5 +59,6 @@ BINARY_RESULTS = frozenset(
         "ring_rows_pop_payloads",
         "ring_rows_take_one",
         "ring_rows_pop_payload_one",
+        "ring_rows_leased",
     }
 )

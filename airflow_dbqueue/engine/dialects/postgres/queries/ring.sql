@@ -498,3 +498,50 @@ CROSS JOIN LATERAL (
 LEFT JOIN {schema}.ring_groups g ON g.queue_id = w.queue_id AND g.gid = k.gid
 WHERE w.queue_id = %(queue_id)s
 ORDER BY k.gid = w.queue_id DESC, g.name
+
+-- name: ring_rows_claim_batch
+-- Claim a batch of group `group`: a pop at least once of up to n messages recorded under batch_id, in the
+-- caller's transaction; its ledger row (no payload), or none when nothing was taken. {fn}: the ring's own
+-- function for it (ring_<queue_id>_rbclaim).
+SELECT r_batch, r_state, r_ids, r_deliveries, r_consumer, r_claimed_at, r_lease_until, r_finished_at, r_error
+FROM {schema}.{fn}(%(batch_id)s::uuid, %(group)s::integer, %(n)s::integer, %(wait)s::boolean,
+    %(visibility_timeout_s)s::float8, %(consumer)s::text)
+
+-- name: ring_rows_get_batch
+-- A batch's ledger row as it stands; with lock, its claim row locked first (ack, release and extend take
+-- turns). {fn}: ring_<queue_id>_rbget.
+SELECT r_batch, r_state, r_ids, r_deliveries, r_consumer, r_claimed_at, r_lease_until, r_finished_at, r_error
+FROM {schema}.{fn}(%(batch_id)s::uuid, %(group)s::integer, %(lock)s::boolean)
+
+-- name: ring_rows_set_batch
+-- A batch's new state (0 claimed, 1 acked, 2 released), written as a new row. {fn}: ring_<queue_id>_rbset.
+SELECT {schema}.{fn}(%(batch_id)s::uuid, %(group)s::integer, %(state)s::smallint,
+    %(lease_until)s::timestamptz, %(error)s::text)
+
+-- name: ring_rows_open_batches
+-- A group's batches still claimed, oldest first. {fn}: ring_<queue_id>_rbopen.
+SELECT r_batch, r_state, r_ids, r_deliveries, r_consumer, r_claimed_at, r_lease_until, r_finished_at, r_error
+FROM {schema}.{fn}(%(group)s::integer, %(limit)s::integer, %(consumer_prefix)s::text)
+
+-- name: ring_rows_purge_batches
+-- Forget up to n of a group's batches finished more than older_than_s ago. {fn}: ring_<queue_id>_rbpurge.
+SELECT b FROM {schema}.{fn}(%(group)s::integer, %(older_than_s)s::float8, %(n)s::integer) b
+
+-- name: ring_rows_batch_rows
+-- The messages of one batch with their payloads, numbered 1..n (ord: a Spark JDBC reader partitions on
+-- it), rendered to text with its parameters for readers in other processes. {fn}: the ring's own
+-- function (ring_<queue_id>_rbrows), which reads each row of the batch once, in the segment of its number,
+-- and gives a NULL payload for a row no longer there (its segment emptied and reused since).
+SELECT r_ord AS ord, r_id AS id, r_delivery AS delivery, r_payload AS payload
+FROM {schema}.{fn}(%(batch_id)s::uuid, %(group)s::integer)
+
+-- name: ring_rows_extend
+-- Push the leases of receipts out to secs from now, all or nothing: (receipts extended, their new end).
+-- {fn}: ring_<queue_id>_rbextend.
+SELECT r_n, r_until FROM {schema}.{fn}(%(ids)s::bigint[], %(deliveries)s::integer[], %(secs)s::float8)
+
+-- name: ring_rows_leased
+-- The messages of the receipts still holding their lease, with payloads, in id order. {fn}:
+-- ring_<queue_id>_rleased.
+SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, r_lease_until, r_payload
+FROM {schema}.{fn}(%(ids)s::bigint[], %(deliveries)s::integer[])
