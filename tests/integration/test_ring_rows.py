@@ -1,6 +1,6 @@
 """The ring's rows layout (``create_queue(design="ring", layout="rows")``): what it does, what it refuses
-by name (batches of a consumer group besides the default one), its rotation under concurrent pushers and pops, and its
-size under a held xmin horizon. Its batches run the batch tests of test_batches.py and
+by name (batches of a consumer group besides the default one), its rotation under concurrent pushers
+and pops, and its size under a held xmin horizon. Its batches run the batch tests of test_batches.py and
 test_ring_batches.py; here, that claiming and finishing them writes no dead tuple under a held horizon.
 
 The conformance suite (``test_conformance.py``) runs against it too, for what it supports; its consumer
@@ -67,7 +67,7 @@ def test_refuses_what_it_does_not_build_by_name(dbq: DbQueue) -> None:
     g = q.add_group("g", start="earliest")
     for call in (
         lambda: g.claim_batch(10),
-        lambda: g.open_batches(),
+        g.open_batches,
         lambda: g.get_batch("00000000-0000-0000-0000-000000000000"),
     ):
         with pytest.raises(NotSupportedError, match="rows layout"):
