@@ -28,10 +28,14 @@ table design's queue then keeps finished messages for the archiver).
 
 With ``--feature`` the table design is also counted with one of the push options on every message,
 each in a queue of its own beside the default one, in the same server: ``ordering`` (a queue created
-with ``ordering="per_key"``, every push naming one of 1,000 keys in turn), ``dedup`` (a deduplication key
-on every message, none seen before) and ``ttl`` (a queue created with a time to live, which every message
-then carries). Each such row names its feature (``none`` for the default queue); the difference to the
-``none`` row of the same batch is what the feature costs on the hot path. The pops' expiry sweep is not
+with ``ordering="per_key"``, every push naming one of ``--ordering-keys`` keys in turn, 1,000 unless
+told, a row for each count given), ``dedup`` (a deduplication key on every message, none seen before) and
+``ttl`` (a queue created with a time to live, which every message then carries). Each such row names its
+feature (``none`` for the default queue) and, for ``ordering``, its ``ordering_keys``; the difference to
+the ``none`` row of the same batch is what the feature costs on the hot path. With fewer keys than a
+batch, a pop gets at most one message a key that is not in flight (at most once, the head of each key),
+so an ordering pop session pops until it has every message of its push session: its count is still
+instructions a message, over more calls. The pops' expiry sweep is not
 counted (as the lease reclaim, it runs at most once a reclaim interval, not once a pop).
 
 With ``--client`` each session runs instead in a Python process of its own under cachegrind too, and
@@ -88,6 +92,7 @@ QUEUE = "instr_q"
 FEATURES = ("none", "ordering", "dedup", "ttl")
 """The table design's push options --feature counts, each on every message (see the docstring)."""
 ORDERING_KEYS = 1000
+"""How many ordering keys the pushes of ``ordering`` name in turn unless --ordering-keys says."""
 QUEUE_OPTIONS: dict[str, dict[str, Any]] = {
     "none": {},
     "ordering": {"ordering": "per_key"},
@@ -219,18 +224,20 @@ def engine_sessions(
     *,
     pooler: str = "none",
     feature: str = "none",
+    ordering_keys: int = ORDERING_KEYS,
 ) -> Sessions:
     """A push session and a pop session through the engine, each on one pooled connection; each
     returns the backends it used. At least once, the pop session acks each pop after it; at most once
     it pops with ``pop_payloads`` (``pop_api`` "payloads") or with ``pop``, which builds messages.
     ``pooler="transaction"``: the engine as it runs behind a transaction pooler (nothing prepared).
-    ``feature``: the push option every message carries (``FEATURES``; the queue was created for it)."""
+    ``feature``: the push option every message carries (``FEATURES``; the queue was created for it);
+    ``ordering_keys``: how many keys the pushes of ``ordering`` name in turn."""
 
     def push(sent: list[list[bytes]]) -> set[int]:
         # Keys are made before the session's first push, so that the client's count (--client) of a
         # feature is the engine's work with them, not the making of the strings.
         n = sum(map(len, sent))
-        okeys = [f"k{i % ORDERING_KEYS}" for i in range(n)] if feature == "ordering" else None
+        okeys = [f"k{i % ordering_keys}" for i in range(n)] if feature == "ordering" else None
         dkeys = [f"{uuid.uuid4().hex}-{i}" for i in range(n)] if feature == "dedup" else None
         at = 0
         with DbQueue(dsn, schema=schema, pool_size=1, pooler=pooler, recycle_interval=None) as dbq:
@@ -258,6 +265,22 @@ def engine_sessions(
                     got.extend(q.pop_payloads(batch))
                     continue
                 msgs = q.pop(batch, semantics=semantics)
+                got.extend(map(_payload, msgs))
+                if lease:
+                    q.ack(msgs)
+            # Ordered per key, a pop takes at most one message a key that is not in flight: with fewer
+            # keys than a batch, the calls above leave messages, which further pops take (a pop that
+            # finds none ends the session, and the check of what came out then fails).
+            while feature == "ordering" and len(got) < calls * batch:
+                if payloads_only:
+                    more = q.pop_payloads(batch)
+                    got.extend(more)
+                    if not more:
+                        break
+                    continue
+                msgs = q.pop(batch, semantics=semantics)
+                if not msgs:
+                    break
                 got.extend(map(_payload, msgs))
                 if lease:
                     q.ack(msgs)
@@ -491,8 +514,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 who=ref_name,
                 client=naive_client,
             )
-            variants = [(d, f) for d in args.design for f in (args.feature if d == "table" else ["none"])]
-            for design, feature in variants:
+            variants = [
+                (d, f, k)
+                for d in args.design
+                for f in (args.feature if d == "table" else ["none"])
+                for k in (args.ordering_keys if f == "ordering" else [None])
+            ]
+            for design, feature, keys in variants:
                 schema = f"instr_{uuid.uuid4().hex[:10]}"
                 with DbQueue(dsn, schema=schema) as dbq:
                     dbq.install()
@@ -533,7 +561,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         else None
                     )
                     in_proc = engine_sessions(
-                        dsn, schema, batch, args.semantics, args.pop, pooler=args.pooler, feature=feature
+                        dsn,
+                        schema,
+                        batch,
+                        args.semantics,
+                        args.pop,
+                        pooler=args.pooler,
+                        feature=feature,
+                        ordering_keys=keys or ORDERING_KEYS,
                     )
                     sessions = engine_client.sessions() if engine_client else in_proc
                     measure(  # warm-up, in this process (as above)
@@ -560,6 +595,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     {
                         "design": design,
                         "feature": feature,
+                        "ordering_keys": keys,
                         "batch": batch,
                         "payload_bytes": args.payload_bytes,
                         "semantics": args.semantics,
@@ -583,7 +619,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         r[f"{prefix}client_cycle_instructions"] = (
                             r[f"{prefix}client_push_instructions"] + r[f"{prefix}client_pop_instructions"]
                         )
-                print(f"measured {design} ({feature}) batch {batch}", file=sys.stderr, flush=True)
+                what = feature if keys is None else f"{feature} over {keys} keys"
+                print(f"measured {design} ({what}) batch {batch}", file=sys.stderr, flush=True)
             teardown_target(reference)
     return results
 
@@ -597,12 +634,13 @@ def table(results: list[dict[str, Any]]) -> str:
         + (" (pop: a pop and its ack)" if first.get("semantics") == "at-least-once" else "")
         if results
         else "",
-        f"{'design':8s}{'feature':>9s}{'batch':>7s}  {'side':6s}{'design':>12s}{ref:>12s}{'ratio':>8s}",
+        f"{'design':8s}{'feature':>15s}{'batch':>7s}  {'side':6s}{'design':>12s}{ref:>12s}{'ratio':>8s}",
     ]
     for r in results:
         for side in (*SIDES, "cycle"):
             d, b = r[f"{side}_instructions"], r[f"naive_{side}_instructions"]
-            where = f"{r['design']:8s}{r['feature']:>9s}{r['batch']:>7d}"
+            feature = r["feature"] if r.get("ordering_keys") is None else f"ordering/{r['ordering_keys']}"
+            where = f"{r['design']:8s}{feature:>15s}{r['batch']:>7d}"
             lines.append(f"{where}  {side:6s}{d:>12,d}{b:>12,d}{d / b:>8.2f}")
     clients = [r for r in results if "client_cycle_instructions" in r]
     if clients:
@@ -659,7 +697,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=FEATURES,
         default=["none"],
         help="the table design's queues to count: none (the default queue) and each push option on every "
-        "message (ordering per key over 1,000 keys, a dedup key, a ttl), each a queue of its own",
+        "message (ordering per key over --ordering-keys keys, a dedup key, a ttl), each a queue of its own",
+    )
+    ap.add_argument(
+        "--ordering-keys",
+        nargs="+",
+        type=int,
+        default=[ORDERING_KEYS],
+        help=f"keys the pushes of --feature ordering name in turn, a row each (default {ORDERING_KEYS})",
     )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a session of --client (stdin)
     args = ap.parse_args(argv)
@@ -669,6 +714,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("batches must be at least 1, --calls at least 0, --payload-bytes at least 16")
     if args.client and args.semantics != "at-most-once":
         ap.error("--client counts pops at most once only")
+    if any(k < 1 for k in args.ordering_keys):
+        ap.error("--ordering-keys must be at least 1")
     if args.client and args.feature != ["none"]:
         ap.error("--client counts the default queue only (--feature none)")
     if args.client and args.pooler != "none":

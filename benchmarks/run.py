@@ -48,7 +48,16 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from bench.backends import ALL_DESIGNS, BASELINE, ENGINE_DESIGNS, PGMQ, REFERENCES, RING_ROWS, Target
+from bench.backends import (
+    ALL_DESIGNS,
+    BASELINE,
+    ENGINE_DESIGNS,
+    PGMQ,
+    REFERENCES,
+    RING_ROWS,
+    Target,
+    split_feature,
+)
 from bench.measure import HOLD_KEYS, BenchError, RunResult, combine, percentile, run_design
 from bench.report import (
     LATENCY_OPS,
@@ -153,9 +162,13 @@ def capacity_of(args: argparse.Namespace, design: str, point: Point, cap: int) -
 
 
 def make_target(args: argparse.Namespace, dsn: str, design: str, point: Point, cap: int) -> Target:
-    """A fresh schema's queue of ``design`` for one run at ``point``."""
+    """A fresh schema's queue of ``design`` for one run at ``point`` (``table+FEATURE``: the table
+    design's queue with that push option on every message, see --feature)."""
+    design, feature, keys = split_feature(design)
     return Target(
         design=design,
+        feature=feature,
+        ordering_keys=keys,
         schema=f"bench_{design.replace('-', '_')}_{uuid.uuid4().hex[:10]}",
         semantics=args.semantics,
         archive=args.archive,
@@ -177,6 +190,7 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
     log = _logger(args)
     cap = backlog_cap(args, point)
     designs = [args.design] + [d for d in args.also if d != args.design]
+    designs += [f"table+{f}" for f in args.feature]
     if args.design != BASELINE:
         designs.append(BASELINE)
     if args.pgmq and args.design not in REFERENCES:
@@ -299,10 +313,22 @@ def measure_point(args: argparse.Namespace, dsn: str, point: Point, seconds: flo
         out.update(hold_report(args, runs))
     if args.also_unheld:
         out["unheld"] = {d: unheld_report(runs[d], unheld[d]) for d in designs}
+    out.update(beside_reports(args, runs, main_run, point, cap))
+    out["valid"] = all(combine(rs).valid for rs in [*runs.values(), *(r for r in unheld.values() if r)])
+    return out
+
+
+def beside_reports(
+    args: argparse.Namespace, runs: dict[str, list[RunResult]], main_run: RunResult, point: Point, cap: int
+) -> dict[str, Any]:
+    """The figures of what ran beside the design at the point: ``--also``'s designs and ``--feature``'s
+    queues, each under its key (none when neither was asked for)."""
+    out: dict[str, Any] = {}
     also = [d for d in args.also if d != args.design]
     if also:
         out["also"] = {d: also_report(args, runs, d, capacity_of(args, d, point, cap)) for d in also}
-    out["valid"] = all(combine(rs).valid for rs in [*runs.values(), *(r for r in unheld.values() if r)])
+    if args.feature:
+        out["features"] = feature_report(args, runs, main_run)
     return out
 
 
@@ -358,6 +384,21 @@ def also_report(
     if args.hold_horizon > 0:
         hold = r.hold or {}
         out.update({key: hold.get(key) for key in HOLD_KEYS})
+    return out
+
+
+def feature_report(
+    args: argparse.Namespace, runs: dict[str, list[RunResult]], table: RunResult
+) -> dict[str, Any]:
+    """``--feature``: each feature's queue as ``also_report`` gives a design, with its cycles/s against
+    the default queue's (``table``, the same runs' median of --design table) as ``ratio_to_table``."""
+    out: dict[str, Any] = {}
+    for f in args.feature:
+        fr = also_report(args, runs, f"table+{f}", None)
+        fr["ratio_to_table"] = (
+            round(fr["cycles_per_s"] / table.cycles_per_s, 3) if table.cycles_per_s else None
+        )
+        out[f] = fr
     return out
 
 
@@ -619,6 +660,16 @@ def design_options(ap: argparse.ArgumentParser) -> None:
         "in turn with --design and the naive queue, each reported beside them",
     )
     ap.add_argument(
+        "--feature",
+        nargs="+",
+        default=[],
+        metavar="FEATURE",
+        help="with --design table: the table design's push options, each a queue of its own measured at "
+        "every point in the same run, in turn with the default queue and the naive queue: ordering[:KEYS] "
+        "(ordering per key, every push naming one of KEYS keys in turn, default 1000), dedup (a "
+        "deduplication key on every message, none repeated), ttl (a queue ttl every message carries)",
+    )
+    ap.add_argument(
         "--rows-capacity",
         type=int,
         help="pushes a ring-rows queue holds, a multiple of 4 (default: twice the pushes of the backlog "
@@ -751,6 +802,20 @@ def check_designs(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None
         ap.error("--groups must be >= 1, and above 1 only with --design ring (and no other --also)")
     if args.also and (args.maintenance or args.with_maintenance or args.recycle_interval):
         ap.error("--also goes without --maintenance, --with-maintenance and --recycle-interval")
+    for f in args.feature:
+        try:
+            split_feature(f"table+{f}")
+        except ValueError as exc:
+            ap.error(f"--feature {exc}")
+    if args.feature and (
+        args.design != "table" or args.maintenance or args.with_maintenance or args.recycle_interval
+    ):
+        ap.error(
+            "--feature goes with --design table, without --maintenance, --with-maintenance and "
+            "--recycle-interval"
+        )
+    if len(set(args.feature)) != len(args.feature):
+        ap.error("--feature names each feature once")
 
 
 def check_window(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -848,7 +913,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["pooler"] = args.pooler
                 all_valid &= row["valid"]
                 print(json.dumps(row) if args.json else table_row(row), flush=True)
-                if row.get("also") and not args.json:
+                if (row.get("also") or row.get("features")) and not args.json:
                     print(also_lines(row), flush=True)
                 if args.hold_horizon and not args.json:
                     print(hold_table(row), flush=True)

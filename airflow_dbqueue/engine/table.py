@@ -69,8 +69,9 @@ class TableQueue(BatchLedger):
         # The DbQueue's partition recycling (None: off), told of every push, pop and ack: it runs a
         # pass about a second after work, on a connection of its own.
         self.recycler: AutoRecycler | None = None
-        # A queue whose messages may expire (created with a ttl) or that is ordered per key claims with
-        # the statements that check both (the *_with queries); every other queue's claims check neither.
+        # A queue whose messages may expire (created with a ttl) or that is ordered per key claims, acks
+        # and nacks with the statements that read and keep its messages' meta_opt rows (the *_with
+        # queries); every other queue's have none, and its statements touch no meta_opt row.
         self._checks: dict[str, bool] | None = None
         if settings.ttl_s is not None or settings.ordering is Ordering.PER_KEY:
             self._checks = {
@@ -285,7 +286,7 @@ class TableQueue(BatchLedger):
         }
         try:  # guarded: a lost lease must leave the caller's transaction usable
             with self._db.guarded(conn) as c:
-                done = self._db.fetchall("ack", params, c)
+                done = self._db.fetchall("ack" if self._checks is None else "ack_with", params, c)
         except ReceiptsNotHeldError:  # the statement changed nothing
             done = []
         if len(done) != len(ids):
@@ -326,7 +327,7 @@ class TableQueue(BatchLedger):
             "max_attempts": self.settings.max_attempts,
             "error": error,
         }
-        done = self._db.fetchall("nack", params, conn)
+        done = self._db.fetchall("nack" if self._checks is None else "nack_with", params, conn)
         if len(done) != len(ids):
             self._raise_lost(ids, deliveries, conn)
         return len(done)
@@ -359,7 +360,8 @@ class TableQueue(BatchLedger):
     # -- inspect and administer --------------------------------------------------------------------
 
     def peek(self, n: int = 10) -> list[Message]:
-        rows = self._db.fetchall("peek", {"queue_id": self._qid, "n": _check_batch_size(n)})
+        params = {"queue_id": self._qid, "n": _check_batch_size(n), "opts": self._checks is not None}
+        rows = self._db.fetchall("peek", params)
         return self._messages(rows)
 
     def count_ready(self, min_priority: int | None = None, cap: int = COUNT_CAP) -> int:
@@ -372,6 +374,7 @@ class TableQueue(BatchLedger):
             "min_priority": _PRIORITY_MIN if min_priority is None else min_priority,
             "cap": cap,
             "max_attempts": self.settings.max_attempts,
+            "opts": self._checks is not None,  # whether its messages may have meta_opt rows to check
         }
 
     @staticmethod

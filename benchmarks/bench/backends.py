@@ -7,6 +7,8 @@ their statements run with plain psycopg.
 from __future__ import annotations
 
 import dataclasses
+import random
+import uuid
 from typing import Any, Protocol
 
 import psycopg
@@ -26,6 +28,28 @@ RING_ROWS = "ring-rows"
 ENGINE_DESIGNS: tuple[str, ...] = ("table", "ring", RING_ROWS)
 ALL_DESIGNS = ("table", "ring", RING_ROWS, BASELINE, PGMQ)
 QUEUE_NAME = "bench_q"
+# The table design's push options run.py --feature measures, each on every message of a queue of its own
+# (named "table+FEATURE" among the run's designs): ordering per key over N keys ("ordering:N"), a
+# deduplication key, a queue ttl.
+FEATURES = ("ordering", "dedup", "ttl")
+ORDERING_KEYS = 1000
+"""The keys of ``ordering`` without ``:N``."""
+
+
+def split_feature(name: str) -> tuple[str, str, int]:
+    """A measured design's name as (design, feature, ordering keys): ``table+ordering:10`` is
+    ("table", "ordering", 10), ``table+dedup`` ("table", "dedup", 0), ``ring`` ("ring", "none", 0).
+    Raises ValueError for a feature that is not one of ``FEATURES`` or a key count below 1."""
+    design, plus, feature = name.partition("+")
+    if not plus:
+        return design, "none", 0
+    feature, colon, count = feature.partition(":")
+    if feature not in FEATURES or (colon and feature != "ordering"):
+        raise ValueError(f"{name!r}: a feature is ordering[:KEYS], dedup or ttl")
+    keys = (int(count) if colon else ORDERING_KEYS) if feature == "ordering" else 0
+    if feature == "ordering" and keys < 1:
+        raise ValueError(f"{name!r}: ordering needs at least 1 key")
+    return design, feature, keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +82,11 @@ class Target:
     recycle_interval: float | None = 1.0
     """Each engine process's own partition recycling (``DbQueue(recycle_interval=...)``, the engine's
     default 1 s; ``None``: off), as a deployment runs it."""
+    feature: str = "none"
+    """The table design's push option on every message (``FEATURES``; "none": no option): the queue
+    is created for it (ordering per key, a ttl) and every push carries it."""
+    ordering_keys: int = 0
+    """With ``feature`` "ordering": how many keys the pushes name in turn."""
 
     def engine(self, pool_size: int) -> DbQueue:
         """The engine on this target's queue schema, as a deployment on this topology configures it."""
@@ -130,12 +159,18 @@ def setup_target(target: Target) -> None:
                 capacity=target.capacity,
             )
             return
+        options: dict[str, Any] = {}
+        if target.feature == "ordering":
+            options["ordering"] = "per_key"
+        elif target.feature == "ttl":  # an hour: every message carries it, none expires in a run
+            options["ttl"] = 3600.0
         dbq.create_queue(
             QUEUE_NAME,
             design=target.design,
             payload_type="bytes",
             notify=target.notify,
             archive=target.archive,
+            **options,
         )
 
 
@@ -190,9 +225,25 @@ class EngineBackend:
         self.semantics = target.semantics
         self.lease = target.lease
         self.payloads_only = not target.lease and target.pop_api == "payloads"
+        self.feature = target.feature
+        self.keys = target.ordering_keys
+        # Ordering keys: each producer names the keys in turn from a start of its own, so that two
+        # producers' batches do not begin on the same keys. Deduplication keys: none repeats.
+        self.sent = random.randrange(self.keys) if self.feature == "ordering" else 0
+        self.tag = uuid.uuid4().hex
 
     def push(self, payloads: list[bytes]) -> None:
-        self.queue.push_batch(payloads)
+        if self.feature == "none":
+            self.queue.push_batch(payloads)
+            return
+        n, at = len(payloads), self.sent
+        self.sent += n
+        if self.feature == "ordering":
+            self.queue.push_batch(payloads, keys=[f"k{(at + i) % self.keys}" for i in range(n)])
+        elif self.feature == "dedup":
+            self.queue.push_batch(payloads, dedup_keys=[f"{self.tag}-{at + i}" for i in range(n)])
+        else:  # ttl: the queue's, which every push carries
+            self.queue.push_batch(payloads)
 
     def pop(self, n: int) -> tuple[list[bytes], Any]:
         if self.payloads_only:

@@ -93,7 +93,8 @@ def table_row(r: dict[str, Any]) -> str:
 
 def also_lines(r: dict[str, Any]) -> str:
     """One line per design of ``--also`` at a point, under its row: cycles/s, against the naive queue,
-    sizes, dead tuples and whether what went in came out once, unchanged."""
+    sizes, dead tuples and whether what went in came out once, unchanged; and one per ``--feature``,
+    against the default queue of the same runs."""
     lines = []
     for name, f in r.get("also", {}).items():
         ratio = "-" if f["ratio"] is None else f"{f['ratio']:.2f}"
@@ -102,6 +103,12 @@ def also_lines(r: dict[str, Any]) -> str:
             f"dup {f['duplicated']}, corrupt {f['corrupt']}, table MB "
             f"{f['table_bytes_start'] / 1e6:.0f}>{f['table_bytes'] / 1e6:.0f}, dead tup {f['dead_tuples']}, "
             f"{'ok' if f['valid'] else 'INVALID'}"
+        )
+    for name, f in r.get("features", {}).items():
+        ratio = "-" if f["ratio_to_table"] is None else f"{f['ratio_to_table']:.2f}"
+        lines.append(
+            f"  feature {name}: {f['cycles_per_s']:,.0f} cycles/s ({ratio}x the default queue), lost "
+            f"{f['lost']}, dup {f['duplicated']}, corrupt {f['corrupt']}, {'ok' if f['valid'] else 'INVALID'}"
         )
     return "\n".join(lines)
 

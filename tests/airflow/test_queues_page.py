@@ -479,7 +479,9 @@ def test_the_page_in_a_headless_browser(server: Server) -> None:  # noqa: PLR091
         # A queue with a time to live, two of whose three messages expired and were swept to failed.
         quotes = dbq.create_queue("page_quotes", ttl=3600)
         ids = quotes.push_batch(["q0", "q1", "q2"])
-        run_sql(dbq, "UPDATE {schema}.meta SET expires_at = now() WHERE id = ANY (%(ids)s)", {"ids": ids[:2]})
+        run_sql(
+            dbq, "UPDATE {schema}.meta_opt SET expires_at = now() WHERE id = ANY (%(ids)s)", {"ids": ids[:2]}
+        )
         assert quotes.maintain()["expired"] == 2
         assert checksum([m.payload for m in quotes.list_failed()]) == checksum(["q0", "q1"])
         assert quotes.stats().extra == {"expired": 2} and [m.payload for m in quotes.peek(10)] == ["q2"]

@@ -16,9 +16,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import psycopg
 import pytest
 
-from tests.helpers import load_benchmark, require
+from tests.helpers import checksum, load_benchmark, require
 from tests.pgbouncer import find_pgbouncer
 
 pytestmark = pytest.mark.integration
@@ -421,3 +422,93 @@ def test_run_check_counts_a_lost_a_duplicated_and_a_corrupt_message() -> None:
     for counts in ({"lost": 1}, {"duplicated": 1}, {"corrupt": 1}, {"left_in_queue": 1}):
         assert not _result(run, **counts).valid, counts
         assert not run.combine([_result(run), _result(run, **counts)]).valid, counts
+
+
+def test_a_point_with_each_feature_of_the_table_design_in_one_run(pg_dsn: str) -> None:
+    """--feature measures the table design's push options, each a queue of its own in the same run as
+    the default queue and the naive queue: every run valid (what went in came out once, unchanged), and
+    each feature's cycles/s put against the default queue's."""
+    features = ["ordering:3", "ordering:1000", "dedup", "ttl"]
+    proc = _run(
+        pg_dsn,
+        *("--design", "table", "--producers", "1", "--consumers", "1", "--batch", "20"),
+        *("--seconds", "1", "--warmup", "0.2", "--json", "--semantics", "at-least-once"),
+        *("--feature", *features),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [line] = [line for line in proc.stdout.splitlines() if line.strip()]
+    point: dict[str, Any] = json.loads(line)
+    assert point["valid"] is True and list(point["features"]) == features
+    for name, f in point["features"].items():
+        assert (f["lost"], f["duplicated"], f["corrupt"], f["left_in_queue"]) == (0, 0, 0, 0), name
+        assert f["valid"] is True and f["popped"] >= f["pushed"] > 0, (name, f)
+        # against the default queue's cycles/s (both reported rounded to 0.1)
+        assert f["ratio_to_table"] == pytest.approx(f["cycles_per_s"] / point["cycles_per_s"], abs=0.002), (
+            name,
+            f,
+        )
+
+
+@pytest.mark.parametrize("bad", ["ordering:0", "dedup:3", "keys"])
+def test_a_feature_that_is_not_one_is_refused(pg_dsn: str, bad: str) -> None:
+    proc = _run(pg_dsn, "--design", "table", "--producers", "1", "--seconds", "1", "--feature", bad)
+    assert proc.returncode == 2 and "--feature" in proc.stderr, proc.stderr
+    assert proc.stdout == ""
+
+
+def test_a_feature_queue_is_made_and_pushed_to_with_its_option(pg_dsn: str) -> None:
+    """What run.py's workers do on a feature's queue (bench.backends): the queue is created for it, and
+    every push carries it. Ordering over 2 keys: a pop at least once of all 8 pushed takes only the 2
+    heads; deduplication: every message has its key in the queue's window (the same push again adds
+    nothing); ttl: every message expires (the queue's default, an hour)."""
+    load_benchmark("run")  # puts bench on the path of the modules it imports
+    backends = sys.modules["bench.backends"]
+    for feature, keys in (("ordering", 2), ("dedup", 0), ("ttl", 0)):
+        target = backends.Target(
+            design="table",
+            dsn=pg_dsn,
+            schema=f"bench_feat_{feature}",
+            semantics="at-least-once",
+            archive=False,
+            notify="never",
+            feature=feature,
+            ordering_keys=keys,
+        )
+        backends.setup_target(target)
+        try:
+            producer = backends.open_backend(target, "producer")
+            sent = [f"m{i}".encode() for i in range(8)]
+            producer.push(sent)
+            with target.engine(1) as dbq:
+                q = dbq.queue(backends.QUEUE_NAME)
+                st = q.stats()
+                assert st.ready == 8, (feature, st)
+                if feature == "ordering":
+                    first = q.pop(10, semantics="at-least-once")
+                    # m0 and m1 name the two keys; m2..m7 wait behind them
+                    assert sorted(m.payload for m in first) == [b"m0", b"m1"], (feature, first)
+                    q.ack(first)
+                elif feature == "dedup":
+                    producer.sent = 0  # the same keys again: the window returns the first pushes' ids
+                    producer.push(sent)
+                    assert q.stats().ready == 8
+                else:
+                    assert q.settings.ttl_s == 3600.0
+                    with psycopg.connect(pg_dsn) as c:
+                        n = c.execute(
+                            "SELECT count(*) FROM bench_feat_ttl.meta_opt WHERE expires_at IS NOT NULL"
+                        ).fetchone()
+                    assert n == (8,)
+                got = []
+                while batch := q.pop(10, semantics="at-most-once"):
+                    got.extend(m.payload for m in batch)
+                if feature == "ordering":
+                    got += [m.payload for m in first]
+                texts = [p.decode() for p in got]
+                assert len(got) == len(sent) and checksum(texts) == checksum(p.decode() for p in sent), (
+                    feature
+                )
+            producer.close()
+        finally:
+            backends.teardown_target(target)

@@ -22,7 +22,10 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.integration
 
-AGE = "UPDATE {schema}.meta SET expires_at = now() + make_interval(secs => %(left)s) WHERE id = ANY (%(ids)s)"
+AGE = (
+    "UPDATE {schema}.meta_opt SET expires_at = now() + make_interval(secs => %(left)s) "
+    "WHERE id = ANY (%(ids)s)"
+)
 """Set the messages' expiry relative to the server's clock: the boundary is then exact."""
 
 
@@ -70,7 +73,7 @@ def test_the_boundary_of_a_queues_ttl(dbq: DbQueue) -> None:
     q = dbq.create_queue("q", ttl=3600)
     assert q.settings.ttl_s == 3600 and q.settings.on_expiry is OnExpiry.FAIL
     ids = q.push_batch(["a", "b", "c"])
-    assert run_sql(dbq, "SELECT count(*) FROM {schema}.meta WHERE expires_at IS NOT NULL") == [(3,)]
+    assert run_sql(dbq, "SELECT count(*) FROM {schema}.meta_opt WHERE expires_at IS NOT NULL") == [(3,)]
     with dbq.transaction() as conn:  # one now() for all: "a" has a microsecond left, "b" none
         run_sql(dbq, AGE, {"left": 0.000001, "ids": ids[:1]}, conn)
         run_sql(dbq, AGE, {"left": 0.0, "ids": ids[1:2]}, conn)

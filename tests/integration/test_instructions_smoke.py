@@ -84,6 +84,37 @@ def test_short_run_counts_each_feature_of_the_table_design() -> None:
         assert rows[f]["push_instructions"] > rows["none"]["push_instructions"], (f, rows)
 
 
+@pytest.mark.parametrize("semantics", ["at-most-once", "at-least-once"])
+def test_short_run_counts_ordering_per_key_over_each_number_of_keys(semantics: str) -> None:
+    """--ordering-keys counts ordering per key once a number of keys, each a row naming it: over 3 keys
+    a pop of 10 gets at most 3 messages, and the pop session pops on until it has every message its push
+    session sent (the script's check of what came out, counted and checksummed, fails otherwise)."""
+    require(None if shutil.which("valgrind") else "valgrind is not installed", "apt-get install valgrind")
+    proc = subprocess.run(
+        [
+            *(sys.executable, str(INSTRUCTIONS_PY), "--design", "table", "--batch", "10", "--calls", "2"),
+            *("--json", "--feature", "none", "ordering", "--ordering-keys", "3", "1000"),
+            *("--semantics", semantics),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)
+    assert [(r["feature"], r["ordering_keys"]) for r in rows] == [
+        ("none", None),
+        ("ordering", 3),
+        ("ordering", 1000),
+    ]
+    for r in rows:
+        assert r["push_instructions"] > 1000 and r["pop_instructions"] > 1000, r
+        assert r["semantics"] == semantics
+    assert all(r["push_instructions"] > rows[0]["push_instructions"] for r in rows[1:]), rows
+
+
 def test_short_client_run_counts_the_client_of_the_ring_and_of_the_naive_queue() -> None:
     """--client runs every session in a Python of its own under cachegrind: the client's count of each
     side is there for the engine and for the naive queue, and grows with the work."""

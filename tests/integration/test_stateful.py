@@ -8,8 +8,8 @@ place) must equal the model.
 
 ``KeyedQueueMachine`` runs the same rules on a queue created with a time to live and
 ``ordering="per_key"``, with pushes that carry ordering keys and deduplication keys, and rules that let
-messages expire (their ``expires_at`` rewritten into the past) and sweep them; its model hands out only
-the head of each key and no expired message, and answers a known deduplication key with its first id.
+messages expire (their ``meta_opt.expires_at`` rewritten into the past) and sweep them; its model hands
+out only the head of each key and no expired message, and answers a known deduplication key with its first id.
 
 Model order. A ready message is ordered by ``(-priority, process_at, id)``. Every delay here is 0, so
 ``process_at`` is ``now()`` of the statement that last made the message ready (push, nack with
@@ -532,9 +532,9 @@ class KeyedQueueMachine(QueueMachine):
         live = sorted((e for e in self._in(READY) if not e.past_ttl), key=lambda e: e.id)
         chosen = data.draw(st.lists(st.sampled_from(live), min_size=1, unique_by=lambda e: e.id))
         self.admin.execute(
-            sql.SQL("UPDATE {s}.meta SET expires_at = now() - interval '1 s' WHERE id = ANY(%(ids)s)").format(
-                s=sql.Identifier(self.dbq.schema)
-            ),
+            sql.SQL(
+                "UPDATE {s}.meta_opt SET expires_at = now() - interval '1 s' WHERE id = ANY(%(ids)s)"
+            ).format(s=sql.Identifier(self.dbq.schema)),
             {"ids": [e.id for e in chosen]},
         )
         for e in chosen:

@@ -120,6 +120,7 @@ def test_the_table_design_maintenance_and_the_ring_are_fully_ported() -> None:
     the upkeep skips them)."""
     missing = {"push_with", "forget_dedup", "expire_fail", "expire_drop", "count_expired"}
     missing |= {"pop_lease_with", "pop_take_with", "pop_take_payloads_with", "claim_batch_with"}
+    missing |= {"ack_with", "nack_with"}
     assert set(NOT_YET_PORTED) == missing and not MssqlDatabase.push_options
     ring = {n for n in load_queries(PG, "queries") if n.startswith("ring_")} - POSTGRES_ONLY.keys()
     assert len(ring) == 33 and RING_GROUP_QUERIES | RING_BATCH_QUERIES <= ring <= set(

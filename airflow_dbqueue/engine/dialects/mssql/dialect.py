@@ -76,15 +76,24 @@ NOT_YET_PORTED: dict[str, str] = {
         for name in ("push_with", "forget_dedup")
     },
     **{
-        name: "expiry (ttl) needs meta.expires_at, claims that pass expired rows and a sweep; this dialect "
+        name: "expiry (ttl) needs a meta_opt table of expiries, claims that pass expired rows and a sweep; "
+        "this dialect "
         "has none of them (push_options = False): create_queue(ttl=...) and push(ttl=...) raise "
         "NotSupportedError"
         for name in ("expire_fail", "expire_drop", "count_expired")
     },
     **{
-        name: "the claims of a queue with a ttl or ordered per key (which check expiry and ordering keys); "
-        "this dialect refuses such queues (push_options = False), so nothing runs them"
-        for name in ("pop_lease_with", "pop_take_with", "pop_take_payloads_with", "claim_batch_with")
+        name: "the claims, acks and nacks of a queue with a ttl or ordered per key (which check and keep "
+        "its messages' meta_opt rows); this dialect refuses such queues (push_options = False), so nothing "
+        "runs them"
+        for name in (
+            "pop_lease_with",
+            "pop_take_with",
+            "pop_take_payloads_with",
+            "claim_batch_with",
+            "ack_with",
+            "nack_with",
+        )
     },
 }
 """Named queries of the PostgreSQL dialect that this dialect does not have yet, with what they need.

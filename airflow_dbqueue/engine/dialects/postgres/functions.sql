@@ -78,10 +78,9 @@ BEGIN
             IF cardinality(p_payloads) = 1 THEN
                 RETURN QUERY
                 INSERT INTO {schema}.meta (id, queue_id, state, priority, attempts, process_at, enqueued_at,
-                    lease_until, consumer, last_error, deliveries, payload, gen, expires_at, okey)
+                    lease_until, consumer, last_error, deliveries, payload, gen)
                 SELECT x.id, x.queue_id, 0::smallint, p_priority, 0, v_at, now(),
-                       NULL::timestamptz, NULL::text, NULL::text, 0, p_payloads[1], ((x.id >> 14) & 7)::smallint,
-                       NULL::timestamptz, NULL::text
+                       NULL::timestamptz, NULL::text, NULL::text, 0, p_payloads[1], ((x.id >> 14) & 7)::smallint
                 FROM (SELECT nextval('{schema}.message_id_seq') AS id, q.queue_id FROM {schema}.queues q
                       WHERE q.queue_id = p_queue_id) x
                 RETURNING id;
@@ -92,10 +91,9 @@ BEGIN
                 -- flattened into its parent, so the id is taken once a row and gen computed from it).
                 RETURN QUERY
                 INSERT INTO {schema}.meta (id, queue_id, state, priority, attempts, process_at, enqueued_at,
-                    lease_until, consumer, last_error, deliveries, payload, gen, expires_at, okey)
+                    lease_until, consumer, last_error, deliveries, payload, gen)
                 SELECT y.id, y.queue_id, 0::smallint, p_priority, 0, v_at, now(),
-                       NULL::timestamptz, NULL::text, NULL::text, 0, y.payload, ((y.id >> 14) & 7)::smallint,
-                       NULL::timestamptz, NULL::text
+                       NULL::timestamptz, NULL::text, NULL::text, 0, y.payload, ((y.id >> 14) & 7)::smallint
                 FROM (SELECT nextval('{schema}.message_id_seq') AS id, x.queue_id, x.payload
                       FROM (SELECT q.queue_id, unnest(p_payloads) AS payload FROM {schema}.queues q
                             WHERE q.queue_id = p_queue_id) x) y
@@ -187,7 +185,8 @@ $$;
 -- is ordered with no other) on a queue ordered per key (see table_take and below);
 -- p_keys (NULL: none) are deduplication keys, p_keys[i] the key of p_payloads[i], distinct (the client
 -- maps a key repeated within a batch to its first occurrence); p_ttl_s (NULL: none) is the messages'
--- time to live from now (meta.expires_at). Rows (r_id, r_new) in payload order: r_new when this call
+-- time to live from now (meta_opt.expires_at). A message with a time to live or an ordering key gets
+-- its meta_opt row (schema.sql) in the same statement as its meta row. Rows (r_id, r_new) in payload order: r_new when this call
 -- pushed the message, otherwise r_id is the message that the key's first push within the queue's
 -- dedup_window_s made (whether or not it was consumed since), and nothing was written for it. None when
 -- the queue does not exist. The queue's push lock and its row are taken as in table_push().
@@ -211,6 +210,7 @@ DECLARE
     v_locked text;
     v_window double precision;
     v_expires timestamptz := now() + make_interval(secs => p_ttl_s);
+    v_at timestamptz := now() + make_interval(secs => p_delay_s);
 BEGIN
     v_locked := pg_advisory_xact_lock_shared(hashtext('dbqueue.queue.' || '{schema}'), p_queue_id)::text;
     IF current_setting('transaction_isolation') = 'read committed' THEN
@@ -232,19 +232,28 @@ BEGIN
     END IF;
     IF p_keys IS NULL AND p_notify = 0
        AND (SELECT max(octet_length(u.payload)) FROM unnest(p_payloads) AS u(payload)) <= 1900 THEN
-        -- Without deduplication keys every message is new: one INSERT as table_push()'s, with the
-        -- expiry and the ordering keys, instead of the statement below, whose CTEs store every row
-        -- (about 20,000 instructions a message at batch 100). unnest() in a select list: two arrays
-        -- of different lengths give NULLs for the shorter, so no ordering keys give okey NULL.
+        -- Without deduplication keys every message is new: the meta rows by one INSERT as
+        -- table_push()'s, and the meta_opt rows of those with an expiry or an ordering key from the ids
+        -- it returns, instead of the statement below, whose CTEs store every row. unnest() in a select
+        -- list: two arrays of different lengths give NULLs for the shorter, so no ordering keys give okey
+        -- NULL; and the RETURNING rows come in the order of the rows inserted, which is payload order.
         RETURN QUERY
-        INSERT INTO {schema}.meta (id, queue_id, state, priority, attempts, process_at, enqueued_at,
-            lease_until, consumer, last_error, deliveries, payload, gen, expires_at, okey)
-        SELECT y.id, p_queue_id, 0::smallint, p_priority, 0, now() + make_interval(secs => p_delay_s), now(),
-               NULL::timestamptz, NULL::text, NULL::text, 0, y.payload, ((y.id >> 14) & 7)::smallint,
-               v_expires, y.okey
-        FROM (SELECT nextval('{schema}.message_id_seq') AS id, x.payload, x.okey
-              FROM (SELECT unnest(p_payloads) AS payload, unnest(coalesce(p_okeys, ARRAY[]::text[])) AS okey) x) y
-        RETURNING id, true;
+        WITH m AS (
+            INSERT INTO {schema}.meta (id, queue_id, state, priority, attempts, process_at, enqueued_at,
+                lease_until, consumer, last_error, deliveries, payload, gen)
+            SELECT y.id, p_queue_id, 0::smallint, p_priority, 0, v_at, now(),
+                   NULL::timestamptz, NULL::text, NULL::text, 0, y.payload, ((y.id >> 14) & 7)::smallint
+            FROM (SELECT nextval('{schema}.message_id_seq') AS id, x.payload
+                  FROM (SELECT unnest(p_payloads) AS payload) x) y
+            RETURNING id
+        ), o AS (
+            INSERT INTO {schema}.meta_opt (queue_id, id, priority, process_at, expires_at, okey)
+            SELECT p_queue_id, k.id, p_priority, v_at, v_expires, k.okey
+            FROM (SELECT unnest(ARRAY(SELECT m.id FROM m)) AS id,
+                         unnest(coalesce(p_okeys, ARRAY[]::text[])) AS okey) k
+            WHERE v_expires IS NOT NULL OR k.okey IS NOT NULL
+        )
+        SELECT m.id, true FROM m;
         RETURN;
     END IF;
     RETURN QUERY
@@ -264,12 +273,14 @@ BEGIN
         SELECT i.ord, i.payload, i.okey, coalesce(c.id, i.id) AS id, c.id IS NULL OR c.id = i.id AS new
         FROM input i LEFT JOIN claimed c ON c.dedup_key = i.dedup_key
     ), m AS (
-        INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload, gen, expires_at,
-            okey)
-        SELECT r.id, p_queue_id, p_priority, now() + make_interval(secs => p_delay_s), now(),
-               CASE WHEN octet_length(r.payload) <= 1900 THEN r.payload END, ((r.id >> 14) & 7)::smallint,
-               v_expires, r.okey
+        INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload, gen)
+        SELECT r.id, p_queue_id, p_priority, v_at, now(),
+               CASE WHEN octet_length(r.payload) <= 1900 THEN r.payload END, ((r.id >> 14) & 7)::smallint
         FROM result r WHERE r.new
+    ), o AS (
+        INSERT INTO {schema}.meta_opt (queue_id, id, priority, process_at, expires_at, okey)
+        SELECT p_queue_id, r.id, p_priority, v_at, v_expires, r.okey
+        FROM result r WHERE r.new AND (v_expires IS NOT NULL OR r.okey IS NOT NULL)
     ), dd AS (
         INSERT INTO {schema}.data (id, queue_id, payload, gen)
         SELECT r.id, p_queue_id, r.payload, ((r.id >> 14) & 7)::smallint FROM result r
@@ -479,9 +490,11 @@ $$;
 -- ordered per key (p_per_key). The client calls it only for such a queue, so that table_take()'s claim,
 -- which every other queue's pops run, evaluates neither check. Besides the rows table_take() skips, it
 -- skips rows whose time to live has passed (left to the expiry sweep) and rows whose ordering key has
--- an earlier message (a smaller id) ready, delayed or in flight (state < 2; the row of a take not
--- committed yet still counts, as every other transaction still sees it), found through meta_key_idx.
--- Otherwise as table_take(): generic plans, rows in claim order without a sort.
+-- an earlier message (a smaller id) ready, delayed or in flight: a meta_opt row of the key with a smaller
+-- id (meta_opt_key_idx) whose meta row is not failed (meta_failed_idx); the rows of a take not committed
+-- yet still count, as every other transaction still sees them. Each candidate with no meta_opt row costs
+-- one probe of meta_opt_pkey. It deletes the meta_opt rows of what it takes. Otherwise as table_take():
+-- generic plans, rows in claim order without a sort.
 CREATE OR REPLACE FUNCTION {schema}.table_take_with(
     p_queue_id integer, p_n integer, p_archive boolean, p_expiring boolean, p_per_key boolean)
 RETURNS TABLE (r_id bigint, r_priority smallint, r_attempts integer, r_deliveries integer,
@@ -496,9 +509,13 @@ BEGIN
             USING (
                 SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
                 WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
-                  AND (NOT p_expiring OR s.expires_at IS NULL OR s.expires_at > now())
-                  AND (NOT p_per_key OR s.okey IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.meta e
-                      WHERE e.queue_id = s.queue_id AND e.okey = s.okey AND e.id < s.id AND e.state < 2))
+                  AND NOT EXISTS (SELECT 1 FROM {schema}.meta_opt o
+                      WHERE o.queue_id = s.queue_id AND o.id = s.id
+                        AND ((p_expiring AND o.expires_at <= now())
+                             OR (p_per_key AND o.okey IS NOT NULL AND EXISTS (SELECT 1 FROM {schema}.meta_opt e
+                                 WHERE e.queue_id = o.queue_id AND e.okey = o.okey AND e.id < o.id
+                                   AND NOT EXISTS (SELECT 1 FROM {schema}.meta f
+                                       WHERE f.queue_id = e.queue_id AND f.id = e.id AND f.state = 2)))))
                 ORDER BY s.priority DESC, s.process_at, s.id
                 LIMIT p_n
                 FOR UPDATE SKIP LOCKED) c
@@ -508,28 +525,42 @@ BEGIN
         ), kept AS (
             INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload, gen)
             SELECT t.id, t.queue_id, t.priority, t.attempts, t.enqueued_at, 1, t.payload, t.gen FROM taken t
+        ), opt AS (
+            DELETE FROM {schema}.meta_opt o
+            WHERE o.queue_id = p_queue_id AND o.id = ANY (ARRAY(SELECT t.id FROM taken t))
         )
         SELECT t.id, t.priority, t.attempts, t.deliveries, t.enqueued_at, NULL::timestamptz,
                coalesce(t.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = t.id AND d.gen = t.gen))
         FROM taken t;
     ELSE
-        -- Rows straight from the DELETE: a CTE would copy each into a store and read it back (about
-        -- 3,400 instructions a message at batch 100). A payload in data is taken (read and deleted) by
-        -- data_take_of(), which coalesce() calls only for a row without a payload of its own.
+        -- The meta_opt rows of the messages taken go with them (a CTE, which table_take() does without).
+        -- A payload in data is taken (read and deleted) by data_take_of(), which coalesce() calls only
+        -- for a row without a payload of its own.
         RETURN QUERY
-        DELETE FROM {schema}.meta m
-        USING (
-            SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
-            WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
-              AND (NOT p_expiring OR s.expires_at IS NULL OR s.expires_at > now())
-              AND (NOT p_per_key OR s.okey IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.meta e
-                  WHERE e.queue_id = s.queue_id AND e.okey = s.okey AND e.id < s.id AND e.state < 2))
-            ORDER BY s.priority DESC, s.process_at, s.id
-            LIMIT p_n
-            FOR UPDATE SKIP LOCKED) c
-        WHERE m.gen = c.gen AND m.ctid = c.tid
-        RETURNING m.id, m.priority, m.attempts + 1, m.deliveries + 1, m.enqueued_at, NULL::timestamptz,
-                  coalesce(m.payload, {schema}.data_take_of(m.id, m.gen));
+        WITH taken AS (
+            DELETE FROM {schema}.meta m
+            USING (
+                SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
+                WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
+                  AND NOT EXISTS (SELECT 1 FROM {schema}.meta_opt o
+                      WHERE o.queue_id = s.queue_id AND o.id = s.id
+                        AND ((p_expiring AND o.expires_at <= now())
+                             OR (p_per_key AND o.okey IS NOT NULL AND EXISTS (SELECT 1 FROM {schema}.meta_opt e
+                                 WHERE e.queue_id = o.queue_id AND e.okey = o.okey AND e.id < o.id
+                                   AND NOT EXISTS (SELECT 1 FROM {schema}.meta f
+                                       WHERE f.queue_id = e.queue_id AND f.id = e.id AND f.state = 2)))))
+                ORDER BY s.priority DESC, s.process_at, s.id
+                LIMIT p_n
+                FOR UPDATE SKIP LOCKED) c
+            WHERE m.gen = c.gen AND m.ctid = c.tid
+            RETURNING m.id, m.priority, m.attempts + 1 AS attempts, m.deliveries + 1 AS deliveries, m.enqueued_at,
+                      coalesce(m.payload, {schema}.data_take_of(m.id, m.gen)) AS payload
+        ), opt AS (
+            DELETE FROM {schema}.meta_opt o
+            WHERE o.queue_id = p_queue_id AND o.id = ANY (ARRAY(SELECT t.id FROM taken t))
+        )
+        SELECT t.id, t.priority, t.attempts, t.deliveries, t.enqueued_at, NULL::timestamptz, t.payload
+        FROM taken t;
     END IF;
 END
 $$;
@@ -552,9 +583,13 @@ BEGIN
     FROM (
         SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
         WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
-          AND (NOT p_expiring OR s.expires_at IS NULL OR s.expires_at > now())
-          AND (NOT p_per_key OR s.okey IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.meta e
-              WHERE e.queue_id = s.queue_id AND e.okey = s.okey AND e.id < s.id AND e.state < 2))
+          AND NOT EXISTS (SELECT 1 FROM {schema}.meta_opt o
+              WHERE o.queue_id = s.queue_id AND o.id = s.id
+                AND ((p_expiring AND o.expires_at <= now())
+                     OR (p_per_key AND o.okey IS NOT NULL AND EXISTS (SELECT 1 FROM {schema}.meta_opt e
+                         WHERE e.queue_id = o.queue_id AND e.okey = o.okey AND e.id < o.id
+                           AND NOT EXISTS (SELECT 1 FROM {schema}.meta f
+                               WHERE f.queue_id = e.queue_id AND f.id = e.id AND f.state = 2)))))
         ORDER BY s.priority DESC, s.process_at, s.id
         LIMIT p_n
         FOR UPDATE SKIP LOCKED) c
@@ -613,6 +648,70 @@ BEGIN
         ), dropped AS (
             DELETE FROM {schema}.data d
             WHERE d.id = ANY (ARRAY(SELECT a.id FROM acked a WHERE a.payload IS NULL))
+        ), checked AS (
+            SELECT CASE WHEN count(*) = cardinality(p_ids) THEN count(*)
+                        ELSE {schema}.receipts_not_held(cardinality(p_ids), count(*)) END AS n
+            FROM acked
+        )
+        SELECT a.id FROM acked a CROSS JOIN checked c;
+    END IF;
+END
+$$;
+
+-- table_ack() for a queue whose messages may expire or that is ordered per key (the client calls it only
+-- for such a queue): the acked messages' meta_opt rows are deleted with their meta rows.
+CREATE OR REPLACE FUNCTION {schema}.table_ack_with(
+    p_ids bigint[], p_deliveries integer[], p_queue_id integer, p_archive boolean)
+RETURNS SETOF bigint
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off AS $$
+BEGIN
+    IF p_archive THEN
+        RETURN QUERY
+        WITH acked AS (
+            DELETE FROM {schema}.meta m
+            USING (
+                SELECT h.gen, h.tid
+                FROM unnest(p_ids, p_deliveries) AS r(id, delivery)
+                CROSS JOIN LATERAL (
+                    SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
+                    WHERE s.id = r.id AND s.deliveries = r.delivery AND s.queue_id = p_queue_id
+                      AND s.lease_until > now()
+                    OFFSET 0) h) c
+            WHERE m.gen = c.gen AND m.ctid = c.tid
+            RETURNING m.id, m.queue_id, m.priority, m.attempts, m.enqueued_at, m.payload, m.gen
+        ), kept AS (
+            INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload, gen)
+            SELECT a.id, a.queue_id, a.priority, a.attempts, a.enqueued_at, 1, a.payload, a.gen FROM acked a
+        ), opt AS (
+            DELETE FROM {schema}.meta_opt o
+            WHERE o.queue_id = p_queue_id AND o.id = ANY (ARRAY(SELECT a.id FROM acked a))
+        ), checked AS (
+            SELECT CASE WHEN count(*) = cardinality(p_ids) THEN count(*)
+                        ELSE {schema}.receipts_not_held(cardinality(p_ids), count(*)) END AS n
+            FROM acked
+        )
+        SELECT a.id FROM acked a CROSS JOIN checked c;
+    ELSE
+        RETURN QUERY
+        WITH acked AS (
+            DELETE FROM {schema}.meta m
+            USING (
+                SELECT h.gen, h.tid
+                FROM unnest(p_ids, p_deliveries) AS r(id, delivery)
+                CROSS JOIN LATERAL (
+                    SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
+                    WHERE s.id = r.id AND s.deliveries = r.delivery AND s.queue_id = p_queue_id
+                      AND s.lease_until > now()
+                    OFFSET 0) h) c
+            WHERE m.gen = c.gen AND m.ctid = c.tid
+            RETURNING m.id, m.payload
+        ), dropped AS (
+            DELETE FROM {schema}.data d
+            WHERE d.id = ANY (ARRAY(SELECT a.id FROM acked a WHERE a.payload IS NULL))
+        ), opt AS (
+            DELETE FROM {schema}.meta_opt o
+            WHERE o.queue_id = p_queue_id AND o.id = ANY (ARRAY(SELECT a.id FROM acked a))
         ), checked AS (
             SELECT CASE WHEN count(*) = cardinality(p_ids) THEN count(*)
                         ELSE {schema}.receipts_not_held(cardinality(p_ids), count(*)) END AS n

@@ -17,6 +17,7 @@ from airflow_dbqueue.engine.dialects.indexes import IndexHealth, IndexStep, Inde
 
 TABLES = (
     "meta",
+    "meta_opt",
     "data",
     "done",
     "archive",

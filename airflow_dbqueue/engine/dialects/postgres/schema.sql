@@ -29,7 +29,7 @@ CREATE TABLE {schema}.owned_objects (
 -- ttl_s: the time to live of the queue's messages unless a push names another (NULL: none); on_expiry:
 -- what becomes of a message not popped by then, 'fail' (the failed state, last_error 'expired') or
 -- 'drop' (deleted, or kept in done as discarded where the queue archives). ordering: 'per_key' lets pushes
--- give messages an ordering key (meta.okey), 'none' does not.
+-- give messages an ordering key (meta_opt.okey), 'none' does not.
 CREATE TABLE {schema}.queues (
     queue_id integer GENERATED ALWAYS AS IDENTITY,
     name text NOT NULL,
@@ -99,12 +99,8 @@ CREATE SEQUENCE {schema}.message_id_seq AS bigint;
 -- statement that inserts or updates rows (about 53,600 instructions for the two, a fifth of a push of
 -- one). The state-machine tests check both rules after every step.
 -- gen: the message's generation (the partition it is in), see above.
--- expires_at: when a message pushed with a time to live expires (NULL: never). No claim takes a row whose
--- expires_at has passed, whatever its state says; the expiry sweep (expire_messages) then moves it to
--- failed or drops it, finding it through meta_expiring_idx, which holds only such messages.
--- okey: the ordering key of a message of a queue ordered per key (NULL: none). No claim takes a message
--- while a message of its key with a smaller id is ready, delayed or in flight (state < 2), looked up in
--- meta_key_idx, which holds only messages with a key.
+-- A message's time to live and ordering key are in meta_opt (below), not here: a queue that uses
+-- neither writes, reads and indexes nothing for them.
 CREATE TABLE {schema}.meta (
     id bigint NOT NULL,
     queue_id integer NOT NULL,
@@ -118,10 +114,40 @@ CREATE TABLE {schema}.meta (
     last_error text,
     deliveries integer NOT NULL DEFAULT 0,
     payload bytea,
-    gen smallint NOT NULL,
-    expires_at timestamptz,
-    okey text
+    gen smallint NOT NULL
 ) PARTITION BY LIST (gen);
+
+-- What only a message pushed with a time to live or an ordering key needs, one row a message of a queue
+-- created with a ttl or ordered per key, written by table_push_with() beside its meta row (only a message
+-- with neither has none). The row lives exactly as long as its meta row: every statement that deletes a
+-- meta row of such a queue (the pops at most once and the acks of the queues with options, the expiry
+-- sweep, delete_failed, drop_queue) deletes its meta_opt row in the same statement, so a meta_opt row is a
+-- message that is ready, delayed, in flight or failed.
+-- expires_at: when the message expires (NULL: never). No claim takes a ready row whose expires_at has
+-- passed; the expiry sweep (expire_fail, expire_drop) then moves it to failed or drops it, walking
+-- meta_opt_expiring_idx and finding its meta row through meta_ready_idx by (priority, process_at, id).
+-- priority and process_at are the meta row's, for that lookup, and are kept equal to it: pushes write
+-- both rows alike, and a nack or requeue of such a queue that makes the message ready again sets both
+-- (nack_with, requeue_failed); no other statement changes a ready message's process_at or priority (a
+-- reclaimed lease keeps its place; a move to another generation changes gen only).
+-- okey: the ordering key (NULL: none). No claim takes a message while a message of its key with a smaller
+-- id is ready, delayed or in flight: one whose meta_opt row exists (meta_opt_key_idx) and whose meta row
+-- is not failed (state 2, meta_failed_idx).
+CREATE TABLE {schema}.meta_opt (
+    queue_id integer NOT NULL,
+    id bigint NOT NULL,
+    priority smallint NOT NULL,
+    process_at timestamptz NOT NULL,
+    expires_at timestamptz,
+    okey text,
+    CONSTRAINT meta_opt_pkey PRIMARY KEY (queue_id, id)
+) WITH (autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000,
+        autovacuum_vacuum_insert_scale_factor = 0.05, autovacuum_analyze_scale_factor = 0.05,
+        autovacuum_vacuum_cost_delay = 0, vacuum_truncate = false);
+-- Messages with a time to live, by expiry, for the expiry sweep.
+CREATE INDEX meta_opt_expiring_idx ON {schema}.meta_opt (queue_id, expires_at) WHERE expires_at IS NOT NULL;
+-- A key's messages in push order, for the claims' check of an earlier message of the key.
+CREATE INDEX meta_opt_key_idx ON {schema}.meta_opt (queue_id, okey, id) WHERE okey IS NOT NULL;
 
 -- Payloads over 1900 bytes, apart from the dequeue path; read by id
 -- only after a claim, when the meta or done row has no payload of its own. gen: as the message's meta row.
@@ -174,10 +200,6 @@ BEGIN
             '{schema}', 'meta_leased_id_idx_' || g, 'meta_' || g);
         EXECUTE format('CREATE INDEX %2$I ON %1$s.%3$I (queue_id, id) WHERE state = 2',
             '{schema}', 'meta_failed_idx_' || g, 'meta_' || g);
-        EXECUTE format('CREATE INDEX %2$I ON %1$s.%3$I (queue_id, expires_at) WHERE expires_at IS NOT NULL',
-            '{schema}', 'meta_expiring_idx_' || g, 'meta_' || g);
-        EXECUTE format('CREATE INDEX %2$I ON %1$s.%3$I (queue_id, okey, id) WHERE okey IS NOT NULL',
-            '{schema}', 'meta_key_idx_' || g, 'meta_' || g);
         EXECUTE format('CREATE TABLE %1$s.%2$I PARTITION OF %1$s.data FOR VALUES IN (%3$s) WITH ('
             'autovacuum_vacuum_scale_factor = 0.02, autovacuum_vacuum_threshold = 1000, '
             'autovacuum_vacuum_insert_scale_factor = 0.05, vacuum_truncate = false)', '{schema}', 'data_' || g, g);
@@ -214,11 +236,6 @@ CREATE INDEX meta_leased_idx ON {schema}.meta (queue_id, lease_until) WHERE stat
 CREATE INDEX meta_leased_id_idx ON {schema}.meta (id) WHERE lease_until IS NOT NULL;
 -- Failed-message admin.
 CREATE INDEX meta_failed_idx ON {schema}.meta (queue_id, id) WHERE state = 2;
--- Messages with a time to live, by expiry, for the expiry sweep; a push without one writes no entry.
-CREATE INDEX meta_expiring_idx ON {schema}.meta (queue_id, expires_at) WHERE expires_at IS NOT NULL;
--- A key's messages in push order, for the claims' check of an earlier message of the key; a push
--- without a key writes no entry.
-CREATE INDEX meta_key_idx ON {schema}.meta (queue_id, okey, id) WHERE okey IS NOT NULL;
 
 -- data's key: a message's payload row by id (gen, the partition key, must be part of it).
 ALTER TABLE {schema}.data ADD CONSTRAINT data_pkey PRIMARY KEY (id, gen);

@@ -35,9 +35,13 @@ RETURNING batch_id, state, ids, deliveries, consumer, claimed_at, lease_until, f
 WITH picked AS (
     SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
     WHERE s.queue_id = %(queue_id)s AND s.state = 0 AND s.process_at <= now()
-      AND (NOT %(expiring)s OR s.expires_at IS NULL OR s.expires_at > now())
-      AND (NOT %(per_key)s OR s.okey IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.meta e
-          WHERE e.queue_id = s.queue_id AND e.okey = s.okey AND e.id < s.id AND e.state < 2))
+      AND NOT EXISTS (SELECT 1 FROM {schema}.meta_opt o
+          WHERE o.queue_id = s.queue_id AND o.id = s.id
+            AND ((%(expiring)s AND o.expires_at <= now())
+                 OR (%(per_key)s AND o.okey IS NOT NULL AND EXISTS (SELECT 1 FROM {schema}.meta_opt e
+                     WHERE e.queue_id = o.queue_id AND e.okey = o.okey AND e.id < o.id
+                       AND NOT EXISTS (SELECT 1 FROM {schema}.meta f
+                           WHERE f.queue_id = e.queue_id AND f.id = e.id AND f.state = 2)))))
     ORDER BY s.priority DESC, s.process_at, s.id
     LIMIT %(n)s
     FOR UPDATE SKIP LOCKED

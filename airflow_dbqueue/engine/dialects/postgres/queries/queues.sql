@@ -125,12 +125,13 @@ FROM {schema}.queues q ORDER BY name
 SELECT pg_advisory_xact_lock(hashtext('dbqueue.queue.' || '{schema}'), %(queue_id)s)
 
 -- name: drop_queue_messages
--- Then the queue's messages with their payloads. Rows a pop, ack, nack or claim holds are waited for,
+-- Then the queue's messages with their payloads (and the meta_opt rows of those with a ttl or a key). Rows a pop, ack, nack or claim holds are waited for,
 -- so when this statement ends every transaction that finished one of them (writing a done row or a
 -- batch) has committed, and the next statement sees what it wrote.
 -- Payload deletes here and below match ids with = ANY (ARRAY(...)), not a join: with the statistics of
 -- an empty table the planner made the join a nested loop over all of data_pkey (O(n^2): 14 s for 20k).
-WITH m AS (DELETE FROM {schema}.meta WHERE queue_id = %(queue_id)s RETURNING id)
+WITH m AS (DELETE FROM {schema}.meta WHERE queue_id = %(queue_id)s RETURNING id),
+o AS (DELETE FROM {schema}.meta_opt WHERE queue_id = %(queue_id)s)
 DELETE FROM {schema}.data WHERE id = ANY (ARRAY(SELECT id FROM m))
 
 -- name: drop_queue_finished

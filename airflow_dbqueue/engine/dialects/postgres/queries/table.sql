@@ -74,6 +74,12 @@ SELECT r_payload FROM {schema}.table_take_with(
 SELECT * FROM {schema}.table_ack(
     %(ids)b::bigint[], %(deliveries)b::integer[], %(queue_id)s::integer, %(archive)s::boolean)
 
+-- name: ack_with
+-- ack for a queue whose messages may expire (created with a ttl) or that is ordered per key, through
+-- table_ack_with() (functions.sql), which deletes the messages' meta_opt rows too.
+SELECT * FROM {schema}.table_ack_with(
+    %(ids)b::bigint[], %(deliveries)b::integer[], %(queue_id)s::integer, %(archive)s::boolean)
+
 -- name: nack
 -- Return leased messages for another try after delay_s (NULL: the queue's exponential backoff,
 -- backoff_s * 2^(attempts - 1) capped at backoff_max_s), or to the failed state after max_attempts;
@@ -99,6 +105,37 @@ WHERE m.ctid = ANY (ARRAY(SELECT tid FROM held))
   AND ((m.gen, m.ctid) IN (SELECT gen, tid FROM held)) IS TRUE
   AND (SELECT count(*) FROM held) = cardinality(%(ids)b::bigint[])
 RETURNING m.id, m.state
+
+-- name: nack_with
+-- nack for a queue whose messages may expire or that is ordered per key: a message made ready again gets
+-- its new process_at in its meta_opt row too (schema.sql: the expiry sweep finds the meta row by it).
+WITH held AS (
+    SELECT h.gen, h.tid
+    FROM unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS r(id, delivery)
+    CROSS JOIN LATERAL (
+        SELECT m.gen, m.ctid AS tid FROM {schema}.meta m
+        WHERE m.id = r.id AND m.deliveries = r.delivery AND m.queue_id = %(queue_id)s
+          AND m.lease_until > now()
+        FOR UPDATE) h
+), nacked AS (
+    UPDATE {schema}.meta m
+    SET state = CASE WHEN m.attempts >= %(max_attempts)s THEN 2 ELSE 0 END,
+        process_at = CASE WHEN m.attempts >= %(max_attempts)s THEN m.process_at
+                          ELSE now() + make_interval(secs => coalesce(%(delay_s)s::float8, least(
+                              %(backoff_max_s)s::float8,
+                              %(backoff_s)s::float8 * power(2, greatest(m.attempts - 1, 0)))))
+                          END,
+        lease_until = NULL, consumer = NULL, last_error = %(error)s
+    WHERE m.ctid = ANY (ARRAY(SELECT tid FROM held))
+      AND ((m.gen, m.ctid) IN (SELECT gen, tid FROM held)) IS TRUE
+      AND (SELECT count(*) FROM held) = cardinality(%(ids)b::bigint[])
+    RETURNING m.id, m.state, m.process_at
+), opt AS (
+    UPDATE {schema}.meta_opt o SET process_at = n.process_at
+    FROM nacked n
+    WHERE o.queue_id = %(queue_id)s AND o.id = n.id
+)
+SELECT n.id, n.state FROM nacked n
 
 -- name: held_receipts
 -- Which of the receipts still hold a valid lease (to name the lost ones in an error).
@@ -133,37 +170,54 @@ RETURNING m.id, m.state
 
 -- name: expire_fail
 -- Ready messages of the queue whose time to live has passed (up to limit, oldest expiry first, through
--- meta_expiring_idx) go to the failed state with last_error 'expired' (on_expiry 'fail'). expires_at is
--- cleared, so a failed message leaves the index and requeue_failed makes it deliverable again. Leased
+-- meta_opt_expiring_idx, each meta row found through meta_ready_idx by the priority, process_at and id
+-- its meta_opt row holds) go to the failed state with last_error 'expired' (on_expiry 'fail'). expires_at
+-- is cleared, so a failed message leaves the index and requeue_failed makes it deliverable again. Leased
 -- messages are left to their consumer: a nack or an expired lease makes them ready, and then this
 -- finds them. Rows are named by (gen, ctid), as in reclaim_expired.
 WITH picked AS (
-    SELECT gen, ctid AS tid FROM {schema}.meta
-    WHERE queue_id = %(queue_id)s AND expires_at <= now() AND state = 0
-    ORDER BY expires_at
+    SELECT r.gen, r.tid FROM {schema}.meta_opt o
+    CROSS JOIN LATERAL (
+        SELECT m.gen, m.ctid AS tid FROM {schema}.meta m
+        WHERE m.queue_id = o.queue_id AND m.state = 0 AND m.priority = o.priority
+          AND m.process_at = o.process_at AND m.id = o.id
+        FOR UPDATE SKIP LOCKED) r
+    WHERE o.queue_id = %(queue_id)s AND o.expires_at <= now()
+    ORDER BY o.expires_at
     LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
+), failed AS (
+    UPDATE {schema}.meta m
+    SET state = 2, last_error = 'expired'
+    WHERE m.ctid = ANY (ARRAY(SELECT tid FROM picked))
+      AND ((m.gen, m.ctid) IN (SELECT gen, tid FROM picked)) IS TRUE
+    RETURNING m.id
+), opt AS (
+    UPDATE {schema}.meta_opt o SET expires_at = NULL
+    WHERE o.queue_id = %(queue_id)s AND o.id = ANY (ARRAY(SELECT f.id FROM failed f))
 )
-UPDATE {schema}.meta m
-SET state = 2, last_error = 'expired', expires_at = NULL
-WHERE m.ctid = ANY (ARRAY(SELECT tid FROM picked))
-  AND ((m.gen, m.ctid) IN (SELECT gen, tid FROM picked)) IS TRUE
-RETURNING m.id
+SELECT f.id FROM failed f
 
 -- name: expire_drop
--- As expire_fail, for on_expiry 'drop': the messages are deleted with their payloads, or kept in done as
--- discarded (outcome 2, as delete_failed does) where the queue archives.
+-- As expire_fail, for on_expiry 'drop': the messages are deleted with their payloads and meta_opt rows,
+-- or kept in done as discarded (outcome 2, as delete_failed does) where the queue archives.
 WITH picked AS (
-    SELECT gen, ctid AS tid FROM {schema}.meta
-    WHERE queue_id = %(queue_id)s AND expires_at <= now() AND state = 0
-    ORDER BY expires_at
+    SELECT r.gen, r.tid FROM {schema}.meta_opt o
+    CROSS JOIN LATERAL (
+        SELECT m.gen, m.ctid AS tid FROM {schema}.meta m
+        WHERE m.queue_id = o.queue_id AND m.state = 0 AND m.priority = o.priority
+          AND m.process_at = o.process_at AND m.id = o.id
+        FOR UPDATE SKIP LOCKED) r
+    WHERE o.queue_id = %(queue_id)s AND o.expires_at <= now()
+    ORDER BY o.expires_at
     LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
 ), gone AS (
     DELETE FROM {schema}.meta m
     WHERE m.ctid = ANY (ARRAY(SELECT tid FROM picked))
       AND ((m.gen, m.ctid) IN (SELECT gen, tid FROM picked)) IS TRUE
     RETURNING m.id, m.queue_id, m.priority, m.attempts, m.enqueued_at, m.payload, m.gen
+), opt AS (
+    DELETE FROM {schema}.meta_opt o
+    WHERE o.queue_id = %(queue_id)s AND o.id = ANY (ARRAY(SELECT id FROM gone))
 ), kept AS (
     INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload, gen)
     SELECT id, queue_id, priority, attempts, enqueued_at, 2, payload, gen FROM gone WHERE %(archive)s
@@ -185,9 +239,12 @@ SELECT m.id, m.priority, m.attempts, m.deliveries, m.enqueued_at, m.lease_until,
        coalesce(m.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = m.id AND d.gen = m.gen)) AS payload
 FROM {schema}.meta m
 WHERE m.queue_id = %(queue_id)s AND m.state = 0 AND m.process_at <= now()
-  AND (m.expires_at IS NULL OR m.expires_at > now())
-  AND (m.okey IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.meta e
-      WHERE e.queue_id = m.queue_id AND e.okey = m.okey AND e.id < m.id AND e.state < 2))
+  AND (NOT %(opts)s OR NOT EXISTS (SELECT 1 FROM {schema}.meta_opt o
+      WHERE o.queue_id = m.queue_id AND o.id = m.id
+        AND (o.expires_at <= now() OR (o.okey IS NOT NULL AND EXISTS (SELECT 1 FROM {schema}.meta_opt e
+            WHERE e.queue_id = o.queue_id AND e.okey = o.okey AND e.id < o.id
+              AND NOT EXISTS (SELECT 1 FROM {schema}.meta f
+                  WHERE f.queue_id = e.queue_id AND f.id = e.id AND f.state = 2))))))
 ORDER BY m.priority DESC, m.process_at, m.id
 LIMIT %(n)s
 
@@ -198,14 +255,19 @@ LIMIT %(n)s
 SELECT count(*) FROM (
     (SELECT 1 FROM {schema}.meta
      WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now() AND priority >= %(min_priority)s
-       AND (expires_at IS NULL OR expires_at > now())
-       AND (okey IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.meta e
-           WHERE e.queue_id = meta.queue_id AND e.okey = meta.okey AND e.id < meta.id AND e.state < 2))
+       AND (NOT %(opts)s OR NOT EXISTS (SELECT 1 FROM {schema}.meta_opt o
+           WHERE o.queue_id = meta.queue_id AND o.id = meta.id
+             AND (o.expires_at <= now() OR (o.okey IS NOT NULL AND EXISTS (SELECT 1 FROM {schema}.meta_opt e
+                 WHERE e.queue_id = o.queue_id AND e.okey = o.okey AND e.id < o.id
+                   AND NOT EXISTS (SELECT 1 FROM {schema}.meta f
+                       WHERE f.queue_id = e.queue_id AND f.id = e.id AND f.state = 2))))))
      LIMIT %(cap)s)
     UNION ALL
     (SELECT 1 FROM {schema}.meta
      WHERE queue_id = %(queue_id)s AND state = 1 AND lease_until <= now() AND attempts < %(max_attempts)s
-       AND priority >= %(min_priority)s AND (expires_at IS NULL OR expires_at > now())
+       AND priority >= %(min_priority)s
+       AND (NOT %(opts)s OR NOT EXISTS (SELECT 1 FROM {schema}.meta_opt o
+           WHERE o.queue_id = meta.queue_id AND o.id = meta.id AND o.expires_at <= now()))
      LIMIT %(cap)s)
     LIMIT %(cap)s) s
 
@@ -236,17 +298,27 @@ LIMIT %(limit)s
 
 -- name: requeue_failed
 -- A requeued message is ready now, with its attempts reset and no time to live (one that failed by
--- expiry would otherwise expire again at once).
-UPDATE {schema}.meta
-SET state = 0, attempts = 0, process_at = now(), last_error = NULL, expires_at = NULL
-WHERE queue_id = %(queue_id)s AND state = 2 AND (%(all)s OR id = ANY (%(ids)s::bigint[]))
-RETURNING id
+-- expiry would otherwise expire again at once): its meta_opt row, if any, gets the new process_at and
+-- loses its expiry.
+WITH requeued AS (
+    UPDATE {schema}.meta
+    SET state = 0, attempts = 0, process_at = now(), last_error = NULL
+    WHERE queue_id = %(queue_id)s AND state = 2 AND (%(all)s OR id = ANY (%(ids)s::bigint[]))
+    RETURNING id
+), opt AS (
+    UPDATE {schema}.meta_opt o SET process_at = now(), expires_at = NULL
+    WHERE o.queue_id = %(queue_id)s AND o.id = ANY (ARRAY(SELECT id FROM requeued))
+)
+SELECT id FROM requeued
 
 -- name: delete_failed
 WITH gone AS (
     DELETE FROM {schema}.meta
     WHERE queue_id = %(queue_id)s AND state = 2 AND (%(all)s OR id = ANY (%(ids)s::bigint[]))
     RETURNING id, queue_id, priority, attempts, enqueued_at, payload, gen
+), opt AS (
+    DELETE FROM {schema}.meta_opt o
+    WHERE o.queue_id = %(queue_id)s AND o.id = ANY (ARRAY(SELECT id FROM gone))
 ), kept AS (
     INSERT INTO {schema}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload, gen)
     SELECT id, queue_id, priority, attempts, enqueued_at, 2, payload, gen FROM gone WHERE %(archive)s
@@ -267,30 +339,39 @@ SELECT r.ready, h.id AS head_id, h.deliveries AS head_deliveries
 FROM (SELECT count(*) AS ready FROM (
         (SELECT 1 FROM {schema}.meta
          WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
-           AND priority >= %(min_priority)s AND (expires_at IS NULL OR expires_at > now())
-           AND (okey IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.meta e
-               WHERE e.queue_id = meta.queue_id AND e.okey = meta.okey AND e.id < meta.id AND e.state < 2))
+           AND priority >= %(min_priority)s
+           AND (NOT %(opts)s OR NOT EXISTS (SELECT 1 FROM {schema}.meta_opt o
+               WHERE o.queue_id = meta.queue_id AND o.id = meta.id
+                 AND (o.expires_at <= now() OR (o.okey IS NOT NULL AND EXISTS (SELECT 1 FROM {schema}.meta_opt e
+                     WHERE e.queue_id = o.queue_id AND e.okey = o.okey AND e.id < o.id
+                       AND NOT EXISTS (SELECT 1 FROM {schema}.meta f
+                           WHERE f.queue_id = e.queue_id AND f.id = e.id AND f.state = 2))))))
          LIMIT %(cap)s)
         UNION ALL
         (SELECT 1 FROM {schema}.meta
          WHERE queue_id = %(queue_id)s AND state = 1 AND lease_until <= now()
            AND attempts < %(max_attempts)s AND priority >= %(min_priority)s
-           AND (expires_at IS NULL OR expires_at > now())
+           AND (NOT %(opts)s OR NOT EXISTS (SELECT 1 FROM {schema}.meta_opt o
+               WHERE o.queue_id = meta.queue_id AND o.id = meta.id AND o.expires_at <= now()))
          LIMIT %(cap)s)
         LIMIT %(cap)s) s) r
 LEFT JOIN LATERAL (
     SELECT c.id, c.deliveries FROM (
         (SELECT id, deliveries, priority, process_at FROM {schema}.meta
          WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
-           AND (expires_at IS NULL OR expires_at > now())
-           AND (okey IS NULL OR NOT EXISTS (SELECT 1 FROM {schema}.meta e
-               WHERE e.queue_id = meta.queue_id AND e.okey = meta.okey AND e.id < meta.id AND e.state < 2))
+           AND (NOT %(opts)s OR NOT EXISTS (SELECT 1 FROM {schema}.meta_opt o
+               WHERE o.queue_id = meta.queue_id AND o.id = meta.id
+                 AND (o.expires_at <= now() OR (o.okey IS NOT NULL AND EXISTS (SELECT 1 FROM {schema}.meta_opt e
+                     WHERE e.queue_id = o.queue_id AND e.okey = o.okey AND e.id < o.id
+                       AND NOT EXISTS (SELECT 1 FROM {schema}.meta f
+                           WHERE f.queue_id = e.queue_id AND f.id = e.id AND f.state = 2))))))
          ORDER BY priority DESC, process_at, id
          LIMIT 1)
         UNION ALL
         (SELECT id, deliveries, priority, process_at FROM {schema}.meta
          WHERE queue_id = %(queue_id)s AND state = 1 AND lease_until <= now() AND attempts < %(max_attempts)s
-           AND (expires_at IS NULL OR expires_at > now())
+           AND (NOT %(opts)s OR NOT EXISTS (SELECT 1 FROM {schema}.meta_opt o
+               WHERE o.queue_id = meta.queue_id AND o.id = meta.id AND o.expires_at <= now()))
          ORDER BY priority DESC, process_at, id
          LIMIT 1)) c
     ORDER BY c.priority DESC, c.process_at, c.id
@@ -370,7 +451,7 @@ RETURNING d.dedup_key
 -- The table design's queues whose upkeep has something to do: a lease expired (reclaim_expired), a
 -- batch finished more than older_than_s ago (purge_batches), a deduplication key older than the
 -- queue's window (forget_dedup: one probe of dedup_pushed_idx a queue), or a message whose time to live
--- passed (expire_fail, expire_drop: a walk of meta_expiring_idx, which holds only such messages). One walk of the leases' index and one of
+-- passed (expire_fail, expire_drop: a walk of meta_opt_expiring_idx, which holds only such messages). One walk of the leases' index and one of
 -- the finished batches for the schema, so that maintenance runs a queue's upkeep statements only where
 -- they find work.
 SELECT m.queue_id FROM {schema}.meta m WHERE m.state = 1 AND m.lease_until <= now()
@@ -383,4 +464,7 @@ WHERE q.design = 'table' AND EXISTS (
     SELECT 1 FROM {schema}.dedup d
     WHERE d.queue_id = q.queue_id AND d.pushed_at <= now() - make_interval(secs => q.dedup_window_s))
 UNION
-SELECT m.queue_id FROM {schema}.meta m WHERE m.expires_at <= now() AND m.state = 0
+SELECT o.queue_id FROM {schema}.meta_opt o WHERE o.expires_at <= now() AND EXISTS (
+    SELECT 1 FROM {schema}.meta m
+    WHERE m.queue_id = o.queue_id AND m.state = 0 AND m.priority = o.priority AND m.process_at = o.process_at
+      AND m.id = o.id)
