@@ -2,7 +2,7 @@
 """Server instructions a message: what each side of a queue costs PostgreSQL, counted, not timed.
 
     python benchmarks/instructions.py [--design ring ring-rows table] [--batch 1 100 1000] [--json]
-        [--client] [--semantics at-least-once [--archive]]
+        [--client] [--semantics at-least-once [--archive]] [--hold no|yes|both] [--rows-capacity N]
 
 ``run.py`` and ``cost.py`` time what they measure, so on a shared machine their figures move with
 whatever else runs (runs of 10 s vary by 15% here). This counts instead: it starts a throwaway
@@ -44,7 +44,18 @@ for the engine, its API (pool checkout, checks, building a ``Message`` a message
 queue's bare psycopg calls. The pop sessions send what they popped back to be checked.
 
 ``ring`` is the ring of the default slots layout, ``ring-rows`` a ring of the rows layout
-(``create_queue(..., design="ring", layout="rows")``, PostgreSQL only).
+(``create_queue(..., design="ring", layout="rows")``, PostgreSQL only). ``--rows-capacity`` sets the
+rows ring's capacity in pushes (default: room for every push of its sessions, so that none rotates a
+segment); a small one (a multiple of 4, at least 64) makes the pushes rotate segments, as a ring under
+a steady load does, once the sessions have pushed more rows than it holds (each row says how many
+rotations all its sessions made, ``rows_rotations``).
+
+With ``--hold yes`` every count (the reference's and each design's) is taken with the xmin horizon
+held, as ``run.py --hold-horizon`` holds it: a session of its own, not counted, opens a ``REPEATABLE
+READ`` transaction, takes a transaction id and a snapshot (a read of ``pg_class``, no lock on the
+queue's tables) before the warm-up, and keeps them until the count's sessions are done; ``--hold
+both`` counts every batch without the hold and then with it, in the same server. Each row says
+``hold`` and, held, the holder's ``xmin`` age when its sessions ended (``hold_xmin_age``).
 
 Needs valgrind (Debian's ``valgrind``) and the PostgreSQL binaries the embedded default uses. Under
 cachegrind the server runs about 50 times slower: the default run takes a few minutes, about three
@@ -466,17 +477,51 @@ def measure(
     return got_per
 
 
+class HeldHorizon:
+    """A held xmin horizon (``--hold``): a ``REPEATABLE READ`` transaction on a connection of its own
+    that took a transaction id and a snapshot, open until :meth:`release`."""
+
+    def __init__(self, dsn: str) -> None:
+        self.conn = psycopg.connect(dsn, application_name="dbqueue-instr-hold")
+        self.conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        row = self.conn.execute("SELECT txid_current(), pg_backend_pid()").fetchone()
+        assert row is not None
+        self.pid = int(row[1])
+        self.conn.execute("SELECT count(*) FROM pg_catalog.pg_class").fetchone()
+
+    def age(self, dsn: str) -> int:
+        """The holder's xmin age now; fails when the hold is not held any more."""
+        with psycopg.connect(dsn, autocommit=True) as c:
+            row = c.execute(
+                "SELECT age(backend_xmin), state FROM pg_stat_activity WHERE pid = %s", (self.pid,)
+            ).fetchone()
+        if row is None or row[0] is None or row[1] != "idle in transaction":
+            raise SystemExit(f"the held horizon was not held to the end of the count: {row}")
+        return int(row[0])
+
+    def release(self) -> None:
+        if not self.conn.closed:
+            self.conn.rollback()
+            self.conn.close()
+
+
+HOLDS = {"no": (False,), "yes": (True,), "both": (False, True)}
+"""--hold: the counts of each batch, without and with the horizon held."""
+
 DESIGNS = ("ring", RING_ROWS, "table")
 """The engine designs counted: the ring (slots layout), the ring of the rows layout, the table design."""
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
-    with counted_server() as server:
+    with counted_server() as server, contextlib.ExitStack() as holds:
         dsn = server.pg.dsn
         lease = args.semantics == "at-least-once"
         ref_name = PGMQ if lease else BASELINE
-        for batch in args.batch:
+        for batch, held in [(b, h) for b in args.batch for h in HOLDS[args.hold]]:
+            hold = HeldHorizon(dsn) if held else None
+            if hold is not None:
+                holds.callback(hold.release)
             calls = args.calls or (40 if batch == 1 else 4)
             naive_schema = f"instr_{ref_name}_{uuid.uuid4().hex[:8]}"
             reference = Target(
@@ -541,7 +586,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             QUEUE,
                             design="ring",
                             layout="rows",
-                            capacity=max(64, 32 * calls),
+                            capacity=args.rows_capacity or max(64, 32 * calls),
                             payload_type="bytes",
                             max_payload_bytes=max(args.payload_bytes, 16),
                             notify="never",
@@ -590,6 +635,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     )
                 finally:
                     with DbQueue(dsn, schema=schema) as dbq:
+                        # the rows ring's segments rotated in by all its sessions: a segment k labelled
+                        # generation g was emptied (g - k) / 4 times
+                        gens = (
+                            dbq.queue(QUEUE).stats().extra["segment_generations"]
+                            if design == RING_ROWS
+                            else None
+                        )
                         dbq.uninstall()
                 results.append(
                     {
@@ -597,6 +649,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "feature": feature,
                         "ordering_keys": keys,
                         "batch": batch,
+                        "hold": held,
+                        "hold_xmin_age": None if hold is None else hold.age(dsn),
+                        "rows_capacity": (args.rows_capacity or max(64, 32 * calls))
+                        if design == RING_ROWS
+                        else None,
+                        "rows_rotations": None
+                        if gens is None
+                        else sum((g - k) // 4 for k, g in enumerate(gens)),
                         "payload_bytes": args.payload_bytes,
                         "semantics": args.semantics,
                         "archive": args.archive,
@@ -620,8 +680,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             r[f"{prefix}client_push_instructions"] + r[f"{prefix}client_pop_instructions"]
                         )
                 what = feature if keys is None else f"{feature} over {keys} keys"
-                print(f"measured {design} ({what}) batch {batch}", file=sys.stderr, flush=True)
+                print(
+                    f"measured {design} ({what}) batch {batch}{' held' if held else ''}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             teardown_target(reference)
+            if hold is not None:
+                hold.release()
     return results
 
 
@@ -634,13 +700,14 @@ def table(results: list[dict[str, Any]]) -> str:
         + (" (pop: a pop and its ack)" if first.get("semantics") == "at-least-once" else "")
         if results
         else "",
-        f"{'design':8s}{'feature':>15s}{'batch':>7s}  {'side':6s}{'design':>12s}{ref:>12s}{'ratio':>8s}",
+        f"{'design':8s}{'feature':>15s}{'batch':>7s}{'held':>5s}  "
+        f"{'side':6s}{'design':>12s}{ref:>12s}{'ratio':>8s}",
     ]
     for r in results:
         for side in (*SIDES, "cycle"):
             d, b = r[f"{side}_instructions"], r[f"naive_{side}_instructions"]
             feature = r["feature"] if r.get("ordering_keys") is None else f"ordering/{r['ordering_keys']}"
-            where = f"{r['design']:8s}{feature:>15s}{r['batch']:>7d}"
+            where = f"{r['design']:8s}{feature:>15s}{r['batch']:>7d}{'yes' if r.get('hold') else 'no':>5s}"
             lines.append(f"{where}  {side:6s}{d:>12,d}{b:>12,d}{d / b:>8.2f}")
     clients = [r for r in results if "client_cycle_instructions" in r]
     if clients:
@@ -706,12 +773,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[ORDERING_KEYS],
         help=f"keys the pushes of --feature ordering name in turn, a row each (default {ORDERING_KEYS})",
     )
+    ap.add_argument(
+        "--hold",
+        choices=tuple(HOLDS),
+        default="no",
+        help="count with the xmin horizon held (a REPEATABLE READ transaction with a snapshot, open over "
+        "the sessions, as run.py --hold-horizon holds it): yes, or both (without, then with, each batch)",
+    )
+    ap.add_argument(
+        "--rows-capacity",
+        type=int,
+        default=0,
+        help="the rows ring's capacity in pushes, a multiple of 4, at least 64 (default: room for every "
+        "push of its sessions, so that none rotates a segment; a smaller one makes pushes rotate)",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # a session of --client (stdin)
     args = ap.parse_args(argv)
     if args.design is None:
         args.design = list(DESIGNS)
     if any(b < 1 for b in args.batch) or args.calls < 0 or args.payload_bytes < 16:
         ap.error("batches must be at least 1, --calls at least 0, --payload-bytes at least 16")
+    if args.rows_capacity and (args.rows_capacity < 64 or args.rows_capacity % 4):
+        ap.error("--rows-capacity must be a multiple of 4, at least 64")
     if args.client and args.semantics != "at-most-once":
         ap.error("--client counts pops at most once only")
     if any(k < 1 for k in args.ordering_keys):

@@ -189,3 +189,44 @@ def test_the_rows_layout_is_counted_by_default() -> None:
     instructions = load_benchmark("instructions")
     assert instructions.parse_args([]).design == ["ring", "ring-rows", "table"]
     assert instructions.parse_args(["--semantics", "at-least-once"]).design == ["ring", "ring-rows", "table"]
+
+
+def test_short_run_counts_with_the_horizon_held() -> None:
+    """--hold both counts every design and the reference without the hold and then with it, in the
+    same server: each row says whether it was held, a held row names the holder's xmin age (the hold
+    was still open when its sessions ended: the script fails otherwise), and the naive queue's pop,
+    whose deleted rows the hold keeps, costs more held (a count no higher would mean nothing was held).
+    --rows-capacity makes the rows ring's pushes rotate segments once its sessions have pushed more rows
+    than it holds (here 75 pushes into a ring of 64), and its rows say the capacity and the rotations."""
+    require(None if shutil.which("valgrind") else "valgrind is not installed", "apt-get install valgrind")
+    proc = subprocess.run(
+        [
+            *(sys.executable, str(INSTRUCTIONS_PY), "--design", "ring-rows", "--batch", "10"),
+            *("--calls", "12", "--hold", "both", "--rows-capacity", "64", "--json"),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)
+    assert [(r["design"], r["hold"]) for r in rows] == [("ring-rows", False), ("ring-rows", True)]
+    free, held = rows
+    assert free["hold_xmin_age"] is None and held["hold_xmin_age"] > 0, rows
+    assert {r["rows_capacity"] for r in rows} == {64}
+    assert all(r["rows_rotations"] >= 1 for r in rows), rows
+    for r in rows:
+        for side in ("push", "pop"):
+            assert r[f"{side}_instructions"] > 1000 and r[f"naive_{side}_instructions"] > 1000, (side, r)
+    assert held["naive_pop_instructions"] > free["naive_pop_instructions"], rows
+
+
+def test_hold_and_rows_capacity_arguments() -> None:
+    instructions = load_benchmark("instructions")
+    assert instructions.parse_args([]).hold == "no"
+    assert instructions.parse_args(["--hold", "both"]).hold == "both"
+    for bad in (["--rows-capacity", "60"], ["--rows-capacity", "66"], ["--hold", "maybe"]):
+        with pytest.raises(SystemExit):
+            instructions.parse_args(bad)

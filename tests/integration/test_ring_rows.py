@@ -431,6 +431,58 @@ def test_at_least_once_through_rotations_loses_and_doubles_nothing(dbq: DbQueue)
     assert (s.ready, s.delayed, s.in_flight, s.failed) == (0, 0, 0, len(failed))
 
 
+def _segment_files(dsn: str, schema: str, kinds: str) -> dict[str, tuple[int, int]]:
+    """(relfilenode, rows) of each segment table of the schema's one rows ring whose kind (the letters
+    after ``_r``: q, pos, l, d, r) is in ``kinds``."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        [qid] = c.execute(f'SELECT queue_id FROM "{schema}".ring_rows').fetchone() or [None]
+        out = {}
+        for kind in kinds.split():
+            for k in range(4):
+                name = f"ring_{qid}_r{kind}{k}"
+                row = c.execute(
+                    "SELECT (SELECT relfilenode FROM pg_class WHERE oid = %s::regclass), "
+                    f'count(*) FROM "{schema}"."{name}"',
+                    (f'"{schema}"."{name}"',),
+                ).fetchone()
+                assert row is not None
+                out[name] = (int(row[0]), int(row[1]))
+    return out
+
+
+def test_rotation_empties_the_logs_written_and_leaves_empty_ones_alone(dbq: DbQueue) -> None:
+    """A rotation gives the messages and positions of the segment it empties new files, and the leases,
+    done rows and retry log only when something was written in them: at most once they keep their files
+    (no new pg_class row versions for them, which a held horizon would keep); at least once the leases
+    and done rows of a passed segment are emptied with it. Every message once, in order, throughout."""
+    q = rows_ring(dbq, capacity=64, lanes=4)  # 4 segments of 16 pushes
+    schema = dbq.db.schema
+    before = _segment_files(dbq.db.dsn, schema, "q pos l d r")
+    sent = [{"i": i} for i in range(200 * 5)]
+    got: list[Any] = []
+    for k in range(200):  # 200 pushes of 5 (about 3 ring-sizes), each popped at once
+        q.push_batch(sent[5 * k : 5 * k + 5])
+        got.extend(q.pop(5))
+    assert [m.payload for m in got] == sent and checksum(m.payload for m in got) == checksum(sent)
+    after = _segment_files(dbq.db.dsn, schema, "q pos l d r")
+    kind = {name: name.split("_r")[-1][:-1] for name in after}
+    assert all(after[n][0] != before[n][0] for n in after if kind[n] in ("q", "pos")), (before, after)
+    assert all(after[n] == before[n] for n in after if kind[n] in ("l", "d", "r")), (before, after)
+    alo = [{"j": i} for i in range(200 * 5)]
+    acked: list[Any] = []
+    for k in range(200):
+        q.push_batch(alo[5 * k : 5 * k + 5])
+        msgs = q.pop(5, semantics="at-least-once")
+        q.ack(msgs)
+        acked.extend(msgs)
+    assert [m.payload for m in acked] == alo and checksum(m.payload for m in acked) == checksum(alo)
+    last = _segment_files(dbq.db.dsn, schema, "l d")
+    # 200 leases and done rows were written; a segment holds at most its 16 pushes' worth of each: the
+    # older ones went with their segments
+    assert sum(rows for _, rows in last.values()) <= 2 * 4 * 16, last
+    assert all(last[n][0] != after[n][0] for n in last), (after, last)
+
+
 def _write_counts(dsn: str, schema: str, pattern: str) -> dict[str, tuple[int, int, int, int]]:
     """(inserted, updated, deleted, dead) tuples of each table of ``schema`` matching LIKE ``pattern``,
     from the statistics every session has flushed."""

@@ -2299,14 +2299,43 @@ BEGIN
     IF {schema}.@Pbusy(v_k) THEN  -- again under the lock: nothing can make it busy again, but be sure
         RETURN false;
     END IF;
+    -- The leases, done rows and retry log are truncated only when they have a page: a TRUNCATE gives a
+    -- table, its index and its TOAST table new files, each a new pg_class row version (which a held
+    -- horizon keeps, and every session's lookups of the table then walk) and a cache invalidation in
+    -- every session; at most once those three stay empty. Under the lock nothing can write into them,
+    -- and a table of no page holds no row, live or dead.
     IF v_k = 0 THEN
-        TRUNCATE {schema}.@Ppos0, {schema}.@Pq0, {schema}.@Pl0, {schema}.@Pd0, {schema}.@Pr0;
+        TRUNCATE {schema}.@Ppos0, {schema}.@Pq0;
+        IF pg_relation_size('{schema}.@Pl0') > 0 OR pg_relation_size('{schema}.@Pd0') > 0 THEN
+            TRUNCATE {schema}.@Pl0, {schema}.@Pd0;
+        END IF;
+        IF pg_relation_size('{schema}.@Pr0') > 0 THEN
+            TRUNCATE {schema}.@Pr0;
+        END IF;
     ELSIF v_k = 1 THEN
-        TRUNCATE {schema}.@Ppos1, {schema}.@Pq1, {schema}.@Pl1, {schema}.@Pd1, {schema}.@Pr1;
+        TRUNCATE {schema}.@Ppos1, {schema}.@Pq1;
+        IF pg_relation_size('{schema}.@Pl1') > 0 OR pg_relation_size('{schema}.@Pd1') > 0 THEN
+            TRUNCATE {schema}.@Pl1, {schema}.@Pd1;
+        END IF;
+        IF pg_relation_size('{schema}.@Pr1') > 0 THEN
+            TRUNCATE {schema}.@Pr1;
+        END IF;
     ELSIF v_k = 2 THEN
-        TRUNCATE {schema}.@Ppos2, {schema}.@Pq2, {schema}.@Pl2, {schema}.@Pd2, {schema}.@Pr2;
+        TRUNCATE {schema}.@Ppos2, {schema}.@Pq2;
+        IF pg_relation_size('{schema}.@Pl2') > 0 OR pg_relation_size('{schema}.@Pd2') > 0 THEN
+            TRUNCATE {schema}.@Pl2, {schema}.@Pd2;
+        END IF;
+        IF pg_relation_size('{schema}.@Pr2') > 0 THEN
+            TRUNCATE {schema}.@Pr2;
+        END IF;
     ELSE
-        TRUNCATE {schema}.@Ppos3, {schema}.@Pq3, {schema}.@Pl3, {schema}.@Pd3, {schema}.@Pr3;
+        TRUNCATE {schema}.@Ppos3, {schema}.@Pq3;
+        IF pg_relation_size('{schema}.@Pl3') > 0 OR pg_relation_size('{schema}.@Pd3') > 0 THEN
+            TRUNCATE {schema}.@Pl3, {schema}.@Pd3;
+        END IF;
+        IF pg_relation_size('{schema}.@Pr3') > 0 THEN
+            TRUNCATE {schema}.@Pr3;
+        END IF;
     END IF;
     RETURN true;
 EXCEPTION WHEN lock_not_available THEN
