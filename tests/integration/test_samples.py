@@ -185,6 +185,27 @@ def test_a_rings_consumer_groups_are_sampled_with_their_lag(dbq: DbQueue) -> Non
     assert first["groups"] == {"audit": 0} and second["groups"] == {"audit": 18}
 
 
+def test_a_rows_rings_groups_are_sampled_with_their_lag_and_maintenance_runs(dbq: DbQueue) -> None:
+    """A ring of the rows layout counts no positions: its sample has no totals, as a table queue that
+    does not archive, but its depth and its groups' lag; and a whole maintenance run of a schema holding
+    one completes."""
+    q = dbq.create_queue("rows", design="ring", layout="rows", capacity=64)
+    audit = q.add_group("audit", start="earliest")
+    m = dbq.maintenance()
+    m.sample()
+    ledger = Ledger(q, "r")
+    ledger.move(30, 20)  # the default group takes 20 of 30; the audit group takes 12
+    taken = [x.payload for x in audit.pop(12)]
+    assert checksum(taken) == checksum(ledger.pushed[:12])
+    out = m.sample()
+    assert out["queues"]["rows"] == {"pushed": None, "popped": None, "push_total": None, "pop_total": None}
+    [first, second] = m.samples(window=600)["rows"]
+    assert (first["ready"], second["ready"]) == (0, 10)
+    assert first["groups"] == {"audit": 0} and second["groups"] == {"audit": 18}
+    report = dbq.maintain(MaintenanceConfig(archive_after_s=0.0))
+    assert report.get("incomplete") in (None, [], {}), report
+
+
 def test_uninstall_drops_the_samples_with_the_rest(pg_dsn: str, schema_name: str) -> None:
     with DbQueue(pg_dsn, schema=schema_name) as dbq:
         dbq.install()

@@ -221,8 +221,13 @@ def _rows(
 
 
 def _figures(settings: QueueSettings, stats: QueueStats, groups: dict[str, int] | None) -> dict[str, Any]:
-    """One queue's row of figures from its stats (a ring's with its positions and groups' lag)."""
-    ring = groups is not None
+    """One queue's row of figures from its stats (a ring's with its positions and groups' lag; a ring of
+    the rows layout counts no positions, so its totals are None, as a table queue's)."""
+
+    def total(key: str) -> int | None:
+        value = stats.extra.get(key) if groups is not None else None
+        return None if value is None else int(value)
+
     return {
         "name": settings.name,
         "queue_id": settings.queue_id,
@@ -233,8 +238,8 @@ def _figures(settings: QueueSettings, stats: QueueStats, groups: dict[str, int] 
         "in_flight": stats.in_flight,
         "failed": stats.failed,
         "oldest_age_s": stats.oldest_ready_age_s,
-        "push_total": int(stats.extra["push_position"]) if ring else None,
-        "pop_total": int(stats.extra["pop_position"]) if ring else None,
+        "push_total": total("push_position"),
+        "pop_total": total("pop_position"),
         "pushed": None,
         "popped": None,
         "groups": groups or {},
