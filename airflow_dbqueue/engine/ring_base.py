@@ -7,6 +7,7 @@ import contextlib
 import logging
 import re
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import repeat
 from operator import attrgetter, itemgetter
@@ -23,6 +24,7 @@ from airflow_dbqueue.engine.errors import (
 from airflow_dbqueue.engine.models import (
     DEFAULT_GROUP,
     FailedMessage,
+    GroupInfo,
     Message,
     NotifyMode,
     OnLag,
@@ -62,6 +64,32 @@ _id = attrgetter("id")
 _delivery = attrgetter("delivery")
 _GROUP_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,62}")
 _ON_LAG_CODE = {OnLag.BLOCK: 0, OnLag.DROP_GROUP: 1}
+
+
+def group_infos(rows: Iterable[Sequence[Any]], queue_id: int) -> list[GroupInfo]:
+    """A ring's consumer groups from its ``ring_groups`` or ``ring_rows_groups`` rows (gid, name,
+    created_at, on_lag, lag_timeout_s, moved_pos, moved_at, lowest position, ...): the default one
+    (gid = the ring's queue_id) first, then by name."""
+    out = []
+    for row in rows:
+        if row[0] == queue_id:
+            out.append(GroupInfo(DEFAULT_GROUP, None, OnLag.BLOCK, None, int(row[7]), None))
+            continue
+        idle = (time.time() - row[6].timestamp()) if row[6] is not None else None
+        out.append(
+            GroupInfo(
+                name=str(row[1]),
+                created_at=row[2],
+                on_lag=OnLag.DROP_GROUP if row[3] == 1 else OnLag.BLOCK,
+                lag_timeout_s=float(row[4]),
+                pop_position=int(row[7]),
+                idle_s=None if idle is None else max(0.0, idle),
+            )
+        )
+    out.sort(key=lambda g: (g.name != DEFAULT_GROUP, g.name))
+    return out
+
+
 log = logging.getLogger("airflow_dbqueue.engine.ring")  # the ring design's one logger, whichever module logs
 
 

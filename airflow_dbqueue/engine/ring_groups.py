@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Self
 
 from airflow_dbqueue.engine.errors import (
@@ -22,6 +21,7 @@ from airflow_dbqueue.engine.ring_base import (
     _GROUP_NAME,
     _ON_LAG_CODE,
     RingBase,
+    group_infos,
     log,
 )
 
@@ -115,25 +115,9 @@ class RingGroups(RingBase):
 
     def groups(self) -> list[GroupInfo]:
         """List this ring's consumer groups, the default one first, then by name."""
-        out = []
-        for row in self._db.fetchall("ring_groups", {"queue_id": self._qid}):
-            if row[0] == self._qid:
-                out.append(GroupInfo(DEFAULT_GROUP, None, OnLag.BLOCK, None, int(row[7]), None))
-                continue
-            idle = (time.time() - row[6].timestamp()) if row[6] is not None else None
-            out.append(
-                GroupInfo(
-                    name=str(row[1]),
-                    created_at=row[2],
-                    on_lag=OnLag.DROP_GROUP if row[3] == 1 else OnLag.BLOCK,
-                    lag_timeout_s=float(row[4]),
-                    pop_position=int(row[7]),
-                    idle_s=None if idle is None else max(0.0, idle),
-                )
-            )
+        out = group_infos(self._db.fetchall("ring_groups", {"queue_id": self._qid}), self._qid)
         if not out:
             self._raise_if_gone()
-        out.sort(key=lambda g: (g.name != DEFAULT_GROUP, g.name))
         return out
 
     def watch_groups(self) -> dict[str, int]:

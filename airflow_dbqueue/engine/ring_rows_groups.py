@@ -13,7 +13,6 @@ to deliver again are past it, so a group that lags holds the ring (pushes wait, 
 from __future__ import annotations
 
 import threading
-import time
 from typing import Self, cast
 
 from airflow_dbqueue.engine.errors import (
@@ -24,7 +23,7 @@ from airflow_dbqueue.engine.errors import (
 )
 from airflow_dbqueue.engine.models import DEFAULT_GROUP, RING_DEFAULT_LAG_TIMEOUT_S, GroupInfo, OnLag
 from airflow_dbqueue.engine.queue import Queue, check_seconds
-from airflow_dbqueue.engine.ring_base import _GROUP_NAME, _ON_LAG_CODE, log
+from airflow_dbqueue.engine.ring_base import _GROUP_NAME, _ON_LAG_CODE, group_infos, log
 
 
 class RowsRingGroups(Queue):
@@ -135,25 +134,9 @@ class RowsRingGroups(Queue):
 
     def groups(self) -> list[GroupInfo]:
         """List this ring's consumer groups, the default one first, then by name."""
-        out = []
-        for row in self._db.fetchall("ring_rows_groups", {"queue_id": self._qid}):
-            if row[0] == self._qid:
-                out.append(GroupInfo(DEFAULT_GROUP, None, OnLag.BLOCK, None, int(row[7]), None))
-                continue
-            idle = (time.time() - row[6].timestamp()) if row[6] is not None else None
-            out.append(
-                GroupInfo(
-                    name=str(row[1]),
-                    created_at=row[2],
-                    on_lag=OnLag.DROP_GROUP if row[3] == 1 else OnLag.BLOCK,
-                    lag_timeout_s=float(row[4]),
-                    pop_position=int(row[7]),
-                    idle_s=None if idle is None else max(0.0, idle),
-                )
-            )
+        out = group_infos(self._db.fetchall("ring_rows_groups", {"queue_id": self._qid}), self._qid)
         if not out:
             self._raise_if_gone()
-        out.sort(key=lambda g: (g.name != DEFAULT_GROUP, g.name))
         return out
 
     def _group_handles(self) -> list[Self]:
