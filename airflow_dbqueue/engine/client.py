@@ -453,8 +453,8 @@ class DbQueue:
         ``layout`` (ring only): ``"slots"`` (the default) or ``"rows"`` (PostgreSQL only), a ring whose
         pushes are rows of insert-only segment tables emptied with ``TRUNCATE``, so that a held xmin
         horizon leaves no dead row behind the hot path; its ``capacity`` counts pushes (a multiple of 4,
-        at least 8 * lanes), and it pops at most once and exactly once only, without groups or batches
-        yet (docs/limits.md).
+        at least 8 * lanes); it pops at most, at least and exactly once, with consumer groups, batches of
+        its default group and per-queue grants (docs/limits.md).
         """
         name = validate_queue_name(name)
         try:
@@ -536,6 +536,7 @@ class DbQueue:
                     {"queue_id": created[0], "capacity": wanted.capacity, "lanes": wanted.lanes},
                     conn,
                 )
+                self.db.grant_new_ring(conn, created[0])
             elif created is not None and wanted.design is Design.RING:
                 self.db.execute(
                     "ring_create",

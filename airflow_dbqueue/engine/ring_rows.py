@@ -48,9 +48,11 @@ Batches (:mod:`airflow_dbqueue.engine.ring_rows_batches`): a claim is a pop at l
 a batch id in the ring's own ledger, and its ack a done row, so they only insert too; ``leased()`` reads
 held receipts' messages.
 
-Not built yet, each refused with :class:`NotSupportedError` naming the layout: batches (and
-``leased()``) of a consumer group other than the default one, and per-queue grants (the ring's tables
-are the schema owner's).
+Per-queue grants: the ring's own objects (and its groups') go to the roles that hold an action on it,
+each action what it needs (``dialects/postgres/grants.py``); its registry row has row-level security.
+
+Not built yet, refused with :class:`NotSupportedError` naming the layout: batches (and ``leased()``) of
+a consumer group other than the default one.
 """
 
 from __future__ import annotations

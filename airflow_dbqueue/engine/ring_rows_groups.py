@@ -105,7 +105,10 @@ class RowsRingGroups(Queue):
             "lag_timeout_s": timeout,
         }
         try:
-            row = self._db.fetchone("ring_add_group", params)
+            with self._db.transaction() as conn:  # the group's own tables go to the ring's roles with it
+                row = self._db.fetchone("ring_add_group", params, conn)
+                if row is not None and row[0] is not None:
+                    self._db.grant_new_ring(conn, self._qid)
         except DatabaseError:
             if any(g.name == name for g in self.groups()):
                 raise GroupExistsError(f"queue {self.name!r} has a consumer group {name!r} already") from None

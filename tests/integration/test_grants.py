@@ -129,13 +129,15 @@ def test_sql_around_the_engine_sees_and_changes_only_granted_queues(
     assert _snapshot(owner) == before
 
 
-@pytest.mark.parametrize("design", ["table", "ring"])
+@pytest.mark.parametrize("design", ["table", "ring", "ring-rows"])
 def test_each_action_does_what_it_grants(
     owner: DbQueue, role: Callable[[], str], pg_dsn: str, design: str
 ) -> None:
-    """push, pop, read and admin, each granted alone on one queue of each design: the role does what it
-    was granted, counted and checksummed, and is refused the rest."""
-    name = "events" if design == "ring" else "orders"
+    """push, pop, read and admin, each granted alone on one queue of each design (and ring layout): the
+    role does what it was granted, counted and checksummed, and is refused the rest."""
+    name = {"ring": "events", "ring-rows": "stream"}.get(design, "orders")
+    if design == "ring-rows":
+        owner.create_queue("stream", design="ring", capacity=100, layout="rows")
     roles = {a: role() for a in ("push", "pop", "read", "admin")}
     for action, r in roles.items():
         owner.grant(r, name, [action])
@@ -167,9 +169,15 @@ def test_each_action_does_what_it_grants(
             q.push({"no": 1})
         assert q.stats().ready == 0
         assert q.requeue_failed() == 0
-        if design == "ring":
-            # a ring's sequences are its creator's: only the owner (or a member of it) drops it
-            with pytest.raises(PermissionDeniedError, match="owner of sequence"):
+        if design == "ring-rows":
+            # a group of the rows layout is tables of its own, which need CREATE on the schema
+            with pytest.raises(PermissionDeniedError, match="permission denied for schema"):
+                q.add_group("g")  # type: ignore[attr-defined]
+            assert [g.name for g in owner.queue(name).groups()] == ["default"]  # type: ignore[attr-defined]
+        if design != "table":
+            # a ring's sequences (and a rows ring's tables) are its creator's: only the owner (or a
+            # member of it) drops it
+            with pytest.raises(PermissionDeniedError, match="owner of"):
                 dbq.drop_queue(name)
             assert name in [s.name for s in owner.list_queues()]
             return
@@ -212,6 +220,117 @@ def test_a_pop_role_runs_a_rings_batches_in_each_group(
         assert c.execute(f'SELECT count(*) FROM "{owner.schema}".batches').fetchone() == (0,)
 
 
+def _sql_touches_only_its_ring(pg_dsn: str, role: str, s: str, mine_id: int, theirs_id: int) -> None:
+    """The role's own SQL sees ring mine_id of the rows layout and reads, writes and empties nothing of
+    ring theirs_id: neither its registry row nor its tables, sequences and functions."""
+    with psycopg.connect(psycopg.conninfo.make_conninfo(pg_dsn, user=role), autocommit=True) as c:
+        assert c.execute(f'SELECT queue_id FROM "{s}".ring_rows').fetchall() == [(mine_id,)]
+        assert c.execute(f'DELETE FROM "{s}".ring_rows WHERE queue_id = %s', (theirs_id,)).rowcount == 0
+        changed = c.execute(f'UPDATE "{s}".ring_rows SET lanes = 1 WHERE queue_id = %s', (theirs_id,))
+        assert changed.rowcount == 0
+        for statement in (
+            f'SELECT count(*) FROM "{s}".ring_{theirs_id}_rq',
+            f'SELECT count(*) FROM "{s}".ring_{theirs_id}_rq0',
+            f'TRUNCATE "{s}".ring_{theirs_id}_rq0',
+            f'INSERT INTO "{s}".ring_{theirs_id}_rpos0 VALUES (0, 999999)',
+            f"SELECT nextval('\"{s}\".ring_{theirs_id}_rrows')",
+            f'SELECT * FROM "{s}".ring_{theirs_id}_rpush(ARRAY[%s::bytea], 0, %s)',
+        ):
+            params = (b'{"x": 1}', "ch") if "rpush" in statement else None
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                c.execute(statement, params)
+        # its own ring's tables it reads
+        assert c.execute(f'SELECT count(*) FROM "{s}".ring_{mine_id}_rq').fetchone() is not None
+
+
+def test_a_role_pops_one_ring_of_the_rows_layout_and_touches_no_other(
+    owner: DbQueue, role: Callable[[], str], pg_dsn: str
+) -> None:
+    """push and pop granted on one ring of the rows layout: the role pushes past the ring's capacity (its
+    pushes empty and reuse segments), pops every message at most once, at least once and exactly once,
+    in a consumer group added after the grant, and in batches, counted and checksummed. Through the
+    engine or with SQL of its own it reads, writes and empties nothing of another ring of that layout,
+    nor of the slots ring."""
+    mine = owner.create_queue("stream", design="ring", capacity=64, lanes=2, layout="rows")
+    theirs = owner.create_queue("stream2", design="ring", capacity=64, lanes=2, layout="rows")
+    worker = role()
+    owner.grant(worker, "stream", ["push", "pop"])
+    secret = [{"secret": i} for i in range(10)]
+    theirs.push_batch(secret)
+    owner.queue("events").push({"slots": 1})
+    before = _snapshot(owner), checksum(m.payload for m in theirs.peek(100))
+    got: list[Any] = []
+    sent: list[Any] = []
+    with as_role(pg_dsn, owner.schema, worker) as dbq:
+        q = dbq.queue("stream")
+        # 64 pushes a lap: three laps rotate every segment in again, twice
+        for i in range(200):
+            sent.append({"i": i})
+            q.push(sent[-1])
+            if i % 3 == 0:
+                got += q.pop(2)
+            elif i % 3 == 1:
+                popped = q.pop(2, semantics="at-least-once")
+                assert q.ack(popped) == len(popped)
+                got += popped
+            else:
+                with dbq.transaction() as conn:
+                    got += q.pop(2, semantics="exactly-once", conn=conn)
+        while True:
+            more = q.pop(50)
+            if not more:
+                break
+            got += more
+        assert len(got) == len(sent) and checksum(m.payload for m in got) == checksum(sent)
+        # batches of the default group
+        q.push_batch([{"b": i} for i in range(6)])
+        batch = q.claim_batch(6)
+        assert batch is not None and batch.size == 6
+        with dbq.transaction() as conn:
+            assert q.ack_batch(batch.batch_id, conn=conn) == 6
+        # another queue: not even seen
+        for other in ("stream2", "events"):
+            with pytest.raises(Exception, match=other):
+                dbq.queue(other)
+    # a group added after the grant: its own tables go to the role too
+    owner.queue("stream").add_group("g")  # type: ignore[attr-defined]
+    owner.queue("stream").push_batch([{"g": i} for i in range(5)])
+    with as_role(pg_dsn, owner.schema, worker) as dbq:
+        g = dbq.queue("stream").group("g")
+        seen = g.pop(10, semantics="at-least-once")
+        assert g.ack(seen) == 5 and checksum(m.payload for m in seen) == checksum({"g": i} for i in range(5))
+        assert sorted(m.payload["g"] for m in dbq.queue("stream").pop(10)) == list(range(5))
+    _sql_touches_only_its_ring(pg_dsn, worker, owner.schema, mine.settings.queue_id, theirs.settings.queue_id)
+    assert (_snapshot(owner), checksum(m.payload for m in theirs.peek(100))) == before
+    assert sorted(m.payload["secret"] for m in theirs.pop(20)) == list(range(10))
+
+
+def test_revoke_on_a_ring_of_the_rows_layout_takes_its_tables_back(
+    owner: DbQueue, role: Callable[[], str], pg_dsn: str
+) -> None:
+    """pop revoked, push kept: the role still pushes but neither pops nor writes the ring's position
+    logs with SQL of its own; everything revoked, it reads none of the ring's tables."""
+    ring = owner.create_queue("stream", design="ring", capacity=64, lanes=2, layout="rows")
+    r = role()
+    owner.grant(r, "stream", ["push", "pop"])
+    owner.revoke(r, "stream", ["pop"])
+    qid, s = ring.settings.queue_id, owner.schema
+    with as_role(pg_dsn, owner.schema, r) as dbq:
+        q = dbq.queue("stream")
+        q.push_batch([1, 2, 3])
+        with pytest.raises(PermissionDeniedError, match="may not pop"):
+            q.pop(1)
+    dsn = psycopg.conninfo.make_conninfo(pg_dsn, user=r)
+    with psycopg.connect(dsn, autocommit=True) as c:
+        assert c.execute(f'SELECT sum(n) FROM "{s}".ring_{qid}_rq').fetchone() == (3,)
+        with pytest.raises(psycopg.errors.InsufficientPrivilege):
+            c.execute(f'INSERT INTO "{s}".ring_{qid}_rpos0 VALUES (0, 999999)')
+    owner.revoke(r, "stream", ["push"])
+    with psycopg.connect(dsn, autocommit=True) as c, pytest.raises(psycopg.errors.InsufficientPrivilege):
+        c.execute(f'SELECT count(*) FROM "{s}".ring_{qid}_rq0')
+    assert sorted(m.payload for m in ring.pop(5)) == [1, 2, 3]
+
+
 def test_grants_on_every_queue_reach_queues_made_later(
     owner: DbQueue, role: Callable[[], str], pg_dsn: str
 ) -> None:
@@ -220,7 +339,9 @@ def test_grants_on_every_queue_reach_queues_made_later(
     owner.grant(worker, None, ["push", "pop"])
     with as_role(pg_dsn, owner.schema, admin) as dbq:
         dbq.create_queue("later")
-        dbq.create_queue("later_ring", design="ring", capacity=50)
+        dbq.create_queue("later_ring", design="ring", capacity=50, layout="slots")
+        dbq.create_queue("later_rows", design="ring", capacity=64, lanes=2, layout="rows")
+        dbq.queue("later_rows").add_group("g")  # type: ignore[attr-defined]
         report = dbq.maintain()
         assert report["skipped"] is None
         # without pg_monitor the horizon check sees only the role's own sessions, and says so
@@ -228,12 +349,14 @@ def test_grants_on_every_queue_reach_queues_made_later(
         # and the horizon section and the metrics carry the same note, not an error
         assert "pg_monitor" in report["horizon"]["note"]
         assert "pg_monitor" in report["metrics"]["horizon"]["note"]
-        assert report["samples"]["recorded"] == 5 and report["samples"]["skipped"] is None
+        assert report["samples"]["recorded"] == 6 and report["samples"]["skipped"] is None
     with as_role(pg_dsn, owner.schema, worker) as dbq:
-        for name in ("later", "later_ring", "orders"):
+        for name in ("later", "later_ring", "later_rows", "orders"):
             q = dbq.queue(name)
             q.push_batch([1, 2, 3])
             assert sorted(m.payload for m in q.pop(5)) == [1, 2, 3]
+        # the group the admin added: its own tables went to the worker with it
+        assert sorted(m.payload for m in dbq.queue("later_rows").group("g").pop(5)) == [1, 2, 3]
         with pytest.raises(PermissionDeniedError):
             dbq.queue("orders").requeue_failed()
 

@@ -38,6 +38,7 @@ from airflow_dbqueue.engine.bridge import (
     shielded,
 )
 from airflow_dbqueue.engine.dialects.postgres.dialect import has_input
+from airflow_dbqueue.engine.dialects.postgres.grants import rows_ring_statements
 from airflow_dbqueue.engine.dialects.postgres.hub import NotifyHub, Waiter
 from airflow_dbqueue.engine.dialects.postgres.statements import BINARY_RESULTS
 from airflow_dbqueue.engine.errors import DatabaseUnavailableError, LoginError
@@ -362,6 +363,18 @@ class AsyncPostgres:
                 )
                 with self.sync.translate_errors():
                     await_only(conn.execute(statement))
+        objects = self.fetchall(
+            "ring_rows_objects_of", {"schema": self.sync.schema, "queue_ids": [queue_id]}, conn
+        )
+        if not objects:
+            return
+        actions_of: dict[tuple[str, int], Any] = {}
+        for role in roles:
+            for qid, held in self.fetchall("role_actions_on", {"role": role, "queue_ids": [queue_id]}, conn):
+                actions_of[(role, int(qid))] = held or ()
+        for statement in rows_ring_statements(self.sync.schema, objects, actions_of):
+            with self.sync.translate_errors():
+                await_only(conn.execute(statement))
 
     # -- notifications ---------------------------------------------------------------------------
 

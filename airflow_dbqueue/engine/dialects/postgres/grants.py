@@ -11,12 +11,20 @@ ring's sequences are made when it is created), and ``MAINTAIN`` on the tables wh
 (PostgreSQL 17 and later) for a role that administers every queue, so that its maintenance may VACUUM
 and REINDEX. Only the schema's owner grants and revokes.
 
+A ring of the rows layout keeps its messages in tables of its own (segments, position logs, leases, done
+rows, retry log, batch ledger, sequences; its consumer groups' copies too), which row-level security
+cannot narrow: a role gets privileges on those objects of the rings it holds an action on, and no other
+ring's, each action what its statements need (:func:`rows_ring_statements`). They are set again whenever
+the role's grants change, and given when a ring or a group of it is made (:meth:`grant_new_ring`), so a
+segment emptied and reused keeps them (``TRUNCATE`` keeps a table's privileges).
+
 :class:`PostgresGrants` is a part of :class:`PostgresDatabase`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -27,6 +35,89 @@ from airflow_dbqueue.engine.errors import ConfigurationError
 
 _TABLE_ONLY_READ = ("schema_version", "owned_objects")
 _NEVER_GRANTED = ("grants",)
+
+# The own objects of a ring of the rows layout (functions.sql, ring_rows_template), by their name past
+# the prefix of the ring or group (ring_<queue_id>_r, ring_g<gid>_r).
+_ROWS_SEGMENT = re.compile(r"q[0-3]?")  # the segments, and their view
+_ROWS_LOG = re.compile(r"(pos|l|d|r)[0-3]?")  # positions, leases, done rows, retry log, and their views
+_ROWS_LEDGER = re.compile(r"bs?")  # the batch ledger
+_ROWS_PUSH_SEQ = re.compile(r"gen[0-3]|rows")  # row numbers and the segments' generation labels
+_ROWS_POP_SEQ = re.compile(r"posgen|retrygen")  # the newest segments the logs were written in
+_ALL_TABLE = frozenset(("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE"))
+_ALL_SEQUENCE = frozenset(("USAGE", "SELECT", "UPDATE"))
+
+
+def _rows_privileges(what: str, kind: str, actions: frozenset[str]) -> frozenset[str]:
+    """The privileges a role holding ``actions`` on a ring of the rows layout gets on its object
+    ``what`` (of kind ``'r'`` table, ``'v'`` view, ``'S'`` sequence). Any action reads everything. A push
+    inserts a row into a segment, and rotates one in: it empties a segment with its logs (those of every
+    group) under ``LOCK TABLE`` and ``TRUNCATE``, and labels it (``setval``). A pop, ack, nack, reclaim
+    or batch only inserts into its group's logs and the ledger (a claim locks its ledger row). admin:
+    everything (maintenance, failed messages)."""
+    if not actions:
+        return frozenset()
+    if "admin" in actions:
+        return _ALL_SEQUENCE if kind == "S" else _ALL_TABLE
+    got = {"SELECT"}
+    push, pop = "push" in actions, "pop" in actions
+    if kind == "S":
+        if (push and _ROWS_PUSH_SEQ.fullmatch(what)) or (pop and _ROWS_POP_SEQ.fullmatch(what)):
+            got |= {"USAGE", "UPDATE"}
+        return frozenset(got)
+    if kind == "v":
+        return frozenset(got)
+    if push and _ROWS_SEGMENT.fullmatch(what):
+        got |= {"INSERT", "TRUNCATE"}
+    if push and _ROWS_LOG.fullmatch(what):
+        got.add("TRUNCATE")
+    if pop and _ROWS_LOG.fullmatch(what):
+        got.add("INSERT")
+    if pop and _ROWS_LEDGER.fullmatch(what):
+        got |= {"INSERT", "UPDATE", "DELETE"}
+    return frozenset(got)
+
+
+def rows_ring_statements(
+    schema: str,
+    objects: Iterable[tuple[Any, ...]],
+    actions_of: Mapping[tuple[str, int], Iterable[str]],
+) -> list[sql.Composed]:
+    """The statements that set each role's privileges on the own objects of rings of the rows layout:
+    ``objects`` as the query ``ring_rows_objects_of`` returns them, ``actions_of[(role, queue_id)]`` the
+    actions the role now holds on that ring. Everything is revoked first, then what the actions need is
+    granted (one statement a set of privileges)."""
+    by_queue: dict[int, list[tuple[str, str, str]]] = {}
+    for queue_id, name, kind, what in objects:
+        by_queue.setdefault(int(queue_id), []).append((str(name), str(kind), str(what)))
+    out: list[sql.Composed] = []
+    for (role, queue_id), held in sorted(actions_of.items()):
+        owned = by_queue.get(queue_id)
+        if not owned:
+            continue
+        r = sql.Identifier(role)
+        actions = frozenset(held)
+        for keyword, kinds in (("TABLE", ("r", "v")), ("SEQUENCE", ("S",))):
+            names = [n for n, k, _ in owned if k in kinds]
+            if not names:
+                continue
+            out.append(
+                sql.SQL("REVOKE ALL ON " + keyword + " {} FROM {}").format(
+                    sql.SQL(", ").join(sql.Identifier(schema, n) for n in names), r
+                )
+            )
+            groups: dict[frozenset[str], list[str]] = {}
+            for n, k, what in owned:
+                if k in kinds:
+                    privileges = _rows_privileges(what, k, actions)
+                    if privileges:
+                        groups.setdefault(privileges, []).append(n)
+            for privileges, granted in sorted(groups.items(), key=lambda kv: sorted(kv[0])):
+                out.append(
+                    sql.SQL("GRANT " + ", ".join(sorted(privileges)) + " ON " + keyword + " {} TO {}").format(
+                        sql.SQL(", ").join(sql.Identifier(schema, n) for n in granted), r
+                    )
+                )
+    return out
 
 
 class _Connections(Protocol):
@@ -80,6 +171,7 @@ class PostgresGrants(_Base):
                 else [queue_id]
             )
             self._ring_privileges(c, [role], rings)
+            self._rows_ring_privileges(c, [role], None if queue_id is None else [queue_id])
             if queue_id is None and "admin" in actions:
                 c.execute(
                     sql.SQL("GRANT CREATE ON SCHEMA {} TO {}").format(
@@ -106,6 +198,8 @@ class PostgresGrants(_Base):
                     )
                 )
                 self._maintain_privilege(c, role, grant=False)
+            if self._exists(role, c):
+                self._rows_ring_privileges(c, [role], None if queue_id is None else [queue_id])
             row = self.fetchone("grants_of_role", {"role": role}, c)
             if row is not None and row[0] == 0 and self._exists(role, c):
                 self._revoke_all(c, role)
@@ -126,11 +220,13 @@ class PostgresGrants(_Base):
         return bool(row and row[0])
 
     def grant_new_ring(self, conn: psycopg.Connection[Any], queue_id: int) -> None:
-        """Give a ring's sequences, just made in ``conn``'s transaction, to the roles that hold an action
-        on every queue."""
+        """Give a ring's own objects, just made in ``conn``'s transaction (a ring's sequences; a ring of
+        the rows layout's tables, or those of a consumer group just added to it), to the roles that hold
+        an action on it or on every queue."""
         roles = [r[0] for r in self.fetchall("grants_roles_of_queue", {"queue_id": queue_id}, conn)]
         if roles:
             self._ring_privileges(conn, roles, [queue_id])
+            self._rows_ring_privileges(conn, roles, [queue_id])
 
     # -- privileges ------------------------------------------------------------------------------
 
@@ -169,6 +265,22 @@ class PostgresGrants(_Base):
                         sql.Identifier(self.schema, seq), sql.Identifier(role)
                     )
                 )
+
+    def _rows_ring_privileges(
+        self, c: psycopg.Connection[Any], roles: list[str], queue_ids: list[int] | None
+    ) -> None:
+        """Set ``roles``' privileges on the own objects of the rings of the rows layout among ``queue_ids``
+        (None: every one) to what their actions on each ring need now."""
+        objects = self.fetchall("ring_rows_objects_of", {"schema": self.schema, "queue_ids": queue_ids}, c)
+        rings = sorted({int(o[0]) for o in objects})
+        if not rings:
+            return
+        actions_of: dict[tuple[str, int], Iterable[str]] = {}
+        for role in roles:
+            for queue_id, held in self.fetchall("role_actions_on", {"role": role, "queue_ids": rings}, c):
+                actions_of[(role, int(queue_id))] = held or ()
+        for statement in rows_ring_statements(self.schema, objects, actions_of):
+            c.execute(statement)
 
     def _maintain_privilege(self, c: psycopg.Connection[Any], role: str, *, grant: bool) -> None:
         """``MAINTAIN`` (VACUUM, ANALYZE, REINDEX) on the tables, where the server has it (17+)."""

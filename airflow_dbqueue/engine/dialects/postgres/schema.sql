@@ -538,6 +538,14 @@ CREATE POLICY rings_admin ON {schema}.rings FOR ALL USING (
     (SELECT {schema}.may_all('admin', current_user)) OR queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]))
     WITH CHECK ((SELECT {schema}.may_all('admin', current_user)) OR queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]));
 
+-- The registry of the rings of the rows layout: read by the roles that may see the ring, written by
+-- those that create and drop it (their own tables: grants.py gives them to the ring's roles).
+ALTER TABLE {schema}.ring_rows ENABLE ROW LEVEL SECURITY;
+CREATE POLICY ring_rows_see ON {schema}.ring_rows FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));
+CREATE POLICY ring_rows_admin ON {schema}.ring_rows FOR ALL USING (
+    (SELECT {schema}.may_all('admin', current_user)) OR queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]))
+    WITH CHECK ((SELECT {schema}.may_all('admin', current_user)) OR queue_id = ANY ((SELECT {schema}.may('admin', current_user))::integer[]));
+
 ALTER TABLE {schema}.ring_slots ENABLE ROW LEVEL SECURITY;
 CREATE POLICY ring_slots_see ON {schema}.ring_slots FOR SELECT USING (queue_id = ANY ((SELECT {schema}.may('any', current_user))::integer[]));
 CREATE POLICY ring_slots_push ON {schema}.ring_slots FOR UPDATE USING (queue_id = ANY ((SELECT {schema}.may('push', current_user))::integer[]))

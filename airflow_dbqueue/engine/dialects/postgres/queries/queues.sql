@@ -184,6 +184,25 @@ SELECT c.relname
 FROM {schema}.rings r JOIN pg_catalog.pg_class c ON c.oid IN (r.push_seq, r.gap_seq)
 WHERE r.queue_id = ANY (%(queue_ids)s::integer[])
 
+-- name: ring_rows_objects_of
+-- The own tables, views and sequences of the rings of the rows layout among queue_ids (every one when
+-- NULL) and of their consumer groups: (queue_id, name, kind 'r'/'v'/'S', what: the name past the prefix
+-- of the ring or group, e.g. q0, pos2, b, rows, posgen).
+SELECT w.queue_id, c.relname, c.relkind::text, substr(c.relname, length(o.p) + 1)
+FROM {schema}.ring_rows w
+CROSS JOIN LATERAL (
+    SELECT {schema}.ring_rows_own(w.queue_id) AS p
+    UNION ALL
+    SELECT {schema}.ring_rows_own(g.gid) FROM {schema}.ring_groups g WHERE g.queue_id = w.queue_id) o
+JOIN pg_catalog.pg_class c ON left(c.relname, length(o.p)) = o.p AND c.relkind IN ('r', 'v', 'S')
+JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace AND n.nspname = %(schema)s
+WHERE %(queue_ids)s::integer[] IS NULL OR w.queue_id = ANY (%(queue_ids)s::integer[])
+ORDER BY 1, 2
+
+-- name: role_actions_on
+-- What role p_role may do to each of queues queue_ids: (queue_id, actions).
+SELECT q, {schema}.actions_on(q, %(role)s) FROM unnest(%(queue_ids)s::integer[]) q
+
 -- name: owned_tables
 -- The engine's tables of this schema, by name (its catalogue).
 SELECT name FROM {schema}.owned_objects WHERE kind = 'table' ORDER BY name
