@@ -3,7 +3,7 @@
     dbqueue [--dsn DSN] [--schema S] init
     dbqueue create QUEUE [--payload-type json|text|bytes] [--max-attempts N] [--visibility-timeout S]
                    [--design table|ring] [--capacity N] [--lanes N] [--dedup-window S] [--ttl S]
-                   [--on-expiry fail|drop] [--ordering none|per_key]
+                   [--on-expiry fail|drop] [--ordering none|per_key] [--layout slots|rows]
     dbqueue push QUEUE JSON [JSON ...] [--priority P] [--delay S] [--dedup-key K ...] [--ttl S]
                  [--key K ...]
     dbqueue pop QUEUE [-n N] [--semantics at-most-once|at-least-once] [--wait S] [--group G]
@@ -148,6 +148,7 @@ def _cmd_create(dbq: DbQueue, args: argparse.Namespace) -> int:
         ttl=args.ttl,
         on_expiry=args.on_expiry,
         ordering=args.ordering,
+        layout=args.layout,
     )
     _say(json.dumps({"queue": q.name, "settings": str(q.settings)}))
     return 0
@@ -501,7 +502,11 @@ def _queue_commands(sub: Any) -> None:
     c.add_argument("--max-attempts", type=int, default=DEFAULT_MAX_ATTEMPTS)
     c.add_argument("--visibility-timeout", type=float, default=DEFAULT_VISIBILITY_TIMEOUT_S)
     c.add_argument("--design", default="table", choices=["table", "ring"])
-    c.add_argument("--capacity", type=int, help=f"a ring's slots (default {RING_DEFAULT_CAPACITY})")
+    c.add_argument(
+        "--capacity",
+        type=int,
+        help=f"a ring's slots, or pushes on the rows layout (default {RING_DEFAULT_CAPACITY})",
+    )
     c.add_argument(
         "--lanes",
         type=int,
@@ -516,6 +521,11 @@ def _queue_commands(sub: Any) -> None:
     c.add_argument("--ttl", type=float, help="seconds a message may wait to be popped (table design)")
     c.add_argument("--on-expiry", default="fail", choices=["fail", "drop"])
     c.add_argument("--ordering", default="none", choices=["none", "per_key"])
+    c.add_argument(
+        "--layout",
+        choices=["slots", "rows"],
+        help="a ring's storage layout (the dialect's default when left out; rows: PostgreSQL only)",
+    )
     c = sub.add_parser("push", help="push JSON payloads")
     c.add_argument("queue")
     c.add_argument("payloads", nargs="+", metavar="JSON")

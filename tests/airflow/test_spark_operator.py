@@ -82,14 +82,33 @@ def canceled_on_connect(server: LocalConnectServer, batch_id: str, wait_s: float
         time.sleep(1.0)
 
 
+def batches(c: psycopg.Connection[Any], schema: str) -> sql.Composable:
+    """Every batch of the schema, as a relation (batch_id, state, ids, consumer, claimed_at,
+    last_error): the table design's and the slots rings' (the schema's ``batches``), and those of the
+    rings of the rows layout (each ring's own ledger, a batch's state its newest state row)."""
+    s = sql.Identifier(schema)
+    parts: list[sql.Composable] = [
+        sql.SQL("SELECT batch_id, state, ids, consumer, claimed_at, last_error FROM {}.batches").format(s)
+    ]
+    for (qid,) in c.execute(sql.SQL("SELECT queue_id FROM {}.ring_rows").format(s)).fetchall():
+        parts.append(
+            sql.SQL(
+                "SELECT b.batch_id, coalesce(x.state, 0::smallint), b.ids, b.consumer, b.claimed_at, "
+                "x.last_error FROM {b} b LEFT JOIN LATERAL (SELECT y.state, y.last_error FROM {bs} y "
+                "WHERE y.batch_id = b.batch_id ORDER BY y.ver DESC LIMIT 1) x ON true"
+            ).format(b=sql.Identifier(schema, f"ring_{qid}_rb"), bs=sql.Identifier(schema, f"ring_{qid}_rbs"))
+        )
+    return sql.SQL("(") + sql.SQL(" UNION ALL ").join(parts) + sql.SQL(")")
+
+
 def batch_rows(pg_dsn: str, schema: str, dag_id: str = "") -> list[tuple[int, int, str | None]]:
     """(state, size, last error) of the batches claimed by tries of ``dag_id``'s tasks (all: "")."""
     with psycopg.connect(pg_dsn) as c:
         return c.execute(
             sql.SQL(
-                "SELECT state, cardinality(ids), last_error FROM {}.batches "
+                "SELECT state, cardinality(ids), last_error FROM {} b "
                 "WHERE starts_with(consumer, %s) ORDER BY claimed_at"
-            ).format(sql.Identifier(schema)),
+            ).format(batches(c, schema)),
             (f"{dag_id}." if dag_id else "",),
         ).fetchall()
 
@@ -170,34 +189,42 @@ def drill_env(tmp_path: Path, pg_dsn: str, dbq: DbQueue) -> dict[str, str]:
 
 
 def results(
-    pg_dsn: str, schema: str, dag_id: str = "", *, ring: bool = False
+    pg_dsn: str, schema: str, dag_id: str = "", *, ring: bool = False, rows_ring: int | None = None
 ) -> list[tuple[int, str, bytes]]:
     """The drill's results with each message's payload: (id, batch id, payload), of the batches of
     ``dag_id``'s tasks (all: ""). A small payload is in its message's meta row (or done row, once
     finished), a large one in data; with ``ring``, the batches are of the schema's only ring, and a
-    payload is in the slot holding its number (a ring's numbers and the table design's ids overlap)."""
-    where = (
-        "(SELECT t.payload FROM {s}.ring_slots t WHERE t.seq = r.id)"
-        if ring
-        else "coalesce((SELECT m.payload FROM {s}.meta m WHERE m.id = r.id), "
-        "(SELECT f.payload FROM {s}.done f WHERE f.id = r.id), "
-        "(SELECT d.payload FROM {s}.data d WHERE d.id = r.id))"
-    )
+    payload is in the slot holding its number (a ring's numbers and the table design's ids overlap);
+    with ``rows_ring`` (a queue_id), of that ring of the rows layout, message k of its row r (the id
+    ``(r << 16) | k``) being element k + 1 of the row's payloads."""
+    if rows_ring is not None:
+        where = (
+            "(SELECT (t.payloads)[(r.id & 65535) + 1] FROM {s}." + f"ring_{int(rows_ring)}_rq"
+            " t WHERE t.r = r.id >> 16)"
+        )
+    elif ring:
+        where = "(SELECT t.payload FROM {s}.ring_slots t WHERE t.seq = r.id)"
+    else:
+        where = (
+            "coalesce((SELECT m.payload FROM {s}.meta m WHERE m.id = r.id), "
+            "(SELECT f.payload FROM {s}.done f WHERE f.id = r.id), "
+            "(SELECT d.payload FROM {s}.data d WHERE d.id = r.id))"
+        )
     with psycopg.connect(pg_dsn) as c:
         return c.execute(
             sql.SQL(
                 "SELECT * FROM (SELECT r.id, r.batch_id, " + where + " AS payload "
                 "FROM {s}.drill_results r WHERE r.batch_id IN "
-                "(SELECT batch_id::text FROM {s}.batches WHERE starts_with(consumer, %s))) x "
+                "(SELECT batch_id::text FROM {b} b WHERE starts_with(consumer, %s))) x "
                 "WHERE x.payload IS NOT NULL"
-            ).format(s=sql.Identifier(schema)),
+            ).format(s=sql.Identifier(schema), b=batches(c, schema)),
             (f"{dag_id}." if dag_id else "",),
         ).fetchall()
 
 
-@pytest.mark.parametrize("design", ["table", "ring-group"])
+@pytest.mark.parametrize("design", ["table", "ring-group", "ring-rows"])
 def test_a_try_finds_the_batch_a_killed_try_left_and_releases_it_at_once(
-    lifecycle_env: dict[str, str], pg_dsn: str, dbq: DbQueue, tmp_path: Path, design: str
+    lifecycle_env: dict[str, str], pg_dsn: str, dbq: DbQueue, tmp_path: Path, *, design: str, spark_path: str
 ) -> None:
     """What a try killed mid-batch leaves (its batch claimed with a 600 s lease, part of its staging,
     its orphaned job still running and writing staging) is cleaned up by the next try of the task:
@@ -209,9 +236,19 @@ def test_a_try_finds_the_batch_a_killed_try_left_and_releases_it_at_once(
     ending the run, so an upstream task plays the killed try: it claims under the consumer name of an
     earlier try of ``process`` and starts the orphan (see the DAG). ``ring-group``: the queue is a ring
     and both tries take batches for its consumer group ``g`` (``group=``); its default group, which
-    nobody pops, still holds all 30."""
+    nobody pops, still holds all 30. ``ring-rows``: a ring of the rows layout, its own batches (its
+    default group's), on spark-submit only: the batch calls the operator makes are the engine's on
+    either path, and Connect's ring case is the slots layout's."""
+    if design == "ring-rows" and spark_path == "connect":
+        pytest.skip("the rows layout's batches under the operator: spark-submit's path is enough")
     ring = design == "ring-group"
-    q = dbq.create_queue("jobs", **({"design": "ring", "capacity": 64} if ring else {}))
+    rows = design == "ring-rows"
+    settings: dict[str, Any] = {}
+    if ring:
+        settings = {"design": "ring", "capacity": 64, "layout": "slots"}
+    elif rows:
+        settings = {"design": "ring", "capacity": 64, "layout": "rows"}
+    q = dbq.create_queue("jobs", **settings)
     handle = q.add_group("g") if ring else q  # type: ignore[attr-defined]
     sent = [{"job": i, "blob": "y" * (i % 5)} for i in range(30)]
     q.push_batch(sent)
@@ -225,10 +262,10 @@ def test_a_try_finds_the_batch_a_killed_try_left_and_releases_it_at_once(
     error = rows[0][2]
     assert error is not None and error.startswith("released by dbqueue_test_spark_killed_try.process.")
     assert "try1: " in error and "try0 ended without acking or releasing it" in error, error
-    got = results(pg_dsn, dbq.schema, ring=ring)
+    got = results(pg_dsn, dbq.schema, ring=ring, rows_ring=q.settings.queue_id if rows else None)
     assert len(got) == 30 and checksum(json.loads(bytes(p)) for _, _, p in got) == checksum(sent)
     st = handle.stats()
-    assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 0 if ring else 30)
+    assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 0 if ring or rows else 30)
     assert handle.open_batches() == []
     if ring:
         assert q.stats().ready == 30  # the default group's: untouched
@@ -240,9 +277,9 @@ def _first_batch(pg_dsn: str, schema: str, dag_id: str = "") -> str:
     """The first batch claimed by a try of ``dag_id``'s tasks (of any DAG: "")."""
     with psycopg.connect(pg_dsn) as c:
         query = sql.SQL(
-            "SELECT batch_id FROM {}.batches WHERE starts_with(consumer, %s) ORDER BY claimed_at LIMIT 1"
+            "SELECT batch_id FROM {} b WHERE starts_with(consumer, %s) ORDER BY claimed_at LIMIT 1"
         )
-        row = c.execute(query.format(sql.Identifier(schema)), (f"{dag_id}." if dag_id else "",)).fetchone()
+        row = c.execute(query.format(batches(c, schema)), (f"{dag_id}." if dag_id else "",)).fetchone()
     assert row is not None
     return str(row[0])
 
@@ -298,7 +335,7 @@ def test_a_task_sigkilled_mid_batch_under_a_real_scheduler_leaves_nothing_behind
     queues = {path: dbq.create_queue(f"jobs_{path}") for path in paths[:2]}
     # ring: spark-submit on a ring, for its consumer group g; its default group, which nobody pops,
     # keeps all 30.
-    ring = dbq.create_queue("jobs_ring", design="ring", capacity=64)
+    ring = dbq.create_queue("jobs_ring", design="ring", capacity=64, layout="slots")
     queues["ring"] = ring.add_group("g")  # type: ignore[attr-defined]
     sent = {path: [{"job": i, "path": path, "blob": "z" * (i % 3)} for i in range(30)] for path in paths}
     for path in paths:

@@ -543,10 +543,18 @@ def test_the_cli_lists_adds_drops_and_pops_groups(
         out = capsys.readouterr()
         return code, [json.loads(line) for line in out.out.splitlines()], out.err
 
-    if layout == "slots":
-        assert run("create", "events", "--design", "ring", "--capacity", "64", "--lanes", "2")[0] == 0
-    else:  # the CLI's create makes rings of the default layout
-        ring(dbq, layout="rows", capacity=64, lanes=2)
+    create = ["create", "events", "--design", "ring", "--capacity", "64", "--lanes", "2"]
+    assert run(*create, "--layout", layout)[0] == 0
+    assert dbq.queue("events").settings.layout == layout
+    # a layout for a table queue, a rows ring's capacity that is no multiple of 4, an unknown layout
+    for bad in (
+        ["create", "t", "--layout", "rows"],
+        ["create", "t", "--design", "ring", "--capacity", "66", "--lanes", "2", "--layout", "rows"],
+    ):
+        code, _, err = run(*bad)
+        assert code == 2 and "dbqueue: error:" in err and "t" not in [s.name for s in dbq.list_queues()]
+    with pytest.raises(SystemExit):
+        run("create", "t", "--design", "ring", "--layout", "cells")
     code, [row], _ = run(
         "add-group", "events", "audit", "--on-lag", "drop_group", "--lag-timeout", "60", "--start", "earliest"
     )
