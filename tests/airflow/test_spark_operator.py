@@ -242,11 +242,11 @@ def test_a_try_finds_the_batch_a_killed_try_left_and_releases_it_at_once(
     if design == "ring-rows" and spark_path == "connect":
         pytest.skip("the rows layout's batches under the operator: spark-submit's path is enough")
     ring = design == "ring-group"
-    rows = design == "ring-rows"
+    rows_layout = design == "ring-rows"
     settings: dict[str, Any] = {}
     if ring:
         settings = {"design": "ring", "capacity": 64, "layout": "slots"}
-    elif rows:
+    elif rows_layout:
         settings = {"design": "ring", "capacity": 64, "layout": "rows"}
     q = dbq.create_queue("jobs", **settings)
     handle = q.add_group("g") if ring else q  # type: ignore[attr-defined]
@@ -262,10 +262,10 @@ def test_a_try_finds_the_batch_a_killed_try_left_and_releases_it_at_once(
     error = rows[0][2]
     assert error is not None and error.startswith("released by dbqueue_test_spark_killed_try.process.")
     assert "try1: " in error and "try0 ended without acking or releasing it" in error, error
-    got = results(pg_dsn, dbq.schema, ring=ring, rows_ring=q.settings.queue_id if rows else None)
+    got = results(pg_dsn, dbq.schema, ring=ring, rows_ring=q.settings.queue_id if rows_layout else None)
     assert len(got) == 30 and checksum(json.loads(bytes(p)) for _, _, p in got) == checksum(sent)
     st = handle.stats()
-    assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 0 if ring or rows else 30)
+    assert (st.ready, st.in_flight, st.failed, st.finished) == (0, 0, 0, 0 if ring or rows_layout else 30)
     assert handle.open_batches() == []
     if ring:
         assert q.stats().ready == 30  # the default group's: untouched
