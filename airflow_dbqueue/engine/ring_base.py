@@ -292,7 +292,13 @@ class RingBase(Queue):
             "group": self._gid,
         }
 
+    def _found_nothing(self) -> None:
+        self._raise_if_gone()
+
     def _raise_lost(self, params: dict[str, Any], conn: DbConnection | None) -> None:
+        """Raise :class:`LeaseExpiredError` naming the receipts of ``params`` not held; or the error of
+        the ring or group dropped meanwhile (its leases went with it)."""
+        self._raise_if_gone()
         held = set(self._db.fetchall("ring_held_receipts", params, conn))
         lost = [i for i, d in zip(params["ids"], params["deliveries"], strict=True) if (i, d) not in held]
         raise LeaseExpiredError(self.name, lost)
