@@ -57,7 +57,7 @@ class BatchLedger(Queue):
             last_error=error,
         )
 
-    def _found_nothing(self) -> None:
+    def _found_nothing(self, conn: DbConnection | None = None) -> None:
         """Called where a batch call found none of this handle's batches or receipts: raise the error of
         its queue or consumer group dropped meanwhile when that is why (a ring's handles check; a
         design whose ledger outlives nothing it names need not)."""
@@ -97,7 +97,7 @@ class BatchLedger(Queue):
     def _locked_batch(self, batch_id: str, conn: DbConnection) -> Batch:
         row = self._db.fetchone("lock_batch", self._batch_key(batch_id), conn)
         if row is None:
-            self._found_nothing()
+            self._found_nothing(conn)
             raise BatchNotFoundError(self.name, str(batch_id))
         return self._batch(row)
 

@@ -65,7 +65,7 @@ class RingBatches(RingBase, BatchLedger):
                 if self._pass_gap(who):
                     batch = self._claim(n, vt, who, conn)
         if batch is None and self._gid != self._qid:
-            self._raise_if_gone()  # a group dropped meanwhile takes nothing
+            self._raise_if_gone(conn)  # a group dropped meanwhile takes nothing
         return batch
 
     def _pass_gap(self, consumer: str) -> bool:

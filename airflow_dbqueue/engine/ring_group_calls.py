@@ -19,6 +19,9 @@ from airflow_dbqueue.engine.models import DEFAULT_GROUP, RING_DEFAULT_LAG_TIMEOU
 from airflow_dbqueue.engine.queue import Queue, check_seconds
 from airflow_dbqueue.engine.ring_base import _GROUP_NAME, _ON_LAG_CODE, group_infos, log
 
+if TYPE_CHECKING:
+    from airflow_dbqueue.engine.dialects.base import DbConnection
+
 
 class RingGroupCalls(Queue):
     """Adding, listing and dropping a ring's consumer groups, and acting on those nobody pops."""
@@ -31,7 +34,7 @@ class RingGroupCalls(Queue):
 
         def _default(self) -> Self: ...
 
-        def _raise_if_gone(self) -> None: ...
+        def _raise_if_gone(self, conn: DbConnection | None = None) -> None: ...
 
         def group(self, name: str | None) -> Self: ...
 

@@ -299,13 +299,15 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
                 return int(row[2])
         return 0
 
-    def _raise_if_gone(self) -> None:
+    def _raise_if_gone(self, conn: DbConnection | None = None) -> None:
         """Raise :class:`QueueNotFoundError` when this handle's ring was dropped (its own functions and
-        tables went with it, so its statements fail as if the schema were not installed)."""
-        row = self._db.fetchone("get_queue", {"name": self.name})
+        tables went with it, so its statements fail as if the schema were not installed), or
+        :class:`GroupNotFoundError` when its group was. ``conn``: read in the caller's transaction (one
+        still usable)."""
+        row = self._db.fetchone("get_queue", {"name": self.name}, conn)
         if row is None or row[0] != self._qid:
             raise QueueNotFoundError(self.name, self._db.schema) from None
-        self._raise_if_group_gone()
+        self._raise_if_group_gone(conn)
 
     # -- finish: ack, nack, reclaim ------------------------------------------------------------------
 

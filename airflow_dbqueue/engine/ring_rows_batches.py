@@ -62,7 +62,7 @@ class RowsRingBatches(BatchLedger):
 
         def _give_up_gaps(self, *, force: bool = False) -> int: ...
 
-        def _raise_if_gone(self) -> None: ...
+        def _raise_if_gone(self, conn: DbConnection | None = None) -> None: ...
 
         def _messages(self, rows: Sequence[Sequence[Any]]) -> list[Message]: ...
 
@@ -107,8 +107,8 @@ class RowsRingBatches(BatchLedger):
             "batches; drop it and create it again for them"
         )
 
-    def _found_nothing(self) -> None:
-        self._raise_if_gone()
+    def _found_nothing(self, conn: DbConnection | None = None) -> None:
+        self._raise_if_gone(conn)
 
     def _batch_params(self, batch_id: str) -> dict[str, Any]:
         return {"batch_id": self._batch_key(batch_id)["batch_id"], "group": self._ledger_key}
@@ -176,7 +176,7 @@ class RowsRingBatches(BatchLedger):
             self._raise_if_gone()
             raise
         if row is None:
-            self._found_nothing()
+            self._found_nothing(conn)
             raise BatchNotFoundError(self.name, str(batch_id))
         return self._batch(row)
 

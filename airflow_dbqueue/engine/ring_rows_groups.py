@@ -13,7 +13,7 @@ to deliver again are past it, so a group that lags holds the ring (pushes wait, 
 from __future__ import annotations
 
 import threading
-from typing import Self, cast
+from typing import TYPE_CHECKING, Self, cast
 
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
@@ -21,6 +21,9 @@ from airflow_dbqueue.engine.errors import (
 )
 from airflow_dbqueue.engine.models import DEFAULT_GROUP
 from airflow_dbqueue.engine.ring_group_calls import RingGroupCalls
+
+if TYPE_CHECKING:
+    from airflow_dbqueue.engine.dialects.base import DbConnection
 
 
 class RowsRingGroups(RingGroupCalls):
@@ -40,7 +43,7 @@ class RowsRingGroups(RingGroupCalls):
     def _behind(min_pos: int, issued: int) -> int:
         return ((issued >> 16) - (min_pos >> 16)) + 1  # positions and the last issued are ids: rows
 
-    def _raise_if_gone(self) -> None:
+    def _raise_if_gone(self, conn: DbConnection | None = None) -> None:
         """Raise :class:`QueueNotFoundError` or :class:`GroupNotFoundError` when the ring or this
         handle's group was dropped (the ring's handle defines it)."""
         raise NotImplementedError
@@ -93,14 +96,13 @@ class RowsRingGroups(RingGroupCalls):
                 continue
         return out
 
-    def _raise_if_group_gone(self) -> None:
+    def _raise_if_group_gone(self, conn: DbConnection | None = None) -> None:
         """Raise :class:`GroupNotFoundError` when this handle's group was dropped (its own functions and
         tables went with it)."""
         if self._gid == self._qid:
             return
-        if not any(
-            int(r[0]) == self._gid for r in self._db.fetchall("ring_rows_group_ids", {"queue_id": self._qid})
-        ):
+        groups = self._db.fetchall("ring_rows_group_ids", {"queue_id": self._qid}, conn)
+        if not any(int(r[0]) == self._gid for r in groups):
             root = self._default()
             with root._lock:  # group(name) looks the name up again (it may name a new group now)
                 if root._groups.get(self.group_name) is self:
