@@ -58,9 +58,9 @@ class BatchLedger(Queue):
         )
 
     def _found_nothing(self, conn: DbConnection | None = None) -> None:
-        """Called where a batch call found none of this handle's batches or receipts: raise the error of
-        its queue or consumer group dropped meanwhile when that is why (a ring's handles check; a
-        design whose ledger outlives nothing it names need not)."""
+        """Called where a batch call found none of this handle's batches: raise the error of its consumer
+        group dropped meanwhile when that is why (a ring group's handle checks; a queue's own ledger
+        rows outlive nothing it names)."""
 
     def _batch_key(self, batch_id: str) -> dict[str, Any]:
         try:

@@ -294,12 +294,14 @@ class RingBase(Queue):
         }
 
     def _found_nothing(self, conn: DbConnection | None = None) -> None:
-        self._raise_if_gone(conn)
+        if self._gid != self._qid:
+            self._raise_if_gone(conn)
 
     def _raise_lost(self, params: dict[str, Any], conn: DbConnection | None) -> None:
-        """Raise :class:`LeaseExpiredError` naming the receipts of ``params`` not held; or the error of
-        the ring or group dropped meanwhile (its leases went with it)."""
-        self._raise_if_gone(conn)
+        """Raise :class:`LeaseExpiredError` naming the receipts of ``params`` not held; or, on a group's
+        handle, the error of the ring or group dropped meanwhile (its leases went with it)."""
+        if self._gid != self._qid:
+            self._raise_if_gone(conn)
         held = set(self._db.fetchall("ring_held_receipts", params, conn))
         lost = [i for i, d in zip(params["ids"], params["deliveries"], strict=True) if (i, d) not in held]
         raise LeaseExpiredError(self.name, lost)

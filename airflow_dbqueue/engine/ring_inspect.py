@@ -76,8 +76,8 @@ class RingInspect(RingBase):
         if not stubs:
             return []
         rows = self._db.fetchall("ring_leased", self._receipt_params(stubs))
-        if not rows:
-            self._raise_if_gone()  # the leases of a ring or group dropped meanwhile went with it
+        if not rows and self._gid != self._qid:
+            self._raise_if_gone()  # the leases of a group dropped meanwhile went with it
         return self._messages(rows)
 
     def stats(self, *, exact: bool = False) -> QueueStats:
