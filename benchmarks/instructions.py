@@ -26,6 +26,10 @@ and the reference is PGMQ's statements instead (``run.py --pgmq``'s: a read that
 time, then the delete of what it read, or with ``--archive`` its move to the archive table, as the
 table design's queue then keeps finished messages for the archiver).
 
+With ``--pop claim`` (and ``--semantics at-least-once``) a pop session claims batches of ``--batch``
+messages instead (``claim_batch``), reads each by its receipts (``leased()``) and acks it whole
+(``ack_batch``): what a batch's cycle costs the server, on the reference's read and delete.
+
 With ``--feature`` the table design is also counted with one of the push options on every message,
 each in a queue of its own beside the default one, in the same server: ``ordering`` (a queue created
 with ``ordering="per_key"``, every push naming one of ``--ordering-keys`` keys in turn, 1,000 unless
@@ -226,6 +230,17 @@ def _pid(dbq: DbQueue) -> int:
         return int(c.info.backend_pid)
 
 
+def claim_cycle(q: Any, batch: int) -> list[bytes]:
+    """A batch's cycle: up to ``batch`` messages claimed, read by their receipts, acked whole; their
+    payloads."""
+    claimed = q.claim_batch(batch)
+    if claimed is None:
+        return []
+    got = list(map(_payload, q.leased(claimed.receipts)))
+    q.ack_batch(claimed.batch_id)
+    return got
+
+
 def engine_sessions(
     dsn: str,
     schema: str,
@@ -239,7 +254,9 @@ def engine_sessions(
 ) -> Sessions:
     """A push session and a pop session through the engine, each on one pooled connection; each
     returns the backends it used. At least once, the pop session acks each pop after it; at most once
-    it pops with ``pop_payloads`` (``pop_api`` "payloads") or with ``pop``, which builds messages.
+    it pops with ``pop_payloads`` (``pop_api`` "payloads") or with ``pop``, which builds messages;
+    ``pop_api`` "claim" (at least once): it claims batches instead, reads each by ``leased()`` and acks it
+    with ``ack_batch``.
     ``pooler="transaction"``: the engine as it runs behind a transaction pooler (nothing prepared).
     ``feature``: the push option every message carries (``FEATURES``; the queue was created for it);
     ``ordering_keys``: how many keys the pushes of ``ordering`` name in turn."""
@@ -272,6 +289,9 @@ def engine_sessions(
             q.reclaim_every = float("inf")  # type: ignore[attr-defined] # no reclaim between pops
             pids = {_pid(dbq)}
             for _ in range(calls):
+                if pop_api == "claim":
+                    got.extend(claim_cycle(q, batch))
+                    continue
                 if payloads_only:
                     got.extend(q.pop_payloads(batch))
                     continue
@@ -747,9 +767,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--pop",
-        choices=("payloads", "messages"),
+        choices=("payloads", "messages", "claim"),
         default="payloads",
-        help="at most once, the engine pops with pop_payloads (default) or with pop, which builds messages",
+        help="at most once, the engine pops with pop_payloads (default) or with pop, which builds messages; "
+        "claim (with --semantics at-least-once): it claims batches, reads each by leased() and acks it "
+        "with ack_batch (the reference still reads and deletes)",
     )
     ap.add_argument(
         "--pooler",
@@ -797,6 +819,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--rows-capacity must be a multiple of 4, at least 64")
     if args.client and args.semantics != "at-most-once":
         ap.error("--client counts pops at most once only")
+    if args.pop == "claim" and args.semantics != "at-least-once":
+        ap.error("--pop claim needs --semantics at-least-once (a batch is leased)")
     if any(k < 1 for k in args.ordering_keys):
         ap.error("--ordering-keys must be at least 1")
     if args.client and args.feature != ["none"]:

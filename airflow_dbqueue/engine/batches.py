@@ -57,6 +57,11 @@ class BatchLedger(Queue):
             last_error=error,
         )
 
+    def _found_nothing(self, conn: DbConnection | None = None) -> None:
+        """Called where a batch call found none of this handle's batches: raise the error of its consumer
+        group dropped meanwhile when that is why (a ring group's handle checks; a queue's own ledger
+        rows outlive nothing it names)."""
+
     def _batch_key(self, batch_id: str) -> dict[str, Any]:
         try:
             key = uuid.UUID(str(batch_id))
@@ -67,6 +72,7 @@ class BatchLedger(Queue):
     def get_batch(self, batch_id: str) -> Batch:
         row = self._db.fetchone("get_batch", self._batch_key(batch_id))
         if row is None:
+            self._found_nothing()
             raise BatchNotFoundError(self.name, str(batch_id))
         return self._batch(row)
 
@@ -79,6 +85,8 @@ class BatchLedger(Queue):
                 "consumer_prefix": consumer_prefix,
             },
         )
+        if not rows:
+            self._found_nothing()
         return [self._batch(r) for r in rows]
 
     def _purge_batches(self, limit: int) -> int:
@@ -89,6 +97,7 @@ class BatchLedger(Queue):
     def _locked_batch(self, batch_id: str, conn: DbConnection) -> Batch:
         row = self._db.fetchone("lock_batch", self._batch_key(batch_id), conn)
         if row is None:
+            self._found_nothing(conn)
             raise BatchNotFoundError(self.name, str(batch_id))
         return self._batch(row)
 

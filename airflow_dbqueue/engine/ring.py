@@ -410,7 +410,10 @@ class RingQueue(RingGroups, RingInspect, RingBatches):
         return self._settle({**params, **nack}, conn)
 
     def reclaim_expired(self, limit: int = RECLAIM_LIMIT) -> int:
-        return self._reclaim(limit, None)
+        n = self._reclaim(limit, None)
+        if not n and self._gid != self._qid:
+            self._raise_if_gone()  # a group dropped meanwhile has no leases to reclaim
+        return n
 
     def _reclaim(self, limit: int, conn: DbConnection | None) -> int:
         rows = self._db.fetchall(

@@ -231,15 +231,16 @@ class RingBase(Queue):
             self._raise_if_gone()
             raise
 
-    def _raise_if_gone(self) -> None:
+    def _raise_if_gone(self, conn: DbConnection | None = None) -> None:
         """Raise :class:`QueueNotFoundError` when this handle's ring was dropped (its queue row is gone,
         or names another queue now), or :class:`GroupNotFoundError` when its consumer group was: a
-        ring's statements find no ring or group then, and fail or write nothing."""
-        row = self._db.fetchone("get_queue", {"name": self.name})
+        ring's statements find no ring or group then, and fail or write nothing. ``conn``: read in the
+        caller's transaction (one still usable: a caller's pool may hold no other connection)."""
+        row = self._db.fetchone("get_queue", {"name": self.name}, conn)
         if row is None or row[0] != self._qid:
             raise QueueNotFoundError(self.name, self._db.schema) from None
         if self._gid != self._qid and not any(
-            r[0] == self._gid for r in self._db.fetchall("ring_groups", {"queue_id": self._qid})
+            r[0] == self._gid for r in self._db.fetchall("ring_groups", {"queue_id": self._qid}, conn)
         ):
             root = self._default()
             with root._lock:  # group(name) looks the name up again (it may name a new group now)
@@ -292,7 +293,15 @@ class RingBase(Queue):
             "group": self._gid,
         }
 
+    def _found_nothing(self, conn: DbConnection | None = None) -> None:
+        if self._gid != self._qid:
+            self._raise_if_gone(conn)
+
     def _raise_lost(self, params: dict[str, Any], conn: DbConnection | None) -> None:
+        """Raise :class:`LeaseExpiredError` naming the receipts of ``params`` not held; or, on a group's
+        handle, the error of the ring or group dropped meanwhile (its leases went with it)."""
+        if self._gid != self._qid:
+            self._raise_if_gone(conn)
         held = set(self._db.fetchall("ring_held_receipts", params, conn))
         lost = [i for i, d in zip(params["ids"], params["deliveries"], strict=True) if (i, d) not in held]
         raise LeaseExpiredError(self.name, lost)

@@ -60,8 +60,12 @@ class RingBatches(RingBase, BatchLedger):
         n = _check_batch_size(n)
         who = consumer or DEFAULT_CONSUMER
         batch = self._claim(n, vt, who, conn)
-        if batch is None and conn is None and self._pass_gap(who):
-            batch = self._claim(n, vt, who, conn)
+        if batch is None and conn is None:
+            with self._or_gone():  # a gap's pops fail on a group dropped meanwhile
+                if self._pass_gap(who):
+                    batch = self._claim(n, vt, who, conn)
+        if batch is None and self._gid != self._qid:
+            self._raise_if_gone(conn)  # a group dropped meanwhile takes nothing
         return batch
 
     def _pass_gap(self, consumer: str) -> bool:

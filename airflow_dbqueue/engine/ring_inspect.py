@@ -75,7 +75,10 @@ class RingInspect(RingBase):
         stubs = self._receipt_messages(receipts)
         if not stubs:
             return []
-        return self._messages(self._db.fetchall("ring_leased", self._receipt_params(stubs)))
+        rows = self._db.fetchall("ring_leased", self._receipt_params(stubs))
+        if not rows and self._gid != self._qid:
+            self._raise_if_gone()  # the leases of a group dropped meanwhile went with it
+        return self._messages(rows)
 
     def stats(self, *, exact: bool = False) -> QueueStats:
         with self._or_gone():

@@ -45,14 +45,11 @@ has its own position logs, leases, done rows, retry log and functions over the r
 segment is emptied only when every group has passed it.
 
 Batches (:mod:`airflow_dbqueue.engine.ring_rows_batches`): a claim is a pop at least once recorded under
-a batch id in the ring's own ledger, and its ack a done row, so they only insert too; ``leased()`` reads
-held receipts' messages.
+a batch id in the group's own ledger, and its ack a done row, so they only insert too; ``leased()`` reads
+held receipts' messages. Every consumer group has them.
 
 Per-queue grants: the ring's own objects (and its groups') go to the roles that hold an action on it,
 each action what it needs (``dialects/postgres/grants.py``); its registry row has row-level security.
-
-Not built yet, refused with :class:`NotSupportedError` naming the layout: batches (and ``leased()``) of
-a consumer group other than the default one.
 """
 
 from __future__ import annotations
@@ -66,6 +63,7 @@ from airflow_dbqueue.engine.bridge import pause as pause_for
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     DatabaseError,
+    GroupNotFoundError,
     LeaseExpiredError,
     NotSupportedError,
     QueueFullError,
@@ -103,7 +101,7 @@ _GAP_CHECK_EVERY_S = 0.05
 
 class RowsRingQueue(RowsRingGroups, RowsRingBatches):
     """A ring of the rows layout (see the module): at most, at least and exactly once, consumer groups
-    (:mod:`airflow_dbqueue.engine.ring_rows_groups`) and batches of the default group
+    (:mod:`airflow_dbqueue.engine.ring_rows_groups`) and each group's batches
     (:mod:`airflow_dbqueue.engine.ring_rows_batches`)."""
 
     def __init__(
@@ -301,13 +299,15 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
                 return int(row[2])
         return 0
 
-    def _raise_if_gone(self) -> None:
+    def _raise_if_gone(self, conn: DbConnection | None = None) -> None:
         """Raise :class:`QueueNotFoundError` when this handle's ring was dropped (its own functions and
-        tables went with it, so its statements fail as if the schema were not installed)."""
-        row = self._db.fetchone("get_queue", {"name": self.name})
+        tables went with it, so its statements fail as if the schema were not installed), or
+        :class:`GroupNotFoundError` when its group was. ``conn``: read in the caller's transaction (one
+        still usable)."""
+        row = self._db.fetchone("get_queue", {"name": self.name}, conn)
         if row is None or row[0] != self._qid:
             raise QueueNotFoundError(self.name, self._db.schema) from None
-        self._raise_if_group_gone()
+        self._raise_if_group_gone(conn)
 
     # -- finish: ack, nack, reclaim ------------------------------------------------------------------
 
@@ -324,7 +324,11 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         if not params["ids"]:
             return 0
         # The usual ack names one whole lease (the messages of one pop): one done row closes it.
-        row = self._db.fetchone("ring_rows_ack", params, conn, identifiers=self._ack_fn)
+        try:
+            row = self._db.fetchone("ring_rows_ack", params, conn, identifiers=self._ack_fn)
+        except (DatabaseError, SchemaError):
+            self._raise_if_gone()  # a group dropped meanwhile took its functions with it
+            raise
         if row is not None and row[0] == len(params["ids"]):
             return len(params["ids"])
         return self._settle({**params, **_SETTLE_ACK}, conn)
@@ -346,7 +350,11 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
     def _settle(self, params: dict[str, Any], conn: DbConnection | None) -> int:
         """Ack or nack receipts all or nothing; raise :class:`LeaseExpiredError` naming the receipts
         whose lease was lost (nothing written then)."""
-        done = self._db.fetchall("ring_rows_settle", params, conn)
+        try:
+            done = self._db.fetchall("ring_rows_settle", params, conn)
+        except (DatabaseError, SchemaError):
+            self._raise_if_gone()
+            raise
         if len(done) != len(params["ids"]):
             held = set(self._db.fetchall("ring_rows_held", params, conn))
             lost = [i for i, d in zip(params["ids"], params["deliveries"], strict=True) if (i, d) not in held]
@@ -354,7 +362,11 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         return len(done)
 
     def reclaim_expired(self, limit: int = RECLAIM_LIMIT) -> int:
-        return self._reclaim(limit, None)
+        try:
+            return self._reclaim(limit, None)
+        except (DatabaseError, SchemaError):
+            self._raise_if_gone()
+            raise
 
     def _reclaim(self, limit: int, conn: DbConnection | None) -> int:
         params = {"queue_id": self._gid, "max_attempts": self.settings.max_attempts, "limit": limit}
@@ -363,12 +375,19 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
     def maintain(self, *, limit: int = RECLAIM_LIMIT) -> dict[str, int]:
         """Reclaim expired leases of every consumer group, give up the gaps proven since the last call,
         act on groups that nobody pops (:meth:`watch_groups`), and rotate in the next segment when
-        nothing needs the one it holds any more, so that pushes find it empty, and forget the default
-        group's batches finished longer than ``batch_retention_s`` ago. ``"groups_lagging"`` and
+        nothing needs the one it holds any more, so that pushes find it empty, and forget every group's
+        batches finished longer than ``batch_retention_s`` ago. ``"groups_lagging"`` and
         ``"groups_dropped"`` are counted on a ring with groups besides the default one."""
         root = self._default()
         others = root._group_handles()
-        reclaimed = root.reclaim_expired(limit) + sum(h.reclaim_expired(limit) for h in others)
+        reclaimed = root.reclaim_expired(limit)
+        purged = root._purge_batches(limit)
+        for h in others:
+            try:
+                reclaimed += h.reclaim_expired(limit)
+                purged += h._purge_batches(limit)
+            except GroupNotFoundError:
+                continue  # dropped meanwhile
         # Gaps first: a row issued and never written counts as one to take, so a group that has taken
         # everything would look as lagging behind a push that rolled back until it is given up. With
         # groups, twice: the second call proves what was issued up to the first (a gap is proven only
@@ -384,7 +403,7 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             "reclaimed": reclaimed,
             "gaps_skipped": skipped,
             "rotated_ahead": int(row is not None and row[0] is not None),
-            "batches_purged": root._purge_batches(limit),
+            "batches_purged": purged,
             **watched,
         }
 

@@ -17,9 +17,12 @@ does. The batch's reader (:meth:`RowsRingBatches.batch_query`) calls the ring's 
 each row of the batch once, by its number, in the segment of that number: row numbers are never issued
 twice, so a segment emptied and reused since gives no payload for the batch's messages.
 
-Batches are keyed by the consumer group (:attr:`RowsRingBatches._ledger_key`): the ring's default group.
-A handle of another group refuses them with :class:`NotSupportedError` (its pops run on the group's own
-objects; its claims are not built yet).
+Each consumer group has a ledger of its own: a group besides the default one has its own copy of the
+ledger tables and of the functions of batches (``ring_g<n>_rb*``, with its other objects,
+:mod:`airflow_dbqueue.engine.ring_rows_groups`), over its own leases and retry log, so its claims, acks
+and extensions only insert too, its open batches hold the ring's segments as its pops' leases do (a
+segment is emptied only when no group needs it), and dropping the group drops its batches. Rows are
+also keyed by the group (:attr:`RowsRingBatches._ledger_key`).
 """
 
 from __future__ import annotations
@@ -59,22 +62,25 @@ class RowsRingBatches(BatchLedger):
 
         def _give_up_gaps(self, *, force: bool = False) -> int: ...
 
-        def _raise_if_gone(self) -> None: ...
+        def _raise_if_gone(self, conn: DbConnection | None = None) -> None: ...
 
         def _messages(self, rows: Sequence[Sequence[Any]]) -> list[Message]: ...
 
         def _receipt_params(self, messages: Sequence[Message]) -> dict[str, Any]: ...
 
+        def _own(self) -> str: ...
+
     _has_batches: bool | None = None  # whether the ring has the functions of batches (read once)
 
     @property
     def _ledger_key(self) -> int:
-        """The key of this handle's consumer group in the ledger: the ring's queue id, its default group."""
-        return self._qid
+        """The key of this handle's consumer group in its ledger: the ring's queue id (its default group)
+        or the group's gid."""
+        return self._gid
 
     def _own_fn(self, fn: str) -> dict[str, str]:
-        """The identifiers of a call of the ring's own function ``fn``."""
-        return {"fn": f"ring_{self._qid}_r{fn}"}
+        """The identifiers of a call of the group's own function ``fn``."""
+        return {"fn": self._own() + fn}
 
     def _batches_made(self) -> bool:
         """Whether the ring has the functions of batches: a ring made by a build without them (its
@@ -89,17 +95,21 @@ class RowsRingBatches(BatchLedger):
         return self._has_batches
 
     def _need_batches(self) -> None:
+        if self._batches_made():
+            return
         if self._gid != self._qid:
             raise NotSupportedError(
-                f"queue {self.name!r}: batches (and leased()) of a consumer group other than the default "
-                f"one ({self.group_name!r}) are not built on the rows layout yet: claim them on the "
-                "ring's default group, or on a ring of the slots layout"
+                f"queue {self.name!r}: consumer group {self.group_name!r} of this ring of the rows layout "
+                "was added by an earlier build, without batches; drop the group and add it again for them"
             )
-        if not self._batches_made():
-            raise NotSupportedError(
-                f"queue {self.name!r}: this ring of the rows layout was made by an earlier build, without "
-                "batches; drop it and create it again for them"
-            )
+        raise NotSupportedError(
+            f"queue {self.name!r}: this ring of the rows layout was made by an earlier build, without "
+            "batches; drop it and create it again for them"
+        )
+
+    def _found_nothing(self, conn: DbConnection | None = None) -> None:
+        if self._gid != self._qid:  # the default group's calls fail on a ring dropped: its functions went
+            self._raise_if_gone(conn)
 
     def _batch_params(self, batch_id: str) -> dict[str, Any]:
         return {"batch_id": self._batch_key(batch_id)["batch_id"], "group": self._ledger_key}
@@ -167,6 +177,7 @@ class RowsRingBatches(BatchLedger):
             self._raise_if_gone()
             raise
         if row is None:
+            self._found_nothing(conn)
             raise BatchNotFoundError(self.name, str(batch_id))
         return self._batch(row)
 
@@ -194,7 +205,11 @@ class RowsRingBatches(BatchLedger):
             "limit": _check_batch_size(limit),
             "consumer_prefix": consumer_prefix,
         }
-        rows = self._db.fetchall("ring_rows_open_batches", params, identifiers=self._own_fn("bopen"))
+        try:
+            rows = self._db.fetchall("ring_rows_open_batches", params, identifiers=self._own_fn("bopen"))
+        except (DatabaseError, SchemaError):
+            self._raise_if_gone()
+            raise
         return [self._batch(r) for r in rows]
 
     def _purge_batches(self, limit: int) -> int:
@@ -216,7 +231,11 @@ class RowsRingBatches(BatchLedger):
             return []
         self._need_batches()
         params = self._receipt_params(stubs)
-        rows = self._db.fetchall("ring_rows_leased", params, identifiers=self._own_fn("leased"))
+        try:
+            rows = self._db.fetchall("ring_rows_leased", params, identifiers=self._own_fn("leased"))
+        except (DatabaseError, SchemaError):
+            self._raise_if_gone()
+            raise
         return self._messages(rows) if rows else []
 
     def _held(self, receipts: Sequence[tuple[int, int]], conn: DbConnection) -> list[tuple[int, int]]:

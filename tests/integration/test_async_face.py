@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -20,6 +21,7 @@ from psycopg import sql
 from airflow_dbqueue.engine import (
     DatabaseUnavailableError,
     DbQueue,
+    GroupNotFoundError,
     NotSupportedError,
     TransactionRequiredError,
 )
@@ -467,6 +469,52 @@ def test_waiting_costs_no_thread(dbq: DbQueue) -> None:
 
     before, during, _ = run(dbq, body)
     assert during == before
+
+
+@pytest.mark.parametrize("layout", ["slots", "rows"])
+def test_a_rings_groups_and_their_batches_on_the_async_face(dbq: DbQueue, layout: str) -> None:
+    """On each ring layout, awaited: a group added, listed and popped at least once beside the default
+    group; its batches claimed, read by their batch query and leased(), acked in the caller's
+    AsyncConnection, released and claimed again; after it is dropped, its handle's ack raises
+    GroupNotFoundError. Each group gets every message once (counted and checksummed)."""
+    pushed = [{"g": i} for i in range(30)]
+
+    async def body(adbq: AsyncDbQueue) -> dict[str, Any]:
+        ring = await adbq.create_queue("fan", design="ring", layout=layout, capacity=64)
+        audit = await ring.add_group("audit")
+        assert [g.name for g in await ring.groups()] == ["default", "audit"]
+        assert await ring.group("audit") is not ring
+        await ring.push_batch(pushed[:15])
+        await ring.push_batch(pushed[15:])
+        got: dict[str, list[Any]] = {"default": [m.payload for m in await ring.pop(40)], "audit": []}
+        leased = await ring.pop(5, semantics="at-least-once", group="audit")
+        assert await audit.ack(leased) == 5
+        got["audit"] += [m.payload for m in leased]
+        first = await audit.claim_batch(10, consumer="async-test")
+        assert first is not None and first.size == 10
+        assert [b.batch_id for b in await audit.open_batches()] == [first.batch_id]
+        assert [m.payload for m in await audit.leased(first.receipts)] == pushed[5:15]
+        assert await audit.release_batch(first.batch_id, delay=0) == 10
+        while batch := await audit.claim_batch(7):
+            with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+                rows = c.execute((await audit.batch_query(batch.batch_id)).encode()).fetchall()
+            async with adbq.transaction() as conn:
+                assert await audit.ack_batch(batch.batch_id, conn=conn) == batch.size
+            got["audit"] += [json.loads(bytes(r[3])) for r in rows]
+        held = await audit.pop(1, semantics="at-least-once")
+        assert held == []
+        await ring.push({"g": "late"})
+        held = await audit.pop(1, semantics="at-least-once")
+        assert await ring.drop_group("audit") is True
+        with pytest.raises(GroupNotFoundError, match="'audit'"):
+            await audit.ack(held)
+        got["default"] += [m.payload for m in await ring.pop(5)]
+        return got
+
+    got = run(dbq, body)
+    for name in ("default", "audit"):
+        want = pushed + ([{"g": "late"}] if name == "default" else [])
+        assert len(got[name]) == len(want) and checksum(got[name]) == checksum(want), name
 
 
 def test_groups_and_batches_on_the_async_face(dbq: DbQueue) -> None:

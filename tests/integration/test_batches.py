@@ -1,8 +1,8 @@
 """Batches: claimed together under one lease and one id, read by id elsewhere, acked or released whole.
 
 Every test runs on each design (:data:`DESIGNS`): the table design, a ring, a ring's consumer group
-besides its default one, whose batches must behave as a queue's of its own, and a ring of the rows
-layout."""
+besides its default one, whose batches must behave as a queue's of its own, a ring of the rows layout,
+and such a ring's group besides its default one (its ledger is its own copy)."""
 
 from __future__ import annotations
 
@@ -30,19 +30,20 @@ from tests.helpers import checksum
 
 pytestmark = pytest.mark.integration
 
-DESIGNS = ["table", "ring", "ring-group", "ring-rows"]
+DESIGNS = ["table", "ring", "ring-group", "ring-rows", "ring-rows.group"]
 
 
 @pytest.fixture(params=DESIGNS)
 def make_queue(request: pytest.FixtureRequest, dbq: DbQueue) -> Callable[..., Queue]:
     """``make(name, **settings)``: a queue of the design, the handle of a ring's group ``g`` (added
-    before anything is pushed, so it sees every message the test pushes), or a ring of the rows layout."""
+    before anything is pushed, so it sees every message the test pushes), a ring of the rows layout, or
+    the handle of such a ring's group ``g``."""
     design, _, variant = str(request.param).partition("-")
-    layout = {"layout": "rows"} if variant == "rows" else {}
+    layout = {"layout": "rows"} if variant.startswith("rows") else {}
 
     def make(name: str, **settings: Any) -> Queue:
         q = dbq.create_queue(name, design=design, **layout, **settings)
-        return q.add_group("g") if variant == "group" else q  # type: ignore[attr-defined, no-any-return]
+        return q.add_group("g") if variant.endswith("group") else q  # type: ignore[attr-defined, no-any-return]
 
     return make
 
@@ -232,12 +233,12 @@ def test_empty_queue_claims_nothing_and_bad_ids_are_named(make_queue: Callable[.
 
 def test_drop_queue_drops_its_batches(make_queue: Callable[..., Queue], dbq: DbQueue, pg_dsn: str) -> None:
     """The ledger rows of a dropped queue's batches go with it: the schema's batches table's, or a ring of
-    the rows layout's own ledger table (dropped with the ring)."""
+    the rows layout's (or its group's) own ledger table (dropped with the ring)."""
     q = make_queue("orders")
     q.push_batch([{"n": 1}, {"n": 2}])
     b = q.claim_batch(2)
     assert b is not None
-    ledger = f"ring_{q.settings.queue_id}_rb" if q.settings.layout == "rows" else "batches"
+    ledger = q._own() + "b" if q.settings.layout == "rows" else "batches"  # type: ignore[attr-defined]
 
     def claims() -> int | None:
         with psycopg.connect(pg_dsn) as c:

@@ -1,16 +1,17 @@
 """Batches on rings: what the ring design adds to the batch conformance tests of test_batches.py.
 
-A stateful property test drives a small ring through pushes, batch claims, acks and releases and plain
-pops, on each layout: a ring of the slots layout with two consumer groups, and a ring of the rows layout
-(its default group). After every step it checks that no push overwrote a slot, or emptied a segment, of
-an open batch (each open batch reads, by its batch query, exactly the payloads it claimed), and that the
-ring is full exactly where the model says. Slots: a push succeeds when its last number lies less than a
-capacity above the lowest number some group still needs, an open batch's first message included. Rows:
-a push that needs a new segment (the first row of a generation past the first four) succeeds when every
-message of the segment it empties was finished and the lanes are past it by a lane's width. A full ring
-raises QueueFullError having pushed nothing. The other tests: a batch read after its lease expired and
-its slot was overwritten, or its segment emptied and reused, reads no payload; a dropped group takes its
-batches with it; two groups each claim every message once, in batches of their own.
+A stateful property test drives a small ring with two consumer groups (its default one and a group
+``g``) through pushes, batch claims, acks and releases and plain pops, on each layout. After every step
+it checks that no push overwrote a slot, or emptied a segment, of an open batch of either group (each
+open batch reads, by its batch query, exactly the payloads it claimed), and that the ring is full
+exactly where the model says. Slots: a push succeeds when its last number lies less than a capacity
+above the lowest number some group still needs, an open batch's first message included. Rows: a push
+that needs a new segment (the first row of a generation past the first four) succeeds when every message
+of the segment it empties was finished by every group and each group's lanes are past it by a lane's
+width. A full ring raises QueueFullError having pushed nothing. The other tests: a batch read after its
+lease expired and its slot was overwritten, or its segment emptied and reused, reads no payload; a
+dropped group takes its batches with it; two groups each claim every message once, in batches of their
+own.
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ def read(pg_dsn: str, query: str) -> list[tuple[Any, ...]]:
 
 class RingBatchMachine(RuleBasedStateMachine):
     """A small ring and a model of what each group still needs: the ids it has not finished (claimed in
-    an open batch, or not taken yet). Slots (``layout``): 3 to 8 slots, its default group and a group
-    ``g``. Rows: 4 segments of 2 or 3 rows, its default group only; each push is one row, and a message's
-    id is its row's number shifted left 16 bits, plus its place in the row."""
+    an open batch, or not taken yet), for its default group and a group ``g``. Slots (``layout``): 3 to 8
+    slots. Rows: 4 segments of 2 or 3 rows; each push is one row, and a message's id is its row's number
+    shifted left 16 bits, plus its place in the row."""
 
     dbq: ClassVar[DbQueue]
     pg_dsn: ClassVar[str]
@@ -62,17 +63,21 @@ class RingBatchMachine(RuleBasedStateMachine):
     _names = itertools.count()
     full_under_a_batch: ClassVar[int] = 0
     """Pushes refused while the floor was an open batch's first message (the case the test is for)."""
+    full_under_a_group_batch: ClassVar[int] = 0
+    """Of those, the pushes refused while that batch was group ``g``'s."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.groups = GROUPS if self.layout == "slots" else ("default",)
+        self.groups = GROUPS
         self.handles: dict[str, Queue] = {}
         self.cap = 0
         self.seg = self.lanes = 0  # rows: a segment's rows, and the lanes
         self.next_number = 1  # slots: the next number; rows: the next row
         self.payloads: dict[int, int] = {}
         self.unfinished: dict[str, set[int]] = {g: set() for g in self.groups}
-        self.taken: set[int] = set()  # rows: the ids the lanes have given (the default group's)
+        self.taken: dict[str, set[int]] = {
+            g: set() for g in self.groups
+        }  # rows: the ids each group's lanes gave
         self.open: dict[str, list[tuple[str, list[int]]]] = {g: [] for g in self.groups}
         self.finished: dict[str, list[int]] = {g: [] for g in self.groups}
         self.counter = itertools.count()
@@ -90,9 +95,7 @@ class RingBatchMachine(RuleBasedStateMachine):
             settings |= {"capacity": cap, "lanes": min(lanes, cap)}
         q = self.dbq.create_queue(name, design="ring", **settings)
         q.push_timeout = 0.0  # type: ignore[attr-defined]  # a full ring answers at once
-        self.handles = {"default": q}
-        if self.layout == "slots":
-            self.handles["g"] = q.add_group("g")  # type: ignore[attr-defined]
+        self.handles = {"default": q, "g": q.add_group("g")}  # type: ignore[attr-defined]
 
     def floor(self) -> int:
         """The lowest number some group still needs: the model of the ring's floor (slots)."""
@@ -108,20 +111,27 @@ class RingBatchMachine(RuleBasedStateMachine):
                 return True
             if self.batch_firsts() and min(self.batch_firsts()) == self.floor():
                 RingBatchMachine.full_under_a_batch += 1
+                if any(ids[0] == self.floor() for _, ids in self.open["g"]):
+                    RingBatchMachine.full_under_a_group_batch += 1
             return False
         r, s = self.next_number, self.seg
         if r < 4 * s or r % s:
             return True  # its segment holds its generation already
         gen = r // s
         old = range((gen - 4) * s, (gen - 3) * s)  # the rows of the segment it would empty
-        # the lanes' floor: the row of the first message they have not given yet (FIFO, one consumer)
-        untaken = [i >> 16 for i in self.payloads if i not in self.taken]
-        if min(untaken, default=r) >= (gen - 3) * s + self.lanes and not any(
-            i >> 16 in old for i in self.unfinished["default"]
+        # each group's lanes' floor: the row of the first message they have not given yet (FIFO, one
+        # consumer a group); every group must be past the segment, and have finished its messages
+        if all(
+            min((i >> 16 for i in self.payloads if i not in self.taken[g]), default=r)
+            >= (gen - 3) * s + self.lanes
+            and not any(i >> 16 in old for i in self.unfinished[g])
+            for g in self.groups
         ):
             return True
         if any(i >> 16 in old for i in self.batch_firsts()):
             RingBatchMachine.full_under_a_batch += 1
+            if any(ids[0] >> 16 in old for _, ids in self.open["g"]):
+                RingBatchMachine.full_under_a_group_batch += 1
         return False
 
     @rule(k=st.integers(2, 3))
@@ -172,7 +182,7 @@ class RingBatchMachine(RuleBasedStateMachine):
         ids = [i for i, _ in batch.receipts]
         assert ids == ready[:n]  # the lowest ready ids, FIFO (a released batch's come back first)
         self.open[group].append((batch.batch_id, ids))
-        self.taken.update(ids)
+        self.taken[group].update(ids)
 
     @precondition(lambda self: any(self.open.values()))
     @rule(data=st.data(), ack=st.booleans())
@@ -199,7 +209,7 @@ class RingBatchMachine(RuleBasedStateMachine):
         assert [m.payload for m in got] == [self.payloads[m.id] for m in got]
         self.unfinished[group] -= {m.id for m in got}
         self.finished[group] += [m.payload for m in got]
-        self.taken.update(m.id for m in got)
+        self.taken[group].update(m.id for m in got)
 
     @invariant()
     def open_batches_read_what_they_claimed(self) -> None:
@@ -216,9 +226,11 @@ class RingBatchMachine(RuleBasedStateMachine):
         stats = self.handles["default"].stats()
         if self.layout == "slots":
             assert stats.extra["floor"] == self.floor()
-        else:  # the open batches' messages are in flight, the rest of what is unfinished ready
-            in_flight = sum(len(ids) for _, ids in self.open["default"])
-            assert (stats.in_flight, stats.ready) == (in_flight, len(self.unfinished["default"]) - in_flight)
+            return
+        for g in self.groups:  # each group's open batches' messages are in flight, the rest unfinished ready
+            stats = self.handles[g].stats()
+            in_flight = sum(len(ids) for _, ids in self.open[g])
+            assert (stats.in_flight, stats.ready) == (in_flight, len(self.unfinished[g]) - in_flight)
 
     def teardown(self) -> None:
         """Every group's batches end and what is left is popped: each group finished every message
@@ -243,7 +255,7 @@ def test_no_push_overwrites_a_slot_or_empties_a_segment_of_an_open_batch(
     RingBatchMachine.dbq = dbq
     RingBatchMachine.pg_dsn = pg_dsn
     RingBatchMachine.layout = layout
-    RingBatchMachine.full_under_a_batch = 0
+    RingBatchMachine.full_under_a_batch = RingBatchMachine.full_under_a_group_batch = 0
     run_state_machine_as_test(
         RingBatchMachine,
         settings=settings(
@@ -254,6 +266,7 @@ def test_no_push_overwrites_a_slot_or_empties_a_segment_of_an_open_batch(
         ),
     )
     assert RingBatchMachine.full_under_a_batch > 0, "no push met a ring held full by an open batch"
+    assert RingBatchMachine.full_under_a_group_batch > 0, "no push met a ring held full by group g's batch"
 
 
 @pytest.mark.parametrize("layout", ["slots", "rows"])
@@ -298,8 +311,10 @@ def test_a_slot_overwritten_or_a_segment_reused_after_the_lease_expired_reads_no
     assert [m.payload for m in q.pop(4)] == sent
 
 
-def test_dropping_a_group_drops_its_batches_only(dbq: DbQueue, pg_dsn: str) -> None:
-    q = dbq.create_queue("orders", design="ring", capacity=16)
+@pytest.mark.parametrize("layout", ["slots", "rows"])
+def test_dropping_a_group_drops_its_batches_only(dbq: DbQueue, pg_dsn: str, layout: str) -> None:
+    """A group's batches go with it (rows: with its own ledger tables); the default group's stay."""
+    q = dbq.create_queue("orders", design="ring", layout=layout, capacity=16 if layout == "slots" else 64)
     g = q.add_group("g")  # type: ignore[attr-defined]
     q.push_batch(list(range(6)))
     mine, theirs = q.claim_batch(3), g.claim_batch(3)
@@ -308,25 +323,30 @@ def test_dropping_a_group_drops_its_batches_only(dbq: DbQueue, pg_dsn: str) -> N
     assert [b.batch_id for b in q.open_batches()] == [mine.batch_id]
     with pytest.raises(BatchNotFoundError):
         q.get_batch(theirs.batch_id)  # each group's batches are its own
+    ledgers = [q._own() + "b", g._own() + "b"] if layout == "rows" else ["batches"]  # type: ignore[attr-defined]
     q.drop_group("g")
     with psycopg.connect(pg_dsn) as c:
-        left = c.execute(f'SELECT batch_id::text FROM "{dbq.schema}".batches').fetchall()
+        left = c.execute(f'SELECT batch_id::text FROM "{dbq.schema}".{ledgers[0]}').fetchall()
+        gone = [c.execute("SELECT to_regclass(%s)", [f'"{dbq.schema}".{t}']).fetchone() for t in ledgers[1:]]
     assert left == [(mine.batch_id,)]
+    assert gone == [(None,)] * (len(ledgers) - 1)  # rows: the group's ledger table went with it
     assert q.ack_batch(mine.batch_id) == 3
 
 
-def test_two_groups_each_claim_every_message_once(dbq: DbQueue, pg_dsn: str) -> None:
+@pytest.mark.parametrize("layout", ["slots", "rows"])
+def test_two_groups_each_claim_every_message_once(dbq: DbQueue, pg_dsn: str, layout: str) -> None:
     """One ring of orders feeds two pipelines through two groups: each claims batches of its own at its
     own pace, reads them by batch query and acks them with its results in one transaction, and gets every
-    order exactly once (counted and checksummed), whatever the other group does."""
-    q = dbq.create_queue("orders", design="ring", capacity=256)
+    order exactly once (counted and checksummed), whatever the other group does. (Rows: the ring holds
+    256 pushes of up to 100 orders, room for all of them.)"""
+    q = dbq.create_queue("orders", design="ring", layout=layout, capacity=256)
     rollup, fraud = q, q.add_group("fraud")  # type: ignore[attr-defined]  # the default group rolls up
     sent = [{"order": i, "amount": i % 97} for i in range(600)]
     got: dict[str, list[Any]] = {"rollup": [], "fraud": []}
     pushed = 0
     while pushed < len(sent) or any(h.stats().ready for h in (rollup, fraud)):
         if pushed < len(sent):
-            room = 256 - q.stats().extra["ring_used"]
+            room = 256 - q.stats().extra["ring_used"] if layout == "slots" else 100
             if room > 0:
                 q.push_batch(sent[pushed : pushed + min(room, 100)])
                 pushed += min(room, 100)
@@ -340,26 +360,29 @@ def test_two_groups_each_claim_every_message_once(dbq: DbQueue, pg_dsn: str) -> 
                 got[name] += [json.loads(bytes(r[3])) for r in rows]
     for name, payloads in got.items():
         assert len(payloads) == len(sent) and checksum(payloads) == checksum(sent), name
-    assert q.stats().extra["ring_used"] == 0
+    for handle in (rollup, fraud):
+        assert (handle.stats().ready, handle.stats().in_flight) == (0, 0)
+    if layout == "slots":
+        assert q.stats().extra["ring_used"] == 0
 
 
-@pytest.mark.parametrize("group", [None, "g", "rows"])
+@pytest.mark.parametrize("group", [None, "g", "rows", "rows.g"])
 def test_a_claim_gets_past_a_push_that_rolled_back(dbq: DbQueue, group: str | None) -> None:
     """A push that rolled back after taking its numbers leaves them unwritten at the head of the lanes;
     a claim (in a transaction, where a pop gives no gap up) has a pop of the group outside it give them
     up, so the first claim gets the messages behind them. ``rows``: a ring of the rows layout with one
     lane, whose claim gives up the row a push rolled back once every transaction older than its first
-    look has ended (at once here)."""
-    rows = group == "rows"
+    look has ended (at once here); ``rows.g``: that ring's group ``g``."""
+    rows = group is not None and group.startswith("rows")
     layout = {"layout": "rows", "lanes": 1} if rows else {"lanes": 2}
     q = dbq.create_queue("orders", design="ring", capacity=64, **layout)
-    handle = q.add_group("g") if group == "g" else q  # type: ignore[attr-defined]
+    handle = q.add_group("g") if group in ("g", "rows.g") else q  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError), dbq.transaction() as conn:
         q.push_batch(["lost1", "lost2"], conn=conn)
         raise RuntimeError("rolled back")
     sent = [f"m{i}" for i in range(5)]
     ids = q.push_batch(sent)
-    batch = dbq.queue("orders").claim_batch(10) if rows else handle.claim_batch(10)  # rows: a new handle
+    batch = dbq.queue("orders").claim_batch(10) if group == "rows" else handle.claim_batch(10)  # a new handle
     assert batch is not None and [i for i, _ in batch.receipts] == ids
     assert ids == ([(1 << 16) | k for k in range(5)] if rows else [3, 4, 5, 6, 7])
     assert handle.ack_batch(batch.batch_id) == 5

@@ -25,6 +25,7 @@ import pytest
 
 from airflow_dbqueue import cli
 from airflow_dbqueue.engine import (
+    BatchState,
     ConfigurationError,
     DbQueue,
     GroupExistsError,
@@ -39,6 +40,8 @@ from tests.integration.test_conformance import drain
 from tests.integration.test_ring_rows import _flush_stats, _write_counts
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from airflow_dbqueue.engine.ring import RingQueue
 
 pytestmark = pytest.mark.integration
@@ -142,6 +145,35 @@ def _rows_push_never_empties_a_segment_a_group_still_needs(dbq: DbQueue) -> None
     more = [f"n{i}" for i in range(6)]
     assert [q.push(p) for p in more] == [r << 16 for r in range(20, 26)]  # only the default group holds it
     assert [m.payload for m in drain(q)] == late + more
+
+
+@LAYOUTS
+def test_a_groups_open_batch_holds_the_ring_until_it_is_acked(dbq: DbQueue, layout: str) -> None:
+    """A group's open batch holds its messages' place in the ring as its leases do: with everything else
+    taken by both groups, a push that needs the batch's slots (slots), or the segment of its rows (rows),
+    is refused with QueueFullError until the group acks the batch; then it goes in. Counted and
+    checksummed per group."""
+    q = ring(dbq, layout=layout, capacity=8 if layout == "slots" else 16, lanes=1 if layout == "slots" else 2)
+    q.push_timeout = 0.0
+    g = q.add_group("g")
+    sent = [f"m{i}" for i in range(8 if layout == "slots" else 16)]
+    for p in sent:  # slots: numbers 1 to 8; rows: rows 0 to 15, one message each, every segment labelled
+        q.push(p)
+    batch = g.claim_batch(2)
+    assert batch is not None
+    got = {"default": [m.payload for m in drain(q)], "g": [m.payload for m in drain(g)]}
+    with pytest.raises(QueueFullError):
+        q.push("late")  # its slot, or the segment it needs, still holds g's open batch
+    assert g.get_batch(batch.batch_id).state is BatchState.CLAIMED
+    assert g.ack_batch(batch.batch_id) == 2
+    got["g"] += sent[:2]  # the batch's messages, acked
+    q.push("late")
+    got["default"] += [m.payload for m in drain(q)]
+    got["g"] += [m.payload for m in drain(g)]
+    for name, payloads in got.items():
+        assert sorted(payloads) == sorted([*sent, "late"]) and checksum(payloads) == checksum(
+            [*sent, "late"]
+        ), name
 
 
 @LAYOUTS
@@ -441,8 +473,8 @@ def test_held_horizon_two_groups_of_the_rows_layout_write_no_dead_tuple(dbq: DbQ
     assert sum(c[0] for n, c in group_counts.items() if n.endswith(("l0", "l1", "l2", "l3"))) > 20  # leases
     assert sum(c[0] for n, c in group_counts.items() if n.endswith(("r0", "r1", "r2", "r3"))) > 20  # retries
     assert sum(c[0] for n, c in ring_counts.items() if "_rpos" in n) > 20  # the default group's positions
-    # the group's own 4 x 4 tables; the ring's 4 x 5 and its batch ledger's two (a group has no copy)
-    assert len(group_counts) == 16 and len(ring_counts) == 22
+    # the group's own 4 x 4 tables and its batch ledger's two; the ring's 4 x 5 and its ledger's two
+    assert len(group_counts) == 18 and len(ring_counts) == 22
     changed = {n: c[1:] for n, c in {**ring_counts, **group_counts}.items() if c[1:] != (0, 0, 0)}
     assert changed == {}
 
@@ -625,6 +657,52 @@ def test_a_dropped_groups_handle_refuses_every_read_with_group_not_found(dbq: Db
         with pytest.raises(GroupNotFoundError, match="'x'"):
             read()
     assert [m.payload for m in ring.peek()] == ["a", "b"]  # the default group's are still there
+
+
+@LAYOUTS
+def test_a_dropped_groups_handle_refuses_acks_pops_and_batches_with_group_not_found(
+    dbq: DbQueue, layout: str
+) -> None:
+    """The handle of a group dropped while it held a lease and an open batch: its acks, nacks, pops,
+    claims and batch calls fail naming the group (as its reads do), not as a bare schema error, a lost
+    lease or an empty queue; the default group's messages are all still there (counted and checksummed)."""
+    ring = dbq.create_queue("dropped_acks", design="ring", layout=layout, capacity=64)
+    handle = ring.add_group("x")  # type: ignore[attr-defined]
+    sent = [{"n": i} for i in range(6)]
+    ring.push_batch(sent)
+    leased = handle.pop(2, semantics="at-least-once")
+    batch = handle.claim_batch(2)
+    assert len(leased) == 2 and batch is not None
+    ring.drop_group("x")  # type: ignore[attr-defined]
+    calls: dict[str, Callable[[], Any]] = {
+        "ack": lambda: handle.ack(leased),
+        "nack": lambda: handle.nack(leased),
+        "pop": lambda: handle.pop(1),
+        "pop at least once": lambda: handle.pop(1, semantics="at-least-once"),
+        "pop_payloads": lambda: handle.pop_payloads(1),
+        "reclaim_expired": handle.reclaim_expired,
+        "claim_batch": lambda: handle.claim_batch(2),
+        "get_batch": lambda: handle.get_batch(batch.batch_id),
+        "open_batches": handle.open_batches,
+        "batch_query": lambda: handle.batch_query(batch.batch_id),
+        "ack_batch": lambda: handle.ack_batch(batch.batch_id),
+        "release_batch": lambda: handle.release_batch(batch.batch_id),
+        "extend_batch": lambda: handle.extend_batch(batch.batch_id, 60),
+        "leased": lambda: handle.leased(batch.receipts),
+    }
+    wrong = {}
+    for what, call in calls.items():
+        try:
+            call()
+        except GroupNotFoundError as e:
+            assert "'x'" in str(e), what
+        except Exception as e:  # every call is tried, then the wrong ones named at once
+            wrong[what] = repr(e)[:200]
+        else:
+            wrong[what] = "no error"
+    assert wrong == {}, wrong
+    got = [m.payload for m in ring.pop(10)]
+    assert len(got) == len(sent) and checksum(got) == checksum(sent)
 
 
 def test_dropping_a_group_or_the_ring_of_the_rows_layout_drops_their_own_objects(dbq: DbQueue) -> None:

@@ -1,5 +1,5 @@
 """The ring's rows layout (``create_queue(design="ring", layout="rows")``): what it does, what it refuses
-by name (batches of a consumer group besides the default one), its rotation under concurrent pushers
+by name (batches of a consumer group added by a build without them), its rotation under concurrent pushers
 and pops, and its size under a held xmin horizon. Its batches run the batch tests of test_batches.py and
 test_ring_batches.py; here, that claiming and finishing them writes no dead tuple under a held horizon.
 
@@ -62,15 +62,19 @@ def test_push_pop_in_id_order_with_counts_and_checksums(dbq: DbQueue) -> None:
 
 
 def test_refuses_what_it_does_not_build_by_name(dbq: DbQueue) -> None:
+    """A group added by a build without batches (its copy lacks their functions: one is dropped here to
+    make one) refuses them by name and takes nothing; bad settings are refused by name."""
     q = rows_ring(dbq, capacity=64, lanes=4)
     q.push_batch([1, 2])
-    g = q.add_group("g", start="earliest")
+    g = q.add_group("g", start="earliest")  # type: ignore[attr-defined]
+    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+        c.execute(f'DROP FUNCTION "{dbq.schema}".{g._own()}bclaim')
     for call in (
         lambda: g.claim_batch(10),
         g.open_batches,
         lambda: g.get_batch("00000000-0000-0000-0000-000000000000"),
     ):
-        with pytest.raises(NotSupportedError, match="rows layout"):
+        with pytest.raises(NotSupportedError, match=r"group 'g' .* earlier build"):
             call()
     assert [m.payload for m in q.pop(10)] == [1, 2]  # nothing taken by the refusals
     assert [m.payload for m in g.pop(10)] == [1, 2]
@@ -789,19 +793,21 @@ def test_a_ring_made_before_the_pop_of_one_function_pops_one_by_the_general_path
     assert old.pop(1) == []
 
 
-def test_held_horizon_batches_write_no_dead_tuple(dbq: DbQueue) -> None:
+def test_held_horizon_batches_write_no_dead_tuple(dbq: DbQueue) -> None:  # noqa: PLR0915
     """While a REPEATABLE READ transaction holds the xmin horizon, batches claimed, read by their batch
     query, acked in the caller's transaction with its results, released and claimed again, extended and
-    acked, through several rotations, only insert into the rows ring's tables (its ledger's included): no
-    tuple updated or deleted in any of them, and no dead one but the two rows of the one ack whose
-    caller's transaction rolled back (its done row and its batch state row, dead from the start). The
-    slots ring, driven alike in the same hold, updates its ledger rows in the schema's batches table
-    (what shows that the count works). Every message is acked once, counted and checksummed, on each."""
+    acked, through several rotations, by the ring's default group and by a group ``g`` (its own ledger),
+    only insert into the rows ring's tables and the group's (their ledgers included): no tuple updated or
+    deleted in any of them, and no dead one but the two rows of the one ack a group whose caller's
+    transaction rolled back (its done row and its batch state row, dead from the start). The slots ring,
+    driven alike in the same hold, updates its ledger rows in the schema's batches table (what shows
+    that the count works). Every group of each ring acks every message once, counted and checksummed."""
     rows = rows_ring(dbq, capacity=16, lanes=2)
-    dbq.create_queue("s", design="ring", capacity=1024, lanes=2)
+    group = rows.add_group("g")  # type: ignore[attr-defined]
+    dbq.create_queue("s", design="ring", capacity=1024, lanes=2).add_group("g")  # type: ignore[attr-defined]
     sent = [{"n": i, "pad": "x" * (i % 30)} for i in range(600)]
     holder = held_horizon(dbq.db.dsn, xid=True)
-    finished: dict[str, list[Any]] = {"r": [], "s": []}
+    finished: dict[str, list[Any]] = {f"{n}.{g}": [] for n in ("r", "s") for g in ("default", "g")}
 
     def read(q: Queue, batch_id: str) -> list[Any]:
         with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
@@ -809,45 +815,53 @@ def test_held_horizon_batches_write_no_dead_tuple(dbq: DbQueue) -> None:
 
     def churn(one: DbQueue) -> None:
         for name in ("r", "s"):
-            q = one.queue(name)
+            ring = one.queue(name)
+            handles = {f"{name}.{g}": ring.group(g) for g in ("default", "g")}  # type: ignore[attr-defined]
             for k in range(0, 600, 10):
-                q.push_batch(sent[k : k + 10])
-                b = q.claim_batch(12, consumer=f"spark.{k}")
-                assert b is not None
-                got = read(q, b.batch_id)
-                assert len(got) == b.size
-                if k % 50 == 0:
-                    assert q.release_batch(b.batch_id, delay=0) == b.size
-                    continue
-                if k % 50 == 10:
-                    q.extend_batch(b.batch_id, 60)
-                if k == 20:
-                    with pytest.raises(_RolledBack), one.transaction() as conn:
-                        q.ack_batch(b.batch_id, conn=conn)
-                        raise _RolledBack
-                with one.transaction() as conn:  # the results and the ack commit together
-                    assert q.ack_batch(b.batch_id, conn=conn) == b.size
-                    finished[name] += got
-            while b := q.claim_batch(100):
-                assert len(q.leased(b.receipts)) == b.size
-                finished[name] += read(q, b.batch_id)
-                assert q.ack_batch(b.batch_id) == b.size
+                ring.push_batch(sent[k : k + 10])
+                for key, q in handles.items():  # both groups take each push before the next
+                    b = q.claim_batch(12, consumer=f"spark.{k}")
+                    assert b is not None
+                    got = read(q, b.batch_id)
+                    assert len(got) == b.size
+                    if k % 50 == 0:
+                        assert q.release_batch(b.batch_id, delay=0) == b.size
+                        continue
+                    if k % 50 == 10:
+                        q.extend_batch(b.batch_id, 60)
+                    if k == 20:
+                        with pytest.raises(_RolledBack), one.transaction() as conn:
+                            q.ack_batch(b.batch_id, conn=conn)
+                            raise _RolledBack
+                    with one.transaction() as conn:  # the results and the ack commit together
+                        assert q.ack_batch(b.batch_id, conn=conn) == b.size
+                        finished[key] += got
+            for key, q in handles.items():
+                while b := q.claim_batch(100):
+                    assert len(q.leased(b.receipts)) == b.size
+                    finished[key] += read(q, b.batch_id)
+                    assert q.ack_batch(b.batch_id) == b.size
 
     try:
         _flush_stats(dbq.db.dsn, dbq.schema, churn)
-        counts = _write_counts(dbq.db.dsn, dbq.schema, f"ring\\_{rows.settings.queue_id}\\_r%")
+        prefixes = {"default": f"ring_{rows.settings.queue_id}_r", "g": group._own()}  # type: ignore[attr-defined]
+        counts = {
+            g: _write_counts(dbq.db.dsn, dbq.schema, p.replace("_", "\\_") + "%") for g, p in prefixes.items()
+        }
         ledger = _write_counts(dbq.db.dsn, dbq.schema, "batches")
     finally:
         holder.close()
-    for name in ("r", "s"):
-        assert len(finished[name]) == 600 and checksum(finished[name]) == checksum(sent)
-    print(f"rows ring's tables under the hold, batches (ins, upd, del, dead): {counts}")
-    short = {name[len(f"ring_{rows.settings.queue_id}_r") :]: c for name, c in counts.items()}
-    assert short["b"][0] > 50 and short["bs"][0] > 50  # the statistics were flushed: claims and states
-    assert sum(short[f"r{k}"][0] for k in range(4)) > 50  # retry rows: releases and the extended leases
-    assert {name: c[1:3] for name, c in short.items() if c[1:3] != (0, 0)} == {}  # no update, no delete
-    # the rolled-back ack's two rows (its done row's segment may have been emptied since, which forgets it)
-    dead = {name: c[3] for name, c in short.items() if c[3]}
-    assert dead.pop("bs") == 1 and sum(dead.values()) <= 1 and all(n.startswith("d") for n in dead), short
+    for key, got in finished.items():
+        assert len(got) == 600 and checksum(got) == checksum(sent), key
+    print(f"rows ring's and its group's tables under the hold, batches (ins, upd, del, dead): {counts}")
+    for g, prefix in prefixes.items():
+        short = {name[len(prefix) :]: c for name, c in counts[g].items()}
+        assert short["b"][0] > 50 and short["bs"][0] > 50, g  # the statistics were flushed: claims and states
+        assert sum(short[f"r{k}"][0] for k in range(4)) > 50, g  # retry rows: releases, extended leases
+        assert {name: c[1:3] for name, c in short.items() if c[1:3] != (0, 0)} == {}, g  # no update or delete
+        # the rolled-back ack's two rows (its done row's segment may have been emptied since, forgetting it)
+        dead = {name: c[3] for name, c in short.items() if c[3]}
+        assert dead.pop("bs") == 1 and sum(dead.values()) <= 1 and all(n.startswith("d") for n in dead), short
+    assert "q0" not in counts["g"]  # the group reads the ring's segments: it has none of its own
     assert rows.stats().extra["segment_generations"] != [0, 1, 2, 3]  # the segments rotated
     assert ledger["batches"][1] > 0, ledger

@@ -3451,8 +3451,9 @@ $$;
 
 -- Add a consumer group to ring p_queue_id of the rows layout: its ring_groups row (a new gid), its own
 -- objects from ring_rows_template (those of the ring's messages, its generation labels, its push,
--- rotation and labelling are the ring's, not copied; nor are the batch ledger and its functions, which
--- serve the default group only), and its lanes' first positions, logged as a pop
+-- rotation and labelling are the ring's, not copied; its batch ledger and the functions of batches are
+-- its own, over its own leases, so an open batch of the group holds its segments as its pops' leases
+-- do: ring_rows_rotate_groups asks every group's busy), and its lanes' first positions, logged as a pop
 -- logs them: p_earliest, each lane's lowest position over the ring's groups (the group sees every
 -- message some group has not taken yet; those other groups hold leased or to deliver again are
 -- theirs); otherwise each lane's first row past the last row issued (what is pushed from now on).
@@ -3495,8 +3496,8 @@ BEGIN
     END IF;
     FOREACH v_stmt IN ARRAY string_to_array({schema}.ring_rows_template(), '@;') LOOP
         CONTINUE WHEN regexp_replace(v_stmt, '^(\s|--[^\n]*\n)*', '') ~ ('^(CREATE (SEQUENCE|TABLE|VIEW|FUNCTION) '
-            || '\S+\.@P(gen[0-3]|rows|q[0-3]?|push|rotate|label|bs?|b(claim|get|set|open|purge|rows|extend)|leased)\M'
-            || '|CREATE INDEX @Pb_|ALTER TABLE \S+\.@Pq|SELECT setval|INSERT INTO )');
+            || '\S+\.@P(gen[0-3]|rows|q[0-3]?|push|rotate|label)\M'
+            || '|ALTER TABLE \S+\.@Pq|SELECT setval|INSERT INTO )');
         EXECUTE replace(replace(replace(replace(replace(replace(replace(
             regexp_replace(v_stmt, '@P(gen[0-3]|rows|q[0-3]?)\M', v_ring || '\1', 'g'),
             '@P', v_own), '@L', v_lanes::text), '@S', v_s::text),

@@ -501,8 +501,9 @@ ORDER BY k.gid = w.queue_id DESC, g.name
 
 -- name: ring_rows_claim_batch
 -- Claim a batch of group `group`: a pop at least once of up to n messages recorded under batch_id, in the
--- caller's transaction; its ledger row (no payload), or none when nothing was taken. {fn}: the ring's own
--- function for it (ring_<queue_id>_rbclaim).
+-- caller's transaction; its ledger row (no payload), or none when nothing was taken. {fn}: the group's own
+-- function for it (ring_<queue_id>_rbclaim for the default group, ring_g<n>_rbclaim for group -n; so are
+-- the {fn} of the batch statements below).
 SELECT r_batch, r_state, r_ids, r_deliveries, r_consumer, r_claimed_at, r_lease_until, r_finished_at, r_error
 FROM {schema}.{fn}(%(batch_id)s::uuid, %(group)s::integer, %(n)s::integer, %(wait)s::boolean,
     %(visibility_timeout_s)s::float8, %(consumer)s::text)
@@ -529,7 +530,7 @@ SELECT b FROM {schema}.{fn}(%(group)s::integer, %(older_than_s)s::float8, %(n)s:
 
 -- name: ring_rows_batch_rows
 -- The messages of one batch with their payloads, numbered 1..n (ord: a Spark JDBC reader partitions on
--- it), rendered to text with its parameters for readers in other processes. {fn}: the ring's own
+-- it), rendered to text with its parameters for readers in other processes. {fn}: the group's own
 -- function (ring_<queue_id>_rbrows), which reads each row of the batch once, in the segment of its number,
 -- and gives a NULL payload for a row no longer there (its segment emptied and reused since).
 SELECT r_ord AS ord, r_id AS id, r_delivery AS delivery, r_payload AS payload
