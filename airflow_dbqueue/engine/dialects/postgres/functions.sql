@@ -2046,7 +2046,7 @@ CREATE SEQUENCE {schema}.@Pposgen AS bigint MINVALUE 0 START 0 CACHE 1
 CREATE SEQUENCE {schema}.@Pretrygen AS bigint MINVALUE 0 START 0 CACHE 1
 @;
 CREATE TABLE {schema}.@Pq0 (r bigint NOT NULL, n integer NOT NULL, enqueued_at timestamptz NOT NULL,
-    payloads bytea[] NOT NULL, CONSTRAINT @Pq0_pkey PRIMARY KEY (r))
+    payloads bytea[] NOT NULL, expires_at timestamptz, CONSTRAINT @Pq0_pkey PRIMARY KEY (r))
 @;
 CREATE TABLE {schema}.@Pq1 (LIKE {schema}.@Pq0 INCLUDING ALL)
 @;
@@ -2259,6 +2259,48 @@ BEGIN
 END
 $b$
 @;
+-- @Ppush for a push with a time to live (a ring created with a ttl): its row carries its expiry,
+-- now() + p_ttl seconds, which the pops compare (@Ptake). A function of its own, so that a push without
+-- one runs @Ppush as before.
+CREATE FUNCTION {schema}.@Ppushx(p_payloads bytea[], p_notify integer, p_channel text, p_ttl double precision,
+    OUT r_first bigint, OUT r_need bigint) LANGUAGE plpgsql AS $b$
+DECLARE
+    v_r bigint;
+    v_k integer;
+    v_ok boolean;
+BEGIN
+    v_ok := pg_current_xact_id() IS NOT NULL;
+    v_ok := pg_advisory_lock(@K1, 0) IS NULL;
+    v_r := coalesce(pg_sequence_last_value('{schema}.@Prows'), -1) + 1;
+    v_k := (v_r / @S % 4)::integer;
+    IF {schema}.@Pseg_gen(v_k) <> v_r / @S THEN
+        v_ok := pg_advisory_unlock(@K1, 0);
+        r_need := v_r / @S;
+        RETURN;
+    END IF;
+    v_r := nextval('{schema}.@Prows');
+    v_ok := pg_advisory_unlock(@K1, 0);
+    IF v_k = 0 THEN
+        INSERT INTO {schema}.@Pq0 VALUES (v_r, cardinality(p_payloads), now(), p_payloads, now() + make_interval(secs => p_ttl));
+    ELSIF v_k = 1 THEN
+        INSERT INTO {schema}.@Pq1 VALUES (v_r, cardinality(p_payloads), now(), p_payloads, now() + make_interval(secs => p_ttl));
+    ELSIF v_k = 2 THEN
+        INSERT INTO {schema}.@Pq2 VALUES (v_r, cardinality(p_payloads), now(), p_payloads, now() + make_interval(secs => p_ttl));
+    ELSE
+        INSERT INTO {schema}.@Pq3 VALUES (v_r, cardinality(p_payloads), now(), p_payloads, now() + make_interval(secs => p_ttl));
+    END IF;
+    r_first := v_r << 16;
+    -- auto: when no lane of the default group, or of another group, still needs a row before ours (its
+    -- consumers caught up: they may be waiting). The other groups are read only when the default one
+    -- is behind; never: one comparison.
+    IF p_notify > 0 THEN
+        IF p_notify = 2 OR {schema}.@Pfloor() >= v_r OR {schema}.ring_rows_caught_up(@Q, v_r) THEN
+            PERFORM pg_notify(p_channel, '');
+        END IF;
+    END IF;
+END
+$b$
+@;
 -- Empty the segment that generation p_gen needs (holding p_gen - 4), in a transaction of its own, once
 -- every lane is past it by a lane's width of rows (so that every lane's newest log entry lies in a later
 -- segment): true when it is empty or p_gen's already, false while a lane still needs it or when its lock
@@ -2353,6 +2395,23 @@ BEGIN
 END
 $b$
 @;
+-- Record expired messages of rows p_rows, each from its place p_from on (@Ptake passed them): copied
+-- with their payload to ring_failed, last_error 'expired', unless the ring's on_expiry is 'drop'.
+CREATE FUNCTION {schema}.@Pexpire(p_rows bigint[], p_from integer[]) RETURNS void LANGUAGE plpgsql AS $b$
+BEGIN
+    IF (SELECT q.on_expiry FROM {schema}.queues q WHERE q.queue_id = coalesce(
+            (SELECT g.queue_id FROM {schema}.ring_groups g WHERE g.gid = @Q), @Q)) = 'drop' THEN
+        RETURN;
+    END IF;
+    INSERT INTO {schema}.ring_failed (queue_id, id, attempts, enqueued_at, last_error, payload)
+    SELECT @Q, (t.r << 16) | (p.o - 1), 0, t.enqueued_at, 'expired', p.p
+    FROM unnest(p_rows, p_from) u(r, f) JOIN {schema}.@Pq t ON t.r = u.r
+    CROSS JOIN LATERAL unnest(t.payloads) WITH ORDINALITY p(p, o)
+    WHERE p.o > u.f
+    ON CONFLICT DO NOTHING;
+END
+$b$
+@;
 -- Pop up to p_n messages in the caller's transaction: at least once (p_lease: one lease row until
 -- now + p_vt), or at most once (exactly once in the caller's transaction). Messages due again first
 -- (@Pagain), then the lanes'. Lanes with a row to take are locked lowest position first (try-locks:
@@ -2399,6 +2458,12 @@ DECLARE
     v_k integer;
     v_gen bigint;
     v_cur refcursor;
+    v_took boolean[] := array_fill(false, ARRAY[@L]);
+    v_skip bigint[] := array_fill(NULL::bigint, ARRAY[@L]);
+    v_xr bigint[] := ARRAY[]::bigint[];
+    v_xfrom integer[] := ARRAY[]::integer[];
+    v_xlanes integer[];
+    v_xat bigint[];
 BEGIN
     IF v_last IS NULL THEN  -- nothing pushed yet
         RETURN;
@@ -2445,13 +2510,13 @@ BEGIN
     FOR part IN 1 .. 2 LOOP
         v_k := (v_gen % 4)::integer;
         IF v_k = 0 THEN
-            OPEN v_cur FOR SELECT t.r, t.n FROM {schema}.@Pq0 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
+            OPEN v_cur FOR SELECT t.r, t.n, t.expires_at FROM {schema}.@Pq0 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
         ELSIF v_k = 1 THEN
-            OPEN v_cur FOR SELECT t.r, t.n FROM {schema}.@Pq1 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
+            OPEN v_cur FOR SELECT t.r, t.n, t.expires_at FROM {schema}.@Pq1 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
         ELSIF v_k = 2 THEN
-            OPEN v_cur FOR SELECT t.r, t.n FROM {schema}.@Pq2 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
+            OPEN v_cur FOR SELECT t.r, t.n, t.expires_at FROM {schema}.@Pq2 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
         ELSE
-            OPEN v_cur FOR SELECT t.r, t.n FROM {schema}.@Pq3 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
+            OPEN v_cur FOR SELECT t.r, t.n, t.expires_at FROM {schema}.@Pq3 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
         END IF;
         LOOP
             FETCH v_cur INTO rec;
@@ -2464,6 +2529,22 @@ BEGIN
             END IF;
             v_first := CASE WHEN (v_first_at[v_lane + 1] >> 16) = rec.r
                             THEN (v_first_at[v_lane + 1] & 65535)::integer ELSE 0 END;
+            IF rec.expires_at <= now() THEN
+                -- Expired (a push with a ttl): never delivered. Passed only at the head of its lane in
+                -- this pop (nothing taken from the lane yet), so that no lease range holds it; after a
+                -- row taken the lane stops here, and a later pop passes it.
+                IF v_took[v_lane + 1] THEN
+                    v_next[v_lane + 1] := NULL;
+                    CONTINUE;
+                END IF;
+                v_xr := v_xr || rec.r;
+                v_xfrom := v_xfrom || v_first;
+                v_next[v_lane + 1] := rec.r + @L;
+                v_first_at[v_lane + 1] := (rec.r + @L) << 16;
+                v_skip[v_lane + 1] := (rec.r + @L) << 16;
+                CONTINUE;
+            END IF;
+            v_took[v_lane + 1] := true;
             v_take := least(rec.n - v_first, v_left);
             v_rows := v_rows || rec.r;
             v_from := v_from || v_first;
@@ -2478,6 +2559,21 @@ BEGIN
         v_gen := v_gen + 1;
         v_lo := v_gen * @S;
     END LOOP;
+    -- Expired rows passed: recorded (@Pexpire), and the lanes that passed only such rows logged past
+    -- them (those that took rows too are logged below). When nothing else was taken, look again: the
+    -- lanes are past them in this transaction, and the locks held stay held.
+    IF cardinality(v_xr) > 0 THEN
+        PERFORM {schema}.@Pexpire(v_xr, v_xfrom);
+        SELECT array_agg(l - 1 ORDER BY l), array_agg(v_skip[l] ORDER BY l) INTO v_xlanes, v_xat
+        FROM generate_series(1, @L) l WHERE v_skip[l] IS NOT NULL AND NOT v_took[l];
+        IF v_xlanes IS NOT NULL THEN
+            PERFORM {schema}.@Plog(v_xlanes, v_xat);
+        END IF;
+        IF cardinality(v_rows) = 0 THEN
+            RETURN QUERY SELECT * FROM {schema}.@Ptake(p_n, p_wait, p_lease, p_vt, p_consumer);
+            RETURN;
+        END IF;
+    END IF;
     IF cardinality(v_rows) = 0 THEN
         RETURN;
     END IF;
@@ -2545,7 +2641,8 @@ $b$
 -- lane range, as @Ptake writes it) in one statement on the segment of that message. It hands the pop
 -- over to @Ptake (which may wait for a held lane) when messages to deliver again may be due (those come
 -- first), when no such lane could be locked, and when the locked lane's row at its position is not
--- written after all (a pop moved it meanwhile; @Ptake takes the lane again, a lock this transaction holds).
+-- written after all (a pop moved it meanwhile; @Ptake takes the lane again, a lock this transaction holds),
+-- or has expired (@Ptake passes and records it).
 CREATE FUNCTION {schema}.@Ptake1(p_wait boolean, p_lease boolean, p_vt double precision, p_consumer text)
 RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz,
                r_lease_until timestamptz, r_payload bytea)
@@ -2644,7 +2741,7 @@ BEGIN
             WITH t AS (
                 SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
                        CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
-                FROM {schema}.@Pq0 t WHERE t.r = v_r),
+                FROM {schema}.@Pq0 t WHERE t.r = v_r AND NOT coalesce(t.expires_at <= now(), false)),
             w AS (INSERT INTO {schema}.@Ppos0 SELECT v_lane, t.next FROM t),
             e AS (INSERT INTO {schema}.@Pl0 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
                       array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
@@ -2654,7 +2751,7 @@ BEGIN
             WITH t AS (
                 SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
                        CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
-                FROM {schema}.@Pq1 t WHERE t.r = v_r),
+                FROM {schema}.@Pq1 t WHERE t.r = v_r AND NOT coalesce(t.expires_at <= now(), false)),
             w AS (INSERT INTO {schema}.@Ppos1 SELECT v_lane, t.next FROM t),
             e AS (INSERT INTO {schema}.@Pl1 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
                       array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
@@ -2664,7 +2761,7 @@ BEGIN
             WITH t AS (
                 SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
                        CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
-                FROM {schema}.@Pq2 t WHERE t.r = v_r),
+                FROM {schema}.@Pq2 t WHERE t.r = v_r AND NOT coalesce(t.expires_at <= now(), false)),
             w AS (INSERT INTO {schema}.@Ppos2 SELECT v_lane, t.next FROM t),
             e AS (INSERT INTO {schema}.@Pl2 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
                       array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
@@ -2674,7 +2771,7 @@ BEGIN
             WITH t AS (
                 SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
                        CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
-                FROM {schema}.@Pq3 t WHERE t.r = v_r),
+                FROM {schema}.@Pq3 t WHERE t.r = v_r AND NOT coalesce(t.expires_at <= now(), false)),
             w AS (INSERT INTO {schema}.@Ppos3 SELECT v_lane, t.next FROM t),
             e AS (INSERT INTO {schema}.@Pl3 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
                       array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
@@ -3493,9 +3590,13 @@ BEGIN
         v_at := ARRAY(SELECT (v_last + 1 + (k - (v_last + 1) % v_lanes + v_lanes) % v_lanes) << 16
                       FROM generate_series(0, v_lanes - 1) k ORDER BY k);
     END IF;
+    -- A ring made by an older build has no expiry column, which the group's pops read (always NULL there).
+    FOR k IN 0 .. 3 LOOP
+        EXECUTE format('ALTER TABLE {schema}.%I ADD COLUMN IF NOT EXISTS expires_at timestamptz', v_ring || 'q' || k);
+    END LOOP;
     FOREACH v_stmt IN ARRAY string_to_array({schema}.ring_rows_template(), '@;') LOOP
         CONTINUE WHEN regexp_replace(v_stmt, '^(\s|--[^\n]*\n)*', '') ~ ('^(CREATE (SEQUENCE|TABLE|VIEW|FUNCTION) '
-            || '\S+\.@P(gen[0-3]|rows|q[0-3]?|push|rotate|label|bs?|b(claim|get|set|open|purge|rows|extend)|leased)\M'
+            || '\S+\.@P(gen[0-3]|rows|q[0-3]?|pushx?|rotate|label|bs?|b(claim|get|set|open|purge|rows|extend)|leased)\M'
             || '|CREATE INDEX @Pb_|ALTER TABLE \S+\.@Pq|SELECT setval|INSERT INTO )');
         EXECUTE replace(replace(replace(replace(replace(replace(replace(
             regexp_replace(v_stmt, '@P(gen[0-3]|rows|q[0-3]?)\M', v_ring || '\1', 'g'),
