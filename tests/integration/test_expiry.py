@@ -237,8 +237,9 @@ def test_the_boundary_on_a_rows_ring(dbq: DbQueue) -> None:
 
 def test_a_short_ttl_on_a_rows_ring_passes_in_real_time(dbq: DbQueue) -> None:
     """A push's own ttl (the queue's is its default) in real time, a part of a row already taken before
-    it expired: only the rest of that row expires; leased ones are their consumer's."""
-    q = rows_ring(dbq, "r", ttl=60)
+    it expired: only the rest of that row expires. A leased message is its consumer's; nacked after its
+    time to live, it is not delivered again but expires, as on the table design."""
+    q = rows_ring(dbq, "r", ttl=60, retry_backoff=0)
     kept = q.push_batch([f"k{i}" for i in range(5)])
     short = q.push_batch([f"s{i}" for i in range(6)], ttl=0.3)
     first = q.pop(7, semantics="at-least-once")  # k0..k4, s0, s1
@@ -246,20 +247,28 @@ def test_a_short_ttl_on_a_rows_ring_passes_in_real_time(dbq: DbQueue) -> None:
     time.sleep(0.5)
     assert q.pop(10) == []
     assert sorted(f.id for f in q.list_failed()) == short[2:]
-    assert q.nack(first[5:], delay=0) == 2  # leased before its expiry: delivered again
-    assert q.ack(first[:5]) == 5
-    again = drain(q)
-    assert checksum(again) == checksum(["s0", "s1"]) and kept == [m.id for m in first[:5]]
-    assert q.stats().failed == 4
+    assert q.nack(first[5:6], delay=0) == 1  # leased before its expiry, nacked after it
+    assert q.ack(first[:5]) == 5 and kept == [m.id for m in first[:5]]
+    assert drain(q) == []
+    failed = q.list_failed()
+    assert sorted(f.id for f in failed) == [short[0], *short[2:]]
+    assert {f.last_error for f in failed} == {"expired"}
+    assert checksum(f.payload for f in failed) == checksum(["s0", *(f"s{i}" for i in range(2, 6))])
+    assert q.ack(first[6:]) == 1  # still its consumer's: the ack closes it
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.failed) == (0, 0, 5)
 
 
 def test_on_expiry_drop_on_a_rows_ring(dbq: DbQueue) -> None:
-    q = rows_ring(dbq, "r", on_expiry="drop")
+    q = rows_ring(dbq, "r", on_expiry="drop", retry_backoff=0)
     ids = q.push_batch(["x0", "x1"])
     gone = q.push_batch(["y0", "y1", "y2"])
-    _age_rows(dbq, q, gone, -1.0)
-    assert checksum(drain(q)) == checksum(["x0", "x1"]) and len(ids) == 2
-    assert q.list_failed() == [] and q.stats().failed == 0 and q.stats().ready == 0
+    [m] = q.pop(1, semantics="at-least-once")
+    _age_rows(dbq, q, [*ids, *gone], -1.0)
+    assert q.nack([m], delay=0) == 1  # due again after its expiry: dropped too
+    assert drain(q) == [] and m.payload == "x0"
+    st = q.stats()
+    assert q.list_failed() == [] and (st.failed, st.ready, st.in_flight) == (0, 0, 0)
 
 
 def test_a_rows_ring_with_groups_expires_for_each_group(dbq: DbQueue) -> None:

@@ -2395,12 +2395,17 @@ BEGIN
 END
 $b$
 @;
+-- Whether the ring's expired messages are dropped (on_expiry 'drop') rather than failed.
+CREATE FUNCTION {schema}.@Pdrops() RETURNS boolean LANGUAGE sql AS $b$
+    SELECT coalesce((SELECT q.on_expiry = 'drop' FROM {schema}.queues q WHERE q.queue_id = coalesce(
+        (SELECT g.queue_id FROM {schema}.ring_groups g WHERE g.gid = @Q), @Q)), false)
+$b$
+@;
 -- Record expired messages of rows p_rows, each from its place p_from on (@Ptake passed them): copied
 -- with their payload to ring_failed, last_error 'expired', unless the ring's on_expiry is 'drop'.
 CREATE FUNCTION {schema}.@Pexpire(p_rows bigint[], p_from integer[]) RETURNS void LANGUAGE plpgsql AS $b$
 BEGIN
-    IF (SELECT q.on_expiry FROM {schema}.queues q WHERE q.queue_id = coalesce(
-            (SELECT g.queue_id FROM {schema}.ring_groups g WHERE g.gid = @Q), @Q)) = 'drop' THEN
+    IF {schema}.@Pdrops() THEN
         RETURN;
     END IF;
     INSERT INTO {schema}.ring_failed (queue_id, id, attempts, enqueued_at, last_error, payload)
@@ -2529,7 +2534,7 @@ BEGIN
             END IF;
             v_first := CASE WHEN (v_first_at[v_lane + 1] >> 16) = rec.r
                             THEN (v_first_at[v_lane + 1] & 65535)::integer ELSE 0 END;
-            IF rec.expires_at <= now() THEN
+            IF @X AND rec.expires_at <= now() THEN
                 -- Expired (a push with a ttl): never delivered. Passed only at the head of its lane in
                 -- this pop (nothing taken from the lane yet), so that no lease range holds it; after a
                 -- row taken the lane stops here, and a later pop passes it.
@@ -2741,7 +2746,7 @@ BEGIN
             WITH t AS (
                 SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
                        CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
-                FROM {schema}.@Pq0 t WHERE t.r = v_r AND NOT coalesce(t.expires_at <= now(), false)),
+                FROM {schema}.@Pq0 t WHERE t.r = v_r AND NOT (@X AND coalesce(t.expires_at <= now(), false))),
             w AS (INSERT INTO {schema}.@Ppos0 SELECT v_lane, t.next FROM t),
             e AS (INSERT INTO {schema}.@Pl0 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
                       array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
@@ -2751,7 +2756,7 @@ BEGIN
             WITH t AS (
                 SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
                        CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
-                FROM {schema}.@Pq1 t WHERE t.r = v_r AND NOT coalesce(t.expires_at <= now(), false)),
+                FROM {schema}.@Pq1 t WHERE t.r = v_r AND NOT (@X AND coalesce(t.expires_at <= now(), false))),
             w AS (INSERT INTO {schema}.@Ppos1 SELECT v_lane, t.next FROM t),
             e AS (INSERT INTO {schema}.@Pl1 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
                       array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
@@ -2761,7 +2766,7 @@ BEGIN
             WITH t AS (
                 SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
                        CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
-                FROM {schema}.@Pq2 t WHERE t.r = v_r AND NOT coalesce(t.expires_at <= now(), false)),
+                FROM {schema}.@Pq2 t WHERE t.r = v_r AND NOT (@X AND coalesce(t.expires_at <= now(), false))),
             w AS (INSERT INTO {schema}.@Ppos2 SELECT v_lane, t.next FROM t),
             e AS (INSERT INTO {schema}.@Pl2 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
                       array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
@@ -2771,7 +2776,7 @@ BEGIN
             WITH t AS (
                 SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
                        CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
-                FROM {schema}.@Pq3 t WHERE t.r = v_r AND NOT coalesce(t.expires_at <= now(), false)),
+                FROM {schema}.@Pq3 t WHERE t.r = v_r AND NOT (@X AND coalesce(t.expires_at <= now(), false))),
             w AS (INSERT INTO {schema}.@Ppos3 SELECT v_lane, t.next FROM t),
             e AS (INSERT INTO {schema}.@Pl3 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
                       array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
@@ -2920,10 +2925,18 @@ DECLARE
     v_del integer[] := ARRAY[]::integer[];
     v_row bigint := -1;
     v_ok boolean := false;
+    v_xids bigint[] := ARRAY[]::bigint[];
+    v_xvers integer[] := ARRAY[]::integer[];
+    v_xatt integer[] := ARRAY[]::integer[];
+    v_xdel integer[] := ARRAY[]::integer[];
+    v_drop boolean;
+    v_put bigint[];
     rec record;
 BEGIN
     FOR rec IN
-        SELECT r.id, r.ver, r.attempts, r.deliveries FROM {schema}.@Pr r
+        SELECT r.id, r.ver, r.attempts, r.deliveries,
+               CASE WHEN @X THEN (SELECT t.expires_at FROM {schema}.@Pq t WHERE t.r = r.id >> 16) END AS expires_at
+        FROM {schema}.@Pr r
         WHERE r.state = 1 AND r.due_at <= now()
           AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver)
         ORDER BY r.id
@@ -2933,12 +2946,33 @@ BEGIN
             v_ok := pg_try_advisory_xact_lock(@K4, hashint8(v_row));
         END IF;
         CONTINUE WHEN NOT v_ok;
+        IF rec.expires_at <= now() THEN  -- due again after its expiry: it expires instead
+            v_xids := v_xids || rec.id;
+            v_xvers := v_xvers || (rec.ver + 1);
+            v_xatt := v_xatt || rec.attempts;
+            v_xdel := v_xdel || rec.deliveries;
+            CONTINUE;
+        END IF;
         v_ids := v_ids || rec.id;
         v_vers := v_vers || (rec.ver + 1);
         v_att := v_att || (rec.attempts + 1);
         v_del := v_del || (rec.deliveries + 1);
         EXIT WHEN cardinality(v_ids) >= p_n;
     END LOOP;
+    IF cardinality(v_xids) > 0 THEN
+        -- finished (dropped) or failed, as on_expiry says; copied to ring_failed when failed
+        v_drop := {schema}.@Pdrops();
+        v_put := ARRAY(SELECT {schema}.@Pput(v_xids, v_xvers,
+            array_fill(CASE WHEN v_drop THEN 0 ELSE 3 END, ARRAY[cardinality(v_xids)]), v_xatt, v_xdel,
+            array_fill(now(), ARRAY[cardinality(v_xids)]), array_fill(NULL::text, ARRAY[cardinality(v_xids)]),
+            array_fill('expired'::text, ARRAY[cardinality(v_xids)])));
+        IF NOT v_drop AND cardinality(v_put) > 0 THEN
+            PERFORM {schema}.@Pfail(
+                ARRAY(SELECT u.id FROM unnest(v_xids, v_xatt) u(id, a) WHERE u.id = ANY (v_put) ORDER BY u.id),
+                ARRAY(SELECT u.a FROM unnest(v_xids, v_xatt) u(id, a) WHERE u.id = ANY (v_put) ORDER BY u.id),
+                array_fill('expired'::text, ARRAY[cardinality(v_put)]));
+        END IF;
+    END IF;
     IF cardinality(v_ids) = 0 THEN
         RETURN;
     END IF;
@@ -3446,16 +3480,19 @@ CREATE OR REPLACE FUNCTION {schema}.ring_rows_create(p_queue_id integer, p_capac
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
     v_stmt text;
+    v_x boolean;
 BEGIN
     INSERT INTO {schema}.ring_rows (queue_id, capacity, lanes, seg_rows)
     VALUES (p_queue_id, p_capacity, p_lanes, p_capacity / 4);
+    v_x := coalesce((SELECT q.ttl_s IS NOT NULL FROM {schema}.queues q WHERE q.queue_id = p_queue_id), false);
     FOREACH v_stmt IN ARRAY string_to_array({schema}.ring_rows_template(), '@;') LOOP
-        EXECUTE replace(replace(replace(replace(replace(replace(replace(replace(v_stmt,
+        EXECUTE replace(replace(replace(replace(replace(replace(replace(replace(replace(v_stmt,
             '@P', 'ring_' || p_queue_id || '_r'), '@L', p_lanes::text), '@S', (p_capacity / 4)::text),
             '@K1', hashtext('dbqueue.rows.push.{schema}.' || p_queue_id)::text),
             '@K2', hashtext('dbqueue.rows.lanes.{schema}.' || p_queue_id)::text),
             '@K3', hashtext('dbqueue.rows.posgen.{schema}.' || p_queue_id)::text),
-            '@K4', hashtext('dbqueue.rows.retry.{schema}.' || p_queue_id)::text), '@Q', p_queue_id::text);
+            '@K4', hashtext('dbqueue.rows.retry.{schema}.' || p_queue_id)::text), '@Q', p_queue_id::text),
+            '@X', v_x::text);
     END LOOP;
 END
 $$;
@@ -3598,12 +3635,13 @@ BEGIN
         CONTINUE WHEN regexp_replace(v_stmt, '^(\s|--[^\n]*\n)*', '') ~ ('^(CREATE (SEQUENCE|TABLE|VIEW|FUNCTION) '
             || '\S+\.@P(gen[0-3]|rows|q[0-3]?|pushx?|rotate|label|bs?|b(claim|get|set|open|purge|rows|extend)|leased)\M'
             || '|CREATE INDEX @Pb_|ALTER TABLE \S+\.@Pq|SELECT setval|INSERT INTO )');
-        EXECUTE replace(replace(replace(replace(replace(replace(replace(
+        EXECUTE replace(replace(replace(replace(replace(replace(replace(replace(
             regexp_replace(v_stmt, '@P(gen[0-3]|rows|q[0-3]?)\M', v_ring || '\1', 'g'),
             '@P', v_own), '@L', v_lanes::text), '@S', v_s::text),
             '@K2', hashtext('dbqueue.rows.lanes.{schema}.' || v_gid)::text),
             '@K3', hashtext('dbqueue.rows.posgen.{schema}.' || v_gid)::text),
-            '@K4', hashtext('dbqueue.rows.retry.{schema}.' || v_gid)::text), '@Q', v_gid::text);
+            '@K4', hashtext('dbqueue.rows.retry.{schema}.' || v_gid)::text), '@Q', v_gid::text),
+            '@X', coalesce((SELECT q.ttl_s IS NOT NULL FROM {schema}.queues q WHERE q.queue_id = p_queue_id), false)::text);
     END LOOP;
     EXECUTE 'SELECT {schema}.' || v_own || 'log($1, $2)' USING ARRAY(SELECT generate_series(0, v_lanes - 1)), v_at;
     RETURN v_gid;
