@@ -442,7 +442,8 @@ class DbQueue:
 
         ``dedup_window`` (seconds, default 300) is how long a push's ``dedup_key`` is remembered: a
         second push of the key within it pushes nothing and returns the first push's id (table design;
-        see :meth:`Queue.push`). ``ttl`` (seconds, table design, default none) is how long a message may
+        see :meth:`Queue.push`). ``ttl`` (seconds, table design and a ring of the rows layout, default
+        none) is how long a message may
         wait to be popped unless its push names another: a message not popped by then is never
         delivered, and goes to the failed state with ``last_error`` ``"expired"``
         (``on_expiry="fail"``, the default) or is dropped (``on_expiry="drop"``). ``ordering="per_key"``

@@ -48,9 +48,17 @@ Batches (:mod:`airflow_dbqueue.engine.ring_rows_batches`): a claim is a pop at l
 a batch id in the ring's own ledger, and its ack a done row, so they only insert too; ``leased()`` reads
 held receipts' messages.
 
-Not built yet, each refused with :class:`NotSupportedError` naming the layout: batches (and
-``leased()``) of a consumer group other than the default one, and per-queue grants (the ring's tables
-are the schema owner's).
+Expiry (a ring created with a ``ttl``): a push's row carries its expiry (the ring's ``rpushx``; a push
+without one runs ``rpush``). A pop passes an expired row at the head of a lane, before it takes anything
+from that lane (so no lease's range holds it), logs the lane past it and copies its messages to
+``ring_failed`` with ``last_error`` ``"expired"``, or drops them (``on_expiry="drop"``); a message due
+again after its expiry gets a failed (or finished) retry row instead of a delivery. Only inserts; a ring
+made without a ``ttl`` has the checks folded out of its functions.
+
+Not built on any ring, refused with :class:`NotSupportedError`: ordering keys and deduplication keys
+(docs/concepts.md says why). Not built yet, each refused with :class:`NotSupportedError` naming the
+layout: batches (and ``leased()``) of a consumer group other than the default one, and per-queue grants
+(the ring's tables are the schema owner's).
 """
 
 from __future__ import annotations

@@ -2013,6 +2013,11 @@ $$;
 -- lock_timeout, in a transaction of its own) once every lane is past it, labels it, and pushes again.
 -- Nothing on the hot path or in a rotation updates or deletes a row.
 --
+-- Expiry (a ring created with a ttl; @X, replaced by true or false when the ring's functions are made,
+-- folds the checks away otherwise): a push with a ttl writes its row's expires_at (@Ppushx); a pop
+-- passes an expired row at the head of a lane and records its messages (@Pexpire), and a message due
+-- again after its expiry gets a failed or finished retry row instead of a delivery (@Pagain).
+--
 -- At least once: a pop inserts a lease row (rl_k, the segment of its first message: its first and last
 -- ids, each moved lane's taken range [start, end), its end), and an ack of that whole pop a done row
 -- naming it (rd_k, keyed by the lease, so it is closed once). An open lease is one without a done row.
