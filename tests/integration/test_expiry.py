@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from airflow_dbqueue.engine.errors import ConfigurationError, NotSupportedError
+from airflow_dbqueue.engine.errors import ConfigurationError, LeaseExpiredError, NotSupportedError
 from airflow_dbqueue.engine.models import OnExpiry
-from tests.dialects import run_sql
+from tests.dialects import expire_leases, run_sql
 from tests.helpers import checksum, drained
 
 if TYPE_CHECKING:
@@ -332,3 +332,27 @@ def test_concurrent_pops_of_a_rows_ring_pass_expired_pushes_once(dbq: DbQueue) -
     assert len(failed) == len(doomed) and checksum(f.payload for f in failed) == checksum(doomed)
     st = q.stats()
     assert (st.ready, st.in_flight, st.failed) == (0, 0, len(doomed))
+
+
+def test_batches_and_reclaimed_leases_of_a_rows_ring_expire(dbq: DbQueue) -> None:
+    """A claim passes expired pushes as a pop does; a lease reclaimed after its messages' expiry is not
+    delivered again, its messages expire."""
+    q = rows_ring(dbq, "r", retry_backoff=0)
+    held = q.push_batch(["h0", "h1"])
+    [m0, m1] = q.pop(2, semantics="at-least-once")
+    doomed = q.push_batch(["d0", "d1"])
+    live = q.push_batch(["l0", "l1", "l2"])
+    _age_rows(dbq, q, [*held, *doomed], -1.0)
+    batch = q.claim_batch(100)
+    assert batch is not None and [i for i, _ in batch.receipts] == live
+    expire_leases(dbq, held, q)
+    assert q.reclaim_expired() == 2
+    assert q.pop(10, semantics="at-least-once") == []
+    assert q.ack_batch(batch.batch_id) == 3
+    failed = q.list_failed()
+    assert sorted(f.id for f in failed) == sorted([*held, *doomed])
+    assert checksum(f.payload for f in failed) == checksum(["h0", "h1", "d0", "d1"])
+    with pytest.raises(LeaseExpiredError):
+        q.ack([m0, m1])
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.failed) == (0, 0, 4)
