@@ -2013,10 +2013,12 @@ $$;
 -- lock_timeout, in a transaction of its own) once every lane is past it, labels it, and pushes again.
 -- Nothing on the hot path or in a rotation updates or deletes a row.
 --
--- Expiry (a ring created with a ttl; @X, replaced by true or false when the ring's functions are made,
--- folds the checks away otherwise): a push with a ttl writes its row's expires_at (@Ppushx); a pop
+-- Expiry (a ring created with a ttl): a push with a ttl writes its row's expires_at (@Ppushx); a pop
 -- passes an expired row at the head of a lane and records its messages (@Pexpire), and a message due
--- again after its expiry gets a failed or finished retry row instead of a delivery (@Pagain).
+-- again after its expiry gets a failed or finished retry row instead of a delivery (@Pagain). The lines
+-- of the template that only such a ring has begin with @E, which making a ring's objects replaces with
+-- nothing, or with a comment's start for a ring without a ttl: its column and statements are then
+-- those of a ring that has no expiry at all.
 --
 -- At least once: a pop inserts a lease row (rl_k, the segment of its first message: its first and last
 -- ids, each moved lane's taken range [start, end), its end), and an ack of that whole pop a done row
@@ -2051,7 +2053,9 @@ CREATE SEQUENCE {schema}.@Pposgen AS bigint MINVALUE 0 START 0 CACHE 1
 CREATE SEQUENCE {schema}.@Pretrygen AS bigint MINVALUE 0 START 0 CACHE 1
 @;
 CREATE TABLE {schema}.@Pq0 (r bigint NOT NULL, n integer NOT NULL, enqueued_at timestamptz NOT NULL,
-    payloads bytea[] NOT NULL, expires_at timestamptz, CONSTRAINT @Pq0_pkey PRIMARY KEY (r))
+    payloads bytea[] NOT NULL,
+@E    expires_at timestamptz,
+    CONSTRAINT @Pq0_pkey PRIMARY KEY (r))
 @;
 CREATE TABLE {schema}.@Pq1 (LIKE {schema}.@Pq0 INCLUDING ALL)
 @;
@@ -2468,12 +2472,12 @@ DECLARE
     v_k integer;
     v_gen bigint;
     v_cur refcursor;
-    v_took boolean[] := array_fill(false, ARRAY[@L]);
-    v_skip bigint[] := array_fill(NULL::bigint, ARRAY[@L]);
-    v_xr bigint[] := ARRAY[]::bigint[];
-    v_xfrom integer[] := ARRAY[]::integer[];
-    v_xlanes integer[];
-    v_xat bigint[];
+@E    v_took boolean[] := array_fill(false, ARRAY[@L]);
+@E    v_skip bigint[] := array_fill(NULL::bigint, ARRAY[@L]);
+@E    v_xr bigint[] := ARRAY[]::bigint[];
+@E    v_xfrom integer[] := ARRAY[]::integer[];
+@E    v_xlanes integer[];
+@E    v_xat bigint[];
 BEGIN
     IF v_last IS NULL THEN  -- nothing pushed yet
         RETURN;
@@ -2520,13 +2524,21 @@ BEGIN
     FOR part IN 1 .. 2 LOOP
         v_k := (v_gen % 4)::integer;
         IF v_k = 0 THEN
-            OPEN v_cur FOR SELECT t.r, t.n, t.expires_at FROM {schema}.@Pq0 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
+            OPEN v_cur FOR SELECT t.r, t.n
+@E                , t.expires_at
+                FROM {schema}.@Pq0 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
         ELSIF v_k = 1 THEN
-            OPEN v_cur FOR SELECT t.r, t.n, t.expires_at FROM {schema}.@Pq1 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
+            OPEN v_cur FOR SELECT t.r, t.n
+@E                , t.expires_at
+                FROM {schema}.@Pq1 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
         ELSIF v_k = 2 THEN
-            OPEN v_cur FOR SELECT t.r, t.n, t.expires_at FROM {schema}.@Pq2 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
+            OPEN v_cur FOR SELECT t.r, t.n
+@E                , t.expires_at
+                FROM {schema}.@Pq2 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
         ELSE
-            OPEN v_cur FOR SELECT t.r, t.n, t.expires_at FROM {schema}.@Pq3 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
+            OPEN v_cur FOR SELECT t.r, t.n
+@E                , t.expires_at
+                FROM {schema}.@Pq3 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
         END IF;
         LOOP
             FETCH v_cur INTO rec;
@@ -2539,22 +2551,22 @@ BEGIN
             END IF;
             v_first := CASE WHEN (v_first_at[v_lane + 1] >> 16) = rec.r
                             THEN (v_first_at[v_lane + 1] & 65535)::integer ELSE 0 END;
-            IF @X AND rec.expires_at <= now() THEN
-                -- Expired (a push with a ttl): never delivered. Passed only at the head of its lane in
-                -- this pop (nothing taken from the lane yet), so that no lease range holds it; after a
-                -- row taken the lane stops here, and a later pop passes it.
-                IF v_took[v_lane + 1] THEN
-                    v_next[v_lane + 1] := NULL;
-                    CONTINUE;
-                END IF;
-                v_xr := v_xr || rec.r;
-                v_xfrom := v_xfrom || v_first;
-                v_next[v_lane + 1] := rec.r + @L;
-                v_first_at[v_lane + 1] := (rec.r + @L) << 16;
-                v_skip[v_lane + 1] := (rec.r + @L) << 16;
-                CONTINUE;
-            END IF;
-            v_took[v_lane + 1] := true;
+@E            IF rec.expires_at <= now() THEN
+@E                -- Expired (a push with a ttl): never delivered. Passed only at the head of its lane in
+@E                -- this pop (nothing taken from the lane yet), so that no lease range holds it; after a
+@E                -- row taken the lane stops here, and a later pop passes it.
+@E                IF v_took[v_lane + 1] THEN
+@E                    v_next[v_lane + 1] := NULL;
+@E                    CONTINUE;
+@E                END IF;
+@E                v_xr := v_xr || rec.r;
+@E                v_xfrom := v_xfrom || v_first;
+@E                v_next[v_lane + 1] := rec.r + @L;
+@E                v_first_at[v_lane + 1] := (rec.r + @L) << 16;
+@E                v_skip[v_lane + 1] := (rec.r + @L) << 16;
+@E                CONTINUE;
+@E            END IF;
+@E            v_took[v_lane + 1] := true;
             v_take := least(rec.n - v_first, v_left);
             v_rows := v_rows || rec.r;
             v_from := v_from || v_first;
@@ -2572,18 +2584,18 @@ BEGIN
     -- Expired rows passed: recorded (@Pexpire), and the lanes that passed only such rows logged past
     -- them (those that took rows too are logged below). When nothing else was taken, look again: the
     -- lanes are past them in this transaction, and the locks held stay held.
-    IF cardinality(v_xr) > 0 THEN
-        PERFORM {schema}.@Pexpire(v_xr, v_xfrom);
-        SELECT array_agg(l - 1 ORDER BY l), array_agg(v_skip[l] ORDER BY l) INTO v_xlanes, v_xat
-        FROM generate_series(1, @L) l WHERE v_skip[l] IS NOT NULL AND NOT v_took[l];
-        IF v_xlanes IS NOT NULL THEN
-            PERFORM {schema}.@Plog(v_xlanes, v_xat);
-        END IF;
-        IF cardinality(v_rows) = 0 THEN
-            RETURN QUERY SELECT * FROM {schema}.@Ptake(p_n, p_wait, p_lease, p_vt, p_consumer);
-            RETURN;
-        END IF;
-    END IF;
+@E    IF cardinality(v_xr) > 0 THEN
+@E        PERFORM {schema}.@Pexpire(v_xr, v_xfrom);
+@E        SELECT array_agg(l - 1 ORDER BY l), array_agg(v_skip[l] ORDER BY l) INTO v_xlanes, v_xat
+@E        FROM generate_series(1, @L) l WHERE v_skip[l] IS NOT NULL AND NOT v_took[l];
+@E        IF v_xlanes IS NOT NULL THEN
+@E            PERFORM {schema}.@Plog(v_xlanes, v_xat);
+@E        END IF;
+@E        IF cardinality(v_rows) = 0 THEN
+@E            RETURN QUERY SELECT * FROM {schema}.@Ptake(p_n, p_wait, p_lease, p_vt, p_consumer);
+@E            RETURN;
+@E        END IF;
+@E    END IF;
     IF cardinality(v_rows) = 0 THEN
         RETURN;
     END IF;
@@ -2751,7 +2763,9 @@ BEGIN
             WITH t AS (
                 SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
                        CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
-                FROM {schema}.@Pq0 t WHERE t.r = v_r AND NOT (@X AND coalesce(t.expires_at <= now(), false))),
+                FROM {schema}.@Pq0 t WHERE t.r = v_r
+@E                  AND NOT coalesce(t.expires_at <= now(), false)
+                ),
             w AS (INSERT INTO {schema}.@Ppos0 SELECT v_lane, t.next FROM t),
             e AS (INSERT INTO {schema}.@Pl0 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
                       array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
@@ -2761,7 +2775,9 @@ BEGIN
             WITH t AS (
                 SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
                        CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
-                FROM {schema}.@Pq1 t WHERE t.r = v_r AND NOT (@X AND coalesce(t.expires_at <= now(), false))),
+                FROM {schema}.@Pq1 t WHERE t.r = v_r
+@E                  AND NOT coalesce(t.expires_at <= now(), false)
+                ),
             w AS (INSERT INTO {schema}.@Ppos1 SELECT v_lane, t.next FROM t),
             e AS (INSERT INTO {schema}.@Pl1 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
                       array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
@@ -2771,7 +2787,9 @@ BEGIN
             WITH t AS (
                 SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
                        CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
-                FROM {schema}.@Pq2 t WHERE t.r = v_r AND NOT (@X AND coalesce(t.expires_at <= now(), false))),
+                FROM {schema}.@Pq2 t WHERE t.r = v_r
+@E                  AND NOT coalesce(t.expires_at <= now(), false)
+                ),
             w AS (INSERT INTO {schema}.@Ppos2 SELECT v_lane, t.next FROM t),
             e AS (INSERT INTO {schema}.@Pl2 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
                       array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
@@ -2781,7 +2799,9 @@ BEGIN
             WITH t AS (
                 SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
                        CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
-                FROM {schema}.@Pq3 t WHERE t.r = v_r AND NOT (@X AND coalesce(t.expires_at <= now(), false))),
+                FROM {schema}.@Pq3 t WHERE t.r = v_r
+@E                  AND NOT coalesce(t.expires_at <= now(), false)
+                ),
             w AS (INSERT INTO {schema}.@Ppos3 SELECT v_lane, t.next FROM t),
             e AS (INSERT INTO {schema}.@Pl3 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
                       array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
@@ -2930,17 +2950,17 @@ DECLARE
     v_del integer[] := ARRAY[]::integer[];
     v_row bigint := -1;
     v_ok boolean := false;
-    v_xids bigint[] := ARRAY[]::bigint[];
-    v_xvers integer[] := ARRAY[]::integer[];
-    v_xatt integer[] := ARRAY[]::integer[];
-    v_xdel integer[] := ARRAY[]::integer[];
-    v_drop boolean;
-    v_put bigint[];
+@E    v_xids bigint[] := ARRAY[]::bigint[];
+@E    v_xvers integer[] := ARRAY[]::integer[];
+@E    v_xatt integer[] := ARRAY[]::integer[];
+@E    v_xdel integer[] := ARRAY[]::integer[];
+@E    v_drop boolean;
+@E    v_put bigint[];
     rec record;
 BEGIN
     FOR rec IN
-        SELECT r.id, r.ver, r.attempts, r.deliveries,
-               CASE WHEN @X THEN (SELECT t.expires_at FROM {schema}.@Pq t WHERE t.r = r.id >> 16) END AS expires_at
+        SELECT r.id, r.ver, r.attempts, r.deliveries
+@E             , (SELECT t.expires_at FROM {schema}.@Pq t WHERE t.r = r.id >> 16) AS expires_at
         FROM {schema}.@Pr r
         WHERE r.state = 1 AND r.due_at <= now()
           AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver)
@@ -2951,33 +2971,33 @@ BEGIN
             v_ok := pg_try_advisory_xact_lock(@K4, hashint8(v_row));
         END IF;
         CONTINUE WHEN NOT v_ok;
-        IF rec.expires_at <= now() THEN  -- due again after its expiry: it expires instead
-            v_xids := v_xids || rec.id;
-            v_xvers := v_xvers || (rec.ver + 1);
-            v_xatt := v_xatt || rec.attempts;
-            v_xdel := v_xdel || rec.deliveries;
-            CONTINUE;
-        END IF;
+@E        IF rec.expires_at <= now() THEN  -- due again after its expiry: it expires instead
+@E            v_xids := v_xids || rec.id;
+@E            v_xvers := v_xvers || (rec.ver + 1);
+@E            v_xatt := v_xatt || rec.attempts;
+@E            v_xdel := v_xdel || rec.deliveries;
+@E            CONTINUE;
+@E        END IF;
         v_ids := v_ids || rec.id;
         v_vers := v_vers || (rec.ver + 1);
         v_att := v_att || (rec.attempts + 1);
         v_del := v_del || (rec.deliveries + 1);
         EXIT WHEN cardinality(v_ids) >= p_n;
     END LOOP;
-    IF cardinality(v_xids) > 0 THEN
-        -- finished (dropped) or failed, as on_expiry says; copied to ring_failed when failed
-        v_drop := {schema}.@Pdrops();
-        v_put := ARRAY(SELECT {schema}.@Pput(v_xids, v_xvers,
-            array_fill(CASE WHEN v_drop THEN 0 ELSE 3 END, ARRAY[cardinality(v_xids)]), v_xatt, v_xdel,
-            array_fill(now(), ARRAY[cardinality(v_xids)]), array_fill(NULL::text, ARRAY[cardinality(v_xids)]),
-            array_fill('expired'::text, ARRAY[cardinality(v_xids)])));
-        IF NOT v_drop AND cardinality(v_put) > 0 THEN
-            PERFORM {schema}.@Pfail(
-                ARRAY(SELECT u.id FROM unnest(v_xids, v_xatt) u(id, a) WHERE u.id = ANY (v_put) ORDER BY u.id),
-                ARRAY(SELECT u.a FROM unnest(v_xids, v_xatt) u(id, a) WHERE u.id = ANY (v_put) ORDER BY u.id),
-                array_fill('expired'::text, ARRAY[cardinality(v_put)]));
-        END IF;
-    END IF;
+@E    IF cardinality(v_xids) > 0 THEN
+@E        -- finished (dropped) or failed, as on_expiry says; copied to ring_failed when failed
+@E        v_drop := {schema}.@Pdrops();
+@E        v_put := ARRAY(SELECT {schema}.@Pput(v_xids, v_xvers,
+@E            array_fill(CASE WHEN v_drop THEN 0 ELSE 3 END, ARRAY[cardinality(v_xids)]), v_xatt, v_xdel,
+@E            array_fill(now(), ARRAY[cardinality(v_xids)]), array_fill(NULL::text, ARRAY[cardinality(v_xids)]),
+@E            array_fill('expired'::text, ARRAY[cardinality(v_xids)])));
+@E        IF NOT v_drop AND cardinality(v_put) > 0 THEN
+@E            PERFORM {schema}.@Pfail(
+@E                ARRAY(SELECT u.id FROM unnest(v_xids, v_xatt) u(id, a) WHERE u.id = ANY (v_put) ORDER BY u.id),
+@E                ARRAY(SELECT u.a FROM unnest(v_xids, v_xatt) u(id, a) WHERE u.id = ANY (v_put) ORDER BY u.id),
+@E                array_fill('expired'::text, ARRAY[cardinality(v_put)]));
+@E        END IF;
+@E    END IF;
     IF cardinality(v_ids) = 0 THEN
         RETURN;
     END IF;
@@ -3485,11 +3505,12 @@ CREATE OR REPLACE FUNCTION {schema}.ring_rows_create(p_queue_id integer, p_capac
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
     v_stmt text;
-    v_x boolean;
+    v_x text;
 BEGIN
     INSERT INTO {schema}.ring_rows (queue_id, capacity, lanes, seg_rows)
     VALUES (p_queue_id, p_capacity, p_lanes, p_capacity / 4);
-    v_x := coalesce((SELECT q.ttl_s IS NOT NULL FROM {schema}.queues q WHERE q.queue_id = p_queue_id), false);
+    -- @E starts the lines only a ring that expires (created with a ttl) has; a comment's start otherwise
+    v_x := CASE WHEN (SELECT q.ttl_s IS NOT NULL FROM {schema}.queues q WHERE q.queue_id = p_queue_id) THEN '' ELSE '--' END;
     FOREACH v_stmt IN ARRAY string_to_array({schema}.ring_rows_template(), '@;') LOOP
         EXECUTE replace(replace(replace(replace(replace(replace(replace(replace(replace(v_stmt,
             '@P', 'ring_' || p_queue_id || '_r'), '@L', p_lanes::text), '@S', (p_capacity / 4)::text),
@@ -3497,7 +3518,7 @@ BEGIN
             '@K2', hashtext('dbqueue.rows.lanes.{schema}.' || p_queue_id)::text),
             '@K3', hashtext('dbqueue.rows.posgen.{schema}.' || p_queue_id)::text),
             '@K4', hashtext('dbqueue.rows.retry.{schema}.' || p_queue_id)::text), '@Q', p_queue_id::text),
-            '@X', v_x::text);
+            '@E', v_x);
     END LOOP;
 END
 $$;
@@ -3632,10 +3653,6 @@ BEGIN
         v_at := ARRAY(SELECT (v_last + 1 + (k - (v_last + 1) % v_lanes + v_lanes) % v_lanes) << 16
                       FROM generate_series(0, v_lanes - 1) k ORDER BY k);
     END IF;
-    -- A ring made by an older build has no expiry column, which the group's pops read (always NULL there).
-    FOR k IN 0 .. 3 LOOP
-        EXECUTE format('ALTER TABLE {schema}.%I ADD COLUMN IF NOT EXISTS expires_at timestamptz', v_ring || 'q' || k);
-    END LOOP;
     FOREACH v_stmt IN ARRAY string_to_array({schema}.ring_rows_template(), '@;') LOOP
         CONTINUE WHEN regexp_replace(v_stmt, '^(\s|--[^\n]*\n)*', '') ~ ('^(CREATE (SEQUENCE|TABLE|VIEW|FUNCTION) '
             || '\S+\.@P(gen[0-3]|rows|q[0-3]?|pushx?|rotate|label|bs?|b(claim|get|set|open|purge|rows|extend)|leased)\M'
@@ -3646,7 +3663,7 @@ BEGIN
             '@K2', hashtext('dbqueue.rows.lanes.{schema}.' || v_gid)::text),
             '@K3', hashtext('dbqueue.rows.posgen.{schema}.' || v_gid)::text),
             '@K4', hashtext('dbqueue.rows.retry.{schema}.' || v_gid)::text), '@Q', v_gid::text),
-            '@X', coalesce((SELECT q.ttl_s IS NOT NULL FROM {schema}.queues q WHERE q.queue_id = p_queue_id), false)::text);
+            '@E', CASE WHEN (SELECT q.ttl_s IS NOT NULL FROM {schema}.queues q WHERE q.queue_id = p_queue_id) THEN '' ELSE '--' END);
     END LOOP;
     EXECUTE 'SELECT {schema}.' || v_own || 'log($1, $2)' USING ARRAY(SELECT generate_series(0, v_lanes - 1)), v_at;
     RETURN v_gid;
