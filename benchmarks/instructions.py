@@ -30,8 +30,9 @@ With ``--pop claim`` (and ``--semantics at-least-once``) a pop session claims ba
 messages instead (``claim_batch``), reads each by its receipts (``leased()``) and acks it whole
 (``ack_batch``): what a batch's cycle costs the server, on the reference's read and delete.
 
-With ``--feature`` the table design is also counted with one of the push options on every message,
-each in a queue of its own beside the default one, in the same server: ``ordering`` (a queue created
+With ``--feature`` the table design (and, for ``ttl``, a ring of the rows layout) is also counted with
+one of the push options on every message, each in a queue of its own beside the default one, in the
+same server: ``ordering`` (a queue created
 with ``ordering="per_key"``, every push naming one of ``--ordering-keys`` keys in turn, 1,000 unless
 told, a row for each count given), ``dedup`` (a deduplication key on every message, none seen before) and
 ``ttl`` (a queue created with a time to live, which every message then carries). Each such row names its
@@ -106,6 +107,8 @@ from airflow_dbqueue.engine.embedded import EmbeddedPostgres, free_port
 QUEUE = "instr_q"
 FEATURES = ("none", "ordering", "dedup", "ttl")
 """The table design's push options --feature counts, each on every message (see the docstring)."""
+RING_ROWS_FEATURES = ("none", "ttl")
+"""The push options a ring of the rows layout has, which --feature counts on it too."""
 ORDERING_KEYS = 1000
 """How many ordering keys the pushes of ``ordering`` name in turn unless --ordering-keys says."""
 QUEUE_OPTIONS: dict[str, dict[str, Any]] = {
@@ -582,7 +585,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             variants = [
                 (d, f, k)
                 for d in args.design
-                for f in (args.feature if d == "table" else ["none"])
+                for f in (
+                    args.feature
+                    if d == "table"
+                    else [f for f in args.feature if f in RING_ROWS_FEATURES]
+                    if d == RING_ROWS
+                    else ["none"]
+                )
                 for k in (args.ordering_keys if f == "ordering" else [None])
             ]
             for design, feature, keys in variants:
@@ -610,6 +619,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             payload_type="bytes",
                             max_payload_bytes=max(args.payload_bytes, 16),
                             notify="never",
+                            **QUEUE_OPTIONS[feature],
                         )
                     else:
                         dbq.create_queue(

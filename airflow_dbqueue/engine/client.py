@@ -197,24 +197,23 @@ def _wanted_settings(
     retry_backoff_max = check_seconds(f"queue {name!r}: retry_backoff_max", retry_backoff_max)
     dedup_window = check_seconds(f"queue {name!r}: dedup_window", dedup_window, positive=True)
     if ring and dedup_window != DEFAULT_DEDUP_WINDOW_S:
-        raise ConfigurationError(
+        raise NotSupportedError(
             f"queue {name!r}: dedup_window applies to table queues only (a ring has no deduplication "
-            "keys on push)"
+            "keys on push; docs/limits.md)"
         )
-    if ring and on_expiry != OnExpiry.FAIL:
-        raise ConfigurationError(
-            f"queue {name!r}: on_expiry={on_expiry!r} applies to table queues only (a ring has no expiry)"
+    expiring = ring_layout is RingLayout.ROWS
+    if ring and not expiring and (ttl is not None or on_expiry != OnExpiry.FAIL):
+        what = "ttl" if ttl is not None else f"on_expiry={on_expiry!r}"
+        raise NotSupportedError(
+            f"queue {name!r}: {what} applies to table queues and rings of the rows layout only (a ring "
+            "of the slots layout has no expiry; docs/limits.md)"
         )
     if ttl is not None:
-        if ring:
-            raise ConfigurationError(
-                f"queue {name!r}: ttl applies to table queues only (a ring has no expiry)"
-            )
         ttl = check_seconds(f"queue {name!r}: ttl", ttl, positive=True)
     if ring and ordering != Ordering.NONE:
-        raise ConfigurationError(
-            f"queue {name!r}: ordering={ordering!r} applies to table queues only (a ring is FIFO by id; "
-            "its lanes are dealt numbers, not keys)"
+        raise NotSupportedError(
+            f"queue {name!r}: ordering={ordering!r} applies to table queues only (a ring deals its pushes "
+            "to lanes by their number, not by a key; docs/limits.md)"
         )
     try:
         wanted = QueueSettings(
@@ -443,7 +442,8 @@ class DbQueue:
 
         ``dedup_window`` (seconds, default 300) is how long a push's ``dedup_key`` is remembered: a
         second push of the key within it pushes nothing and returns the first push's id (table design;
-        see :meth:`Queue.push`). ``ttl`` (seconds, table design, default none) is how long a message may
+        see :meth:`Queue.push`). ``ttl`` (seconds, table design and a ring of the rows layout, default
+        none) is how long a message may
         wait to be popped unless its push names another: a message not popped by then is never
         delivered, and goes to the failed state with ``last_error`` ``"expired"``
         (``on_expiry="fail"``, the default) or is dropped (``on_expiry="drop"``). ``ordering="per_key"``

@@ -186,9 +186,10 @@ class Queue(abc.ABC):
             this queue committed within the queue's ``dedup_window``, nothing is pushed and that
             push's id is returned, also when the two pushes race in separate transactions (the later
             one waits for the earlier one's transaction; if that rolled back, the later one pushes).
-        :param ttl: seconds the message may wait to be popped, from now (table design; default: the
-            queue's ``ttl``); a message not popped by then is never delivered, and goes as the queue's
-            ``on_expiry`` says (failed with ``last_error`` ``"expired"``, or dropped).
+        :param ttl: seconds the message may wait to be popped, from now (table design and a ring of the
+            rows layout; default: the queue's ``ttl``); a message not popped by then is never
+            delivered, and goes as the queue's ``on_expiry`` says (failed with ``last_error``
+            ``"expired"``, or dropped).
         :param key: the message's ordering key, on a queue created with ``ordering="per_key"``: no pop
             or claim hands it out while a message of the same key pushed before it is ready, delayed
             or in flight, so a key's messages are processed one at a time, in push order.

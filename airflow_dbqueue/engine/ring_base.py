@@ -136,17 +136,18 @@ def check_ring_push(
     dedup_keys: Sequence[str] | None,
     ttl: float | None,
     keys: Sequence[str | None] | None,
+    expiry: bool = False,
 ) -> None:
     """Refuse, before anything is sent, what a push into a ring of either layout cannot do: the table
-    design's push options (deduplication keys, expiry, ordering keys), priorities and delays."""
-    if dedup_keys is not None or ttl is not None or keys is not None:
-        what = (
-            "deduplication keys on push are"
-            if dedup_keys is not None
-            else "expiry (ttl) is"
-            if ttl is not None
-            else "ordering per key is"
+    design's push options (deduplication keys, ordering keys, and expiry unless ``expiry``: the rows
+    layout's), priorities and delays."""
+    if ttl is not None and not expiry:
+        raise NotSupportedError(
+            f"queue {name!r} is a ring of the slots layout: expiry (ttl) is the table design's and the "
+            "rows layout's (docs/limits.md)"
         )
+    if dedup_keys is not None or keys is not None:
+        what = "deduplication keys on push are" if dedup_keys is not None else "ordering per key is"
         raise NotSupportedError(
             f"queue {name!r} is a ring: {what} the table design's (docs/limits.md); use a "
             "table-design queue for it"

@@ -50,6 +50,16 @@ held receipts' messages. Every consumer group has them.
 
 Per-queue grants: the ring's own objects (and its groups') go to the roles that hold an action on it,
 each action what it needs (``dialects/postgres/grants.py``); its registry row has row-level security.
+
+Expiry (a ring created with a ``ttl``): a push's row carries its expiry (the ring's ``rpushx``; a push
+without one runs ``rpush``). A pop passes an expired row at the head of a lane, before it takes anything
+from that lane (so no lease's range holds it), logs the lane past it and copies its messages to
+``ring_failed`` with ``last_error`` ``"expired"``, or drops them (``on_expiry="drop"``); a message due
+again after its expiry gets a failed (or finished) retry row instead of a delivery. Only inserts; a ring
+made without a ``ttl`` has the checks folded out of its functions.
+
+Not built on any ring, refused with :class:`NotSupportedError`: ordering keys and deduplication keys
+(docs/concepts.md says why).
 """
 
 from __future__ import annotations
@@ -78,7 +88,7 @@ from airflow_dbqueue.engine.models import (
     Semantics,
     messages_from_columns,
 )
-from airflow_dbqueue.engine.queue import COUNT_CAP, RECLAIM_LIMIT
+from airflow_dbqueue.engine.queue import COUNT_CAP, RECLAIM_LIMIT, check_seconds
 from airflow_dbqueue.engine.ring_base import (
     _NOTIFY_CODE,
     _SETTLE_ACK,
@@ -118,6 +128,7 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         # The ring's own functions, which the hot path calls by name (queries/ring.sql): the push is the
         # ring's, the pops and acks its group's.
         self._push_fn = {"fn": f"ring_{settings.queue_id}_rpush"}
+        self._pushx_fn = {"fn": f"ring_{settings.queue_id}_rpushx"}
         own = self._own()
         self._take_fn = {"fn": own + "take"}
         self._take1_fn = {"fn": own + "take1"}
@@ -152,7 +163,18 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         keys: Sequence[str | None] | None = None,
     ) -> list[int]:
         items = list(payloads)
-        check_ring_push(self.name, priority=priority, delay=delay, dedup_keys=dedup_keys, ttl=ttl, keys=keys)
+        check_ring_push(
+            self.name, priority=priority, delay=delay, dedup_keys=dedup_keys, ttl=ttl, keys=keys, expiry=True
+        )
+        if ttl is None:
+            ttl = self.settings.ttl_s
+        else:
+            if self.settings.ttl_s is None:
+                raise ConfigurationError(
+                    f"queue {self.name!r}: a message's ttl needs a queue created with a ttl (its default), "
+                    "whose pops check expiry"
+                )
+            ttl = check_seconds(f"queue {self.name!r}: ttl", ttl, positive=True)
         if not items:
             return []
         if len(items) > ROWS_MAX_BATCH:
@@ -162,14 +184,15 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             )
         encoded = self.settings.encode_all(items)
         try:
-            first = self._push_rows(encoded, conn)
+            first = self._push_rows(encoded, conn, ttl)
         except (DatabaseError, SchemaError):
             self._raise_if_gone()
             raise
         return list(range(first, first + len(encoded)))
 
-    def _push_rows(self, encoded: list[bytes], conn: DbConnection | None) -> int:
-        """Push encoded payloads as one row; return the first id. When the row's segment still holds an
+    def _push_rows(self, encoded: list[bytes], conn: DbConnection | None, ttl: float | None = None) -> int:
+        """Push encoded payloads as one row, expiring ``ttl`` seconds from now when given (the ring's
+        ``rpushx``; without, its ``rpush``); return the first id. When the row's segment still holds an
         older generation, rotate it in (a transaction of its own) and push again; while some lane still
         needs it, wait with backoff up to ``push_timeout``, then raise :class:`QueueFullError`."""
         params = {
@@ -178,10 +201,14 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             "notify": _NOTIFY_CODE[self.settings.notify],
             "channel": self._channel,
         }
+        query, fn = "ring_rows_push", self._push_fn
+        if ttl is not None:
+            params["ttl"] = ttl
+            query, fn = "ring_rows_push_ttl", self._pushx_fn
         deadline: float | None = None
         pause = 0.001
         while True:
-            row = self._db.fetchone("ring_rows_push", params, conn, identifiers=self._push_fn)
+            row = self._db.fetchone(query, params, conn, identifiers=fn)
             if row is None:
                 raise QueueNotFoundError(self.name, self._db.schema)
             first, need = row

@@ -117,8 +117,15 @@ def test_a_ring_refuses_keys(dbq: DbQueue) -> None:
     with pytest.raises(NotSupportedError, match="ring: deduplication keys"):
         r.push_batch(["x"], dedup_keys=["k"])
     # a window of its own would be a setting that does nothing: refused, and no ring created
-    with pytest.raises(ConfigurationError, match="dedup_window applies to table queues only"):
+    with pytest.raises(NotSupportedError, match="dedup_window applies to table queues only"):
         dbq.create_queue("r2", design="ring", capacity=16, dedup_window=60)
+    rows = dbq.create_queue("rows", design="ring", capacity=16, lanes=2, layout="rows")
+    with pytest.raises(NotSupportedError, match="ring: deduplication keys"):
+        rows.push_batch(["x"], dedup_keys=["k"])
+    with pytest.raises(NotSupportedError, match="dedup_window applies to table queues only"):
+        dbq.create_queue("r3", design="ring", capacity=16, lanes=2, layout="rows", dedup_window=60)
+    assert rows.stats().ready == 0
+    dbq.drop_queue("rows")
     assert r.stats().ready == 0 and {s.name for s in dbq.list_queues()} == {"r"}
 
 

@@ -7,14 +7,15 @@ Every test counts what went in and what came out, and compares checksums of the 
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from airflow_dbqueue.engine.errors import ConfigurationError, NotSupportedError
+from airflow_dbqueue.engine.errors import ConfigurationError, LeaseExpiredError, NotSupportedError
 from airflow_dbqueue.engine.models import OnExpiry
-from tests.dialects import run_sql
+from tests.dialects import expire_leases, run_sql
 from tests.helpers import checksum, drained
 
 if TYPE_CHECKING:
@@ -140,12 +141,12 @@ def test_bad_ttls_raise_at_once_and_push_nothing(dbq: DbQueue) -> None:
     for bad in ({"ttl": 0}, {"on_expiry": "later"}):
         with pytest.raises(ConfigurationError):
             dbq.create_queue("w", **bad)  # type: ignore[arg-type]
-    with pytest.raises(ConfigurationError, match="ttl applies to table queues only"):
+    with pytest.raises(NotSupportedError, match="ttl applies to table queues and rings of the rows layout"):
         dbq.create_queue("w", design="ring", ttl=10)
-    with pytest.raises(ConfigurationError, match="on_expiry='drop' applies to table queues only"):
-        dbq.create_queue("w", design="ring", on_expiry="drop")
+    with pytest.raises(NotSupportedError, match="on_expiry='drop' applies to table queues and rings"):
+        dbq.create_queue("w", design="ring", on_expiry="drop", layout="slots")
     r = dbq.create_queue("r", design="ring", capacity=16)
-    with pytest.raises(NotSupportedError, match="ttl"):
+    with pytest.raises(NotSupportedError, match="slots layout: expiry"):
         r.push("x", ttl=10)
     assert q.stats().ready == 0 and r.stats().ready == 0 and plain.stats().ready == 0
     assert "w" not in {s.name for s in dbq.list_queues()}
@@ -160,3 +161,198 @@ def test_ttl_and_dedup_keys_together(dbq: DbQueue) -> None:
     assert q.pop(10) == []  # not delivered; this pop's own sweep (a queue with a ttl) moved it to failed
     assert q.maintain()["expired"] == 0
     assert [(f.payload, f.last_error) for f in q.list_failed()] == [("a", "expired")]
+
+
+# -- the ring's rows layout: expiry decided at pop time, recorded as a row ---------------------------
+
+
+def _age_rows(dbq: DbQueue, q: Queue, ids: list[int], left: float, conn: Any = None) -> None:
+    """Set the expiry of the rows holding ``ids`` relative to the server's clock (a test's own write:
+    the engine itself never updates a row of the ring)."""
+    rows = sorted({i >> 16 for i in ids})
+    for k in range(4):
+        run_sql(
+            dbq,
+            f"UPDATE {{schema}}.ring_{q.settings.queue_id}_rq{k} SET expires_at = now() + "
+            "make_interval(secs => %(left)s) WHERE r = ANY (%(rows)s)",
+            {"left": left, "rows": rows},
+            conn,
+        )
+
+
+def rows_ring(dbq: DbQueue, name: str, **kw: Any) -> Queue:
+    kw.setdefault("ttl", 3600)
+    return dbq.create_queue(name, design="ring", layout="rows", capacity=64, lanes=2, **kw)
+
+
+@pytest.mark.parametrize("semantics", ["at-most-once", "at-least-once", "exactly-once"])
+@pytest.mark.parametrize("one", [True, False])
+def test_a_rows_ring_never_hands_out_an_expired_message(dbq: DbQueue, semantics: str, one: bool) -> None:
+    """Pops of one and of many, each semantics: an expired push is passed and recorded as failed with
+    last_error "expired" (listed, counted), the others delivered in order; nothing is lost."""
+    q = rows_ring(dbq, "r")
+    batches = [q.push_batch([f"p{b}.{i}" for i in range(3)]) for b in range(6)]
+    doomed = batches[0] + batches[3] + batches[4]
+    _age_rows(dbq, q, doomed, -1.0)
+    out: list[Any] = []
+    while True:
+        if semantics == "exactly-once":
+            with dbq.transaction() as conn:
+                got = q.pop(1 if one else 4, semantics="exactly-once", conn=conn)
+        else:
+            got = q.pop(1 if one else 4, semantics=semantics)
+            if semantics == "at-least-once" and got:
+                assert q.ack(got) == len(got)
+        if not got:
+            break
+        out += got
+    assert not set(m.id for m in out) & set(doomed)
+    kept = [i for b in (1, 2, 5) for i in batches[b]]
+    assert sorted(m.id for m in out) == kept
+    assert checksum(m.payload for m in out) == checksum(f"p{b}.{i}" for b in (1, 2, 5) for i in range(3))
+    failed = q.list_failed()
+    assert sorted(f.id for f in failed) == sorted(doomed)
+    assert {f.last_error for f in failed} == {"expired"}
+    assert checksum(f.payload for f in failed) == checksum(f"p{b}.{i}" for b in (0, 3, 4) for i in range(3))
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.failed) == (0, 0, 9)
+    assert q.requeue_failed() == 9  # deliverable again, without a ttl
+    again = drain(q)
+    assert checksum(again) == checksum(f"p{b}.{i}" for b in (0, 3, 4) for i in range(3))
+
+
+def test_the_boundary_on_a_rows_ring(dbq: DbQueue) -> None:
+    """One now() for the pop and the expiries: a push with a microsecond left is popped, one at its
+    expiry is not. Each push is a row, so its messages expire together."""
+    q = rows_ring(dbq, "r")
+    a = q.push_batch(["a0", "a1"])
+    b = q.push_batch(["b0"])
+    with dbq.transaction() as conn:
+        _age_rows(dbq, q, a, 0.000001, conn)
+        _age_rows(dbq, q, b, 0.0, conn)
+        got = q.pop(10, semantics="exactly-once", conn=conn)
+    assert [m.payload for m in got] == ["a0", "a1"]
+    assert [(f.id, f.payload, f.last_error) for f in q.list_failed()] == [(b[0], "b0", "expired")]
+
+
+def test_a_short_ttl_on_a_rows_ring_passes_in_real_time(dbq: DbQueue) -> None:
+    """A push's own ttl (the queue's is its default) in real time, a part of a row already taken before
+    it expired: only the rest of that row expires. A leased message is its consumer's; nacked after its
+    time to live, it is not delivered again but expires, as on the table design."""
+    q = rows_ring(dbq, "r", ttl=60, retry_backoff=0)
+    kept = q.push_batch([f"k{i}" for i in range(5)])
+    short = q.push_batch([f"s{i}" for i in range(6)], ttl=0.3)
+    first = q.pop(7, semantics="at-least-once")  # k0..k4, s0, s1
+    assert [m.payload for m in first] == [*(f"k{i}" for i in range(5)), "s0", "s1"]
+    time.sleep(0.5)
+    assert q.pop(10) == []
+    assert sorted(f.id for f in q.list_failed()) == short[2:]
+    assert q.nack(first[5:6], delay=0) == 1  # leased before its expiry, nacked after it
+    assert q.ack(first[:5]) == 5 and kept == [m.id for m in first[:5]]
+    assert drain(q) == []
+    failed = q.list_failed()
+    assert sorted(f.id for f in failed) == [short[0], *short[2:]]
+    assert {f.last_error for f in failed} == {"expired"}
+    assert checksum(f.payload for f in failed) == checksum(["s0", *(f"s{i}" for i in range(2, 6))])
+    assert q.ack(first[6:]) == 1  # still its consumer's: the ack closes it
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.failed) == (0, 0, 5)
+
+
+def test_on_expiry_drop_on_a_rows_ring(dbq: DbQueue) -> None:
+    q = rows_ring(dbq, "r", on_expiry="drop", retry_backoff=0)
+    ids = q.push_batch(["x0", "x1"])
+    gone = q.push_batch(["y0", "y1", "y2"])
+    [m] = q.pop(1, semantics="at-least-once")
+    _age_rows(dbq, q, [*ids, *gone], -1.0)
+    assert q.nack([m], delay=0) == 1  # due again after its expiry: dropped too
+    assert drain(q) == [] and m.payload == "x0"
+    st = q.stats()
+    assert q.list_failed() == [] and (st.failed, st.ready, st.in_flight) == (0, 0, 0)
+
+
+def test_a_rows_ring_with_groups_expires_for_each_group(dbq: DbQueue) -> None:
+    """Each consumer group passes an expired push on its own pops and records it as its failed one."""
+    q = rows_ring(dbq, "r")
+    g = q.add_group("audit", start="earliest")  # type: ignore[attr-defined]
+    ok = q.push_batch(["a", "b"])
+    doomed = q.push_batch(["c"])
+    _age_rows(dbq, q, doomed, -1.0)
+    assert checksum(drain(q)) == checksum(["a", "b"])
+    assert checksum(drain(g)) == checksum(["a", "b"])
+    assert [f.id for f in q.list_failed()] == doomed == [f.id for f in g.list_failed()]
+    assert len(ok) == 2
+
+
+def test_bad_ttls_on_a_rows_ring_raise_at_once_and_push_nothing(dbq: DbQueue) -> None:
+    plain = dbq.create_queue("plain", design="ring", layout="rows", capacity=64, lanes=2)
+    with pytest.raises(ConfigurationError, match="queue created with a ttl"):
+        plain.push("x", ttl=10)
+    q = rows_ring(dbq, "r")
+    for ttl in (0, -1, float("inf"), "soon"):
+        with pytest.raises(ConfigurationError, match="ttl"):
+            q.push("x", ttl=ttl)  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError):
+        rows_ring(dbq, "w", ttl=0)
+    assert q.stats().ready == 0 and plain.stats().ready == 0
+    assert "w" not in {s.name for s in dbq.list_queues()}
+
+
+def test_concurrent_pops_of_a_rows_ring_pass_expired_pushes_once(dbq: DbQueue) -> None:
+    """Four consumers (pops of one and of three, at least once) drain a rows ring whose every other push
+    expired: each live message is delivered once, each expired one recorded once, none lost."""
+    q = rows_ring(dbq, "r", ttl=60)
+    live: list[str] = []
+    doomed: list[str] = []
+    for b in range(60):
+        payloads = [f"m{b}.{i}" for i in range(1 + b % 3)]
+        if b % 2:
+            q.push_batch(payloads, ttl=0.2)
+            doomed += payloads
+        else:
+            q.push_batch(payloads)
+            live += payloads
+    time.sleep(0.4)
+    got: list[list[Any]] = [[] for _ in range(4)]
+
+    def consume(k: int) -> None:
+        h = dbq.queue("r")
+        while batch := h.pop(1 if k % 2 else 3, semantics="at-least-once"):
+            assert h.ack(batch) == len(batch)
+            got[k] += [m.payload for m in batch]
+
+    threads = [threading.Thread(target=consume, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    out = [p for g in got for p in g]
+    assert len(out) == len(live) and checksum(out) == checksum(live)
+    failed = q.list_failed(limit=1000)
+    assert len(failed) == len(doomed) and checksum(f.payload for f in failed) == checksum(doomed)
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.failed) == (0, 0, len(doomed))
+
+
+def test_batches_and_reclaimed_leases_of_a_rows_ring_expire(dbq: DbQueue) -> None:
+    """A claim passes expired pushes as a pop does; a lease reclaimed after its messages' expiry is not
+    delivered again, its messages expire."""
+    q = rows_ring(dbq, "r", retry_backoff=0)
+    held = q.push_batch(["h0", "h1"])
+    [m0, m1] = q.pop(2, semantics="at-least-once")
+    doomed = q.push_batch(["d0", "d1"])
+    live = q.push_batch(["l0", "l1", "l2"])
+    _age_rows(dbq, q, [*held, *doomed], -1.0)
+    batch = q.claim_batch(100)
+    assert batch is not None and [i for i, _ in batch.receipts] == live
+    expire_leases(dbq, held, q)
+    assert q.reclaim_expired() == 2
+    assert q.pop(10, semantics="at-least-once") == []
+    assert q.ack_batch(batch.batch_id) == 3
+    failed = q.list_failed()
+    assert sorted(f.id for f in failed) == sorted([*held, *doomed])
+    assert checksum(f.payload for f in failed) == checksum(["h0", "h1", "d0", "d1"])
+    with pytest.raises(LeaseExpiredError):
+        q.ack([m0, m1])
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.failed) == (0, 0, 4)

@@ -122,8 +122,9 @@ def test_keys_need_a_queue_ordered_per_key(dbq: DbQueue) -> None:
     q = dbq.create_queue("plain")
     with pytest.raises(ConfigurationError, match="ordering='per_key'"):
         q.push("x", key="k")
-    with pytest.raises(ConfigurationError, match="table queues only"):
-        dbq.create_queue("r", design="ring", ordering="per_key")
+    for layout in ("slots", "rows"):
+        with pytest.raises(NotSupportedError, match=r"table queues only \(a ring deals its pushes to lanes"):
+            dbq.create_queue("r", design="ring", capacity=16, lanes=2, layout=layout, ordering="per_key")
     with pytest.raises(ConfigurationError):
         dbq.create_queue("bad", ordering="per_customer")
     o = dbq.create_queue("o", ordering="per_key")
@@ -131,8 +132,12 @@ def test_keys_need_a_queue_ordered_per_key(dbq: DbQueue) -> None:
         with pytest.raises(ConfigurationError, match="key"):
             o.push_batch(["x", "y"], keys=keys)  # type: ignore[arg-type]
     ring = dbq.create_queue("ring", design="ring", capacity=16)
-    with pytest.raises(NotSupportedError, match="ordering per key"):
-        ring.push("x", key="k")
+    rows = dbq.create_queue("rows", design="ring", capacity=16, lanes=2, layout="rows")
+    for r in (ring, rows):
+        with pytest.raises(NotSupportedError, match="ordering per key"):
+            r.push("x", key="k")
+        assert r.stats().ready == 0
+    dbq.drop_queue("rows")
     assert q.stats().ready == 0 and o.stats().ready == 0 and ring.stats().ready == 0
     assert {s.name for s in dbq.list_queues()} == {"plain", "o", "ring"}
 

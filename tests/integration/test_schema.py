@@ -421,6 +421,7 @@ def _identifiers(body: str) -> dict[str, str]:
 # ring's prefix (ring_<queue_id>_r).
 _RING_ROWS_FUNCTIONS = {
     "ring_rows_push": "push",
+    "ring_rows_push_ttl": "pushx",
     "ring_rows_take": "take",
     "ring_rows_pop_payloads": "take",
     "ring_rows_take_one": "take1",

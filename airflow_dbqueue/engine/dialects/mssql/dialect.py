@@ -112,6 +112,7 @@ POSTGRES_ONLY: dict[str, str] = {
             "ring_rows_create",
             "ring_rows_drop_all",
             "ring_rows_push",
+            "ring_rows_push_ttl",
             "ring_rows_take",
             "ring_rows_pop_payloads",
             "ring_rows_take_one",

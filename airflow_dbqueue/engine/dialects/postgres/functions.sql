@@ -2013,6 +2013,13 @@ $$;
 -- lock_timeout, in a transaction of its own) once every lane is past it, labels it, and pushes again.
 -- Nothing on the hot path or in a rotation updates or deletes a row.
 --
+-- Expiry (a ring created with a ttl): a push with a ttl writes its row's expires_at (@Ppushx); a pop
+-- passes an expired row at the head of a lane and records its messages (@Pexpire), and a message due
+-- again after its expiry gets a failed or finished retry row instead of a delivery (@Pagain). The lines
+-- of the template that only such a ring has begin with @E, which making a ring's objects replaces with
+-- nothing, or with a comment's start for a ring without a ttl: its column and statements are then
+-- those of a ring that has no expiry at all.
+--
 -- At least once: a pop inserts a lease row (rl_k, the segment of its first message: its first and last
 -- ids, each moved lane's taken range [start, end), its end), and an ack of that whole pop a done row
 -- naming it (rd_k, keyed by the lease, so it is closed once). An open lease is one without a done row.
@@ -2046,7 +2053,9 @@ CREATE SEQUENCE {schema}.@Pposgen AS bigint MINVALUE 0 START 0 CACHE 1
 CREATE SEQUENCE {schema}.@Pretrygen AS bigint MINVALUE 0 START 0 CACHE 1
 @;
 CREATE TABLE {schema}.@Pq0 (r bigint NOT NULL, n integer NOT NULL, enqueued_at timestamptz NOT NULL,
-    payloads bytea[] NOT NULL, CONSTRAINT @Pq0_pkey PRIMARY KEY (r))
+    payloads bytea[] NOT NULL,
+@E    expires_at timestamptz,
+    CONSTRAINT @Pq0_pkey PRIMARY KEY (r))
 @;
 CREATE TABLE {schema}.@Pq1 (LIKE {schema}.@Pq0 INCLUDING ALL)
 @;
@@ -2259,6 +2268,48 @@ BEGIN
 END
 $b$
 @;
+-- @Ppush for a push with a time to live (a ring created with a ttl): its row carries its expiry,
+-- now() + p_ttl seconds, which the pops compare (@Ptake). A function of its own, so that a push without
+-- one runs @Ppush as before.
+CREATE FUNCTION {schema}.@Ppushx(p_payloads bytea[], p_notify integer, p_channel text, p_ttl double precision,
+    OUT r_first bigint, OUT r_need bigint) LANGUAGE plpgsql AS $b$
+DECLARE
+    v_r bigint;
+    v_k integer;
+    v_ok boolean;
+BEGIN
+    v_ok := pg_current_xact_id() IS NOT NULL;
+    v_ok := pg_advisory_lock(@K1, 0) IS NULL;
+    v_r := coalesce(pg_sequence_last_value('{schema}.@Prows'), -1) + 1;
+    v_k := (v_r / @S % 4)::integer;
+    IF {schema}.@Pseg_gen(v_k) <> v_r / @S THEN
+        v_ok := pg_advisory_unlock(@K1, 0);
+        r_need := v_r / @S;
+        RETURN;
+    END IF;
+    v_r := nextval('{schema}.@Prows');
+    v_ok := pg_advisory_unlock(@K1, 0);
+    IF v_k = 0 THEN
+        INSERT INTO {schema}.@Pq0 VALUES (v_r, cardinality(p_payloads), now(), p_payloads, now() + make_interval(secs => p_ttl));
+    ELSIF v_k = 1 THEN
+        INSERT INTO {schema}.@Pq1 VALUES (v_r, cardinality(p_payloads), now(), p_payloads, now() + make_interval(secs => p_ttl));
+    ELSIF v_k = 2 THEN
+        INSERT INTO {schema}.@Pq2 VALUES (v_r, cardinality(p_payloads), now(), p_payloads, now() + make_interval(secs => p_ttl));
+    ELSE
+        INSERT INTO {schema}.@Pq3 VALUES (v_r, cardinality(p_payloads), now(), p_payloads, now() + make_interval(secs => p_ttl));
+    END IF;
+    r_first := v_r << 16;
+    -- auto: when no lane of the default group, or of another group, still needs a row before ours (its
+    -- consumers caught up: they may be waiting). The other groups are read only when the default one
+    -- is behind; never: one comparison.
+    IF p_notify > 0 THEN
+        IF p_notify = 2 OR {schema}.@Pfloor() >= v_r OR {schema}.ring_rows_caught_up(@Q, v_r) THEN
+            PERFORM pg_notify(p_channel, '');
+        END IF;
+    END IF;
+END
+$b$
+@;
 -- Empty the segment that generation p_gen needs (holding p_gen - 4), in a transaction of its own, once
 -- every lane is past it by a lane's width of rows (so that every lane's newest log entry lies in a later
 -- segment): true when it is empty or p_gen's already, false while a lane still needs it or when its lock
@@ -2353,6 +2404,28 @@ BEGIN
 END
 $b$
 @;
+-- Whether the ring's expired messages are dropped (on_expiry 'drop') rather than failed.
+CREATE FUNCTION {schema}.@Pdrops() RETURNS boolean LANGUAGE sql AS $b$
+    SELECT coalesce((SELECT q.on_expiry = 'drop' FROM {schema}.queues q WHERE q.queue_id = coalesce(
+        (SELECT g.queue_id FROM {schema}.ring_groups g WHERE g.gid = @Q), @Q)), false)
+$b$
+@;
+-- Record expired messages of rows p_rows, each from its place p_from on (@Ptake passed them): copied
+-- with their payload to ring_failed, last_error 'expired', unless the ring's on_expiry is 'drop'.
+CREATE FUNCTION {schema}.@Pexpire(p_rows bigint[], p_from integer[]) RETURNS void LANGUAGE plpgsql AS $b$
+BEGIN
+    IF {schema}.@Pdrops() THEN
+        RETURN;
+    END IF;
+    INSERT INTO {schema}.ring_failed (queue_id, id, attempts, enqueued_at, last_error, payload)
+    SELECT @Q, (t.r << 16) | (p.o - 1), 0, t.enqueued_at, 'expired', p.p
+    FROM unnest(p_rows, p_from) u(r, f) JOIN {schema}.@Pq t ON t.r = u.r
+    CROSS JOIN LATERAL unnest(t.payloads) WITH ORDINALITY p(p, o)
+    WHERE p.o > u.f
+    ON CONFLICT DO NOTHING;
+END
+$b$
+@;
 -- Pop up to p_n messages in the caller's transaction: at least once (p_lease: one lease row until
 -- now + p_vt), or at most once (exactly once in the caller's transaction). Messages due again first
 -- (@Pagain), then the lanes'. Lanes with a row to take are locked lowest position first (try-locks:
@@ -2399,6 +2472,12 @@ DECLARE
     v_k integer;
     v_gen bigint;
     v_cur refcursor;
+@E    v_took boolean[] := array_fill(false, ARRAY[@L]);
+@E    v_skip bigint[] := array_fill(NULL::bigint, ARRAY[@L]);
+@E    v_xr bigint[] := ARRAY[]::bigint[];
+@E    v_xfrom integer[] := ARRAY[]::integer[];
+@E    v_xlanes integer[];
+@E    v_xat bigint[];
 BEGIN
     IF v_last IS NULL THEN  -- nothing pushed yet
         RETURN;
@@ -2445,13 +2524,21 @@ BEGIN
     FOR part IN 1 .. 2 LOOP
         v_k := (v_gen % 4)::integer;
         IF v_k = 0 THEN
-            OPEN v_cur FOR SELECT t.r, t.n FROM {schema}.@Pq0 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
+            OPEN v_cur FOR SELECT t.r, t.n
+@E                , t.expires_at
+                FROM {schema}.@Pq0 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
         ELSIF v_k = 1 THEN
-            OPEN v_cur FOR SELECT t.r, t.n FROM {schema}.@Pq1 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
+            OPEN v_cur FOR SELECT t.r, t.n
+@E                , t.expires_at
+                FROM {schema}.@Pq1 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
         ELSIF v_k = 2 THEN
-            OPEN v_cur FOR SELECT t.r, t.n FROM {schema}.@Pq2 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
+            OPEN v_cur FOR SELECT t.r, t.n
+@E                , t.expires_at
+                FROM {schema}.@Pq2 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
         ELSE
-            OPEN v_cur FOR SELECT t.r, t.n FROM {schema}.@Pq3 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
+            OPEN v_cur FOR SELECT t.r, t.n
+@E                , t.expires_at
+                FROM {schema}.@Pq3 t WHERE t.r >= v_lo AND t.r < (v_gen + 1) * @S AND (t.r % @L)::integer = ANY (v_locked) ORDER BY t.r;
         END IF;
         LOOP
             FETCH v_cur INTO rec;
@@ -2464,6 +2551,22 @@ BEGIN
             END IF;
             v_first := CASE WHEN (v_first_at[v_lane + 1] >> 16) = rec.r
                             THEN (v_first_at[v_lane + 1] & 65535)::integer ELSE 0 END;
+@E            IF rec.expires_at <= now() THEN
+@E                -- Expired (a push with a ttl): never delivered. Passed only at the head of its lane in
+@E                -- this pop (nothing taken from the lane yet), so that no lease range holds it; after a
+@E                -- row taken the lane stops here, and a later pop passes it.
+@E                IF v_took[v_lane + 1] THEN
+@E                    v_next[v_lane + 1] := NULL;
+@E                    CONTINUE;
+@E                END IF;
+@E                v_xr := v_xr || rec.r;
+@E                v_xfrom := v_xfrom || v_first;
+@E                v_next[v_lane + 1] := rec.r + @L;
+@E                v_first_at[v_lane + 1] := (rec.r + @L) << 16;
+@E                v_skip[v_lane + 1] := (rec.r + @L) << 16;
+@E                CONTINUE;
+@E            END IF;
+@E            v_took[v_lane + 1] := true;
             v_take := least(rec.n - v_first, v_left);
             v_rows := v_rows || rec.r;
             v_from := v_from || v_first;
@@ -2478,6 +2581,21 @@ BEGIN
         v_gen := v_gen + 1;
         v_lo := v_gen * @S;
     END LOOP;
+    -- Expired rows passed: recorded (@Pexpire), and the lanes that passed only such rows logged past
+    -- them (those that took rows too are logged below). When nothing else was taken, look again: the
+    -- lanes are past them in this transaction, and the locks held stay held.
+@E    IF cardinality(v_xr) > 0 THEN
+@E        PERFORM {schema}.@Pexpire(v_xr, v_xfrom);
+@E        SELECT array_agg(l - 1 ORDER BY l), array_agg(v_skip[l] ORDER BY l) INTO v_xlanes, v_xat
+@E        FROM generate_series(1, @L) l WHERE v_skip[l] IS NOT NULL AND NOT v_took[l];
+@E        IF v_xlanes IS NOT NULL THEN
+@E            PERFORM {schema}.@Plog(v_xlanes, v_xat);
+@E        END IF;
+@E        IF cardinality(v_rows) = 0 THEN
+@E            RETURN QUERY SELECT * FROM {schema}.@Ptake(p_n, p_wait, p_lease, p_vt, p_consumer);
+@E            RETURN;
+@E        END IF;
+@E    END IF;
     IF cardinality(v_rows) = 0 THEN
         RETURN;
     END IF;
@@ -2545,7 +2663,8 @@ $b$
 -- lane range, as @Ptake writes it) in one statement on the segment of that message. It hands the pop
 -- over to @Ptake (which may wait for a held lane) when messages to deliver again may be due (those come
 -- first), when no such lane could be locked, and when the locked lane's row at its position is not
--- written after all (a pop moved it meanwhile; @Ptake takes the lane again, a lock this transaction holds).
+-- written after all (a pop moved it meanwhile; @Ptake takes the lane again, a lock this transaction holds),
+-- or has expired (@Ptake passes and records it).
 CREATE FUNCTION {schema}.@Ptake1(p_wait boolean, p_lease boolean, p_vt double precision, p_consumer text)
 RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz,
                r_lease_until timestamptz, r_payload bytea)
@@ -2644,7 +2763,9 @@ BEGIN
             WITH t AS (
                 SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
                        CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
-                FROM {schema}.@Pq0 t WHERE t.r = v_r),
+                FROM {schema}.@Pq0 t WHERE t.r = v_r
+@E                  AND NOT coalesce(t.expires_at <= now(), false)
+                ),
             w AS (INSERT INTO {schema}.@Ppos0 SELECT v_lane, t.next FROM t),
             e AS (INSERT INTO {schema}.@Pl0 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
                       array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
@@ -2654,7 +2775,9 @@ BEGIN
             WITH t AS (
                 SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
                        CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
-                FROM {schema}.@Pq1 t WHERE t.r = v_r),
+                FROM {schema}.@Pq1 t WHERE t.r = v_r
+@E                  AND NOT coalesce(t.expires_at <= now(), false)
+                ),
             w AS (INSERT INTO {schema}.@Ppos1 SELECT v_lane, t.next FROM t),
             e AS (INSERT INTO {schema}.@Pl1 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
                       array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
@@ -2664,7 +2787,9 @@ BEGIN
             WITH t AS (
                 SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
                        CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
-                FROM {schema}.@Pq2 t WHERE t.r = v_r),
+                FROM {schema}.@Pq2 t WHERE t.r = v_r
+@E                  AND NOT coalesce(t.expires_at <= now(), false)
+                ),
             w AS (INSERT INTO {schema}.@Ppos2 SELECT v_lane, t.next FROM t),
             e AS (INSERT INTO {schema}.@Pl2 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
                       array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
@@ -2674,7 +2799,9 @@ BEGIN
             WITH t AS (
                 SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
                        CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
-                FROM {schema}.@Pq3 t WHERE t.r = v_r),
+                FROM {schema}.@Pq3 t WHERE t.r = v_r
+@E                  AND NOT coalesce(t.expires_at <= now(), false)
+                ),
             w AS (INSERT INTO {schema}.@Ppos3 SELECT v_lane, t.next FROM t),
             e AS (INSERT INTO {schema}.@Pl3 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
                       array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
@@ -2823,10 +2950,18 @@ DECLARE
     v_del integer[] := ARRAY[]::integer[];
     v_row bigint := -1;
     v_ok boolean := false;
+@E    v_xids bigint[] := ARRAY[]::bigint[];
+@E    v_xvers integer[] := ARRAY[]::integer[];
+@E    v_xatt integer[] := ARRAY[]::integer[];
+@E    v_xdel integer[] := ARRAY[]::integer[];
+@E    v_drop boolean;
+@E    v_put bigint[];
     rec record;
 BEGIN
     FOR rec IN
-        SELECT r.id, r.ver, r.attempts, r.deliveries FROM {schema}.@Pr r
+        SELECT r.id, r.ver, r.attempts, r.deliveries
+@E             , (SELECT t.expires_at FROM {schema}.@Pq t WHERE t.r = r.id >> 16) AS expires_at
+        FROM {schema}.@Pr r
         WHERE r.state = 1 AND r.due_at <= now()
           AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver)
         ORDER BY r.id
@@ -2836,12 +2971,33 @@ BEGIN
             v_ok := pg_try_advisory_xact_lock(@K4, hashint8(v_row));
         END IF;
         CONTINUE WHEN NOT v_ok;
+@E        IF rec.expires_at <= now() THEN  -- due again after its expiry: it expires instead
+@E            v_xids := v_xids || rec.id;
+@E            v_xvers := v_xvers || (rec.ver + 1);
+@E            v_xatt := v_xatt || rec.attempts;
+@E            v_xdel := v_xdel || rec.deliveries;
+@E            CONTINUE;
+@E        END IF;
         v_ids := v_ids || rec.id;
         v_vers := v_vers || (rec.ver + 1);
         v_att := v_att || (rec.attempts + 1);
         v_del := v_del || (rec.deliveries + 1);
         EXIT WHEN cardinality(v_ids) >= p_n;
     END LOOP;
+@E    IF cardinality(v_xids) > 0 THEN
+@E        -- finished (dropped) or failed, as on_expiry says; copied to ring_failed when failed
+@E        v_drop := {schema}.@Pdrops();
+@E        v_put := ARRAY(SELECT {schema}.@Pput(v_xids, v_xvers,
+@E            array_fill(CASE WHEN v_drop THEN 0 ELSE 3 END, ARRAY[cardinality(v_xids)]), v_xatt, v_xdel,
+@E            array_fill(now(), ARRAY[cardinality(v_xids)]), array_fill(NULL::text, ARRAY[cardinality(v_xids)]),
+@E            array_fill('expired'::text, ARRAY[cardinality(v_xids)])));
+@E        IF NOT v_drop AND cardinality(v_put) > 0 THEN
+@E            PERFORM {schema}.@Pfail(
+@E                ARRAY(SELECT u.id FROM unnest(v_xids, v_xatt) u(id, a) WHERE u.id = ANY (v_put) ORDER BY u.id),
+@E                ARRAY(SELECT u.a FROM unnest(v_xids, v_xatt) u(id, a) WHERE u.id = ANY (v_put) ORDER BY u.id),
+@E                array_fill('expired'::text, ARRAY[cardinality(v_put)]));
+@E        END IF;
+@E    END IF;
     IF cardinality(v_ids) = 0 THEN
         RETURN;
     END IF;
@@ -3349,16 +3505,20 @@ CREATE OR REPLACE FUNCTION {schema}.ring_rows_create(p_queue_id integer, p_capac
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
     v_stmt text;
+    v_x text;
 BEGIN
     INSERT INTO {schema}.ring_rows (queue_id, capacity, lanes, seg_rows)
     VALUES (p_queue_id, p_capacity, p_lanes, p_capacity / 4);
+    -- @E starts the lines only a ring that expires (created with a ttl) has; a comment's start otherwise
+    v_x := CASE WHEN (SELECT q.ttl_s IS NOT NULL FROM {schema}.queues q WHERE q.queue_id = p_queue_id) THEN '' ELSE '--' END;
     FOREACH v_stmt IN ARRAY string_to_array({schema}.ring_rows_template(), '@;') LOOP
-        EXECUTE replace(replace(replace(replace(replace(replace(replace(replace(v_stmt,
+        EXECUTE replace(replace(replace(replace(replace(replace(replace(replace(replace(v_stmt,
             '@P', 'ring_' || p_queue_id || '_r'), '@L', p_lanes::text), '@S', (p_capacity / 4)::text),
             '@K1', hashtext('dbqueue.rows.push.{schema}.' || p_queue_id)::text),
             '@K2', hashtext('dbqueue.rows.lanes.{schema}.' || p_queue_id)::text),
             '@K3', hashtext('dbqueue.rows.posgen.{schema}.' || p_queue_id)::text),
-            '@K4', hashtext('dbqueue.rows.retry.{schema}.' || p_queue_id)::text), '@Q', p_queue_id::text);
+            '@K4', hashtext('dbqueue.rows.retry.{schema}.' || p_queue_id)::text), '@Q', p_queue_id::text),
+            '@E', v_x);
     END LOOP;
 END
 $$;
@@ -3496,14 +3656,15 @@ BEGIN
     END IF;
     FOREACH v_stmt IN ARRAY string_to_array({schema}.ring_rows_template(), '@;') LOOP
         CONTINUE WHEN regexp_replace(v_stmt, '^(\s|--[^\n]*\n)*', '') ~ ('^(CREATE (SEQUENCE|TABLE|VIEW|FUNCTION) '
-            || '\S+\.@P(gen[0-3]|rows|q[0-3]?|push|rotate|label)\M'
+            || '\S+\.@P(gen[0-3]|rows|q[0-3]?|pushx?|rotate|label)\M'
             || '|ALTER TABLE \S+\.@Pq|SELECT setval|INSERT INTO )');
-        EXECUTE replace(replace(replace(replace(replace(replace(replace(
+        EXECUTE replace(replace(replace(replace(replace(replace(replace(replace(
             regexp_replace(v_stmt, '@P(gen[0-3]|rows|q[0-3]?)\M', v_ring || '\1', 'g'),
             '@P', v_own), '@L', v_lanes::text), '@S', v_s::text),
             '@K2', hashtext('dbqueue.rows.lanes.{schema}.' || v_gid)::text),
             '@K3', hashtext('dbqueue.rows.posgen.{schema}.' || v_gid)::text),
-            '@K4', hashtext('dbqueue.rows.retry.{schema}.' || v_gid)::text), '@Q', v_gid::text);
+            '@K4', hashtext('dbqueue.rows.retry.{schema}.' || v_gid)::text), '@Q', v_gid::text),
+            '@E', CASE WHEN (SELECT q.ttl_s IS NOT NULL FROM {schema}.queues q WHERE q.queue_id = p_queue_id) THEN '' ELSE '--' END);
     END LOOP;
     EXECUTE 'SELECT {schema}.' || v_own || 'log($1, $2)' USING ARRAY(SELECT generate_series(0, v_lanes - 1)), v_at;
     RETURN v_gid;

@@ -397,6 +397,11 @@ SELECT {schema}.ring_rows_drop(queue_id) FROM {schema}.ring_rows
 -- schema that ran it by its queue_id would plan that call again (EXECUTE) on every push.
 SELECT r_first, r_need FROM {schema}.{fn}(%(payloads)b::bytea[], %(notify)s::integer, %(channel)s)
 
+-- name: ring_rows_push_ttl
+-- ring_rows_push for a push whose messages expire %(ttl)s seconds from now (a ring created with a ttl);
+-- {fn}: the ring's ring_<queue_id>_rpushx.
+SELECT r_first, r_need FROM {schema}.{fn}(%(payloads)b::bytea[], %(notify)s::integer, %(channel)s, %(ttl)s::double precision)
+
 -- name: ring_rows_take
 -- A pop: messages due again first, then the lanes'. lease: at least once (one lease row for what the lanes
 -- gave, until now + visibility_timeout_s); otherwise at most once (in the caller's transaction: exactly
