@@ -535,6 +535,24 @@ DESIGNS = ("ring", RING_ROWS, "table")
 """The engine designs counted: the ring (slots layout), the ring of the rows layout, the table design."""
 
 
+def variants(args: argparse.Namespace) -> list[tuple[str, str, int | None]]:
+    """What each batch counts, a row each, in order: every design; the table design once a feature
+    (``--feature``), a ring of the rows layout once a feature it has (``ttl``); ``ordering`` once a
+    number of keys (``--ordering-keys``), which it names."""
+    return [
+        (d, f, k)
+        for d in args.design
+        for f in (
+            args.feature
+            if d == "table"
+            else [f for f in args.feature if f in RING_ROWS_FEATURES]
+            if d == RING_ROWS
+            else ["none"]
+        )
+        for k in (args.ordering_keys if f == "ordering" else [None])
+    ]
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     with counted_server() as server, contextlib.ExitStack() as holds:
@@ -582,19 +600,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 who=ref_name,
                 client=naive_client,
             )
-            variants = [
-                (d, f, k)
-                for d in args.design
-                for f in (
-                    args.feature
-                    if d == "table"
-                    else [f for f in args.feature if f in RING_ROWS_FEATURES]
-                    if d == RING_ROWS
-                    else ["none"]
-                )
-                for k in (args.ordering_keys if f == "ordering" else [None])
-            ]
-            for design, feature, keys in variants:
+            for design, feature, keys in variants(args):
                 schema = f"instr_{uuid.uuid4().hex[:10]}"
                 with DbQueue(dsn, schema=schema) as dbq:
                     dbq.install()

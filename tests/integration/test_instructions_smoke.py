@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,22 +22,11 @@ pytestmark = pytest.mark.integration
 INSTRUCTIONS_PY = Path(__file__).resolve().parents[2] / "benchmarks" / "instructions.py"
 
 
-@pytest.mark.parametrize(
-    ("extra", "designs", "reference"),
-    [
-        ((), ["ring", "ring-rows", "table"], "naive"),
-        # at least once the pop sessions ack, and the reference is PGMQ's read and archive
-        (("--design", "table", "--semantics", "at-least-once", "--archive"), ["table"], "pgmq"),
-        # both sides as they run behind a transaction pooler: nothing prepared
-        (("--design", "ring", "--pooler", "transaction"), ["ring"], "naive"),
-    ],
-)
-def test_short_run_counts_every_side_of_both_designs(
-    extra: tuple[str, ...], designs: list[str], reference: str
-) -> None:
+def counted(*args: str) -> list[dict[str, Any]]:
+    """The rows of one run of the script (``--batch 10 --json`` and ``args``), which must succeed."""
     require(None if shutil.which("valgrind") else "valgrind is not installed", "apt-get install valgrind")
     proc = subprocess.run(
-        [sys.executable, str(INSTRUCTIONS_PY), "--batch", "10", "--calls", "2", "--json", *extra],
+        [sys.executable, str(INSTRUCTIONS_PY), "--batch", "10", "--json", *args],
         capture_output=True,
         text=True,
         env=dict(os.environ),
@@ -44,95 +34,96 @@ def test_short_run_counts_every_side_of_both_designs(
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    rows = json.loads(proc.stdout)
-    assert [(r["design"], r["batch"], r["reference"]) for r in rows] == [(d, 10, reference) for d in designs]
-    for r in rows:
-        assert r["pooler"] == ("transaction" if "--pooler" in extra else "none")
-        for prefix in ("", "naive_"):
-            for side in ("push", "pop"):
-                # a message costs the server thousands of instructions: a count near zero would mean
-                # the sessions' backends were not the ones counted
-                assert r[f"{prefix}{side}_instructions"] > 1000, (prefix, side, r)
-            assert r[f"{prefix}cycle_instructions"] == pytest.approx(
-                r[f"{prefix}push_instructions"] + r[f"{prefix}pop_instructions"], abs=1
-            )
+    rows: list[dict[str, Any]] = json.loads(proc.stdout)
+    return rows
 
 
-def test_short_run_counts_each_feature_of_the_table_design() -> None:
-    """--feature counts the table design once a feature, each a queue of its own: every row is counted,
-    and a push with a key, a deduplication key or a ttl costs more than the default queue's (a count no
-    higher would mean the option was not sent)."""
-    require(None if shutil.which("valgrind") else "valgrind is not installed", "apt-get install valgrind")
+def assert_every_side_counted(r: dict[str, Any]) -> None:
+    for prefix in ("", "naive_"):
+        for side in ("push", "pop"):
+            # a message costs the server thousands of instructions: a count near zero would mean
+            # the sessions' backends were not the ones counted
+            assert r[f"{prefix}{side}_instructions"] > 1000, (prefix, side, r)
+        assert r[f"{prefix}cycle_instructions"] == pytest.approx(
+            r[f"{prefix}push_instructions"] + r[f"{prefix}pop_instructions"], abs=1
+        )
+
+
+def test_short_run_counts_every_design_and_each_feature_of_the_table_design() -> None:
+    """One server counts every design and the naive queue, and the table design once a feature
+    (--feature), each a queue of its own: every row is counted, and a push with a key, a deduplication
+    key or a ttl costs more than the default queue's (a count no higher would mean the option was not
+    sent). Ordered per key over 3 keys, a pop of 10 gets at most 3 messages, and the pop session pops on
+    until it has every message its push session sent (the script's check of what came out, counted and
+    checksummed, fails otherwise)."""
     features = ["none", "ordering", "dedup", "ttl"]
-    proc = subprocess.run(
-        [
-            *(sys.executable, str(INSTRUCTIONS_PY), "--design", "table", "--batch", "10", "--calls", "2"),
-            *("--json", "--feature", *features),
-        ],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ),
-        timeout=600,
-        check=False,
+    rows = counted(
+        *("--design", "ring", "ring-rows", "table", "--calls", "1"),
+        *("--feature", *features, "--ordering-keys", "3"),
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    rows = {r["feature"]: r for r in json.loads(proc.stdout)}
-    assert list(rows) == features and {(r["design"], r["batch"]) for r in rows.values()} == {("table", 10)}
-    for r in rows.values():
-        assert r["push_instructions"] > 1000 and r["pop_instructions"] > 1000, r
-    for f in features[1:]:
-        assert rows[f]["push_instructions"] > rows["none"]["push_instructions"], (f, rows)
-
-
-@pytest.mark.parametrize("semantics", ["at-most-once", "at-least-once"])
-def test_short_run_counts_ordering_per_key_over_each_number_of_keys(semantics: str) -> None:
-    """--ordering-keys counts ordering per key once a number of keys, each a row naming it: over 3 keys
-    a pop of 10 gets at most 3 messages, and the pop session pops on until it has every message its push
-    session sent (the script's check of what came out, counted and checksummed, fails otherwise)."""
-    require(None if shutil.which("valgrind") else "valgrind is not installed", "apt-get install valgrind")
-    proc = subprocess.run(
-        [
-            *(sys.executable, str(INSTRUCTIONS_PY), "--design", "table", "--batch", "10", "--calls", "2"),
-            *("--json", "--feature", "none", "ordering", "--ordering-keys", "3", "1000"),
-            *("--semantics", semantics),
-        ],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ),
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    rows = json.loads(proc.stdout)
-    assert [(r["feature"], r["ordering_keys"]) for r in rows] == [
-        ("none", None),
-        ("ordering", 3),
-        ("ordering", 1000),
+    assert [(r["design"], r["feature"], r["ordering_keys"]) for r in rows] == [
+        ("ring", "none", None),
+        ("ring-rows", "none", None),
+        *(("table", f, 3 if f == "ordering" else None) for f in features),
     ]
     for r in rows:
-        assert r["push_instructions"] > 1000 and r["pop_instructions"] > 1000, r
-        assert r["semantics"] == semantics
-    assert all(r["push_instructions"] > rows[0]["push_instructions"] for r in rows[1:]), rows
+        assert (r["batch"], r["reference"], r["semantics"], r["pooler"]) == (
+            10,
+            "naive",
+            "at-most-once",
+            "none",
+        )
+        assert_every_side_counted(r)
+    table = {r["feature"]: r for r in rows if r["design"] == "table"}
+    for f in features[1:]:
+        assert table[f]["push_instructions"] > table["none"]["push_instructions"], (f, rows)
+
+
+def test_short_run_at_least_once_counts_the_table_design_and_ordering_against_pgmq() -> None:
+    """At least once the pop sessions ack, and the reference is PGMQ's read and archive; ordered per key
+    over 3 keys, the pop session pops and acks on until it has every message (as above)."""
+    rows = counted(
+        *("--design", "table", "--semantics", "at-least-once", "--archive", "--calls", "1"),
+        *("--feature", "none", "ordering", "--ordering-keys", "3"),
+    )
+    assert [(r["feature"], r["ordering_keys"]) for r in rows] == [("none", None), ("ordering", 3)]
+    for r in rows:
+        assert (r["design"], r["reference"], r["semantics"], r["archive"]) == (
+            "table",
+            "pgmq",
+            "at-least-once",
+            True,
+        )
+        assert r["pop"] == "messages"
+        assert_every_side_counted(r)
+    assert rows[1]["push_instructions"] > rows[0]["push_instructions"], rows
+
+
+def test_each_design_feature_and_number_of_keys_is_a_row_of_its_own() -> None:
+    """The rows a batch counts: every design, the table design once a feature (only the table design
+    takes one), and ordering once a number of keys, in the order given."""
+    instructions = load_benchmark("instructions")
+    args = instructions.parse_args(
+        ["--design", "ring", "table", "--feature", "none", "ordering", "ttl", "--ordering-keys", "3", "1000"]
+    )
+    assert instructions.variants(args) == [
+        ("ring", "none", None),
+        ("table", "none", None),
+        ("table", "ordering", 3),
+        ("table", "ordering", 1000),
+        ("table", "ttl", None),
+    ]
+    assert instructions.variants(instructions.parse_args([])) == [
+        ("ring", "none", None),
+        ("ring-rows", "none", None),
+        ("table", "none", None),
+    ]
 
 
 def test_short_client_run_counts_the_client_of_the_ring_and_of_the_naive_queue() -> None:
     """--client runs every session in a Python of its own under cachegrind: the client's count of each
     side is there for the engine and for the naive queue, and grows with the work."""
-    require(None if shutil.which("valgrind") else "valgrind is not installed", "apt-get install valgrind")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(INSTRUCTIONS_PY),
-            *("--design", "ring", "--batch", "10", "--calls", "1", "--client", "--json"),
-        ],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ),
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    [r] = json.loads(proc.stdout)
+    [r] = counted("--design", "ring", "--calls", "1", "--client")
     assert r["pop"] == "payloads"  # the default: pop_payloads, against the naive queue's payload column
     for prefix in ("", "naive_"):
         for side in ("push", "pop"):
@@ -197,29 +188,20 @@ def test_short_run_counts_with_the_horizon_held() -> None:
     was still open when its sessions ended: the script fails otherwise), and the naive queue's pop,
     whose deleted rows the hold keeps, costs more held (a count no higher would mean nothing was held).
     --rows-capacity makes the rows ring's pushes rotate segments once its sessions have pushed more rows
-    than it holds (here 75 pushes into a ring of 64), and its rows say the capacity and the rotations."""
-    require(None if shutil.which("valgrind") else "valgrind is not installed", "apt-get install valgrind")
-    proc = subprocess.run(
-        [
-            *(sys.executable, str(INSTRUCTIONS_PY), "--design", "ring-rows", "--batch", "10"),
-            *("--calls", "12", "--hold", "both", "--rows-capacity", "64", "--json"),
-        ],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ),
-        timeout=600,
-        check=False,
+    than it holds (here 75 pushes into a ring of 64), and its rows say the capacity and the rotations.
+    Every side runs as it does behind a transaction pooler (--pooler transaction): nothing prepared."""
+    rows = counted(
+        *("--design", "ring-rows", "--calls", "12", "--hold", "both", "--rows-capacity", "64"),
+        *("--pooler", "transaction"),
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    rows = json.loads(proc.stdout)
     assert [(r["design"], r["hold"]) for r in rows] == [("ring-rows", False), ("ring-rows", True)]
+    assert {r["pooler"] for r in rows} == {"transaction"}
     free, held = rows
     assert free["hold_xmin_age"] is None and held["hold_xmin_age"] > 0, rows
     assert {r["rows_capacity"] for r in rows} == {64}
     assert all(r["rows_rotations"] >= 1 for r in rows), rows
     for r in rows:
-        for side in ("push", "pop"):
-            assert r[f"{side}_instructions"] > 1000 and r[f"naive_{side}_instructions"] > 1000, (side, r)
+        assert_every_side_counted(r)
     assert held["naive_pop_instructions"] > free["naive_pop_instructions"], rows
 
 
