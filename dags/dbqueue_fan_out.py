@@ -45,9 +45,7 @@ def make_events(context: Any) -> list[dict[str, int]]:
 def create_stream() -> dict[str, Any]:
     """Create the ring and its audit group idempotently (either DAG may run first)."""
     with DbQueueHook() as hook:
-        # The slots layout: the audit group's claims are read back by receipt (leased()), which the
-        # rows layout has for its default group only (docs/limits.md).
-        hook.create_queue(QUEUE, design="ring", capacity=4096, visibility_timeout=300, layout="slots")
+        hook.create_queue(QUEUE, design="ring", capacity=4096, visibility_timeout=300)
         if AUDIT not in [g.name for g in hook.groups(QUEUE)]:
             hook.add_group(QUEUE, AUDIT, start="earliest", on_lag="drop_group", lag_timeout=3600)
         return {g.name: g.pop_position for g in hook.groups(QUEUE)}

@@ -70,9 +70,7 @@ def prepare(group: str | None, results_schema: str) -> None:
     results = OrderRollup(results_schema)
     with DbQueueHook() as hook:
         if RING not in {q.name for q in hook.list_queues()}:
-            # The slots layout: the daily pipeline takes batches of a consumer group, which the rows
-            # layout has for its default group only (docs/limits.md).
-            hook.create_queue(RING, design="ring", capacity=RING_CAPACITY, layout="slots")
+            hook.create_queue(RING, design="ring", capacity=RING_CAPACITY)
         if group is not None:
             try:
                 hook.get_queue(RING, group)

@@ -190,7 +190,7 @@ def test_one_ring_feeds_two_pipelines_through_two_groups(
     Python, and its totals count every order once), whatever the other has done, and the ring is
     left empty for both groups."""
     orders = list(sample_orders(1200, seed=17, customers=25, products=10))
-    ring = dbq.create_queue("order_events", design="ring", capacity=131_072, layout="slots")
+    ring = dbq.create_queue("order_events", design="ring", capacity=131_072)
     ring.add_group("daily", start="earliest")  # type: ignore[attr-defined]
     ring.push_batch(orders)
     hourly, daily = OrderRollup(f"r_{uuid.uuid4().hex[:10]}"), OrderRollup(f"r_{uuid.uuid4().hex[:10]}")

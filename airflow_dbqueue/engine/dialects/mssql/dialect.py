@@ -138,6 +138,8 @@ POSTGRES_ONLY: dict[str, str] = {
             "ring_rows_batch_rows",
             "ring_rows_extend",
             "ring_rows_leased",
+            "ring_rows_objects_of",
+            "role_actions_on",
         )
     },
     **{
