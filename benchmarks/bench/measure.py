@@ -162,9 +162,17 @@ def run_design(
 
 
 def _maintainer(
-    target: Target, config: MaintenanceConfig, interval: float, stop: Any, out: Any, *, recycle_only: bool
+    target: Target,
+    config: MaintenanceConfig,
+    interval: float,
+    stop: Any,
+    out: Any,
+    *,
+    ready: Any,
+    recycle_only: bool,
 ) -> None:
-    """Entry point of the maintenance process: ``maintain()`` every ``interval`` seconds until ``stop``.
+    """Entry point of the maintenance process: ``maintain()`` every ``interval`` seconds until ``stop``,
+    ``ready`` set once it is connected (the measured window starts after it).
     A reference queue has no maintenance of its own: for one, the process runs VACUUM (ANALYZE) of each
     of its tables instead, the step of ``maintain()`` that keeps a queue's table and indexes small."""
     report: dict[str, Any] = {"runs": 0, "archived": 0, "reindexed": 0, "failed_reindexes": 0, "busy_s": 0.0}
@@ -210,9 +218,12 @@ def _maintainer(
                     (target.schema,),
                 )
                 tables = [r[0] for r in listed]
+                ready.value = 1
                 _every(interval, stop, report, lambda: vacuum(conn, tables))
         else:
             with target.engine(2) as dbq:
+                dbq.list_queues()  # connected before it says it is ready
+                ready.value = 1
                 _every(interval, stop, report, lambda: recycle(dbq) if recycle_only else maintain(dbq))
         out.put(report)
     except BaseException:
@@ -244,12 +255,12 @@ class _Processes:
     ) -> None:
         ctx = mp.get_context("spawn")
         self.cfg = cfg
-        self.m_stop, self.m_out = ctx.RawValue("i", 0), ctx.Queue()
+        self.m_stop, self.m_ready, self.m_out = ctx.RawValue("i", 0), ctx.RawValue("i", 0), ctx.Queue()
         self.m_proc = (
             ctx.Process(
                 target=_maintainer,
                 args=(cfg.target, maintenance, maintenance_interval, self.m_stop, self.m_out),
-                kwargs={"recycle_only": recycle_only},
+                kwargs={"ready": self.m_ready, "recycle_only": recycle_only},
                 name="bench-maintenance",
                 daemon=True,
             )
@@ -315,6 +326,16 @@ class _Processes:
             p.start()
         self.wait_for(lambda: self.shm.ready.value == len(self.procs), 120, "the workers to connect")
         self.shm.phase.value = RUN
+
+    def wait_for_maintenance(self, timeout: float) -> None:
+        """Wait until the maintenance process is connected; raise with its error if it failed first."""
+        assert self.m_proc is not None
+        proc = self.m_proc
+        connected = lambda: self.m_ready.value == 1 or not proc.is_alive()  # noqa: E731
+        self.wait_for(connected, timeout, "the maintenance process to connect")
+        if self.m_ready.value != 1:
+            self.stop_maintenance(5.0)  # raises with the process's error
+            raise BenchError(f"the maintenance process exited with code {proc.exitcode} before connecting")
 
     def stop_maintenance(self, drain_timeout: float) -> None:
         """Stop the maintenance process (if any) and take its report."""
@@ -403,7 +424,10 @@ def _measure(
         run.start()
         run.sleep_watching(warmup)
         if run.m_proc is not None:
+            # The loop runs beside the whole window: a spawned process takes a second or more to import
+            # and connect on a loaded machine, longer than a short window, so the window waits for it.
             run.m_proc.start()
+            run.wait_for_maintenance(120)
         if hold:
             held = _Hold(cfg.target, conn)
         lsn0, t0 = wal_lsn(conn), time.monotonic()
