@@ -50,12 +50,12 @@ def assert_every_side_counted(r: dict[str, Any]) -> None:
 
 
 def test_short_run_counts_every_design_and_each_feature_of_the_table_design() -> None:
-    """One server counts every design and the naive queue, and the table design once a feature
-    (--feature), each a queue of its own: every row is counted, and a push with a key, a deduplication
-    key or a ttl costs more than the default queue's (a count no higher would mean the option was not
-    sent). Ordered per key over 3 keys, a pop of 10 gets at most 3 messages, and the pop session pops on
-    until it has every message its push session sent (the script's check of what came out, counted and
-    checksummed, fails otherwise)."""
+    """One server counts every design and the naive queue, the table design once a feature (--feature)
+    and the rows ring with a ttl, each a queue of its own: every row is counted, and a push with a key,
+    a deduplication key or a ttl costs more than the default queue's (a count no higher would mean the
+    option was not sent). Ordered per key over 3 keys, a pop of 10 gets at most 3 messages, and the pop
+    session pops on until it has every message its push session sent (the script's check of what came
+    out, counted and checksummed, fails otherwise)."""
     features = ["none", "ordering", "dedup", "ttl"]
     rows = counted(
         *("--design", "ring", "ring-rows", "table", "--calls", "1"),
@@ -64,6 +64,7 @@ def test_short_run_counts_every_design_and_each_feature_of_the_table_design() ->
     assert [(r["design"], r["feature"], r["ordering_keys"]) for r in rows] == [
         ("ring", "none", None),
         ("ring-rows", "none", None),
+        ("ring-rows", "ttl", None),
         *(("table", f, 3 if f == "ordering" else None) for f in features),
     ]
     for r in rows:
@@ -77,6 +78,8 @@ def test_short_run_counts_every_design_and_each_feature_of_the_table_design() ->
     table = {r["feature"]: r for r in rows if r["design"] == "table"}
     for f in features[1:]:
         assert table[f]["push_instructions"] > table["none"]["push_instructions"], (f, rows)
+    rows_ring = {r["feature"]: r for r in rows if r["design"] == "ring-rows"}
+    assert rows_ring["ttl"]["push_instructions"] > rows_ring["none"]["push_instructions"], rows
 
 
 def test_short_run_at_least_once_counts_the_table_design_and_ordering_against_pgmq() -> None:
@@ -100,8 +103,8 @@ def test_short_run_at_least_once_counts_the_table_design_and_ordering_against_pg
 
 
 def test_each_design_feature_and_number_of_keys_is_a_row_of_its_own() -> None:
-    """The rows a batch counts: every design, the table design once a feature (only the table design
-    takes one), and ordering once a number of keys, in the order given."""
+    """The rows a batch counts: every design, the table design once a feature, the rows ring once a
+    feature it has (ttl), and ordering once a number of keys, in the order given."""
     instructions = load_benchmark("instructions")
     args = instructions.parse_args(
         ["--design", "ring", "table", "--feature", "none", "ordering", "ttl", "--ordering-keys", "3", "1000"]
@@ -113,6 +116,8 @@ def test_each_design_feature_and_number_of_keys_is_a_row_of_its_own() -> None:
         ("table", "ordering", 1000),
         ("table", "ttl", None),
     ]
+    args = instructions.parse_args(["--design", "ring-rows", "--feature", "none", "ordering", "dedup", "ttl"])
+    assert instructions.variants(args) == [("ring-rows", "none", None), ("ring-rows", "ttl", None)]
     assert instructions.variants(instructions.parse_args([])) == [
         ("ring", "none", None),
         ("ring-rows", "none", None),
