@@ -27,6 +27,10 @@ from airflow_dbqueue.engine.errors import (
 )
 
 # SQLSTATEs that the server-side functions of functions.sql raise on purpose (class DQ is ours).
+_RING_ROWS_LOG = re.compile(r"ring_g?[0-9]+_r(pos|l|d|r)[0-9]+_pkey")
+"""The keys of a rows ring's insert-only logs (positions, leases, acks, retries) of its segments, for
+the default group (``ring_<queue_id>_r``) and every other (``ring_g<n>_r``)."""
+
 _RAISED_BY_FUNCTIONS: dict[str, type[DbQueueError]] = {
     "DQ001": QueueFullError,
     "DQ002": RingNumbersSkippedError,
@@ -109,11 +113,9 @@ def translate(exc: Exception, *, schema: str, where: str, connect_timeout: float
             f"PostgreSQL at {where}: the statement was cancelled (statement_timeout or "
             f"pg_cancel_backend): {primary(exc)}"
         )
-    if isinstance(exc, psycopg.errors.SerializationFailure):
-        return TransientDatabaseError(
-            f"PostgreSQL at {where}: the statement was cancelled or its transaction rolled back "
-            f"(statement_timeout, pg_cancel_backend, or a serialization failure): {primary(exc)}"
-        )
+    conflict = _serialization_conflict(exc, where)
+    if conflict is not None:
+        return conflict
     lost = _connection_lost(exc, where)
     if lost is not None:
         return lost
@@ -126,6 +128,29 @@ def translate(exc: Exception, *, schema: str, where: str, connect_timeout: float
     if own is not None:  # raised on purpose by the server-side functions of functions.sql
         return own(exc.diag.message_primary or str(exc))
     return DatabaseError(f"PostgreSQL error at {where}: {exc}".strip())
+
+
+def _serialization_conflict(exc: psycopg.Error, where: str) -> TransientDatabaseError | None:
+    """A transaction that must run again: a serialization failure, or its rows-ring twin."""
+    if isinstance(exc, psycopg.errors.SerializationFailure):
+        return TransientDatabaseError(
+            f"PostgreSQL at {where}: the statement was cancelled or its transaction rolled back "
+            f"(statement_timeout, pg_cancel_backend, or a serialization failure): {primary(exc)}"
+        )
+    if isinstance(exc, psycopg.errors.UniqueViolation) and _RING_ROWS_LOG.fullmatch(
+        exc.diag.constraint_name or ""
+    ):
+        # A ring of the rows layout logs each step of a lane as a row keyed by the lane and its next
+        # position, written under the lane's lock. Read committed, the statement after the lock sees the
+        # last step; a transaction at REPEATABLE READ or SERIALIZABLE whose snapshot is older than
+        # another consumer's committed step does not, and its insert meets that step's key: the same
+        # conflict the server reports as a serialization failure on an updated row.
+        return TransientDatabaseError(
+            f"PostgreSQL at {where}: could not serialize access: another consumer moved this ring's lane "
+            f"after this transaction's snapshot was taken (REPEATABLE READ or SERIALIZABLE); run the "
+            f"transaction again: {primary(exc)}"
+        )
+    return None
 
 
 def primary(exc: psycopg.Error) -> str:
