@@ -743,7 +743,8 @@ def test_consumer_group_calls_on_a_table_queue_are_configuration_errors(dbq: DbQ
             call()
 
 
-def test_reads_of_a_ring_dropped_meanwhile_fail_as_queue_not_found(dbq: DbQueue) -> None:
+@pytest.mark.parametrize("layout", ["slots", "rows"])
+def test_reads_of_a_ring_dropped_meanwhile_fail_as_queue_not_found(dbq: DbQueue, layout: str) -> None:
     """Readers in other threads while the ring is dropped (and made again under its name): every read
     either succeeds or raises QueueNotFoundError, never a bare database error."""
     errors: list[str] = []
@@ -760,7 +761,7 @@ def test_reads_of_a_ring_dropped_meanwhile_fail_as_queue_not_found(dbq: DbQueue)
                     errors.append(f"{type(exc).__name__}: {exc}")
 
     for _ in range(15):
-        ring = dbq.create_queue("dropped_under", design="ring", capacity=50)
+        ring = dbq.create_queue("dropped_under", design="ring", capacity=48, layout=layout)
         ring.push_batch(list(range(10)))
         readers = [threading.Thread(target=read, args=(ring,)) for _ in range(3)]
         for t in readers:

@@ -621,7 +621,7 @@ def test_changed_functions_are_applied_while_pushes_and_pops_run(  # noqa: PLR09
     edited = re.sub(
         r"\n(\$\$|\$x\$ \$t\$)(;|$)", r"\n    -- edited while pushes and pops run\n\1\2", first[0]
     )
-    assert edited.count("-- edited") == 57
+    assert edited.count("-- edited") == 58
     editions = [first, (edited, digest(edited), first[2])]
     n_batches, size = 60, 25
     errors: list[BaseException] = []
@@ -686,11 +686,12 @@ def test_changed_functions_are_applied_while_pushes_and_pops_run(  # noqa: PLR09
     assert installs >= 4
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         bodies = conn.execute(
+            # functions.sql's, not those a ring of the rows layout makes of its own from its template
             "SELECT p.prosrc FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace "
-            "WHERE n.nspname = %s",
+            "WHERE n.nspname = %s AND p.proname !~ '^ring_g?[0-9]+_'",
             [schema],
         ).fetchall()
-    assert len(bodies) == 57
+    assert len(bodies) == 58
     assert all(("-- edited" in b) == (functions_applied(pg_dsn, schema) == editions[1][1]) for (b,) in bodies)
 
 

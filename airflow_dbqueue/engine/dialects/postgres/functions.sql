@@ -3527,34 +3527,69 @@ $$;
 -- groups' own objects. Nothing when the ring is not of that layout.
 CREATE OR REPLACE FUNCTION {schema}.ring_rows_drop(p_queue_id integer)
 RETURNS void LANGUAGE plpgsql AS $$
-DECLARE
-    v_p text := 'ring_' || p_queue_id || '_r';
-    o record;
 BEGIN
     DELETE FROM {schema}.ring_rows WHERE queue_id = p_queue_id;
     IF NOT FOUND THEN
         RETURN;
     END IF;
-    -- Its groups' own objects too (uninstall drops the rings before ring_groups; a ring dropped alone
-    -- has dropped its groups first, ring_drop).
-    PERFORM {schema}.ring_rows_drop_group(p_queue_id, g.gid) FROM {schema}.ring_groups g WHERE g.queue_id = p_queue_id;
-    FOR o IN
-        SELECT p.oid::regprocedure AS f FROM pg_catalog.pg_proc p
-        WHERE p.pronamespace = '{schema}'::regnamespace AND left(p.proname, length(v_p)) = v_p
+    -- Its groups' own objects too, in the same step (uninstall drops the rings before ring_groups; a
+    -- ring dropped alone has dropped its groups first, ring_drop).
+    IF EXISTS (SELECT 1 FROM {schema}.ring_groups g WHERE g.queue_id = p_queue_id) THEN
+        PERFORM {schema}.ring_rows_groups_lock(p_queue_id);
+    END IF;
+    PERFORM {schema}.ring_rows_drop_own(ARRAY['ring_' || p_queue_id || '_r'] || ARRAY(
+        SELECT {schema}.ring_rows_own(g.gid) FROM {schema}.ring_groups g WHERE g.queue_id = p_queue_id));
+END
+$$;
+
+-- Drop the functions, views, tables and sequences whose names start with one of p_prefixes (a rows
+-- ring's own objects, or a group's), all of them or none. Readers (stats, peek, readiness, the groups'
+-- positions) take their locks on these objects in their statements' own order: one that holds one of
+-- them while it waits behind the drop's lock on another would deadlock with a drop that waited for
+-- each in turn. So the drop runs under a 50 ms lock_timeout and, when a lock is not granted, undoes what
+-- it dropped, releasing every lock it took, and tries again; after 5 s of that it waits for its locks
+-- as any DROP does.
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_drop_own(p_prefixes text[])
+RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    v_lock_timeout text := current_setting('lock_timeout');
+    v_until timestamptz := clock_timestamp() + interval '5 seconds';
+    v_p text;
+    o record;
+BEGIN
     LOOP
-        EXECUTE format('DROP FUNCTION %s', o.f);
-    END LOOP;
-    FOR o IN
-        SELECT c.oid::regclass AS v FROM pg_catalog.pg_class c
-        WHERE c.relnamespace = '{schema}'::regnamespace AND left(c.relname, length(v_p)) = v_p AND c.relkind = 'v'
-    LOOP
-        EXECUTE format('DROP VIEW IF EXISTS %s', o.v);
-    END LOOP;
-    FOR o IN
-        SELECT c.oid::regclass AS t, c.relkind FROM pg_catalog.pg_class c
-        WHERE c.relnamespace = '{schema}'::regnamespace AND left(c.relname, length(v_p)) = v_p AND c.relkind IN ('r', 'S')
-    LOOP
-        EXECUTE format(CASE WHEN o.relkind = 'r' THEN 'DROP TABLE IF EXISTS %s' ELSE 'DROP SEQUENCE IF EXISTS %s' END, o.t);
+        BEGIN
+            IF clock_timestamp() < v_until THEN
+                PERFORM set_config('lock_timeout', '50ms', true);
+            END IF;
+            FOREACH v_p IN ARRAY p_prefixes LOOP
+                FOR o IN
+                    SELECT p.oid::regprocedure AS f FROM pg_catalog.pg_proc p
+                    WHERE p.pronamespace = '{schema}'::regnamespace AND left(p.proname, length(v_p)) = v_p
+                LOOP
+                    EXECUTE format('DROP FUNCTION IF EXISTS %s', o.f);
+                END LOOP;
+                FOR o IN
+                    SELECT c.oid::regclass AS v FROM pg_catalog.pg_class c
+                    WHERE c.relnamespace = '{schema}'::regnamespace AND left(c.relname, length(v_p)) = v_p
+                      AND c.relkind = 'v'
+                LOOP
+                    EXECUTE format('DROP VIEW IF EXISTS %s', o.v);
+                END LOOP;
+                FOR o IN
+                    SELECT c.oid::regclass AS t, c.relkind FROM pg_catalog.pg_class c
+                    WHERE c.relnamespace = '{schema}'::regnamespace AND left(c.relname, length(v_p)) = v_p
+                      AND c.relkind IN ('r', 'S')
+                LOOP
+                    EXECUTE format(CASE WHEN o.relkind = 'r' THEN 'DROP TABLE IF EXISTS %s'
+                                        ELSE 'DROP SEQUENCE IF EXISTS %s' END, o.t);
+                END LOOP;
+            END LOOP;
+            PERFORM set_config('lock_timeout', v_lock_timeout, true);
+            RETURN;
+        EXCEPTION WHEN lock_not_available THEN
+            PERFORM pg_sleep(0.01 + 0.04 * random());
+        END;
     END LOOP;
 END
 $$;
@@ -3677,31 +3712,13 @@ CREATE OR REPLACE FUNCTION {schema}.ring_rows_drop_group(p_queue_id integer, p_g
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
     v_p text := {schema}.ring_rows_own(p_gid);
-    o record;
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_class c
                    WHERE c.relnamespace = '{schema}'::regnamespace AND left(c.relname, length(v_p)) = v_p) THEN
         RETURN;
     END IF;
     PERFORM {schema}.ring_rows_groups_lock(p_queue_id);
-    FOR o IN
-        SELECT p.oid::regprocedure AS f FROM pg_catalog.pg_proc p
-        WHERE p.pronamespace = '{schema}'::regnamespace AND left(p.proname, length(v_p)) = v_p
-    LOOP
-        EXECUTE format('DROP FUNCTION %s', o.f);
-    END LOOP;
-    FOR o IN
-        SELECT c.oid::regclass AS v FROM pg_catalog.pg_class c
-        WHERE c.relnamespace = '{schema}'::regnamespace AND left(c.relname, length(v_p)) = v_p AND c.relkind = 'v'
-    LOOP
-        EXECUTE format('DROP VIEW IF EXISTS %s', o.v);
-    END LOOP;
-    FOR o IN
-        SELECT c.oid::regclass AS t, c.relkind FROM pg_catalog.pg_class c
-        WHERE c.relnamespace = '{schema}'::regnamespace AND left(c.relname, length(v_p)) = v_p AND c.relkind IN ('r', 'S')
-    LOOP
-        EXECUTE format(CASE WHEN o.relkind = 'r' THEN 'DROP TABLE IF EXISTS %s' ELSE 'DROP SEQUENCE IF EXISTS %s' END, o.t);
-    END LOOP;
+    PERFORM {schema}.ring_rows_drop_own(ARRAY[v_p]);
 END
 $$;
 
