@@ -449,6 +449,14 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
     def count_ready(self, min_priority: int | None = None, cap: int = COUNT_CAP) -> int:
         return min(self.stats().ready, cap)
 
+    def _pushing(self) -> bool:
+        try:
+            row = self._db.fetchone("ring_rows_pushing", {"queue_id": self._qid, "group": self._gid})
+        except (DatabaseError, SchemaError):
+            self._raise_if_gone()
+            raise
+        return bool(row and row[0])
+
     def stats(self, *, exact: bool = False) -> QueueStats:
         try:
             row = self._db.fetchone("ring_rows_depth", {"queue_id": self._gid})
@@ -468,6 +476,10 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             oldest_ready_age_s=None if oldest_age is None else float(oldest_age),
             extra={
                 "layout": "rows",
+                # In pushes (rows), a push of a batch being one row: rows_held counts the rows in the
+                # segments not yet emptied, taken or not.
+                "capacity": self.capacity,
+                "lanes": self.lanes,
                 "rows_held": int(rows),
                 "segment_generations": list(gens),
                 "group": self.group_name,

@@ -485,6 +485,15 @@ FROM {schema}.ring_rows_depth(%(queue_id)s::integer)
 -- The groups of a ring of the rows layout besides its default one: (gid, name).
 SELECT g.gid, g.name FROM {schema}.ring_groups g WHERE g.queue_id = %(queue_id)s ORDER BY g.name
 
+-- name: ring_rows_pushing
+-- Whether a push into a ring of the rows layout may be in progress, for a waiting pop of group %(group)s
+-- that found nothing: a row is issued (the ring's row sequence) with ids at or above the group's lowest
+-- lane position, so not all taken. That is a push that has not committed yet (it may not NOTIFY under
+-- notify="auto", having seen an earlier message ready), a lane another pop holds, or a row rolled back
+-- and not given up yet: the pop looks again soon, as on the slots layout (ring_pushing).
+SELECT ((coalesce(pg_sequence_last_value(('{schema}.' || {schema}.ring_rows_own(%(queue_id)s::integer) || 'rows')::regclass), -1) << 16) | 65535)
+       >= (SELECT min(x) FROM unnest({schema}.ring_rows_positions(%(group)s::integer)) x)
+
 -- name: ring_rows_groups
 -- The consumer groups of a ring of the rows layout, the default one first (gid: the ring's queue_id; no
 -- ring_groups row), as ring_groups reads them for the slots layout: its lowest lane position (an id), the
