@@ -202,6 +202,7 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:
                 dbq.create_queue(
                     QUEUE,
                     design="ring",
+                    layout="slots",
                     capacity=capacity,
                     payload_type="bytes",
                     max_payload_bytes=max(args.payload_bytes, 16),

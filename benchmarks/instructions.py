@@ -48,7 +48,7 @@ the client's instructions a message are counted the same way: psycopg's encoding
 for the engine, its API (pool checkout, checks, building a ``Message`` a message), against the naive
 queue's bare psycopg calls. The pop sessions send what they popped back to be checked.
 
-``ring`` is the ring of the default slots layout, ``ring-rows`` a ring of the rows layout
+``ring`` is the ring of the slots layout, ``ring-rows`` a ring of the rows layout
 (``create_queue(..., design="ring", layout="rows")``, PostgreSQL only). ``--rows-capacity`` sets the
 rows ring's capacity in pushes (default: room for every push of its sessions, so that none rotates a
 segment); a small one (a multiple of 4, at least 64) makes the pushes rotate segments, as a ring under
@@ -608,6 +608,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         dbq.create_queue(
                             QUEUE,
                             design="ring",
+                            layout="slots",
                             capacity=max(1024, 8 * calls * batch),
                             payload_type="bytes",
                             max_payload_bytes=max(args.payload_bytes, 16),

@@ -12,7 +12,7 @@ With none of --producers/--consumers/--batch it sweeps P x C in 1x1, 2x2, 4x4, 8
 table, INSERT to push, DELETE ... FOR UPDATE SKIP LOCKED ... RETURNING to pop) at the same P x C x
 batch, each on a fresh schema that is dropped afterwards; ``--also`` adds engine designs measured in
 the same run, in turn with the others (their figures under ``also`` in the point's JSON). The ``ring``
-design is the ring's default slots layout, ``ring-rows`` its rows layout (PostgreSQL only; its capacity
+design is the ring's slots layout, ``ring-rows`` its rows layout (PostgreSQL only; its capacity
 counted in pushes). Producers and consumers are separate
 processes with a connection each. Every run checks that no message was lost or delivered twice.
 With ``--maintenance`` it measures the engine design at one point twice in the same run, without and with

@@ -27,7 +27,7 @@ minute and the minute after it (from a per-second count of pops), and the longes
     python benchmarks/soak.py --design table --rate 5000 --messages 3000000 --batch 100 \
         --hold-after 120 --hold-for 300 --maintain-every 300
 
-``--design ring`` is the ring of the default slots layout (``--capacity`` slots), ``ring-rows`` a ring
+``--design ring`` is the ring of the slots layout (``--capacity`` slots), ``ring-rows`` a ring
 of the rows layout (``create_queue(..., design="ring", layout="rows")``, PostgreSQL only;
 ``--rows-capacity`` pushes, in four segment tables emptied by ``TRUNCATE``), whose tables (its
 segments and position logs) are those of its queue id.
@@ -287,6 +287,7 @@ def run(args: argparse.Namespace, dsn: str) -> dict[str, Any]:  # noqa: PLR0912,
             dbq.create_queue(
                 QUEUE,
                 design="ring",
+                layout="slots",
                 capacity=args.capacity,
                 payload_type="bytes",
                 max_payload_bytes=args.payload_bytes,

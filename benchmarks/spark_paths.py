@@ -199,7 +199,8 @@ def run_path(  # noqa: PLR0915
     with DbQueue(dsn, schema=schema, pool_size=2) as dbq:
         dbq.uninstall()
         dbq.install()
-        q = dbq.create_queue("orders", **({"design": "ring", "capacity": max(messages, 16)} if ring else {}))
+        ring_options = {"design": "ring", "layout": "slots", "capacity": max(messages, 16)}
+        q = dbq.create_queue("orders", **(ring_options if ring else {}))
         with psycopg.connect(dsn, autocommit=True) as c:
             c.execute(f'DROP SCHEMA IF EXISTS "{results.schema}" CASCADE')
             results.install(c)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from airflow_dbqueue.engine.access import ACTIONS, check_actions
@@ -113,9 +114,19 @@ def _settings_from_row(row: tuple[Any, ...]) -> QueueSettings:
 
 
 def _ring_shape(
-    name: str, *, archive: bool | None, capacity: int | None, lanes: int | None, max_payload_bytes: int | None
+    name: str,
+    *,
+    archive: bool | None,
+    capacity: int | None,
+    lanes: int | None,
+    max_payload_bytes: int | None,
+    layout: RingLayout,
 ) -> tuple[int, int]:
     """Check what a ring is asked for; return its capacity and lanes with the defaults filled in.
+
+    A ring left to its default lanes gets :data:`RING_DEFAULT_LANES`, fewer where the capacity is too
+    small for them: a slots ring has at most one lane a slot, a rows ring needs each of its four
+    segments (capacity / 4 pushes) to hold at least two pushes a lane.
 
     :raise ConfigurationError: naming the first of archive, capacity, lanes and max_payload_bytes that a
         ring cannot have.
@@ -132,7 +143,9 @@ def _ring_shape(
         raise ConfigurationError(
             f"queue {name!r}: a ring's capacity must be in 1..{RING_MAX_CAPACITY}, got {capacity}"
         )
-    lanes = min(RING_DEFAULT_LANES, capacity) if lanes is None else lanes
+    if lanes is None:
+        room = capacity if layout is RingLayout.SLOTS else max(1, capacity // 8)
+        lanes = min(RING_DEFAULT_LANES, room)
     if not isinstance(lanes, int) or isinstance(lanes, bool):
         raise ConfigurationError(f"queue {name!r}: lanes must be an integer, got {lanes!r}")
     if not 1 <= lanes <= min(capacity, RING_MAX_LANES):
@@ -168,22 +181,31 @@ def _wanted_settings(
     on_expiry: OnExpiry | str = OnExpiry.FAIL,
     ordering: Ordering | str = Ordering.NONE,
     layout: RingLayout | str | None = None,
+    default_layout: RingLayout = RingLayout.SLOTS,
 ) -> QueueSettings:
-    """The settings :meth:`DbQueue.create_queue` is asked for, with the defaults filled in.
+    """The settings :meth:`DbQueue.create_queue` is asked for, with the defaults filled in (a ring left
+    to its default layout gets ``default_layout``, the dialect's).
 
     :raise ConfigurationError: naming the first setting that is out of range or does not fit the design.
     """
     ring = kind is Design.RING
-    ring_layout = _ring_layout(name, kind, layout)
-    if ring:
+    ring_layout = _ring_layout(name, kind, layout, default_layout)
+    if ring_layout is not None:
         capacity, lanes = _ring_shape(
-            name, archive=archive, capacity=capacity, lanes=lanes, max_payload_bytes=max_payload_bytes
+            name,
+            archive=archive,
+            capacity=capacity,
+            lanes=lanes,
+            max_payload_bytes=max_payload_bytes,
+            layout=ring_layout,
         )
         if ring_layout is RingLayout.ROWS and (capacity % 4 or capacity // 4 < 2 * lanes):
+            # Named when the layout was left to its default, so the caller learns the way out.
+            other = " (or choose layout='slots')" if layout is None else ""
             raise ConfigurationError(
                 f"queue {name!r}: a ring of the rows layout holds four segments of capacity / 4 pushes, "
                 f"each at least twice its lanes: capacity must be a multiple of 4 and at least 8 * lanes "
-                f"({8 * lanes}), got {capacity}"
+                f"({8 * lanes}), got {capacity}{other}"
             )
     elif capacity is not None or lanes is not None:
         which = "capacity" if capacity is not None else "lanes"
@@ -242,14 +264,16 @@ def _wanted_settings(
     return wanted
 
 
-def _ring_layout(name: str, kind: Design, layout: RingLayout | str | None) -> RingLayout | None:
-    """A ring's layout (default :attr:`RingLayout.SLOTS`); None for the table design, which has none."""
+def _ring_layout(
+    name: str, kind: Design, layout: RingLayout | str | None, default: RingLayout
+) -> RingLayout | None:
+    """A ring's layout (``default`` when not given); None for the table design, which has none."""
     if kind is not Design.RING:
         if layout is not None:
             raise ConfigurationError(f"queue {name!r}: layout={layout!r} applies to ring queues only")
         return None
     try:
-        return RingLayout.SLOTS if layout is None else RingLayout(layout)
+        return default if layout is None else RingLayout(layout)
     except ValueError:
         raise ConfigurationError(
             f"queue {name!r}: a ring's layout is one of "
@@ -271,6 +295,13 @@ def _check_ranges(wanted: QueueSettings) -> None:
         )
     if wanted.retry_backoff_max_s < wanted.retry_backoff_s:
         raise ConfigurationError(f"queue {name!r}: retry_backoff_max must be >= retry_backoff")
+
+
+def _as_declared(asked: Callable[..., QueueSettings], existing: QueueSettings) -> QueueSettings:
+    """What a declaration asks of a queue that exists: a ring declared without a layout takes the
+    existing ring's, with that layout's defaults, so a declaration that leaves the layout to whoever
+    made the ring (or was written when the default was the other layout) still finds its ring."""
+    return asked(default_layout=existing.layout or RingLayout.SLOTS)
 
 
 def _check_same_settings(existing: QueueSettings, wanted: QueueSettings, schema: str) -> None:
@@ -371,6 +402,13 @@ class DbQueue:
     ) -> None:
         self.close()
 
+    @property
+    def default_ring_layout(self) -> RingLayout:
+        """The layout a ring gets when :meth:`create_queue` is not told one: the rows layout where the
+        dialect has it (PostgreSQL: no dead row on the hot path under a held xmin horizon), the slots
+        layout otherwise (SQL Server)."""
+        return RingLayout.ROWS if RingLayout.ROWS.value in self.db.ring_layouts else RingLayout.SLOTS
+
     def close(self) -> None:
         """Stop the partition recycling and close the connection pool."""
         if self.recycler is not None:
@@ -430,15 +468,23 @@ class DbQueue:
         with different settings raises :class:`QueueExistsError`, so a DAG cannot silently run
         against a queue configured differently from what it declares.
 
-        ``design="ring"`` creates a ring of ``capacity`` preallocated slots (default
-        ``RING_DEFAULT_CAPACITY``). A ring keeps payloads inline in its slots, so ``max_payload_bytes``
-        is at most ``RING_MAX_PAYLOAD`` (default ``RING_DEFAULT_PAYLOAD``); its pages are laid out for
-        payloads of that size, so set it to about your largest payload. A ring does not archive.
-        ``lanes`` (ring only, default ``min(RING_DEFAULT_LANES, capacity)``, at most the capacity and
+        ``design="ring"`` creates a ring of ``capacity`` messages (default ``RING_DEFAULT_CAPACITY``):
+        pushes past it wait or raise :class:`QueueFullError`. A ring keeps payloads inline, so
+        ``max_payload_bytes`` is at most ``RING_MAX_PAYLOAD`` (default ``RING_DEFAULT_PAYLOAD``); set it
+        to about your largest payload. A ring does not archive. ``lanes`` (ring only, at most
         ``RING_MAX_LANES``) is how many consumers can take messages at the same moment: the ring's
         numbers are dealt to lanes, and concurrent pops take from different lanes. Set it to about the
         number of consumers that pop a message at a time. The table design's defaults are a 1 MiB
         payload limit and ``archive=True``.
+
+        ``layout`` (ring only) is how the ring stores its messages; :attr:`default_ring_layout` when
+        left out. ``"rows"`` (PostgreSQL's default, PostgreSQL only): a row a push in insert-only
+        segment tables emptied with ``TRUNCATE``, so that a held xmin horizon leaves no dead row behind
+        the hot path; ``capacity`` counts pushes (a multiple of 4, at least 8 * lanes) and the default
+        lanes are ``min(RING_DEFAULT_LANES, capacity // 8)``. ``"slots"`` (SQL Server's, and the only
+        one there): ``capacity`` preallocated slots updated in place, laid out for payloads of
+        ``max_payload_bytes``; default lanes ``min(RING_DEFAULT_LANES, capacity)``, at most the
+        capacity. A declaration that leaves the layout out matches an existing ring of either layout.
 
         ``dedup_window`` (seconds, default 300) is how long a push's ``dedup_key`` is remembered: a
         second push of the key within it pushes nothing and returns the first push's id (table design;
@@ -449,19 +495,14 @@ class DbQueue:
         (``on_expiry="fail"``, the default) or is dropped (``on_expiry="drop"``). ``ordering="per_key"``
         (table design) lets pushes give messages an ordering key (``push(key=...)``): a key's messages
         are handed out in push order, one at a time, while different keys go in parallel.
-
-        ``layout`` (ring only): ``"slots"`` (the default) or ``"rows"`` (PostgreSQL only), a ring whose
-        pushes are rows of insert-only segment tables emptied with ``TRUNCATE``, so that a held xmin
-        horizon leaves no dead row behind the hot path; its ``capacity`` counts pushes (a multiple of 4,
-        at least 8 * lanes); it pops at most, at least and exactly once, with consumer groups, batches of
-        its default group and per-queue grants (docs/limits.md).
         """
         name = validate_queue_name(name)
         try:
             kind = Design(design)
         except ValueError as exc:
             raise ConfigurationError(f"queue {name!r}: {exc}") from None
-        wanted = _wanted_settings(
+        asked = functools.partial(
+            _wanted_settings,
             name,
             kind,
             payload_type=payload_type,
@@ -480,6 +521,15 @@ class DbQueue:
             ordering=ordering,
             layout=layout,
         )
+        try:
+            wanted = asked(default_layout=self.default_ring_layout)
+        except ConfigurationError:
+            # A shape the default layout cannot have may be that of an existing ring of the other one,
+            # which a declaration that leaves the layout out still matches.
+            existing = self._declared_ring(name) if kind is Design.RING and layout is None else None
+            if existing is None:
+                raise
+            wanted = asked(default_layout=existing)
         if wanted.layout is not None and wanted.layout.value not in self.db.ring_layouts:
             raise NotSupportedError(
                 f"queue {name!r}: the ring's {wanted.layout.value} layout is PostgreSQL-only; the "
@@ -505,7 +555,7 @@ class DbQueue:
                 ) from None
             if not exist_ok:
                 raise QueueExistsError(f"queue {name!r} already exists in schema {self.schema!r}")
-            _check_same_settings(queue.settings, wanted, self.schema)
+            _check_same_settings(queue.settings, _as_declared(asked, queue.settings), self.schema)
             return queue
         created = self._insert_queue(wanted)
         self._queues.pop(name, None)
@@ -513,8 +563,15 @@ class DbQueue:
         if created is None:
             if not exist_ok:
                 raise QueueExistsError(f"queue {name!r} already exists in schema {self.schema!r}")
-            _check_same_settings(queue.settings, wanted, self.schema)
+            _check_same_settings(queue.settings, _as_declared(asked, queue.settings), self.schema)
         return queue
+
+    def _declared_ring(self, name: str) -> RingLayout | None:
+        """The layout of the ring ``name`` if it exists (None for a table queue or no queue)."""
+        try:
+            return self.queue(name).settings.layout
+        except QueueNotFoundError:
+            return None
 
     def _insert_queue(self, wanted: QueueSettings) -> tuple[Any, ...] | None:
         """Insert the queue's row (and a ring's slots, in the same transaction); return the new row, or

@@ -48,11 +48,12 @@ class RingLayout(enum.StrEnum):
     """How a ring stores its messages (chosen when it is created)."""
 
     SLOTS = "slots"
-    """A preallocated slot a message, updated in place by pushes (the default)."""
+    """A preallocated slot a message, updated in place by pushes (the default on SQL Server, which has
+    no other)."""
     ROWS = "rows"
     """A row a push in four insert-only segment tables emptied with ``TRUNCATE`` once every reader has
-    passed them: no dead row on the hot path under a held xmin horizon (PostgreSQL only; see
-    docs/limits.md for what it does not do yet)."""
+    passed them: no dead row on the hot path under a held xmin horizon (PostgreSQL only, and its
+    default; see docs/limits.md)."""
 
 
 class PayloadType(enum.StrEnum):

@@ -27,6 +27,7 @@ from airflow_dbqueue.engine.models import RING_DEFAULT_LAG_TIMEOUT_S
 from airflow_dbqueue.engine.queue import COUNT_CAP, Queue
 from airflow_dbqueue.engine.renames import warn_renamed
 from airflow_dbqueue.engine.ring import RingQueue
+from airflow_dbqueue.engine.ring_rows import RowsRingQueue
 from airflow_dbqueue.hooks.claims import (
     XCOM_MAX_MESSAGES,
     check_claimable,
@@ -146,9 +147,10 @@ class QueueOperations:
         """List a ring's consumer groups, the default one first."""
         return self._ring(queue_name).groups()
 
-    def _ring(self, queue_name: str) -> RingQueue:
+    def _ring(self, queue_name: str) -> RingQueue | RowsRingQueue:
+        """A ring of either layout; a table queue raises, naming its design."""
         queue = self.get_queue(queue_name)
-        if not isinstance(queue, RingQueue):
+        if not isinstance(queue, (RingQueue, RowsRingQueue)):
             raise ConfigurationError(
                 f"queue {queue_name!r} is a {queue.settings.design} queue: "
                 "consumer groups need the ring design"

@@ -141,6 +141,7 @@ def setup_target(target: Target) -> None:
             dbq.create_queue(
                 QUEUE_NAME,
                 design="ring",
+                layout="slots",
                 payload_type="bytes",
                 notify=target.notify,
                 capacity=target.capacity,

@@ -74,6 +74,8 @@ def make_queue(request: pytest.FixtureRequest, client: DbQueue) -> Callable[...,
         if isinstance(client.db, MssqlDatabase):
             pytest.skip("the ring's rows layout is PostgreSQL-only")
         settings_of_layout: dict[str, Any] = {"layout": "rows"}
+    elif design == "ring":  # named: PostgreSQL's default ring is of the rows layout
+        settings_of_layout = {"layout": "slots"}
     else:
         settings_of_layout = {}
 

@@ -142,10 +142,10 @@ def test_bad_ttls_raise_at_once_and_push_nothing(dbq: DbQueue) -> None:
         with pytest.raises(ConfigurationError):
             dbq.create_queue("w", **bad)  # type: ignore[arg-type]
     with pytest.raises(NotSupportedError, match="ttl applies to table queues and rings of the rows layout"):
-        dbq.create_queue("w", design="ring", ttl=10)
+        dbq.create_queue("w", design="ring", ttl=10, layout="slots")
     with pytest.raises(NotSupportedError, match="on_expiry='drop' applies to table queues and rings"):
         dbq.create_queue("w", design="ring", on_expiry="drop", layout="slots")
-    r = dbq.create_queue("r", design="ring", capacity=16)
+    r = dbq.create_queue("r", design="ring", capacity=16, layout="slots")
     with pytest.raises(NotSupportedError, match="slots layout: expiry"):
         r.push("x", ttl=10)
     assert q.stats().ready == 0 and r.stats().ready == 0 and plain.stats().ready == 0

@@ -155,7 +155,7 @@ def test_an_empty_existing_schema_is_used_and_kept(pg_dsn: str, new_schema: Call
         assert dbq.install() == LATEST
         q = dbq.create_queue("orders")
         q.push_batch([{"n": i} for i in range(5)])
-        dbq.create_queue("stream", design="ring", capacity=16).push(1)
+        dbq.create_queue("stream", design="ring", layout="slots", capacity=16).push(1)
         flat = dbq.create_queue("flat", design="ring", layout="rows", capacity=64)
         flat.add_group("audit")  # a group of the rows layout has tables and functions of its own
         flat.push(1)
@@ -175,7 +175,7 @@ def test_a_fresh_install_records_what_it_created_and_uninstall_drops_it_all(
         assert ("schema", schema) in owned
         assert {("table", t) for t in ENGINE_TABLES} <= owned
         assert {("function", f) for f in functions(pg_dsn, schema)} <= owned
-        dbq.create_queue("stream", design="ring", capacity=16).push(1)
+        dbq.create_queue("stream", design="ring", layout="slots", capacity=16).push(1)
         assert {"ring_1_seq", "ring_1_gaps"} <= relations(pg_dsn, schema)
         dbq.uninstall()
         dbq.uninstall()  # nothing left to do: no error

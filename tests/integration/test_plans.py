@@ -92,7 +92,7 @@ def test_only_calls_of_the_schemas_functions_are_prepared_and_they_run_generic_p
     from airflow_dbqueue.engine.dialects.postgres.statements import GENERIC_PLANS
 
     table = dbq.create_queue("plans_table")
-    ring = dbq.create_queue("plans_ring", design="ring", capacity=64)
+    ring = dbq.create_queue("plans_ring", design="ring", layout="slots", capacity=64)
     with dbq.db.connection() as c:
         for i in range(12):
             assert table.pop(100, conn=c) == []
@@ -352,7 +352,9 @@ def test_pushes_of_one_read_the_rings_floor_only_when_a_slot_is_not_free(dbq: Db
     of 64 scan the leases' index once. The 65th push finds its slot not free under that floor (the
     ring is full until a pop) and writes its number through ring_push, which reads the floor itself
     and returns it: the handle keeps that one, and the 66th push reads none."""
-    dbq.create_queue("floor_hint", design="ring", capacity=64, notify="never", payload_type="bytes")
+    dbq.create_queue(
+        "floor_hint", design="ring", layout="slots", capacity=64, notify="never", payload_type="bytes"
+    )
     sent = [os.urandom(40) for _ in range(66)]
     with (
         psycopg.connect(dbq.db.dsn, autocommit=True) as admin,
@@ -376,7 +378,9 @@ def test_pushes_of_a_batch_read_the_rings_floor_only_when_the_handles_leaves_no_
     of eight batches of 8 reads the floor (the handle has none yet) and the other seven none. After a
     pop of 16, the next batch needs room the old floor does not give: it reads the floor (17 now) and
     is written without waiting, and the batch after it finds room under the floor it returned."""
-    dbq.create_queue("floor_batches", design="ring", capacity=64, notify="never", payload_type="bytes")
+    dbq.create_queue(
+        "floor_batches", design="ring", layout="slots", capacity=64, notify="never", payload_type="bytes"
+    )
     sent = [os.urandom(40) for _ in range(80)]
     batches = [sent[k : k + 8] for k in range(0, 80, 8)]
     with (
@@ -405,7 +409,7 @@ def test_a_pooled_pop_of_one_is_one_prepared_statement_with_a_generic_plan_on_th
     order. (1 s)"""
     sent = [{"i": i, "pad": os.urandom(8).hex()} for i in range(40)]
     with Client(dbq.db.dsn, schema=dbq.schema, pool_size=1) as one:
-        ring = one.create_queue("one_plans", design="ring", capacity=64, lanes=4)
+        ring = one.create_queue("one_plans", design="ring", layout="slots", capacity=64, lanes=4)
         assert ring.pop(1) == []
         ring.push_batch(sent)
         got = [m for _ in range(30) for m in ring.pop(1)]
@@ -470,7 +474,7 @@ def test_a_ring_batchs_reader_reads_each_slot_of_its_range_at_most_once(dbq: DbQ
     """A ring batch's query, whole or as one partition of Spark's JDBC reader (a filter on ord, which
     leaves the planner expecting a row or so): the slots' key is read for at most the batch's range
     once, never once a number (a join on seq alone scanned the range once a number)."""
-    q = dbq.create_queue("wide", design="ring", capacity=8000)
+    q = dbq.create_queue("wide", design="ring", layout="slots", capacity=8000)
     sent = [{"n": i} for i in range(6000)]
     q.push_batch(sent)
     q.pop(1000)  # the batch starts mid-ring

@@ -48,7 +48,8 @@ pytestmark = pytest.mark.integration
 
 
 def ring(dbq: DbQueue, name: str, capacity: int, **settings: Any) -> RingQueue:
-    q = dbq.create_queue(name, design="ring", capacity=capacity, **settings)
+    """A ring of the slots layout, which this file is about (the rows layout's are test_ring_rows.py's)."""
+    q = dbq.create_queue(name, design="ring", capacity=capacity, layout="slots", **settings)
     return q  # type: ignore[return-value]
 
 
@@ -735,7 +736,9 @@ def test_ring_table_never_grows_and_updates_are_hot(pg_dsn: str, dbq: DbQueue) -
 def _hot_ring_run(pg_dsn: str, dbq: DbQueue, name: str) -> tuple[str, list[str]]:
     """One run of the test above on a new ring: '' or how its tables grew, and the horizon holders seen."""
     with DbQueue(pg_dsn, schema=dbq.schema, pool_size=1) as one:
-        q = one.create_queue(name, design="ring", capacity=500, payload_type="bytes", max_payload_bytes=300)
+        q = one.create_queue(
+            name, design="ring", layout="slots", capacity=500, payload_type="bytes", max_payload_bytes=300
+        )
         with one.db.connection() as c:
             own = int(c.execute("SELECT pg_backend_pid()").fetchone()[0])
         sent: list[bytes] = []
@@ -940,7 +943,12 @@ def test_stats_of_a_deep_ring_counts_its_lanes_and_says_when_it_estimates(
     with DbQueue(pg_dsn, schema=schema_name) as dbq:
         dbq.install()
         q = dbq.create_queue(
-            "deep", design="ring", capacity=n + 1_000, payload_type="bytes", max_payload_bytes=64
+            "deep",
+            design="ring",
+            layout="slots",
+            capacity=n + 1_000,
+            payload_type="bytes",
+            max_payload_bytes=64,
         )
         sent = [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(n)]
         for k in range(0, n, 5_000):

@@ -92,7 +92,7 @@ class RingBatchMachine(RuleBasedStateMachine):
             settings |= {"layout": "rows", "capacity": self.cap, "lanes": self.lanes}
         else:
             self.cap = cap
-            settings |= {"capacity": cap, "lanes": min(lanes, cap)}
+            settings |= {"layout": "slots", "capacity": cap, "lanes": min(lanes, cap)}
         q = self.dbq.create_queue(name, design="ring", **settings)
         q.push_timeout = 0.0  # type: ignore[attr-defined]  # a full ring answers at once
         self.handles = {"default": q, "g": q.add_group("g")}  # type: ignore[attr-defined]
@@ -277,7 +277,7 @@ def test_a_slot_overwritten_or_a_segment_reused_after_the_lease_expired_reads_no
     finished them, and pushes reused their slots (slots), or their segment was emptied and refilled
     (rows). The batch's reader then gets no payload for them (not the new messages of those slots or
     that segment), and the batch is refused at ack."""
-    shape: dict[str, Any] = {"capacity": 4, "lanes": 1}
+    shape: dict[str, Any] = {"layout": "slots", "capacity": 4, "lanes": 1}
     if layout == "rows":
         shape = {"layout": "rows", "capacity": 8, "lanes": 1}
     q = dbq.create_queue("orders", design="ring", visibility_timeout=0.2, **shape)
@@ -374,7 +374,7 @@ def test_a_claim_gets_past_a_push_that_rolled_back(dbq: DbQueue, group: str | No
     lane, whose claim gives up the row a push rolled back once every transaction older than its first
     look has ended (at once here); ``rows.g``: that ring's group ``g``."""
     rows = group is not None and group.startswith("rows")
-    layout = {"layout": "rows", "lanes": 1} if rows else {"lanes": 2}
+    layout = {"layout": "rows", "lanes": 1} if rows else {"layout": "slots", "lanes": 2}
     q = dbq.create_queue("orders", design="ring", capacity=64, **layout)
     handle = q.add_group("g") if group in ("g", "rows.g") else q  # type: ignore[attr-defined]
     with pytest.raises(RuntimeError), dbq.transaction() as conn:

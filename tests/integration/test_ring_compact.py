@@ -39,7 +39,13 @@ def payloads(rnd: random.Random, n: int) -> list[bytes]:
 
 def make_ring(dbq: DbQueue, name: str = "events", capacity: int = 2048) -> RingQueue:
     q = dbq.create_queue(
-        name, design="ring", capacity=capacity, max_payload_bytes=SLOT_BYTES, payload_type="bytes", lanes=2
+        name,
+        design="ring",
+        layout="slots",
+        capacity=capacity,
+        max_payload_bytes=SLOT_BYTES,
+        payload_type="bytes",
+        lanes=2,
     )
     return q  # type: ignore[return-value]
 
@@ -67,7 +73,9 @@ def test_the_laid_out_size_is_that_of_rings_made_by_create_queue(dbq: DbQueue) -
     """The estimate compact_rings compares against, for the slot sizes a ring may have."""
     for slot_bytes in (100, 300, 512, 1000, 4000):
         before = relation_size(dbq, "ring_slots")
-        dbq.create_queue(f"r{slot_bytes}", design="ring", capacity=2048, max_payload_bytes=slot_bytes)
+        dbq.create_queue(
+            f"r{slot_bytes}", design="ring", layout="slots", capacity=2048, max_payload_bytes=slot_bytes
+        )
         made = relation_size(dbq, "ring_slots") - before
         estimate = ring_slots_laid_out_bytes(2048, slot_bytes)
         assert abs(made - estimate) <= 0.06 * made, (slot_bytes, made, estimate)

@@ -180,7 +180,7 @@ def test_held_horizon_leaves_no_dead_rows_and_a_bounded_size(dbq: DbQueue) -> No
     insert, and whole segments are emptied with TRUNCATE. A slots ring with room for as many messages,
     churned alike, is printed beside it as a fact, not asserted."""
     rows = rows_ring(dbq, capacity=16, lanes=2)
-    slots = dbq.create_queue("s", design="ring", capacity=160, lanes=2)
+    slots = dbq.create_queue("s", design="ring", layout="slots", capacity=160, lanes=2)
     payload = {"x": "y" * 200}
     holder = held_horizon(dbq.db.dsn)
     try:
@@ -518,7 +518,9 @@ def test_held_horizon_at_least_once_writes_no_dead_tuple(dbq: DbQueue) -> None:
     same hold, deletes its lease rows (its dead tuples are counted by the same statistics: they are
     what shows that the count works)."""
     rows = rows_ring(dbq, capacity=1024, lanes=2, max_attempts=3, retry_backoff=0, retry_backoff_max=0)
-    dbq.create_queue("s", design="ring", capacity=4096, lanes=2, retry_backoff=0, retry_backoff_max=0)
+    dbq.create_queue(
+        "s", design="ring", layout="slots", capacity=4096, lanes=2, retry_backoff=0, retry_backoff_max=0
+    )
     sent = [{"n": i, "pad": "x" * 50} for i in range(400)]
     holder = held_horizon(dbq.db.dsn, xid=True)
     finished: dict[str, list[Any]] = {"r": [], "s": []}
@@ -741,7 +743,7 @@ def test_held_horizon_pops_of_one_write_no_dead_tuple(dbq: DbQueue) -> None:
     ring's tables: no tuple updated, deleted or dead in any of them; the slots ring, driven alike in the
     same hold, updates its lanes (what shows that the count works)."""
     rows = rows_ring(dbq, capacity=32, lanes=2)
-    dbq.create_queue("s", design="ring", capacity=64, lanes=2)
+    dbq.create_queue("s", design="ring", layout="slots", capacity=64, lanes=2)
     sent = [{"n": i, "pad": "x" * (i % 40)} for i in range(300)]
     holder = held_horizon(dbq.db.dsn, xid=True)
     finished: dict[str, list[Any]] = {"r": [], "s": []}
@@ -804,7 +806,7 @@ def test_held_horizon_batches_write_no_dead_tuple(dbq: DbQueue) -> None:  # noqa
     that the count works). Every group of each ring acks every message once, counted and checksummed."""
     rows = rows_ring(dbq, capacity=16, lanes=2)
     group = rows.add_group("g")  # type: ignore[attr-defined]
-    dbq.create_queue("s", design="ring", capacity=1024, lanes=2).add_group("g")  # type: ignore[attr-defined]
+    dbq.create_queue("s", design="ring", layout="slots", capacity=1024, lanes=2).add_group("g")  # type: ignore[attr-defined]
     sent = [{"n": i, "pad": "x" * (i % 30)} for i in range(600)]
     holder = held_horizon(dbq.db.dsn, xid=True)
     finished: dict[str, list[Any]] = {f"{n}.{g}": [] for n in ("r", "s") for g in ("default", "g")}

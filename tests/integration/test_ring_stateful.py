@@ -93,6 +93,7 @@ class RingMachine(RuleBasedStateMachine):
         q = self.dbq.create_queue(
             f"r{next(self._names)}",
             design="ring",
+            layout="slots",  # the model's: a capacity of slots (the rows layout's is test_ring_rows.py's)
             capacity=cap,
             max_attempts=max_attempts,
             visibility_timeout=600.0,

@@ -44,8 +44,9 @@ class Ledger:
 
 @pytest.mark.parametrize("design", ["table", "ring"])
 def test_each_run_samples_each_queue_with_what_was_pushed_and_popped(dbq: DbQueue, design: str) -> None:
-    q = dbq.create_queue("orders", design=design, archive=True if design == "table" else None)
-    other = dbq.create_queue("audit", design=design, archive=True if design == "table" else None)
+    shape: dict[str, Any] = {"archive": True} if design == "table" else {"layout": "slots"}
+    q = dbq.create_queue("orders", design=design, **shape)
+    other = dbq.create_queue("audit", design=design, **shape)
     orders, audit = Ledger(q, "a"), Ledger(other, "b")
     m = dbq.maintenance()
     first = m.run(MaintenanceConfig(**QUICK))
@@ -147,7 +148,7 @@ def test_a_run_reports_what_a_held_horizon_costs_and_the_next_one_clears(dbq: Db
 
 
 def test_a_ring_compaction_deferred_by_the_horizon_is_reported(dbq: DbQueue, pg_dsn: str) -> None:
-    q = dbq.create_queue("stream", design="ring", capacity=64)
+    q = dbq.create_queue("stream", design="ring", layout="slots", capacity=64)  # compaction: slots only
     conn = held_horizon(pg_dsn)
     pid = conn.info.backend_pid
     try:
@@ -171,7 +172,7 @@ def test_a_ring_compaction_deferred_by_the_horizon_is_reported(dbq: DbQueue, pg_
 
 
 def test_a_rings_consumer_groups_are_sampled_with_their_lag(dbq: DbQueue) -> None:
-    q = dbq.create_queue("ticks", design="ring", capacity=64)
+    q = dbq.create_queue("ticks", design="ring", layout="slots", capacity=64)
     audit = q.add_group("audit", on_lag="block", lag_timeout=600)
     m = dbq.maintenance()
     m.sample()

@@ -214,6 +214,7 @@ def sides(
             q = side.create_queue(
                 f"r{seed}",
                 design="ring",
+                layout="slots",
                 capacity=capacity,
                 lanes=lanes,
                 max_attempts=3,
