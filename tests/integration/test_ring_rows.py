@@ -48,6 +48,34 @@ def drain(q: Queue, n: int = 100) -> list[Any]:
     return out
 
 
+def test_a_ring_left_to_its_default_layout_is_of_the_rows_layout_on_postgresql(dbq: DbQueue) -> None:
+    """PostgreSQL's default ring is the rows layout, with lanes its capacity can have; a shape only the
+    slots layout can have is refused naming the way out, and made when asked for by name; a declaration
+    that leaves the layout out matches an existing ring of either layout."""
+    assert dbq.default_ring_layout == "rows"
+    small = dbq.create_queue("small", design="ring", capacity=16)
+    assert (small.settings.layout, small.settings.capacity, small.settings.lanes) == ("rows", 16, 2)
+    big = dbq.create_queue("big", design="ring")
+    assert (big.settings.layout, big.settings.capacity, big.settings.lanes) == ("rows", 16384, 8)
+    with pytest.raises(ConfigurationError, match=r"multiple of 4 .* got 10 \(or choose layout='slots'\)"):
+        dbq.create_queue("odd", design="ring", capacity=10)
+    assert [q.name for q in dbq.list_queues()] == ["big", "small"]  # nothing made by the refusal
+    odd = dbq.create_queue("odd", design="ring", capacity=10, layout="slots")
+    assert (odd.settings.layout, odd.settings.lanes) == ("slots", 8)
+    # declared again without a layout: each matches the ring it has, with that layout's defaults
+    assert dbq.create_queue("odd", design="ring", capacity=10).settings == odd.settings
+    assert dbq.create_queue("small", design="ring", capacity=16).settings == small.settings
+    slots = dbq.create_queue("slots64", design="ring", capacity=64, layout="slots")
+    assert dbq.create_queue("slots64", design="ring", capacity=64).settings == slots.settings
+    sent = [{"i": i, "v": os.urandom(4).hex()} for i in range(40)]
+    for q in (small, odd, slots):
+        q.push_batch(sent[:8])
+        got = drain(q)
+        assert [m.payload for m in got] == sent[:8] and checksum([m.payload for m in got]) == checksum(
+            sent[:8]
+        )
+
+
 def test_push_pop_in_id_order_with_counts_and_checksums(dbq: DbQueue) -> None:
     q = rows_ring(dbq, capacity=64, lanes=4)
     sent = [{"i": i, "s": "é✓" * (i % 5)} for i in range(700)]
