@@ -735,6 +735,36 @@ def test_pops_of_one_by_threads_and_a_process_take_every_message_once(  # noqa: 
     assert (s.ready, s.in_flight, s.failed) == (0, 0, 0)
 
 
+def test_one_consumers_pops_of_one_come_in_push_order_across_segments(dbq: DbQueue) -> None:
+    """One consumer's pops of one take the lowest lane whose row is written: rows of one message, dealt in
+    turn to 4 lanes, come out in push order through about 30 segments of 16 rows, at most once and at
+    least once (each acked), with a pop of 3 (the general pop) now and then. Where the pops cross into a
+    segment, some lanes' positions are logged in the newest segment of the log and the others' still in
+    the one before: a pop of one that read only the newest would take a lane ahead of a lower one there."""
+    q = rows_ring(dbq, "order", capacity=64, lanes=4)
+    sent: list[tuple[int, Any]] = []
+    got: list[tuple[int, Any]] = []
+    for rnd in range(40):
+        batch = [{"r": rnd, "i": i} for i in range(12)]
+        sent += [(q.push(p), p) for p in batch]
+        left = 12
+        while left:
+            if rnd % 5 == 4 and left == 12:
+                msgs = q.pop(3)
+            elif left % 2:
+                msgs = q.pop(1, semantics="at-least-once")
+                assert q.ack(msgs) == len(msgs)
+            else:
+                msgs = q.pop(1)
+            assert msgs, (rnd, left)
+            got += [(m.id, m.payload) for m in msgs]
+            left -= len(msgs)
+    assert q.pop(1) == []
+    assert [i for i, _ in got] == [i for i, _ in sent]
+    assert checksum(p for _, p in got) == checksum(p for _, p in sent)
+    assert len({i >> 16 for i, _ in sent}) == 480  # rows: 30 segments of 16
+
+
 def test_held_horizon_pops_of_one_write_no_dead_tuple(dbq: DbQueue) -> None:
     """While a REPEATABLE READ transaction holds the xmin horizon, pushes of one and pops of one (at most
     once, and at least once with each message acked) through several rotations only insert into the rows
