@@ -326,6 +326,43 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
                 return int(row[2])
         return 0
 
+    def recover_gaps(self, *, wait: float = 2.0) -> int:
+        """Give up the row numbers that a push took and will never write, where a lane stopped at one;
+        return how many rows (with consumer groups: the most that one group passed).
+
+        A push takes its row number from a sequence, which a rollback does not give back: a push that
+        rolled back or whose process died leaves its row unwritten, and the lane stops there once its
+        pops reach it. A lane's position is all this layout records of it (no update, no skip list), so a
+        gap behind a message not taken yet is in nobody's way and is given up once the lane reaches it.
+        Pops (an empty one), a full push and :meth:`maintain` give up gaps too; this does it for a ring
+        nobody pops, and waits: it gives up what earlier looks of this handle proved, then looks at the
+        ring (the row sequence's position, then its own transaction id) and gives up the rows issued by
+        then and still unwritten at a lane's head once every transaction older than that look has ended
+        (a push takes its transaction id before its row number, so such a row can never be written). It
+        waits for that up to ``wait`` seconds, and otherwise gives nothing more up: a push still running
+        keeps its row. A lane another pop holds at that moment is left for a later call.
+        """
+        wait = check_seconds(f"queue {self.name!r}: recover_gaps wait", wait)
+        root = self._default()
+        try:
+            skipped = root._give_up_gaps(force=True)
+            xmax = root._seen[0]
+            deadline = time.monotonic() + wait
+            pause = 0.002
+            while xmax is not None:
+                row = self._db.fetchone("ring_rows_xmin", {})
+                if row is not None and int(row[0]) >= xmax:
+                    return skipped + root._give_up_gaps(force=True)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break  # a transaction older than the look is still running: a later call gives it up
+                pause_for(min(pause, left))
+                pause = min(pause * 2, 0.1)
+        except (DatabaseError, SchemaError):
+            self._raise_if_gone()
+            raise
+        return skipped
+
     def _raise_if_gone(self, conn: DbConnection | None = None) -> None:
         """Raise :class:`QueueNotFoundError` when this handle's ring was dropped (its own functions and
         tables went with it, so its statements fail as if the schema were not installed), or

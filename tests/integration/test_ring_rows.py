@@ -765,6 +765,33 @@ def test_one_consumers_pops_of_one_come_in_push_order_across_segments(dbq: DbQue
     assert len({i >> 16 for i, _ in sent}) == 480  # rows: 30 segments of 16
 
 
+def test_recover_gaps_gives_up_a_rolled_back_push_once_no_older_transaction_runs(dbq: DbQueue) -> None:
+    """A push that rolled back leaves its row unwritten and its lane stopped there. recover_gaps leaves
+    it while a transaction older than its look runs (a push still holding its row: it waits ``wait``
+    seconds and gives nothing up), then gives it up (1 row), so that one pop takes every message, in
+    id order; a bad ``wait`` is refused by name, nothing given up."""
+    q = rows_ring(dbq, "gaps", capacity=64, lanes=4)
+    sent = [{"i": i} for i in range(10)]
+    ids = [q.push(p) for p in sent[:3]]
+    with pytest.raises(_RolledBack), dbq.transaction() as conn:
+        q.push({"lost": True}, conn=conn)
+        raise _RolledBack
+    ids += [q.push(p) for p in sent[3:]]
+    with pytest.raises(ConfigurationError, match="recover_gaps wait"):
+        q.recover_gaps(wait=-1)  # type: ignore[attr-defined]
+    with dbq.transaction() as conn:
+        ids.append(q.push({"late": True}, conn=conn))  # a push holding its row, running
+        t0 = time.monotonic()
+        assert q.recover_gaps(wait=0.3) == 0  # type: ignore[attr-defined]
+        assert time.monotonic() - t0 >= 0.3
+    assert q.recover_gaps(wait=5.0) == 1  # type: ignore[attr-defined]
+    assert q.recover_gaps(wait=5.0) == 0  # type: ignore[attr-defined]
+    got = q.pop(100)  # one pop: no lane stops at the gap any more
+    assert [m.id for m in got] == ids
+    assert checksum(m.payload for m in got) == checksum([*sent, {"late": True}])
+    assert q.maintain()["gaps_skipped"] == 0  # type: ignore[attr-defined]
+
+
 def test_held_horizon_pops_of_one_write_no_dead_tuple(dbq: DbQueue) -> None:
     """While a REPEATABLE READ transaction holds the xmin horizon, pushes of one and pops of one (at most
     once, and at least once with each message acked) through several rotations only insert into the rows

@@ -475,6 +475,11 @@ SELECT {schema}.ring_rows_rotate_ahead(%(queue_id)s::integer)
 SELECT r_xmax, r_last, r_skipped FROM {schema}.ring_rows_gaps(
     %(queue_id)s::integer, %(xmax)s::bigint, %(last)s::bigint)
 
+-- name: ring_rows_xmin
+-- The oldest transaction id still running, as this statement's snapshot sees it (ring_rows_gaps gives up
+-- what a look returned once it is at least that look's xmax).
+SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint
+
 -- name: ring_rows_depth
 -- (ready, delayed, in flight, failed, age of the oldest ready in seconds, rows held, each segment's
 -- generation)
