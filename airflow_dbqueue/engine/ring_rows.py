@@ -10,9 +10,9 @@ when a push needs it, or ahead of the pushes by :meth:`RowsRingQueue.maintain`. 
 updates or deletes a row, so a held xmin horizon leaves no dead row behind it, and the tables stay at
 the size of the rows the ring holds. The SQL is in the dialect's ``functions.sql`` (``ring_rows_*``); the
 hot path (push, pop, the ack of a whole pop) calls the ring's own functions by name. A pop of one has a
-function of its own (``rtake1``: the lowest lane whose next row is written, locked, its position read
-again, and its message taken, in three statements), which hands over to the general pop when messages
-to deliver again may be due or it finds no such lane.
+function of its own (``rtake1``: the lowest lane whose next row is written, locked, and its message
+taken where the position is checked again, usually in two statements), which hands over to the general
+pop when messages to deliver again may be due or it finds no such lane.
 
 ``capacity`` counts rows (pushes), not messages: four segments of ``capacity / 4`` rows. A ring is full
 when the pushes reach a segment some lane still needs; a push then waits up to ``push_timeout`` seconds

@@ -415,7 +415,7 @@ SELECT r_payload FROM {schema}.{fn}(%(n)s::integer, %(wait)s::boolean, false, 0,
 
 -- name: ring_rows_take_one
 -- A pop of one (ring_rows_take's columns): {fn} is the ring's own function for it (ring_<queue_id>_rtake1),
--- which takes the lowest lane's next message in three statements of its own, and hands over to the pop
+-- which takes the lowest lane's next message in statements of its own (usually two), and hands over to the pop
 -- of ring_rows_take when messages to deliver again may be due or it finds no lane to take from.
 SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, r_lease_until, r_payload FROM {schema}.{fn}(
     %(wait)s::boolean, %(lease)s::boolean, %(visibility_timeout_s)s::float8, %(consumer)s::text)
