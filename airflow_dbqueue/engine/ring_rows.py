@@ -10,9 +10,9 @@ when a push needs it, or ahead of the pushes by :meth:`RowsRingQueue.maintain`. 
 updates or deletes a row, so a held xmin horizon leaves no dead row behind it, and the tables stay at
 the size of the rows the ring holds. The SQL is in the dialect's ``functions.sql`` (``ring_rows_*``); the
 hot path (push, pop, the ack of a whole pop) calls the ring's own functions by name. A pop of one has a
-function of its own (``rtake1``: the lowest lane whose next row is written, locked, its position read
-again, and its message taken, in three statements), which hands over to the general pop when messages
-to deliver again may be due or it finds no such lane.
+function of its own (``rtake1``: the lowest lane whose next row is written, locked, and its message
+taken where the position is checked again, usually in two statements), which hands over to the general
+pop when messages to deliver again may be due or it finds no such lane.
 
 ``capacity`` counts rows (pushes), not messages: four segments of ``capacity / 4`` rows. A ring is full
 when the pushes reach a segment some lane still needs; a push then waits up to ``push_timeout`` seconds
@@ -325,6 +325,43 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             if not first_look:
                 return int(row[2])
         return 0
+
+    def recover_gaps(self, *, wait: float = 2.0) -> int:
+        """Give up the row numbers that a push took and will never write, where a lane stopped at one;
+        return how many rows (with consumer groups: the most that one group passed).
+
+        A push takes its row number from a sequence, which a rollback does not give back: a push that
+        rolled back or whose process died leaves its row unwritten, and the lane stops there once its
+        pops reach it. A lane's position is all this layout records of it (no update, no skip list), so a
+        gap behind a message not taken yet is in nobody's way and is given up once the lane reaches it.
+        Pops (an empty one), a full push and :meth:`maintain` give up gaps too; this does it for a ring
+        nobody pops, and waits: it gives up what earlier looks of this handle proved, then looks at the
+        ring (the row sequence's position, then its own transaction id) and gives up the rows issued by
+        then and still unwritten at a lane's head once every transaction older than that look has ended
+        (a push takes its transaction id before its row number, so such a row can never be written). It
+        waits for that up to ``wait`` seconds, and otherwise gives nothing more up: a push still running
+        keeps its row. A lane another pop holds at that moment is left for a later call.
+        """
+        wait = check_seconds(f"queue {self.name!r}: recover_gaps wait", wait)
+        root = self._default()
+        try:
+            skipped = root._give_up_gaps(force=True)
+            xmax = root._seen[0]
+            deadline = time.monotonic() + wait
+            pause = 0.002
+            while xmax is not None:
+                row = self._db.fetchone("ring_rows_xmin", {})
+                if row is not None and int(row[0]) >= xmax:
+                    return skipped + root._give_up_gaps(force=True)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break  # a transaction older than the look is still running: a later call gives it up
+                pause_for(min(pause, left))
+                pause = min(pause * 2, 0.1)
+        except (DatabaseError, SchemaError):
+            self._raise_if_gone()
+            raise
+        return skipped
 
     def _raise_if_gone(self, conn: DbConnection | None = None) -> None:
         """Raise :class:`QueueNotFoundError` when this handle's ring was dropped (its own functions and

@@ -130,6 +130,7 @@ POSTGRES_ONLY: dict[str, str] = {
             "ring_rows_label",
             "ring_rows_rotate_ahead",
             "ring_rows_gaps",
+            "ring_rows_xmin",
             "ring_rows_depth",
             "ring_rows_claim_batch",
             "ring_rows_get_batch",

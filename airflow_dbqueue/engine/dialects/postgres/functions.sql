@@ -2655,16 +2655,20 @@ BEGIN
 END
 $b$
 @;
--- Pop one message in the caller's transaction (a pop of one's path): what @Ptake(1, ...) does, in three
--- statements of its own. (1) Lock the lane of the lowest position whose next row is issued and written,
--- try-locking lanes in that order (positions and rows as this statement's snapshot saw them); (2) read
--- that lane's position again, in a statement of its own begun after the lock (see @Ptake); (3) read the
--- message it names, log the lane's new position (and at least once, insert the lease row: the message's
--- lane range, as @Ptake writes it) in one statement on the segment of that message. It hands the pop
--- over to @Ptake (which may wait for a held lane) when messages to deliver again may be due (those come
--- first), when no such lane could be locked, and when the locked lane's row at its position is not
--- written after all (a pop moved it meanwhile; @Ptake takes the lane again, a lock this transaction holds),
--- or has expired (@Ptake passes and records it).
+-- Pop one message in the caller's transaction (a pop of one's path): what @Ptake(1, ...) does, usually
+-- in two statements of its own. (1) Lock the lane of the lowest position whose next row is issued and
+-- written, try-locking lanes in that order (positions and rows as this statement's snapshot saw them),
+-- each lane's position read in the newest segment of the log only (one index scan a lane; its row is in
+-- that segment or the next); when some lane has no entry there (pops are crossing into it), the same
+-- with each lane's position read newest segment first. (2) Read the message at the lane's position, log
+-- the lane's new position (and at least once, insert the lease row: the message's lane range, as @Ptake
+-- writes it) in one statement on the segment of that message, begun after the lock: it checks there that
+-- the position is still the one read (see below), or takes it from a statement of its own read after
+-- the lock when it cannot (see @Ptake). It hands the pop over to @Ptake (which may wait for a held lane)
+-- when messages to deliver again may be due (those come first), when no such lane could be locked, and
+-- when the locked lane's row at its position is not written after all or its position moved (a pop
+-- moved it meanwhile; @Ptake takes the lane again, a lock this transaction holds), or has expired
+-- (@Ptake passes and records it). A pop at most once has statements without the lease row's insert.
 CREATE FUNCTION {schema}.@Ptake1(p_wait boolean, p_lease boolean, p_vt double precision, p_consumer text)
 RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz,
                r_lease_until timestamptz, r_payload bytea)
@@ -2678,97 +2682,182 @@ DECLARE
     v_r bigint;
     v_k integer;
     v_kn integer;
+    v_gen bigint;
+    v_check boolean;
 BEGIN
     IF v_last IS NULL THEN  -- nothing pushed yet
         RETURN;
     END IF;
     IF coalesce(pg_sequence_last_value('{schema}.@Pretrygen'), -4) < v_last / @S - 3 THEN
-        -- Each lane's position, newest segment of the log first (as @Planes reads it), lowest first. One
+        -- Each lane's position in the newest segment of the log (pos_gen's), lowest first; a lane with none
+        -- there (NULL, sorted first) sends the pop to the full read below. One
         -- CASE, so that a lane is try-locked only once its row is found written (the planner orders the
         -- conditions of an AND by their cost; the CASE evaluates in order), and the row is read in its own
         -- segment only, a scalar subquery (which the planner cannot turn into a hash of the whole
         -- segment). Every statement here has one plan whatever its parameters' values (no array
         -- parameter, whose length a custom plan would count), so PostgreSQL keeps a generic one.
-        v_kn := (coalesce(pg_sequence_last_value('{schema}.@Pposgen'), 0) % 4)::integer;
+        v_gen := coalesce(pg_sequence_last_value('{schema}.@Pposgen'), 0);
+        v_kn := (v_gen % 4)::integer;
         IF v_kn = 0 THEN
-            SELECT l.lane INTO v_lane FROM (
-                SELECT g AS lane, coalesce((SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = g)) AS at
-                FROM generate_series(0, @L - 1) g ORDER BY 2 OFFSET 0) l
-            WHERE CASE WHEN (l.at >> 16) <= v_last AND CASE ((l.at >> 16) / @S % 4)
-                           WHEN 0 THEN (SELECT true FROM {schema}.@Pq0 t WHERE t.r = l.at >> 16)
-                           WHEN 1 THEN (SELECT true FROM {schema}.@Pq1 t WHERE t.r = l.at >> 16)
-                           WHEN 2 THEN (SELECT true FROM {schema}.@Pq2 t WHERE t.r = l.at >> 16)
-                           ELSE (SELECT true FROM {schema}.@Pq3 t WHERE t.r = l.at >> 16) END
+            SELECT l.lane, l.at INTO v_lane, v_at FROM (
+                SELECT g AS lane, (SELECT p.at FROM {schema}.@Ppos0 p WHERE p.lane = g ORDER BY p.at DESC LIMIT 1) AS at
+                FROM generate_series(0, @L - 1) g ORDER BY 2 NULLS FIRST OFFSET 0) l
+            WHERE CASE WHEN l.at IS NULL THEN true
+                       WHEN (l.at >> 16) <= v_last AND CASE WHEN (l.at >> 16) / @S % 4 = 0
+                           THEN (SELECT true FROM {schema}.@Pq0 t WHERE t.r = l.at >> 16)
+                           ELSE (SELECT true FROM {schema}.@Pq1 t WHERE t.r = l.at >> 16) END
                        THEN pg_try_advisory_xact_lock(@K2, l.lane) END
             LIMIT 1;
         ELSIF v_kn = 1 THEN
-            SELECT l.lane INTO v_lane FROM (
-                SELECT g AS lane, coalesce((SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = g)) AS at
-                FROM generate_series(0, @L - 1) g ORDER BY 2 OFFSET 0) l
-            WHERE CASE WHEN (l.at >> 16) <= v_last AND CASE ((l.at >> 16) / @S % 4)
-                           WHEN 0 THEN (SELECT true FROM {schema}.@Pq0 t WHERE t.r = l.at >> 16)
-                           WHEN 1 THEN (SELECT true FROM {schema}.@Pq1 t WHERE t.r = l.at >> 16)
-                           WHEN 2 THEN (SELECT true FROM {schema}.@Pq2 t WHERE t.r = l.at >> 16)
-                           ELSE (SELECT true FROM {schema}.@Pq3 t WHERE t.r = l.at >> 16) END
+            SELECT l.lane, l.at INTO v_lane, v_at FROM (
+                SELECT g AS lane, (SELECT p.at FROM {schema}.@Ppos1 p WHERE p.lane = g ORDER BY p.at DESC LIMIT 1) AS at
+                FROM generate_series(0, @L - 1) g ORDER BY 2 NULLS FIRST OFFSET 0) l
+            WHERE CASE WHEN l.at IS NULL THEN true
+                       WHEN (l.at >> 16) <= v_last AND CASE WHEN (l.at >> 16) / @S % 4 = 1
+                           THEN (SELECT true FROM {schema}.@Pq1 t WHERE t.r = l.at >> 16)
+                           ELSE (SELECT true FROM {schema}.@Pq2 t WHERE t.r = l.at >> 16) END
                        THEN pg_try_advisory_xact_lock(@K2, l.lane) END
             LIMIT 1;
         ELSIF v_kn = 2 THEN
-            SELECT l.lane INTO v_lane FROM (
-                SELECT g AS lane, coalesce((SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = g)) AS at
-                FROM generate_series(0, @L - 1) g ORDER BY 2 OFFSET 0) l
-            WHERE CASE WHEN (l.at >> 16) <= v_last AND CASE ((l.at >> 16) / @S % 4)
-                           WHEN 0 THEN (SELECT true FROM {schema}.@Pq0 t WHERE t.r = l.at >> 16)
-                           WHEN 1 THEN (SELECT true FROM {schema}.@Pq1 t WHERE t.r = l.at >> 16)
-                           WHEN 2 THEN (SELECT true FROM {schema}.@Pq2 t WHERE t.r = l.at >> 16)
+            SELECT l.lane, l.at INTO v_lane, v_at FROM (
+                SELECT g AS lane, (SELECT p.at FROM {schema}.@Ppos2 p WHERE p.lane = g ORDER BY p.at DESC LIMIT 1) AS at
+                FROM generate_series(0, @L - 1) g ORDER BY 2 NULLS FIRST OFFSET 0) l
+            WHERE CASE WHEN l.at IS NULL THEN true
+                       WHEN (l.at >> 16) <= v_last AND CASE WHEN (l.at >> 16) / @S % 4 = 2
+                           THEN (SELECT true FROM {schema}.@Pq2 t WHERE t.r = l.at >> 16)
                            ELSE (SELECT true FROM {schema}.@Pq3 t WHERE t.r = l.at >> 16) END
                        THEN pg_try_advisory_xact_lock(@K2, l.lane) END
             LIMIT 1;
         ELSE
-            SELECT l.lane INTO v_lane FROM (
-                SELECT g AS lane, coalesce((SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = g)) AS at
-                FROM generate_series(0, @L - 1) g ORDER BY 2 OFFSET 0) l
-            WHERE CASE WHEN (l.at >> 16) <= v_last AND CASE ((l.at >> 16) / @S % 4)
-                           WHEN 0 THEN (SELECT true FROM {schema}.@Pq0 t WHERE t.r = l.at >> 16)
-                           WHEN 1 THEN (SELECT true FROM {schema}.@Pq1 t WHERE t.r = l.at >> 16)
-                           WHEN 2 THEN (SELECT true FROM {schema}.@Pq2 t WHERE t.r = l.at >> 16)
-                           ELSE (SELECT true FROM {schema}.@Pq3 t WHERE t.r = l.at >> 16) END
+            SELECT l.lane, l.at INTO v_lane, v_at FROM (
+                SELECT g AS lane, (SELECT p.at FROM {schema}.@Ppos3 p WHERE p.lane = g ORDER BY p.at DESC LIMIT 1) AS at
+                FROM generate_series(0, @L - 1) g ORDER BY 2 NULLS FIRST OFFSET 0) l
+            WHERE CASE WHEN l.at IS NULL THEN true
+                       WHEN (l.at >> 16) <= v_last AND CASE WHEN (l.at >> 16) / @S % 4 = 3
+                           THEN (SELECT true FROM {schema}.@Pq3 t WHERE t.r = l.at >> 16)
+                           ELSE (SELECT true FROM {schema}.@Pq0 t WHERE t.r = l.at >> 16) END
                        THEN pg_try_advisory_xact_lock(@K2, l.lane) END
             LIMIT 1;
         END IF;
+        IF v_lane IS NOT NULL AND v_at IS NULL THEN
+            -- Some lane has no entry in the newest segment of the log (pops are crossing into it):
+            -- its position is in an older one, and each lane's is read newest segment first.
+            v_lane := NULL;
+            v_gen := NULL;
+            IF v_kn = 0 THEN
+                SELECT l.lane INTO v_lane FROM (
+                    SELECT g AS lane, coalesce((SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = g)) AS at
+                    FROM generate_series(0, @L - 1) g ORDER BY 2 OFFSET 0) l
+                WHERE CASE WHEN (l.at >> 16) <= v_last AND CASE ((l.at >> 16) / @S % 4)
+                               WHEN 0 THEN (SELECT true FROM {schema}.@Pq0 t WHERE t.r = l.at >> 16)
+                               WHEN 1 THEN (SELECT true FROM {schema}.@Pq1 t WHERE t.r = l.at >> 16)
+                               WHEN 2 THEN (SELECT true FROM {schema}.@Pq2 t WHERE t.r = l.at >> 16)
+                               ELSE (SELECT true FROM {schema}.@Pq3 t WHERE t.r = l.at >> 16) END
+                           THEN pg_try_advisory_xact_lock(@K2, l.lane) END
+                LIMIT 1;
+            ELSIF v_kn = 1 THEN
+                SELECT l.lane INTO v_lane FROM (
+                    SELECT g AS lane, coalesce((SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = g)) AS at
+                    FROM generate_series(0, @L - 1) g ORDER BY 2 OFFSET 0) l
+                WHERE CASE WHEN (l.at >> 16) <= v_last AND CASE ((l.at >> 16) / @S % 4)
+                               WHEN 0 THEN (SELECT true FROM {schema}.@Pq0 t WHERE t.r = l.at >> 16)
+                               WHEN 1 THEN (SELECT true FROM {schema}.@Pq1 t WHERE t.r = l.at >> 16)
+                               WHEN 2 THEN (SELECT true FROM {schema}.@Pq2 t WHERE t.r = l.at >> 16)
+                               ELSE (SELECT true FROM {schema}.@Pq3 t WHERE t.r = l.at >> 16) END
+                           THEN pg_try_advisory_xact_lock(@K2, l.lane) END
+                LIMIT 1;
+            ELSIF v_kn = 2 THEN
+                SELECT l.lane INTO v_lane FROM (
+                    SELECT g AS lane, coalesce((SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = g)) AS at
+                    FROM generate_series(0, @L - 1) g ORDER BY 2 OFFSET 0) l
+                WHERE CASE WHEN (l.at >> 16) <= v_last AND CASE ((l.at >> 16) / @S % 4)
+                               WHEN 0 THEN (SELECT true FROM {schema}.@Pq0 t WHERE t.r = l.at >> 16)
+                               WHEN 1 THEN (SELECT true FROM {schema}.@Pq1 t WHERE t.r = l.at >> 16)
+                               WHEN 2 THEN (SELECT true FROM {schema}.@Pq2 t WHERE t.r = l.at >> 16)
+                               ELSE (SELECT true FROM {schema}.@Pq3 t WHERE t.r = l.at >> 16) END
+                           THEN pg_try_advisory_xact_lock(@K2, l.lane) END
+                LIMIT 1;
+            ELSE
+                SELECT l.lane INTO v_lane FROM (
+                    SELECT g AS lane, coalesce((SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = g), (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = g)) AS at
+                    FROM generate_series(0, @L - 1) g ORDER BY 2 OFFSET 0) l
+                WHERE CASE WHEN (l.at >> 16) <= v_last AND CASE ((l.at >> 16) / @S % 4)
+                               WHEN 0 THEN (SELECT true FROM {schema}.@Pq0 t WHERE t.r = l.at >> 16)
+                               WHEN 1 THEN (SELECT true FROM {schema}.@Pq1 t WHERE t.r = l.at >> 16)
+                               WHEN 2 THEN (SELECT true FROM {schema}.@Pq2 t WHERE t.r = l.at >> 16)
+                               ELSE (SELECT true FROM {schema}.@Pq3 t WHERE t.r = l.at >> 16) END
+                           THEN pg_try_advisory_xact_lock(@K2, l.lane) END
+                LIMIT 1;
+            END IF;
+        END IF;
     END IF;
     IF v_lane IS NOT NULL THEN
-        -- the lane's position again, after the lock (statements of their own: see @Ptake), newest
-        -- segment of the log first; an older one only when the lane has no entry there (each a
-        -- statement of its own, so that the usual read starts one index scan, not four)
-        v_kn := (coalesce(pg_sequence_last_value('{schema}.@Pposgen'), 0) % 4)::integer;
-        FOR i IN 0 .. 3 LOOP
-            v_k := (v_kn + 4 - i) % 4;
-            IF v_k = 0 THEN
-                v_at := (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = v_lane);
-            ELSIF v_k = 1 THEN
-                v_at := (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = v_lane);
-            ELSIF v_k = 2 THEN
-                v_at := (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = v_lane);
-            ELSE
-                v_at := (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = v_lane);
-            END IF;
-            EXIT WHEN v_at IS NOT NULL;
-        END LOOP;
+        -- The lane's position again, after the lock. When the first statement read it in the newest
+        -- segment of the log, its row is in that segment, and no pop has logged in a newer one since
+        -- (pos_gen the same, read after the lock: a pop raises it before it commits, and the lane's
+        -- last pop committed before this one had the lock), the lane's newest entry can only be in that
+        -- segment: the third statement checks it there (v_check: its max still the position read) and
+        -- takes nothing otherwise (then @Ptake). Else it is read here, in statements of its own (see
+        -- @Ptake): newest segment of the log first, an older one only when the lane has no entry there
+        -- (each a statement of its own, so that the usual read starts one index scan, not four).
+        v_check := v_gen IS NOT NULL AND ((v_at >> 16) / @S % 4)::integer = v_kn
+            AND v_gen = coalesce(pg_sequence_last_value('{schema}.@Pposgen'), 0);
+        IF NOT v_check THEN
+            v_kn := (coalesce(pg_sequence_last_value('{schema}.@Pposgen'), 0) % 4)::integer;
+            FOR i IN 0 .. 3 LOOP
+                v_k := (v_kn + 4 - i) % 4;
+                IF v_k = 0 THEN
+                    v_at := (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = v_lane);
+                ELSIF v_k = 1 THEN
+                    v_at := (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = v_lane);
+                ELSIF v_k = 2 THEN
+                    v_at := (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = v_lane);
+                ELSE
+                    v_at := (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = v_lane);
+                END IF;
+                EXIT WHEN v_at IS NOT NULL;
+            END LOOP;
+        END IF;
         v_r := v_at >> 16;
         v_k := (v_r / @S % 4)::integer;
         v_until := CASE WHEN p_lease THEN now() + make_interval(secs => p_vt) END;
         v_tail := array_fill(NULL::bigint, ARRAY[@L - 1 - v_lane]);
-        IF v_k = 0 THEN
+        IF v_k = 0 AND p_lease THEN
             RETURN QUERY
             WITH t AS (
                 SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
                        CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
                 FROM {schema}.@Pq0 t WHERE t.r = v_r
 @E                  AND NOT coalesce(t.expires_at <= now(), false)
+                  AND (NOT v_check OR (SELECT p.at FROM {schema}.@Ppos0 p WHERE p.lane = v_lane ORDER BY p.at DESC LIMIT 1) = v_at)
                 ),
             w AS (INSERT INTO {schema}.@Ppos0 SELECT v_lane, t.next FROM t),
             e AS (INSERT INTO {schema}.@Pl0 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
-                      array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
+                      array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t)
+            SELECT v_at, 1, 1, t.enqueued_at, v_until, t.p FROM t;
+        ELSIF v_k = 0 THEN
+            RETURN QUERY
+            WITH t AS (
+                SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
+                       CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
+                FROM {schema}.@Pq0 t WHERE t.r = v_r
+@E                  AND NOT coalesce(t.expires_at <= now(), false)
+                  AND (NOT v_check OR (SELECT p.at FROM {schema}.@Ppos0 p WHERE p.lane = v_lane ORDER BY p.at DESC LIMIT 1) = v_at)
+                ),
+            w AS (INSERT INTO {schema}.@Ppos0 SELECT v_lane, t.next FROM t)
+            SELECT v_at, 1, 1, t.enqueued_at, v_until, t.p FROM t;
+        ELSIF v_k = 1 AND p_lease THEN
+            RETURN QUERY
+            WITH t AS (
+                SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
+                       CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
+                FROM {schema}.@Pq1 t WHERE t.r = v_r
+@E                  AND NOT coalesce(t.expires_at <= now(), false)
+                  AND (NOT v_check OR (SELECT p.at FROM {schema}.@Ppos1 p WHERE p.lane = v_lane ORDER BY p.at DESC LIMIT 1) = v_at)
+                ),
+            w AS (INSERT INTO {schema}.@Ppos1 SELECT v_lane, t.next FROM t),
+            e AS (INSERT INTO {schema}.@Pl1 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
+                      array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t)
             SELECT v_at, 1, 1, t.enqueued_at, v_until, t.p FROM t;
         ELSIF v_k = 1 THEN
             RETURN QUERY
@@ -2777,10 +2866,22 @@ BEGIN
                        CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
                 FROM {schema}.@Pq1 t WHERE t.r = v_r
 @E                  AND NOT coalesce(t.expires_at <= now(), false)
+                  AND (NOT v_check OR (SELECT p.at FROM {schema}.@Ppos1 p WHERE p.lane = v_lane ORDER BY p.at DESC LIMIT 1) = v_at)
                 ),
-            w AS (INSERT INTO {schema}.@Ppos1 SELECT v_lane, t.next FROM t),
-            e AS (INSERT INTO {schema}.@Pl1 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
-                      array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
+            w AS (INSERT INTO {schema}.@Ppos1 SELECT v_lane, t.next FROM t)
+            SELECT v_at, 1, 1, t.enqueued_at, v_until, t.p FROM t;
+        ELSIF v_k = 2 AND p_lease THEN
+            RETURN QUERY
+            WITH t AS (
+                SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
+                       CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
+                FROM {schema}.@Pq2 t WHERE t.r = v_r
+@E                  AND NOT coalesce(t.expires_at <= now(), false)
+                  AND (NOT v_check OR (SELECT p.at FROM {schema}.@Ppos2 p WHERE p.lane = v_lane ORDER BY p.at DESC LIMIT 1) = v_at)
+                ),
+            w AS (INSERT INTO {schema}.@Ppos2 SELECT v_lane, t.next FROM t),
+            e AS (INSERT INTO {schema}.@Pl2 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
+                      array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t)
             SELECT v_at, 1, 1, t.enqueued_at, v_until, t.p FROM t;
         ELSIF v_k = 2 THEN
             RETURN QUERY
@@ -2789,22 +2890,33 @@ BEGIN
                        CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
                 FROM {schema}.@Pq2 t WHERE t.r = v_r
 @E                  AND NOT coalesce(t.expires_at <= now(), false)
+                  AND (NOT v_check OR (SELECT p.at FROM {schema}.@Ppos2 p WHERE p.lane = v_lane ORDER BY p.at DESC LIMIT 1) = v_at)
                 ),
-            w AS (INSERT INTO {schema}.@Ppos2 SELECT v_lane, t.next FROM t),
-            e AS (INSERT INTO {schema}.@Pl2 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
-                      array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
+            w AS (INSERT INTO {schema}.@Ppos2 SELECT v_lane, t.next FROM t)
             SELECT v_at, 1, 1, t.enqueued_at, v_until, t.p FROM t;
-        ELSE
+        ELSIF v_k = 3 AND p_lease THEN
             RETURN QUERY
             WITH t AS (
                 SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
                        CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
                 FROM {schema}.@Pq3 t WHERE t.r = v_r
 @E                  AND NOT coalesce(t.expires_at <= now(), false)
+                  AND (NOT v_check OR (SELECT p.at FROM {schema}.@Ppos3 p WHERE p.lane = v_lane ORDER BY p.at DESC LIMIT 1) = v_at)
                 ),
             w AS (INSERT INTO {schema}.@Ppos3 SELECT v_lane, t.next FROM t),
             e AS (INSERT INTO {schema}.@Pl3 SELECT v_at, v_at, 1, array_fill(NULL::bigint, ARRAY[v_lane]) || v_at || v_tail,
-                      array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t WHERE p_lease)
+                      array_fill(NULL::bigint, ARRAY[v_lane]) || t.next || v_tail, v_until, p_consumer FROM t)
+            SELECT v_at, 1, 1, t.enqueued_at, v_until, t.p FROM t;
+        ELSIF v_k = 3 THEN
+            RETURN QUERY
+            WITH t AS (
+                SELECT t.n, t.enqueued_at, t.payloads[(v_at & 65535)::integer + 1] AS p,
+                       CASE WHEN (v_at & 65535) + 1 = t.n THEN (v_r + @L) << 16 ELSE v_at + 1 END AS next
+                FROM {schema}.@Pq3 t WHERE t.r = v_r
+@E                  AND NOT coalesce(t.expires_at <= now(), false)
+                  AND (NOT v_check OR (SELECT p.at FROM {schema}.@Ppos3 p WHERE p.lane = v_lane ORDER BY p.at DESC LIMIT 1) = v_at)
+                ),
+            w AS (INSERT INTO {schema}.@Ppos3 SELECT v_lane, t.next FROM t)
             SELECT v_at, 1, 1, t.enqueued_at, v_until, t.p FROM t;
         END IF;
         IF FOUND THEN

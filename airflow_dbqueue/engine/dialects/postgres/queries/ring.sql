@@ -415,7 +415,7 @@ SELECT r_payload FROM {schema}.{fn}(%(n)s::integer, %(wait)s::boolean, false, 0,
 
 -- name: ring_rows_take_one
 -- A pop of one (ring_rows_take's columns): {fn} is the ring's own function for it (ring_<queue_id>_rtake1),
--- which takes the lowest lane's next message in three statements of its own, and hands over to the pop
+-- which takes the lowest lane's next message in statements of its own (usually two), and hands over to the pop
 -- of ring_rows_take when messages to deliver again may be due or it finds no lane to take from.
 SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, r_lease_until, r_payload FROM {schema}.{fn}(
     %(wait)s::boolean, %(lease)s::boolean, %(visibility_timeout_s)s::float8, %(consumer)s::text)
@@ -474,6 +474,11 @@ SELECT {schema}.ring_rows_rotate_ahead(%(queue_id)s::integer)
 -- rows were given up.
 SELECT r_xmax, r_last, r_skipped FROM {schema}.ring_rows_gaps(
     %(queue_id)s::integer, %(xmax)s::bigint, %(last)s::bigint)
+
+-- name: ring_rows_xmin
+-- The oldest transaction id still running, as this statement's snapshot sees it (ring_rows_gaps gives up
+-- what a look returned once it is at least that look's xmax).
+SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint
 
 -- name: ring_rows_depth
 -- (ready, delayed, in flight, failed, age of the oldest ready in seconds, rows held, each segment's
