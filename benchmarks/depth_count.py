@@ -22,7 +22,9 @@ BUFFERS)`` of the statement that finds the next ``--batch`` messages, read only:
 generic plan its functions use): the index pages it reads and, for the engine, the pages of each
 partition's ready index. These say where a pop at depth spends its instructions: walking the index
 entries of the messages popped since the last VACUUM, which the pops marked dead but which stay on
-their pages until a VACUUM (or, for the engine, a partition's TRUNCATE) removes them.
+their pages until a VACUUM (or, for the engine, a partition's TRUNCATE) removes them. The engine's claim
+is explained and counted a second way, bounded below by the process-at time of the queue's first ready
+message (a what-if: what the claim would cost if it knew where its queue's live entries start).
 
 Needs valgrind and the embedded server's binaries, as instructions.py. At the default depth the fill
 takes a minute or two and the counted sessions a few minutes.
@@ -61,7 +63,58 @@ ENGINE_CLAIM = """
     WHERE s.queue_id = $1 AND s.state = 0 AND s.process_at <= now()
     ORDER BY s.priority DESC, s.process_at, s.id
     LIMIT $2"""
+# The same claim bounded below by the process-at time of the queue's first ready message ($3): what a claim
+# would cost if it knew where the live entries of its queue start (a what-if: the engine has no such
+# bound). With the skip scan over priority of PostgreSQL 18 the bound is where each priority's scan
+# starts, so it passes none of the entries of the messages popped before.
+ENGINE_BOUNDED_CLAIM = """
+    SELECT s.gen, s.ctid FROM {schema}.meta s
+    WHERE s.queue_id = $1 AND s.state = 0 AND s.process_at <= now() AND s.process_at >= $3
+    ORDER BY s.priority DESC, s.process_at, s.id
+    LIMIT $2"""
 NAIVE_CLAIM = "SELECT id FROM {schema}.t ORDER BY id LIMIT $1"
+# The what-if pop: table_take()'s pop with the archive (functions.sql, the engine default) whose claim is
+# bounded below by a floor read from a sequence (microseconds since the epoch), in a schema of its own
+# ({w}), not engine code. It models a design in which every ready message of a queue has a process-at
+# time at or above its queue's floor (writers would clamp to it; maintenance would raise it): a sequence,
+# because it is read without a snapshot and written without a row version. Here the floor is set by hand
+# to the first ready message's time before the counted sessions, so this counts what such a pop costs,
+# floor read included, and nothing of what keeping the floor true would cost.
+FLOOR_SQL = """
+CREATE SCHEMA {w};
+CREATE SEQUENCE {w}.floor AS bigint MINVALUE 0;
+CREATE FUNCTION {w}.take(p_queue_id integer, p_n integer)
+RETURNS TABLE (r_id bigint, r_priority smallint, r_attempts integer, r_deliveries integer,
+               r_enqueued_at timestamptz, r_lease_until timestamptz, r_payload bytea)
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
+SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off AS $$
+DECLARE
+    v_floor timestamptz := (
+        SELECT timestamptz 'epoch' + f.last_value * interval '1 microsecond' FROM {w}.floor f);
+BEGIN
+    RETURN QUERY
+    WITH taken AS (
+        DELETE FROM {s}.meta m
+        USING (
+            SELECT s.gen, s.ctid AS tid FROM {s}.meta s
+            WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
+              AND s.process_at >= v_floor
+            ORDER BY s.priority DESC, s.process_at, s.id
+            LIMIT p_n
+            FOR UPDATE SKIP LOCKED) c
+        WHERE m.gen = c.gen AND m.ctid = c.tid
+        RETURNING m.id, m.queue_id, m.priority, m.attempts + 1 AS attempts,
+                  m.deliveries + 1 AS deliveries, m.enqueued_at, m.payload, m.gen
+    ), kept AS (
+        INSERT INTO {s}.done (id, queue_id, priority, attempts, enqueued_at, outcome, payload, gen)
+        SELECT t.id, t.queue_id, t.priority, t.attempts, t.enqueued_at, 1, t.payload, t.gen FROM taken t
+    )
+    SELECT t.id, t.priority, t.attempts, t.deliveries, t.enqueued_at, NULL::timestamptz,
+           coalesce(t.payload, (SELECT d.payload FROM {s}.data d WHERE d.id = t.id AND d.gen = t.gen))
+    FROM taken t;
+END
+$$;
+"""
 CLAIM_SETTINGS = (
     "SET plan_cache_mode = force_generic_plan",
     "SET enable_seqscan = off",
@@ -132,11 +185,26 @@ def claim_statements(dsn: str, schema: str, batch: int) -> list[tuple[str, str, 
         engine = sql.SQL("PREPARE engine_claim(integer, integer) AS " + ENGINE_CLAIM).format(
             schema=sql.Identifier(schema)
         )
+        bounded = sql.SQL(
+            "PREPARE engine_bounded_claim(integer, integer, timestamptz) AS " + ENGINE_BOUNDED_CLAIM
+        ).format(schema=sql.Identifier(schema))
         naive = sql.SQL("PREPARE naive_claim(integer) AS " + NAIVE_CLAIM).format(
             schema=sql.Identifier(schema + "_naive")
         )
+        first = c.execute(
+            sql.SQL("SELECT min(process_at)::text FROM {}.meta WHERE queue_id = %s AND state = 0").format(
+                sql.Identifier(schema)
+            ),
+            (qid[0],),
+        ).fetchone()
+        assert first is not None and first[0] is not None
         return [
             ("engine", engine.as_string(c), f"EXECUTE engine_claim({int(qid[0])}, {batch})"),
+            (
+                "engine_bounded",
+                bounded.as_string(c),
+                f"EXECUTE engine_bounded_claim({int(qid[0])}, {batch}, '{first[0]}')",
+            ),
             ("naive", naive.as_string(c), f"EXECUTE naive_claim({batch})"),
         ]
 
@@ -159,6 +227,7 @@ def explain_claims(dsn: str, schema: str, batch: int) -> dict[str, Any]:
         "engine_claim_pages": _blocks(plans["engine"]),
         "engine_claim_pages_by_partition": {s["Relation Name"]: _blocks(s) for s in engine_scans},
         "engine_claim_index_searches": sum(int(s.get("Index Searches", 1)) for s in engine_scans),
+        "engine_bounded_claim_pages": _blocks(plans["engine_bounded"]),
         "naive_claim_pages": _blocks(plans["naive"]),
     }
 
@@ -187,6 +256,49 @@ def count_pops(
                     != batch
                 ):
                     raise SystemExit("the naive queue gave fewer messages than it holds")
+            return {int(c.info.backend_pid)}
+
+    server.counted(session(1))
+    short = server.counted(session(calls))
+    long = server.counted(session(4 * calls))
+    return (long - short) / (3 * calls * batch)
+
+
+def set_floor(dsn: str, schema: str) -> None:
+    """The what-if's schema (FLOOR_SQL), its floor at the process-at time of the queue's first ready
+    message, rounded down to the microsecond."""
+    w = sql.Identifier(schema + "_whatif")
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute(sql.SQL(FLOOR_SQL).format(w=w, s=sql.Identifier(schema)))
+        c.execute(
+            sql.SQL(
+                "SELECT setval({}, floor(extract(epoch FROM min(m.process_at)) * 1000000)::bigint) "
+                "FROM {}.meta m JOIN {}.queues q USING (queue_id) WHERE q.name = %s AND m.state = 0"
+            ).format(sql.Literal(f"{schema}_whatif.floor"), sql.Identifier(schema), sql.Identifier(schema)),
+            (QUEUE,),
+        )
+
+
+def count_floor_pops(
+    server: CountedServer, dsn: str, schema: str, *, batch: int, calls: int, counter: Counter
+) -> float:
+    """Server instructions a message of the what-if's pop (FLOOR_SQL), counted as count_pops counts,
+    with the statement the engine's pop_payloads runs, on the what-if's function."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        qid = c.execute(
+            sql.SQL("SELECT queue_id FROM {}.queues WHERE name = %s").format(sql.Identifier(schema)), (QUEUE,)
+        ).fetchone()
+    assert qid is not None
+    stmt = sql.SQL("SELECT r_payload FROM {}.take(%s::integer, %s::integer)").format(
+        sql.Identifier(schema + "_whatif")
+    )
+
+    def session(n: int) -> set[int]:
+        with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as c:
+            for _ in range(n):
+                rows = c.execute(stmt, (qid[0], batch), binary=True).fetchall()
+                if counter.took([r[0] for r in rows]) != batch:
+                    raise SystemExit("the what-if's pop gave fewer messages than the queue holds")
             return {int(c.info.backend_pid)}
 
     server.counted(session(1))
@@ -246,10 +358,13 @@ def main(argv: list[str] | None = None) -> int:
             for who, counter in (("engine", engine), ("naive", naive))
         }
         claims = count_claims(server, dsn, schema, args.batch, args.calls)
+        set_floor(dsn, schema)
+        floor = Counter(0, args.payload_bytes)
+        floor_pop = count_floor_pops(server, dsn, schema, batch=args.batch, calls=args.calls, counter=floor)
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
-    ok = engine.bad == 0 and naive.bad == 0
+    ok = engine.bad == 0 and naive.bad == 0 and floor.bad == 0
     out = {
         "point": "depth_count",
         "depth": args.depth,
@@ -264,9 +379,13 @@ def main(argv: list[str] | None = None) -> int:
         "ratio": round(counts["engine"] / counts["naive"], 3),
         "engine_claim_instructions": round(claims["engine"]),
         "naive_claim_instructions": round(claims["naive"]),
+        "engine_bounded_claim_instructions": round(claims["engine_bounded"]),
+        "floor_pop_instructions": round(floor_pop),
+        "floor_ratio": round(floor_pop / counts["naive"], 3),
         **explained,
         "engine_popped": engine.popped,
         "naive_popped": naive.popped,
+        "floor_popped": floor.popped,
         "payloads_ok": ok,
     }
     if args.json:

@@ -1,7 +1,9 @@
 """Short version of benchmarks/depth_count.py: server instructions a pop of the engine's queue and of the
 naive queue at depth, with pops since the last VACUUM, counted by cachegrind in a PostgreSQL server of
 its own. No cost is asserted: only that both sides are counted, that every popped payload was checked,
-and that the claims' explained pages are there (the engine's for each of its eight partitions)."""
+and that the claims' explained pages are there (the engine's for each of its eight partitions), with the
+what-if claim bounded below by the first ready message's process-at time counted and explained too, and
+the what-if pop whose claim is so bounded counted, every payload it took checked."""
 
 from __future__ import annotations
 
@@ -48,3 +50,7 @@ def test_short_run_counts_both_sides_at_depth() -> None:
     assert sorted(r["engine_claim_pages_by_partition"]) == [f"meta_{g}" for g in range(8)], r
     assert r["engine_claim_pages"] >= sum(r["engine_claim_pages_by_partition"].values()) > 0
     assert r["naive_claim_pages"] > 0 and r["engine_claim_index_searches"] >= 8
+    assert r["engine_bounded_claim_pages"] > 0 and r["engine_bounded_claim_instructions"] > 1000, r
+    # the what-if's pop (a claim bounded by a floor) after the engine's: a session of one pop, one of calls
+    # and one of 4 x calls, each payload checked
+    assert r["floor_pop_instructions"] > 1000 and r["floor_popped"] == (1 + calls + 4 * calls) * batch, r
