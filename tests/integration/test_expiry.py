@@ -182,7 +182,8 @@ def _age_rows(dbq: DbQueue, q: Queue, ids: list[int], left: float, conn: Any = N
 
 def rows_ring(dbq: DbQueue, name: str, **kw: Any) -> Queue:
     kw.setdefault("ttl", 3600)
-    return dbq.create_queue(name, design="ring", layout="rows", capacity=64, lanes=2, **kw)
+    kw.setdefault("lanes", 2)
+    return dbq.create_queue(name, design="ring", layout="rows", capacity=64, **kw)
 
 
 @pytest.mark.parametrize("semantics", ["at-most-once", "at-least-once", "exactly-once"])
@@ -423,3 +424,27 @@ def test_stats_of_a_dropping_rows_ring_and_of_its_groups(dbq: DbQueue) -> None:
     assert g.stats().ready == 2 and g.stats().extra["lag_messages"] == 2
     assert checksum(drain(g)) == checksum(["a", "b"])
     assert g.stats().extra["expired_pending"] == 0 and d.list_failed() == [] and q.list_failed() == []
+
+
+def test_a_pop_of_a_rows_ring_that_passes_expired_rows_after_messages_due_again_takes_at_most_n(
+    dbq: DbQueue,
+) -> None:
+    """A pop serves a message due again, locks the one lane it still wants, finds only an expired row
+    there and looks again: it looks for what it still wants, so pop(2) returns two messages, not three,
+    and the third stays ready."""
+    q = rows_ring(dbq, "r", lanes=3, retry_backoff=0)
+    a = q.push_batch(["a"])  # row 0, lane 0
+    b = q.push_batch(["b"])  # row 1, lane 1
+    c = q.push_batch(["c0", "c1"])  # row 2, lane 2
+    [m] = q.pop(1, semantics="at-least-once")
+    d = q.push_batch(["d"])  # row 3, lane 0
+    _age_rows(dbq, q, b, -1.0)
+    assert m.id == a[0] and q.nack([m], delay=0) == 1
+    got = q.pop(2)
+    assert [x.payload for x in got] == ["a", "c0"]
+    st = q.stats()
+    assert (st.ready, st.failed, st.extra["expired"], st.extra["expired_pending"]) == (2, 1, 1, 0)
+    rest = drain(q)
+    assert checksum([x.payload for x in got] + rest) == checksum(["a", "c0", "c1", "d"]) and len(rest) == 2
+    assert [(f.id, f.payload, f.last_error) for f in q.list_failed()] == [(b[0], "b", "expired")]
+    assert len(c) == 2 and len(d) == 1

@@ -2582,8 +2582,9 @@ BEGIN
         v_lo := v_gen * @S;
     END LOOP;
     -- Expired rows passed: recorded (@Pexpire), and the lanes that passed only such rows logged past
-    -- them (those that took rows too are logged below). When nothing else was taken, look again: the
-    -- lanes are past them in this transaction, and the locks held stay held.
+    -- them (those that took rows too are logged below). When nothing else was taken, look again for
+    -- what is still wanted (v_left: messages due again may have been returned already): the lanes are
+    -- past them in this transaction, and the locks held stay held.
 @E    IF cardinality(v_xr) > 0 THEN
 @E        PERFORM {schema}.@Pexpire(v_xr, v_xfrom);
 @E        SELECT array_agg(l - 1 ORDER BY l), array_agg(v_skip[l] ORDER BY l) INTO v_xlanes, v_xat
@@ -2592,7 +2593,7 @@ BEGIN
 @E            PERFORM {schema}.@Plog(v_xlanes, v_xat);
 @E        END IF;
 @E        IF cardinality(v_rows) = 0 THEN
-@E            RETURN QUERY SELECT * FROM {schema}.@Ptake(p_n, p_wait, p_lease, p_vt, p_consumer);
+@E            RETURN QUERY SELECT * FROM {schema}.@Ptake(v_left, p_wait, p_lease, p_vt, p_consumer);
 @E            RETURN;
 @E        END IF;
 @E    END IF;
