@@ -448,3 +448,42 @@ def test_a_pop_of_a_rows_ring_that_passes_expired_rows_after_messages_due_again_
     assert checksum([x.payload for x in got] + rest) == checksum(["a", "c0", "c1", "d"]) and len(rest) == 2
     assert [(f.id, f.payload, f.last_error) for f in q.list_failed()] == [(b[0], "b", "expired")]
     assert len(c) == 2 and len(d) == 1
+
+
+def test_the_cli_on_a_rows_ring_with_a_ttl(dbq: DbQueue, capsys: pytest.CaptureFixture[str]) -> None:
+    """Through dbqueue's main(): create a rows ring with --ttl and --on-expiry, push with a push's own
+    --ttl, stats with the expiry counts, pop, the failed list with last_error "expired", requeue."""
+    import json
+
+    from airflow_dbqueue import cli
+
+    base = ["--dsn", dbq.db.dsn, "--schema", dbq.schema]
+    create = ["create", "r", "--design", "ring", "--layout", "rows", "--capacity", "64", "--lanes", "1"]
+    assert cli.main([*base, *create, "--ttl", "3600", "--on-expiry", "fail"]) == 0
+    capsys.readouterr()
+    q = dbq.queue("r")
+    assert (q.settings.ttl_s, q.settings.on_expiry) == (3600.0, OnExpiry.FAIL)
+    assert cli.main([*base, "push", "r", '{"n": 1}', '{"n": 2}', "--ttl", "60"]) == 0
+    doomed = json.loads(capsys.readouterr().out)["ids"]
+    assert cli.main([*base, "push", "r", '{"n": 3}']) == 0
+    live = json.loads(capsys.readouterr().out)["ids"]
+    _age_rows(dbq, q, doomed, -1.0)
+    assert cli.main([*base, "stats", "r"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert (st["ready"], st["failed"], st["expired"], st["expired_pending"]) == (1, 0, 0, 2)
+    assert cli.main([*base, "pop", "r", "-n", "10"]) == 0
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(m["id"], m["payload"]) for m in out] == [(live[0], {"n": 3})]
+    assert cli.main([*base, "failed", "r"]) == 0
+    failed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(f["id"], f["payload"], f["error"]) for f in failed] == [
+        (doomed[0], {"n": 1}, "expired"),
+        (doomed[1], {"n": 2}, "expired"),
+    ]
+    assert cli.main([*base, "stats", "r"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert (st["ready"], st["failed"], st["expired"], st["expired_pending"]) == (0, 2, 2, 0)
+    assert cli.main([*base, "failed", "r", "--requeue"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"requeued": 2}
+    again = drain(q)
+    assert checksum(again) == checksum([{"n": 1}, {"n": 2}]) and q.list_failed() == []
