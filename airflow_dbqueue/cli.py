@@ -518,7 +518,9 @@ def _queue_commands(sub: Any) -> None:
         default=DEFAULT_DEDUP_WINDOW_S,
         help="seconds a push's deduplication key is remembered",
     )
-    c.add_argument("--ttl", type=float, help="seconds a message may wait to be popped (table design)")
+    c.add_argument(
+        "--ttl", type=float, help="seconds a message may wait to be popped (table design, rows layout)"
+    )
     c.add_argument("--on-expiry", default="fail", choices=["fail", "drop"])
     c.add_argument("--ordering", default="none", choices=["none", "per_key"])
     c.add_argument(

@@ -56,7 +56,13 @@ without one runs ``rpush``). A pop passes an expired row at the head of a lane, 
 from that lane (so no lease's range holds it), logs the lane past it and copies its messages to
 ``ring_failed`` with ``last_error`` ``"expired"``, or drops them (``on_expiry="drop"``); a message due
 again after its expiry gets a failed (or finished) retry row instead of a delivery. Only inserts; a ring
-made without a ``ttl`` has the checks folded out of its functions.
+made without a ``ttl`` has the checks folded out of its functions. Nothing but a pop reaches an expired
+row (:meth:`RowsRingQueue.maintain` does not), so :meth:`RowsRingQueue.stats` counts the messages past
+their time to live that no pop has reached yet apart, in ``extra["expired_pending"]``, and neither
+``ready`` nor ``delayed`` holds them; ``extra["expired"]`` counts the failed ones that failed by expiry,
+as the table design's stats do. Both are exact: the pending ones are counted in the pass over the rows
+past the lanes that counts ``ready`` (a row's expiry read beside its size; no scan of their own), and
+the expired ones among the group's failed messages, as ``failed`` is counted.
 
 Not built on any ring, refused with :class:`NotSupportedError`: ordering keys and deduplication keys
 (docs/concepts.md says why).
@@ -502,7 +508,26 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             raise
         if row is None:
             raise QueueNotFoundError(self.name, self._db.schema)
-        ready, delayed, in_flight, failed, oldest_age, rows, gens = row
+        ready, delayed, in_flight, failed, oldest_age, rows, gens, expired, pending = row
+        extra: dict[str, Any] = {
+            "layout": "rows",
+            # In pushes (rows), a push of a batch being one row: rows_held counts the rows in the
+            # segments not yet emptied, taken or not.
+            "capacity": self.capacity,
+            "lanes": self.lanes,
+            "rows_held": int(rows),
+            "segment_generations": list(gens),
+            "group": self.group_name,
+            # What the group has still to finish: what it can take now or later, and what it holds.
+            "lag_messages": int(ready) + int(delayed) + int(in_flight),
+            "lag_seconds": float(oldest_age or 0.0),
+        }
+        if self.settings.ttl_s is not None and expired is not None:
+            # A ring whose messages expire: the failed ones that failed by expiry (as the table design
+            # counts them), and those past their time to live that no pop has reached yet, which a pop
+            # will fail (or drop), counted apart from ready and delayed. Both exact (the module says how).
+            extra["expired"] = int(expired)
+            extra["expired_pending"] = int(pending)
         return QueueStats(
             queue=self.name,
             ready=int(ready),
@@ -511,19 +536,7 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             failed=int(failed),
             finished=0,
             oldest_ready_age_s=None if oldest_age is None else float(oldest_age),
-            extra={
-                "layout": "rows",
-                # In pushes (rows), a push of a batch being one row: rows_held counts the rows in the
-                # segments not yet emptied, taken or not.
-                "capacity": self.capacity,
-                "lanes": self.lanes,
-                "rows_held": int(rows),
-                "segment_generations": list(gens),
-                "group": self.group_name,
-                # What the group has still to finish: what it can take now or later, and what it holds.
-                "lag_messages": int(ready) + int(delayed) + int(in_flight),
-                "lag_seconds": float(oldest_age or 0.0),
-            },
+            extra=extra,
         )
 
     def list_failed(self, limit: int = 100, after_id: int = 0) -> list[FailedMessage]:

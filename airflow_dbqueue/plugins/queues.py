@@ -472,8 +472,9 @@ def _ids(ids: list[int]) -> list[int]:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, "ids: name at least one failed message")
     if len(ids) > MAX_IDS:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, f"ids: at most {MAX_IDS} at once, got {len(ids)}")
-    if any(isinstance(i, bool) or i < 1 for i in ids):
-        raise HTTPException(status.HTTP_400_BAD_REQUEST, "ids: message ids are integers >= 1")
+    # >= 0: a ring of the rows layout numbers its first message 0
+    if any(isinstance(i, bool) or i < 0 for i in ids):
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, "ids: message ids are integers >= 0")
     return sorted(set(ids))
 
 

@@ -224,3 +224,53 @@ def test_push_with_key_templates_and_a_ttl(airflow_conn: str, dbq: DbQueue) -> N
         assert checksum(m.payload for m in first + rest) == checksum(batch)
     with pytest.raises(ValueError, match="dedup_key must be a Jinja template"):
         DbQueuePushOperator(task_id="bad", queue_name="orders", payloads=[1], dedup_key=7)  # type: ignore[arg-type]
+
+
+def test_push_with_a_ttl_into_a_rows_ring_and_the_hook_on_its_expiry(airflow_conn: str, dbq: DbQueue) -> None:
+    """A ring of the rows layout created through the hook with a ttl: the push operator's templated ttl
+    is each push's, the hook's stats count the expired messages no pop has reached yet and, after a pop
+    reached them, the failed ones by expiry; the hook lists them with last_error "expired" and requeues
+    one by id."""
+    from tests.integration.test_expiry import _age_rows
+
+    batch = [{"quote": i} for i in range(5)]
+    with DbQueueHook(airflow_conn) as hook:
+        hook.create_queue("quotes", design="ring", layout="rows", capacity=64, lanes=1, ttl=3600)
+        short = DbQueuePushOperator(
+            task_id="s", queue_name="quotes", payloads=batch[:3], ttl="{{ params.ttl }}"
+        )
+        doomed = list(run(short, params={"ttl": 30}))
+        kept = list(run(DbQueuePushOperator(task_id="k", queue_name="quotes", payloads=batch[3:])))
+        q = dbq.queue("quotes")
+        expiries = run_sql_rows(dbq, q.settings.queue_id)
+        assert len(expiries) == 2 and expiries[0] < expiries[1]  # the operator's ttl, then the queue's
+        _age_rows(dbq, q, doomed, -1.0)
+        st = hook.stats("quotes")
+        assert (st["ready"], st["failed"], st["expired"], st["expired_pending"]) == (2, 0, 0, 3)
+        assert hook.count_ready("quotes") == 2
+        got = hook.pop("quotes", 10, semantics="at-least-once")
+        assert [m.id for m in got] == kept and hook.ack("quotes", got) == 2
+        st = hook.stats("quotes")
+        assert (st["ready"], st["failed"], st["expired"], st["expired_pending"]) == (0, 3, 3, 0)
+        failed = hook.list_failed("quotes")
+        assert [(f.id, f.payload, f.last_error) for f in failed] == [
+            (i, p, "expired") for i, p in zip(doomed, batch[:3], strict=True)
+        ]
+        assert hook.requeue_failed("quotes", [doomed[1]]) == 1
+        [again] = hook.pop("quotes", 10)
+        assert again.payload == batch[1] and again.id not in doomed
+        assert checksum([m.payload for m in got] + [again.payload]) == checksum([*batch[3:], batch[1]])
+        assert sorted(f.id for f in hook.list_failed("quotes")) == [doomed[0], doomed[2]]
+
+
+def run_sql_rows(dbq: DbQueue, queue_id: int) -> list[Any]:
+    """The expiries of a rows ring's pushes, by row."""
+    from tests.dialects import run_sql
+
+    return [
+        r[0]
+        for r in run_sql(
+            dbq,
+            f"SELECT expires_at FROM {{schema}}.ring_{queue_id}_rq0 ORDER BY r",
+        )
+    ]

@@ -322,7 +322,7 @@ def test_the_api_behind_airflows_authentication(server: Server) -> None:  # noqa
     assert (status, body["requeued"]) == (200, 0)
 
     # Bad input: a clear error, nothing moved.
-    for bad in ({"ids": []}, {"ids": [0]}, {"ids": ["x"]}, {}):
+    for bad in ({"ids": []}, {"ids": [-1]}, {"ids": ["x"]}, {}):
         status, body = request(failed_url + "/requeue", method="POST", token=op, body=bad)
         assert status in (400, 422), (bad, body)
     status, body = request(f"{api}/connections/{CONN_ID}/queues/no_such_queue/failed", token=op)
@@ -419,6 +419,51 @@ MAINTENANCE_STEPS = (
     "sample",
     "metrics",
 )
+
+
+def test_a_rows_ring_with_a_ttl_through_the_api(server: Server) -> None:
+    """A ring of the rows layout whose messages expire: the API's figures count the expired messages no
+    pop has reached yet and, once a pop reached them, the failed ones by expiry (the page's "expired"
+    column); its failed list shows them with last_error "expired", and an operator requeues one by id,
+    the ring's first message (id 0) included."""
+    api = server.url + "/dbqueue/api"
+    name = "api_rows_quotes"
+    failed_url = f"{api}/connections/{CONN_ID}/queues/{name}/failed"
+    payloads = [{"quote": i} for i in range(5)]
+    with DbQueue(server.dsn, schema=server.schema, pool_size=1) as dbq:
+        q = dbq.create_queue(name, design="ring", layout="rows", capacity=64, lanes=1, ttl=3600)
+        doomed = q.push_batch(payloads[:3], ttl=30)
+        kept = q.push_batch(payloads[3:])
+        rows = sorted({i >> 16 for i in doomed})
+        run_sql(
+            dbq,
+            f"UPDATE {{schema}}.ring_{q.settings.queue_id}_rq0 SET expires_at = now() - interval '1 s' "
+            "WHERE r = ANY (%(rows)s)",
+            {"rows": rows},
+        )
+    viewer, op = server.token("viewer"), server.token("operator")
+    status, body = request(api + "/queues", token=viewer)
+    assert status == 200, body
+    row = queue_row(body, name)
+    assert row["design"] == "ring" and row["layout"] == "rows"
+    assert (row["ready"], row["failed"], row["expired"], row["expired_pending"]) == (2, 0, 0, 3)
+    with DbQueue(server.dsn, schema=server.schema, pool_size=1) as dbq:
+        got = dbq.queue(name).pop(10)
+    assert [m.id for m in got] == kept
+    row = queue_row(request(api + "/queues", token=viewer)[1], name)
+    assert (row["ready"], row["failed"], row["expired"], row["expired_pending"]) == (0, 3, 3, 0)
+    status, body = request(failed_url, token=op)
+    assert status == 200, body
+    assert [(m["id"], m["last_error"]) for m in body["messages"]] == [(i, "expired") for i in doomed]
+    assert doomed[0] == 0
+    status, body = request(failed_url + "/requeue", method="POST", token=op, body={"ids": [0]})
+    assert (status, body["requeued"]) == (200, 1), body
+    with DbQueue(server.dsn, schema=server.schema, pool_size=1) as dbq:
+        [again] = dbq.queue(name).pop(10)
+        assert again.payload == payloads[0] and again.id not in doomed
+        left = dbq.queue(name).list_failed()
+    assert checksum(f.payload for f in left) == checksum(payloads[1:3])
+    assert checksum([m.payload for m in got] + [again.payload]) == checksum([payloads[0], *payloads[3:]])
 
 
 def test_the_last_maintenance_run(server: Server) -> None:

@@ -182,7 +182,8 @@ def _age_rows(dbq: DbQueue, q: Queue, ids: list[int], left: float, conn: Any = N
 
 def rows_ring(dbq: DbQueue, name: str, **kw: Any) -> Queue:
     kw.setdefault("ttl", 3600)
-    return dbq.create_queue(name, design="ring", layout="rows", capacity=64, lanes=2, **kw)
+    kw.setdefault("lanes", 2)
+    return dbq.create_queue(name, design="ring", layout="rows", capacity=64, **kw)
 
 
 @pytest.mark.parametrize("semantics", ["at-most-once", "at-least-once", "exactly-once"])
@@ -356,3 +357,133 @@ def test_batches_and_reclaimed_leases_of_a_rows_ring_expire(dbq: DbQueue) -> Non
         q.ack([m0, m1])
     st = q.stats()
     assert (st.ready, st.in_flight, st.failed) == (0, 0, 4)
+
+
+def test_stats_of_a_rows_ring_count_expiry_before_and_after_a_pop_reaches_it(dbq: DbQueue) -> None:
+    """A rows ring's stats count the messages past their time to live that no pop has reached yet apart
+    (extra["expired_pending"], neither ready nor delayed), and the failed ones that failed by expiry as
+    the table design does (extra["expired"]); a pop moves the first to the second. A message due again
+    after its expiry (nacked with a delay) is pending too, once its row expired."""
+    q = rows_ring(dbq, "r", retry_backoff=0)
+    plain = dbq.create_queue("plain", design="ring", layout="rows", capacity=64, lanes=2)
+    live = q.push_batch([f"l{i}" for i in range(3)])
+    held = q.push_batch(["h0", "h1"])
+    doomed = q.push_batch([f"d{i}" for i in range(4)])
+    st = q.stats()
+    assert (st.ready, st.extra["expired"], st.extra["expired_pending"]) == (9, 0, 0)
+    got = q.pop(5, semantics="at-least-once")  # live and held: 5 in flight
+    assert [m.id for m in got] == [*live, *held]
+    assert q.nack(got[3:], delay=3600) == 2  # held: delayed
+    _age_rows(dbq, q, [*held, *doomed], -1.0)
+    st = q.stats()
+    assert (st.ready, st.delayed, st.in_flight, st.failed) == (0, 0, 3, 0)
+    assert (st.extra["expired"], st.extra["expired_pending"], st.extra["lag_messages"]) == (0, 6, 3)
+    assert st.oldest_ready_age_s is None  # no ready message: the expired ones are not ready
+    assert q.pop(10, semantics="at-least-once") == []  # reaches the doomed row, not the delayed held
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.failed) == (0, 3, 4)
+    assert (st.extra["expired"], st.extra["expired_pending"]) == (4, 2)
+    assert q.ack(got[:3]) == 3
+    for k in range(4):  # the delayed pair due now: a pop fails them as expired
+        run_sql(
+            dbq,
+            f"UPDATE {{schema}}.ring_{q.settings.queue_id}_rr{k} SET due_at = now() WHERE id = ANY (%(ids)s)",
+            {"ids": held},
+        )
+    assert q.stats().extra["expired_pending"] == 2
+    assert q.pop(10) == []
+    st = q.stats()
+    assert (st.ready, st.delayed, st.in_flight, st.failed) == (0, 0, 0, 6)
+    assert (st.extra["expired"], st.extra["expired_pending"]) == (6, 0)
+    failed = q.list_failed()
+    assert sorted(f.id for f in failed) == sorted([*held, *doomed])
+    assert {f.last_error for f in failed} == {"expired"}
+    assert checksum(f.payload for f in failed) == checksum(["h0", "h1", *(f"d{i}" for i in range(4))])
+    assert "expired" not in plain.stats().extra and "expired_pending" not in plain.stats().extra
+    assert q.requeue_failed() == 6
+    st = q.stats()
+    assert (st.ready, st.failed, st.extra["expired"], st.extra["expired_pending"]) == (6, 0, 0, 0)
+
+
+def test_stats_of_a_dropping_rows_ring_and_of_its_groups(dbq: DbQueue) -> None:
+    """on_expiry="drop": pending ones are counted until a pop drops them, and none is failed. Each
+    consumer group counts its own."""
+    q = rows_ring(dbq, "r", on_expiry="drop")
+    d = rows_ring(dbq, "d", on_expiry="drop")
+    g = q.add_group("audit", start="earliest")  # type: ignore[attr-defined]
+    for h in (q, d):
+        ok = h.push_batch(["a", "b"])
+        gone = h.push_batch(["c", "d", "e"])
+        _age_rows(dbq, h, gone, -1.0)
+        assert (h.stats().ready, h.stats().extra["expired_pending"]) == (2, 3) and len(ok) == 2
+    assert checksum(drain(d)) == checksum(["a", "b"])
+    st = d.stats()
+    assert (st.ready, st.failed, st.extra["expired"], st.extra["expired_pending"]) == (0, 0, 0, 0)
+    assert checksum(drain(q)) == checksum(["a", "b"])
+    assert (q.stats().extra["expired_pending"], g.stats().extra["expired_pending"]) == (0, 3)
+    assert g.stats().ready == 2 and g.stats().extra["lag_messages"] == 2
+    assert checksum(drain(g)) == checksum(["a", "b"])
+    assert g.stats().extra["expired_pending"] == 0 and d.list_failed() == [] and q.list_failed() == []
+
+
+def test_a_pop_of_a_rows_ring_that_passes_expired_rows_after_messages_due_again_takes_at_most_n(
+    dbq: DbQueue,
+) -> None:
+    """A pop serves a message due again, locks the one lane it still wants, finds only an expired row
+    there and looks again: it looks for what it still wants, so pop(2) returns two messages, not three,
+    and the third stays ready."""
+    q = rows_ring(dbq, "r", lanes=3, retry_backoff=0)
+    a = q.push_batch(["a"])  # row 0, lane 0
+    b = q.push_batch(["b"])  # row 1, lane 1
+    c = q.push_batch(["c0", "c1"])  # row 2, lane 2
+    [m] = q.pop(1, semantics="at-least-once")
+    d = q.push_batch(["d"])  # row 3, lane 0
+    _age_rows(dbq, q, b, -1.0)
+    assert m.id == a[0] and q.nack([m], delay=0) == 1
+    got = q.pop(2)
+    assert [x.payload for x in got] == ["a", "c0"]
+    st = q.stats()
+    assert (st.ready, st.failed, st.extra["expired"], st.extra["expired_pending"]) == (2, 1, 1, 0)
+    rest = drain(q)
+    assert checksum([x.payload for x in got] + rest) == checksum(["a", "c0", "c1", "d"]) and len(rest) == 2
+    assert [(f.id, f.payload, f.last_error) for f in q.list_failed()] == [(b[0], "b", "expired")]
+    assert len(c) == 2 and len(d) == 1
+
+
+def test_the_cli_on_a_rows_ring_with_a_ttl(dbq: DbQueue, capsys: pytest.CaptureFixture[str]) -> None:
+    """Through dbqueue's main(): create a rows ring with --ttl and --on-expiry, push with a push's own
+    --ttl, stats with the expiry counts, pop, the failed list with last_error "expired", requeue."""
+    import json
+
+    from airflow_dbqueue import cli
+
+    base = ["--dsn", dbq.db.dsn, "--schema", dbq.schema]
+    create = ["create", "r", "--design", "ring", "--layout", "rows", "--capacity", "64", "--lanes", "1"]
+    assert cli.main([*base, *create, "--ttl", "3600", "--on-expiry", "fail"]) == 0
+    capsys.readouterr()
+    q = dbq.queue("r")
+    assert (q.settings.ttl_s, q.settings.on_expiry) == (3600.0, OnExpiry.FAIL)
+    assert cli.main([*base, "push", "r", '{"n": 1}', '{"n": 2}', "--ttl", "60"]) == 0
+    doomed = json.loads(capsys.readouterr().out)["ids"]
+    assert cli.main([*base, "push", "r", '{"n": 3}']) == 0
+    live = json.loads(capsys.readouterr().out)["ids"]
+    _age_rows(dbq, q, doomed, -1.0)
+    assert cli.main([*base, "stats", "r"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert (st["ready"], st["failed"], st["expired"], st["expired_pending"]) == (1, 0, 0, 2)
+    assert cli.main([*base, "pop", "r", "-n", "10"]) == 0
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(m["id"], m["payload"]) for m in out] == [(live[0], {"n": 3})]
+    assert cli.main([*base, "failed", "r"]) == 0
+    failed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(f["id"], f["payload"], f["error"]) for f in failed] == [
+        (doomed[0], {"n": 1}, "expired"),
+        (doomed[1], {"n": 2}, "expired"),
+    ]
+    assert cli.main([*base, "stats", "r"]) == 0
+    st = json.loads(capsys.readouterr().out)
+    assert (st["ready"], st["failed"], st["expired"], st["expired_pending"]) == (0, 2, 2, 0)
+    assert cli.main([*base, "failed", "r", "--requeue"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"requeued": 2}
+    again = drain(q)
+    assert checksum(again) == checksum([{"n": 1}, {"n": 2}]) and q.list_failed() == []

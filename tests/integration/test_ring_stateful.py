@@ -42,6 +42,7 @@ from tests.dialects import dialect_dbq, expire_leases, run_sql  # noqa: F401 - d
 if TYPE_CHECKING:
     from airflow_dbqueue.engine import DbQueue, Message
     from airflow_dbqueue.engine.ring import RingQueue
+    from airflow_dbqueue.engine.ring_rows import RowsRingQueue
 
 pytestmark = pytest.mark.integration
 
@@ -364,3 +365,309 @@ def test_ring_with_a_second_group_matches_model(dbq: DbQueue) -> None:
         )
     finally:
         del RingGroupsMachine.dbq
+
+
+# -- the rows layout's expiry ------------------------------------------------------------------------
+
+LANE, AGAIN, X_FAILED, O_FAILED, DROPPED = "lane", "again", "failed: expired", "failed: other", "dropped"
+ROWS_CAPACITY = 400
+"""Rows of the expiry machine's rings: a segment (a quarter) holds more rows than an example pushes, so
+every row stays in the first segment and a pop's scan (two segments) sees them all."""
+NEVER = 10**9
+
+
+@dataclasses.dataclass
+class RowEntry:
+    id: int
+    payload: int
+    attempts: int = 0
+    state: str = LANE
+    lease: Message | None = None
+
+
+class RowsExpiryMachine(RuleBasedStateMachine):
+    """A ring of the rows layout created with a ttl, against a model of its lanes and of time.
+
+    Pushes carry a ttl of 30, 60 or 3600 s (or the queue's, 3600); the model's clock moves forward in
+    steps, and each move writes every row's expiry relative to the server's clock (what is left of its
+    ttl), so a row expires exactly when the model says. Pops (one and many, each semantics, exactly
+    once committed or rolled back), acks, nacks, lease expiries with a reclaim, and requeues of the
+    failed messages interleave, on 1 to 3 lanes, failing or dropping expired messages.
+
+    What the model predicts, from the layout's rules: a pop serves messages due again first, in id
+    order (one whose row expired fails as expired instead, or is dropped); then it locks the lanes with
+    messages, lowest position first, as many as it still wants, and takes their rows in row order, each
+    lane's contiguously, up to n; an expired row at a lane's head (nothing taken from the lane in this
+    pop) is passed and its messages fail as expired (or are dropped); one behind a taken row stops the
+    lane; a pop that passed expired rows and took nothing looks again. So every pop's ids and payloads
+    are predicted exactly; stats count ready, in flight, failed, the failed by expiry and the expired
+    no pop has reached; list_failed lists the failed with their last_error; a requeue pushes the failed
+    again as one row without a ttl; and a drain delivers exactly the model's deliverable messages."""
+
+    dbq: ClassVar[DbQueue]
+    _names = itertools.count()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q: RowsRingQueue | None = None
+        self.lanes = 1
+        self.max_attempts = 3
+        self.drop = False
+        self.clock = 0
+        self.rows: list[list[RowEntry]] = []
+        self.deadline: list[int] = []  # by row: the model's time it expires at
+        self.payloads = itertools.count()
+
+    @property
+    def queue(self) -> RowsRingQueue:
+        assert self.q is not None
+        return self.q
+
+    def _all(self) -> list[RowEntry]:
+        return [e for row in self.rows for e in row]
+
+    def _in(self, *states: str) -> list[RowEntry]:
+        return sorted((e for e in self._all() if e.state in states), key=lambda e: e.id)
+
+    def _expired(self, e: RowEntry) -> bool:
+        return self.deadline[e.id >> 16] <= self.clock
+
+    @initialize(lanes=st.integers(1, 3), max_attempts=st.sampled_from([1, 3]), drop=st.booleans())
+    def create(self, lanes: int, max_attempts: int, drop: bool) -> None:
+        self.lanes, self.max_attempts, self.drop = lanes, max_attempts, drop
+        q = self.dbq.create_queue(
+            f"x{next(self._names)}",
+            design="ring",
+            layout="rows",
+            capacity=ROWS_CAPACITY,
+            lanes=lanes,
+            ttl=3600,
+            on_expiry="drop" if drop else "fail",
+            max_attempts=max_attempts,
+            visibility_timeout=600.0,
+            retry_backoff=0.0,
+            retry_backoff_max=0.0,
+        )
+        self.q = q  # type: ignore[assignment]
+        self.queue.reclaim_every = 3600.0  # reclaim only when the test says so
+        self.queue._last_reclaim = float("inf")
+
+    def teardown(self) -> None:
+        if self.q is not None:  # a ring's own tables, dropped as the example ends
+            self.dbq.drop_queue(self.q.name)
+
+    def _fail(self, e: RowEntry) -> None:
+        e.state = DROPPED if self.drop else X_FAILED
+
+    # -- push and time -----------------------------------------------------------------------------
+
+    def _write_expiries(self) -> None:
+        """Each row's expiry, what is left of its ttl from the server's now() (0: expires now)."""
+        if not self.rows:
+            return
+        left = [float(min(d - self.clock, NEVER)) for d in self.deadline]
+        for k in range(4):
+            run_sql(
+                self.dbq,
+                f"UPDATE {{schema}}.ring_{self.queue.settings.queue_id}_rq{k} t "
+                "SET expires_at = now() + make_interval(secs => u.s) "
+                "FROM unnest(%(rows)s::bigint[], %(left)s::float8[]) u(r, s) WHERE t.r = u.r",
+                {"rows": list(range(len(self.rows))), "left": left},
+            )
+
+    @precondition(lambda self: self.q is not None and len(self.rows) < ROWS_CAPACITY // 4 - 4)
+    @rule(k=st.integers(1, 3), ttl=st.sampled_from([None, 30, 60, 3600]))
+    def push(self, k: int, ttl: int | None) -> None:
+        payloads = [next(self.payloads) for _ in range(k)]
+        r = len(self.rows)
+        ids = self.queue.push_batch(payloads, ttl=ttl)
+        assert ids == [(r << 16) | i for i in range(k)]
+        self.rows.append([RowEntry(i, p) for i, p in zip(ids, payloads, strict=True)])
+        self.deadline.append(self.clock + (3600 if ttl is None else ttl))
+        self._write_expiries()
+
+    @precondition(lambda self: self.q is not None)
+    @rule(dt=st.sampled_from([10, 30, 60]))
+    def time_passes(self, dt: int) -> None:
+        self.clock += dt
+        self._write_expiries()
+
+    # -- pop ---------------------------------------------------------------------------------------
+
+    def _again(self, n: int) -> list[RowEntry]:
+        """Messages due again, in id order, up to n; one whose row expired fails (or is dropped)."""
+        out: list[RowEntry] = []
+        for e in self._in(AGAIN):
+            if len(out) >= n:
+                break
+            if self._expired(e):
+                self._fail(e)
+            else:
+                out.append(e)
+        return out
+
+    def _lanes_once(
+        self, pending: list[RowEntry], locked: list[int], left: int
+    ) -> tuple[list[RowEntry], bool]:
+        """One pass over the locked lanes' rows in row order: what it takes (up to left) and whether it
+        passed an expired row."""
+        out: list[RowEntry] = []
+        took: set[int] = set()
+        stopped: set[int] = set()
+        passed = False
+        for e in pending:
+            lane = (e.id >> 16) % self.lanes
+            if lane not in locked or lane in stopped:
+                continue
+            if not self._expired(e):
+                took.add(lane)
+                out.append(e)
+                if len(out) == left:
+                    break
+            elif lane in took:  # behind a row taken: the lane stops
+                stopped.add(lane)
+            else:  # at the lane's head: passed
+                self._fail(e)
+                passed = True
+        return out, passed
+
+    def _predict(self, n: int) -> list[RowEntry]:
+        """The pop of n as the model takes it (states changed here; the caller marks what it took)."""
+        out = self._again(n)
+        while len(out) < n:
+            pending = self._in(LANE)
+            heads: dict[int, int] = {}
+            for e in pending:
+                heads.setdefault((e.id >> 16) % self.lanes, e.id)
+            locked = sorted(heads, key=lambda lane: heads[lane])[: n - len(out)]
+            took, passed = self._lanes_once(pending, locked, n - len(out))
+            out += took
+            if took or not passed:
+                break  # a pop that passed expired rows and took nothing looks again
+        return out
+
+    def _check(self, msgs: list[Message], want: list[RowEntry]) -> None:
+        assert [m.id for m in msgs] == [e.id for e in want], "not the messages the model takes"
+        assert [(m.payload, m.attempts) for m in msgs] == [(e.payload, e.attempts + 1) for e in want]
+
+    @precondition(lambda self: self.q is not None)
+    @rule(
+        how=st.sampled_from(["at-most-once", "at-least-once", "eo-commit", "eo-rollback"]),
+        n=st.integers(1, 4),
+    )
+    def pop(self, how: str, n: int) -> None:
+        before = {e.id: e.state for e in self._all()}
+        want = self._predict(n)
+        if how.startswith("eo"):
+            try:
+                with self.dbq.transaction() as conn:
+                    msgs = self.queue.pop(n, semantics="exactly-once", conn=conn)
+                    self._check(msgs, want)
+                    if how == "eo-rollback":
+                        raise _Rollback
+            except _Rollback:
+                for e in self._all():  # nothing happened, expiries included
+                    e.state = before[e.id]
+                return
+            for e in want:
+                e.state = DONE
+            return
+        msgs = self.queue.pop(n, semantics=how)
+        self._check(msgs, want)
+        for m, e in zip(msgs, want, strict=True):
+            e.attempts += 1
+            if how == "at-least-once":
+                e.state, e.lease = HELD, m
+            else:
+                e.state = DONE
+
+    # -- finish ------------------------------------------------------------------------------------
+
+    @precondition(lambda self: self.q is not None and self._in(HELD))
+    @rule(data=st.data(), op=st.sampled_from(["ack", "nack", "expire"]))
+    def finish(self, data: st.DataObject, op: str) -> None:
+        held = self._in(HELD)
+        chosen = data.draw(st.lists(st.sampled_from(held), min_size=1, unique_by=lambda e: e.id))
+        msgs = [e.lease for e in chosen if e.lease is not None]
+        if op == "ack":
+            assert self.queue.ack(msgs) == len(chosen)
+        elif op == "nack":
+            assert self.queue.nack(msgs, delay=0) == len(chosen)
+        else:
+            expire_leases(self.dbq, [e.id for e in chosen], self.queue)
+            assert self.queue.reclaim_expired() == len(chosen)
+        for e in chosen:
+            e.lease = None
+            if op == "ack":
+                e.state = DONE
+            else:
+                e.state = O_FAILED if e.attempts >= self.max_attempts else AGAIN
+
+    @precondition(lambda self: self.q is not None and len(self.rows) < ROWS_CAPACITY // 4 - 4)
+    @rule()
+    def requeue(self) -> None:
+        """The failed messages, expired or not, pushed again as one row without a ttl (new ids)."""
+        failed = self._in(X_FAILED, O_FAILED)
+        assert self.queue.requeue_failed() == len(failed)
+        for e in failed:
+            e.state = DONE  # gone from ring_failed; its payload lives on in the new row
+        if failed:
+            r = len(self.rows)
+            self.rows.append([RowEntry((r << 16) | i, e.payload) for i, e in enumerate(failed)])
+            self.deadline.append(NEVER)
+            self._write_expiries()
+
+    @precondition(lambda self: self.q is not None)
+    @rule()
+    def drain(self) -> None:
+        """Settle every lease, then pop until empty: exactly what the model can still deliver."""
+        held = self._in(HELD)
+        if held:
+            assert self.queue.ack([e.lease for e in held if e.lease is not None]) == len(held)
+            for e in held:
+                e.state, e.lease = DONE, None
+        got: list[Message] = []
+        want: list[RowEntry] = []
+        while batch := self._predict(4):
+            want += batch
+            for e in batch:
+                e.state = DONE
+        for _ in range(len(want) + 3):
+            got += self.queue.pop(4)
+        assert [(m.id, m.payload) for m in got] == [(e.id, e.payload) for e in want]
+
+    # -- invariants --------------------------------------------------------------------------------
+
+    @invariant()
+    def stats_and_failed_match(self) -> None:
+        if self.q is None:
+            return
+        s = self.q.stats()
+        waiting = self._in(LANE, AGAIN)
+        live = [e for e in waiting if not self._expired(e)]
+        assert (s.ready, s.delayed, s.in_flight, s.failed) == (
+            len(live),
+            0,
+            len(self._in(HELD)),
+            len(self._in(X_FAILED, O_FAILED)),
+        )
+        assert (s.extra["expired"], s.extra["expired_pending"]) == (
+            len(self._in(X_FAILED)),
+            len(waiting) - len(live),
+        )
+        failed = self.q.list_failed(limit=1000)
+        assert [(f.id, f.payload) for f in failed] == [
+            (e.id, e.payload) for e in self._in(X_FAILED, O_FAILED)
+        ]
+        assert [f.id for f in failed if f.last_error == "expired"] == [e.id for e in self._in(X_FAILED)]
+
+
+def test_rows_ring_expiry_matches_model(dbq: DbQueue) -> None:
+    """(about 30 s)"""
+    RowsExpiryMachine.dbq = dbq
+    try:
+        run_state_machine_as_test(
+            RowsExpiryMachine, settings=settings(SETTINGS, max_examples=30, stateful_step_count=30)
+        )
+    finally:
+        del RowsExpiryMachine.dbq

@@ -2582,8 +2582,9 @@ BEGIN
         v_lo := v_gen * @S;
     END LOOP;
     -- Expired rows passed: recorded (@Pexpire), and the lanes that passed only such rows logged past
-    -- them (those that took rows too are logged below). When nothing else was taken, look again: the
-    -- lanes are past them in this transaction, and the locks held stay held.
+    -- them (those that took rows too are logged below). When nothing else was taken, look again for
+    -- what is still wanted (v_left: messages due again may have been returned already): the lanes are
+    -- past them in this transaction, and the locks held stay held.
 @E    IF cardinality(v_xr) > 0 THEN
 @E        PERFORM {schema}.@Pexpire(v_xr, v_xfrom);
 @E        SELECT array_agg(l - 1 ORDER BY l), array_agg(v_skip[l] ORDER BY l) INTO v_xlanes, v_xat
@@ -2592,7 +2593,7 @@ BEGIN
 @E            PERFORM {schema}.@Plog(v_xlanes, v_xat);
 @E        END IF;
 @E        IF cardinality(v_rows) = 0 THEN
-@E            RETURN QUERY SELECT * FROM {schema}.@Ptake(p_n, p_wait, p_lease, p_vt, p_consumer);
+@E            RETURN QUERY SELECT * FROM {schema}.@Ptake(v_left, p_wait, p_lease, p_vt, p_consumer);
 @E            RETURN;
 @E        END IF;
 @E    END IF;
@@ -3377,27 +3378,42 @@ $b$
 @;
 -- What the ring holds: ready (the lanes' messages and those due again), delayed (due again later), in
 -- flight (open leases' messages and leased retry rows), failed, the oldest ready one's push time, the
--- rows held and the segments' generations.
+-- rows held, the segments' generations, the failed messages that failed by expiry, and the messages
+-- whose time to live has passed that no pop has reached yet (lapsed: a pop that reaches them fails or
+-- drops them, so they are counted neither ready nor delayed). The lapsed ones are counted exactly, in
+-- the same pass over the rows past the lanes that counts the ready ones: each row's expires_at beside
+-- its n, no scan of its own. A ring without a ttl counts none (its lines with @E are comments).
 CREATE FUNCTION {schema}.@Pdepth(OUT r_ready bigint, OUT r_delayed bigint, OUT r_in_flight bigint,
-    OUT r_failed bigint, OUT r_oldest timestamptz, OUT r_rows bigint, OUT r_gens bigint[])
+    OUT r_failed bigint, OUT r_oldest timestamptz, OUT r_rows bigint, OUT r_gens bigint[],
+    OUT r_expired bigint, OUT r_lapsed bigint)
 LANGUAGE sql AS $b$
     WITH l AS (SELECT u.o - 1 AS lane, u.at FROM unnest({schema}.@Planes(NULL)) WITH ORDINALITY u(at, o)),
-    s AS (
-        SELECT coalesce(sum(t.n - CASE WHEN t.r = l.at >> 16 THEN (l.at & 65535) ELSE 0 END), 0)::bigint AS ready,
-               min(t.enqueued_at) AS oldest
+    w AS (
+        SELECT t.n - CASE WHEN t.r = l.at >> 16 THEN (l.at & 65535) ELSE 0 END AS n, t.enqueued_at, false
+@E            OR coalesce(t.expires_at <= now(), false)
+            AS lapsed
         FROM l JOIN {schema}.@Pq t ON t.r % @L = l.lane AND t.r >= l.at >> 16),
+    s AS (
+        SELECT coalesce(sum(w.n) FILTER (WHERE NOT w.lapsed), 0)::bigint AS ready,
+               coalesce(sum(w.n) FILTER (WHERE w.lapsed), 0)::bigint AS lapsed,
+               min(w.enqueued_at) FILTER (WHERE NOT w.lapsed) AS oldest
+        FROM w),
     r AS (
-        SELECT r.id, r.state, r.due_at FROM {schema}.@Pr r
+        SELECT r.id, r.state, r.due_at, t.enqueued_at, false
+@E            OR coalesce(t.expires_at <= now(), false)
+            AS lapsed
+        FROM {schema}.@Pr r LEFT JOIN {schema}.@Pq t ON t.r = r.id >> 16
         WHERE r.state IN (1, 2) AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver))
-    SELECT s.ready + (SELECT count(*) FROM r WHERE r.state = 1 AND r.due_at <= now()),
-           (SELECT count(*) FROM r WHERE r.state = 1 AND r.due_at > now()),
+    SELECT s.ready + (SELECT count(*) FROM r WHERE r.state = 1 AND r.due_at <= now() AND NOT r.lapsed),
+           (SELECT count(*) FROM r WHERE r.state = 1 AND r.due_at > now() AND NOT r.lapsed),
            (SELECT coalesce(sum(e.n), 0) FROM {schema}.@Pl e
             WHERE NOT EXISTS (SELECT 1 FROM {schema}.@Pd d WHERE d.lo = e.lo)) + (SELECT count(*) FROM r WHERE r.state = 2),
            (SELECT count(*) FROM {schema}.ring_failed f WHERE f.queue_id = @Q),
-           least(s.oldest, (SELECT min(t.enqueued_at) FROM r JOIN {schema}.@Pq t ON t.r = r.id >> 16
-                            WHERE r.state = 1 AND r.due_at <= now())),
+           least(s.oldest, (SELECT min(r.enqueued_at) FROM r WHERE r.state = 1 AND r.due_at <= now() AND NOT r.lapsed)),
            (SELECT count(*) FROM {schema}.@Pq),
-           ARRAY(SELECT {schema}.@Pseg_gen(k) FROM generate_series(0, 3) k)
+           ARRAY(SELECT {schema}.@Pseg_gen(k) FROM generate_series(0, 3) k),
+           (SELECT count(*) FROM {schema}.ring_failed f WHERE f.queue_id = @Q AND f.last_error = 'expired'),
+           s.lapsed + (SELECT count(*) FROM r WHERE r.state = 1 AND r.lapsed)
     FROM s
 $b$
 @;
@@ -4000,12 +4016,14 @@ BEGIN
 END
 $$;
 
-CREATE OR REPLACE FUNCTION {schema}.ring_rows_depth(
+-- The stats of p_queue_id (a ring's queue_id or a group's gid), as its own depth() counts them. A ring
+-- made before depth() counted expiry returns seven columns: its r_expired and r_lapsed are NULL.
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_counts(
     p_queue_id integer, OUT r_ready bigint, OUT r_delayed bigint, OUT r_in_flight bigint, OUT r_failed bigint,
-    OUT r_oldest timestamptz, OUT r_rows bigint, OUT r_gens bigint[])
+    OUT r_oldest timestamptz, OUT r_rows bigint, OUT r_gens bigint[], OUT r_expired bigint, OUT r_lapsed bigint)
 LANGUAGE plpgsql AS $$
 BEGIN
     EXECUTE 'SELECT * FROM {schema}.' || {schema}.ring_rows_own(p_queue_id) || 'depth()'
-        INTO r_ready, r_delayed, r_in_flight, r_failed, r_oldest, r_rows, r_gens;
+        INTO r_ready, r_delayed, r_in_flight, r_failed, r_oldest, r_rows, r_gens, r_expired, r_lapsed;
 END
 $$;

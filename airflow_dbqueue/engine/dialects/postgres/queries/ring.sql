@@ -482,9 +482,11 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint
 
 -- name: ring_rows_depth
 -- (ready, delayed, in flight, failed, age of the oldest ready in seconds, rows held, each segment's
--- generation)
-SELECT r_ready, r_delayed, r_in_flight, r_failed, extract(epoch FROM now() - r_oldest)::float8, r_rows, r_gens
-FROM {schema}.ring_rows_depth(%(queue_id)s::integer)
+-- generation, failed by expiry, lapsed: past their time to live and not reached by a pop yet; the last
+-- two NULL for a ring made before they were counted)
+SELECT r_ready, r_delayed, r_in_flight, r_failed, extract(epoch FROM now() - r_oldest)::float8, r_rows, r_gens,
+       r_expired, r_lapsed
+FROM {schema}.ring_rows_counts(%(queue_id)s::integer)
 
 -- name: ring_rows_group_ids
 -- The groups of a ring of the rows layout besides its default one: (gid, name).
