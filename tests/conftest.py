@@ -120,6 +120,25 @@ def embedded_server() -> Iterator[EmbeddedPostgres]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist: the suite's scheduling (``tests/xdist_scheduling.py``), and a refusal of a
+    shared server. Each worker starts an embedded server of its own; a server named by
+    ``$DBQUEUE_TEST_DSN`` or ``$DBQUEUE_TEST_MSSQL_DSN`` would be shared by the workers instead, and
+    tests that count or end sessions by application name, or rewrite the server's ``pg_hba.conf``,
+    would see and disturb each other's: refused at once."""
+    if config.pluginmanager.hasplugin("xdist"):
+        from tests.xdist_scheduling import Plugin  # imports pytest-xdist
+
+        config.pluginmanager.register(Plugin(), "dbqueue-xdist-scheduling")
+    workers = getattr(config.option, "numprocesses", None)
+    shared = [name for name in (TEST_DSN_ENV, MSSQL_DSN_ENV) if os.environ.get(name)]
+    if workers and shared:
+        raise pytest.UsageError(
+            f"${shared[0]} names one server that every pytest-xdist worker (-n {workers}) would share, "
+            "and tests that count or end its sessions would disturb each other: run without -n"
+        )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Each face and topology adds minutes to the conformance suite, so two of its combinations are left
     out: a ring of the rows layout (and a group of one) runs on the synchronous face against the server
