@@ -120,12 +120,17 @@ def embedded_server() -> Iterator[EmbeddedPostgres]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+SHARED_SERVER_RISK = {
+    TEST_DSN_ENV: "tests that count or end its sessions by application name would disturb each other",
+    MSSQL_DSN_ENV: "the SQL Server suites have never run side by side on one server",
+}
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist: the suite's scheduling (``tests/xdist_scheduling.py``), and a refusal of a
-    shared server. Each worker starts an embedded server of its own; a server named by
-    ``$DBQUEUE_TEST_DSN`` or ``$DBQUEUE_TEST_MSSQL_DSN`` would be shared by the workers instead, and
-    tests that count or end sessions by application name, or rewrite the server's ``pg_hba.conf``,
-    would see and disturb each other's: refused at once."""
+    shared server. Each worker starts an embedded PostgreSQL of its own; a server named by
+    ``$DBQUEUE_TEST_DSN`` or ``$DBQUEUE_TEST_MSSQL_DSN`` would be shared by the workers instead
+    (:data:`SHARED_SERVER_RISK` says what that would risk), so ``-n`` is refused with one, at once."""
     if config.pluginmanager.hasplugin("xdist"):
         from tests.xdist_scheduling import Plugin  # imports pytest-xdist
 
@@ -135,7 +140,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if workers and shared:
         raise pytest.UsageError(
             f"${shared[0]} names one server that every pytest-xdist worker (-n {workers}) would share, "
-            "and tests that count or end its sessions would disturb each other: run without -n"
+            f"and {SHARED_SERVER_RISK[shared[0]]}: run without -n"
         )
 
 
