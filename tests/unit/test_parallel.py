@@ -36,11 +36,14 @@ def _pytest(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize("variable", ["DBQUEUE_TEST_DSN", "DBQUEUE_TEST_MSSQL_DSN"])
 def test_workers_on_one_shared_server_are_refused(variable: str) -> None:
     """With a shared server named, ``-n 2`` stops before any test runs (pytest's usage error, exit code
-    4), naming the variable; without ``-n`` the same tests run."""
+    4), naming the variable; without ``-n`` the same tests run (checked for one variable: the check
+    is the same for both, and each run starts a Python with the suite's imports)."""
     refused = _pytest("-n", "2", PURE_FILE, **{variable: "host=127.0.0.1 port=1 dbname=nowhere"})
     assert refused.returncode == 4, refused.stdout + refused.stderr
     assert f"${variable} names one server" in refused.stderr and "run without -n" in refused.stderr
     assert " passed" not in refused.stdout
+    if variable != "DBQUEUE_TEST_DSN":
+        return
     alone = _pytest("-q", PURE_FILE, **{variable: "host=127.0.0.1 port=1 dbname=nowhere"})
     assert alone.returncode == 0 and re.search(r"\b\d+ passed", alone.stdout), alone.stdout + alone.stderr
 
