@@ -335,9 +335,12 @@ class _Airflow:
             spark: dict[str, Any] = {"conn_type": "spark_connect", "host": host, "port": int(port)}
         else:
             spark = {"conn_type": "spark", "host": "local[*]"}
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.api_port = int(s.getsockname()[1])
+        # The execution API, and the log servers of the scheduler (LocalExecutor) and the triggerer,
+        # whose default ports (8793, 8794) another Airflow on this machine may hold: free ports each.
+        with socket.socket() as a, socket.socket() as w, socket.socket() as t:
+            for s in (a, w, t):
+                s.bind(("127.0.0.1", 0))
+            self.api_port, worker_logs, trigger_logs = (int(s.getsockname()[1]) for s in (a, w, t))
         env = {k: v for k, v in os.environ.items() if k not in ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE")}
         self.env = dict(
             env,
@@ -350,6 +353,8 @@ class _Airflow:
             AIRFLOW__CORE__EXECUTOR="LocalExecutor",
             AIRFLOW__CORE__EXECUTION_API_SERVER_URL=f"http://127.0.0.1:{self.api_port}/execution/",
             AIRFLOW__API_AUTH__JWT_SECRET=uuid.uuid4().hex,
+            AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT=str(worker_logs),
+            AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT=str(trigger_logs),
             AIRFLOW_CONN_DBQUEUE_DEFAULT=json.dumps(dbqueue),
             AIRFLOW_CONN_SPARK_DEFAULT=json.dumps(spark),
             DBQUEUE_BENCH_QUEUE="orders",

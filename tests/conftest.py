@@ -120,6 +120,30 @@ def embedded_server() -> Iterator[EmbeddedPostgres]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+SHARED_SERVER_RISK = {
+    TEST_DSN_ENV: "tests that count or end its sessions by application name would disturb each other",
+    MSSQL_DSN_ENV: "the SQL Server suites have never run side by side on one server",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist: the suite's scheduling (``tests/xdist_scheduling.py``), and a refusal of a
+    shared server. Each worker starts an embedded PostgreSQL of its own; a server named by
+    ``$DBQUEUE_TEST_DSN`` or ``$DBQUEUE_TEST_MSSQL_DSN`` would be shared by the workers instead
+    (:data:`SHARED_SERVER_RISK` says what that would risk), so ``-n`` is refused with one, at once."""
+    if config.pluginmanager.hasplugin("xdist"):
+        from tests.xdist_scheduling import Plugin  # imports pytest-xdist
+
+        config.pluginmanager.register(Plugin(), "dbqueue-xdist-scheduling")
+    workers = getattr(config.option, "numprocesses", None)
+    shared = [name for name in (TEST_DSN_ENV, MSSQL_DSN_ENV) if os.environ.get(name)]
+    if workers and shared:
+        raise pytest.UsageError(
+            f"${shared[0]} names one server that every pytest-xdist worker (-n {workers}) would share, "
+            f"and {SHARED_SERVER_RISK[shared[0]]}: run without -n"
+        )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Each face and topology adds minutes to the conformance suite, so two of its combinations are left
     out: a ring of the rows layout (and a group of one) runs on the synchronous face against the server

@@ -15,6 +15,7 @@ default, never a production database.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import importlib.util
 import logging
@@ -25,6 +26,7 @@ import signal
 import socket
 import stat
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -78,16 +80,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _ensure_user() -> pwd.struct_passwd:
+def _ensure_user(name: str = RUN_AS_USER) -> pwd.struct_passwd:
+    """The system user ``name``, created with ``useradd`` when missing.
+
+    Processes that start servers at the same time (pytest-xdist workers on a fresh machine) would each
+    find the user missing and run ``useradd``, and all but one fail: they take an exclusive lock on a
+    file first, and the ones after the first find the user it created.
+    """
     try:
-        return pwd.getpwnam(RUN_AS_USER)
+        return pwd.getpwnam(name)
     except KeyError:
-        subprocess.run(
-            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", RUN_AS_USER],
-            check=True,
-            capture_output=True,
-        )
-        return pwd.getpwnam(RUN_AS_USER)
+        pass
+    lock = Path(tempfile.gettempdir()) / f"airflow-dbqueue-useradd-{name}.lock"
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file is closed
+        try:
+            return pwd.getpwnam(name)
+        except KeyError:
+            subprocess.run(
+                ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                check=True,
+                capture_output=True,
+            )
+        return pwd.getpwnam(name)
 
 
 def _ensure_traversable(path: Path) -> None:

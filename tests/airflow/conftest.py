@@ -171,14 +171,30 @@ def airflow_conn(pg_dsn: str, dbq: DbQueue, monkeypatch: pytest.MonkeyPatch) -> 
     return CONN_ID
 
 
+def free_local_ports(n: int) -> list[int]:
+    """``n`` distinct TCP ports on 127.0.0.1 that are free right now (all held until all are found)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+
+
 def migrated_airflow_env(home: Path, dags_folder: Path, **extra: str) -> dict[str, str]:
-    """Environment of a throwaway AIRFLOW_HOME (SQLite, migrated here) with DAGs from ``dags_folder``."""
+    """Environment of a throwaway AIRFLOW_HOME (SQLite, migrated here) with DAGs from ``dags_folder``.
+
+    The scheduler (LocalExecutor) and the triggerer each serve their logs over HTTP, by default on the
+    fixed ports 8793 and 8794: each environment gets free ports of its own, so that deployments of
+    tests running at the same time (pytest-xdist workers) never take each other's."""
+    worker_logs, trigger_logs = free_local_ports(2)
     env = dict(
         os.environ,
         AIRFLOW_HOME=str(home),
         AIRFLOW__CORE__LOAD_EXAMPLES="False",
         AIRFLOW__CORE__DAGS_FOLDER=str(dags_folder),
         AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION="False",
+        AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT=str(worker_logs),
+        AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT=str(trigger_logs),
         **extra,
     )
     subprocess.run([str(AIRFLOW), "db", "migrate"], env=env, check=True, capture_output=True, timeout=300)
@@ -239,9 +255,7 @@ def airflow_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def deployment_env(home: Path, dags_folder: Path) -> dict[str, str]:
     """A migrated AIRFLOW_HOME for Airflow as separate processes (see :func:`deployment`): LocalExecutor,
     and the execution API of an api-server on a free local port, with a JWT secret they share."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
+    [port] = free_local_ports(1)
     return migrated_airflow_env(
         home,
         dags_folder,
