@@ -457,7 +457,8 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             raise
         if row is None:
             raise QueueNotFoundError(self.name, self._db.schema)
-        ready, delayed, in_flight, failed, oldest_age, rows, gens = row
+        ready, delayed, in_flight, failed, oldest_age, rows, gens, pushed = row
+        lag = int(ready) + int(delayed) + int(in_flight)
         return QueueStats(
             queue=self.name,
             ready=int(ready),
@@ -472,8 +473,13 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
                 "segment_generations": list(gens),
                 "group": self.group_name,
                 # What the group has still to finish: what it can take now or later, and what it holds.
-                "lag_messages": int(ready) + int(delayed) + int(in_flight),
+                "lag_messages": lag,
                 "lag_seconds": float(oldest_age or 0.0),
+                # Totals in messages since the ring was made, read in one snapshot with the lag: every
+                # push's (a push rolled back counts nothing), and what this group has finished with (the
+                # push total less its lag). None for a ring made by a build that did not count them.
+                "push_total": None if pushed is None else int(pushed),
+                "pop_total": None if pushed is None else int(pushed) - lag,
             },
         )
 

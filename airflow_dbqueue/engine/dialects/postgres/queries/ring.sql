@@ -477,9 +477,10 @@ SELECT r_xmax, r_last, r_skipped FROM {schema}.ring_rows_gaps(
 
 -- name: ring_rows_depth
 -- (ready, delayed, in flight, failed, age of the oldest ready in seconds, rows held, each segment's
--- generation)
-SELECT r_ready, r_delayed, r_in_flight, r_failed, extract(epoch FROM now() - r_oldest)::float8, r_rows, r_gens
-FROM {schema}.ring_rows_depth(%(queue_id)s::integer)
+-- generation, the ring's push total in messages: NULL for a ring made by a build that did not count it)
+SELECT r_ready, r_delayed, r_in_flight, r_failed, extract(epoch FROM now() - r_oldest)::float8, r_rows, r_gens,
+       r_pushed
+FROM {schema}.ring_rows_depth_totals(%(queue_id)s::integer)
 
 -- name: ring_rows_group_ids
 -- The groups of a ring of the rows layout besides its default one: (gid, name).
