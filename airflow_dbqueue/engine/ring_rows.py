@@ -23,6 +23,13 @@ stops there. A push takes its transaction id before its row number, so once ever
 running when the gap was first seen has ended, the row can never be written: an empty pop, a full push
 and :meth:`RowsRingQueue.maintain` then give it up (the lane's position passes it).
 
+Totals (``stats().extra``, which maintenance's samples record): ``push_total``, the messages of the rows
+the segments hold plus those of every segment emptied so far (the rotation that empties a segment writes
+that sum, in its transaction, into a one-row table beside the segment, which the segment's next emptying
+takes away with it), and ``pop_total``, the group's: the push total less its lag (ready, delayed, in
+flight), read in the same snapshot. Nothing on the hot path counts them; a push rolled back counts
+nothing.
+
 At least once, with the slots layout's guarantees and only inserts: a pop also inserts one lease row in
 the segment of its first message (its first and last ids, each moved lane's taken range, its end and
 consumer), and the ack of that whole pop inserts one row naming the lease in a log beside it (its key

@@ -3304,7 +3304,7 @@ $b$
 CREATE FUNCTION {schema}.@Pdepth(OUT r_ready bigint, OUT r_delayed bigint, OUT r_in_flight bigint,
     OUT r_failed bigint, OUT r_oldest timestamptz, OUT r_rows bigint, OUT r_gens bigint[], OUT r_pushed bigint)
 LANGUAGE sql AS $b$
-    WITH l AS (
+    WITH l AS MATERIALIZED (
         SELECT k AS lane, greatest(
             (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = k), (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = k),
             (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = k), (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = k)) AS at
