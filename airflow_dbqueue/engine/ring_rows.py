@@ -483,8 +483,9 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
                 "lag_messages": lag,
                 "lag_seconds": float(oldest_age or 0.0),
                 # Totals in messages since the ring was made, read in one snapshot with the lag: every
-                # push's (a push rolled back counts nothing), and what this group has finished with (the
-                # push total less its lag). None for a ring made by a build that did not count them.
+                # push's (a push rolled back counts nothing), and the push total less this group's lag:
+                # what it has finished with (for a group added later, what was pushed before its start
+                # too). None for a ring made by a build that did not count them.
                 "push_total": None if pushed is None else int(pushed),
                 "pop_total": None if pushed is None else int(pushed) - lag,
             },
