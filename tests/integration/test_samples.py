@@ -6,6 +6,7 @@ with the dead rows its VACUUM could not remove; once it ends, the next run repor
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from typing import Any
 
@@ -228,6 +229,49 @@ def test_a_rows_rings_totals_count_through_rotations_of_a_ring_with_groups(dbq: 
     assert out == {"pushed": 79, "popped": 79, "push_total": 79, "pop_total": 79} and len(sent) == 79
     st = audit.stats().extra
     assert (st["push_total"], st["pop_total"], st["lag_messages"]) == (79, 79, 0)
+
+
+def test_a_rows_rings_totals_never_go_back_while_it_pushes_pops_and_rotates(dbq: DbQueue) -> None:
+    """Read while another thread pushes, pops at least once and acks through rotations (a ring of 16
+    rows), a rows ring's totals never go back and its pop total never passes its push total: the push
+    total and the lag are read in one snapshot, the emptied segments' total with the segments it
+    replaces. At the end they are what went in and came out."""
+    q = dbq.create_queue("rows", design="ring", layout="rows", capacity=16, lanes=1)
+    sent: list[Any] = []
+    acked: list[Any] = []
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for i in range(200):
+                batch = [{"i": i, "j": j} for j in range(1 + i % 3)]
+                q.push_batch(batch)
+                sent.extend(batch)
+                got = q.pop(3, semantics="at-least-once")
+                q.ack(got)
+                acked.extend(x.payload for x in got)
+            while got := q.pop(10, semantics="at-least-once"):
+                q.ack(got)
+                acked.extend(x.payload for x in got)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    reader = dbq.queue("rows")
+    worker = threading.Thread(target=work)
+    worker.start()
+    seen = []
+    while worker.is_alive():
+        extra = reader.stats().extra
+        seen.append((extra["push_total"], extra["pop_total"]))
+    worker.join()
+    assert errors == []
+    extra = reader.stats().extra
+    seen.append((extra["push_total"], extra["pop_total"]))
+    assert checksum(acked) == checksum(sent) and len(sent) == 399
+    assert seen[-1] == (399, 399) and len(seen) > 20
+    assert max(reader.stats().extra["segment_generations"]) >= 40  # rotated about 50 times meanwhile
+    assert all(popped <= pushed for pushed, popped in seen), seen
+    assert all(a[0] <= b[0] and a[1] <= b[1] for a, b in itertools.pairwise(seen)), seen
 
 
 class _RolledBack(Exception):
