@@ -23,6 +23,13 @@ stops there. A push takes its transaction id before its row number, so once ever
 running when the gap was first seen has ended, the row can never be written: an empty pop, a full push
 and :meth:`RowsRingQueue.maintain` then give it up (the lane's position passes it).
 
+Totals (``stats().extra``, which maintenance's samples record): ``push_total``, the messages of the rows
+the segments hold plus those of every segment emptied so far (the rotation that empties a segment writes
+that sum, in its transaction, into a one-row table beside the segment, which the segment's next emptying
+takes away with it), and ``pop_total``, the group's: the push total less its lag (ready, delayed, in
+flight), read in the same snapshot. Nothing on the hot path counts them; a push rolled back counts
+nothing.
+
 At least once, with the slots layout's guarantees and only inserts: a pop also inserts one lease row in
 the segment of its first message (its first and last ids, each moved lane's taken range, its end and
 consumer), and the ack of that whole pop inserts one row naming the lease in a log beside it (its key
@@ -508,7 +515,8 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             raise
         if row is None:
             raise QueueNotFoundError(self.name, self._db.schema)
-        ready, delayed, in_flight, failed, oldest_age, rows, gens, expired, pending = row
+        ready, delayed, in_flight, failed, oldest_age, rows, gens, expired, pending, pushed = row
+        lag = int(ready) + int(delayed) + int(in_flight)
         extra: dict[str, Any] = {
             "layout": "rows",
             # In pushes (rows), a push of a batch being one row: rows_held counts the rows in the
@@ -519,8 +527,15 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             "segment_generations": list(gens),
             "group": self.group_name,
             # What the group has still to finish: what it can take now or later, and what it holds.
-            "lag_messages": int(ready) + int(delayed) + int(in_flight),
+            "lag_messages": lag,
             "lag_seconds": float(oldest_age or 0.0),
+            # Totals in messages since the ring was made, read in one snapshot with the lag: every
+            # push's (a push rolled back counts nothing), and the push total less what this group has
+            # not finished (its lag, and the messages past their time to live that no pop has reached
+            # yet): what it has finished with (for a group added later, what was pushed before its
+            # start too). None for a ring made by a build that did not count them.
+            "push_total": None if pushed is None else int(pushed),
+            "pop_total": None if pushed is None else int(pushed) - lag - int(pending or 0),
         }
         if self.settings.ttl_s is not None and expired is not None:
             # A ring whose messages expire: the failed ones that failed by expiry (as the table design

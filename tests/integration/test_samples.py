@@ -5,6 +5,8 @@ with the dead rows its VACUUM could not remove; once it ends, the next run repor
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
 from typing import Any
 
@@ -187,9 +189,8 @@ def test_a_rings_consumer_groups_are_sampled_with_their_lag(dbq: DbQueue) -> Non
 
 
 def test_a_rows_rings_groups_are_sampled_with_their_lag_and_maintenance_runs(dbq: DbQueue) -> None:
-    """A ring of the rows layout counts no positions: its sample has no totals, as a table queue that
-    does not archive, but its depth and its groups' lag; and a whole maintenance run of a schema holding
-    one completes."""
+    """A ring of the rows layout is sampled with its depth, its totals (the default group's pops) and its
+    groups' lag; and a whole maintenance run of a schema holding one completes."""
     q = dbq.create_queue("rows", design="ring", layout="rows", capacity=64)
     audit = q.add_group("audit", start="earliest")
     m = dbq.maintenance()
@@ -199,12 +200,183 @@ def test_a_rows_rings_groups_are_sampled_with_their_lag_and_maintenance_runs(dbq
     taken = [x.payload for x in audit.pop(12)]
     assert checksum(taken) == checksum(ledger.pushed[:12])
     out = m.sample()
-    assert out["queues"]["rows"] == {"pushed": None, "popped": None, "push_total": None, "pop_total": None}
+    assert out["queues"]["rows"] == {"pushed": 30, "popped": 20, "push_total": 30, "pop_total": 20}
     [first, second] = m.samples(window=600)["rows"]
     assert (first["ready"], second["ready"]) == (0, 10)
     assert first["groups"] == {"audit": 0} and second["groups"] == {"audit": 18}
     report = dbq.maintain(MaintenanceConfig(archive_after_s=0.0))
     assert report.get("incomplete") in (None, [], {}), report
+
+
+def test_a_rows_rings_totals_count_through_rotations_of_a_ring_with_groups(dbq: DbQueue) -> None:
+    """With a consumer group, segments are emptied by the rotation over every group: the ring's push total
+    still counts every message, and each group's pop total what it finished."""
+    q = dbq.create_queue("rows", design="ring", layout="rows", capacity=16, lanes=1)
+    audit = q.add_group("audit")
+    m = dbq.maintenance()
+    m.sample()
+    sent: list[Any] = []
+    got: dict[str, list[Any]] = {"default": [], "audit": []}
+    for i in range(40):  # 40 rows through a ring of 16: segments emptied 6 times or more
+        batch = [{"i": i, "j": j} for j in range(1 + i % 3)]
+        q.push_batch(batch)
+        sent += batch
+        got["default"] += [x.payload for x in q.pop(10)]
+        if i % 4 == 3:
+            got["audit"] += [x.payload for x in audit.pop(100)]
+    assert checksum(got["default"]) == checksum(got["audit"]) == checksum(sent)
+    assert max(q.stats().extra["segment_generations"]) >= 9
+    out = m.sample()["queues"]["rows"]
+    assert out == {"pushed": 79, "popped": 79, "push_total": 79, "pop_total": 79} and len(sent) == 79
+    st = audit.stats().extra
+    assert (st["push_total"], st["pop_total"], st["lag_messages"]) == (79, 79, 0)
+
+
+def test_a_rows_rings_totals_never_go_back_while_it_pushes_pops_and_rotates(dbq: DbQueue) -> None:
+    """Read while another thread pushes, pops at least once and acks through rotations (a ring of 16
+    rows), a rows ring's totals never go back and its pop total never passes its push total: the push
+    total and the lag are read in one snapshot, the emptied segments' total with the segments it
+    replaces. At the end they are what went in and came out."""
+    q = dbq.create_queue("rows", design="ring", layout="rows", capacity=16, lanes=1)
+    sent: list[Any] = []
+    acked: list[Any] = []
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for i in range(200):
+                batch = [{"i": i, "j": j} for j in range(1 + i % 3)]
+                q.push_batch(batch)
+                sent.extend(batch)
+                got = q.pop(3, semantics="at-least-once")
+                q.ack(got)
+                acked.extend(x.payload for x in got)
+            while got := q.pop(10, semantics="at-least-once"):
+                q.ack(got)
+                acked.extend(x.payload for x in got)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    reader = dbq.queue("rows")
+    worker = threading.Thread(target=work)
+    worker.start()
+    seen = []
+    while worker.is_alive():
+        extra = reader.stats().extra
+        seen.append((extra["push_total"], extra["pop_total"]))
+    worker.join()
+    assert errors == []
+    extra = reader.stats().extra
+    seen.append((extra["push_total"], extra["pop_total"]))
+    assert checksum(acked) == checksum(sent) and len(sent) == 399
+    assert seen[-1] == (399, 399) and len(seen) > 20
+    assert max(reader.stats().extra["segment_generations"]) >= 40  # rotated about 50 times meanwhile
+    assert all(popped <= pushed for pushed, popped in seen), seen
+    assert all(a[0] <= b[0] and a[1] <= b[1] for a, b in itertools.pairwise(seen)), seen
+
+
+class _RolledBack(Exception):
+    pass
+
+
+def _take(q: Any, n: int) -> list[Any]:
+    """``n`` messages popped at least once; while a lane waits at a gap (a push rolled back), maintain()
+    gives it up."""
+    got: list[Any] = []
+    for _ in range(100):
+        got += q.pop(n - len(got), semantics="at-least-once")
+        if len(got) == n:
+            return got
+        q.maintain()
+        time.sleep(0.06)
+    raise AssertionError(f"took {len(got)} of {n}")
+
+
+def _finish_all(q: Any, fail: set[int], finished: list[Any]) -> None:
+    """Pop the ring dry at least once, acking each message but those of ``fail`` (nacked, their last
+    attempt: failed), all of them appended to ``finished``; empty pops let maintain() give up gaps."""
+    while True:
+        got = q.pop(10, semantics="at-least-once")
+        if not got:
+            if q.stats().extra["lag_messages"] == 0:
+                return
+            q.maintain()
+            time.sleep(0.06)
+            continue
+        for x in got:
+            if x.id in fail:
+                q.nack([x], error="no")
+            else:
+                q.ack([x])
+            finished.append(x.payload)
+
+
+def test_a_rows_rings_samples_count_its_pushes_and_pops_exactly_through_rotations(dbq: DbQueue) -> None:
+    """A ring of the rows layout of 16 rows (segments of 4), sampled after each of four rounds of pushes
+    of 1 to 7 messages and pops of each kind: each sample's pushed and popped are exactly the messages
+    pushed and finished since the one before, while segments are emptied between samples (by pushes,
+    and by maintain() every other round). Popped counts a message taken at most once, acked, or failed
+    on its last attempt; one leased, or nacked to come again, is not popped until it is finished. A push
+    rolled back counts nothing, and nor does its row, given up as a gap."""
+    q = dbq.create_queue(
+        "rows",
+        design="ring",
+        layout="rows",
+        capacity=16,
+        lanes=2,
+        max_attempts=2,
+        retry_backoff=0,
+        retry_backoff_max=0,
+    )
+    m = dbq.maintenance()
+    assert m.sample()["queues"]["rows"] == {"pushed": None, "popped": None, "push_total": 0, "pop_total": 0}
+    pushed: list[Any] = []
+    finished: list[Any] = []
+    counts = []
+    gens = [q.stats().extra["segment_generations"]]
+    before = (0, 0)  # what was pushed and finished at the previous sample
+    for rnd in range(4):
+        for i in range(9):  # 9 rows a round: more than two segments
+            batch = [{"r": rnd, "i": i, "j": j, "pad": "x" * j} for j in range(1 + (rnd + i) % 7)]
+            if i == 4:  # a push rolled back: its row number is a gap
+                with pytest.raises(_RolledBack), dbq.transaction() as conn:
+                    q.push_batch(batch, conn=conn)
+                    raise _RolledBack
+                continue
+            q.push_batch(batch)
+            pushed += batch
+            if i % 2:
+                finished += [x.payload for x in q.pop(1 + len(batch) // 2)]  # at most once
+        acked = _take(q, 3)
+        q.ack(acked)
+        finished += [x.payload for x in acked]
+        held = _take(q, 2)  # in flight at the sample
+        again = _take(q, 1)
+        q.nack(again)  # ready again: not finished
+        if rnd % 2:
+            q.maintain()  # gives up the gap and rotates ahead
+        counts.append(m.sample()["queues"]["rows"])
+        since = (len(pushed) - before[0], len(finished) - before[1])
+        assert (counts[-1]["pushed"], counts[-1]["popped"]) == since
+        before = (len(pushed), len(finished))
+        gens.append(q.stats().extra["segment_generations"])
+        q.ack(held[:1])
+        finished.append(held[0].payload)
+        q.nack(held[1:])  # comes again, then acked
+        _finish_all(q, {again[0].id}, finished)  # `again` fails on its second attempt
+    final = m.sample()["queues"]["rows"]
+    counts.append(final)
+    assert checksum(finished) == checksum(pushed) and len(finished) == len(pushed) > 4 * 20
+    assert sum(c["pushed"] for c in counts) == len(pushed) == final["push_total"]
+    assert sum(c["popped"] for c in counts) == len(pushed) == final["pop_total"]
+    assert len(q.list_failed()) == 4  # one a round
+    # after the first lap, segments were emptied between each sample and the next
+    assert max(gens[-1]) >= 8 and all(a != b for a, b in itertools.pairwise(gens[1:])), gens
+    kept = m.samples(window=600)["rows"]
+    assert [s["pushed"] for s in kept] == [None, *(c["pushed"] for c in counts)]
+    assert [s["popped"] for s in kept] == [None, *(c["popped"] for c in counts)]
+    st = q.stats()
+    assert (st.ready, st.delayed, st.in_flight, st.failed) == (0, 0, 0, 4)
 
 
 def test_uninstall_drops_the_samples_with_the_rest(pg_dsn: str, schema_name: str) -> None:

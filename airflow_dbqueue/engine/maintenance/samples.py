@@ -3,10 +3,15 @@ oldest age, push and pop rates and the xmin horizon can be drawn over the last h
 
 Where the counts come from, so that nothing is added to the push or pop path:
 
-- a ring keeps totals already: its push position (the numbers its push sequence handed out) and its
-  default group's pop position (how far its consumers took). A sample records both
-  (``push_total``, ``pop_total``); pushes and pops between two samples are their differences. Numbers
-  given up as gaps (a push that rolled back) count as pushed and popped.
+- a ring keeps totals already. The slots layout: its push position (the numbers its push sequence
+  handed out) and its default group's pop position (how far its consumers took); numbers given up as
+  gaps (a push that rolled back) count as pushed and popped. The rows layout: its push total (the
+  messages of the rows its segments hold, plus those of every segment emptied so far, which the
+  rotation that empties a segment records beside it) and its default group's pop total (the push total
+  less what the group has not finished: ready, delayed and in flight, read in the same snapshot), so a
+  message counts as popped once it is acked, taken at most once or exactly once, failed or expired; a
+  push that rolled back wrote no row and counts nothing. A sample records both (``push_total``,
+  ``pop_total``); pushes and pops between two samples are their differences.
 - the table design keeps no counter. Its rows carry their times: a sample counts the messages whose
   ``enqueued_at`` (pushes) and, finished, whose ``finished_at`` (pops) fall between the queue's previous
   sample and this one, in meta, done and archive, as the metrics' rates do. That is exact for a queue
@@ -221,11 +226,14 @@ def _rows(
 
 
 def _figures(settings: QueueSettings, stats: QueueStats, groups: dict[str, int] | None) -> dict[str, Any]:
-    """One queue's row of figures from its stats (a ring's with its positions and groups' lag; a ring of
-    the rows layout counts no positions, so its totals are None, as a table queue's)."""
+    """One queue's row of figures from its stats (a ring's with its totals and groups' lag: the slots
+    layout's positions, the rows layout's totals in messages; None for a table queue, and for a ring of
+    the rows layout made by a build that did not count them)."""
 
-    def total(key: str) -> int | None:
-        value = stats.extra.get(key) if groups is not None else None
+    def total(rows_key: str, slots_key: str) -> int | None:
+        if groups is None:
+            return None
+        value = stats.extra[rows_key] if rows_key in stats.extra else stats.extra.get(slots_key)
         return None if value is None else int(value)
 
     return {
@@ -238,8 +246,8 @@ def _figures(settings: QueueSettings, stats: QueueStats, groups: dict[str, int] 
         "in_flight": stats.in_flight,
         "failed": stats.failed,
         "oldest_age_s": stats.oldest_ready_age_s,
-        "push_total": total("push_position"),
-        "pop_total": total("pop_position"),
+        "push_total": total("push_total", "push_position"),
+        "pop_total": total("pop_total", "pop_position"),
         "pushed": None,
         "popped": None,
         "groups": groups or {},

@@ -2127,6 +2127,23 @@ CREATE VIEW {schema}.@Pq AS
     SELECT * FROM {schema}.@Pq0 UNION ALL SELECT * FROM {schema}.@Pq1
     UNION ALL SELECT * FROM {schema}.@Pq2 UNION ALL SELECT * FROM {schema}.@Pq3
 @;
+-- The messages of every segment emptied so far (the push total's part that TRUNCATE took away), one
+-- row a segment: a rotation reads the newest (the highest total), adds the messages of the segment it
+-- empties, and writes the sum into that segment's table, emptied with it by the same TRUNCATE. So the
+-- count commits or rolls back with the emptying, a rotation run again on an emptied segment adds
+-- nothing, and nothing is updated or deleted. No row before the first rotation.
+CREATE TABLE {schema}.@Pemptied0 (total bigint NOT NULL)
+@;
+CREATE TABLE {schema}.@Pemptied1 (LIKE {schema}.@Pemptied0 INCLUDING ALL)
+@;
+CREATE TABLE {schema}.@Pemptied2 (LIKE {schema}.@Pemptied0 INCLUDING ALL)
+@;
+CREATE TABLE {schema}.@Pemptied3 (LIKE {schema}.@Pemptied0 INCLUDING ALL)
+@;
+CREATE VIEW {schema}.@Pemptied AS
+    SELECT * FROM {schema}.@Pemptied0 UNION ALL SELECT * FROM {schema}.@Pemptied1
+    UNION ALL SELECT * FROM {schema}.@Pemptied2 UNION ALL SELECT * FROM {schema}.@Pemptied3
+@;
 -- The ring's batches (not segmented: a batch is remembered after its segment is emptied, until the
 -- upkeep forgets it): one row a claim (its receipts in id order, grp the key of its consumer group), and
 -- one row a change of its state (bs: claimed again with a later lease end, acked, released), the highest
@@ -2322,6 +2339,7 @@ CREATE FUNCTION {schema}.@Protate(p_gen bigint) RETURNS boolean
 LANGUAGE plpgsql SET lock_timeout = '50ms' AS $b$
 DECLARE
     v_k integer := (p_gen % 4)::integer;
+    v_total bigint;
 BEGIN
     IF {schema}.@Pseg_gen(v_k) >= p_gen THEN
         RETURN true;
@@ -2336,13 +2354,13 @@ BEGIN
         RETURN false;
     END IF;
     IF v_k = 0 THEN
-        LOCK TABLE {schema}.@Pq0, {schema}.@Ppos0, {schema}.@Pl0, {schema}.@Pd0, {schema}.@Pr0 IN ACCESS EXCLUSIVE MODE;
+        LOCK TABLE {schema}.@Pq0, {schema}.@Ppos0, {schema}.@Pl0, {schema}.@Pd0, {schema}.@Pr0, {schema}.@Pemptied0 IN ACCESS EXCLUSIVE MODE;
     ELSIF v_k = 1 THEN
-        LOCK TABLE {schema}.@Pq1, {schema}.@Ppos1, {schema}.@Pl1, {schema}.@Pd1, {schema}.@Pr1 IN ACCESS EXCLUSIVE MODE;
+        LOCK TABLE {schema}.@Pq1, {schema}.@Ppos1, {schema}.@Pl1, {schema}.@Pd1, {schema}.@Pr1, {schema}.@Pemptied1 IN ACCESS EXCLUSIVE MODE;
     ELSIF v_k = 2 THEN
-        LOCK TABLE {schema}.@Pq2, {schema}.@Ppos2, {schema}.@Pl2, {schema}.@Pd2, {schema}.@Pr2 IN ACCESS EXCLUSIVE MODE;
+        LOCK TABLE {schema}.@Pq2, {schema}.@Ppos2, {schema}.@Pl2, {schema}.@Pd2, {schema}.@Pr2, {schema}.@Pemptied2 IN ACCESS EXCLUSIVE MODE;
     ELSE
-        LOCK TABLE {schema}.@Pq3, {schema}.@Ppos3, {schema}.@Pl3, {schema}.@Pd3, {schema}.@Pr3 IN ACCESS EXCLUSIVE MODE;
+        LOCK TABLE {schema}.@Pq3, {schema}.@Ppos3, {schema}.@Pl3, {schema}.@Pd3, {schema}.@Pr3, {schema}.@Pemptied3 IN ACCESS EXCLUSIVE MODE;
     END IF;
     IF {schema}.@Pseg_gen(v_k) >= p_gen THEN
         RETURN true;
@@ -2350,13 +2368,18 @@ BEGIN
     IF {schema}.@Pbusy(v_k) THEN  -- again under the lock: nothing can make it busy again, but be sure
         RETURN false;
     END IF;
+    -- The messages of every segment emptied before, and (below) this one's: counted under the lock,
+    -- when no push can write into it, and recorded by the same transaction that empties it.
+    v_total := coalesce((SELECT max(e.total) FROM {schema}.@Pemptied e), 0);
     -- The leases, done rows and retry log are truncated only when they have a page: a TRUNCATE gives a
     -- table, its index and its TOAST table new files, each a new pg_class row version (which a held
     -- horizon keeps, and every session's lookups of the table then walk) and a cache invalidation in
     -- every session; at most once those three stay empty. Under the lock nothing can write into them,
     -- and a table of no page holds no row, live or dead.
     IF v_k = 0 THEN
-        TRUNCATE {schema}.@Ppos0, {schema}.@Pq0;
+        v_total := v_total + (SELECT coalesce(sum(t.n), 0) FROM {schema}.@Pq0 t);
+        TRUNCATE {schema}.@Ppos0, {schema}.@Pq0, {schema}.@Pemptied0;
+        INSERT INTO {schema}.@Pemptied0 VALUES (v_total);
         IF pg_relation_size('{schema}.@Pl0') > 0 OR pg_relation_size('{schema}.@Pd0') > 0 THEN
             TRUNCATE {schema}.@Pl0, {schema}.@Pd0;
         END IF;
@@ -2364,7 +2387,9 @@ BEGIN
             TRUNCATE {schema}.@Pr0;
         END IF;
     ELSIF v_k = 1 THEN
-        TRUNCATE {schema}.@Ppos1, {schema}.@Pq1;
+        v_total := v_total + (SELECT coalesce(sum(t.n), 0) FROM {schema}.@Pq1 t);
+        TRUNCATE {schema}.@Ppos1, {schema}.@Pq1, {schema}.@Pemptied1;
+        INSERT INTO {schema}.@Pemptied1 VALUES (v_total);
         IF pg_relation_size('{schema}.@Pl1') > 0 OR pg_relation_size('{schema}.@Pd1') > 0 THEN
             TRUNCATE {schema}.@Pl1, {schema}.@Pd1;
         END IF;
@@ -2372,7 +2397,9 @@ BEGIN
             TRUNCATE {schema}.@Pr1;
         END IF;
     ELSIF v_k = 2 THEN
-        TRUNCATE {schema}.@Ppos2, {schema}.@Pq2;
+        v_total := v_total + (SELECT coalesce(sum(t.n), 0) FROM {schema}.@Pq2 t);
+        TRUNCATE {schema}.@Ppos2, {schema}.@Pq2, {schema}.@Pemptied2;
+        INSERT INTO {schema}.@Pemptied2 VALUES (v_total);
         IF pg_relation_size('{schema}.@Pl2') > 0 OR pg_relation_size('{schema}.@Pd2') > 0 THEN
             TRUNCATE {schema}.@Pl2, {schema}.@Pd2;
         END IF;
@@ -2380,7 +2407,9 @@ BEGIN
             TRUNCATE {schema}.@Pr2;
         END IF;
     ELSE
-        TRUNCATE {schema}.@Ppos3, {schema}.@Pq3;
+        v_total := v_total + (SELECT coalesce(sum(t.n), 0) FROM {schema}.@Pq3 t);
+        TRUNCATE {schema}.@Ppos3, {schema}.@Pq3, {schema}.@Pemptied3;
+        INSERT INTO {schema}.@Pemptied3 VALUES (v_total);
         IF pg_relation_size('{schema}.@Pl3') > 0 OR pg_relation_size('{schema}.@Pd3') > 0 THEN
             TRUNCATE {schema}.@Pl3, {schema}.@Pd3;
         END IF;
@@ -3378,16 +3407,26 @@ $b$
 @;
 -- What the ring holds: ready (the lanes' messages and those due again), delayed (due again later), in
 -- flight (open leases' messages and leased retry rows), failed, the oldest ready one's push time, the
--- rows held, the segments' generations, the failed messages that failed by expiry, and the messages
--- whose time to live has passed that no pop has reached yet (lapsed: a pop that reaches them fails or
--- drops them, so they are counted neither ready nor delayed). The lapsed ones are counted exactly, in
--- the same pass over the rows past the lanes that counts the ready ones: each row's expires_at beside
--- its n, no scan of its own. A ring without a ttl counts none (its lines with @E are comments).
+-- rows held, the segments' generations, the failed messages that failed by expiry, the messages whose
+-- time to live has passed that no pop has reached yet (lapsed: a pop that reaches them fails or drops
+-- them, so they are counted neither ready nor delayed), and the push total: the messages of every push
+-- so far, those of the emptied segments (@Pemptied) and those held (a push rolled back wrote no row, and
+-- counts nothing). The lapsed ones are counted exactly, in the same pass over the rows past the lanes
+-- that counts the ready ones: each row's expires_at beside its n, no scan of its own; a ring without a
+-- ttl counts none (its lines with @E are comments). One statement, so one snapshot: the lanes' positions
+-- are read here from the position logs (a lane's highest entry over the live segments, what @Planes
+-- finds), not through @Planes, whose statements would see pops committed after this one's snapshot; so
+-- the push total less ready, delayed, in flight and lapsed is exactly what the group has finished. Its
+-- cost is a scan of the rows held (at most the capacity) and 4 index probes a lane.
 CREATE FUNCTION {schema}.@Pdepth(OUT r_ready bigint, OUT r_delayed bigint, OUT r_in_flight bigint,
     OUT r_failed bigint, OUT r_oldest timestamptz, OUT r_rows bigint, OUT r_gens bigint[],
-    OUT r_expired bigint, OUT r_lapsed bigint)
+    OUT r_expired bigint, OUT r_lapsed bigint, OUT r_pushed bigint)
 LANGUAGE sql AS $b$
-    WITH l AS (SELECT u.o - 1 AS lane, u.at FROM unnest({schema}.@Planes(NULL)) WITH ORDINALITY u(at, o)),
+    WITH l AS MATERIALIZED (
+        SELECT k AS lane, greatest(
+            (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = k), (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = k),
+            (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = k), (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = k)) AS at
+        FROM generate_series(0, @L - 1) k),
     w AS (
         SELECT t.n - CASE WHEN t.r = l.at >> 16 THEN (l.at & 65535) ELSE 0 END AS n, t.enqueued_at, false
 @E            OR coalesce(t.expires_at <= now(), false)
@@ -3398,6 +3437,7 @@ LANGUAGE sql AS $b$
                coalesce(sum(w.n) FILTER (WHERE w.lapsed), 0)::bigint AS lapsed,
                min(w.enqueued_at) FILTER (WHERE NOT w.lapsed) AS oldest
         FROM w),
+    h AS (SELECT count(*) AS rows, coalesce(sum(t.n), 0)::bigint AS msgs FROM {schema}.@Pq t),
     r AS (
         SELECT r.id, r.state, r.due_at, t.enqueued_at, false
 @E            OR coalesce(t.expires_at <= now(), false)
@@ -3410,11 +3450,12 @@ LANGUAGE sql AS $b$
             WHERE NOT EXISTS (SELECT 1 FROM {schema}.@Pd d WHERE d.lo = e.lo)) + (SELECT count(*) FROM r WHERE r.state = 2),
            (SELECT count(*) FROM {schema}.ring_failed f WHERE f.queue_id = @Q),
            least(s.oldest, (SELECT min(r.enqueued_at) FROM r WHERE r.state = 1 AND r.due_at <= now() AND NOT r.lapsed)),
-           (SELECT count(*) FROM {schema}.@Pq),
+           h.rows,
            ARRAY(SELECT {schema}.@Pseg_gen(k) FROM generate_series(0, 3) k),
            (SELECT count(*) FROM {schema}.ring_failed f WHERE f.queue_id = @Q AND f.last_error = 'expired'),
-           s.lapsed + (SELECT count(*) FROM r WHERE r.state = 1 AND r.lapsed)
-    FROM s
+           s.lapsed + (SELECT count(*) FROM r WHERE r.state = 1 AND r.lapsed),
+           coalesce((SELECT max(e.total) FROM {schema}.@Pemptied e), 0) + h.msgs
+    FROM s CROSS JOIN h
 $b$
 @;
 -- Claim a batch (p_batch) of up to p_n messages for group p_group: a pop at least once (@Ptake: messages
@@ -3773,8 +3814,8 @@ END
 $$;
 
 -- Add a consumer group to ring p_queue_id of the rows layout: its ring_groups row (a new gid), its own
--- objects from ring_rows_template (those of the ring's messages, its generation labels, its push,
--- rotation and labelling are the ring's, not copied; its batch ledger and the functions of batches are
+-- objects from ring_rows_template (those of the ring's messages, its generation labels, the totals of
+-- its emptied segments, its push, rotation and labelling are the ring's, not copied; its batch ledger and the functions of batches are
 -- its own, over its own leases, so an open batch of the group holds its segments as its pops' leases
 -- do: ring_rows_rotate_groups asks every group's busy), and its lanes' first positions, logged as a pop
 -- logs them: p_earliest, each lane's lowest position over the ring's groups (the group sees every
@@ -3819,10 +3860,10 @@ BEGIN
     END IF;
     FOREACH v_stmt IN ARRAY string_to_array({schema}.ring_rows_template(), '@;') LOOP
         CONTINUE WHEN regexp_replace(v_stmt, '^(\s|--[^\n]*\n)*', '') ~ ('^(CREATE (SEQUENCE|TABLE|VIEW|FUNCTION) '
-            || '\S+\.@P(gen[0-3]|rows|q[0-3]?|pushx?|rotate|label)\M'
+            || '\S+\.@P(gen[0-3]|rows|q[0-3]?|emptied[0-3]?|pushx?|rotate|label)\M'
             || '|ALTER TABLE \S+\.@Pq|SELECT setval|INSERT INTO )');
         EXECUTE replace(replace(replace(replace(replace(replace(replace(replace(
-            regexp_replace(v_stmt, '@P(gen[0-3]|rows|q[0-3]?)\M', v_ring || '\1', 'g'),
+            regexp_replace(v_stmt, '@P(gen[0-3]|rows|q[0-3]?|emptied[0-3]?)\M', v_ring || '\1', 'g'),
             '@P', v_own), '@L', v_lanes::text), '@S', v_s::text),
             '@K2', hashtext('dbqueue.rows.lanes.{schema}.' || v_gid)::text),
             '@K3', hashtext('dbqueue.rows.posgen.{schema}.' || v_gid)::text),
@@ -3870,6 +3911,7 @@ DECLARE
     v_busy boolean;
     v_tables text;
     v_p text;
+    v_total bigint;
 BEGIN
     SELECT w.seg_rows, w.lanes INTO v_s, v_l FROM {schema}.ring_rows w WHERE w.queue_id = p_queue_id;
     IF NOT FOUND THEN
@@ -3896,7 +3938,7 @@ BEGIN
             RETURN false;
         END IF;
     END LOOP;
-    v_tables := v_ring || 'q' || v_k;
+    v_tables := v_ring || 'q' || v_k || ', ' || v_ring || 'emptied' || v_k;
     FOREACH v_p IN ARRAY v_own LOOP
         v_tables := v_tables || format(', %1$spos%2$s, %1$sl%2$s, %1$sd%2$s, %1$sr%2$s', v_p, v_k);
     END LOOP;
@@ -3911,7 +3953,12 @@ BEGIN
             RETURN false;
         END IF;
     END LOOP;
+    -- The push total's part of the emptied segments, this one's messages added (the ring's own rotation
+    -- says why, @Protate).
+    EXECUTE format('SELECT coalesce((SELECT max(e.total) FROM %1$semptied e), 0) '
+                   '+ (SELECT coalesce(sum(t.n), 0) FROM %1$sq%2$s t)', v_ring, v_k) INTO v_total;
     EXECUTE 'TRUNCATE ' || v_tables;
+    EXECUTE format('INSERT INTO %semptied%s VALUES ($1)', v_ring, v_k) USING v_total;
     RETURN true;
 EXCEPTION WHEN lock_not_available THEN
     RETURN false;
@@ -4016,14 +4063,22 @@ BEGIN
 END
 $$;
 
--- The stats of p_queue_id (a ring's queue_id or a group's gid), as its own depth() counts them. A ring
--- made before depth() counted expiry returns seven columns: its r_expired and r_lapsed are NULL.
+-- The stats of p_queue_id (a ring's queue_id or a group's gid), as its own depth() counts them, in one
+-- snapshot. A ring made by a build whose depth() counted neither expiry nor its pushes has r_expired,
+-- r_lapsed and r_pushed NULL (the columns its depth() lacks, found by name).
 CREATE OR REPLACE FUNCTION {schema}.ring_rows_counts(
     p_queue_id integer, OUT r_ready bigint, OUT r_delayed bigint, OUT r_in_flight bigint, OUT r_failed bigint,
-    OUT r_oldest timestamptz, OUT r_rows bigint, OUT r_gens bigint[], OUT r_expired bigint, OUT r_lapsed bigint)
+    OUT r_oldest timestamptz, OUT r_rows bigint, OUT r_gens bigint[], OUT r_expired bigint, OUT r_lapsed bigint,
+    OUT r_pushed bigint)
 LANGUAGE plpgsql AS $$
+DECLARE
+    v_fn text := '{schema}.' || {schema}.ring_rows_own(p_queue_id) || 'depth';
+    v_args text[] := (SELECT p.proargnames FROM pg_catalog.pg_proc p WHERE p.oid = to_regprocedure(v_fn || '()'));
 BEGIN
-    EXECUTE 'SELECT * FROM {schema}.' || {schema}.ring_rows_own(p_queue_id) || 'depth()'
-        INTO r_ready, r_delayed, r_in_flight, r_failed, r_oldest, r_rows, r_gens, r_expired, r_lapsed;
+    EXECUTE 'SELECT r_ready, r_delayed, r_in_flight, r_failed, r_oldest, r_rows, r_gens, '
+        || CASE WHEN 'r_expired' = ANY (v_args) THEN 'r_expired, r_lapsed' ELSE 'NULL::bigint, NULL::bigint' END
+        || ', ' || CASE WHEN 'r_pushed' = ANY (v_args) THEN 'r_pushed' ELSE 'NULL::bigint' END
+        || ' FROM ' || v_fn || '()'
+        INTO r_ready, r_delayed, r_in_flight, r_failed, r_oldest, r_rows, r_gens, r_expired, r_lapsed, r_pushed;
 END
 $$;

@@ -38,7 +38,7 @@ _NEVER_GRANTED = ("grants",)
 
 # The own objects of a ring of the rows layout (functions.sql, ring_rows_template), by their name past
 # the prefix of the ring or group (ring_<queue_id>_r, ring_g<gid>_r).
-_ROWS_SEGMENT = re.compile(r"q[0-3]?")  # the segments, and their view
+_ROWS_SEGMENT = re.compile(r"(q|emptied)[0-3]?")  # the segments and their emptied ones' totals, and views
 _ROWS_LOG = re.compile(r"(pos|l|d|r)[0-3]?")  # positions, leases, done rows, retry log, and their views
 _ROWS_LEDGER = re.compile(r"bs?")  # the batch ledger
 _ROWS_PUSH_SEQ = re.compile(r"gen[0-3]|rows")  # row numbers and the segments' generation labels
@@ -51,7 +51,8 @@ def _rows_privileges(what: str, kind: str, actions: frozenset[str]) -> frozenset
     """The privileges a role holding ``actions`` on a ring of the rows layout gets on its object
     ``what`` (of kind ``'r'`` table, ``'v'`` view, ``'S'`` sequence). Any action reads everything. A push
     inserts a row into a segment, and rotates one in: it empties a segment with its logs (those of every
-    group) under ``LOCK TABLE`` and ``TRUNCATE``, and labels it (``setval``). A pop, ack, nack, reclaim
+    group) and the table of the emptied segments' total beside it under ``LOCK TABLE`` and ``TRUNCATE``,
+    writes that total again there, and labels it (``setval``). A pop, ack, nack, reclaim
     or batch only inserts into its group's logs and the ledger (a claim locks its ledger row). admin:
     everything (maintenance, failed messages)."""
     if not actions:

@@ -482,10 +482,10 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint
 
 -- name: ring_rows_depth
 -- (ready, delayed, in flight, failed, age of the oldest ready in seconds, rows held, each segment's
--- generation, failed by expiry, lapsed: past their time to live and not reached by a pop yet; the last
--- two NULL for a ring made before they were counted)
+-- generation, failed by expiry, lapsed: past their time to live and not reached by a pop yet, the ring's
+-- push total in messages; the last three NULL for a ring made by a build that did not count them)
 SELECT r_ready, r_delayed, r_in_flight, r_failed, extract(epoch FROM now() - r_oldest)::float8, r_rows, r_gens,
-       r_expired, r_lapsed
+       r_expired, r_lapsed, r_pushed
 FROM {schema}.ring_rows_counts(%(queue_id)s::integer)
 
 -- name: ring_rows_group_ids
