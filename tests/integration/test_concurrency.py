@@ -193,12 +193,17 @@ def _collect(
 
 
 @pytest.mark.parametrize("semantics", ["at-most-once", "at-least-once", "exactly-once"])
-@pytest.mark.parametrize("design", ["table", "ring"])
+@pytest.mark.parametrize("design", ["table", "ring", "ring-rows"])
 def test_many_processes_move_every_message_once(dbq: DbQueue, semantics: str, design: str) -> None:  # noqa: PLR0915
     """Long on purpose: one scenario told in order, whose checks at the end need everything it built along the
-    way; split, the parts would pass all of it around."""
-    ring = {"capacity": RING_CAPACITY} if design == "ring" else {}
-    q = dbq.create_queue(QUEUE, design=design, payload_type="json", visibility_timeout=120.0, **ring)
+    way; split, the parts would pass all of it around. ``ring``: the slots layout; ``ring-rows``: the rows
+    layout, of 64 pushes, so that its segments are emptied and reused many times over."""
+    shape: dict[str, Any] = {
+        "table": {},
+        "ring": {"design": "ring", "layout": "slots", "capacity": RING_CAPACITY},
+        "ring-rows": {"design": "ring", "layout": "rows", "capacity": 64},
+    }[design]
+    q = dbq.create_queue(QUEUE, payload_type="json", visibility_timeout=120.0, **shape)
     if semantics == "exactly-once":
         RESULTS.create(dbq)
     dsn, schema = dbq.db.dsn, dbq.schema
@@ -307,6 +312,9 @@ def test_many_processes_move_every_message_once(dbq: DbQueue, semantics: str, de
     assert (st.ready, st.delayed, st.in_flight, st.failed) == (0, 0, 0, 0), st
     # a table queue archives (every finished message waits in done); a ring reuses finished slots
     assert st.finished == (total if q.settings.archive else 0), st
+    if design == "ring-rows":
+        # every push counted once, and the default group finished every message
+        assert (st.extra["push_total"], st.extra["pop_total"]) == (total, total), st
     if design == "ring":
         # Every number was delivered or skipped as a gap: a push is retried with new numbers when its
         # first ones were given up (after the gap timeout, under heavy load), so numbers may exceed ids.

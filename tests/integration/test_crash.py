@@ -299,7 +299,8 @@ def test_a_consumer_sigkilled_in_its_statement_loses_and_doubles_nothing(
     if dbq.dialect != "postgresql":
         pytest.skip("held up by LOCK TABLE and seen waiting in pg_stat_activity: PostgreSQL's")
     total = 20
-    extra: dict[str, Any] = {"design": "ring", "capacity": 64} if design == "ring" else {}
+    # ring: the slots layout, whose shared tables HELD_UP_BY locks
+    extra: dict[str, Any] = {"design": "ring", "layout": "slots", "capacity": 64} if design == "ring" else {}
     q = dbq.create_queue("stuck", visibility_timeout=60.0, max_attempts=5, **extra)
     sent = [{"p": 0, "s": i, "v": os.urandom(8).hex()} for i in range(total)]
     ids = q.push_batch(sent)
