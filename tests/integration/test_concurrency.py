@@ -194,7 +194,7 @@ def _collect(
 
 @pytest.mark.parametrize("semantics", ["at-most-once", "at-least-once", "exactly-once"])
 @pytest.mark.parametrize("design", ["table", "ring", "ring-rows"])
-def test_many_processes_move_every_message_once(dbq: DbQueue, semantics: str, design: str) -> None:  # noqa: PLR0915
+def test_many_processes_move_every_message_once(dbq: DbQueue, semantics: str, design: str) -> None:  # noqa: PLR0912, PLR0915
     """Long on purpose: one scenario told in order, whose checks at the end need everything it built along the
     way; split, the parts would pass all of it around. ``ring``: the slots layout; ``ring-rows``: the rows
     layout, of 64 pushes, so that its segments are emptied and reused many times over."""
