@@ -517,7 +517,7 @@ def test_the_page_in_a_headless_browser(server: Server) -> None:  # noqa: PLR091
     k = known_queue(server, "page_orders")
     ticks = [{"tick": i} for i in range(16)]
     with DbQueue(server.dsn, schema=server.schema, pool_size=1) as dbq:
-        ring = dbq.create_queue("page_ticks", design="ring", capacity=64)
+        ring = dbq.create_queue("page_ticks", design="ring", layout="slots", capacity=64)  # its positions
         audit = ring.add_group("audit", on_lag="drop_group", lag_timeout=600)  # a consumer group
         ring.push_batch(ticks)
         audited = audit.pop(6)

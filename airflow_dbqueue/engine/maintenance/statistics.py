@@ -26,8 +26,8 @@ def table_health(db: Database) -> list[dict[str, Any]]:
     for name, heap, idx, total, live, dead, vacuumed, analyzed, autovacuums, vacuums in db.fetchall(
         "table_health", {"schema": db.schema}
     ):
-        if heap is None:  # dropped while read (a ring of the rows layout has tables of its own)
-            continue
+        if heap is None or idx is None or total is None:
+            continue  # dropped while read (a ring of the rows layout has tables of its own)
         out.append(
             {
                 "table": name,

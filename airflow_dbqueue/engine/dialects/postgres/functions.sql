@@ -3715,21 +3715,24 @@ $$;
 -- ring's own objects, or a group's), all of them or none. Readers (stats, peek, readiness, the groups'
 -- positions) take their locks on these objects in their statements' own order: one that holds one of
 -- them while it waits behind the drop's lock on another would deadlock with a drop that waited for
--- each in turn. So the drop runs under a 50 ms lock_timeout and, when a lock is not granted, undoes what
--- it dropped, releasing every lock it took, and tries again; after 5 s of that it waits for its locks
--- as any DROP does.
+-- each in turn. So the drop runs under a lock_timeout and, when a lock is not granted in time, undoes
+-- what it dropped, releasing every lock it took, and tries again. The timeout starts at 50 ms and
+-- doubles up to 300 ms (a reader's statement on a loaded server may hold its lock longer than the first
+-- tries wait), well below the server's deadlock_timeout (1 s by default), so that a drop caught in a
+-- cycle with a reader gives up first; after 30 s of that it waits for its locks as any DROP does.
 CREATE OR REPLACE FUNCTION {schema}.ring_rows_drop_own(p_prefixes text[])
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
     v_lock_timeout text := current_setting('lock_timeout');
-    v_until timestamptz := clock_timestamp() + interval '5 seconds';
+    v_until timestamptz := clock_timestamp() + interval '30 seconds';
+    v_wait integer := 50;
     v_p text;
     o record;
 BEGIN
     LOOP
         BEGIN
             IF clock_timestamp() < v_until THEN
-                PERFORM set_config('lock_timeout', '50ms', true);
+                PERFORM set_config('lock_timeout', v_wait || 'ms', true);
             END IF;
             FOREACH v_p IN ARRAY p_prefixes LOOP
                 FOR o IN
@@ -3757,7 +3760,8 @@ BEGIN
             PERFORM set_config('lock_timeout', v_lock_timeout, true);
             RETURN;
         EXCEPTION WHEN lock_not_available THEN
-            PERFORM pg_sleep(0.01 + 0.04 * random());
+            v_wait := least(2 * v_wait, 300);
+            PERFORM pg_sleep(0.005 + 0.02 * random());
         END;
     END LOOP;
 END
