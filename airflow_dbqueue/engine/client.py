@@ -468,8 +468,9 @@ class DbQueue:
         with different settings raises :class:`QueueExistsError`, so a DAG cannot silently run
         against a queue configured differently from what it declares.
 
-        ``design="ring"`` creates a ring of ``capacity`` messages (default ``RING_DEFAULT_CAPACITY``):
-        pushes past it wait or raise :class:`QueueFullError`. A ring keeps payloads inline, so
+        ``design="ring"`` creates a bounded ring of ``capacity`` (default ``RING_DEFAULT_CAPACITY``;
+        messages on the slots layout, pushes on the rows layout, below): pushes past it wait or raise
+        :class:`QueueFullError`. A ring keeps payloads inline, so
         ``max_payload_bytes`` is at most ``RING_MAX_PAYLOAD`` (default ``RING_DEFAULT_PAYLOAD``); set it
         to about your largest payload. A ring does not archive. ``lanes`` (ring only, at most
         ``RING_MAX_LANES``) is how many consumers can take messages at the same moment: the ring's
