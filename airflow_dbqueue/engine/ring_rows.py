@@ -27,7 +27,8 @@ Totals (``stats().extra``, which maintenance's samples record): ``push_total``, 
 the segments hold plus those of every segment emptied so far (the rotation that empties a segment writes
 that sum, in its transaction, into a one-row table beside the segment, which the segment's next emptying
 takes away with it), and ``pop_total``, the group's: the push total less its lag (ready, delayed, in
-flight), read in the same snapshot. Nothing on the hot path counts them; a push rolled back counts
+flight) and its messages past their time to live that no pop has reached yet, read in the same
+snapshot. Nothing on the hot path counts them; a push rolled back counts
 nothing.
 
 At least once, with the slots layout's guarantees and only inserts: a pop also inserts one lease row in

@@ -378,11 +378,14 @@ def test_stats_of_a_rows_ring_count_expiry_before_and_after_a_pop_reaches_it(dbq
     st = q.stats()
     assert (st.ready, st.delayed, st.in_flight, st.failed) == (0, 0, 3, 0)
     assert (st.extra["expired"], st.extra["expired_pending"], st.extra["lag_messages"]) == (0, 6, 3)
+    # the pending ones are not popped yet: 9 pushed, none finished (3 in flight, 6 expired, unreached)
+    assert (st.extra["push_total"], st.extra["pop_total"]) == (9, 0)
     assert st.oldest_ready_age_s is None  # no ready message: the expired ones are not ready
     assert q.pop(10, semantics="at-least-once") == []  # reaches the doomed row, not the delayed held
     st = q.stats()
     assert (st.ready, st.in_flight, st.failed) == (0, 3, 4)
     assert (st.extra["expired"], st.extra["expired_pending"]) == (4, 2)
+    assert (st.extra["push_total"], st.extra["pop_total"]) == (9, 4)  # the 4 the pop failed
     assert q.ack(got[:3]) == 3
     for k in range(4):  # the delayed pair due now: a pop fails them as expired
         run_sql(
@@ -395,6 +398,7 @@ def test_stats_of_a_rows_ring_count_expiry_before_and_after_a_pop_reaches_it(dbq
     st = q.stats()
     assert (st.ready, st.delayed, st.in_flight, st.failed) == (0, 0, 0, 6)
     assert (st.extra["expired"], st.extra["expired_pending"]) == (6, 0)
+    assert (st.extra["push_total"], st.extra["pop_total"]) == (9, 9)
     failed = q.list_failed()
     assert sorted(f.id for f in failed) == sorted([*held, *doomed])
     assert {f.last_error for f in failed} == {"expired"}

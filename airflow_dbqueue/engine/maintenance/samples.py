@@ -8,8 +8,9 @@ Where the counts come from, so that nothing is added to the push or pop path:
   gaps (a push that rolled back) count as pushed and popped. The rows layout: its push total (the
   messages of the rows its segments hold, plus those of every segment emptied so far, which the
   rotation that empties a segment records beside it) and its default group's pop total (the push total
-  less what the group has not finished: ready, delayed and in flight, read in the same snapshot), so a
-  message counts as popped once it is acked, taken at most once or exactly once, failed or expired; a
+  less what the group has not finished: ready, delayed, in flight, and expired but not reached by a pop
+  yet, read in the same snapshot), so a message counts as popped once it is acked, taken at most once
+  or exactly once, failed, or expired and reached by a pop; a
   push that rolled back wrote no row and counts nothing. A sample records both (``push_total``,
   ``pop_total``); pushes and pops between two samples are their differences.
 - the table design keeps no counter. Its rows carry their times: a sample counts the messages whose
