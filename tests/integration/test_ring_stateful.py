@@ -66,7 +66,38 @@ class _Rollback(Exception):
     pass
 
 
-class RingMachine(RuleBasedStateMachine):
+class _FinishesLeases:
+    """The rule both ring models share: ack, nack (due again at once) or run out (then reclaim) some of
+    the held leases; a message nacked or reclaimed goes to ``exhausted`` once it used its last attempt,
+    to ``again`` otherwise (each model's state names). The models give it ``dbq``, ``q``, ``queue``,
+    ``max_attempts`` and ``_in``."""
+
+    again: ClassVar[str]
+    exhausted: ClassVar[str]
+
+    @precondition(lambda self: self.q is not None and self._in(HELD))
+    @rule(data=st.data(), op=st.sampled_from(["ack", "nack", "expire"]))
+    def finish(self, data: st.DataObject, op: str) -> None:
+        held = self._in(HELD)
+        chosen = data.draw(st.lists(st.sampled_from(held), min_size=1, unique_by=lambda e: e.id))
+        msgs = [e.lease for e in chosen if e.lease is not None]
+        if op == "ack":
+            assert self.queue.ack(msgs) == len(chosen)
+        elif op == "nack":
+            assert self.queue.nack(msgs, delay=0) == len(chosen)
+        else:
+            expire_leases(self.dbq, [e.id for e in chosen], self.queue)
+            assert self.queue.reclaim_expired() == len(chosen)
+        for e in chosen:
+            e.lease = None
+            if op == "ack":
+                e.state = DONE
+            else:
+                e.state = self.exhausted if e.attempts >= self.max_attempts else self.again
+
+
+class RingMachine(_FinishesLeases, RuleBasedStateMachine):
+    again, exhausted = READY, FAILED
     dbq: ClassVar[DbQueue]
     _names = itertools.count()
 
@@ -192,26 +223,6 @@ class RingMachine(RuleBasedStateMachine):
                 e.state = DONE
 
     # -- finish ------------------------------------------------------------------------------------
-
-    @precondition(lambda self: self.q is not None and self._in(HELD))
-    @rule(data=st.data(), op=st.sampled_from(["ack", "nack", "expire"]))
-    def finish(self, data: st.DataObject, op: str) -> None:
-        held = self._in(HELD)
-        chosen = data.draw(st.lists(st.sampled_from(held), min_size=1, unique_by=lambda e: e.id))
-        msgs = [e.lease for e in chosen if e.lease is not None]
-        if op == "ack":
-            assert self.queue.ack(msgs) == len(chosen)
-        elif op == "nack":
-            assert self.queue.nack(msgs, delay=0) == len(chosen)
-        else:
-            expire_leases(self.dbq, [e.id for e in chosen], self.queue)
-            assert self.queue.reclaim_expired() == len(chosen)
-        for e in chosen:
-            e.lease = None
-            if op == "ack":
-                e.state = DONE
-            else:
-                e.state = FAILED if e.attempts >= self.max_attempts else READY
 
     @precondition(lambda self: self.q is not None)
     @rule()
@@ -385,7 +396,7 @@ class RowEntry:
     lease: Message | None = None
 
 
-class RowsExpiryMachine(RuleBasedStateMachine):
+class RowsExpiryMachine(_FinishesLeases, RuleBasedStateMachine):
     """A ring of the rows layout created with a ttl, against a model of its lanes and of time.
 
     Pushes carry a ttl of 30, 60 or 3600 s (or the queue's, 3600); the model's clock moves forward in
@@ -404,6 +415,7 @@ class RowsExpiryMachine(RuleBasedStateMachine):
     no pop has reached; list_failed lists the failed with their last_error; a requeue pushes the failed
     again as one row without a ttl; and a drain delivers exactly the model's deliverable messages."""
 
+    again, exhausted = AGAIN, O_FAILED
     dbq: ClassVar[DbQueue]
     _names = itertools.count()
 
@@ -582,26 +594,6 @@ class RowsExpiryMachine(RuleBasedStateMachine):
                 e.state = DONE
 
     # -- finish ------------------------------------------------------------------------------------
-
-    @precondition(lambda self: self.q is not None and self._in(HELD))
-    @rule(data=st.data(), op=st.sampled_from(["ack", "nack", "expire"]))
-    def finish(self, data: st.DataObject, op: str) -> None:
-        held = self._in(HELD)
-        chosen = data.draw(st.lists(st.sampled_from(held), min_size=1, unique_by=lambda e: e.id))
-        msgs = [e.lease for e in chosen if e.lease is not None]
-        if op == "ack":
-            assert self.queue.ack(msgs) == len(chosen)
-        elif op == "nack":
-            assert self.queue.nack(msgs, delay=0) == len(chosen)
-        else:
-            expire_leases(self.dbq, [e.id for e in chosen], self.queue)
-            assert self.queue.reclaim_expired() == len(chosen)
-        for e in chosen:
-            e.lease = None
-            if op == "ack":
-                e.state = DONE
-            else:
-                e.state = O_FAILED if e.attempts >= self.max_attempts else AGAIN
 
     @precondition(lambda self: self.q is not None and len(self.rows) < ROWS_CAPACITY // 4 - 4)
     @rule()
