@@ -46,7 +46,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sqlite3
 import statistics
 import subprocess
@@ -61,7 +60,7 @@ import psycopg
 import psycopg.conninfo
 
 from airflow_dbqueue.engine import DbQueue
-from airflow_dbqueue.engine.embedded import EmbeddedPostgres
+from airflow_dbqueue.engine.embedded import EmbeddedPostgres, free_ports
 from airflow_dbqueue.spark import ORDER_ROLLUP_JOB, find_jdbc_jar, jdbc_options
 from airflow_dbqueue.spark.connect_server import LocalConnectServer, spark_submit
 from airflow_dbqueue.spark.orders import OrderRollup, expected_totals, sample_orders
@@ -337,10 +336,7 @@ class _Airflow:
             spark = {"conn_type": "spark", "host": "local[*]"}
         # The execution API, and the log servers of the scheduler (LocalExecutor) and the triggerer,
         # whose default ports (8793, 8794) another Airflow on this machine may hold: free ports each.
-        with socket.socket() as a, socket.socket() as w, socket.socket() as t:
-            for s in (a, w, t):
-                s.bind(("127.0.0.1", 0))
-            self.api_port, worker_logs, trigger_logs = (int(s.getsockname()[1]) for s in (a, w, t))
+        self.api_port, worker_logs, trigger_logs = free_ports(3)
         env = {k: v for k, v in os.environ.items() if k not in ("SPARK_CONNECT_MODE_ENABLED", "SPARK_REMOTE")}
         self.env = dict(
             env,

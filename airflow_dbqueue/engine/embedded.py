@@ -75,9 +75,18 @@ def find_pg_bin() -> Path:
 
 def free_port() -> int:
     """Return a TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    [port] = free_ports(1)
+    return port
+
+
+def free_ports(n: int) -> list[int]:
+    """Return ``n`` distinct TCP ports on 127.0.0.1 that are free right now (each held until all are
+    found, so that no two are the same)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 def _ensure_user(name: str = RUN_AS_USER) -> pwd.struct_passwd:

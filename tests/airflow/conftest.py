@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import psycopg.conninfo
 import pytest
 
 from airflow_dbqueue.engine import DbQueue
+from airflow_dbqueue.engine.embedded import free_ports
 from airflow_dbqueue.spark import DEBIAN_JDBC_JAR, JDBC_JAR_ENV, find_jdbc_jar
 from airflow_dbqueue.spark.connect_server import LocalConnectServer
 from tests.helpers import require
@@ -173,22 +173,13 @@ def airflow_conn(pg_dsn: str, dbq: DbQueue, monkeypatch: pytest.MonkeyPatch) -> 
     return CONN_ID
 
 
-def free_local_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports on 127.0.0.1 that are free right now (all held until all are found)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-
-
 def migrated_airflow_env(home: Path, dags_folder: Path, **extra: str) -> dict[str, str]:
     """Environment of a throwaway AIRFLOW_HOME (SQLite, migrated here) with DAGs from ``dags_folder``.
 
     The scheduler (LocalExecutor) and the triggerer each serve their logs over HTTP, by default on the
     fixed ports 8793 and 8794: each environment gets free ports of its own, so that deployments of
     tests running at the same time (pytest-xdist workers) never take each other's."""
-    worker_logs, trigger_logs = free_local_ports(2)
+    worker_logs, trigger_logs = free_ports(2)
     env = dict(
         os.environ,
         AIRFLOW_HOME=str(home),
@@ -257,7 +248,7 @@ def airflow_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def deployment_env(home: Path, dags_folder: Path) -> dict[str, str]:
     """A migrated AIRFLOW_HOME for Airflow as separate processes (see :func:`deployment`): LocalExecutor,
     and the execution API of an api-server on a free local port, with a JWT secret they share."""
-    [port] = free_local_ports(1)
+    [port] = free_ports(1)
     return migrated_airflow_env(
         home,
         dags_folder,
