@@ -137,8 +137,11 @@ def test_the_pop_function_walks_the_ready_index_with_plans_made_on_an_empty_queu
         c.execute(f'ANALYZE "{dbq.schema}".meta, "{dbq.schema}".data, "{dbq.schema}".done')
         for _ in range(8):
             assert q.pop(100, conn=c) == []
-        q.push_batch([{"i": i} for i in range(20000)])
-        q.push_batch([{"big": i, "pad": "x" * 2000} for i in range(50)], priority=1)
+        # Pushed on this session: a statistics view counts another session's scans only when that
+        # session flushes them, which could fall inside the window measured below.
+        q.push_batch([{"i": i} for i in range(20000)], conn=c)
+        q.push_batch([{"big": i, "pad": "x" * 2000} for i in range(50)], priority=1, conn=c)
+        c.commit()
         got: list[Any] = []
         read = scans(c, dbq.schema, lambda: got.extend(q.pop(100, conn=c)))
     assert [m.payload.get("big") for m in got[:50]] == list(range(50))
@@ -163,10 +166,13 @@ def test_pops_of_one_walk_the_ready_index_and_take_large_payloads_from_data(
             assert q.pop(1, conn=c) == []
         c.commit()
         sent = [{"i": i, "pad": "x" * (2500 if i % 3 == 0 else 10)} for i in range(30)]
-        q.push_batch(sent[:20])
+        q.push_batch(sent[:20], conn=c)  # on this session, as above
         for m in sent[20:]:
-            q.push(m)
-        q.push_batch([{"i": -1}] * 2000, priority=-1)  # behind the others: what the walk must not read
+            q.push(m, conn=c)
+        q.push_batch(
+            [{"i": -1}] * 2000, priority=-1, conn=c
+        )  # behind the others: what the walk must not read
+        c.commit()
         got: list[Any] = []
         read = scans(c, dbq.schema, lambda: [got.extend(q.pop(1, conn=c)) for _ in range(30)])
         c.commit()
@@ -191,7 +197,7 @@ def test_ack_probes_receipts_by_id_not_every_lease(dbq: DbQueue, archive: bool) 
     with dbq.db.connection() as c:
         with pytest.raises(LeaseExpiredError):
             q.ack_receipts([(1, 1)], conn=c)  # the plans are made here, on an empty queue
-        q.push_batch(list(range(20000)))
+        q.push_batch(list(range(20000)), conn=c)  # on this session, as above
         leased = q.pop(20000, semantics="at-least-once", conn=c)
         read = scans(c, dbq.schema, lambda: q.ack(leased[:1], conn=c))
         assert read["meta"][0] == 0 and read["meta_leased_idx"] == (0, 0), read
