@@ -893,3 +893,164 @@ def test_nack_backoff_doubles_and_is_capped(client: DbQueue, dbq: DbQueue) -> No
     assert delays == [100, 200, 350, 350]
     s = q.stats()
     assert (s.ready, s.delayed, s.in_flight) == (0, 1, 0)
+
+
+# -- deduplication keys, expiry and ordering per key (the table design) ---------------------------
+
+OPTION_SQL = {
+    "postgresql": {
+        "age_keys": "UPDATE {schema}.dedup SET pushed_at = now() - make_interval(secs => %(age)s) "
+        "WHERE queue_id = %(queue_id)s",
+        "expire_now": "UPDATE {schema}.meta_opt SET expires_at = now() - interval '1 second' "
+        "WHERE queue_id = %(queue_id)s AND id = ANY (%(ids)s)",
+    },
+    "mssql": {
+        "age_keys": "UPDATE {schema}.dedup "
+        "SET pushed_at = DATEADD(millisecond, -CAST(%(age)s * 1000 AS int), SYSUTCDATETIME()) "
+        "WHERE queue_id = %(queue_id)s",
+        "expire_now": "UPDATE {schema}.meta_opt SET expires_at = DATEADD(second, -1, SYSUTCDATETIME()) "
+        "WHERE queue_id = %(queue_id)s AND id IN (SELECT CAST([value] AS bigint) FROM OPENJSON(%(ids)s))",
+    },
+}
+"""The options tests' own writes, one text per dialect: the age of a queue's deduplication keys, and
+messages made expired (their expiry a second ago, by the server's clock)."""
+
+
+def test_dedup_keys_map_pushes_to_the_first_message_of_their_key(dbq: DbQueue) -> None:
+    """A second push of a key pushes nothing and returns the first push's id, alone or in a batch (a
+    key repeated in a batch too); keys are compared character by character (case, accents and characters
+    outside the BMP), up to the longest a key may be."""
+    from airflow_dbqueue.engine.queue import MAX_DEDUP_KEY_CHARS
+
+    q = dbq.create_queue("dk")
+    long_key = "🙂" * MAX_DEDUP_KEY_CHARS  # two UTF-16 code units a character on SQL Server
+    first = q.push({"o": 1}, dedup_key="k1")
+    assert q.push({"o": 1, "retry": True}, dedup_key="k1") == first
+    ids = q.push_batch(
+        [{"o": 2}, {"o": 1}, {"o": 3}, {"o": 2}, {"o": 4}, {"o": 5}, {"o": 6}],
+        dedup_keys=["k2", "k1", "K1", "k2", "ké", "ke", long_key],
+    )
+    assert ids[1] == first and ids[3] == ids[0] and len({first, *ids}) == 6
+    assert q.push({"o": 6}, dedup_key=long_key) == ids[6]
+    assert count_rows(dbq, "dedup", q.settings.queue_id) == 6
+    got = drain(q)
+    assert sorted(m.id for m in got) == sorted({first, *ids})
+    assert checksum(m.payload for m in got) == checksum([{"o": i} for i in range(1, 7)])
+    assert q.push({"o": 1, "late": True}, dedup_key="k1") == first  # consumed since: still within the window
+    assert q.pop(10) == []
+
+
+def test_dedup_window_and_the_upkeep_that_forgets_keys(dbq: DbQueue) -> None:
+    """Within the window a key pushes nothing; past it a push of the key is new (and takes the key
+    over); the upkeep forgets keys older than the window, and a dropped queue its keys."""
+    q = dbq.create_queue("dw", dedup_window=60)
+    qid = q.settings.queue_id
+    first = q.push("a", dedup_key="k")
+    run_sql(dbq, OPTION_SQL[dbq.dialect]["age_keys"], {"age": 50.0, "queue_id": qid})
+    assert q.push("a again", dedup_key="k") == first
+    run_sql(dbq, OPTION_SQL[dbq.dialect]["age_keys"], {"age": 70.0, "queue_id": qid})
+    second = q.push("b", dedup_key="k")
+    assert second != first and q.push("b again", dedup_key="k") == second
+    assert q.maintain()["keys_forgotten"] == 0
+    run_sql(dbq, OPTION_SQL[dbq.dialect]["age_keys"], {"age": 70.0, "queue_id": qid})
+    assert q.maintain()["keys_forgotten"] == 1 and count_rows(dbq, "dedup", qid) == 0
+    assert checksum(m.payload for m in drain(q)) == checksum(["a", "b"])
+    q.push("c", dedup_key="k")
+    dbq.drop_queue("dw")
+    assert count_rows(dbq, "dedup", qid) == 0 and count_rows(dbq, "meta", qid) == 0
+
+
+@pytest.mark.parametrize("first_commits", [True, False])
+def test_a_racing_push_of_a_key_waits_for_the_first(dbq: DbQueue, first_commits: bool) -> None:
+    """Two pushes of one key in separate transactions: the second waits for the first's transaction, then
+    gets its id (it committed) or pushes its own message (it rolled back). One message either way."""
+    q = dbq.create_queue("dr")
+    got: dict[str, Any] = {}
+
+    def second() -> None:
+        try:
+            got["id"] = q.push("second", dedup_key="r")
+        except Exception as exc:  # reported below
+            got["error"] = exc
+
+    class Abort(Exception):
+        pass
+
+    with contextlib.suppress(Abort), dbq.transaction() as conn:
+        first = q.push("first", dedup_key="r", conn=conn)
+        t = threading.Thread(target=second)
+        t.start()
+        t.join(0.5)
+        assert t.is_alive(), got  # waiting for the first push's transaction
+        if not first_commits:
+            raise Abort
+    t.join(30)
+    assert not t.is_alive() and "error" not in got, got
+    assert (got["id"] == first) is first_commits
+    [m] = drain(q)
+    assert (m.id, m.payload) == (got["id"], "first" if first_commits else "second")
+
+
+def test_expired_messages_are_never_handed_out_and_fail(dbq: DbQueue) -> None:
+    """No pop, claim, peek or count takes or shows an expired message before a sweep; the sweep fails
+    it (last_error "expired", counted in stats), and a requeue delivers it after all."""
+    q = dbq.create_queue("ex", ttl=3600)
+    q.reclaim_every = 3600  # type: ignore[attr-defined]  # keep the pops' own sweep from running
+    q._last_reclaim = time.monotonic()  # type: ignore[attr-defined]
+    ids = q.push_batch([f"m{i}" for i in range(6)] + [{"big": "y" * 5000}])
+    doomed = [ids[1], ids[3], ids[6]]
+    run_sql(dbq, OPTION_SQL[dbq.dialect]["expire_now"], {"queue_id": q.settings.queue_id, "ids": doomed})
+    assert q.count_ready() == 4 and [m.id for m in q.peek(10)] == [ids[0], ids[2], ids[4], ids[5]]
+    [leased] = q.pop(1, semantics="at-least-once")
+    batch = q.claim_batch(10)
+    assert batch is not None and [i for i, _ in batch.receipts] == [ids[2], ids[4], ids[5]]
+    assert q.pop(10) == []
+    assert q.maintain()["expired"] == 3
+    st = q.stats()
+    assert (st.ready, st.in_flight, st.failed, st.extra.get("expired")) == (0, 4, 3, 3)
+    assert sorted((f.id, f.last_error) for f in q.list_failed()) == [(i, "expired") for i in doomed]
+    assert q.ack([leased]) == 1 and q.ack_batch(batch.batch_id) == 3
+    assert q.requeue_failed() == 3
+    again = drain(q)
+    assert sorted(m.id for m in again) == doomed
+    assert checksum(m.payload for m in again) == checksum(["m1", "m3", {"big": "y" * 5000}])
+    assert count_rows(dbq, "meta_opt", q.settings.queue_id) == 0
+
+
+@pytest.mark.parametrize("archive", [False, True])
+def test_expired_messages_of_a_dropping_queue_go(dbq: DbQueue, archive: bool) -> None:
+    q = dbq.create_queue("exd", ttl=3600, on_expiry="drop", archive=archive)
+    ids = q.push_batch([f"x{i}" for i in range(4)] + [{"big": "y" * 5000}])
+    run_sql(dbq, OPTION_SQL[dbq.dialect]["expire_now"], {"queue_id": q.settings.queue_id, "ids": ids[2:]})
+    assert q.maintain()["expired"] == 3
+    st = q.stats()
+    assert (st.ready, st.failed, st.finished) == (2, 0, kept(q, 3))
+    assert checksum(m.payload for m in drain(q)) == checksum(["x0", "x1"])
+    assert count_rows(dbq, "meta_opt", q.settings.queue_id) == 0
+    assert count_payloads(dbq)[1] == (1 if archive else 0)  # the large payload went with its message
+
+
+def test_a_keys_messages_are_handed_out_one_at_a_time_in_push_order(dbq: DbQueue) -> None:
+    """Ordering per key: no message of a key while an earlier one is ready or in flight; a nack brings
+    it back first; keys do not hold each other back; a batch claims only the head of each key."""
+    q = dbq.create_queue("ok", ordering="per_key", retry_backoff=0, max_attempts=10)
+    q.push_batch(["a1", "a2", "a3"], keys=["a", "a", "a"])
+    q.push_batch(["b1", "x", "b2"], keys=["b", None, "b"])  # x has no key: ordered with nothing
+    q.push("a4", key="a")
+    first = q.pop(10, semantics="at-least-once")
+    assert [m.payload for m in first] == ["a1", "b1", "x"]
+    assert q.pop(10, semantics="at-least-once") == []  # every key's head is in flight
+    assert q.count_ready() == 0 and q.peek(10) == []
+    a1, b1, x = first
+    assert q.nack([b1], delay=0) == 1  # back first: b2 still waits for it
+    assert q.ack([a1, x]) == 2
+    batch = q.claim_batch(10)
+    assert batch is not None and [i for i, _ in batch.receipts] == [m.id for m in q.leased(batch.receipts)]
+    second = q.leased(batch.receipts)
+    assert [m.payload for m in second] == ["a2", "b1"]
+    assert q.ack_batch(batch.batch_id) == 2
+    rest = drain(q, "at-least-once")
+    assert [m.payload for m in rest] == ["a3", "b2", "a4"]
+    got = [m.payload for m in [a1, x, *second, *rest]]
+    assert checksum(got) == checksum(["a1", "a2", "a3", "a4", "b1", "b2", "x"])
+    assert count_rows(dbq, "meta_opt", q.settings.queue_id) == 0

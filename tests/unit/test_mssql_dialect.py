@@ -114,14 +114,15 @@ RING_BATCH_QUERIES = {"ring_take_lease_ids", "ring_record_batch", "ring_batch_ro
 
 
 def test_the_table_design_maintenance_and_the_ring_are_fully_ported() -> None:
-    """Every query the table design, the ring design with its consumer groups and batches, the client and
-    maintenance run exists on SQL Server, but for the deduplication keys on push and expiry, which the
-    dialect says it lacks (``push_options = False``: a push with a key or a ttl raises NotSupportedError,
-    the upkeep skips them)."""
-    missing = {"push_with", "forget_dedup", "expire_fail", "expire_drop", "count_expired"}
-    missing |= {"pop_lease_with", "pop_take_with", "pop_take_payloads_with", "claim_batch_with"}
-    missing |= {"ack_with", "nack_with"}
-    assert set(NOT_YET_PORTED) == missing and not MssqlDatabase.push_options
+    """Every query the table design (with its deduplication keys, expiry and ordering per key:
+    ``push_options``), the ring design with its consumer groups and batches, the client and maintenance
+    run exists on SQL Server; a pop of payloads only of a queue with options runs pop_take_with, as the
+    other pops of payloads run their take (``payload_pops = False``)."""
+    assert NOT_YET_PORTED == {} and MssqlDatabase.push_options and not MssqlDatabase.payload_pops
+    assert "pop_take_payloads_with" in POSTGRES_ONLY
+    options = {"push_with", "forget_dedup", "expire_fail", "expire_drop", "count_expired"}
+    options |= {"pop_lease_with", "pop_take_with", "claim_batch_with", "ack_with", "nack_with"}
+    assert options <= set(load_queries(MS, "queries"))
     ring = {n for n in load_queries(PG, "queries") if n.startswith("ring_")} - POSTGRES_ONLY.keys()
     assert len(ring) == 33 and RING_GROUP_QUERIES | RING_BATCH_QUERIES <= ring <= set(
         load_queries(MS, "queries")
@@ -133,6 +134,42 @@ def test_the_table_design_maintenance_and_the_ring_are_fully_ported() -> None:
     used |= {"reindex_concurrently", "drop_index_concurrently", "index_health", "table_health"}
     used |= {"xmin_holders", "queue_rates"}
     assert used <= set(load_queries(MS, "queries"))
+
+
+def batch_statements(text: str) -> list[str]:
+    """The statements of a T-SQL batch one by one, each without the ``IF``, ``ELSE`` or ``WHILE`` line
+    and the ``BEGIN`` and ``END`` around it. sqlglot reads ``IF <condition> <statement>;`` as a block that
+    takes in the rest of the batch, where a statement it can only read as an opaque command no longer
+    shows at the top (:func:`tsql_statements` refuses those): each statement is parsed by itself here."""
+    code = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("--"))
+    out = []
+    for stmt in re.split(r";\s*\n", code):
+        lines = [ln for ln in stmt.strip().splitlines() if ln.strip() not in ("BEGIN", "END", "ELSE")]
+        while lines and re.match(r"(IF|WHILE|ELSE) ", lines[0]):
+            lines = lines[1:]
+        if lines:
+            out.append("\n".join(lines))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(n for n in load_queries(MS, "queries") if n not in OPAQUE_FORMS))
+def test_every_statement_of_a_tsql_batch_parses_by_itself(name: str) -> None:
+    """Each statement of a named query parses as T-SQL on its own, those after an ``IF`` and in a
+    ``WHILE`` too, and none only as an opaque command."""
+    text = re.sub(r"%\([a-z_]+\)s", "?", mssql_sql(name))
+    for stmt in batch_statements(text):
+        assert tsql_statements(stmt), stmt
+
+
+def test_an_opaque_statement_after_an_if_fails_only_the_parse_by_statement() -> None:
+    """What the test above adds: push_with with a statement sqlglot reads only as an opaque command
+    (``TABLES`` for ``TABLE``) after its first ``IF`` still passes the whole batch's parse."""
+    text = re.sub(r"%\([a-z_]+\)s", "?", mssql_sql("push_with"))
+    broken = text.replace("DECLARE @seen TABLE (", "DECLARE @seen TABLES (")
+    assert broken != text and tsql_statements(broken)
+    with pytest.raises(sqlglot.ParseError, match="opaque command"):
+        for stmt in batch_statements(broken):
+            tsql_statements(stmt)
 
 
 @pytest.mark.parametrize("name", sorted(load_queries(MS, "queries")))
@@ -1017,7 +1054,7 @@ def test_a_deadlock_victim_is_run_again_on_a_fake_sql_server(monkeypatch: pytest
     db = MssqlDatabase("mssql://u:p@h/db", schema="dbq")
     fake = FakeSqlServer([deadlock(), deadlock(), [(1,), (2,)]]).attach(monkeypatch, db)
     monkeypatch.setattr(ms.time, "sleep", lambda s: None)
-    assert db.fetchall("peek", {"queue_id": 1, "n": 2}) == [(1,), (2,)]
+    assert db.fetchall("peek", {"queue_id": 1, "n": 2, "opts": False}) == [(1,), (2,)]
     assert (fake.rollbacks, fake.commits) == (2, 1)
 
 
@@ -1025,7 +1062,7 @@ def test_a_deadlock_in_the_callers_transaction_is_raised_on_a_fake_sql_server() 
     fake = FakeSqlServer([deadlock(), [(1,)]])
     db = MssqlDatabase("mssql://u:p@h/db", schema="dbq")
     with pytest.raises(DeadlockError):
-        db.fetchall("peek", {"queue_id": 1, "n": 2}, fake.connect())
+        db.fetchall("peek", {"queue_id": 1, "n": 2, "opts": False}, fake.connect())
     assert fake.script == [[(1,)]]  # not run again: only the caller can redo its transaction
 
 
@@ -1034,7 +1071,7 @@ def test_retries_give_up_after_the_limit_on_a_fake_sql_server(monkeypatch: pytes
     fake = FakeSqlServer([deadlock() for _ in range(5)]).attach(monkeypatch, db)
     monkeypatch.setattr(ms.time, "sleep", lambda s: None)
     with pytest.raises(DeadlockError):
-        db.fetchall("peek", {"queue_id": 1, "n": 2})
+        db.fetchall("peek", {"queue_id": 1, "n": 2, "opts": False})
     assert len(fake.script) == 1  # 1 try + 3 retries
 
 
@@ -1080,9 +1117,11 @@ def _suites_dbq(monkeypatch: pytest.MonkeyPatch, script: list[Any]) -> tuple[DbQ
 
 
 def _check_sent(fake: FakeSqlServer) -> None:
-    """Every statement sent parses as T-SQL and binds one value per ``?``."""
+    """Every statement sent parses as T-SQL and binds one value per ``?`` (outside quoted text and
+    comments)."""
     for text, values in fake.executed:
-        assert text.count("?") == len(values), text
+        code = re.sub(r"N?'(?:[^']|'')*'|--[^\n]*", "", text)
+        assert code.count("?") == len(values), text
         tsql_statements(text)
 
 
@@ -1247,6 +1286,21 @@ def _ring_on_fake_sql_server(monkeypatch: pytest.MonkeyPatch, script: list[Any])
 def _sent(fake: FakeSqlServer, procedure: str) -> list[list[Any]]:
     """The values bound to each statement that ran ``procedure`` (or the named query's text)."""
     return [values for text, values in fake.executed if f"[dbq].{procedure} " in text]
+
+
+def test_a_snapshot_update_conflict_is_transient() -> None:
+    """Error 3960 (a SNAPSHOT transaction's update lock on a row changed since it began: a push of a
+    deduplication key another push committed meanwhile) is PostgreSQL's serialization failure: the
+    caller runs its transaction again."""
+    from airflow_dbqueue.engine.errors import TransientDatabaseError
+
+    exc = import_pyodbc().ProgrammingError(
+        "42000",
+        f"[42000] {DRIVER}[SQL Server]Snapshot isolation transaction aborted due to update conflict. "
+        "(3960) (SQLExecDirectW)",
+    )
+    got = translate(exc, where="h", schema="dbq")
+    assert type(got) is TransientDatabaseError and "run it again" in str(got)
 
 
 def test_the_procedures_errors_are_translated_by_their_code() -> None:
@@ -1563,48 +1617,80 @@ def test_the_conformance_suites_lease_expiry_on_a_fake_sql_server(monkeypatch: p
     _check_sent(fake)
 
 
-def test_keys_and_expiry_are_refused_on_a_fake_sql_server_before_anything_is_sent(
+def _queue_row(ttl_s: float | None, ordering: str) -> tuple[Any, ...]:
+    """A get_queue row of table-design queue 3, "orders" (client._SETTINGS_COLUMNS)."""
+    return (3, "orders", "table", "json", 1024, 5, 30.0, 1.0, 300.0, "auto", True, None, None, 300.0,
+            ttl_s, "fail", ordering, None)  # fmt: skip
+
+
+def _texts(*names: str) -> list[str]:
+    """The texts the dialect sends for the named queries (placeholders as ``?``)."""
+    db = MssqlDatabase("mssql://u:p@h/db", schema="dbq")
+    return [re.sub(r"%\([a-z_]+\)s", "?", db.query(n)) for n in names]
+
+
+def test_keys_ttls_and_ordering_keys_are_one_push_with_on_a_fake_sql_server(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """SQL Server has no deduplication keys, expiry or ordering per key yet: a push with a key or a ttl,
-    and a queue created with a ttl or ordering="per_key", raise NotSupportedError naming what is missing,
-    and send nothing."""
-    from airflow_dbqueue.engine.errors import NotSupportedError
-
-    row = (
-        3,
-        "orders",
-        "table",
-        "json",
-        1024,
-        5,
-        30.0,
-        1.0,
-        300.0,
-        "auto",
-        True,
-        None,
-        None,
-        300.0,
-        None,
-        "fail",
-        "none",
-        None,  # layout
-    )
-    dbq, fake = _suites_dbq(monkeypatch, [[row]])
+    """A push with deduplication keys, ordering keys or a ttl is one push_with batch: its values are the
+    queue, the delay, the ttl, the keys and ordering keys as JSON arrays (a key repeated within the batch
+    sent once, with its first payload and ordering key; a payload without an ordering key as null) and the
+    payloads; its rows (id, new) map every payload to its message, a repeated or known key to the first
+    push's id."""
+    dbq, fake = _suites_dbq(monkeypatch, [[_queue_row(3600.0, "per_key")], [(7, 1), (5, 0), (8, 1)]])
     q = dbq.queue("orders")
-    assert len(fake.executed) == 1  # get_queue
-    with pytest.raises(NotSupportedError, match=r"deduplication keys.*mssql"):
-        q.push({"n": 1}, dedup_key="k")
-    with pytest.raises(NotSupportedError, match=r"time to live.*mssql"):
-        q.push_batch([{"n": 1}], ttl=30)
-    with pytest.raises(NotSupportedError, match=r"time to live.*mssql"):
-        dbq.create_queue("quotes", ttl=30)
-    with pytest.raises(NotSupportedError, match=r"'events': ordering per key, which the mssql dialect"):
-        dbq.create_queue("events", ordering="per_key")
-    with pytest.raises(NotSupportedError, match=r"ordering keys need ordering per key, which the mssql"):
-        q.push({"n": 1}, key="customer-1")
-    assert len(fake.executed) == 1
+    ids = q.push_batch(["a", "b", "c", "d"], dedup_keys=["k1", "k2", "k1", "k3"], keys=["x", None, "x", "y"])
+    assert ids == [7, 5, 7, 8]
+    (_, _), (text, values) = fake.executed
+    assert text == _texts("push_with")[0]
+    hexes = [json.dumps(p).encode().hex() for p in ("a", "b", "d")]
+    assert values == [3, 0.0, 3600.0, '["k1", "k2", "k3"]', '["x", null, "y"]', json.dumps(hexes), 0]
+    _check_sent(fake)
+
+
+def test_no_options_push_with_nothing_but_a_ttl_on_a_fake_sql_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A push of a queue with a ttl and no keys sends NULL keys and ordering keys, and its ttl (the
+    queue's, or the push's own)."""
+    dbq, fake = _suites_dbq(monkeypatch, [[_queue_row(60.0, "none")], [(4, 1)], [(5, 1)]])
+    q = dbq.queue("orders")
+    assert q.push("a") == 4 and q.push("b", ttl=30) == 5
+    assert [v[:5] for _, v in fake.executed[1:]] == [[3, 0.0, 60.0, None, None], [3, 0.0, 30.0, None, None]]
+    _check_sent(fake)
+
+
+def test_a_queue_with_options_pops_claims_acks_nacks_and_upkeeps_with_them_on_a_fake_sql_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A queue with a ttl or ordered per key pops, claims, acks and nacks with the *_with statements and
+    its checks (expiring, per_key); its pops sweep expired messages after reclaiming leases; its upkeep
+    forgets deduplication keys older than the window and expires messages (expire_fail, or expire_drop
+    where on_expiry is drop); its stats count the failed messages that expired."""
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    later = now + dt.timedelta(seconds=30)
+    leased = [(7, 0, 1, 1, now, later, b'"a"'), (9, 0, 1, 1, now, later, b'"b"')]
+    batch = (uuid.uuid4(), 0, "[11]", "[1]", "c", now, later, None, None)
+    script: list[Any] = [[_queue_row(None, "per_key")], [], leased, [(7,)], [(9, 0)], [batch]]
+    script += [[], [("old-key",)], [], [], [(1, 0, 0, 2, 0, None)], [(2,)]]
+    dbq, fake = _suites_dbq(monkeypatch, script)
+    q = dbq.queue("orders")
+    a, b = q.pop(2, semantics="at-least-once")
+    assert (a.id, b.id, a.payload) == (7, 9, "a")
+    assert q.ack([a]) == 1 and q.nack([b], delay=0) == 1
+    claimed = q.claim_batch(10)
+    assert claimed is not None and list(claimed.receipts) == [(11, 1)]
+    assert q.maintain() == {"reclaimed": 0, "batches_purged": 0, "keys_forgotten": 1, "expired": 0}
+    assert q.stats().extra == {"expired": 2}
+    sent = [t for t, _ in fake.executed[1:]]
+    names = ["reclaim_expired", "pop_lease_with", "ack_with", "nack_with", "claim_batch_with"]
+    names += ["purge_batches", "forget_dedup", "reclaim_expired", "expire_fail", "stats", "count_expired"]
+    assert sent == _texts(*names)
+    values = [v for _, v in fake.executed]
+    assert values[2][1:3] == [False, True]  # expiring, per_key (the queue has no ttl: no sweep)
+    assert (values[7][0], values[7][2]) == (300.0, 3)  # forget_dedup: the window, the queue
+    _check_sent(fake)
+    dbq2, fake2 = _suites_dbq(monkeypatch, [[(*_queue_row(60.0, "none")[:15], "drop", "none", None)], []])
+    assert dbq2.queue("orders").expire_messages(10) == 0
+    assert [t for t, _ in fake2.executed[1:]] == _texts("expire_drop")
 
 
 def test_the_rings_rows_layout_is_refused_at_create_time_naming_it_postgresql_only() -> None:

@@ -492,7 +492,7 @@ class StaleConnection(FakeConnection):
         raise link_failure("SQLEndTran")
 
 
-COUNT_READY = {"queue_id": 1, "min_priority": 0, "cap": 10, "max_attempts": 5}
+COUNT_READY = {"queue_id": 1, "min_priority": 0, "cap": 10, "max_attempts": 5, "opts": False}
 
 
 def test_connections_dead_after_an_idle_spell_are_replaced_on_a_fake_sql_server(

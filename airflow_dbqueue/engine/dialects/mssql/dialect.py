@@ -68,39 +68,13 @@ log = logging.getLogger(__name__)
 
 _PKG = __package__ or "airflow_dbqueue.engine.dialects.mssql"
 
-NOT_YET_PORTED: dict[str, str] = {
-    **{
-        name: "deduplication keys on push (push(dedup_key=...)) need a dedup table and a push procedure "
-        "that claims keys; this dialect has neither (push_options = False), and a push with a key raises "
-        "NotSupportedError"
-        for name in ("push_with", "forget_dedup")
-    },
-    **{
-        name: "expiry (ttl) needs a meta_opt table of expiries, claims that pass expired rows and a sweep; "
-        "this dialect "
-        "has none of them (push_options = False): create_queue(ttl=...) and push(ttl=...) raise "
-        "NotSupportedError"
-        for name in ("expire_fail", "expire_drop", "count_expired")
-    },
-    **{
-        name: "the claims, acks and nacks of a queue with a ttl or ordered per key (which check and keep "
-        "its messages' meta_opt rows); this dialect refuses such queues (push_options = False), so nothing "
-        "runs them"
-        for name in (
-            "pop_lease_with",
-            "pop_take_with",
-            "pop_take_payloads_with",
-            "claim_batch_with",
-            "ack_with",
-            "nack_with",
-        )
-    },
-}
-"""Named queries of the PostgreSQL dialect that this dialect does not have yet, with what they need.
+NOT_YET_PORTED: dict[str, str] = {}
+"""Named queries of the PostgreSQL dialect that this dialect does not have yet, with what they need: none.
 
-The parity test checks that the PostgreSQL names are exactly this dialect's names plus these, so a new
-PostgreSQL query fails the test until it is ported or listed here. Besides these, the table design,
-maintenance and the ring design with its consumer groups are all ported.
+The parity test checks that the PostgreSQL names are exactly this dialect's names plus these and
+:data:`POSTGRES_ONLY`, so a new PostgreSQL query fails the test until it is ported or listed here. The
+table design (with its deduplication keys, expiry and ordering per key), maintenance and the ring design
+with its consumer groups are all ported.
 """
 
 POSTGRES_ONLY: dict[str, str] = {
@@ -169,7 +143,7 @@ POSTGRES_ONLY: dict[str, str] = {
     **{
         name: "a pop of payloads only selects one column of a take's rows, which a procedure's rows cannot "
         "be (payload_pops = False): on SQL Server it runs the take itself and keeps the payloads"
-        for name in ("pop_take_payloads", "ring_take_payloads")
+        for name in ("pop_take_payloads", "pop_take_payloads_with", "ring_take_payloads")
     },
     **{
         name: "a waiting pop's look for pushes in progress (a push that may not NOTIFY) is the LISTEN/NOTIFY "
@@ -262,7 +236,7 @@ class MssqlDatabase(MssqlSchema, MssqlMaintenance):
     supports_notify = False
     ring_push_takes_floor = False  # its ring_push reads the floor under its own locks
     payload_pops = False  # a pop of payloads takes them from its procedures' whole rows
-    push_options = False  # no deduplication keys or expiry yet (docs/sqlserver.md)
+    push_options = True  # deduplication keys, expiry and ordering per key (push_with and the *_with claims)
     ring_layouts: tuple[str, ...] = ("slots",)  # the rows layout is PostgreSQL's (POSTGRES_ONLY)
     schema_passes = False  # maintenance counts a queue at a time (docs/limits.md)
     prepares_statements = True

@@ -18,12 +18,16 @@ from airflow_dbqueue.engine.errors import (
     RingNumbersSkippedError,
     SchemaError,
     StatementTimeoutError,
+    TransientDatabaseError,
 )
 
 _NATIVE = re.compile(r"\((\d+)\)\s*\(SQL\w+\)\s*$")
 _UNAVAILABLE_STATES = frozenset({"08001", "08S01", "08004", "08007", "HYT00", "HYT01", "28000", "IM002"})
 _UNINSTALLED = 208  # Invalid object name
 _RAISED = 50000  # RAISERROR with a message text (the ring's procedures)
+# A SNAPSHOT transaction's write (or update-locked read) of a row that another transaction changed after it
+# began: PostgreSQL's serialization failure, which the caller answers by running its transaction again.
+_SNAPSHOT_CONFLICT = 3960
 _RAISED_CODE = re.compile(r"\[(DQ\d{3})\]")
 RAISED_BY_PROCEDURES: dict[str, type[DbQueueError]] = {
     "DQ001": QueueFullError,
@@ -62,6 +66,11 @@ def translate(exc: Exception, *, where: str, schema: str, connecting: bool = Fal
     if number == _RAISED and (code := _RAISED_CODE.search(message)) and code.group(1) in RAISED_BY_PROCEDURES:
         text = _NATIVE.sub("", message[code.end() :]).strip()
         return RAISED_BY_PROCEDURES[code.group(1)](f"SQL Server at {where}: {text}")
+    if number == _SNAPSHOT_CONFLICT:
+        return TransientDatabaseError(
+            f"SQL Server at {where}: a row this SNAPSHOT transaction reads to change was changed after it "
+            f"began (an update conflict), transaction rolled back; run it again: {message}"
+        )
     if number == 1205 or state == "40001":
         return DeadlockError(f"SQL Server at {where}: deadlock victim, transaction rolled back: {message}")
     if number == 1222:

@@ -24,12 +24,14 @@ from airflow_dbqueue.engine.errors import DbQueueError, NotSupportedError
 
 MSSQL_TABLES = (
     "meta",
+    "meta_opt",
     "data",
     "done",
     "archive",
     "queues",
     "batches",
     "batch_items",
+    "dedup",
     "ring_lanes",
     "ring_leases",
     "ring_retry",

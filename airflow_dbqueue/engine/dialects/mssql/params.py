@@ -153,6 +153,7 @@ def quote_identifier(name: str) -> str:
 # Queries whose rows carry receipt lists as JSON text (columns 2 and 3: ids, deliveries).
 _JSON_LIST_COLUMNS: dict[str, tuple[int, ...]] = {
     "claim_batch": (2, 3),
+    "claim_batch_with": (2, 3),
     "get_batch": (2, 3),
     "lock_batch": (2, 3),
     "open_batches": (2, 3),

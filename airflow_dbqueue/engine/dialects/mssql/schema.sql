@@ -27,8 +27,11 @@ CREATE TABLE {schema}.owned_objects (
 );
 
 -- One row a queue: its settings. Many queues share the tables below. dedup_window_s, ttl_s, on_expiry and
--- ordering are kept as on PostgreSQL, though this dialect has no deduplication keys on push, no expiry
--- and no ordering per key yet (docs/sqlserver.md): create_queue refuses a ttl or per_key here.
+-- ordering mean what they mean on PostgreSQL (see its schema.sql): how long a push's deduplication key is
+-- remembered (the dedup table), the messages' default time to live (meta_opt.expires_at) and what becomes
+-- of a message not popped by then ('fail': the failed state, last_error 'expired'; 'drop': deleted, or
+-- kept in done as discarded where the queue archives), and whether pushes may give messages an ordering
+-- key ('per_key': meta_opt.okey_hash).
 CREATE TABLE {schema}.queues (
     queue_id int IDENTITY(1, 1) NOT NULL,
     name nvarchar(48) NOT NULL,
@@ -98,6 +101,34 @@ CREATE INDEX meta_leased_idx ON {schema}.meta (queue_id, lease_until) WHERE stat
 -- Failed-message admin.
 CREATE INDEX meta_failed_idx ON {schema}.meta (queue_id, id) WHERE state = 2;
 
+-- What only a message pushed with a time to live or an ordering key needs, one row a message of a queue
+-- created with a ttl or ordered per key, written by push_with in the batch that writes its meta row, as on
+-- PostgreSQL (see its schema.sql); every statement that deletes a meta row of such a queue (the pops at
+-- most once and the acks of the queues with options, the expiry sweep, delete_failed, drop_queue) deletes
+-- its meta_opt row in the same transaction, so a meta_opt row is a message ready, delayed, in flight or
+-- failed. The statements find a message's meta row by id (meta_pkey, clustered), so unlike PostgreSQL's
+-- this table keeps no copy of the meta row's priority and process_at.
+-- expires_at: when the message expires (UTC; NULL: never). No claim takes a ready message whose expires_at
+-- has passed; the expiry sweep (expire_fail, expire_drop) moves it to failed or drops it, walking
+-- meta_opt_expiring_idx.
+-- okey_hash: the SHA-256 of the ordering key as nvarchar (HASHBYTES('SHA2_256', key): its UTF-16 bytes),
+-- NULL for none. A key of up to 512 characters (MAX_DEDUP_KEY_CHARS, up to 2,048 bytes in UTF-16) would
+-- not fit an index key (1,700 bytes), its hash always does; two keys are one key exactly when their
+-- characters are, as PostgreSQL's text compares. No claim takes a message while a message of its key with
+-- a smaller id is ready, delayed or in flight: one whose meta_opt row exists (meta_opt_key_idx) and whose
+-- meta row is not failed.
+CREATE TABLE {schema}.meta_opt (
+    queue_id int NOT NULL,
+    id bigint NOT NULL,
+    expires_at datetime2(6) NULL,
+    okey_hash binary(32) NULL,
+    CONSTRAINT meta_opt_pkey PRIMARY KEY CLUSTERED (queue_id, id)
+);
+-- Messages with a time to live, by expiry, for the expiry sweep.
+CREATE INDEX meta_opt_expiring_idx ON {schema}.meta_opt (queue_id, expires_at) WHERE expires_at IS NOT NULL;
+-- A key's messages in push order, for the claims' check of an earlier message of the key.
+CREATE INDEX meta_opt_key_idx ON {schema}.meta_opt (queue_id, okey_hash, id) WHERE okey_hash IS NOT NULL;
+
 -- Payloads over 1900 bytes (Al Zabir's QueueData), apart from the dequeue path; read by id only after a
 -- claim, when the meta or done row holds no payload of its own.
 CREATE TABLE {schema}.data (
@@ -136,6 +167,25 @@ CREATE TABLE {schema}.archive (
     CONSTRAINT archive_pkey PRIMARY KEY NONCLUSTERED (id)
 );
 CREATE CLUSTERED INDEX archive_archived_idx ON {schema}.archive (archived_at);
+
+-- The deduplication keys of the table design's pushes (push(dedup_key=...)), as on PostgreSQL: one row a
+-- key a queue, naming the message its first push made (id) and when (pushed_at, UTC). A push of a key
+-- whose row is younger than the queue's dedup_window_s pushes nothing and returns that id; an older row is
+-- taken over by the new push (push_with). key_hash is the SHA-256 of the key as nvarchar (see meta_opt's
+-- okey_hash): the primary key on it is what makes racing pushes of one key agree, through the update
+-- lock push_with reads it with (UPDLOCK, HOLDLOCK: on a key that has no row yet, a key-range lock), held
+-- to the end of its transaction. dedup_key is the key itself, for people reading the table. Rows older
+-- than the window are deleted by the queue's upkeep (forget_dedup, through dedup_pushed_idx), so the
+-- table holds about a window of keys. Pushes without a key never touch it.
+CREATE TABLE {schema}.dedup (
+    queue_id int NOT NULL,
+    key_hash binary(32) NOT NULL,
+    dedup_key nvarchar(1024) NOT NULL,
+    id bigint NOT NULL,
+    pushed_at datetime2(6) NOT NULL,
+    CONSTRAINT dedup_pkey PRIMARY KEY CLUSTERED (queue_id, key_hash)
+);
+CREATE INDEX dedup_pushed_idx ON {schema}.dedup (queue_id, pushed_at);
 
 -- The batch ledger. T-SQL has no arrays: a batch's receipts are rows of batch_items, numbered by ord
 -- in claim order (which is also the partition column a Spark JDBC reader wants). state: 0 claimed,

@@ -36,6 +36,52 @@ SELECT b.batch_id, b.state,
 FROM {schema}.batches b
 WHERE b.batch_id = @batch_id
 
+-- name: claim_batch_with
+-- claim_batch for a queue whose messages may expire (created with a ttl) or that is ordered per key: it
+-- passes over expired messages and those whose key has an earlier message ready, delayed or in flight, as
+-- the pops do (pop_lease_with in table.sql, which says how it reads them), so a batch holds at most the
+-- head of each key.
+SET NOCOUNT ON;
+DECLARE @now datetime2(6) = SYSUTCDATETIME();
+DECLARE @batch_id uniqueidentifier = %(batch_id)s;
+DECLARE @vt float = %(visibility_timeout_s)s;
+DECLARE @expiring bit = %(expiring)s;
+DECLARE @per_key bit = %(per_key)s;
+DECLARE @until datetime2(6) = DATEADD(microsecond, CAST(1e6 * (@vt - FLOOR(@vt)) AS int),
+                                      DATEADD(second, CAST(FLOOR(@vt) AS int), @now));
+DECLARE @claimed TABLE (id bigint PRIMARY KEY, deliveries int, priority smallint, process_at datetime2(6));
+WITH head AS (
+    SELECT TOP (%(n)s) s.id, s.state, s.attempts, s.deliveries, s.consumer, s.lease_until, s.priority,
+           s.process_at
+    FROM {schema}.meta s WITH (ROWLOCK, READPAST, UPDLOCK)
+    WHERE s.queue_id = %(queue_id)s AND s.state = 0 AND s.process_at <= @now
+      AND NOT EXISTS (SELECT 1 FROM {schema}.meta_opt o
+          WHERE o.queue_id = s.queue_id AND o.id = s.id
+            AND ((@expiring = 1 AND o.expires_at IS NOT NULL AND o.expires_at <= @now)
+                 OR (@per_key = 1 AND o.okey_hash IS NOT NULL AND EXISTS (SELECT 1 FROM {schema}.meta_opt e
+                     WHERE e.queue_id = o.queue_id AND e.okey_hash = o.okey_hash AND e.id < o.id
+                       AND NOT EXISTS (SELECT 1 FROM {schema}.meta f WITH (READPAST)
+                           WHERE f.id = e.id AND f.state = 2)))))
+    ORDER BY s.priority DESC, s.process_at, s.id)
+UPDATE head
+SET state = 1, attempts = attempts + 1, deliveries = deliveries + 1, consumer = %(consumer)s, lease_until = @until
+OUTPUT inserted.id, inserted.deliveries, inserted.priority, inserted.process_at INTO @claimed;
+IF EXISTS (SELECT 1 FROM @claimed)
+BEGIN
+    INSERT INTO {schema}.batches (batch_id, queue_id, consumer, claimed_at, lease_until)
+    VALUES (@batch_id, %(queue_id)s, %(consumer)s, @now, @until);
+    INSERT INTO {schema}.batch_items (batch_id, ord, id, delivery)
+    SELECT @batch_id, ROW_NUMBER() OVER (ORDER BY priority DESC, process_at, id), id, deliveries FROM @claimed;
+END;
+SELECT b.batch_id, b.state,
+       N'[' + (SELECT STRING_AGG(CAST(i.id AS nvarchar(max)), N',') WITHIN GROUP (ORDER BY i.ord)
+               FROM {schema}.batch_items i WHERE i.batch_id = b.batch_id) + N']' AS ids,
+       N'[' + (SELECT STRING_AGG(CAST(i.delivery AS nvarchar(max)), N',') WITHIN GROUP (ORDER BY i.ord)
+               FROM {schema}.batch_items i WHERE i.batch_id = b.batch_id) + N']' AS deliveries,
+       b.consumer, b.claimed_at, b.lease_until, b.finished_at, b.last_error
+FROM {schema}.batches b
+WHERE b.batch_id = @batch_id
+
 -- name: get_batch
 SELECT b.batch_id, b.state,
        N'[' + (SELECT STRING_AGG(CAST(i.id AS nvarchar(max)), N',') WITHIN GROUP (ORDER BY i.ord)

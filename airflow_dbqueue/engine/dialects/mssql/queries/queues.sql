@@ -1,5 +1,5 @@
 -- Named queries of the SQL Server dialect, under the names of the PostgreSQL dialect (a test checks the
--- parity; dialect.NOT_YET_PORTED names those still missing). {schema} is the bracket-quoted schema
+-- parity; dialect.POSTGRES_ONLY names those this dialect has no use for). {schema} is the bracket-quoted schema
 -- name; values are bound parameters, written %(name)s as on PostgreSQL and sent to pyodbc as ? in order.
 -- Each named query runs as one transaction (or inside the caller's), with XACT_ABORT ON: an error rolls
 -- all of it back. A batch of several statements starts with SET NOCOUNT ON so that only its last
@@ -153,11 +153,13 @@ IF @locked < 0
         16, 1, @resource, @locked)
 
 -- name: drop_queue_messages
--- Then the queue's messages with their payloads (rows a pop, ack, nack or claim holds are waited for).
+-- Then the queue's messages with their payloads and the meta_opt rows of those with a ttl or a key (rows a
+-- pop, ack, nack or claim holds are waited for).
 SET NOCOUNT ON;
 DECLARE @queue_id int = %(queue_id)s;
 DELETE d FROM {schema}.data d WHERE d.id IN (SELECT id FROM {schema}.meta WHERE queue_id = @queue_id);
-DELETE FROM {schema}.meta WHERE queue_id = @queue_id
+DELETE FROM {schema}.meta WHERE queue_id = @queue_id;
+DELETE FROM {schema}.meta_opt WHERE queue_id = @queue_id
 
 -- name: drop_queue_finished
 -- Then its finished messages and their payloads (an archiver batch holding some is waited for).
@@ -173,4 +175,5 @@ DELETE FROM {schema}.archive WHERE queue_id = @queue_id;
 DELETE i FROM {schema}.batch_items i
 WHERE i.batch_id IN (SELECT batch_id FROM {schema}.batches WHERE queue_id = @queue_id);
 DELETE FROM {schema}.batches WHERE queue_id = @queue_id;
+DELETE FROM {schema}.dedup WHERE queue_id = @queue_id;
 DELETE q OUTPUT deleted.queue_id FROM {schema}.queues q WHERE q.queue_id = @queue_id
