@@ -61,3 +61,24 @@ def test_each_airflow_file_runs_on_one_worker() -> None:
     counts = {path: sum(1 for _, p in ran if p == path) for path in by_file}
     assert counts[airflow_file] >= 10 and counts[PURE_FILE] >= 10, proc.stdout[-4000:]
     assert len(by_file[airflow_file]) == 1, by_file
+
+
+def test_the_files_that_take_the_spark_connect_server_are_one_unit() -> None:
+    """The files of tests/airflow whose tests take the session's Spark Connect server (a JVM a worker
+    starts once and keeps) run on one worker together, so that only one worker starts that server;
+    every other file of tests/airflow is a unit of its own, and any other test too."""
+    from tests.xdist_scheduling import CONNECT_SERVER_UNIT, connect_server_files, work_unit
+
+    files = connect_server_files()
+    assert {
+        "tests/airflow/test_spark_pipeline.py",
+        "tests/airflow/test_spark_operator.py",
+        "tests/airflow/test_spark_paths_benchmark.py",
+        "tests/airflow/test_spark_connect_server.py",
+    } <= files
+    assert "tests/airflow/test_spark_submit.py" not in files and "tests/airflow/conftest.py" not in files
+    for path in files:
+        assert work_unit(f"{path}::test_x[connect]", files) == CONNECT_SERVER_UNIT
+    vocabulary = "tests/airflow/test_vocabulary.py"
+    assert work_unit(f"{vocabulary}::test_x", files) == vocabulary
+    assert work_unit("tests/integration/test_ring.py::test_x[rows]", files) is None
