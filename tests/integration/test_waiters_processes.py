@@ -5,9 +5,10 @@ Each process listens once, whatever its waiters, and a message whose push sent n
 ``notify="auto"`` a push that finds an earlier message not taken yet sends none) still reaches a
 waiter of another process long before its poll: a waiter whose look found nothing while a row was
 issued and not taken looks again soon, and one told that every row issued is taken is woken by the
-next push's NOTIFY (ring_rows_ask and ring_pushing say why). The taker of the earlier message, in its own process,
-does not pop again until the round is over, so it cannot be what finds the later one. Every poll here
-is far longer than the test, so a message found only by a poll shows as one many seconds late.
+next push's NOTIFY (ring_rows_ask and ring_pushing say why). The taker of the earlier message, in its
+own process, does not pop again until the round is over, so it cannot be what finds the later one.
+Every poll here is far longer than the test, so a message found only by a poll shows as one many
+seconds late.
 """
 
 from __future__ import annotations
