@@ -497,7 +497,8 @@ SELECT g.gid, g.name FROM {schema}.ring_groups g WHERE g.queue_id = %(queue_id)s
 -- that found nothing: a row is issued (the ring's row sequence) with ids at or above the group's lowest
 -- lane position, so not all taken. That is a push that has not committed yet (it may not NOTIFY under
 -- notify="auto", having seen an earlier message ready), a lane another pop holds, or a row rolled back
--- and not given up yet: the pop looks again soon, as on the slots layout (ring_pushing).
+-- and not given up yet: the pop looks again soon, as on the slots layout (ring_pushing). Asked only on a
+-- ring made by a build without the ring's own pop of one; the others ask ring_rows_ask.
 SELECT ((coalesce(pg_sequence_last_value(('{schema}.' || {schema}.ring_rows_own(%(queue_id)s::integer) || 'rows')::regclass), -1) << 16) | 65535)
        >= (SELECT min(x) FROM unnest({schema}.ring_rows_positions(%(group)s::integer)) x)
 
