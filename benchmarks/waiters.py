@@ -9,7 +9,9 @@ Each point runs W waiters for ``--seconds`` while the main process pushes one me
 on the engine's defaults (``DbQueue`` with its pool of 10, ``notify="auto"``, the pop's poll of 1 s).
 ``--mode threads`` runs the W waiters as threads of one process (one ``DbQueue``); ``--mode
 processes`` spreads them over ``min(W, --max-processes)`` processes of their own (one ``DbQueue``
-each, W / processes threads each).
+each, W / processes threads each). ``--design`` names the queue: ``table`` (the default), ``ring`` (a ring
+of the slots layout) or ``ring-rows`` (a ring of the rows layout, PostgreSQL's default ring), each
+with its defaults otherwise (a ring's capacity of 16,384).
 
 What a point reports:
 
@@ -65,6 +67,12 @@ QUEUE = "waiters_q"
 HEADER = struct.Struct(">qQ")  # (number, 0), then a random filler; number -1 is a stop message
 STOP = -1
 PAYLOAD_BYTES = 300
+DESIGNS: dict[str, dict[str, str]] = {
+    "table": {"design": "table"},
+    "ring": {"design": "ring", "layout": "slots"},
+    "ring-rows": {"design": "ring", "layout": "rows"},
+}
+"""The queue each ``--design`` creates (run.py's names: ``ring`` is the slots layout)."""
 
 
 def digest(payload: bytes) -> int:
@@ -272,7 +280,8 @@ def run_point(
     out: Any = ctx.Queue()
     with DbQueue(dsn, schema=schema) as dbq:
         dbq.install()
-        q = dbq.create_queue(QUEUE, payload_type="bytes", design=args.design, notify=args.notify)
+        q = dbq.create_queue(QUEUE, payload_type="bytes", notify=args.notify, **DESIGNS[args.design])
+        layout = None if q.settings.layout is None else q.settings.layout.value
         push: Callable[[list[bytes]], Any] = q.push_batch
         stack = contextlib.ExitStack()
         if naive:
@@ -322,8 +331,9 @@ def run_point(
         elapsed,
         None if srv0 is None or srv1 is None else srv1 - srv0,
     )
+    r["layout"] = layout
     if naive:
-        r["design"], r["notify"] = "naive", "always"
+        r["design"], r["notify"], r["layout"] = "naive", "always", None
     return r
 
 
@@ -411,7 +421,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--waiters", type=int, nargs="+", default=[1, 50, 500])
     ap.add_argument("--mode", nargs="+", choices=("threads", "processes"), default=["threads", "processes"])
     ap.add_argument("--max-processes", type=int, default=50, help="processes at most in --mode processes")
-    ap.add_argument("--design", choices=("table", "ring"), default="table")
+    ap.add_argument("--design", choices=tuple(DESIGNS), default="table")
     ap.add_argument("--notify", choices=("auto", "always", "never"), default="auto")
     ap.add_argument("--seconds", type=float, default=20.0, help="seconds of pushes a point")
     ap.add_argument("--interval", type=float, default=0.02, help="seconds between two pushes")
@@ -451,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(json.dumps(r), flush=True)
                     else:
                         print(
-                            f"{r['design']:5} {mode:9} {w:4} waiters ({r['processes']} proc): delivered "
+                            f"{r['design']:9} {mode:9} {w:4} waiters ({r['processes']} proc): delivered "
                             f"{r['delivered']}/"
                             f"{r['pushed']} lost {r['lost']} dup {r['duplicated']} checksum "
                             f"{'ok' if r['checksum_ok'] else 'BAD'} errors {r['errors'] or 0} | p50 "

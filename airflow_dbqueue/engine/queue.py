@@ -396,9 +396,7 @@ class Queue(abc.ABC):
             pause = RECHECK_FIRST
             looks = 0
             while True:
-                with self._asking:
-                    pushing = self._pushing()
-                got = take()
+                pushing, got = self._look(take)
                 looks += 1
                 if got or (left := deadline - time.monotonic()) <= 0:
                     break
@@ -416,6 +414,14 @@ class Queue(abc.ABC):
                 if looks == 1:
                     self._waited = False  # found at once: the queue is busy, the next pop looks first
         return got
+
+    def _look(self, take: Callable[[], list[_T]]) -> tuple[bool, list[_T]]:
+        """One look of a waiting pop: whether a push may be in progress (:meth:`_pushing`), asked
+        first, and what ``take`` found. Designs whose question also tells that a pop would find nothing
+        override it to skip the pop then."""
+        with self._asking:
+            pushing = self._pushing()
+        return pushing, take()
 
     def _took(self, conn: DbConnection | None) -> None:
         """After a pop that waited for nothing took messages: hand a wake to one waiting pop of this

@@ -79,9 +79,9 @@ Not built on any ring, refused with :class:`NotSupportedError`: ordering keys an
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from airflow_dbqueue.engine.bridge import pause as pause_for
 from airflow_dbqueue.engine.errors import (
@@ -121,6 +121,7 @@ ROWS_MAX_BATCH = 65535
 """Most messages one push of the rows layout holds: a message's place in its row is the low 16 bits
 of its id."""
 _GAP_CHECK_EVERY_S = 0.05
+_T = TypeVar("_T")
 
 
 class RowsRingQueue(RowsRingGroups, RowsRingBatches):
@@ -148,6 +149,12 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         self._take1_fn = {"fn": own + "take1"}
         self._has_take1: bool | None = None  # whether the ring has it (read on the first pop of one)
         self._ack_fn = {"fn": own + "ack"}
+        # A waiting pop's question (ring_rows_ask): the group's lanes and retry generation, the ring's rows.
+        self._ask_ids = {
+            "lanes": own + "lanes",
+            "retrygen": own + "retrygen",
+            "rows": f"ring_{settings.queue_id}_rrows",
+        }
         self.push_timeout = 30.0
         self.reclaim_every = min(1.0, settings.visibility_timeout_s / 2)
         # What ring_rows_gaps returned last: (its transaction id, the row sequence's position read
@@ -499,6 +506,28 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
 
     def count_ready(self, min_priority: int | None = None, cap: int = COUNT_CAP) -> int:
         return min(self.stats().ready, cap)
+
+    def _look(self, take: Callable[[], list[_T]]) -> tuple[bool, list[_T]]:
+        """One look of a waiting pop: the question (ring_rows_ask), then the pop only when it may find
+        something (a row issued and not taken, or messages to deliver again in the segments live now),
+        or when the pop's reclaim of expired leases is due (which may make some to deliver again).
+        Otherwise every row issued is taken and a push that takes a row from now on notifies, so the
+        waiter waits for that NOTIFY: an idle look is one statement, not the question and an empty pop.
+        A ring made by a build without the ring's own pop of one (and its retry generation) looks as the
+        other designs do."""
+        if not self._one_path():
+            return super()._look(take)
+        try:
+            row = self._db.fetchone(
+                "ring_rows_ask", {"seg_rows": self.capacity // 4}, identifiers=self._ask_ids
+            )
+        except (DatabaseError, SchemaError):
+            self._raise_if_gone()
+            raise
+        pushing, to_take = (True, True) if row is None else (bool(row[0]), bool(row[1]))
+        if to_take or time.monotonic() - self._last_reclaim >= self.reclaim_every:
+            return pushing, take()
+        return pushing, []
 
     def _pushing(self) -> bool:
         try:

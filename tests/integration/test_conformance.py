@@ -672,16 +672,32 @@ NOTIFY it would claim again only when its wait runs out; a wake-up within half o
 
 def record_claims(q: Queue, monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, int]]:
     """Record ``(monotonic time it returned, messages claimed)`` of every claim ``q`` makes while a pop
-    waits (the engine's ``_pop_once``, called through unchanged)."""
+    waits (the engine's ``_pop_once``, called through unchanged), and ``(time, 0)`` for every look of a
+    waiting pop that made no claim because its question told it there was nothing to claim (a ring of
+    the rows layout whose every row issued is taken: ``_look``, called through unchanged)."""
     claims: list[tuple[float, int]] = []
     claim = q._pop_once
+    look = q._look
 
     def recorded(*args: Any, **kwargs: Any) -> list[Message]:
         msgs = claim(*args, **kwargs)
         claims.append((time.monotonic(), len(msgs)))
         return msgs
 
+    def looked(take: Callable[[], list[Any]]) -> tuple[bool, list[Any]]:
+        took: list[bool] = []
+
+        def counted() -> list[Any]:
+            took.append(True)
+            return take()
+
+        pushing, got = look(counted)
+        if not took:
+            claims.append((time.monotonic(), 0))
+        return pushing, got
+
     monkeypatch.setattr(q, "_pop_once", recorded)
+    monkeypatch.setattr(q, "_look", looked)
     return claims
 
 
@@ -712,8 +728,9 @@ def wait_for_claims(claims: list[tuple[float, int]], n: int) -> None:
 def test_waiting_pop_is_woken_by_notify(
     make_queue: Callable[..., Queue], dbq: DbQueue, notify: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A pop claims, LISTENs, claims again and then waits; the push comes after both claims came back
-    empty, so only a claim after the wait can find it, and only a NOTIFY ends that wait early."""
+    """A pop claims, LISTENs, claims again (or, on a rows ring, asks and is told there is nothing to
+    claim) and then waits; the push comes after both came back empty, so only a claim after the wait can
+    find it, and only a NOTIFY ends that wait early."""
     postgres_only(dbq, "SQL Server has no NOTIFY (the polling test below runs there)")
     q = make_queue(notify=notify)
     claims = record_claims(q, monkeypatch)

@@ -112,7 +112,11 @@ def test_only_calls_of_the_schemas_functions_are_prepared_and_they_run_generic_p
         return m.group(1) if m else text
 
     def query(name: str) -> str:  # a ring of the rows layout's statements call its own functions ({fn})
-        ids = {"fn": "ring_1_rtake"} if "ring_rows" in name else None
+        ids = None
+        if name == "ring_rows_ask":  # a waiting pop's question: its lanes' function, and two sequences
+            ids = {"lanes": "ring_1_rlanes", "retrygen": "ring_1_rretrygen", "rows": "ring_1_rrows"}
+        elif "ring_rows" in name:
+            ids = {"fn": "ring_1_rtake"}
         return dbq.db.query(name, ids).decode()  # type: ignore[attr-defined,no-any-return]
 
     # A function's name stands for every statement that calls it (ring_take for ring_take,

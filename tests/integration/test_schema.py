@@ -448,6 +448,10 @@ def _sample_identifiers(name: str, rows_ring: int | None = None) -> dict[str, st
         "sequence": "message_id_seq",
         "routine": "ring_holders",
         "fn": f"ring_{rows_ring}_r{_RING_ROWS_FUNCTIONS.get(name)}",
+        # ring_rows_ask, a waiting pop's question: the group's lanes function and two sequences
+        "lanes": f"ring_{rows_ring}_rlanes",
+        "retrygen": f"ring_{rows_ring}_rretrygen",
+        "rows": f"ring_{rows_ring}_rrows",
     }
     return {k: real[k] for k in _identifiers(body)}
 
@@ -468,9 +472,10 @@ def test_every_named_query_composes() -> None:
 
 def test_only_utility_statements_take_identifier_placeholders() -> None:
     """{table}, {index}, {sequence} and {routine} belong to VACUUM, ANALYZE, REINDEX, DROP INDEX and
-    uninstall's drops, and {fn} to the hot statements of a ring of the rows layout, which call its own
-    functions; anywhere else (say, in a comment that ended up in the block before it) they would break
-    the query at run time."""
+    uninstall's drops, {fn} to the hot statements of a ring of the rows layout, which call its own
+    functions, and {lanes}, {retrygen} and {rows} to its waiting pops' question (ring_rows_ask);
+    anywhere else (say, in a comment that ended up in the block before it) they would break the query
+    at run time."""
     raw = load_queries(POSTGRES_PKG, "queries")
     with_idents = sorted(name for name, body in raw.items() if _identifiers(body))
     assert with_idents == sorted(
@@ -483,10 +488,12 @@ def test_only_utility_statements_take_identifier_placeholders() -> None:
             "reindex_concurrently",
             "vacuum_full_table",
             "vacuum_table",
+            "ring_rows_ask",
             *_RING_ROWS_FUNCTIONS,
         ]
     )
     assert all(_identifiers(raw[name]) == {"fn": "sample_fn"} for name in _RING_ROWS_FUNCTIONS)
+    assert set(_identifiers(raw["ring_rows_ask"])) == {"lanes", "retrygen", "rows"}
 
 
 def test_identifier_placeholders_are_validated() -> None:

@@ -240,3 +240,68 @@ def test_waiters_go_on_after_the_listening_connection_is_killed(
     q = dbq.create_queue("r", design=design, notify=notify, **kw)
     with pytest.MonkeyPatch.context() as mp:
         _run(dbq, q, Wakes(mp), kill_listener_at=MESSAGES // 2)
+
+
+class Statements:
+    """The names of the statements the DbQueue's database object runs (each still runs as it would)."""
+
+    def __init__(self, dbq: DbQueue, mp: pytest.MonkeyPatch) -> None:
+        self.names: list[str] = []
+        db = dbq.db
+        for method in ("fetchone", "fetchall", "execute"):
+            real = getattr(db, method)
+
+            def recording(name: str, *args: Any, _real: Any = real, **kwargs: Any) -> Any:
+                self.names.append(name)
+                return _real(name, *args, **kwargs)
+
+            mp.setattr(db, method, recording)
+
+
+def test_an_idle_look_on_a_rows_ring_asks_and_does_not_pop(dbq: DbQueue) -> None:
+    """A ring of the rows layout whose every message is taken: a waiting pop's looks are its question
+    alone (ring_rows_ask), one statement, and it pops only at its first look, before it waits; a push
+    then still reaches it at once (every lane was at or past the pushed row, so the push notified)."""
+    q = dbq.create_queue("q", design="ring", layout="rows")
+    sent = [{"n": k} for k in range(5)]
+    for p in sent:
+        q.push(p)
+    got = [m.payload for _ in sent for m in q.pop(1)]
+    assert got == sent
+    q.reclaim_every = 3600.0  # no reclaim due in this test's looks
+    with pytest.MonkeyPatch.context() as mp:
+        statements = Statements(dbq, mp)
+        assert q.pop(1, wait=1.0, poll_interval=0.2) == []
+        idle = list(statements.names)
+        statements.names.clear()
+        found: list[Any] = []
+        t = threading.Thread(target=lambda: found.extend(q.pop(1, wait=10, poll_interval=POLL_S)))
+        t.start()
+        _until(lambda: _waiting(dbq) == 1)
+        time.sleep(0.3)  # the waiter has looked, and waits
+        start = time.monotonic()
+        q.push({"n": 5})
+        t.join(20)
+        took = time.monotonic() - start
+    # The first look, before the pop registers with the listening connection: an empty pop (and its look
+    # for gaps); then the poller's looks, every 0.2 s for 1 s, each the question alone.
+    first_ask = idle.index("ring_rows_ask")
+    assert idle[0] == "ring_rows_take_one" and set(idle[1:first_ask]) <= {"ring_rows_gaps"}, idle
+    assert set(idle[first_ask:]) == {"ring_rows_ask"} and len(idle[first_ask:]) >= 4, idle
+    assert [m.payload for m in found] == [{"n": 5}]
+    assert took < PROMPT_S, f"the pop took {took:.1f}s: the push after an idle look waited for the poll"
+
+
+def test_a_waiting_pop_on_a_rows_ring_still_reclaims_an_expired_lease(dbq: DbQueue) -> None:
+    """A look that skips the pop still reclaims expired leases when the reclaim is due: a message whose
+    lease ran out while a pop waits comes back to that pop, once (nothing is pushed meanwhile)."""
+    q = dbq.create_queue("q", design="ring", layout="rows", visibility_timeout=1.0)
+    q.push({"n": 1})
+    [first] = q.pop(1, semantics="at-least-once")
+    start = time.monotonic()
+    again = q.pop(1, semantics="at-least-once", wait=15, poll_interval=0.2)
+    took = time.monotonic() - start
+    assert [(m.payload, m.delivery) for m in again] == [({"n": 1}, first.delivery + 1)]
+    assert took < 5.0, f"the expired lease came back after {took:.1f}s"
+    assert q.ack(again) == 1
+    assert q.pop(1) == []

@@ -52,6 +52,34 @@ def test_a_short_run_delivers_every_message_once(pg_dsn: str) -> None:
         assert r["server_cpu_s"] is None  # a given server: its processes are not the benchmark's
 
 
+@pytest.mark.parametrize("design", ["ring", "ring-rows"])
+def test_a_short_run_of_a_ring_delivers_every_message_once(pg_dsn: str, design: str) -> None:
+    """The ring's layouts by run.py's names: ``ring`` the slots layout, ``ring-rows`` the rows layout."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(WAITERS_PY),
+            *("--design", design, "--waiters", "1", "4", "--mode", "threads", "processes"),
+            *("--seconds", "1", "--settle", "0.5", "--no-naive", "--json"),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, DBQUEUE_TEST_DSN=pg_dsn),
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert {(r["mode"], r["waiters"], r["design"]) for r in rows} == {
+        (mode, w, design) for mode in ("threads", "processes") for w in (1, 4)
+    }
+    assert {r["layout"] for r in rows} == {"slots" if design == "ring" else "rows"}
+    for r in rows:
+        assert r["pushed"] == r["delivered"] == 50 and r["checksum_ok"], r
+        assert (r["lost"], r["duplicated"], r["errors"]) == (0, 0, {}), r
+        assert r["stops_taken"] == r["waiters"]
+
+
 def test_the_check_fails_on_a_lost_duplicated_or_changed_message() -> None:
     waiters = load_benchmark("waiters")
     args = waiters.parse_args(["--seconds", "1"])

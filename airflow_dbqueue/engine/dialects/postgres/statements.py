@@ -4,7 +4,8 @@ return their rows in binary."""
 # The statements that only call a function of the schema (queries/): prepared on first use, they
 # run generic plans (dialect._configure_connection says why). So does ring_take_one, a statement over
 # the ring's tables of constant size (lanes, slots) and the index of its messages due again, whose
-# generic plan tests/integration/test_plans.py checks. Every other statement is sent unprepared.
+# generic plan tests/integration/test_plans.py checks, and ring_rows_ask, a waiting pop's question (one
+# call of the ring's own function and two sequence reads). Every other statement is sent unprepared.
 GENERIC_PLANS = frozenset(
     {
         "push",
@@ -34,6 +35,7 @@ GENERIC_PLANS = frozenset(
         "ring_rows_pop_payload_one",
         "ring_rows_ack",
         "ring_rows_claim_batch",
+        "ring_rows_ask",
     }
 )
 

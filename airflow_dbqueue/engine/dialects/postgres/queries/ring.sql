@@ -497,9 +497,29 @@ SELECT g.gid, g.name FROM {schema}.ring_groups g WHERE g.queue_id = %(queue_id)s
 -- that found nothing: a row is issued (the ring's row sequence) with ids at or above the group's lowest
 -- lane position, so not all taken. That is a push that has not committed yet (it may not NOTIFY under
 -- notify="auto", having seen an earlier message ready), a lane another pop holds, or a row rolled back
--- and not given up yet: the pop looks again soon, as on the slots layout (ring_pushing).
+-- and not given up yet: the pop looks again soon, as on the slots layout (ring_pushing). Asked only on a
+-- ring made by a build without the ring's own pop of one; the others ask ring_rows_ask.
 SELECT ((coalesce(pg_sequence_last_value(('{schema}.' || {schema}.ring_rows_own(%(queue_id)s::integer) || 'rows')::regclass), -1) << 16) | 65535)
        >= (SELECT min(x) FROM unnest({schema}.ring_rows_positions(%(group)s::integer)) x)
+
+-- name: ring_rows_ask
+-- A waiting pop's question before each look, on a ring of the rows layout: (pushing, to_take). {lanes}:
+-- the group's lane positions (its own function), {rows}: the ring's row sequence, {retrygen}: the
+-- group's newest generation with a message to deliver again; %(seg_rows)s: rows a segment.
+-- pushing: a row is issued at or past the group's lowest lane position, so not all are taken: a push
+-- that has not committed yet (which sends no NOTIFY under notify="auto" when it saw an earlier message
+-- not taken), a lane another pop holds, or a row rolled back and not given up yet (ring_rows_pushing's
+-- answer); the pop looks again soon. to_take: a pop may find something: pushing, or messages to deliver
+-- again may be in the segments live now (as the pops' own functions tell). The positions are read
+-- before the row sequence (the lateral subquery runs for the row the aggregate gave): when every row
+-- issued by then is taken, a push that takes a row later finds, reading positions after it, every lane
+-- at or past its row, or an earlier such push did, and so notifies under notify="auto". A waiting pop
+-- told there is nothing to take waits for that NOTIFY without popping.
+SELECT s.pushing, s.pushing OR coalesce(pg_sequence_last_value('{schema}.{retrygen}'), -4) >= s.last / %(seg_rows)s::bigint - 3
+FROM (SELECT min(a) AS lowest FROM unnest({schema}.{lanes}(NULL)) a) p
+CROSS JOIN LATERAL (
+    SELECT l.last, ((l.last << 16) | 65535) >= p.lowest AS pushing
+    FROM (SELECT coalesce(pg_sequence_last_value('{schema}.{rows}'), -1) AS last, p.lowest OFFSET 0) l) s
 
 -- name: ring_rows_groups
 -- The consumer groups of a ring of the rows layout, the default one first (gid: the ring's queue_id; no
