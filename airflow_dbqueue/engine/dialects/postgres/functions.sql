@@ -810,6 +810,12 @@ DECLARE
     v_made integer[] := ARRAY[]::integer[];
     v_seq text;
 BEGIN
+    -- Each statement below must see what committed before the queue's lock was granted, as only READ
+    -- COMMITTED gives it (a transaction snapshot may be older than the lock, and miss a push's rows).
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'table_raise_floors runs in a READ COMMITTED transaction of its own'
+            USING ERRCODE = 'invalid_transaction_state';
+    END IF;
     -- A queue without its sequence gets one, and its first raise in a later call: a push that found no
     -- sequence (no floor) may still be in progress until this transaction commits, and only a raise
     -- made after that, under the queue's lock, can be sure every such push committed.
