@@ -36,8 +36,7 @@ def no_recycling_pass(dbq: DbQueue) -> Iterator[None]:
 
 
 def raise_floors(dbq: DbQueue) -> int:
-    """One raise of every queue's floor, as a recycling pass runs it; a queue's first call makes its
-    sequence, so a test calls this twice before it counts on a floor."""
+    """One raise of every queue's floor, as a recycling pass runs it."""
     row = dbq.db.fetchone("table_raise_floors")  # type: ignore[attr-defined]
     assert row is not None
     return int(row[0])
@@ -81,13 +80,12 @@ def old_transaction(pg_dsn: str) -> psycopg.Connection[Any]:
 def test_the_floor_rises_to_the_oldest_waiting_or_leased_message_and_never_past_now(
     dbq: DbQueue, pg_dsn: str
 ) -> None:
-    """A queue's first raise makes its floor's sequence (no floor yet); the next sets it to the process-at
-    time of its oldest ready, delayed or leased message, or to the raise's time when it has none; a
+    """A new queue has no floor; a raise sets it to the process-at time of its oldest ready, delayed or
+    leased message, or to the raise's time when it has none; a
     leased message holds the floor at its time until it is acked; it never goes down."""
     q = dbq.create_queue("floor_rises", archive=False)
     qid = q.settings.queue_id
-    assert raise_floors(dbq) == 0
-    assert floor_of(pg_dsn, dbq.schema, qid) is None
+    assert floor_of(pg_dsn, dbq.schema, qid) is None  # its sequence is made with the queue, unset
     sent = [{"i": i} for i in range(30)]
     for p in sent[:10]:
         q.push(p)

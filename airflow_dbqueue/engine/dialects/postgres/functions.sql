@@ -753,8 +753,8 @@ $$;
 -- sequence a queue, table_floor_<queue_id>, as microseconds since the epoch: a sequence is read
 -- without a snapshot (a push under REPEATABLE READ sees the floor as it is now, not as its snapshot
 -- had it) and set by setval() without a row version (a raise leaves no dead row under a held xmin
--- horizon). The sequence is made by a raise (table_raise_floors), unset, and set by a later one; it is
--- owned by queues.queue_id, so that it goes with the schema's tables. A queue without one, or with one
+-- horizon). The sequence is made with the queue (table_make_floor), unset, and set by a raise
+-- (table_raise_floors); it is owned by queues.queue_id, so that it goes with the schema's tables. A queue without one, or with one
 -- not set yet, has no floor ('-infinity': its claims walk from the queue's first entry). Security
 -- definer, its search_path pinned: roles read the floor through it without a grant on the sequence.
 -- The invariant: every writer of a state-0 row keeps process_at >= floor. table_push and
@@ -785,6 +785,21 @@ BEGIN
 END
 $$;
 
+-- Make the floor sequence of table-design queue p_queue_id (table_floor), unset (no floor yet), unless it
+-- exists: create_queue calls it in the transaction that inserts the queue's row, so the sequence is there
+-- before any push can name the queue (a queue of an install before the floor gets its sequence from
+-- table_raise_floors). Security definer: a role that may create queues needs no right to create objects
+-- in the schema; its search_path pinned.
+CREATE OR REPLACE FUNCTION {schema}.table_make_floor(p_queue_id integer) RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF to_regclass('{schema}.table_floor_' || p_queue_id) IS NULL THEN
+        EXECUTE format('CREATE SEQUENCE %s.%I AS bigint MINVALUE %s OWNED BY %s.queues.queue_id',
+                       '{schema}', 'table_floor_' || p_queue_id, -9223372036854775807, '{schema}');
+    END IF;
+END
+$$;
+
 -- Raise the floor of every table-design queue whose push lock can be taken exclusively now (tried, never
 -- waited for: a queue with a push in progress keeps its floor until the next raise). Under the lock (a
 -- session lock, let go as soon as the queue's floor is set, so pushes wait only for that) no push,
@@ -792,8 +807,8 @@ $$;
 -- was granted: the new floor is the least process-at time of the queue's ready, delayed and leased
 -- rows in it, and never later than now(). Rows a pop, a lease or a reclaim has changed but not yet
 -- committed are seen as they were, so a rollback brings back only rows the raise counted; a nack in
--- progress is seen as its lease. A queue without its floor sequence gets one here and its first raise
--- in a later call. The ready rows are found from the old floor up, one index probe a
+-- progress is seen as its lease. A queue without its floor sequence (created by an install before the
+-- floor) gets one here and its first raise in a later call. The ready rows are found from the old floor up, one index probe a
 -- priority (a loose scan over meta_ready_idx: nothing of the queue's is below the old floor), so a
 -- raise passes only what was popped since the last one; the leased rows through meta_leased_idx. The
 -- floor never goes down. Then the floor sequences of dropped queues are dropped. Returns how many
@@ -822,8 +837,7 @@ BEGIN
     FOR q IN SELECT x.queue_id FROM {schema}.queues x
              WHERE x.design = 'table' AND to_regclass('{schema}.table_floor_' || x.queue_id) IS NULL LOOP
         BEGIN
-            EXECUTE format('CREATE SEQUENCE %s.%I AS bigint MINVALUE %s OWNED BY %s.queues.queue_id',
-                           '{schema}', 'table_floor_' || q, -9223372036854775807, '{schema}');
+            PERFORM {schema}.table_make_floor(q);
         EXCEPTION WHEN duplicate_table OR unique_violation THEN
             NULL;  -- another raise made it meanwhile
         END;
