@@ -691,7 +691,7 @@ def test_changed_functions_are_applied_while_pushes_and_pops_run(  # noqa: PLR09
             "WHERE n.nspname = %s AND p.proname !~ '^ring_g?[0-9]+_'",
             [schema],
         ).fetchall()
-    assert len(bodies) == 58
+    assert len(bodies) == 62
     assert all(("-- edited" in b) == (functions_applied(pg_dsn, schema) == editions[1][1]) for (b,) in bodies)
 
 
