@@ -26,6 +26,13 @@ their pages until a VACUUM (or, for the engine, a partition's TRUNCATE) removes 
 is explained and counted a second way, bounded below by the process-at time of the queue's first ready
 message (a what-if: what the claim would cost if it knew where its queue's live entries start).
 
+Where the engine keeps a floor a queue (functions.sql's table_floor, raised by the partition
+recycling), the fill ends with two raises of it, as two passes of a DbQueue's own recycling would make
+(the first makes the queue's floor sequence, the second sets it), and the engine's claim is explained
+and counted with its bound, as table_take() runs it (``floor`` in the output says whether it had one).
+Pushes are counted too, after the pops, as the pops are: a push of ``--batch`` on each side, the
+engine's with its defaults (``notify="auto"``).
+
 Needs valgrind and the embedded server's binaries, as instructions.py. At the default depth the fill
 takes a minute or two and the counted sessions a few minutes.
 """
@@ -175,16 +182,58 @@ def _scans(node: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def has_floor(dsn: str, schema: str) -> bool:
+    """Whether the engine under test keeps a floor a queue (functions.sql's table_raise_floors)."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        row = c.execute(
+            "SELECT to_regprocedure(%s) IS NOT NULL", (f"{schema}.table_raise_floors()",)
+        ).fetchone()
+    return bool(row and row[0])
+
+
+def raise_floor(dsn: str, schema: str) -> str | None:
+    """Two raises of the engine's floors (the first makes the queue's sequence, the second sets it), as two
+    passes of the recycling would make them; the queue's floor then (text), or None without one."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        for _ in range(2):
+            c.execute(sql.SQL("SELECT {}.table_raise_floors()").format(sql.Identifier(schema)))
+        row = c.execute(
+            sql.SQL("SELECT {s}.table_floor(q.queue_id)::text FROM {s}.queues q WHERE q.name = %s").format(
+                s=sql.Identifier(schema)
+            ),
+            (QUEUE,),
+        ).fetchone()
+    return str(row[0]) if row else None
+
+
 def claim_statements(dsn: str, schema: str, batch: int) -> list[tuple[str, str, str]]:
-    """Each side's claim, read only: (side, its PREPARE, its EXECUTE)."""
+    """Each side's claim, read only: (side, its PREPARE, its EXECUTE). The engine's is bounded by its
+    queue's floor where the engine keeps one, as table_take() bounds it."""
+    floor = None
+    if has_floor(dsn, schema):
+        with psycopg.connect(dsn, autocommit=True) as c:
+            row = c.execute(
+                sql.SQL(
+                    "SELECT {s}.table_floor(q.queue_id)::text FROM {s}.queues q WHERE q.name = %s"
+                ).format(s=sql.Identifier(schema)),
+                (QUEUE,),
+            ).fetchone()
+        floor = row[0] if row else None
     with psycopg.connect(dsn, autocommit=True) as c:
         qid = c.execute(
             sql.SQL("SELECT queue_id FROM {}.queues WHERE name = %s").format(sql.Identifier(schema)), (QUEUE,)
         ).fetchone()
         assert qid is not None
-        engine = sql.SQL("PREPARE engine_claim(integer, integer) AS " + ENGINE_CLAIM).format(
-            schema=sql.Identifier(schema)
-        )
+        if floor is None:
+            engine = sql.SQL("PREPARE engine_claim(integer, integer) AS " + ENGINE_CLAIM).format(
+                schema=sql.Identifier(schema)
+            )
+            engine_call = f"EXECUTE engine_claim({int(qid[0])}, {batch})"
+        else:
+            engine = sql.SQL(
+                "PREPARE engine_claim(integer, integer, timestamptz) AS " + ENGINE_BOUNDED_CLAIM
+            ).format(schema=sql.Identifier(schema))
+            engine_call = f"EXECUTE engine_claim({int(qid[0])}, {batch}, '{floor}')"
         bounded = sql.SQL(
             "PREPARE engine_bounded_claim(integer, integer, timestamptz) AS " + ENGINE_BOUNDED_CLAIM
         ).format(schema=sql.Identifier(schema))
@@ -199,7 +248,7 @@ def claim_statements(dsn: str, schema: str, batch: int) -> list[tuple[str, str, 
         ).fetchone()
         assert first is not None and first[0] is not None
         return [
-            ("engine", engine.as_string(c), f"EXECUTE engine_claim({int(qid[0])}, {batch})"),
+            ("engine", engine.as_string(c), engine_call),
             (
                 "engine_bounded",
                 bounded.as_string(c),
@@ -256,6 +305,32 @@ def count_pops(
                     != batch
                 ):
                     raise SystemExit("the naive queue gave fewer messages than it holds")
+            return {int(c.info.backend_pid)}
+
+    server.counted(session(1))
+    short = server.counted(session(calls))
+    long = server.counted(session(4 * calls))
+    return (long - short) / (3 * calls * batch)
+
+
+def count_pushes(
+    server: CountedServer, dsn: str, schema: str, *, batch: int, calls: int, who: str, counter: Counter
+) -> float:
+    """Server instructions a message of a push of ``batch`` on side ``who``, counted as count_pops counts."""
+
+    def session(n: int) -> set[int]:
+        if who == "engine":
+            with DbQueue(dsn, schema=schema, pool_size=1, recycle_interval=None) as dbq:
+                q = dbq.queue(QUEUE)
+                with dbq.db.connection() as c:  # type: ignore[attr-defined]
+                    pids = {int(c.info.backend_pid)}
+                for _ in range(n):
+                    q.push_batch(counter.batch(batch))
+                return pids
+        push_sql, _ = naive_statements(schema + "_naive")
+        with psycopg.connect(dsn, autocommit=True, prepare_threshold=5) as c:
+            for _ in range(n):
+                c.execute(push_sql, (counter.batch(batch),))
             return {int(c.info.backend_pid)}
 
     server.counted(session(1))
@@ -347,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         dsn = server.pg.start()
         engine, naive = fill(dsn, schema, args.depth, args.payload_bytes)
+        floor_at = raise_floor(dsn, schema) if has_floor(dsn, schema) else None
         fill_s = time.monotonic() - started
         explained = explain_claims(dsn, schema, args.batch)
         with psycopg.connect(dsn) as c:
@@ -355,6 +431,12 @@ def main(argv: list[str] | None = None) -> int:
         dsn = server.start(timeout=600)
         counts = {
             who: count_pops(server, dsn, schema, batch=args.batch, calls=args.calls, who=who, counter=counter)
+            for who, counter in (("engine", engine), ("naive", naive))
+        }
+        pushes = {
+            who: count_pushes(
+                server, dsn, schema, batch=args.batch, calls=args.calls, who=who, counter=counter
+            )
             for who, counter in (("engine", engine), ("naive", naive))
         }
         claims = count_claims(server, dsn, schema, args.batch, args.calls)
@@ -377,6 +459,10 @@ def main(argv: list[str] | None = None) -> int:
         "engine_pop_instructions": round(counts["engine"]),
         "naive_pop_instructions": round(counts["naive"]),
         "ratio": round(counts["engine"] / counts["naive"], 3),
+        "floor": floor_at,
+        "engine_push_instructions": round(pushes["engine"]),
+        "naive_push_instructions": round(pushes["naive"]),
+        "push_ratio": round(pushes["engine"] / pushes["naive"], 3),
         "engine_claim_instructions": round(claims["engine"]),
         "naive_claim_instructions": round(claims["naive"]),
         "engine_bounded_claim_instructions": round(claims["engine_bounded"]),
@@ -394,7 +480,10 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"depth {args.depth:,} ({args.depth // 2:,} popped since VACUUM), pop of {args.batch}: "
             f"engine {out['engine_pop_instructions']:,} vs naive {out['naive_pop_instructions']:,} "
-            f"server instructions a message ({out['ratio']:.2f}x); claim reads {out['engine_claim_pages']:,} "
+            f"server instructions a message ({out['ratio']:.2f}x); push of {args.batch}: "
+            f"{out['engine_push_instructions']:,} vs {out['naive_push_instructions']:,} "
+            f"({out['push_ratio']:.2f}x); "
+            f"claim reads {out['engine_claim_pages']:,} "
             f"index and heap pages vs {out['naive_claim_pages']:,}; payloads {'ok' if ok else 'BAD'}",
             flush=True,
         )

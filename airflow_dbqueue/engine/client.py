@@ -608,6 +608,9 @@ class DbQueue:
                     conn,
                 )
                 self.db.grant_new_ring(conn, created[0])
+            elif created is not None and self.db.table_recycling_skipped is None:
+                # the floor its pops start from, which the recycling raises (PostgreSQL)
+                self.db.execute("table_make_floor", {"queue_id": created[0]}, conn)
         return created
 
     def queue(self, name: str) -> Queue:

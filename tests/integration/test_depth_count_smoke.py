@@ -3,7 +3,8 @@ naive queue at depth, with pops since the last VACUUM, counted by cachegrind in 
 its own. No cost is asserted: only that both sides are counted, that every popped payload was checked,
 and that the claims' explained pages are there (the engine's for each of its eight partitions), with the
 what-if claim bounded below by the first ready message's process-at time counted and explained too, and
-the what-if pop whose claim is so bounded counted, every payload it took checked."""
+the what-if pop whose claim is so bounded counted, every payload it took checked; the engine's own floor
+raised after the fill, and pushes of both sides counted."""
 
 from __future__ import annotations
 
@@ -54,3 +55,7 @@ def test_short_run_counts_both_sides_at_depth() -> None:
     # the what-if's pop (a claim bounded by a floor) after the engine's: a session of one pop, one of calls
     # and one of 4 x calls, each payload checked
     assert r["floor_pop_instructions"] > 1000 and r["floor_popped"] == (1 + calls + 4 * calls) * batch, r
+    # the engine's floor raised after the fill (its claim explained and counted with it), and its pushes
+    # counted beside the naive queue's
+    assert r["floor"] is not None, r
+    assert r["engine_push_instructions"] > 1000 and r["naive_push_instructions"] > 1000, r

@@ -62,11 +62,16 @@ def recycle_partitions(
     skip_current: bool = False,
     stop: threading.Event | None = None,
 ) -> dict[str, Any]:
-    """One recycling pass: move up to ``move_limit`` stragglers, then empty every partition of at least
-    ``min_bytes`` that holds no row (``skip_current``: not those of the generation pushes write now).
+    """One recycling pass: raise the queues' floors, move up to ``move_limit`` stragglers, then empty every
+    partition of at least ``min_bytes`` that holds no row (``skip_current``: not those of the generation
+    pushes write now).
     Safe beside other passes, in this process or others: moves skip rows others hold, and a partition is
     checked again under its lock before it is emptied. ``holding``: partitions that still held a row.
     ``stop``: once set, no further statement is sent (the pass ends after the one in progress)."""
+    # First the queues' floors (the least process-at time of each queue's waiting and leased messages),
+    # so that the claims start their walk of the ready index there, past what was popped since.
+    row = db.fetchone("table_raise_floors")
+    raised = int(row[0]) if row and row[0] is not None else 0
     moved = 0
     if move_limit:
         row = db.fetchone("table_move_stragglers", {"n": move_limit})
@@ -97,6 +102,7 @@ def recycle_partitions(
         else:
             holding.append(f"{table}_{gen}")
     return {
+        "floors_raised": raised,
         "moved": moved,
         "emptied": emptied,
         "lock_not_granted": busy,

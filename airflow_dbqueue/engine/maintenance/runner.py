@@ -227,7 +227,9 @@ class Maintenance:
         """Empty the table design's partitions that hold no row any more (PostgreSQL).
 
         ``meta``, ``data`` and ``done`` are partitioned by generation (eight partitions each, ids
-        moving through them 16,384 at a time). First up to ``recycle_move_limit`` messages that would
+        moving through them 16,384 at a time). First each queue's floor is raised (the time below which
+        none of its messages waits, where its pops start their walk of the ready index), under the
+        queue's push lock taken without waiting. Then up to ``recycle_move_limit`` messages that would
         keep an old generation from emptying (delayed past the next second, or failed) move into the
         generation pushes write now, keeping their ids and receipts; then every partition of at least
         ``recycle_min_bytes`` that holds no row is emptied with TRUNCATE, which gives back its dead row
@@ -236,9 +238,9 @@ class Maintenance:
         own that ends at once; one not granted is tried again by the next run. A run of the vacuum step
         recycles first; run this alone, every few seconds, to keep pops fast while a horizon is held.
 
-        :return: ``{"moved", "emptied" (partitions), "lock_not_granted", "freed_bytes", "longest_s"
-            (the longest emptying: checks, lock wait and TRUNCATE), "longest_lock_s" (the longest an
-            emptied partition's lock was held, from its grant to the end of the TRUNCATE)}``, or
+        :return: ``{"floors_raised", "moved", "emptied" (partitions), "lock_not_granted", "freed_bytes",
+            "longest_s" (the longest emptying: checks, lock wait and TRUNCATE), "longest_lock_s" (the
+            longest an emptied partition's lock was held, from its grant to the end of the TRUNCATE)}``, or
             ``{"skipped": why}`` (SQL Server, or another run holds the lock).
         """
         return self._recycler.recycle(

@@ -137,6 +137,13 @@ POSTGRES_ONLY: dict[str, str] = {
         for name in ("table_move_stragglers", "table_partitions", "table_empty_partition")
     },
     **{
+        name: "the table design's floor (functions.sql's table_floor) lets PostgreSQL 18's skip scan start "
+        "a claim past the ready index's entries of messages popped since the last VACUUM; it is raised by "
+        "the partition recycling, whose steps SQL Server skips (see above), and its claims are not bounded "
+        "by one"
+        for name in ("table_raise_floors", "table_make_floor")
+    },
+    **{
         name: "maintenance's passes over every table-design queue of a schema at once (schema_passes = "
         "False): on SQL Server it counts and samples a queue at a time, as docs/limits.md says"
         for name in ("stats_all", "upkeep_due", "table_flow_all", "sample_insert_all", "queue_rates_all")

@@ -70,6 +70,8 @@ DECLARE
 BEGIN
     -- An assignment: PL/pgSQL evaluates it as a simple expression, where PERFORM would run a query.
     v_locked := pg_advisory_xact_lock_shared(hashtext('dbqueue.queue.' || '{schema}'), p_queue_id)::text;
+    -- Not below the queue's floor (table_floor), read under the lock: no raise comes before the commit.
+    v_at := greatest(v_at, {schema}.table_floor(p_queue_id));
     IF current_setting('transaction_isolation') = 'read committed' THEN
         IF p_inline AND p_notify = 0 THEN
             -- The usual push: one INSERT, which reads the queue's row itself (no row, nothing written),
@@ -113,7 +115,7 @@ BEGIN
     IF p_inline AND p_notify = 0 THEN
         RETURN QUERY
         INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload, gen)
-        SELECT p.id, p_queue_id, p_priority, now() + make_interval(secs => p_delay_s), now(), p.payload,
+        SELECT p.id, p_queue_id, p_priority, v_at, now(), p.payload,
                ((p.id >> 14) & 7)::smallint
         FROM (SELECT nextval('{schema}.message_id_seq') AS id, u.payload FROM unnest(p_payloads) AS u(payload)) p
         RETURNING id;
@@ -121,7 +123,7 @@ BEGIN
         RETURN QUERY
         WITH m AS (
             INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload, gen)
-            SELECT p.id, p_queue_id, p_priority, now() + make_interval(secs => p_delay_s), now(), p.payload,
+            SELECT p.id, p_queue_id, p_priority, v_at, now(), p.payload,
                    ((p.id >> 14) & 7)::smallint
             FROM (SELECT nextval('{schema}.message_id_seq') AS id, u.payload FROM unnest(p_payloads) AS u(payload)) p
             RETURNING id
@@ -142,7 +144,7 @@ BEGIN
             FROM unnest(p_payloads) WITH ORDINALITY AS p(payload, ord)
         ), m AS (
             INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload, gen)
-            SELECT i.id, p_queue_id, p_priority, now() + make_interval(secs => p_delay_s), now(),
+            SELECT i.id, p_queue_id, p_priority, v_at, now(),
                    CASE WHEN octet_length(i.payload) <= 1900 THEN i.payload END, ((i.id >> 14) & 7)::smallint
             FROM input i
         ), d AS (
@@ -158,7 +160,7 @@ BEGIN
             FROM unnest(p_payloads) WITH ORDINALITY AS p(payload, ord)
         ), m AS (
             INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload, gen)
-            SELECT i.id, p_queue_id, p_priority, now() + make_interval(secs => p_delay_s), now(),
+            SELECT i.id, p_queue_id, p_priority, v_at, now(),
                    CASE WHEN octet_length(i.payload) <= 1900 THEN i.payload END, ((i.id >> 14) & 7)::smallint
             FROM input i
         ), d AS (
@@ -213,6 +215,7 @@ DECLARE
     v_at timestamptz := now() + make_interval(secs => p_delay_s);
 BEGIN
     v_locked := pg_advisory_xact_lock_shared(hashtext('dbqueue.queue.' || '{schema}'), p_queue_id)::text;
+    v_at := greatest(v_at, {schema}.table_floor(p_queue_id));  -- as table_push()
     IF current_setting('transaction_isolation') = 'read committed' THEN
         SELECT q.dedup_window_s INTO v_window FROM {schema}.queues q WHERE q.queue_id = p_queue_id;
     ELSE
@@ -414,11 +417,18 @@ $$;
 -- visits them in that order (a nested loop probing each row by its ctid; hash and merge joins are off,
 -- so no other join can be chosen), and DELETE ... RETURNING returns each row as it deletes it. (Sorting
 -- the returned rows again cost about 3,000 instructions a message at batch 100.)
+-- The claim is bounded below by the queue's floor (process_at >= table_floor(), read once a call): no
+-- ready row is below it, so the bound loses nothing, and on a server with skip scans (PostgreSQL 18)
+-- each partition's walk of meta_ready_idx starts at it, past the entries of the messages popped below it
+-- since the last VACUUM. The other claims (table_lease, the _with forms, claim_batch) and the looks at
+-- what is ready (peek, count_ready, ready_head) are bounded alike.
 CREATE OR REPLACE FUNCTION {schema}.table_take(p_queue_id integer, p_n integer, p_archive boolean)
 RETURNS TABLE (r_id bigint, r_priority smallint, r_attempts integer, r_deliveries integer,
                r_enqueued_at timestamptz, r_lease_until timestamptz, r_payload bytea)
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
 SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off AS $$
+DECLARE
+    v_floor timestamptz := {schema}.table_floor(p_queue_id);
 BEGIN
     IF p_archive THEN
         RETURN QUERY
@@ -426,7 +436,7 @@ BEGIN
             DELETE FROM {schema}.meta m
             USING (
                 SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
-                WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
+                WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now() AND s.process_at >= v_floor
                 ORDER BY s.priority DESC, s.process_at, s.id
                 LIMIT p_n
                 FOR UPDATE SKIP LOCKED) c
@@ -448,7 +458,7 @@ BEGIN
         DELETE FROM {schema}.meta m
         USING (
             SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
-            WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
+            WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now() AND s.process_at >= v_floor
             ORDER BY s.priority DESC, s.process_at, s.id
             LIMIT p_n
             FOR UPDATE SKIP LOCKED) c
@@ -468,6 +478,8 @@ RETURNS TABLE (r_id bigint, r_priority smallint, r_attempts integer, r_deliverie
                r_enqueued_at timestamptz, r_lease_until timestamptz, r_payload bytea)
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
 SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off AS $$
+DECLARE
+    v_floor timestamptz := {schema}.table_floor(p_queue_id);
 BEGIN
     -- Rows straight from the UPDATE, not through a CTE (see table_take).
     RETURN QUERY
@@ -476,7 +488,7 @@ BEGIN
         lease_until = now() + make_interval(secs => p_vt)
     FROM (
         SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
-        WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
+        WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now() AND s.process_at >= v_floor
         ORDER BY s.priority DESC, s.process_at, s.id
         LIMIT p_n
         FOR UPDATE SKIP LOCKED) c
@@ -501,6 +513,8 @@ RETURNS TABLE (r_id bigint, r_priority smallint, r_attempts integer, r_deliverie
                r_enqueued_at timestamptz, r_lease_until timestamptz, r_payload bytea)
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
 SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off AS $$
+DECLARE
+    v_floor timestamptz := {schema}.table_floor(p_queue_id);
 BEGIN
     IF p_archive THEN
         RETURN QUERY
@@ -508,7 +522,7 @@ BEGIN
             DELETE FROM {schema}.meta m
             USING (
                 SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
-                WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
+                WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now() AND s.process_at >= v_floor
                   AND NOT EXISTS (SELECT 1 FROM {schema}.meta_opt o
                       WHERE o.queue_id = s.queue_id AND o.id = s.id
                         AND ((p_expiring AND o.expires_at <= now())
@@ -541,7 +555,7 @@ BEGIN
             DELETE FROM {schema}.meta m
             USING (
                 SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
-                WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
+                WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now() AND s.process_at >= v_floor
                   AND NOT EXISTS (SELECT 1 FROM {schema}.meta_opt o
                       WHERE o.queue_id = s.queue_id AND o.id = s.id
                         AND ((p_expiring AND o.expires_at <= now())
@@ -574,6 +588,8 @@ RETURNS TABLE (r_id bigint, r_priority smallint, r_attempts integer, r_deliverie
                r_enqueued_at timestamptz, r_lease_until timestamptz, r_payload bytea)
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off
 SET enable_bitmapscan = off SET enable_hashjoin = off SET enable_mergejoin = off AS $$
+DECLARE
+    v_floor timestamptz := {schema}.table_floor(p_queue_id);
 BEGIN
     -- Rows straight from the UPDATE, not through a CTE (see table_take).
     RETURN QUERY
@@ -582,7 +598,7 @@ BEGIN
         lease_until = now() + make_interval(secs => p_vt)
     FROM (
         SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
-        WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now()
+        WHERE s.queue_id = p_queue_id AND s.state = 0 AND s.process_at <= now() AND s.process_at >= v_floor
           AND NOT EXISTS (SELECT 1 FROM {schema}.meta_opt o
               WHERE o.queue_id = s.queue_id AND o.id = s.id
                 AND ((p_expiring AND o.expires_at <= now())
@@ -728,6 +744,146 @@ $$;
 CREATE OR REPLACE FUNCTION {schema}.table_generation() RETURNS smallint
 LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
     SELECT ((s.last_value >> 14) & 7)::smallint FROM {schema}.message_id_seq s
+$$;
+
+-- The floor of a table-design queue: a time at or below the process-at time of every message of the
+-- queue that is ready, delayed or leased (state 0 or 1), so that a claim, a peek or a count of ready
+-- messages may start its walk of meta_ready_idx at it (process_at >= floor) instead of at the queue's
+-- first entry, and pass no entry of the messages popped below it since the last VACUUM. Kept in a
+-- sequence a queue, table_floor_<queue_id>, as microseconds since the epoch: a sequence is read
+-- without a snapshot (a push under REPEATABLE READ sees the floor as it is now, not as its snapshot
+-- had it) and set by setval() without a row version (a raise leaves no dead row under a held xmin
+-- horizon). The sequence is made with the queue (table_make_floor), unset, and set by a raise
+-- (table_raise_floors); it is owned by queues.queue_id, so that it goes with the schema's tables. A queue without one, or with one
+-- not set yet, has no floor ('-infinity': its claims walk from the queue's first entry). Security
+-- definer, its search_path pinned: roles read the floor through it without a grant on the sequence.
+-- The invariant: every writer of a state-0 row keeps process_at >= floor. table_push and
+-- table_push_with take the larger of their time and the floor, read after the queue's push lock
+-- (taken shared, to the end of the transaction); requeue_failed does the same (table_floor_locked); a
+-- nack takes the larger of its time and the message's own process-at time, and a reclaimed lease keeps
+-- its own: a leased message is counted by every raise, so its time is never below the floor. A move to
+-- another generation keeps the time. A raise is made only under the queue's push lock taken
+-- exclusively (table_raise_floors), so no writer is between its read of the floor and its commit then.
+CREATE OR REPLACE FUNCTION {schema}.table_floor(p_queue_id integer) RETURNS timestamptz
+LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+    SELECT coalesce(timestamptz 'epoch'
+                    + pg_sequence_last_value(to_regclass('{schema}.table_floor_' || p_queue_id))
+                      * interval '1 microsecond',
+                    timestamptz '-infinity')
+$$;
+
+-- The floor of queue p_queue_id for a writer of a ready message that does not push: the queue's push
+-- lock is taken shared first (to the end of the transaction), so no raise comes between this read and
+-- the writer's commit (requeue_failed).
+CREATE OR REPLACE FUNCTION {schema}.table_floor_locked(p_queue_id integer) RETURNS timestamptz
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_locked text;
+BEGIN
+    v_locked := pg_advisory_xact_lock_shared(hashtext('dbqueue.queue.' || '{schema}'), p_queue_id)::text;
+    RETURN {schema}.table_floor(p_queue_id);
+END
+$$;
+
+-- Make the floor sequence of table-design queue p_queue_id (table_floor), unset (no floor yet), unless it
+-- exists: create_queue calls it in the transaction that inserts the queue's row, so the sequence is there
+-- before any push can name the queue (a queue of an install before the floor gets its sequence from
+-- table_raise_floors). Security definer: a role that may create queues needs no right to create objects
+-- in the schema; its search_path pinned.
+CREATE OR REPLACE FUNCTION {schema}.table_make_floor(p_queue_id integer) RETURNS void
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    IF to_regclass('{schema}.table_floor_' || p_queue_id) IS NULL THEN
+        EXECUTE format('CREATE SEQUENCE %s.%I AS bigint MINVALUE %s OWNED BY %s.queues.queue_id',
+                       '{schema}', 'table_floor_' || p_queue_id, -9223372036854775807, '{schema}');
+    END IF;
+END
+$$;
+
+-- Raise the floor of every table-design queue whose push lock can be taken exclusively now (tried, never
+-- waited for: a queue with a push in progress keeps its floor until the next raise). Under the lock (a
+-- session lock, let go as soon as the queue's floor is set, so pushes wait only for that) no push,
+-- requeue or drop of the queue is in progress, and each statement's snapshot is taken after the lock
+-- was granted: the new floor is the least process-at time of the queue's ready, delayed and leased
+-- rows in it, and never later than now(). Rows a pop, a lease or a reclaim has changed but not yet
+-- committed are seen as they were, so a rollback brings back only rows the raise counted; a nack in
+-- progress is seen as its lease. A queue without its floor sequence (created by an install before the
+-- floor) gets one here and its first raise in a later call. The ready rows are found from the old floor up, one index probe a
+-- priority (a loose scan over meta_ready_idx: nothing of the queue's is below the old floor), so a
+-- raise passes only what was popped since the last one; the leased rows through meta_leased_idx. The
+-- floor never goes down. Then the floor sequences of dropped queues are dropped. Returns how many
+-- floors were raised. Security definer (it changes no message, and makes and drops only the engine's
+-- floor sequences), its search_path pinned; no sequential scans (a queue's statistics are often an
+-- empty table's).
+CREATE OR REPLACE FUNCTION {schema}.table_raise_floors() RETURNS integer
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp SET enable_seqscan = off AS $$
+DECLARE
+    q integer;
+    v_old timestamptz;
+    v_new timestamptz;
+    v_raised integer := 0;
+    v_made integer[] := ARRAY[]::integer[];
+    v_seq text;
+BEGIN
+    -- Each statement below must see what committed before the queue's lock was granted, as only READ
+    -- COMMITTED gives it (a transaction snapshot may be older than the lock, and miss a push's rows).
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RAISE EXCEPTION 'table_raise_floors runs in a READ COMMITTED transaction of its own'
+            USING ERRCODE = 'invalid_transaction_state';
+    END IF;
+    -- A queue without its sequence gets one, and its first raise in a later call: a push that found no
+    -- sequence (no floor) may still be in progress until this transaction commits, and only a raise
+    -- made after that, under the queue's lock, can be sure every such push committed.
+    FOR q IN SELECT x.queue_id FROM {schema}.queues x
+             WHERE x.design = 'table' AND to_regclass('{schema}.table_floor_' || x.queue_id) IS NULL LOOP
+        BEGIN
+            PERFORM {schema}.table_make_floor(q);
+        EXCEPTION WHEN duplicate_table OR unique_violation THEN
+            NULL;  -- another raise made it meanwhile
+        END;
+        v_made := array_append(v_made, q);
+    END LOOP;
+    FOR q IN SELECT x.queue_id FROM {schema}.queues x
+             WHERE x.design = 'table' AND NOT x.queue_id = ANY (v_made) ORDER BY x.queue_id LOOP
+        CONTINUE WHEN NOT pg_try_advisory_lock(hashtext('dbqueue.queue.' || '{schema}'), q);
+        BEGIN
+            v_old := {schema}.table_floor(q);
+            WITH RECURSIVE p(priority, at) AS (
+                (SELECT s.priority, s.process_at FROM {schema}.meta s
+                 WHERE s.queue_id = q AND s.state = 0 AND s.process_at >= v_old
+                 ORDER BY s.priority DESC, s.process_at, s.id
+                 LIMIT 1)
+                UNION ALL
+                SELECT n.priority, n.at FROM p CROSS JOIN LATERAL (
+                    SELECT s.priority, s.process_at AS at FROM {schema}.meta s
+                    WHERE s.queue_id = q AND s.state = 0 AND s.priority < p.priority AND s.process_at >= v_old
+                    ORDER BY s.priority DESC, s.process_at, s.id
+                    LIMIT 1) n
+            )
+            SELECT greatest(v_old, least(now(), (SELECT min(p.at) FROM p),
+                                         (SELECT min(l.process_at) FROM {schema}.meta l
+                                          WHERE l.queue_id = q AND l.state = 1)))
+            INTO v_new;
+            IF v_new > v_old AND EXISTS (SELECT 1 FROM {schema}.queues x WHERE x.queue_id = q) THEN
+                PERFORM setval(('{schema}.table_floor_' || q)::regclass,
+                               (extract(epoch FROM v_new) * 1000000)::bigint, true);
+                v_raised := v_raised + 1;
+            END IF;
+        EXCEPTION WHEN OTHERS OR query_canceled THEN  -- the session lock must not outlive the call
+            PERFORM pg_advisory_unlock(hashtext('dbqueue.queue.' || '{schema}'), q);
+            RAISE;
+        END;
+        PERFORM pg_advisory_unlock(hashtext('dbqueue.queue.' || '{schema}'), q);
+    END LOOP;
+    FOR v_seq IN
+        SELECT c.relname FROM pg_class c
+        WHERE c.relnamespace = '{schema}'::regnamespace AND c.relkind = 'S' AND c.relname LIKE 'table\_floor\_%'
+          AND NOT EXISTS (SELECT 1 FROM {schema}.queues x WHERE 'table_floor_' || x.queue_id = c.relname)
+    LOOP
+        EXECUTE format('DROP SEQUENCE IF EXISTS %s.%I', '{schema}', v_seq);
+    END LOOP;
+    RETURN v_raised;
+END
 $$;
 
 -- Move up to p_limit messages that would keep an old generation's partitions from emptying into the

@@ -4,10 +4,12 @@
 -- name: claim_batch
 -- at-least-once claim of up to n ready messages under one lease, recorded in the batch ledger in the
 -- same statement; no payload leaves the database (the batch's reader fetches them by batch id).
--- Rows are named by (gen, ctid), as in reclaim_expired (queries/table.sql).
+-- Rows are named by (gen, ctid), as in reclaim_expired (queries/table.sql). The claim starts at the
+-- queue's floor, as table_take's (functions.sql).
 WITH picked AS (
     SELECT gen, ctid AS tid FROM {schema}.meta
     WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
+      AND process_at >= (SELECT {schema}.table_floor(%(queue_id)s::integer))
     ORDER BY priority DESC, process_at, id
     LIMIT %(n)s
     FOR UPDATE SKIP LOCKED
@@ -35,6 +37,7 @@ RETURNING batch_id, state, ids, deliveries, consumer, claimed_at, lease_until, f
 WITH picked AS (
     SELECT s.gen, s.ctid AS tid FROM {schema}.meta s
     WHERE s.queue_id = %(queue_id)s AND s.state = 0 AND s.process_at <= now()
+      AND s.process_at >= (SELECT {schema}.table_floor(%(queue_id)s::integer))
       AND NOT EXISTS (SELECT 1 FROM {schema}.meta_opt o
           WHERE o.queue_id = s.queue_id AND o.id = s.id
             AND ((%(expiring)s AND o.expires_at <= now())

@@ -214,6 +214,12 @@ SELECT
 -- generations into the one pushes write now (functions.sql's table_move_stragglers). Returns how many.
 SELECT {schema}.table_move_stragglers(%(n)s::integer)
 
+-- name: table_raise_floors
+-- Raise the floor of each table-design queue whose push lock is free now (functions.sql's
+-- table_raise_floors): the least process-at time of its ready, delayed and leased messages, below which
+-- the claims do not look. Returns how many were raised. In a transaction of its own.
+SELECT {schema}.table_raise_floors()
+
 -- name: table_partitions
 -- The partitions of the table design's meta, data and done with their sizes (heap and indexes), and
 -- whether pushes write that generation now.

@@ -91,6 +91,11 @@ VALUES (
 ON CONFLICT (name) DO NOTHING
 RETURNING queue_id
 
+-- name: table_make_floor
+-- A new table-design queue's floor sequence (functions.sql's table_make_floor), in the transaction that
+-- inserts its row.
+SELECT {schema}.table_make_floor(%(queue_id)s::integer)
+
 -- name: get_queue
 SELECT queue_id, name, design, payload_type, max_payload_bytes, max_attempts, visibility_timeout_s,
        retry_backoff_s, retry_backoff_max_s, notify, archive,

@@ -83,7 +83,9 @@ SELECT * FROM {schema}.table_ack_with(
 -- name: nack
 -- Return leased messages for another try after delay_s (NULL: the queue's exponential backoff,
 -- backoff_s * 2^(attempts - 1) capped at backoff_max_s), or to the failed state after max_attempts;
--- all or nothing, like ack.
+-- all or nothing, like ack. Never before the message's own process-at time, which was the earliest it
+-- could be leased (so a nack in a transaction older than the lease still keeps the queue's floor,
+-- table_floor in functions.sql: a raise counts leased messages, so their times are never below it).
 WITH held AS (
     SELECT h.gen, h.tid
     FROM unnest(%(ids)b::bigint[], %(deliveries)b::integer[]) AS r(id, delivery)
@@ -96,9 +98,9 @@ WITH held AS (
 UPDATE {schema}.meta m
 SET state = CASE WHEN m.attempts >= %(max_attempts)s THEN 2 ELSE 0 END,
     process_at = CASE WHEN m.attempts >= %(max_attempts)s THEN m.process_at
-                      ELSE now() + make_interval(secs => coalesce(%(delay_s)s::float8, least(
+                      ELSE greatest(m.process_at, now() + make_interval(secs => coalesce(%(delay_s)s::float8, least(
                           %(backoff_max_s)s::float8,
-                          %(backoff_s)s::float8 * power(2, greatest(m.attempts - 1, 0)))))
+                          %(backoff_s)s::float8 * power(2, greatest(m.attempts - 1, 0))))))
                       END,
     lease_until = NULL, consumer = NULL, last_error = %(error)s
 WHERE m.ctid = ANY (ARRAY(SELECT tid FROM held))
@@ -121,9 +123,9 @@ WITH held AS (
     UPDATE {schema}.meta m
     SET state = CASE WHEN m.attempts >= %(max_attempts)s THEN 2 ELSE 0 END,
         process_at = CASE WHEN m.attempts >= %(max_attempts)s THEN m.process_at
-                          ELSE now() + make_interval(secs => coalesce(%(delay_s)s::float8, least(
+                          ELSE greatest(m.process_at, now() + make_interval(secs => coalesce(%(delay_s)s::float8, least(
                               %(backoff_max_s)s::float8,
-                              %(backoff_s)s::float8 * power(2, greatest(m.attempts - 1, 0)))))
+                              %(backoff_s)s::float8 * power(2, greatest(m.attempts - 1, 0))))))
                           END,
         lease_until = NULL, consumer = NULL, last_error = %(error)s
     WHERE m.ctid = ANY (ARRAY(SELECT tid FROM held))
@@ -239,6 +241,7 @@ SELECT m.id, m.priority, m.attempts, m.deliveries, m.enqueued_at, m.lease_until,
        coalesce(m.payload, (SELECT d.payload FROM {schema}.data d WHERE d.id = m.id AND d.gen = m.gen)) AS payload
 FROM {schema}.meta m
 WHERE m.queue_id = %(queue_id)s AND m.state = 0 AND m.process_at <= now()
+  AND m.process_at >= (SELECT {schema}.table_floor(%(queue_id)s::integer))
   AND (NOT %(opts)s OR NOT EXISTS (SELECT 1 FROM {schema}.meta_opt o
       WHERE o.queue_id = m.queue_id AND o.id = m.id
         AND (o.expires_at <= now() OR (o.okey IS NOT NULL AND EXISTS (SELECT 1 FROM {schema}.meta_opt e
@@ -255,6 +258,7 @@ LIMIT %(n)s
 SELECT count(*) FROM (
     (SELECT 1 FROM {schema}.meta
      WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now() AND priority >= %(min_priority)s
+       AND process_at >= (SELECT {schema}.table_floor(%(queue_id)s::integer))
        AND (NOT %(opts)s OR NOT EXISTS (SELECT 1 FROM {schema}.meta_opt o
            WHERE o.queue_id = meta.queue_id AND o.id = meta.id
              AND (o.expires_at <= now() OR (o.okey IS NOT NULL AND EXISTS (SELECT 1 FROM {schema}.meta_opt e
@@ -300,14 +304,18 @@ LIMIT %(limit)s
 -- A requeued message is ready now, with its attempts reset and no time to live (one that failed by
 -- expiry would otherwise expire again at once): its meta_opt row, if any, gets the new process_at and
 -- loses its expiry.
+-- Its process-at time is not below the queue's floor, read with the queue's push lock taken shared
+-- (table_floor_locked in functions.sql): no raise of the floor comes before this transaction commits.
 WITH requeued AS (
     UPDATE {schema}.meta
-    SET state = 0, attempts = 0, process_at = now(), last_error = NULL
+    SET state = 0, attempts = 0, last_error = NULL,
+        process_at = greatest(now(), (SELECT {schema}.table_floor_locked(%(queue_id)s::integer)))
     WHERE queue_id = %(queue_id)s AND state = 2 AND (%(all)s OR id = ANY (%(ids)s::bigint[]))
-    RETURNING id
+    RETURNING id, process_at
 ), opt AS (
-    UPDATE {schema}.meta_opt o SET process_at = now(), expires_at = NULL
-    WHERE o.queue_id = %(queue_id)s AND o.id = ANY (ARRAY(SELECT id FROM requeued))
+    UPDATE {schema}.meta_opt o SET process_at = r.process_at, expires_at = NULL
+    FROM requeued r
+    WHERE o.queue_id = %(queue_id)s AND o.id = r.id
 )
 SELECT id FROM requeued
 
@@ -339,7 +347,7 @@ SELECT r.ready, h.id AS head_id, h.deliveries AS head_deliveries
 FROM (SELECT count(*) AS ready FROM (
         (SELECT 1 FROM {schema}.meta
          WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
-           AND priority >= %(min_priority)s
+           AND priority >= %(min_priority)s AND process_at >= (SELECT {schema}.table_floor(%(queue_id)s::integer))
            AND (NOT %(opts)s OR NOT EXISTS (SELECT 1 FROM {schema}.meta_opt o
                WHERE o.queue_id = meta.queue_id AND o.id = meta.id
                  AND (o.expires_at <= now() OR (o.okey IS NOT NULL AND EXISTS (SELECT 1 FROM {schema}.meta_opt e
@@ -359,6 +367,7 @@ LEFT JOIN LATERAL (
     SELECT c.id, c.deliveries FROM (
         (SELECT id, deliveries, priority, process_at FROM {schema}.meta
          WHERE queue_id = %(queue_id)s AND state = 0 AND process_at <= now()
+           AND process_at >= (SELECT {schema}.table_floor(%(queue_id)s::integer))
            AND (NOT %(opts)s OR NOT EXISTS (SELECT 1 FROM {schema}.meta_opt o
                WHERE o.queue_id = meta.queue_id AND o.id = meta.id
                  AND (o.expires_at <= now() OR (o.okey IS NOT NULL AND EXISTS (SELECT 1 FROM {schema}.meta_opt e
