@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,8 @@ pytestmark = pytest.mark.integration
 WAITERS_PY = Path(__file__).resolve().parents[2] / "benchmarks" / "waiters.py"
 
 
-def test_a_short_run_delivers_every_message_once(pg_dsn: str) -> None:
+def _run(pg_dsn: str, *args: str) -> list[dict[str, Any]]:
+    """waiters.py's JSON rows for a 1 s point of 1 and 4 waiters on the given server."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -33,6 +35,7 @@ def test_a_short_run_delivers_every_message_once(pg_dsn: str) -> None:
             "--settle",
             "0.5",
             "--json",
+            *args,
         ],
         capture_output=True,
         text=True,
@@ -41,43 +44,35 @@ def test_a_short_run_delivers_every_message_once(pg_dsn: str) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert {(r["mode"], r["waiters"], r["design"]) for r in rows} == {
-        (mode, w, side) for mode in ("threads", "processes") for w in (1, 4) for side in ("table", "naive")
-    }
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+def _every_message_once(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         assert r["pushed"] == r["delivered"] == 50 and r["checksum_ok"], r
         assert (r["lost"], r["duplicated"], r["errors"]) == (0, 0, {}), r
         assert r["stops_taken"] == r["waiters"]
+
+
+def test_a_short_run_delivers_every_message_once(pg_dsn: str) -> None:
+    rows = _run(pg_dsn)
+    assert {(r["mode"], r["waiters"], r["design"]) for r in rows} == {
+        (mode, w, side) for mode in ("threads", "processes") for w in (1, 4) for side in ("table", "naive")
+    }
+    _every_message_once(rows)
+    for r in rows:
         assert r["server_cpu_s"] is None  # a given server: its processes are not the benchmark's
 
 
 @pytest.mark.parametrize("design", ["ring", "ring-rows"])
 def test_a_short_run_of_a_ring_delivers_every_message_once(pg_dsn: str, design: str) -> None:
     """The ring's layouts by run.py's names: ``ring`` the slots layout, ``ring-rows`` the rows layout."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(WAITERS_PY),
-            *("--design", design, "--waiters", "1", "4", "--mode", "threads", "processes"),
-            *("--seconds", "1", "--settle", "0.5", "--no-naive", "--json"),
-        ],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, DBQUEUE_TEST_DSN=pg_dsn),
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    rows = _run(pg_dsn, "--design", design, "--mode", "threads", "processes", "--no-naive")
     assert {(r["mode"], r["waiters"], r["design"]) for r in rows} == {
         (mode, w, design) for mode in ("threads", "processes") for w in (1, 4)
     }
     assert {r["layout"] for r in rows} == {"slots" if design == "ring" else "rows"}
-    for r in rows:
-        assert r["pushed"] == r["delivered"] == 50 and r["checksum_ok"], r
-        assert (r["lost"], r["duplicated"], r["errors"]) == (0, 0, {}), r
-        assert r["stops_taken"] == r["waiters"]
+    _every_message_once(rows)
 
 
 def test_the_check_fails_on_a_lost_duplicated_or_changed_message() -> None:
