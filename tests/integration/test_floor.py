@@ -345,3 +345,28 @@ def test_once_the_floor_is_raised_a_claim_reads_no_entry_of_the_messages_popped_
     assert max(reads["after"]) <= 250, reads
     out += [m.payload for m in drain(q)]
     assert len(out) == len(payloads) and checksum(out) == checksum(payloads)
+
+
+def test_a_raise_drops_a_dropped_queues_floor_and_no_sequence_of_someone_elses(
+    dbq: DbQueue, pg_dsn: str
+) -> None:
+    """A raise drops the floor sequence of a queue dropped since, and leaves a sequence of the same kind
+    of name that someone else made in the schema (not the engine's: not owned by queues.queue_id)."""
+    q = dbq.create_queue("floor_dropped", archive=False)
+    mine = f"table_floor_{q.settings.queue_id}"
+    theirs = "table_floor_999999"
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(sql.SQL("CREATE SEQUENCE {}.{}").format(sql.Identifier(dbq.schema), sql.Identifier(theirs)))
+    assert dbq.drop_queue("floor_dropped") is True
+    raise_floors(dbq)
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        left = {
+            r[0]
+            for r in c.execute(
+                "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+                "WHERE n.nspname = %s AND c.relname IN (%s, %s)",
+                [dbq.schema, mine, theirs],
+            )
+        }
+        c.execute(sql.SQL("DROP SEQUENCE {}.{}").format(sql.Identifier(dbq.schema), sql.Identifier(theirs)))
+    assert left == {theirs}

@@ -879,6 +879,11 @@ BEGIN
         SELECT c.relname FROM pg_class c
         WHERE c.relnamespace = '{schema}'::regnamespace AND c.relkind = 'S' AND c.relname LIKE 'table\_floor\_%'
           AND NOT EXISTS (SELECT 1 FROM {schema}.queues x WHERE 'table_floor_' || x.queue_id = c.relname)
+          -- only the engine's own: made OWNED BY queues.queue_id (table_make_floor), not a sequence of
+          -- someone else's that happens to be named so in this schema
+          AND EXISTS (SELECT 1 FROM pg_depend d
+                      WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid AND d.deptype = 'a'
+                        AND d.refclassid = 'pg_class'::regclass AND d.refobjid = '{schema}.queues'::regclass)
     LOOP
         EXECUTE format('DROP SEQUENCE IF EXISTS %s.%I', '{schema}', v_seq);
     END LOOP;
