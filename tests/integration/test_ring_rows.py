@@ -294,8 +294,9 @@ with DbQueue(sys.argv[1], schema=sys.argv[2]) as dbq:
 
 def test_redelivery_after_a_consumer_killed_mid_lease(dbq: DbQueue) -> None:
     """A consumer process pops 30 messages at least once and is killed with SIGKILL before it acks: once
-    their lease ends, a pop reclaims them and they come out again (attempt 2) in id order, before the
-    messages never delivered; every message is acked once, counted and checksummed."""
+    their lease ends, readiness counts them at once (before any reclaim), a pop reclaims them and they
+    come out again (attempt 2) in id order, before the messages never delivered; every message is acked
+    once, counted and checksummed."""
     q = rows_ring(dbq, capacity=64, lanes=4)
     sent = [{"i": i, "pad": "p" * (i % 7)} for i in range(100)]
     ids = q.push_batch(sent[:50]) + q.push_batch(sent[50:])
@@ -314,6 +315,12 @@ def test_redelivery_after_a_consumer_killed_mid_lease(dbq: DbQueue) -> None:
         proc.kill()
         proc.wait(30)
     time.sleep(1.2)
+    # Nothing reclaimed the lease yet (no pop, no maintenance): what observers wait on counts its 30
+    # messages at once, the head the first of them, delivered once; stats and peek show them in flight.
+    assert q.readiness() == (100, (ids[0], 1)) and q.count_ready() == 100 and q.count_ready(cap=40) == 40
+    s = q.stats()
+    assert (s.ready, s.in_flight) == (70, 30)
+    assert [m.receipt for m in q.peek(2)] == [(ids[30], 0), (ids[31], 0)]
     acked: list[Any] = []
     first = q.pop(40, semantics="at-least-once")
     assert [m.id for m in first[:30]] == leased and all(m.attempts == 2 for m in first[:30])
@@ -886,6 +893,31 @@ def test_a_ring_made_before_the_pop_of_one_function_pops_one_by_the_general_path
     got += [m.payload for m in leased] + [p for _ in range(10) for p in old.pop_payloads(1)]
     assert got == sent
     assert old.pop(1) == []
+
+
+def test_a_ring_made_before_its_readiness_functions_is_observed_as_before(dbq: DbQueue) -> None:
+    """A ring (and a group of it) whose functions were made by a build without ``look`` and ``ready``
+    (dropped here to make one) is still peeked, with each message's attempts and deliveries so far, and
+    observed: readiness counts what its ``depth`` counts ready (a lease past its end once reclaimed),
+    its head the first message peek shows. Every message is taken once, counted and checksummed."""
+    q = rows_ring(dbq, "old", capacity=64, lanes=2, retry_backoff=0)
+    g = q.add_group("g", start="earliest")  # type: ignore[attr-defined]
+    sent = [{"i": i} for i in range(6)]
+    ids = q.push_batch(sent[:3]) + q.push_batch(sent[3:])
+    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+        for own in (q._own(), g._own()):  # type: ignore[attr-defined]
+            c.execute(f'DROP FUNCTION "{dbq.schema}".{own}look, "{dbq.schema}".{own}ready')
+    old = dbq.queue("old")
+    for h in (old, old.group("g")):  # type: ignore[attr-defined]
+        assert [m.receipt for m in h.peek(10)] == [(i, 0) for i in ids]
+        assert h.readiness() == (6, (ids[0], 0)) and h.count_ready(cap=4) == 4
+        [m] = h.pop(1, semantics="at-least-once")
+        assert h.nack([m], delay=0) == 1
+        assert [(x.id, x.attempts, x.delivery) for x in h.peek(2)] == [(ids[0], 1, 1), (ids[1], 0, 0)]
+        assert h.readiness() == (6, (ids[0], 1))
+        got = drain(h)
+        assert sorted(x.id for x in got) == ids and checksum(x.payload for x in got) == checksum(sent)
+        assert h.readiness() == (0, None) and h.peek() == []
 
 
 def test_held_horizon_batches_write_no_dead_tuple(dbq: DbQueue) -> None:  # noqa: PLR0915
