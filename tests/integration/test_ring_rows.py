@@ -8,6 +8,7 @@ groups are tested with the slots layout's, by the same tests (``test_ring_groups
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -32,6 +34,8 @@ from airflow_dbqueue.engine import (
 from tests.helpers import checksum, held_horizon
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from airflow_dbqueue.engine import Queue
 
 pytestmark = pytest.mark.integration
@@ -992,3 +996,80 @@ def test_held_horizon_batches_write_no_dead_tuple(dbq: DbQueue) -> None:  # noqa
     assert "q0" not in counts["g"]  # the group reads the ring's segments: it has none of its own
     assert rows.stats().extra["segment_generations"] != [0, 1, 2, 3]  # the segments rotated
     assert ledger["batches"][1] > 0, ledger
+
+
+@contextlib.contextmanager
+def segment_reads_wait(dbq: DbQueue, q: Queue, key: int) -> Iterator[tuple[psycopg.Connection[Any], str]]:
+    """A hook of the test's own, in the middle of a statement of the ring's: a login role granted pop on
+    ring ``q``, whose every read of the ring's first segment table waits (a row-level security policy,
+    under which a role that is not the owner reads) while the advisory lock ``key`` is held. Yields an
+    autocommit connection of the owner's (to hold the lock) and the role; undoes it all on exit."""
+    role, hook = f"dbq_role_{uuid.uuid4().hex[:8]}", f"dbq_hook_{uuid.uuid4().hex[:8]}"
+    table = f'"{dbq.schema}".ring_{q.settings.queue_id}_rq0'
+    admin = psycopg.connect(dbq.db.dsn, autocommit=True)
+    try:
+        admin.execute(f'CREATE ROLE "{role}" LOGIN')
+        dbq.grant(role, q.name, ["pop"])
+        admin.execute(f'CREATE SCHEMA "{hook}"')
+        admin.execute(f'GRANT USAGE ON SCHEMA "{hook}" TO "{role}"')
+        admin.execute(
+            f'CREATE FUNCTION "{hook}".wait() RETURNS boolean LANGUAGE plpgsql AS $$ BEGIN '
+            f"PERFORM pg_advisory_lock_shared({key}); PERFORM pg_advisory_unlock_shared({key}); "
+            "RETURN true; END $$"
+        )
+        admin.execute(f'CREATE POLICY hook ON {table} FOR SELECT USING ("{hook}".wait())')
+        admin.execute(f"ALTER TABLE {table} ENABLE ROW LEVEL SECURITY")
+        yield admin, role
+    finally:
+        admin.execute("SELECT pg_advisory_unlock_all()")
+        admin.execute(f"DROP POLICY IF EXISTS hook ON {table}")
+        admin.execute(f"ALTER TABLE {table} DISABLE ROW LEVEL SECURITY")
+        admin.execute(f'DROP SCHEMA IF EXISTS "{hook}" CASCADE')
+        admin.execute(f'DROP OWNED BY "{role}"')
+        admin.execute(f'DROP ROLE IF EXISTS "{role}"')
+        admin.close()
+
+
+def test_a_pop_of_one_whose_lane_moved_between_its_read_and_its_lock_takes_the_lanes_next_message(
+    dbq: DbQueue,
+) -> None:
+    """The pop of one (``rtake1``) reads the lanes' positions, then try-locks the lane it picked, in one
+    statement: another pop may take that lane's message and commit in between, so the statement after
+    the lock checks that the lane's position is still the one read, and takes nothing otherwise (the
+    general pop then takes the lane's next message). Made to happen here by :func:`segment_reads_wait`:
+    a role's pop reads the position, then waits (reading the lane's row) while the owner's pop takes the
+    lane's message, then locks the lane. Each message is taken once, counted and checksummed."""
+    q = rows_ring(dbq, "raced", capacity=64, lanes=1)
+    sent = [{"i": i} for i in range(3)]
+    ids = [q.push_batch([p])[0] for p in sent]  # a row each, all in the one lane
+    key = 4242_4242
+    got: dict[str, list[Any]] = {}
+    errors: list[BaseException] = []
+    with segment_reads_wait(dbq, q, key) as (admin, role):
+        admin.execute("SELECT pg_advisory_lock(%s)", (key,))  # the role's reads of the segment wait
+        with DbQueue(psycopg.conninfo.make_conninfo(dbq.db.dsn, user=role), schema=dbq.schema) as theirs:
+            mine = theirs.queue("raced")
+
+            def pop_as_role() -> None:
+                try:
+                    got["role"] = mine.pop(1)
+                except BaseException as exc:  # reported by the main thread
+                    errors.append(exc)
+
+            t = threading.Thread(target=pop_as_role)
+            t.start()
+            deadline = time.monotonic() + 30
+            waiting = "SELECT count(*) FROM pg_stat_activity WHERE usename = %s AND wait_event = 'advisory'"
+            while admin.execute(waiting, (role,)).fetchone() != (1,):
+                assert time.monotonic() < deadline and t.is_alive(), errors
+                time.sleep(0.01)
+            got["owner"] = q.pop(1)  # the owner's pop takes the lane's message meanwhile
+            admin.execute("SELECT pg_advisory_unlock(%s)", (key,))
+            t.join(30)
+            assert not errors and not t.is_alive(), errors
+    assert [m.id for m in got["owner"]] == ids[:1]
+    assert [m.id for m in got["role"]] == ids[1:2]  # the lane's next message, not the owner's again
+    rest = drain(q)
+    assert [m.id for m in rest] == ids[2:]
+    taken = got["owner"] + got["role"] + rest
+    assert checksum(m.payload for m in taken) == checksum(sent) and q.stats().ready == 0
