@@ -3785,6 +3785,14 @@ $$;
 CREATE OR REPLACE FUNCTION {schema}.ring_rows_drop(p_queue_id integer)
 RETURNS void LANGUAGE plpgsql AS $$
 BEGIN
+    -- The readers that reach the ring's own objects through ring_rows_look, ring_rows_ready and
+    -- ring_rows_counts take this lock shared before any of them, and a drop takes it (the ring's and
+    -- each group's) before its first DDL: a reader then either ran before the drop, or waits for it and
+    -- finds the ring gone, and never holds one of the ring's tables while it waits for another that the
+    -- drop holds (the cycle that the drop's retries under a short lock_timeout cannot always break
+    -- while readers keep coming). An advisory lock writes nothing.
+    PERFORM pg_advisory_xact_lock(hashtext('dbqueue.rows.drop.{schema}'), p_queue_id);
+    PERFORM pg_advisory_xact_lock(hashtext('dbqueue.rows.drop.{schema}'), g.gid) FROM {schema}.ring_groups g WHERE g.queue_id = p_queue_id;
     DELETE FROM {schema}.ring_rows WHERE queue_id = p_queue_id;
     IF NOT FOUND THEN
         RETURN;
@@ -3978,6 +3986,7 @@ BEGIN
                    WHERE c.relnamespace = '{schema}'::regnamespace AND left(c.relname, length(v_p)) = v_p) THEN
         RETURN;
     END IF;
+    PERFORM pg_advisory_xact_lock(hashtext('dbqueue.rows.drop.{schema}'), p_gid);  -- as ring_rows_drop's
     PERFORM {schema}.ring_rows_groups_lock(p_queue_id);
     PERFORM {schema}.ring_rows_drop_own(ARRAY[v_p]);
 END
@@ -4105,6 +4114,7 @@ LANGUAGE plpgsql AS $$
 DECLARE
     v_own text := '{schema}.' || {schema}.ring_rows_own(p_queue_id);
 BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtext('dbqueue.rows.drop.{schema}'), p_queue_id);  -- before any of its objects: ring_rows_drop
     IF to_regprocedure(v_own || 'look(integer)') IS NOT NULL THEN
         RETURN QUERY EXECUTE 'SELECT * FROM ' || v_own || 'look($1)' USING p_n;
         RETURN;
@@ -4127,6 +4137,7 @@ LANGUAGE plpgsql AS $$
 DECLARE
     v_own text := '{schema}.' || {schema}.ring_rows_own(p_queue_id);
 BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtext('dbqueue.rows.drop.{schema}'), p_queue_id);  -- before any of its objects: ring_rows_drop
     IF to_regprocedure(v_own || 'ready(bigint,integer)') IS NOT NULL THEN
         EXECUTE 'SELECT * FROM ' || v_own || 'ready($1, $2)' INTO r_ready, r_head_id, r_head_deliveries
             USING p_cap, p_max_attempts;
@@ -4211,6 +4222,7 @@ DECLARE
     v_fn text := '{schema}.' || {schema}.ring_rows_own(p_queue_id) || 'depth';
     v_args text[] := (SELECT p.proargnames FROM pg_catalog.pg_proc p WHERE p.oid = to_regprocedure(v_fn || '()'));
 BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtext('dbqueue.rows.drop.{schema}'), p_queue_id);  -- before any of its objects: ring_rows_drop
     EXECUTE 'SELECT r_ready, r_delayed, r_in_flight, r_failed, r_oldest, r_rows, r_gens, '
         || CASE WHEN 'r_expired' = ANY (v_args) THEN 'r_expired, r_lapsed' ELSE 'NULL::bigint, NULL::bigint' END
         || ', ' || CASE WHEN 'r_pushed' = ANY (v_args) THEN 'r_pushed' ELSE 'NULL::bigint' END
