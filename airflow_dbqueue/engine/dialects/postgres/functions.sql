@@ -788,14 +788,27 @@ $$;
 -- Make the floor sequence of table-design queue p_queue_id (table_floor), unset (no floor yet), unless it
 -- exists: create_queue calls it in the transaction that inserts the queue's row, so the sequence is there
 -- before any push can name the queue (a queue of an install before the floor gets its sequence from
--- table_raise_floors). Security definer: a role that may create queues needs no right to create objects
--- in the schema; its search_path pinned.
+-- table_raise_floors). A relation of that name that is not the engine's (not a sequence owned by
+-- queues.queue_id, as the one made here is) is refused with DQ006 (ForeignObjectsError), and the
+-- queue's creation with it: table_floor would read it as the queue's floor, and a raise would set it.
+-- Security definer: a role that may create queues needs no right to create objects in the schema; its
+-- search_path pinned.
 CREATE OR REPLACE FUNCTION {schema}.table_make_floor(p_queue_id integer) RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    v_rel regclass := to_regclass('{schema}.table_floor_' || p_queue_id);
 BEGIN
-    IF to_regclass('{schema}.table_floor_' || p_queue_id) IS NULL THEN
+    IF v_rel IS NULL THEN
         EXECUTE format('CREATE SEQUENCE %s.%I AS bigint MINVALUE %s OWNED BY %s.queues.queue_id',
                        '{schema}', 'table_floor_' || p_queue_id, -9223372036854775807, '{schema}');
+    ELSIF NOT EXISTS (SELECT 1 FROM pg_class c JOIN pg_depend d ON d.objid = c.oid
+                      WHERE c.oid = v_rel AND c.relkind = 'S'
+                        AND d.classid = 'pg_class'::regclass AND d.deptype = 'a'
+                        AND d.refclassid = 'pg_class'::regclass AND d.refobjid = '{schema}.queues'::regclass) THEN
+        RAISE EXCEPTION 'the schema holds a relation named % that the engine did not make', v_rel
+            USING ERRCODE = 'DQ006',
+                  DETAIL = format('%s would be read as the floor of queue %s: drop or rename it, then create '
+                                  'the queue again', v_rel, p_queue_id);
     END IF;
 END
 $$;
