@@ -49,7 +49,7 @@ $$;
 -- its notification after the INSERT (as an expression, when the INSERT wrote rows), so that it is the
 -- same INSERT whatever p_notify says: with its rows' ids numbered by unnest() rather than by a
 -- materialized input, and no statement of its own for the queue's row, a push of 100 with notify 1 cost
--- about 1,900 fewer server instructions a message, a push of one about 42,000 fewer (cachegrind). The
+-- about 2,100 fewer server instructions a message, a push of one about 50,000 fewer (cachegrind). The
 -- check of 1 looks for the newest ready message of the queue in the generation pushes write now (one
 -- partition, pruned at run time), walking meta_ready_idx backwards from its newest entry. Pops take the
 -- oldest messages and leave their index entries at the other end until a VACUUM or the partition's
