@@ -3,6 +3,7 @@
 
     python benchmarks/instructions.py [--design ring ring-rows table] [--batch 1 100 1000] [--json]
         [--client] [--semantics at-least-once [--archive]] [--hold no|yes|both] [--rows-capacity N]
+        [--notify never|auto|always]
 
 ``run.py`` and ``cost.py`` time what they measure, so on a shared machine their figures move with
 whatever else runs (runs of 10 s vary by 15% here). This counts instead: it starts a throwaway
@@ -20,6 +21,10 @@ work is counted: parse, plan, execute and commit, with its WAL insertion and flu
 writer, the checkpointer or the client. Autovacuum is off, so that no background worker runs meanwhile
 (the naive queue's dead rows cost it nothing here that VACUUM would later do). Every pop session's
 payloads are counted and checksummed against what its push session sent, as ``cost.py`` does.
+
+The queues are created with ``notify="never"`` unless ``--notify`` says ``auto`` (the engine's default:
+a push asks whether the queue had a ready message before it, and notifies when it had none) or
+``always``; the naive queue never notifies.
 
 With ``--semantics at-least-once`` a pop session acks each pop after it (the ``pop`` side counts both),
 and the reference is PGMQ's statements instead (``run.py --pgmq``'s: a read that sets the visibility
@@ -612,7 +617,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             capacity=max(1024, 8 * calls * batch),
                             payload_type="bytes",
                             max_payload_bytes=max(args.payload_bytes, 16),
-                            notify="never",
+                            notify=args.notify,
                         )
                     elif design == RING_ROWS:
                         # capacity counts pushes: every push of the warm-up's and the two counted
@@ -625,14 +630,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             capacity=args.rows_capacity or max(64, 32 * calls),
                             payload_type="bytes",
                             max_payload_bytes=max(args.payload_bytes, 16),
-                            notify="never",
+                            notify=args.notify,
                             **QUEUE_OPTIONS[feature],
                         )
                     else:
                         dbq.create_queue(
                             QUEUE,
                             payload_type="bytes",
-                            notify="never",
+                            notify=args.notify,
                             archive=args.archive,
                             **QUEUE_OPTIONS[feature],
                         )
@@ -701,6 +706,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         # the reference's figures are under naive_*, whichever it is
                         "reference": ref_name,
                         "pooler": args.pooler,
+                        "notify": args.notify,
                         **{f"{s}_instructions": round(got[s]) for s in SIDES},
                         **{f"naive_{s}_instructions": round(ref[s]) for s in SIDES},
                         "cycle_instructions": round(got["push"] + got["pop"]),
@@ -733,7 +739,9 @@ def table(results: list[dict[str, Any]]) -> str:
     ref = first.get("reference", "naive")
     lines = [
         f"server instructions a message (backend only; cachegrind), {first.get('semantics')}"
-        f"{', archive' if first.get('archive') else ''}, {first.get('payload_bytes')}-byte payloads"
+        f"{', archive' if first.get('archive') else ''}"
+        f"{', notify ' + str(first['notify']) if first.get('notify', 'never') != 'never' else ''}"
+        f", {first.get('payload_bytes')}-byte payloads"
         + (" (pop: a pop and its ack)" if first.get("semantics") == "at-least-once" else "")
         if results
         else "",
@@ -789,6 +797,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="at most once, the engine pops with pop_payloads (default) or with pop, which builds messages; "
         "claim (with --semantics at-least-once): it claims batches, reads each by leased() and acks it "
         "with ack_batch (the reference still reads and deletes)",
+    )
+    ap.add_argument(
+        "--notify",
+        choices=("never", "auto", "always"),
+        default="never",
+        help="every design's queue is created with this notify setting (default never; the engine's "
+        "default is auto: a push asks whether the queue had a ready message, and notifies when not)",
     )
     ap.add_argument(
         "--pooler",

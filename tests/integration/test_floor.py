@@ -18,7 +18,7 @@ import pytest
 from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue
-from airflow_dbqueue.engine.errors import LeaseExpiredError
+from airflow_dbqueue.engine.errors import ForeignObjectsError, LeaseExpiredError, QueueNotFoundError
 from tests.helpers import checksum, held_horizon
 from tests.integration.test_conformance import drain
 from tests.integration.test_plans import scans
@@ -370,3 +370,51 @@ def test_a_raise_drops_a_dropped_queues_floor_and_no_sequence_of_someone_elses(
         }
         c.execute(sql.SQL("DROP SEQUENCE {}.{}").format(sql.Identifier(dbq.schema), sql.Identifier(theirs)))
     assert left == {theirs}
+
+
+@pytest.mark.parametrize("kind", ["SEQUENCE", "TABLE"])
+def test_a_queue_is_not_created_over_a_relation_of_someone_elses_named_like_its_floor(
+    dbq: DbQueue, pg_dsn: str, kind: str
+) -> None:
+    """create_queue refuses, with ForeignObjectsError and no queue made, when the schema holds a relation
+    of someone else's named like the new queue's floor sequence (table_floor_<queue_id>, not owned by
+    queues.queue_id): the queue's pushes and claims would read it as the floor, and a raise would set it.
+    The relation is left as it was; once it is gone, the queue is created with a floor of its own."""
+    schema = sql.Identifier(dbq.schema)
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        row = c.execute(
+            "SELECT coalesce(s.last_value + s.increment_by, s.start_value) FROM pg_sequences s "
+            "WHERE s.schemaname = %s AND s.sequencename = "
+            "split_part(pg_get_serial_sequence(%s, 'queue_id'), '.', 2)",
+            [dbq.schema, f'"{dbq.schema}".queues'],
+        ).fetchone()
+        assert row is not None and row[0] is not None
+        theirs = f"table_floor_{row[0]}"  # the name the next queue's floor would take
+        if kind == "SEQUENCE":
+            c.execute(sql.SQL("CREATE SEQUENCE {}.{}").format(schema, sql.Identifier(theirs)))
+            c.execute(sql.SQL("SELECT setval({}, 42)").format(sql.Literal(f'"{dbq.schema}".{theirs}')))
+        else:
+            c.execute(sql.SQL("CREATE TABLE {}.{} (x integer)").format(schema, sql.Identifier(theirs)))
+            c.execute(sql.SQL("INSERT INTO {}.{} VALUES (42)").format(schema, sql.Identifier(theirs)))
+    with pytest.raises(ForeignObjectsError, match=theirs):
+        dbq.create_queue("floor_foreign")
+    assert "floor_foreign" not in {s.name for s in dbq.list_queues()}
+    with pytest.raises(QueueNotFoundError):
+        dbq.queue("floor_foreign")
+    read = "SELECT last_value FROM {}.{}" if kind == "SEQUENCE" else "SELECT x FROM {}.{}"
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        assert c.execute(sql.SQL(read).format(schema, sql.Identifier(theirs))).fetchall() == [(42,)]
+        c.execute(sql.SQL("DROP {} {}.{}").format(sql.SQL(kind), schema, sql.Identifier(theirs)))
+    q = dbq.create_queue("floor_foreign", archive=False)
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        owned = c.execute(
+            "SELECT count(*) FROM pg_depend d WHERE d.objid = to_regclass(%s) AND d.deptype = 'a' "
+            "AND d.refobjid = to_regclass(%s)",
+            [f'"{dbq.schema}".table_floor_{q.settings.queue_id}', f'"{dbq.schema}".queues'],
+        ).fetchone()
+    assert owned == (1,)
+    sent = [{"n": i} for i in range(10)]
+    q.push_batch(sent)
+    got = [m.payload for m in drain(q)]
+    assert len(got) == len(sent) and checksum(got) == checksum(sent)
+    assert dbq.drop_queue("floor_foreign") is True

@@ -217,3 +217,15 @@ def test_hold_and_rows_capacity_arguments() -> None:
     for bad in (["--rows-capacity", "60"], ["--rows-capacity", "66"], ["--hold", "maybe"]):
         with pytest.raises(SystemExit):
             instructions.parse_args(bad)
+
+
+def test_short_run_counts_the_table_design_with_the_engines_default_notify() -> None:
+    """--notify creates the queues with that setting (never unless told; the engine's default is auto):
+    a run at auto counts every side and says so in its row."""
+    instructions = load_benchmark("instructions")
+    assert instructions.parse_args([]).notify == "never"
+    with pytest.raises(SystemExit):
+        instructions.parse_args(["--notify", "sometimes"])
+    [r] = counted("--design", "table", "--calls", "2", "--notify", "auto")
+    assert r["notify"] == "auto", r
+    assert_every_side_counted(r)

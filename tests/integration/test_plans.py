@@ -479,6 +479,61 @@ def test_a_notify_auto_push_reads_as_many_ready_entries_however_many_were_popped
     assert checksum(got) == checksum([*payloads, {"more": 100}, {"more": 30000}, {"last": True}])
 
 
+@pytest.mark.parametrize("options", [{}, {"ttl": 3600.0}], ids=["plain", "ttl"])
+def test_a_notify_auto_push_into_a_drained_queue_reads_no_entry_below_its_floor(
+    dbq: DbQueue, pg_dsn: str, options: dict[str, Any]
+) -> None:
+    """A push with notify="auto" into a queue whose messages were all popped (under a held xmin horizon,
+    so that none of their index entries can be removed or marked dead) walks the entries popped in the
+    generation pushes write now, finding no ready message, and notifies; once the floor was raised past
+    them, it reads none of them, and still notifies. A push into the queue with a message ready sends
+    none. The same with a time to live (the push with options). Every message comes out once."""
+    from tests.helpers import held_horizon
+
+    q = dbq.create_queue("auto_floor_" + ("ttl" if options else "plain"), notify="auto", **options)
+    gen = 0
+    sent: list[Any] = []
+    hold = held_horizon(pg_dsn)
+    listener = psycopg.connect(pg_dsn, autocommit=True)
+    try:
+        # at least 2,000 of the popped messages in the generation the next push writes (ids move through
+        # the generations 16,384 at a time: a batch may have just crossed into the next one)
+        while True:
+            batch = [{"i": len(sent) + i} for i in range(3000)]
+            ids = q.push_batch(batch)
+            sent += batch
+            gen = (ids[-1] >> 14) & 7
+            if sum(1 for i in ids if (i >> 14) & 7 == gen) >= 2000:
+                break
+        out = [m.payload for m in drain(q)]
+        listener.execute(f'LISTEN "{q.channel}"')
+        reads = []
+        notified = []
+        with dbq.db.connection() as c:
+            for step in ("drained", "floor raised", "one waiting"):
+                if step == "floor raised":
+                    out += [m.payload for m in drain(q)]
+                    row = dbq.db.fetchone("table_raise_floors", conn=c)  # type: ignore[attr-defined]
+                    assert row is not None and row[0] >= 1
+                if step == "one waiting":
+                    more: dict[str, Any] = {"step": "ready"}
+                    q.push(more, conn=c)
+                    sent.append(more)
+                    list(listener.notifies(timeout=2, stop_after=1))
+                message = {"step": step}
+                sent.append(message)
+                read = scans(c, dbq.schema, lambda message=message: q.push(message, conn=c))
+                reads.append(read["meta_ready_idx"][1])
+                notified.append([n.channel for n in listener.notifies(timeout=2, stop_after=1)])
+    finally:
+        hold.close()
+        listener.close()
+    out += [m.payload for m in drain(q)]
+    assert notified == [[q.channel], [q.channel], []], notified
+    assert reads[0] >= 2000 and reads[1] <= 2 and reads[2] <= 2, reads
+    assert len(out) == len(sent) and checksum(out) == checksum(sent)
+
+
 @pytest.mark.parametrize("where", ["", "WHERE b.ord >= 2001 AND b.ord < 4001"])
 def test_a_ring_batchs_reader_reads_each_slot_of_its_range_at_most_once(dbq: DbQueue, where: str) -> None:
     """A ring batch's query, whole or as one partition of Spark's JDBC reader (a filter on ord, which

@@ -15,6 +15,7 @@ from airflow_dbqueue.engine.errors import (
     DatabaseUnavailableError,
     DbQueueError,
     DeadlockError,
+    ForeignObjectsError,
     LockTimeoutError,
     LoginError,
     PermissionDeniedError,
@@ -36,6 +37,7 @@ _RAISED_BY_FUNCTIONS: dict[str, type[DbQueueError]] = {
     "DQ002": RingNumbersSkippedError,
     "DQ003": ConfigurationError,
     "DQ005": ReceiptsNotHeldError,
+    "DQ006": ForeignObjectsError,
 }
 
 

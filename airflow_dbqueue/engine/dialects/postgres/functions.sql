@@ -44,18 +44,25 @@ $$;
 -- meta and data rows from a materialized, numbered input and sorts the ids back into payload order:
 -- at 100 payloads a message that form cost the server about 4,000 more instructions than the single
 -- INSERT (cachegrind).
--- p_notify: 0 never, 1 when the queue had no ready message before (the statement's one snapshot does not
--- see this push's own rows), 2 always. The check of 1 looks for the newest ready message of the queue in
--- the generation pushes write now (one partition, pruned at run time), walking meta_ready_idx backwards
--- from its newest entry. Pops take the oldest messages and leave their index entries at the other end
--- until a VACUUM or the partition's TRUNCATE removes them, so with messages waiting the walk stops at
--- the first entry, however many were popped since (walked forwards, from the oldest entry, it passed
--- every one of them). Only when no message of the queue is waiting in the partition does it pass the
--- entries popped there, as a pop of the empty queue does. It may only err towards notifying: when the
--- queue's ready messages are all in older generations (a queue pushed rarely while ids move on), the
--- push notifies as if the queue had none, a wake-up that finds messages; when it finds one, the queue
--- had a ready message, as before. Delayed messages of the queue in the partition are passed over one by
--- one on a server without skip scans (PostgreSQL 17 and older).
+-- p_notify: 0 never, 1 when the queue had no ready message before (asked before the INSERT, or in the
+-- same statement, whose one snapshot does not see this push's own rows), 2 always. The usual push sends
+-- its notification after the INSERT (as an expression, when the INSERT wrote rows), so that it is the
+-- same INSERT whatever p_notify says: with its rows' ids numbered by unnest() rather than by a
+-- materialized input, and no statement of its own for the queue's row, a push of 100 with notify 1 cost
+-- about 2,100 fewer server instructions a message, a push of one about 50,000 fewer (cachegrind). The
+-- check of 1 looks for the newest ready message of the queue in the generation pushes write now (one
+-- partition, pruned at run time), walking meta_ready_idx backwards from its newest entry. Pops take the
+-- oldest messages and leave their index entries at the other end until a VACUUM or the partition's
+-- TRUNCATE removes them, so with messages waiting the walk stops at the first entry, however many were
+-- popped since (walked forwards, from the oldest entry, it passed every one of them). Only when no
+-- message of the queue is waiting in the partition does it pass the entries popped there, as a pop of
+-- the empty queue does, and only those at or above the queue's floor (the floor the push reads anyway;
+-- no ready message is below it), so the entries popped before the last raise of the floor are not
+-- walked. It may only err towards notifying: when the queue's ready messages are all in older
+-- generations (a queue pushed rarely while ids move on), the push notifies as if the queue had none, a
+-- wake-up that finds messages; when it finds one, the queue had a ready message, as before. Delayed
+-- messages of the queue in the partition are passed over one by one on a server without skip scans
+-- (PostgreSQL 17 and older).
 -- A function with generic plans: its statements are planned once a session, where a statement run by
 -- itself is planned on every push (a third of a push of one's server time). No sequential scans:
 -- the ready check must probe meta_ready_idx whatever the statistics said when the plan was made.
@@ -65,15 +72,30 @@ CREATE OR REPLACE FUNCTION {schema}.table_push(
 RETURNS SETOF bigint
 LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan SET enable_seqscan = off AS $$
 DECLARE
-    v_locked text;
-    v_at timestamptz := now() + make_interval(secs => p_delay_s);
+    -- Initial values, evaluated in this order as the block starts, each a simple expression (as an
+    -- assignment is; PERFORM would run a query): the queue's push lock first, then its floor (table_floor)
+    -- read under it, so that no raise comes before the commit; the push's time is not below the floor.
+    v_locked text := pg_advisory_xact_lock_shared(hashtext('dbqueue.queue.' || '{schema}'), p_queue_id)::text;
+    v_floor timestamptz := {schema}.table_floor(p_queue_id);
+    v_at timestamptz := greatest(now() + make_interval(secs => p_delay_s), v_floor);
+    v_gen smallint;
+    v_quiet boolean;  -- NULL unless asked: then no notification for p_notify 1
 BEGIN
-    -- An assignment: PL/pgSQL evaluates it as a simple expression, where PERFORM would run a query.
-    v_locked := pg_advisory_xact_lock_shared(hashtext('dbqueue.queue.' || '{schema}'), p_queue_id)::text;
-    -- Not below the queue's floor (table_floor), read under the lock: no raise comes before the commit.
-    v_at := greatest(v_at, {schema}.table_floor(p_queue_id));
     IF current_setting('transaction_isolation') = 'read committed' THEN
-        IF p_inline AND p_notify = 0 THEN
+        IF p_inline THEN
+            IF p_notify = 1 THEN
+                -- Whether the queue had a ready message before this push, asked before its INSERT (a
+                -- statement of its own, whose snapshot cannot see this push's rows). The generation pushes
+                -- write now, as table_generation() has it, read here as a simple expression: a role that
+                -- pushes has SELECT on the sequence, and a call of that security-definer function cost
+                -- about 25,000 instructions. Nothing of the queue's that is ready is below its floor.
+                v_gen := ((pg_sequence_last_value('{schema}.message_id_seq'::regclass) >> 14) & 7)::smallint;
+                v_quiet := (SELECT r.id FROM {schema}.meta r
+                            WHERE r.gen = v_gen AND r.queue_id = p_queue_id AND r.state = 0
+                              AND r.process_at <= now() AND r.process_at >= v_floor
+                            ORDER BY r.priority, r.process_at DESC, r.id DESC
+                            LIMIT 1) IS NULL;
+            END IF;
             -- The usual push: one INSERT, which reads the queue's row itself (no row, nothing written),
             -- and names every column in the types of meta, so that the plan passes each row on without
             -- projecting it again. A push of one takes its payload from the array without unnest().
@@ -100,6 +122,10 @@ BEGIN
                       FROM (SELECT q.queue_id, unnest(p_payloads) AS payload FROM {schema}.queues q
                             WHERE q.queue_id = p_queue_id) x) y
                 RETURNING id;
+            END IF;
+            -- FOUND: RETURN QUERY returned a row, so the queue was there and the push wrote its rows.
+            IF FOUND AND (p_notify = 2 OR v_quiet) THEN
+                v_locked := pg_notify(p_channel, '')::text;
             END IF;
             RETURN;
         END IF;
@@ -132,7 +158,7 @@ BEGIN
             WHERE p_notify = 2 OR (
                 SELECT r.id FROM {schema}.meta r
                 WHERE r.gen = {schema}.table_generation() AND r.queue_id = p_queue_id AND r.state = 0
-                  AND r.process_at <= now()
+                  AND r.process_at <= now() AND r.process_at >= v_floor
                 ORDER BY r.priority, r.process_at DESC, r.id DESC
                 LIMIT 1) IS NULL
         )
@@ -172,7 +198,7 @@ BEGIN
             WHERE p_notify = 2 OR (
                 SELECT r.id FROM {schema}.meta r
                 WHERE r.gen = {schema}.table_generation() AND r.queue_id = p_queue_id AND r.state = 0
-                  AND r.process_at <= now()
+                  AND r.process_at <= now() AND r.process_at >= v_floor
                 ORDER BY r.priority, r.process_at DESC, r.id DESC
                 LIMIT 1) IS NULL
         )
@@ -213,9 +239,11 @@ DECLARE
     v_window double precision;
     v_expires timestamptz := now() + make_interval(secs => p_ttl_s);
     v_at timestamptz := now() + make_interval(secs => p_delay_s);
+    v_floor timestamptz;
 BEGIN
     v_locked := pg_advisory_xact_lock_shared(hashtext('dbqueue.queue.' || '{schema}'), p_queue_id)::text;
-    v_at := greatest(v_at, {schema}.table_floor(p_queue_id));  -- as table_push()
+    v_floor := {schema}.table_floor(p_queue_id);  -- as table_push(), which bounds its check by it too
+    v_at := greatest(v_at, v_floor);
     IF current_setting('transaction_isolation') = 'read committed' THEN
         SELECT q.dedup_window_s INTO v_window FROM {schema}.queues q WHERE q.queue_id = p_queue_id;
     ELSE
@@ -293,7 +321,7 @@ BEGIN
         WHERE p_notify > 0 AND EXISTS (SELECT 1 FROM result r WHERE r.new) AND (p_notify = 2 OR (
             SELECT r.id FROM {schema}.meta r
             WHERE r.gen = {schema}.table_generation() AND r.queue_id = p_queue_id AND r.state = 0
-              AND r.process_at <= now()
+              AND r.process_at <= now() AND r.process_at >= v_floor
             ORDER BY r.priority, r.process_at DESC, r.id DESC
             LIMIT 1) IS NULL)
     )
@@ -788,14 +816,27 @@ $$;
 -- Make the floor sequence of table-design queue p_queue_id (table_floor), unset (no floor yet), unless it
 -- exists: create_queue calls it in the transaction that inserts the queue's row, so the sequence is there
 -- before any push can name the queue (a queue of an install before the floor gets its sequence from
--- table_raise_floors). Security definer: a role that may create queues needs no right to create objects
--- in the schema; its search_path pinned.
+-- table_raise_floors). A relation of that name that is not the engine's (not a sequence owned by
+-- queues.queue_id, as the one made here is) is refused with DQ006 (ForeignObjectsError), and the
+-- queue's creation with it: table_floor would read it as the queue's floor, and a raise would set it.
+-- Security definer: a role that may create queues needs no right to create objects in the schema; its
+-- search_path pinned.
 CREATE OR REPLACE FUNCTION {schema}.table_make_floor(p_queue_id integer) RETURNS void
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $$
+DECLARE
+    v_rel regclass := to_regclass('{schema}.table_floor_' || p_queue_id);
 BEGIN
-    IF to_regclass('{schema}.table_floor_' || p_queue_id) IS NULL THEN
+    IF v_rel IS NULL THEN
         EXECUTE format('CREATE SEQUENCE %s.%I AS bigint MINVALUE %s OWNED BY %s.queues.queue_id',
                        '{schema}', 'table_floor_' || p_queue_id, -9223372036854775807, '{schema}');
+    ELSIF NOT EXISTS (SELECT 1 FROM pg_class c JOIN pg_depend d ON d.objid = c.oid
+                      WHERE c.oid = v_rel AND c.relkind = 'S'
+                        AND d.classid = 'pg_class'::regclass AND d.deptype = 'a'
+                        AND d.refclassid = 'pg_class'::regclass AND d.refobjid = '{schema}.queues'::regclass) THEN
+        RAISE EXCEPTION 'the schema holds a relation named % that the engine did not make', v_rel
+            USING ERRCODE = 'DQ006',
+                  DETAIL = format('%s would be read as the floor of queue %s: drop or rename it, then create '
+                                  'the queue again', v_rel, p_queue_id);
     END IF;
 END
 $$;
