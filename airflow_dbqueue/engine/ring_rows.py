@@ -78,6 +78,7 @@ Not built on any ring, refused with :class:`NotSupportedError`: ordering keys an
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
@@ -155,6 +156,12 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             "retrygen": own + "retrygen",
             "rows": f"ring_{settings.queue_id}_rrows",
         }
+        # The group's retry log (a view over its segments), where a waiting pop reads when the earliest
+        # message to deliver again comes due (ring_rows_next_due).
+        self._due_ids = {"retries": own + "r"}
+        # Per thread: whether its last look's question said messages to deliver again may be in the
+        # segments live now (read by _until_due just after that look, in the same thread).
+        self._asked = threading.local()
         self.push_timeout = 30.0
         self.reclaim_every = min(1.0, settings.visibility_timeout_s / 2)
         # What ring_rows_gaps returned last: (its transaction id, the row sequence's position read
@@ -525,9 +532,25 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             self._raise_if_gone()
             raise
         pushing, to_take = (True, True) if row is None else (bool(row[0]), bool(row[1]))
+        self._asked.again = to_take and not pushing
         if to_take or time.monotonic() - self._last_reclaim >= self.reclaim_every:
             return pushing, take()
         return pushing, []
+
+    def _until_due(self, default: float) -> float:
+        """Seconds until the earliest message to deliver again comes due (a nack with a delay, a retry's
+        backoff), at most ``default``: asked only when this thread's last look said some may be in the
+        segments live now (ring_rows_ask's retry generation), so that an idle waiter asks nothing more."""
+        if not getattr(self._asked, "again", False):
+            return default
+        try:
+            row = self._db.fetchone("ring_rows_next_due", {}, identifiers=self._due_ids)
+        except (DatabaseError, SchemaError):
+            self._raise_if_gone()
+            raise
+        if row is None or row[0] is None:
+            return default
+        return max(0.01, min(default, float(row[0])))
 
     def _pushing(self) -> bool:
         try:

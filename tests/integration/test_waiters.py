@@ -305,3 +305,27 @@ def test_a_waiting_pop_on_a_rows_ring_still_reclaims_an_expired_lease(dbq: DbQue
     assert took < 5.0, f"the expired lease came back after {took:.1f}s"
     assert q.ack(again) == 1
     assert q.pop(1) == []
+
+
+def test_a_waiting_pop_on_a_rows_ring_wakes_when_a_delayed_retry_comes_due(dbq: DbQueue) -> None:
+    """A message nacked with a delay on a ring of the rows layout is found by a waiting pop when it comes
+    due, not at the pop's poll: the waiter times its wait by the earliest message to deliver again (as
+    the table design's waiters time theirs by the earliest delayed message). Nothing is pushed while it
+    waits, so no NOTIFY can wake it. Every message is acked once, counted and checksummed."""
+    q = dbq.create_queue("q", design="ring", layout="rows")
+    sent = [{"n": k} for k in range(3)]
+    q.push_batch(sent)
+    first = q.pop(3, semantics="at-least-once")
+    assert [m.payload for m in first] == sent
+    assert q.ack(first[:2]) == 2
+    delay, poll = 0.3, 2.0
+    assert q.nack(first[2:], delay=delay) == 1
+    start = time.monotonic()
+    again = q.pop(1, semantics="at-least-once", wait=10, poll_interval=poll)
+    took = time.monotonic() - start
+    assert [(m.payload, m.delivery) for m in again] == [(sent[2], first[2].delivery + 1)]
+    assert took < delay + 0.5 < poll, f"the retry due after {delay}s came after {took:.2f}s (the poll: {poll}s)"
+    assert q.ack(again) == 1
+    acked = [m.payload for m in [*first[:2], *again]]
+    assert len(acked) == len(sent) and checksum(acked) == checksum(sent)
+    assert q.pop(1) == []
