@@ -130,6 +130,10 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
     (:mod:`airflow_dbqueue.engine.ring_rows_groups`) and each group's batches
     (:mod:`airflow_dbqueue.engine.ring_rows_batches`)."""
 
+    # Every look of a waiter while a push runs is its question and an empty pop: of the waiters of this
+    # process, one looks again for a push seen in progress (Queue._wait_listening).
+    _one_recheck = True
+
     def __init__(
         self, db: Database, settings: QueueSettings, *, group: str = DEFAULT_GROUP, gid: int | None = None
     ) -> None:
@@ -162,6 +166,7 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         # Per thread: whether its last look's question said messages to deliver again may be in the
         # segments live now (read by _until_due just after that look, in the same thread).
         self._asked = threading.local()
+        self._look_taking = threading.Lock()  # held by the waiting look that pops for a row issued
         self.push_timeout = 30.0
         self.reclaim_every = min(1.0, settings.visibility_timeout_s / 2)
         # What ring_rows_gaps returned last: (its transaction id, the row sequence's position read
@@ -533,9 +538,20 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             raise
         pushing, to_take = (True, True) if row is None else (bool(row[0]), bool(row[1]))
         self._asked.again = to_take and not pushing
-        if to_take or time.monotonic() - self._last_reclaim >= self.reclaim_every:
+        if not (to_take or time.monotonic() - self._last_reclaim >= self.reclaim_every):
+            return pushing, []
+        if not pushing:
             return pushing, take()
-        return pushing, []
+        # A row issued and not taken: one waiting look of this handle pops for it at a time. Another
+        # that sees it meanwhile would mostly find the same row taken (an empty pop, and a look for
+        # gaps); it reports the push in progress instead and looks again soon (or waits for the wake
+        # the popping look passes on once it took something).
+        if not self._look_taking.acquire(blocking=False):
+            return pushing, []
+        try:
+            return pushing, take()
+        finally:
+            self._look_taking.release()
 
     def _until_due(self, default: float) -> float:
         """Seconds until the earliest message to deliver again comes due (a nack with a delay, a retry's

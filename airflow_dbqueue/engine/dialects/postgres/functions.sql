@@ -4216,6 +4216,13 @@ DECLARE
     v_n integer;
     g record;
 BEGIN
+    -- The look takes a transaction id for its proof, so its transaction writes a commit record; it need
+    -- not wait for that record's flush (synchronous_commit off, for this transaction only). What a crash
+    -- could lose is harmless: lane positions past rows never written (a later look gives them up again),
+    -- and the id itself (ids issued again after the crash only delay the proof against it; every push
+    -- that held a row this look saw issued ended with the crash). A later commit that waits flushes this
+    -- one first.
+    PERFORM set_config('synchronous_commit', 'off', true);
     EXECUTE 'SELECT * FROM {schema}.ring_' || p_queue_id || '_rgaps($1, $2)'
         INTO r_xmax, r_last, r_skipped USING p_xmax, p_last;
     -- Every other group's lanes pass the same gaps (the proof is the ring's, not a group's); the rows
