@@ -122,6 +122,8 @@ ROWS_MAX_BATCH = 65535
 """Most messages one push of the rows layout holds: a message's place in its row is the low 16 bits
 of its id."""
 _GAP_CHECK_EVERY_S = 0.05
+_LOOK_POP_ALONE_S = 0.05
+"""How long the other waiting looks of a handle leave a row issued to the one that pops for it."""
 _T = TypeVar("_T")
 
 
@@ -166,7 +168,9 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         # Per thread: whether its last look's question said messages to deliver again may be in the
         # segments live now (read by _until_due just after that look, in the same thread).
         self._asked = threading.local()
-        self._look_taking = threading.Lock()  # held by the waiting look that pops for a row issued
+        # When the waiting look that pops for a row issued began (None: none pops now).
+        self._look_popping: float | None = None
+        self._look_lock = threading.Lock()
         self.push_timeout = 30.0
         self.reclaim_every = min(1.0, settings.visibility_timeout_s / 2)
         # What ring_rows_gaps returned last: (its transaction id, the row sequence's position read
@@ -545,13 +549,20 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         # A row issued and not taken: one waiting look of this handle pops for it at a time. Another
         # that sees it meanwhile would mostly find the same row taken (an empty pop, and a look for
         # gaps); it reports the push in progress instead and looks again soon (or waits for the wake
-        # the popping look passes on once it took something).
-        if not self._look_taking.acquire(blocking=False):
-            return pushing, []
+        # the popping look passes on once it took something). Not behind a pop that has run for
+        # _LOOK_POP_ALONE_S already (one waiting for a lane another consumer holds): it pops too.
+        now = time.monotonic()
+        with self._look_lock:
+            since = self._look_popping
+            if since is not None and now - since < _LOOK_POP_ALONE_S:
+                return pushing, []
+            self._look_popping = now
         try:
             return pushing, take()
         finally:
-            self._look_taking.release()
+            with self._look_lock:
+                if self._look_popping == now:
+                    self._look_popping = None
 
     def _until_due(self, default: float) -> float:
         """Seconds until the earliest message to deliver again comes due (a nack with a delay, a retry's
