@@ -3140,10 +3140,14 @@ DECLARE
     v_newat bigint[] := ARRAY[]::bigint[];
     v_r bigint;
     v_found boolean;
+    v_lane integer;
 BEGIN
     r_skipped := 0;
     IF p_xmax IS NOT NULL AND pg_snapshot_xmin(pg_current_snapshot())::text::bigint >= p_xmax THEN
-        FOR v_lane IN 0 .. @L - 1 LOOP
+        -- Only the lanes whose position (read once, unlocked) is at the start of a row issued by the
+        -- last look: a position only rises, so a lane past that row has no gap this proof covers.
+        FOR v_lane IN SELECT (u.o - 1)::integer FROM unnest({schema}.@Planes(NULL)) WITH ORDINALITY u(at, o)
+                      WHERE (u.at & 65535) = 0 AND (u.at >> 16) <= p_last ORDER BY u.o LOOP
             CONTINUE WHEN NOT pg_try_advisory_xact_lock(@K2, v_lane);
             v_at := {schema}.@Planes(ARRAY[v_lane]);
             v_r := v_at[1] >> 16;
