@@ -330,8 +330,9 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             self._last_reclaim = now
             self._reclaim(RECLAIM_LIMIT, conn)
         # wait: when other pops hold every lane with messages, wait for one (not in a caller's
-        # transaction, which may hold lanes of its own).
-        params["wait"] = conn is None
+        # transaction, which may hold lanes of its own, nor in a waiting pop's look, which reports a
+        # push in progress then and looks again, or is woken when the holder took something).
+        params["wait"] = conn is None and not getattr(self._asked, "looking", False)
         try:
             rows = self._db.fetchall(query, params, conn, identifiers=fn)
             if not rows and conn is None and self._give_up_gaps():
@@ -545,7 +546,7 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         if not (to_take or time.monotonic() - self._last_reclaim >= self.reclaim_every):
             return pushing, []
         if not pushing:
-            return pushing, take()
+            return pushing, self._look_take(take)
         # A row issued and not taken: one waiting look of this handle pops for it at a time. Another
         # that sees it meanwhile would mostly find the same row taken (an empty pop, and a look for
         # gaps); it reports the push in progress instead and looks again soon (or waits for the wake
@@ -558,11 +559,19 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
                 return pushing, []
             self._look_popping = now
         try:
-            return pushing, take()
+            return pushing, self._look_take(take)
         finally:
             with self._look_lock:
                 if self._look_popping == now:
                     self._look_popping = None
+
+    def _look_take(self, take: Callable[[], list[_T]]) -> list[_T]:
+        """``take`` in a waiting pop's look: without waiting for a lane other pops hold (:meth:`_take`)."""
+        self._asked.looking = True
+        try:
+            return take()
+        finally:
+            self._asked.looking = False
 
     def _until_due(self, default: float) -> float:
         """Seconds until the earliest message to deliver again comes due (a nack with a delay, a retry's
