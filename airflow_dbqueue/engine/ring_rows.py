@@ -325,15 +325,15 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         # Every pop reclaims expired leases first (at most every reclaim_every), whatever its semantics:
         # a message leased by a consumer that died comes back even if only other consumers pop. In the
         # caller's transaction (conn), the reclaim joins it.
-        now = time.monotonic()
-        if now - self._last_reclaim >= self.reclaim_every:
-            self._last_reclaim = now
-            self._reclaim(RECLAIM_LIMIT, conn)
         # wait: when other pops hold every lane with messages, wait for one (not in a caller's
         # transaction, which may hold lanes of its own, nor in a waiting pop's look, which reports a
         # push in progress then and looks again, or is woken when the holder took something).
         params["wait"] = conn is None and not getattr(self._asked, "looking", False)
         try:
+            now = time.monotonic()
+            if now - self._last_reclaim >= self.reclaim_every:
+                self._last_reclaim = now
+                self._reclaim(RECLAIM_LIMIT, conn)  # a group dropped meanwhile raises below, by name
             rows = self._db.fetchall(query, params, conn, identifiers=fn)
             if not rows and conn is None and self._give_up_gaps():
                 rows = self._db.fetchall(query, params, conn, identifiers=fn)
