@@ -122,6 +122,10 @@ class Queue(abc.ABC):
     _may: frozenset[str] | None = None
     _waited = False
     """Whether the last pop of this handle waited on the listening connection (a hint, shared by threads)."""
+    _one_recheck = False
+    """Whether, of the pops of this process waiting on the queue, only one looks again for a push seen in
+    progress (the newest that saw one; :meth:`_wait_listening`), the others waiting for a wake: a design
+    whose every look while pushes run would otherwise be an empty pop of each waiter."""
     """The actions the connection's role may take on this queue (None: every one, as its owner)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -393,14 +397,25 @@ class Queue(abc.ABC):
             # has taken since sends no NOTIFY under notify="auto". With none in progress, every push
             # begun before the question is committed and the check sees it; with one, the waiter looks
             # again soon (backing off) rather than leave its message to the poll.
+            # With _one_recheck, one waiter of the queue in this process (the newest that saw a push in
+            # progress) looks again for it; another that sees one waits for a wake, as it would when no
+            # push runs: the recheck's holder takes what that push writes and passes the wake on, and
+            # hands a wake on when it leaves holding the recheck (hub.py).
             pause = RECHECK_FIRST
             looks = 0
+            rechecking = False
             while True:
                 pushing, got = self._look(take)
                 looks += 1
                 if got or (left := deadline - time.monotonic()) <= 0:
                     break
-                if pushing:
+                if pushing and self._one_recheck and not rechecking:
+                    listener.take_recheck()
+                    rechecking = True
+                elif rechecking and not (pushing and listener.rechecks()):
+                    listener.recheck_done()  # no push in progress, or a newer waiter looks for it
+                    rechecking = False
+                if pushing and (rechecking or not self._one_recheck):
                     listener.wait(min(pause, left))
                     pause = min(2 * pause, poll)
                 elif listener.polls:
@@ -409,6 +424,8 @@ class Queue(abc.ABC):
                 else:  # the channel's poller looks every poll and when a delayed message is due
                     listener.wait(left)
                     pause = RECHECK_FIRST
+            if rechecking and got:
+                listener.recheck_done()  # it passes the wake on; leaving with the recheck hands one on
             if got:
                 listener.pass_on()  # more may be ready, and a push into a busy queue sends no NOTIFY
                 if looks == 1:

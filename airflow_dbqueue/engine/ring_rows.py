@@ -86,6 +86,7 @@ Not built on any ring, refused with :class:`NotSupportedError`: ordering keys an
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
@@ -129,6 +130,8 @@ ROWS_MAX_BATCH = 65535
 """Most messages one push of the rows layout holds: a message's place in its row is the low 16 bits
 of its id."""
 _GAP_CHECK_EVERY_S = 0.05
+_LOOK_POP_ALONE_S = 0.05
+"""How long the other waiting looks of a handle leave a row issued to the one that pops for it."""
 _T = TypeVar("_T")
 
 
@@ -136,6 +139,10 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
     """A ring of the rows layout (see the module): at most, at least and exactly once, consumer groups
     (:mod:`airflow_dbqueue.engine.ring_rows_groups`) and each group's batches
     (:mod:`airflow_dbqueue.engine.ring_rows_batches`)."""
+
+    # Every look of a waiter while a push runs is its question and an empty pop: of the waiters of this
+    # process, one looks again for a push seen in progress (Queue._wait_listening).
+    _one_recheck = True
 
     def __init__(
         self, db: Database, settings: QueueSettings, *, group: str = DEFAULT_GROUP, gid: int | None = None
@@ -163,6 +170,15 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             "retrygen": own + "retrygen",
             "rows": f"ring_{settings.queue_id}_rrows",
         }
+        # The group's retry log (a view over its segments), where a waiting pop reads when the earliest
+        # message to deliver again comes due (ring_rows_next_due).
+        self._due_ids = {"retries": own + "r"}
+        # Per thread: whether its last look's question said messages to deliver again may be in the
+        # segments live now (read by _until_due just after that look, in the same thread).
+        self._asked = threading.local()
+        # When the waiting look that pops for a row issued began (None: none pops now).
+        self._look_popping: float | None = None
+        self._look_lock = threading.Lock()
         self.push_timeout = 30.0
         self.reclaim_every = min(1.0, settings.visibility_timeout_s / 2)
         # What ring_rows_gaps returned last: (its transaction id, the row sequence's position read
@@ -310,14 +326,15 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         # Every pop reclaims expired leases first (at most every reclaim_every), whatever its semantics:
         # a message leased by a consumer that died comes back even if only other consumers pop. In the
         # caller's transaction (conn), the reclaim joins it.
-        now = time.monotonic()
-        if now - self._last_reclaim >= self.reclaim_every:
-            self._last_reclaim = now
-            self._reclaim(RECLAIM_LIMIT, conn)
         # wait: when other pops hold every lane with messages, wait for one (not in a caller's
-        # transaction, which may hold lanes of its own).
-        params["wait"] = conn is None
+        # transaction, which may hold lanes of its own, nor in a waiting pop's look, which reports a
+        # push in progress then and looks again, or is woken when the holder took something).
+        params["wait"] = conn is None and not getattr(self._asked, "looking", False)
         try:
+            now = time.monotonic()
+            if now - self._last_reclaim >= self.reclaim_every:
+                self._last_reclaim = now
+                self._reclaim(RECLAIM_LIMIT, conn)  # a group dropped meanwhile raises below, by name
             rows = self._db.fetchall(query, params, conn, identifiers=fn)
             if not rows and conn is None and self._give_up_gaps():
                 rows = self._db.fetchall(query, params, conn, identifiers=fn)
@@ -551,9 +568,51 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             self._raise_if_gone()
             raise
         pushing, to_take = (True, True) if row is None else (bool(row[0]), bool(row[1]))
-        if to_take or time.monotonic() - self._last_reclaim >= self.reclaim_every:
-            return pushing, take()
-        return pushing, []
+        self._asked.again = to_take and not pushing
+        if not (to_take or time.monotonic() - self._last_reclaim >= self.reclaim_every):
+            return pushing, []
+        if not pushing:
+            return pushing, self._look_take(take)
+        # A row issued and not taken: one waiting look of this handle pops for it at a time. Another
+        # that sees it meanwhile would mostly find the same row taken (an empty pop, and a look for
+        # gaps); it reports the push in progress instead and looks again soon (or waits for the wake
+        # the popping look passes on once it took something). Not behind a pop that has run for
+        # _LOOK_POP_ALONE_S already (one waiting for a lane another consumer holds): it pops too.
+        now = time.monotonic()
+        with self._look_lock:
+            since = self._look_popping
+            if since is not None and now - since < _LOOK_POP_ALONE_S:
+                return pushing, []
+            self._look_popping = now
+        try:
+            return pushing, self._look_take(take)
+        finally:
+            with self._look_lock:
+                if self._look_popping == now:
+                    self._look_popping = None
+
+    def _look_take(self, take: Callable[[], list[_T]]) -> list[_T]:
+        """``take`` in a waiting pop's look: without waiting for a lane other pops hold (:meth:`_take`)."""
+        self._asked.looking = True
+        try:
+            return take()
+        finally:
+            self._asked.looking = False
+
+    def _until_due(self, default: float) -> float:
+        """Seconds until the earliest message to deliver again comes due (a nack with a delay, a retry's
+        backoff), at most ``default``: asked only when this thread's last look said some may be in the
+        segments live now (ring_rows_ask's retry generation), so that an idle waiter asks nothing more."""
+        if not getattr(self._asked, "again", False):
+            return default
+        try:
+            row = self._db.fetchone("ring_rows_next_due", {}, identifiers=self._due_ids)
+        except (DatabaseError, SchemaError):
+            self._raise_if_gone()
+            raise
+        if row is None or row[0] is None:
+            return default
+        return max(0.01, min(default, float(row[0])))
 
     def _pushing(self) -> bool:
         try:

@@ -797,3 +797,16 @@ def test_reads_of_a_ring_dropped_meanwhile_fail_as_queue_not_found(dbq: DbQueue,
             t.join(30)
         stop.clear()
     assert errors == []
+
+
+def test_a_dropped_groups_pop_whose_reclaim_is_due_names_the_group(dbq: DbQueue) -> None:
+    """A pop on a handle of a group dropped since, when its reclaim of expired leases is due (the first
+    thing a pop does), raises GroupNotFoundError naming the group, not a SchemaError about functions the
+    group took with it."""
+    q = ring(dbq, layout="rows")
+    q.add_group("fraud")
+    stale = q.group("fraud")
+    q.drop_group("fraud")
+    stale.reclaim_every = 0.0
+    with pytest.raises(GroupNotFoundError, match="'fraud'"):
+        stale.pop(1)

@@ -452,6 +452,8 @@ def _sample_identifiers(name: str, rows_ring: int | None = None) -> dict[str, st
         "lanes": f"ring_{rows_ring}_rlanes",
         "retrygen": f"ring_{rows_ring}_rretrygen",
         "rows": f"ring_{rows_ring}_rrows",
+        # ring_rows_next_due: the group's retry log (a view over its segments)
+        "retries": f"ring_{rows_ring}_rr",
     }
     return {k: real[k] for k in _identifiers(body)}
 
@@ -473,7 +475,8 @@ def test_every_named_query_composes() -> None:
 def test_only_utility_statements_take_identifier_placeholders() -> None:
     """{table}, {index}, {sequence} and {routine} belong to VACUUM, ANALYZE, REINDEX, DROP INDEX and
     uninstall's drops, {fn} to the hot statements of a ring of the rows layout, which call its own
-    functions, and {lanes}, {retrygen} and {rows} to its waiting pops' question (ring_rows_ask);
+    functions, {lanes}, {retrygen} and {rows} to its waiting pops' question (ring_rows_ask), and
+    {retries} to their look for the next message due again (ring_rows_next_due);
     anywhere else (say, in a comment that ended up in the block before it) they would break the query
     at run time."""
     raw = load_queries(POSTGRES_PKG, "queries")
@@ -489,11 +492,13 @@ def test_only_utility_statements_take_identifier_placeholders() -> None:
             "vacuum_full_table",
             "vacuum_table",
             "ring_rows_ask",
+            "ring_rows_next_due",
             *_RING_ROWS_FUNCTIONS,
         ]
     )
     assert all(_identifiers(raw[name]) == {"fn": "sample_fn"} for name in _RING_ROWS_FUNCTIONS)
     assert set(_identifiers(raw["ring_rows_ask"])) == {"lanes", "retrygen", "rows"}
+    assert set(_identifiers(raw["ring_rows_next_due"])) == {"retries"}
 
 
 def test_identifier_placeholders_are_validated() -> None:

@@ -305,3 +305,77 @@ def test_a_waiting_pop_on_a_rows_ring_still_reclaims_an_expired_lease(dbq: DbQue
     assert took < 5.0, f"the expired lease came back after {took:.1f}s"
     assert q.ack(again) == 1
     assert q.pop(1) == []
+
+
+def test_a_waiting_pop_on_a_rows_ring_wakes_when_a_delayed_retry_comes_due(dbq: DbQueue) -> None:
+    """A message nacked with a delay on a ring of the rows layout is found by a waiting pop when it comes
+    due, not at the pop's poll: the waiter times its wait by the earliest message to deliver again (as
+    the table design's waiters time theirs by the earliest delayed message). Nothing is pushed while it
+    waits, so no NOTIFY can wake it. Every message is acked once, counted and checksummed."""
+    q = dbq.create_queue("q", design="ring", layout="rows")
+    sent = [{"n": k} for k in range(3)]
+    q.push_batch(sent)
+    first = q.pop(3, semantics="at-least-once")
+    assert [m.payload for m in first] == sent
+    assert q.ack(first[:2]) == 2
+    delay, poll = 0.3, 2.0
+    assert q.nack(first[2:], delay=delay) == 1
+    start = time.monotonic()
+    again = q.pop(1, semantics="at-least-once", wait=10, poll_interval=poll)
+    took = time.monotonic() - start
+    assert [(m.payload, m.delivery) for m in again] == [(sent[2], first[2].delivery + 1)]
+    assert took < delay + 0.5 < poll, f"the retry due after {delay}s came after {took:.2f}s (poll {poll}s)"
+    assert q.ack(again) == 1
+    acked = [m.payload for m in [*first[:2], *again]]
+    assert len(acked) == len(sent) and checksum(acked) == checksum(sent)
+    assert q.pop(1) == []
+
+
+def test_while_a_push_runs_one_waiter_of_a_rows_ring_looks_again_for_it(dbq: DbQueue) -> None:
+    """Twenty pops wait on a ring of the rows layout while a push (in its caller's open transaction) has
+    taken its row, and each is woken: each sees a push in progress and finds nothing. One of them (the
+    newest to see it) looks again, backing off, and the others wait for a wake, so that half a second of
+    it costs a few looks a waiter, not twenty waiters' backoffs. Once the push commits, a pop takes its
+    message long before the poll, and every message arrives once, counted and checksummed."""
+    q = dbq.create_queue("q", design="ring", layout="rows")
+    waiters = 20
+    got: list[Any] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def waiter() -> None:
+        try:
+            while True:
+                msgs = q.pop(1, wait=30, poll_interval=POLL_S)
+                with lock:
+                    got.extend(m.payload for m in msgs)
+                if any("stop" in m.payload for m in msgs):
+                    return
+        except Exception as exc:  # reported below
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=waiter) for _ in range(waiters)]
+    for t in threads:
+        t.start()
+    _until(lambda: _waiting(dbq) == waiters)
+    time.sleep(0.3)  # every waiter has looked, and waits
+    with pytest.MonkeyPatch.context() as mp:
+        statements = Statements(dbq, mp)
+        with dbq.transaction() as c:
+            q.push({"n": 1}, conn=c)
+            dbq.db._hub._wake_all()  # type: ignore[attr-defined]  # every waiter looks while the push runs
+            time.sleep(0.6)
+            during = list(statements.names)
+        start = time.monotonic()
+        _until(lambda: len(got) == 1, timeout=PROMPT_S)
+        took = time.monotonic() - start
+    stops = [{"stop": k} for k in range(waiters)]
+    q.push_batch(stops)
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    sent = [{"n": 1}, *stops]
+    assert got[0] == {"n": 1} and len(got) == len(sent) and checksum(got) == checksum(sent)
+    assert took < PROMPT_S
+    asks = during.count("ring_rows_ask")
+    assert waiters <= asks <= 3 * waiters, f"{asks} looks of {waiters} waiters while one push ran"

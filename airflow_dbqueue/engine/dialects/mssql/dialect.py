@@ -101,6 +101,7 @@ POSTGRES_ONLY: dict[str, str] = {
             "ring_rows_groups",
             "ring_rows_pushing",
             "ring_rows_ask",
+            "ring_rows_next_due",
             "ring_rows_group_ids",
             "ring_rows_rotate",
             "ring_rows_label",

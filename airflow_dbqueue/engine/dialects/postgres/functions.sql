@@ -3181,10 +3181,14 @@ DECLARE
     v_newat bigint[] := ARRAY[]::bigint[];
     v_r bigint;
     v_found boolean;
+    v_lane integer;
 BEGIN
     r_skipped := 0;
     IF p_xmax IS NOT NULL AND pg_snapshot_xmin(pg_current_snapshot())::text::bigint >= p_xmax THEN
-        FOR v_lane IN 0 .. @L - 1 LOOP
+        -- Only the lanes whose position (read once, unlocked) is at the start of a row issued by the
+        -- last look: a position only rises, so a lane past that row has no gap this proof covers.
+        FOR v_lane IN SELECT (u.o - 1)::integer FROM unnest({schema}.@Planes(NULL)) WITH ORDINALITY u(at, o)
+                      WHERE (u.at & 65535) = 0 AND (u.at >> 16) <= p_last ORDER BY u.o LOOP
             CONTINUE WHEN NOT pg_try_advisory_xact_lock(@K2, v_lane);
             v_at := {schema}.@Planes(ARRAY[v_lane]);
             v_r := v_at[1] >> 16;
@@ -4400,6 +4404,13 @@ DECLARE
     v_n integer;
     g record;
 BEGIN
+    -- The look takes a transaction id for its proof, so its transaction writes a commit record; it need
+    -- not wait for that record's flush (synchronous_commit off, for this transaction only). What a crash
+    -- could lose is harmless: lane positions past rows never written (a later look gives them up again),
+    -- and the id itself (ids issued again after the crash only delay the proof against it; every push
+    -- that held a row this look saw issued ended with the crash). A later commit that waits flushes this
+    -- one first.
+    PERFORM set_config('synchronous_commit', 'off', true);
     EXECUTE 'SELECT * FROM {schema}.ring_' || p_queue_id || '_rgaps($1, $2)'
         INTO r_xmax, r_last, r_skipped USING p_xmax, p_last;
     -- Every other group's lanes pass the same gaps (the proof is the ring's, not a group's); the rows

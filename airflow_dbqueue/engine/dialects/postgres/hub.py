@@ -8,7 +8,9 @@ passes the wake on to the next waiter (:meth:`Waiter.pass_on`): a push of many m
 NOTIFY, and the waiters take them a batch each, one after the other, instead of all at once or after
 their poll. A wake given to a waiter that leaves without using it goes to the next one, so none is
 lost. One waiter of each channel polls (:attr:`Waiter.polls`) as the fallback; the others wait for a
-wake alone, so that many waiters do not each poll.
+wake alone, so that many waiters do not each poll. Where a queue asks it, one waiter of each channel
+(the newest that saw a push in progress, :meth:`Waiter.take_recheck`) looks again for that push, backing
+off; the others that see one wait for a wake too.
 
 The connection is a session of its own (``listen_dsn``, or the engine's DSN when it keeps sessions).
 When it breaks, every waiter is woken to look at its queue again (a NOTIFY may have been missed), and
@@ -69,6 +71,25 @@ class Waiter:
     def wake(self) -> None:
         self._event.set()
 
+    def take_recheck(self) -> None:
+        """Take its channel's recheck: this waiter saw a push in progress (one that may send no NOTIFY)
+        and looks again soon, backing off, while the other waiters of the channel that see one wait for
+        a wake (:meth:`rechecks`). The newest such waiter holds it, so a push seen just now is looked
+        for at the first pause, not at the end of an older waiter's grown one."""
+        with self._hub._lock:
+            self._hub._recheckers[self.channel] = self
+
+    def rechecks(self) -> bool:
+        """Whether this waiter still holds its channel's recheck (no newer waiter took it)."""
+        return self._hub._recheckers.get(self.channel) is self
+
+    def recheck_done(self) -> None:
+        """Give up its channel's recheck, if it holds it: it saw no push in progress, or took something
+        (and passes the wake on)."""
+        with self._hub._lock:
+            if self._hub._recheckers.get(self.channel) is self:
+                del self._hub._recheckers[self.channel]
+
     def pass_on(self) -> None:
         """Hand a wake to another waiter of this channel: this one took messages, and more may be ready
         (a push of many sends one NOTIFY, and a push into a queue that was not empty none)."""
@@ -93,6 +114,7 @@ class NotifyHub:
         self._thread: threading.Thread | None = None
         self._waiters: dict[str, collections.deque[Waiter]] = {}
         self._pollers: dict[str, Waiter] = {}  # the one waiter of each channel that polls
+        self._recheckers: dict[str, Waiter] = {}  # the waiter of each channel that looks for a push seen
         self._listening: set[str] = set()
         self._wake_r, self._wake_w = os.pipe()
         self._closed = False
@@ -130,7 +152,10 @@ class NotifyHub:
                 del self._pollers[waiter.channel]
                 if queue:  # the longest waiter polls next; woken, it times its wait as a poller
                     successor = self._pollers[waiter.channel] = queue[0]
-        if waiter._event.is_set():  # a wake it did not use goes on to another
+            rechecked = self._recheckers.get(waiter.channel) is waiter
+            if rechecked:
+                del self._recheckers[waiter.channel]
+        if waiter._event.is_set() or rechecked:  # a wake it did not use, or its recheck, goes to another
             self.wake_one(waiter.channel)
         if successor is not None:
             successor.wake()

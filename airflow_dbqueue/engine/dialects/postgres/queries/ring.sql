@@ -532,6 +532,16 @@ CROSS JOIN LATERAL (
     SELECT l.last, ((l.last << 16) | 65535) >= p.lowest AS pushing
     FROM (SELECT coalesce(pg_sequence_last_value('{schema}.{rows}'), -1) AS last, p.lowest OFFSET 0) l) s
 
+-- name: ring_rows_next_due
+-- Seconds until the earliest message of group {retries} (the group's retry log, a view over its four
+-- segments) to deliver again becomes due: a newest retry row ready from a time still to come (a nack with
+-- a delay, a retry's backoff); NULL when none is. Asked by a waiting pop before it waits, only when its
+-- question said messages to deliver again may be in the segments live now, so that it wakes when the
+-- earliest comes due rather than at its poll.
+SELECT extract(epoch FROM min(r.due_at) - now())::float8 FROM {schema}.{retries} r
+WHERE r.state = 1 AND r.due_at > now()
+  AND NOT EXISTS (SELECT 1 FROM {schema}.{retries} x WHERE x.id = r.id AND x.ver > r.ver)
+
 -- name: ring_rows_groups
 -- The consumer groups of a ring of the rows layout, the default one first (gid: the ring's queue_id; no
 -- ring_groups row), as ring_groups reads them for the slots layout: its lowest lane position (an id), the
