@@ -218,12 +218,12 @@ def _wanted_settings(
     retry_backoff = check_seconds(f"queue {name!r}: retry_backoff", retry_backoff)
     retry_backoff_max = check_seconds(f"queue {name!r}: retry_backoff_max", retry_backoff_max)
     dedup_window = check_seconds(f"queue {name!r}: dedup_window", dedup_window, positive=True)
-    if ring and dedup_window != DEFAULT_DEDUP_WINDOW_S:
-        raise NotSupportedError(
-            f"queue {name!r}: dedup_window applies to table queues only (a ring has no deduplication "
-            "keys on push; docs/limits.md)"
-        )
     expiring = ring_layout is RingLayout.ROWS
+    if ring and not expiring and dedup_window != DEFAULT_DEDUP_WINDOW_S:
+        raise NotSupportedError(
+            f"queue {name!r}: dedup_window applies to table queues and rings of the rows layout only (a "
+            "ring of the slots layout has no deduplication keys on push; docs/limits.md)"
+        )
     if ring and not expiring and (ttl is not None or on_expiry != OnExpiry.FAIL):
         what = "ttl" if ttl is not None else f"on_expiry={on_expiry!r}"
         raise NotSupportedError(
