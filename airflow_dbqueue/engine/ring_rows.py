@@ -261,7 +261,9 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             query, fn = "ring_rows_push_ttl", self._pushx_fn
         return int(self._push_row(query, params, conn, fn))
 
-    def _push_row(self, query: str, params: dict[str, Any], conn: DbConnection | None, fn: dict[str, str]) -> Any:
+    def _push_row(
+        self, query: str, params: dict[str, Any], conn: DbConnection | None, fn: dict[str, str]
+    ) -> Any:
         """Run a push of the ring's (``query``, calling its function ``fn``) and return what it returns
         first. When the row's segment still holds an older generation, rotate it in (a transaction of
         its own) and push again; while some lane still needs it, wait with backoff up to
