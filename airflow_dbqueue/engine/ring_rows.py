@@ -507,8 +507,9 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         act on groups that nobody pops (:meth:`watch_groups`), and rotate in the next segment when
         nothing needs the one it holds any more, so that pushes find it empty, forget every group's
         batches finished longer than ``batch_retention_s`` ago, and forget up to ``limit``
-        deduplication keys older than the ring's ``dedup_window`` (``"keys_forgotten"``). ``"groups_lagging"`` and
-        ``"groups_dropped"`` are counted on a ring with groups besides the default one."""
+        deduplication keys older than the ring's ``dedup_window`` (``"keys_forgotten"``).
+        ``"groups_lagging"`` and ``"groups_dropped"`` are counted on a ring with groups besides the
+        default one."""
         root = self._default()
         others = root._group_handles()
         reclaimed = root.reclaim_expired(limit)

@@ -70,7 +70,7 @@ def keys_table(q: Queue) -> str:
     """The table that holds ``q``'s deduplication keys: the schema's, or the ring's own."""
     if q.settings.design is Design.TABLE:
         return "{schema}.dedup"
-    return "{schema}.ring_%d_rkeys" % q.settings.queue_id
+    return f"{{schema}}.ring_{q.settings.queue_id}_rkeys"
 
 
 def dedup_rows(dbq: DbQueue, q: Queue | None = None) -> int:
@@ -83,7 +83,7 @@ def rows_issued(dbq: DbQueue, q: Queue) -> int | None:
     """The row numbers a ring of the rows layout has issued (None for the table design)."""
     if q.settings.design is Design.TABLE:
         return None
-    seq = "{schema}.ring_%d_rrows" % q.settings.queue_id
+    seq = f"{{schema}}.ring_{q.settings.queue_id}_rrows"
     got = run_sql(dbq, "SELECT coalesce(pg_sequence_last_value('" + seq + "'), -1) + 1")
     return int(got[0][0])
 

@@ -54,9 +54,9 @@ def _rows_privileges(what: str, kind: str, actions: frozenset[str]) -> frozenset
     inserts a row into a segment, and rotates one in: it empties a segment with its logs (those of every
     group) and the table of the emptied segments' total beside it under ``LOCK TABLE`` and ``TRUNCATE``,
     writes that total again there, and labels it (``setval``); a push with deduplication keys inserts,
-    updates and (when a rotation comes first) deletes its keys in the ring's key table. A pop, ack, nack, reclaim
-    or batch only inserts into its group's logs and the ledger (a claim locks its ledger row). admin:
-    everything (maintenance, failed messages)."""
+    updates and (when a rotation comes first) deletes its keys in the ring's key table. A pop, ack,
+    nack, reclaim or batch only inserts into its group's logs and the ledger (a claim locks its ledger
+    row). admin: everything (maintenance, failed messages)."""
     if not actions:
         return frozenset()
     if "admin" in actions:
