@@ -489,3 +489,30 @@ def test_keys_on_a_ring_with_groups_expiry_and_rotations(dbq: DbQueue) -> None:
     assert drain(q) == [] and drain(g) == []
     dbq.drop_queue("d")
     assert run_sql(dbq, f"SELECT to_regclass('{{schema}}.ring_{qid}_rkeys') IS NULL") == [(True,)]
+
+
+def test_the_cli_pushes_with_keys_into_a_ring_of_the_rows_layout(
+    dbq: DbQueue, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Through dbqueue's main(): create a rows ring with --dedup-window, push with --dedup-key (a key
+    repeated and a retry), and the upkeep's count of the keys it forgot."""
+    import json
+
+    from airflow_dbqueue import cli
+
+    base = ["--dsn", dbq.db.dsn, "--schema", dbq.schema]
+    create = ["create", "r", "--design", "ring", "--layout", "rows", "--capacity", "64", "--lanes", "2"]
+    assert cli.main([*base, *create, "--dedup-window", "30"]) == 0
+    capsys.readouterr()
+    q = dbq.queue("r")
+    assert q.settings.dedup_window_s == 30.0
+    push = [*base, "push", "r", '{"n": 1}', '{"n": 2}', '{"n": 1, "again": 1}']
+    assert cli.main([*push, "--dedup-key", "a", "--dedup-key", "b", "--dedup-key", "a"]) == 0
+    ids = json.loads(capsys.readouterr().out)["ids"]
+    assert ids[0] == ids[2] != ids[1]
+    assert cli.main([*base, "push", "r", '{"n": 2, "retry": 1}', "--dedup-key", "b"]) == 0
+    assert json.loads(capsys.readouterr().out)["ids"] == [ids[1]]
+    run_sql(dbq, f"UPDATE {keys_table(q)} SET pushed_at = now() - interval '31 s'")
+    assert dbq.maintenance().recover()["r"]["keys_forgotten"] == 2 and dedup_rows(dbq, q) == 0
+    out = drain(q)
+    assert len(out) == 2 and checksum(out) == checksum([{"n": 1}, {"n": 2}])
