@@ -488,14 +488,14 @@ class DbQueue:
         capacity. A declaration that leaves the layout out matches an existing ring of either layout.
 
         ``dedup_window`` (seconds, default 300) is how long a push's ``dedup_key`` is remembered: a
-        second push of the key within it pushes nothing and returns the first push's id (table design;
-        see :meth:`Queue.push`). ``ttl`` (seconds, table design and a ring of the rows layout, default
-        none) is how long a message may
-        wait to be popped unless its push names another: a message not popped by then is never
-        delivered, and goes to the failed state with ``last_error`` ``"expired"``
-        (``on_expiry="fail"``, the default) or is dropped (``on_expiry="drop"``). ``ordering="per_key"``
-        (table design) lets pushes give messages an ordering key (``push(key=...)``): a key's messages
-        are handed out in push order, one at a time, while different keys go in parallel.
+        second push of the key within it pushes nothing and returns the first push's id (table design
+        and a ring of the rows layout; see :meth:`Queue.push`). ``ttl`` (seconds, table design and a
+        ring of the rows layout, default none) is how long a message may wait to be popped unless its
+        push names another: a message not popped by then is never delivered, and goes to the failed
+        state with ``last_error`` ``"expired"`` (``on_expiry="fail"``, the default) or is dropped
+        (``on_expiry="drop"``). ``ordering="per_key"`` (table design) lets pushes give messages an
+        ordering key (``push(key=...)``): a key's messages are handed out in push order, one at a
+        time, while different keys go in parallel.
         """
         name = validate_queue_name(name)
         try:

@@ -72,8 +72,15 @@ as the table design's stats do. Both are exact: the pending ones are counted in 
 past the lanes that counts ``ready`` (a row's expiry read beside its size; no scan of their own), and
 the expired ones among the group's failed messages, as ``failed`` is counted.
 
-Not built on any ring, refused with :class:`NotSupportedError`: ordering keys and deduplication keys
-(docs/concepts.md says why).
+Deduplication keys (``push(dedup_key=...)``, as the table design's, docs/concepts.md): a keyed push
+runs the ring's ``rpushk``, which claims the keys in the ring's key table (``rkeys``) before it takes
+its row number, so a push that waits for a racing push of one of its keys holds no number and leaves no
+gap; the new messages of a batch (those of keys not pushed within the queue's ``dedup_window``) are one
+row, the known keys return their first pushes' ids. A push without keys never reads that table.
+:meth:`RowsRingQueue.maintain` forgets keys older than the window.
+
+Not built on any ring, refused with :class:`NotSupportedError`: ordering keys (docs/concepts.md says
+why).
 """
 
 from __future__ import annotations
