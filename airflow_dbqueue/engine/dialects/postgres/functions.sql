@@ -2324,8 +2324,10 @@ CREATE TABLE {schema}.@Pbs (batch_id uuid NOT NULL, ver integer NOT NULL, state 
 -- keys (a push without keys never reads it) and forgotten by the upkeep (@Pforget, through
 -- @Pkeys_pushed_idx), so it holds about a window of keys. Not segmented: a key outlives its message's
 -- segment, as the table design's outlives its message. The ring's, not a group's: groups never copy it.
+-- Half of each page is left to updates (fillfactor 50), so that a push's update of the keys it
+-- inserted (their ids, below) finds room on their page: a HOT update, which adds no index entry.
 CREATE TABLE {schema}.@Pkeys (dedup_key text NOT NULL, id bigint, pushed_at timestamptz NOT NULL,
-    CONSTRAINT @Pkeys_pkey PRIMARY KEY (dedup_key))
+    CONSTRAINT @Pkeys_pkey PRIMARY KEY (dedup_key)) WITH (fillfactor = 50)
 @;
 CREATE INDEX @Pkeys_pushed_idx ON {schema}.@Pkeys (pushed_at)
 @;
@@ -2514,9 +2516,12 @@ $b$
 -- inserts its own row and pushes. Under REPEATABLE READ or SERIALIZABLE a key committed after the
 -- transaction's snapshot raises a serialization error (the caller runs its transaction again). The
 -- claimed rows get their ids once the row number is taken; a rotation needed by then deletes them again
--- (a row taken over was older than the window: as good as absent) and asks for it.
+-- (a row taken over was older than the window: as good as absent) and asks for it. The keys' rows are
+-- read by their index, one probe a key (no sequential scan, hash or merge join): the table holds a
+-- window's keys, which a scan of it would read on every push.
 CREATE FUNCTION {schema}.@Ppushk(p_payloads bytea[], p_keys text[], p_notify integer, p_channel text,
-    p_ttl double precision, OUT r_ids bigint[], OUT r_need bigint) LANGUAGE plpgsql AS $b$
+    p_ttl double precision, OUT r_ids bigint[], OUT r_need bigint) LANGUAGE plpgsql
+SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off AS $b$
 DECLARE
     v_r bigint;
     v_k integer;
