@@ -2516,18 +2516,18 @@ $b$
 -- inserts its own row and pushes. Under REPEATABLE READ or SERIALIZABLE a key committed after the
 -- transaction's snapshot raises a serialization error (the caller runs its transaction again). The
 -- claimed rows get their ids once the row number is taken; a rotation needed by then deletes them again
--- (a row taken over was older than the window: as good as absent) and asks for it. The keys' rows are
--- read by their index, one probe a key (no sequential scan, hash or merge join): the table holds a
--- window's keys, which a scan of it would read on every push.
+-- (a row taken over was older than the window: as good as absent) and asks for it. The claimed rows are
+-- found again by the row versions the claim returned (a TID scan of exactly those): the table holds a
+-- window's keys, which no push of new keys reads.
 CREATE FUNCTION {schema}.@Ppushk(p_payloads bytea[], p_keys text[], p_notify integer, p_channel text,
-    p_ttl double precision, OUT r_ids bigint[], OUT r_need bigint) LANGUAGE plpgsql
-SET enable_seqscan = off SET enable_hashjoin = off SET enable_mergejoin = off AS $b$
+    p_ttl double precision, OUT r_ids bigint[], OUT r_need bigint) LANGUAGE plpgsql AS $b$
 DECLARE
     v_r bigint;
     v_k integer;
     v_ok boolean;
     v_window double precision;
     v_new bigint[];
+    v_tids tid[];
     v_pl bytea[];
 BEGIN
     v_ok := pg_current_xact_id() IS NOT NULL;
@@ -2542,8 +2542,8 @@ BEGIN
         SELECT u.k, NULL, now() FROM unnest(p_keys) AS u(k) ORDER BY u.k
         ON CONFLICT (dedup_key) DO UPDATE SET id = NULL, pushed_at = excluded.pushed_at
         WHERE d.pushed_at <= now() - make_interval(secs => v_window)
-        RETURNING d.dedup_key)
-    SELECT array_agg(u.o ORDER BY u.o) INTO v_new
+        RETURNING d.dedup_key, d.ctid)
+    SELECT array_agg(u.o ORDER BY u.o), array_agg(c.ctid ORDER BY u.o) INTO v_new, v_tids
     FROM unnest(p_keys) WITH ORDINALITY AS u(k, o) JOIN c ON c.dedup_key = u.k;
     IF v_new IS NULL THEN  -- every key known: their first pushes' ids, nothing pushed
         r_ids := ARRAY(SELECT d.id FROM unnest(p_keys) WITH ORDINALITY AS u(k, o)
@@ -2556,7 +2556,7 @@ BEGIN
     v_k := (v_r / @S % 4)::integer;
     IF {schema}.@Pseg_gen(v_k) <> v_r / @S THEN
         v_ok := pg_advisory_unlock(@K1, 0);
-        DELETE FROM {schema}.@Pkeys d WHERE d.dedup_key = ANY (ARRAY(SELECT p_keys[o] FROM unnest(v_new) o));
+        DELETE FROM {schema}.@Pkeys d WHERE d.ctid = ANY (v_tids);
         r_need := v_r / @S;
         RETURN;
     END IF;
@@ -2580,7 +2580,7 @@ BEGIN
         );
     END IF;
     UPDATE {schema}.@Pkeys d SET id = (v_r << 16) | (x.i - 1)
-    FROM unnest(v_new) WITH ORDINALITY AS x(o, i) WHERE d.dedup_key = p_keys[x.o];
+    FROM unnest(v_tids) WITH ORDINALITY AS x(t, i) WHERE d.ctid = x.t;
     IF cardinality(v_new) = cardinality(p_keys) THEN
         r_ids := ARRAY(SELECT (v_r << 16) | i FROM generate_series(0, cardinality(p_keys) - 1) i);
     ELSE
