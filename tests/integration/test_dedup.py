@@ -521,12 +521,14 @@ def test_the_cli_pushes_with_keys_into_a_ring_of_the_rows_layout(
 def test_a_keyed_push_reads_its_keys_by_their_index(dbq: DbQueue) -> None:
     """The key table of a ring of the rows layout holds a window's keys: a keyed push (of new keys,
     partly known ones, known ones only) finds the rows it claimed by their row versions and the known
-    ones by the key's index, and never scans the table (3,000 keys: a few dozen pages)."""
+    ones by the key's index, and never scans the table (3,000 keys: a few dozen pages); the update that
+    gives a claimed key its id is a HOT update."""
     q = rows_ring(dbq, "d")
     for b in range(10):
         q.push_batch([f"a{b}-{i}" for i in range(300)], dedup_keys=[f"a{b}-{i}" for i in range(300)])
     stats = (
-        "SELECT coalesce(seq_scan, 0), coalesce(idx_scan, 0) FROM pg_catalog.pg_stat_xact_user_tables"
+        "SELECT coalesce(seq_scan, 0), coalesce(idx_scan, 0), n_tup_upd, n_tup_hot_upd"
+        " FROM pg_catalog.pg_stat_xact_user_tables"
         f" WHERE relid = '{keys_table(q)}'::regclass"
     )
     with dbq.transaction() as conn:
@@ -536,8 +538,10 @@ def test_a_keyed_push_reads_its_keys_by_their_index(dbq: DbQueue) -> None:
         q.push_batch(["a0-0", "c0", "b1"], dedup_keys=["a0-0", "c0", "b1"], conn=conn)
         q.push_batch(["a0-1", "c0"], dedup_keys=["a0-1", "c0"], conn=conn)
         [after] = run_sql(dbq, stats, None, conn)
-    seq, idx = after[0] - before[0], after[1] - before[1]
+    seq, idx, upd, hot = (a - b for a, b in zip(after, before, strict=True))
     assert seq == 0 and idx > 0, (seq, idx)
+    # the three new keys got their ids by updates that stayed on their pages (fillfactor 50): HOT
+    assert upd == hot == 3, (upd, hot)
     out = drain(q)
     expected = [f"a{b}-{i}" for b in range(10) for i in range(300)] + ["b0", "b1", "c0"]
     assert len(out) == len(expected) and checksum(out) == checksum(expected)
