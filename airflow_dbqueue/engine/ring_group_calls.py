@@ -1,5 +1,5 @@
-"""The consumer-group calls a ring's two layouts share: adding, listing and dropping groups, and acting on
-those nobody pops (:mod:`airflow_dbqueue.engine.ring_groups` for the slots layout,
+"""The consumer-group calls a ring's two layouts share: a group's handle, adding, listing and dropping
+groups, and acting on those nobody pops (:mod:`airflow_dbqueue.engine.ring_groups` for the slots layout,
 :mod:`airflow_dbqueue.engine.ring_rows_groups` for the rows layout). Each layout names the statement
 that lists its groups and says what a lagging group holds; the SQL behind ``ring_add_group`` and
 ``ring_drop_group`` serves either layout."""
@@ -24,19 +24,19 @@ if TYPE_CHECKING:
 
 
 class RingGroupCalls(Queue):
-    """Adding, listing and dropping a ring's consumer groups, and acting on those nobody pops."""
+    """A ring's consumer groups: each one's handle; adding, listing and dropping them, and acting on
+    those nobody pops."""
 
     if TYPE_CHECKING:  # the layout's handle's
         _qid: int
         _gid: int
         _groups: dict[str, Self]
         _lock: threading.Lock
+        _root: Self
 
         def _default(self) -> Self: ...
 
         def _raise_if_gone(self, conn: DbConnection | None = None) -> None: ...
-
-        def group(self, name: str | None) -> Self: ...
 
     _GROUPS_QUERY: ClassVar[str]
     """The statement that lists the ring's groups and their positions: ``ring_groups`` (slots),
@@ -45,6 +45,12 @@ class RingGroupCalls(Queue):
     """What a lagging group's count counts in the lag warning: ``numbers`` (slots), ``pushes`` (rows)."""
     _LAG_HOLDS: ClassVar[str]
     """What a lagging group holds of the ring, in the warning: its ``floor`` (slots), ``segments`` (rows)."""
+    _GROUP_IDS_QUERY: ClassVar[str]
+    """The statement that names the ring's groups, ``(gid, name, ...)`` rows: ``ring_groups`` (slots, the
+    default group's row among them), ``ring_rows_group_ids`` (rows, the other groups only)."""
+    _GROUP_INHERITS: ClassVar[tuple[str, ...]] = ("push_timeout",)
+    """The settings of the default group's handle that a group's handle takes on when made: a push
+    through a group's handle is a push into the ring."""
     _GROUP_OWN_TABLES: ClassVar[bool] = False
     """Whether a group is made of tables of its own (rows), which the ring's per-queue grants must reach
     as it is made; a slots ring's groups are rows in the ring's tables."""
@@ -54,6 +60,30 @@ class RingGroupCalls(Queue):
         """How many units (:attr:`_LAG_UNIT`) a group whose lowest position is ``min_pos`` has to take
         up to ``issued``, the last one issued."""
         return issued - min_pos + 1
+
+    def group(self, name: str | None) -> Self:
+        """Return the handle of this ring's consumer group ``name`` (``None`` or :data:`DEFAULT_GROUP`:
+        the default group's); raise :class:`GroupNotFoundError` when the ring has no such group. A
+        group's handle is made once and kept by the default group's handle; it may do to the group what
+        the role may do to the ring."""
+        root = self._default()
+        if name is None or name == DEFAULT_GROUP:
+            return root
+        with root._lock:
+            got = root._groups.get(name)
+        if got is not None:
+            return got
+        for row in self._db.fetchall(self._GROUP_IDS_QUERY, {"queue_id": self._qid}):
+            if row[0] != self._qid and row[1] == name:
+                handle = type(self)(self._db, self.settings, group=name, gid=int(row[0]))  # type: ignore[call-arg]
+                handle._root = root
+                handle._may = root._may  # what the role may do to the ring, it may do to its groups
+                for setting in self._GROUP_INHERITS:
+                    setattr(handle, setting, getattr(root, setting))
+                with root._lock:
+                    return root._groups.setdefault(name, handle)
+        self._raise_if_gone()
+        raise GroupNotFoundError(self.name, name)
 
     def add_group(
         self,

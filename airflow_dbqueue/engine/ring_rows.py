@@ -48,6 +48,14 @@ writing nothing. Expired leases are reclaimed by pops (at most every ``reclaim_e
 is open, none of its messages is to be delivered again or leased again, and the segment before it was
 emptied (a lease may run into the next segment).
 
+Observers: :meth:`RowsRingQueue.readiness` and :meth:`RowsRingQueue.count_ready` (what a sensor and a
+trigger wait on) read the group's own ``ready``, one statement: the messages a pop could take now, leases
+past their end with an attempt left included before anything reclaimed them (a pop reclaims them first),
+and the id and deliveries of the one a pop takes first. :meth:`RowsRingQueue.stats` counts such a lease
+in flight until it is reclaimed, and :meth:`RowsRingQueue.peek` (the group's own ``look``) shows the
+ready messages with their attempts and deliveries so far (0 and 0 for one never delivered), as the slots
+layout and the table design do.
+
 Consumer groups (:mod:`airflow_dbqueue.engine.ring_rows_groups`): a group besides the default one
 has its own position logs, leases, done rows, retry log and functions over the ring's segments; a
 segment is emptied only when every group has passed it.
@@ -109,7 +117,13 @@ from airflow_dbqueue.engine.models import (
     Semantics,
     messages_from_columns,
 )
-from airflow_dbqueue.engine.queue import COUNT_CAP, RECLAIM_LIMIT, check_keys, check_seconds
+from airflow_dbqueue.engine.queue import (
+    COUNT_CAP,
+    RECLAIM_LIMIT,
+    _check_batch_size,
+    check_keys,
+    check_seconds,
+)
 from airflow_dbqueue.engine.ring_base import (
     _NOTIFY_CODE,
     _SETTLE_ACK,
@@ -323,15 +337,8 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         return self._messages(rows)
 
     def _messages(self, rows: Sequence[Sequence[Any]]) -> list[Message]:
-        """Messages from (id, attempts, deliveries, enqueued_at, lease_until, payload) rows, or from
-        (id, enqueued_at, payload) rows of messages never leased (peek)."""
-        if len(rows[0]) == 3:
-            ids, enqueued, payloads = zip(*rows, strict=True)
-            attempts: Iterable[int] = repeat(1)
-            deliveries: Iterable[int] = repeat(1)
-            until: Iterable[Any] = repeat(None)
-        else:
-            ids, attempts, deliveries, enqueued, until, payloads = zip(*rows, strict=True)
+        """Messages from (id, attempts, deliveries, enqueued_at, lease_until, payload) rows."""
+        ids, attempts, deliveries, enqueued, until, payloads = zip(*rows, strict=True)
         if self.settings.payload_type is not PayloadType.BYTES:
             payloads = tuple(map(self.settings.decode, payloads))
         return messages_from_columns(
@@ -554,17 +561,42 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
     # -- inspect -------------------------------------------------------------------------------------
 
     def peek(self, n: int = 10) -> list[Message]:
+        """Up to ``n`` ready messages in the order pops take them (those due again first, then the
+        lanes'), taking nothing: each with its attempts and deliveries so far (0 and 0 for a message never
+        delivered), as the slots layout and the table design show them. A lease past its end is in flight
+        until reclaimed (:meth:`readiness` counts it); a message past its time to live is not ready."""
+        n = _check_batch_size(n)
         try:
-            rows = self._db.fetchall("ring_rows_peek", {"queue_id": self._gid, "n": n})
+            rows = self._db.fetchall("ring_rows_look", {"queue_id": self._gid, "n": n})
         except (DatabaseError, SchemaError):
             self._raise_if_gone()
             raise
         if not rows:
+            self._raise_if_gone()  # a dropped ring or group has nothing to show either
             return []
         return self._messages(rows)
 
     def count_ready(self, min_priority: int | None = None, cap: int = COUNT_CAP) -> int:
-        return min(self.stats().ready, cap)
+        return self.readiness(min_priority, cap)[0]
+
+    def readiness(
+        self, min_priority: int | None = None, cap: int = COUNT_CAP
+    ) -> tuple[int, tuple[int, int] | None]:
+        """What a pop could take now, counted up to ``cap``, and the ``(id, delivery)`` of the message it
+        would take first, in one statement (the ring's own ``ready``): leases past their end with an
+        attempt left count at once, before a pop or :meth:`maintain` reclaims them, as on the slots
+        layout and the table design (a pop reclaims them first), while :meth:`stats` shows them in flight
+        until then. Every ring message has priority 0: ``min_priority`` above 0 counts none."""
+        params = {"queue_id": self._gid, "cap": cap, "max_attempts": self.settings.max_attempts}
+        try:
+            row = self._db.fetchone("ring_rows_ready_head", params)
+        except (DatabaseError, SchemaError):
+            self._raise_if_gone()
+            raise
+        if row is None or row[1] is None:
+            return 0, None
+        ready = 0 if min_priority is not None and min_priority > 0 else int(row[0])
+        return ready, (int(row[1]), int(row[2]))
 
     def _look(self, take: Callable[[], list[_T]]) -> tuple[bool, list[_T]]:
         """One look of a waiting pop: the question (ring_rows_ask), then the pop only when it may find

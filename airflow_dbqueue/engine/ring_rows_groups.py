@@ -32,6 +32,7 @@ class RowsRingGroups(RingGroupCalls):
     lagging group holds the ring's segments, so many pushes (rows) behind."""
 
     _GROUPS_QUERY = "ring_rows_groups"
+    _GROUP_IDS_QUERY = "ring_rows_group_ids"
     _LAG_UNIT = "pushes"
     _LAG_HOLDS = "segments"
     _GROUP_OWN_TABLES = True
@@ -64,27 +65,6 @@ class RowsRingGroups(RingGroupCalls):
 
     def _default(self) -> Self:
         return self if self._gid == self._qid else self._root
-
-    def group(self, name: str | None) -> Self:
-        """Return the handle of this ring's consumer group ``name`` (``None`` or :data:`DEFAULT_GROUP`:
-        the default group's); raise :class:`GroupNotFoundError` when the ring has no such group."""
-        root = self._default()
-        if name is None or name == DEFAULT_GROUP:
-            return root
-        with root._lock:
-            got = root._groups.get(name)
-        if got is not None:
-            return got
-        for row in self._db.fetchall("ring_rows_group_ids", {"queue_id": self._qid}):
-            if row[1] == name:
-                handle = type(self)(self._db, self.settings, group=name, gid=int(row[0]))  # type: ignore[call-arg]
-                handle._root = root
-                handle._may = root._may  # what the role may do to the ring, it may do to its groups
-                handle.push_timeout = root.push_timeout
-                with root._lock:
-                    return root._groups.setdefault(name, handle)
-        self._raise_if_gone()
-        raise GroupNotFoundError(self.name, name)
 
     def _group_handles(self) -> list[Self]:
         """The handles of the ring's groups besides the default one (those dropped meanwhile left out)."""

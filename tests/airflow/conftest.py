@@ -134,15 +134,14 @@ def event_log_text(server: LocalConnectServer) -> str:
 def trigger_is_waiting(dsn: str) -> bool:
     """Whether a DbQueueTrigger's checking connection sits idle after a readiness check (so it waits).
 
-    A check's last statement is the readiness query (``head_deliveries``) on the table design and a ring
-    of the slots layout (on an empty ring the same statement also tells an empty ring from a dropped
-    one), the head's peek (``ring_rows_peek``) on a ring of the rows layout.
+    A check's last statement is the readiness query (``head_deliveries``) on every design (on an empty
+    ring of the slots layout the same statement also tells an empty ring from a dropped one).
     """
     with psycopg.connect(dsn, autocommit=True) as c:
         row = c.execute(
             "SELECT count(*) FROM pg_stat_activity a WHERE a.application_name = %(app)s "
             "AND a.state = 'idle' "
-            "AND (a.query LIKE '%%head_deliveries%%' OR a.query LIKE '%%ring_rows_peek(%%')",
+            "AND a.query LIKE '%%head_deliveries%%'",
             {"app": "airflow-dbqueue-trigger"},
         ).fetchone()
     return bool(row and row[0])

@@ -530,6 +530,24 @@ def test_the_page_in_a_headless_browser(server: Server) -> None:  # noqa: PLR091
         assert quotes.maintain()["expired"] == 2
         assert checksum([m.payload for m in quotes.list_failed()]) == checksum(["q0", "q1"])
         assert quotes.stats().extra == {"expired": 2} and [m.payload for m in quotes.peek(10)] == ["q2"]
+        # A ring of the rows layout made with a ttl: an expired push a pop passed (failed by expiry), one
+        # no pop has reached yet (pending), and the message the pop took between them.
+        rows_quotes = dbq.create_queue(
+            "page_rows_quotes", design="ring", layout="rows", capacity=64, lanes=1, ttl=3600
+        )
+        passed, taken, pending = (
+            rows_quotes.push_batch(p) for p in (["r0", "r1"], ["r2"], ["r3", "r4", "r5"])
+        )
+        run_sql(
+            dbq,
+            f"UPDATE {{schema}}.ring_{rows_quotes.settings.queue_id}_rq0 "
+            "SET expires_at = now() - interval '1 s' WHERE r = ANY (%(rows)s)",
+            {"rows": [passed[0] >> 16, pending[0] >> 16]},
+        )
+        assert [m.id for m in rows_quotes.pop(1)] == taken
+        extra = rows_quotes.stats().extra
+        assert (extra["expired"], extra["expired_pending"]) == (2, 3)
+        assert checksum(f.payload for f in rows_quotes.list_failed()) == checksum(["r0", "r1"])
     assert checksum([m.payload for m in audited]) == checksum(ticks[:6])
     # Through the API: the ring's groups with their positions and lag; none for a table queue.
     status, body = request(server.url + "/dbqueue/api/queues", token=server.token("viewer"))
@@ -588,9 +606,15 @@ def test_the_page_in_a_headless_browser(server: Server) -> None:  # noqa: PLR091
         }
         assert shown == {"design": "table", "ready": "7", "delayed": "2", "in_flight": "3", "failed": "4"}
         assert b.evaluate(cell("page_ticks", "ready")) == "16"
-        # What failed by expiry, a table queue's figure (none of a ring, which has no expiry)
+        # What failed by expiry, a table queue's figure (none of a ring made without a ttl)
         expired = [b.evaluate(cell(q, "expired")) for q in ("page_quotes", k.name, "page_ticks")]
         assert expired == ["2", "0", ""]
+        # A rows ring's: those failed by expiry, and beside them those no pop has reached yet
+        assert b.evaluate(cell("page_rows_quotes", "expired")) == "2 +3 pending"
+        pending_span = 'tr[data-queue="page_rows_quotes"] span[data-field="expired_pending"]'
+        assert "not reached by a pop yet" in b.evaluate(f"document.querySelector('{pending_span}').title")
+        none_pending = "!document.querySelector('tr[data-queue=\"{}\"] span[data-field=expired_pending]')"
+        assert all(b.evaluate(none_pending.format(q)) for q in ("page_quotes", k.name, "page_ticks"))
         assert b.evaluate(cell("page_quotes", "failed")) == "2"
         assert "25% of 64" in b.evaluate(cell("page_ticks", "ring"))
         # Under the ring, its consumer groups with their lag; none under the table queue.

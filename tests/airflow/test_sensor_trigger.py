@@ -354,8 +354,16 @@ def test_deferrable_sensor_keeps_one_deadline_across_defers(airflow_conn: str, d
 
 
 def _expire_whole_ring_leases(dbq: DbQueue, q: Any) -> None:
-    """Run a ring's leases (ring_leases rows, one a pop) out, as a consumer killed holding them leaves
-    them: nothing else changes."""
+    """Run a ring's leases (one row a pop: ring_leases on the slots layout, the ring's own lease tables
+    on the rows layout) out, as a consumer killed holding them leaves them: nothing else changes."""
+    if q.settings.layout == "rows":
+        for k in range(4):
+            run_sql(
+                dbq,
+                f"UPDATE {{schema}}.ring_{q.settings.queue_id}_rl{k} "
+                "SET lease_until = now() - interval '1 second'",
+            )
+        return
     run_sql(
         dbq,
         "UPDATE {schema}.ring_leases SET lease_until = now() - interval '1 second' "
@@ -364,17 +372,28 @@ def _expire_whole_ring_leases(dbq: DbQueue, q: Any) -> None:
     )
 
 
-@pytest.mark.parametrize("how", ["table", "ring-lease", "ring-retry"])
+def _stalled_queue(dbq: DbQueue, name: str, how: str, **settings: Any) -> Any:
+    """A queue of the design ``how`` names: ``table``; ``ring-*`` a ring of the slots layout, ``rows-*``
+    one of the rows layout (``*-lease``: its leases are run out whole, ``*-retry``: split first, each
+    message's leased retry row run out)."""
+    if how == "table":
+        return dbq.create_queue(name, **settings)
+    layout = "rows" if how.startswith("rows") else "slots"
+    return dbq.create_queue(name, design="ring", layout=layout, capacity=64, **settings)
+
+
+LEASE_DRILLS = ["table", "ring-lease", "ring-retry", "rows-lease", "rows-retry"]
+"""How a consumer's leases run out, on each design and ring layout (:func:`_stalled_queue`)."""
+
+
+@pytest.mark.parametrize("how", LEASE_DRILLS)
 def test_expired_leases_wake_the_deferred_sensor_which_gets_them(
     airflow_conn: str, dbq: DbQueue, how: str
 ) -> None:
     """A consumer popped every message and died: its leases run out. Readiness counts them at once (not
-    only after a reclaim), the trigger fires, and the sensor's claim reclaims and gets every one."""
-    ring = how.startswith("ring")
-    # ring: the slots layout, whose leases (ring_leases) the test runs out
-    q = dbq.create_queue(
-        "stalled", max_attempts=3, **({"design": "ring", "layout": "slots", "capacity": 64} if ring else {})
-    )
+    only after a reclaim: no pop, no maintenance runs), the trigger fires, and the sensor's claim
+    reclaims and gets every one."""
+    q = _stalled_queue(dbq, "stalled", how, max_attempts=3)
     pushed = [{"order": i} for i in range(10)]
     q.push_batch(pushed)
     held = q.pop(10, semantics="at-least-once")  # the consumer that dies
@@ -387,8 +406,8 @@ def test_expired_leases_wake_the_deferred_sensor_which_gets_them(
     runner = Runner(DbQueueTrigger(**deferred.value.trigger.serialize()[1]))
     try:
         wait_until_waiting(dbq.db.dsn)
-        if how == "ring-lease":
-            _expire_whole_ring_leases(dbq, q)  # the pop's one ring_leases row
+        if how.endswith("-lease"):
+            _expire_whole_ring_leases(dbq, q)  # the pop's one lease row
         else:
             expire_leases(dbq, [m.id for m in held], q)  # table rows; a ring's leased retry rows
         head = min(m.id for m in held)
@@ -407,19 +426,15 @@ def test_expired_leases_wake_the_deferred_sensor_which_gets_them(
     assert drained(q) and q.stats().failed == 0
 
 
-@pytest.mark.parametrize("how", ["table", "ring-lease", "ring-retry"])
+@pytest.mark.parametrize("how", LEASE_DRILLS)
 def test_expired_leases_out_of_attempts_are_not_ready(airflow_conn: str, dbq: DbQueue, how: str) -> None:
     """An expired lease that used its last attempt goes to the failed state when reclaimed, so readiness
     does not count it, and a pop gets nothing."""
-    ring = how.startswith("ring")
-    # ring: the slots layout, whose leases (ring_leases) the test runs out
-    q = dbq.create_queue(
-        "spent", max_attempts=1, **({"design": "ring", "layout": "slots", "capacity": 64} if ring else {})
-    )
+    q = _stalled_queue(dbq, "spent", how, max_attempts=1)
     pushed = [{"n": i} for i in range(4)]
     q.push_batch(pushed)
     held = q.pop(4, semantics="at-least-once")
-    if how == "ring-lease":
+    if how.endswith("-lease"):
         _expire_whole_ring_leases(dbq, q)
     else:
         expire_leases(dbq, [m.id for m in held], q)
@@ -432,15 +447,11 @@ def test_expired_leases_out_of_attempts_are_not_ready(airflow_conn: str, dbq: Db
     assert checksum(f.payload for f in failed) == checksum(pushed) and drained(q)
 
 
-@pytest.mark.parametrize("how", ["table", "ring"])
+@pytest.mark.parametrize("how", ["table", "ring-retry", "rows-retry"])
 def test_every_pop_reclaims_what_readiness_counted(dbq: DbQueue, how: str) -> None:
     """What readiness counts is what a pop gets, whatever its semantics: an at-most-once pop and an
     exactly-once pop of a fresh handle reclaim the expired leases first."""
-    # ring: the slots layout, whose readiness counts expired leases before a reclaim (docs/limits.md: a
-    # rows ring's counts them once a pop or maintain() reclaimed them)
-    q = dbq.create_queue(
-        "mixed", **({"design": "ring", "layout": "slots", "capacity": 64} if how == "ring" else {})
-    )
+    q = _stalled_queue(dbq, "mixed", how)
     pushed = [{"n": i} for i in range(6)]
     q.push_batch(pushed)
     held = q.pop(6, semantics="at-least-once")

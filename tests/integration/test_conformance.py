@@ -450,6 +450,61 @@ def test_expired_leases_reclaimed_by_pop_itself(make_queue: Callable[..., Queue]
     assert [(g.id, g.attempts) for g in got] == [(m.id, 2)]
 
 
+def test_peek_and_readiness_name_each_message_with_its_deliveries_so_far(
+    make_queue: Callable[..., Queue],
+) -> None:
+    """peek() shows each ready message with its attempts and deliveries so far: 0 and 0 for one never
+    delivered, 1 and 1 for one nacked back; readiness() counts them and names as its head the message a
+    pop takes first, which peek() shows first."""
+    q = make_queue(retry_backoff=0)
+    sent = ["a", "b", "c"]
+    ids = q.push_batch(sent)
+    assert [(m.id, m.attempts, m.delivery) for m in q.peek(10)] == [(i, 0, 0) for i in ids]
+    assert q.readiness() == (3, (ids[0], 0)) and q.count_ready() == 3
+    [m] = q.pop(1, semantics="at-least-once")
+    assert q.nack([m], delay=0) == 1
+    peeked = q.peek(10)
+    assert {x.id: (x.attempts, x.delivery) for x in peeked} == {
+        ids[0]: (1, 1),
+        ids[1]: (0, 0),
+        ids[2]: (0, 0),
+    }
+    assert q.readiness() == (3, peeked[0].receipt)
+    got = drain(q, "at-least-once")
+    assert sorted(x.id for x in got) == ids and checksum(x.payload for x in got) == checksum(sent)
+    assert [x.delivery for x in got if x.id == ids[0]] == [2]
+    assert q.readiness() == (0, None) and q.peek() == []
+
+
+def test_a_lease_past_its_end_is_ready_at_once_and_in_flight_until_reclaimed(
+    make_queue: Callable[..., Queue], dbq: DbQueue
+) -> None:
+    """A consumer died holding its lease: once its end passed, count_ready() and readiness() (what a
+    sensor and a trigger wait on) count its messages at once, before any pop or maintenance reclaimed
+    them (a pop reclaims them first), its first message the head, delivered once; stats() and peek()
+    show them in flight until then. Out of attempts, they are not counted."""
+    q = make_queue(max_attempts=3)
+    spent = make_queue(max_attempts=1)
+    sent = [f"m{i}" for i in range(5)]
+    ids = q.push_batch(sent)
+    spent.push_batch(sent)
+    held = q.pop(5, semantics="at-least-once")
+    lost = spent.pop(5, semantics="at-least-once")
+    assert q.readiness() == (0, None)
+    expire_leases(dbq, ids, q)
+    expire_leases(dbq, [m.id for m in lost], spent)
+    assert q.count_ready() == 5 and q.readiness() == (5, (ids[0], 1)) and q.count_ready(cap=2) == 2
+    assert (q.stats().ready, q.stats().in_flight) == (0, 5) and q.peek() == []
+    assert spent.count_ready() == 0 and spent.readiness() == (0, None)
+    assert q.reclaim_expired() == 5 and spent.reclaim_expired() == 5  # what a pop does first
+    assert q.readiness() == (5, (ids[0], 1)) and q.stats().ready == 5
+    again = q.pop(5, semantics="at-least-once")
+    assert [(m.id, m.delivery) for m in again] == [(i, 2) for i in ids] and q.ack(again) == 5
+    assert checksum(m.payload for m in again) == checksum(m.payload for m in held) == checksum(sent)
+    assert spent.pop(5) == [] and spent.stats().failed == 5
+    assert checksum(f.payload for f in spent.list_failed()) == checksum(sent)
+
+
 def test_lease_expiry_after_max_attempts_fails_the_message(
     make_queue: Callable[..., Queue], dbq: DbQueue
 ) -> None:

@@ -3293,7 +3293,34 @@ END
 $b$
 @;
 -- Up to p_n ready messages in the order a pop takes them (those due again first, then the lanes'), by
--- id, taking nothing.
+-- id, taking nothing: each with its attempts and deliveries so far (0 and 0 for a lane's message, never
+-- delivered; a retry row's for a message due again), as the slots layout and the table design show
+-- them. A message past its time to live is not ready (a pop that reaches it fails or drops it), and a
+-- lease that ran out is in flight until reclaimed, as on the other designs; @Pready counts it.
+CREATE FUNCTION {schema}.@Plook(p_n integer)
+RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz, r_payload bytea)
+LANGUAGE sql AS $b$
+    WITH l AS (SELECT u.o - 1 AS lane, u.at FROM unnest({schema}.@Planes(NULL)) WITH ORDINALITY u(at, o))
+    SELECT x.id, x.attempts, x.deliveries, x.enqueued_at, x.payload FROM (
+        SELECT 0 AS again, (t.r << 16) | (g.i - 1) AS id, 0 AS attempts, 0 AS deliveries, t.enqueued_at,
+               t.payloads[g.i] AS payload
+        FROM l JOIN {schema}.@Pq t ON t.r % @L = l.lane AND t.r >= l.at >> 16
+        CROSS JOIN LATERAL generate_subscripts(t.payloads, 1) g(i)
+        WHERE ((t.r << 16) | (g.i - 1)) >= l.at
+@E        AND NOT coalesce(t.expires_at <= now(), false)
+        UNION ALL
+        SELECT -1, r.id, r.attempts, r.deliveries, t.enqueued_at, t.payloads[(r.id & 65535)::integer + 1]
+        FROM {schema}.@Pr r JOIN {schema}.@Pq t ON t.r = r.id >> 16
+        WHERE r.state = 1 AND r.due_at <= now()
+          AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver)
+@E        AND NOT coalesce(t.expires_at <= now(), false)
+        ) x
+    ORDER BY x.again, x.id LIMIT p_n
+$b$
+@;
+-- What ring_rows_peek, which the client of the release before calls, reads (ring_rows_look reads
+-- @Plook): up to p_n ready messages in the order a pop takes them, by id, taking nothing; a ring made
+-- before @Plook has only this one, which ring_rows_look reads then.
 CREATE FUNCTION {schema}.@Ppeek(p_n integer)
 RETURNS TABLE (r_id bigint, r_enqueued_at timestamptz, r_payload bytea) LANGUAGE sql AS $b$
     WITH l AS (SELECT u.o - 1 AS lane, u.at FROM unnest({schema}.@Planes(NULL)) WITH ORDINALITY u(at, o))
@@ -3308,6 +3335,67 @@ RETURNS TABLE (r_id bigint, r_enqueued_at timestamptz, r_payload bytea) LANGUAGE
         WHERE r.state = 1 AND r.due_at <= now()
           AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver)) x
     ORDER BY x.again, x.id LIMIT p_n
+$b$
+@;
+-- What an observer waits on (count_ready, readiness: a sensor, a trigger): the messages a pop could
+-- take now, counted up to p_cap, and the id and deliveries so far of the one it would take first (no
+-- row's id when none). A pop reclaims leases past their end first (@Preclaim, at most every
+-- reclaim_every), so those with an attempt left count at once, before anything reclaimed them: the
+-- messages of an open lease past its end (a first delivery, attempt 1: when p_max_attempts > 1) and
+-- leased retry rows past their end with fewer than p_max_attempts attempts; one out of attempts fails
+-- when reclaimed, and is not counted. A message past its time to live is not counted (a pop fails or
+-- drops it). The head: pops serve messages due again first, in id order (a reclaimed lease's among
+-- them, with the deliveries it had: 1 for an open lease's, a retry row's own), then the lanes'
+-- (never delivered: 0), the lowest id first. stats() keeps counting a lease past its end in flight
+-- until it is reclaimed, as the other designs do. One statement, so one snapshot: the lanes' positions
+-- are read from the logs here, as @Pdepth reads them. Its cost is @Pdepth's lanes' pass (a scan of the
+-- rows past the lanes) and a look at the leases and retry rows of the live segments.
+CREATE FUNCTION {schema}.@Pready(p_cap bigint, p_max_attempts integer,
+    OUT r_ready bigint, OUT r_head_id bigint, OUT r_head_deliveries integer)
+LANGUAGE sql AS $b$
+    WITH l AS MATERIALIZED (
+        SELECT k AS lane, greatest(
+            (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = k), (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = k),
+            (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = k), (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = k)) AS at
+        FROM generate_series(0, @L - 1) k),
+    w AS MATERIALIZED (
+        SELECT t.n - CASE WHEN t.r = l.at >> 16 THEN (l.at & 65535) ELSE 0 END AS n,
+               CASE WHEN t.r = l.at >> 16 THEN l.at ELSE t.r << 16 END AS first
+        FROM l JOIN {schema}.@Pq t ON t.r % @L = l.lane AND t.r >= l.at >> 16
+        WHERE true
+@E        AND NOT coalesce(t.expires_at <= now(), false)
+        ),
+    a AS MATERIALIZED (
+        SELECT r.id, r.deliveries FROM {schema}.@Pr r
+        WHERE r.due_at <= now() AND (r.state = 1 OR (r.state = 2 AND r.attempts < p_max_attempts))
+          AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver)
+@E        AND NOT coalesce((SELECT t.expires_at <= now() FROM {schema}.@Pq t WHERE t.r = r.id >> 16), false)
+        ),
+    e AS MATERIALIZED (
+        SELECT (t.r << 16) | g.k AS id
+        FROM {schema}.@Pl e
+        JOIN {schema}.@Pq t ON t.r BETWEEN e.lo >> 16 AND e.hi >> 16
+        CROSS JOIN LATERAL generate_series(0, t.n - 1) g(k)
+        WHERE e.lease_until <= now() AND p_max_attempts > 1
+          AND NOT EXISTS (SELECT 1 FROM {schema}.@Pd d WHERE d.lo = e.lo)
+          AND ((t.r << 16) | g.k) BETWEEN e.lo AND e.hi
+          AND e.starts[(t.r % @L)::integer + 1] <= ((t.r << 16) | g.k)
+          AND ((t.r << 16) | g.k) < e.ends[(t.r % @L)::integer + 1]
+@E        AND NOT coalesce(t.expires_at <= now(), false)
+        )
+    SELECT least(p_cap, (SELECT coalesce(sum(w.n), 0) FROM w WHERE w.n > 0)
+                        + (SELECT count(*) FROM a) + (SELECT count(*) FROM e))::bigint,
+           h.id, h.d
+    FROM (SELECT 1) one
+    LEFT JOIN LATERAL (
+        SELECT c.id, c.d FROM (
+            SELECT a.id, a.deliveries AS d, 0 AS fresh FROM a
+            UNION ALL
+            SELECT e.id, 1, 0 FROM e
+            UNION ALL
+            SELECT min(w.first), 0, 1 FROM w WHERE w.n > 0) c
+        WHERE c.id IS NOT NULL
+        ORDER BY c.fresh, c.id LIMIT 1) h ON true
 $b$
 @;
 -- Write retry-log rows (id, ver, state, attempts, deliveries, due_at, consumer, last_error), each in the
@@ -3981,6 +4069,14 @@ $$;
 CREATE OR REPLACE FUNCTION {schema}.ring_rows_drop(p_queue_id integer)
 RETURNS void LANGUAGE plpgsql AS $$
 BEGIN
+    -- The readers that reach the ring's own objects through ring_rows_look, ring_rows_ready and
+    -- ring_rows_counts take this lock shared before any of them, and a drop takes it (the ring's and
+    -- each group's) before its first DDL: a reader then either ran before the drop, or waits for it and
+    -- finds the ring gone, and never holds one of the ring's tables while it waits for another that the
+    -- drop holds (the cycle that the drop's retries under a short lock_timeout cannot always break
+    -- while readers keep coming). An advisory lock writes nothing.
+    PERFORM pg_advisory_xact_lock(hashtext('dbqueue.rows.drop.{schema}'), p_queue_id);
+    PERFORM pg_advisory_xact_lock(hashtext('dbqueue.rows.drop.{schema}'), g.gid) FROM {schema}.ring_groups g WHERE g.queue_id = p_queue_id;
     DELETE FROM {schema}.ring_rows WHERE queue_id = p_queue_id;
     IF NOT FOUND THEN
         RETURN;
@@ -4174,6 +4270,7 @@ BEGIN
                    WHERE c.relnamespace = '{schema}'::regnamespace AND left(c.relname, length(v_p)) = v_p) THEN
         RETURN;
     END IF;
+    PERFORM pg_advisory_xact_lock(hashtext('dbqueue.rows.drop.{schema}'), p_gid);  -- as ring_rows_drop's
     PERFORM {schema}.ring_rows_groups_lock(p_queue_id);
     PERFORM {schema}.ring_rows_drop_own(ARRAY[v_p]);
 END
@@ -4282,10 +4379,56 @@ BEGIN
 END
 $$;
 
+-- The client of the release before peeks through this; ring_rows_look replaces it (it adds each
+-- message's attempts and deliveries so far).
 CREATE OR REPLACE FUNCTION {schema}.ring_rows_peek(p_queue_id integer, p_n integer)
 RETURNS TABLE (r_id bigint, r_enqueued_at timestamptz, r_payload bytea) LANGUAGE plpgsql AS $$
 BEGIN
     RETURN QUERY EXECUTE 'SELECT * FROM {schema}.' || {schema}.ring_rows_own(p_queue_id) || 'peek($1)' USING p_n;
+END
+$$;
+
+-- Up to p_n ready messages of p_queue_id (a ring's queue_id or a group's gid) as its own look() shows
+-- them (id, attempts and deliveries so far, push time, payload). A ring made by a build without look()
+-- has its peek() read instead, each message with the attempts and deliveries of its newest retry row
+-- (none: 0 and 0, a lane's message).
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_look(p_queue_id integer, p_n integer)
+RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz, r_payload bytea)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_own text := '{schema}.' || {schema}.ring_rows_own(p_queue_id);
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtext('dbqueue.rows.drop.{schema}'), p_queue_id);  -- before any of its objects: ring_rows_drop
+    IF to_regprocedure(v_own || 'look(integer)') IS NOT NULL THEN
+        RETURN QUERY EXECUTE 'SELECT * FROM ' || v_own || 'look($1)' USING p_n;
+        RETURN;
+    END IF;
+    RETURN QUERY EXECUTE 'WITH p AS MATERIALIZED (SELECT k.*, row_number() OVER () AS o FROM ' || v_own
+        || 'peek($1) k) SELECT p.r_id, coalesce(n.r_attempts, 0), coalesce(n.r_deliveries, 0), p.r_enqueued_at, '
+        || 'p.r_payload FROM p LEFT JOIN ' || v_own || 'newest((SELECT array_agg(p.r_id) FROM p)) n '
+        || 'ON n.r_id = p.r_id ORDER BY p.o' USING p_n;
+END
+$$;
+
+-- What an observer of p_queue_id (a ring's queue_id or a group's gid) waits on, as its own ready()
+-- counts it: the messages a pop could take now, up to p_cap (leases past their end with an attempt left
+-- included, before anything reclaimed them), and the id and deliveries of the one it would take first.
+-- A ring made by a build without ready() counts as its depth() does (a lease past its end only once
+-- reclaimed), its head the first of look's.
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_ready(p_queue_id integer, p_cap bigint, p_max_attempts integer,
+    OUT r_ready bigint, OUT r_head_id bigint, OUT r_head_deliveries integer)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_own text := '{schema}.' || {schema}.ring_rows_own(p_queue_id);
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtext('dbqueue.rows.drop.{schema}'), p_queue_id);  -- before any of its objects: ring_rows_drop
+    IF to_regprocedure(v_own || 'ready(bigint,integer)') IS NOT NULL THEN
+        EXECUTE 'SELECT * FROM ' || v_own || 'ready($1, $2)' INTO r_ready, r_head_id, r_head_deliveries
+            USING p_cap, p_max_attempts;
+        RETURN;
+    END IF;
+    EXECUTE 'SELECT least($1, r_ready) FROM ' || v_own || 'depth()' INTO r_ready USING p_cap;
+    SELECT k.r_id, k.r_deliveries INTO r_head_id, r_head_deliveries FROM {schema}.ring_rows_look(p_queue_id, 1) k;
 END
 $$;
 
@@ -4363,6 +4506,7 @@ DECLARE
     v_fn text := '{schema}.' || {schema}.ring_rows_own(p_queue_id) || 'depth';
     v_args text[] := (SELECT p.proargnames FROM pg_catalog.pg_proc p WHERE p.oid = to_regprocedure(v_fn || '()'));
 BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtext('dbqueue.rows.drop.{schema}'), p_queue_id);  -- before any of its objects: ring_rows_drop
     EXECUTE 'SELECT r_ready, r_delayed, r_in_flight, r_failed, r_oldest, r_rows, r_gens, '
         || CASE WHEN 'r_expired' = ANY (v_args) THEN 'r_expired, r_lapsed' ELSE 'NULL::bigint, NULL::bigint' END
         || ', ' || CASE WHEN 'r_pushed' = ANY (v_args) THEN 'r_pushed' ELSE 'NULL::bigint' END

@@ -67,5 +67,6 @@ BINARY_RESULTS = frozenset(
         "ring_rows_take_one",
         "ring_rows_pop_payload_one",
         "ring_rows_leased",
+        "ring_rows_look",
     }
 )

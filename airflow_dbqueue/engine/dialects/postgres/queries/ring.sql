@@ -465,8 +465,19 @@ SELECT r_id, r_delivery FROM {schema}.ring_rows_held(
 SELECT r_id, r_state FROM {schema}.ring_rows_reclaim(
     %(queue_id)s::integer, %(max_attempts)s::integer, %(limit)s::integer)
 
--- name: ring_rows_peek
-SELECT r_id, r_enqueued_at, r_payload FROM {schema}.ring_rows_peek(%(queue_id)s::integer, %(n)s::integer)
+-- name: ring_rows_look
+-- Up to n ready messages in the order pops take them, taking nothing: (id, attempts, deliveries so far,
+-- enqueued_at, lease_until NULL, payload), as ring_peek shows a slots ring's.
+SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, NULL::timestamptz AS lease_until, r_payload
+FROM {schema}.ring_rows_look(%(queue_id)s::integer, %(n)s::integer)
+
+-- name: ring_rows_ready_head
+-- For observers (count_ready, readiness): what a pop could take now, counted up to cap (leases past their
+-- end with an attempt left included, as ring_ready_head counts a slots ring's), and the (id, deliveries)
+-- of the message a pop would take first (NULL when none). (The tests find a trigger's check by
+-- head_deliveries in pg_stat_activity.)
+SELECT r_ready AS ready, r_head_id AS head_id, r_head_deliveries AS head_deliveries
+FROM {schema}.ring_rows_ready(%(queue_id)s::integer, %(cap)s::bigint, %(max_attempts)s::integer)
 
 -- name: ring_rows_rotate
 -- Empty the segment that generation gen needs (TRUNCATE under a 50 ms lock_timeout), once every lane is
