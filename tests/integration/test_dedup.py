@@ -545,3 +545,21 @@ def test_a_keyed_push_reads_its_keys_by_their_index(dbq: DbQueue) -> None:
     out = drain(q)
     expected = [f"a{b}-{i}" for b in range(10) for i in range(300)] + ["b0", "b1", "c0"]
     assert len(out) == len(expected) and checksum(out) == checksum(expected)
+
+
+def test_a_ring_made_before_keys_refuses_them_and_pushes_as_before(dbq: DbQueue) -> None:
+    """A ring of the rows layout keeps the functions it was made with: one made by a build without the
+    keyed push (its rpushk and rforget dropped here, as such a ring lacks them) refuses keys with
+    NotSupportedError, writing nothing, and pushes without keys and runs its upkeep as before."""
+    q = rows_ring(dbq, "d")
+    qid = q.settings.queue_id
+    run_sql(dbq, f"DROP FUNCTION {{schema}}.ring_{qid}_rpushk, {{schema}}.ring_{qid}_rforget")
+    old = dbq.queue("d")
+    issued = rows_issued(dbq, old)
+    with pytest.raises(NotSupportedError, match="made by a build without deduplication keys"):
+        old.push("x", dedup_key="k")
+    assert rows_issued(dbq, old) == issued and dedup_rows(dbq, old) == 0
+    ids = old.push_batch(["a", "b"])
+    assert old.maintain()["keys_forgotten"] == 0
+    popped = old.pop(10)
+    assert [m.id for m in popped] == ids and checksum(m.payload for m in popped) == checksum(["a", "b"])
