@@ -8,7 +8,8 @@ order and logs each moved lane's new position in an insert-only log. A segment t
 passed is emptied with ``TRUNCATE`` (a short lock, ``lock_timeout`` 50 ms, in a transaction of its own)
 when a push needs it, or ahead of the pushes by :meth:`RowsRingQueue.maintain`. Nothing on the hot path
 updates or deletes a row, so a held xmin horizon leaves no dead row behind it, and the tables stay at
-the size of the rows the ring holds. The SQL is in the dialect's ``functions.sql`` (``ring_rows_*``); the
+the size of the rows the ring holds (a push with deduplication keys is the exception, in the ring's key
+table only: see below). The SQL is in the dialect's ``functions.sql`` (``ring_rows_*``); the
 hot path (push, pop, the ack of a whole pop) calls the ring's own functions by name. A pop of one has a
 function of its own (``rtake1``: the lowest lane whose next row is written, locked, and its message
 taken where the position is checked again, usually in two statements), which hands over to the general
