@@ -35,11 +35,11 @@ With ``--pop claim`` (and ``--semantics at-least-once``) a pop session claims ba
 messages instead (``claim_batch``), reads each by its receipts (``leased()``) and acks it whole
 (``ack_batch``): what a batch's cycle costs the server, on the reference's read and delete.
 
-With ``--feature`` the table design (and, for ``ttl``, a ring of the rows layout) is also counted with
-one of the push options on every message, each in a queue of its own beside the default one, in the
-same server: ``ordering`` (a queue created
-with ``ordering="per_key"``, every push naming one of ``--ordering-keys`` keys in turn, 1,000 unless
-told, a row for each count given), ``dedup`` (a deduplication key on every message, none seen before) and
+With ``--feature`` the table design (and, for ``dedup`` and ``ttl``, a ring of the rows layout) is
+also counted with one of the push options on every message, each in a queue of its own beside the
+default one, in the same server: ``ordering`` (a queue created with ``ordering="per_key"``, every
+push naming one of ``--ordering-keys`` keys in turn, 1,000 unless told, a row for each count given),
+``dedup`` (a deduplication key on every message, none seen before) and
 ``ttl`` (a queue created with a time to live, which every message then carries). Each such row names its
 feature (``none`` for the default queue) and, for ``ordering``, its ``ordering_keys``; the difference to
 the ``none`` row of the same batch is what the feature costs on the hot path. With fewer keys than a
@@ -112,7 +112,7 @@ from airflow_dbqueue.engine.embedded import EmbeddedPostgres, free_port
 QUEUE = "instr_q"
 FEATURES = ("none", "ordering", "dedup", "ttl")
 """The table design's push options --feature counts, each on every message (see the docstring)."""
-RING_ROWS_FEATURES = ("none", "ttl")
+RING_ROWS_FEATURES = ("none", "dedup", "ttl")
 """The push options a ring of the rows layout has, which --feature counts on it too."""
 ORDERING_KEYS = 1000
 """How many ordering keys the pushes of ``ordering`` name in turn unless --ordering-keys says."""
@@ -542,7 +542,7 @@ DESIGNS = ("ring", RING_ROWS, "table")
 
 def variants(args: argparse.Namespace) -> list[tuple[str, str, int | None]]:
     """What each batch counts, a row each, in order: every design; the table design once a feature
-    (``--feature``), a ring of the rows layout once a feature it has (``ttl``); ``ordering`` once a
+    (``--feature``), a ring of the rows layout once a feature it has (``dedup``, ``ttl``); ``ordering`` once a
     number of keys (``--ordering-keys``), which it names."""
     return [
         (d, f, k)

@@ -218,12 +218,12 @@ def _wanted_settings(
     retry_backoff = check_seconds(f"queue {name!r}: retry_backoff", retry_backoff)
     retry_backoff_max = check_seconds(f"queue {name!r}: retry_backoff_max", retry_backoff_max)
     dedup_window = check_seconds(f"queue {name!r}: dedup_window", dedup_window, positive=True)
-    if ring and dedup_window != DEFAULT_DEDUP_WINDOW_S:
-        raise NotSupportedError(
-            f"queue {name!r}: dedup_window applies to table queues only (a ring has no deduplication "
-            "keys on push; docs/limits.md)"
-        )
     expiring = ring_layout is RingLayout.ROWS
+    if ring and not expiring and dedup_window != DEFAULT_DEDUP_WINDOW_S:
+        raise NotSupportedError(
+            f"queue {name!r}: dedup_window applies to table queues and rings of the rows layout only (a "
+            "ring of the slots layout has no deduplication keys on push; docs/limits.md)"
+        )
     if ring and not expiring and (ttl is not None or on_expiry != OnExpiry.FAIL):
         what = "ttl" if ttl is not None else f"on_expiry={on_expiry!r}"
         raise NotSupportedError(
@@ -488,14 +488,14 @@ class DbQueue:
         capacity. A declaration that leaves the layout out matches an existing ring of either layout.
 
         ``dedup_window`` (seconds, default 300) is how long a push's ``dedup_key`` is remembered: a
-        second push of the key within it pushes nothing and returns the first push's id (table design;
-        see :meth:`Queue.push`). ``ttl`` (seconds, table design and a ring of the rows layout, default
-        none) is how long a message may
-        wait to be popped unless its push names another: a message not popped by then is never
-        delivered, and goes to the failed state with ``last_error`` ``"expired"``
-        (``on_expiry="fail"``, the default) or is dropped (``on_expiry="drop"``). ``ordering="per_key"``
-        (table design) lets pushes give messages an ordering key (``push(key=...)``): a key's messages
-        are handed out in push order, one at a time, while different keys go in parallel.
+        second push of the key within it pushes nothing and returns the first push's id (table design
+        and a ring of the rows layout; see :meth:`Queue.push`). ``ttl`` (seconds, table design and a
+        ring of the rows layout, default none) is how long a message may wait to be popped unless its
+        push names another: a message not popped by then is never delivered, and goes to the failed
+        state with ``last_error`` ``"expired"`` (``on_expiry="fail"``, the default) or is dropped
+        (``on_expiry="drop"``). ``ordering="per_key"`` (table design) lets pushes give messages an
+        ordering key (``push(key=...)``): a key's messages are handed out in push order, one at a
+        time, while different keys go in parallel.
         """
         name = validate_queue_name(name)
         try:

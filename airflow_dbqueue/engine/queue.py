@@ -186,10 +186,11 @@ class Queue(abc.ABC):
         """Push one message and return its id.
 
         :param dedup_key: a deduplication key (a non-empty string of at most
-            :data:`MAX_DEDUP_KEY_CHARS` characters, table design): when a push of the same key into
-            this queue committed within the queue's ``dedup_window``, nothing is pushed and that
-            push's id is returned, also when the two pushes race in separate transactions (the later
-            one waits for the earlier one's transaction; if that rolled back, the later one pushes).
+            :data:`MAX_DEDUP_KEY_CHARS` characters; table design and a ring of the rows layout): when a
+            push of the same key into this queue committed within the queue's ``dedup_window``,
+            nothing is pushed and that push's id is returned, also when the two pushes race in
+            separate transactions (the later one waits for the earlier one's transaction; if that
+            rolled back, the later one pushes).
         :param ttl: seconds the message may wait to be popped, from now (table design and a ring of the
             rows layout; default: the queue's ``ttl``); a message not popped by then is never
             delivered, and goes as the queue's ``on_expiry`` says (failed with ``last_error``

@@ -136,20 +136,24 @@ def check_ring_push(
     dedup_keys: Sequence[str] | None,
     ttl: float | None,
     keys: Sequence[str | None] | None,
-    expiry: bool = False,
+    rows: bool = False,
 ) -> None:
-    """Refuse, before anything is sent, what a push into a ring of either layout cannot do: the table
-    design's push options (deduplication keys, ordering keys, and expiry unless ``expiry``: the rows
-    layout's), priorities and delays."""
-    if ttl is not None and not expiry:
+    """Refuse, before anything is sent, what a push into a ring cannot do: ordering keys, priorities and
+    delays on either layout, and on the slots layout (not ``rows``) expiry and deduplication keys, which
+    the table design and the rows layout have."""
+    if ttl is not None and not rows:
         raise NotSupportedError(
             f"queue {name!r} is a ring of the slots layout: expiry (ttl) is the table design's and the "
             "rows layout's (docs/limits.md)"
         )
-    if dedup_keys is not None or keys is not None:
-        what = "deduplication keys on push are" if dedup_keys is not None else "ordering per key is"
+    if dedup_keys is not None and not rows:
         raise NotSupportedError(
-            f"queue {name!r} is a ring: {what} the table design's (docs/limits.md); use a "
+            f"queue {name!r} is a ring of the slots layout: deduplication keys on push are the table "
+            "design's and the rows layout's (docs/limits.md); use one of those for them"
+        )
+    if keys is not None:
+        raise NotSupportedError(
+            f"queue {name!r} is a ring: ordering per key is the table design's (docs/limits.md); use a "
             "table-design queue for it"
         )
     if priority != 0:

@@ -8,7 +8,8 @@ order and logs each moved lane's new position in an insert-only log. A segment t
 passed is emptied with ``TRUNCATE`` (a short lock, ``lock_timeout`` 50 ms, in a transaction of its own)
 when a push needs it, or ahead of the pushes by :meth:`RowsRingQueue.maintain`. Nothing on the hot path
 updates or deletes a row, so a held xmin horizon leaves no dead row behind it, and the tables stay at
-the size of the rows the ring holds. The SQL is in the dialect's ``functions.sql`` (``ring_rows_*``); the
+the size of the rows the ring holds (a push with deduplication keys is the exception, in the ring's key
+table only: see below). The SQL is in the dialect's ``functions.sql`` (``ring_rows_*``); the
 hot path (push, pop, the ack of a whole pop) calls the ring's own functions by name. A pop of one has a
 function of its own (``rtake1``: the lowest lane whose next row is written, locked, and its message
 taken where the position is checked again, usually in two statements), which hands over to the general
@@ -80,8 +81,15 @@ as the table design's stats do. Both are exact: the pending ones are counted in 
 past the lanes that counts ``ready`` (a row's expiry read beside its size; no scan of their own), and
 the expired ones among the group's failed messages, as ``failed`` is counted.
 
-Not built on any ring, refused with :class:`NotSupportedError`: ordering keys and deduplication keys
-(docs/concepts.md says why).
+Deduplication keys (``push(dedup_key=...)``, as the table design's, docs/concepts.md): a keyed push
+runs the ring's ``rpushk``, which claims the keys in the ring's key table (``rkeys``) before it takes
+its row number, so a push that waits for a racing push of one of its keys holds no number and leaves no
+gap; the new messages of a batch (those of keys not pushed within the queue's ``dedup_window``) are one
+row, the known keys return their first pushes' ids. A push without keys never reads that table.
+:meth:`RowsRingQueue.maintain` forgets keys older than the window.
+
+Not built on any ring, refused with :class:`NotSupportedError`: ordering keys (docs/concepts.md says
+why).
 """
 
 from __future__ import annotations
@@ -111,7 +119,13 @@ from airflow_dbqueue.engine.models import (
     Semantics,
     messages_from_columns,
 )
-from airflow_dbqueue.engine.queue import COUNT_CAP, RECLAIM_LIMIT, _check_batch_size, check_seconds
+from airflow_dbqueue.engine.queue import (
+    COUNT_CAP,
+    RECLAIM_LIMIT,
+    _check_batch_size,
+    check_keys,
+    check_seconds,
+)
 from airflow_dbqueue.engine.ring_base import (
     _NOTIFY_CODE,
     _SETTLE_ACK,
@@ -159,6 +173,9 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         # ring's, the pops and acks its group's.
         self._push_fn = {"fn": f"ring_{settings.queue_id}_rpush"}
         self._pushx_fn = {"fn": f"ring_{settings.queue_id}_rpushx"}
+        self._pushk_fn = {"fn": f"ring_{settings.queue_id}_rpushk"}
+        self._forget_fn = {"fn": f"ring_{settings.queue_id}_rforget"}
+        self._has_pushk: bool | None = None  # whether the ring has it (read on the first keyed push)
         own = self._own()
         self._take_fn = {"fn": own + "take"}
         self._take1_fn = {"fn": own + "take1"}
@@ -208,8 +225,9 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         keys: Sequence[str | None] | None = None,
     ) -> list[int]:
         items = list(payloads)
+        dkeys = None if dedup_keys is None else check_keys(self.name, "dedup key", dedup_keys, len(items))
         check_ring_push(
-            self.name, priority=priority, delay=delay, dedup_keys=dedup_keys, ttl=ttl, keys=keys, expiry=True
+            self.name, priority=priority, delay=delay, dedup_keys=dedup_keys, ttl=ttl, keys=keys, rows=True
         )
         if ttl is None:
             ttl = self.settings.ttl_s
@@ -229,27 +247,68 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             )
         encoded = self.settings.encode_all(items)
         try:
+            if dkeys is not None:
+                return self._push_keyed(encoded, dkeys, conn, ttl)
             first = self._push_rows(encoded, conn, ttl)
         except (DatabaseError, SchemaError):
             self._raise_if_gone()
             raise
         return list(range(first, first + len(encoded)))
 
+    def _push_keyed(
+        self, encoded: list[bytes], keys: list[str], conn: DbConnection | None, ttl: float | None
+    ) -> list[int]:
+        """Push with deduplication keys, one a payload (the ring's ``rpushk``): a key repeated within the
+        batch sends its first payload only, so the keys the statement claims are distinct, and every
+        occurrence gets that message's id. A ring made by a build without the ring's keyed push refuses
+        keys (its functions are made once, at its creation)."""
+        if not self._keyed():
+            self._raise_if_gone()
+            raise NotSupportedError(
+                f"queue {self.name!r}: this ring of the rows layout was made by a build without "
+                "deduplication keys; a ring created since has them (docs/limits.md)"
+            )
+        first: dict[str, int] = {}
+        for i, k in enumerate(keys):
+            first.setdefault(k, i)
+        params = {
+            "payloads": [encoded[i] for i in first.values()] if len(first) < len(keys) else encoded,
+            "keys": list(first),
+            "ttl": ttl,
+        }
+        got = self._push_row("ring_rows_push_keys", params, conn, self._pushk_fn)
+        ids = dict(zip(first, map(int, got), strict=True))
+        return [ids[k] for k in keys]
+
+    def _keyed(self) -> bool:
+        """Whether the ring has deduplication keys (its ``rpushk`` and ``rforget``; read once a handle)."""
+        if self._has_pushk is None:
+            row = self._db.fetchone(
+                "ring_rows_has_function", {"schema": self._db.schema, "fn": self._pushk_fn["fn"]}
+            )
+            self._has_pushk = bool(row and row[0])
+        return self._has_pushk
+
     def _push_rows(self, encoded: list[bytes], conn: DbConnection | None, ttl: float | None = None) -> int:
         """Push encoded payloads as one row, expiring ``ttl`` seconds from now when given (the ring's
-        ``rpushx``; without, its ``rpush``); return the first id. When the row's segment still holds an
-        older generation, rotate it in (a transaction of its own) and push again; while some lane still
-        needs it, wait with backoff up to ``push_timeout``, then raise :class:`QueueFullError`."""
-        params = {
-            "queue_id": self._qid,
-            "payloads": encoded,
-            "notify": _NOTIFY_CODE[self.settings.notify],
-            "channel": self._channel,
-        }
+        ``rpushx``; without, its ``rpush``); return the first id (see :meth:`_push_row`)."""
+        params: dict[str, Any] = {"payloads": encoded}
         query, fn = "ring_rows_push", self._push_fn
         if ttl is not None:
             params["ttl"] = ttl
             query, fn = "ring_rows_push_ttl", self._pushx_fn
+        return int(self._push_row(query, params, conn, fn))
+
+    def _push_row(
+        self, query: str, params: dict[str, Any], conn: DbConnection | None, fn: dict[str, str]
+    ) -> Any:
+        """Run a push of the ring's (``query``, calling its function ``fn``) and return what it returns
+        first. When the row's segment still holds an older generation, rotate it in (a transaction of
+        its own) and push again; while some lane still needs it, wait with backoff up to
+        ``push_timeout``, then raise :class:`QueueFullError`."""
+        params["queue_id"] = self._qid
+        params["notify"] = _NOTIFY_CODE[self.settings.notify]
+        params["channel"] = self._channel
         deadline: float | None = None
         pause = 0.001
         while True:
@@ -258,7 +317,7 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
                 raise QueueNotFoundError(self.name, self._db.schema)
             first, need = row
             if first is not None:
-                return int(first)
+                return first
             rotated = self._db.fetchone("ring_rows_rotate", {"queue_id": self._qid, "gen": need})
             if rotated is not None and rotated[0]:
                 self._db.execute("ring_rows_label", {"queue_id": self._qid, "gen": need})
@@ -478,9 +537,11 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
     def maintain(self, *, limit: int = RECLAIM_LIMIT) -> dict[str, int]:
         """Reclaim expired leases of every consumer group, give up the gaps proven since the last call,
         act on groups that nobody pops (:meth:`watch_groups`), and rotate in the next segment when
-        nothing needs the one it holds any more, so that pushes find it empty, and forget every group's
-        batches finished longer than ``batch_retention_s`` ago. ``"groups_lagging"`` and
-        ``"groups_dropped"`` are counted on a ring with groups besides the default one."""
+        nothing needs the one it holds any more, so that pushes find it empty, forget every group's
+        batches finished longer than ``batch_retention_s`` ago, and forget up to ``limit``
+        deduplication keys older than the ring's ``dedup_window`` (``"keys_forgotten"``).
+        ``"groups_lagging"`` and ``"groups_dropped"`` are counted on a ring with groups besides the
+        default one."""
         root = self._default()
         others = root._group_handles()
         reclaimed = root.reclaim_expired(limit)
@@ -502,11 +563,16 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         row = self._db.fetchone("ring_rows_rotate_ahead", {"queue_id": self._qid})
         if row is not None and row[0] is not None:
             self._db.execute("ring_rows_label", {"queue_id": self._qid, "gen": row[0]})
+        forgotten = 0
+        if root._keyed():
+            got = self._db.fetchone("ring_rows_forget_keys", {"n": limit}, identifiers=root._forget_fn)
+            forgotten = int(got[0]) if got else 0
         return {
             "reclaimed": reclaimed,
             "gaps_skipped": skipped,
             "rotated_ahead": int(row is not None and row[0] is not None),
             "batches_purged": purged,
+            "keys_forgotten": forgotten,
             **watched,
         }
 

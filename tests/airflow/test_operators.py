@@ -226,6 +226,34 @@ def test_push_with_key_templates_and_a_ttl(airflow_conn: str, dbq: DbQueue) -> N
         DbQueuePushOperator(task_id="bad", queue_name="orders", payloads=[1], dedup_key=7)  # type: ignore[arg-type]
 
 
+def test_push_with_a_key_template_into_a_rows_ring(airflow_conn: str, dbq: DbQueue) -> None:
+    """The push operator's deduplication key template on a ring of the rows layout (created through the
+    hook): a retried task pushes nothing again, and a message whose key is new is pushed beside those
+    already known."""
+    with DbQueueHook(airflow_conn) as hook:
+        hook.create_queue("stream", design="ring", layout="rows", capacity=64, lanes=2, dedup_window=600)
+    batch = [{"order": i} for i in range(4)]
+
+    def push(payloads: list[Any]) -> list[int]:
+        op = DbQueuePushOperator(
+            task_id="p",
+            queue_name="stream",
+            payloads=payloads,
+            dedup_key="{{ params.day }}-{{ payload.order }}",
+        )
+        return list(run(op, params={"day": "d1"}))
+
+    ids = push(batch)
+    assert push(batch) == ids and len(set(ids)) == 4  # the retry
+    more = push([*batch[:2], {"order": 9}])
+    assert more[:2] == ids[:2] and more[2] not in ids
+    with DbQueueHook(airflow_conn) as hook:
+        got = hook.pop("stream", 10)
+        hook.ack("stream", got)
+        assert hook.push("stream", [{"order": 0}], dedup_keys=["d1-0"]) == [ids[0]]
+    assert len(got) == 5 and checksum(m.payload for m in got) == checksum([*batch, {"order": 9}])
+
+
 def test_push_with_a_ttl_into_a_rows_ring_and_the_hook_on_its_expiry(airflow_conn: str, dbq: DbQueue) -> None:
     """A ring of the rows layout created through the hook with a ttl: the push operator's templated ttl
     is each push's, the hook's stats count the expired messages no pop has reached yet and, after a pop

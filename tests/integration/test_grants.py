@@ -21,6 +21,7 @@ import pytest
 from airflow_dbqueue import cli
 from airflow_dbqueue.engine import ConfigurationError, DbQueue, PermissionDeniedError
 from tests.conftest import installed_dbq
+from tests.dialects import run_sql
 from tests.helpers import checksum
 
 pytestmark = pytest.mark.integration
@@ -457,3 +458,37 @@ def test_a_role_with_push_pushes_with_deduplication_keys(
     popped = owner.queue("orders").pop(10)
     assert [(m.id, m.payload) for m in popped] == [(ids[0], {"n": 1}), (ids[1], {"n": 2})]
     assert [m.payload for m in owner.queue("other").pop(10)] == [{"other": 1}]
+
+
+def test_a_role_with_push_pushes_with_deduplication_keys_into_a_ring_of_the_rows_layout(
+    owner: DbQueue, role: Callable[[], str], pg_dsn: str
+) -> None:
+    """A ring of the rows layout keeps its keys in a table of its own: push alone writes them (through
+    rotations too, a capacity of 16 pushes), admin forgets them, and a role with push on another ring
+    cannot read or write its keys."""
+    ring = owner.create_queue("keyed", design="ring", capacity=16, lanes=2, layout="rows", dedup_window=60)
+    owner.create_queue("keyed2", design="ring", capacity=16, lanes=2, layout="rows")
+    pusher, stranger, admin = role(), role(), role()
+    owner.grant(pusher, "keyed", ["push"])
+    owner.grant(stranger, "keyed2", ["push"])
+    owner.grant(admin, "keyed", ["admin"])
+    pushed: list[Any] = [{"n": 1}, {"n": 2}]
+    popped: list[Any] = []
+    with as_role(pg_dsn, owner.schema, pusher) as dbq:
+        q = dbq.queue("keyed")
+        first = q.push_batch([{"n": 1}, {"n": 2}], dedup_keys=["k1", "k2"])
+        for i in range(3, 40):
+            assert q.push_batch([{"n": i}, {"n": 1, "retry": i}], dedup_keys=[f"k{i}", "k1"])[1] == first[0]
+            pushed.append({"n": i})
+            if i % 4 == 0:
+                popped += [m.payload for m in ring.pop(10)]
+    keys = f"{{schema}}.ring_{ring.settings.queue_id}_rkeys"
+    with as_role(pg_dsn, owner.schema, stranger) as dbq:
+        for sql in (f"SELECT count(*) FROM {keys}", f"INSERT INTO {keys} VALUES ('k1', 1, now())"):
+            with pytest.raises(Exception, match="permission denied"):
+                run_sql(dbq, sql)
+    run_sql(owner, f"UPDATE {keys} SET pushed_at = now() - interval '61 s'")
+    with as_role(pg_dsn, owner.schema, admin) as dbq:
+        assert dbq.queue("keyed").maintain()["keys_forgotten"] == 39
+    popped += [m.payload for m in ring.pop(100)]
+    assert len(popped) == len(pushed) == 39 and checksum(popped) == checksum(pushed)

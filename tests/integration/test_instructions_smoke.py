@@ -51,12 +51,12 @@ def assert_every_side_counted(r: dict[str, Any]) -> None:
 
 def test_short_run_counts_both_designs_and_each_feature_of_the_table_design() -> None:
     """One server counts the rows ring, the table design and the naive queue, the table design once a
-    feature (--feature) and the rows ring with a ttl, each a queue of its own (the slots ring's server
-    count is the client run's below, which counts the server too): every row is counted, and a push
-    with a key, a deduplication key or a ttl costs more than the default queue's (a count no higher
-    would mean the option was not sent). Ordered per key over 3 keys, a pop of 10 gets at most 3
-    messages, and the pop session pops on until it has every message its push session sent (the
-    script's check of what came out, counted and checksummed, fails otherwise)."""
+    feature (--feature) and the rows ring with a deduplication key and with a ttl, each a queue of its
+    own (the slots ring's server count is the client run's below, which counts the server too): every
+    row is counted, and a push with a key, a deduplication key or a ttl costs more than the default
+    queue's (a count no higher would mean the option was not sent). Ordered per key over 3 keys, a pop
+    of 10 gets at most 3 messages, and the pop session pops on until it has every message its push
+    session sent (the script's check of what came out, counted and checksummed, fails otherwise)."""
     features = ["none", "ordering", "dedup", "ttl"]
     rows = counted(
         *("--design", "ring-rows", "table", "--calls", "1"),
@@ -64,6 +64,7 @@ def test_short_run_counts_both_designs_and_each_feature_of_the_table_design() ->
     )
     assert [(r["design"], r["feature"], r["ordering_keys"]) for r in rows] == [
         ("ring-rows", "none", None),
+        ("ring-rows", "dedup", None),
         ("ring-rows", "ttl", None),
         *(("table", f, 3 if f == "ordering" else None) for f in features),
     ]
@@ -79,7 +80,8 @@ def test_short_run_counts_both_designs_and_each_feature_of_the_table_design() ->
     for f in features[1:]:
         assert table[f]["push_instructions"] > table["none"]["push_instructions"], (f, rows)
     rows_ring = {r["feature"]: r for r in rows if r["design"] == "ring-rows"}
-    assert rows_ring["ttl"]["push_instructions"] > rows_ring["none"]["push_instructions"], rows
+    for f in ("dedup", "ttl"):
+        assert rows_ring[f]["push_instructions"] > rows_ring["none"]["push_instructions"], (f, rows)
 
 
 def test_short_run_at_least_once_counts_the_table_design_and_ordering_against_pgmq() -> None:
@@ -117,7 +119,11 @@ def test_each_design_feature_and_number_of_keys_is_a_row_of_its_own() -> None:
         ("table", "ttl", None),
     ]
     args = instructions.parse_args(["--design", "ring-rows", "--feature", "none", "ordering", "dedup", "ttl"])
-    assert instructions.variants(args) == [("ring-rows", "none", None), ("ring-rows", "ttl", None)]
+    assert instructions.variants(args) == [
+        ("ring-rows", "none", None),
+        ("ring-rows", "dedup", None),
+        ("ring-rows", "ttl", None),
+    ]
     assert instructions.variants(instructions.parse_args([])) == [
         ("ring", "none", None),
         ("ring-rows", "none", None),

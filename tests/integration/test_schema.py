@@ -422,6 +422,8 @@ def _identifiers(body: str) -> dict[str, str]:
 _RING_ROWS_FUNCTIONS = {
     "ring_rows_push": "push",
     "ring_rows_push_ttl": "pushx",
+    "ring_rows_push_keys": "pushk",
+    "ring_rows_forget_keys": "forget",
     "ring_rows_take": "take",
     "ring_rows_pop_payloads": "take",
     "ring_rows_take_one": "take1",

@@ -2360,6 +2360,18 @@ CREATE TABLE {schema}.@Pbs (batch_id uuid NOT NULL, ver integer NOT NULL, state 
     lease_until timestamptz NOT NULL, finished_at timestamptz, last_error text,
     CONSTRAINT @Pbs_pkey PRIMARY KEY (batch_id, ver))
 @;
+-- The ring's deduplication keys (push(dedup_key=...), @Ppushk): one row a key, the id of the message
+-- its first push within the queue's dedup_window_s made, and when. Written only by pushes that carry
+-- keys (a push without keys never reads it) and forgotten by the upkeep (@Pforget, through
+-- @Pkeys_pushed_idx), so it holds about a window of keys. Not segmented: a key outlives its message's
+-- segment, as the table design's outlives its message. The ring's, not a group's: groups never copy it.
+-- Half of each page is left to updates (fillfactor 50), so that a push's update of the keys it
+-- inserted (their ids, below) finds room on their page: a HOT update, which adds no index entry.
+CREATE TABLE {schema}.@Pkeys (dedup_key text NOT NULL, id bigint, pushed_at timestamptz NOT NULL,
+    CONSTRAINT @Pkeys_pkey PRIMARY KEY (dedup_key)) WITH (fillfactor = 50)
+@;
+CREATE INDEX @Pkeys_pushed_idx ON {schema}.@Pkeys (pushed_at)
+@;
 -- The positions of lanes p_lanes (all when NULL), in that order: each lane's highest log entry, first in
 -- the newest segment any pop logged in, then older ones for the lanes not found there.
 CREATE FUNCTION {schema}.@Planes(p_lanes integer[]) RETURNS bigint[] LANGUAGE plpgsql AS $b$
@@ -2526,6 +2538,117 @@ BEGIN
             PERFORM pg_notify(p_channel, '');
         END IF;
     END IF;
+END
+$b$
+@;
+-- Push a batch with deduplication keys (p_keys[i] the key of p_payloads[i], distinct: the client maps a
+-- key repeated within a batch to its first occurrence) in the caller's transaction; p_ttl: the messages'
+-- time to live (NULL: none; only a ring created with a ttl has the column). r_ids: each payload's id, in
+-- payload order: a key pushed within the queue's dedup_window_s returns the id its first push made
+-- (whether or not it was consumed since) and pushes nothing; the payloads of the other keys are pushed
+-- as ONE row, in payload order, their ids following from its number. Nothing when every key is known:
+-- no row number is taken. Or r_need as @Ppush's, nothing pushed and no key kept.
+-- The keys are claimed BEFORE the row number is taken: each by an INSERT into @Pkeys (id NULL) whose ON
+-- CONFLICT takes over a row older than the window and otherwise only locks it, in key order (two
+-- batches sharing keys lock them in one order). Two pushes of one key in separate transactions meet on
+-- @Pkeys_pkey: the second waits for the first's transaction there, holding no row number, so it leaves
+-- no gap whatever the first does. If the first committed, the second's ON CONFLICT finds its row and
+-- the SELECT after it (READ COMMITTED: a snapshot of its own) reads its id; if it rolled back, the second
+-- inserts its own row and pushes. Under REPEATABLE READ or SERIALIZABLE a key committed after the
+-- transaction's snapshot raises a serialization error (the caller runs its transaction again). The
+-- claimed rows get their ids once the row number is taken; a rotation needed by then deletes them again
+-- (a row taken over was older than the window: as good as absent) and asks for it. The claimed rows are
+-- found again by the row versions the claim returned (a TID scan of exactly those): the table holds a
+-- window's keys, which no push of new keys reads.
+CREATE FUNCTION {schema}.@Ppushk(p_payloads bytea[], p_keys text[], p_notify integer, p_channel text,
+    p_ttl double precision, OUT r_ids bigint[], OUT r_need bigint) LANGUAGE plpgsql AS $b$
+DECLARE
+    v_r bigint;
+    v_k integer;
+    v_ok boolean;
+    v_window double precision;
+    v_new bigint[];
+    v_tids tid[];
+    v_pl bytea[];
+BEGIN
+    v_ok := pg_current_xact_id() IS NOT NULL;
+    v_r := coalesce(pg_sequence_last_value('{schema}.@Prows'), -1) + 1;
+    IF {schema}.@Pseg_gen((v_r / @S % 4)::integer) <> v_r / @S THEN
+        r_need := v_r / @S;  -- asked before any key is claimed
+        RETURN;
+    END IF;
+    SELECT q.dedup_window_s INTO v_window FROM {schema}.queues q WHERE q.queue_id = @Q;
+    WITH c AS (
+        INSERT INTO {schema}.@Pkeys AS d (dedup_key, id, pushed_at)
+        SELECT u.k, NULL, now() FROM unnest(p_keys) AS u(k) ORDER BY u.k
+        ON CONFLICT (dedup_key) DO UPDATE SET id = NULL, pushed_at = excluded.pushed_at
+        WHERE d.pushed_at <= now() - make_interval(secs => v_window)
+        RETURNING d.dedup_key, d.ctid)
+    SELECT array_agg(u.o ORDER BY u.o), array_agg(c.ctid ORDER BY u.o) INTO v_new, v_tids
+    FROM unnest(p_keys) WITH ORDINALITY AS u(k, o) JOIN c ON c.dedup_key = u.k;
+    IF v_new IS NULL THEN  -- every key known: their first pushes' ids, nothing pushed
+        r_ids := ARRAY(SELECT d.id FROM unnest(p_keys) WITH ORDINALITY AS u(k, o)
+                       JOIN {schema}.@Pkeys d ON d.dedup_key = u.k ORDER BY u.o);
+        RETURN;
+    END IF;
+    v_pl := ARRAY(SELECT p_payloads[x.o] FROM unnest(v_new) WITH ORDINALITY AS x(o, i) ORDER BY x.i);
+    v_ok := pg_advisory_lock(@K1, 0) IS NULL;
+    v_r := coalesce(pg_sequence_last_value('{schema}.@Prows'), -1) + 1;
+    v_k := (v_r / @S % 4)::integer;
+    IF {schema}.@Pseg_gen(v_k) <> v_r / @S THEN
+        v_ok := pg_advisory_unlock(@K1, 0);
+        DELETE FROM {schema}.@Pkeys d WHERE d.ctid = ANY (v_tids);
+        r_need := v_r / @S;
+        RETURN;
+    END IF;
+    v_r := nextval('{schema}.@Prows');
+    v_ok := pg_advisory_unlock(@K1, 0);
+    IF v_k = 0 THEN
+        INSERT INTO {schema}.@Pq0 VALUES (v_r, cardinality(v_pl), now(), v_pl
+@E          , now() + make_interval(secs => p_ttl)
+        );
+    ELSIF v_k = 1 THEN
+        INSERT INTO {schema}.@Pq1 VALUES (v_r, cardinality(v_pl), now(), v_pl
+@E          , now() + make_interval(secs => p_ttl)
+        );
+    ELSIF v_k = 2 THEN
+        INSERT INTO {schema}.@Pq2 VALUES (v_r, cardinality(v_pl), now(), v_pl
+@E          , now() + make_interval(secs => p_ttl)
+        );
+    ELSE
+        INSERT INTO {schema}.@Pq3 VALUES (v_r, cardinality(v_pl), now(), v_pl
+@E          , now() + make_interval(secs => p_ttl)
+        );
+    END IF;
+    UPDATE {schema}.@Pkeys d SET id = (v_r << 16) | (x.i - 1)
+    FROM unnest(v_tids) WITH ORDINALITY AS x(t, i) WHERE d.ctid = x.t;
+    IF cardinality(v_new) = cardinality(p_keys) THEN
+        r_ids := ARRAY(SELECT (v_r << 16) | i FROM generate_series(0, cardinality(p_keys) - 1) i);
+    ELSE
+        r_ids := ARRAY(SELECT d.id FROM unnest(p_keys) WITH ORDINALITY AS u(k, o)
+                       JOIN {schema}.@Pkeys d ON d.dedup_key = u.k ORDER BY u.o);
+    END IF;
+    IF p_notify > 0 THEN  -- as @Ppush
+        IF p_notify = 2 OR {schema}.@Pfloor() >= v_r OR {schema}.ring_rows_caught_up(@Q, v_r) THEN
+            PERFORM pg_notify(p_channel, '');
+        END IF;
+    END IF;
+END
+$b$
+@;
+-- Forget up to p_n deduplication keys older than the queue's window (the upkeep): a push would take
+-- them over anyway. Returns how many.
+CREATE FUNCTION {schema}.@Pforget(p_n integer) RETURNS integer LANGUAGE plpgsql AS $b$
+DECLARE
+    v_n integer;
+BEGIN
+    DELETE FROM {schema}.@Pkeys d WHERE d.ctid = ANY (ARRAY(
+        SELECT k.ctid FROM {schema}.@Pkeys k
+        WHERE k.pushed_at <= now() - make_interval(secs => (
+            SELECT q.dedup_window_s FROM {schema}.queues q WHERE q.queue_id = @Q))
+        ORDER BY k.pushed_at LIMIT p_n));
+    GET DIAGNOSTICS v_n = ROW_COUNT;
+    RETURN v_n;
 END
 $b$
 @;
@@ -4166,8 +4289,8 @@ BEGIN
     END IF;
     FOREACH v_stmt IN ARRAY string_to_array({schema}.ring_rows_template(), '@;') LOOP
         CONTINUE WHEN regexp_replace(v_stmt, '^(\s|--[^\n]*\n)*', '') ~ ('^(CREATE (SEQUENCE|TABLE|VIEW|FUNCTION) '
-            || '\S+\.@P(gen[0-3]|rows|q[0-3]?|emptied[0-3]?|pushx?|rotate|label)\M'
-            || '|ALTER TABLE \S+\.@Pq|SELECT setval|INSERT INTO )');
+            || '\S+\.@P(gen[0-3]|rows|q[0-3]?|emptied[0-3]?|push[xk]?|rotate|label|keys|forget)\M'
+            || '|CREATE INDEX @Pkeys_|ALTER TABLE \S+\.@Pq|SELECT setval|INSERT INTO )');
         EXECUTE replace(replace(replace(replace(replace(replace(replace(replace(
             regexp_replace(v_stmt, '@P(gen[0-3]|rows|q[0-3]?|emptied[0-3]?)\M', v_ring || '\1', 'g'),
             '@P', v_own), '@L', v_lanes::text), '@S', v_s::text),

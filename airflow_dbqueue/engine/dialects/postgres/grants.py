@@ -43,6 +43,7 @@ _ROWS_LOG = re.compile(r"(pos|l|d|r)[0-3]?")  # positions, leases, done rows, re
 _ROWS_LEDGER = re.compile(r"bs?")  # the batch ledger
 _ROWS_PUSH_SEQ = re.compile(r"gen[0-3]|rows")  # row numbers and the segments' generation labels
 _ROWS_POP_SEQ = re.compile(r"posgen|retrygen")  # the newest segments the logs were written in
+_ROWS_KEYS = "keys"  # the deduplication keys
 _ALL_TABLE = frozenset(("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE"))
 _ALL_SEQUENCE = frozenset(("USAGE", "SELECT", "UPDATE"))
 
@@ -52,9 +53,10 @@ def _rows_privileges(what: str, kind: str, actions: frozenset[str]) -> frozenset
     ``what`` (of kind ``'r'`` table, ``'v'`` view, ``'S'`` sequence). Any action reads everything. A push
     inserts a row into a segment, and rotates one in: it empties a segment with its logs (those of every
     group) and the table of the emptied segments' total beside it under ``LOCK TABLE`` and ``TRUNCATE``,
-    writes that total again there, and labels it (``setval``). A pop, ack, nack, reclaim
-    or batch only inserts into its group's logs and the ledger (a claim locks its ledger row). admin:
-    everything (maintenance, failed messages)."""
+    writes that total again there, and labels it (``setval``); a push with deduplication keys inserts,
+    updates and (when a rotation comes first) deletes its keys in the ring's key table. A pop, ack,
+    nack, reclaim or batch only inserts into its group's logs and the ledger (a claim locks its ledger
+    row). admin: everything (maintenance, failed messages)."""
     if not actions:
         return frozenset()
     if "admin" in actions:
@@ -67,6 +69,8 @@ def _rows_privileges(what: str, kind: str, actions: frozenset[str]) -> frozenset
         return frozenset(got)
     if kind == "v":
         return frozenset(got)
+    if push and what == _ROWS_KEYS:
+        got |= {"INSERT", "UPDATE", "DELETE"}
     if push and _ROWS_SEGMENT.fullmatch(what):
         got |= {"INSERT", "TRUNCATE"}
     if push and _ROWS_LOG.fullmatch(what):

@@ -29,6 +29,7 @@ GENERIC_PLANS = frozenset(
         "ring_reclaim_expired",
         "ring_rows_push",
         "ring_rows_push_ttl",
+        "ring_rows_push_keys",
         "ring_rows_take",
         "ring_rows_pop_payloads",
         "ring_rows_take_one",

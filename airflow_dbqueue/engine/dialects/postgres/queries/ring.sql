@@ -402,6 +402,19 @@ SELECT r_first, r_need FROM {schema}.{fn}(%(payloads)b::bytea[], %(notify)s::int
 -- {fn}: the ring's ring_<queue_id>_rpushx.
 SELECT r_first, r_need FROM {schema}.{fn}(%(payloads)b::bytea[], %(notify)s::integer, %(channel)s, %(ttl)s::double precision)
 
+-- name: ring_rows_push_keys
+-- ring_rows_push for a push with deduplication keys (one a payload, distinct): (each payload's id, NULL),
+-- a known key's being its first push's and only the others' payloads pushed, as one row; or (NULL,
+-- generation) as ring_rows_push's, nothing pushed. %(ttl)s: the messages' time to live, or NULL. {fn}: the
+-- ring's ring_<queue_id>_rpushk.
+SELECT r_ids, r_need FROM {schema}.{fn}(%(payloads)b::bytea[], %(keys)s::text[], %(notify)s::integer,
+    %(channel)s, %(ttl)s::double precision)
+
+-- name: ring_rows_forget_keys
+-- Forget up to %(n)s deduplication keys of the ring older than its window; how many. {fn}: the ring's
+-- ring_<queue_id>_rforget.
+SELECT {schema}.{fn}(%(n)s::integer)
+
 -- name: ring_rows_take
 -- A pop: messages due again first, then the lanes'. lease: at least once (one lease row for what the lanes
 -- gave, until now + visibility_timeout_s); otherwise at most once (in the caller's transaction: exactly
