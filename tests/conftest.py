@@ -1,7 +1,9 @@
 """Shared fixtures: a real PostgreSQL for the whole test session.
 
 ``$DBQUEUE_TEST_DSN`` names a server to use; otherwise the session starts a throwaway embedded
-server on a free port and stops it at the end. Every test gets its own schema, dropped afterwards.
+server on a free port and stops it at the end. Every test gets its own schema, dropped afterwards,
+except the tests of a suite on ``tests/dialects.py``'s ``topology_dbq``, which share one a module (each
+finds it without a queue) unless marked ``own_schema``.
 """
 
 from __future__ import annotations
@@ -131,6 +133,10 @@ def pytest_configure(config: pytest.Config) -> None:
     shared server. Each worker starts an embedded PostgreSQL of its own; a server named by
     ``$DBQUEUE_TEST_DSN`` or ``$DBQUEUE_TEST_MSSQL_DSN`` would be shared by the workers instead
     (:data:`SHARED_SERVER_RISK` says what that would risk), so ``-n`` is refused with one, at once."""
+    config.addinivalue_line(
+        "markers",
+        "own_schema: a test of a suite on shared schemas that gets one of its own (tests/dialects.py)",
+    )
     if config.pluginmanager.hasplugin("xdist"):
         from tests.xdist_scheduling import Plugin  # imports pytest-xdist
 

@@ -11,8 +11,10 @@ writes built on them live here too, once: :func:`expire_leases` (a clock jump pa
 
 from __future__ import annotations
 
+import contextlib
+import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pytest
 
@@ -41,20 +43,118 @@ TOPOLOGIES = ["postgresql", "pgbouncer-transaction", "pgbouncer-session", "mssql
 transaction mode with ``pooler="transaction"`` and the server itself as ``listen_dsn``, as
 docs/deploy.md tells a deployment behind a transaction pooler to configure it."""
 
+OWN_SCHEMA = "own_schema"
+"""The mark of a test of a suite on :func:`topology_dbq` that gets a schema of its own, freshly
+installed and dropped after it: one that looks at the whole schema (every queue's rows, the list of
+queues), which must then hold only what the test made."""
 
-@pytest.fixture(params=TOPOLOGIES, name="dbq")
-def topology_dbq(request: pytest.FixtureRequest, schema_name: str) -> Iterator[DbQueue]:
-    """A DbQueue on a fresh, installed schema of each of :data:`TOPOLOGIES`; dropped after the test."""
-    if request.param.startswith("pgbouncer-"):
-        mode = request.param.removeprefix("pgbouncer-")
+
+class Topology:
+    """One of :data:`TOPOLOGIES`, where :func:`topology_dbq` opens its tests' ``DbQueue``: on a schema
+    installed once and shared by the tests of a module (:meth:`shared`), or on a fresh one
+    (:meth:`own`)."""
+
+    def __init__(
+        self, dsn: str, dialect: str | None, pooler: str | None = None, listen_dsn: str | None = None
+    ) -> None:
+        self.dsn, self.dialect, self.pooler, self.listen_dsn = dsn, dialect, pooler, listen_dsn
+        self.schema: str | None = None
+        """The shared schema, once installed."""
+
+    def open(self, schema: str) -> DbQueue:
+        return DbQueue(
+            self.dsn,
+            schema=schema,
+            pool_size=8,
+            dialect=self.dialect,
+            pooler=self.pooler,
+            listen_dsn=self.listen_dsn,
+        )
+
+    def own(self, schema: str) -> contextlib.AbstractContextManager[DbQueue]:
+        return installed_dbq(
+            self.dsn, schema, dialect=self.dialect, pooler=self.pooler, listen_dsn=self.listen_dsn
+        )
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[DbQueue]:
+        """A ``DbQueue`` of its own on the shared schema (installed at the first call), which holds no
+        queue when it is handed out: afterwards every queue in it is dropped (with all its rows and
+        objects) and every :class:`ResultsTable`. When that fails, the schema is dropped whole (the
+        next call installs another) and the error raised."""
+        if self.schema is None:
+            schema = f"t_{uuid.uuid4().hex[:12]}"
+            with self.open(schema) as q:
+                q.install()
+            self.schema = schema
+        q = self.open(self.schema)
+        try:
+            yield q
+        finally:
+            try:
+                empty(q)
+            except BaseException:
+                self.drop()
+                raise
+            finally:
+                q.close()
+
+    def drop(self) -> None:
+        """Drop the shared schema, if one was installed."""
+        schema, self.schema = self.schema, None
+        if schema is not None:
+            with self.open(schema) as q:
+                empty(q)  # its ResultsTables, which uninstall leaves
+                q.uninstall()
+
+
+def empty(dbq: DbQueue) -> None:
+    """Drop every queue of ``dbq``'s schema and every :class:`ResultsTable` in it."""
+    for settings in dbq.list_queues():
+        dbq.drop_queue(settings.name, missing_ok=True)
+    for name in sorted(ResultsTable.names):
+        run_sql(dbq, "DROP TABLE IF EXISTS {schema}.{table}", identifiers={"table": name})
+
+
+def topology_of(request: pytest.FixtureRequest, name: str) -> Topology:
+    """The :class:`Topology` named ``name`` (one of :data:`TOPOLOGIES`), its servers started."""
+    if name.startswith("pgbouncer-"):
+        mode = name.removeprefix("pgbouncer-")
         server = request.getfixturevalue("pg_dsn")
         dsn = request.getfixturevalue("pgbouncer").dsn(mode)
-        listen = server if mode == "transaction" else None
-        with installed_dbq(dsn, schema_name, pooler=mode, listen_dsn=listen) as q:
+        return Topology(dsn, None, pooler=mode, listen_dsn=server if mode == "transaction" else None)
+    return Topology(request.getfixturevalue("pg_dsn" if name == "postgresql" else "mssql_dsn"), name)
+
+
+@pytest.fixture(scope="module")
+def topologies() -> Iterator[dict[str, Topology]]:
+    """The :class:`Topology` of each of :data:`TOPOLOGIES` a module's tests took (:func:`topology_dbq`),
+    by name; their shared schemas are dropped at the module's end, while the servers still run."""
+    places: dict[str, Topology] = {}
+    try:
+        yield places
+    finally:
+        with contextlib.ExitStack() as stack:  # every one, whichever fails
+            for place in places.values():
+                stack.callback(place.drop)
+
+
+@pytest.fixture(params=TOPOLOGIES, name="dbq")
+def topology_dbq(
+    request: pytest.FixtureRequest, topologies: dict[str, Topology], schema_name: str
+) -> Iterator[DbQueue]:
+    """A DbQueue on an installed schema of each of :data:`TOPOLOGIES` that holds no queue: the module's
+    shared one of that topology (the test's queues are dropped after it), or with the mark
+    :data:`OWN_SCHEMA` a fresh one of the test's own, dropped after it. A suite that takes it imports
+    :func:`topologies` too."""
+    place = topologies.get(request.param)
+    if place is None:
+        place = topologies[request.param] = topology_of(request, request.param)
+    if request.node.get_closest_marker(OWN_SCHEMA) is not None:
+        with place.own(schema_name) as q:
             yield q
         return
-    dsn = request.getfixturevalue("pg_dsn" if request.param == "postgresql" else "mssql_dsn")
-    with installed_dbq(dsn, schema_name, dialect=request.param) as q:
+    with place.shared() as q:
         yield q
 
 
@@ -224,7 +324,11 @@ class ResultsTable:
     :param key: the columns of its primary key, if any (a duplicate write then breaks the key).
     """
 
+    names: ClassVar[set[str]] = set()
+    """The name of every results table: :func:`empty` drops them from a shared schema."""
+
     def __init__(self, columns: Sequence[tuple[str, str]], key: Sequence[str] = (), name: str = "eo_results"):
+        ResultsTable.names.add(name)
         self.columns = [c for c, _ in columns]
         self.types = [t for _, t in columns]
         self.key = list(key)

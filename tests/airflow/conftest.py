@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -173,7 +174,8 @@ def airflow_conn(pg_dsn: str, dbq: DbQueue, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def migrated_airflow_env(home: Path, dags_folder: Path, **extra: str) -> dict[str, str]:
-    """Environment of a throwaway AIRFLOW_HOME (SQLite, migrated here) with DAGs from ``dags_folder``.
+    """Environment of a throwaway AIRFLOW_HOME (SQLite, migrated: a copy of the database that
+    :func:`migrated_template` migrated under the same settings) with DAGs from ``dags_folder``.
 
     The scheduler (LocalExecutor) and the triggerer each serve their logs over HTTP, by default on the
     fixed ports 8793 and 8794: each environment gets free ports of its own, so that deployments of
@@ -189,8 +191,60 @@ def migrated_airflow_env(home: Path, dags_folder: Path, **extra: str) -> dict[st
         AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT=str(trigger_logs),
         **extra,
     )
-    subprocess.run([str(AIRFLOW), "db", "migrate"], env=env, check=True, capture_output=True, timeout=300)
+    home.mkdir(parents=True, exist_ok=True)
+    copy_sqlite(migrated_template(env), home / "airflow.db")
     return env
+
+
+MIGRATION_EXEMPT = (
+    "AIRFLOW_HOME",
+    "AIRFLOW__CORE__DAGS_FOLDER",
+    "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION",
+    "AIRFLOW__CORE__EXECUTOR",
+    "AIRFLOW__CORE__EXECUTION_API_SERVER_URL",
+    "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS",
+    "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE",
+    "AIRFLOW__API_AUTH__JWT_SECRET",
+    "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT",
+    "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT",
+)
+"""Settings of an environment that ``airflow db migrate`` does not read (where DAGs and logs live, the
+executor, the API's address, secret and users): environments that differ only in these are migrated
+alike. Any other ``AIRFLOW__`` setting (the auth manager, whose database manager the migration runs;
+the external database managers; the log template it records) gets a migration of its own."""
+
+_TEMPLATES: dict[tuple[tuple[str, str], ...], Path] = {}
+"""Migrated SQLite databases of this process, by :func:`migrated_template`'s key."""
+
+
+def migrated_template(env: dict[str, str]) -> Path:
+    """The ``airflow.db`` of a throwaway AIRFLOW_HOME that ``airflow db migrate`` made under ``env``'s
+    settings, once a process (under ``$AIRFLOW_HOME``, removed at the session's end) for each set of
+    the settings the migration reads (see :data:`MIGRATION_EXEMPT`)."""
+    key = tuple(
+        sorted((k, v) for k, v in env.items() if k.startswith("AIRFLOW__") and k not in MIGRATION_EXEMPT)
+    )
+    template = _TEMPLATES.get(key)
+    if template is None:
+        home = Path(tempfile.mkdtemp(prefix="migrated-", dir=_HOME))
+        subprocess.run(
+            [str(AIRFLOW), "db", "migrate"],
+            env={**env, "AIRFLOW_HOME": str(home)},
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
+        template = _TEMPLATES[key] = home / "airflow.db"
+    return template
+
+
+def copy_sqlite(source: Path, target: Path) -> None:
+    """Copy the SQLite database ``source`` to ``target`` (SQLite's online backup: whole and consistent)."""
+    with (
+        contextlib.closing(sqlite3.connect(source)) as src,
+        contextlib.closing(sqlite3.connect(target)) as to,
+    ):
+        src.backup(to)
 
 
 def spark_env(env: dict[str, str]) -> dict[str, str]:

@@ -33,12 +33,13 @@ from airflow_dbqueue.engine import (
     TransactionRequiredError,
 )
 from airflow_dbqueue.engine.dialects.mssql import MssqlDatabase
-from tests.dialects import (  # noqa: F401 - topology_dbq is the fixture "dbq"
+from tests.dialects import (  # noqa: F401 - topology_dbq is the fixture "dbq", on topologies
     ResultsTable,
     behind_transaction_pooler,
     expire_leases,
     postgres_only,
     run_sql,
+    topologies,
     topology_dbq,
 )
 from tests.faces import FACES, faced
@@ -131,13 +132,16 @@ def count_rows(dbq: DbQueue, table: str, queue_id: int | None = None) -> int:
     return int(rows[0][0])
 
 
-def count_payloads(dbq: DbQueue) -> tuple[int, int]:
-    """Stored payloads of the table design: ``(in their own meta or done row, in data)``."""
+def count_payloads(dbq: DbQueue, queue_id: int | None = None) -> tuple[int, int]:
+    """Stored payloads of the table design: ``(in their own meta or done row, in data)``, of one queue
+    only when ``queue_id`` is given."""
+    of_queue = "" if queue_id is None else " AND queue_id = %(queue_id)s"
     rows = run_sql(
         dbq,
-        "SELECT (SELECT count(*) FROM {schema}.meta WHERE payload IS NOT NULL) "
-        "+ (SELECT count(*) FROM {schema}.done WHERE payload IS NOT NULL), "
-        "(SELECT count(*) FROM {schema}.data)",
+        f"SELECT (SELECT count(*) FROM {{schema}}.meta WHERE payload IS NOT NULL{of_queue}) "
+        f"+ (SELECT count(*) FROM {{schema}}.done WHERE payload IS NOT NULL{of_queue}), "
+        f"(SELECT count(*) FROM {{schema}}.data WHERE 1 = 1{of_queue})",
+        None if queue_id is None else {"queue_id": queue_id},
     )
     return int(rows[0][0]), int(rows[0][1])
 
@@ -604,7 +608,7 @@ def test_pop_payloads_returns_what_pop_would_in_its_order(
             else:
                 q.push_batch(sent[k : k + 150], priority=k % 300)
     if not is_ring(b):
-        assert count_payloads(dbq)[1] > 0  # the larger payloads are in data
+        assert count_payloads(dbq, b.settings.queue_id)[1] > 0  # the larger payloads are in data
     names = recorded_statements(b, monkeypatch)
     by_pop: list[Any] = []
     by_payloads: list[Any] = []
@@ -840,6 +844,7 @@ def test_many_queues_in_one_schema_are_isolated(make_queue: Callable[..., Queue]
     assert [m.payload for m in a.pop(10)] == ["a1", "a2"]
 
 
+@pytest.mark.own_schema  # the list of queues
 def test_create_queue_is_idempotent_and_checks_settings(client: DbQueue, dbq: DbQueue) -> None:
     q1 = client.create_queue("orders", max_attempts=4)
     q2 = client.create_queue("orders", max_attempts=4)
@@ -851,6 +856,7 @@ def test_create_queue_is_idempotent_and_checks_settings(client: DbQueue, dbq: Db
     assert [s.name for s in client.list_queues()] == ["orders"]
 
 
+@pytest.mark.own_schema  # every queue's payloads
 def test_drop_queue_removes_everything(client: DbQueue, dbq: DbQueue) -> None:
     """Every row of the dropped queue goes (its payloads too, small ones in their rows and large ones in
     data); another queue's stay, whole."""
@@ -1089,6 +1095,7 @@ def test_expired_messages_are_never_handed_out_and_fail(dbq: DbQueue) -> None:
     assert count_rows(dbq, "meta_opt", q.settings.queue_id) == 0
 
 
+@pytest.mark.own_schema  # every queue's payloads
 @pytest.mark.parametrize("archive", [False, True])
 def test_expired_messages_of_a_dropping_queue_go(dbq: DbQueue, archive: bool) -> None:
     q = dbq.create_queue("exd", ttl=3600, on_expiry="drop", archive=archive)
