@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from airflow_dbqueue.engine import DbQueue
-from tests.dialects import ResultsTable, topology_dbq  # noqa: F401 - topology_dbq is the fixture "dbq"
+from tests.dialects import ResultsTable, topologies, topology_dbq  # noqa: F401 - topology_dbq is the fixture "dbq", on topologies
 from tests.helpers import drained, payload_hash
 
 if TYPE_CHECKING:

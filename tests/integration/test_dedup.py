@@ -450,7 +450,14 @@ def test_a_keyed_push_that_meets_a_full_ring_keeps_no_key(dbq: DbQueue) -> None:
     assert len(out) == len(expected) and checksum(out) == checksum(expected)
     ids = q.push_batch(["k", "k2"], dedup_keys=["k", "k2"])
     assert len(set(ids)) == 2 and q.push("k again", dedup_key="k") == ids[0]
-    assert checksum(drain(q)) == checksum(["k", "k2"])
+    # The rolled-back push left row 14 unwritten, a gap in front of lane 0, where the keys' row lands: a
+    # pop gives it up once every transaction with an xid that ran when it looked has ended, which may
+    # take a look more than the first drain when another one (an autoanalyze) ran then.
+    got: list[Any] = []
+    deadline = time.monotonic() + 10.0
+    while len(got) < 2 and time.monotonic() < deadline:
+        got += [m.payload for m in q.pop(10)]
+    assert checksum(got) == checksum(["k", "k2"]) and drained(q)
 
 
 def test_keys_on_a_ring_with_groups_expiry_and_rotations(dbq: DbQueue) -> None:
