@@ -46,6 +46,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -281,6 +282,16 @@ def explain_claims(dsn: str, schema: str, batch: int) -> dict[str, Any]:
     }
 
 
+def per_call(server: CountedServer, session: Callable[[int], set[int]], calls: int) -> float:
+    """Server instructions a call of ``session``'s loop: a session of one call first (so that the counted
+    ones find the pages in shared buffers), then (a session of ``4 x calls`` - one of ``calls``) /
+    ``3 x calls``, which leaves out each session's connection and set-up."""
+    server.counted(session(1))
+    short = server.counted(session(calls))
+    long = server.counted(session(4 * calls))
+    return (long - short) / (3 * calls)
+
+
 def count_pops(
     server: CountedServer, dsn: str, schema: str, *, batch: int, calls: int, who: str, counter: Counter
 ) -> float:
@@ -307,10 +318,7 @@ def count_pops(
                     raise SystemExit("the naive queue gave fewer messages than it holds")
             return {int(c.info.backend_pid)}
 
-    server.counted(session(1))
-    short = server.counted(session(calls))
-    long = server.counted(session(4 * calls))
-    return (long - short) / (3 * calls * batch)
+    return per_call(server, session, calls) / batch
 
 
 def count_pushes(
@@ -333,10 +341,7 @@ def count_pushes(
                 c.execute(push_sql, (counter.batch(batch),))
             return {int(c.info.backend_pid)}
 
-    server.counted(session(1))
-    short = server.counted(session(calls))
-    long = server.counted(session(4 * calls))
-    return (long - short) / (3 * calls * batch)
+    return per_call(server, session, calls) / batch
 
 
 def set_floor(dsn: str, schema: str) -> None:
@@ -376,10 +381,7 @@ def count_floor_pops(
                     raise SystemExit("the what-if's pop gave fewer messages than the queue holds")
             return {int(c.info.backend_pid)}
 
-    server.counted(session(1))
-    short = server.counted(session(calls))
-    long = server.counted(session(4 * calls))
-    return (long - short) / (3 * calls * batch)
+    return per_call(server, session, calls) / batch
 
 
 def count_claims(server: CountedServer, dsn: str, schema: str, batch: int, calls: int) -> dict[str, float]:
@@ -397,10 +399,7 @@ def count_claims(server: CountedServer, dsn: str, schema: str, batch: int, calls
                     c.execute(call).fetchall()
                 return {int(c.info.backend_pid)}
 
-        server.counted(session(1))
-        short = server.counted(session(calls))
-        long = server.counted(session(4 * calls))
-        out[who] = (long - short) / (3 * calls)
+        out[who] = per_call(server, session, calls)
     return out
 
 
