@@ -137,10 +137,12 @@ def check_ring_push(
     ttl: float | None,
     keys: Sequence[str | None] | None,
     rows: bool = False,
+    per_key: bool = False,
 ) -> None:
-    """Refuse, before anything is sent, what a push into a ring cannot do: ordering keys, priorities and
-    delays on either layout, and on the slots layout (not ``rows``) expiry and deduplication keys, which
-    the table design and the rows layout have."""
+    """Refuse, before anything is sent, what a push into a ring cannot do: priorities and delays on
+    either layout, on the slots layout (not ``rows``) expiry, deduplication keys and ordering keys, and
+    on the rows layout ordering keys without ordering per key (``per_key``) and deduplication keys with
+    it."""
     if ttl is not None and not rows:
         raise NotSupportedError(
             f"queue {name!r} is a ring of the slots layout: expiry (ttl) is the table design's and the "
@@ -151,10 +153,17 @@ def check_ring_push(
             f"queue {name!r} is a ring of the slots layout: deduplication keys on push are the table "
             "design's and the rows layout's (docs/limits.md); use one of those for them"
         )
-    if keys is not None:
+    if keys is not None and not rows:
         raise NotSupportedError(
-            f"queue {name!r} is a ring: ordering per key is the table design's (docs/limits.md); use a "
-            "table-design queue for it"
+            f"queue {name!r} is a ring of the slots layout: ordering per key is the table design's and the "
+            "rows layout's (docs/limits.md); use one of those for it"
+        )
+    if keys is not None and not per_key:
+        raise ConfigurationError(f"queue {name!r}: ordering keys need a queue created with ordering='per_key'")
+    if dedup_keys is not None and per_key:
+        raise NotSupportedError(
+            f"queue {name!r} is a ring of the rows layout ordered per key: deduplication keys on push are "
+            "not built with ordering keys on a ring (docs/limits.md); use a table-design queue for both"
         )
     if priority != 0:
         raise ConfigurationError(

@@ -96,6 +96,7 @@ from __future__ import annotations
 
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -114,6 +115,7 @@ from airflow_dbqueue.engine.errors import (
 from airflow_dbqueue.engine.models import (
     DEFAULT_GROUP,
     FailedMessage,
+    Ordering,
     PayloadType,
     QueueStats,
     Semantics,
@@ -174,6 +176,9 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         self._push_fn = {"fn": f"ring_{settings.queue_id}_rpush"}
         self._pushx_fn = {"fn": f"ring_{settings.queue_id}_rpushx"}
         self._pushk_fn = {"fn": f"ring_{settings.queue_id}_rpushk"}
+        self._pusho_fn = {"fn": f"ring_{settings.queue_id}_rpusho"}
+        # Ordered per key: every push is a block of one row a lane (rpusho), keyed or not.
+        self._per_key = settings.ordering is Ordering.PER_KEY
         self._forget_fn = {"fn": f"ring_{settings.queue_id}_rforget"}
         self._has_pushk: bool | None = None  # whether the ring has it (read on the first keyed push)
         own = self._own()
@@ -227,8 +232,16 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         items = list(payloads)
         dkeys = None if dedup_keys is None else check_keys(self.name, "dedup key", dedup_keys, len(items))
         check_ring_push(
-            self.name, priority=priority, delay=delay, dedup_keys=dedup_keys, ttl=ttl, keys=keys, rows=True
+            self.name,
+            priority=priority,
+            delay=delay,
+            dedup_keys=dedup_keys,
+            ttl=ttl,
+            keys=keys,
+            rows=True,
+            per_key=self._per_key,
         )
+        okeys = None if keys is None else check_keys(self.name, "key", keys, len(items), optional=True)
         if ttl is None:
             ttl = self.settings.ttl_s
         else:
@@ -247,6 +260,8 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             )
         encoded = self.settings.encode_all(items)
         try:
+            if self._per_key:
+                return self._push_ordered(encoded, okeys, conn, ttl)
             if dkeys is not None:
                 return self._push_keyed(encoded, dkeys, conn, ttl)
             first = self._push_rows(encoded, conn, ttl)
@@ -279,6 +294,25 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         got = self._push_row("ring_rows_push_keys", params, conn, self._pushk_fn)
         ids = dict(zip(first, map(int, got), strict=True))
         return [ids[k] for k in keys]
+
+    def lane_of(self, key: str) -> int:
+        """The lane of ordering key ``key`` on this ring: a stable hash of the key (CRC-32 of its UTF-8
+        bytes, the same in every process and release) modulo the ring's lanes."""
+        return zlib.crc32(key.encode("utf-8")) % self.lanes
+
+    def _push_ordered(
+        self, encoded: list[bytes], keys: list[str | None] | None, conn: DbConnection | None, ttl: float | None
+    ) -> list[int]:
+        """Push into a ring ordered per key (the ring's ``rpusho``): each message into its key's lane
+        (:meth:`lane_of`), a message without a key into lane ``i % lanes`` (its place in the batch), as
+        one block of one row a lane; return the ids in payload order."""
+        lanes = [
+            i % self.lanes if k is None else self.lane_of(k)
+            for i, k in enumerate(keys if keys is not None else repeat(None, len(encoded)))
+        ]
+        params = {"payloads": encoded, "lanes": lanes, "ttl": ttl}
+        got = self._push_row("ring_rows_push_ordered", params, conn, self._pusho_fn)
+        return [int(i) for i in got]
 
     def _keyed(self) -> bool:
         """Whether the ring has deduplication keys (its ``rpushk`` and ``rforget``; read once a handle)."""
@@ -755,7 +789,10 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             rows = sorted(self._db.fetchall("ring_take_failed", params, conn))
             payloads = [bytes(r[1]) for r in rows]
             for first in range(0, len(payloads), ROWS_MAX_BATCH):
-                self._push_rows(payloads[first : first + ROWS_MAX_BATCH], conn)
+                if self._per_key:  # without their keys: a failed message's key is not kept
+                    self._push_ordered(payloads[first : first + ROWS_MAX_BATCH], None, conn, None)
+                else:
+                    self._push_rows(payloads[first : first + ROWS_MAX_BATCH], conn)
         return len(rows)
 
     def delete_failed(self, ids: Sequence[int] | None = None) -> int:

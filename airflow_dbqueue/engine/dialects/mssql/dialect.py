@@ -88,6 +88,7 @@ POSTGRES_ONLY: dict[str, str] = {
             "ring_rows_push",
             "ring_rows_push_ttl",
             "ring_rows_push_keys",
+            "ring_rows_push_ordered",
             "ring_rows_forget_keys",
             "ring_rows_take",
             "ring_rows_pop_payloads",

@@ -2266,6 +2266,7 @@ CREATE TABLE {schema}.@Pq2 (LIKE {schema}.@Pq0 INCLUDING ALL)
 CREATE TABLE {schema}.@Pq3 (LIKE {schema}.@Pq0 INCLUDING ALL)
 @;
 CREATE TABLE {schema}.@Ppos0 (lane integer NOT NULL, at bigint NOT NULL,
+@O    lo bigint,
     CONSTRAINT @Ppos0_pkey PRIMARY KEY (lane, at))
 @;
 CREATE TABLE {schema}.@Ppos1 (LIKE {schema}.@Ppos0 INCLUDING ALL)
@@ -2328,6 +2329,11 @@ INSERT INTO {schema}.@Ppos0 SELECT k, (k::bigint << 16) FROM generate_series(0, 
 CREATE VIEW {schema}.@Pq AS
     SELECT * FROM {schema}.@Pq0 UNION ALL SELECT * FROM {schema}.@Pq1
     UNION ALL SELECT * FROM {schema}.@Pq2 UNION ALL SELECT * FROM {schema}.@Pq3
+@;
+-- The position logs of the four segments (read by @Pholds on a ring ordered per key).
+CREATE VIEW {schema}.@Ppos AS
+    SELECT * FROM {schema}.@Ppos0 UNION ALL SELECT * FROM {schema}.@Ppos1
+    UNION ALL SELECT * FROM {schema}.@Ppos2 UNION ALL SELECT * FROM {schema}.@Ppos3
 @;
 -- The messages of every segment emptied so far (the push total's part that TRUNCATE took away), one
 -- row a segment: a rotation reads the newest (the highest total), adds the messages of the segment it
@@ -2440,6 +2446,77 @@ BEGIN
             PERFORM setval('{schema}.@Pposgen', v_gen);
         END IF;
     END IF;
+END
+$b$
+@;
+-- @Plog on a ring ordered per key: each entry also names p_lo, the lease that took the lane's
+-- messages up to that position (NULL: none, a pop at most once or a lane that only passed rows), which
+-- @Pholds reads. Only such a ring's position logs have the column (and call this).
+CREATE FUNCTION {schema}.@Plogo(p_lanes integer[], p_at bigint[], p_lo bigint) RETURNS void LANGUAGE plpgsql AS $b$
+DECLARE
+    v_seg integer[];
+    v_gen bigint := 0;
+    v_r bigint;
+BEGIN
+    v_seg := array_fill(NULL::integer, ARRAY[cardinality(p_lanes)]);
+    FOR i IN 1 .. cardinality(p_lanes) LOOP
+        v_r := p_at[i] >> 16;
+        IF (p_at[i] & 65535) = 0 THEN
+            v_r := v_r - @L;
+        END IF;
+        v_seg[i] := (v_r / @S % 4)::integer;
+        v_gen := greatest(v_gen, v_r / @S);
+    END LOOP;
+    FOR k IN 0 .. 3 LOOP
+        CONTINUE WHEN NOT (k = ANY (v_seg));
+        IF k = 0 THEN
+            INSERT INTO {schema}.@Ppos0 SELECT u.l, u.a, p_lo FROM unnest(p_lanes, p_at, v_seg) u(l, a, s) WHERE u.s = 0 ON CONFLICT DO NOTHING;
+        ELSIF k = 1 THEN
+            INSERT INTO {schema}.@Ppos1 SELECT u.l, u.a, p_lo FROM unnest(p_lanes, p_at, v_seg) u(l, a, s) WHERE u.s = 1 ON CONFLICT DO NOTHING;
+        ELSIF k = 2 THEN
+            INSERT INTO {schema}.@Ppos2 SELECT u.l, u.a, p_lo FROM unnest(p_lanes, p_at, v_seg) u(l, a, s) WHERE u.s = 2 ON CONFLICT DO NOTHING;
+        ELSE
+            INSERT INTO {schema}.@Ppos3 SELECT u.l, u.a, p_lo FROM unnest(p_lanes, p_at, v_seg) u(l, a, s) WHERE u.s = 3 ON CONFLICT DO NOTHING;
+        END IF;
+    END LOOP;
+    IF v_gen > coalesce(pg_sequence_last_value('{schema}.@Pposgen'), 0) THEN
+        PERFORM pg_advisory_xact_lock(@K3, 0);
+        IF v_gen > coalesce(pg_sequence_last_value('{schema}.@Pposgen'), 0) THEN
+            PERFORM setval('{schema}.@Pposgen', v_gen);
+        END IF;
+    END IF;
+END
+$b$
+@;
+-- Which lanes of a ring ordered per key a pop may not take from now, one a lane (index lane + 1):
+-- 1 held, 2 free with messages due again (to deliver before the lane's rows), 0 free. A lane is held
+-- while a message taken from it is not finished: the lease named by its newest position entry is open
+-- (its row is there and no done row: a pop takes from a free lane only, so every older lease of the
+-- lane is closed; a lease whose segment was emptied was closed, as a rotation empties none open), or a
+-- message of the lane is leased again or waits for its due time (a nack's delay) in the retry log.
+-- Messages due again come first in their lane: they were taken from it before anything it still holds.
+-- Each lane's newest entry is one index scan a segment (the view's merge of them); the retry log is
+-- read whole (it holds only the messages acked, nacked or reclaimed apart from their pop's whole ack).
+CREATE FUNCTION {schema}.@Pholds() RETURNS smallint[] LANGUAGE plpgsql AS $b$
+DECLARE
+    v_hold smallint[];
+    rec record;
+BEGIN
+    SELECT array_agg(CASE WHEN x.lo IS NOT NULL AND EXISTS (SELECT 1 FROM {schema}.@Pl e WHERE e.lo = x.lo)
+                           AND NOT EXISTS (SELECT 1 FROM {schema}.@Pd d WHERE d.lo = x.lo)
+                          THEN 1 ELSE 0 END::smallint ORDER BY g)
+    INTO v_hold
+    FROM generate_series(0, @L - 1) g
+    LEFT JOIN LATERAL (SELECT p.lo FROM {schema}.@Ppos p WHERE p.lane = g ORDER BY p.at DESC LIMIT 1) x ON true;
+    FOR rec IN
+        SELECT ((r.id >> 16) % @L)::integer AS lane, bool_or(r.state = 2 OR r.due_at > now()) AS busy
+        FROM {schema}.@Pr r
+        WHERE r.state IN (1, 2) AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver)
+        GROUP BY 1
+    LOOP
+        v_hold[rec.lane + 1] := CASE WHEN rec.busy OR v_hold[rec.lane + 1] = 1 THEN 1 ELSE 2 END;
+    END LOOP;
+    RETURN v_hold;
 END
 $b$
 @;
@@ -2628,6 +2705,67 @@ BEGIN
         r_ids := ARRAY(SELECT d.id FROM unnest(p_keys) WITH ORDINALITY AS u(k, o)
                        JOIN {schema}.@Pkeys d ON d.dedup_key = u.k ORDER BY u.o);
     END IF;
+    IF p_notify > 0 THEN  -- as @Ppush
+        IF p_notify = 2 OR {schema}.@Pfloor() >= v_r OR {schema}.ring_rows_caught_up(@Q, v_r) THEN
+            PERFORM pg_notify(p_channel, '');
+        END IF;
+    END IF;
+END
+$b$
+@;
+-- Push a batch into a ring ordered per key, in the caller's transaction: p_lanes[i] is the lane of
+-- p_payloads[i] (the client maps a message's ordering key to a lane, a stable hash of the key modulo
+-- the lanes). Every push of such a ring takes a block of @L consecutive row numbers starting at a
+-- multiple of @L (under the push lock, the row sequence set to the block's last number: what every
+-- reader of the sequence takes for the last row issued), so its row v_r + l is lane l's: it writes
+-- each lane's messages, in payload order, as that row, and an empty row (n = 0) in each lane that has
+-- none, which pops pass without delivering, so that no lane waits for a number behind the push. A
+-- lane never passes a row issued and not written, so a key's messages are taken in push order. A
+-- segment holds a whole number of blocks (the client checks it). p_ttl: the messages' time to live
+-- (NULL: none; only a ring created with a ttl has the column). r_ids: each payload's id, in payload
+-- order; or r_need as @Ppush's, nothing pushed.
+CREATE FUNCTION {schema}.@Ppusho(p_payloads bytea[], p_lanes integer[], p_notify integer, p_channel text,
+    p_ttl double precision, OUT r_ids bigint[], OUT r_need bigint) LANGUAGE plpgsql AS $b$
+DECLARE
+    v_r bigint;
+    v_k integer;
+    v_ok boolean;
+BEGIN
+    v_ok := pg_current_xact_id() IS NOT NULL;
+    v_ok := pg_advisory_lock(@K1, 0) IS NULL;
+    v_r := coalesce(pg_sequence_last_value('{schema}.@Prows'), -1) + 1;
+    v_k := (v_r / @S % 4)::integer;
+    IF {schema}.@Pseg_gen(v_k) <> v_r / @S THEN
+        v_ok := pg_advisory_unlock(@K1, 0);
+        r_need := v_r / @S;
+        RETURN;
+    END IF;
+    PERFORM setval('{schema}.@Prows', v_r + @L - 1);
+    v_ok := pg_advisory_unlock(@K1, 0);
+    IF v_k = 0 THEN
+        INSERT INTO {schema}.@Pq0 SELECT v_r + g, coalesce(cardinality(m.p), 0), now(), coalesce(m.p, ARRAY[]::bytea[])
+@E          , now() + make_interval(secs => p_ttl)
+            FROM generate_series(0, @L - 1) g LEFT JOIN (SELECT u.l, array_agg(u.p ORDER BY u.o) AS p
+                FROM unnest(p_payloads, p_lanes) WITH ORDINALITY u(p, l, o) GROUP BY u.l) m ON m.l = g;
+    ELSIF v_k = 1 THEN
+        INSERT INTO {schema}.@Pq1 SELECT v_r + g, coalesce(cardinality(m.p), 0), now(), coalesce(m.p, ARRAY[]::bytea[])
+@E          , now() + make_interval(secs => p_ttl)
+            FROM generate_series(0, @L - 1) g LEFT JOIN (SELECT u.l, array_agg(u.p ORDER BY u.o) AS p
+                FROM unnest(p_payloads, p_lanes) WITH ORDINALITY u(p, l, o) GROUP BY u.l) m ON m.l = g;
+    ELSIF v_k = 2 THEN
+        INSERT INTO {schema}.@Pq2 SELECT v_r + g, coalesce(cardinality(m.p), 0), now(), coalesce(m.p, ARRAY[]::bytea[])
+@E          , now() + make_interval(secs => p_ttl)
+            FROM generate_series(0, @L - 1) g LEFT JOIN (SELECT u.l, array_agg(u.p ORDER BY u.o) AS p
+                FROM unnest(p_payloads, p_lanes) WITH ORDINALITY u(p, l, o) GROUP BY u.l) m ON m.l = g;
+    ELSE
+        INSERT INTO {schema}.@Pq3 SELECT v_r + g, coalesce(cardinality(m.p), 0), now(), coalesce(m.p, ARRAY[]::bytea[])
+@E          , now() + make_interval(secs => p_ttl)
+            FROM generate_series(0, @L - 1) g LEFT JOIN (SELECT u.l, array_agg(u.p ORDER BY u.o) AS p
+                FROM unnest(p_payloads, p_lanes) WITH ORDINALITY u(p, l, o) GROUP BY u.l) m ON m.l = g;
+    END IF;
+    r_ids := ARRAY(SELECT ((v_r + x.l) << 16) | x.k FROM (
+        SELECT u.l, u.o, row_number() OVER (PARTITION BY u.l ORDER BY u.o) - 1 AS k
+        FROM unnest(p_lanes) WITH ORDINALITY u(l, o)) x ORDER BY x.o);
     IF p_notify > 0 THEN  -- as @Ppush
         IF p_notify = 2 OR {schema}.@Pfloor() >= v_r OR {schema}.ring_rows_caught_up(@Q, v_r) THEN
             PERFORM pg_notify(p_channel, '');
@@ -2832,14 +2970,23 @@ DECLARE
 @E    v_xfrom integer[] := ARRAY[]::integer[];
 @E    v_xlanes integer[];
 @E    v_xat bigint[];
+@O    v_hold smallint[];
+@O    v_again integer[];
+@O    v_ktook boolean[] := array_fill(false, ARRAY[@L]);
+@O    v_pass bigint[] := array_fill(NULL::bigint, ARRAY[@L]);
+@O    v_plans integer[];
+@O    v_pat bigint[];
 BEGIN
     IF v_last IS NULL THEN  -- nothing pushed yet
         RETURN;
     END IF;
     -- Messages to deliver again first (@Pagain), when some may be in the segments live now: retry rows
     -- are written only in a message's own segment, and pretrygen is the newest generation any ready one
-    -- was written in (raised before it commits, so never behind a committed row).
-    IF v_hint IS NOT NULL AND v_hint >= v_last / @S - 3 THEN
+    -- was written in (raised before it commits, so never behind a committed row). On a ring ordered
+    -- per key, a lane's own ones, below, once the pop holds the lane.
+    IF v_hint IS NOT NULL AND v_hint >= v_last / @S - 3
+@O      AND false
+    THEN
         RETURN QUERY SELECT * FROM {schema}.@Pagain(p_n, p_lease, v_until, p_consumer);
         GET DIAGNOSTICS v_got = ROW_COUNT;
         v_left := p_n - v_got;
@@ -2848,8 +2995,14 @@ BEGIN
         END IF;
     END IF;
     v_all := {schema}.@Planes(NULL);
-    SELECT array_agg((u.o - 1)::integer ORDER BY u.at) INTO v_order FROM unnest(v_all) WITH ORDINALITY u(at, o)
-    WHERE (u.at >> 16) <= v_last;
+    -- Per key: only the free lanes (@Pholds), those with messages due again too, which come first.
+@O  v_hold := {schema}.@Pholds();
+    SELECT array_agg((u.o - 1)::integer ORDER BY u.at
+@O      * (2 - v_hold[u.o])
+        ) INTO v_order FROM unnest(v_all) WITH ORDINALITY u(at, o)
+    WHERE (u.at >> 16) <= v_last
+@O      AND v_hold[u.o] = 0 OR v_hold[u.o] = 2
+    ;
     IF v_order IS NULL THEN  -- every lane past the last row issued
         RETURN;
     END IF;
@@ -2866,6 +3019,22 @@ BEGIN
         PERFORM pg_advisory_xact_lock(@K2, v_order[1]);
         v_locked := ARRAY[v_order[1]];
     END IF;
+    -- Per key: the holds again, read after the locks (a pop that held a lane committed its lease before
+    -- this one had the lane), and the locked lanes' messages due again taken first, in id order.
+@O  v_hold := {schema}.@Pholds();
+@O  v_locked := ARRAY(SELECT l FROM unnest(v_locked) l WHERE v_hold[l + 1] <> 1);
+@O  IF cardinality(v_locked) = 0 THEN
+@O      RETURN;
+@O  END IF;
+@O  v_again := ARRAY(SELECT l FROM unnest(v_locked) l WHERE v_hold[l + 1] = 2);
+@O  IF cardinality(v_again) > 0 THEN
+@O      RETURN QUERY SELECT * FROM {schema}.@Pagaino(v_left, v_again, p_lease, v_until, p_consumer);
+@O      GET DIAGNOSTICS v_got = ROW_COUNT;
+@O      v_left := v_left - v_got;
+@O      IF v_left <= 0 THEN
+@O          RETURN;
+@O      END IF;
+@O  END IF;
     v_at := {schema}.@Planes(v_locked);
     v_next := array_fill(NULL::bigint, ARRAY[@L]);
     v_first_at := array_fill(NULL::bigint, ARRAY[@L]);
@@ -2905,6 +3074,11 @@ BEGIN
             END IF;
             v_first := CASE WHEN (v_first_at[v_lane + 1] >> 16) = rec.r
                             THEN (v_first_at[v_lane + 1] & 65535)::integer ELSE 0 END;
+@O            IF rec.n = 0 THEN  -- a lane's empty row of a push ordered per key: passed
+@O                v_pass[v_lane + 1] := (rec.r + @L) << 16;
+@O                v_next[v_lane + 1] := rec.r + @L;
+@O                CONTINUE;
+@O            END IF;
 @E            IF rec.expires_at <= now() THEN
 @E                -- Expired (a push with a ttl): never delivered. Passed only at the head of its lane in
 @E                -- this pop (nothing taken from the lane yet), so that no lease range holds it; after a
@@ -2922,6 +3096,7 @@ BEGIN
 @E            END IF;
 @E            v_took[v_lane + 1] := true;
             v_take := least(rec.n - v_first, v_left);
+@O            v_ktook[v_lane + 1] := true;
             v_rows := v_rows || rec.r;
             v_from := v_from || v_first;
             v_to := v_to || (v_first + v_take);
@@ -2946,11 +3121,28 @@ BEGIN
 @E        IF v_xlanes IS NOT NULL THEN
 @E            PERFORM {schema}.@Plog(v_xlanes, v_xat);
 @E        END IF;
-@E        IF cardinality(v_rows) = 0 THEN
+@E        IF cardinality(v_rows) = 0
+@E@O          AND false
+@E        THEN
 @E            RETURN QUERY SELECT * FROM {schema}.@Ptake(v_left, p_wait, p_lease, p_vt, p_consumer);
 @E            RETURN;
 @E        END IF;
 @E    END IF;
+    -- Per key: the lanes that only passed empty rows logged past them (no lease names them); when
+    -- nothing was taken, look again as after expired rows.
+@O  SELECT array_agg(l - 1 ORDER BY l), array_agg(v_pass[l] ORDER BY l) INTO v_plans, v_pat
+@O  FROM generate_series(1, @L) l WHERE v_pass[l] IS NOT NULL AND NOT v_ktook[l];
+@O  IF v_plans IS NOT NULL THEN
+@O      PERFORM {schema}.@Plog(v_plans, v_pat);
+@O  END IF;
+@O  IF cardinality(v_rows) = 0 THEN
+@O      IF v_plans IS NOT NULL
+@O@E          OR cardinality(v_xr) > 0
+@O      THEN
+@O          RETURN QUERY SELECT * FROM {schema}.@Ptake(v_left, p_wait, p_lease, p_vt, p_consumer);
+@O      END IF;
+@O      RETURN;
+@O  END IF;
     IF cardinality(v_rows) = 0 THEN
         RETURN;
     END IF;
@@ -2967,7 +3159,13 @@ BEGIN
         v_newat[v_k] := CASE WHEN v_to[i] = v_n[i] THEN (v_rows[i] + @L) << 16
                              ELSE (v_rows[i] << 16) | v_to[i] END;
     END LOOP;
-    PERFORM {schema}.@Plog(v_moved, v_newat);
+    -- Per key: past the empty rows a lane passed after its last row taken, and each entry naming this
+    -- pop's lease, which holds the lanes until it is closed (@Pholds).
+@O  FOR i IN 1 .. cardinality(v_moved) LOOP
+@O      v_newat[i] := greatest(v_newat[i], v_pass[v_moved[i] + 1]);
+@O  END LOOP;
+@O  PERFORM {schema}.@Plogo(v_moved, v_newat, CASE WHEN p_lease THEN (v_rows[1] << 16) | v_from[1] END);
+@U  PERFORM {schema}.@Plog(v_moved, v_newat);
     -- At least once: one lease row, in the segment of its first message, naming each moved lane's
     -- taken range [start, end) (NULL for the lanes it did not move).
     IF p_lease THEN
@@ -3043,6 +3241,9 @@ BEGIN
     IF v_last IS NULL THEN  -- nothing pushed yet
         RETURN;
     END IF;
+    -- A ring ordered per key pops one as any number (@Ptake: only free lanes, empty rows passed).
+@O  RETURN QUERY SELECT * FROM {schema}.@Ptake(1, p_wait, p_lease, p_vt, p_consumer);
+@O  RETURN;
     IF coalesce(pg_sequence_last_value('{schema}.@Pretrygen'), -4) < v_last / @S - 3 THEN
         -- Each lane's position in the newest segment of the log (pos_gen's), lowest first; a lane with none
         -- there (NULL, sorted first) sends the pop to the full read below. One
@@ -3329,7 +3530,12 @@ BEGIN
             END IF;
         END LOOP;
         IF cardinality(v_lanes) > 0 THEN
-            PERFORM {schema}.@Plog(v_lanes, v_newat);
+@U            PERFORM {schema}.@Plog(v_lanes, v_newat);
+@O            -- Per key: each lane keeps the lease its newest entry names (a gap passed holds nothing).
+@O            FOR i IN 1 .. cardinality(v_lanes) LOOP
+@O                PERFORM {schema}.@Plogo(ARRAY[v_lanes[i]], ARRAY[v_newat[i]],
+@O                    (SELECT p.lo FROM {schema}.@Ppos p WHERE p.lane = v_lanes[i] ORDER BY p.at DESC LIMIT 1));
+@O            END LOOP;
         END IF;
     END IF;
     r_last := coalesce(pg_sequence_last_value('{schema}.@Prows'), -1);
@@ -3522,6 +3728,85 @@ BEGIN
 @E             , (SELECT t.expires_at FROM {schema}.@Pq t WHERE t.r = r.id >> 16) AS expires_at
         FROM {schema}.@Pr r
         WHERE r.state = 1 AND r.due_at <= now()
+          AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver)
+        ORDER BY r.id
+    LOOP
+        IF rec.id >> 16 <> v_row THEN
+            v_row := rec.id >> 16;
+            v_ok := pg_try_advisory_xact_lock(@K4, hashint8(v_row));
+        END IF;
+        CONTINUE WHEN NOT v_ok;
+@E        IF rec.expires_at <= now() THEN  -- due again after its expiry: it expires instead
+@E            v_xids := v_xids || rec.id;
+@E            v_xvers := v_xvers || (rec.ver + 1);
+@E            v_xatt := v_xatt || rec.attempts;
+@E            v_xdel := v_xdel || rec.deliveries;
+@E            CONTINUE;
+@E        END IF;
+        v_ids := v_ids || rec.id;
+        v_vers := v_vers || (rec.ver + 1);
+        v_att := v_att || (rec.attempts + 1);
+        v_del := v_del || (rec.deliveries + 1);
+        EXIT WHEN cardinality(v_ids) >= p_n;
+    END LOOP;
+@E    IF cardinality(v_xids) > 0 THEN
+@E        -- finished (dropped) or failed, as on_expiry says; copied to ring_failed when failed
+@E        v_drop := {schema}.@Pdrops();
+@E        v_put := ARRAY(SELECT {schema}.@Pput(v_xids, v_xvers,
+@E            array_fill(CASE WHEN v_drop THEN 0 ELSE 3 END, ARRAY[cardinality(v_xids)]), v_xatt, v_xdel,
+@E            array_fill(now(), ARRAY[cardinality(v_xids)]), array_fill(NULL::text, ARRAY[cardinality(v_xids)]),
+@E            array_fill('expired'::text, ARRAY[cardinality(v_xids)])));
+@E        IF NOT v_drop AND cardinality(v_put) > 0 THEN
+@E            PERFORM {schema}.@Pfail(
+@E                ARRAY(SELECT u.id FROM unnest(v_xids, v_xatt) u(id, a) WHERE u.id = ANY (v_put) ORDER BY u.id),
+@E                ARRAY(SELECT u.a FROM unnest(v_xids, v_xatt) u(id, a) WHERE u.id = ANY (v_put) ORDER BY u.id),
+@E                array_fill('expired'::text, ARRAY[cardinality(v_put)]));
+@E        END IF;
+@E    END IF;
+    IF cardinality(v_ids) = 0 THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    WITH w AS (
+        SELECT array_agg(p.id) AS ids FROM {schema}.@Pput(v_ids, v_vers,
+            array_fill(CASE WHEN p_lease THEN 2 ELSE 0 END, ARRAY[cardinality(v_ids)]), v_att, v_del,
+            array_fill(coalesce(p_until, now()), ARRAY[cardinality(v_ids)]),
+            array_fill(p_consumer, ARRAY[cardinality(v_ids)]), NULL::text[]) p(id)
+    )
+    SELECT u.id, u.a, u.d, t.enqueued_at, p_until, t.payloads[(u.id & 65535)::integer + 1]
+    FROM w CROSS JOIN unnest(v_ids, v_att, v_del) u(id, a, d)
+    JOIN {schema}.@Pq t ON t.r = u.id >> 16
+    WHERE u.id = ANY (w.ids)
+    ORDER BY u.id;
+END
+$b$
+@;
+-- @Pagain on a ring ordered per key: only the messages of lanes p_lanes, which the pop holds (locked,
+-- and free: @Pholds), every one due (a lane with one still leased or delayed is held).
+CREATE FUNCTION {schema}.@Pagaino(p_n integer, p_lanes integer[], p_lease boolean, p_until timestamptz, p_consumer text)
+RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz,
+               r_lease_until timestamptz, r_payload bytea)
+LANGUAGE plpgsql AS $b$
+DECLARE
+    v_ids bigint[] := ARRAY[]::bigint[];
+    v_vers integer[] := ARRAY[]::integer[];
+    v_att integer[] := ARRAY[]::integer[];
+    v_del integer[] := ARRAY[]::integer[];
+    v_row bigint := -1;
+    v_ok boolean := false;
+@E    v_xids bigint[] := ARRAY[]::bigint[];
+@E    v_xvers integer[] := ARRAY[]::integer[];
+@E    v_xatt integer[] := ARRAY[]::integer[];
+@E    v_xdel integer[] := ARRAY[]::integer[];
+@E    v_drop boolean;
+@E    v_put bigint[];
+    rec record;
+BEGIN
+    FOR rec IN
+        SELECT r.id, r.ver, r.attempts, r.deliveries
+@E             , (SELECT t.expires_at FROM {schema}.@Pq t WHERE t.r = r.id >> 16) AS expires_at
+        FROM {schema}.@Pr r
+        WHERE r.state = 1 AND r.due_at <= now() AND ((r.id >> 16) % @L)::integer = ANY (p_lanes)
           AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver)
         ORDER BY r.id
     LOOP
@@ -4092,19 +4377,22 @@ RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
     v_stmt text;
     v_x text;
+    v_o text;
 BEGIN
     INSERT INTO {schema}.ring_rows (queue_id, capacity, lanes, seg_rows)
     VALUES (p_queue_id, p_capacity, p_lanes, p_capacity / 4);
-    -- @E starts the lines only a ring that expires (created with a ttl) has; a comment's start otherwise
+    -- @E starts the lines only a ring that expires (created with a ttl) has; a comment's start otherwise.
+    -- @O starts those only a ring ordered per key has, @U those only a ring without ordering has.
     v_x := CASE WHEN (SELECT q.ttl_s IS NOT NULL FROM {schema}.queues q WHERE q.queue_id = p_queue_id) THEN '' ELSE '--' END;
+    v_o := CASE WHEN (SELECT q.ordering = 'per_key' FROM {schema}.queues q WHERE q.queue_id = p_queue_id) THEN '' ELSE '--' END;
     FOREACH v_stmt IN ARRAY string_to_array({schema}.ring_rows_template(), '@;') LOOP
-        EXECUTE replace(replace(replace(replace(replace(replace(replace(replace(replace(v_stmt,
+        EXECUTE replace(replace(replace(replace(replace(replace(replace(replace(replace(replace(replace(v_stmt,
             '@P', 'ring_' || p_queue_id || '_r'), '@L', p_lanes::text), '@S', (p_capacity / 4)::text),
             '@K1', hashtext('dbqueue.rows.push.{schema}.' || p_queue_id)::text),
             '@K2', hashtext('dbqueue.rows.lanes.{schema}.' || p_queue_id)::text),
             '@K3', hashtext('dbqueue.rows.posgen.{schema}.' || p_queue_id)::text),
             '@K4', hashtext('dbqueue.rows.retry.{schema}.' || p_queue_id)::text), '@Q', p_queue_id::text),
-            '@E', v_x);
+            '@E', v_x), '@O', v_o), '@U', CASE WHEN v_o = '' THEN '--' ELSE '' END);
     END LOOP;
 END
 $$;
@@ -4289,15 +4577,17 @@ BEGIN
     END IF;
     FOREACH v_stmt IN ARRAY string_to_array({schema}.ring_rows_template(), '@;') LOOP
         CONTINUE WHEN regexp_replace(v_stmt, '^(\s|--[^\n]*\n)*', '') ~ ('^(CREATE (SEQUENCE|TABLE|VIEW|FUNCTION) '
-            || '\S+\.@P(gen[0-3]|rows|q[0-3]?|emptied[0-3]?|push[xk]?|rotate|label|keys|forget)\M'
+            || '\S+\.@P(gen[0-3]|rows|q[0-3]?|emptied[0-3]?|push[xko]?|rotate|label|keys|forget)\M'
             || '|CREATE INDEX @Pkeys_|ALTER TABLE \S+\.@Pq|SELECT setval|INSERT INTO )');
-        EXECUTE replace(replace(replace(replace(replace(replace(replace(replace(
+        EXECUTE replace(replace(replace(replace(replace(replace(replace(replace(replace(replace(
             regexp_replace(v_stmt, '@P(gen[0-3]|rows|q[0-3]?|emptied[0-3]?)\M', v_ring || '\1', 'g'),
             '@P', v_own), '@L', v_lanes::text), '@S', v_s::text),
             '@K2', hashtext('dbqueue.rows.lanes.{schema}.' || v_gid)::text),
             '@K3', hashtext('dbqueue.rows.posgen.{schema}.' || v_gid)::text),
             '@K4', hashtext('dbqueue.rows.retry.{schema}.' || v_gid)::text), '@Q', v_gid::text),
-            '@E', CASE WHEN (SELECT q.ttl_s IS NOT NULL FROM {schema}.queues q WHERE q.queue_id = p_queue_id) THEN '' ELSE '--' END);
+            '@E', CASE WHEN (SELECT q.ttl_s IS NOT NULL FROM {schema}.queues q WHERE q.queue_id = p_queue_id) THEN '' ELSE '--' END),
+            '@O', CASE WHEN (SELECT q.ordering = 'per_key' FROM {schema}.queues q WHERE q.queue_id = p_queue_id) THEN '' ELSE '--' END),
+            '@U', CASE WHEN (SELECT q.ordering = 'per_key' FROM {schema}.queues q WHERE q.queue_id = p_queue_id) THEN '--' ELSE '' END);
     END LOOP;
     EXECUTE 'SELECT {schema}.' || v_own || 'log($1, $2)' USING ARRAY(SELECT generate_series(0, v_lanes - 1)), v_at;
     RETURN v_gid;
