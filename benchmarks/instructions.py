@@ -35,7 +35,7 @@ With ``--pop claim`` (and ``--semantics at-least-once``) a pop session claims ba
 messages instead (``claim_batch``), reads each by its receipts (``leased()``) and acks it whole
 (``ack_batch``): what a batch's cycle costs the server, on the reference's read and delete.
 
-With ``--feature`` the table design (and, for ``dedup`` and ``ttl``, a ring of the rows layout) is
+With ``--feature`` the table design (and a ring of the rows layout, which has all three) is
 also counted with one of the push options on every message, each in a queue of its own beside the
 default one, in the same server: ``ordering`` (a queue created with ``ordering="per_key"``, every
 push naming one of ``--ordering-keys`` keys in turn, 1,000 unless told, a row for each count given),
@@ -108,11 +108,12 @@ from cost import check, payloads
 
 from airflow_dbqueue.engine import DbQueue
 from airflow_dbqueue.engine.embedded import EmbeddedPostgres, free_port
+from airflow_dbqueue.engine.ring_base import RING_DEFAULT_LANES
 
 QUEUE = "instr_q"
 FEATURES = ("none", "ordering", "dedup", "ttl")
 """The table design's push options --feature counts, each on every message (see the docstring)."""
-RING_ROWS_FEATURES = ("none", "dedup", "ttl")
+RING_ROWS_FEATURES = ("none", "ordering", "dedup", "ttl")
 """The push options a ring of the rows layout has, which --feature counts on it too."""
 ORDERING_KEYS = 1000
 """How many ordering keys the pushes of ``ordering`` name in turn unless --ordering-keys says."""
@@ -542,7 +543,7 @@ DESIGNS = ("ring", RING_ROWS, "table")
 
 def variants(args: argparse.Namespace) -> list[tuple[str, str, int | None]]:
     """What each batch counts, a row each, in order: every design; the table design once a feature
-    (``--feature``), a ring of the rows layout once a feature it has (``dedup``, ``ttl``); ``ordering`` once a
+    (``--feature``), a ring of the rows layout once a feature it has (all three); ``ordering`` once a
     number of keys (``--ordering-keys``), which it names."""
     return [
         (d, f, k)
@@ -620,14 +621,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             notify=args.notify,
                         )
                     elif design == RING_ROWS:
-                        # capacity counts pushes: every push of the warm-up's and the two counted
+                        # capacity counts rows: every push of the warm-up's and the two counted
                         # sessions' (5 x calls, then 5 x calls / 4) with room to spare, so that no
-                        # push waits for a segment
+                        # push waits for a segment; ordered per key, a push takes a row a lane
+                        # (RING_DEFAULT_LANES of them), and a segment holds a whole number of pushes
+                        rows_per_push = RING_DEFAULT_LANES if feature == "ordering" else 1
                         dbq.create_queue(
                             QUEUE,
                             design="ring",
                             layout="rows",
-                            capacity=args.rows_capacity or max(64, 32 * calls),
+                            capacity=(args.rows_capacity or max(64, 32 * calls)) * rows_per_push,
                             payload_type="bytes",
                             max_payload_bytes=max(args.payload_bytes, 16),
                             notify=args.notify,

@@ -501,9 +501,11 @@ class DbQueue:
         ring of the rows layout, default none) is how long a message may wait to be popped unless its
         push names another: a message not popped by then is never delivered, and goes to the failed
         state with ``last_error`` ``"expired"`` (``on_expiry="fail"``, the default) or is dropped
-        (``on_expiry="drop"``). ``ordering="per_key"`` (table design) lets pushes give messages an
-        ordering key (``push(key=...)``): a key's messages are handed out in push order, one at a
-        time, while different keys go in parallel.
+        (``on_expiry="drop"``). ``ordering="per_key"`` (table design, and a ring of the rows layout)
+        lets pushes give messages an ordering key (``push(key=...)``): a key's messages are handed out
+        in push order, one at a time, while different keys go in parallel; on a ring a key maps to a
+        lane, so at most ``lanes`` lanes are in flight and keys sharing a lane wait for each other
+        (``capacity / 4`` a multiple of ``lanes``; docs/concepts.md).
         """
         name = validate_queue_name(name)
         try:

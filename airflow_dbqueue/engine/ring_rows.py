@@ -88,8 +88,21 @@ gap; the new messages of a batch (those of keys not pushed within the queue's ``
 row, the known keys return their first pushes' ids. A push without keys never reads that table.
 :meth:`RowsRingQueue.maintain` forgets keys older than the window.
 
-Not built on any ring, refused with :class:`NotSupportedError`: ordering keys (docs/concepts.md says
-why).
+Ordering per key (a ring created with ``ordering="per_key"``, ``push(key=...)``, docs/concepts.md): a
+key maps to a lane (:meth:`RowsRingQueue.lane_of`, a stable hash of the key modulo ``lanes``), whose FIFO
+gives the key's order. Every push of such a ring runs the ring's ``rpusho``: it takes a block of
+``lanes`` row numbers starting at a multiple of ``lanes`` (the row sequence set to the block's end under
+the push lock), writes each lane's messages of the push, in push order, as the lane's row of the block,
+and an empty row (``n = 0``) in the other lanes, which pops pass, so no lane waits behind a number of
+another's. Exactly once and at most once, a pop holds its lanes until it commits, as on any rows ring.
+At least once, a lane is held while a message taken from it is not finished: each position entry such
+a pop logs names its lease (a ``lo`` column only such a ring's position logs have), and a pop takes only
+the lanes whose newest entry names no open lease and that have no message leased again or delayed in
+the retry log (``rholds``); a lane's messages due again (a nack, a reclaim, a released batch) are taken
+first in it, before its rows. So a pop (or a batch) takes a lane's run in order, at most ``lanes`` lanes
+are in flight, and keys sharing a lane hold each other back. Only inserts, as everywhere on this layout;
+a ring without ordering per key has these lines folded out of its functions at its creation (``@O``
+in the template). Not with deduplication keys (:class:`NotSupportedError`).
 """
 
 from __future__ import annotations

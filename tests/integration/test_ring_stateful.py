@@ -663,3 +663,185 @@ def test_rows_ring_expiry_matches_model(dbq: DbQueue) -> None:
         )
     finally:
         del RowsExpiryMachine.dbq
+
+
+# -- a ring of the rows layout ordered per key: keys -> lanes ---------------------------------------
+
+KEYED_PUSHES = 64
+"""Pushes a segment of the model's rings: a push takes a row a lane, so the capacity is 4 x 64 x lanes."""
+KEYS_POOL = ["a", "b", "c", "d", "e"]
+
+
+@dataclasses.dataclass
+class KeyedEntry:
+    id: int
+    payload: int
+    lane: int
+    attempts: int = 0
+    state: str = READY
+    lease: Message | None = None
+
+
+class RowsKeyedMachine(_FinishesLeases, RuleBasedStateMachine):
+    """A ring of the rows layout ordered per key, against a model of its lanes.
+
+    Pushes of one to three messages with ordering keys (or none) take a block of a row a lane: the ids
+    are predicted exactly (a message's lane is its key's, ``lane_of``, or its place in the batch
+    modulo the lanes for one without a key). Pops (one and many, each semantics, exactly once
+    committed or rolled back), acks, nacks and lease expiries with a reclaim interleave on 1 to 4
+    lanes. What the model predicts of every pop, from the ordering's rules: it takes nothing from a
+    lane that holds a leased message; from every other lane it takes a prefix of the lane's waiting
+    messages (those due again first, all in id order, as the lane had them), at most n in all, and
+    something whenever some free lane has a message waiting; with n above everything waiting, every
+    free lane's waiting messages. Stats count ready, in flight and failed; a drain after every lease is
+    settled delivers exactly the model's waiting messages, each lane's in order."""
+
+    again, exhausted = READY, FAILED
+    dbq: ClassVar[DbQueue]
+    _names = itertools.count()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q: RowsRingQueue | None = None
+        self.lanes = 1
+        self.max_attempts = 3
+        self.pushes = 0
+        self.entries: list[KeyedEntry] = []
+        self.payloads = itertools.count()
+
+    @property
+    def queue(self) -> RowsRingQueue:
+        assert self.q is not None
+        return self.q
+
+    def _in(self, *states: str) -> list[KeyedEntry]:
+        return sorted((e for e in self.entries if e.state in states), key=lambda e: e.id)
+
+    def _waiting(self, lane: int) -> list[KeyedEntry]:
+        return [e for e in self._in(READY, HELD) if e.lane == lane]
+
+    def _free(self, lane: int) -> bool:
+        return not any(e.state == HELD for e in self._waiting(lane))
+
+    @initialize(lanes=st.integers(1, 4), max_attempts=st.sampled_from([1, 3]))
+    def create(self, lanes: int, max_attempts: int) -> None:
+        self.lanes, self.max_attempts = lanes, max_attempts
+        q = self.dbq.create_queue(
+            f"k{next(self._names)}",
+            design="ring",
+            layout="rows",
+            ordering="per_key",
+            capacity=4 * KEYED_PUSHES * lanes,
+            lanes=lanes,
+            max_attempts=max_attempts,
+            visibility_timeout=600.0,
+            retry_backoff=0.0,
+            retry_backoff_max=0.0,
+        )
+        self.q = q  # type: ignore[assignment]
+        self.queue.reclaim_every = 3600.0  # reclaim only when the test says so
+        self.queue._last_reclaim = float("inf")
+
+    def teardown(self) -> None:
+        if self.q is not None:
+            self.dbq.drop_queue(self.q.name)
+
+    @precondition(lambda self: self.q is not None and self.pushes < KEYED_PUSHES)
+    @rule(keys=st.lists(st.sampled_from([*KEYS_POOL, None]), min_size=1, max_size=3))
+    def push(self, keys: list[str | None]) -> None:
+        payloads = [next(self.payloads) for _ in keys]
+        lanes = [i % self.lanes if k is None else self.queue.lane_of(k) for i, k in enumerate(keys)]
+        ids = self.queue.push_batch(payloads, keys=keys)
+        first = self.pushes * self.lanes
+        want = [((first + lane) << 16) | lanes[:i].count(lane) for i, lane in enumerate(lanes)]
+        assert ids == want
+        self.pushes += 1
+        self.entries += [KeyedEntry(i, p, lane) for i, p, lane in zip(ids, payloads, lanes, strict=True)]
+
+    def _check(self, msgs: list[Message], n: int) -> list[KeyedEntry]:
+        """The pop's messages against the model's rules (see the class); return their entries."""
+        by_id = {e.id: e for e in self.entries}
+        got = [by_id[m.id] for m in msgs]
+        assert len(got) <= n
+        assert [(m.payload, m.delivery) for m in msgs] == [(e.payload, e.attempts + 1) for e in got]
+        for lane in {e.lane for e in got}:
+            mine = [e for e in got if e.lane == lane]
+            assert self._free(lane), f"lane {lane} was held"
+            assert mine == self._waiting(lane)[: len(mine)], f"lane {lane}: not its head run in order"
+        free_waiting = [e for lane in range(self.lanes) if self._free(lane) for e in self._waiting(lane)]
+        assert got or not free_waiting, "a free lane had messages and the pop took none"
+        if n >= len(free_waiting) + self.lanes:
+            assert sorted(e.id for e in got) == sorted(e.id for e in free_waiting)
+        return got
+
+    @precondition(lambda self: self.q is not None)
+    @rule(
+        how=st.sampled_from(["at-most-once", "at-least-once", "eo-commit", "eo-rollback"]),
+        n=st.sampled_from([1, 2, 3, 100]),
+    )
+    def pop(self, how: str, n: int) -> None:
+        if how.startswith("eo"):
+            try:
+                with self.dbq.transaction() as conn:
+                    got = self._check(self.queue.pop(n, semantics="exactly-once", conn=conn), n)
+                    if how == "eo-rollback":
+                        raise _Rollback
+            except _Rollback:
+                return  # nothing happened
+            for e in got:
+                e.attempts += 1
+                e.state = DONE
+            return
+        msgs = self.queue.pop(n, semantics=how)
+        got = self._check(msgs, n)
+        for m, e in zip(msgs, got, strict=True):
+            e.attempts += 1
+            if how == "at-least-once":
+                e.state, e.lease = HELD, m
+            else:
+                e.state = DONE
+
+    @precondition(lambda self: self.q is not None)
+    @rule()
+    def drain(self) -> None:
+        """Settle every lease, then pop until empty: exactly the model's waiting messages, each lane's
+        in order, counted and checksummed."""
+        held = self._in(HELD)
+        if held:
+            assert self.queue.ack([e.lease for e in held if e.lease is not None]) == len(held)
+            for e in held:
+                e.state, e.lease = DONE, None
+        want = self._in(READY)
+        got: list[Message] = []
+        for _ in range(len(want) + 2):
+            got += self.queue.pop(100)
+        by_id = {e.id: e for e in self.entries}
+        assert sorted(m.id for m in got) == [e.id for e in want]
+        assert sum(m.payload for m in got) == sum(e.payload for e in want)
+        for lane in range(self.lanes):
+            assert [m.id for m in got if by_id[m.id].lane == lane] == [e.id for e in want if e.lane == lane]
+        for e in want:
+            e.state = DONE
+
+    @invariant()
+    def stats_match(self) -> None:
+        if self.q is None:
+            return
+        s = self.q.stats()
+        assert (s.ready, s.delayed, s.in_flight, s.failed) == (
+            len(self._in(READY)),
+            0,
+            len(self._in(HELD)),
+            len(self._in(FAILED)),
+        )
+
+
+def test_rows_ring_ordered_per_key_matches_model(dbq: DbQueue) -> None:
+    """(about 30 s)"""
+    RowsKeyedMachine.dbq = dbq
+    try:
+        run_state_machine_as_test(
+            RowsKeyedMachine, settings=settings(SETTINGS, max_examples=30, stateful_step_count=30)
+        )
+    finally:
+        del RowsKeyedMachine.dbq
