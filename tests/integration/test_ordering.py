@@ -244,6 +244,38 @@ def test_ring_a_delayed_nack_holds_the_lane_until_due(dbq: DbQueue) -> None:
     assert checksum(payloads(first + out)) == checksum(["a1", "a2", "b1"])
 
 
+def test_ring_a_gap_given_up_in_a_held_lane_keeps_it_held(dbq: DbQueue) -> None:
+    """A push rolled back leaves a row unwritten in every lane; pops give it up (each passed lane's new
+    position still names the lease that holds it), so the key's next message waits for the ack."""
+    q = keyed_ring(dbq)
+    lk = keys_in_lanes(q)
+    a, b = lk[0], lk[1]
+    q.push("a1", key=a)
+
+    class Abort(Exception):
+        pass
+
+    with pytest.raises(Abort), dbq.transaction() as conn:
+        q.push_batch(["lost a", "lost b"], keys=[a, b], conn=conn)
+        raise Abort
+    q.push_batch(["a2", "b1"], keys=[a, b])
+    [a1] = q.pop(1, semantics=ALO)
+    assert a1.payload == "a1"
+    got: list[Message] = []
+    deadline = time.monotonic() + 10
+    while not got and time.monotonic() < deadline:  # b1 once the rolled-back push's gap is given up
+        got = q.pop(10, semantics=ALO)
+        time.sleep(0.05)
+    assert payloads(got) == ["b1"]
+    for _ in range(5):
+        assert q.pop(10, semantics=ALO) == []  # a2 waits for a1, gap or not
+        time.sleep(0.05)
+    assert q.ack([a1]) == 1
+    [a2] = q.pop(10, semantics=ALO)
+    assert a2.payload == "a2" and q.ack(got + [a2]) == 2 and drained(q)
+    assert checksum(["a1", "b1", "a2"]) == checksum(payloads([a1, *got, a2]))
+
+
 def test_ring_a_message_failed_for_good_releases_its_lane(dbq: DbQueue) -> None:
     q = keyed_ring(dbq, max_attempts=1)
     a = keys_in_lanes(q)[0]
