@@ -238,13 +238,12 @@ def _wanted_settings(
             "only (a ring of the slots layout deals its pushes to lanes by their number, not by a key; "
             "docs/limits.md)"
         )
-    if ring and ordering == Ordering.PER_KEY and capacity is not None and lanes is not None:
-        if (capacity // 4) % lanes:
-            raise ConfigurationError(
-                f"queue {name!r}: a ring of the rows layout ordered per key pushes blocks of one row a lane "
-                f"({lanes} rows), a whole number of them a segment: capacity / 4 must be a multiple of "
-                f"lanes, got capacity {capacity} and {lanes} lanes"
-            )
+    if ring and ordering == Ordering.PER_KEY and capacity is not None and lanes and (capacity // 4) % lanes:
+        raise ConfigurationError(
+            f"queue {name!r}: a ring of the rows layout ordered per key pushes blocks of one row a lane "
+            f"({lanes} rows), a whole number of them a segment: capacity / 4 must be a multiple of "
+            f"lanes, got capacity {capacity} and {lanes} lanes"
+        )
     try:
         wanted = QueueSettings(
             name=name,

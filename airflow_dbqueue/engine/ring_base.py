@@ -159,7 +159,9 @@ def check_ring_push(
             "rows layout's (docs/limits.md); use one of those for it"
         )
     if keys is not None and not per_key:
-        raise ConfigurationError(f"queue {name!r}: ordering keys need a queue created with ordering='per_key'")
+        raise ConfigurationError(
+            f"queue {name!r}: ordering keys need a queue created with ordering='per_key'"
+        )
     if dedup_keys is not None and per_key:
         raise NotSupportedError(
             f"queue {name!r} is a ring of the rows layout ordered per key: deduplication keys on push are "

@@ -125,7 +125,9 @@ def test_keys_need_a_queue_ordered_per_key(dbq: DbQueue) -> None:
     q = dbq.create_queue("plain")
     with pytest.raises(ConfigurationError, match="ordering='per_key'"):
         q.push("x", key="k")
-    with pytest.raises(NotSupportedError, match=r"rings of the rows layout only \(a ring of the slots layout"):
+    with pytest.raises(
+        NotSupportedError, match=r"rings of the rows layout only \(a ring of the slots layout"
+    ):
         dbq.create_queue("r", design="ring", capacity=16, lanes=2, layout="slots", ordering="per_key")
     with pytest.raises(ConfigurationError, match="capacity / 4 must be a multiple of lanes"):
         dbq.create_queue("r", design="ring", capacity=48, lanes=5, layout="rows", ordering="per_key")
@@ -272,7 +274,7 @@ def test_ring_a_gap_given_up_in_a_held_lane_keeps_it_held(dbq: DbQueue) -> None:
         time.sleep(0.05)
     assert q.ack([a1]) == 1
     [a2] = q.pop(10, semantics=ALO)
-    assert a2.payload == "a2" and q.ack(got + [a2]) == 2 and drained(q)
+    assert a2.payload == "a2" and q.ack([*got, a2]) == 2 and drained(q)
     assert checksum(["a1", "b1", "a2"]) == checksum(payloads([a1, *got, a2]))
 
 
@@ -475,7 +477,9 @@ def _consumer(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("design", ["table", "ring"])
-def test_per_key_order_under_producers_consumers_and_sigkills(dbq: DbQueue, tmp_path: Path, design: str) -> None:  # noqa: PLR0912, PLR0915
+def test_per_key_order_under_producers_consumers_and_sigkills(  # noqa: PLR0912, PLR0915
+    dbq: DbQueue, tmp_path: Path, design: str
+) -> None:
     """Long on purpose: one scenario told in order, checked at the end as test_crash's are.
 
     Four producers push batches of 100 over 1,000 keys shared between them while it runs; four consumers
@@ -568,7 +572,9 @@ def test_per_key_order_under_producers_consumers_and_sigkills(dbq: DbQueue, tmp_
             if kind == "pop":
                 at, msgs = rows
                 if design == "table":
-                    assert len({key for _, _, key, _ in msgs}) == len(msgs), "two messages of a key in one pop"
+                    assert len({key for _, _, key, _ in msgs}) == len(msgs), (
+                        "two messages of a key in one pop"
+                    )
                 else:  # a lane's run: a key's messages in push (id) order
                     for key in {key for _, _, key, _ in msgs}:
                         of_key = [mid for mid, _, k, _ in msgs if k == key]
