@@ -50,8 +50,8 @@ def assert_every_side_counted(r: dict[str, Any]) -> None:
 
 
 def test_short_run_counts_both_designs_and_each_feature_of_the_table_design() -> None:
-    """One server counts the rows ring, the table design and the naive queue, the table design once a
-    feature (--feature) and the rows ring with a deduplication key and with a ttl, each a queue of its
+    """One server counts the rows ring, the table design and the naive queue, each design once a
+    feature (--feature: ordering keys, a deduplication key, a ttl), each a queue of its
     own (the slots ring's server count is the client run's below, which counts the server too): every
     row is counted, and a push with a key, a deduplication key or a ttl costs more than the default
     queue's (a count no higher would mean the option was not sent). Ordered per key over 3 keys, a pop
@@ -63,9 +63,7 @@ def test_short_run_counts_both_designs_and_each_feature_of_the_table_design() ->
         *("--feature", *features, "--ordering-keys", "3"),
     )
     assert [(r["design"], r["feature"], r["ordering_keys"]) for r in rows] == [
-        ("ring-rows", "none", None),
-        ("ring-rows", "dedup", None),
-        ("ring-rows", "ttl", None),
+        *(("ring-rows", f, 3 if f == "ordering" else None) for f in features),
         *(("table", f, 3 if f == "ordering" else None) for f in features),
     ]
     for r in rows:
@@ -80,7 +78,7 @@ def test_short_run_counts_both_designs_and_each_feature_of_the_table_design() ->
     for f in features[1:]:
         assert table[f]["push_instructions"] > table["none"]["push_instructions"], (f, rows)
     rows_ring = {r["feature"]: r for r in rows if r["design"] == "ring-rows"}
-    for f in ("dedup", "ttl"):
+    for f in features[1:]:
         assert rows_ring[f]["push_instructions"] > rows_ring["none"]["push_instructions"], (f, rows)
 
 
@@ -106,7 +104,7 @@ def test_short_run_at_least_once_counts_the_table_design_and_ordering_against_pg
 
 def test_each_design_feature_and_number_of_keys_is_a_row_of_its_own() -> None:
     """The rows a batch counts: every design, the table design once a feature, the rows ring once a
-    feature it has (ttl), and ordering once a number of keys, in the order given."""
+    feature it has (all three), and ordering once a number of keys, in the order given."""
     instructions = load_benchmark("instructions")
     args = instructions.parse_args(
         ["--design", "ring", "table", "--feature", "none", "ordering", "ttl", "--ordering-keys", "3", "1000"]
@@ -121,6 +119,7 @@ def test_each_design_feature_and_number_of_keys_is_a_row_of_its_own() -> None:
     args = instructions.parse_args(["--design", "ring-rows", "--feature", "none", "ordering", "dedup", "ttl"])
     assert instructions.variants(args) == [
         ("ring-rows", "none", None),
+        ("ring-rows", "ordering", 1000),
         ("ring-rows", "dedup", None),
         ("ring-rows", "ttl", None),
     ]
