@@ -423,6 +423,7 @@ _RING_ROWS_FUNCTIONS = {
     "ring_rows_push": "push",
     "ring_rows_push_ttl": "pushx",
     "ring_rows_push_keys": "pushk",
+    "ring_rows_push_ordered": "pusho",
     "ring_rows_forget_keys": "forget",
     "ring_rows_take": "take",
     "ring_rows_pop_payloads": "take",
