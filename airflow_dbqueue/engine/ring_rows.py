@@ -314,22 +314,26 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         return zlib.crc32(key.encode("utf-8")) % self.lanes
 
     def _push_ordered(
-        self,
-        encoded: list[bytes],
-        keys: list[str | None] | None,
-        conn: DbConnection | None,
-        ttl: float | None,
+        self, encoded: list[bytes], keys: list[str | None] | None, conn: DbConnection | None, ttl: float | None
     ) -> list[int]:
         """Push into a ring ordered per key (the ring's ``rpusho``): each message into its key's lane
         (:meth:`lane_of`), a message without a key into lane ``i % lanes`` (its place in the batch), as
-        one block of one row a lane; return the ids in payload order."""
+        one block of one row a lane; return the ids in payload order. The payloads go sorted by lane
+        (each lane's in push order) with each lane's count; message k of lane l's row has the id
+        ``((first + l) << 16) | k``, ``first`` the block's first row."""
         lanes = [
             i % self.lanes if k is None else self.lane_of(k)
             for i, k in enumerate(keys if keys is not None else repeat(None, len(encoded)))
         ]
-        params = {"payloads": encoded, "lanes": lanes, "ttl": ttl}
-        got = self._push_row("ring_rows_push_ordered", params, conn, self._pusho_fn)
-        return [int(i) for i in got]
+        order = sorted(range(len(encoded)), key=lanes.__getitem__)  # stable: push order in a lane
+        counts = [0] * self.lanes
+        places = []
+        for lane in lanes:
+            places.append(counts[lane])
+            counts[lane] += 1
+        params = {"payloads": [encoded[i] for i in order], "counts": counts, "ttl": ttl}
+        first = int(self._push_row("ring_rows_push_ordered", params, conn, self._pusho_fn))
+        return [((first + lane) << 16) | k for lane, k in zip(lanes, places, strict=True)]
 
     def _keyed(self) -> bool:
         """Whether the ring has deduplication keys (its ``rpushk`` and ``rforget``; read once a handle)."""

@@ -2713,23 +2713,26 @@ BEGIN
 END
 $b$
 @;
--- Push a batch into a ring ordered per key, in the caller's transaction: p_lanes[i] is the lane of
--- p_payloads[i] (the client maps a message's ordering key to a lane, a stable hash of the key modulo
--- the lanes). Every push of such a ring takes a block of @L consecutive row numbers starting at a
--- multiple of @L (under the push lock, the row sequence set to the block's last number: what every
--- reader of the sequence takes for the last row issued), so its row v_r + l is lane l's: it writes
--- each lane's messages, in payload order, as that row, and an empty row (n = 0) in each lane that has
--- none, which pops pass without delivering, so that no lane waits for a number behind the push. A
--- lane never passes a row issued and not written, so a key's messages are taken in push order. A
--- segment holds a whole number of blocks (the client checks it). p_ttl: the messages' time to live
--- (NULL: none; only a ring created with a ttl has the column). r_ids: each payload's id, in payload
--- order; or r_need as @Ppush's, nothing pushed.
-CREATE FUNCTION {schema}.@Ppusho(p_payloads bytea[], p_lanes integer[], p_notify integer, p_channel text,
-    p_ttl double precision, OUT r_ids bigint[], OUT r_need bigint) LANGUAGE plpgsql AS $b$
+-- Push a batch into a ring ordered per key, in the caller's transaction: p_payloads are the batch's
+-- messages sorted by lane (stably: each lane's in push order), p_counts[l + 1] how many of them lane l
+-- has (the client maps a message's ordering key to a lane, a stable hash of the key modulo the lanes).
+-- Every push of such a ring takes a block of @L consecutive row numbers starting at a multiple of @L
+-- (under the push lock, the row sequence set to the block's last number: what every reader of the
+-- sequence takes for the last row issued), so its row r_first + l is lane l's: it writes each lane's
+-- messages as that row (a slice of p_payloads), and an empty row (n = 0) in each lane that has none,
+-- which pops pass without delivering, so that no lane waits for a number behind the push. A lane never
+-- passes a row issued and not written, so a key's messages are taken in push order. A segment holds a
+-- whole number of blocks (the client checks it). p_ttl: the messages' time to live (NULL: none; only a
+-- ring created with a ttl has the column). r_first: the block's first row (message k of lane l's row
+-- has the id ((r_first + l) << 16) | k, which the client computes); or r_need as @Ppush's, nothing
+-- pushed.
+CREATE FUNCTION {schema}.@Ppusho(p_payloads bytea[], p_counts integer[], p_notify integer, p_channel text,
+    p_ttl double precision, OUT r_first bigint, OUT r_need bigint) LANGUAGE plpgsql AS $b$
 DECLARE
     v_r bigint;
     v_k integer;
     v_ok boolean;
+    v_from integer[];
 BEGIN
     v_ok := pg_current_xact_id() IS NOT NULL;
     v_ok := pg_advisory_lock(@K1, 0) IS NULL;
@@ -2742,30 +2745,27 @@ BEGIN
     END IF;
     PERFORM setval('{schema}.@Prows', v_r + @L - 1);
     v_ok := pg_advisory_unlock(@K1, 0);
+    -- each lane's first place in p_payloads (1-based)
+    v_from := ARRAY(SELECT 1 + coalesce(sum(c) OVER (ORDER BY o ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0)
+                    FROM unnest(p_counts) WITH ORDINALITY u(c, o) ORDER BY o);
     IF v_k = 0 THEN
-        INSERT INTO {schema}.@Pq0 SELECT v_r + g, coalesce(cardinality(m.p), 0), now(), coalesce(m.p, ARRAY[]::bytea[])
+        INSERT INTO {schema}.@Pq0 SELECT v_r + g - 1, p_counts[g], now(), p_payloads[v_from[g] : v_from[g] + p_counts[g] - 1]
 @E          , now() + make_interval(secs => p_ttl)
-            FROM generate_series(0, @L - 1) g LEFT JOIN (SELECT u.l, array_agg(u.p ORDER BY u.o) AS p
-                FROM unnest(p_payloads, p_lanes) WITH ORDINALITY u(p, l, o) GROUP BY u.l) m ON m.l = g;
+            FROM generate_series(1, @L) g;
     ELSIF v_k = 1 THEN
-        INSERT INTO {schema}.@Pq1 SELECT v_r + g, coalesce(cardinality(m.p), 0), now(), coalesce(m.p, ARRAY[]::bytea[])
+        INSERT INTO {schema}.@Pq1 SELECT v_r + g - 1, p_counts[g], now(), p_payloads[v_from[g] : v_from[g] + p_counts[g] - 1]
 @E          , now() + make_interval(secs => p_ttl)
-            FROM generate_series(0, @L - 1) g LEFT JOIN (SELECT u.l, array_agg(u.p ORDER BY u.o) AS p
-                FROM unnest(p_payloads, p_lanes) WITH ORDINALITY u(p, l, o) GROUP BY u.l) m ON m.l = g;
+            FROM generate_series(1, @L) g;
     ELSIF v_k = 2 THEN
-        INSERT INTO {schema}.@Pq2 SELECT v_r + g, coalesce(cardinality(m.p), 0), now(), coalesce(m.p, ARRAY[]::bytea[])
+        INSERT INTO {schema}.@Pq2 SELECT v_r + g - 1, p_counts[g], now(), p_payloads[v_from[g] : v_from[g] + p_counts[g] - 1]
 @E          , now() + make_interval(secs => p_ttl)
-            FROM generate_series(0, @L - 1) g LEFT JOIN (SELECT u.l, array_agg(u.p ORDER BY u.o) AS p
-                FROM unnest(p_payloads, p_lanes) WITH ORDINALITY u(p, l, o) GROUP BY u.l) m ON m.l = g;
+            FROM generate_series(1, @L) g;
     ELSE
-        INSERT INTO {schema}.@Pq3 SELECT v_r + g, coalesce(cardinality(m.p), 0), now(), coalesce(m.p, ARRAY[]::bytea[])
+        INSERT INTO {schema}.@Pq3 SELECT v_r + g - 1, p_counts[g], now(), p_payloads[v_from[g] : v_from[g] + p_counts[g] - 1]
 @E          , now() + make_interval(secs => p_ttl)
-            FROM generate_series(0, @L - 1) g LEFT JOIN (SELECT u.l, array_agg(u.p ORDER BY u.o) AS p
-                FROM unnest(p_payloads, p_lanes) WITH ORDINALITY u(p, l, o) GROUP BY u.l) m ON m.l = g;
+            FROM generate_series(1, @L) g;
     END IF;
-    r_ids := ARRAY(SELECT ((v_r + x.l) << 16) | x.k FROM (
-        SELECT u.l, u.o, row_number() OVER (PARTITION BY u.l ORDER BY u.o) - 1 AS k
-        FROM unnest(p_lanes) WITH ORDINALITY u(l, o)) x ORDER BY x.o);
+    r_first := v_r;
     IF p_notify > 0 THEN  -- as @Ppush
         IF p_notify = 2 OR {schema}.@Pfloor() >= v_r OR {schema}.ring_rows_caught_up(@Q, v_r) THEN
             PERFORM pg_notify(p_channel, '');

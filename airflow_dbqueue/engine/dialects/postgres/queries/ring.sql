@@ -411,11 +411,11 @@ SELECT r_ids, r_need FROM {schema}.{fn}(%(payloads)b::bytea[], %(keys)s::text[],
     %(channel)s, %(ttl)s::double precision)
 
 -- name: ring_rows_push_ordered
--- ring_rows_push for a ring ordered per key: lanes[i] is the lane of payloads[i] (its ordering key's);
--- (each payload's id, NULL), the push a block of one row a lane; or (NULL, generation) as
--- ring_rows_push's, nothing pushed. %(ttl)s: the messages' time to live, or NULL. {fn}: the ring's
+-- ring_rows_push for a ring ordered per key: payloads sorted by lane (each lane's in push order), counts
+-- one a lane; (the block's first row, NULL), the push a block of one row a lane; or (NULL, generation)
+-- as ring_rows_push's, nothing pushed. %(ttl)s: the messages' time to live, or NULL. {fn}: the ring's
 -- ring_<queue_id>_rpusho.
-SELECT r_ids, r_need FROM {schema}.{fn}(%(payloads)b::bytea[], %(lanes)s::integer[], %(notify)s::integer,
+SELECT r_first, r_need FROM {schema}.{fn}(%(payloads)b::bytea[], %(counts)s::integer[], %(notify)s::integer,
     %(channel)s, %(ttl)s::double precision)
 
 -- name: ring_rows_forget_keys
