@@ -314,7 +314,11 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         return zlib.crc32(key.encode("utf-8")) % self.lanes
 
     def _push_ordered(
-        self, encoded: list[bytes], keys: list[str | None] | None, conn: DbConnection | None, ttl: float | None
+        self,
+        encoded: list[bytes],
+        keys: list[str | None] | None,
+        conn: DbConnection | None,
+        ttl: float | None,
     ) -> list[int]:
         """Push into a ring ordered per key (the ring's ``rpusho``): each message into its key's lane
         (:meth:`lane_of`), a message without a key into lane ``i % lanes`` (its place in the batch), as
