@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import multiprocessing
 import os
 import sys
 import threading
@@ -29,9 +30,28 @@ import psycopg
 import pytest
 
 if TYPE_CHECKING:
+    from multiprocessing.context import ForkServerContext
+
     from airflow_dbqueue.engine import Queue
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+CHILD_PRELOAD = ["tests.dialects", "tests.helpers"]
+"""What the children's fork server imports once (with them the engine, both dialects, psycopg and
+pytest): about a second of a child's start, which each child of a spawn spent importing them again."""
+
+
+def child_processes() -> ForkServerContext:
+    """The multiprocessing context of a test's child processes: ``forkserver``. Each child is forked from
+    a server process of its own, which started as a fresh interpreter and has only imported
+    :data:`CHILD_PRELOAD`: it never opened a connection, so none crosses a fork, as with ``spawn``, and
+    each child builds its own :class:`DbQueue` from what it is passed. The server's environment is the
+    test process's when it started (the first child of the process): a child does not see a variable
+    set afterwards."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(CHILD_PRELOAD)  # taken when the server starts; later calls change nothing
+    return ctx
+
 
 STRICT_ENV = "DBQUEUE_TEST_STRICT"
 """Set by ``scripts/test``: every system requirement of the suite was installed, so a missing one is a
