@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import sys
 import threading
@@ -50,6 +51,18 @@ def child_processes() -> ForkServerContext:
     set afterwards."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(CHILD_PRELOAD)  # taken when the server starts; later calls change nothing
+    # Python 3.11's fork server does not take this process's sys.path (a spawned child does, and pytest
+    # put the repository on it): it starts with the repository on $PYTHONPATH, so that it and its
+    # children import tests.* wherever pytest was started.
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCHMARKS.parent), before) if p)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
     return ctx
 
 
