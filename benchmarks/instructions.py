@@ -79,6 +79,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -186,7 +187,10 @@ class CountedServer:
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, 2)  # SIGINT: a fast shutdown
+            # SIGQUIT: an immediate shutdown. Every count was read before, and the data directory is
+            # deleted next: a fast shutdown's checkpoint, which took about 5 s under cachegrind, is of
+            # no use.
+            os.killpg(self.process.pid, signal.SIGQUIT)
             try:
                 self.process.wait(120)
             except subprocess.TimeoutExpired:

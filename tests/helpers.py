@@ -16,6 +16,8 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import sys
 import threading
@@ -29,9 +31,40 @@ import psycopg
 import pytest
 
 if TYPE_CHECKING:
+    from multiprocessing.context import ForkServerContext
+
     from airflow_dbqueue.engine import Queue
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+CHILD_PRELOAD = ["tests.dialects", "tests.helpers"]
+"""What the children's fork server imports once (with them the engine, both dialects, psycopg and
+pytest): about a second of a child's start, which each child of a spawn spent importing them again."""
+
+
+def child_processes() -> ForkServerContext:
+    """The multiprocessing context of a test's child processes: ``forkserver``. Each child is forked from
+    a server process of its own, which started as a fresh interpreter and has only imported
+    :data:`CHILD_PRELOAD`: it never opened a connection, so none crosses a fork, as with ``spawn``, and
+    each child builds its own :class:`DbQueue` from what it is passed. The server's environment is the
+    test process's when it started (the first child of the process): a child does not see a variable
+    set afterwards."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(CHILD_PRELOAD)  # taken when the server starts; later calls change nothing
+    # Python 3.11's fork server does not take this process's sys.path (a spawned child does, and pytest
+    # put the repository on it): it starts with the repository on $PYTHONPATH, so that it and its
+    # children import tests.* wherever pytest was started.
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCHMARKS.parent), before) if p)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+    return ctx
+
 
 STRICT_ENV = "DBQUEUE_TEST_STRICT"
 """Set by ``scripts/test``: every system requirement of the suite was installed, so a missing one is a

@@ -8,8 +8,9 @@ random value; producers report the ids they got back and a checksum of what they
 they received (exactly-once consumers write it into a results table in the pop's own transaction),
 and the test compares counts, checksums and identities, then checks the queue is empty.
 
-The children are started with the ``spawn`` context: each builds its own :class:`DbQueue` from the
-DSN, schema and dialect, so no connection crosses a ``fork``. Each case runs on PostgreSQL, through a
+The children are forked from a fork server that holds no connection (``tests.helpers.child_processes``):
+each builds its own :class:`DbQueue` from the DSN, schema and dialect, so no connection crosses a
+``fork``. Each case runs on PostgreSQL, through a
 real PgBouncer in transaction and in session mode, and on SQL Server when ``$DBQUEUE_TEST_MSSQL_DSN``
 names one (skipped otherwise): the results table is written and read through the engine's connections
 with SQL valid on both (``tests/dialects.py``).
@@ -28,10 +29,10 @@ import pytest
 
 from airflow_dbqueue.engine import DbQueue
 from tests.dialects import ResultsTable, topologies, topology_dbq  # noqa: F401 - topology_dbq is the fixture "dbq", on topologies
-from tests.helpers import drained, payload_hash
+from tests.helpers import child_processes, drained, payload_hash
 
 if TYPE_CHECKING:
-    from multiprocessing.context import SpawnProcess
+    from multiprocessing.context import ForkServerProcess
     from multiprocessing.synchronize import Barrier, Event
 
     from airflow_dbqueue.engine import Message
@@ -78,7 +79,7 @@ def engine_kwargs(dbq: DbQueue) -> dict[str, Any]:
     return engine
 
 
-# -- child processes (module level: spawn imports this module to find them) -----------------------
+# -- child processes (module level: a child imports this module to find them) -----------------------
 
 
 def _producer(
@@ -170,7 +171,7 @@ def _consumer(
 
 
 def _collect(
-    results: mp.Queue[Any], procs: list[SpawnProcess], kind: str, want: int, deadline: float
+    results: mp.Queue[Any], procs: list[ForkServerProcess], kind: str, want: int, deadline: float
 ) -> dict[int, Any]:
     """Gather ``want`` reports of ``kind`` from the children; fail on a child's error or death."""
     out: dict[int, Any] = {}
@@ -209,7 +210,7 @@ def test_many_processes_move_every_message_once(dbq: DbQueue, semantics: str, de
     dsn, schema = dbq.db.dsn, dbq.schema
     engine = engine_kwargs(dbq)
     total = PRODUCERS * PER_PRODUCER
-    ctx = mp.get_context("spawn")
+    ctx = child_processes()
     results: mp.Queue[Any] = ctx.Queue()
     producers_done = ctx.Event()
     start = ctx.Barrier(PRODUCERS + CONSUMERS)

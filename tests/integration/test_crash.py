@@ -41,10 +41,10 @@ from airflow_dbqueue.engine import (
 from airflow_dbqueue.engine.aio import AsyncDbQueue
 from tests.dialects import dialect_dbq, run_sql  # noqa: F401 - dialect_dbq is the fixture "dbq"
 from tests.faces import FACES
-from tests.helpers import checksum, drained, payload_hash
+from tests.helpers import checksum, child_processes, drained, payload_hash
 
 if TYPE_CHECKING:
-    from multiprocessing.context import SpawnProcess
+    from multiprocessing.context import ForkServerProcess
     from multiprocessing.synchronize import Event
 
     from airflow_dbqueue.engine import Message, Queue
@@ -79,7 +79,7 @@ def _meta_count(dbq: DbQueue, queue_id: int) -> int:
     return int(rows[0][0])
 
 
-def _stop(procs: list[SpawnProcess]) -> None:
+def _stop(procs: list[ForkServerProcess]) -> None:
     """Kill the children this test started that are still alive."""
     for p in procs:
         if p.is_alive():
@@ -144,7 +144,7 @@ def test_sigkilled_consumer_leases_are_delivered_again_once(dbq: DbQueue, face: 
     by_id = dict(zip(ids, sent, strict=True))
     assert len(by_id) == total
 
-    ctx = mp.get_context("spawn")
+    ctx = child_processes()
     report: mp.Queue[Any] = ctx.Queue()
     child = ctx.Process(
         target=_hold_leases,
@@ -336,7 +336,7 @@ def test_a_consumer_sigkilled_in_its_statement_loses_and_doubles_nothing(
 def _sigkill_in(dbq: DbQueue, queue: str, n: int, *, at: str, face: str, tables: str) -> list[Message]:
     """Run :func:`_stuck` in a child; once it is ready, lock ``tables`` and let it go; SIGKILL it once its
     statement waits for the lock, then let the lock go. Return what it held (an ack's pop)."""
-    ctx = mp.get_context("spawn")
+    ctx = child_processes()
     report: mp.Queue[Any] = ctx.Queue()
     go = ctx.Event()
     kwargs = {"dsn": dbq.db.dsn, "schema": dbq.schema, "queue": queue, "n": n, "at": at, "face": face}
@@ -488,7 +488,7 @@ def _traffic_consumer(
         log("error", traceback.format_exc())
 
 
-def _join_all(procs: list[SpawnProcess], deadline: float) -> None:
+def _join_all(procs: list[ForkServerProcess], deadline: float) -> None:
     for p in procs:
         p.join(timeout=max(0.1, deadline - time.time()))
         assert p.exitcode == 0, f"{p.name} exited with {p.exitcode} (still running: {p.is_alive()})"
@@ -498,12 +498,12 @@ def test_consumer_sigkilled_repeatedly_under_traffic(dbq: DbQueue, tmp_path: Pat
     """Long on purpose: one scenario told in order, whose checks at the end need everything it built along the
     way; split, the parts would pass all of it around."""
     q = dbq.create_queue(TRAFFIC_QUEUE, visibility_timeout=60.0, max_attempts=50)
-    ctx = mp.get_context("spawn")
+    ctx = child_processes()
     stop_producing, producers_done = ctx.Event(), ctx.Event()
     deadline = time.time() + RUN_LIMIT_S
     common = {"dsn": dbq.db.dsn, "schema": dbq.schema, "dialect": dbq.dialect, "deadline": deadline}
 
-    def consumer(name: str, **kw: Any) -> SpawnProcess:
+    def consumer(name: str, **kw: Any) -> ForkServerProcess:
         return ctx.Process(
             target=_traffic_consumer,
             kwargs={
@@ -529,7 +529,7 @@ def test_consumer_sigkilled_repeatedly_under_traffic(dbq: DbQueue, tmp_path: Pat
         for i in range(TRAFFIC_PRODUCERS)
     ]
     steady = [consumer(f"consumer-{i}") for i in range(TRAFFIC_CONSUMERS)]
-    procs: list[SpawnProcess] = producers + steady
+    procs: list[ForkServerProcess] = producers + steady
     killed: list[str] = []
     try:
         for p in procs:

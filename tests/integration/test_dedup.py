@@ -8,7 +8,6 @@ Every test counts what went in and what came out, and compares checksums of the 
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import random
 import threading
 import time
@@ -28,7 +27,7 @@ from airflow_dbqueue.engine.errors import (
 from airflow_dbqueue.engine.models import Design
 from airflow_dbqueue.engine.queue import MAX_DEDUP_KEY_CHARS
 from tests.dialects import run_sql
-from tests.helpers import checksum, drained
+from tests.helpers import checksum, child_processes, drained
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine import Queue
@@ -317,7 +316,7 @@ def _process_producer(dsn: str, schema: str, p: int, out: Any) -> None:
 
 def test_racing_processes_push_each_key_once(dbq: DbQueue, design: str) -> None:
     q = make(dbq, "d", design)
-    ctx = mp.get_context("spawn")
+    ctx = child_processes()
     out = ctx.Queue()
     procs = [ctx.Process(target=_process_producer, args=(dbq.db.dsn, dbq.schema, p, out)) for p in range(4)]
     for pr in procs:

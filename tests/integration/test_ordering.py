@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import itertools
 import json
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -27,11 +26,11 @@ from airflow_dbqueue.engine import DbQueue
 from airflow_dbqueue.engine.errors import ConfigurationError, NotSupportedError
 from airflow_dbqueue.engine.models import Ordering
 from airflow_dbqueue.engine.ring_rows import RowsRingQueue
-from tests.helpers import checksum, drained, payload_hash
+from tests.helpers import checksum, child_processes, drained, payload_hash
 from tests.integration.test_crash import _Log, _read_log, _stop
 
 if TYPE_CHECKING:
-    from multiprocessing.context import SpawnProcess
+    from multiprocessing.context import ForkServerProcess
     from multiprocessing.synchronize import Event
 
     from airflow_dbqueue.engine import Message
@@ -501,12 +500,12 @@ def test_per_key_order_under_producers_consumers_and_sigkills(  # noqa: PLR0912,
         max_attempts=50,
         **(ring if design == "ring" else {}),  # type: ignore[arg-type]
     )
-    ctx = mp.get_context("spawn")
+    ctx = child_processes()
     done, stop = ctx.Event(), ctx.Event()
     deadline = time.time() + RUN_LIMIT_S
     common = {"dsn": dbq.db.dsn, "schema": dbq.schema}
 
-    def consumer(name: str, holding: Event | None = None) -> SpawnProcess:
+    def consumer(name: str, holding: Event | None = None) -> ForkServerProcess:
         kw = {**common, "log_path": str(tmp_path / f"{name}.jsonl"), "done": done, "deadline": deadline}
         return ctx.Process(target=_consumer, kwargs={**kw, "holding": holding}, name=name)
 
@@ -519,7 +518,7 @@ def test_per_key_order_under_producers_consumers_and_sigkills(  # noqa: PLR0912,
         for i in range(PRODUCERS)
     ]
     steady = [consumer(f"consumer-{i}") for i in range(CONSUMERS)]
-    procs: list[SpawnProcess] = [*producers, *steady]
+    procs: list[ForkServerProcess] = [*producers, *steady]
     killed: list[str] = []
     try:
         for p in procs:

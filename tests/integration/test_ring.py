@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -35,7 +34,7 @@ from airflow_dbqueue.engine import (
     QueueNotFoundError,
 )
 from tests.dialects import dialect_dbq, postgres_only, run_sql  # noqa: F401 - dialect_dbq is the fixture "dbq"
-from tests.helpers import horizon_watch
+from tests.helpers import child_processes, horizon_watch
 from tests.integration.test_conformance import drain
 
 if TYPE_CHECKING:
@@ -545,7 +544,7 @@ def _lease_and_hang(*, dsn: str, schema: str, queue: str, n: int, report: Any) -
 
 
 def _run_and_kill(target: Any, **kwargs: Any) -> Any:
-    ctx = mp.get_context("spawn")
+    ctx = child_processes()
     report = ctx.Queue()
     child = ctx.Process(target=target, kwargs={**kwargs, "report": report})
     child.start()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -35,7 +34,7 @@ from airflow_dbqueue.engine import (
     QueueNotFoundError,
 )
 from airflow_dbqueue.engine.models import DEFAULT_GROUP, OnLag
-from tests.helpers import checksum, held_horizon
+from tests.helpers import checksum, child_processes, held_horizon
 from tests.integration.test_conformance import drain
 from tests.integration.test_ring_rows import _flush_stats, _write_counts
 
@@ -532,7 +531,7 @@ def test_sigkilled_consumers_of_two_groups(dbq: DbQueue, layout: str) -> None:
     audit = q.add_group("audit")
     sent = [{"s": i, "v": os.urandom(6).hex()} for i in range(400)]
     pushed = q.push_batch(sent)
-    ctx = mp.get_context("spawn")
+    ctx = child_processes()
     popped: dict[str | None, list[tuple[int, Any]]] = {}
     for group, semantics in ((None, "at-most-once"), ("audit", "at-least-once")):
         report: Any = ctx.Queue()  # one a child: a process killed may leave a queue's lock held

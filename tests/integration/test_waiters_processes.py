@@ -23,7 +23,7 @@ import psycopg
 import pytest
 
 from airflow_dbqueue.engine import DbQueue
-from tests.helpers import checksum
+from tests.helpers import checksum, child_processes
 
 if TYPE_CHECKING:
     from multiprocessing.sharedctypes import Synchronized
@@ -105,7 +105,7 @@ def test_a_push_that_sent_no_notify_reaches_a_waiter_of_another_process(
     """Rounds of _round: B reaches a waiter of another process well within PROMPT_S of its commit (the
     poll is POLL_S), every message arrives once with equal checksums, and each process listens on one
     connection."""
-    ctx = mp.get_context("spawn")
+    ctx = child_processes()
     rounds = ctx.Value("i", 0)
     out: mp.Queue[Any] = ctx.Queue()
     moved: list[tuple[dict[str, Any], float, int]] = []
