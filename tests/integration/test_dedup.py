@@ -468,7 +468,7 @@ def test_a_retry_of_known_keys_into_a_full_ring_returns_the_first_ids(dbq: DbQue
     first = q.push_batch(["a", "b"], dedup_keys=["a", "b"])
     for i in range(15):
         q.push(f"p{i}")  # rows 1-15: the next push needs a rotation that no pop has allowed
-    q.push_timeout = 0.2  # type: ignore[attr-defined]
+    q.push_timeout = 0.2
     with pytest.raises(QueueFullError):
         q.push("full")
     issued = rows_issued(dbq, q)

@@ -4,19 +4,23 @@ Hypothesis interleaves pushes whose deduplication keys come from a small pool (s
 across pushes and within one batch), pushes without keys, pushes in a caller's transaction that commit or
 roll back, racing pushes (one in an open transaction, another in a thread that waits for it), pops under
 every semantics, acks, nacks, lease expiries, the passing of time (the model's clock: every key's age
-written into the ring's key table) and the upkeep, which forgets the keys older than the window.
+written into the ring's key table) and the upkeep, which forgets the keys older than the window; on a
+ring large enough never to fill, or a small one that pushes fill and rotate, with a ttl or without.
 
 What the model predicts, from the layout's rules (ring_rows.py): a push whose key was pushed within the
 queue's ``dedup_window`` (by the model's clock) pushes nothing for it and returns the first push's id;
 the batch's other keys (each once, at its first occurrence) are pushed as one row, in batch order, and
-take the next row number; a push of known keys only takes none. A key a window old is taken over by the
-next push of it. A push that rolls back spends its row number (a gap) and remembers no key; a push that
-waited for a racing push of its key gets that push's id once it commits, and pushes once it rolled back.
-``maintain()`` forgets exactly the keys at least a window old. The key table holds exactly the model's
-keys and ids, the row sequence the model's rows; every message delivered is one the model holds, with its
-payload and attempts, those due again first in id order and each lane's in row order (and, in an example
-without a gap, exactly the messages the model takes); stats count ready, in flight, failed and the push
-and pop totals; and a drain delivers exactly the model's messages, counted and checksummed.
+take the next row number; a push of known keys only takes none, and needs no room (it returns the ids
+from a full ring too). A push that needs a row succeeds when the ring must have room (every message
+finished, no gap) and otherwise succeeds or raises QueueFullError, pushing nothing, keeping no key and
+taking no row number. A key a window old is taken over by the next push of it. A push that rolls back
+spends its row number (a gap) and remembers no key; a push that waited for a racing push of its key gets
+that push's id once it commits, and pushes once it rolled back. ``maintain()`` forgets exactly the keys
+at least a window old. The key table holds exactly the model's keys and ids, the row sequence the model's
+rows; every message delivered is one the model holds, with its payload and attempts, those due again
+first in id order and each lane's in row order (and, on a large ring in an example without a gap, exactly
+the messages the model takes); stats count ready, in flight, failed and the push and pop totals; and a
+drain delivers exactly the model's messages, counted and checksummed.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from airflow_dbqueue.engine import QueueFullError
 from tests.dialects import run_sql
 from tests.helpers import checksum
 from tests.integration.test_dedup import rows_issued
@@ -63,8 +68,11 @@ pytestmark = pytest.mark.integration
 POOL = ["a", "b", "c", "d", "e"]
 """The deduplication keys the machine draws from: few, so that pushes repeat them."""
 MAX_ROWS = ROWS_CAPACITY // 4 - 4
-"""Row numbers an example issues at most: every row stays in the ring's first segment (no rotation, so
-no push ever finds the ring full)."""
+"""Row numbers an example issues at most on a large ring: every row stays in its first segment (no
+rotation, so no push ever finds it full)."""
+SMALL = 24
+"""The capacity of a small ring (the least for three lanes): four segments of six rows, which pushes
+fill and rotate."""
 Keyed = dict[str, tuple[int, int]]
 """The model's keys: key -> (the id its first push made, the model's time of that push)."""
 
@@ -81,6 +89,7 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
         super().__init__()
         self.q: RowsRingQueue | None = None
         self.lanes = 1
+        self.capacity = ROWS_CAPACITY
         self.max_attempts = 3
         self.window = 60
         self.clock = 0
@@ -99,16 +108,23 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
         return sorted((e for e in self.entries.values() if e.state in states), key=lambda e: e.id)
 
     @initialize(
-        lanes=st.integers(1, 3), max_attempts=st.sampled_from([1, 3]), window=st.sampled_from([30, 60])
+        lanes=st.integers(1, 3),
+        capacity=st.sampled_from([SMALL, ROWS_CAPACITY]),
+        max_attempts=st.sampled_from([1, 3]),
+        window=st.sampled_from([30, 60]),
+        ttl=st.sampled_from([None, 3600]),
     )
-    def create(self, lanes: int, max_attempts: int, window: int) -> None:
-        self.lanes, self.max_attempts, self.window = lanes, max_attempts, window
+    def create(self, lanes: int, capacity: int, max_attempts: int, window: int, ttl: int | None) -> None:
+        """A ring large enough never to fill, or a small one that pushes fill; with a ttl (the keyed
+        push's variant that writes each row's expiry; nothing expires within an example) or without."""
+        self.lanes, self.capacity, self.max_attempts, self.window = lanes, capacity, max_attempts, window
         q = self.dbq.create_queue(
             f"k{next(self._names)}",
             design="ring",
             layout="rows",
-            capacity=ROWS_CAPACITY,
+            capacity=capacity,
             lanes=lanes,
+            ttl=ttl,
             dedup_window=window,
             max_attempts=max_attempts,
             visibility_timeout=600.0,
@@ -125,6 +141,20 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
 
     # -- the model of a push -----------------------------------------------------------------------
 
+    def _room(self, rows: int) -> bool:
+        """Whether the example may take ``rows`` more row numbers (a large ring: within its first
+        segment)."""
+        return self.capacity == SMALL or self.next_row + rows <= MAX_ROWS
+
+    def _fits(self) -> bool:
+        """Whether a push that needs a row must find room: on a large ring always; on a small one when
+        every message pushed is finished and no push left a gap (every lane is then past every row, so
+        the segment the row needs can be emptied). Otherwise a push may succeed or raise QueueFullError,
+        having pushed nothing, kept no key and taken no row number."""
+        if self.capacity != SMALL:
+            return True
+        return not self.gaps and all(e.state in (DONE, O_FAILED) for e in self.entries.values())
+
     def _plan(self, keys: list[str], known: Keyed, row: int) -> tuple[list[int], dict[str, int]]:
         """The ids a push of ``keys`` returns, given the keys ``known``, and the keys it pushes (each at
         its first occurrence, with its id in row ``row``): a key pushed less than a window ago returns
@@ -140,18 +170,29 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
         return [fresh[k] if k in fresh else known[k][0] for k in keys], fresh
 
     def _keyed_push(
-        self, keys: list[str], known: Keyed, conn: Any = None
-    ) -> tuple[dict[str, int], list[Any]]:
+        self, keys: list[str], known: Keyed, conn: Any = None, fits: bool | None = None
+    ) -> tuple[dict[str, int], list[Any]] | None:
         """Push one payload a key (in ``conn``'s transaction when given), check the ids against the model
         (``known`` the keys the push sees) and take the row number when it pushes anything; return the
-        keys it pushed with their ids, and the payloads by key."""
-        payloads = [f"{next(self.payloads)}:{k}" for k in keys]
+        keys it pushed with their ids, and the payloads by key; None when the ring was full (allowed
+        only when it may be, ``fits`` or :meth:`_fits`, and the push needs a row: a push of known keys
+        only needs none, and returns their ids from a full ring too)."""
+        payloads = [next(self.payloads) for _ in keys]
         want, fresh = self._plan(keys, known, self.next_row)
-        if len(keys) == 1 and conn is None:
-            got = [self.queue.push(payloads[0], dedup_key=keys[0])]
-        else:
-            got = self.queue.push_batch(payloads, dedup_keys=keys, conn=conn)
+        must = not fresh or (self._fits() if fits is None else fits)
+        self.queue.push_timeout = 5.0 if must else 0.05
+        try:
+            if len(keys) == 1 and conn is None:
+                got = [self.queue.push(payloads[0], dedup_key=keys[0])]
+            else:
+                got = self.queue.push_batch(payloads, dedup_keys=keys, conn=conn)
+        except QueueFullError:
+            assert not must, f"keys {keys} (known {known}): QueueFullError from a push that must fit"
+            event("a keyed push found the ring full")
+            return None
         assert got == want, f"keys {keys} known {known} at {self.clock}: ids {got}, the model's {want}"
+        if not fresh and not self._fits():
+            event("a push of known keys into a ring that may be full")
         if fresh:
             self.next_row += 1
         return fresh, payloads
@@ -165,23 +206,31 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
 
     # -- push --------------------------------------------------------------------------------------
 
-    @precondition(lambda self: self.q is not None and self.next_row < MAX_ROWS)
+    @precondition(lambda self: self.q is not None and self._room(1))
     @rule(keys=st.lists(st.sampled_from(POOL), min_size=1, max_size=4))
     def push(self, keys: list[str]) -> None:
-        fresh, payloads = self._keyed_push(keys, self.keys)
-        self._remember(keys, payloads, fresh)
+        pushed = self._keyed_push(keys, self.keys)
+        if pushed is not None:
+            self._remember(keys, pushed[1], pushed[0])
 
-    @precondition(lambda self: self.q is not None and self.next_row < MAX_ROWS)
+    @precondition(lambda self: self.q is not None and self._room(1))
     @rule(k=st.integers(1, 3))
     def push_without_keys(self, k: int) -> None:
-        payloads = [f"{next(self.payloads)}:-" for _ in range(k)]
+        payloads = [next(self.payloads) for _ in range(k)]
         r = self.next_row
-        assert self.queue.push_batch(payloads) == [(r << 16) | i for i in range(k)]
+        must = self._fits()
+        self.queue.push_timeout = 5.0 if must else 0.05
+        try:
+            ids = self.queue.push_batch(payloads)
+        except QueueFullError:
+            assert not must, "QueueFullError from a push that must fit"
+            return
+        assert ids == [(r << 16) | i for i in range(k)]
         self.next_row += 1
         for i, p in enumerate(payloads):
             self.entries[(r << 16) | i] = RowEntry((r << 16) | i, p)
 
-    @precondition(lambda self: self.q is not None and self.next_row < MAX_ROWS - 2)
+    @precondition(lambda self: self.q is not None and self._room(2))
     @rule(
         pushes=st.lists(st.lists(st.sampled_from(POOL), min_size=1, max_size=3), min_size=1, max_size=2),
         commit=st.booleans(),
@@ -192,12 +241,16 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
         seen: Keyed = dict(self.keys)
         done: list[tuple[list[str], list[Any], dict[str, int]]] = []
         rows: list[int] = []
+        fits = self._fits()  # the ring as the transaction found it (its own rows need no room)
         try:
             with self.dbq.transaction() as conn:
                 self._write_ages(conn)  # one now() for the ages and the pushes
                 for keys in pushes:
                     row = self.next_row
-                    fresh, payloads = self._keyed_push(keys, seen, conn)
+                    pushed = self._keyed_push(keys, seen, conn, fits)
+                    if pushed is None:
+                        continue  # a full ring: the transaction goes on without this push
+                    fresh, payloads = pushed
                     if fresh:
                         rows.append(row)
                     seen.update({k: (i, self.clock) for k, i in fresh.items()})
@@ -220,11 +273,13 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
         """A push in an open transaction and a retry in another thread (its own transaction): a retry of
         a key the first push claimed (or saw) waits for it, then returns its ids if it committed, or
         pushes if it rolled back. The first took its row number before the retry started, so the retry's
-        row, if any, is the next one."""
+        row, if any, is the next one. Into a full ring the retry does not wait on the key but looks for
+        it until its push_timeout: it gets the first push's ids once that committed, and otherwise
+        needs room as any push."""
         row = self.next_row
         got: list[list[int]] = []
         errors: list[BaseException] = []
-        second_payloads = [f"{next(self.payloads)}:{k}" for k in second]
+        second_payloads = [next(self.payloads) for _ in second]
 
         def retry() -> None:
             try:
@@ -235,7 +290,11 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
         t = threading.Thread(target=retry)
         try:
             with self.dbq.transaction() as conn:
-                fresh, payloads = self._keyed_push(first, self.keys, conn)
+                pushed = self._keyed_push(first, self.keys, conn)
+                if pushed is None:
+                    return  # a full ring
+                fresh, payloads = pushed
+                self.queue.push_timeout = 1.5  # the retry's: longer than the wait below
                 t.start()
                 self._wait_until_blocked_or_done(t)
                 if not commit:
@@ -246,8 +305,13 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
         else:
             self._remember(first, payloads, fresh)
         t.join(30)
-        assert not t.is_alive() and errors == [], errors
+        assert not t.is_alive()
         want, fresh2 = self._plan(second, self.keys, self.next_row)
+        if errors:
+            assert len(errors) == 1 and isinstance(errors[0], QueueFullError), errors
+            assert fresh2 and not self._fits(), f"retry {second}: QueueFullError from a push that must fit"
+            event("race: the retry found the ring full")
+            return
         assert got == [want], f"retry {second} after {first} ({commit=}): {got}, the model's {want}"
         if fresh2:
             self.next_row += 1
@@ -256,7 +320,7 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
     def _wait_until_blocked_or_done(self, t: threading.Thread) -> None:
         """Until the thread's push waits for a lock (on a key the open transaction holds) or is done (it
         shares no key): the outcome does not depend on it, only whether the race is run."""
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + 0.3
         pattern = f"%ring_{self.queue.settings.queue_id}_rpushk%"
         while t.is_alive() and time.monotonic() < deadline:
             [(waiting,)] = run_sql(
@@ -315,8 +379,9 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
         """The messages a pop of n takes, as the layout takes them (messages due again first, in id
         order; then the lanes with messages, lowest position first, as many as it still wants, their
         rows in row order): None once the example left a gap, which stops its lane until a pop gives it
-        up (when depends on the transactions running)."""
-        if self.gaps:
+        up (when depends on the transactions running), and on a small ring, whose rows span more
+        segments than a pop's scan."""
+        if self.capacity == SMALL or self.gaps:
             event("pop: with a gap")
             return None
         out = self._in(AGAIN)[:n]
@@ -447,10 +512,11 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
 
 
 def test_rows_ring_dedup_keys_match_model(dbq: DbQueue) -> None:
+    """(about 40 s, more on a loaded machine)"""
     RowsDedupMachine.dbq = dbq
     try:
         run_state_machine_as_test(
-            RowsDedupMachine, settings=settings(SETTINGS, max_examples=30, stateful_step_count=30)
+            RowsDedupMachine, settings=settings(SETTINGS, max_examples=25, stateful_step_count=30)
         )
     finally:
         del RowsDedupMachine.dbq
