@@ -5,7 +5,8 @@ across pushes and within one batch), pushes without keys, pushes in a caller's t
 roll back, racing pushes (one in an open transaction, another in a thread that waits for it), pops under
 every semantics, acks, nacks, lease expiries, the passing of time (the model's clock: every key's age
 written into the ring's key table) and the upkeep, which forgets the keys older than the window; on a
-ring large enough never to fill, or a small one that pushes fill and rotate, with a ttl or without.
+ring large enough never to fill, or a small one that pushes fill (a rule fills it) and rotate, with a
+ttl or without; retries push keys pushed before, into a ring that may be full.
 
 What the model predicts, from the layout's rules (ring_rows.py): a push whose key was pushed within the
 queue's ``dedup_window`` (by the model's clock) pushes nothing for it and returns the first push's id;
@@ -65,14 +66,15 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.integration
 
+# event(): labels of the cases the examples reach (a known key, a key taken over, a full ring, a race
+# that waited...), for a run that counts them: hypothesis's statistics do not report a state machine run
+# inside a test.
+
 POOL = ["a", "b", "c", "d", "e"]
 """The deduplication keys the machine draws from: few, so that pushes repeat them."""
 MAX_ROWS = ROWS_CAPACITY // 4 - 4
 """Row numbers an example issues at most on a large ring: every row stays in its first segment (no
 rotation, so no push ever finds it full)."""
-SMALL = 24
-"""The capacity of a small ring (the least for three lanes): four segments of six rows, which pushes
-fill and rotate."""
 Keyed = dict[str, tuple[int, int]]
 """The model's keys: key -> (the id its first push made, the model's time of that push)."""
 
@@ -89,7 +91,8 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
         super().__init__()
         self.q: RowsRingQueue | None = None
         self.lanes = 1
-        self.capacity = ROWS_CAPACITY
+        self.small = False  # a ring of the least capacity for its lanes, which pushes fill and rotate
+        self.full = False  # a push found the ring full, and nothing was popped since
         self.max_attempts = 3
         self.window = 60
         self.clock = 0
@@ -109,20 +112,21 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
 
     @initialize(
         lanes=st.integers(1, 3),
-        capacity=st.sampled_from([SMALL, ROWS_CAPACITY]),
+        small=st.booleans(),
         max_attempts=st.sampled_from([1, 3]),
         window=st.sampled_from([30, 60]),
         ttl=st.sampled_from([None, 3600]),
     )
-    def create(self, lanes: int, capacity: int, max_attempts: int, window: int, ttl: int | None) -> None:
-        """A ring large enough never to fill, or a small one that pushes fill; with a ttl (the keyed
-        push's variant that writes each row's expiry; nothing expires within an example) or without."""
-        self.lanes, self.capacity, self.max_attempts, self.window = lanes, capacity, max_attempts, window
+    def create(self, lanes: int, small: bool, max_attempts: int, window: int, ttl: int | None) -> None:
+        """A ring large enough never to fill, or a small one that pushes fill (the least capacity for its
+        lanes: four segments of two rows a lane); with a ttl (the keyed push's variant that writes each
+        row's expiry; nothing expires within an example) or without."""
+        self.lanes, self.small, self.max_attempts, self.window = lanes, small, max_attempts, window
         q = self.dbq.create_queue(
             f"k{next(self._names)}",
             design="ring",
             layout="rows",
-            capacity=capacity,
+            capacity=8 * lanes if small else ROWS_CAPACITY,
             lanes=lanes,
             ttl=ttl,
             dedup_window=window,
@@ -144,14 +148,14 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
     def _room(self, rows: int) -> bool:
         """Whether the example may take ``rows`` more row numbers (a large ring: within its first
         segment)."""
-        return self.capacity == SMALL or self.next_row + rows <= MAX_ROWS
+        return self.small or self.next_row + rows <= MAX_ROWS
 
     def _fits(self) -> bool:
         """Whether a push that needs a row must find room: on a large ring always; on a small one when
         every message pushed is finished and no push left a gap (every lane is then past every row, so
         the segment the row needs can be emptied). Otherwise a push may succeed or raise QueueFullError,
         having pushed nothing, kept no key and taken no row number."""
-        if self.capacity != SMALL:
+        if not self.small:
             return True
         return not self.gaps and all(e.state in (DONE, O_FAILED) for e in self.entries.values())
 
@@ -189,12 +193,16 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
         except QueueFullError:
             assert not must, f"keys {keys} (known {known}): QueueFullError from a push that must fit"
             event("a keyed push found the ring full")
+            self.full = True
             return None
         assert got == want, f"keys {keys} known {known} at {self.clock}: ids {got}, the model's {want}"
         if not fresh and not self._fits():
             event("a push of known keys into a ring that may be full")
+            if self.full:
+                event("a push of known keys into a full ring")
         if fresh:
             self.next_row += 1
+            self.full = False
         return fresh, payloads
 
     def _remember(self, keys: list[str], payloads: list[Any], fresh: dict[str, int]) -> None:
@@ -213,6 +221,13 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
         if pushed is not None:
             self._remember(keys, pushed[1], pushed[0])
 
+    @precondition(lambda self: self.q is not None and self._room(1) and self.keys)
+    @rule(data=st.data())
+    def retry(self, data: st.DataObject) -> None:
+        """A producer's retry: a push of keys pushed before (known, or a window old), into a ring that
+        may be full."""
+        self.push(data.draw(st.lists(st.sampled_from(sorted(self.keys)), min_size=1, max_size=3)))
+
     @precondition(lambda self: self.q is not None and self._room(1))
     @rule(k=st.integers(1, 3))
     def push_without_keys(self, k: int) -> None:
@@ -224,11 +239,24 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
             ids = self.queue.push_batch(payloads)
         except QueueFullError:
             assert not must, "QueueFullError from a push that must fit"
+            self.full = True
             return
         assert ids == [(r << 16) | i for i in range(k)]
         self.next_row += 1
+        self.full = False
         for i, p in enumerate(payloads):
             self.entries[(r << 16) | i] = RowEntry((r << 16) | i, p)
+
+    @precondition(lambda self: self.q is not None and self.small and not self.full)
+    @rule()
+    def fill(self) -> None:
+        """Push without keys until the small ring is full (it holds at most its capacity in rows): then
+        a push that needs a row may not find room, and a retry of known keys still returns their ids."""
+        for _ in range(8 * self.lanes + 1):
+            self.push_without_keys(1)
+            if self.full:
+                return
+        raise AssertionError(f"a ring of {8 * self.lanes} rows took {8 * self.lanes + 1} pushes")
 
     @precondition(lambda self: self.q is not None and self._room(2))
     @rule(
@@ -371,7 +399,7 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
         assert report["reclaimed"] == 0
         for k in old:
             del self.keys[k]
-        event(f"maintain forgot {min(len(old), 2)}{'+' if len(old) > 1 else ''} keys")
+        event("maintain forgot " + ("no key" if not old else "one key" if len(old) == 1 else "keys"))
 
     # -- pop ---------------------------------------------------------------------------------------
 
@@ -381,7 +409,7 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
         rows in row order): None once the example left a gap, which stops its lane until a pop gives it
         up (when depends on the transactions running), and on a small ring, whose rows span more
         segments than a pop's scan."""
-        if self.capacity == SMALL or self.gaps:
+        if self.small or self.gaps:
             event("pop: with a gap")
             return None
         out = self._in(AGAIN)[:n]
@@ -437,11 +465,13 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
                 return
             for e in taken:
                 e.state = DONE
+            self.full = self.full and not taken  # a pop may make room
             return
         msgs = self.queue.pop(n, semantics=how)
         for m, e in zip(msgs, self._check(msgs, n), strict=True):
             e.attempts += 1
             e.state, e.lease = (HELD, m) if how == "at-least-once" else (DONE, None)
+        self.full = self.full and not msgs
 
     @precondition(lambda self: self.q is not None)
     @rule()
@@ -476,6 +506,7 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
         for e in want:
             e.state = DONE
             e.attempts += 1
+        self.full = False
 
     # -- invariants --------------------------------------------------------------------------------
 
@@ -512,7 +543,7 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
 
 
 def test_rows_ring_dedup_keys_match_model(dbq: DbQueue) -> None:
-    """(about 40 s, more on a loaded machine)"""
+    """(about 30 s, more on a loaded machine)"""
     RowsDedupMachine.dbq = dbq
     try:
         run_state_machine_as_test(
