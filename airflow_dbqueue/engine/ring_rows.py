@@ -85,7 +85,8 @@ Deduplication keys (``push(dedup_key=...)``, as the table design's, docs/concept
 runs the ring's ``rpushk``, which claims the keys in the ring's key table (``rkeys``) before it takes
 its row number, so a push that waits for a racing push of one of its keys holds no number and leaves no
 gap; the new messages of a batch (those of keys not pushed within the queue's ``dedup_window``) are one
-row, the known keys return their first pushes' ids. A push without keys never reads that table.
+row, the known keys return their first pushes' ids (a push of known keys only needs no row, so it returns
+them from a full ring too). A push without keys never reads that table.
 :meth:`RowsRingQueue.maintain` forgets keys older than the window.
 
 Ordering per key (a ring created with ``ordering="per_key"``, ``push(key=...)``, docs/concepts.md): a

@@ -459,6 +459,36 @@ def test_a_keyed_push_that_meets_a_full_ring_keeps_no_key(dbq: DbQueue) -> None:
     assert checksum(got) == checksum(["k", "k2"]) and drained(q)
 
 
+def test_a_retry_of_known_keys_into_a_full_ring_returns_the_first_ids(dbq: DbQueue) -> None:
+    """A push whose keys are all known needs no room: into a full ring it returns the first pushes' ids
+    and pushes nothing, as into one with room. A push with a key not known (new, or a window old) needs
+    a row, and a full ring refuses it with QueueFullError, keeping no key and taking no row number."""
+    q = rows_ring(dbq, "d", capacity=16, lanes=2, dedup_window=60)
+    first = q.push_batch(["a", "b"], dedup_keys=["a", "b"])
+    for i in range(15):
+        q.push(f"p{i}")  # rows 1-15: the next push needs a rotation that no pop has allowed
+    q.push_timeout = 0.2
+    with pytest.raises(QueueFullError):
+        q.push("full")
+    issued = rows_issued(dbq, q)
+    assert q.push_batch(["a2", "b2", "a3"], dedup_keys=["a", "b", "a"]) == [first[0], first[1], first[0]]
+    assert q.push("b4", dedup_key="b") == first[1]
+    for keys in (["a", "c"], ["c"]):
+        with pytest.raises(QueueFullError):
+            q.push_batch([f"{k}5" for k in keys], dedup_keys=keys)
+    run_sql(dbq, f"UPDATE {keys_table(q)} SET pushed_at = now() - interval '60 s' WHERE dedup_key = 'b'")
+    with pytest.raises(QueueFullError):  # b is a window old: taken over by a push that needs a row
+        q.push("b6", dedup_key="b")
+    assert rows_issued(dbq, q) == issued and dedup_rows(dbq, q) == 2
+    st = q.stats()
+    assert st.ready == 17 and st.extra["push_total"] == 17
+    out = drain(q)
+    expected = ["a", "b"] + [f"p{i}" for i in range(15)]
+    assert len(out) == len(expected) and checksum(out) == checksum(expected)
+    assert q.push_batch(["a7", "b7", "c7"], dedup_keys=["a", "b", "c"])[0] == first[0]
+    assert checksum(drain(q)) == checksum(["b7", "c7"])
+
+
 def test_keys_on_a_ring_with_groups_expiry_and_rotations(dbq: DbQueue) -> None:
     """Keyed pushes into a small ring that rotates its segments many times, expiring and with a second
     consumer group: every group takes each key's message once, the keys outlive their segments, and a

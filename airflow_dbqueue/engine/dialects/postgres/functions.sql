@@ -2624,7 +2624,8 @@ $b$
 -- payload order: a key pushed within the queue's dedup_window_s returns the id its first push made
 -- (whether or not it was consumed since) and pushes nothing; the payloads of the other keys are pushed
 -- as ONE row, in payload order, their ids following from its number. Nothing when every key is known:
--- no row number is taken. Or r_need as @Ppush's, nothing pushed and no key kept.
+-- no row number is taken, and no room is needed (a retry into a full ring gets its ids at once). Or
+-- r_need as @Ppush's, nothing pushed and no key kept.
 -- The keys are claimed BEFORE the row number is taken: each by an INSERT into @Pkeys (id NULL) whose ON
 -- CONFLICT takes over a row older than the window and otherwise only locks it, in key order (two
 -- batches sharing keys lock them in one order). Two pushes of one key in separate transactions meet on
@@ -2649,12 +2650,22 @@ DECLARE
     v_pl bytea[];
 BEGIN
     v_ok := pg_current_xact_id() IS NOT NULL;
+    SELECT q.dedup_window_s INTO v_window FROM {schema}.queues q WHERE q.queue_id = @Q;
     v_r := coalesce(pg_sequence_last_value('{schema}.@Prows'), -1) + 1;
     IF {schema}.@Pseg_gen((v_r / @S % 4)::integer) <> v_r / @S THEN
-        r_need := v_r / @S;  -- asked before any key is claimed
+        -- Asked before any key is claimed. A push whose keys are all known (committed within the window,
+        -- as its snapshot shows them) needs no row: their ids, full ring or not.
+        r_ids := ARRAY(SELECT d.id FROM unnest(p_keys) WITH ORDINALITY AS u(k, o)
+                       JOIN {schema}.@Pkeys d ON d.dedup_key = u.k
+                       WHERE d.pushed_at > now() - make_interval(secs => v_window) AND d.id IS NOT NULL
+                       ORDER BY u.o);
+        IF cardinality(r_ids) = cardinality(p_keys) THEN
+            RETURN;
+        END IF;
+        r_ids := NULL;
+        r_need := v_r / @S;
         RETURN;
     END IF;
-    SELECT q.dedup_window_s INTO v_window FROM {schema}.queues q WHERE q.queue_id = @Q;
     WITH c AS (
         INSERT INTO {schema}.@Pkeys AS d (dedup_key, id, pushed_at)
         SELECT u.k, NULL, now() FROM unnest(p_keys) AS u(k) ORDER BY u.k
