@@ -2998,7 +2998,9 @@ BEGIN
     IF v_hint IS NOT NULL AND v_hint >= v_last / @S - 3
 @O      AND false
     THEN
-        RETURN QUERY SELECT * FROM {schema}.@Pagain(p_n, p_lease, v_until, p_consumer);
+        RETURN QUERY SELECT * FROM {schema}.@Pagain(p_n, p_lease, v_until, p_consumer
+@O          , NULL
+            );
         GET DIAGNOSTICS v_got = ROW_COUNT;
         v_left := p_n - v_got;
         IF v_left <= 0 THEN
@@ -3039,7 +3041,7 @@ BEGIN
 @O  END IF;
 @O  v_again := ARRAY(SELECT l FROM unnest(v_locked) l WHERE v_hold[l + 1] = 2);
 @O  IF cardinality(v_again) > 0 THEN
-@O      RETURN QUERY SELECT * FROM {schema}.@Pagaino(v_left, v_again, p_lease, v_until, p_consumer);
+@O      RETURN QUERY SELECT * FROM {schema}.@Pagain(v_left, p_lease, v_until, p_consumer, v_again);
 @O      GET DIAGNOSTICS v_got = ROW_COUNT;
 @O      v_left := v_left - v_got;
 @O      IF v_left <= 0 THEN
@@ -3714,8 +3716,11 @@ $b$
 @;
 -- Up to p_n messages due again (a ready newest row), in id order, taken by a new row: leased until
 -- p_until (p_lease), or finished. A pop try-locks the ring row of each message it takes (other pops
--- pass those rows over), and a row written by another call first is not taken (@Pput).
-CREATE FUNCTION {schema}.@Pagain(p_n integer, p_lease boolean, p_until timestamptz, p_consumer text)
+-- pass those rows over), and a row written by another call first is not taken (@Pput). On a ring
+-- ordered per key only the messages of lanes p_lanes, which the pop holds (locked, and free: @Pholds).
+CREATE FUNCTION {schema}.@Pagain(p_n integer, p_lease boolean, p_until timestamptz, p_consumer text
+@O    , p_lanes integer[]
+    )
 RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz,
                r_lease_until timestamptz, r_payload bytea)
 LANGUAGE plpgsql AS $b$
@@ -3739,85 +3744,7 @@ BEGIN
 @E             , (SELECT t.expires_at FROM {schema}.@Pq t WHERE t.r = r.id >> 16) AS expires_at
         FROM {schema}.@Pr r
         WHERE r.state = 1 AND r.due_at <= now()
-          AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver)
-        ORDER BY r.id
-    LOOP
-        IF rec.id >> 16 <> v_row THEN
-            v_row := rec.id >> 16;
-            v_ok := pg_try_advisory_xact_lock(@K4, hashint8(v_row));
-        END IF;
-        CONTINUE WHEN NOT v_ok;
-@E        IF rec.expires_at <= now() THEN  -- due again after its expiry: it expires instead
-@E            v_xids := v_xids || rec.id;
-@E            v_xvers := v_xvers || (rec.ver + 1);
-@E            v_xatt := v_xatt || rec.attempts;
-@E            v_xdel := v_xdel || rec.deliveries;
-@E            CONTINUE;
-@E        END IF;
-        v_ids := v_ids || rec.id;
-        v_vers := v_vers || (rec.ver + 1);
-        v_att := v_att || (rec.attempts + 1);
-        v_del := v_del || (rec.deliveries + 1);
-        EXIT WHEN cardinality(v_ids) >= p_n;
-    END LOOP;
-@E    IF cardinality(v_xids) > 0 THEN
-@E        -- finished (dropped) or failed, as on_expiry says; copied to ring_failed when failed
-@E        v_drop := {schema}.@Pdrops();
-@E        v_put := ARRAY(SELECT {schema}.@Pput(v_xids, v_xvers,
-@E            array_fill(CASE WHEN v_drop THEN 0 ELSE 3 END, ARRAY[cardinality(v_xids)]), v_xatt, v_xdel,
-@E            array_fill(now(), ARRAY[cardinality(v_xids)]), array_fill(NULL::text, ARRAY[cardinality(v_xids)]),
-@E            array_fill('expired'::text, ARRAY[cardinality(v_xids)])));
-@E        IF NOT v_drop AND cardinality(v_put) > 0 THEN
-@E            PERFORM {schema}.@Pfail(
-@E                ARRAY(SELECT u.id FROM unnest(v_xids, v_xatt) u(id, a) WHERE u.id = ANY (v_put) ORDER BY u.id),
-@E                ARRAY(SELECT u.a FROM unnest(v_xids, v_xatt) u(id, a) WHERE u.id = ANY (v_put) ORDER BY u.id),
-@E                array_fill('expired'::text, ARRAY[cardinality(v_put)]));
-@E        END IF;
-@E    END IF;
-    IF cardinality(v_ids) = 0 THEN
-        RETURN;
-    END IF;
-    RETURN QUERY
-    WITH w AS (
-        SELECT array_agg(p.id) AS ids FROM {schema}.@Pput(v_ids, v_vers,
-            array_fill(CASE WHEN p_lease THEN 2 ELSE 0 END, ARRAY[cardinality(v_ids)]), v_att, v_del,
-            array_fill(coalesce(p_until, now()), ARRAY[cardinality(v_ids)]),
-            array_fill(p_consumer, ARRAY[cardinality(v_ids)]), NULL::text[]) p(id)
-    )
-    SELECT u.id, u.a, u.d, t.enqueued_at, p_until, t.payloads[(u.id & 65535)::integer + 1]
-    FROM w CROSS JOIN unnest(v_ids, v_att, v_del) u(id, a, d)
-    JOIN {schema}.@Pq t ON t.r = u.id >> 16
-    WHERE u.id = ANY (w.ids)
-    ORDER BY u.id;
-END
-$b$
-@;
--- @Pagain on a ring ordered per key: only the messages of lanes p_lanes, which the pop holds (locked,
--- and free: @Pholds), every one due (a lane with one still leased or delayed is held).
-CREATE FUNCTION {schema}.@Pagaino(p_n integer, p_lanes integer[], p_lease boolean, p_until timestamptz, p_consumer text)
-RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz,
-               r_lease_until timestamptz, r_payload bytea)
-LANGUAGE plpgsql AS $b$
-DECLARE
-    v_ids bigint[] := ARRAY[]::bigint[];
-    v_vers integer[] := ARRAY[]::integer[];
-    v_att integer[] := ARRAY[]::integer[];
-    v_del integer[] := ARRAY[]::integer[];
-    v_row bigint := -1;
-    v_ok boolean := false;
-@E    v_xids bigint[] := ARRAY[]::bigint[];
-@E    v_xvers integer[] := ARRAY[]::integer[];
-@E    v_xatt integer[] := ARRAY[]::integer[];
-@E    v_xdel integer[] := ARRAY[]::integer[];
-@E    v_drop boolean;
-@E    v_put bigint[];
-    rec record;
-BEGIN
-    FOR rec IN
-        SELECT r.id, r.ver, r.attempts, r.deliveries
-@E             , (SELECT t.expires_at FROM {schema}.@Pq t WHERE t.r = r.id >> 16) AS expires_at
-        FROM {schema}.@Pr r
-        WHERE r.state = 1 AND r.due_at <= now() AND ((r.id >> 16) % @L)::integer = ANY (p_lanes)
+@O        AND ((r.id >> 16) % @L)::integer = ANY (p_lanes)
           AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver)
         ORDER BY r.id
     LOOP
