@@ -2409,8 +2409,13 @@ $b$
 -- Log lane positions p_at (ids) of lanes p_lanes, each in the segment of the row it names (or of the
 -- row before it in the lane, when that row's segment is not the next generation's yet), and raise
 -- pos_gen to the newest generation logged in. The row a position names is at most a lane past the
--- last row taken, so its segment is the taken row's or the next one.
-CREATE FUNCTION {schema}.@Plog(p_lanes integer[], p_at bigint[]) RETURNS void LANGUAGE plpgsql AS $b$
+-- last row taken, so its segment is the taken row's or the next one. On a ring ordered per key each
+-- entry also names p_lo, the lease that took the lane's messages up to that position (NULL: none, a pop
+-- at most once or a lane that only passed rows), which @Pholds reads; only such a ring's position logs
+-- have that column.
+CREATE FUNCTION {schema}.@Plog(p_lanes integer[], p_at bigint[]
+@O    , p_lo bigint DEFAULT NULL
+    ) RETURNS void LANGUAGE plpgsql AS $b$
 DECLARE
     v_seg integer[];
     v_gen bigint := 0;
@@ -2428,57 +2433,26 @@ BEGIN
     FOR k IN 0 .. 3 LOOP
         CONTINUE WHEN NOT (k = ANY (v_seg));
         IF k = 0 THEN
-            INSERT INTO {schema}.@Ppos0 SELECT u.l, u.a FROM unnest(p_lanes, p_at, v_seg) u(l, a, s) WHERE u.s = 0 ON CONFLICT DO NOTHING;
+            INSERT INTO {schema}.@Ppos0 SELECT u.l, u.a
+@O              , p_lo
+                FROM unnest(p_lanes, p_at, v_seg) u(l, a, s) WHERE u.s = 0 ON CONFLICT DO NOTHING;
         ELSIF k = 1 THEN
-            INSERT INTO {schema}.@Ppos1 SELECT u.l, u.a FROM unnest(p_lanes, p_at, v_seg) u(l, a, s) WHERE u.s = 1 ON CONFLICT DO NOTHING;
+            INSERT INTO {schema}.@Ppos1 SELECT u.l, u.a
+@O              , p_lo
+                FROM unnest(p_lanes, p_at, v_seg) u(l, a, s) WHERE u.s = 1 ON CONFLICT DO NOTHING;
         ELSIF k = 2 THEN
-            INSERT INTO {schema}.@Ppos2 SELECT u.l, u.a FROM unnest(p_lanes, p_at, v_seg) u(l, a, s) WHERE u.s = 2 ON CONFLICT DO NOTHING;
+            INSERT INTO {schema}.@Ppos2 SELECT u.l, u.a
+@O              , p_lo
+                FROM unnest(p_lanes, p_at, v_seg) u(l, a, s) WHERE u.s = 2 ON CONFLICT DO NOTHING;
         ELSE
-            INSERT INTO {schema}.@Ppos3 SELECT u.l, u.a FROM unnest(p_lanes, p_at, v_seg) u(l, a, s) WHERE u.s = 3 ON CONFLICT DO NOTHING;
+            INSERT INTO {schema}.@Ppos3 SELECT u.l, u.a
+@O              , p_lo
+                FROM unnest(p_lanes, p_at, v_seg) u(l, a, s) WHERE u.s = 3 ON CONFLICT DO NOTHING;
         END IF;
     END LOOP;
     -- Raised under a lock, so it only rises; before the pop commits, so a lane's newest log entry is
     -- never in a newer segment than it says. A pop that rolls back may leave it raised: lanes not found
     -- in the newest segment are then looked up in the older ones.
-    IF v_gen > coalesce(pg_sequence_last_value('{schema}.@Pposgen'), 0) THEN
-        PERFORM pg_advisory_xact_lock(@K3, 0);
-        IF v_gen > coalesce(pg_sequence_last_value('{schema}.@Pposgen'), 0) THEN
-            PERFORM setval('{schema}.@Pposgen', v_gen);
-        END IF;
-    END IF;
-END
-$b$
-@;
--- @Plog on a ring ordered per key: each entry also names p_lo, the lease that took the lane's
--- messages up to that position (NULL: none, a pop at most once or a lane that only passed rows), which
--- @Pholds reads. Only such a ring's position logs have the column (and call this).
-CREATE FUNCTION {schema}.@Plogo(p_lanes integer[], p_at bigint[], p_lo bigint) RETURNS void LANGUAGE plpgsql AS $b$
-DECLARE
-    v_seg integer[];
-    v_gen bigint := 0;
-    v_r bigint;
-BEGIN
-    v_seg := array_fill(NULL::integer, ARRAY[cardinality(p_lanes)]);
-    FOR i IN 1 .. cardinality(p_lanes) LOOP
-        v_r := p_at[i] >> 16;
-        IF (p_at[i] & 65535) = 0 THEN
-            v_r := v_r - @L;
-        END IF;
-        v_seg[i] := (v_r / @S % 4)::integer;
-        v_gen := greatest(v_gen, v_r / @S);
-    END LOOP;
-    FOR k IN 0 .. 3 LOOP
-        CONTINUE WHEN NOT (k = ANY (v_seg));
-        IF k = 0 THEN
-            INSERT INTO {schema}.@Ppos0 SELECT u.l, u.a, p_lo FROM unnest(p_lanes, p_at, v_seg) u(l, a, s) WHERE u.s = 0 ON CONFLICT DO NOTHING;
-        ELSIF k = 1 THEN
-            INSERT INTO {schema}.@Ppos1 SELECT u.l, u.a, p_lo FROM unnest(p_lanes, p_at, v_seg) u(l, a, s) WHERE u.s = 1 ON CONFLICT DO NOTHING;
-        ELSIF k = 2 THEN
-            INSERT INTO {schema}.@Ppos2 SELECT u.l, u.a, p_lo FROM unnest(p_lanes, p_at, v_seg) u(l, a, s) WHERE u.s = 2 ON CONFLICT DO NOTHING;
-        ELSE
-            INSERT INTO {schema}.@Ppos3 SELECT u.l, u.a, p_lo FROM unnest(p_lanes, p_at, v_seg) u(l, a, s) WHERE u.s = 3 ON CONFLICT DO NOTHING;
-        END IF;
-    END LOOP;
     IF v_gen > coalesce(pg_sequence_last_value('{schema}.@Pposgen'), 0) THEN
         PERFORM pg_advisory_xact_lock(@K3, 0);
         IF v_gen > coalesce(pg_sequence_last_value('{schema}.@Pposgen'), 0) THEN
@@ -3177,7 +3151,7 @@ BEGIN
 @O  FOR i IN 1 .. cardinality(v_moved) LOOP
 @O      v_newat[i] := greatest(v_newat[i], v_pass[v_moved[i] + 1]);
 @O  END LOOP;
-@O  PERFORM {schema}.@Plogo(v_moved, v_newat, CASE WHEN p_lease THEN (v_rows[1] << 16) | v_from[1] END);
+@O  PERFORM {schema}.@Plog(v_moved, v_newat, CASE WHEN p_lease THEN (v_rows[1] << 16) | v_from[1] END);
 @U  PERFORM {schema}.@Plog(v_moved, v_newat);
     -- At least once: one lease row, in the segment of its first message, naming each moved lane's
     -- taken range [start, end) (NULL for the lanes it did not move).
@@ -3546,7 +3520,7 @@ BEGIN
 @U            PERFORM {schema}.@Plog(v_lanes, v_newat);
 @O            -- Per key: each lane keeps the lease its newest entry names (a gap passed holds nothing).
 @O            FOR i IN 1 .. cardinality(v_lanes) LOOP
-@O                PERFORM {schema}.@Plogo(ARRAY[v_lanes[i]], ARRAY[v_newat[i]],
+@O                PERFORM {schema}.@Plog(ARRAY[v_lanes[i]], ARRAY[v_newat[i]],
 @O                    (SELECT p.lo FROM {schema}.@Ppos p WHERE p.lane = v_lanes[i] ORDER BY p.at DESC LIMIT 1));
 @O            END LOOP;
         END IF;
