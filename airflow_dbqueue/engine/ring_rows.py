@@ -101,9 +101,12 @@ a pop logs names its lease (a ``lo`` column only such a ring's position logs hav
 the lanes whose newest entry names no open lease and that have no message leased again or delayed in
 the retry log (``rholds``); a lane's messages due again (a nack, a reclaim, a released batch) are taken
 first in it, before its rows. So a pop (or a batch) takes a lane's run in order, at most ``lanes`` lanes
-are in flight, and keys sharing a lane hold each other back. Only inserts, as everywhere on this layout;
-a ring without ordering per key has these lines folded out of its functions at its creation (``@O``
-in the template). Not with deduplication keys (:class:`NotSupportedError`).
+are in flight, and keys sharing a lane hold each other back. The observers (``readiness``,
+``count_ready``, ``peek``, ``stats``) count and show only the free lanes' messages (``rblocked``: the
+same holds, a lease or leased retry row past its end holding nothing, as a pop reclaims it first);
+``stats()`` counts the messages behind a held lane apart, in ``extra["blocked"]``. Only inserts, as
+everywhere on this layout; a ring without ordering per key has these lines folded out of its functions
+at its creation (``@O`` in the template). Not with deduplication keys (:class:`NotSupportedError`).
 """
 
 from __future__ import annotations
@@ -642,7 +645,8 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         """Up to ``n`` ready messages in the order pops take them (those due again first, then the
         lanes'), taking nothing: each with its attempts and deliveries so far (0 and 0 for a message never
         delivered), as the slots layout and the table design show them. A lease past its end is in flight
-        until reclaimed (:meth:`readiness` counts it); a message past its time to live is not ready."""
+        until reclaimed (:meth:`readiness` counts it); a message past its time to live is not ready, nor,
+        on a ring ordered per key, one behind a held lane."""
         n = _check_batch_size(n)
         try:
             rows = self._db.fetchall("ring_rows_look", {"queue_id": self._gid, "n": n})
@@ -664,7 +668,10 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         would take first, in one statement (the ring's own ``ready``): leases past their end with an
         attempt left count at once, before a pop or :meth:`maintain` reclaims them, as on the slots
         layout and the table design (a pop reclaims them first), while :meth:`stats` shows them in flight
-        until then. Every ring message has priority 0: ``min_priority`` above 0 counts none."""
+        until then. On a ring ordered per key, only the messages of the lanes a pop may take now (none
+        of a lane held by an open lease, a message leased again or delayed: :meth:`stats` counts those
+        in ``extra["blocked"]``). Every ring message has priority 0: ``min_priority`` above 0 counts
+        none."""
         params = {"queue_id": self._gid, "cap": cap, "max_attempts": self.settings.max_attempts}
         try:
             row = self._db.fetchone("ring_rows_ready_head", params)
@@ -756,8 +763,13 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             raise
         if row is None:
             raise QueueNotFoundError(self.name, self._db.schema)
-        ready, delayed, in_flight, failed, oldest_age, rows, gens, expired, pending, pushed = row
+        ready, delayed, in_flight, failed, oldest_age, rows, gens, expired, pending, pushed, blocked = row
+        # ready counts every waiting message; on a ring ordered per key, blocked is its part behind a lane
+        # a pop may not take now (held by a lease, a message leased again or delayed), which stats show
+        # apart: ready is then what a pop could take now, as count_ready counts it.
         lag = int(ready) + int(delayed) + int(in_flight)
+        if blocked is not None:
+            ready = int(ready) - int(blocked)
         extra: dict[str, Any] = {
             "layout": "rows",
             # In pushes (rows), a push of a batch being one row: rows_held counts the rows in the
@@ -778,6 +790,9 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             "push_total": None if pushed is None else int(pushed),
             "pop_total": None if pushed is None else int(pushed) - lag - int(pending or 0),
         }
+        if blocked is not None:
+            # Waiting behind a held lane: not ready for a pop now, but part of the group's lag.
+            extra["blocked"] = int(blocked)
         if self.settings.ttl_s is not None and expired is not None:
             # A ring whose messages expire: the failed ones that failed by expiry (as the table design
             # counts them), and those past their time to live that no pop has reached yet, which a pop

@@ -515,10 +515,12 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint
 -- name: ring_rows_depth
 -- (ready, delayed, in flight, failed, age of the oldest ready in seconds, rows held, each segment's
 -- generation, failed by expiry, lapsed: past their time to live and not reached by a pop yet, the ring's
--- push total in messages; the last three NULL for a ring made by a build that did not count them)
+-- push total in messages; the last three NULL for a ring made by a build that did not count them; and on
+-- a ring ordered per key, the part of ready that waits behind a lane a pop may not take now, NULL on other
+-- rings and on one made by a build that did not count it)
 SELECT r_ready, r_delayed, r_in_flight, r_failed, extract(epoch FROM now() - r_oldest)::float8, r_rows, r_gens,
-       r_expired, r_lapsed, r_pushed
-FROM {schema}.ring_rows_counts(%(queue_id)s::integer)
+       r_expired, r_lapsed, r_pushed, r_blocked
+FROM {schema}.ring_rows_tally(%(queue_id)s::integer)
 
 -- name: ring_rows_group_ids
 -- The groups of a ring of the rows layout besides its default one: (gid, name).
