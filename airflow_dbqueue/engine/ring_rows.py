@@ -104,9 +104,13 @@ first in it, before its rows. So a pop (or a batch) takes a lane's run in order,
 are in flight, and keys sharing a lane hold each other back. The observers (``readiness``,
 ``count_ready``, ``peek``, ``stats``) count and show only the free lanes' messages (``rblocked``: the
 same holds, a lease or leased retry row past its end holding nothing, as a pop reclaims it first);
-``stats()`` counts the messages behind a held lane apart, in ``extra["blocked"]``. Only inserts, as
-everywhere on this layout; a ring without ordering per key has these lines folded out of its functions
-at its creation (``@O`` in the template). Not with deduplication keys (:class:`NotSupportedError`).
+``stats()`` counts the messages behind a held lane apart, in ``extra["blocked"]``. The ack or nack
+that frees a lane that may have something to take sends a NOTIFY on the ring's channel (the ring's
+``notify`` setting, passed as a push passes it), so a pop waiting while every lane with messages was
+held wakes; a lease that runs out frees its lane without a wake (a waiting pop finds it at a look of
+its own). Only inserts, as everywhere on this layout; a ring without ordering per key has these lines
+folded out of its functions at its creation (``@O`` in the template), and never notifies on an ack or
+nack. Not with deduplication keys (:class:`NotSupportedError`).
 """
 
 from __future__ import annotations
@@ -203,6 +207,11 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         self._take1_fn = {"fn": own + "take1"}
         self._has_take1: bool | None = None  # whether the ring has it (read on the first pop of one)
         self._ack_fn = {"fn": own + "ack"}
+        # Ordered per key: an ack or nack that frees a lane with something behind it wakes a waiting pop
+        # (the group's own ack and settle, called with the ring's notify setting and channel), on a ring
+        # whose functions have it (made with its rblocked; read on the first settle of a handle).
+        self._settle_fn = {"fn": own + "settle"}
+        self._wakes: bool | None = None if self._per_key else False
         # A waiting pop's question (ring_rows_ask): the group's lanes and retry generation, the ring's rows.
         self._ask_ids = {
             "lanes": own + "lanes",
@@ -550,13 +559,32 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             return 0
         # The usual ack names one whole lease (the messages of one pop): one done row closes it.
         try:
-            row = self._db.fetchone("ring_rows_ack", params, conn, identifiers=self._ack_fn)
+            if self._waking():
+                row = self._db.fetchone(
+                    "ring_rows_ack_notify", self._wake_params(params), conn, identifiers=self._ack_fn
+                )
+            else:
+                row = self._db.fetchone("ring_rows_ack", params, conn, identifiers=self._ack_fn)
         except (DatabaseError, SchemaError):
             self._raise_if_gone()  # a group dropped meanwhile took its functions with it
             raise
         if row is not None and row[0] == len(params["ids"]):
             return len(params["ids"])
         return self._settle({**params, **_SETTLE_ACK}, conn)
+
+    def _waking(self) -> bool:
+        """Whether this handle's acks and nacks wake a waiting pop when they free a lane (a ring ordered
+        per key, made by a build whose ack and settle take the ring's notify setting: it has rblocked,
+        made with them; read once a handle). A ring without ordering holds no lane past a pop's commit."""
+        if self._wakes is None:
+            row = self._db.fetchone(
+                "ring_rows_has_function", {"schema": self._db.schema, "fn": self._own() + "blocked"}
+            )
+            self._wakes = bool(row and row[0])
+        return self._wakes
+
+    def _wake_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        return {**params, "notify": _NOTIFY_CODE[self.settings.notify], "channel": self._channel}
 
     def nack(
         self,
@@ -576,7 +604,12 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         """Ack or nack receipts all or nothing; raise :class:`LeaseExpiredError` naming the receipts
         whose lease was lost (nothing written then)."""
         try:
-            done = self._db.fetchall("ring_rows_settle", params, conn)
+            if self._waking():
+                done = self._db.fetchall(
+                    "ring_rows_settle_notify", self._wake_params(params), conn, identifiers=self._settle_fn
+                )
+            else:
+                done = self._db.fetchall("ring_rows_settle", params, conn)
         except (DatabaseError, SchemaError):
             self._raise_if_gone()
             raise

@@ -3884,7 +3884,15 @@ $b$
 -- The usual ack: receipts naming every message of one open lease, first deliveries, before its end.
 -- One done row closes it (its key: a second ack, or a reclaim, of the same lease writes nothing).
 -- Returns the messages acked: all the receipts, or 0 (then the caller settles them with @Psettle).
-CREATE FUNCTION {schema}.@Pack(p_ids bigint[], p_deliveries integer[]) RETURNS integer
+-- On a ring ordered per key the done row frees the lanes the lease held, and with p_notify (the ring's
+-- notify setting, as a push passes it: 0 never, 1 auto, 2 always) it wakes a waiting pop on p_channel
+-- when one of them may have something to take (auto: the lease stopped inside a row of the lane, or a
+-- row is issued past where it stopped; always: whenever it frees a lane): a waiting pop finds every lane
+-- with messages held, and no push may come to wake it. A ring without ordering has no such parameters
+-- and sends nothing.
+CREATE FUNCTION {schema}.@Pack(p_ids bigint[], p_deliveries integer[]
+@O    , p_notify integer DEFAULT 0, p_channel text DEFAULT NULL
+    ) RETURNS integer
 LANGUAGE plpgsql AS $b$
 DECLARE
     v_lo bigint;
@@ -3916,6 +3924,11 @@ BEGIN
         ON CONFLICT DO NOTHING;
     END IF;
     GET DIAGNOSTICS v_n = ROW_COUNT;
+@O  IF v_n = 1 AND p_notify > 0 AND (p_notify = 2 OR EXISTS (
+@O          SELECT 1 FROM {schema}.@Pl e CROSS JOIN LATERAL unnest(e.ends) x
+@O          WHERE e.lo = v_lo AND ((x & 65535) <> 0 OR (x >> 16) <= pg_sequence_last_value('{schema}.@Prows')))) THEN
+@O      PERFORM pg_notify(p_channel, '');
+@O  END IF;
     RETURN CASE WHEN v_n = 1 THEN cardinality(p_ids) ELSE 0 END;
 END
 $b$

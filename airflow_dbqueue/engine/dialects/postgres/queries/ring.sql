@@ -456,6 +456,20 @@ SELECT EXISTS (
 -- {fn}: the ring's own ack function (ring_<queue_id>_rack).
 SELECT {schema}.{fn}(%(ids)s::bigint[], %(deliveries)s::integer[])
 
+-- name: ring_rows_ack_notify
+-- ring_rows_ack on a ring ordered per key: the done row frees the lease's lanes, and wakes a waiting pop
+-- on %(channel)s when one of them may have something to take (%(notify)s: the ring's notify setting).
+SELECT {schema}.{fn}(%(ids)s::bigint[], %(deliveries)s::integer[], %(notify)s::integer, %(channel)s::text)
+
+-- name: ring_rows_settle_notify
+-- ring_rows_settle on a ring ordered per key, calling the group's own settle function ({fn}) by name: a
+-- lane of the receipts freed with something to take wakes a waiting pop on %(channel)s (%(notify)s: the
+-- ring's notify setting).
+SELECT r_id, r_state FROM {schema}.{fn}(
+    %(ids)s::bigint[], %(deliveries)s::integer[], %(nack)s::boolean, %(delay_s)s::float8,
+    %(backoff_s)s::float8, %(backoff_max_s)s::float8, %(max_attempts)s::integer, %(error)s::text,
+    %(notify)s::integer, %(channel)s::text)
+
 -- name: ring_rows_settle
 -- Ack or nack receipts, all or nothing: (id, state) of each, none when some receipt lost its lease.
 SELECT r_id, r_state FROM {schema}.ring_rows_settle(
