@@ -101,9 +101,16 @@ a pop logs names its lease (a ``lo`` column only such a ring's position logs hav
 the lanes whose newest entry names no open lease and that have no message leased again or delayed in
 the retry log (``rholds``); a lane's messages due again (a nack, a reclaim, a released batch) are taken
 first in it, before its rows. So a pop (or a batch) takes a lane's run in order, at most ``lanes`` lanes
-are in flight, and keys sharing a lane hold each other back. Only inserts, as everywhere on this layout;
-a ring without ordering per key has these lines folded out of its functions at its creation (``@O``
-in the template). Not with deduplication keys (:class:`NotSupportedError`).
+are in flight, and keys sharing a lane hold each other back. The observers (``readiness``,
+``count_ready``, ``peek``, ``stats``) count and show only the free lanes' messages (``rblocked``: the
+same holds, a lease or leased retry row past its end holding nothing, as a pop reclaims it first);
+``stats()`` counts the messages behind a held lane apart, in ``extra["blocked"]``. The ack or nack
+that frees a lane that may have something to take sends a NOTIFY on the ring's channel (the ring's
+``notify`` setting, passed as a push passes it), so a pop waiting while every lane with messages was
+held wakes; a lease that runs out frees its lane without a wake (a waiting pop finds it at a look of
+its own). Only inserts, as everywhere on this layout; a ring without ordering per key has these lines
+folded out of its functions at its creation (``@O`` in the template), and never notifies on an ack or
+nack. Not with deduplication keys (:class:`NotSupportedError`).
 """
 
 from __future__ import annotations
@@ -200,6 +207,11 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         self._take1_fn = {"fn": own + "take1"}
         self._has_take1: bool | None = None  # whether the ring has it (read on the first pop of one)
         self._ack_fn = {"fn": own + "ack"}
+        # Ordered per key: an ack or nack that frees a lane with something behind it wakes a waiting pop
+        # (the group's own ack and settle, called with the ring's notify setting and channel), on a ring
+        # whose functions have it (made with its rblocked; read on the first settle of a handle).
+        self._settle_fn = {"fn": own + "settle"}
+        self._wakes: bool | None = None if self._per_key else False
         # A waiting pop's question (ring_rows_ask): the group's lanes and retry generation, the ring's rows.
         self._ask_ids = {
             "lanes": own + "lanes",
@@ -547,13 +559,32 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             return 0
         # The usual ack names one whole lease (the messages of one pop): one done row closes it.
         try:
-            row = self._db.fetchone("ring_rows_ack", params, conn, identifiers=self._ack_fn)
+            if self._waking():
+                row = self._db.fetchone(
+                    "ring_rows_ack_notify", self._wake_params(params), conn, identifiers=self._ack_fn
+                )
+            else:
+                row = self._db.fetchone("ring_rows_ack", params, conn, identifiers=self._ack_fn)
         except (DatabaseError, SchemaError):
             self._raise_if_gone()  # a group dropped meanwhile took its functions with it
             raise
         if row is not None and row[0] == len(params["ids"]):
             return len(params["ids"])
         return self._settle({**params, **_SETTLE_ACK}, conn)
+
+    def _waking(self) -> bool:
+        """Whether this handle's acks and nacks wake a waiting pop when they free a lane (a ring ordered
+        per key, made by a build whose ack and settle take the ring's notify setting: it has rblocked,
+        made with them; read once a handle). A ring without ordering holds no lane past a pop's commit."""
+        if self._wakes is None:
+            row = self._db.fetchone(
+                "ring_rows_has_function", {"schema": self._db.schema, "fn": self._own() + "blocked"}
+            )
+            self._wakes = bool(row and row[0])
+        return self._wakes
+
+    def _wake_params(self, params: dict[str, Any]) -> dict[str, Any]:
+        return {**params, "notify": _NOTIFY_CODE[self.settings.notify], "channel": self._channel}
 
     def nack(
         self,
@@ -573,7 +604,12 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         """Ack or nack receipts all or nothing; raise :class:`LeaseExpiredError` naming the receipts
         whose lease was lost (nothing written then)."""
         try:
-            done = self._db.fetchall("ring_rows_settle", params, conn)
+            if self._waking():
+                done = self._db.fetchall(
+                    "ring_rows_settle_notify", self._wake_params(params), conn, identifiers=self._settle_fn
+                )
+            else:
+                done = self._db.fetchall("ring_rows_settle", params, conn)
         except (DatabaseError, SchemaError):
             self._raise_if_gone()
             raise
@@ -642,7 +678,8 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         """Up to ``n`` ready messages in the order pops take them (those due again first, then the
         lanes'), taking nothing: each with its attempts and deliveries so far (0 and 0 for a message never
         delivered), as the slots layout and the table design show them. A lease past its end is in flight
-        until reclaimed (:meth:`readiness` counts it); a message past its time to live is not ready."""
+        until reclaimed (:meth:`readiness` counts it); a message past its time to live is not ready, nor,
+        on a ring ordered per key, one behind a held lane."""
         n = _check_batch_size(n)
         try:
             rows = self._db.fetchall("ring_rows_look", {"queue_id": self._gid, "n": n})
@@ -664,7 +701,10 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         would take first, in one statement (the ring's own ``ready``): leases past their end with an
         attempt left count at once, before a pop or :meth:`maintain` reclaims them, as on the slots
         layout and the table design (a pop reclaims them first), while :meth:`stats` shows them in flight
-        until then. Every ring message has priority 0: ``min_priority`` above 0 counts none."""
+        until then. On a ring ordered per key, only the messages of the lanes a pop may take now (none
+        of a lane held by an open lease, a message leased again or delayed: :meth:`stats` counts those
+        in ``extra["blocked"]``). Every ring message has priority 0: ``min_priority`` above 0 counts
+        none."""
         params = {"queue_id": self._gid, "cap": cap, "max_attempts": self.settings.max_attempts}
         try:
             row = self._db.fetchone("ring_rows_ready_head", params)
@@ -756,8 +796,13 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             raise
         if row is None:
             raise QueueNotFoundError(self.name, self._db.schema)
-        ready, delayed, in_flight, failed, oldest_age, rows, gens, expired, pending, pushed = row
+        ready, delayed, in_flight, failed, oldest_age, rows, gens, expired, pending, pushed, blocked = row
+        # ready counts every waiting message; on a ring ordered per key, blocked is its part behind a lane
+        # a pop may not take now (held by a lease, a message leased again or delayed), which stats show
+        # apart: ready is then what a pop could take now, as count_ready counts it.
         lag = int(ready) + int(delayed) + int(in_flight)
+        if blocked is not None:
+            ready = int(ready) - int(blocked)
         extra: dict[str, Any] = {
             "layout": "rows",
             # In pushes (rows), a push of a batch being one row: rows_held counts the rows in the
@@ -778,6 +823,9 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
             "push_total": None if pushed is None else int(pushed),
             "pop_total": None if pushed is None else int(pushed) - lag - int(pending or 0),
         }
+        if blocked is not None:
+            # Waiting behind a held lane: not ready for a pop now, but part of the group's lag.
+            extra["blocked"] = int(blocked)
         if self.settings.ttl_s is not None and expired is not None:
             # A ring whose messages expire: the failed ones that failed by expiry (as the table design
             # counts them), and those past their time to live that no pop has reached yet, which a pop

@@ -466,6 +466,30 @@ def test_a_rows_ring_with_a_ttl_through_the_api(server: Server) -> None:
     assert checksum([m.payload for m in got] + [again.payload]) == checksum([payloads[0], *payloads[3:]])
 
 
+def test_a_ring_ordered_per_key_through_the_api(server: Server) -> None:
+    """A ring of the rows layout ordered per key: the API's ready is what a pop could take now, and
+    blocked (the page's "+N blocked" beside it) the messages waiting behind a held lane."""
+    api = server.url + "/dbqueue/api"
+    name = "api_rows_keyed"
+    sent = [{"order": i} for i in range(4)]
+    with DbQueue(server.dsn, schema=server.schema, pool_size=1) as dbq:
+        q = dbq.create_queue(name, design="ring", layout="rows", capacity=64, lanes=4, ordering="per_key")
+        key = "customer-1"
+        q.push_batch(sent, keys=[key, key, key, None])  # the last: lane 3, its place in the batch
+        first = q.pop(1, semantics="at-least-once")
+        assert q.lane_of(key) != 3 and [m.payload for m in first] == sent[:1]
+    row = queue_row(request(api + "/queues", token=server.token("viewer"))[1], name)
+    assert (row["ready"], row["blocked"], row["in_flight"]) == (1, 2, 1)
+    with DbQueue(server.dsn, schema=server.schema, pool_size=1) as dbq:
+        q = dbq.queue(name)
+        assert q.ack(first) == 1
+        rest = q.pop(10, semantics="at-least-once")
+        assert q.ack(rest) == 3
+    assert checksum(m.payload for m in first + rest) == checksum(sent)
+    row = queue_row(request(api + "/queues", token=server.token("viewer"))[1], name)
+    assert (row["ready"], row["blocked"], row["in_flight"]) == (0, 0, 0)
+
+
 def test_the_last_maintenance_run(server: Server) -> None:
     with DbQueue(server.dsn, schema=server.schema, pool_size=1) as dbq:
         q = dbq.create_queue("maint_orders")

@@ -285,6 +285,27 @@ def test_sensor_observes_by_default(airflow_conn: str, dbq: DbQueue) -> None:
     assert q.stats().ready == 5
 
 
+def test_sensor_on_a_ring_ordered_per_key_waits_for_a_held_lane(airflow_conn: str, dbq: DbQueue) -> None:
+    """A ring ordered per key whose only messages wait behind a lane a lease holds: the sensor does not
+    fire (a pop would get nothing); once the lease is acked it fires, and a pop gets the lane's run."""
+    q = dbq.create_queue("keyed", design="ring", layout="rows", capacity=64, lanes=4, ordering="per_key")
+    pushed = [{"i": i} for i in range(3)]
+    q.push_batch(pushed, keys=["customer-1"] * 3)
+    first = q.pop(1, semantics="at-least-once")
+    held = DbQueueSensor(task_id="s", queue_name="keyed", poke_interval=0.05, timeout=0.3)
+    with pytest.raises(AirflowSensorTimeout):
+        held.execute({})
+    assert q.pop(10, semantics="at-least-once") == []
+    assert q.ack(first) == 1
+    freed = DbQueueSensor(task_id="s2", queue_name="keyed", min_messages=2, poke_interval=0.05, timeout=5)
+    assert freed.execute({}) == {"queue_name": "keyed", "ready": 2}
+    rest = q.pop(10, semantics="at-least-once")
+    assert q.ack(rest) == 2 and drained(q)
+    assert [m.payload for m in first + rest] == pushed and checksum(
+        m.payload for m in first + rest
+    ) == checksum(pushed)
+
+
 def test_sensor_claims_at_least_once(airflow_conn: str, dbq: DbQueue) -> None:
     q = dbq.create_queue("claims")
     pushed = [{"i": i} for i in range(30)]

@@ -472,6 +472,49 @@ def test_waiting_costs_no_thread(dbq: DbQueue) -> None:
     assert during == before
 
 
+def test_a_waiting_pop_on_a_ring_ordered_per_key_is_woken_by_the_ack_that_frees_its_lane(
+    dbq: DbQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the asyncio face: a pop waits while the only lane with messages is held (its poll a minute
+    away, nothing pushed); the ack that frees the lane wakes it (its wait ends by a wake, not a
+    timeout), and it takes the lane's run in order. readiness counts nothing while the lane is held.
+    Counted and checksummed."""
+    wakes: list[float] = []
+    real_wait = pg_aio.AsyncWaiter.wait
+
+    def counting_wait(waiter: pg_aio.AsyncWaiter, timeout: float) -> bool:
+        got = real_wait(waiter, timeout)
+        if got:
+            wakes.append(time.monotonic())
+        return got
+
+    monkeypatch.setattr(pg_aio.AsyncWaiter, "wait", counting_wait)
+    sent = ["a1", "a2", "a3"]
+
+    async def body(adbq: AsyncDbQueue) -> tuple[list[Any], int, float]:
+        q = await adbq.create_queue(
+            "k", design="ring", layout="rows", capacity=64, lanes=4, ordering="per_key"
+        )
+        await q.push_batch(sent, keys=["a"] * 3)
+        first = await q.pop(1, semantics="at-least-once")
+        assert await q.readiness() == (0, None)
+        task = asyncio.create_task(q.pop(10, semantics="at-least-once", wait=30, poll_interval=60))
+        await asyncio.sleep(2.0)  # it has looked, found the lane held, and waits
+        assert not task.done()
+        before = len(wakes)
+        freed = time.monotonic()
+        assert await q.ack(first) == 1
+        got = await asyncio.wait_for(task, 40)
+        took = time.monotonic() - freed
+        assert await q.ack(got) == len(got)
+        return [m.payload for m in first + got], len(wakes) - before, took
+
+    out, woken, took = run(dbq, body)
+    assert out == sent and checksum(out) == checksum(sent)
+    assert woken >= 1, "the waiter was not woken: it found the lane at a look of its own"
+    assert took < 5.0
+
+
 @pytest.mark.parametrize("layout", ["slots", "rows"])
 def test_a_rings_groups_and_their_batches_on_the_async_face(dbq: DbQueue, layout: str) -> None:
     """On each ring layout, awaited: a group added, listed and popped at least once beside the default

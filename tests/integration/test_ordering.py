@@ -400,6 +400,96 @@ def test_ring_ordered_refusals_and_pushes_without_keys(dbq: DbQueue) -> None:
     assert checksum(payloads(again)) == checksum(sent) and drained(q)
 
 
+# -- what observers count on a ring ordered per key: what a pop could take now ----------------------
+
+
+def looks(q: RowsRingQueue) -> tuple[int, tuple[int, int] | None, list[str], int, int]:
+    """(count_ready, readiness's head, peek's payloads, stats' ready, stats' blocked) of ``q``."""
+    st = q.stats()
+    ready, head = q.readiness()
+    assert q.count_ready() == ready
+    return ready, head, payloads(q.peek(100)), st.ready, st.extra["blocked"]
+
+
+def test_ring_observers_count_only_what_a_pop_could_take(dbq: DbQueue) -> None:
+    """count_ready, readiness (a sensor's and a trigger's question), peek and stats().ready leave out the
+    messages behind a held lane (a lease open, a message leased again, a nack's delay), which stats show
+    as blocked; a lease past its end frees its lane for them, as the pop that reclaims it first finds."""
+    q = keyed_ring(dbq, max_attempts=5)
+    lk = keys_in_lanes(q)
+    a, b = lk[0], lk[1]
+    sent = ["a1", "a2", "a3", "b1"]
+    ids = q.push_batch(sent, keys=[a, a, a, b])
+    assert looks(q) == (4, (ids[0], 0), [*sent[:3], "b1"], 4, 0)
+    [a1] = q.pop(1, semantics=ALO)
+    assert looks(q) == (1, (ids[3], 0), ["b1"], 1, 2)  # a2, a3 wait for a1
+    [b1] = q.pop(10, semantics=ALO)
+    assert b1.payload == "b1" and looks(q) == (0, None, [], 0, 2)
+    st = q.stats()
+    assert (st.in_flight, st.extra["lag_messages"]) == (2, 4)
+    assert q.pop(10, semantics=ALO) == []  # what the observers said
+    assert q.ack([a1]) == 1
+    assert looks(q) == (2, (ids[1], 0), ["a2", "a3"], 2, 0)
+    run = q.pop(10, semantics=ALO)
+    assert payloads(run) == ["a2", "a3"]
+    assert q.ack(run[1:]) == 1  # a2 stays leased again (the lease is split): the lane stays held
+    q.push("a4", key=a)
+    assert looks(q) == (0, None, [], 0, 1)
+    assert q.nack(run[:1], delay=0.5) == 1  # a2 waits out its delay: held still
+    due = time.monotonic() + 0.5
+    st = q.stats()
+    assert (st.delayed, st.extra["blocked"], st.ready) == (1, 1, 0) and looks(q)[0] == 0
+    assert q.pop(10, semantics=ALO) == [] or time.monotonic() >= due
+    time.sleep(max(0.0, due - time.monotonic()) + 0.1)
+    assert looks(q) == (2, (run[0].id, 1), ["a2", "a4"], 2, 0)
+    last = q.pop(10, semantics=ALO)
+    assert [(m.payload, m.delivery) for m in last] == [("a2", 2), ("a4", 1)]
+    assert q.ack([b1, *last]) == 3 and drained(q)
+    got = [a1, b1, run[1], *last]
+    # A lease past its end holds nothing for the observers: the next pop reclaims it, then takes its
+    # lane (the message due again first).
+    c = keyed_ring(dbq, "o2", max_attempts=5)
+    c.reclaim_every = 0.0
+    c.push_batch(["c1", "c2"], keys=[a, a])
+    [c1] = c.pop(1, semantics=ALO, visibility_timeout=0.2)
+    assert looks(c) == (0, None, [], 0, 1)
+    time.sleep(0.3)
+    assert looks(c)[:2] == (2, (c1.id, 1))  # c1 (its lease ran out, an attempt left) and c2
+    again = c.pop(10, semantics=ALO)
+    assert [(m.payload, m.delivery) for m in again] == [("c1", 2), ("c2", 1)] and c.ack(again) == 2
+    assert drained(c) and checksum(payloads(again)) == checksum(["c1", "c2"])
+    assert sorted(m.id for m in got)[:4] == ids and checksum(payloads(got)) == checksum([*sent, "a4"])
+
+
+def test_ring_observers_on_a_group_count_its_own_holds(dbq: DbQueue) -> None:
+    q = keyed_ring(dbq)
+    g = q.add_group("g", start="earliest")
+    a, b = keys_in_lanes(q)[0], keys_in_lanes(q)[1]
+    sent = ["a1", "a2", "b1"]
+    q.push_batch(sent, keys=[a, a, b])
+    [m] = q.pop(1, semantics=ALO)
+    assert m.payload == "a1"
+    assert looks(q)[::2] == (1, ["b1"], 1)
+    assert looks(g)[::2] == (3, sent, 0)  # the group's lanes are held by its own leases only
+    got = g.pop(10, semantics=ALO)
+    assert g.ack(got) == 3 and checksum(payloads(got)) == checksum(sent)
+    assert q.ack([m]) == 1 and looks(q)[0] == 2
+    rest = q.pop(10, semantics=ALO)
+    assert q.ack(rest) == 2 and checksum(payloads([m, *rest])) == checksum(sent) and drained(q)
+
+
+def test_ring_without_ordering_keeps_its_counts(dbq: DbQueue) -> None:
+    """A ring without ordering per key shows no blocked figure: its pops hold no lane past their commit."""
+    q = dbq.create_queue("plain", design="ring", layout="rows", capacity=64, lanes=4)
+    sent = ["p1", "p2", "p3"]
+    q.push_batch(sent)
+    [m] = q.pop(1, semantics=ALO)
+    st = q.stats()
+    assert (st.ready, st.in_flight, q.count_ready()) == (2, 1, 2) and "blocked" not in st.extra
+    rest = q.pop(10, semantics=ALO)
+    assert q.ack([m, *rest]) == 3 and checksum(payloads([m, *rest])) == checksum(sent) and drained(q)
+
+
 # -- 4 producers, 4 consumers at least once, consumers SIGKILLed holding leases --------------------
 
 CRASH_QUEUE = "ordered"

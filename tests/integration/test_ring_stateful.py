@@ -693,8 +693,9 @@ class RowsKeyedMachine(_FinishesLeases, RuleBasedStateMachine):
     lane that holds a leased message; from every other lane it takes a prefix of the lane's waiting
     messages (those due again first, all in id order, as the lane had them), at most n in all, and
     something whenever some free lane has a message waiting; with n above everything waiting, every
-    free lane's waiting messages. Stats count ready, in flight and failed; a drain after every lease is
-    settled delivers exactly the model's waiting messages, each lane's in order."""
+    free lane's waiting messages. Stats count ready (the free lanes' waiting messages, what count_ready,
+    readiness and peek show too), blocked (the held lanes'), in flight and failed; a drain after every
+    lease is settled delivers exactly the model's waiting messages, each lane's in order."""
 
     again, exhausted = READY, FAILED
     dbq: ClassVar[DbQueue]
@@ -825,15 +826,26 @@ class RowsKeyedMachine(_FinishesLeases, RuleBasedStateMachine):
 
     @invariant()
     def stats_match(self) -> None:
+        """Stats: ready is what a pop could take now (the free lanes' waiting messages), blocked the
+        waiting messages of held lanes. count_ready, readiness and peek count and show the former, in
+        the order pops take them (those due again first, then the lanes', each by id)."""
         if self.q is None:
             return
+        now = [e for e in self._in(READY) if self._free(e.lane)]
         s = self.q.stats()
-        assert (s.ready, s.delayed, s.in_flight, s.failed) == (
-            len(self._in(READY)),
+        assert (s.ready, s.extra["blocked"], s.delayed, s.in_flight, s.failed) == (
+            len(now),
+            len(self._in(READY)) - len(now),
             0,
             len(self._in(HELD)),
             len(self._in(FAILED)),
         )
+        order = sorted(now, key=lambda e: (e.attempts == 0, e.id))
+        head = (order[0].id, order[0].attempts) if order else None
+        assert self.q.readiness() == (len(now), head)
+        assert [(m.id, m.payload, m.delivery) for m in self.q.peek(100)] == [
+            (e.id, e.payload, e.attempts) for e in order
+        ]
 
 
 def test_rows_ring_ordered_per_key_matches_model(dbq: DbQueue) -> None:

@@ -430,6 +430,8 @@ _RING_ROWS_FUNCTIONS = {
     "ring_rows_take_one": "take1",
     "ring_rows_pop_payload_one": "take1",
     "ring_rows_ack": "ack",
+    "ring_rows_ack_notify": "ack",
+    "ring_rows_settle_notify": "settle",
     "ring_rows_claim_batch": "bclaim",
     "ring_rows_get_batch": "bget",
     "ring_rows_set_batch": "bset",
@@ -525,9 +527,15 @@ def test_every_named_query_parses_and_plans_on_the_server(dbq: DbQueue, pg_dsn: 
     """PREPARE every query against an installed schema: catches unknown columns and type errors."""
     failures = []
     rows_ring = dbq.create_queue("plans_rows", design="ring", layout="rows", capacity=64).settings.queue_id
+    # The acks and settles that notify are those of a ring ordered per key (its functions take the ring's
+    # notify setting and channel).
+    keyed = dbq.create_queue(
+        "plans_keyed", design="ring", layout="rows", capacity=64, lanes=4, ordering="per_key"
+    ).settings.queue_id
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         for i, name in enumerate(_query_names()):
-            text, _ = _server_placeholders(dbq.db.query(name, _sample_identifiers(name, rows_ring)).decode())
+            ring = keyed if name.endswith("_notify") else rows_ring
+            text, _ = _server_placeholders(dbq.db.query(name, _sample_identifiers(name, ring)).decode())
             res = conn.pgconn.prepare(f"dbq_check_{i}".encode(), text.encode())
             if res.status != ExecStatus.COMMAND_OK:
                 failures.append(f"{name}: {(res.error_message or b'').decode().strip()}")
@@ -636,7 +644,7 @@ def test_changed_functions_are_applied_while_pushes_and_pops_run(  # noqa: PLR09
     edited = re.sub(
         r"\n(\$\$|\$x\$ \$t\$)(;|$)", r"\n    -- edited while pushes and pops run\n\1\2", first[0]
     )
-    assert edited.count("-- edited") == 64
+    assert edited.count("-- edited") == 65
     editions = [first, (edited, digest(edited), first[2])]
     n_batches, size = 60, 25
     errors: list[BaseException] = []
@@ -706,7 +714,7 @@ def test_changed_functions_are_applied_while_pushes_and_pops_run(  # noqa: PLR09
             "WHERE n.nspname = %s AND p.proname !~ '^ring_g?[0-9]+_'",
             [schema],
         ).fetchall()
-    assert len(bodies) == 64
+    assert len(bodies) == 65
     assert all(("-- edited" in b) == (functions_applied(pg_dsn, schema) == editions[1][1]) for (b,) in bodies)
 
 

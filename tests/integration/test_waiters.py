@@ -379,3 +379,123 @@ def test_while_a_push_runs_one_waiter_of_a_rows_ring_looks_again_for_it(dbq: DbQ
     assert took < PROMPT_S
     asks = during.count("ring_rows_ask")
     assert waiters <= asks <= 3 * waiters, f"{asks} looks of {waiters} waiters while one push ran"
+
+
+# -- a ring ordered per key: the settle that frees a lane wakes a waiter ------------------------------
+
+ALO = "at-least-once"
+
+
+def keyed_ring(dbq: DbQueue, **kw: Any) -> Queue:
+    return dbq.create_queue(
+        "k", design="ring", layout="rows", capacity=64, lanes=4, ordering="per_key", max_attempts=5, **kw
+    )
+
+
+@pytest.mark.parametrize("settle", ["ack", "nack", "ack of the last message leased"])
+def test_a_waiting_pop_on_a_ring_ordered_per_key_wakes_when_a_lane_is_freed(
+    dbq: DbQueue, settle: str
+) -> None:
+    """Every lane with messages is held (a lease open: an ack, a nack, or a split lease's last message
+    leased again to settle), so a pop waits, its poll a minute away, and no push comes. The ack or nack
+    that frees the lane wakes it (a NOTIFY), and it takes the lane's run, in order. Counted and
+    checksummed."""
+    q = keyed_ring(dbq)
+    sent = ["a1", "a2", "a3", "a4"]
+    q.push_batch(sent, keys=["a"] * 4)
+    first = q.pop(2 if settle.startswith("ack of") else 1, semantics=ALO)
+    assert [m.payload for m in first] == sent[: len(first)]
+    if len(first) == 2:
+        assert q.ack(first[:1]) == 1  # splits the lease: a2 stays leased, and holds the lane
+    got: list[Any] = []
+    took: list[float] = []
+    freed = [0.0]
+
+    def waiter() -> None:
+        msgs = q.pop(10, semantics=ALO, wait=30, poll_interval=POLL_S)
+        took.append(time.monotonic() - freed[0])
+        got.extend(msgs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        wakes = Wakes(mp)
+        t = threading.Thread(target=waiter)
+        t.start()
+        _until(lambda: _waiting(dbq) == 1)
+        time.sleep(2.0)  # it has looked and found the lane held; its looks back off towards the poll
+        assert not got
+        before = wakes.count
+        freed[0] = time.monotonic()
+        if settle == "nack":
+            assert q.nack(first, delay=0) == 1
+        else:
+            assert q.ack(first[-1:]) == 1
+        t.join(30)
+        woken = wakes.count - before
+    again = settle == "nack"
+    assert [(m.payload, m.delivery) for m in got] == [
+        (p, 2 if again and p == "a1" else 1) for p in sent[len(first) - again :]
+    ]
+    assert woken >= 1, "the waiter was not woken: it found the lane at a look of its own"
+    assert took[0] < PROMPT_S
+    assert q.ack(got) == len(got)
+    acked = [m.payload for m in first[: len(first) - again] + got]
+    assert len(acked) == len(sent) and checksum(acked) == checksum(sent)
+    assert q.pop(10) == []
+
+
+def _notified(dbq: DbQueue, q: Queue, act: Callable[[], Any]) -> int:
+    """How many notifications ``act`` sent on ``q``'s channel (read by a LISTEN of its own)."""
+    with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+        c.execute(f'LISTEN "{q.channel}"')
+        act()
+        return sum(1 for _ in c.notifies(timeout=0.5))
+
+
+def test_which_settles_of_a_ring_notify(dbq: DbQueue) -> None:
+    """A ring without ordering per key: no ack or nack notifies (no lane is held past a pop's commit).
+    Ordered per key: the ack or nack that frees a lane with something behind it notifies, once; one that
+    frees a lane with nothing behind, or leaves it held (a nack's delay), does not; notify="never" never
+    does. Every message is acked once in the end, counted and checksummed."""
+    acked: dict[str, list[Any]] = {"p": [], "k": [], "n": []}
+
+    def ack(h: Queue, msgs: list[Any]) -> Callable[[], Any]:
+        def act() -> None:
+            assert h.ack(msgs) == len(msgs)
+            acked[h.name] += [m.payload for m in msgs]
+
+        return act
+
+    plain = dbq.create_queue("p", design="ring", layout="rows", capacity=64, lanes=4)
+    plain.push_batch(["p1", "p2"])
+    assert _notified(dbq, plain, ack(plain, plain.pop(1, semantics=ALO))) == 0  # a whole lease
+    p2 = plain.pop(1, semantics=ALO)
+    assert _notified(dbq, plain, lambda: plain.nack(p2, delay=0)) == 0
+    assert _notified(dbq, plain, ack(plain, plain.pop(1, semantics=ALO))) == 0  # settled apart
+
+    keyed = keyed_ring(dbq)
+    keyed.push("k1", key="a")
+    assert _notified(dbq, keyed, ack(keyed, keyed.pop(1, semantics=ALO))) == 0  # nothing behind it
+    keyed.push_batch(["k2", "k3"], keys=["a", "a"])
+    k2 = keyed.pop(1, semantics=ALO)
+    due = time.monotonic() + 1.0
+    assert _notified(dbq, keyed, lambda: keyed.nack(k2, delay=1.0)) == 0  # held: k2's delay
+    assert keyed.pop(10, semantics=ALO) == [] or time.monotonic() >= due
+    time.sleep(max(0.0, due - time.monotonic()) + 0.05)
+    run = keyed.pop(10, semantics=ALO)
+    assert [(m.payload, m.delivery) for m in run] == [("k2", 2), ("k3", 1)]
+    assert _notified(dbq, keyed, ack(keyed, run)) == 0  # settled apart, nothing behind
+    keyed.push_batch(["k4", "k5"], keys=["a", "a"])
+    assert _notified(dbq, keyed, ack(keyed, keyed.pop(1, semantics=ALO))) == 1  # k5 behind it
+    k5 = keyed.pop(1, semantics=ALO)
+    assert _notified(dbq, keyed, lambda: keyed.nack(k5, delay=0)) == 1  # due again at once
+    assert _notified(dbq, keyed, ack(keyed, keyed.pop(1, semantics=ALO))) == 0
+
+    never = dbq.create_queue(
+        "n", design="ring", layout="rows", capacity=64, lanes=4, ordering="per_key", notify="never"
+    )
+    never.push_batch(["n1", "n2"], keys=["a", "a"])
+    assert _notified(dbq, never, ack(never, never.pop(1, semantics=ALO))) == 0
+    ack(never, never.pop(1, semantics=ALO))()
+    for h, want in ((plain, ["p1", "p2"]), (keyed, ["k1", "k2", "k3", "k4", "k5"]), (never, ["n1", "n2"])):
+        assert sorted(acked[h.name]) == want and checksum(acked[h.name]) == checksum(want)
+        assert h.pop(10) == []

@@ -2494,6 +2494,30 @@ BEGIN
 END
 $b$
 @;
+-- Which lanes of a ring ordered per key hold their waiting messages back from a pop now, one a lane
+-- (index lane + 1), for the observers (@Pready, @Plook, @Pdepth), given each lane's position p_at as the
+-- caller read it: the lease named by the lane's entry at p_at (its newest) is open and not past its end,
+-- or a message of the lane is leased again or waits for its due time (its newest retry row leased or
+-- ready from a time still to come). What @Pholds tells a pop, except that a lease or a leased retry row
+-- past its end holds nothing here: a pop reclaims it first (@Preclaim), which frees its lane. STABLE, so
+-- its statement reads the snapshot of the statement that calls it. Its cost: a probe of the position
+-- log, the leases and the done rows a lane (index scans by key), and the retry log read whole, as
+-- @Pholds reads it (it holds only the messages settled apart from their pop's whole ack). On a ring
+-- without ordering per key (its position logs name no lease) only the retry log's part is there, and
+-- nothing calls it.
+CREATE FUNCTION {schema}.@Pblocked(p_at bigint[]) RETURNS boolean[] LANGUAGE sql STABLE AS $b$
+    WITH b AS MATERIALIZED (
+        SELECT DISTINCT ((r.id >> 16) % @L)::integer AS lane FROM {schema}.@Pr r
+        WHERE r.state IN (1, 2) AND r.due_at > now()
+          AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver))
+    SELECT array_agg(((u.o - 1)::integer IN (SELECT b.lane FROM b)
+@O      OR EXISTS (SELECT 1 FROM {schema}.@Ppos p JOIN {schema}.@Pl e ON e.lo = p.lo
+@O                 WHERE p.lane = u.o - 1 AND p.at = u.at AND e.lease_until > now()
+@O                   AND NOT EXISTS (SELECT 1 FROM {schema}.@Pd d WHERE d.lo = e.lo))
+        ) ORDER BY u.o)
+    FROM unnest(p_at) WITH ORDINALITY u(at, o)
+$b$
+@;
 -- The generation segment p_k holds (a sequence a segment, set by ring_rows_label: no dead row).
 CREATE FUNCTION {schema}.@Pseg_gen(p_k integer) RETURNS bigint LANGUAGE sql AS $b$
     SELECT CASE p_k WHEN 0 THEN pg_sequence_last_value('{schema}.@Pgen0')
@@ -3534,21 +3558,25 @@ $b$
 -- id, taking nothing: each with its attempts and deliveries so far (0 and 0 for a lane's message, never
 -- delivered; a retry row's for a message due again), as the slots layout and the table design show
 -- them. A message past its time to live is not ready (a pop that reaches it fails or drops it), and a
--- lease that ran out is in flight until reclaimed, as on the other designs; @Pready counts it.
+-- lease that ran out is in flight until reclaimed, as on the other designs; @Pready counts it. On a ring
+-- ordered per key, only the messages of the lanes a pop may take now (@Pblocked).
 CREATE FUNCTION {schema}.@Plook(p_n integer)
 RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz, r_payload bytea)
 LANGUAGE sql AS $b$
-    WITH l AS (SELECT u.o - 1 AS lane, u.at FROM unnest({schema}.@Planes(NULL)) WITH ORDINALITY u(at, o))
+    WITH l AS (SELECT (u.o - 1)::integer AS lane, u.at FROM unnest({schema}.@Planes(NULL)) WITH ORDINALITY u(at, o))
+@O  , kh AS MATERIALIZED (SELECT {schema}.@Pblocked(ARRAY(SELECT l.at FROM l ORDER BY l.lane)) AS held)
     SELECT x.id, x.attempts, x.deliveries, x.enqueued_at, x.payload FROM (
         SELECT 0 AS again, (t.r << 16) | (g.i - 1) AS id, 0 AS attempts, 0 AS deliveries, t.enqueued_at,
                t.payloads[g.i] AS payload
         FROM l JOIN {schema}.@Pq t ON t.r % @L = l.lane AND t.r >= l.at >> 16
+@O      JOIN kh ON NOT kh.held[l.lane + 1]
         CROSS JOIN LATERAL generate_subscripts(t.payloads, 1) g(i)
         WHERE ((t.r << 16) | (g.i - 1)) >= l.at
 @E        AND NOT coalesce(t.expires_at <= now(), false)
         UNION ALL
         SELECT -1, r.id, r.attempts, r.deliveries, t.enqueued_at, t.payloads[(r.id & 65535)::integer + 1]
         FROM {schema}.@Pr r JOIN {schema}.@Pq t ON t.r = r.id >> 16
+@O      JOIN kh ON NOT kh.held[((r.id >> 16) % @L)::integer + 1]
         WHERE r.state = 1 AND r.due_at <= now()
           AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver)
 @E        AND NOT coalesce(t.expires_at <= now(), false)
@@ -3587,7 +3615,9 @@ $b$
 -- (never delivered: 0), the lowest id first. stats() keeps counting a lease past its end in flight
 -- until it is reclaimed, as the other designs do. One statement, so one snapshot: the lanes' positions
 -- are read from the logs here, as @Pdepth reads them. Its cost is @Pdepth's lanes' pass (a scan of the
--- rows past the lanes) and a look at the leases and retry rows of the live segments.
+-- rows past the lanes) and a look at the leases and retry rows of the live segments. On a ring ordered
+-- per key only the lanes a pop may take now count (@Pblocked, in the same snapshot), their messages due
+-- again and their leases past their end included.
 CREATE FUNCTION {schema}.@Pready(p_cap bigint, p_max_attempts integer,
     OUT r_ready bigint, OUT r_head_id bigint, OUT r_head_deliveries integer)
 LANGUAGE sql AS $b$
@@ -3596,15 +3626,18 @@ LANGUAGE sql AS $b$
             (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = k), (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = k),
             (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = k), (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = k)) AS at
         FROM generate_series(0, @L - 1) k),
+@O  kh AS MATERIALIZED (SELECT {schema}.@Pblocked(ARRAY(SELECT l.at FROM l ORDER BY l.lane)) AS held),
     w AS MATERIALIZED (
         SELECT t.n - CASE WHEN t.r = l.at >> 16 THEN (l.at & 65535) ELSE 0 END AS n,
                CASE WHEN t.r = l.at >> 16 THEN l.at ELSE t.r << 16 END AS first
         FROM l JOIN {schema}.@Pq t ON t.r % @L = l.lane AND t.r >= l.at >> 16
+@O      JOIN kh ON NOT kh.held[l.lane + 1]
         WHERE true
 @E        AND NOT coalesce(t.expires_at <= now(), false)
         ),
     a AS MATERIALIZED (
         SELECT r.id, r.deliveries FROM {schema}.@Pr r
+@O      JOIN kh ON NOT kh.held[((r.id >> 16) % @L)::integer + 1]
         WHERE r.due_at <= now() AND (r.state = 1 OR (r.state = 2 AND r.attempts < p_max_attempts))
           AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver)
 @E        AND NOT coalesce((SELECT t.expires_at <= now() FROM {schema}.@Pq t WHERE t.r = r.id >> 16), false)
@@ -3614,6 +3647,7 @@ LANGUAGE sql AS $b$
         FROM {schema}.@Pl e
         JOIN {schema}.@Pq t ON t.r BETWEEN e.lo >> 16 AND e.hi >> 16
         CROSS JOIN LATERAL generate_series(0, t.n - 1) g(k)
+@O      JOIN kh ON NOT kh.held[(t.r % @L)::integer + 1]
         WHERE e.lease_until <= now() AND p_max_attempts > 1
           AND NOT EXISTS (SELECT 1 FROM {schema}.@Pd d WHERE d.lo = e.lo)
           AND ((t.r << 16) | g.k) BETWEEN e.lo AND e.hi
@@ -3850,7 +3884,15 @@ $b$
 -- The usual ack: receipts naming every message of one open lease, first deliveries, before its end.
 -- One done row closes it (its key: a second ack, or a reclaim, of the same lease writes nothing).
 -- Returns the messages acked: all the receipts, or 0 (then the caller settles them with @Psettle).
-CREATE FUNCTION {schema}.@Pack(p_ids bigint[], p_deliveries integer[]) RETURNS integer
+-- On a ring ordered per key the done row frees the lanes the lease held, and with p_notify (the ring's
+-- notify setting, as a push passes it: 0 never, 1 auto, 2 always) it wakes a waiting pop on p_channel
+-- when one of them may have something to take (auto: the lease stopped inside a row of the lane, or a
+-- row is issued past where it stopped; always: whenever it frees a lane): a waiting pop finds every lane
+-- with messages held, and no push may come to wake it. A ring without ordering has no such parameters
+-- and sends nothing.
+CREATE FUNCTION {schema}.@Pack(p_ids bigint[], p_deliveries integer[]
+@O    , p_notify integer DEFAULT 0, p_channel text DEFAULT NULL
+    ) RETURNS integer
 LANGUAGE plpgsql AS $b$
 DECLARE
     v_lo bigint;
@@ -3882,6 +3924,11 @@ BEGIN
         ON CONFLICT DO NOTHING;
     END IF;
     GET DIAGNOSTICS v_n = ROW_COUNT;
+@O  IF v_n = 1 AND p_notify > 0 AND (p_notify = 2 OR EXISTS (
+@O          SELECT 1 FROM {schema}.@Pl e CROSS JOIN LATERAL unnest(e.ends) x
+@O          WHERE e.lo = v_lo AND ((x & 65535) <> 0 OR (x >> 16) <= pg_sequence_last_value('{schema}.@Prows')))) THEN
+@O      PERFORM pg_notify(p_channel, '');
+@O  END IF;
     RETURN CASE WHEN v_n = 1 THEN cardinality(p_ids) ELSE 0 END;
 END
 $b$
@@ -3903,9 +3950,13 @@ $b$
 -- state) of each, 0 finished, 1 ready again, 2 failed.
 CREATE FUNCTION {schema}.@Psettle(p_ids bigint[], p_deliveries integer[], p_nack boolean,
     p_delay_s double precision, p_backoff_s double precision, p_backoff_max_s double precision,
-    p_max_attempts integer, p_error text)
+    p_max_attempts integer, p_error text
+@O    , p_notify integer DEFAULT 0, p_channel text DEFAULT NULL
+    )
 RETURNS TABLE (r_id bigint, r_state integer) LANGUAGE plpgsql AS $b$
 DECLARE
+@O    v_hold smallint[];
+@O    v_free integer[];
     v_los bigint[];
     v_held integer;
     v_vers integer[];
@@ -3950,6 +4001,19 @@ BEGIN
     EXCEPTION WHEN SQLSTATE 'DQR01' THEN
         RETURN;
     END;
+    -- Per key, with p_notify as @Pack's: a lane of these messages free now (@Pholds: nothing of it leased
+    -- or delayed any more) with something to take (a message due again, or a row issued past its
+    -- position, or its position inside a row) wakes a waiting pop; always: any lane of them free now.
+@O  IF p_notify > 0 THEN
+@O      v_hold := {schema}.@Pholds();
+@O      v_free := ARRAY(SELECT DISTINCT ((i >> 16) % @L)::integer FROM unnest(p_ids) i);
+@O      v_free := ARRAY(SELECT l FROM unnest(v_free) l WHERE v_hold[l + 1] <> 1);
+@O      IF cardinality(v_free) > 0 AND (p_notify = 2 OR 2 = ANY (ARRAY(SELECT v_hold[l + 1] FROM unnest(v_free) l))
+@O              OR EXISTS (SELECT 1 FROM unnest({schema}.@Planes(v_free)) x
+@O                         WHERE (x & 65535) <> 0 OR (x >> 16) <= pg_sequence_last_value('{schema}.@Prows'))) THEN
+@O          PERFORM pg_notify(p_channel, '');
+@O      END IF;
+@O  END IF;
     RETURN QUERY SELECT u.id, CASE u.s WHEN 3 THEN 2 ELSE u.s END FROM unnest(p_ids, v_states) u(id, s);
 END
 $b$
@@ -4031,24 +4095,33 @@ $b$
 -- are read here from the position logs (a lane's highest entry over the live segments, what @Planes
 -- finds), not through @Planes, whose statements would see pops committed after this one's snapshot; so
 -- the push total less ready, delayed, in flight and lapsed is exactly what the group has finished. Its
--- cost is a scan of the rows held (at most the capacity) and 4 index probes a lane.
+-- cost is a scan of the rows held (at most the capacity) and 4 index probes a lane. On a ring ordered per
+-- key, r_blocked is the part of r_ready (every waiting message) behind a lane a pop may not take now
+-- (@Pblocked, in the same snapshot): the lanes' messages and those due again of the held lanes.
 CREATE FUNCTION {schema}.@Pdepth(OUT r_ready bigint, OUT r_delayed bigint, OUT r_in_flight bigint,
     OUT r_failed bigint, OUT r_oldest timestamptz, OUT r_rows bigint, OUT r_gens bigint[],
-    OUT r_expired bigint, OUT r_lapsed bigint, OUT r_pushed bigint)
+    OUT r_expired bigint, OUT r_lapsed bigint, OUT r_pushed bigint
+@O  , OUT r_blocked bigint
+    )
 LANGUAGE sql AS $b$
     WITH l AS MATERIALIZED (
         SELECT k AS lane, greatest(
             (SELECT max(p.at) FROM {schema}.@Ppos0 p WHERE p.lane = k), (SELECT max(p.at) FROM {schema}.@Ppos1 p WHERE p.lane = k),
             (SELECT max(p.at) FROM {schema}.@Ppos2 p WHERE p.lane = k), (SELECT max(p.at) FROM {schema}.@Ppos3 p WHERE p.lane = k)) AS at
         FROM generate_series(0, @L - 1) k),
+@O  kh AS MATERIALIZED (SELECT {schema}.@Pblocked(ARRAY(SELECT l.at FROM l ORDER BY l.lane)) AS held),
     w AS (
         SELECT t.n - CASE WHEN t.r = l.at >> 16 THEN (l.at & 65535) ELSE 0 END AS n, t.enqueued_at, false
 @E            OR coalesce(t.expires_at <= now(), false)
             AS lapsed
-        FROM l JOIN {schema}.@Pq t ON t.r % @L = l.lane AND t.r >= l.at >> 16),
+@O          , kh.held[l.lane + 1] AS blocked
+        FROM l JOIN {schema}.@Pq t ON t.r % @L = l.lane AND t.r >= l.at >> 16
+@O      CROSS JOIN kh
+        ),
     s AS (
         SELECT coalesce(sum(w.n) FILTER (WHERE NOT w.lapsed), 0)::bigint AS ready,
                coalesce(sum(w.n) FILTER (WHERE w.lapsed), 0)::bigint AS lapsed,
+@O             coalesce(sum(w.n) FILTER (WHERE NOT w.lapsed AND w.blocked), 0)::bigint AS blocked,
                min(w.enqueued_at) FILTER (WHERE NOT w.lapsed) AS oldest
         FROM w),
     h AS (SELECT count(*) AS rows, coalesce(sum(t.n), 0)::bigint AS msgs FROM {schema}.@Pq t),
@@ -4056,7 +4129,9 @@ LANGUAGE sql AS $b$
         SELECT r.id, r.state, r.due_at, t.enqueued_at, false
 @E            OR coalesce(t.expires_at <= now(), false)
             AS lapsed
+@O          , kh.held[((r.id >> 16) % @L)::integer + 1] AS blocked
         FROM {schema}.@Pr r LEFT JOIN {schema}.@Pq t ON t.r = r.id >> 16
+@O      CROSS JOIN kh
         WHERE r.state IN (1, 2) AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver))
     SELECT s.ready + (SELECT count(*) FROM r WHERE r.state = 1 AND r.due_at <= now() AND NOT r.lapsed),
            (SELECT count(*) FROM r WHERE r.state = 1 AND r.due_at > now() AND NOT r.lapsed),
@@ -4069,6 +4144,7 @@ LANGUAGE sql AS $b$
            (SELECT count(*) FROM {schema}.ring_failed f WHERE f.queue_id = @Q AND f.last_error = 'expired'),
            s.lapsed + (SELECT count(*) FROM r WHERE r.state = 1 AND r.lapsed),
            coalesce((SELECT max(e.total) FROM {schema}.@Pemptied e), 0) + h.msgs
+@O         , s.blocked + (SELECT count(*) FROM r WHERE r.state = 1 AND r.due_at <= now() AND NOT r.lapsed AND r.blocked)
     FROM s CROSS JOIN h
 $b$
 @;
@@ -4766,5 +4842,28 @@ BEGIN
         || ', ' || CASE WHEN 'r_pushed' = ANY (v_args) THEN 'r_pushed' ELSE 'NULL::bigint' END
         || ' FROM ' || v_fn || '()'
         INTO r_ready, r_delayed, r_in_flight, r_failed, r_oldest, r_rows, r_gens, r_expired, r_lapsed, r_pushed;
+END
+$$;
+
+-- ring_rows_counts with r_blocked too (ring_rows_counts stays for the client of the release before): on a
+-- ring ordered per key, the part of r_ready that waits behind a lane a pop may not take now (its depth()
+-- says which), NULL on other rings and on a ring made by a build that did not count it.
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_tally(
+    p_queue_id integer, OUT r_ready bigint, OUT r_delayed bigint, OUT r_in_flight bigint, OUT r_failed bigint,
+    OUT r_oldest timestamptz, OUT r_rows bigint, OUT r_gens bigint[], OUT r_expired bigint, OUT r_lapsed bigint,
+    OUT r_pushed bigint, OUT r_blocked bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_fn text := '{schema}.' || {schema}.ring_rows_own(p_queue_id) || 'depth';
+    v_args text[] := (SELECT p.proargnames FROM pg_catalog.pg_proc p WHERE p.oid = to_regprocedure(v_fn || '()'));
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(hashtext('dbqueue.rows.drop.{schema}'), p_queue_id);  -- before any of its objects: ring_rows_drop
+    EXECUTE 'SELECT r_ready, r_delayed, r_in_flight, r_failed, r_oldest, r_rows, r_gens, '
+        || CASE WHEN 'r_expired' = ANY (v_args) THEN 'r_expired, r_lapsed' ELSE 'NULL::bigint, NULL::bigint' END
+        || ', ' || CASE WHEN 'r_pushed' = ANY (v_args) THEN 'r_pushed' ELSE 'NULL::bigint' END
+        || ', ' || CASE WHEN 'r_blocked' = ANY (v_args) THEN 'r_blocked' ELSE 'NULL::bigint' END
+        || ' FROM ' || v_fn || '()'
+        INTO r_ready, r_delayed, r_in_flight, r_failed, r_oldest, r_rows, r_gens, r_expired, r_lapsed, r_pushed,
+             r_blocked;
 END
 $$;

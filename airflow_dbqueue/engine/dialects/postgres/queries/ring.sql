@@ -456,6 +456,20 @@ SELECT EXISTS (
 -- {fn}: the ring's own ack function (ring_<queue_id>_rack).
 SELECT {schema}.{fn}(%(ids)s::bigint[], %(deliveries)s::integer[])
 
+-- name: ring_rows_ack_notify
+-- ring_rows_ack on a ring ordered per key: the done row frees the lease's lanes, and wakes a waiting pop
+-- on %(channel)s when one of them may have something to take (%(notify)s: the ring's notify setting).
+SELECT {schema}.{fn}(%(ids)s::bigint[], %(deliveries)s::integer[], %(notify)s::integer, %(channel)s::text)
+
+-- name: ring_rows_settle_notify
+-- ring_rows_settle on a ring ordered per key, calling the group's own settle function ({fn}) by name: a
+-- lane of the receipts freed with something to take wakes a waiting pop on %(channel)s (%(notify)s: the
+-- ring's notify setting).
+SELECT r_id, r_state FROM {schema}.{fn}(
+    %(ids)s::bigint[], %(deliveries)s::integer[], %(nack)s::boolean, %(delay_s)s::float8,
+    %(backoff_s)s::float8, %(backoff_max_s)s::float8, %(max_attempts)s::integer, %(error)s::text,
+    %(notify)s::integer, %(channel)s::text)
+
 -- name: ring_rows_settle
 -- Ack or nack receipts, all or nothing: (id, state) of each, none when some receipt lost its lease.
 SELECT r_id, r_state FROM {schema}.ring_rows_settle(
@@ -515,10 +529,12 @@ SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint
 -- name: ring_rows_depth
 -- (ready, delayed, in flight, failed, age of the oldest ready in seconds, rows held, each segment's
 -- generation, failed by expiry, lapsed: past their time to live and not reached by a pop yet, the ring's
--- push total in messages; the last three NULL for a ring made by a build that did not count them)
+-- push total in messages; the last three NULL for a ring made by a build that did not count them; and on
+-- a ring ordered per key, the part of ready that waits behind a lane a pop may not take now, NULL on other
+-- rings and on one made by a build that did not count it)
 SELECT r_ready, r_delayed, r_in_flight, r_failed, extract(epoch FROM now() - r_oldest)::float8, r_rows, r_gens,
-       r_expired, r_lapsed, r_pushed
-FROM {schema}.ring_rows_counts(%(queue_id)s::integer)
+       r_expired, r_lapsed, r_pushed, r_blocked
+FROM {schema}.ring_rows_tally(%(queue_id)s::integer)
 
 -- name: ring_rows_group_ids
 -- The groups of a ring of the rows layout besides its default one: (gid, name).
