@@ -346,3 +346,36 @@ def test_uninstall_waits_for_its_own_recycling_pass_and_none_runs_during_the_dro
         holder.join()
     finally:
         dbq.close()
+
+
+def test_auto_notify_asks_the_generation_pushes_write_in_each_of_the_eight(dbq: DbQueue, pg_dsn: str) -> None:
+    """A push with notify="auto" asks whether its queue had a ready message in the generation pushes write
+    now (read from the id sequence's newest number): the first push of a fresh schema
+    (no id taken yet), and a first push into the drained queue in each of the eight generations, notify;
+    a second push, whose first message waits in that generation, does not. Every message comes out once
+    (counted and checksummed)."""
+    q = dbq.create_queue("auto_gens", notify="auto")
+    channel = dbq.db.channel(q.settings.queue_id)
+    sent: list[Any] = []
+    got: list[Any] = []
+    seen: list[tuple[int, int, int]] = []
+    with psycopg.connect(pg_dsn, autocommit=True) as listener:
+        listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+
+        def notified(payload: dict[str, int]) -> tuple[int, int]:
+            [mid] = q.push_batch([payload])
+            sent.append(payload)
+            return mid, sum(1 for _ in listener.notifies(timeout=0.3))
+
+        for g in range(9):
+            if g:
+                jump_ids(pg_dsn, dbq.schema, 1)
+            first, n_first = notified({"g": g, "k": 0})
+            _, n_second = notified({"g": g, "k": 1})
+            seen.append(((first >> 14) & 7, n_first, n_second))
+            got.extend(m.payload for m in q.pop(10))
+            assert q.pop(1) == []
+    assert sorted(s[0] for s in seen[1:]) == list(range(8))  # every generation asked once at least
+    assert [(n1, n2) for _, n1, n2 in seen] == [(1, 0)] * 9, seen
+    assert len(got) == len(sent) == 18
+    assert checksum(got) == checksum(sent)
