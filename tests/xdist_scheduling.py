@@ -5,7 +5,9 @@ Each file of ``tests/airflow`` is one unit of work, run whole on one worker: its
 whose tests take the session's Spark Connect server (the fixture ``connect_server``, a JVM that takes
 about 20 s of both cores to start and then stays up until the worker ends) are one unit together, so
 that one worker starts that server and the other never does. Every other test is a unit of its own,
-sent to whichever worker is free. pytest-xdist's own groups (the ``xdist_group`` mark) count as well,
+sent to whichever worker is free, except the tests of a file of :data:`GROUPED_FILES`, which share a
+module-scoped fixture that makes one long run for several of them (a server under valgrind), and are one
+unit of their own too. pytest-xdist's own groups (the ``xdist_group`` mark) count as well,
 but pytest 9 items report their ids without the group that pytest-xdist 3.8 adds to them, so the files
 are grouped here, from the ids, and not by marks.
 
@@ -28,6 +30,10 @@ from xdist.workermanage import Producer
 GROUPED_DIRS = ("tests/airflow/",)
 """Folders each of whose files runs whole on one worker."""
 
+GROUPED_FILES = ("tests/integration/test_instructions_smoke.py",)
+"""Files outside :data:`GROUPED_DIRS` that run whole on one worker: several of their tests look at the
+rows of one module-scoped run, which a second worker would make again."""
+
 CONNECT_SERVER_UNIT = "spark-connect-server"
 """The unit of the files whose tests take the session's Spark Connect server."""
 
@@ -47,16 +53,19 @@ def connect_server_files(root: Path = ROOT) -> frozenset[str]:
 
 def work_unit(nodeid: str, connect_files: frozenset[str]) -> str | None:
     """The unit a test runs in with others (None: a unit of its own): its file's, for a file under
-    :data:`GROUPED_DIRS`, or :data:`CONNECT_SERVER_UNIT` for a file of ``connect_files``."""
+    :data:`GROUPED_DIRS` or of :data:`GROUPED_FILES`, or :data:`CONNECT_SERVER_UNIT` for a file of
+    ``connect_files``."""
+    path = nodeid.split("::", 1)[0]
+    if path in GROUPED_FILES:
+        return path
     if not nodeid.startswith(GROUPED_DIRS):
         return None
-    path = nodeid.split("::", 1)[0]
     return CONNECT_SERVER_UNIT if path in connect_files else path
 
 
 class FilesOfAirflowTogether(LoadGroupScheduling):
-    """``--dist loadgroup``, with each file under :data:`GROUPED_DIRS` one unit, and the files that take
-    the Spark Connect server one unit together."""
+    """``--dist loadgroup``, with each file under :data:`GROUPED_DIRS` or of :data:`GROUPED_FILES` one
+    unit, and the files that take the Spark Connect server one unit together."""
 
     def __init__(self, config: pytest.Config, log: Producer | None = None) -> None:
         super().__init__(config, log)

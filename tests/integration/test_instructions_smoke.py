@@ -49,14 +49,39 @@ def assert_every_side_counted(r: dict[str, Any]) -> None:
         )
 
 
-def test_short_run_counts_both_designs_and_each_feature_of_the_table_design() -> None:
-    """One server counts the rows ring, the table design and the naive queue, each design with a
-    deduplication key and with a ttl (--feature), each a queue of its own (ordering keys in the next
-    test, which keeps each run short; the slots ring's server count is the client run's below, which
-    counts the server too): every row is counted, and a push with a deduplication key or a ttl costs
-    more than the default queue's (a count no higher would mean the option was not sent)."""
+FEATURES_RUN = ["none", "dedup", "ttl", "ordering"]
+"""The features of :func:`features_run`, in the order its rows come (ordering over 3 keys)."""
+
+
+@pytest.fixture(scope="module")
+def features_run() -> list[dict[str, Any]]:
+    """One counted run of both designs, the rows ring and the table design, each with every feature
+    (deduplication key, ttl, ordering over 3 keys) beside its default queue, each a queue of its own,
+    with one call, and every queue created with the engine's default notify (auto; the script's default
+    is never, which the other runs keep): the three tests below each look at their features' rows of
+    it. One server and one naive reference serve them all (``tests/xdist_scheduling.py`` keeps this
+    file on one worker, so that the run is made once); the slots ring's server count is the client
+    run's below, which counts the server too."""
+    rows = counted(
+        *("--design", "ring-rows", "table", "--calls", "1", "--notify", "auto"),
+        *("--feature", *FEATURES_RUN, "--ordering-keys", "3"),
+    )
+    # every row of the run, in order: a row missing from it would leave a test below without its rows
+    assert [(r["design"], r["feature"], r["ordering_keys"]) for r in rows] == [
+        (d, f, 3 if f == "ordering" else None) for d in ("ring-rows", "table") for f in FEATURES_RUN
+    ]
+    return rows
+
+
+def test_short_run_counts_both_designs_and_each_feature_of_the_table_design(
+    features_run: list[dict[str, Any]],
+) -> None:
+    """The rows ring, the table design and the naive queue, each design with a deduplication key and
+    with a ttl (--feature), each a queue of its own: every row is counted, and a push with a
+    deduplication key or a ttl costs more than the default queue's (a count no higher would mean the
+    option was not sent)."""
     features = ["none", "dedup", "ttl"]
-    rows = counted(*("--design", "ring-rows", "table", "--calls", "1"), *("--feature", *features))
+    rows = [r for r in features_run if r["feature"] in features]
     assert [(r["design"], r["feature"], r["ordering_keys"]) for r in rows] == [
         *(("ring-rows", f, None) for f in features),
         *(("table", f, None) for f in features),
@@ -75,15 +100,12 @@ def test_short_run_counts_both_designs_and_each_feature_of_the_table_design() ->
             assert of[f]["push_instructions"] > of["none"]["push_instructions"], (design, f, rows)
 
 
-def test_short_run_counts_ordering_keys_on_both_designs() -> None:
+def test_short_run_counts_ordering_keys_on_both_designs(features_run: list[dict[str, Any]]) -> None:
     """Each design ordered per key over 3 keys beside its default queue: a pop of 10 gets at most 3
     messages on the table design, and the pop session pops on until it has every message its push
     session sent (the script's check of what came out, counted and checksummed, fails otherwise); on
     the rows ring a push writes a row a lane. The ordered push costs more than the default one."""
-    rows = counted(
-        *("--design", "ring-rows", "table", "--calls", "1"),
-        *("--feature", "none", "ordering", "--ordering-keys", "3"),
-    )
+    rows = [r for r in features_run if r["feature"] in ("none", "ordering")]
     assert [(r["design"], r["feature"], r["ordering_keys"]) for r in rows] == [
         ("ring-rows", "none", None),
         ("ring-rows", "ordering", 3),
@@ -239,13 +261,15 @@ def test_hold_and_rows_capacity_arguments() -> None:
             instructions.parse_args(bad)
 
 
-def test_short_run_counts_the_table_design_with_the_engines_default_notify() -> None:
+def test_short_run_counts_the_table_design_with_the_engines_default_notify(
+    features_run: list[dict[str, Any]],
+) -> None:
     """--notify creates the queues with that setting (never unless told; the engine's default is auto):
-    a run at auto counts every side and says so in its row."""
+    a run at auto (:func:`features_run`) counts every side of every row and says so in each row."""
     instructions = load_benchmark("instructions")
     assert instructions.parse_args([]).notify == "never"
     with pytest.raises(SystemExit):
         instructions.parse_args(["--notify", "sometimes"])
-    [r] = counted("--design", "table", "--calls", "2", "--notify", "auto")
-    assert r["notify"] == "auto", r
-    assert_every_side_counted(r)
+    assert [r["notify"] for r in features_run] == ["auto"] * len(features_run), features_run
+    for r in features_run:
+        assert_every_side_counted(r)

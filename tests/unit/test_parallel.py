@@ -82,3 +82,20 @@ def test_the_files_that_take_the_spark_connect_server_are_one_unit() -> None:
     vocabulary = "tests/airflow/test_vocabulary.py"
     assert work_unit(f"{vocabulary}::test_x", files) == vocabulary
     assert work_unit("tests/integration/test_ring.py::test_x[rows]", files) is None
+
+
+def test_the_instructions_smoke_file_is_one_unit() -> None:
+    """The tests of test_instructions_smoke.py that look at the rows of one module-scoped counted run (a
+    server under valgrind, minutes long) run on one worker, which makes that run once; the tests of
+    any other file of tests/integration are units of their own."""
+    from tests.xdist_scheduling import GROUPED_FILES, connect_server_files, work_unit
+
+    smoke = "tests/integration/test_instructions_smoke.py"
+    assert smoke in GROUPED_FILES and (ROOT / smoke).is_file()
+    files = connect_server_files()
+    for test in (
+        "test_short_run_counts_ordering_keys_on_both_designs",
+        "test_short_run_counts_with_the_horizon_held",
+    ):
+        assert work_unit(f"{smoke}::{test}", files) == smoke
+    assert work_unit("tests/integration/test_conformance.py::test_x[table-sync]", files) is None
