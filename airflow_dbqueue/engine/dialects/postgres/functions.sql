@@ -4391,7 +4391,7 @@ CREATE OR REPLACE FUNCTION {schema}.ring_rows_drop(p_queue_id integer)
 RETURNS void LANGUAGE plpgsql AS $$
 BEGIN
     -- The readers that reach the ring's own objects through ring_rows_look, ring_rows_ready and
-    -- ring_rows_counts take this lock shared before any of them, and a drop takes it (the ring's and
+    -- ring_rows_tally take this lock shared before any of them, and a drop takes it (the ring's and
     -- each group's) before its first DDL: a reader then either ran before the drop, or waits for it and
     -- finds the ring gone, and never holds one of the ring's tables while it waits for another that the
     -- drop holds (the cycle that the drop's retries under a short lock_timeout cannot always break
@@ -4826,28 +4826,9 @@ $$;
 
 -- The stats of p_queue_id (a ring's queue_id or a group's gid), as its own depth() counts them, in one
 -- snapshot. A ring made by a build whose depth() counted neither expiry nor its pushes has r_expired,
--- r_lapsed and r_pushed NULL (the columns its depth() lacks, found by name).
-CREATE OR REPLACE FUNCTION {schema}.ring_rows_counts(
-    p_queue_id integer, OUT r_ready bigint, OUT r_delayed bigint, OUT r_in_flight bigint, OUT r_failed bigint,
-    OUT r_oldest timestamptz, OUT r_rows bigint, OUT r_gens bigint[], OUT r_expired bigint, OUT r_lapsed bigint,
-    OUT r_pushed bigint)
-LANGUAGE plpgsql AS $$
-DECLARE
-    v_fn text := '{schema}.' || {schema}.ring_rows_own(p_queue_id) || 'depth';
-    v_args text[] := (SELECT p.proargnames FROM pg_catalog.pg_proc p WHERE p.oid = to_regprocedure(v_fn || '()'));
-BEGIN
-    PERFORM pg_advisory_xact_lock_shared(hashtext('dbqueue.rows.drop.{schema}'), p_queue_id);  -- before any of its objects: ring_rows_drop
-    EXECUTE 'SELECT r_ready, r_delayed, r_in_flight, r_failed, r_oldest, r_rows, r_gens, '
-        || CASE WHEN 'r_expired' = ANY (v_args) THEN 'r_expired, r_lapsed' ELSE 'NULL::bigint, NULL::bigint' END
-        || ', ' || CASE WHEN 'r_pushed' = ANY (v_args) THEN 'r_pushed' ELSE 'NULL::bigint' END
-        || ' FROM ' || v_fn || '()'
-        INTO r_ready, r_delayed, r_in_flight, r_failed, r_oldest, r_rows, r_gens, r_expired, r_lapsed, r_pushed;
-END
-$$;
-
--- ring_rows_counts with r_blocked too (ring_rows_counts stays for the client of the release before): on a
--- ring ordered per key, the part of r_ready that waits behind a lane a pop may not take now (its depth()
--- says which), NULL on other rings and on a ring made by a build that did not count it.
+-- r_lapsed and r_pushed NULL (the columns its depth() lacks, found by name). r_blocked: on a ring ordered
+-- per key, the part of r_ready that waits behind a lane a pop may not take now (its depth() says which),
+-- NULL on other rings and on a ring made by a build that did not count it.
 CREATE OR REPLACE FUNCTION {schema}.ring_rows_tally(
     p_queue_id integer, OUT r_ready bigint, OUT r_delayed bigint, OUT r_in_flight bigint, OUT r_failed bigint,
     OUT r_oldest timestamptz, OUT r_rows bigint, OUT r_gens bigint[], OUT r_expired bigint, OUT r_lapsed bigint,
@@ -4866,4 +4847,15 @@ BEGIN
         INTO r_ready, r_delayed, r_in_flight, r_failed, r_oldest, r_rows, r_gens, r_expired, r_lapsed, r_pushed,
              r_blocked;
 END
+$$;
+
+-- ring_rows_tally without r_blocked, for the client of the release before, which reads these columns.
+CREATE OR REPLACE FUNCTION {schema}.ring_rows_counts(
+    p_queue_id integer, OUT r_ready bigint, OUT r_delayed bigint, OUT r_in_flight bigint, OUT r_failed bigint,
+    OUT r_oldest timestamptz, OUT r_rows bigint, OUT r_gens bigint[], OUT r_expired bigint, OUT r_lapsed bigint,
+    OUT r_pushed bigint)
+LANGUAGE sql AS $$
+SELECT t.r_ready, t.r_delayed, t.r_in_flight, t.r_failed, t.r_oldest, t.r_rows, t.r_gens, t.r_expired,
+       t.r_lapsed, t.r_pushed
+FROM {schema}.ring_rows_tally(p_queue_id) t
 $$;
