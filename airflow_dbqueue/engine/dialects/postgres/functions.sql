@@ -3560,47 +3560,64 @@ $b$
 -- them. A message past its time to live is not ready (a pop that reaches it fails or drops it), and a
 -- lease that ran out is in flight until reclaimed, as on the other designs; @Pready counts it. On a ring
 -- ordered per key, only the messages of the lanes a pop may take now (@Pblocked).
+-- Its cost is that of the p_n messages, not of the ring's: the ids first, then the payloads of those
+-- alone. The lanes' messages: the first p_n rows by r that hold a message past their lane's position
+-- (so they hold the first p_n such messages by id; a keyed push's empty rows hold none), an index scan
+-- of the segments in r order from the lowest position of a lane shown, which stops there and reads no
+-- payload. Those due again: the retry log's, read whole as @Pholds reads it. Each row shown is then read
+-- once, as the slice of its payloads from the first message shown to the last (a payload array read by
+-- subscript is read whole for each subscript). Its plan is made once a session (a generic plan: one
+-- made on every call cost more than the call's work).
 CREATE FUNCTION {schema}.@Plook(p_n integer)
 RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz, r_payload bytea)
-LANGUAGE sql AS $b$
-    WITH l AS (SELECT (u.o - 1)::integer AS lane, u.at FROM unnest({schema}.@Planes(NULL)) WITH ORDINALITY u(at, o))
-@O  , kh AS MATERIALIZED (SELECT {schema}.@Pblocked(ARRAY(SELECT l.at FROM l ORDER BY l.lane)) AS held)
-    SELECT x.id, x.attempts, x.deliveries, x.enqueued_at, x.payload FROM (
-        SELECT 0 AS again, (t.r << 16) | (g.i - 1) AS id, 0 AS attempts, 0 AS deliveries, t.enqueued_at,
-               t.payloads[g.i] AS payload
-        FROM l JOIN {schema}.@Pq t ON t.r % @L = l.lane AND t.r >= l.at >> 16
-@O      JOIN kh ON NOT kh.held[l.lane + 1]
-        CROSS JOIN LATERAL generate_subscripts(t.payloads, 1) g(i)
-        WHERE ((t.r << 16) | (g.i - 1)) >= l.at
+LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $b$
+BEGIN
+    RETURN QUERY
+    WITH l AS MATERIALIZED (SELECT {schema}.@Planes(NULL) AS at),
+@O  kh AS MATERIALIZED (SELECT {schema}.@Pblocked((SELECT l.at FROM l)) AS held),
+    f AS MATERIALIZED (
+        SELECT t.r, t.n, greatest((SELECT l.at FROM l)[(t.r % @L)::integer + 1] - (t.r << 16), 0)::integer AS k0
+        FROM {schema}.@Pq t
+        WHERE t.r >= (SELECT min(u.at) >> 16 FROM l CROSS JOIN LATERAL unnest(l.at) WITH ORDINALITY u(at, o)
+@O                    JOIN kh ON NOT kh.held[u.o]
+                      )
+          AND ((t.r << 16) | (t.n - 1)) >= (SELECT l.at FROM l)[(t.r % @L)::integer + 1]
+@O        AND NOT (SELECT kh.held FROM kh)[(t.r % @L)::integer + 1]
 @E        AND NOT coalesce(t.expires_at <= now(), false)
-        UNION ALL
-        SELECT -1, r.id, r.attempts, r.deliveries, t.enqueued_at, t.payloads[(r.id & 65535)::integer + 1]
-        FROM {schema}.@Pr r JOIN {schema}.@Pq t ON t.r = r.id >> 16
+        ORDER BY t.r LIMIT p_n),
+    a AS MATERIALIZED (
+        SELECT r.id, r.attempts, r.deliveries FROM {schema}.@Pr r
 @O      JOIN kh ON NOT kh.held[((r.id >> 16) % @L)::integer + 1]
         WHERE r.state = 1 AND r.due_at <= now()
           AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver)
-@E        AND NOT coalesce(t.expires_at <= now(), false)
-        ) x
-    ORDER BY x.again, x.id LIMIT p_n
+          AND EXISTS (SELECT 1 FROM {schema}.@Pq t WHERE t.r = r.id >> 16
+@E                    AND NOT coalesce(t.expires_at <= now(), false)
+                      )
+        ORDER BY r.id LIMIT p_n),
+    x AS MATERIALIZED (
+        SELECT * FROM (
+            SELECT -1 AS again, a.id, a.attempts, a.deliveries FROM a
+            UNION ALL
+            SELECT 0, (f.r << 16) | g.k, 0, 0 FROM f CROSS JOIN LATERAL generate_series(f.k0, f.n - 1) g(k)) y
+        ORDER BY y.again, y.id LIMIT p_n),
+    p AS (
+        SELECT w.r, w.lo + u.o - 1 AS k, t.enqueued_at, u.payload
+        FROM (SELECT x.id >> 16 AS r, min(x.id & 65535)::integer AS lo, max(x.id & 65535)::integer AS hi
+              FROM x GROUP BY 1) w
+        JOIN {schema}.@Pq t ON t.r = w.r
+        CROSS JOIN LATERAL unnest(t.payloads[w.lo + 1 : w.hi + 1]) WITH ORDINALITY u(payload, o))
+    SELECT x.id, x.attempts, x.deliveries, p.enqueued_at, p.payload
+    FROM x JOIN p ON p.r = x.id >> 16 AND p.k = (x.id & 65535)
+    ORDER BY x.again, x.id;
+END
 $b$
 @;
 -- What ring_rows_peek, which the client of the release before calls, reads (ring_rows_look reads
--- @Plook): up to p_n ready messages in the order a pop takes them, by id, taking nothing; a ring made
--- before @Plook has only this one, which ring_rows_look reads then.
+-- @Plook): @Plook's messages without their attempts and deliveries. A ring made before @Plook has a
+-- peek of its own, which ring_rows_look reads then.
 CREATE FUNCTION {schema}.@Ppeek(p_n integer)
 RETURNS TABLE (r_id bigint, r_enqueued_at timestamptz, r_payload bytea) LANGUAGE sql AS $b$
-    WITH l AS (SELECT u.o - 1 AS lane, u.at FROM unnest({schema}.@Planes(NULL)) WITH ORDINALITY u(at, o))
-    SELECT x.id, x.enqueued_at, x.payload FROM (
-        SELECT 0 AS again, (t.r << 16) | (g.i - 1) AS id, t.enqueued_at, t.payloads[g.i] AS payload
-        FROM l JOIN {schema}.@Pq t ON t.r % @L = l.lane AND t.r >= l.at >> 16
-        CROSS JOIN LATERAL generate_subscripts(t.payloads, 1) g(i)
-        WHERE ((t.r << 16) | (g.i - 1)) >= l.at
-        UNION ALL
-        SELECT -1, r.id, t.enqueued_at, t.payloads[(r.id & 65535)::integer + 1]
-        FROM {schema}.@Pr r JOIN {schema}.@Pq t ON t.r = r.id >> 16
-        WHERE r.state = 1 AND r.due_at <= now()
-          AND NOT EXISTS (SELECT 1 FROM {schema}.@Pr x WHERE x.id = r.id AND x.ver > r.ver)) x
-    ORDER BY x.again, x.id LIMIT p_n
+    SELECT k.r_id, k.r_enqueued_at, k.r_payload FROM {schema}.@Plook(p_n) k
 $b$
 @;
 -- What an observer waits on (count_ready, readiness: a sensor, a trigger): the messages a pop could
