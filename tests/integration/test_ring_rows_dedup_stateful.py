@@ -56,8 +56,8 @@ from tests.integration.test_ring_stateful import (
     ROWS_CAPACITY,
     SETTINGS,
     RowEntry,
-    _FinishesLeases,
     _Rollback,
+    _RowsRing,
 )
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ Keyed = dict[str, tuple[int, int]]
 """The model's keys: key -> (the id its first push made, the model's time of that push)."""
 
 
-class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
+class RowsDedupMachine(_RowsRing, RuleBasedStateMachine):
     """A ring of the rows layout whose pushes carry deduplication keys, against a model of its keys, its
     rows and time (see the module)."""
 
@@ -122,26 +122,7 @@ class RowsDedupMachine(_FinishesLeases, RuleBasedStateMachine):
         lanes: four segments of two rows a lane); with a ttl (the keyed push's variant that writes each
         row's expiry; nothing expires within an example) or without."""
         self.lanes, self.small, self.max_attempts, self.window = lanes, small, max_attempts, window
-        q = self.dbq.create_queue(
-            f"k{next(self._names)}",
-            design="ring",
-            layout="rows",
-            capacity=8 * lanes if small else ROWS_CAPACITY,
-            lanes=lanes,
-            ttl=ttl,
-            dedup_window=window,
-            max_attempts=max_attempts,
-            visibility_timeout=600.0,
-            retry_backoff=0.0,
-            retry_backoff_max=0.0,
-        )
-        self.q = q  # type: ignore[assignment]
-        self.queue.reclaim_every = 3600.0  # reclaim only when the test says so
-        self.queue._last_reclaim = float("inf")
-
-    def teardown(self) -> None:
-        if self.q is not None:  # a ring's own tables (its key table too), dropped as the example ends
-            self.dbq.drop_queue(self.q.name)
+        self._create("k", lanes, capacity=8 * lanes if small else ROWS_CAPACITY, ttl=ttl, dedup_window=window)
 
     # -- the model of a push -----------------------------------------------------------------------
 

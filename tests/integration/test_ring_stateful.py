@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -94,6 +94,33 @@ class _FinishesLeases:
                 e.state = DONE
             else:
                 e.state = self.exhausted if e.attempts >= self.max_attempts else self.again
+
+
+class _RowsRing(_FinishesLeases):
+    """The models of a ring of the rows layout: one ring an example, made by :meth:`_create` and
+    dropped as the example ends (its own tables). The models give it ``_names`` and ``max_attempts``."""
+
+    def _create(self, prefix: str, lanes: int, **settings: Any) -> None:
+        """The example's ring (``self.q``), with ``settings`` (its capacity, ordering, ttl...): retries
+        due at once, leases that do not run out unless the test says so, and reclaim only when it says
+        so."""
+        self.q = self.dbq.create_queue(
+            f"{prefix}{next(self._names)}",
+            design="ring",
+            layout="rows",
+            lanes=lanes,
+            max_attempts=self.max_attempts,
+            visibility_timeout=600.0,
+            retry_backoff=0.0,
+            retry_backoff_max=0.0,
+            **settings,
+        )
+        self.queue.reclaim_every = 3600.0
+        self.queue._last_reclaim = float("inf")
+
+    def teardown(self) -> None:
+        if self.q is not None:
+            self.dbq.drop_queue(self.q.name)
 
 
 class RingMachine(_FinishesLeases, RuleBasedStateMachine):
@@ -396,7 +423,7 @@ class RowEntry:
     lease: Message | None = None
 
 
-class RowsExpiryMachine(_FinishesLeases, RuleBasedStateMachine):
+class RowsExpiryMachine(_RowsRing, RuleBasedStateMachine):
     """A ring of the rows layout created with a ttl, against a model of its lanes and of time.
 
     Pushes carry a ttl of 30, 60 or 3600 s (or the queue's, 3600); the model's clock moves forward in
@@ -447,26 +474,7 @@ class RowsExpiryMachine(_FinishesLeases, RuleBasedStateMachine):
     @initialize(lanes=st.integers(1, 3), max_attempts=st.sampled_from([1, 3]), drop=st.booleans())
     def create(self, lanes: int, max_attempts: int, drop: bool) -> None:
         self.lanes, self.max_attempts, self.drop = lanes, max_attempts, drop
-        q = self.dbq.create_queue(
-            f"x{next(self._names)}",
-            design="ring",
-            layout="rows",
-            capacity=ROWS_CAPACITY,
-            lanes=lanes,
-            ttl=3600,
-            on_expiry="drop" if drop else "fail",
-            max_attempts=max_attempts,
-            visibility_timeout=600.0,
-            retry_backoff=0.0,
-            retry_backoff_max=0.0,
-        )
-        self.q = q  # type: ignore[assignment]
-        self.queue.reclaim_every = 3600.0  # reclaim only when the test says so
-        self.queue._last_reclaim = float("inf")
-
-    def teardown(self) -> None:
-        if self.q is not None:  # a ring's own tables, dropped as the example ends
-            self.dbq.drop_queue(self.q.name)
+        self._create("x", lanes, capacity=ROWS_CAPACITY, ttl=3600, on_expiry="drop" if drop else "fail")
 
     def _fail(self, e: RowEntry) -> None:
         e.state = DROPPED if self.drop else X_FAILED
@@ -682,7 +690,7 @@ class KeyedEntry:
     lease: Message | None = None
 
 
-class RowsKeyedMachine(_FinishesLeases, RuleBasedStateMachine):
+class RowsKeyedMachine(_RowsRing, RuleBasedStateMachine):
     """A ring of the rows layout ordered per key, against a model of its lanes.
 
     Pushes of one to three messages with ordering keys (or none) take a block of a row a lane: the ids
@@ -727,25 +735,7 @@ class RowsKeyedMachine(_FinishesLeases, RuleBasedStateMachine):
     @initialize(lanes=st.integers(1, 4), max_attempts=st.sampled_from([1, 3]))
     def create(self, lanes: int, max_attempts: int) -> None:
         self.lanes, self.max_attempts = lanes, max_attempts
-        q = self.dbq.create_queue(
-            f"k{next(self._names)}",
-            design="ring",
-            layout="rows",
-            ordering="per_key",
-            capacity=4 * KEYED_PUSHES * lanes,
-            lanes=lanes,
-            max_attempts=max_attempts,
-            visibility_timeout=600.0,
-            retry_backoff=0.0,
-            retry_backoff_max=0.0,
-        )
-        self.q = q  # type: ignore[assignment]
-        self.queue.reclaim_every = 3600.0  # reclaim only when the test says so
-        self.queue._last_reclaim = float("inf")
-
-    def teardown(self) -> None:
-        if self.q is not None:
-            self.dbq.drop_queue(self.q.name)
+        self._create("k", lanes, ordering="per_key", capacity=4 * KEYED_PUSHES * lanes)
 
     @precondition(lambda self: self.q is not None and self.pushes < KEYED_PUSHES)
     @rule(keys=st.lists(st.sampled_from([*KEYS_POOL, None]), min_size=1, max_size=3))
