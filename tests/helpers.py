@@ -16,8 +16,6 @@ import contextlib
 import hashlib
 import importlib.util
 import json
-import multiprocessing
-import multiprocessing.forkserver
 import os
 import sys
 import threading
@@ -29,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
+
+from benchmarks.bench.forkserver import forkserver_context
 
 if TYPE_CHECKING:
     from multiprocessing.context import ForkServerContext
@@ -43,27 +43,14 @@ pytest): about a second of a child's start, which each child of a spawn spent im
 
 
 def child_processes() -> ForkServerContext:
-    """The multiprocessing context of a test's child processes: ``forkserver``. Each child is forked from
-    a server process of its own, which started as a fresh interpreter and has only imported
-    :data:`CHILD_PRELOAD`: it never opened a connection, so none crosses a fork, as with ``spawn``, and
-    each child builds its own :class:`DbQueue` from what it is passed. The server's environment is the
-    test process's when it started (the first child of the process): a child does not see a variable
-    set afterwards."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(CHILD_PRELOAD)  # taken when the server starts; later calls change nothing
-    # Python 3.11's fork server does not take this process's sys.path (a spawned child does, and pytest
-    # put the repository on it): it starts with the repository on $PYTHONPATH, so that it and its
-    # children import tests.* wherever pytest was started.
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCHMARKS.parent), before) if p)
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
-    return ctx
+    """The multiprocessing context of a test's child processes: ``forkserver`` (the benchmarks' own,
+    :func:`~benchmarks.bench.forkserver.forkserver_context`). Each child is forked from a server process
+    that started as a fresh interpreter and only imported :data:`CHILD_PRELOAD`: it never opened a
+    connection, and each child builds its own :class:`DbQueue` from what it is passed. The server starts
+    with the repository on ``$PYTHONPATH``, so that it and its children import tests.* wherever pytest
+    was started; its environment is the test process's when it started (the first child of the
+    process): a child does not see a variable set afterwards."""
+    return forkserver_context(CHILD_PRELOAD, BENCHMARKS.parent)
 
 
 STRICT_ENV = "DBQUEUE_TEST_STRICT"

@@ -7,8 +7,6 @@ import dataclasses
 import itertools
 import math
 import multiprocessing as mp
-import multiprocessing.forkserver
-import os
 import queue as queue_mod
 import time
 import traceback
@@ -20,6 +18,7 @@ import psycopg
 
 from airflow_dbqueue.engine import DbQueue, MaintenanceConfig
 from bench.backends import REFERENCES, Target, left_in_queue, setup_target, teardown_target
+from bench.forkserver import forkserver_context
 from bench.workers import RUN, STOP, STOP_PRODUCERS, WAIT, RunConfig, Shared, count_deliveries, worker_main
 
 
@@ -246,26 +245,11 @@ def _every(interval: float, stop: Any, report: dict[str, Any], run: Callable[[],
 
 
 def _context() -> mp.context.ForkServerContext:
-    """The context the run's processes start in: ``forkserver``, whose server imported this module (and
-    with it the engine and psycopg) once, so that a worker starts in a fork of it rather than a spawned
-    interpreter that imports them again (about 0.7 s of CPU a worker, before the window: the window
-    starts once every worker is connected). The server never connects: each worker makes its own
-    connections, as a spawned one does. Python 3.11's fork server does not take this process's sys.path,
-    so it starts with this folder (``benchmarks/``, where ``bench`` is) on ``$PYTHONPATH``."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(Path(__file__).resolve().parents[1]), before) if p
-    )
-    try:
-        mp.forkserver.ensure_running()
-    finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
-    return ctx
+    """The context the run's processes start in: the fork server's, which imported this module (and with
+    it the engine and psycopg) once, so that a worker starts in a fork of it (about 0.7 s of CPU a worker
+    less, before the window: the window starts once every worker is connected). This folder
+    (``benchmarks/``, where ``bench`` is) is on its ``$PYTHONPATH``."""
+    return forkserver_context([__name__], Path(__file__).resolve().parents[1])
 
 
 class _Processes:
