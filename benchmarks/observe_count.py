@@ -2,7 +2,7 @@
 """Server instructions of an observer's call on a ring of the rows layout: counted, not timed.
 
     python benchmarks/observe_count.py [--ordering none per_key] [--calls 20] [--pushes 100] [--batch 100]
-        [--actions count_ready peek stats] [--json]
+        [--actions count_ready peek stats] [--layout rows] [--json]
 
 An observer asks a queue how much a pop could take (``count_ready``, ``readiness``: what the sensor and
 the trigger ask), what it would take (``peek(10)``) and its depth (``stats()``). On a ring ordered per
@@ -16,7 +16,8 @@ nacked with an hour's delay (a retry row a message; on the ordered ring they kee
 server runs under cachegrind as in ``instructions.py`` (whose server this uses): a session of
 ``--calls`` calls and one of four times as many differ by the calls between them, so a call costs
 (long - short) / (3 x calls) instructions (``--actions``: which calls). The state is read back after
-the sessions and must be what it was before (the calls take nothing).
+the sessions and must be what it was before (the calls take nothing). ``--layout slots`` counts a ring
+of the slots layout (twice as many slots as messages pushed, without ordering) in the same state.
 """
 
 from __future__ import annotations
@@ -51,10 +52,11 @@ ACTIONS: dict[str, Callable[[Any], Any]] = {
 
 
 def prepare(
-    dsn: str, ordering: str, pushes: int = PUSHES, batch: int = BATCH
+    dsn: str, ordering: str, pushes: int = PUSHES, batch: int = BATCH, layout: str = "rows"
 ) -> tuple[str, tuple[int, int, int]]:
     """A fresh schema whose ring is in the state the module describes, after ``pushes`` pushes of
-    ``batch`` messages; its name and (count_ready, ready, in flight)."""
+    ``batch`` messages (on the slots layout: a ring of twice as many slots); its name and (count_ready,
+    ready, in flight)."""
     schema = f"obs_{ordering}_{uuid.uuid4().hex[:8]}"
     with DbQueue(dsn, schema=schema, pool_size=1, recycle_interval=None) as dbq:
         dbq.install()
@@ -62,8 +64,8 @@ def prepare(
             QUEUE,
             payload_type="bytes",
             design="ring",
-            layout="rows",
-            capacity=4 * pushes * LANES,
+            layout=layout,
+            capacity=4 * pushes * LANES if layout == "rows" else 2 * pushes * batch,
             lanes=LANES,
             ordering=ordering,
             visibility_timeout=3600.0,
@@ -104,10 +106,12 @@ def count(
     pushes: int = PUSHES,
     batch: int = BATCH,
     actions: tuple[str, ...] = tuple(ACTIONS),
+    layout: str = "rows",
 ) -> dict[str, Any]:
-    schema, state = prepare(dsn, ordering, pushes, batch)
+    schema, state = prepare(dsn, ordering, pushes, batch, layout)
     row: dict[str, Any] = {
         "benchmark": "observe_count",
+        "layout": layout,
         "ordering": ordering,
         "calls": calls,
         "pushes": pushes,
@@ -137,6 +141,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--pushes", type=int, default=PUSHES, help="pushes before the pops")
     ap.add_argument("--batch", type=int, default=BATCH, help="messages a push")
     ap.add_argument("--actions", nargs="+", choices=tuple(ACTIONS), default=list(ACTIONS))
+    ap.add_argument("--layout", choices=("rows", "slots"), default="rows", help="slots: without ordering")
     ap.add_argument("--json", action="store_true", help="one JSON object a ring on stdout")
     return ap.parse_args(argv)
 
@@ -154,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 pushes=args.pushes,
                 batch=args.batch,
                 actions=tuple(args.actions),
+                layout=args.layout,
             )
             if args.json:
                 print(json.dumps(row), flush=True)
