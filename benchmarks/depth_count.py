@@ -309,7 +309,7 @@ def count_pops(
                         raise SystemExit("the engine's queue gave fewer messages than it holds")
                 return pids
         _, pop_sql = naive_statements(schema + "_naive")
-        with psycopg.connect(dsn, autocommit=True, prepare_threshold=5) as c:
+        with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as c:
             for _ in range(n):
                 if (
                     counter.took([r[0] for r in c.execute(pop_sql, (batch,), binary=True).fetchall()])
@@ -336,7 +336,7 @@ def count_pushes(
                     q.push_batch(counter.batch(batch))
                 return pids
         push_sql, _ = naive_statements(schema + "_naive")
-        with psycopg.connect(dsn, autocommit=True, prepare_threshold=5) as c:
+        with psycopg.connect(dsn, autocommit=True, prepare_threshold=0) as c:
             for _ in range(n):
                 c.execute(push_sql, (counter.batch(batch),))
             return {int(c.info.backend_pid)}
