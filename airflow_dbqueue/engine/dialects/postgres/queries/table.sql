@@ -287,6 +287,17 @@ WHERE queue_id = %(queue_id)s AND state = 0 AND process_at > now()
 -- succeeds it holds the lock only for this statement's instant (pushes wait that instant).
 SELECT NOT pg_try_advisory_xact_lock(hashtext('dbqueue.queue.' || '{schema}'), %(queue_id)s)
 
+-- name: waiters_hold
+-- The listening connection's registration of waiters of the queue (hub.py): the queue's waiters' lock
+-- held shared by this session from the first waiter's arrival until none has waited for a while, so that
+-- a push with notify="auto" (table_push in functions.sql, which tries it exclusively) notifies while
+-- somebody waits and asks nothing otherwise. A try: false while a push holds it exclusively (one that
+-- decided that nobody waits, until it commits); the hub tries again before its waiters' next wait.
+SELECT pg_try_advisory_lock_shared(hashtext('dbqueue.waiters.' || '{schema}'), %(queue_id)s::integer)
+
+-- name: waiters_release
+SELECT pg_advisory_unlock_shared(hashtext('dbqueue.waiters.' || '{schema}'), %(queue_id)s::integer)
+
 -- name: stats
 -- Through table_stats() (functions.sql): each state counted on its own index up to cap entries, and a
 -- state that reaches the cap estimated from a sample (the last column says whether any was).
