@@ -440,18 +440,6 @@ def test_a_pooled_pop_of_one_is_one_prepared_statement_with_a_generic_plan_on_th
     assert [m.id for m in got] == list(range(1, 41))
 
 
-def _push_holding_the_waiters_lock(pg_dsn: str, dbq: DbQueue, q: Any) -> psycopg.Connection[Any]:
-    """A transaction (left open) that holds the queue's waiters' lock exclusively, as a push that found
-    nobody waiting does until it commits: a notify="auto" push meanwhile cannot tell whether somebody
-    waits and asks whether the queue had a ready message (table_push in functions.sql)."""
-    c = psycopg.connect(pg_dsn)
-    c.execute(
-        "SELECT pg_advisory_xact_lock(hashtext('dbqueue.waiters.' || %s), %s::integer)",
-        (psycopg.sql.Identifier(dbq.schema).as_string(None), q.settings.queue_id),
-    )
-    return c
-
-
 def test_a_notify_auto_push_reads_as_many_ready_entries_however_many_were_popped(
     dbq: DbQueue, pg_dsn: str
 ) -> None:
@@ -460,12 +448,12 @@ def test_a_notify_auto_push_reads_as_many_ready_entries_however_many_were_popped
     (so that no index entry of a popped message can be removed or marked dead), the entries of the
     ready index that a push reads stay the same whether 100 or 30,000 messages were popped before it;
     a push into a queue that has messages waiting sends no NOTIFY, one into an empty queue does."""
-    from tests.helpers import held_horizon
+    from tests.helpers import held_horizon, push_holding_the_waiters_lock
 
     q = dbq.create_queue("auto_cost", notify="auto")
     payloads = [{"i": i} for i in range(40000)]
     hold = held_horizon(pg_dsn)
-    pushing = _push_holding_the_waiters_lock(pg_dsn, dbq, q)
+    pushing = push_holding_the_waiters_lock(pg_dsn, dbq.schema, q.settings.queue_id)
     listener = psycopg.connect(pg_dsn, autocommit=True)
     try:
         q.push_batch(payloads)
@@ -505,13 +493,13 @@ def test_a_notify_auto_push_into_a_drained_queue_reads_no_entry_below_its_floor(
     was raised past them, it reads none of them, and still notifies. A push into the queue with a
     message ready sends none. The same with a time to live (the push with options). Every message comes
     out once."""
-    from tests.helpers import held_horizon
+    from tests.helpers import held_horizon, push_holding_the_waiters_lock
 
     q = dbq.create_queue("auto_floor_" + ("ttl" if options else "plain"), notify="auto", **options)
     gen = 0
     sent: list[Any] = []
     hold = held_horizon(pg_dsn)
-    pushing = _push_holding_the_waiters_lock(pg_dsn, dbq, q)
+    pushing = push_holding_the_waiters_lock(pg_dsn, dbq.schema, q.settings.queue_id)
     listener = psycopg.connect(pg_dsn, autocommit=True)
     try:
         # at least 2,000 of the popped messages in the generation the next push writes (ids move through

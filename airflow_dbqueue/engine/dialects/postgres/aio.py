@@ -39,7 +39,7 @@ from airflow_dbqueue.engine.bridge import (
 )
 from airflow_dbqueue.engine.dialects.postgres.dialect import has_input
 from airflow_dbqueue.engine.dialects.postgres.grants import rows_ring_statements
-from airflow_dbqueue.engine.dialects.postgres.hub import LINGER, NotifyHub, Waiter
+from airflow_dbqueue.engine.dialects.postgres.hub import LINGER, NotifyHub, Waiter, unheld
 from airflow_dbqueue.engine.dialects.postgres.statements import BINARY_RESULTS
 from airflow_dbqueue.engine.errors import DatabaseUnavailableError, LoginError
 
@@ -491,7 +491,13 @@ class AsyncNotifyHub(NotifyHub):
         lock = self._presence(channel)
         if lock is None:
             return False
-        row = await (await conn.execute(lock[0], lock[2])).fetchone()
+        try:
+            row = await (await conn.execute(lock[0], lock[2])).fetchone()
+        except psycopg.OperationalError:
+            raise
+        except psycopg.DatabaseError as exc:
+            unheld(channel, exc)
+            return False
         if not (row and row[0]):
             return False
         self._held.add(channel)

@@ -53,6 +53,24 @@ LINGER = 1.0
 Presence = Callable[[str], "tuple[bytes, bytes, dict[str, Any]] | None"]
 
 
+_refused: set[str] = set()
+
+
+def unheld(channel: str, exc: Exception) -> None:
+    """A waiters' lock the server refused (its lock table full: ``max_locks_per_transaction``): the
+    channel's waiters wait unregistered, found by their poll, and pushes do not know they wait. Said
+    once a channel and process; the waiters try it again before each wait."""
+    if channel in _refused:
+        return
+    _refused.add(channel)
+    log.warning(
+        "dbqueue: the waiters' lock of %s was refused (%s): its waiting pops find messages by their poll "
+        "until it is taken",
+        channel,
+        exc,
+    )
+
+
 class Waiter:
     """One waiting pop's place on a channel: :meth:`wait` returns when it was handed a notification,
     or after its timeout."""
@@ -271,7 +289,13 @@ class NotifyHub:
         lock = self._presence(channel)
         if lock is None:
             return False
-        row = conn.execute(lock[0], lock[2]).fetchone()
+        try:
+            row = conn.execute(lock[0], lock[2]).fetchone()
+        except psycopg.OperationalError:
+            raise
+        except psycopg.DatabaseError as exc:
+            unheld(channel, exc)
+            return False
         if not (row and row[0]):
             return False
         self._held.add(channel)
