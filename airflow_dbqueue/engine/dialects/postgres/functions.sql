@@ -44,8 +44,9 @@ $$;
 -- meta and data rows from a materialized, numbered input and sorts the ids back into payload order:
 -- at 100 payloads a message that form cost the server about 4,000 more instructions than the single
 -- INSERT (cachegrind).
--- p_notify: 0 never, 1 when the queue had no ready message before (asked before the INSERT, or in the
--- same statement, whose one snapshot does not see this push's own rows), 2 always. The usual push sends
+-- p_notify: 0 never, 1 while somebody waits, or, when that cannot be told (below), when the queue had
+-- no ready message before (asked before the INSERT, or in the same statement, whose one snapshot does
+-- not see this push's own rows), 2 always. The usual push sends
 -- its notification after the INSERT (as an expression, when the INSERT wrote rows), so that it is the
 -- same INSERT whatever p_notify says: with its rows' ids numbered by unnest() rather than by a
 -- materialized input, and no statement of its own for the queue's row, a push of 100 with notify 1 cost
@@ -63,20 +64,21 @@ $$;
 -- wake-up that finds messages; when it finds one, the queue had a ready message, as before. Delayed
 -- messages of the queue in the partition are passed over one by one on a server without skip scans
 -- (PostgreSQL 17 and older).
--- Before that question, p_notify 1 asks who waits (v_notify, the notify setting this push acts on): a
--- process with waiting pops or observers of the queue holds the queue's waiters' lock (key
--- hashtext('dbqueue.waiters.' || schema), queue_id) shared on its listening connection while they wait
--- (hub.py), taken after its LISTEN and before its waiters' first look. The push tries that lock
--- exclusively, to the end of its transaction (a simple expression: a few thousand instructions, where
--- the question cost about 127,000 a push of one): taken, nobody waits, and nobody can begin to wait
--- until this push's rows are committed and visible to a waiter's first look, so no notification is
--- needed (v_notify 0); not taken, a session try of it shared, released at once, tells a waiter (it
--- holds it shared: notify, v_notify 2, even when the queue had ready messages) from another push that
--- holds it exclusively (then nobody waits registered, and the question decides as before, v_notify 1,
--- so that concurrent pushes into a queue nobody waits on do not all notify). A waiter that could not
--- take the lock while a push held it looks and tries again (hub.py); a push still in progress that
--- decided by the question is what a waiting pop's look for pushes in progress (queries/table.sql,
--- pushing) is for.
+-- Before that question, p_notify 1 asks who waits (in the usual push as nested tests; elsewhere as
+-- v_notify, the setting the push then acts on): a process with waiting pops or observers of the queue
+-- holds the queue's waiters' lock (key hashtext('dbqueue.waiters.' || schema), queue_id) shared on its
+-- listening connection while they wait (hub.py), taken after its LISTEN and before its waiters' first
+-- look. The push tries that lock exclusively, to the end of its transaction (a simple expression: a few
+-- thousand instructions, where the question cost about 127,000 a push of one). Taken, nobody waits
+-- registered, and no waiter can register before this push's rows are committed: no notification.
+-- Not taken, a session try of it shared, released at once, tells a waiter (it holds it shared: notify,
+-- even when the queue had ready messages, which another consumer's claim may hold) from another push
+-- that holds it exclusively (then nobody waits registered, and the question decides as before, so that
+-- concurrent pushes into a queue nobody waits on do not all notify). A push in progress may so send no
+-- notification to a waiter that arrives meanwhile: one that took the lock (the waiter's try fails until
+-- it commits), or one that asked the question. A waiting pop's look for pushes in progress
+-- (queries/table.sql, pushing) finds either and looks again soon; a waiter tries the lock again before
+-- each wait and looks again at once when it takes it (hub.py).
 -- A function with generic plans: its statements are planned once a session, where a statement run by
 -- itself is planned on every push (a third of a push of one's server time). No sequential scans:
 -- the ready check must probe meta_ready_idx whatever the statistics said when the plan was made.

@@ -3,7 +3,8 @@
 
 -- name: push
 -- One round trip a batch, through table_push() (schema.sql): no row and no id when the queue was
--- dropped. notify: 0 never, 1 when the queue had no ready message before, 2 always. inline: every
+-- dropped. notify: 0 never, 1 while somebody waits (the queue's waiters' lock; when another push holds
+-- it, when the queue had no ready message before), 2 always. inline: every
 -- payload fits in its meta row (at most inline_payload_bytes).
 SELECT * FROM {schema}.table_push(
     %(queue_id)s::integer, %(payloads)b::bytea[], %(priority)s::smallint, %(delay_s)s::double precision,
