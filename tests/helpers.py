@@ -109,6 +109,19 @@ def load_benchmark(name: str) -> ModuleType:
         sys.path.remove(str(BENCHMARKS))
 
 
+def push_holding_the_waiters_lock(dsn: str, schema: str, queue_id: int) -> psycopg.Connection[Any]:
+    """A connection whose open transaction holds the queue's waiters' lock exclusively, as a table-design
+    push that found nobody waiting does until it commits: a notify="auto" push meanwhile cannot tell
+    whether somebody waits and asks whether the queue had a ready message (table_push in
+    functions.sql). Close it to end the transaction."""
+    c = psycopg.connect(dsn)
+    c.execute(
+        "SELECT pg_advisory_xact_lock(hashtext('dbqueue.waiters.' || %s), %s::integer)",
+        (psycopg.sql.Identifier(schema).as_string(None), queue_id),
+    )
+    return c
+
+
 def held_horizon(
     dsn: str, *, application_name: str = "report-job", xid: bool = False
 ) -> psycopg.Connection[Any]:

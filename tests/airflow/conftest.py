@@ -150,12 +150,13 @@ def trigger_is_waiting(dsn: str) -> bool:
 
 def trigger_is_listening(dsn: str) -> bool:
     """Whether a DbQueueTrigger's listening connection (on the server itself, also when its checks go
-    through a transaction pooler) has LISTENed and sits idle."""
+    through a transaction pooler) has LISTENed and sits idle: its last statement its LISTEN or the
+    queue's waiters' lock it takes after it."""
     with psycopg.connect(dsn, autocommit=True) as c:
         row = c.execute(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s AND state = 'idle' "
-            "AND query LIKE %s",
-            ("airflow-dbqueue-trigger-listen", "LISTEN%"),
+            "AND (query LIKE %s OR query LIKE %s)",
+            ("airflow-dbqueue-trigger-listen", "LISTEN%", "%hashtext('dbqueue.waiters.%"),
         ).fetchone()
     return bool(row and row[0])
 

@@ -925,29 +925,44 @@ def test_semantics_parse() -> None:
     assert Semantics.parse(Semantics.EXACTLY_ONCE) is Semantics.EXACTLY_ONCE
 
 
-def _notifications(dbq: DbQueue, q: Queue, action: Callable[[], object]) -> int:
-    """Run ``action`` and count the NOTIFYs a listener on the queue's channel receives."""
+def _notifications(dbq: DbQueue, q: Queue, action: Callable[[], object], *, waiting: bool = False) -> int:
+    """Run ``action`` and count the NOTIFYs a listener on the queue's channel receives. ``waiting``: the
+    listener also holds the queue's waiters' lock shared, as the listening connection of a process with
+    a waiting pop does (the table design's notify="auto" asks that lock who waits)."""
     channel = dbq.db.channel(q.settings.queue_id)
     # A LISTEN needs a session of its own: the listen DSN when the engine has one (behind a transaction
     # pooler), else the engine's own.
     with psycopg.connect(getattr(dbq.db, "listen_dsn", None) or dbq.db.dsn, autocommit=True) as c:
         c.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel)))
+        if waiting:
+            lock = dbq.db.waiters_lock(channel)  # type: ignore[attr-defined]
+            assert c.execute(lock[0], lock[2]).fetchone() == (True,)
         action()
         return sum(1 for _ in c.notifies(timeout=0.5))
 
 
 def test_auto_notify_only_when_the_queue_was_empty(make_queue: Callable[..., Queue], dbq: DbQueue) -> None:
+    """A ring's notify="auto" push notifies when its consumers had caught up (the queue was empty to
+    them); the table design's asks who waits instead: while a waiter's listening connection holds the
+    queue's waiters' lock every push that makes a message ready notifies, and without one none does."""
     postgres_only(dbq, "SQL Server has no NOTIFY")
     q = make_queue(notify="auto")
-    assert _notifications(dbq, q, lambda: q.push("first")) == 1
-    assert _notifications(dbq, q, lambda: q.push_batch(["second", "third"])) == 0  # busy: no NOTIFY
-    if is_ring(q):  # (a ring has no delayed pushes)
-        with pytest.raises(ConfigurationError):
+    if is_ring(q):
+        assert _notifications(dbq, q, lambda: q.push("first")) == 1
+        assert _notifications(dbq, q, lambda: q.push_batch(["second", "third"])) == 0  # busy: no NOTIFY
+        with pytest.raises(ConfigurationError):  # (a ring has no delayed pushes)
             q.push("delayed", delay=60)
+        drain(q)
+        assert _notifications(dbq, q, lambda: q.push("again")) == 1
     else:
-        assert _notifications(dbq, q, lambda: q.push("delayed", delay=60)) == 0  # not ready: no NOTIFY
-    drain(q)
-    assert _notifications(dbq, q, lambda: q.push("again")) == 1
+        assert _notifications(dbq, q, lambda: q.push("first")) == 0  # nobody waits: no NOTIFY
+        drain(q)
+        assert _notifications(dbq, q, lambda: q.push("first"), waiting=True) == 1
+        assert _notifications(dbq, q, lambda: q.push_batch(["second", "third"]), waiting=True) == 1
+        assert _notifications(dbq, q, lambda: q.push("delayed", delay=60), waiting=True) == 0  # not ready
+        assert _notifications(dbq, q, lambda: q.push_batch(["fourth"])) == 0
+        drain(q)
+        assert _notifications(dbq, q, lambda: q.push("again"), waiting=True) == 1
     always = make_queue(notify="always")
     always.push("x")
     assert _notifications(dbq, always, lambda: always.push("y")) == 1

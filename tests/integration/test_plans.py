@@ -443,15 +443,17 @@ def test_a_pooled_pop_of_one_is_one_prepared_statement_with_a_generic_plan_on_th
 def test_a_notify_auto_push_reads_as_many_ready_entries_however_many_were_popped(
     dbq: DbQueue, pg_dsn: str
 ) -> None:
-    """A push with notify="auto" asks whether the queue had a ready message. Under a held xmin horizon
+    """A push with notify="auto" asks whether the queue had a ready message when another push holds the
+    queue's waiters' lock (here a transaction holds it throughout). Under a held xmin horizon
     (so that no index entry of a popped message can be removed or marked dead), the entries of the
     ready index that a push reads stay the same whether 100 or 30,000 messages were popped before it;
     a push into a queue that has messages waiting sends no NOTIFY, one into an empty queue does."""
-    from tests.helpers import held_horizon
+    from tests.helpers import held_horizon, push_holding_the_waiters_lock
 
     q = dbq.create_queue("auto_cost", notify="auto")
     payloads = [{"i": i} for i in range(40000)]
     hold = held_horizon(pg_dsn)
+    pushing = push_holding_the_waiters_lock(pg_dsn, dbq.schema, q.settings.queue_id)
     listener = psycopg.connect(pg_dsn, autocommit=True)
     try:
         q.push_batch(payloads)
@@ -470,6 +472,7 @@ def test_a_notify_auto_push_reads_as_many_ready_entries_however_many_were_popped
         q.push({"last": True})
         empty = [n.channel for n in listener.notifies(timeout=5, stop_after=1)]
     finally:
+        pushing.close()
         hold.close()
         listener.close()
     assert waiting == [] and empty == [q.channel], (waiting, empty)
@@ -483,17 +486,20 @@ def test_a_notify_auto_push_reads_as_many_ready_entries_however_many_were_popped
 def test_a_notify_auto_push_into_a_drained_queue_reads_no_entry_below_its_floor(
     dbq: DbQueue, pg_dsn: str, options: dict[str, Any]
 ) -> None:
-    """A push with notify="auto" into a queue whose messages were all popped (under a held xmin horizon,
-    so that none of their index entries can be removed or marked dead) walks the entries popped in the
-    generation pushes write now, finding no ready message, and notifies; once the floor was raised past
-    them, it reads none of them, and still notifies. A push into the queue with a message ready sends
-    none. The same with a time to live (the push with options). Every message comes out once."""
-    from tests.helpers import held_horizon
+    """A push with notify="auto" that asks the question (another push holds the queue's waiters' lock:
+    here a transaction holds it throughout) into a queue whose messages were all popped (under a held
+    xmin horizon, so that none of their index entries can be removed or marked dead) walks the entries
+    popped in the generation pushes write now, finding no ready message, and notifies; once the floor
+    was raised past them, it reads none of them, and still notifies. A push into the queue with a
+    message ready sends none. The same with a time to live (the push with options). Every message comes
+    out once."""
+    from tests.helpers import held_horizon, push_holding_the_waiters_lock
 
     q = dbq.create_queue("auto_floor_" + ("ttl" if options else "plain"), notify="auto", **options)
     gen = 0
     sent: list[Any] = []
     hold = held_horizon(pg_dsn)
+    pushing = push_holding_the_waiters_lock(pg_dsn, dbq.schema, q.settings.queue_id)
     listener = psycopg.connect(pg_dsn, autocommit=True)
     try:
         # at least 2,000 of the popped messages in the generation the next push writes (ids move through
@@ -526,6 +532,7 @@ def test_a_notify_auto_push_into_a_drained_queue_reads_no_entry_below_its_floor(
                 reads.append(read["meta_ready_idx"][1])
                 notified.append([n.channel for n in listener.notifies(timeout=2, stop_after=1)])
     finally:
+        pushing.close()
         hold.close()
         listener.close()
     out += [m.payload for m in drain(q)]

@@ -19,7 +19,7 @@ from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue, MaintenanceConfig
 from airflow_dbqueue.engine.maintenance.recycler import recycle_partitions
-from tests.helpers import checksum, engine_sessions, held_horizon
+from tests.helpers import checksum, engine_sessions, held_horizon, push_holding_the_waiters_lock
 
 pytestmark = pytest.mark.integration
 
@@ -349,8 +349,9 @@ def test_uninstall_waits_for_its_own_recycling_pass_and_none_runs_during_the_dro
 
 
 def test_auto_notify_asks_the_generation_pushes_write_in_each_of_the_eight(dbq: DbQueue, pg_dsn: str) -> None:
-    """A push with notify="auto" asks whether its queue had a ready message in the generation pushes write
-    now (read from the id sequence's newest number): the first push of a fresh schema
+    """A push with notify="auto" that asks the question (another push holds the queue's waiters' lock:
+    here a transaction holds it throughout) asks whether its queue had a ready message in the generation
+    pushes write now (read from the id sequence's newest number): the first push of a fresh schema
     (no id taken yet), and a first push into the drained queue in each of the eight generations, notify;
     a second push, whose first message waits in that generation, does not. Every message comes out once
     (counted and checksummed)."""
@@ -359,7 +360,10 @@ def test_auto_notify_asks_the_generation_pushes_write_in_each_of_the_eight(dbq: 
     sent: list[Any] = []
     got: list[Any] = []
     seen: list[tuple[int, int, int]] = []
-    with psycopg.connect(pg_dsn, autocommit=True) as listener:
+    with (
+        psycopg.connect(pg_dsn, autocommit=True) as listener,
+        push_holding_the_waiters_lock(pg_dsn, dbq.schema, q.settings.queue_id),
+    ):
         listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
 
         def notified(payload: dict[str, int]) -> tuple[int, int]:

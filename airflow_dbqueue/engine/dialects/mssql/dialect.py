@@ -166,6 +166,11 @@ POSTGRES_ONLY: dict[str, str] = {
         for name in ("pushing", "ring_pushing")
     },
     **{
+        name: "the listening connection's lock that tells a notify='auto' push that somebody waits is the "
+        "LISTEN/NOTIFY wait's; SQL Server has no NOTIFY, and its waiting pops poll"
+        for name in ("waiters_hold", "waiters_release")
+    },
+    **{
         name: "per-queue grants are PostgreSQL's (row-level security and the privileges each grant gives a "
         "role on the tables and sequences); this dialect's grant and revoke raise NotSupportedError, and "
         "every role may take every action its database privileges allow"

@@ -39,7 +39,7 @@ from airflow_dbqueue.engine.bridge import (
 )
 from airflow_dbqueue.engine.dialects.postgres.dialect import has_input
 from airflow_dbqueue.engine.dialects.postgres.grants import rows_ring_statements
-from airflow_dbqueue.engine.dialects.postgres.hub import NotifyHub, Waiter
+from airflow_dbqueue.engine.dialects.postgres.hub import LINGER, NotifyHub, Waiter, unheld
 from airflow_dbqueue.engine.dialects.postgres.statements import BINARY_RESULTS
 from airflow_dbqueue.engine.errors import DatabaseUnavailableError, LoginError
 
@@ -422,6 +422,8 @@ class AsyncWaiter(Waiter):
         if self._hub.broken:
             with contextlib.suppress(Exception):
                 self._hub.relisten(self.channel)
+        elif self._hub.hold(self.channel):
+            return True  # registered only now: a push that held the lock committed rows to look at
         event = cast("asyncio.Event", self._event)
         if timeout > 0 and not event.is_set():
             with contextlib.suppress(TimeoutError):
@@ -438,7 +440,7 @@ class AsyncNotifyHub(NotifyHub):
     waiter_class = AsyncWaiter
 
     def __init__(self, db: AsyncPostgres) -> None:
-        super().__init__(lambda: None)  # type: ignore[arg-type, return-value]
+        super().__init__(lambda: None, db.sync.waiters_lock)  # type: ignore[arg-type, return-value]
         self._db = db
         self._aconn: psycopg.AsyncConnection[Any] | None = None
         self._alock = asyncio.Lock()
@@ -466,17 +468,86 @@ class AsyncNotifyHub(NotifyHub):
                 conn.add_notify_handler(self._on_notify)
                 self._aconn = conn
                 self._listening.clear()
+                self._held.clear()  # a new session holds none of the old one's locks
+                self._idle.clear()
                 self._loop = asyncio.get_running_loop()
-            wanted = [c for c in [*list(self._waiters), channel] if c not in self._listening]
+            channels = list(dict.fromkeys([*list(self._waiters), channel]))
             self._unwatch()
             try:
-                for c in dict.fromkeys(wanted):
-                    await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(c)))
-                    self._listening.add(c)
+                for c in channels:
+                    if c not in self._listening:
+                        await conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(c)))
+                        self._listening.add(c)
+                    await self._ahold_on(conn, c)  # after its LISTEN, before its waiters look
             except psycopg.OperationalError:
                 self._drop_async()
                 raise
             self._watch()
+
+    async def _ahold_on(self, conn: psycopg.AsyncConnection[Any], channel: str) -> bool:
+        """:meth:`NotifyHub._hold_on` on the asyncio connection (under ``_alock``, unwatched)."""
+        if channel in self._held or self._presence is None:
+            return False
+        lock = self._presence(channel)
+        if lock is None:
+            return False
+        try:
+            row = await (await conn.execute(lock[0], lock[2])).fetchone()
+        except psycopg.OperationalError:
+            raise
+        except psycopg.DatabaseError as exc:
+            unheld(channel, exc)
+            return False
+        if not (row and row[0]):
+            return False
+        self._held.add(channel)
+        return True
+
+    def hold(self, channel: str) -> bool:
+        if channel in self._held or self._presence is None or self._closed:
+            return False
+        return bool(await_only(self._ahold(channel)))
+
+    async def _ahold(self, channel: str) -> bool:
+        async with self._alock:
+            conn = self._aconn
+            if conn is None or conn.closed or channel not in self._waiters:
+                return False
+            self._unwatch()
+            try:
+                return await self._ahold_on(conn, channel)
+            except psycopg.Error:
+                return False  # broken: the reader sees it and wakes every waiter
+            finally:
+                self._watch()
+
+    def _release_later(self) -> None:
+        loop = self._loop
+        if loop is not None and not self._closed:
+            loop.call_later(LINGER + 0.01, lambda: asyncio.ensure_future(self._arelease_idle()))
+
+    async def _arelease_idle(self) -> None:
+        """:meth:`NotifyHub._release_idle` on the asyncio connection."""
+        async with self._alock:
+            conn = self._aconn
+            if conn is None or conn.closed or self._presence is None:
+                return
+            now = time.monotonic()
+            due = [c for c, since in self._idle.items() if now - since >= LINGER]
+            if not due:
+                return
+            self._unwatch()
+            try:
+                for channel in due:
+                    del self._idle[channel]
+                    lock = self._presence(channel)
+                    if lock is not None:
+                        await conn.execute(lock[1], lock[2])
+                        self._held.discard(channel)
+            except psycopg.Error:
+                return  # broken: the reader sees it
+            finally:
+                self._watch()
 
     def _watch(self) -> None:
         conn, loop = self._aconn, self._loop
@@ -511,6 +582,8 @@ class AsyncNotifyHub(NotifyHub):
         self._unwatch()
         conn, self._aconn = self._aconn, None
         self._listening.clear()
+        self._held.clear()
+        self._idle.clear()
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.pgconn.finish()

@@ -373,8 +373,16 @@ class PostgresDatabase(PostgresSchema, PostgresNotify, PostgresMaintenance, Post
         """The one listening connection of this object's waiting pops (made on first use)."""
         with self._lock:
             if self._hub is None:
-                self._hub = NotifyHub(self._listen_connect)
+                self._hub = NotifyHub(self._listen_connect, self.waiters_lock)
             return self._hub
+
+    def waiters_lock(self, channel: str) -> tuple[bytes, bytes, dict[str, Any]] | None:
+        """The waiters' lock of a channel of this schema (hub.py's ``presence``): the statements that
+        try it shared and release it, and their parameters; None for another channel."""
+        prefix, _, queue_id = channel.rpartition(".")
+        if prefix != f"dbq.{self.schema}" or not queue_id.isdigit():
+            return None
+        return self.query("waiters_hold"), self.query("waiters_release"), {"queue_id": int(queue_id)}
 
     def wake_waiter(self, channel: str) -> None:
         """Hand a wake to one pop of this object waiting on ``channel`` (nothing when none waits)."""

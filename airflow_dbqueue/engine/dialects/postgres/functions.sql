@@ -44,8 +44,9 @@ $$;
 -- meta and data rows from a materialized, numbered input and sorts the ids back into payload order:
 -- at 100 payloads a message that form cost the server about 4,000 more instructions than the single
 -- INSERT (cachegrind).
--- p_notify: 0 never, 1 when the queue had no ready message before (asked before the INSERT, or in the
--- same statement, whose one snapshot does not see this push's own rows), 2 always. The usual push sends
+-- p_notify: 0 never, 1 while somebody waits, or, when that cannot be told (below), when the queue had
+-- no ready message before (asked before the INSERT, or in the same statement, whose one snapshot does
+-- not see this push's own rows), 2 always. The usual push sends
 -- its notification after the INSERT (as an expression, when the INSERT wrote rows), so that it is the
 -- same INSERT whatever p_notify says: with its rows' ids numbered by unnest() rather than by a
 -- materialized input, and no statement of its own for the queue's row, a push of 100 with notify 1 cost
@@ -63,6 +64,21 @@ $$;
 -- wake-up that finds messages; when it finds one, the queue had a ready message, as before. Delayed
 -- messages of the queue in the partition are passed over one by one on a server without skip scans
 -- (PostgreSQL 17 and older).
+-- Before that question, p_notify 1 asks who waits (in the usual push as nested tests; elsewhere as
+-- v_notify, the setting the push then acts on): a process with waiting pops or observers of the queue
+-- holds the queue's waiters' lock (key hashtext('dbqueue.waiters.' || schema), queue_id) shared on its
+-- listening connection while they wait (hub.py), taken after its LISTEN and before its waiters' first
+-- look. The push tries that lock exclusively, to the end of its transaction (a simple expression: a few
+-- thousand instructions, where the question cost about 127,000 a push of one). Taken, nobody waits
+-- registered, and no waiter can register before this push's rows are committed: no notification.
+-- Not taken, a session try of it shared, released at once, tells a waiter (it holds it shared: notify,
+-- even when the queue had ready messages, which another consumer's claim may hold) from another push
+-- that holds it exclusively (then nobody waits registered, and the question decides as before, so that
+-- concurrent pushes into a queue nobody waits on do not all notify). A push in progress may so send no
+-- notification to a waiter that arrives meanwhile: one that took the lock (the waiter's try fails until
+-- it commits), or one that asked the question. A waiting pop's look for pushes in progress
+-- (queries/table.sql, pushing) finds either and looks again soon; a waiter tries the lock again before
+-- each wait and looks again at once when it takes it (hub.py).
 -- A function with generic plans: its statements are planned once a session, where a statement run by
 -- itself is planned on every push (a third of a push of one's server time). No sequential scans:
 -- the ready check must probe meta_ready_idx whatever the statistics said when the plan was made.
@@ -80,21 +96,34 @@ DECLARE
     v_at timestamptz := greatest(now() + make_interval(secs => p_delay_s), v_floor);
     v_gen smallint;
     v_quiet boolean;  -- NULL unless asked: then no notification for p_notify 1
+    -- Outside the usual push: 0 never, 1 when the queue had no ready message before, 2 always; p_notify,
+    -- but 1 decided by the queue's waiters' lock first (see above)
+    v_notify integer;
 BEGIN
     IF current_setting('transaction_isolation') = 'read committed' THEN
         IF p_inline THEN
+            -- The waiters' lock as nested tests, each a simple expression, so that p_notify 0 and 2 test
+            -- one thing, as they did before it.
             IF p_notify = 1 THEN
-                -- Whether the queue had a ready message before this push, asked before its INSERT (a
-                -- statement of its own, whose snapshot cannot see this push's rows). The generation pushes
-                -- write now, as table_generation() has it, read here as a simple expression: a role that
-                -- pushes has SELECT on the sequence, and a call of that security-definer function cost
-                -- about 25,000 instructions. Nothing of the queue's that is ready is below its floor.
-                v_gen := ((pg_sequence_last_value('{schema}.message_id_seq'::regclass) >> 14) & 7)::smallint;
-                v_quiet := (SELECT r.id FROM {schema}.meta r
-                            WHERE r.gen = v_gen AND r.queue_id = p_queue_id AND r.state = 0
-                              AND r.process_at <= now() AND r.process_at >= v_floor
-                            ORDER BY r.priority, r.process_at DESC, r.id DESC
-                            LIMIT 1) IS NULL;
+                IF pg_try_advisory_xact_lock(hashtext('dbqueue.waiters.' || '{schema}'), p_queue_id) THEN
+                    NULL;  -- nobody waits: no notification (v_quiet NULL)
+                ELSIF pg_try_advisory_lock_shared(hashtext('dbqueue.waiters.' || '{schema}'), p_queue_id)
+                      AND pg_advisory_unlock_shared(hashtext('dbqueue.waiters.' || '{schema}'), p_queue_id) THEN
+                    v_quiet := true;  -- a waiter holds it: notify, whatever the queue holds
+                ELSE
+                    -- Whether the queue had a ready message before this push, asked before its INSERT
+                    -- (a statement of its own, whose snapshot cannot see this push's rows). The generation
+                    -- pushes write now, as table_generation() has it, read here as a simple expression: a
+                    -- role that pushes has SELECT on the sequence, and a call of that security-definer
+                    -- function cost about 25,000 instructions. Nothing of the queue's that is ready is
+                    -- below its floor.
+                    v_gen := ((pg_sequence_last_value('{schema}.message_id_seq'::regclass) >> 14) & 7)::smallint;
+                    v_quiet := (SELECT r.id FROM {schema}.meta r
+                                WHERE r.gen = v_gen AND r.queue_id = p_queue_id AND r.state = 0
+                                  AND r.process_at <= now() AND r.process_at >= v_floor
+                                ORDER BY r.priority, r.process_at DESC, r.id DESC
+                                LIMIT 1) IS NULL;
+                END IF;
             END IF;
             -- The usual push: one INSERT, which reads the queue's row itself (no row, nothing written),
             -- and names every column in the types of meta, so that the plan passes each row on without
@@ -138,7 +167,13 @@ BEGIN
             RETURN;
         END IF;
     END IF;
-    IF p_inline AND p_notify = 0 THEN
+    v_notify := CASE
+        WHEN p_notify <> 1 THEN p_notify
+        WHEN pg_try_advisory_xact_lock(hashtext('dbqueue.waiters.' || '{schema}'), p_queue_id) THEN 0
+        WHEN pg_try_advisory_lock_shared(hashtext('dbqueue.waiters.' || '{schema}'), p_queue_id)
+             AND pg_advisory_unlock_shared(hashtext('dbqueue.waiters.' || '{schema}'), p_queue_id) THEN 2
+        ELSE 1 END;
+    IF p_inline AND v_notify = 0 THEN
         RETURN QUERY
         INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload, gen)
         SELECT p.id, p_queue_id, p_priority, v_at, now(), p.payload,
@@ -155,7 +190,7 @@ BEGIN
             RETURNING id
         ), n AS (
             SELECT pg_notify(p_channel, '') AS sent
-            WHERE p_notify = 2 OR (
+            WHERE v_notify = 2 OR (
                 SELECT r.id FROM {schema}.meta r
                 WHERE r.gen = {schema}.table_generation() AND r.queue_id = p_queue_id AND r.state = 0
                   AND r.process_at <= now() AND r.process_at >= v_floor
@@ -163,7 +198,7 @@ BEGIN
                 LIMIT 1) IS NULL
         )
         SELECT m.id FROM m CROSS JOIN (SELECT count(*) AS c FROM n) x;
-    ELSIF p_notify = 0 THEN
+    ELSIF v_notify = 0 THEN
         RETURN QUERY
         WITH input AS MATERIALIZED (
             SELECT nextval('{schema}.message_id_seq') AS id, p.payload, p.ord
@@ -195,7 +230,7 @@ BEGIN
             WHERE octet_length(i.payload) > 1900
         ), n AS (
             SELECT pg_notify(p_channel, '') AS sent
-            WHERE p_notify = 2 OR (
+            WHERE v_notify = 2 OR (
                 SELECT r.id FROM {schema}.meta r
                 WHERE r.gen = {schema}.table_generation() AND r.queue_id = p_queue_id AND r.state = 0
                   AND r.process_at <= now() AND r.process_at >= v_floor
@@ -240,8 +275,15 @@ DECLARE
     v_expires timestamptz := now() + make_interval(secs => p_ttl_s);
     v_at timestamptz := now() + make_interval(secs => p_delay_s);
     v_floor timestamptz;
+    v_notify integer;  -- p_notify, but 1 decided by the queue's waiters' lock first, as in table_push()
 BEGIN
     v_locked := pg_advisory_xact_lock_shared(hashtext('dbqueue.queue.' || '{schema}'), p_queue_id)::text;
+    v_notify := CASE
+        WHEN p_notify <> 1 THEN p_notify
+        WHEN pg_try_advisory_xact_lock(hashtext('dbqueue.waiters.' || '{schema}'), p_queue_id) THEN 0
+        WHEN pg_try_advisory_lock_shared(hashtext('dbqueue.waiters.' || '{schema}'), p_queue_id)
+             AND pg_advisory_unlock_shared(hashtext('dbqueue.waiters.' || '{schema}'), p_queue_id) THEN 2
+        ELSE 1 END;
     v_floor := {schema}.table_floor(p_queue_id);  -- as table_push(), which bounds its check by it too
     v_at := greatest(v_at, v_floor);
     IF current_setting('transaction_isolation') = 'read committed' THEN
@@ -261,7 +303,7 @@ BEGIN
         PERFORM pg_advisory_xact_lock(hashtext('dbqueue.okey.' || '{schema}') # p_queue_id, hashtext(k.okey))
         FROM (SELECT DISTINCT u.okey FROM unnest(p_okeys) AS u(okey) WHERE u.okey IS NOT NULL ORDER BY 1) k;
     END IF;
-    IF p_keys IS NULL AND p_notify = 0
+    IF p_keys IS NULL AND v_notify = 0
        AND (SELECT max(octet_length(u.payload)) FROM unnest(p_payloads) AS u(payload)) <= 1900 THEN
         -- Without deduplication keys every message is new: the meta rows by one INSERT as
         -- table_push()'s, and the meta_opt rows of those with an expiry or an ordering key from the ids
@@ -318,7 +360,7 @@ BEGIN
         WHERE r.new AND octet_length(r.payload) > 1900
     ), n AS (
         SELECT pg_notify(p_channel, '') AS sent
-        WHERE p_notify > 0 AND EXISTS (SELECT 1 FROM result r WHERE r.new) AND (p_notify = 2 OR (
+        WHERE v_notify > 0 AND EXISTS (SELECT 1 FROM result r WHERE r.new) AND (v_notify = 2 OR (
             SELECT r.id FROM {schema}.meta r
             WHERE r.gen = {schema}.table_generation() AND r.queue_id = p_queue_id AND r.state = 0
               AND r.process_at <= now() AND r.process_at >= v_floor

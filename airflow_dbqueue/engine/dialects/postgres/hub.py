@@ -12,9 +12,19 @@ wake alone, so that many waiters do not each poll. Where a queue asks it, one wa
 (the newest that saw a push in progress, :meth:`Waiter.take_recheck`) looks again for that push, backing
 off; the others that see one wait for a wake too.
 
+While somebody waits on a channel the connection also holds that queue's waiters' lock shared
+(``presence``: queries/table.sql's waiters_hold), taken after its LISTEN and before the first waiter's
+look, and released when the channel has had no waiter for :data:`LINGER` seconds (a consumer that waits
+pop after pop keeps it): a push with notify="auto" notifies while it is held, and asks nothing else
+otherwise (table_push in functions.sql). The take is a try, so that the connection never waits behind
+a push's transaction: a push that decided that nobody waits holds the lock exclusively until it commits,
+and a waiter that could not take it tries again before each wait, looking again at once when it took it
+(that push's rows are visible then).
+
 The connection is a session of its own (``listen_dsn``, or the engine's DSN when it keeps sessions).
 When it breaks, every waiter is woken to look at its queue again (a NOTIFY may have been missed), and
-the next waiter that arrives connects anew; meanwhile every waiter polls.
+the next waiter that arrives connects anew (its locks went with the old session: it takes them again
+before the waiters look); meanwhile every waiter polls.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import logging
 import os
 import select
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +43,32 @@ import psycopg
 from psycopg import sql
 
 log = logging.getLogger(__name__)
+
+#: Seconds a channel's waiters' lock stays held after its last waiter left: a consumer that waits pop after
+#: pop registers once, not twice a pop; pushes in that time notify a channel nobody waits on.
+LINGER = 1.0
+
+#: A channel's waiters' lock: (the statement that tries it shared, the one that releases it, their
+#: parameters), or None for a channel without one.
+Presence = Callable[[str], "tuple[bytes, bytes, dict[str, Any]] | None"]
+
+
+_refused: set[str] = set()
+
+
+def unheld(channel: str, exc: Exception) -> None:
+    """A waiters' lock the server refused (its lock table full: ``max_locks_per_transaction``): the
+    channel's waiters wait unregistered, found by their poll, and pushes do not know they wait. Said
+    once a channel and process; the waiters try it again before each wait."""
+    if channel in _refused:
+        return
+    _refused.add(channel)
+    log.warning(
+        "dbqueue: the waiters' lock of %s was refused (%s): its waiting pops find messages by their poll "
+        "until it is taken",
+        channel,
+        exc,
+    )
 
 
 class Waiter:
@@ -62,6 +99,8 @@ class Waiter:
         if self._hub.broken:
             with contextlib.suppress(Exception):
                 self._hub.relisten(self.channel)
+        elif self._hub.hold(self.channel):
+            return True  # registered only now: a push that held the lock committed rows to look at
         if timeout > 0:
             self._event.wait(timeout)
         got = self._event.is_set()
@@ -105,8 +144,13 @@ class NotifyHub:
     #: What :meth:`waiting` yields (the asyncio face's hub yields waiters that suspend only their task).
     waiter_class: type[Waiter] = Waiter
 
-    def __init__(self, connect: Callable[[], psycopg.Connection[Any]]) -> None:
+    def __init__(
+        self, connect: Callable[[], psycopg.Connection[Any]], presence: Presence | None = None
+    ) -> None:
         self._connect = connect
+        self._presence = presence
+        self._held: set[str] = set()  # the channels whose waiters' lock the connection holds
+        self._idle: dict[str, float] = {}  # of those, the ones nobody waits on: since when (monotonic)
         # Reentrant: a LISTEN (run under it) may deliver a notification that psycopg hands to
         # _on_notify in the same thread. The reader thread never takes it while it holds psycopg's lock.
         self._lock = threading.RLock()
@@ -129,6 +173,7 @@ class NotifyHub:
         with self._lock:
             self._waiters.setdefault(channel, collections.deque()).append(waiter)
             self._pollers.setdefault(channel, waiter)
+            self._idle.pop(channel, None)
         try:
             self._listen(channel)
         except BaseException:
@@ -148,6 +193,9 @@ class NotifyHub:
                     queue.remove(waiter)
                 if not queue:
                     del self._waiters[waiter.channel]
+                    if waiter.channel in self._held:
+                        self._idle[waiter.channel] = time.monotonic()
+                        self._release_later()
             if self._pollers.get(waiter.channel) is waiter:
                 del self._pollers[waiter.channel]
                 if queue:  # the longest waiter polls next; woken, it times its wait as a poller
@@ -219,6 +267,8 @@ class NotifyHub:
             conn = self._conn = self._connect()
             conn.add_notify_handler(self._on_notify)
             self._listening.clear()
+            self._held.clear()  # a new session holds none of the old one's locks
+            self._idle.clear()
             for channel in list(self._waiters):
                 self._listen_on(conn, channel)
             os.write(self._wake_w, b"x")  # a reader still running switches to it
@@ -229,12 +279,77 @@ class NotifyHub:
             # psycopg's lock: the reader thread holds it only while it reads what arrived
             conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
             self._listening.add(channel)
+        self._hold_on(conn, channel)
+
+    def _hold_on(self, conn: psycopg.Connection[Any], channel: str) -> bool:
+        """Try the channel's waiters' lock on ``conn`` (after its LISTEN; under ``_lock``): whether it
+        was taken now (False when held already, or a push holds it, or the channel has none)."""
+        if channel in self._held or self._presence is None:
+            return False
+        lock = self._presence(channel)
+        if lock is None:
+            return False
+        try:
+            row = conn.execute(lock[0], lock[2]).fetchone()
+        except psycopg.OperationalError:
+            raise
+        except psycopg.DatabaseError as exc:
+            unheld(channel, exc)
+            return False
+        if not (row and row[0]):
+            return False
+        self._held.add(channel)
+        return True
+
+    def hold(self, channel: str) -> bool:
+        """Take the channel's waiters' lock if the connection does not hold it yet (a push held it when
+        it was tried): whether it was taken now, when the waiter that asks looks again at once."""
+        if channel in self._held or self._presence is None:
+            return False
+        with self._lock:
+            conn = self._conn
+            if conn is None or conn.closed or channel not in self._waiters:
+                return False
+            try:
+                return self._hold_on(conn, channel)
+            except psycopg.Error:
+                return False  # broken: the reader sees it and wakes every waiter
+
+    def _release_later(self) -> None:
+        """A held channel has no waiter now: release its lock after :data:`LINGER` (the reader's)."""
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def _release_idle(self) -> float | None:
+        """Release the waiters' locks of the channels nobody has waited on for :data:`LINGER` seconds;
+        return the seconds until the next is due (None: none)."""
+        with self._lock:
+            if not self._idle:
+                return None
+            now = time.monotonic()
+            conn = self._conn
+            due = [c for c, since in self._idle.items() if now - since >= LINGER]
+            for channel in due:
+                del self._idle[channel]
+                lock = self._presence(channel) if self._presence is not None else None
+                if conn is None or conn.closed or lock is None:
+                    continue
+                try:
+                    conn.execute(lock[1], lock[2])
+                except psycopg.Error:
+                    return None  # broken: the reader sees it
+                self._held.discard(channel)
+            if not self._idle:
+                return None
+            return max(0.0, min(self._idle.values()) + LINGER - now)
 
     def _drop(self, conn: psycopg.Connection[Any] | None) -> None:
         """Forget a broken connection (under ``_lock``)."""
         if conn is not None and self._conn is conn:
             self._conn = None
             self._listening.clear()
+            self._held.clear()
+            self._idle.clear()
             with contextlib.suppress(psycopg.Error):
                 conn.close()
 
@@ -247,11 +362,13 @@ class NotifyHub:
         poller.register(self._wake_r, select.POLLIN)
         registered = conn.fileno()
         poller.register(registered, select.POLLIN)
+        due: float | None = None
         while True:
             try:
-                events = poller.poll()
+                events = poller.poll(None if due is None else int(due * 1000) + 1)
             except InterruptedError:
                 continue
+            due = self._release_idle()
             with self._lock:
                 current = self._conn
                 if self._closed or current is None:  # closed, or dropped and not made again

@@ -3,7 +3,8 @@
 
 -- name: push
 -- One round trip a batch, through table_push() (schema.sql): no row and no id when the queue was
--- dropped. notify: 0 never, 1 when the queue had no ready message before, 2 always. inline: every
+-- dropped. notify: 0 never, 1 while somebody waits (the queue's waiters' lock; when another push holds
+-- it, when the queue had no ready message before), 2 always. inline: every
 -- payload fits in its meta row (at most inline_payload_bytes).
 SELECT * FROM {schema}.table_push(
     %(queue_id)s::integer, %(payloads)b::bytea[], %(priority)s::smallint, %(delay_s)s::double precision,
@@ -286,6 +287,17 @@ WHERE queue_id = %(queue_id)s AND state = 0 AND process_at > now()
 -- (notify="auto") while it holds it. An exclusive try fails while any push is in progress; when it
 -- succeeds it holds the lock only for this statement's instant (pushes wait that instant).
 SELECT NOT pg_try_advisory_xact_lock(hashtext('dbqueue.queue.' || '{schema}'), %(queue_id)s)
+
+-- name: waiters_hold
+-- The listening connection's registration of waiters of the queue (hub.py): the queue's waiters' lock
+-- held shared by this session from the first waiter's arrival until none has waited for a while, so that
+-- a push with notify="auto" (table_push in functions.sql, which tries it exclusively) notifies while
+-- somebody waits and asks nothing otherwise. A try: false while a push holds it exclusively (one that
+-- decided that nobody waits, until it commits); the hub tries again before its waiters' next wait.
+SELECT pg_try_advisory_lock_shared(hashtext('dbqueue.waiters.' || '{schema}'), %(queue_id)s::integer)
+
+-- name: waiters_release
+SELECT pg_advisory_unlock_shared(hashtext('dbqueue.waiters.' || '{schema}'), %(queue_id)s::integer)
 
 -- name: stats
 -- Through table_stats() (functions.sql): each state counted on its own index up to cap entries, and a
