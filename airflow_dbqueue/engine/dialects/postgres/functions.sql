@@ -3213,10 +3213,13 @@ BEGIN
 @O      END IF;
 @O  END IF;
     IF cardinality(v_rows) = 0 THEN
-        -- The lanes locked had nothing to take after all (a pop emptied them after the positions were
-        -- read), while another transaction held a lane with rows: the client pops again in a new
-        -- transaction, which waits for that lane, rather than answer that nothing is ready.
-        IF p_wait AND v_busy IS NOT NULL AND v_left = p_n THEN
+        -- The lanes locked had nothing to take after all, each past the last row issued (pops emptied
+        -- them after the positions were read), while another transaction held a lane with rows: the
+        -- client pops again in a new transaction, which waits for that lane, rather than answer that
+        -- nothing is ready. (Not when a lane locked stops at a row not written yet: that is a push in
+        -- progress or a gap, which an empty answer lets the client give up.)
+        IF p_wait AND v_busy IS NOT NULL AND v_left = p_n
+           AND NOT EXISTS (SELECT 1 FROM unnest(v_at) x WHERE (x >> 16) <= v_last) THEN
             RAISE EXCEPTION 'the lanes of a ring with rows to take are held by other transactions'
                 USING ERRCODE = 'lock_not_available';
         END IF;
