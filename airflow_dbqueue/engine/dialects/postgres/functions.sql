@@ -1209,9 +1209,13 @@ $$;
 -- Slots already written stay locked meanwhile (nothing is visible before commit). If a consumer gave
 -- one of our numbers up as a gap (only when it proved every transaction that could hold it finished,
 -- or after its gap timeout), SQLSTATE DQ002: the statement fails whole and the caller retries with new
--- numbers. Besides our push, only gap skips write a slot that holds the number before ours; they lock
--- with SKIP LOCKED and commit at once, so our UPDATE waits on nothing else, and after such a wait it
--- finds the number given up (DQ002). So pushes never wait on each other or on consumers.
+-- numbers. Such a slot holds our number without a payload, and later a number past ours once the ring
+-- has gone round over it (nobody else writes our number, so a higher one there means ours was given
+-- up): both are DQ002, or a push that waited too long would wait for a slot that can never hold the
+-- number before ours again, and fail as full. Besides our push, only gap skips write a slot that holds
+-- the number before ours; they lock with SKIP LOCKED and commit at once, so our UPDATE waits on nothing
+-- else, and after such a wait it finds the number given up (DQ002). So pushes never wait on each other
+-- or on consumers.
 -- p_notify: 0 never, 1 when some consumer group had taken every number before ours already (its
 -- consumers caught up: they may be waiting), 2 always.
 -- p_cap is the ring's capacity, which the caller read with the queue (it never changes); the sequences
@@ -1324,11 +1328,12 @@ BEGIN
         IF EXISTS (
             SELECT 1 FROM {schema}.ring_slots t
             WHERE t.queue_id = p_queue_id AND t.slot >= v_a AND t.slot < v_b1
-              AND t.seq = v_first - v_a + t.slot AND t.payload IS NULL
+              AND (t.seq = v_first - v_a + t.slot AND t.payload IS NULL OR t.seq > v_first - v_a + t.slot)
             UNION ALL
             SELECT 1 FROM {schema}.ring_slots t
             WHERE t.queue_id = p_queue_id AND t.slot < v_b2
-              AND t.seq = v_first + v_cap - v_a + t.slot AND t.payload IS NULL) THEN
+              AND (t.seq = v_first + v_cap - v_a + t.slot AND t.payload IS NULL
+                   OR t.seq > v_first + v_cap - v_a + t.slot)) THEN
             RAISE EXCEPTION 'ring %: numbers % .. % were given up as gaps before this push wrote them',
                 p_queue_id, v_first, v_first + v_n - 1 USING ERRCODE = 'DQ002';
         END IF;
@@ -1363,7 +1368,9 @@ $$;
 -- the slot; in between, the number is issued and unwritten, as a push in progress is), and NULL when
 -- the ring does not exist. The number is taken before this transaction has an xid (the gap proof
 -- relies on a push having one first), so a pop could give it up as a gap in that instant: the UPDATE
--- then finds the slot moved on and writes nothing, and ring_push fails with DQ002 (new numbers).
+-- then finds the slot moved on and writes nothing, and ring_push fails with DQ002 (new numbers). So
+-- too between this statement and ring_push's xid, when no transaction holds the number: ring_push
+-- fails with DQ002 whether the slot still holds it given up or the ring has gone round over it.
 -- p_floor: a floor of this ring that the caller read earlier (ring_floor), or NULL to read it now. A
 -- committed floor never goes down, so one read by any earlier transaction that wrote nothing bounds
 -- this write too; reading it costs three index scans through the SQL-function executor, more than the
