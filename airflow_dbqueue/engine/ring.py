@@ -80,6 +80,7 @@ from airflow_dbqueue.engine.ring_base import (
     RING_DEFAULT_CAPACITY,
     RING_DEFAULT_LANES,
     RING_DEFAULT_PAYLOAD,
+    RING_LANE_TIMEOUT_S,
     RING_MAX_CAPACITY,
     RING_MAX_LANES,
     RING_MAX_PAYLOAD,
@@ -87,6 +88,7 @@ from airflow_dbqueue.engine.ring_base import (
     _id,
     check_ring_push,
     nack_settle_params,
+    waiting_out_locks,
 )
 from airflow_dbqueue.engine.ring_batches import RingBatches
 from airflow_dbqueue.engine.ring_groups import RingGroups
@@ -100,6 +102,7 @@ __all__ = [
     "RING_DEFAULT_LAG_TIMEOUT_S",
     "RING_DEFAULT_LANES",
     "RING_DEFAULT_PAYLOAD",
+    "RING_LANE_TIMEOUT_S",
     "RING_MAX_CAPACITY",
     "RING_MAX_LANES",
     "RING_MAX_PAYLOAD",
@@ -122,6 +125,8 @@ class RingQueue(RingGroups, RingInspect, RingBatches):
     :attr push_timeout: seconds a push waits for a full ring before :class:`QueueFullError`.
     :attr gap_timeout: seconds after which a pop gives up a number that stays issued but unwritten
         even without proof that its holder is gone (a holder alive but stuck that long).
+    :attr lane_timeout: seconds a pop outside a caller's transaction waits, in all, for locks other
+        transactions hold (:data:`RING_LANE_TIMEOUT_S`), before it answers that it found nothing.
     """
 
     def push_batch(
@@ -241,15 +246,24 @@ class RingQueue(RingGroups, RingInspect, RingBatches):
         self, n: int, semantics: Semantics, vt: float, consumer: str, conn: DbConnection | None
     ) -> list[Message]:
         try:
-            return self._take(n, semantics, vt, consumer, conn)
+            if conn is not None:
+                return self._take(n, semantics, vt, consumer, conn)
+            return waiting_out_locks(
+                lambda: self._take(n, semantics, vt, consumer, None), [], self.lane_timeout
+            )
         except DatabaseError:
             self._raise_if_gone()  # on a pooled connection: a caller's failed transaction stays as it is
             raise
 
     def _pop_payloads_once(self, n: int, semantics: Semantics, conn: DbConnection | None) -> list[Any]:
+        vt = self.settings.visibility_timeout_s
         try:
-            return self._take(
-                n, semantics, self.settings.visibility_timeout_s, DEFAULT_CONSUMER, conn, payloads=True
+            if conn is not None:
+                return self._take(n, semantics, vt, DEFAULT_CONSUMER, conn, payloads=True)
+            return waiting_out_locks(
+                lambda: self._take(n, semantics, vt, DEFAULT_CONSUMER, None, payloads=True),
+                [],
+                self.lane_timeout,
             )
         except DatabaseError:
             self._raise_if_gone()
@@ -305,12 +319,10 @@ class RingQueue(RingGroups, RingInspect, RingBatches):
                 name = "ring_take_lease"
             else:
                 name = "ring_take_payloads" if payloads and self._db.payload_pops else "ring_take"
-            try:
-                rows = self._db.fetchall(name, {**params, "wait": conn is None}, conn)
-            except LockTimeoutError:
-                if conn is not None:
-                    raise
-                return []  # every lane stayed held by other pops for lock_timeout
+            # Outside a caller's transaction, a take that found the lanes with messages held by other
+            # transactions (for its lock timeout, or again after its wait) fails with LockTimeoutError,
+            # having taken nothing: _pop_once pops again (waiting_out_locks).
+            rows = self._db.fetchall(name, {**params, "wait": conn is None}, conn)
             msgs = self._payloads(rows) if payloads else self._messages(rows)
             if msgs:
                 # A short take is handed over as it is, and the next pop goes through ring_pop: a pop
@@ -358,9 +370,11 @@ class RingQueue(RingGroups, RingInspect, RingBatches):
                     conn,
                 )
             except LockTimeoutError:
-                if conn is not None:
-                    raise  # the caller's transaction failed with it: only the caller can redo its part
-                break  # every lane stayed held by other pops (perhaps a caller's long transaction)
+                if conn is not None or not msgs:
+                    # The caller's transaction failed with it: only the caller can redo its part. Outside
+                    # one, nothing was taken: _pop_once pops again (waiting_out_locks).
+                    raise
+                break  # the lanes with messages are held by others: what an earlier call took is the pop's
             meta = rows.pop()
             rows.sort(key=_first)  # messages due again first, then the lanes': nearly always sorted
             got = self._messages(rows)

@@ -8,16 +8,18 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import repeat
 from operator import attrgetter, itemgetter
-from typing import TYPE_CHECKING, Any, Self, cast
+from typing import TYPE_CHECKING, Any, Self, TypeVar, cast
 
 from airflow_dbqueue.engine.errors import (
     ConfigurationError,
     DatabaseError,
+    DeadlockError,
     GroupNotFoundError,
     LeaseExpiredError,
+    LockTimeoutError,
     NotSupportedError,
     QueueNotFoundError,
 )
@@ -91,6 +93,31 @@ def group_infos(rows: Iterable[Sequence[Any]], queue_id: int) -> list[GroupInfo]
 
 
 log = logging.getLogger("airflow_dbqueue.engine.ring")  # the ring design's one logger, whichever module logs
+
+RING_LANE_TIMEOUT_S = 5.0
+"""A ring handle's default ``lane_timeout``: how long, in all, a pop or a claim outside a caller's
+transaction waits for locks that other transactions hold (a lane another pop or a caller's transaction
+holds, a table that a rotation's TRUNCATE or a compaction's VACUUM FULL locks). Each try waits up to its
+statement's lock timeout (1 s) and fails when the lock stays held, or when it took nothing while another
+transaction held a lane with messages; the handle tries again, in a new transaction, until this much
+time has passed, and then answers that it found nothing."""
+
+_T = TypeVar("_T")
+
+
+def waiting_out_locks(take: Callable[[], _T], nothing: _T, timeout: float) -> _T:
+    """``take()``, tried again while it fails with :class:`LockTimeoutError` or :class:`DeadlockError`
+    (its transaction rolled back: nothing was taken) until ``timeout`` seconds have passed since the first
+    try; then ``nothing``. For a pop or claim outside a caller's transaction only: a caller's transaction
+    that failed is the caller's to run again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return take()
+        except (LockTimeoutError, DeadlockError) as exc:
+            if time.monotonic() >= deadline:
+                log.info("a pop found its locks held for %gs and took nothing: %s", timeout, exc)
+                return nothing
 
 
 def nack_settle_params(
@@ -229,6 +256,7 @@ class RingBase(Queue):
         }
         self.push_timeout = 30.0
         self.gap_timeout = 5.0
+        self.lane_timeout = RING_LANE_TIMEOUT_S
         self.reclaim_every = min(1.0, settings.visibility_timeout_s / 2)
         self._root = cast("Self", self)  # a group's handle: its ring's default handle (RingQueue.group)
 

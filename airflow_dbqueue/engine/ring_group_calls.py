@@ -48,9 +48,9 @@ class RingGroupCalls(Queue):
     _GROUP_IDS_QUERY: ClassVar[str]
     """The statement that names the ring's groups, ``(gid, name, ...)`` rows: ``ring_groups`` (slots, the
     default group's row among them), ``ring_rows_group_ids`` (rows, the other groups only)."""
-    _GROUP_INHERITS: ClassVar[tuple[str, ...]] = ("push_timeout",)
+    _GROUP_INHERITS: ClassVar[tuple[str, ...]] = ("push_timeout", "lane_timeout")
     """The settings of the default group's handle that a group's handle takes on when made: a push
-    through a group's handle is a push into the ring."""
+    through a group's handle is a push into the ring, and its pops wait for locks as the ring's."""
     _GROUP_OWN_TABLES: ClassVar[bool] = False
     """Whether a group is made of tables of its own (rows), which the ring's per-queue grants must reach
     as it is made; a slots ring's groups are rows in the ring's tables."""

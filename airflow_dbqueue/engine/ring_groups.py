@@ -13,6 +13,6 @@ class RingGroups(RingGroupCalls, RingBase):
 
     _GROUPS_QUERY = "ring_groups"
     _GROUP_IDS_QUERY = "ring_groups"
-    _GROUP_INHERITS = ("push_timeout", "gap_timeout")
+    _GROUP_INHERITS = ("push_timeout", "gap_timeout", "lane_timeout")
     _LAG_UNIT = "numbers"
     _LAG_HOLDS = "floor"

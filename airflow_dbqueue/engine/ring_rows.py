@@ -152,9 +152,11 @@ from airflow_dbqueue.engine.queue import (
 from airflow_dbqueue.engine.ring_base import (
     _NOTIFY_CODE,
     _SETTLE_ACK,
+    RING_LANE_TIMEOUT_S,
     check_ring_push,
     failed_messages,
     nack_settle_params,
+    waiting_out_locks,
 )
 from airflow_dbqueue.engine.ring_rows_batches import RowsRingBatches
 from airflow_dbqueue.engine.ring_rows_groups import RowsRingGroups
@@ -228,6 +230,7 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         self._look_popping: float | None = None
         self._look_lock = threading.Lock()
         self.push_timeout = 30.0
+        self.lane_timeout = RING_LANE_TIMEOUT_S
         self.reclaim_every = min(1.0, settings.visibility_timeout_s / 2)
         # What ring_rows_gaps returned last: (its transaction id, the row sequence's position read
         # before it); a row issued by then and still unwritten once every transaction before that id
@@ -460,19 +463,28 @@ class RowsRingQueue(RowsRingGroups, RowsRingBatches):
         # wait: when other pops hold every lane with messages, wait for one (not in a caller's
         # transaction, which may hold lanes of its own, nor in a waiting pop's look, which reports a
         # push in progress then and looks again, or is woken when the holder took something).
+        # Waiting, a take that found the lanes with rows held by other transactions (for its lock
+        # timeout, or again after its wait) fails with LockTimeoutError, having taken nothing: it is tried
+        # again, in a new transaction, for up to lane_timeout (waiting_out_locks).
         params["wait"] = conn is None and not getattr(self._asked, "looking", False)
+
+        def take() -> list[tuple[Any, ...]]:
+            rows = self._db.fetchall(query, params, conn, identifiers=fn)
+            if not rows and conn is None and self._give_up_gaps():
+                rows = self._db.fetchall(query, params, conn, identifiers=fn)
+            return rows
+
         try:
             now = time.monotonic()
             if now - self._last_reclaim >= self.reclaim_every:
                 self._last_reclaim = now
                 self._reclaim(RECLAIM_LIMIT, conn)  # a group dropped meanwhile raises below, by name
-            rows = self._db.fetchall(query, params, conn, identifiers=fn)
-            if not rows and conn is None and self._give_up_gaps():
-                rows = self._db.fetchall(query, params, conn, identifiers=fn)
+            if conn is not None:
+                return take()
+            return waiting_out_locks(take, [], self.lane_timeout)
         except (DatabaseError, SchemaError):
             self._raise_if_gone()
             raise
-        return rows
 
     def _give_up_gaps(self, *, force: bool = False) -> int:
         """Give up the ring's gaps proven since this handle last looked (ring_rows_gaps); return how

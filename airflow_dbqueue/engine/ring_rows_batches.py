@@ -43,6 +43,7 @@ from airflow_dbqueue.engine.errors import (
 )
 from airflow_dbqueue.engine.models import Batch, BatchState, Message
 from airflow_dbqueue.engine.queue import DEFAULT_CONSUMER, RECLAIM_LIMIT, _check_batch_size
+from airflow_dbqueue.engine.ring_base import waiting_out_locks
 
 if TYPE_CHECKING:
     from airflow_dbqueue.engine.dialects.base import DbConnection
@@ -57,6 +58,7 @@ class RowsRingBatches(BatchLedger):
         group_name: str
         _last_reclaim: float
         reclaim_every: float
+        lane_timeout: float
 
         def _reclaim(self, limit: int, conn: DbConnection | None) -> int: ...
 
@@ -136,10 +138,18 @@ class RowsRingBatches(BatchLedger):
             "visibility_timeout_s": vt,
             "consumer": consumer or DEFAULT_CONSUMER,
         }
-        batch = self._claim(params, conn)
-        if batch is None and conn is None and self._give_up_gaps():
-            batch = self._claim(params, conn)
-        return batch
+        if conn is not None:
+            return self._claim(params, conn)
+
+        def claim() -> Batch | None:
+            batch = self._claim(params, None)
+            if batch is None and self._give_up_gaps():
+                batch = self._claim(params, None)
+            return batch
+
+        # A claim that found the lanes with rows held by other transactions fails with LockTimeoutError,
+        # having taken nothing, as a pop does: it is tried again for up to lane_timeout.
+        return waiting_out_locks(claim, None, self.lane_timeout)
 
     def _claim(self, params: dict[str, Any], conn: DbConnection | None) -> Batch | None:
         now = time.monotonic()

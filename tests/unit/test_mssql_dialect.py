@@ -1463,13 +1463,15 @@ def test_a_pop_whose_lanes_stay_locked_returns_empty_on_a_fake_sql_server(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """ring_pop's lanes stayed held past its LOCK_TIMEOUT (error 1222, which rolls its transaction back):
-    the dialect runs it again up to its retries, then the engine returns nothing for this pop; in the
-    caller's transaction the error is raised at once, once the queue is found still there (a pooled
-    lookup: the caller's transaction is left as it is)."""
+    the dialect runs it again up to its retries, and the engine pops again until the handle's
+    lane_timeout has passed (none here: one pop of the dialect's tries), then returns nothing for this
+    pop; in the caller's transaction the error is raised at once, once the queue is found still there (a
+    pooled lookup: the caller's transaction is left as it is)."""
     timeout = import_pyodbc().Error(
         "HY000", f"[HY000] {DRIVER}[SQL Server]Lock request time out period exceeded. (1222) (SQLExecDirectW)"
     )
     q, fake = _ring_on_fake_sql_server(monkeypatch, [timeout] * 4)
+    q.lane_timeout = 0.0
     assert q.pop(3) == []
     assert (fake.commits, fake.rollbacks) == (0, 4) and fake.script == []
     q2, fake2 = _ring_on_fake_sql_server(monkeypatch, [timeout, [(1,)]])

@@ -565,6 +565,43 @@ def check_dropped(make: Make) -> None:
     assert ring.pop(5, own=True) == ([], (None, None, None))
 
 
+def check_gone_round(make: Make) -> None:
+    """A push's number given up as a gap while it waited (ring_push_one took it and found its slot not
+    free, and ring_push writes it later, in a transaction of its own) is DQ002 to ring_push, whether the
+    slot still holds the number given up or the ring has gone round over it since: a later number there
+    (nobody else writes ours) is never the number before ours again, and the push would otherwise wait
+    its whole timeout and fail as full (DQ001)."""
+    ring = make(capacity=4, lanes=2)
+    assert ring.push(b"1", b"2", b"3", b"4") == [1, 2, 3, 4]
+    _, out = ring.server.call(
+        "ring_push",
+        queue_id=1,
+        cap=4,
+        payloads=None,
+        payload=b"5",
+        timeout_s=0.0,
+        first=None,
+        once=1,
+        num=None,
+        written=None,
+    )
+    assert (out["num"], out["written"]) == (5, 0)  # ring_push_one's: issued, its slot not free
+    assert ids(ring.take(8)) == [1, 2, 3, 4]
+    assert ring.skip_abandoned() == 1  # no push lane held: 5's holder is gone
+    assert ring.slot_of(5) == (5, None)
+    fails(lambda: push_call(ring, first=5), 50000, r"^\[DQ002\] ring 1: numbers 5 \.\. 5 were given up")
+    assert ring.pass_lanes() == 1
+    assert ring.push(b"6", b"7", b"8", b"9") == [6, 7, 8, 9]  # 9 in 5's slot
+    assert ids(ring.take(8)) == [6, 7, 8, 9]
+    assert ring.slot_of(9)[0] == 9
+    fails(lambda: push_call(ring, first=5), 50000, r"^\[DQ002\] ring 1: numbers 5 \.\. 5 were given up")
+    assert push_call(ring)["num"] == 10
+
+
+def test_a_push_whose_number_the_ring_went_round_over_is_dq002() -> None:
+    check_gone_round(maker())
+
+
 def test_a_dropped_ring_is_dq004_to_pushes_and_pops() -> None:
     check_dropped(maker())
 
@@ -676,6 +713,8 @@ MUTATIONS = [
         "WHERE t.queue_id = @gid AND 1 = 1 OR EXISTS (\n        SELECT 1",
         check_second_part_refused,
     ),
+    # a push whose number was given up
+    ("ring_push", "OR t.seq > @base1 + t.slot))", "OR 1 = 0))", check_gone_round),
     # a pop of none
     ("ring_pop", "IF @skipped > 0", "IF @skipped > 1000", check_pop_of_none),
     ("ring_skip_gap", "SET @skipped = @k;", "SET @skipped = 0;", check_pop_of_none),

@@ -347,7 +347,9 @@ END
 -- to a slot, only at the floor. A slot not free yet (the ring is full there, or its previous number is a
 -- gap not given up yet) is waited for with backoff (1 ms doubling to 50 ms) up to @timeout_s, then error
 -- 50000 '[DQ001] ...'. If a consumer gave one of our numbers up as a gap (only with the lane proof, or
--- after its gap timeout), '[DQ002] ...': the caller retries with new numbers. Either way the slots this
+-- after its gap timeout), '[DQ002] ...': the caller retries with new numbers; its slot holds our number
+-- without a payload, or a later number once the ring has gone round over it (nobody else writes our
+-- number), which a push that waited long must not take for a full ring. Either way the slots this
 -- push wrote are put back first (each to the number a capacity before, without a payload: that number is
 -- below the floor, where nothing reads a slot), which leaves a caller's transaction usable after the
 -- error (RAISERROR does not abort it, even with XACT_ABORT ON). Slots are written past locks (READPAST:
@@ -491,9 +493,11 @@ BEGIN
         END;
         IF EXISTS (
             SELECT 1 FROM {schema}.ring_slots t WITH (READCOMMITTEDLOCK, READPAST)
-            WHERE t.queue_id = @queue_id AND t.payload IS NULL
-              AND ((t.slot >= @a AND t.slot < @b1 AND t.seq = @base1 + t.slot)
-                   OR (t.slot < @b2 AND t.seq = @base2 + t.slot)))
+            WHERE t.queue_id = @queue_id
+              AND ((t.slot >= @a AND t.slot < @b1
+                    AND (t.seq = @base1 + t.slot AND t.payload IS NULL OR t.seq > @base1 + t.slot))
+                   OR (t.slot < @b2
+                       AND (t.seq = @base2 + t.slot AND t.payload IS NULL OR t.seq > @base2 + t.slot))))
         BEGIN
             SET @fail = 2;
             BREAK;

@@ -1251,9 +1251,13 @@ $$;
 -- Slots already written stay locked meanwhile (nothing is visible before commit). If a consumer gave
 -- one of our numbers up as a gap (only when it proved every transaction that could hold it finished,
 -- or after its gap timeout), SQLSTATE DQ002: the statement fails whole and the caller retries with new
--- numbers. Besides our push, only gap skips write a slot that holds the number before ours; they lock
--- with SKIP LOCKED and commit at once, so our UPDATE waits on nothing else, and after such a wait it
--- finds the number given up (DQ002). So pushes never wait on each other or on consumers.
+-- numbers. Such a slot holds our number without a payload, and later a number past ours once the ring
+-- has gone round over it (nobody else writes our number, so a higher one there means ours was given
+-- up): both are DQ002, or a push that waited too long would wait for a slot that can never hold the
+-- number before ours again, and fail as full. Besides our push, only gap skips write a slot that holds
+-- the number before ours; they lock with SKIP LOCKED and commit at once, so our UPDATE waits on nothing
+-- else, and after such a wait it finds the number given up (DQ002). So pushes never wait on each other
+-- or on consumers.
 -- p_notify: 0 never, 1 when some consumer group had taken every number before ours already (its
 -- consumers caught up: they may be waiting), 2 always.
 -- p_cap is the ring's capacity, which the caller read with the queue (it never changes); the sequences
@@ -1366,11 +1370,12 @@ BEGIN
         IF EXISTS (
             SELECT 1 FROM {schema}.ring_slots t
             WHERE t.queue_id = p_queue_id AND t.slot >= v_a AND t.slot < v_b1
-              AND t.seq = v_first - v_a + t.slot AND t.payload IS NULL
+              AND (t.seq = v_first - v_a + t.slot AND t.payload IS NULL OR t.seq > v_first - v_a + t.slot)
             UNION ALL
             SELECT 1 FROM {schema}.ring_slots t
             WHERE t.queue_id = p_queue_id AND t.slot < v_b2
-              AND t.seq = v_first + v_cap - v_a + t.slot AND t.payload IS NULL) THEN
+              AND (t.seq = v_first + v_cap - v_a + t.slot AND t.payload IS NULL
+                   OR t.seq > v_first + v_cap - v_a + t.slot)) THEN
             RAISE EXCEPTION 'ring %: numbers % .. % were given up as gaps before this push wrote them',
                 p_queue_id, v_first, v_first + v_n - 1 USING ERRCODE = 'DQ002';
         END IF;
@@ -1405,7 +1410,9 @@ $$;
 -- the slot; in between, the number is issued and unwritten, as a push in progress is), and NULL when
 -- the ring does not exist. The number is taken before this transaction has an xid (the gap proof
 -- relies on a push having one first), so a pop could give it up as a gap in that instant: the UPDATE
--- then finds the slot moved on and writes nothing, and ring_push fails with DQ002 (new numbers).
+-- then finds the slot moved on and writes nothing, and ring_push fails with DQ002 (new numbers). So
+-- too between this statement and ring_push's xid, when no transaction holds the number: ring_push
+-- fails with DQ002 whether the slot still holds it given up or the ring has gone round over it.
 -- p_floor: a floor of this ring that the caller read earlier (ring_floor), or NULL to read it now. A
 -- committed floor never goes down, so one read by any earlier transaction that wrote nothing bounds
 -- this write too; reading it costs three index scans through the SQL-function executor, more than the
@@ -1469,10 +1476,12 @@ $$;
 -- ring_pop takes the same; ring_held, ring_split_leases, ring_settle, ring_reclaim_expired and
 -- ring_ready take the ring's queue_id and the group's key (p_gid: the queue_id for the default group).
 -- p_retries: first check whether messages to deliver again are ready, and take nothing if so (ring_pop
--- serves them first). p_wait: when every lane is locked by other pops, wait for them (for one lane, the
--- lowest, at a pop of one) instead of returning nothing, at most lock_timeout (1 s): batch consumers
--- then take turns with all the lanes, each pop one short transaction, instead of finding nothing and
--- calling again.
+-- serves them first). p_wait: when every lane with a message is locked by other pops, wait for the
+-- lowest of them instead of returning nothing, at most lock_timeout (1 s): batch consumers then take
+-- turns with the lanes, each pop one short transaction, instead of finding nothing and calling again.
+-- A pop that waited and finds the lanes with a message held again fails with lock_not_available, as
+-- when its wait runs out: the client pops again (in a new transaction) for up to its lane_timeout, so
+-- that a pop returns nothing only when nothing is ready that another transaction is not taking.
 -- Plans are generic (the ring's tables never change size, so their statistics never mislead) and never
 -- bitmap scans: the scan walks the primary key in slot order.
 CREATE OR REPLACE FUNCTION {schema}.ring_take(
@@ -1498,6 +1507,7 @@ DECLARE
     v_first bigint;
     v_last bigint;
     v_whole boolean;
+    v_wait integer;
 BEGIN
     IF p_queue_id < 0 THEN  -- a consumer group's gid: the key of its rows; p_queue_id becomes its ring's
         SELECT g.queue_id INTO p_queue_id FROM {schema}.ring_groups g WHERE g.gid = v_gid;
@@ -1588,30 +1598,63 @@ BEGIN
                 WHERE r.queue_id = v_gid AND r.state = 1 AND r.due_at <= now()) THEN
             RETURN;
         END IF;
-        IF p_wait AND NOT EXISTS (
-                SELECT 1 FROM {schema}.ring_lanes t WHERE t.queue_id = v_gid FOR UPDATE SKIP LOCKED) THEN
-            -- Every lane is held by other pops: wait for the lowest one, then take free ones up to half the
-            -- lanes. A pop that finds the lanes free takes all it can use (one consumer alone sees ids in
-            -- order); consumers popping at the same time then share the lanes, each its part, instead of
-            -- taking turns with all of them (one pop at a time, measured at 1.27x the naive queue with one
-            -- consumer and 1.34x with two at 2x2 batch 100, where the naive queue gained nothing either).
-            SELECT array_agg(l.lane), array_agg(l.pos) INTO v_lanes, v_pos
-            FROM (SELECT t.lane, t.pos FROM {schema}.ring_lanes t WHERE t.queue_id = v_gid
-                  ORDER BY t.pos LIMIT 1 FOR UPDATE) l;
-            IF p_n > 1 AND p_lanes > 2 THEN
-                SELECT v_lanes || coalesce(array_agg(l.lane), ARRAY[]::integer[]),
-                       v_pos || coalesce(array_agg(l.pos), ARRAY[]::bigint[])
-                INTO v_lanes, v_pos
-                FROM (SELECT t.lane, t.pos FROM {schema}.ring_lanes t
-                      WHERE t.queue_id = v_gid AND t.lane <> v_lanes[1]
-                      ORDER BY t.pos LIMIT least(p_n, p_lanes / 2) - 1 FOR UPDATE SKIP LOCKED) l;
+        IF NOT p_wait THEN
+            RETURN;
+        END IF;
+        -- No lane with a message is free: those whose next number is written are held by other pops,
+        -- which take a part of them at most. Wait for the lowest of them (nothing when none has a message),
+        -- then take free ones up to half the lanes. A pop that finds the lanes free takes all it can use
+        -- (one consumer alone sees ids in order); consumers popping at the same time then share the lanes,
+        -- each its part, instead of taking turns with all of them (one pop at a time, measured at 1.27x
+        -- the naive queue with one consumer and 1.34x with two at 2x2 batch 100, where the naive queue
+        -- gained nothing either).
+        -- A lane past the issued position has nothing written (the usual empty pop): its slot is not read.
+        v_issued := coalesce(pg_sequence_last_value(to_regclass('{schema}.ring_' || p_queue_id || '_seq')), 0);
+        SELECT t.lane INTO v_wait FROM {schema}.ring_lanes t
+        WHERE t.queue_id = v_gid AND t.pos <= v_issued AND EXISTS (
+            SELECT 1 FROM {schema}.ring_slots s
+            WHERE s.queue_id = p_queue_id AND s.slot = (t.pos % p_cap)::integer AND s.seq = t.pos)
+        ORDER BY t.pos LIMIT 1;
+        IF v_wait IS NULL THEN
+            RETURN;
+        END IF;
+        SELECT array_agg(l.lane), array_agg(l.pos) INTO v_lanes, v_pos
+        FROM (SELECT t.lane, t.pos FROM {schema}.ring_lanes t WHERE t.queue_id = v_gid AND t.lane = v_wait
+              FOR UPDATE) l;
+        IF p_n > 1 AND p_lanes > 2 THEN
+            SELECT v_lanes || coalesce(array_agg(l.lane), ARRAY[]::integer[]),
+                   v_pos || coalesce(array_agg(l.pos), ARRAY[]::bigint[])
+            INTO v_lanes, v_pos
+            FROM (SELECT t.lane, t.pos FROM {schema}.ring_lanes t
+                  WHERE t.queue_id = v_gid AND t.lane <> v_lanes[1]
+                  ORDER BY t.pos LIMIT least(p_n, p_lanes / 2) - 1 FOR UPDATE SKIP LOCKED) l;
+        END IF;
+        -- Only those whose next number is written: a lane stopped at a push in progress or a gap gives
+        -- nothing now, and must not stop the others.
+        SELECT array_agg(u.lane), array_agg(u.pos), min(u.pos) INTO v_lanes, v_pos, v_lo
+        FROM unnest(v_lanes, v_pos) AS u(lane, pos)
+        JOIN {schema}.ring_slots s
+          ON s.queue_id = p_queue_id AND s.slot = (u.pos % p_cap)::integer AND s.seq = u.pos;
+        IF v_lanes IS NULL THEN
+            -- The lane waited for was emptied by its holder: the lanes with a message now, free ones (and
+            -- this pop's own) locked. When other pops hold every one of them again, the pop fails with
+            -- lock_not_available, and the client pops again in a new transaction (which waits holding no
+            -- lane) rather than answer that nothing is ready.
+            SELECT array_agg(l.lane), array_agg(l.pos), min(l.pos) INTO v_lanes, v_pos, v_lo
+            FROM (SELECT t.lane, t.pos FROM {schema}.ring_lanes t
+                  WHERE t.queue_id = v_gid AND EXISTS (
+                      SELECT 1 FROM {schema}.ring_slots s
+                      WHERE s.queue_id = p_queue_id AND s.slot = (t.pos % p_cap)::integer AND s.seq = t.pos)
+                  ORDER BY t.pos LIMIT least(p_n, p_lanes) FOR UPDATE SKIP LOCKED) l;
+            IF v_lanes IS NULL AND EXISTS (
+                    SELECT 1 FROM {schema}.ring_lanes t
+                    WHERE t.queue_id = v_gid AND EXISTS (
+                        SELECT 1 FROM {schema}.ring_slots s
+                        WHERE s.queue_id = p_queue_id AND s.slot = (t.pos % p_cap)::integer
+                          AND s.seq = t.pos)) THEN
+                RAISE EXCEPTION 'every lane of ring % with a message is held by another transaction', p_queue_id
+                    USING ERRCODE = 'lock_not_available';
             END IF;
-            -- Only those whose next number is written: a lane stopped at a push in progress or a gap gives
-            -- nothing now, and must not stop the others.
-            SELECT array_agg(u.lane), array_agg(u.pos), min(u.pos) INTO v_lanes, v_pos, v_lo
-            FROM unnest(v_lanes, v_pos) AS u(lane, pos)
-            JOIN {schema}.ring_slots s
-              ON s.queue_id = p_queue_id AND s.slot = (u.pos % p_cap)::integer AND s.seq = u.pos;
         END IF;
     END IF;
     IF v_lanes IS NULL THEN
@@ -1874,7 +1917,8 @@ $$;
 -- p_own: the pop runs in the caller's transaction, which may roll back: it skips no gap, waits for no
 -- lane and reports none.
 -- lock_timeout bounds the wait for lanes held by other pops (a caller's long transaction may hold them):
--- the pop then fails with a lock timeout, and the caller pops again.
+-- the pop then fails with a lock timeout (or lock_not_available, from ring_take), and the client pops
+-- again for up to its lane_timeout.
 CREATE OR REPLACE FUNCTION {schema}.ring_pop(
     p_queue_id integer, p_cap integer, p_lanes integer, p_n integer, p_lease boolean,
     p_vt double precision, p_consumer text, p_own boolean,
@@ -2973,7 +3017,10 @@ $b$
 -- now + p_vt), or at most once (exactly once in the caller's transaction). Messages due again first
 -- (@Pagain), then the lanes'. Lanes with a row to take are locked lowest position first (try-locks:
 -- concurrent pops take different lanes), up to the messages still wanted; p_wait: when others hold every such lane, wait for the
--- lowest one (at most the lock_timeout, 1 s). The positions are read again after the locks, in a
+-- lowest one (at most the lock_timeout, 1 s) and read the lanes again; when it takes nothing while
+-- another transaction holds a lane with rows (after that wait, or when the lanes it locked turned out
+-- emptied), it fails with lock_not_available and the client pops again in a new transaction, so that a
+-- pop answers nothing only when no row is left that another pop is not taking. The positions are read again after the locks, in a
 -- statement of their own: a statement that locked a lane and read its position would read it as it was
 -- before a pop that released the lane committed. The rows of the held lanes are then taken in row
 -- order, each lane's contiguously (a lane's next row not written yet stops the lane: a push in progress
@@ -3015,6 +3062,7 @@ DECLARE
     v_k integer;
     v_gen bigint;
     v_cur refcursor;
+    v_busy integer;
 @E    v_took boolean[] := array_fill(false, ARRAY[@L]);
 @E    v_skip bigint[] := array_fill(NULL::bigint, ARRAY[@L]);
 @E    v_xr bigint[] := ARRAY[]::bigint[];
@@ -3047,30 +3095,49 @@ BEGIN
             RETURN;
         END IF;
     END IF;
-    v_all := {schema}.@Planes(NULL);
-    -- Per key: only the free lanes (@Pholds), those with messages due again too, which come first.
-@O  v_hold := {schema}.@Pholds();
-    SELECT array_agg((u.o - 1)::integer ORDER BY u.at
-@O      * (2 - v_hold[u.o])
-        ) INTO v_order FROM unnest(v_all) WITH ORDINALITY u(at, o)
-    WHERE (u.at >> 16) <= v_last
-@O      AND v_hold[u.o] = 0 OR v_hold[u.o] = 2
-    ;
-    IF v_order IS NULL THEN  -- every lane past the last row issued
-        RETURN;
-    END IF;
-    FOREACH v_lane IN ARRAY v_order LOOP
-        IF pg_try_advisory_xact_lock(@K2, v_lane) THEN
-            v_locked := v_locked || v_lane;
-            EXIT WHEN cardinality(v_locked) >= v_left;
-        END IF;
-    END LOOP;
-    IF cardinality(v_locked) = 0 THEN
-        IF NOT p_wait THEN
+    -- Round 2 only after a wait for a lane (p_wait), when the first round could lock none: the lanes
+    -- read again, as the one waited for may have been emptied by its holder and others freed meanwhile.
+    FOR v_round IN 1 .. 2 LOOP
+        v_all := {schema}.@Planes(NULL);
+        -- Per key: only the free lanes (@Pholds), those with messages due again too, which come first.
+@O      v_hold := {schema}.@Pholds();
+        SELECT array_agg((u.o - 1)::integer ORDER BY u.at
+@O          * (2 - v_hold[u.o])
+            ) INTO v_order FROM unnest(v_all) WITH ORDINALITY u(at, o)
+        WHERE (u.at >> 16) <= v_last
+@O          AND v_hold[u.o] = 0 OR v_hold[u.o] = 2
+        ;
+        IF v_order IS NULL THEN  -- every lane past the last row issued
             RETURN;
         END IF;
+        v_busy := NULL;
+        FOREACH v_lane IN ARRAY v_order LOOP
+            IF pg_try_advisory_xact_lock(@K2, v_lane) THEN
+                v_locked := v_locked || v_lane;
+                EXIT WHEN cardinality(v_locked) >= v_left;
+            ELSIF v_busy IS NULL THEN
+                v_busy := v_lane;  -- held by another transaction
+            END IF;
+        END LOOP;
+        IF cardinality(v_locked) > 0 OR NOT p_wait THEN
+            EXIT;
+        END IF;
+        IF v_round = 2 THEN
+            -- Held again after the wait: the client pops again in a new transaction (which waits holding
+            -- no lane) rather than answer that nothing is ready, unless messages due again were taken.
+            IF v_left = p_n THEN
+                RAISE EXCEPTION 'every lane of a ring with rows to take is held by another transaction'
+                    USING ERRCODE = 'lock_not_available';
+            END IF;
+            RETURN;
+        END IF;
+        -- Every lane with rows to take is held by other pops: wait for the lowest one (at most the
+        -- lock_timeout, which fails the pop; the client pops again).
         PERFORM pg_advisory_xact_lock(@K2, v_order[1]);
-        v_locked := ARRAY[v_order[1]];
+        v_last := pg_sequence_last_value('{schema}.@Prows');
+    END LOOP;
+    IF cardinality(v_locked) = 0 THEN
+        RETURN;
     END IF;
     -- Per key: the holds again, read after the locks (a pop that held a lane committed its lease before
     -- this one had the lane), and the locked lanes' messages due again taken first, in id order.
@@ -3193,10 +3260,20 @@ BEGIN
 @O@E          OR cardinality(v_xr) > 0
 @O      THEN
 @O          RETURN QUERY SELECT * FROM {schema}.@Ptake(v_left, p_wait, p_lease, p_vt, p_consumer);
+@O          RETURN;
 @O      END IF;
-@O      RETURN;
 @O  END IF;
     IF cardinality(v_rows) = 0 THEN
+        -- The lanes locked had nothing to take after all, each past the last row issued (pops emptied
+        -- them after the positions were read), while another transaction held a lane with rows: the
+        -- client pops again in a new transaction, which waits for that lane, rather than answer that
+        -- nothing is ready. (Not when a lane locked stops at a row not written yet: that is a push in
+        -- progress or a gap, which an empty answer lets the client give up.)
+        IF p_wait AND v_busy IS NOT NULL AND v_left = p_n
+           AND NOT EXISTS (SELECT 1 FROM unnest(v_at) x WHERE (x >> 16) <= v_last) THEN
+            RAISE EXCEPTION 'the lanes of a ring with rows to take are held by other transactions'
+                USING ERRCODE = 'lock_not_available';
+        END IF;
         RETURN;
     END IF;
     -- Each moved lane's new position: past its last row taken when taken to its end, else the place
