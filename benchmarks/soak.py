@@ -152,8 +152,9 @@ def producer(job: Job, index: int, share: int, out: Any, errors: Any) -> None:
 
 def consumer(job: Job, popped: Any, done_pushing: Any, out: Any, errors: Any) -> None:
     """Pop until every message went through; report (count, checksum) of what was popped, and the
-    longest pop that returned messages (a waiting pop's wait for a push is not counted: a pop of a
-    ready message that takes long waited for a lock or the machine)."""
+    longest pop that does not wait for a push (a waiting pop's wait is not counted; a pop that does not
+    wait and still takes long waited for a lock or the machine). A paced run's consumers keep up, so
+    most of their messages come through the waiting pop: the one before it, empty or not, is timed."""
     count = total = empty = 0
     longest = 0.0
     try:  # a waiting pop LISTENs on a connection of its own
@@ -162,9 +163,8 @@ def consumer(job: Job, popped: Any, done_pushing: Any, out: Any, errors: Any) ->
             while True:
                 t0 = time.monotonic()
                 msgs = q.pop(job.batch)
-                if msgs:
-                    longest = max(longest, time.monotonic() - t0)
-                else:
+                longest = max(longest, time.monotonic() - t0)
+                if not msgs:
                     msgs = q.pop(job.batch, wait=0.5)
                 if msgs:
                     empty = 0
