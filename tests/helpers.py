@@ -7,7 +7,8 @@
 system requirement into a skip, or into a failure under ``scripts/test``, which installs them all.
 :func:`load_benchmark` imports a script of benchmarks/ to test its own checks. :func:`held_horizon`
 opens a session that holds the xmin horizon, as a report job left idle in its transaction would;
-:func:`horizon_watch` records what held it while a block ran.
+:func:`horizon_watch` records what held it while a block ran. :func:`peek_then_pop` checks that a ring's
+peek shows what its next pop takes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import random
 import sys
 import threading
 import time
@@ -193,3 +195,70 @@ def engine_sessions(dsn: str) -> int:
             "AND datname = current_database()"
         ).fetchone()
     return int(row[0]) if row else 0
+
+
+def peek_then_pop(q: Any, shape: str, *, total: int, deep: int) -> None:
+    """Push ``total`` messages through ring ``q`` (a ring of the slots layout, on either dialect) in
+    pushes of 1 to 40, at least ``deep`` waiting once the ring has them, and pop them through a reader
+    (the ring itself, or with ``shape`` "group" a consumer group from the earliest message, while the
+    ring's default group pops ahead of it at its own pace): before each pop of n, peek(n) must show
+    exactly what the pop takes, in its order, each with its deliveries so far. Leases stay open a few
+    pops (their messages are left out of what the peek shows), some messages are nacked (delivered
+    again, first). The ring must have 4 lanes at most (a pop of n, n >= 4, locks up to n of them).
+    Every message is acked once by the reader (and taken once by the default group), counted and
+    checksummed, and the ids must have gone round the ring's slots twice."""
+    from airflow_dbqueue.engine import QueueFullError
+
+    rng = random.Random(f"peek-then-pop-{shape}")
+    q.push_timeout = 0.0  # a full ring answers at once: the pushes wait for the pops of the loop
+    reader = q.add_group("g", start="earliest") if shape == "group" else q
+    sent: list[Any] = []
+
+    def push_some() -> None:
+        while len(sent) < total:
+            size = min(rng.randint(1, 40), total - len(sent))
+            batch = [{"i": len(sent) + i, "pad": "p" * rng.randrange(200)} for i in range(size)]
+            try:
+                q.push_batch(batch)
+            except QueueFullError:
+                return
+            sent.extend(batch)
+            if len(sent) > deep and rng.random() < 0.3:
+                return
+
+    acked: list[Any] = []
+    taken: list[Any] = []  # the default group's, on a group
+    open_leases: list[list[Any]] = []
+    pops = 0
+    while pops < 20 * total:
+        push_some()
+        if shape == "group":
+            taken += q.pop(rng.randint(10, 60))
+        n = rng.randint(4, 30)
+        shown = reader.peek(n)
+        got = reader.pop(n, semantics="at-least-once")
+        assert [(m.id, m.payload, m.delivery + 1) for m in shown] == [
+            (m.id, m.payload, m.delivery) for m in got
+        ]
+        pops += 1
+        if not got and not open_leases and len(sent) == total:
+            break
+        again = [m for m in got if m.delivery < 3 and rng.random() < 0.1]
+        if again:
+            assert reader.nack(again, delay=0) == len(again)
+        rest = [m for m in got if m not in again]
+        if rest:
+            open_leases.append(rest)
+        while open_leases and (not got or rng.random() < 0.5):  # leases stay open a few pops
+            done = open_leases.pop(0)
+            assert reader.ack(done) == len(done)
+            acked += done
+    assert pops > total // 30 and len(acked) == len(sent) == total == len({m.id for m in acked})
+    assert max(m.id for m in acked) > 2 * q.settings.capacity  # the window went round the slots
+    assert checksum(m.payload for m in acked) == checksum(sent)
+    assert reader.peek() == [] and reader.count_ready() == 0
+    if shape == "group":
+        while batch := q.pop(100):
+            taken += batch
+        assert len(taken) == total == len({m.id for m in taken})
+        assert checksum(m.payload for m in taken) == checksum(sent)

@@ -34,7 +34,7 @@ from airflow_dbqueue.engine import (
     QueueNotFoundError,
 )
 from tests.dialects import dialect_dbq, postgres_only, run_sql  # noqa: F401 - dialect_dbq is the fixture "dbq"
-from tests.helpers import child_processes, horizon_watch
+from tests.helpers import child_processes, horizon_watch, peek_then_pop
 from tests.integration.test_conformance import drain
 
 if TYPE_CHECKING:
@@ -1018,3 +1018,44 @@ def test_stats_of_a_deep_ring_counts_its_lanes_and_says_when_it_estimates(
         assert q.stats().ready == 0
         assert len(got) == n and sorted(got) == sorted(sent)
         dbq.uninstall()
+
+
+@pytest.mark.parametrize("shape", ["plain", "group"])
+def test_peek_shows_what_the_next_pop_takes_on_a_deep_ring(dbq: DbQueue, shape: str) -> None:
+    """On a ring of 1,024 slots through which 3,000 messages pass in pushes of 1 to 40 (its window of
+    waiting numbers goes round the end of the slots again and again), peek(n) shows exactly what the pop
+    of n that follows takes (tests.helpers.peek_then_pop: the messages nacked to be delivered again
+    first, then the lanes', none that an open lease holds, each with its deliveries so far), on the ring
+    itself or on a consumer group, while the default group pops ahead of it. Every message is acked once
+    by the reader (and taken once by the default group), counted and checksummed."""
+    q = ring(dbq, "deep", 1024, lanes=4, max_attempts=10, retry_backoff=0)
+    peek_then_pop(q, shape, total=3000, deep=700)
+
+
+def test_a_peek_of_ten_reads_the_slots_of_ten_not_the_window(dbq: DbQueue) -> None:
+    """A peek of 10 on a ring of 10,000 waiting messages (payloads of 300 bytes; the window of waiting
+    numbers passes the end of the slots) reads about the slots of those 10, not every slot of the
+    window: the ring's heap pages it fetches, counted by the server in the peek's transaction, are fewer
+    than a tenth of the slots' pages. Every message is popped once, counted and checksummed."""
+    postgres_only(dbq, "counts PostgreSQL's page fetches")
+    q = ring(dbq, "deep", 12_000, payload_type="bytes", max_payload_bytes=512)
+    sent = [i.to_bytes(4, "big") + b"x" * 296 for i in range(14_000)]
+    got: list[Any] = []
+    for k in range(0, 4_000, 1_000):
+        q.push_batch(sent[k : k + 1_000])
+        got += q.pop(1_000)
+    for k in range(4_000, 14_000, 1_000):
+        q.push_batch(sent[k : k + 1_000])
+    qid = q.settings.queue_id
+    with psycopg.connect(dbq.db.dsn) as c:  # type: ignore[attr-defined]
+        slots = f'"{dbq.schema}".ring_slots'
+        pages = c.execute("SELECT pg_relation_size(%s::regclass) / 8192", (slots,)).fetchone()[0]  # type: ignore[index]
+        shown = c.execute(
+            dbq.db.query("ring_peek"),  # type: ignore[attr-defined]
+            {"queue_id": qid, "group": qid, "n": 10},
+        ).fetchall()
+        fetched = c.execute("SELECT pg_stat_get_xact_blocks_fetched(%s::regclass)", (slots,)).fetchone()[0]  # type: ignore[index]
+    assert [bytes(r[-1]) for r in shown] == [m.payload for m in q.peek(10)] == sent[4_000:4_010]
+    assert pages >= 500 and fetched < pages / 10, (fetched, pages)
+    got += drain(q)
+    assert len(got) == len(sent) and sorted(m.payload for m in got) == sent

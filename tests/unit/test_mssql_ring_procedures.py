@@ -982,3 +982,21 @@ def test_a_group_nobody_pops_holds_the_floor_until_maintenance_drops_it_on_inter
     assert q.add_group("audit")._gid == -3
     left = [r for t in ("ring_lanes", "ring_leases", "ring_retry") for r in server.tables[t].rows]
     assert {r["queue_id"] for r in left} == {1, -2, -3}  # the dropped group's rows are gone
+
+
+@pytest.mark.parametrize("shape", ["plain", "group"])
+def test_peek_shows_what_the_next_pop_takes_on_interpreted_sql_server(
+    monkeypatch: pytest.MonkeyPatch, shape: str
+) -> None:
+    """ring_peek as SQL Server runs it (the retry rows, then the lanes' slots from the lowest lane
+    position's slot to the end, then from slot 0): on a ring of 64 slots through which 400 messages
+    pass, its window going round the end of the slots again and again, peek(n) shows exactly what the
+    pop of n that follows takes (tests.helpers.peek_then_pop), on the ring or on a consumer group."""
+    from airflow_dbqueue.engine import DbQueue
+    from tests.helpers import peek_then_pop
+
+    server = tsql.ring_server(blocks())
+    dbq = DbQueue("mssql://u:p@h/db", schema="dbq")
+    tsql.InterpretedSqlServer(server).attach(monkeypatch, dbq.db)
+    q = dbq.create_queue("deep", design="ring", capacity=64, lanes=4, max_attempts=10, retry_backoff=0)
+    peek_then_pop(q, shape, total=400, deep=40)

@@ -2195,7 +2195,8 @@ $$;
 
 -- The messages of a ring that a pop could take now or later, without taking them: those of the lanes
 -- past their positions (attempts 0), and those to deliver again (r_due: when they are due). For
--- observers (peek, counts, stats), not for pops. A lane's message is a number x of the lane with
+-- observers (counts, stats; a peek reads ring_look, and the client of the release before this one's
+-- peek reads this), not for pops. A lane's message is a number x of the lane with
 -- pos <= x <= the push position, so it lies in the window of numbers from the group's lowest lane
 -- position (lo) to the push position (hi), whose slots are one range of the slots' key, or two where the
 -- window passes the end of the slots: only those slots are read (what the group has still to take, not
@@ -2230,6 +2231,70 @@ LANGUAGE sql STABLE AS $$
     JOIN {schema}.ring_retry r ON r.queue_id = p_gid
     JOIN {schema}.ring_slots s ON s.queue_id = g.queue_id AND s.slot = (r.id % g.capacity)::integer
     WHERE g.queue_id = p_queue_id AND r.state = 1
+$$;
+
+-- What a peek shows: up to p_n messages of ring_ready's that are due, in the order pops take them (those
+-- to deliver again first, then the lanes', each by id), read as far as they go and no further. The
+-- messages to deliver again: the due retry rows, the first p_n by id. The lanes': the window's slots in
+-- slot order from the lowest lane position's slot (a), which is id order (every number a slot holds lies
+-- below lo + capacity, as a push may overwrite x - capacity only below the floor), on the slots' primary
+-- key: from a to the end, then from 0, each range an index scan that stops at the p_n-th message it
+-- keeps (a slot past its lane's position and written), so that a peek reads about the slots of what it
+-- shows, and the taken ones between the lowest lane's position and the others'. PL/pgSQL with a
+-- generic plan, made once a session, never a bitmap scan (whose heap reads are in block order, not
+-- the index's, and unbounded).
+CREATE OR REPLACE FUNCTION {schema}.ring_look(p_queue_id integer, p_gid integer, p_n integer)
+RETURNS TABLE (r_id bigint, r_attempts integer, r_deliveries integer, r_enqueued_at timestamptz,
+               r_payload bytea)
+LANGUAGE plpgsql STABLE SET plan_cache_mode = force_generic_plan SET enable_bitmapscan = off AS $$
+DECLARE
+    v_cap integer;
+    v_lanes integer;
+    v_pos bigint[];
+    v_lo bigint;
+    v_hi bigint;
+    v_a integer;
+    v_span bigint;
+    v_got bigint;
+    v_k bigint;
+BEGIN
+    SELECT g.capacity, g.lanes, coalesce(pg_sequence_last_value(g.push_seq), 0) INTO v_cap, v_lanes, v_hi
+    FROM {schema}.rings g WHERE g.queue_id = p_queue_id;
+    SELECT array_agg(l.pos ORDER BY l.lane), min(l.pos) INTO v_pos, v_lo
+    FROM {schema}.ring_lanes l WHERE l.queue_id = p_gid;
+    IF v_cap IS NULL OR v_lo IS NULL OR p_n < 1 THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    SELECT r.id, r.attempts, r.deliveries, s.enqueued_at, s.payload
+    FROM {schema}.ring_retry r
+    JOIN {schema}.ring_slots s ON s.queue_id = p_queue_id AND s.slot = (r.id % v_cap)::integer
+    WHERE r.queue_id = p_gid AND r.state = 1 AND r.due_at <= now()
+    ORDER BY r.id LIMIT p_n;
+    GET DIAGNOSTICS v_got = ROW_COUNT;
+    IF v_got >= p_n OR v_hi < v_lo THEN
+        RETURN;
+    END IF;
+    v_a := (v_lo % v_cap)::integer;
+    v_span := least(v_cap::bigint, v_hi - v_lo + 1);
+    RETURN QUERY
+    SELECT s.seq, 0, 0, s.enqueued_at, s.payload
+    FROM {schema}.ring_slots s
+    WHERE s.queue_id = p_queue_id AND s.slot >= v_a AND s.slot < least(v_cap::bigint, v_a + v_span)
+      AND s.payload IS NOT NULL AND s.seq >= v_pos[(s.seq % v_lanes)::integer + 1] AND s.seq <= v_hi
+    ORDER BY s.slot LIMIT p_n - v_got;
+    GET DIAGNOSTICS v_k = ROW_COUNT;
+    v_got := v_got + v_k;
+    IF v_got >= p_n OR v_a + v_span <= v_cap THEN
+        RETURN;
+    END IF;
+    RETURN QUERY
+    SELECT s.seq, 0, 0, s.enqueued_at, s.payload
+    FROM {schema}.ring_slots s
+    WHERE s.queue_id = p_queue_id AND s.slot >= 0 AND s.slot < v_a + v_span - v_cap
+      AND s.payload IS NOT NULL AND s.seq >= v_pos[(s.seq % v_lanes)::integer + 1] AND s.seq <= v_hi
+    ORDER BY s.slot LIMIT p_n - v_got;
+END
 $$;
 
 -- Grants (schema.sql's grants table and policies): the queues, and their consumer groups' gids, on

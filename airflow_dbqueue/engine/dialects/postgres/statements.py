@@ -27,6 +27,7 @@ GENERIC_PLANS = frozenset(
         "ring_ack",
         "ring_settle",
         "ring_reclaim_expired",
+        "ring_peek",
         "ring_rows_push",
         "ring_rows_push_ttl",
         "ring_rows_push_keys",

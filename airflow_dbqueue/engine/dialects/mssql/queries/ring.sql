@@ -169,11 +169,46 @@ EXEC {schema}.ring_reclaim_expired @queue_id = %(queue_id)s, @cap = %(capacity)s
     @max_attempts = %(max_attempts)s, @limit = %(limit)s, @gid = %(group)s
 
 -- name: ring_peek
--- What pops would take first: the messages due again, then the lanes', each in id order.
-SELECT TOP (%(n)s) r_id, r_attempts, r_deliveries, r_enqueued_at, CAST(NULL AS datetime2(6)) AS lease_until, r_payload
-FROM {schema}.ring_ready(%(queue_id)s, %(group)s)
-WHERE r_due <= SYSUTCDATETIME()
-ORDER BY CASE WHEN r_attempts = 0 THEN 1 ELSE 0 END, r_id
+-- What pops would take first: the messages due again, then the lanes', each in id order; ring_ready's
+-- due messages, read as far as they go and no further (PostgreSQL's ring_look). Each part is the first
+-- n of its own: the due retry rows by id; the lanes' messages (a slot past its lane's position and
+-- written) in slot order on the slots' key, from the lowest lane position's slot (a) to the end, then
+-- from slot 0 to a. Every number a slot holds lies below that position + capacity (a push may overwrite
+-- x - capacity only below the floor), so slot order within each range is id order, and a TOP (n) seek
+-- in it stops at the n-th message it keeps instead of reading every slot of the ring.
+SELECT TOP (%(n)s) u.r_id, u.r_attempts, u.r_deliveries, u.r_enqueued_at, CAST(NULL AS datetime2(6)) AS lease_until,
+       u.r_payload
+FROM (
+    SELECT x.r_id, x.r_attempts, x.r_deliveries, x.r_enqueued_at, x.r_payload FROM (
+        SELECT TOP (%(n)s) r.id AS r_id, r.attempts AS r_attempts, r.deliveries AS r_deliveries,
+               s.enqueued_at AS r_enqueued_at, s.payload AS r_payload
+        FROM {schema}.rings g
+        JOIN {schema}.ring_retry r ON r.queue_id = %(group)s
+        JOIN {schema}.ring_slots s ON s.queue_id = g.queue_id AND s.slot = r.id % g.capacity
+        WHERE g.queue_id = %(queue_id)s AND r.state = 1 AND r.due_at <= SYSUTCDATETIME()
+        ORDER BY r.id) AS x
+    UNION ALL
+    SELECT y.r_id, y.r_attempts, y.r_deliveries, y.r_enqueued_at, y.r_payload FROM (
+        SELECT TOP (%(n)s) s.seq AS r_id, 0 AS r_attempts, 0 AS r_deliveries, s.enqueued_at AS r_enqueued_at,
+               s.payload AS r_payload
+        FROM {schema}.rings g
+        JOIN {schema}.ring_slots s ON s.queue_id = g.queue_id
+        JOIN {schema}.ring_lanes l ON l.queue_id = %(group)s AND l.lane = s.seq % g.lanes
+        WHERE g.queue_id = %(queue_id)s AND s.payload IS NOT NULL AND s.seq >= l.pos
+          AND s.slot >= (SELECT min(m.pos) FROM {schema}.ring_lanes m WHERE m.queue_id = %(group)s) % g.capacity
+        ORDER BY s.slot) AS y
+    UNION ALL
+    SELECT z.r_id, z.r_attempts, z.r_deliveries, z.r_enqueued_at, z.r_payload FROM (
+        SELECT TOP (%(n)s) s.seq AS r_id, 0 AS r_attempts, 0 AS r_deliveries, s.enqueued_at AS r_enqueued_at,
+               s.payload AS r_payload
+        FROM {schema}.rings g
+        JOIN {schema}.ring_slots s ON s.queue_id = g.queue_id
+        JOIN {schema}.ring_lanes l ON l.queue_id = %(group)s AND l.lane = s.seq % g.lanes
+        WHERE g.queue_id = %(queue_id)s AND s.payload IS NOT NULL AND s.seq >= l.pos
+          AND s.slot < (SELECT min(m.pos) FROM {schema}.ring_lanes m WHERE m.queue_id = %(group)s) % g.capacity
+        ORDER BY s.slot) AS z
+) AS u
+ORDER BY CASE WHEN u.r_attempts = 0 THEN 1 ELSE 0 END, u.r_id
 
 -- name: ring_count_ready
 -- What a pop could take now, counted up to a cap: ring_ready()'s due messages, and those whose lease

@@ -166,12 +166,10 @@ SELECT r_id, r_state FROM {schema}.ring_reclaim_expired(
     %(limit)s::integer, %(group)s::integer)
 
 -- name: ring_peek
--- What pops would take first: the messages due again, then the lanes', each in id order.
+-- What pops would take first: the messages due again, then the lanes', each in id order (ring_look reads
+-- those it shows, in that order).
 SELECT r_id, r_attempts, r_deliveries, r_enqueued_at, NULL::timestamptz AS lease_until, r_payload
-FROM {schema}.ring_ready(%(queue_id)s::integer, %(group)s::integer)
-WHERE r_due <= now()
-ORDER BY r_attempts = 0, r_id
-LIMIT %(n)s
+FROM {schema}.ring_look(%(queue_id)s::integer, %(group)s::integer, %(n)s::integer)
 
 -- name: ring_count_ready
 -- What a pop could take now, counted up to a cap: ring_ready()'s due messages, and those whose lease
