@@ -117,6 +117,18 @@ def dbq(pg_dsn: str, schema_name: str) -> Iterator[DbQueue]:
 
 
 @pytest.fixture
+def default_dbq(pg_dsn: str, schema_name: str) -> Iterator[DbQueue]:
+    """A DbQueue with the engine's defaults (its pool of ten, where :func:`dbq`'s has eight), installed;
+    uninstalled afterwards."""
+    with DbQueue(pg_dsn, schema=schema_name) as d:
+        d.install()
+        try:
+            yield d
+        finally:
+            d.uninstall()
+
+
+@pytest.fixture
 def embedded_server() -> Iterator[EmbeddedPostgres]:
     """A private embedded server for tests that kill and restart it."""
     tmp = Path(tempfile.mkdtemp(prefix="dbqueue-crash-pg-"))

@@ -5,7 +5,8 @@
 :func:`payload_hash` is a per-payload hash for checks that add up what many processes report.
 :func:`drained` says whether a queue has nothing left to deliver. :func:`require` turns a missing
 system requirement into a skip, or into a failure under ``scripts/test``, which installs them all.
-:func:`load_benchmark` imports a script of benchmarks/ to test its own checks. :func:`held_horizon`
+:func:`load_benchmark` imports a script of benchmarks/ to test its own checks, :func:`run_benchmark`
+runs one and reads the JSON it prints. :func:`held_horizon`
 opens a session that holds the xmin horizon, as a report job left idle in its transaction would;
 :func:`horizon_watch` records what held it while a block ran. :func:`peek_then_pop` checks that a ring's
 peek shows what its next pop takes.
@@ -19,6 +20,7 @@ import importlib.util
 import json
 import os
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -109,6 +111,21 @@ def load_benchmark(name: str) -> ModuleType:
         return module
     finally:
         sys.path.remove(str(BENCHMARKS))
+
+
+def run_benchmark(name: str, *args: str) -> list[Any]:
+    """Run ``benchmarks/<name>.py`` with ``args`` (a ``--json`` among them) in this Python, which must
+    succeed. Return what it printed, a JSON value a line."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / f"{name}.py"), *args],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines()]
 
 
 def push_holding_the_waiters_lock(dsn: str, schema: str, queue_id: int) -> psycopg.Connection[Any]:

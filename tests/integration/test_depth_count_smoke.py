@@ -8,38 +8,21 @@ raised after the fill, and pushes of both sides counted."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import require
+from tests.helpers import require, run_benchmark
 
 pytestmark = pytest.mark.integration
-
-DEPTH_COUNT_PY = Path(__file__).resolve().parents[2] / "benchmarks" / "depth_count.py"
 
 
 def test_short_run_counts_both_sides_at_depth() -> None:
     require(None if shutil.which("valgrind") else "valgrind is not installed", "apt-get install valgrind")
     depth, batch, calls = 4000, 10, 1
-    proc = subprocess.run(
-        [
-            *(sys.executable, str(DEPTH_COUNT_PY), "--depth", str(depth), "--batch", str(batch)),
-            *("--calls", str(calls), "--json"),
-        ],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ),
-        timeout=600,
-        check=False,
+    [r] = run_benchmark(
+        "depth_count", *("--depth", str(depth), "--batch", str(batch), "--calls", str(calls), "--json")
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    r = json.loads(proc.stdout)
     assert (r["depth"], r["popped_since_vacuum"], r["batch"]) == (depth, depth // 2, batch)
     # a message costs the server thousands of instructions: a count near zero would mean the sessions'
     # backends were not the ones counted

@@ -5,36 +5,21 @@ that the script's check of what went in and came out fails when a pop loses or a
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import load_benchmark, require
+from tests.helpers import load_benchmark, require, run_benchmark
 
 pytestmark = pytest.mark.integration
-
-INSTRUCTIONS_PY = Path(__file__).resolve().parents[2] / "benchmarks" / "instructions.py"
 
 
 def counted(*args: str) -> list[dict[str, Any]]:
     """The rows of one run of the script (``--batch 10 --json`` and ``args``), which must succeed."""
     require(None if shutil.which("valgrind") else "valgrind is not installed", "apt-get install valgrind")
-    proc = subprocess.run(
-        [sys.executable, str(INSTRUCTIONS_PY), "--batch", "10", "--json", *args],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ),
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    rows: list[dict[str, Any]] = json.loads(proc.stdout)
+    rows: list[dict[str, Any]]
+    [rows] = run_benchmark("instructions", "--batch", "10", "--json", *args)
     return rows
 
 

@@ -5,35 +5,19 @@ its ids (or count) checked by the script, and that the counts are a message's, n
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import require
+from tests.helpers import require, run_benchmark
 
 pytestmark = pytest.mark.integration
-
-LAYOUT_COUNT_PY = Path(__file__).resolve().parents[2] / "benchmarks" / "layout_count.py"
 
 
 def test_short_run_counts_each_rung() -> None:
     require(None if shutil.which("valgrind") else "valgrind is not installed", "apt-get install valgrind")
     rungs = ["a0", "e", "g", "f_noids", "f_auto"]
-    proc = subprocess.run(
-        [sys.executable, str(LAYOUT_COUNT_PY), "--rungs", *rungs, "--calls", "1", "--batch", "10", "--json"],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ),
-        timeout=600,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    lines = run_benchmark("layout_count", "--rungs", *rungs, "--calls", "1", "--batch", "10", "--json")
     assert [r["rung"] for r in lines] == rungs, lines
     for r in lines:
         assert (r["batch"], r["calls"], r["depth"]) == (10, 1, 0), r

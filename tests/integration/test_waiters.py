@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -50,17 +50,6 @@ class Wakes:
             return got
 
         mp.setattr(hub.Waiter, "wait", counting_wait)
-
-
-@pytest.fixture
-def dbq(pg_dsn: str, schema_name: str) -> Iterator[DbQueue]:
-    """A DbQueue with the engine's defaults (its pool of ten), installed; uninstalled afterwards."""
-    with DbQueue(pg_dsn, schema=schema_name) as d:
-        d.install()
-        try:
-            yield d
-        finally:
-            d.uninstall()
 
 
 def _waiting(dbq: DbQueue) -> int:
@@ -125,20 +114,20 @@ def _run(dbq: DbQueue, q: Queue, wakes: Wakes, kill_listener_at: int | None = No
 
 
 @pytest.mark.parametrize("design", ["table", "ring"])
-def test_sixty_waiters_on_the_default_pool_get_every_message_once(dbq: DbQueue, design: str) -> None:
+def test_sixty_waiters_on_the_default_pool_get_every_message_once(default_dbq: DbQueue, design: str) -> None:
     """No error, every message once, none waited for a poll, and about two wakes a message (the
     NOTIFY's, and the one passed on), where waking every waiter would make sixty."""
-    q = dbq.create_queue("q", design=design)  # notify="auto"
+    q = default_dbq.create_queue("q", design=design)  # notify="auto"
     with pytest.MonkeyPatch.context() as mp:
         wakes = Wakes(mp)
-        _run(dbq, q, wakes)
+        _run(default_dbq, q, wakes)
     assert wakes.count <= 3 * MESSAGES, f"{wakes.count} wakes for {MESSAGES} messages"
 
 
-def test_a_message_wakes_one_waiter_and_the_others_keep_their_wait(dbq: DbQueue) -> None:
+def test_a_message_wakes_one_waiter_and_the_others_keep_their_wait(default_dbq: DbQueue) -> None:
     """One push into a queue that twenty pops wait on: one pop returns it; besides the wake of that
     pop, at most one other (the wake it passes on) looks and goes back to waiting, still registered."""
-    q = dbq.create_queue("q")
+    q = default_dbq.create_queue("q")
     results: list[list[Any]] = []
     lock = threading.Lock()
 
@@ -152,14 +141,14 @@ def test_a_message_wakes_one_waiter_and_the_others_keep_their_wait(dbq: DbQueue)
         threads = [threading.Thread(target=waiter) for _ in range(20)]
         for t in threads:
             t.start()
-        _until(lambda: _waiting(dbq) == 20)
+        _until(lambda: _waiting(default_dbq) == 20)
         time.sleep(0.2)
         before = wakes.count
         q.push({"n": 1})
         _until(lambda: len(results) == 1)
         time.sleep(0.5)  # time for any other wake to show
         woken = wakes.count - before
-        still = _waiting(dbq)
+        still = _waiting(default_dbq)
         q.push_batch([{"n": k} for k in range(2, 21)])  # one NOTIFY; the wakes pass on to all 19
         for t in threads:
             t.join(20)
@@ -171,11 +160,11 @@ def test_a_message_wakes_one_waiter_and_the_others_keep_their_wait(dbq: DbQueue)
 
 @pytest.mark.parametrize("where", ["before it registers", "after it registers, before it looks"])
 def test_a_push_at_a_waiters_registration_reaches_it_without_the_poll(
-    dbq: DbQueue, where: str, monkeypatch: pytest.MonkeyPatch
+    default_dbq: DbQueue, where: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A push between a pop's first look and its registration with the listening connection, or
     between the registration and its look: the pop returns the message long before its poll."""
-    q = dbq.create_queue("q")
+    q = default_dbq.create_queue("q")
     pushed: list[int] = []
 
     def push_once() -> None:
@@ -206,11 +195,13 @@ def test_a_push_at_a_waiters_registration_reaches_it_without_the_poll(
 
 
 @pytest.mark.parametrize("design", ["table", "ring"])
-def test_a_push_that_saw_an_earlier_message_ready_still_reaches_a_waiter(dbq: DbQueue, design: str) -> None:
+def test_a_push_that_saw_an_earlier_message_ready_still_reaches_a_waiter(
+    default_dbq: DbQueue, design: str
+) -> None:
     """notify="auto": a push (in a transaction of its caller) sees message 1 ready and sends no NOTIFY;
     message 1 is popped before that push commits, and a pop then waits. It finds message 2 once the
     push commits, long before its poll, because it saw a push in progress when it looked."""
-    q = dbq.create_queue("q", design=design)
+    q = default_dbq.create_queue("q", design=design)
     q.push({"n": 1})
     got: list[Any] = []
     took: list[float] = []
@@ -220,12 +211,12 @@ def test_a_push_that_saw_an_earlier_message_ready_still_reaches_a_waiter(dbq: Db
         got.extend(m.payload for m in q.pop(1, wait=10, poll_interval=POLL_S))
         took.append(time.monotonic() - start)
 
-    with dbq.transaction() as c:
+    with default_dbq.transaction() as c:
         q.push({"n": 2}, conn=c)
         assert [m.payload for m in q.pop(1)] == [{"n": 1}]
         t = threading.Thread(target=waiter)
         t.start()
-        _until(lambda: _waiting(dbq) == 1)
+        _until(lambda: _waiting(default_dbq) == 1)
         time.sleep(0.5)  # the waiter has looked, and waits
     t.join(20)
     assert got == [{"n": 2}]
@@ -234,12 +225,12 @@ def test_a_push_that_saw_an_earlier_message_ready_still_reaches_a_waiter(dbq: Db
 
 @pytest.mark.parametrize(("design", "notify"), [("table", "auto"), ("ring", "auto"), ("ring", "always")])
 def test_waiters_go_on_after_the_listening_connection_is_killed(
-    dbq: DbQueue, design: str, notify: str
+    default_dbq: DbQueue, design: str, notify: str
 ) -> None:
     kw: dict[str, Any] = {"capacity": 500} if design == "ring" else {}
-    q = dbq.create_queue("r", design=design, notify=notify, **kw)
+    q = default_dbq.create_queue("r", design=design, notify=notify, **kw)
     with pytest.MonkeyPatch.context() as mp:
-        _run(dbq, q, Wakes(mp), kill_listener_at=MESSAGES // 2)
+        _run(default_dbq, q, Wakes(mp), kill_listener_at=MESSAGES // 2)
 
 
 class Statements:
@@ -258,11 +249,11 @@ class Statements:
             mp.setattr(db, method, recording)
 
 
-def test_an_idle_look_on_a_rows_ring_asks_and_does_not_pop(dbq: DbQueue) -> None:
+def test_an_idle_look_on_a_rows_ring_asks_and_does_not_pop(default_dbq: DbQueue) -> None:
     """A ring of the rows layout whose every message is taken: a waiting pop's looks are its question
     alone (ring_rows_ask), one statement, and it pops only at its first look, before it waits; a push
     then still reaches it at once (every lane was at or past the pushed row, so the push notified)."""
-    q = dbq.create_queue("q", design="ring", layout="rows")
+    q = default_dbq.create_queue("q", design="ring", layout="rows")
     sent = [{"n": k} for k in range(5)]
     for p in sent:
         q.push(p)
@@ -270,14 +261,14 @@ def test_an_idle_look_on_a_rows_ring_asks_and_does_not_pop(dbq: DbQueue) -> None
     assert got == sent
     q.reclaim_every = 3600.0  # no reclaim due in this test's looks
     with pytest.MonkeyPatch.context() as mp:
-        statements = Statements(dbq, mp)
+        statements = Statements(default_dbq, mp)
         assert q.pop(1, wait=1.0, poll_interval=0.2) == []
         idle = list(statements.names)
         statements.names.clear()
         found: list[Any] = []
         t = threading.Thread(target=lambda: found.extend(q.pop(1, wait=10, poll_interval=POLL_S)))
         t.start()
-        _until(lambda: _waiting(dbq) == 1)
+        _until(lambda: _waiting(default_dbq) == 1)
         time.sleep(0.3)  # the waiter has looked, and waits
         start = time.monotonic()
         q.push({"n": 5})
@@ -292,10 +283,10 @@ def test_an_idle_look_on_a_rows_ring_asks_and_does_not_pop(dbq: DbQueue) -> None
     assert took < PROMPT_S, f"the pop took {took:.1f}s: the push after an idle look waited for the poll"
 
 
-def test_a_waiting_pop_on_a_rows_ring_still_reclaims_an_expired_lease(dbq: DbQueue) -> None:
+def test_a_waiting_pop_on_a_rows_ring_still_reclaims_an_expired_lease(default_dbq: DbQueue) -> None:
     """A look that skips the pop still reclaims expired leases when the reclaim is due: a message whose
     lease ran out while a pop waits comes back to that pop, once (nothing is pushed meanwhile)."""
-    q = dbq.create_queue("q", design="ring", layout="rows", visibility_timeout=1.0)
+    q = default_dbq.create_queue("q", design="ring", layout="rows", visibility_timeout=1.0)
     q.push({"n": 1})
     [first] = q.pop(1, semantics="at-least-once")
     start = time.monotonic()
@@ -307,12 +298,12 @@ def test_a_waiting_pop_on_a_rows_ring_still_reclaims_an_expired_lease(dbq: DbQue
     assert q.pop(1) == []
 
 
-def test_a_waiting_pop_on_a_rows_ring_wakes_when_a_delayed_retry_comes_due(dbq: DbQueue) -> None:
+def test_a_waiting_pop_on_a_rows_ring_wakes_when_a_delayed_retry_comes_due(default_dbq: DbQueue) -> None:
     """A message nacked with a delay on a ring of the rows layout is found by a waiting pop when it comes
     due, not at the pop's poll: the waiter times its wait by the earliest message to deliver again (as
     the table design's waiters time theirs by the earliest delayed message). Nothing is pushed while it
     waits, so no NOTIFY can wake it. Every message is acked once, counted and checksummed."""
-    q = dbq.create_queue("q", design="ring", layout="rows")
+    q = default_dbq.create_queue("q", design="ring", layout="rows")
     sent = [{"n": k} for k in range(3)]
     q.push_batch(sent)
     first = q.pop(3, semantics="at-least-once")
@@ -331,13 +322,13 @@ def test_a_waiting_pop_on_a_rows_ring_wakes_when_a_delayed_retry_comes_due(dbq: 
     assert q.pop(1) == []
 
 
-def test_while_a_push_runs_one_waiter_of_a_rows_ring_looks_again_for_it(dbq: DbQueue) -> None:
+def test_while_a_push_runs_one_waiter_of_a_rows_ring_looks_again_for_it(default_dbq: DbQueue) -> None:
     """Twenty pops wait on a ring of the rows layout while a push (in its caller's open transaction) has
     taken its row, and each is woken: each sees a push in progress and finds nothing. One of them (the
     newest to see it) looks again, backing off, and the others wait for a wake, so that half a second of
     it costs a few looks a waiter, not twenty waiters' backoffs. Once the push commits, a pop takes its
     message long before the poll, and every message arrives once, counted and checksummed."""
-    q = dbq.create_queue("q", design="ring", layout="rows")
+    q = default_dbq.create_queue("q", design="ring", layout="rows")
     waiters = 20
     got: list[Any] = []
     errors: list[str] = []
@@ -357,13 +348,13 @@ def test_while_a_push_runs_one_waiter_of_a_rows_ring_looks_again_for_it(dbq: DbQ
     threads = [threading.Thread(target=waiter) for _ in range(waiters)]
     for t in threads:
         t.start()
-    _until(lambda: _waiting(dbq) == waiters)
+    _until(lambda: _waiting(default_dbq) == waiters)
     time.sleep(0.3)  # every waiter has looked, and waits
     with pytest.MonkeyPatch.context() as mp:
-        statements = Statements(dbq, mp)
-        with dbq.transaction() as c:
+        statements = Statements(default_dbq, mp)
+        with default_dbq.transaction() as c:
             q.push({"n": 1}, conn=c)
-            dbq.db._hub._wake_all()  # type: ignore[attr-defined]  # every waiter looks while the push runs
+            default_dbq.db._hub._wake_all()  # type: ignore[attr-defined]  # every waiter looks while the push runs
             time.sleep(0.6)
             during = list(statements.names)
         start = time.monotonic()
@@ -394,13 +385,13 @@ def keyed_ring(dbq: DbQueue, **kw: Any) -> Queue:
 
 @pytest.mark.parametrize("settle", ["ack", "nack", "ack of the last message leased"])
 def test_a_waiting_pop_on_a_ring_ordered_per_key_wakes_when_a_lane_is_freed(
-    dbq: DbQueue, settle: str
+    default_dbq: DbQueue, settle: str
 ) -> None:
     """Every lane with messages is held (a lease open: an ack, a nack, or a split lease's last message
     leased again to settle), so a pop waits, its poll a minute away, and no push comes. The ack or nack
     that frees the lane wakes it (a NOTIFY), and it takes the lane's run, in order. Counted and
     checksummed."""
-    q = keyed_ring(dbq)
+    q = keyed_ring(default_dbq)
     sent = ["a1", "a2", "a3", "a4"]
     q.push_batch(sent, keys=["a"] * 4)
     first = q.pop(2 if settle.startswith("ack of") else 1, semantics=ALO)
@@ -420,7 +411,7 @@ def test_a_waiting_pop_on_a_ring_ordered_per_key_wakes_when_a_lane_is_freed(
         wakes = Wakes(mp)
         t = threading.Thread(target=waiter)
         t.start()
-        _until(lambda: _waiting(dbq) == 1)
+        _until(lambda: _waiting(default_dbq) == 1)
         time.sleep(2.0)  # it has looked and found the lane held; its looks back off towards the poll
         assert not got
         before = wakes.count
@@ -451,7 +442,7 @@ def _notified(dbq: DbQueue, q: Queue, act: Callable[[], Any]) -> int:
         return sum(1 for _ in c.notifies(timeout=0.5))
 
 
-def test_which_settles_of_a_ring_notify(dbq: DbQueue) -> None:
+def test_which_settles_of_a_ring_notify(default_dbq: DbQueue) -> None:
     """A ring without ordering per key: no ack or nack notifies (no lane is held past a pop's commit).
     Ordered per key: the ack or nack that frees a lane with something behind it notifies, once; one that
     frees a lane with nothing behind, or leaves it held (a nack's delay), does not; notify="never" never
@@ -465,36 +456,36 @@ def test_which_settles_of_a_ring_notify(dbq: DbQueue) -> None:
 
         return act
 
-    plain = dbq.create_queue("p", design="ring", layout="rows", capacity=64, lanes=4)
+    plain = default_dbq.create_queue("p", design="ring", layout="rows", capacity=64, lanes=4)
     plain.push_batch(["p1", "p2"])
-    assert _notified(dbq, plain, ack(plain, plain.pop(1, semantics=ALO))) == 0  # a whole lease
+    assert _notified(default_dbq, plain, ack(plain, plain.pop(1, semantics=ALO))) == 0  # a whole lease
     p2 = plain.pop(1, semantics=ALO)
-    assert _notified(dbq, plain, lambda: plain.nack(p2, delay=0)) == 0
-    assert _notified(dbq, plain, ack(plain, plain.pop(1, semantics=ALO))) == 0  # settled apart
+    assert _notified(default_dbq, plain, lambda: plain.nack(p2, delay=0)) == 0
+    assert _notified(default_dbq, plain, ack(plain, plain.pop(1, semantics=ALO))) == 0  # settled apart
 
-    keyed = keyed_ring(dbq)
+    keyed = keyed_ring(default_dbq)
     keyed.push("k1", key="a")
-    assert _notified(dbq, keyed, ack(keyed, keyed.pop(1, semantics=ALO))) == 0  # nothing behind it
+    assert _notified(default_dbq, keyed, ack(keyed, keyed.pop(1, semantics=ALO))) == 0  # nothing behind it
     keyed.push_batch(["k2", "k3"], keys=["a", "a"])
     k2 = keyed.pop(1, semantics=ALO)
     due = time.monotonic() + 1.0
-    assert _notified(dbq, keyed, lambda: keyed.nack(k2, delay=1.0)) == 0  # held: k2's delay
+    assert _notified(default_dbq, keyed, lambda: keyed.nack(k2, delay=1.0)) == 0  # held: k2's delay
     assert keyed.pop(10, semantics=ALO) == [] or time.monotonic() >= due
     time.sleep(max(0.0, due - time.monotonic()) + 0.05)
     run = keyed.pop(10, semantics=ALO)
     assert [(m.payload, m.delivery) for m in run] == [("k2", 2), ("k3", 1)]
-    assert _notified(dbq, keyed, ack(keyed, run)) == 0  # settled apart, nothing behind
+    assert _notified(default_dbq, keyed, ack(keyed, run)) == 0  # settled apart, nothing behind
     keyed.push_batch(["k4", "k5"], keys=["a", "a"])
-    assert _notified(dbq, keyed, ack(keyed, keyed.pop(1, semantics=ALO))) == 1  # k5 behind it
+    assert _notified(default_dbq, keyed, ack(keyed, keyed.pop(1, semantics=ALO))) == 1  # k5 behind it
     k5 = keyed.pop(1, semantics=ALO)
-    assert _notified(dbq, keyed, lambda: keyed.nack(k5, delay=0)) == 1  # due again at once
-    assert _notified(dbq, keyed, ack(keyed, keyed.pop(1, semantics=ALO))) == 0
+    assert _notified(default_dbq, keyed, lambda: keyed.nack(k5, delay=0)) == 1  # due again at once
+    assert _notified(default_dbq, keyed, ack(keyed, keyed.pop(1, semantics=ALO))) == 0
 
-    never = dbq.create_queue(
+    never = default_dbq.create_queue(
         "n", design="ring", layout="rows", capacity=64, lanes=4, ordering="per_key", notify="never"
     )
     never.push_batch(["n1", "n2"], keys=["a", "a"])
-    assert _notified(dbq, never, ack(never, never.pop(1, semantics=ALO))) == 0
+    assert _notified(default_dbq, never, ack(never, never.pop(1, semantics=ALO))) == 0
     ack(never, never.pop(1, semantics=ALO))()
     for h, want in ((plain, ["p1", "p2"]), (keyed, ["k1", "k2", "k3", "k4", "k5"]), (never, ["n1", "n2"])):
         assert sorted(acked[h.name]) == want and checksum(acked[h.name]) == checksum(want)

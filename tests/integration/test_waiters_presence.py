@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -33,16 +33,6 @@ POLL_S = 60.0
 PROMPT_S = 5.0
 """The most a message may wait for a waiter here (on a loaded machine)."""
 ROUNDS = 24
-
-
-@pytest.fixture
-def dbq(pg_dsn: str, schema_name: str) -> Iterator[DbQueue]:
-    with DbQueue(pg_dsn, schema=schema_name) as d:
-        d.install()
-        try:
-            yield d
-        finally:
-            d.uninstall()
 
 
 def _until(cond: Callable[[], bool], timeout: float = 20.0) -> None:
@@ -98,16 +88,17 @@ def _holding_one_ready(dbq: DbQueue, q: Queue, payload: Any) -> Any:
     return cm
 
 
-def test_a_waiter_is_woken_by_a_push_while_the_queues_ready_message_is_held(dbq: DbQueue) -> None:
-    """The queue has a ready message that another transaction's claim holds: a waiting pop cannot take
-    it, and a push with notify="auto" still wakes the waiter at once (it asks who waits, not whether
-    the queue had a ready message). That message goes back when its claim rolls back: nothing lost."""
-    q = dbq.create_queue("held")
+def _push_to_a_waiter_past_a_held_message(dbq: DbQueue, q: Queue, meanwhile: Callable[[], None]) -> None:
+    """The queue's ready message {"n": 0} held by another transaction's claim (no pop takes it); a pop
+    that waits (registered: its listening connection holds the waiters' lock), ``meanwhile`` run, then
+    {"n": 1} pushed: the waiter gets it before its poll, and the held message is there once its claim
+    rolls back. Each message once."""
     holder = _holding_one_ready(dbq, q, {"n": 0})
     try:
         popper = Popper(q)
         _until(lambda: _waiting(dbq) == 1 and _held(dbq, q))
-        time.sleep(0.3)  # the waiter has looked, and waits
+        meanwhile()
+        time.sleep(0.3)  # the waiter has looked (again), and waits
         q.push({"n": 1})
         popper.join()
     finally:
@@ -119,14 +110,21 @@ def test_a_waiter_is_woken_by_a_push_while_the_queues_ready_message_is_held(dbq:
     assert checksum(popper.got + rest) == checksum([{"n": 0}, {"n": 1}])
 
 
-def test_a_push_sends_no_notify_when_nobody_waits(dbq: DbQueue) -> None:
+def test_a_waiter_is_woken_by_a_push_while_the_queues_ready_message_is_held(default_dbq: DbQueue) -> None:
+    """The queue has a ready message that another transaction's claim holds: a waiting pop cannot take
+    it, and a push with notify="auto" still wakes the waiter at once (it asks who waits, not whether
+    the queue had a ready message). That message goes back when its claim rolls back: nothing lost."""
+    _push_to_a_waiter_past_a_held_message(default_dbq, default_dbq.create_queue("held"), lambda: None)
+
+
+def test_a_push_sends_no_notify_when_nobody_waits(default_dbq: DbQueue) -> None:
     """A LISTEN of the test's own (it holds no waiters' lock) hears nothing of pushes into an empty queue
     nobody waits on; while a pop waits it hears a push; once that waiter left and the lock lingered its
     time, nothing again."""
-    q = dbq.create_queue("quiet")
-    channel = dbq.db.channel(q.settings.queue_id)
+    q = default_dbq.create_queue("quiet")
+    channel = default_dbq.db.channel(q.settings.queue_id)
     sent = [{"n": i} for i in range(6)]
-    with psycopg.connect(dbq.db.dsn, autocommit=True) as listener:
+    with psycopg.connect(default_dbq.db.dsn, autocommit=True) as listener:
         listener.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel)))
         q.push(sent[0])  # into an empty queue
         q.push_batch(sent[1:3])
@@ -134,14 +132,14 @@ def test_a_push_sends_no_notify_when_nobody_waits(dbq: DbQueue) -> None:
         popped = [m.payload for m in q.pop(10)]
 
         popper = Popper(q)
-        _until(lambda: _waiting(dbq) == 1 and _held(dbq, q))
+        _until(lambda: _waiting(default_dbq) == 1 and _held(default_dbq, q))
         time.sleep(0.3)
         q.push(sent[3])
         popper.join()
         assert popper.took < PROMPT_S
         assert len(list(listener.notifies(timeout=1.0, stop_after=1))) == 1, "a waiter waited: no NOTIFY"
 
-        _until(lambda: not _held(dbq, q), timeout=getattr(hub, "LINGER", 0) + 10)
+        _until(lambda: not _held(default_dbq, q), timeout=getattr(hub, "LINGER", 0) + 10)
         q.push_batch(sent[4:])
         assert list(listener.notifies(timeout=0.5)) == [], "the waiter left, and a push still notified"
     popped += popper.got + [m.payload for m in q.pop(10)]
@@ -149,33 +147,35 @@ def test_a_push_sends_no_notify_when_nobody_waits(dbq: DbQueue) -> None:
     assert checksum(popped) == checksum(sent)
 
 
-def test_the_wake_race_each_message_without_the_poll(dbq: DbQueue, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_wake_race_each_message_without_the_poll(
+    default_dbq: DbQueue, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Rounds of a waiter arriving while a push is held uncommitted (the push decided that nobody waits
     and holds the waiters' lock, so the waiter cannot register before the push's rows are committed),
     and of a waiter waiting before a push that is then held open. The queue's one older ready message
     is held by another transaction's claim throughout, so no pop takes it and the queue is never empty.
     Each round's message reaches its waiter long before the poll; every message once."""
     monkeypatch.setattr(hub, "LINGER", 0.0, raising=False)  # each round begins with nobody registered
-    q = dbq.create_queue("race")
-    holder = _holding_one_ready(dbq, q, {"held": True})
+    q = default_dbq.create_queue("race")
+    holder = _holding_one_ready(default_dbq, q, {"held": True})
     got: list[Any] = []
     sent: list[Any] = []
     try:
         for i in range(ROUNDS):
-            _until(lambda: not _held(dbq, q))
+            _until(lambda: not _held(default_dbq, q))
             payload = {"round": i}
             sent.append(payload)
             if i % 2 == 0:  # the waiter arrives while the push is uncommitted
-                with dbq.transaction() as c:
+                with default_dbq.transaction() as c:
                     q.push(payload, conn=c)
                     popper = Popper(q)
-                    _until(lambda: _waiting(dbq) == 1)
+                    _until(lambda: _waiting(default_dbq) == 1)
                     time.sleep(0.05 + 0.01 * (i % 5))  # it tried the lock, looked, and waits or rechecks
             else:  # the waiter waits first; the push is held open a moment
                 popper = Popper(q)
-                _until(lambda: _waiting(dbq) == 1 and _held(dbq, q))
+                _until(lambda: _waiting(default_dbq) == 1 and _held(default_dbq, q))
                 time.sleep(0.05)
-                with dbq.transaction() as c:
+                with default_dbq.transaction() as c:
                     q.push(payload, conn=c)
                     time.sleep(0.05)
             popper.join()
@@ -190,43 +190,34 @@ def test_the_wake_race_each_message_without_the_poll(dbq: DbQueue, monkeypatch: 
     assert checksum(got) == checksum(sent)
 
 
-def test_a_waiter_takes_its_lock_again_after_its_listening_connection_is_killed(dbq: DbQueue) -> None:
+def test_a_waiter_takes_its_lock_again_after_its_listening_connection_is_killed(default_dbq: DbQueue) -> None:
     """The listening connection's lock goes with its session: when it is killed, the connection made
     again takes the lock again before its waiter looks, so a push after that wakes the waiter though
     the queue's ready message is held by another transaction."""
-    q = dbq.create_queue("killed")
-    holder = _holding_one_ready(dbq, q, {"n": 0})
-    try:
-        popper = Popper(q)
-        _until(lambda: _waiting(dbq) == 1 and _held(dbq, q))
-        first = dbq.db._hub._conn  # type: ignore[attr-defined]
-        with psycopg.connect(dbq.db.dsn, autocommit=True) as c:
+    q = default_dbq.create_queue("killed")
+
+    def kill_the_listening_connection() -> None:
+        first = default_dbq.db._hub._conn  # type: ignore[attr-defined]
+        with psycopg.connect(default_dbq.db.dsn, autocommit=True) as c:
             killed = c.execute(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
                 "WHERE application_name = 'airflow-dbqueue-listen'"
             ).fetchone()
         assert killed == (1,)
-        h = dbq.db._hub  # type: ignore[attr-defined]
-        _until(lambda: h._conn is not None and h._conn is not first and _held(dbq, q))
-        time.sleep(0.3)  # the waiter looked again, and waits
-        q.push({"n": 1})
-        popper.join()
-    finally:
-        holder.__exit__(RuntimeError, RuntimeError("roll back"), None)
-    assert popper.got == [{"n": 1}]
-    assert popper.took < PROMPT_S, f"the pop took {popper.took:.1f}s"
-    rest = [m.payload for m in q.pop(10)]
-    assert checksum(popper.got + rest) == checksum([{"n": 0}, {"n": 1}])
+        h = default_dbq.db._hub  # type: ignore[attr-defined]
+        _until(lambda: h._conn is not None and h._conn is not first and _held(default_dbq, q))
+
+    _push_to_a_waiter_past_a_held_message(default_dbq, q, kill_the_listening_connection)
 
 
 def test_the_async_face_waiter_and_observer_are_notified_while_the_ready_message_is_held(
-    dbq: DbQueue,
+    default_dbq: DbQueue,
 ) -> None:
     """The asyncio face: a waiting pop and an observer (``AsyncQueue.listening``, the trigger's) each
     register on its own listening connection, and a push into a queue whose ready message another
     transaction holds reaches both before any poll."""
-    q = dbq.create_queue("aio")
-    holder = _holding_one_ready(dbq, q, {"n": 0})
+    q = default_dbq.create_queue("aio")
+    holder = _holding_one_ready(default_dbq, q, {"n": 0})
 
     async def body(adbq: AsyncDbQueue) -> tuple[list[Any], bool, float]:
         aq = await adbq.queue("aio")
@@ -242,7 +233,7 @@ def test_the_async_face_waiter_and_observer_are_notified_while_the_ready_message
         return [m.payload for m in messages], noted, took
 
     async def main() -> tuple[list[Any], bool, float]:
-        async with AsyncDbQueue(dbq.db.dsn, schema=dbq.schema) as adbq:
+        async with AsyncDbQueue(default_dbq.db.dsn, schema=default_dbq.schema) as adbq:
             return await body(adbq)
 
     try:

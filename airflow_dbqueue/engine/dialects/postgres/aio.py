@@ -39,7 +39,7 @@ from airflow_dbqueue.engine.bridge import (
 )
 from airflow_dbqueue.engine.dialects.postgres.dialect import has_input
 from airflow_dbqueue.engine.dialects.postgres.grants import rows_ring_statements
-from airflow_dbqueue.engine.dialects.postgres.hub import LINGER, NotifyHub, Waiter, unheld
+from airflow_dbqueue.engine.dialects.postgres.hub import LINGER, NotifyHub, Waiter
 from airflow_dbqueue.engine.dialects.postgres.statements import BINARY_RESULTS
 from airflow_dbqueue.engine.errors import DatabaseUnavailableError, LoginError
 
@@ -486,22 +486,14 @@ class AsyncNotifyHub(NotifyHub):
 
     async def _ahold_on(self, conn: psycopg.AsyncConnection[Any], channel: str) -> bool:
         """:meth:`NotifyHub._hold_on` on the asyncio connection (under ``_alock``, unwatched)."""
-        if channel in self._held or self._presence is None:
-            return False
-        lock = self._presence(channel)
+        lock = self._lock_to_try(channel)
         if lock is None:
             return False
         try:
-            row = await (await conn.execute(lock[0], lock[2])).fetchone()
-        except psycopg.OperationalError:
-            raise
+            row = await (await conn.execute(*lock)).fetchone()
         except psycopg.DatabaseError as exc:
-            unheld(channel, exc)
-            return False
-        if not (row and row[0]):
-            return False
-        self._held.add(channel)
-        return True
+            row = exc
+        return self._tried(channel, row)
 
     def hold(self, channel: str) -> bool:
         if channel in self._held or self._presence is None or self._closed:

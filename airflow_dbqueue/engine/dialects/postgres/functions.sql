@@ -26,6 +26,22 @@ BEGIN
 END
 $$;
 
+-- What a push of the table design does about notifying (see table_push): p_notify 0 and 2 as they are,
+-- and 1 decided by the queue's waiters' lock first: 0 when the push took it (nobody waits registered),
+-- 2 when a waiter holds it, 1 when another push holds it (then the question whether the queue had a
+-- ready message decides). table_push's general path and table_push_with() ask it. A single expression
+-- of its arguments, so that PostgreSQL inlines it where it is called: the caller's assignment is then
+-- still a simple expression, which costs what the expression written there costs.
+CREATE OR REPLACE FUNCTION {schema}.table_notify_for(p_queue_id integer, p_notify integer) RETURNS integer
+LANGUAGE sql VOLATILE AS $$
+    SELECT CASE
+        WHEN p_notify <> 1 THEN p_notify
+        WHEN pg_try_advisory_xact_lock(hashtext('dbqueue.waiters.' || '{schema}'), p_queue_id) THEN 0
+        WHEN pg_try_advisory_lock_shared(hashtext('dbqueue.waiters.' || '{schema}'), p_queue_id)
+             AND pg_advisory_unlock_shared(hashtext('dbqueue.waiters.' || '{schema}'), p_queue_id) THEN 2
+        ELSE 1 END
+$$;
+
 -- The table design's push: n messages into queue p_queue_id in one call, ids in payload order; none
 -- when the queue does not exist (a dropped queue's handle writes nothing). It first takes the queue's
 -- push lock in shared mode, held to the end of the transaction: drop_queue takes it exclusively, so a
@@ -64,11 +80,11 @@ $$;
 -- wake-up that finds messages; when it finds one, the queue had a ready message, as before. Delayed
 -- messages of the queue in the partition are passed over one by one on a server without skip scans
 -- (PostgreSQL 17 and older).
--- Before that question, p_notify 1 asks who waits (in the usual push as nested tests; elsewhere as
--- v_notify, the setting the push then acts on): a process with waiting pops or observers of the queue
--- holds the queue's waiters' lock (key hashtext('dbqueue.waiters.' || schema), queue_id) shared on its
--- listening connection while they wait (hub.py), taken after its LISTEN and before its waiters' first
--- look. The push tries that lock exclusively, to the end of its transaction (a simple expression: a few
+-- Before that question, p_notify 1 asks who waits (in the usual push as nested tests; elsewhere by
+-- table_notify_for(), as v_notify, the setting the push then acts on): a process with waiting pops or
+-- observers of the queue holds the queue's waiters' lock (key hashtext('dbqueue.waiters.' || schema),
+-- queue_id) shared on its listening connection while they wait (hub.py), taken after its LISTEN and
+-- before its waiters' first look. The push tries that lock exclusively, to the end of its transaction (a simple expression: a few
 -- thousand instructions, where the question cost about 127,000 a push of one). Taken, nobody waits
 -- registered, and no waiter can register before this push's rows are committed: no notification.
 -- Not taken, a session try of it shared, released at once, tells a waiter (it holds it shared: notify,
@@ -167,12 +183,7 @@ BEGIN
             RETURN;
         END IF;
     END IF;
-    v_notify := CASE
-        WHEN p_notify <> 1 THEN p_notify
-        WHEN pg_try_advisory_xact_lock(hashtext('dbqueue.waiters.' || '{schema}'), p_queue_id) THEN 0
-        WHEN pg_try_advisory_lock_shared(hashtext('dbqueue.waiters.' || '{schema}'), p_queue_id)
-             AND pg_advisory_unlock_shared(hashtext('dbqueue.waiters.' || '{schema}'), p_queue_id) THEN 2
-        ELSE 1 END;
+    v_notify := {schema}.table_notify_for(p_queue_id, p_notify);
     IF p_inline AND v_notify = 0 THEN
         RETURN QUERY
         INSERT INTO {schema}.meta (id, queue_id, priority, process_at, enqueued_at, payload, gen)
@@ -278,12 +289,7 @@ DECLARE
     v_notify integer;  -- p_notify, but 1 decided by the queue's waiters' lock first, as in table_push()
 BEGIN
     v_locked := pg_advisory_xact_lock_shared(hashtext('dbqueue.queue.' || '{schema}'), p_queue_id)::text;
-    v_notify := CASE
-        WHEN p_notify <> 1 THEN p_notify
-        WHEN pg_try_advisory_xact_lock(hashtext('dbqueue.waiters.' || '{schema}'), p_queue_id) THEN 0
-        WHEN pg_try_advisory_lock_shared(hashtext('dbqueue.waiters.' || '{schema}'), p_queue_id)
-             AND pg_advisory_unlock_shared(hashtext('dbqueue.waiters.' || '{schema}'), p_queue_id) THEN 2
-        ELSE 1 END;
+    v_notify := {schema}.table_notify_for(p_queue_id, p_notify);
     v_floor := {schema}.table_floor(p_queue_id);  -- as table_push(), which bounds its check by it too
     v_at := greatest(v_at, v_floor);
     IF current_setting('transaction_isolation') = 'read committed' THEN

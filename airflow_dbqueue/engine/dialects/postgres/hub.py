@@ -281,25 +281,39 @@ class NotifyHub:
             self._listening.add(channel)
         self._hold_on(conn, channel)
 
-    def _hold_on(self, conn: psycopg.Connection[Any], channel: str) -> bool:
-        """Try the channel's waiters' lock on ``conn`` (after its LISTEN; under ``_lock``): whether it
-        was taken now (False when held already, or a push holds it, or the channel has none)."""
+    def _lock_to_try(self, channel: str) -> tuple[bytes, dict[str, Any]] | None:
+        """The statement that tries the channel's waiters' lock and its parameters, for either face's
+        connection to run; None when the connection holds it already or the channel has none."""
         if channel in self._held or self._presence is None:
-            return False
+            return None
         lock = self._presence(channel)
-        if lock is None:
-            return False
-        try:
-            row = conn.execute(lock[0], lock[2]).fetchone()
-        except psycopg.OperationalError:
-            raise
-        except psycopg.DatabaseError as exc:
-            unheld(channel, exc)
+        return None if lock is None else (lock[0], lock[2])
+
+    def _tried(self, channel: str, row: Any) -> bool:
+        """What a try of the channel's waiters' lock answered (its row, or the error it raised) means:
+        whether it was taken now, the connection then holding it. A broken connection's error is raised
+        again (the caller's to handle); one the server refused the lock with is said (:func:`unheld`)."""
+        if isinstance(row, psycopg.OperationalError):
+            raise row
+        if isinstance(row, psycopg.DatabaseError):
+            unheld(channel, row)
             return False
         if not (row and row[0]):
             return False
         self._held.add(channel)
         return True
+
+    def _hold_on(self, conn: psycopg.Connection[Any], channel: str) -> bool:
+        """Try the channel's waiters' lock on ``conn`` (after its LISTEN; under ``_lock``): whether it
+        was taken now (False when held already, or a push holds it, or the channel has none)."""
+        lock = self._lock_to_try(channel)
+        if lock is None:
+            return False
+        try:
+            row = conn.execute(*lock).fetchone()
+        except psycopg.DatabaseError as exc:
+            row = exc
+        return self._tried(channel, row)
 
     def hold(self, channel: str) -> bool:
         """Take the channel's waiters' lock if the connection does not hold it yet (a push held it when
