@@ -43,7 +43,7 @@ from tests.dialects import (  # noqa: F401 - topology_dbq is the fixture "dbq", 
     topology_dbq,
 )
 from tests.faces import FACES, faced
-from tests.helpers import checksum
+from tests.helpers import checksum, notified_so_far
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -939,13 +939,14 @@ def _notifications(dbq: DbQueue, q: Queue, action: Callable[[], object], *, wait
     channel = dbq.db.channel(q.settings.queue_id)
     # A LISTEN needs a session of its own: the listen DSN when the engine has one (behind a transaction
     # pooler), else the engine's own.
-    with psycopg.connect(getattr(dbq.db, "listen_dsn", None) or dbq.db.dsn, autocommit=True) as c:
+    dsn = getattr(dbq.db, "listen_dsn", None) or dbq.db.dsn
+    with psycopg.connect(dsn, autocommit=True) as c:
         c.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel)))
         if waiting:
             lock = dbq.db.waiters_lock(channel)  # type: ignore[attr-defined]
             assert c.execute(lock[0], lock[2]).fetchone() == (True,)
         action()
-        return sum(1 for _ in c.notifies(timeout=0.5))
+        return notified_so_far(c, dsn, channel)
 
 
 def test_auto_notify_only_when_the_queue_was_empty(make_queue: Callable[..., Queue], dbq: DbQueue) -> None:
