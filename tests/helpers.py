@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -126,6 +127,22 @@ def run_benchmark(name: str, *args: str) -> list[Any]:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+def notified_so_far(listener: psycopg.Connection[Any], dsn: str, channel: str, timeout: float = 30.0) -> int:
+    """How many notifications ``listener`` (autocommit, LISTENing on ``channel``) gets from the
+    transactions committed before this call: it sends a NOTIFY of its own on ``channel`` (a payload no
+    other sender uses) from a connection to ``dsn`` of its own, and counts what comes before that one.
+    PostgreSQL delivers the notifications of different transactions to a listener in the order they
+    committed, so no notification of an earlier transaction can come after it: no fixed time is waited
+    for one that may come late. Fails when the sentinel itself does not arrive within ``timeout``."""
+    sentinel = f"sentinel-{uuid.uuid4().hex}"
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("SELECT pg_notify(%s, %s)", (channel, sentinel))
+    for got, n in enumerate(listener.notifies(timeout=timeout)):
+        if n.channel == channel and n.payload == sentinel:
+            return got
+    raise AssertionError(f"the sentinel NOTIFY on {channel!r} did not come within {timeout} s")
 
 
 def push_holding_the_waiters_lock(dsn: str, schema: str, queue_id: int) -> psycopg.Connection[Any]:

@@ -124,7 +124,7 @@ def test_heartbeat_keeps_a_long_jobs_batch(lifecycle_env: dict[str, str], pg_dsn
     q.push_batch(sent)
     ok, out = dags_test(lifecycle_env, pg_dsn, dbq.schema, "dbqueue_test_spark_heartbeat")
     assert ok, out[-5000:]
-    # the job slept 18 s on a 6 s lease; the ack succeeded, so the lease was extended throughout
+    # the job slept 12 s on a 6 s lease; the ack succeeded, so the lease was extended throughout
     assert batch_rows(pg_dsn, dbq.schema) == [(1, 30, None)]
     st = q.stats()
     assert (st.ready, st.in_flight, st.finished) == (0, 0, 30)

@@ -19,7 +19,13 @@ from psycopg import sql
 
 from airflow_dbqueue.engine import DbQueue, MaintenanceConfig
 from airflow_dbqueue.engine.maintenance.recycler import recycle_partitions
-from tests.helpers import checksum, engine_sessions, held_horizon, push_holding_the_waiters_lock
+from tests.helpers import (
+    checksum,
+    engine_sessions,
+    held_horizon,
+    notified_so_far,
+    push_holding_the_waiters_lock,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -369,7 +375,7 @@ def test_auto_notify_asks_the_generation_pushes_write_in_each_of_the_eight(dbq: 
         def notified(payload: dict[str, int]) -> tuple[int, int]:
             [mid] = q.push_batch([payload])
             sent.append(payload)
-            return mid, sum(1 for _ in listener.notifies(timeout=0.3))
+            return mid, notified_so_far(listener, pg_dsn, channel)
 
         for g in range(9):
             if g:

@@ -20,14 +20,14 @@ from airflow_dbqueue.operators.spark import DbQueueSparkSubmitOperator, batch_ta
 JOB = str(Path(__file__).with_name("sleepy_job.py"))
 
 with DAG(dag_id="dbqueue_test_spark_heartbeat", schedule=None, catchup=False):
-    # The job outlives its 6 s lease three times over: only the heartbeat (every 2 s) keeps the batch
+    # The job outlives its 6 s lease twice over: only the heartbeat (every 2 s) keeps the batch
     # claimed. A beat may come late by up to 4 s before the lease runs out, which a busy 2-core
     # machine's scheduling of the task's threads stays well within.
     DbQueueSparkSubmitOperator(
         task_id="hold_batch",
         queue_name="jobs",
         application=JOB,
-        application_args=["18"],
+        application_args=["12"],
         max_messages=50,
         visibility_timeout=6,
     )
