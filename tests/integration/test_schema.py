@@ -644,7 +644,7 @@ def test_changed_functions_are_applied_while_pushes_and_pops_run(  # noqa: PLR09
     edited = re.sub(
         r"\n(\$\$|\$x\$ \$t\$)(;|$)", r"\n    -- edited while pushes and pops run\n\1\2", first[0]
     )
-    assert edited.count("-- edited") == 66
+    assert edited.count("-- edited") == 67
     editions = [first, (edited, digest(edited), first[2])]
     n_batches, size = 60, 25
     errors: list[BaseException] = []
@@ -714,7 +714,7 @@ def test_changed_functions_are_applied_while_pushes_and_pops_run(  # noqa: PLR09
             "WHERE n.nspname = %s AND p.proname !~ '^ring_g?[0-9]+_'",
             [schema],
         ).fetchall()
-    assert len(bodies) == 66
+    assert len(bodies) == 67
     assert all(("-- edited" in b) == (functions_applied(pg_dsn, schema) == editions[1][1]) for (b,) in bodies)
 
 
