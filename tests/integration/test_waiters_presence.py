@@ -124,11 +124,12 @@ def test_a_push_sends_no_notify_when_nobody_waits(default_dbq: DbQueue) -> None:
     q = default_dbq.create_queue("quiet")
     channel = default_dbq.db.channel(q.settings.queue_id)
     sent = [{"n": i} for i in range(6)]
-    with psycopg.connect(default_dbq.db.dsn, autocommit=True) as listener:
+    dsn = default_dbq.db.dsn
+    with psycopg.connect(dsn, autocommit=True) as listener:
         listener.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel)))
         q.push(sent[0])  # into an empty queue
         q.push_batch(sent[1:3])
-        assert notified_so_far(listener, dbq.db.dsn, channel) == 0, "a push notified though nobody waits"
+        assert notified_so_far(listener, dsn, channel) == 0, "a push notified though nobody waits"
         popped = [m.payload for m in q.pop(10)]
 
         popper = Popper(q)
@@ -141,7 +142,7 @@ def test_a_push_sends_no_notify_when_nobody_waits(default_dbq: DbQueue) -> None:
 
         _until(lambda: not _held(default_dbq, q), timeout=getattr(hub, "LINGER", 0) + 10)
         q.push_batch(sent[4:])
-        assert notified_so_far(listener, dbq.db.dsn, channel) == 0, "the waiter left, a push still notified"
+        assert notified_so_far(listener, dsn, channel) == 0, "the waiter left, a push still notified"
     popped += popper.got + [m.payload for m in q.pop(10)]
     assert len(popped) == len(sent)
     assert checksum(popped) == checksum(sent)
