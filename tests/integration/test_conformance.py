@@ -942,11 +942,14 @@ def _notifications(dbq: DbQueue, q: Queue, action: Callable[[], object], *, wait
     dsn = getattr(dbq.db, "listen_dsn", None) or dbq.db.dsn
     with psycopg.connect(dsn, autocommit=True) as c:
         c.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel)))
-        if waiting:
-            lock = dbq.db.waiters_lock(channel)  # type: ignore[attr-defined]
+        lock = dbq.db.waiters_lock(channel) if waiting else None  # type: ignore[attr-defined]
+        if lock:
             assert c.execute(lock[0], lock[2]).fetchone() == (True,)
         action()
-        return notified_so_far(c, dsn, channel)
+        got = notified_so_far(c, dsn, channel)
+        if lock:  # at once: a closed session's locks go only when its server process has ended
+            c.execute(lock[1], lock[2])
+        return got
 
 
 def test_auto_notify_only_when_the_queue_was_empty(make_queue: Callable[..., Queue], dbq: DbQueue) -> None:
