@@ -42,12 +42,16 @@ def soak(pg_dsn: str, *args: str) -> dict[str, Any]:
 def test_ring_soak_short_stays_within_its_bound(pg_dsn: str) -> None:
     """80 wraps of a ring by 2 producers and 2 consumers: every message once, and a bounded table.
 
-    Stated bound: the ring's heap ends within 2x of its size after the first thousand messages; a ring
-    whose updates left their pages for good grew without end (the issue measured ~190 MiB per million
-    messages before the ring was HOT). Measured here with this small ring, which wraps every 35 ms:
-    1.22-1.38x (three runs). Under concurrency some old slot versions cannot be pruned before the
-    slot's next update (a snapshot still sees them), so a few updates leave their page in the first
-    wraps; longer soaks (benchmarks/soak.py) stay flat after that (docs/benchmarks.md).
+    Stated bound: the ring's heap ends within 4x of its size after the first thousand messages, and
+    nine of ten updates are HOT; a ring whose updates left their pages for good grew without end (about
+    190 MiB per million messages in a soak before the ring was HOT: at that rate this run would end
+    near 7.6 MiB, some 17x its baseline).
+    Measured here with this small ring, which wraps every 35 ms: 1.0x in four runs on a quiet machine,
+    1.22-1.38x in three earlier ones, 2.13x once in a full test run on a loaded machine. Under
+    concurrency some old slot versions cannot be pruned before the slot's next update (a snapshot still
+    sees them, and on a loaded machine a snapshot's holder can wait long for a core), so some updates
+    leave their page in the first wraps; longer soaks (benchmarks/soak.py) stay flat after that
+    (docs/benchmarks.md).
     """
     r = soak(
         pg_dsn,
@@ -56,7 +60,7 @@ def test_ring_soak_short_stays_within_its_bound(pg_dsn: str) -> None:
     )
     base, last = r["baseline"], r["samples"][-1]
     assert base["messages"] >= 1000 and last["messages"] == 40000
-    assert last["heap_bytes"] <= 2 * base["heap_bytes"], (base, last)
+    assert last["heap_bytes"] <= 4 * base["heap_bytes"], (base, last)
     assert last["hot_ratio"] is not None and last["hot_ratio"] > 0.9, last
 
 
