@@ -62,8 +62,8 @@ RETURN (
 -- name: ring_ready
 -- The messages of a ring that a pop could take now or later, without taking them: those of the lanes
 -- past their positions (attempts 0), and those to deliver again (r_due: when they are due). A full scan
--- of the ring's slots: for observers (counts, stats; a peek reads only what it shows: ring_peek, and the
--- client of the release before this one's peek reads this), not for pops.
+-- of the ring's slots: for observers (counts, stats, and the peek of a client older than ring_peek's
+-- bounded reads, whose query reads this; a peek reads only what it shows: ring_peek), not for pops.
 -- Of one consumer group: @gid is the key of its lanes and retry rows (the ring's queue_id for its default
 -- group, a gid for another: ring_groups); the slots are the ring's (@queue_id).
 CREATE OR ALTER FUNCTION {schema}.ring_ready(@queue_id int, @gid int)

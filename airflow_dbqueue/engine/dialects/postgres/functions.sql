@@ -2201,8 +2201,8 @@ $$;
 
 -- The messages of a ring that a pop could take now or later, without taking them: those of the lanes
 -- past their positions (attempts 0), and those to deliver again (r_due: when they are due). For
--- observers (counts, stats; a peek reads ring_look, and the client of the release before this one's
--- peek reads this), not for pops. A lane's message is a number x of the lane with
+-- observers (counts, stats, and the peek of a client older than ring_look, whose query reads this; a
+-- peek reads ring_look), not for pops. A lane's message is a number x of the lane with
 -- pos <= x <= the push position, so it lies in the window of numbers from the group's lowest lane
 -- position (lo) to the push position (hi), whose slots are one range of the slots' key, or two where the
 -- window passes the end of the slots: only those slots are read (what the group has still to take, not
